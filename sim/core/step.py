@@ -1,0 +1,29 @@
+"""What one engine step asks of the hardware: the input of every executor's cost.
+
+Fields are plain numbers for one step, or equal-length float64 numpy arrays for a run of
+steps (the simulator's decode fast-forward); the cost model must broadcast over both and give
+bit-identical results either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ArrayLike = float | int | np.ndarray
+
+
+@dataclass
+class BatchShape:
+    num_seqs: ArrayLike = 0              # sequences in the batch (prefill chunks + decodes)
+    num_prefill_tokens: ArrayLike = 0    # new prompt tokens computed this step
+    num_decode_tokens: ArrayLike = 0     # one per decoding sequence
+    attn_pairs_prefill: ArrayLike = 0    # sum over prefill chunks of chunk * (context_before + (chunk + 1) / 2)
+    kv_tokens_read: ArrayLike = 0        # KV token-equivalents (fp16/bf16) read by attention, all seqs
+    bytes_moved: ArrayLike = 0           # bytes copied/moved by sparse copy / compaction
+    swap_bytes: ArrayLike = 0            # bytes over PCIe for swap preemption
+    block_table_entries: ArrayLike = 0   # block-table entries touched (grows x layers x heads in per_head)
+
+    @property
+    def num_tokens(self) -> ArrayLike:
+        return self.num_prefill_tokens + self.num_decode_tokens
