@@ -27,3 +27,31 @@ class BatchShape:
     @property
     def num_tokens(self) -> ArrayLike:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+
+def batch_shape(out, kv, kv_bytes_per_token: float = 0.0) -> BatchShape:
+    """The cost-relevant shape of one scheduled step (shared by every executor)."""
+    prefill_tokens = decode_tokens = 0
+    attn_pairs = 0.0
+    kv_read = 0
+    entries = 0
+    for s in out.scheduled:
+        n = s.num_new_tokens
+        if s.is_prefill:
+            prefill_tokens += n
+            attn_pairs += n * (s.context_before + (n + 1) / 2)
+        else:
+            decode_tokens += n
+        kv_read += s.context_before + n
+        entries += kv.block_table_entries(s.request)
+    swap_tokens = out.swap_out_tokens + out.swap_in_tokens
+    return BatchShape(
+        num_seqs=len(out.scheduled),
+        num_prefill_tokens=prefill_tokens,
+        num_decode_tokens=decode_tokens,
+        attn_pairs_prefill=attn_pairs,
+        kv_tokens_read=kv_read,
+        bytes_moved=getattr(out, "bytes_moved", 0),
+        swap_bytes=swap_tokens * kv_bytes_per_token,
+        block_table_entries=entries,
+    )

@@ -1,0 +1,97 @@
+"""Block pool with block identities, ref counts, a free queue and a prefix-cache index.
+
+Modelled on vLLM v1's `BlockPool`: a freed block keeps its hash and stays findable until the
+allocator needs it (lazy eviction). Freed hashed blocks go to the tail of the free queue (evicted
+last, LRU); freed unhashed blocks go to the head (reused first).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = False):
+        if num_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
+        self.block_hash: list[int | None] = [None] * num_blocks
+        # Free queue: head = next to allocate. OrderedDict gives O(1) pop/append/remove-from-middle.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}        # block hash -> block id
+        self.num_cache_evictions = 0
+        self.num_cached_free_blocks = 0         # free blocks still holding a reusable prefix
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        if n > len(self.free_queue):
+            raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
+        blocks = []
+        for _ in range(n):
+            block, _ = self.free_queue.popitem(last=False)
+            self._evict_cached(block)
+            self.ref_cnt[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def _evict_cached(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            self.num_cached_free_blocks -= 1
+            self.block_hash[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.num_cache_evictions += 1
+
+    def free_blocks(self, blocks) -> None:
+        """Drop one reference from each block, in the given order (callers pass tail blocks first)."""
+        for block in blocks:
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                self.free_queue[block] = None
+                if self.block_hash[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+                else:
+                    self.num_cached_free_blocks += 1
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks) -> None:
+        """Take a reference on cached blocks hit by a new request; revive them if free."""
+        for block in blocks:
+            if self.ref_cnt[block] == 0:
+                del self.free_queue[block]
+                self.num_cached_free_blocks -= 1
+            self.ref_cnt[block] += 1
+
+    def cache_block(self, block: int, block_hash: int) -> None:
+        if not self.enable_caching or self.block_hash[block] is not None:
+            return
+        if block_hash in self.cached:       # an identical block exists; keep the first one
+            return
+        self.block_hash[block] = block_hash
+        self.cached[block_hash] = block
+
+    def check_invariants(self) -> None:
+        free = np.zeros(self.num_blocks, dtype=bool)
+        free[list(self.free_queue)] = True
+        assert (self.ref_cnt >= 0).all(), "negative ref count"
+        both = np.flatnonzero(free & (self.ref_cnt > 0))
+        assert both.size == 0, f"blocks both free and owned: {both[:10].tolist()}"
+        lost = np.flatnonzero(~free & (self.ref_cnt == 0))
+        assert lost.size == 0, f"blocks neither free nor owned: {lost[:10].tolist()}"
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h, f"cache index points at block {b} with another hash"
+        cached_free = sum(1 for b in self.cached.values() if self.ref_cnt[b] == 0)
+        assert cached_free == self.num_cached_free_blocks, "cached-free block count drifted"

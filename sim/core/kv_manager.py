@@ -1,0 +1,144 @@
+"""KV cache manager for the shared (vLLM) layout: one block table per request.
+
+Owns which blocks each request holds and the prefix-cache hashing of full blocks. The scheduler
+talks to it only through `get_computed_blocks`, `allocate_slots`, `free`, `reclaim` and the
+read-only accessors, so other layouts and eviction-aware managers can stand in for it.
+"""
+from __future__ import annotations
+
+from .block_pool import BlockPool
+from .request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.req_blocks: dict[Request, list[int]] = {}
+        self.num_prefix_queries = 0      # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0         # of which served from it
+
+    # ----- read-only views -------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_of(self, req: Request) -> list[int]:
+        return self.req_blocks.get(req, [])
+
+    def kv_tokens(self, req: Request) -> int:
+        """Token-equivalents attention reads for this request (all computed tokens here)."""
+        return req.num_computed_tokens
+
+    def block_table_entries(self, req: Request) -> int:
+        return len(self.req_blocks.get(req, ()))
+
+    def slot_stats(self) -> tuple[int, int]:
+        """(live slots, slots in allocated blocks); shared prefix blocks count once."""
+        allocated = self.pool.num_used_blocks * self.block_size
+        empty = sum(len(b) * self.block_size - r.num_computed_tokens for r, b in self.req_blocks.items())
+        return allocated - empty, allocated
+
+    # The simulator may advance pure-decode runs in bulk when the manager's state is a pure
+    # function of token counts (no per-step eviction).
+    supports_fast_forward = True
+
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def max_tokens_per_request(self) -> int:
+        """Most tokens one request can ever hold resident (the whole pool, here)."""
+        return self.capacity_tokens()
+
+    # ----- prefix caching --------------------------------------------------------------------
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Cached blocks covering the longest hit prefix; the last prompt token is always recomputed."""
+        if not self.enable_caching:
+            return []
+        max_hit_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for j in range(max_hit_blocks):
+            block = self.pool.lookup(self._block_hash(req, j))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        self.num_prefix_queries += num_queried
+        self.num_prefix_hits += num_hit
+
+    def _block_hash(self, req: Request, j: int) -> int:
+        hashes = req.extra.setdefault("block_hashes", [])
+        while len(hashes) <= j:
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, self._block_key(req, len(hashes)))))
+        return hashes[j]
+
+    def _block_key(self, req: Request, j: int) -> tuple:
+        start, end = j * self.block_size, (j + 1) * self.block_size
+        ids, span = req.prefix_hash_ids, req.prefix_block_tokens
+        if ids is not None and span and end <= req.prompt_tokens and (end - 1) // span < len(ids):
+            return (tuple(ids[start // span:(end - 1) // span + 1]), start % span)
+        # No shared-prefix information: only the request itself can hit it (after a preemption).
+        return ("req", req.request_id, j)
+
+    # ----- allocation ------------------------------------------------------------------------
+    def blocks_needed(self, req: Request, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
+        total = req.num_computed_tokens + num_new_tokens
+        held = len(self.req_blocks.get(req, ())) + num_computed_blocks
+        return max(0, -(-total // self.block_size) - held)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Give `req` slots for `num_new_tokens` more tokens (after `computed_blocks` prefix hits).
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        computed_blocks = computed_blocks or []
+        need = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
+        revivable = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        if need > self.pool.num_free_blocks - revivable:
+            return False
+        blocks = self.req_blocks.setdefault(req, [])
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+        if need:
+            blocks.extend(self.pool.get_new_blocks(need))
+        if self.enable_caching:
+            full = (req.num_computed_tokens + num_new_tokens) // self.block_size
+            full = min(full, len(blocks))
+            for j in range(req.extra.get("num_cached_blocks", 0), full):
+                self.pool.cache_block(blocks[j], self._block_hash(req, j))
+            req.extra["num_cached_blocks"] = max(full, req.extra.get("num_cached_blocks", 0))
+        return True
+
+    def free(self, req: Request) -> int:
+        """Release all of a request's blocks (tail first, so its tail is evicted from the cache first)."""
+        blocks = self.req_blocks.pop(req, [])
+        self.pool.free_blocks(reversed(blocks))
+        req.extra.pop("num_cached_blocks", None)
+        return len(blocks)
+
+    def reclaim(self, num_blocks: int, running: list[Request]) -> int:
+        """Hook for compression-on-pressure managers: free up to `num_blocks`; none here."""
+        return 0
+
+    def check_invariants(self, live_requests) -> None:
+        self.pool.check_invariants()
+        counts = {}
+        for req, blocks in self.req_blocks.items():
+            assert len(blocks) * self.block_size >= req.num_computed_tokens, (
+                f"request {req.request_id} holds {len(blocks)} blocks for {req.num_computed_tokens} tokens")
+            for b in blocks:
+                counts[b] = counts.get(b, 0) + 1
+        for b, c in counts.items():
+            assert self.pool.ref_cnt[b] == c, f"block {b}: ref count {self.pool.ref_cnt[b]} != {c} owners"
+        owners = set(self.req_blocks)
+        assert owners <= set(live_requests), "blocks held by a request that is not live"

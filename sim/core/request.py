@@ -1,0 +1,55 @@
+"""A request as the engine core sees it (vLLM v1 semantics: prompt + outputs so far, computed count)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RequestStatus(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+    REJECTED = 3
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: int
+    arrival_time: float
+    prompt_tokens: int
+    max_output_tokens: int
+    priority: int = 0
+    # Prefix ids, one per `prefix_block_tokens` prompt tokens (Mooncake hash_ids), or None.
+    prefix_hash_ids: tuple[int, ...] | None = None
+    prefix_block_tokens: int | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    swapped_tokens: int = 0             # tokens held in CPU swap space while preempted (swap mode)
+    replica: int = 0
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    reject_reason: str | None = None
+    # Scratch for engine components (policies, executors) keyed by owner name.
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known so far: the prompt plus every output token sampled."""
+        return self.prompt_tokens + self.num_output_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
+
+    @property
+    def remaining_output(self) -> int:
+        return self.max_output_tokens - self.num_output_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED)

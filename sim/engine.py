@@ -1,0 +1,297 @@
+"""simpy engine: trace arrivals, a router, and replicas that loop schedule -> execute -> update.
+
+The executor decides how long a step takes: the simulator's executor asks the cost model, the
+real backend's executor runs it on tensors. Pure-decode stretches between events (an arrival, a
+request finishing, a block allocation that could fail) may be advanced in bulk ("fast-forward"),
+producing exactly the rows and request state that stepping one by one would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import simpy
+
+from .core.request import Request, RequestStatus
+from .core.scheduler import Scheduler, SchedulerOutput
+from .core.step import BatchShape
+from .metrics import StepLog
+
+
+@dataclass
+class StepResult:
+    duration_s: float
+    predicted_s: float = float("nan")
+    evicted_tokens: int = 0
+    blocks_freed_by_eviction: int = 0
+    bytes_moved: int = 0
+
+
+class Executor(Protocol):
+    def execute(self, out: SchedulerOutput) -> StepResult: ...
+
+
+class EngineReplica:
+    def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, executor: Executor,
+                 step_log: StepLog, *, fast_forward: bool = True, check_invariants: bool = False,
+                 next_arrival: Callable[[], float] = lambda: float("inf"),
+                 on_step: Callable[[int], None] | None = None, max_run_steps: int = 4096):
+        self.env = env
+        self.index = index
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.executor = executor
+        self.step_log = step_log
+        self.fast_forward = fast_forward and getattr(executor, "supports_fast_forward", False) \
+            and getattr(self.kv, "supports_fast_forward", False)
+        self.check = check_invariants
+        self.next_arrival = next_arrival
+        self.on_step = on_step
+        self.max_run_steps = max_run_steps
+        self.now = 0.0              # authoritative clock (simpy time tracks it)
+        self.num_steps = 0
+        self._wake: simpy.Event | None = None
+        self.process = env.process(self.run())
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def submit(self, req: Request) -> None:
+        req.replica = self.index
+        if self.scheduler.add_request(req) and self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _sleep_until(self, t: float):
+        return self.env.timeout(max(t - self.env.now, 0.0))
+
+    def run(self):
+        while True:
+            if not self.scheduler.has_work:
+                self._wake = self.env.event()
+                yield self._wake
+                self._wake = None
+                self.now = self.env.now
+                continue
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                raise RuntimeError(
+                    f"replica {self.index}: nothing schedulable with {len(self.scheduler.waiting)} waiting "
+                    f"and {len(self.scheduler.running)} running; the KV manager cannot make progress")
+            start = self.now
+            for s in out.scheduled:
+                if s.request.first_scheduled_time is None:
+                    s.request.first_scheduled_time = start
+            result = self.executor.execute(out)
+            self.now = start + result.duration_s
+            yield self._sleep_until(self.now)
+            finished = self.scheduler.update(out, self.now)
+            self._log_step(start, out, result, len(finished))
+            if self.fast_forward:
+                yield from self._decode_run()
+
+    # ----- logging ----------------------------------------------------------------------------
+    def _pool_row(self) -> dict:
+        live, allocated = self.kv.slot_stats()
+        pool = self.kv.pool
+        return {
+            "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
+            "blocks_cached": pool.num_cached_free_blocks,
+            "live_slots": live, "allocated_slots": allocated,
+            "fragmentation": 1.0 - live / allocated if allocated else 0.0,
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+        }
+
+    def _log_step(self, start: float, out: SchedulerOutput, result: StepResult, finished: int) -> None:
+        prefill = [s for s in out.scheduled if s.is_prefill]
+        prefill_tokens = sum(s.num_new_tokens for s in prefill)
+        row = {
+            "replica": self.index, "step": self.num_steps, "time_s": start,
+            "duration_s": result.duration_s, "predicted_s": result.predicted_s,
+            "batch_size": len(out.scheduled), "num_prefill_seqs": len(prefill),
+            "num_decode_seqs": len(out.scheduled) - len(prefill),
+            "prefill_tokens": prefill_tokens, "decode_tokens": out.num_tokens - prefill_tokens,
+            "kv_tokens_read": sum(s.context_before + s.num_new_tokens for s in out.scheduled),
+            "preemptions": len(out.preempted), "finished": finished,
+            "evicted_tokens": result.evicted_tokens,
+            "blocks_freed_by_eviction": result.blocks_freed_by_eviction,
+            "bytes_moved": result.bytes_moved,
+        }
+        row.update(self._pool_row())
+        self.step_log.append(row)
+        self.num_steps += 1
+        if self.check:
+            self.check_invariants()
+        if self.on_step:
+            self.on_step(1)
+
+    def check_invariants(self) -> None:
+        live = set(self.scheduler.running) | set(self.scheduler.waiting)
+        self.kv.check_invariants(live)
+        for r in self.scheduler.running:
+            assert 0 < r.num_computed_tokens <= r.num_tokens, f"request {r.request_id} token count broken"
+            assert r.num_output_tokens <= r.max_output_tokens
+        for r in self.scheduler.finished:
+            assert r.num_output_tokens == r.max_output_tokens, f"request {r.request_id} lost tokens"
+            assert r not in self.kv.req_blocks
+
+    # ----- decode fast-forward ----------------------------------------------------------------
+    def _decode_run(self):
+        sched = self.scheduler
+        running = sched.running
+        cfg = sched.config
+        if not running or len(running) > cfg.max_num_batched_tokens:
+            return
+        if len(sched.waiting) and len(running) < cfg.max_num_seqs:
+            return
+        for r in running:
+            if r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
+                return
+        b = len(running)
+        c = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=b)
+        k = min(min(r.remaining_output for r in running), self.max_run_steps)
+        bs = self.kv.block_size
+        steps = np.arange(1, k + 1, dtype=np.int64)
+        # blocks each request holds after step i (ceil((c + i) / bs)), and new ones needed per step
+        held = -(-(c[:, None] + steps[None, :]) // bs)
+        before = -(-(c[:, None] + steps[None, :] - 1) // bs)
+        new = held - before
+        cum_new = np.cumsum(new.sum(axis=0))
+        fits = cum_new <= self.kv.num_free_blocks
+        if not fits.all():
+            k = int(np.argmin(fits))
+        if k < 1:
+            return
+        kv_read = c.sum() + b * steps[:k]
+        shape = BatchShape(num_seqs=np.full(k, b, np.float64), num_prefill_tokens=np.zeros(k),
+                           num_decode_tokens=np.full(k, b, np.float64), attn_pairs_prefill=np.zeros(k),
+                           kv_tokens_read=kv_read.astype(np.float64), bytes_moved=np.zeros(k),
+                           swap_bytes=np.zeros(k), block_table_entries=held[:, :k].sum(axis=0).astype(np.float64))
+        durations = np.asarray(self.executor.predict_run(shape), dtype=np.float64)
+        ends = np.add.accumulate(np.concatenate(([self.now], durations)))[1:]
+        k = min(k, int(np.searchsorted(ends, self.next_arrival(), side="left")))
+        if k < 1:
+            return
+        durations, ends = durations[:k], ends[:k]
+        starts = np.concatenate(([self.now], ends[:-1]))
+        pool_rows = self._apply_decode_run(running, c, k, new[:, :k])
+        self.now = float(ends[-1])
+        yield self._sleep_until(self.now)
+        finished = self._finish_decode_run(running, c, k, ends)
+        cols = {
+            "replica": self.index, "step": np.arange(self.num_steps, self.num_steps + k),
+            "time_s": starts, "duration_s": durations, "predicted_s": durations,
+            "batch_size": b, "num_prefill_seqs": 0, "num_decode_seqs": b, "prefill_tokens": 0,
+            "decode_tokens": b, "kv_tokens_read": kv_read[:k], "preemptions": 0,
+            "finished": np.where(steps[:k] == k, finished, 0),
+        }
+        last = self._pool_row()
+        for name in pool_rows:
+            pool_rows[name][-1] = last[name]
+            cols[name] = pool_rows[name]
+        self.step_log.append_columns(cols, k)
+        self.num_steps += k
+        if self.check:
+            self.check_invariants()
+        if self.on_step:
+            self.on_step(k)
+
+    def _apply_decode_run(self, running: list[Request], c: np.ndarray, k: int, new: np.ndarray) -> dict:
+        """Replay the run's block allocations (and prefix-cache fills) in step order; pool rows per step."""
+        bs = self.kv.block_size
+        events = new.astype(bool)
+        if self.kv.enable_caching:
+            fills = ((c[:, None] + np.arange(1, k + 1)[None, :]) % bs) == 0
+            events |= fills
+        req_idx, step_idx = np.nonzero(events)
+        order = np.lexsort((req_idx, step_idx))
+        names = ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
+                 "fragmentation", "num_running", "num_waiting")
+        rows = {n: np.empty(k, dtype=np.float64) for n in names}
+        live0, _ = self.kv.slot_stats()
+        b = len(running)
+        i_done = 0
+        pool = self.kv.pool
+
+        def record(upto: int) -> None:
+            nonlocal i_done
+            for i in range(i_done, upto):
+                allocated = pool.num_used_blocks * bs
+                live = live0 + b * (i + 1)
+                rows["blocks_used"][i] = pool.num_used_blocks
+                rows["blocks_free"][i] = pool.num_free_blocks
+                rows["blocks_cached"][i] = pool.num_cached_free_blocks
+                rows["live_slots"][i] = live
+                rows["allocated_slots"][i] = allocated
+                rows["fragmentation"][i] = 1.0 - live / allocated if allocated else 0.0
+            i_done = upto
+
+        for j in order:
+            r, i = req_idx[j], step_idx[j]
+            record(i)
+            req = running[r]
+            req.num_computed_tokens = int(c[r] + i)
+            ok = self.kv.allocate_slots(req, 1)
+            assert ok, "fast-forward planned an allocation that failed"
+        record(k)
+        rows["num_running"][:] = len(running)
+        rows["num_waiting"][:] = len(self.scheduler.waiting)
+        return rows
+
+    def _finish_decode_run(self, running: list[Request], c: np.ndarray, k: int, ends: np.ndarray) -> int:
+        times = ends.tolist()
+        done = []
+        for r, req in enumerate(running):
+            req.num_computed_tokens = int(c[r]) + k
+            req.num_output_tokens += k
+            req.token_times.extend(times)
+            if req.num_output_tokens >= req.max_output_tokens:
+                done.append(req)
+        for req in done:
+            running.remove(req)
+            self.kv.free(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_time = self.now
+            self.scheduler.finished.append(req)
+        return len(done)
+
+
+class Router:
+    """Sends each arriving request to a replica: round_robin or least_outstanding."""
+
+    def __init__(self, replicas: list[EngineReplica], policy: str = "round_robin"):
+        if policy not in ("round_robin", "least_outstanding"):
+            raise ValueError(f"router must be round_robin or least_outstanding, got {policy!r}")
+        self.replicas = replicas
+        self.policy = policy
+        self._next = 0
+
+    def route(self, req: Request) -> EngineReplica:
+        if self.policy == "round_robin":
+            replica = self.replicas[self._next % len(self.replicas)]
+            self._next += 1
+            return replica
+        return min(self.replicas, key=lambda rep: (rep.outstanding, rep.index))
+
+
+class ArrivalProcess:
+    """Feeds trace requests (sorted by arrival) to the router at their arrival times."""
+
+    def __init__(self, env: simpy.Environment, requests: list[Request], router: Router):
+        self.env = env
+        self.requests = requests
+        self.router = router
+        self.index = 0
+        self.process = env.process(self.run())
+
+    def next_arrival(self) -> float:
+        return self.requests[self.index].arrival_time if self.index < len(self.requests) else float("inf")
+
+    def run(self):
+        while self.index < len(self.requests):
+            req = self.requests[self.index]
+            if req.arrival_time > self.env.now:
+                yield self.env.timeout(req.arrival_time - self.env.now)
+            self.index += 1
+            self.router.route(req).submit(req)

@@ -1,0 +1,214 @@
+"""Step log (one row per engine step, written incrementally), request table and summary metrics.
+
+The step-log schema is shared by the simulator and the real backend.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# name -> (arrow type, meaning)
+STEP_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
+    "replica": (pa.int32(), "engine replica index"),
+    "step": (pa.int64(), "step number within the replica, from 0"),
+    "time_s": (pa.float64(), "step start time"),
+    "duration_s": (pa.float64(), "step duration that advanced the clock (predicted in sim, measured in replay)"),
+    "predicted_s": (pa.float64(), "cost-model prediction for the step (NaN when no model)"),
+    "batch_size": (pa.int32(), "sequences in the step"),
+    "num_prefill_seqs": (pa.int32(), "sequences computing prompt (or recompute) tokens"),
+    "num_decode_seqs": (pa.int32(), "sequences computing one decode token"),
+    "prefill_tokens": (pa.int64(), "prompt tokens computed"),
+    "decode_tokens": (pa.int64(), "decode tokens computed"),
+    "kv_tokens_read": (pa.int64(), "KV token-equivalents read by attention"),
+    "blocks_used": (pa.int64(), "blocks owned by requests after the step"),
+    "blocks_free": (pa.int64(), "blocks in the free queue after the step"),
+    "blocks_cached": (pa.int64(), "free blocks still holding a reusable prefix"),
+    "live_slots": (pa.int64(), "slots holding a live token"),
+    "allocated_slots": (pa.int64(), "slots in allocated blocks"),
+    "fragmentation": (pa.float64(), "internal fragmentation: 1 - live / allocated slots"),
+    "num_running": (pa.int32(), "running requests after the step"),
+    "num_waiting": (pa.int32(), "waiting requests after the step"),
+    "preemptions": (pa.int32(), "requests preempted in this step"),
+    "finished": (pa.int32(), "requests finished in this step"),
+    "evicted_tokens": (pa.int64(), "tokens evicted by the KV policy in this step"),
+    "blocks_freed_by_eviction": (pa.int64(), "blocks returned to the pool by eviction/compaction"),
+    "bytes_moved": (pa.int64(), "bytes copied or moved by the slot strategy"),
+}
+STEP_SCHEMA = pa.schema([(name, t) for name, (t, _) in STEP_COLUMNS.items()])
+STEP_DEFAULTS = {"predicted_s": math.nan, "evicted_tokens": 0, "blocks_freed_by_eviction": 0,
+                 "bytes_moved": 0}
+
+
+class StepLog:
+    """Buffers step rows and appends them to a Parquet file in row groups (bounded memory)."""
+
+    def __init__(self, path: str | Path | None, flush_rows: int = 65536):
+        self.path = Path(path) if path else None
+        self.flush_rows = flush_rows
+        self._writer: pq.ParquetWriter | None = None
+        self._buf: dict[str, list] = {name: [] for name in STEP_COLUMNS}
+        self._chunks: list[pa.Table] = []      # kept only when there is no file
+        self._pending = 0
+        self.num_rows = 0
+
+    def append(self, row: dict) -> None:
+        for name, values in self._buf.items():
+            values.append(row[name] if name in row else STEP_DEFAULTS[name])
+        self._pending += 1
+        self.num_rows += 1
+        if self._pending >= self.flush_rows:
+            self.flush()
+
+    def append_columns(self, cols: dict, n: int) -> None:
+        """Append n rows given as columns (arrays or scalars broadcast to n)."""
+        self.flush()
+        arrays = []
+        for name, (typ, _) in STEP_COLUMNS.items():
+            v = cols.get(name, STEP_DEFAULTS.get(name))
+            arr = np.broadcast_to(np.asarray(v), (n,))
+            arrays.append(pa.array(arr, type=typ))
+        self._write(pa.Table.from_arrays(arrays, schema=STEP_SCHEMA))
+        self.num_rows += n
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        table = pa.Table.from_pydict(self._buf, schema=STEP_SCHEMA)
+        self._buf = {name: [] for name in STEP_COLUMNS}
+        self._pending = 0
+        self._write(table)
+
+    def _write(self, table: pa.Table) -> None:
+        if self.path is None:
+            self._chunks.append(table)
+            return
+        if self._writer is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._writer = pq.ParquetWriter(self.path, STEP_SCHEMA)
+        self._writer.write_table(table)
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        elif self.path is not None:
+            pq.write_table(STEP_SCHEMA.empty_table(), self.path)
+
+    def to_pandas(self) -> pd.DataFrame:
+        self.flush()
+        if self.path is not None:
+            self.close()
+            return pq.read_table(self.path).to_pandas()
+        if not self._chunks:
+            return STEP_SCHEMA.empty_table().to_pandas()
+        return pa.concat_tables(self._chunks).to_pandas()
+
+
+REQUEST_COLUMNS = {
+    "request_id": "trace request id",
+    "replica": "replica that served it",
+    "status": "finished | rejected | unfinished",
+    "reject_reason": "why a request that can never fit was rejected",
+    "arrival_s": "arrival time",
+    "first_scheduled_s": "first time it was scheduled",
+    "first_token_s": "time its first output token was produced",
+    "finish_s": "time its last output token was produced",
+    "queueing_s": "first_scheduled - arrival",
+    "ttft_s": "time to first token",
+    "tpot_s": "mean time per output token after the first",
+    "e2e_s": "finish - arrival",
+    "prompt_tokens": "prompt length",
+    "output_tokens": "output tokens produced",
+    "cached_tokens": "prompt tokens served from the prefix cache",
+    "preemptions": "times preempted",
+    "token_times_s": "time of every output token (inter-token latencies are its differences)",
+}
+
+
+def request_table(requests) -> pd.DataFrame:
+    rows = []
+    for r in requests:
+        times = r.token_times
+        first = times[0] if times else math.nan
+        last = times[-1] if times else math.nan
+        status = r.status.name.lower() if r.status.name in ("FINISHED", "REJECTED") else "unfinished"
+        rows.append({
+            "request_id": r.request_id, "replica": r.replica, "status": status,
+            "reject_reason": r.reject_reason,
+            "arrival_s": r.arrival_time,
+            "first_scheduled_s": math.nan if r.first_scheduled_time is None else r.first_scheduled_time,
+            "first_token_s": first, "finish_s": last if status == "finished" else math.nan,
+            "prompt_tokens": r.prompt_tokens, "output_tokens": r.num_output_tokens,
+            "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,
+            "token_times_s": list(times),
+        })
+    df = pd.DataFrame(rows, columns=[c for c in REQUEST_COLUMNS if c not in (
+        "queueing_s", "ttft_s", "tpot_s", "e2e_s")])
+    df["queueing_s"] = df["first_scheduled_s"] - df["arrival_s"]
+    df["ttft_s"] = df["first_token_s"] - df["arrival_s"]
+    n_out = df["output_tokens"].astype("float64")
+    df["tpot_s"] = np.where(n_out > 1, (df["finish_s"] - df["first_token_s"]) / (n_out - 1), math.nan)
+    df["e2e_s"] = df["finish_s"] - df["arrival_s"]
+    df = df[list(REQUEST_COLUMNS)].sort_values("request_id", kind="stable").reset_index(drop=True)
+    return df
+
+
+def _pct(values: pd.Series, q: float) -> float:
+    v = values.dropna().to_numpy()
+    return float(np.percentile(v, q)) if v.size else math.nan
+
+
+def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, num_blocks_total: int,
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+              prefix_queries: int = 0, prefix_hits: int = 0) -> dict:
+    done = requests[requests["status"] == "finished"]
+    start = float(requests["arrival_s"].min()) if len(requests) else 0.0
+    end = float(done["finish_s"].max()) if len(done) else start
+    span = max(end - start, 1e-12)
+    out_tokens = int(done["output_tokens"].sum())
+    in_tokens = int(done["prompt_tokens"].sum())
+    s: dict = {
+        "num_requests": int(len(requests)),
+        "num_finished": int(len(done)),
+        "num_rejected": int((requests["status"] == "rejected").sum()),
+        "num_unfinished": int((requests["status"] == "unfinished").sum()),
+        "makespan_s": end - start,
+        "throughput_req_s": len(done) / span,
+        "throughput_output_tok_s": out_tokens / span,
+        "throughput_total_tok_s": (out_tokens + in_tokens) / span,
+    }
+    for metric in ("ttft_s", "tpot_s", "e2e_s", "queueing_s"):
+        for q in (50, 90, 99):
+            s[f"{metric[:-2]}_p{q}_s"] = _pct(done[metric], q)
+        s[f"{metric[:-2]}_mean_s"] = float(done[metric].mean()) if len(done) else math.nan
+    itl = np.concatenate([np.diff(t) for t in done["token_times_s"] if len(t) > 1] or [np.array([])])
+    for q in (50, 90, 99):
+        s[f"itl_p{q}_s"] = float(np.percentile(itl, q)) if itl.size else math.nan
+    if slo_ttft_s is not None or slo_tpot_s is not None:
+        ok = np.ones(len(done), dtype=bool)
+        if slo_ttft_s is not None:
+            ok &= done["ttft_s"].to_numpy() <= slo_ttft_s
+        if slo_tpot_s is not None:
+            ok &= np.nan_to_num(done["tpot_s"].to_numpy(), nan=0.0) <= slo_tpot_s
+        s["slo_attainment"] = float(ok.sum() / max(len(requests), 1))
+        s["goodput_req_s"] = float(ok.sum() / span)
+    if len(steps):
+        dur = steps["duration_s"].to_numpy()
+        util = steps["blocks_used"].to_numpy() / num_blocks_total
+        s["num_steps"] = int(len(steps))
+        s["kv_util_mean"] = float(np.average(util, weights=dur)) if dur.sum() > 0 else float(util.mean())
+        s["kv_util_max"] = float(util.max())
+        frag = steps["fragmentation"].to_numpy()
+        s["fragmentation_mean"] = float(np.average(frag, weights=dur)) if dur.sum() > 0 else float(frag.mean())
+        s["fragmentation_p99"] = float(np.percentile(frag, 99))
+        s["batch_size_mean"] = float(steps["batch_size"].mean())
+        s["preemptions"] = int(steps["preemptions"].sum())
+    s["preemption_rate"] = float(requests["preemptions"].sum() / max(len(requests), 1))
+    s["prefix_hit_rate"] = prefix_hits / prefix_queries if prefix_queries else 0.0
+    return s
