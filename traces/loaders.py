@@ -1,0 +1,516 @@
+"""Trace loaders. ``load_trace`` detects the format from the file's content, not its name.
+
+Formats (``format=`` names):
+
+- ``azure``: Azure LLM inference 2023/2024 CSV ``TIMESTAMP,ContextTokens,GeneratedTokens``
+  (wall-clock timestamps, any ISO-8601 form incl. 7 fractional digits or a UTC offset).
+- ``mooncake``: Mooncake JSONL ``timestamp`` (ms), ``input_length``, ``output_length``,
+  ``hash_ids`` (one id per 512-token prefix block).
+- ``vidur``: Vidur/Splitwise processed CSV ``arrived_at,num_prefill_tokens,num_decode_tokens`` (s).
+- ``burstgpt``: BurstGPT CSV ``Timestamp,Session ID,Elapsed time,Model,Request tokens,
+  Response tokens,Total tokens,Log Type`` (options ``model=``, ``log_type=`` filter rows).
+- ``lengths``: length-only stats CSV ``num_prefill_tokens,num_decode_tokens,...`` (ShareGPT,
+  arXiv); arrivals come from ``rate=``/``cv=``/``seed=`` or, with no rate, all at t=0.
+- ``native-jsonl``, ``native-parquet``, ``native-csv``: kvsim's own format (see ``Trace.save``).
+
+Every loader except the native ones shifts time so the first request arrives at t=0. Output
+lengths of 0 (failed requests in BurstGPT) become 1 and are counted in ``num_output_clamped``.
+Unsorted arrivals are sorted stably, counted in ``num_reordered`` and reported with a
+``TraceWarning``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from traces.errors import TraceError, TraceWarning
+from traces.trace import NATIVE_METADATA_KEY, Trace
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+DATA_TRACES: dict[str, str] = {
+    "azure-conv-2023": "azure2023/AzureLLMInferenceTrace_conv.csv",
+    "azure-code-2023": "azure2023/AzureLLMInferenceTrace_code.csv",
+    "mooncake-conversation": "mooncake/conversation_trace.jsonl",
+    "mooncake-synthetic": "mooncake/synthetic_trace.jsonl",
+    "sharegpt": "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
+    "arxiv": "lengths/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+}
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+_CSV_SIGNATURES = (  # (format, any of these header columns identifies it), checked in order
+    ("native-csv", {"arrival_time_s", "prompt_tokens"}),
+    ("azure", {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}),
+    ("burstgpt", {"Request tokens", "Response tokens", "Log Type"}),
+    ("vidur", {"arrived_at"}),
+    ("lengths", {"num_prefill_tokens", "num_decode_tokens"}),
+)
+_KNOWN_FORMATS_HELP = (
+    "expected one of: Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens), Mooncake JSONL "
+    "(timestamp,input_length,output_length,hash_ids), Vidur CSV (arrived_at,num_prefill_tokens,"
+    "num_decode_tokens), BurstGPT CSV (Timestamp,...,Request tokens,Response tokens,...), length-only "
+    "CSV (num_prefill_tokens,num_decode_tokens), kvsim native JSONL/Parquet/CSV "
+    "(arrival_time_s,prompt_tokens,output_tokens)")
+FORMATS = ("azure", "mooncake", "vidur", "burstgpt", "lengths", "native-jsonl", "native-parquet", "native-csv")
+
+
+# ---- public entry points ----------------------------------------------------------------------
+def resolve_trace_path(source: str | os.PathLike) -> tuple[Path, str]:
+    """(path, short name) for a short name from DATA_TRACES or a file path."""
+    text = str(source)
+    if text in DATA_TRACES:
+        return DATA_DIR / DATA_TRACES[text], text
+    path = Path(source)
+    if not path.exists():
+        names = ", ".join(DATA_TRACES)
+        raise TraceError(path, None, f"no such file, and not a shipped trace name ({names})")
+    if path.is_dir():
+        raise TraceError(path, None, "is a directory, expected a trace file")
+    return path, path.stem
+
+
+def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: float | None = None,
+               cv: float | None = None, seed: int = 0, name: str | None = None, **options) -> Trace:
+    """Load a trace from a shipped short name or a file of any supported format.
+
+    ``rate`` (req/s), ``cv`` (inter-arrival coefficient of variation; 1 = Poisson, >1 = bursty
+    Gamma) and ``seed`` give arrivals to length-only files; without ``rate`` every request of a
+    length-only file arrives at t=0 (a closed batch). ``options`` go to the format's loader
+    (BurstGPT: ``model``, ``log_type``).
+    """
+    path, short_name = resolve_trace_path(source)
+    fmt = format or detect_format(path)
+    if fmt not in _LOADERS:
+        raise TraceError(path, None, f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if fmt != "lengths" and (rate is not None or cv is not None):
+        raise TraceError(path, None, f"rate/cv apply only to length-only traces, this is a {fmt} trace "
+                                     "with its own arrival times (use Trace.scale_rate to change its rate)")
+    if fmt == "lengths":
+        options.update(rate=rate, cv=cv, seed=seed)
+    try:
+        trace = _LOADERS[fmt](path, **options)
+    except UnicodeDecodeError as exc:
+        raise TraceError(path, None, f"not a text file ({exc.reason}); {_KNOWN_FORMATS_HELP}") from None
+    trace.name = name or trace.name or short_name
+    trace.source = str(path)
+    return trace
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """The format name of a trace file, decided from its first bytes / header line."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(65536)
+    if head.startswith(b"PAR1"):
+        return "native-parquet"
+    try:
+        text = head.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        text = head.decode("utf-8-sig", errors="replace")
+        if "\ufffd" in text[:-4]:  # a cut multi-byte character at the end is fine
+            raise TraceError(path, 1, f"not a text or Parquet file; {_KNOWN_FORMATS_HELP}") from None
+    lines = text.splitlines()
+    first = next(((i + 1, line.strip()) for i, line in enumerate(lines) if line.strip()), None)
+    if first is None:
+        raise TraceError(path, 1, f"empty file; {_KNOWN_FORMATS_HELP}")
+    line_no, line = first
+    if line.startswith("{"):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(path, line_no, f"invalid JSON ({exc.msg}); {_KNOWN_FORMATS_HELP}") from None
+        if NATIVE_METADATA_KEY in record or "arrival_time_s" in record:
+            return "native-jsonl"
+        if "input_length" in record or "timestamp" in record:
+            return "mooncake"
+        raise TraceError(path, line_no, f"JSON keys {sorted(record)} are not a known trace; {_KNOWN_FORMATS_HELP}")
+    header = {c.strip().strip('"') for c in line.split(",")}
+    for fmt, signature in _CSV_SIGNATURES:
+        if header & signature:
+            return fmt
+    raise TraceError(path, line_no, f"header {line[:200]!r} is not a known trace format; {_KNOWN_FORMATS_HELP}")
+
+
+# ---- value parsing with file positions ----------------------------------------------------------
+class _Rows:
+    """Maps row positions to file lines (text files) or row numbers (Parquet) for error messages."""
+
+    def __init__(self, path: Path, lines: np.ndarray | None, n: int):
+        self.path, self.lines, self.n = path, lines, n
+
+    def error(self, row: int, message: str) -> TraceError:
+        if self.lines is None:
+            return TraceError(self.path, None, f"row {row}: {message}")
+        return TraceError(self.path, int(self.lines[row]), message)
+
+    def line_of(self, row: int) -> str:
+        return f"row {row}" if self.lines is None else f"line {int(self.lines[row])}"
+
+
+def _describe(value) -> str:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return "nothing (missing value)"
+    if isinstance(value, float) and math.isnan(value):
+        return "nothing (missing value)"
+    return repr(value)
+
+
+def _numbers(raw) -> np.ndarray:
+    series = pd.Series(raw, dtype=object) if not isinstance(raw, pd.Series) else raw
+    is_bool = series.map(lambda v: isinstance(v, bool)).to_numpy(dtype=bool) if series.dtype == object \
+        else np.zeros(len(series), bool)
+    values = pd.to_numeric(series, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+    values[is_bool] = np.nan
+    return values
+
+
+def _integers(raw, rows: _Rows, field: str, minimum: int | None) -> np.ndarray:
+    values = _numbers(raw)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(values) | (values != np.round(values))
+        if minimum is not None:
+            bad |= values < minimum
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        expected = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise rows.error(row, f"{field}: expected {expected}, got {_describe(_at(raw, row))}")
+    return values.astype(np.int64)
+
+
+def _floats(raw, rows: _Rows, field: str, what: str) -> np.ndarray:
+    values = _numbers(raw)
+    bad = ~np.isfinite(values)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise rows.error(row, f"{field}: expected {what}, got {_describe(_at(raw, row))}")
+    return values
+
+
+def _at(raw, row: int):
+    return raw.iloc[row] if isinstance(raw, pd.Series) else raw[row]
+
+
+def _prefix_lists(raw: list, rows: _Rows, field: str, prompt: np.ndarray, block_tokens: int) -> list:
+    out = []
+    for row, ids in enumerate(raw):
+        if ids is None:
+            out.append(None)
+            continue
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        if not isinstance(ids, list) or not all(type(h) is int for h in ids):
+            raise rows.error(row, f"{field}: expected a list of integer block ids, got {_describe(ids)[:80]}")
+        max_blocks = -(-int(prompt[row]) // block_tokens)
+        if len(ids) > max_blocks:
+            raise rows.error(row, f"{field}: {len(ids)} block ids for a {prompt[row]}-token prompt; expected at "
+                                  f"most {max_blocks} (one per {block_tokens}-token block)")
+        out.append(ids)
+    return out
+
+
+# ---- building the trace ----------------------------------------------------------------------
+def _build(path: Path, rows: _Rows, *, arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray,
+           shift: bool = True, **columns_and_meta) -> Trace:
+    notices: list[str] = list(columns_and_meta.pop("notices", []))
+    known_notices = len(notices)
+    meta = {k: columns_and_meta.pop(k) for k in list(columns_and_meta)
+            if k in ("name", "prefix_block_tokens", "num_clipped", "num_output_clamped", "num_reordered")}
+    columns = columns_and_meta
+    n = len(prompt)
+    if n == 0:
+        raise TraceError(path, None, "no requests: the file has no data rows")
+
+    zero_output = output == 0
+    if zero_output.any():
+        output = np.where(zero_output, 1, output)
+        count = int(zero_output.sum())
+        meta["num_output_clamped"] = meta.get("num_output_clamped", 0) + count
+        notices.append(f"{count} requests have 0 output tokens (first at {rows.line_of(int(np.flatnonzero(zero_output)[0]))}); "
+                       "set to 1 because every request decodes at least one token")
+
+    if shift:
+        arrival = arrival - arrival.min()
+    late = arrival < np.maximum.accumulate(arrival)
+    order = np.arange(n)
+    if late.any():
+        count = int(late.sum())
+        order = np.argsort(arrival, kind="stable")
+        meta["num_reordered"] = meta.get("num_reordered", 0) + count
+        notices.append(f"arrivals are not sorted: {count} requests arrive before an earlier row (first at "
+                       f"{rows.line_of(int(np.flatnonzero(late)[0]))}); sorted by arrival time (stable)")
+
+    request_id = columns.pop("request_id", None)
+    if request_id is None:
+        request_id = np.arange(n, dtype=np.int64)
+    else:
+        duplicated = pd.Series(request_id).duplicated().to_numpy()
+        if duplicated.any():
+            row = int(np.flatnonzero(duplicated)[0])
+            raise rows.error(row, f"request_id: {request_id[row]} is used twice; expected unique ids")
+    data = {"request_id": request_id, "arrival_time_s": arrival, "prompt_tokens": prompt, "output_tokens": output}
+    data.update({k: v for k, v in columns.items() if v is not None})
+    df = pd.DataFrame({k: (list(v) if k == "prefix_hash_ids" else v) for k, v in data.items()})
+    df = df.iloc[order].reset_index(drop=True)
+    for notice in notices[known_notices:]:
+        warnings.warn(f"{path}: {notice}", TraceWarning, stacklevel=4)
+    return Trace(df, source=str(path), notices=notices, **meta)
+
+
+# ---- CSV formats -----------------------------------------------------------------------------
+def _read_csv(path: Path, required: tuple[str, ...], fmt: str) -> tuple[pd.DataFrame, _Rows]:
+    try:
+        df = pd.read_csv(path, dtype=str, keep_default_na=False, skip_blank_lines=False, encoding="utf-8-sig")
+    except pd.errors.EmptyDataError:
+        raise TraceError(path, 1, f"empty file; expected a {fmt} CSV header {','.join(required)}") from None
+    except pd.errors.ParserError as exc:
+        match = re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", str(exc))
+        if not match:
+            raise TraceError(path, None, f"malformed CSV: {exc}") from None
+        expected, line, saw = match.groups()
+        raise TraceError(path, int(line), f"malformed row: {saw} fields, expected {expected} as in the header") from None
+    df.columns = [str(c).strip() for c in df.columns]
+    missing = [c for c in required if c not in df.columns]
+    if missing:
+        raise TraceError(path, 1, f"missing column(s) {', '.join(missing)}; the header has {', '.join(df.columns)}; "
+                                  f"a {fmt} CSV needs {','.join(required)}")
+    lines = np.arange(len(df), dtype=np.int64) + 2
+    blank = (df == "").all(axis=1).to_numpy()
+    if blank.any():
+        df, lines = df[~blank].reset_index(drop=True), lines[~blank]
+    if df.empty:
+        raise TraceError(path, 2, f"no requests: the {fmt} CSV has a header but no data rows")
+    return df, _Rows(path, lines, len(df))
+
+
+def _timestamps_s(raw: pd.Series, rows: _Rows, field: str) -> np.ndarray:
+    parsed = pd.to_datetime(raw.str.strip(), format="ISO8601", utc=True, errors="coerce")
+    bad = parsed.isna().to_numpy()
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise rows.error(row, f"{field}: expected a timestamp like 2023-11-16 18:15:46.6805900, "
+                              f"got {_describe(raw.iloc[row])}")
+    return (parsed - parsed.min()).dt.total_seconds().to_numpy(dtype=np.float64)
+
+
+def load_azure(path: Path) -> Trace:
+    df, rows = _read_csv(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), "Azure")
+    return _build(path, rows, arrival=_timestamps_s(df["TIMESTAMP"], rows, "TIMESTAMP"),
+                  prompt=_integers(df["ContextTokens"], rows, "ContextTokens", 1),
+                  output=_integers(df["GeneratedTokens"], rows, "GeneratedTokens", 0))
+
+
+def load_vidur(path: Path) -> Trace:
+    df, rows = _read_csv(path, ("arrived_at", "num_prefill_tokens", "num_decode_tokens"), "Vidur")
+    return _build(path, rows, arrival=_floats(df["arrived_at"], rows, "arrived_at", "a time in seconds"),
+                  prompt=_integers(df["num_prefill_tokens"], rows, "num_prefill_tokens", 1),
+                  output=_integers(df["num_decode_tokens"], rows, "num_decode_tokens", 0))
+
+
+def load_burstgpt(path: Path, *, model: str | None = None, log_type: str | None = None) -> Trace:
+    required = ("Timestamp", "Model", "Request tokens", "Response tokens", "Log Type")
+    df, rows = _read_csv(path, required, "BurstGPT")
+    keep = np.ones(len(df), bool)
+    for column, wanted in (("Model", model), ("Log Type", log_type)):
+        if wanted is not None:
+            keep &= (df[column].str.strip() == wanted).to_numpy()
+            if not keep.any():
+                seen = sorted(set(df[column].str.strip()))
+                raise TraceError(path, None, f"no rows with {column} == {wanted!r}; the file has {seen}")
+    if not keep.all():
+        df, rows = df[keep].reset_index(drop=True), _Rows(path, rows.lines[keep], int(keep.sum()))
+    session = None
+    if "Session ID" in df.columns:
+        raw = df["Session ID"].str.strip()
+        present = (raw != "").to_numpy()
+        if present.any():
+            ids = _integers(raw[present].reset_index(drop=True), _Rows(path, rows.lines[present], 0), "Session ID", 0)
+            values = np.zeros(len(df), np.int64)
+            values[present] = ids
+            session = pd.array(values, dtype="Int64")
+            session[~present] = pd.NA
+    return _build(path, rows, arrival=_floats(df["Timestamp"], rows, "Timestamp", "a time in seconds"),
+                  prompt=_integers(df["Request tokens"], rows, "Request tokens", 1),
+                  output=_integers(df["Response tokens"], rows, "Response tokens", 0),
+                  session_id=session)
+
+
+def load_lengths(path: Path, *, rate: float | None = None, cv: float | None = None, seed: int = 0) -> Trace:
+    from traces.synthetic import arrivals  # synthetic imports this module
+
+    df, rows = _read_csv(path, ("num_prefill_tokens", "num_decode_tokens"), "length-only")
+    prompt = _integers(df["num_prefill_tokens"], rows, "num_prefill_tokens", 1)
+    output = _integers(df["num_decode_tokens"], rows, "num_decode_tokens", 0)
+    try:
+        times, how = arrivals(len(prompt), rate=rate, cv=cv, seed=seed)
+    except TraceError as exc:
+        raise TraceError(path, None, exc.reason) from None
+    trace = _build(path, rows, arrival=times, prompt=prompt, output=output)
+    trace.notices.append(f"arrivals synthesized: {how}")
+    return trace
+
+
+# ---- JSON lines formats ----------------------------------------------------------------------
+def _read_jsonl(path: Path) -> tuple[list[dict], np.ndarray, dict | None]:
+    records, lines, metadata = [], [], None
+    with open(path, encoding="utf-8-sig") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(path, line_no, f"invalid JSON ({exc.msg} at column {exc.colno}); "
+                                                "expected one JSON object per line") from None
+            if not isinstance(record, dict):
+                raise TraceError(path, line_no, f"expected a JSON object, got {type(record).__name__}")
+            if NATIVE_METADATA_KEY in record and not records and metadata is None:
+                metadata = record[NATIVE_METADATA_KEY]
+                continue
+            records.append(record)
+            lines.append(line_no)
+    if not records:
+        raise TraceError(path, 1, "no requests: the file has no JSON request lines")
+    return records, np.asarray(lines, dtype=np.int64), metadata
+
+
+def _field(records: list[dict], rows: _Rows, key: str, required: bool = True) -> list:
+    values = [r.get(key) for r in records]
+    if required:
+        for row, r in enumerate(records):
+            if key not in r:
+                raise rows.error(row, f"missing key {key!r}; the object has {sorted(r)}")
+    return values
+
+
+def load_mooncake(path: Path) -> Trace:
+    records, lines, _ = _read_jsonl(path)
+    rows = _Rows(path, lines, len(records))
+    prompt = _integers(_field(records, rows, "input_length"), rows, "input_length", 1)
+    output = _integers(_field(records, rows, "output_length"), rows, "output_length", 0)
+    arrival_ms = _floats(_field(records, rows, "timestamp"), rows, "timestamp", "milliseconds from the trace start")
+    hash_ids = _field(records, rows, "hash_ids", required=False)
+    has_prefix = any(h is not None for h in hash_ids)
+    prefix = _prefix_lists(hash_ids, rows, "hash_ids", prompt, MOONCAKE_BLOCK_TOKENS) if has_prefix else None
+    return _build(path, rows, arrival=arrival_ms / 1000.0, prompt=prompt, output=output, prefix_hash_ids=prefix,
+                  prefix_block_tokens=MOONCAKE_BLOCK_TOKENS if has_prefix else None)
+
+
+def _native_meta(path: Path, metadata: dict | None, has_prefix: bool) -> dict:
+    metadata = metadata or {}
+    if not isinstance(metadata, dict):
+        raise TraceError(path, 1, f"{NATIVE_METADATA_KEY}: expected an object, got {_describe(metadata)}")
+    block = metadata.get("prefix_block_tokens")
+    if has_prefix and not (isinstance(block, int) and block >= 1):
+        raise TraceError(path, 1, f"prefix_hash_ids are given but {NATIVE_METADATA_KEY}.prefix_block_tokens is "
+                                  f"{_describe(block)}; expected the number of tokens each id stands for")
+    meta = {"name": metadata.get("name") or "", "prefix_block_tokens": block if has_prefix else None,
+            "notices": list(metadata.get("notices") or [])}
+    for key in ("num_clipped", "num_output_clamped", "num_reordered"):
+        meta[key] = int(metadata.get(key) or 0)
+    return meta
+
+
+def _native_columns(path: Path, rows: _Rows, get) -> dict:
+    """Validated canonical columns; ``get(name)`` returns the raw values or None when absent."""
+    prompt = _integers(get("prompt_tokens"), rows, "prompt_tokens", 1)
+    columns = {
+        "arrival": _floats(get("arrival_time_s"), rows, "arrival_time_s", "a time in seconds"),
+        "prompt": prompt,
+        "output": _integers(get("output_tokens"), rows, "output_tokens", 0),
+    }
+    for key, minimum in (("request_id", 0), ("priority", None)):
+        raw = get(key)
+        if raw is not None:
+            columns[key] = _integers(raw, rows, key, minimum)
+    if get("session_id") is not None:
+        columns["session_id"] = list(get("session_id"))
+    return columns
+
+
+def load_native_jsonl(path: Path) -> Trace:
+    records, lines, metadata = _read_jsonl(path)
+    rows = _Rows(path, lines, len(records))
+    for key in ("arrival_time_s", "prompt_tokens", "output_tokens"):
+        _field(records, rows, key)
+
+    def get(key):
+        values = [r.get(key, 0) if key == "priority" else r.get(key) for r in records]
+        if key in ("arrival_time_s", "prompt_tokens", "output_tokens"):
+            return values
+        return values if any(key in r for r in records) else None
+
+    columns = _native_columns(path, rows, get)
+    prefix_raw = get("prefix_hash_ids")
+    meta = _native_meta(path, metadata, prefix_raw is not None)
+    if prefix_raw is not None:
+        columns["prefix_hash_ids"] = _prefix_lists(prefix_raw, rows, "prefix_hash_ids", columns["prompt"],
+                                                   meta["prefix_block_tokens"])
+    return _build(path, rows, shift=False, **columns, **meta)
+
+
+def load_native_csv(path: Path) -> Trace:
+    df, rows = _read_csv(path, ("arrival_time_s", "prompt_tokens", "output_tokens"), "kvsim native")
+    if "prefix_hash_ids" in df.columns:
+        raise TraceError(path, 1, "prefix_hash_ids cannot be stored in CSV; use the .jsonl or .parquet native format")
+
+    def get(key):
+        if key not in df.columns:
+            return None
+        if key == "session_id":
+            raw = df[key].str.strip()
+            return [None if v == "" else (int(v) if re.fullmatch(r"-?\d+", v) else v) for v in raw]
+        return df[key]
+
+    columns = _native_columns(path, rows, get)
+    return _build(path, rows, shift=False, **columns)
+
+
+def load_native_parquet(path: Path) -> Trace:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise TraceError(path, None, f"unreadable Parquet file: {exc}") from None
+    required = ("arrival_time_s", "prompt_tokens", "output_tokens")
+    missing = [c for c in required if c not in table.column_names]
+    if missing:
+        raise TraceError(path, None, f"missing column(s) {', '.join(missing)}; the file has {', '.join(table.column_names)}")
+    if table.num_rows == 0:
+        raise TraceError(path, None, "no requests: the Parquet file has no rows")
+    raw_meta = (table.schema.metadata or {}).get(NATIVE_METADATA_KEY.encode())
+    metadata = json.loads(raw_meta) if raw_meta else None
+    rows = _Rows(path, None, table.num_rows)
+
+    def get(key):
+        return table.column(key).to_pylist() if key in table.column_names else None
+
+    columns = _native_columns(path, rows, get)
+    prefix_raw = get("prefix_hash_ids")
+    if prefix_raw is not None and all(v is None for v in prefix_raw):
+        prefix_raw = None
+    meta = _native_meta(path, metadata, prefix_raw is not None)
+    if prefix_raw is not None:
+        columns["prefix_hash_ids"] = _prefix_lists(prefix_raw, rows, "prefix_hash_ids", columns["prompt"],
+                                                   meta["prefix_block_tokens"])
+    return _build(path, rows, shift=False, **columns, **meta)
+
+
+_LOADERS = {
+    "azure": load_azure,
+    "mooncake": load_mooncake,
+    "vidur": load_vidur,
+    "burstgpt": load_burstgpt,
+    "lengths": load_lengths,
+    "native-jsonl": load_native_jsonl,
+    "native-csv": load_native_csv,
+    "native-parquet": load_native_parquet,
+}

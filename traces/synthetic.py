@@ -1,0 +1,190 @@
+"""Seeded synthetic workloads: arrival processes, length distributions, closed batches.
+
+Every function takes a ``seed`` (int) and returns the same result for the same arguments on any
+machine (numpy's PCG64 via ``np.random.default_rng``). ``synthesize`` draws arrivals, prompt
+lengths and output lengths from three independent child streams of the seed, so changing the
+output distribution does not change the arrivals or prompts.
+
+Length specs (strings, as on the command line, or objects):
+
+- ``fixed:L``                 every request has L tokens
+- ``uniform:LO,HI``           integers uniform in [LO, HI]
+- ``lognormal:MEAN,CV``       lognormal with that mean and coefficient of variation, rounded, >= 1
+  (append ``,MAX`` to cap it, e.g. ``lognormal:1000,1.2,8192``)
+- ``resample:NAME_OR_PATH``   (``lengths=``) prompt and output drawn together, with replacement,
+  from the rows of a trace (e.g. ``sharegpt``), keeping their correlation
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from traces.errors import TraceError
+from traces.trace import Trace
+
+
+def _positive(name: str, value: float) -> float:
+    if value is None or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise TraceError(None, None, f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _count(n: int) -> int:
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+        raise TraceError(None, None, f"number of requests must be an integer >= 1, got {n!r}")
+    return int(n)
+
+
+# ---- arrival processes -------------------------------------------------------------------------
+def poisson_arrivals(n: int, rate: float, seed: int | np.random.SeedSequence = 0) -> np.ndarray:
+    """``n`` arrival times (s) of a Poisson process of ``rate`` req/s; the first arrives at t=0."""
+    return gamma_arrivals(n, rate, cv=1.0, seed=seed)
+
+
+def gamma_arrivals(n: int, rate: float, cv: float, seed: int | np.random.SeedSequence = 0) -> np.ndarray:
+    """``n`` arrival times (s) with Gamma inter-arrival gaps of mean ``1/rate`` and coefficient of
+    variation ``cv`` (cv=1 is Poisson; cv>1 is burstier); the first request arrives at t=0."""
+    n, rate, cv = _count(n), _positive("rate", rate), _positive("cv", cv)
+    rng = np.random.default_rng(seed)
+    if cv == 1.0:
+        gaps = rng.exponential(1.0 / rate, size=n - 1)
+    else:
+        shape = 1.0 / cv**2
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def arrivals(n: int, *, rate: float | None, cv: float | None = None,
+             seed: int | np.random.SeedSequence = 0) -> tuple[np.ndarray, str]:
+    """Arrival times and a description: Poisson (cv None or 1), Gamma (cv), or all at 0 (rate None)."""
+    if rate is None:
+        if cv is not None:
+            raise TraceError(None, None, "cv needs a rate: give rate= (req/s) to draw bursty arrivals")
+        return np.zeros(_count(n)), "closed batch, every request arrives at t=0 (no rate given)"
+    if cv is None or cv == 1.0:
+        return poisson_arrivals(n, rate, seed), f"Poisson, {rate:g} req/s, seed {_seed_text(seed)}"
+    return gamma_arrivals(n, rate, cv, seed), f"Gamma, {rate:g} req/s, inter-arrival CV {cv:g}, seed {_seed_text(seed)}"
+
+
+def _seed_text(seed) -> str:
+    return str(seed.entropy) if isinstance(seed, np.random.SeedSequence) else str(seed)
+
+
+# ---- length distributions ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fixed:
+    tokens: int
+
+    def __post_init__(self):
+        if self.tokens < 1:
+            raise TraceError(None, None, f"fixed length must be >= 1, got {self.tokens}")
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return np.full(n, self.tokens, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Uniform:
+    low: int
+    high: int
+
+    def __post_init__(self):
+        if not 1 <= self.low <= self.high:
+            raise TraceError(None, None, f"uniform lengths need 1 <= low <= high, got {self.low},{self.high}")
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        return rng.integers(self.low, self.high, size=n, endpoint=True, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    mean: float
+    cv: float
+    max_tokens: int | None = None
+
+    def __post_init__(self):
+        _positive("lognormal mean", self.mean)
+        _positive("lognormal cv", self.cv)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise TraceError(None, None, f"lognormal max must be >= 1, got {self.max_tokens}")
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        sigma2 = math.log1p(self.cv**2)
+        mu = math.log(self.mean) - sigma2 / 2
+        values = np.maximum(np.rint(rng.lognormal(mu, math.sqrt(sigma2), size=n)), 1).astype(np.int64)
+        return values if self.max_tokens is None else np.minimum(values, self.max_tokens)
+
+
+LengthDist = Fixed | Uniform | LogNormal
+
+
+def parse_length_spec(spec: str | int | LengthDist) -> LengthDist:
+    """``fixed:L`` | ``uniform:LO,HI`` | ``lognormal:MEAN,CV[,MAX]`` (a bare integer means fixed)."""
+    if isinstance(spec, (Fixed, Uniform, LogNormal)):
+        return spec
+    if isinstance(spec, (int, np.integer)):
+        return Fixed(int(spec))
+    kind, _, args = str(spec).strip().partition(":")
+    try:
+        if kind.isdigit() and not args:
+            return Fixed(int(kind))
+        values = [a.strip() for a in args.split(",")] if args else []
+        if kind == "fixed" and len(values) == 1:
+            return Fixed(int(values[0]))
+        if kind == "uniform" and len(values) == 2:
+            return Uniform(int(values[0]), int(values[1]))
+        if kind == "lognormal" and len(values) in (2, 3):
+            return LogNormal(float(values[0]), float(values[1]), int(values[2]) if len(values) == 3 else None)
+    except ValueError:
+        pass
+    raise TraceError(None, None, f"length spec {spec!r}: expected fixed:L, uniform:LO,HI or lognormal:MEAN,CV[,MAX]")
+
+
+# ---- workloads -------------------------------------------------------------------------------
+def closed_batch(n: int, prompt_tokens: int, output_tokens: int, *, name: str | None = None) -> Trace:
+    """The closed "batch" workload: ``n`` requests of ``prompt_tokens`` prompt and ``output_tokens``
+    output tokens, all arriving at t=0."""
+    n = _count(n)
+    for label, value in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
+        if value < 1:
+            raise TraceError(None, None, f"closed_batch: {label} must be >= 1, got {value}")
+    return Trace.from_columns(arrival_time_s=np.zeros(n), prompt_tokens=np.full(n, prompt_tokens),
+                              output_tokens=np.full(n, output_tokens),
+                              name=name or f"batch-{n}x{prompt_tokens}+{output_tokens}", source="synthetic")
+
+
+def synthesize(n: int, *, rate: float | None = None, cv: float | None = None,
+               prompt: str | int | LengthDist = "lognormal:1024,1.0",
+               output: str | int | LengthDist = "lognormal:256,1.0",
+               lengths: str | None = None, seed: int = 0, name: str | None = None) -> Trace:
+    """A seeded synthetic trace of ``n`` requests.
+
+    Arrivals: Poisson at ``rate`` req/s, Gamma with inter-arrival ``cv`` when ``cv`` != 1, or all
+    at t=0 when ``rate`` is None. Lengths: ``prompt``/``output`` specs, or ``lengths`` = a trace
+    name or path whose (prompt, output) pairs are resampled with replacement.
+    """
+    n = _count(n)
+    arrival_seed, prompt_seed, output_seed = np.random.SeedSequence(seed).spawn(3)
+    times, how = arrivals(n, rate=rate, cv=cv, seed=arrival_seed)
+    if lengths is not None:
+        prompt_values, output_values = _resample(lengths, n, np.random.default_rng(prompt_seed))
+        length_text = f"(prompt, output) resampled from {lengths}"
+    else:
+        prompt_dist, output_dist = parse_length_spec(prompt), parse_length_spec(output)
+        prompt_values = prompt_dist.draw(n, np.random.default_rng(prompt_seed))
+        output_values = output_dist.draw(n, np.random.default_rng(output_seed))
+        length_text = f"prompt {prompt_dist}, output {output_dist}"
+    trace = Trace.from_columns(arrival_time_s=times, prompt_tokens=prompt_values, output_tokens=output_values,
+                               name=name or f"synthetic-seed{seed}", source="synthetic")
+    trace.notices.append(f"synthetic: {n} requests, arrivals {how}; {length_text}")
+    return trace
+
+
+def _resample(source: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    from traces.loaders import load_trace
+
+    pool = load_trace(source).df
+    rows = rng.integers(0, len(pool), size=n)
+    return pool["prompt_tokens"].to_numpy()[rows], pool["output_tokens"].to_numpy()[rows]
