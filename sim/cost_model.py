@@ -1,0 +1,278 @@
+"""Roofline step-time model: seconds for one engine step from its `BatchShape`.
+
+Functional form (what `calibrate` fits). `features(shape)` returns these raw components, each
+computed per GPU (tensor parallel degree `tp`) at the hardware's PEAK rates, before any
+efficiency factor:
+
+  linear_compute_prefill  2 * linear_params * num_prefill_tokens / tp / peak_w
+  linear_compute_decode   (2 * linear_params * num_decode_tokens / peak_w
+                           + 2 * hidden * vocab * num_seqs / peak_e) / tp      (LM head: last token
+                           of every scheduled sequence, as vLLM computes logits for each request)
+  linear_memory           [num_tokens > 0] * (weight_bytes_read / tp + activation bytes) / mem_bw
+  attn_compute            4 * layers * heads * head_dim * (attn_pairs_prefill + kv_tokens_read)
+                          / tp / peak_a       (a decode query pairs with each KV token it reads; a
+                          prefill chunk's own kv_tokens_read adds ~1/chunk of its pairs: negligible)
+  attn_memory             kv_tokens_read * kv_bytes_per_token_per_gpu / mem_bw
+  copy                    2 * bytes_moved * kv_split / mem_bw          (read + write)
+  swap                    swap_bytes * kv_split / pcie_bw
+  allreduce_bw            2 * layers * 2 * (tp - 1) / tp * num_tokens * hidden * act_bytes / link_bw
+  allreduce_count         [tp > 1] * [num_tokens > 0] * 2 * layers   (two all-reduces per layer)
+  step                    1
+  seqs                    num_seqs
+  block_entries           block_table_entries
+
+with peak_w the matmul peak of the weight dtype on this GPU (fp8 weights use fp8 tensor cores where
+the GPU has them, else run weight-only at 16-bit), peak_e that of the LM-head dtype, peak_a that
+of the activation dtype, kv_split = KV heads held per GPU / KV heads (1/tp, or 1/kv_heads when KV
+heads are replicated because kv_heads < tp). `kv_tokens_read` counts token-equivalents at the
+cost model's KV dtype (a mixed-precision tier counts as its bytes / full-precision bytes).
+
+`predict(shape)` combines them with the profile's factors (p.*):
+
+  time = max(linear_compute_prefill / p.mfu_prefill + linear_compute_decode / p.mfu_decode,
+             linear_memory / p.mem_bw_eff)
+       + max(attn_compute / p.attn_compute_eff, attn_memory / p.attn_bw_eff)
+       + copy / p.copy_bw_eff + swap / p.pcie_eff + allreduce_bw / p.allreduce_bw_eff
+       + allreduce_count * p.allreduce_latency_s
+       + step * p.step_overhead_s + seqs * p.per_seq_overhead_s
+       + block_entries * p.per_block_entry_overhead_s
+
+Every term is linear in one inverse efficiency (1/eff) or one overhead, except the two max()
+rooflines. A least-squares fitter alternates: with the current factors pick the active branch of
+each max per step (`active_branches`), which makes time linear in the unknowns (one column per
+feature in `FEATURE_NAMES`, merged per `FACTOR_OF_FEATURE`), solve non-negative least squares,
+repeat until the branches stop changing.
+
+Scalars and equal-length float64 arrays (a run of steps) go through the same numpy float64
+operations in the same order, so the two paths agree bit for bit.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sim.catalog import (
+    DATA_DIR, DTYPE_BYTES, CatalogError, GPUSpec, ModelSpec, format_validation_error, get_gpu, get_model,
+    normalize_dtype, yaml_load_with_lines,
+)
+from sim.core.step import BatchShape
+
+PROFILES_DIR = DATA_DIR / "profiles"
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "linear_compute_prefill", "linear_compute_decode", "linear_memory", "attn_compute", "attn_memory",
+    "copy", "swap", "allreduce_bw", "allreduce_count", "step", "seqs", "block_entries",
+)
+# feature -> (profile field, how it enters): "div" = feature / factor, "mul" = feature * factor
+FACTOR_OF_FEATURE: dict[str, tuple[str, str]] = {
+    "linear_compute_prefill": ("mfu_prefill", "div"),
+    "linear_compute_decode": ("mfu_decode", "div"),
+    "linear_memory": ("mem_bw_eff", "div"),
+    "attn_compute": ("attn_compute_eff", "div"),
+    "attn_memory": ("attn_bw_eff", "div"),
+    "copy": ("copy_bw_eff", "div"),
+    "swap": ("pcie_eff", "div"),
+    "allreduce_bw": ("allreduce_bw_eff", "div"),
+    "allreduce_count": ("allreduce_latency_s", "mul"),
+    "step": ("step_overhead_s", "mul"),
+    "seqs": ("per_seq_overhead_s", "mul"),
+    "block_entries": ("per_block_entry_overhead_s", "mul"),
+}
+
+
+class ProfileError(ValueError):
+    """Unknown or invalid hardware profile."""
+
+
+_Efficiency = Field(gt=0, le=1)
+_Overhead = Field(ge=0)
+
+
+class HardwareProfile(BaseModel):
+    """Efficiency factors (fraction of peak, in (0, 1]) and overheads (seconds, >= 0)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "custom"
+    description: str = ""
+    mfu_prefill: float = _Efficiency
+    mfu_decode: float = _Efficiency
+    mem_bw_eff: float = _Efficiency
+    attn_compute_eff: float = _Efficiency
+    attn_bw_eff: float = _Efficiency
+    copy_bw_eff: float = _Efficiency
+    pcie_eff: float = _Efficiency
+    allreduce_bw_eff: float = _Efficiency
+    allreduce_latency_s: float = _Overhead
+    step_overhead_s: float = _Overhead
+    per_seq_overhead_s: float = _Overhead
+    per_block_entry_overhead_s: float = _Overhead
+    meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
+
+    def to_yaml(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(yaml.safe_dump(self.model_dump(), sort_keys=False))
+        return path
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str | Path | HardwareProfile = "default") -> HardwareProfile:
+    """A shipped profile by name (`default`, `cpu-2core`, ...) or a YAML file path."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    text = str(name_or_path)
+    if text.endswith((".yaml", ".yml")) or Path(text).is_file():
+        path = Path(text)
+    else:
+        path = PROFILES_DIR / f"{text.strip().lower()}.yaml"
+        if not path.is_file():
+            raise ProfileError(f"unknown hardware profile {text!r}; shipped profiles: "
+                               f"{', '.join(list_profiles())}, or pass a path to a YAML file")
+    try:
+        data, lines = yaml_load_with_lines(path)
+    except CatalogError as exc:
+        raise ProfileError(str(exc)) from exc
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: expected a mapping of profile fields")
+    try:
+        return HardwareProfile.model_validate(data)
+    except ValidationError as exc:
+        raise ProfileError(f"invalid hardware profile {path}:\n"
+                           + format_validation_error(exc, str(path), lines)) from exc
+
+
+def kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
+    """vLLM's split: KV heads divided across TP ranks, replicated when there are fewer than ranks."""
+    check_tp(model, tp)
+    return max(1, model.num_kv_heads // tp)
+
+
+def check_tp(model: ModelSpec, tp: int) -> None:
+    if not isinstance(tp, (int, np.integer)) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    if model.num_heads % tp:
+        raise ValueError(f"{model.name}: tp={tp} must divide num_heads={model.num_heads}")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        raise ValueError(f"{model.name}: tp={tp} and num_kv_heads={model.num_kv_heads} must divide one another")
+
+
+def _f64(x: Any) -> np.float64 | np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64, copy=False)
+    return np.float64(x)
+
+
+class CostModel:
+    """Step time of `model` on `gpu` x `tp` under `profile` (see module docstring for the form)."""
+
+    def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, profile: HardwareProfile | str = "default",
+                 tp: int = 1, *, kv_dtype: str | None = None, weight_dtype: str | None = None):
+        model = get_model(model)
+        if weight_dtype or kv_dtype:
+            model = model.with_dtypes(weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+        self.model, self.gpu, self.tp = model, get_gpu(gpu), tp
+        self.profile = load_profile(profile)
+        self.kv_heads_per_gpu = kv_heads_per_gpu(model, tp)
+        self.kv_split = self.kv_heads_per_gpu / model.num_kv_heads
+        self.kv_bytes_per_token = model.kv_bytes_per_token()
+        self.kv_bytes_per_token_per_gpu = self.kv_bytes_per_token * self.kv_split
+        self._set_coefficients()
+
+    def _set_coefficients(self) -> None:
+        m, g, tp = self.model, self.gpu, self.tp
+        act_bytes = DTYPE_BYTES[m.activation_dtype]
+        peak_w = g.peak_flops(m.weight_dtype)
+        peak_e = g.peak_flops(m.embedding_dtype_resolved)
+        peak_a = g.peak_flops(m.activation_dtype)
+        # Activation traffic per token and layer: each linear reads its input and writes its
+        # output, attention reads q/k/v and writes o, SwiGLU reads gate/up and writes its product,
+        # norms and residual adds (~8 hidden-sized passes, replicated across TP ranks).
+        split_elems = (2 * (m.q_size + 2 * m.kv_size) + 2 * m.q_size + 4 * m.intermediate_size
+                       + 2 * m.intermediate_size)
+        act_per_token = m.num_layers * act_bytes * (8 * m.hidden_size + split_elems / tp)
+        c = {
+            "prefill_flops_s": m.linear_flops_per_token / tp / peak_w,
+            "decode_flops_s": m.linear_flops_per_token / tp / peak_w,
+            "lm_head_s": m.lm_head_flops_per_seq / tp / peak_e,
+            "weights_s": m.weight_bytes_read_per_step / tp / g.mem_bw,
+            "act_token_s": act_per_token / g.mem_bw,
+            "logits_seq_s": 4 * m.vocab_size / tp / g.mem_bw,
+            "attn_pair_s": m.attention_flops_per_pair() / tp / peak_a,
+            "kv_token_s": self.kv_bytes_per_token_per_gpu / g.mem_bw,
+            "copy_byte_s": 2 * self.kv_split / g.mem_bw,
+            "swap_byte_s": self.kv_split / g.pcie_bw,
+            "allreduce_token_s": (2 * m.num_layers * 2 * (tp - 1) / tp * m.hidden_size * act_bytes / g.link_bw),
+            "allreduce_count": float(2 * m.num_layers if tp > 1 else 0),
+        }
+        self._c = {k: np.float64(v) for k, v in c.items()}
+
+    # ---- model ---------------------------------------------------------------------------
+    def features(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
+        """Raw time components (seconds at peak, or counts for overhead terms), per FEATURE_NAMES."""
+        c = self._c
+        num_seqs = _f64(shape.num_seqs)
+        prefill = _f64(shape.num_prefill_tokens)
+        decode = _f64(shape.num_decode_tokens)
+        tokens = prefill + decode
+        kv_read = _f64(shape.kv_tokens_read)
+        ran = (tokens > 0).astype(np.float64) if isinstance(tokens, np.ndarray) else np.float64(tokens > 0)
+        zero = tokens * np.float64(0.0)
+        return {
+            "linear_compute_prefill": prefill * c["prefill_flops_s"],
+            "linear_compute_decode": decode * c["decode_flops_s"] + num_seqs * c["lm_head_s"],
+            "linear_memory": ran * c["weights_s"] + tokens * c["act_token_s"] + num_seqs * c["logits_seq_s"],
+            "attn_compute": (_f64(shape.attn_pairs_prefill) + kv_read) * c["attn_pair_s"],
+            "attn_memory": kv_read * c["kv_token_s"],
+            "copy": _f64(shape.bytes_moved) * c["copy_byte_s"],
+            "swap": _f64(shape.swap_bytes) * c["swap_byte_s"],
+            "allreduce_bw": tokens * c["allreduce_token_s"],
+            "allreduce_count": ran * c["allreduce_count"],
+            "step": zero + np.float64(1.0),
+            "seqs": num_seqs + zero,
+            "block_entries": _f64(shape.block_table_entries) + zero,
+        }
+
+    def breakdown(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
+        """Seconds per part after the profile's factors; `total` equals `predict(shape)`."""
+        f, p = self.features(shape), self.profile
+        linear = np.maximum(f["linear_compute_prefill"] / p.mfu_prefill + f["linear_compute_decode"] / p.mfu_decode,
+                            f["linear_memory"] / p.mem_bw_eff)
+        attention = np.maximum(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
+        copy = f["copy"] / p.copy_bw_eff
+        swap = f["swap"] / p.pcie_eff
+        allreduce = f["allreduce_bw"] / p.allreduce_bw_eff + f["allreduce_count"] * p.allreduce_latency_s
+        overhead = (f["step"] * p.step_overhead_s + f["seqs"] * p.per_seq_overhead_s
+                    + f["block_entries"] * p.per_block_entry_overhead_s)
+        total = linear + attention + copy + swap + allreduce + overhead
+        return {"linear": linear, "attention": attention, "copy": copy, "swap": swap,
+                "allreduce": allreduce, "overhead": overhead, "total": total}
+
+    def predict(self, shape: BatchShape) -> float | np.ndarray:
+        """Seconds for the step (float), or for each step of a run (float64 array)."""
+        total = self.breakdown(shape)["total"]
+        return float(total) if np.ndim(total) == 0 else total
+
+    def active_branches(self, shape: BatchShape) -> dict[str, np.ndarray | np.bool_]:
+        """Which side of each roofline max() is active (True = compute side) under the profile."""
+        f, p = self.features(shape), self.profile
+        return {
+            "linear_compute_bound": (f["linear_compute_prefill"] / p.mfu_prefill
+                                     + f["linear_compute_decode"] / p.mfu_decode) >= f["linear_memory"] / p.mem_bw_eff,
+            "attn_compute_bound": f["attn_compute"] / p.attn_compute_eff >= f["attn_memory"] / p.attn_bw_eff,
+        }
+
+    def feature_matrix(self, shape: BatchShape) -> np.ndarray:
+        """Features as columns in FEATURE_NAMES order: shape (steps, len(FEATURE_NAMES))."""
+        f = self.features(shape)
+        return np.column_stack([np.atleast_1d(f[name]) for name in FEATURE_NAMES])
+
+    def __repr__(self) -> str:
+        return (f"CostModel({self.model.name}, {self.gpu.name}, tp={self.tp}, profile={self.profile.name}, "
+                f"weights={self.model.weight_dtype}, kv={normalize_dtype(self.model.kv_dtype)})")
