@@ -4,6 +4,13 @@ import typer
 app = typer.Typer(help="kvsim: paged KV-cache serving simulator and real backend", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 
+from traces.cli import app as trace_app  # noqa: E402
+app.add_typer(trace_app, name="trace")
+
+from sim.commands import simulate  # noqa: E402
+
+app.command()(simulate)
+
 
 def main() -> None:
     app()

@@ -168,8 +168,7 @@ def _numbers(raw) -> np.ndarray:
     is_bool = series.map(lambda v: isinstance(v, bool)).to_numpy(dtype=bool) if series.dtype == object \
         else np.zeros(len(series), bool)
     values = pd.to_numeric(series, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-    values[is_bool] = np.nan
-    return values
+    return np.where(is_bool, np.nan, values)
 
 
 def _integers(raw, rows: _Rows, field: str, minimum: int | None) -> np.ndarray:

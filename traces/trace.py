@@ -141,7 +141,7 @@ class Trace:
         df["output_tokens"] = new_output
         if self.prefix_block_tokens is not None:
             max_blocks = -(-new_prompt // self.prefix_block_tokens)
-            ids = df["prefix_hash_ids"].to_numpy()
+            ids = list(df["prefix_hash_ids"])
             for row in np.flatnonzero(changed):
                 if ids[row] is not None and len(ids[row]) > max_blocks[row]:
                     ids[row] = ids[row][: max_blocks[row]]

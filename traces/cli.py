@@ -1,0 +1,169 @@
+"""``kvsim trace``: statistics, synthesis and conversion of request traces."""
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from traces.errors import TraceError, TraceWarning
+from traces.loaders import DATA_TRACES, load_trace
+from traces.stats import trace_stats
+from traces.synthetic import synthesize
+from traces.trace import Trace
+
+app = typer.Typer(help="Inspect, synthesize and convert request traces. Shipped traces: "
+                       + ", ".join(DATA_TRACES), no_args_is_help=True)
+
+RATE_HELP = "Arrival rate (req/s) for length-only traces (ShareGPT, arXiv); without it they arrive at t=0."
+CV_HELP = "Inter-arrival coefficient of variation with --rate: 1 = Poisson, >1 = bursty Gamma."
+
+
+def _console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr, width=None if Console().is_terminal else 160, highlight=False)
+
+
+def _exits_cleanly(command):
+    """Bad input ends with 'error: path:line: reason' on stderr and exit status 2, not a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TraceWarning)  # notices are printed from trace.notices
+            try:
+                return command(*args, **kwargs)
+            except (TraceError, OSError) as exc:
+                _console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
+                raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def _print_notices(trace: Trace, console: Console) -> None:
+    for notice in trace.notices:
+        console.print(f"note ({trace.name}): {notice}", markup=False, soft_wrap=True)
+
+
+def _fmt(value, kind: str = "num") -> str:
+    if value is None:
+        return "-"
+    if kind == "int":
+        return f"{value:,}"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "tokens":
+        return f"{value:,.0f}"
+    return f"{value:,.2f}"
+
+
+STAT_ROWS = [
+    ("requests", "requests", "int"),
+    ("span (s)", "span_s", "num"),
+    ("mean rate (req/s)", "mean_rate_rps", "num"),
+    ("inter-arrival CV", "interarrival_cv", "num"),
+    *[(f"{label} {q}", f"{label}_{q}", "tokens") for label in ("prompt", "output")
+      for q in ("mean", "p50", "p90", "p99", "max")],
+    ("prefix blocks", "prefix_blocks", "int"),
+    ("prefix block tokens", "prefix_block_tokens", "int"),
+    ("prefix blocks seen before", "prefix_repeat_share", "pct"),
+    ("sessions", "sessions", "int"),
+    ("clipped", "num_clipped", "int"),
+    ("output 0 -> 1", "num_output_clamped", "int"),
+    ("reordered", "num_reordered", "int"),
+]
+
+
+@app.command()
+@_exits_cleanly
+def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped short names."),
+          rate: Optional[float] = typer.Option(None, help=RATE_HELP),
+          cv: Optional[float] = typer.Option(None, help=CV_HELP),
+          seed: int = typer.Option(0, help="Seed for synthesized arrivals."),
+          as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON instead of a table.")):
+    """Count, time span, mean rate, inter-arrival CV, prompt/output length percentiles and prefix reuse."""
+    traces = [load_trace(f, rate=rate, cv=cv, seed=seed) if _is_length_only(f) else load_trace(f) for f in files]
+    figures = [trace_stats(t) for t in traces]
+    console = _console()
+    if as_json:
+        console.print_json(json.dumps(figures))
+        return
+    table = Table(title="trace statistics")
+    table.add_column("")
+    for t in traces:
+        table.add_column(t.name, justify="right", no_wrap=True)
+    for label, key, kind in STAT_ROWS:
+        if all(f[key] is None for f in figures) and key.startswith(("prefix", "sessions")):
+            continue
+        table.add_row(label, *(_fmt(f[key], kind) for f in figures))
+    console.print(table)
+    for t in traces:
+        _print_notices(t, console)
+
+
+def _is_length_only(source: str) -> bool:
+    from traces.loaders import detect_format, resolve_trace_path
+
+    return detect_format(resolve_trace_path(source)[0]) == "lengths"
+
+
+@app.command()
+@_exits_cleanly
+def synth(out: Path = typer.Argument(..., help="Output file: .parquet or .jsonl (kvsim native format)."),
+          requests: int = typer.Option(1000, "--requests", "-n", help="Number of requests."),
+          rate: Optional[float] = typer.Option(None, help="Arrival rate (req/s); omit for a closed batch at t=0."),
+          cv: Optional[float] = typer.Option(None, help=CV_HELP),
+          prompt: str = typer.Option("lognormal:1024,1.0", help="Prompt length: fixed:L | uniform:LO,HI | lognormal:MEAN,CV[,MAX]."),
+          output: str = typer.Option("lognormal:256,1.0", help="Output length spec, as --prompt."),
+          lengths: Optional[str] = typer.Option(None, help="Resample (prompt, output) pairs from this trace "
+                                                           "(short name or file) instead of --prompt/--output."),
+          seed: int = typer.Option(0, help="Random seed; same seed and options give the same trace."),
+          name: Optional[str] = typer.Option(None, help="Trace name stored in the file.")):
+    """Write a seeded synthetic trace (Poisson/Gamma arrivals or a closed batch)."""
+    trace = synthesize(requests, rate=rate, cv=cv, prompt=prompt, output=output, lengths=lengths, seed=seed,
+                       name=name or Path(out).stem)
+    trace.save(out)
+    _console().print(f"wrote {len(trace)} requests to {out}", markup=False, soft_wrap=True)
+    _print_notices(trace, _console())
+
+
+@app.command()
+@_exits_cleanly
+def convert(source: str = typer.Argument(..., help="Input trace file (any supported format) or shipped short name."),
+            out: Path = typer.Argument(..., help="Output file: .parquet or .jsonl (kvsim native format)."),
+            rate: Optional[float] = typer.Option(None, help=RATE_HELP),
+            cv: Optional[float] = typer.Option(None, help=CV_HELP),
+            seed: int = typer.Option(0, help="Seed for synthesized arrivals and --sample."),
+            start: Optional[float] = typer.Option(None, help="Keep requests arriving at or after this time (s); "
+                                                             "times are shifted so it becomes 0."),
+            end: Optional[float] = typer.Option(None, help="Keep requests arriving before this time (s)."),
+            scale_rate: Optional[float] = typer.Option(None, help="Multiply the arrival rate (2 = twice as fast)."),
+            head: Optional[int] = typer.Option(None, help="Keep the first N requests."),
+            sample: Optional[int] = typer.Option(None, help="Keep N requests drawn at random (seeded)."),
+            max_model_len: Optional[int] = typer.Option(None, help="Clip prompt+output to this many tokens."),
+            name: Optional[str] = typer.Option(None, help="Trace name stored in the file.")):
+    """Convert a trace to kvsim's native format, optionally windowing, rescaling, sampling and clipping.
+
+    Transforms apply in this order: window, scale-rate, head, sample, clip."""
+    trace = load_trace(source, rate=rate, cv=cv, seed=seed) if _is_length_only(source) else load_trace(source)
+    if start is not None or end is not None:
+        trace = trace.window(start or 0.0, float("inf") if end is None else end)
+    if scale_rate is not None:
+        trace = trace.scale_rate(scale_rate)
+    if head is not None:
+        trace = trace.head(head)
+    if sample is not None:
+        trace = trace.sample(sample, seed=seed)
+    if max_model_len is not None:
+        trace = trace.clip(max_model_len)
+    if name:
+        trace.name = name
+    if len(trace) == 0:
+        raise TraceError(source, None, "no requests left after the transforms; nothing written")
+    trace.save(out)
+    _console().print(f"wrote {len(trace)} requests to {out}", markup=False, soft_wrap=True)
+    _print_notices(trace, _console())
