@@ -1,0 +1,147 @@
+import pytest
+
+from sim.catalog import CatalogError, get_gpu, get_model, list_gpus, list_models
+
+# Parameter totals as published on each model's Hugging Face page (safetensors metadata).
+PUBLISHED_PARAMS = {
+    "Llama-2-7B": 6_738_415_616,
+    "Llama-3.1-8B": 8_030_261_248,
+    "Llama-3.1-70B": 70_553_706_496,
+    "Mistral-7B-v0.2": 7_241_732_096,
+    "Qwen2.5-7B": 7_615_616_512,
+    "Qwen2.5-32B": 32_763_876_352,
+    "SmolLM2-135M": 134_515_008,
+}
+
+
+def test_llama31_8b_matches_config_json():
+    m = get_model("Llama-3.1-8B")
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == (32, 4096, 32, 8, 128)
+    assert (m.intermediate_size, m.vocab_size, m.tied_embeddings, m.max_position) == (14336, 128256, False, 131072)
+    assert m.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2 == 131072
+
+
+def test_smollm2_matches_the_backend_gguf():
+    m = get_model("SmolLM2-135M")
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == (30, 576, 9, 3, 64)
+    assert (m.intermediate_size, m.vocab_size, m.tied_embeddings) == (1536, 49152, True)
+
+
+@pytest.mark.parametrize("name,params", PUBLISHED_PARAMS.items())
+def test_parameter_count_matches_published_total(name, params):
+    assert get_model(name).param_count == params
+
+
+def test_qwen_has_qkv_bias_and_it_counts():
+    qwen = get_model("qwen2.5-7b")
+    assert qwen.qkv_bias
+    no_bias = qwen.model_copy(update={"qkv_bias": False})
+    assert qwen.param_count - no_bias.param_count == qwen.num_layers * (qwen.q_size + 2 * qwen.kv_size)
+
+
+def test_fp8_weights_halve_linear_weight_bytes_but_keep_bf16_embeddings():
+    bf16, fp8 = get_model("llama-3.1-70b"), get_model("llama-3.1-70b-fp8")
+    assert fp8.param_count == bf16.param_count
+    emb = 2 * fp8.embedding_params * 2                       # embedding + untied LM head, bf16
+    small = (fp8.num_layers * fp8.small_params_per_layer + fp8.hidden_size) * 2
+    assert fp8.weight_bytes == fp8.linear_params * 1 + emb + small
+    assert bf16.weight_bytes == bf16.linear_params * 2 + emb + small
+    assert bf16.weight_bytes - fp8.weight_bytes == bf16.linear_params   # exactly half of the linears
+    assert 0.5 < fp8.weight_bytes / bf16.weight_bytes < 0.52
+
+
+def test_kv_dtype_override_halves_kv_bytes():
+    m = get_model("llama-3.1-8b")
+    assert m.kv_bytes_per_token("fp8") == m.kv_bytes_per_token() / 2
+    assert m.with_dtypes(kv_dtype="fp8_e4m3").kv_bytes_per_token() == 65536
+
+
+def test_flops_per_token():
+    m = get_model("llama-3.1-8b")
+    assert m.linear_flops_per_token == 2 * 32 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336)
+    assert m.lm_head_flops_per_seq == 2 * 4096 * 128256
+
+
+@pytest.mark.parametrize("alias,name", [
+    ("h100", "H100-SXM"), ("H100", "H100-SXM"), ("a100", "A100-80GB"), ("A100_40GB", "A100-40GB"),
+    ("nvidia-l4", "L4"), ("cpu", "cpu-2core"),
+])
+def test_gpu_aliases(alias, name):
+    assert get_gpu(alias).name == name
+
+
+@pytest.mark.parametrize("alias,name", [
+    ("llama-3.1-8b", "Llama-3.1-8B"), ("LLAMA_3.1_8B", "Llama-3.1-8B"),
+    ("meta-llama/Llama-3.1-8B-Instruct", "Llama-3.1-8B"), ("mistral-7b", "Mistral-7B-v0.2"),
+    ("llama-3.1-70b-fp8", "Llama-3.1-70B-FP8"), ("smollm2", "SmolLM2-135M"), ("Qwen/Qwen2.5-32B", "Qwen2.5-32B"),
+])
+def test_model_aliases(alias, name):
+    assert get_model(alias).name == name
+
+
+def test_every_alias_resolves_to_its_own_entry():
+    for spec in list_models():
+        for alias in (spec.name, *spec.aliases):
+            assert get_model(alias) is spec
+    for spec in list_gpus():
+        for alias in (spec.name, *spec.aliases):
+            assert get_gpu(alias) is spec
+
+
+def test_unknown_names_list_the_known_ones():
+    with pytest.raises(CatalogError, match="known gpus: T4, L4, L40, .*H200, cpu-2core"):
+        get_gpu("b200")
+    with pytest.raises(CatalogError, match="unknown model 'gpt-5'.*Llama-3.1-8B"):
+        get_model("gpt-5")
+
+
+def test_gpu_specs_and_dtype_fallbacks():
+    h100, a100, t4 = get_gpu("h100"), get_gpu("a100"), get_gpu("t4")
+    assert h100.peak_flops("bf16") == pytest.approx(989.4e12)
+    assert h100.peak_flops("fp8") == pytest.approx(2 * 989.4e12, rel=1e-3)
+    assert h100.mem_bw == 3.35e12 and h100.link_bw == 450e9
+    assert a100.compute_dtype("fp8") == "bf16"        # Ampere runs FP8 checkpoints weight-only
+    assert t4.compute_dtype("bf16") == "fp16"         # Turing has no bf16
+    assert t4.link_bw == t4.pcie_bw                    # no NVLink: collectives go over PCIe
+    assert get_gpu("h200").memory_gib > h100.memory_gib
+
+
+def test_user_model_file(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text("name: Tiny\nnum_layers: 2\nhidden_size: 64\nnum_heads: 4\nnum_kv_heads: 2\nhead_dim: 16\n"
+                    "intermediate_size: 128\nvocab_size: 1000\ntied_embeddings: true\nmax_position: 512\n"
+                    "weight_dtype: bfloat16\nkv_dtype: bf16\n")
+    tiny = get_model(str(path))
+    assert tiny.name == "Tiny" and tiny.weight_dtype == "bf16"
+    assert tiny.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 2
+
+
+def test_user_file_errors_name_file_line_and_field(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("gpus:\n  - name: X1\n    memory_gib: -3\n    memory_bw_gbps: 100\n    tflops: {bf16: 10}\n"
+                    "    pcie_gbps: 16\n    usd_per_hour: 1\n    colour: red\n")
+    with pytest.raises(CatalogError) as err:
+        get_gpu(path)
+    text = str(err.value)
+    assert f"{path}:3: field 'memory_gib': Input should be greater than 0" in text
+    assert f"{path}:8: field 'colour': unknown field" in text
+
+
+def test_multi_entry_file_needs_a_name(tmp_path):
+    path = tmp_path / "two.yaml"
+    entry = "  - name: {n}\n    memory_gib: 8\n    memory_bw_gbps: 100\n    tflops: {{fp16: 10}}\n" \
+            "    pcie_gbps: 16\n    usd_per_hour: 1\n"
+    path.write_text("gpus:\n" + entry.format(n="A") + entry.format(n="B"))
+    with pytest.raises(CatalogError, match="holds 2 gpus .*#NAME"):
+        get_gpu(str(path))
+    assert get_gpu(f"{path}#b").name == "B"
+
+
+def test_bad_dtype_and_head_counts_rejected(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("name: M\nnum_layers: 2\nhidden_size: 64\nnum_heads: 6\nnum_kv_heads: 4\nhead_dim: 16\n"
+                    "intermediate_size: 128\nvocab_size: 1000\ntied_embeddings: true\nmax_position: 512\n"
+                    "weight_dtype: fp7\nkv_dtype: bf16\n")
+    with pytest.raises(CatalogError) as err:
+        get_model(path)
+    assert "field 'weight_dtype'" in str(err.value) and ":11:" in str(err.value)
