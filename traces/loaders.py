@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from traces.errors import TraceError, TraceWarning
-from traces.trace import NATIVE_METADATA_KEY, Trace
+from traces.trace import NATIVE_METADATA_KEY, Trace, _session_column
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -256,7 +256,10 @@ def _build(path: Path, rows: _Rows, *, arrival: np.ndarray, prompt: np.ndarray, 
             raise rows.error(row, f"request_id: {request_id[row]} is used twice; expected unique ids")
     data = {"request_id": request_id, "arrival_time_s": arrival, "prompt_tokens": prompt, "output_tokens": output}
     data.update({k: v for k, v in columns.items() if v is not None})
-    df = pd.DataFrame({k: (list(v) if k == "prefix_hash_ids" else v) for k, v in data.items()})
+    if "session_id" in data and not isinstance(data["session_id"], pd.api.extensions.ExtensionArray):
+        data["session_id"] = _session_column(pd.Series(list(data["session_id"]), dtype=object))
+    df = pd.DataFrame({k: (pd.Series(list(v), dtype=object) if k == "prefix_hash_ids" else v)
+                       for k, v in data.items()})
     df = df.iloc[order].reset_index(drop=True)
     for notice in notices[known_notices:]:
         warnings.warn(f"{path}: {notice}", TraceWarning, stacklevel=4)
