@@ -45,47 +45,55 @@ STEP_DEFAULTS = {"predicted_s": math.nan, "evicted_tokens": 0, "blocks_freed_by_
 
 
 class StepLog:
-    """Buffers step rows and appends them to a Parquet file in row groups (bounded memory)."""
+    """Buffers step rows and appends them to a Parquet file in large row groups (bounded memory)."""
 
     def __init__(self, path: str | Path | None, flush_rows: int = 65536):
         self.path = Path(path) if path else None
         self.flush_rows = flush_rows
         self._writer: pq.ParquetWriter | None = None
-        self._buf: dict[str, list] = {name: [] for name in STEP_COLUMNS}
-        self._chunks: list[pa.Table] = []      # kept only when there is no file
+        self._rows: dict[str, list] = {name: [] for name in STEP_COLUMNS}
+        self._num_row_buf = 0
+        self._chunks: list[dict[str, np.ndarray]] = []   # columnar pieces not yet written
         self._pending = 0
+        self._tables: list[pa.Table] = []                # kept only when there is no file
         self.num_rows = 0
 
     def append(self, row: dict) -> None:
-        for name, values in self._buf.items():
+        for name, values in self._rows.items():
             values.append(row[name] if name in row else STEP_DEFAULTS[name])
-        self._pending += 1
-        self.num_rows += 1
+        self._num_row_buf += 1
+        self._grow(1)
+
+    def append_columns(self, cols: dict, n: int) -> None:
+        """Append n rows given as columns (arrays, or scalars broadcast to n)."""
+        self._seal_rows()
+        self._chunks.append({name: np.broadcast_to(np.asarray(cols.get(name, STEP_DEFAULTS.get(name))), (n,))
+                             for name in STEP_COLUMNS})
+        self._grow(n)
+
+    def _grow(self, n: int) -> None:
+        self._pending += n
+        self.num_rows += n
         if self._pending >= self.flush_rows:
             self.flush()
 
-    def append_columns(self, cols: dict, n: int) -> None:
-        """Append n rows given as columns (arrays or scalars broadcast to n)."""
-        self.flush()
-        arrays = []
-        for name, (typ, _) in STEP_COLUMNS.items():
-            v = cols.get(name, STEP_DEFAULTS.get(name))
-            arr = np.broadcast_to(np.asarray(v), (n,))
-            arrays.append(pa.array(arr, type=typ))
-        self._write(pa.Table.from_arrays(arrays, schema=STEP_SCHEMA))
-        self.num_rows += n
+    def _seal_rows(self) -> None:
+        if self._num_row_buf:
+            self._chunks.append({name: np.asarray(v) for name, v in self._rows.items()})
+            self._rows = {name: [] for name in STEP_COLUMNS}
+            self._num_row_buf = 0
 
     def flush(self) -> None:
-        if not self._pending:
+        self._seal_rows()
+        if not self._chunks:
             return
-        table = pa.Table.from_pydict(self._buf, schema=STEP_SCHEMA)
-        self._buf = {name: [] for name in STEP_COLUMNS}
+        arrays = [pa.array(np.concatenate([c[name] for c in self._chunks]), type=typ)
+                  for name, (typ, _) in STEP_COLUMNS.items()]
+        self._chunks = []
         self._pending = 0
-        self._write(table)
-
-    def _write(self, table: pa.Table) -> None:
+        table = pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
         if self.path is None:
-            self._chunks.append(table)
+            self._tables.append(table)
             return
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +105,7 @@ class StepLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        elif self.path is not None:
+        elif self.path is not None and not self.path.exists():
             pq.write_table(STEP_SCHEMA.empty_table(), self.path)
 
     def to_pandas(self) -> pd.DataFrame:
@@ -105,9 +113,9 @@ class StepLog:
         if self.path is not None:
             self.close()
             return pq.read_table(self.path).to_pandas()
-        if not self._chunks:
+        if not self._tables:
             return STEP_SCHEMA.empty_table().to_pandas()
-        return pa.concat_tables(self._chunks).to_pandas()
+        return pa.concat_tables(self._tables).to_pandas()
 
 
 REQUEST_COLUMNS = {

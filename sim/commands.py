@@ -1,0 +1,100 @@
+"""`kvsim simulate`: run one simulation from a config file and/or options."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .config import ConfigError, load_config, parse_set_option
+
+console = Console()
+
+
+def simulate(
+    trace: Optional[str] = typer.Option(None, help="shipped trace name (azure-conv-2023, ...) or trace file"),
+    model: Optional[str] = typer.Option(None, help="catalog model (llama-3.1-8b, ...) or YAML file"),
+    gpu: Optional[str] = typer.Option(None, help="catalog GPU (h100, l4, a100, ...) or YAML file"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file; options override it"),
+    out: Path = typer.Option(Path("runs/latest"), "--out", "-o", help="output directory"),
+    tp: Optional[int] = typer.Option(None, help="tensor parallel degree"),
+    replicas: Optional[int] = typer.Option(None, help="engine replicas behind the router"),
+    router: Optional[str] = typer.Option(None, help="round_robin | least_outstanding"),
+    profile: Optional[str] = typer.Option(None, help="hardware profile name or file (efficiency factors)"),
+    block_size: Optional[int] = typer.Option(None, help="tokens per KV block"),
+    num_gpu_blocks: Optional[int] = typer.Option(None, help="KV pool size in blocks (default: from GPU memory)"),
+    max_num_seqs: Optional[int] = typer.Option(None),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="token budget per step"),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching"),
+    preemption_mode: Optional[str] = typer.Option(None, help="recompute | swap"),
+    scheduling_policy: Optional[str] = typer.Option(None, help="fcfs | priority"),
+    rate_scale: Optional[float] = typer.Option(None, help="arrival-rate multiplier"),
+    max_requests: Optional[int] = typer.Option(None, help="first N requests of the trace"),
+    slo_ttft: Optional[str] = typer.Option(None, help="TTFT SLO for goodput, with unit (2s, 500ms)"),
+    slo_tpot: Optional[str] = typer.Option(None, help="TPOT SLO for goodput, with unit (100ms)"),
+    seed: Optional[int] = typer.Option(None),
+    set_: list[str] = typer.Option([], "--set", help="any config key, dotted: engine.long_prefill_token_threshold=512"),
+    fast_forward: Optional[bool] = typer.Option(None, "--fast-forward/--no-fast-forward",
+                                                help="advance pure-decode runs in bulk (identical results)"),
+    check_invariants: Optional[bool] = typer.Option(None, "--check-invariants", help="check KV invariants every step"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar or table"),
+) -> None:
+    """Simulate a trace on a model/GPU/engine config; writes requests.parquet, steps.parquet,
+    summary.json and config.yaml into --out and prints a summary table."""
+    overrides = {
+        "trace": trace, "model": model, "gpu": gpu, "tp": tp, "replicas": replicas, "router": router,
+        "profile": profile, "seed": seed, "fast_forward": fast_forward, "check_invariants": check_invariants,
+        "engine.block_size": block_size, "engine.num_gpu_blocks": num_gpu_blocks,
+        "engine.max_num_seqs": max_num_seqs, "engine.max_num_batched_tokens": max_num_batched_tokens,
+        "engine.enable_prefix_caching": prefix_caching, "engine.preemption_mode": preemption_mode,
+        "engine.scheduling_policy": scheduling_policy,
+        "trace_options.rate_scale": rate_scale, "trace_options.max_requests": max_requests,
+        "slo.ttft": slo_ttft, "slo.tpot": slo_tpot,
+    }
+    try:
+        for item in set_:
+            key, value = parse_set_option(item)
+            overrides[key] = value
+        cfg = load_config(config, overrides)
+        from .simulate import run_simulation
+        result = run_simulation(cfg, out, progress=not quiet)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(2)
+    if not quiet:
+        print_summary(result.summary)
+    console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
+
+
+def print_summary(s: dict) -> None:
+    table = Table(title=f"{s.get('trace')} on {s.get('model')} / {s.get('tp')}x {s.get('gpu')}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+
+    def add(name, value, fmt="{:.3f}"):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return
+        table.add_row(name, fmt.format(value) if isinstance(value, float) else str(value))
+
+    add("requests (finished / rejected)", f"{s['num_finished']} / {s['num_rejected']}")
+    add("KV pool", f"{s['num_gpu_blocks']} blocks x {s['block_size']} tokens")
+    add("makespan (s)", s["makespan_s"], "{:.1f}")
+    add("throughput (req/s)", s["throughput_req_s"])
+    add("output tok/s", s["throughput_output_tok_s"], "{:.1f}")
+    add("total tok/s", s["throughput_total_tok_s"], "{:.1f}")
+    for m in ("ttft", "tpot", "e2e", "itl"):
+        add(f"{m.upper()} p50 / p90 / p99 (ms)",
+            " / ".join(f"{1e3 * s[f'{m}_p{q}_s']:.1f}" for q in (50, 90, 99)))
+    add("goodput (req/s)", s.get("goodput_req_s"))
+    add("SLO attainment", s.get("slo_attainment"))
+    add("KV utilization mean / max", f"{s.get('kv_util_mean', 0):.3f} / {s.get('kv_util_max', 0):.3f}")
+    add("fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.3f} / {s.get('fragmentation_p99', 0):.3f}")
+    add("preemptions", s.get("preemptions"))
+    add("prefix hit rate", s.get("prefix_hit_rate"))
+    add("engine steps", s.get("num_steps"))
+    add("wall time (s)", s.get("wall_s"), "{:.2f}")
+    console.print(table)

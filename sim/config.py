@@ -1,0 +1,144 @@
+"""Validated simulation configuration (YAML file and/or CLI options; CLI overrides win)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names it."""
+
+
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
+
+
+def parse_duration(text: str | float, what: str = "duration") -> float:
+    """'100ms' -> 0.1. A bare number is refused: SLOs without units are ambiguous."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?\d+)?)\s*(us|ms|s|min)\s*", str(text))
+    if not m:
+        raise ConfigError(f"{what}: {text!r} is not a duration with a unit (e.g. 200ms, 2s, 500us)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EngineConfig(_Strict):
+    block_size: int = Field(16, gt=0)
+    num_gpu_blocks: int | None = Field(None, gt=0, description="KV pool size; default: computed from GPU memory")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_seqs: int = Field(256, gt=0)
+    max_num_batched_tokens: int = Field(8192, gt=0)
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    max_model_len: int | None = Field(None, gt=1)
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space_gib: float = Field(4.0, ge=0)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+
+class TraceOptions(_Strict):
+    rate_scale: float = Field(1.0, gt=0, description="arrival-rate multiplier (2 = twice as fast)")
+    max_requests: int | None = Field(None, gt=0)
+    start_s: float | None = Field(None, ge=0)
+    end_s: float | None = Field(None, gt=0)
+    rate: float | None = Field(None, gt=0, description="Poisson rate for length-only traces")
+
+
+class SLO(_Strict):
+    ttft: str | None = None
+    tpot: str | None = None
+
+    @field_validator("ttft", "tpot")
+    @classmethod
+    def _has_unit(cls, v, info):
+        if v is not None:
+            parse_duration(v, f"slo.{info.field_name}")
+        return v
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.ttft is None else parse_duration(self.ttft)
+
+    @property
+    def tpot_s(self) -> float | None:
+        return None if self.tpot is None else parse_duration(self.tpot)
+
+
+class SimConfig(_Strict):
+    trace: str = "azure-conv-2023"
+    trace_options: TraceOptions = TraceOptions()
+    model: str = "llama-3.1-8b"
+    gpu: str = "h100"
+    tp: int = Field(1, gt=0)
+    replicas: int = Field(1, gt=0)
+    router: Literal["round_robin", "least_outstanding"] = "round_robin"
+    profile: str = "default"
+    kv_dtype: str | None = None
+    engine: EngineConfig = EngineConfig()
+    slo: SLO = SLO(ttft="2s", tpot="100ms")
+    seed: int = 0
+    fast_forward: bool = True
+    check_invariants: bool = False
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        lines.append(f"{source}: {loc}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> SimConfig:
+    """Read an optional YAML file, apply dotted overrides (`engine.block_size=32`), validate."""
+    data: dict = {}
+    source = "config"
+    if path is not None:
+        source = str(path)
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of options at the top level")
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(data, key, value)
+    try:
+        return SimConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def parse_set_option(item: str) -> tuple[str, Any]:
+    """'engine.block_size=32' -> ('engine.block_size', 32), values parsed as YAML scalars."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. engine.block_size=32")
+    return key.strip(), yaml.safe_load(raw)

@@ -1,0 +1,22 @@
+"""The simulator's executor: a step takes as long as the cost model predicts."""
+from __future__ import annotations
+
+from .core.scheduler import SchedulerOutput
+from .core.step import BatchShape, batch_shape
+from .engine import StepResult
+
+
+class CostModelExecutor:
+    supports_fast_forward = True
+
+    def __init__(self, cost_model, kv):
+        self.cost = cost_model
+        self.kv = kv
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
+        seconds = float(self.cost.predict(shape))
+        return StepResult(duration_s=seconds, predicted_s=seconds)
+
+    def predict_run(self, shape: BatchShape):
+        return self.cost.predict(shape)

@@ -1,0 +1,149 @@
+"""Build and run one simulation from a SimConfig; write requests/steps/summary/config."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import simpy
+import yaml
+
+from .config import ConfigError, SimConfig
+from .core.kv_manager import KVCacheManager
+from .core.request import Request
+from .core.scheduler import Scheduler, SchedulerConfig
+from .engine import ArrivalProcess, EngineReplica, Router
+from .executor import CostModelExecutor
+from .metrics import StepLog, request_table, summarize
+
+
+@dataclass
+class SimulationResult:
+    summary: dict
+    requests: pd.DataFrame
+    steps: pd.DataFrame | None
+    out_dir: Path | None
+    num_gpu_blocks: int
+    wall_s: float
+
+
+def load_workload(cfg: SimConfig):
+    from traces import load_trace
+
+    opts = cfg.trace_options
+    trace = load_trace(cfg.trace, **({"rate": opts.rate, "seed": cfg.seed} if opts.rate else {}))
+    if opts.start_s is not None or opts.end_s is not None:
+        trace = trace.window(opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
+    if opts.rate_scale != 1.0:
+        trace = trace.scale_rate(opts.rate_scale)
+    if opts.max_requests is not None:
+        trace = trace.head(opts.max_requests)
+    return trace
+
+
+def trace_to_requests(trace) -> list[Request]:
+    df = trace.df
+    ids = df["prefix_hash_ids"].tolist() if "prefix_hash_ids" in df else [None] * len(df)
+    prio = df["priority"].tolist() if "priority" in df else [0] * len(df)
+    span = getattr(trace, "prefix_block_tokens", None)
+    return [
+        Request(request_id=int(rid), arrival_time=float(t), prompt_tokens=int(p), max_output_tokens=int(o),
+                priority=int(pr) if pr == pr and pr is not None else 0,
+                prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
+                prefix_block_tokens=span)
+        for rid, t, p, o, h, pr in zip(df["request_id"].tolist(), df["arrival_time_s"].tolist(),
+                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio)
+    ]
+
+
+def resolve_hardware(cfg: SimConfig):
+    from .catalog import get_gpu, get_model
+    from .cost_model import CostModel, load_profile
+
+    model = get_model(cfg.model)
+    if cfg.kv_dtype:
+        model = model.with_dtypes(kv_dtype=cfg.kv_dtype)
+    gpu = get_gpu(cfg.gpu)
+    cost = CostModel(model, gpu, load_profile(cfg.profile), tp=cfg.tp)
+    eng = cfg.engine
+    if eng.num_gpu_blocks is not None:
+        blocks = eng.num_gpu_blocks
+    else:
+        from .memory import num_gpu_blocks
+        blocks = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
+                                gpu_memory_utilization=eng.gpu_memory_utilization,
+                                max_num_batched_tokens=eng.max_num_batched_tokens).num_blocks
+    max_model_len = eng.max_model_len or model.max_position
+    return model, gpu, cost, blocks, max_model_len
+
+
+def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progress: bool = False,
+                   keep_steps: bool = True) -> SimulationResult:
+    t0 = time.perf_counter()
+    trace = load_workload(cfg)
+    model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg)
+    requests = trace_to_requests(trace)
+    out = Path(out_dir) if out_dir else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    step_log = StepLog(out / "steps.parquet" if out else None)
+    eng = cfg.engine
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens,
+        long_prefill_token_threshold=eng.long_prefill_token_threshold, max_model_len=max_model_len,
+        enable_chunked_prefill=eng.enable_chunked_prefill, policy=eng.scheduling_policy,
+        preemption_mode=eng.preemption_mode,
+        swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
+
+    env = simpy.Environment()
+    bar = _progress_bar(len(requests)) if progress else None
+    replicas: list[EngineReplica] = []
+    arrivals_holder: list[ArrivalProcess] = []
+    for i in range(cfg.replicas):
+        kv = KVCacheManager(num_blocks, eng.block_size, enable_caching=eng.enable_prefix_caching)
+        scheduler = Scheduler(sched_cfg, kv)
+        replicas.append(EngineReplica(
+            env, i, scheduler, CostModelExecutor(cost, kv), step_log,
+            fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants,
+            next_arrival=lambda: arrivals_holder[0].next_arrival(),
+            on_step=(lambda n, r=replicas: _tick(bar, r)) if bar else None))
+    arrivals_holder.append(ArrivalProcess(env, requests, Router(replicas, cfg.router)))
+    env.run(until=arrivals_holder[0].process)   # all requests submitted
+    while any(r.scheduler.has_work for r in replicas):
+        env.step()
+    if bar:
+        _tick(bar, replicas)
+        bar.close()
+    step_log.close()
+
+    req_df = request_table(requests)
+    steps_df = step_log.to_pandas() if keep_steps or out is None else None
+    queries = sum(r.kv.num_prefix_queries for r in replicas)
+    hits = sum(r.kv.num_prefix_hits for r in replicas)
+    steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(out / "steps.parquet")
+    summary = summarize(req_df, steps_for_summary, num_blocks_total=num_blocks,
+                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
+                        prefix_queries=queries, prefix_hits=hits)
+    summary.update({"num_gpu_blocks": num_blocks, "block_size": eng.block_size,
+                    "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
+                    "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace})
+    wall = time.perf_counter() - t0
+    summary["wall_s"] = wall
+    if out:
+        req_df.to_parquet(out / "requests.parquet", index=False)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return SimulationResult(summary, req_df, steps_df, out, num_blocks, wall)
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="req", desc="simulating", mininterval=0.5)
+
+
+def _tick(bar, replicas) -> None:
+    done = sum(len(r.scheduler.finished) + len(r.scheduler.rejected) for r in replicas)
+    if done > bar.n:
+        bar.update(done - bar.n)
