@@ -11,6 +11,9 @@ from sim.commands import simulate  # noqa: E402
 
 app.command()(simulate)
 
+from gpu.cli import app as model_app  # noqa: E402
+app.add_typer(model_app, name="model")
+
 
 def main() -> None:
     app()
