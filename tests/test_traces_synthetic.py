@@ -209,6 +209,8 @@ def test_trace_refuses_non_canonical_frames():
         Trace.from_columns(arrival_time_s=[1.0, 0.5], prompt_tokens=[1, 1], output_tokens=[1, 1])
     with pytest.raises(TraceError, match="output_tokens must be >= 1"):
         Trace.from_columns(arrival_time_s=[0.0], prompt_tokens=[1], output_tokens=[0])
+    with pytest.raises(TraceError, match="without prefix_block_tokens"):
+        Trace.from_columns(arrival_time_s=[0.0], prompt_tokens=[1], output_tokens=[1], prefix_hash_ids=[[3]])
     with pytest.raises(TraceError, match="request_id must be unique"):
         Trace.from_columns(arrival_time_s=[0.0, 1.0], prompt_tokens=[1, 1], output_tokens=[1, 1], request_id=[4, 4])
 

@@ -52,6 +52,9 @@ class Trace:
         if self.prefix_block_tokens is not None and self.prefix_block_tokens < 1:
             raise TraceError(self.source or None, None,
                              f"prefix_block_tokens must be >= 1, got {self.prefix_block_tokens}")
+        if self.prefix_block_tokens is None and self.has_prefix_ids:
+            raise TraceError(self.source or None, None,
+                             "prefix_hash_ids are given without prefix_block_tokens (tokens per block id)")
 
     @classmethod
     def from_columns(cls, *, arrival_time_s, prompt_tokens, output_tokens, request_id=None,
