@@ -80,6 +80,7 @@ def test_convert_length_only_with_rate_then_sample(tmp_path):
     (["convert", "{bad}", "{out}"], "{bad}:3: ContextTokens"),
     (["convert", "azure-code-2023", "{tmp}/x.txt"], "expected .parquet or .jsonl"),
     (["convert", "azure-code-2023", "{out}", "--start", "9000"], "no requests left"),
+    (["convert", "azure-code-2023", "{out}", "--rate", "2"], "rate/cv apply only to length-only traces"),
     (["synth", "{out}", "--prompt", "gauss:5"], "length spec 'gauss:5'"),
     (["synth", "{out}", "--rate", "-1"], "rate must be a finite number > 0"),
 ])

@@ -149,7 +149,7 @@ def convert(source: str = typer.Argument(..., help="Input trace file (any suppor
     """Convert a trace to kvsim's native format, optionally windowing, rescaling, sampling and clipping.
 
     Transforms apply in this order: window, scale-rate, head, sample, clip."""
-    trace = load_trace(source, rate=rate, cv=cv, seed=seed) if _is_length_only(source) else load_trace(source)
+    trace = load_trace(source, rate=rate, cv=cv, seed=seed)
     if start is not None or end is not None:
         trace = trace.window(start or 0.0, float("inf") if end is None else end)
     if scale_rate is not None:
