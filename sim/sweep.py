@@ -1,0 +1,509 @@
+"""Parameter sweeps over `kvsim simulate`: spec parsing/validation, a resumable Parquet results store,
+and local-process or Dask executors that run the same task function.
+
+Spec (YAML)::
+
+    base: base.yaml              # optional SimConfig file, relative to the spec
+    fixed:                       # applied to every run (dotted or nested SimConfig keys)
+      trace_options.max_requests: 500
+    runs:                        # optional explicit list; each entry is crossed with the grid
+      - {model: llama-3.1-8b, tp: 1}
+      - {model: llama-3.1-70b, tp: 4}
+    grid:                        # cartesian product, last key varies fastest
+      engine.block_size: [16, 32]
+      trace_options.rate_scale: [1, 2, 4]
+      seed: [0, 1]
+    save_outputs: false          # also keep requests/steps/summary of each run under outputs/<run_id>/
+
+Store layout (DIR)::
+
+    runs/<run_id>.parquet        # one row per finished run, written atomically (tmp + rename)
+    outputs/<run_id>/            # each run's simulate outputs when save_outputs
+    plan.json                    # run ids of the latest spec, in run order (sets the row order)
+    spec.yaml                    # the latest spec as given
+
+A run id is a stable hash of the fully resolved SimConfig, so re-running a spec (or a spec that
+shares runs with an earlier one) skips the runs already in the store.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from pydantic import ValidationError
+
+from .config import ConfigError, SimConfig
+
+SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
+# summary keys that repeat a config column; the store keeps the config column
+_SUMMARY_DUPLICATES = {"tp", "replicas", "trace", "block_size"}
+_SUMMARY_RENAMES = {"model": "model_name", "gpu": "gpu_name"}
+
+
+class SpecError(ValueError):
+    """A sweep spec is malformed or names a configuration that cannot run; the message says where."""
+
+
+# ---- spec -> validated run plan --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlannedRun:
+    index: int
+    run_id: str
+    config: dict          # SimConfig.model_dump(mode="json")
+    axes: dict            # the values this run sets from `runs` and `grid` (for labels)
+
+
+@dataclass
+class SweepPlan:
+    runs: list[PlannedRun]
+    save_outputs: bool = False
+    name: str | None = None
+    axis_keys: list[str] = field(default_factory=list)
+    duplicates: int = 0   # grid points that resolved to a config already planned
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{'engine': {'block_size': 16}} -> {'engine.block_size': 16} (dotted keys pass through)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def build_config(base: dict, overrides: dict[str, Any]) -> SimConfig:
+    """SimConfig from a base mapping plus dotted overrides (None is a value, not 'unset')."""
+    data = copy.deepcopy(base)
+    for key, value in overrides.items():
+        _set_dotted(data, key, value)
+    try:
+        return SimConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError("; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']} (got {err.get('input')!r})"
+            for err in exc.errors())) from None
+
+
+def run_id_of(cfg: SimConfig) -> str:
+    """Stable hash of the resolved config (every field, defaults included)."""
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _describe(values: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in values.items()) or "(base config)"
+
+
+def load_spec(path: str | Path) -> SweepPlan:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"sweep spec not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    return parse_spec(raw, source=str(path), root=path.parent)
+
+
+def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> SweepPlan:
+    """Validate a spec mapping and expand it to the ordered list of distinct runs.
+
+    Everything is checked before anything runs: spec keys, every axis value on its own (so the
+    error names the key and value), every combination as a whole, and whether the model fits the
+    GPU at that tensor-parallel degree."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: expected a mapping with keys {', '.join(SPEC_KEYS)}")
+    unknown = sorted(set(raw) - set(SPEC_KEYS))
+    if unknown:
+        raise SpecError(f"{source}: unknown key {unknown[0]!r}; a spec has {', '.join(SPEC_KEYS)}")
+    base = _load_base(raw.get("base"), source, root)
+    fixed = _mapping(raw.get("fixed"), f"{source}: fixed")
+    grid = _mapping(raw.get("grid"), f"{source}: grid")
+    runs = raw.get("runs") or [{}]
+    if not isinstance(runs, list):
+        raise SpecError(f"{source}: runs: expected a list of config mappings, got {type(runs).__name__}")
+    if not runs:
+        raise SpecError(f"{source}: runs: empty list: the sweep has no runs")
+    runs = [_mapping(r, f"{source}: runs[{i}]") for i, r in enumerate(runs)]
+
+    _check(base, fixed, f"{source}: fixed")
+    for key, values in grid.items():
+        if not isinstance(values, list):
+            raise SpecError(f"{source}: grid.{key}: expected a list of values, got {values!r}")
+        if not values:
+            raise SpecError(f"{source}: grid.{key}: empty list: the product has no runs")
+        for i, value in enumerate(values):
+            _check(base, {**fixed, key: value}, f"{source}: grid.{key}[{i}] = {value!r}")
+    for i, run in enumerate(runs):
+        _check(base, {**fixed, **run}, f"{source}: runs[{i}] ({_describe(run)})")
+
+    planned: list[PlannedRun] = []
+    seen: set[str] = set()
+    duplicates = 0
+    fits = _FitChecker()
+    for run in runs:
+        for combo in itertools.product(*grid.values()):
+            axes = {**run, **dict(zip(grid, combo))}
+            where = f"{source}: run {len(planned) + duplicates} ({_describe(axes)})"
+            cfg = _check(base, {**fixed, **axes}, where)
+            fits.check(cfg, where)
+            rid = run_id_of(cfg)
+            if rid in seen:
+                duplicates += 1
+                continue
+            seen.add(rid)
+            planned.append(PlannedRun(len(planned), rid, cfg.model_dump(mode="json"), axes))
+    axis_keys = list(dict.fromkeys([k for r in runs for k in r] + list(grid)))
+    return SweepPlan(planned, bool(raw.get("save_outputs", False)), raw.get("name"), axis_keys, duplicates)
+
+
+def _mapping(value: Any, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{where}: expected a mapping of config keys, got {value!r}")
+    return flatten(value)
+
+
+def _load_base(base: Any, source: str, root: Path | None) -> dict:
+    if base is None:
+        return {}
+    if isinstance(base, dict):
+        return copy.deepcopy(base)
+    path = Path(base)
+    if not path.is_absolute() and root is not None:
+        path = root / path
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise SpecError(f"{source}: base: config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{source}: base: {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: base: {path} must hold a mapping of config options")
+    return data
+
+
+def _check(base: dict, overrides: dict, where: str) -> SimConfig:
+    try:
+        return build_config(base, overrides)
+    except ConfigError as exc:
+        raise SpecError(f"{where}: {exc}") from None
+
+
+class _FitChecker:
+    """Resolves model, GPU, profile and trace names and checks the weights fit, once per combination."""
+
+    def __init__(self):
+        self._seen: dict[tuple, str | None] = {}
+
+    def check(self, cfg: SimConfig, where: str) -> None:
+        eng = cfg.engine
+        key = (cfg.model, cfg.gpu, cfg.tp, cfg.kv_dtype, cfg.profile, cfg.trace, eng.block_size,
+               eng.gpu_memory_utilization, eng.max_num_batched_tokens, eng.max_num_seqs)
+        if key not in self._seen:
+            self._seen[key] = self._problem(cfg)
+        if self._seen[key]:
+            raise SpecError(f"{where}: {self._seen[key]}")
+
+    @staticmethod
+    def _problem(cfg: SimConfig) -> str | None:
+        from traces.errors import TraceError
+        from traces.loaders import resolve_trace_path
+
+        from .catalog import CatalogError, get_gpu, get_model
+        from .cost_model import load_profile
+        from .memory import ModelDoesNotFitError, num_gpu_blocks
+
+        try:
+            resolve_trace_path(cfg.trace)
+        except TraceError as exc:
+            return f"trace={cfg.trace!r}: {exc}"
+        try:
+            model = get_model(cfg.model)
+        except CatalogError as exc:
+            return f"model={cfg.model!r}: {exc}"
+        try:
+            gpu = get_gpu(cfg.gpu)
+        except CatalogError as exc:
+            return f"gpu={cfg.gpu!r}: {exc}"
+        try:
+            load_profile(cfg.profile)
+        except (CatalogError, ValueError, FileNotFoundError) as exc:
+            return f"profile={cfg.profile!r}: {exc}"
+        eng = cfg.engine
+        try:
+            num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size, kv_dtype=cfg.kv_dtype,
+                           gpu_memory_utilization=eng.gpu_memory_utilization,
+                           max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs)
+        except ModelDoesNotFitError as exc:
+            return f"model={cfg.model!r} gpu={cfg.gpu!r} tp={cfg.tp}: {exc}"
+        except (CatalogError, ValueError) as exc:
+            return f"model={cfg.model!r} gpu={cfg.gpu!r} tp={cfg.tp}: {exc}"
+        return None
+
+
+# ---- one run (the task every executor runs) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class RunTask:
+    run_id: str
+    config: dict
+    out_dir: str | None = None
+
+
+def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
+    """GPUs used, $/hour for them and $ per million output tokens at the throughput achieved."""
+    from .catalog import get_gpu
+
+    gpus = cfg.tp * cfg.replicas
+    usd_per_hour = get_gpu(cfg.gpu).usd_per_hour * gpus
+    tok_s = summary.get("throughput_output_tok_s") or 0.0
+    good = summary.get("goodput_req_s")
+    return {
+        "num_gpus": gpus,
+        "usd_per_hour": usd_per_hour,
+        "usd_per_m_output_tok": usd_per_hour / 3600 / tok_s * 1e6 if tok_s > 0 else math.nan,
+        "usd_per_k_good_req": usd_per_hour / 3600 / good * 1e3 if good else math.nan,
+    }
+
+
+def execute_run(task: RunTask) -> dict:
+    """Run one simulation; return its metric columns. Never raises: a failure becomes a row."""
+    from .simulate import run_simulation
+
+    try:
+        cfg = SimConfig.model_validate(task.config)
+        result = run_simulation(cfg, task.out_dir, progress=False)
+        row = {"status": "ok", "error": None}
+        for key, value in result.summary.items():
+            if key not in _SUMMARY_DUPLICATES:
+                row[_SUMMARY_RENAMES.get(key, key)] = value
+        arrivals = result.requests["arrival_s"]
+        span = float(arrivals.max() - arrivals.min()) if len(arrivals) > 1 else 0.0
+        row["offered_rate_req_s"] = (len(arrivals) - 1) / span if span > 0 else math.nan
+        row.update(cost_metrics(cfg, result.summary))
+        return row
+    except Exception as exc:  # noqa: BLE001 - isolate every failure to its own row
+        return {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+
+
+# ---- the store -------------------------------------------------------------------------------
+
+def _runs_dir(store: Path) -> Path:
+    return store / "runs"
+
+
+def config_columns(config: dict) -> dict:
+    return {k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in flatten(config).items()}
+
+
+def make_row(run: PlannedRun | RunTask, metrics: dict) -> dict:
+    head = {"run_id": run.run_id, "status": metrics["status"], "error": metrics.get("error")}
+    return {**head, **config_columns(run.config), **{k: v for k, v in metrics.items() if k not in head}}
+
+
+def write_row(store: Path, row: dict) -> Path:
+    """Atomically write one run's row: a reader never sees a half-written file."""
+    runs = _runs_dir(store)
+    runs.mkdir(parents=True, exist_ok=True)
+    final = runs / f"{row['run_id']}.parquet"
+    tmp = runs / f".tmp-{row['run_id']}-{os.getpid()}.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), tmp)
+    os.replace(tmp, final)
+    return final
+
+
+def finished_runs(store: Path, *, include_failed: bool = True) -> set[str]:
+    runs = _runs_dir(Path(store))
+    if not runs.is_dir():
+        return set()
+    ids = {p.stem for p in runs.glob("[!.]*.parquet")}
+    if include_failed or not ids:
+        return ids
+    df = read_store(store, order=False)
+    return set(df.loc[df["status"] == "ok", "run_id"])
+
+
+def read_store(store: str | Path, *, order: bool = True):
+    """All rows of a store as one DataFrame, sorted by the latest plan's run order (runs not in
+    it follow, by run id). Adds `run_index` (position in the plan, -1 when not in it)."""
+    import pandas as pd
+
+    store = Path(store)
+    files = sorted(_runs_dir(store).glob("[!.]*.parquet")) if _runs_dir(store).is_dir() else []
+    if not files:
+        return pd.DataFrame(columns=["run_index", "run_id", "status", "error"])
+    table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
+    df = table.to_pandas()
+    if order:
+        plan = read_plan(store)
+        position = {rid: i for i, rid in enumerate(plan)}
+        df.insert(0, "run_index", df["run_id"].map(lambda r: position.get(r, -1)).astype("int64"))
+        df["_after"] = df["run_index"] < 0
+        df = df.sort_values(["_after", "run_index", "run_id"], kind="stable").drop(columns="_after")
+        df = df.reset_index(drop=True)
+    return df
+
+
+def read_plan(store: Path) -> list[str]:
+    path = Path(store) / "plan.json"
+    return json.loads(path.read_text())["run_ids"] if path.exists() else []
+
+
+def _write_plan(store: Path, plan: SweepPlan, spec_text: str | None) -> None:
+    store.mkdir(parents=True, exist_ok=True)
+    tmp = store / ".plan.json.tmp"
+    tmp.write_text(json.dumps({"name": plan.name, "axis_keys": plan.axis_keys,
+                               "run_ids": [r.run_id for r in plan.runs]}, indent=1))
+    os.replace(tmp, store / "plan.json")
+    if spec_text is not None:
+        (store / "spec.yaml").write_text(spec_text)
+
+
+def _remove_stale_tmp(store: Path) -> None:
+    runs = _runs_dir(store)
+    if runs.is_dir():
+        for p in runs.glob(".tmp-*.parquet"):
+            p.unlink(missing_ok=True)
+
+
+# ---- executors -------------------------------------------------------------------------------
+
+Completed = Iterator[tuple[RunTask, dict]]
+
+
+def _serial(tasks: list[RunTask]) -> Completed:
+    for task in tasks:
+        yield task, execute_run(task)
+
+
+def _local(tasks: list[RunTask], jobs: int) -> Completed:
+    # forkserver: workers fork from a clean process that has already imported the simulator
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["sim.sweep", "sim.simulate"])
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(execute_run, t): t for t in tasks}
+        try:
+            for fut in as_completed(futures):
+                yield futures[fut], fut.result()
+        finally:
+            for fut in futures:
+                fut.cancel()
+
+
+def _dask(tasks: list[RunTask], scheduler: Any) -> Completed:
+    from distributed import Client, as_completed as dask_completed
+
+    client = scheduler if isinstance(scheduler, Client) else Client(scheduler)
+    try:
+        futures = {client.submit(execute_run, t, key=f"kvsim-run-{t.run_id}", pure=False): t for t in tasks}
+        try:
+            for fut in dask_completed(list(futures)):
+                task = futures[fut]
+                try:
+                    result = fut.result()
+                except Exception as exc:  # noqa: BLE001 - e.g. a worker died while running it
+                    result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                yield task, result
+        finally:
+            client.cancel(list(futures))
+    finally:
+        if client is not scheduler:
+            client.close()
+
+
+@dataclass
+class SweepResult:
+    store: Path
+    planned: int
+    skipped: int          # already in the store
+    ran: int
+    failed: int           # of those that ran
+    wall_s: float
+
+
+def run_sweep(plan: SweepPlan, store: str | Path, *, executor: str = "local", jobs: int | None = None,
+              scheduler: Any = None, max_runs: int | None = None, retry_failed: bool = False,
+              save_outputs: bool | None = None, progress: bool = True, spec_text: str | None = None,
+              on_row: Callable[[dict], None] | None = None) -> SweepResult:
+    """Run the plan's runs that are not in the store yet, writing each row as it finishes.
+
+    executor: 'local' (a process pool of `jobs` workers, default all cores; jobs=1 runs in this
+    process) or 'dask' (`scheduler`: an address such as tcp://host:8786, or a distributed.Client).
+    max_runs: run at most this many of the pending runs, then stop (the rest on a later call)."""
+    t0 = time.perf_counter()
+    store = Path(store)
+    _write_plan(store, plan, spec_text)
+    _remove_stale_tmp(store)
+    done = finished_runs(store, include_failed=not retry_failed)
+    pending = [r for r in plan.runs if r.run_id not in done]
+    if max_runs is not None:
+        pending = pending[:max_runs]
+    keep = plan.save_outputs if save_outputs is None else save_outputs
+    tasks = [RunTask(r.run_id, r.config, str(store / "outputs" / r.run_id) if keep else None) for r in pending]
+    by_id = {r.run_id: r for r in pending}
+
+    if not tasks:
+        completed: Iterable = ()
+    elif executor == "dask":
+        if scheduler is None:
+            raise ValueError("executor 'dask' needs a scheduler address (--scheduler tcp://host:8786)")
+        completed = _dask(tasks, scheduler)
+    elif executor == "local":
+        jobs = jobs or os.cpu_count() or 1
+        completed = _serial(tasks) if jobs == 1 or len(tasks) == 1 else _local(tasks, min(jobs, len(tasks)))
+    else:
+        raise ValueError(f"executor must be 'local' or 'dask', got {executor!r}")
+
+    skipped = len(plan.runs) - len([r for r in plan.runs if r.run_id not in done])
+    bar = _bar(len(plan.runs), skipped, len(tasks)) if progress else None
+    failed = ran = 0
+    for task, metrics in completed:
+        row = make_row(by_id[task.run_id], metrics)
+        write_row(store, row)
+        ran += 1
+        failed += metrics["status"] != "ok"
+        if on_row:
+            on_row(row)
+        if bar:
+            bar.update(1)
+            bar.set_postfix(failed=failed, refresh=False)
+    if bar:
+        bar.close()
+    return SweepResult(store, len(plan.runs), skipped, ran, failed, time.perf_counter() - t0)
+
+
+def _bar(total: int, skipped: int, todo: int):
+    from tqdm import tqdm
+    # count only this session's runs so the ETA reflects the current rate
+    return tqdm(total=todo, unit="run", desc=f"sweep ({skipped}/{total} already done)",
+                mininterval=0.5, smoothing=0.1)
