@@ -14,6 +14,9 @@ app.command()(simulate)
 from gpu.cli import app as model_app  # noqa: E402
 app.add_typer(model_app, name="model")
 
+from dashboard.cli import dashboard  # noqa: E402
+app.command()(dashboard)
+
 
 def main() -> None:
     app()

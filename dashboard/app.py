@@ -1,0 +1,16 @@
+"""kvsim dashboard entry point: `kvsim dashboard` (or `streamlit run dashboard/app.py`)."""
+from pathlib import Path
+
+import streamlit as st
+
+PAGES = Path(__file__).resolve().parent / "pages"
+
+st.set_page_config(page_title="kvsim", layout="wide")
+page = st.navigation([
+    st.Page(PAGES / "simulate.py", title="Simulate", default=True),
+    st.Page(PAGES / "memory.py", title="Memory"),
+    st.Page(PAGES / "compare.py", title="Compare"),
+    st.Page(PAGES / "capacity.py", title="Capacity"),
+    st.Page(PAGES / "fidelity.py", title="Fidelity"),
+])
+page.run()

@@ -1,0 +1,268 @@
+"""Data shaping for the dashboard: run records, binned step logs, CDFs, the pool map, fidelity
+errors, capacity tables. Pure functions over the simulator's own tables (no Streamlit here)."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+LATENCY_METRICS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "e2e_s": "E2E"}
+
+# Columns of a step log that count things (summed over replicas when binning).
+_ADDITIVE = ("batch_size", "blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
+             "num_running", "num_waiting")
+# Columns that count events in a step (summed within a bin, not averaged).
+_EVENTS = ("prefill_tokens", "decode_tokens", "preemptions", "finished", "evicted_tokens",
+           "blocks_freed_by_eviction", "bytes_moved")
+
+POOL_STATES = ("free", "cached prefix", "allocated, empty or evicted slots", "live tokens")
+
+
+class DataError(ValueError):
+    """A results file or directory does not hold what the page needs; the message names it."""
+
+
+@dataclass
+class RunRecord:
+    """One simulation's results as the pages use them (from run_simulation or a --out directory)."""
+    label: str
+    summary: dict
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    config: dict = field(default_factory=dict)
+
+    @property
+    def num_blocks_total(self) -> int:
+        return int(self.summary.get("num_gpu_blocks", 0)) * int(self.summary.get("replicas", 1) or 1)
+
+    @property
+    def block_size(self) -> int:
+        return int(self.summary.get("block_size") or self.config.get("engine", {}).get("block_size", 16))
+
+
+def record_from_result(result, cfg, label: str) -> RunRecord:
+    return RunRecord(label, dict(result.summary), result.requests,
+                     result.steps if result.steps is not None else pd.DataFrame(),
+                     cfg.model_dump(mode="json"))
+
+
+def load_run_dir(path: str | Path, label: str | None = None) -> RunRecord:
+    """Read a `kvsim simulate --out DIR` directory (summary.json, requests.parquet, steps.parquet)."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise DataError(f"{d}: not a directory (expected the --out directory of `kvsim simulate`)")
+    missing = [n for n in ("summary.json", "requests.parquet", "steps.parquet") if not (d / n).exists()]
+    if missing:
+        raise DataError(f"{d}: missing {', '.join(missing)} (expected the --out directory of `kvsim simulate`)")
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{d / 'summary.json'}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    config = {}
+    if (d / "config.yaml").exists():
+        config = yaml.safe_load((d / "config.yaml").read_text()) or {}
+    return RunRecord(label or d.name, summary, read_parquet(d / "requests.parquet"),
+                     read_parquet(d / "steps.parquet"), config)
+
+
+def read_parquet(path: str | Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Read a Parquet file or directory of Parquet files; check the columns a page needs."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"{p}: no such file or directory")
+    try:
+        df = pd.read_parquet(p)
+    except Exception as exc:  # pyarrow raises several types for a non-Parquet file
+        raise DataError(f"{p}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+    lacking = [c for c in required if c not in df.columns]
+    if lacking:
+        raise DataError(f"{p}: missing column(s) {', '.join(lacking)}; has {', '.join(map(str, df.columns))}")
+    return df
+
+
+# ---- request metrics ---------------------------------------------------------------------------
+def latency_cdf(requests: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Empirical CDF of a latency column over finished requests: columns value_ms, fraction."""
+    done = requests[requests["status"] == "finished"]
+    values = np.sort(done[column].dropna().to_numpy(dtype=float)) * 1e3
+    return pd.DataFrame({"value_ms": values, "fraction": np.arange(1, values.size + 1) / max(values.size, 1)})
+
+
+def output_token_rate(requests: pd.DataFrame, num_bins: int = 200) -> pd.DataFrame:
+    """Output tokens per second over time, from every request's token timestamps."""
+    lists = [t for t in requests["token_times_s"] if t is not None and len(t)]
+    if not lists:
+        return pd.DataFrame({"time_s": [], "output_tok_s": []})
+    times = np.concatenate([np.asarray(t, dtype=float) for t in lists])
+    lo, hi = float(times.min()), float(times.max())
+    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, num_bins + 1)
+    counts, _ = np.histogram(times, bins=edges)
+    return pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:]), "output_tok_s": counts / np.diff(edges)})
+
+
+# ---- step log ----------------------------------------------------------------------------------
+def bin_steps(steps: pd.DataFrame, num_bins: int = 200) -> pd.DataFrame:
+    """Resample a step log onto `num_bins` equal time bins.
+
+    State columns (pool counts, queue lengths, batch size) are duration-weighted means per replica,
+    summed over replicas; a bin with no step start holds the previous bin's state (the engine was
+    idle). Event columns (tokens, preemptions, evictions, bytes moved) are summed per bin and also
+    given per second (`*_per_s`). Fragmentation is recomputed from the summed slot counts.
+    """
+    if steps is None or not len(steps):
+        return pd.DataFrame()
+    t0 = float(steps["time_s"].min())
+    t1 = float((steps["time_s"] + steps["duration_s"]).max())
+    edges = np.linspace(t0, t1 if t1 > t0 else t0 + 1.0, num_bins + 1)
+    width = np.diff(edges)
+    idx = np.clip(np.searchsorted(edges, steps["time_s"].to_numpy(), side="right") - 1, 0, num_bins - 1)
+    weight = np.maximum(steps["duration_s"].to_numpy(dtype=float), 1e-12)
+    out = pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:])})
+    state_cols = [c for c in _ADDITIVE if c in steps]
+    total = np.zeros((num_bins, len(state_cols)))
+    for _, part in steps.groupby("replica" if "replica" in steps else np.zeros(len(steps)), sort=True):
+        pos = steps.index.get_indexer(part.index)
+        w = weight[pos]
+        wsum = np.bincount(idx[pos], weights=w, minlength=num_bins)
+        means = np.column_stack([np.bincount(idx[pos], weights=part[c].to_numpy(float) * w, minlength=num_bins)
+                                 for c in state_cols]) / np.where(wsum > 0, wsum, 1)[:, None]
+        means = pd.DataFrame(np.where(wsum[:, None] > 0, means, np.nan)).ffill().fillna(0.0).to_numpy()
+        total += means
+    for j, c in enumerate(state_cols):
+        out[c] = total[:, j]
+    for c in _EVENTS:
+        if c in steps:
+            out[c] = np.bincount(idx, weights=steps[c].to_numpy(float), minlength=num_bins)
+            out[f"{c}_per_s"] = out[c] / width
+    if "allocated_slots" in out:
+        alloc = out["allocated_slots"].to_numpy()
+        out["fragmentation"] = np.where(alloc > 0, 1.0 - out["live_slots"] / np.where(alloc > 0, alloc, 1), 0.0)
+    return out
+
+
+def pool_map(binned: pd.DataFrame, num_blocks: int, block_size: int, rows: int = 120) -> tuple[np.ndarray, np.ndarray]:
+    """A (rows x bins) map of the block pool over time, state codes indexing POOL_STATES.
+
+    The step log holds pool counts, not per-block states, so each time bin's column is the pool
+    laid out by state: live-token block-equivalents at the bottom, then allocated blocks' empty
+    or evicted slots, then free blocks still caching a prefix, then free blocks. Returns
+    (codes, block_edges) where row i covers blocks [block_edges[i], block_edges[i+1]).
+    """
+    edges = np.linspace(0, num_blocks, rows + 1)
+    centers = 0.5 * (edges[:-1] + edges[1:])
+    live = (binned["live_slots"].to_numpy() / block_size)[None, :]
+    used = binned["blocks_used"].to_numpy()[None, :]
+    cached = used + binned["blocks_cached"].to_numpy()[None, :]
+    y = centers[:, None]
+    codes = np.select([y < live, y < used, y < cached], [3, 2, 1], default=0)
+    return codes, edges
+
+
+# ---- fidelity ----------------------------------------------------------------------------------
+def step_kind(steps: pd.DataFrame) -> pd.Series:
+    prefill = steps["num_prefill_seqs"] > 0
+    decode = steps["num_decode_seqs"] > 0
+    return pd.Series(np.select([prefill & decode, prefill], ["mixed", "prefill"], default="decode"),
+                     index=steps.index)
+
+
+def fidelity_table(steps: pd.DataFrame, measured: str = "duration_s", predicted: str = "predicted_s") -> pd.DataFrame:
+    """Per-step error of the cost model's prediction against the measured step time.
+
+    Rows: all steps, then by step kind (prefill / decode / mixed) and batch-size bucket. Columns:
+    steps, MAPE, median and p90 absolute percentage error, bias (mean signed error, + = the
+    model predicts slower than measured), total predicted / measured time ratio.
+    """
+    both = steps[[measured, predicted]].astype(float)
+    ok = np.isfinite(both[measured]) & np.isfinite(both[predicted]) & (both[measured] > 0)
+    if not ok.any():
+        raise DataError(f"no step has both a finite {predicted} and a positive {measured}")
+    s = steps[ok]
+    err = (s[predicted].astype(float) - s[measured].astype(float)) / s[measured].astype(float)
+    groups = [("all steps", slice(None))]
+    if {"num_prefill_seqs", "num_decode_seqs"} <= set(s.columns):
+        kind = step_kind(s)
+        groups += [(f"{k} steps", kind == k) for k in ("prefill", "decode", "mixed") if (kind == k).any()]
+    if "batch_size" in s:
+        bucket = pd.cut(s["batch_size"], [0, 1, 4, 16, 64, 256, np.inf], labels=[
+            "batch 1", "batch 2-4", "batch 5-16", "batch 17-64", "batch 65-256", "batch >256"])
+        groups += [(str(b), bucket == b) for b in bucket.cat.categories if (bucket == b).any()]
+    rows = []
+    for name, mask in groups:
+        e = err[mask]
+        a = e.abs()
+        rows.append({"group": name, "steps": int(e.size), "MAPE_%": 100 * a.mean(),
+                     "median_APE_%": 100 * a.median(), "p90_APE_%": 100 * a.quantile(0.9),
+                     "bias_%": 100 * e.mean(),
+                     "predicted/measured": s.loc[mask, predicted].sum() / s.loc[mask, measured].sum()})
+    return pd.DataFrame(rows)
+
+
+# ---- capacity ----------------------------------------------------------------------------------
+def add_cost_columns(df: pd.DataFrame, gpu_prices: dict[str, float]) -> pd.DataFrame:
+    """Add `gpus`, `usd_per_hour` and `usd_per_mtok` (per million total tokens, or output tokens
+    when total throughput is absent) where the table says which GPU and how many."""
+    df = df.copy()
+    if "gpu" not in df:
+        return df
+    tp = df["tp"] if "tp" in df else 1
+    replicas = df["replicas"] if "replicas" in df else 1
+    df["gpus"] = tp * replicas
+    price = df["gpu"].map(lambda g: gpu_prices.get(str(g).lower(), math.nan))
+    df["usd_per_hour"] = price * df["gpus"]
+    tok = df.get("throughput_total_tok_s", df.get("throughput_output_tok_s"))
+    if tok is not None:
+        df["usd_per_mtok"] = df["usd_per_hour"] / (tok.astype(float) * 3600) * 1e6
+    return df
+
+
+def pareto_front(df: pd.DataFrame, cost: str, benefit: str) -> pd.Series:
+    """True for rows no other row beats on both lower `cost` and higher `benefit`."""
+    c = df[cost].to_numpy(float)
+    b = df[benefit].to_numpy(float)
+    order = np.lexsort((-b, c))
+    front = np.zeros(len(df), dtype=bool)
+    best = -np.inf
+    for i in order:
+        if np.isfinite(c[i]) and np.isfinite(b[i]) and b[i] > best:
+            front[i] = True
+            best = b[i]
+    return pd.Series(front, index=df.index)
+
+
+def best_under_slo(df: pd.DataFrame, attainment: float, objective: str, minimize: bool) -> pd.DataFrame:
+    """Rows meeting the SLO attainment target, best `objective` first."""
+    if "slo_attainment" not in df:
+        raise DataError("the table has no slo_attainment column (run with an SLO set)")
+    ok = df[df["slo_attainment"] >= attainment]
+    return ok.sort_values(objective, ascending=minimize, kind="stable")
+
+
+def capacity_by_group(df: pd.DataFrame, load: str, attainment: float, group: str | None) -> pd.DataFrame:
+    """Highest `load` value per group whose SLO attainment meets the target (a grid search's answer)."""
+    if "slo_attainment" not in df:
+        raise DataError("the table has no slo_attainment column (run with an SLO set)")
+    keys = [group] if group else []
+    rows = []
+    for key, part in (df.groupby(keys, sort=True) if keys else [("all", df)]):
+        ok = part[part["slo_attainment"] >= attainment]
+        rows.append({group or "group": key[0] if isinstance(key, tuple) else key,
+                     f"max {load} meeting SLO": ok[load].max() if len(ok) else math.nan,
+                     "points": len(part)})
+    return pd.DataFrame(rows)
+
+
+def sweep_table(records: list[RunRecord], points: list[dict]) -> pd.DataFrame:
+    """One row per run: the swept values (`points`), the run's identity and its summary figures."""
+    rows = []
+    for record, point in zip(records, points):
+        row = {k: v for k, v in record.summary.items() if isinstance(v, (int, float, str)) or v is None}
+        row.update(point)
+        row["run"] = record.label
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,118 @@
+"""Run simulations in a worker thread so the page keeps rendering progress (and can cancel)."""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from sim.config import ConfigError, SimConfig
+
+from .data import RunRecord, record_from_result
+
+_local = threading.local()   # the Job a worker thread is running, read by the progress meter
+
+
+class Cancelled(Exception):
+    pass
+
+
+class _Meter:
+    """Stands in for the tqdm bar that run_simulation(progress=True) advances per finished request."""
+
+    def __init__(self, total: int, job: "Job"):
+        self.n = 0
+        self.total = total
+        self.job = job
+        job.run_total, job.run_done = total, 0
+
+    def update(self, k: int = 1) -> None:
+        if self.job.cancel_requested:
+            raise Cancelled()
+        self.n += k
+        self.job.run_done = self.n
+
+    def close(self) -> None:
+        pass
+
+
+def _install_progress_hook() -> bool:
+    """Route run_simulation's progress bar to the calling thread's Job (once per process).
+    run_simulation has no progress callback parameter, only `progress=True` -> `_progress_bar(total)`."""
+    import sim.simulate as simulate
+
+    original = getattr(simulate, "_progress_bar", None)
+    if original is None:
+        return False
+    if getattr(original, "_dashboard_hook", False):
+        return True
+
+    def progress_bar(total: int):
+        job = getattr(_local, "job", None)
+        return _Meter(total, job) if job is not None else original(total)
+
+    progress_bar._dashboard_hook = True
+    simulate._progress_bar = progress_bar
+    return True
+
+
+@dataclass
+class Job:
+    """Simulates each (label, config) in turn; `records` fills in as runs finish."""
+    runs: list[tuple[str, SimConfig]]
+    records: list[RunRecord] = field(default_factory=list)
+    error: str | None = None
+    run_done: int = 0
+    run_total: int = 0
+    cancel_requested: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    finished: float | None = None
+    _thread: threading.Thread | None = None
+
+    def start(self) -> "Job":
+        self._thread = threading.Thread(target=self._work, name="kvsim-dashboard-job", daemon=True)
+        self._thread.start()
+        return self
+
+    def _work(self) -> None:
+        from sim.simulate import run_simulation
+        from traces import TraceError
+
+        has_progress = _install_progress_hook()
+        _local.job = self
+        try:
+            for label, cfg in self.runs:
+                self.run_done, self.run_total = 0, 0
+                result = run_simulation(cfg, None, progress=has_progress)
+                self.records.append(record_from_result(result, cfg, label))
+        except Cancelled:
+            self.error = "cancelled"
+        except (ConfigError, TraceError, ValueError, FileNotFoundError) as exc:
+            label = self.runs[len(self.records)][0]
+            self.error = f"{label}: {exc}" if len(self.runs) > 1 else str(exc)
+        except Exception as exc:  # an engine bug: keep the trace for the report, not a crashed page
+            self.error = f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+        finally:
+            _local.job = None
+            self.finished = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None
+
+    @property
+    def fraction(self) -> float:
+        inner = self.run_done / self.run_total if self.run_total else 0.0
+        return min(1.0, (len(self.records) + inner) / max(len(self.runs), 1))
+
+    def status_text(self) -> str:
+        elapsed = (self.finished or time.perf_counter()) - self.started
+        n = len(self.runs)
+        which = f"run {min(len(self.records) + 1, n)}/{n} " if n > 1 else ""
+        reqs = f"{self.run_done}/{self.run_total} requests done" if self.run_total else "loading trace"
+        return f"Simulating {which}- {reqs} - {elapsed:.1f}s"
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+

@@ -1,0 +1,1 @@
+"""Dashboard pages; each is a Streamlit script run by dashboard/app.py's navigation."""

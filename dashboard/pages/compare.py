@@ -1,0 +1,63 @@
+"""Compare: the same trace under several values of one config axis, side by side."""
+import streamlit as st
+
+from dashboard import charts
+from dashboard.forms import config_axes, config_form, parse_axis_values, with_value
+from dashboard.ui import follow_job, saved_runs, start_job, summary_table
+from sim.config import ConfigError
+
+st.title("Compare")
+with st.sidebar:
+    st.header("Base configuration")
+    base, error = config_form("cmp_", max_requests=100)
+axes = config_axes()
+axis = st.selectbox("Vary", list(axes), key="cmp_axis",
+                    index=list(axes).index("engine.block_size") if "engine.block_size" in axes else 0)
+choices = axes[axis]
+values, axis_error = [], None
+if choices is not None:
+    values = st.multiselect("Values", choices, default=choices[: min(4, len(choices))], key=f"cmp_values_{axis}")
+    if not values:
+        axis_error = "pick at least one value to compare"
+else:
+    text = st.text_input("Values (comma-separated)", key=f"cmp_text_{axis}",
+                         value={"engine.block_size": "8, 16, 32", "engine.max_num_seqs": "16, 64, 256"}.get(axis, ""))
+    try:
+        values = parse_axis_values(axis, text)
+    except ConfigError as exc:
+        axis_error = str(exc)
+runs = []
+if base is not None and not axis_error:
+    try:
+        runs = [(f"{axis}={v}", with_value(base, axis, v)) for v in values]
+    except ConfigError as exc:
+        axis_error = str(exc)
+for message in (error, axis_error):
+    if message:
+        st.error(message)
+if st.button(f"Run {len(runs)} simulations", type="primary", disabled=not runs, key="cmp_run"):
+    start_job("cmp_job", runs)
+    st.session_state["cmp_labels"] = [label for label, _ in runs]
+follow_job("cmp_job")
+
+available = saved_runs()
+selected = st.multiselect("Runs to compare", list(available),
+                          default=[x for x in st.session_state.get("cmp_labels", []) if x in available],
+                          key="cmp_selected")
+records = [available[x] for x in selected]
+if not records:
+    st.info("Choose an axis and values, run them, or select earlier runs to compare.")
+    st.stop()
+table = summary_table(records)
+st.dataframe(table, hide_index=True, key="cmp_table")
+st.plotly_chart(charts.metric_bars(table, "run", ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]),
+                key="cmp_bars")
+cols = st.columns(3)
+for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s")):
+    col.plotly_chart(charts.latency_cdfs(records, metric), key=f"cmp_cdf_{metric}")
+a, b = st.columns(2)
+a.plotly_chart(charts.throughput_over_time(records), key="cmp_throughput")
+b.plotly_chart(charts.kv_utilization(records), key="cmp_util")
+a.plotly_chart(charts.step_series(records, {"num_waiting": "waiting"}, "Queue length", "requests"), key="cmp_queue")
+b.plotly_chart(charts.step_series(records, {"bytes_moved_per_s": "bytes moved / s"}, "Bytes moved by slots",
+                                  "bytes / s"), key="cmp_bytes")

@@ -1,0 +1,37 @@
+"""Memory: KV utilization, internal fragmentation, a map of the block pool, data moved by slots."""
+import streamlit as st
+
+from dashboard import charts
+from dashboard.ui import pick_run
+
+st.title("Memory")
+run = pick_run("mem_", "Run")
+if run is None:
+    st.stop()
+if not len(run.steps):
+    st.warning(f"{run.label}: the run has no step log.")
+    st.stop()
+bins = st.slider("Time bins", min_value=20, max_value=600, value=200, step=20, key="mem_bins")
+s = run.summary
+a, b, c, d = st.columns(4)
+a.metric("KV pool", f"{run.num_blocks_total:,} blocks x {run.block_size}")
+b.metric("KV util mean / max", f"{s.get('kv_util_mean', 0):.0%} / {s.get('kv_util_max', 0):.0%}")
+c.metric("Fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.1%} / {s.get('fragmentation_p99', 0):.1%}")
+d.metric("Data moved by slots", f"{run.steps['bytes_moved'].sum() / 2**20:,.1f} MiB")
+st.plotly_chart(charts.kv_utilization([run], bins), key="mem_util")
+st.plotly_chart(charts.memory_map(run, bins), key="mem_map")
+st.caption("The step log records pool counts per step, not the state of each block, so each column shows the "
+           "pool grouped by state: live tokens (in block-equivalents), then the empty or evicted slots of "
+           "allocated blocks, then free blocks still caching a prefix, then free blocks.")
+a, b = st.columns(2)
+a.plotly_chart(charts.step_series([run], {"bytes_moved_per_s": "bytes moved / s"},
+                                  "Bytes copied / moved by the slot strategy", "bytes / s", bins), key="mem_bytes")
+b.plotly_chart(charts.step_series([run], {"evicted_tokens_per_s": "tokens evicted / s",
+                                          "blocks_freed_by_eviction_per_s": "blocks freed by eviction / s"},
+                                  "Eviction", "per second", bins), key="mem_evict")
+head_cols = [c for c in run.steps.columns if c.startswith("head_")]
+if head_cols:
+    st.plotly_chart(charts.step_series([run], {c: c for c in head_cols}, "Per-head occupancy", "slots", bins),
+                    key="mem_heads")
+else:
+    st.caption("Per-head occupancy appears for runs whose step log has per-head columns (per-head layout).")
