@@ -17,6 +17,11 @@ app.add_typer(model_app, name="model")
 from dashboard.cli import dashboard  # noqa: E402
 app.command()(dashboard)
 
+from sim.planning_cli import capacity, report, sweep  # noqa: E402
+app.command()(sweep)
+app.command()(capacity)
+app.command()(report)
+
 
 def main() -> None:
     app()

@@ -1,0 +1,175 @@
+"""`kvsim sweep`, `kvsim capacity`, `kvsim report`: capacity-planning commands on the simulator."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .config import ConfigError, load_config, parse_set_option
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    err_console.print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def sweep(
+    spec: Path = typer.Argument(..., help="sweep spec YAML (base / fixed / grid / runs / save_outputs)"),
+    out: Path = typer.Option(..., "--out", "-o", help="results store directory (created; re-runs resume)"),
+    executor: str = typer.Option("local", help="local (process pool) | dask (distributed cluster)"),
+    scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address, e.g. tcp://host:8786"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local worker processes (default: all cores)"),
+    max_runs: Optional[int] = typer.Option(None, help="run at most N pending runs, then stop"),
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="run again the runs recorded as failed"),
+    save_outputs: Optional[bool] = typer.Option(None, "--save-outputs/--no-save-outputs",
+                                                help="keep each run's requests/steps (default: the spec's)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the runs, run nothing"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+) -> None:
+    """Run every configuration of a sweep spec; one row per run (config + summary metrics + cost)
+    in OUT/runs/*.parquet. Re-running skips finished runs; a failed run is recorded and skipped."""
+    from .sweep import SpecError, finished_runs, load_spec, run_sweep
+
+    if executor not in ("local", "dask"):
+        _fail(f"--executor: expected local or dask, got {executor!r}")
+    if executor == "dask" and not scheduler:
+        _fail("--executor dask needs --scheduler tcp://HOST:PORT (a running dask scheduler)")
+    if jobs is not None and jobs < 1:
+        _fail(f"--jobs: expected a positive number, got {jobs}")
+    try:
+        plan = load_spec(spec)
+    except SpecError as exc:
+        _fail(str(exc))
+    done = finished_runs(out) if out.exists() else set()
+    todo = [r for r in plan.runs if r.run_id not in done]
+    dup = f" ({plan.duplicates} duplicate points dropped)" if plan.duplicates else ""
+    console.print(f"{len(plan.runs)} runs{dup}; {len(plan.runs) - len(todo)} already in {out}; "
+                  f"axes: {', '.join(plan.axis_keys) or 'none'}", highlight=False)
+    if dry_run:
+        table = Table("#", "run id", *plan.axis_keys, "status")
+        for r in plan.runs:
+            table.add_row(str(r.index), r.run_id, *(str(r.axes.get(k, "")) for k in plan.axis_keys),
+                          "done" if r.run_id in done else "pending")
+        console.print(table)
+        return
+    result = run_sweep(plan, out, executor=executor, jobs=jobs, scheduler=scheduler, max_runs=max_runs,
+                       retry_failed=retry_failed, save_outputs=save_outputs, progress=not quiet,
+                       spec_text=spec.read_text())
+    console.print(f"ran {result.ran} runs in {result.wall_s:.1f}s ({result.failed} failed), "
+                  f"skipped {result.skipped}; store: {out}/runs/ (kvsim report {out})", highlight=False)
+    if result.failed:
+        raise typer.Exit(1)
+
+
+def capacity(
+    slo: str = typer.Option(..., help='constraints, e.g. "ttft_p99<=2s,tpot_p99<=100ms,slo_attainment>=0.99"'),
+    trace: Optional[str] = typer.Option(None, help="shipped trace name or trace file"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file; options override it"),
+    model: Optional[str] = typer.Option(None),
+    gpu: Optional[str] = typer.Option(None),
+    tp: Optional[int] = typer.Option(None),
+    replicas: Optional[int] = typer.Option(None, help="replicas (mode=rate); ignored in mode=replicas"),
+    block_size: Optional[int] = typer.Option(None),
+    num_gpu_blocks: Optional[int] = typer.Option(None),
+    max_num_seqs: Optional[int] = typer.Option(None),
+    max_num_batched_tokens: Optional[int] = typer.Option(None),
+    max_requests: Optional[int] = typer.Option(None, help="first N requests of the trace"),
+    rate_scale: Optional[float] = typer.Option(None, help="mode=rate: first scale tried; mode=replicas: the load"),
+    set_: list[str] = typer.Option([], "--set", help="any config key, dotted: engine.enable_prefix_caching=true"),
+    mode: str = typer.Option("rate", help="rate: highest rate scale meeting the SLO; replicas: fewest replicas"),
+    tol: float = typer.Option(0.02, help="mode=rate: stop when the bracket is within this relative width"),
+    max_evals: int = typer.Option(24, help="most simulations for the search"),
+    max_replicas: int = typer.Option(64, help="mode=replicas: give up above this"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="store for the runs + capacity.json (resumable)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Find the highest arrival-rate scale (or the fewest replicas) meeting an SLO, by bracketing and
+    bisection on simulated runs; prints the answer, its cost and the curve measured."""
+    from .capacity import find_capacity, parse_slo
+
+    overrides = {"trace": trace, "model": model, "gpu": gpu, "tp": tp, "replicas": replicas,
+                 "engine.block_size": block_size, "engine.num_gpu_blocks": num_gpu_blocks,
+                 "engine.max_num_seqs": max_num_seqs, "engine.max_num_batched_tokens": max_num_batched_tokens,
+                 "trace_options.max_requests": max_requests, "trace_options.rate_scale": rate_scale}
+    if mode not in ("rate", "replicas"):
+        _fail(f"--mode: expected rate or replicas, got {mode!r}")
+    if not 0 < tol < 1:
+        _fail(f"--tol: expected a fraction in (0, 1), got {tol}")
+    try:
+        for item in set_:
+            key, value = parse_set_option(item)
+            overrides[key] = value
+        cfg = load_config(config, overrides)
+        constraints = parse_slo(slo)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+    def show(row: dict) -> None:
+        if not quiet:
+            mark = "[green]meets[/green]" if row["meets_slo"] else f"[red]fails[/red] {row['violations']}"
+            console.print(f"  {mode} {row['searched_value']:g}: {row['offered_rate_req_s']:.3f} req/s offered, "
+                          f"goodput {row.get('goodput_req_s', math.nan):.3f} req/s -> {mark}")
+
+    try:
+        result = find_capacity(cfg, constraints, mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
+                               max_evals=max_evals, max_replicas=max_replicas, store=out, progress=show)
+    except (ConfigError, RuntimeError, ValueError) as exc:
+        _fail(str(exc))
+    _print_capacity(result, mode)
+    if not result.feasible:
+        raise typer.Exit(1)
+
+
+def _print_capacity(result, mode: str) -> None:
+    cols = [("searched_value", "rate scale" if mode == "rate" else "replicas", "{:g}"),
+            ("offered_rate_req_s", "offered req/s", "{:.3f}"), ("throughput_req_s", "req/s", "{:.3f}"),
+            ("goodput_req_s", "goodput req/s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 ms", "ms"),
+            ("tpot_p99_s", "TPOT p99 ms", "ms"), ("num_gpus", "GPUs", "{:d}"),
+            ("usd_per_m_output_tok", "$/M out tok", "{:.3f}"), ("meets_slo", "SLO", "{}")]
+    table = Table(*[c[1] for c in cols], title=f"capacity curve ({', '.join(result.slo)})")
+    for _, row in result.curve.iterrows():
+        cells = []
+        for key, _, fmt in cols:
+            v = row.get(key)
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                cells.append("-")
+            elif fmt == "ms":
+                cells.append(f"{v * 1e3:.1f}")
+            else:
+                cells.append(fmt.format(int(v) if fmt == "{:d}" else v))
+        table.add_row(*cells)
+    console.print(table)
+    m = result.answer_metrics
+    if not result.feasible:
+        console.print("[red]no configuration searched meets the SLO[/red]")
+        return
+    what = (f"max rate scale {result.answer:g}" if mode == "rate" else f"fewest replicas {result.answer:g}")
+    bound = "" if result.bounded else " (lower bound: the search limit was reached before the SLO failed)"
+    console.print(f"[bold]{what}[/bold]{bound}: {result.answer_rate_req_s:.3f} req/s offered, "
+                  f"{m.get('throughput_output_tok_s', math.nan):.1f} output tok/s, "
+                  f"{m.get('num_gpus')} GPUs at ${m.get('usd_per_hour', math.nan):.2f}/h = "
+                  f"${m.get('usd_per_m_output_tok', math.nan):.3f} per million output tokens", highlight=False)
+
+
+def report(
+    store: Path = typer.Argument(..., help="sweep or capacity store directory"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="HTML file (default: STORE/report.html)"),
+) -> None:
+    """Turn a sweep store into one HTML page of plotly charts: throughput/goodput vs load, latency
+    percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 latency Pareto view."""
+    from .report import build_report
+
+    if not store.is_dir():
+        _fail(f"{store}: not a directory (give the --out of `kvsim sweep` or `kvsim capacity`)")
+    try:
+        path = build_report(store, out)
+    except ValueError as exc:
+        _fail(str(exc))
+    console.print(f"wrote {path}")
