@@ -1,0 +1,162 @@
+"""Mixed-precision KV pages (LeanKV tiers), per-head layout.
+
+A page is `page_bytes` bytes holding tokens of one (layer, KV head) at one precision tier. A tier
+stores K with `key_bits` and V with `value_bits` per element (asymmetric min/max quantization per
+token) plus fp16 scale and zero point for K and for V (8 bytes), so
+tokens per page = page_bytes // (head_dim * (key_bits + value_bits) / 8 + 8).
+Page byte layout for capacity C: [K codes C*kb | V codes C*vb | K scale | K zero | V scale | V zero]
+(codes packed little-end first within each byte; scales and zeros fp16, C each).
+Slot id = page_id * max_tokens_per_page + offset; which pages hold which tier and which slots a
+token goes to are decided by the engine core (its LeanKV policy), not here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+META_BYTES = 8  # fp16 scale + zero for K and for V
+
+
+@dataclass(frozen=True)
+class PrecisionTier:
+    name: str
+    key_bits: int
+    value_bits: int
+
+    def __post_init__(self) -> None:
+        for bits in (self.key_bits, self.value_bits):
+            if bits not in (2, 4, 8):
+                raise ValueError(f"tier {self.name}: bits must be 2, 4 or 8, got {bits}")
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        return head_dim * (self.key_bits + self.value_bits) // 8 + META_BYTES
+
+    def tokens_per_page(self, page_bytes: int, head_dim: int) -> int:
+        return page_bytes // self.bytes_per_token(head_dim)
+
+
+TIERS = {"K8V4": PrecisionTier("K8V4", 8, 4), "K4V2": PrecisionTier("K4V2", 4, 2), "K8V8": PrecisionTier("K8V8", 8, 8)}
+
+
+def quantize(x: torch.Tensor, bits: int):
+    """Per-row asymmetric quantization: x [N, D] -> (codes uint8 [N, D], scale fp16 [N], zero fp16 [N])."""
+    x = x.float()
+    lo, hi = x.min(-1).values, x.max(-1).values
+    zero = lo.half()
+    scale = ((hi - zero.float()) / (2 ** bits - 1)).clamp(min=1e-8).half()
+    codes = ((x - zero.float()[:, None]) / scale.float()[:, None]).round().clamp(0, 2 ** bits - 1)
+    return codes.to(torch.uint8), scale, zero
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale.float()[..., None] + zero.float()[..., None]
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, D] (values < 2**bits) -> bytes [N, D * bits / 8]."""
+    per_byte = 8 // bits
+    grouped = codes.view(codes.shape[0], -1, per_byte).to(torch.int32)
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32)[..., None] >> shifts) & (2 ** bits - 1)
+    return codes.flatten(-2).to(torch.uint8)
+
+
+class MixedPrecisionKVCache:
+    def __init__(self, num_pages: int, page_bytes: int, head_dim: int, tiers: tuple[str, ...] = ("K8V4", "K4V2"),
+                 device: str | torch.device = "cpu"):
+        unknown = [t for t in tiers if t not in TIERS]
+        if unknown:
+            raise ValueError(f"unknown precision tier(s) {unknown}; known: {sorted(TIERS)}")
+        if head_dim * 2 % 8:
+            raise ValueError(f"head_dim must be a multiple of 4 to pack 2-bit codes, got {head_dim}")
+        self.tiers = [TIERS[t] for t in tiers]
+        self.num_pages, self.page_bytes, self.head_dim = num_pages, page_bytes, head_dim
+        self.capacity = [t.tokens_per_page(page_bytes, head_dim) for t in self.tiers]
+        if min(self.capacity) < 1:
+            raise ValueError(f"page_bytes={page_bytes} holds no token of tier "
+                             f"{self.tiers[self.capacity.index(min(self.capacity))].name} at head_dim {head_dim}")
+        self.max_tokens = max(self.capacity)
+        self.device = torch.device(device)
+        self.pages = torch.zeros(num_pages, page_bytes, dtype=torch.uint8, device=self.device)
+        self.page_tier = torch.full((num_pages,), -1, dtype=torch.int8, device=self.device)
+        self.live = torch.zeros(num_pages, self.max_tokens, dtype=torch.bool, device=self.device)
+
+    def tier_index(self, name: str) -> int:
+        return [t.name for t in self.tiers].index(name)
+
+    def assign(self, page_ids: torch.Tensor, tier: str) -> None:
+        """Give pages a tier (the engine core's page allocator decides which); clears their slots."""
+        page_ids = torch.as_tensor(page_ids, dtype=torch.long, device=self.device)
+        self.page_tier[page_ids] = self.tier_index(tier)
+        self.live[page_ids] = False
+
+    def _regions(self, tier_idx: int):
+        tier, cap, D = self.tiers[tier_idx], self.capacity[tier_idx], self.head_dim
+        kb, vb = D * tier.key_bits // 8, D * tier.value_bits // 8
+        k_end, v_end = cap * kb, cap * (kb + vb)
+        meta = [v_end + i * 2 * cap for i in range(4)]   # k_scale, k_zero, v_scale, v_zero
+        return tier, cap, kb, vb, k_end, meta
+
+    def _split(self, slots: torch.Tensor):
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
+        pages, offsets = slots // self.max_tokens, slots % self.max_tokens
+        tiers = self.page_tier[pages].long()
+        if (tiers < 0).any():
+            raise ValueError(f"slots {slots[tiers < 0].tolist()[:5]} are on pages with no tier assigned")
+        return pages, offsets, tiers
+
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Quantize key/value [N, head_dim] into their slots at their page's tier; marks slots live."""
+        pages, offsets, tiers = self._split(slots)
+        for t in tiers.unique().tolist():
+            sel = tiers == t
+            tier, cap, kb, vb, k_end, meta = self._regions(t)
+            if (offsets[sel] >= cap).any():
+                raise ValueError(f"offset beyond the {cap} tokens a {tier.name} page holds")
+            p, o = pages[sel], offsets[sel]
+            for x, bits, width, base, (s_at, z_at) in ((key[sel], tier.key_bits, kb, 0, meta[:2]),
+                                                      (value[sel], tier.value_bits, vb, k_end, meta[2:])):
+                codes, scale, zero = quantize(x, bits)
+                cols = base + o[:, None] * width + torch.arange(width, device=self.device)
+                self.pages[p[:, None], cols] = pack(codes, bits)
+                for at, values in ((s_at, scale), (z_at, zero)):
+                    cols = at + o[:, None] * 2 + torch.arange(2, device=self.device)
+                    self.pages[p[:, None], cols] = values.view(torch.uint8).view(-1, 2)
+        self.live.view(-1)[pages * self.max_tokens + offsets] = True
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V [N, head_dim] fp32 of the given slots."""
+        pages, offsets, tiers = self._split(slots)
+        keys = torch.zeros(len(pages), self.head_dim, device=self.device)
+        values = torch.zeros_like(keys)
+        for t in tiers.unique().tolist():
+            sel = tiers == t
+            tier, cap, kb, vb, k_end, meta = self._regions(t)
+            p, o = pages[sel], offsets[sel]
+            for out, bits, width, base, (s_at, z_at) in ((keys, tier.key_bits, kb, 0, meta[:2]),
+                                                        (values, tier.value_bits, vb, k_end, meta[2:])):
+                packed = self.pages[p[:, None], base + o[:, None] * width + torch.arange(width, device=self.device)]
+                scale, zero = (self.pages[p[:, None], at + o[:, None] * 2 + torch.arange(2, device=self.device)]
+                               .contiguous().view(torch.float16).view(-1) for at in (s_at, z_at))
+                out[sel] = dequantize(unpack(packed, bits), scale, zero)
+        return keys, values
+
+    def page_slots(self, page_table: torch.Tensor) -> torch.Tensor:
+        """All slots of the listed pages (-1 entries skipped) that are live, in page-table order."""
+        pages = page_table[page_table >= 0].long()
+        slots = (pages[:, None] * self.max_tokens + torch.arange(self.max_tokens, device=self.device)).reshape(-1)
+        return slots[self.live.view(-1)[slots]]
+
+    def decode_attention(self, q: torch.Tensor, page_table: torch.Tensor, scale: float):
+        """Queries q [G, head_dim] of one (sequence, KV head) over the live tokens of its pages
+        (high and low tier mixed). Returns out [G, head_dim] and probabilities [G, live tokens]."""
+        keys, values = self.read(self.page_slots(page_table))
+        probs = torch.softmax(q.float() @ keys.T * scale, dim=-1)
+        return (probs @ values).to(q.dtype), probs
