@@ -204,21 +204,31 @@ def fidelity_table(steps: pd.DataFrame, measured: str = "duration_s", predicted:
 
 
 # ---- capacity ----------------------------------------------------------------------------------
-def add_cost_columns(df: pd.DataFrame, gpu_prices: dict[str, float]) -> pd.DataFrame:
-    """Add `gpus`, `usd_per_hour` and `usd_per_mtok` (per million total tokens, or output tokens
-    when total throughput is absent) where the table says which GPU and how many."""
-    df = df.copy()
-    if "gpu" not in df:
-        return df
-    tp = df["tp"] if "tp" in df else 1
-    replicas = df["replicas"] if "replicas" in df else 1
-    df["gpus"] = tp * replicas
-    price = df["gpu"].map(lambda g: gpu_prices.get(str(g).lower(), math.nan))
-    df["usd_per_hour"] = price * df["gpus"]
-    tok = df.get("throughput_total_tok_s", df.get("throughput_output_tok_s"))
-    if tok is not None:
-        df["usd_per_mtok"] = df["usd_per_hour"] / (tok.astype(float) * 3600) * 1e6
-    return df
+def read_sweep_store(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict | None]:
+    """(finished rows, failed rows, capacity result or None) of a sweep/capacity store directory
+    (`kvsim sweep` / `kvsim capacity --store`), or of a single Parquet file of rows."""
+    from sim.capacity import read_capacity
+    from sim.sweep import read_store
+
+    p = Path(path).expanduser()
+    if p.is_file():
+        df, capacity = read_parquet(p), None
+    elif (p / "runs").is_dir():
+        df, capacity = read_store(p), read_capacity(p)
+    elif p.is_dir():
+        raise DataError(f"{p}: not a sweep store (expected a runs/ directory of Parquet rows, "
+                        "as written by `kvsim sweep` or `kvsim capacity --store`)")
+    else:
+        raise DataError(f"{p}: no such file or directory")
+    if not len(df):
+        raise DataError(f"{p}: the store has no finished runs yet")
+    if "status" not in df:
+        return df, df.iloc[0:0], capacity
+    return df[df["status"] == "ok"].reset_index(drop=True), df[df["status"] != "ok"], capacity
+
+
+def varying_columns(df: pd.DataFrame, candidates: list[str]) -> list[str]:
+    return [c for c in candidates if c in df and df[c].astype(str).nunique(dropna=False) > 1]
 
 
 def pareto_front(df: pd.DataFrame, cost: str, benefit: str) -> pd.Series:
@@ -235,34 +245,22 @@ def pareto_front(df: pd.DataFrame, cost: str, benefit: str) -> pd.Series:
     return pd.Series(front, index=df.index)
 
 
-def best_under_slo(df: pd.DataFrame, attainment: float, objective: str, minimize: bool) -> pd.DataFrame:
-    """Rows meeting the SLO attainment target, best `objective` first."""
-    if "slo_attainment" not in df:
-        raise DataError("the table has no slo_attainment column (run with an SLO set)")
-    ok = df[df["slo_attainment"] >= attainment]
-    return ok.sort_values(objective, ascending=minimize, kind="stable")
+def meets_slo(df: pd.DataFrame, constraints) -> pd.Series:
+    """Rows meeting every constraint (sim.capacity.Constraint: metric, op, limit)."""
+    ok = pd.Series(True, index=df.index)
+    for c in constraints:
+        if c.metric not in df:
+            raise DataError(f"SLO metric {c.metric} is not a column of this table")
+        ok &= df.apply(lambda row, c=c: c.holds(row.to_dict()), axis=1)
+    return ok
 
 
-def capacity_by_group(df: pd.DataFrame, load: str, attainment: float, group: str | None) -> pd.DataFrame:
-    """Highest `load` value per group whose SLO attainment meets the target (a grid search's answer)."""
-    if "slo_attainment" not in df:
-        raise DataError("the table has no slo_attainment column (run with an SLO set)")
-    keys = [group] if group else []
+def capacity_by_group(df: pd.DataFrame, load: str, ok: pd.Series, group: str | None) -> pd.DataFrame:
+    """Highest `load` value per group among rows meeting the SLO (a grid's answer)."""
     rows = []
-    for key, part in (df.groupby(keys, sort=True) if keys else [("all", df)]):
-        ok = part[part["slo_attainment"] >= attainment]
+    for key, part in (df.groupby(group, sort=True, dropna=False) if group else [("all runs", df)]):
+        good = part[ok.loc[part.index]]
         rows.append({group or "group": key[0] if isinstance(key, tuple) else key,
-                     f"max {load} meeting SLO": ok[load].max() if len(ok) else math.nan,
-                     "points": len(part)})
-    return pd.DataFrame(rows)
-
-
-def sweep_table(records: list[RunRecord], points: list[dict]) -> pd.DataFrame:
-    """One row per run: the swept values (`points`), the run's identity and its summary figures."""
-    rows = []
-    for record, point in zip(records, points):
-        row = {k: v for k, v in record.summary.items() if isinstance(v, (int, float, str)) or v is None}
-        row.update(point)
-        row["run"] = record.label
-        rows.append(row)
+                     f"max {load} meeting the SLO": good[load].max() if len(good) else math.nan,
+                     "points": len(part), "points meeting the SLO": len(good)})
     return pd.DataFrame(rows)

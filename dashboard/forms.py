@@ -222,8 +222,9 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
         help="2 = requests arrive twice as fast")
     models = [m.name for m in list_models()]
     gpus = [g.name for g in list_gpus() if g.kind == "gpu"] + [g.name for g in list_gpus() if g.kind != "gpu"]
-    overrides["model"] = c1.selectbox("Model", models, index=_index_of(models, defaults.model), key=f"{prefix}model")
-    overrides["gpu"] = c2.selectbox("GPU", gpus, index=_index_of(gpus, defaults.gpu), key=f"{prefix}gpu")
+    overrides["model"] = st.selectbox("Model", models, index=_index_of(models, defaults.model), key=f"{prefix}model")
+    overrides["gpu"] = st.selectbox("GPU", gpus, index=_index_of(gpus, defaults.gpu), key=f"{prefix}gpu")
+    c1, c2 = st.columns(2)
     overrides["tp"] = c1.number_input("Tensor parallel", min_value=1, value=1, key=f"{prefix}tp")
     overrides["replicas"] = c2.number_input("Replicas", min_value=1, value=1, key=f"{prefix}replicas")
 

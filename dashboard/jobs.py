@@ -5,6 +5,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from sim.config import ConfigError, SimConfig
 
@@ -58,8 +59,14 @@ def _install_progress_hook() -> bool:
 
 @dataclass
 class Job:
-    """Simulates each (label, config) in turn; `records` fills in as runs finish."""
-    runs: list[tuple[str, SimConfig]]
+    """Simulates each (label, config) in turn; `records` fills in as runs finish.
+
+    With `task`, runs task(job) instead and keeps its return value in `value`; the task reports
+    progress through `run_done` / `run_total` / `unit` and checks `cancel_requested`."""
+    runs: list[tuple[str, SimConfig]] = field(default_factory=list)
+    task: Callable[["Job"], Any] | None = None
+    unit: str = "requests"
+    value: Any = None
     records: list[RunRecord] = field(default_factory=list)
     error: str | None = None
     run_done: int = 0
@@ -81,15 +88,18 @@ class Job:
         has_progress = _install_progress_hook()
         _local.job = self
         try:
+            if self.task is not None:
+                self.value = self.task(self)
             for label, cfg in self.runs:
                 self.run_done, self.run_total = 0, 0
                 result = run_simulation(cfg, None, progress=has_progress)
                 self.records.append(record_from_result(result, cfg, label))
         except Cancelled:
             self.error = "cancelled"
-        except (ConfigError, TraceError, ValueError, FileNotFoundError) as exc:
-            label = self.runs[len(self.records)][0]
-            self.error = f"{label}: {exc}" if len(self.runs) > 1 else str(exc)
+        except (ConfigError, TraceError, ValueError, FileNotFoundError, RuntimeError) as exc:
+            self.error = str(exc)
+            if len(self.runs) > 1:
+                self.error = f"{self.runs[len(self.records)][0]}: {exc}"
         except Exception as exc:  # an engine bug: keep the trace for the report, not a crashed page
             self.error = f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
         finally:
@@ -102,15 +112,17 @@ class Job:
 
     @property
     def fraction(self) -> float:
+        if self.task is not None:
+            return min(1.0, self.run_done / self.run_total) if self.run_total else 0.0
         inner = self.run_done / self.run_total if self.run_total else 0.0
         return min(1.0, (len(self.records) + inner) / max(len(self.runs), 1))
 
     def status_text(self) -> str:
         elapsed = (self.finished or time.perf_counter()) - self.started
         n = len(self.runs)
-        which = f"run {min(len(self.records) + 1, n)}/{n} " if n > 1 else ""
-        reqs = f"{self.run_done}/{self.run_total} requests done" if self.run_total else "loading trace"
-        return f"Simulating {which}- {reqs} - {elapsed:.1f}s"
+        which = f"run {min(len(self.records) + 1, n)}/{n} - " if n > 1 else ""
+        done = f"{self.run_done}/{self.run_total} {self.unit} done" if self.run_total else "starting"
+        return f"Simulating: {which}{done} - {elapsed:.1f}s"
 
     def wait(self, timeout: float | None = None) -> None:
         if self._thread is not None:

@@ -37,11 +37,12 @@ def save_runs(records: list[RunRecord]) -> None:
         runs[r.label] = r
 
 
-def start_job(key: str, runs: list) -> None:
-    st.session_state[key] = Job(runs).start()
+def start_job(key: str, runs: list | None = None, **job) -> None:
+    """Start simulating `runs` ([(label, SimConfig)]) or a Job(task=...) in the background."""
+    st.session_state[key] = Job(runs or [], **job).start()
 
 
-def follow_job(key: str) -> list[RunRecord] | None:
+def follow_job(key: str) -> Job | None:
     """Show progress of the job under `key` until it ends (page stays live); then its records.
 
     The loop only sleeps and updates the progress bar, so Streamlit streams each update to the
@@ -50,18 +51,20 @@ def follow_job(key: str) -> list[RunRecord] | None:
     if job is None:
         return None
     if not job.done:
-        if st.button("Cancel", key=f"{key}_cancel"):
-            job.cancel_requested = True
-        bar = st.progress(job.fraction, text=job.status_text())
+        slot = st.empty()
+        with slot.container():
+            if st.button("Cancel", key=f"{key}_cancel"):
+                job.cancel_requested = True
+            bar = st.progress(job.fraction, text=job.status_text())
         while not job.done:
             time.sleep(POLL_S)
             bar.progress(job.fraction, text=job.status_text())
-        bar.empty()
+        slot.empty()
     del st.session_state[key]
     if job.error:
         st.error(f"Simulation stopped: {job.error}" if job.error != "cancelled" else "Simulation cancelled.")
     save_runs(job.records)
-    return job.records
+    return job
 
 
 def summary_row(run: RunRecord) -> dict:

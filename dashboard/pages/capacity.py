@@ -1,120 +1,147 @@
-"""Capacity: a sweep store (Parquet) or a rate sweep run here; capacity curve, cost, Pareto, best config."""
-import itertools
-
+"""Capacity: load a sweep store or run a capacity search; capacity curve, cost, Pareto view and the
+cheapest configuration that meets an SLO."""
 import pandas as pd
 import streamlit as st
 
 from dashboard import charts
-from dashboard.data import (DataError, add_cost_columns, best_under_slo, capacity_by_group, pareto_front,
-                            read_parquet, sweep_table)
-from dashboard.forms import config_form, parse_axis_values, with_value
+from dashboard.data import DataError, capacity_by_group, meets_slo, pareto_front, read_sweep_store, varying_columns
+from dashboard.forms import config_form, with_value
+from dashboard.jobs import Cancelled
 from dashboard.ui import follow_job, start_job
+from sim.capacity import find_capacity, parse_slo
 from sim.catalog import list_gpus
-from sim.config import ConfigError
+from sim.config import ConfigError, SimConfig
+from sim.sweep import config_columns
+
+DEFAULT_SLO = "ttft_p99<=2s, tpot_p99<=100ms"
+LOAD_COLUMNS = ["offered_rate_req_s", "trace_options.rate_scale", "replicas", "searched_value"]
+BENEFIT_COLUMNS = ["goodput_req_s", "throughput_output_tok_s", "throughput_req_s"]
+COST = "usd_per_m_output_tok"
+
+
+def capacity_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int, store: str | None):
+    def task(job):
+        job.unit, job.run_total = "points", len(gpus) * max_evals
+        answers = []
+        for i, gpu in enumerate(gpus):
+            def progress(row):
+                if job.cancel_requested:
+                    raise Cancelled()
+                job.run_done += 1
+            result = find_capacity(with_value(base, "gpu", gpu), constraints, mode=mode, max_evals=max_evals,
+                                   store=store, progress=progress)
+            answers.append((gpu, result))
+            job.run_done = (i + 1) * max_evals
+        return answers
+    return task
+
 
 st.title("Capacity")
-source = st.radio("Data", ["Run a rate sweep here", "Load a sweep store (Parquet)"], horizontal=True, key="cap_source")
-table: pd.DataFrame | None = None
-
-if source == "Load a sweep store (Parquet)":
-    path = st.text_input("Sweep store: a Parquet file or a directory of Parquet files", key="cap_path").strip()
-    upload = st.file_uploader("...or upload a Parquet file", type=["parquet"], key="cap_upload")
+source = st.radio("Data", ["Run a capacity search", "Load a sweep store"], horizontal=True, key="cap_source")
+table, answers = None, None
+if source == "Load a sweep store":
+    path = st.text_input("Store directory (`kvsim sweep` / `kvsim capacity --store`) or a Parquet file of rows",
+                         key="cap_path").strip()
+    if not path:
+        st.info("A sweep store has one Parquet row per simulated configuration: its config columns "
+                "(gpu, tp, trace_options.rate_scale, ...) and summary figures (goodput_req_s, ttft_p99_s, ...).")
+        st.stop()
     try:
-        if upload is not None:
-            import io
-            try:
-                table = pd.read_parquet(io.BytesIO(upload.getvalue()))
-            except Exception as exc:  # pyarrow raises several types for a non-Parquet file
-                raise DataError(f"{upload.name}: not a readable Parquet file ({exc})") from None
-        elif path:
-            table = read_parquet(path)
+        table, failed, capacity = read_sweep_store(path)
     except DataError as exc:
         st.error(str(exc))
-    if table is None:
-        st.info("A sweep store has one row per simulated configuration with its summary figures "
-                "(throughput_*, goodput_req_s, slo_attainment, ttft_p99_s, ...) and the swept settings "
-                "(gpu, tp, replicas, rate_scale, ...).")
+        st.stop()
+    if len(failed):
+        with st.expander(f"{len(failed)} failed run(s)"):
+            st.dataframe(failed[["run_id", "error"]], hide_index=True)
+    if capacity:
+        st.caption(f"Capacity result in the store: {capacity['mode']} search, SLO {', '.join(capacity['slo'])}: "
+                   f"answer {capacity['answer']} ({'feasible' if capacity['feasible'] else 'infeasible'})")
 else:
     with st.sidebar:
         st.header("Base configuration")
         base, error = config_form("cap_", max_requests=100)
     gpus = [g.name for g in list_gpus() if g.kind == "gpu"]
     a, b = st.columns(2)
-    chosen_gpus = a.multiselect("GPUs", gpus, default=[base.gpu] if base and base.gpu in gpus else gpus[5:6],
-                                key="cap_gpus")
-    rates_text = b.text_input("Arrival-rate scales", value="0.5, 1, 2, 4", key="cap_rates")
-    points, runs = [], []
+    chosen = a.multiselect("GPUs", gpus, default=[base.gpu] if base and base.gpu in gpus else gpus[:1], key="cap_gpus")
+    mode = b.radio("Search for", ["rate", "replicas"], horizontal=True, key="cap_mode",
+                   format_func={"rate": "highest arrival rate", "replicas": "fewest replicas"}.get)
+    slo_text = a.text_input("SLO", value=DEFAULT_SLO, key="cap_slo",
+                            help="constraints on summary metrics, e.g. ttft_p99<=2s, e2e_p90<=30s, slo_attainment>=0.99")
+    max_evals = b.number_input("Max simulations per GPU", min_value=2, max_value=64, value=8, key="cap_evals")
+    store = st.text_input("Save points to a store directory (optional, resumable)", key="cap_store").strip() or None
     try:
         if error:
             raise ConfigError(error)
-        rates = parse_axis_values("trace_options.rate_scale", rates_text)
-        if not chosen_gpus:
+        constraints = parse_slo(slo_text)
+        if not chosen:
             raise ConfigError("pick at least one GPU")
-        for gpu, rate in itertools.product(chosen_gpus, rates):
-            cfg = with_value(with_value(base, "gpu", gpu), "trace_options.rate_scale", rate)
-            runs.append((f"{gpu} rate x{rate:g}", cfg))
-            points.append({"gpu": gpu, "rate_scale": rate})
     except ConfigError as exc:
         st.error(str(exc))
-        runs = []
-    if st.button(f"Run {len(runs)} simulations", type="primary", disabled=not runs, key="cap_run"):
-        start_job("cap_job", runs)
-        st.session_state["cap_points"] = points
-    records = follow_job("cap_job")
-    if records:
-        st.session_state["cap_table"] = sweep_table(records, st.session_state["cap_points"])
-    table = st.session_state.get("cap_table")
-    if table is None:
-        st.info("Each point simulates the base configuration at one arrival-rate scale on one GPU.")
+        chosen = []
+    if st.button("Search capacity", type="primary", disabled=not chosen, key="cap_run"):
+        start_job("cap_job", task=capacity_task(base, chosen, constraints, mode, int(max_evals), store))
+    job = follow_job("cap_job")
+    if job is not None and job.value:
+        st.session_state["cap_answers"] = job.value
+    answers = st.session_state.get("cap_answers")
+    if not answers:
+        st.info("For each GPU the search brackets the SLO boundary by doubling/halving the load, then bisects.")
+        st.stop()
+    st.subheader("Capacity")
+    st.dataframe(pd.DataFrame([{
+        "gpu": gpu, "search": r.mode, "meets SLO somewhere": r.feasible, "boundary found": r.bounded,
+        ("max rate scale" if r.mode == "rate" else "fewest replicas"): r.answer,
+        "rate (req/s)": r.answer_rate_req_s, **{k: r.answer_metrics.get(k) for k in
+                                                ("goodput_req_s", "ttft_p99_s", "tpot_p99_s", COST)},
+    } for gpu, r in answers]), hide_index=True, key="cap_answers_table")
+    table = pd.concat([r.curve for _, r in answers if r.curve is not None], ignore_index=True)
 
 if table is None or not len(table):
     st.stop()
-prices = {}
-for g in list_gpus():
-    for name in (g.name, *g.aliases):
-        prices[name.lower()] = g.usd_per_hour
-table = add_cost_columns(table, prices)
-numeric = [c for c in table.columns if pd.api.types.is_numeric_dtype(table[c])]
-categorical = [c for c in table.columns if c not in numeric and table[c].nunique() < 50]
+numeric = [c for c in table.columns if pd.api.types.is_numeric_dtype(table[c]) and table[c].notna().any()]
+config_cols = list(config_columns(SimConfig().model_dump(mode="json")))
+groups = varying_columns(table, [c for c in config_cols if c not in LOAD_COLUMNS and c != "seed"])
 
 
-def _pick(label, options, preferred, key):
+def pick(column, label, options, preferred, key):
     index = next((options.index(p) for p in preferred if p in options), 0)
-    return st.selectbox(label, options, index=index, key=key)
+    return column.selectbox(label, options, index=index, key=key)
 
 
 a, b, c = st.columns(3)
-load = _pick("Load axis", numeric, ["rate_scale", "rate", "request_rate", "qps"], "cap_x")
-benefit = _pick("Benefit", numeric, ["goodput_req_s", "throughput_req_s", "throughput_output_tok_s"], "cap_y")
-group = _pick("Group by", ["(none)"] + categorical, ["gpu", "config", "policy"], "cap_group")
+load = pick(a, "Load axis", numeric, LOAD_COLUMNS, "cap_x")
+benefit = pick(b, "Benefit", numeric, BENEFIT_COLUMNS, "cap_y")
+group = pick(c, "Group by", ["(none)"] + groups, ["gpu", "kv.policy", "model"], "cap_group")
 group = None if group == "(none)" else group
-target = st.slider("SLO attainment target", 0.5, 1.0, 0.99, 0.01, key="cap_target")
-
-st.plotly_chart(charts.xy_lines(table, load, benefit, group, "Capacity curve"), key="cap_curve")
-if "slo_attainment" in table:
-    st.plotly_chart(charts.xy_lines(table, load, "slo_attainment", group, "SLO attainment"), key="cap_attain")
-    st.subheader("Capacity under the SLO")
-    st.dataframe(capacity_by_group(table, load, target, group), hide_index=True, key="cap_capacity")
-if "usd_per_mtok" in table:
-    st.plotly_chart(charts.xy_lines(table, load, "usd_per_mtok", group, "Cost per million tokens (USD)"),
-                    key="cap_cost")
-    feasible = table if "slo_attainment" not in table else table[table["slo_attainment"] >= target]
-    if len(feasible):
-        front = pareto_front(feasible, "usd_per_mtok", benefit)
-        st.plotly_chart(charts.xy_lines(feasible, "usd_per_mtok", benefit, group,
-                                        f"Pareto view (points meeting the SLO target {target:.0%})", front),
-                        key="cap_pareto")
-st.subheader("Best configuration under the SLO")
-objective = "usd_per_mtok" if "usd_per_mtok" in table else benefit
+slo_view = st.text_input("SLO for the views below", value=st.session_state.get("cap_slo", DEFAULT_SLO), key="cap_slo_view")
 try:
-    best = best_under_slo(table, target, objective, minimize=objective == "usd_per_mtok")
-except DataError as exc:
-    st.warning(str(exc))
+    ok = meets_slo(table, parse_slo(slo_view))
+except (ConfigError, DataError) as exc:
+    st.error(str(exc))
+    st.stop()
+
+left, right = st.columns(2)
+left.plotly_chart(charts.xy_lines(table, load, benefit, group, "Capacity curve"), key="cap_curve")
+latency = "ttft_p99_s" if "ttft_p99_s" in table else benefit
+right.plotly_chart(charts.xy_lines(table, load, latency, group, f"{latency} vs load"), key="cap_latency")
+st.dataframe(capacity_by_group(table, load, ok, group), hide_index=True, key="cap_capacity")
+if COST in table:
+    left.plotly_chart(charts.xy_lines(table, load, COST, group, "Cost per million output tokens (USD)"),
+                      key="cap_cost")
+    feasible = table[ok]
+    if len(feasible):
+        right.plotly_chart(charts.xy_lines(feasible, COST, benefit, group, "Pareto view: points meeting the SLO",
+                                           pareto_front(feasible, COST, benefit)), key="cap_pareto")
+st.subheader("Best configuration under the SLO")
+best = table[ok].sort_values(COST if COST in table else benefit, ascending=COST in table, kind="stable")
+if len(best):
+    top = best.iloc[0]
+    what = ", ".join(f"{k}={top[k]}" for k in ([group] if group else []) + [load] if k in top)
+    cost = f"${top[COST]:.3f} per million output tokens, " if COST in table else ""
+    st.success(f"Best: {what}: {cost}{benefit} = {top[benefit]:.4g}")
+    st.dataframe(best, hide_index=True, key="cap_best")
 else:
-    if len(best):
-        st.success(f"Best: {best.iloc[0].get('run', best.index[0])} ({objective} = {best.iloc[0][objective]:.4g})")
-        st.dataframe(best, hide_index=True, key="cap_best")
-    else:
-        st.warning(f"No configuration reaches SLO attainment {target:.0%}.")
+    st.warning("No point meets the SLO.")
 with st.expander("All points"):
     st.dataframe(table, hide_index=True)
