@@ -147,7 +147,8 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
     base = _load_base(raw.get("base"), source, root)
     fixed = _mapping(raw.get("fixed"), f"{source}: fixed")
     grid = _mapping(raw.get("grid"), f"{source}: grid")
-    runs = raw.get("runs") or [{}]
+    runs = raw.get("runs")
+    runs = [{}] if runs is None else runs
     if not isinstance(runs, list):
         raise SpecError(f"{source}: runs: expected a list of config mappings, got {type(runs).__name__}")
     if not runs:

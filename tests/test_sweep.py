@@ -1,0 +1,221 @@
+"""kvsim sweep: spec validation, the resumable store, failure isolation, local vs Dask executors."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from sim.catalog import get_gpu
+from sim.config import load_config
+from sim.simulate import run_simulation
+from sim.sweep import SpecError, load_spec, parse_spec, read_store, run_sweep
+
+SMALL = {"trace_options.max_requests": 60, "engine.num_gpu_blocks": 1500}
+SPEC = {"fixed": SMALL,
+        "grid": {"engine.block_size": [16, 32], "engine.max_num_seqs": [8, 64], "trace_options.rate_scale": [1, 4]}}
+NONDETERMINISTIC = ["wall_s"]   # host timing; everything else must match bit for bit
+
+
+def write_spec(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def comparable(df: pd.DataFrame) -> pd.DataFrame:
+    return df.drop(columns=NONDETERMINISTIC).reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> pd.DataFrame:
+    """The spec run serially in this process: the store every other executor must reproduce."""
+    store = tmp_path_factory.mktemp("reference")
+    result = run_sweep(parse_spec(SPEC), store, jobs=1, progress=False)
+    assert (result.ran, result.failed) == (8, 0)
+    return read_store(store)
+
+
+# ---- spec parsing and validation ---------------------------------------------------------------
+
+def test_grid_is_cartesian_product_in_spec_order_last_key_fastest():
+    plan = parse_spec(SPEC)
+    assert len(plan.runs) == 8
+    assert plan.axis_keys == ["engine.block_size", "engine.max_num_seqs", "trace_options.rate_scale"]
+    assert [tuple(r.axes.values()) for r in plan.runs[:3]] == [(16, 8, 1), (16, 8, 4), (16, 64, 1)]
+    assert [r.config["engine"]["block_size"] for r in plan.runs] == [16] * 4 + [32] * 4
+    assert all(r.config["trace_options"]["max_requests"] == 60 for r in plan.runs)
+    assert len({r.run_id for r in plan.runs}) == 8
+
+
+def test_explicit_runs_are_crossed_with_grid_and_nested_keys_equal_dotted(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("engine:\n  num_gpu_blocks: 1500\ntrace_options:\n  max_requests: 60\n")
+    spec = write_spec(tmp_path / "spec.yaml", {
+        "base": "base.yaml",
+        "runs": [{"model": "llama-3.1-8b", "tp": 1}, {"model": "llama-3.1-70b", "tp": 4}],
+        "grid": {"trace_options": {"rate_scale": [1, 2]}}})
+    plan = load_spec(spec)
+    assert [(r.config["model"], r.config["tp"], r.config["trace_options"]["rate_scale"]) for r in plan.runs] == [
+        ("llama-3.1-8b", 1, 1), ("llama-3.1-8b", 1, 2), ("llama-3.1-70b", 4, 1), ("llama-3.1-70b", 4, 2)]
+    dotted = parse_spec({"fixed": SMALL, "runs": [{"model": "llama-3.1-8b", "tp": 1}],
+                         "grid": {"trace_options.rate_scale": [1, 2]}})
+    assert [r.run_id for r in dotted.runs] == [r.run_id for r in plan.runs[:2]]
+
+
+def test_points_resolving_to_the_same_config_run_once():
+    plan = parse_spec({"fixed": SMALL, "grid": {"engine.block_size": [16, 16, 32], "seed": [0]}})
+    assert len(plan.runs) == 2 and plan.duplicates == 1
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ({"grid": {"engine.block_size": [16]}, "gird": {}}, "unknown key 'gird'"),
+    ({"grid": {"engine.blocksize": [16, 32]}}, "grid.engine.blocksize[0] = 16: engine.blocksize: Extra inputs"),
+    ({"grid": {"engine.block_size": [16, 24]}}, "grid.engine.block_size[1] = 24"),
+    ({"grid": {"engine.block_size": []}}, "grid.engine.block_size: empty list"),
+    ({"grid": {"engine.block_size": 16}}, "grid.engine.block_size: expected a list"),
+    ({"runs": []}, "runs: empty list"),
+    ({"fixed": {"tp": 0}}, "fixed: tp: Input should be greater than 0"),
+    ({"runs": [{"model": "llama-9000"}]}, "model='llama-9000'"),
+    ({"grid": {"trace": ["azure-conv-2023", "no-such-trace"]}}, "trace='no-such-trace'"),
+    ({"grid": {"gpu": ["h100", "t4"], "model": ["llama-3.1-8b"]}},
+     "run 1 (gpu='t4', model='llama-3.1-8b'): model='llama-3.1-8b' gpu='t4' tp=1: Llama-3.1-8B does not fit"),
+])
+def test_bad_specs_are_rejected_naming_key_and_value(spec, expected):
+    with pytest.raises(SpecError) as exc:
+        parse_spec({**spec, "fixed": {**SMALL, **spec.get("fixed", {})}})
+    assert expected in str(exc.value)
+
+
+def test_model_that_fits_only_at_higher_tp_is_accepted_there():
+    spec = {"fixed": SMALL, "runs": [{"model": "llama-3.1-70b", "gpu": "h100", "tp": 4}]}
+    assert len(parse_spec(spec).runs) == 1
+    with pytest.raises(SpecError, match="does not fit"):
+        parse_spec({**spec, "runs": [{"model": "llama-3.1-70b", "gpu": "h100", "tp": 1}]})
+
+
+def test_cli_rejects_bad_spec_before_running_anything(tmp_path):
+    from sim.cli import app
+    spec = write_spec(tmp_path / "bad.yaml", {"fixed": SMALL, "grid": {"engine.max_num_seqs": [8, -1]}})
+    out = tmp_path / "store"
+    res = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(out)])
+    assert res.exit_code == 2
+    assert "grid.engine.max_num_seqs[1] = -1" in res.output
+    assert not out.exists()
+
+
+# ---- the store ----------------------------------------------------------------------------------
+
+def test_rows_hold_config_and_the_same_metrics_as_kvsim_simulate(reference):
+    assert list(reference["run_index"]) == list(range(8))
+    assert reference["run_id"].is_unique and set(reference["status"]) == {"ok"}
+    row = reference.iloc[5]
+    cfg = load_config(None, {**SMALL, "engine.block_size": int(row["engine.block_size"]),
+                             "engine.max_num_seqs": int(row["engine.max_num_seqs"]),
+                             "trace_options.rate_scale": float(row["trace_options.rate_scale"])})
+    summary = run_simulation(cfg).summary
+    for key in ("throughput_output_tok_s", "ttft_p99_s", "tpot_p99_s", "goodput_req_s", "kv_util_mean",
+                "fragmentation_p99", "preemptions", "num_finished"):
+        assert row[key] == summary[key], key
+    assert row["model_name"] == summary["model"] and row["gpu"] == "h100"
+    price = get_gpu("h100").usd_per_hour
+    assert row["num_gpus"] == 1 and row["usd_per_hour"] == price
+    assert row["usd_per_m_output_tok"] == pytest.approx(price / 3600 / summary["throughput_output_tok_s"] * 1e6)
+    # more load on the same hardware: cheaper per token, never slower TTFT
+    by_rate = reference.groupby("trace_options.rate_scale")
+    assert by_rate["usd_per_m_output_tok"].mean()[4] < by_rate["usd_per_m_output_tok"].mean()[1]
+
+
+def test_stop_after_n_runs_then_resume_gives_the_same_store(tmp_path, reference):
+    plan = parse_spec(SPEC)
+    first = run_sweep(plan, tmp_path, jobs=1, max_runs=3, progress=False)
+    assert first.ran == 3 and len(read_store(tmp_path)) == 3
+    second = run_sweep(plan, tmp_path, jobs=1, progress=False)
+    assert (second.skipped, second.ran) == (3, 5)
+    pd.testing.assert_frame_equal(comparable(read_store(tmp_path)), comparable(reference))
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
+    third = run_sweep(plan, tmp_path, jobs=1, progress=False)
+    assert third.ran == 0
+    assert mtimes == {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
+
+
+def test_killed_sweep_resumes_without_loss_or_duplicates(tmp_path, reference):
+    spec = write_spec(tmp_path / "spec.yaml", SPEC)
+    store = tmp_path / "store"
+    script = ("import typer; from sim.planning_cli import sweep; typer.run(sweep)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(spec), "--out", str(store), "--jobs", "1", "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    runs = store / "runs"
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if runs.is_dir() and len(list(runs.glob("[!.]*.parquet"))) >= 2:
+                break
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    done = len(list(runs.glob("[!.]*.parquet")))
+    assert 2 <= done < 8, "the kill should land mid-sweep"
+    resumed = run_sweep(load_spec(spec), store, jobs=1, progress=False)
+    assert resumed.ran == 8 - done
+    assert not list(runs.glob(".tmp-*"))
+    pd.testing.assert_frame_equal(comparable(read_store(store)), comparable(reference))
+
+
+def test_a_failing_run_is_recorded_and_the_sweep_goes_on(tmp_path):
+    # `rate` applies only to length-only traces: on the Azure trace the loader refuses it at run time
+    spec = {"fixed": {**SMALL, "trace_options.max_requests": 30},
+            "grid": {"trace_options.rate": [None, 5.0], "engine.block_size": [16, 32]}}
+    result = run_sweep(parse_spec(spec), tmp_path, jobs=1, progress=False)
+    assert (result.ran, result.failed) == (4, 2)
+    df = read_store(tmp_path)
+    assert list(df["status"]) == ["ok", "ok", "failed", "failed"]
+    assert df.loc[2, "error"].startswith("TraceError") and "length-only" in df.loc[2, "error"]
+    assert df.loc[2, "trace_options.rate"] == 5.0 and pd.isna(df.loc[2, "throughput_req_s"])
+    assert df.loc[:1, "throughput_req_s"].gt(0).all()
+    assert run_sweep(parse_spec(spec), tmp_path, jobs=1, progress=False).ran == 0
+    retried = run_sweep(parse_spec(spec), tmp_path, jobs=1, retry_failed=True, progress=False)
+    assert (retried.ran, retried.failed) == (2, 2)
+    assert len(read_store(tmp_path)) == 4
+
+
+def test_save_outputs_keeps_each_runs_simulate_files(tmp_path):
+    plan = parse_spec({**SPEC, "grid": {"engine.block_size": [16]}, "save_outputs": True})
+    run_sweep(plan, tmp_path, jobs=1, progress=False)
+    out = tmp_path / "outputs" / plan.runs[0].run_id
+    assert {p.name for p in out.iterdir()} == {"requests.parquet", "steps.parquet", "summary.json", "config.yaml"}
+    assert len(pd.read_parquet(out / "requests.parquet")) == 60
+
+
+# ---- executors ----------------------------------------------------------------------------------
+
+def test_process_pool_store_equals_serial(tmp_path, reference):
+    result = run_sweep(parse_spec(SPEC), tmp_path, jobs=2, progress=False)
+    assert result.ran == 8
+    pd.testing.assert_frame_equal(comparable(read_store(tmp_path)), comparable(reference))
+
+
+def test_dask_cluster_store_equals_local(tmp_path, reference):
+    from distributed import Client, LocalCluster
+
+    # in-process workers (inproc:// transport): fast to start, same task function as a real cluster
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        result = run_sweep(parse_spec(SPEC), tmp_path, executor="dask", scheduler=client.scheduler.address,
+                           progress=False)
+    assert (result.ran, result.failed) == (8, 0)
+    pd.testing.assert_frame_equal(comparable(read_store(tmp_path)), comparable(reference))
+
+
+def test_dask_executor_needs_a_scheduler(tmp_path):
+    from sim.cli import app
+    spec = write_spec(tmp_path / "spec.yaml", SPEC)
+    res = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "s"), "--executor", "dask"])
+    assert res.exit_code == 2 and "--scheduler" in res.output
