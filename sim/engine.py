@@ -138,123 +138,146 @@ class EngineReplica:
 
     # ----- decode fast-forward ----------------------------------------------------------------
     def _decode_run(self):
+        """Advance a stretch of pure-decode steps in bulk, exactly as stepping one by one would.
+
+        The stretch ends at the step in progress when the next request arrives, before a block
+        allocation that could fail, when a waiting request could be admitted (a finish while at
+        max_num_seqs), or after `max_run_steps`. Requests finishing inside it leave the batch.
+        """
         sched = self.scheduler
         running = sched.running
         cfg = sched.config
         if not running or len(running) > cfg.max_num_batched_tokens:
             return
-        if len(sched.waiting) and len(running) < cfg.max_num_seqs:
+        admission_blocked = len(sched.waiting) > 0
+        if admission_blocked and len(running) < cfg.max_num_seqs:
             return
         for r in running:
             if r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
                 return
-        b = len(running)
-        c = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=b)
-        k = min(min(r.remaining_output for r in running), self.max_run_steps)
         bs = self.kv.block_size
+        c = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=len(running))
+        last = np.fromiter((r.remaining_output for r in running), dtype=np.int64, count=len(running))
+        k = int(last.min() if admission_blocked else last.max())
+        k = min(k, self.max_run_steps)
         steps = np.arange(1, k + 1, dtype=np.int64)
-        # blocks each request holds after step i (ceil((c + i) / bs)), and new ones needed per step
-        held = -(-(c[:, None] + steps[None, :]) // bs)
-        before = -(-(c[:, None] + steps[None, :] - 1) // bs)
-        new = held - before
-        cum_new = np.cumsum(new.sum(axis=0))
-        fits = cum_new <= self.kv.num_free_blocks
+        active = steps[None, :] <= last[:, None]          # request computes a token in step i
+        tokens = c[:, None] + steps[None, :]               # tokens resident after step i
+        held = -(-tokens // bs)
+        new = (held - (-(-(tokens - 1) // bs))) * active   # blocks allocated in step i
+        alloc = new.sum(axis=0)
+        freed = np.zeros(k, dtype=np.int64)
+        ending = last <= k
+        if not self.kv.enable_caching:   # shared prefix blocks would not return; be conservative
+            np.add.at(freed, last[ending] - 1, held[ending, last[ending] - 1])
+        cum_alloc = np.cumsum(alloc)
+        fits = cum_alloc - np.concatenate(([0], np.cumsum(freed)[:-1])) <= self.kv.num_free_blocks
         if not fits.all():
             k = int(np.argmin(fits))
+            if k < 1:
+                return
+        batch = active[:, :k].sum(axis=0)
+        kv_read = (tokens[:, :k] * active[:, :k]).sum(axis=0)
+        entries = (held[:, :k] * active[:, :k]).sum(axis=0)
+        f64 = np.float64
+        shape = BatchShape(num_seqs=batch.astype(f64), num_prefill_tokens=np.zeros(k),
+                           num_decode_tokens=batch.astype(f64), attn_pairs_prefill=np.zeros(k),
+                           kv_tokens_read=kv_read.astype(f64), bytes_moved=np.zeros(k),
+                           swap_bytes=np.zeros(k), block_table_entries=entries.astype(f64))
+        durations = np.asarray(self.executor.predict_run(shape), dtype=f64)
+        clock = np.add.accumulate(np.concatenate(([self.now], durations)))
+        # Steps that start before the next arrival are scheduled exactly as stepping would.
+        k = min(k, int(np.searchsorted(clock[:-1], self.next_arrival(), side="left")))
         if k < 1:
             return
-        kv_read = c.sum() + b * steps[:k]
-        shape = BatchShape(num_seqs=np.full(k, b, np.float64), num_prefill_tokens=np.zeros(k),
-                           num_decode_tokens=np.full(k, b, np.float64), attn_pairs_prefill=np.zeros(k),
-                           kv_tokens_read=kv_read.astype(np.float64), bytes_moved=np.zeros(k),
-                           swap_bytes=np.zeros(k), block_table_entries=held[:, :k].sum(axis=0).astype(np.float64))
-        durations = np.asarray(self.executor.predict_run(shape), dtype=np.float64)
-        ends = np.add.accumulate(np.concatenate(([self.now], durations)))[1:]
-        k = min(k, int(np.searchsorted(ends, self.next_arrival(), side="left")))
-        if k < 1:
-            return
-        durations, ends = durations[:k], ends[:k]
-        starts = np.concatenate(([self.now], ends[:-1]))
-        pool_rows = self._apply_decode_run(running, c, k, new[:, :k])
+        starts, ends = clock[:k], clock[1:k + 1]
+        batch_reqs = list(running)
+        waiting = np.full(k, len(sched.waiting))
+        rows = self._apply_decode_run(batch_reqs, c, last, k, new[:, :k], held[:, :k], tokens[:, :k], ends)
         self.now = float(ends[-1])
         yield self._sleep_until(self.now)
-        finished = self._finish_decode_run(running, c, k, ends)
-        cols = {
+        self._finish([r for r, e in zip(batch_reqs, last.tolist()) if e == k], self.now)
+        used = self.kv.pool.num_used_blocks
+        waiting[-1] = len(sched.waiting)       # arrivals during the last step
+        rows["blocks_used"][-1] = used
+        rows["blocks_free"][-1] = self.kv.pool.num_free_blocks
+        rows["blocks_cached"][-1] = self.kv.pool.num_cached_free_blocks
+        rows["live_slots"][-1] += (used - rows["allocated_slots"][-1] // bs) * bs
+        rows["allocated_slots"][-1] = used * bs
+        live, allocated = rows["live_slots"][-1], rows["allocated_slots"][-1]
+        rows["fragmentation"][-1] = 1.0 - live / allocated if allocated else 0.0
+        rows.update({
             "replica": self.index, "step": np.arange(self.num_steps, self.num_steps + k),
-            "time_s": starts, "duration_s": durations, "predicted_s": durations,
-            "batch_size": b, "num_prefill_seqs": 0, "num_decode_seqs": b, "prefill_tokens": 0,
-            "decode_tokens": b, "kv_tokens_read": kv_read[:k], "preemptions": 0,
-            "finished": np.where(steps[:k] == k, finished, 0),
-        }
-        last = self._pool_row()
-        for name in pool_rows:
-            pool_rows[name][-1] = last[name]
-            cols[name] = pool_rows[name]
-        self.step_log.append_columns(cols, k)
+            "time_s": starts, "duration_s": durations[:k], "predicted_s": durations[:k],
+            "batch_size": batch[:k], "num_prefill_seqs": 0, "num_decode_seqs": batch[:k],
+            "prefill_tokens": 0, "decode_tokens": batch[:k], "kv_tokens_read": kv_read[:k],
+            "preemptions": 0, "num_waiting": waiting,
+        })
+        self.step_log.append_columns(rows, k)
         self.num_steps += k
         if self.check:
             self.check_invariants()
         if self.on_step:
             self.on_step(k)
 
-    def _apply_decode_run(self, running: list[Request], c: np.ndarray, k: int, new: np.ndarray) -> dict:
-        """Replay the run's block allocations (and prefix-cache fills) in step order; pool rows per step."""
+    def _apply_decode_run(self, reqs: list[Request], c, last, k: int, new, held, tokens, ends) -> dict:
+        """Replay the run's allocations, prefix-cache fills and finishes in step order."""
         bs = self.kv.block_size
         events = new.astype(bool)
         if self.kv.enable_caching:
-            fills = ((c[:, None] + np.arange(1, k + 1)[None, :]) % bs) == 0
-            events |= fills
+            events |= (tokens % bs == 0) & (np.arange(1, k + 1)[None, :] <= last[:, None])
         req_idx, step_idx = np.nonzero(events)
         order = np.lexsort((req_idx, step_idx))
-        names = ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
-                 "fragmentation", "num_running", "num_waiting")
-        rows = {n: np.empty(k, dtype=np.float64) for n in names}
-        live0, _ = self.kv.slot_stats()
-        b = len(running)
-        i_done = 0
+        ends_at = last.tolist()
+        finishing = sorted((e - 1, r) for r, e in enumerate(ends_at) if e < k)
         pool = self.kv.pool
+        used = np.empty(k, dtype=np.int64)
+        cached = np.empty(k, dtype=np.int64)
+        done = 0
+        f = 0
+        end_times = ends.tolist()
 
         def record(upto: int) -> None:
-            nonlocal i_done
-            for i in range(i_done, upto):
-                allocated = pool.num_used_blocks * bs
-                live = live0 + b * (i + 1)
-                rows["blocks_used"][i] = pool.num_used_blocks
-                rows["blocks_free"][i] = pool.num_free_blocks
-                rows["blocks_cached"][i] = pool.num_cached_free_blocks
-                rows["live_slots"][i] = live
-                rows["allocated_slots"][i] = allocated
-                rows["fragmentation"][i] = 1.0 - live / allocated if allocated else 0.0
-            i_done = upto
+            nonlocal done, f
+            for i in range(done, upto):
+                while f < len(finishing) and finishing[f][0] == i:   # finishes end their step
+                    self._finish([reqs[finishing[f][1]]], end_times[i])
+                    f += 1
+                used[i] = pool.num_used_blocks
+                cached[i] = pool.num_cached_free_blocks
+            done = upto
 
-        for j in order:
-            r, i = req_idx[j], step_idx[j]
+        for j in order.tolist():
+            r, i = int(req_idx[j]), int(step_idx[j])
             record(i)
-            req = running[r]
+            req = reqs[r]
             req.num_computed_tokens = int(c[r] + i)
-            ok = self.kv.allocate_slots(req, 1)
-            assert ok, "fast-forward planned an allocation that failed"
+            if not self.kv.allocate_slots(req, 1):
+                raise AssertionError("fast-forward planned an allocation that failed")
         record(k)
-        rows["num_running"][:] = len(running)
-        rows["num_waiting"][:] = len(self.scheduler.waiting)
-        return rows
+        for r, req in enumerate(reqs):
+            n = min(ends_at[r], k)
+            req.num_computed_tokens = int(c[r]) + n
+            req.num_output_tokens += n
+            req.token_times.extend(end_times[:n])
+        alive = np.arange(1, k + 1)[None, :] < last[:, None]    # still holding blocks after step i
+        empty = ((held * bs - tokens) * alive).sum(axis=0)
+        allocated = used * bs
+        live = allocated - empty
+        finished_per_step = np.bincount(np.minimum(last, k + 1) - 1, minlength=k + 1)[:k]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            frag = np.where(allocated > 0, 1.0 - live / np.maximum(allocated, 1), 0.0)
+        return {"blocks_used": used, "blocks_free": pool.num_blocks - used, "blocks_cached": cached,
+                "live_slots": live, "allocated_slots": allocated, "fragmentation": frag,
+                "num_running": alive.sum(axis=0), "finished": finished_per_step}
 
-    def _finish_decode_run(self, running: list[Request], c: np.ndarray, k: int, ends: np.ndarray) -> int:
-        times = ends.tolist()
-        done = []
-        for r, req in enumerate(running):
-            req.num_computed_tokens = int(c[r]) + k
-            req.num_output_tokens += k
-            req.token_times.extend(times)
-            if req.num_output_tokens >= req.max_output_tokens:
-                done.append(req)
-        for req in done:
-            running.remove(req)
+    def _finish(self, reqs: list[Request], when: float) -> None:
+        for req in reqs:
+            self.scheduler.running.remove(req)
             self.kv.free(req)
             req.status = RequestStatus.FINISHED
-            req.finish_time = self.now
+            req.finish_time = when
             self.scheduler.finished.append(req)
-        return len(done)
 
 
 class Router:

@@ -65,10 +65,11 @@ class StepLog:
         self._grow(1)
 
     def append_columns(self, cols: dict, n: int) -> None:
-        """Append n rows given as columns (arrays, or scalars broadcast to n)."""
-        self._seal_rows()
-        self._chunks.append({name: np.broadcast_to(np.asarray(cols.get(name, STEP_DEFAULTS.get(name))), (n,))
-                             for name in STEP_COLUMNS})
+        """Append n rows given as columns (numpy arrays, or scalars repeated n times)."""
+        for name, values in self._rows.items():
+            v = cols[name] if name in cols else STEP_DEFAULTS[name]
+            values.extend(v.tolist() if isinstance(v, np.ndarray) else [v] * n)
+        self._num_row_buf += n
         self._grow(n)
 
     def _grow(self, n: int) -> None:

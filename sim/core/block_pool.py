@@ -17,7 +17,7 @@ class BlockPool:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
+        self.ref_cnt = [0] * num_blocks   # a list: scalar access is far faster than numpy's
         self.block_hash: list[int | None] = [None] * num_blocks
         # Free queue: head = next to allocate. OrderedDict gives O(1) pop/append/remove-from-middle.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -37,9 +37,11 @@ class BlockPool:
         if n > len(self.free_queue):
             raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
         blocks = []
+        pop = self.free_queue.popitem
         for _ in range(n):
-            block, _ = self.free_queue.popitem(last=False)
-            self._evict_cached(block)
+            block, _ = pop(last=False)
+            if self.block_hash[block] is not None:
+                self._evict_cached(block)
             self.ref_cnt[block] = 1
             blocks.append(block)
         return blocks
@@ -55,9 +57,10 @@ class BlockPool:
 
     def free_blocks(self, blocks) -> None:
         """Drop one reference from each block, in the given order (callers pass tail blocks first)."""
+        ref = self.ref_cnt
         for block in blocks:
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
+            ref[block] -= 1
+            if ref[block] == 0:
                 self.free_queue[block] = None
                 if self.block_hash[block] is None:
                     self.free_queue.move_to_end(block, last=False)
@@ -86,10 +89,11 @@ class BlockPool:
     def check_invariants(self) -> None:
         free = np.zeros(self.num_blocks, dtype=bool)
         free[list(self.free_queue)] = True
-        assert (self.ref_cnt >= 0).all(), "negative ref count"
-        both = np.flatnonzero(free & (self.ref_cnt > 0))
+        ref = np.asarray(self.ref_cnt)
+        assert (ref >= 0).all(), "negative ref count"
+        both = np.flatnonzero(free & (ref > 0))
         assert both.size == 0, f"blocks both free and owned: {both[:10].tolist()}"
-        lost = np.flatnonzero(~free & (self.ref_cnt == 0))
+        lost = np.flatnonzero(~free & (ref == 0))
         assert lost.size == 0, f"blocks neither free nor owned: {lost[:10].tolist()}"
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, f"cache index points at block {b} with another hash"
