@@ -16,7 +16,7 @@ err_console = Console(stderr=True)
 
 
 def _fail(message: str) -> None:
-    err_console.print(f"[red]error:[/red] {message}", highlight=False)
+    err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -51,7 +51,7 @@ def sweep(
     todo = [r for r in plan.runs if r.run_id not in done]
     dup = f" ({plan.duplicates} duplicate points dropped)" if plan.duplicates else ""
     console.print(f"{len(plan.runs)} runs{dup}; {len(plan.runs) - len(todo)} already in {out}; "
-                  f"axes: {', '.join(plan.axis_keys) or 'none'}", highlight=False)
+                  f"axes: {', '.join(plan.axis_keys) or 'none'}", highlight=False, soft_wrap=True)
     if dry_run:
         table = Table("#", "run id", *plan.axis_keys, "status")
         for r in plan.runs:
@@ -63,7 +63,7 @@ def sweep(
                        retry_failed=retry_failed, save_outputs=save_outputs, progress=not quiet,
                        spec_text=spec.read_text())
     console.print(f"ran {result.ran} runs in {result.wall_s:.1f}s ({result.failed} failed), "
-                  f"skipped {result.skipped}; store: {out}/runs/ (kvsim report {out})", highlight=False)
+                  f"skipped {result.skipped}; store: {out}/runs/ (kvsim report {out})", highlight=False, soft_wrap=True)
     if result.failed:
         raise typer.Exit(1)
 
@@ -115,7 +115,7 @@ def capacity(
         if not quiet:
             mark = "[green]meets[/green]" if row["meets_slo"] else f"[red]fails[/red] {row['violations']}"
             console.print(f"  {mode} {row['searched_value']:g}: {row['offered_rate_req_s']:.3f} req/s offered, "
-                          f"goodput {row.get('goodput_req_s', math.nan):.3f} req/s -> {mark}")
+                          f"goodput {row.get('goodput_req_s', math.nan):.3f} req/s -> {mark}", soft_wrap=True)
 
     try:
         result = find_capacity(cfg, constraints, mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
@@ -155,7 +155,7 @@ def _print_capacity(result, mode: str) -> None:
     console.print(f"[bold]{what}[/bold]{bound}: {result.answer_rate_req_s:.3f} req/s offered, "
                   f"{m.get('throughput_output_tok_s', math.nan):.1f} output tok/s, "
                   f"{m.get('num_gpus')} GPUs at ${m.get('usd_per_hour', math.nan):.2f}/h = "
-                  f"${m.get('usd_per_m_output_tok', math.nan):.3f} per million output tokens", highlight=False)
+                  f"${m.get('usd_per_m_output_tok', math.nan):.3f} per million output tokens", highlight=False, soft_wrap=True)
 
 
 def report(

@@ -111,6 +111,7 @@ def _pareto_figure(ok: pd.DataFrame, axes: list[str]) -> go.Figure:
     fig.add_trace(go.Scatter(x=front["usd_per_m_output_tok"], y=front[latency] * 1e3, mode="lines",
                              name="Pareto front", line={"color": "black", "dash": "dash"}))
     fig.update_layout(title="Cost vs p99 end-to-end latency (lower-left is better)", height=460,
+                      legend={"x": 0.01, "y": 0.99, "bgcolor": "rgba(255,255,255,0.7)"},
                       xaxis_title="$ per million output tokens", yaxis_title="p99 E2E latency (ms)",
                       xaxis_type="log", yaxis_type="log")
     return fig
@@ -157,8 +158,9 @@ def build_report(store: str | Path, out: str | Path | None = None) -> Path:
     metrics = _metric_columns(df)
     ok = df[df["status"] == "ok"].copy()
     axes = config_axes(df, metrics)
-    x = choose_load_axis(axes)
-    group_keys = [a for a in axes if a != x and a not in REPLICATE_AXES]
+    ok_axes = config_axes(ok, metrics)   # a value that only failed runs have draws no line
+    x = choose_load_axis(ok_axes)
+    group_keys = [a for a in ok_axes if a != x and a not in REPLICATE_AXES]
     policy = next((a for a in POLICY_HINTS if a in group_keys), None)
     if policy:   # the policy first, so legends read "policy=..., budget=..."
         group_keys = [policy] + [a for a in group_keys if a != policy]
