@@ -37,14 +37,12 @@ for message in (error, axis_error):
         st.error(message)
 if st.button(f"Run {len(runs)} simulations", type="primary", disabled=not runs, key="cmp_run"):
     start_job("cmp_job", runs)
-    st.session_state["cmp_labels"] = [label for label, _ in runs]
-follow_job("cmp_job")
-
+job = follow_job("cmp_job")
 available = saved_runs()
-selected = st.multiselect("Runs to compare", list(available),
-                          default=[x for x in st.session_state.get("cmp_labels", []) if x in available],
-                          key="cmp_selected")
-records = [available[x] for x in selected]
+if job is not None:   # show what just ran
+    st.session_state["cmp_selected"] = [r.label for r in job.records]
+selected = st.multiselect("Runs to compare", list(available), key="cmp_selected")
+records = [available[x] for x in selected if x in available]
 if not records:
     st.info("Choose an axis and values, run them, or select earlier runs to compare.")
     st.stop()

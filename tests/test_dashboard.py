@@ -1,0 +1,278 @@
+"""Dashboard pages driven through streamlit's AppTest: widgets, small real runs, bad input."""
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard.data import bin_steps, fidelity_table, pareto_front, pool_map
+from sim.config import SimConfig, load_config
+from sim.simulate import run_simulation
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+TIMEOUT = 60
+SMALL = {"trace": "azure-conv-2023", "trace_options.max_requests": 50, "engine.num_gpu_blocks": 300}
+
+
+def app() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    assert not at.exception
+    return at
+
+
+def small_config(at: AppTest, prefix: str, requests: int = 50, blocks: int = 300) -> None:
+    at.number_input(key=f"{prefix}max_requests").set_value(requests)
+    at.number_input(key=f"{prefix}num_gpu_blocks").set_value(blocks)
+
+
+def charts(at: AppTest) -> list[dict]:
+    return [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+
+
+def chart(at: AppTest, title: str) -> dict:
+    found = [c for c in charts(at) if c["layout"].get("title", {}).get("text", "").startswith(title)]
+    assert found, f"no chart titled {title!r}"
+    return found[0]
+
+
+def values(array) -> np.ndarray:
+    """Plotly JSON arrays arrive as lists or as {'dtype', 'bdata'} (base64)."""
+    if isinstance(array, dict):
+        flat = np.frombuffer(base64.b64decode(array["bdata"]), dtype=np.dtype(array["dtype"]))
+        shape = [int(n) for n in str(array.get("shape", flat.size)).split(",")]
+        return flat.reshape(shape)
+    return np.asarray(array, dtype=float)
+
+
+def errors(at: AppTest) -> list[str]:
+    assert not at.exception, [e.value for e in at.exception]
+    return [e.value for e in at.error]
+
+
+def frame_with(at: AppTest, column: str) -> pd.DataFrame:
+    return next(d.value for d in at.dataframe if column in d.value.columns)
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return run_simulation(load_config(None, SMALL))
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    """The app after one small simulation on the Simulate page (shared by the read-only checks)."""
+    at = app()
+    small_config(at, "sim_")
+    at.button(key="sim_run").click().run()
+    assert not errors(at)
+    return at
+
+
+# ---- Simulate --------------------------------------------------------------------------------
+def test_simulate_page_has_its_inputs():
+    at = app()
+    assert at.title[0].value == "Simulate"
+    labels = {w.label for w in [*at.selectbox, *at.number_input, *at.radio, *at.checkbox]}
+    for label in ("Trace", "Shipped trace", "Model", "GPU", "Block size (tokens)", "KV pool (blocks)",
+                  "max_num_seqs", "max_num_batched_tokens", "Prefix caching", "Max requests (first N)"):
+        assert label in labels
+    assert at.selectbox(key="sim_trace_name").options[0] == "azure-conv-2023"
+    if "kv" in SimConfig.model_fields:   # eviction policy / slot strategy widgets come from the config
+        assert any(k.startswith("sim_kv.") for k in at.session_state)
+    assert at.button(key="sim_run").disabled is False
+
+
+def test_simulate_run_shows_the_engine_figures(simulated, expected):
+    s = expected.summary
+    assert metric(simulated, "Finished / rejected") == f"{s['num_finished']} / {s['num_rejected']}" == "50 / 0"
+    assert metric(simulated, "Throughput") == f"{s['throughput_output_tok_s']:.0f} out tok/s"
+    assert metric(simulated, "Preemptions") == str(s["preemptions"])
+    ttft = chart(simulated, "TTFT CDF")["data"][0]
+    done = expected.requests[expected.requests["status"] == "finished"]
+    np.testing.assert_allclose(values(ttft["x"]), np.sort(done["ttft_s"].to_numpy()) * 1e3)
+    np.testing.assert_allclose(values(ttft["y"])[-1], 1.0)
+    titles = [c["layout"]["title"]["text"] for c in charts(simulated)]
+    assert titles == ["TTFT CDF", "TPOT CDF", "E2E CDF", "Throughput over time", "Queue length", "Batch size"]
+    batch = chart(simulated, "Batch size")["data"][0]
+    assert values(batch["y"]).max() <= expected.steps["batch_size"].max()
+
+
+def test_bad_upload_shows_the_loader_error():
+    at = app()
+    at.radio(key="sim_trace_kind").set_value("Upload a file").run()
+    at.file_uploader(key="sim_trace_upload").upload("mine.csv", b"foo,bar\n1,2\n", "text/csv")
+    at.run()
+    [message] = errors(at)
+    assert message.startswith("mine.csv:1: header 'foo,bar' is not a known trace format")
+    assert at.button(key="sim_run").disabled
+    at.file_uploader(key="sim_trace_upload").clear().upload(
+        "azure.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+        b"2023-11-16 18:15:50.9951690,lots,152\n", "text/csv")
+    at.run()
+    [message] = errors(at)
+    assert message.startswith("azure.csv:3:") and "ContextTokens" in message
+
+
+def test_uploaded_trace_runs(tmp_path):
+    from traces import load_trace
+    trace = load_trace("mooncake-conversation").head(20)
+    trace.save(tmp_path / "mine.jsonl")
+    at = app()
+    at.radio(key="sim_trace_kind").set_value("Upload a file").run()
+    at.file_uploader(key="sim_trace_upload").upload("mine.jsonl", (tmp_path / "mine.jsonl").read_bytes())
+    small_config(at, "sim_", blocks=2000)
+    at.run()
+    assert not errors(at)
+    at.button(key="sim_run").click().run()
+    assert not errors(at)
+    direct = run_simulation(load_config(None, {**SMALL, "trace": str(tmp_path / "mine.jsonl"),
+                                               "engine.num_gpu_blocks": 2000})).summary
+    assert direct["num_finished"] + direct["num_rejected"] == 20
+    assert metric(at, "Finished / rejected") == f"{direct['num_finished']} / {direct['num_rejected']}"
+    assert metric(at, "Throughput") == f"{direct['throughput_output_tok_s']:.0f} out tok/s"
+
+
+def test_invalid_option_is_named():
+    at = app()
+    at.text_input(key="sim_slo_ttft").set_value("2").run()
+    [message] = errors(at)
+    assert "slo.ttft" in message and "not a duration with a unit" in message
+    assert at.button(key="sim_run").disabled
+
+
+# ---- Memory ----------------------------------------------------------------------------------
+def test_memory_page_charts_the_pool(simulated, expected):
+    simulated.switch_page("pages/memory.py").run()
+    assert not errors(simulated)
+    s = expected.summary
+    assert metric(simulated, "KV pool") == "300 blocks x 16"
+    assert metric(simulated, "KV util mean / max") == f"{s['kv_util_mean']:.0%} / {s['kv_util_max']:.0%}"
+    pool = chart(simulated, "Block pool over time")["data"][0]
+    codes = values(pool["z"])
+    assert codes.shape == (120, 200) and set(np.unique(codes)) <= {0, 1, 2, 3}
+    assert (codes == 3).any() and (codes == 0).any()   # some live tokens, some free blocks
+    util = chart(simulated, "KV utilization")["data"][0]
+    assert 0 < values(util["y"]).max() <= s["kv_util_max"] + 1e-9
+
+
+def test_memory_page_reads_a_cli_run_directory(tmp_path):
+    result = run_simulation(load_config(None, SMALL), tmp_path / "run")
+    at = app()
+    at.switch_page("pages/memory.py").run()
+    at.selectbox(key="mem_pick").set_value("Load a run directory...").run()
+    at.text_input(key="mem_run_dir").set_value(str(tmp_path / "nowhere")).run()
+    [message] = errors(at)
+    assert "nowhere: not a directory" in message
+    at.text_input(key="mem_run_dir").set_value(str(tmp_path / "run")).run()
+    assert not errors(at)
+    assert metric(at, "Fragmentation mean / p99") == (
+        f"{result.summary['fragmentation_mean']:.1%} / {result.summary['fragmentation_p99']:.1%}")
+
+
+# ---- Compare ---------------------------------------------------------------------------------
+def test_compare_block_sizes_side_by_side():
+    at = app()
+    at.switch_page("pages/compare.py").run()
+    small_config(at, "cmp_")
+    at.selectbox(key="cmp_axis").set_value("engine.block_size").run()
+    at.text_input(key="cmp_text_engine.block_size").set_value("16, abc").run()
+    assert "engine.block_size: 'abc' is not an integer" in errors(at)[0]
+    at.text_input(key="cmp_text_engine.block_size").set_value("16, 24").run()
+    assert "block_size must be a power of two" in errors(at)[0]
+    at.text_input(key="cmp_text_engine.block_size").set_value("16, 32").run()
+    assert not errors(at)
+    at.button(key="cmp_run").click().run()
+    assert not errors(at)
+    table = at.dataframe[0].value
+    assert list(table["run"]) == ["engine.block_size=16", "engine.block_size=32"]
+    direct = run_simulation(load_config(None, {**SMALL, "engine.block_size": 32})).summary
+    row = table.set_index("run").loc["engine.block_size=32"]
+    assert row["TTFT p99 ms"] == pytest.approx(direct["ttft_p99_s"] * 1e3)
+    assert row["fragmentation mean"] == pytest.approx(direct["fragmentation_mean"])
+    cdf = chart(at, "TTFT CDF")
+    assert [t["name"] for t in cdf["data"]] == ["engine.block_size=16", "engine.block_size=32"]
+
+
+# ---- Capacity --------------------------------------------------------------------------------
+def test_capacity_search_then_reload_its_store(tmp_path):
+    at = app()
+    at.switch_page("pages/capacity.py").run()
+    small_config(at, "cap_", requests=40, blocks=2000)
+    at.text_input(key="cap_slo").set_value("ttft_p99<=fast").run()
+    assert "ttft_p99" in errors(at)[0]
+    at.text_input(key="cap_slo").set_value("ttft_p99<=500ms").run()
+    at.number_input(key="cap_evals").set_value(4)
+    at.text_input(key="cap_store").set_value(str(tmp_path / "store"))
+    at.button(key="cap_run").click().run()
+    assert not errors(at)
+    answers = frame_with(at, "boundary found")
+    assert list(answers["gpu"]) == ["H100-SXM"]
+    assert {"Capacity curve", "Cost per million output tokens (USD)"} <= {
+        c["layout"]["title"]["text"] for c in charts(at)}
+    from sim.sweep import read_store
+    store = read_store(tmp_path / "store")
+    assert len(store) == 4 or answers["boundary found"][0]
+    at.radio(key="cap_source").set_value("Load a sweep store").run()
+    at.text_input(key="cap_path").set_value(str(tmp_path)).run()
+    assert "not a sweep store" in errors(at)[0]
+    at.text_input(key="cap_path").set_value(str(tmp_path / "store")).run()
+    assert not errors(at)
+    curve = chart(at, "Capacity curve")["data"][0]
+    assert len(values(curve["x"])) == len(store)
+    best = at.dataframe[-2].value   # best-first table, then "All points"
+    assert (best["ttft_p99_s"] <= 0.5).all()
+    assert best["usd_per_m_output_tok"].is_monotonic_increasing
+
+
+# ---- Fidelity --------------------------------------------------------------------------------
+def test_fidelity_page_measures_prediction_error(tmp_path, expected):
+    replay = expected.steps.copy()
+    replay["duration_s"] = replay["predicted_s"] * 1.25      # measured 25% slower than predicted
+    replay.to_parquet(tmp_path / "steps.parquet")
+    pd.DataFrame({"duration_s": [1.0]}).to_parquet(tmp_path / "bad_steps.parquet")
+    at = app()
+    at.switch_page("pages/fidelity.py").run()
+    at.text_input(key="fid_path").set_value(str(tmp_path / "bad_steps.parquet")).run()
+    assert "missing column(s) predicted_s" in errors(at)[0]
+    at.text_input(key="fid_path").set_value(str(tmp_path / "steps.parquet")).run()
+    assert not errors(at)
+    assert metric(at, "Step-time MAPE") == "20.0%"
+    assert metric(at, "Total predicted / measured") == "0.800"
+    scatter = chart(at, "Predicted vs measured")
+    assert sum(len(values(t["x"])) for t in scatter["data"][:-1]) == len(replay)
+
+
+# ---- data shaping ----------------------------------------------------------------------------
+def test_binning_keeps_event_totals_and_pool_size(expected):
+    steps = expected.steps
+    b = bin_steps(steps, 37)
+    assert len(b) == 37
+    for col in ("prefill_tokens", "decode_tokens", "preemptions", "bytes_moved"):
+        assert b[col].sum() == pytest.approx(steps[col].sum())
+    assert (b["blocks_used"] <= 300 + 1e-9).all()
+    codes, edges = pool_map(b, 300, 16, rows=60)
+    used_rows = (codes >= 2).sum(axis=0) * 5            # 5 blocks per row
+    assert np.all(np.abs(used_rows - b["blocks_used"].to_numpy()) <= 5)
+
+
+def test_fidelity_table_and_pareto():
+    steps = pd.DataFrame({"duration_s": [1.0, 2.0, 4.0, 1.0], "predicted_s": [1.1, 1.8, 4.0, np.nan],
+                          "num_prefill_seqs": [1, 0, 1, 0], "num_decode_seqs": [0, 2, 3, 1],
+                          "batch_size": [1, 2, 4, 1]})
+    t = fidelity_table(steps).set_index("group")
+    assert t.loc["all steps", "steps"] == 3
+    assert t.loc["all steps", "MAPE_%"] == pytest.approx(100 * (0.1 + 0.1 + 0) / 3)
+    assert t.loc["all steps", "bias_%"] == pytest.approx(0.0)
+    assert t.loc["prefill steps", "steps"] == 1 and t.loc["mixed steps", "steps"] == 1
+    df = pd.DataFrame({"cost": [1.0, 2.0, 2.0, 3.0], "good": [5.0, 4.0, 7.0, 6.0]})
+    assert list(pareto_front(df, "cost", "good")) == [True, False, True, False]
