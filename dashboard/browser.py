@@ -19,8 +19,6 @@ from pathlib import Path
 
 import websocket
 
-from .cli import streamlit_command
-
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--hide-scrollbars", "--mute-audio")
@@ -52,9 +50,10 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen) -> bytes:
 
 @contextmanager
 def serve_dashboard(port: int | None = None, timeout: float = 60.0):
-    """Run `kvsim dashboard` on loopback; yields its URL."""
+    """Run `kvsim dashboard --port PORT` (bound to 127.0.0.1); yields its URL."""
     port = port or free_port()
-    proc = subprocess.Popen(streamlit_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    command = [sys.executable, "-c", "from sim.cli import main; main()", "dashboard", "--port", str(port)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_http(f"http://127.0.0.1:{port}/_stcore/health", timeout, proc)
         yield f"http://127.0.0.1:{port}/"

@@ -66,9 +66,9 @@ def kv_utilization(runs: list[RunRecord], bins: int = 200) -> go.Figure:
     return fig
 
 
-def memory_map(run: RunRecord, bins: int = 200, rows: int = 120) -> go.Figure:
+def memory_map(run: RunRecord, bins: int = 200, rows: int = 120, zoom: bool = False) -> go.Figure:
     b = bin_steps(run.steps, bins)
-    codes, edges = pool_map(b, run.num_blocks_total, run.block_size, rows)
+    codes, edges = pool_map(b, run.num_blocks_total, run.block_size, rows, zoom)
     n = len(POOL_STATES)
     scale = []
     for i, color in enumerate(POOL_COLORS):

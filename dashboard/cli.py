@@ -1,7 +1,7 @@
 """`kvsim dashboard`: serve the Streamlit app on localhost."""
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -23,8 +23,6 @@ def dashboard(
 ) -> None:
     """Start the kvsim dashboard (Streamlit) at http://ADDRESS:PORT; Ctrl-C stops it."""
     typer.echo(f"kvsim dashboard on http://{address}:{port}")
-    try:
-        code = subprocess.call(streamlit_command(port, address, headless=not open_browser))
-    except KeyboardInterrupt:
-        code = 0
-    raise typer.Exit(code)
+    command = streamlit_command(port, address, headless=not open_browser)
+    sys.stdout.flush()
+    os.execv(command[0], command)   # become the server: signals and exit code are streamlit's

@@ -145,15 +145,20 @@ def bin_steps(steps: pd.DataFrame, num_bins: int = 200) -> pd.DataFrame:
     return out
 
 
-def pool_map(binned: pd.DataFrame, num_blocks: int, block_size: int, rows: int = 120) -> tuple[np.ndarray, np.ndarray]:
+def pool_map(binned: pd.DataFrame, num_blocks: int, block_size: int, rows: int = 120,
+             zoom: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """A (rows x bins) map of the block pool over time, state codes indexing POOL_STATES.
 
     The step log holds pool counts, not per-block states, so each time bin's column is the pool
     laid out by state: live-token block-equivalents at the bottom, then allocated blocks' empty
     or evicted slots, then free blocks still caching a prefix, then free blocks. Returns
-    (codes, block_edges) where row i covers blocks [block_edges[i], block_edges[i+1]).
+    (codes, block_edges) where row i covers blocks [block_edges[i], block_edges[i+1]). With `zoom`
+    the rows span only the part of the pool that was ever used or cached (plus 10%).
     """
-    edges = np.linspace(0, num_blocks, rows + 1)
+    top = num_blocks
+    if zoom and len(binned):
+        top = min(num_blocks, max(1.0, 1.1 * float((binned["blocks_used"] + binned["blocks_cached"]).max())))
+    edges = np.linspace(0, top, rows + 1)
     centers = 0.5 * (edges[:-1] + edges[1:])
     live = (binned["live_slots"].to_numpy() / block_size)[None, :]
     used = binned["blocks_used"].to_numpy()[None, :]

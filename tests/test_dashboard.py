@@ -155,7 +155,7 @@ def test_memory_page_charts_the_pool(simulated, expected):
     simulated.switch_page("pages/memory.py").run()
     assert not errors(simulated)
     s = expected.summary
-    assert metric(simulated, "KV pool") == "300 blocks x 16"
+    assert metric(simulated, "KV pool (blocks x tokens)") == "300 x 16"
     assert metric(simulated, "KV util mean / max") == f"{s['kv_util_mean']:.0%} / {s['kv_util_max']:.0%}"
     pool = chart(simulated, "Block pool over time")["data"][0]
     codes = values(pool["z"])
@@ -276,3 +276,17 @@ def test_fidelity_table_and_pareto():
     assert t.loc["prefill steps", "steps"] == 1 and t.loc["mixed steps", "steps"] == 1
     df = pd.DataFrame({"cost": [1.0, 2.0, 2.0, 3.0], "good": [5.0, 4.0, 7.0, 6.0]})
     assert list(pareto_front(df, "cost", "good")) == [True, False, True, False]
+
+
+def test_background_job_reports_progress_and_cancels():
+    from dashboard.jobs import Job
+    import time
+    job = Job([("long", load_config(None, {"trace_options.max_requests": 2000}))]).start()
+    seen = set()
+    while not job.done and not seen & {"partway"}:
+        time.sleep(0.05)
+        if 0 < job.fraction < 1 and job.run_total == 2000:
+            seen.add("partway")
+    job.cancel_requested = True
+    job.wait(30)
+    assert seen == {"partway"} and job.error == "cancelled" and job.records == []

@@ -14,12 +14,13 @@ if not len(run.steps):
 bins = st.slider("Time bins", min_value=20, max_value=600, value=200, step=20, key="mem_bins")
 s = run.summary
 a, b, c, d = st.columns(4)
-a.metric("KV pool", f"{run.num_blocks_total:,} blocks x {run.block_size}")
+a.metric("KV pool (blocks x tokens)", f"{run.num_blocks_total:,} x {run.block_size}")
 b.metric("KV util mean / max", f"{s.get('kv_util_mean', 0):.0%} / {s.get('kv_util_max', 0):.0%}")
 c.metric("Fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.1%} / {s.get('fragmentation_p99', 0):.1%}")
 d.metric("Data moved by slots", f"{run.steps['bytes_moved'].sum() / 2**20:,.1f} MiB")
 st.plotly_chart(charts.kv_utilization([run], bins), key="mem_util")
-st.plotly_chart(charts.memory_map(run, bins), key="mem_map")
+zoom = st.checkbox("Zoom the pool map to the blocks ever in use", value=True, key="mem_zoom")
+st.plotly_chart(charts.memory_map(run, bins, zoom=zoom), key="mem_map")
 st.caption("The step log records pool counts per step, not the state of each block, so each column shows the "
            "pool grouped by state: live tokens (in block-equivalents), then the empty or evicted slots of "
            "allocated blocks, then free blocks still caching a prefix, then free blocks.")
