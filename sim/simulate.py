@@ -80,9 +80,10 @@ def resolve_hardware(cfg: SimConfig):
 
 
 def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progress: bool = False,
-                   keep_steps: bool = True) -> SimulationResult:
+                   keep_steps: bool = True, trace=None) -> SimulationResult:
+    """Simulate `cfg` (or the given in-memory `trace` in place of `cfg.trace`)."""
     t0 = time.perf_counter()
-    trace = load_workload(cfg)
+    trace = load_workload(cfg) if trace is None else trace
     model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg)
     requests = trace_to_requests(trace)
     out = Path(out_dir) if out_dir else None
