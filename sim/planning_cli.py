@@ -87,7 +87,8 @@ def capacity(
     tol: float = typer.Option(0.02, help="mode=rate: stop when the bracket is within this relative width"),
     max_evals: int = typer.Option(24, help="most simulations for the search"),
     max_replicas: int = typer.Option(64, help="mode=replicas: give up above this"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="store for the runs + capacity.json (resumable)"),
+    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
+                                       help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
     """Find the highest arrival-rate scale (or the fewest replicas) meeting an SLO, by bracketing and
