@@ -1,0 +1,269 @@
+"""Where token importance (attention scores) comes from.
+
+Three sources stand behind one interface, `ImportanceSource`:
+
+- `SyntheticImportance` (simulator default): a parametric per-head attention model. Each row
+  (layer, KV head) has a head type — `sink` (mass on the first tokens), `local` (mass on a recent
+  window), `heavy` (a few heavy-hitter tokens anywhere), `spread` (near-uniform) — and per-head
+  parameters; each request jitters the concentration, so the number of tokens holding 95% of the
+  mass varies across heads and across requests. The attention a token at position t receives from
+  the query at position q (q >= t) is
+
+      a_q(t) = s * sink(t) + l * exp(-(q - t) / tau) / Z_l(q) + (1 - s - l) * w(t) / Z_w(q)
+
+  with sink(t) a fixed distribution over the first `num_sink` tokens, Z_l, Z_w normalizers over
+  ALL positions 0..q (evicted ones included: this is the full-cache attention), and content weights
+  w(t) = exp(sigma * z), z ~ N(0, 1) drawn per (request, row, position) from a generator seeded
+  by (config seed, request id, chunk of positions), so results are deterministic and independent
+  of batch composition. What a policy sees is a_q restricted to the live tokens and renormalized
+  (real attention only covers resident tokens); the mass the live tokens hold under the full
+  cache, sum over live t of a_q(t), is the *attention mass retained* quality proxy.
+  The query heads of a GQA group share their KV head's pattern in this model. Parameters come from
+  a YAML file under `sim/data/importance/` (see `smollm2-135m.yaml`; `fit` tools may write others).
+
+- `RecordedImportance`: decisions recorded by the real backend, replayed exactly (see
+  RECORDED FORMAT below) through the `recorded` policy.
+
+- External scores: the real backend's executor calls `manager.supply_scores(request, scores)`
+  with real attention (already GQA-reduced with the policy's `gqa_reduce`, see
+  `PolicyContext.gqa_reduce`) before the manager runs the policy for the step.
+
+RECORDED FORMAT (Parquet, written by gpu/ replay, read by `load_recorded_decisions`)
+----------------------------------------------------------------------------------
+`decisions.parquet`, one row per token-row decision:
+    request_id int64, step int32 (the request's decode step after which it happened; -1 =
+    right after prefill), layer int16, head int16 (KV head; -1 for every head in the shared
+    layout), position int64 (token position), action string ("evict" | "high" | "low")
+`attention_stats.parquet`, one row per (layer, KV head) and measured request:
+    request_id int64, layer int16, head int16, num_keys int64 (context length),
+    keys_95 int64 (fewest keys holding 95% of the mass of the last queries), sink_share float64
+    (mass on the first 4 tokens), recent_share float64 (mass on the last 64 tokens)
+The stats are what `SyntheticImportance` parameters are fitted to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .policy import PolicyContext
+from .state import TokenState
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "importance"
+HEAD_TYPES = ("sink", "local", "heavy", "spread")
+NUM_SINK = 4
+CHUNK = 256          # positions per content-weight draw
+
+
+class ImportanceError(ValueError):
+    """Bad importance-model file or parameter; the message names the file and field."""
+
+
+class ImportanceSource:
+    """Supplies per-step attention for a request's TokenState. Called by the KV manager."""
+
+    def on_write(self, req_id: int, state: TokenState, rows: np.ndarray, slots: np.ndarray,
+                 positions: np.ndarray) -> None:
+        """Tokens at `positions` were written into (rows, slots)."""
+
+    def prefill_scores(self, req_id: int, state: TokenState, window: int) -> np.ndarray | None:
+        """[window, rows, S]: attention of the last `window` prompt queries over live slots."""
+        return None
+
+    def decode_scores(self, req_id: int, state: TokenState) -> tuple[np.ndarray | None, float]:
+        """([rows, S] attention of the newest query over live slots, mean full-cache mass retained)."""
+        return None, 1.0
+
+    def release(self, req_id: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class HeadTypeParams:
+    sink_share: tuple[float, float]      # uniform range of s
+    local_share: tuple[float, float]     # uniform range of l
+    tau: tuple[float, float]             # log-uniform range of the local decay (tokens)
+    sigma: tuple[float, float]           # uniform range of the content concentration
+
+
+@dataclass(frozen=True)
+class ImportanceModelSpec:
+    name: str
+    mix: dict[str, float]                # head-type probabilities (sparse layers)
+    types: dict[str, HeadTypeParams]
+    dense_layers: int                    # first layers are `spread`
+    request_sigma_jitter: float          # per-request multiplicative lognormal jitter of sigma
+    sink_weights: tuple[float, ...]      # distribution over the first NUM_SINK tokens
+
+    @classmethod
+    def load(cls, name_or_path: str | Path = "smollm2-135m") -> "ImportanceModelSpec":
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = DATA_DIR / f"{name_or_path}.yaml"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in DATA_DIR.glob("*.yaml")))
+            raise ImportanceError(f"importance model {name_or_path!r} not found; shipped: {known}, or a YAML path")
+        data = yaml.safe_load(path.read_text())
+        try:
+            mix = {k: float(v) for k, v in data["head_mix"].items()}
+            bad = sorted(set(mix) - set(HEAD_TYPES))
+            if bad:
+                raise ImportanceError(f"{path}: head_mix: unknown head type(s) {bad}; expected {HEAD_TYPES}")
+            if abs(sum(mix.values()) - 1) > 1e-6:
+                raise ImportanceError(f"{path}: head_mix: probabilities sum to {sum(mix.values())}, expected 1")
+            types = {}
+            for t in HEAD_TYPES:
+                p = data["head_types"][t]
+                types[t] = HeadTypeParams(*(tuple(float(x) for x in p[k]) for k in
+                                            ("sink_share", "local_share", "tau", "sigma")))
+                if types[t].sink_share[1] + types[t].local_share[1] >= 1:
+                    raise ImportanceError(f"{path}: head_types.{t}: sink_share + local_share must stay < 1")
+            sink = tuple(float(x) for x in data.get("sink_weights", [0.7, 0.1, 0.1, 0.1]))
+            if len(sink) != NUM_SINK:
+                raise ImportanceError(f"{path}: sink_weights: expected {NUM_SINK} values")
+            return cls(name=data.get("name", path.stem), mix=mix, types=types,
+                       dense_layers=int(data.get("dense_layers", 0)),
+                       request_sigma_jitter=float(data.get("request_sigma_jitter", 0.0)),
+                       sink_weights=tuple(np.asarray(sink) / sum(sink)))
+        except KeyError as exc:
+            raise ImportanceError(f"{path}: missing field {exc.args[0]!r}") from None
+
+
+class SyntheticImportance(ImportanceSource):
+    def __init__(self, ctx: PolicyContext, spec: ImportanceModelSpec | str = "smollm2-135m", seed: int = 0):
+        self.ctx = ctx
+        self.spec = spec if isinstance(spec, ImportanceModelSpec) else ImportanceModelSpec.load(spec)
+        self.seed = seed
+        self.head_type, self.s, self.l, self.tau, self.sigma = self._head_params()
+        self._req: dict[int, dict] = {}
+
+    # ----- model-level parameters (a property of the model's heads, same for every request) -----
+    def _head_params(self):
+        ctx, spec = self.ctx, self.spec
+        n = ctx.num_layers * ctx.num_kv_heads
+        rng = np.random.default_rng([self.seed, 0x5EED])
+        names = list(spec.mix)
+        types = rng.choice(len(names), size=n, p=[spec.mix[k] for k in names])
+        types = np.array([HEAD_TYPES.index(names[t]) for t in types])
+        layer = np.arange(n) // ctx.num_kv_heads
+        types[layer < spec.dense_layers] = HEAD_TYPES.index("spread")
+        u = rng.random((4, n))
+        s, l, tau, sigma = (np.empty(n) for _ in range(4))
+        for i, t in enumerate(HEAD_TYPES):
+            m = types == i
+            p = spec.types[t]
+            s[m] = p.sink_share[0] + u[0, m] * (p.sink_share[1] - p.sink_share[0])
+            l[m] = p.local_share[0] + u[1, m] * (p.local_share[1] - p.local_share[0])
+            tau[m] = np.exp(np.log(p.tau[0]) + u[2, m] * (np.log(p.tau[1]) - np.log(p.tau[0])))
+            sigma[m] = p.sigma[0] + u[3, m] * (p.sigma[1] - p.sigma[0])
+        if ctx.layout == "shared":                   # one row: the mean head
+            return types[:1], s.mean(keepdims=True), l.mean(keepdims=True), \
+                np.exp(np.log(tau).mean(keepdims=True)), sigma.mean(keepdims=True)
+        return types, s, l, tau, sigma
+
+    # ----- per-request state --------------------------------------------------------------------
+    def _r(self, req_id: int) -> dict:
+        r = self._req.get(req_id)
+        if r is None:
+            rng = np.random.default_rng([self.seed, 1, req_id])
+            jitter = np.exp(self.spec.request_sigma_jitter * rng.standard_normal(len(self.sigma)))
+            r = {"sigma": (self.sigma * jitter).astype(np.float32), "wsum": np.zeros(len(self.sigma)),
+                 "chunk": -1, "w": None}
+            self._req[req_id] = r
+        return r
+
+    def _weights(self, req_id: int, r: dict, positions: np.ndarray) -> np.ndarray:
+        """Content weights w [rows, len(positions)] (positions ascending, the same for every row)."""
+        out = np.empty((len(self.sigma), len(positions)), dtype=np.float32)
+        chunks = positions // CHUNK
+        for c in np.unique(chunks):
+            if r["chunk"] != c:
+                z = np.random.default_rng([self.seed, 2, req_id, int(c)]).standard_normal(
+                    (len(self.sigma), CHUNK), dtype=np.float32)
+                r["w"], r["chunk"] = np.exp(r["sigma"][:, None] * z), int(c)
+            m = chunks == c
+            out[:, m] = r["w"][:, positions[m] % CHUNK]
+        return out
+
+    def on_write(self, req_id, state, rows, slots, positions) -> None:
+        """Tokens are written to every row at once: `slots` [rows, n], positions [n] ascending."""
+        r = self._r(req_id)
+        w = self._weights(req_id, r, positions)
+        imp = state.add_field("imp_w", np.float32, 0.0)
+        imp[rows[:, None], slots] = w
+        r["wsum"] += w.sum(axis=1, dtype=np.float64)
+
+    def _attention(self, r: dict, state: TokenState, q: int) -> np.ndarray:
+        """Full-cache attention a_q(t) of the query at position q, at every slot (0 where not live or t > q)."""
+        pos = state.pos
+        valid = state.live & (pos <= q) & (pos >= 0)
+        age = np.where(valid, q - pos, 0).astype(np.float32)
+        decay = np.exp(-1.0 / self.tau)
+        z_local = (1 - decay ** (q + 1)) / (1 - decay)
+        n_sink = min(NUM_SINK, q + 1)
+        sink_w = np.asarray(self.spec.sink_weights[:n_sink]) / sum(self.spec.sink_weights[:n_sink])
+        sink = np.zeros_like(age)
+        is_sink = valid & (pos < n_sink)
+        if is_sink.any():
+            sink[is_sink] = sink_w[pos[is_sink]]
+        s = self.s[:, None].astype(np.float32)
+        l = self.l[:, None].astype(np.float32)
+        local = np.exp(-age / self.tau[:, None].astype(np.float32)) / z_local[:, None].astype(np.float32)
+        wsum = r["wsum_q"][:, None].astype(np.float32)
+        content = state.field("imp_w") / wsum
+        a = s * sink + l * local + (1 - s - l) * content
+        return np.where(valid, a, 0.0).astype(np.float32)
+
+    def prefill_scores(self, req_id, state, window):
+        r = self._r(req_id)
+        T = state.num_tokens
+        qs = range(max(0, T - window), T)
+        out = []
+        imp = state.field("imp_w")
+        for q in qs:
+            # Z_w(q): remove the content weight of positions after q (they are live, not yet seen).
+            later = state.live & (state.pos > q)
+            r["wsum_q"] = r["wsum"] - np.where(later, imp, 0).sum(axis=1, dtype=np.float64)
+            a = self._attention(r, state, q)
+            out.append(a / np.maximum(a.sum(axis=1, keepdims=True), 1e-30))
+        return np.stack(out).astype(np.float32)
+
+    def decode_scores(self, req_id, state):
+        r = self._r(req_id)
+        r["wsum_q"] = r["wsum"]
+        a = self._attention(r, state, state.num_tokens - 1)
+        kept = a.sum(axis=1, keepdims=True)
+        return a / np.maximum(kept, 1e-30), float(kept.mean())
+
+    def release(self, req_id: int) -> None:
+        self._req.pop(req_id, None)
+
+
+def keys_for_mass(attn: np.ndarray, mass: float = 0.95) -> np.ndarray:
+    """Fewest keys holding `mass` of each row's attention: attn [rows, T] -> int [rows]."""
+    srt = -np.sort(-attn, axis=1)
+    cum = np.cumsum(srt, axis=1) / np.maximum(srt.sum(axis=1, keepdims=True), 1e-30)
+    return (cum < mass).sum(axis=1) + 1
+
+
+def attention_stats(ctx: PolicyContext, spec: ImportanceModelSpec | str = "smollm2-135m", *, num_tokens: int = 1000,
+                    num_requests: int = 4, last_queries: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+    """Per-head statistics of the synthetic model in the units DESIGN.md quotes for real models:
+    keys for 95% of the last queries' mass, sink share (first 4 tokens), last-64 share."""
+    model = SyntheticImportance(ctx, spec, seed)
+    k95, sink, recent = [], [], []
+    for req in range(num_requests):
+        st = TokenState.dense(ctx.rows, num_tokens)
+        model.on_write(req, st, np.arange(ctx.rows), np.broadcast_to(np.arange(num_tokens), (ctx.rows, num_tokens)),
+                       np.arange(num_tokens))
+        a = model.prefill_scores(req, st, last_queries).sum(axis=0)     # [rows, T] (slot == position)
+        a /= a.sum(axis=1, keepdims=True)
+        k95.append(keys_for_mass(a))
+        sink.append(a[:, :NUM_SINK].sum(axis=1))
+        recent.append(a[:, -64:].sum(axis=1))
+        model.release(req)
+    return {"keys_95": np.concatenate(k95), "sink_share": np.concatenate(sink),
+            "recent_share": np.concatenate(recent),
+            "layer": np.tile(ctx.row_layer, num_requests)}

@@ -1,0 +1,44 @@
+"""`h2o` (Heavy-Hitter Oracle): keep `budget` tokens per row — the `recent` newest tokens plus the
+heavy hitters with the largest accumulated attention.
+
+After prefill the prompt is cut to the budget at once; each decode step then evicts the excess
+(one token per row per step once at the budget, since each step adds one). Under memory pressure
+(`reclaim`) it evicts the lowest-scored non-recent tokens, below the budget if it must.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..policy import Decision, EvictionPolicy, check_positive_int, lowest_k_mask, register_policy
+
+
+@register_policy("h2o")
+class H2O(EvictionPolicy):
+    gqa_reduce = "sum"
+    default_trigger = "every_step"
+
+    def __init__(self, budget: int = 256, recent: int | None = None, obs_window: int = 8):
+        self.budget = check_positive_int("budget", budget, minimum=2)
+        self.recent = self.budget // 2 if recent is None else check_positive_int("recent", recent, minimum=0)
+        if self.recent >= self.budget:
+            raise ValueError(f"recent ({self.recent}) must be smaller than budget ({self.budget})")
+        self.obs_window = check_positive_int("obs_window", obs_window)
+
+    def _candidates(self, state) -> np.ndarray:
+        return state.live & (state.pos < state.num_tokens - self.recent)
+
+    def compress(self, state, ctx, reason, scores):
+        over = state.live_counts() - self.budget
+        if (over <= 0).all():
+            return None
+        return Decision(evict=lowest_k_mask(state.score, over, self._candidates(state)))
+
+    def reclaim(self, state, ctx, num_tokens):
+        cand = self._candidates(state)
+        per_row = -(-int(num_tokens) // state.rows)
+        mask = lowest_k_mask(state.score, np.full(state.rows, per_row), cand)
+        return Decision(evict=mask) if mask.any() else None
+
+    def fast_mode_profile(self) -> dict:
+        return {"budget": self.budget, "protect_recent": self.recent, "protect_first": 0,
+                "age_weight": "young", "per_step": 1}

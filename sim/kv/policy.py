@@ -1,0 +1,252 @@
+"""Eviction / compression / selection policies: the plug-in interface and registry.
+
+A policy decides *which tokens go* (or which precision tier they keep, or which ones a decode step
+reads). It never allocates memory or moves data: the KV manager (`sim.kv.manager`) owns blocks and
+slots and applies the policy's decisions through its slot strategy. The same policy objects run in
+the simulator (scores from `sim.kv.importance`) and in the real backend (scores from the attention
+kernels), so a policy sees only numpy arrays.
+
+State a policy sees — `TokenState` (`sim.kv.state`), one per request
+-----------------------------------------------------------------------
+All arrays are `[rows, num_slots]`, vectorized over rows (never loop over heads in Python):
+
+- rows: `ctx.rows` = layers * kv_heads in the `per_head` layout (row = layer * kv_heads + head,
+  `ctx.row_layer[row]` / `ctx.row_head[row]` give them); 1 in the `shared` layout (scores are then
+  averaged over all layers and heads and a decision applies to every head at once).
+- columns are SLOTS, not positions. `state.pos[r, s]` is the position of the token in slot s
+  (-1 = empty slot), `state.live[r, s]` whether it is resident and attended to. Slots of evicted
+  tokens have `live == False` but may keep `pos` until the slot is reused or freed. Slot order is
+  arbitrary (tokens move under compaction / slot reuse): select by `pos`, `live`, `score`, never
+  by column index.
+- `state.num_tokens` = T, positions 0..T-1 exist (the newest token has pos T-1).
+- `state.score` float32: attention each token received, summed over every query observed so far
+  (the manager adds the prefill observation window and each decode step's scores before calling
+  `compress`; override `observe` to change that, e.g. squared attention or a decayed sum).
+- `state.tier` int8: TIER_FULL=0 (cache dtype), TIER_HIGH=1, TIER_LOW=2 (LeanKV).
+- policy-specific per-slot arrays: `state.add_field(name, dtype, fill)` once (e.g. in `on_admit`),
+  then `state.field(name)`; they move with their tokens. Per-request scalars: `state.extra`.
+
+Scores (`scores` arguments)
+---------------------------
+Attention probabilities as float32 `[rows, num_slots]` (0 at non-live slots), already aggregated
+over the query heads of each GQA group onto their KV head by `ctx.gqa_reduce(...)` with the
+policy's `gqa_reduce` ("sum" | "max" | "mean"), and, in the shared layout, averaged over rows.
+- prefill observation: `[window, rows, num_slots]`, the attention of the last `obs_window` prompt
+  queries (one slice per query, oldest first) over the prompt.
+- decode: `[rows, num_slots]`, the attention of this step's single query over the live tokens
+  (each row sums to 1 over live slots).
+The importance source (`sim.kv.importance`: synthetic model, recorded Parquet, or real attention)
+supplies them; a policy with `needs_scores = False` gets `None`.
+
+Calls a policy receives (all optional to override; defaults do nothing / keep everything)
+-------------------------------------------------------------------------------------------
+- `on_admit(state, ctx)`: once per (re)admission, before any token is written.
+- `observe(state, ctx, scores, phase)`: every step the request computes; phase "prefill" (once,
+  after the last prompt token, scores [window, rows, S]) or "decode" (scores [rows, S]). Default:
+  accumulate into `state.score`.
+- `compress(state, ctx, reason, scores) -> Decision | None`: when the manager's trigger fires.
+  reason: "prefill" (right after prefill), "decode" (a decode step; trigger `every_step` /
+  `every_n` / `threshold`). Returning None = no change.
+- `reclaim(state, ctx, num_tokens) -> Decision | None`: memory pressure (the scheduler would
+  otherwise preempt): evict about `num_tokens` token-rows (sum over rows) from this request.
+  Default: None (the policy cannot help; the scheduler preempts).
+- `read_tokens(state, ctx) -> np.ndarray | None`: selection policies (quest): tokens attention
+  reads this step per row (int [rows]); None = all live tokens. Reads only; memory is unchanged.
+
+Decision
+--------
+`Decision(evict=bool [rows, S] | None, tier=int8 [rows, S] | None)`. `evict` marks live slots
+to drop (the manager ignores non-live ones). `tier` gives the new tier of each live slot (the
+manager moves tokens whose tier changes into pages of that tier; -1 or the current value = no
+change). Masks are over the state's current slots (shape must match `state.live`).
+
+The default trigger of a policy is its `default_trigger` ("never", "every_step",
+"after_prefill", "after_prefill+pressure"); `kv.trigger` in the config overrides it.
+
+Writing a policy
+----------------
+    from sim.kv.policy import EvictionPolicy, Decision, register_policy
+
+    @register_policy("mypolicy")
+    class MyPolicy(EvictionPolicy):
+        default_trigger = "every_step"
+        def __init__(self, budget: int = 256, window: int = 32): ...   # params from kv.params
+        def compress(self, state, ctx, reason, scores):
+            over = state.live_counts() - self.budget          # [rows]
+            ...
+            return Decision(evict=mask)
+
+Unknown parameters raise `PolicyError` naming the policy and its accepted parameters. Helpers:
+`lowest_k_mask(values, k, candidates)` selects, per row, the k candidates with the smallest value
+(vectorized; ties broken deterministically).
+`fast_mode_profile` (optional) tells the block-occupancy fast mode where evictions fall (see
+`sim.kv.fast`).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .state import TIER_FULL, TIER_HIGH, TIER_LOW, TokenState  # noqa: F401 (re-exported)
+
+
+class PolicyError(ValueError):
+    """Unknown policy or invalid policy parameter; the message names it."""
+
+
+@dataclass
+class PolicyContext:
+    """What a policy may know about the engine (immutable for a run)."""
+    layout: str                  # "shared" | "per_head"
+    num_layers: int
+    num_kv_heads: int
+    num_query_heads: int
+    block_size: int              # tokens per block (full-precision pages)
+    rows: int                    # rows of TokenState: layers * kv_heads (per_head) or 1 (shared)
+    row_layer: np.ndarray = field(default=None)   # int [rows]
+    row_head: np.ndarray = field(default=None)    # int [rows]
+    tier_bytes: tuple[float, float, float] = (1.0, 0.5, 0.25)   # bytes/token of each tier / full
+
+    def __post_init__(self):
+        if self.row_layer is None:
+            r = np.arange(self.rows)
+            if self.layout == "per_head":
+                self.row_layer, self.row_head = r // self.num_kv_heads, r % self.num_kv_heads
+            else:
+                self.row_layer, self.row_head = np.zeros(self.rows, int), np.zeros(self.rows, int)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_query_heads // self.num_kv_heads
+
+    def gqa_reduce(self, per_query_head: np.ndarray, how: str = "sum") -> np.ndarray:
+        """[..., layers * num_query_heads, S] -> [..., rows, S]: query heads of a group onto their KV head
+        (query head q belongs to KV head q // group_size); shared layout: then the mean over rows."""
+        shape = per_query_head.shape
+        x = per_query_head.reshape(shape[:-2] + (self.num_layers * self.num_kv_heads, self.group_size, shape[-1]))
+        x = {"sum": np.sum, "max": np.max, "mean": np.mean}[how](x, axis=-2)
+        if self.layout == "shared":
+            x = x.mean(axis=-2, keepdims=True)
+        return x.astype(np.float32, copy=False)
+
+
+@dataclass
+class Decision:
+    evict: np.ndarray | None = None     # bool [rows, S]: live slots to evict
+    tier: np.ndarray | None = None      # int8 [rows, S]: new tier per live slot (-1 = unchanged)
+
+
+class EvictionPolicy:
+    name = "base"
+    needs_scores = True           # False: the importance source is not queried (cheaper)
+    evicts = True                 # False: memory is never reduced (none, quest)
+    gqa_reduce = "sum"
+    obs_window = 8                # prefill observation queries wanted
+    default_trigger = "every_step"
+
+    def on_admit(self, state: TokenState, ctx: PolicyContext) -> None:
+        pass
+
+    def observe(self, state: TokenState, ctx: PolicyContext, scores, phase: str) -> None:
+        if scores is None:
+            return
+        if phase == "prefill":
+            state.score += scores.sum(axis=0)
+            state.num_steps_observed += scores.shape[0]
+        else:
+            state.score += scores
+            state.num_steps_observed += 1
+
+    def compress(self, state: TokenState, ctx: PolicyContext, reason: str, scores) -> Decision | None:
+        return None
+
+    def reclaim(self, state: TokenState, ctx: PolicyContext, num_tokens: int) -> Decision | None:
+        return None
+
+    def read_tokens(self, state: TokenState, ctx: PolicyContext) -> np.ndarray | None:
+        return None
+
+    # Fast mode (sim.kv.fast): how many tokens each row keeps and where evictions fall.
+    def fast_mode_profile(self) -> dict | None:
+        """None = not supported in fast mode. Keys: `budget` (tokens kept per row after prefill and
+        per decode step), `protect_recent` (newest tokens never evicted), `protect_first` (oldest
+        tokens never evicted), `age_weight` ("uniform" | "old" | "young": which ages evictions
+        favour among the rest), `per_step` (evictions per row per decode step once at budget)."""
+        return None
+
+    def __repr__(self) -> str:
+        params = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in params.items())})"
+
+
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+
+
+def register_policy(name: str):
+    def deco(cls):
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+def policy_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def get_policy(name: str, **params) -> EvictionPolicy:
+    """Instantiate a registered policy; unknown names or parameters raise PolicyError."""
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise PolicyError(f"unknown KV policy {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    cls = _REGISTRY[name]
+    sig = inspect.signature(cls.__init__)
+    accepted = [p for p in sig.parameters if p != "self"]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise PolicyError(f"kv.params: policy {name!r} has no parameter(s) {unknown}; "
+                          f"it accepts {accepted or 'none'}")
+    try:
+        return cls(**params)
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"kv.params for policy {name!r}: {exc}") from None
+
+
+def _load_builtin() -> None:
+    from . import policies  # noqa: F401  (registers the built-in policies)
+
+
+# ----- helpers policies share ---------------------------------------------------------------
+def lowest_k_mask(values: np.ndarray, k: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Per row, mark the k[row] candidate slots with the smallest `values` (k may differ per row).
+
+    values float [rows, S]; k int [rows] (clipped to the candidate count); candidates bool [rows, S].
+    Ties are broken deterministically (same input, same mask).
+    """
+    rows, S = values.shape
+    k = np.minimum(np.maximum(np.asarray(k, dtype=np.int64), 0), candidates.sum(axis=1))
+    out = np.zeros((rows, S), dtype=bool)
+    if S == 0 or not k.any():
+        return out
+    keyed = np.where(candidates, values, np.inf)
+    kmax = int(k.max())
+    if kmax < S // 4:
+        idx = np.argpartition(keyed, kmax - 1, axis=1)[:, :kmax] if kmax < S else np.argsort(keyed, axis=1)
+        sub = np.take_along_axis(keyed, idx, axis=1)
+        order = np.argsort(sub, axis=1, kind="stable")
+        idx = np.take_along_axis(idx, order, axis=1)
+    else:
+        idx = np.argsort(keyed, axis=1, kind="stable")[:, :kmax]
+    take = np.arange(idx.shape[1])[None, :] < k[:, None]
+    r = np.broadcast_to(np.arange(rows)[:, None], idx.shape)
+    out[r[take], idx[take]] = True
+    return out
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
