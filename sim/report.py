@@ -70,6 +70,7 @@ def _line_figure(series, x: str, panels: list[tuple[str, list[tuple[str, str]]]]
     dashes = ["solid", "dash", "dot", "dashdot"]
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                "#bcbd22", "#17becf"]
+    shown: set[str] = set()
     for gi, (label, agg) in enumerate(series):
         color = palette[gi % len(palette)]
         for pi, (_, cols) in enumerate(panels, start=1):
@@ -80,8 +81,9 @@ def _line_figure(series, x: str, panels: list[tuple[str, list[tuple[str, str]]]]
                 name = f"{label} {suffix}".strip()
                 fig.add_trace(go.Scatter(
                     x=agg[x], y=agg[col] * scale, mode="lines+markers", name=name, legendgroup=label,
-                    showlegend=(pi == 1 and ci == 0) or len(cols) > 1,
+                    showlegend=name not in shown,
                     line={"color": color, "dash": dashes[ci % len(dashes)]}), row=1, col=pi)
+                shown.add(name)
             fig.update_xaxes(title_text=x, row=1, col=pi)
     fig.update_layout(title=title, height=420, legend={"font": {"size": 10}})
     return fig
@@ -128,6 +130,15 @@ def _capacity_figure(cap: dict, df: pd.DataFrame) -> go.Figure:
         if col in rows:
             fig.add_trace(go.Scatter(x=rows[x], y=rows[col] * 1e3, mode="lines+markers", name=f"{name} (ms)"),
                           row=1, col=2)
+    from .capacity import parse_slo
+    plotted = {"ttft_p99_s", "tpot_p99_s", "e2e_p99_s"}
+    for c in parse_slo(",".join(cap["slo"])):
+        if c.metric in plotted:
+            limit_ms = c.limit * 1e3
+            fig.add_hline(y=limit_ms, line_dash="dot", line_color="red", row=1, col=2)
+            # on a log axis, annotations take log10 coordinates (shapes take data values)
+            fig.add_annotation(y=math.log10(limit_ms), x=0, xref="x2 domain", yref="y2", text=f"SLO {c.text}",
+                               showarrow=False, xanchor="left", yanchor="bottom", font={"color": "red"})
     if cap.get("answer") is not None:
         for c in (1, 2):
             fig.add_vline(x=cap["answer"], line_dash="dash", line_color="green", row=1, col=c)
