@@ -63,7 +63,7 @@ def simulate(
         from .simulate import run_simulation
         result = run_simulation(cfg, out, progress=not quiet)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     if not quiet:
         print_summary(result.summary)

@@ -1,0 +1,131 @@
+"""Simulator engine end to end: fast-forward equivalence, determinism, invariants, outputs, errors."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from sim.catalog import CatalogError
+from sim.cli import app
+from sim.config import ConfigError, load_config, parse_duration
+from sim.simulate import run_simulation
+from traces import Trace
+from traces.synthetic import closed_batch
+
+
+def sim(overrides, trace=None, out=None):
+    return run_simulation(load_config(None, overrides), out, trace=trace)
+
+
+def assert_same_results(a, b):
+    pd.testing.assert_frame_equal(a.requests, b.requests)
+    cols = [c for c in a.steps.columns if c != "predicted_s"]
+    # replicas' rows interleave in emission order; each replica's sequence must match exactly
+    sa, sb = (x.steps[cols].sort_values(["replica", "step"]).reset_index(drop=True) for x in (a, b))
+    pd.testing.assert_frame_equal(sa, sb, check_dtype=False)
+
+
+SCENARIOS = {
+    "azure-unloaded": {"trace_options.max_requests": 150},
+    "memory-pressure": {"trace_options.max_requests": 200, "engine.num_gpu_blocks": 500},
+    "prefix-caching": {"trace": "mooncake-conversation", "trace_options.max_requests": 30,
+                       "engine.num_gpu_blocks": 3000, "engine.enable_prefix_caching": True},
+    "two-replicas": {"trace_options.max_requests": 150, "replicas": 2, "router": "least_outstanding",
+                     "trace_options.rate_scale": 4.0},
+    "seq-limit": {"trace_options.max_requests": 150, "engine.max_num_seqs": 8, "trace_options.rate_scale": 3.0},
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_fast_forward_gives_identical_results_to_stepping(name):
+    over = SCENARIOS[name]
+    fast = sim({**over, "fast_forward": True})
+    slow = sim({**over, "fast_forward": False})
+    assert_same_results(fast, slow)
+    assert fast.summary["num_finished"] + fast.summary["num_rejected"] == len(fast.requests)
+
+
+def test_memory_pressure_preempts_and_conserves_tokens():
+    r = sim({**SCENARIOS["memory-pressure"], "check_invariants": True})
+    assert r.summary["preemptions"] > 0
+    done = r.requests[r.requests.status == "finished"]
+    assert len(done) == 200
+    assert (done.output_tokens == [len(t) for t in done.token_times_s]).all()
+    last = r.steps.iloc[-1]
+    assert last.blocks_used == 0 and last.blocks_free == 500     # every block free at the end
+
+
+def test_same_seed_same_results_bit_for_bit(tmp_path):
+    over = {"trace_options.max_requests": 150, "engine.num_gpu_blocks": 600}
+    a = sim(over, out=tmp_path / "a")
+    b = sim(over, out=tmp_path / "b")
+    assert_same_results(a, b)
+    for f in ("requests.parquet", "steps.parquet"):
+        assert pd.read_parquet(tmp_path / "a" / f).equals(pd.read_parquet(tmp_path / "b" / f))
+
+
+def test_closed_batch_is_limited_by_max_num_seqs_and_finishes_together():
+    trace = closed_batch(16, prompt_tokens=256, output_tokens=32)
+    r = sim({"engine.max_num_seqs": 8, "engine.num_gpu_blocks": 4000}, trace=trace)
+    assert r.steps.batch_size.max() == 8
+    first_wave = r.requests.nsmallest(8, "request_id")
+    assert first_wave.finish_s.nunique() == 1                    # same start, same length, same end
+    assert (r.requests.queueing_s.iloc[8:] > 0).all()
+
+
+def test_requests_that_can_never_fit_are_rejected_in_the_results():
+    trace = Trace.from_columns(arrival_time_s=np.array([0.0, 0.1]), prompt_tokens=np.array([100, 5000]),
+                               output_tokens=np.array([10, 10]))
+    r = sim({"engine.num_gpu_blocks": 64, "engine.block_size": 16}, trace=trace)
+    rej = r.requests[r.requests.status == "rejected"]
+    assert rej.request_id.tolist() == [1]
+    assert "whole KV pool holds 1024 tokens" in rej.reject_reason.iloc[0]
+    assert r.summary["num_rejected"] == 1 and r.summary["num_finished"] == 1
+
+
+def test_latency_metrics_are_consistent():
+    r = sim({"trace_options.max_requests": 100})
+    d = r.requests
+    assert (d.ttft_s >= d.queueing_s).all() and (d.e2e_s >= d.ttft_s).all()
+    np.testing.assert_allclose(d.first_token_s, [t[0] for t in d.token_times_s])
+    s = r.summary
+    assert s["ttft_p50_s"] <= s["ttft_p90_s"] <= s["ttft_p99_s"]
+    assert 0 < s["kv_util_mean"] <= s["kv_util_max"] <= 1
+    assert s["throughput_output_tok_s"] == pytest.approx(d.output_tokens.sum() / s["makespan_s"])
+
+
+def test_cli_simulate_writes_outputs(tmp_path):
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["simulate", "--trace", "azure-conv-2023", "--model", "llama-3.1-8b",
+                                   "--gpu", "h100", "--max-requests", "50", "-o", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    for f in ("requests.parquet", "steps.parquet", "summary.json", "config.yaml"):
+        assert (out / f).exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_finished"] == 50 and summary["num_gpu_blocks"] > 10_000
+    again = CliRunner().invoke(app, ["simulate", "-c", str(out / "config.yaml"), "-o", str(tmp_path / "r2"), "-q"])
+    assert again.exit_code == 0
+    assert json.loads((tmp_path / "r2" / "summary.json").read_text())["num_steps"] == summary["num_steps"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-gpu-blocks", "0"], "engine.num_gpu_blocks"),
+    (["--block-size", "24"], "power of two"),
+    (["--model", "llama-9"], "unknown model 'llama-9'"),
+    (["--gpu", "h900"], "unknown gpu"),
+    (["--slo-ttft", "2"], "not a duration with a unit"),
+    (["--set", "engine.bogus=1"], "engine.bogus"),
+    (["--router", "random"], "router"),
+])
+def test_bad_configs_fail_with_a_clear_message(args, message, tmp_path):
+    res = CliRunner().invoke(app, ["simulate", "--max-requests", "5", "-o", str(tmp_path), "-q", *args])
+    assert res.exit_code == 2
+    assert message in res.output
+
+
+def test_duration_parsing():
+    assert parse_duration("100ms") == pytest.approx(0.1)
+    assert parse_duration("2s") == 2.0
+    with pytest.raises(ConfigError):
+        parse_duration("100")
