@@ -1,0 +1,21 @@
+"""The README's setup and test commands are exactly what CI runs."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _first_command_after(text: str, heading: str) -> str:
+    block = text.split(heading, 1)[1]
+    return re.search(r"```bash\n(.+?)\n```", block, re.S).group(1).strip()
+
+
+def test_ci_runs_the_readme_setup_and_test_commands():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    setup = _first_command_after(readme, "Setup (")
+    tests = _first_command_after(readme, "Tests (")
+    ci_lines = [line.strip() for line in ci.splitlines()]
+    assert setup in ci_lines
+    assert tests in ci_lines
+    assert "kvsim simulate --trace azure-conv-2023" in readme
