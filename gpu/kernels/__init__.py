@@ -2,7 +2,14 @@
 torch twin otherwise; `backend="triton"` forces Triton (on CPU it needs TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
+import os
+
 import torch
+
+# Triton kernels run on CPU only in interpreter mode, which must be set before they are defined.
+# On a CUDA machine leave it unset so the kernels are compiled (tests set it explicitly).
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 BACKENDS = (None, "torch", "triton")
 
