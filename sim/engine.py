@@ -51,6 +51,7 @@ class EngineReplica:
         self.max_run_steps = max_run_steps
         self.now = 0.0              # authoritative clock (simpy time tracks it)
         self.num_steps = 0
+        self._last_duration = 0.0
         self._wake: simpy.Event | None = None
         self.process = env.process(self.run())
 
@@ -84,6 +85,7 @@ class EngineReplica:
                 if s.request.first_scheduled_time is None:
                     s.request.first_scheduled_time = start
             result = self.executor.execute(out)
+            self._last_duration = result.duration_s
             self.now = start + result.duration_s
             yield self._sleep_until(self.now)
             finished = self.scheduler.update(out, self.now)
@@ -155,11 +157,16 @@ class EngineReplica:
         for r in running:
             if r.num_output_tokens == 0 or r.num_computed_tokens != r.num_tokens - 1:
                 return
+        if self.next_arrival() <= self.now:
+            return
         bs = self.kv.block_size
         c = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=len(running))
         last = np.fromiter((r.remaining_output for r in running), dtype=np.int64, count=len(running))
         k = int(last.min() if admission_blocked else last.max())
-        k = min(k, self.max_run_steps)
+        # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
+        # run is still exact; stepping resumes where it stops).
+        gap = (self.next_arrival() - self.now) / max(self._last_duration, 1e-9)
+        k = min(k, self.max_run_steps, int(min(gap, 1e9)) * 2 + 16)
         steps = np.arange(1, k + 1, dtype=np.int64)
         active = steps[None, :] <= last[:, None]          # request computes a token in step i
         tokens = c[:, None] + steps[None, :]               # tokens resident after step i
@@ -223,6 +230,8 @@ class EngineReplica:
     def _apply_decode_run(self, reqs: list[Request], c, last, k: int, new, held, tokens, ends) -> dict:
         """Replay the run's allocations, prefix-cache fills and finishes in step order."""
         bs = self.kv.block_size
+        if not self.kv.enable_caching:
+            return self._apply_decode_run_uncached(reqs, c, last, k, new, held, tokens, ends)
         events = new.astype(bool)
         if self.kv.enable_caching:
             events |= (tokens % bs == 0) & (np.arange(1, k + 1)[None, :] <= last[:, None])
@@ -270,6 +279,43 @@ class EngineReplica:
         return {"blocks_used": used, "blocks_free": pool.num_blocks - used, "blocks_cached": cached,
                 "live_slots": live, "allocated_slots": allocated, "fragmentation": frag,
                 "num_running": alive.sum(axis=0), "finished": finished_per_step}
+
+    def _apply_decode_run_uncached(self, reqs, c, last, k: int, new, held, tokens, ends) -> dict:
+        """Same as the event replay, but blocks are popped in bulk between finishes (no sharing)."""
+        bs = self.kv.block_size
+        pool = self.kv.pool
+        used0 = pool.num_used_blocks
+        req_idx, step_idx = np.nonzero(new)
+        order = np.lexsort((req_idx, step_idx))
+        req_idx, step_idx = req_idx[order], step_idx[order]
+        ends_at = last.tolist()
+        end_times = ends.tolist()
+        finish_steps = sorted({e - 1 for e in ends_at if e < k})
+        start = 0
+        for s in finish_steps + [k]:
+            stop = int(np.searchsorted(step_idx, s, side="right"))
+            self.kv.append_one_block_each([reqs[r] for r in req_idx[start:stop].tolist()])
+            start = stop
+            if s < k:
+                self._finish([req for req, e in zip(reqs, ends_at) if e - 1 == s], end_times[s])
+        for r, req in enumerate(reqs):
+            n = min(ends_at[r], k)
+            req.num_computed_tokens = int(c[r]) + n
+            req.num_output_tokens += n
+            req.token_times.extend(end_times[:n])
+        steps = np.arange(1, k + 1)
+        alive = steps[None, :] < last[:, None]
+        freed = np.zeros(k, dtype=np.int64)
+        ending = last < k
+        np.add.at(freed, last[ending] - 1, held[ending, last[ending] - 1])
+        used = used0 + np.cumsum(new.sum(axis=0)) - np.cumsum(freed)
+        allocated = used * bs
+        live = allocated - ((held * bs - tokens) * alive).sum(axis=0)
+        frag = np.where(allocated > 0, 1.0 - live / np.maximum(allocated, 1), 0.0)
+        return {"blocks_used": used, "blocks_free": pool.num_blocks - used, "blocks_cached": np.zeros(k),
+                "live_slots": live, "allocated_slots": allocated, "fragmentation": frag,
+                "num_running": alive.sum(axis=0),
+                "finished": np.bincount(np.minimum(last, k + 1) - 1, minlength=k + 1)[:k]}
 
     def _finish(self, reqs: list[Request], when: float) -> None:
         for req in reqs:

@@ -119,6 +119,11 @@ class KVCacheManager:
             req.extra["num_cached_blocks"] = max(full, req.extra.get("num_cached_blocks", 0))
         return True
 
+    def append_one_block_each(self, reqs: list[Request]) -> None:
+        """Give each request one new block, in order (bulk decode growth without prefix caching)."""
+        for req, block in zip(reqs, self.pool.get_new_blocks(len(reqs))):
+            self.req_blocks[req].append(block)
+
     def free(self, req: Request) -> int:
         """Release all of a request's blocks (tail first, so its tail is evicted from the cache first)."""
         blocks = self.req_blocks.pop(req, [])
