@@ -78,6 +78,30 @@ class SLO(_Strict):
         return None if self.tpot is None else parse_duration(self.tpot)
 
 
+class KVConfig(_Strict):
+    """KV eviction / compression / fragmentation (sim/kv). Defaults keep vLLM's full cache."""
+    policy: Literal["none", "streaming", "h2o", "snapkv", "pyramidkv", "ada_snapkv", "kvcompress", "leankv",
+                    "quest"] = "none"
+    budget: int | None = Field(None, gt=0, description="tokens kept per head (policies with a budget)")
+    params: dict[str, Any] = Field(default_factory=dict, description="extra policy parameters")
+    layout: Literal["shared", "per_head"] = "shared"
+    slot_strategy: Literal["noop", "free_block", "slot_reuse", "sparse_copy", "compact",
+                           "parallel_compact"] = "free_block"
+    trigger: Literal["policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure",
+                     "pressure", "threshold"] = "policy"
+    trigger_interval: int = Field(1, gt=0, description="every_n: decode steps between compressions")
+    trigger_threshold: int = Field(0, ge=0, description="threshold: tokens added between compressions")
+    importance: str = Field("smollm2-135m", description="synthetic importance model (sim/data/importance) or YAML")
+    mode: Literal["token", "fast"] = Field("token", description="token-level state or block-occupancy fast mode")
+    high_tier: str = "K8V4"
+    low_tier: str = "K4V2"
+
+    @property
+    def is_default(self) -> bool:
+        """The plain vLLM path (base KVCacheManager, decode fast-forward) applies."""
+        return self.policy == "none" and self.layout == "shared"
+
+
 class SimConfig(_Strict):
     trace: str = "azure-conv-2023"
     trace_options: TraceOptions = TraceOptions()
@@ -89,6 +113,7 @@ class SimConfig(_Strict):
     profile: str = "default"
     kv_dtype: str | None = None
     engine: EngineConfig = EngineConfig()
+    kv: KVConfig = KVConfig()
     slo: SLO = SLO(ttft="2s", tpot="100ms")
     seed: int = 0
     fast_forward: bool = True

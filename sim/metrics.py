@@ -136,6 +136,9 @@ REQUEST_COLUMNS = {
     "output_tokens": "output tokens produced",
     "cached_tokens": "prompt tokens served from the prefix cache",
     "preemptions": "times preempted",
+    "evicted_tokens": "(token, layer, KV head) entries evicted by the KV policy / rows (token-equivalents)",
+    "attention_mass_retained": "mean share of the full-cache attention its kept tokens received per decode "
+                               "step (1 = nothing lost; NaN when no eviction policy ran)",
     "token_times_s": "time of every output token (inter-token latencies are its differences)",
 }
 
@@ -155,6 +158,9 @@ def request_table(requests) -> pd.DataFrame:
             "first_token_s": first, "finish_s": last if status == "finished" else math.nan,
             "prompt_tokens": r.prompt_tokens, "output_tokens": r.num_output_tokens,
             "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,
+            "evicted_tokens": r.extra.get("kv_evicted_tokens", 0.0),
+            "attention_mass_retained": (r.extra["kv_mass_sum"] / r.extra["kv_mass_steps"]
+                                        if r.extra.get("kv_mass_steps") else math.nan),
             "token_times_s": list(times),
         })
     df = pd.DataFrame(rows, columns=[c for c in REQUEST_COLUMNS if c not in (

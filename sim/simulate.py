@@ -103,10 +103,10 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     replicas: list[EngineReplica] = []
     arrivals_holder: list[ArrivalProcess] = []
     for i in range(cfg.replicas):
-        kv = KVCacheManager(num_blocks, eng.block_size, enable_caching=eng.enable_prefix_caching)
+        kv, executor = _build_kv(cfg, model, cost, num_blocks)
         scheduler = Scheduler(sched_cfg, kv)
         replicas.append(EngineReplica(
-            env, i, scheduler, CostModelExecutor(cost, kv), step_log,
+            env, i, scheduler, executor, step_log,
             fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants,
             next_arrival=lambda: arrivals_holder[0].next_arrival(),
             on_step=(lambda n, r=replicas: _tick(bar, r)) if bar else None))
@@ -127,6 +127,9 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     summary = summarize(req_df, steps_for_summary, num_blocks_total=num_blocks,
                         slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
                         prefix_queries=queries, prefix_hits=hits)
+    if not cfg.kv.is_default:
+        from .kv.metrics import kv_summary
+        summary.update(kv_summary([r.kv for r in replicas], req_df, steps_for_summary))
     summary.update({"num_gpu_blocks": num_blocks, "block_size": eng.block_size,
                     "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
                     "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace})
@@ -137,6 +140,19 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return SimulationResult(summary, req_df, steps_df, out, num_blocks, wall)
+
+
+def _build_kv(cfg: SimConfig, model, cost, num_blocks: int):
+    """The KV manager and executor of one replica: the plain vLLM path unless `kv:` asks for more."""
+    eng = cfg.engine
+    if cfg.kv.is_default:
+        kv = KVCacheManager(num_blocks, eng.block_size, enable_caching=eng.enable_prefix_caching)
+        return kv, CostModelExecutor(cost, kv)
+    if eng.enable_prefix_caching:
+        raise ConfigError("engine.enable_prefix_caching: not supported with kv.policy/kv.layout other than "
+                          "none/shared (evicted tokens break shared prefix blocks)")
+    from .kv.build import build_kv
+    return build_kv(cfg.kv, model, cost, num_blocks, eng.block_size, cfg.seed)
 
 
 def _progress_bar(total: int):

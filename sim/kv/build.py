@@ -1,0 +1,64 @@
+"""Build an eviction-aware KV manager and its executor from a `KVConfig` (used by sim.simulate)."""
+from __future__ import annotations
+
+from ..config import ConfigError
+from .importance import ImportanceError, SyntheticImportance
+from .policy import PolicyContext, PolicyError, get_policy
+from .state import TIER_FULL
+
+
+def tier_layout(model, block_size: int, high: str, low: str) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
+    """(bytes per token of each tier / full-precision bytes, tokens per page of each tier) for pages of
+    the byte size of one full-precision block of one (layer, KV head) — LeanKV's fixed-size pages."""
+    from gpu.quant import TIERS  # the real backend's tier definitions (bits + per-token fp16 scale/zero)
+
+    full_bytes = model.kv_bytes_per_token() / (model.num_layers * model.num_kv_heads)
+    page_bytes = block_size * full_bytes
+    ratios, caps = [1.0], [block_size]
+    for name, what in ((high, "kv.high_tier"), (low, "kv.low_tier")):
+        if name not in TIERS:
+            raise ConfigError(f"{what}: unknown precision tier {name!r}; known: {sorted(TIERS)}")
+        b = TIERS[name].bytes_per_token(model.head_dim)
+        ratios.append(b / full_bytes)
+        caps.append(int(page_bytes // b))
+    return tuple(ratios), tuple(caps)
+
+
+def policy_params(kv) -> dict:
+    params = dict(kv.params)
+    if kv.budget is not None:
+        params.setdefault("budget", kv.budget)
+    return params
+
+
+def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int):
+    """-> (manager, executor). `num_blocks` is the shared-layout pool size; per_head pools hold the
+    same bytes as num_blocks x layers x (KV heads per GPU) one-head blocks."""
+    kv_heads = cost.kv_heads_per_gpu
+    rows = model.num_layers * kv_heads if kv.layout == "per_head" else 1
+    tier_bytes, tier_caps = tier_layout(model, block_size, kv.high_tier, kv.low_tier)
+    ctx = PolicyContext(kv.layout, model.num_layers, kv_heads, max(1, model.num_heads * kv_heads // model.num_kv_heads),
+                        block_size, rows, tier_bytes=tier_bytes)
+    try:
+        policy = get_policy(kv.policy, **policy_params(kv))
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+    pool_blocks = num_blocks * rows
+    bytes_per_row = cost.kv_bytes_per_token / rows
+    new_tier = getattr(policy, "new_token_tier", TIER_FULL)
+    if kv.mode == "fast":
+        from .fast import FastKVManager
+        manager = FastKVManager(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
+                                bytes_per_token_row=bytes_per_row, seed=seed)
+    else:
+        from .manager import EvictingKVManager
+        try:
+            importance = SyntheticImportance(ctx, kv.importance, seed) if (policy.needs_scores or policy.evicts) else None
+        except ImportanceError as exc:
+            raise ConfigError(f"kv.importance: {exc}") from None
+        manager = EvictingKVManager(pool_blocks, block_size, ctx, policy, importance, slot_strategy=kv.slot_strategy,
+                                    trigger=kv.trigger, trigger_interval=kv.trigger_interval,
+                                    trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
+                                    tier_capacity=tier_caps, new_token_tier=new_tier)
+    from .executor import KVPolicyExecutor
+    return manager, KVPolicyExecutor(cost, manager)
