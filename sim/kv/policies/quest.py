@@ -1,0 +1,69 @@
+"""`quest` (Quest, Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
+Inference") and `tokenselect` (TokenSelect, Wu et al. 2024, token-level selection).
+
+Selection, not eviction: the whole cache stays resident (memory is that of `none`), but each
+decode step's attention reads only the `budget` most relevant tokens of every KV head. Quest
+ranks pages of `page_size` tokens by an upper bound of the query's attention to them (from
+per-page channel-wise key min/max) and reads the top ceil(budget / page_size) pages, the page
+holding the newest token included; `tokenselect` is the same with `page_size` 1 (per-token
+selection). The first `dense_layers` layers read everything, as in Quest. The saving is attention
+bandwidth: `read_tokens` tells the KV manager (and so the cost model's KV bytes read) how many
+tokens each row reads this step; `select` gives which ones, for a backend that has the bound.
+
+Parameters: `budget` (tokens read per head, default 512), `page_size` (default 16; tokenselect: 1),
+`dense_layers` (default 2).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..policy import EvictionPolicy, check_positive_int, register_policy
+
+
+@register_policy("quest")
+class Quest(EvictionPolicy):
+    needs_scores = False
+    evicts = False
+    default_trigger = "never"
+
+    def __init__(self, budget: int = 512, page_size: int = 16, dense_layers: int = 2):
+        self.budget = check_positive_int("budget", budget)
+        self.page_size = check_positive_int("page_size", page_size)
+        self.dense_layers = check_positive_int("dense_layers", dense_layers, minimum=0)
+
+    def _pages(self) -> int:
+        return -(-self.budget // self.page_size)
+
+    def read_tokens(self, state, ctx) -> np.ndarray:
+        """int [rows]: tokens each row's attention reads this step (whole pages, never more than live)."""
+        live = state.live_counts()
+        sparse = np.minimum(live, self._pages() * self.page_size)
+        if ctx.layout == "per_head":
+            return np.where(ctx.row_layer < self.dense_layers, live, sparse)
+        dense = min(self.dense_layers, ctx.num_layers)            # shared layout: mean over layers
+        return (live * dense + sparse * (ctx.num_layers - dense) + ctx.num_layers // 2) // ctx.num_layers
+
+    def select(self, state, ctx, bound: np.ndarray) -> np.ndarray:
+        """bool [rows, S]: the live slots read this step, given a per-slot upper bound of the query's
+        attention `bound` [rows, S] (a page's bound is its largest slot's). Pages are position ranges
+        [k * page_size, (k + 1) * page_size); the newest token's page is always read."""
+        rows, S = state.live.shape
+        page = np.where(state.live, state.pos // self.page_size, -1)
+        num_pages = max(1, -(-state.num_tokens // self.page_size))
+        page_bound = np.full((rows, num_pages), -np.inf, dtype=np.float64)
+        r = np.broadcast_to(np.arange(rows)[:, None], page.shape)
+        np.maximum.at(page_bound, (r[state.live], page[state.live]), bound[state.live])
+        page_bound[:, num_pages - 1] = np.inf                       # the current page
+        keep = min(self._pages(), num_pages)
+        top = np.argsort(-page_bound, axis=1, kind="stable")[:, :keep]
+        chosen = np.zeros((rows, num_pages), dtype=bool)
+        np.put_along_axis(chosen, top, True, axis=1)
+        dense = ctx.row_layer < self.dense_layers if ctx.layout == "per_head" else np.zeros(rows, bool)
+        chosen[dense] = True
+        return state.live & np.take_along_axis(chosen, np.maximum(page, 0), axis=1)
+
+
+@register_policy("tokenselect")
+class TokenSelect(Quest):
+    def __init__(self, budget: int = 512, dense_layers: int = 2):
+        super().__init__(budget, page_size=1, dense_layers=dense_layers)
