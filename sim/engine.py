@@ -85,11 +85,12 @@ class EngineReplica:
                 if s.request.first_scheduled_time is None:
                     s.request.first_scheduled_time = start
             result = self.executor.execute(out)
+            entries = sum(self.kv.block_table_entries(s.request) for s in out.scheduled)   # before finishes free them
             self._last_duration = result.duration_s
             self.now = start + result.duration_s
             yield self._sleep_until(self.now)
             finished = self.scheduler.update(out, self.now)
-            self._log_step(start, out, result, len(finished))
+            self._log_step(start, out, result, len(finished), entries)
             if self.fast_forward:
                 yield from self._decode_run()
 
@@ -105,7 +106,8 @@ class EngineReplica:
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
         }
 
-    def _log_step(self, start: float, out: SchedulerOutput, result: StepResult, finished: int) -> None:
+    def _log_step(self, start: float, out: SchedulerOutput, result: StepResult, finished: int,
+                  block_table_entries: int = 0) -> None:
         prefill = [s for s in out.scheduled if s.is_prefill]
         prefill_tokens = sum(s.num_new_tokens for s in prefill)
         row = {
@@ -119,6 +121,9 @@ class EngineReplica:
             "evicted_tokens": result.evicted_tokens,
             "blocks_freed_by_eviction": result.blocks_freed_by_eviction,
             "bytes_moved": result.bytes_moved,
+            "attn_pairs_prefill": sum(s.num_new_tokens * (s.context_before + (s.num_new_tokens + 1) / 2)
+                                      for s in prefill),
+            "block_table_entries": block_table_entries,
         }
         row.update(self._pool_row())
         self.step_log.append(row)
@@ -218,6 +223,7 @@ class EngineReplica:
             "time_s": starts, "duration_s": durations[:k], "predicted_s": durations[:k],
             "batch_size": batch[:k], "num_prefill_seqs": 0, "num_decode_seqs": batch[:k],
             "prefill_tokens": 0, "decode_tokens": batch[:k], "kv_tokens_read": kv_read[:k],
+            "attn_pairs_prefill": 0.0, "block_table_entries": entries[:k],
             "preemptions": 0, "num_waiting": waiting,
         })
         self.step_log.append_columns(rows, k)

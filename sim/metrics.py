@@ -38,10 +38,14 @@ STEP_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "evicted_tokens": (pa.int64(), "tokens evicted by the KV policy in this step"),
     "blocks_freed_by_eviction": (pa.int64(), "blocks returned to the pool by eviction/compaction"),
     "bytes_moved": (pa.int64(), "bytes copied or moved by the slot strategy"),
+    "attn_pairs_prefill": (pa.float64(), "query-key pairs of prefill chunks: sum of chunk * (context_before + "
+                                         "(chunk + 1) / 2)"),
+    "block_table_entries": (pa.int64(), "block-table entries of the scheduled requests (x layers x heads in "
+                                        "per_head)"),
 }
 STEP_SCHEMA = pa.schema([(name, t) for name, (t, _) in STEP_COLUMNS.items()])
 STEP_DEFAULTS = {"predicted_s": math.nan, "evicted_tokens": 0, "blocks_freed_by_eviction": 0,
-                 "bytes_moved": 0}
+                 "bytes_moved": 0, "attn_pairs_prefill": 0.0, "block_table_entries": 0}
 
 
 class StepLog:
@@ -51,25 +55,18 @@ class StepLog:
         self.path = Path(path) if path else None
         self.flush_rows = flush_rows
         self._writer: pq.ParquetWriter | None = None
-        self._rows: dict[str, list] = {name: [] for name in STEP_COLUMNS}
-        self._num_row_buf = 0
-        self._chunks: list[dict[str, np.ndarray]] = []   # columnar pieces not yet written
+        self._chunks: list[tuple[int, dict]] = []        # (rows, columns) not yet written, in order
         self._pending = 0
         self._tables: list[pa.Table] = []                # kept only when there is no file
         self.num_rows = 0
 
     def append(self, row: dict) -> None:
-        for name, values in self._rows.items():
-            values.append(row[name] if name in row else STEP_DEFAULTS[name])
-        self._num_row_buf += 1
+        self._chunks.append((1, row))
         self._grow(1)
 
     def append_columns(self, cols: dict, n: int) -> None:
-        """Append n rows given as columns (numpy arrays, or scalars repeated n times)."""
-        for name, values in self._rows.items():
-            v = cols[name] if name in cols else STEP_DEFAULTS[name]
-            values.extend(v.tolist() if isinstance(v, np.ndarray) else [v] * n)
-        self._num_row_buf += n
+        """Append n rows given as columns (numpy arrays of length n, or scalars repeated n times)."""
+        self._chunks.append((n, cols))
         self._grow(n)
 
     def _grow(self, n: int) -> None:
@@ -78,18 +75,22 @@ class StepLog:
         if self._pending >= self.flush_rows:
             self.flush()
 
-    def _seal_rows(self) -> None:
-        if self._num_row_buf:
-            self._chunks.append({name: np.asarray(v) for name, v in self._rows.items()})
-            self._rows = {name: [] for name in STEP_COLUMNS}
-            self._num_row_buf = 0
-
     def flush(self) -> None:
-        self._seal_rows()
         if not self._chunks:
             return
-        arrays = [pa.array(np.concatenate([c[name] for c in self._chunks]), type=typ)
-                  for name, (typ, _) in STEP_COLUMNS.items()]
+        arrays = []
+        for name, (typ, _) in STEP_COLUMNS.items():
+            default = STEP_DEFAULTS.get(name)
+            values: list = []
+            for n, cols in self._chunks:
+                v = cols.get(name, default)
+                if isinstance(v, np.ndarray):
+                    values.extend(v.tolist())
+                elif n == 1:
+                    values.append(v)
+                else:
+                    values.extend([v] * n)
+            arrays.append(pa.array(values, type=typ))
         self._chunks = []
         self._pending = 0
         table = pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)

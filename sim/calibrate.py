@@ -1,0 +1,281 @@
+"""Fit a hardware profile (cost-model efficiency factors and overheads) to measured step times.
+
+The cost model (`sim/cost_model.py`) predicts a step as a sum of terms, each linear in one
+unknown (an inverse efficiency 1/eff or an overhead in seconds), except the two roofline max()es.
+With the active branch of each max fixed per step, time = A @ x is linear; we solve a weighted
+non-negative least-squares problem (rows weighted by 1/measured, so the relative error is what is
+minimized and small decode steps count as much as long prefills), re-pick the branches under the
+new factors, and repeat until they stop changing. Efficiencies are kept in (0, 1] (x >= 1) and
+overheads >= 0 by solving for x - lower_bound >= 0.
+
+Factors whose features are zero in every step (no swap, tp=1 all-reduce, no copies) cannot be
+identified from the data: they keep the base profile's value and are listed as `not fitted`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .core.step import BatchShape
+from .cost_model import FACTOR_OF_FEATURE, FEATURE_NAMES, CostModel, HardwareProfile, load_profile
+
+# Step-log columns the fit reads (-> BatchShape field); optional ones default to 0 when absent.
+REQUIRED_COLUMNS = ("duration_s", "batch_size", "prefill_tokens", "decode_tokens", "kv_tokens_read")
+OPTIONAL_COLUMNS = ("attn_pairs_prefill", "bytes_moved", "swap_bytes", "block_table_entries")
+FACTORS: tuple[str, ...] = tuple(dict.fromkeys(f for f, _ in FACTOR_OF_FEATURE.values()))
+EFFICIENCY_FACTORS = frozenset(f for f, how in FACTOR_OF_FEATURE.values() if how == "div")
+STEP_KINDS = ("prefill", "decode", "mixed")
+
+
+class CalibrationError(ValueError):
+    """Unusable step log or fit input; the message names the file and column."""
+
+
+# ---- input ------------------------------------------------------------------------------------
+def load_step_logs(paths: list[str | Path]) -> pd.DataFrame:
+    """Concatenate step logs (Parquet) into one table with a `source` column; checks the columns."""
+    if not paths:
+        raise CalibrationError("no step logs given")
+    frames = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            path = path / "steps.parquet"
+        if not path.is_file():
+            raise CalibrationError(f"{p}: no such step log (expected a steps.parquet file or a run directory)")
+        try:
+            df = pd.read_parquet(path)
+        except Exception as exc:   # pyarrow raises several types for non-Parquet input
+            raise CalibrationError(f"{path}: not a readable Parquet step log ({exc})") from None
+        check_step_columns(df, str(path))
+        frames.append(df.assign(source=str(path)))
+    return pd.concat(frames, ignore_index=True)
+
+
+def check_step_columns(df: pd.DataFrame, where: str) -> None:
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise CalibrationError(f"{where}: step log lacks column(s) {missing}; expected the kvsim step-log "
+                               f"schema (sim/metrics.py STEP_COLUMNS)")
+    if len(df) and not np.isfinite(df["duration_s"].to_numpy(dtype=float)).all():
+        raise CalibrationError(f"{where}: column duration_s has NaN/inf values (a simulated log has no "
+                               f"measured times; calibrate needs a replay step log)")
+
+
+def shape_of_steps(df: pd.DataFrame) -> BatchShape:
+    """The cost model's input for every row of a step log."""
+    def col(name: str) -> np.ndarray:
+        if name in df.columns:
+            return df[name].to_numpy(dtype=np.float64)
+        return np.zeros(len(df))
+    return BatchShape(num_seqs=col("batch_size"), num_prefill_tokens=col("prefill_tokens"),
+                      num_decode_tokens=col("decode_tokens"), attn_pairs_prefill=col("attn_pairs_prefill"),
+                      kv_tokens_read=col("kv_tokens_read"), bytes_moved=col("bytes_moved"),
+                      swap_bytes=col("swap_bytes"), block_table_entries=col("block_table_entries"))
+
+
+def step_kind(df: pd.DataFrame) -> np.ndarray:
+    """'prefill' (only prompt tokens), 'decode' (only decode tokens) or 'mixed', per row."""
+    p = df["prefill_tokens"].to_numpy() > 0
+    d = df["decode_tokens"].to_numpy() > 0
+    return np.where(p & d, "mixed", np.where(p, "prefill", "decode"))
+
+
+# ---- solver -----------------------------------------------------------------------------------
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson-Hanson active set). Columns are rescaled inside."""
+    m, n = a.shape
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    max_iter = max_iter or 3 * n + 30
+    tol = 1e-12 * max(1.0, float(np.abs(a).max(initial=0)) * float(np.abs(b).max(initial=0))) * m
+    for _ in range(max_iter):
+        w = a.T @ (b - a @ x)
+        candidates = ~passive & (w > tol)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, w, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15 * max(1.0, float(np.abs(x).max()))
+            x[~passive] = 0.0
+    return x / scale
+
+
+# ---- fit --------------------------------------------------------------------------------------
+@dataclass
+class FitReport:
+    profile: HardwareProfile
+    iterations: int
+    converged: bool
+    fitted: list[str]                  # factors identified from the data
+    not_fitted: list[str]              # kept at the base profile's value (feature always 0)
+    at_bound: list[str]                # efficiencies clamped at 1 (faster than the catalog peak)
+    errors: dict[str, dict[str, float]]   # per step kind (+ "all"): count, mape, median_ape, p90_ape, bias
+    branches: dict[str, float] = field(default_factory=dict)   # share of steps on the compute side
+
+    def table(self) -> str:
+        lines = [f"{'kind':<8} {'steps':>6} {'MAPE':>7} {'median':>7} {'p90':>7} {'bias':>7}"]
+        for kind, e in self.errors.items():
+            lines.append(f"{kind:<8} {e['count']:>6d} {e['mape']:>6.1%} {e['median_ape']:>6.1%} "
+                         f"{e['p90_ape']:>6.1%} {e['bias']:>+6.1%}")
+        return "\n".join(lines)
+
+
+def _unknown_columns(features: np.ndarray, compute_linear: np.ndarray, compute_attn: np.ndarray) -> np.ndarray:
+    """Design matrix [steps, len(FACTORS)]: each feature goes to its factor's column unless its
+    max() branch is inactive in that step."""
+    idx = {name: i for i, name in enumerate(FEATURE_NAMES)}
+    cols = np.zeros((features.shape[0], len(FACTORS)))
+    keep = {
+        "linear_compute_prefill": compute_linear, "linear_compute_decode": compute_linear,
+        "linear_memory": ~compute_linear, "attn_compute": compute_attn, "attn_memory": ~compute_attn,
+    }
+    for name, (factor, _) in FACTOR_OF_FEATURE.items():
+        f = features[:, idx[name]]
+        if name in keep:
+            f = np.where(keep[name], f, 0.0)
+        cols[:, FACTORS.index(factor)] += f
+    return cols
+
+
+def _x_of_profile(p: HardwareProfile) -> np.ndarray:
+    return np.array([1.0 / getattr(p, f) if f in EFFICIENCY_FACTORS else getattr(p, f) for f in FACTORS])
+
+
+def _profile_of_x(base: HardwareProfile, x: np.ndarray, **extra) -> HardwareProfile:
+    values = {f: (1.0 / v if f in EFFICIENCY_FACTORS else v) for f, v in zip(FACTORS, x.tolist())}
+    return base.model_copy(update={**values, **extra})
+
+
+def fit_errors(measured: np.ndarray, predicted: np.ndarray, kinds: np.ndarray) -> dict[str, dict[str, float]]:
+    """Relative error of predictions per step kind and overall."""
+    out = {}
+    for kind in (*STEP_KINDS, "all"):
+        m = np.ones(len(measured), bool) if kind == "all" else kinds == kind
+        if not m.any():
+            continue
+        rel = (predicted[m] - measured[m]) / measured[m]
+        ape = np.abs(rel)
+        out[kind] = {"count": int(m.sum()), "mape": float(ape.mean()), "median_ape": float(np.median(ape)),
+                     "p90_ape": float(np.percentile(ape, 90)), "bias": float(np.median(rel))}
+    return out
+
+
+def fit_profile(steps: pd.DataFrame, model: str, gpu: str, *, base_profile: str | HardwareProfile = "default",
+                tp: int = 1, name: str = "fitted", description: str = "", max_iter: int = 25,
+                trim: float = 0.0) -> FitReport:
+    """Fit the profile's factors to `steps` (a step log with measured duration_s).
+
+    `trim`: after a first fit, drop this share of the steps with the largest relative residual
+    (timing outliers: page faults, other processes) and refit; errors are reported on all steps.
+    """
+    steps = steps[steps["duration_s"] > 0].reset_index(drop=True)
+    if len(steps) < len(FACTORS):
+        raise CalibrationError(f"need at least {len(FACTORS)} steps with a positive duration_s, got {len(steps)}")
+    base = load_profile(base_profile)
+    cost = CostModel(model, gpu, base, tp=tp)
+    shape = shape_of_steps(steps)
+    features = cost.feature_matrix(shape)
+    y = steps["duration_s"].to_numpy(dtype=np.float64)
+    kinds = step_kind(steps)
+    present = np.array([any(np.any(features[:, FEATURE_NAMES.index(n)] > 0)
+                            for n, (f, _) in FACTOR_OF_FEATURE.items() if f == factor) for factor in FACTORS])
+    lower = np.array([1.0 if f in EFFICIENCY_FACTORS else 0.0 for f in FACTORS])
+
+    def solve(rows: np.ndarray, x_prev: np.ndarray, profile: HardwareProfile):
+        branch = cost_with(profile).active_branches(shape)
+        cl = np.atleast_1d(branch["linear_compute_bound"])
+        ca = np.atleast_1d(branch["attn_compute_bound"])
+        a = _unknown_columns(features, cl, ca)
+        fixed = ~present | ~np.any(a[rows] > 0, axis=0)   # unidentifiable in this branch assignment
+        x0 = np.where(fixed, x_prev, lower)
+        w = 1.0 / y[rows]
+        rhs = (y[rows] - a[rows] @ x0) * w
+        free = ~fixed
+        x = x0.copy()
+        x[free] = lower[free] + nnls(a[rows][:, free] * w[:, None], rhs)
+        return x, (cl, ca)
+
+    def cost_with(profile: HardwareProfile) -> CostModel:
+        return CostModel(cost.model, cost.gpu, profile, tp=tp)
+
+    def loss(profile: HardwareProfile, rows: np.ndarray) -> float:
+        pred = np.atleast_1d(cost_with(profile).predict(shape))
+        return float(np.sum(((pred[rows] - y[rows]) / y[rows]) ** 2))
+
+    def alternate(rows: np.ndarray, start: HardwareProfile):
+        profile, x = start, _x_of_profile(start)
+        best = (loss(profile, rows), profile)
+        seen = None
+        for it in range(1, max_iter + 1):
+            x, branches = solve(rows, x, profile)
+            profile = _profile_of_x(base, x)
+            cur = loss(profile, rows)
+            if cur < best[0]:
+                best = (cur, profile)
+            key = tuple(b.tobytes() for b in branches)
+            if key == seen:
+                return best[1], it, True
+            seen = key
+        return best[1], max_iter, False
+
+    rows = np.arange(len(y))
+    profile, iterations, converged = alternate(rows, base)
+    if trim > 0:
+        pred = np.atleast_1d(cost_with(profile).predict(shape))
+        ape = np.abs(pred - y) / y
+        keep = ape <= np.quantile(ape, 1 - trim)
+        profile, it2, converged = alternate(np.flatnonzero(keep), profile)
+        iterations += it2
+    pred = np.atleast_1d(cost_with(profile).predict(shape))
+    branch = cost_with(profile).active_branches(shape)
+    x = _x_of_profile(profile)
+    a_any = _unknown_columns(features, np.atleast_1d(branch["linear_compute_bound"]),
+                             np.atleast_1d(branch["attn_compute_bound"]))
+    identified = np.any(a_any > 0, axis=0)
+    fitted = [f for f, ok in zip(FACTORS, identified) if ok]
+    not_fitted = [f for f, ok in zip(FACTORS, identified) if not ok]
+    at_bound = [f for f, v in zip(FACTORS, x) if f in EFFICIENCY_FACTORS and f in fitted and v <= 1.0 + 1e-12]
+    errors = fit_errors(y, pred, kinds)
+    profile = profile.model_copy(update={"name": name, "description": description or base.description})
+    return FitReport(profile=profile, iterations=iterations, converged=converged, fitted=fitted,
+                     not_fitted=not_fitted, at_bound=at_bound, errors=errors,
+                     branches={"linear_compute": float(np.mean(branch["linear_compute_bound"])),
+                               "attn_compute": float(np.mean(branch["attn_compute_bound"]))})
+
+
+def profile_meta(report: FitReport, *, model: str, gpu: str, sources: list[str], command: str | None = None,
+                 extra: dict | None = None) -> dict:
+    """What goes into the written profile's `meta`: provenance and the fit quality."""
+    meta = {
+        "fitted_on": {"model": model, "gpu": gpu, "step_logs": sources},
+        "fit_errors": {k: {kk: (round(vv, 5) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+                       for k, v in report.errors.items()},
+        "fitted": report.fitted, "not_fitted": report.not_fitted, "at_bound": report.at_bound,
+        "iterations": report.iterations, "converged": report.converged,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    if command:
+        meta["command"] = command
+    meta.update(extra or {})
+    return meta
+
+
+def calibration_profile(report: FitReport, path: str | Path, meta: dict) -> Path:
+    """Write the fitted profile (YAML) with its provenance."""
+    return report.profile.model_copy(update={"meta": meta}).to_yaml(path)
