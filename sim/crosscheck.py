@@ -1,0 +1,344 @@
+"""Cross-check: the simulator's prediction of a run against the real backend's replay of it.
+
+Two simulations are compared with one replay (the same trace, engine and policy options):
+
+- **predicted**: the simulator with a calibrated profile, advancing time by the cost model. Gives
+  the latency and throughput errors (TTFT/TPOT/E2E percentiles, tokens/s). Per-step time error is
+  measured on the replay's own steps (the same batch shapes): cost-model prediction vs measurement.
+- **recorded**: the simulator advancing time by the replay's *measured* step durations (and, for
+  eviction policies, fed the replay's recorded decisions when the policy supports it), so every
+  step schedules the same batch. Memory metrics (blocks used/free, slots, fragmentation,
+  preemptions, evictions) must then agree step by step; the report says so or shows the first
+  divergence.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .calibrate import shape_of_steps, step_kind, fit_errors
+from .cost_model import CostModel, load_profile
+
+LATENCY_METRICS = ("ttft", "tpot", "e2e")
+PERCENTILES = (50, 90, 99)
+THROUGHPUT_METRICS = ("throughput_req_s", "throughput_output_tok_s", "throughput_total_tok_s")
+# Step-log columns that must be identical in recorded mode (the schedule and the memory state).
+MEMORY_COLUMNS = ("batch_size", "prefill_tokens", "decode_tokens", "blocks_used", "blocks_free",
+                  "live_slots", "allocated_slots", "fragmentation", "preemptions", "finished",
+                  "evicted_tokens", "blocks_freed_by_eviction", "num_running", "num_waiting")
+
+
+class CrosscheckError(ValueError):
+    """Missing or inconsistent run outputs; the message names the directory and file."""
+
+
+@dataclass
+class Run:
+    """Outputs of one run (replay or simulation): requests, steps, summary."""
+    name: str
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    summary: dict
+
+    @classmethod
+    def load(cls, directory: str | Path, name: str | None = None) -> "Run":
+        d = Path(directory)
+        files = {f: d / f for f in ("requests.parquet", "steps.parquet", "summary.json")}
+        missing = [f for f, p in files.items() if not p.is_file()]
+        if missing:
+            raise CrosscheckError(f"{d}: missing {', '.join(missing)} (expected the output directory of "
+                                  f"`kvsim replay` or `kvsim simulate`)")
+        return cls(name or d.name, pd.read_parquet(files["requests.parquet"]), pd.read_parquet(files["steps.parquet"]),
+                   json.loads(files["summary.json"].read_text()))
+
+
+@dataclass
+class CrosscheckResult:
+    step_errors: dict[str, dict[str, float]]          # per step kind: MAPE etc. (replay steps)
+    step_times: pd.DataFrame                          # per replay step: time_s, kind, measured, predicted
+    latency: pd.DataFrame                             # metric, percentile, real, sim, rel_error
+    throughput: pd.DataFrame                          # metric, real, sim, rel_error
+    memory: pd.DataFrame                              # metric, real, predicted-sim[, recorded-sim]
+    recorded: dict | None = None                      # identical / first divergence (recorded mode)
+    context: dict = field(default_factory=dict)       # trace, profile, options, loadavg, ...
+    series: dict[str, pd.DataFrame] = field(default_factory=dict)   # memory over time per run
+
+    def headline(self) -> dict[str, float]:
+        """The figures the acceptance bar is stated in."""
+        lat = self.latency.set_index(["metric", "percentile"])["rel_error"]
+        thr = self.throughput.set_index("metric")["rel_error"]
+        return {"step_mape": float(self.step_errors["all"]["mape"]),
+                "ttft_p50_error": abs(float(lat[("ttft", 50)])), "tpot_p50_error": abs(float(lat[("tpot", 50)])),
+                "e2e_p50_error": abs(float(lat[("e2e", 50)])),
+                "throughput_error": abs(float(thr["throughput_total_tok_s"])),
+                "memory_identical": None if self.recorded is None else bool(self.recorded["identical"])}
+
+
+# ---- comparisons ------------------------------------------------------------------------------
+def step_time_table(steps: pd.DataFrame, cost: CostModel) -> pd.DataFrame:
+    """Each replay step's measured time next to the cost model's prediction for its batch shape."""
+    pred = np.atleast_1d(cost.predict(shape_of_steps(steps))) if len(steps) else np.zeros(0)
+    return pd.DataFrame({"step": np.arange(len(steps)), "time_s": steps["time_s"].to_numpy(),
+                         "kind": step_kind(steps), "batch_size": steps["batch_size"].to_numpy(),
+                         "measured_s": steps["duration_s"].to_numpy(dtype=float), "predicted_s": pred})
+
+
+def _rel(sim: float, real: float) -> float:
+    if not (math.isfinite(sim) and math.isfinite(real)) or real == 0:
+        return math.nan
+    return (sim - real) / real
+
+
+def latency_table(real: pd.DataFrame, sim: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for metric in LATENCY_METRICS:
+        a = real.loc[real["status"] == "finished", f"{metric}_s"].dropna().to_numpy()
+        b = sim.loc[sim["status"] == "finished", f"{metric}_s"].dropna().to_numpy()
+        for q in PERCENTILES:
+            r = float(np.percentile(a, q)) if a.size else math.nan
+            s = float(np.percentile(b, q)) if b.size else math.nan
+            rows.append({"metric": metric, "percentile": q, "real": r, "sim": s, "rel_error": _rel(s, r)})
+    return pd.DataFrame(rows)
+
+
+def throughput_table(real: dict, sim: dict) -> pd.DataFrame:
+    return pd.DataFrame([{"metric": m, "real": float(real.get(m, math.nan)), "sim": float(sim.get(m, math.nan)),
+                          "rel_error": _rel(float(sim.get(m, math.nan)), float(real.get(m, math.nan)))}
+                         for m in THROUGHPUT_METRICS])
+
+
+def memory_stats(steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, float]:
+    if not len(steps):
+        return {}
+    return {
+        "steps": float(len(steps)),
+        "blocks_used_mean": float(steps["blocks_used"].mean()),
+        "blocks_used_max": float(steps["blocks_used"].max()),
+        "fragmentation_mean": float(steps["fragmentation"].mean()),
+        "fragmentation_p99": float(np.percentile(steps["fragmentation"], 99)),
+        "preemptions": float(steps["preemptions"].sum()),
+        "evicted_tokens": float(steps["evicted_tokens"].sum()),
+        "blocks_freed_by_eviction": float(steps["blocks_freed_by_eviction"].sum()),
+        "batch_size_mean": float(steps["batch_size"].mean()),
+        "requests_preempted": float((requests["preemptions"] > 0).sum()),
+    }
+
+
+def memory_table(runs: dict[str, Run]) -> pd.DataFrame:
+    stats = {name: memory_stats(r.steps, r.requests) for name, r in runs.items()}
+    metrics = list(next(iter(stats.values())))
+    return pd.DataFrame({"metric": metrics, **{name: [s.get(m, math.nan) for m in metrics]
+                                               for name, s in stats.items()}})
+
+
+def first_divergence(real: pd.DataFrame, sim: pd.DataFrame, columns=MEMORY_COLUMNS) -> dict:
+    """Compare two step logs row by row on `columns`: identical, or where they first differ."""
+    cols = [c for c in columns if c in real.columns and c in sim.columns]
+    n = min(len(real), len(sim))
+    for c in cols:
+        a, b = real[c].to_numpy()[:n], sim[c].to_numpy()[:n]
+        same = np.isclose(a, b, rtol=0, atol=1e-12) if a.dtype.kind == "f" else a == b
+        if not same.all():
+            i = int(np.argmin(same))
+            first = {"step": i, "column": c, "real": a[i].item(), "sim": b[i].item()}
+            # the earliest step over all columns is the real first divergence
+            for c2 in cols:
+                a2, b2 = real[c2].to_numpy()[:i], sim[c2].to_numpy()[:i]
+                s2 = np.isclose(a2, b2, rtol=0, atol=1e-12) if a2.dtype.kind == "f" else a2 == b2
+                if not s2.all():
+                    j = int(np.argmin(s2))
+                    first = {"step": j, "column": c2, "real": a2[j].item(), "sim": b2[j].item()}
+                    i = j
+            return {"identical": False, "steps_compared": n, "columns": cols, "first_divergence": first,
+                    "real_steps": len(real), "sim_steps": len(sim)}
+    if len(real) != len(sim):
+        return {"identical": False, "steps_compared": n, "columns": cols, "real_steps": len(real),
+                "sim_steps": len(sim), "first_divergence": {"step": n, "column": "(step count)",
+                                                            "real": len(real), "sim": len(sim)}}
+    return {"identical": True, "steps_compared": n, "columns": cols, "real_steps": len(real), "sim_steps": len(sim)}
+
+
+def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = None,
+            context: dict | None = None) -> CrosscheckResult:
+    times = step_time_table(real.steps, cost)
+    runs = {"real": real, "sim": predicted}
+    if recorded is not None:
+        runs["sim_recorded"] = recorded
+    series = {name: r.steps[["time_s", "blocks_used", "fragmentation", "num_running", "num_waiting",
+                             "evicted_tokens", "preemptions"]].copy() for name, r in runs.items()}
+    return CrosscheckResult(
+        step_errors=fit_errors(times["measured_s"].to_numpy(), times["predicted_s"].to_numpy(),
+                               times["kind"].to_numpy()),
+        step_times=times,
+        latency=latency_table(real.requests, predicted.requests),
+        throughput=throughput_table(real.summary, predicted.summary),
+        memory=memory_table(runs),
+        recorded=None if recorded is None else first_divergence(real.steps, recorded.steps),
+        context=dict(context or {}),
+        series=series,
+    )
+
+
+# ---- recorded-timing simulation ---------------------------------------------------------------
+class MeasuredTimeExecutor:
+    """Wraps a simulator executor: the step does everything the simulator does (policies, memory)
+    but takes exactly the replay's measured duration of the same step."""
+
+    supports_fast_forward = False
+
+    def __init__(self, inner, durations: np.ndarray):
+        self.inner = inner
+        self.durations = np.asarray(durations, dtype=np.float64)
+        self.step = 0
+
+    def execute(self, out):
+        result = self.inner.execute(out)
+        if self.step >= len(self.durations):
+            raise CrosscheckError(f"recorded mode: the simulation needs more steps than the replay's "
+                                  f"{len(self.durations)}; schedules diverged (see the memory comparison)")
+        result.duration_s = float(self.durations[self.step])
+        self.step += 1
+        return result
+
+    def predict_run(self, shape):
+        return self.inner.predict_run(shape)
+
+
+def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str | Path | None = None) -> Run:
+    """Simulate `trace` under `cfg` with the replay's measured step durations (see module doc)."""
+    from . import simulate as sim_mod
+
+    original = sim_mod._build_kv
+
+    def build(cfg_, model, cost, num_blocks):
+        kv, executor = original(cfg_, model, cost, num_blocks)
+        return kv, MeasuredTimeExecutor(executor, measured_durations)
+
+    sim_mod._build_kv = build
+    try:
+        result = sim_mod.run_simulation(cfg.model_copy(update={"fast_forward": False}), out_dir, trace=trace)
+    finally:
+        sim_mod._build_kv = original
+    return Run("sim_recorded", result.requests, result.steps, result.summary)
+
+
+# ---- report -----------------------------------------------------------------------------------
+def _pct(v: float) -> str:
+    return "n/a" if v is None or not math.isfinite(v) else f"{v:+.1%}"
+
+
+def _num(v: float) -> str:
+    if v is None or not math.isfinite(v):
+        return "n/a"
+    return f"{v:.4g}"
+
+
+def markdown_report(res: CrosscheckResult) -> str:
+    ctx = res.context
+    h = res.headline()
+    lines = [f"# kvsim cross-check: {ctx.get('trace', '')}", ""]
+    if ctx:
+        lines += ["| setting | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in ctx.items()]
+        lines.append("")
+    lines += ["## Headline", "",
+              f"- per-step time MAPE: **{h['step_mape']:.1%}**",
+              f"- TTFT p50 error: **{h['ttft_p50_error']:.1%}**, TPOT p50 error: **{h['tpot_p50_error']:.1%}**, "
+              f"E2E p50 error: **{h['e2e_p50_error']:.1%}**",
+              f"- throughput (total tok/s) error: **{h['throughput_error']:.1%}**"]
+    if res.recorded is not None:
+        r = res.recorded
+        if r["identical"]:
+            lines.append(f"- recorded mode: memory metrics **identical** over all {r['steps_compared']} steps "
+                         f"({', '.join(r['columns'])})")
+        else:
+            d = r["first_divergence"]
+            lines.append(f"- recorded mode: memory metrics **diverge** at step {d['step']}: {d['column']} "
+                         f"real={d['real']} sim={d['sim']} (real {r['real_steps']} steps, sim {r['sim_steps']})")
+    lines += ["", "## Per-step time (replay steps: cost model vs measured)", "",
+              "| kind | steps | MAPE | median APE | p90 APE | median bias |", "|---|---:|---:|---:|---:|---:|"]
+    for kind, e in res.step_errors.items():
+        lines.append(f"| {kind} | {e['count']} | {e['mape']:.1%} | {e['median_ape']:.1%} | {e['p90_ape']:.1%} "
+                     f"| {e['bias']:+.1%} |")
+    lines += ["", "## Latency (finished requests)", "", "| metric | pct | real (s) | sim (s) | error |",
+              "|---|---:|---:|---:|---:|"]
+    for row in res.latency.itertuples():
+        lines.append(f"| {row.metric} | p{row.percentile} | {_num(row.real)} | {_num(row.sim)} | {_pct(row.rel_error)} |")
+    lines += ["", "## Throughput", "", "| metric | real | sim | error |", "|---|---:|---:|---:|"]
+    for row in res.throughput.itertuples():
+        lines.append(f"| {row.metric} | {_num(row.real)} | {_num(row.sim)} | {_pct(row.rel_error)} |")
+    names = [c for c in res.memory.columns if c != "metric"]
+    lines += ["", "## Memory", "", "| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for _, row in res.memory.iterrows():
+        lines.append(f"| {row['metric']} | " + " | ".join(_num(row[n]) for n in names) + " |")
+    lines += ["", "Charts: `report.html`.", ""]
+    return "\n".join(lines)
+
+
+def html_report(res: CrosscheckResult) -> str:
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    t = res.step_times
+    figs = []
+    scatter = go.Figure()
+    for kind in ("prefill", "decode", "mixed"):
+        m = t[t["kind"] == kind]
+        if len(m):
+            scatter.add_trace(go.Scattergl(x=m["measured_s"] * 1e3, y=m["predicted_s"] * 1e3, mode="markers",
+                                           name=kind, marker={"size": 4, "opacity": 0.6}))
+    hi = float(max(t["measured_s"].max(), t["predicted_s"].max()) * 1e3) if len(t) else 1.0
+    scatter.add_trace(go.Scatter(x=[0, hi], y=[0, hi], mode="lines", name="y = x", line={"dash": "dash", "color": "gray"}))
+    scatter.update_layout(title="Per-step time: predicted vs measured (replay steps)",
+                          xaxis_title="measured (ms)", yaxis_title="predicted (ms)")
+    figs.append(scatter)
+
+    over = go.Figure()
+    over.add_trace(go.Scattergl(x=t["time_s"], y=t["measured_s"] * 1e3, mode="lines", name="measured"))
+    over.add_trace(go.Scattergl(x=t["time_s"], y=t["predicted_s"] * 1e3, mode="lines", name="predicted"))
+    over.update_layout(title="Per-step time over the replay", xaxis_title="replay time (s)", yaxis_title="step time (ms)")
+    figs.append(over)
+
+    lat = make_subplots(rows=1, cols=len(LATENCY_METRICS), subplot_titles=[m.upper() for m in LATENCY_METRICS])
+    for i, metric in enumerate(LATENCY_METRICS, start=1):
+        d = res.latency[res.latency["metric"] == metric]
+        labels = [f"p{q}" for q in d["percentile"]]
+        lat.add_trace(go.Bar(x=labels, y=d["real"], name="real", marker_color="#1f77b4", showlegend=i == 1), 1, i)
+        lat.add_trace(go.Bar(x=labels, y=d["sim"], name="sim", marker_color="#ff7f0e", showlegend=i == 1), 1, i)
+    lat.update_layout(title="Latency percentiles (s): real vs simulated", barmode="group")
+    figs.append(lat)
+
+    mem = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=["blocks used", "fragmentation"])
+    for name, s in res.series.items():
+        mem.add_trace(go.Scattergl(x=s["time_s"], y=s["blocks_used"], mode="lines", name=name, legendgroup=name), 1, 1)
+        mem.add_trace(go.Scattergl(x=s["time_s"], y=s["fragmentation"], mode="lines", name=name, legendgroup=name,
+                                   showlegend=False), 2, 1)
+    mem.update_layout(title="Memory over time", xaxis2_title="time (s)")
+    figs.append(mem)
+
+    body = "\n".join(f.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False)
+                     for i, f in enumerate(figs))
+    import html as html_mod
+    md = html_mod.escape(markdown_report(res))
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvsim cross-check</title></head>"
+            f"<body style='font-family:sans-serif;max-width:1100px;margin:auto'>{body}"
+            f"<h2>Figures</h2><pre>{md}</pre></body></html>")
+
+
+def write_report(res: CrosscheckResult, out_dir: str | Path) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md, html = out / "report.md", out / "report.html"
+    md.write_text(markdown_report(res))
+    html.write_text(html_report(res))
+    (out / "crosscheck.json").write_text(json.dumps({
+        "headline": res.headline(), "step_errors": res.step_errors, "recorded": res.recorded,
+        "latency": res.latency.to_dict("records"), "throughput": res.throughput.to_dict("records"),
+        "memory": res.memory.to_dict("records"), "context": res.context}, indent=2, default=str))
+    res.step_times.to_parquet(out / "step_times.parquet", index=False)
+    return md, html
