@@ -22,6 +22,10 @@ app.command()(sweep)
 app.command()(capacity)
 app.command()(report)
 
+from sim.calibration_cli import calibrate, crosscheck  # noqa: E402
+app.command()(calibrate)
+app.command()(crosscheck)
+
 
 def main() -> None:
     app()

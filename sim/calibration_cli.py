@@ -1,0 +1,166 @@
+"""`kvsim calibrate` and `kvsim crosscheck`."""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+console = Console()
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def calibrate(
+    step_logs: list[Path] = typer.Argument(None, help="replay step logs (steps.parquet files or run directories)"),
+    out: Path = typer.Option(..., "--out", "-o", help="output file: hardware profile YAML (or importance YAML "
+                                                       "with --attention)"),
+    model: str = typer.Option("smollm2-135m", help="catalog model the step logs were measured on"),
+    gpu: str = typer.Option("cpu-2core", help="catalog GPU/CPU entry whose peaks the factors refer to"),
+    tp: int = typer.Option(1, help="tensor parallel degree of the measured runs"),
+    base_profile: str = typer.Option("cpu-2core", help="starting profile; factors the logs cannot identify "
+                                                       "keep its values"),
+    name: Optional[str] = typer.Option(None, help="profile name (default: the output file's stem)"),
+    trim: float = typer.Option(0.01, min=0.0, max=0.5, help="share of steps with the largest residual left out "
+                                                              "of the refit (timing outliers)"),
+    attention: Optional[Path] = typer.Option(None, "--attention", help="fit the synthetic importance model to "
+                                             "this attention_stats.parquet (or replay directory) instead"),
+    seed: int = typer.Option(0, help="seed of the importance-model fit's simulation"),
+) -> None:
+    """Fit cost-model factors to measured step times (writes a hardware profile for
+    `kvsim simulate --profile`), or with --attention fit the synthetic importance model."""
+    from .calibrate import CalibrationError
+    command = "kvsim calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    try:
+        if attention is not None:
+            _calibrate_importance(attention, out, name, seed, command)
+            return
+        if not step_logs:
+            _fail("give one or more step logs, or --attention ATTNSTATS")
+        _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command)
+    except (CalibrationError, ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+
+
+def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command) -> None:
+    from .calibrate import fit_profile, load_step_logs, profile_meta
+    steps = load_step_logs(step_logs)
+    report = fit_profile(steps, model, gpu, base_profile=base_profile, tp=tp, name=name or out.stem,
+                         description=f"fitted by kvsim calibrate on {len(steps)} measured steps of {model}",
+                         trim=trim)
+    meta = profile_meta(report, model=model, gpu=gpu, sources=[str(p) for p in step_logs], command=command)
+    report.profile.model_copy(update={"meta": meta}).to_yaml(out)
+    console.print(report.table())
+    console.print(f"fitted: {', '.join(report.fitted)}")
+    if report.not_fitted:
+        console.print(f"not identifiable from these steps (kept from {base_profile}): {', '.join(report.not_fitted)}")
+    if report.at_bound:
+        console.print(f"[yellow]at the efficiency bound 1 (faster than the catalog peak of {gpu}): "
+                      f"{', '.join(report.at_bound)}[/yellow]")
+    console.print(f"wrote {out}  (use: kvsim simulate --profile {out})")
+
+
+def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: str) -> None:
+    from .calibrate import fit_importance, load_attention_stats
+    stats = load_attention_stats(attention)
+    fit = fit_importance(stats, name=name or out.stem, seed=seed)
+    fit.write(out, command=command, source=str(attention))
+    console.print(fit.table())
+    console.print(f"wrote {out}  (use: --set kv.importance={out})")
+
+
+def crosscheck(
+    trace: str = typer.Option(..., help="trace the simulator was NOT calibrated on (shipped name or file)"),
+    profile: str = typer.Option(..., help="calibrated hardware profile (name or YAML)"),
+    out: Path = typer.Option(Path("runs/crosscheck"), "--out", "-o", help="output directory"),
+    model: str = typer.Option("smollm2-135m", help="model the replay runs"),
+    gpu: str = typer.Option("cpu-2core", help="catalog GPU/CPU entry the profile refers to"),
+    device: str = typer.Option("cpu", help="replay device: cpu | cuda"),
+    num_gpu_blocks: int = typer.Option(..., help="KV pool size in blocks (the replay's real number)"),
+    block_size: Optional[int] = typer.Option(None),
+    max_num_seqs: Optional[int] = typer.Option(None),
+    max_num_batched_tokens: Optional[int] = typer.Option(None),
+    rate_scale: Optional[float] = typer.Option(None, help="arrival-rate multiplier"),
+    start_s: Optional[float] = typer.Option(None, help="trace window start (s)"),
+    end_s: Optional[float] = typer.Option(None, help="trace window end (s)"),
+    max_requests: Optional[int] = typer.Option(None, help="first N requests of the window"),
+    set_: list[str] = typer.Option([], "--set", help="config key for both runs, e.g. kv.policy=h2o"),
+    threads: Optional[int] = typer.Option(None, help="torch threads of the replay (use the calibration's)"),
+    real: Optional[Path] = typer.Option(None, help="reuse this replay output directory instead of replaying"),
+    recorded: bool = typer.Option(True, "--recorded/--no-recorded",
+                                  help="also simulate with the replay's measured step times and compare "
+                                       "memory metrics step by step"),
+) -> None:
+    """Replay TRACE on the real backend, simulate it with PROFILE, and write report.md / report.html
+    (per-step time MAPE, TTFT/TPOT/E2E percentile errors, throughput error, memory side by side)."""
+    from .config import ConfigError, load_config, parse_set_option
+    from .crosscheck import CrosscheckError, Run, compare, simulate_recorded, write_report
+    overrides = {"trace": trace, "model": model, "gpu": gpu, "profile": profile,
+                 "engine.num_gpu_blocks": num_gpu_blocks, "engine.block_size": block_size,
+                 "engine.max_num_seqs": max_num_seqs, "engine.max_num_batched_tokens": max_num_batched_tokens,
+                 "trace_options.rate_scale": rate_scale, "trace_options.start_s": start_s,
+                 "trace_options.end_s": end_s, "trace_options.max_requests": max_requests}
+    try:
+        for item in set_:
+            key, value = parse_set_option(item)
+            overrides[key] = value
+        cfg = load_config(None, overrides)
+        real_dir = real or out / "real"
+        if real is None:
+            run_replay(cfg, real_dir, device=device, threads=threads, extra_sets=set_)
+        real_run = Run.load(real_dir, "real")
+        from .cost_model import CostModel
+        from .simulate import load_workload, run_simulation
+        workload = load_workload(cfg)
+        sim = run_simulation(cfg, out / "sim", trace=workload)
+        sim_run = Run("sim", sim.requests, sim.steps, sim.summary)
+        rec = simulate_recorded(cfg, workload, real_run.steps["duration_s"].to_numpy(), out / "sim_recorded") \
+            if recorded else None
+        context = {"trace": trace, "window": f"{start_s or 0}-{end_s if end_s is not None else 'end'} s",
+                   "rate_scale": rate_scale or 1.0, "requests": len(workload), "profile": profile,
+                   "model": model, "device": device, "num_gpu_blocks": num_gpu_blocks,
+                   "options": " ".join(set_) or "(defaults)", "replay": str(real_dir),
+                   "replay_loadavg_1m": real_run.summary.get("loadavg_1m", "n/a"),
+                   "torch_threads": real_run.summary.get("torch_threads", threads or "n/a")}
+        res = compare(real_run, sim_run, CostModel(cfg.model, cfg.gpu, cfg.profile, tp=cfg.tp), rec, context)
+        md, html = write_report(res, out)
+    except (ConfigError, CrosscheckError, ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    h = res.headline()
+    console.print(f"per-step MAPE {h['step_mape']:.1%}  TTFT p50 err {h['ttft_p50_error']:.1%}  "
+                  f"TPOT p50 err {h['tpot_p50_error']:.1%}  throughput err {h['throughput_error']:.1%}  "
+                  f"memory identical (recorded): {h['memory_identical']}")
+    console.print(f"wrote {md} and {html}")
+
+
+def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, extra_sets: list[str]) -> None:
+    """Replay the workload on the real backend through `kvsim replay` (a separate process, so its
+    torch thread count and memory are its own)."""
+    eng, opts = cfg.engine, cfg.trace_options
+    args = ["replay", "--trace", cfg.trace, "--model", cfg.model, "--device", device,
+            "--num-gpu-blocks", str(eng.num_gpu_blocks), "--out", str(out_dir),
+            "--set", f"engine.block_size={eng.block_size}", "--set", f"engine.max_num_seqs={eng.max_num_seqs}",
+            "--set", f"engine.max_num_batched_tokens={eng.max_num_batched_tokens}",
+            "--set", f"trace_options.rate_scale={opts.rate_scale}"]
+    for key in ("start_s", "end_s", "max_requests"):
+        if getattr(opts, key) is not None:
+            args += ["--set", f"trace_options.{key}={getattr(opts, key)}"]
+    for item in extra_sets:
+        args += ["--set", item]
+    env = dict(os.environ)
+    if threads:
+        env["KVSIM_TORCH_THREADS"] = str(threads)
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-c", "from sim.cli import main; main()", *args]
+    console.print("replaying: kvsim " + " ".join(shlex.quote(a) for a in args))
+    done = subprocess.run(cmd, env=env)
+    if done.returncode != 0:
+        raise ValueError(f"kvsim replay failed with exit code {done.returncode}")
