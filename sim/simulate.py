@@ -58,11 +58,13 @@ def trace_to_requests(trace) -> list[Request]:
     ]
 
 
-def resolve_hardware(cfg: SimConfig):
+def resolve_hardware(cfg: SimConfig, model=None):
+    """(model spec, GPU spec, cost model, KV pool blocks, max_model_len); `model` overrides `cfg.model`
+    (the real backend passes the spec of the model it actually runs)."""
     from .catalog import get_gpu, get_model
     from .cost_model import CostModel, load_profile
 
-    model = get_model(cfg.model)
+    model = get_model(cfg.model) if model is None else model
     if cfg.kv_dtype:
         model = model.with_dtypes(kv_dtype=cfg.kv_dtype)
     gpu = get_gpu(cfg.gpu)
@@ -90,13 +92,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     if out:
         out.mkdir(parents=True, exist_ok=True)
     step_log = StepLog(out / "steps.parquet" if out else None)
-    eng = cfg.engine
-    sched_cfg = SchedulerConfig(
-        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens,
-        long_prefill_token_threshold=eng.long_prefill_token_threshold, max_model_len=max_model_len,
-        enable_chunked_prefill=eng.enable_chunked_prefill, policy=eng.scheduling_policy,
-        preemption_mode=eng.preemption_mode,
-        swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
+    sched_cfg = scheduler_config(cfg, cost, max_model_len)
 
     env = simpy.Environment()
     bar = _progress_bar(len(requests)) if progress else None
@@ -121,25 +117,47 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
 
     req_df = request_table(requests)
     steps_df = step_log.to_pandas() if keep_steps or out is None else None
-    queries = sum(r.kv.num_prefix_queries for r in replicas)
-    hits = sum(r.kv.num_prefix_hits for r in replicas)
     steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(out / "steps.parquet")
-    summary = summarize(req_df, steps_for_summary, num_blocks_total=num_blocks,
-                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
-                        prefix_queries=queries, prefix_hits=hits)
-    if not cfg.kv.is_default:
-        from .kv.metrics import kv_summary
-        summary.update(kv_summary([r.kv for r in replicas], req_df, steps_for_summary))
-    summary.update({"num_gpu_blocks": num_blocks, "block_size": eng.block_size,
-                    "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
-                    "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace})
+    summary = run_summary(cfg, req_df, steps_for_summary, [r.kv for r in replicas], num_blocks,
+                          max_model_len, model, gpu)
     wall = time.perf_counter() - t0
     summary["wall_s"] = wall
     if out:
-        req_df.to_parquet(out / "requests.parquet", index=False)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        write_outputs(out, cfg, req_df, summary)
     return SimulationResult(summary, req_df, steps_df, out, num_blocks, wall)
+
+
+def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfig:
+    eng = cfg.engine
+    return SchedulerConfig(
+        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens,
+        long_prefill_token_threshold=eng.long_prefill_token_threshold, max_model_len=max_model_len,
+        enable_chunked_prefill=eng.enable_chunked_prefill, policy=eng.scheduling_policy,
+        preemption_mode=eng.preemption_mode,
+        swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
+
+
+def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
+                max_model_len: int, model, gpu) -> dict:
+    """summary.json of a run (simulated or replayed) from its request and step tables."""
+    summary = summarize(req_df, steps_df, num_blocks_total=num_blocks,
+                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
+                        prefix_queries=sum(kv.num_prefix_queries for kv in kvs),
+                        prefix_hits=sum(kv.num_prefix_hits for kv in kvs))
+    if not cfg.kv.is_default:
+        from .kv.metrics import kv_summary
+        summary.update(kv_summary(kvs, req_df, steps_df))
+    summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
+                    "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
+                    "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace})
+    return summary
+
+
+def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame, summary: dict) -> None:
+    """requests.parquet, summary.json and config.yaml (steps.parquet is written by the StepLog)."""
+    req_df.to_parquet(out / "requests.parquet", index=False)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
 def _build_kv(cfg: SimConfig, model, cost, num_blocks: int):
