@@ -163,10 +163,18 @@ def check_tp(model: ModelSpec, tp: int) -> None:
         raise ValueError(f"{model.name}: tp={tp} and num_kv_heads={model.num_kv_heads} must divide one another")
 
 
-def _f64(x: Any) -> np.float64 | np.ndarray:
+def _f64(x: Any) -> float | np.ndarray:
+    # Scalars stay Python floats (IEEE doubles, like float64 array elements, so the scalar and the
+    # array path give identical bits) because numpy scalar arithmetic is an order of magnitude slower.
     if isinstance(x, np.ndarray):
         return x.astype(np.float64, copy=False)
-    return np.float64(x)
+    return float(x)
+
+
+def _max(a, b):
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.maximum(a, b)
+    return a if a >= b else b
 
 
 class CostModel:
@@ -211,7 +219,7 @@ class CostModel:
             "allreduce_token_s": (2 * m.num_layers * 2 * (tp - 1) / tp * m.hidden_size * act_bytes / g.link_bw),
             "allreduce_count": float(2 * m.num_layers if tp > 1 else 0),
         }
-        self._c = {k: np.float64(v) for k, v in c.items()}
+        self._c = {k: float(v) for k, v in c.items()}
 
     # ---- model ---------------------------------------------------------------------------
     def features(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
@@ -222,8 +230,8 @@ class CostModel:
         decode = _f64(shape.num_decode_tokens)
         tokens = prefill + decode
         kv_read = _f64(shape.kv_tokens_read)
-        ran = (tokens > 0).astype(np.float64) if isinstance(tokens, np.ndarray) else np.float64(tokens > 0)
-        zero = tokens * np.float64(0.0)
+        ran = (tokens > 0).astype(np.float64) if isinstance(tokens, np.ndarray) else float(tokens > 0)
+        zero = tokens * 0.0
         return {
             "linear_compute_prefill": prefill * c["prefill_flops_s"],
             "linear_compute_decode": decode * c["decode_flops_s"] + num_seqs * c["lm_head_s"],
@@ -234,7 +242,7 @@ class CostModel:
             "swap": _f64(shape.swap_bytes) * c["swap_byte_s"],
             "allreduce_bw": tokens * c["allreduce_token_s"],
             "allreduce_count": ran * c["allreduce_count"],
-            "step": zero + np.float64(1.0),
+            "step": zero + 1.0,
             "seqs": num_seqs + zero,
             "block_entries": _f64(shape.block_table_entries) + zero,
         }
@@ -242,9 +250,9 @@ class CostModel:
     def breakdown(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
         """Seconds per part after the profile's factors; `total` equals `predict(shape)`."""
         f, p = self.features(shape), self.profile
-        linear = np.maximum(f["linear_compute_prefill"] / p.mfu_prefill + f["linear_compute_decode"] / p.mfu_decode,
+        linear = _max(f["linear_compute_prefill"] / p.mfu_prefill + f["linear_compute_decode"] / p.mfu_decode,
                             f["linear_memory"] / p.mem_bw_eff)
-        attention = np.maximum(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
+        attention = _max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
         copy = f["copy"] / p.copy_bw_eff
         swap = f["swap"] / p.pcie_eff
         allreduce = f["allreduce_bw"] / p.allreduce_bw_eff + f["allreduce_count"] * p.allreduce_latency_s

@@ -49,24 +49,29 @@ STEP_DEFAULTS = {"predicted_s": math.nan, "evicted_tokens": 0, "blocks_freed_by_
 
 
 class StepLog:
-    """Buffers step rows and appends them to a Parquet file in large row groups (bounded memory)."""
+    """Buffers step rows and appends them to a Parquet file in large row groups (bounded memory).
+
+    Within a row group, rows are ordered by (replica, step).
+    """
 
     def __init__(self, path: str | Path | None, flush_rows: int = 65536):
         self.path = Path(path) if path else None
         self.flush_rows = flush_rows
         self._writer: pq.ParquetWriter | None = None
-        self._chunks: list[tuple[int, dict]] = []        # (rows, columns) not yet written, in order
+        self._rows: dict[str, list] = {name: [] for name in STEP_COLUMNS}   # single steps
+        self._runs: list[tuple[int, dict]] = []                              # column blocks
         self._pending = 0
         self._tables: list[pa.Table] = []                # kept only when there is no file
         self.num_rows = 0
 
     def append(self, row: dict) -> None:
-        self._chunks.append((1, row))
+        for name, values in self._rows.items():
+            values.append(row[name] if name in row else STEP_DEFAULTS[name])
         self._grow(1)
 
     def append_columns(self, cols: dict, n: int) -> None:
         """Append n rows given as columns (numpy arrays of length n, or scalars repeated n times)."""
-        self._chunks.append((n, cols))
+        self._runs.append((n, cols))
         self._grow(n)
 
     def _grow(self, n: int) -> None:
@@ -75,23 +80,24 @@ class StepLog:
         if self._pending >= self.flush_rows:
             self.flush()
 
+    def _column(self, name: str, typ: pa.DataType) -> np.ndarray:
+        default = STEP_DEFAULTS.get(name)
+        values = [cols.get(name, default) for _, cols in self._runs]
+        if any(isinstance(v, np.ndarray) for v in values):
+            runs = [v if isinstance(v, np.ndarray) else np.full(n, v) for (n, _), v in zip(self._runs, values)]
+        else:
+            runs = [np.repeat(np.asarray(values), [n for n, _ in self._runs])] if values else []
+        dtype = typ.to_pandas_dtype()
+        return np.concatenate([np.asarray(self._rows[name], dtype=dtype)] + runs).astype(dtype, copy=False)
+
     def flush(self) -> None:
-        if not self._chunks:
+        if not self._pending:
             return
-        arrays = []
-        for name, (typ, _) in STEP_COLUMNS.items():
-            default = STEP_DEFAULTS.get(name)
-            values: list = []
-            for n, cols in self._chunks:
-                v = cols.get(name, default)
-                if isinstance(v, np.ndarray):
-                    values.extend(v.tolist())
-                elif n == 1:
-                    values.append(v)
-                else:
-                    values.extend([v] * n)
-            arrays.append(pa.array(values, type=typ))
-        self._chunks = []
+        columns = {name: self._column(name, typ) for name, (typ, _) in STEP_COLUMNS.items()}
+        order = np.lexsort((columns["step"], columns["replica"]))
+        arrays = [pa.array(columns[name][order], type=typ) for name, (typ, _) in STEP_COLUMNS.items()]
+        self._rows = {name: [] for name in STEP_COLUMNS}
+        self._runs = []
         self._pending = 0
         table = pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
         if self.path is None:

@@ -6,7 +6,7 @@ last, LRU); freed unhashed blocks go to the head (reused first).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -19,8 +19,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks   # a list: scalar access is far faster than numpy's
         self.block_hash: list[int | None] = [None] * num_blocks
-        # Free queue: head = next to allocate. OrderedDict gives O(1) pop/append/remove-from-middle.
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free queue: head = next to allocate. With caching, an OrderedDict gives O(1)
+        # pop/append/remove-from-middle (revival); without, nothing leaves the middle: a deque does.
+        self.free_queue = OrderedDict.fromkeys(range(num_blocks)) if enable_caching else deque(range(num_blocks))
         self.cached: dict[int, int] = {}        # block hash -> block id
         self.num_cache_evictions = 0
         self.num_cached_free_blocks = 0         # free blocks still holding a reusable prefix
@@ -36,6 +37,11 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[int]:
         if n > len(self.free_queue):
             raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
+        if not self.enable_caching:
+            blocks = [self.free_queue.popleft() for _ in range(n)]
+            for block in blocks:
+                self.ref_cnt[block] = 1
+            return blocks
         blocks = []
         pop = self.free_queue.popitem
         for _ in range(n):
@@ -58,6 +64,14 @@ class BlockPool:
     def free_blocks(self, blocks) -> None:
         """Drop one reference from each block, in the given order (callers pass tail blocks first)."""
         ref = self.ref_cnt
+        if not self.enable_caching:      # unhashed: each goes to the head, the last one given first
+            freed = []
+            for block in blocks:
+                ref[block] -= 1
+                if ref[block] == 0:
+                    freed.append(block)
+            self.free_queue.extendleft(freed)
+            return
         for block in blocks:
             ref[block] -= 1
             if ref[block] == 0:

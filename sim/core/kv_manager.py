@@ -100,6 +100,10 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
+        if not computed_blocks and not self.enable_caching:
+            blocks = self.req_blocks.get(req)
+            if blocks is not None and len(blocks) * self.block_size >= req.num_computed_tokens + num_new_tokens:
+                return True                      # fits in the blocks it holds (the common decode step)
         computed_blocks = computed_blocks or []
         need = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
         revivable = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
