@@ -1,0 +1,284 @@
+"""Replay a trace on the real backend through the shared engine core; write simulate's outputs.
+
+The trace runs in (simulated) time order through the same simpy engine, scheduler, KV manager and
+policies as `kvsim simulate`; only the executor differs (`gpu.executor.RealExecutor`). Time is
+*simulated from measurements*: each step advances the clock by its measured duration, and when the
+engine is idle the clock jumps to the next arrival (idle gaps cost no wall time). Arrivals that
+fall inside a step wait for it to end, exactly as in the simulator.
+
+Outputs (in `out`): `requests.parquet`, `steps.parquet` (duration_s measured, predicted_s from
+the cost model with the configured profile), `summary.json`, `config.yaml` — the schemas of
+`kvsim simulate` — plus `tokens.parquet` (prompt and greedy output ids per request),
+`decisions.parquet` and `attention_stats.parquet` (the recorded format of `sim.kv.importance`).
+Ctrl-C stops the replay and still writes all of them for what ran so far (`summary["partial"]`).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from sim.config import ConfigError, SimConfig
+from sim.core.request import Request
+from sim.core.scheduler import Scheduler
+from sim.engine import ArrivalProcess, EngineReplica, Router
+from sim.metrics import StepLog, request_table
+from sim.simulate import (_build_kv, load_workload, resolve_hardware, run_summary, scheduler_config,
+                          trace_to_requests, write_outputs)
+
+DTYPES = ("float32", "float16", "bfloat16")
+WEIGHTS = ("smollm2", "random")
+
+
+@dataclass
+class ReplayOptions:
+    device: str = "cpu"                  # cpu | cuda | cuda:N
+    weights: str = "smollm2"             # smollm2 (the real GGUF) | random (any catalog shape)
+    dtype: str | None = None             # weights and KV cache; default float32 on cpu, bfloat16 on cuda
+    layers: int | None = None            # keep only the first N layers (quick runs)
+    attention_stats: bool = True         # record attention statistics at the end of every prefill
+    stats_window: int = 32               # queries observed for them (the policy's obs_window if it needs scores)
+
+
+@dataclass
+class ReplayResult:
+    summary: dict
+    requests: pd.DataFrame
+    steps: pd.DataFrame
+    tokens: pd.DataFrame
+    decisions: pd.DataFrame
+    attention_stats: pd.DataFrame
+    out_dir: Path | None
+    partial: bool
+    executor: object = field(repr=False, default=None)
+
+
+def resolve_device(device: str):
+    import torch
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu or cuda[:N], got {device!r}")
+    return dev
+
+
+def torch_dtype(name: str | None, device):
+    import torch
+    name = name or ("float32" if device.type == "cpu" else "bfloat16")
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {DTYPES}, got {name!r}")
+    return getattr(torch, name)
+
+
+def model_spec_for(config, base):
+    """The catalog spec of the model actually run (layers/heads/... taken from the real model)."""
+    return base.model_copy(update={
+        "num_layers": config.layers, "hidden_size": config.hidden, "num_heads": config.heads,
+        "num_kv_heads": config.kv_heads, "head_dim": config.head_dim, "intermediate_size": config.intermediate,
+        "vocab_size": config.vocab, "name": base.name if config.layers == base.num_layers
+        else f"{base.name} ({config.layers} layers)"})
+
+
+def build_model(cfg: SimConfig, opts: ReplayOptions):
+    """The real model: SmolLM2 from the GGUF, or seeded random weights at the catalog shape of cfg.model."""
+    from gpu.model import LlamaModel, ModelConfig
+    from sim.catalog import get_model
+
+    device = resolve_device(opts.device)
+    dtype = torch_dtype(opts.dtype, device)
+    if opts.weights not in WEIGHTS:
+        raise ConfigError(f"--weights must be one of {WEIGHTS}, got {opts.weights!r}")
+    if opts.weights == "smollm2":
+        spec = get_model(cfg.model)
+        if spec.name != get_model("smollm2-135m").name:
+            raise ConfigError(f"--weights smollm2 runs SmolLM2-135M but --model is {cfg.model!r}; use "
+                              f"--model smollm2-135m, or --weights random for other shapes")
+        from gpu.weights import load_smollm2
+        model = load_smollm2(device=str(device), dtype=dtype)
+    else:
+        spec = get_model(cfg.model)
+        config = ModelConfig(layers=spec.num_layers, hidden=spec.hidden_size, heads=spec.num_heads,
+                             kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                             intermediate=spec.intermediate_size, vocab=spec.vocab_size,
+                             tied=spec.tied_embeddings, name=spec.name)
+        model = LlamaModel.random(config, seed=cfg.seed, device=str(device), dtype=dtype)
+    if opts.layers is not None:
+        if not 1 <= opts.layers <= model.config.layers:
+            raise ConfigError(f"--layers must be between 1 and {model.config.layers}, got {opts.layers}")
+        model = model.truncated(opts.layers)
+    return model
+
+
+def check_replayable(cfg: SimConfig) -> None:
+    eng = cfg.engine
+    problems = []
+    if cfg.replicas != 1:
+        problems.append(f"replicas={cfg.replicas}: the real backend runs one engine replica")
+    if cfg.tp != 1:
+        problems.append(f"tp={cfg.tp}: the real backend runs on one device")
+    if eng.preemption_mode != "recompute":
+        problems.append("engine.preemption_mode=swap: swapping KV to host memory is not implemented; use recompute")
+    if eng.enable_prefix_caching:
+        problems.append("engine.enable_prefix_caching: replay prompts are generated per request, so shared "
+                        "prefixes hold no shared tokens")
+    if cfg.kv.mode != "token":
+        problems.append("kv.mode=fast: the real backend needs token-level KV state")
+    if cfg.kv.policy in ("leankv", "quest"):
+        problems.append(f"kv.policy={cfg.kv.policy}: needs mixed-precision / selective attention kernels in the "
+                        "replay path, which are not wired yet")
+    if problems:
+        raise ConfigError("cannot replay this config: " + "; ".join(problems))
+
+
+def prompt_ids_for(seed: int, vocab: int) -> Callable[[Request], list[int]]:
+    """Real-text prompt ids (gpu.prompts) of the trace's length, seeded by (seed, request id)."""
+    from gpu.prompts import prompt_token_ids
+
+    def ids(req: Request) -> list[int]:
+        s = int(np.random.SeedSequence([seed, req.request_id]).generate_state(1)[0])
+        toks = prompt_token_ids(req.prompt_tokens, s)
+        return [t % vocab for t in toks] if max(toks) >= vocab else toks
+    return ids
+
+
+def default_num_blocks(cfg: SimConfig, model, layout: str, device, dtype) -> int:
+    """KV pool that fits the free device memory (CUDA) times gpu_memory_utilization."""
+    import torch
+    from gpu.cache import PagedKVCache
+
+    if device.type != "cuda":
+        raise ConfigError("--num-gpu-blocks (engine.num_gpu_blocks) is required on cpu: say how many KV blocks "
+                          "the replay may use (small pools create memory pressure)")
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free - (1 - cfg.engine.gpu_memory_utilization) * total
+    c = model.config
+    per_block = PagedKVCache.bytes_per_block("shared", c.layers, c.kv_heads, c.head_dim, cfg.engine.block_size, dtype)
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ConfigError(f"no room for a KV cache on {device}: {free / 2**30:.1f} GiB free")
+    return blocks
+
+
+def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: ReplayOptions | None = None,
+               model=None, trace=None, progress: bool = False, on_step: Callable[[EngineReplica], None] | None = None,
+               check_cache: bool | None = None) -> ReplayResult:
+    """Replay `cfg.trace` (or `trace`) on the real model (built from `options`, or the given `model`).
+
+    `on_step(replica)` runs after every engine step (the progress hook; a KeyboardInterrupt raised
+    anywhere during the replay ends it with a partial result). `check_cache` (default:
+    `cfg.check_invariants`) asserts every step that the cache's live mask equals the KV manager's state.
+    """
+    from gpu.cache import PagedKVCache
+    from gpu.executor import RealExecutor, ReplayRecorder
+    from sim.catalog import get_model
+
+    t0 = time.perf_counter()
+    opts = options or ReplayOptions()
+    cfg = cfg.model_copy(deep=True)
+    check_replayable(cfg)
+    trace = load_workload(cfg) if trace is None else trace
+    model = build_model(cfg, opts) if model is None else model
+    device, dtype = model.device, model.dtype
+    spec = model_spec_for(model.config, get_model(cfg.model))
+    if cfg.engine.num_gpu_blocks is None:
+        cfg.engine.num_gpu_blocks = default_num_blocks(cfg, model, cfg.kv.layout, device, dtype)
+    spec, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=spec)
+    kv, _ = _build_kv(cfg, spec, cost, num_blocks)
+    cache = PagedKVCache.for_model(model.config, cfg.kv.layout, kv.num_blocks, cfg.engine.block_size,
+                                   dtype=dtype, device=device)
+    recorder = ReplayRecorder()
+    executor = RealExecutor(model, cache, kv, cost, prompt_ids=prompt_ids_for(cfg.seed, model.config.vocab),
+                            recorder=recorder, stats_window=opts.stats_window if opts.attention_stats else 0,
+                            check_cache=cfg.check_invariants if check_cache is None else check_cache)
+
+    requests = trace_to_requests(trace)
+    out = Path(out_dir) if out_dir else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    step_log = StepLog(out / "steps.parquet" if out else None)
+    env = simpy.Environment()
+    bar = _progress_bar(len(requests)) if progress else None
+    scheduler = Scheduler(scheduler_config(cfg, cost, max_model_len), kv)
+    arrivals: list[ArrivalProcess] = []
+
+    def stepped(n: int) -> None:
+        if bar is not None:
+            done = len(scheduler.finished) + len(scheduler.rejected)
+            bar.update(done - bar.n)
+            bar.set_postfix_str(f"step {replica.num_steps}, sim {replica.now:.2f}s", refresh=False)
+        if on_step is not None:
+            on_step(replica)
+
+    replica = EngineReplica(env, 0, scheduler, executor, step_log, fast_forward=False,
+                            check_invariants=cfg.check_invariants,
+                            next_arrival=lambda: arrivals[0].next_arrival(), on_step=stepped)
+    arrivals.append(ArrivalProcess(env, requests, Router([replica])))
+    partial = False
+    try:
+        env.run(until=arrivals[0].process)
+        while scheduler.has_work:
+            env.step()
+    except KeyboardInterrupt:
+        partial = True
+    finally:
+        if bar is not None:
+            bar.close()
+        step_log.close()
+
+    arrived = requests[:arrivals[0].index]
+    req_df = request_table(arrived)
+    steps_df = step_log.to_pandas()
+    summary = run_summary(cfg, req_df, steps_df, [kv], num_blocks, max_model_len, spec, gpu)
+    summary.update(_replay_summary(cfg, opts, model, steps_df, executor, partial, replica.now, len(requests)))
+    summary["wall_s"] = time.perf_counter() - t0
+    tokens = _tokens_table(arrived)
+    decisions, stats = recorder.decisions_table(), recorder.stats_table()
+    if out:
+        write_outputs(out, cfg, req_df, summary)
+        tokens.to_parquet(out / "tokens.parquet", index=False)
+        decisions.to_parquet(out / "decisions.parquet", index=False)
+        stats.to_parquet(out / "attention_stats.parquet", index=False)
+    return ReplayResult(summary, req_df, steps_df, tokens, decisions, stats, out, partial, executor)
+
+
+def _replay_summary(cfg, opts: ReplayOptions, model, steps: pd.DataFrame, executor, partial: bool, now: float,
+                    num_trace_requests: int) -> dict:
+    import torch
+    measured = float(steps["duration_s"].sum()) if len(steps) else 0.0
+    predicted = float(steps["predicted_s"].sum()) if len(steps) else 0.0
+    s = {
+        "backend": "real", "partial": partial, "simulated_time_s": now,
+        "num_trace_requests": num_trace_requests,
+        "measured_step_time_s": measured, "predicted_step_time_s": predicted,
+        "prediction_error": (predicted - measured) / measured if measured > 0 else float("nan"),
+        "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+        "device_name": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu",
+        "model_layers": model.config.layers, "weights": opts.weights,
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"),
+        "replay": asdict(opts),
+    }
+    s.update({f"time_{k}": v for k, v in executor.times.items()})
+    return s
+
+
+def _tokens_table(requests: list[Request]) -> pd.DataFrame:
+    rows = []
+    for r in requests:
+        toks = r.extra.get("gpu_tokens") or []
+        rows.append({"request_id": r.request_id, "prompt_token_ids": toks[:r.prompt_tokens],
+                     "output_token_ids": toks[r.prompt_tokens:]})
+    df = pd.DataFrame(rows, columns=["request_id", "prompt_token_ids", "output_token_ids"])
+    return df.sort_values("request_id", kind="stable").reset_index(drop=True)
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="req", desc="replaying", mininterval=0.5)
