@@ -321,9 +321,9 @@ class EvictingKVManager:
         st = rk.state
         live3 = st.live.reshape(self.rows, -1, self.stride) & dirty[:, :, None]
         src_r, src_e, src_o = np.nonzero(live3)
-        old_ids = rk.table[dirty]
-        old_entries = dirty.copy()
         new = self._add_pages(rk, dst_pages, self.new_token_tier)
+        old_entries = np.zeros(rk.table.shape, dtype=bool)
+        old_entries[:, :dirty.shape[1]] = dirty
         # destination slots: the first `moved` slots of each row's new pages, in order
         cap = int(self.tier_capacity[self.new_token_tier])
         dst_mask = (np.repeat(new, self.stride, axis=1)
@@ -337,9 +337,7 @@ class EvictingKVManager:
         st.move(src_r, src_s, dst_s)
         # the old pages go back to the pool after the copy
         self._release_entries(rk, old_entries, count_as_eviction=False)
-        del old_ids
         has = moved > 0
-        last = np.where(has, 0, -1)
         r = np.flatnonzero(has)
         if r.size:
             # tail = the page holding each row's last copied token
@@ -348,7 +346,6 @@ class EvictingKVManager:
             rk.tail[r] = ends[r] // self.stride
             rk.tail_off[r] = ends[r] % self.stride + 1
         rk.tail[~has & dirty.any(axis=1)] = -1
-        del last
 
     def _record_moves(self, rk, src_r, src_s, dst_r, dst_s) -> None:
         if src_r.size == 0:

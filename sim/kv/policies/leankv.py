@@ -42,6 +42,7 @@ def _check_alpha(name: str, value) -> float:
 class LeanKV(EvictionPolicy):
     gqa_reduce = "max"
     default_trigger = "every_step"
+    new_token_tier = TIER_HIGH          # the manager writes new (window) tokens at high precision
 
     def __init__(self, alpha_h: float = 1.0, alpha_l: float = 0.1, window: int = 64, obs_window: int = 8):
         self.alpha_h = _check_alpha("alpha_h", alpha_h)
