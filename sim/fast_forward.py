@@ -45,8 +45,6 @@ def plan(replica) -> DecodeRun | None:
     if not b or b > cfg.max_num_batched_tokens:
         return None
     admission_blocked = len(sched.waiting) > 0
-    if admission_blocked and b < cfg.max_num_seqs:
-        return None
     next_arrival = replica.next_arrival()
     if next_arrival <= replica.now:
         return None
@@ -59,6 +57,11 @@ def plan(replica) -> DecodeRun | None:
         last_list.append(r.max_output_tokens - n_out)
     kv = replica.kv
     bs = kv.block_size
+    if admission_blocked and b < cfg.max_num_seqs:
+        # Only while the head of WAITING cannot get its blocks even before this run's allocations.
+        first_step_blocks = sum(1 for x in c_list if x % bs == 0)
+        if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
+            return None
     c = np.array(c_list, dtype=np.int64)
     last = np.array(last_list, dtype=np.int64)
     k = min(last_list) if admission_blocked else max(last_list)

@@ -33,6 +33,9 @@ SCENARIOS = {
                        "engine.num_gpu_blocks": 3000, "engine.enable_prefix_caching": True},
     "two-replicas": {"trace_options.max_requests": 150, "replicas": 2, "router": "least_outstanding",
                      "trace_options.rate_scale": 4.0},
+    "l4-queueing": {"trace_options.max_requests": 200, "gpu": "l4"},
+    "swap": {"trace_options.max_requests": 150, "engine.num_gpu_blocks": 700, "engine.preemption_mode": "swap",
+             "engine.swap_space_gib": 0.05},
     "seq-limit": {"trace_options.max_requests": 150, "engine.max_num_seqs": 8, "trace_options.rate_scale": 3.0},
 }
 

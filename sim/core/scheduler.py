@@ -233,6 +233,32 @@ class Scheduler:
             budget -= n
         return budget
 
+    def waiting_head_blocked(self, budget: int, free_blocks: int) -> bool:
+        """Whether `_admit` would stop at the head of WAITING for lack of KV blocks (or, without
+        chunked prefill, of budget) with `budget` tokens left and `free_blocks` free. Changes nothing.
+
+        While free blocks only shrink (a decode run), a blocked head stays blocked.
+        """
+        req = self.waiting.peek()
+        bs = self.kv.block_size
+        if req.swapped_tokens:
+            hits, computed = [], req.swapped_tokens
+            if -(-computed // bs) > free_blocks:
+                return True
+        else:
+            hits = self.kv.get_computed_blocks(req)
+            computed = len(hits) * bs
+        remaining = req.num_tokens - computed
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            return True
+        n = remaining
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        n = min(n, budget, self.config.max_model_len - computed)
+        need = -(-(computed + n) // bs) - len(hits)
+        revivable = sum(1 for b in hits if self.kv.pool.ref_cnt[b] == 0)
+        return need > free_blocks - revivable
+
     def _undo_admission(self, req: Request, swapped: int) -> None:
         if swapped:
             self.kv.free(req)
