@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -115,7 +114,7 @@ def crosscheck(
         cfg = load_config(None, overrides)
         real_dir = real or out / "real"
         if real is None:
-            run_replay(cfg, real_dir, device=device, threads=threads, extra_sets=set_)
+            run_replay(cfg, real_dir, device=device, threads=threads)
         real_run = Run.load(real_dir, "real")
         from .cost_model import CostModel
         from .simulate import load_workload, run_simulation
@@ -128,7 +127,7 @@ def crosscheck(
                    "rate_scale": rate_scale or 1.0, "requests": len(workload), "profile": profile,
                    "model": model, "device": device, "num_gpu_blocks": num_gpu_blocks,
                    "options": " ".join(set_) or "(defaults)", "replay": str(real_dir),
-                   "replay_loadavg_1m": real_run.summary.get("loadavg_1m", "n/a"),
+                   "replay_loadavg_1m": real_run.summary.get("load_avg_1m", "n/a"),
                    "torch_threads": real_run.summary.get("torch_threads", threads or "n/a")}
         res = compare(real_run, sim_run, CostModel(cfg.model, cfg.gpu, cfg.profile, tp=cfg.tp), rec, context)
         md, html = write_report(res, out)
@@ -141,26 +140,12 @@ def crosscheck(
     console.print(f"wrote {md} and {html}")
 
 
-def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, extra_sets: list[str]) -> None:
-    """Replay the workload on the real backend through `kvsim replay` (a separate process, so its
-    torch thread count and memory are its own)."""
-    eng, opts = cfg.engine, cfg.trace_options
-    args = ["replay", "--trace", cfg.trace, "--model", cfg.model, "--device", device,
-            "--num-gpu-blocks", str(eng.num_gpu_blocks), "--out", str(out_dir),
-            "--set", f"engine.block_size={eng.block_size}", "--set", f"engine.max_num_seqs={eng.max_num_seqs}",
-            "--set", f"engine.max_num_batched_tokens={eng.max_num_batched_tokens}",
-            "--set", f"trace_options.rate_scale={opts.rate_scale}"]
-    for key in ("start_s", "end_s", "max_requests"):
-        if getattr(opts, key) is not None:
-            args += ["--set", f"trace_options.{key}={getattr(opts, key)}"]
-    for item in extra_sets:
-        args += ["--set", item]
-    env = dict(os.environ)
+def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None) -> None:
+    """Replay the workload on the real backend (gpu.replay) with `threads` torch threads."""
+    import torch
+    from gpu.replay import ReplayOptions, run_replay as replay
     if threads:
-        env["KVSIM_TORCH_THREADS"] = str(threads)
-        env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-c", "from sim.cli import main; main()", *args]
-    console.print("replaying: kvsim " + " ".join(shlex.quote(a) for a in args))
-    done = subprocess.run(cmd, env=env)
-    if done.returncode != 0:
-        raise ValueError(f"kvsim replay failed with exit code {done.returncode}")
+        torch.set_num_threads(threads)
+    console.print(f"replaying {cfg.trace} on {device} ({torch.get_num_threads()} torch threads, "
+                  f"load average {os.getloadavg()[0]:.2f}) ...")
+    replay(cfg, out_dir, options=ReplayOptions(device=device), progress=True)
