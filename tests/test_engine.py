@@ -132,3 +132,14 @@ def test_duration_parsing():
     assert parse_duration("2s") == 2.0
     with pytest.raises(ConfigError):
         parse_duration("100")
+
+
+def test_mooncake_hash_ids_drive_prefix_hits():
+    over = {"trace": "mooncake-conversation", "trace_options.max_requests": 120, "engine.num_gpu_blocks": 20000}
+    cached = sim({**over, "engine.enable_prefix_caching": True})
+    plain = sim(over)
+    assert cached.summary["prefix_hit_rate"] > 0.1 and plain.summary["prefix_hit_rate"] == 0
+    assert cached.requests.cached_tokens.sum() > 0
+    # served prefixes are not recomputed: less prefill work, earlier first tokens
+    assert cached.steps.prefill_tokens.sum() < plain.steps.prefill_tokens.sum()
+    assert cached.summary["ttft_p50_s"] < plain.summary["ttft_p50_s"]
