@@ -137,20 +137,17 @@ def _stats_of_synthetic(spec: str, num_requests: int, seed: int) -> pd.DataFrame
 
 def test_importance_fit_reproduces_measured_statistics(tmp_path):
     stats = _stats_of_synthetic("smollm2-135m", 3, seed=5)
-    stats.to_parquet(tmp_path / "attention_stats.parquet")
-    out = tmp_path / "imp.yaml"
-    res = CliRunner().invoke(app, ["calibrate", "--attention", str(tmp_path), "--out", str(out)])
-    assert res.exit_code == 0, res.output
-    from sim.kv.importance import ImportanceModelSpec
-    spec = ImportanceModelSpec.load(out)          # loads as a valid importance model
-    assert spec.dense_layers in (2, 3)
-    fit = fit_importance(stats, seed=1)
+    fit = fit_importance(stats, seed=1, iterations=6)
     m, s = fit.measured, fit.synthetic
     assert s["keys95_median"] == pytest.approx(m["keys95_median"], rel=0.1)
     assert s["keys95_p90"] == pytest.approx(m["keys95_p90"], rel=0.15)
     assert s["sink_share_median"] == pytest.approx(m["sink_share_median"], abs=0.05)
     assert s["recent_share_median"] == pytest.approx(m["recent_share_median"], abs=0.05)
     assert s["request_log_keys95_std"] == pytest.approx(m["request_log_keys95_std"], rel=0.25)
+    from sim.kv.importance import ImportanceModelSpec
+    spec = ImportanceModelSpec.load(fit.write(tmp_path / "imp.yaml", command="kvsim calibrate --attention x"))
+    assert spec.dense_layers in (2, 3) and spec.mix["heavy"] > 0.2
+    assert "regenerate: kvsim calibrate" in (tmp_path / "imp.yaml").read_text()
 
 
 def test_bad_attention_stats_fail_clearly(tmp_path):
@@ -160,3 +157,5 @@ def test_bad_attention_stats_fail_clearly(tmp_path):
     df.to_parquet(tmp_path / "attention_stats.parquet")
     with pytest.raises(CalibrationError, match="sink_share"):
         load_attention_stats(tmp_path)
+    res = CliRunner().invoke(app, ["calibrate", "--attention", str(tmp_path), "--out", str(tmp_path / "i.yaml")])
+    assert res.exit_code == 2 and "sink_share" in res.output
