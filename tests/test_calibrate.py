@@ -137,7 +137,7 @@ def _stats_of_synthetic(spec: str, num_requests: int, seed: int) -> pd.DataFrame
 
 def test_importance_fit_reproduces_measured_statistics(tmp_path):
     stats = _stats_of_synthetic("smollm2-135m", 3, seed=5)
-    fit = fit_importance(stats, seed=1, iterations=6)
+    fit = fit_importance(stats, seed=1)
     m, s = fit.measured, fit.synthetic
     assert s["keys95_median"] == pytest.approx(m["keys95_median"], rel=0.1)
     assert s["keys95_p90"] == pytest.approx(m["keys95_p90"], rel=0.15)
