@@ -114,7 +114,7 @@ def prepare(force: bool = False) -> Path:
             return target
     data = read_gguf(source)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")     # parallel test workers may convert at once
     torch.save(data, tmp)
     tmp.replace(target)
     return target
