@@ -155,6 +155,8 @@ class RealExecutor:
 
     # ----- engine interface -------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult:
+        for s in out.scheduled:          # prompt ids are the workload, not the step: made before timing
+            self.tokens(s.request)
         self._sync()
         t0 = time.perf_counter()
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token) if self.cost is not None else None
@@ -205,6 +207,23 @@ class RealExecutor:
             predicted = float(self.cost.predict(shape))
         return StepResult(duration_s=t5 - t0, predicted_s=predicted, evicted_tokens=evicted,
                           blocks_freed_by_eviction=freed, bytes_moved=moved)
+
+    def warm_up(self) -> None:
+        """One throwaway prefill and decode (nothing cached) so lazy initialisation — torch's thread pool,
+        Triton compilation on CUDA — is not charged to the first measured step."""
+        dev = self.device
+        L, H = self.num_layers, self.num_kv_heads
+        for n, window in ((2, self.score_window), (1, self.score_window)):
+            if self.cache.layout == "shared":
+                slots, table = torch.full((n,), -1), torch.full((1, 1), -1)
+            else:
+                slots, table = torch.full((n, L, H), -1), torch.full((1, L, H, 1), -1)
+            meta = AttentionMetadata(query_start_loc=torch.tensor([0, n], device=dev),
+                                     seq_lens=torch.tensor([n], device=dev), slot_mapping=slots.to(dev),
+                                     block_tables=table.to(dev), score_window=window)
+            self.model.forward(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta,
+                               self.cache)
+        self._sync()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -139,7 +139,9 @@ def check_replayable(cfg: SimConfig) -> None:
 
 def prompt_ids_for(seed: int, vocab: int) -> Callable[[Request], list[int]]:
     """Real-text prompt ids (gpu.prompts) of the trace's length, seeded by (seed, request id)."""
-    from gpu.prompts import prompt_token_ids
+    from gpu.prompts import corpus_token_ids, prompt_token_ids
+
+    corpus_token_ids()       # tokenize the corpus once, up front
 
     def ids(req: Request) -> list[int]:
         s = int(np.random.SeedSequence([seed, req.request_id]).generate_state(1)[0])
@@ -198,6 +200,7 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
                             recorder=recorder, stats_window=opts.stats_window if opts.attention_stats else 0,
                             check_cache=cfg.check_invariants if check_cache is None else check_cache)
 
+    executor.warm_up()
     requests = trace_to_requests(trace)
     out = Path(out_dir) if out_dir else None
     if out:

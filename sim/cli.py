@@ -14,6 +14,9 @@ app.command()(simulate)
 from gpu.cli import app as model_app  # noqa: E402
 app.add_typer(model_app, name="model")
 
+from gpu.replay_cli import replay  # noqa: E402
+app.command()(replay)
+
 from dashboard.cli import dashboard  # noqa: E402
 app.command()(dashboard)
 
