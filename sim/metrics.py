@@ -4,6 +4,7 @@ The step-log schema is shared by the simulator and the real backend.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -181,6 +182,20 @@ def request_table(requests) -> pd.DataFrame:
     return df
 
 
+def inter_token_latencies(token_times) -> np.ndarray:
+    """Gaps between consecutive output tokens of each request, all requests concatenated."""
+    lengths = np.fromiter((len(t) for t in token_times), dtype=np.int64, count=len(token_times))
+    if lengths.sum() == 0:
+        return np.array([])
+    times = np.fromiter(itertools.chain.from_iterable(token_times), dtype=np.float64, count=int(lengths.sum()))
+    gaps = np.diff(times)
+    first_of_request = np.cumsum(lengths)[:-1]             # a request's first token follows another's last
+    keep = np.ones(gaps.size, dtype=bool)
+    inside = first_of_request[(first_of_request > 0) & (first_of_request < times.size)]
+    keep[inside - 1] = False
+    return gaps[keep]
+
+
 def _pct(values: pd.Series, q: float) -> float:
     v = values.dropna().to_numpy()
     return float(np.percentile(v, q)) if v.size else math.nan
@@ -209,7 +224,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, num_blocks_total: 
         for q in (50, 90, 99):
             s[f"{metric[:-2]}_p{q}_s"] = _pct(done[metric], q)
         s[f"{metric[:-2]}_mean_s"] = float(done[metric].mean()) if len(done) else math.nan
-    itl = np.concatenate([np.diff(t) for t in done["token_times_s"] if len(t) > 1] or [np.array([])])
+    itl = inter_token_latencies(done["token_times_s"])
     for q in (50, 90, 99):
         s[f"itl_p{q}_s"] = float(np.percentile(itl, q)) if itl.size else math.nan
     if slo_ttft_s is not None or slo_tpot_s is not None:
