@@ -140,7 +140,9 @@ def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfi
 def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
                 max_model_len: int, model, gpu) -> dict:
     """summary.json of a run (simulated or replayed) from its request and step tables."""
-    summary = summarize(req_df, steps_df, num_blocks_total=num_blocks,
+    # blocks of the pool actually managed (per_head pools count one-head blocks)
+    pool_blocks = kvs[0].num_blocks if kvs else num_blocks
+    summary = summarize(req_df, steps_df, num_blocks_total=pool_blocks,
                         slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
                         prefix_queries=sum(kv.num_prefix_queries for kv in kvs),
                         prefix_hits=sum(kv.num_prefix_hits for kv in kvs))
