@@ -77,13 +77,18 @@ def torch_dtype(name: str | None, device):
     return getattr(torch, name)
 
 
-def model_spec_for(config, base):
-    """The catalog spec of the model actually run (layers/heads/... taken from the real model)."""
+def model_spec_for(config, base, dtype):
+    """The catalog spec of the model actually run: shape from the real model, weight/activation/KV dtypes
+    from the real tensors (so predicted_s prices the bytes the replay really moves)."""
+    from sim.catalog import normalize_dtype
+
+    dt = normalize_dtype(str(dtype).removeprefix("torch."))
     return base.model_copy(update={
         "num_layers": config.layers, "hidden_size": config.hidden, "num_heads": config.heads,
         "num_kv_heads": config.kv_heads, "head_dim": config.head_dim, "intermediate_size": config.intermediate,
-        "vocab_size": config.vocab, "name": base.name if config.layers == base.num_layers
-        else f"{base.name} ({config.layers} layers)"})
+        "vocab_size": config.vocab, "weight_dtype": dt, "activation_dtype": dt, "kv_dtype": dt,
+        "embedding_dtype": None,
+        "name": base.name if config.layers == base.num_layers else f"{base.name} ({config.layers} layers)"})
 
 
 def build_model(cfg: SimConfig, opts: ReplayOptions):
@@ -188,7 +193,8 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     trace = load_workload(cfg) if trace is None else trace
     model = build_model(cfg, opts) if model is None else model
     device, dtype = model.device, model.dtype
-    spec = model_spec_for(model.config, get_model(cfg.model))
+    spec = model_spec_for(model.config, get_model(cfg.model), dtype)
+    cfg.kv_dtype = None           # the cache holds the model's dtype
     if cfg.engine.num_gpu_blocks is None:
         cfg.engine.num_gpu_blocks = default_num_blocks(cfg, model, cfg.kv.layout, device, dtype)
     spec, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=spec)

@@ -5,10 +5,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import yaml
 from typer.testing import CliRunner
 
 from gpu.replay import run_replay
 from gpu.weights import load_smollm2
+from sim.catalog import get_model
 from sim.config import ConfigError, load_config
 from sim.kv.manager import SLOT_STRATEGIES
 from sim.simulate import run_simulation
@@ -104,6 +106,28 @@ def test_policy_none_matches_dense_greedy_also_under_preemption(small, layout):
     tight = run_replay(config(**{"engine.num_gpu_blocks": 16, "kv.layout": layout}), model=small, trace=tr)
     assert tight.steps["preemptions"].sum() > 0 and tight.summary["num_finished"] == 3
     assert tight.tokens["output_token_ids"].tolist() == roomy.tokens["output_token_ids"].tolist()
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv.policy": "streaming", "kv.params": {"sink": 3, "window": 9},
+                                   "kv.layout": "per_head", "kv.slot_strategy": "compact"}])
+def test_same_engine_core_as_the_simulator_step_for_step(small, kv, tmp_path):
+    """With every request at t=0 and a score-free policy, scheduling cannot depend on time: the replay's
+    step log equals the simulator's in every batch and memory column, and its predicted_s is the
+    simulator's step time."""
+    tr = trace([41, 29, 60, 33], [12, 20, 9, 15])
+    spec = get_model("smollm2-135m").model_copy(update={   # the simulator prices the model that really runs
+        "name": "SmolLM2-2L", "aliases": (), "num_layers": 2, "weight_dtype": "fp32", "activation_dtype": "fp32",
+        "kv_dtype": "fp32"})
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump({"models": [spec.model_dump(mode="json")]}))
+    cfg = config(**{"engine.num_gpu_blocks": 22, "model": str(tmp_path / "model.yaml"), **kv})
+    real = run_replay(cfg, model=small, trace=tr).steps
+    sim = run_simulation(cfg, trace=tr).steps
+    assert real["preemptions"].sum() > 0 if not kv else real["evicted_tokens"].sum() > 0
+    same = ["batch_size", "num_prefill_seqs", "prefill_tokens", "decode_tokens", "kv_tokens_read", "blocks_used",
+            "blocks_free", "live_slots", "allocated_slots", "num_running", "num_waiting", "preemptions", "finished",
+            "evicted_tokens", "blocks_freed_by_eviction", "bytes_moved"]
+    pd.testing.assert_frame_equal(real[same], sim[same])
+    np.testing.assert_allclose(real["predicted_s"], sim["duration_s"], rtol=1e-12)
 
 
 def masked_last_query(model, ids: list[int], keep: np.ndarray):
