@@ -129,7 +129,10 @@ class RealExecutor:
         self.stats_window = stats_window
         self.slot_pos = np.full(cache.num_slots, -1, dtype=np.int64)   # token position held by each cache slot
         self.num_steps = 0
+        # host-side breakdown of the measured time: metadata/inputs, model forward + sampling, the
+        # manager's policies (finish_step), KV-plan application to the cache (+ batch shape, checks)
         self.times = {"prepare_s": 0.0, "forward_s": 0.0, "kv_ops_s": 0.0, "policy_s": 0.0}
+        self.step_times: list[dict[str, float]] = []
         self.last_logits: torch.Tensor | None = None
         self.last_request_ids: list[int] = []
 
@@ -190,10 +193,10 @@ class RealExecutor:
             self.verify_cache(sched)
         self._sync()
         t5 = time.perf_counter()
-        self.times["prepare_s"] += t2 - t1
-        self.times["forward_s"] += t3 - t2
-        self.times["policy_s"] += t4 - t3
-        self.times["kv_ops_s"] += (t1 - t0) + (t5 - t4)
+        parts = {"prepare_s": t2 - t1, "forward_s": t3 - t2, "policy_s": t4 - t3, "kv_ops_s": (t1 - t0) + (t5 - t4)}
+        for k, v in parts.items():
+            self.times[k] += v
+        self.step_times.append(parts)
         self.num_steps += 1
         evicted = freed = moved = 0
         for plan in (pre, post):
