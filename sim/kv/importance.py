@@ -33,12 +33,18 @@ RECORDED FORMAT (Parquet, written by gpu/ replay, read by `load_recorded_decisio
 `decisions.parquet`, one row per token-row decision:
     request_id int64, step int32 (the request's decode step after which it happened; -1 =
     right after prefill), layer int16, head int16 (KV head; -1 for every head in the shared
-    layout), position int64 (token position), action string ("evict" | "high" | "low")
+    layout), position int64 (token position), action string ("evict" | "high" | "low"),
+    engine_step int64 (engine step of the replay in which it happened), reason string ("policy":
+    the policy's trigger after the step's attention | "pressure": `reclaim` before the step ran).
+    In the shared layout layer is -1 as well. A pressure decision's `step` is the decode steps the
+    request had completed (as for a policy decision after that step).
 `attention_stats.parquet`, one row per (layer, KV head) and measured request:
     request_id int64, layer int16, head int16, num_keys int64 (context length),
     keys_95 int64 (fewest keys holding 95% of the mass of the last queries), sink_share float64
     (mass on the first 4 tokens), recent_share float64 (mass on the last 64 tokens)
-The stats are what `SyntheticImportance` parameters are fitted to.
+The stats are what `SyntheticImportance` parameters are fitted to. The replay measures them when a
+request's prefill completes: attention of the last w prompt queries (w = the policy's obs_window when
+it needs scores, else 32) averaged over those queries and the query heads of each GQA group.
 """
 from __future__ import annotations
 
