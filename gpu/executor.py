@@ -58,21 +58,27 @@ class RealScoresOnly(ImportanceSource):
 class ReplayRecorder:
     """Eviction decisions and attention statistics in the recorded format of `sim.kv.importance`."""
 
-    DECISION_COLUMNS = ("request_id", "step", "layer", "head", "position", "action", "engine_step", "reason")
+    DECISION_COLUMNS = ("request_id", "step", "layer", "head", "position", "action", "engine_step", "reason",
+                        "num_tokens", "event")
     STATS_COLUMNS = ("request_id", "layer", "head", "num_keys", "keys_95", "sink_share", "recent_share")
 
     def __init__(self):
         self._decisions: list[dict[str, np.ndarray]] = []
         self._stats: list[dict[str, np.ndarray]] = []
+        self.num_events = 0
 
     def decision(self, request_id: int, step: int, layer: np.ndarray, head: np.ndarray, position: np.ndarray,
-                 engine_step: int, reason: str) -> None:
+                 engine_step: int, reason: str, num_tokens: int) -> None:
+        """One applied policy decision (one `compress` or `reclaim` result) of one request; `event` numbers
+        them in order, so two pressure decisions of a request in one engine step stay apart."""
         n = position.size
         self._decisions.append({
             "request_id": np.full(n, request_id, np.int64), "step": np.full(n, step, np.int32),
             "layer": layer.astype(np.int16), "head": head.astype(np.int16), "position": position.astype(np.int64),
             "action": np.full(n, "evict", object), "engine_step": np.full(n, engine_step, np.int64),
-            "reason": np.full(n, reason, object)})
+            "reason": np.full(n, reason, object), "num_tokens": np.full(n, num_tokens, np.int64),
+            "event": np.full(n, self.num_events, np.int64)})
+        self.num_events += 1
 
     def stats(self, request_id: int, layer, head, num_keys: int, keys_95, sink, recent) -> None:
         n = len(layer)
@@ -409,17 +415,16 @@ class RealExecutor:
         self._sync_live(np.unique(np.concatenate(touched)), written)
 
     def _record_decisions(self, plan: KVStepPlan, reason: str) -> None:
+        """Every eviction the manager applied, in order, with the positions the token state held then
+        (exact even when pressure evicted a request twice in one step or compaction moved tokens between)."""
         ctx = self.kv.ctx
-        by_id = {r.request_id: rk for r, rk in self.kv.req_kv.items()}
-        for rid, (rows, slots) in plan.evicted.items():
-            positions = self.slot_pos[self._cache_slots(slots)]
+        for rid, rows, positions, decode_steps, num_tokens in plan.decisions:
             if ctx.layout == "per_head":
                 layer, head = ctx.row_layer[rows], ctx.row_head[rows]
             else:
                 layer = head = np.full(rows.size, -1)
-            rk = by_id.get(rid)
-            step = rk.decode_steps if rk is not None and rk.decode_steps > 0 else -1
-            self.recorder.decision(rid, step, layer, head, positions, self.num_steps, reason)
+            step = decode_steps if decode_steps > 0 else -1
+            self.recorder.decision(rid, step, layer, head, positions, self.num_steps, reason, num_tokens)
 
     def _truth(self, blocks: np.ndarray | None, written: dict) -> tuple[np.ndarray, np.ndarray]:
         """(block ids, live [k, bs]) the manager's state says the cache should hold, for the owned blocks

@@ -121,7 +121,8 @@ def crosscheck(
         workload = load_workload(cfg)
         sim = run_simulation(cfg, out / "sim", trace=workload)
         sim_run = Run("sim", sim.requests, sim.steps, sim.summary)
-        rec = simulate_recorded(cfg, workload, real_run.steps["duration_s"].to_numpy(), out / "sim_recorded") \
+        rec = simulate_recorded(cfg, workload, real_run.steps["duration_s"].to_numpy(), out / "sim_recorded",
+                                replay_dir=real_dir) \
             if recorded else None
         context = {"trace": trace, "window": f"{start_s or 0}-{end_s if end_s is not None else 'end'} s",
                    "rate_scale": rate_scale or 1.0, "requests": len(workload), "profile": profile,

@@ -30,7 +30,7 @@ THROUGHPUT_METRICS = ("throughput_req_s", "throughput_output_tok_s", "throughput
 # Step-log columns that must be identical in recorded mode (the schedule and the memory state).
 MEMORY_COLUMNS = ("batch_size", "prefill_tokens", "decode_tokens", "blocks_used", "blocks_free",
                   "live_slots", "allocated_slots", "fragmentation", "preemptions", "finished",
-                  "evicted_tokens", "blocks_freed_by_eviction", "num_running", "num_waiting")
+                  "evicted_tokens", "blocks_freed_by_eviction", "bytes_moved", "num_running", "num_waiting")
 
 
 class CrosscheckError(ValueError):
@@ -178,7 +178,8 @@ def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = N
         latency=latency_table(real.requests, predicted.requests),
         throughput=throughput_table(real.summary, predicted.summary),
         memory=memory_table(runs),
-        recorded=None if recorded is None else first_divergence(real.steps, recorded.steps),
+        recorded=None if recorded is None else {**first_divergence(real.steps, recorded.steps),
+                                                 **recorded.summary.get("recorded_policy", {})},
         context=dict(context or {}),
         series=series,
     )
@@ -209,22 +210,88 @@ class MeasuredTimeExecutor:
         return self.inner.predict_run(shape)
 
 
-def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str | Path | None = None) -> Run:
-    """Simulate `trace` under `cfg` with the replay's measured step durations (see module doc)."""
+def recorded_config(cfg, replay_dir: str | Path | None):
+    """`cfg` for the recorded simulation: an evicting policy becomes `recorded`, replaying the decisions in
+    `replay_dir` (same layout, slot strategy and trigger); score-free policies (none, streaming, quest)
+    are deterministic and run as they are when no replay directory is given."""
+    from .kv.policies.recorded import recorded_trigger
+    from .kv.policy import get_policy
+    from .kv.build import policy_params
+
+    kv = cfg.kv
+    policy = get_policy(kv.policy, **policy_params(kv))
+    if not policy.evicts or kv.policy == "recorded":
+        return cfg
+    if replay_dir is None:
+        if policy.needs_scores:
+            raise CrosscheckError(f"recorded mode: kv.policy={kv.policy} decides from attention scores; give the "
+                                  f"replay directory so its recorded decisions (decisions.parquet) are replayed")
+        return cfg
+    trigger = kv.trigger if kv.trigger != "policy" else policy.default_trigger
+    try:
+        recorded_from = recorded_trigger(replay_dir)
+    except ValueError as exc:
+        raise CrosscheckError(str(exc)) from None
+    if recorded_from != trigger:
+        raise CrosscheckError(f"{replay_dir}: the replay ran with trigger {recorded_from!r}, this config with "
+                              f"{trigger!r} (kv.policy={kv.policy}, kv.trigger={kv.trigger})")
+    new_kv = kv.model_copy(update={"policy": "recorded", "budget": None, "trigger": trigger,
+                                   "params": {"path": str(replay_dir), "trigger": trigger}})
+    return cfg.model_copy(update={"kv": new_kv})
+
+
+def replay_model_spec(cfg, summary: dict):
+    """The catalog spec of the model a replay really ran (its layers and dtype, from summary.json), as
+    `gpu.replay.model_spec_for` priced it — so bytes moved are counted in the same units."""
+    from .catalog import get_model, normalize_dtype
+
+    base = get_model(cfg.model)
+    layers = int(summary.get("model_layers", base.num_layers))
+    dt = normalize_dtype(str(summary.get("dtype", base.kv_dtype)))
+    return base.model_copy(update={
+        "num_layers": layers, "weight_dtype": dt, "activation_dtype": dt, "kv_dtype": dt, "embedding_dtype": None,
+        "name": base.name if layers == base.num_layers else f"{base.name} ({layers} layers)"})
+
+
+def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str | Path | None = None,
+                      replay_dir: str | Path | None = None) -> Run:
+    """Simulate `trace` under `cfg` with the replay's measured step durations (see module doc). With
+    `replay_dir` (the replay's output directory), the simulated model is the one the replay ran and an
+    evicting policy replays the recorded decisions (`kv.policy=recorded`)."""
     from . import simulate as sim_mod
 
-    original = sim_mod._build_kv
+    cfg = recorded_config(cfg, replay_dir).model_copy(update={"fast_forward": False})
+    spec = None
+    if replay_dir is not None:
+        summary_file = Path(replay_dir) / "summary.json"
+        if not summary_file.is_file():
+            raise CrosscheckError(f"{replay_dir}: missing summary.json (expected a `kvsim replay` output directory)")
+        cfg = cfg.model_copy(update={"kv_dtype": None})        # the replay's cache held the model's dtype
+        spec = replay_model_spec(cfg, json.loads(summary_file.read_text()))
+    built = {}
+    original_build, original_hw = sim_mod._build_kv, sim_mod.resolve_hardware
 
     def build(cfg_, model, cost, num_blocks):
-        kv, executor = original(cfg_, model, cost, num_blocks)
+        kv, executor = original_build(cfg_, model, cost, num_blocks)
+        built["kv"] = kv
         return kv, MeasuredTimeExecutor(executor, measured_durations)
 
+    def hardware(cfg_, model=None):
+        return original_hw(cfg_, model=spec if model is None else model)
+
     sim_mod._build_kv = build
+    if spec is not None:
+        sim_mod.resolve_hardware = hardware
     try:
-        result = sim_mod.run_simulation(cfg.model_copy(update={"fast_forward": False}), out_dir, trace=trace)
+        result = sim_mod.run_simulation(cfg, out_dir, trace=trace)
     finally:
-        sim_mod._build_kv = original
-    return Run("sim_recorded", result.requests, result.steps, result.summary)
+        sim_mod._build_kv, sim_mod.resolve_hardware = original_build, original_hw
+    summary = dict(result.summary)
+    policy = getattr(built.get("kv"), "policy", None)
+    if policy is not None and policy.name == "recorded":
+        summary["recorded_policy"] = {"decisions": str(policy.path), "decisions_replayed": policy.replayed,
+                                      "decisions_missing": policy.missing}
+    return Run("sim_recorded", result.requests, result.steps, summary)
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -256,6 +323,9 @@ def markdown_report(res: CrosscheckResult) -> str:
         if r["identical"]:
             lines.append(f"- recorded mode: memory metrics **identical** over all {r['steps_compared']} steps "
                          f"({', '.join(r['columns'])})")
+        if "decisions" in r:
+            lines.append(f"- recorded mode replayed {r['decisions_replayed']} recorded evictions from "
+                         f"`{r['decisions']}` ({r['decisions_missing']} recorded entries not found live)")
         else:
             d = r["first_divergence"]
             lines.append(f"- recorded mode: memory metrics **diverge** at step {d['step']}: {d['column']} "

@@ -72,6 +72,10 @@ class KVStepPlan:
     blocks_freed_by_eviction: int = 0
     bytes_moved: int = 0
     mass_retained: dict[int, float] = field(default_factory=dict)
+    # every applied eviction in order (a request may be evicted twice in one plan, e.g. by two reclaim
+    # calls): (request id, rows int64 [k], positions int64 [k], decode steps, tokens cached) — the
+    # real backend records these as decisions.parquet, the `recorded` policy replays them
+    decisions: list[tuple[int, np.ndarray, np.ndarray, int, int]] = field(default_factory=list)
 
 
 class RequestKV:
@@ -195,6 +199,7 @@ class EvictingKVManager:
         rk = self.req_kv.get(req)
         if rk is None:
             rk = self.req_kv[req] = RequestKV(self.rows, self.stride)
+            rk.state.extra["request_id"] = req.request_id
             self.policy.on_admit(rk.state, self.ctx)
         return rk
 
@@ -478,6 +483,7 @@ class EvictingKVManager:
                 self.plan.evicted_tokens += n
                 tbl = rk.table[r, s // self.stride]
                 self.plan.evicted[req.request_id] = (r, tbl * self.stride + s % self.stride)
+                self.plan.decisions.append((req.request_id, r, st.pos[r, s], rk.decode_steps, st.num_tokens))
         if decision.tier is not None:
             self._retier(rk, decision.tier)
         if self.strategy in _FREES:
