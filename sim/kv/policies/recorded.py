@@ -33,9 +33,9 @@ class RecordedDecisionsError(ValueError):
 
 def decisions_path(path: str | Path) -> Path:
     p = Path(path)
-    f = p / DECISIONS_FILE if p.is_dir() else p
+    f = p if p.suffix == ".parquet" else p / DECISIONS_FILE
     if not f.is_file():
-        what = "a replay output directory holding decisions.parquet" if p.suffix != ".parquet" else "a Parquet file"
+        what = "a Parquet file" if p.suffix == ".parquet" else "a replay output directory holding decisions.parquet"
         raise RecordedDecisionsError(f"recorded decisions: {f} not found (kv.params.path must be {what}, "
                                      f"written by `kvsim replay`)")
     return f
