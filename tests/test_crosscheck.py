@@ -91,14 +91,14 @@ def test_tiny_calibrate_and_crosscheck_on_the_real_backend(tmp_path):
     for i, t in enumerate(parts):
         t.df["arrival_time_s"] = i * 100.0
     cal = replay.run_replay(cfg, tmp_path / "cal", trace=Trace.concat(parts, how="overlay"), model=model)
-    spec = replay.model_spec_for(model.config, get_model("smollm2"))      # the 2-layer model that ran
+    spec = replay.model_spec_for(model.config, get_model("smollm2"), model.dtype)      # the 2-layer model that ran
     report = fit_profile(load_step_logs([tmp_path / "cal"]), spec, "cpu-2core", base_profile="cpu-2core")
     assert report.errors["all"]["count"] == len(cal.steps)
     assert report.errors["all"]["median_ape"] < 0.5
     held_out = synthesize(4, rate=5.0, prompt="uniform:8,40", output="uniform:2,6", seed=3)
     real = replay.run_replay(cfg, tmp_path / "real", trace=held_out, model=model)
     real_run = Run.load(tmp_path / "real", "real")
-    rec = simulate_recorded(cfg, held_out, real_run.steps["duration_s"].to_numpy())
+    rec = simulate_recorded(cfg, held_out, real_run.steps["duration_s"].to_numpy(), replay_dir=tmp_path / "real")
     check = first_divergence(real_run.steps, rec.steps)
     assert check["identical"], check
     assert len(real.steps) == check["steps_compared"]

@@ -21,21 +21,26 @@ Three sources stand behind one interface, `ImportanceSource`:
   The query heads of a GQA group share their KV head's pattern in this model. Parameters come from
   a YAML file under `sim/data/importance/` (see `smollm2-135m.yaml`; `fit` tools may write others).
 
-- `RecordedImportance`: decisions recorded by the real backend, replayed exactly (see
-  RECORDED FORMAT below) through the `recorded` policy.
+- Recorded decisions: what the real backend evicted, replayed exactly (see RECORDED FORMAT below)
+  by the `recorded` policy (`sim.kv.policies.recorded`, kv.params.path = a replay directory).
 
 - External scores: the real backend's executor calls `manager.supply_scores(request, scores)`
   with real attention (already GQA-reduced with the policy's `gqa_reduce`, see
   `PolicyContext.gqa_reduce`) before the manager runs the policy for the step.
 
-RECORDED FORMAT (Parquet, written by gpu/ replay, read by `load_recorded_decisions`)
+RECORDED FORMAT (Parquet, written by gpu/ replay, read by `sim.kv.policies.recorded.load_recorded_decisions`)
 ----------------------------------------------------------------------------------
 `decisions.parquet`, one row per token-row decision:
     request_id int64, step int32 (the request's decode step after which it happened; -1 =
     right after prefill), layer int16, head int16 (KV head; -1 for every head in the shared
     layout), position int64 (token position), action string ("evict" | "high" | "low"),
     engine_step int64 (engine step of the replay in which it happened), reason string ("policy":
-    the policy's trigger after the step's attention | "pressure": `reclaim` before the step ran).
+    the policy's trigger after the step's attention | "pressure": `reclaim` before the step ran),
+    num_tokens int64 (tokens cached for the request when it happened), event int64 (ordinal of the
+    decision — one `compress` or `reclaim` result of one request — in the replay: two pressure
+    decisions of a request in one engine step stay apart). Positions are taken from the manager's
+    token state when the decision is applied, so later moves (compaction) in the same step do not
+    blur them.
     In the shared layout layer is -1 as well. A pressure decision's `step` is the decode steps the
     request had completed (as for a policy decision after that step).
 `attention_stats.parquet`, one row per (layer, KV head) and measured request:
