@@ -1,16 +1,31 @@
-"""Block-occupancy fast mode: per-(request, row) page occupancy instead of token-level state.
+"""Block-occupancy fast mode: page live-counts for all running requests in one slab, no token state.
 
-For large traces. Each request keeps, per row (layer, KV head), the live-token count of each of its
-pages in the order the pages were created (`occ [rows, E]`) and how many slots of each were ever
-written (`written`). No attention is computed: a policy's `fast_mode_profile()` says how many
-tokens each row keeps (`budget`), which ones are protected (`protect_first` oldest, `protect_recent`
-newest) and where evictions fall among the rest (`age_weight`: "oldest" — oldest first, as
-StreamingLLM; "young" — next to the recent window, decaying over about one page, as H2O's
-accumulated-attention ranking does to tokens that just left the window; "uniform"). A prompt cut
-after prefill evicts proportionally over the evictable pages (the survivors of a score ranking are
-spread over the prompt); decode-step evictions are drawn per row from that distribution with a
-numpy Generator seeded per request. Slot strategies act on the occupancy counts exactly as they do
-on slots in token-level mode. Validated against token-level mode (tests/test_kv_fast.py).
+For large traces. Every running request owns a slot of a slab of arrays; per (request, row = layer x
+KV head) it keeps the live-token count of each page column (`occ [slots, rows, cols]`), how many of
+those are still in the recent window (`win`), and — in a ring of `protect_recent` entries — the
+page column of each window token, so the token leaving the window is located in O(1). No
+attention is computed: a policy's `fast_mode_profile()` gives `budget` (tokens kept per row),
+`protect_recent` (the newest tokens, never evicted), `protect_first` (the oldest, never evicted)
+and `age_weight`, which says where evictions fall:
+
+- "oldest" (StreamingLLM): the token leaving the window is evicted; the prompt cut keeps the newest
+  candidates.
+- "young" (H2O's accumulated-attention ranking): the token leaving the window is evicted with
+  probability `exit_evict` (profile key, default 0.85 — fitted to token-level mode, see
+  tests/test_kv_fast.py); otherwise it becomes a heavy hitter and a uniformly drawn older
+  non-window token is evicted instead. The prompt cut keeps a uniformly random subset of the
+  candidates (multivariate hypergeometric per row), as a content-score ranking does.
+- "uniform": every eviction is a uniformly drawn non-window token.
+
+Per decode step the scheduler's `allocate_slots` only reserves the pages precomputed for the
+request's next token (pure Python); `finish_step` then applies the step to all decoding requests at
+once: one write, one window exit and one eviction per row, each a fancy-index update of
+[requests, rows] arrays, plus the slot strategy (a page frees when its count reaches zero; reuse
+strategies fill the first page with a hole; compaction moves the last page's tokens into the hole;
+sparse copy rewrites the holed page and the tail). Rows in an unusual state (several holed pages
+right after the prompt cut, several pages to compact) take an exact count-based path over their
+page columns. Draws come from one numpy Generator seeded by the run's seed: same inputs, same
+results. Validated against token-level mode in tests/test_kv_fast.py.
 """
 from __future__ import annotations
 
@@ -19,51 +34,38 @@ import numpy as np
 from ..core.request import Request
 from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
 from .policy import EvictionPolicy, PolicyContext, PolicyError
-from .pool import ArrayBlockPool
+
+_APPEND = {"noop", "free_block", "sparse_copy"}
+_COMPACT = {"compact", "parallel_compact"}
 
 
-class _FastReq:
-    def __init__(self, rows: int, seed: int, req_id: int):
-        self.occ = np.zeros((rows, 0), dtype=np.int64)
-        self.fresh = np.zeros((rows, 0), dtype=np.int64)     # live tokens written during decode
-        self.written = np.zeros((rows, 0), dtype=np.int64)
-        self.ids = np.full((rows, 0), -1, dtype=np.int64)
-        self.num_tokens = 0
-        self.prefilled = False
-        self.rng = np.random.default_rng([seed, 3, req_id])
+class CountPool:
+    """Free-page count of the per-head pool (fast mode tracks counts, not block ids)."""
+    enable_caching = False
+    num_cached_free_blocks = 0
+    num_cache_evictions = 0
 
-    def add_pages(self, need: np.ndarray, pool: ArrayBlockPool, plan: KVStepPlan) -> None:
-        total = int(need.sum())
-        if not total:
-            return
-        rows = self.occ.shape[0]
-        k = int(need.max())
-        E = self.occ.shape[1]
-        self.occ = np.concatenate([self.occ, np.zeros((rows, k), dtype=np.int64)], axis=1)
-        self.written = np.concatenate([self.written, np.zeros((rows, k), dtype=np.int64)], axis=1)
-        self.fresh = np.concatenate([self.fresh, np.zeros((rows, k), dtype=np.int64)], axis=1)
-        new = np.full((rows, k), -1, dtype=np.int64)
-        mask = np.arange(k)[None, :] < need[:, None]
-        ids = pool.get_new_blocks(total)
-        new[mask] = ids
-        plan.allocated_blocks.append(ids)
-        self.ids = np.concatenate([self.ids, new], axis=1)
-        # rows that needed fewer pages keep placeholders; compact so pages stay in creation order
-        if not mask.all():
-            self._squeeze()
-        del E
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.num_free_blocks = num_blocks
 
-    def _squeeze(self) -> None:
-        """Drop placeholder / freed columns (ids == -1), keeping each row's page order."""
-        keep = self.ids >= 0
-        n = keep.sum(axis=1)
-        width = int(n.max()) if n.size else 0
-        order = np.argsort(~keep, axis=1, kind="stable")[:, :width]
-        valid = np.arange(width)[None, :] < n[:, None]
-        for name in ("occ", "written", "fresh", "ids"):
-            arr = np.take_along_axis(getattr(self, name), order, axis=1)
-            arr[~valid] = -1 if name == "ids" else 0
-            setattr(self, name, arr)
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def take(self, n: int) -> None:
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
+        self.num_free_blocks -= n
+
+    def give(self, n: int) -> None:
+        self.num_free_blocks += n
+        assert self.num_free_blocks <= self.num_blocks, "freed more blocks than the pool holds"
+
+    def check_invariants(self) -> None:
+        assert 0 <= self.num_free_blocks <= self.num_blocks, "free count out of range"
 
 
 class FastKVManager:
@@ -80,27 +82,76 @@ class FastKVManager:
         self.block_size = block_size
         self.ctx, self.rows, self.policy = ctx, ctx.rows, policy
         self.budget = profile.get("budget")
-        self.protect_recent = profile.get("protect_recent", 0)
-        self.protect_first = profile.get("protect_first", 0)
+        self.window = int(profile.get("protect_recent", 0))
+        self.sink = int(profile.get("protect_first", 0))
         self.age_weight = profile.get("age_weight", "uniform")
-        self.old_weight = float(profile.get("old_weight", 0.3))   # "young": odds of a prompt survivor vs a decode token
+        self.exit_evict = {"oldest": 1.0, "uniform": 0.0}.get(self.age_weight,
+                                                               float(profile.get("exit_evict", 0.85)))
         self.strategy = slot_strategy
-        self.seed = seed
+        self.append = slot_strategy in _APPEND
         self.bytes_per_token_row = bytes_per_token_row
-        self.pool = ArrayBlockPool(num_blocks, "ring" if slot_strategy == "parallel_compact" else "stack")
-        self.reqs: dict[Request, _FastReq] = {}
+        self.pool = CountPool(num_blocks)
+        self.rng = np.random.default_rng([seed, 3])
         self.plan = KVStepPlan()
         self.num_prefix_queries = self.num_prefix_hits = 0
         self.logical_token_steps = 0
         self.stored_token_steps = 0.0
         self._live_total = 0
-        self._alloc_total = 0
-        self._stats: dict[Request, tuple[int, int, float, int]] = {}
+        self._pages_total = 0
+        self.slot_of: dict[Request, int] = {}
+        self._free_slots: list[int] = []
+        self._pending: dict[int, int] = {}          # slot -> tokens allocated this step (not yet written)
+        self._req_live: dict[int, int] = {}
+        self._req_pages: dict[int, int] = {}
+        self._alloc_arrays(4, 8)
+
+    # ----- slab -----------------------------------------------------------------------------------
+    def _alloc_arrays(self, n: int, cols: int) -> None:
+        R, W = self.rows, max(self.window, 1)
+        self.occ = np.zeros((n, R, cols), np.int32)         # live tokens per page column
+        self.win = np.zeros((n, R, cols), np.int32)         # ... of which in the recent window
+        self.alive = np.zeros((n, R, cols), bool)           # column holds a page
+        self.ring = np.zeros((n, R, W), np.int32)           # page column of position p at p % W
+        self.tail = np.zeros((n, R), np.int32)              # append column (append strategies)
+        self.tail_w = np.zeros((n, R), np.int32)            # slots written in the tail page
+        self.ncol = np.zeros((n, R), np.int32)              # columns in use (alive or dead below)
+        self.pages = np.zeros((n, R), np.int32)
+        self.live = np.zeros((n, R), np.int32)
+        self.hole_col = np.full((n, R), -1, np.int32)       # reuse: first column with a free slot
+        self.holed = np.full((n, R), -1, np.int32)          # sparse_copy: the one holed column, -2 = several
+        self.ntok = np.zeros(n, np.int64)
+        self.prefilled = np.zeros(n, bool)
+        self.need_next = np.zeros(n, np.int64)              # pages the next 1-token write takes
+        self.reserved = np.zeros(n, np.int64)
+
+    def _grow(self, n: int | None = None, cols: int | None = None) -> None:
+        old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "tail", "tail_w", "ncol", "pages",
+                                              "live", "hole_col", "holed", "ntok", "prefilled", "need_next",
+                                              "reserved")}
+        n0, _, c0 = old["occ"].shape
+        self._alloc_arrays(n or n0, cols or c0)
+        for k, a in old.items():
+            dst = getattr(self, k)
+            dst[tuple(slice(0, s) for s in a.shape)] = a
+
+    def _ensure_cols(self, cols: int) -> None:
+        if cols > self.occ.shape[2]:
+            self._grow(cols=max(cols, 2 * self.occ.shape[2]))
+
+    def _slot(self, req: Request) -> int:
+        s = self.slot_of.get(req)
+        if s is None:
+            if not self._free_slots:
+                n = self.occ.shape[0]
+                self._grow(n=2 * n)
+                self._free_slots = list(range(2 * n - 1, n - 1, -1))
+            s = self.slot_of[req] = self._free_slots.pop()
+        return s
 
     # ----- scheduler-facing surface ------------------------------------------------------------
     @property
     def req_blocks(self):
-        return self.reqs
+        return self.slot_of
 
     @property
     def num_blocks(self) -> int:
@@ -123,267 +174,589 @@ class FastKVManager:
         pass
 
     def kv_tokens(self, req) -> float:
-        st = self._stats.get(req)
-        return st[2] if st else 0
+        s = self.slot_of.get(req)
+        return self._req_live[s] / self.rows if s is not None else 0
 
     def block_table_entries(self, req) -> int:
-        st = self._stats.get(req)
-        return st[3] if st else 0
+        s = self.slot_of.get(req)
+        return self._req_pages[s] if s is not None else 0
 
     def slot_stats(self) -> tuple[int, int]:
-        return self._live_total, self._alloc_total
+        return self._live_total, self._pages_total * self.block_size
 
     def reclaim(self, num_blocks, running) -> int:
         return 0
 
     # ----- allocation ----------------------------------------------------------------------------
-    def _room(self, fr: _FastReq) -> np.ndarray:
-        """Slots per row new tokens may take without a new page."""
+    def blocks_needed(self, req, n: int, num_computed_blocks: int = 0) -> int:
+        s = self.slot_of.get(req)
+        if s is None:
+            return self.rows * -(-n // self.block_size)
+        return self._need(s, n)
+
+    def _need(self, s: int, n: int) -> int:
+        bs = self.block_size
+        if not self.prefilled[s]:
+            t = int(self.ntok[s])
+            return self.rows * (-(-(t + n) // bs) - -(-t // bs))
+        # multi-token decode writes (rare) go one token at a time: a bound for the later tokens
+        return int(self.need_next[s]) + self.rows * -(-(n - 1) // bs)
+
+    def _typical_copy(self, S) -> np.ndarray:
+        """sparse_copy rows whose holes are all in one page other than the tail (the steady state)."""
+        h = self.holed[S]
+        return (h >= 0) & (h != self.tail[S]) & (self.window >= self.block_size)
+
+    def _need_rows(self, S: np.ndarray) -> np.ndarray:
+        """int [len(S), rows]: pages the next one-token write of each row takes (sparse copy included)."""
         bs = self.block_size
         if self.strategy in _REUSE:
-            return ((bs - fr.occ) * (fr.ids >= 0)).sum(axis=1)
-        if fr.occ.shape[1] == 0:
-            return np.zeros(self.rows, dtype=np.int64)
-        return bs - fr.written[:, -1]          # the tail page (pages stay in creation order)
+            return (self.pages[S] * bs - self.live[S] < 1).astype(np.int64)
+        need = ((self.tail_w[S] >= bs) | (self.ncol[S] == 0)).astype(np.int64)
+        if self.strategy != "sparse_copy":
+            return need
+        Sx, rr = S[:, None], np.arange(self.rows)[None, :]
+        typical = self._typical_copy(S)
+        moved = self.occ[Sx, rr, np.maximum(self.holed[S], 0)] + self.occ[Sx, rr, self.tail[S]]
+        dst = -(-moved // bs)
+        need = np.where(typical, dst + (dst * bs - moved < 1), need)
+        for i in np.flatnonzero(((self.holed[S] != -1) & ~typical).any(axis=1)):
+            s = int(S[i])
+            rows = (self.holed[s] != -1) & ~typical[i]
+            dirty = self._dirty(s)
+            moved = (self.occ[s] * dirty).sum(axis=1)
+            dst = -(-moved // bs)
+            need[i] = np.where(rows, dst + (dst * bs - moved < 1), need[i])
+        return need
 
-    def _sparse_dirty(self, fr: _FastReq):
-        holed = (fr.written > fr.occ) & (fr.ids >= 0)
-        any_hole = holed.any(axis=1)
-        dirty = holed.copy()
-        if dirty.shape[1]:
-            dirty[:, -1] |= any_hole
-        moved = (fr.occ * dirty).sum(axis=1)
-        return dirty, moved, -(-moved // self.block_size)
+    def _update_need(self, S: np.ndarray) -> None:
+        self.need_next[S] = self._need_rows(S).sum(axis=1)
 
-    def blocks_needed(self, req, n: int, num_computed_blocks: int = 0) -> int:
-        fr = self.reqs.get(req)
-        if fr is None:
-            return self.rows * -(-n // self.block_size)
-        return int(self._need(fr, n).sum())
-
-    def _need(self, fr: _FastReq, n: int) -> np.ndarray:
+    def _dirty(self, s) -> np.ndarray:
+        """sparse_copy: bool [rows, cols] pages to rewrite (holed pages, plus the tail of a holed row)."""
         bs = self.block_size
-        if self.strategy == "sparse_copy" and fr.occ.shape[1]:
-            dirty, moved, dst = self._sparse_dirty(fr)
-            room = np.where(dirty.any(axis=1), dst * bs - moved, self._room(fr))
-            return dst + -(-np.maximum(n - room, 0) // bs)
-        return -(-np.maximum(n - self._room(fr), 0) // bs)
+        cols = self.occ.shape[2]
+        written = np.where(np.arange(cols)[None, :] == self.tail[s][:, None], self.tail_w[s][:, None], bs)
+        dirty = self.alive[s] & (self.occ[s] < written)
+        r = np.flatnonzero(dirty.any(axis=1))
+        dirty[r, self.tail[s][r]] = True
+        return dirty
 
     def allocate_slots(self, req: Request, n: int, computed_blocks=None) -> bool:
         if n <= 0:
             return True
-        fr = self.reqs.get(req)
-        if fr is None:
-            fr = _FastReq(self.rows, self.seed, req.request_id)
-        if int(self._need(fr, n).sum()) > self.pool.num_free_blocks:
+        s = self._slot(req)
+        need = self._need(s, n)
+        if need > self.pool.num_free_blocks:
+            if not self.prefilled[s] and self.ntok[s] == 0:
+                self._release_slot(req, s)
             return False
-        self.reqs[req] = fr
-        self._unstat(req)
-        bs = self.block_size
-        if self.strategy == "sparse_copy" and fr.occ.shape[1]:
-            dirty, moved, dst = self._sparse_dirty(fr)
-            if moved.any() or dirty.any():
-                self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
-                old = fr.ids[dirty]
-                fr.add_pages(dst, self.pool, self.plan)
-                # fill the fresh pages (the last dst[r] of each row) densely with the moved tokens
-                E = fr.occ.shape[1]
-                col = np.arange(E)[None, :]
-                first_new = (fr.ids >= 0).sum(axis=1) - dst
-                idx = col - first_new[:, None]
-                fresh = (idx >= 0) & (idx < dst[:, None])
-                fill = np.clip(moved[:, None] - idx * bs, 0, bs) * fresh
-                dirty = np.pad(dirty, ((0, 0), (0, E - dirty.shape[1])))
-                fr.occ = np.where(fresh, fill, fr.occ)
-                fr.fresh = np.where(fresh, 0, fr.fresh)
-                fr.written = np.where(fresh, fill, fr.written)
-                self.pool.free_blocks(old)
-                self.plan.freed_blocks.append(old)
-                fr.ids[dirty] = -1
-                fr._squeeze()
-        room = self._room(fr)
-        need = -(-np.maximum(n - room, 0) // bs)
-        fr.add_pages(need, self.pool, self.plan)
-        self._write(fr, n)
-        fr.num_tokens += n
-        self._stat(req)
+        self._unstat(s)
+        if not self.prefilled[s]:
+            self._prefill_write(s, n)
+        elif n == 1 and s not in self._pending:
+            self.pool.take(need)            # pages are placed by finish_step's batched write
+            self.reserved[s] += need
+            self._pending[s] = 1
+        else:
+            self._flush_one(s)
+            self._decode_write_one(s, n)
+        self._stat(s)
         return True
 
-    def _write(self, fr: _FastReq, n: int) -> None:
-        """Place n new tokens per row: into holes first (reuse strategies), else at the tail."""
+    def _prefill_write(self, s: int, n: int) -> None:
+        """Before the cut every row holds the same tokens densely: columns are filled in order."""
         bs = self.block_size
-        if self.strategy in _REUSE:
-            space = (bs - fr.occ) * (fr.ids >= 0)
-        else:
-            space = np.zeros_like(fr.occ)
-            live_pages = (fr.ids >= 0)
-            # the tail page and the pages after it (freshly added)
-            last_written = np.where(fr.written > 0, np.arange(fr.occ.shape[1])[None, :], -1).max(axis=1)
-            after = np.arange(fr.occ.shape[1])[None, :] >= np.maximum(last_written, 0)[:, None]
-            space = np.where(after & live_pages, bs - fr.written, 0)
-        before = np.cumsum(space, axis=1) - space
-        take = np.clip(n - before, 0, space)
-        fr.occ += take
-        if fr.prefilled:
-            fr.fresh += take
-        fr.written = np.maximum(fr.written + take, fr.occ) if self.strategy not in _REUSE else \
-            np.maximum(fr.written, fr.occ)
+        t = int(self.ntok[s])
+        end = t + n
+        cols = -(-end // bs)
+        self._ensure_cols(cols)
+        first = -(-t // bs)
+        self.pool.take(self.rows * (cols - first))
+        c = np.arange(t // bs, cols)
+        self.occ[s, :, c[0]:cols] = np.clip(end - c * bs, 0, bs)[None, :]
+        self.alive[s, :, first:cols] = True
+        self.pages[s] = cols
+        self.ncol[s] = cols
+        self.tail[s] = cols - 1
+        self.tail_w[s] = end - (cols - 1) * bs
+        self.live[s] = end
+        self.ntok[s] = end
+
+    def _decode_write_one(self, s: int, n: int) -> None:
+        """Rare path: a multi-token decode write (one token at a time through the batched step)."""
+        for _ in range(n):
+            need = int(self.need_next[s])
+            self.pool.take(need)
+            self.reserved[s] += need
+            self._step(np.array([s]))
+
+    def _flush_one(self, s: int) -> None:
+        if s in self._pending:
+            del self._pending[s]
+            self._step(np.array([s]))
 
     def free(self, req: Request) -> int:
-        fr = self.reqs.pop(req, None)
-        if fr is None:
+        s = self.slot_of.get(req)
+        if s is None:
             return 0
-        self._unstat(req)
-        ids = fr.ids[fr.ids >= 0]
-        self.pool.free_blocks(ids)
-        return int(ids.size)
+        self._pending.pop(s, None)
+        self._unstat(s)
+        n = int(self.pages[s].sum() + self.reserved[s])
+        self.pool.give(n)
+        self._release_slot(req, s)
+        return n
+
+    def _release_slot(self, req, s) -> None:
+        del self.slot_of[req]
+        for a in (self.occ, self.win, self.alive, self.ring, self.tail, self.tail_w, self.ncol, self.pages,
+                  self.live):
+            a[s] = 0
+        self.hole_col[s] = -1
+        self.holed[s] = -1
+        self.ntok[s] = self.need_next[s] = self.reserved[s] = 0
+        self.prefilled[s] = False
+        self._req_live.pop(s, None)
+        self._req_pages.pop(s, None)
+        self._free_slots.append(s)
 
     # ----- per step --------------------------------------------------------------------------------
     def finish_step(self, scheduled) -> KVStepPlan:
-        for s in scheduled:
-            req = s.request
-            fr = self.reqs.get(req)
-            if fr is None:
+        decode = []
+        for sch in scheduled:
+            req = sch.request
+            s = self.slot_of.get(req)
+            if s is None:
                 continue
-            done = req.num_computed_tokens + s.num_new_tokens >= req.num_tokens
-            if s.is_prefill and not done:
-                continue
-            self._unstat(req)
-            if self.budget is not None:
-                self._evict(req, fr, prefill=s.is_prefill)
-            fr.prefilled = True
-            self._stat(req)
-            self.logical_token_steps += req.num_computed_tokens + s.num_new_tokens
-            self.stored_token_steps += self._stats[req][4]
+            done = req.num_computed_tokens + sch.num_new_tokens >= req.num_tokens
+            if sch.is_prefill and not self.prefilled[s] and done:
+                self._unstat(s)
+                before = self.plan.evicted_tokens
+                self._finish_prefill(s)
+                self._note_evicted(req, self.plan.evicted_tokens - before)
+                self._stat(s)
+            elif self._pending.pop(s, None):
+                decode.append((req, s))
+        if decode:
+            slots = np.fromiter((s for _, s in decode), np.int64, len(decode))
+            for s in slots.tolist():
+                self._unstat(s)
+            evicted = self._step(slots)
+            for (req, s), k in zip(decode, evicted.tolist()):
+                self._stat(s)
+                self._note_evicted(req, k)
+        for sch in scheduled:
+            s = self.slot_of.get(sch.request)
+            if s is not None and s in self._req_live:
+                self.logical_token_steps += sch.request.num_computed_tokens + sch.num_new_tokens
+                self.stored_token_steps += self._req_live[s] / self.rows
         plan, self.plan = self.plan, KVStepPlan()
         return plan
 
-    def _evictable(self, fr: _FastReq) -> np.ndarray:
-        """Live tokens per page outside the protected oldest / newest tokens (pages in creation order)."""
-        occ = fr.occ * (fr.ids >= 0)
-        from_end = np.cumsum(occ[:, ::-1], axis=1)[:, ::-1]          # live tokens in this page and later
-        newer = from_end - occ
-        protected_new = np.clip(self.protect_recent - newer, 0, occ)
-        from_start = np.cumsum(occ, axis=1) - occ
-        protected_old = np.clip(self.protect_first - from_start, 0, occ)
-        return np.maximum(occ - protected_new - protected_old, 0)
+    def _note_evicted(self, req, n: int) -> None:
+        if n:
+            req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + n / self.rows
 
-    def _evict(self, req, fr: _FastReq, prefill: bool) -> None:
-        live = fr.occ.sum(axis=1)
-        k = np.maximum(live - self.budget, 0)
-        if not k.any():
-            return
-        ev = self._evictable(fr)
-        k = np.minimum(k, ev.sum(axis=1))
-        if prefill and self.age_weight != "oldest":
-            take = _proportional(ev, k)
-        else:
-            take = self._draw(fr, ev, k)
-        fr.occ -= take
-        fr.fresh = np.minimum(fr.fresh, fr.occ)
-        n = int(take.sum())
-        self.plan.evicted_tokens += n
-        req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + n / self.rows
-        if self.strategy in _FREES:
-            self._free_empty(fr)
-        if self.strategy in ("compact", "parallel_compact"):
-            self._compact(fr)
+    # ----- prompt cut --------------------------------------------------------------------------------
+    def _finish_prefill(self, s: int) -> None:
+        bs, R = self.block_size, self.rows
+        L = int(self.ntok[s])
+        W = min(self.window, L)
+        cols = -(-L // bs)
+        pos_page = np.arange(L) // bs
+        if self.window:
+            wpos = np.arange(L - W, L)
+            self.ring[s][:, wpos % self.window] = (wpos // bs)[None, :]
+            self.win[s, :, :cols] = np.bincount(wpos // bs, minlength=cols)[None, :]
+        if self.budget is not None and L > self.budget:
+            cand = L - W
+            keep = self.budget - W
+            protect = min(self.sink, cand, keep)
+            per_page = np.bincount(pos_page[protect:cand], minlength=cols)
+            k = keep - protect
+            if self.age_weight == "oldest":
+                kept = np.bincount(pos_page[cand - k:cand], minlength=cols)[None, :].repeat(R, 0)
+            else:
+                kept = self.rng.multivariate_hypergeometric(per_page, k, size=R, method="marginals")
+            evict = per_page[None, :] - kept
+            self.occ[s, :, :cols] -= evict.astype(np.int32)
+            self.live[s] = self.budget
+            self.plan.evicted_tokens += int(evict.sum())
+        self.prefilled[s] = True
+        self._settle_generic(s, np.arange(R))
+        self._update_need(np.array([s]))
 
-    def _draw(self, fr: _FastReq, ev: np.ndarray, k: np.ndarray) -> np.ndarray:
-        take = np.zeros_like(ev)
-        if self.age_weight == "oldest":
-            before = np.cumsum(ev, axis=1) - ev
-            return np.clip(k[:, None] - before, 0, ev)
-        E = ev.shape[1]
-        if self.age_weight == "young":
-            # tokens written during decode go first (prompt survivors are the heavy hitters)
-            young = np.minimum(fr.fresh, ev)
-            w = young + self.old_weight * (ev - young).astype(np.float64)
-        else:
-            w = ev.astype(np.float64)
-        remaining = ev.copy()
-        for _ in range(int(k.max())):
-            active = k > 0
-            if not active.any():
-                break
-            w = np.where(remaining > 0, w, 0.0)
-            cum = np.cumsum(w, axis=1)
-            u = fr.rng.random(len(k)) * cum[:, -1]
-            pick = np.minimum((cum < u[:, None]).sum(axis=1), E - 1)
-            r = np.flatnonzero(active & (cum[:, -1] > 0))
-            take[r, pick[r]] += 1
-            remaining[r, pick[r]] -= 1
-            k = k - np.isin(np.arange(len(k)), r)
-        return take
-
-    def _free_empty(self, fr: _FastReq) -> None:
-        empty = (fr.ids >= 0) & (fr.occ == 0)
-        if self.strategy not in _REUSE and empty.shape[1]:
-            empty[:, -1] &= fr.written[:, -1] >= self.block_size
-        if empty.any():
-            ids = fr.ids[empty]
-            self.pool.free_blocks(ids)
-            self.plan.freed_blocks.append(ids)
-            self.plan.blocks_freed_by_eviction += ids.size
-            fr.ids[empty] = -1
-            fr._squeeze()
-
-    def _compact(self, fr: _FastReq) -> None:
+    def _settle_generic(self, s: int, rows: np.ndarray) -> None:
+        """Exact count-based slot strategy for some rows of slot s (any number of holed pages)."""
         bs = self.block_size
-        pages = fr.ids >= 0
-        live = fr.occ.sum(axis=1)
-        keep = -(-live // bs)
-        rank = np.cumsum(pages, axis=1)
-        kept = pages & (rank <= keep[:, None])
-        moved = (fr.occ * (pages & ~kept)).sum(axis=1)
-        if not moved.any() and not (pages & ~kept).any():
+        occ, alive = self.occ[s, rows], self.alive[s, rows]
+        if self.strategy in _FREES:
+            empty = alive & (occ == 0)
+            if self.strategy not in _REUSE:          # keep an append tail with unwritten slots
+                tail = self.tail[s, rows]
+                open_tail = self.tail_w[s, rows] < bs
+                empty[np.arange(rows.size)[open_tail], tail[open_tail]] = False
+            self._drop(s, rows, empty)
+        if self.strategy in _COMPACT:
+            self._compact_rows(s, rows)
+        if self.strategy in _REUSE:
+            self._rescan_holes(s, rows)
+        if self.strategy == "sparse_copy":
+            self._mark_holed(s, rows)
+
+    def _drop(self, s: int, rows: np.ndarray, cols_mask: np.ndarray) -> None:
+        n = int(cols_mask.sum())
+        if not n:
+            return
+        self.alive[s, rows] &= ~cols_mask
+        self.pages[s, rows] -= cols_mask.sum(axis=1).astype(np.int32)
+        self.pool.give(n)
+        self.plan.blocks_freed_by_eviction += n
+
+    def _compact_rows(self, s: int, rows: np.ndarray) -> None:
+        """Survivors of each row's last pages move into holes of its first ceil(live/bs) pages."""
+        bs = self.block_size
+        occ, alive, win = self.occ[s, rows], self.alive[s, rows], self.win[s, rows]
+        keep = -(-self.live[s, rows] // bs)
+        rank = np.cumsum(alive, axis=1)
+        kept = alive & (rank <= keep[:, None])
+        gone = alive & ~kept
+        moved = (occ * gone).sum(axis=1)
+        if not gone.any():
             return
         self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
-        holes = np.where(kept, bs - fr.occ, 0)
+        holes = np.where(kept, bs - occ, 0)
         before = np.cumsum(holes, axis=1) - holes
-        fr.occ = np.where(kept, fr.occ + np.clip(moved[:, None] - before, 0, holes), 0)
-        fr.fresh = np.minimum(fr.fresh, fr.occ)
-        fr.written = np.where(kept, np.maximum(fr.written, fr.occ), 0)
-        gone = pages & ~kept
-        ids = fr.ids[gone]
-        self.pool.free_blocks(ids)
-        self.plan.freed_blocks.append(ids)
-        self.plan.blocks_freed_by_eviction += ids.size
-        fr.ids[gone] = -1
-        fr._squeeze()
+        add = np.clip(moved[:, None] - before, 0, holes)
+        self.occ[s, rows] = np.where(kept, occ + add, 0)
+        # moved tokens are the newest ones: window counts follow them into the filled holes
+        wmoved = (win * gone).sum(axis=1)
+        self.win[s, rows] = np.where(kept, win + np.clip(wmoved[:, None] - (np.cumsum(add, axis=1) - add), 0, add), 0)
+        n = int(gone.sum())
+        self.alive[s, rows] = kept
+        self.pages[s, rows] = keep.astype(np.int32)
+        self.pool.give(n)
+        self.plan.blocks_freed_by_eviction += n
+        self._rebuild_ring(s, rows)
+
+    def _rebuild_ring(self, s: int, rows: np.ndarray) -> None:
+        """Window tokens are the newest live ones: place them by each column's window count, in column order."""
+        if not self.window:
+            return
+        win = self.win[s, rows]
+        cw = np.cumsum(win, axis=1)
+        nwin = cw[:, -1]
+        t = int(self.ntok[s])
+        k = np.arange(self.window)
+        pos = t - self.window + k                                   # window positions, oldest first
+        first = self.window - nwin                                  # rows with fewer window tokens
+        idx = k[None, :] - first[:, None]
+        col = (cw[:, None, :] <= np.maximum(idx, 0)[:, :, None]).sum(axis=2)
+        col = np.minimum(col, win.shape[1] - 1)
+        ring = self.ring[s, rows]
+        ring[:, pos % self.window] = col
+        self.ring[s, rows] = ring
+        n = self.ncol[s, rows]
+        hi = np.where(self.alive[s, rows].any(axis=1),
+                      win.shape[1] - np.argmax(self.alive[s, rows][:, ::-1], axis=1), 0)
+        self.ncol[s, rows] = np.minimum(n, hi)
+
+    def _rescan_holes(self, s: int, rows: np.ndarray) -> None:
+        free = self.alive[s, rows] & (self.occ[s, rows] < self.block_size)
+        self.hole_col[s, rows] = np.where(free.any(axis=1), np.argmax(free, axis=1), -1)
+
+    def _mark_holed(self, s: int, rows: np.ndarray) -> None:
+        bs = self.block_size
+        cols = self.occ.shape[2]
+        written = np.where(np.arange(cols)[None, :] == self.tail[s, rows][:, None], self.tail_w[s, rows][:, None], bs)
+        holed = self.alive[s, rows] & (self.occ[s, rows] < written)
+        cnt = holed.sum(axis=1)
+        self.holed[s, rows] = np.where(cnt == 0, -1, np.where(cnt == 1, np.argmax(holed, axis=1), -2))
+
+    # ----- one batched decode step ----------------------------------------------------------------
+    def _step(self, S: np.ndarray) -> np.ndarray:
+        """Write one token per row of every slot in S, move the window, evict, apply the slot strategy.
+        Returns the (token, row) evictions per slot. Pages were reserved by allocate_slots."""
+        bs, R, W = self.block_size, self.rows, self.window
+        Sx = S[:, None]
+        rr = np.arange(R)[None, :]
+        pos = self.ntok[S]
+        if self.strategy == "sparse_copy":
+            self._sparse_copy(S)
+        # --- write the new token
+        if self.append:
+            new = self.tail_w[S] >= bs
+            new |= self.ncol[S] == 0
+            col = np.where(new, self.ncol[S], self.tail[S])
+            if new.any():
+                self._ensure_cols(int(self.ncol[S].max()) + 1)
+                self._open(S, new, col)
+                self.tail[S] = col
+                self.tail_w[S] = np.where(new, 0, self.tail_w[S])
+            self.tail_w[S] += 1
+        else:
+            new = self.hole_col[S] < 0
+            col = np.where(new, self.ncol[S], self.hole_col[S])
+            if new.any():
+                self._ensure_cols(int(self.ncol[S].max()) + 1)
+                self._open(S, new, col)
+        self.occ[Sx, rr, col] += 1
+        self.live[S] += 1
+        # --- the window moves on: the token at pos - W leaves it
+        exiting = np.zeros(len(S), bool)
+        exit_col = np.zeros((len(S), R), np.int64)
+        if W:
+            ring_idx = (pos % W)[:, None]
+            exiting = pos >= W
+            exit_col = np.where(exiting[:, None], self.ring[Sx, rr, ring_idx], 0)
+            self._win_exit(S, exiting, exit_col)
+            self.win[Sx, rr, col] += 1
+            self.ring[Sx, rr, ring_idx] = col
+        self.ntok[S] += 1
+        if self.strategy in _REUSE:
+            self._after_fill(S, col)
+        # --- evict
+        evicted = np.zeros(len(S), np.int64)
+        if self.budget is not None:
+            over = self.live[S] > self.budget
+            if over.any():
+                ev_col = self._pick(S, over, exiting, exit_col)
+                si, ri = np.nonzero(over)
+                self.occ[S[si], ri, ev_col[si, ri]] -= 1
+                self.live[S[si], ri] -= 1
+                evicted = over.sum(axis=1)
+                self.plan.evicted_tokens += int(evicted.sum())
+                self._after_evict(S, si, ri, ev_col[si, ri])
+        self._update_need(S)
+        assert not self.reserved[S].any(), "fast mode: reserved pages left unplaced"
+        return evicted
+
+    def _win_exit(self, S, exiting, exit_col) -> None:
+        si = np.flatnonzero(exiting)
+        if si.size:
+            self.win[S[si][:, None], np.arange(self.rows)[None, :], exit_col[si]] -= 1
+
+    def _open(self, S, new, col) -> None:
+        """Open a page at column col[i, r] where new[i, r] (pages come from the slot's reservation)."""
+        si, ri = np.nonzero(new)
+        c = col[si, ri]
+        s = S[si]
+        self.alive[s, ri, c] = True
+        self.occ[s, ri, c] = 0
+        self.win[s, ri, c] = 0
+        self.pages[s, ri] += 1
+        self.ncol[s, ri] = np.maximum(self.ncol[s, ri], c + 1)
+        np.subtract.at(self.reserved, s, 1)
+        if self.strategy in _REUSE:
+            self.hole_col[s, ri] = c
+
+    def _after_fill(self, S, col) -> None:
+        """Reuse strategies: a filled page moves the first-hole pointer on."""
+        Sx = S[:, None]
+        rr = np.arange(self.rows)[None, :]
+        full = self.occ[Sx, rr, col] >= self.block_size
+        if not full.any():
+            return
+        room = self.pages[S] * self.block_size - self.live[S]
+        self.hole_col[S] = np.where(full & (room == 0), -1, self.hole_col[S])
+        for i in np.flatnonzero((full & (room > 0)).any(axis=1)):
+            rows = np.flatnonzero(full[i] & (room[i] > 0))
+            self._rescan_holes(int(S[i]), rows)
+
+    def _pick(self, S, over, exiting, exit_col) -> np.ndarray:
+        """Column of the token each over-budget row evicts."""
+        Sx = S[:, None]
+        rr = np.arange(self.rows)[None, :]
+        ev = np.zeros(over.shape, np.int64)
+        take_exit = np.zeros(over.shape, bool)
+        if self.exit_evict > 0 and exiting.any():
+            u = self.rng.random(over.shape)
+            evictable = self.occ[Sx, rr, exit_col] - self.win[Sx, rr, exit_col] > 0
+            take_exit = over & exiting[:, None] & (u < self.exit_evict) & evictable
+            ev = np.where(take_exit, exit_col, 0)
+        draw = over & ~take_exit
+        if draw.any():
+            si, ri = np.nonzero(draw)
+            s = S[si]
+            w = (self.occ[s, ri] - self.win[s, ri]).astype(np.int64)
+            w *= self.alive[s, ri]
+            keep_exit = exiting[si] & (self.exit_evict > 0)           # the exiting token stays a heavy hitter
+            w[np.flatnonzero(keep_exit), exit_col[si, ri][keep_exit]] -= 1
+            w = np.maximum(w, 0)
+            cum = np.cumsum(w, axis=1)
+            total = cum[:, -1]
+            if (total == 0).any():                                    # only window tokens left: evict the oldest
+                w0 = total == 0
+                cum[w0] = np.cumsum(self.occ[s[w0], ri[w0]], axis=1)
+                total = cum[:, -1]
+            u = (self.rng.random(si.size) * total).astype(np.int64)
+            ev[si, ri] = (cum <= u[:, None]).sum(axis=1)
+        return ev
+
+    def _after_evict(self, S, si, ri, c) -> None:
+        bs = self.block_size
+        s = S[si]
+        if self.strategy in _FREES:
+            empty = self.occ[s, ri, c] == 0
+            if self.append:
+                empty &= ~((self.tail[s, ri] == c) & (self.tail_w[s, ri] < bs))
+            if empty.any():
+                se, re_, ce = s[empty], ri[empty], c[empty]
+                self.alive[se, re_, ce] = False
+                self.pages[se, re_] -= 1
+                top = self.ncol[se, re_] == ce + 1
+                self.ncol[se[top], re_[top]] -= 1
+                self.pool.give(int(empty.sum()))
+                self.plan.blocks_freed_by_eviction += int(empty.sum())
+                if self.strategy in _REUSE:
+                    stale = self.hole_col[se, re_] == ce
+                    self.hole_col[se[stale], re_[stale]] = -1
+            keep = ~empty
+        else:
+            keep = np.ones(s.size, bool)
+        if self.strategy in _REUSE:
+            sk, rk, ck = s[keep], ri[keep], c[keep]
+            h = self.hole_col[sk, rk]
+            self.hole_col[sk, rk] = np.where(h < 0, ck, np.minimum(h, ck))
+            stale = np.flatnonzero(~keep)
+            for sv in np.unique(s[stale]):
+                rows = ri[stale][s[stale] == sv]
+                self._rescan_holes(int(sv), rows)
+        if self.strategy in _COMPACT:
+            self._compact_step(S)
+        if self.strategy == "sparse_copy":
+            h = self.holed[s, ri]
+            self.holed[s, ri] = np.where(h == -1, c, np.where(h == c, h, -2))
+
+    def _compact_step(self, S) -> None:
+        bs = self.block_size
+        keep = -(-self.live[S] // bs)
+        extra = self.pages[S] - keep
+        if not (extra > 0).any():
+            return
+        Sx = S[:, None]
+        rr = np.arange(self.rows)[None, :]
+        last = self.ncol[S] - 1
+        hc = self.hole_col[S]
+        t = self.ntok[S] - 1
+        W = self.window
+        newest_in_last = (self.ring[Sx, rr, (t % W)[:, None]] == last) if W else np.zeros(last.shape, bool)
+        simple = (extra == 1) & (self.occ[Sx, rr, np.maximum(last, 0)] == 1) & (hc >= 0) & (hc < last) \
+            & self.alive[Sx, rr, np.maximum(last, 0)] & newest_in_last
+        si, ri = np.nonzero(simple)
+        if si.size:
+            s, l, h = S[si], last[si, ri], hc[si, ri]
+            self.occ[s, ri, h] += 1
+            self.occ[s, ri, l] = 0
+            self.win[s, ri, h] += 1
+            self.win[s, ri, l] = 0
+            self.ring[s, ri, (t[si] % W)] = h
+            self.alive[s, ri, l] = False
+            self.pages[s, ri] -= 1
+            self.ncol[s, ri] = l
+            self.pool.give(si.size)
+            self.plan.blocks_freed_by_eviction += si.size
+            self.plan.bytes_moved += int(round(si.size * self.bytes_per_token_row))
+            full = self.occ[s, ri, h] >= bs
+            for sv in np.unique(s[full]):
+                self._rescan_holes(int(sv), ri[full][s[full] == sv])
+        hard = (extra > 0) & ~simple
+        for i in np.flatnonzero(hard.any(axis=1)):
+            rows = np.flatnonzero(hard[i])
+            self._compact_rows(int(S[i]), rows)
+            self._rescan_holes(int(S[i]), rows)
+
+    def _sparse_copy(self, S) -> None:
+        """Rewrite each holed row's holed page and tail densely into fresh pages, then free the old ones."""
+        bs, W = self.block_size, self.window
+        typical = self._typical_copy(S)
+        si, ri = np.nonzero(typical)
+        if si.size:
+            s, hc, t = S[si], self.holed[S][si, ri], self.tail[S][si, ri]
+            oh, ot = self.occ[s, ri, hc], self.occ[s, ri, t]
+            moved = oh + ot
+            dst = -(-moved // bs)
+            p0 = self.ntok[s] - ot                          # the tail holds the newest ot tokens
+            k = np.where(dst == 2, bs - oh, ot)             # tail tokens that move into the holed page's column
+            for j in range(int(k.max()) if k.size else 0):
+                m = j < k
+                self.ring[s[m], ri[m], (p0[m] + j) % W] = hc[m]
+            wk = np.minimum(k, self.win[s, ri, t])
+            self.win[s, ri, hc] += wk
+            self.win[s, ri, t] -= wk
+            self.occ[s, ri, hc] = np.minimum(moved, bs)
+            self.occ[s, ri, t] = moved - np.minimum(moved, bs)
+            one = dst == 1
+            self.alive[s[one], ri[one], t[one]] = False
+            top = one & (self.ncol[s, ri] == t + 1)
+            self.ncol[s[top], ri[top]] = t[top]
+            self.tail[s[one], ri[one]] = hc[one]
+            self.tail_w[s, ri] = np.where(one, moved, moved - bs)
+            self.pages[s, ri] += (dst - 2).astype(np.int32)
+            np.subtract.at(self.reserved, s, dst)
+            self.pool.give(2 * si.size)
+            self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
+            self.holed[s, ri] = -1
+        generic = (self.holed[S] != -1) & ~typical
+        for i in np.flatnonzero(generic.any(axis=1)):
+            self._densify(int(S[i]), np.flatnonzero(generic[i]))
+
+    def _densify(self, s: int, rows: np.ndarray) -> None:
+        """sparse_copy, any number of holed pages: their live tokens (and the tail's) go densely, in
+        order, into new columns after the row's last one."""
+        bs = self.block_size
+        dirty = self._dirty(s)[rows]
+        occ, win = self.occ[s, rows], self.win[s, rows]
+        moved = (occ * dirty).sum(axis=1)
+        wmoved = (win * dirty).sum(axis=1)
+        dst = -(-moved // bs)
+        n_old = int(dirty.sum())
+        self.occ[s, rows] = np.where(dirty, 0, occ)
+        self.win[s, rows] = np.where(dirty, 0, win)
+        self.alive[s, rows] &= ~dirty
+        self.pages[s, rows] += (dst - dirty.sum(axis=1)).astype(np.int32)
+        self.pool.give(n_old)
+        self.reserved[s] -= int(dst.sum())
+        base = self.ncol[s, rows].astype(np.int64)
+        self._ensure_cols(int((base + dst).max()))
+        for j in range(int(dst.max()) if dst.size else 0):
+            m = j < dst
+            r, c = rows[m], base[m] + j
+            cnt = np.clip(moved[m] - j * bs, 0, bs)
+            self.occ[s, r, c] = cnt
+            self.alive[s, r, c] = True
+            lo = moved[m] - wmoved[m]                     # window tokens are the last wmoved ones
+            self.win[s, r, c] = np.clip(np.minimum(j * bs + cnt, moved[m]) - np.maximum(j * bs, lo), 0, None)
+        has = dst > 0
+        self.tail[s, rows] = np.where(has, base + dst - 1, self.tail[s, rows])
+        self.tail_w[s, rows] = np.where(has, moved - (dst - 1) * bs, bs)
+        self.ncol[s, rows] = base + dst
+        self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
+        self.holed[s, rows] = -1
+        self._rebuild_ring(s, rows)
 
     # ----- bookkeeping ---------------------------------------------------------------------------
-    def _unstat(self, req) -> None:
-        st = self._stats.pop(req, None)
-        if st:
-            self._live_total -= st[0]
-            self._alloc_total -= st[1]
+    def _unstat(self, s: int) -> None:
+        if s in self._req_live:
+            self._live_total -= self._req_live.pop(s)
+            self._pages_total -= self._req_pages.pop(s)
 
-    def _stat(self, req) -> None:
-        fr = self.reqs[req]
-        pages = int((fr.ids >= 0).sum())
-        live = int(fr.occ.sum())
-        self._stats[req] = (live, pages * self.block_size, live / self.rows, pages, live / self.rows)
+    def _stat(self, s: int) -> None:
+        live, pages = int(self.live[s].sum()), int(self.pages[s].sum())
+        self._req_live[s], self._req_pages[s] = live, pages
         self._live_total += live
-        self._alloc_total += pages * self.block_size
+        self._pages_total += pages
 
     def check_invariants(self, live_requests) -> None:
         self.pool.check_invariants()
-        ids = np.concatenate([f.ids[f.ids >= 0] for f in self.reqs.values()] or [np.zeros(0, np.int64)])
-        assert np.unique(ids).size == ids.size and self.pool.owned.sum() == ids.size, "pool ownership drifted"
-        for f in self.reqs.values():
-            assert ((f.occ >= 0) & (f.occ <= self.block_size)).all(), "page occupancy out of range"
-
-
-def _proportional(ev: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Take k[r] tokens from row r's pages in proportion to ev (largest remainders, deterministic)."""
-    total = ev.sum(axis=1)
-    share = ev * (k / np.maximum(total, 1))[:, None]
-    take = np.floor(share).astype(np.int64)
-    short = k - take.sum(axis=1)
-    rem = share - take
-    order = np.argsort(-rem, axis=1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(ev.shape[1])[None, :].repeat(ev.shape[0], 0), axis=1)
-    take += (rank < short[:, None]) & (take < ev)
-    return np.minimum(take, ev)
+        slots = np.fromiter(self.slot_of.values(), np.int64, len(self.slot_of))
+        held = int(self.pages[slots].sum() + self.reserved[slots].sum())
+        assert self.pool.num_used_blocks == held, f"pool ownership drifted: {self.pool.num_used_blocks} != {held}"
+        assert set(self.slot_of) <= set(live_requests), "pages held by a request that is not live"
+        occ, alive = self.occ[slots], self.alive[slots]
+        assert ((occ >= 0) & (occ <= self.block_size)).all(), "page occupancy out of range"
+        assert not (occ * ~alive).any(), "live tokens in a freed page"
+        assert (self.pages[slots] == alive.sum(axis=2)).all(), "page count drifted"
+        assert (self.live[slots] == occ.sum(axis=2)).all(), "live count drifted"
+        assert ((self.win[slots] >= 0) & (self.win[slots] <= occ)).all(), "window count out of range"
+        assert self._live_total == int(self.live[slots].sum()), "live slot total drifted"
