@@ -85,8 +85,10 @@ class FastKVManager:
         self.window = int(profile.get("protect_recent", 0))
         self.sink = int(profile.get("protect_first", 0))
         self.age_weight = profile.get("age_weight", "uniform")
-        self.exit_evict = {"oldest": 1.0, "uniform": 0.0}.get(self.age_weight,
-                                                               float(profile.get("exit_evict", 0.85)))
+        young = self.age_weight == "young"
+        self.exit_evict = {"oldest": 1.0, "uniform": 0.0}.get(self.age_weight, float(profile.get("exit_evict", 0.6)))
+        self.young_span = float(profile.get("young_span", 16.0)) if young else 0.0
+        self.old_share = float(profile.get("old_share", 0.1)) if young else 1.0
         self.strategy = slot_strategy
         self.append = slot_strategy in _APPEND
         self.bytes_per_token_row = bytes_per_token_row
@@ -112,6 +114,8 @@ class FastKVManager:
         self.win = np.zeros((n, R, cols), np.int32)         # ... of which in the recent window
         self.alive = np.zeros((n, R, cols), bool)           # column holds a page
         self.ring = np.zeros((n, R, W), np.int32)           # page column of position p at p % W
+        self.heavy = np.zeros((n, R, (self.budget or 0) + 2), np.int32)  # columns of non-window live tokens
+        self.hn = np.zeros((n, R), np.int32)                # ... their count (newest survivors last)
         self.tail = np.zeros((n, R), np.int32)              # append column (append strategies)
         self.tail_w = np.zeros((n, R), np.int32)            # slots written in the tail page
         self.ncol = np.zeros((n, R), np.int32)              # columns in use (alive or dead below)
@@ -125,7 +129,7 @@ class FastKVManager:
         self.reserved = np.zeros(n, np.int64)
 
     def _grow(self, n: int | None = None, cols: int | None = None) -> None:
-        old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "tail", "tail_w", "ncol", "pages",
+        old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "heavy", "hn", "tail", "tail_w", "ncol", "pages",
                                               "live", "hole_col", "holed", "ntok", "prefilled", "need_next",
                                               "reserved")}
         n0, _, c0 = old["occ"].shape
@@ -309,7 +313,7 @@ class FastKVManager:
 
     def _release_slot(self, req, s) -> None:
         del self.slot_of[req]
-        for a in (self.occ, self.win, self.alive, self.ring, self.tail, self.tail_w, self.ncol, self.pages,
+        for a in (self.occ, self.win, self.alive, self.ring, self.heavy, self.hn, self.tail, self.tail_w, self.ncol, self.pages,
                   self.live):
             a[s] = 0
         self.hole_col[s] = -1
@@ -384,6 +388,7 @@ class FastKVManager:
             self.plan.evicted_tokens += int(evict.sum())
         self.prefilled[s] = True
         self._settle_generic(s, np.arange(R))
+        self._rebuild_heavy(s, np.arange(R))
         self._update_need(np.array([s]))
 
     def _settle_generic(self, s: int, rows: np.ndarray) -> None:
@@ -438,6 +443,8 @@ class FastKVManager:
         self.pool.give(n)
         self.plan.blocks_freed_by_eviction += n
         self._rebuild_ring(s, rows)
+        if self.prefilled[s]:
+            self._rebuild_heavy(s, rows)
 
     def _rebuild_ring(self, s: int, rows: np.ndarray) -> None:
         """Window tokens are the newest live ones: place them by each column's window count, in column order."""
@@ -564,34 +571,63 @@ class FastKVManager:
             self._rescan_holes(int(S[i]), rows)
 
     def _pick(self, S, over, exiting, exit_col) -> np.ndarray:
-        """Column of the token each over-budget row evicts."""
+        """Column of the token each over-budget row evicts. The token leaving the window is evicted
+        with probability exit_evict; otherwise it joins the heavy list and a listed token goes: with
+        probability old_share a uniform one, else one of the newest survivors (the list's end,
+        exponential with mean young_span entries)."""
         Sx = S[:, None]
         rr = np.arange(self.rows)[None, :]
-        ev = np.zeros(over.shape, np.int64)
-        take_exit = np.zeros(over.shape, bool)
-        if self.exit_evict > 0 and exiting.any():
-            u = self.rng.random(over.shape)
-            evictable = self.occ[Sx, rr, exit_col] - self.win[Sx, rr, exit_col] > 0
-            take_exit = over & exiting[:, None] & (u < self.exit_evict) & evictable
-            ev = np.where(take_exit, exit_col, 0)
-        draw = over & ~take_exit
-        if draw.any():
-            si, ri = np.nonzero(draw)
+        u = self.rng.random((3,) + over.shape)
+        ex = exiting[:, None] & np.ones(over.shape, bool)
+        evictable = self.occ[Sx, rr, exit_col] - self.win[Sx, rr, exit_col] > 0
+        take_exit = over & ex & (u[0] < self.exit_evict) & evictable
+        ev = np.where(take_exit, exit_col, 0).astype(np.int64)
+        push = ex & ~take_exit
+        if push.any():
+            si, ri = np.nonzero(push)
             s = S[si]
-            w = (self.occ[s, ri] - self.win[s, ri]).astype(np.int64)
-            w *= self.alive[s, ri]
-            keep_exit = exiting[si] & (self.exit_evict > 0)           # the exiting token stays a heavy hitter
-            w[np.flatnonzero(keep_exit), exit_col[si, ri][keep_exit]] -= 1
-            w = np.maximum(w, 0)
-            cum = np.cumsum(w, axis=1)
-            total = cum[:, -1]
-            if (total == 0).any():                                    # only window tokens left: evict the oldest
-                w0 = total == 0
-                cum[w0] = np.cumsum(self.occ[s[w0], ri[w0]], axis=1)
-                total = cum[:, -1]
-            u = (self.rng.random(si.size) * total).astype(np.int64)
-            ev[si, ri] = (cum <= u[:, None]).sum(axis=1)
+            self.heavy[s, ri, self.hn[s, ri]] = exit_col[si, ri]
+            self.hn[s, ri] += 1
+        draw = over & ~take_exit
+        if not draw.any():
+            return ev
+        si, ri = np.nonzero(draw)
+        s = S[si]
+        hn = self.hn[s, ri].astype(np.int64)
+        young = hn - 1 - np.floor(-self.young_span * np.log1p(-u[1][si, ri])).astype(np.int64)
+        idx = np.where(u[2][si, ri] < self.old_share, (u[1][si, ri] * hn).astype(np.int64), young)
+        idx = np.clip(idx, 0, np.maximum(hn - 1, 0))
+        col = self.heavy[s, ri, idx].astype(np.int64)
+        ok = (hn > 0) & self.alive[s, ri, col] & (self.occ[s, ri, col] - self.win[s, ri, col] > 0)
+        last = np.maximum(hn - 1, 0)
+        self.heavy[s[ok], ri[ok], idx[ok]] = self.heavy[s[ok], ri[ok], last[ok]]
+        self.hn[s[ok], ri[ok]] -= 1
+        bad = np.flatnonzero(~ok)
+        if bad.size:                   # stale list entry or none left: the first column with a non-window token
+            sb, rb = s[bad], ri[bad]
+            heavy = (self.occ[sb, rb] - self.win[sb, rb]) * self.alive[sb, rb] > 0
+            any_h = heavy.any(axis=1)
+            col[bad] = np.where(any_h, np.argmax(heavy, axis=1), np.argmax(self.occ[sb, rb] > 0, axis=1))
+            for sv in np.unique(sb):
+                self._rebuild_heavy(int(sv), rb[sb == sv])
+        ev[si, ri] = col
         return ev
+
+    def _rebuild_heavy(self, s: int, rows: np.ndarray) -> None:
+        """The heavy list of some rows from their per-column non-window counts (column order = age order)."""
+        if self.budget is None or rows.size == 0:
+            return
+        cnt = (np.maximum(self.occ[s, rows] - self.win[s, rows], 0) * self.alive[s, rows]).astype(np.int64)
+        cap = self.heavy.shape[2]
+        tot = cnt.sum(axis=1)
+        if (tot > cap).any():
+            raise AssertionError("fast mode: more non-window tokens than the budget allows")
+        cols = np.repeat(np.tile(np.arange(cnt.shape[1]), rows.size), cnt.ravel())
+        row_of = np.repeat(np.arange(rows.size), tot)
+        start = np.cumsum(tot) - tot
+        idx = np.arange(cols.size) - start[row_of]
+        self.heavy[s, rows[row_of], idx] = cols
+        self.hn[s, rows] = tot
 
     def _after_evict(self, S, si, ri, c) -> None:
         bs = self.block_size
@@ -734,6 +770,7 @@ class FastKVManager:
         self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
         self.holed[s, rows] = -1
         self._rebuild_ring(s, rows)
+        self._rebuild_heavy(s, rows)
 
     # ----- bookkeeping ---------------------------------------------------------------------------
     def _unstat(self, s: int) -> None:
