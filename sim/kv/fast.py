@@ -566,9 +566,27 @@ class FastKVManager:
             return
         room = self.pages[S] * self.block_size - self.live[S]
         self.hole_col[S] = np.where(full & (room == 0), -1, self.hole_col[S])
-        for i in np.flatnonzero((full & (room > 0)).any(axis=1)):
-            rows = np.flatnonzero(full[i] & (room[i] > 0))
-            self._rescan_holes(int(S[i]), rows)
+        si, ri = np.nonzero(full & (room > 0))
+        self._rescan_pairs(S[si], ri, col[si, ri] + 1)
+
+    def _rescan_pairs(self, s: np.ndarray, r: np.ndarray, start: np.ndarray | None = None) -> None:
+        """First column with a free slot for rows (s[i], r[i]); tries column start[i] first."""
+        if s.size == 0:
+            return
+        bs = self.block_size
+        if start is not None:                    # the next hole is usually a few columns on
+            P = self.occ.shape[2]
+            c = start[:, None] + np.arange(8)[None, :]
+            cc = np.minimum(c, P - 1)
+            free = self.alive[s[:, None], r[:, None], cc] & (self.occ[s[:, None], r[:, None], cc] < bs) & (c < P)
+            hit = free.any(axis=1)
+            self.hole_col[s[hit], r[hit]] = cc[hit, np.argmax(free[hit], axis=1)]
+            s, r = s[~hit], r[~hit]
+            if s.size == 0:
+                return
+        w = int(self.ncol[s, r].max())
+        free = self.alive[s, r, :w] & (self.occ[s, r, :w] < bs)
+        self.hole_col[s, r] = np.where(free.any(axis=1), np.argmax(free, axis=1), -1)
 
     def _pick(self, S, over, exiting, exit_col) -> np.ndarray:
         """Column of the token each over-budget row evicts. The token leaving the window is evicted
@@ -654,10 +672,8 @@ class FastKVManager:
             sk, rk, ck = s[keep], ri[keep], c[keep]
             h = self.hole_col[sk, rk]
             self.hole_col[sk, rk] = np.where(h < 0, ck, np.minimum(h, ck))
-            stale = np.flatnonzero(~keep)
-            for sv in np.unique(s[stale]):
-                rows = ri[stale][s[stale] == sv]
-                self._rescan_holes(int(sv), rows)
+            gone = ~keep & (self.hole_col[s, ri] < 0)
+            self._rescan_pairs(s[gone], ri[gone], c[gone] + 1)
         if self.strategy in _COMPACT:
             self._compact_step(S)
         if self.strategy == "sparse_copy":
@@ -694,8 +710,7 @@ class FastKVManager:
             self.plan.blocks_freed_by_eviction += si.size
             self.plan.bytes_moved += int(round(si.size * self.bytes_per_token_row))
             full = self.occ[s, ri, h] >= bs
-            for sv in np.unique(s[full]):
-                self._rescan_holes(int(sv), ri[full][s[full] == sv])
+            self._rescan_pairs(s[full], ri[full], h[full] + 1)
         hard = (extra > 0) & ~simple
         for i in np.flatnonzero(hard.any(axis=1)):
             rows = np.flatnonzero(hard[i])
