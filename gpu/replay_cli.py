@@ -53,7 +53,7 @@ def replay(
     summary.json, config.yaml (as `kvsim simulate`) plus tokens.parquet, decisions.parquet and
     attention_stats.parquet into --out. Ctrl-C writes a partial result."""
     from sim.commands import print_summary
-    from sim.config import ConfigError, load_config, parse_set_option
+    from sim.config import ConfigError, load_config
 
     overrides = {
         "trace": trace, "model": model, "gpu": gpu, "profile": profile, "seed": seed,
@@ -66,10 +66,7 @@ def replay(
         "slo.ttft": slo_ttft, "slo.tpot": slo_tpot,
     }
     try:
-        for item in set_:
-            key, value = parse_set_option(item)
-            overrides[key] = value
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, set_)
         from gpu.replay import ReplayOptions, resolve_device, run_replay
         dev = resolve_device(device)
         apply_device_defaults(cfg, dev, weights)

@@ -100,7 +100,7 @@ def crosscheck(
 ) -> None:
     """Replay TRACE on the real backend, simulate it with PROFILE, and write report.md / report.html
     (per-step time MAPE, TTFT/TPOT/E2E percentile errors, throughput error, memory side by side)."""
-    from .config import ConfigError, load_config, parse_set_option
+    from .config import ConfigError, load_config
     from .crosscheck import CrosscheckError, Run, compare, simulate_recorded, write_report
     overrides = {"trace": trace, "model": model, "gpu": gpu, "profile": profile,
                  "engine.num_gpu_blocks": num_gpu_blocks, "engine.block_size": block_size,
@@ -108,10 +108,7 @@ def crosscheck(
                  "trace_options.rate_scale": rate_scale, "trace_options.start_s": start_s,
                  "trace_options.end_s": end_s, "trace_options.max_requests": max_requests}
     try:
-        for item in set_:
-            key, value = parse_set_option(item)
-            overrides[key] = value
-        cfg = load_config(None, overrides)
+        cfg = load_config(None, overrides, set_)
         real_dir = real or out / "real"
         if real is None:
             run_replay(cfg, real_dir, device=device, threads=threads)

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .config import ConfigError, load_config, parse_set_option
+from .config import ConfigError, load_config
 
 console = Console()
 
@@ -32,6 +32,13 @@ def simulate(
     prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching"),
     preemption_mode: Optional[str] = typer.Option(None, help="recompute | swap"),
     scheduling_policy: Optional[str] = typer.Option(None, help="fcfs | priority"),
+    policy: Optional[str] = typer.Option(None, help="KV eviction/compression policy (none, streaming, h2o, snapkv, "
+                                         "pyramidkv, ada_snapkv, kvcompress, leankv, quest, recorded)"),
+    budget: Optional[int] = typer.Option(None, help="tokens kept per KV head (budgeted policies)"),
+    layout: Optional[str] = typer.Option(None, help="KV layout: shared | per_head"),
+    slot_strategy: Optional[str] = typer.Option(None, help="noop | free_block | slot_reuse | sparse_copy | compact "
+                                                "| parallel_compact"),
+    kv_mode: Optional[str] = typer.Option(None, help="token (exact token-level state) | fast (block occupancy)"),
     rate_scale: Optional[float] = typer.Option(None, help="arrival-rate multiplier"),
     max_requests: Optional[int] = typer.Option(None, help="first N requests of the trace"),
     slo_ttft: Optional[str] = typer.Option(None, help="TTFT SLO for goodput, with unit (2s, 500ms)"),
@@ -52,14 +59,13 @@ def simulate(
         "engine.max_num_seqs": max_num_seqs, "engine.max_num_batched_tokens": max_num_batched_tokens,
         "engine.enable_prefix_caching": prefix_caching, "engine.preemption_mode": preemption_mode,
         "engine.scheduling_policy": scheduling_policy,
+        "kv.policy": policy, "kv.budget": budget, "kv.layout": layout, "kv.slot_strategy": slot_strategy,
+        "kv.mode": kv_mode,
         "trace_options.rate_scale": rate_scale, "trace_options.max_requests": max_requests,
         "slo.ttft": slo_ttft, "slo.tpot": slo_tpot,
     }
     try:
-        for item in set_:
-            key, value = parse_set_option(item)
-            overrides[key] = value
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, set_)
         from .simulate import run_simulation
         result = run_simulation(cfg, out, progress=not quiet)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
@@ -94,6 +100,10 @@ def print_summary(s: dict) -> None:
     add("KV utilization mean / max", f"{s.get('kv_util_mean', 0):.3f} / {s.get('kv_util_max', 0):.3f}")
     add("fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.3f} / {s.get('fragmentation_p99', 0):.3f}")
     add("preemptions", s.get("preemptions"))
+    add("compression ratio", s.get("compression_ratio"))
+    add("attention mass retained (mean)", s.get("attention_mass_retained_mean"))
+    add("tokens evicted (token x head)", s.get("evicted_tokens"), "{:.0f}")
+    add("MB copied/moved", s["bytes_moved"] / 1e6 if s.get("bytes_moved") is not None else None, "{:.1f}")
     add("prefix hit rate", s.get("prefix_hit_rate"))
     add("engine steps", s.get("num_steps"))
     add("wall time (s)", s.get("wall_s"), "{:.2f}")

@@ -138,8 +138,14 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> SimConfig:
-    """Read an optional YAML file, apply dotted overrides (`engine.block_size=32`), validate."""
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                sets: list[str] | tuple[str, ...] = ()) -> SimConfig:
+    """Read an optional YAML file, apply dotted overrides (`{"engine.block_size": 32}`), then the
+    command line's `--set KEY=VALUE` items, and validate."""
+    overrides = dict(overrides or {})
+    for item in sets:
+        key, value = parse_set_option(item)
+        overrides[key] = value
     data: dict = {}
     source = "config"
     if path is not None:

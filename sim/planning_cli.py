@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .config import ConfigError, load_config, parse_set_option
+from .config import ConfigError, load_config
 
 console = Console()
 err_console = Console(stderr=True)
@@ -104,10 +104,7 @@ def capacity(
     if not 0 < tol < 1:
         _fail(f"--tol: expected a fraction in (0, 1), got {tol}")
     try:
-        for item in set_:
-            key, value = parse_set_option(item)
-            overrides[key] = value
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, set_)
         constraints = parse_slo(slo)
     except ConfigError as exc:
         _fail(str(exc))
