@@ -154,9 +154,27 @@ class MixedPrecisionKVCache:
         slots = (pages[:, None] * self.max_tokens + torch.arange(self.max_tokens, device=self.device)).reshape(-1)
         return slots[self.live.view(-1)[slots]]
 
-    def decode_attention(self, q: torch.Tensor, page_table: torch.Tensor, scale: float):
+    def decode_attention(self, q: torch.Tensor, page_table: torch.Tensor, scale: float, backend: str | None = None):
         """Queries q [G, head_dim] of one (sequence, KV head) over the live tokens of its pages
-        (high and low tier mixed). Returns out [G, head_dim] and probabilities [G, live tokens]."""
+        (high and low tier mixed). Returns out [G, head_dim] and probabilities [G, live tokens].
+        `backend` as in `gpu.kernels`: the Triton kernel runs each query head as its own row so its
+        per-slot score output is that head's probabilities."""
+        from gpu.kernels import use_triton
+        if use_triton(q, backend):
+            from gpu.kernels.quant_attention import mixed_decode_attention
+            table = page_table.reshape(1, -1).expand(q.shape[0], -1)
+            out, (probs, _) = mixed_decode_attention(self, q[:, None, :], table, scale, True, backend="triton")
+            slots = (page_table.clamp(min=0).long()[:, None] * self.max_tokens
+                     + torch.arange(self.max_tokens, device=self.device)).reshape(-1)
+            kept = (page_table >= 0).repeat_interleave(self.max_tokens) & self.live.view(-1)[slots]
+            return out[:, 0], probs[:, kept]
         keys, values = self.read(self.page_slots(page_table))
         probs = torch.softmax(q.float() @ keys.T * scale, dim=-1)
         return (probs @ values).to(q.dtype), probs
+
+    def paged_decode_attention(self, q: torch.Tensor, page_tables: torch.Tensor, scale: float,
+                               want_scores: bool = False, backend: str | None = None):
+        """Batched decode attention, one GQA group q [R, G, head_dim] per page-table row [R, max_pages];
+        see `gpu.kernels.quant_attention.mixed_decode_attention`."""
+        from gpu.kernels.quant_attention import mixed_decode_attention
+        return mixed_decode_attention(self, q, page_tables, scale, want_scores, backend)
