@@ -249,12 +249,11 @@ class FastKVManager:
     def allocate_slots(self, req: Request, n: int, computed_blocks=None) -> bool:
         if n <= 0:
             return True
-        s = self._slot(req)
-        need = self._need(s, n)
+        s = self.slot_of.get(req)
+        need = self.rows * -(-n // self.block_size) if s is None else self._need(s, n)
         if need > self.pool.num_free_blocks:
-            if not self.prefilled[s] and self.ntok[s] == 0:
-                self._release_slot(req, s)
             return False
+        s = self._slot(req)
         self._unstat(s)
         if not self.prefilled[s]:
             self._prefill_write(s, n)
@@ -483,85 +482,89 @@ class FastKVManager:
     # ----- one batched decode step ----------------------------------------------------------------
     def _step(self, S: np.ndarray) -> np.ndarray:
         """Write one token per row of every slot in S, move the window, evict, apply the slot strategy.
-        Returns the (token, row) evictions per slot. Pages were reserved by allocate_slots."""
+        Returns the (token, row) evictions per slot. Pages were reserved by allocate_slots.
+        Hot path: [len(S), rows] index arrays into the flattened slab (row id = slot * rows + row)."""
         bs, R, W = self.block_size, self.rows, self.window
-        Sx = S[:, None]
-        rr = np.arange(R)[None, :]
         pos = self.ntok[S]
         if self.strategy == "sparse_copy":
             self._sparse_copy(S)
+        row = S[:, None] * R + np.arange(R)[None, :]
         # --- write the new token
         if self.append:
-            new = self.tail_w[S] >= bs
-            new |= self.ncol[S] == 0
+            tail_w = self.tail_w[S]
+            new = (tail_w >= bs) | (self.ncol[S] == 0)
             col = np.where(new, self.ncol[S], self.tail[S])
             if new.any():
                 self._ensure_cols(int(self.ncol[S].max()) + 1)
-                self._open(S, new, col)
+                self._open(row, new, col)
                 self.tail[S] = col
-                self.tail_w[S] = np.where(new, 0, self.tail_w[S])
-            self.tail_w[S] += 1
+                tail_w = np.where(new, 0, tail_w)
+            self.tail_w[S] = tail_w + 1
         else:
             new = self.hole_col[S] < 0
             col = np.where(new, self.ncol[S], self.hole_col[S])
             if new.any():
                 self._ensure_cols(int(self.ncol[S].max()) + 1)
-                self._open(S, new, col)
-        self.occ[Sx, rr, col] += 1
+                self._open(row, new, col)
+        if new.any():
+            self.reserved[S] -= new.sum(axis=1)
+        P = self.occ.shape[2]
+        occ_f, win_f = self.occ.reshape(-1), self.win.reshape(-1)
+        at = row * P + col
+        occ_f[at] += 1
         self.live[S] += 1
         # --- the window moves on: the token at pos - W leaves it
         exiting = np.zeros(len(S), bool)
         exit_col = np.zeros((len(S), R), np.int64)
         if W:
-            ring_idx = (pos % W)[:, None]
+            ring_f = self.ring.reshape(-1)
+            ring_at = row * W + (pos % W)[:, None]
             exiting = pos >= W
-            exit_col = np.where(exiting[:, None], self.ring[Sx, rr, ring_idx], 0)
-            self._win_exit(S, exiting, exit_col)
-            self.win[Sx, rr, col] += 1
-            self.ring[Sx, rr, ring_idx] = col
+            exit_col = np.where(exiting[:, None], ring_f[ring_at], 0)
+            si = np.flatnonzero(exiting)
+            win_f[row[si] * P + exit_col[si]] -= 1
+            win_f[at] += 1
+            ring_f[ring_at] = col
         self.ntok[S] += 1
         if self.strategy in _REUSE:
-            self._after_fill(S, col)
+            self._after_fill(S, row, col)
         # --- evict
         evicted = np.zeros(len(S), np.int64)
         if self.budget is not None:
             over = self.live[S] > self.budget
             if over.any():
-                ev_col = self._pick(S, over, exiting, exit_col)
+                ev_col = self._pick(S, row, over, exiting, exit_col)
                 si, ri = np.nonzero(over)
-                self.occ[S[si], ri, ev_col[si, ri]] -= 1
-                self.live[S[si], ri] -= 1
+                rows = row[si, ri]
+                c = ev_col[si, ri]
+                occ_f[rows * P + c] -= 1
+                self.live.reshape(-1)[rows] -= 1
                 evicted = over.sum(axis=1)
                 self.plan.evicted_tokens += int(evicted.sum())
-                self._after_evict(S, si, ri, ev_col[si, ri])
+                self._after_evict(S, si, ri, rows, c)
         self._update_need(S)
         assert not self.reserved[S].any(), "fast mode: reserved pages left unplaced"
         return evicted
 
-    def _win_exit(self, S, exiting, exit_col) -> None:
-        si = np.flatnonzero(exiting)
-        if si.size:
-            self.win[S[si][:, None], np.arange(self.rows)[None, :], exit_col[si]] -= 1
-
-    def _open(self, S, new, col) -> None:
-        """Open a page at column col[i, r] where new[i, r] (pages come from the slot's reservation)."""
-        si, ri = np.nonzero(new)
-        c = col[si, ri]
-        s = S[si]
-        self.alive[s, ri, c] = True
-        self.occ[s, ri, c] = 0
-        self.win[s, ri, c] = 0
-        self.pages[s, ri] += 1
-        self.ncol[s, ri] = np.maximum(self.ncol[s, ri], c + 1)
-        np.subtract.at(self.reserved, s, 1)
+    def _open(self, row, new, col) -> None:
+        """Open a page at column col where new (pages come from the slot's reservation)."""
+        P = self.occ.shape[2]
+        r2 = row[new]
+        c = col[new]
+        at = r2 * P + c
+        self.alive.reshape(-1)[at] = True
+        self.occ.reshape(-1)[at] = 0
+        self.win.reshape(-1)[at] = 0
+        self.pages.reshape(-1)[r2] += 1
+        ncol = self.ncol.reshape(-1)
+        ncol[r2] = np.maximum(ncol[r2], c + 1)
         if self.strategy in _REUSE:
-            self.hole_col[s, ri] = c
+            self.hole_col.reshape(-1)[r2] = c
 
-    def _after_fill(self, S, col) -> None:
+    def _after_fill(self, S, row, col) -> None:
         """Reuse strategies: a filled page moves the first-hole pointer on."""
-        Sx = S[:, None]
-        rr = np.arange(self.rows)[None, :]
-        full = self.occ[Sx, rr, col] >= self.block_size
+        P = self.occ.shape[2]
+        full = self.occ.reshape(-1)[row * P + col] >= self.block_size
         if not full.any():
             return
         room = self.pages[S] * self.block_size - self.live[S]
@@ -588,47 +591,48 @@ class FastKVManager:
         free = self.alive[s, r, :w] & (self.occ[s, r, :w] < bs)
         self.hole_col[s, r] = np.where(free.any(axis=1), np.argmax(free, axis=1), -1)
 
-    def _pick(self, S, over, exiting, exit_col) -> np.ndarray:
+    def _pick(self, S, row, over, exiting, exit_col) -> np.ndarray:
         """Column of the token each over-budget row evicts. The token leaving the window is evicted
         with probability exit_evict; otherwise it joins the heavy list and a listed token goes: with
         probability old_share a uniform one, else one of the newest survivors (the list's end,
         exponential with mean young_span entries)."""
-        Sx = S[:, None]
-        rr = np.arange(self.rows)[None, :]
+        P, Hc = self.occ.shape[2], self.heavy.shape[2]
+        occ_f, win_f, heavy_f, hn_f = (self.occ.reshape(-1), self.win.reshape(-1), self.heavy.reshape(-1),
+                                       self.hn.reshape(-1))
         u = self.rng.random((3,) + over.shape)
-        ex = exiting[:, None] & np.ones(over.shape, bool)
-        evictable = self.occ[Sx, rr, exit_col] - self.win[Sx, rr, exit_col] > 0
-        take_exit = over & ex & (u[0] < self.exit_evict) & evictable
+        ex = np.broadcast_to(exiting[:, None], over.shape)
+        at = row * P + exit_col
+        take_exit = over & ex & (u[0] < self.exit_evict) & (occ_f[at] - win_f[at] > 0)
         ev = np.where(take_exit, exit_col, 0).astype(np.int64)
         push = ex & ~take_exit
         if push.any():
-            si, ri = np.nonzero(push)
-            s = S[si]
-            self.heavy[s, ri, self.hn[s, ri]] = exit_col[si, ri]
-            self.hn[s, ri] += 1
+            r2 = row[push]
+            heavy_f[r2 * Hc + hn_f[r2]] = exit_col[push]
+            hn_f[r2] += 1
         draw = over & ~take_exit
         if not draw.any():
             return ev
-        si, ri = np.nonzero(draw)
-        s = S[si]
-        hn = self.hn[s, ri].astype(np.int64)
-        young = hn - 1 - np.floor(-self.young_span * np.log1p(-u[1][si, ri])).astype(np.int64)
-        idx = np.where(u[2][si, ri] < self.old_share, (u[1][si, ri] * hn).astype(np.int64), young)
+        r2 = row[draw]
+        hn = hn_f[r2].astype(np.int64)
+        u1, u2 = u[1][draw], u[2][draw]
+        young = hn - 1 - np.floor(-self.young_span * np.log1p(-u1)).astype(np.int64)
+        idx = np.where(u2 < self.old_share, (u1 * hn).astype(np.int64), young)
         idx = np.clip(idx, 0, np.maximum(hn - 1, 0))
-        col = self.heavy[s, ri, idx].astype(np.int64)
-        ok = (hn > 0) & self.alive[s, ri, col] & (self.occ[s, ri, col] - self.win[s, ri, col] > 0)
-        last = np.maximum(hn - 1, 0)
-        self.heavy[s[ok], ri[ok], idx[ok]] = self.heavy[s[ok], ri[ok], last[ok]]
-        self.hn[s[ok], ri[ok]] -= 1
+        col = heavy_f[r2 * Hc + idx].astype(np.int64)
+        at = r2 * P + col
+        ok = (hn > 0) & self.alive.reshape(-1)[at] & (occ_f[at] - win_f[at] > 0)
+        ro = r2[ok]
+        heavy_f[ro * Hc + idx[ok]] = heavy_f[ro * Hc + np.maximum(hn[ok] - 1, 0)]
+        hn_f[ro] -= 1
         bad = np.flatnonzero(~ok)
         if bad.size:                   # stale list entry or none left: the first column with a non-window token
-            sb, rb = s[bad], ri[bad]
+            sb, rb = np.divmod(r2[bad], self.rows)
             heavy = (self.occ[sb, rb] - self.win[sb, rb]) * self.alive[sb, rb] > 0
             any_h = heavy.any(axis=1)
             col[bad] = np.where(any_h, np.argmax(heavy, axis=1), np.argmax(self.occ[sb, rb] > 0, axis=1))
             for sv in np.unique(sb):
                 self._rebuild_heavy(int(sv), rb[sb == sv])
-        ev[si, ri] = col
+        ev[draw] = col
         return ev
 
     def _rebuild_heavy(self, s: int, rows: np.ndarray) -> None:
@@ -647,38 +651,42 @@ class FastKVManager:
         self.heavy[s, rows[row_of], idx] = cols
         self.hn[s, rows] = tot
 
-    def _after_evict(self, S, si, ri, c) -> None:
+    def _after_evict(self, S, si, ri, rows, c) -> None:
         bs = self.block_size
-        s = S[si]
+        P = self.occ.shape[2]
         if self.strategy in _FREES:
-            empty = self.occ[s, ri, c] == 0
+            empty = self.occ.reshape(-1)[rows * P + c] == 0
             if self.append:
-                empty &= ~((self.tail[s, ri] == c) & (self.tail_w[s, ri] < bs))
+                empty &= ~((self.tail.reshape(-1)[rows] == c) & (self.tail_w.reshape(-1)[rows] < bs))
             if empty.any():
-                se, re_, ce = s[empty], ri[empty], c[empty]
-                self.alive[se, re_, ce] = False
-                self.pages[se, re_] -= 1
-                top = self.ncol[se, re_] == ce + 1
-                self.ncol[se[top], re_[top]] -= 1
+                re_, ce = rows[empty], c[empty]
+                self.alive.reshape(-1)[re_ * P + ce] = False
+                self.pages.reshape(-1)[re_] -= 1
+                ncol = self.ncol.reshape(-1)
+                top = ncol[re_] == ce + 1
+                ncol[re_[top]] -= 1
                 self.pool.give(int(empty.sum()))
                 self.plan.blocks_freed_by_eviction += int(empty.sum())
                 if self.strategy in _REUSE:
-                    stale = self.hole_col[se, re_] == ce
-                    self.hole_col[se[stale], re_[stale]] = -1
+                    hole = self.hole_col.reshape(-1)
+                    stale = hole[re_] == ce
+                    hole[re_[stale]] = -1
             keep = ~empty
         else:
-            keep = np.ones(s.size, bool)
+            keep = np.ones(rows.size, bool)
         if self.strategy in _REUSE:
-            sk, rk, ck = s[keep], ri[keep], c[keep]
-            h = self.hole_col[sk, rk]
-            self.hole_col[sk, rk] = np.where(h < 0, ck, np.minimum(h, ck))
-            gone = ~keep & (self.hole_col[s, ri] < 0)
-            self._rescan_pairs(s[gone], ri[gone], c[gone] + 1)
+            hole = self.hole_col.reshape(-1)
+            rk, ck = rows[keep], c[keep]
+            h = hole[rk]
+            hole[rk] = np.where(h < 0, ck, np.minimum(h, ck))
+            gone = ~keep & (hole[rows] < 0)
+            self._rescan_pairs(*np.divmod(rows[gone], self.rows), c[gone] + 1)
         if self.strategy in _COMPACT:
             self._compact_step(S)
         if self.strategy == "sparse_copy":
-            h = self.holed[s, ri]
-            self.holed[s, ri] = np.where(h == -1, c, np.where(h == c, h, -2))
+            holed = self.holed.reshape(-1)
+            h = holed[rows]
+            holed[rows] = np.where(h == -1, c, np.where(h == c, h, -2))
 
     def _compact_step(self, S) -> None:
         bs = self.block_size
