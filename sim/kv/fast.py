@@ -577,6 +577,13 @@ class FastKVManager:
         if s.size == 0:
             return
         bs = self.block_size
+        room = self.pages[s, r] * bs - self.live[s, r] > 0
+        self.hole_col[s[~room], r[~room]] = -1
+        s, r = s[room], r[room]
+        if start is not None:
+            start = start[room]
+        if s.size == 0:
+            return
         if start is not None:                    # the next hole is usually a few columns on
             P = self.occ.shape[2]
             c = start[:, None] + np.arange(8)[None, :]
@@ -689,36 +696,40 @@ class FastKVManager:
             holed[rows] = np.where(h == -1, c, np.where(h == c, h, -2))
 
     def _compact_step(self, S) -> None:
-        bs = self.block_size
+        bs, R, W = self.block_size, self.rows, self.window
         keep = -(-self.live[S] // bs)
         extra = self.pages[S] - keep
         if not (extra > 0).any():
             return
-        Sx = S[:, None]
-        rr = np.arange(self.rows)[None, :]
-        last = self.ncol[S] - 1
+        P = self.occ.shape[2]
+        occ_f, win_f, alive_f = self.occ.reshape(-1), self.win.reshape(-1), self.alive.reshape(-1)
+        row = S[:, None] * R + np.arange(R)[None, :]
+        last = np.maximum(self.ncol[S] - 1, 0).astype(np.int64)
         hc = self.hole_col[S]
         t = self.ntok[S] - 1
-        W = self.window
-        newest_in_last = (self.ring[Sx, rr, (t % W)[:, None]] == last) if W else np.zeros(last.shape, bool)
-        simple = (extra == 1) & (self.occ[Sx, rr, np.maximum(last, 0)] == 1) & (hc >= 0) & (hc < last) \
-            & self.alive[Sx, rr, np.maximum(last, 0)] & newest_in_last
-        si, ri = np.nonzero(simple)
-        if si.size:
-            s, l, h = S[si], last[si, ri], hc[si, ri]
-            self.occ[s, ri, h] += 1
-            self.occ[s, ri, l] = 0
-            self.win[s, ri, h] += 1
-            self.win[s, ri, l] = 0
-            self.ring[s, ri, (t[si] % W)] = h
-            self.alive[s, ri, l] = False
-            self.pages[s, ri] -= 1
-            self.ncol[s, ri] = l
-            self.pool.give(si.size)
-            self.plan.blocks_freed_by_eviction += si.size
-            self.plan.bytes_moved += int(round(si.size * self.bytes_per_token_row))
-            full = self.occ[s, ri, h] >= bs
-            self._rescan_pairs(s[full], ri[full], h[full] + 1)
+        at_last = row * P + last
+        simple = (extra == 1) & (occ_f[at_last] == 1) & (hc >= 0) & (hc < last) & alive_f[at_last]
+        if W:
+            ring_at = row * W + (t % W)[:, None]
+            simple &= self.ring.reshape(-1)[ring_at] == last     # the newest token sits alone in the last page
+        if simple.any():
+            r2, l, h = row[simple], last[simple], hc[simple].astype(np.int64)
+            occ_f[r2 * P + h] += 1
+            occ_f[r2 * P + l] = 0
+            win_f[r2 * P + h] += 1
+            win_f[r2 * P + l] = 0
+            if W:
+                self.ring.reshape(-1)[ring_at[simple]] = h
+            alive_f[r2 * P + l] = False
+            self.pages.reshape(-1)[r2] -= 1
+            self.ncol.reshape(-1)[r2] = l
+            n = int(r2.size)
+            self.pool.give(n)
+            self.plan.blocks_freed_by_eviction += n
+            self.plan.bytes_moved += int(round(n * self.bytes_per_token_row))
+            full = occ_f[r2 * P + h] >= bs
+            sf, rf = np.divmod(r2[full], R)
+            self._rescan_pairs(sf, rf, h[full] + 1)
         hard = (extra > 0) & ~simple
         for i in np.flatnonzero(hard.any(axis=1)):
             rows = np.flatnonzero(hard[i])
