@@ -45,23 +45,25 @@ class CountPool:
     num_cached_free_blocks = 0
     num_cache_evictions = 0
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, unit: int = 1):
         if num_blocks <= 0:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.num_free_blocks = num_blocks
+        self.unit = unit                  # pool pages per simulated page (sampled rows)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
     def take(self, n: int) -> None:
+        n *= self.unit
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
         self.num_free_blocks -= n
 
     def give(self, n: int) -> None:
-        self.num_free_blocks += n
+        self.num_free_blocks += n * self.unit
         assert self.num_free_blocks <= self.num_blocks, "freed more blocks than the pool holds"
 
     def check_invariants(self) -> None:
@@ -73,14 +75,20 @@ class FastKVManager:
     enable_caching = False
 
     def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy, *,
-                 slot_strategy: str = "free_block", bytes_per_token_row: float = 0.0, seed: int = 0):
+                 slot_strategy: str = "free_block", bytes_per_token_row: float = 0.0, seed: int = 0,
+                 sample_rows: int = 32):
         if slot_strategy not in SLOT_STRATEGIES:
             raise ValueError(f"kv.slot_strategy must be one of {SLOT_STRATEGIES}, got {slot_strategy!r}")
         profile = policy.fast_mode_profile()
         if profile is None:
             raise PolicyError(f"kv.mode=fast: policy {policy.name!r} has no fast-mode profile; use kv.mode=token")
         self.block_size = block_size
-        self.ctx, self.rows, self.policy = ctx, ctx.rows, policy
+        self.ctx, self.policy = ctx, policy
+        # rows (layer, KV head) are alike in fast mode: simulate a divisor of them, each standing for `unit`
+        self.real_rows = ctx.rows
+        self.rows = max(d for d in range(1, ctx.rows + 1) if ctx.rows % d == 0 and d <= max(sample_rows, 1)) \
+            if sample_rows > 0 else ctx.rows
+        self.unit = ctx.rows // self.rows
         self.budget = profile.get("budget")
         self.window = int(profile.get("protect_recent", 0))
         self.sink = int(profile.get("protect_first", 0))
@@ -92,7 +100,7 @@ class FastKVManager:
         self.strategy = slot_strategy
         self.append = slot_strategy in _APPEND
         self.bytes_per_token_row = bytes_per_token_row
-        self.pool = CountPool(num_blocks)
+        self.pool = CountPool(num_blocks, self.unit)
         self.rng = np.random.default_rng([seed, 3])
         self.plan = KVStepPlan()
         self.num_prefix_queries = self.num_prefix_hits = 0
@@ -166,7 +174,7 @@ class FastKVManager:
         return self.pool.num_free_blocks
 
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks // self.rows * self.block_size
+        return self.pool.num_blocks // self.real_rows * self.block_size
 
     def max_tokens_per_request(self) -> int:
         return self.capacity_tokens()
@@ -179,14 +187,14 @@ class FastKVManager:
 
     def kv_tokens(self, req) -> float:
         s = self.slot_of.get(req)
-        return self._req_live[s] / self.rows if s is not None else 0
+        return self._req_live[s] / self.rows if s is not None and s in self._req_live else 0
 
     def block_table_entries(self, req) -> int:
         s = self.slot_of.get(req)
-        return self._req_pages[s] if s is not None else 0
+        return self._req_pages.get(s, 0) * self.unit if s is not None else 0
 
     def slot_stats(self) -> tuple[int, int]:
-        return self._live_total, self._pages_total * self.block_size
+        return self._live_total * self.unit, self._pages_total * self.block_size * self.unit
 
     def reclaim(self, num_blocks, running) -> int:
         return 0
@@ -195,8 +203,8 @@ class FastKVManager:
     def blocks_needed(self, req, n: int, num_computed_blocks: int = 0) -> int:
         s = self.slot_of.get(req)
         if s is None:
-            return self.rows * -(-n // self.block_size)
-        return self._need(s, n)
+            return self.real_rows * -(-n // self.block_size)
+        return self._need(s, n) * self.unit
 
     def _need(self, s: int, n: int) -> int:
         bs = self.block_size
@@ -251,7 +259,7 @@ class FastKVManager:
             return True
         s = self.slot_of.get(req)
         need = self.rows * -(-n // self.block_size) if s is None else self._need(s, n)
-        if need > self.pool.num_free_blocks:
+        if need * self.unit > self.pool.num_free_blocks:
             return False
         s = self._slot(req)
         self._unstat(s)
@@ -308,7 +316,7 @@ class FastKVManager:
         n = int(self.pages[s].sum() + self.reserved[s])
         self.pool.give(n)
         self._release_slot(req, s)
-        return n
+        return n * self.unit
 
     def _release_slot(self, req, s) -> None:
         del self.slot_of[req]
@@ -354,6 +362,9 @@ class FastKVManager:
                 self.logical_token_steps += sch.request.num_computed_tokens + sch.num_new_tokens
                 self.stored_token_steps += self._req_live[s] / self.rows
         plan, self.plan = self.plan, KVStepPlan()
+        plan.evicted_tokens *= self.unit
+        plan.blocks_freed_by_eviction *= self.unit
+        plan.bytes_moved *= self.unit
         return plan
 
     def _note_evicted(self, req, n: int) -> None:
@@ -821,7 +832,7 @@ class FastKVManager:
     def check_invariants(self, live_requests) -> None:
         self.pool.check_invariants()
         slots = np.fromiter(self.slot_of.values(), np.int64, len(self.slot_of))
-        held = int(self.pages[slots].sum() + self.reserved[slots].sum())
+        held = int(self.pages[slots].sum() + self.reserved[slots].sum()) * self.unit
         assert self.pool.num_used_blocks == held, f"pool ownership drifted: {self.pool.num_used_blocks} != {held}"
         assert set(self.slot_of) <= set(live_requests), "pages held by a request that is not live"
         occ, alive = self.occ[slots], self.alive[slots]
