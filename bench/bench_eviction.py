@@ -2,7 +2,9 @@
 
 1,000 ShareGPT requests arriving at t=0, Llama-3.1-8B on 1x L4 (24 GB), h2o keeping 256 tokens per
 KV head (one eviction per head per step), per_head layout. Prints one row per (strategy, mode)
-with wall time and the simulated fragmentation, KV utilization and throughput.
+with wall time, simulated steps and the simulated fragmentation, KV utilization and throughput;
+with --token-requests, also token-level mode and fast mode on that many requests, and fast mode's
+relative difference to token-level on each metric.
 
     python bench/bench_eviction.py                     # fast mode, 1,000 requests, all strategies
     python bench/bench_eviction.py --token-requests 100  # also token-level mode on the first 100
@@ -27,25 +29,32 @@ def bench(strategy: str, mode: str, requests: int) -> dict:
     s = run_simulation(cfg).summary
     return {"strategy": strategy, "mode": mode, "requests": requests, "wall_s": time.perf_counter() - t0,
             "frag": s["fragmentation_mean"], "kv_util": s["kv_util_mean"],
-            "tok_s": s["throughput_output_tok_s"], "preempt": s["preemptions"], "bytes_moved": s.get("bytes_moved", 0)}
+            "tok_s": s["throughput_output_tok_s"], "preempt": s["preemptions"], "bytes_moved": s.get("bytes_moved", 0),
+            "steps": s.get("num_steps", 0)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--requests", type=int, default=1000, help="fast-mode requests (0: skip)")
     ap.add_argument("--token-requests", type=int, default=0, help="also run token-level mode on this many")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     args = ap.parse_args()
-    print(f"{'strategy':<17}{'mode':<6}{'reqs':>6}{'wall s':>9}{'frag':>8}{'kv util':>9}{'out tok/s':>11}"
-          f"{'preempt':>9}{'GB moved':>10}")
+    print(f"{'strategy':<17}{'mode':<6}{'reqs':>6}{'wall s':>9}{'steps':>8}{'frag':>8}{'kv util':>9}"
+          f"{'out tok/s':>11}{'preempt':>9}{'GB moved':>10}")
     for strategy in args.strategies.split(","):
-        runs = [("fast", args.requests)] + ([("token", args.token_requests), ("fast", args.token_requests)]
-                                            if args.token_requests else [])
+        runs = ([("fast", args.requests)] if args.requests else []) + \
+            ([("token", args.token_requests), ("fast", args.token_requests)] if args.token_requests else [])
+        out = {}
         for mode, n in runs:
-            r = bench(strategy, mode, n)
-            print(f"{r['strategy']:<17}{r['mode']:<6}{r['requests']:>6}{r['wall_s']:>9.2f}{r['frag']:>8.3f}"
-                  f"{r['kv_util']:>9.3f}{r['tok_s']:>11.1f}{r['preempt']:>9}{r['bytes_moved'] / 1e9:>10.2f}",
-                  flush=True)
+            r = out[mode, n] = bench(strategy, mode, n)
+            print(f"{r['strategy']:<17}{r['mode']:<6}{r['requests']:>6}{r['wall_s']:>9.2f}{r['steps']:>8}"
+                  f"{r['frag']:>8.3f}{r['kv_util']:>9.3f}{r['tok_s']:>11.1f}{r['preempt']:>9}"
+                  f"{r['bytes_moved'] / 1e9:>10.2f}", flush=True)
+        if args.token_requests:
+            tok, fast = out["token", args.token_requests], out["fast", args.token_requests]
+            diff = {k: (fast[k] - tok[k]) / tok[k] if tok[k] else 0.0 for k in ("frag", "kv_util", "tok_s")}
+            print(f"{'':<17}fast vs token: frag {diff['frag']:+.1%}  kv util {diff['kv_util']:+.1%}  "
+                  f"throughput {diff['tok_s']:+.1%}  speed-up {tok['wall_s'] / fast['wall_s']:.0f}x", flush=True)
 
 
 if __name__ == "__main__":
