@@ -94,9 +94,9 @@ class FastKVManager:
         self.sink = int(profile.get("protect_first", 0))
         self.age_weight = profile.get("age_weight", "uniform")
         young = self.age_weight == "young"
-        self.exit_evict = {"oldest": 1.0, "uniform": 0.0}.get(self.age_weight, float(profile.get("exit_evict", 0.6)))
-        self.young_span = float(profile.get("young_span", 16.0)) if young else 0.0
-        self.old_share = float(profile.get("old_share", 0.1)) if young else 1.0
+        self.exit_evict = {"oldest": 1.0, "uniform": 0.0}.get(self.age_weight, float(profile.get("exit_evict", 0.3)))
+        self.young_span = float(profile.get("young_span", 8.0)) if young else 0.0
+        self.old_share = float(profile.get("old_share", 0.0)) if young else 1.0
         self.strategy = slot_strategy
         self.append = slot_strategy in _APPEND
         self.bytes_per_token_row = bytes_per_token_row
