@@ -11,10 +11,13 @@ and `age_weight`, which says where evictions fall:
 - "oldest" (StreamingLLM): the token leaving the window is evicted; the prompt cut keeps the newest
   candidates.
 - "young" (H2O's accumulated-attention ranking): the token leaving the window is evicted with
-  probability `exit_evict` (profile key, default 0.85 — fitted to token-level mode, see
-  tests/test_kv_fast.py); otherwise it becomes a heavy hitter and a uniformly drawn older
-  non-window token is evicted instead. The prompt cut keeps a uniformly random subset of the
-  candidates (multivariate hypergeometric per row), as a content-score ranking does.
+  probability `exit_evict`; otherwise it joins the row's heavy-hitter list and a listed token is
+  evicted: with probability `old_share` a uniform one, else one of the newest survivors (the list's
+  end, exponential with mean `young_span` entries) — token-level H2O mostly evicts tokens that left
+  the window a few steps ago. Defaults (0.3, 8, 0.0; profile keys override them) were fitted to
+  token-level mode on SmolLM2-135M (tests/test_kv_fast.py). The prompt cut keeps a uniformly
+  random subset of the candidates (multivariate hypergeometric per row), as a content-score
+  ranking does.
 - "uniform": every eviction is a uniformly drawn non-window token.
 
 Per decode step the scheduler's `allocate_slots` only reserves the pages precomputed for the
@@ -24,8 +27,9 @@ once: one write, one window exit and one eviction per row, each a fancy-index up
 strategies fill the first page with a hole; compaction moves the last page's tokens into the hole;
 sparse copy rewrites the holed page and the tail). Rows in an unusual state (several holed pages
 right after the prompt cut, several pages to compact) take an exact count-based path over their
-page columns. Draws come from one numpy Generator seeded by the run's seed: same inputs, same
-results. Validated against token-level mode in tests/test_kv_fast.py.
+page columns. Rows behave alike in this model, so only `sample_rows` of them (a divisor of
+layers x KV heads, default 32) are simulated, each standing for the same number of pool pages. Draws
+come from one numpy Generator seeded by the run's seed: same inputs, same results. Validated against token-level mode in tests/test_kv_fast.py.
 """
 from __future__ import annotations
 
