@@ -323,13 +323,13 @@ def markdown_report(res: CrosscheckResult) -> str:
         if r["identical"]:
             lines.append(f"- recorded mode: memory metrics **identical** over all {r['steps_compared']} steps "
                          f"({', '.join(r['columns'])})")
-        if "decisions" in r:
-            lines.append(f"- recorded mode replayed {r['decisions_replayed']} recorded evictions from "
-                         f"`{r['decisions']}` ({r['decisions_missing']} recorded entries not found live)")
         else:
             d = r["first_divergence"]
             lines.append(f"- recorded mode: memory metrics **diverge** at step {d['step']}: {d['column']} "
                          f"real={d['real']} sim={d['sim']} (real {r['real_steps']} steps, sim {r['sim_steps']})")
+        if "decisions" in r:
+            lines.append(f"- recorded mode replayed {r['decisions_replayed']} recorded evictions from "
+                         f"`{r['decisions']}` ({r['decisions_missing']} recorded entries not found live)")
     lines += ["", "## Per-step time (replay steps: cost model vs measured)", "",
               "| kind | steps | MAPE | median APE | p90 APE | median bias |", "|---|---:|---:|---:|---:|---:|"]
     for kind, e in res.step_errors.items():

@@ -102,3 +102,15 @@ def test_tiny_calibrate_and_crosscheck_on_the_real_backend(tmp_path):
     check = first_divergence(real_run.steps, rec.steps)
     assert check["identical"], check
     assert len(real.steps) == check["steps_compared"]
+
+
+def test_report_states_recorded_identity_or_divergence(pair):
+    cfg, trace, real, sim, d = pair
+    cost = CostModel("smollm2", "cpu-2core", "cpu-2core")
+    rec = simulate_recorded(cfg, trace, real.steps["duration_s"].to_numpy())
+    res = compare(real, sim, cost, recorded=rec)
+    md, _ = write_report(res, d / "report-recorded")
+    assert "memory metrics **identical** over all" in md.read_text()
+    bad = Run("sim", rec.requests, rec.steps.assign(blocks_used=rec.steps.blocks_used + 1), rec.summary)
+    md, _ = write_report(compare(real, sim, cost, recorded=bad), d / "report-diverged")
+    assert "memory metrics **diverge** at step 0: blocks_used" in md.read_text()
