@@ -14,8 +14,8 @@ and `age_weight`, which says where evictions fall:
   probability `exit_evict`; otherwise it joins the row's heavy-hitter list and a listed token is
   evicted: with probability `old_share` a uniform one, else one of the newest survivors (the list's
   end, exponential with mean `young_span` entries) — token-level H2O mostly evicts tokens that left
-  the window a few steps ago. Defaults (0.3, 8, 0.0; profile keys override them) were fitted to
-  token-level mode on SmolLM2-135M (tests/test_kv_fast.py). The prompt cut keeps a uniformly
+  the window a few steps ago. Defaults (0.3, 8, 0.2; profile keys override them) were fitted to
+  token-level mode on SmolLM2-135M and Llama-3.1-8B (tests/test_kv_fast.py, bench). The prompt cut keeps a uniformly
   random subset of the candidates (multivariate hypergeometric per row), as a content-score
   ranking does.
 - "uniform": every eviction is a uniformly drawn non-window token.
@@ -100,7 +100,7 @@ class FastKVManager:
         young = self.age_weight == "young"
         self.exit_evict = {"oldest": 1.0, "uniform": 0.0}.get(self.age_weight, float(profile.get("exit_evict", 0.3)))
         self.young_span = float(profile.get("young_span", 8.0)) if young else 0.0
-        self.old_share = float(profile.get("old_share", 0.0)) if young else 1.0
+        self.old_share = float(profile.get("old_share", 0.2)) if young else 1.0
         self.strategy = slot_strategy
         self.append = slot_strategy in _APPEND
         self.bytes_per_token_row = bytes_per_token_row
