@@ -1,6 +1,7 @@
 """`kvsim simulate`: run one simulation from a config file and/or options."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
@@ -67,6 +68,7 @@ def simulate(
     try:
         cfg = load_config(config, overrides, set_)
         from .simulate import run_simulation
+        gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
         result = run_simulation(cfg, out, progress=not quiet)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
