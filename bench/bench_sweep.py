@@ -18,7 +18,15 @@ import pandas as pd
 from sim.sweep import parse_spec, read_store, run_sweep
 
 
-def make_spec(max_requests: int) -> dict:
+def make_spec(max_requests: int, grid: str = "policies") -> dict:
+    if grid == "policies":     # the sweep: policies x budgets x rate scales (x slot strategy)
+        return {
+            "name": "bench-azure-conv-48-policies",
+            "fixed": {"trace": "azure-conv-2023", "model": "llama-3.1-8b", "gpu": "h100",
+                      "trace_options.max_requests": max_requests, "kv.layout": "per_head", "kv.mode": "fast"},
+            "grid": {"kv.policy": ["streaming", "h2o"], "kv.budget": [128, 256, 512, 1024],
+                     "kv.slot_strategy": ["free_block", "slot_reuse"], "trace_options.rate_scale": [0.5, 1, 2]},
+        }
     return {
         "name": "bench-azure-conv-48",
         "fixed": {"trace": "azure-conv-2023", "model": "llama-3.1-8b", "gpu": "h100",
@@ -39,10 +47,14 @@ def timed(label: str, fn) -> tuple[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-requests", type=int, default=500)
+    ap.add_argument("--max-requests", type=int, default=None,
+                    help="requests per run (default 60 for the policy grid, 500 for the engine grid)")
+    ap.add_argument("--grid", choices=["policies", "engine"], default="policies")
     ap.add_argument("--skip-serial", action="store_true")
     args = ap.parse_args()
-    plan = parse_spec(make_spec(args.max_requests))
+    if args.max_requests is None:
+        args.max_requests = 60 if args.grid == "policies" else 500
+    plan = parse_spec(make_spec(args.max_requests, args.grid))
     assert len(plan.runs) == 48, len(plan.runs)
     root = Path(tempfile.mkdtemp(prefix="kvsim-bench-sweep-"))
     print(f"48 runs, {args.max_requests} requests each, stores under {root}")
