@@ -19,3 +19,14 @@ def test_ci_runs_the_readme_setup_and_test_commands():
     assert setup in ci_lines
     assert tests in ci_lines
     assert "kvsim simulate --trace azure-conv-2023" in readme
+
+
+def test_readme_config_example_is_a_valid_config():
+    import yaml
+
+    from sim.config import SimConfig
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("Config file (every key optional; defaults shown):", 1)[1]
+    example = re.search(r"```yaml\n(.+?)\n```", block, re.S).group(1)
+    assert SimConfig.model_validate(yaml.safe_load(example)) == SimConfig()
