@@ -120,6 +120,8 @@ def test_cli_simulate_writes_outputs(tmp_path):
     (["--slo-ttft", "2"], "not a duration with a unit"),
     (["--set", "engine.bogus=1"], "engine.bogus"),
     (["--router", "random"], "router"),
+    (["--policy", "pyramidkv"], "needs kv.layout=per_head"),
+    (["--policy", "snapkv", "--set", "kv.params.kernel_size=4"], "kernel_size"),
 ])
 def test_bad_configs_fail_with_a_clear_message(args, message, tmp_path):
     res = CliRunner().invoke(app, ["simulate", "--max-requests", "5", "-o", str(tmp_path), "-q", *args])

@@ -43,6 +43,9 @@ def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int):
         policy = get_policy(kv.policy, **policy_params(kv))
     except PolicyError as exc:
         raise ConfigError(str(exc)) from None
+    if getattr(policy, "per_head_only", False) and kv.layout != "per_head":
+        raise ConfigError(f"kv.layout: policy {kv.policy!r} sets different budgets per layer and head; it needs "
+                          f"kv.layout=per_head, got {kv.layout!r}")
     pool_blocks = num_blocks * rows
     bytes_per_row = cost.kv_bytes_per_token / rows
     new_tier = getattr(policy, "new_token_tier", TIER_FULL)
