@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.request import Request
+from .base import EvictingManagerBase
 from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
 from .policy import EvictionPolicy, PolicyContext, PolicyError
 
@@ -74,9 +75,7 @@ class CountPool:
         assert 0 <= self.num_free_blocks <= self.num_blocks, "free count out of range"
 
 
-class FastKVManager:
-    supports_fast_forward = False
-    enable_caching = False
+class FastKVManager(EvictingManagerBase):
 
     def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy, *,
                  slot_strategy: str = "free_block", bytes_per_token_row: float = 0.0, seed: int = 0,
@@ -107,7 +106,6 @@ class FastKVManager:
         self.pool = CountPool(num_blocks, self.unit)
         self.rng = np.random.default_rng([seed, 3])
         self.plan = KVStepPlan()
-        self.num_prefix_queries = self.num_prefix_hits = 0
         self.logical_token_steps = 0
         self.stored_token_steps = 0.0
         self._live_total = 0
@@ -168,26 +166,6 @@ class FastKVManager:
     @property
     def req_blocks(self):
         return self.slot_of
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks // self.real_rows * self.block_size
-
-    def max_tokens_per_request(self) -> int:
-        return self.capacity_tokens()
-
-    def get_computed_blocks(self, req):
-        return []
-
-    def record_prefix_lookup(self, *a) -> None:
-        pass
 
     def kv_tokens(self, req) -> float:
         s = self.slot_of.get(req)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.request import Request
+from .base import EvictingManagerBase
 from .importance import ImportanceSource
 from .policy import Decision, EvictionPolicy, PolicyContext
 from .pool import ArrayBlockPool
@@ -112,9 +113,7 @@ class RequestKV:
         self.state.resize(entries * self.stride)
 
 
-class EvictingKVManager:
-    supports_fast_forward = False
-    enable_caching = False
+class EvictingKVManager(EvictingManagerBase):
 
     def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy,
                  importance: ImportanceSource | None = None, *, slot_strategy: str = "free_block",
@@ -145,7 +144,6 @@ class EvictingKVManager:
         self.stored_token_steps = 0.0     # ... and of their stored fp16 token-equivalents per row
         self.pool = ArrayBlockPool(num_blocks, "ring" if slot_strategy == "parallel_compact" else "stack")
         self.req_kv: dict[Request, RequestKV] = {}
-        self.num_prefix_queries = self.num_prefix_hits = 0
         self.plan = KVStepPlan()
         self._external: dict[int, np.ndarray] = {}
         self._live_total = 0
@@ -156,26 +154,6 @@ class EvictingKVManager:
     @property
     def req_blocks(self):
         return self.req_kv
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks // self.rows * self.block_size
-
-    def max_tokens_per_request(self) -> int:
-        return self.capacity_tokens()
-
-    def get_computed_blocks(self, req: Request) -> list[int]:
-        return []
-
-    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
-        pass
 
     def kv_tokens(self, req: Request) -> float:
         """fp16 token-equivalents attention reads per row (tiers weighted by their bytes; selection

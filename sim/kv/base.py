@@ -1,0 +1,36 @@
+"""Scheduler-facing surface shared by the eviction-aware KV managers (token-level and fast mode)."""
+from __future__ import annotations
+
+
+class EvictingManagerBase:
+    """What the scheduler asks of a KV manager, where it is the same for every eviction-aware one.
+
+    No prefix caching (evicted tokens break shared prefix blocks) and no bulk decode fast-forward
+    (eviction changes memory every step). The pool counts blocks of one (layer, KV head) row in the
+    per_head layout, so a request can hold at most `pool blocks / ctx.rows` blocks of tokens.
+    Subclasses set `pool`, `ctx` and `block_size`.
+    """
+    supports_fast_forward = False
+    enable_caching = False
+    num_prefix_queries = 0
+    num_prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks // self.ctx.rows * self.block_size
+
+    def max_tokens_per_request(self) -> int:
+        return self.capacity_tokens()
+
+    def get_computed_blocks(self, req) -> list[int]:
+        return []
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        pass
