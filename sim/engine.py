@@ -13,7 +13,7 @@ from typing import Callable, Protocol
 import numpy as np
 import simpy
 
-from .core.request import Request, RequestStatus
+from .core.request import Request
 from .core.scheduler import Scheduler, SchedulerOutput
 from . import fast_forward
 from .metrics import StepLog
@@ -154,7 +154,7 @@ class EngineReplica:
         rows = fast_forward.apply(self, run)
         self.now = float(run.ends[-1])
         yield self._sleep_until(self.now)
-        self._finish([r for r, e in zip(run.reqs, run.last.tolist()) if e == k], self.now)
+        self.scheduler.finish([r for r, e in zip(run.reqs, run.last.tolist()) if e == k], self.now)
         waiting[-1] = len(sched.waiting)       # arrivals during the last step
         last = self._pool_row()
         for name in ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
@@ -174,14 +174,6 @@ class EngineReplica:
             self.check_invariants()
         if self.on_step:
             self.on_step(k)
-
-    def _finish(self, reqs: list[Request], when: float) -> None:
-        for req in reqs:
-            self.scheduler.running.remove(req)
-            self.kv.free(req)
-            req.status = RequestStatus.FINISHED
-            req.finish_time = when
-            self.scheduler.finished.append(req)
 
 
 class Router:

@@ -146,7 +146,7 @@ def _bulk_allocate(replica, run: DecodeRun) -> np.ndarray:
         stop = int(np.searchsorted(step_idx, s, side="right"))
         kv.append_one_block_each([reqs[r] for r in req_idx[start:stop].tolist()])
         start = stop
-        replica._finish([req for req, e in zip(reqs, last) if e - 1 == s], float(run.ends[s]))
+        replica.scheduler.finish([req for req, e in zip(reqs, last) if e - 1 == s], float(run.ends[s]))
     kv.append_one_block_each([reqs[r] for r in req_idx[start:].tolist()])
     return used0 + np.cumsum(run.new.sum(axis=0)) - np.cumsum(run.freed)
 
@@ -166,7 +166,7 @@ def _replay_events(replica, run: DecodeRun) -> tuple[np.ndarray, np.ndarray]:
         nonlocal done, f
         for i in range(done, upto):
             while f < len(finishing) and finishing[f][0] == i:     # finishes end their step
-                replica._finish([run.reqs[finishing[f][1]]], float(run.ends[i]))
+                replica.scheduler.finish([run.reqs[finishing[f][1]]], float(run.ends[i]))
                 f += 1
             used[i] = pool.num_used_blocks
             cached[i] = pool.num_cached_free_blocks

@@ -278,13 +278,17 @@ class Scheduler:
                 req.token_times.append(now)
                 if req.num_output_tokens >= req.max_output_tokens:
                     done.append(req)
-        for req in done:
+        self.finish(done, now)
+        return done
+
+    def finish(self, reqs: list[Request], now: float) -> None:
+        """Requests that produced their last token leave the batch and free their KV."""
+        for req in reqs:
             self.running.remove(req)
             self.kv.free(req)
             req.status = RequestStatus.FINISHED
             req.finish_time = now
             self.finished.append(req)
-        return done
 
 
 def _is_prefill(req: Request, num_new_tokens: int) -> bool:
