@@ -215,7 +215,7 @@ class RealExecutor:
             shape.bytes_moved = moved
             predicted = float(self.cost.predict(shape))
         return StepResult(duration_s=t5 - t0, predicted_s=predicted, evicted_tokens=evicted,
-                          blocks_freed_by_eviction=freed, bytes_moved=moved)
+                          blocks_freed_by_eviction=freed, bytes_moved=moved, shape=shape)
 
     def warm_up(self) -> None:
         """One throwaway prefill and decode (nothing cached) so lazy initialisation — torch's thread pool,

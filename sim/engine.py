@@ -16,6 +16,7 @@ import simpy
 from .core.request import Request
 from .core.scheduler import Scheduler, SchedulerOutput
 from . import fast_forward
+from .core.step import BatchShape, batch_shape
 from .metrics import StepLog
 
 
@@ -26,6 +27,7 @@ class StepResult:
     evicted_tokens: int = 0
     blocks_freed_by_eviction: int = 0
     bytes_moved: int = 0
+    shape: BatchShape | None = None      # what the step asked of the hardware (as priced), for the log
 
 
 class Executor(Protocol):
@@ -85,12 +87,12 @@ class EngineReplica:
                 if s.request.first_scheduled_time is None:
                     s.request.first_scheduled_time = start
             result = self.executor.execute(out)
-            entries = sum(self.kv.block_table_entries(s.request) for s in out.scheduled)   # before finishes free them
+            shape = result.shape or batch_shape(out, self.kv)     # before finishes free blocks
             self._last_duration = result.duration_s
             self.now = start + result.duration_s
             yield self._sleep_until(self.now)
             finished = self.scheduler.update(out, self.now)
-            self._log_step(start, out, result, len(finished), entries)
+            self._log_step(start, out, result, len(finished), shape)
             if self.fast_forward:
                 yield from self._decode_run()
 
@@ -107,23 +109,21 @@ class EngineReplica:
         }
 
     def _log_step(self, start: float, out: SchedulerOutput, result: StepResult, finished: int,
-                  block_table_entries: int = 0) -> None:
-        prefill = [s for s in out.scheduled if s.is_prefill]
-        prefill_tokens = sum(s.num_new_tokens for s in prefill)
+                  shape: BatchShape) -> None:
+        num_prefill = sum(1 for s in out.scheduled if s.is_prefill)
         row = {
             "replica": self.index, "step": self.num_steps, "time_s": start,
             "duration_s": result.duration_s, "predicted_s": result.predicted_s,
-            "batch_size": len(out.scheduled), "num_prefill_seqs": len(prefill),
-            "num_decode_seqs": len(out.scheduled) - len(prefill),
-            "prefill_tokens": prefill_tokens, "decode_tokens": out.num_tokens - prefill_tokens,
-            "kv_tokens_read": sum(s.context_before + s.num_new_tokens for s in out.scheduled),
+            "batch_size": len(out.scheduled), "num_prefill_seqs": num_prefill,
+            "num_decode_seqs": len(out.scheduled) - num_prefill,
+            "prefill_tokens": shape.num_prefill_tokens, "decode_tokens": shape.num_decode_tokens,
+            "kv_tokens_read": shape.kv_tokens_read,
             "preemptions": len(out.preempted), "finished": finished,
             "evicted_tokens": result.evicted_tokens,
             "blocks_freed_by_eviction": result.blocks_freed_by_eviction,
             "bytes_moved": result.bytes_moved,
-            "attn_pairs_prefill": sum(s.num_new_tokens * (s.context_before + (s.num_new_tokens + 1) / 2)
-                                      for s in prefill),
-            "block_table_entries": block_table_entries,
+            "attn_pairs_prefill": shape.attn_pairs_prefill,
+            "block_table_entries": shape.block_table_entries,
         }
         row.update(self._pool_row())
         self.step_log.append(row)

@@ -16,7 +16,7 @@ class CostModelExecutor:
     def execute(self, out: SchedulerOutput) -> StepResult:
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
         seconds = float(self.cost.predict(shape))
-        return StepResult(duration_s=seconds, predicted_s=seconds)
+        return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
 
     def predict_run(self, shape: BatchShape):
         return self.cost.predict(shape)

@@ -27,7 +27,8 @@ class KVPolicyExecutor:
         seconds = float(self.cost.predict(shape))
         self.last_plan = plan
         return StepResult(duration_s=seconds, predicted_s=seconds, evicted_tokens=plan.evicted_tokens,
-                          blocks_freed_by_eviction=plan.blocks_freed_by_eviction, bytes_moved=plan.bytes_moved)
+                          blocks_freed_by_eviction=plan.blocks_freed_by_eviction, bytes_moved=plan.bytes_moved,
+                          shape=shape)
 
     def predict_run(self, shape):
         return self.cost.predict(shape)
