@@ -104,6 +104,12 @@ class Scheduler:
 
     # ----- admission control -----------------------------------------------------------------
     def add_request(self, req: Request) -> bool:
+        """Queue a request, or reject it with a reason when it can never fit. Output that would run
+        past max_model_len is capped there (as vLLM stops at the model length)."""
+        limit = self.config.max_model_len
+        if req.prompt_tokens + 1 <= limit < req.prompt_tokens + req.max_output_tokens:
+            req.max_output_tokens = limit - req.prompt_tokens
+            req.extra["output_capped"] = True
         reason = self._never_fits(req)
         if reason:
             req.status = RequestStatus.REJECTED
@@ -117,9 +123,6 @@ class Scheduler:
         if req.prompt_tokens + 1 > self.config.max_model_len:
             return (f"prompt of {req.prompt_tokens} tokens leaves no room for output within "
                     f"max_model_len={self.config.max_model_len}")
-        if req.prompt_tokens + req.max_output_tokens > self.config.max_model_len:
-            req.max_output_tokens = self.config.max_model_len - req.prompt_tokens
-            req.extra["output_capped"] = True
         peak = req.prompt_tokens + req.max_output_tokens - 1
         capacity = self.kv.max_tokens_per_request()
         if peak > capacity:
