@@ -142,7 +142,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget, req.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
@@ -169,11 +169,12 @@ class Scheduler:
         out.scheduled = list(scheduled.values())
         return out
 
-    def _chunk(self, req: Request, remaining: int, budget: int) -> int:
+    def _chunk(self, remaining: int, budget: int, computed: int) -> int:
+        """New tokens a request gets: min(remaining, budget left, long_prefill_token_threshold)."""
         n = remaining
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
-        return min(n, budget, self.config.max_model_len - req.num_computed_tokens)
+        return min(n, budget, self.config.max_model_len - computed)
 
     def _pick_victim(self) -> tuple[Request, int]:
         index = len(self.running) - 1
@@ -217,7 +218,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 self._undo_admission(req, swapped)
                 break
-            n = self._chunk(req, remaining, budget)
+            n = self._chunk(remaining, budget, req.num_computed_tokens)
             context = self.kv.kv_tokens(req)
             if not self.kv.allocate_slots(req, n, computed_blocks=hits):
                 self._undo_admission(req, swapped)
@@ -254,10 +255,7 @@ class Scheduler:
         remaining = req.num_tokens - computed
         if not self.config.enable_chunked_prefill and remaining > budget:
             return True
-        n = remaining
-        if self.config.long_prefill_token_threshold > 0:
-            n = min(n, self.config.long_prefill_token_threshold)
-        n = min(n, budget, self.config.max_model_len - computed)
+        n = self._chunk(remaining, budget, computed)
         need = -(-(computed + n) // bs) - len(hits)
         revivable = sum(1 for b in hits if self.kv.pool.ref_cnt[b] == 0)
         return need > free_blocks - revivable
