@@ -83,7 +83,7 @@ def plan(replica) -> DecodeRun | None:
     need = np.cumsum(new.sum(axis=0))
     need[1:] -= np.cumsum(freed)[:-1]
     fits = need <= kv.num_free_blocks
-    if not fits[-1] or not fits.all():
+    if not fits.all():
         k = int(np.argmin(fits))
         if k < 1:
             return None
