@@ -267,6 +267,26 @@ class CostModel:
         total = self.breakdown(shape)["total"]
         return float(total) if np.ndim(total) == 0 else total
 
+    def predict_decode(self, num_seqs: np.ndarray, kv_tokens_read: np.ndarray,
+                       block_table_entries: np.ndarray) -> np.ndarray:
+        """`predict` for a run of pure-decode steps (float64 arrays; one new token per sequence, no
+        prefill, copy or swap), with the zero terms left out. Bit-identical to `predict` on the same
+        BatchShape: every dropped term is an exact 0.0, and x + 0.0 == x. The decode fast-forward
+        prices each run with it (tested against `predict`)."""
+        c, p = self._c, self.profile
+        linear = np.maximum((num_seqs * c["decode_flops_s"] + num_seqs * c["lm_head_s"]) / p.mfu_decode,
+                            (c["weights_s"] + num_seqs * c["act_token_s"] + num_seqs * c["logits_seq_s"])
+                            / p.mem_bw_eff)
+        attention = np.maximum(kv_tokens_read * c["attn_pair_s"] / p.attn_compute_eff,
+                               kv_tokens_read * c["kv_token_s"] / p.attn_bw_eff)
+        total = linear + attention
+        if self.tp > 1:
+            total = total + (num_seqs * c["allreduce_token_s"] / p.allreduce_bw_eff
+                             + c["allreduce_count"] * p.allreduce_latency_s)
+        overhead = (p.step_overhead_s + num_seqs * p.per_seq_overhead_s
+                    + block_table_entries * p.per_block_entry_overhead_s)
+        return total + overhead
+
     def active_branches(self, shape: BatchShape) -> dict[str, np.ndarray | np.bool_]:
         """Which side of each roofline max() is active (True = compute side) under the profile."""
         f, p = self.features(shape), self.profile

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .core.step import BatchShape
-
 F64 = np.float64
 
 
@@ -91,12 +89,7 @@ def plan(replica) -> DecodeRun | None:
     batch = act.sum(axis=0)
     kv_read = (tokens[:, :k] * act).sum(axis=0)
     entries = (held[:, :k] * act).sum(axis=0)
-    zeros = np.zeros(k)
-    batch_f = batch.astype(F64)
-    shape = BatchShape(num_seqs=batch_f, num_prefill_tokens=zeros, num_decode_tokens=batch_f,
-                       attn_pairs_prefill=zeros, kv_tokens_read=kv_read.astype(F64), bytes_moved=zeros,
-                       swap_bytes=zeros, block_table_entries=entries.astype(F64))
-    durations = np.asarray(replica.executor.predict_run(shape), dtype=F64)
+    durations = replica.executor.predict_decode_run(batch.astype(F64), kv_read.astype(F64), entries.astype(F64))
     clock = np.add.accumulate(np.concatenate(([replica.now], durations)))
     # Steps that start before the next arrival are scheduled exactly as stepping would schedule them.
     k = min(k, int(np.searchsorted(clock[:-1], next_arrival, side="left")))

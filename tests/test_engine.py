@@ -37,6 +37,7 @@ SCENARIOS = {
     "swap": {"trace_options.max_requests": 150, "engine.num_gpu_blocks": 700, "engine.preemption_mode": "swap",
              "engine.swap_space_gib": 0.05},
     "seq-limit": {"trace_options.max_requests": 150, "engine.max_num_seqs": 8, "trace_options.rate_scale": 3.0},
+    "tp-70b": {"trace_options.max_requests": 100, "model": "llama-3.1-70b", "gpu": "a100-80gb", "tp": 4},
 }
 
 
@@ -47,6 +48,24 @@ def test_fast_forward_gives_identical_results_to_stepping(name):
     slow = sim({**over, "fast_forward": False})
     assert_same_results(fast, slow)
     assert fast.summary["num_finished"] + fast.summary["num_rejected"] == len(fast.requests)
+
+
+@pytest.mark.parametrize("model,gpu,tp", [("llama-3.1-8b", "h100", 1), ("llama-3.1-70b", "a100-80gb", 4),
+                                          ("qwen2.5-32b", "l4", 2), ("smollm2-135m", "cpu-2core", 1)])
+def test_decode_run_pricing_is_bit_identical_to_step_pricing(model, gpu, tp):
+    from sim.cost_model import CostModel
+    from sim.core.step import BatchShape
+
+    cost = CostModel(model, gpu, tp=tp)
+    rng = np.random.default_rng(0)
+    seqs = rng.integers(1, 256, 64).astype(np.float64)
+    kv_read = seqs * rng.integers(1, 8000, 64)
+    entries = np.ceil(kv_read / 16)
+    run = cost.predict_decode(seqs, kv_read, entries)
+    for i in range(64):
+        step = cost.predict(BatchShape(num_seqs=int(seqs[i]), num_decode_tokens=int(seqs[i]),
+                                       kv_tokens_read=int(kv_read[i]), block_table_entries=int(entries[i])))
+        assert run[i] == step            # exact: the fast-forward must price steps as stepping does
 
 
 def test_memory_pressure_preempts_and_conserves_tokens():

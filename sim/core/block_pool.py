@@ -17,30 +17,51 @@ class BlockPool:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.ref_cnt = [0] * num_blocks   # a list: scalar access is far faster than numpy's
         self.block_hash: list[int | None] = [None] * num_blocks
-        # Free queue: head = next to allocate. With caching, an OrderedDict gives O(1)
-        # pop/append/remove-from-middle (revival); without, nothing leaves the middle: a deque does.
-        self.free_queue = OrderedDict.fromkeys(range(num_blocks)) if enable_caching else deque(range(num_blocks))
         self.cached: dict[int, int] = {}        # block hash -> block id
         self.num_cache_evictions = 0
         self.num_cached_free_blocks = 0         # free blocks still holding a reusable prefix
+        if enable_caching:
+            # Free queue, head = next to allocate: an OrderedDict gives O(1) pop/append/remove-from-
+            # middle (revival). Ref counts in a list: scalar access is far faster than numpy's.
+            self.free_queue = OrderedDict.fromkeys(range(num_blocks))
+            self._ref_cnt = [0] * num_blocks
+        else:
+            # Without caching no block is shared (ref counts are 0 or 1) and nothing leaves the
+            # middle of the queue: a list used as a stack whose END is the head moves blocks in bulk.
+            self._stack = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def ref_cnt(self) -> list[int]:
+        if self.enable_caching:
+            return self._ref_cnt
+        ref = [1] * self.num_blocks
+        for block in self._stack:
+            ref[block] -= 1
+        return ref
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) if self.enable_caching else len(self._stack)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks, head (next to allocate) first."""
+        return list(self.free_queue) if self.enable_caching else self._stack[::-1]
 
     def get_new_blocks(self, n: int) -> list[int]:
-        if n > len(self.free_queue):
-            raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
         if not self.enable_caching:
-            blocks = [self.free_queue.popleft() for _ in range(n)]
-            for block in blocks:
-                self.ref_cnt[block] = 1
+            if n <= 0:
+                return []
+            stack = self._stack
+            blocks = stack[-n:]
+            del stack[-n:]
+            blocks.reverse()
             return blocks
         blocks = []
         pop = self.free_queue.popitem
@@ -48,7 +69,7 @@ class BlockPool:
             block, _ = pop(last=False)
             if self.block_hash[block] is not None:
                 self._evict_cached(block)
-            self.ref_cnt[block] = 1
+            self._ref_cnt[block] = 1
             blocks.append(block)
         return blocks
 
@@ -63,15 +84,10 @@ class BlockPool:
 
     def free_blocks(self, blocks) -> None:
         """Drop one reference from each block, in the given order (callers pass tail blocks first)."""
-        ref = self.ref_cnt
-        if not self.enable_caching:      # unhashed: each goes to the head, the last one given first
-            freed = []
-            for block in blocks:
-                ref[block] -= 1
-                if ref[block] == 0:
-                    freed.append(block)
-            self.free_queue.extendleft(freed)
+        if not self.enable_caching:      # each goes to the head, the last one given first
+            self._stack.extend(blocks)
             return
+        ref = self._ref_cnt
         for block in blocks:
             ref[block] -= 1
             if ref[block] == 0:
@@ -86,11 +102,12 @@ class BlockPool:
 
     def touch(self, blocks) -> None:
         """Take a reference on cached blocks hit by a new request; revive them if free."""
+        ref = self._ref_cnt
         for block in blocks:
-            if self.ref_cnt[block] == 0:
+            if ref[block] == 0:
                 del self.free_queue[block]
                 self.num_cached_free_blocks -= 1
-            self.ref_cnt[block] += 1
+            ref[block] += 1
 
     def cache_block(self, block: int, block_hash: int) -> None:
         if not self.enable_caching or self.block_hash[block] is not None:
@@ -101,9 +118,12 @@ class BlockPool:
         self.cached[block_hash] = block
 
     def check_invariants(self) -> None:
+        free_ids = self.free_block_ids()
+        assert len(set(free_ids)) == len(free_ids), "a block is in the free queue twice (double free)"
         free = np.zeros(self.num_blocks, dtype=bool)
-        free[list(self.free_queue)] = True
-        ref = np.asarray(self.ref_cnt)
+        free[free_ids] = True
+        ref_cnt = self.ref_cnt
+        ref = np.asarray(ref_cnt)
         assert (ref >= 0).all(), "negative ref count"
         both = np.flatnonzero(free & (ref > 0))
         assert both.size == 0, f"blocks both free and owned: {both[:10].tolist()}"
@@ -111,5 +131,5 @@ class BlockPool:
         assert lost.size == 0, f"blocks neither free nor owned: {lost[:10].tolist()}"
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, f"cache index points at block {b} with another hash"
-        cached_free = sum(1 for b in self.cached.values() if self.ref_cnt[b] == 0)
+        cached_free = sum(1 for b in self.cached.values() if ref_cnt[b] == 0)
         assert cached_free == self.num_cached_free_blocks, "cached-free block count drifted"

@@ -147,7 +147,10 @@ class KVCacheManager:
                 f"request {req.request_id} holds {len(blocks)} blocks for {req.num_computed_tokens} tokens")
             for b in blocks:
                 counts[b] = counts.get(b, 0) + 1
+        ref = self.pool.ref_cnt
         for b, c in counts.items():
-            assert self.pool.ref_cnt[b] == c, f"block {b}: ref count {self.pool.ref_cnt[b]} != {c} owners"
+            assert ref[b] == c, f"block {b}: ref count {ref[b]} != {c} owners"
+        leaked = [b for b, r in enumerate(ref) if r and b not in counts]
+        assert not leaked, f"blocks referenced but owned by no request: {leaked[:10]}"
         owners = set(self.req_blocks)
         assert owners <= set(live_requests), "blocks held by a request that is not live"
