@@ -44,6 +44,23 @@ from sim.kv.policy import EvictionPolicy
 RECENT_WINDOW = 64          # attention statistics: share of the mass on the last 64 tokens
 
 
+STEP_CLOCKS = ("wall", "cpu")
+
+
+def step_clock(name: str, device) -> Callable[[], float]:
+    """The timer of a step: `wall` (time.perf_counter) or `cpu` (this thread's CPU time,
+    time.thread_time: time other processes take of the CPU does not count). `cpu` needs device cpu and
+    1 torch thread, where all of a step's work runs in the calling thread."""
+    if name == "wall":
+        return time.perf_counter
+    if name != "cpu":
+        raise ValueError(f"clock must be one of {STEP_CLOCKS}, got {name!r}")
+    if torch.device(device).type != "cpu" or torch.get_num_threads() != 1:
+        raise ValueError(f"clock 'cpu' times the calling thread only: it needs device cpu and 1 torch thread "
+                         f"(got {device}, {torch.get_num_threads()} threads)")
+    return time.thread_time
+
+
 class RealScoresOnly(ImportanceSource):
     """Importance source of a replay: scores come only from the model (`supply_scores`); a policy
     asking for scores the executor did not supply is a bug, not a reason to fall back to a model."""
@@ -109,11 +126,13 @@ class RealExecutor:
     supports_fast_forward = False
 
     def __init__(self, model, cache, kv, cost=None, *, prompt_ids: Callable[[Request], list[int]],
-                 recorder: ReplayRecorder | None = None, stats_window: int = 0, check_cache: bool = False):
+                 recorder: ReplayRecorder | None = None, stats_window: int = 0, check_cache: bool = False,
+                 clock: str = "wall"):
         self.model, self.cache, self.kv, self.cost = model, cache, kv, cost
         self.prompt_ids = prompt_ids
         self.recorder = recorder
         self.check_cache = check_cache
+        self.clock = step_clock(clock, cache.device)
         self.device = cache.device
         self.bs = cache.block_size
         self.evicting = isinstance(kv, EvictingKVManager)
@@ -167,7 +186,7 @@ class RealExecutor:
         for s in out.scheduled:          # prompt ids are the workload, not the step: made before timing
             self.tokens(s.request)
         self._sync()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token) if self.cost is not None else None
         sched = out.scheduled
         pre = None
@@ -175,12 +194,12 @@ class RealExecutor:
             pre = self.kv.plan
             self.kv.begin_step()
             self._apply_plan(pre, sched, after_write=False, reason="pressure")
-        t1 = time.perf_counter()
+        t1 = self.clock()
         ids, positions, meta, tables = self._prepare(sched, pre)
-        t2 = time.perf_counter()
+        t2 = self.clock()
         logits = self.model.forward(ids, positions, meta, self.cache)
         next_tokens = logits.argmax(-1).tolist()
-        t3 = time.perf_counter()
+        t3 = self.clock()
         self.last_logits, self.last_request_ids = logits, [s.request.request_id for s in sched]
         for s, token in zip(sched, next_tokens):
             req = s.request
@@ -191,14 +210,14 @@ class RealExecutor:
         post = None
         if self.evicting:
             post = self.kv.finish_step(sched)
-            t4 = time.perf_counter()
+            t4 = self.clock()
             self._apply_plan(post, sched, after_write=True, reason="policy")
         else:
-            t4 = time.perf_counter()
+            t4 = self.clock()
         if self.check_cache:
             self.verify_cache(sched)
         self._sync()
-        t5 = time.perf_counter()
+        t5 = self.clock()
         parts = {"prepare_s": t2 - t1, "forward_s": t3 - t2, "policy_s": t4 - t3, "kv_ops_s": (t1 - t0) + (t5 - t4)}
         for k, v in parts.items():
             self.times[k] += v

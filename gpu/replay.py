@@ -44,6 +44,7 @@ class ReplayOptions:
     layers: int | None = None            # keep only the first N layers (quick runs)
     attention_stats: bool = True         # record attention statistics at the end of every prefill
     stats_window: int = 32               # queries observed for them (the policy's obs_window if it needs scores)
+    clock: str = "wall"                  # step timer: wall | cpu (the thread's CPU time; device cpu, 1 torch thread)
 
 
 @dataclass
@@ -204,7 +205,8 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     recorder = ReplayRecorder()
     executor = RealExecutor(model, cache, kv, cost, prompt_ids=prompt_ids_for(cfg.seed, model.config.vocab),
                             recorder=recorder, stats_window=opts.stats_window if opts.attention_stats else 0,
-                            check_cache=cfg.check_invariants if check_cache is None else check_cache)
+                            check_cache=cfg.check_invariants if check_cache is None else check_cache,
+                            clock=opts.clock)
 
     executor.warm_up()
     requests = trace_to_requests(trace)
