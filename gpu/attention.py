@@ -3,15 +3,19 @@
 Per layer: prefill sequences first gather their live cached context (before this step's writes),
 then every new token's K/V is written to its slot (marking it live), decodes run the paged decode
 kernel over live slots, and each prefill chunk runs SDPA over [live context, chunk (causal)].
+
+The cache decides how K/V are stored: full precision (`PagedKVCache`) or LeanKV's mixed-precision
+pages (`TieredKVCache`, dequantized on read). A `decode_select` hook (Quest / TokenSelect) narrows
+each decode's read to the slots the selection policy picked, layer by layer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from gpu.kernels.paged_attention import paged_decode_attention
 
 
 @dataclass
@@ -24,6 +28,7 @@ class AttentionScores:
     sum: torch.Tensor
     sq: torch.Tensor
     num_queries: torch.Tensor  # [B] observed queries per sequence (to average)
+    max: torch.Tensor | None = None   # with score_max: sum over observed queries of the max over the group
 
 
 @dataclass
@@ -37,12 +42,18 @@ class AttentionMetadata:
         is scanned; only live slots are attended.
     score_window: 0 = no statistics; w > 0 = fill `scores` from the last w queries of each
         prefill chunk (and the single query of each decode).
+    score_max: also fill `scores.max` (max over each GQA group, summed over the observed queries:
+        LeanKV's significance) instead of `scores.sq`.
+    decode_select: None, or fn(layer, q [Bd, heads, D], tables [Bd, kv_heads, M], cache) -> bool
+        [Bd, kv_heads, M * block_slots]: the slots each decode (in batch order) reads in that layer.
     """
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     score_window: int = 0
+    score_max: bool = False
+    decode_select: Callable | None = None
     scores: AttentionScores | None = None
     _prepared: dict = field(default_factory=dict, repr=False)
 
@@ -57,7 +68,7 @@ class AttentionMetadata:
     def prepare(self, cache) -> None:
         """Validate shapes against the cache, precompute host-side indices and snapshot the live
         mask prefill contexts read (this step's writes must not leak into other layers' context)."""
-        num_layers, num_kv_heads, block_size = cache.num_layers, cache.num_kv_heads, cache.block_size
+        num_layers, num_kv_heads, block_size = cache.num_layers, cache.num_kv_heads, cache.block_slots
         if self.layout != cache.layout:
             raise ValueError(f"metadata is for the {self.layout} layout but the cache is {cache.layout}")
         B, T = self.num_seqs, int(self.query_start_loc[-1])
@@ -92,7 +103,8 @@ class AttentionMetadata:
             shape = (B, num_layers, num_kv_heads, M * block_size)
             observed = [1 if n == 1 else min(n, self.score_window) for n in query_lens]
             self.scores = AttentionScores(torch.zeros(shape, device=device), torch.zeros(shape, device=device),
-                                          torch.tensor(observed, device=device))
+                                          torch.tensor(observed, device=device),
+                                          torch.zeros(shape, device=device) if self.score_max else None)
 
     def layer_tables(self, layer: int) -> torch.Tensor:
         """[B, kv_heads, M] block tables of one layer (a stride-0 expansion for shared)."""
@@ -116,21 +128,43 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     want_scores = meta.scores is not None
     if prep["decode_seqs"].numel():
         tokens, seqs = prep["decode_tokens"], prep["decode_seqs"]
-        kc, vc = cache.layer_view(layer)
-        out[tokens], stats = paged_decode_attention(q[tokens], kc, vc, tables[seqs], cache.live, scale,
-                                                    want_scores=want_scores, backend=cache.backend)
+        q_dec, dec_tables = q[tokens], tables[seqs]
+        selected = meta.decode_select(layer, q_dec, dec_tables, cache) if meta.decode_select is not None else None
+        out[tokens], stats = cache.decode_attention(layer, q_dec, dec_tables, scale, want_scores=want_scores,
+                                                    group_max=meta.score_max, slot_mask=selected)
         if want_scores:
-            meta.scores.sum[seqs, layer], meta.scores.sq[seqs, layer] = stats
+            second = meta.scores.max if meta.score_max else meta.scores.sq
+            meta.scores.sum[seqs, layer], second[seqs, layer] = stats
     for b in prep["prefill"]:
         s, e = prep["starts"][b], prep["starts"][b + 1]
         ctx_k, ctx_v, ctx_live = (t[0] for t in contexts[b])
         out[s:e], stats = prefill_attention(q[s:e], k[s:e], v[s:e], ctx_k, ctx_v, ctx_live, scale,
-                                            meta.score_window if want_scores else 0)
+                                            meta.score_window if want_scores else 0, group_max=meta.score_max)
         if want_scores:
-            index = _table_index(meta.layer_slots(layer)[s:e], tables[b], cache.block_size)
-            for dst, (ctx_part, chunk_part) in zip((meta.scores.sum, meta.scores.sq), stats):
+            index = _table_index(meta.layer_slots(layer)[s:e], tables[b], cache.block_slots)
+            second = meta.scores.max if meta.score_max else meta.scores.sq
+            for dst, (ctx_part, chunk_part) in zip((meta.scores.sum, second), stats):
                 dst[b, layer] = ctx_part.scatter(1, index, chunk_part)
     return out
+
+
+def quest_bound(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
+    """Quest's criticality estimate per slot: for the page (`page` [B, H, S], a position range) of each
+    valid slot, the upper bound sum_d max(q_d * max_d, q_d * min_d) of the query's score over the
+    page's channel-wise key min/max, max over the GQA group's query heads.
+
+    q [B, heads, D]; keys [B, H, S, D]; valid [B, H, S] bool. Returns [B, H, S] fp32 (-inf where not valid)."""
+    B, H, S, D = keys.shape
+    keys = keys.float()
+    num_pages = int(page[valid].max()) + 2 if valid.any() else 1      # the last one collects invalid slots
+    pg = torch.where(valid, page, num_pages - 1).long()
+    idx = pg[..., None].expand(B, H, S, D)
+    kmax = torch.full((B, H, num_pages, D), float("-inf"), device=keys.device).scatter_reduce(2, idx, keys, "amax")
+    kmin = torch.full((B, H, num_pages, D), float("inf"), device=keys.device).scatter_reduce(2, idx, keys, "amin")
+    kmax, kmin = kmax.nan_to_num(0.0, posinf=0.0, neginf=0.0), kmin.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    qg = q.float().view(B, H, -1, 1, D)
+    bound = torch.maximum(qg * kmax[:, :, None], qg * kmin[:, :, None]).sum(-1).amax(2)    # [B, H, pages]
+    return torch.gather(bound, 2, pg).masked_fill(~valid, float("-inf"))
 
 
 def _table_index(slots: torch.Tensor, table: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -141,12 +175,14 @@ def _table_index(slots: torch.Tensor, table: torch.Tensor, block_size: int) -> t
     return entry * block_size + slots % block_size
 
 
-def prefill_attention(q, k, v, ctx_k, ctx_v, ctx_live, scale: float, score_window: int = 0):
+def prefill_attention(q, k, v, ctx_k, ctx_v, ctx_live, scale: float, score_window: int = 0,
+                      group_max: bool = False):
     """A prefill chunk of c tokens over its live cached context (S slots) plus itself, causally.
 
     q [c, heads, D]; k, v [c, H, D]; ctx_k, ctx_v [H, S, D]; ctx_live [H, S].
     Returns out [c, heads, D] and, with score_window w, ((ctx_sum [H, S], chunk_sum [H, c]),
-    (ctx_sq, chunk_sq)) over the last min(w, c) queries.
+    (ctx_sq, chunk_sq)) over the last min(w, c) queries (with `group_max`: the max over the GQA group
+    summed over those queries in place of the sum of squares).
     """
     c, nh, D = q.shape
     H, S = ctx_live.shape
@@ -162,6 +198,11 @@ def prefill_attention(q, k, v, ctx_k, ctx_v, ctx_live, scale: float, score_windo
         return out, None
     w = min(score_window, c)
     s = (qh[:, -w:].float() @ keys.float().transpose(1, 2)) * scale
-    p = torch.softmax(s.masked_fill(~mask[:, -w:], float("-inf")), dim=-1).view(H, group * w, S + c)
-    p_sum, p_sq = p.sum(1), (p * p).sum(1)
+    p = torch.softmax(s.masked_fill(~mask[:, -w:], float("-inf")), dim=-1)
+    if group_max:
+        p_sq = p.view(H, group, w, S + c).amax(1).sum(1)
+    p = p.view(H, group * w, S + c)
+    p_sum = p.sum(1)
+    if not group_max:
+        p_sq = (p * p).sum(1)
     return out, ((p_sum[:, :S], p_sum[:, S:]), (p_sq[:, :S], p_sq[:, S:]))

@@ -9,13 +9,20 @@ Slot id = block_id * block_size + offset. `live [num_blocks, block_size]` marks 
 a token attention may read; writes mark their slots live, `evict` / `free_blocks` clear them.
 Keys are cached after RoPE, so tokens can be relocated (`copy_slots` / `move_slots`) freely.
 Which blocks and slots are used is decided by the engine core (sim/), never here.
+
+`TieredKVCache` is the same surface over LeanKV's mixed-precision pages (`gpu.quant`): quantized K
+and V at each page's precision tier, for both layouts.
 """
 from __future__ import annotations
 
 import torch
 
+import numpy as np
+
 from gpu.kernels.cache_ops import copy_slots, reshape_and_cache
+from gpu.kernels.paged_attention import paged_decode_attention
 from gpu.kernels.reference import gather_live, gather_table
+from gpu.quant import TIERS, MixedPrecisionKVCache
 
 LAYOUTS = ("shared", "per_head")
 
@@ -58,6 +65,31 @@ class PagedKVCache:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def block_slots(self) -> int:
+        """Slot ids per block (slot id = block * block_slots + offset)."""
+        return self.block_size
+
+    def set_live(self, block_ids: torch.Tensor, live: torch.Tensor | bool) -> None:
+        self.live[torch.as_tensor(block_ids, dtype=torch.long, device=self.device)] = live
+
+    def block_live(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """[copies=1, k, block_slots] live masks of the blocks."""
+        return self.live[torch.as_tensor(block_ids, dtype=torch.long, device=self.device)][None]
+
+    def set_page_tiers(self, block_ids, tiers) -> None:
+        """Full-precision pages only: nothing to record."""
+
+    def decode_attention(self, layer: int, q: torch.Tensor, tables: torch.Tensor, scale: float,
+                         want_scores: bool = False, group_max: bool = False,
+                         slot_mask: torch.Tensor | None = None):
+        """q [B, heads, D], tables [B, kv_heads, M] -> (out, None or (sum, sum of squares) [B, H, M*bs])."""
+        if group_max:
+            raise ValueError("the full-precision decode kernel reports sums over each GQA group, not maxima")
+        kc, vc = self.layer_view(layer)
+        return paged_decode_attention(q, kc, vc, tables, self.live, scale, want_scores=want_scores,
+                                      backend=self.backend, slot_mask=slot_mask)
+
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as [num_blocks, block_size, kv_heads, head_dim] (strided) views."""
         if self.layout == "shared":
@@ -84,8 +116,8 @@ class PagedKVCache:
         """Sparse copy: dst slots receive src's K/V (all layers and heads for shared) and liveness."""
         copy_slots(self.k, self.v, self.live, self._slots(src), self._slots(dst), move=False, backend=self.backend)
 
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Compaction move: dst receives src, src becomes empty."""
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, src_tiers=None, dst_tiers=None) -> None:
+        """Compaction move: dst receives src, src becomes empty (one precision: tiers are ignored)."""
         copy_slots(self.k, self.v, self.live, self._slots(src), self._slots(dst), move=True, backend=self.backend)
 
     def evict(self, slots: torch.Tensor) -> None:
@@ -104,3 +136,166 @@ class PagedKVCache:
             raise ValueError(f"slot ids must lie in [0, {self.num_slots}), got range "
                              f"[{int(slots.min())}, {int(slots.max())}]")
         return slots
+
+
+class TieredKVCache:
+    """LeanKV mixed-precision paged KV cache (`shared` or `per_head` layout).
+
+    A block is a fixed-byte page at one precision tier (the engine core's `page_tier`): `tiers[0]`
+    for its TIER_HIGH pages and `tiers[1]` for TIER_LOW; quantized K and V with per-token scale and
+    zero point (`gpu.quant`), so a page holds `capacity[t]` tokens and slot id = block *
+    `block_slots` + offset with `block_slots` the largest capacity, as in the engine core.
+
+    per_head: one page per block (block ids name the (layer, KV head)). shared: a block holds its
+    tokens for every layer and KV head, stored as layers * kv_heads pages of the same tier (page of
+    (layer, head, block) = (layer * kv_heads + head) * num_blocks + block) that share the block's
+    live mask. `live` is per page: [num_blocks * copies, block_slots].
+    """
+
+    def __init__(self, layout: str, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 page_bytes: int, tiers: tuple[str, str] = ("K8V4", "K4V2"), device: str | torch.device = "cpu",
+                 backend: str | None = None, block_size: int | None = None):
+        """`block_size`: the full-precision tokens a page's bytes stand for (the engine core's block size)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if len(tiers) != 2:
+            raise ValueError(f"tiers must name the high and the low tier, got {tiers!r}")
+        self.layout, self.backend = layout, backend
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_blocks, self.page_bytes, self.block_size = num_blocks, page_bytes, block_size
+        self.copies = num_layers * num_kv_heads if layout == "shared" else 1
+        self.pages = MixedPrecisionKVCache(num_blocks * self.copies, page_bytes, head_dim, tiers, device)
+        self.device = self.pages.device
+        self.capacity = tuple(self.pages.capacity)
+        self.block_slots = self.pages.max_tokens
+        self.live = self.pages.live
+
+    @classmethod
+    def for_model(cls, config, layout: str, num_blocks: int, block_size: int, full_bytes: int,
+                  tiers: tuple[str, str] = ("K8V4", "K4V2"), device="cpu", backend=None) -> "TieredKVCache":
+        """Pages of the bytes of one full-precision block of one (layer, KV head): block_size tokens x
+        `full_bytes` (K + V bytes of one token of one head at the cache dtype)."""
+        return cls(layout, config.layers, config.kv_heads, config.head_dim, num_blocks, block_size * full_bytes,
+                   tiers, device, backend, block_size=block_size)
+
+    @staticmethod
+    def tier_capacity(tiers, page_bytes: int, head_dim: int) -> tuple[int, ...]:
+        return tuple(TIERS[t].tokens_per_page(page_bytes, head_dim) for t in tiers)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_slots
+
+    # ----- page / slot addressing ----------------------------------------------------------------
+    def _copy_index(self, layer: int) -> torch.Tensor:
+        """[kv_heads] copy index of each head's pages in `layer` (0 for per_head)."""
+        if self.layout == "per_head":
+            return torch.zeros(self.num_kv_heads, dtype=torch.long, device=self.device)
+        return layer * self.num_kv_heads + torch.arange(self.num_kv_heads, device=self.device)
+
+    def _pages_of(self, layer: int, tables: torch.Tensor) -> torch.Tensor:
+        """Block tables [B, H, M] of one layer -> page tables [B, H, M] (-1 kept)."""
+        off = (self._copy_index(layer) * self.num_blocks)[None, :, None]
+        return torch.where(tables >= 0, tables.long() + off, -1)
+
+    def _all_copies(self, slots: torch.Tensor) -> torch.Tensor:
+        """Block slot ids [N] -> page slot ids [copies * N] of every (layer, head) copy."""
+        step = self.num_blocks * self.block_slots
+        return (torch.arange(self.copies, device=self.device)[:, None] * step + slots.long()[None, :]).reshape(-1)
+
+    @staticmethod
+    def _cache_tier(tiers) -> torch.Tensor:
+        """Engine-core tiers (1 high, 2 low) -> indices into `tiers`."""
+        t = torch.as_tensor(np.asarray(tiers), dtype=torch.long)
+        if ((t < 1) | (t > 2)).any():
+            raise ValueError(f"a mixed-precision cache stores tiers 1 (high) and 2 (low), got {sorted(set(t.tolist()))}")
+        return t - 1
+
+    # ----- executor surface ------------------------------------------------------------------------
+    def _blocks(self, block_ids) -> torch.Tensor:
+        return torch.as_tensor(block_ids, dtype=torch.long, device=self.device).reshape(-1)
+
+    def set_live(self, block_ids, live) -> None:
+        view = self.live.view(self.copies, self.num_blocks, self.block_slots)
+        view[:, self._blocks(block_ids)] = live if isinstance(live, bool) else live.to(self.device)
+
+    def block_live(self, block_ids) -> torch.Tensor:
+        """[copies, k, block_slots] live masks of the blocks' pages."""
+        return self.live.view(self.copies, self.num_blocks, self.block_slots)[:, self._blocks(block_ids)]
+
+    def set_page_tiers(self, block_ids, tiers) -> None:
+        """Record the engine core's tier of each block (-1: not allocated)."""
+        t = torch.as_tensor(np.asarray(tiers), dtype=torch.long)
+        t = torch.where(t > 0, t - 1, -1).to(torch.int8).to(self.device)
+        self.pages.page_tier.view(self.copies, self.num_blocks)[:, self._blocks(block_ids)] = t
+
+    def free_blocks(self, block_ids) -> None:
+        self.set_live(block_ids, False)
+
+    def evict(self, slots) -> None:
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
+        self.live.view(-1)[self._all_copies(slots)] = False
+
+    def move_slots(self, src, dst, src_tiers, dst_tiers) -> None:
+        """Moves in the engine core's slot ids; `src_tiers` / `dst_tiers` are its tiers (1, 2) of the
+        tokens before and after (a demotion re-quantizes at the low tier)."""
+        src = torch.as_tensor(src, dtype=torch.long, device=self.device).reshape(-1)
+        dst = torch.as_tensor(dst, dtype=torch.long, device=self.device).reshape(-1)
+        st, dt = self._cache_tier(src_tiers).to(self.device), self._cache_tier(dst_tiers).to(self.device)
+        self.pages.move(self._all_copies(src), self._all_copies(dst), st.repeat(self.copies), dt.repeat(self.copies))
+
+    def live_tokens(self) -> int:
+        return int(self.live.sum()) // self.copies
+
+    def stored_bytes(self) -> tuple[int, int]:
+        """(bytes of the live tokens at their tier, bytes of the pages holding a tier), whole cache."""
+        tier = self.pages.page_tier.long()
+        per_token = torch.tensor([t.bytes_per_token(self.head_dim) for t in self.pages.tiers], device=self.device)
+        live = self.live.sum(1)
+        used = tier >= 0
+        return int((live[used] * per_token[tier[used]]).sum()), int(used.sum()) * self.page_bytes
+
+    # ----- model surface ---------------------------------------------------------------------------
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key/value [T, kv_heads, D], quantized at each slot's page tier; slot_mapping [T] (shared) or
+        [T, kv_heads] (per_head, this layer), -1 = not cached."""
+        T, H, D = key.shape
+        slots = slot_mapping[:, None].expand(T, H) if slot_mapping.dim() == 1 else slot_mapping
+        slots = slots.long().to(self.device)
+        pages_off = (self._copy_index(layer) * self.num_blocks * self.block_slots)[None, :]
+        keep = slots >= 0
+        if keep.any():
+            self.pages.write((slots + pages_off)[keep], key[keep].float(), value[keep].float())
+
+    def gather(self, layer: int, block_tables: torch.Tensor, live: torch.Tensor | None = None):
+        """block_tables [B, H, M] -> dequantized K, V [B, H, M*S, D] fp32 and live [B, H, M*S]
+        (S = block_slots; from `live` if given, e.g. a snapshot taken before this step's writes)."""
+        B, H, M = block_tables.shape
+        pages = self._pages_of(layer, block_tables)
+        slots = (pages.clamp(min=0)[..., None] * self.block_slots
+                 + torch.arange(self.block_slots, device=self.device)).reshape(B, H, -1)
+        live = self.live if live is None else live
+        mask = (pages >= 0)[..., None].expand(B, H, M, self.block_slots).reshape(B, H, -1) & live.view(-1)[slots]
+        keys = torch.zeros(B, H, M * self.block_slots, self.head_dim, device=self.device)
+        values = torch.zeros_like(keys)
+        if mask.any():
+            keys[mask], values[mask] = self.pages.read(slots[mask])
+        return keys, values, mask
+
+    def decode_attention(self, layer: int, q: torch.Tensor, tables: torch.Tensor, scale: float,
+                         want_scores: bool = False, group_max: bool = False,
+                         slot_mask: torch.Tensor | None = None):
+        """q [B, heads, D], tables [B, kv_heads, M] -> (out [B, heads, D], None or (sum, sum of squares
+        or max over the GQA group) [B, H, M * block_slots]), K/V dequantized per page tier."""
+        if slot_mask is not None:
+            raise ValueError("selective attention over mixed-precision pages is not supported")
+        B, nh, D = q.shape
+        H, M = tables.shape[1:]
+        pages = self._pages_of(layer, tables).reshape(B * H, M)
+        out, stats = self.pages.paged_decode_attention(q.reshape(B * H, nh // H, D), pages, scale,
+                                                       want_scores=want_scores, backend=self.backend,
+                                                       group_max=group_max)
+        out = out.reshape(B, nh, D)
+        if stats is not None:
+            stats = tuple(x.reshape(B, H, -1) for x in stats)
+        return out, stats

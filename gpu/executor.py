@@ -21,8 +21,16 @@ With the base `KVCacheManager` (policy `none`, shared layout) there is no plan: 
 from `kv.blocks_of(req)` and a token's slot is table[pos // bs] * bs + pos % bs.
 
 Slot ids: the manager numbers a slot block * stride + offset (stride = its largest page capacity);
-the cache numbers it block * block_size + offset. Only full-precision pages are supported here, so
-offsets stay below block_size.
+the cache numbers it block * block_slots + offset (block_size for full-precision pages, whose
+offsets stay below block_size; the stride itself for LeanKV's mixed-precision `TieredKVCache`).
+
+Mixed precision (policy `leankv`): the cache's page tiers follow the manager's page tables after
+every plan; tier moves (demotions) are re-quantized, same-tier moves copied byte for byte. Policies
+with `gqa_reduce="max"` get the kernels' max over each GQA group.
+
+Selection (policies with `select_layer`: quest, tokenselect): each layer's decode attention reads
+only the slots the policy selects from the backend's Quest bound (page key min/max against the
+layer's query); the cache keeps everything.
 """
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gpu.attention import AttentionMetadata
+from gpu.attention import AttentionMetadata, quest_bound
+from gpu.cache import TieredKVCache
 from sim.core.request import Request
 from sim.core.scheduler import ScheduledRequest, SchedulerOutput
 from sim.core.step import batch_shape
@@ -134,7 +143,10 @@ class RealExecutor:
         self.check_cache = check_cache
         self.clock = step_clock(clock, cache.device)
         self.device = cache.device
-        self.bs = cache.block_size
+        self.bs = cache.block_slots
+        self.tiered = isinstance(cache, TieredKVCache)
+        self.selector = None
+        self.last_selection: dict[int, dict[int, np.ndarray]] = {}
         self.evicting = isinstance(kv, EvictingKVManager)
         cfg = model.config
         self.group = cfg.heads // cfg.kv_heads
@@ -145,7 +157,10 @@ class RealExecutor:
             self.policy = kv.policy
             self.needs_scores = kv.policy.needs_scores
             self.score_window = kv.policy.obs_window if self.needs_scores else stats_window
+            self.score_max = kv.policy.needs_scores and kv.policy.gqa_reduce == "max"
+            self.selector = kv.policy if hasattr(kv.policy, "select_layer") else None
         else:
+            self.score_max = False
             if kv.enable_caching:
                 raise ValueError("prefix caching is not supported by the real backend: replay prompts are "
                                  "generated per request, so shared prefixes hold no shared tokens")
@@ -162,14 +177,23 @@ class RealExecutor:
         self.last_request_ids: list[int] = []
 
     def _check_supported(self, kv: EvictingKVManager, cache, cfg) -> None:
-        if kv.new_token_tier != 0 or kv.policy.name == "leankv":
-            raise ValueError("policy leankv (mixed-precision tiers) is not supported by the real backend yet")
-        if type(kv.policy).read_tokens is not EvictionPolicy.read_tokens:
-            raise ValueError(f"policy {kv.policy.name}: selection policies need a selective attention kernel, "
-                             "which the real backend does not have yet")
-        if kv.policy.needs_scores and kv.policy.gqa_reduce not in ("sum", "mean"):
-            raise ValueError(f"policy {kv.policy.name}: gqa_reduce={kv.policy.gqa_reduce!r} needs per-query-head "
-                             "scores; the attention kernels report sums over each GQA group")
+        tiers = kv.new_token_tier != 0
+        if tiers != self.tiered:
+            raise ValueError(f"policy {kv.policy.name} " + ("assigns precision tiers: it needs a TieredKVCache"
+                                                             if tiers else "stores full precision: it needs a "
+                                                             "PagedKVCache"))
+        if self.tiered and tuple(kv.tier_capacity[1:]) != cache.capacity:
+            raise ValueError(f"KV manager pages hold {tuple(kv.tier_capacity[1:].tolist())} tokens (high, low tier) "
+                             f"but the cache's pages hold {cache.capacity}")
+        if self.tiered and kv.stride != cache.block_slots:
+            raise ValueError(f"KV manager slot stride {kv.stride} differs from the cache's {cache.block_slots}")
+        selective = type(kv.policy).read_tokens is not EvictionPolicy.read_tokens
+        if selective and (not hasattr(kv.policy, "select_layer") or self.tiered):
+            raise ValueError(f"policy {kv.policy.name}: selection needs a select_layer(state, ctx, layer, bound) "
+                             "method and a full-precision cache")
+        if kv.policy.needs_scores and kv.policy.gqa_reduce not in ("sum", "mean", "max"):
+            raise ValueError(f"policy {kv.policy.name}: gqa_reduce={kv.policy.gqa_reduce!r} is not one the "
+                             "attention kernels report (sum, mean, max over each GQA group)")
         rows = cfg.layers * cfg.kv_heads if cache.layout == "per_head" else 1
         if kv.rows != rows or kv.ctx.layout != cache.layout:
             raise ValueError(f"KV manager has {kv.rows} rows ({kv.ctx.layout}) but the model/cache needs {rows} "
@@ -300,7 +324,7 @@ class RealExecutor:
         if fresh:                                             # blocks first written now start empty
             blocks = np.concatenate(fresh)
             if blocks.size:
-                self.cache.live[torch.from_numpy(blocks).to(self.device)] = False
+                self.cache.set_live(torch.from_numpy(blocks), False)
         dev = self.device
         flat_ids = torch.tensor([t for chunk in ids for t in chunk], dtype=torch.long, device=dev)
         flat_pos = torch.from_numpy(np.concatenate(pos)).to(dev)
@@ -323,8 +347,44 @@ class RealExecutor:
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             block_tables=torch.from_numpy(bt).to(dev),
-            score_window=self._score_window(sched))
+            score_window=self._score_window(sched), score_max=self.score_max)
+        if self.selector is not None:
+            decodes = [(s.request, info) for s, info in zip(sched, tables) if s.num_new_tokens == 1]
+            if decodes:
+                self.last_selection = {}
+                meta.decode_select = lambda layer, q, tbl, cache: self._select(layer, q, tbl, cache, decodes)
         return flat_ids, flat_pos, meta, tables
+
+    # ----- selection (quest / tokenselect) ----------------------------------------------------------
+    def _select(self, layer: int, q: torch.Tensor, tables: torch.Tensor, cache, decodes) -> torch.Tensor:
+        """Slots each decode reads in `layer` [Bd, H, M * bs], table order: the backend computes Quest's
+        bound from the layer's query and the cached keys; the policy picks the pages."""
+        keys, _, live = cache.gather(layer, tables)
+        Bd, H, S = live.shape
+        slots = (tables.clamp(min=0)[..., None] * self.bs + torch.arange(self.bs, device=tables.device)).reshape(Bd, H, S)
+        pos = torch.from_numpy(self.slot_pos).to(tables.device)[slots]
+        valid = live & (pos >= 0)
+        bound = quest_bound(q, keys, valid, pos // self.selector.page_size).cpu().numpy()
+        out = np.zeros((Bd, H, S), dtype=bool)
+        ctx = self.kv.ctx
+        for b, (req, (_, order, count)) in enumerate(decodes):
+            st = self.kv.req_kv[req].state
+            rows = layer * H + np.arange(H) if ctx.layout == "per_head" else np.zeros(H, dtype=np.int64)
+            width = min(order.shape[1], S // self.bs)
+            cols = order[rows, :width, None] * self.stride + np.arange(self.bs)          # [H, width, bs]
+            ok = np.broadcast_to((np.arange(width)[None, :] < count[rows, None])[:, :, None], cols.shape)
+            h = np.broadcast_to(np.arange(H)[:, None, None], cols.shape)
+            state_bound = np.full((H, st.num_slots), -np.inf)
+            state_bound[h[ok], cols[ok]] = bound[b, :, :width * self.bs].reshape(H, width, self.bs)[ok]
+            chosen = self.selector.select_layer(st, ctx, layer, state_bound)              # [H, S_state]
+            picked = np.zeros((H, width, self.bs), dtype=bool)
+            picked[ok] = chosen[h[ok], cols[ok]]
+            out[b, :, :width * self.bs] = picked.reshape(H, -1)
+            keep = np.zeros((H, st.num_tokens), dtype=bool)
+            hh, ss = np.nonzero(chosen)
+            keep[hh, st.pos[rows[hh], ss]] = True
+            self.last_selection.setdefault(req.request_id, {})[layer] = keep
+        return torch.from_numpy(out).to(tables.device)
 
     def _score_window(self, sched) -> int:
         if not self.score_window:
@@ -357,12 +417,14 @@ class RealExecutor:
     def _use_scores(self, sched, meta: AttentionMetadata, tables) -> None:
         sums = meta.scores.sum.float().cpu().numpy()          # [B, L, H, M*bs], block-table order
         nq = meta.scores.num_queries.cpu().numpy()
+        # what the policy gets: per slot, the GQA group's sum (or max, for gqa_reduce="max")
+        policy_scores = meta.scores.max.float().cpu().numpy() if self.score_max else sums
         for b, s in enumerate(sched):
             req = s.request
             if req.num_computed_tokens + s.num_new_tokens < req.num_tokens:
                 continue
             if self.needs_scores:
-                self._supply(req, s, sums[b], int(nq[b]), tables[b])
+                self._supply(req, s, policy_scores[b], int(nq[b]), tables[b])
             if s.is_prefill and self.recorder is not None and self.stats_window:
                 self._record_stats(req, s, sums[b], int(nq[b]), tables[b])
 
@@ -423,9 +485,9 @@ class RealExecutor:
             # a request evicted twice in one plan keeps only its last entry: resync all its blocks
             by_id = {r.request_id: rk for r, rk in self.kv.req_kv.items()}
             touched += [by_id[rid].table[by_id[rid].table >= 0] for rid in plan.evicted if rid in by_id]
-        for src, dst in zip(plan.copy_src, plan.copy_dst):
+        for src, dst, src_tier, dst_tier in zip(plan.copy_src, plan.copy_dst, plan.copy_tiers, plan.copy_dst_tiers):
             s, d = self._cache_slots(src), self._cache_slots(dst)
-            self.cache.move_slots(torch.from_numpy(s), torch.from_numpy(d))
+            self.cache.move_slots(torch.from_numpy(s), torch.from_numpy(d), src_tier, dst_tier)
             moved = self.slot_pos[s]
             self.slot_pos[s] = -1
             self.slot_pos[d] = moved
@@ -445,10 +507,11 @@ class RealExecutor:
             step = decode_steps if decode_steps > 0 else -1
             self.recorder.decision(rid, step, layer, head, positions, self.num_steps, reason, num_tokens)
 
-    def _truth(self, blocks: np.ndarray | None, written: dict) -> tuple[np.ndarray, np.ndarray]:
+    def _truth(self, blocks: np.ndarray | None, written: dict, with_tiers: bool = False):
         """(block ids, live [k, bs]) the manager's state says the cache should hold, for the owned blocks
-        among `blocks` (all owned blocks when None). Tokens not yet written are not live."""
-        ids, lives = [], []
+        among `blocks` (all owned blocks when None). Tokens not yet written are not live. With
+        `with_tiers`, also each block's page tier."""
+        ids, lives, tiers = [], [], []
         ar = np.arange(self.bs)
         for req, rk in self.kv.req_kv.items():
             table = rk.table
@@ -461,16 +524,21 @@ class RealExecutor:
             limit = written.get(req, req.num_computed_tokens)
             lives.append(st.live[r[:, None], cols] & (st.pos[r[:, None], cols] < limit))
             ids.append(table[r, e])
+            tiers.append(rk.page_tier[r, e])
         if not ids:
-            return np.zeros(0, dtype=np.int64), np.zeros((0, self.bs), dtype=bool)
-        return np.concatenate(ids), np.concatenate(lives)
+            out = np.zeros(0, dtype=np.int64), np.zeros((0, self.bs), dtype=bool)
+            return out + (np.zeros(0, dtype=np.int8),) if with_tiers else out
+        out = np.concatenate(ids), np.concatenate(lives)
+        return out + (np.concatenate(tiers),) if with_tiers else out
 
     def _sync_live(self, blocks: np.ndarray, written: dict) -> None:
-        ids, live = self._truth(blocks, written)
-        dev = self.device
-        self.cache.live[torch.from_numpy(blocks).to(dev)] = False
+        ids, live, tiers = self._truth(blocks, written, with_tiers=True)
+        self.cache.set_live(torch.from_numpy(blocks), False)
+        if self.tiered:
+            self.cache.set_page_tiers(torch.from_numpy(blocks), np.full(blocks.size, -1, dtype=np.int8))
+            self.cache.set_page_tiers(torch.from_numpy(ids), tiers)
         if ids.size:
-            self.cache.live[torch.from_numpy(ids).to(dev)] = torch.from_numpy(live).to(dev)
+            self.cache.set_live(torch.from_numpy(ids), torch.from_numpy(live))
 
     # ----- checks -----------------------------------------------------------------------------------
     def expected_live(self, sched=()) -> tuple[np.ndarray, np.ndarray]:
@@ -491,9 +559,9 @@ class RealExecutor:
     def verify_cache(self, sched=()) -> None:
         """Assert the cache's live mask equals the manager's token state on every owned block."""
         ids, live = self.expected_live(sched)
-        actual = self.cache.live[torch.from_numpy(ids).to(self.device)].cpu().numpy()
-        if not np.array_equal(actual, live):
-            bad = np.flatnonzero((actual != live).any(axis=1))
+        actual = self.cache.block_live(torch.from_numpy(ids)).cpu().numpy()      # [copies, k, bs]
+        if not (actual == live[None]).all():
+            bad = np.flatnonzero((actual != live[None]).any(axis=(0, 2)))
             raise AssertionError(f"step {self.num_steps}: cache live mask differs from the KV manager's state "
                                  f"in blocks {ids[bad][:10].tolist()}")
 

@@ -104,17 +104,24 @@ class MixedPrecisionKVCache:
         meta = [v_end + i * 2 * cap for i in range(4)]   # k_scale, k_zero, v_scale, v_zero
         return tier, cap, kb, vb, k_end, meta
 
-    def _split(self, slots: torch.Tensor):
+    def _split(self, slots: torch.Tensor, tiers: torch.Tensor | None = None):
+        """(pages, offsets, tier indices) of slots; `tiers` overrides the pages' tiers (a tier move
+        reads or writes at a tier the page table has not been told yet)."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
         pages, offsets = slots // self.max_tokens, slots % self.max_tokens
-        tiers = self.page_tier[pages].long()
+        if tiers is None:
+            tiers = self.page_tier[pages].long()
+        else:
+            tiers = torch.as_tensor(tiers, dtype=torch.long, device=self.device).reshape(-1)
         if (tiers < 0).any():
             raise ValueError(f"slots {slots[tiers < 0].tolist()[:5]} are on pages with no tier assigned")
         return pages, offsets, tiers
 
-    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Quantize key/value [N, head_dim] into their slots at their page's tier; marks slots live."""
-        pages, offsets, tiers = self._split(slots)
+    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              tiers: torch.Tensor | None = None) -> None:
+        """Quantize key/value [N, head_dim] into their slots at their page's tier (or `tiers`, tier
+        indices per slot); marks slots live."""
+        pages, offsets, tiers = self._split(slots, tiers)
         for t in tiers.unique().tolist():
             sel = tiers == t
             tier, cap, kb, vb, k_end, meta = self._regions(t)
@@ -131,9 +138,9 @@ class MixedPrecisionKVCache:
                     self.pages[p[:, None], cols] = values.view(torch.uint8).view(-1, 2)
         self.live.view(-1)[pages * self.max_tokens + offsets] = True
 
-    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K, V [N, head_dim] fp32 of the given slots."""
-        pages, offsets, tiers = self._split(slots)
+    def read(self, slots: torch.Tensor, tiers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V [N, head_dim] fp32 of the given slots (at their page's tier, or `tiers`)."""
+        pages, offsets, tiers = self._split(slots, tiers)
         keys = torch.zeros(len(pages), self.head_dim, device=self.device)
         values = torch.zeros_like(keys)
         for t in tiers.unique().tolist():
@@ -147,6 +154,43 @@ class MixedPrecisionKVCache:
                                .contiguous().view(torch.float16).view(-1) for at in (s_at, z_at))
                 out[sel] = dequantize(unpack(packed, bits), scale, zero)
         return keys, values
+
+    def _token_columns(self, tier_idx: int, offsets: torch.Tensor) -> torch.Tensor:
+        """[N, bytes per token] byte columns of the tokens at `offsets` of pages of one tier."""
+        tier, cap, kb, vb, k_end, meta = self._regions(tier_idx)
+        o = offsets[:, None]
+        ar = lambda n: torch.arange(n, device=self.device)   # noqa: E731
+        parts = [o * kb + ar(kb), k_end + o * vb + ar(vb)] + [at + o * 2 + ar(2) for at in meta]
+        return torch.cat(parts, dim=1)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor, src_tiers: torch.Tensor, dst_tiers: torch.Tensor) -> None:
+        """Move tokens between slots (all sources read before any destination is written); a token
+        keeping its tier is copied byte for byte, one changing tier (a LeanKV demotion) is dequantized
+        and re-quantized at the new tier. Destinations take the sources' liveness; sources go empty."""
+        src = torch.as_tensor(src, dtype=torch.long, device=self.device).reshape(-1)
+        dst = torch.as_tensor(dst, dtype=torch.long, device=self.device).reshape(-1)
+        if src.numel() == 0:
+            return
+        src_t = torch.as_tensor(src_tiers, dtype=torch.long, device=self.device).reshape(-1)
+        dst_t = torch.as_tensor(dst_tiers, dtype=torch.long, device=self.device).reshape(-1)
+        flat_live = self.live.view(-1)
+        was_live = flat_live[src].clone()
+        same = src_t == dst_t
+        copies = []
+        for t in src_t[same].unique().tolist():
+            sel = same & (src_t == t)
+            cols_src = self._token_columns(t, src[sel] % self.max_tokens)
+            copies.append((dst[sel], t, self.pages[(src[sel] // self.max_tokens)[:, None], cols_src]))
+        requant = None
+        if (~same).any():
+            keys, values = self.read(src[~same], src_t[~same])
+            requant = (dst[~same], keys, values, dst_t[~same])
+        flat_live[src] = False
+        for d, t, data in copies:
+            self.pages[(d // self.max_tokens)[:, None], self._token_columns(t, d % self.max_tokens)] = data
+        if requant is not None:
+            self.write(requant[0], requant[1], requant[2], requant[3])
+        flat_live[dst] = was_live
 
     def page_slots(self, page_table: torch.Tensor) -> torch.Tensor:
         """All slots of the listed pages (-1 entries skipped) that are live, in page-table order."""
@@ -173,8 +217,8 @@ class MixedPrecisionKVCache:
         return (probs @ values).to(q.dtype), probs
 
     def paged_decode_attention(self, q: torch.Tensor, page_tables: torch.Tensor, scale: float,
-                               want_scores: bool = False, backend: str | None = None):
+                               want_scores: bool = False, backend: str | None = None, group_max: bool = False):
         """Batched decode attention, one GQA group q [R, G, head_dim] per page-table row [R, max_pages];
         see `gpu.kernels.quant_attention.mixed_decode_attention`."""
         from gpu.kernels.quant_attention import mixed_decode_attention
-        return mixed_decode_attention(self, q, page_tables, scale, want_scores, backend)
+        return mixed_decode_attention(self, q, page_tables, scale, want_scores, backend, group_max)

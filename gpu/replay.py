@@ -136,9 +136,6 @@ def check_replayable(cfg: SimConfig) -> None:
                         "prefixes hold no shared tokens")
     if cfg.kv.mode != "token":
         problems.append("kv.mode=fast: the real backend needs token-level KV state")
-    if cfg.kv.policy in ("leankv", "quest"):
-        problems.append(f"kv.policy={cfg.kv.policy}: needs mixed-precision / selective attention kernels in the "
-                        "replay path, which are not wired yet")
     if problems:
         raise ConfigError("cannot replay this config: " + "; ".join(problems))
 
@@ -174,6 +171,20 @@ def default_num_blocks(cfg: SimConfig, model, layout: str, device, dtype) -> int
     return blocks
 
 
+def build_cache(cfg: SimConfig, model, kv):
+    """The paged KV cache the manager's pages describe: full precision, or LeanKV's mixed-precision
+    pages when the policy writes tokens at a precision tier (pages of one full-precision block's bytes)."""
+    import torch
+    from gpu.cache import PagedKVCache, TieredKVCache
+
+    c, bs = model.config, cfg.engine.block_size
+    if getattr(kv, "new_token_tier", 0) == 0:
+        return PagedKVCache.for_model(c, cfg.kv.layout, kv.num_blocks, bs, dtype=model.dtype, device=model.device)
+    full_bytes = 2 * c.head_dim * torch.empty(0, dtype=model.dtype).element_size()
+    return TieredKVCache.for_model(c, cfg.kv.layout, kv.num_blocks, bs, full_bytes,
+                                   tiers=(cfg.kv.high_tier, cfg.kv.low_tier), device=model.device)
+
+
 def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: ReplayOptions | None = None,
                model=None, trace=None, progress: bool = False, on_step: Callable[[EngineReplica], None] | None = None,
                check_cache: bool | None = None) -> ReplayResult:
@@ -183,7 +194,6 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     anywhere during the replay ends it with a partial result). `check_cache` (default:
     `cfg.check_invariants`) asserts every step that the cache's live mask equals the KV manager's state.
     """
-    from gpu.cache import PagedKVCache
     from gpu.executor import RealExecutor, ReplayRecorder
     from sim.catalog import get_model
 
@@ -200,8 +210,7 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
         cfg.engine.num_gpu_blocks = default_num_blocks(cfg, model, cfg.kv.layout, device, dtype)
     spec, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=spec)
     kv, _ = _build_kv(cfg, spec, cost, num_blocks)
-    cache = PagedKVCache.for_model(model.config, cfg.kv.layout, kv.num_blocks, cfg.engine.block_size,
-                                   dtype=dtype, device=device)
+    cache = build_cache(cfg, model, kv)
     recorder = ReplayRecorder()
     executor = RealExecutor(model, cache, kv, cost, prompt_ids=prompt_ids_for(cfg.seed, model.config.vocab),
                             recorder=recorder, stats_window=opts.stats_window if opts.attention_stats else 0,

@@ -98,7 +98,7 @@ def _mixed_decode_kernel(
     stride_or, stride_og, stride_od,
     stride_sr, stride_sn,
     MAX_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, TILE: tl.constexpr, WANT_SCORES: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TILE: tl.constexpr, WANT_SCORES: tl.constexpr, GROUP_MAX: tl.constexpr,
 ):
     r = tl.program_id(0)
     g = tl.arange(0, GROUP_PAD)
@@ -138,10 +138,13 @@ def _mixed_decode_kernel(
             p = tl.where(g_mask[:, None], p, 0.0)
             dst = r * stride_sr + n * stride_sn
             tl.store(ssum_ptr + dst, tl.sum(p, axis=0), mask=n < n_slots)
-            tl.store(ssq_ptr + dst, tl.sum(p * p, axis=0), mask=n < n_slots)
+            if GROUP_MAX:
+                tl.store(ssq_ptr + dst, tl.max(p, axis=0), mask=n < n_slots)
+            else:
+                tl.store(ssq_ptr + dst, tl.sum(p * p, axis=0), mask=n < n_slots)
 
 
-def mixed_decode_attention_triton(cache, q, page_tables, scale, want_scores=False):
+def mixed_decode_attention_triton(cache, q, page_tables, scale, want_scores=False, group_max=False):
     R, G, D = q.shape
     if D & (D - 1):
         raise ValueError(f"the Triton kernel needs a power-of-two head_dim, got {D}")
@@ -158,12 +161,12 @@ def mixed_decode_attention_triton(cache, q, page_tables, scale, want_scores=Fals
         float(scale), n_slots,
         *q.stride(), cache.pages.stride(0), *live_u8.stride(), *page_tables.stride(), *out.stride(), *ssum.stride(),
         MAX_TOKENS=cache.max_tokens, GROUP=G, GROUP_PAD=triton.next_power_of_2(G), HEAD_DIM=D, TILE=TILE,
-        WANT_SCORES=want_scores,
+        WANT_SCORES=want_scores, GROUP_MAX=group_max,
     )
     return out, ((ssum, ssq) if want_scores else None)
 
 
-def mixed_decode_attention_ref(cache, q, page_tables, scale, want_scores=False):
+def mixed_decode_attention_ref(cache, q, page_tables, scale, want_scores=False, group_max=False):
     """Torch twin: dequantize every live slot of the rows' pages with `cache.read`, then masked softmax."""
     R, G, D = q.shape
     pages = page_tables.long()
@@ -177,18 +180,21 @@ def mixed_decode_attention_ref(cache, q, page_tables, scale, want_scores=False):
     s = torch.einsum("rgd,rsd->rgs", q.float(), keys) * scale
     p = torch.softmax(s.masked_fill(~mask[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
     out = torch.einsum("rgs,rsd->rgd", p, values).to(q.dtype)
-    return out, ((p.sum(1), (p * p).sum(1)) if want_scores else None)
+    if not want_scores:
+        return out, None
+    return out, (p.sum(1), p.amax(1) if group_max else (p * p).sum(1))
 
 
 def mixed_decode_attention(cache, q: torch.Tensor, page_tables: torch.Tensor, scale: float,
-                           want_scores: bool = False, backend: str | None = None):
+                           want_scores: bool = False, backend: str | None = None, group_max: bool = False):
     """Decode attention over a `MixedPrecisionKVCache`'s pages, K/V dequantized on the fly.
 
     q [R, G, head_dim]: the G query heads (one GQA group) of each page-table row; page_tables
     [R, max_pages] page ids of one (sequence, KV head) each, -1 anywhere for no page (LeanKV grows
     high-tier pages from one end of a row and low-tier pages from the other). Returns (out [R, G,
     head_dim] in q's dtype, None or (sum, sum of squares) of the probabilities over the G heads,
-    [R, max_pages * cache.max_tokens] fp32 in page-table slot order, 0 for dead slots).
+    [R, max_pages * cache.max_tokens] fp32 in page-table slot order, 0 for dead slots). With
+    `group_max` the second statistic is the max over the G heads instead (LeanKV's significance).
     """
     if q.dim() != 3 or q.shape[-1] != cache.head_dim:
         raise ValueError(f"q must be [rows, group, head_dim={cache.head_dim}], got {tuple(q.shape)}")
@@ -199,4 +205,4 @@ def mixed_decode_attention(cache, q: torch.Tensor, page_tables: torch.Tensor, sc
     if page_tables.numel() and int(page_tables.max()) >= cache.num_pages:
         raise ValueError(f"page_tables name page {int(page_tables.max())}; the cache has {cache.num_pages} pages")
     fn = mixed_decode_attention_triton if use_triton(q, backend) else mixed_decode_attention_ref
-    return fn(cache, q, page_tables, scale, want_scores)
+    return fn(cache, q, page_tables, scale, want_scores, group_max)

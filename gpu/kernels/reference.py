@@ -32,8 +32,8 @@ def gather_live(live: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, live: torch.Tensor, scale: float,
-                               want_scores: bool = False):
-    """One query per sequence over its live cached slots.
+                               want_scores: bool = False, slot_mask: torch.Tensor | None = None):
+    """One query per sequence over its live cached slots (those of `slot_mask` [B, H, M * bs] too, if given).
 
     q [B, heads, D] -> out [B, heads, D] (q's dtype) and, with `want_scores`, (sum, sum of squares)
     of the attention probabilities over the query heads of each KV head's group, [B, H, M * bs] fp32.
@@ -43,6 +43,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     keys = gather_table(k_cache, block_tables).float()
     values = gather_table(v_cache, block_tables).float()
     mask = gather_live(live, block_tables)
+    if slot_mask is not None:
+        mask = mask & slot_mask
     qg = q.float().view(B, H, nh // H, D)
     s = torch.einsum("bhgd,bhsd->bhgs", qg, keys) * scale
     s = s.masked_fill(~mask[:, :, None, :], float("-inf"))

@@ -59,6 +59,8 @@ class KVStepPlan:
     copy_src / copy_dst: int64 [m] global slots (per-row flattened): copy K/V (and live) from src
         to dst, then clear src — sparse copy, compaction and tier moves; done BEFORE new tokens are
         written when `copies_before_write` (sparse copy happens at allocation), else after.
+    copy_tiers / copy_dst_tiers: int8 [m] tier of each copied token before / after the copy (they
+        differ for tier moves, which a mixed-precision cache re-quantizes).
     freed_blocks / allocated_blocks: block ids returned to / taken from the pool this step.
     block_tables: request id -> list (per row) of int64 block-id arrays, valid after the step.
     """
@@ -67,6 +69,7 @@ class KVStepPlan:
     copy_src: list[np.ndarray] = field(default_factory=list)
     copy_dst: list[np.ndarray] = field(default_factory=list)
     copy_tiers: list[np.ndarray] = field(default_factory=list)
+    copy_dst_tiers: list[np.ndarray] = field(default_factory=list)
     freed_blocks: list[np.ndarray] = field(default_factory=list)
     allocated_blocks: list[np.ndarray] = field(default_factory=list)
     evicted_tokens: int = 0          # (token, row) entries evicted
@@ -330,7 +333,7 @@ class EvictingKVManager(EvictingManagerBase):
             rk.tail_off[r] = ends[r] % self.stride + 1
         rk.tail[~has & dirty.any(axis=1)] = -1
 
-    def _record_moves(self, rk, src_r, src_s, dst_r, dst_s) -> None:
+    def _record_moves(self, rk, src_r, src_s, dst_r, dst_s, dst_tier: int | None = None) -> None:
         if src_r.size == 0:
             return
         assert (src_r == dst_r).all()
@@ -341,6 +344,7 @@ class EvictingKVManager(EvictingManagerBase):
         self.plan.copy_src.append(g_src)
         self.plan.copy_dst.append(g_dst)
         self.plan.copy_tiers.append(tiers)
+        self.plan.copy_dst_tiers.append(tiers if dst_tier is None else np.full(tiers.size, dst_tier, np.int8))
         self.plan.bytes_moved += int(round(float(np.asarray(self.ctx.tier_bytes)[tiers].sum())
                                            * self.bytes_per_token_row))
 
@@ -531,7 +535,7 @@ class EvictingKVManager(EvictingManagerBase):
             take = np.arange(slots.shape[1])[None, :] < n[:, None]
             dst_r = np.broadcast_to(np.arange(self.rows)[:, None], slots.shape)[take]
             dst_s = slots[take]
-            self._record_moves(rk, src_r, src_s, dst_r, dst_s)
+            self._record_moves(rk, src_r, src_s, dst_r, dst_s, dst_tier=int(tier))
             st.move(src_r, src_s, dst_s)
             st.tier[dst_r, dst_s] = tier
 

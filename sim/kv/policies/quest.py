@@ -47,20 +47,35 @@ class Quest(EvictionPolicy):
         """bool [rows, S]: the live slots read this step, given a per-slot upper bound of the query's
         attention `bound` [rows, S] (a page's bound is its largest slot's). Pages are position ranges
         [k * page_size, (k + 1) * page_size); the newest token's page is always read."""
-        rows, S = state.live.shape
-        page = np.where(state.live, state.pos // self.page_size, -1)
-        num_pages = max(1, -(-state.num_tokens // self.page_size))
+        dense = ctx.row_layer < self.dense_layers if ctx.layout == "per_head" else np.zeros(state.rows, bool)
+        return self._select(state.live, state.pos, state.num_tokens, bound, dense)
+
+    def select_layer(self, state, ctx, layer: int, bound: np.ndarray) -> np.ndarray:
+        """bool [kv_heads, S]: the live slots each KV head of `layer` reads this decode step, given the
+        bound [kv_heads, S] of that layer's heads (a backend selects layer by layer, as each layer's query
+        exists only once the previous layer ran). per_head: the layer's rows; shared: the one row, per
+        head. The first `dense_layers` layers read every live slot, in both layouts."""
+        H = bound.shape[0]
+        rows = layer * H + np.arange(H) if ctx.layout == "per_head" else np.zeros(H, dtype=np.int64)
+        live, pos = state.live[rows], state.pos[rows]
+        if layer < self.dense_layers:
+            return live.copy()
+        return self._select(live, pos, state.num_tokens, bound, np.zeros(H, dtype=bool))
+
+    def _select(self, live, pos, num_tokens: int, bound: np.ndarray, dense: np.ndarray) -> np.ndarray:
+        rows, S = live.shape
+        page = np.where(live, pos // self.page_size, -1)
+        num_pages = max(1, -(-num_tokens // self.page_size))
         page_bound = np.full((rows, num_pages), -np.inf, dtype=np.float64)
         r = np.broadcast_to(np.arange(rows)[:, None], page.shape)
-        np.maximum.at(page_bound, (r[state.live], page[state.live]), bound[state.live])
+        np.maximum.at(page_bound, (r[live], page[live]), bound[live])
         page_bound[:, num_pages - 1] = np.inf                       # the current page
         keep = min(self._pages(), num_pages)
         top = np.argsort(-page_bound, axis=1, kind="stable")[:, :keep]
         chosen = np.zeros((rows, num_pages), dtype=bool)
         np.put_along_axis(chosen, top, True, axis=1)
-        dense = ctx.row_layer < self.dense_layers if ctx.layout == "per_head" else np.zeros(rows, bool)
         chosen[dense] = True
-        return state.live & np.take_along_axis(chosen, np.maximum(page, 0), axis=1)
+        return live & np.take_along_axis(chosen, np.maximum(page, 0), axis=1)
 
 
 @register_policy("tokenselect")
