@@ -149,19 +149,20 @@ class EngineReplica:
         run = fast_forward.plan(self)
         if run is None:
             return
-        k, sched, pool = run.k, self.scheduler, self.kv.pool
-        waiting = np.full(k, len(sched.waiting))
+        k, sched = run.k, self.scheduler
+        waiting = [len(sched.waiting)] * k
         rows = fast_forward.apply(self, run)
-        self.now = float(run.ends[-1])
+        self.now = run.ends[-1]
         yield self._sleep_until(self.now)
-        self.scheduler.finish([r for r, e in zip(run.reqs, run.last.tolist()) if e == k], self.now)
+        self.scheduler.finish([r for r, e in zip(run.reqs, run.last) if e == k], self.now)
         waiting[-1] = len(sched.waiting)       # arrivals during the last step
-        last = self._pool_row()
-        for name in ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
-                     "fragmentation"):
-            rows[name][-1] = last[name]
+        if self.kv.enable_caching:             # the last step's finishes return cached blocks now
+            last = self._pool_row()
+            for name in ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
+                         "fragmentation"):
+                rows[name][-1] = last[name]
         rows.update({
-            "replica": self.index, "step": np.arange(self.num_steps, self.num_steps + k),
+            "replica": self.index, "step": range(self.num_steps, self.num_steps + k),
             "time_s": run.starts, "duration_s": run.durations, "predicted_s": run.durations,
             "batch_size": run.batch, "num_prefill_seqs": 0, "num_decode_seqs": run.batch,
             "prefill_tokens": 0, "decode_tokens": run.batch, "kv_tokens_read": run.kv_read,

@@ -4,13 +4,19 @@ Between events nothing in a decode-only batch needs the scheduler's judgement: e
 request computes one token per step, grows a block every `block_size` tokens, and leaves when its
 output is complete. `plan` finds how many steps can be taken that way (stopping at the step in
 progress when the next request arrives, before an allocation that could fail, at a finish that
-would let a waiting request in, or at a horizon) and computes their shapes with numpy; `apply`
-then performs the run's allocations and finishes through the KV manager in the order stepping
-would, so block identities, request state and the step log come out bit-identical (tested).
+would let a waiting request in, or at a horizon) and computes their shapes; `apply` then performs
+the run's allocations and finishes through the KV manager in the order stepping would, so block
+identities, request state and the step log come out bit-identical (tested).
+
+Runs are short (a typical run: ~10 requests x ~20 steps, one per arrival gap), so the shapes are
+built from per-request events (block allocations, finishes) and difference arrays in plain
+Python, O(requests + allocations + steps), rather than (requests x steps) numpy matrices whose
+per-call overhead dominates at these sizes; only the pricing is vectorized.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -19,20 +25,25 @@ F64 = np.float64
 
 @dataclass
 class DecodeRun:
+    """A run of k decode steps; per-step lists are indexed by step j = 0..k-1."""
     reqs: list            # running requests at the start, in scheduling order
-    c: np.ndarray         # computed tokens at the start [B]
-    last: np.ndarray      # step (1-based) in which each request produces its last token [B]
-    k: int                # steps in the run
-    tokens: np.ndarray    # tokens resident after step i [B, k]
-    held: np.ndarray      # blocks held after step i (while active) [B, k]
-    new: np.ndarray       # blocks allocated in step i [B, k]
-    freed: np.ndarray     # blocks freed by requests finishing in step i [k] (no prefix caching)
-    batch: np.ndarray     # sequences per step [k]
-    kv_read: np.ndarray   # KV tokens read per step [k]
-    entries: np.ndarray   # block-table entries per step [k]
-    durations: np.ndarray
-    starts: np.ndarray
-    ends: np.ndarray
+    c: list               # computed tokens of each request at the start
+    last: list            # step (1-based) in which each request produces its last token
+    k: int
+    allocs: list          # (step, request index) of each block allocation, step-major, then scheduling order
+    fills: list           # with prefix caching: (step, request index) where a block becomes full
+    new: list             # blocks allocated in step j
+    freed: list           # blocks freed by requests finishing in step j (no prefix caching)
+    batch: list           # sequences in step j
+    kv_read: list         # KV tokens read in step j
+    entries: list         # block-table entries in step j
+    held: list            # blocks held by the requests of step j, after its allocations
+    finished: list        # requests producing their last token in step j
+    finished_c: list      # their start token counts, summed
+    finished_held: list   # their blocks, summed
+    durations: list
+    starts: list
+    ends: list
 
 
 def plan(replica) -> DecodeRun | None:
@@ -60,115 +71,160 @@ def plan(replica) -> DecodeRun | None:
         first_step_blocks = sum(1 for x in c_list if x % bs == 0)
         if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
             return None
-    c = np.array(c_list, dtype=np.int64)
-    last = np.array(last_list, dtype=np.int64)
     k = min(last_list) if admission_blocked else max(last_list)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
     gap = (next_arrival - replica.now) / max(replica._last_duration, 1e-9)
     k = min(k, replica.max_run_steps, int(min(gap, 1e9)) * 2 + 16)
-    steps = np.arange(1, k + 1, dtype=np.int64)
-    active = steps <= last[:, None]
-    tokens = c[:, None] + steps
-    held = (tokens + (bs - 1)) // bs
-    new = (held - (tokens + (bs - 2)) // bs) * active
-    ending = np.flatnonzero(last <= k)
-    if kv.enable_caching or not ending.size:   # shared prefix blocks may not return: count none
-        freed = np.zeros(k, dtype=np.int64)
-    else:
-        at = last[ending] - 1
-        freed = np.bincount(at, weights=held[ending, at], minlength=k).astype(np.int64)
-    need = np.cumsum(new.sum(axis=0))
-    need[1:] -= np.cumsum(freed)[:-1]
-    fits = need <= kv.num_free_blocks
-    if not fits.all():
-        k = int(np.argmin(fits))
-        if k < 1:
-            return None
-    act = active[:, :k]
-    batch = act.sum(axis=0)
-    kv_read = (tokens[:, :k] * act).sum(axis=0)
-    entries = (held[:, :k] * act).sum(axis=0)
-    durations = replica.executor.predict_decode_run(batch.astype(F64), kv_read.astype(F64), entries.astype(F64))
-    clock = np.add.accumulate(np.concatenate(([replica.now], durations)))
-    # Steps that start before the next arrival are scheduled exactly as stepping would schedule them.
-    k = min(k, int(np.searchsorted(clock[:-1], next_arrival, side="left")))
+    ev = _events(c_list, last_list, k, bs, kv.enable_caching)
+    k = _steps_that_fit(ev, k, kv.num_free_blocks)
     if k < 1:
         return None
-    return DecodeRun(list(running), c, last, k, tokens[:, :k], held[:, :k], new[:, :k], freed[:k],
-                     batch[:k], kv_read[:k], entries[:k], durations[:k], clock[:k], clock[1:k + 1])
+    batch = list(accumulate(ev["d_count"][:k]))
+    c_sum = list(accumulate(ev["d_c"][:k]))
+    held = list(accumulate(ev["d_held"][:k]))
+    kv_read = [c + (j + 1) * n for j, (c, n) in enumerate(zip(c_sum, batch))]   # tokens after step j: c + j + 1
+    durations = replica.executor.predict_decode_run(
+        np.array(batch, F64), np.array(kv_read, F64), np.array(held, F64)).tolist()
+    # The clock advances step by step exactly as stepping adds durations; steps that start before
+    # the next arrival are scheduled exactly as stepping would schedule them.
+    starts, ends = [], []
+    t = replica.now
+    for d in durations:
+        if t >= next_arrival:
+            break
+        starts.append(t)
+        t += d
+        ends.append(t)
+    k = len(starts)
+    if k < 1:
+        return None
+    allocs = [a for a in ev["allocs"] if a[0] < k]
+    fills = [f for f in ev["fills"] if f[0] < k]
+    return DecodeRun(list(running), c_list, last_list, k, allocs, fills, ev["new"][:k], ev["freed"][:k],
+                     batch[:k], kv_read[:k], held[:k], held[:k], ev["fin"][:k], ev["fin_c"][:k],
+                     ev["fin_held"][:k], durations[:k], starts, ends)
+
+
+def _events(c_list: list, last_list: list, k: int, bs: int, caching: bool) -> dict:
+    """Per-request block allocations and finishes over steps 0..k-1, as difference arrays."""
+    d_count, d_c, d_held = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
+    new, freed, fin, fin_c, fin_held = [0] * k, [0] * k, [0] * k, [0] * k, [0] * k
+    allocs, fills = [], []
+    for r, (c, e) in enumerate(zip(c_list, last_list)):
+        n = e if e < k else k                   # steps this request takes part in: 0..n-1
+        h = -(-c // bs)                         # blocks held at the start
+        d_count[0] += 1
+        d_c[0] += c
+        d_held[0] += h
+        j = -c % bs                             # first step whose token starts a new block
+        while j < n:
+            allocs.append((j, r))
+            new[j] += 1
+            d_held[j] += 1
+            h += 1
+            j += bs
+        d_count[n] -= 1
+        d_c[n] -= c
+        d_held[n] -= h
+        if e <= k:
+            fin[e - 1] += 1
+            fin_c[e - 1] += c
+            fin_held[e - 1] += h
+            if not caching:     # with prefix caching shared blocks may not return: count none
+                freed[e - 1] += h
+        if caching:             # a block fills when its last slot is written: hash it then
+            fills.extend((j, r) for j in range(-(c + 1) % bs, n, bs))
+    allocs.sort()
+    if caching:
+        fills = sorted(set(fills) | set(allocs))
+    return {"d_count": d_count, "d_c": d_c, "d_held": d_held, "new": new, "freed": freed, "fin": fin,
+            "fin_c": fin_c, "fin_held": fin_held, "allocs": allocs, "fills": fills}
+
+
+def _steps_that_fit(ev: dict, k: int, free_blocks: int) -> int:
+    """Steps before the first whose allocations the free pool could not supply."""
+    allocated = released = 0
+    for j, (n_new, n_freed) in enumerate(zip(ev["new"], ev["freed"])):
+        allocated += n_new
+        if allocated - released > free_blocks:
+            return j
+        released += n_freed
+    return k
 
 
 def apply(replica, run: DecodeRun) -> dict:
     """Allocate, finish and advance requests as the run's steps would (all but the last step's
     finishes, which happen when the clock reaches its end); returns the run's pool columns."""
     kv = replica.kv
+    k = run.k
     if kv.enable_caching:
         used, cached = _replay_events(replica, run)
     else:
         used = _bulk_allocate(replica, run)
-        cached = np.zeros(run.k, dtype=np.int64)
-    k, last = run.k, run.last
-    end_times = run.ends.tolist()
-    for r, req in enumerate(run.reqs):
-        n = min(int(last[r]), k)
-        req.num_computed_tokens = int(run.c[r]) + n
+        cached = [0] * k
+    ends = run.ends
+    for req, c, e in zip(run.reqs, run.c, run.last):
+        n = e if e < k else k
+        req.num_computed_tokens = c + n
         req.num_output_tokens += n
-        req.token_times.extend(end_times[:n])
-    alive = np.arange(1, k + 1) < last[:, None]      # still holding blocks after step i
+        req.token_times.extend(ends[:n])
     bs = kv.block_size
-    allocated = used * bs
-    live = allocated - ((run.held * bs - run.tokens) * alive).sum(axis=0)
-    return {"blocks_used": used, "blocks_free": kv.num_blocks - used, "blocks_cached": cached,
-            "live_slots": live, "allocated_slots": allocated,
-            "fragmentation": np.where(allocated > 0, 1.0 - live / np.maximum(allocated, 1), 0.0),
-            "num_running": alive.sum(axis=0),
-            "finished": np.bincount(np.minimum(last, k + 1) - 1, minlength=k + 1)[:k]}
+    live, allocated, fragmentation, running = [], [], [], []
+    for j in range(k):
+        alive = run.batch[j] - run.finished[j]           # still holding blocks after step j
+        tokens = run.kv_read[j] - (run.finished_c[j] + (j + 1) * run.finished[j])
+        slots = used[j] * bs
+        empty = (run.held[j] - run.finished_held[j]) * bs - tokens
+        live.append(slots - empty)
+        allocated.append(slots)
+        fragmentation.append(1.0 - (slots - empty) / slots if slots else 0.0)
+        running.append(alive)
+    return {"blocks_used": used, "blocks_free": [kv.num_blocks - u for u in used], "blocks_cached": cached,
+            "live_slots": live, "allocated_slots": allocated, "fragmentation": fragmentation,
+            "num_running": running, "finished": run.finished}
 
 
-def _bulk_allocate(replica, run: DecodeRun) -> np.ndarray:
+def _bulk_allocate(replica, run: DecodeRun) -> list:
     """No prefix caching: blocks are popped in bulk between finishes (freed blocks are reused)."""
-    kv = replica.kv
+    kv, reqs, k = replica.kv, run.reqs, run.k
     used0 = kv.pool.num_used_blocks
-    step_idx, req_idx = np.nonzero(run.new.T)          # step-major, then scheduling order
-    last = run.last.tolist()
-    finish_steps = sorted({e - 1 for e in last if e < run.k})
-    start = 0
-    reqs = run.reqs
-    for s in finish_steps:
-        stop = int(np.searchsorted(step_idx, s, side="right"))
-        kv.append_one_block_each([reqs[r] for r in req_idx[start:stop].tolist()])
-        start = stop
-        replica.scheduler.finish([req for req, e in zip(reqs, last) if e - 1 == s], float(run.ends[s]))
-    kv.append_one_block_each([reqs[r] for r in req_idx[start:].tolist()])
-    return used0 + np.cumsum(run.new.sum(axis=0)) - np.cumsum(run.freed)
+    finishing: dict[int, list] = {}
+    for req, e in zip(reqs, run.last):
+        if e < k:
+            finishing.setdefault(e - 1, []).append(req)
+    allocs, a = run.allocs, 0
+    for j in sorted(finishing):
+        start = a
+        while a < len(allocs) and allocs[a][0] <= j:
+            a += 1
+        kv.append_one_block_each([reqs[r] for _, r in allocs[start:a]])
+        replica.scheduler.finish(finishing[j], run.ends[j])
+    kv.append_one_block_each([reqs[r] for _, r in allocs[a:]])
+    return list(accumulate((n - f for n, f in zip(run.new, run.freed)), initial=used0))[1:]
 
 
-def _replay_events(replica, run: DecodeRun) -> tuple[np.ndarray, np.ndarray]:
+def _replay_events(replica, run: DecodeRun) -> tuple[list, list]:
     """Prefix caching: replay each allocation / block fill / finish through the manager in order."""
     kv, pool, k = replica.kv, replica.kv.pool, run.k
-    bs = kv.block_size
-    events = run.new.astype(bool) | ((run.tokens % bs == 0) & (np.arange(1, k + 1) <= run.last[:, None]))
-    step_idx, req_idx = np.nonzero(events.T)
-    finishing = sorted((e - 1, r) for r, e in enumerate(run.last.tolist()) if e < k)
-    used = np.empty(k, dtype=np.int64)
-    cached = np.empty(k, dtype=np.int64)
+    finishing = sorted((e - 1, r) for r, e in enumerate(run.last) if e < k)
+    used, cached = [0] * k, [0] * k
     done = f = 0
 
     def record(upto: int) -> None:
         nonlocal done, f
         for i in range(done, upto):
             while f < len(finishing) and finishing[f][0] == i:     # finishes end their step
-                replica.scheduler.finish([run.reqs[finishing[f][1]]], float(run.ends[i]))
+                replica.scheduler.finish([run.reqs[finishing[f][1]]], run.ends[i])
                 f += 1
             used[i] = pool.num_used_blocks
             cached[i] = pool.num_cached_free_blocks
         done = upto
 
-    for i, r in zip(step_idx.tolist(), req_idx.tolist()):
+    for i, r in run.fills:
         record(i)
         req = run.reqs[r]
-        req.num_computed_tokens = int(run.c[r]) + i
+        req.num_computed_tokens = run.c[r] + i
         if not kv.allocate_slots(req, 1):
             raise AssertionError("fast-forward planned an allocation that failed")
     record(k)

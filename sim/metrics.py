@@ -59,8 +59,7 @@ class StepLog:
         self.path = Path(path) if path else None
         self.flush_rows = flush_rows
         self._writer: pq.ParquetWriter | None = None
-        self._rows: dict[str, list] = {name: [] for name in STEP_COLUMNS}   # single steps
-        self._runs: list[tuple[int, dict]] = []                              # column blocks
+        self._rows: dict[str, list] = {name: [] for name in STEP_COLUMNS}
         self._pending = 0
         self._tables: list[pa.Table] = []                # kept only when there is no file
         self.num_rows = 0
@@ -71,8 +70,15 @@ class StepLog:
         self._grow(1)
 
     def append_columns(self, cols: dict, n: int) -> None:
-        """Append n rows given as columns (numpy arrays of length n, or scalars repeated n times)."""
-        self._runs.append((n, cols))
+        """Append n rows given as columns (sequences of length n, or scalars repeated n times)."""
+        for name, values in self._rows.items():
+            v = cols[name] if name in cols else STEP_DEFAULTS[name]
+            if isinstance(v, np.ndarray):
+                values.extend(v.tolist())
+            elif isinstance(v, (list, tuple, range)):
+                values.extend(v)
+            else:
+                values.extend([v] * n)
         self._grow(n)
 
     def _grow(self, n: int) -> None:
@@ -81,24 +87,14 @@ class StepLog:
         if self._pending >= self.flush_rows:
             self.flush()
 
-    def _column(self, name: str, typ: pa.DataType) -> np.ndarray:
-        default = STEP_DEFAULTS.get(name)
-        values = [cols.get(name, default) for _, cols in self._runs]
-        if any(isinstance(v, np.ndarray) for v in values):
-            runs = [v if isinstance(v, np.ndarray) else np.full(n, v) for (n, _), v in zip(self._runs, values)]
-        else:
-            runs = [np.repeat(np.asarray(values), [n for n, _ in self._runs])] if values else []
-        dtype = typ.to_pandas_dtype()
-        return np.concatenate([np.asarray(self._rows[name], dtype=dtype)] + runs).astype(dtype, copy=False)
-
     def flush(self) -> None:
         if not self._pending:
             return
-        columns = {name: self._column(name, typ) for name, (typ, _) in STEP_COLUMNS.items()}
+        columns = {name: np.asarray(self._rows[name], dtype=typ.to_pandas_dtype())
+                   for name, (typ, _) in STEP_COLUMNS.items()}
         order = np.lexsort((columns["step"], columns["replica"]))
         arrays = [pa.array(columns[name][order], type=typ) for name, (typ, _) in STEP_COLUMNS.items()]
         self._rows = {name: [] for name in STEP_COLUMNS}
-        self._runs = []
         self._pending = 0
         table = pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
         if self.path is None:
