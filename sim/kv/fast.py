@@ -112,9 +112,7 @@ class FastKVManager(EvictingManagerBase):
         self._pages_total = 0
         self.slot_of: dict[Request, int] = {}
         self._free_slots: list[int] = []
-        self._pending: dict[int, int] = {}          # slot -> tokens allocated this step (not yet written)
-        self._req_live: dict[int, int] = {}
-        self._req_pages: dict[int, int] = {}
+        self._pending: dict[int, int] = {}          # slot -> pages taken for this step's decode token (not yet written)
         self._alloc_arrays(4, 8)
 
     # ----- slab -----------------------------------------------------------------------------------
@@ -137,16 +135,35 @@ class FastKVManager(EvictingManagerBase):
         self.prefilled = np.zeros(n, bool)
         self.need_next = np.zeros(n, np.int64)              # pages the next 1-token write takes
         self.reserved = np.zeros(n, np.int64)
+        self.slot_live = np.zeros(n, np.int64)              # live tokens of the slot, all rows
+        self.slot_pages = np.zeros(n, np.int64)
+        self._mirror()
+
+    def _mirror(self) -> None:
+        """Python lists of the per-slot numbers the scheduler asks for per request (no numpy per call)."""
+        self._prefilled_l = self.prefilled.tolist()
+        self._need_l = self.need_next.tolist()
+        self._live_l = self.slot_live.tolist()
+        self._pages_l = self.slot_pages.tolist()
+        self._live_total = int(self.slot_live.sum())
+        self._pages_total = int(self.slot_pages.sum())
+
+    def _restat(self, S: np.ndarray) -> None:
+        """Per-slot live / page totals of the slots in S after they changed, and the Python mirrors."""
+        self.slot_live[S] = self.live[S].sum(axis=1)
+        self.slot_pages[S] = self.pages[S].sum(axis=1)
+        self._mirror()
 
     def _grow(self, n: int | None = None, cols: int | None = None) -> None:
         old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "heavy", "hn", "tail", "tail_w", "ncol", "pages",
                                               "live", "hole_col", "holed", "ntok", "prefilled", "need_next",
-                                              "reserved")}
+                                              "reserved", "slot_live", "slot_pages")}
         n0, _, c0 = old["occ"].shape
         self._alloc_arrays(n or n0, cols or c0)
         for k, a in old.items():
             dst = getattr(self, k)
             dst[tuple(slice(0, s) for s in a.shape)] = a
+        self._mirror()
 
     def _ensure_cols(self, cols: int) -> None:
         if cols > self.occ.shape[2]:
@@ -169,11 +186,11 @@ class FastKVManager(EvictingManagerBase):
 
     def kv_tokens(self, req) -> float:
         s = self.slot_of.get(req)
-        return self._req_live[s] / self.rows if s is not None and s in self._req_live else 0
+        return self._live_l[s] / self.rows if s is not None else 0
 
     def block_table_entries(self, req) -> int:
         s = self.slot_of.get(req)
-        return self._req_pages.get(s, 0) * self.unit if s is not None else 0
+        return self._pages_l[s] * self.unit if s is not None else 0
 
     def slot_stats(self) -> tuple[int, int]:
         return self._live_total * self.unit, self._pages_total * self.block_size * self.unit
@@ -190,11 +207,11 @@ class FastKVManager(EvictingManagerBase):
 
     def _need(self, s: int, n: int) -> int:
         bs = self.block_size
-        if not self.prefilled[s]:
+        if not self._prefilled_l[s]:
             t = int(self.ntok[s])
             return self.rows * (-(-(t + n) // bs) - -(-t // bs))
         # multi-token decode writes (rare) go one token at a time: a bound for the later tokens
-        return int(self.need_next[s]) + self.rows * -(-(n - 1) // bs)
+        return self._need_l[s] + self.rows * -(-(n - 1) // bs)
 
     def _typical_copy(self, S) -> np.ndarray:
         """sparse_copy rows whose holes are all in one page other than the tail (the steady state)."""
@@ -225,6 +242,7 @@ class FastKVManager(EvictingManagerBase):
 
     def _update_need(self, S: np.ndarray) -> None:
         self.need_next[S] = self._need_rows(S).sum(axis=1)
+        self._need_l = self.need_next.tolist()
 
     def _dirty(self, s) -> np.ndarray:
         """sparse_copy: bool [rows, cols] pages to rewrite (holed pages, plus the tail of a holed row)."""
@@ -240,21 +258,24 @@ class FastKVManager(EvictingManagerBase):
         if n <= 0:
             return True
         s = self.slot_of.get(req)
+        if n == 1 and s is not None and self._prefilled_l[s] and s not in self._pending:
+            # the per-request hot path: pure Python; pages are placed by finish_step's batched write
+            need = self._need_l[s]
+            if need * self.unit > self.pool.num_free_blocks:
+                return False
+            self.pool.take(need)
+            self._pending[s] = need
+            return True
         need = self.rows * -(-n // self.block_size) if s is None else self._need(s, n)
         if need * self.unit > self.pool.num_free_blocks:
             return False
         s = self._slot(req)
-        self._unstat(s)
-        if not self.prefilled[s]:
+        if not self._prefilled_l[s]:
             self._prefill_write(s, n)
-        elif n == 1 and s not in self._pending:
-            self.pool.take(need)            # pages are placed by finish_step's batched write
-            self.reserved[s] += need
-            self._pending[s] = 1
         else:
             self._flush_one(s)
             self._decode_write_one(s, n)
-        self._stat(s)
+        self._restat(np.array([s]))
         return True
 
     def _prefill_write(self, s: int, n: int) -> None:
@@ -286,16 +307,14 @@ class FastKVManager(EvictingManagerBase):
 
     def _flush_one(self, s: int) -> None:
         if s in self._pending:
-            del self._pending[s]
+            self.reserved[s] += self._pending.pop(s)
             self._step(np.array([s]))
 
     def free(self, req: Request) -> int:
         s = self.slot_of.get(req)
         if s is None:
             return 0
-        self._pending.pop(s, None)
-        self._unstat(s)
-        n = int(self.pages[s].sum() + self.reserved[s])
+        n = int(self.pages[s].sum() + self.reserved[s]) + self._pending.pop(s, 0)
         self.pool.give(n)
         self._release_slot(req, s)
         return n * self.unit
@@ -307,42 +326,43 @@ class FastKVManager(EvictingManagerBase):
             a[s] = 0
         self.hole_col[s] = -1
         self.holed[s] = -1
-        self.ntok[s] = self.need_next[s] = self.reserved[s] = 0
+        self.ntok[s] = self.need_next[s] = self.reserved[s] = self.slot_live[s] = self.slot_pages[s] = 0
         self.prefilled[s] = False
-        self._req_live.pop(s, None)
-        self._req_pages.pop(s, None)
+        self._mirror()
         self._free_slots.append(s)
 
     # ----- per step --------------------------------------------------------------------------------
     def finish_step(self, scheduled) -> KVStepPlan:
-        decode = []
+        slot_of, pending, prefilled = self.slot_of, self._pending, self._prefilled_l
+        dec_req, dec_slot, dec_need = [], [], []
         for sch in scheduled:
             req = sch.request
-            s = self.slot_of.get(req)
+            s = slot_of.get(req)
             if s is None:
                 continue
-            done = req.num_computed_tokens + sch.num_new_tokens >= req.num_tokens
-            if sch.is_prefill and not self.prefilled[s] and done:
-                self._unstat(s)
+            if s in pending:
+                dec_req.append(req)
+                dec_slot.append(s)
+                dec_need.append(pending.pop(s))
+            elif sch.is_prefill and not prefilled[s] and req.num_computed_tokens + sch.num_new_tokens >= req.num_tokens:
                 before = self.plan.evicted_tokens
                 self._finish_prefill(s)
                 self._note_evicted(req, self.plan.evicted_tokens - before)
-                self._stat(s)
-            elif self._pending.pop(s, None):
-                decode.append((req, s))
-        if decode:
-            slots = np.fromiter((s for _, s in decode), np.int64, len(decode))
-            for s in slots.tolist():
-                self._unstat(s)
-            evicted = self._step(slots)
-            for (req, s), k in zip(decode, evicted.tolist()):
-                self._stat(s)
-                self._note_evicted(req, k)
+                self._restat(np.array([s]))
+        if dec_slot:
+            S = np.array(dec_slot)
+            self.reserved[S] += dec_need
+            evicted = self._step(S)
+            self._restat(S)
+            for req, k in zip(dec_req, evicted.tolist()):
+                if k:
+                    req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + k / self.rows
+        live_l, rows = self._live_l, self.rows
         for sch in scheduled:
-            s = self.slot_of.get(sch.request)
-            if s is not None and s in self._req_live:
+            s = slot_of.get(sch.request)
+            if s is not None:
                 self.logical_token_steps += sch.request.num_computed_tokens + sch.num_new_tokens
-                self.stored_token_steps += self._req_live[s] / self.rows
+                self.stored_token_steps += live_l[s] / rows
         plan, self.plan = self.plan, KVStepPlan()
         plan.evicted_tokens *= self.unit
         plan.blocks_freed_by_eviction *= self.unit
@@ -379,6 +399,7 @@ class FastKVManager(EvictingManagerBase):
             self.live[s] = self.budget
             self.plan.evicted_tokens += int(evict.sum())
         self.prefilled[s] = True
+        self._prefilled_l[s] = True
         self._settle_generic(s, np.arange(R))
         self._rebuild_heavy(s, np.arange(R))
         self._update_need(np.array([s]))
@@ -800,21 +821,10 @@ class FastKVManager(EvictingManagerBase):
         self._rebuild_heavy(s, rows)
 
     # ----- bookkeeping ---------------------------------------------------------------------------
-    def _unstat(self, s: int) -> None:
-        if s in self._req_live:
-            self._live_total -= self._req_live.pop(s)
-            self._pages_total -= self._req_pages.pop(s)
-
-    def _stat(self, s: int) -> None:
-        live, pages = int(self.live[s].sum()), int(self.pages[s].sum())
-        self._req_live[s], self._req_pages[s] = live, pages
-        self._live_total += live
-        self._pages_total += pages
-
     def check_invariants(self, live_requests) -> None:
         self.pool.check_invariants()
         slots = np.fromiter(self.slot_of.values(), np.int64, len(self.slot_of))
-        held = int(self.pages[slots].sum() + self.reserved[slots].sum()) * self.unit
+        held = (int(self.pages[slots].sum() + self.reserved[slots].sum()) + sum(self._pending.values())) * self.unit
         assert self.pool.num_used_blocks == held, f"pool ownership drifted: {self.pool.num_used_blocks} != {held}"
         assert set(self.slot_of) <= set(live_requests), "pages held by a request that is not live"
         occ, alive = self.occ[slots], self.alive[slots]
@@ -824,3 +834,6 @@ class FastKVManager(EvictingManagerBase):
         assert (self.live[slots] == occ.sum(axis=2)).all(), "live count drifted"
         assert ((self.win[slots] >= 0) & (self.win[slots] <= occ)).all(), "window count out of range"
         assert self._live_total == int(self.live[slots].sum()), "live slot total drifted"
+        assert self._pages_total == int(self.pages[slots].sum()), "page total drifted"
+        assert self._need_l == self.need_next.tolist() and self._prefilled_l == self.prefilled.tolist(), \
+            "scheduler-facing mirrors drifted"
