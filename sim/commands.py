@@ -69,7 +69,7 @@ def simulate(
         cfg = load_config(config, overrides, set_)
         from .simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
-        result = run_simulation(cfg, out, progress=not quiet)
+        result = run_simulation(cfg, out, progress=not quiet, keep_steps=False)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

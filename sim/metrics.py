@@ -166,7 +166,7 @@ def request_table(requests) -> pd.DataFrame:
             "evicted_tokens": r.extra.get("kv_evicted_tokens", 0.0),
             "attention_mass_retained": (r.extra["kv_mass_sum"] / r.extra["kv_mass_steps"]
                                         if r.extra.get("kv_mass_steps") else math.nan),
-            "token_times_s": list(times),
+            "token_times_s": np.array(times, dtype=np.float64),
         })
     df = pd.DataFrame(rows, columns=[c for c in REQUEST_COLUMNS if c not in (
         "queueing_s", "ttft_s", "tpot_s", "e2e_s")])
@@ -181,10 +181,11 @@ def request_table(requests) -> pd.DataFrame:
 
 def inter_token_latencies(token_times) -> np.ndarray:
     """Gaps between consecutive output tokens of each request, all requests concatenated."""
-    lengths = np.fromiter((len(t) for t in token_times), dtype=np.int64, count=len(token_times))
+    arrays = [np.asarray(t, dtype=np.float64) for t in token_times]
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
     if lengths.sum() == 0:
         return np.array([])
-    times = np.fromiter(itertools.chain.from_iterable(token_times), dtype=np.float64, count=int(lengths.sum()))
+    times = np.concatenate(arrays)
     gaps = np.diff(times)
     first_of_request = np.cumsum(lengths)[:-1]             # a request's first token follows another's last
     keep = np.ones(gaps.size, dtype=bool)
@@ -196,6 +197,11 @@ def inter_token_latencies(token_times) -> np.ndarray:
 def _pct(values: pd.Series, q: float) -> float:
     v = values.dropna().to_numpy()
     return float(np.percentile(v, q)) if v.size else math.nan
+
+
+# step-log columns the run summary reads (incl. the eviction summary of sim/kv/metrics.py)
+SUMMARY_STEP_COLUMNS = ("duration_s", "blocks_used", "fragmentation", "batch_size", "preemptions",
+                        "bytes_moved", "blocks_freed_by_eviction", "evicted_tokens")
 
 
 def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, num_blocks_total: int,

@@ -1,6 +1,7 @@
 """A request as the engine core sees it (vLLM v1 semantics: prompt + outputs so far, computed count)."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -31,7 +32,8 @@ class Request:
     swapped_tokens: int = 0             # tokens held in CPU swap space while preempted (swap mode)
     replica: int = 0
     first_scheduled_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    # time each output token was produced; a float64 array('d'): 8 bytes a token, not a list's ~32
+    token_times: array = field(default_factory=lambda: array("d"))
     finish_time: float | None = None
     reject_reason: str | None = None
     # Scratch for engine components (policies, executors) keyed by owner name.
