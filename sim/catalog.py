@@ -256,32 +256,59 @@ class GPUSpec(_Spec):
 
 # ---- YAML loading with line numbers ----------------------------------------------------------
 
+_FastLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _LineMap(dict):
+    """Key path -> 1-based line, composed on first use (only error messages need it)."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self._text: str | None = text
+
+    def _fill(self) -> None:
+        if self._text is None:
+            return
+        root, self._text = yaml.compose(self._text), None
+
+        def walk(node: Any, prefix: tuple) -> None:
+            self[prefix] = node.start_mark.line + 1
+            if isinstance(node, yaml.MappingNode):
+                for key_node, value_node in node.value:
+                    walk(value_node, prefix + (key_node.value,))
+                    self[prefix + (key_node.value,)] = key_node.start_mark.line + 1
+            elif isinstance(node, yaml.SequenceNode):
+                for i, item in enumerate(node.value):
+                    walk(item, prefix + (i,))
+
+        if root is not None:
+            walk(root, ())
+
+    def __getitem__(self, key):
+        self._fill()
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self._fill()
+        return super().__contains__(key)
+
+    def get(self, key, default=None):
+        self._fill()
+        return super().get(key, default)
+
+
 def yaml_load_with_lines(path: Path) -> tuple[Any, dict[tuple, int]]:
-    """Parse YAML; also map each key path (tuple of keys / list indices) to its 1-based line."""
+    """Parse YAML; also map each key path (tuple of keys / list indices) to its 1-based line (built
+    lazily: the pure-Python composer costs more than the C parser, and only errors need lines)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise CatalogError(f"cannot read {path}: {exc.strerror or exc}") from exc
     try:
-        data = yaml.safe_load(text)
-        root = yaml.compose(text)
+        data = yaml.load(text, Loader=_FastLoader)
     except yaml.YAMLError as exc:
         raise CatalogError(f"{path}: invalid YAML: {exc}") from exc
-    lines: dict[tuple, int] = {}
-
-    def walk(node: Any, prefix: tuple) -> None:
-        lines[prefix] = node.start_mark.line + 1
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                walk(value_node, prefix + (key_node.value,))
-                lines[prefix + (key_node.value,)] = key_node.start_mark.line + 1
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                walk(item, prefix + (i,))
-
-    if root is not None:
-        walk(root, ())
-    return data, lines
+    return data, _LineMap(text)
 
 
 def format_validation_error(exc: ValidationError, source: str, lines: dict[tuple, int],
