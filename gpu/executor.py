@@ -564,6 +564,13 @@ class RealExecutor:
             bad = np.flatnonzero((actual != live[None]).any(axis=(0, 2)))
             raise AssertionError(f"step {self.num_steps}: cache live mask differs from the KV manager's state "
                                  f"in blocks {ids[bad][:10].tolist()}")
+        if self.tiered:
+            _, _, tiers = self._truth(None, {}, with_tiers=True)
+            actual = self.cache.pages.page_tier.view(self.cache.copies, -1)[:, torch.from_numpy(ids)].cpu().numpy()
+            if not (actual == tiers[None] - 1).all():
+                bad = np.flatnonzero((actual != tiers[None] - 1).any(axis=0))
+                raise AssertionError(f"step {self.num_steps}: cache page tiers differ from the KV manager's in "
+                                     f"blocks {ids[bad][:10].tolist()}")
 
 
 def _pack(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
