@@ -41,6 +41,10 @@ from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
 from .policy import EvictionPolicy, PolicyContext, PolicyError
 
 _APPEND = {"noop", "free_block", "sparse_copy"}
+# per-row scalars, fields of one [slots, rows, fields] array so a step gathers / scatters them at once
+TAIL, TAILW, NCOL, PAGES, LIVE, HOLE, HOLED, HN = range(8)
+_ROW_FIELDS = {"tail": TAIL, "tail_w": TAILW, "ncol": NCOL, "pages": PAGES, "live": LIVE, "hole_col": HOLE,
+               "holed": HOLED, "hn": HN}
 _COMPACT = {"compact", "parallel_compact"}
 
 
@@ -123,18 +127,20 @@ class FastKVManager(EvictingManagerBase):
         self.alive = np.zeros((n, R, cols), bool)           # column holds a page
         self.ring = np.zeros((n, R, W), np.int32)           # page column of position p at p % W
         self.heavy = np.zeros((n, R, (self.budget or 0) + 2), np.int32)  # columns of non-window live tokens
-        self.hn = np.zeros((n, R), np.int32)                # ... their count (newest survivors last)
-        self.tail = np.zeros((n, R), np.int32)              # append column (append strategies)
-        self.tail_w = np.zeros((n, R), np.int32)            # slots written in the tail page
-        self.ncol = np.zeros((n, R), np.int32)              # columns in use (alive or dead below)
-        self.pages = np.zeros((n, R), np.int32)
-        self.live = np.zeros((n, R), np.int32)
-        self.hole_col = np.full((n, R), -1, np.int32)       # reuse: first column with a free slot
-        self.holed = np.full((n, R), -1, np.int32)          # sparse_copy: the one holed column, -2 = several
+        self.rs = np.zeros((n, R, len(_ROW_FIELDS)), np.int32)
+        self.rs[:, :, [HOLE, HOLED]] = -1
+        # views of rs: hn = heavy-list length (newest survivors last); tail = append column (append
+        # strategies), tail_w = slots written in it; ncol = columns in use (alive or dead below);
+        # hole_col = reuse: first column with a free slot; holed = sparse_copy: the one holed column, -2 = several
+        for name, f in _ROW_FIELDS.items():
+            setattr(self, name, self.rs[:, :, f])
+        self._rs_f = self.rs.reshape(-1, len(_ROW_FIELDS))
+        self._occ_f, self._win_f, self._alive_f = self.occ.reshape(-1), self.win.reshape(-1), self.alive.reshape(-1)
+        self._ring_f, self._heavy_f = self.ring.reshape(-1), self.heavy.reshape(-1)
+        self._row_ids = np.arange(R)[None, :]
         self.ntok = np.zeros(n, np.int64)
         self.prefilled = np.zeros(n, bool)
         self.need_next = np.zeros(n, np.int64)              # pages the next 1-token write takes
-        self.reserved = np.zeros(n, np.int64)
         self.slot_live = np.zeros(n, np.int64)              # live tokens of the slot, all rows
         self.slot_pages = np.zeros(n, np.int64)
         self._mirror()
@@ -155,9 +161,8 @@ class FastKVManager(EvictingManagerBase):
         self._mirror()
 
     def _grow(self, n: int | None = None, cols: int | None = None) -> None:
-        old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "heavy", "hn", "tail", "tail_w", "ncol", "pages",
-                                              "live", "hole_col", "holed", "ntok", "prefilled", "need_next",
-                                              "reserved", "slot_live", "slot_pages")}
+        old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "heavy", "rs", "ntok", "prefilled",
+                                              "need_next", "slot_live", "slot_pages")}
         n0, _, c0 = old["occ"].shape
         self._alloc_arrays(n or n0, cols or c0)
         for k, a in old.items():
@@ -300,33 +305,29 @@ class FastKVManager(EvictingManagerBase):
     def _decode_write_one(self, s: int, n: int) -> None:
         """Rare path: a multi-token decode write (one token at a time through the batched step)."""
         for _ in range(n):
-            need = int(self.need_next[s])
-            self.pool.take(need)
-            self.reserved[s] += need
+            self.pool.take(self._need_l[s])
             self._step(np.array([s]))
 
     def _flush_one(self, s: int) -> None:
-        if s in self._pending:
-            self.reserved[s] += self._pending.pop(s)
+        if self._pending.pop(s, None) is not None:
             self._step(np.array([s]))
 
     def free(self, req: Request) -> int:
         s = self.slot_of.get(req)
         if s is None:
             return 0
-        n = int(self.pages[s].sum() + self.reserved[s]) + self._pending.pop(s, 0)
+        n = int(self.pages[s].sum()) + self._pending.pop(s, 0)
         self.pool.give(n)
         self._release_slot(req, s)
         return n * self.unit
 
     def _release_slot(self, req, s) -> None:
         del self.slot_of[req]
-        for a in (self.occ, self.win, self.alive, self.ring, self.heavy, self.hn, self.tail, self.tail_w, self.ncol, self.pages,
-                  self.live):
+        for a in (self.occ, self.win, self.alive, self.ring, self.heavy, self.rs):
             a[s] = 0
         self.hole_col[s] = -1
         self.holed[s] = -1
-        self.ntok[s] = self.need_next[s] = self.reserved[s] = self.slot_live[s] = self.slot_pages[s] = 0
+        self.ntok[s] = self.need_next[s] = self.slot_live[s] = self.slot_pages[s] = 0
         self.prefilled[s] = False
         self._mirror()
         self._free_slots.append(s)
@@ -334,7 +335,7 @@ class FastKVManager(EvictingManagerBase):
     # ----- per step --------------------------------------------------------------------------------
     def finish_step(self, scheduled) -> KVStepPlan:
         slot_of, pending, prefilled = self.slot_of, self._pending, self._prefilled_l
-        dec_req, dec_slot, dec_need = [], [], []
+        dec_req, dec_slot = [], []
         for sch in scheduled:
             req = sch.request
             s = slot_of.get(req)
@@ -343,7 +344,7 @@ class FastKVManager(EvictingManagerBase):
             if s in pending:
                 dec_req.append(req)
                 dec_slot.append(s)
-                dec_need.append(pending.pop(s))
+                del pending[s]
             elif sch.is_prefill and not prefilled[s] and req.num_computed_tokens + sch.num_new_tokens >= req.num_tokens:
                 before = self.plan.evicted_tokens
                 self._finish_prefill(s)
@@ -351,7 +352,6 @@ class FastKVManager(EvictingManagerBase):
                 self._restat(np.array([s]))
         if dec_slot:
             S = np.array(dec_slot)
-            self.reserved[S] += dec_need
             evicted = self._step(S)
             self._restat(S)
             for req, k in zip(dec_req, evicted.tolist()):
@@ -496,95 +496,98 @@ class FastKVManager(EvictingManagerBase):
     # ----- one batched decode step ----------------------------------------------------------------
     def _step(self, S: np.ndarray) -> np.ndarray:
         """Write one token per row of every slot in S, move the window, evict, apply the slot strategy.
-        Returns the (token, row) evictions per slot. Pages were reserved by allocate_slots.
-        Hot path: [len(S), rows] index arrays into the flattened slab (row id = slot * rows + row)."""
+        Returns the (token, row) evictions per slot. Pages were taken from the pool by allocate_slots.
+
+        Hot path: a constant number of numpy operations over all m = len(S) x rows (request, row)
+        pairs. The per-row scalars of those pairs are gathered once into `st` [m, fields], updated
+        in place through column views, and scattered back; page columns are addressed in the
+        flattened slab (row id q = slot * rows + row, page id = q * cols + column)."""
         bs, R, W = self.block_size, self.rows, self.window
-        pos = self.ntok[S]
         if self.strategy == "sparse_copy":
             self._sparse_copy(S)
-        row = S[:, None] * R + np.arange(R)[None, :]
-        # --- write the new token
+        nS = S.size
+        q = (S[:, None] * R + self._row_ids).ravel()
+        pos = self.ntok[S]
+        st = self._rs_f[q]
+        tail, tw, ncol, pages, live, hole, hn = (st[:, f] for f in (TAIL, TAILW, NCOL, PAGES, LIVE, HOLE, HN))
+        # --- write the new token (into the tail page, the first hole, or a page opened from the reservation)
         if self.append:
-            tail_w = self.tail_w[S]
-            new = (tail_w >= bs) | (self.ncol[S] == 0)
-            col = np.where(new, self.ncol[S], self.tail[S])
-            if new.any():
-                self._ensure_cols(int(self.ncol[S].max()) + 1)
-                self._open(row, new, col)
-                self.tail[S] = col
-                tail_w = np.where(new, 0, tail_w)
-            self.tail_w[S] = tail_w + 1
+            new = (tw >= bs) | (ncol == 0)
+            col = np.where(new, ncol, tail)
         else:
-            new = self.hole_col[S] < 0
-            col = np.where(new, self.ncol[S], self.hole_col[S])
-            if new.any():
-                self._ensure_cols(int(self.ncol[S].max()) + 1)
-                self._open(row, new, col)
+            new = hole < 0
+            col = np.where(new, ncol, hole)
         if new.any():
-            self.reserved[S] -= new.sum(axis=1)
-        P = self.occ.shape[2]
-        occ_f, win_f = self.occ.reshape(-1), self.win.reshape(-1)
-        at = row * P + col
-        occ_f[at] += 1
-        self.live[S] += 1
+            self._ensure_cols(int(ncol.max()) + 1)
+            self._alive_f[(q * self.occ.shape[2] + col)[new]] = True
+            pages += new
+            ncol += new                   # pages open at column ncol
+            if self.append:
+                tail[:] = col
+                tw[new] = 0
+            else:
+                np.copyto(hole, col, where=new)
+        if self.append:
+            tw += 1
+        qP = q * self.occ.shape[2]
+        at = qP + col
+        self._occ_f[at] += 1
+        live += 1
         # --- the window moves on: the token at pos - W leaves it
-        exiting = np.zeros(len(S), bool)
-        exit_col = np.zeros((len(S), R), np.int64)
+        ex, ec = False, col
         if W:
-            ring_f = self.ring.reshape(-1)
-            ring_at = row * W + (pos % W)[:, None]
+            ring_at = q * W + np.repeat(pos % W, R)
+            ec = self._ring_f[ring_at]
             exiting = pos >= W
-            exit_col = np.where(exiting[:, None], ring_f[ring_at], 0)
-            si = np.flatnonzero(exiting)
-            win_f[row[si] * P + exit_col[si]] -= 1
-            win_f[at] += 1
-            ring_f[ring_at] = col
+            if exiting.all():
+                ex = True
+                self._win_f[qP + ec] -= 1
+            elif exiting.any():
+                ex = np.repeat(exiting, R)
+                self._win_f[qP + ec] -= ex
+            self._win_f[at] += 1
+            self._ring_f[ring_at] = col
         self.ntok[S] += 1
         if self.strategy in _REUSE:
-            self._after_fill(S, row, col)
+            st = self._after_fill(q, st, at, col)
+            tail, tw, ncol, pages, live, hole, hn = (st[:, f] for f in (TAIL, TAILW, NCOL, PAGES, LIVE, HOLE, HN))
         # --- evict
-        evicted = np.zeros(len(S), np.int64)
+        evicted = np.zeros(nS, np.int64)
+        rescan = None
         if self.budget is not None:
-            over = self.live[S] > self.budget
+            over = live > self.budget
             if over.any():
-                ev_col = self._pick(S, row, over, exiting, exit_col)
-                si, ri = np.nonzero(over)
-                rows = row[si, ri]
-                c = ev_col[si, ri]
-                occ_f[rows * P + c] -= 1
-                self.live.reshape(-1)[rows] -= 1
-                evicted = over.sum(axis=1)
+                ev = self._pick(q, over, ex, ec, hn)
+                ev_at = qP + ev
+                self._occ_f[ev_at] -= over
+                live -= over
+                evicted = over.reshape(nS, R).sum(axis=1)
                 self.plan.evicted_tokens += int(evicted.sum())
-                self._after_evict(S, si, ri, rows, c)
+                rescan = self._after_evict(over, ev, ev_at, st)
+        self._rs_f[q] = st
+        if rescan is not None and rescan.any():
+            s_r, r_r = np.divmod(q[rescan], R)
+            self._rescan_pairs(s_r, r_r, ev[rescan] + 1)
+        if self.strategy in _COMPACT:
+            self._compact_step(S, q, col)
         self._update_need(S)
-        assert not self.reserved[S].any(), "fast mode: reserved pages left unplaced"
         return evicted
 
-    def _open(self, row, new, col) -> None:
-        """Open a page at column col where new (pages come from the slot's reservation)."""
-        P = self.occ.shape[2]
-        r2 = row[new]
-        c = col[new]
-        at = r2 * P + c
-        self.alive.reshape(-1)[at] = True
-        self.occ.reshape(-1)[at] = 0
-        self.win.reshape(-1)[at] = 0
-        self.pages.reshape(-1)[r2] += 1
-        ncol = self.ncol.reshape(-1)
-        ncol[r2] = np.maximum(ncol[r2], c + 1)
-        if self.strategy in _REUSE:
-            self.hole_col.reshape(-1)[r2] = c
-
-    def _after_fill(self, S, row, col) -> None:
-        """Reuse strategies: a filled page moves the first-hole pointer on."""
-        P = self.occ.shape[2]
-        full = self.occ.reshape(-1)[row * P + col] >= self.block_size
+    def _after_fill(self, q, st, at, col) -> np.ndarray:
+        """Reuse strategies: a filled page moves the first-hole pointer on. Returns `st` (re-gathered
+        when some pointers had to be searched for)."""
+        full = self._occ_f[at] >= self.block_size
         if not full.any():
-            return
-        room = self.pages[S] * self.block_size - self.live[S]
-        self.hole_col[S] = np.where(full & (room == 0), -1, self.hole_col[S])
-        si, ri = np.nonzero(full & (room > 0))
-        self._rescan_pairs(S[si], ri, col[si, ri] + 1)
+            return st
+        room = st[:, PAGES] * self.block_size - st[:, LIVE]
+        st[:, HOLE][full & (room == 0)] = -1
+        search = full & (room > 0)
+        if not search.any():
+            return st
+        self._rs_f[q] = st
+        s, r = np.divmod(q[search], self.rows)
+        self._rescan_pairs(s, r, col[search] + 1)
+        return self._rs_f[q]
 
     def _rescan_pairs(self, s: np.ndarray, r: np.ndarray, start: np.ndarray | None = None) -> None:
         """First column with a free slot for rows (s[i], r[i]); tries column start[i] first."""
@@ -612,49 +615,31 @@ class FastKVManager(EvictingManagerBase):
         free = self.alive[s, r, :w] & (self.occ[s, r, :w] < bs)
         self.hole_col[s, r] = np.where(free.any(axis=1), np.argmax(free, axis=1), -1)
 
-    def _pick(self, S, row, over, exiting, exit_col) -> np.ndarray:
-        """Column of the token each over-budget row evicts. The token leaving the window is evicted
-        with probability exit_evict; otherwise it joins the heavy list and a listed token goes: with
-        probability old_share a uniform one, else one of the newest survivors (the list's end,
-        exponential with mean young_span entries)."""
-        P, Hc = self.occ.shape[2], self.heavy.shape[2]
-        occ_f, win_f, heavy_f, hn_f = (self.occ.reshape(-1), self.win.reshape(-1), self.heavy.reshape(-1),
-                                       self.hn.reshape(-1))
-        u = self.rng.random((3,) + over.shape)
-        ex = np.broadcast_to(exiting[:, None], over.shape)
-        at = row * P + exit_col
-        take_exit = over & ex & (u[0] < self.exit_evict) & (occ_f[at] - win_f[at] > 0)
-        ev = np.where(take_exit, exit_col, 0).astype(np.int64)
-        push = ex & ~take_exit
-        if push.any():
-            r2 = row[push]
-            heavy_f[r2 * Hc + hn_f[r2]] = exit_col[push]
-            hn_f[r2] += 1
+    def _pick(self, q, over, ex, ec, hn) -> np.ndarray:
+        """Column of the token each over-budget row evicts (flat over the step's rows; `hn` is updated
+        in place). The token leaving the window (`ex`, column `ec`) is evicted with probability
+        exit_evict; otherwise it joins the heavy list and a listed token goes: with probability
+        old_share a uniform one, else one of the newest survivors (the list's end, exponential with
+        mean young_span entries). The list holds exactly the columns of a row's live non-window
+        tokens (check_invariants verifies it), so a drawn entry is always a live token."""
+        Hc = self.heavy.shape[2]
+        heavy_f = self._heavy_f
+        qH = q * Hc
+        u = self.rng.random((3, q.size))
+        take_exit = over & ex & (u[0] < self.exit_evict)
+        heavy_f[qH + hn] = ec                    # the exiting token's column: listed where it is kept
+        hn += ex & ~take_exit
         draw = over & ~take_exit
-        if not draw.any():
-            return ev
-        r2 = row[draw]
-        hn = hn_f[r2].astype(np.int64)
-        u1, u2 = u[1][draw], u[2][draw]
-        young = hn - 1 - np.floor(-self.young_span * np.log1p(-u1)).astype(np.int64)
-        idx = np.where(u2 < self.old_share, (u1 * hn).astype(np.int64), young)
-        idx = np.clip(idx, 0, np.maximum(hn - 1, 0))
-        col = heavy_f[r2 * Hc + idx].astype(np.int64)
-        at = r2 * P + col
-        ok = (hn > 0) & self.alive.reshape(-1)[at] & (occ_f[at] - win_f[at] > 0)
-        ro = r2[ok]
-        heavy_f[ro * Hc + idx[ok]] = heavy_f[ro * Hc + np.maximum(hn[ok] - 1, 0)]
-        hn_f[ro] -= 1
-        bad = np.flatnonzero(~ok)
-        if bad.size:                   # stale list entry or none left: the first column with a non-window token
-            sb, rb = np.divmod(r2[bad], self.rows)
-            heavy = (self.occ[sb, rb] - self.win[sb, rb]) * self.alive[sb, rb] > 0
-            any_h = heavy.any(axis=1)
-            col[bad] = np.where(any_h, np.argmax(heavy, axis=1), np.argmax(self.occ[sb, rb] > 0, axis=1))
-            for sv in np.unique(sb):
-                self._rebuild_heavy(int(sv), rb[sb == sv])
-        ev[draw] = col
-        return ev
+        u1 = u[1]
+        young = hn - 1 - (np.log1p(-u1) * -self.young_span).astype(np.int64)
+        idx = np.where(u[2] < self.old_share, (u1 * hn).astype(np.int64), young)
+        last = np.maximum(hn - 1, 0)
+        hidx = qH + np.clip(idx, 0, last)
+        col = heavy_f[hidx]
+        last += qH
+        heavy_f[np.where(draw, hidx, last)] = heavy_f[last]     # the drawn entry leaves the list
+        hn -= draw
+        return np.where(take_exit, ec, col)
 
     def _rebuild_heavy(self, s: int, rows: np.ndarray) -> None:
         """The heavy list of some rows from their per-column non-window counts (column order = age order)."""
@@ -672,79 +657,75 @@ class FastKVManager(EvictingManagerBase):
         self.heavy[s, rows[row_of], idx] = cols
         self.hn[s, rows] = tot
 
-    def _after_evict(self, S, si, ri, rows, c) -> None:
-        bs = self.block_size
-        P = self.occ.shape[2]
+    def _after_evict(self, over, ev, ev_at, st) -> np.ndarray | None:
+        """The slot strategy's answer to this step's evictions (column ev of each over-budget row),
+        on the gathered row scalars `st`. Returns the rows whose first-hole pointer must be searched for."""
+        tail, tw, ncol, pages, hole = (st[:, f] for f in (TAIL, TAILW, NCOL, PAGES, HOLE))
+        empty = None
         if self.strategy in _FREES:
-            empty = self.occ.reshape(-1)[rows * P + c] == 0
+            empty = over & (self._occ_f[ev_at] == 0)
             if self.append:
-                empty &= ~((self.tail.reshape(-1)[rows] == c) & (self.tail_w.reshape(-1)[rows] < bs))
+                empty &= (tail != ev) | (tw >= self.block_size)
             if empty.any():
-                re_, ce = rows[empty], c[empty]
-                self.alive.reshape(-1)[re_ * P + ce] = False
-                self.pages.reshape(-1)[re_] -= 1
-                ncol = self.ncol.reshape(-1)
-                top = ncol[re_] == ce + 1
-                ncol[re_[top]] -= 1
-                self.pool.give(int(empty.sum()))
-                self.plan.blocks_freed_by_eviction += int(empty.sum())
+                self._alive_f[ev_at[empty]] = False
+                pages -= empty
+                ncol -= empty & (ncol == ev + 1)
+                n = int(np.count_nonzero(empty))
+                self.pool.give(n)
+                self.plan.blocks_freed_by_eviction += n
                 if self.strategy in _REUSE:
-                    hole = self.hole_col.reshape(-1)
-                    stale = hole[re_] == ce
-                    hole[re_[stale]] = -1
-            keep = ~empty
-        else:
-            keep = np.ones(rows.size, bool)
+                    hole[empty & (hole == ev)] = -1
+            else:
+                empty = None
         if self.strategy in _REUSE:
-            hole = self.hole_col.reshape(-1)
-            rk, ck = rows[keep], c[keep]
-            h = hole[rk]
-            hole[rk] = np.where(h < 0, ck, np.minimum(h, ck))
-            gone = ~keep & (hole[rows] < 0)
-            self._rescan_pairs(*np.divmod(rows[gone], self.rows), c[gone] + 1)
-        if self.strategy in _COMPACT:
-            self._compact_step(S)
+            kept = over if empty is None else over & ~empty
+            np.copyto(hole, np.where(hole < 0, ev, np.minimum(hole, ev)), where=kept)
+            return None if empty is None else empty & (hole < 0)
         if self.strategy == "sparse_copy":
-            holed = self.holed.reshape(-1)
-            h = holed[rows]
-            holed[rows] = np.where(h == -1, c, np.where(h == c, h, -2))
+            holed = st[:, HOLED]
+            holed[:] = np.where(over, np.where(holed == -1, ev, np.where(holed == ev, holed, -2)), holed)
+        return None
 
-    def _compact_step(self, S) -> None:
+    def _compact_step(self, S, q, col) -> None:
+        """Compaction after the step's evictions: a row holding one page more than its live tokens
+        need, whose newest token (just written at column col) sits alone in its last page with a hole
+        before it, moves that token into the hole and frees the page; other rows with spare pages go
+        through the exact count-based path."""
         bs, R, W = self.block_size, self.rows, self.window
-        keep = -(-self.live[S] // bs)
-        extra = self.pages[S] - keep
+        st = self._rs_f[q]
+        pages, live, ncol, hc = st[:, PAGES], st[:, LIVE], st[:, NCOL], st[:, HOLE]
+        extra = pages - -(-live // bs)
         if not (extra > 0).any():
             return
         P = self.occ.shape[2]
-        occ_f, win_f, alive_f = self.occ.reshape(-1), self.win.reshape(-1), self.alive.reshape(-1)
-        row = S[:, None] * R + np.arange(R)[None, :]
-        last = np.maximum(self.ncol[S] - 1, 0).astype(np.int64)
-        hc = self.hole_col[S]
-        t = self.ntok[S] - 1
-        at_last = row * P + last
+        occ_f, win_f, alive_f = self._occ_f, self._win_f, self._alive_f
+        last = np.maximum(ncol - 1, 0)
+        at_last = q * P + last
         simple = (extra == 1) & (occ_f[at_last] == 1) & (hc >= 0) & (hc < last) & alive_f[at_last]
         if W:
-            ring_at = row * W + (t % W)[:, None]
-            simple &= self.ring.reshape(-1)[ring_at] == last     # the newest token sits alone in the last page
+            simple &= col == last                # the newest token is the one alone in the last page
         if simple.any():
-            r2, l, h = row[simple], last[simple], hc[simple].astype(np.int64)
-            occ_f[r2 * P + h] += 1
-            occ_f[r2 * P + l] = 0
-            win_f[r2 * P + h] += 1
-            win_f[r2 * P + l] = 0
+            r2, l = q[simple], at_last[simple]
+            h = r2 * P + hc[simple]
+            occ_f[h] += 1
+            occ_f[l] = 0
+            win_f[h] += 1
+            win_f[l] = 0
             if W:
-                self.ring.reshape(-1)[ring_at[simple]] = h
-            alive_f[r2 * P + l] = False
-            self.pages.reshape(-1)[r2] -= 1
-            self.ncol.reshape(-1)[r2] = l
+                t = np.repeat(self.ntok[S] - 1, R)[simple]
+                self._ring_f[r2 * W + t % W] = hc[simple]
+            alive_f[l] = False
+            pages -= simple
+            ncol[simple] = last[simple]
             n = int(r2.size)
             self.pool.give(n)
             self.plan.blocks_freed_by_eviction += n
             self.plan.bytes_moved += int(round(n * self.bytes_per_token_row))
-            full = occ_f[r2 * P + h] >= bs
+            self._rs_f[q] = st
+            full = occ_f[h] >= bs
             sf, rf = np.divmod(r2[full], R)
-            self._rescan_pairs(sf, rf, h[full] + 1)
-        hard = (extra > 0) & ~simple
+            self._rescan_pairs(sf, rf, hc[simple][full] + 1)
+        hard = ((extra > 0) & ~simple).reshape(S.size, R)
         for i in np.flatnonzero(hard.any(axis=1)):
             rows = np.flatnonzero(hard[i])
             self._compact_rows(int(S[i]), rows)
@@ -777,7 +758,6 @@ class FastKVManager(EvictingManagerBase):
             self.tail[s[one], ri[one]] = hc[one]
             self.tail_w[s, ri] = np.where(one, moved, moved - bs)
             self.pages[s, ri] += (dst - 2).astype(np.int32)
-            np.subtract.at(self.reserved, s, dst)
             self.pool.give(2 * si.size)
             self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
             self.holed[s, ri] = -1
@@ -800,7 +780,6 @@ class FastKVManager(EvictingManagerBase):
         self.alive[s, rows] &= ~dirty
         self.pages[s, rows] += (dst - dirty.sum(axis=1)).astype(np.int32)
         self.pool.give(n_old)
-        self.reserved[s] -= int(dst.sum())
         base = self.ncol[s, rows].astype(np.int64)
         self._ensure_cols(int((base + dst).max()))
         for j in range(int(dst.max()) if dst.size else 0):
@@ -824,7 +803,7 @@ class FastKVManager(EvictingManagerBase):
     def check_invariants(self, live_requests) -> None:
         self.pool.check_invariants()
         slots = np.fromiter(self.slot_of.values(), np.int64, len(self.slot_of))
-        held = (int(self.pages[slots].sum() + self.reserved[slots].sum()) + sum(self._pending.values())) * self.unit
+        held = (int(self.pages[slots].sum()) + sum(self._pending.values())) * self.unit
         assert self.pool.num_used_blocks == held, f"pool ownership drifted: {self.pool.num_used_blocks} != {held}"
         assert set(self.slot_of) <= set(live_requests), "pages held by a request that is not live"
         occ, alive = self.occ[slots], self.alive[slots]
@@ -837,3 +816,10 @@ class FastKVManager(EvictingManagerBase):
         assert self._pages_total == int(self.pages[slots].sum()), "page total drifted"
         assert self._need_l == self.need_next.tolist() and self._prefilled_l == self.prefilled.tolist(), \
             "scheduler-facing mirrors drifted"
+        if self.budget is not None:                 # heavy list = the columns of the live non-window tokens
+            pf = slots[self.prefilled[slots]]
+            P, Hc = self.occ.shape[2], self.heavy.shape[2]
+            listed = np.arange(Hc)[None, None, :] < self.hn[pf][:, :, None]
+            page = (np.arange(pf.size * self.rows).reshape(pf.size, self.rows, 1) * P + self.heavy[pf])[listed]
+            held = np.bincount(page, minlength=pf.size * self.rows * P).reshape(pf.size, self.rows, P)
+            assert (held == self.occ[pf] - self.win[pf]).all(), "heavy list drifted from the non-window tokens"
