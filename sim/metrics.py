@@ -92,7 +92,9 @@ class StepLog:
             return
         columns = {name: np.asarray(self._rows[name], dtype=typ.to_pandas_dtype())
                    for name, (typ, _) in STEP_COLUMNS.items()}
-        order = np.lexsort((columns["step"], columns["replica"]))
+        replica, step = columns["replica"], columns["step"]
+        in_order = (replica == replica[0]).all() and (np.diff(step) > 0).all()    # one replica: as appended
+        order = slice(None) if in_order else np.lexsort((step, replica))
         arrays = [pa.array(columns[name][order], type=typ) for name, (typ, _) in STEP_COLUMNS.items()]
         self._rows = {name: [] for name in STEP_COLUMNS}
         self._pending = 0
