@@ -361,16 +361,18 @@ class RealExecutor:
         bound from the layer's query and the cached keys; the policy picks the pages."""
         keys, _, live = cache.gather(layer, tables)
         Bd, H, S = live.shape
-        slots = (tables.clamp(min=0)[..., None] * self.bs + torch.arange(self.bs, device=tables.device)).reshape(Bd, H, S)
-        pos = torch.from_numpy(self.slot_pos).to(tables.device)[slots]
+        host_tables = tables.cpu().numpy()
+        slots = np.maximum(host_tables, 0)[..., None] * self.bs + np.arange(self.bs)
+        pos = torch.from_numpy(np.where(host_tables[..., None] >= 0, self.slot_pos[slots], -1).reshape(Bd, H, S))
+        pos = pos.to(tables.device)
         valid = live & (pos >= 0)
         bound = quest_bound(q, keys, valid, pos // self.selector.page_size).cpu().numpy()
         out = np.zeros((Bd, H, S), dtype=bool)
         ctx = self.kv.ctx
-        for b, (req, (_, order, count)) in enumerate(decodes):
+        for b, (req, (table, order, count)) in enumerate(decodes):
             st = self.kv.req_kv[req].state
             rows = layer * H + np.arange(H) if ctx.layout == "per_head" else np.zeros(H, dtype=np.int64)
-            width = min(order.shape[1], S // self.bs)
+            width = table.shape[1]                                    # this request's packed table
             cols = order[rows, :width, None] * self.stride + np.arange(self.bs)          # [H, width, bs]
             ok = np.broadcast_to((np.arange(width)[None, :] < count[rows, None])[:, :, None], cols.shape)
             h = np.broadcast_to(np.arange(H)[:, None, None], cols.shape)
