@@ -1,9 +1,18 @@
-"""Regenerate the shipped CPU calibration: replay a generated sweep of closed batches on the real
+"""Regenerate the shipped CPU calibration: replay generated calibration workloads on the real
 backend (SmolLM2-135M), fit `sim/data/profiles/cpu-smollm2.yaml` and
 `sim/data/importance/smollm2-135m-fitted.yaml`, then cross-check on a held-out Azure conv slice
 with policy none and h2o + slot_reuse. Prints the figures and the load average.
 
-    python bench/calibrate_cpu.py --out runs/calibration [--threads 2] [--skip-crosscheck]
+Calibration workloads (all generated, none from the cross-check's trace):
+- `replay-sweep`, policy none: closed batches (batch sizes x prompt lengths), plus batches of mixed
+  prompt lengths (decodes of unequal contexts: the CPU attention pads them to the longest);
+- `replay-h2o`, h2o (budget 128) + slot_reuse: the policy's evictions leave holes in the blocks that
+  attention still scans, and its scoring runs every decode step.
+
+Steps are timed with the thread's CPU time (`--clock cpu`, 1 torch thread) by default, so other
+processes on the machine do not inflate them; the cross-checks use the same clock.
+
+    python bench/calibrate_cpu.py --out runs/calibration [--threads 1] [--clock cpu] [--skip-crosscheck]
 """
 from __future__ import annotations
 
@@ -30,6 +39,20 @@ def calibration_trace(batches, prompts, output_tokens: int, gap_s: float = 1e4):
     return Trace.concat(parts, how="overlay", name="calibration-sweep")
 
 
+def mixed_trace(groups, output_tokens: int, gap_s: float = 1e4, name: str = "calibration-mixed"):
+    """One batch per group of prompt lengths, all its requests arriving together."""
+    from traces.trace import Trace
+    prompts = [p for g in groups for p in g]
+    arrivals = [i * gap_s for i, g in enumerate(groups) for _ in g]
+    return Trace.from_columns(arrival_time_s=arrivals, prompt_tokens=prompts,
+                              output_tokens=[output_tokens] * len(prompts), name=name)
+
+
+def shifted(trace, offset_s: float):
+    trace.df["arrival_time_s"] = trace.df["arrival_time_s"] + offset_s
+    return trace
+
+
 def kvsim(*args: str) -> None:
     print("$ kvsim " + " ".join(args), flush=True)
     subprocess.run([sys.executable, "-c", "from sim.cli import main; main()", *args], check=True, cwd=ROOT)
@@ -38,9 +61,19 @@ def kvsim(*args: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "calibration")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="cpu",
+                    help="replay step timer (cpu: the thread's CPU time; needs --threads 1)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--prompts", type=int, nargs="+", default=[64, 256, 768])
+    ap.add_argument("--mixed", type=str, nargs="+", default=["64,768", "32,256,1024", "128,128,512,896",
+                                                              "64,256,256,640,1024,48,96,384"],
+                    help="batches of mixed prompt lengths (comma-separated), policy none")
+    ap.add_argument("--h2o", type=str, nargs="+", default=["256", "768", "256,256,256,256", "160,512,768,1024",
+                                                            "96,200,300,400,500,600,700,800"],
+                    help="batches (comma-separated prompt lengths) replayed with h2o + slot_reuse")
+    ap.add_argument("--h2o-budget", type=int, default=128)
+    ap.add_argument("--h2o-output-tokens", type=int, default=24)
     ap.add_argument("--output-tokens", type=int, default=12)
     ap.add_argument("--num-gpu-blocks", type=int, default=1200)
     ap.add_argument("--crosscheck-requests", type=int, default=6)
@@ -51,17 +84,32 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from gpu.replay import ReplayOptions, run_replay
     from sim.config import load_config
+    from traces.trace import Trace
 
-    print(f"load average before: {os.getloadavg()}, torch threads {torch.get_num_threads()}", flush=True)
-    trace = calibration_trace(args.batches, args.prompts, args.output_tokens)
-    cfg = load_config(None, {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
-                             "engine.num_gpu_blocks": args.num_gpu_blocks})
+    print(f"load average before: {os.getloadavg()}, torch threads {torch.get_num_threads()}, clock {args.clock}",
+          flush=True)
+    sweep = calibration_trace(args.batches, args.prompts, args.output_tokens)
+    n_sweep = len(args.batches) * len(args.prompts)
+    mixed = shifted(mixed_trace([[int(p) for p in g.split(",")] for g in args.mixed], args.output_tokens + 4),
+                    n_sweep * 1e4)
+    base = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
+            "engine.num_gpu_blocks": args.num_gpu_blocks}
+    opts = ReplayOptions(device="cpu", clock=args.clock)
+    runs = {
+        "replay-sweep": (load_config(None, base), Trace.concat([sweep, mixed], how="overlay", name="calibration-sweep")),
+        "replay-h2o": (load_config(None, {**base, "kv.policy": "h2o", "kv.budget": args.h2o_budget,
+                                          "kv.slot_strategy": "slot_reuse"}),
+                       mixed_trace([[int(p) for p in g.split(",")] for g in args.h2o], args.h2o_output_tokens,
+                                   name="calibration-h2o")),
+    }
+    for name, (cfg, trace) in runs.items():
+        res = run_replay(cfg, args.out / name, trace=trace, options=opts, progress=True)
+        print(f"{name}: {len(res.steps)} steps, load average after: {os.getloadavg()}", flush=True)
     cal_dir = args.out / "replay-sweep"
-    res = run_replay(cfg, cal_dir, trace=trace, options=ReplayOptions(device="cpu"), progress=True)
-    print(f"calibration replay: {len(res.steps)} steps, load average after: {os.getloadavg()}", flush=True)
     profile = ROOT / "sim" / "data" / "profiles" / "cpu-smollm2.yaml"
     importance = ROOT / "sim" / "data" / "importance" / "smollm2-135m-fitted.yaml"
-    kvsim("calibrate", str(cal_dir), "--out", str(profile), "--model", "smollm2-135m", "--gpu", "cpu-2core")
+    kvsim("calibrate", *(str(args.out / name) for name in runs), "--out", str(profile), "--model", "smollm2-135m",
+          "--gpu", "cpu-2core")
     kvsim("calibrate", "--attention", str(cal_dir), "--out", str(importance))
     if args.skip_crosscheck:
         return
@@ -69,7 +117,7 @@ def main() -> None:
     # the CPU replay of the full 30-layer model stays within minutes.
     common = ["--trace", "azure-conv-2023", "--profile", str(profile), "--num-gpu-blocks", str(args.num_gpu_blocks),
               "--start-s", "2400", "--max-requests", str(args.crosscheck_requests), "--rate-scale", "0.5",
-              "--set", "engine.max_model_len=1100", "--threads", str(args.threads)]
+              "--set", "engine.max_model_len=1100", "--threads", str(args.threads), "--clock", args.clock]
     kvsim("crosscheck", *common, "--out", str(args.out / "crosscheck-none"))
     kvsim("crosscheck", *common, "--set", "kv.policy=h2o", "--set", "kv.budget=256",
           "--set", "kv.slot_strategy=slot_reuse", "--out", str(args.out / "crosscheck-h2o"))

@@ -25,7 +25,7 @@ from .cost_model import FACTOR_OF_FEATURE, FEATURE_NAMES, CostModel, HardwarePro
 
 # Step-log columns the fit reads (-> BatchShape field); optional ones default to 0 when absent.
 REQUIRED_COLUMNS = ("duration_s", "batch_size", "prefill_tokens", "decode_tokens", "kv_tokens_read")
-OPTIONAL_COLUMNS = ("attn_pairs_prefill", "bytes_moved", "swap_bytes", "block_table_entries")
+OPTIONAL_COLUMNS = ("attn_pairs_prefill", "bytes_moved", "swap_bytes", "block_table_entries", "kv_tokens_padded")
 FACTORS: tuple[str, ...] = tuple(dict.fromkeys(f for f, _ in FACTOR_OF_FEATURE.values()))
 EFFICIENCY_FACTORS = frozenset(f for f, how in FACTOR_OF_FEATURE.values() if how == "div")
 STEP_KINDS = ("prefill", "decode", "mixed")
@@ -36,8 +36,12 @@ class CalibrationError(ValueError):
 
 
 # ---- input ------------------------------------------------------------------------------------
-def load_step_logs(paths: list[str | Path]) -> pd.DataFrame:
-    """Concatenate step logs (Parquet) into one table with a `source` column; checks the columns."""
+def load_step_logs(paths: list[str | Path], *, recompute_shapes: bool = True) -> pd.DataFrame:
+    """Concatenate step logs (Parquet) into one table with a `source` column; checks the columns.
+
+    A replay directory whose step log lacks `kv_tokens_padded` (the engine does not log it) gets it
+    recomputed by simulating the replay in recorded mode (`crosscheck.replay_shape_columns`), unless
+    `recompute_shapes` is False; a bare steps.parquet then prices it as kv_tokens_read."""
     if not paths:
         raise CalibrationError("no step logs given")
     frames = []
@@ -52,6 +56,12 @@ def load_step_logs(paths: list[str | Path]) -> pd.DataFrame:
         except Exception as exc:   # pyarrow raises several types for non-Parquet input
             raise CalibrationError(f"{path}: not a readable Parquet step log ({exc})") from None
         check_step_columns(df, str(path))
+        if recompute_shapes and "kv_tokens_padded" not in df.columns and (path.parent / "config.yaml").is_file():
+            from .crosscheck import CrosscheckError, replay_shape_columns, with_shape_columns
+            try:
+                df = with_shape_columns(df, replay_shape_columns(path.parent), str(path))
+            except CrosscheckError as exc:
+                raise CalibrationError(str(exc)) from None
         frames.append(df.assign(source=str(path)))
     return pd.concat(frames, ignore_index=True)
 
@@ -72,10 +82,15 @@ def shape_of_steps(df: pd.DataFrame) -> BatchShape:
         if name in df.columns:
             return df[name].to_numpy(dtype=np.float64)
         return np.zeros(len(df))
+    padded = None
+    if "kv_tokens_padded" in df.columns:      # NaN (not known for that step): priced as kv_tokens_read
+        padded = df["kv_tokens_padded"].to_numpy(dtype=np.float64)
+        padded = np.where(np.isnan(padded), col("kv_tokens_read"), padded)
     return BatchShape(num_seqs=col("batch_size"), num_prefill_tokens=col("prefill_tokens"),
                       num_decode_tokens=col("decode_tokens"), attn_pairs_prefill=col("attn_pairs_prefill"),
                       kv_tokens_read=col("kv_tokens_read"), bytes_moved=col("bytes_moved"),
-                      swap_bytes=col("swap_bytes"), block_table_entries=col("block_table_entries"))
+                      swap_bytes=col("swap_bytes"), block_table_entries=col("block_table_entries"),
+                      kv_tokens_padded=padded)
 
 
 def step_kind(df: pd.DataFrame) -> np.ndarray:
@@ -193,6 +208,8 @@ def fit_profile(steps: pd.DataFrame, model: str, gpu: str, *, base_profile: str 
     features = cost.feature_matrix(shape)
     y = steps["duration_s"].to_numpy(dtype=np.float64)
     kinds = step_kind(steps)
+    if "kv_tokens_padded" not in steps.columns:      # no padded counts logged: the factor is not identifiable
+        features[:, FEATURE_NAMES.index("attn_padded")] = 0.0
     present = np.array([any(np.any(features[:, FEATURE_NAMES.index(n)] > 0)
                             for n, (f, _) in FACTOR_OF_FEATURE.items() if f == factor) for factor in FACTORS])
     lower = np.array([1.0 if f in EFFICIENCY_FACTORS else 0.0 for f in FACTORS])

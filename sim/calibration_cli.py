@@ -93,6 +93,9 @@ def crosscheck(
     max_requests: Optional[int] = typer.Option(None, help="first N requests of the window"),
     set_: list[str] = typer.Option([], "--set", help="config key for both runs, e.g. kv.policy=h2o"),
     threads: Optional[int] = typer.Option(None, help="torch threads of the replay (use the calibration's)"),
+    clock: str = typer.Option("wall", help="replay step timer: wall | cpu (the thread's CPU time, so other "
+                                           "processes' load does not count; device cpu with --threads 1; use "
+                                           "the calibration's)"),
     real: Optional[Path] = typer.Option(None, help="reuse this replay output directory instead of replaying"),
     recorded: bool = typer.Option(True, "--recorded/--no-recorded",
                                   help="also simulate with the replay's measured step times and compare "
@@ -101,7 +104,8 @@ def crosscheck(
     """Replay TRACE on the real backend, simulate it with PROFILE, and write report.md / report.html
     (per-step time MAPE, TTFT/TPOT/E2E percentile errors, throughput error, memory side by side)."""
     from .config import ConfigError, load_config
-    from .crosscheck import CrosscheckError, Run, compare, simulate_recorded, write_report
+    from .crosscheck import (CrosscheckError, Run, compare, predicted_config, replay_shape_columns, simulate_recorded,
+                             with_shape_columns, write_report)
     overrides = {"trace": trace, "model": model, "gpu": gpu, "profile": profile,
                  "engine.num_gpu_blocks": num_gpu_blocks, "engine.block_size": block_size,
                  "engine.max_num_seqs": max_num_seqs, "engine.max_num_batched_tokens": max_num_batched_tokens,
@@ -111,22 +115,25 @@ def crosscheck(
         cfg = load_config(None, overrides, set_)
         real_dir = real or out / "real"
         if real is None:
-            run_replay(cfg, real_dir, device=device, threads=threads)
+            run_replay(cfg, real_dir, device=device, threads=threads, clock=clock)
         real_run = Run.load(real_dir, "real")
-        from .cost_model import CostModel
+        from .cost_model import CostModel, load_profile
         from .simulate import load_workload, run_simulation
         workload = load_workload(cfg)
-        sim = run_simulation(cfg, out / "sim", trace=workload)
+        sim = run_simulation(predicted_config(cfg, load_profile(profile)), out / "sim", trace=workload)
         sim_run = Run("sim", sim.requests, sim.steps, sim.summary)
         rec = simulate_recorded(cfg, workload, real_run.steps["duration_s"].to_numpy(), out / "sim_recorded",
                                 replay_dir=real_dir) \
             if recorded else None
+        if rec is None:
+            real_run.steps = with_shape_columns(real_run.steps, replay_shape_columns(real_dir), str(real_dir))
         context = {"trace": trace, "window": f"{start_s or 0}-{end_s if end_s is not None else 'end'} s",
                    "rate_scale": rate_scale or 1.0, "requests": len(workload), "profile": profile,
                    "model": model, "device": device, "num_gpu_blocks": num_gpu_blocks,
                    "options": " ".join(set_) or "(defaults)", "replay": str(real_dir),
                    "replay_loadavg_1m": real_run.summary.get("load_avg_1m", "n/a"),
-                   "torch_threads": real_run.summary.get("torch_threads", threads or "n/a")}
+                   "torch_threads": real_run.summary.get("torch_threads", threads or "n/a"),
+                   "replay_clock": real_run.summary.get("replay", {}).get("clock", "wall")}
         res = compare(real_run, sim_run, CostModel(cfg.model, cfg.gpu, cfg.profile, tp=cfg.tp), rec, context)
         md, html = write_report(res, out)
     except (ConfigError, CrosscheckError, ValueError, FileNotFoundError) as exc:
@@ -138,12 +145,13 @@ def crosscheck(
     console.print(f"wrote {md} and {html}")
 
 
-def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None) -> None:
-    """Replay the workload on the real backend (gpu.replay) with `threads` torch threads."""
+def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, clock: str = "wall") -> None:
+    """Replay the workload on the real backend (gpu.replay) with `threads` torch threads, steps timed by
+    `clock` (wall | cpu)."""
     import torch
     from gpu.replay import ReplayOptions, run_replay as replay
     if threads:
         torch.set_num_threads(threads)
-    console.print(f"replaying {cfg.trace} on {device} ({torch.get_num_threads()} torch threads, "
+    console.print(f"replaying {cfg.trace} on {device} ({torch.get_num_threads()} torch threads, {clock} clock, "
                   f"load average {os.getloadavg()[0]:.2f}) ...")
-    replay(cfg, out_dir, options=ReplayOptions(device=device), progress=True)
+    replay(cfg, out_dir, options=ReplayOptions(device=device, clock=clock), progress=True)

@@ -13,6 +13,10 @@ efficiency factor:
                           / tp / peak_a       (a decode query pairs with each KV token it reads; a
                           prefill chunk's own kv_tokens_read adds ~1/chunk of its pairs: negligible)
   attn_memory             kv_tokens_read * kv_bytes_per_token_per_gpu / mem_bw
+  attn_padded             kv_tokens_padded * kv_bytes_per_token_per_gpu / mem_bw   (decode attention that
+                          gathers every decoding sequence padded to the step's widest block table,
+                          holes included; when the shape leaves it None: kv_tokens_read in steps
+                          without prefill tokens, else 0)
   copy                    2 * bytes_moved * kv_split / mem_bw          (read + write)
   swap                    swap_bytes * kv_split / pcie_bw
   allreduce_bw            2 * layers * 2 * (tp - 1) / tp * num_tokens * hidden * act_bytes / link_bw
@@ -32,10 +36,17 @@ cost model's KV dtype (a mixed-precision tier counts as its bytes / full-precisi
   time = max(linear_compute_prefill / p.mfu_prefill + linear_compute_decode / p.mfu_decode,
              linear_memory / p.mem_bw_eff)
        + max(attn_compute / p.attn_compute_eff, attn_memory / p.attn_bw_eff)
+       + attn_padded * p.padded_attn_cost
        + copy / p.copy_bw_eff + swap / p.pcie_eff + allreduce_bw / p.allreduce_bw_eff
        + allreduce_count * p.allreduce_latency_s
        + step * p.step_overhead_s + seqs * p.per_seq_overhead_s
        + block_entries * p.per_block_entry_overhead_s
+
+`padded_attn_cost` (time per byte of padded gather relative to peak bandwidth, i.e. 1/efficiency) is 0
+for paged attention kernels, which read each sequence's own blocks: every shipped GPU profile. The real
+backend's CPU attention gathers a dense [sequences, widest table] tensor per layer, so on CPU the
+decode attention cost follows the padded count (unequal contexts cost the longest one's blocks each;
+slots emptied by eviction still cost until their block is freed).
 
 Every term is linear in one inverse efficiency (1/eff) or one overhead, except the two max()
 rooflines. A least-squares fitter alternates: with the current factors pick the active branch of
@@ -65,7 +76,7 @@ PROFILES_DIR = DATA_DIR / "profiles"
 
 FEATURE_NAMES: tuple[str, ...] = (
     "linear_compute_prefill", "linear_compute_decode", "linear_memory", "attn_compute", "attn_memory",
-    "copy", "swap", "allreduce_bw", "allreduce_count", "step", "seqs", "block_entries",
+    "copy", "swap", "allreduce_bw", "allreduce_count", "step", "seqs", "block_entries", "attn_padded",
 )
 # feature -> (profile field, how it enters): "div" = feature / factor, "mul" = feature * factor
 FACTOR_OF_FEATURE: dict[str, tuple[str, str]] = {
@@ -81,6 +92,7 @@ FACTOR_OF_FEATURE: dict[str, tuple[str, str]] = {
     "step": ("step_overhead_s", "mul"),
     "seqs": ("per_seq_overhead_s", "mul"),
     "block_entries": ("per_block_entry_overhead_s", "mul"),
+    "attn_padded": ("padded_attn_cost", "mul"),
 }
 
 
@@ -111,6 +123,7 @@ class HardwareProfile(BaseModel):
     step_overhead_s: float = _Overhead
     per_seq_overhead_s: float = _Overhead
     per_block_entry_overhead_s: float = _Overhead
+    padded_attn_cost: float = Field(default=0.0, ge=0)   # 0: attention kernels do not pad (paged kernels)
     meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
 
     def to_yaml(self, path: str | Path) -> Path:
@@ -230,6 +243,12 @@ class CostModel:
         decode = _f64(shape.num_decode_tokens)
         tokens = prefill + decode
         kv_read = _f64(shape.kv_tokens_read)
+        if shape.kv_tokens_padded is not None:
+            padded = _f64(shape.kv_tokens_padded)
+        elif isinstance(prefill, np.ndarray):
+            padded = np.where(prefill > 0, 0.0, kv_read)
+        else:
+            padded = 0.0 if prefill > 0 else kv_read
         ran = (tokens > 0).astype(np.float64) if isinstance(tokens, np.ndarray) else float(tokens > 0)
         zero = tokens * 0.0
         return {
@@ -245,6 +264,7 @@ class CostModel:
             "step": zero + 1.0,
             "seqs": num_seqs + zero,
             "block_entries": _f64(shape.block_table_entries) + zero,
+            "attn_padded": padded * c["kv_token_s"],
         }
 
     def breakdown(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
@@ -252,7 +272,8 @@ class CostModel:
         f, p = self.features(shape), self.profile
         linear = _max(f["linear_compute_prefill"] / p.mfu_prefill + f["linear_compute_decode"] / p.mfu_decode,
                             f["linear_memory"] / p.mem_bw_eff)
-        attention = _max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
+        attention = (_max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
+                     + f["attn_padded"] * p.padded_attn_cost)
         copy = f["copy"] / p.copy_bw_eff
         swap = f["swap"] / p.pcie_eff
         allreduce = f["allreduce_bw"] / p.allreduce_bw_eff + f["allreduce_count"] * p.allreduce_latency_s
@@ -268,7 +289,7 @@ class CostModel:
         return float(total) if np.ndim(total) == 0 else total
 
     def predict_decode(self, num_seqs: np.ndarray, kv_tokens_read: np.ndarray,
-                       block_table_entries: np.ndarray) -> np.ndarray:
+                       block_table_entries: np.ndarray, kv_tokens_padded: np.ndarray | None = None) -> np.ndarray:
         """`predict` for a run of pure-decode steps (float64 arrays; one new token per sequence, no
         prefill, copy or swap), with the zero terms left out. Bit-identical to `predict` on the same
         BatchShape: every dropped term is an exact 0.0, and x + 0.0 == x. The decode fast-forward
@@ -279,6 +300,9 @@ class CostModel:
                             / p.mem_bw_eff)
         attention = np.maximum(kv_tokens_read * c["attn_pair_s"] / p.attn_compute_eff,
                                kv_tokens_read * c["kv_token_s"] / p.attn_bw_eff)
+        if p.padded_attn_cost:
+            padded = kv_tokens_read if kv_tokens_padded is None else kv_tokens_padded
+            attention = attention + padded * c["kv_token_s"] * p.padded_attn_cost
         total = linear + attention
         if self.tp > 1:
             total = total + (num_seqs * c["allreduce_token_s"] / p.allreduce_bw_eff

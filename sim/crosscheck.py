@@ -44,6 +44,7 @@ class Run:
     requests: pd.DataFrame
     steps: pd.DataFrame
     summary: dict
+    shapes: pd.DataFrame | None = None     # per step: BatchShape fields the step log lacks (recorded sim)
 
     @classmethod
     def load(cls, directory: str | Path, name: str | None = None) -> "Run":
@@ -165,7 +166,10 @@ def first_divergence(real: pd.DataFrame, sim: pd.DataFrame, columns=MEMORY_COLUM
 
 def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = None,
             context: dict | None = None) -> CrosscheckResult:
-    times = step_time_table(real.steps, cost)
+    steps = real.steps
+    if recorded is not None and recorded.shapes is not None:
+        steps = with_shape_columns(steps, recorded.shapes, f"{real.name} step log")
+    times = step_time_table(steps, cost)
     runs = {"real": real, "sim": predicted}
     if recorded is not None:
         runs["sim_recorded"] = recorded
@@ -185,6 +189,15 @@ def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = N
     )
 
 
+def predicted_config(cfg, profile):
+    """`cfg` for the predicted simulation. A profile that prices padded attention (`padded_attn_cost`
+    > 0, the CPU backend) needs each step's widest block table, which the decode fast-forward does not
+    compute yet: those runs step one by one."""
+    if profile.padded_attn_cost > 0 and cfg.fast_forward:
+        return cfg.model_copy(update={"fast_forward": False})
+    return cfg
+
+
 # ---- recorded-timing simulation ---------------------------------------------------------------
 class MeasuredTimeExecutor:
     """Wraps a simulator executor: the step does everything the simulator does (policies, memory)
@@ -196,6 +209,7 @@ class MeasuredTimeExecutor:
         self.inner = inner
         self.durations = np.asarray(durations, dtype=np.float64)
         self.step = 0
+        self.shapes = []           # the BatchShape of every step, as the simulator priced it
 
     def execute(self, out):
         result = self.inner.execute(out)
@@ -204,6 +218,7 @@ class MeasuredTimeExecutor:
                                   f"{len(self.durations)}; schedules diverged (see the memory comparison)")
         result.duration_s = float(self.durations[self.step])
         self.step += 1
+        self.shapes.append(result.shape)
         return result
 
     def predict_run(self, shape):
@@ -274,7 +289,8 @@ def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str |
     def build(cfg_, model, cost, num_blocks):
         kv, executor = original_build(cfg_, model, cost, num_blocks)
         built["kv"] = kv
-        return kv, MeasuredTimeExecutor(executor, measured_durations)
+        built["executor"] = MeasuredTimeExecutor(executor, measured_durations)
+        return kv, built["executor"]
 
     def hardware(cfg_, model=None):
         return original_hw(cfg_, model=spec if model is None else model)
@@ -291,7 +307,58 @@ def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str |
     if policy is not None and policy.name == "recorded":
         summary["recorded_policy"] = {"decisions": str(policy.path), "decisions_replayed": policy.replayed,
                                       "decisions_missing": policy.missing}
-    return Run("sim_recorded", result.requests, result.steps, summary)
+    shapes = built["executor"].shapes if "executor" in built else []
+    padded = [np.nan if sh is None or sh.kv_tokens_padded is None else float(sh.kv_tokens_padded) for sh in shapes]
+    return Run("sim_recorded", result.requests, result.steps, summary,
+               shapes=pd.DataFrame({"kv_tokens_padded": np.asarray(padded, dtype=np.float64)}))
+
+
+# Step-log columns a replay's steps.parquet may lack (older logs, or fields the engine does not log):
+# recomputed by simulating the replay in recorded mode, which schedules the very same batches.
+SHAPE_COLUMNS = ("kv_tokens_padded",)
+
+
+def with_shape_columns(steps: pd.DataFrame, shapes: pd.DataFrame, where: str) -> pd.DataFrame:
+    """`steps` with the SHAPE_COLUMNS it lacks taken from `shapes` (one row per step, same order)."""
+    missing = [c for c in SHAPE_COLUMNS if c not in steps.columns and c in shapes.columns]
+    if not missing:
+        return steps
+    if len(shapes) != len(steps):
+        raise CrosscheckError(f"{where}: the recorded simulation ran {len(shapes)} steps, the replay {len(steps)}; "
+                              f"cannot take per-step shapes from it")
+    return steps.assign(**{c: shapes[c].to_numpy() for c in missing})
+
+
+def trace_of_replay(requests: pd.DataFrame):
+    """The workload a replay ran, rebuilt from its requests.parquet (arrivals, prompt and output
+    lengths, request ids; rejected requests get one output token: they never run)."""
+    from traces.trace import Trace
+    r = requests.sort_values(["arrival_s", "request_id"], kind="stable")
+    return Trace.from_columns(arrival_time_s=r["arrival_s"].to_numpy(), prompt_tokens=r["prompt_tokens"].to_numpy(),
+                              output_tokens=np.maximum(r["output_tokens"].to_numpy(), 1),
+                              request_id=r["request_id"].to_numpy(), name="replay")
+
+
+def replay_shape_columns(replay_dir: str | Path) -> pd.DataFrame:
+    """SHAPE_COLUMNS for every step of a replay (`kvsim replay` output directory), by simulating it in
+    recorded mode with its own config, workload (requests.parquet), decisions and measured step times.
+    The schedule must come out identical to the replay's (checked), so the shapes are the replay's."""
+    from .config import ConfigError, load_config
+    d = Path(replay_dir)
+    if not (d / "config.yaml").is_file():
+        raise CrosscheckError(f"{d}: missing config.yaml (expected a `kvsim replay` output directory)")
+    real = Run.load(d, "real")
+    try:
+        cfg = load_config(d / "config.yaml")
+    except ConfigError as exc:
+        raise CrosscheckError(f"{d / 'config.yaml'}: {exc}") from None
+    rec = simulate_recorded(cfg, trace_of_replay(real.requests), real.steps["duration_s"].to_numpy(), None,
+                            replay_dir=d)
+    same = first_divergence(real.steps, rec.steps)
+    if not same["identical"]:
+        raise CrosscheckError(f"{d}: the recorded simulation does not reproduce the replay's schedule "
+                              f"(first difference: {same['first_divergence']}); cannot recompute step shapes")
+    return rec.shapes
 
 
 # ---- report -----------------------------------------------------------------------------------

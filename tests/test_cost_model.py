@@ -33,7 +33,13 @@ def random_shapes(rng, n):
                       attn_pairs_prefill=prefill_tokens * rng.uniform(1, 4096, n),
                       kv_tokens_read=rng.uniform(0, 3e5, n), bytes_moved=rng.uniform(0, 1e9, n) * (rng.random(n) < .3),
                       swap_bytes=rng.uniform(0, 1e9, n) * (rng.random(n) < .2),
-                      block_table_entries=rng.integers(0, 2_000_000, n).astype(np.float64))
+                      block_table_entries=rng.integers(0, 2_000_000, n).astype(np.float64),
+                      kv_tokens_padded=rng.uniform(0, 6e5, n))
+
+
+def padded_cpu():
+    """A CPU profile whose attention pads decodes to the widest block table (as the real backend's)."""
+    return load_profile("cpu-2core").model_copy(update={"padded_attn_cost": 37.5})
 
 
 def test_default_profile_anchors_for_llama31_8b_on_h100(h100_8b):
@@ -83,12 +89,12 @@ def test_time_is_monotonic_in_every_field(h100_8b, field):
 def test_scalar_and_array_paths_are_bit_identical():
     rng = np.random.default_rng(7)
     for cm in (CostModel("llama-3.1-8b", "h100"), CostModel("llama-3.1-70b", "a100", tp=4),
-               CostModel("smollm2", "cpu-2core", "cpu-2core")):
+               CostModel("smollm2", "cpu-2core", "cpu-2core"), CostModel("smollm2", "cpu-2core", padded_cpu())):
         shapes = random_shapes(rng, 300)
         batch = cm.predict(shapes)
         assert batch.dtype == np.float64 and batch.shape == (300,)
         for i in range(300):
-            scalar = cm.predict(BatchShape(**{f: getattr(shapes, f)[i] for f in FIELDS}))
+            scalar = cm.predict(BatchShape(**{f: getattr(shapes, f)[i] for f in (*FIELDS, "kv_tokens_padded")}))
             assert isinstance(scalar, float)
             assert scalar == batch[i]
         ints = cm.predict(BatchShape(num_seqs=3, num_decode_tokens=3, kv_tokens_read=3000))
@@ -152,6 +158,34 @@ def test_block_table_entries_cost_per_head_layout_overhead(h100_8b):
     extra = h100_8b.predict(per_head) - h100_8b.predict(shared)
     assert extra == pytest.approx((per_head.block_table_entries - shared.block_table_entries)
                                   * h100_8b.profile.per_block_entry_overhead_s)
+
+
+def test_padded_attention_costs_only_where_the_profile_pads():
+    shape = BatchShape(num_seqs=4, num_decode_tokens=4, kv_tokens_read=2400, block_table_entries=152,
+                       kv_tokens_padded=4 * 64 * 16)       # contexts up to 1,024: each padded to the longest
+    for gpu, profile in (("h100", "default"), ("cpu-2core", "cpu-2core")):   # paged kernels: no padding cost
+        cm = CostModel("smollm2", gpu, profile)
+        assert cm.predict(shape) == cm.predict(BatchShape(**{f: getattr(shape, f) for f in FIELDS}))
+    flat, padded = CostModel("smollm2", "cpu-2core", "cpu-2core"), CostModel("smollm2", "cpu-2core", padded_cpu())
+    extra = padded.breakdown(shape)["attention"] - flat.breakdown(shape)["attention"]
+    assert extra == pytest.approx(4096 * padded.kv_bytes_per_token / get_gpu("cpu-2core").mem_bw * 37.5, rel=1e-12)
+    unknown = BatchShape(**{f: getattr(shape, f) for f in FIELDS})             # None: priced as kv_tokens_read
+    same = BatchShape(**{f: getattr(shape, f) for f in FIELDS}, kv_tokens_padded=2400)
+    assert padded.predict(unknown) == padded.predict(same) < padded.predict(shape)
+
+
+def test_decode_runs_price_padding_as_steps_do():
+    cm = CostModel("smollm2", "cpu-2core", padded_cpu())
+    rng = np.random.default_rng(5)
+    seqs = rng.integers(1, 64, 50).astype(np.float64)
+    kv_read = seqs * rng.integers(1, 4000, 50)
+    entries = np.ceil(kv_read / 16)
+    padded = kv_read * rng.uniform(1, 3, 50)
+    run = cm.predict_decode(seqs, kv_read, entries, padded)
+    steps = cm.predict(BatchShape(num_seqs=seqs, num_decode_tokens=seqs, kv_tokens_read=kv_read,
+                                  block_table_entries=entries, kv_tokens_padded=padded))
+    assert (run == steps).all()
+    assert (cm.predict_decode(seqs, kv_read, entries) == cm.predict_decode(seqs, kv_read, entries, kv_read)).all()
 
 
 def test_features_reconstruct_predict_for_a_fitter():

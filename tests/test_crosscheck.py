@@ -90,18 +90,32 @@ def test_tiny_calibrate_and_crosscheck_on_the_real_backend(tmp_path):
     parts = [closed_batch(b, p, 4) for b in (1, 3) for p in (16, 48)]
     for i, t in enumerate(parts):
         t.df["arrival_time_s"] = i * 100.0
-    cal = replay.run_replay(cfg, tmp_path / "cal", trace=Trace.concat(parts, how="overlay"), model=model)
+    cpu_clock = replay.ReplayOptions(clock="cpu")      # steps timed by this thread's CPU time
+    cal = replay.run_replay(cfg, tmp_path / "cal", trace=Trace.concat(parts, how="overlay"), model=model,
+                            options=cpu_clock)
+    assert cal.summary["replay"]["clock"] == "cpu"
     spec = replay.model_spec_for(model.config, get_model("smollm2"), model.dtype)      # the 2-layer model that ran
-    report = fit_profile(load_step_logs([tmp_path / "cal"]), spec, "cpu-2core", base_profile="cpu-2core")
+    steps = load_step_logs([tmp_path / "cal"])        # padded decode counts recomputed by a recorded simulation
+    decode = steps[steps.prefill_tokens == 0]
+    assert (decode.kv_tokens_padded >= decode.kv_tokens_read).all()
+    assert (decode.kv_tokens_padded % 16 == 0).all() and (steps[steps.decode_tokens == 0].kv_tokens_padded == 0).all()
+    report = fit_profile(steps, spec, "cpu-2core", base_profile="cpu-2core")
     assert report.errors["all"]["count"] == len(cal.steps)
     assert report.errors["all"]["median_ape"] < 0.5
     held_out = synthesize(4, rate=5.0, prompt="uniform:8,40", output="uniform:2,6", seed=3)
-    real = replay.run_replay(cfg, tmp_path / "real", trace=held_out, model=model)
+    real = replay.run_replay(cfg, tmp_path / "real", trace=held_out, model=model, options=cpu_clock)
     real_run = Run.load(tmp_path / "real", "real")
     rec = simulate_recorded(cfg, held_out, real_run.steps["duration_s"].to_numpy(), replay_dir=tmp_path / "real")
     check = first_divergence(real_run.steps, rec.steps)
     assert check["identical"], check
     assert len(real.steps) == check["steps_compared"]
+    assert rec.shapes is not None and len(rec.shapes) == len(real.steps)
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ValueError, match="1 torch thread"):
+            replay.run_replay(cfg, None, trace=held_out, model=model, options=cpu_clock)
+    finally:
+        torch.set_num_threads(1)
 
 
 def test_report_states_recorded_identity_or_divergence(pair):
@@ -114,3 +128,20 @@ def test_report_states_recorded_identity_or_divergence(pair):
     bad = Run("sim", rec.requests, rec.steps.assign(blocks_used=rec.steps.blocks_used + 1), rec.summary)
     md, _ = write_report(compare(real, sim, cost, recorded=bad), d / "report-diverged")
     assert "memory metrics **diverge** at step 0: blocks_used" in md.read_text()
+
+
+def test_padded_attention_profiles_price_every_decode_step_with_its_own_shape(pair):
+    """The decode fast-forward has no per-step widest block table: with a padding profile the
+    predicted simulation steps one by one, so each step is priced with its padded count."""
+    from sim.cost_model import load_profile
+    from sim.crosscheck import predicted_config
+    cfg, trace, _, _, d = pair
+    plain = load_profile("cpu-2core")
+    assert predicted_config(cfg, plain) is cfg
+    padded = plain.model_copy(update={"padded_attn_cost": 30.0})
+    path = padded.to_yaml(d / "padded.yaml")
+    stepped = predicted_config(cfg.model_copy(update={"profile": str(path)}), padded)
+    assert not stepped.fast_forward and cfg.fast_forward
+    flat = run_simulation(cfg, None, trace=trace)
+    slow = run_simulation(stepped, None, trace=trace)
+    assert slow.summary["makespan_s"] > flat.summary["makespan_s"]     # padding costs time

@@ -23,6 +23,11 @@ class BatchShape:
     bytes_moved: ArrayLike = 0           # bytes copied/moved by sparse copy / compaction
     swap_bytes: ArrayLike = 0            # bytes over PCIe for swap preemption
     block_table_entries: ArrayLike = 0   # block-table entries touched (grows x layers x heads in per_head)
+    # KV token-equivalents a padded decode attention scans: every decoding sequence padded to the widest
+    # block table of the step (whole blocks, holes included). Paged GPU kernels do not pad (their
+    # profiles give it no cost); a dense gather over [seqs, widest table] (the real backend's CPU
+    # attention) does. None = not computed: priced as kv_tokens_read in steps without prefill tokens.
+    kv_tokens_padded: ArrayLike | None = None
 
     @property
     def num_tokens(self) -> ArrayLike:
@@ -35,6 +40,8 @@ def batch_shape(out, kv, kv_bytes_per_token: float = 0.0) -> BatchShape:
     attn_pairs = 0.0
     kv_read = 0
     entries = 0
+    widest = 0
+    num_decode = 0
     for s in out.scheduled:
         n = s.num_new_tokens
         if s.is_prefill:
@@ -42,8 +49,12 @@ def batch_shape(out, kv, kv_bytes_per_token: float = 0.0) -> BatchShape:
             attn_pairs += n * (s.context_before + (n + 1) / 2)
         else:
             decode_tokens += n
+            num_decode += 1
         kv_read += s.context_before + n
-        entries += kv.block_table_entries(s.request)
+        e = kv.block_table_entries(s.request)
+        entries += e
+        if e > widest:
+            widest = e
     swap_tokens = out.swap_out_tokens + out.swap_in_tokens
     return BatchShape(
         num_seqs=len(out.scheduled),
@@ -54,4 +65,11 @@ def batch_shape(out, kv, kv_bytes_per_token: float = 0.0) -> BatchShape:
         bytes_moved=getattr(out, "bytes_moved", 0),
         swap_bytes=swap_tokens * kv_bytes_per_token,
         block_table_entries=entries,
+        kv_tokens_padded=num_decode * widest * kv.block_size / _table_rows(kv),
     )
+
+
+def _table_rows(kv) -> int:
+    """Block-table rows per sequence: layers x KV heads in a per-head layout, else 1."""
+    ctx = getattr(kv, "ctx", None)
+    return ctx.rows if ctx is not None else 1
