@@ -117,6 +117,7 @@ class FastKVManager(EvictingManagerBase):
         self.slot_of: dict[Request, int] = {}
         self._free_slots: list[int] = []
         self._pending: dict[int, int] = {}          # slot -> pages taken for this step's decode token (not yet written)
+        self._ncol_hi = 0                           # >= every row's ncol: below the slab's width, pages open unchecked
         self._alloc_arrays(4, 8)
 
     # ----- slab -----------------------------------------------------------------------------------
@@ -154,11 +155,17 @@ class FastKVManager(EvictingManagerBase):
         self._live_total = int(self.slot_live.sum())
         self._pages_total = int(self.slot_pages.sum())
 
-    def _restat(self, S: np.ndarray) -> None:
-        """Per-slot live / page totals of the slots in S after they changed, and the Python mirrors."""
-        self.slot_live[S] = self.live[S].sum(axis=1)
-        self.slot_pages[S] = self.pages[S].sum(axis=1)
-        self._mirror()
+    def _restat(self, S: np.ndarray, live: np.ndarray | None = None, pages: np.ndarray | None = None) -> None:
+        """Per-slot live / page totals of the slots in S after they changed (from their [len(S), rows]
+        counts when the caller has them), and the Python mirrors."""
+        live = self.live[S] if live is None else live
+        pages = self.pages[S] if pages is None else pages
+        self.slot_live[S] = live.sum(axis=1)
+        self.slot_pages[S] = pages.sum(axis=1)
+        self._live_l = self.slot_live.tolist()
+        self._pages_l = self.slot_pages.tolist()
+        self._live_total = sum(self._live_l)
+        self._pages_total = sum(self._pages_l)
 
     def _grow(self, n: int | None = None, cols: int | None = None) -> None:
         old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "heavy", "rs", "ntok", "prefilled",
@@ -245,9 +252,12 @@ class FastKVManager(EvictingManagerBase):
             need[i] = np.where(rows, dst + (dst * bs - moved < 1), need[i])
         return need
 
-    def _update_need(self, S: np.ndarray) -> None:
-        self.need_next[S] = self._need_rows(S).sum(axis=1)
-        self._need_l = self.need_next.tolist()
+    def _update_need(self, S: np.ndarray, need_rows: np.ndarray | None = None) -> None:
+        need = (self._need_rows(S) if need_rows is None else need_rows).sum(axis=1)
+        self.need_next[S] = need
+        need_l = self._need_l
+        for s, k in zip(S.tolist(), need.tolist()):
+            need_l[s] = k
 
     def _dirty(self, s) -> np.ndarray:
         """sparse_copy: bool [rows, cols] pages to rewrite (holed pages, plus the tail of a holed row)."""
@@ -297,6 +307,7 @@ class FastKVManager(EvictingManagerBase):
         self.alive[s, :, first:cols] = True
         self.pages[s] = cols
         self.ncol[s] = cols
+        self._ncol_hi = max(self._ncol_hi, cols)
         self.tail[s] = cols - 1
         self.tail_w[s] = end - (cols - 1) * bs
         self.live[s] = end
@@ -353,8 +364,7 @@ class FastKVManager(EvictingManagerBase):
         if dec_slot:
             S = np.array(dec_slot)
             evicted = self._step(S)
-            self._restat(S)
-            for req, k in zip(dec_req, evicted.tolist()):
+            for req, k in zip(dec_req, evicted):
                 if k:
                     req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + k / self.rows
         live_l, rows = self._live_l, self.rows
@@ -506,19 +516,24 @@ class FastKVManager(EvictingManagerBase):
         if self.strategy == "sparse_copy":
             self._sparse_copy(S)
         nS = S.size
-        q = (S[:, None] * R + self._row_ids).ravel()
+        q2 = S[:, None] * R + self._row_ids
+        q = q2.ravel()
         pos = self.ntok[S]
         st = self._rs_f[q]
         tail, tw, ncol, pages, live, hole, hn = (st[:, f] for f in (TAIL, TAILW, NCOL, PAGES, LIVE, HOLE, HN))
         # --- write the new token (into the tail page, the first hole, or a page opened from the reservation)
         if self.append:
-            new = (tw >= bs) | (ncol == 0)
+            new = tw >= bs
+            new |= ncol == 0
             col = np.where(new, ncol, tail)
         else:
             new = hole < 0
             col = np.where(new, ncol, hole)
         if new.any():
-            self._ensure_cols(int(ncol.max()) + 1)
+            if self._ncol_hi >= self.occ.shape[2]:
+                self._ncol_hi = int(self.ncol.max())
+                self._ensure_cols(self._ncol_hi + 1)
+            self._ncol_hi += 1
             self._alive_f[(q * self.occ.shape[2] + col)[new]] = True
             pages += new
             ncol += new                   # pages open at column ncol
@@ -536,14 +551,13 @@ class FastKVManager(EvictingManagerBase):
         # --- the window moves on: the token at pos - W leaves it
         ex, ec = False, col
         if W:
-            ring_at = q * W + np.repeat(pos % W, R)
+            ring_at = (q2 * W + (pos % W)[:, None]).ravel()
             ec = self._ring_f[ring_at]
-            exiting = pos >= W
-            if exiting.all():
+            if pos.min() >= W:
                 ex = True
                 self._win_f[qP + ec] -= 1
-            elif exiting.any():
-                ex = np.repeat(exiting, R)
+            else:
+                ex = np.repeat(pos >= W, R)
                 self._win_f[qP + ec] -= ex
             self._win_f[at] += 1
             self._ring_f[ring_at] = col
@@ -552,17 +566,18 @@ class FastKVManager(EvictingManagerBase):
             st = self._after_fill(q, st, at, col)
             tail, tw, ncol, pages, live, hole, hn = (st[:, f] for f in (TAIL, TAILW, NCOL, PAGES, LIVE, HOLE, HN))
         # --- evict
-        evicted = np.zeros(nS, np.int64)
+        evicted = None
         rescan = None
         if self.budget is not None:
             over = live > self.budget
-            if over.any():
+            n_over = int(np.count_nonzero(over))
+            if n_over:
                 ev = self._pick(q, over, ex, ec, hn)
                 ev_at = qP + ev
                 self._occ_f[ev_at] -= over
                 live -= over
-                evicted = over.reshape(nS, R).sum(axis=1)
-                self.plan.evicted_tokens += int(evicted.sum())
+                self.plan.evicted_tokens += n_over
+                evicted = [R] * nS if n_over == over.size else over.reshape(nS, R).sum(axis=1).tolist()
                 rescan = self._after_evict(over, ev, ev_at, st)
         self._rs_f[q] = st
         if rescan is not None and rescan.any():
@@ -570,8 +585,15 @@ class FastKVManager(EvictingManagerBase):
             self._rescan_pairs(s_r, r_r, ev[rescan] + 1)
         if self.strategy in _COMPACT:
             self._compact_step(S, q, col)
-        self._update_need(S)
-        return evicted
+        if self.strategy in _REUSE or self.strategy == "sparse_copy":
+            self._update_need(S)
+            self._restat(S)
+        else:
+            need = tw >= bs
+            need |= ncol == 0
+            self._update_need(S, need.reshape(nS, R))
+            self._restat(S, live.reshape(nS, R), pages.reshape(nS, R))
+        return [0] * nS if evicted is None else evicted
 
     def _after_fill(self, q, st, at, col) -> np.ndarray:
         """Reuse strategies: a filled page moves the first-hole pointer on. Returns `st` (re-gathered
@@ -634,7 +656,9 @@ class FastKVManager(EvictingManagerBase):
         young = hn - 1 - (np.log1p(-u1) * -self.young_span).astype(np.int64)
         idx = np.where(u[2] < self.old_share, (u1 * hn).astype(np.int64), young)
         last = np.maximum(hn - 1, 0)
-        hidx = qH + np.clip(idx, 0, last)
+        np.minimum(idx, last, out=idx)
+        np.maximum(idx, 0, out=idx)
+        hidx = qH + idx
         col = heavy_f[hidx]
         last += qH
         heavy_f[np.where(draw, hidx, last)] = heavy_f[last]     # the drawn entry leaves the list
@@ -794,6 +818,7 @@ class FastKVManager(EvictingManagerBase):
         self.tail[s, rows] = np.where(has, base + dst - 1, self.tail[s, rows])
         self.tail_w[s, rows] = np.where(has, moved - (dst - 1) * bs, bs)
         self.ncol[s, rows] = base + dst
+        self._ncol_hi = max(self._ncol_hi, int((base + dst).max()))
         self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
         self.holed[s, rows] = -1
         self._rebuild_ring(s, rows)
@@ -814,6 +839,7 @@ class FastKVManager(EvictingManagerBase):
         assert ((self.win[slots] >= 0) & (self.win[slots] <= occ)).all(), "window count out of range"
         assert self._live_total == int(self.live[slots].sum()), "live slot total drifted"
         assert self._pages_total == int(self.pages[slots].sum()), "page total drifted"
+        assert int(self.ncol.max()) <= self._ncol_hi, "column bound drifted"
         assert self._need_l == self.need_next.tolist() and self._prefilled_l == self.prefilled.tolist(), \
             "scheduler-facing mirrors drifted"
         if self.budget is not None:                 # heavy list = the columns of the live non-window tokens
