@@ -481,8 +481,13 @@ class FastKVManager(EvictingManagerBase):
         pos = t - self.window + k                                   # window positions, oldest first
         first = self.window - nwin                                  # rows with fewer window tokens
         idx = k[None, :] - first[:, None]
-        col = (cw[:, None, :] <= np.maximum(idx, 0)[:, :, None]).sum(axis=2)
-        col = np.minimum(col, win.shape[1] - 1)
+        # column of the k-th window token = how many prefix counts are <= k: one searchsorted over all
+        # rows, each row's (nondecreasing, <= window) prefix counts shifted above the previous row's
+        n, P = cw.shape
+        row = np.arange(n)[:, None]
+        shift = row * (self.window + 1)
+        col = np.searchsorted((cw + shift).ravel(), np.maximum(idx, 0) + shift, side="right") - row * P
+        col = np.minimum(col, P - 1)
         ring = self.ring[s, rows]
         ring[:, pos % self.window] = col
         self.ring[s, rows] = ring
