@@ -25,7 +25,11 @@ from .cost_model import FACTOR_OF_FEATURE, FEATURE_NAMES, CostModel, HardwarePro
 
 # Step-log columns the fit reads (-> BatchShape field); optional ones default to 0 when absent.
 REQUIRED_COLUMNS = ("duration_s", "batch_size", "prefill_tokens", "decode_tokens", "kv_tokens_read")
-OPTIONAL_COLUMNS = ("attn_pairs_prefill", "bytes_moved", "swap_bytes", "block_table_entries", "kv_tokens_padded")
+OPTIONAL_COLUMNS = ("attn_pairs_prefill", "bytes_moved", "swap_bytes", "block_table_entries", "kv_tokens_padded",
+                    "attn_pairs_prefill_padded")
+# BatchShape fields the engine's step log does not carry: for a replay directory they are recomputed
+# by simulating the replay in recorded mode, which schedules the very same batches.
+SHAPE_COLUMNS = ("kv_tokens_padded", "attn_pairs_prefill_padded")
 FACTORS: tuple[str, ...] = tuple(dict.fromkeys(f for f, _ in FACTOR_OF_FEATURE.values()))
 EFFICIENCY_FACTORS = frozenset(f for f, how in FACTOR_OF_FEATURE.values() if how == "div")
 STEP_KINDS = ("prefill", "decode", "mixed")
@@ -56,7 +60,7 @@ def load_step_logs(paths: list[str | Path], *, recompute_shapes: bool = True) ->
         except Exception as exc:   # pyarrow raises several types for non-Parquet input
             raise CalibrationError(f"{path}: not a readable Parquet step log ({exc})") from None
         check_step_columns(df, str(path))
-        if recompute_shapes and "kv_tokens_padded" not in df.columns and (path.parent / "config.yaml").is_file():
+        if recompute_shapes and not set(SHAPE_COLUMNS) <= set(df.columns) and (path.parent / "config.yaml").is_file():
             from .crosscheck import CrosscheckError, replay_shape_columns, with_shape_columns
             try:
                 df = with_shape_columns(df, replay_shape_columns(path.parent), str(path))
@@ -86,11 +90,15 @@ def shape_of_steps(df: pd.DataFrame) -> BatchShape:
     if "kv_tokens_padded" in df.columns:      # NaN (not known for that step): priced as kv_tokens_read
         padded = df["kv_tokens_padded"].to_numpy(dtype=np.float64)
         padded = np.where(np.isnan(padded), col("kv_tokens_read"), padded)
+    pairs_padded = None
+    if "attn_pairs_prefill_padded" in df.columns:
+        pairs_padded = df["attn_pairs_prefill_padded"].to_numpy(dtype=np.float64)
+        pairs_padded = np.where(np.isnan(pairs_padded), col("attn_pairs_prefill"), pairs_padded)
     return BatchShape(num_seqs=col("batch_size"), num_prefill_tokens=col("prefill_tokens"),
                       num_decode_tokens=col("decode_tokens"), attn_pairs_prefill=col("attn_pairs_prefill"),
                       kv_tokens_read=col("kv_tokens_read"), bytes_moved=col("bytes_moved"),
                       swap_bytes=col("swap_bytes"), block_table_entries=col("block_table_entries"),
-                      kv_tokens_padded=padded)
+                      kv_tokens_padded=padded, attn_pairs_prefill_padded=pairs_padded)
 
 
 def step_kind(df: pd.DataFrame) -> np.ndarray:
@@ -208,8 +216,9 @@ def fit_profile(steps: pd.DataFrame, model: str, gpu: str, *, base_profile: str 
     features = cost.feature_matrix(shape)
     y = steps["duration_s"].to_numpy(dtype=np.float64)
     kinds = step_kind(steps)
-    if "kv_tokens_padded" not in steps.columns:      # no padded counts logged: the factor is not identifiable
-        features[:, FEATURE_NAMES.index("attn_padded")] = 0.0
+    for column, feature in (("kv_tokens_padded", "attn_padded"), ("attn_pairs_prefill_padded", "attn_prefill_padded")):
+        if column not in steps.columns:      # no padded counts logged: the factor is not identifiable
+            features[:, FEATURE_NAMES.index(feature)] = 0.0
     present = np.array([any(np.any(features[:, FEATURE_NAMES.index(n)] > 0)
                             for n, (f, _) in FACTOR_OF_FEATURE.items() if f == factor) for factor in FACTORS])
     lower = np.array([1.0 if f in EFFICIENCY_FACTORS else 0.0 for f in FACTORS])

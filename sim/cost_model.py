@@ -17,6 +17,9 @@ efficiency factor:
                           gathers every decoding sequence padded to the step's widest block table,
                           holes included; when the shape leaves it None: kv_tokens_read in steps
                           without prefill tokens, else 0)
+  attn_prefill_padded     4 * layers * heads * head_dim * attn_pairs_prefill_padded / tp / peak_a   (prefill
+                          chunks attending over the step's widest block table plus themselves;
+                          attn_pairs_prefill when the shape leaves it None)
   copy                    2 * bytes_moved * kv_split / mem_bw          (read + write)
   swap                    swap_bytes * kv_split / pcie_bw
   allreduce_bw            2 * layers * 2 * (tp - 1) / tp * num_tokens * hidden * act_bytes / link_bw
@@ -36,17 +39,18 @@ cost model's KV dtype (a mixed-precision tier counts as its bytes / full-precisi
   time = max(linear_compute_prefill / p.mfu_prefill + linear_compute_decode / p.mfu_decode,
              linear_memory / p.mem_bw_eff)
        + max(attn_compute / p.attn_compute_eff, attn_memory / p.attn_bw_eff)
-       + attn_padded * p.padded_attn_cost
+       + attn_padded * p.padded_attn_cost + attn_prefill_padded * p.padded_prefill_cost
        + copy / p.copy_bw_eff + swap / p.pcie_eff + allreduce_bw / p.allreduce_bw_eff
        + allreduce_count * p.allreduce_latency_s
        + step * p.step_overhead_s + seqs * p.per_seq_overhead_s
        + block_entries * p.per_block_entry_overhead_s
 
-`padded_attn_cost` (time per byte of padded gather relative to peak bandwidth, i.e. 1/efficiency) is 0
-for paged attention kernels, which read each sequence's own blocks: every shipped GPU profile. The real
-backend's CPU attention gathers a dense [sequences, widest table] tensor per layer, so on CPU the
-decode attention cost follows the padded count (unequal contexts cost the longest one's blocks each;
-slots emptied by eviction still cost until their block is freed).
+`padded_attn_cost` / `padded_prefill_cost` (time relative to peak bandwidth / peak FLOPs, i.e.
+1/efficiency) are 0 for paged attention kernels, which read each sequence's own blocks: every shipped
+GPU profile. The real backend's CPU attention gathers a dense [sequences, widest table] tensor per
+layer, so on CPU attention cost follows the padded counts: a decode reads the widest table of the
+step (unequal contexts cost the longest one's blocks each; slots emptied by eviction still cost until
+their block is freed), and a prefill chunk attends over that width plus itself.
 
 Every term is linear in one inverse efficiency (1/eff) or one overhead, except the two max()
 rooflines. A least-squares fitter alternates: with the current factors pick the active branch of
@@ -77,6 +81,7 @@ PROFILES_DIR = DATA_DIR / "profiles"
 FEATURE_NAMES: tuple[str, ...] = (
     "linear_compute_prefill", "linear_compute_decode", "linear_memory", "attn_compute", "attn_memory",
     "copy", "swap", "allreduce_bw", "allreduce_count", "step", "seqs", "block_entries", "attn_padded",
+    "attn_prefill_padded",
 )
 # feature -> (profile field, how it enters): "div" = feature / factor, "mul" = feature * factor
 FACTOR_OF_FEATURE: dict[str, tuple[str, str]] = {
@@ -93,6 +98,7 @@ FACTOR_OF_FEATURE: dict[str, tuple[str, str]] = {
     "seqs": ("per_seq_overhead_s", "mul"),
     "block_entries": ("per_block_entry_overhead_s", "mul"),
     "attn_padded": ("padded_attn_cost", "mul"),
+    "attn_prefill_padded": ("padded_prefill_cost", "mul"),
 }
 
 
@@ -123,7 +129,8 @@ class HardwareProfile(BaseModel):
     step_overhead_s: float = _Overhead
     per_seq_overhead_s: float = _Overhead
     per_block_entry_overhead_s: float = _Overhead
-    padded_attn_cost: float = Field(default=0.0, ge=0)   # 0: attention kernels do not pad (paged kernels)
+    padded_attn_cost: float = Field(default=0.0, ge=0)     # 0: attention kernels do not pad (paged kernels)
+    padded_prefill_cost: float = Field(default=0.0, ge=0)  # 0: prefill attention does not pad
     meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
 
     def to_yaml(self, path: str | Path) -> Path:
@@ -265,6 +272,8 @@ class CostModel:
             "seqs": num_seqs + zero,
             "block_entries": _f64(shape.block_table_entries) + zero,
             "attn_padded": padded * c["kv_token_s"],
+            "attn_prefill_padded": (_f64(shape.attn_pairs_prefill) if shape.attn_pairs_prefill_padded is None
+                                    else _f64(shape.attn_pairs_prefill_padded)) * c["attn_pair_s"] + zero,
         }
 
     def breakdown(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
@@ -273,7 +282,7 @@ class CostModel:
         linear = _max(f["linear_compute_prefill"] / p.mfu_prefill + f["linear_compute_decode"] / p.mfu_decode,
                             f["linear_memory"] / p.mem_bw_eff)
         attention = (_max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
-                     + f["attn_padded"] * p.padded_attn_cost)
+                     + f["attn_padded"] * p.padded_attn_cost + f["attn_prefill_padded"] * p.padded_prefill_cost)
         copy = f["copy"] / p.copy_bw_eff
         swap = f["swap"] / p.pcie_eff
         allreduce = f["allreduce_bw"] / p.allreduce_bw_eff + f["allreduce_count"] * p.allreduce_latency_s

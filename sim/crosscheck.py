@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .calibrate import shape_of_steps, step_kind, fit_errors
+from .calibrate import SHAPE_COLUMNS, fit_errors, shape_of_steps, step_kind
 from .cost_model import CostModel, load_profile
 
 LATENCY_METRICS = ("ttft", "tpot", "e2e")
@@ -308,14 +308,9 @@ def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str |
         summary["recorded_policy"] = {"decisions": str(policy.path), "decisions_replayed": policy.replayed,
                                       "decisions_missing": policy.missing}
     shapes = built["executor"].shapes if "executor" in built else []
-    padded = [np.nan if sh is None or sh.kv_tokens_padded is None else float(sh.kv_tokens_padded) for sh in shapes]
-    return Run("sim_recorded", result.requests, result.steps, summary,
-               shapes=pd.DataFrame({"kv_tokens_padded": np.asarray(padded, dtype=np.float64)}))
-
-
-# Step-log columns a replay's steps.parquet may lack (older logs, or fields the engine does not log):
-# recomputed by simulating the replay in recorded mode, which schedules the very same batches.
-SHAPE_COLUMNS = ("kv_tokens_padded",)
+    columns = {c: np.asarray([np.nan if sh is None or getattr(sh, c) is None else float(getattr(sh, c))
+                              for sh in shapes], dtype=np.float64) for c in SHAPE_COLUMNS}
+    return Run("sim_recorded", result.requests, result.steps, summary, shapes=pd.DataFrame(columns))
 
 
 def with_shape_columns(steps: pd.DataFrame, shapes: pd.DataFrame, where: str) -> pd.DataFrame:

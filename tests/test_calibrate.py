@@ -16,10 +16,11 @@ from sim.cli import app
 from sim.cost_model import CostModel, load_profile
 
 FITTED = ("mfu_prefill", "mfu_decode", "mem_bw_eff", "attn_compute_eff", "attn_bw_eff", "copy_bw_eff",
-          "step_overhead_s", "per_seq_overhead_s", "per_block_entry_overhead_s", "padded_attn_cost")
+          "step_overhead_s", "per_seq_overhead_s", "per_block_entry_overhead_s", "padded_attn_cost",
+          "padded_prefill_cost")
 TRUE = dict(mfu_prefill=0.21, mfu_decode=0.07, mem_bw_eff=0.33, attn_compute_eff=0.05, attn_bw_eff=0.15,
             copy_bw_eff=0.12, step_overhead_s=0.012, per_seq_overhead_s=2e-4, per_block_entry_overhead_s=3e-7,
-            padded_attn_cost=12.0)
+            padded_attn_cost=12.0, padded_prefill_cost=6.0)
 
 
 def synthetic_steps(n: int = 500, noise: float = 0.0, seed: int = 0, padded: bool = True) -> pd.DataFrame:
@@ -39,11 +40,13 @@ def synthetic_steps(n: int = 500, noise: float = 0.0, seed: int = 0, padded: boo
                        "block_table_entries": (kv // 16 + 1) * np.where(per_head, 90, 1),
                        "bytes_moved": np.where(rng.random(n) < 0.3, rng.integers(2**22, 2**25, n), 0),
                        # decodes of unequal contexts, each padded to the longest (and holes left by eviction)
-                       "kv_tokens_padded": decode * ctx * rng.uniform(1.0, 3.0, n)})
+                       "kv_tokens_padded": decode * ctx * rng.uniform(1.0, 3.0, n),
+                       # prefill chunks attending over the step's widest block table plus themselves
+                       "attn_pairs_prefill_padded": prefill * (rng.integers(0, 2048, n) + prefill)})
     truth = load_profile("cpu-2core").model_copy(update=TRUE)
     if not padded:
-        df = df.drop(columns="kv_tokens_padded")
-        truth = truth.model_copy(update={"padded_attn_cost": 0.0})
+        df = df.drop(columns=["kv_tokens_padded", "attn_pairs_prefill_padded"])
+        truth = truth.model_copy(update={"padded_attn_cost": 0.0, "padded_prefill_cost": 0.0})
     df["duration_s"] = CostModel("smollm2", "cpu-2core", truth).predict(shape_of_steps(df))
     df["duration_s"] *= np.exp(noise * rng.standard_normal(n))
     return df
@@ -76,7 +79,8 @@ def test_fit_trims_outliers():
     df = synthetic_steps(n=1000, noise=0.005)
     df.loc[::50, "duration_s"] *= 3.0           # 2% of steps hit by a background process
     report = fit_profile(df, "smollm2", "cpu-2core", base_profile="cpu-2core", trim=0.03)
-    for name in ("mfu_prefill", "mfu_decode", "attn_compute_eff", "attn_bw_eff", "copy_bw_eff", "padded_attn_cost"):
+    for name in ("mfu_prefill", "mfu_decode", "attn_compute_eff", "attn_bw_eff", "copy_bw_eff", "padded_attn_cost",
+                 "padded_prefill_cost"):
         assert getattr(report.profile, name) == pytest.approx(TRUE[name], rel=0.02), name
     assert report.errors["all"]["median_ape"] < 0.01
 
@@ -108,7 +112,8 @@ def test_cli_writes_profile_that_simulate_uses(tmp_path):
     prof = load_profile(out)
     assert prof.name == "fitted" and prof.mfu_decode == pytest.approx(0.07, rel=0.02)
     assert prof.meta["fit_errors"]["all"]["mape"] < 1e-6 and "kvsim calibrate" in prof.meta["command"]
-    assert prof.padded_attn_cost == 0 and "padded_attn_cost" in prof.meta["not_fitted"]
+    assert prof.padded_attn_cost == prof.padded_prefill_cost == 0
+    assert {"padded_attn_cost", "padded_prefill_cost"} <= set(prof.meta["not_fitted"])
     run = CliRunner().invoke(app, ["simulate", "--trace", "azure-conv-2023", "--model", "smollm2", "--gpu", "cpu-2core",
                                    "--profile", str(out), "--max-requests", "5", "--num-gpu-blocks", "500",
                                    "--out", str(tmp_path / "run"), "-q"])

@@ -28,6 +28,10 @@ class BatchShape:
     # profiles give it no cost); a dense gather over [seqs, widest table] (the real backend's CPU
     # attention) does. None = not computed: priced as kv_tokens_read in steps without prefill tokens.
     kv_tokens_padded: ArrayLike | None = None
+    # Query-key pairs of prefill chunks when each chunk attends over the widest block table of the
+    # step (dead slots masked) plus itself: sum of chunk * (widest table slots + chunk). The CPU
+    # attention computes these; None = not computed: priced as attn_pairs_prefill.
+    attn_pairs_prefill_padded: ArrayLike | None = None
 
     @property
     def num_tokens(self) -> ArrayLike:
@@ -42,11 +46,13 @@ def batch_shape(out, kv, kv_bytes_per_token: float = 0.0) -> BatchShape:
     entries = 0
     widest = 0
     num_decode = 0
+    chunk_sq = 0
     for s in out.scheduled:
         n = s.num_new_tokens
         if s.is_prefill:
             prefill_tokens += n
             attn_pairs += n * (s.context_before + (n + 1) / 2)
+            chunk_sq += n * n
         else:
             decode_tokens += n
             num_decode += 1
@@ -56,6 +62,7 @@ def batch_shape(out, kv, kv_bytes_per_token: float = 0.0) -> BatchShape:
         if e > widest:
             widest = e
     swap_tokens = out.swap_out_tokens + out.swap_in_tokens
+    widest_slots = widest * kv.block_size / _table_rows(kv)
     return BatchShape(
         num_seqs=len(out.scheduled),
         num_prefill_tokens=prefill_tokens,
@@ -65,7 +72,8 @@ def batch_shape(out, kv, kv_bytes_per_token: float = 0.0) -> BatchShape:
         bytes_moved=getattr(out, "bytes_moved", 0),
         swap_bytes=swap_tokens * kv_bytes_per_token,
         block_table_entries=entries,
-        kv_tokens_padded=num_decode * widest * kv.block_size / _table_rows(kv),
+        kv_tokens_padded=num_decode * widest_slots,
+        attn_pairs_prefill_padded=prefill_tokens * widest_slots + chunk_sq,
     )
 
 
