@@ -772,9 +772,11 @@ class FastKVManager(EvictingManagerBase):
             dst = -(-moved // bs)
             p0 = self.ntok[s] - ot                          # the tail holds the newest ot tokens
             k = np.where(dst == 2, bs - oh, ot)             # tail tokens that move into the holed page's column
-            for j in range(int(k.max()) if k.size else 0):
-                m = j < k
-                self.ring[s[m], ri[m], (p0[m] + j) % W] = hc[m]
+            kk = np.maximum(k, 0).astype(np.int64)
+            e = np.repeat(np.arange(kk.size), kk)          # one entry per moved tail token (window slots differ)
+            if e.size:
+                j = np.arange(e.size) - np.repeat(np.cumsum(kk) - kk, kk)
+                self.ring[s[e], ri[e], (p0[e] + j) % W] = hc[e]
             wk = np.minimum(k, self.win[s, ri, t])
             self.win[s, ri, hc] += wk
             self.win[s, ri, t] -= wk
