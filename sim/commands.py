@@ -34,7 +34,7 @@ def simulate(
     preemption_mode: Optional[str] = typer.Option(None, help="recompute | swap"),
     scheduling_policy: Optional[str] = typer.Option(None, help="fcfs | priority"),
     policy: Optional[str] = typer.Option(None, help="KV eviction/compression policy (none, streaming, h2o, snapkv, "
-                                         "pyramidkv, ada_snapkv, kvcompress, leankv, quest, recorded)"),
+                                         "pyramidkv, ada_snapkv, kvcompress, leankv, quest, tokenselect, recorded)"),
     budget: Optional[int] = typer.Option(None, help="tokens kept per KV head (budgeted policies)"),
     layout: Optional[str] = typer.Option(None, help="KV layout: shared | per_head"),
     slot_strategy: Optional[str] = typer.Option(None, help="noop | free_block | slot_reuse | sparse_copy | compact "

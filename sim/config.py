@@ -81,7 +81,7 @@ class SLO(_Strict):
 class KVConfig(_Strict):
     """KV eviction / compression / fragmentation (sim/kv). Defaults keep vLLM's full cache."""
     policy: Literal["none", "streaming", "h2o", "snapkv", "pyramidkv", "ada_snapkv", "kvcompress", "leankv",
-                    "quest", "recorded"] = "none"
+                    "quest", "tokenselect", "recorded"] = "none"
     budget: int | None = Field(None, gt=0, description="tokens kept per head (policies with a budget)")
     params: dict[str, Any] = Field(default_factory=dict, description="extra policy parameters")
     layout: Literal["shared", "per_head"] = "shared"
