@@ -10,6 +10,12 @@ overheads >= 0 by solving for x - lower_bound >= 0.
 
 Factors whose features are zero in every step (no swap, tp=1 all-reduce, no copies) cannot be
 identified from the data: they keep the base profile's value and are listed as `not fitted`.
+
+The padded-attention counts (`kv_tokens_padded`, `attn_pairs_prefill_padded`: each step's widest
+block table) are not in the engine's step log; for a replay directory `load_step_logs` recomputes
+them by simulating the replay in recorded mode (same config, workload, decisions and measured
+times, hence the same batches and block tables; checked step by step). A bare steps.parquet without
+them leaves the two padding factors unfitted.
 """
 from __future__ import annotations
 

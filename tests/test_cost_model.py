@@ -34,12 +34,13 @@ def random_shapes(rng, n):
                       kv_tokens_read=rng.uniform(0, 3e5, n), bytes_moved=rng.uniform(0, 1e9, n) * (rng.random(n) < .3),
                       swap_bytes=rng.uniform(0, 1e9, n) * (rng.random(n) < .2),
                       block_table_entries=rng.integers(0, 2_000_000, n).astype(np.float64),
-                      kv_tokens_padded=rng.uniform(0, 6e5, n))
+                      kv_tokens_padded=rng.uniform(0, 6e5, n),
+                      attn_pairs_prefill_padded=prefill_tokens * rng.uniform(1, 8192, n))
 
 
 def padded_cpu():
     """A CPU profile whose attention pads decodes to the widest block table (as the real backend's)."""
-    return load_profile("cpu-2core").model_copy(update={"padded_attn_cost": 37.5})
+    return load_profile("cpu-2core").model_copy(update={"padded_attn_cost": 37.5, "padded_prefill_cost": 20.0})
 
 
 def test_default_profile_anchors_for_llama31_8b_on_h100(h100_8b):
@@ -94,7 +95,8 @@ def test_scalar_and_array_paths_are_bit_identical():
         batch = cm.predict(shapes)
         assert batch.dtype == np.float64 and batch.shape == (300,)
         for i in range(300):
-            scalar = cm.predict(BatchShape(**{f: getattr(shapes, f)[i] for f in (*FIELDS, "kv_tokens_padded")}))
+            scalar = cm.predict(BatchShape(**{f: getattr(shapes, f)[i]
+                                              for f in (*FIELDS, "kv_tokens_padded", "attn_pairs_prefill_padded")}))
             assert isinstance(scalar, float)
             assert scalar == batch[i]
         ints = cm.predict(BatchShape(num_seqs=3, num_decode_tokens=3, kv_tokens_read=3000))
@@ -172,6 +174,19 @@ def test_padded_attention_costs_only_where_the_profile_pads():
     unknown = BatchShape(**{f: getattr(shape, f) for f in FIELDS})             # None: priced as kv_tokens_read
     same = BatchShape(**{f: getattr(shape, f) for f in FIELDS}, kv_tokens_padded=2400)
     assert padded.predict(unknown) == padded.predict(same) < padded.predict(shape)
+
+
+def test_padded_prefill_attends_over_the_widest_table():
+    # a 64-token prompt batched with a 1,024-token one attends over 1,024 (dead) slots plus itself
+    chunks = np.array([64.0, 1024.0])
+    shape = BatchShape(num_seqs=2, num_prefill_tokens=chunks.sum(), attn_pairs_prefill=float(np.sum(chunks * (chunks + 1) / 2)),
+                       kv_tokens_read=chunks.sum(), block_table_entries=68,
+                       attn_pairs_prefill_padded=float(np.sum(chunks * (1024 + chunks))))
+    flat, padded = CostModel("smollm2", "cpu-2core", "cpu-2core"), CostModel("smollm2", "cpu-2core", padded_cpu())
+    assert flat.predict(shape) == flat.predict(BatchShape(**{f: getattr(shape, f) for f in FIELDS}))
+    extra = padded.breakdown(shape)["attention"] - flat.breakdown(shape)["attention"]
+    pair_s = padded.model.attention_flops_per_pair() / get_gpu("cpu-2core").peak_flops(padded.model.activation_dtype)
+    assert extra == pytest.approx(float(np.sum(chunks * (1024 + chunks))) * pair_s * 20.0, rel=1e-12)
 
 
 def test_decode_runs_price_padding_as_steps_do():

@@ -99,6 +99,9 @@ def test_tiny_calibrate_and_crosscheck_on_the_real_backend(tmp_path):
     decode = steps[steps.prefill_tokens == 0]
     assert (decode.kv_tokens_padded >= decode.kv_tokens_read).all()
     assert (decode.kv_tokens_padded % 16 == 0).all() and (steps[steps.decode_tokens == 0].kv_tokens_padded == 0).all()
+    prefill = steps[steps.decode_tokens == 0]          # equal prompts p: each attends over ceil(p/16)*16 + p keys
+    p = prefill.prefill_tokens / prefill.batch_size
+    np.testing.assert_array_equal(prefill.attn_pairs_prefill_padded, prefill.prefill_tokens * (np.ceil(p / 16) * 16 + p))
     report = fit_profile(steps, spec, "cpu-2core", base_profile="cpu-2core")
     assert report.errors["all"]["count"] == len(cal.steps)
     assert report.errors["all"]["median_ape"] < 0.5
