@@ -120,7 +120,8 @@ def crosscheck(
         from .cost_model import CostModel, load_profile
         from .simulate import load_workload, run_simulation
         workload = load_workload(cfg)
-        sim = run_simulation(predicted_config(cfg, load_profile(profile)), out / "sim", trace=workload)
+        predicted_cfg = predicted_config(cfg, load_profile(profile))
+        sim = run_simulation(predicted_cfg, out / "sim", trace=workload)
         sim_run = Run("sim", sim.requests, sim.steps, sim.summary)
         rec = simulate_recorded(cfg, workload, real_run.steps["duration_s"].to_numpy(), out / "sim_recorded",
                                 replay_dir=real_dir) \
@@ -133,7 +134,8 @@ def crosscheck(
                    "options": " ".join(set_) or "(defaults)", "replay": str(real_dir),
                    "replay_loadavg_1m": real_run.summary.get("load_avg_1m", "n/a"),
                    "torch_threads": real_run.summary.get("torch_threads", threads or "n/a"),
-                   "replay_clock": real_run.summary.get("replay", {}).get("clock", "wall")}
+                   "replay_clock": real_run.summary.get("replay", {}).get("clock", "wall"),
+                   "predicted_fast_forward": predicted_cfg.fast_forward}
         res = compare(real_run, sim_run, CostModel(cfg.model, cfg.gpu, cfg.profile, tp=cfg.tp), rec, context)
         md, html = write_report(res, out)
     except (ConfigError, CrosscheckError, ValueError, FileNotFoundError) as exc:
