@@ -212,6 +212,8 @@ class CostModel:
         self.kv_bytes_per_token = model.kv_bytes_per_token()
         self.kv_bytes_per_token_per_gpu = self.kv_bytes_per_token * self.kv_split
         self._set_coefficients()
+        # the padded-attention features are skipped when pricing steps under a profile that gives them no cost
+        self._pads = self.profile.padded_attn_cost > 0 or self.profile.padded_prefill_cost > 0
 
     def _set_coefficients(self) -> None:
         m, g, tp = self.model, self.gpu, self.tp
@@ -242,23 +244,18 @@ class CostModel:
         self._c = {k: float(v) for k, v in c.items()}
 
     # ---- model ---------------------------------------------------------------------------
-    def features(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
-        """Raw time components (seconds at peak, or counts for overhead terms), per FEATURE_NAMES."""
+    def features(self, shape: BatchShape, *, padded: bool = True) -> dict[str, np.float64 | np.ndarray]:
+        """Raw time components (seconds at peak, or counts for overhead terms), per FEATURE_NAMES
+        (without `padded`: all but the two padded-attention ones)."""
         c = self._c
         num_seqs = _f64(shape.num_seqs)
         prefill = _f64(shape.num_prefill_tokens)
         decode = _f64(shape.num_decode_tokens)
         tokens = prefill + decode
         kv_read = _f64(shape.kv_tokens_read)
-        if shape.kv_tokens_padded is not None:
-            padded = _f64(shape.kv_tokens_padded)
-        elif isinstance(prefill, np.ndarray):
-            padded = np.where(prefill > 0, 0.0, kv_read)
-        else:
-            padded = 0.0 if prefill > 0 else kv_read
         ran = (tokens > 0).astype(np.float64) if isinstance(tokens, np.ndarray) else float(tokens > 0)
         zero = tokens * 0.0
-        return {
+        f = {
             "linear_compute_prefill": prefill * c["prefill_flops_s"],
             "linear_compute_decode": decode * c["decode_flops_s"] + num_seqs * c["lm_head_s"],
             "linear_memory": ran * c["weights_s"] + tokens * c["act_token_s"] + num_seqs * c["logits_seq_s"],
@@ -271,18 +268,27 @@ class CostModel:
             "step": zero + 1.0,
             "seqs": num_seqs + zero,
             "block_entries": _f64(shape.block_table_entries) + zero,
-            "attn_padded": padded * c["kv_token_s"],
-            "attn_prefill_padded": (_f64(shape.attn_pairs_prefill) if shape.attn_pairs_prefill_padded is None
-                                    else _f64(shape.attn_pairs_prefill_padded)) * c["attn_pair_s"] + zero,
         }
+        if padded:
+            if shape.kv_tokens_padded is not None:
+                kv_padded = _f64(shape.kv_tokens_padded)
+            elif isinstance(prefill, np.ndarray):
+                kv_padded = np.where(prefill > 0, 0.0, kv_read)
+            else:
+                kv_padded = 0.0 if prefill > 0 else kv_read
+            pairs = shape.attn_pairs_prefill if shape.attn_pairs_prefill_padded is None else shape.attn_pairs_prefill_padded
+            f["attn_padded"] = kv_padded * c["kv_token_s"]
+            f["attn_prefill_padded"] = _f64(pairs) * c["attn_pair_s"] + zero
+        return f
 
     def breakdown(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
         """Seconds per part after the profile's factors; `total` equals `predict(shape)`."""
-        f, p = self.features(shape), self.profile
+        f, p = self.features(shape, padded=self._pads), self.profile
         linear = _max(f["linear_compute_prefill"] / p.mfu_prefill + f["linear_compute_decode"] / p.mfu_decode,
                             f["linear_memory"] / p.mem_bw_eff)
-        attention = (_max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
-                     + f["attn_padded"] * p.padded_attn_cost + f["attn_prefill_padded"] * p.padded_prefill_cost)
+        attention = _max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
+        if self._pads:
+            attention = attention + f["attn_padded"] * p.padded_attn_cost + f["attn_prefill_padded"] * p.padded_prefill_cost
         copy = f["copy"] / p.copy_bw_eff
         swap = f["swap"] / p.pcie_eff
         allreduce = f["allreduce_bw"] / p.allreduce_bw_eff + f["allreduce_count"] * p.allreduce_latency_s
