@@ -12,6 +12,9 @@ class CostModelExecutor:
     def __init__(self, cost_model, kv):
         self.cost = cost_model
         self.kv = kv
+        # A profile that prices padded decode attention needs each step's widest block table, which
+        # the decode fast-forward does not compute: such runs step one at a time (same results).
+        self.supports_fast_forward = not cost_model.profile.padded_attn_cost
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)

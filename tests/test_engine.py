@@ -38,6 +38,8 @@ SCENARIOS = {
              "engine.swap_space_gib": 0.05},
     "seq-limit": {"trace_options.max_requests": 150, "engine.max_num_seqs": 8, "trace_options.rate_scale": 3.0},
     "tp-70b": {"trace_options.max_requests": 100, "model": "llama-3.1-70b", "gpu": "a100-80gb", "tp": 4},
+    "cpu-padded-profile": {"trace_options.max_requests": 8, "model": "smollm2-135m", "gpu": "cpu-2core",
+                           "profile": "cpu-smollm2", "engine.num_gpu_blocks": 400},
 }
 
 
