@@ -18,6 +18,9 @@ def replay(
     dtype: Optional[str] = typer.Option(None, help="float32 | float16 | bfloat16 (default: float32 on cpu, "
                                                    "bfloat16 on cuda)"),
     layers: Optional[int] = typer.Option(None, help="run only the first N layers (quick runs)"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)"),
+    clock: str = typer.Option("wall", help="step timer: wall | cpu (the thread's CPU time, so other processes' "
+                                           "load does not count; device cpu with --threads 1)"),
     gpu: Optional[str] = typer.Option(None, help="hardware spec for predicted_s (default: cpu-2core on cpu, "
                                                  "the matching catalog GPU on cuda)"),
     profile: Optional[str] = typer.Option(None, help="cost-model profile for predicted_s (default: cpu-2core on "
@@ -31,7 +34,7 @@ def replay(
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="token budget per step"),
     scheduling_policy: Optional[str] = typer.Option(None, help="fcfs | priority"),
     policy: Optional[str] = typer.Option(None, help="KV policy: none, streaming, h2o, snapkv, pyramidkv, "
-                                                    "ada_snapkv, kvcompress"),
+                                                    "ada_snapkv, kvcompress, leankv, quest, tokenselect"),
     budget: Optional[int] = typer.Option(None, help="tokens kept per head (policies with a budget)"),
     layout: Optional[str] = typer.Option(None, help="shared | per_head"),
     slot_strategy: Optional[str] = typer.Option(None, help="noop | free_block | slot_reuse | sparse_copy | "
@@ -70,8 +73,13 @@ def replay(
         from gpu.replay import ReplayOptions, resolve_device, run_replay
         dev = resolve_device(device)
         apply_device_defaults(cfg, dev, weights)
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"--threads must be at least 1, got {threads}")
+            import torch
+            torch.set_num_threads(threads)
         opts = ReplayOptions(device=device, weights=weights, dtype=dtype, layers=layers,
-                             attention_stats=attention_stats)
+                             attention_stats=attention_stats, clock=clock)
         result = run_replay(cfg, out, options=opts, progress=not quiet)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -279,3 +279,25 @@ def test_cli_replays_a_trace_file(tmp_path):
                                    "--num-gpu-blocks", "16"])
     if not torch.cuda.is_available():
         assert bad.exit_code == 2 and "CUDA is not available" in bad.output
+
+
+def test_cli_cpu_clock_needs_one_thread(tmp_path):
+    from sim.cli import app
+
+    path = tmp_path / "t.jsonl"
+    trace([12], [3]).save(path)
+    args = ["replay", "--trace", str(path), "--layers", "2", "--num-gpu-blocks", "16", "--block-size", "4",
+            "--clock", "cpu", "-q"]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        bad = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "bad")])
+        assert bad.exit_code == 2 and "1 torch thread" in bad.output
+        ok = CliRunner().invoke(app, [*args, "--threads", "1", "-o", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(threads)
+    assert ok.exit_code == 0, ok.output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["replay"]["clock"] == "cpu" and summary["num_finished"] == 1
+    steps = pd.read_parquet(tmp_path / "out" / "steps.parquet")
+    assert (steps.duration_s > 0).all()
