@@ -260,12 +260,13 @@ class RealExecutor:
         return StepResult(duration_s=t5 - t0, predicted_s=predicted, evicted_tokens=evicted,
                           blocks_freed_by_eviction=freed, bytes_moved=moved, shape=shape)
 
-    def warm_up(self) -> None:
-        """One throwaway prefill and decode (nothing cached) so lazy initialisation — torch's thread pool,
-        Triton compilation on CUDA — is not charged to the first measured step."""
+    def warm_up(self, prefill_tokens: int = 2) -> None:
+        """One throwaway prefill of `prefill_tokens` and a decode (nothing cached) so lazy
+        initialisation — torch's thread pool, Triton compilation on CUDA, the allocator growing its heap
+        to the largest step's temporaries — is not charged to the first measured steps."""
         dev = self.device
         L, H = self.num_layers, self.num_kv_heads
-        for n, window in ((2, self.score_window), (1, self.score_window)):
+        for n, window in ((max(prefill_tokens, 2), self.score_window), (1, self.score_window)):
             if self.cache.layout == "shared":
                 slots, table = torch.full((n,), -1), torch.full((1, 1), -1)
             else:

@@ -217,8 +217,13 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
                             check_cache=cfg.check_invariants if check_cache is None else check_cache,
                             clock=opts.clock)
 
-    executor.warm_up()
     requests = trace_to_requests(trace)
+    # warm up at the largest prefill chunk the replay can schedule
+    longest = max((r.prompt_tokens for r in requests), default=2)
+    chunk = min(longest, cfg.engine.max_num_batched_tokens, max_model_len)
+    if cfg.engine.long_prefill_token_threshold > 0:
+        chunk = min(chunk, cfg.engine.long_prefill_token_threshold)
+    executor.warm_up(chunk)
     out = Path(out_dir) if out_dir else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
