@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-import numpy as np
 import simpy
 
 from .core.request import Request

@@ -36,8 +36,7 @@ class DecodeRun:
     freed: list           # blocks freed by requests finishing in step j (no prefix caching)
     batch: list           # sequences in step j
     kv_read: list         # KV tokens read in step j
-    entries: list         # block-table entries in step j
-    held: list            # blocks held by the requests of step j, after its allocations
+    entries: list         # block-table entries in step j: blocks held by its requests after its allocations
     finished: list        # requests producing their last token in step j
     finished_c: list      # their start token counts, summed
     finished_held: list   # their blocks, summed
@@ -102,7 +101,7 @@ def plan(replica) -> DecodeRun | None:
     allocs = [a for a in ev["allocs"] if a[0] < k]
     fills = [f for f in ev["fills"] if f[0] < k]
     return DecodeRun(list(running), c_list, last_list, k, allocs, fills, ev["new"][:k], ev["freed"][:k],
-                     batch[:k], kv_read[:k], held[:k], held[:k], ev["fin"][:k], ev["fin_c"][:k],
+                     batch[:k], kv_read[:k], held[:k], ev["fin"][:k], ev["fin_c"][:k],
                      ev["fin_held"][:k], durations[:k], starts, ends)
 
 
@@ -175,7 +174,7 @@ def apply(replica, run: DecodeRun) -> dict:
         alive = run.batch[j] - run.finished[j]           # still holding blocks after step j
         tokens = run.kv_read[j] - (run.finished_c[j] + (j + 1) * run.finished[j])
         slots = used[j] * bs
-        empty = (run.held[j] - run.finished_held[j]) * bs - tokens
+        empty = (run.entries[j] - run.finished_held[j]) * bs - tokens
         live.append(slots - empty)
         allocated.append(slots)
         fragmentation.append(1.0 - (slots - empty) / slots if slots else 0.0)

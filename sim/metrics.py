@@ -4,7 +4,6 @@ The step-log schema is shared by the simulator and the real backend.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 
@@ -181,15 +180,23 @@ def request_table(requests) -> pd.DataFrame:
     return df
 
 
+def flat_token_times(token_times) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets [n + 1], values): every request's token times in one float64 buffer; request i's
+    are values[offsets[i]:offsets[i + 1]]."""
+    arrays = [np.asarray(t, dtype=np.float64) for t in token_times]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([a.size for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.array([], dtype=np.float64)
+    return offsets, values
+
+
 def inter_token_latencies(token_times) -> np.ndarray:
     """Gaps between consecutive output tokens of each request, all requests concatenated."""
-    arrays = [np.asarray(t, dtype=np.float64) for t in token_times]
-    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-    if lengths.sum() == 0:
+    offsets, times = flat_token_times(token_times)
+    if times.size == 0:
         return np.array([])
-    times = np.concatenate(arrays)
     gaps = np.diff(times)
-    first_of_request = np.cumsum(lengths)[:-1]             # a request's first token follows another's last
+    first_of_request = offsets[1:-1]                       # a request's first token follows another's last
     keep = np.ones(gaps.size, dtype=bool)
     inside = first_of_request[(first_of_request > 0) & (first_of_request < times.size)]
     keep[inside - 1] = False

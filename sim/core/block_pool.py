@@ -6,7 +6,7 @@ last, LRU); freed unhashed blocks go to the head (reused first).
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import numpy as np
 
