@@ -6,17 +6,8 @@ from gpu.attention import AttentionMetadata
 from gpu.cache import PagedKVCache
 from gpu.model import LlamaModel, ModelConfig
 from gpu.prompts import prompt_token_ids
-from gpu.weights import load_smollm2
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> LlamaModel:
-    return load_smollm2()
-
-
-@pytest.fixture(scope="module")
-def small(smollm2) -> LlamaModel:
-    return smollm2.truncated(2)
 
 
 class Allocator:

@@ -9,7 +9,6 @@ import yaml
 from typer.testing import CliRunner
 
 from gpu.replay import run_replay
-from gpu.weights import load_smollm2
 from sim.catalog import get_model
 from sim.config import ConfigError, load_config
 from sim.kv.manager import SLOT_STRATEGIES
@@ -20,23 +19,7 @@ BASE = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core", "en
         "check_invariants": True}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny steps run faster on one thread than on two contending cores (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_smollm2()
-
-
-@pytest.fixture(scope="module")
-def small(smollm2):
-    return smollm2.truncated(2)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(**overrides):

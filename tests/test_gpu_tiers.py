@@ -9,7 +9,6 @@ from gpu.cache import PagedKVCache, TieredKVCache
 from gpu.kernels.paged_attention import paged_decode_attention
 from gpu.quant import TIERS
 from gpu.replay import run_replay
-from gpu.weights import load_smollm2
 from sim.config import load_config
 from sim.kv.state import TIER_HIGH, TIER_LOW
 from traces.trace import Trace
@@ -19,17 +18,7 @@ BASE = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core", "en
 L, H, G, D = 2, 2, 3, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def small():
-    return load_smollm2().truncated(2)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def dense(q, keys, values, scale):
