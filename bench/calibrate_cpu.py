@@ -8,8 +8,15 @@ Calibration workloads (all generated, none from the cross-check's trace):
   mixed prompt lengths (the CPU attention pads every sequence to the step's widest block table);
   batches stop at 8: at 16 tokens the CPU GEMMs switch to a faster kernel (decode steps of 16
   sequences ran 12-18% below a fit that covers 1-8), which a per-token linear term cannot follow;
-- `replay-h2o`, h2o (budget 128) + slot_reuse: the policy's evictions leave holes in the blocks that
-  attention still scans, and its scoring runs every decode step.
+- `replay-h2o-b{128,256,512}`, h2o at budgets 128, 256 and 512 + slot_reuse: the policy's evictions
+  leave holes in the blocks that attention still scans (how many depends on the budget), and its
+  scoring runs every decode step.
+
+Repeats (`--repeats N`, default 3): every workload is replayed N times (repeat r > 1 in `NAME-rR`),
+interleaved so that the repeats of one workload run at different moments; the schedules must come
+out identical and the fit uses each step's median measured time (`kvsim calibrate DIR1,DIR2,...`).
+The cross-checks replay their trace `--crosscheck-repeats` times (default 3, `kvsim crosscheck
+--repeats`).
 
 Steps are timed with the thread's CPU time (`--clock cpu`, 1 torch thread) by default, so other
 processes on the machine do not inflate them; the cross-checks use the same clock.
@@ -21,7 +28,8 @@ with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_/MALLOC_TOP_PAD_ set so freed 
 heap (the same prefill: 8.2 s, no page faults; vLLM's CPU backend recommends a caching allocator,
 tcmalloc, for the same reason). Calibration and cross-check replays run under the same setting.
 
-    python bench/calibrate_cpu.py --out runs/calibration [--threads 1] [--clock cpu] [--skip-crosscheck]
+    python bench/calibrate_cpu.py --out runs/calibration [--repeats 3] [--crosscheck-repeats 3]
+        [--threads 1] [--clock cpu] [--reuse] [--replay-only] [--skip-crosscheck]
 """
 from __future__ import annotations
 
@@ -65,6 +73,11 @@ def shifted(trace, offset_s: float):
     return trace
 
 
+def repeat_dir(out: Path, name: str, repeat: int) -> Path:
+    """Replay directory of one repeat of a calibration workload (repeat 1: the plain name)."""
+    return out / (name if repeat == 1 else f"{name}-r{repeat}")
+
+
 def kvsim(*args: str) -> None:
     print("$ kvsim " + " ".join(args), flush=True)
     subprocess.run([sys.executable, "-c", "from sim.cli import main; main()", *args], check=True, cwd=ROOT)
@@ -84,11 +97,15 @@ def main() -> None:
     ap.add_argument("--h2o", type=str, nargs="+", default=["256", "768", "256,256,256,256", "160,512,768,1024",
                                                             "96,200,300,400,500,600,700,800"],
                     help="batches (comma-separated prompt lengths) replayed with h2o + slot_reuse")
-    ap.add_argument("--h2o-budget", type=int, default=128)
+    ap.add_argument("--h2o-budgets", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--h2o-output-tokens", type=int, default=24)
     ap.add_argument("--output-tokens", type=int, default=12)
     ap.add_argument("--num-gpu-blocks", type=int, default=1200)
     ap.add_argument("--crosscheck-requests", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3, help="replays of each calibration workload (median per step)")
+    ap.add_argument("--crosscheck-repeats", type=int, default=3, help="kvsim crosscheck --repeats")
+    ap.add_argument("--reuse", action="store_true", help="keep replays already in --out (their steps.parquet)")
+    ap.add_argument("--replay-only", action="store_true", help="stop after the calibration replays")
     ap.add_argument("--skip-crosscheck", action="store_true")
     ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
                     help="tuned: rerun under MALLOC_ENV (glibc keeps freed memory; see the module doc)")
@@ -111,21 +128,28 @@ def main() -> None:
     base = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
             "engine.num_gpu_blocks": args.num_gpu_blocks}
     opts = ReplayOptions(device="cpu", clock=args.clock)
-    runs = {
-        "replay-sweep": (load_config(None, base), Trace.concat([sweep, mixed], how="overlay", name="calibration-sweep")),
-        "replay-h2o": (load_config(None, {**base, "kv.policy": "h2o", "kv.budget": args.h2o_budget,
-                                          "kv.slot_strategy": "slot_reuse"}),
-                       mixed_trace([[int(p) for p in g.split(",")] for g in args.h2o], args.h2o_output_tokens,
-                                   name="calibration-h2o")),
-    }
-    for name, (cfg, trace) in runs.items():
-        res = run_replay(cfg, args.out / name, trace=trace, options=opts, progress=True)
-        print(f"{name}: {len(res.steps)} steps, load average after: {os.getloadavg()}", flush=True)
+    h2o_batches = [[int(p) for p in g.split(",")] for g in args.h2o]
+    runs = {"replay-sweep": (load_config(None, base),
+                             Trace.concat([sweep, mixed], how="overlay", name="calibration-sweep"))}
+    for budget in args.h2o_budgets:
+        runs[f"replay-h2o-b{budget}"] = (
+            load_config(None, {**base, "kv.policy": "h2o", "kv.budget": budget, "kv.slot_strategy": "slot_reuse"}),
+            mixed_trace(h2o_batches, args.h2o_output_tokens, name=f"calibration-h2o-b{budget}"))
+    for r in range(1, args.repeats + 1):       # repeats interleaved: each workload's at different moments
+        for name, (cfg, trace) in runs.items():
+            d = repeat_dir(args.out, name, r)
+            if args.reuse and (d / "steps.parquet").is_file():
+                print(f"{d}: reused", flush=True)
+                continue
+            res = run_replay(cfg, d, trace=trace, options=opts, progress=True)
+            print(f"{d.name}: {len(res.steps)} steps, load average after: {os.getloadavg()}", flush=True)
+    if args.replay_only:
+        return
     cal_dir = args.out / "replay-sweep"
     profile = ROOT / "sim" / "data" / "profiles" / "cpu-smollm2.yaml"
     importance = ROOT / "sim" / "data" / "importance" / "smollm2-135m-fitted.yaml"
-    kvsim("calibrate", *(str(args.out / name) for name in runs), "--out", str(profile), "--model", "smollm2-135m",
-          "--gpu", "cpu-2core")
+    groups = [",".join(str(repeat_dir(args.out, name, r)) for r in range(1, args.repeats + 1)) for name in runs]
+    kvsim("calibrate", *groups, "--out", str(profile), "--model", "smollm2-135m", "--gpu", "cpu-2core")
     kvsim("calibrate", "--attention", str(cal_dir), "--out", str(importance))
     if args.skip_crosscheck:
         return
@@ -133,7 +157,8 @@ def main() -> None:
     # the CPU replay of the full 30-layer model stays within minutes.
     common = ["--trace", "azure-conv-2023", "--profile", str(profile), "--num-gpu-blocks", str(args.num_gpu_blocks),
               "--start-s", "2400", "--max-requests", str(args.crosscheck_requests), "--rate-scale", "0.5",
-              "--set", "engine.max_model_len=1100", "--threads", str(args.threads), "--clock", args.clock]
+              "--set", "engine.max_model_len=1100", "--threads", str(args.threads), "--clock", args.clock,
+              "--repeats", str(args.crosscheck_repeats)]
     kvsim("crosscheck", *common, "--out", str(args.out / "crosscheck-none"))
     kvsim("crosscheck", *common, "--set", "kv.policy=h2o", "--set", "kv.budget=256",
           "--set", "kv.slot_strategy=slot_reuse", "--out", str(args.out / "crosscheck-h2o"))

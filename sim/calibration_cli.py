@@ -1,6 +1,7 @@
 """`kvsim calibrate` and `kvsim crosscheck`."""
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -96,16 +97,25 @@ def crosscheck(
     clock: str = typer.Option("wall", help="replay step timer: wall | cpu (the thread's CPU time, so other "
                                            "processes' load does not count; device cpu with --threads 1; use "
                                            "the calibration's)"),
-    real: Optional[Path] = typer.Option(None, help="reuse this replay output directory instead of replaying"),
+    repeats: int = typer.Option(1, min=1, help="replay the trace N times (identical schedules, checked) and "
+                                              "compare with each step's median measured time"),
+    real: list[Path] = typer.Option([], help="reuse this replay output directory instead of replaying (give it "
+                                             "once per repeat)"),
     recorded: bool = typer.Option(True, "--recorded/--no-recorded",
                                   help="also simulate with the replay's measured step times and compare "
-                                       "memory metrics step by step"),
+                                       "memory metrics step by step (needed with repeats)"),
 ) -> None:
     """Replay TRACE on the real backend, simulate it with PROFILE, and write report.md / report.html
     (per-step time MAPE, TTFT/TPOT/E2E percentile errors, throughput error, memory side by side)."""
     from .config import ConfigError, load_config
-    from .crosscheck import (CrosscheckError, Run, compare, predicted_config, replay_shape_columns, simulate_recorded,
-                             with_shape_columns, write_report)
+    from .crosscheck import (CrosscheckError, Repeats, Run, compare, predicted_config, replay_shape_columns,
+                             simulate_recorded, with_shape_columns, write_report)
+    if real and repeats not in (1, len(real)):
+        _fail(f"--repeats {repeats} with {len(real)} --real directories: give one --real per repeat")
+    repeats = len(real) or repeats
+    if repeats > 1 and not recorded:
+        _fail("--repeats needs recorded mode (the measured request timings come from the recorded simulation "
+              "fed the median step times); drop --no-recorded")
     overrides = {"trace": trace, "model": model, "gpu": gpu, "profile": profile,
                  "engine.num_gpu_blocks": num_gpu_blocks, "engine.block_size": block_size,
                  "engine.max_num_seqs": max_num_seqs, "engine.max_num_batched_tokens": max_num_batched_tokens,
@@ -113,37 +123,44 @@ def crosscheck(
                  "trace_options.end_s": end_s, "trace_options.max_requests": max_requests}
     try:
         cfg = load_config(None, overrides, set_)
-        real_dir = real or out / "real"
-        if real is None:
-            run_replay(cfg, real_dir, device=device, threads=threads, clock=clock)
-        real_run = Run.load(real_dir, "real")
+        real_dirs = list(real) or [out / ("real" if r == 1 else f"real-{r}") for r in range(1, repeats + 1)]
+        if not real:
+            for r, d in enumerate(real_dirs, start=1):
+                if repeats > 1:
+                    console.print(f"repeat {r}/{repeats} -> {d}")
+                run_replay(cfg, d, device=device, threads=threads, clock=clock)
+        real_dir = real_dirs[0]
+        reps = Repeats.of([Run.load(d, "real") for d in real_dirs], real_dirs)
+        real_run = reps.runs[0]
         from .cost_model import CostModel, load_profile
         from .simulate import load_workload, run_simulation
         workload = load_workload(cfg)
         predicted_cfg = predicted_config(cfg, load_profile(profile))
         sim = run_simulation(predicted_cfg, out / "sim", trace=workload)
         sim_run = Run("sim", sim.requests, sim.steps, sim.summary)
-        rec = simulate_recorded(cfg, workload, real_run.steps["duration_s"].to_numpy(), out / "sim_recorded",
-                                replay_dir=real_dir) \
+        rec = simulate_recorded(cfg, workload, reps.median, out / "sim_recorded", replay_dir=real_dir) \
             if recorded else None
         if rec is None:
             real_run.steps = with_shape_columns(real_run.steps, replay_shape_columns(real_dir), str(real_dir))
         context = {"trace": trace, "window": f"{start_s or 0}-{end_s if end_s is not None else 'end'} s",
                    "rate_scale": rate_scale or 1.0, "requests": len(workload), "profile": profile,
                    "model": model, "device": device, "num_gpu_blocks": num_gpu_blocks,
-                   "options": " ".join(set_) or "(defaults)", "replay": str(real_dir),
-                   "replay_loadavg_1m": real_run.summary.get("load_avg_1m", "n/a"),
+                   "options": " ".join(set_) or "(defaults)",
+                   "replay": ", ".join(str(d) for d in real_dirs), "repeats": repeats,
+                   "replay_loadavg_1m": ", ".join(f"{r.summary.get('load_avg_1m', math.nan):.2f}" for r in reps.runs),
                    "torch_threads": real_run.summary.get("torch_threads", threads or "n/a"),
                    "replay_clock": real_run.summary.get("replay", {}).get("clock", "wall"),
                    "predicted_fast_forward": predicted_cfg.fast_forward}
-        res = compare(real_run, sim_run, CostModel(cfg.model, cfg.gpu, cfg.profile, tp=cfg.tp), rec, context)
+        res = compare(real_run, sim_run, CostModel(cfg.model, cfg.gpu, cfg.profile, tp=cfg.tp), rec, context,
+                      repeats=reps)
         md, html = write_report(res, out)
     except (ConfigError, CrosscheckError, ValueError, FileNotFoundError) as exc:
         _fail(str(exc))
     h = res.headline()
     console.print(f"per-step MAPE {h['step_mape']:.1%}  TTFT p50 err {h['ttft_p50_error']:.1%}  "
                   f"TPOT p50 err {h['tpot_p50_error']:.1%}  throughput err {h['throughput_error']:.1%}  "
-                  f"memory identical (recorded): {h['memory_identical']}")
+                  f"memory identical (recorded): {h['memory_identical']}  replays: {h['repeats']}"
+                  + (f" (median per-step spread {res.repeats['spread_median']:.1%})" if res.repeats else ""))
     console.print(f"wrote {md} and {html}")
 
 

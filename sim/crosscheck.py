@@ -10,6 +10,13 @@ Two simulations are compared with one replay (the same trace, engine and policy 
   step schedules the same batch. Memory metrics (blocks used/free, slots, fragmentation,
   preemptions, evictions) must then agree step by step; the report says so or shows the first
   divergence.
+
+**Repeats.** One replay's step times scatter by 10-20% on a shared CPU. With N replays of the same
+workload (the schedule is deterministic: same config, seed and workload; checked step by step on the
+schedule and memory columns), each step's measured time is the median over the N replays, and the
+measured latencies and throughput are those of the recorded simulation fed these medians: it
+advances time by the same step durations as a replay, so with one replay it reproduces the replay's
+request timings exactly (checked: `request_timings_identical`).
 """
 from __future__ import annotations
 
@@ -68,6 +75,8 @@ class CrosscheckResult:
     recorded: dict | None = None                      # identical / first divergence (recorded mode)
     context: dict = field(default_factory=dict)       # trace, profile, options, loadavg, ...
     series: dict[str, pd.DataFrame] = field(default_factory=dict)   # memory over time per run
+    repeats: dict | None = None                       # N > 1 replays: spread, single-replay figures
+    repeat_steps: pd.DataFrame | None = None          # N > 1: every replay's duration per step, median, spread
 
     def headline(self) -> dict[str, float]:
         """The figures the acceptance bar is stated in."""
@@ -77,7 +86,8 @@ class CrosscheckResult:
                 "ttft_p50_error": abs(float(lat[("ttft", 50)])), "tpot_p50_error": abs(float(lat[("tpot", 50)])),
                 "e2e_p50_error": abs(float(lat[("e2e", 50)])),
                 "throughput_error": abs(float(thr["throughput_total_tok_s"])),
-                "memory_identical": None if self.recorded is None else bool(self.recorded["identical"])}
+                "memory_identical": None if self.recorded is None else bool(self.recorded["identical"]),
+                "repeats": 1 if self.repeats is None else int(self.repeats["n"])}
 
 
 # ---- comparisons ------------------------------------------------------------------------------
@@ -165,7 +175,17 @@ def first_divergence(real: pd.DataFrame, sim: pd.DataFrame, columns=MEMORY_COLUM
 
 
 def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = None,
-            context: dict | None = None) -> CrosscheckResult:
+            context: dict | None = None, repeats: "Repeats | None" = None) -> CrosscheckResult:
+    """Figures of `real` (one replay) against `predicted`; with `repeats` (N > 1 replays of the same
+    workload, `recorded` fed their median step times), the measured side is `repeats.measured_run(recorded)`."""
+    timings_identical = None
+    if repeats is not None and repeats.n > 1:
+        if recorded is None:
+            raise CrosscheckError("repeated replays need the recorded simulation (fed the median step times) "
+                                  "for the measured request timings")
+        real = repeats.measured_run(recorded)
+    elif recorded is not None:
+        timings_identical = same_request_timings(real.requests, recorded.requests)
     steps = real.steps
     if recorded is not None and recorded.shapes is not None:
         steps = with_shape_columns(steps, recorded.shapes, f"{real.name} step log")
@@ -183,10 +203,109 @@ def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = N
         throughput=throughput_table(real.summary, predicted.summary),
         memory=memory_table(runs),
         recorded=None if recorded is None else {**first_divergence(real.steps, recorded.steps),
-                                                 **recorded.summary.get("recorded_policy", {})},
+                                                 **recorded.summary.get("recorded_policy", {}),
+                                                 **({} if timings_identical is None
+                                                    else {"request_timings_identical": timings_identical})},
         context=dict(context or {}),
         series=series,
+        repeats=None if repeats is None or repeats.n == 1 else repeats.table(cost, steps, predicted),
+        repeat_steps=None if repeats is None or repeats.n == 1 else repeats.durations_frame(),
     )
+
+
+TIMING_COLUMNS = ("arrival_s", "first_scheduled_s", "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s")
+
+
+def same_request_timings(a: pd.DataFrame, b: pd.DataFrame) -> bool:
+    """Whether two request tables hold the same requests with bit-identical timings."""
+    if len(a) != len(b) or not np.array_equal(a["request_id"].to_numpy(), b["request_id"].to_numpy()):
+        return False
+    return all(np.array_equal(a[c].to_numpy(dtype=float), b[c].to_numpy(dtype=float), equal_nan=True)
+               for c in TIMING_COLUMNS if c in a.columns and c in b.columns)
+
+
+# ---- repeated replays -------------------------------------------------------------------------
+# summary.json keys that follow from the step times (taken from the median-timed recorded simulation)
+TIMING_SUMMARY_PREFIXES = ("makespan", "throughput_", "ttft_", "tpot_", "e2e_", "queueing_", "itl_", "slo_",
+                           "goodput_")
+
+
+@dataclass
+class Repeats:
+    """N replays of one workload with identical schedules; their measured step times side by side."""
+    runs: list[Run]
+    dirs: list[str]
+    durations: np.ndarray            # [N, steps]
+
+    @classmethod
+    def of(cls, runs: list[Run], dirs: list[str | Path]) -> "Repeats":
+        """Check that every replay scheduled the same batches with the same memory state as the first
+        (MEMORY_COLUMNS, step by step) and collect their step durations."""
+        if not runs:
+            raise CrosscheckError("no replays given")
+        first = runs[0].steps
+        for run, d in zip(runs[1:], dirs[1:]):
+            same = first_divergence(first, run.steps)
+            if not same["identical"]:
+                f = same["first_divergence"]
+                raise CrosscheckError(
+                    f"{d}: this repeat schedules differently from {dirs[0]} from step {f['step']} on "
+                    f"({f['column']}: {f['real']} vs {f['sim']}); repeated replays must run the same batches "
+                    f"to pair their step times (is the schedule sensitive to the measured times?)")
+        durations = np.stack([r.steps["duration_s"].to_numpy(dtype=np.float64) for r in runs])
+        return cls(list(runs), [str(d) for d in dirs], durations)
+
+    @property
+    def n(self) -> int:
+        return len(self.runs)
+
+    @property
+    def median(self) -> np.ndarray:
+        return np.median(self.durations, axis=0)
+
+    def relative_spread(self) -> np.ndarray:
+        """Per step: (slowest - fastest) / median over the repeats."""
+        return (self.durations.max(axis=0) - self.durations.min(axis=0)) / self.median
+
+    def measured_run(self, recorded: Run) -> Run:
+        """The measured side of the comparison: the first replay's step log with the median step times,
+        and the requests and timing metrics of `recorded` (the recorded simulation fed those medians)."""
+        first = self.runs[0]
+        if len(recorded.steps) != len(first.steps):
+            raise CrosscheckError(f"recorded mode ran {len(recorded.steps)} steps, the replays {len(first.steps)}")
+        steps = first.steps.assign(duration_s=self.median, time_s=recorded.steps["time_s"].to_numpy())
+        summary = {**first.summary, **{k: v for k, v in recorded.summary.items()
+                                       if k.startswith(TIMING_SUMMARY_PREFIXES)},
+                   "measured_step_time_s": float(self.median.sum()), "repeats": self.n}
+        return Run(f"real (median of {self.n})", recorded.requests, steps, summary, shapes=first.shapes)
+
+    def table(self, cost: CostModel, steps: pd.DataFrame, predicted: Run) -> dict:
+        """Spread over the repeats, and each single replay's own figures against the prediction."""
+        spread = self.relative_spread()
+        kinds = step_kind(steps)
+        pred = np.atleast_1d(cost.predict(shape_of_steps(steps)))
+        singles = []
+        for run, d, dur in zip(self.runs, self.dirs, self.durations):
+            lat = latency_table(run.requests, predicted.requests).set_index(["metric", "percentile"])["rel_error"]
+            thr = throughput_table(run.summary, predicted.summary).set_index("metric")["rel_error"]
+            singles.append({"replay": d, "loadavg_1m": run.summary.get("load_avg_1m", math.nan),
+                            "measured_s": float(dur.sum()),
+                            "shift_vs_median": float(np.median(dur / self.median) - 1),
+                            "step_mape": float(np.mean(np.abs(pred - dur) / dur)),
+                            "ttft_p50_error": abs(float(lat[("ttft", 50)])),
+                            "tpot_p50_error": abs(float(lat[("tpot", 50)])),
+                            "throughput_error": abs(float(thr["throughput_total_tok_s"]))})
+        by_kind = {k: {"count": int((kinds == k).sum()), "median": float(np.median(spread[kinds == k])),
+                       "p90": float(np.percentile(spread[kinds == k], 90))}
+                   for k in ("prefill", "decode", "mixed") if (kinds == k).any()}
+        return {"n": self.n, "spread_median": float(np.median(spread)), "spread_p90": float(np.percentile(spread, 90)),
+                "spread_by_kind": by_kind, "singles": singles}
+
+    def durations_frame(self) -> pd.DataFrame:
+        kinds = step_kind(self.runs[0].steps)
+        cols = {f"duration_{i + 1}_s": d for i, d in enumerate(self.durations)}
+        return pd.DataFrame({"step": np.arange(self.durations.shape[1]), "kind": kinds, **cols,
+                             "median_s": self.median, "relative_spread": self.relative_spread()})
 
 
 def predicted_config(cfg, profile):
@@ -392,11 +511,35 @@ def markdown_report(res: CrosscheckResult) -> str:
         if "decisions" in r:
             lines.append(f"- recorded mode replayed {r['decisions_replayed']} recorded evictions from "
                          f"`{r['decisions']}` ({r['decisions_missing']} recorded entries not found live)")
+        if "request_timings_identical" in r:
+            lines.append(f"- recorded mode reproduces the replay's request timings (TTFT/TPOT/E2E): "
+                         f"**{'identical' if r['request_timings_identical'] else 'NOT identical'}**")
+    rep = res.repeats
+    if rep is None:
+        lines.append("- measured side: **1 replay** (step times of a single run; `--repeats N` takes the "
+                     "per-step median of N)")
+    else:
+        lines.append(f"- measured side: **median of {rep['n']} replays** per step (identical schedules); "
+                     f"relative spread (slowest - fastest) / median per step: median "
+                     f"**{rep['spread_median']:.1%}**, p90 {rep['spread_p90']:.1%}; latencies and throughput "
+                     f"from the recorded simulation fed the median step times")
     lines += ["", "## Per-step time (replay steps: cost model vs measured)", "",
               "| kind | steps | MAPE | median APE | p90 APE | median bias |", "|---|---:|---:|---:|---:|---:|"]
     for kind, e in res.step_errors.items():
         lines.append(f"| {kind} | {e['count']} | {e['mape']:.1%} | {e['median_ape']:.1%} | {e['p90_ape']:.1%} "
                      f"| {e['bias']:+.1%} |")
+    if rep is not None:
+        lines += ["", f"## Repeats ({rep['n']} replays)", "",
+                  "| kind | steps | median spread | p90 spread |", "|---|---:|---:|---:|"]
+        for kind, e in rep["spread_by_kind"].items():
+            lines.append(f"| {kind} | {e['count']} | {e['median']:.1%} | {e['p90']:.1%} |")
+        lines += ["", "Each replay alone against the prediction (what a single replay would have reported):", "",
+                  "| replay | load avg 1m | measured step time (s) | shift vs median | step MAPE | TTFT p50 err "
+                  "| TPOT p50 err | throughput err |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rep["singles"]:
+            lines.append(f"| `{r['replay']}` | {_num(r['loadavg_1m'])} | {r['measured_s']:.2f} | "
+                         f"{r['shift_vs_median']:+.1%} | {r['step_mape']:.1%} | {r['ttft_p50_error']:.1%} | "
+                         f"{r['tpot_p50_error']:.1%} | {r['throughput_error']:.1%} |")
     lines += ["", "## Latency (finished requests)", "", "| metric | pct | real (s) | sim (s) | error |",
               "|---|---:|---:|---:|---:|"]
     for row in res.latency.itertuples():
@@ -431,7 +574,14 @@ def html_report(res: CrosscheckResult) -> str:
     figs.append(scatter)
 
     over = go.Figure()
-    over.add_trace(go.Scattergl(x=t["time_s"], y=t["measured_s"] * 1e3, mode="lines", name="measured"))
+    if res.repeat_steps is not None:
+        reps = res.repeat_steps.filter(like="duration_")
+        over.add_trace(go.Scattergl(x=t["time_s"], y=reps.min(axis=1) * 1e3, mode="lines", name="fastest repeat",
+                                    line={"width": 0.5, "color": "lightgray"}))
+        over.add_trace(go.Scattergl(x=t["time_s"], y=reps.max(axis=1) * 1e3, mode="lines", name="slowest repeat",
+                                    line={"width": 0.5, "color": "gray"}))
+    over.add_trace(go.Scattergl(x=t["time_s"], y=t["measured_s"] * 1e3, mode="lines",
+                                name="measured" if res.repeat_steps is None else "measured (median)"))
     over.add_trace(go.Scattergl(x=t["time_s"], y=t["predicted_s"] * 1e3, mode="lines", name="predicted"))
     over.update_layout(title="Per-step time over the replay", xaxis_title="replay time (s)", yaxis_title="step time (ms)")
     figs.append(over)
@@ -471,6 +621,9 @@ def write_report(res: CrosscheckResult, out_dir: str | Path) -> tuple[Path, Path
     (out / "crosscheck.json").write_text(json.dumps({
         "headline": res.headline(), "step_errors": res.step_errors, "recorded": res.recorded,
         "latency": res.latency.to_dict("records"), "throughput": res.throughput.to_dict("records"),
-        "memory": res.memory.to_dict("records"), "context": res.context}, indent=2, default=str))
+        "memory": res.memory.to_dict("records"), "context": res.context, "repeats": res.repeats},
+        indent=2, default=str))
     res.step_times.to_parquet(out / "step_times.parquet", index=False)
+    if res.repeat_steps is not None:
+        res.repeat_steps.to_parquet(out / "repeat_steps.parquet", index=False)
     return md, html

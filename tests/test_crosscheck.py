@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from sim.config import load_config
 from sim.cost_model import CostModel
-from sim.crosscheck import Run, compare, first_divergence, simulate_recorded, write_report
+from sim.crosscheck import (CrosscheckError, Repeats, Run, compare, first_divergence, same_request_timings,
+                            simulate_recorded, write_report)
 from sim.simulate import run_simulation
 from traces.synthetic import synthesize
 
@@ -113,6 +115,24 @@ def test_tiny_calibrate_and_crosscheck_on_the_real_backend(tmp_path):
     assert check["identical"], check
     assert len(real.steps) == check["steps_compared"]
     assert rec.shapes is not None and len(rec.shapes) == len(real.steps)
+    # fed one replay's step times, the recorded simulation reproduces its request timings bit for bit
+    assert same_request_timings(real_run.requests, rec.requests)
+    res = compare(real_run, Run("sim", rec.requests, rec.steps, rec.summary), CostModel(spec, "cpu-2core", report.profile),
+                  recorded=rec)
+    assert res.recorded["request_timings_identical"] and res.headline()["ttft_p50_error"] == 0
+    # repeated replays of one closed batch schedule identically; their per-step median is the measured time
+    batch = closed_batch(3, 40, 5)
+    dirs = [tmp_path / f"rep-{i}" for i in range(3)]
+    for d in dirs:
+        replay.run_replay(cfg, d, trace=batch, model=model, options=cpu_clock)
+    reps = Repeats.of([Run.load(d, "real") for d in dirs], dirs)
+    assert reps.durations.shape == (3, len(reps.runs[0].steps)) and (reps.durations > 0).all()
+    np.testing.assert_array_equal(reps.median, np.median(reps.durations, axis=0))
+    rec = simulate_recorded(cfg, batch, reps.median, replay_dir=dirs[0])
+    assert first_divergence(reps.runs[0].steps, rec.steps)["identical"]
+    measured = reps.measured_run(rec)
+    assert measured.summary["measured_step_time_s"] == pytest.approx(reps.median.sum())
+    np.testing.assert_allclose(measured.requests["e2e_s"], reps.median.sum())     # all arrive at 0, finish last
     torch.set_num_threads(2)
     try:
         with pytest.raises(ValueError, match="1 torch thread"):
@@ -148,3 +168,61 @@ def test_padded_attention_profiles_price_every_decode_step_with_its_own_shape(pa
     flat = run_simulation(cfg, None, trace=trace)
     slow = run_simulation(stepped, None, trace=trace)
     assert slow.summary["makespan_s"] > flat.summary["makespan_s"]     # padding costs time
+
+
+def _scaled(run: Run, factor: float) -> Run:
+    return Run(run.name, run.requests, run.steps.assign(duration_s=run.steps["duration_s"] * factor), run.summary)
+
+
+def test_repeats_compare_with_the_median_step_time(pair):
+    cfg, trace, real, sim, d = pair
+    cost = CostModel("smollm2", "cpu-2core", "default")
+    runs = [_scaled(real, 0.9), real, _scaled(real, 1.25)]
+    reps = Repeats.of(runs, ["r1", "r2", "r3"])
+    np.testing.assert_array_equal(reps.median, real.steps["duration_s"].to_numpy())
+    np.testing.assert_allclose(reps.relative_spread(), 0.35)
+    rec = simulate_recorded(cfg, trace, reps.median)
+    single = compare(real, sim, cost, recorded=rec)
+    assert single.recorded["request_timings_identical"] and single.repeats is None
+    res = compare(real, sim, cost, recorded=rec, repeats=reps)
+    # the median is this replay's own step times: the recorded simulation fed them gives its metrics exactly
+    assert res.headline() == {**single.headline(), "repeats": 3}
+    pd.testing.assert_frame_equal(res.latency, single.latency)
+    assert res.repeats["spread_median"] == pytest.approx(0.35)
+    shifts = [r["shift_vs_median"] for r in res.repeats["singles"]]
+    assert shifts == pytest.approx([-0.1, 0.0, 0.25])
+    assert res.repeats["singles"][1]["step_mape"] == pytest.approx(res.headline()["step_mape"])
+    md, html = write_report(res, d / "report-repeats")
+    text = md.read_text()
+    assert "**median of 3 replays**" in text and "## Repeats (3 replays)" in text and "| `r3` |" in text
+    saved = pd.read_parquet(d / "report-repeats" / "repeat_steps.parquet")
+    np.testing.assert_array_equal(saved["duration_3_s"], runs[2].steps["duration_s"])
+    assert json.loads((d / "report-repeats" / "crosscheck.json").read_text())["repeats"]["n"] == 3
+    with pytest.raises(CrosscheckError, match="recorded simulation"):
+        compare(real, sim, cost, repeats=reps)
+
+
+def test_repeats_refuse_replays_that_schedule_differently(pair):
+    cfg, trace, real, _, _ = pair
+    slower = simulate_recorded(cfg, trace, real.steps["duration_s"].to_numpy() * 1.5)   # arrivals land elsewhere
+    with pytest.raises(CrosscheckError, match=r"runs/b: this repeat schedules differently from runs/a from step 0 "
+                                              r"on \(num_waiting: 16 vs 22\)"):
+        Repeats.of([real, slower], ["runs/a", "runs/b"])
+    bad = real.steps.copy()
+    bad.loc[5:, "batch_size"] += 1
+    with pytest.raises(CrosscheckError, match="from step 5 on .batch_size"):
+        Repeats.of([real, Run("x", real.requests, bad, real.summary)], ["runs/a", "runs/b"])
+    timings = real.requests.assign(ttft_s=real.requests["ttft_s"] * 1.01)
+    assert same_request_timings(real.requests, real.requests) and not same_request_timings(real.requests, timings)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeats", "3", "--real", "a", "--real", "b"], "give one --real per repeat"),
+    (["--repeats", "2", "--no-recorded"], "--repeats needs recorded mode"),
+])
+def test_crosscheck_repeats_options_are_checked(args, message, tmp_path):
+    from typer.testing import CliRunner
+    from sim.cli import app
+    res = CliRunner().invoke(app, ["crosscheck", "--trace", "azure-conv-2023", "--profile", "cpu-smollm2",
+                                   "--num-gpu-blocks", "100", "--out", str(tmp_path), *args])
+    assert res.exit_code == 2 and message in res.output
