@@ -51,29 +51,72 @@ def load_step_logs(paths: list[str | Path], *, recompute_shapes: bool = True) ->
 
     A replay directory whose step log lacks `kv_tokens_padded` (the engine does not log it) gets it
     recomputed by simulating the replay in recorded mode (`crosscheck.replay_shape_columns`), unless
-    `recompute_shapes` is False; a bare steps.parquet then prices it as kv_tokens_read."""
+    `recompute_shapes` is False; a bare steps.parquet then prices it as kv_tokens_read.
+
+    An entry `DIR1,DIR2,...` names repeated replays of one workload: their step logs must schedule the
+    same batches with the same memory state (checked step by step), and each step's `duration_s` is the
+    median over them (`repeats` and `duration_spread` columns: N and (slowest - fastest) / median)."""
     if not paths:
         raise CalibrationError("no step logs given")
     frames = []
     for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            path = path / "steps.parquet"
-        if not path.is_file():
-            raise CalibrationError(f"{p}: no such step log (expected a steps.parquet file or a run directory)")
-        try:
-            df = pd.read_parquet(path)
-        except Exception as exc:   # pyarrow raises several types for non-Parquet input
-            raise CalibrationError(f"{path}: not a readable Parquet step log ({exc})") from None
-        check_step_columns(df, str(path))
-        if recompute_shapes and not set(SHAPE_COLUMNS) <= set(df.columns) and (path.parent / "config.yaml").is_file():
-            from .crosscheck import CrosscheckError, replay_shape_columns, with_shape_columns
-            try:
-                df = with_shape_columns(df, replay_shape_columns(path.parent), str(path))
-            except CrosscheckError as exc:
-                raise CalibrationError(str(exc)) from None
-        frames.append(df.assign(source=str(path)))
+        group = [q for q in str(p).split(",") if q]
+        if len(group) > 1:
+            frames.append(_median_of_repeats(group, recompute_shapes))
+        else:
+            frames.append(_load_one(p, recompute_shapes))
     return pd.concat(frames, ignore_index=True)
+
+
+def _step_log_path(p: str | Path) -> Path:
+    path = Path(p)
+    if path.is_dir():
+        path = path / "steps.parquet"
+    if not path.is_file():
+        raise CalibrationError(f"{p}: no such step log (expected a steps.parquet file or a run directory)")
+    return path
+
+
+def _read_step_log(path: Path) -> pd.DataFrame:
+    try:
+        df = pd.read_parquet(path)
+    except Exception as exc:   # pyarrow raises several types for non-Parquet input
+        raise CalibrationError(f"{path}: not a readable Parquet step log ({exc})") from None
+    check_step_columns(df, str(path))
+    return df
+
+
+def _with_shapes(df: pd.DataFrame, path: Path, recompute_shapes: bool) -> pd.DataFrame:
+    if recompute_shapes and not set(SHAPE_COLUMNS) <= set(df.columns) and (path.parent / "config.yaml").is_file():
+        from .crosscheck import CrosscheckError, replay_shape_columns, with_shape_columns
+        try:
+            df = with_shape_columns(df, replay_shape_columns(path.parent), str(path))
+        except CrosscheckError as exc:
+            raise CalibrationError(str(exc)) from None
+    return df
+
+
+def _load_one(p: str | Path, recompute_shapes: bool) -> pd.DataFrame:
+    path = _step_log_path(p)
+    return _with_shapes(_read_step_log(path), path, recompute_shapes).assign(source=str(path))
+
+
+def _median_of_repeats(group: list[str], recompute_shapes: bool) -> pd.DataFrame:
+    from .crosscheck import first_divergence
+    paths = [_step_log_path(q) for q in group]
+    logs = [_read_step_log(path) for path in paths]
+    for path, df in zip(paths[1:], logs[1:]):
+        same = first_divergence(logs[0], df)
+        if not same["identical"]:
+            f = same["first_divergence"]
+            raise CalibrationError(f"{path}: not a repeat of {paths[0]}: it schedules differently from step "
+                                   f"{f['step']} on ({f['column']}: {f['real']} vs {f['sim']})")
+    durations = np.stack([df["duration_s"].to_numpy(dtype=np.float64) for df in logs])
+    median = np.median(durations, axis=0)
+    first = _with_shapes(logs[0], paths[0], recompute_shapes)
+    return first.assign(duration_s=median, repeats=len(logs),
+                        duration_spread=(durations.max(axis=0) - durations.min(axis=0)) / median,
+                        source=",".join(str(q) for q in paths))
 
 
 def check_step_columns(df: pd.DataFrame, where: str) -> None:

@@ -20,7 +20,9 @@ def _fail(message: str) -> None:
 
 
 def calibrate(
-    step_logs: list[Path] = typer.Argument(None, help="replay step logs (steps.parquet files or run directories)"),
+    step_logs: list[str] = typer.Argument(None, help="replay step logs (steps.parquet files or run directories); "
+                                                    "DIR1,DIR2,... = repeats of one replay, fitted on each step's "
+                                                    "median time"),
     out: Path = typer.Option(..., "--out", "-o", help="output file: hardware profile YAML (or importance YAML "
                                                        "with --attention)"),
     model: str = typer.Option("smollm2-135m", help="catalog model the step logs were measured on"),
@@ -58,6 +60,10 @@ def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim,
                          trim=trim)
     meta = profile_meta(report, model=model, gpu=gpu, sources=[str(p) for p in step_logs], command=command)
     report.profile.model_copy(update={"meta": meta}).to_yaml(out)
+    if "repeats" in steps.columns:
+        rep = steps["repeats"].notna()
+        console.print(f"{int(rep.sum())} steps are medians of repeated replays; (slowest - fastest) / median per "
+                      f"step: median {steps.loc[rep, 'duration_spread'].median():.1%}")
     console.print(report.table())
     console.print(f"fitted: {', '.join(report.fitted)}")
     if report.not_fitted:

@@ -172,3 +172,37 @@ def test_bad_attention_stats_fail_clearly(tmp_path):
         load_attention_stats(tmp_path)
     res = CliRunner().invoke(app, ["calibrate", "--attention", str(tmp_path), "--out", str(tmp_path / "i.yaml")])
     assert res.exit_code == 2 and "sink_share" in res.output
+
+
+def test_repeated_replays_are_fitted_on_each_steps_median(tmp_path):
+    """Three repeats of one workload, each step off by up to 30% in two of them: the median is exact."""
+    steps = synthetic_steps(n=500)
+    rng = np.random.default_rng(7)
+    factors = rng.permuted(np.stack([np.ones(len(steps)), 1 + rng.uniform(0, 0.3, len(steps)),
+                                     1 - rng.uniform(0, 0.3, len(steps))], axis=1), axis=1)
+    dirs = []
+    for i in range(3):
+        d = tmp_path / f"rep{i}"
+        d.mkdir()
+        steps.assign(duration_s=steps["duration_s"] * factors[:, i]).to_parquet(d / "steps.parquet")
+        dirs.append(str(d))
+    merged = load_step_logs([",".join(dirs)])
+    np.testing.assert_allclose(merged["duration_s"], steps["duration_s"], rtol=1e-12)
+    assert (merged["repeats"] == 3).all() and merged["source"].iloc[0] == ",".join(f"{d}/steps.parquet" for d in dirs)
+    np.testing.assert_allclose(merged["duration_spread"], factors.max(axis=1) - factors.min(axis=1), rtol=1e-9)
+    out = tmp_path / "fitted.yaml"
+    res = CliRunner().invoke(app, ["calibrate", ",".join(dirs), "--out", str(out), "--model", "smollm2",
+                                   "--gpu", "cpu-2core", "--base-profile", "cpu-2core", "--trim", "0"])
+    assert res.exit_code == 0, res.output
+    assert "500 steps are medians of repeated replays" in res.output
+    prof = load_profile(out)
+    for name in FITTED:
+        assert getattr(prof, name) == pytest.approx(TRUE[name], rel=0.02), name
+    single = fit_profile(load_step_logs([dirs[1]]), "smollm2", "cpu-2core", base_profile="cpu-2core")
+    assert single.errors["all"]["mape"] > 0.05             # one noisy repeat alone fits far worse
+    bad = steps.copy()
+    bad.loc[7:, "batch_size"] += 1
+    bad.to_parquet(tmp_path / "rep0" / "steps.parquet")
+    with pytest.raises(CalibrationError, match=r"rep1/steps.parquet: not a repeat of .*rep0/steps.parquet: it "
+                                               r"schedules differently from step 7 on \(batch_size"):
+        load_step_logs([",".join(dirs)])
