@@ -93,6 +93,8 @@ class KVConfig(_Strict):
     trigger_threshold: int = Field(0, ge=0, description="threshold: tokens added between compressions")
     importance: str = Field("smollm2-135m", description="synthetic importance model (sim/data/importance) or YAML")
     mode: Literal["token", "fast"] = Field("token", description="token-level state or block-occupancy fast mode")
+    fast_rows: int = Field(8, gt=0, description="fast mode: (layer, KV head) rows simulated, each standing for "
+                                                "layers x KV heads / fast_rows rows (rounded down to a divisor)")
     high_tier: str = "K8V4"
     low_tier: str = "K4V2"
 

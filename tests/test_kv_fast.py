@@ -70,3 +70,25 @@ def test_fast_mode_refuses_policies_without_a_profile():
     pol.fast_mode_profile = lambda: None
     with pytest.raises(PolicyError, match="no fast-mode profile; use kv.mode=token"):
         FastKVManager(100, 16, ctx, pol)
+
+
+def test_noop_fast_mode_equals_token_level_step_by_step(token_level):
+    # noop never frees or moves a page: counts decide every metric, so fast mode is exact (no draws)
+    tok_summary, tok_steps = run({**H2O, "slot_strategy": "noop"}, **KW)[:2]
+    fast_summary, fast_steps = run({**H2O, "slot_strategy": "noop", "mode": "fast"}, **KW, check=True)[:2]
+    for col in ("blocks_used", "live_slots", "allocated_slots", "fragmentation", "evicted_tokens",
+                "block_table_entries", "duration_s"):
+        assert np.array_equal(fast_steps[col].to_numpy(), tok_steps[col].to_numpy()), col
+    assert fast_summary["throughput_output_tok_s"] == tok_summary["throughput_output_tok_s"]
+
+
+@pytest.mark.parametrize("strategy", ["free_block", "compact"])
+def test_fast_rows_sampling_keeps_the_metrics(strategy):
+    # kv.fast_rows simulates a divisor of layers x KV heads: rows behave alike, so 2 rows and all 90
+    # (SmolLM2: 30 layers x 3 KV heads) give the same fragmentation and throughput
+    cfg = {**H2O, "slot_strategy": strategy, "mode": "fast"}
+    few, _, _, kv_few = run({**cfg, "fast_rows": 2}, **KW, check=True)
+    full, _, _, kv_full = run({**cfg, "fast_rows": 90}, **KW, check=True)
+    assert (kv_few.rows, kv_full.rows) == (2, 90)
+    for metric in ("fragmentation_mean", "kv_util_mean", "throughput_output_tok_s"):
+        assert rel(few[metric], full[metric]) < 0.05, (metric, few[metric], full[metric])

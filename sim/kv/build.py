@@ -52,7 +52,8 @@ def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int):
     if kv.mode == "fast":
         from .fast import FastKVManager
         manager = FastKVManager(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
-                                bytes_per_token_row=bytes_per_row, seed=seed)
+                                bytes_per_token_row=bytes_per_row, seed=seed,
+                                sample_rows=kv.fast_rows)
     else:
         from .manager import EvictingKVManager
         try:

@@ -28,7 +28,9 @@ strategies fill the first page with a hole; compaction moves the last page's tok
 sparse copy rewrites the holed page and the tail). Rows in an unusual state (several holed pages
 right after the prompt cut, several pages to compact) take an exact count-based path over their
 page columns. Rows behave alike in this model, so only `sample_rows` of them (a divisor of
-layers x KV heads, default 32) are simulated, each standing for the same number of pool pages. Draws
+layers x KV heads, `kv.fast_rows`, default 8) are simulated, each standing for the same number of pool
+pages. `noop` never frees or moves a page, so where evictions fall changes no metric: it tracks
+counts only (live tokens, pages, the tail's fill) in one row standing for all, with no draws. Draws
 come from one numpy Generator seeded by the run's seed: same inputs, same results. Validated against token-level mode in tests/test_kv_fast.py.
 """
 from __future__ import annotations
@@ -93,6 +95,9 @@ class FastKVManager(EvictingManagerBase):
         self.ctx, self.policy = ctx, policy
         # rows (layer, KV head) are alike in fast mode: simulate a divisor of them, each standing for `unit`
         self.real_rows = ctx.rows
+        self.tracks_columns = slot_strategy != "noop"      # noop: counts decide every metric, rows are identical
+        if not self.tracks_columns:
+            sample_rows = 1
         self.rows = max(d for d in range(1, ctx.rows + 1) if ctx.rows % d == 0 and d <= max(sample_rows, 1)) \
             if sample_rows > 0 else ctx.rows
         self.unit = ctx.rows // self.rows
@@ -202,7 +207,9 @@ class FastKVManager(EvictingManagerBase):
 
     def block_table_entries(self, req) -> int:
         s = self.slot_of.get(req)
-        return self._pages_l[s] * self.unit if s is not None else 0
+        if s is None:
+            return 0
+        return (self._pages_l[s] + self._pending.get(s, 0)) * self.unit   # pages this step's token opens count
 
     def slot_stats(self) -> tuple[int, int]:
         return self._live_total * self.unit, self._pages_total * self.block_size * self.unit
@@ -390,7 +397,7 @@ class FastKVManager(EvictingManagerBase):
         W = min(self.window, L)
         cols = -(-L // bs)
         pos_page = np.arange(L) // bs
-        if self.window:
+        if self.window and self.tracks_columns:
             wpos = np.arange(L - W, L)
             self.ring[s][:, wpos % self.window] = (wpos // bs)[None, :]
             self.win[s, :, :cols] = np.bincount(wpos // bs, minlength=cols)[None, :]
@@ -400,14 +407,19 @@ class FastKVManager(EvictingManagerBase):
             protect = min(self.sink, cand, keep)
             per_page = np.bincount(pos_page[protect:cand], minlength=cols)
             k = keep - protect
-            if self.age_weight == "oldest":
+            if not self.tracks_columns:
+                self.live[s] = self.budget
+                self.plan.evicted_tokens += R * (cand - keep)
+                kept = None
+            elif self.age_weight == "oldest":
                 kept = np.bincount(pos_page[cand - k:cand], minlength=cols)[None, :].repeat(R, 0)
             else:
                 kept = self.rng.multivariate_hypergeometric(per_page, k, size=R, method="marginals")
-            evict = per_page[None, :] - kept
-            self.occ[s, :, :cols] -= evict.astype(np.int32)
-            self.live[s] = self.budget
-            self.plan.evicted_tokens += int(evict.sum())
+            if kept is not None:
+                evict = per_page[None, :] - kept
+                self.occ[s, :, :cols] -= evict.astype(np.int32)
+                self.live[s] = self.budget
+                self.plan.evicted_tokens += int(evict.sum())
         self.prefilled[s] = True
         self._prefilled_l[s] = True
         self._settle_generic(s, np.arange(R))
@@ -551,11 +563,13 @@ class FastKVManager(EvictingManagerBase):
             tw += 1
         qP = q * self.occ.shape[2]
         at = qP + col
-        self._occ_f[at] += 1
+        track = self.tracks_columns
+        if track:
+            self._occ_f[at] += 1
         live += 1
         # --- the window moves on: the token at pos - W leaves it
         ex, ec = False, col
-        if W:
+        if W and track:
             ring_at = (q2 * W + (pos % W)[:, None]).ravel()
             ec = self._ring_f[ring_at]
             if pos.min() >= W:
@@ -577,13 +591,14 @@ class FastKVManager(EvictingManagerBase):
             over = live > self.budget
             n_over = int(np.count_nonzero(over))
             if n_over:
-                ev = self._pick(q, over, ex, ec, hn)
-                ev_at = qP + ev
-                self._occ_f[ev_at] -= over
                 live -= over
                 self.plan.evicted_tokens += n_over
                 evicted = [R] * nS if n_over == over.size else over.reshape(nS, R).sum(axis=1).tolist()
-                rescan = self._after_evict(over, ev, ev_at, st)
+                if track:
+                    ev = self._pick(q, over, ex, ec, hn)
+                    ev_at = qP + ev
+                    self._occ_f[ev_at] -= over
+                    rescan = self._after_evict(over, ev, ev_at, st)
         self._rs_f[q] = st
         if rescan is not None and rescan.any():
             s_r, r_r = np.divmod(q[rescan], R)
@@ -672,7 +687,7 @@ class FastKVManager(EvictingManagerBase):
 
     def _rebuild_heavy(self, s: int, rows: np.ndarray) -> None:
         """The heavy list of some rows from their per-column non-window counts (column order = age order)."""
-        if self.budget is None or rows.size == 0:
+        if self.budget is None or rows.size == 0 or not self.tracks_columns:
             return
         cnt = (np.maximum(self.occ[s, rows] - self.win[s, rows], 0) * self.alive[s, rows]).astype(np.int64)
         cap = self.heavy.shape[2]
@@ -839,16 +854,18 @@ class FastKVManager(EvictingManagerBase):
         assert self.pool.num_used_blocks == held, f"pool ownership drifted: {self.pool.num_used_blocks} != {held}"
         assert set(self.slot_of) <= set(live_requests), "pages held by a request that is not live"
         occ, alive = self.occ[slots], self.alive[slots]
-        assert ((occ >= 0) & (occ <= self.block_size)).all(), "page occupancy out of range"
-        assert not (occ * ~alive).any(), "live tokens in a freed page"
         assert (self.pages[slots] == alive.sum(axis=2)).all(), "page count drifted"
-        assert (self.live[slots] == occ.sum(axis=2)).all(), "live count drifted"
-        assert ((self.win[slots] >= 0) & (self.win[slots] <= occ)).all(), "window count out of range"
         assert self._live_total == int(self.live[slots].sum()), "live slot total drifted"
         assert self._pages_total == int(self.pages[slots].sum()), "page total drifted"
         assert int(self.ncol.max()) <= self._ncol_hi, "column bound drifted"
         assert self._need_l == self.need_next.tolist() and self._prefilled_l == self.prefilled.tolist(), \
             "scheduler-facing mirrors drifted"
+        if not self.tracks_columns:
+            return
+        assert ((occ >= 0) & (occ <= self.block_size)).all(), "page occupancy out of range"
+        assert not (occ * ~alive).any(), "live tokens in a freed page"
+        assert (self.live[slots] == occ.sum(axis=2)).all(), "live count drifted"
+        assert ((self.win[slots] >= 0) & (self.win[slots] <= occ)).all(), "window count out of range"
         if self.budget is not None:                 # heavy list = the columns of the live non-window tokens
             pf = slots[self.prefilled[slots]]
             P, Hc = self.occ.shape[2], self.heavy.shape[2]
