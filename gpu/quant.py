@@ -11,32 +11,9 @@ token goes to are decided by the engine core (its LeanKV policy), not here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-META_BYTES = 8  # fp16 scale + zero for K and for V
-
-
-@dataclass(frozen=True)
-class PrecisionTier:
-    name: str
-    key_bits: int
-    value_bits: int
-
-    def __post_init__(self) -> None:
-        for bits in (self.key_bits, self.value_bits):
-            if bits not in (2, 4, 8):
-                raise ValueError(f"tier {self.name}: bits must be 2, 4 or 8, got {bits}")
-
-    def bytes_per_token(self, head_dim: int) -> int:
-        return head_dim * (self.key_bits + self.value_bits) // 8 + META_BYTES
-
-    def tokens_per_page(self, page_bytes: int, head_dim: int) -> int:
-        return page_bytes // self.bytes_per_token(head_dim)
-
-
-TIERS = {"K8V4": PrecisionTier("K8V4", 8, 4), "K4V2": PrecisionTier("K4V2", 4, 2), "K8V8": PrecisionTier("K8V8", 8, 8)}
+from .tiers import META_BYTES, TIERS, PrecisionTier  # noqa: F401  (re-exported)
 
 
 def quantize(x: torch.Tensor, bits: int):

@@ -262,9 +262,7 @@ class FastKVManager(EvictingManagerBase):
     def _update_need(self, S: np.ndarray, need_rows: np.ndarray | None = None) -> None:
         need = (self._need_rows(S) if need_rows is None else need_rows).sum(axis=1)
         self.need_next[S] = need
-        need_l = self._need_l
-        for s, k in zip(S.tolist(), need.tolist()):
-            need_l[s] = k
+        self._need_l = self.need_next.tolist()
 
     def _dirty(self, s) -> np.ndarray:
         """sparse_copy: bool [rows, cols] pages to rewrite (holed pages, plus the tail of a holed row)."""
@@ -582,8 +580,7 @@ class FastKVManager(EvictingManagerBase):
             self._ring_f[ring_at] = col
         self.ntok[S] += 1
         if self.strategy in _REUSE:
-            st = self._after_fill(q, st, at, col)
-            tail, tw, ncol, pages, live, hole, hn = (st[:, f] for f in (TAIL, TAILW, NCOL, PAGES, LIVE, HOLE, HN))
+            self._after_fill(q, st, at, col)
         # --- evict
         evicted = None
         rescan = None
@@ -599,63 +596,47 @@ class FastKVManager(EvictingManagerBase):
                     ev_at = qP + ev
                     self._occ_f[ev_at] -= over
                     rescan = self._after_evict(over, ev, ev_at, st)
+                    if rescan is not None:
+                        rescan &= pages * bs > live
+                        if rescan.any():
+                            hole[rescan] = self._first_free(q[rescan], ev[rescan] + 1, ncol[rescan])
         self._rs_f[q] = st
-        if rescan is not None and rescan.any():
-            s_r, r_r = np.divmod(q[rescan], R)
-            self._rescan_pairs(s_r, r_r, ev[rescan] + 1)
         if self.strategy in _COMPACT:
             self._compact_step(S, q, col)
-        if self.strategy in _REUSE or self.strategy == "sparse_copy":
+        if self.strategy in _COMPACT or self.strategy == "sparse_copy":
             self._update_need(S)
             self._restat(S)
-        else:
+            return [0] * nS if evicted is None else evicted
+        if self.append:
             need = tw >= bs
             need |= ncol == 0
-            self._update_need(S, need.reshape(nS, R))
-            self._restat(S, live.reshape(nS, R), pages.reshape(nS, R))
+        else:
+            need = pages * bs <= live
+        self._update_need(S, need.reshape(nS, R))
+        self._restat(S, live.reshape(nS, R), pages.reshape(nS, R))
         return [0] * nS if evicted is None else evicted
 
     def _after_fill(self, q, st, at, col) -> np.ndarray:
-        """Reuse strategies: a filled page moves the first-hole pointer on. Returns `st` (re-gathered
-        when some pointers had to be searched for)."""
+        """Reuse strategies: a filled page moves the first-hole pointer (in `st`) on."""
         full = self._occ_f[at] >= self.block_size
         if not full.any():
             return st
         room = st[:, PAGES] * self.block_size - st[:, LIVE]
         st[:, HOLE][full & (room == 0)] = -1
         search = full & (room > 0)
-        if not search.any():
-            return st
-        self._rs_f[q] = st
-        s, r = np.divmod(q[search], self.rows)
-        self._rescan_pairs(s, r, col[search] + 1)
-        return self._rs_f[q]
+        if search.any():
+            st[search, HOLE] = self._first_free(q[search], col[search] + 1, st[search, NCOL])
+        return st
 
-    def _rescan_pairs(self, s: np.ndarray, r: np.ndarray, start: np.ndarray | None = None) -> None:
-        """First column with a free slot for rows (s[i], r[i]); tries column start[i] first."""
-        if s.size == 0:
-            return
-        bs = self.block_size
-        room = self.pages[s, r] * bs - self.live[s, r] > 0
-        self.hole_col[s[~room], r[~room]] = -1
-        s, r = s[room], r[room]
-        if start is not None:
-            start = start[room]
-        if s.size == 0:
-            return
-        if start is not None:                    # the next hole is usually a few columns on
-            P = self.occ.shape[2]
-            c = start[:, None] + np.arange(8)[None, :]
-            cc = np.minimum(c, P - 1)
-            free = self.alive[s[:, None], r[:, None], cc] & (self.occ[s[:, None], r[:, None], cc] < bs) & (c < P)
-            hit = free.any(axis=1)
-            self.hole_col[s[hit], r[hit]] = cc[hit, np.argmax(free[hit], axis=1)]
-            s, r = s[~hit], r[~hit]
-            if s.size == 0:
-                return
-        w = int(self.ncol[s, r].max())
-        free = self.alive[s, r, :w] & (self.occ[s, r, :w] < bs)
-        self.hole_col[s, r] = np.where(free.any(axis=1), np.argmax(free, axis=1), -1)
+    def _first_free(self, q: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        """First column with a free slot of each flat row q in [start, stop), -1 if none. Callers pass
+        their old first-free pointer + 1 as start: every column before it is full."""
+        if q.size == 0:
+            return start
+        bs, P = self.block_size, self.occ.shape[2]
+        lo, hi = int(start.min()), int(stop.max())
+        free = self.alive.reshape(-1, P)[q, lo:hi] & (self.occ.reshape(-1, P)[q, lo:hi] < bs)
+        return np.where(free.any(axis=1), lo + np.argmax(free, axis=1), -1)
 
     def _pick(self, q, over, ex, ec, hn) -> np.ndarray:
         """Column of the token each over-budget row evicts (flat over the step's rows; `hn` is updated
@@ -767,8 +748,10 @@ class FastKVManager(EvictingManagerBase):
             self.plan.bytes_moved += int(round(n * self.bytes_per_token_row))
             self._rs_f[q] = st
             full = occ_f[h] >= bs
-            sf, rf = np.divmod(r2[full], R)
-            self._rescan_pairs(sf, rf, hc[simple][full] + 1)
+            if full.any():
+                rs, qf = self._rs_f, r2[full]
+                room = rs[qf, PAGES] * bs > rs[qf, LIVE]
+                rs[qf, HOLE] = np.where(room, self._first_free(qf, hc[simple][full] + 1, rs[qf, NCOL]), -1)
         hard = ((extra > 0) & ~simple).reshape(S.size, R)
         for i in np.flatnonzero(hard.any(axis=1)):
             rows = np.flatnonzero(hard[i])
