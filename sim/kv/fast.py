@@ -245,12 +245,13 @@ class FastKVManager(EvictingManagerBase):
         need = ((self.tail_w[S] >= bs) | (self.ncol[S] == 0)).astype(np.int64)
         if self.strategy != "sparse_copy":
             return need
-        Sx, rr = S[:, None], np.arange(self.rows)[None, :]
+        qP = (S[:, None] * self.rows + self._row_ids) * self.occ.shape[2]
+        holed = self.holed[S]
         typical = self._typical_copy(S)
-        moved = self.occ[Sx, rr, np.maximum(self.holed[S], 0)] + self.occ[Sx, rr, self.tail[S]]
+        moved = self._occ_f[qP + np.maximum(holed, 0)] + self._occ_f[qP + self.tail[S]]
         dst = -(-moved // bs)
         need = np.where(typical, dst + (dst * bs - moved < 1), need)
-        for i in np.flatnonzero(((self.holed[S] != -1) & ~typical).any(axis=1)):
+        for i in np.flatnonzero(((holed != -1) & ~typical).any(axis=1)):
             s = int(S[i])
             rows = (self.holed[s] != -1) & ~typical[i]
             dirty = self._dirty(s)
@@ -764,8 +765,14 @@ class FastKVManager(EvictingManagerBase):
         typical = self._typical_copy(S)
         si, ri = np.nonzero(typical)
         if si.size:
-            s, hc, t = S[si], self.holed[S][si, ri], self.tail[S][si, ri]
-            oh, ot = self.occ[s, ri, hc], self.occ[s, ri, t]
+            # flat row ids and page ids (row q = slot * rows + row, page = q * cols + column)
+            P, rs = self.occ.shape[2], self._rs_f
+            s = S[si]
+            q = s * self.rows + ri
+            hc, t = rs[q, HOLED], rs[q, TAIL]
+            ph, pt = q * P + hc, q * P + t
+            occ_f, win_f = self._occ_f, self._win_f
+            oh, ot = occ_f[ph], occ_f[pt]
             moved = oh + ot
             dst = -(-moved // bs)
             p0 = self.ntok[s] - ot                          # the tail holds the newest ot tokens
@@ -774,22 +781,25 @@ class FastKVManager(EvictingManagerBase):
             e = np.repeat(np.arange(kk.size), kk)          # one entry per moved tail token (window slots differ)
             if e.size:
                 j = np.arange(e.size) - np.repeat(np.cumsum(kk) - kk, kk)
-                self.ring[s[e], ri[e], (p0[e] + j) % W] = hc[e]
-            wk = np.minimum(k, self.win[s, ri, t])
-            self.win[s, ri, hc] += wk
-            self.win[s, ri, t] -= wk
-            self.occ[s, ri, hc] = np.minimum(moved, bs)
-            self.occ[s, ri, t] = moved - np.minimum(moved, bs)
+                self._ring_f[q[e] * W + (p0[e] + j) % W] = hc[e]
+            wk = np.minimum(k, win_f[pt])
+            win_f[ph] += wk
+            win_f[pt] -= wk
+            kept = np.minimum(moved, bs)
+            occ_f[ph] = kept
+            occ_f[pt] = moved - kept
             one = dst == 1
-            self.alive[s[one], ri[one], t[one]] = False
-            top = one & (self.ncol[s, ri] == t + 1)
-            self.ncol[s[top], ri[top]] = t[top]
-            self.tail[s[one], ri[one]] = hc[one]
-            self.tail_w[s, ri] = np.where(one, moved, moved - bs)
-            self.pages[s, ri] += (dst - 2).astype(np.int32)
+            self._alive_f[pt[one]] = False
+            st = rs[q]
+            top = one & (st[:, NCOL] == t + 1)
+            st[top, NCOL] = t[top]
+            st[one, TAIL] = hc[one]
+            st[:, TAILW] = np.where(one, moved, moved - bs)
+            st[:, PAGES] += (dst - 2).astype(np.int32)
+            st[:, HOLED] = -1
+            rs[q] = st
             self.pool.give(2 * si.size)
             self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
-            self.holed[s, ri] = -1
         generic = (self.holed[S] != -1) & ~typical
         for i in np.flatnonzero(generic.any(axis=1)):
             self._densify(int(S[i]), np.flatnonzero(generic[i]))
