@@ -77,6 +77,8 @@ class CrosscheckResult:
     series: dict[str, pd.DataFrame] = field(default_factory=dict)   # memory over time per run
     repeats: dict | None = None                       # N > 1 replays: spread, single-replay figures
     repeat_steps: pd.DataFrame | None = None          # N > 1: every replay's duration per step, median, spread
+    total_time: dict = field(default_factory=dict)    # step time summed: measured, cost model on the replay's
+                                                      # batches, predicted simulation (its own batches)
 
     def headline(self) -> dict[str, float]:
         """The figures the acceptance bar is stated in."""
@@ -210,6 +212,9 @@ def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = N
         series=series,
         repeats=None if repeats is None or repeats.n == 1 else repeats.table(cost, steps, predicted),
         repeat_steps=None if repeats is None or repeats.n == 1 else repeats.durations_frame(),
+        total_time={"measured_s": float(times["measured_s"].sum()),
+                    "model_on_replay_batches_s": float(times["predicted_s"].sum()),
+                    "predicted_simulation_s": float(predicted.steps["duration_s"].sum())},
     )
 
 
@@ -514,6 +519,14 @@ def markdown_report(res: CrosscheckResult) -> str:
         if "request_timings_identical" in r:
             lines.append(f"- recorded mode reproduces the replay's request timings (TTFT/TPOT/E2E): "
                          f"**{'identical' if r['request_timings_identical'] else 'NOT identical'}**")
+    t = res.total_time
+    if t:
+        m = t["measured_s"]
+        lines.append(f"- total step time: measured {m:.2f} s; cost model on the replay's own batches "
+                     f"{t['model_on_replay_batches_s']:.2f} s ({_pct(_rel(t['model_on_replay_batches_s'], m))}); "
+                     f"predicted simulation {t['predicted_simulation_s']:.2f} s "
+                     f"({_pct(_rel(t['predicted_simulation_s'], m))}) — the difference between the last two is the "
+                     f"simulation running other batches (its own policy decisions, block use: see Memory)")
     rep = res.repeats
     if rep is None:
         lines.append("- measured side: **1 replay** (step times of a single run; `--repeats N` takes the "
@@ -621,7 +634,8 @@ def write_report(res: CrosscheckResult, out_dir: str | Path) -> tuple[Path, Path
     (out / "crosscheck.json").write_text(json.dumps({
         "headline": res.headline(), "step_errors": res.step_errors, "recorded": res.recorded,
         "latency": res.latency.to_dict("records"), "throughput": res.throughput.to_dict("records"),
-        "memory": res.memory.to_dict("records"), "context": res.context, "repeats": res.repeats},
+        "memory": res.memory.to_dict("records"), "context": res.context, "repeats": res.repeats,
+        "total_time": res.total_time},
         indent=2, default=str))
     res.step_times.to_parquet(out / "step_times.parquet", index=False)
     if res.repeat_steps is not None:

@@ -3,6 +3,7 @@ and a tiny calibrate + crosscheck against the real backend on CPU."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -66,9 +67,13 @@ def test_report_figures_and_files(pair):
     assert h["throughput_error"] == pytest.approx(abs(sim.summary["throughput_total_tok_s"]
                                                       / real.summary["throughput_total_tok_s"] - 1))
     assert h["throughput_error"] > 0.2 and thr.loc["throughput_req_s", "real"] > 0   # different profiles differ
+    t = res.total_time      # the same batches priced by the replay's own profile; the prediction ran its own
+    assert t["model_on_replay_batches_s"] == pytest.approx(t["measured_s"]) == pytest.approx(real.steps.duration_s.sum())
+    assert t["predicted_simulation_s"] == pytest.approx(sim.steps.duration_s.sum())
     md, html = write_report(res, d / "report")
     text = md.read_text()
     assert "per-step time MAPE" in text and "| ttft | p50 |" in text and "fragmentation_p99" in text
+    assert re.search(rf"cost model on the replay's own batches {t['measured_s']:.2f} s \([+-]0\.0%\)", text)
     page = html.read_text()
     assert page.count("plotly-graph-div") >= 4 and "predicted vs measured" in page
     saved = json.loads((d / "report" / "crosscheck.json").read_text())
