@@ -38,7 +38,7 @@ def test_fast_mode_throughput_agrees_and_fragmentation_is_close(token_level, str
     assert fast["evicted_token_rows"] == tok["evicted_token_rows"]
     # which blocks empty out depends on where heavy hitters sit: drawn, not computed, in fast mode
     for metric in ("fragmentation_mean", "kv_util_mean"):
-        assert rel(fast[metric], tok[metric]) < 0.15, (metric, fast[metric], tok[metric])
+        assert rel(fast[metric], tok[metric]) < 0.10, (metric, fast[metric], tok[metric])
     # and the ordering users compare strategies by holds
     assert fast["fragmentation_mean"] < run({**H2O, "slot_strategy": "noop", "mode": "fast"}, **KW)[0][
         "fragmentation_mean"]
