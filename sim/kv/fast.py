@@ -539,7 +539,7 @@ class FastKVManager(EvictingManagerBase):
         q = q2.ravel()
         pos = self.ntok[S]
         st = self._rs_f[q]
-        tail, tw, ncol, pages, live, hole, hn = (st[:, f] for f in (TAIL, TAILW, NCOL, PAGES, LIVE, HOLE, HN))
+        tail, tw, ncol, pages, live, hole, _, hn = st.T        # column views (field order of _ROW_FIELDS)
         # --- write the new token (into the tail page, the first hole, or a page opened from the reservation)
         if self.append:
             new = tw >= bs
@@ -689,7 +689,7 @@ class FastKVManager(EvictingManagerBase):
     def _after_evict(self, over, ev, ev_at, st) -> np.ndarray | None:
         """The slot strategy's answer to this step's evictions (column ev of each over-budget row),
         on the gathered row scalars `st`. Returns the rows whose first-hole pointer must be searched for."""
-        tail, tw, ncol, pages, hole = (st[:, f] for f in (TAIL, TAILW, NCOL, PAGES, HOLE))
+        tail, tw, ncol, pages, _, hole = st.T[:HOLED]
         empty = None
         if self.strategy in _FREES:
             empty = over & (self._occ_f[ev_at] == 0)
