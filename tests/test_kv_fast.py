@@ -92,3 +92,16 @@ def test_fast_rows_sampling_keeps_the_metrics(strategy):
     assert (kv_few.rows, kv_full.rows) == (2, 90)
     for metric in ("fragmentation_mean", "kv_util_mean", "throughput_output_tok_s"):
         assert rel(few[metric], full[metric]) < 0.05, (metric, few[metric], full[metric])
+
+
+def test_eviction_simulation_does_not_import_torch():
+    # the simulator's page accounting needs the LeanKV tier table, not the real backend's tensors
+    # (importing torch costs ~1.6 s per simulation on this machine)
+    import subprocess
+    import sys
+    code = ("import sys\nfrom sim.config import load_config\nfrom sim.simulate import run_simulation\n"
+            "cfg = load_config(None, {'trace': 'sharegpt', 'trace_options.max_requests': 5, 'model': 'smollm2-135m',"
+            " 'gpu': 'l4', 'kv.policy': 'leankv', 'kv.layout': 'per_head', 'kv.mode': 'token'})\n"
+            "run_simulation(cfg)\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
