@@ -8,6 +8,10 @@ Calibration workloads (all generated, none from the cross-check's trace):
   mixed prompt lengths (the CPU attention pads every sequence to the step's widest block table);
   batches stop at 8: at 16 tokens the CPU GEMMs switch to a faster kernel (decode steps of 16
   sequences ran 12-18% below a fit that covers 1-8), which a per-token linear term cannot follow;
+- `replay-staggered`, policy none: a first request, then requests that arrive while its prefill runs,
+  so they are prefilled together with its first decode (mixed prefill + decode steps, as any open
+  arrival process produces; the closed batches above never do). The arrivals fall well inside the
+  first prefill (>= 3 s long), so the schedule does not depend on the measured times;
 - `replay-h2o-b{128,256,512}`, h2o at budgets 128, 256 and 512 + slot_reuse: the policy's evictions
   leave holes in the blocks that attention still scans (how many depends on the budget), and its
   scoring runs every decode step.
@@ -68,6 +72,23 @@ def mixed_trace(groups, output_tokens: int, gap_s: float = 1e4, name: str = "cal
                               output_tokens=[output_tokens] * len(prompts), name=name)
 
 
+def staggered_trace(groups, output_tokens: int, delay_s: float = 1.5, gap_s: float = 1e4):
+    """Per group: its first prompt at the group's start, the others `delay_s` later (during the first
+    one's prefill: they join its first decode step)."""
+    from traces.trace import Trace
+    arrivals, prompts = [], []
+    for i, (first, later) in enumerate(groups):
+        arrivals += [i * gap_s] + [i * gap_s + delay_s] * len(later)
+        prompts += [first, *later]
+    return Trace.from_columns(arrival_time_s=arrivals, prompt_tokens=prompts,
+                              output_tokens=[output_tokens] * len(prompts), name="calibration-staggered")
+
+
+def parse_staggered(text: str) -> tuple[int, list[int]]:
+    first, _, later = text.partition(":")
+    return int(first), [int(p) for p in later.split(",") if p]
+
+
 def shifted(trace, offset_s: float):
     trace.df["arrival_time_s"] = trace.df["arrival_time_s"] + offset_s
     return trace
@@ -94,6 +115,9 @@ def main() -> None:
     ap.add_argument("--mixed", type=str, nargs="+", default=["64,768", "32,256,1024", "128,128,512,896",
                                                               "64,256,256,640,1024,48,96,384"],
                     help="batches of mixed prompt lengths (comma-separated), policy none")
+    ap.add_argument("--staggered", type=str, nargs="+", default=["512:64", "1024:200,300,900", "768:128,640",
+                                                                   "1024:96,512", "640:48,256,384,1024"],
+                    help="FIRST:LATER,... groups: LATER prompts arrive during FIRST's prefill, policy none")
     ap.add_argument("--h2o", type=str, nargs="+", default=["256", "768", "256,256,256,256", "160,512,768,1024",
                                                             "96,200,300,400,500,600,700,800"],
                     help="batches (comma-separated prompt lengths) replayed with h2o + slot_reuse")
@@ -130,7 +154,9 @@ def main() -> None:
     opts = ReplayOptions(device="cpu", clock=args.clock)
     h2o_batches = [[int(p) for p in g.split(",")] for g in args.h2o]
     runs = {"replay-sweep": (load_config(None, base),
-                             Trace.concat([sweep, mixed], how="overlay", name="calibration-sweep"))}
+                             Trace.concat([sweep, mixed], how="overlay", name="calibration-sweep")),
+            "replay-staggered": (load_config(None, base),
+                                 staggered_trace([parse_staggered(g) for g in args.staggered], args.output_tokens))}
     for budget in args.h2o_budgets:
         runs[f"replay-h2o-b{budget}"] = (
             load_config(None, {**base, "kv.policy": "h2o", "kv.budget": budget, "kv.slot_strategy": "slot_reuse"}),
