@@ -37,7 +37,8 @@ class EngineReplica:
     def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, executor: Executor,
                  step_log: StepLog, *, fast_forward: bool = True, check_invariants: bool = False,
                  next_arrival: Callable[[], float] = lambda: float("inf"),
-                 on_step: Callable[[int], None] | None = None, max_run_steps: int = 4096):
+                 on_step: Callable[[int], None] | None = None, max_run_steps: int = 4096,
+                 yield_every_step: bool = True):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -50,6 +51,10 @@ class EngineReplica:
         self.next_arrival = next_arrival
         self.on_step = on_step
         self.max_run_steps = max_run_steps
+        # False: simpy's clock is advanced only when an arrival is due before a step ends (only an
+        # arrival can act on a replica mid-run; results are identical, one event less per step), so
+        # one env.step() may run many engine steps
+        self.yield_every_step = yield_every_step
         self.now = 0.0              # authoritative clock (simpy time tracks it)
         self.num_steps = 0
         self._last_duration = 0.0
@@ -91,9 +96,7 @@ class EngineReplica:
             shape = result.shape or batch_shape(out, self.kv)     # before finishes free blocks
             self._last_duration = result.duration_s
             self.now = start + result.duration_s
-            # Only an arrival can act on this replica before the step ends (replicas share nothing
-            # else), so simpy's clock is advanced only when one is due; step results are the same.
-            if self.now >= self.next_arrival():
+            if self.yield_every_step or self.now >= self.next_arrival():
                 yield self._sleep_until(self.now)
             finished = self.scheduler.update(out, self.now)
             self._log_step(start, out, result, len(finished), shape)

@@ -108,7 +108,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
         replicas.append(EngineReplica(
             env, i, scheduler, executor, step_log,
             fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants,
-            next_arrival=lambda: arrivals_holder[0].next_arrival(),
+            next_arrival=lambda: arrivals_holder[0].next_arrival(), yield_every_step=False,
             on_step=(lambda n, r=replicas: _tick(bar, r)) if bar else None))
     arrivals_holder.append(ArrivalProcess(env, requests, Router(replicas, cfg.router)))
     # The engine allocates many small, long-lived objects (token times, step rows) and no reference

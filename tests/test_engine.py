@@ -52,6 +52,23 @@ def test_fast_forward_gives_identical_results_to_stepping(name):
     assert fast.summary["num_finished"] + fast.summary["num_rejected"] == len(fast.requests)
 
 
+@pytest.mark.parametrize("name", ["two-replicas", "memory-pressure", "fast-eviction-two-replicas"])
+def test_advancing_simpy_only_before_arrivals_gives_identical_results(name, monkeypatch):
+    # run_simulation lets a replica run steps without a simpy event until an arrival is due
+    from sim import engine, simulate
+    over = SCENARIOS.get(name) or {"trace": "sharegpt", "trace_options.max_requests": 60, "gpu": "l4",
+                                   "replicas": 2, "router": "least_outstanding", "kv.policy": "h2o",
+                                   "kv.budget": 128, "kv.layout": "per_head", "kv.mode": "fast"}
+    lazy = sim(over)
+
+    class EveryStep(engine.EngineReplica):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "yield_every_step": True})
+
+    monkeypatch.setattr(simulate, "EngineReplica", EveryStep)
+    assert_same_results(lazy, sim(over))
+
+
 @pytest.mark.parametrize("model,gpu,tp", [("llama-3.1-8b", "h100", 1), ("llama-3.1-70b", "a100-80gb", 4),
                                           ("qwen2.5-32b", "l4", 2), ("smollm2-135m", "cpu-2core", 1)])
 def test_decode_run_pricing_is_bit_identical_to_step_pricing(model, gpu, tp):

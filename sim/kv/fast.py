@@ -633,14 +633,16 @@ class FastKVManager(EvictingManagerBase):
         return st
 
     def _first_free(self, q: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
-        """First column with a free slot of each flat row q in [start, stop), -1 if none. Callers pass
-        their old first-free pointer + 1 as start: every column before it is full."""
+        """First column with a free slot of each flat row q in [start, stop). Callers pass rows with
+        room (a free slot exists) and their old first-free pointer + 1 as start: every column before
+        it is full, so the first free column is found in the range (check_invariants verifies the
+        pointers)."""
         if q.size == 0:
             return start
         bs, P = self.block_size, self.occ.shape[2]
         lo, hi = int(start.min()), int(stop.max())
         free = self.alive.reshape(-1, P)[q, lo:hi] & (self.occ.reshape(-1, P)[q, lo:hi] < bs)
-        return np.where(free.any(axis=1), lo + np.argmax(free, axis=1), -1)
+        return lo + np.argmax(free, axis=1)
 
     def _pick(self, q, over, ex, ec, hn) -> np.ndarray:
         """Column of the token each over-budget row evicts (flat over the step's rows; `hn` is updated
@@ -755,7 +757,9 @@ class FastKVManager(EvictingManagerBase):
             if full.any():
                 rs, qf = self._rs_f, r2[full]
                 room = rs[qf, PAGES] * bs > rs[qf, LIVE]
-                rs[qf, HOLE] = np.where(room, self._first_free(qf, hc[simple][full] + 1, rs[qf, NCOL]), -1)
+                rs[qf, HOLE] = -1
+                qr = qf[room]
+                rs[qr, HOLE] = self._first_free(qr, hc[simple][full][room] + 1, rs[qr, NCOL])
         hard = ((extra > 0) & ~simple).reshape(S.size, R)
         for i in np.flatnonzero(hard.any(axis=1)):
             rows = np.flatnonzero(hard[i])
@@ -858,6 +862,10 @@ class FastKVManager(EvictingManagerBase):
             "scheduler-facing mirrors drifted"
         if not self.tracks_columns:
             return
+        if self.strategy in _REUSE:                 # first-free pointers: the first column with a free slot
+            free = alive & (occ < self.block_size)
+            first = np.where(free.any(axis=2), np.argmax(free, axis=2), -1)
+            assert (self.hole_col[slots] == first).all(), "first-free pointer drifted"
         assert ((occ >= 0) & (occ <= self.block_size)).all(), "page occupancy out of range"
         assert not (occ * ~alive).any(), "live tokens in a freed page"
         assert (self.live[slots] == occ.sum(axis=2)).all(), "live count drifted"
