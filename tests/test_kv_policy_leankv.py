@@ -115,3 +115,34 @@ def test_heads_keep_what_their_sparsity_needs_on_the_synthetic_model():
 def test_bad_parameters(params, match):
     with pytest.raises(PolicyError, match=f"leankv.*{match}|{match}.*leankv"):
         get_policy("leankv", **params)
+
+
+@pytest.mark.parametrize("strategy", ["free_block", "slot_reuse", "sparse_copy", "compact"])
+def test_high_and_low_precision_pages_grow_from_opposite_ends_of_the_page_table(strategy):
+    # (check_invariants also pins a fixed bug: demoted tokens were counted against the append tail's
+    # free slots, so with append strategies a full low-precision tier got no new page)
+    import simpy
+    from sim.config import KVConfig
+    from sim.core.request import Request
+    from sim.core.scheduler import Scheduler, SchedulerConfig
+    from sim.cost_model import CostModel
+    from sim.engine import EngineReplica
+    from sim.kv.build import build_kv
+    from sim.metrics import StepLog
+    cost = CostModel("smollm2-135m", "l4")
+    kv, executor = build_kv(KVConfig(policy="leankv", layout="per_head", slot_strategy=strategy),
+                            cost.model, cost, 400, 16, 0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048), kv)
+    env = simpy.Environment()
+    rep = EngineReplica(env, 0, sched, executor, StepLog(None), check_invariants=True)
+    rep.submit(Request(0, 0.0, 400, 60))
+    while rep.num_steps < 40:
+        env.step()
+    rk = next(iter(kv.req_kv.values()))
+    high = (rk.table >= 0) & (rk.page_tier == TIER_HIGH)
+    low = (rk.table >= 0) & (rk.page_tier == TIER_LOW)
+    assert high.any() and low.any()
+    entries = np.arange(rk.num_entries)
+    last_high = np.where(high, entries, -1).max(axis=1)
+    first_low = np.where(low, entries, rk.num_entries).min(axis=1)
+    assert (last_high < first_low).all()                 # high pages from the front, low from the back

@@ -40,7 +40,7 @@ from .base import EvictingManagerBase
 from .importance import ImportanceSource
 from .policy import Decision, EvictionPolicy, PolicyContext
 from .pool import ArrayBlockPool
-from .state import TIER_FULL, TokenState
+from .state import TIER_FULL, TIER_LOW, TokenState
 
 SLOT_STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "compact", "parallel_compact")
 TRIGGERS = ("policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure", "pressure",
@@ -262,14 +262,16 @@ class EvictingKVManager(EvictingManagerBase):
         return True
 
     def _add_pages(self, rk: RequestKV, need: np.ndarray, tier: int) -> np.ndarray:
-        """Allocate need[r] pages for each row into free table entries; returns bool [rows, E] of new entries."""
+        """Allocate need[r] pages for each row into free table entries; returns bool [rows, E] of new
+        entries. Low-precision pages (LeanKV) take the highest free entries, all others the lowest: a
+        request-head's high- and low-precision pages grow from opposite ends of its page table."""
         total = int(need.sum())
         if total == 0:
             return np.zeros(rk.table.shape, dtype=bool)
         free_entries = (rk.table < 0).sum(axis=1)
         rk.grow(rk.num_entries + int(np.maximum(need - free_entries, 0).max()))
         empty = rk.table < 0
-        rank = np.cumsum(empty, axis=1)
+        rank = np.cumsum(empty[:, ::-1], axis=1)[:, ::-1] if tier == TIER_LOW else np.cumsum(empty, axis=1)
         chosen = empty & (rank <= need[:, None])
         ids = self.pool.get_new_blocks(total)
         rk.table[chosen] = ids
@@ -520,15 +522,17 @@ class EvictingKVManager(EvictingManagerBase):
             m = change & (new_tier == tier)
             n = m.sum(axis=1)
             src_r, src_s = np.nonzero(m)
-            # hold the tokens' fields, empty their slots, then place them in pages of the new tier
+            # hold the tokens' fields, empty their slots, then place them in pages of the new tier;
+            # tier pages are filled hole-first (slot_reuse), whatever the strategy of new tokens' pages
+            strategy, self.strategy = self.strategy, "slot_reuse"
             free_cnt = self._free_slots(rk, int(tier)).sum(axis=1)
             cap = int(self.tier_capacity[tier])
             need = -(-np.maximum(n - free_cnt, 0) // cap)
             if need.sum() > self.pool.num_free_blocks:
+                self.strategy = strategy
                 continue                                   # no room: tokens keep their tier
             self._add_pages(rk, need, int(tier))
             saved_tail = (rk.tail.copy(), rk.tail_off.copy())
-            strategy, self.strategy = self.strategy, "slot_reuse"   # tier pages are filled hole-first
             slots = self._place(rk, n, int(tier))
             self.strategy = strategy
             rk.tail, rk.tail_off = saved_tail
