@@ -11,6 +11,7 @@ from gpu.quant import TIERS
 from gpu.replay import run_replay
 from sim.config import load_config
 from sim.kv.state import TIER_HIGH, TIER_LOW
+from test_gpu_replay import masked_last_query
 from traces.trace import Trace
 
 BASE = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core", "engine.block_size": 4,
@@ -208,25 +209,6 @@ def test_leankv_replays_with_real_tiers_and_the_cache_follows_the_manager(small,
     assert seen["page_bytes_per_logical"] < fp16              # pages held per logical token
 
 
-def masked_last_query(model, ids, keep):
-    """Logits of the last token when, in layer l, KV head h, it attends only to positions keep[l][h]."""
-    c = model.config
-    n = len(ids)
-    group = c.heads // c.kv_heads
-    h = model.w["embed"][torch.tensor(ids)]
-    with torch.inference_mode():
-        for i in range(c.layers):
-            q, k, v = model._qkv(i, h, torch.arange(n))
-            qh = q.float().transpose(0, 1)
-            kh = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
-            vh = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-            mask = torch.ones(n, n, dtype=torch.bool).tril().expand(c.heads, n, n).clone()
-            mask[:, -1, :] = torch.from_numpy(keep[i]).repeat_interleave(group, 0)
-            p = torch.softmax(((qh @ kh.transpose(1, 2)) * model.scale).masked_fill(~mask, float("-inf")), dim=-1)
-            h = model._finish_layer(i, h, (p @ vh).transpose(0, 1).to(h.dtype))
-        return model._logits(h[-1:])[0]
-
-
 @pytest.mark.parametrize("layout", ["shared", "per_head"])
 @pytest.mark.parametrize("page_size", [4, 1])          # 1: TokenSelect's per-token selection
 def test_quest_decodes_over_exactly_the_selected_tokens(small, layout, page_size):
@@ -247,7 +229,7 @@ def test_quest_decodes_over_exactly_the_selected_tokens(small, layout, page_size
             counts = keep[1].sum(axis=1)
             assert (counts <= budget + page_size).all() and (counts < len(toks)).all()
             assert keep[1][:, -1].all()                                       # the current token's page
-            torch.testing.assert_close(logits, masked_last_query(small, toks, keep), atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(logits, masked_last_query(small, toks, keep)[0], atol=2e-4, rtol=1e-4)
             checked.append(rid)
 
     cfg = config(**{"engine.num_gpu_blocks": 64 if layout == "shared" else 384, "kv.layout": layout,
