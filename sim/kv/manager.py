@@ -189,11 +189,12 @@ class EvictingKVManager(EvictingManagerBase):
         cap = np.where(rk.table >= 0, self.tier_capacity[rk.page_tier], 0)
         return (np.arange(self.stride)[None, None, :] < cap[:, :, None]).reshape(self.rows, -1)
 
-    def _free_slots(self, rk: RequestKV, tier: int) -> np.ndarray:
-        """bool [rows, S]: slots new tokens of `tier` may take without a new page."""
+    def _free_slots(self, rk: RequestKV, tier: int, hole_first: bool | None = None) -> np.ndarray:
+        """bool [rows, S]: slots new tokens of `tier` may take without a new page: any empty slot of a
+        page of that tier when filling hole-first (default: the reuse strategies), else the append tail's."""
         if rk.num_entries == 0:
             return np.zeros((self.rows, 0), dtype=bool)
-        if self.strategy in _REUSE:
+        if self.strategy in _REUSE if hole_first is None else hole_first:
             tier_ok = np.repeat(rk.page_tier == tier, self.stride, axis=1)
             return self._valid(rk) & ~rk.state.live & tier_ok
         out = np.zeros((self.rows, rk.num_entries, self.stride), dtype=bool)
@@ -279,11 +280,14 @@ class EvictingKVManager(EvictingManagerBase):
         self.plan.allocated_blocks.append(ids)
         return chosen
 
-    def _place(self, rk: RequestKV, n: np.ndarray, tier: int) -> np.ndarray:
-        """Pick n[r] free slots per row in fill order (tail page first, then by slot); returns [rows, max n]
-        (rows with fewer tokens repeat their last slot; callers pass equal n or mask)."""
-        free = self._free_slots(rk, tier)
-        if self.strategy not in _REUSE:   # append-only: tail page, then the freshly added pages
+    def _place(self, rk: RequestKV, n: np.ndarray, tier: int, hole_first: bool | None = None) -> np.ndarray:
+        """Pick n[r] free slots per row in fill order (tail page first, then by slot; hole-first: by slot,
+        default for the reuse strategies); returns [rows, max n] (rows with fewer tokens repeat their
+        last slot; callers pass equal n or mask)."""
+        if hole_first is None:
+            hole_first = self.strategy in _REUSE
+        free = self._free_slots(rk, tier, hole_first)
+        if not hole_first:                # append-only: tail page, then the freshly added pages
             fresh = np.repeat((rk.page_tier == tier) & (rk.table >= 0), self.stride, axis=1) & \
                 ~rk.state.live & (rk.state.pos < 0)
             fresh &= self._valid(rk)
@@ -298,7 +302,7 @@ class EvictingKVManager(EvictingManagerBase):
             slots = key.argmin(axis=1)[:, None]
         else:
             slots = np.argsort(key, axis=1, kind="stable")[:, :k]
-        if self.strategy not in _REUSE:
+        if not hole_first:
             last = slots[:, -1]
             rk.tail = last // self.stride
             rk.tail_off = last % self.stride + 1
@@ -523,19 +527,15 @@ class EvictingKVManager(EvictingManagerBase):
             n = m.sum(axis=1)
             src_r, src_s = np.nonzero(m)
             # hold the tokens' fields, empty their slots, then place them in pages of the new tier;
-            # tier pages are filled hole-first (slot_reuse), whatever the strategy of new tokens' pages
-            strategy, self.strategy = self.strategy, "slot_reuse"
-            free_cnt = self._free_slots(rk, int(tier)).sum(axis=1)
+            # tier pages are filled hole-first whatever the strategy of new tokens' pages (the append
+            # tail is left alone)
+            free_cnt = self._free_slots(rk, int(tier), hole_first=True).sum(axis=1)
             cap = int(self.tier_capacity[tier])
             need = -(-np.maximum(n - free_cnt, 0) // cap)
             if need.sum() > self.pool.num_free_blocks:
-                self.strategy = strategy
                 continue                                   # no room: tokens keep their tier
             self._add_pages(rk, need, int(tier))
-            saved_tail = (rk.tail.copy(), rk.tail_off.copy())
-            slots = self._place(rk, n, int(tier))
-            self.strategy = strategy
-            rk.tail, rk.tail_off = saved_tail
+            slots = self._place(rk, n, int(tier), hole_first=True)
             take = np.arange(slots.shape[1])[None, :] < n[:, None]
             dst_r = np.broadcast_to(np.arange(self.rows)[:, None], slots.shape)[take]
             dst_s = slots[take]
