@@ -607,17 +607,13 @@ class FastKVManager(EvictingManagerBase):
         self._rs_f[q] = st
         if self.strategy in _COMPACT:
             self._compact_step(S, q, col)
-        if self.strategy in _COMPACT or self.strategy == "sparse_copy":
+        if self.strategy in _COMPACT or self.strategy == "sparse_copy":   # pages moved: recount from the slab
             self._update_need(S)
             self._restat(S)
-            return [0] * nS if evicted is None else evicted
-        if self.append:
-            need = tw >= bs
-            need |= ncol == 0
-        else:
-            need = pages * bs <= live
-        self._update_need(S, need.reshape(nS, R))
-        self._restat(S, live.reshape(nS, R), pages.reshape(nS, R))
+        else:                                    # the gathered row state is final
+            need = (tw >= bs) | (ncol == 0) if self.append else pages * bs <= live
+            self._update_need(S, need.reshape(nS, R))
+            self._restat(S, live.reshape(nS, R), pages.reshape(nS, R))
         return [0] * nS if evicted is None else evicted
 
     def _after_fill(self, q, st, at, col) -> np.ndarray:
@@ -755,11 +751,11 @@ class FastKVManager(EvictingManagerBase):
             self._rs_f[q] = st
             full = occ_f[h] >= bs
             if full.any():
-                rs, qf = self._rs_f, r2[full]
+                rs, qf, filled = self._rs_f, r2[full], hc[simple][full]
                 room = rs[qf, PAGES] * bs > rs[qf, LIVE]
                 rs[qf, HOLE] = -1
                 qr = qf[room]
-                rs[qr, HOLE] = self._first_free(qr, hc[simple][full][room] + 1, rs[qr, NCOL])
+                rs[qr, HOLE] = self._first_free(qr, filled[room] + 1, rs[qr, NCOL])
         hard = ((extra > 0) & ~simple).reshape(S.size, R)
         for i in np.flatnonzero(hard.any(axis=1)):
             rows = np.flatnonzero(hard[i])
