@@ -15,11 +15,12 @@ from sim.kv.metrics import kv_summary
 MODEL = "smollm2-135m"
 
 
-def run(kv_cfg: dict, *, num_blocks=400, n=4, prompt=48, output=120, block_size=16, seed=0, check=False):
+def run(kv_cfg: dict, *, num_blocks=400, n=4, prompt=48, output=120, block_size=16, seed=0, check=False,
+        max_batched=2048):
     """Closed batch of n requests on SmolLM2 / L4 through the real scheduler and engine loop."""
     cost = CostModel(MODEL, "l4")
     kv, executor = build_kv(KVConfig(**kv_cfg), cost.model, cost, num_blocks, block_size, seed)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096), kv)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched, max_model_len=4096), kv)
     env = simpy.Environment()
     log = StepLog(None)
     rep = EngineReplica(env, 0, sched, executor, log, check_invariants=check)

@@ -321,6 +321,8 @@ class FastKVManager(EvictingManagerBase):
         self.tail_w[s] = end - (cols - 1) * bs
         self.live[s] = end
         self.ntok[s] = end
+        if self.strategy in _REUSE:              # a chunked prefill leaves the last page open
+            self.hole_col[s] = cols - 1 if end % bs else -1
 
     def _decode_write_one(self, s: int, n: int) -> None:
         """Rare path: a multi-token decode write (one token at a time through the batched step)."""
