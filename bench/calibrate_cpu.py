@@ -32,8 +32,15 @@ with MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_/MALLOC_TOP_PAD_ set so freed 
 heap (the same prefill: 8.2 s, no page faults; vLLM's CPU backend recommends a caching allocator,
 tcmalloc, for the same reason). Calibration and cross-check replays run under the same setting.
 
+The importance file's per-head statistics come from `replay-sweep`'s attention statistics and its
+content correlation from the evictions recorded in the `replay-h2o-b*` replays (`kvsim calibrate
+--attention ... --decisions ...`); the simulated h2o cross-check uses that fitted model
+(`kv.importance=smollm2-135m-fitted`). Each cross-check replay is preceded by an unmeasured warm-up
+prompt (`kvsim crosscheck --warmup`, the default).
+
     python bench/calibrate_cpu.py --out runs/calibration [--repeats 3] [--crosscheck-repeats 3]
-        [--threads 1] [--clock cpu] [--reuse] [--replay-only] [--skip-crosscheck]
+        [--threads 1] [--clock cpu] [--reuse] [--replay-only] [--skip-crosscheck] [--skip-fit]
+        [--crosschecks none h2o] [--crosscheck-suffix -run2]
 """
 from __future__ import annotations
 
@@ -131,6 +138,11 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="keep replays already in --out (their steps.parquet)")
     ap.add_argument("--replay-only", action="store_true", help="stop after the calibration replays")
     ap.add_argument("--skip-crosscheck", action="store_true")
+    ap.add_argument("--skip-fit", action="store_true", help="keep the shipped profile and importance files (only "
+                                                           "run the cross-checks)")
+    ap.add_argument("--crosschecks", nargs="+", choices=["none", "h2o"], default=["none", "h2o"])
+    ap.add_argument("--crosscheck-suffix", default="", help="cross-check directories crosscheck-{none,h2o}SUFFIX "
+                                                            "(several runs side by side)")
     ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
                     help="tuned: rerun under MALLOC_ENV (glibc keeps freed memory; see the module doc)")
     args = ap.parse_args()
@@ -175,8 +187,11 @@ def main() -> None:
     profile = ROOT / "sim" / "data" / "profiles" / "cpu-smollm2.yaml"
     importance = ROOT / "sim" / "data" / "importance" / "smollm2-135m-fitted.yaml"
     groups = [",".join(str(repeat_dir(args.out, name, r)) for r in range(1, args.repeats + 1)) for name in runs]
-    kvsim("calibrate", *groups, "--out", str(profile), "--model", "smollm2-135m", "--gpu", "cpu-2core")
-    kvsim("calibrate", "--attention", str(cal_dir), "--out", str(importance))
+    if not args.skip_fit:
+        kvsim("calibrate", *groups, "--out", str(profile), "--model", "smollm2-135m", "--gpu", "cpu-2core")
+        # per-head statistics from the sweep; the content correlation from the h2o replays' recorded evictions
+        h2o_dirs = [a for name in runs if name.startswith("replay-h2o") for a in ("--decisions", str(args.out / name))]
+        kvsim("calibrate", "--attention", str(cal_dir), *h2o_dirs, "--out", str(importance))
     if args.skip_crosscheck:
         return
     # A held-out Azure conv slice; prompts beyond 1,100 tokens are rejected (and outputs capped) so
@@ -185,9 +200,18 @@ def main() -> None:
               "--start-s", "2400", "--max-requests", str(args.crosscheck_requests), "--rate-scale", "0.5",
               "--set", "engine.max_model_len=1100", "--threads", str(args.threads), "--clock", args.clock,
               "--repeats", str(args.crosscheck_repeats)]
-    kvsim("crosscheck", *common, "--out", str(args.out / "crosscheck-none"))
-    kvsim("crosscheck", *common, "--set", "kv.policy=h2o", "--set", "kv.budget=256",
-          "--set", "kv.slot_strategy=slot_reuse", "--out", str(args.out / "crosscheck-h2o"))
+    # The simulated h2o run scores tokens with the fitted importance model (the calibration's product),
+    # not the hand-seeded default.
+    policies = {"none": [], "h2o": ["--set", "kv.policy=h2o", "--set", "kv.budget=256", "--set",
+                                    "kv.slot_strategy=slot_reuse", "--set", f"kv.importance={importance.stem}"]}
+    for policy in args.crosschecks:
+        out = args.out / f"crosscheck-{policy}{args.crosscheck_suffix}"
+        reals = [out / ("real" if r == 1 else f"real-{r}") for r in range(1, args.crosscheck_repeats + 1)]
+        reuse = []
+        if args.reuse and all((d / "steps.parquet").is_file() for d in reals):
+            print(f"{out}: replays reused", flush=True)
+            reuse = [a for d in reals for a in ("--real", str(d))]
+        kvsim("crosscheck", *common, *policies[policy], *reuse, "--out", str(out))
 
 
 if __name__ == "__main__":

@@ -36,15 +36,28 @@ def calibrate(
     attention: Optional[Path] = typer.Option(None, "--attention", help="fit the synthetic importance model to "
                                              "this attention_stats.parquet (or replay directory) instead"),
     seed: int = typer.Option(0, help="seed of the importance-model fit's simulation"),
+    decisions: list[Path] = typer.Option([], "--decisions", help="with --attention: replay directories of a "
+                                         "score-driven eviction policy (h2o; decisions.parquet, config.yaml, "
+                                         "requests.parquet); the content correlation (content_correlation, "
+                                         "correlation_length) is fitted so that the simulator, token-level on "
+                                         "the same workloads, evicts as clustered as the replays did (prefill-cut "
+                                         "run length, blocks freed by eviction). Give several budgets."),
 ) -> None:
     """Fit cost-model factors to measured step times (writes a hardware profile for
-    `kvsim simulate --profile`), or with --attention fit the synthetic importance model."""
+    `kvsim simulate --profile`), or with --attention fit the synthetic importance model.
+
+    The per-head attention statistics (--attention) fix the head mix, shares and concentrations; they
+    cannot see where the heavy keys sit. Real attention is positionally correlated (H2O evicts runs of
+    tokens and empties whole pages), so --decisions fits the model's content correlation to recorded
+    evictions by simulating the replays over a (rho, ell) grid (sim/calibrate.py fit_content_correlation)."""
     from .calibrate import CalibrationError
     command = "kvsim calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     try:
         if attention is not None:
-            _calibrate_importance(attention, out, name, seed, command)
+            _calibrate_importance(attention, out, name, seed, command, decisions)
             return
+        if decisions:
+            _fail("--decisions fits the importance model: give it with --attention ATTNSTATS")
         if not step_logs:
             _fail("give one or more step logs, or --attention ATTNSTATS")
         _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command)
@@ -74,10 +87,13 @@ def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim,
     console.print(f"wrote {out}  (use: kvsim simulate --profile {out})")
 
 
-def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: str) -> None:
-    from .calibrate import fit_importance, load_attention_stats
+def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: str, decisions: list[Path]) -> None:
+    from .calibrate import fit_content_correlation, fit_importance, load_attention_stats
     stats = load_attention_stats(attention)
     fit = fit_importance(stats, name=name or out.stem, seed=seed)
+    if decisions:
+        console.print(f"fitting the content correlation to the evictions recorded in {len(decisions)} replay(s) ...")
+        fit = fit.with_correlation(fit_content_correlation(decisions, fit.spec))
     fit.write(out, command=command, source=str(attention))
     console.print(fit.table())
     console.print(f"wrote {out}  (use: --set kv.importance={out})")
@@ -107,6 +123,10 @@ def crosscheck(
                                               "compare with each step's median measured time"),
     real: list[Path] = typer.Option([], help="reuse this replay output directory instead of replaying (give it "
                                              "once per repeat)"),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup",
+                                help="before each replay, run the workload's longest prompt once, unmeasured, on "
+                                     "the same model (as a server's start-up profiling run does): otherwise the "
+                                     "first large step also pays for first-touch memory and reads slow"),
     recorded: bool = typer.Option(True, "--recorded/--no-recorded",
                                   help="also simulate with the replay's measured step times and compare "
                                        "memory metrics step by step (needed with repeats)"),
@@ -134,7 +154,7 @@ def crosscheck(
             for r, d in enumerate(real_dirs, start=1):
                 if repeats > 1:
                     console.print(f"repeat {r}/{repeats} -> {d}")
-                run_replay(cfg, d, device=device, threads=threads, clock=clock)
+                run_replay(cfg, d, device=device, threads=threads, clock=clock, warmup=warmup)
         real_dir = real_dirs[0]
         reps = Repeats.of([Run.load(d, "real") for d in real_dirs], real_dirs)
         real_run = reps.runs[0]
@@ -156,7 +176,9 @@ def crosscheck(
                    "replay_loadavg_1m": ", ".join(f"{r.summary.get('load_avg_1m', math.nan):.2f}" for r in reps.runs),
                    "torch_threads": real_run.summary.get("torch_threads", threads or "n/a"),
                    "replay_clock": real_run.summary.get("replay", {}).get("clock", "wall"),
-                   "predicted_fast_forward": predicted_cfg.fast_forward}
+                   "predicted_fast_forward": predicted_cfg.fast_forward,
+                   "importance": cfg.kv.importance if cfg.kv.policy not in ("none", "streaming") else "n/a",
+                   "replay_warmup": "n/a (reused replays)" if real else warmup}
         res = compare(real_run, sim_run, CostModel(cfg.model, cfg.gpu, cfg.profile, tp=cfg.tp), rec, context,
                       repeats=reps)
         md, html = write_report(res, out)
@@ -170,13 +192,29 @@ def crosscheck(
     console.print(f"wrote {md} and {html}")
 
 
-def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, clock: str = "wall") -> None:
+def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, clock: str = "wall",
+               warmup: bool = False) -> None:
     """Replay the workload on the real backend (gpu.replay) with `threads` torch threads, steps timed by
-    `clock` (wall | cpu)."""
+    `clock` (wall | cpu). `warmup`: first replay the workload's longest prompt alone (unmeasured,
+    same model and config) so the measured replay starts warm."""
+    import tempfile
     import torch
-    from gpu.replay import ReplayOptions, run_replay as replay
+    from gpu.replay import ReplayOptions, build_model, run_replay as replay
+    from traces.trace import Trace
+    from .simulate import load_workload
     if threads:
         torch.set_num_threads(threads)
+    options = ReplayOptions(device=device, clock=clock)
+    model = build_model(cfg, options)
+    if warmup:
+        prompt = int(load_workload(cfg).df["prompt_tokens"].max())
+        if cfg.engine.max_model_len:
+            prompt = min(prompt, cfg.engine.max_model_len - 2)
+        console.print(f"warm-up: one {prompt}-token prompt, unmeasured ...")
+        with tempfile.TemporaryDirectory() as tmp:
+            replay(cfg, tmp, options=options, model=model,
+                   trace=Trace.from_columns(arrival_time_s=[0.0], prompt_tokens=[prompt], output_tokens=[2],
+                                            name="warmup"))
     console.print(f"replaying {cfg.trace} on {device} ({torch.get_num_threads()} torch threads, {clock} clock, "
                   f"load average {os.getloadavg()[0]:.2f}) ...")
-    replay(cfg, out_dir, options=ReplayOptions(device=device, clock=clock), progress=True)
+    replay(cfg, out_dir, options=options, model=model, progress=True)

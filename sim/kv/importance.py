@@ -15,7 +15,22 @@ Three sources stand behind one interface, `ImportanceSource`:
   ALL positions 0..q (evicted ones included: this is the full-cache attention), and content weights
   w(t) = exp(sigma * z), z ~ N(0, 1) drawn per (request, row, position) from a generator seeded
   by (config seed, request id, chunk of positions), so results are deterministic and independent
-  of batch composition. What a policy sees is a_q restricted to the live tokens and renormalized
+  of batch composition. Real content weights are positionally correlated (neighbouring tokens of a
+  phrase are important or unimportant together, so H2O evicts runs of tokens and empties whole
+  pages); the optional fields `content_correlation` rho and `correlation_length` ell mix in a
+  smooth component:
+
+      z(t) = sqrt(rho) * u(t) + sqrt(1 - rho) * z_token(t),   u(t) = phi u(t-1) + sqrt(1 - phi^2) e(t)
+
+  u is a stationary AR(1) process along positions (corr(u(t), u(t+k)) = phi^k, phi = exp(-1/ell)),
+  so z stays N(0, 1) at every position (sigma keeps its meaning) and corr(z(t), z(t+k)) =
+  rho * exp(-k / ell). u over a chunk is the AR(1) filter, written as one matrix product, over the
+  innovations e of that chunk and the previous one (each drawn from its own seeded generator; the
+  filter starts at zero CHUNK positions early, a variance deficit below phi^(2 * CHUNK) = 3e-4 for
+  ell <= 64), so a chunk's weights still depend only on (seed, request, chunk). Without these fields (rho = 0) the
+  weights are bit for bit the uncorrelated model's. `kvsim calibrate --attention ... --decisions`
+  fits rho and ell to a replay's recorded H2O evictions (sim/calibrate.py fit_content_correlation).
+  What a policy sees is a_q restricted to the live tokens and renormalized
   (real attention only covers resident tokens); the mass the live tokens hold under the full
   cache, sum over live t of a_q(t), is the *attention mass retained* quality proxy.
   The query heads of a GQA group share their KV head's pattern in this model. Parameters come from
@@ -66,6 +81,7 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "importance"
 HEAD_TYPES = ("sink", "local", "heavy", "spread")
 NUM_SINK = 4
 CHUNK = 256          # positions per content-weight draw
+MAX_CORRELATION_LENGTH = 64.0   # tokens; keeps the AR(1) start-up deficit below exp(-2 * CHUNK / 64) = 3e-4
 
 
 class ImportanceError(ValueError):
@@ -107,6 +123,8 @@ class ImportanceModelSpec:
     dense_layers: int                    # first layers are `spread`
     request_sigma_jitter: float          # per-request multiplicative lognormal jitter of sigma
     sink_weights: tuple[float, ...]      # distribution over the first NUM_SINK tokens
+    content_correlation: float = 0.0     # rho: share of the content log-weight variance that is smooth in position
+    correlation_length: float = 0.0      # ell (tokens): the smooth part's correlation decays as exp(-k / ell)
 
     @classmethod
     def load(cls, name_or_path: str | Path = "smollm2-135m") -> "ImportanceModelSpec":
@@ -134,12 +152,42 @@ class ImportanceModelSpec:
             sink = tuple(float(x) for x in data.get("sink_weights", [0.7, 0.1, 0.1, 0.1]))
             if len(sink) != NUM_SINK:
                 raise ImportanceError(f"{path}: sink_weights: expected {NUM_SINK} values")
+            rho, ell = _correlation_fields(path, data)
             return cls(name=data.get("name", path.stem), mix=mix, types=types,
                        dense_layers=int(data.get("dense_layers", 0)),
                        request_sigma_jitter=float(data.get("request_sigma_jitter", 0.0)),
-                       sink_weights=tuple(np.asarray(sink) / sum(sink)))
+                       sink_weights=tuple(np.asarray(sink) / sum(sink)),
+                       content_correlation=rho, correlation_length=ell)
         except KeyError as exc:
             raise ImportanceError(f"{path}: missing field {exc.args[0]!r}") from None
+
+
+def _number(path: Path, data: dict, field: str) -> float:
+    value = data[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise ImportanceError(f"{path}: {field}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _correlation_fields(path: Path, data: dict) -> tuple[float, float]:
+    """(content_correlation, correlation_length), both 0 when absent (uncorrelated content weights)."""
+    if "content_correlation" not in data:
+        if "correlation_length" in data:
+            raise ImportanceError(f"{path}: correlation_length given without content_correlation")
+        return 0.0, 0.0
+    rho = _number(path, data, "content_correlation")
+    if not 0.0 <= rho < 1.0:
+        raise ImportanceError(f"{path}: content_correlation: expected a share in [0, 1), got {rho}")
+    if rho == 0.0 and "correlation_length" not in data:
+        return 0.0, 0.0
+    if "correlation_length" not in data:
+        raise ImportanceError(f"{path}: content_correlation {rho} needs correlation_length (tokens, "
+                              f"0 < ell <= {MAX_CORRELATION_LENGTH:g})")
+    ell = _number(path, data, "correlation_length")
+    if not 0.0 < ell <= MAX_CORRELATION_LENGTH:
+        raise ImportanceError(f"{path}: correlation_length: expected tokens in (0, {MAX_CORRELATION_LENGTH:g}], "
+                              f"got {ell}")
+    return rho, ell
 
 
 class SyntheticImportance(ImportanceSource):
@@ -149,6 +197,7 @@ class SyntheticImportance(ImportanceSource):
         self.seed = seed
         self.head_type, self.s, self.l, self.tau, self.sigma = self._head_params()
         self._req: dict[int, dict] = {}
+        self._filter: np.ndarray | None = None
 
     # ----- model-level parameters (a property of the model's heads, same for every request) -----
     def _head_params(self):
@@ -191,12 +240,32 @@ class SyntheticImportance(ImportanceSource):
         chunks = positions // CHUNK
         for c in np.unique(chunks):
             if r["chunk"] != c:
-                z = np.random.default_rng([self.seed, 2, req_id, int(c)]).standard_normal(
-                    (len(self.sigma), CHUNK), dtype=np.float32)
-                r["w"], r["chunk"] = np.exp(r["sigma"][:, None] * z), int(c)
+                r["w"], r["chunk"] = np.exp(r["sigma"][:, None] * self._content_z(req_id, int(c))), int(c)
             m = chunks == c
             out[:, m] = r["w"][:, positions[m] % CHUNK]
         return out
+
+    def _content_z(self, req_id: int, chunk: int) -> np.ndarray:
+        """z [rows, CHUNK] of one chunk of positions: N(0, 1) per position, correlated along positions
+        as rho * exp(-k / ell) when the model has content_correlation rho > 0."""
+        rows = len(self.sigma)
+        z = np.random.default_rng([self.seed, 2, req_id, chunk]).standard_normal((rows, CHUNK), dtype=np.float32)
+        rho = self.spec.content_correlation
+        if rho == 0.0:
+            return z
+        innovations = np.concatenate([np.random.default_rng([self.seed, 3, req_id, c + 1]).standard_normal((rows, CHUNK))
+                                      for c in (chunk - 1, chunk)], axis=1)
+        smooth = innovations @ self._ar1_filter()
+        return (np.sqrt(rho) * smooth + np.sqrt(1 - rho) * z).astype(np.float32)
+
+    def _ar1_filter(self) -> np.ndarray:
+        """[2 * CHUNK, CHUNK]: the stationary AR(1) filter u(t) = sum_k sqrt(1 - phi^2) phi^k e(t - k)
+        from the innovations of the previous and the current chunk to u over the current chunk."""
+        if self._filter is None:
+            phi = np.exp(-1.0 / self.spec.correlation_length)
+            lag = CHUNK + np.arange(CHUNK)[None, :] - np.arange(2 * CHUNK)[:, None]
+            self._filter = np.where(lag >= 0, np.sqrt(1 - phi * phi) * phi ** np.maximum(lag, 0), 0.0)
+        return self._filter
 
     def on_write(self, req_id, state, rows, slots, positions) -> None:
         """Tokens are written to every row at once: `slots` [rows, n], positions [n] ascending."""
