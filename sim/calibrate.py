@@ -638,34 +638,52 @@ def recorded_clustering(replay_dir: str | Path) -> EvictionClustering:
 def simulated_clustering(replay_dir: str | Path, importance: str | Path) -> EvictionClustering:
     """The same statistics of the simulator on the replay's config and workload, token-level, with the
     synthetic importance model `importance` (name or YAML)."""
-    from . import simulate as sim_mod
     from .crosscheck import Run, trace_of_replay
     cfg, _, _ = _eviction_replay(replay_dir)
     cfg = cfg.model_copy(update={"kv": cfg.kv.model_copy(update={"importance": str(importance)})})
-    cut = []
+    steps, decisions = simulate_evictions(cfg, trace_of_replay(Run.load(replay_dir, "real").requests))
+    evicted, runs = prefill_cut_runs(decisions)
+    return EvictionClustering(int(steps["evicted_tokens"].sum()), int(steps["blocks_freed_by_eviction"].sum()),
+                              evicted, runs)
+
+
+def simulate_evictions(cfg, trace, out_dir: str | Path | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Simulate `trace` under `cfg`; (step log, every eviction applied as a decisions table: request_id,
+    event, step (-1 = the prefill cut), layer, head (row indices; -1 in the shared layout), position,
+    action, num_tokens). With `out_dir`, the run's outputs and decisions.parquet are written there."""
+    from . import simulate as sim_mod
+    tables = []
     original_build = sim_mod._build_kv
 
     def build(cfg_, model, cost, num_blocks):
         kv, executor = original_build(cfg_, model, cost, num_blocks)
-        finish = kv.finish_step
+        finish, ctx = kv.finish_step, kv.ctx
 
         def finish_step(scheduled):
             plan = finish(scheduled)
-            cut.extend(pd.DataFrame({"request_id": rid, "event": len(cut), "head": rows, "position": positions,
-                                     "step": -1, "action": "evict"})
-                       for rid, rows, positions, decode_steps, _ in plan.decisions if decode_steps == 0)
+            for rid, rows, positions, decode_steps, num_tokens in plan.decisions:
+                per_head = ctx.layout == "per_head"
+                tables.append(pd.DataFrame({
+                    "request_id": np.int64(rid), "step": np.int32(decode_steps if decode_steps > 0 else -1),
+                    "layer": (ctx.row_layer[rows] if per_head else np.full(rows.size, -1)).astype(np.int16),
+                    "head": (ctx.row_head[rows] if per_head else np.full(rows.size, -1)).astype(np.int16),
+                    "position": positions.astype(np.int64), "action": "evict", "num_tokens": np.int64(num_tokens),
+                    "event": np.int64(len(tables))}))
             return plan
         kv.finish_step = finish_step
         return kv, executor
 
     sim_mod._build_kv = build
     try:
-        res = sim_mod.run_simulation(cfg, None, trace=trace_of_replay(Run.load(replay_dir, "real").requests))
+        res = sim_mod.run_simulation(cfg, out_dir, trace=trace)
     finally:
         sim_mod._build_kv = original_build
-    evicted, runs = prefill_cut_runs(pd.concat(cut, ignore_index=True)) if cut else (0, 0)
-    return EvictionClustering(int(res.steps["evicted_tokens"].sum()), int(res.steps["blocks_freed_by_eviction"].sum()),
-                              evicted, runs)
+    columns = ["request_id", "step", "layer", "head", "position", "action", "num_tokens", "event"]
+    decisions = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=columns)
+    if out_dir is not None:
+        decisions.to_parquet(Path(out_dir) / "decisions.parquet", index=False)
+    steps = res.steps if res.steps is not None else pd.read_parquet(Path(out_dir) / "steps.parquet")
+    return steps, decisions
 
 
 def clustering_loss(sim: EvictionClustering, real: EvictionClustering) -> float:
