@@ -147,6 +147,7 @@ class FastKVManager(EvictingManagerBase):
         self._occ_f, self._win_f, self._alive_f = self.occ.reshape(-1), self.win.reshape(-1), self.alive.reshape(-1)
         self._ring_f, self._heavy_f = self.ring.reshape(-1), self.heavy.reshape(-1)
         self._row_ids = np.arange(R)[None, :]
+        self._index_key = None                              # S.tobytes() of the last step's index arrays
         self.ntok = np.zeros(n, np.int64)
         self.prefilled = np.zeros(n, bool)
         self.need_next = np.zeros(n, np.int64)              # pages the next 1-token write takes
@@ -537,8 +538,7 @@ class FastKVManager(EvictingManagerBase):
         if self.strategy == "sparse_copy":
             self._sparse_copy(S)
         nS = S.size
-        q2 = S[:, None] * R + self._row_ids
-        q = q2.ravel()
+        q, qP, ring_base = self._index(S)
         pos = self.ntok[S]
         st = self._rs_f[q]
         tail, tw, ncol, pages, live, hole, _, hn = st.T        # column views (field order of _ROW_FIELDS)
@@ -550,12 +550,13 @@ class FastKVManager(EvictingManagerBase):
         else:
             new = hole < 0
             col = np.where(new, ncol, hole)
-        if new.any():
+        if np.count_nonzero(new):
             if self._ncol_hi >= self.occ.shape[2]:
                 self._ncol_hi = int(self.ncol.max())
                 self._ensure_cols(self._ncol_hi + 1)
+                q, qP, ring_base = self._index(S)
             self._ncol_hi += 1
-            self._alive_f[(q * self.occ.shape[2] + col)[new]] = True
+            self._alive_f[(qP + col)[new]] = True
             pages += new
             ncol += new                   # pages open at column ncol
             if self.append:
@@ -565,7 +566,6 @@ class FastKVManager(EvictingManagerBase):
                 np.copyto(hole, col, where=new)
         if self.append:
             tw += 1
-        qP = q * self.occ.shape[2]
         at = qP + col
         track = self.tracks_columns
         if track:
@@ -574,7 +574,7 @@ class FastKVManager(EvictingManagerBase):
         # --- the window moves on: the token at pos - W leaves it
         ex, ec = False, col
         if W and track:
-            ring_at = (q2 * W + (pos % W)[:, None]).ravel()
+            ring_at = (ring_base + (pos % W)[:, None]).ravel()
             ec = self._ring_f[ring_at]
             if pos.min() >= W:
                 ex = True
@@ -586,7 +586,7 @@ class FastKVManager(EvictingManagerBase):
             self._ring_f[ring_at] = col
         self.ntok[S] += 1
         if self.strategy in _REUSE:
-            self._after_fill(q, st, at, col)
+            self._after_fill(qP, st, at, col)
         # --- evict
         evicted = None
         rescan = None
@@ -604,8 +604,8 @@ class FastKVManager(EvictingManagerBase):
                     rescan = self._after_evict(over, ev, ev_at, st)
                     if rescan is not None:
                         rescan &= pages * bs > live
-                        if rescan.any():
-                            hole[rescan] = self._first_free(q[rescan], ev[rescan] + 1, ncol[rescan])
+                        if np.count_nonzero(rescan):
+                            hole[rescan] = self._first_free(qP[rescan], ev[rescan] + 1, ncol[rescan])
         self._rs_f[q] = st
         if self.strategy in _COMPACT:
             self._compact_step(S, q, col)
@@ -618,29 +618,41 @@ class FastKVManager(EvictingManagerBase):
             self._restat(S, live.reshape(nS, R), pages.reshape(nS, R))
         return [0] * nS if evicted is None else evicted
 
-    def _after_fill(self, q, st, at, col) -> np.ndarray:
+    def _after_fill(self, qP, st, at, col) -> None:
         """Reuse strategies: a filled page moves the first-hole pointer (in `st`) on."""
-        full = self._occ_f[at] >= self.block_size
-        if not full.any():
-            return st
-        room = st[:, PAGES] * self.block_size - st[:, LIVE]
-        st[:, HOLE][full & (room == 0)] = -1
-        search = full & (room > 0)
-        if search.any():
-            st[search, HOLE] = self._first_free(q[search], col[search] + 1, st[search, NCOL])
-        return st
+        bs = self.block_size
+        full = self._occ_f[at] >= bs
+        if not np.count_nonzero(full):
+            return
+        hole = st[:, HOLE]
+        np.copyto(hole, -1, where=full)
+        search = full & (st[:, PAGES] * bs > st[:, LIVE])
+        if np.count_nonzero(search):
+            hole[search] = self._first_free(qP[search], col[search] + 1, st[search, NCOL])
 
-    def _first_free(self, q: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
-        """First column with a free slot of each flat row q in [start, stop). Callers pass rows with
-        room (a free slot exists) and their old first-free pointer + 1 as start: every column before
-        it is full, so the first free column is found in the range (check_invariants verifies the
-        pointers)."""
-        if q.size == 0:
+    def _first_free(self, qP: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        """First column with a free slot in [start, stop) of each flat row (given as its first page
+        id qP = row * cols). Callers pass rows with room (a free slot exists) and their old first-free
+        pointer + 1 as start: every column before it is full, so the first free column is found in the
+        range (check_invariants verifies the pointers). Reuse strategies hold no empty page (an
+        emptied page is freed at once; check_invariants verifies it), so a free slot is 0 < occ < bs."""
+        if qP.size == 0:
             return start
-        bs, P = self.block_size, self.occ.shape[2]
+        P = self.occ.shape[2]
         lo, hi = int(start.min()), int(stop.max())
-        free = self.alive.reshape(-1, P)[q, lo:hi] & (self.occ.reshape(-1, P)[q, lo:hi] < bs)
-        return lo + np.argmax(free, axis=1)
+        occ = self.occ.reshape(-1, P)[qP // P, lo:hi]
+        occ -= 1
+        return lo + (occ.view(np.uint32) < self.block_size - 1).argmax(axis=1)
+
+    def _index(self, S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Flat row ids q of the slots in S (slot-major), their first page ids q * cols and ring
+        bases [len(S), rows]; cached: a decode batch repeats from step to step."""
+        key = (S.tobytes(), self.occ.shape[2])
+        if key != self._index_key:
+            q2 = S[:, None] * self.rows + self._row_ids
+            self._index_arrays = (q2.ravel(), q2.ravel() * self.occ.shape[2], q2 * max(self.window, 1))
+            self._index_key = key
+        return self._index_arrays
 
     def _pick(self, q, over, ex, ec, hn) -> np.ndarray:
         """Column of the token each over-budget row evicts (flat over the step's rows; `hn` is updated
@@ -695,7 +707,7 @@ class FastKVManager(EvictingManagerBase):
             empty = over & (self._occ_f[ev_at] == 0)
             if self.append:
                 empty &= (tail != ev) | (tw >= self.block_size)
-            if empty.any():
+            if np.count_nonzero(empty):
                 self._alive_f[ev_at[empty]] = False
                 pages -= empty
                 ncol -= empty & (ncol == ev + 1)
@@ -757,7 +769,7 @@ class FastKVManager(EvictingManagerBase):
                 room = rs[qf, PAGES] * bs > rs[qf, LIVE]
                 rs[qf, HOLE] = -1
                 qr = qf[room]
-                rs[qr, HOLE] = self._first_free(qr, filled[room] + 1, rs[qr, NCOL])
+                rs[qr, HOLE] = self._first_free(qr * P, filled[room] + 1, rs[qr, NCOL])
         hard = ((extra > 0) & ~simple).reshape(S.size, R)
         for i in np.flatnonzero(hard.any(axis=1)):
             rows = np.flatnonzero(hard[i])
@@ -864,6 +876,7 @@ class FastKVManager(EvictingManagerBase):
             free = alive & (occ < self.block_size)
             first = np.where(free.any(axis=2), np.argmax(free, axis=2), -1)
             assert (self.hole_col[slots] == first).all(), "first-free pointer drifted"
+            assert (alive == (occ > 0)).all(), "an empty page is held (reuse strategies free it at once)"
         assert ((occ >= 0) & (occ <= self.block_size)).all(), "page occupancy out of range"
         assert not (occ * ~alive).any(), "live tokens in a freed page"
         assert (self.live[slots] == occ.sum(axis=2)).all(), "live count drifted"
