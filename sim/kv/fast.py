@@ -10,18 +10,26 @@ and `age_weight`, which says where evictions fall:
 
 - "oldest" (StreamingLLM): the token leaving the window is evicted; the prompt cut keeps the newest
   candidates.
-- "young" (H2O's accumulated-attention ranking): the token leaving the window is evicted with
-  probability `exit_evict`; otherwise it joins the row's heavy-hitter list and a listed token is
-  evicted: with probability `old_share` a uniform one, else one of the newest survivors (the list's
-  end, exponential with mean `young_span` entries) — token-level H2O mostly evicts tokens that left
-  the window a few steps ago. Defaults (0.3, 4, 0.1; profile keys override them) minimize the
-  largest fragmentation / KV-utilization difference to token-level mode over four SmolLM2 closed-batch
-  workloads (3-16 requests, prompts 48-300, outputs 80-300; a grid over the three values): 9% at
-  most, most within 5% (0.3, 8, 0.2 fitted on one workload was off by up to 27% on the others).
-  The prompt cut keeps a uniformly
-  random subset of the candidates (multivariate hypergeometric per row), as a content-score
-  ranking does.
-- "uniform": every eviction is a uniformly drawn non-window token.
+- "young" (H2O, ranking by accumulated attention): the simulated rows are a stratified sample (by
+  head type, then local decay) of the importance model's rows for the run's seed (kv.importance:
+  sink / local / heavy / spread heads in the model's mix, with their sink share s, local share l,
+  decay tau and content concentration sigma), and each step evicts, per row, the candidate with
+  the lowest accumulated attention, computed in closed form from the same model token-level mode
+  scores with: token t holds l (d^(a0-t) - d^(q+1-t)) + (1-s-l) w_t (H(q) - H(a0-1)) after query q
+  (d = exp(-1/tau); w_t = exp(sigma z) its content weight, drawn once; H = running sum of 1/Zw,
+  Zw = the sum of all content weights so far; a0 = its first observed query). Per token only the
+  static part and w_t are stored (in the heavy list, or in a ring while in the window), so a step
+  costs one argmin over each row's list. The prompt cut keeps each row's top candidates by the
+  scores of the last `obs_window` prefill queries; the first NUM_SINK tokens (attention sinks) are
+  never evicted. Nothing is fitted: local heads evict the oldest prompt remnants first (little local
+  attention), spread heads mostly the token leaving the window, heavy/sink heads spread evictions
+  over all ages, as measured per head type in token-level runs. The per-query renormalization over
+  live tokens and the local normalizer's first tau steps are left out. Against token-level mode
+  on four SmolLM2 closed-batch workloads (3-16 requests, prompts 48-300, outputs 80-300, budget 60)
+  fragmentation and KV utilization agree within 2% for free_block and slot_reuse (global draws
+  fitted on a grid: up to 9%).
+- "uniform": every eviction is a uniformly drawn non-window token; the prompt cut keeps a uniformly
+  random subset of the candidates (multivariate hypergeometric per row).
 
 Per decode step the scheduler's `allocate_slots` only reserves the pages precomputed for the
 request's next token (pure Python); `finish_step` then applies the step to all decoding requests at
@@ -30,9 +38,9 @@ once: one write, one window exit and one eviction per row, each a fancy-index up
 strategies fill the first page with a hole; compaction moves the last page's tokens into the hole;
 sparse copy rewrites the holed page and the tail). Rows in an unusual state (several holed pages
 right after the prompt cut, several pages to compact) take an exact count-based path over their
-page columns. Rows behave alike in this model, so only `sample_rows` of them (a divisor of
-layers x KV heads, `kv.fast_rows`, default 8) are simulated, each standing for the same number of pool
-pages. `noop` never frees or moves a page, so where evictions fall changes no metric: it tracks
+page columns. Rows differ only by their head parameters (H2O), so only `sample_rows` of them (a
+divisor of layers x KV heads, `kv.fast_rows`, default 8; stratified by head type) are simulated,
+each standing for the same number of pool pages. `noop` never frees or moves a page, so where evictions fall changes no metric: it tracks
 counts only (live tokens, pages, the tail's fill) in one row standing for all, with no draws. Draws
 come from one numpy Generator seeded by the run's seed: same inputs, same results. Validated against token-level mode in tests/test_kv_fast.py.
 """
