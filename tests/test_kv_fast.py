@@ -31,17 +31,36 @@ def test_fast_mode_agrees_with_token_level_within_5_percent(token_level, strateg
 
 
 @pytest.mark.parametrize("strategy", ["free_block", "slot_reuse"])
-def test_fast_mode_throughput_agrees_and_fragmentation_is_close(token_level, strategy):
+def test_fast_mode_h2o_block_frees_agree_within_5_percent(token_level, strategy):
+    # which blocks empty out depends on where heavy hitters sit: fast mode ranks them by the importance
+    # model's closed-form accumulated attention on rows of its head types (was 10% with global draws)
     tok = token_level[strategy]
     fast = run({**H2O, "slot_strategy": strategy, "mode": "fast"}, **KW, check=True)[0]
-    assert rel(fast["throughput_output_tok_s"], tok["throughput_output_tok_s"]) < 0.05
     assert fast["evicted_token_rows"] == tok["evicted_token_rows"]
-    # which blocks empty out depends on where heavy hitters sit: drawn, not computed, in fast mode
-    for metric in ("fragmentation_mean", "kv_util_mean"):
-        assert rel(fast[metric], tok[metric]) < 0.10, (metric, fast[metric], tok[metric])
+    for metric in ("fragmentation_mean", "kv_util_mean", "throughput_output_tok_s"):
+        assert rel(fast[metric], tok[metric]) < 0.05, (metric, fast[metric], tok[metric])
     # and the ordering users compare strategies by holds
     assert fast["fragmentation_mean"] < run({**H2O, "slot_strategy": "noop", "mode": "fast"}, **KW)[0][
         "fragmentation_mean"]
+
+
+def test_fast_rows_are_a_stratified_sample_of_the_importance_model_heads():
+    from sim.kv.importance import SyntheticImportance
+    # fast mode simulates a few of the 90 SmolLM2 rows: their head types keep the model's proportions
+    ctx = PolicyContext("per_head", 30, 3, 3, 16, 90)
+    types = SyntheticImportance(ctx, "smollm2-135m", 0).head_type
+    for rows in (90, 9):
+        kv = FastKVManager(1000, 16, ctx, get_policy("h2o", budget=60), sample_rows=rows)
+        want = np.bincount(types, minlength=4) * rows / 90
+        assert np.abs(np.bincount(kv.head_type, minlength=4) - want).max() < 1, (rows, kv.head_type)
+
+
+def test_prompt_under_the_budget_keeps_the_fast_state_consistent():
+    # tokens leaving the window before a row reaches its budget join the heavy-hitter list (a fixed
+    # bug: they were listed only once some row was over budget; check_invariants caught it)
+    for strategy in ("free_block", "slot_reuse", "compact"):
+        s = run({**H2O, "slot_strategy": strategy, "mode": "fast"}, n=4, prompt=48, output=120, check=True)[0]
+        assert s["num_finished"] == 4 and s["evicted_token_rows"] > 0
 
 
 def test_fast_mode_is_deterministic_and_seeded():

@@ -51,9 +51,12 @@ def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int):
     new_tier = getattr(policy, "new_token_tier", TIER_FULL)
     if kv.mode == "fast":
         from .fast import FastKVManager
-        manager = FastKVManager(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
-                                bytes_per_token_row=bytes_per_row, seed=seed,
-                                sample_rows=kv.fast_rows)
+        try:
+            manager = FastKVManager(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
+                                    bytes_per_token_row=bytes_per_row, seed=seed,
+                                    sample_rows=kv.fast_rows, importance=kv.importance)
+        except ImportanceError as exc:
+            raise ConfigError(f"kv.importance: {exc}") from None
     else:
         from .manager import EvictingKVManager
         try:

@@ -10,18 +10,26 @@ and `age_weight`, which says where evictions fall:
 
 - "oldest" (StreamingLLM): the token leaving the window is evicted; the prompt cut keeps the newest
   candidates.
-- "young" (H2O's accumulated-attention ranking): the token leaving the window is evicted with
-  probability `exit_evict`; otherwise it joins the row's heavy-hitter list and a listed token is
-  evicted: with probability `old_share` a uniform one, else one of the newest survivors (the list's
-  end, exponential with mean `young_span` entries) — token-level H2O mostly evicts tokens that left
-  the window a few steps ago. Defaults (0.3, 4, 0.1; profile keys override them) minimize the
-  largest fragmentation / KV-utilization difference to token-level mode over four SmolLM2 closed-batch
-  workloads (3-16 requests, prompts 48-300, outputs 80-300; a grid over the three values): 9% at
-  most, most within 5% (0.3, 8, 0.2 fitted on one workload was off by up to 27% on the others).
-  The prompt cut keeps a uniformly
-  random subset of the candidates (multivariate hypergeometric per row), as a content-score
-  ranking does.
-- "uniform": every eviction is a uniformly drawn non-window token.
+- "young" (H2O, ranking by accumulated attention): the simulated rows are a stratified sample (by
+  head type, then local decay) of the importance model's rows for the run's seed (kv.importance:
+  sink / local / heavy / spread heads in the model's mix, with their sink share s, local share l,
+  decay tau and content concentration sigma), and each step evicts, per row, the candidate with
+  the lowest accumulated attention, computed in closed form from the same model token-level mode
+  scores with: token t holds l (d^(a0-t) - d^(q+1-t)) + (1-s-l) w_t (H(q) - H(a0-1)) after query q
+  (d = exp(-1/tau); w_t = exp(sigma z) its content weight, drawn once; H = running sum of 1/Zw,
+  Zw = the sum of all content weights so far; a0 = its first observed query). Per token only the
+  static part and w_t are stored (in the heavy list, or in a ring while in the window), so a step
+  costs one argmin over each row's list. The prompt cut keeps each row's top candidates by the
+  scores of the last `obs_window` prefill queries; the first NUM_SINK tokens (attention sinks) are
+  never evicted. Nothing is fitted: local heads evict the oldest prompt remnants first (little local
+  attention), spread heads mostly the token leaving the window, heavy/sink heads spread evictions
+  over all ages, as measured per head type in token-level runs. The per-query renormalization over
+  live tokens and the local normalizer's first tau steps are left out. Against token-level mode
+  on four SmolLM2 closed-batch workloads (3-16 requests, prompts 48-300, outputs 80-300, budget 60)
+  fragmentation and KV utilization agree within 2% for free_block and slot_reuse (global draws
+  fitted on a grid: up to 9%).
+- "uniform": every eviction is a uniformly drawn non-window token; the prompt cut keeps a uniformly
+  random subset of the candidates (multivariate hypergeometric per row).
 
 Per decode step the scheduler's `allocate_slots` only reserves the pages precomputed for the
 request's next token (pure Python); `finish_step` then applies the step to all decoding requests at
@@ -30,9 +38,9 @@ once: one write, one window exit and one eviction per row, each a fancy-index up
 strategies fill the first page with a hole; compaction moves the last page's tokens into the hole;
 sparse copy rewrites the holed page and the tail). Rows in an unusual state (several holed pages
 right after the prompt cut, several pages to compact) take an exact count-based path over their
-page columns. Rows behave alike in this model, so only `sample_rows` of them (a divisor of
-layers x KV heads, `kv.fast_rows`, default 8) are simulated, each standing for the same number of pool
-pages. `noop` never frees or moves a page, so where evictions fall changes no metric: it tracks
+page columns. Rows differ only by their head parameters (H2O), so only `sample_rows` of them (a
+divisor of layers x KV heads, `kv.fast_rows`, default 8; stratified by head type) are simulated,
+each standing for the same number of pool pages. `noop` never frees or moves a page, so where evictions fall changes no metric: it tracks
 counts only (live tokens, pages, the tail's fill) in one row standing for all, with no draws. Draws
 come from one numpy Generator seeded by the run's seed: same inputs, same results. Validated against token-level mode in tests/test_kv_fast.py.
 """
@@ -43,6 +51,7 @@ import numpy as np
 from ..core.request import Request
 from .base import EvictingManagerBase
 from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
+from .importance import NUM_SINK, ImportanceModelSpec, SyntheticImportance
 from .policy import EvictionPolicy, PolicyContext, PolicyError
 
 _APPEND = {"noop", "free_block", "sparse_copy"}
@@ -88,7 +97,7 @@ class FastKVManager(EvictingManagerBase):
 
     def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy, *,
                  slot_strategy: str = "free_block", bytes_per_token_row: float = 0.0, seed: int = 0,
-                 sample_rows: int = 32):
+                 sample_rows: int = 32, importance: "str | ImportanceModelSpec" = "smollm2-135m"):
         if slot_strategy not in SLOT_STRATEGIES:
             raise ValueError(f"kv.slot_strategy must be one of {SLOT_STRATEGIES}, got {slot_strategy!r}")
         profile = policy.fast_mode_profile()
@@ -108,10 +117,12 @@ class FastKVManager(EvictingManagerBase):
         self.window = int(profile.get("protect_recent", 0))
         self.sink = int(profile.get("protect_first", 0))
         self.age_weight = profile.get("age_weight", "uniform")
-        young = self.age_weight == "young"
-        self.exit_evict = {"oldest": 1.0, "uniform": 0.0}.get(self.age_weight, float(profile.get("exit_evict", 0.3)))
-        self.young_span = float(profile.get("young_span", 4.0)) if young else 0.0
-        self.old_share = float(profile.get("old_share", 0.1)) if young else 1.0
+        # "oldest": the token leaving the window goes; "uniform": a uniformly drawn non-window token;
+        # "young" (H2O): the lowest accumulated attention under the importance model (see _pick_scored)
+        self.exit_evict = 1.0 if self.age_weight == "oldest" else 0.0
+        self.scored = self.age_weight == "young" and self.budget is not None
+        if self.scored:
+            self._init_heads(importance, seed, int(profile.get("obs_window", 8)))
         self.strategy = slot_strategy
         self.append = slot_strategy in _APPEND
         self.bytes_per_token_row = bytes_per_token_row
@@ -128,6 +139,20 @@ class FastKVManager(EvictingManagerBase):
         self._ncol_hi = 0                           # >= every row's ncol: below the slab's width, pages open unchecked
         self._alloc_arrays(4, 8)
 
+    def _init_heads(self, importance, seed: int, obs_window: int) -> None:
+        """Attention parameters of the simulated rows: a stratified sample (by head type, then local
+        decay) of the importance model's rows for this seed, i.e. the heads token-level mode scores with."""
+        model = SyntheticImportance(self.ctx, importance, seed)
+        order = np.lexsort((model.tau, model.head_type))
+        pick = order[self.unit // 2::self.unit][:self.rows]
+        self.head_type = model.head_type[pick]
+        self.h_local = model.l[pick]
+        self.h_content = 1.0 - model.s[pick] - model.l[pick]
+        self.h_tau = model.tau[pick]
+        self.h_sigma = model.sigma[pick]
+        self.sigma_jitter = model.spec.request_sigma_jitter
+        self.obs_window = obs_window
+
     # ----- slab -----------------------------------------------------------------------------------
     def _alloc_arrays(self, n: int, cols: int) -> None:
         R, W = self.rows, max(self.window, 1)
@@ -137,6 +162,15 @@ class FastKVManager(EvictingManagerBase):
         self.ring = np.zeros((n, R, W), np.int32)           # page column of position p at p % W
         self.heavy = np.zeros((n, R, (self.budget or 0) + 2), np.int32)  # columns of non-window live tokens
         self.rs = np.zeros((n, R, len(_ROW_FIELDS)), np.int32)
+        if self.scored:
+            # H2O scores in closed form (see _pick_scored): per listed token its static part `hA`,
+            # content coefficient `hcw` and position; the same for window tokens in a ring; per row the
+            # content normalizer Zw, the running sum H of 1/Zw over the observed queries, and sigma
+            Hc = self.heavy.shape[2]
+            self.hA, self.hcw = np.zeros((n, R, Hc)), np.zeros((n, R, Hc))
+            self.hpos = np.zeros((n, R, Hc), np.int64)
+            self.ringA, self.ringcw = np.zeros((n, R, W)), np.zeros((n, R, W))
+            self.zw, self.hsum, self.hsig = np.zeros((n, R)), np.zeros((n, R)), np.zeros((n, R))
         self.rs[:, :, [HOLE, HOLED]] = -1
         # views of rs: hn = heavy-list length (newest survivors last); tail = append column (append
         # strategies), tail_w = slots written in it; ncol = columns in use (alive or dead below);
@@ -146,6 +180,8 @@ class FastKVManager(EvictingManagerBase):
         self._rs_f = self.rs.reshape(-1, len(_ROW_FIELDS))
         self._occ_f, self._win_f, self._alive_f = self.occ.reshape(-1), self.win.reshape(-1), self.alive.reshape(-1)
         self._ring_f, self._heavy_f = self.ring.reshape(-1), self.heavy.reshape(-1)
+        if self.scored:
+            self._hA_f, self._hcw_f, self._hpos_f = self.hA.reshape(-1), self.hcw.reshape(-1), self.hpos.reshape(-1)
         self._row_ids = np.arange(R)[None, :]
         self._index_key = None                              # S.tobytes() of the last step's index arrays
         self.ntok = np.zeros(n, np.int64)
@@ -176,9 +212,11 @@ class FastKVManager(EvictingManagerBase):
         self._live_total = sum(self._live_l)
         self._pages_total = sum(self._pages_l)
 
+    _SCORED = ("hA", "hcw", "hpos", "ringA", "ringcw", "zw", "hsum", "hsig")
+
     def _grow(self, n: int | None = None, cols: int | None = None) -> None:
         old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "heavy", "rs", "ntok", "prefilled",
-                                              "need_next", "slot_live", "slot_pages")}
+                                              "need_next", "slot_live", "slot_pages") + self._SCORED * self.scored}
         n0, _, c0 = old["occ"].shape
         self._alloc_arrays(n or n0, cols or c0)
         for k, a in old.items():
@@ -348,6 +386,8 @@ class FastKVManager(EvictingManagerBase):
         del self.slot_of[req]
         for a in (self.occ, self.win, self.alive, self.ring, self.heavy, self.rs):
             a[s] = 0
+        for k in self._SCORED * self.scored:
+            getattr(self, k)[s] = 0
         self.hole_col[s] = -1
         self.holed[s] = -1
         self.ntok[s] = self.need_next[s] = self.slot_live[s] = self.slot_pages[s] = 0
@@ -406,6 +446,8 @@ class FastKVManager(EvictingManagerBase):
             wpos = np.arange(L - W, L)
             self.ring[s][:, wpos % self.window] = (wpos // bs)[None, :]
             self.win[s, :, :cols] = np.bincount(wpos // bs, minlength=cols)[None, :]
+        scored = self.scored and self.tracks_columns
+        gone = self._score_prompt(s, L, W) if scored else None
         if self.budget is not None and L > self.budget:
             cand = L - W
             keep = self.budget - W
@@ -416,6 +458,9 @@ class FastKVManager(EvictingManagerBase):
                 self.live[s] = self.budget
                 self.plan.evicted_tokens += R * (cand - keep)
                 kept = None
+            elif scored:
+                kept = per_page[None, :] - np.bincount(
+                    (np.arange(R)[:, None] * cols + pos_page[None, :cand])[gone], minlength=R * cols).reshape(R, cols)
             elif self.age_weight == "oldest":
                 kept = np.bincount(pos_page[cand - k:cand], minlength=cols)[None, :].repeat(R, 0)
             else:
@@ -606,6 +651,8 @@ class FastKVManager(EvictingManagerBase):
                         rescan &= pages * bs > live
                         if np.count_nonzero(rescan):
                             hole[rescan] = self._first_free(qP[rescan], ev[rescan] + 1, ncol[rescan])
+            elif track:                          # below budget: tokens leaving the window are listed
+                self._pick(q, over, ex, ec, hn)
         self._rs_f[q] = st
         if self.strategy in _COMPACT:
             self._compact_step(S, q, col)
@@ -656,37 +703,137 @@ class FastKVManager(EvictingManagerBase):
 
     def _pick(self, q, over, ex, ec, hn) -> np.ndarray:
         """Column of the token each over-budget row evicts (flat over the step's rows; `hn` is updated
-        in place). The token leaving the window (`ex`, column `ec`) is evicted with probability
-        exit_evict; otherwise it joins the heavy list and a listed token goes: with probability
-        old_share a uniform one, else one of the newest survivors (the list's end, exponential with
-        mean young_span entries). The list holds exactly the columns of a row's live non-window
-        tokens (check_invariants verifies it), so a drawn entry is always a live token."""
+        in place); tokens leaving the window (`ex`, column `ec`) that stay join the row's heavy list.
+        The list holds exactly the columns of a row's live non-window tokens (check_invariants
+        verifies it), so a drawn entry is always a live token. "oldest" evicts the leaving token,
+        "uniform" a uniformly drawn listed one, "young" (H2O) goes through _pick_scored."""
+        if self.scored:
+            return self._pick_scored(q, over, ex, ec, hn)
         Hc = self.heavy.shape[2]
         heavy_f = self._heavy_f
         qH = q * Hc
-        u = self.rng.random((3, q.size))
-        take_exit = over & ex & (u[0] < self.exit_evict)
+        take_exit = over & ex & (self.exit_evict > 0)
         heavy_f[qH + hn] = ec                    # the exiting token's column: listed where it is kept
         hn += ex & ~take_exit
         draw = over & ~take_exit
-        u1 = u[1]
-        young = hn - 1 - (np.log1p(-u1) * -self.young_span).astype(np.int64)
-        idx = np.where(u[2] < self.old_share, (u1 * hn).astype(np.int64), young)
-        last = np.maximum(hn - 1, 0)
-        np.minimum(idx, last, out=idx)
-        np.maximum(idx, 0, out=idx)
+        idx = np.minimum((self.rng.random(q.size) * hn).astype(np.int64), np.maximum(hn - 1, 0))
         hidx = qH + idx
         col = heavy_f[hidx]
-        last += qH
+        last = qH + np.maximum(hn - 1, 0)
         heavy_f[np.where(draw, hidx, last)] = heavy_f[last]     # the drawn entry leaves the list
         hn -= draw
         return np.where(take_exit, ec, col)
+
+    def _pick_scored(self, q, over, ex, ec, hn) -> np.ndarray:
+        """H2O: evict the candidate (listed token or the one leaving the window) with the lowest
+        attention accumulated under the synthetic importance model, in closed form. The newest query
+        at position t_q gives token t  l (1 - d) d^(t_q - t)  (local, d = exp(-1/tau)) plus
+        c w_t / Zw(t_q)  (content: c = 1 - sink share - local share, w_t = exp(sigma z) drawn once,
+        Zw = the sum of w over all positions so far), so what token t has accumulated since its first
+        observed query a0 (t, or the first prefill observation query) is
+
+            l (d^(a0 - t) - d^(t_q + 1 - t)) + c w_t (H(t_q) - H(a0 - 1)),   H(q) = sum of 1/Zw to q,
+
+        the static part A = l d^(a0 - t) - c w_t H(a0 - 1) fixed when the token is written. Sink
+        tokens (the first NUM_SINK) are never evicted. One query per step per row: O(rows x list)."""
+        R, W, Hc = self.rows, self.window, self.heavy.shape[2]
+        m = q.size
+        r = q % R
+        t_new = self.ntok[q // R] - 1                          # the newest token = this step's query
+        l, tau, c = self.h_local[r], self.h_tau[r], self.h_content[r]
+        zw, hsum = self.zw.reshape(-1), self.hsum.reshape(-1)
+        w = np.exp(self.hsig.reshape(-1)[q] * self.rng.standard_normal(m))
+        h_before = hsum[q]
+        zw[q] += w
+        H = h_before + 1.0 / zw[q]
+        hsum[q] = H
+        cw_new = c * w
+        A_new = l - cw_new * h_before
+        ex = np.broadcast_to(ex, (m,))
+        if W:
+            at = q * W + t_new % W
+            ringA, ringcw = self.ringA.reshape(-1), self.ringcw.reshape(-1)
+            A_e, cw_e = ringA[at], ringcw[at]
+            ringA[at], ringcw[at] = A_new, cw_new
+            pos_e = t_new - W
+        else:                                                   # no window: the new token is a candidate at once
+            A_e, cw_e, pos_e, ex = A_new, cw_new, t_new, np.ones(m, bool)
+        s_exit = np.where(ex, A_e + cw_e * H - l * np.exp((pos_e - t_new - 1) / tau), np.inf)
+        hm = int(hn.max()) if m else 0
+        qH = q * Hc
+        if hm:
+            at2 = qH[:, None] + np.arange(hm)
+            score = self._hA_f[at2] + self._hcw_f[at2] * H[:, None] \
+                - l[:, None] * np.exp((self._hpos_f[at2] - t_new[:, None] - 1) / tau[:, None])
+            score[np.arange(hm)[None, :] >= hn[:, None]] = np.inf
+            j = np.argmin(score, axis=1)
+            s_min = score[np.arange(m), j]
+        else:
+            j, s_min = np.zeros(m, np.int64), np.full(m, np.inf)
+        take_exit = over & ex & (s_exit <= s_min)
+        add = ex & ~take_exit
+        lists = (self._heavy_f, self._hA_f, self._hcw_f, self._hpos_f)
+        if add.any():
+            at_add = (qH + hn)[add]
+            ec = np.broadcast_to(ec, (m,))
+            for arr, v in zip(lists, (ec, A_e, cw_e, np.broadcast_to(pos_e, (m,)))):
+                arr[at_add] = v[add]
+            hn += add
+        draw = over & ~take_exit
+        hidx = qH + j
+        col = self._heavy_f[hidx]
+        if draw.any():
+            src_at, dst_at = (qH + hn - 1)[draw], hidx[draw]    # the last entry fills the drawn one's place
+            for arr in lists:
+                arr[dst_at] = arr[src_at]
+            hn -= draw
+        return np.where(take_exit, ec, col)
+
+    def _score_prompt(self, s: int, L: int, W: int) -> np.ndarray:
+        """H2O's prompt cut under the importance model: draw the prompt's content weights, score the
+        candidates by the last obs_window prefill queries, list the kept ones (with their score
+        terms) and put the window tokens' terms in the ring. Returns bool [rows, L - W]: evicted."""
+        R, bs = self.rows, self.block_size
+        obs = min(self.obs_window, L)
+        sig = self.h_sigma * np.exp(self.sigma_jitter * self.rng.standard_normal(R))
+        self.hsig[s] = sig
+        w = np.exp(sig[:, None] * self.rng.standard_normal((R, L)))
+        zw = np.cumsum(w, axis=1)
+        q0 = L - obs
+        hq = np.cumsum(1.0 / zw[:, q0:], axis=1)               # H(q), q = q0 .. L-1
+        h_prev = np.zeros((R, L))                               # H(a0 - 1), a0 = max(t, q0)
+        h_prev[:, q0 + 1:] = hq[:, :-1]
+        t = np.arange(L)
+        l, tau = self.h_local[:, None], self.h_tau[:, None]
+        cw = self.h_content[:, None] * w
+        A = l * np.exp(-(np.maximum(t, q0) - t) / tau) - cw * h_prev
+        A[:, :NUM_SINK] = np.inf
+        self.zw[s], self.hsum[s] = zw[:, -1], hq[:, -1]
+        if W:
+            wpos = np.arange(L - W, L)
+            self.ringA[s][:, wpos % W] = A[:, wpos]
+            self.ringcw[s][:, wpos % W] = cw[:, wpos]
+        cand = L - W
+        keep = min(cand, self.budget - W)
+        score = A[:, :cand] + cw[:, :cand] * hq[:, -1:] - l * np.exp((t[:cand] - L) / tau)
+        kept = np.sort(np.argsort(-score, axis=1, kind="stable")[:, :keep], axis=1)
+        self.heavy[s, :, :keep] = kept // bs
+        self.hA[s, :, :keep] = np.take_along_axis(A, kept, axis=1)
+        self.hcw[s, :, :keep] = np.take_along_axis(cw, kept, axis=1)
+        self.hpos[s, :, :keep] = kept
+        self.hn[s] = keep
+        gone = np.ones((R, cand), bool)
+        np.put_along_axis(gone, kept, False, axis=1)
+        return gone
 
     def _rebuild_heavy(self, s: int, rows: np.ndarray) -> None:
         """The heavy list of some rows from their per-column non-window counts (column order = age order)."""
         if self.budget is None or rows.size == 0 or not self.tracks_columns:
             return
         cnt = (np.maximum(self.occ[s, rows] - self.win[s, rows], 0) * self.alive[s, rows]).astype(np.int64)
+        if self.scored and self.prefilled[s]:
+            self._remap_heavy(s, rows, cnt)
+            return
         cap = self.heavy.shape[2]
         tot = cnt.sum(axis=1)
         if (tot > cap).any():
@@ -697,6 +844,28 @@ class FastKVManager(EvictingManagerBase):
         idx = np.arange(cols.size) - start[row_of]
         self.heavy[s, rows[row_of], idx] = cols
         self.hn[s, rows] = tot
+
+    def _remap_heavy(self, s: int, rows: np.ndarray, cnt: np.ndarray) -> None:
+        """Scored lists after tokens moved between columns (compaction, sparse copy): entries keep their
+        score terms; an entry stays in its column while the column holds that many non-window tokens,
+        the rest take the columns' remaining places in order."""
+        k, Hc = rows.size, self.heavy.shape[2]
+        P = cnt.shape[1]
+        col = self.heavy[s, rows].astype(np.int64)
+        valid = np.arange(Hc)[None, :] < self.hn[s, rows][:, None]
+        if (valid.sum(axis=1) != cnt.sum(axis=1)).any():
+            raise AssertionError("fast mode: heavy list length differs from the non-window tokens")
+        key = np.where(valid, np.arange(k)[:, None] * P + col, k * P).ravel()
+        order = np.argsort(key, kind="stable")
+        sk = key[order]
+        rank = np.empty_like(key)
+        rank[order] = np.arange(key.size) - np.searchsorted(sk, sk)
+        stays = valid.ravel() & (rank < np.append(cnt.ravel(), 0)[key])
+        cap = cnt.ravel() - np.bincount(key[stays], minlength=k * P)[:k * P]
+        moved = np.flatnonzero(valid.ravel() & ~stays)
+        new = col.ravel()
+        new[moved] = np.repeat(np.arange(k * P), cap) % P
+        self.heavy[s, rows] = new.reshape(k, Hc)
 
     def _after_evict(self, over, ev, ev_at, st) -> np.ndarray | None:
         """The slot strategy's answer to this step's evictions (column ev of each over-budget row),

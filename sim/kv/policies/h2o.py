@@ -41,4 +41,4 @@ class H2O(EvictionPolicy):
 
     def fast_mode_profile(self) -> dict:
         return {"budget": self.budget, "protect_recent": self.recent, "protect_first": 0,
-                "age_weight": "young", "per_step": 1}
+                "age_weight": "young", "per_step": 1, "obs_window": self.obs_window}
