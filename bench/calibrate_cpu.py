@@ -36,11 +36,13 @@ The importance file's per-head statistics come from `replay-sweep`'s attention s
 content correlation from the evictions recorded in the `replay-h2o-b*` replays (`kvsim calibrate
 --attention ... --decisions ...`); the simulated h2o cross-check uses that fitted model
 (`kv.importance=smollm2-135m-fitted`). Each cross-check replay is preceded by an unmeasured warm-up
-prompt (`kvsim crosscheck --warmup`, the default).
+prompt (`kvsim crosscheck --warmup`, the default). Observed on this machine with or without it: the
+first step of the second replay in a process (after the warm-up, or repeat 2 without one) reads
+10-30% slower than in the later repeats; the median over repeats absorbs it.
 
     python bench/calibrate_cpu.py --out runs/calibration [--repeats 3] [--crosscheck-repeats 3]
         [--threads 1] [--clock cpu] [--reuse] [--replay-only] [--skip-crosscheck] [--skip-fit]
-        [--crosschecks none h2o] [--crosscheck-suffix -run2]
+        [--crosschecks none h2o] [--crosscheck-suffix=-run2]
 """
 from __future__ import annotations
 
@@ -141,8 +143,9 @@ def main() -> None:
     ap.add_argument("--skip-fit", action="store_true", help="keep the shipped profile and importance files (only "
                                                            "run the cross-checks)")
     ap.add_argument("--crosschecks", nargs="+", choices=["none", "h2o"], default=["none", "h2o"])
-    ap.add_argument("--crosscheck-suffix", default="", help="cross-check directories crosscheck-{none,h2o}SUFFIX "
-                                                            "(several runs side by side)")
+    ap.add_argument("--crosscheck-suffix", default="",
+                    help="cross-check directories crosscheck-{none,h2o}SUFFIX (several runs side by side; a value "
+                         "starting with - needs =, e.g. --crosscheck-suffix=-run2)")
     ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
                     help="tuned: rerun under MALLOC_ENV (glibc keeps freed memory; see the module doc)")
     args = ap.parse_args()

@@ -125,8 +125,7 @@ def crosscheck(
                                              "once per repeat)"),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup",
                                 help="before each replay, run the workload's longest prompt once, unmeasured, on "
-                                     "the same model (as a server's start-up profiling run does): otherwise the "
-                                     "first large step also pays for first-touch memory and reads slow"),
+                                     "the same model (as a server's start-up profiling run does)"),
     recorded: bool = typer.Option(True, "--recorded/--no-recorded",
                                   help="also simulate with the replay's measured step times and compare "
                                        "memory metrics step by step (needed with repeats)"),

@@ -34,7 +34,8 @@ def content_weights(model: SyntheticImportance, req_id: int, positions: np.ndarr
     return state.field("imp_w")[:, :len(positions)].copy()
 
 
-@pytest.mark.parametrize("fields", [{}, {"content_correlation": 0}, {"content_correlation": 0.0, "correlation_length": 8}])
+@pytest.mark.parametrize("fields", [{}, {"content_correlation": 0},
+                                    {"content_correlation": 0.0, "correlation_length": 8}])
 def test_without_correlation_weights_are_the_uncorrelated_draws_bit_for_bit(tmp_path, fields):
     model = SyntheticImportance(CTX, ImportanceModelSpec.load(spec_file(tmp_path, **fields)), seed=3)
     positions = np.arange(2 * CHUNK + 40)

@@ -27,11 +27,13 @@ Three sources stand behind one interface, `ImportanceSource`:
   rho * exp(-k / ell). u over a chunk is the AR(1) filter, written as one matrix product, over the
   innovations e of that chunk and the previous one (each drawn from its own seeded generator; the
   filter starts at zero CHUNK positions early, a variance deficit below phi^(2 * CHUNK) = 3e-4 for
-  ell <= 64), so a chunk's weights still depend only on (seed, request, chunk). Without these fields (rho = 0) the
-  weights are bit for bit the uncorrelated model's. `kvsim calibrate --attention ... --decisions`
-  fits rho and ell to a replay's recorded H2O evictions (sim/calibrate.py fit_content_correlation).
-  What a policy sees is a_q restricted to the live tokens and renormalized
-  (real attention only covers resident tokens); the mass the live tokens hold under the full
+  ell <= 64), so a chunk's weights still depend only on (seed, request, chunk). Without these
+  fields (rho = 0) the weights are bit for bit the uncorrelated model's. `kvsim calibrate
+  --attention ... --decisions` fits rho and ell to a replay's recorded H2O evictions
+  (sim/calibrate.py fit_content_correlation). The block-occupancy fast mode (sim/kv/fast.py) draws
+  evictions from its own fitted distributions and does not read these fields.
+  What a policy sees is a_q restricted to the live tokens and renormalized (real attention only
+  covers resident tokens); the mass the live tokens hold under the full
   cache, sum over live t of a_q(t), is the *attention mass retained* quality proxy.
   The query heads of a GQA group share their KV head's pattern in this model. Parameters come from
   a YAML file under `sim/data/importance/` (see `smollm2-135m.yaml`; `fit` tools may write others).
@@ -253,8 +255,8 @@ class SyntheticImportance(ImportanceSource):
         rho = self.spec.content_correlation
         if rho == 0.0:
             return z
-        innovations = np.concatenate([np.random.default_rng([self.seed, 3, req_id, c + 1]).standard_normal((rows, CHUNK))
-                                      for c in (chunk - 1, chunk)], axis=1)
+        innovations = np.concatenate([np.random.default_rng([self.seed, 3, req_id, c + 1]).standard_normal(
+            (rows, CHUNK)) for c in (chunk - 1, chunk)], axis=1)
         smooth = innovations @ self._ar1_filter()
         return (np.sqrt(rho) * smooth + np.sqrt(1 - rho) * z).astype(np.float32)
 
