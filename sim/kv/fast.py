@@ -51,6 +51,7 @@ import numpy as np
 from ..core.request import Request
 from .base import EvictingManagerBase
 from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
+from .fast_kernels import K as KCAND, first_free, scored_step
 from .importance import NUM_SINK, ImportanceModelSpec, SyntheticImportance
 from .policy import EvictionPolicy, PolicyContext, PolicyError
 
@@ -167,8 +168,10 @@ class FastKVManager(EvictingManagerBase):
             # content coefficient `hcw` and position; the same for window tokens in a ring; per row the
             # content normalizer Zw, the running sum H of 1/Zw over the observed queries, and sigma
             Hc = self.heavy.shape[2]
-            self.hA, self.hcw = np.zeros((n, R, Hc)), np.zeros((n, R, Hc))
-            self.hpos = np.zeros((n, R, Hc), np.int64)
+            self.hv = np.zeros((n, R, Hc, 3))               # A, CW and E = l exp((pos - eref) / tau)
+            self.eref = np.zeros((n, R))                     # reference position of E (rebased as tokens age)
+            self.cand = np.zeros((n, R, KCAND, 4))           # evict_lowest's candidates and threshold
+            self.thr = np.full((n, R), -np.inf)
             self.ringA, self.ringcw = np.zeros((n, R, W)), np.zeros((n, R, W))
             self.zw, self.hsum, self.hsig = np.zeros((n, R)), np.zeros((n, R)), np.zeros((n, R))
         self.rs[:, :, [HOLE, HOLED]] = -1
@@ -181,7 +184,7 @@ class FastKVManager(EvictingManagerBase):
         self._occ_f, self._win_f, self._alive_f = self.occ.reshape(-1), self.win.reshape(-1), self.alive.reshape(-1)
         self._ring_f, self._heavy_f = self.ring.reshape(-1), self.heavy.reshape(-1)
         if self.scored:
-            self._hA_f, self._hcw_f, self._hpos_f = self.hA.reshape(-1), self.hcw.reshape(-1), self.hpos.reshape(-1)
+            self._hv_f = self.hv.reshape(-1, 3)
         self._row_ids = np.arange(R)[None, :]
         self._index_key = None                              # S.tobytes() of the last step's index arrays
         self.ntok = np.zeros(n, np.int64)
@@ -212,7 +215,7 @@ class FastKVManager(EvictingManagerBase):
         self._live_total = sum(self._live_l)
         self._pages_total = sum(self._pages_l)
 
-    _SCORED = ("hA", "hcw", "hpos", "ringA", "ringcw", "zw", "hsum", "hsig")
+    _SCORED = ("hv", "eref", "ringA", "ringcw", "zw", "hsum", "hsig", "cand", "thr")
 
     def _grow(self, n: int | None = None, cols: int | None = None) -> None:
         old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "heavy", "rs", "ntok", "prefilled",
@@ -388,6 +391,8 @@ class FastKVManager(EvictingManagerBase):
             a[s] = 0
         for k in self._SCORED * self.scored:
             getattr(self, k)[s] = 0
+        if self.scored:
+            self._reset_candidates(s)
         self.hole_col[s] = -1
         self.holed[s] = -1
         self.ntok[s] = self.need_next[s] = self.slot_live[s] = self.slot_pages[s] = 0
@@ -473,7 +478,8 @@ class FastKVManager(EvictingManagerBase):
         self.prefilled[s] = True
         self._prefilled_l[s] = True
         self._settle_generic(s, np.arange(R))
-        self._rebuild_heavy(s, np.arange(R))
+        if not scored:                           # scored lists are built by _score_prompt (and remapped by compaction)
+            self._rebuild_heavy(s, np.arange(R))
         self._update_need(np.array([s]))
 
     def _settle_generic(self, s: int, rows: np.ndarray) -> None:
@@ -685,11 +691,7 @@ class FastKVManager(EvictingManagerBase):
         emptied page is freed at once; check_invariants verifies it), so a free slot is 0 < occ < bs."""
         if qP.size == 0:
             return start
-        P = self.occ.shape[2]
-        lo, hi = int(start.min()), int(stop.max())
-        occ = self.occ.reshape(-1, P)[qP // P, lo:hi]
-        occ -= 1
-        return lo + (occ.view(np.uint32) < self.block_size - 1).argmax(axis=1)
+        return first_free(self.occ.reshape(-1, self.occ.shape[2]), qP, start, stop, self.block_size)
 
     def _index(self, S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Flat row ids q of the slots in S (slot-major), their first page ids q * cols and ring
@@ -699,6 +701,9 @@ class FastKVManager(EvictingManagerBase):
             q2 = S[:, None] * self.rows + self._row_ids
             self._index_arrays = (q2.ravel(), q2.ravel() * self.occ.shape[2], q2 * max(self.window, 1))
             self._index_key = key
+            if self.scored:                      # per-row head constants of _pick_scored, in the same order
+                r = np.tile(np.arange(self.rows), S.size)
+                self._row_consts = (self.h_local[r], 1.0 / self.h_tau[r], self.h_content[r])
         return self._index_arrays
 
     def _pick(self, q, over, ex, ec, hn) -> np.ndarray:
@@ -735,59 +740,23 @@ class FastKVManager(EvictingManagerBase):
             l (d^(a0 - t) - d^(t_q + 1 - t)) + c w_t (H(t_q) - H(a0 - 1)),   H(q) = sum of 1/Zw to q,
 
         the static part A = l d^(a0 - t) - c w_t H(a0 - 1) fixed when the token is written. Sink
-        tokens (the first NUM_SINK) are never evicted. One query per step per row: O(rows x list)."""
+        tokens (the first NUM_SINK) are never evicted. The local part of a listed token is kept as
+        E = l d^(eref - t) against a per-row reference position eref, so its value after query t_q is
+        E g with g = d^(t_q + 1 - eref): the list scan (fast_kernels.evict_lowest) needs no exp.
+        eref moves to the newest token (E rescaled) before d^(t_q - eref) could overflow."""
         R, W, Hc = self.rows, self.window, self.heavy.shape[2]
         m = q.size
-        r = q % R
+        l, inv_tau, c = self._row_consts
         t_new = self.ntok[q // R] - 1                          # the newest token = this step's query
-        l, tau, c = self.h_local[r], self.h_tau[r], self.h_content[r]
-        zw, hsum = self.zw.reshape(-1), self.hsum.reshape(-1)
-        w = np.exp(self.hsig.reshape(-1)[q] * self.rng.standard_normal(m))
-        h_before = hsum[q]
-        zw[q] += w
-        H = h_before + 1.0 / zw[q]
-        hsum[q] = H
-        cw_new = c * w
-        A_new = l - cw_new * h_before
-        ex = np.broadcast_to(ex, (m,))
-        if W:
-            at = q * W + t_new % W
-            ringA, ringcw = self.ringA.reshape(-1), self.ringcw.reshape(-1)
-            A_e, cw_e = ringA[at], ringcw[at]
-            ringA[at], ringcw[at] = A_new, cw_new
-            pos_e = t_new - W
-        else:                                                   # no window: the new token is a candidate at once
-            A_e, cw_e, pos_e, ex = A_new, cw_new, t_new, np.ones(m, bool)
-        s_exit = np.where(ex, A_e + cw_e * H - l * np.exp((pos_e - t_new - 1) / tau), np.inf)
-        hm = int(hn.max()) if m else 0
-        qH = q * Hc
-        if hm:
-            at2 = qH[:, None] + np.arange(hm)
-            score = self._hA_f[at2] + self._hcw_f[at2] * H[:, None] \
-                - l[:, None] * np.exp((self._hpos_f[at2] - t_new[:, None] - 1) / tau[:, None])
-            score[np.arange(hm)[None, :] >= hn[:, None]] = np.inf
-            j = np.argmin(score, axis=1)
-            s_min = score[np.arange(m), j]
-        else:
-            j, s_min = np.zeros(m, np.int64), np.full(m, np.inf)
-        take_exit = over & ex & (s_exit <= s_min)
-        add = ex & ~take_exit
-        lists = (self._heavy_f, self._hA_f, self._hcw_f, self._hpos_f)
-        if add.any():
-            at_add = (qH + hn)[add]
-            ec = np.broadcast_to(ec, (m,))
-            for arr, v in zip(lists, (ec, A_e, cw_e, np.broadcast_to(pos_e, (m,)))):
-                arr[at_add] = v[add]
-            hn += add
-        draw = over & ~take_exit
-        hidx = qH + j
-        col = self._heavy_f[hidx]
-        if draw.any():
-            src_at, dst_at = (qH + hn - 1)[draw], hidx[draw]    # the last entry fills the drawn one's place
-            for arr in lists:
-                arr[dst_at] = arr[src_at]
-            hn -= draw
-        return np.where(take_exit, ec, col)
+        return scored_step(q, t_new, self.rng.standard_normal(m), l, inv_tau, c, W, Hc, over,
+                           np.broadcast_to(ex, (m,)), np.broadcast_to(ec, (m,)), hn, self.hsig.reshape(-1),
+                           self.zw.reshape(-1), self.hsum.reshape(-1), self.eref.reshape(-1),
+                           self.ringA.reshape(-1), self.ringcw.reshape(-1), self._heavy_f, self._hv_f,
+                           self.cand.reshape(-1, KCAND, 4), self.thr.reshape(-1))
+
+    def _reset_candidates(self, s: int) -> None:
+        self.cand[s, :, :, 0] = -1
+        self.thr[s] = -np.inf                    # the first eviction scans the whole list
 
     def _score_prompt(self, s: int, L: int, W: int) -> np.ndarray:
         """H2O's prompt cut under the importance model: draw the prompt's content weights, score the
@@ -806,7 +775,8 @@ class FastKVManager(EvictingManagerBase):
         t = np.arange(L)
         l, tau = self.h_local[:, None], self.h_tau[:, None]
         cw = self.h_content[:, None] * w
-        A = l * np.exp(-(np.maximum(t, q0) - t) / tau) - cw * h_prev
+        decay = np.exp((t - (L - 1)) / tau)                     # d^(L - 1 - t)
+        A = l * np.minimum(decay * np.exp((L - 1 - q0) / tau), 1.0) - cw * h_prev
         A[:, :NUM_SINK] = np.inf
         self.zw[s], self.hsum[s] = zw[:, -1], hq[:, -1]
         if W:
@@ -815,13 +785,16 @@ class FastKVManager(EvictingManagerBase):
             self.ringcw[s][:, wpos % W] = cw[:, wpos]
         cand = L - W
         keep = min(cand, self.budget - W)
-        score = A[:, :cand] + cw[:, :cand] * hq[:, -1:] - l * np.exp((t[:cand] - L) / tau)
-        kept = np.sort(np.argsort(-score, axis=1, kind="stable")[:, :keep], axis=1)
+        score = A[:, :cand] + cw[:, :cand] * hq[:, -1:] - l * decay[:, :cand] * np.exp(-1.0 / tau)
+        kept = np.sort(np.argpartition(-score, keep - 1, axis=1)[:, :keep], axis=1) if keep < cand else \
+            np.broadcast_to(np.arange(cand), (R, cand))
         self.heavy[s, :, :keep] = kept // bs
-        self.hA[s, :, :keep] = np.take_along_axis(A, kept, axis=1)
-        self.hcw[s, :, :keep] = np.take_along_axis(cw, kept, axis=1)
-        self.hpos[s, :, :keep] = kept
+        self.hv[s, :, :keep, 0] = np.take_along_axis(A, kept, axis=1)
+        self.hv[s, :, :keep, 1] = np.take_along_axis(cw, kept, axis=1)
+        self.eref[s] = L - 1
+        self.hv[s, :, :keep, 2] = l * np.take_along_axis(decay, kept, axis=1)
         self.hn[s] = keep
+        self._reset_candidates(s)
         gone = np.ones((R, cand), bool)
         np.put_along_axis(gone, kept, False, axis=1)
         return gone

@@ -1,0 +1,262 @@
+"""Fast mode's H2O eviction step as a compiled kernel, with its numpy twin.
+
+Each simulated row holds a list of its live non-window tokens: page column, static score part A,
+content coefficient cw and local-decay term E (see FastKVManager._pick_scored). Per decode step a row
+over its budget evicts the lowest-scored candidate — a listed token, score A + cw H - E g, or the
+token leaving the recent window (score `s_exit`) — and a leaving token that stays joins the list.
+The list scan is O(list) per row: ~130 entries x ~200 rows per step on the benchmark, which numpy
+pays for with a dozen [rows, list] temporaries per step (the step's cost doubled); the kernel does
+it in one pass. Both functions leave the same lists, counts and columns (tests/test_kv_fast.py
+compares them; ties go to the first entry in both). numba is optional: without it (the real
+backend's machines need not have it) the numpy twin runs, with identical results.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from numba import njit
+except ImportError:          # pragma: no cover - exercised where numba is absent
+    njit = None
+
+
+K = 8                        # candidates the kernel keeps per row between full scans
+A, CW, E = range(3)          # fields of a listed token's score terms (hv[..., field])
+REBASE = 500.0               # rebase a row's local terms when (t - eref) / tau passes this (exp(500) fits)
+
+
+def scored_step_np(q, t_new, z, l, inv_tau, c, W, Hc, over, ex, ec, hn, hsig, zw, hsum, eref, ringA, ringcw,
+                   heavy, hv, cand, thr):
+    """numpy twin of `scored_step`."""
+    m = q.size
+    w = np.exp(hsig[q] * z)
+    h_before = hsum[q]
+    zq = zw[q] + w
+    zw[q] = zq
+    H = h_before + 1.0 / zq
+    hsum[q] = H
+    cw_new = c * w
+    A_new = l - cw_new * h_before
+    ref = eref[q]
+    aged = (t_new - ref) * inv_tau > REBASE
+    if aged.any():
+        rows, new = q[aged], t_new[aged].astype(np.float64)
+        scale = np.exp((ref[aged] - new) * inv_tau[aged])
+        hv.reshape(-1, Hc, 3)[rows, :, E] *= scale[:, None]
+        cand[rows, :, 1 + E] *= scale[:, None]
+        eref[rows] = new
+        ref = ref.copy()
+        ref[aged] = new
+    g = np.exp((ref - t_new - 1) * inv_tau)
+    if W:
+        at = q * W + t_new % W
+        A_e, cw_e = ringA[at], ringcw[at]
+        ringA[at], ringcw[at] = A_new, cw_new
+        pos_e = t_new - W
+    else:                                       # no window: the new token is a candidate at once
+        A_e, cw_e, pos_e, ex = A_new, cw_new, t_new, np.ones(m, bool)
+    E_e = l * np.exp((pos_e - ref) * inv_tau)
+    s_exit = np.where(ex, A_e + cw_e * H - E_e * g, np.inf)
+    return evict_lowest_np(q, Hc, hn, over, ex, H, g, s_exit, ec, np.stack([A_e, cw_e, E_e], axis=1),
+                           heavy, hv, cand, thr)
+
+
+def _scored_step_loop(q, t_new, z, l, inv_tau, c, W, Hc, over, ex, ec, hn, hsig, zw, hsum, eref, ringA, ringcw,
+                      heavy, hv, cand, thr):
+    m = q.size
+    H, g, s_exit = np.empty(m), np.empty(m), np.empty(m)
+    new = np.empty((m, 3))
+    exits = np.empty(m, np.bool_)
+    for i in range(m):
+        r, t = q[i], t_new[i]
+        w = np.exp(hsig[r] * z[i])
+        h_before = hsum[r]
+        zq = zw[r] + w
+        zw[r] = zq
+        H[i] = h_before + 1.0 / zq
+        hsum[r] = H[i]
+        cw_new = c[i] * w
+        A_new = l[i] - cw_new * h_before
+        ref = eref[r]
+        if (t - ref) * inv_tau[i] > REBASE:
+            scale = np.exp((ref - t) * inv_tau[i])
+            for e in range(Hc):
+                hv[r * Hc + e, E] *= scale
+            for k in range(K):
+                cand[r, k, 1 + E] *= scale
+            ref = float(t)
+            eref[r] = ref
+        g[i] = np.exp((ref - t - 1) * inv_tau[i])
+        if W:
+            at = r * W + t % W
+            A_e, cw_e = ringA[at], ringcw[at]
+            ringA[at], ringcw[at] = A_new, cw_new
+            pos_e = t - W
+            exits[i] = ex[i]
+        else:
+            A_e, cw_e, pos_e = A_new, cw_new, t
+            exits[i] = True
+        E_e = l[i] * np.exp((pos_e - ref) * inv_tau[i])
+        new[i, A], new[i, CW], new[i, E] = A_e, cw_e, E_e
+        s_exit[i] = A_e + cw_e * H[i] - E_e * g[i] if exits[i] else np.inf
+    return _evict_lowest_loop(q, Hc, hn, over, exits, H, g, s_exit, ec, new, heavy, hv, cand, thr)
+
+
+def evict_lowest_np(q, Hc, hn, over, ex, H, g, s_exit, ec, new, heavy, hv, cand, thr):
+    """numpy twin of `evict_lowest` (same arguments; scans every row's whole list; `cand` and `thr`
+    are the kernel's own bookkeeping and are left alone)."""
+    qH = q * Hc
+    m = q.size
+    hm = int(hn.max()) if m else 0
+    if hm:
+        at2 = qH[:, None] + np.arange(hm)
+        v = hv[at2]
+        score = v[..., A] + v[..., CW] * H[:, None] - v[..., E] * g[:, None]
+        score[np.arange(hm)[None, :] >= hn[:, None]] = np.inf
+        j = np.argmin(score, axis=1)
+        s_min = score[np.arange(m), j]
+    else:
+        j, s_min = np.zeros(m, np.int64), np.full(m, np.inf)
+    take_exit = over & ex & (s_exit <= s_min)
+    add = ex & ~take_exit
+    if add.any():
+        at_add = (qH + hn)[add]
+        heavy[at_add] = ec[add]
+        hv[at_add] = new[add]
+        hn += add
+    draw = over & ~take_exit
+    hidx = qH + j
+    col = heavy[hidx]
+    if draw.any():
+        src_at, dst_at = (qH + hn - 1)[draw], hidx[draw]    # the last entry fills the evicted one's place
+        heavy[dst_at] = heavy[src_at]
+        hv[dst_at] = hv[src_at]
+        hn -= draw
+    return np.where(take_exit, ec, col)
+
+
+def _evict_lowest_loop(q, Hc, hn, over, ex, H, g, s_exit, ec, new, heavy, hv, cand, thr):
+    m = q.size
+    out = np.empty(m, heavy.dtype)
+    buf = np.empty(Hc)
+    for i in range(m):
+        r = q[i]
+        base = r * Hc
+        n = hn[i]
+        h, gg = H[i], g[i]
+        c = cand[r]                        # [K, 4]: list index (-1 = empty), A, CW, E
+        # the lowest-scored listed entry: among the candidates, valid while not above the threshold
+        # (every other entry scored >= thr when it was left out, and scores never decrease)
+        best, j = np.inf, -1
+        if over[i]:
+            for k in range(K):
+                e = int(c[k, 0])
+                if e >= 0:
+                    sc = c[k, 1] + c[k, 2] * h - c[k, 3] * gg
+                    if sc < best or (sc == best and e < j):
+                        best, j = sc, e
+            if n > 0 and (j < 0 or best > thr[r]):          # full scan: the K lowest become the candidates
+                for e in range(n):
+                    buf[e] = hv[base + e, A] + hv[base + e, CW] * h - hv[base + e, E] * gg
+                top = np.full(K, -1)
+                t = np.inf
+                for e in range(n):
+                    sc = buf[e]
+                    if top[K - 1] >= 0:
+                        if sc >= buf[top[K - 1]]:
+                            t = min(t, sc)
+                            continue
+                        t = min(t, buf[top[K - 1]])
+                    k = K - 1
+                    while k > 0 and (top[k - 1] < 0 or buf[top[k - 1]] > sc):
+                        top[k] = top[k - 1]
+                        k -= 1
+                    top[k] = e
+                thr[r] = t
+                for k in range(K):
+                    e = top[k]
+                    c[k, 0] = e
+                    if e >= 0:
+                        c[k, 1], c[k, 2], c[k, 3] = hv[base + e, A], hv[base + e, CW], hv[base + e, E]
+                best, j = buf[top[0]], top[0]
+        take_exit = over[i] and ex[i] and s_exit[i] <= best
+        if ex[i] and not take_exit:                         # the leaving token joins the list at n
+            heavy[base + n] = ec[i]
+            hv[base + n, A], hv[base + n, CW], hv[base + n, E] = new[i, A], new[i, CW], new[i, E]
+            if s_exit[i] < thr[r]:                          # it may be the lowest soon: a candidate
+                free, worst, worst_sc = -1, -1, -np.inf
+                for k in range(K):
+                    e = int(c[k, 0])
+                    if e < 0:
+                        free = k
+                    elif e != j:
+                        sc = c[k, 1] + c[k, 2] * h - c[k, 3] * gg
+                        if sc > worst_sc:
+                            worst, worst_sc = k, sc
+                if free < 0 and worst >= 0 and worst_sc > s_exit[i]:
+                    free = worst
+                    thr[r] = min(thr[r], worst_sc)          # the one left out scores >= this from now on
+                if free >= 0:
+                    c[free, 0], c[free, 1], c[free, 2], c[free, 3] = n, new[i, A], new[i, CW], new[i, E]
+                else:
+                    thr[r] = min(thr[r], s_exit[i])
+            n += 1
+        if take_exit or not over[i]:
+            out[i] = ec[i]
+        else:
+            at, last = base + j, base + n - 1
+            out[i] = heavy[at]
+            heavy[at] = heavy[last]
+            hv[at, A], hv[at, CW], hv[at, E] = hv[last, A], hv[last, CW], hv[last, E]
+            for k in range(K):                              # the evicted entry leaves; the last one moved
+                if c[k, 0] == j:
+                    c[k, 0] = -1
+                elif c[k, 0] == n - 1:
+                    c[k, 0] = j
+            n -= 1
+        hn[i] = n
+    return out
+
+
+def first_free_np(occ, qP, start, stop, bs):
+    """numpy twin of `first_free`."""
+    P = occ.shape[1]
+    lo, hi = int(start.min()), int(stop.max())
+    o = occ[qP // P, lo:hi] - 1
+    return lo + (o.view(np.uint32) < bs - 1).argmax(axis=1)
+
+
+def _first_free_loop(occ, qP, start, stop, bs):
+    P = occ.shape[1]
+    out = np.empty(qP.size, np.int64)
+    for i in range(qP.size):
+        row = occ[qP[i] // P]
+        col = start[i]
+        while col < stop[i] - 1 and not 0 < row[col] < bs:
+            col += 1
+        out[i] = col
+    return out
+
+
+if njit is not None:
+    first_free = njit(cache=True, nogil=True)(_first_free_loop)
+    _evict_lowest_loop = njit(cache=True, nogil=True)(_evict_lowest_loop)
+    evict_lowest = _evict_lowest_loop
+    scored_step = njit(cache=True, nogil=True)(_scored_step_loop)
+else:
+    evict_lowest, scored_step, first_free = evict_lowest_np, scored_step_np, first_free_np
+first_free.__doc__ = """First column in [start, stop) of each flat row (page ids qP = row * cols of occ [rows, cols])
+holding 0 < occ < bs tokens: a page with a free slot (callers guarantee one in the range)."""
+scored_step.__doc__ = """One H2O decode step of fast mode's scored rows (see FastKVManager._pick_scored): per row i
+(flat row q[i], query position t_new[i], content draw z[i] ~ N(0, 1), head constants l, inv_tau, c):
+the new token's content weight exp(hsig z) updates the row's normalizer zw and H = sum of 1/zw; its
+score terms enter the window ring (W > 0) and the token leaving it comes out; then `evict_lowest`."""
+evict_lowest.__doc__ = """Per row i (flat row q[i], list at q[i] * Hc of length hn[i], updated in place; its tokens'
+columns in `heavy`, score terms (A, CW, E) in hv [entries, 3]): if over[i], evict the candidate with
+the lowest score — the listed entry minimizing A + CW H[i] - E g[i], or the leaving token (ex[i],
+score s_exit[i], column ec[i]) when its score is not higher; a leaving token that stays is appended
+(column ec[i], terms new[i]); the evicted entry's place takes the list's last entry. Returns the
+evicted column per row (ec for rows not over budget: unused). The kernel scans a row's whole list
+only when its K candidates (cand [rows, K, 4]: list index, -1 = empty, and a copy of the entry's
+terms, so the common step reads one small record per row) cannot hold the minimum (their best score
+is above thr, the lowest score an entry had when it was left out): exact, as scores only grow."""
