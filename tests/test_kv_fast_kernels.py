@@ -1,0 +1,90 @@
+"""Fast mode's compiled kernels against their numpy twins (same decisions, same state)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sim.kv import fast, fast_kernels as fk
+from test_kv_manager import H2O, run
+
+pytestmark = pytest.mark.skipif(fk.njit is None, reason="numba not installed: the twins are the only path")
+
+
+def _random_rows(rng, rows=6, Hc=24, W=4):
+    st = {
+        "hn": rng.integers(3, 14, rows).astype(np.int32),
+        "hsig": rng.uniform(0.5, 3.0, rows), "zw": rng.uniform(50, 80, rows), "hsum": rng.uniform(0.1, 0.3, rows),
+        "eref": rng.uniform(0, 40, rows), "ringA": rng.random(rows * W), "ringcw": rng.random(rows * W),
+        "heavy": rng.integers(0, 30, rows * Hc).astype(np.int32), "hv": rng.random((rows * Hc, 3)),
+        "cand": np.zeros((rows, fk.K, 4)), "thr": np.full(rows, -np.inf),
+    }
+    st["cand"][:, :, 0] = -1
+    st["eref"][0] = -40000.0                       # row 0 is due for a rebase of its local terms
+    return st
+
+
+def _step(fn, st, q, t, z, consts, over, ex, ec, W, Hc):
+    l, inv_tau, c = consts
+    return fn(q, t, z, l, inv_tau, c, W, Hc, over, ex, ec, st["hn"], st["hsig"], st["zw"], st["hsum"], st["eref"],
+              st["ringA"], st["ringcw"], st["heavy"], st["hv"], st["cand"], st["thr"])
+
+
+@pytest.mark.parametrize("W", [4, 0])
+def test_scored_step_kernel_matches_its_numpy_twin(W):
+    rng = np.random.default_rng(7)
+    rows, Hc = 6, 24
+    kernel, twin = _random_rows(rng, rows, Hc, max(W, 1)), None
+    twin = {k: v.copy() for k, v in kernel.items()}
+    q = np.arange(rows, dtype=np.int64)
+    consts = (rng.uniform(0.1, 0.5, rows), 1.0 / rng.uniform(4, 64, rows), rng.uniform(0.2, 0.6, rows))
+    t = np.full(rows, 60, np.int64)
+    for step in range(40):
+        z = rng.standard_normal(rows)
+        over = kernel["hn"] >= 10
+        ex = rng.random(rows) < 0.8
+        ec = rng.integers(0, 30, rows).astype(np.int32)
+        out_k = _step(fk.scored_step, kernel, q, t, z, consts, over, ex, ec, W, Hc)
+        out_t = _step(fk.scored_step_np, twin, q, t, z, consts, over, ex, ec, W, Hc)
+        assert np.array_equal(out_k[over], out_t[over]), step            # the evicted columns
+        for name in ("hn", "heavy"):
+            assert np.array_equal(kernel[name], twin[name]), (step, name)
+        for name in ("hsig", "zw", "hsum", "eref", "ringA", "ringcw"):
+            np.testing.assert_allclose(kernel[name], twin[name], rtol=1e-12, err_msg=f"{step} {name}")
+        live = np.arange(Hc)[None, :] < kernel["hn"][:, None]           # entries past a row's list are unused
+        np.testing.assert_allclose(kernel["hv"].reshape(rows, Hc, 3)[live], twin["hv"].reshape(rows, Hc, 3)[live],
+                                   rtol=1e-12)
+        t += 1
+    assert kernel["eref"][0] > 0                   # the rebase happened (and changed no decision)
+
+
+def test_first_free_kernel_matches_its_numpy_twin():
+    rng = np.random.default_rng(3)
+    bs, P = 16, 40
+    occ = rng.choice([0, bs, 5], size=(12, P), p=[0.1, 0.8, 0.1]).astype(np.int32)
+    occ[:, -1] = 3                                  # every row has a free slot in range
+    qP = np.arange(12, dtype=np.int64) * P
+    start = rng.integers(0, 20, 12)
+    occ[np.arange(P)[None, :] < start[:, None]] = bs     # the pointer invariant: pages before start are full
+    stop = np.full(12, P)
+    assert np.array_equal(fk.first_free(occ, qP, start, stop, bs), fk.first_free_np(occ, qP, start, stop, bs))
+
+
+@pytest.mark.parametrize("strategy", ["free_block", "slot_reuse", "compact"])
+def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, strategy):
+    cfg = {**H2O, "slot_strategy": strategy, "mode": "fast"}
+    kw = dict(n=3, prompt=120, output=80, num_blocks=4000)
+    compiled = run(cfg, **kw)[1]
+    monkeypatch.setattr(fast, "scored_step", fk.scored_step_np)
+    monkeypatch.setattr(fast, "first_free", fk.first_free_np)
+    twins = run(cfg, **kw)[1]
+    for col in ("blocks_used", "live_slots", "allocated_slots", "evicted_tokens", "blocks_freed_by_eviction",
+                "block_table_entries", "duration_s"):
+        assert np.array_equal(compiled[col].to_numpy(), twins[col].to_numpy()), col
+
+
+def test_without_numba_the_numpy_twins_run():
+    code = ("import sys; sys.modules['numba'] = None\n"
+            "import sim.kv.fast_kernels as fk\n"
+            "assert fk.scored_step is fk.scored_step_np and fk.first_free is fk.first_free_np\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
