@@ -77,6 +77,7 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, strategy):
     compiled = run(cfg, **kw)[1]
     monkeypatch.setattr(fast, "scored_step", fk.scored_step_np)
     monkeypatch.setattr(fast, "first_free", fk.first_free_np)
+    monkeypatch.setattr(fast, "advance_first_free", fk.advance_first_free_np)
     twins = run(cfg, **kw)[1]
     for col in ("blocks_used", "live_slots", "allocated_slots", "evicted_tokens", "blocks_freed_by_eviction",
                 "block_table_entries", "duration_s"):
@@ -86,5 +87,6 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, strategy):
 def test_without_numba_the_numpy_twins_run():
     code = ("import sys; sys.modules['numba'] = None\n"
             "import sim.kv.fast_kernels as fk\n"
-            "assert fk.scored_step is fk.scored_step_np and fk.first_free is fk.first_free_np\n")
+            "assert fk.scored_step is fk.scored_step_np and fk.first_free is fk.first_free_np\n"
+            "assert fk.advance_first_free is fk.advance_first_free_np\n")
     subprocess.run([sys.executable, "-c", code], check=True)

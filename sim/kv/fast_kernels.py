@@ -238,13 +238,44 @@ def _first_free_loop(occ, qP, start, stop, bs):
     return out
 
 
+def advance_first_free_np(occ, qP, col, hole, pages, live, ncol, bs):
+    """numpy twin of `advance_first_free`."""
+    at = qP + col
+    full = occ.reshape(-1)[at] >= bs
+    if not full.any():
+        return
+    np.copyto(hole, -1, where=full)
+    search = full & (pages * bs > live)
+    if search.any():
+        hole[search] = first_free_np(occ, qP[search], col[search] + 1, ncol[search], bs)
+
+
+def _advance_first_free_loop(occ, qP, col, hole, pages, live, ncol, bs):
+    P = occ.shape[1]
+    for i in range(qP.size):
+        row = occ[qP[i] // P]
+        c = col[i]
+        if row[c] < bs:
+            continue
+        hole[i] = -1
+        if pages[i] * bs > live[i]:
+            c += 1
+            while c < ncol[i] - 1 and not 0 < row[c] < bs:
+                c += 1
+            hole[i] = c
+
+
 if njit is not None:
     first_free = njit(cache=True, nogil=True)(_first_free_loop)
+    advance_first_free = njit(cache=True, nogil=True)(_advance_first_free_loop)
     _evict_lowest_loop = njit(cache=True, nogil=True)(_evict_lowest_loop)
     evict_lowest = _evict_lowest_loop
     scored_step = njit(cache=True, nogil=True)(_scored_step_loop)
 else:
     evict_lowest, scored_step, first_free = evict_lowest_np, scored_step_np, first_free_np
+    advance_first_free = advance_first_free_np
+advance_first_free.__doc__ = """Reuse strategies after each row i wrote a token at column col[i]: if that filled the page,
+move the row's first-free pointer hole[i] on (to -1 when the row has no free slot: pages * bs <= live)."""
 first_free.__doc__ = """First column in [start, stop) of each flat row (page ids qP = row * cols of occ [rows, cols])
 holding 0 < occ < bs tokens: a page with a free slot (callers guarantee one in the range)."""
 scored_step.__doc__ = """One H2O decode step of fast mode's scored rows (see FastKVManager._pick_scored): per row i
