@@ -8,6 +8,10 @@ relative difference to token-level on each metric.
 
     python bench/bench_eviction.py                     # fast mode, 1,000 requests, all strategies
     python bench/bench_eviction.py --token-requests 100  # also token-level mode on the first 100
+    python bench/bench_eviction.py --repeats 3           # each fast run 3 times: best and median wall time
+
+The machine's speed drifts by up to ~25% between back-to-back runs (a shared VM), so --repeats
+interleaves the strategies (round r runs every strategy once) and reports the best and the median.
 """
 from __future__ import annotations
 
@@ -38,7 +42,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000, help="fast-mode requests (0: skip)")
     ap.add_argument("--token-requests", type=int, default=0, help="also run token-level mode on this many")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--repeats", type=int, default=1, help="fast-mode runs per strategy, interleaved (best and median)")
     args = ap.parse_args()
+    if args.repeats > 1:
+        return repeated(args)
     print(f"{'strategy':<17}{'mode':<6}{'reqs':>6}{'wall s':>9}{'steps':>8}{'frag':>8}{'kv util':>9}"
           f"{'out tok/s':>11}{'preempt':>9}{'GB moved':>10}")
     for strategy in args.strategies.split(","):
@@ -55,6 +62,20 @@ def main() -> None:
             diff = {k: (fast[k] - tok[k]) / tok[k] if tok[k] else 0.0 for k in ("frag", "kv_util", "tok_s")}
             print(f"{'':<17}fast vs token: frag {diff['frag']:+.1%}  kv util {diff['kv_util']:+.1%}  "
                   f"throughput {diff['tok_s']:+.1%}  speed-up {tok['wall_s'] / fast['wall_s']:.0f}x", flush=True)
+
+
+def repeated(args) -> None:
+    strategies = args.strategies.split(",")
+    walls = {st: [] for st in strategies}
+    for r in range(args.repeats):
+        for st in strategies:
+            res = bench(st, "fast", args.requests)
+            walls[st].append(res["wall_s"])
+            print(f"round {r + 1}: {st:<17}{res['wall_s']:>7.2f} s  {res['steps']} steps", flush=True)
+    print(f"{'strategy':<17}{'best s':>8}{'median s':>10}{'worst s':>9}")
+    for st, w in walls.items():
+        w = sorted(w)
+        print(f"{st:<17}{w[0]:>8.2f}{w[len(w) // 2]:>10.2f}{w[-1]:>9.2f}")
 
 
 if __name__ == "__main__":
