@@ -747,7 +747,7 @@ class FastKVManager(EvictingManagerBase):
         l, inv_tau, c = self._row_consts
         t_new = self.ntok[q // R] - 1                          # the newest token = this step's query
         return scored_step(q, t_new, self.rng.standard_normal(m), l, inv_tau, c, W, Hc, over,
-                           np.broadcast_to(ex, (m,)), np.broadcast_to(ec, (m,)), hn, self.hsig.reshape(-1),
+                           ex if isinstance(ex, np.ndarray) else np.full(m, ex), ec, hn, self.hsig.reshape(-1),
                            self.zw.reshape(-1), self.hsum.reshape(-1), self.eref.reshape(-1),
                            self.ringA.reshape(-1), self.ringcw.reshape(-1), self._heavy_f, self._hv_f,
                            self.cand.reshape(-1, KCAND, 4), self.thr.reshape(-1))
