@@ -123,3 +123,17 @@ def test_correlation_fit_rejects_a_replay_without_score_driven_evictions(tmp_pat
         fit_content_correlation([tmp_path / "stream"], BASE)
     res = CliRunner().invoke(app, ["calibrate", "--decisions", str(tmp_path / "stream"), "--out", str(tmp_path / "x")])
     assert res.exit_code == 2 and "--attention" in res.output
+
+
+def test_a_heavily_jittered_concentration_gives_finite_scores(tmp_path):
+    # fitted models may jitter sigma by e^(±3); exp(sigma z) must saturate, not overflow to inf
+    # (inf / inf made the scores nan and H2O's ranking arbitrary)
+    heavy = {t: {**BASE["head_types"][t], "sigma": [40.0, 50.0]} for t in BASE["head_types"]}
+    model = SyntheticImportance(CTX, ImportanceModelSpec.load(spec_file(tmp_path, head_types=heavy,
+                                                                        request_sigma_jitter=1.0)), seed=0)
+    w = content_weights(model, 5, np.arange(300))
+    assert np.isfinite(w).all()
+    state = TokenState(CTX.rows, 300)
+    model.on_write(6, state, np.arange(CTX.rows), np.broadcast_to(np.arange(300), (CTX.rows, 300)), np.arange(300))
+    scores, kept = model.decode_scores(6, state)
+    assert np.isfinite(scores).all() and np.isfinite(kept)

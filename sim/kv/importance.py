@@ -83,6 +83,7 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "importance"
 HEAD_TYPES = ("sink", "local", "heavy", "spread")
 NUM_SINK = 4
 CHUNK = 256          # positions per content-weight draw
+MAX_LOG_WEIGHT = 80.0
 MAX_CORRELATION_LENGTH = 64.0   # tokens; keeps the AR(1) start-up deficit below exp(-2 * CHUNK / 64) = 3e-4
 
 
@@ -242,7 +243,10 @@ class SyntheticImportance(ImportanceSource):
         chunks = positions // CHUNK
         for c in np.unique(chunks):
             if r["chunk"] != c:
-                r["w"], r["chunk"] = np.exp(r["sigma"][:, None] * self._content_z(req_id, int(c))), int(c)
+                # the exponent is capped below float32's exp overflow (88.7): a heavily jittered sigma
+                # (fitted models allow it) must give a huge weight, not inf (inf / inf = nan scores)
+                r["w"], r["chunk"] = np.exp(np.minimum(r["sigma"][:, None] * self._content_z(req_id, int(c)),
+                                                       MAX_LOG_WEIGHT)), int(c)
             m = chunks == c
             out[:, m] = r["w"][:, positions[m] % CHUNK]
         return out
