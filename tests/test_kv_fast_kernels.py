@@ -70,6 +70,12 @@ def test_first_free_kernel_matches_its_numpy_twin():
     assert np.array_equal(fk.first_free(occ, qP, start, stop, bs), fk.first_free_np(occ, qP, start, stop, bs))
 
 
+def test_prompt_cut_keeps_the_highest_scores_and_breaks_ties_by_position():
+    z = np.zeros((1, 12))                  # equal content: scores tie except for the local term and sinks
+    got = fk.score_prompt(z, np.ones(1), np.zeros(1), np.full(1, 4.0), np.full(1, 0.5), 1, 10, 6, 4)[5]
+    assert got.tolist() == [[0, 1, 2, 3, 4, 5]]                 # the 4 sinks, then the lowest positions
+
+
 @pytest.mark.parametrize("strategy", ["free_block", "slot_reuse", "compact"])
 def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, strategy):
     cfg = {**H2O, "slot_strategy": strategy, "mode": "fast"}

@@ -53,7 +53,7 @@ import numpy as np
 from ..core.request import Request
 from .base import EvictingManagerBase
 from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
-from .fast_kernels import K as KCAND, advance_first_free, first_free, scored_step
+from .fast_kernels import K as KCAND, advance_first_free, first_free, score_prompt, scored_step
 from .importance import NUM_SINK, ImportanceModelSpec, SyntheticImportance
 from .policy import EvictionPolicy, PolicyContext, PolicyError
 
@@ -764,33 +764,19 @@ class FastKVManager(EvictingManagerBase):
         obs = min(self.obs_window, L)
         sig = self.h_sigma * np.exp(self.sigma_jitter * self.rng.standard_normal(R))
         self.hsig[s] = sig
-        w = np.exp(sig[:, None] * self.rng.standard_normal((R, L)))
-        zw = np.cumsum(w, axis=1)
-        q0 = L - obs
-        hq = np.cumsum(1.0 / zw[:, q0:], axis=1)               # H(q), q = q0 .. L-1
-        h_prev = np.zeros((R, L))                               # H(a0 - 1), a0 = max(t, q0)
-        h_prev[:, q0 + 1:] = hq[:, :-1]
-        t = np.arange(L)
-        l, tau = self.h_local[:, None], self.h_tau[:, None]
-        cw = self.h_content[:, None] * w
-        decay = np.exp((t - (L - 1)) / tau)                     # d^(L - 1 - t)
-        A = l * np.minimum(decay * np.exp((L - 1 - q0) / tau), 1.0) - cw * h_prev
-        A[:, :NUM_SINK] = np.inf
-        self.zw[s], self.hsum[s] = zw[:, -1], hq[:, -1]
+        cand = L - W
+        keep = min(cand, self.budget - W)
+        A, cw, E, self.zw[s], self.hsum[s], kept = score_prompt(
+            self.rng.standard_normal((R, L)), sig, self.h_local, self.h_tau, self.h_content, obs, cand, keep, NUM_SINK)
         if W:
             wpos = np.arange(L - W, L)
             self.ringA[s][:, wpos % W] = A[:, wpos]
             self.ringcw[s][:, wpos % W] = cw[:, wpos]
-        cand = L - W
-        keep = min(cand, self.budget - W)
-        score = A[:, :cand] + cw[:, :cand] * hq[:, -1:] - l * decay[:, :cand] * np.exp(-1.0 / tau)
-        kept = np.sort(np.argpartition(-score, keep - 1, axis=1)[:, :keep], axis=1) if keep < cand else \
-            np.broadcast_to(np.arange(cand), (R, cand))
         self.heavy[s, :, :keep] = kept // bs
         self.hv[s, :, :keep, 0] = np.take_along_axis(A, kept, axis=1)
         self.hv[s, :, :keep, 1] = np.take_along_axis(cw, kept, axis=1)
+        self.hv[s, :, :keep, 2] = np.take_along_axis(E, kept, axis=1)
         self.eref[s] = L - 1
-        self.hv[s, :, :keep, 2] = l * np.take_along_axis(decay, kept, axis=1)
         self.hn[s] = keep
         self._reset_candidates(s)
         gone = np.ones((R, cand), bool)

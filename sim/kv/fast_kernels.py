@@ -238,6 +238,38 @@ def _first_free_loop(occ, qP, start, stop, bs):
     return out
 
 
+def score_prompt(z, sig, l, tau, c, obs, cand, keep, num_sink):
+    """H2O's prompt cut for fast mode's scored rows (see FastKVManager._score_prompt): from the
+    prompt's content draws z [rows, L] and head parameters, each token's score terms A, CW, E
+    [rows, L] (A = inf for the attention sinks), the rows' content normalizer and H after the prompt,
+    and the `keep` highest-scored of the first `cand` positions per row (ties to the lower position),
+    in position order. numpy throughout: two exps per token dominate, and numpy's vectorized exp
+    beats a compiled scalar loop (measured 350 vs 410 us for 8 rows x 1,000 tokens)."""
+    R, L = z.shape
+    w = np.exp(sig[:, None] * z)
+    zw = np.cumsum(w, axis=1)
+    q0 = L - obs
+    hq = np.cumsum(1.0 / zw[:, q0:], axis=1)               # H(q), q = q0 .. L-1
+    h_prev = np.zeros((R, L))                               # H(a0 - 1), a0 = max(t, q0)
+    h_prev[:, q0 + 1:] = hq[:, :-1]
+    t = np.arange(L)
+    l, tau = l[:, None], tau[:, None]
+    cw = c[:, None] * w
+    decay = np.exp((t - (L - 1)) / tau)                     # d^(L - 1 - t)
+    A = l * np.minimum(decay * np.exp((L - 1 - q0) / tau), 1.0) - cw * h_prev
+    A[:, :num_sink] = np.inf
+    E = l * decay
+    score = A[:, :cand] + cw[:, :cand] * hq[:, -1:] - E[:, :cand] * np.exp(-1.0 / tau)
+    if keep >= cand:
+        kept = np.broadcast_to(np.arange(cand), (R, cand))
+    else:                                   # the keep highest, ties to the lower position, in position order
+        v = -np.partition(-score, keep - 1, axis=1)[:, keep - 1:keep]
+        eq = score == v
+        take = (score > v) | (eq & (np.cumsum(eq, axis=1) <= keep - (score > v).sum(axis=1, keepdims=True)))
+        kept = np.nonzero(take)[1].reshape(R, keep)
+    return A, cw, E, zw[:, -1], hq[:, -1], kept
+
+
 def advance_first_free_np(occ, qP, col, hole, pages, live, ncol, bs):
     """numpy twin of `advance_first_free`."""
     at = qP + col
