@@ -18,8 +18,10 @@ and `age_weight`, which says where evictions fall:
   scores with: token t holds l (d^(a0-t) - d^(q+1-t)) + (1-s-l) w_t (H(q) - H(a0-1)) after query q
   (d = exp(-1/tau); w_t = exp(sigma z) its content weight, drawn once; H = running sum of 1/Zw,
   Zw = the sum of all content weights so far; a0 = its first observed query). Per token only the
-  static part and w_t are stored (in the heavy list, or in a ring while in the window), so a step
-  costs one argmin over each row's list. The prompt cut keeps each row's top candidates by the
+  static part, w_t and its decay term are stored (in the heavy list, or in a ring while in the
+  window); the step is a compiled kernel (fast_kernels.scored_step, numpy twin) that keeps a few
+  candidates per row with an exact threshold and rescans a row's list only when they cannot hold
+  the minimum. The prompt cut keeps each row's top candidates by the
   scores of the last `obs_window` prefill queries; the first NUM_SINK tokens (attention sinks) are
   never evicted. Nothing is fitted: local heads evict the oldest prompt remnants first (little local
   attention), spread heads mostly the token leaving the window, heavy/sink heads spread evictions
@@ -40,9 +42,12 @@ sparse copy rewrites the holed page and the tail). Rows in an unusual state (sev
 right after the prompt cut, several pages to compact) take an exact count-based path over their
 page columns. Rows differ only by their head parameters (H2O), so only `sample_rows` of them (a
 divisor of layers x KV heads, `kv.fast_rows`, default 8; stratified by head type) are simulated,
-each standing for the same number of pool pages. `noop` never frees or moves a page, so where evictions fall changes no metric: it tracks
-counts only (live tokens, pages, the tail's fill) in one row standing for all, with no draws. Draws
-come from one numpy Generator seeded by the run's seed: same inputs, same results. Validated against token-level mode in tests/test_kv_fast.py.
+each standing for the same number of pool pages. `noop` never frees or moves a page, so where
+evictions fall changes no metric: it tracks counts only (live tokens, pages, the tail's fill) in one
+row standing for all, with no draws. Decode rows are stepped in slab order (their memory walk
+ascends). Draws come from one numpy Generator seeded by the run's seed: same inputs, same results.
+Validated against token-level mode in tests/test_kv_fast.py, kernels against their twins in
+tests/test_kv_fast_kernels.py.
 """
 from __future__ import annotations
 
