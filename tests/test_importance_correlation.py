@@ -133,7 +133,7 @@ def test_a_heavily_jittered_concentration_gives_finite_scores(tmp_path):
                                                                         request_sigma_jitter=1.0)), seed=0)
     w = content_weights(model, 5, np.arange(300))
     assert np.isfinite(w).all()
-    state = TokenState(CTX.rows, 300)
+    state = TokenState.dense(CTX.rows, 300)
     model.on_write(6, state, np.arange(CTX.rows), np.broadcast_to(np.arange(300), (CTX.rows, 300)), np.arange(300))
     scores, kept = model.decode_scores(6, state)
     assert np.isfinite(scores).all() and np.isfinite(kept)
