@@ -133,3 +133,17 @@ def test_eviction_simulation_does_not_import_torch():
             "run_simulation(cfg)\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("strategy", ["free_block", "sparse_copy"])
+def test_scheduler_decode_batch_path_schedules_as_the_per_request_loop(monkeypatch, strategy):
+    # Scheduler._schedule_decodes reserves a pure-decode step's pages in one call; under memory
+    # pressure (preemptions) it must fall back, leaving every step as the per-request loop makes it
+    cfg = {**H2O, "slot_strategy": strategy, "mode": "fast"}
+    kw = dict(n=10, prompt=200, output=150, num_blocks=60)
+    batched = run(cfg, **kw)[1]
+    monkeypatch.setattr(FastKVManager, "allocate_decodes", None)
+    looped = run(cfg, **kw)[1]
+    assert batched["preemptions"].sum() > 0
+    for col in ("batch_size", "blocks_used", "live_slots", "preemptions", "evicted_tokens", "duration_s"):
+        assert np.array_equal(batched[col].to_numpy(), looped[col].to_numpy()), col

@@ -138,6 +138,37 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        scheduled = self._schedule_decodes(budget)
+        if scheduled is not None:
+            budget -= len(scheduled)
+        else:
+            scheduled = self._schedule_running(budget, out)
+            budget -= sum(s.num_new_tokens for s in scheduled.values())
+        if not out.preempted:
+            budget = self._admit(budget, scheduled, out)
+        out.scheduled = list(scheduled.values())
+        return out
+
+    def _schedule_decodes(self, budget: int) -> dict | None:
+        """The common step, when every running request decodes one token and the KV manager can
+        reserve all their slots at once (`allocate_decodes`): the same result as the loop in
+        `_schedule_running`, without its per-request calls. None when that does not hold (nothing
+        was allocated then)."""
+        allocate = getattr(self.kv, "allocate_decodes", None)
+        running = self.running
+        if allocate is None or not running or len(running) > budget:
+            return None
+        max_len = self.config.max_model_len
+        for req in running:
+            computed = req.num_computed_tokens
+            if req.num_tokens - computed != 1 or not req.num_output_tokens or computed >= max_len:
+                return None
+        contexts = allocate(running)
+        if contexts is None:
+            return None
+        return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts)}
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> dict:
         scheduled: dict[Request, ScheduledRequest] = {}
         i = 0
         while i < len(self.running) and budget > 0:
@@ -164,10 +195,7 @@ class Scheduler:
                 i += 1
                 continue
             break
-        if not out.preempted:
-            budget = self._admit(budget, scheduled, out)
-        out.scheduled = list(scheduled.values())
-        return out
+        return scheduled
 
     def _chunk(self, remaining: int, budget: int, computed: int) -> int:
         """New tokens a request gets: min(remaining, budget left, long_prefill_token_threshold)."""

@@ -352,6 +352,27 @@ class FastKVManager(EvictingManagerBase):
         self._restat(np.array([s]))
         return True
 
+    def allocate_decodes(self, reqs) -> list[float] | None:
+        """Reserve one decode token's pages for every request in `reqs` at once (the scheduler's
+        common step): the contexts (kv_tokens before the step) when all fit, else None with nothing
+        reserved, exactly as allocate_slots(req, 1) per request would have succeeded or not."""
+        slot_of, pending, prefilled, need_l = self.slot_of, self._pending, self._prefilled_l, self._need_l
+        slots = []
+        total = 0
+        for req in reqs:
+            s = slot_of.get(req)
+            if s is None or not prefilled[s] or s in pending:
+                return None
+            slots.append(s)
+            total += need_l[s]
+        if total * self.unit > self.pool.num_free_blocks:
+            return None
+        self.pool.take(total)
+        for s in slots:
+            pending[s] = need_l[s]
+        live_l, rows = self._live_l, self.rows
+        return [live_l[s] / rows for s in slots]
+
     def _prefill_write(self, s: int, n: int) -> None:
         """Before the cut every row holds the same tokens densely: columns are filled in order."""
         bs = self.block_size
