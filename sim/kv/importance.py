@@ -30,8 +30,8 @@ Three sources stand behind one interface, `ImportanceSource`:
   ell <= 64), so a chunk's weights still depend only on (seed, request, chunk). Without these
   fields (rho = 0) the weights are bit for bit the uncorrelated model's. `kvsim calibrate
   --attention ... --decisions` fits rho and ell to a replay's recorded H2O evictions
-  (sim/calibrate.py fit_content_correlation). The block-occupancy fast mode (sim/kv/fast.py) draws
-  evictions from its own fitted distributions and does not read these fields.
+  (sim/calibrate.py fit_content_correlation). The block-occupancy fast mode (sim/kv/fast.py) scores
+  H2O with this model's heads in closed form but ignores these two fields.
   What a policy sees is a_q restricted to the live tokens and renormalized (real attention only
   covers resident tokens); the mass the live tokens hold under the full
   cache, sum over live t of a_q(t), is the *attention mass retained* quality proxy.
