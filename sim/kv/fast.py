@@ -128,7 +128,7 @@ class FastKVManager(EvictingManagerBase):
         self.age_weight = profile.get("age_weight", "uniform")
         # "oldest": the token leaving the window goes; "uniform": a uniformly drawn non-window token;
         # "young" (H2O): the lowest accumulated attention under the importance model (see _pick_scored)
-        self.exit_evict = 1.0 if self.age_weight == "oldest" else 0.0
+        self.evict_leaving = self.age_weight == "oldest"
         self.scored = self.age_weight == "young" and self.budget is not None
         if self.scored:
             self._init_heads(importance, seed, int(profile.get("obs_window", 8)))
@@ -172,9 +172,9 @@ class FastKVManager(EvictingManagerBase):
         self.heavy = np.zeros((n, R, (self.budget or 0) + 2), np.int32)  # columns of non-window live tokens
         self.rs = np.zeros((n, R, len(_ROW_FIELDS)), np.int32)
         if self.scored:
-            # H2O scores in closed form (see _pick_scored): per listed token its static part `hA`,
-            # content coefficient `hcw` and position; the same for window tokens in a ring; per row the
-            # content normalizer Zw, the running sum H of 1/Zw over the observed queries, and sigma
+            # H2O scores in closed form (see _pick_scored): per listed token its score terms `hv`
+            # (static part A, content coefficient CW, local term E); A and CW of window tokens in a ring;
+            # per row the content normalizer Zw, the running sum H of 1/Zw, and sigma
             Hc = self.heavy.shape[2]
             self.hv = np.zeros((n, R, Hc, 3))               # A, CW and E = l exp((pos - eref) / tau)
             self.eref = np.zeros((n, R))                     # reference position of E (rebased as tokens age)
@@ -741,7 +741,7 @@ class FastKVManager(EvictingManagerBase):
         Hc = self.heavy.shape[2]
         heavy_f = self._heavy_f
         qH = q * Hc
-        take_exit = over & ex & (self.exit_evict > 0)
+        take_exit = over & ex & self.evict_leaving
         heavy_f[qH + hn] = ec                    # the exiting token's column: listed where it is kept
         hn += ex & ~take_exit
         draw = over & ~take_exit
@@ -914,14 +914,11 @@ class FastKVManager(EvictingManagerBase):
             self.pool.give(n)
             self.plan.blocks_freed_by_eviction += n
             self.plan.bytes_moved += int(round(n * self.bytes_per_token_row))
+            moved = st[simple]                   # a filled hole moves the first-free pointer on
+            advance_first_free(self.occ.reshape(-1, P), r2 * P, hc[simple], moved[:, HOLE], moved[:, PAGES],
+                               moved[:, LIVE], moved[:, NCOL], bs)
+            st[simple] = moved
             self._rs_f[q] = st
-            full = occ_f[h] >= bs
-            if full.any():
-                rs, qf, filled = self._rs_f, r2[full], hc[simple][full]
-                room = rs[qf, PAGES] * bs > rs[qf, LIVE]
-                rs[qf, HOLE] = -1
-                qr = qf[room]
-                rs[qr, HOLE] = self._first_free(qr * P, filled[room] + 1, rs[qr, NCOL])
         hard = ((extra > 0) & ~simple).reshape(S.size, R)
         for i in np.flatnonzero(hard.any(axis=1)):
             rows = np.flatnonzero(hard[i])

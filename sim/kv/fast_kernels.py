@@ -5,10 +5,12 @@ content coefficient cw and local-decay term E (see FastKVManager._pick_scored). 
 over its budget evicts the lowest-scored candidate — a listed token, score A + cw H - E g, or the
 token leaving the recent window (score `s_exit`) — and a leaving token that stays joins the list.
 The list scan is O(list) per row: ~130 entries x ~200 rows per step on the benchmark, which numpy
-pays for with a dozen [rows, list] temporaries per step (the step's cost doubled); the kernel does
-it in one pass. Both functions leave the same lists, counts and columns (tests/test_kv_fast.py
-compares them; ties go to the first entry in both). numba is optional: without it (the real
-backend's machines need not have it) the numpy twin runs, with identical results.
+pays for with a dozen [rows, list] temporaries per step (the step's cost doubled); the kernel keeps
+a few candidates per row and rescans a list only when they cannot hold the minimum. The module also
+holds the prompt cut's scoring (`score_prompt`, `prompt_terms`) and the reuse strategies' first-free
+page scans (`first_free`, `advance_first_free`). Every kernel has a numpy twin that leaves the same
+state (tests/test_kv_fast_kernels.py compares them; ties go to the first entry in both). numba is
+optional: without it (the real backend's machines need not have it) the twins run, same results.
 """
 from __future__ import annotations
 
@@ -226,15 +228,18 @@ def first_free_np(occ, qP, start, stop, bs):
     return lo + (o.view(np.uint32) < bs - 1).argmax(axis=1)
 
 
+def _scan_free(row, col, stop, bs):
+    """The first column from `col` whose page has a free slot (0 < occ < bs), at most stop - 1."""
+    while col < stop - 1 and not 0 < row[col] < bs:
+        col += 1
+    return col
+
+
 def _first_free_loop(occ, qP, start, stop, bs):
     P = occ.shape[1]
     out = np.empty(qP.size, np.int64)
     for i in range(qP.size):
-        row = occ[qP[i] // P]
-        col = start[i]
-        while col < stop[i] - 1 and not 0 < row[col] < bs:
-            col += 1
-        out[i] = col
+        out[i] = _scan_free(occ[qP[i] // P], start[i], stop[i], bs)
     return out
 
 
@@ -331,15 +336,11 @@ def _advance_first_free_loop(occ, qP, col, hole, pages, live, ncol, bs):
         c = col[i]
         if row[c] < bs:
             continue
-        hole[i] = -1
-        if pages[i] * bs > live[i]:
-            c += 1
-            while c < ncol[i] - 1 and not 0 < row[c] < bs:
-                c += 1
-            hole[i] = c
+        hole[i] = _scan_free(row, c + 1, ncol[i], bs) if pages[i] * bs > live[i] else -1
 
 
 if njit is not None:
+    _scan_free = njit(cache=True, nogil=True)(_scan_free)
     first_free = njit(cache=True, nogil=True)(_first_free_loop)
     prompt_terms = njit(cache=True, nogil=True)(_prompt_terms_loop)
     advance_first_free = njit(cache=True, nogil=True)(_advance_first_free_loop)
