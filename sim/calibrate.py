@@ -562,7 +562,6 @@ def _spec_from_dict(d: dict):
 # The loss is the sum of the two squared log ratios; (rho, ell) is the best point of a grid, refined
 # once around it. Budgets that evict most of the prompt and budgets that keep most of it respond
 # differently to rho and ell, so give replays at several budgets.
-MAX_ELL = 64.0          # sim.kv.importance.MAX_CORRELATION_LENGTH
 CORRELATION_GRID = ((0.0, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9), (2.0, 4.0, 8.0, 16.0, 32.0, 64.0))
 
 
@@ -627,12 +626,16 @@ def _eviction_replay(replay_dir: str | Path):
     return cfg, pd.read_parquet(d / "steps.parquet"), pd.read_parquet(d / "decisions.parquet")
 
 
-def recorded_clustering(replay_dir: str | Path) -> EvictionClustering:
-    """The eviction statistics of a real replay (its step log and decisions.parquet)."""
-    _, steps, decisions = _eviction_replay(replay_dir)
+def _clustering(steps: pd.DataFrame, decisions: pd.DataFrame) -> EvictionClustering:
     evicted, runs = prefill_cut_runs(decisions)
     return EvictionClustering(int(steps["evicted_tokens"].sum()), int(steps["blocks_freed_by_eviction"].sum()),
                               evicted, runs)
+
+
+def recorded_clustering(replay_dir: str | Path) -> EvictionClustering:
+    """The eviction statistics of a real replay (its step log and decisions.parquet)."""
+    _, steps, decisions = _eviction_replay(replay_dir)
+    return _clustering(steps, decisions)
 
 
 def simulated_clustering(replay_dir: str | Path, importance: str | Path) -> EvictionClustering:
@@ -641,10 +644,7 @@ def simulated_clustering(replay_dir: str | Path, importance: str | Path) -> Evic
     from .crosscheck import Run, trace_of_replay
     cfg, _, _ = _eviction_replay(replay_dir)
     cfg = cfg.model_copy(update={"kv": cfg.kv.model_copy(update={"importance": str(importance)})})
-    steps, decisions = simulate_evictions(cfg, trace_of_replay(Run.load(replay_dir, "real").requests))
-    evicted, runs = prefill_cut_runs(decisions)
-    return EvictionClustering(int(steps["evicted_tokens"].sum()), int(steps["blocks_freed_by_eviction"].sum()),
-                              evicted, runs)
+    return _clustering(*simulate_evictions(cfg, trace_of_replay(Run.load(replay_dir, "real").requests)))
 
 
 def simulate_evictions(cfg, trace, out_dir: str | Path | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -653,10 +653,8 @@ def simulate_evictions(cfg, trace, out_dir: str | Path | None = None) -> tuple[p
     action, num_tokens). With `out_dir`, the run's outputs and decisions.parquet are written there."""
     from . import simulate as sim_mod
     tables = []
-    original_build = sim_mod._build_kv
 
-    def build(cfg_, model, cost, num_blocks):
-        kv, executor = original_build(cfg_, model, cost, num_blocks)
+    def record(kv, executor):
         finish, ctx = kv.finish_step, kv.ctx
 
         def finish_step(scheduled):
@@ -673,11 +671,7 @@ def simulate_evictions(cfg, trace, out_dir: str | Path | None = None) -> tuple[p
         kv.finish_step = finish_step
         return kv, executor
 
-    sim_mod._build_kv = build
-    try:
-        res = sim_mod.run_simulation(cfg, out_dir, trace=trace)
-    finally:
-        sim_mod._build_kv = original_build
+    res = sim_mod.run_simulation(cfg, out_dir, trace=trace, wrap_kv=record)
     columns = ["request_id", "step", "layer", "head", "position", "action", "num_tokens", "event"]
     decisions = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=columns)
     if out_dir is not None:
@@ -720,6 +714,7 @@ def fit_content_correlation(replay_dirs: list[str | Path], spec: dict, *,
     evictions recorded in `replay_dirs`. `spec` is an importance YAML mapping; it is not modified."""
     import tempfile
     import yaml
+    from .kv.importance import MAX_CORRELATION_LENGTH
     if not replay_dirs:
         raise CalibrationError("no replay directories with recorded evictions given")
     measured = sum((recorded_clustering(d) for d in replay_dirs[1:]), recorded_clustering(replay_dirs[0]))
@@ -751,7 +746,7 @@ def fit_content_correlation(replay_dirs: list[str | Path], spec: dict, *,
     rho, ell = best([(0.0, 0.0)] + [(r, e) for r in rhos if r > 0 for e in lengths])
     if refine and rho > 0:
         step = float(np.min(np.diff(sorted(rhos)))) / 2 if len(rhos) > 1 else 0.05
-        near = [(min(max(rho + dr, 0.0), 0.97), min(ell * f, MAX_ELL)) for dr in (-step, 0.0, step)
+        near = [(min(max(rho + dr, 0.0), 0.97), min(ell * f, MAX_CORRELATION_LENGTH)) for dr in (-step, 0.0, step)
                 for f in (2 ** -0.5, 1.0, 2 ** 0.5)]
         rho, ell = best([(rho, ell)] + [p for p in near if p[0] > 0])
     return CorrelationFit(content_correlation=float(rho), correlation_length=float(ell) if rho > 0 else 0.0,

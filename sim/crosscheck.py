@@ -408,10 +408,9 @@ def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str |
         cfg = cfg.model_copy(update={"kv_dtype": None})        # the replay's cache held the model's dtype
         spec = replay_model_spec(cfg, json.loads(summary_file.read_text()))
     built = {}
-    original_build, original_hw = sim_mod._build_kv, sim_mod.resolve_hardware
+    original_hw = sim_mod.resolve_hardware
 
-    def build(cfg_, model, cost, num_blocks):
-        kv, executor = original_build(cfg_, model, cost, num_blocks)
+    def measured(kv, executor):
         built["kv"] = kv
         built["executor"] = MeasuredTimeExecutor(executor, measured_durations)
         return kv, built["executor"]
@@ -419,13 +418,12 @@ def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str |
     def hardware(cfg_, model=None):
         return original_hw(cfg_, model=spec if model is None else model)
 
-    sim_mod._build_kv = build
     if spec is not None:
         sim_mod.resolve_hardware = hardware
     try:
-        result = sim_mod.run_simulation(cfg, out_dir, trace=trace)
+        result = sim_mod.run_simulation(cfg, out_dir, trace=trace, wrap_kv=measured)
     finally:
-        sim_mod._build_kv, sim_mod.resolve_hardware = original_build, original_hw
+        sim_mod.resolve_hardware = original_hw
     summary = dict(result.summary)
     policy = getattr(built.get("kv"), "policy", None)
     if policy is not None and policy.name == "recorded":

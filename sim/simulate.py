@@ -86,8 +86,10 @@ def resolve_hardware(cfg: SimConfig, model=None):
 
 
 def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progress: bool = False,
-                   keep_steps: bool = True, trace=None) -> SimulationResult:
-    """Simulate `cfg` (or the given in-memory `trace` in place of `cfg.trace`)."""
+                   keep_steps: bool = True, trace=None, wrap_kv=None) -> SimulationResult:
+    """Simulate `cfg` (or the given in-memory `trace` in place of `cfg.trace`). `wrap_kv(kv, executor)`,
+    if given, returns the (kv, executor) pair each replica runs with (cross-check and calibration tools
+    observe or replace them)."""
     t0 = time.perf_counter()
     trace = load_workload(cfg) if trace is None else trace
     model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg)
@@ -104,6 +106,8 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     arrivals_holder: list[ArrivalProcess] = []
     for i in range(cfg.replicas):
         kv, executor = _build_kv(cfg, model, cost, num_blocks)
+        if wrap_kv is not None:
+            kv, executor = wrap_kv(kv, executor)
         scheduler = Scheduler(sched_cfg, kv)
         replicas.append(EngineReplica(
             env, i, scheduler, executor, step_log,
