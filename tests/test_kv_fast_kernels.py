@@ -89,11 +89,17 @@ def test_prompt_cut_keeps_the_highest_scores_and_breaks_ties_by_position():
     assert got.tolist() == [[0, 1, 2, 3, 4, 5]]                 # the 4 sinks, then the lowest positions
 
 
-@pytest.mark.parametrize("strategy", ["free_block", "slot_reuse", "compact"])
-def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, strategy):
-    cfg = {**H2O, "slot_strategy": strategy, "mode": "fast"}
+STREAMING = {"policy": "streaming", "params": {"sink": 4, "window": 40}, "layout": "per_head"}
+
+
+@pytest.mark.parametrize("policy,strategy", [(H2O, s) for s in ("noop", "free_block", "slot_reuse", "sparse_copy",
+                                                                 "compact")] + [(STREAMING, "free_block"),
+                                                                                (STREAMING, "slot_reuse")])
+def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, strategy):
+    cfg = {**policy, "slot_strategy": strategy, "mode": "fast"}
     kw = dict(n=3, prompt=120, output=80, num_blocks=4000)
     compiled = run(cfg, **kw)[1]
+    monkeypatch.setattr(fast, "decode_rows", None)          # the whole step in numpy
     monkeypatch.setattr(fast, "scored_step", fk.scored_step_np)
     monkeypatch.setattr(fast, "first_free", fk.first_free_np)
     monkeypatch.setattr(fast, "advance_first_free", fk.advance_first_free_np)
@@ -108,5 +114,6 @@ def test_without_numba_the_numpy_twins_run():
     code = ("import sys; sys.modules['numba'] = None\n"
             "import sim.kv.fast_kernels as fk\n"
             "assert fk.scored_step is fk.scored_step_np and fk.first_free is fk.first_free_np\n"
-            "assert fk.advance_first_free is fk.advance_first_free_np and fk.prompt_terms is fk.prompt_terms_np\n")
+            "assert fk.advance_first_free is fk.advance_first_free_np and fk.prompt_terms is fk.prompt_terms_np\n"
+            "assert fk.decode_rows is None\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -58,7 +58,7 @@ import numpy as np
 from ..core.request import Request
 from .base import EvictingManagerBase
 from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
-from .fast_kernels import K as KCAND, advance_first_free, first_free, score_prompt, scored_step
+from .fast_kernels import K as KCAND, advance_first_free, decode_rows, first_free, score_prompt, scored_step
 from .importance import NUM_SINK, ImportanceModelSpec, SyntheticImportance
 from .policy import EvictionPolicy, PolicyContext, PolicyError
 
@@ -69,6 +69,8 @@ _ROW_FIELDS = {"tail": TAIL, "tail_w": TAILW, "ncol": NCOL, "pages": PAGES, "liv
                "holed": HOLED, "hn": HN}
 _COMPACT = {"compact", "parallel_compact"}
 _first = operator.itemgetter(0)
+_NONE, _NONE_R = np.zeros(0), np.zeros(0)                 # placeholders of the kernel's unused arguments
+_NONE_HV, _NONE_CAND = np.zeros((0, 3)), np.zeros((0, KCAND, 4))
 
 
 class CountPool:
@@ -159,6 +161,7 @@ class FastKVManager(EvictingManagerBase):
         self.h_content = 1.0 - model.s[pick] - model.l[pick]
         self.h_tau = model.tau[pick]
         self.h_sigma = model.sigma[pick]
+        self._inv_tau = 1.0 / self.h_tau
         self.sigma_jitter = model.spec.request_sigma_jitter
         self.obs_window = obs_window
 
@@ -213,11 +216,11 @@ class FastKVManager(EvictingManagerBase):
 
     def _restat(self, S: np.ndarray, live: np.ndarray | None = None, pages: np.ndarray | None = None) -> None:
         """Per-slot live / page totals of the slots in S after they changed (from their [len(S), rows]
-        counts when the caller has them), and the Python mirrors."""
+        counts, or their per-slot sums, when the caller has them), and the Python mirrors."""
         live = self.live[S] if live is None else live
         pages = self.pages[S] if pages is None else pages
-        self.slot_live[S] = live.sum(axis=1)
-        self.slot_pages[S] = pages.sum(axis=1)
+        self.slot_live[S] = live.sum(axis=1) if live.ndim == 2 else live
+        self.slot_pages[S] = pages.sum(axis=1) if pages.ndim == 2 else pages
         self._live_l = self.slot_live.tolist()
         self._pages_l = self.slot_pages.tolist()
         self._live_total = sum(self._live_l)
@@ -314,7 +317,9 @@ class FastKVManager(EvictingManagerBase):
         return need
 
     def _update_need(self, S: np.ndarray, need_rows: np.ndarray | None = None) -> None:
-        need = (self._need_rows(S) if need_rows is None else need_rows).sum(axis=1)
+        """Pages each slot's next token takes, from its rows' [len(S), rows] needs (or per-slot sums)."""
+        need = self._need_rows(S) if need_rows is None else need_rows
+        need = need.sum(axis=1) if need.ndim == 2 else need
         self.need_next[S] = need
         self._need_l = self.need_next.tolist()
 
@@ -608,17 +613,65 @@ class FastKVManager(EvictingManagerBase):
         self.holed[s, rows] = np.where(cnt == 0, -1, np.where(cnt == 1, np.argmax(holed, axis=1), -2))
 
     # ----- one batched decode step ----------------------------------------------------------------
-    def _step(self, S: np.ndarray) -> np.ndarray:
+    def _step(self, S: np.ndarray) -> list[int]:
         """Write one token per row of every slot in S, move the window, evict, apply the slot strategy.
         Returns the (token, row) evictions per slot. Pages were taken from the pool by allocate_slots.
+        Runs as one compiled kernel (fast_kernels.decode_rows) where numba is installed, else in numpy
+        (`_step_numpy`, its twin: the same state, draw for draw)."""
+        if self.strategy == "sparse_copy":
+            self._sparse_copy(S)
+        if decode_rows is None:
+            return self._step_numpy(S)
+        R, nS = self.rows, S.size
+        m = nS * R
+        P = self.occ.shape[2]
+        if self._ncol_hi >= P:
+            self._ncol_hi = int(self.ncol.max())
+            self._ensure_cols(self._ncol_hi + 1)
+            P = self.occ.shape[2]
+        track = self.tracks_columns
+        draw = self.budget is not None and track
+        u = self.rng.random(m) if draw and not self.scored else _NONE
+        z = self.rng.standard_normal(m) if draw and self.scored else _NONE
+        cols = np.empty(m, np.int64)
+        stats = np.empty((nS, 4), np.int64)
+        if self.scored:
+            sc = (self.h_local, self._inv_tau, self.h_content, self.heavy.shape[2], self.hsig.reshape(-1),
+                  self.zw.reshape(-1), self.hsum.reshape(-1), self.eref.reshape(-1), self.ringA.reshape(-1),
+                  self.ringcw.reshape(-1), self._hv_f, self.cand.reshape(-1, KCAND, 4), self.thr.reshape(-1))
+        else:
+            sc = (_NONE_R, _NONE_R, _NONE_R, self.heavy.shape[2], _NONE, _NONE, _NONE, _NONE, _NONE, _NONE,
+                  _NONE_HV, _NONE_CAND, _NONE)
+        m_new, n_evicted, n_freed = decode_rows(
+            S, R, self._rs_f, self.occ.reshape(-1, P), self.win.reshape(-1, P), self.alive.reshape(-1, P),
+            self.ring.reshape(-1, self.ring.shape[2]), self.ntok, self._heavy_f, self.block_size,
+            self.window, -1 if self.budget is None else int(self.budget), track, self.append,
+            self.strategy in _REUSE, self.strategy in _FREES, self.strategy == "sparse_copy",
+            self.evict_leaving, self.scored, u, z, *sc, cols, stats)
+        if m_new:
+            self._ncol_hi += 1
+        self.plan.evicted_tokens += n_evicted
+        if n_freed:
+            self.pool.give(n_freed)
+            self.plan.blocks_freed_by_eviction += n_freed
+        if self.strategy in _COMPACT:
+            self._compact_step(S, self._index(S)[0], cols)
+        if self.strategy in _COMPACT or self.strategy == "sparse_copy":   # pages moved: recount from the slab
+            self._update_need(S)
+            self._restat(S)
+        else:
+            self._update_need(S, stats[:, 1])
+            self._restat(S, stats[:, 2], stats[:, 3])
+        return stats[:, 0].tolist()
+
+    def _step_numpy(self, S: np.ndarray) -> list[int]:
+        """`_step` in numpy (sparse_copy's rewrite already done).
 
         Hot path: a constant number of numpy operations over all m = len(S) x rows (request, row)
         pairs. The per-row scalars of those pairs are gathered once into `st` [m, fields], updated
         in place through column views, and scattered back; page columns are addressed in the
         flattened slab (row id q = slot * rows + row, page id = q * cols + column)."""
         bs, R, W = self.block_size, self.rows, self.window
-        if self.strategy == "sparse_copy":
-            self._sparse_copy(S)
         nS = S.size
         q, qP, ring_base = self._index(S)
         pos = self.ntok[S]

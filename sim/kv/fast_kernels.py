@@ -63,45 +63,55 @@ def scored_step_np(q, t_new, z, l, inv_tau, c, W, Hc, over, ex, ec, hn, hsig, zw
                            heavy, hv, cand, thr)
 
 
+def _scored_exit(r, t, z, l, inv_tau, c, W, Hc, ex, hsig, zw, hsum, eref, ringA, ringcw, hv, cand):
+    """One scored row's part of a decode step before the eviction (see `scored_step`): the new token's
+    content weight updates the normalizer and H, its terms enter the ring, the leaving token's come
+    out. Returns H, g, the leaving token's score (inf when none leaves), whether one leaves, and its
+    terms A, CW, E."""
+    w = np.exp(hsig[r] * z)
+    h_before = hsum[r]
+    zq = zw[r] + w
+    zw[r] = zq
+    H = h_before + 1.0 / zq
+    hsum[r] = H
+    cw_new = c * w
+    A_new = l - cw_new * h_before
+    ref = eref[r]
+    if (t - ref) * inv_tau > REBASE:
+        scale = np.exp((ref - t) * inv_tau)
+        for e in range(Hc):
+            hv[r * Hc + e, E] *= scale
+        for k in range(K):
+            cand[r, k, 1 + E] *= scale
+        ref = float(t)
+        eref[r] = ref
+    g = np.exp((ref - t - 1) * inv_tau)
+    if W:
+        at = r * W + t % W
+        A_e, cw_e = ringA[at], ringcw[at]
+        ringA[at], ringcw[at] = A_new, cw_new
+        pos_e = t - W
+        exits = ex
+    else:
+        A_e, cw_e, pos_e = A_new, cw_new, t
+        exits = True
+    E_e = l * np.exp((pos_e - ref) * inv_tau)
+    s_exit = A_e + cw_e * H - E_e * g if exits else np.inf
+    return H, g, s_exit, exits, A_e, cw_e, E_e
+
+
 def _scored_step_loop(q, t_new, z, l, inv_tau, c, W, Hc, over, ex, ec, hn, hsig, zw, hsum, eref, ringA, ringcw,
                       heavy, hv, cand, thr):
     m = q.size
-    H, g, s_exit = np.empty(m), np.empty(m), np.empty(m)
-    new = np.empty((m, 3))
-    exits = np.empty(m, np.bool_)
+    out = np.empty(m, heavy.dtype)
+    buf, top = np.empty(Hc), np.empty(K, np.int64)
     for i in range(m):
-        r, t = q[i], t_new[i]
-        w = np.exp(hsig[r] * z[i])
-        h_before = hsum[r]
-        zq = zw[r] + w
-        zw[r] = zq
-        H[i] = h_before + 1.0 / zq
-        hsum[r] = H[i]
-        cw_new = c[i] * w
-        A_new = l[i] - cw_new * h_before
-        ref = eref[r]
-        if (t - ref) * inv_tau[i] > REBASE:
-            scale = np.exp((ref - t) * inv_tau[i])
-            for e in range(Hc):
-                hv[r * Hc + e, E] *= scale
-            for k in range(K):
-                cand[r, k, 1 + E] *= scale
-            ref = float(t)
-            eref[r] = ref
-        g[i] = np.exp((ref - t - 1) * inv_tau[i])
-        if W:
-            at = r * W + t % W
-            A_e, cw_e = ringA[at], ringcw[at]
-            ringA[at], ringcw[at] = A_new, cw_new
-            pos_e = t - W
-            exits[i] = ex[i]
-        else:
-            A_e, cw_e, pos_e = A_new, cw_new, t
-            exits[i] = True
-        E_e = l[i] * np.exp((pos_e - ref) * inv_tau[i])
-        new[i, A], new[i, CW], new[i, E] = A_e, cw_e, E_e
-        s_exit[i] = A_e + cw_e * H[i] - E_e * g[i] if exits[i] else np.inf
-    return _evict_lowest_loop(q, Hc, hn, over, exits, H, g, s_exit, ec, new, heavy, hv, cand, thr)
+        r = q[i]
+        H, g, s_exit, exits, A_e, cw_e, E_e = _scored_exit(r, t_new[i], z[i], l[i], inv_tau[i], c[i], W, Hc, ex[i],
+                                                            hsig, zw, hsum, eref, ringA, ringcw, hv, cand)
+        out[i], hn[i] = _evict_lowest_row(r, hn[i], Hc, over[i], exits, H, g, s_exit, ec[i], A_e, cw_e, E_e,
+                                          heavy, hv, cand, thr, buf, top)
+    return out
 
 
 def evict_lowest_np(q, Hc, hn, over, ex, H, g, s_exit, ec, new, heavy, hv, cand, thr):
@@ -137,86 +147,88 @@ def evict_lowest_np(q, Hc, hn, over, ex, H, g, s_exit, ec, new, heavy, hv, cand,
     return np.where(take_exit, ec, col)
 
 
+def _evict_lowest_row(r, n, Hc, over, ex, h, gg, s_exit, ec, nA, nCW, nE, heavy, hv, cand, thr, buf, top):
+    """`evict_lowest` for one row (flat row r, list length n; scratch buf [Hc], top [K]). Returns the
+    evicted column (ec when not over budget: unused) and the new list length."""
+    base = r * Hc
+    c = cand[r]                            # [K, 4]: list index (-1 = empty), A, CW, E
+    # the lowest-scored listed entry: among the candidates, valid while not above the threshold
+    # (every other entry scored >= thr when it was left out, and scores never decrease)
+    best, j = np.inf, -1
+    if over:
+        for k in range(K):
+            e = int(c[k, 0])
+            if e >= 0:
+                sc = c[k, 1] + c[k, 2] * h - c[k, 3] * gg
+                if sc < best or (sc == best and e < j):
+                    best, j = sc, e
+        if n > 0 and (j < 0 or best > thr[r]):          # full scan: the K lowest become the candidates
+            for e in range(n):
+                buf[e] = hv[base + e, A] + hv[base + e, CW] * h - hv[base + e, E] * gg
+            top[:] = -1
+            t = np.inf
+            for e in range(n):
+                sc = buf[e]
+                if top[K - 1] >= 0:
+                    if sc >= buf[top[K - 1]]:
+                        t = min(t, sc)
+                        continue
+                    t = min(t, buf[top[K - 1]])
+                k = K - 1
+                while k > 0 and (top[k - 1] < 0 or buf[top[k - 1]] > sc):
+                    top[k] = top[k - 1]
+                    k -= 1
+                top[k] = e
+            thr[r] = t
+            for k in range(K):
+                e = top[k]
+                c[k, 0] = e
+                if e >= 0:
+                    c[k, 1], c[k, 2], c[k, 3] = hv[base + e, A], hv[base + e, CW], hv[base + e, E]
+            best, j = buf[top[0]], top[0]
+    take_exit = over and ex and s_exit <= best
+    if ex and not take_exit:                            # the leaving token joins the list at n
+        heavy[base + n] = ec
+        hv[base + n, A], hv[base + n, CW], hv[base + n, E] = nA, nCW, nE
+        if s_exit < thr[r]:                             # it may be the lowest soon: a candidate
+            free, worst, worst_sc = -1, -1, -np.inf
+            for k in range(K):
+                e = int(c[k, 0])
+                if e < 0:
+                    free = k
+                elif e != j:
+                    sc = c[k, 1] + c[k, 2] * h - c[k, 3] * gg
+                    if sc > worst_sc:
+                        worst, worst_sc = k, sc
+            if free < 0 and worst >= 0 and worst_sc > s_exit:
+                free = worst
+                thr[r] = min(thr[r], worst_sc)          # the one left out scores >= this from now on
+            if free >= 0:
+                c[free, 0], c[free, 1], c[free, 2], c[free, 3] = n, nA, nCW, nE
+            else:
+                thr[r] = min(thr[r], s_exit)
+        n += 1
+    if take_exit or not over:
+        return ec, n
+    at, last = base + j, base + n - 1
+    out = heavy[at]
+    heavy[at] = heavy[last]
+    hv[at, A], hv[at, CW], hv[at, E] = hv[last, A], hv[last, CW], hv[last, E]
+    for k in range(K):                                  # the evicted entry leaves; the last one moved
+        if c[k, 0] == j:
+            c[k, 0] = -1
+        elif c[k, 0] == n - 1:
+            c[k, 0] = j
+    return out, n - 1
+
+
 def _evict_lowest_loop(q, Hc, hn, over, ex, H, g, s_exit, ec, new, heavy, hv, cand, thr):
     m = q.size
     out = np.empty(m, heavy.dtype)
-    buf = np.empty(Hc)
+    buf, top = np.empty(Hc), np.empty(K, np.int64)
     for i in range(m):
-        r = q[i]
-        base = r * Hc
-        n = hn[i]
-        h, gg = H[i], g[i]
-        c = cand[r]                        # [K, 4]: list index (-1 = empty), A, CW, E
-        # the lowest-scored listed entry: among the candidates, valid while not above the threshold
-        # (every other entry scored >= thr when it was left out, and scores never decrease)
-        best, j = np.inf, -1
-        if over[i]:
-            for k in range(K):
-                e = int(c[k, 0])
-                if e >= 0:
-                    sc = c[k, 1] + c[k, 2] * h - c[k, 3] * gg
-                    if sc < best or (sc == best and e < j):
-                        best, j = sc, e
-            if n > 0 and (j < 0 or best > thr[r]):          # full scan: the K lowest become the candidates
-                for e in range(n):
-                    buf[e] = hv[base + e, A] + hv[base + e, CW] * h - hv[base + e, E] * gg
-                top = np.full(K, -1)
-                t = np.inf
-                for e in range(n):
-                    sc = buf[e]
-                    if top[K - 1] >= 0:
-                        if sc >= buf[top[K - 1]]:
-                            t = min(t, sc)
-                            continue
-                        t = min(t, buf[top[K - 1]])
-                    k = K - 1
-                    while k > 0 and (top[k - 1] < 0 or buf[top[k - 1]] > sc):
-                        top[k] = top[k - 1]
-                        k -= 1
-                    top[k] = e
-                thr[r] = t
-                for k in range(K):
-                    e = top[k]
-                    c[k, 0] = e
-                    if e >= 0:
-                        c[k, 1], c[k, 2], c[k, 3] = hv[base + e, A], hv[base + e, CW], hv[base + e, E]
-                best, j = buf[top[0]], top[0]
-        take_exit = over[i] and ex[i] and s_exit[i] <= best
-        if ex[i] and not take_exit:                         # the leaving token joins the list at n
-            heavy[base + n] = ec[i]
-            hv[base + n, A], hv[base + n, CW], hv[base + n, E] = new[i, A], new[i, CW], new[i, E]
-            if s_exit[i] < thr[r]:                          # it may be the lowest soon: a candidate
-                free, worst, worst_sc = -1, -1, -np.inf
-                for k in range(K):
-                    e = int(c[k, 0])
-                    if e < 0:
-                        free = k
-                    elif e != j:
-                        sc = c[k, 1] + c[k, 2] * h - c[k, 3] * gg
-                        if sc > worst_sc:
-                            worst, worst_sc = k, sc
-                if free < 0 and worst >= 0 and worst_sc > s_exit[i]:
-                    free = worst
-                    thr[r] = min(thr[r], worst_sc)          # the one left out scores >= this from now on
-                if free >= 0:
-                    c[free, 0], c[free, 1], c[free, 2], c[free, 3] = n, new[i, A], new[i, CW], new[i, E]
-                else:
-                    thr[r] = min(thr[r], s_exit[i])
-            n += 1
-        if take_exit or not over[i]:
-            out[i] = ec[i]
-        else:
-            at, last = base + j, base + n - 1
-            out[i] = heavy[at]
-            heavy[at] = heavy[last]
-            hv[at, A], hv[at, CW], hv[at, E] = hv[last, A], hv[last, CW], hv[last, E]
-            for k in range(K):                              # the evicted entry leaves; the last one moved
-                if c[k, 0] == j:
-                    c[k, 0] = -1
-                elif c[k, 0] == n - 1:
-                    c[k, 0] = j
-            n -= 1
-        hn[i] = n
+        out[i], hn[i] = _evict_lowest_row(q[i], hn[i], Hc, over[i], ex[i], H[i], g[i], s_exit[i], ec[i],
+                                          new[i, A], new[i, CW], new[i, E], heavy, hv, cand, thr, buf, top)
     return out
 
 
@@ -339,20 +351,137 @@ def _advance_first_free_loop(occ, qP, col, hole, pages, live, ncol, bs):
         hole[i] = _scan_free(row, c + 1, ncol[i], bs) if pages[i] * bs > live[i] else -1
 
 
+def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budget, track, append, reuse, frees,
+                      sparse, leaving, scored, u, z, l, inv_tau, c, Hc, hsig, zw, hsum, eref, ringA, ringcw, hv,
+                      cand, thr, cols, stats):
+    m_new, n_evicted, n_freed = 0, 0, 0
+    buf, top = np.empty(max(Hc, 1)), np.empty(K, np.int64)
+    for si in range(S.size):
+        s = S[si]
+        pos = ntok[s]
+        ev_count, need_s, live_s, pages_s = 0, 0, 0, 0
+        for r in range(R):
+            q, i = s * R + r, si * R + r
+            tail, tw, ncol, pages, live, hole, holed, hn = (rs[q, 0], rs[q, 1], rs[q, 2], rs[q, 3], rs[q, 4],
+                                                             rs[q, 5], rs[q, 6], rs[q, 7])
+            # write the new token: into the tail page, the first hole, or a page opened at column ncol
+            new = (tw >= bs or ncol == 0) if append else hole < 0
+            col = ncol if new else (tail if append else hole)
+            if new:
+                m_new += 1
+                alive[q, col] = True
+                pages += 1
+                ncol += 1
+                if append:
+                    tw = 0
+                else:
+                    hole = col
+            if append:
+                tail = col
+                tw += 1
+            if track:
+                occ[q, col] += 1
+            live += 1
+            cols[i] = col
+            # the window moves on: the token at pos - W leaves it
+            ex, ec = False, col
+            if W and track:
+                ex = pos >= W
+                ec = ring[q, pos % W]
+                if ex:
+                    win[q, ec] -= 1
+                win[q, col] += 1
+                ring[q, pos % W] = col
+            if reuse and occ[q, col] >= bs:                     # a filled page moves the first-free pointer on
+                hole = _scan_free(occ[q], col + 1, ncol, bs) if pages * bs > live else -1
+            # evict
+            if budget >= 0:
+                over = live > budget
+                if over:
+                    live -= 1
+                    n_evicted += 1
+                    ev_count += 1
+                if track:
+                    if scored:
+                        H, g, s_exit, exits, A_e, cw_e, E_e = _scored_exit(
+                            q, pos, z[i], l[r], inv_tau[r], c[r], W, Hc, ex, hsig, zw, hsum, eref, ringA, ringcw,
+                            hv, cand)
+                        ev, hn = _evict_lowest_row(q, hn, Hc, over, exits, H, g, s_exit, ec, A_e, cw_e, E_e,
+                                                   heavy, hv, cand, thr, buf, top)
+                    else:
+                        base = q * Hc
+                        take_exit = over and ex and leaving
+                        heavy[base + hn] = ec
+                        if ex and not take_exit:
+                            hn += 1
+                        draw = over and not take_exit
+                        idx = min(int(u[i] * hn), max(hn - 1, 0))
+                        ev = heavy[base + idx]
+                        last = base + max(hn - 1, 0)
+                        heavy[base + idx if draw else last] = heavy[last]
+                        if draw:
+                            hn -= 1
+                        if take_exit:
+                            ev = ec
+                    if over:
+                        occ[q, ev] -= 1
+                        empty = False
+                        if frees:
+                            empty = occ[q, ev] == 0 and (not append or tail != ev or tw >= bs)
+                            if empty:
+                                alive[q, ev] = False
+                                pages -= 1
+                                if ncol == ev + 1:
+                                    ncol -= 1
+                                n_freed += 1
+                                if reuse and hole == ev:
+                                    hole = -1
+                        if reuse:
+                            if not empty:
+                                hole = ev if hole < 0 else min(hole, ev)
+                            elif hole < 0 and pages * bs > live:
+                                hole = _scan_free(occ[q], ev + 1, ncol, bs)
+                        if sparse:
+                            holed = ev if holed == -1 else (holed if holed == ev else -2)
+            rs[q, 0], rs[q, 1], rs[q, 2], rs[q, 3], rs[q, 4], rs[q, 5], rs[q, 6], rs[q, 7] = (
+                tail, tw, ncol, pages, live, hole, holed, hn)
+            need_s += ((tw >= bs or ncol == 0) if append else pages * bs <= live)
+            live_s += live
+            pages_s += pages
+        ntok[s] = pos + 1
+        stats[si, 0], stats[si, 1], stats[si, 2], stats[si, 3] = ev_count, need_s, live_s, pages_s
+    return m_new, n_evicted, n_freed
+
+
 if njit is not None:
     _scan_free = njit(cache=True, nogil=True)(_scan_free)
+    _scored_exit = njit(cache=True, nogil=True)(_scored_exit)
+    _evict_lowest_row = njit(cache=True, nogil=True)(_evict_lowest_row)
     first_free = njit(cache=True, nogil=True)(_first_free_loop)
     prompt_terms = njit(cache=True, nogil=True)(_prompt_terms_loop)
     advance_first_free = njit(cache=True, nogil=True)(_advance_first_free_loop)
     _evict_lowest_loop = njit(cache=True, nogil=True)(_evict_lowest_loop)
     evict_lowest = _evict_lowest_loop
     scored_step = njit(cache=True, nogil=True)(_scored_step_loop)
+    decode_rows = njit(cache=True, nogil=True)(_decode_rows_loop)
 else:
+    decode_rows = None          # the numpy path of FastKVManager._step is its twin
     evict_lowest, scored_step, first_free = evict_lowest_np, scored_step_np, first_free_np
     advance_first_free, prompt_terms = advance_first_free_np, prompt_terms_np
 prompt_terms.__doc__ = """The prompt cut's scores (see score_prompt) from the content weights w and decays d^(L-1-t)
 [rows, L], per-row l, c, top = d^-(obs-1) and shift = d: A, CW, E, the content normalizer and H
 after the prompt, and the kept positions."""
+if decode_rows is not None:
+    decode_rows.__doc__ = """One whole fast-mode decode step for the rows of the slots in S (R rows each; flat row
+q = slot * R + row): per row the write (tail page, first hole or a page opened at column ncol), the
+window exit, the reuse strategies' first-free pointer, the eviction (scored: `_scored_exit` and
+`_evict_lowest_row` with normal draw z[i]; else the leaving token or the listed entry drawn by u[i])
+and the slot strategy's answer to it (an emptied page freed, the first-free pointer, sparse_copy's
+holed column), on the row scalars rs [rows, 8] (fast.py's _ROW_FIELDS order) and the slab's
+[rows, cols] occupancy arrays. Writes each row's write column to cols [i] and per slot (evicted
+tokens, pages the next token needs, live tokens, pages) to stats [len(S), 4]; returns (rows that
+opened a page, evicted tokens, pages freed). Its twin is FastKVManager's numpy step (same state,
+tests/test_kv_fast_kernels.py)."""
 advance_first_free.__doc__ = """Reuse strategies after each row i wrote a token at column col[i]: if that filled the page,
 move the row's first-free pointer hole[i] on (to -1 when the row has no free slot: pages * bs <= live)."""
 first_free.__doc__ = """First column in [start, stop) of each flat row (page ids qP = row * cols of occ [rows, cols])
