@@ -618,10 +618,13 @@ class FastKVManager(EvictingManagerBase):
         Returns the (token, row) evictions per slot. Pages were taken from the pool by allocate_slots.
         Runs as one compiled kernel (fast_kernels.decode_rows) where numba is installed, else in numpy
         (`_step_numpy`, its twin: the same state, draw for draw)."""
-        if self.strategy == "sparse_copy":
-            self._sparse_copy(S)
+        sparse = self.strategy == "sparse_copy"
         if decode_rows is None:
+            if sparse:
+                self._sparse_copy(S)
             return self._step_numpy(S)
+        if sparse:                               # rows with several holed pages; the kernel rewrites the rest
+            self._densify_generic(S, self._typical_copy(S))
         R, nS = self.rows, S.size
         m = nS * R
         P = self.occ.shape[2]
@@ -634,7 +637,7 @@ class FastKVManager(EvictingManagerBase):
         u = self.rng.random(m) if draw and not self.scored else _NONE
         z = self.rng.standard_normal(m) if draw and self.scored else _NONE
         cols = np.empty(m, np.int64)
-        stats = np.empty((nS, 4), np.int64)
+        stats = np.empty((nS, 5), np.int64)
         if self.scored:
             sc = (self.h_local, self._inv_tau, self.h_content, self.heavy.shape[2], self.hsig.reshape(-1),
                   self.zw.reshape(-1), self.hsum.reshape(-1), self.eref.reshape(-1), self.ringA.reshape(-1),
@@ -642,11 +645,11 @@ class FastKVManager(EvictingManagerBase):
         else:
             sc = (_NONE_R, _NONE_R, _NONE_R, self.heavy.shape[2], _NONE, _NONE, _NONE, _NONE, _NONE, _NONE,
                   _NONE_HV, _NONE_CAND, _NONE)
-        m_new, n_evicted, n_freed = decode_rows(
+        m_new, n_evicted, n_freed, n_copied, copied = decode_rows(
             S, R, self._rs_f, self.occ.reshape(-1, P), self.win.reshape(-1, P), self.alive.reshape(-1, P),
             self.ring.reshape(-1, self.ring.shape[2]), self.ntok, self._heavy_f, self.block_size,
             self.window, -1 if self.budget is None else int(self.budget), track, self.append,
-            self.strategy in _REUSE, self.strategy in _FREES, self.strategy == "sparse_copy",
+            self.strategy in _REUSE, self.strategy in _FREES, sparse,
             self.evict_leaving, self.scored, u, z, *sc, cols, stats)
         if m_new:
             self._ncol_hi += 1
@@ -654,13 +657,19 @@ class FastKVManager(EvictingManagerBase):
         if n_freed:
             self.pool.give(n_freed)
             self.plan.blocks_freed_by_eviction += n_freed
-        if self.strategy in _COMPACT:
+        if n_copied:
+            self.pool.give(2 * n_copied)
+            self.plan.bytes_moved += int(round(copied * self.bytes_per_token_row))
+        if self.strategy in _COMPACT:            # pages moved: recount from the slab
             self._compact_step(S, self._index(S)[0], cols)
-        if self.strategy in _COMPACT or self.strategy == "sparse_copy":   # pages moved: recount from the slab
             self._update_need(S)
             self._restat(S)
         else:
-            self._update_need(S, stats[:, 1])
+            need = stats[:, 1]
+            generic = np.flatnonzero(stats[:, 4])
+            if generic.size:
+                need[generic] = self._need_rows(S[generic]).sum(axis=1)
+            self._update_need(S, need)
             self._restat(S, stats[:, 2], stats[:, 3])
         return stats[:, 0].tolist()
 
@@ -1019,6 +1028,10 @@ class FastKVManager(EvictingManagerBase):
             rs[q] = st
             self.pool.give(2 * si.size)
             self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
+        self._densify_generic(S, typical)
+
+    def _densify_generic(self, S, typical) -> None:
+        """sparse_copy's rows with several holed pages (or holed at the tail) go through _densify."""
         generic = (self.holed[S] != -1) & ~typical
         for i in np.flatnonzero(generic.any(axis=1)):
             self._densify(int(S[i]), np.flatnonzero(generic[i]))

@@ -354,16 +354,42 @@ def _advance_first_free_loop(occ, qP, col, hole, pages, live, ncol, bs):
 def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budget, track, append, reuse, frees,
                       sparse, leaving, scored, u, z, l, inv_tau, c, Hc, hsig, zw, hsum, eref, ringA, ringcw, hv,
                       cand, thr, cols, stats):
-    m_new, n_evicted, n_freed = 0, 0, 0
+    m_new, n_evicted, n_freed, n_copied, copied = 0, 0, 0, 0, 0
     buf, top = np.empty(max(Hc, 1)), np.empty(K, np.int64)
     for si in range(S.size):
         s = S[si]
         pos = ntok[s]
-        ev_count, need_s, live_s, pages_s = 0, 0, 0, 0
+        ev_count, need_s, live_s, pages_s, generic = 0, 0, 0, 0, 0
         for r in range(R):
             q, i = s * R + r, si * R + r
             tail, tw, ncol, pages, live, hole, holed, hn = (rs[q, 0], rs[q, 1], rs[q, 2], rs[q, 3], rs[q, 4],
                                                              rs[q, 5], rs[q, 6], rs[q, 7])
+            if sparse and holed >= 0 and holed != tail and W >= bs:
+                # sparse_copy, one holed page (the steady state): it and the tail are rewritten densely
+                hc, t = holed, tail
+                oh, ot = occ[q, hc], occ[q, t]
+                moved = oh + ot
+                dst = -(-moved // bs)
+                k = bs - oh if dst == 2 else ot              # tail tokens that move into the holed page
+                for j in range(max(k, 0)):
+                    ring[q, (pos - ot + j) % W] = hc
+                wk = min(k, win[q, t])
+                win[q, hc] += wk
+                win[q, t] -= wk
+                occ[q, hc] = min(moved, bs)
+                occ[q, t] = moved - min(moved, bs)
+                if dst == 1:
+                    alive[q, t] = False
+                    if ncol == t + 1:
+                        ncol = t
+                    tail = hc
+                    tw = moved
+                else:
+                    tw = moved - bs
+                pages += dst - 2
+                holed = -1
+                n_copied += 1
+                copied += moved
             # write the new token: into the tail page, the first hole, or a page opened at column ncol
             new = (tw >= bs or ncol == 0) if append else hole < 0
             col = ncol if new else (tail if append else hole)
@@ -445,12 +471,22 @@ def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budge
                             holed = ev if holed == -1 else (holed if holed == ev else -2)
             rs[q, 0], rs[q, 1], rs[q, 2], rs[q, 3], rs[q, 4], rs[q, 5], rs[q, 6], rs[q, 7] = (
                 tail, tw, ncol, pages, live, hole, holed, hn)
-            need_s += ((tw >= bs or ncol == 0) if append else pages * bs <= live)
+            if not append:
+                need_s += pages * bs <= live
+            elif sparse and holed >= 0 and holed != tail and W >= bs:  # the next step rewrites two pages
+                mv = occ[q, holed] + occ[q, tail]
+                d = -(-mv // bs)
+                need_s += d + (d * bs - mv < 1)
+            elif sparse and holed != -1:
+                generic += 1                                 # several holed pages: counted in numpy
+            else:
+                need_s += tw >= bs or ncol == 0
             live_s += live
             pages_s += pages
         ntok[s] = pos + 1
-        stats[si, 0], stats[si, 1], stats[si, 2], stats[si, 3] = ev_count, need_s, live_s, pages_s
-    return m_new, n_evicted, n_freed
+        stats[si, 0], stats[si, 1], stats[si, 2], stats[si, 3], stats[si, 4] = (ev_count, need_s, live_s, pages_s,
+                                                                                generic)
+    return m_new, n_evicted, n_freed, n_copied, copied
 
 
 if njit is not None:
@@ -474,13 +510,15 @@ after the prompt, and the kept positions."""
 if decode_rows is not None:
     decode_rows.__doc__ = """One whole fast-mode decode step for the rows of the slots in S (R rows each; flat row
 q = slot * R + row): per row the write (tail page, first hole or a page opened at column ncol), the
-window exit, the reuse strategies' first-free pointer, the eviction (scored: `_scored_exit` and
+window exit (sparse_copy first rewrites a row's one holed page and its tail), the reuse
+strategies' first-free pointer, the eviction (scored: `_scored_exit` and
 `_evict_lowest_row` with normal draw z[i]; else the leaving token or the listed entry drawn by u[i])
 and the slot strategy's answer to it (an emptied page freed, the first-free pointer, sparse_copy's
 holed column), on the row scalars rs [rows, 8] (fast.py's _ROW_FIELDS order) and the slab's
 [rows, cols] occupancy arrays. Writes each row's write column to cols [i] and per slot (evicted
-tokens, pages the next token needs, live tokens, pages) to stats [len(S), 4]; returns (rows that
-opened a page, evicted tokens, pages freed). Its twin is FastKVManager's numpy step (same state,
+tokens, pages the next token needs, live tokens, pages, rows with several holed pages whose need
+the caller counts) to stats [len(S), 5]; returns (rows that opened a page, evicted tokens, pages
+freed, rows sparse-copied, tokens they copied). Its twin is FastKVManager's numpy step (same state,
 tests/test_kv_fast_kernels.py)."""
 advance_first_free.__doc__ = """Reuse strategies after each row i wrote a token at column col[i]: if that filled the page,
 move the row's first-free pointer hole[i] on (to -1 when the row has no free slot: pages * bs <= live)."""
