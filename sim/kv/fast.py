@@ -645,11 +645,12 @@ class FastKVManager(EvictingManagerBase):
         else:
             sc = (_NONE_R, _NONE_R, _NONE_R, self.heavy.shape[2], _NONE, _NONE, _NONE, _NONE, _NONE, _NONE,
                   _NONE_HV, _NONE_CAND, _NONE)
-        m_new, n_evicted, n_freed, n_copied, copied = decode_rows(
+        compact = self.strategy in _COMPACT
+        m_new, n_evicted, n_freed, n_copied, copied, n_compacted = decode_rows(
             S, R, self._rs_f, self.occ.reshape(-1, P), self.win.reshape(-1, P), self.alive.reshape(-1, P),
             self.ring.reshape(-1, self.ring.shape[2]), self.ntok, self._heavy_f, self.block_size,
             self.window, -1 if self.budget is None else int(self.budget), track, self.append,
-            self.strategy in _REUSE, self.strategy in _FREES, sparse,
+            self.strategy in _REUSE, self.strategy in _FREES, sparse, compact,
             self.evict_leaving, self.scored, u, z, *sc, cols, stats)
         if m_new:
             self._ncol_hi += 1
@@ -660,17 +661,23 @@ class FastKVManager(EvictingManagerBase):
         if n_copied:
             self.pool.give(2 * n_copied)
             self.plan.bytes_moved += int(round(copied * self.bytes_per_token_row))
-        if self.strategy in _COMPACT:            # pages moved: recount from the slab
-            self._compact_step(S, self._index(S)[0], cols)
-            self._update_need(S)
-            self._restat(S)
-        else:
-            need = stats[:, 1]
-            generic = np.flatnonzero(stats[:, 4])
-            if generic.size:
-                need[generic] = self._need_rows(S[generic]).sum(axis=1)
-            self._update_need(S, need)
-            self._restat(S, stats[:, 2], stats[:, 3])
+        if n_compacted:
+            self.pool.give(n_compacted)
+            self.plan.blocks_freed_by_eviction += n_compacted
+            self.plan.bytes_moved += int(round(n_compacted * self.bytes_per_token_row))
+        need = stats[:, 1]
+        generic = np.flatnonzero(stats[:, 4])
+        if generic.size and compact:             # rows with more spare pages: the exact path, then recount
+            for s in S[generic].tolist():
+                rows = np.flatnonzero(self.pages[s] - -(-self.live[s] // self.block_size) > 0)
+                self._compact_rows(s, rows)
+                self._rescan_holes(s, rows)
+            self._restat(S[generic])
+            stats[generic, 2], stats[generic, 3] = self.slot_live[S[generic]], self.slot_pages[S[generic]]
+        if generic.size:
+            need[generic] = self._need_rows(S[generic]).sum(axis=1)
+        self._update_need(S, need)
+        self._restat(S, stats[:, 2], stats[:, 3])
         return stats[:, 0].tolist()
 
     def _step_numpy(self, S: np.ndarray) -> list[int]:

@@ -352,9 +352,9 @@ def _advance_first_free_loop(occ, qP, col, hole, pages, live, ncol, bs):
 
 
 def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budget, track, append, reuse, frees,
-                      sparse, leaving, scored, u, z, l, inv_tau, c, Hc, hsig, zw, hsum, eref, ringA, ringcw, hv,
+                      sparse, compact, leaving, scored, u, z, l, inv_tau, c, Hc, hsig, zw, hsum, eref, ringA, ringcw, hv,
                       cand, thr, cols, stats):
-    m_new, n_evicted, n_freed, n_copied, copied = 0, 0, 0, 0, 0
+    m_new, n_evicted, n_freed, n_copied, copied, n_compacted = 0, 0, 0, 0, 0, 0
     buf, top = np.empty(max(Hc, 1)), np.empty(K, np.int64)
     for si in range(S.size):
         s = S[si]
@@ -469,6 +469,27 @@ def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budge
                                 hole = _scan_free(occ[q], ev + 1, ncol, bs)
                         if sparse:
                             holed = ev if holed == -1 else (holed if holed == ev else -2)
+            if compact and pages - -(-live // bs) > 0:
+                # one page more than the live tokens need, the newest token alone in the last page with a
+                # hole before it: that token moves into the hole and the page is freed; else the caller's
+                # exact count-based path (generic)
+                last = max(ncol - 1, 0)
+                if (pages - -(-live // bs) == 1 and occ[q, last] == 1 and 0 <= hole < last and alive[q, last]
+                        and (W == 0 or col == last)):
+                    occ[q, hole] += 1
+                    occ[q, last] = 0
+                    win[q, hole] += 1
+                    win[q, last] = 0
+                    if W:
+                        ring[q, pos % W] = hole
+                    alive[q, last] = False
+                    pages -= 1
+                    ncol = last
+                    n_compacted += 1
+                    if occ[q, hole] >= bs:
+                        hole = _scan_free(occ[q], hole + 1, ncol, bs) if pages * bs > live else -1
+                else:
+                    generic += 1
             rs[q, 0], rs[q, 1], rs[q, 2], rs[q, 3], rs[q, 4], rs[q, 5], rs[q, 6], rs[q, 7] = (
                 tail, tw, ncol, pages, live, hole, holed, hn)
             if not append:
@@ -486,7 +507,7 @@ def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budge
         ntok[s] = pos + 1
         stats[si, 0], stats[si, 1], stats[si, 2], stats[si, 3], stats[si, 4] = (ev_count, need_s, live_s, pages_s,
                                                                                 generic)
-    return m_new, n_evicted, n_freed, n_copied, copied
+    return m_new, n_evicted, n_freed, n_copied, copied, n_compacted
 
 
 if njit is not None:
@@ -514,11 +535,13 @@ window exit (sparse_copy first rewrites a row's one holed page and its tail), th
 strategies' first-free pointer, the eviction (scored: `_scored_exit` and
 `_evict_lowest_row` with normal draw z[i]; else the leaving token or the listed entry drawn by u[i])
 and the slot strategy's answer to it (an emptied page freed, the first-free pointer, sparse_copy's
-holed column), on the row scalars rs [rows, 8] (fast.py's _ROW_FIELDS order) and the slab's
+holed column) and compaction's common case (the newest token moves into the first hole and its
+page is freed), on the row scalars rs [rows, 8] (fast.py's _ROW_FIELDS order) and the slab's
 [rows, cols] occupancy arrays. Writes each row's write column to cols [i] and per slot (evicted
-tokens, pages the next token needs, live tokens, pages, rows with several holed pages whose need
-the caller counts) to stats [len(S), 5]; returns (rows that opened a page, evicted tokens, pages
-freed, rows sparse-copied, tokens they copied). Its twin is FastKVManager's numpy step (same state,
+tokens, pages the next token needs, live tokens, pages, rows left to the caller: sparse_copy rows
+with several holed pages (their need) or rows to compact otherwise) to stats [len(S), 5]; returns
+(rows that opened a page, evicted tokens, pages freed, rows sparse-copied, tokens they copied, rows
+compacted). Its twin is FastKVManager's numpy step (same state,
 tests/test_kv_fast_kernels.py)."""
 advance_first_free.__doc__ = """Reuse strategies after each row i wrote a token at column col[i]: if that filled the page,
 move the row's first-free pointer hole[i] on (to -1 when the row has no free slot: pages * bs <= live)."""
