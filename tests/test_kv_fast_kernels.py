@@ -76,16 +76,17 @@ def test_prompt_scoring_kernel_matches_its_numpy_twin(L, cand, keep):
     R = 4
     w, decay = np.exp(rng.standard_normal((R, L)) * 2), np.exp(-rng.random((R, L)) * 5)
     args = (w, decay, rng.uniform(0.1, 0.5, R), rng.uniform(0.2, 0.6, R), rng.uniform(1, 3, R), rng.random(R), 8,
-            cand, keep, 4)
-    got, want = fk.prompt_terms(*args), fk.prompt_terms_np(*args)
-    assert got[5].shape == (R, keep) and np.array_equal(got[5], want[5])        # the kept positions
-    for g, w_ in zip(got[:5], want[:5]):
+            cand, keep, 4, 6)
+    got, want = fk.prompt_cut(*args), fk.prompt_cut_np(*args)
+    assert got[2].shape == (R, keep) and np.array_equal(got[2], want[2])        # the kept positions
+    assert got[3].shape == (R, keep, 3) and got[4].shape == (R, 6)
+    for g, w_ in zip(got, want):
         assert np.array_equal(g, w_)
 
 
 def test_prompt_cut_keeps_the_highest_scores_and_breaks_ties_by_position():
     z = np.zeros((1, 12))                  # equal content: scores tie except for the local term and sinks
-    got = fk.score_prompt(z, np.ones(1), np.zeros(1), np.full(1, 4.0), np.full(1, 0.5), 1, 10, 6, 4)[5]
+    got = fk.score_prompt(z, np.ones(1), np.zeros(1), np.full(1, 4.0), np.full(1, 0.5), 1, 10, 6, 4, 2)[2]
     assert got.tolist() == [[0, 1, 2, 3, 4, 5]]                 # the 4 sinks, then the lowest positions
 
 
@@ -103,7 +104,7 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, stra
     monkeypatch.setattr(fast, "scored_step", fk.scored_step_np)
     monkeypatch.setattr(fast, "first_free", fk.first_free_np)
     monkeypatch.setattr(fast, "advance_first_free", fk.advance_first_free_np)
-    monkeypatch.setattr(fk, "prompt_terms", fk.prompt_terms_np)
+    monkeypatch.setattr(fk, "prompt_cut", fk.prompt_cut_np)
     twins = run(cfg, **kw)[1]
     for col in ("blocks_used", "live_slots", "allocated_slots", "evicted_tokens", "blocks_freed_by_eviction",
                 "block_table_entries", "duration_s"):
@@ -114,6 +115,6 @@ def test_without_numba_the_numpy_twins_run():
     code = ("import sys; sys.modules['numba'] = None\n"
             "import sim.kv.fast_kernels as fk\n"
             "assert fk.scored_step is fk.scored_step_np and fk.first_free is fk.first_free_np\n"
-            "assert fk.advance_first_free is fk.advance_first_free_np and fk.prompt_terms is fk.prompt_terms_np\n"
+            "assert fk.advance_first_free is fk.advance_first_free_np and fk.prompt_cut is fk.prompt_cut_np\n"
             "assert fk.decode_rows is None\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -488,7 +488,7 @@ class FastKVManager(EvictingManagerBase):
             self.ring[s][:, wpos % self.window] = (wpos // bs)[None, :]
             self.win[s, :, :cols] = np.bincount(wpos // bs, minlength=cols)[None, :]
         scored = self.scored and self.tracks_columns
-        gone = self._score_prompt(s, L, W) if scored else None
+        kept_pos = self._score_prompt(s, L, W) if scored else None
         if self.budget is not None and L > self.budget:
             cand = L - W
             keep = self.budget - W
@@ -500,8 +500,9 @@ class FastKVManager(EvictingManagerBase):
                 self.plan.evicted_tokens += R * (cand - keep)
                 kept = None
             elif scored:
-                kept = per_page[None, :] - np.bincount(
-                    (np.arange(R)[:, None] * cols + pos_page[None, :cand])[gone], minlength=R * cols).reshape(R, cols)
+                listed = np.bincount((np.arange(R)[:, None] * cols + kept_pos // bs).ravel(), minlength=R * cols)
+                kept = per_page[None, :] - (np.bincount(pos_page[:cand], minlength=cols)[None, :]
+                                            - listed.reshape(R, cols))
             elif self.age_weight == "oldest":
                 kept = np.bincount(pos_page[cand - k:cand], minlength=cols)[None, :].repeat(R, 0)
             else:
@@ -854,29 +855,26 @@ class FastKVManager(EvictingManagerBase):
     def _score_prompt(self, s: int, L: int, W: int) -> np.ndarray:
         """H2O's prompt cut under the importance model: draw the prompt's content weights, score the
         candidates by the last obs_window prefill queries, list the kept ones (with their score
-        terms) and put the window tokens' terms in the ring. Returns bool [rows, L - W]: evicted."""
+        terms) and put the window tokens' terms in the ring. Returns the kept positions [rows, keep]."""
         R, bs = self.rows, self.block_size
         obs = min(self.obs_window, L)
         sig = self.h_sigma * np.exp(self.sigma_jitter * self.rng.standard_normal(R))
         self.hsig[s] = sig
         cand = L - W
         keep = min(cand, self.budget - W)
-        A, cw, E, self.zw[s], self.hsum[s], kept = score_prompt(
-            self.rng.standard_normal((R, L)), sig, self.h_local, self.h_tau, self.h_content, obs, cand, keep, NUM_SINK)
+        self.zw[s], self.hsum[s], kept, terms, win_A, win_cw = score_prompt(
+            self.rng.standard_normal((R, L)), sig, self.h_local, self.h_tau, self.h_content, obs, cand, keep, NUM_SINK,
+            W)
         if W:
-            wpos = np.arange(L - W, L)
-            self.ringA[s][:, wpos % W] = A[:, wpos]
-            self.ringcw[s][:, wpos % W] = cw[:, wpos]
+            at = np.arange(L - W, L) % W
+            self.ringA[s][:, at] = win_A
+            self.ringcw[s][:, at] = win_cw
         self.heavy[s, :, :keep] = kept // bs
-        self.hv[s, :, :keep, 0] = np.take_along_axis(A, kept, axis=1)
-        self.hv[s, :, :keep, 1] = np.take_along_axis(cw, kept, axis=1)
-        self.hv[s, :, :keep, 2] = np.take_along_axis(E, kept, axis=1)
+        self.hv[s, :, :keep] = terms
         self.eref[s] = L - 1
         self.hn[s] = keep
         self._reset_candidates(s)
-        gone = np.ones((R, cand), bool)
-        np.put_along_axis(gone, kept, False, axis=1)
-        return gone
+        return kept
 
     def _rebuild_heavy(self, s: int, rows: np.ndarray) -> None:
         """The heavy list of some rows from their per-column non-window counts (column order = age order)."""

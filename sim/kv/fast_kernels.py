@@ -7,7 +7,7 @@ token leaving the recent window (score `s_exit`) — and a leaving token that st
 The list scan is O(list) per row: ~130 entries x ~200 rows per step on the benchmark, which numpy
 pays for with a dozen [rows, list] temporaries per step (the step's cost doubled); the kernel keeps
 a few candidates per row and rescans a list only when they cannot hold the minimum. The module also
-holds the prompt cut's scoring (`score_prompt`, `prompt_terms`) and the reuse strategies' first-free
+holds the prompt cut's scoring (`score_prompt`, `prompt_cut`) and the reuse strategies' first-free
 page scans (`first_free`, `advance_first_free`). Every kernel has a numpy twin that leaves the same
 state (tests/test_kv_fast_kernels.py compares them; ties go to the first entry in both). numba is
 optional: without it (the real backend's machines need not have it) the twins run, same results.
@@ -255,21 +255,22 @@ def _first_free_loop(occ, qP, start, stop, bs):
     return out
 
 
-def score_prompt(z, sig, l, tau, c, obs, cand, keep, num_sink):
+def score_prompt(z, sig, l, tau, c, obs, cand, keep, num_sink, W):
     """H2O's prompt cut for fast mode's scored rows (see FastKVManager._score_prompt): from the
-    prompt's content draws z [rows, L] and head parameters, each token's score terms A, CW, E
-    [rows, L] (A = inf for the attention sinks), the rows' content normalizer and H after the prompt,
-    and the `keep` highest-scored of the first `cand` positions per row (ties to the lower position),
-    in position order. The two exps per token run in numpy (vectorized, faster than a compiled
-    scalar loop), the rest in `prompt_terms`."""
+    prompt's content draws z [rows, L] and head parameters, per row: the content normalizer and H
+    after the prompt, the `keep` highest-scored of the first `cand` positions (ties to the lower
+    position, in position order) and their score terms A, CW, E [rows, keep, 3], and the terms A and
+    CW of the last W positions (the window) [rows, W]. The sinks (the first num_sink) score inf. The two
+    exps per token run in numpy (vectorized, faster than a compiled scalar loop), the rest in
+    `prompt_cut`."""
     L = z.shape[1]
     w = np.exp(sig[:, None] * z)
     decay = np.exp((np.arange(L) - (L - 1)) / tau[:, None])     # d^(L - 1 - t)
-    return prompt_terms(w, decay, l, c, np.exp((obs - 1) / tau), np.exp(-1.0 / tau), obs, cand, keep, num_sink)
+    return prompt_cut(w, decay, l, c, np.exp((obs - 1) / tau), np.exp(-1.0 / tau), obs, cand, keep, num_sink, W)
 
 
-def prompt_terms_np(w, decay, l, c, top, shift, obs, cand, keep, num_sink):
-    """numpy twin of `prompt_terms`."""
+def prompt_cut_np(w, decay, l, c, top, shift, obs, cand, keep, num_sink, W):
+    """numpy twin of `prompt_cut`."""
     R, L = w.shape
     zw = np.cumsum(w, axis=1)
     q0 = L - obs
@@ -289,44 +290,51 @@ def prompt_terms_np(w, decay, l, c, top, shift, obs, cand, keep, num_sink):
         eq = score == v
         take = (score > v) | (eq & (np.cumsum(eq, axis=1) <= keep - (score > v).sum(axis=1, keepdims=True)))
         kept = np.nonzero(take)[1].reshape(R, keep)
-    return A, cw, E, zw[:, -1], hq[:, -1], kept
+    terms = np.stack([np.take_along_axis(x, kept, axis=1) for x in (A, cw, E)], axis=2)
+    return zw[:, -1], hq[:, -1], kept, terms, A[:, L - W:], cw[:, L - W:]
 
 
-def _prompt_terms_loop(w, decay, l, c, top, shift, obs, cand, keep, num_sink):
+def _prompt_cut_loop(w, decay, l, c, top, shift, obs, cand, keep, num_sink, W):
     R, L = w.shape
     q0 = L - obs
-    A, cw, E = np.empty((R, L)), np.empty((R, L)), np.empty((R, L))
+    nk = min(keep, cand)
+    kept, terms = np.empty((R, nk), np.int64), np.empty((R, nk, 3))
+    win_A, win_cw = np.empty((R, W)), np.empty((R, W))
     zw_last, hq_last = np.empty(R), np.empty(R)
-    kept = np.empty((R, min(keep, cand)), np.int64)
-    score = np.empty(cand)
+    A, cw, E, score = np.empty(L), np.empty(L), np.empty(L), np.empty(cand)
     for r in range(R):
         zw, hq, h_prev = 0.0, 0.0, 0.0
         for t in range(L):
             zw += w[r, t]
-            cw[r, t] = c[r] * w[r, t]
-            E[r, t] = l[r] * decay[r, t]
-            A[r, t] = np.inf if t < num_sink else l[r] * min(decay[r, t] * top[r], 1.0) - cw[r, t] * h_prev
+            cw[t] = c[r] * w[r, t]
+            E[t] = l[r] * decay[r, t]
+            A[t] = np.inf if t < num_sink else l[r] * min(decay[r, t] * top[r], 1.0) - cw[t] * h_prev
             if t >= q0:                     # H over the observation queries; H(a0 - 1) of the next token
                 hq += 1.0 / zw
                 h_prev = hq
         zw_last[r], hq_last[r] = zw, hq
-        for t in range(cand):
-            score[t] = A[r, t] + cw[r, t] * hq - E[r, t] * shift[r]
+        for j in range(W):
+            win_A[r, j], win_cw[r, j] = A[L - W + j], cw[L - W + j]
         if keep >= cand:
             for t in range(cand):
                 kept[r, t] = t
-            continue
-        v = -np.partition(-score, keep - 1)[keep - 1]
-        ties = keep
-        for t in range(cand):
-            ties -= score[t] > v
-        k = 0
-        for t in range(cand):
-            if score[t] > v or (score[t] == v and ties > 0):
-                ties -= score[t] == v
-                kept[r, k] = t
-                k += 1
-    return A, cw, E, zw_last, hq_last, kept
+        else:
+            for t in range(cand):
+                score[t] = A[t] + cw[t] * hq - E[t] * shift[r]
+            v = -np.partition(-score, keep - 1)[keep - 1]
+            ties = keep
+            for t in range(cand):
+                ties -= score[t] > v
+            k = 0
+            for t in range(cand):
+                if score[t] > v or (score[t] == v and ties > 0):
+                    ties -= score[t] == v
+                    kept[r, k] = t
+                    k += 1
+        for k in range(nk):
+            t = kept[r, k]
+            terms[r, k, 0], terms[r, k, 1], terms[r, k, 2] = A[t], cw[t], E[t]
+    return zw_last, hq_last, kept, terms, win_A, win_cw
 
 
 def advance_first_free_np(occ, qP, col, hole, pages, live, ncol, bs):
@@ -515,7 +523,7 @@ if njit is not None:
     _scored_exit = njit(cache=True, nogil=True)(_scored_exit)
     _evict_lowest_row = njit(cache=True, nogil=True)(_evict_lowest_row)
     first_free = njit(cache=True, nogil=True)(_first_free_loop)
-    prompt_terms = njit(cache=True, nogil=True)(_prompt_terms_loop)
+    prompt_cut = njit(cache=True, nogil=True)(_prompt_cut_loop)
     advance_first_free = njit(cache=True, nogil=True)(_advance_first_free_loop)
     _evict_lowest_loop = njit(cache=True, nogil=True)(_evict_lowest_loop)
     evict_lowest = _evict_lowest_loop
@@ -524,10 +532,10 @@ if njit is not None:
 else:
     decode_rows = None          # the numpy path of FastKVManager._step is its twin
     evict_lowest, scored_step, first_free = evict_lowest_np, scored_step_np, first_free_np
-    advance_first_free, prompt_terms = advance_first_free_np, prompt_terms_np
-prompt_terms.__doc__ = """The prompt cut's scores (see score_prompt) from the content weights w and decays d^(L-1-t)
-[rows, L], per-row l, c, top = d^-(obs-1) and shift = d: A, CW, E, the content normalizer and H
-after the prompt, and the kept positions."""
+    advance_first_free, prompt_cut = advance_first_free_np, prompt_cut_np
+prompt_cut.__doc__ = """The prompt cut's scoring and top-k (see score_prompt) from the content weights w and decays
+d^(L-1-t) [rows, L], per-row l, c, top = d^-(obs-1) and shift = d: the content normalizer and H
+after the prompt, the kept positions and their terms, and the window's terms."""
 if decode_rows is not None:
     decode_rows.__doc__ = """One whole fast-mode decode step for the rows of the slots in S (R rows each; flat row
 q = slot * R + row): per row the write (tail page, first hole or a page opened at column ncol), the
