@@ -560,11 +560,12 @@ class FastKVManager(EvictingManagerBase):
         self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
         holes = np.where(kept, bs - occ, 0)
         before = np.cumsum(holes, axis=1) - holes
-        add = np.clip(moved[:, None] - before, 0, holes)
+        add = np.minimum(np.maximum(moved[:, None] - before, 0), holes)
         self.occ[s, rows] = np.where(kept, occ + add, 0)
         # moved tokens are the newest ones: window counts follow them into the filled holes
         wmoved = (win * gone).sum(axis=1)
-        self.win[s, rows] = np.where(kept, win + np.clip(wmoved[:, None] - (np.cumsum(add, axis=1) - add), 0, add), 0)
+        self.win[s, rows] = np.where(kept, win + np.minimum(np.maximum(wmoved[:, None] - (np.cumsum(add, axis=1) - add), 0),
+                                                           add), 0)
         n = int(gone.sum())
         self.alive[s, rows] = kept
         self.pages[s, rows] = keep.astype(np.int32)
@@ -1058,14 +1059,16 @@ class FastKVManager(EvictingManagerBase):
         self.pool.give(n_old)
         base = self.ncol[s, rows].astype(np.int64)
         self._ensure_cols(int((base + dst).max()))
-        for j in range(int(dst.max()) if dst.size else 0):
-            m = j < dst
-            r, c = rows[m], base[m] + j
-            cnt = np.clip(moved[m] - j * bs, 0, bs)
-            self.occ[s, r, c] = cnt
+        if dst.size and dst.max() > 0:           # new page j of a row holds its moved tokens j*bs .. (j+1)*bs - 1
+            start = np.arange(int(dst.max()))[None, :] * bs
+            m = start < dst[:, None] * bs
+            cnt = np.minimum(np.maximum(moved[:, None] - start, 0), bs)
+            lo = (moved - wmoved)[:, None]           # window tokens are the last wmoved ones
+            wcnt = np.maximum(np.minimum(start + cnt, moved[:, None]) - np.maximum(start, lo), 0)
+            r, c = np.broadcast_to(rows[:, None], m.shape)[m], (base[:, None] + start // bs)[m]
+            self.occ[s, r, c] = cnt[m]
             self.alive[s, r, c] = True
-            lo = moved[m] - wmoved[m]                     # window tokens are the last wmoved ones
-            self.win[s, r, c] = np.clip(np.minimum(j * bs + cnt, moved[m]) - np.maximum(j * bs, lo), 0, None)
+            self.win[s, r, c] = wcnt[m]
         has = dst > 0
         self.tail[s, rows] = np.where(has, base + dst - 1, self.tail[s, rows])
         self.tail_w[s, rows] = np.where(has, moved - (dst - 1) * bs, bs)
