@@ -203,7 +203,26 @@ class FastKVManager(EvictingManagerBase):
         self.need_next = np.zeros(n, np.int64)              # pages the next 1-token write takes
         self.slot_live = np.zeros(n, np.int64)              # live tokens of the slot, all rows
         self.slot_pages = np.zeros(n, np.int64)
+        self._kernel_args(cols)
         self._mirror()
+
+    def _kernel_args(self, cols: int) -> None:
+        """decode_rows' arguments that hold from step to step (views of the slab, flags), in its order."""
+        self._slab_args = (
+            self._rs_f, self.occ.reshape(-1, cols), self.win.reshape(-1, cols), self.alive.reshape(-1, cols),
+            self.ring.reshape(-1, self.ring.shape[2]), self.ntok, self._heavy_f, self.block_size, self.window,
+            -1 if self.budget is None else int(self.budget), self.tracks_columns, self.append,
+            self.strategy in _REUSE, self.strategy in _FREES, self.strategy == "sparse_copy",
+            self.strategy in _COMPACT, self.evict_leaving, self.scored)
+        Hc = self.heavy.shape[2]
+        if self.scored:
+            self._scored_args = (self.h_local, self._inv_tau, self.h_content, Hc, self.hsig.reshape(-1),
+                                 self.zw.reshape(-1), self.hsum.reshape(-1), self.eref.reshape(-1),
+                                 self.ringA.reshape(-1), self.ringcw.reshape(-1), self._hv_f,
+                                 self.cand.reshape(-1, KCAND, 4), self.thr.reshape(-1))
+        else:
+            self._scored_args = (_NONE_R, _NONE_R, _NONE_R, Hc, _NONE, _NONE, _NONE, _NONE, _NONE, _NONE, _NONE_HV,
+                                 _NONE_CAND, _NONE)
 
     def _mirror(self) -> None:
         """Python lists of the per-slot numbers the scheduler asks for per request (no numpy per call)."""
@@ -436,33 +455,32 @@ class FastKVManager(EvictingManagerBase):
 
     # ----- per step --------------------------------------------------------------------------------
     def finish_step(self, scheduled) -> KVStepPlan:
-        slot_of, pending, prefilled = self.slot_of, self._pending, self._prefilled_l
-        dec_req, dec_slot, slots = [], [], []
+        slot_get, pending_pop, prefilled = self.slot_of.get, self._pending.pop, self._prefilled_l
+        dec, slots = [], []
         logical = 0
         for sch in scheduled:
             req = sch.request
-            s = slot_of.get(req)
+            s = slot_get(req)
             if s is None:
                 continue
             slots.append(s)
-            logical += req.num_computed_tokens + sch.num_new_tokens
-            if s in pending:
-                dec_req.append(req)
-                dec_slot.append(s)
-                del pending[s]
-            elif sch.is_prefill and not prefilled[s] and req.num_computed_tokens + sch.num_new_tokens >= req.num_tokens:
+            computed = req.num_computed_tokens + sch.num_new_tokens
+            logical += computed
+            if pending_pop(s, None) is not None:
+                dec.append((s, req))
+            elif sch.is_prefill and not prefilled[s] and computed >= req.num_tokens:
                 before = self.plan.evicted_tokens
                 self._finish_prefill(s)
                 self._note_evicted(req, self.plan.evicted_tokens - before)
                 self._restat(np.array([s]))
-        if dec_slot:
+        if dec:
             # in slab order the step walks its rows' memory ascending (a third faster on 1,000 requests)
-            dec_slot, dec_req = zip(*sorted(zip(dec_slot, dec_req), key=_first))
-            S = np.array(dec_slot)
-            evicted = self._step(S)
-            for req, k in zip(dec_req, evicted):
-                if k:
-                    req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + k / self.rows
+            dec.sort(key=_first)
+            evicted = self._step(np.fromiter(map(_first, dec), np.int64, len(dec)))
+            if any(evicted):
+                for (_, req), k in zip(dec, evicted):
+                    if k:
+                        req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + k / self.rows
         live_l = self._live_l
         self.logical_token_steps += logical
         self.stored_token_steps += sum([live_l[s] for s in slots]) / self.rows
@@ -640,20 +658,9 @@ class FastKVManager(EvictingManagerBase):
         z = self.rng.standard_normal(m) if draw and self.scored else _NONE
         cols = np.empty(m, np.int64)
         stats = np.empty((nS, 5), np.int64)
-        if self.scored:
-            sc = (self.h_local, self._inv_tau, self.h_content, self.heavy.shape[2], self.hsig.reshape(-1),
-                  self.zw.reshape(-1), self.hsum.reshape(-1), self.eref.reshape(-1), self.ringA.reshape(-1),
-                  self.ringcw.reshape(-1), self._hv_f, self.cand.reshape(-1, KCAND, 4), self.thr.reshape(-1))
-        else:
-            sc = (_NONE_R, _NONE_R, _NONE_R, self.heavy.shape[2], _NONE, _NONE, _NONE, _NONE, _NONE, _NONE,
-                  _NONE_HV, _NONE_CAND, _NONE)
         compact = self.strategy in _COMPACT
         m_new, n_evicted, n_freed, n_copied, copied, n_compacted = decode_rows(
-            S, R, self._rs_f, self.occ.reshape(-1, P), self.win.reshape(-1, P), self.alive.reshape(-1, P),
-            self.ring.reshape(-1, self.ring.shape[2]), self.ntok, self._heavy_f, self.block_size,
-            self.window, -1 if self.budget is None else int(self.budget), track, self.append,
-            self.strategy in _REUSE, self.strategy in _FREES, sparse, compact,
-            self.evict_leaving, self.scored, u, z, *sc, cols, stats)
+            S, R, *self._slab_args, u, z, *self._scored_args, cols, stats)
         if m_new:
             self._ncol_hi += 1
         self.plan.evicted_tokens += n_evicted
