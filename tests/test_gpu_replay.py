@@ -1,4 +1,5 @@
 """Replaying traces on the real backend through the shared engine core (CPU, truncated SmolLM2)."""
+import gc
 import json
 
 import numpy as np
@@ -284,3 +285,29 @@ def test_cli_cpu_clock_needs_one_thread(tmp_path):
     assert summary["replay"]["clock"] == "cpu" and summary["num_finished"] == 1
     steps = pd.read_parquet(tmp_path / "out" / "steps.parquet")
     assert (steps.duration_s > 0).all()
+
+
+def test_a_replay_starts_with_the_previous_replays_cache_freed(small, monkeypatch):
+    """Each replay's timed steps start clean: the last replay's KV cache (kept alive by reference cycles)
+    is collected before the next one allocates, not in the middle of its first steps."""
+    import weakref
+    import gpu.replay as replay_mod
+    caches, alive_at_build = [], []
+    build = replay_mod.build_cache
+
+    def recording_build(cfg, model, kv):
+        alive_at_build.append([ref() is not None for ref in caches])
+        cache = build(cfg, model, kv)
+        caches.append(weakref.ref(cache))
+        return cache
+
+    monkeypatch.setattr(replay_mod, "build_cache", recording_build)
+    gc_was = gc.isenabled()
+    gc.disable()                                   # no automatic collection may hide a missing one
+    try:
+        for _ in range(2):
+            run_replay(config(**{"engine.num_gpu_blocks": 40}), model=small, trace=trace([9, 9], [2, 2]))
+    finally:
+        if gc_was:
+            gc.enable()
+    assert alive_at_build == [[], [False]]
