@@ -36,9 +36,10 @@ The importance file's per-head statistics come from `replay-sweep`'s attention s
 content correlation from the evictions recorded in the `replay-h2o-b*` replays (`kvsim calibrate
 --attention ... --decisions ...`); the simulated h2o cross-check uses that fitted model
 (`kv.importance=smollm2-135m-fitted`). Each cross-check replay is preceded by an unmeasured warm-up
-prompt (`kvsim crosscheck --warmup`, the default). Observed on this machine with or without it: the
-first step of the second replay in a process (after the warm-up, or repeat 2 without one) reads
-10-30% slower than in the later repeats; the median over repeats absorbs it.
+prompt (`kvsim crosscheck --warmup`, the default). Until gpu.replay collected the previous replay's
+KV cache before allocating the next (it sits in reference cycles), the first step of the second
+replay in a process (after the warm-up, or repeat 2 without one) read 10-30% slower: the cycle
+collection landed there and the allocator faulted ~2 GB of fresh pages (515k page faults).
 
     python bench/calibrate_cpu.py --out runs/calibration [--repeats 3] [--crosscheck-repeats 3]
         [--threads 1] [--clock cpu] [--reuse] [--replay-only] [--skip-crosscheck] [--skip-fit]

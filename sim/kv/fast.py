@@ -33,14 +33,15 @@ and `age_weight`, which says where evictions fall:
 - "uniform": every eviction is a uniformly drawn non-window token; the prompt cut keeps a uniformly
   random subset of the candidates (multivariate hypergeometric per row).
 
-Per decode step the scheduler's `allocate_slots` only reserves the pages precomputed for the
-request's next token (pure Python); `finish_step` then applies the step to all decoding requests at
-once: one write, one window exit and one eviction per row, each a fancy-index update of
-[requests, rows] arrays, plus the slot strategy (a page frees when its count reaches zero; reuse
-strategies fill the first page with a hole; compaction moves the last page's tokens into the hole;
-sparse copy rewrites the holed page and the tail). Rows in an unusual state (several holed pages
-right after the prompt cut, several pages to compact) take an exact count-based path over their
-page columns. Rows differ only by their head parameters (H2O), so only `sample_rows` of them (a
+Per decode step the scheduler's `allocate_slots` (or `allocate_decodes` for the whole batch) only
+reserves the pages precomputed for each request's next token (pure Python); `finish_step` then
+applies the step to all decoding requests at once: one write, one window exit and one eviction per
+row, plus the slot strategy (a page frees when its count reaches zero; reuse strategies fill the
+first page with a hole; compaction moves the last page's tokens into the hole; sparse copy rewrites
+the holed page and the tail), in one compiled kernel call (fast_kernels.decode_rows) or, without
+numba, as fancy-index updates of [requests, rows] arrays (`_step_numpy`, its twin). Rows in an
+unusual state (several holed pages right after the prompt cut, several pages to compact) take an
+exact count-based path over their page columns. Rows differ only by their head parameters (H2O), so only `sample_rows` of them (a
 divisor of layers x KV heads, `kv.fast_rows`, default 8; stratified by head type) are simulated,
 each standing for the same number of pool pages. `noop` never frees or moves a page, so where
 evictions fall changes no metric: it tracks counts only (live tokens, pages, the tail's fill) in one

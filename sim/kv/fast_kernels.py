@@ -1,15 +1,18 @@
-"""Fast mode's H2O eviction step as a compiled kernel, with its numpy twin.
+"""Fast mode's compiled kernels, each with its numpy twin.
 
-Each simulated row holds a list of its live non-window tokens: page column, static score part A,
-content coefficient cw and local-decay term E (see FastKVManager._pick_scored). Per decode step a row
-over its budget evicts the lowest-scored candidate — a listed token, score A + cw H - E g, or the
-token leaving the recent window (score `s_exit`) — and a leaving token that stays joins the list.
-The list scan is O(list) per row: ~130 entries x ~200 rows per step on the benchmark, which numpy
-pays for with a dozen [rows, list] temporaries per step (the step's cost doubled); the kernel keeps
-a few candidates per row and rescans a list only when they cannot hold the minimum. The module also
-holds the prompt cut's scoring (`score_prompt`, `prompt_cut`) and the reuse strategies' first-free
-page scans (`first_free`, `advance_first_free`). Every kernel has a numpy twin that leaves the same
-state (tests/test_kv_fast_kernels.py compares them; ties go to the first entry in both). numba is
+`decode_rows` is a whole decode step of FastKVManager (write, window exit, eviction, slot strategy)
+for every (request, row) of the batch; its twin is the manager's numpy step. Each simulated row
+holds a list of its live non-window tokens: page column, static score part A, content coefficient
+cw and local-decay term E (see FastKVManager._pick_scored). Per decode step a row over its budget
+evicts the lowest-scored candidate — a listed token, score A + cw H - E g, or the token leaving the
+recent window (score `s_exit`) — and a leaving token that stays joins the list. The list scan is
+O(list) per row: ~130 entries x ~200 rows per step on the benchmark, which numpy pays for with a
+dozen [rows, list] temporaries per step (the step's cost doubled); the kernels keep a few
+candidates per row and rescan a list only when they cannot hold the minimum (`scored_step`,
+`evict_lowest`, and their per-row parts shared with `decode_rows`). The module also holds the
+prompt cut's scoring (`score_prompt`, `prompt_cut`) and the reuse strategies' first-free page scans
+(`first_free`, `advance_first_free`). Every kernel has a numpy twin that leaves the same state
+(tests/test_kv_fast_kernels.py compares them; ties go to the first entry in both). numba is
 optional: without it (the real backend's machines need not have it) the twins run, same results.
 """
 from __future__ import annotations
