@@ -55,6 +55,16 @@ def test_fast_rows_are_a_stratified_sample_of_the_importance_model_heads():
         assert np.abs(np.bincount(kv.head_type, minlength=4) - want).max() < 1, (rows, kv.head_type)
 
 
+def test_fast_mode_warns_that_it_ignores_content_correlation():
+    ctx = PolicyContext("per_head", 30, 3, 3, 16, 90)
+    with pytest.warns(UserWarning, match=r"content_correlation [0-9.]+.*kv.mode=token"):
+        FastKVManager(1000, 16, ctx, get_policy("h2o", budget=60), importance="smollm2-135m-fitted")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # the uncorrelated default: no warning
+        FastKVManager(1000, 16, ctx, get_policy("h2o", budget=60), importance="smollm2-135m")
+
+
 def test_prompt_under_the_budget_keeps_the_fast_state_consistent():
     # tokens leaving the window before a row reaches its budget join the heavy-hitter list (a fixed
     # bug: they were listed only once some row was over budget; check_invariants caught it)
