@@ -397,7 +397,7 @@ def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str |
     """Simulate `trace` under `cfg` with the replay's measured step durations (see module doc). With
     `replay_dir` (the replay's output directory), the simulated model is the one the replay ran and an
     evicting policy replays the recorded decisions (`kv.policy=recorded`)."""
-    from . import simulate as sim_mod
+    from .simulate import run_simulation
 
     cfg = recorded_config(cfg, replay_dir).model_copy(update={"fast_forward": False})
     spec = None
@@ -408,22 +408,13 @@ def simulate_recorded(cfg, trace, measured_durations: np.ndarray, out_dir: str |
         cfg = cfg.model_copy(update={"kv_dtype": None})        # the replay's cache held the model's dtype
         spec = replay_model_spec(cfg, json.loads(summary_file.read_text()))
     built = {}
-    original_hw = sim_mod.resolve_hardware
 
     def measured(kv, executor):
         built["kv"] = kv
         built["executor"] = MeasuredTimeExecutor(executor, measured_durations)
         return kv, built["executor"]
 
-    def hardware(cfg_, model=None):
-        return original_hw(cfg_, model=spec if model is None else model)
-
-    if spec is not None:
-        sim_mod.resolve_hardware = hardware
-    try:
-        result = sim_mod.run_simulation(cfg, out_dir, trace=trace, wrap_kv=measured)
-    finally:
-        sim_mod.resolve_hardware = original_hw
+    result = run_simulation(cfg, out_dir, trace=trace, wrap_kv=measured, model=spec)
     summary = dict(result.summary)
     policy = getattr(built.get("kv"), "policy", None)
     if policy is not None and policy.name == "recorded":

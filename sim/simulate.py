@@ -86,13 +86,14 @@ def resolve_hardware(cfg: SimConfig, model=None):
 
 
 def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progress: bool = False,
-                   keep_steps: bool = True, trace=None, wrap_kv=None) -> SimulationResult:
+                   keep_steps: bool = True, trace=None, wrap_kv=None, model=None) -> SimulationResult:
     """Simulate `cfg` (or the given in-memory `trace` in place of `cfg.trace`). `wrap_kv(kv, executor)`,
     if given, returns the (kv, executor) pair each replica runs with (cross-check and calibration tools
-    observe or replace them)."""
+    observe or replace them). `model` (a ModelSpec) replaces `cfg.model`'s catalog entry (the
+    cross-check simulates the model a replay actually ran)."""
     t0 = time.perf_counter()
     trace = load_workload(cfg) if trace is None else trace
-    model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg)
+    model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=model)
     requests = trace_to_requests(trace)
     out = Path(out_dir) if out_dir else None
     if out:
