@@ -58,14 +58,24 @@ class StepLog:
         self.path = Path(path) if path else None
         self.flush_rows = flush_rows
         self._writer: pq.ParquetWriter | None = None
-        self._rows: dict[str, list] = {name: [] for name in STEP_COLUMNS}
+        self._reset_rows()
         self._pending = 0
         self._tables: list[pa.Table] = []                # kept only when there is no file
         self.num_rows = 0
 
+    def _reset_rows(self) -> None:
+        self._rows: dict[str, list] = {name: [] for name in STEP_COLUMNS}
+        # (name, column list's append[, default]): one step's append is one pass over each
+        self._required = [(name, v.append) for name, v in self._rows.items() if name not in STEP_DEFAULTS]
+        self._optional = [(name, v.append, STEP_DEFAULTS[name]) for name, v in self._rows.items()
+                          if name in STEP_DEFAULTS]
+
     def append(self, row: dict) -> None:
-        for name, values in self._rows.items():
-            values.append(row[name] if name in row else STEP_DEFAULTS[name])
+        for name, append in self._required:
+            append(row[name])
+        get = row.get
+        for name, append, default in self._optional:
+            append(get(name, default))
         self._grow(1)
 
     def append_columns(self, cols: dict, n: int) -> None:
@@ -95,7 +105,7 @@ class StepLog:
         in_order = (replica == replica[0]).all() and (np.diff(step) > 0).all()    # one replica: as appended
         order = slice(None) if in_order else np.lexsort((step, replica))
         arrays = [pa.array(columns[name][order], type=typ) for name, (typ, _) in STEP_COLUMNS.items()]
-        self._rows = {name: [] for name in STEP_COLUMNS}
+        self._reset_rows()
         self._pending = 0
         table = pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
         if self.path is None:

@@ -665,10 +665,11 @@ class FastKVManager(EvictingManagerBase):
         u = self.rng.random(m) if draw and not self.scored else _NONE
         z = self.rng.standard_normal(m) if draw and self.scored else _NONE
         cols = np.empty(m, np.int64)
-        stats = np.empty((nS, 5), np.int64)
+        evicted, left = np.empty(nS, np.int64), np.empty(nS, np.int64)
         compact = self.strategy in _COMPACT
-        m_new, n_evicted, n_freed, n_copied, copied, n_compacted = decode_rows(
-            S, R, *self._slab_args, u, z, *self._scored_args, cols, stats)
+        m_new, n_evicted, n_freed, n_copied, copied, n_compacted, n_left = decode_rows(
+            S, R, *self._slab_args, u, z, *self._scored_args, cols, evicted, left, self.need_next, self.slot_live,
+            self.slot_pages)
         if m_new:
             self._ncol_hi += 1
         self.plan.evicted_tokens += n_evicted
@@ -682,20 +683,25 @@ class FastKVManager(EvictingManagerBase):
             self.pool.give(n_compacted)
             self.plan.blocks_freed_by_eviction += n_compacted
             self.plan.bytes_moved += int(round(n_compacted * self.bytes_per_token_row))
-        need = stats[:, 1]
-        generic = np.flatnonzero(stats[:, 4])
-        if generic.size and compact:             # rows with more spare pages: the exact path, then recount
-            for s in S[generic].tolist():
-                rows = np.flatnonzero(self.pages[s] - -(-self.live[s] // self.block_size) > 0)
-                self._compact_rows(s, rows)
-                self._rescan_holes(s, rows)
-            self._restat(S[generic])
-            stats[generic, 2], stats[generic, 3] = self.slot_live[S[generic]], self.slot_pages[S[generic]]
-        if generic.size:
-            need[generic] = self._need_rows(S[generic]).sum(axis=1)
-        self._update_need(S, need)
-        self._restat(S, stats[:, 2], stats[:, 3])
-        return stats[:, 0].tolist()
+        if n_left:
+            rest = S[left > 0]
+            if compact:                          # rows with more spare pages: the exact path, then recount
+                for s in rest.tolist():
+                    rows = np.flatnonzero(self.pages[s] - -(-self.live[s] // self.block_size) > 0)
+                    self._compact_rows(s, rows)
+                    self._rescan_holes(s, rows)
+                self._restat(rest)
+            self.need_next[rest] = self._need_rows(rest).sum(axis=1)
+        self._mirror_counts()
+        return evicted.tolist()
+
+    def _mirror_counts(self) -> None:
+        """The Python mirrors of the per-slot need / live / page arrays after they changed in place."""
+        self._need_l = self.need_next.tolist()
+        self._live_l = self.slot_live.tolist()
+        self._pages_l = self.slot_pages.tolist()
+        self._live_total = sum(self._live_l)
+        self._pages_total = sum(self._pages_l)
 
     def _step_numpy(self, S: np.ndarray) -> list[int]:
         """`_step` in numpy (sparse_copy's rewrite already done).

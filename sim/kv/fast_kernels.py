@@ -364,8 +364,8 @@ def _advance_first_free_loop(occ, qP, col, hole, pages, live, ncol, bs):
 
 def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budget, track, append, reuse, frees,
                       sparse, compact, leaving, scored, u, z, l, inv_tau, c, Hc, hsig, zw, hsum, eref, ringA, ringcw, hv,
-                      cand, thr, cols, stats):
-    m_new, n_evicted, n_freed, n_copied, copied, n_compacted = 0, 0, 0, 0, 0, 0
+                      cand, thr, cols, evicted, left, need_next, slot_live, slot_pages):
+    m_new, n_evicted, n_freed, n_copied, copied, n_compacted, n_left = 0, 0, 0, 0, 0, 0, 0
     buf, top = np.empty(max(Hc, 1)), np.empty(K, np.int64)
     for si in range(S.size):
         s = S[si]
@@ -516,9 +516,10 @@ def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budge
             live_s += live
             pages_s += pages
         ntok[s] = pos + 1
-        stats[si, 0], stats[si, 1], stats[si, 2], stats[si, 3], stats[si, 4] = (ev_count, need_s, live_s, pages_s,
-                                                                                generic)
-    return m_new, n_evicted, n_freed, n_copied, copied, n_compacted
+        evicted[si], left[si] = ev_count, generic
+        need_next[s], slot_live[s], slot_pages[s] = need_s, live_s, pages_s
+        n_left += generic > 0
+    return m_new, n_evicted, n_freed, n_copied, copied, n_compacted, n_left
 
 
 if njit is not None:
@@ -548,11 +549,12 @@ strategies' first-free pointer, the eviction (scored: `_scored_exit` and
 and the slot strategy's answer to it (an emptied page freed, the first-free pointer, sparse_copy's
 holed column) and compaction's common case (the newest token moves into the first hole and its
 page is freed), on the row scalars rs [rows, 8] (fast.py's _ROW_FIELDS order) and the slab's
-[rows, cols] occupancy arrays. Writes each row's write column to cols [i] and per slot (evicted
-tokens, pages the next token needs, live tokens, pages, rows left to the caller: sparse_copy rows
-with several holed pages (their need) or rows to compact otherwise) to stats [len(S), 5]; returns
-(rows that opened a page, evicted tokens, pages freed, rows sparse-copied, tokens they copied, rows
-compacted). Its twin is FastKVManager's numpy step (same state,
+[rows, cols] occupancy arrays. Writes each row's write column to cols [i], per slot of S its
+evicted tokens and the rows it leaves to the caller (sparse_copy rows with several holed pages: their
+need; rows to compact otherwise) to evicted / left [len(S)], and per slot s its next token's page
+need, live tokens and pages to need_next / slot_live / slot_pages [s]; returns (rows that opened a
+page, evicted tokens, pages freed, rows sparse-copied, tokens they copied, rows compacted, slots
+with rows left to the caller). Its twin is FastKVManager's numpy step (same state,
 tests/test_kv_fast_kernels.py)."""
 advance_first_free.__doc__ = """Reuse strategies after each row i wrote a token at column col[i]: if that filled the page,
 move the row's first-free pointer hole[i] on (to -1 when the row has no free slot: pages * bs <= live)."""
