@@ -9,6 +9,7 @@ relative difference to token-level on each metric.
     python bench/bench_eviction.py                     # fast mode, 1,000 requests, all strategies
     python bench/bench_eviction.py --token-requests 100  # also token-level mode on the first 100
     python bench/bench_eviction.py --repeats 3           # each fast run 3 times: best and median wall time
+    KVSIM_NO_NUMBA=1 python bench/bench_eviction.py      # the kernels' numpy twins instead
 
 The machine's speed drifts by up to ~25% between back-to-back runs (a shared VM), so --repeats
 interleaves the strategies (round r runs every strategy once) and reports the best and the median.

@@ -1,4 +1,5 @@
 """Fast mode's compiled kernels against their numpy twins (same decisions, same state)."""
+import os
 import subprocess
 import sys
 
@@ -109,6 +110,11 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, stra
     for col in ("blocks_used", "live_slots", "allocated_slots", "evicted_tokens", "blocks_freed_by_eviction",
                 "block_table_entries", "duration_s"):
         assert np.array_equal(compiled[col].to_numpy(), twins[col].to_numpy()), col
+
+
+def test_kvsim_no_numba_selects_the_numpy_twins():
+    code = "import sim.kv.fast_kernels as fk\nassert fk.decode_rows is None and fk.scored_step is fk.scored_step_np\n"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "KVSIM_NO_NUMBA": "1"})
 
 
 def test_without_numba_the_numpy_twins_run():

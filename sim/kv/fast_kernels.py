@@ -13,15 +13,20 @@ candidates per row and rescan a list only when they cannot hold the minimum (`sc
 prompt cut's scoring (`score_prompt`, `prompt_cut`) and the reuse strategies' first-free page scans
 (`first_free`, `advance_first_free`). Every kernel has a numpy twin that leaves the same state
 (tests/test_kv_fast_kernels.py compares them; ties go to the first entry in both). numba is
-optional: without it (the real backend's machines need not have it) the twins run, same results.
+optional: without it (the real backend's machines need not have it), or with KVSIM_NO_NUMBA=1 set,
+the twins run, same results.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
 try:
     from numba import njit
 except ImportError:          # pragma: no cover - exercised where numba is absent
+    njit = None
+if os.environ.get("KVSIM_NO_NUMBA"):    # the numpy twins only (benchmarks, debugging)
     njit = None
 
 
