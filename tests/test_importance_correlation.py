@@ -137,3 +137,9 @@ def test_a_heavily_jittered_concentration_gives_finite_scores(tmp_path):
     model.on_write(6, state, np.arange(CTX.rows), np.broadcast_to(np.arange(300), (CTX.rows, 300)), np.arange(300))
     scores, kept = model.decode_scores(6, state)
     assert np.isfinite(scores).all() and np.isfinite(kept)
+
+
+def test_decode_scores_without_a_query_token_are_refused():
+    model = SyntheticImportance(CTX, "smollm2-135m", seed=0)
+    with pytest.raises(ValueError, match="request 3: decode scores need at least one token"):
+        model.decode_scores(3, TokenState.dense(CTX.rows, 0))

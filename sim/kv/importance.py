@@ -317,6 +317,9 @@ class SyntheticImportance(ImportanceSource):
         return np.stack(out).astype(np.float32)
 
     def decode_scores(self, req_id, state):
+        if state.num_tokens < 1:
+            raise ValueError(f"request {req_id}: decode scores need at least one token (the query); the token "
+                             f"state holds none")
         r = self._r(req_id)
         r["wsum_q"] = r["wsum"]
         a = self._attention(r, state, state.num_tokens - 1)
