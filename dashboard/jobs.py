@@ -11,15 +11,12 @@ from sim.config import ConfigError, SimConfig
 
 from .data import RunRecord, record_from_result
 
-_local = threading.local()   # the Job a worker thread is running, read by the progress meter
-
-
 class Cancelled(Exception):
     pass
 
 
 class _Meter:
-    """Stands in for the tqdm bar that run_simulation(progress=True) advances per finished request."""
+    """The progress bar run_simulation advances per finished request (`progress=`), read by the page."""
 
     def __init__(self, total: int, job: "Job"):
         self.n = 0
@@ -35,26 +32,6 @@ class _Meter:
 
     def close(self) -> None:
         pass
-
-
-def _install_progress_hook() -> bool:
-    """Route run_simulation's progress bar to the calling thread's Job (once per process).
-    run_simulation has no progress callback parameter, only `progress=True` -> `_progress_bar(total)`."""
-    import sim.simulate as simulate
-
-    original = getattr(simulate, "_progress_bar", None)
-    if original is None:
-        return False
-    if getattr(original, "_dashboard_hook", False):
-        return True
-
-    def progress_bar(total: int):
-        job = getattr(_local, "job", None)
-        return _Meter(total, job) if job is not None else original(total)
-
-    progress_bar._dashboard_hook = True
-    simulate._progress_bar = progress_bar
-    return True
 
 
 @dataclass
@@ -85,14 +62,12 @@ class Job:
         from sim.simulate import run_simulation
         from traces import TraceError
 
-        has_progress = _install_progress_hook()
-        _local.job = self
         try:
             if self.task is not None:
                 self.value = self.task(self)
             for label, cfg in self.runs:
                 self.run_done, self.run_total = 0, 0
-                result = run_simulation(cfg, None, progress=has_progress)
+                result = run_simulation(cfg, None, progress=lambda total: _Meter(total, self))
                 self.records.append(record_from_result(result, cfg, label))
         except Cancelled:
             self.error = "cancelled"
@@ -103,7 +78,6 @@ class Job:
         except Exception as exc:  # an engine bug: keep the trace for the report, not a crashed page
             self.error = f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
         finally:
-            _local.job = None
             self.finished = time.perf_counter()
 
     @property

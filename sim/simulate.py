@@ -85,11 +85,12 @@ def resolve_hardware(cfg: SimConfig, model=None):
     return model, gpu, cost, blocks, max_model_len
 
 
-def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progress: bool = False,
+def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progress=False,
                    keep_steps: bool = True, trace=None, wrap_kv=None, model=None) -> SimulationResult:
     """Simulate `cfg` (or the given in-memory `trace` in place of `cfg.trace`). `wrap_kv(kv, executor)`,
     if given, returns the (kv, executor) pair each replica runs with (cross-check and calibration tools
-    observe or replace them). `model` (a ModelSpec) replaces `cfg.model`'s catalog entry (the
+    observe or replace them). `progress`: True for a tqdm bar over finished requests, or a callable
+    total -> bar (with `n`, `update(k)`, `close()`). `model` (a ModelSpec) replaces `cfg.model`'s catalog entry (the
     cross-check simulates the model a replay actually ran)."""
     t0 = time.perf_counter()
     trace = load_workload(cfg) if trace is None else trace
@@ -102,7 +103,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     sched_cfg = scheduler_config(cfg, cost, max_model_len)
 
     env = simpy.Environment()
-    bar = _progress_bar(len(requests)) if progress else None
+    bar = (_progress_bar if progress is True else progress)(len(requests)) if progress else None
     replicas: list[EngineReplica] = []
     arrivals_holder: list[ArrivalProcess] = []
     for i in range(cfg.replicas):
