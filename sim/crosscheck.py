@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from .calibrate import SHAPE_COLUMNS, fit_errors, shape_of_steps, step_kind
-from .cost_model import CostModel, load_profile
+from .cost_model import CostModel
 
 LATENCY_METRICS = ("ttft", "tpot", "e2e")
 PERCENTILES = (50, 90, 99)
