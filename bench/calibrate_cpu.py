@@ -12,6 +12,9 @@ Calibration workloads (all generated, none from the cross-check's trace):
   so they are prefilled together with its first decode (mixed prefill + decode steps, as any open
   arrival process produces; the closed batches above never do). The arrivals fall well inside the
   first prefill (>= 3 s long), so the schedule does not depend on the measured times;
+- `replay-long-decode` (policy none): batches of 4-5 mixed prompts of 512-1,100 tokens decoding 40
+  tokens each: long decode runs at ~1,000-token contexts over block tables of unequal width (the
+  sweep's decodes are 12 tokens long, mostly over equal prompts).
 - `replay-h2o-b{128,256,512}`, h2o at budgets 128, 256 and 512 + slot_reuse: the policy's evictions
   leave holes in the blocks that attention still scans (how many depends on the budget), and its
   scoring runs every decode step.
@@ -131,6 +134,9 @@ def main() -> None:
     ap.add_argument("--h2o", type=str, nargs="+", default=["256", "768", "256,256,256,256", "160,512,768,1024",
                                                             "96,200,300,400,500,600,700,800"],
                     help="batches (comma-separated prompt lengths) replayed with h2o + slot_reuse")
+    ap.add_argument("--long-decode", type=str, nargs="+", default=["640,880,1024,1024", "512,768,960,1100,1100"],
+                    help="batches of mixed long prompts decoding --long-decode-tokens tokens each (policy none)")
+    ap.add_argument("--long-decode-tokens", type=int, default=40)
     ap.add_argument("--h2o-budgets", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--h2o-output-tokens", type=int, default=24)
     ap.add_argument("--output-tokens", type=int, default=12)
@@ -172,7 +178,10 @@ def main() -> None:
     runs = {"replay-sweep": (load_config(None, base),
                              Trace.concat([sweep, mixed], how="overlay", name="calibration-sweep")),
             "replay-staggered": (load_config(None, base),
-                                 staggered_trace([parse_staggered(g) for g in args.staggered], args.output_tokens))}
+                                 staggered_trace([parse_staggered(g) for g in args.staggered], args.output_tokens)),
+            "replay-long-decode": (load_config(None, base),
+                                   mixed_trace([[int(p) for p in g.split(",")] for g in args.long_decode],
+                                               args.long_decode_tokens, name="calibration-long-decode"))}
     for budget in args.h2o_budgets:
         runs[f"replay-h2o-b{budget}"] = (
             load_config(None, {**base, "kv.policy": "h2o", "kv.budget": budget, "kv.slot_strategy": "slot_reuse"}),
