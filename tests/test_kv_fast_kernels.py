@@ -25,6 +25,20 @@ def _random_rows(rng, rows=6, Hc=24, W=4):
     return st
 
 
+def _kernel_rows(q, t_new, z, l, inv_tau, c, W, Hc, over, ex, ec, hn, hsig, zw, hsum, eref, ringA, ringcw, heavy, hv,
+                 cand, thr):
+    """The decode kernel's scored part, row by row (`_scored_exit` then `_evict_lowest_row`, as
+    decode_rows calls them), with scored_step_np's arguments."""
+    out = np.empty(q.size, heavy.dtype)
+    buf, top = np.empty(Hc), np.empty(fk.K, np.int64)
+    for i in range(q.size):
+        H, g, s_exit, exits, A_e, cw_e, E_e = fk._scored_exit(q[i], t_new[i], z[i], l[i], inv_tau[i], c[i], W, Hc,
+                                                               ex[i], hsig, zw, hsum, eref, ringA, ringcw, hv, cand)
+        out[i], hn[i] = fk._evict_lowest_row(q[i], hn[i], Hc, over[i], exits, H, g, s_exit, ec[i], A_e, cw_e, E_e,
+                                             heavy, hv, cand, thr, buf, top)
+    return out
+
+
 def _step(fn, st, q, t, z, consts, over, ex, ec, W, Hc):
     l, inv_tau, c = consts
     return fn(q, t, z, l, inv_tau, c, W, Hc, over, ex, ec, st["hn"], st["hsig"], st["zw"], st["hsum"], st["eref"],
@@ -32,7 +46,7 @@ def _step(fn, st, q, t, z, consts, over, ex, ec, W, Hc):
 
 
 @pytest.mark.parametrize("W", [4, 0])
-def test_scored_step_kernel_matches_its_numpy_twin(W):
+def test_scored_step_kernel_rows_match_their_numpy_twin(W):
     rng = np.random.default_rng(7)
     rows, Hc = 6, 24
     kernel, twin = _random_rows(rng, rows, Hc, max(W, 1)), None
@@ -45,7 +59,7 @@ def test_scored_step_kernel_matches_its_numpy_twin(W):
         over = kernel["hn"] >= 10
         ex = rng.random(rows) < 0.8
         ec = rng.integers(0, 30, rows).astype(np.int32)
-        out_k = _step(fk.scored_step, kernel, q, t, z, consts, over, ex, ec, W, Hc)
+        out_k = _step(_kernel_rows, kernel, q, t, z, consts, over, ex, ec, W, Hc)
         out_t = _step(fk.scored_step_np, twin, q, t, z, consts, over, ex, ec, W, Hc)
         assert np.array_equal(out_k[over], out_t[over]), step            # the evicted columns
         for name in ("hn", "heavy"):
@@ -59,7 +73,7 @@ def test_scored_step_kernel_matches_its_numpy_twin(W):
     assert kernel["eref"][0] > 0                   # the rebase happened (and changed no decision)
 
 
-def test_first_free_kernel_matches_its_numpy_twin():
+def test_first_free_scan_matches_its_numpy_twin():
     rng = np.random.default_rng(3)
     bs, P = 16, 40
     occ = rng.choice([0, bs, 5], size=(12, P), p=[0.1, 0.8, 0.1]).astype(np.int32)
@@ -68,7 +82,8 @@ def test_first_free_kernel_matches_its_numpy_twin():
     start = rng.integers(0, 20, 12)
     occ[np.arange(P)[None, :] < start[:, None]] = bs     # the pointer invariant: pages before start are full
     stop = np.full(12, P)
-    assert np.array_equal(fk.first_free(occ, qP, start, stop, bs), fk.first_free_np(occ, qP, start, stop, bs))
+    kernel = [fk._scan_free(occ[i], start[i], stop[i], bs) for i in range(12)]
+    assert kernel == fk.first_free_np(occ, qP, start, stop, bs).tolist()
 
 
 @pytest.mark.parametrize("L, cand, keep", [(300, 260, 30), (50, 10, 10), (40, 0, 0)])
@@ -102,9 +117,6 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, stra
     kw = dict(n=3, prompt=120, output=80, num_blocks=4000)
     compiled = run(cfg, **kw)[1]
     monkeypatch.setattr(fast, "decode_rows", None)          # the whole step in numpy
-    monkeypatch.setattr(fast, "scored_step", fk.scored_step_np)
-    monkeypatch.setattr(fast, "first_free", fk.first_free_np)
-    monkeypatch.setattr(fast, "advance_first_free", fk.advance_first_free_np)
     monkeypatch.setattr(fk, "prompt_cut", fk.prompt_cut_np)
     twins = run(cfg, **kw)[1]
     for col in ("blocks_used", "live_slots", "allocated_slots", "evicted_tokens", "blocks_freed_by_eviction",
@@ -113,14 +125,12 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, stra
 
 
 def test_kvsim_no_numba_selects_the_numpy_twins():
-    code = "import sim.kv.fast_kernels as fk\nassert fk.decode_rows is None and fk.scored_step is fk.scored_step_np\n"
+    code = "import sim.kv.fast_kernels as fk\nassert fk.decode_rows is None and fk.prompt_cut is fk.prompt_cut_np\n"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "KVSIM_NO_NUMBA": "1"})
 
 
 def test_without_numba_the_numpy_twins_run():
     code = ("import sys; sys.modules['numba'] = None\n"
             "import sim.kv.fast_kernels as fk\n"
-            "assert fk.scored_step is fk.scored_step_np and fk.first_free is fk.first_free_np\n"
-            "assert fk.advance_first_free is fk.advance_first_free_np and fk.prompt_cut is fk.prompt_cut_np\n"
-            "assert fk.decode_rows is None\n")
+            "assert fk.decode_rows is None and fk.prompt_cut is fk.prompt_cut_np\n")
     subprocess.run([sys.executable, "-c", code], check=True)

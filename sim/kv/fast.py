@@ -19,7 +19,7 @@ and `age_weight`, which says where evictions fall:
   (d = exp(-1/tau); w_t = exp(sigma z) its content weight, drawn once; H = running sum of 1/Zw,
   Zw = the sum of all content weights so far; a0 = its first observed query). Per token only the
   static part, w_t and its decay term are stored (in the heavy list, or in a ring while in the
-  window); the step is a compiled kernel (fast_kernels.scored_step, numpy twin) that keeps a few
+  window); the step is a compiled kernel (fast_kernels.decode_rows, numpy twin) that keeps a few
   candidates per row with an exact threshold and rescans a row's list only when they cannot hold
   the minimum. The prompt cut keeps each row's top candidates by the
   scores of the last `obs_window` prefill queries; the first NUM_SINK tokens (attention sinks) are
@@ -60,7 +60,8 @@ import numpy as np
 from ..core.request import Request
 from .base import EvictingManagerBase
 from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
-from .fast_kernels import K as KCAND, advance_first_free, decode_rows, first_free, score_prompt, scored_step
+from .fast_kernels import (K as KCAND, advance_first_free_np, decode_rows, first_free_np, score_prompt,
+                           scored_step_np)
 from .importance import NUM_SINK, ImportanceModelSpec, SyntheticImportance
 from .policy import EvictionPolicy, PolicyContext, PolicyError
 
@@ -235,23 +236,24 @@ class FastKVManager(EvictingManagerBase):
     def _mirror(self) -> None:
         """Python lists of the per-slot numbers the scheduler asks for per request (no numpy per call)."""
         self._prefilled_l = self.prefilled.tolist()
-        self._need_l = self.need_next.tolist()
-        self._live_l = self.slot_live.tolist()
-        self._pages_l = self.slot_pages.tolist()
-        self._live_total = int(self.slot_live.sum())
-        self._pages_total = int(self.slot_pages.sum())
+        self._mirror_counts()
 
-    def _restat(self, S: np.ndarray, live: np.ndarray | None = None, pages: np.ndarray | None = None) -> None:
-        """Per-slot live / page totals of the slots in S after they changed (from their [len(S), rows]
-        counts, or their per-slot sums, when the caller has them), and the Python mirrors."""
-        live = self.live[S] if live is None else live
-        pages = self.pages[S] if pages is None else pages
-        self.slot_live[S] = live.sum(axis=1) if live.ndim == 2 else live
-        self.slot_pages[S] = pages.sum(axis=1) if pages.ndim == 2 else pages
+    def _mirror_counts(self) -> None:
+        """The mirrors of the per-slot need / live / page arrays after they changed in place."""
+        self._need_l = self.need_next.tolist()
         self._live_l = self.slot_live.tolist()
         self._pages_l = self.slot_pages.tolist()
         self._live_total = sum(self._live_l)
         self._pages_total = sum(self._pages_l)
+
+    def _restat(self, S: np.ndarray, live: np.ndarray | None = None, pages: np.ndarray | None = None) -> None:
+        """Per-slot live / page totals of the slots in S after they changed (from their [len(S), rows]
+        counts when the caller has them), and the Python mirrors."""
+        live = self.live[S] if live is None else live
+        pages = self.pages[S] if pages is None else pages
+        self.slot_live[S] = live.sum(axis=1)
+        self.slot_pages[S] = pages.sum(axis=1)
+        self._mirror_counts()
 
     _SCORED = ("hv", "eref", "ringA", "ringcw", "zw", "hsum", "hsig", "cand", "thr")
 
@@ -344,10 +346,8 @@ class FastKVManager(EvictingManagerBase):
         return need
 
     def _update_need(self, S: np.ndarray, need_rows: np.ndarray | None = None) -> None:
-        """Pages each slot's next token takes, from its rows' [len(S), rows] needs (or per-slot sums)."""
-        need = self._need_rows(S) if need_rows is None else need_rows
-        need = need.sum(axis=1) if need.ndim == 2 else need
-        self.need_next[S] = need
+        """Pages each slot's next token takes, from its rows' [len(S), rows] needs."""
+        self.need_next[S] = (self._need_rows(S) if need_rows is None else need_rows).sum(axis=1)
         self._need_l = self.need_next.tolist()
 
     def _dirty(self, s) -> np.ndarray:
@@ -695,14 +695,6 @@ class FastKVManager(EvictingManagerBase):
         self._mirror_counts()
         return evicted.tolist()
 
-    def _mirror_counts(self) -> None:
-        """The Python mirrors of the per-slot need / live / page arrays after they changed in place."""
-        self._need_l = self.need_next.tolist()
-        self._live_l = self.slot_live.tolist()
-        self._pages_l = self.slot_pages.tolist()
-        self._live_total = sum(self._live_l)
-        self._pages_total = sum(self._pages_l)
-
     def _step_numpy(self, S: np.ndarray) -> list[int]:
         """`_step` in numpy (sparse_copy's rewrite already done).
 
@@ -796,8 +788,8 @@ class FastKVManager(EvictingManagerBase):
 
     def _after_fill(self, qP, st, at, col) -> None:
         """Reuse strategies: a filled page moves the first-hole pointer (in `st`) on."""
-        advance_first_free(self.occ.reshape(-1, self.occ.shape[2]), qP, col, st[:, HOLE], st[:, PAGES],
-                           st[:, LIVE], st[:, NCOL], self.block_size)
+        advance_first_free_np(self.occ.reshape(-1, self.occ.shape[2]), qP, col, st[:, HOLE], st[:, PAGES],
+                              st[:, LIVE], st[:, NCOL], self.block_size)
 
     def _first_free(self, qP: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
         """First column with a free slot in [start, stop) of each flat row (given as its first page
@@ -807,7 +799,7 @@ class FastKVManager(EvictingManagerBase):
         emptied page is freed at once; check_invariants verifies it), so a free slot is 0 < occ < bs."""
         if qP.size == 0:
             return start
-        return first_free(self.occ.reshape(-1, self.occ.shape[2]), qP, start, stop, self.block_size)
+        return first_free_np(self.occ.reshape(-1, self.occ.shape[2]), qP, start, stop, self.block_size)
 
     def _index(self, S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Flat row ids q of the slots in S (slot-major), their first page ids q * cols and ring
@@ -858,17 +850,17 @@ class FastKVManager(EvictingManagerBase):
         the static part A = l d^(a0 - t) - c w_t H(a0 - 1) fixed when the token is written. Sink
         tokens (the first NUM_SINK) are never evicted. The local part of a listed token is kept as
         E = l d^(eref - t) against a per-row reference position eref, so its value after query t_q is
-        E g with g = d^(t_q + 1 - eref): the list scan (fast_kernels.evict_lowest) needs no exp.
+        E g with g = d^(t_q + 1 - eref): the list scan (fast_kernels._evict_lowest_row) needs no exp.
         eref moves to the newest token (E rescaled) before d^(t_q - eref) could overflow."""
         R, W, Hc = self.rows, self.window, self.heavy.shape[2]
         m = q.size
         l, inv_tau, c = self._row_consts
         t_new = self.ntok[q // R] - 1                          # the newest token = this step's query
-        return scored_step(q, t_new, self.rng.standard_normal(m), l, inv_tau, c, W, Hc, over,
-                           ex if isinstance(ex, np.ndarray) else np.full(m, ex), ec, hn, self.hsig.reshape(-1),
-                           self.zw.reshape(-1), self.hsum.reshape(-1), self.eref.reshape(-1),
-                           self.ringA.reshape(-1), self.ringcw.reshape(-1), self._heavy_f, self._hv_f,
-                           self.cand.reshape(-1, KCAND, 4), self.thr.reshape(-1))
+        return scored_step_np(q, t_new, self.rng.standard_normal(m), l, inv_tau, c, W, Hc, over,
+                              ex if isinstance(ex, np.ndarray) else np.full(m, ex), ec, hn, self.hsig.reshape(-1),
+                              self.zw.reshape(-1), self.hsum.reshape(-1), self.eref.reshape(-1),
+                              self.ringA.reshape(-1), self.ringcw.reshape(-1), self._heavy_f, self._hv_f,
+                              self.cand.reshape(-1, KCAND, 4), self.thr.reshape(-1))
 
     def _reset_candidates(self, s: int) -> None:
         self.cand[s, :, :, 0] = -1
@@ -1004,8 +996,8 @@ class FastKVManager(EvictingManagerBase):
             self.plan.blocks_freed_by_eviction += n
             self.plan.bytes_moved += int(round(n * self.bytes_per_token_row))
             moved = st[simple]                   # a filled hole moves the first-free pointer on
-            advance_first_free(self.occ.reshape(-1, P), r2 * P, hc[simple], moved[:, HOLE], moved[:, PAGES],
-                               moved[:, LIVE], moved[:, NCOL], bs)
+            advance_first_free_np(self.occ.reshape(-1, P), r2 * P, hc[simple], moved[:, HOLE], moved[:, PAGES],
+                                  moved[:, LIVE], moved[:, NCOL], bs)
             st[simple] = moved
             self._rs_f[q] = st
         hard = ((extra > 0) & ~simple).reshape(S.size, R)

@@ -1,20 +1,20 @@
 """Fast mode's compiled kernels, each with its numpy twin.
 
 `decode_rows` is a whole decode step of FastKVManager (write, window exit, eviction, slot strategy)
-for every (request, row) of the batch; its twin is the manager's numpy step. Each simulated row
-holds a list of its live non-window tokens: page column, static score part A, content coefficient
-cw and local-decay term E (see FastKVManager._pick_scored). Per decode step a row over its budget
-evicts the lowest-scored candidate — a listed token, score A + cw H - E g, or the token leaving the
-recent window (score `s_exit`) — and a leaving token that stays joins the list. The list scan is
-O(list) per row: ~130 entries x ~200 rows per step on the benchmark, which numpy pays for with a
-dozen [rows, list] temporaries per step (the step's cost doubled); the kernels keep a few
-candidates per row and rescan a list only when they cannot hold the minimum (`scored_step`,
-`evict_lowest`, and their per-row parts shared with `decode_rows`). The module also holds the
-prompt cut's scoring (`score_prompt`, `prompt_cut`) and the reuse strategies' first-free page scans
-(`first_free`, `advance_first_free`). Every kernel has a numpy twin that leaves the same state
-(tests/test_kv_fast_kernels.py compares them; ties go to the first entry in both). numba is
-optional: without it (the real backend's machines need not have it), or with KVSIM_NO_NUMBA=1 set,
-the twins run, same results.
+for every (request, row) of the batch; its twin is the manager's numpy step, which uses the numpy
+functions here (`scored_step_np`, `evict_lowest_np`, `first_free_np`, `advance_first_free_np`);
+the kernel's per-row parts (`_scored_exit`, `_evict_lowest_row`, `_scan_free`) match them. Each
+simulated row holds a list of its live non-window tokens: page column, static score part A, content
+coefficient cw and local-decay term E (see FastKVManager._pick_scored). Per decode step a row over
+its budget evicts the lowest-scored candidate — a listed token, score A + cw H - E g, or the token
+leaving the recent window (score `s_exit`) — and a leaving token that stays joins the list. The list
+scan is O(list) per row: ~130 entries x ~200 rows per step on the benchmark, which numpy pays for
+with a dozen [rows, list] temporaries per step; the kernel keeps a few candidates per row and
+rescans a list only when they cannot hold the minimum. The module also holds the prompt cut's
+scoring (`score_prompt`, `prompt_cut` and its twin). The tests (tests/test_kv_fast_kernels.py)
+compare kernels and twins (ties go to the first entry in both). numba is optional: without it (the
+real backend's machines need not have it), or with KVSIM_NO_NUMBA=1 set, the twins run, same
+results.
 """
 from __future__ import annotations
 
@@ -37,7 +37,11 @@ REBASE = 500.0               # rebase a row's local terms when (t - eref) / tau 
 
 def scored_step_np(q, t_new, z, l, inv_tau, c, W, Hc, over, ex, ec, hn, hsig, zw, hsum, eref, ringA, ringcw,
                    heavy, hv, cand, thr):
-    """numpy twin of `scored_step`."""
+    """One H2O decode step of fast mode's scored rows in numpy (FastKVManager's numpy step; the kernel's
+    per-row twin is `_scored_exit` + `_evict_lowest_row`): per row i (flat row q[i], query position
+    t_new[i], content draw z[i] ~ N(0, 1), head constants l, inv_tau, c) the new token's content
+    weight exp(hsig z) updates the row's normalizer zw and H = sum of 1/zw; its score terms enter the
+    window ring (W > 0) and the token leaving it comes out; then `evict_lowest_np`."""
     m = q.size
     w = np.exp(hsig[q] * z)
     h_before = hsum[q]
@@ -72,7 +76,7 @@ def scored_step_np(q, t_new, z, l, inv_tau, c, W, Hc, over, ex, ec, hn, hsig, zw
 
 
 def _scored_exit(r, t, z, l, inv_tau, c, W, Hc, ex, hsig, zw, hsum, eref, ringA, ringcw, hv, cand):
-    """One scored row's part of a decode step before the eviction (see `scored_step`): the new token's
+    """One scored row's part of a decode step before the eviction (see `scored_step_np`): the new token's
     content weight updates the normalizer and H, its terms enter the ring, the leaving token's come
     out. Returns H, g, the leaving token's score (inf when none leaves), whether one leaves, and its
     terms A, CW, E."""
@@ -108,23 +112,15 @@ def _scored_exit(r, t, z, l, inv_tau, c, W, Hc, ex, hsig, zw, hsum, eref, ringA,
     return H, g, s_exit, exits, A_e, cw_e, E_e
 
 
-def _scored_step_loop(q, t_new, z, l, inv_tau, c, W, Hc, over, ex, ec, hn, hsig, zw, hsum, eref, ringA, ringcw,
-                      heavy, hv, cand, thr):
-    m = q.size
-    out = np.empty(m, heavy.dtype)
-    buf, top = np.empty(Hc), np.empty(K, np.int64)
-    for i in range(m):
-        r = q[i]
-        H, g, s_exit, exits, A_e, cw_e, E_e = _scored_exit(r, t_new[i], z[i], l[i], inv_tau[i], c[i], W, Hc, ex[i],
-                                                            hsig, zw, hsum, eref, ringA, ringcw, hv, cand)
-        out[i], hn[i] = _evict_lowest_row(r, hn[i], Hc, over[i], exits, H, g, s_exit, ec[i], A_e, cw_e, E_e,
-                                          heavy, hv, cand, thr, buf, top)
-    return out
-
-
 def evict_lowest_np(q, Hc, hn, over, ex, H, g, s_exit, ec, new, heavy, hv, cand, thr):
-    """numpy twin of `evict_lowest` (same arguments; scans every row's whole list; `cand` and `thr`
-    are the kernel's own bookkeeping and are left alone)."""
+    """Per row i (flat row q[i], list at q[i] * Hc of length hn[i], updated in place; its tokens'
+    columns in `heavy`, score terms (A, CW, E) in hv [entries, 3]): if over[i], evict the candidate
+    with the lowest score — the listed entry minimizing A + CW H[i] - E g[i], or the leaving token
+    (ex[i], score s_exit[i], column ec[i]) when its score is not higher; a leaving token that stays is
+    appended (column ec[i], terms new[i]); the evicted entry's place takes the list's last entry.
+    Returns the evicted column per row (ec for rows not over budget: unused). Scans every row's
+    whole list; `cand` and `thr` are the kernel's own bookkeeping (`_evict_lowest_row`) and are left
+    alone."""
     qH = q * Hc
     m = q.size
     hm = int(hn.max()) if m else 0
@@ -156,8 +152,12 @@ def evict_lowest_np(q, Hc, hn, over, ex, H, g, s_exit, ec, new, heavy, hv, cand,
 
 
 def _evict_lowest_row(r, n, Hc, over, ex, h, gg, s_exit, ec, nA, nCW, nE, heavy, hv, cand, thr, buf, top):
-    """`evict_lowest` for one row (flat row r, list length n; scratch buf [Hc], top [K]). Returns the
-    evicted column (ec when not over budget: unused) and the new list length."""
+    """`evict_lowest_np` for one row (flat row r, list length n; scratch buf [Hc], top [K]). Returns
+    the evicted column (ec when not over budget: unused) and the new list length. It scans the row's
+    whole list only when its K candidates (cand [rows, K, 4]: list index, -1 = empty, and a copy of
+    the entry's terms, so the common step reads one small record per row) cannot hold the minimum
+    (their best score is above thr, the lowest score an entry had when it was left out): exact, as
+    scores only grow."""
     base = r * Hc
     c = cand[r]                            # [K, 4]: list index (-1 = empty), A, CW, E
     # the lowest-scored listed entry: among the candidates, valid while not above the threshold
@@ -230,18 +230,10 @@ def _evict_lowest_row(r, n, Hc, over, ex, h, gg, s_exit, ec, nA, nCW, nE, heavy,
     return out, n - 1
 
 
-def _evict_lowest_loop(q, Hc, hn, over, ex, H, g, s_exit, ec, new, heavy, hv, cand, thr):
-    m = q.size
-    out = np.empty(m, heavy.dtype)
-    buf, top = np.empty(Hc), np.empty(K, np.int64)
-    for i in range(m):
-        out[i], hn[i] = _evict_lowest_row(q[i], hn[i], Hc, over[i], ex[i], H[i], g[i], s_exit[i], ec[i],
-                                          new[i, A], new[i, CW], new[i, E], heavy, hv, cand, thr, buf, top)
-    return out
-
-
 def first_free_np(occ, qP, start, stop, bs):
-    """numpy twin of `first_free`."""
+    """First column in [start, stop) of each flat row (page ids qP = row * cols of occ [rows, cols])
+    holding 0 < occ < bs tokens: a page with a free slot (callers guarantee one in the range; the
+    kernel's per-row twin is `_scan_free`)."""
     P = occ.shape[1]
     lo, hi = int(start.min()), int(stop.max())
     o = occ[qP // P, lo:hi] - 1
@@ -253,14 +245,6 @@ def _scan_free(row, col, stop, bs):
     while col < stop - 1 and not 0 < row[col] < bs:
         col += 1
     return col
-
-
-def _first_free_loop(occ, qP, start, stop, bs):
-    P = occ.shape[1]
-    out = np.empty(qP.size, np.int64)
-    for i in range(qP.size):
-        out[i] = _scan_free(occ[qP[i] // P], start[i], stop[i], bs)
-    return out
 
 
 def score_prompt(z, sig, l, tau, c, obs, cand, keep, num_sink, W):
@@ -346,7 +330,8 @@ def _prompt_cut_loop(w, decay, l, c, top, shift, obs, cand, keep, num_sink, W):
 
 
 def advance_first_free_np(occ, qP, col, hole, pages, live, ncol, bs):
-    """numpy twin of `advance_first_free`."""
+    """Reuse strategies after each row i wrote a token at column col[i]: if that filled the page, move
+    the row's first-free pointer hole[i] on (to -1 when the row has no free slot: pages * bs <= live)."""
     at = qP + col
     full = occ.reshape(-1)[at] >= bs
     if not full.any():
@@ -355,16 +340,6 @@ def advance_first_free_np(occ, qP, col, hole, pages, live, ncol, bs):
     search = full & (pages * bs > live)
     if search.any():
         hole[search] = first_free_np(occ, qP[search], col[search] + 1, ncol[search], bs)
-
-
-def _advance_first_free_loop(occ, qP, col, hole, pages, live, ncol, bs):
-    P = occ.shape[1]
-    for i in range(qP.size):
-        row = occ[qP[i] // P]
-        c = col[i]
-        if row[c] < bs:
-            continue
-        hole[i] = _scan_free(row, c + 1, ncol[i], bs) if pages[i] * bs > live[i] else -1
 
 
 def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budget, track, append, reuse, frees,
@@ -531,17 +506,11 @@ if njit is not None:
     _scan_free = njit(cache=True, nogil=True)(_scan_free)
     _scored_exit = njit(cache=True, nogil=True)(_scored_exit)
     _evict_lowest_row = njit(cache=True, nogil=True)(_evict_lowest_row)
-    first_free = njit(cache=True, nogil=True)(_first_free_loop)
     prompt_cut = njit(cache=True, nogil=True)(_prompt_cut_loop)
-    advance_first_free = njit(cache=True, nogil=True)(_advance_first_free_loop)
-    _evict_lowest_loop = njit(cache=True, nogil=True)(_evict_lowest_loop)
-    evict_lowest = _evict_lowest_loop
-    scored_step = njit(cache=True, nogil=True)(_scored_step_loop)
     decode_rows = njit(cache=True, nogil=True)(_decode_rows_loop)
 else:
     decode_rows = None          # the numpy path of FastKVManager._step is its twin
-    evict_lowest, scored_step, first_free = evict_lowest_np, scored_step_np, first_free_np
-    advance_first_free, prompt_cut = advance_first_free_np, prompt_cut_np
+    prompt_cut = prompt_cut_np
 prompt_cut.__doc__ = """The prompt cut's scoring and top-k (see score_prompt) from the content weights w and decays
 d^(L-1-t) [rows, L], per-row l, c, top = d^-(obs-1) and shift = d: the content normalizer and H
 after the prompt, the kept positions and their terms, and the window's terms."""
@@ -561,20 +530,3 @@ need, live tokens and pages to need_next / slot_live / slot_pages [s]; returns (
 page, evicted tokens, pages freed, rows sparse-copied, tokens they copied, rows compacted, slots
 with rows left to the caller). Its twin is FastKVManager's numpy step (same state,
 tests/test_kv_fast_kernels.py)."""
-advance_first_free.__doc__ = """Reuse strategies after each row i wrote a token at column col[i]: if that filled the page,
-move the row's first-free pointer hole[i] on (to -1 when the row has no free slot: pages * bs <= live)."""
-first_free.__doc__ = """First column in [start, stop) of each flat row (page ids qP = row * cols of occ [rows, cols])
-holding 0 < occ < bs tokens: a page with a free slot (callers guarantee one in the range)."""
-scored_step.__doc__ = """One H2O decode step of fast mode's scored rows (see FastKVManager._pick_scored): per row i
-(flat row q[i], query position t_new[i], content draw z[i] ~ N(0, 1), head constants l, inv_tau, c):
-the new token's content weight exp(hsig z) updates the row's normalizer zw and H = sum of 1/zw; its
-score terms enter the window ring (W > 0) and the token leaving it comes out; then `evict_lowest`."""
-evict_lowest.__doc__ = """Per row i (flat row q[i], list at q[i] * Hc of length hn[i], updated in place; its tokens'
-columns in `heavy`, score terms (A, CW, E) in hv [entries, 3]): if over[i], evict the candidate with
-the lowest score — the listed entry minimizing A + CW H[i] - E g[i], or the leaving token (ex[i],
-score s_exit[i], column ec[i]) when its score is not higher; a leaving token that stays is appended
-(column ec[i], terms new[i]); the evicted entry's place takes the list's last entry. Returns the
-evicted column per row (ec for rows not over budget: unused). The kernel scans a row's whole list
-only when its K candidates (cand [rows, K, 4]: list index, -1 = empty, and a copy of the entry's
-terms, so the common step reads one small record per row) cannot hold the minimum (their best score
-is above thr, the lowest score an entry had when it was left out): exact, as scores only grow."""
