@@ -664,11 +664,10 @@ class FastKVManager(EvictingManagerBase):
         draw = self.budget is not None and track
         u = self.rng.random(m) if draw and not self.scored else _NONE
         z = self.rng.standard_normal(m) if draw and self.scored else _NONE
-        cols = np.empty(m, np.int64)
         evicted, left = np.empty(nS, np.int64), np.empty(nS, np.int64)
         compact = self.strategy in _COMPACT
         m_new, n_evicted, n_freed, n_copied, copied, n_compacted, n_left = decode_rows(
-            S, R, *self._slab_args, u, z, *self._scored_args, cols, evicted, left, self.need_next, self.slot_live,
+            S, R, *self._slab_args, u, z, *self._scored_args, evicted, left, self.need_next, self.slot_live,
             self.slot_pages)
         if m_new:
             self._ncol_hi += 1

@@ -344,7 +344,7 @@ def advance_first_free_np(occ, qP, col, hole, pages, live, ncol, bs):
 
 def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budget, track, append, reuse, frees,
                       sparse, compact, leaving, scored, u, z, l, inv_tau, c, Hc, hsig, zw, hsum, eref, ringA, ringcw, hv,
-                      cand, thr, cols, evicted, left, need_next, slot_live, slot_pages):
+                      cand, thr, evicted, left, need_next, slot_live, slot_pages):
     m_new, n_evicted, n_freed, n_copied, copied, n_compacted, n_left = 0, 0, 0, 0, 0, 0, 0
     buf, top = np.empty(max(Hc, 1)), np.empty(K, np.int64)
     for si in range(S.size):
@@ -399,7 +399,6 @@ def _decode_rows_loop(S, R, rs, occ, win, alive, ring, ntok, heavy, bs, W, budge
             if track:
                 occ[q, col] += 1
             live += 1
-            cols[i] = col
             # the window moves on: the token at pos - W leaves it
             ex, ec = False, col
             if W and track:
@@ -523,7 +522,7 @@ strategies' first-free pointer, the eviction (scored: `_scored_exit` and
 and the slot strategy's answer to it (an emptied page freed, the first-free pointer, sparse_copy's
 holed column) and compaction's common case (the newest token moves into the first hole and its
 page is freed), on the row scalars rs [rows, 8] (fast.py's _ROW_FIELDS order) and the slab's
-[rows, cols] occupancy arrays. Writes each row's write column to cols [i], per slot of S its
+[rows, cols] occupancy arrays. Writes per slot of S its
 evicted tokens and the rows it leaves to the caller (sparse_copy rows with several holed pages: their
 need; rows to compact otherwise) to evicted / left [len(S)], and per slot s its next token's page
 need, live tokens and pages to need_next / slot_live / slot_pages [s]; returns (rows that opened a
