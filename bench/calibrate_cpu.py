@@ -46,7 +46,7 @@ collection landed there and the allocator faulted ~2 GB of fresh pages (515k pag
 
     python bench/calibrate_cpu.py --out runs/calibration [--repeats 3] [--crosscheck-repeats 3]
         [--threads 1] [--clock cpu] [--reuse] [--replay-only] [--skip-crosscheck] [--skip-fit]
-        [--crosschecks none h2o] [--crosscheck-suffix=-run2]
+        [--crosschecks none h2o] [--crosscheck-suffix=-run2] [--fit-also runs/earlier-calibration]
 """
 from __future__ import annotations
 
@@ -145,6 +145,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="replays of each calibration workload (median per step)")
     ap.add_argument("--crosscheck-repeats", type=int, default=3, help="kvsim crosscheck --repeats")
     ap.add_argument("--reuse", action="store_true", help="keep replays already in --out (their steps.parquet)")
+    ap.add_argument("--fit-also", type=Path, nargs="*", default=[],
+                    help="earlier calibration output directories whose replays of the same workloads join the fit "
+                         "(each step at its median over all their repeats: replays from other sessions average "
+                         "the VM's slow speed drift)")
     ap.add_argument("--replay-only", action="store_true", help="stop after the calibration replays")
     ap.add_argument("--skip-crosscheck", action="store_true")
     ap.add_argument("--skip-fit", action="store_true", help="keep the shipped profile and importance files (only "
@@ -199,7 +203,8 @@ def main() -> None:
     cal_dir = args.out / "replay-sweep"
     profile = ROOT / "sim" / "data" / "profiles" / "cpu-smollm2.yaml"
     importance = ROOT / "sim" / "data" / "importance" / "smollm2-135m-fitted.yaml"
-    groups = [",".join(str(repeat_dir(args.out, name, r)) for r in range(1, args.repeats + 1)) for name in runs]
+    groups = [",".join(str(d) for out in [args.out, *args.fit_also] for d in sorted(out.glob(f"{name}"))
+                       + sorted(out.glob(f"{name}-r*"))) for name in runs]
     if not args.skip_fit:
         kvsim("calibrate", *groups, "--out", str(profile), "--model", "smollm2-135m", "--gpu", "cpu-2core")
         # per-head statistics from the sweep; the content correlation from the h2o replays' recorded evictions
