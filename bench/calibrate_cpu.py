@@ -15,6 +15,10 @@ Calibration workloads (all generated, none from the cross-check's trace):
 - `replay-long-decode` (policy none): batches of 4-5 mixed prompts of 512-1,100 tokens decoding 40
   tokens each: long decode runs at ~1,000-token contexts over block tables of unequal width (the
   sweep's decodes are 12 tokens long, mostly over equal prompts).
+- `replay-irregular` (policy none): batches of 1-5 prompts of irregular lengths (47-1,087 tokens,
+  none a multiple of 16) decoding 20 tokens: the other workloads' round lengths (64, 256, 1,024)
+  run the CPU GEMMs and attention at their best blockings, while real prompts are arbitrary (the
+  cross-checks' prefills ran 4-9% slower than a profile fitted on round lengths predicted).
 - `replay-h2o-b{128,256,512}`, h2o at budgets 128, 256 and 512 + slot_reuse: the policy's evictions
   leave holes in the blocks that attention still scans (how many depends on the budget), and its
   scoring runs every decode step.
@@ -137,6 +141,10 @@ def main() -> None:
     ap.add_argument("--long-decode", type=str, nargs="+", default=["640,880,1024,1024", "512,768,960,1100,1100"],
                     help="batches of mixed long prompts decoding --long-decode-tokens tokens each (policy none)")
     ap.add_argument("--long-decode-tokens", type=int, default=40)
+    ap.add_argument("--irregular", type=str, nargs="+", default=["413", "157,1039", "61,702,877", "229,541,93,1003",
+                                                                  "338,817,125,659,971", "1087,47,590,283"],
+                    help="batches of irregular prompt lengths (no multiples of 16), policy none")
+    ap.add_argument("--irregular-tokens", type=int, default=20)
     ap.add_argument("--h2o-budgets", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--h2o-output-tokens", type=int, default=24)
     ap.add_argument("--output-tokens", type=int, default=12)
@@ -185,7 +193,10 @@ def main() -> None:
                                  staggered_trace([parse_staggered(g) for g in args.staggered], args.output_tokens)),
             "replay-long-decode": (load_config(None, base),
                                    mixed_trace([[int(p) for p in g.split(",")] for g in args.long_decode],
-                                               args.long_decode_tokens, name="calibration-long-decode"))}
+                                               args.long_decode_tokens, name="calibration-long-decode")),
+            "replay-irregular": (load_config(None, base),
+                                 mixed_trace([[int(p) for p in g.split(",")] for g in args.irregular],
+                                             args.irregular_tokens, name="calibration-irregular"))}
     for budget in args.h2o_budgets:
         runs[f"replay-h2o-b{budget}"] = (
             load_config(None, {**base, "kv.policy": "h2o", "kv.budget": budget, "kv.slot_strategy": "slot_reuse"}),
