@@ -20,7 +20,7 @@ them leaves the two padding factors unfitted.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -248,18 +248,50 @@ def fit_errors(measured: np.ndarray, predicted: np.ndarray, kinds: np.ndarray) -
     return out
 
 
+DECODE_BATCH_MIN_STEPS = 10     # decode steps of one batch size needed for its decode_batch_factors entry
+DECODE_BATCH_ROUNDS = 4
+
+
 def fit_profile(steps: pd.DataFrame, model: str, gpu: str, *, base_profile: str | HardwareProfile = "default",
                 tp: int = 1, name: str = "fitted", description: str = "", max_iter: int = 25,
-                trim: float = 0.0) -> FitReport:
+                trim: float = 0.0, decode_batch_factors: bool = False) -> FitReport:
     """Fit the profile's factors to `steps` (a step log with measured duration_s).
 
     `trim`: after a first fit, drop this share of the steps with the largest relative residual
     (timing outliers: page faults, other processes) and refit; errors are reported on all steps.
+    `decode_batch_factors`: also fit the per-batch-size decode table: alternately, each batch size's
+    factor is the median measured / predicted of its pure-decode steps (sizes with at least
+    DECODE_BATCH_MIN_STEPS steps), and the factors are refitted on the times divided by it.
     """
+    base = load_profile(base_profile).model_copy(update={"decode_batch_factors": {}})
+    report = _fit_factors(steps, model, gpu, base, tp, name, description, max_iter, trim)
+    if not decode_batch_factors:
+        return report
+    steps = steps[steps["duration_s"] > 0].reset_index(drop=True)
+    shape, y = shape_of_steps(steps), steps["duration_s"].to_numpy(dtype=np.float64)
+    pure_decode = (steps["prefill_tokens"].to_numpy() == 0) & (steps["decode_tokens"].to_numpy() > 0)
+    batch = steps["batch_size"].to_numpy()
+    table: dict[int, float] = {}
+    for _ in range(DECODE_BATCH_ROUNDS):
+        ratio = y / np.atleast_1d(CostModel(model, gpu, report.profile, tp=tp).predict(shape))
+        table = {int(b): round(float(np.median(ratio[pure_decode & (batch == b)])), 5)
+                 for b in np.unique(batch[pure_decode]) if np.sum(pure_decode & (batch == b)) >= DECODE_BATCH_MIN_STEPS}
+        if not table:
+            return report
+        # fit on the times the table would explain away (the factors divide pure-decode steps only)
+        k = CostModel(model, gpu, base.model_copy(update={"decode_batch_factors": table}), tp=tp) \
+            .decode_batch_factor(shape.num_seqs, shape.num_prefill_tokens)
+        report = _fit_factors(steps.assign(duration_s=y / k), model, gpu, base, tp, name, description, max_iter, trim)
+    profile = report.profile.model_copy(update={"decode_batch_factors": table})
+    pred = np.atleast_1d(CostModel(model, gpu, profile, tp=tp).predict(shape))
+    return replace(report, profile=profile, errors=fit_errors(y, pred, step_kind(steps)))
+
+
+def _fit_factors(steps: pd.DataFrame, model, gpu, base: HardwareProfile, tp: int, name: str, description: str,
+                 max_iter: int, trim: float) -> FitReport:
     steps = steps[steps["duration_s"] > 0].reset_index(drop=True)
     if len(steps) < len(FACTORS):
         raise CalibrationError(f"need at least {len(FACTORS)} steps with a positive duration_s, got {len(steps)}")
-    base = load_profile(base_profile)
     cost = CostModel(model, gpu, base, tp=tp)
     shape = shape_of_steps(steps)
     features = cost.feature_matrix(shape)

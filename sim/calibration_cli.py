@@ -33,6 +33,10 @@ def calibrate(
     name: Optional[str] = typer.Option(None, help="profile name (default: the output file's stem)"),
     trim: float = typer.Option(0.01, min=0.0, max=0.5, help="share of steps with the largest residual left out "
                                                               "of the refit (timing outliers)"),
+    decode_batch_factors: bool = typer.Option(True, "--decode-batch-factors/--no-decode-batch-factors",
+                                              help="also fit a per-batch-size factor for pure-decode steps (GEMM "
+                                                   "kernels are chosen by the number of rows, so decode cost is not "
+                                                   "linear in the batch); sizes with >= 10 decode steps"),
     attention: Optional[Path] = typer.Option(None, "--attention", help="fit the synthetic importance model to "
                                              "this attention_stats.parquet (or replay directory) instead"),
     seed: int = typer.Option(0, help="seed of the importance-model fit's simulation"),
@@ -60,17 +64,18 @@ def calibrate(
             _fail("--decisions fits the importance model: give it with --attention ATTNSTATS")
         if not step_logs:
             _fail("give one or more step logs, or --attention ATTNSTATS")
-        _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command)
+        _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command, decode_batch_factors)
     except (CalibrationError, ValueError, FileNotFoundError) as exc:
         _fail(str(exc))
 
 
-def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command) -> None:
+def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command,
+                       decode_batch_factors: bool = True) -> None:
     from .calibrate import fit_profile, load_step_logs, profile_meta
     steps = load_step_logs(step_logs)
     report = fit_profile(steps, model, gpu, base_profile=base_profile, tp=tp, name=name or out.stem,
                          description=f"fitted by kvsim calibrate on {len(steps)} measured steps of {model}",
-                         trim=trim)
+                         trim=trim, decode_batch_factors=decode_batch_factors)
     meta = profile_meta(report, model=model, gpu=gpu, sources=[str(p) for p in step_logs], command=command)
     report.profile.model_copy(update={"meta": meta}).to_yaml(out)
     if "repeats" in steps.columns:
@@ -79,6 +84,9 @@ def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim,
                       f"step: median {steps.loc[rep, 'duration_spread'].median():.1%}")
     console.print(report.table())
     console.print(f"fitted: {', '.join(report.fitted)}")
+    if report.profile.decode_batch_factors:
+        console.print("decode steps by batch size, x " + ", ".join(
+            f"{b}: {f:.3f}" for b, f in report.profile.decode_batch_factors.items()))
     if report.not_fitted:
         console.print(f"not identifiable from these steps (kept from {base_profile}): {', '.join(report.not_fitted)}")
     if report.at_bound:

@@ -45,6 +45,12 @@ cost model's KV dtype (a mixed-precision tier counts as its bytes / full-precisi
        + step * p.step_overhead_s + seqs * p.per_seq_overhead_s
        + block_entries * p.per_block_entry_overhead_s
 
+A pure-decode step (no prefill tokens) of b sequences is then multiplied by
+`p.decode_batch_factors` at b (linear interpolation between the listed batch sizes, the nearest
+listed one beyond them; empty in every GPU profile): CPU GEMMs pick kernels by the number of rows,
+so the per-sequence decode cost is not linear in the batch (4-sequence decodes run slower than 3- or
+8-sequence ones on the 2-core VM). `calibrate` fits the table from the decode steps' residuals.
+
 `padded_attn_cost` / `padded_prefill_cost` (time relative to peak bandwidth / peak FLOPs, i.e.
 1/efficiency) are 0 for paged attention kernels, which read each sequence's own blocks: every shipped
 GPU profile. The real backend's CPU attention gathers a dense [sequences, widest table] tensor per
@@ -68,7 +74,7 @@ from typing import Any
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sim.catalog import (
     DATA_DIR, DTYPE_BYTES, CatalogError, GPUSpec, ModelSpec, format_validation_error, get_gpu, get_model,
@@ -131,7 +137,18 @@ class HardwareProfile(BaseModel):
     per_block_entry_overhead_s: float = _Overhead
     padded_attn_cost: float = Field(default=0.0, ge=0)     # 0: attention kernels do not pad (paged kernels)
     padded_prefill_cost: float = Field(default=0.0, ge=0)  # 0: prefill attention does not pad
+    # pure-decode steps of b sequences take decode_batch_factors[b] x the model's time (linear
+    # interpolation between listed sizes, the nearest listed size beyond them; empty: 1 everywhere)
+    decode_batch_factors: dict[int, float] = Field(default_factory=dict)
     meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
+
+    @field_validator("decode_batch_factors")
+    @classmethod
+    def _check_decode_batch_factors(cls, v: dict[int, float]) -> dict[int, float]:
+        for b, f in v.items():
+            if b < 1 or not f > 0:
+                raise ValueError(f"decode_batch_factors: batch sizes must be >= 1 and factors > 0, got {b}: {f}")
+        return dict(sorted(v.items()))
 
     def to_yaml(self, path: str | Path) -> Path:
         path = Path(path)
@@ -214,6 +231,9 @@ class CostModel:
         self._set_coefficients()
         # the padded-attention features are skipped when pricing steps under a profile that gives them no cost
         self._pads = self.profile.padded_attn_cost > 0 or self.profile.padded_prefill_cost > 0
+        table = self.profile.decode_batch_factors
+        self._batch_table = (np.array(list(table), dtype=np.float64),
+                             np.array(list(table.values()), dtype=np.float64)) if table else None
 
     def _set_coefficients(self) -> None:
         m, g, tp = self.model, self.gpu, self.tp
@@ -294,9 +314,24 @@ class CostModel:
         allreduce = f["allreduce_bw"] / p.allreduce_bw_eff + f["allreduce_count"] * p.allreduce_latency_s
         overhead = (f["step"] * p.step_overhead_s + f["seqs"] * p.per_seq_overhead_s
                     + f["block_entries"] * p.per_block_entry_overhead_s)
+        if self._batch_table is not None:
+            k = self.decode_batch_factor(shape.num_seqs, shape.num_prefill_tokens)
+            linear, attention, copy, swap, allreduce, overhead = (
+                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
         total = linear + attention + copy + swap + allreduce + overhead
         return {"linear": linear, "attention": attention, "copy": copy, "swap": swap,
                 "allreduce": allreduce, "overhead": overhead, "total": total}
+
+    def decode_batch_factor(self, num_seqs, num_prefill_tokens=0.0):
+        """The profile's decode_batch_factors at each step (1 for steps with prefill tokens, or without
+        a table)."""
+        if self._batch_table is None:
+            return 1.0 if np.ndim(num_seqs) == 0 else np.ones(np.shape(num_seqs))
+        sizes, factors = self._batch_table
+        k = np.interp(_f64(num_seqs), sizes, factors)
+        if isinstance(k, np.ndarray):
+            return np.where(_f64(num_prefill_tokens) > 0, 1.0, k)
+        return 1.0 if num_prefill_tokens > 0 else float(k)
 
     def predict(self, shape: BatchShape) -> float | np.ndarray:
         """Seconds for the step (float), or for each step of a run (float64 array)."""
@@ -318,12 +353,19 @@ class CostModel:
         if p.padded_attn_cost:
             padded = kv_tokens_read if kv_tokens_padded is None else kv_tokens_padded
             attention = attention + padded * c["kv_token_s"] * p.padded_attn_cost
-        total = linear + attention
-        if self.tp > 1:
-            total = total + (num_seqs * c["allreduce_token_s"] / p.allreduce_bw_eff
-                             + c["allreduce_count"] * p.allreduce_latency_s)
         overhead = (p.step_overhead_s + num_seqs * p.per_seq_overhead_s
                     + block_table_entries * p.per_block_entry_overhead_s)
+        allreduce = None
+        if self.tp > 1:
+            allreduce = (num_seqs * c["allreduce_token_s"] / p.allreduce_bw_eff
+                         + c["allreduce_count"] * p.allreduce_latency_s)
+        if self._batch_table is not None:
+            k = np.interp(num_seqs, *self._batch_table)
+            linear, attention, overhead = linear * k, attention * k, overhead * k
+            allreduce = None if allreduce is None else allreduce * k
+        total = linear + attention
+        if allreduce is not None:
+            total = total + allreduce
         return total + overhead
 
     def active_branches(self, shape: BatchShape) -> dict[str, np.ndarray | np.bool_]:
