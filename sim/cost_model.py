@@ -231,9 +231,9 @@ class CostModel:
         self._set_coefficients()
         # the padded-attention features are skipped when pricing steps under a profile that gives them no cost
         self._pads = self.profile.padded_attn_cost > 0 or self.profile.padded_prefill_cost > 0
-        table = self.profile.decode_batch_factors
-        self._batch_table = (np.array(list(table), dtype=np.float64),
-                             np.array(list(table.values()), dtype=np.float64)) if table else None
+        table = sorted(self.profile.decode_batch_factors.items())     # model_copy(update=) skips the validator
+        self._batch_table = (np.array([b for b, _ in table], dtype=np.float64),
+                             np.array([f for _, f in table], dtype=np.float64)) if table else None
 
     def _set_coefficients(self) -> None:
         m, g, tp = self.model, self.gpu, self.tp

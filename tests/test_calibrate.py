@@ -75,6 +75,28 @@ def test_fit_starting_from_wrong_branches_still_converges():
     assert report.profile.mfu_prefill == pytest.approx(TRUE["mfu_prefill"], rel=0.02)
 
 
+def test_fit_recovers_per_batch_size_decode_factors():
+    """Decode steps timed with a per-batch-size factor: the fit recovers the table (sizes with enough
+    decode steps) and the other factors; without such an effect the table stays ~1."""
+    truth_table = {b: 1.0 for b in range(1, 33)}
+    truth_table.update({3: 0.95, 4: 1.08, 8: 1.04})
+    steps = synthetic_steps(n=2000)
+    truth = load_profile("cpu-2core").model_copy(update={**TRUE, "decode_batch_factors": truth_table})
+    steps["duration_s"] = CostModel("smollm2", "cpu-2core", truth).predict(shape_of_steps(steps))
+    report = fit_profile(steps, "smollm2", "cpu-2core", base_profile="cpu-2core", decode_batch_factors=True)
+    table = report.profile.decode_batch_factors
+    for b in (3, 4, 8, 1, 16):
+        assert table[b] == pytest.approx(truth_table[b], rel=0.02), b
+    assert report.profile.mfu_decode == pytest.approx(TRUE["mfu_decode"], rel=0.02)
+    assert report.errors["decode"]["mape"] < 0.01
+    plain = fit_profile(synthetic_steps(n=2000), "smollm2", "cpu-2core", base_profile="cpu-2core",
+                        decode_batch_factors=True)
+    assert all(f == pytest.approx(1.0, abs=0.01) for f in plain.profile.decode_batch_factors.values())
+    no_table = fit_profile(steps, "smollm2", "cpu-2core", base_profile="cpu-2core")
+    assert no_table.profile.decode_batch_factors == {}
+    assert no_table.errors["decode"]["mape"] > 10 * report.errors["decode"]["mape"]
+
+
 def test_fit_trims_outliers():
     df = synthetic_steps(n=1000, noise=0.005)
     df.loc[::50, "duration_s"] *= 3.0           # 2% of steps hit by a background process

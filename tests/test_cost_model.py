@@ -203,6 +203,42 @@ def test_decode_runs_price_padding_as_steps_do():
     assert (cm.predict_decode(seqs, kv_read, entries) == cm.predict_decode(seqs, kv_read, entries, kv_read)).all()
 
 
+def test_decode_batch_factors_scale_pure_decode_steps_by_batch_size():
+    """A profile's decode_batch_factors multiply pure-decode steps of b sequences (interpolated between
+    listed sizes, the nearest listed size beyond them); prefill and mixed steps are unchanged, and the
+    decode fast-forward's pricing still equals predict() bit for bit."""
+    base = padded_cpu()
+    plain = CostModel("smollm2", "cpu-2core", base)
+    table = CostModel("smollm2", "cpu-2core", base.model_copy(update={"decode_batch_factors": {4: 1.1, 2: 0.9}}))
+    assert list(load_profile("cpu-smollm2").decode_batch_factors) == [1, 2, 3, 4, 5, 8]   # sorted on load
+    for b, k in ((1, 0.9), (2, 0.9), (3, 1.0), (4, 1.1), (16, 1.1)):
+        assert table.predict(decode(b, 500)) == pytest.approx(k * plain.predict(decode(b, 500)), rel=1e-12)
+    assert table.predict(prefill(300)) == plain.predict(prefill(300))
+    mixed = BatchShape(num_seqs=4, num_prefill_tokens=100, num_decode_tokens=3, attn_pairs_prefill=5050,
+                       kv_tokens_read=1600, block_table_entries=100)
+    assert table.predict(mixed) == plain.predict(mixed)
+    shapes = random_shapes(np.random.default_rng(4), 200)
+    k = np.where(shapes.num_prefill_tokens > 0, 1.0, np.interp(shapes.num_seqs, [2, 4], [0.9, 1.1]))
+    np.testing.assert_allclose(table.predict(shapes), k * plain.predict(shapes), rtol=1e-12)
+    parts = table.breakdown(shapes)
+    np.testing.assert_allclose(sum(v for n, v in parts.items() if n != "total"), parts["total"], rtol=1e-12)
+    rng = np.random.default_rng(9)
+    seqs = rng.integers(1, 12, 60).astype(np.float64)
+    kv_read = seqs * rng.integers(1, 3000, 60)
+    entries, padded = np.ceil(kv_read / 16), kv_read * rng.uniform(1, 3, 60)
+    steps = table.predict(BatchShape(num_seqs=seqs, num_decode_tokens=seqs, kv_tokens_read=kv_read,
+                                     block_table_entries=entries, kv_tokens_padded=padded))
+    assert (table.predict_decode(seqs, kv_read, entries, padded) == steps).all()
+    scalar = [table.predict(BatchShape(num_seqs=float(b), num_decode_tokens=float(b), kv_tokens_read=float(r),
+                                       block_table_entries=float(e), kv_tokens_padded=float(p)))
+              for b, r, e, p in zip(seqs, kv_read, entries, padded)]
+    assert scalar == steps.tolist()
+    with pytest.raises(ValueError, match="decode_batch_factors"):
+        base.model_validate({**base.model_dump(), "decode_batch_factors": {0: 1.0}})
+    with pytest.raises(ValueError, match="decode_batch_factors"):
+        base.model_validate({**base.model_dump(), "decode_batch_factors": {4: 0.0}})
+
+
 def test_features_reconstruct_predict_for_a_fitter():
     """The documented linear-given-branches form that calibration fits reproduces predict()."""
     cm = CostModel("llama-3.1-8b", "h100", tp=1)
