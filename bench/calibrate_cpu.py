@@ -16,9 +16,9 @@ Calibration workloads (all generated, none from the cross-check's trace):
   tokens each: long decode runs at ~1,000-token contexts over block tables of unequal width (the
   sweep's decodes are 12 tokens long, mostly over equal prompts).
 - `replay-irregular` (policy none): batches of 1-5 prompts of irregular lengths (47-1,087 tokens,
-  none a multiple of 16) decoding 20 tokens: the other workloads' round lengths (64, 256, 1,024)
-  run the CPU GEMMs and attention at their best blockings, while real prompts are arbitrary (the
-  cross-checks' prefills ran 4-9% slower than a profile fitted on round lengths predicted).
+  none a multiple of 16) decoding 20 tokens: the other workloads use round lengths (64, 256, 1,024)
+  while real prompts are arbitrary (against the profile fitted without it, these replays' batched
+  prefills of unequal prompts ran 5-8% slower than predicted).
 - `replay-h2o-b{128,256,512}`, h2o at budgets 128, 256 and 512 + slot_reuse: the policy's evictions
   leave holes in the blocks that attention still scans (how many depends on the budget), and its
   scoring runs every decode step.
@@ -214,8 +214,9 @@ def main() -> None:
     cal_dir = args.out / "replay-sweep"
     profile = ROOT / "sim" / "data" / "profiles" / "cpu-smollm2.yaml"
     importance = ROOT / "sim" / "data" / "importance" / "smollm2-135m-fitted.yaml"
-    groups = [",".join(str(d) for out in [args.out, *args.fit_also] for d in sorted(out.glob(f"{name}"))
-                       + sorted(out.glob(f"{name}-r*"))) for name in runs]
+    groups = [",".join([str(repeat_dir(args.out, name, r)) for r in range(1, args.repeats + 1)]
+                       + [str(d) for extra in args.fit_also for d in sorted(extra.glob(name)) + sorted(extra.glob(f"{name}-r*"))])
+              for name in runs]
     if not args.skip_fit:
         kvsim("calibrate", *groups, "--out", str(profile), "--model", "smollm2-135m", "--gpu", "cpu-2core")
         # per-head statistics from the sweep; the content correlation from the h2o replays' recorded evictions

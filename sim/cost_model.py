@@ -327,11 +327,14 @@ class CostModel:
         a table)."""
         if self._batch_table is None:
             return 1.0 if np.ndim(num_seqs) == 0 else np.ones(np.shape(num_seqs))
-        sizes, factors = self._batch_table
-        k = np.interp(_f64(num_seqs), sizes, factors)
+        k = self._interp_batch(_f64(num_seqs))
         if isinstance(k, np.ndarray):
             return np.where(_f64(num_prefill_tokens) > 0, 1.0, k)
         return 1.0 if num_prefill_tokens > 0 else float(k)
+
+    def _interp_batch(self, num_seqs):
+        sizes, factors = self._batch_table
+        return np.interp(num_seqs, sizes, factors)
 
     def predict(self, shape: BatchShape) -> float | np.ndarray:
         """Seconds for the step (float), or for each step of a run (float64 array)."""
@@ -360,7 +363,7 @@ class CostModel:
             allreduce = (num_seqs * c["allreduce_token_s"] / p.allreduce_bw_eff
                          + c["allreduce_count"] * p.allreduce_latency_s)
         if self._batch_table is not None:
-            k = np.interp(num_seqs, *self._batch_table)
+            k = self._interp_batch(num_seqs)
             linear, attention, overhead = linear * k, attention * k, overhead * k
             allreduce = None if allreduce is None else allreduce * k
         total = linear + attention
