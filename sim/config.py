@@ -32,15 +32,21 @@ class EngineConfig(_Strict):
     block_size: int = Field(16, gt=0)
     num_gpu_blocks: int | None = Field(None, gt=0, description="KV pool size; default: computed from GPU memory")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    max_num_seqs: int = Field(256, gt=0)
-    max_num_batched_tokens: int = Field(8192, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0, description="default: vLLM's for the GPU and entry point")
+    max_num_batched_tokens: int | None = Field(None, gt=0,
+                                               description="default: vLLM's for the GPU and entry point")
+    entry_point: Literal["serve", "offline"] = Field(
+        "serve", description="whose batch defaults apply: `vllm serve` (OpenAI server) or the offline LLM class")
     long_prefill_token_threshold: int = Field(0, ge=0)
     max_model_len: int | None = Field(None, gt=1)
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = Field(
+        None, description="default: on (vLLM's default), off with KV eviction policies (they break shared blocks)")
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space_gib: float = Field(4.0, ge=0)
+    async_scheduling: bool | None = Field(
+        None, description="schedule step k+1 while step k runs; default: on for GPUs, off for CPUs (as vLLM)")
 
     @field_validator("block_size")
     @classmethod
@@ -56,6 +62,8 @@ class TraceOptions(_Strict):
     start_s: float | None = Field(None, ge=0)
     end_s: float | None = Field(None, gt=0)
     rate: float | None = Field(None, gt=0, description="Poisson rate for length-only traces")
+    arrival_unit: Literal["time", "step"] = Field(
+        "time", description="step: arrival_time_s holds the engine step before which a request arrives")
 
 
 class SLO(_Strict):

@@ -36,14 +36,17 @@ cost model's KV dtype (a mixed-precision tier counts as its bytes / full-precisi
 
 `predict(shape)` combines them with the profile's factors (p.*):
 
-  time = max(linear_compute_prefill / p.mfu_prefill + linear_compute_decode / p.mfu_decode,
+  time = device + overhead           (synchronous scheduling)
+  time = max(device, overhead)       (async scheduling: the CPU prepares step k+1 while step k runs)
+
+  device = max(linear_compute_prefill / p.mfu_prefill + linear_compute_decode / p.mfu_decode,
              linear_memory / p.mem_bw_eff)
        + max(attn_compute / p.attn_compute_eff, attn_memory / p.attn_bw_eff)
        + attn_padded * p.padded_attn_cost + attn_prefill_padded * p.padded_prefill_cost
        + copy / p.copy_bw_eff + swap / p.pcie_eff + allreduce_bw / p.allreduce_bw_eff
        + allreduce_count * p.allreduce_latency_s
-       + step * p.step_overhead_s + seqs * p.per_seq_overhead_s
-       + block_entries * p.per_block_entry_overhead_s
+  overhead = step * p.step_overhead_s + seqs * p.per_seq_overhead_s
+             + block_entries * p.per_block_entry_overhead_s
 
 A pure-decode step (no prefill tokens) of b sequences is then multiplied by
 `p.decode_batch_factors` at b (linear interpolation between the listed batch sizes, the nearest
@@ -218,11 +221,14 @@ class CostModel:
     """Step time of `model` on `gpu` x `tp` under `profile` (see module docstring for the form)."""
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, profile: HardwareProfile | str = "default",
-                 tp: int = 1, *, kv_dtype: str | None = None, weight_dtype: str | None = None):
+                 tp: int = 1, *, kv_dtype: str | None = None, weight_dtype: str | None = None,
+                 async_scheduling: bool = False):
         model = get_model(model)
         if weight_dtype or kv_dtype:
             model = model.with_dtypes(weight_dtype=weight_dtype, kv_dtype=kv_dtype)
         self.model, self.gpu, self.tp = model, get_gpu(gpu), tp
+        # async scheduling: the CPU's per-step work (the overhead terms) overlaps the device's
+        self.async_scheduling = async_scheduling
         self.profile = load_profile(profile)
         self.kv_heads_per_gpu = kv_heads_per_gpu(model, tp)
         self.kv_split = self.kv_heads_per_gpu / model.num_kv_heads
@@ -318,7 +324,8 @@ class CostModel:
             k = self.decode_batch_factor(shape.num_seqs, shape.num_prefill_tokens)
             linear, attention, copy, swap, allreduce, overhead = (
                 linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
-        total = linear + attention + copy + swap + allreduce + overhead
+        device = linear + attention + copy + swap + allreduce
+        total = _max(device, overhead) if self.async_scheduling else device + overhead
         return {"linear": linear, "attention": attention, "copy": copy, "swap": swap,
                 "allreduce": allreduce, "overhead": overhead, "total": total}
 
@@ -369,7 +376,7 @@ class CostModel:
         total = linear + attention
         if allreduce is not None:
             total = total + allreduce
-        return total + overhead
+        return np.maximum(total, overhead) if self.async_scheduling else total + overhead
 
     def active_branches(self, shape: BatchShape) -> dict[str, np.ndarray | np.bool_]:
         """Which side of each roofline max() is active (True = compute side) under the profile."""

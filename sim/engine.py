@@ -7,6 +7,7 @@ producing exactly the rows and request state that stepping one by one would.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -38,7 +39,7 @@ class EngineReplica:
                  step_log: StepLog, *, fast_forward: bool = True, check_invariants: bool = False,
                  next_arrival: Callable[[], float] = lambda: float("inf"),
                  on_step: Callable[[int], None] | None = None, max_run_steps: int = 4096,
-                 yield_every_step: bool = True):
+                 yield_every_step: bool = True, step_arrivals: "StepArrivals | None" = None):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -57,6 +58,11 @@ class EngineReplica:
         self.yield_every_step = yield_every_step
         self.now = 0.0              # authoritative clock (simpy time tracks it)
         self.num_steps = 0
+        self.step_arrivals = step_arrivals
+        # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
+        self.async_scheduling = scheduler.config.async_scheduling
+        self.inbox: deque[Request] = deque()
+        self._step_start = 0.0
         self._last_duration = 0.0
         self._wake: simpy.Event | None = None
         self.process = env.process(self.run())
@@ -67,15 +73,32 @@ class EngineReplica:
 
     def submit(self, req: Request) -> None:
         req.replica = self.index
+        if self.async_scheduling and self.scheduler.has_work:
+            self.inbox.append(req)       # a step is in flight: the next schedule is already made
+            return
         if self.scheduler.add_request(req) and self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+
+    def _take_arrivals(self) -> None:
+        """Hand the scheduler what has arrived for the step about to be scheduled."""
+        inbox = self.inbox
+        idle = not self.scheduler.has_work
+        while inbox and (idle or inbox[0].arrival_time <= self._step_start):
+            self.scheduler.add_request(inbox.popleft())
+        if self.step_arrivals is not None:
+            for req in self.step_arrivals.due(self.num_steps, idle=not self.scheduler.has_work):
+                req.arrival_time = self.now
+                req.replica = self.index
+                self.scheduler.add_request(req)
 
     def _sleep_until(self, t: float):
         return self.env.timeout(max(t - self.env.now, 0.0))
 
     def run(self):
         while True:
+            self._take_arrivals()
             if not self.scheduler.has_work:
+                self.scheduler.release_finishing()
                 if self.env.now < self.now:            # catch up the steps advanced without yielding
                     yield self._sleep_until(self.now)
                 self._wake = self.env.event()
@@ -88,7 +111,7 @@ class EngineReplica:
                 raise RuntimeError(
                     f"replica {self.index}: nothing schedulable with {len(self.scheduler.waiting)} waiting "
                     f"and {len(self.scheduler.running)} running; the KV manager cannot make progress")
-            start = self.now
+            start = self._step_start = self.now
             for s in out.scheduled:
                 if s.request.first_scheduled_time is None:
                     s.request.first_scheduled_time = start
@@ -146,9 +169,10 @@ class EngineReplica:
         for r in self.scheduler.running:
             assert 0 < r.num_computed_tokens <= r.num_tokens, f"request {r.request_id} token count broken"
             assert r.num_output_tokens <= r.max_output_tokens
+        finishing = set(self.scheduler.finishing)
         for r in self.scheduler.finished:
             assert r.num_output_tokens == r.max_output_tokens, f"request {r.request_id} lost tokens"
-            assert r not in self.kv.req_blocks
+            assert r in finishing or r not in self.kv.req_blocks
 
     # ----- decode fast-forward ----------------------------------------------------------------
     def _decode_run(self):
@@ -163,7 +187,7 @@ class EngineReplica:
         yield self._sleep_until(self.now)
         self.scheduler.finish([r for r, e in zip(run.reqs, run.last) if e == k], self.now)
         waiting[-1] = len(sched.waiting)       # arrivals during the last step
-        if self.kv.enable_caching:             # the last step's finishes return cached blocks now
+        if self.kv.enable_caching and not self.async_scheduling:   # the last step's finishes return cached blocks now
             last = self._pool_row()
             for name in ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
                          "fragmentation"):
@@ -200,6 +224,28 @@ class Router:
             self._next += 1
             return replica
         return min(self.replicas, key=lambda rep: (rep.outstanding, rep.index))
+
+
+class StepArrivals:
+    """Arrivals by engine step (`trace_options.arrival_unit: step`): a request whose
+    `arrival_time` holds k joins before the engine's k-th step (counted from 0); when the engine
+    runs out of work first, the next arrivals join at once. Real-engine references are fed so."""
+
+    def __init__(self, requests: list[Request]):
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+
+    def due(self, step: int, idle: bool) -> list[Request]:
+        pending, out = self.pending, []
+        while pending and pending[0].arrival_time <= step:
+            out.append(pending.popleft())
+        if idle and not out and pending:
+            first = pending[0].arrival_time
+            while pending and pending[0].arrival_time == first:
+                out.append(pending.popleft())
+        return out
+
+    def steps_until_next(self, step: int) -> float:
+        return self.pending[0].arrival_time - step if self.pending else float("inf")
 
 
 class ArrivalProcess:

@@ -54,7 +54,10 @@ def plan(replica) -> DecodeRun | None:
         return None
     admission_blocked = len(sched.waiting) > 0
     next_arrival = replica.next_arrival()
-    if next_arrival <= replica.now:
+    if next_arrival <= replica.now or replica.inbox:
+        return None
+    step_gap = replica.step_arrivals.steps_until_next(replica.num_steps) if replica.step_arrivals else float("inf")
+    if step_gap < 1:
         return None
     c_list, last_list = [], []
     for r in running:
@@ -70,11 +73,12 @@ def plan(replica) -> DecodeRun | None:
         first_step_blocks = sum(1 for x in c_list if x % bs == 0)
         if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
             return None
-    k = min(last_list) if admission_blocked else max(last_list)
+    # async scheduling: a finish releases its blocks a step later, so a run ends at the first finish
+    k = min(last_list) if admission_blocked or cfg.async_scheduling else max(last_list)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
     gap = (next_arrival - replica.now) / max(replica._last_duration, 1e-9)
-    k = min(k, replica.max_run_steps, int(min(gap, 1e9)) * 2 + 16)
+    k = min(k, replica.max_run_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
     ev = _events(c_list, last_list, k, bs, kv.enable_caching)
     k = _steps_that_fit(ev, k, kv.num_free_blocks)
     if k < 1:
@@ -169,12 +173,17 @@ def apply(replica, run: DecodeRun) -> dict:
         req.num_output_tokens += n
         req.token_times.extend(ends[:n])
     bs = kv.block_size
+    # async scheduling: the last step's finishers (the only ones) keep their blocks until the next schedule
+    deferred = replica.scheduler.config.async_scheduling
+    if deferred and not kv.enable_caching:
+        used[k - 1] += run.freed[k - 1]
     live, allocated, fragmentation, running = [], [], [], []
     for j in range(k):
-        alive = run.batch[j] - run.finished[j]           # still holding blocks after step j
-        tokens = run.kv_read[j] - (run.finished_c[j] + (j + 1) * run.finished[j])
+        gone = 0 if deferred else 1
+        alive = run.batch[j] - gone * run.finished[j]           # still holding blocks after step j
+        tokens = run.kv_read[j] - gone * (run.finished_c[j] + (j + 1) * run.finished[j])
         slots = used[j] * bs
-        empty = (run.entries[j] - run.finished_held[j]) * bs - tokens
+        empty = (run.entries[j] - gone * run.finished_held[j]) * bs - tokens
         live.append(slots - empty)
         allocated.append(slots)
         fragmentation.append(1.0 - (slots - empty) / slots if slots else 0.0)

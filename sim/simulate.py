@@ -18,7 +18,8 @@ from .config import ConfigError, SimConfig
 from .core.kv_manager import KVCacheManager
 from .core.request import Request
 from .core.scheduler import Scheduler, SchedulerConfig
-from .engine import ArrivalProcess, EngineReplica, Router
+from .defaults import resolve_defaults
+from .engine import ArrivalProcess, EngineReplica, Router, StepArrivals
 from .executor import CostModelExecutor
 from .metrics import SUMMARY_STEP_COLUMNS, StepLog, flat_token_times, request_table, summarize
 
@@ -67,20 +68,23 @@ def resolve_hardware(cfg: SimConfig, model=None):
     (the real backend passes the spec of the model it actually runs)."""
     from .catalog import get_gpu, get_model
     from .cost_model import CostModel, load_profile
+    from .defaults import resolve_engine
 
     model = get_model(cfg.model) if model is None else model
     if cfg.kv_dtype:
         model = model.with_dtypes(kv_dtype=cfg.kv_dtype)
     gpu = get_gpu(cfg.gpu)
-    cost = CostModel(model, gpu, load_profile(cfg.profile), tp=cfg.tp)
-    eng = cfg.engine
+    eng = resolve_engine(cfg)
+    cost = CostModel(model, gpu, load_profile(cfg.profile), tp=cfg.tp,
+                     async_scheduling=bool(eng.async_scheduling))
     if eng.num_gpu_blocks is not None:
         blocks = eng.num_gpu_blocks
     else:
         from .memory import num_gpu_blocks
         blocks = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
                                 gpu_memory_utilization=eng.gpu_memory_utilization,
-                                max_num_batched_tokens=eng.max_num_batched_tokens).num_blocks
+                                max_num_batched_tokens=eng.max_num_batched_tokens,
+                                max_num_seqs=eng.max_num_seqs).num_blocks
     max_model_len = eng.max_model_len or model.max_position
     return model, gpu, cost, blocks, max_model_len
 
@@ -93,6 +97,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     total -> bar (with `n`, `update(k)`, `close()`). `model` (a ModelSpec) replaces `cfg.model`'s catalog entry (the
     cross-check simulates the model a replay actually ran)."""
     t0 = time.perf_counter()
+    cfg = resolve_defaults(cfg)
     trace = load_workload(cfg) if trace is None else trace
     model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=model)
     requests = trace_to_requests(trace)
@@ -106,6 +111,11 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     bar = (_progress_bar if progress is True else progress)(len(requests)) if progress else None
     replicas: list[EngineReplica] = []
     arrivals_holder: list[ArrivalProcess] = []
+    by_step = cfg.trace_options.arrival_unit == "step"
+    if by_step and cfg.replicas != 1:
+        raise ConfigError(f"trace_options.arrival_unit: step feeds one engine step by step; replicas must be 1, "
+                          f"got {cfg.replicas}")
+    step_arrivals = StepArrivals(requests) if by_step else None
     for i in range(cfg.replicas):
         kv, executor = _build_kv(cfg, model, cost, num_blocks)
         if wrap_kv is not None:
@@ -114,16 +124,19 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
         replicas.append(EngineReplica(
             env, i, scheduler, executor, step_log,
             fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants,
-            next_arrival=lambda: arrivals_holder[0].next_arrival(), yield_every_step=False,
+            next_arrival=(lambda: float("inf")) if by_step else (lambda: arrivals_holder[0].next_arrival()),
+            yield_every_step=False, step_arrivals=step_arrivals,
             on_step=(lambda n, r=replicas: _tick(bar, r)) if bar else None))
-    arrivals_holder.append(ArrivalProcess(env, requests, Router(replicas, cfg.router)))
+    if not by_step:
+        arrivals_holder.append(ArrivalProcess(env, requests, Router(replicas, cfg.router)))
     # The engine allocates many small, long-lived objects (token times, step rows) and no reference
     # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        env.run(until=arrivals_holder[0].process)   # all requests submitted
-        while any(r.scheduler.has_work for r in replicas):
+        if arrivals_holder:
+            env.run(until=arrivals_holder[0].process)   # all requests submitted
+        while any(r.scheduler.has_work for r in replicas) or (step_arrivals and step_arrivals.pending):
             env.step()
     finally:
         if gc_was_enabled:
@@ -152,7 +165,7 @@ def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfi
         max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens,
         long_prefill_token_threshold=eng.long_prefill_token_threshold, max_model_len=max_model_len,
         enable_chunked_prefill=eng.enable_chunked_prefill, policy=eng.scheduling_policy,
-        preemption_mode=eng.preemption_mode,
+        preemption_mode=eng.preemption_mode, async_scheduling=bool(eng.async_scheduling),
         swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
 
 
@@ -165,6 +178,9 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kv
                         slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
                         prefix_queries=sum(kv.num_prefix_queries for kv in kvs),
                         prefix_hits=sum(kv.num_prefix_hits for kv in kvs))
+    preempted_queries = sum(kv.num_prefix_queries_preempted for kv in kvs)
+    preempted_hits = sum(kv.num_prefix_hits_preempted for kv in kvs)
+    summary["prefix_hit_rate_preempted"] = preempted_hits / preempted_queries if preempted_queries else 0.0
     if not cfg.kv.is_default:
         from .kv.metrics import kv_summary
         summary.update(kv_summary(kvs, req_df, steps_df))
@@ -195,7 +211,7 @@ def _build_kv(cfg: SimConfig, model, cost, num_blocks: int):
     """The KV manager and executor of one replica: the plain vLLM path unless `kv:` asks for more."""
     eng = cfg.engine
     if cfg.kv.is_default:
-        kv = KVCacheManager(num_blocks, eng.block_size, enable_caching=eng.enable_prefix_caching)
+        kv = KVCacheManager(num_blocks, eng.block_size, enable_caching=bool(eng.enable_prefix_caching))
         return kv, CostModelExecutor(cost, kv)
     if eng.enable_prefix_caching:
         raise ConfigError("engine.enable_prefix_caching: not supported with kv.policy/kv.layout other than "

@@ -34,10 +34,50 @@ def test_chunked_prefill_follows_the_token_budget():
     assert chunks(step(s)) == {0: 1}                  # then one decode token per step
 
 
-def test_long_prefill_threshold_caps_each_chunk():
+def test_long_prefill_threshold_caps_each_chunk_while_others_wait_or_run():
     s = make(max_num_batched_tokens=1000, long_prefill_token_threshold=64)
     s.add_request(req(0, 150, 2))
+    s.add_request(req(1, 10, 9))
     assert [chunks(step(s))[0] for _ in range(3)] == [64, 64, 22]
+
+
+def test_long_prefill_threshold_is_lifted_for_a_request_alone():
+    """vLLM: the cap keeps a long prefill from starving others; with nobody to starve it is off."""
+    s = make(max_num_batched_tokens=1000, long_prefill_token_threshold=64)
+    s.add_request(req(0, 150, 2))
+    assert chunks(step(s)) == {0: 150}
+
+
+def test_admission_needs_blocks_for_the_whole_prompt():
+    """vLLM's scheduler_reserve_full_isl: a waiting request is admitted only when the free pool holds
+    its whole prompt, not just its first chunk (admitting on the first chunk thrashes under pressure)."""
+    s = make(num_blocks=21, block_size=4, max_num_batched_tokens=16)      # 20 usable blocks
+    s.add_request(req(0, 16, 50))
+    step(s)                                            # r0 prefilled: 4 blocks
+    s.add_request(req(1, 64, 2))                       # its 15-token first chunk would fit, its 16 blocks do not
+    out = step(s)                                      # r0's decode takes a 5th block: 15 free
+    assert chunks(out) == {0: 1} and len(s.waiting) == 1
+
+
+def test_block_zero_is_the_reserved_null_block():
+    s = make(num_blocks=10)
+    assert s.kv.num_free_blocks == 9 and s.kv.num_gpu_blocks == 10
+    with pytest.raises(ValueError, match="null block"):
+        make(num_blocks=1)
+
+
+def test_priority_victim_is_the_least_urgent_latest_arrival():
+    """Equal (priority, arrival time) requests are ordered by submission, as vLLM's wall-clock
+    arrival times order them: the later submitted one is preempted first."""
+    s = make(num_blocks=9, block_size=4, policy="priority", max_num_batched_tokens=64)
+    for i in range(3):
+        s.add_request(req(i, 8, 20, priority=1))          # 2 blocks each; 8 usable
+    step(s)
+    for _ in range(4):
+        out = step(s)
+        if out.preempted:
+            break
+    assert [r.request_id for r in out.preempted] == [2]
 
 
 def test_running_requests_are_served_before_waiting_ones():
@@ -100,13 +140,13 @@ def test_the_last_running_request_preempts_itself():
 
 
 def test_requests_that_can_never_fit_are_rejected_with_a_reason():
-    s = make(num_blocks=4, block_size=4, max_model_len=64)
+    s = make(num_blocks=4, block_size=4, max_model_len=64)             # 3 usable blocks
     assert not s.add_request(req(0, 64, 10))
     assert "max_model_len=64" in s.rejected[0].reject_reason
-    assert not s.add_request(req(1, 10, 10))          # 19 slots at its last token > 16 in the pool
-    assert "whole KV pool holds 16 tokens" in s.rejected[1].reject_reason
-    ok = req(2, 10, 7)
-    assert s.add_request(ok)                          # 16 slots: fits exactly
+    assert not s.add_request(req(1, 10, 10))          # 19 slots at its last token > 12 (3 usable blocks)
+    assert "whole KV pool holds 12 tokens" in s.rejected[1].reject_reason
+    ok = req(2, 10, 3)
+    assert s.add_request(ok)                          # 12 slots: fits exactly
     capped = req(3, 10, 100)
     s2 = make(num_blocks=100, block_size=4, max_model_len=64)
     assert s2.add_request(capped) and capped.max_output_tokens == 54
@@ -162,7 +202,7 @@ def test_prefix_cache_hits_shared_blocks_and_recomputes_the_last_token():
 
 
 def test_lru_evicts_the_tail_block_of_the_oldest_freed_request_first():
-    s = make(num_blocks=4, block_size=4, caching=True)
+    s = make(num_blocks=5, block_size=4, caching=True)               # 4 usable blocks
     a = req(0, 8, 1, prefix_hash_ids=(1, 2), prefix_block_tokens=4)
     s.add_request(a)
     step(s)                                           # a done, blocks [b0, b1] cached, free
@@ -177,7 +217,7 @@ def test_lru_evicts_the_tail_block_of_the_oldest_freed_request_first():
 
 
 def test_invariants_hold_and_every_block_is_free_at_the_end():
-    s = make(num_blocks=8, block_size=4)
+    s = make(num_blocks=9, block_size=4)                              # 8 usable blocks
     for i in range(6):
         s.add_request(req(i, 5 + i, 6))
     for _ in range(200):

@@ -11,13 +11,23 @@ from .request import Request
 
 
 class KVCacheManager:
+    """`num_blocks` is vLLM's num_gpu_blocks: block 0 is its reserved null block (padding of block
+    tables), so `num_blocks - 1` hold KV."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
+        if num_blocks < 2:
+            raise ValueError(f"num_gpu_blocks must be at least 2 (one is vLLM's reserved null block), "
+                             f"got {num_blocks}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.num_gpu_blocks = num_blocks
+        self.pool = BlockPool(num_blocks - 1, enable_caching)
         self.enable_caching = enable_caching
         self.req_blocks: dict[Request, list[int]] = {}
-        self.num_prefix_queries = 0      # prompt tokens looked up in the prefix cache
+        self.num_prefix_queries = 0      # tokens looked up in the prefix cache by first admissions
         self.num_prefix_hits = 0         # of which served from it
+        # lookups by requests resuming after a recompute preemption (vLLM counts them apart)
+        self.num_prefix_queries_preempted = 0
+        self.num_prefix_hits_preempted = 0
 
     # ----- read-only views -------------------------------------------------------------------
     @property
@@ -69,9 +79,24 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
-        self.num_prefix_queries += num_queried
-        self.num_prefix_hits += num_hit
+    def record_prefix_lookup(self, num_queried: int, num_hit: int, preempted: bool = False) -> None:
+        if preempted:
+            self.num_prefix_queries_preempted += num_queried
+            self.num_prefix_hits_preempted += num_hit
+        else:
+            self.num_prefix_queries += num_queried
+            self.num_prefix_hits += num_hit
+
+    def fits_full_sequence(self, req: Request, num_tokens: int, computed_blocks: list[int],
+                           free_blocks: int | None = None) -> bool:
+        """vLLM's admission gate (`scheduler_reserve_full_isl`): the free pool (or `free_blocks`)
+        must hold blocks for all `num_tokens` known tokens after the prefix hits, where a hit on a
+        free cached block takes that block out of the free pool."""
+        held = len(self.req_blocks.get(req, ())) + len(computed_blocks)
+        need = max(0, -(-num_tokens // self.block_size) - held)
+        revivable = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        free = self.pool.num_free_blocks if free_blocks is None else free_blocks
+        return need + revivable <= free
 
     def _block_hash(self, req: Request, j: int) -> int:
         hashes = req.extra.setdefault("block_hashes", [])

@@ -20,6 +20,7 @@ class Request:
     prompt_tokens: int
     max_output_tokens: int
     priority: int = 0
+    arrival_order: int = 0              # submission order to the scheduler (breaks arrival-time ties)
     # Prefix ids, one per `prefix_block_tokens` prompt tokens (Mooncake hash_ids), or None.
     prefix_hash_ids: tuple[int, ...] | None = None
     prefix_block_tokens: int | None = None

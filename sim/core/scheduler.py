@@ -1,10 +1,19 @@
-"""Continuous-batching scheduler with vLLM v1 semantics (see DESIGN.md, Scheduler).
+"""Continuous-batching scheduler with vLLM v1 semantics (checked step for step against real vLLM).
 
 Per step: RUNNING requests first (in admission order), then WAITING ones (FCFS, or by
 (priority, arrival) in priority mode), under a token budget and `max_num_seqs`. A running request
-that cannot get its blocks preempts the most recently admitted running request (recompute: freed,
-reset to 0 computed tokens, put back at the head of WAITING; swap: its KV goes to CPU memory) until
-the allocation fits or it preempts itself. Nothing is admitted in a step that preempted.
+that cannot get its blocks preempts the most recently admitted running request (priority mode:
+the least urgent, latest arrival) (recompute: freed, reset to 0 computed tokens, put back at the
+head of WAITING; swap, a vLLM v0 extension: its KV goes to CPU memory) until the allocation fits
+or it preempts itself. Nothing is admitted in a step that preempted. A waiting request is admitted
+only when the free pool holds its whole known sequence after prefix hits (vLLM's
+`scheduler_reserve_full_isl`). `long_prefill_token_threshold` caps chunks only while more than one
+request is running or waiting.
+
+Async scheduling (vLLM's default on GPUs) schedules step k+1 while step k runs: requests that
+finish in step k keep their sequence slot and blocks until step k+1 has been scheduled (they are
+not scheduled again), and the engine shows step k+1's scheduler only the arrivals from before
+step k started.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ class SchedulerConfig:
     policy: str = "fcfs"                       # fcfs | priority
     preemption_mode: str = "recompute"         # recompute | swap
     swap_space_tokens: int = 0                 # CPU swap capacity in tokens (swap mode)
+    async_scheduling: bool = False             # finishes release their slot one schedule later
 
 
 @dataclass
@@ -79,7 +89,7 @@ class WaitingQueue:
 
     def _push(self, req: Request) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (req.priority, req.arrival_time, self._seq, req))
+        heapq.heappush(self._heap, (req.priority, req.arrival_time, req.arrival_order, req))
 
     def peek(self) -> Request:
         return self._fifo[0] if self.policy == "fcfs" else self._heap[0][3]
@@ -101,11 +111,16 @@ class Scheduler:
         self.rejected: list[Request] = []
         self.swap_used_tokens = 0
         self.num_preemptions = 0
+        self.num_submitted = 0
+        self.finishing: list[Request] = []     # async scheduling: finished, slot released next schedule
+        self._threshold = config.long_prefill_token_threshold
 
     # ----- admission control -----------------------------------------------------------------
     def add_request(self, req: Request) -> bool:
         """Queue a request, or reject it with a reason when it can never fit. Output that would run
         past max_model_len is capped there (as vLLM stops at the model length)."""
+        req.arrival_order = self.num_submitted
+        self.num_submitted += 1
         limit = self.config.max_model_len
         if req.prompt_tokens + 1 <= limit < req.prompt_tokens + req.max_output_tokens:
             req.max_output_tokens = limit - req.prompt_tokens
@@ -132,12 +147,15 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return len(self.running) > len(self.finishing) or len(self.waiting) > 0
 
     # ----- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # the cap exists so a long prefill does not starve others: alone, a request gets the budget
+        alone = len(self.running) - len(self.finishing) + len(self.waiting) <= 1
+        self._threshold = 0 if alone else self.config.long_prefill_token_threshold
         scheduled = self._schedule_decodes(budget)
         if scheduled is not None:
             budget -= len(scheduled)
@@ -147,7 +165,16 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit(budget, scheduled, out)
         out.scheduled = list(scheduled.values())
+        self.release_finishing()
         return out
+
+    def release_finishing(self) -> None:
+        """Async scheduling: requests that finished in the step in flight leave now."""
+        if self.finishing:
+            done, self.finishing = self.finishing, []
+            for req in done:
+                self.running.remove(req)
+                self.kv.free(req)
 
     def _schedule_decodes(self, budget: int) -> dict | None:
         """The common step, when every running request decodes one token and the KV manager can
@@ -156,7 +183,7 @@ class Scheduler:
         was allocated then)."""
         allocate = getattr(self.kv, "allocate_decodes", None)
         running = self.running
-        if allocate is None or not running or len(running) > budget:
+        if allocate is None or not running or len(running) > budget or self.finishing:
             return None
         max_len = self.config.max_model_len
         for req in running:
@@ -173,6 +200,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.status == RequestStatus.FINISHED:     # async: done in the step in flight
+                i += 1
+                continue
             n = self._chunk(req.num_tokens - req.num_computed_tokens, budget, req.num_computed_tokens)
             if n <= 0:
                 i += 1
@@ -199,16 +229,17 @@ class Scheduler:
 
     def _chunk(self, remaining: int, budget: int, computed: int) -> int:
         """New tokens a request gets: min(remaining, budget left, long_prefill_token_threshold)."""
-        n = remaining
-        if self.config.long_prefill_token_threshold > 0:
-            n = min(n, self.config.long_prefill_token_threshold)
+        n = self._capped(remaining)
         return min(n, budget, self.config.max_model_len - computed)
 
+    def _capped(self, n: int) -> int:
+        return min(n, self._threshold) if self._threshold > 0 else n
+
     def _pick_victim(self) -> tuple[Request, int]:
-        index = len(self.running) - 1
+        candidates = [k for k, r in enumerate(self.running) if r.status != RequestStatus.FINISHED]
+        index = candidates[-1]
         if self.config.policy == "priority":
-            index = max(range(len(self.running)),
-                        key=lambda k: (self.running[k].priority, self.running[k].arrival_time, k))
+            index = max(candidates, key=lambda k: _priority_key(self.running[k]))
         return self.running.pop(index), index
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
@@ -242,8 +273,12 @@ class Scheduler:
                 req.num_computed_tokens = swapped
             else:
                 req.num_computed_tokens = num_cached
+                full = min(req.num_tokens, self.config.max_model_len)
+                if not self.kv.fits_full_sequence(req, full, hits):
+                    self._undo_admission(req, swapped)
+                    break
             remaining = req.num_tokens - req.num_computed_tokens
-            if not self.config.enable_chunked_prefill and remaining > budget:
+            if not self.config.enable_chunked_prefill and self._capped(remaining) > budget:
                 self._undo_admission(req, swapped)
                 break
             n = self._chunk(remaining, budget, req.num_computed_tokens)
@@ -252,7 +287,8 @@ class Scheduler:
                 self._undo_admission(req, swapped)
                 break
             self.waiting.pop()
-            self.kv.record_prefix_lookup(req.num_tokens if not swapped else 0, num_cached)
+            if not swapped:
+                self.kv.record_prefix_lookup(req.num_tokens, num_cached, preempted=req.num_preemptions > 0)
             if req.first_scheduled_time is None:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
@@ -280,12 +316,18 @@ class Scheduler:
         else:
             hits = self.kv.get_computed_blocks(req)
             computed = len(hits) * bs
-        remaining = req.num_tokens - computed
-        if not self.config.enable_chunked_prefill and remaining > budget:
-            return True
-        n = self._chunk(remaining, budget, computed)
-        need = -(-(computed + n) // bs) - len(hits)
         revivable = sum(1 for b in hits if self.kv.pool.ref_cnt[b] == 0)
+        full = min(req.num_tokens, self.config.max_model_len)
+        if not req.swapped_tokens and not self.kv.fits_full_sequence(req, full, hits, free_blocks):
+            return True
+        # a decode run has requests running and this one waiting: the chunk cap applies
+        threshold = self.config.long_prefill_token_threshold
+        remaining = req.num_tokens - computed
+        first = min(remaining, threshold) if threshold > 0 else remaining
+        if not self.config.enable_chunked_prefill and first > budget:
+            return True
+        n = min(first, budget, self.config.max_model_len - computed)
+        need = -(-(computed + n) // bs) - len(hits)
         return need > free_blocks - revivable
 
     def _undo_admission(self, req: Request, swapped: int) -> None:
@@ -311,13 +353,22 @@ class Scheduler:
         return done
 
     def finish(self, reqs: list[Request], now: float) -> None:
-        """Requests that produced their last token leave the batch and free their KV."""
+        """Requests that produced their last token leave the batch and free their KV (with async
+        scheduling: after the next schedule, see `release_finishing`)."""
         for req in reqs:
-            self.running.remove(req)
-            self.kv.free(req)
             req.status = RequestStatus.FINISHED
             req.finish_time = now
             self.finished.append(req)
+            if self.config.async_scheduling:
+                self.finishing.append(req)
+            else:
+                self.running.remove(req)
+                self.kv.free(req)
+
+
+def _priority_key(req: Request) -> tuple:
+    """Priority mode order: (priority, arrival time, submission order); larger = preempted first."""
+    return req.priority, req.arrival_time, req.arrival_order
 
 
 def _is_prefill(req: Request, num_new_tokens: int) -> bool:

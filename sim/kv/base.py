@@ -14,6 +14,8 @@ class EvictingManagerBase:
     enable_caching = False
     num_prefix_queries = 0
     num_prefix_hits = 0
+    num_prefix_queries_preempted = 0
+    num_prefix_hits_preempted = 0
 
     @property
     def num_blocks(self) -> int:
@@ -32,5 +34,10 @@ class EvictingManagerBase:
     def get_computed_blocks(self, req) -> list[int]:
         return []
 
-    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+    def fits_full_sequence(self, req, num_tokens, computed_blocks, free_blocks=None) -> bool:
+        """Eviction managers admit on the first chunk: compression changes what the whole prompt
+        will occupy, so vLLM's full-prompt reservation does not apply."""
+        return True
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int, preempted: bool = False) -> None:
         pass
