@@ -123,6 +123,17 @@ def build_model(cfg: SimConfig, opts: ReplayOptions):
     return model
 
 
+def replay_config(cfg: SimConfig) -> SimConfig:
+    """`cfg` with the engine defaults a replay runs with: the real backend steps synchronously, and
+    its per-request prompts share no prefixes, so prefix caching is off unless asked for."""
+    from sim.defaults import resolve_defaults
+
+    eng = cfg.engine.model_copy(update={
+        "async_scheduling": False,
+        "enable_prefix_caching": bool(cfg.engine.enable_prefix_caching)})
+    return resolve_defaults(cfg.model_copy(deep=True, update={"engine": eng}))
+
+
 def check_replayable(cfg: SimConfig) -> None:
     eng = cfg.engine
     problems = []
@@ -200,7 +211,7 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
 
     t0 = time.perf_counter()
     opts = options or ReplayOptions()
-    cfg = cfg.model_copy(deep=True)
+    cfg = replay_config(cfg)
     check_replayable(cfg)
     trace = load_workload(cfg) if trace is None else trace
     model = build_model(cfg, opts) if model is None else model

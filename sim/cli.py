@@ -29,6 +29,9 @@ from sim.calibration_cli import calibrate, crosscheck  # noqa: E402
 app.command()(calibrate)
 app.command()(crosscheck)
 
+from sim.reference_cli import app as reference_app  # noqa: E402
+app.add_typer(reference_app, name="reference")
+
 
 def main() -> None:
     app()

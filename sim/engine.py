@@ -122,6 +122,8 @@ class EngineReplica:
             if self.yield_every_step or self.now >= self.next_arrival():
                 yield self._sleep_until(self.now)
             finished = self.scheduler.update(out, self.now)
+            if not self.scheduler.has_work:
+                self.scheduler.release_finishing()     # async: no next schedule to wait for
             self._log_step(start, out, result, len(finished), shape)
             if self.fast_forward:
                 yield from self._decode_run()
@@ -187,10 +189,14 @@ class EngineReplica:
         yield self._sleep_until(self.now)
         self.scheduler.finish([r for r, e in zip(run.reqs, run.last) if e == k], self.now)
         waiting[-1] = len(sched.waiting)       # arrivals during the last step
-        if self.kv.enable_caching and not self.async_scheduling:   # the last step's finishes return cached blocks now
+        released = self.async_scheduling and not sched.has_work and sched.finishing
+        if released:
+            sched.release_finishing()
+        if (self.kv.enable_caching and not self.async_scheduling) or released:
+            # the last step's finishes return (cached) blocks now
             last = self._pool_row()
             for name in ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
-                         "fragmentation"):
+                         "fragmentation", "num_running"):
                 rows[name][-1] = last[name]
         rows.update({
             "replica": self.index, "step": range(self.num_steps, self.num_steps + k),

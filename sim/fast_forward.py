@@ -54,7 +54,7 @@ def plan(replica) -> DecodeRun | None:
         return None
     admission_blocked = len(sched.waiting) > 0
     next_arrival = replica.next_arrival()
-    if next_arrival <= replica.now or replica.inbox:
+    if next_arrival <= replica.now or replica.inbox or sched.finishing:
         return None
     step_gap = replica.step_arrivals.steps_until_next(replica.num_steps) if replica.step_arrivals else float("inf")
     if step_gap < 1:

@@ -152,6 +152,7 @@ class Scheduler:
     # ----- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        had_finishing = bool(self.finishing)
         budget = self.config.max_num_batched_tokens
         # the cap exists so a long prefill does not starve others: alone, a request gets the budget
         alone = len(self.running) - len(self.finishing) + len(self.waiting) <= 1
@@ -166,6 +167,8 @@ class Scheduler:
             budget = self._admit(budget, scheduled, out)
         out.scheduled = list(scheduled.values())
         self.release_finishing()
+        if out.is_empty and had_finishing and not out.preempted:
+            return self.schedule()          # async: an empty step; the freed blocks serve the next
         return out
 
     def release_finishing(self) -> None:

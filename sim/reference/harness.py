@@ -241,3 +241,91 @@ def compare_schedules(ref: pd.DataFrame, sim: pd.DataFrame, ref_rejected=(), sim
 
 def _value(v):
     return [int(x) for x in v] if hasattr(v, "__len__") else int(v)
+
+
+# ----- stored references and whole runs ---------------------------------------------------------
+def save_schedule(df: pd.DataFrame, path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    pq.write_table(table, path)
+
+
+def load_reference(directory: Path) -> tuple[pd.DataFrame, dict]:
+    """A recorded scenario's vLLM schedule and its metadata (recorded.json)."""
+    meta = json.loads((directory / "recorded.json").read_text())
+    meta["rejected"] = {int(k): v for k, v in meta.get("rejected", {}).items()}
+    return pd.read_parquet(directory / "vllm_steps.parquet"), meta
+
+
+def check_scenario(directory: Path) -> Agreement:
+    """kvsim's schedule of a recorded scenario against vLLM's."""
+    cfg, trace = load_scenario(directory)
+    ref, meta = load_reference(directory)
+    sim, info = kvsim_schedule(cfg, trace)
+    return compare_schedules(ref, sim, meta["rejected"], info["rejected"])
+
+
+def record_scenario(directory: Path, vllm_python: str, model_dir: Path, timeout_s: float | None = None) -> dict:
+    """Record real vLLM's schedule of the scenario stored in `directory` (vllm_steps.parquet +
+    recorded.json); returns the metadata."""
+    import datetime
+    import platform
+
+    cfg, trace = load_scenario(directory)
+    with _scratch_dir() as work:
+        raw = record_vllm(driver_spec(cfg, trace, model_dir), vllm_python, work, timeout_s)
+        ref, meta = read_vllm_steps(raw)
+    save_schedule(ref, directory / "vllm_steps.parquet")
+    meta.update({"recorded_on": datetime.date.today().isoformat(), "machine": platform.machine(),
+                 "steps": len(ref), "preemptions": int(ref["preemptions"].sum())})
+    (directory / "recorded.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return meta
+
+
+def reference_run(cfg: SimConfig, trace, out: Path, vllm_python: str, model_dir: Path,
+                  timeout_s: float | None = None) -> Agreement:
+    """Record vLLM's schedule of `trace`, simulate it in kvsim, write both and the agreement to `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    raw = record_vllm(driver_spec(cfg, trace, model_dir), vllm_python, out, timeout_s)
+    ref, meta = read_vllm_steps(raw)
+    sim, info = kvsim_schedule(cfg, trace)
+    agreement = compare_schedules(ref, sim, meta["rejected"], info["rejected"])
+    save_schedule(ref, out / "vllm_steps.parquet")
+    save_schedule(sim, out / "kvsim_steps.parquet")
+    result = {**agreement.to_dict(), "vllm": {k: v for k, v in meta.items() if k != "rejected"},
+              "rejected": {"vllm": meta["rejected"], "kvsim": info["rejected"]}}
+    (out / "agreement.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return agreement
+
+
+class _scratch_dir:
+    def __enter__(self) -> Path:
+        import tempfile
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvsim-vllm-")
+        return Path(self._tmp.name)
+
+    def __exit__(self, *exc) -> None:
+        self._tmp.cleanup()
+
+
+def steps_from_times(trace, step_s: float):
+    """A time-based trace with arrivals mapped to engine steps: step = floor(arrival_time_s / step_s)."""
+    df = trace.df.copy()
+    df["arrival_time_s"] = (df["arrival_time_s"] // step_s).astype(float)
+    return type(trace)(df, name=trace.name, source=trace.source, prefix_block_tokens=trace.prefix_block_tokens)
+
+
+def convert_model(vllm_python: str, gguf: Path, out_dir: Path) -> None:
+    """The SmolLM2 GGUF as a bf16 Hugging Face checkpoint vLLM can load (runs in vLLM's virtualenv)."""
+    proc = subprocess.run([vllm_python, str(CONVERTER), str(gguf), str(out_dir)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ReferenceError(f"model conversion failed: {last[:300]}")
+
+
+def default_model_dir() -> Path:
+    root = Path(os.environ.get("KVSIM_CACHE_DIR", Path.home() / ".cache" / "kvsim"))
+    return root / "smollm2-135m-hf"

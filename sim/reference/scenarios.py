@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BLOCK = 32          # vLLM's CPU attention backend needs a block size that is a multiple of 32
+# vLLM refuses to start unless the KV pool holds one request of max_model_len: small pools get a
+# small max_model_len.
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ SCENARIOS = [
              prefix_ids=[[1, 2, 3], [1, 2, 3], [1, 2, 3, 4], [10, 11], [20, 21, 22, 23], [1, 2, 3],
                          [10], [20, 21, 22]],
              prefix_block_tokens=64,
-             engine={"num_gpu_blocks": 24, "max_num_batched_tokens": 256}),
+             engine={"num_gpu_blocks": 24, "max_num_batched_tokens": 256, "max_model_len": 512}),
     Scenario("long_prefill_threshold",
              "96-token cap per prefill chunk, lifted for a request that is alone in the engine",
              prompts=[600, 350, 40, 500, 800], outputs=[10, 10, 10, 10, 6],
@@ -91,7 +93,7 @@ SCENARIOS = [
              "priority scheduling in a tight pool: admission by priority, lowest-priority victim",
              prompts=[150, 200, 180, 160, 210, 120], outputs=[40] * 6,
              arrival_steps=[0, 0, 0, 3, 3, 5], priorities=[2, 1, 0, 2, 1, 0],
-             engine={"scheduling_policy": "priority", "num_gpu_blocks": 30}),
+             engine={"scheduling_policy": "priority", "num_gpu_blocks": 30, "max_model_len": 512}),
     Scenario("no_chunked_prefill", "chunked prefill off: a prompt that does not fit the budget waits",
              prompts=[300, 400, 200, 100, 250], outputs=[10, 10, 10, 10, 10],
              engine={"enable_chunked_prefill": False, "max_model_len": 512, "max_num_batched_tokens": 512,
