@@ -217,7 +217,8 @@ def _build_kv(cfg: SimConfig, model, cost, num_blocks: int):
         raise ConfigError("engine.enable_prefix_caching: not supported with kv.policy/kv.layout other than "
                           "none/shared (evicted tokens break shared prefix blocks)")
     from .kv.build import build_kv
-    return build_kv(cfg.kv, model, cost, num_blocks, eng.block_size, cfg.seed)
+    # like vLLM's pool, one block of the memory is the null block
+    return build_kv(cfg.kv, model, cost, num_blocks - 1, eng.block_size, cfg.seed)
 
 
 def _progress_bar(total: int):

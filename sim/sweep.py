@@ -260,7 +260,8 @@ class _FitChecker:
             load_profile(cfg.profile)
         except (CatalogError, ValueError, FileNotFoundError) as exc:
             return f"profile={cfg.profile!r}: {exc}"
-        eng = cfg.engine
+        from .defaults import resolve_engine
+        eng = resolve_engine(cfg)
         try:
             num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size, kv_dtype=cfg.kv_dtype,
                            gpu_memory_utilization=eng.gpu_memory_utilization,

@@ -9,7 +9,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from gpu.replay import run_replay
+from gpu.replay import replay_config, run_replay
 from sim.catalog import get_model
 from sim.config import ConfigError, load_config
 from sim.kv.manager import SLOT_STRATEGIES
@@ -105,7 +105,7 @@ def test_same_engine_core_as_the_simulator_step_for_step(small, kv, tmp_path):
     (tmp_path / "model.yaml").write_text(yaml.safe_dump({"models": [spec.model_dump(mode="json")]}))
     cfg = config(**{"engine.num_gpu_blocks": 22, "model": str(tmp_path / "model.yaml"), **kv})
     real = run_replay(cfg, model=small, trace=tr).steps
-    sim = run_simulation(cfg, trace=tr).steps
+    sim = run_simulation(replay_config(cfg), trace=tr).steps       # the engine settings the replay ran with
     assert real["preemptions"].sum() > 0 if not kv else real["evicted_tokens"].sum() > 0
     same = ["batch_size", "num_prefill_seqs", "prefill_tokens", "decode_tokens", "kv_tokens_read", "blocks_used",
             "blocks_free", "live_slots", "allocated_slots", "num_running", "num_waiting", "preemptions", "finished",

@@ -19,8 +19,11 @@ N, PROMPT, OUTPUT, BLOCKS = 32, 256, 32, 160       # 32 prompts of 256 tokens, 1
 
 
 def simulate(kv: dict):
+    # prefix caching off for every run: eviction policies cannot share blocks, and the baseline
+    # must differ from them only in the policy
     cfg = load_config(None, {"model": "smollm2-135m", "gpu": "l4", "kv": kv,
-                             "engine": {"num_gpu_blocks": BLOCKS, "max_num_seqs": 256}})
+                             "engine": {"num_gpu_blocks": BLOCKS, "max_num_seqs": 256,
+                                        "enable_prefix_caching": False}})
     r = run_simulation(cfg, trace=closed_batch(N, PROMPT, OUTPUT))
     assert r.summary["num_finished"] == N
     return r.summary, r.steps

@@ -10,7 +10,7 @@ from sim.cli import app
 from sim.core.kv_manager import KVCacheManager
 from sim.core.request import Request
 from sim.reference.harness import (ReferenceError, check_scenario, compare_schedules, driver_spec,
-                                   load_reference, load_scenario, record_vllm)
+                                   kvsim_schedule, load_reference, load_scenario, record_vllm)
 from sim.reference.prompts import prompt_token_ids
 from sim.reference.scenarios import SCENARIOS
 
@@ -35,10 +35,20 @@ def test_the_recorded_references_exercise_what_they_claim():
     assert steps["memory_pressure_preemption"][0]["preemptions"].sum() >= 1
     assert steps["priority_preemption"][0]["preemptions"].sum() >= 1
     assert steps["max_num_seqs_cap"][0]["num_running"].max() == 3
-    assert len(steps["max_model_len_limits"][1]["rejected"]) >= 1
+    assert len(steps["max_model_len_limits"][1]["rejected"]) == 2
+    assert steps["max_model_len_limits"][0]["finished_ids"].map(len).sum() == 4
+    assert steps["max_model_len_limits"][0]["scheduled_ids"].map(len).max() <= 4
     chunks = steps["long_prefill_threshold"][0]["scheduled_tokens"]
     assert any(96 in t for t in chunks)                              # capped while others wait or run
     assert max(max(t) for t in chunks) > 96                          # the lone request's chunk is not
+
+
+def test_the_prefix_scenario_hits_revives_and_evicts_cached_blocks():
+    cfg, trace = load_scenario(DATA / "prefix_caching_eviction")
+    _, info = kvsim_schedule(cfg, trace)
+    assert info["summary"]["prefix_hit_rate"] > 0.3
+    assert (info["steps"]["blocks_cached"] > 0).any()          # freed prefixes stay findable
+    assert info["kv"].pool.num_cache_evictions > 0             # until the allocator needs their blocks
 
 
 def test_a_changed_schedule_is_reported_at_its_first_step_and_column():
@@ -89,7 +99,7 @@ def test_without_vllm_the_driver_fails_with_a_clear_message(tmp_path):
 def test_cli_check_replays_the_recorded_scenarios():
     result = CliRunner().invoke(app, ["reference", "check", "--dir", str(DATA)])
     assert result.exit_code == 0, result.output
-    assert "memory_pressure_preemption" in result.output and "differs" not in result.output
+    assert result.output.count("identical") == len(RECORDED) and "differs" not in result.output
 
 
 def test_cli_vllm_needs_the_vllm_interpreter(monkeypatch):

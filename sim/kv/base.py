@@ -35,9 +35,10 @@ class EvictingManagerBase:
         return []
 
     def fits_full_sequence(self, req, num_tokens, computed_blocks, free_blocks=None) -> bool:
-        """Eviction managers admit on the first chunk: compression changes what the whole prompt
-        will occupy, so vLLM's full-prompt reservation does not apply."""
-        return True
+        """vLLM's full-prompt admission: the whole known sequence is written before any compression
+        acts on it, so its pages must fit the free pool (or `free_blocks`)."""
+        free = self.num_free_blocks if free_blocks is None else free_blocks
+        return self.blocks_needed(req, num_tokens - req.num_computed_tokens) <= free
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int, preempted: bool = False) -> None:
         pass

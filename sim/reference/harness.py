@@ -155,9 +155,11 @@ def kvsim_schedule(cfg: SimConfig, trace) -> tuple[pd.DataFrame, dict]:
     from ..simulate import run_simulation
 
     taps: list[_ScheduleTap] = []
+    kvs = []
 
     def tap(kv, executor):
         taps.append(_ScheduleTap(executor))
+        kvs.append(kv)
         return kv, taps[-1]
 
     result = run_simulation(cfg.model_copy(update={"fast_forward": False}), trace=trace, wrap_kv=tap)
@@ -166,7 +168,7 @@ def kvsim_schedule(cfg: SimConfig, trace) -> tuple[pd.DataFrame, dict]:
     rejected = dict(zip(reqs.loc[reqs["status"] == "rejected", "request_id"].astype(int),
                         reqs.loc[reqs["status"] == "rejected", "reject_reason"]))
     return schedule_log(steps, taps[0].steps, set(reqs.loc[reqs["status"] == "finished", "request_id"])), \
-        {"rejected": rejected, "steps": steps}
+        {"rejected": rejected, "steps": steps, "summary": result.summary, "kv": kvs[0]}
 
 
 def schedule_log(steps: pd.DataFrame, tapped: list, finished: set) -> pd.DataFrame:

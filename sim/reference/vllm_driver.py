@@ -130,7 +130,7 @@ def run(spec: dict, out_path: str) -> None:
                         SamplingParams(max_tokens=r["output_tokens"], ignore_eos=True, temperature=0.0,
                                        detokenize=False),
                         priority=r.get("priority", 0))
-                except ValueError as exc:
+                except Exception as exc:       # vLLM refuses the request (e.g. too long): record why
                     out.write(json.dumps({"rejected": r["id"], "step": step, "reason": str(exc)}) + "\n")
             if not engine.has_unfinished_requests():
                 continue
