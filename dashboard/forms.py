@@ -114,6 +114,10 @@ def _field_widget(key: str, name: str, f, prefix: str):
         default = f.default if f.default in choices else choices[0]
         return st.selectbox(name, choices, index=choices.index(default), key=wkey, help=help_text,
                             format_func=lambda v: "(none)" if v is None else str(v))
+    if inner is bool and optional:          # null = the engine's default for this GPU / policy
+        options = [None, True, False]
+        return st.selectbox(name, options, index=options.index(f.default), key=wkey, help=help_text,
+                            format_func=lambda v: {None: "default", True: "on", False: "off"}[v])
     if inner is bool:
         return st.checkbox(name, value=bool(f.default), key=wkey, help=help_text)
     if inner in (int, float):
@@ -236,12 +240,14 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
         overrides["engine.num_gpu_blocks"] = b.number_input(
             "KV pool (blocks)", min_value=1, value=None, placeholder="from GPU memory", key=f"{prefix}num_gpu_blocks",
             help="empty: sized from GPU memory, weights and activations like vLLM")
-        overrides["engine.max_num_seqs"] = a.number_input("max_num_seqs", min_value=1, value=e.max_num_seqs,
-                                                          key=f"{prefix}max_num_seqs")
+        overrides["engine.max_num_seqs"] = a.number_input(
+            "max_num_seqs", min_value=1, value=e.max_num_seqs, key=f"{prefix}max_num_seqs",
+            placeholder="vLLM default", help="empty: vLLM's default for the GPU and entry point")
         overrides["engine.max_num_batched_tokens"] = b.number_input(
-            "max_num_batched_tokens", min_value=1, value=e.max_num_batched_tokens, key=f"{prefix}max_batched")
-        overrides["engine.enable_prefix_caching"] = a.checkbox("Prefix caching", value=e.enable_prefix_caching,
-                                                               key=f"{prefix}prefix_caching")
+            "max_num_batched_tokens", min_value=1, value=e.max_num_batched_tokens, key=f"{prefix}max_batched",
+            placeholder="vLLM default", help="empty: vLLM's default for the GPU and entry point")
+        overrides["engine.enable_prefix_caching"] = _field_widget(
+            "engine.enable_prefix_caching", "Prefix caching", type(e).model_fields["enable_prefix_caching"], prefix)
         overrides["engine.enable_chunked_prefill"] = b.checkbox("Chunked prefill", value=e.enable_chunked_prefill,
                                                                 key=f"{prefix}chunked")
         overrides["engine.preemption_mode"] = a.selectbox("Preemption", ["recompute", "swap"], key=f"{prefix}preempt")

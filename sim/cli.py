@@ -35,3 +35,7 @@ app.add_typer(reference_app, name="reference")
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -98,7 +98,11 @@ class KVCacheManager:
         free = self.pool.num_free_blocks if free_blocks is None else free_blocks
         return need + revivable <= free
 
-    def _block_hash(self, req: Request, j: int) -> int:
+    def _block_hash(self, req: Request, j: int):
+        if req.prefix_hash_ids is None:
+            # no shared-prefix information: only the request itself can hit its blocks (after a
+            # preemption), so (request, block) identifies them without hashing a chain
+            return req.request_id, j
         hashes = req.extra.setdefault("block_hashes", [])
         while len(hashes) <= j:
             parent = hashes[-1] if hashes else None
@@ -125,10 +129,13 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
-        if not computed_blocks and not self.enable_caching:
+        if not computed_blocks:
             blocks = self.req_blocks.get(req)
-            if blocks is not None and len(blocks) * self.block_size >= req.num_computed_tokens + num_new_tokens:
-                return True                      # fits in the blocks it holds (the common decode step)
+            total = req.num_computed_tokens + num_new_tokens
+            if blocks is not None and len(blocks) * self.block_size >= total and (
+                    not self.enable_caching
+                    or req.extra.get("num_cached_blocks", 0) >= min(total // self.block_size, len(blocks))):
+                return True      # fits in the blocks it holds, no block newly full (the common decode step)
         computed_blocks = computed_blocks or []
         need = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
         revivable = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
