@@ -28,13 +28,14 @@ def batch_defaults(gpu, entry_point: str = "serve", world_size: int = 1) -> tupl
 
 def resolve_engine(cfg: SimConfig) -> EngineConfig:
     """`cfg.engine` with every null default filled in (see module docstring)."""
-    from .catalog import get_gpu
+    from .catalog import get_gpu, get_model
 
     eng = cfg.engine
     gpu = get_gpu(cfg.gpu)
     tokens, seqs = batch_defaults(gpu, eng.entry_point, cfg.tp)
     if not eng.enable_chunked_prefill and eng.max_num_batched_tokens is None:
-        tokens = max(tokens, eng.max_model_len or 0)     # vLLM: a whole prompt must fit one step
+        max_model_len = eng.max_model_len or get_model(cfg.model).max_position
+        tokens = max(tokens, max_model_len)              # vLLM: a whole prompt must fit one step
     updates = {
         "max_num_batched_tokens": eng.max_num_batched_tokens or tokens,
         "max_num_seqs": eng.max_num_seqs or seqs,

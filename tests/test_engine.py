@@ -38,6 +38,12 @@ SCENARIOS = {
              "engine.swap_space_gib": 0.05},
     "seq-limit": {"trace_options.max_requests": 150, "engine.max_num_seqs": 8, "trace_options.rate_scale": 3.0},
     "tp-70b": {"trace_options.max_requests": 100, "model": "llama-3.1-70b", "gpu": "a100-80gb", "tp": 4},
+    "sync-no-prefix-caching": {"trace_options.max_requests": 200, "engine.num_gpu_blocks": 500,
+                               "engine.async_scheduling": False, "engine.enable_prefix_caching": False},
+    "async-offline-defaults": {"trace_options.max_requests": 200, "engine.num_gpu_blocks": 600,
+                               "engine.entry_point": "offline", "engine.long_prefill_token_threshold": 256},
+    "arrivals-by-step": {"trace_options.max_requests": 120, "trace_options.arrival_unit": "step",
+                         "engine.num_gpu_blocks": 500},
     "cpu-padded-profile": {"trace_options.max_requests": 8, "model": "smollm2-135m", "gpu": "cpu-2core",
                            "profile": "cpu-smollm2", "engine.num_gpu_blocks": 400},
 }
