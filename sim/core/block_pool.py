@@ -117,6 +117,16 @@ class BlockPool:
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
 
+    def cache_blocks(self, blocks: list[int], hashes: list) -> None:
+        """`cache_block` for each (block, hash) pair."""
+        if not self.enable_caching:
+            return
+        block_hash, cached = self.block_hash, self.cached
+        for block, h in zip(blocks, hashes):
+            if block_hash[block] is None and h not in cached:
+                block_hash[block] = h
+                cached[h] = block
+
     def check_invariants(self) -> None:
         free_ids = self.free_block_ids()
         assert len(set(free_ids)) == len(free_ids), "a block is in the free queue twice (double free)"

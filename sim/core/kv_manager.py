@@ -150,9 +150,12 @@ class KVCacheManager:
         if self.enable_caching:
             full = (req.num_computed_tokens + num_new_tokens) // self.block_size
             full = min(full, len(blocks))
-            for j in range(req.extra.get("num_cached_blocks", 0), full):
-                self.pool.cache_block(blocks[j], self._block_hash(req, j))
-            req.extra["num_cached_blocks"] = max(full, req.extra.get("num_cached_blocks", 0))
+            first = req.extra.get("num_cached_blocks", 0)
+            if req.prefix_hash_ids is None:
+                self.pool.cache_blocks(blocks[first:full], [(req.request_id, j) for j in range(first, full)])
+            else:
+                self.pool.cache_blocks(blocks[first:full], [self._block_hash(req, j) for j in range(first, full)])
+            req.extra["num_cached_blocks"] = max(full, first)
         return True
 
     def append_one_block_each(self, reqs: list[Request]) -> None:
