@@ -32,3 +32,7 @@ app.command()(crosscheck)
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()
