@@ -2,9 +2,10 @@
 
 Per step: RUNNING requests first (in admission order), then WAITING ones (FCFS, or by
 (priority, arrival) in priority mode), under a token budget and `max_num_seqs`. A running request
-that cannot get its blocks preempts the most recently admitted running request (recompute: freed,
-reset to 0 computed tokens, put back at the head of WAITING; swap: its KV goes to CPU memory) until
-the allocation fits or it preempts itself. Nothing is admitted in a step that preempted.
+that cannot get its blocks preempts the most recently admitted running request (the least urgent in
+priority mode; recompute: freed, reset to 0 computed tokens, put back at the head of WAITING; swap:
+its KV goes to CPU memory) until the allocation fits or it preempts itself (the running requests
+after it are still scheduled). Nothing is admitted in a step that preempted.
 """
 from __future__ import annotations
 
@@ -128,6 +129,11 @@ class Scheduler:
         if peak > capacity:
             return (f"needs {peak} KV slots at its last token but the whole KV pool holds "
                     f"{capacity} tokens")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and peak > budget:
+            # unchunked, its prompt (or its recompute after a preemption) must fit one step's budget
+            return (f"needs up to {peak} tokens in one step (prompt, or prompt and outputs recomputed "
+                    f"after a preemption) but max_num_batched_tokens={budget} and chunked prefill is off")
         return None
 
     @property
@@ -193,8 +199,8 @@ class Scheduler:
                 scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n))
                 budget -= n
                 i += 1
-                continue
-            break
+        # A request that preempted itself was the last one (FCFS) or the least urgent one (priority):
+        # the more urgent requests after it are still scheduled, into the blocks it gave back.
         return scheduled
 
     def _chunk(self, remaining: int, budget: int, computed: int) -> int:
@@ -234,22 +240,15 @@ class Scheduler:
             swapped = req.swapped_tokens
             hits = [] if swapped else self.kv.get_computed_blocks(req)
             num_cached = len(hits) * self.kv.block_size
-            if swapped:                       # its KV comes back from CPU: restore the slots first
-                req.num_computed_tokens = 0
-                if not self.kv.allocate_slots(req, swapped):
-                    req.num_computed_tokens = swapped
-                    break
-                req.num_computed_tokens = swapped
-            else:
-                req.num_computed_tokens = num_cached
-            remaining = req.num_tokens - req.num_computed_tokens
+            computed = swapped or num_cached
+            remaining = req.num_tokens - computed
             if not self.config.enable_chunked_prefill and remaining > budget:
-                self._undo_admission(req, swapped)
                 break
-            n = self._chunk(remaining, budget, req.num_computed_tokens)
-            context = self.kv.kv_tokens(req)
-            if not self.kv.allocate_slots(req, n, computed_blocks=hits):
-                self._undo_admission(req, swapped)
+            n = self._chunk(remaining, budget, computed)
+            if swapped and self._swap_in_blocked(req, swapped + n):
+                break                         # a failed swap-in must not touch the pool (see below)
+            context = self._allocate_admission(req, swapped, num_cached, n, hits)
+            if context is None:
                 break
             self.waiting.pop()
             self.kv.record_prefix_lookup(req.num_tokens if not swapped else 0, num_cached)
@@ -264,6 +263,30 @@ class Scheduler:
             scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n), swap_in_tokens=swapped)
             budget -= n
         return budget
+
+    def _swap_in_blocked(self, req: Request, tokens: int) -> bool:
+        """Whether the blocks for a swapped request's KV plus this step's tokens are missing. Checked
+        before allocating: allocating the swapped part and then failing on the rest would pull blocks
+        off the free queue (evicting cached prefixes) and return them hashed, changing the pool."""
+        req.num_computed_tokens = 0
+        need = self.kv.blocks_needed(req, tokens)
+        req.num_computed_tokens = req.swapped_tokens
+        return need > self.kv.num_free_blocks
+
+    def _allocate_admission(self, req: Request, swapped: int, num_cached: int, n: int, hits: list) -> float | None:
+        """Slots for an admitted request (its swapped KV first); the context before this step's
+        tokens, or None (the request unchanged) when the pool cannot supply them."""
+        if swapped:                           # its KV comes back from CPU: restore the slots first
+            req.num_computed_tokens = 0
+            if not self.kv.allocate_slots(req, swapped):
+                req.num_computed_tokens = swapped
+                return None
+        req.num_computed_tokens = swapped or num_cached
+        context = self.kv.kv_tokens(req)
+        if not self.kv.allocate_slots(req, n, computed_blocks=hits):
+            self._undo_admission(req, swapped)
+            return None
+        return context
 
     def waiting_head_blocked(self, budget: int, free_blocks: int) -> bool:
         """Whether `_admit` would stop at the head of WAITING for lack of KV blocks (or, without
