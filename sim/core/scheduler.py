@@ -338,6 +338,8 @@ class Scheduler:
         for req in reqs:
             self.running.remove(req)
             self.kv.free(req)
+            self.kv.forget(req)
+            req.prefix_hash_ids = None          # read only to hash its prompt blocks
             req.status = RequestStatus.FINISHED
             req.finish_time = now
             self.finished.append(req)
