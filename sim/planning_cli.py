@@ -43,6 +43,7 @@ def sweep(
         _fail("--executor dask needs --scheduler tcp://HOST:PORT (a running dask scheduler)")
     if jobs is not None and jobs < 1:
         _fail(f"--jobs: expected a positive number, got {jobs}")
+    _check_store(out, "--out")
     try:
         plan = load_spec(spec)
     except SpecError as exc:
@@ -103,6 +104,8 @@ def capacity(
         _fail(f"--mode: expected rate or replicas, got {mode!r}")
     if not 0 < tol < 1:
         _fail(f"--tol: expected a fraction in (0, 1), got {tol}")
+    if out is not None:
+        _check_store(out, "--out")
     try:
         cfg = load_config(config, overrides, set_)
         constraints = parse_slo(slo)
@@ -166,8 +169,34 @@ def report(
 
     if not store.is_dir():
         _fail(f"{store}: not a directory (give the --out of `kvsim sweep` or `kvsim capacity`)")
+    if out is not None and out.is_dir():
+        _fail(f"--out {out}: is a directory; expected the HTML file to write, e.g. {out / 'report.html'}")
+    if out is not None:
+        _check_parent(out, "--out")
     try:
         path = build_report(store, out)
     except ValueError as exc:
         _fail(str(exc))
+    except OSError as exc:
+        _fail(f"--out {out or store / 'report.html'}: cannot be written ({exc.strerror or exc})")
     console.print(f"wrote {path}")
+
+
+def _check_store(store: Path, option: str) -> None:
+    """A results store must be a directory (existing or to be created) that can be written."""
+    from .results import OutputDirError, check_out_dir
+
+    try:
+        check_out_dir(store, option)
+    except OutputDirError as exc:
+        _fail(str(exc))
+
+
+def _check_parent(path: Path, option: str) -> None:
+    """A file to write: its folder must be (or become) a writable directory."""
+    from .results import OutputDirError, check_out_dir
+
+    try:
+        check_out_dir(path.parent, option)
+    except OutputDirError:
+        _fail(f"{option} {path}: its folder {path.parent} is not a writable directory (nor can it be created)")

@@ -26,17 +26,17 @@ class OutputDirError(ValueError):
 
 def check_out_dir(out: Path, option: str = "--out") -> None:
     """Refuse an `out` that is a file, lies under a file, or cannot be written (nor staged beside)."""
-    out = Path(out).absolute()
+    shown, out = out, Path(out).absolute()
     if out.exists() and not out.is_dir():
-        raise OutputDirError(f"{option} {out}: is a file; expected a directory (existing or to be created)")
+        raise OutputDirError(f"{option} {shown}: is a file; expected a directory (existing or to be created)")
     ancestor = out.parent
     while not ancestor.exists() and not ancestor.is_symlink():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise OutputDirError(f"{option} {out}: {ancestor} is not a directory, so nothing can be created under it")
+        raise OutputDirError(f"{option} {shown}: {ancestor} is a file, so no directory can be created under it")
     for d in (ancestor, out) if out.is_dir() else (ancestor,):
         if not os.access(d, os.W_OK | os.X_OK):
-            raise OutputDirError(f"{option} {out}: {d} is not writable")
+            raise OutputDirError(f"{option} {shown}: {d} is not writable; expected a writable directory")
 
 
 class ResultDir:
@@ -50,6 +50,7 @@ class ResultDir:
             remove_dead_staging(self.out)
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}{_STAGING}{os.getpid()}-",
                                               dir=self.out.parent))
+            self.path.chmod(0o777 & ~_umask())      # mkdtemp's 0700 would become the results' mode
         except OSError as exc:
             raise OutputDirError(f"{option} {self.out}: cannot write beside it ({exc.strerror}); expected "
                                  "a directory whose parent is writable") from None
@@ -85,6 +86,12 @@ def remove_dead_staging(out: Path) -> None:
         pid = p.name[len(f".{out.name}{_STAGING}"):].split("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _alive(pid: int) -> bool:

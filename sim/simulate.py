@@ -101,6 +101,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     t0 = time.perf_counter()
     if out_dir:
         check_out_dir(Path(out_dir))
+        _check_not_reading_from(cfg, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
     model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=model)
     check_memory(estimate_run_memory(cfg, model, cost, num_blocks, trace))
@@ -162,6 +163,18 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
     if stop:
         raise stop[1]
     return SimulationResult(summary, req_df, steps_df, staging.out if staging else None, num_blocks, wall)
+
+
+def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
+    """The recorded policy reads a replay's decisions: publishing into that directory would replace them."""
+    source = cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None
+    if not source:
+        return
+    source = Path(source)
+    folder = source if source.is_dir() else source.parent
+    if out.exists() and folder.exists() and folder.resolve() == out.resolve():
+        raise ConfigError(f"--out {out}: holds the recorded decisions this run reads (kv.params.path); its "
+                          "results would replace them; expected another directory")
 
 
 def _drive(env: simpy.Environment, arrivals: ArrivalProcess, replicas: list[EngineReplica]):

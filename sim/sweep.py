@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 import yaml
 from pydantic import ValidationError
 
-from .config import ConfigError, SimConfig
+from .config import ConfigError, SimConfig, yaml_problem
 
 SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
 # summary keys that repeat a config column; the store keeps the config column
@@ -128,8 +128,13 @@ def load_spec(path: str | Path) -> SweepPlan:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise SpecError(f"sweep spec not found: {path}") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path}: is a directory; expected a sweep spec YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc.reason}); "
+                        "expected a sweep spec YAML file") from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+        raise SpecError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
     return parse_spec(raw, source=str(path), root=path.parent)
 
 
@@ -206,8 +211,10 @@ def _load_base(base: Any, source: str, root: Path | None) -> dict:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise SpecError(f"{source}: base: config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError):
+        raise SpecError(f"{source}: base: {path} cannot be read; expected a YAML config file") from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"{source}: base: {path} is not valid YAML: {exc}") from None
+        raise SpecError(f"{source}: base: {path} is not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{source}: base: {path} must hold a mapping of config options")
     return data
