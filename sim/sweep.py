@@ -35,6 +35,7 @@ import math
 import multiprocessing
 import os
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,9 +309,13 @@ def execute_run(task: RunTask) -> dict:
     """Run one simulation; return its metric columns. Never raises: a failure becomes a row."""
     from .simulate import run_simulation
 
+    from traces.errors import TraceWarning
+
     try:
         cfg = SimConfig.model_validate(task.config)
-        result = run_simulation(cfg, task.out_dir, progress=False)
+        with warnings.catch_warnings():             # the trace's notices, once per run: not news
+            warnings.simplefilter("ignore", TraceWarning)
+            result = run_simulation(cfg, task.out_dir, progress=False)
         row = {"status": "ok", "error": None}
         for key, value in result.summary.items():
             if key not in _SUMMARY_DUPLICATES:
