@@ -71,7 +71,7 @@ class SLO(_Strict):
         if v is None:
             return v
         if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not _DURATION.fullmatch(str(v)):
-            raise ValueError("expected a duration with a unit, e.g. 2s, 200ms or 500us (a bare number is "
+            raise ValueError("not a duration with a unit; expected e.g. 2s, 200ms or 500us (a bare number is "
                              "ambiguous)")
         return str(v)
 
