@@ -30,6 +30,7 @@ from sim.core.request import Request
 from sim.core.scheduler import Scheduler
 from sim.engine import ArrivalProcess, EngineReplica, Router
 from sim.metrics import StepLog, request_table
+from sim.results import ResultDir
 from sim.simulate import (_build_kv, load_workload, resolve_hardware, run_summary, scheduler_config,
                           trace_to_requests, write_outputs)
 
@@ -241,9 +242,18 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     if cfg.engine.long_prefill_token_threshold > 0:
         chunk = min(chunk, cfg.engine.long_prefill_token_threshold)
     executor.warm_up(chunk)
-    out = Path(out_dir) if out_dir else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
+    staging = ResultDir(out_dir) if out_dir else None      # published at the end (sim/results.py)
+    try:
+        return _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num_blocks, max_model_len,
+                       executor, recorder, t0, progress, on_step)
+    finally:
+        if staging:
+            staging.discard()
+
+
+def _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num_blocks, max_model_len, executor,
+            recorder, t0, progress, on_step) -> ReplayResult:
+    out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None)
     env = simpy.Environment()
     bar = _progress_bar(len(requests)) if progress else None
@@ -279,6 +289,8 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     steps_df = step_log.to_pandas()
     summary = run_summary(cfg, req_df, steps_df, [kv], num_blocks, max_model_len, spec, gpu)
     summary.update(_replay_summary(cfg, opts, model, steps_df, executor, partial, replica.now, len(requests)))
+    if partial:
+        summary["partial_reason"] = "interrupted (Ctrl-C)"
     summary["wall_s"] = time.perf_counter() - t0
     tokens = _tokens_table(arrived)
     decisions, stats = recorder.decisions_table(), recorder.stats_table()
@@ -287,7 +299,9 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
         tokens.to_parquet(out / "tokens.parquet", index=False)
         decisions.to_parquet(out / "decisions.parquet", index=False)
         stats.to_parquet(out / "attention_stats.parquet", index=False)
-    return ReplayResult(summary, req_df, steps_df, tokens, decisions, stats, out, partial, executor)
+        staging.publish()
+    return ReplayResult(summary, req_df, steps_df, tokens, decisions, stats, staging.out if staging else None,
+                        partial, executor)
 
 
 def _replay_summary(cfg, opts: ReplayOptions, model, steps: pd.DataFrame, executor, partial: bool, now: float,

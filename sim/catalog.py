@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .config import yaml_problem
+
 DATA_DIR = Path(__file__).parent / "data"
 
 DTYPE_BYTES: dict[str, float] = {
@@ -307,7 +309,7 @@ def yaml_load_with_lines(path: Path) -> tuple[Any, dict[tuple, int]]:
     try:
         data = yaml.load(text, Loader=_FastLoader)
     except yaml.YAMLError as exc:
-        raise CatalogError(f"{path}: invalid YAML: {exc}") from exc
+        raise CatalogError(f"{path}: invalid YAML: {yaml_problem(exc)}") from None
     return data, _LineMap(text)
 
 

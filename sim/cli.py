@@ -1,8 +1,25 @@
 """kvsim command line (entry point `kvsim`). Each area registers its own sub-app here."""
+import sys
+import warnings
+
 import typer
 
 app = typer.Typer(help="kvsim: paged KV-cache serving simulator and real backend", no_args_is_help=True,
                   pretty_exceptions_enable=False)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Notices (trace repairs, mode caveats) as one line on stderr, not Python's warning with source."""
+    from traces.errors import TraceWarning
+
+    kind = "note" if issubclass(category, TraceWarning) else "warning"
+    print(f"{kind}: {message}", file=sys.stderr if file is None else file)
+
+
+@app.callback()
+def _setup() -> None:
+    warnings.showwarning = _show_warning
+
 
 from traces.cli import app as trace_app  # noqa: E402
 app.add_typer(trace_app, name="trace")

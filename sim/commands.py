@@ -4,6 +4,8 @@ from __future__ import annotations
 import gc
 import json
 import math
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -69,13 +71,44 @@ def simulate(
         cfg = load_config(config, overrides, set_)
         from .simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
-        result = run_simulation(cfg, out, progress=not quiet, keep_steps=False)
+        with interrupt_on_sigterm():
+            result = run_simulation(cfg, out, progress=not quiet, keep_steps=False)
+    except KeyboardInterrupt as exc:
+        partial_exit(out, str(exc) or "interrupted (Ctrl-C)")
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
+    except OSError as exc:          # writing the results (disk full, ...): the previous results are intact
+        typer.echo(f"error: --out {out}: cannot write the results: {exc.strerror or exc}", err=True)
+        raise typer.Exit(1)
     if not quiet:
         print_summary(result.summary)
     console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
+
+
+@contextmanager
+def interrupt_on_sigterm():
+    """SIGTERM (kill) ends the run like Ctrl-C: with a partial result instead of nothing."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt("terminated (SIGTERM)")
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:              # not the main thread: leave the handler alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def partial_exit(out: Path, reason: str) -> None:
+    summary = out / "summary.json"
+    if summary.exists() and json.loads(summary.read_text()).get("partial"):
+        typer.echo(f"{reason}: partial results in {out} (summary.json: partial: true)", err=True)
+    else:
+        typer.echo(f"{reason}: no results written", err=True)
+    raise typer.Exit(130)
 
 
 def print_summary(s: dict) -> None:

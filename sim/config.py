@@ -16,9 +16,12 @@ class ConfigError(ValueError):
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
 
 
+_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e-?\d+)?)\s*(us|ms|s|min)\s*")
+
+
 def parse_duration(text: str | float, what: str = "duration") -> float:
     """'100ms' -> 0.1. A bare number is refused: SLOs without units are ambiguous."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?\d+)?)\s*(us|ms|s|min)\s*", str(text))
+    m = _DURATION.fullmatch(str(text))
     if not m:
         raise ConfigError(f"{what}: {text!r} is not a duration with a unit (e.g. 200ms, 2s, 500us)")
     return float(m.group(1)) * _UNITS[m.group(2)]
@@ -70,12 +73,15 @@ class SLO(_Strict):
     ttft: str | None = None
     tpot: str | None = None
 
-    @field_validator("ttft", "tpot")
+    @field_validator("ttft", "tpot", mode="before")
     @classmethod
-    def _has_unit(cls, v, info):
-        if v is not None:
-            parse_duration(v, f"slo.{info.field_name}")
-        return v
+    def _has_unit(cls, v):
+        if v is None:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not _DURATION.fullmatch(str(v)):
+            raise ValueError("not a duration with a unit; expected e.g. 2s, 200ms or 500us (a bare number is "
+                             "ambiguous)")
+        return str(v)
 
     @property
     def ttft_s(self) -> float | None:
@@ -134,7 +140,8 @@ def _format_errors(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        lines.append(f"{source}: {loc}: {err['msg']} (got {err.get('input')!r})")
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{source}: {loc}: {msg} (got {err.get('input')!r})")
     return "\n".join(lines)
 
 
@@ -164,8 +171,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             data = yaml.safe_load(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"--config {path}: is a directory; expected a YAML config file "
+                              f"(e.g. {Path(path) / 'config.yaml'})") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--config {path}: cannot be read ({getattr(exc, 'strerror', None) or exc.reason}); "
+                              "expected a YAML config file") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of options at the top level")
     for key, value in (overrides or {}).items():
@@ -182,4 +195,15 @@ def parse_set_option(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. engine.block_size=32")
-    return key.strip(), yaml.safe_load(raw)
+    try:
+        return key.strip(), yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)}); expected a "
+                          "number, true/false, a word, [a, list] or {a: mapping}") from None
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line, without the quoted source lines PyYAML appends."""
+    problem = getattr(exc, "problem", None) or "parse error"
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem

@@ -104,3 +104,133 @@ def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, b
         weight_bytes=weights, activation_bytes=activations, non_torch_bytes=non_torch_overhead_bytes,
         usable_bytes=usable,
     )
+
+
+# ---- host memory of a simulation run ---------------------------------------------------------------
+# Bytes per pool block of the simulator's own structures (measured with tracemalloc, 10^6 blocks):
+# the plain pool (a list of block ids), with prefix caching (free-queue OrderedDict, ref counts,
+# hashes), the eviction-aware managers' array pool; invariant checks build block-sized arrays.
+POOL_BYTES_PER_BLOCK = {"plain": 48, "prefix_caching": 139, "array": 17}
+INVARIANT_CHECK_BYTES_PER_BLOCK = 32
+REQUEST_BYTES = 1024                  # a request's objects and its rows in the trace and result tables
+TOKEN_TIME_BYTES = 16                 # each output token's time: in the request, then in the result table
+FAST_SLAB_GROWTH = 1.5                # the slab doubles: old and new arrays coexist while it grows
+
+
+class HostMemoryError(ValueError):
+    """A run would need more host memory than is available; the message says what and how much."""
+
+
+@dataclass(frozen=True)
+class RunMemoryEstimate:
+    parts: tuple[tuple[str, str, str, int], ...]     # (what, how it is sized, option that sizes it, bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p[3] for p in self.parts)
+
+    def describe(self) -> str:
+        return "; ".join(f"{what} {b / GiB:.2f} GiB ({how})" for what, how, _, b in self.parts if b >= GiB / 100)
+
+
+def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None) -> RunMemoryEstimate:
+    """Host memory a simulation of `cfg` needs, before anything is allocated: the KV block pool of
+    every replica, fast mode's per-request slabs at their peak, and the requests of `trace`."""
+    eng, kv = cfg.engine, cfg.kv
+    rows = model.num_layers * kv_heads_per_gpu(model, cfg.tp) if kv.layout == "per_head" else 1
+    pool_blocks = num_blocks * rows
+    kind = "array" if not kv.is_default else "prefix_caching" if eng.enable_prefix_caching else "plain"
+    per_block = POOL_BYTES_PER_BLOCK[kind] + (INVARIANT_CHECK_BYTES_PER_BLOCK if cfg.check_invariants else 0)
+    parts = [("KV block pool", f"{cfg.replicas} replica(s) x {pool_blocks} blocks x {per_block} B",
+              "--num-gpu-blocks", cfg.replicas * pool_blocks * per_block)]
+    if kv.mode == "fast" and not kv.is_default:
+        parts.append(("fast-mode slabs", f"kv.budget {kv.budget}, {cfg.replicas} replica(s)", "--budget",
+                      cfg.replicas * _fast_slab_bytes(cfg, rows, trace)))
+    if trace is not None:
+        outputs = int(trace.df["output_tokens"].sum())
+        parts.append(("requests", f"{len(trace)} requests, {outputs} output tokens", "--max-requests",
+                      len(trace) * REQUEST_BYTES + outputs * TOKEN_TIME_BYTES))
+    return RunMemoryEstimate(tuple(parts))
+
+
+def _fast_slab_bytes(cfg, rows: int, trace) -> int:
+    """Fast mode keeps, per request slot and simulated row, page columns, the recent-window ring and
+    the budget-sized survivor list (with H2O, its score terms): see FastKVManager._alloc_arrays."""
+    from .kv.build import policy_params
+    from .kv.policy import PolicyError, get_policy
+
+    try:
+        profile = get_policy(cfg.kv.policy, **policy_params(cfg.kv)).fast_mode_profile() or {}
+    except (PolicyError, TypeError, ValueError):
+        return 0                            # reported by the manager itself when it is built
+    budget = int(profile.get("budget") or 0)
+    window = max(int(profile.get("protect_recent", 0)), 1)
+    scored = profile.get("age_weight") == "young" and profile.get("budget") is not None
+    sim_rows = max(d for d in range(1, rows + 1) if rows % d == 0 and d <= max(cfg.kv.fast_rows, 1))
+    longest = int((trace.df["prompt_tokens"] + trace.df["output_tokens"]).max()) if trace is not None else 0
+    cols = max(8, -(-longest // cfg.engine.block_size))
+    per_row = cols * 9 + window * 4 + (budget + 2) * 4 + 64
+    if scored:
+        per_row += (budget + 2) * 24 + window * 16 + 256
+    concurrent = min(cfg.engine.max_num_seqs, len(trace)) if trace is not None else cfg.engine.max_num_seqs
+    slots = 4
+    while slots < concurrent:
+        slots *= 2
+    return int(slots * sim_rows * per_row * FAST_SLAB_GROWTH)
+
+
+def available_memory_bytes() -> tuple[int, str]:
+    """(bytes this process can still allocate, where the figure comes from): the smaller of the
+    system's available memory and the room left under a cgroup (container) limit."""
+    try:
+        import psutil
+        figures = [(int(psutil.virtual_memory().available), "available system memory")]
+    except ImportError:
+        figures = [(_meminfo_available(), "MemAvailable in /proc/meminfo")]
+    cgroup = _cgroup_room()
+    if cgroup is not None:
+        figures.append((cgroup, "room under the cgroup memory limit"))
+    return min(figures)
+
+
+def _meminfo_available() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**62                            # unknown: do not refuse
+
+
+def _cgroup_room() -> int | None:
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(int(limit) - used, 0)
+
+
+def check_memory(estimate: RunMemoryEstimate, available: tuple[int, str] | None = None) -> None:
+    """Raise HostMemoryError when the estimate does not fit the memory available (default: measured now)."""
+    free, source = available or available_memory_bytes()
+    need = estimate.total_bytes
+    if need <= free:
+        return
+    what, _, option, _ = max(estimate.parts, key=lambda p: p[3])
+    raise HostMemoryError(
+        f"this run needs about {need / GiB:.1f} GiB of host memory: {estimate.describe()}; but "
+        f"{free / GiB:.1f} GiB is available ({source}); lower {option} (largest part: {what})")
+
+
+def check_config_memory(cfg, trace=None) -> RunMemoryEstimate:
+    """Estimate and check the host memory of a simulation of `cfg` (resolving its model, GPU and pool
+    size) before running it: the bound `kvsim simulate` applies, for other front ends (the
+    dashboard). Raises HostMemoryError (a ValueError) when it does not fit; returns the estimate."""
+    from .simulate import resolve_hardware
+
+    model, _, cost, num_blocks, _ = resolve_hardware(cfg)
+    estimate = estimate_run_memory(cfg, model, cost, num_blocks, trace)
+    check_memory(estimate)
+    return estimate

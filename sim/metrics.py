@@ -99,6 +99,9 @@ class StepLog:
     def flush(self) -> None:
         if not self._pending:
             return
+        if not self._drop_torn_row():
+            self._pending = 0
+            return
         columns = {name: np.asarray(self._rows[name], dtype=typ.to_pandas_dtype())
                    for name, (typ, _) in STEP_COLUMNS.items()}
         replica, step = columns["replica"], columns["step"]
@@ -116,6 +119,14 @@ class StepLog:
             # no dictionary pages: the columns are numeric and mostly distinct; 3x faster to write
             self._writer = pq.ParquetWriter(self.path, STEP_SCHEMA, use_dictionary=False)
         self._writer.write_table(table)
+
+    def _drop_torn_row(self) -> int:
+        """An interrupt (Ctrl-C) inside `append` leaves some columns one row longer: drop that row.
+        Returns the complete rows."""
+        n = min(len(v) for v in self._rows.values())
+        for values in self._rows.values():
+            del values[n:]
+        return n
 
     def close(self) -> None:
         self.flush()

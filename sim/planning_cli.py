@@ -35,7 +35,7 @@ def sweep(
 ) -> None:
     """Run every configuration of a sweep spec; one row per run (config + summary metrics + cost)
     in OUT/runs/*.parquet. Re-running skips finished runs; a failed run is recorded and skipped."""
-    from .sweep import SpecError, finished_runs, load_spec, run_sweep
+    from .sweep import SpecError, StoreState, load_spec, run_sweep, store_state
 
     if executor not in ("local", "dask"):
         _fail(f"--executor: expected local or dask, got {executor!r}")
@@ -43,29 +43,59 @@ def sweep(
         _fail("--executor dask needs --scheduler tcp://HOST:PORT (a running dask scheduler)")
     if jobs is not None and jobs < 1:
         _fail(f"--jobs: expected a positive number, got {jobs}")
+    _check_store(out, "--out")
     try:
         plan = load_spec(spec)
     except SpecError as exc:
         _fail(str(exc))
-    done = finished_runs(out) if out.exists() else set()
-    todo = [r for r in plan.runs if r.run_id not in done]
-    dup = f" ({plan.duplicates} duplicate points dropped)" if plan.duplicates else ""
-    console.print(f"{len(plan.runs)} runs{dup}; {len(plan.runs) - len(todo)} already in {out}; "
-                  f"axes: {', '.join(plan.axis_keys) or 'none'}", highlight=False, soft_wrap=True)
+    state = store_state(out) if out.exists() else StoreState()
+    console.print(_plan_line(plan, state, out, retry_failed, max_runs), highlight=False, soft_wrap=True)
     if dry_run:
         table = Table("#", "run id", *plan.axis_keys, "status")
         for r in plan.runs:
             table.add_row(str(r.index), r.run_id, *(str(r.axes.get(k, "")) for k in plan.axis_keys),
-                          "done" if r.run_id in done else "pending")
+                          _run_status(r.run_id, state, retry_failed))
         console.print(table)
         return
     result = run_sweep(plan, out, executor=executor, jobs=jobs, scheduler=scheduler, max_runs=max_runs,
                        retry_failed=retry_failed, save_outputs=save_outputs, progress=not quiet,
                        spec_text=spec.read_text())
-    console.print(f"ran {result.ran} runs in {result.wall_s:.1f}s ({result.failed} failed), "
-                  f"skipped {result.skipped}; store: {out}/runs/ (kvsim report {out})", highlight=False, soft_wrap=True)
+    again = [f"{n} {what}" for n, what in ((result.retried, "failed before"), (result.redone, "unreadable"))
+             if n]
+    console.print(f"ran {result.ran} runs in {result.wall_s:.1f}s ({result.failed} failed"
+                  f"{'; run again: ' + ', '.join(again) if again else ''}), skipped {result.skipped}; "
+                  f"store: {out}/runs/ (kvsim report {out})", highlight=False, soft_wrap=True)
     if result.failed:
         raise typer.Exit(1)
+
+
+def _plan_line(plan, state, out: Path, retry_failed: bool, max_runs: int | None) -> str:
+    """What the sweep will do: runs finished, failed (kept or run again), unreadable, to run."""
+    ids = [r.run_id for r in plan.runs]
+    ok = sum(i in state.ok for i in ids)
+    failed = sum(i in state.failed for i in ids)
+    unreadable = sum(i in {p.stem for p in state.unreadable} for i in ids)
+    todo = len(ids) - ok - (0 if retry_failed else failed)
+    if max_runs is not None:
+        todo = min(todo, max_runs)
+    parts = [f"{ok} finished"]
+    if failed:
+        parts.append(f"{failed} failed ({'run again' if retry_failed else 'kept; --retry-failed runs them again'})")
+    if unreadable:
+        parts.append(f"{unreadable} unreadable (run again)")
+    dup = f" ({plan.duplicates} duplicate points dropped)" if plan.duplicates else ""
+    return (f"{len(ids)} runs{dup}; in {out}: {', '.join(parts)}; {todo} to run now; "
+            f"axes: {', '.join(plan.axis_keys) or 'none'}")
+
+
+def _run_status(run_id: str, state, retry_failed: bool) -> str:
+    if run_id in state.ok:
+        return "done"
+    if run_id in state.failed:
+        return "failed: pending" if retry_failed else "failed"
+    if run_id in {p.stem for p in state.unreadable}:
+        return "unreadable: pending"
+    return "pending"
 
 
 def capacity(
@@ -103,6 +133,8 @@ def capacity(
         _fail(f"--mode: expected rate or replicas, got {mode!r}")
     if not 0 < tol < 1:
         _fail(f"--tol: expected a fraction in (0, 1), got {tol}")
+    if out is not None:
+        _check_store(out, "--out")
     try:
         cfg = load_config(config, overrides, set_)
         constraints = parse_slo(slo)
@@ -166,8 +198,40 @@ def report(
 
     if not store.is_dir():
         _fail(f"{store}: not a directory (give the --out of `kvsim sweep` or `kvsim capacity`)")
+    if out is not None and out.is_dir():
+        _fail(f"--out {out}: is a directory; expected the HTML file to write, e.g. {out / 'report.html'}")
+    if out is not None:
+        _check_parent(out, "--out")
     try:
         path = build_report(store, out)
     except ValueError as exc:
         _fail(str(exc))
+    except OSError as exc:
+        _fail(f"--out {out or store / 'report.html'}: cannot be written ({exc.strerror or exc})")
+    from .sweep import store_state
+    unreadable = store_state(store).unreadable
+    if unreadable:
+        err_console.print(f"note: {len(unreadable)} unreadable run file(s) left out ({unreadable[0]}"
+                          f"{', ...' if len(unreadable) > 1 else ''}); the next `kvsim sweep` runs them again",
+                          highlight=False, soft_wrap=True)
     console.print(f"wrote {path}")
+
+
+def _check_store(store: Path, option: str) -> None:
+    """A results store must be a directory (existing or to be created) that can be written."""
+    from .results import OutputDirError, check_out_dir
+
+    try:
+        check_out_dir(store, option)
+    except OutputDirError as exc:
+        _fail(str(exc))
+
+
+def _check_parent(path: Path, option: str) -> None:
+    """A file to write: its folder must be (or become) a writable directory."""
+    from .results import OutputDirError, check_out_dir
+
+    try:
+        check_out_dir(path.parent, option)
+    except OutputDirError:
+        _fail(f"{option} {path}: its folder {path.parent} is not a writable directory (nor can it be created)")

@@ -223,8 +223,11 @@ def _page(store: Path, df: pd.DataFrame, ok: pd.DataFrame, axes: list[str], figu
             index=False, border=0, classes="runs")
     plan = read_plan(store)
     missing = len(set(plan) - set(df["run_id"]))
+    unreadable = len(df.attrs.get("unreadable", []))
     status = (f"{len(df)} runs in the store: {len(ok)} ok, {len(failed)} failed"
-              + (f"; {missing} planned runs not run yet" if missing else ""))
+              + (f"; {missing} planned runs not run yet" if missing else "")
+              + (f"; {unreadable} unreadable run files left out (the next sweep runs them again)"
+                 if unreadable else ""))
     return f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>kvsim report: {html.escape(str(store))}</title>
 <style>body{{font-family:sans-serif;margin:2em;}} table.runs{{border-collapse:collapse;font-size:12px}}
 table.runs td,table.runs th{{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right}}</style></head>

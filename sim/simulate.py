@@ -21,7 +21,9 @@ from .core.scheduler import Scheduler, SchedulerConfig
 from .defaults import resolve_defaults
 from .engine import ArrivalProcess, EngineReplica, Router, StepArrivals
 from .executor import CostModelExecutor
+from .memory import check_memory, estimate_run_memory
 from .metrics import SUMMARY_STEP_COLUMNS, StepLog, flat_token_times, request_table, summarize
+from .results import ResultDir, check_out_dir
 
 
 @dataclass
@@ -95,15 +97,32 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     if given, returns the (kv, executor) pair each replica runs with (cross-check and calibration tools
     observe or replace them). `progress`: True for a tqdm bar over finished requests, or a callable
     total -> bar (with `n`, `update(k)`, `close()`). `model` (a ModelSpec) replaces `cfg.model`'s catalog entry (the
-    cross-check simulates the model a replay actually ran)."""
+    cross-check simulates the model a replay actually ran).
+
+    Results are staged beside `out_dir` and moved into it at the end (sim/results.py). A run that is
+    interrupted (KeyboardInterrupt) or fails still writes what it has, with `partial: true` and
+    `partial_reason` in summary.json, then raises again."""
     t0 = time.perf_counter()
     cfg = resolve_defaults(cfg)
+    if out_dir:
+        check_out_dir(Path(out_dir))
+        _check_not_reading_from(cfg, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
     model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=model)
+    check_memory(estimate_run_memory(cfg, model, cost, num_blocks, trace))
+    staging = ResultDir(out_dir) if out_dir else None
+    try:
+        return _simulate(cfg, trace, staging, model, gpu, cost, num_blocks, max_model_len, t0,
+                         progress=progress, keep_steps=keep_steps, wrap_kv=wrap_kv)
+    finally:
+        if staging:
+            staging.discard()              # nothing left once published
+
+
+def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost, num_blocks: int,
+              max_model_len: int, t0: float, *, progress, keep_steps: bool, wrap_kv) -> SimulationResult:
     requests = trace_to_requests(trace)
-    out = Path(out_dir) if out_dir else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
+    out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None)
     sched_cfg = scheduler_config(cfg, cost, max_model_len)
 
@@ -127,36 +146,70 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
             next_arrival=(lambda: float("inf")) if by_step else (lambda: arrivals_holder[0].next_arrival()),
             yield_every_step=False, step_arrivals=step_arrivals,
             on_step=(lambda n, r=replicas: _tick(bar, r)) if bar else None))
+    arrivals = None
     if not by_step:
-        arrivals_holder.append(ArrivalProcess(env, requests, Router(replicas, cfg.router)))
-    # The engine allocates many small, long-lived objects (token times, step rows) and no reference
-    # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        if arrivals_holder:
-            env.run(until=arrivals_holder[0].process)   # all requests submitted
-        while any(r.scheduler.has_work for r in replicas) or (step_arrivals and step_arrivals.pending):
-            env.step()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+        arrivals = ArrivalProcess(env, requests, Router(replicas, cfg.router))
+        arrivals_holder.append(arrivals)
+    stop = _drive(env, arrivals, replicas, step_arrivals)
     if bar:
         _tick(bar, replicas)
         bar.close()
     step_log.close()
 
+    if stop:                               # requests that never arrived are not part of the result
+        requests = requests[:arrivals.index]
     req_df = request_table(requests)
     steps_df = step_log.to_pandas() if keep_steps or out is None else None
     steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(
         out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(cfg, req_df, steps_for_summary, [r.kv for r in replicas], num_blocks,
                           max_model_len, model, gpu)
+    summary["partial"] = stop is not None
+    if stop:
+        summary["partial_reason"] = stop[0]
+        summary["num_trace_requests"] = len(trace)
     wall = time.perf_counter() - t0
     summary["wall_s"] = wall
-    if out:
+    if staging:
         write_outputs(out, cfg, req_df, summary)
-    return SimulationResult(summary, req_df, steps_df, out, num_blocks, wall)
+        staging.publish()
+    if stop:
+        raise stop[1]
+    return SimulationResult(summary, req_df, steps_df, staging.out if staging else None, num_blocks, wall)
+
+
+def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
+    """The recorded policy reads a replay's decisions: publishing into that directory would replace them."""
+    source = cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None
+    if not source:
+        return
+    source = Path(source)
+    folder = source if source.is_dir() else source.parent
+    if out.exists() and folder.exists() and folder.resolve() == out.resolve():
+        raise ConfigError(f"--out {out}: holds the recorded decisions this run reads (kv.params.path); its "
+                          "results would replace them; expected another directory")
+
+
+def _drive(env: simpy.Environment, arrivals: ArrivalProcess | None, replicas: list[EngineReplica],
+           step_arrivals: StepArrivals | None = None):
+    """Run the engine to the end; None, or (reason, exception) when it was interrupted or failed."""
+    # The engine allocates many small, long-lived objects (token times, step rows) and no reference
+    # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if arrivals is not None:
+            env.run(until=arrivals.process)    # all requests submitted
+        while any(r.scheduler.has_work for r in replicas) or (step_arrivals and step_arrivals.pending):
+            env.step()
+    except KeyboardInterrupt as exc:
+        return (str(exc) or "interrupted (Ctrl-C)"), exc
+    except Exception as exc:  # noqa: BLE001 - written as a partial result, then raised again
+        return f"failed: {type(exc).__name__}: {exc}", exc
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return None
 
 
 def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfig:

@@ -34,7 +34,9 @@ import json
 import math
 import multiprocessing
 import os
+import threading
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +47,7 @@ import pyarrow.parquet as pq
 import yaml
 from pydantic import ValidationError
 
-from .config import ConfigError, SimConfig
+from .config import ConfigError, SimConfig, yaml_problem
 
 SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
 # summary keys that repeat a config column; the store keeps the config column
@@ -128,8 +130,13 @@ def load_spec(path: str | Path) -> SweepPlan:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise SpecError(f"sweep spec not found: {path}") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path}: is a directory; expected a sweep spec YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc.reason}); "
+                        "expected a sweep spec YAML file") from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+        raise SpecError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
     return parse_spec(raw, source=str(path), root=path.parent)
 
 
@@ -206,8 +213,10 @@ def _load_base(base: Any, source: str, root: Path | None) -> dict:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise SpecError(f"{source}: base: config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError):
+        raise SpecError(f"{source}: base: {path} cannot be read; expected a YAML config file") from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"{source}: base: {path} is not valid YAML: {exc}") from None
+        raise SpecError(f"{source}: base: {path} is not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{source}: base: {path} must hold a mapping of config options")
     return data
@@ -302,9 +311,13 @@ def execute_run(task: RunTask) -> dict:
     """Run one simulation; return its metric columns. Never raises: a failure becomes a row."""
     from .simulate import run_simulation
 
+    from traces.errors import TraceWarning
+
     try:
         cfg = SimConfig.model_validate(task.config)
-        result = run_simulation(cfg, task.out_dir, progress=False)
+        with warnings.catch_warnings():             # the trace's notices, once per run: not news
+            warnings.simplefilter("ignore", TraceWarning)
+            result = run_simulation(cfg, task.out_dir, progress=False)
         row = {"status": "ok", "error": None}
         for key, value in result.summary.items():
             if key not in _SUMMARY_DUPLICATES:
@@ -344,27 +357,59 @@ def write_row(store: Path, row: dict) -> Path:
     return final
 
 
-def finished_runs(store: Path, *, include_failed: bool = True) -> set[str]:
+@dataclass
+class StoreState:
+    """The runs a store holds: finished ok, recorded as failed, and files that cannot be read (a disk
+    error, a copy cut short, an edit): those count as not run, and the next sweep runs them again."""
+    ok: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    unreadable: list[Path] = field(default_factory=list)
+
+
+def store_state(store: str | Path) -> StoreState:
+    state = StoreState()
     runs = _runs_dir(Path(store))
-    if not runs.is_dir():
-        return set()
-    ids = {p.stem for p in runs.glob("[!.]*.parquet")}
-    if include_failed or not ids:
-        return ids
-    df = read_store(store, order=False)
-    return set(df.loc[df["status"] == "ok", "run_id"])
+    for path in sorted(runs.glob("[!.]*.parquet")) if runs.is_dir() else ():
+        table = _read_run_file(path, columns=["run_id", "status"])
+        if table is None:
+            state.unreadable.append(path)
+        else:
+            (state.ok if table["status"][0].as_py() == "ok" else state.failed).add(path.stem)
+    return state
+
+
+def _read_run_file(path: Path, columns: list[str] | None = None) -> pa.Table | None:
+    """A run file's one row, or None when the file is not a readable row of that run."""
+    try:
+        table = pq.read_table(path, columns=columns)
+    except (OSError, pa.ArrowException, KeyError, ValueError):
+        return None
+    if table.num_rows != 1 or "run_id" not in table.column_names or "status" not in table.column_names:
+        return None
+    return table if table["run_id"][0].as_py() == path.stem else None
+
+
+def finished_runs(store: Path, *, include_failed: bool = True) -> set[str]:
+    state = store_state(store)
+    return state.ok | state.failed if include_failed else state.ok
 
 
 def read_store(store: str | Path, *, order: bool = True):
-    """All rows of a store as one DataFrame, sorted by the latest plan's run order (runs not in
-    it follow, by run id). Adds `run_index` (position in the plan, -1 when not in it)."""
+    """All readable rows of a store as one DataFrame, sorted by the latest plan's run order (runs not
+    in it follow, by run id). Adds `run_index` (position in the plan, -1 when not in it). Unreadable
+    run files are left out and listed in `df.attrs["unreadable"]`."""
     import pandas as pd
 
     store = Path(store)
     files = sorted(_runs_dir(store).glob("[!.]*.parquet")) if _runs_dir(store).is_dir() else []
-    if not files:
-        return pd.DataFrame(columns=["run_index", "run_id", "status", "error"])
-    table = pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
+    tables = {f: _read_run_file(f) for f in files}
+    unreadable = [f.name for f, t in tables.items() if t is None]
+    tables = [t for t in tables.values() if t is not None]
+    if not tables:
+        df = pd.DataFrame(columns=["run_index", "run_id", "status", "error"])
+        df.attrs["unreadable"] = unreadable
+        return df
+    table = pa.concat_tables(tables, promote_options="permissive")
     df = table.to_pandas()
     if order:
         plan = read_plan(store)
@@ -373,6 +418,7 @@ def read_store(store: str | Path, *, order: bool = True):
         df["_after"] = df["run_index"] < 0
         df = df.sort_values(["_after", "run_index", "run_id"], kind="stable").drop(columns="_after")
         df = df.reset_index(drop=True)
+    df.attrs["unreadable"] = unreadable
     return df
 
 
@@ -412,7 +458,8 @@ def _local(tasks: list[RunTask], jobs: int) -> Completed:
     # forkserver: workers fork from a clean process that has already imported the simulator
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["sim.sweep", "sim.simulate"])
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=exit_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(execute_run, t): t for t in tasks}
         try:
             for fut in as_completed(futures):
@@ -420,6 +467,36 @@ def _local(tasks: list[RunTask], jobs: int) -> Completed:
         finally:
             for fut in futures:
                 fut.cancel()
+
+
+def exit_with_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """Worker initializer: end this worker when the sweep process is gone (kill -9 leaves no chance to
+    stop the pool). A worker's parent is the forkserver, which lives as long as a worker does, so the
+    worker watches the sweep process itself; once the workers are gone the forkserver and the
+    resource tracker see their pipes close and exit too."""
+    def watch() -> None:
+        while _running(parent_pid):
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvsim-exit-with-parent", daemon=True).start()
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:                 # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _dask(tasks: list[RunTask], scheduler: Any) -> Completed:
@@ -451,6 +528,8 @@ class SweepResult:
     ran: int
     failed: int           # of those that ran
     wall_s: float
+    retried: int = 0      # of those that ran: recorded as failed before (--retry-failed)
+    redone: int = 0       # of those that ran: their run file was unreadable
 
 
 def run_sweep(plan: SweepPlan, store: str | Path, *, executor: str = "local", jobs: int | None = None,
@@ -466,10 +545,12 @@ def run_sweep(plan: SweepPlan, store: str | Path, *, executor: str = "local", jo
     store = Path(store)
     _write_plan(store, plan, spec_text)
     _remove_stale_tmp(store)
-    done = finished_runs(store, include_failed=not retry_failed)
+    state = store_state(store)
+    done = state.ok if retry_failed else state.ok | state.failed
     pending = [r for r in plan.runs if r.run_id not in done]
     if max_runs is not None:
         pending = pending[:max_runs]
+    unreadable = {p.stem for p in state.unreadable}
     keep = plan.save_outputs if save_outputs is None else save_outputs
     tasks = [RunTask(r.run_id, r.config, str(store / "outputs" / r.run_id) if keep else None) for r in pending]
     by_id = {r.run_id: r for r in pending}
@@ -501,7 +582,9 @@ def run_sweep(plan: SweepPlan, store: str | Path, *, executor: str = "local", jo
             bar.set_postfix(failed=failed, refresh=False)
     if bar:
         bar.close()
-    return SweepResult(store, len(plan.runs), skipped, ran, failed, time.perf_counter() - t0)
+    return SweepResult(store, len(plan.runs), skipped, ran, failed, time.perf_counter() - t0,
+                       retried=sum(r.run_id in state.failed for r in pending),
+                       redone=sum(r.run_id in unreadable for r in pending))
 
 
 def _bar(total: int, skipped: int, todo: int):

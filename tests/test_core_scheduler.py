@@ -208,7 +208,8 @@ def test_lru_evicts_the_tail_block_of_the_oldest_freed_request_first():
     step(s)                                           # a done, blocks [b0, b1] cached, free
     pool = s.kv.pool
     assert pool.num_cached_free_blocks == 2
-    head_hash, tail_hash = a.extra["block_hashes"][:2]
+    twin = req(9, 8, 1, prefix_hash_ids=(1, 2), prefix_block_tokens=4)     # a's hashes (a dropped them)
+    head_hash, tail_hash = (s.kv._block_hash(twin, j) for j in (0, 1))
     c = req(1, 12, 1)                                 # needs 3 blocks: 2 unhashed free + 1 evicted
     s.add_request(c)
     step(s)
@@ -228,3 +229,62 @@ def test_invariants_hold_and_every_block_is_free_at_the_end():
     assert not s.has_work and len(s.finished) == 6
     assert s.kv.num_free_blocks == 8
     assert all(r.num_output_tokens == 6 for r in s.finished)
+
+
+def test_a_swap_in_that_cannot_fit_leaves_the_pool_untouched():
+    # 6 blocks of 4: a holds 4 (15 prompt tokens + its first output), b comes back from swap with 8
+    # tokens and needs 3 blocks for them and its next token; only 2 are free
+    s = make(num_blocks=7, block_size=4, caching=True, preemption_mode="swap", swap_space_tokens=1000)  # 6 usable
+    a = req(0, 15, 10)
+    s.add_request(a)
+    step(s)
+    b = req(1, 8, 5)
+    b.num_output_tokens, b.num_computed_tokens, b.swapped_tokens = 1, 8, 8
+    s.swap_used_tokens = 8
+    s.waiting.add(b)
+    pool = s.kv.pool
+    free_state = lambda: [(blk, pool.block_hash[blk]) for blk in pool.free_block_ids()]  # noqa: E731
+    before = free_state()
+    out = step(s)
+    assert chunks(out) == {0: 1} and list(s.waiting) == [b]
+    assert free_state() == before and pool.num_cached_free_blocks == 0      # same blocks, order, hashes
+    assert b.swapped_tokens == b.num_computed_tokens == 8 and b not in s.kv.req_blocks
+
+
+def test_a_request_that_preempts_itself_lets_the_more_urgent_ones_after_it_run():
+    """vLLM ends the running loop there and runs an empty step; the next schedule runs the rest.
+    kvsim reports both as one step (it used to give up: nothing schedulable)."""
+    s = make(num_blocks=9, block_size=4, policy="priority")         # 8 usable
+    x, y = req(0, 3, 10, priority=1), req(1, 27, 2, priority=0)
+    s.add_request(x)
+    step(s)
+    s.add_request(y)
+    step(s)                                           # running [x, y], every block taken
+    assert s.running == [x, y] and s.kv.num_free_blocks == 0
+    out = step(s)                                     # x needs a block: the least urgent is x itself
+    assert out.preempted == [x]
+    assert chunks(out) == {1: 1}                      # before: nothing ran and the engine gave up
+
+
+def test_without_chunked_prefill_a_request_beyond_the_step_budget_is_rejected():
+    s = make(max_num_batched_tokens=100, enable_chunked_prefill=False)
+    long_prompt, long_recompute, fits = req(0, 150, 5), req(1, 90, 20), req(2, 60, 41)
+    assert not s.add_request(long_prompt) and not s.add_request(long_recompute)
+    assert s.add_request(fits)
+    assert long_prompt.status == RequestStatus.REJECTED
+    assert "max_num_batched_tokens=100 and chunked prefill is off" in long_recompute.reject_reason
+
+
+def test_finished_requests_keep_no_prefix_hash_state():
+    s = make(num_blocks=50, block_size=4, caching=True)
+    r = req(0, 16, 3, prefix_hash_ids=(7, 8), prefix_block_tokens=8)
+    s.add_request(r)
+    step(s)
+    assert r.extra["block_hashes"]                    # hashed while it runs (kept across preemptions)
+    while r.status != RequestStatus.FINISHED:
+        step(s)
+    assert "block_hashes" not in r.extra and r.prefix_hash_ids is None
+    hit = req(1, 16, 2, prefix_hash_ids=(7, 8), prefix_block_tokens=8)
+    s.add_request(hit)
+    step(s)
+    assert hit.num_cached_tokens == 12                # its cached blocks still serve later requests

@@ -36,6 +36,10 @@ SCENARIOS = {
     "l4-queueing": {"trace_options.max_requests": 200, "gpu": "l4"},
     "swap": {"trace_options.max_requests": 150, "engine.num_gpu_blocks": 700, "engine.preemption_mode": "swap",
              "engine.swap_space_gib": 0.05},
+    # issue 19: the first swap preemption with prefix caching made the two disagree from step 8 on
+    "prefix-caching-swap": {"trace": "mooncake-conversation", "trace_options.max_requests": 300, "gpu": "l4",
+                            "engine.num_gpu_blocks": 3000, "engine.enable_prefix_caching": True,
+                            "engine.preemption_mode": "swap"},
     "seq-limit": {"trace_options.max_requests": 150, "engine.max_num_seqs": 8, "trace_options.rate_scale": 3.0},
     "tp-70b": {"trace_options.max_requests": 100, "model": "llama-3.1-70b", "gpu": "a100-80gb", "tp": 4},
     "sync-no-prefix-caching": {"trace_options.max_requests": 200, "engine.num_gpu_blocks": 500,

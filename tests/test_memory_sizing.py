@@ -82,3 +82,56 @@ def test_reserve_kv_dtype_and_utilization():
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         num_gpu_blocks("llama-3.1-8b", "h100", **kwargs)
+
+
+# ---- host memory of a simulation run (refused before anything is allocated) ---------------------
+
+def _simulate_cli(tmp_path, *args):
+    from typer.testing import CliRunner
+
+    from sim.cli import app
+    return CliRunner().invoke(app, ["simulate", "--max-requests", "20", "-q", "-o", str(tmp_path / "out"), *args])
+
+
+def test_a_pool_beyond_host_memory_is_refused_before_it_is_allocated(tmp_path):
+    import tracemalloc
+
+    tracemalloc.start()
+    res = _simulate_cli(tmp_path, "--num-gpu-blocks", "1000000000")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    message = " ".join(res.output.split())
+    assert "needs about 44.7 GiB of host memory" in message          # 10^9 blocks x 48 B
+    assert "GiB is available" in message and "lower --num-gpu-blocks" in message
+    assert peak < 2**30 and not (tmp_path / "out").exists()
+
+
+def test_a_fast_mode_budget_beyond_host_memory_is_refused(tmp_path):
+    res = _simulate_cli(tmp_path, "--policy", "h2o", "--layout", "per_head", "--kv-mode", "fast",
+                        "--budget", "1000000000")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    message = " ".join(res.output.split())
+    assert "fast-mode slabs" in message and "lower --budget (largest part: fast-mode slabs)" in message
+
+
+def test_run_memory_estimate_is_small_for_ordinary_runs_and_checked_against_what_is_given():
+    from sim.config import load_config
+    from sim.memory import HostMemoryError, check_config_memory, check_memory, estimate_run_memory
+    from sim.simulate import load_workload, resolve_hardware
+
+    cfg = load_config(None, {"trace_options.max_requests": 200, "engine.enable_prefix_caching": True})
+    trace = load_workload(cfg)
+    model, _, cost, blocks, _ = resolve_hardware(cfg)
+    estimate = check_config_memory(cfg, trace)                   # the dashboard's entry point: passes
+    assert estimate.total_bytes == estimate_run_memory(cfg, model, cost, blocks, trace).total_bytes
+    assert blocks * 139 < estimate.total_bytes < 64 * 2**20
+    check_memory(estimate, available=(estimate.total_bytes, "test"))
+    with pytest.raises(HostMemoryError, match=r"0\.0 GiB is available \(test\); lower --num-gpu-blocks"):
+        check_memory(estimate, available=(estimate.total_bytes - 1, "test"))
+    fast = load_config(None, {"kv.policy": "h2o", "kv.budget": 256, "kv.layout": "per_head", "kv.mode": "fast",
+                              "trace_options.max_requests": 200})
+    slab = dict((p[0], p[3]) for p in estimate_run_memory(fast, model, cost, blocks, trace).parts)
+    bigger = load_config(None, {**fast.model_dump(), "kv": {**fast.kv.model_dump(), "budget": 2560}})
+    slab10 = dict((p[0], p[3]) for p in estimate_run_memory(bigger, model, cost, blocks, trace).parts)
+    assert 0 < slab["fast-mode slabs"] < slab10["fast-mode slabs"] < 11 * slab["fast-mode slabs"]

@@ -219,3 +219,79 @@ def test_dask_executor_needs_a_scheduler(tmp_path):
     spec = write_spec(tmp_path / "spec.yaml", SPEC)
     res = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "s"), "--executor", "dask"])
     assert res.exit_code == 2 and "--scheduler" in res.output
+
+
+# ---- robustness ---------------------------------------------------------------------------------
+
+def test_an_unreadable_run_file_is_run_again_and_reports_still_work(tmp_path, reference):
+    from sim.cli import app
+    from sim.report import build_report
+    spec = write_spec(tmp_path / "spec.yaml", SPEC)
+    store = tmp_path / "store"
+    run_sweep(load_spec(spec), store, jobs=1, progress=False)
+    broken = sorted((store / "runs").glob("*.parquet"))[3]
+    broken.write_bytes(broken.read_bytes()[:100])                 # a copy cut short
+    df = read_store(store)
+    assert len(df) == 7 and df.attrs["unreadable"] == [broken.name]
+    assert "1 unreadable run files left out" in build_report(store).read_text()
+    res = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(store), "-q", "-j", "1"])
+    assert res.exit_code == 0
+    assert f"8 runs; in {store}: 7 finished, 1 unreadable (run again); 1 to run now" in " ".join(res.output.split())
+    assert "ran 1 runs" in res.output and "run again: 1 unreadable" in res.output
+    pd.testing.assert_frame_equal(comparable(read_store(store)), comparable(reference))
+
+
+def test_retry_failed_says_what_it_runs(tmp_path):
+    from sim.cli import app
+    spec = write_spec(tmp_path / "spec.yaml", {"fixed": {**SMALL, "trace_options.max_requests": 30},
+                                               "grid": {"trace_options.rate": [None, 5.0],
+                                                        "engine.block_size": [16, 32]}})
+    store = tmp_path / "store"
+    first = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(store), "-q", "-j", "1"])
+    assert first.exit_code == 1                                   # two runs failed
+    again = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(store), "-q", "-j", "1"])
+    assert "2 finished, 2 failed (kept; --retry-failed runs them again); 0 to run now" in " ".join(again.output.split())
+    retry = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(store), "-q", "-j", "1", "--retry-failed"])
+    text = " ".join(retry.output.split())
+    assert "2 finished, 2 failed (run again); 2 to run now" in text
+    assert "ran 2 runs" in text and "run again: 2 failed before" in text and "skipped 2" in text
+
+
+def _descendants(pid: int) -> set[int]:
+    """Processes whose parent chain leads to `pid` (from /proc)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
+def test_sweep_workers_forkserver_and_tracker_end_with_a_killed_sweep(tmp_path):
+    spec = write_spec(tmp_path / "spec.yaml", {"fixed": {"gpu": "l4"}, "grid": {"seed": [0, 1, 2, 3]}})
+    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "sweep", str(spec), "--out", str(tmp_path / "s"),
+                             "-j", "2", "-q"], cwd=Path(__file__).resolve().parents[1],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    children: set[int] = set()
+    while time.monotonic() < deadline and len(children) < 4:        # tracker, forkserver, 2 workers
+        time.sleep(0.2)
+        children = _descendants(proc.pid)
+    assert len(children) >= 4, "the sweep should have started its workers"
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in children):
+        time.sleep(0.2)
+    alive = [p for p in children if Path(f"/proc/{p}").exists()
+             and Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()[0] != "Z"]
+    for p in alive:                                               # do not leave them behind either way
+        os.kill(p, signal.SIGKILL)
+    assert not alive, "processes of the killed sweep are still running"

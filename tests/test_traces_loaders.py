@@ -241,7 +241,7 @@ def test_bad_csv_files_name_file_line_and_expectation(tmp_path, body, line, frag
     ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [0, 1, 2]}\n', 1,
      "3 block ids for a 600-token prompt; expected at most 2"),
     ('{"timestamp": 0, "input_length": 5, "output_length": 1}\n[1, 2]\n', 2, "expected a JSON object, got list"),
-    ('{"prompt": "hi"}\n', 1, "are not a known trace"),
+    ('{"prompt": "hi"}\n', 1, "none of the keys of a known trace"),
     ('{"kvsim_trace": {"version": 1}}\n{"arrival_time_s": 0.0, "prompt_tokens": 5, "output_tokens": 1, '
      '"prefix_hash_ids": [1]}\n', 1, "prefix_block_tokens is nothing"),
     ('{"request_id": 3, "arrival_time_s": 0.0, "prompt_tokens": 5, "output_tokens": 1}\n'

@@ -45,6 +45,7 @@ DATA_TRACES: dict[str, str] = {
 }
 
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_INTEGER = 2**53          # token counts and ids beyond are not exact in the float64 they are parsed into
 
 _CSV_SIGNATURES = (  # (format, any of these header columns identifies it), checked in order
     ("native-csv", {"arrival_time_s", "prompt_tokens"}),
@@ -131,12 +132,14 @@ def detect_format(path: str | os.PathLike) -> str:
             return "native-jsonl"
         if "input_length" in record or "timestamp" in record:
             return "mooncake"
-        raise TraceError(path, line_no, f"JSON keys {sorted(record)} are not a known trace; {_KNOWN_FORMATS_HELP}")
+        raise TraceError(path, line_no, f"the first JSON object has none of the keys of a known trace; "
+                                        f"{_KNOWN_FORMATS_HELP}")
     header = {c.strip().strip('"') for c in line.split(",")}
     for fmt, signature in _CSV_SIGNATURES:
         if header & signature:
             return fmt
-    raise TraceError(path, line_no, f"header {line[:200]!r} is not a known trace format; {_KNOWN_FORMATS_HELP}")
+    # the line itself is not quoted: error messages may be shown to others (the dashboard)
+    raise TraceError(path, line_no, f"the header line is not a known trace format; {_KNOWN_FORMATS_HELP}")
 
 
 # ---- value parsing with file positions ----------------------------------------------------------
@@ -160,7 +163,8 @@ def _describe(value) -> str:
         return "nothing (missing value)"
     if isinstance(value, float) and math.isnan(value):
         return "nothing (missing value)"
-    return repr(value)
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _numbers(raw) -> np.ndarray:
@@ -174,19 +178,21 @@ def _numbers(raw) -> np.ndarray:
 def _integers(raw, rows: _Rows, field: str, minimum: int | None) -> np.ndarray:
     values = _numbers(raw)
     with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(values) | (values != np.round(values))
+        bad = ~np.isfinite(values) | (values != np.round(values)) | (np.abs(values) > MAX_INTEGER)
         if minimum is not None:
             bad |= values < minimum
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         expected = "an integer" if minimum is None else f"an integer >= {minimum}"
-        raise rows.error(row, f"{field}: expected {expected}, got {_describe(_at(raw, row))}")
+        too_large = " (above 2^53, not a count)" if abs(values[row]) > MAX_INTEGER else ""
+        raise rows.error(row, f"{field}: expected {expected}, got {_describe(_at(raw, row))}{too_large}")
     return values.astype(np.int64)
 
 
-def _floats(raw, rows: _Rows, field: str, what: str) -> np.ndarray:
+def _floats(raw, rows: _Rows, field: str, what: str, minimum: float | None = None) -> np.ndarray:
     values = _numbers(raw)
-    bad = ~np.isfinite(values)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(values) | (values < minimum if minimum is not None else False)
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise rows.error(row, f"{field}: expected {what}, got {_describe(_at(raw, row))}")
@@ -281,7 +287,7 @@ def _read_csv(path: Path, required: tuple[str, ...], fmt: str) -> tuple[pd.DataF
     df.columns = [str(c).strip() for c in df.columns]
     missing = [c for c in required if c not in df.columns]
     if missing:
-        raise TraceError(path, 1, f"missing column(s) {', '.join(missing)}; the header has {', '.join(df.columns)}; "
+        raise TraceError(path, 1, f"missing column(s) {', '.join(missing)}; "
                                   f"a {fmt} CSV needs {','.join(required)}")
     lines = np.arange(len(df), dtype=np.int64) + 2
     blank = (df == "").all(axis=1).to_numpy()
@@ -325,7 +331,8 @@ def load_burstgpt(path: Path, *, model: str | None = None, log_type: str | None 
             keep &= (df[column].str.strip() == wanted).to_numpy()
             if not keep.any():
                 seen = sorted(set(df[column].str.strip()))
-                raise TraceError(path, None, f"no rows with {column} == {wanted!r}; the file has {seen}")
+                raise TraceError(path, None, f"no rows with {column} == {wanted!r} (the column holds "
+                                             f"{len(seen)} other distinct value(s))")
     if not keep.all():
         df, rows = df[keep].reset_index(drop=True), _Rows(path, rows.lines[keep], int(keep.sum()))
     session = None
@@ -388,7 +395,7 @@ def _field(records: list[dict], rows: _Rows, key: str, required: bool = True) ->
     if required:
         for row, r in enumerate(records):
             if key not in r:
-                raise rows.error(row, f"missing key {key!r}; the object has {sorted(r)}")
+                raise rows.error(row, f"missing key {key!r}")
     return values
 
 
@@ -424,7 +431,7 @@ def _native_columns(path: Path, rows: _Rows, get) -> dict:
     """Validated canonical columns; ``get(name)`` returns the raw values or None when absent."""
     prompt = _integers(get("prompt_tokens"), rows, "prompt_tokens", 1)
     columns = {
-        "arrival": _floats(get("arrival_time_s"), rows, "arrival_time_s", "a time in seconds"),
+        "arrival": _floats(get("arrival_time_s"), rows, "arrival_time_s", "a time in seconds >= 0", minimum=0),
         "prompt": prompt,
         "output": _integers(get("output_tokens"), rows, "output_tokens", 0),
     }
@@ -485,7 +492,8 @@ def load_native_parquet(path: Path) -> Trace:
     required = ("arrival_time_s", "prompt_tokens", "output_tokens")
     missing = [c for c in required if c not in table.column_names]
     if missing:
-        raise TraceError(path, None, f"missing column(s) {', '.join(missing)}; the file has {', '.join(table.column_names)}")
+        raise TraceError(path, None, f"missing column(s) {', '.join(missing)}; a kvsim native Parquet trace "
+                                     f"needs {', '.join(required)}")
     if table.num_rows == 0:
         raise TraceError(path, None, "no requests: the Parquet file has no rows")
     raw_meta = (table.schema.metadata or {}).get(NATIVE_METADATA_KEY.encode())

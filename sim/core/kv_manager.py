@@ -170,6 +170,11 @@ class KVCacheManager:
         req.extra.pop("num_cached_blocks", None)
         return len(blocks)
 
+    def forget(self, req: Request) -> None:
+        """Drop the per-request state nothing reads once `req` has finished (its block-hash chain:
+        ~40 bytes a prompt block, kept across preemptions for re-hits, useless after the finish)."""
+        req.extra.pop("block_hashes", None)
+
     def reclaim(self, num_blocks: int, running: list[Request]) -> int:
         """Hook for compression-on-pressure managers: free up to `num_blocks`; none here."""
         return 0

@@ -5,7 +5,8 @@ Per step: RUNNING requests first (in admission order), then WAITING ones (FCFS, 
 that cannot get its blocks preempts the most recently admitted running request (priority mode:
 the least urgent, latest arrival) (recompute: freed, reset to 0 computed tokens, put back at the
 head of WAITING; swap, a vLLM v0 extension: its KV goes to CPU memory) until the allocation fits
-or it preempts itself. Nothing is admitted in a step that preempted. A waiting request is admitted
+or it preempts itself (which ends the running loop; a step left empty by that is rescheduled at
+once, as vLLM runs an empty step). Nothing is admitted in a step that preempted. A waiting request is admitted
 only when the free pool holds its whole known sequence after prefix hits (vLLM's
 `scheduler_reserve_full_isl`). `long_prefill_token_threshold` caps chunks only while more than one
 request is running or waiting.
@@ -143,6 +144,11 @@ class Scheduler:
         if peak > capacity:
             return (f"needs {peak} KV slots at its last token but the whole KV pool holds "
                     f"{capacity} tokens")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and peak > budget:
+            # unchunked, its prompt (or its recompute after a preemption) must fit one step's budget
+            return (f"needs up to {peak} tokens in one step (prompt, or prompt and outputs recomputed "
+                    f"after a preemption) but max_num_batched_tokens={budget} and chunked prefill is off")
         return None
 
     @property
@@ -167,7 +173,14 @@ class Scheduler:
             budget = self._admit(budget, scheduled, out)
         out.scheduled = list(scheduled.values())
         self.release_finishing()
-        if out.is_empty and had_finishing and not out.preempted:
+        if out.is_empty and out.preempted:
+            # vLLM runs an empty step after a request preempted itself first thing; the next
+            # schedule may admit again. Both come out as one step here.
+            again = self.schedule()
+            again.preempted[:0] = out.preempted
+            again.swap_out_tokens += out.swap_out_tokens
+            return again
+        if out.is_empty and had_finishing:
             return self.schedule()          # async: an empty step; the freed blocks serve the next
         return out
 
@@ -227,7 +240,7 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            break
+            break           # vLLM (0.32, recorded): a request that preempted itself ends the loop
         return scheduled
 
     def _chunk(self, remaining: int, budget: int, computed: int) -> int:
@@ -268,26 +281,18 @@ class Scheduler:
             swapped = req.swapped_tokens
             hits = [] if swapped else self.kv.get_computed_blocks(req)
             num_cached = len(hits) * self.kv.block_size
-            if swapped:                       # its KV comes back from CPU: restore the slots first
-                req.num_computed_tokens = 0
-                if not self.kv.allocate_slots(req, swapped):
-                    req.num_computed_tokens = swapped
-                    break
-                req.num_computed_tokens = swapped
-            else:
-                req.num_computed_tokens = num_cached
-                full = min(req.num_tokens, self.config.max_model_len)
-                if not self.kv.fits_full_sequence(req, full, hits):
-                    self._undo_admission(req, swapped)
-                    break
-            remaining = req.num_tokens - req.num_computed_tokens
-            if not self.config.enable_chunked_prefill and self._capped(remaining) > budget:
-                self._undo_admission(req, swapped)
+            computed = swapped or num_cached
+            if not swapped and not self.kv.fits_full_sequence(
+                    req, min(req.num_tokens, self.config.max_model_len), hits):
                 break
-            n = self._chunk(remaining, budget, req.num_computed_tokens)
-            context = self.kv.kv_tokens(req)
-            if not self.kv.allocate_slots(req, n, computed_blocks=hits):
-                self._undo_admission(req, swapped)
+            remaining = req.num_tokens - computed
+            if not self.config.enable_chunked_prefill and self._capped(remaining) > budget:
+                break
+            n = self._chunk(remaining, budget, computed)
+            if swapped and self._swap_in_blocked(req, swapped + n):
+                break                         # a failed swap-in must not touch the pool (see below)
+            context = self._allocate_admission(req, swapped, num_cached, n, hits)
+            if context is None:
                 break
             self.waiting.pop()
             if not swapped:
@@ -303,6 +308,30 @@ class Scheduler:
             scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n), swap_in_tokens=swapped)
             budget -= n
         return budget
+
+    def _swap_in_blocked(self, req: Request, tokens: int) -> bool:
+        """Whether the blocks for a swapped request's KV plus this step's tokens are missing. Checked
+        before allocating: allocating the swapped part and then failing on the rest would pull blocks
+        off the free queue (evicting cached prefixes) and return them hashed, changing the pool."""
+        req.num_computed_tokens = 0
+        need = self.kv.blocks_needed(req, tokens)
+        req.num_computed_tokens = req.swapped_tokens
+        return need > self.kv.num_free_blocks
+
+    def _allocate_admission(self, req: Request, swapped: int, num_cached: int, n: int, hits: list) -> float | None:
+        """Slots for an admitted request (its swapped KV first); the context before this step's
+        tokens, or None (the request unchanged) when the pool cannot supply them."""
+        if swapped:                           # its KV comes back from CPU: restore the slots first
+            req.num_computed_tokens = 0
+            if not self.kv.allocate_slots(req, swapped):
+                req.num_computed_tokens = swapped
+                return None
+        req.num_computed_tokens = swapped or num_cached
+        context = self.kv.kv_tokens(req)
+        if not self.kv.allocate_slots(req, n, computed_blocks=hits):
+            self._undo_admission(req, swapped)
+            return None
+        return context
 
     def waiting_head_blocked(self, budget: int, free_blocks: int) -> bool:
         """Whether `_admit` would stop at the head of WAITING for lack of KV blocks (or, without
@@ -359,6 +388,8 @@ class Scheduler:
         """Requests that produced their last token leave the batch and free their KV (with async
         scheduling: after the next schedule, see `release_finishing`)."""
         for req in reqs:
+            self.kv.forget(req)
+            req.prefix_hash_ids = None          # read only to hash its prompt blocks
             req.status = RequestStatus.FINISHED
             req.finish_time = now
             self.finished.append(req)

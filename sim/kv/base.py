@@ -42,3 +42,6 @@ class EvictingManagerBase:
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int, preempted: bool = False) -> None:
         pass
+
+    def forget(self, req) -> None:
+        """Nothing per request outlives `free` here."""

@@ -137,32 +137,48 @@ class ImportanceModelSpec:
         if not path.is_file():
             known = ", ".join(sorted(p.stem for p in DATA_DIR.glob("*.yaml")))
             raise ImportanceError(f"importance model {name_or_path!r} not found; shipped: {known}, or a YAML path")
-        data = yaml.safe_load(path.read_text())
         try:
-            mix = {k: float(v) for k, v in data["head_mix"].items()}
-            bad = sorted(set(mix) - set(HEAD_TYPES))
-            if bad:
-                raise ImportanceError(f"{path}: head_mix: unknown head type(s) {bad}; expected {HEAD_TYPES}")
-            if abs(sum(mix.values()) - 1) > 1e-6:
-                raise ImportanceError(f"{path}: head_mix: probabilities sum to {sum(mix.values())}, expected 1")
-            types = {}
-            for t in HEAD_TYPES:
-                p = data["head_types"][t]
-                types[t] = HeadTypeParams(*(tuple(float(x) for x in p[k]) for k in
-                                            ("sink_share", "local_share", "tau", "sigma")))
-                if types[t].sink_share[1] + types[t].local_share[1] >= 1:
-                    raise ImportanceError(f"{path}: head_types.{t}: sink_share + local_share must stay < 1")
-            sink = tuple(float(x) for x in data.get("sink_weights", [0.7, 0.1, 0.1, 0.1]))
-            if len(sink) != NUM_SINK:
-                raise ImportanceError(f"{path}: sink_weights: expected {NUM_SINK} values")
-            rho, ell = _correlation_fields(path, data)
-            return cls(name=data.get("name", path.stem), mix=mix, types=types,
-                       dense_layers=int(data.get("dense_layers", 0)),
-                       request_sigma_jitter=float(data.get("request_sigma_jitter", 0.0)),
-                       sink_weights=tuple(np.asarray(sink) / sum(sink)),
-                       content_correlation=rho, correlation_length=ell)
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ImportanceError(f"{path}: not valid YAML ({getattr(exc, 'problem', None) or 'parse error'})") from None
+        if not isinstance(data, dict):
+            raise ImportanceError(f"{path}: expected a mapping (head_mix, head_types, ...) as in "
+                                  f"{DATA_DIR / 'smollm2-135m.yaml'}, got {type(data).__name__}")
+        try:
+            return cls._from_mapping(path, data)
+        except ImportanceError:
+            raise
         except KeyError as exc:
             raise ImportanceError(f"{path}: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError):
+            raise ImportanceError(f"{path}: malformed fields; expected head_mix (type -> probability), "
+                                  "head_types (type -> sink_share, local_share, tau, sigma: [low, high]) and "
+                                  f"numbers elsewhere, as in {DATA_DIR / 'smollm2-135m.yaml'}") from None
+
+    @classmethod
+    def _from_mapping(cls, path: Path, data: dict) -> "ImportanceModelSpec":
+        mix = {k: float(v) for k, v in data["head_mix"].items()}
+        bad = sorted(set(mix) - set(HEAD_TYPES))
+        if bad:
+            raise ImportanceError(f"{path}: head_mix: unknown head type(s) {bad}; expected {HEAD_TYPES}")
+        if abs(sum(mix.values()) - 1) > 1e-6:
+            raise ImportanceError(f"{path}: head_mix: probabilities sum to {sum(mix.values())}, expected 1")
+        types = {}
+        for t in HEAD_TYPES:
+            p = data["head_types"][t]
+            types[t] = HeadTypeParams(*(tuple(float(x) for x in p[k]) for k in
+                                        ("sink_share", "local_share", "tau", "sigma")))
+            if types[t].sink_share[1] + types[t].local_share[1] >= 1:
+                raise ImportanceError(f"{path}: head_types.{t}: sink_share + local_share must stay < 1")
+        sink = tuple(float(x) for x in data.get("sink_weights", [0.7, 0.1, 0.1, 0.1]))
+        if len(sink) != NUM_SINK:
+            raise ImportanceError(f"{path}: sink_weights: expected {NUM_SINK} values")
+        rho, ell = _correlation_fields(path, data)
+        return cls(name=data.get("name", path.stem), mix=mix, types=types,
+                   dense_layers=int(data.get("dense_layers", 0)),
+                   request_sigma_jitter=float(data.get("request_sigma_jitter", 0.0)),
+                   sink_weights=tuple(np.asarray(sink) / sum(sink)),
+                   content_correlation=rho, correlation_length=ell)
 
 
 def _number(path: Path, data: dict, field: str) -> float:

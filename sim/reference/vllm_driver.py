@@ -113,6 +113,7 @@ def run(spec: dict, out_path: str) -> None:
     recorder = StepRecorder(scheduler)
     pending = sorted(spec["requests"], key=lambda r: (r["arrival_step"], r["id"]))
     step = 0
+    carried: list[int] = []        # preemptions of an empty step (reported with the next step, as kvsim does)
     t0 = time.perf_counter()
     with open(out_path, "w") as out:
         out.write(json.dumps({"meta": {"vllm_version": _vllm_version(),
@@ -137,9 +138,14 @@ def run(spec: dict, out_path: str) -> None:
             recorder.last = None
             outputs = engine.step()
             if recorder.last is None or not recorder.last.num_scheduled_tokens:
+                if recorder.last is not None:
+                    carried += [kvsim_id(r) for r in (recorder.last.preempted_req_ids or ())]
                 continue
             finished = [kvsim_id(o.request_id) for o in outputs if o.finished]
-            out.write(json.dumps(step_row(step, recorder.last, recorder.kinds, scheduler, finished)) + "\n")
+            row = step_row(step, recorder.last, recorder.kinds, scheduler, finished)
+            row["preempted_ids"] = sorted(carried + row["preempted_ids"])
+            carried = []
+            out.write(json.dumps(row) + "\n")
             step += 1
         out.write(json.dumps({"done": {"steps": step, "wall_s": time.perf_counter() - t0}}) + "\n")
 

@@ -1,0 +1,104 @@
+"""Result directories written atomically: a run's files are staged beside `--out` and moved in at the end.
+
+`ResultDir(out)` checks that `out` can be a results directory (not a file, not under a file, its
+parent writable), removes the staging directories of runs that died (kill -9) and creates a fresh
+staging directory `.<name>.kvsim-tmp-<pid>-*` beside `out`. `publish()` moves the staged files into
+place: a reused `out` loses every kvsim result file of the previous run (whichever command wrote
+it), so the directory never mixes two runs; other files in it are left alone. A run that is
+interrupted or fails publishes what it has, marked `partial: true` in summary.json by the caller.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+# every file `kvsim simulate` or `kvsim replay` writes into --out
+RESULT_FILES = ("requests.parquet", "steps.parquet", "summary.json", "config.yaml", "tokens.parquet",
+                "decisions.parquet", "attention_stats.parquet")
+_STAGING = ".kvsim-tmp-"
+
+
+class OutputDirError(ValueError):
+    """--out cannot hold results; the message names the path and what is wrong."""
+
+
+def check_out_dir(out: Path, option: str = "--out") -> None:
+    """Refuse an `out` that is a file, lies under a file, or cannot be written (nor staged beside)."""
+    shown, out = out, Path(out).absolute()
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"{option} {shown}: is a file; expected a directory (existing or to be created)")
+    ancestor = out.parent
+    while not ancestor.exists() and not ancestor.is_symlink():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputDirError(f"{option} {shown}: {ancestor} is a file, so no directory can be created under it")
+    for d in (ancestor, out) if out.is_dir() else (ancestor,):
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise OutputDirError(f"{option} {shown}: {d} is not writable; expected a writable directory")
+
+
+class ResultDir:
+    """A staging directory beside `out`; `publish()` moves its files into `out`, `discard()` drops it."""
+
+    def __init__(self, out: str | Path, option: str = "--out"):
+        self.out = Path(out)
+        check_out_dir(self.out, option)
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            remove_dead_staging(self.out)
+            self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}{_STAGING}{os.getpid()}-",
+                                              dir=self.out.parent))
+            self.path.chmod(0o777 & ~_umask())      # mkdtemp's 0700 would become the results' mode
+        except OSError as exc:
+            raise OutputDirError(f"{option} {self.out}: cannot write beside it ({exc.strerror}); expected "
+                                 "a directory whose parent is writable") from None
+
+    def publish(self) -> Path:
+        """Move the staged files into `out` (replacing the previous run's kvsim files)."""
+        out = self.out
+        if not out.exists():
+            os.replace(self.path, out)
+            return out
+        others = [p for p in out.iterdir() if p.name not in RESULT_FILES]
+        if not others:                      # only an earlier run's results: swap whole directories
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING}{os.getpid()}-old-", dir=out.parent))
+            os.replace(out, old / "previous")
+            os.replace(self.path, out)
+            shutil.rmtree(old, ignore_errors=True)
+            return out
+        for name in RESULT_FILES:           # other files stay: drop the previous run's, then move ours in
+            (out / name).unlink(missing_ok=True)
+        staged = sorted(self.path.iterdir(), key=lambda p: p.name == "summary.json")   # the summary last
+        for f in staged:
+            os.replace(f, out / f.name)
+        self.path.rmdir()
+        return out
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def remove_dead_staging(out: Path) -> None:
+    """Staging directories beside `out` whose process no longer runs (a kill -9 leaves them)."""
+    for p in out.parent.glob(f".{out.name}{_STAGING}*"):
+        pid = p.name[len(f".{out.name}{_STAGING}"):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
