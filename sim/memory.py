@@ -136,7 +136,9 @@ class RunMemoryEstimate:
 def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None) -> RunMemoryEstimate:
     """Host memory a simulation of `cfg` needs, before anything is allocated: the KV block pool of
     every replica, fast mode's per-request slabs at their peak, and the requests of `trace`."""
-    eng, kv = cfg.engine, cfg.kv
+    from .defaults import resolve_engine
+
+    eng, kv = resolve_engine(cfg), cfg.kv
     rows = model.num_layers * kv_heads_per_gpu(model, cfg.tp) if kv.layout == "per_head" else 1
     pool_blocks = num_blocks * rows
     kind = "array" if not kv.is_default else "prefix_caching" if eng.enable_prefix_caching else "plain"
@@ -172,7 +174,10 @@ def _fast_slab_bytes(cfg, rows: int, trace) -> int:
     per_row = cols * 9 + window * 4 + (budget + 2) * 4 + 64
     if scored:
         per_row += (budget + 2) * 24 + window * 16 + 256
-    concurrent = min(cfg.engine.max_num_seqs, len(trace)) if trace is not None else cfg.engine.max_num_seqs
+    from .defaults import resolve_engine
+
+    max_seqs = resolve_engine(cfg).max_num_seqs
+    concurrent = min(max_seqs, len(trace)) if trace is not None else max_seqs
     slots = 4
     while slots < concurrent:
         slots *= 2
