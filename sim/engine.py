@@ -57,6 +57,7 @@ class EngineReplica:
         self.yield_every_step = yield_every_step
         self.now = 0.0              # authoritative clock (simpy time tracks it)
         self.num_steps = 0
+        self.tokens_computed = 0    # prefill + decode tokens computed so far (the progress measure)
         self._last_duration = 0.0
         self._wake: simpy.Event | None = None
         self.process = env.process(self.run())
@@ -135,6 +136,7 @@ class EngineReplica:
         row.update(self._pool_row())
         self.step_log.append(row)
         self.num_steps += 1
+        self.tokens_computed += int(shape.num_prefill_tokens) + int(shape.num_decode_tokens)
         if self.check:
             self.check_invariants()
         if self.on_step:
@@ -178,6 +180,7 @@ class EngineReplica:
         })
         self.step_log.append_columns(rows, k)
         self.num_steps += k
+        self.tokens_computed += sum(run.batch)
         if self.check:
             self.check_invariants()
         if self.on_step:

@@ -21,6 +21,7 @@ from .core.scheduler import Scheduler, SchedulerConfig
 from .engine import ArrivalProcess, EngineReplica, Router
 from .executor import CostModelExecutor
 from .metrics import SUMMARY_STEP_COLUMNS, StepLog, flat_token_times, request_table, summarize
+from .progress import ProgressTracker, TokenBar
 
 
 @dataclass
@@ -89,9 +90,10 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
                    keep_steps: bool = True, trace=None, wrap_kv=None, model=None) -> SimulationResult:
     """Simulate `cfg` (or the given in-memory `trace` in place of `cfg.trace`). `wrap_kv(kv, executor)`,
     if given, returns the (kv, executor) pair each replica runs with (cross-check and calibration tools
-    observe or replace them). `progress`: True for a tqdm bar over finished requests, or a callable
-    total -> bar (with `n`, `update(k)`, `close()`). `model` (a ModelSpec) replaces `cfg.model`'s catalog entry (the
-    cross-check simulates the model a replay actually ran)."""
+    observe or replace them). `progress`: True for a bar over the tokens computed with an ETA (on
+    stderr), or a callable given a `sim.progress.SimProgress` after every engine step, which may raise
+    (e.g. `sim.progress.Cancelled`) to stop the run. `model` (a ModelSpec) replaces `cfg.model`'s catalog
+    entry (the cross-check simulates the model a replay actually ran)."""
     t0 = time.perf_counter()
     trace = load_workload(cfg) if trace is None else trace
     model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=model)
@@ -103,8 +105,8 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     sched_cfg = scheduler_config(cfg, cost, max_model_len)
 
     env = simpy.Environment()
-    bar = (_progress_bar if progress is True else progress)(len(requests)) if progress else None
     replicas: list[EngineReplica] = []
+    tracker = ProgressTracker(requests, replicas, TokenBar() if progress is True else progress) if progress else None
     arrivals_holder: list[ArrivalProcess] = []
     for i in range(cfg.replicas):
         kv, executor = _build_kv(cfg, model, cost, num_blocks)
@@ -115,7 +117,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
             env, i, scheduler, executor, step_log,
             fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants,
             next_arrival=lambda: arrivals_holder[0].next_arrival(), yield_every_step=False,
-            on_step=(lambda n, r=replicas: _tick(bar, r)) if bar else None))
+            on_step=tracker))
     arrivals_holder.append(ArrivalProcess(env, requests, Router(replicas, cfg.router)))
     # The engine allocates many small, long-lived objects (token times, step rows) and no reference
     # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
@@ -128,9 +130,8 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     finally:
         if gc_was_enabled:
             gc.enable()
-    if bar:
-        _tick(bar, replicas)
-        bar.close()
+    if tracker:
+        tracker.finish()
     step_log.close()
 
     req_df = request_table(requests)
@@ -202,14 +203,3 @@ def _build_kv(cfg: SimConfig, model, cost, num_blocks: int):
                           "none/shared (evicted tokens break shared prefix blocks)")
     from .kv.build import build_kv
     return build_kv(cfg.kv, model, cost, num_blocks, eng.block_size, cfg.seed)
-
-
-def _progress_bar(total: int):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="req", desc="simulating", mininterval=0.5)
-
-
-def _tick(bar, replicas) -> None:
-    done = sum(len(r.scheduler.finished) + len(r.scheduler.rejected) for r in replicas)
-    if done > bar.n:
-        bar.update(done - bar.n)
