@@ -7,13 +7,18 @@ import plotly.graph_objects as go
 
 from .data import LATENCY_METRICS, POOL_STATES, RunRecord, bin_steps, latency_cdf, output_token_rate, pool_map
 
-_LAYOUT = dict(height=320, margin=dict(l=50, r=20, t=40, b=40), legend=dict(orientation="h", y=-0.25))
+# Legends below the x-axis title (anchored by their top), the modebar upright on the right: neither
+# covers a title.
+_LAYOUT = dict(height=340, margin=dict(l=60, r=40, t=50, b=100), modebar=dict(orientation="v"),
+               legend=dict(orientation="h", yanchor="top", y=-0.3, x=0, xanchor="left"))
+PLOT_CONFIG = {"displaylogo": False}
 POOL_COLORS = ("#e8e8e8", "#9ecae1", "#fdae6b", "#3182bd")
 
 
 def _fig(title: str, x: str, y: str, **kw) -> go.Figure:
     fig = go.Figure()
-    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, **{**_LAYOUT, **kw})
+    fig.update_layout(title=dict(text=title, x=0, xanchor="left"), xaxis_title=x, yaxis_title=y,
+                      **{**_LAYOUT, **kw})
     return fig
 
 
@@ -52,14 +57,16 @@ def step_series(runs: list[RunRecord], columns: dict[str, str], title: str, y: s
 
 
 def kv_utilization(runs: list[RunRecord], bins: int = 200) -> go.Figure:
+    """Pool use as a fraction of the managed pool (per-head runs: (layer, KV head) pages of all rows
+    against the pool's pages) and fragmentation (1 - live / allocated slots)."""
     fig = _fig("KV utilization and internal fragmentation", "time (s)", "fraction")
     for run in runs:
         b = bin_steps(run.steps, bins)
         if not len(b):
             continue
         prefix = "" if len(runs) == 1 else f"{run.label}: "
-        fig.add_trace(go.Scatter(x=b["time_s"], y=b["blocks_used"] / max(run.num_blocks_total, 1), mode="lines",
-                                 name=f"{prefix}blocks used / pool"))
+        fig.add_trace(go.Scatter(x=b["time_s"], y=b["blocks_used"] / max(run.pool_blocks, 1), mode="lines",
+                                 name=f"{prefix}{'pages' if run.rows_per_block > 1 else 'blocks'} used / pool"))
         fig.add_trace(go.Scatter(x=b["time_s"], y=b["fragmentation"], mode="lines",
                                  name=f"{prefix}fragmentation", line=dict(dash="dot")))
     fig.update_yaxes(range=[0, 1.02])
@@ -68,7 +75,8 @@ def kv_utilization(runs: list[RunRecord], bins: int = 200) -> go.Figure:
 
 def memory_map(run: RunRecord, bins: int = 200, rows: int = 120, zoom: bool = False) -> go.Figure:
     b = bin_steps(run.steps, bins)
-    codes, edges = pool_map(b, run.num_blocks_total, run.block_size, rows, zoom)
+    per_row = run.rows_per_block
+    codes, edges = pool_map(b, run.num_blocks_total, run.block_size, rows, zoom, pages_per_block=per_row)
     n = len(POOL_STATES)
     scale = []
     for i, color in enumerate(POOL_COLORS):
@@ -78,13 +86,16 @@ def memory_map(run: RunRecord, bins: int = 200, rows: int = 120, zoom: bool = Fa
         colorscale=scale, customdata=np.array(POOL_STATES, dtype=object)[codes],
         hovertemplate="t=%{x:.2f}s block≈%{y:.0f}: %{customdata}<extra></extra>",
         colorbar=dict(tickvals=list(range(n)), ticktext=list(POOL_STATES), title="state")))
-    fig.update_layout(title="Block pool over time (blocks grouped by state)", xaxis_title="time (s)",
-                      yaxis_title="blocks", **{**_LAYOUT, "height": 420})
+    title = "Block pool over time (blocks grouped by state)" if per_row == 1 else \
+        f"Block pool over time: mean of the {per_row:,} (layer, KV head) rows, pages grouped by state"
+    fig.update_layout(title=dict(text=title, x=0, xanchor="left"), xaxis_title="time (s)",
+                      yaxis_title="blocks" if per_row == 1 else "pages per (layer, KV head) row",
+                      **{**_LAYOUT, "height": 420, "margin": dict(l=60, r=40, t=50, b=50)})
     return fig
 
 
-def metric_bars(table: pd.DataFrame, label: str, metrics: list[str]) -> go.Figure:
-    fig = _fig("Metrics by configuration", "", "value")
+def metric_bars(table: pd.DataFrame, label: str, metrics: list[str], title: str, y: str) -> go.Figure:
+    fig = _fig(title, "", y)
     for m in metrics:
         if m in table:
             fig.add_trace(go.Bar(x=table[label].astype(str), y=table[m], name=m))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +25,38 @@ _EVENTS = ("prefill_tokens", "decode_tokens", "preemptions", "finished", "evicte
 POOL_STATES = ("free", "cached prefix", "allocated, empty or evicted slots", "live tokens")
 
 
+DATA_ROOT_ENV = "KVSIM_DATA_ROOT"
+
+
 class DataError(ValueError):
     """A results file or directory does not hold what the page needs; the message names it."""
+
+
+# ---- the data root: the only directory tree the dashboard reads and writes -------------------
+def data_root() -> Path:
+    """$KVSIM_DATA_ROOT (set by `kvsim dashboard --data-root`), else ./runs of the server's directory."""
+    return Path(os.environ.get(DATA_ROOT_ENV) or "runs").expanduser().resolve()
+
+
+def resolve_user_path(text: str) -> Path:
+    """A path typed into the page: relative paths are taken from the data root; anything resolving
+    outside it (absolute paths elsewhere, `..`, symbolic links out) is refused."""
+    root = data_root()
+    path = (root / Path(text.strip()).expanduser()).resolve()
+    if path != root and root not in path.parents:
+        raise DataError(f"{text.strip()}: outside the dashboard's data directory {root}; the dashboard reads "
+                        f"and writes only there (its owner chooses it when starting the dashboard)")
+    return path
+
+
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]")
+_LISTED = re.compile(r"(the header has|the file has|has columns?)[^;]*", re.IGNORECASE)
+
+
+def redact_content(message: str) -> str:
+    """An error message about a user's file without the file's own content: quoted values, bracketed
+    lists and listed header columns are dropped (a path field must not become a file viewer)."""
+    return _LISTED.sub(r"\1 other content", _QUOTED.sub("(content not shown)", message))
 
 
 @dataclass
@@ -39,6 +71,21 @@ class RunRecord:
     @property
     def num_blocks_total(self) -> int:
         return int(self.summary.get("num_gpu_blocks", 0)) * int(self.summary.get("replicas", 1) or 1)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks of the managed pool, all replicas. Per-head layouts manage one-(layer, KV head) pages:
+        num_gpu_blocks x layers x KV heads of them; the step log's used + free count says how many."""
+        if len(self.steps) and {"blocks_used", "blocks_free"} <= set(self.steps.columns):
+            per_replica = (self.steps["blocks_used"] + self.steps["blocks_free"]).groupby(
+                self.steps["replica"] if "replica" in self.steps else 0).max()
+            return int(per_replica.sum())
+        return self.num_blocks_total
+
+    @property
+    def rows_per_block(self) -> int:
+        """Pool pages per configured block: 1 for the shared layout, layers x KV heads per GPU for per_head."""
+        return max(1, round(self.pool_blocks / max(self.num_blocks_total, 1)))
 
     @property
     def block_size(self) -> int:
@@ -146,25 +193,27 @@ def bin_steps(steps: pd.DataFrame, num_bins: int = 200) -> pd.DataFrame:
 
 
 def pool_map(binned: pd.DataFrame, num_blocks: int, block_size: int, rows: int = 120,
-             zoom: bool = False) -> tuple[np.ndarray, np.ndarray]:
+             zoom: bool = False, pages_per_block: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """A (rows x bins) map of the block pool over time, state codes indexing POOL_STATES.
 
     The step log holds pool counts, not per-block states, so each time bin's column is the pool
     laid out by state: live-token block-equivalents at the bottom, then allocated blocks' empty
-    or evicted slots, then free blocks still caching a prefix, then free blocks. Returns
-    (codes, block_edges) where row i covers blocks [block_edges[i], block_edges[i+1]). With `zoom`
-    the rows span only the part of the pool that was ever used or cached (plus 10%).
+    or evicted slots, then free blocks still caching a prefix, then free blocks. Per-head layouts
+    (`pages_per_block` (layer, KV head) pages per block) are drawn as the mean row: page and slot
+    counts divided by the number of rows, against the `num_blocks` pages each row has, so the share
+    of allocated slots holding no live token is the run's fragmentation. Returns (codes, block_edges)
+    where row i covers blocks [block_edges[i], block_edges[i+1]). With `zoom` the rows span only the
+    part of the pool that was ever used or cached (plus 10%).
     """
+    used = binned["blocks_used"].to_numpy() / pages_per_block if len(binned) else np.zeros(0)
+    cached = used + (binned["blocks_cached"].to_numpy() / pages_per_block if len(binned) else 0)
+    live = binned["live_slots"].to_numpy() / (block_size * pages_per_block) if len(binned) else np.zeros(0)
     top = num_blocks
     if zoom and len(binned):
-        top = min(num_blocks, max(1.0, 1.1 * float((binned["blocks_used"] + binned["blocks_cached"]).max())))
+        top = min(num_blocks, max(1.0, 1.1 * float(cached.max())))
     edges = np.linspace(0, top, rows + 1)
-    centers = 0.5 * (edges[:-1] + edges[1:])
-    live = (binned["live_slots"].to_numpy() / block_size)[None, :]
-    used = binned["blocks_used"].to_numpy()[None, :]
-    cached = used + binned["blocks_cached"].to_numpy()[None, :]
-    y = centers[:, None]
-    codes = np.select([y < live, y < used, y < cached], [3, 2, 1], default=0)
+    y = (0.5 * (edges[:-1] + edges[1:]))[:, None]
+    codes = np.select([y < live[None, :], y < used[None, :], y < cached[None, :]], [3, 2, 1], default=0)
     return codes, edges
 
 
