@@ -103,8 +103,28 @@ def metric_bars(table: pd.DataFrame, label: str, metrics: list[str], title: str,
     return fig
 
 
+COLUMN_TITLES = {   # table columns as axis titles
+    "trace_options.rate_scale": "arrival-rate scale", "offered_rate_req_s": "offered rate (req/s)",
+    "searched_value": "searched value", "replicas": "replicas", "goodput_req_s": "goodput (req/s)",
+    "throughput_req_s": "throughput (req/s)", "throughput_output_tok_s": "output throughput (tok/s)",
+    "throughput_total_tok_s": "total throughput (tok/s)", "usd_per_m_output_tok": "USD per million output tokens",
+    "usd_per_hour": "USD per hour", "slo_attainment": "SLO attainment", "kv_util_mean": "KV utilization (mean)",
+    "num_gpus": "GPUs",
+}
+
+
+def column_title(column: str) -> str:
+    """'ttft_p99_s' -> 'TTFT p99 (s)', 'trace_options.rate_scale' -> 'arrival-rate scale'."""
+    if column in COLUMN_TITLES:
+        return COLUMN_TITLES[column]
+    head, _, rest = column.partition("_")
+    if head in ("ttft", "tpot", "e2e", "itl", "queueing") and rest.endswith("_s"):
+        return f"{head.upper() if head != 'queueing' else 'queueing'} {rest[:-2].replace('_', ' ')} (s)"
+    return column.rsplit(".", 1)[-1].replace("_", " ")
+
+
 def xy_lines(df: pd.DataFrame, x: str, y: str, group: str | None, title: str, highlight: pd.Series | None = None) -> go.Figure:
-    fig = _fig(title, x, y)
+    fig = _fig(title, column_title(x), column_title(y))
     parts = df.groupby(group, sort=True) if group else [(None, df)]
     for key, part in parts:
         part = part.sort_values(x)

@@ -63,6 +63,13 @@ def metric(at: AppTest, label: str) -> str:
     return next(m.value for m in at.metric if m.label == label)
 
 
+@pytest.fixture(autouse=True)
+def data_root(tmp_path, monkeypatch):
+    """The dashboard reads and writes only under its data root: each test's tmp_path."""
+    monkeypatch.setenv("KVSIM_DATA_ROOT", str(tmp_path))
+    return tmp_path
+
+
 @pytest.fixture(scope="module")
 def expected():
     return run_simulation(load_config(None, SMALL))
@@ -95,7 +102,7 @@ def test_simulate_page_has_its_inputs():
 def test_simulate_run_shows_the_engine_figures(simulated, expected):
     s = expected.summary
     assert metric(simulated, "Finished / rejected") == f"{s['num_finished']} / {s['num_rejected']}" == "50 / 0"
-    assert metric(simulated, "Throughput") == f"{s['throughput_output_tok_s']:.0f} out tok/s"
+    assert metric(simulated, "Output throughput") == f"{s['throughput_output_tok_s']:.0f} tok/s"
     assert metric(simulated, "Preemptions") == str(s["preemptions"])
     ttft = chart(simulated, "TTFT CDF")["data"][0]
     done = expected.requests[expected.requests["status"] == "finished"]
@@ -107,14 +114,16 @@ def test_simulate_run_shows_the_engine_figures(simulated, expected):
     assert values(batch["y"]).max() <= expected.steps["batch_size"].max()
 
 
-def test_bad_upload_shows_the_loader_error():
+def test_bad_upload_shows_the_loader_error_without_the_file_content(data_root):
     at = app()
     at.radio(key="sim_trace_kind").set_value("Upload a file").run()
-    at.file_uploader(key="sim_trace_upload").upload("mine.csv", b"foo,bar\n1,2\n", "text/csv")
+    at.file_uploader(key="sim_trace_upload").upload("mine.csv", b"API_TOKEN=s3cr3t,bar\n1,2\n", "text/csv")
     at.run()
     [message] = errors(at)
-    assert message.startswith("mine.csv:1: header 'foo,bar' is not a known trace format")
+    assert message.startswith("mine.csv:1: header") and "is not a known trace format" in message
+    assert "s3cr3t" not in message and "API_TOKEN" not in message
     assert at.button(key="sim_run").disabled
+    assert list((data_root / "uploads").rglob("mine.csv"))       # uploads are kept under the data root
     at.file_uploader(key="sim_trace_upload").clear().upload(
         "azure.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
         b"2023-11-16 18:15:50.9951690,lots,152\n", "text/csv")
@@ -139,15 +148,46 @@ def test_uploaded_trace_runs(tmp_path):
                                                "engine.num_gpu_blocks": 2000})).summary
     assert direct["num_finished"] + direct["num_rejected"] == 20
     assert metric(at, "Finished / rejected") == f"{direct['num_finished']} / {direct['num_rejected']}"
-    assert metric(at, "Throughput") == f"{direct['throughput_output_tok_s']:.0f} out tok/s"
+    assert metric(at, "Output throughput") == f"{direct['throughput_output_tok_s']:.0f} tok/s"
 
 
-def test_invalid_option_is_named():
+def test_invalid_option_is_named_as_the_page_names_it():
     at = app()
     at.text_input(key="sim_slo_ttft").set_value("2").run()
     [message] = errors(at)
-    assert "slo.ttft" in message and "not a duration with a unit" in message
+    assert message.startswith("TTFT SLO") and "not a duration with a unit" in message and "slo.ttft" not in message
     assert at.button(key="sim_run").disabled
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("sim_max_requests", 0, "Max requests (first N): must be at least 1"),
+    ("sim_max_requests", -5, "Max requests (first N): must be at least 1"),
+    ("sim_num_gpu_blocks", 10**9, "KV pool (blocks): must be at most 4,000,000"),
+    ("sim_rate_scale", 0.0, "Arrival-rate scale: must be at least 0.01"),
+])
+def test_out_of_range_number_blocks_the_run_with_its_message(key, value, message):
+    at = app()
+    at.number_input(key=key).set_value(value).run()
+    assert message in errors(at) and at.button(key="sim_run").disabled
+    assert not any("--" in m for m in errors(at))
+
+
+def test_per_head_pool_is_bounded_in_pages():
+    at = app()
+    at.selectbox(key="sim_kv.layout").set_value("per_head")
+    at.number_input(key="sim_num_gpu_blocks").set_value(100_000).run()   # x 32 layers x 8 KV heads of Llama-3.1-8B
+    assert any(m.startswith("KV pool (blocks): at most 15,625 blocks") for m in errors(at))
+    assert at.button(key="sim_run").disabled
+
+
+def test_paths_outside_the_data_root_are_refused(tmp_path):
+    outside = tmp_path.parent / "elsewhere.csv"
+    at = app()
+    at.radio(key="sim_trace_kind").set_value("Path on this machine").run()
+    for path in (str(outside), "../elsewhere.csv", "/etc/passwd"):
+        at.text_input(key="sim_trace_path").set_value(path).run()
+        [message] = errors(at)
+        assert "outside the dashboard's data directory" in message and "root:" not in message
 
 
 # ---- Memory ----------------------------------------------------------------------------------
@@ -246,7 +286,7 @@ def test_fidelity_page_measures_prediction_error(tmp_path, expected):
     assert "missing column(s) predicted_s" in errors(at)[0]
     at.text_input(key="fid_path").set_value(str(tmp_path / "steps.parquet")).run()
     assert not errors(at)
-    assert metric(at, "Step-time MAPE") == "20.0%"
+    assert metric(at, "Per-step time MAPE") == "20.0%"
     assert metric(at, "Total predicted / measured") == "0.800"
     scatter = chart(at, "Predicted vs measured")
     assert sum(len(values(t["x"])) for t in scatter["data"][:-1]) == len(replay)
@@ -272,21 +312,28 @@ def test_fidelity_table_and_pareto():
     t = fidelity_table(steps).set_index("group")
     assert t.loc["all steps", "steps"] == 3
     assert t.loc["all steps", "MAPE_%"] == pytest.approx(100 * (0.1 + 0.1 + 0) / 3)
-    assert t.loc["all steps", "bias_%"] == pytest.approx(0.0)
+    assert t.loc["all steps", "median_bias_%"] == pytest.approx(0.0)
     assert t.loc["prefill steps", "steps"] == 1 and t.loc["mixed steps", "steps"] == 1
     df = pd.DataFrame({"cost": [1.0, 2.0, 2.0, 3.0], "good": [5.0, 4.0, 7.0, 6.0]})
     assert list(pareto_front(df, "cost", "good")) == [True, False, True, False]
 
 
-def test_background_job_reports_progress_and_cancels():
-    from dashboard.jobs import Job
+def test_background_job_reports_progress_with_eta_and_cancels_within_a_second():
     import time
-    job = Job([("long", load_config(None, {"trace_options.max_requests": 2000}))]).start()
-    seen = set()
-    while not job.done and not seen & {"partway"}:
+    from dashboard.jobs import Job
+    cfg = load_config(None, {"trace": "sharegpt", "trace_options.max_requests": 3000})   # all at t=0
+    job = Job([("long", cfg)]).start()
+    seen = []
+    while not job.done and len(seen) < 3:
         time.sleep(0.05)
-        if 0 < job.fraction < 1 and job.run_total == 2000:
-            seen.add("partway")
-    job.cancel_requested = True
-    job.wait(30)
-    assert seen == {"partway"} and job.error == "cancelled" and job.records == []
+        p = job.progress
+        if p is not None and 0 < job.fraction < 1 and job.eta_s is not None:
+            seen.append((p.tokens_done, job.fraction))
+    assert len(seen) == 3, "no partway progress seen"
+    assert [f for _, f in seen] == sorted(f for _, f in seen)            # moves forward with the tokens computed
+    assert seen[0][1] == pytest.approx(seen[0][0] / job.progress.tokens_total, abs=0.01)
+    assert "tokens" in job.status_text() and "left" in job.status_text()
+    job.cancel()
+    job.wait(5)
+    assert job.done and job.finished - job.cancel_time < 1.0
+    assert job.error == "cancelled" and job.records == []
