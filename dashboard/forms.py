@@ -45,9 +45,11 @@ FIELD_LABELS = {
 
 def gui_message(message: str) -> str:
     """A config/CLI error in the page's words: dotted keys and option flags become field labels."""
+    message = message.removeprefix("config: ").replace("Value error, ", "")
     for key in sorted(FIELD_LABELS, key=len, reverse=True):
         message = re.sub(rf"(?<![\w.-]){re.escape(key)}(?![\w-])", FIELD_LABELS[key], message)
-    return re.sub(r"(?<![\w-])--([a-z][\w-]*)", lambda m: m.group(1).replace("-", " "), message)
+    message = re.sub(r"(?<![\w-])--([a-z][\w-]*)", lambda m: m.group(1).replace("-", " "), message)
+    return re.sub(r"^([^:]+): \1: ", r"\1: ", message)      # "TTFT SLO: TTFT SLO: ..." -> once
 
 
 def number_field(container, label: str, key: str, value, *, low=None, high=None, integer: bool = True,

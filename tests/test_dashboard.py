@@ -219,6 +219,66 @@ def test_memory_page_reads_a_cli_run_directory(tmp_path):
         f"{result.summary['fragmentation_mean']:.1%} / {result.summary['fragmentation_p99']:.1%}")
 
 
+PER_HEAD = {"trace": "sharegpt", "gpu": "l4", "trace_options.max_requests": 40, "kv.policy": "h2o", "kv.budget": 128,
+            "kv.layout": "per_head", "kv.slot_strategy": "slot_reuse", "kv.mode": "fast"}
+
+
+def per_head_config(at: AppTest, prefix: str) -> None:
+    at.selectbox(key=f"{prefix}trace_name").set_value("sharegpt")
+    at.selectbox(key=f"{prefix}gpu").set_value("L4")
+    at.number_input(key=f"{prefix}max_requests").set_value(40)
+    for name in ("policy", "layout", "slot_strategy", "mode"):
+        at.selectbox(key=f"{prefix}kv.{name}").set_value(PER_HEAD[f"kv.{name}"])
+    at.number_input(key=f"{prefix}kv.budget").set_value(128)
+
+
+@pytest.fixture(scope="module")
+def per_head():
+    """An H2O + slot_reuse per-head run (fast mode) simulated directly and on the Simulate page."""
+    result = run_simulation(load_config(None, PER_HEAD))
+    at = app()
+    per_head_config(at, "sim_")
+    at.run()
+    at.button(key="sim_run").click().run()
+    assert not errors(at)
+    return result, at
+
+
+def test_memory_page_draws_a_per_head_run_against_its_pages(per_head):
+    result, at = per_head
+    at.switch_page("pages/memory.py").run()
+    assert not errors(at)
+    steps, s = result.steps, result.summary
+    pages = int((steps.blocks_used + steps.blocks_free).max())
+    assert pages == result.num_gpu_blocks * 32 * 8             # Llama-3.1-8B: 32 layers x 8 KV heads
+    util = chart(at, "KV utilization")["data"]
+    used = values(util[0]["y"])
+    binned = bin_steps(steps, 200)
+    np.testing.assert_allclose(used, binned["blocks_used"] / pages)
+    assert 0 < used.max() <= s["kv_util_max"] + 1e-9 <= 1
+    np.testing.assert_allclose(values(util[1]["y"]), binned["fragmentation"])
+    pool = chart(at, "Block pool over time")
+    assert "256 (layer, KV head) rows" in pool["layout"]["title"]["text"]
+    codes = values(pool["data"][0]["z"])
+    live, allocated = (codes == 3).sum(axis=0), (codes >= 2).sum(axis=0)
+    busy = allocated >= 20                                     # columns with enough rows to measure a share
+    map_fragmentation = 1 - live[busy] / allocated[busy]
+    assert np.abs(map_fragmentation - binned["fragmentation"][busy]).max() < 0.1
+    assert map_fragmentation.mean() == pytest.approx(s["fragmentation_mean"], abs=0.1) and s["fragmentation_mean"] > 0.3
+    assert "Per-head layout" in at.info[0].value
+
+
+def test_compare_page_shares_of_a_per_head_run_stay_within_the_pool(per_head):
+    result, at = per_head
+    at.switch_page("pages/compare.py").run()
+    label = next(iter(at.session_state["kvsim_runs"]))
+    at.multiselect(key="cmp_selected").set_value([label]).run()
+    assert not errors(at)
+    util = chart(at, "KV utilization")["data"][0]
+    assert values(util["y"]).max() == pytest.approx(
+        bin_steps(result.steps, 200)["blocks_used"].max() / (result.num_gpu_blocks * 256))
+
+
 # ---- Compare ---------------------------------------------------------------------------------
 def test_compare_block_sizes_side_by_side():
     at = app()
@@ -290,6 +350,32 @@ def test_fidelity_page_measures_prediction_error(tmp_path, expected):
     assert metric(at, "Total predicted / measured") == "0.800"
     scatter = chart(at, "Predicted vs measured")
     assert sum(len(values(t["x"])) for t in scatter["data"][:-1]) == len(replay)
+
+
+def test_fidelity_page_shows_a_crosscheck_as_its_report_does(small_crosscheck, monkeypatch):
+    import re
+    monkeypatch.setenv("KVSIM_DATA_ROOT", str(small_crosscheck.parent))
+    report = (small_crosscheck / "report.md").read_text()
+    at = app()
+    at.switch_page("pages/fidelity.py").run()
+    at.text_input(key="fid_path").set_value("cc").run()
+    assert not errors(at)
+    mape = re.search(r"per-step time MAPE: \*\*([0-9.]+%)\*\*", report).group(1)
+    total = re.search(r"cost model on the replay's own batches [0-9.]+ s \(([+-][0-9.]+%)\)", report).group(1)
+    assert metric(at, "Per-step time MAPE") == mape
+    assert metric(at, "Step time, model vs measured") == total
+    ttft = re.search(r"TTFT p50 error: \*\*([0-9.]+%)\*\*", report).group(1)
+    assert metric(at, "TTFT p50 error") == ttft
+    table = frame_with(at, "median_bias_%").set_index("group")
+    rows = re.findall(r"^\| (prefill|decode|mixed|all) \| (\d+) \| ([0-9.]+)% \| [0-9.]+% \| [0-9.]+% \| "
+                      r"([+-][0-9.]+)% \|$", report, re.M)
+    assert len(rows) >= 2
+    for kind, steps, ape, bias in rows:
+        row = table.loc["all steps" if kind == "all" else f"{kind} steps"]
+        assert (row["steps"], f"{row['MAPE_%']:.1f}", f"{row['median_bias_%']:+.1f}") == (int(steps), ape, bias)
+    # the replay's own step log prices the steps with the profile the replay ran with: not the report's figures
+    at.text_input(key="fid_path").set_value("cc/real/steps.parquet").run()
+    assert "part of a cross-check" in at.info[0].value
 
 
 # ---- data shaping ----------------------------------------------------------------------------
