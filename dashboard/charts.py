@@ -13,6 +13,7 @@ _LAYOUT = dict(height=340, margin=dict(l=60, r=40, t=50, b=100), modebar=dict(or
                legend=dict(orientation="h", yanchor="top", y=-0.3, x=0, xanchor="left"))
 PLOT_CONFIG = {"displaylogo": False}
 POOL_COLORS = ("#e8e8e8", "#9ecae1", "#fdae6b", "#3182bd")
+POOL_LEGEND = ("free", "cached prefix", "empty / evicted slots", "live tokens")   # POOL_STATES, short
 
 
 def _fig(title: str, x: str, y: str, **kw) -> go.Figure:
@@ -85,12 +86,12 @@ def memory_map(run: RunRecord, bins: int = 200, rows: int = 120, zoom: bool = Fa
         x=b["time_s"], y=0.5 * (edges[:-1] + edges[1:]), z=codes, zmin=-0.5, zmax=n - 0.5,
         colorscale=scale, customdata=np.array(POOL_STATES, dtype=object)[codes],
         hovertemplate="t=%{x:.2f}s block≈%{y:.0f}: %{customdata}<extra></extra>",
-        colorbar=dict(tickvals=list(range(n)), ticktext=list(POOL_STATES), title="state")))
+        colorbar=dict(tickvals=list(range(n)), ticktext=list(POOL_LEGEND), title="state")))
     title = "Block pool over time (blocks grouped by state)" if per_row == 1 else \
         f"Block pool over time: mean of the {per_row:,} (layer, KV head) rows, pages grouped by state"
     fig.update_layout(title=dict(text=title, x=0, xanchor="left"), xaxis_title="time (s)",
                       yaxis_title="blocks" if per_row == 1 else "pages per (layer, KV head) row",
-                      **{**_LAYOUT, "height": 420, "margin": dict(l=60, r=40, t=50, b=50)})
+                      **{**_LAYOUT, "height": 420, "margin": dict(l=60, r=60, t=50, b=50)})
     return fig
 
 
@@ -128,7 +129,7 @@ def xy_lines(df: pd.DataFrame, x: str, y: str, group: str | None, title: str, hi
     parts = df.groupby(group, sort=True) if group else [(None, df)]
     for key, part in parts:
         part = part.sort_values(x)
-        name = str(key[0] if isinstance(key, tuple) else key) if group else y
+        name = str(key[0] if isinstance(key, tuple) else key) if group else column_title(y)
         fig.add_trace(go.Scatter(x=part[x], y=part[y], mode="lines+markers", name=name))
     if highlight is not None and highlight.any():
         front = df[highlight].sort_values(x)
@@ -146,7 +147,7 @@ def predicted_vs_measured(steps: pd.DataFrame, kind: pd.Series | None = None, ma
     for name, index in groups.items():
         part = s.loc[index]
         fig.add_trace(go.Scattergl(x=part["duration_s"] * 1e3, y=part["predicted_s"] * 1e3, mode="markers",
-                                   name=str(name), marker=dict(size=4, opacity=0.6)))
+                                   name=str(name), marker=dict(size=6, opacity=0.7)))
     if len(s):
         lo = float(min(s["duration_s"].min(), s["predicted_s"].min())) * 1e3
         hi = float(max(s["duration_s"].max(), s["predicted_s"].max())) * 1e3

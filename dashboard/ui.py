@@ -153,6 +153,7 @@ LOAD_CHOICE = "Load a run directory..."
 def pick_run(prefix: str, label: str = "Results to show") -> RunRecord | None:
     """A run from this session (the newest selected whenever a run was added), or a
     `kvsim simulate --out` directory read from under the data root."""
+    run_from_link()
     runs = saved_runs()
     options = list(reversed(runs)) + [LOAD_CHOICE]
     _select_newest(f"{prefix}pick", options[0])
@@ -171,6 +172,18 @@ def pick_run(prefix: str, label: str = "Results to show") -> RunRecord | None:
         return None
     save_runs([record])
     return record
+
+
+def run_from_link() -> None:
+    """`?run=DIR` in the page's address (DIR under the data root) opens that run directory: a link to a result."""
+    text = st.query_params.get("run")
+    if not text or st.session_state.get("_linked_run") == text:
+        return
+    st.session_state["_linked_run"] = text
+    try:
+        save_runs([load_run_dir(resolve_user_path(text))])
+    except DataError as exc:
+        st.error(str(exc))
 
 
 def _select_newest(key: str, newest: str) -> None:

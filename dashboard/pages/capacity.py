@@ -165,7 +165,9 @@ left.plotly_chart(charts.xy_lines(table, load, benefit, group, "Capacity curve")
 latency = "ttft_p99_s" if "ttft_p99_s" in table else benefit
 right.plotly_chart(charts.xy_lines(table, load, latency, group, f"{charts.column_title(latency)} vs load"),
                    key="cap_latency", config=charts.PLOT_CONFIG)
-st.dataframe(capacity_by_group(table, load, ok, group), hide_index=True, key="cap_capacity")
+answer_column = f"max {load} meeting the SLO"
+st.dataframe(capacity_by_group(table, load, ok, group), hide_index=True, key="cap_capacity", column_config={
+    answer_column: st.column_config.NumberColumn(f"highest {charts.column_title(load)} meeting the SLO", format="%.3g")})
 if COST in table:
     left.plotly_chart(charts.xy_lines(table, load, COST, group, "Cost per million output tokens (USD)"),
                       key="cap_cost", config=charts.PLOT_CONFIG)

@@ -13,9 +13,9 @@ from dashboard.ui import follow_job, saved_runs
 
 DISK = "Cross-check directory or step log on disk"
 UPLOAD = "Upload a step log (Parquet)"
-TABLE_FORMATS = {c: st.column_config.NumberColumn(c, format=f) for c, f in (
-    ("MAPE_%", "%.1f"), ("median_APE_%", "%.1f"), ("p90_APE_%", "%.1f"), ("median_bias_%", "%+.1f"),
-    ("predicted/measured", "%.3f"))}
+TABLE_FORMATS = {c: st.column_config.NumberColumn(label, format=f) for c, label, f in (
+    ("MAPE_%", "MAPE (%)", "%.1f"), ("median_APE_%", "median APE (%)", "%.1f"), ("p90_APE_%", "p90 APE (%)", "%.1f"),
+    ("median_bias_%", "median bias (%)", "%+.1f"), ("predicted/measured", "predicted / measured", "%.3f"))}
 
 
 def step_log_from_upload():
@@ -29,7 +29,10 @@ def step_log_from_upload():
 
 
 def source_on_disk():
-    """A Crosscheck, or (step log, name); None while the path is empty."""
+    """A Crosscheck, or (step log, name); None while the path is empty. `?path=DIR` in the page's
+    address fills the path in (a link to a cross-check)."""
+    if "fid_path" not in st.session_state and st.query_params.get("path"):
+        st.session_state["fid_path"] = st.query_params["path"]
     text = st.text_input("A `kvsim crosscheck` output directory, a steps.parquet, or a directory of step logs "
                          "(paths under the dashboard's data directory)", key="fid_path").strip()
     if not text:
