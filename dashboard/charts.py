@@ -1,16 +1,20 @@
 """Plotly figures. Each takes one or more RunRecords (overlaid when several) or a prepared table."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
 from .data import LATENCY_METRICS, POOL_STATES, RunRecord, bin_steps, latency_cdf, output_token_rate, pool_map
 
-# Legends below the x-axis title (anchored by their top), the modebar upright on the right: neither
-# covers a title.
-_LAYOUT = dict(height=340, margin=dict(l=60, r=40, t=50, b=100), modebar=dict(orientation="v"),
-               legend=dict(orientation="h", yanchor="top", y=-0.3, x=0, xanchor="left"))
+# Legends at the bottom of the figure, in a margin grown to hold them below the x-axis title (see
+# _legend_below); the modebar upright on the right: neither covers a title.
+_LAYOUT = dict(height=320, margin=dict(l=60, r=40, t=50, b=60), modebar=dict(orientation="v"),
+               legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, xanchor="left"))
+_LEGEND_ROW_PX = 20
+_LEGEND_CHARS_PER_ROW = 55
 PLOT_CONFIG = {"displaylogo": False}
 POOL_COLORS = ("#e8e8e8", "#9ecae1", "#fdae6b", "#3182bd")
 POOL_LEGEND = ("free", "cached prefix", "empty / evicted slots", "live tokens")   # POOL_STATES, short
@@ -23,6 +27,16 @@ def _fig(title: str, x: str, y: str, **kw) -> go.Figure:
     return fig
 
 
+def _legend_below(fig: go.Figure) -> go.Figure:
+    """Room under the x-axis title for the legend's rows (estimated for a chart ~400 px wide)."""
+    names = [str(t.name or "") for t in fig.data if t.showlegend is not False]
+    if len(names) >= 2:
+        rows = min(len(names), math.ceil(sum(len(n) + 6 for n in names) / _LEGEND_CHARS_PER_ROW))
+        extra = _LEGEND_ROW_PX * rows
+        fig.update_layout(height=fig.layout.height + extra, margin_b=fig.layout.margin.b + extra)
+    return fig
+
+
 def latency_cdfs(runs: list[RunRecord], metric: str) -> go.Figure:
     fig = _fig(f"{LATENCY_METRICS[metric]} CDF", f"{LATENCY_METRICS[metric]} (ms)", "fraction of requests")
     for run in runs:
@@ -30,7 +44,7 @@ def latency_cdfs(runs: list[RunRecord], metric: str) -> go.Figure:
         fig.add_trace(go.Scatter(x=cdf["value_ms"], y=cdf["fraction"], mode="lines", name=run.label,
                                  line_shape="hv"))
     fig.update_yaxes(range=[0, 1.02])
-    return fig
+    return _legend_below(fig)
 
 
 def throughput_over_time(runs: list[RunRecord], bins: int = 200) -> go.Figure:
@@ -42,7 +56,7 @@ def throughput_over_time(runs: list[RunRecord], bins: int = 200) -> go.Figure:
         if len(b) and len(runs) == 1:
             fig.add_trace(go.Scatter(x=b["time_s"], y=b["prefill_tokens_per_s"], mode="lines",
                                      name=f"{run.label}: prefill", line=dict(dash="dot")))
-    return fig
+    return _legend_below(fig)
 
 
 def step_series(runs: list[RunRecord], columns: dict[str, str], title: str, y: str, bins: int = 200) -> go.Figure:
@@ -54,7 +68,7 @@ def step_series(runs: list[RunRecord], columns: dict[str, str], title: str, y: s
             if col in b:
                 label = name if len(runs) == 1 else f"{run.label}: {name}"
                 fig.add_trace(go.Scatter(x=b["time_s"], y=b[col], mode="lines", name=label, line_shape="hv"))
-    return fig
+    return _legend_below(fig)
 
 
 def kv_utilization(runs: list[RunRecord], bins: int = 200) -> go.Figure:
@@ -71,7 +85,7 @@ def kv_utilization(runs: list[RunRecord], bins: int = 200) -> go.Figure:
         fig.add_trace(go.Scatter(x=b["time_s"], y=b["fragmentation"], mode="lines",
                                  name=f"{prefix}fragmentation", line=dict(dash="dot")))
     fig.update_yaxes(range=[0, 1.02])
-    return fig
+    return _legend_below(fig)
 
 
 def memory_map(run: RunRecord, bins: int = 200, rows: int = 120, zoom: bool = False) -> go.Figure:
@@ -101,7 +115,7 @@ def metric_bars(table: pd.DataFrame, label: str, metrics: list[str], title: str,
         if m in table:
             fig.add_trace(go.Bar(x=table[label].astype(str), y=table[m], name=m))
     fig.update_layout(barmode="group")
-    return fig
+    return _legend_below(fig)
 
 
 COLUMN_TITLES = {   # table columns as axis titles
@@ -135,7 +149,7 @@ def xy_lines(df: pd.DataFrame, x: str, y: str, group: str | None, title: str, hi
         front = df[highlight].sort_values(x)
         fig.add_trace(go.Scatter(x=front[x], y=front[y], mode="lines+markers", name="Pareto front",
                                  line=dict(color="black", dash="dash"), marker=dict(size=11, symbol="circle-open")))
-    return fig
+    return _legend_below(fig)
 
 
 def predicted_vs_measured(steps: pd.DataFrame, kind: pd.Series | None = None, max_points: int = 20000) -> go.Figure:
@@ -154,4 +168,4 @@ def predicted_vs_measured(steps: pd.DataFrame, kind: pd.Series | None = None, ma
         fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="y = x", line=dict(color="black", dash="dash")))
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log")
-    return fig
+    return _legend_below(fig)
