@@ -59,6 +59,7 @@ for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s")):
 a, b = st.columns(2)
 a.plotly_chart(charts.throughput_over_time(records), key="cmp_throughput", config=charts.PLOT_CONFIG)
 b.plotly_chart(charts.kv_utilization(records), key="cmp_util", config=charts.PLOT_CONFIG)
+a, b = st.columns(2)
 a.plotly_chart(charts.step_series(records, {"num_waiting": "waiting"}, "Queue length", "requests"), key="cmp_queue",
                config=charts.PLOT_CONFIG)
 b.plotly_chart(charts.step_series(records, {"bytes_moved_per_s": "bytes moved / s"}, "Bytes moved by slots",
