@@ -190,6 +190,35 @@ def test_paths_outside_the_data_root_are_refused(tmp_path):
         assert "outside the dashboard's data directory" in message and "root:" not in message
 
 
+def test_newest_run_is_selected_after_each_run():
+    at = app()
+    small_config(at, "sim_")
+    for label in ("first", "second"):
+        at.text_input(key="sim_label").set_value(label)
+        at.button(key="sim_run").click().run()
+        assert not errors(at)
+        assert at.selectbox(key="sim_pick").value == label and at.subheader[0].value == f"Summary: {label}"
+    at.switch_page("pages/memory.py").run()
+    assert at.selectbox(key="mem_pick").value == "second"
+
+
+def test_one_job_per_session_disables_run_on_every_page():
+    from dashboard.jobs import Job
+    at = app()
+    job = Job([("long", load_config(None, {"trace": "sharegpt", "trace_options.max_requests": 5000}))],
+              page="Simulate").start()
+    try:
+        at.session_state["kvsim_job"] = job
+        at.switch_page("pages/compare.py").run()
+        assert at.button(key="cmp_run").disabled
+        assert "started on the Simulate page is running" in at.info[0].value
+    finally:
+        job.cancel()
+        job.wait(10)
+    at.run()
+    assert not at.button(key="cmp_run").disabled
+
+
 # ---- Memory ----------------------------------------------------------------------------------
 def test_memory_page_charts_the_pool(simulated, expected):
     simulated.switch_page("pages/memory.py").run()
@@ -334,6 +363,15 @@ def test_capacity_search_then_reload_its_store(tmp_path):
     assert best["usd_per_m_output_tok"].is_monotonic_increasing
 
 
+def test_capacity_gpu_choice_survives_navigation():
+    at = app()
+    at.switch_page("pages/capacity.py").run()
+    at.multiselect(key="cap_gpus").set_value(["H100-SXM", "L4"]).run()
+    at.switch_page("pages/simulate.py").run()
+    at.switch_page("pages/capacity.py").run()
+    assert at.multiselect(key="cap_gpus").value == ["H100-SXM", "L4"]
+
+
 # ---- Fidelity --------------------------------------------------------------------------------
 def test_fidelity_page_measures_prediction_error(tmp_path, expected):
     replay = expected.steps.copy()
@@ -423,3 +461,25 @@ def test_background_job_reports_progress_with_eta_and_cancels_within_a_second():
     job.wait(5)
     assert job.done and job.finished - job.cancel_time < 1.0
     assert job.error == "cancelled" and job.records == []
+
+
+@pytest.mark.parametrize("address, local", [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                            ("0.0.0.0", False), ("", False), ("192.168.1.20", False)])
+def test_exposure_is_flagged_for_non_local_addresses(address, local):
+    from dashboard.cli import is_local_address
+    assert is_local_address(address) is local
+
+
+def test_dashboard_command_warns_when_exposed_and_passes_the_data_root(monkeypatch, tmp_path):
+    import os
+    from typer.testing import CliRunner
+    from dashboard import cli
+    from sim.cli import app as kvsim
+    started = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: started.append(argv))
+    out = CliRunner().invoke(kvsim, ["dashboard", "--address", "0.0.0.0", "--data-root", str(tmp_path)])
+    assert out.exit_code == 0 and "WARNING: the dashboard is bound to 0.0.0.0" in out.output
+    assert os.environ["KVSIM_DATA_ROOT"] == str(tmp_path.resolve())
+    assert started and started[0][started[0].index("--client.toolbarMode") + 1] == "minimal"
+    out = CliRunner().invoke(kvsim, ["dashboard", "--data-root", str(tmp_path)])
+    assert "WARNING" not in out.output
