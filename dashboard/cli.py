@@ -17,7 +17,7 @@ def streamlit_command(port: int, address: str = "127.0.0.1", headless: bool = Tr
     return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.port", str(port),
             "--server.address", address, "--server.headless", str(headless).lower(),
             "--browser.gatherUsageStats", "false", "--global.developmentMode", "false",
-            "--client.toolbarMode", "minimal"]
+            "--client.toolbarMode", "minimal", "--client.showErrorDetails", "type"]
 
 
 def is_local_address(address: str) -> bool:

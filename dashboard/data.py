@@ -325,7 +325,10 @@ def read_sweep_store(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict
     if p.is_file():
         df, capacity = read_parquet(p), None
     elif (p / "runs").is_dir():
-        df, capacity = read_store(p), read_capacity(p)
+        try:
+            df, capacity = read_store(p), read_capacity(p)
+        except Exception as exc:  # pyarrow / json errors of a damaged store; their text may quote the files
+            raise DataError(f"{p}: a file of this sweep store cannot be read ({type(exc).__name__})") from None
     elif p.is_dir():
         raise DataError(f"{p}: not a sweep store (expected a runs/ directory of Parquet rows, "
                         "as written by `kvsim sweep` or `kvsim capacity --store`)")

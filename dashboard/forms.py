@@ -49,6 +49,7 @@ def gui_message(message: str) -> str:
     for key in sorted(FIELD_LABELS, key=len, reverse=True):
         message = re.sub(rf"(?<![\w.-]){re.escape(key)}(?![\w-])", FIELD_LABELS[key], message)
     message = re.sub(r"(?<![\w-])--([a-z][\w-]*)", lambda m: m.group(1).replace("-", " "), message)
+    message = re.sub(r"(?<![\w.])(?:kv|engine|trace_options|slo)\.(\w+)", r"\1", message)   # generated widgets' labels
     return re.sub(r"^([^:]+): \1: ", r"\1: ", message)      # "TTFT SLO: TTFT SLO: ..." -> once
 
 
@@ -165,22 +166,55 @@ def _field_widget(key: str, name: str, f, prefix: str):
         return st.checkbox(name, value=bool(f.default), key=wkey, help=help_text)
     if inner in (int, float):
         default = f.default if isinstance(f.default, (int, float)) else None
-        return st.number_input(name, value=inner(default) if default is not None else None, key=wkey,
-                               step=1 if inner is int else None, help=help_text,
-                               placeholder="default" if optional else None)
+        low, high = field_bounds(f)
+        value = st.number_input(name, value=inner(default) if default is not None else None, key=wkey,
+                                step=1 if inner is int else None, help=help_text,
+                                placeholder="default" if optional else None)
+        problem = number_problem(value, low, high, optional=optional)
+        if problem:
+            st.error(f"{name}: {problem}")
+            raise FieldProblem(name)
+        return value
     if inner is str:
         value = st.text_input(name, value="" if f.default is None else str(f.default), key=wkey, help=help_text)
         return value or None
     return None
 
 
-def model_widgets(section: str, model: type[BaseModel], prefix: str, skip: set[str] = frozenset()) -> dict:
-    """Generated widgets for a pydantic section -> dotted overrides."""
+class FieldProblem(ValueError):
+    """A generated widget holds an invalid value (its message is shown under it)."""
+
+
+def field_bounds(f) -> tuple[float | None, float | None]:
+    """The smallest and largest value a pydantic field accepts (Field(gt=, ge=, lt=, le=)); for
+    exclusive integer bounds, the nearest integer inside."""
+    low = high = None
+    for m in f.metadata:
+        step = 1 if _unwrap(f.annotation)[0] is int else 0
+        if getattr(m, "ge", None) is not None:
+            low = m.ge
+        if getattr(m, "gt", None) is not None:
+            low = m.gt + step if step else m.gt
+        if getattr(m, "le", None) is not None:
+            high = m.le
+        if getattr(m, "lt", None) is not None:
+            high = m.lt - step if step else m.lt
+    return low, high
+
+
+def model_widgets(section: str, model: type[BaseModel], prefix: str, skip: set[str] = frozenset(),
+                  problems: list | None = None) -> dict:
+    """Generated widgets for a pydantic section -> dotted overrides; invalid numbers go to `problems`."""
     out = {}
     for name, f in model.model_fields.items():
         if name in skip or _is_model(f.annotation):
             continue
-        value = _field_widget(f"{section}.{name}", name, f, prefix)
+        try:
+            value = _field_widget(f"{section}.{name}", name, f, prefix)
+        except FieldProblem:
+            if problems is not None:
+                problems.append(name)
+            continue
         if value is not None:
             out[f"{section}.{name}"] = value
     return out
@@ -267,7 +301,7 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
     sections = extra_sections()
     for name, model in sections.items():
         with st.expander(_SECTION_TITLES.get(name, f"{name} options"), expanded=True):
-            overrides.update(model_widgets(name, model, prefix))
+            overrides.update(model_widgets(name, model, prefix, problems=problems))
     with st.expander("SLO, seed and other options", expanded=False):
         _other_fields(prefix, overrides, problems)
     _check_pool_size(overrides, problems)
@@ -324,7 +358,7 @@ def _engine_fields(prefix: str, overrides: dict, problems: list) -> None:
     overrides["engine.preemption_mode"] = a.selectbox("Preemption", ["recompute", "swap"], key=f"{prefix}preempt")
     overrides["engine.scheduling_policy"] = b.selectbox("Scheduling", ["fcfs", "priority"], key=f"{prefix}sched")
     st.caption("More engine options")
-    overrides.update(model_widgets("engine", type(e), prefix, skip=_HANDLED_ENGINE))
+    overrides.update(model_widgets("engine", type(e), prefix, skip=_HANDLED_ENGINE, problems=problems))
 
 
 def _other_fields(prefix: str, overrides: dict, problems: list) -> None:
@@ -335,7 +369,11 @@ def _other_fields(prefix: str, overrides: dict, problems: list) -> None:
     overrides["seed"] = number_field(a, "Seed", f"{prefix}seed", 0, low=0, problems=problems)
     top = {n: f for n, f in SimConfig.model_fields.items() if n not in _HANDLED and not _is_model(f.annotation)}
     for name, f in top.items():
-        value = _field_widget(name, name, f, prefix)
+        try:
+            value = _field_widget(name, name, f, prefix)
+        except FieldProblem:
+            problems.append(name)
+            continue
         if value is not None:
             overrides[name] = value
 

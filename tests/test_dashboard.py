@@ -164,6 +164,7 @@ def test_invalid_option_is_named_as_the_page_names_it():
     ("sim_max_requests", -5, "Max requests (first N): must be at least 1"),
     ("sim_num_gpu_blocks", 10**9, "KV pool (blocks): must be at most 4,000,000"),
     ("sim_rate_scale", 0.0, "Arrival-rate scale: must be at least 0.01"),
+    ("sim_kv.budget", 0, "budget: must be at least 1"),           # a generated widget: bounds from the config
 ])
 def test_out_of_range_number_blocks_the_run_with_its_message(key, value, message):
     at = app()
@@ -411,6 +412,8 @@ def test_fidelity_page_shows_a_crosscheck_as_its_report_does(small_crosscheck, m
     for kind, steps, ape, bias in rows:
         row = table.loc["all steps" if kind == "all" else f"{kind} steps"]
         assert (row["steps"], f"{row['MAPE_%']:.1f}", f"{row['median_bias_%']:+.1f}") == (int(steps), ape, bias)
+    at.text_input(key="fid_path").set_value("cc/step_times.parquet").run()     # the report's table itself
+    assert not errors(at) and metric(at, "Per-step time MAPE") == mape
     # the replay's own step log prices the steps with the profile the replay ran with: not the report's figures
     at.text_input(key="fid_path").set_value("cc/real/steps.parquet").run()
     assert "part of a cross-check" in at.info[0].value

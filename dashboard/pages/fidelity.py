@@ -39,6 +39,8 @@ def source_on_disk():
         st.info("A cross-check directory holds report.md, crosscheck.json and step_times.parquet.")
         return None
     path = resolve_user_path(text)
+    if path.name == "step_times.parquet" and is_crosscheck_dir(path.parent):
+        path = path.parent   # the cross-check's own table: read with its figures
     if is_crosscheck_dir(path):
         return read_crosscheck(path)
     if path.is_dir():
