@@ -156,6 +156,14 @@ class Browser:
         if not clicked:
             raise RuntimeError(f"no enabled button {label!r} on the page")
 
+    def type_into(self, label: str, text: str, timeout: float = 30.0) -> None:
+        """Replace the text of the input labelled `label` (as a user would: focus, select all, type, Enter)."""
+        self.wait_for(f"(() => {{ const i = document.querySelector('input[aria-label=' + {json.dumps(json.dumps(label))} "
+                      "+ ']'); if (i) { i.focus(); i.select(); } return !!i; })()", timeout, f"an input labelled {label!r}")
+        self.cdp("Input.insertText", text=text)
+        for kind in ("keyDown", "keyUp"):
+            self.cdp("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
+
     def screenshot(self, path: str | Path, max_height: int = 3200) -> Path:
         """The whole page (the viewport grown to the app's content height), as a 256-colour PNG."""
         height = min(max_height, int(self.eval(MAIN_HEIGHT) or self.height))
@@ -218,6 +226,25 @@ def run_simulation_in_browser(browser: Browser, url: str, timeout: float = 90.0)
     click_and_wait(browser, url, "Run simulation", "Summary:", 6, timeout)
     time.sleep(1.0)   # let plotly finish its transitions before a screenshot
     return browser.text()
+
+
+def cancel_in_browser(browser: Browser, url: str, requests: int, timeout: float = 90.0) -> float:
+    """Start a simulation of `requests` requests on the Simulate page, click Cancel as soon as the
+    progress bar shows; seconds from the click to the page saying the run was cancelled."""
+    browser.navigate(url)
+    browser.wait_for(_enabled_button("Run simulation"), timeout, "the Run simulation button")
+    browser.type_into("Max requests (first N)", str(requests))
+    browser.wait_for(f"document.querySelector('input[aria-label=\"Max requests (first N)\"]')?.value === '{requests}'",
+                     timeout, "the typed number of requests")
+    time.sleep(1.0)   # the rerun that takes the new value
+    browser.wait_for(_enabled_button("Run simulation"), timeout, "the Run simulation button")
+    browser.click_button("Run simulation")
+    browser.wait_for(_enabled_button("Cancel") + " && document.body.innerText.includes('tokens')", timeout,
+                     "the progress bar and Cancel")
+    start = time.monotonic()
+    browser.click_button("Cancel")
+    browser.wait_for("document.body.innerText.includes('Simulation cancelled.')", timeout, "the cancel message")
+    return time.monotonic() - start
 
 
 def tour(browser: Browser, url: str, run_dir: str, crosscheck_dir: str, shots: Path | None = None,

@@ -12,7 +12,7 @@ from .jobs import Job
 
 RUNS_KEY = "kvsim_runs"          # label -> RunRecord, every run this session (newest last)
 JOB_KEY = "kvsim_job"            # the session's background job (one at a time)
-POLL_S = 0.25
+POLL_S = 0.1
 
 SUMMARY_COLUMNS = {   # summary key -> (table header, scale, format)
     "num_finished": ("finished", 1, "{:.0f}"), "num_rejected": ("rejected", 1, "{:.0f}"),
@@ -87,8 +87,7 @@ def follow_job(page: str) -> Job | None:
 def _show_progress(job: Job) -> None:
     slot = st.empty()
     with slot.container():
-        if st.button("Cancel", key=f"{job.page}_cancel"):
-            job.cancel()
+        st.button("Cancel", key=f"{job.page}_cancel", on_click=job.cancel)   # runs first thing on the rerun
         bar = st.progress(job.fraction, text=job.status_text())
     while not job.done:
         time.sleep(POLL_S)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard.browser import Browser, chromium_binary, serve_dashboard, tour
+from dashboard.browser import Browser, cancel_in_browser, chromium_binary, serve_dashboard, tour
 from sim.config import load_config
 from sim.simulate import run_simulation
 
@@ -43,6 +43,7 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
                 seen["used"] = plotted(browser, "KV utilization")[0]["y"]
                 seen["pool"] = plotted(browser, "Block pool over time")[0]["z"]
         seconds = tour(browser, url, "per-head", "cc", shots, inspect=inspect)
+        cancel_s = cancel_in_browser(browser, url, 19_366)      # the whole Azure conversation trace
     memory, fidelity, used, pool = seen["memory"], seen["fidelity"], seen["used"], seen["pool"]
     # Memory: the per-head run against its (layer, KV head) pages, the map as fragmented as the run
     s = per_head.summary
@@ -63,4 +64,5 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
     assert "TTFT by configuration" in seen["compare"] and "engine.block_size=32" in seen["compare"]
     assert "Best configuration under the SLO" in seen["capacity"] and "queue draining" in seen["capacity"]
     assert set(seconds) == set(PAGES) and all(0 < t < 60 for t in seconds.values())
-    print("time to result:", {page: round(t, 1) for page, t in seconds.items()})
+    assert cancel_s < 2.0      # click to "cancelled" on screen; the simulation itself stops within a step
+    print("time to result:", {page: round(t, 1) for page, t in seconds.items()}, "cancel:", round(cancel_s, 2))
