@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sim.config import ConfigError, SimConfig
-from sim.progress import Cancelled, SimProgress, format_duration
+from sim.progress import Cancelled, SimProgress, format_duration, reporting_to
 
 from .data import RunRecord, record_from_result
 
-__all__ = ["Cancelled", "Job"]
+__all__ = ["Cancelled", "Job", "capacity_search_task"]
 
 
 @dataclass
@@ -65,7 +65,8 @@ class Job:
     def _work(self) -> None:
         try:
             if self.task is not None:
-                self.value = self.task(self)
+                with reporting_to(self.on_progress):   # every simulation it runs reports every step
+                    self.value = self.task(self)
             self._simulate_runs()
         except Cancelled:
             self.error = "cancelled"
@@ -94,9 +95,10 @@ class Job:
 
     @property
     def fraction(self) -> float:
+        p = self.progress
+        inner = p.fraction if p is not None and not p.finished else 0.0
         if self.task is not None:
-            return min(1.0, self.run_done / self.run_total) if self.run_total else 0.0
-        inner = self.progress.fraction if self.progress is not None else 0.0
+            return min(1.0, (self.run_done + inner) / self.run_total) if self.run_total else 0.0
         return min(1.0, (len(self.records) + inner) / max(len(self.runs), 1))
 
     @property
@@ -123,3 +125,23 @@ class Job:
     def wait(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int,
+                         store: str | None) -> Callable[[Job], list]:
+    """A Job task: sim.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
+    from sim.capacity import find_capacity
+
+    from .forms import with_value
+
+    def task(job: Job) -> list:
+        job.unit, job.run_total = "simulations", len(gpus) * max_evals
+        answers = []
+        for i, gpu in enumerate(gpus):
+            def progress(row):
+                job.run_done += 1
+            answers.append((gpu, find_capacity(with_value(base, "gpu", gpu), constraints, mode=mode,
+                                               max_evals=max_evals, store=store, progress=progress)))
+            job.run_done = (i + 1) * max_evals
+        return answers
+    return task

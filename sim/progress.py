@@ -6,15 +6,38 @@ fast-forwarded stretch of decode steps is one call). The work is the tokens the 
 moves the bar from its first step, long before any request finishes. The callback may raise (for
 example `Cancelled`) to stop the simulation: the exception propagates out of `run_simulation`.
 `progress=True` shows `TokenBar` (tqdm on stderr: tokens, ETA, requests done).
+
+Code that runs simulations through other layers (a capacity search, an in-process sweep) can set
+the callback for every simulation of its thread with `with reporting_to(callback): ...`.
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+_AMBIENT: ContextVar = ContextVar("kvsim_progress_callback", default=None)
 
-class Cancelled(Exception):
-    """Raised by a progress callback to stop a simulation."""
+
+class Cancelled(BaseException):
+    """Raised by a progress callback to stop a simulation. A BaseException (like KeyboardInterrupt):
+    a stop request, not a failure, so layers that turn a failed simulation into a result row let it
+    through."""
+
+
+@contextmanager
+def reporting_to(callback):
+    """Every run_simulation in this context (thread) without its own `progress` reports to `callback`."""
+    token = _AMBIENT.set(callback)
+    try:
+        yield
+    finally:
+        _AMBIENT.reset(token)
+
+
+def ambient_callback():
+    return _AMBIENT.get()
 
 
 @dataclass

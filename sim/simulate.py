@@ -21,7 +21,7 @@ from .core.scheduler import Scheduler, SchedulerConfig
 from .engine import ArrivalProcess, EngineReplica, Router
 from .executor import CostModelExecutor
 from .metrics import SUMMARY_STEP_COLUMNS, StepLog, flat_token_times, request_table, summarize
-from .progress import ProgressTracker, TokenBar
+from .progress import ProgressTracker, TokenBar, ambient_callback
 
 
 @dataclass
@@ -92,7 +92,8 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     if given, returns the (kv, executor) pair each replica runs with (cross-check and calibration tools
     observe or replace them). `progress`: True for a bar over the tokens computed with an ETA (on
     stderr), or a callable given a `sim.progress.SimProgress` after every engine step, which may raise
-    (e.g. `sim.progress.Cancelled`) to stop the run. `model` (a ModelSpec) replaces `cfg.model`'s catalog
+    (e.g. `sim.progress.Cancelled`) to stop the run; without it, the callback of an enclosing
+    `sim.progress.reporting_to` if any. `model` (a ModelSpec) replaces `cfg.model`'s catalog
     entry (the cross-check simulates the model a replay actually ran)."""
     t0 = time.perf_counter()
     trace = load_workload(cfg) if trace is None else trace
@@ -106,6 +107,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
 
     env = simpy.Environment()
     replicas: list[EngineReplica] = []
+    progress = progress or ambient_callback()
     tracker = ProgressTracker(requests, replicas, TokenBar() if progress is True else progress) if progress else None
     arrivals_holder: list[ArrivalProcess] = []
     for i in range(cfg.replicas):

@@ -364,6 +364,21 @@ def test_capacity_search_then_reload_its_store(tmp_path):
     assert best["usd_per_m_output_tok"].is_monotonic_increasing
 
 
+def test_capacity_search_cancels_within_a_second():
+    import time
+    from dashboard.jobs import Job, capacity_search_task
+    from sim.capacity import parse_slo
+    base = load_config(None, {"trace_options.max_requests": 19_366})       # seconds per simulation
+    job = Job(task=capacity_search_task(base, ["H100-SXM"], parse_slo("ttft_p99<=2s"), "rate", 8, None),
+              page="Capacity").start()
+    while not job.done and not (job.progress is not None and job.progress.tokens_done > 0):
+        time.sleep(0.02)
+    job.cancel()
+    job.wait(5)
+    assert job.done and job.finished - job.cancel_time < 1.0
+    assert job.error == "cancelled" and job.run_done == 0                  # stopped inside the first simulation
+
+
 def test_capacity_gpu_choice_survives_navigation():
     at = app()
     at.switch_page("pages/capacity.py").run()

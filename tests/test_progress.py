@@ -44,3 +44,22 @@ def test_fraction_and_eta():
     assert p.fraction < 1 and SimProgress(100, 1, finished=True).fraction == 1.0
     assert SimProgress(100, 1).eta_s is None
     assert format_duration(3725) == "1 h 02 min" and format_duration(75) == "1 min 15 s"
+
+
+def test_enclosing_callback_reaches_simulations_run_by_other_layers():
+    from sim.progress import reporting_to
+    from sim.sweep import RunTask, execute_run
+    cfg = load_config(None, SMALL)
+    calls = []
+    with reporting_to(lambda p: calls.append(p.steps)):
+        run_simulation(cfg)
+    assert calls and calls == sorted(calls)
+
+    def stop(p: SimProgress) -> None:
+        raise Cancelled()
+
+    with reporting_to(stop), pytest.raises(Cancelled):      # a sweep turns failures into rows, not a cancel
+        execute_run(RunTask("r", cfg.model_dump(mode="json")))
+    calls.clear()
+    run_simulation(cfg)                                     # outside the context: no callback
+    assert calls == []

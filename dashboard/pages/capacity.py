@@ -6,9 +6,10 @@ import streamlit as st
 from dashboard import charts
 from dashboard.data import (DataError, capacity_by_group, drain_share, meets_slo, pareto_front, read_sweep_store,
                             resolve_user_path, varying_columns)
-from dashboard.forms import config_form, gui_message, with_value
+from dashboard.forms import config_form, gui_message
+from dashboard.jobs import capacity_search_task
 from dashboard.ui import follow_job, keep_widget, run_button, start_job
-from sim.capacity import find_capacity, parse_slo
+from sim.capacity import parse_slo
 from sim.catalog import list_gpus
 from sim.config import ConfigError, SimConfig
 from sim.sweep import config_columns
@@ -17,22 +18,6 @@ DEFAULT_SLO = "ttft_p99<=2s, tpot_p99<=100ms"
 LOAD_COLUMNS = ["offered_rate_req_s", "trace_options.rate_scale", "replicas", "searched_value"]
 BENEFIT_COLUMNS = ["goodput_req_s", "throughput_output_tok_s", "throughput_req_s"]
 COST = "usd_per_m_output_tok"
-
-
-def capacity_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int, store: str | None):
-    def task(job):
-        job.unit, job.run_total = "points", len(gpus) * max_evals
-        answers = []
-        for i, gpu in enumerate(gpus):
-            def progress(row):
-                job.check_cancel()
-                job.run_done += 1
-            result = find_capacity(with_value(base, "gpu", gpu), constraints, mode=mode, max_evals=max_evals,
-                                   store=store, progress=progress)
-            answers.append((gpu, result))
-            job.run_done = (i + 1) * max_evals
-        return answers
-    return task
 
 
 ANSWER_FORMATS = {name: st.column_config.NumberColumn(name, format=fmt) for name, fmt in (
@@ -118,7 +103,7 @@ else:
         st.error(gui_message(str(exc)))
         chosen = []
     if run_button("Search capacity", "cap_run", "Capacity", blocked=not chosen):
-        start_job("Capacity", task=capacity_task(base, chosen, constraints, mode, int(max_evals), store))
+        start_job("Capacity", task=capacity_search_task(base, chosen, constraints, mode, int(max_evals), store))
     job = follow_job("Capacity")
     if job is not None and job.value:
         st.session_state["cap_answers"] = job.value
