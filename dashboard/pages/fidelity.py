@@ -1,6 +1,7 @@
 """Fidelity: the cost model's predicted step time against measured step time, from a cross-check
 directory (with the cross-check's own profile and figures) or any step log."""
 import io
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -72,7 +73,8 @@ def show_crosscheck(cc: Crosscheck) -> None:
     d.metric("Memory, recorded mode", "-" if identical is None else ("identical" if identical else "diverges"))
     context = cc.figures.get("context") or {}
     st.caption(f"Profile {context.get('profile', '?')}, model {context.get('model', '?')}, trace "
-               f"{context.get('trace', '?')}, {context.get('repeats', 1)} replay(s). Figures as in report.md.")
+               f"{Path(str(context.get('trace', '?'))).name}, {context.get('repeats', 1)} replay(s), "
+               f"{context.get('requests', '?')} requests. Figures as in report.md.")
     show_errors(cc.steps, cc.kind)
     report = cc.path / "report.md"
     if report.is_file():
