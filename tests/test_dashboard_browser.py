@@ -44,6 +44,7 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
                 seen["pool"] = plotted(browser, "Block pool over time")[0]["z"]
         seconds = tour(browser, url, "per-head", "cc", shots, inspect=inspect)
         cancel_s = cancel_in_browser(browser, url, 19_366)      # the whole Azure conversation trace
+        cancelled = browser.text()
     memory, fidelity, used, pool = seen["memory"], seen["fidelity"], seen["used"], seen["pool"]
     # Memory: the per-head run against its (layer, KV head) pages, the map as fragmented as the run
     s = per_head.summary
@@ -64,5 +65,7 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
     assert "TTFT by configuration" in seen["compare"] and "engine.block_size=32" in seen["compare"]
     assert "Best configuration under the SLO" in seen["capacity"] and "queue draining" in seen["capacity"]
     assert set(seconds) == set(PAGES) and all(0 < t < 60 for t in seconds.values())
-    assert cancel_s < 2.0      # click to "cancelled" on screen; the simulation itself stops within a step
+    # Cancel stopped the run (no result of it on the page). The simulation stops within a step (< 1 s: the job
+    # tests); on screen it takes a rerun of the page, 0.3-1.3 s here, more when the machine is busy
+    assert "Summary:" not in cancelled and cancel_s < 5.0
     print("time to result:", {page: round(t, 1) for page, t in seconds.items()}, "cancel:", round(cancel_s, 2))
