@@ -85,7 +85,9 @@ class RunRecord:
     @property
     def rows_per_block(self) -> int:
         """Pool pages per configured block: 1 for the shared layout, layers x KV heads per GPU for per_head."""
-        return max(1, round(self.pool_blocks / max(self.num_blocks_total, 1)))
+        if self.num_blocks_total <= 0:   # a summary without the pool size: draw the pool as it is
+            return 1
+        return max(1, round(self.pool_blocks / self.num_blocks_total))
 
     @property
     def block_size(self) -> int:
