@@ -292,6 +292,7 @@ def trace_input(prefix: str, problems: list) -> tuple[str | None, dict, str | No
 def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[SimConfig | None, str | None]:
     """Widgets for one simulation -> (validated SimConfig, None) or (None, readable error). A number
     out of range shows its message under its field and blocks the run."""
+    restore_form(prefix)
     problems: list[str] = []
     source, overrides, error = trace_input(prefix, problems)
     _workload_fields(prefix, max_requests, overrides, problems)
@@ -305,6 +306,7 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
     with st.expander("SLO, seed and other options", expanded=False):
         _other_fields(prefix, overrides, problems)
     _check_pool_size(overrides, problems)
+    remember_form(prefix)
     if error or problems:
         return None, error or INVALID_FIELDS
     overrides["trace"] = source
@@ -312,6 +314,23 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
         return load_config(None, overrides), None
     except ConfigError as exc:
         return None, gui_message(str(exc))
+
+
+_NOT_RESTORED = ("trace_upload", "run", "pick", "label", "_x", "_y", "_group")   # uploads, buttons, page widgets
+
+
+def remember_form(prefix: str) -> None:
+    """Keep the form's values, so that they survive a visit to another page (Streamlit drops the
+    state of widgets a page run did not draw)."""
+    st.session_state[f"_form_{prefix}"] = {
+        k: v for k, v in st.session_state.items() if isinstance(k, str) and k.startswith(prefix)
+        and not k.endswith(_NOT_RESTORED) and isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def restore_form(prefix: str) -> None:
+    for key, value in st.session_state.get(f"_form_{prefix}", {}).items():
+        if key not in st.session_state:
+            st.session_state[key] = value
 
 
 def _workload_fields(prefix: str, max_requests: int, overrides: dict, problems: list) -> None:

@@ -379,6 +379,18 @@ def test_capacity_search_cancels_within_a_second():
     assert job.error == "cancelled" and job.run_done == 0                  # stopped inside the first simulation
 
 
+def test_configuration_survives_navigation():
+    at = app()
+    at.number_input(key="sim_max_requests").set_value(77)
+    at.selectbox(key="sim_gpu").set_value("L4")
+    at.selectbox(key="sim_kv.policy").set_value("h2o").run()
+    at.switch_page("pages/memory.py").run()
+    at.switch_page("pages/simulate.py").run()
+    assert not errors(at)
+    assert at.number_input(key="sim_max_requests").value == 77 and at.selectbox(key="sim_gpu").value == "L4"
+    assert at.selectbox(key="sim_kv.policy").value == "h2o"
+
+
 def test_capacity_gpu_choice_survives_navigation():
     at = app()
     at.switch_page("pages/capacity.py").run()
