@@ -3,9 +3,15 @@ from pathlib import Path
 
 import streamlit as st
 
+from dashboard.cli import exposure_warning, is_local_address
+from dashboard.data import data_root
+
 PAGES = Path(__file__).resolve().parent / "pages"
 
 st.set_page_config(page_title="kvsim", layout="wide")
+address = st.get_option("server.address") or ""
+if not is_local_address(address):
+    st.warning(exposure_warning(address, data_root()), icon="⚠️")
 page = st.navigation([
     st.Page(PAGES / "simulate.py", title="Simulate", default=True),
     st.Page(PAGES / "memory.py", title="Memory"),

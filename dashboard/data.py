@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +25,38 @@ _EVENTS = ("prefill_tokens", "decode_tokens", "preemptions", "finished", "evicte
 POOL_STATES = ("free", "cached prefix", "allocated, empty or evicted slots", "live tokens")
 
 
+DATA_ROOT_ENV = "KVSIM_DATA_ROOT"
+
+
 class DataError(ValueError):
     """A results file or directory does not hold what the page needs; the message names it."""
+
+
+# ---- the data root: the only directory tree the dashboard reads and writes -------------------
+def data_root() -> Path:
+    """$KVSIM_DATA_ROOT (set by `kvsim dashboard --data-root`), else ./runs of the server's directory."""
+    return Path(os.environ.get(DATA_ROOT_ENV) or "runs").expanduser().resolve()
+
+
+def resolve_user_path(text: str) -> Path:
+    """A path typed into the page: relative paths are taken from the data root; anything resolving
+    outside it (absolute paths elsewhere, `..`, symbolic links out) is refused."""
+    root = data_root()
+    path = (root / Path(text.strip()).expanduser()).resolve()
+    if path != root and root not in path.parents:
+        raise DataError(f"{text.strip()}: outside the dashboard's data directory {root}; the dashboard reads "
+                        f"and writes only there (its owner chooses it when starting the dashboard)")
+    return path
+
+
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]")
+_LISTED = re.compile(r"(the header has|the file has|has columns?)[^;]*", re.IGNORECASE)
+
+
+def redact_content(message: str) -> str:
+    """An error message about a user's file without the file's own content: quoted values, bracketed
+    lists and listed header columns are dropped (a path field must not become a file viewer)."""
+    return _LISTED.sub(r"\1 other content", _QUOTED.sub("(content not shown)", message))
 
 
 @dataclass
@@ -39,6 +71,23 @@ class RunRecord:
     @property
     def num_blocks_total(self) -> int:
         return int(self.summary.get("num_gpu_blocks", 0)) * int(self.summary.get("replicas", 1) or 1)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks of the managed pool, all replicas. Per-head layouts manage one-(layer, KV head) pages:
+        num_gpu_blocks x layers x KV heads of them; the step log's used + free count says how many."""
+        if len(self.steps) and {"blocks_used", "blocks_free"} <= set(self.steps.columns):
+            per_replica = (self.steps["blocks_used"] + self.steps["blocks_free"]).groupby(
+                self.steps["replica"] if "replica" in self.steps else 0).max()
+            return int(per_replica.sum())
+        return self.num_blocks_total
+
+    @property
+    def rows_per_block(self) -> int:
+        """Pool pages per configured block: 1 for the shared layout, layers x KV heads per GPU for per_head."""
+        if self.num_blocks_total <= 0:   # a summary without the pool size: draw the pool as it is
+            return 1
+        return max(1, round(self.pool_blocks / self.num_blocks_total))
 
     @property
     def block_size(self) -> int:
@@ -65,7 +114,12 @@ def load_run_dir(path: str | Path, label: str | None = None) -> RunRecord:
         raise DataError(f"{d / 'summary.json'}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     config = {}
     if (d / "config.yaml").exists():
-        config = yaml.safe_load((d / "config.yaml").read_text()) or {}
+        try:
+            config = yaml.safe_load((d / "config.yaml").read_text()) or {}
+        except yaml.YAMLError:
+            raise DataError(f"{d / 'config.yaml'}: not valid YAML") from None
+    if not isinstance(summary, dict) or not isinstance(config, dict):
+        raise DataError(f"{d}: summary.json and config.yaml must each hold a mapping")
     return RunRecord(label or d.name, summary, read_parquet(d / "requests.parquet"),
                      read_parquet(d / "steps.parquet"), config)
 
@@ -78,10 +132,10 @@ def read_parquet(path: str | Path, required: tuple[str, ...] = ()) -> pd.DataFra
     try:
         df = pd.read_parquet(p)
     except Exception as exc:  # pyarrow raises several types for a non-Parquet file
-        raise DataError(f"{p}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+        raise DataError(f"{p}: not a readable Parquet file ({type(exc).__name__})") from None
     lacking = [c for c in required if c not in df.columns]
     if lacking:
-        raise DataError(f"{p}: missing column(s) {', '.join(lacking)}; has {', '.join(map(str, df.columns))}")
+        raise DataError(f"{p}: missing column(s) {', '.join(lacking)}")
     return df
 
 
@@ -146,66 +200,120 @@ def bin_steps(steps: pd.DataFrame, num_bins: int = 200) -> pd.DataFrame:
 
 
 def pool_map(binned: pd.DataFrame, num_blocks: int, block_size: int, rows: int = 120,
-             zoom: bool = False) -> tuple[np.ndarray, np.ndarray]:
+             zoom: bool = False, pages_per_block: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """A (rows x bins) map of the block pool over time, state codes indexing POOL_STATES.
 
     The step log holds pool counts, not per-block states, so each time bin's column is the pool
     laid out by state: live-token block-equivalents at the bottom, then allocated blocks' empty
-    or evicted slots, then free blocks still caching a prefix, then free blocks. Returns
-    (codes, block_edges) where row i covers blocks [block_edges[i], block_edges[i+1]). With `zoom`
-    the rows span only the part of the pool that was ever used or cached (plus 10%).
+    or evicted slots, then free blocks still caching a prefix, then free blocks. Per-head layouts
+    (`pages_per_block` (layer, KV head) pages per block) are drawn as the mean row: page and slot
+    counts divided by the number of rows, against the `num_blocks` pages each row has, so the share
+    of allocated slots holding no live token is the run's fragmentation. Returns (codes, block_edges)
+    where row i covers blocks [block_edges[i], block_edges[i+1]). With `zoom` the rows span only the
+    part of the pool that was ever used or cached (plus 10%).
     """
+    used = binned["blocks_used"].to_numpy() / pages_per_block if len(binned) else np.zeros(0)
+    cached = used + (binned["blocks_cached"].to_numpy() / pages_per_block if len(binned) else 0)
+    live = binned["live_slots"].to_numpy() / (block_size * pages_per_block) if len(binned) else np.zeros(0)
     top = num_blocks
     if zoom and len(binned):
-        top = min(num_blocks, max(1.0, 1.1 * float((binned["blocks_used"] + binned["blocks_cached"]).max())))
+        top = min(num_blocks, max(1.0, 1.1 * float(cached.max())))
     edges = np.linspace(0, top, rows + 1)
-    centers = 0.5 * (edges[:-1] + edges[1:])
-    live = (binned["live_slots"].to_numpy() / block_size)[None, :]
-    used = binned["blocks_used"].to_numpy()[None, :]
-    cached = used + binned["blocks_cached"].to_numpy()[None, :]
-    y = centers[:, None]
-    codes = np.select([y < live, y < used, y < cached], [3, 2, 1], default=0)
+    y = (0.5 * (edges[:-1] + edges[1:]))[:, None]
+    codes = np.select([y < live[None, :], y < used[None, :], y < cached[None, :]], [3, 2, 1], default=0)
     return codes, edges
 
 
 # ---- fidelity ----------------------------------------------------------------------------------
 def step_kind(steps: pd.DataFrame) -> pd.Series:
+    """prefill / decode / mixed per step, as the calibration and the cross-check classify steps."""
+    if {"prefill_tokens", "decode_tokens"} <= set(steps.columns):
+        from sim.calibrate import step_kind as by_tokens
+        return pd.Series(by_tokens(steps), index=steps.index)
     prefill = steps["num_prefill_seqs"] > 0
     decode = steps["num_decode_seqs"] > 0
     return pd.Series(np.select([prefill & decode, prefill], ["mixed", "prefill"], default="decode"),
                      index=steps.index)
 
 
-def fidelity_table(steps: pd.DataFrame, measured: str = "duration_s", predicted: str = "predicted_s") -> pd.DataFrame:
-    """Per-step error of the cost model's prediction against the measured step time.
+def fidelity_table(steps: pd.DataFrame, measured: str = "duration_s", predicted: str = "predicted_s",
+                   kind: pd.Series | None = None) -> pd.DataFrame:
+    """Per-step error of the cost model's prediction against the measured step time, with the
+    cross-check report's definitions (sim.calibrate.fit_errors).
 
     Rows: all steps, then by step kind (prefill / decode / mixed) and batch-size bucket. Columns:
-    steps, MAPE, median and p90 absolute percentage error, bias (mean signed error, + = the
-    model predicts slower than measured), total predicted / measured time ratio.
+    steps, MAPE, median and p90 absolute percentage error, median bias (signed; + = the model
+    predicts slower than measured), total predicted / measured time ratio.
     """
     both = steps[[measured, predicted]].astype(float)
     ok = np.isfinite(both[measured]) & np.isfinite(both[predicted]) & (both[measured] > 0)
     if not ok.any():
         raise DataError(f"no step has both a finite {predicted} and a positive {measured}")
     s = steps[ok]
-    err = (s[predicted].astype(float) - s[measured].astype(float)) / s[measured].astype(float)
-    groups = [("all steps", slice(None))]
-    if {"num_prefill_seqs", "num_decode_seqs"} <= set(s.columns):
-        kind = step_kind(s)
-        groups += [(f"{k} steps", kind == k) for k in ("prefill", "decode", "mixed") if (kind == k).any()]
+    groups = [("all steps", pd.Series(True, index=s.index))]
+    if kind is not None or {"num_prefill_seqs", "num_decode_seqs"} <= set(s.columns) \
+            or {"prefill_tokens", "decode_tokens"} <= set(s.columns):
+        k = (kind.loc[s.index] if kind is not None else step_kind(s))
+        groups += [(f"{name} steps", k == name) for name in ("prefill", "decode", "mixed") if (k == name).any()]
     if "batch_size" in s:
         bucket = pd.cut(s["batch_size"], [0, 1, 4, 16, 64, 256, np.inf], labels=[
             "batch 1", "batch 2-4", "batch 5-16", "batch 17-64", "batch 65-256", "batch >256"])
         groups += [(str(b), bucket == b) for b in bucket.cat.categories if (bucket == b).any()]
-    rows = []
-    for name, mask in groups:
-        e = err[mask]
-        a = e.abs()
-        rows.append({"group": name, "steps": int(e.size), "MAPE_%": 100 * a.mean(),
-                     "median_APE_%": 100 * a.median(), "p90_APE_%": 100 * a.quantile(0.9),
-                     "bias_%": 100 * e.mean(),
-                     "predicted/measured": s.loc[mask, predicted].sum() / s.loc[mask, measured].sum()})
-    return pd.DataFrame(rows)
+    return pd.DataFrame([_error_row(name, s.loc[mask, measured].to_numpy(float), s.loc[mask, predicted].to_numpy(float))
+                         for name, mask in groups])
+
+
+def _error_row(name: str, measured: np.ndarray, predicted: np.ndarray) -> dict:
+    from sim.calibrate import fit_errors
+
+    e = fit_errors(measured, predicted, np.full(measured.size, "all"))["all"]
+    return {"group": name, "steps": e["count"], "MAPE_%": 100 * e["mape"], "median_APE_%": 100 * e["median_ape"],
+            "p90_APE_%": 100 * e["p90_ape"], "median_bias_%": 100 * e["bias"],
+            "predicted/measured": predicted.sum() / measured.sum()}
+
+
+CROSSCHECK_FILES = ("crosscheck.json", "step_times.parquet")
+
+
+@dataclass
+class Crosscheck:
+    """A `kvsim crosscheck --out DIR` directory: its figures (crosscheck.json) and the replay's steps
+    priced by the cost model with the calibrated profile (step_times.parquet)."""
+    path: Path
+    figures: dict
+    step_times: pd.DataFrame
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        """step_times as a step log (duration_s = measured, predicted_s = the cross-check's prediction)."""
+        return self.step_times.rename(columns={"measured_s": "duration_s"})
+
+    @property
+    def kind(self) -> pd.Series:
+        return self.step_times["kind"]
+
+    @property
+    def model_vs_measured(self) -> float:
+        """Relative difference of the summed step time, cost model on the replay's batches vs measured."""
+        t = self.figures.get("total_time") or {}
+        m = t.get("measured_s")
+        return t["model_on_replay_batches_s"] / m - 1 if m else math.nan
+
+
+def is_crosscheck_dir(path: Path) -> bool:
+    return path.is_dir() and all((path / name).is_file() for name in CROSSCHECK_FILES)
+
+
+def read_crosscheck(path: str | Path) -> Crosscheck:
+    d = Path(path)
+    try:
+        figures = json.loads((d / "crosscheck.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{d / 'crosscheck.json'}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    times = read_parquet(d / "step_times.parquet", ("kind", "measured_s", "predicted_s"))
+    if not isinstance(figures, dict) or "step_errors" not in figures:
+        raise DataError(f"{d / 'crosscheck.json'}: not a kvsim crosscheck result (no step_errors)")
+    return Crosscheck(d, figures, times)
 
 
 # ---- capacity ----------------------------------------------------------------------------------
@@ -219,7 +327,10 @@ def read_sweep_store(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict
     if p.is_file():
         df, capacity = read_parquet(p), None
     elif (p / "runs").is_dir():
-        df, capacity = read_store(p), read_capacity(p)
+        try:
+            df, capacity = read_store(p), read_capacity(p)
+        except Exception as exc:  # pyarrow / json errors of a damaged store; their text may quote the files
+            raise DataError(f"{p}: a file of this sweep store cannot be read ({type(exc).__name__})") from None
     elif p.is_dir():
         raise DataError(f"{p}: not a sweep store (expected a runs/ directory of Parquet rows, "
                         "as written by `kvsim sweep` or `kvsim capacity --store`)")
@@ -269,3 +380,14 @@ def capacity_by_group(df: pd.DataFrame, load: str, ok: pd.Series, group: str | N
                      f"max {load} meeting the SLO": good[load].max() if len(good) else math.nan,
                      "points": len(part), "points meeting the SLO": len(good)})
     return pd.DataFrame(rows)
+
+
+def drain_share(row) -> float:
+    """Share of a run's makespan after its last arrival (the queue draining); NaN if unknown.
+
+    Above one half, goodput and throughput describe how fast the batch drains, not a rate the
+    server sustains: the capacity curve then plateaus at the batch's size, not at the server's."""
+    rate, n, makespan = row.get("offered_rate_req_s"), row.get("num_requests"), row.get("makespan_s")
+    if not rate or not n or not makespan or any(map(math.isnan, (rate, n, makespan))) or n < 2:
+        return math.nan
+    return max(0.0, 1.0 - ((n - 1) / rate) / makespan)

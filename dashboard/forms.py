@@ -7,7 +7,7 @@ new engine options appear here without dashboard changes.
 from __future__ import annotations
 
 import hashlib
-import tempfile
+import re
 import types
 import typing
 from pathlib import Path
@@ -19,6 +19,8 @@ from pydantic import BaseModel
 from sim.config import ConfigError, SimConfig, load_config
 from traces import DATA_TRACES, TraceError
 
+from .data import DataError, data_root, redact_content, resolve_user_path
+
 DEFAULT_MAX_REQUESTS = 200
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Fields with hand-made widgets below; every other field gets a generated one.
@@ -26,6 +28,52 @@ _HANDLED = {"trace", "trace_options", "model", "gpu", "tp", "replicas", "engine"
 _HANDLED_ENGINE = {"block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
                    "enable_prefix_caching", "enable_chunked_prefill", "preemption_mode", "scheduling_policy"}
 _SECTION_TITLES = {"kv": "KV eviction policy and slot strategy"}
+# The simulator keeps state per pool block (per (layer, KV head) page in per_head layouts): bound the
+# typed pool size so a slip of the keyboard cannot exhaust the server's memory (~25-100 bytes a page).
+MAX_POOL_PAGES = 4_000_000
+INVALID_FIELDS = "Some fields are invalid; see the message under each."
+# Config keys and CLI options as the page names them (messages speak the page's language).
+FIELD_LABELS = {
+    "trace_options.max_requests": "Max requests", "trace_options.rate_scale": "Arrival-rate scale",
+    "trace_options.rate": "Arrival rate", "engine.block_size": "Block size", "engine.num_gpu_blocks": "KV pool",
+    "engine.max_num_seqs": "max_num_seqs", "engine.max_num_batched_tokens": "max_num_batched_tokens",
+    "engine.enable_prefix_caching": "Prefix caching", "engine.preemption_mode": "Preemption",
+    "slo.ttft": "TTFT SLO", "slo.tpot": "TPOT SLO", "tp": "Tensor parallel", "replicas": "Replicas",
+    "--slo": "SLO", "--max-evals": "Max simulations per GPU", "--store": "Store directory",
+}
+
+
+def gui_message(message: str) -> str:
+    """A config/CLI error in the page's words: dotted keys and option flags become field labels."""
+    message = message.removeprefix("config: ").replace("Value error, ", "")
+    for key in sorted(FIELD_LABELS, key=len, reverse=True):
+        message = re.sub(rf"(?<![\w.-]){re.escape(key)}(?![\w-])", FIELD_LABELS[key], message)
+    message = re.sub(r"(?<![\w-])--([a-z][\w-]*)", lambda m: m.group(1).replace("-", " "), message)
+    message = re.sub(r"(?<![\w.])(?:kv|engine|trace_options|slo)\.(\w+)", r"\1", message)   # generated widgets' labels
+    return re.sub(r"^([^:]+): \1: ", r"\1: ", message)      # "TTFT SLO: TTFT SLO: ..." -> once
+
+
+def number_field(container, label: str, key: str, value, *, low=None, high=None, integer: bool = True,
+                 problems: list | None = None, **kw):
+    """A number input validated by the page (not the browser): out of range or empty, the message
+    shows under the field and is added to `problems`; returns the value typed."""
+    value = container.number_input(label, value=value, key=key, step=kw.pop("step", 1 if integer else None), **kw)
+    problem = number_problem(value, low, high, optional="placeholder" in kw)
+    if problem:
+        container.error(f"{label}: {problem}")
+        if problems is not None:
+            problems.append(label)
+    return value
+
+
+def number_problem(value, low=None, high=None, optional: bool = False) -> str | None:
+    if value is None:
+        return None if optional else "enter a number"
+    if low is not None and value < low:
+        return f"must be at least {low:,}"
+    if high is not None and value > high:
+        return f"must be at most {high:,}"
+    return None
 
 
 # ---- pydantic field introspection ---------------------------------------------------------------
@@ -122,22 +170,55 @@ def _field_widget(key: str, name: str, f, prefix: str):
         return st.checkbox(name, value=bool(f.default), key=wkey, help=help_text)
     if inner in (int, float):
         default = f.default if isinstance(f.default, (int, float)) else None
-        return st.number_input(name, value=inner(default) if default is not None else None, key=wkey,
-                               step=1 if inner is int else None, help=help_text,
-                               placeholder="default" if optional else None)
+        low, high = field_bounds(f)
+        value = st.number_input(name, value=inner(default) if default is not None else None, key=wkey,
+                                step=1 if inner is int else None, help=help_text,
+                                placeholder="default" if optional else None)
+        problem = number_problem(value, low, high, optional=optional)
+        if problem:
+            st.error(f"{name}: {problem}")
+            raise FieldProblem(name)
+        return value
     if inner is str:
         value = st.text_input(name, value="" if f.default is None else str(f.default), key=wkey, help=help_text)
         return value or None
     return None
 
 
-def model_widgets(section: str, model: type[BaseModel], prefix: str, skip: set[str] = frozenset()) -> dict:
-    """Generated widgets for a pydantic section -> dotted overrides."""
+class FieldProblem(ValueError):
+    """A generated widget holds an invalid value (its message is shown under it)."""
+
+
+def field_bounds(f) -> tuple[float | None, float | None]:
+    """The smallest and largest value a pydantic field accepts (Field(gt=, ge=, lt=, le=)); for
+    exclusive integer bounds, the nearest integer inside."""
+    low = high = None
+    for m in f.metadata:
+        step = 1 if _unwrap(f.annotation)[0] is int else 0
+        if getattr(m, "ge", None) is not None:
+            low = m.ge
+        if getattr(m, "gt", None) is not None:
+            low = m.gt + step if step else m.gt
+        if getattr(m, "le", None) is not None:
+            high = m.le
+        if getattr(m, "lt", None) is not None:
+            high = m.lt - step if step else m.lt
+    return low, high
+
+
+def model_widgets(section: str, model: type[BaseModel], prefix: str, skip: set[str] = frozenset(),
+                  problems: list | None = None) -> dict:
+    """Generated widgets for a pydantic section -> dotted overrides; invalid numbers go to `problems`."""
     out = {}
     for name, f in model.model_fields.items():
         if name in skip or _is_model(f.annotation):
             continue
-        value = _field_widget(f"{section}.{name}", name, f, prefix)
+        try:
+            value = _field_widget(f"{section}.{name}", name, f, prefix)
+        except FieldProblem:
+            if problems is not None:
+                problems.append(name)
+            continue
         if value is not None:
             out[f"{section}.{name}"] = value
     return out
@@ -148,7 +229,7 @@ def _save_upload(upload) -> Path:
     """Keep an uploaded trace on disk for the loaders (one copy per distinct content)."""
     data = upload.getvalue()
     digest = hashlib.sha256(data).hexdigest()[:16]
-    root = Path(tempfile.gettempdir()) / "kvsim-dashboard-uploads" / digest
+    root = data_root() / "uploads" / digest
     root.mkdir(parents=True, exist_ok=True)
     path = root / Path(upload.name).name
     if not path.exists():
@@ -174,7 +255,7 @@ def trace_info(source: str) -> tuple[str, dict]:
     return _trace_info(source, path.stat().st_mtime)
 
 
-def trace_input(prefix: str) -> tuple[str | None, dict, str | None]:
+def trace_input(prefix: str, problems: list) -> tuple[str | None, dict, str | None]:
     """Trace picker -> (trace source or None, trace_options overrides, error message)."""
     kind = st.radio("Trace", ["Shipped trace", "Upload a file", "Path on this machine"], key=f"{prefix}trace_kind",
                     horizontal=True)
@@ -188,97 +269,160 @@ def trace_input(prefix: str) -> tuple[str | None, dict, str | None]:
             return None, {}, "upload a trace file, or pick a shipped trace"
         source, shown = str(_save_upload(upload)), upload.name
     else:
-        text = st.text_input("Trace file path", key=f"{prefix}trace_path").strip()
+        text = st.text_input(f"Trace file path (under {data_root()})", key=f"{prefix}trace_path").strip()
         if not text:
             return None, {}, "enter the path of a trace file"
-        source = text
+        try:
+            source, shown = str(resolve_user_path(text)), text
+        except DataError as exc:
+            return None, {}, str(exc)
     try:
         fmt, stats = trace_info(source)
-    except TraceError as exc:
-        message = str(exc)
-        if shown:   # name the file the user uploaded, not our temporary copy
-            message = message.replace(source, shown)
-        return None, {}, message
+    except TraceError as exc:   # name the file as the user did, not our copy; never show its content
+        return None, {}, redact_content(str(exc).replace(source, shown or source))
     except OSError as exc:
-        return None, {}, f"{shown or source}: {exc.strerror or exc}"
+        return None, {}, f"{shown or source}: {exc.strerror or 'cannot be read'}"
     st.caption(f"{fmt} format, {stats['requests']:,} requests over {stats['span_s']:.0f} s; prompt p50 "
                f"{stats['prompt_p50']:.0f}, output p50 {stats['output_p50']:.0f} tokens")
     opts = {}
     if fmt == "lengths":
-        rate = st.number_input("Arrival rate (req/s) for this length-only trace; 0 = all at t=0", min_value=0.0,
-                               value=0.0, key=f"{prefix}rate")
+        rate = number_field(st, "Arrival rate (req/s) for this length-only trace; 0 = all at t=0", f"{prefix}rate",
+                            0.0, low=0.0, integer=False, problems=problems)
         opts["trace_options.rate"] = rate or None
     return source, opts, None
 
 
 # ---- the whole config --------------------------------------------------------------------------
 def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[SimConfig | None, str | None]:
-    """Widgets for one simulation -> (validated SimConfig, None) or (None, readable error)."""
+    """Widgets for one simulation -> (validated SimConfig, None) or (None, readable error). A number
+    out of range shows its message under its field and blocks the run."""
+    restore_form(prefix)
+    problems: list[str] = []
+    source, overrides, error = trace_input(prefix, problems)
+    _workload_fields(prefix, max_requests, overrides, problems)
+    _hardware_fields(prefix, overrides, problems)
+    with st.expander("Engine", expanded=False):
+        _engine_fields(prefix, overrides, problems)
+    sections = extra_sections()
+    for name, model in sections.items():
+        with st.expander(_SECTION_TITLES.get(name, f"{name} options"), expanded=True):
+            overrides.update(model_widgets(name, model, prefix, problems=problems))
+    with st.expander("SLO, seed and other options", expanded=False):
+        _other_fields(prefix, overrides, problems)
+    _check_pool_size(overrides, problems)
+    remember_form(prefix)
+    if error or problems:
+        return None, error or INVALID_FIELDS
+    overrides["trace"] = source
+    try:
+        return load_config(None, overrides), None
+    except ConfigError as exc:
+        return None, gui_message(str(exc))
+
+
+_NOT_RESTORED = ("trace_upload", "run", "pick", "label", "_x", "_y", "_group")   # uploads, buttons, page widgets
+
+
+def remember_form(prefix: str) -> None:
+    """Keep the form's values, so that they survive a visit to another page (Streamlit drops the
+    state of widgets a page run did not draw)."""
+    st.session_state[f"_form_{prefix}"] = {
+        k: v for k, v in st.session_state.items() if isinstance(k, str) and k.startswith(prefix)
+        and not k.endswith(_NOT_RESTORED) and isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def restore_form(prefix: str) -> None:
+    for key, value in st.session_state.get(f"_form_{prefix}", {}).items():
+        if key not in st.session_state:
+            st.session_state[key] = value
+
+
+def _workload_fields(prefix: str, max_requests: int, overrides: dict, problems: list) -> None:
+    c1, c2 = st.columns(2)
+    overrides["trace_options.max_requests"] = number_field(
+        c1, "Max requests (first N)", f"{prefix}max_requests", max_requests, low=1, step=50, problems=problems)
+    overrides["trace_options.rate_scale"] = number_field(
+        c2, "Arrival-rate scale", f"{prefix}rate_scale", 1.0, low=0.01, integer=False, step=0.25, problems=problems,
+        help="2 = requests arrive twice as fast")
+
+
+def _hardware_fields(prefix: str, overrides: dict, problems: list) -> None:
     from sim.catalog import list_gpus, list_models
 
-    source, overrides, error = trace_input(prefix)
     defaults = SimConfig()
-    c1, c2 = st.columns(2)
-    overrides["trace_options.max_requests"] = c1.number_input(
-        "Max requests (first N)", min_value=1, value=max_requests, step=50, key=f"{prefix}max_requests")
-    overrides["trace_options.rate_scale"] = c2.number_input(
-        "Arrival-rate scale", min_value=0.01, value=1.0, step=0.25, key=f"{prefix}rate_scale",
-        help="2 = requests arrive twice as fast")
     models = [m.name for m in list_models()]
     gpus = [g.name for g in list_gpus() if g.kind == "gpu"] + [g.name for g in list_gpus() if g.kind != "gpu"]
     overrides["model"] = st.selectbox("Model", models, index=_index_of(models, defaults.model), key=f"{prefix}model")
     overrides["gpu"] = st.selectbox("GPU", gpus, index=_index_of(gpus, defaults.gpu), key=f"{prefix}gpu")
     c1, c2 = st.columns(2)
-    overrides["tp"] = c1.number_input("Tensor parallel", min_value=1, value=1, key=f"{prefix}tp")
-    overrides["replicas"] = c2.number_input("Replicas", min_value=1, value=1, key=f"{prefix}replicas")
+    overrides["tp"] = number_field(c1, "Tensor parallel", f"{prefix}tp", 1, low=1, high=64, problems=problems)
+    overrides["replicas"] = number_field(c2, "Replicas", f"{prefix}replicas", 1, low=1, high=64, problems=problems)
 
-    with st.expander("Engine", expanded=False):
-        e = defaults.engine
-        a, b = st.columns(2)
-        overrides["engine.block_size"] = a.selectbox("Block size (tokens)", BLOCK_SIZES,
-                                                     index=BLOCK_SIZES.index(e.block_size), key=f"{prefix}block_size")
-        overrides["engine.num_gpu_blocks"] = b.number_input(
-            "KV pool (blocks)", min_value=1, value=None, placeholder="from GPU memory", key=f"{prefix}num_gpu_blocks",
-            help="empty: sized from GPU memory, weights and activations like vLLM")
-        overrides["engine.max_num_seqs"] = a.number_input(
-            "max_num_seqs", min_value=1, value=e.max_num_seqs, key=f"{prefix}max_num_seqs",
-            placeholder="vLLM default", help="empty: vLLM's default for the GPU and entry point")
-        overrides["engine.max_num_batched_tokens"] = b.number_input(
-            "max_num_batched_tokens", min_value=1, value=e.max_num_batched_tokens, key=f"{prefix}max_batched",
-            placeholder="vLLM default", help="empty: vLLM's default for the GPU and entry point")
-        overrides["engine.enable_prefix_caching"] = _field_widget(
-            "engine.enable_prefix_caching", "Prefix caching", type(e).model_fields["enable_prefix_caching"], prefix)
-        overrides["engine.enable_chunked_prefill"] = b.checkbox("Chunked prefill", value=e.enable_chunked_prefill,
-                                                                key=f"{prefix}chunked")
-        overrides["engine.preemption_mode"] = a.selectbox("Preemption", ["recompute", "swap"], key=f"{prefix}preempt")
-        overrides["engine.scheduling_policy"] = b.selectbox("Scheduling", ["fcfs", "priority"], key=f"{prefix}sched")
-        st.caption("More engine options")
-        overrides.update(model_widgets("engine", type(e), prefix, skip=_HANDLED_ENGINE))
 
-    sections = extra_sections()
-    for name, model in sections.items():
-        with st.expander(_SECTION_TITLES.get(name, f"{name} options"), expanded=True):
-            overrides.update(model_widgets(name, model, prefix))
-    if "kv" not in sections:
-        st.caption("Eviction policies and slot strategies appear here once the engine config has a `kv` section.")
+def _engine_fields(prefix: str, overrides: dict, problems: list) -> None:
+    e = SimConfig().engine
+    a, b = st.columns(2)
+    overrides["engine.block_size"] = a.selectbox("Block size (tokens)", BLOCK_SIZES,
+                                                 index=BLOCK_SIZES.index(e.block_size), key=f"{prefix}block_size")
+    overrides["engine.num_gpu_blocks"] = number_field(
+        b, "KV pool (blocks)", f"{prefix}num_gpu_blocks", None, low=1, high=MAX_POOL_PAGES, problems=problems,
+        placeholder="from GPU memory",
+        help=f"empty: sized from GPU memory, weights and activations like vLLM. At most {MAX_POOL_PAGES:,} pool "
+             "pages: blocks, or blocks x layers x KV heads with the per_head layout")
+    overrides["engine.max_num_seqs"] = number_field(
+        a, "max_num_seqs", f"{prefix}max_num_seqs", e.max_num_seqs, low=1, high=65_536, problems=problems,
+        placeholder="vLLM default", help="empty: vLLM's default for the GPU and entry point")
+    overrides["engine.max_num_batched_tokens"] = number_field(
+        b, "max_num_batched_tokens", f"{prefix}max_batched", e.max_num_batched_tokens, low=1, high=1_048_576,
+        problems=problems, placeholder="vLLM default", help="empty: vLLM's default for the GPU and entry point")
+    overrides["engine.enable_prefix_caching"] = _field_widget(
+        "engine.enable_prefix_caching", "Prefix caching", type(e).model_fields["enable_prefix_caching"], prefix)
+    overrides["engine.enable_chunked_prefill"] = b.checkbox("Chunked prefill", value=e.enable_chunked_prefill,
+                                                            key=f"{prefix}chunked")
+    overrides["engine.preemption_mode"] = a.selectbox("Preemption", ["recompute", "swap"], key=f"{prefix}preempt")
+    overrides["engine.scheduling_policy"] = b.selectbox("Scheduling", ["fcfs", "priority"], key=f"{prefix}sched")
+    st.caption("More engine options")
+    overrides.update(model_widgets("engine", type(e), prefix, skip=_HANDLED_ENGINE, problems=problems))
 
-    with st.expander("SLO, seed and other options", expanded=False):
-        a, b = st.columns(2)
-        overrides["slo.ttft"] = a.text_input("TTFT SLO", value=defaults.slo.ttft or "", key=f"{prefix}slo_ttft") or None
-        overrides["slo.tpot"] = b.text_input("TPOT SLO", value=defaults.slo.tpot or "", key=f"{prefix}slo_tpot") or None
-        overrides["seed"] = a.number_input("Seed", min_value=0, value=0, key=f"{prefix}seed")
-        top = {n: f for n, f in SimConfig.model_fields.items() if n not in _HANDLED and not _is_model(f.annotation)}
-        for name, f in top.items():
+
+def _other_fields(prefix: str, overrides: dict, problems: list) -> None:
+    defaults = SimConfig()
+    a, b = st.columns(2)
+    overrides["slo.ttft"] = a.text_input("TTFT SLO", value=defaults.slo.ttft or "", key=f"{prefix}slo_ttft") or None
+    overrides["slo.tpot"] = b.text_input("TPOT SLO", value=defaults.slo.tpot or "", key=f"{prefix}slo_tpot") or None
+    overrides["seed"] = number_field(a, "Seed", f"{prefix}seed", 0, low=0, problems=problems)
+    top = {n: f for n, f in SimConfig.model_fields.items() if n not in _HANDLED and not _is_model(f.annotation)}
+    for name, f in top.items():
+        try:
             value = _field_widget(name, name, f, prefix)
-            if value is not None:
-                overrides[name] = value
-    if error:
-        return None, error
-    overrides["trace"] = source
+        except FieldProblem:
+            problems.append(name)
+            continue
+        if value is not None:
+            overrides[name] = value
+
+
+def pool_rows(overrides: dict) -> int:
+    """Pool pages per block: layers x KV heads per GPU with the per_head layout, else 1."""
+    if overrides.get("kv.layout") != "per_head":
+        return 1
+    from sim.catalog import get_model
+
     try:
-        return load_config(None, overrides), None
-    except ConfigError as exc:
-        return None, str(exc)
+        model = get_model(overrides["model"])
+    except Exception:  # an unknown model is reported by the config check
+        return 1
+    return model.num_layers * max(1, model.num_kv_heads // int(overrides.get("tp") or 1))   # as kv_heads_per_gpu
+
+
+def _check_pool_size(overrides: dict, problems: list) -> None:
+    blocks = overrides.get("engine.num_gpu_blocks")
+    rows = pool_rows(overrides)
+    if blocks is not None and blocks * rows > MAX_POOL_PAGES and "KV pool (blocks)" not in problems:
+        st.error(f"KV pool (blocks): at most {MAX_POOL_PAGES // rows:,} blocks for this model and "
+                         f"layout ({rows} per-(layer, head) pages per block; the simulator keeps state per page)"
+                         if rows > 1 else f"KV pool (blocks): must be at most {MAX_POOL_PAGES:,}")
+        problems.append("KV pool (blocks)")
 
 
 def _index_of(names: list[str], wanted: str) -> int:

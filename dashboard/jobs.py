@@ -1,4 +1,10 @@
-"""Run simulations in a worker thread so the page keeps rendering progress (and can cancel)."""
+"""Run simulations in a worker thread so the page keeps rendering progress (and can cancel).
+
+A Job simulates its runs one after the other with `run_simulation(progress=...)`: after every engine
+step the simulator reports a `sim.progress.SimProgress` (tokens computed of the workload's total,
+requests done, ETA) and the job raises `Cancelled` there once `cancel()` was called, so a cancel takes
+effect at the end of the current engine step.
+"""
 from __future__ import annotations
 
 import threading
@@ -8,30 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sim.config import ConfigError, SimConfig
+from sim.progress import Cancelled, SimProgress, format_duration, reporting_to
 
 from .data import RunRecord, record_from_result
 
-class Cancelled(Exception):
-    pass
-
-
-class _Meter:
-    """The progress bar run_simulation advances per finished request (`progress=`), read by the page."""
-
-    def __init__(self, total: int, job: "Job"):
-        self.n = 0
-        self.total = total
-        self.job = job
-        job.run_total, job.run_done = total, 0
-
-    def update(self, k: int = 1) -> None:
-        if self.job.cancel_requested:
-            raise Cancelled()
-        self.n += k
-        self.job.run_done = self.n
-
-    def close(self) -> None:
-        pass
+__all__ = ["Cancelled", "Job", "capacity_search_task"]
 
 
 @dataclass
@@ -39,17 +26,21 @@ class Job:
     """Simulates each (label, config) in turn; `records` fills in as runs finish.
 
     With `task`, runs task(job) instead and keeps its return value in `value`; the task reports
-    progress through `run_done` / `run_total` / `unit` and checks `cancel_requested`."""
+    progress through `run_done` / `run_total` / `unit` and calls `check_cancel()` between its steps."""
     runs: list[tuple[str, SimConfig]] = field(default_factory=list)
     task: Callable[["Job"], Any] | None = None
-    unit: str = "requests"
+    page: str = ""                     # the page that started it (shows its progress and result)
+    unit: str = "points"
     value: Any = None
     records: list[RunRecord] = field(default_factory=list)
     error: str | None = None
     run_done: int = 0
     run_total: int = 0
+    progress: SimProgress | None = None   # of the run being simulated
     cancel_requested: bool = False
+    saved: bool = False                # records handed to the session's run list
     started: float = field(default_factory=time.perf_counter)
+    cancel_time: float | None = None
     finished: float | None = None
     _thread: threading.Thread | None = None
 
@@ -58,47 +49,99 @@ class Job:
         self._thread.start()
         return self
 
-    def _work(self) -> None:
-        from sim.simulate import run_simulation
-        from traces import TraceError
+    def cancel(self) -> None:
+        if not self.cancel_requested:
+            self.cancel_requested, self.cancel_time = True, time.perf_counter()
 
+    def check_cancel(self) -> None:
+        if self.cancel_requested:
+            raise Cancelled()
+
+    def on_progress(self, progress: SimProgress) -> None:
+        """run_simulation's per-step callback."""
+        self.progress = progress
+        self.check_cancel()
+
+    def _work(self) -> None:
         try:
             if self.task is not None:
-                self.value = self.task(self)
-            for label, cfg in self.runs:
-                self.run_done, self.run_total = 0, 0
-                result = run_simulation(cfg, None, progress=lambda total: _Meter(total, self))
-                self.records.append(record_from_result(result, cfg, label))
+                with reporting_to(self.on_progress):   # every simulation it runs reports every step
+                    self.value = self.task(self)
+            self._simulate_runs()
         except Cancelled:
             self.error = "cancelled"
-        except (ConfigError, TraceError, ValueError, FileNotFoundError, RuntimeError) as exc:
-            self.error = str(exc)
-            if len(self.runs) > 1:
-                self.error = f"{self.runs[len(self.records)][0]}: {exc}"
+        except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
+            self.error = str(exc) if len(self.runs) < 2 else f"{self.runs[len(self.records)][0]}: {exc}"
         except Exception as exc:  # an engine bug: keep the trace for the report, not a crashed page
             self.error = f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
         finally:
             self.finished = time.perf_counter()
+
+    def _simulate_runs(self) -> None:
+        from sim.simulate import run_simulation
+
+        for label, cfg in self.runs:
+            self.progress = None
+            result = run_simulation(cfg, None, progress=self.on_progress)
+            self.records.append(record_from_result(result, cfg, label))
 
     @property
     def done(self) -> bool:
         return self.finished is not None
 
     @property
+    def elapsed_s(self) -> float:
+        return (self.finished or time.perf_counter()) - self.started
+
+    @property
     def fraction(self) -> float:
+        p = self.progress
+        inner = p.fraction if p is not None and not p.finished else 0.0
         if self.task is not None:
-            return min(1.0, self.run_done / self.run_total) if self.run_total else 0.0
-        inner = self.run_done / self.run_total if self.run_total else 0.0
+            return min(1.0, (self.run_done + inner) / self.run_total) if self.run_total else 0.0
         return min(1.0, (len(self.records) + inner) / max(len(self.runs), 1))
 
+    @property
+    def eta_s(self) -> float | None:
+        f = self.fraction
+        return None if f <= 0 else self.elapsed_s * (1 - f) / f
+
     def status_text(self) -> str:
-        elapsed = (self.finished or time.perf_counter()) - self.started
-        n = len(self.runs)
-        which = f"run {min(len(self.records) + 1, n)}/{n} - " if n > 1 else ""
-        done = f"{self.run_done}/{self.run_total} {self.unit} done" if self.run_total else "starting"
-        return f"Simulating: {which}{done} - {elapsed:.1f}s"
+        if self.cancel_requested and not self.done:
+            return f"Cancelling (ends with the current engine step) - {format_duration(self.elapsed_s)} elapsed"
+        eta = "" if self.eta_s is None else f", about {format_duration(self.eta_s)} left"
+        return f"{self._what()} - {format_duration(self.elapsed_s)} elapsed{eta}"
+
+    def _what(self) -> str:
+        if self.task is not None:
+            return f"{self.run_done}/{self.run_total} {self.unit} done" if self.run_total else "starting"
+        n, p = len(self.runs), self.progress
+        which = f"run {min(len(self.records) + 1, n)} of {n}: " if n > 1 else ""
+        if p is None:
+            return f"Simulating {which}loading the trace"
+        return (f"Simulating {which}{p.fraction:.0%} of {p.tokens_total:,} tokens, "
+                f"{p.requests_done}/{p.requests_total} requests done")
 
     def wait(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
 
+
+def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int,
+                         store: str | None) -> Callable[[Job], list]:
+    """A Job task: sim.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
+    from sim.capacity import find_capacity
+
+    from .forms import with_value
+
+    def task(job: Job) -> list:
+        job.unit, job.run_total = "simulations", len(gpus) * max_evals
+        answers = []
+        for i, gpu in enumerate(gpus):
+            def progress(row):
+                job.run_done += 1
+            answers.append((gpu, find_capacity(with_value(base, "gpu", gpu), constraints, mode=mode,
+                                               max_evals=max_evals, store=store, progress=progress)))
+            job.run_done = (i + 1) * max_evals
+        return answers
+    return task

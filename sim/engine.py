@@ -63,6 +63,7 @@ class EngineReplica:
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()
         self._step_start = 0.0
+        self.tokens_computed = 0    # prefill + decode tokens computed so far (the progress measure)
         self._last_duration = 0.0
         self._wake: simpy.Event | None = None
         self.process = env.process(self.run())
@@ -160,6 +161,7 @@ class EngineReplica:
         row.update(self._pool_row())
         self.step_log.append(row)
         self.num_steps += 1
+        self.tokens_computed += int(shape.num_prefill_tokens) + int(shape.num_decode_tokens)
         if self.check:
             self.check_invariants()
         if self.on_step:
@@ -208,6 +210,7 @@ class EngineReplica:
         })
         self.step_log.append_columns(rows, k)
         self.num_steps += k
+        self.tokens_computed += sum(run.batch)
         if self.check:
             self.check_invariants()
         if self.on_step:

@@ -24,6 +24,7 @@ from .executor import CostModelExecutor
 from .memory import check_memory, estimate_run_memory
 from .metrics import SUMMARY_STEP_COLUMNS, StepLog, flat_token_times, request_table, summarize
 from .results import ResultDir, check_out_dir
+from .progress import ProgressTracker, TokenBar, ambient_callback
 
 
 @dataclass
@@ -95,9 +96,11 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
                    keep_steps: bool = True, trace=None, wrap_kv=None, model=None) -> SimulationResult:
     """Simulate `cfg` (or the given in-memory `trace` in place of `cfg.trace`). `wrap_kv(kv, executor)`,
     if given, returns the (kv, executor) pair each replica runs with (cross-check and calibration tools
-    observe or replace them). `progress`: True for a tqdm bar over finished requests, or a callable
-    total -> bar (with `n`, `update(k)`, `close()`). `model` (a ModelSpec) replaces `cfg.model`'s catalog entry (the
-    cross-check simulates the model a replay actually ran).
+    observe or replace them). `progress`: True for a bar over the tokens computed with an ETA (on
+    stderr), or a callable given a `sim.progress.SimProgress` after every engine step, which may raise
+    (e.g. `sim.progress.Cancelled`) to stop the run; without it, the callback of an enclosing
+    `sim.progress.reporting_to` if any. `model` (a ModelSpec) replaces `cfg.model`'s catalog
+    entry (the cross-check simulates the model a replay actually ran).
 
     Results are staged beside `out_dir` and moved into it at the end (sim/results.py). A run that is
     interrupted (KeyboardInterrupt) or fails still writes what it has, with `partial: true` and
@@ -127,8 +130,9 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
     sched_cfg = scheduler_config(cfg, cost, max_model_len)
 
     env = simpy.Environment()
-    bar = (_progress_bar if progress is True else progress)(len(requests)) if progress else None
     replicas: list[EngineReplica] = []
+    progress = progress or ambient_callback()
+    tracker = ProgressTracker(requests, replicas, TokenBar() if progress is True else progress) if progress else None
     arrivals_holder: list[ArrivalProcess] = []
     by_step = cfg.trace_options.arrival_unit == "step"
     if by_step and cfg.replicas != 1:
@@ -144,20 +148,22 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
             env, i, scheduler, executor, step_log,
             fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants,
             next_arrival=(lambda: float("inf")) if by_step else (lambda: arrivals_holder[0].next_arrival()),
-            yield_every_step=False, step_arrivals=step_arrivals,
-            on_step=(lambda n, r=replicas: _tick(bar, r)) if bar else None))
+            yield_every_step=False, step_arrivals=step_arrivals, on_step=tracker))
     arrivals = None
     if not by_step:
         arrivals = ArrivalProcess(env, requests, Router(replicas, cfg.router))
         arrivals_holder.append(arrivals)
     stop = _drive(env, arrivals, replicas, step_arrivals)
-    if bar:
-        _tick(bar, replicas)
-        bar.close()
+    if tracker:
+        tracker.finish()
     step_log.close()
 
     if stop:                               # requests that never arrived are not part of the result
-        requests = requests[:arrivals.index]
+        if arrivals is not None:
+            requests = requests[:arrivals.index]
+        else:
+            unsent = set(map(id, step_arrivals.pending))
+            requests = [r for r in requests if id(r) not in unsent]
     req_df = request_table(requests)
     steps_df = step_log.to_pandas() if keep_steps or out is None else None
     steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(
@@ -272,14 +278,3 @@ def _build_kv(cfg: SimConfig, model, cost, num_blocks: int):
     from .kv.build import build_kv
     # like vLLM's pool, one block of the memory is the null block
     return build_kv(cfg.kv, model, cost, num_blocks - 1, eng.block_size, cfg.seed)
-
-
-def _progress_bar(total: int):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="req", desc="simulating", mininterval=0.5)
-
-
-def _tick(bar, replicas) -> None:
-    done = sum(len(r.scheduler.finished) + len(r.scheduler.rejected) for r in replicas)
-    if done > bar.n:
-        bar.update(done - bar.n)

@@ -29,3 +29,26 @@ def smollm2():
 def small(smollm2):
     """SmolLM2 cut to its first 2 layers: real weights, quick steps."""
     return smollm2.truncated(2)
+
+
+@pytest.fixture(scope="session")
+def small_crosscheck(tmp_path_factory):
+    """A real `kvsim crosscheck` output directory: 3 tiny requests replayed on SmolLM2 (CPU, one
+    thread, CPU clock) and simulated with the cpu-2core profile (~10-20 s)."""
+    torch = pytest.importorskip("torch")
+    from typer.testing import CliRunner
+
+    from sim.cli import app
+    from traces.synthetic import synthesize
+
+    root = tmp_path_factory.mktemp("crosscheck")
+    synthesize(3, rate=5.0, prompt="uniform:8,40", output="uniform:2,5", seed=3).save(root / "tiny.jsonl")
+    threads = torch.get_num_threads()
+    try:
+        result = CliRunner().invoke(app, [
+            "crosscheck", "--trace", str(root / "tiny.jsonl"), "--profile", "cpu-2core", "--num-gpu-blocks", "64",
+            "--threads", "1", "--clock", "cpu", "--no-warmup", "--out", str(root / "cc")])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    return root / "cc"

@@ -63,6 +63,13 @@ def metric(at: AppTest, label: str) -> str:
     return next(m.value for m in at.metric if m.label == label)
 
 
+@pytest.fixture(autouse=True)
+def data_root(tmp_path, monkeypatch):
+    """The dashboard reads and writes only under its data root: each test's tmp_path."""
+    monkeypatch.setenv("KVSIM_DATA_ROOT", str(tmp_path))
+    return tmp_path
+
+
 @pytest.fixture(scope="module")
 def expected():
     return run_simulation(load_config(None, SMALL))
@@ -95,7 +102,7 @@ def test_simulate_page_has_its_inputs():
 def test_simulate_run_shows_the_engine_figures(simulated, expected):
     s = expected.summary
     assert metric(simulated, "Finished / rejected") == f"{s['num_finished']} / {s['num_rejected']}" == "50 / 0"
-    assert metric(simulated, "Throughput") == f"{s['throughput_output_tok_s']:.0f} out tok/s"
+    assert metric(simulated, "Output throughput") == f"{s['throughput_output_tok_s']:.0f} tok/s"
     assert metric(simulated, "Preemptions") == str(s["preemptions"])
     ttft = chart(simulated, "TTFT CDF")["data"][0]
     done = expected.requests[expected.requests["status"] == "finished"]
@@ -107,15 +114,16 @@ def test_simulate_run_shows_the_engine_figures(simulated, expected):
     assert values(batch["y"]).max() <= expected.steps["batch_size"].max()
 
 
-def test_bad_upload_shows_the_loader_error():
+def test_bad_upload_shows_the_loader_error_without_the_file_content(data_root):
     at = app()
     at.radio(key="sim_trace_kind").set_value("Upload a file").run()
-    at.file_uploader(key="sim_trace_upload").upload("mine.csv", b"foo,bar\n1,2\n", "text/csv")
+    at.file_uploader(key="sim_trace_upload").upload("mine.csv", b"API_TOKEN=s3cr3t,bar\n1,2\n", "text/csv")
     at.run()
     [message] = errors(at)
-    assert message.startswith("mine.csv:1: the header line is not a known trace format")
-    assert "foo" not in message                  # file content is never quoted
+    assert message.startswith("mine.csv:1:") and "is not a known trace format" in message
+    assert "s3cr3t" not in message and "API_TOKEN" not in message     # file content is never quoted
     assert at.button(key="sim_run").disabled
+    assert list((data_root / "uploads").rglob("mine.csv"))       # uploads are kept under the data root
     at.file_uploader(key="sim_trace_upload").clear().upload(
         "azure.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
         b"2023-11-16 18:15:50.9951690,lots,152\n", "text/csv")
@@ -140,15 +148,76 @@ def test_uploaded_trace_runs(tmp_path):
                                                "engine.num_gpu_blocks": 2000})).summary
     assert direct["num_finished"] + direct["num_rejected"] == 20
     assert metric(at, "Finished / rejected") == f"{direct['num_finished']} / {direct['num_rejected']}"
-    assert metric(at, "Throughput") == f"{direct['throughput_output_tok_s']:.0f} out tok/s"
+    assert metric(at, "Output throughput") == f"{direct['throughput_output_tok_s']:.0f} tok/s"
 
 
-def test_invalid_option_is_named():
+def test_invalid_option_is_named_as_the_page_names_it():
     at = app()
     at.text_input(key="sim_slo_ttft").set_value("2").run()
     [message] = errors(at)
-    assert "slo.ttft" in message and "not a duration with a unit" in message
+    assert message.startswith("TTFT SLO") and "not a duration with a unit" in message and "slo.ttft" not in message
     assert at.button(key="sim_run").disabled
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("sim_max_requests", 0, "Max requests (first N): must be at least 1"),
+    ("sim_max_requests", -5, "Max requests (first N): must be at least 1"),
+    ("sim_num_gpu_blocks", 10**9, "KV pool (blocks): must be at most 4,000,000"),
+    ("sim_rate_scale", 0.0, "Arrival-rate scale: must be at least 0.01"),
+    ("sim_kv.budget", 0, "budget: must be at least 1"),           # a generated widget: bounds from the config
+])
+def test_out_of_range_number_blocks_the_run_with_its_message(key, value, message):
+    at = app()
+    at.number_input(key=key).set_value(value).run()
+    assert message in errors(at) and at.button(key="sim_run").disabled
+    assert not any("--" in m for m in errors(at))
+
+
+def test_per_head_pool_is_bounded_in_pages():
+    at = app()
+    at.selectbox(key="sim_kv.layout").set_value("per_head")
+    at.number_input(key="sim_num_gpu_blocks").set_value(100_000).run()   # x 32 layers x 8 KV heads of Llama-3.1-8B
+    assert any(m.startswith("KV pool (blocks): at most 15,625 blocks") for m in errors(at))
+    assert at.button(key="sim_run").disabled
+
+
+def test_paths_outside_the_data_root_are_refused(tmp_path):
+    outside = tmp_path.parent / "elsewhere.csv"
+    at = app()
+    at.radio(key="sim_trace_kind").set_value("Path on this machine").run()
+    for path in (str(outside), "../elsewhere.csv", "/etc/passwd"):
+        at.text_input(key="sim_trace_path").set_value(path).run()
+        [message] = errors(at)
+        assert "outside the dashboard's data directory" in message and "root:" not in message
+
+
+def test_newest_run_is_selected_after_each_run():
+    at = app()
+    small_config(at, "sim_")
+    for label in ("first", "second"):
+        at.text_input(key="sim_label").set_value(label)
+        at.button(key="sim_run").click().run()
+        assert not errors(at)
+        assert at.selectbox(key="sim_pick").value == label and at.subheader[0].value == f"Summary: {label}"
+    at.switch_page("pages/memory.py").run()
+    assert at.selectbox(key="mem_pick").value == "second"
+
+
+def test_one_job_per_session_disables_run_on_every_page():
+    from dashboard.jobs import Job
+    at = app()
+    job = Job([("long", load_config(None, {"trace": "sharegpt", "trace_options.max_requests": 5000}))],
+              page="Simulate").start()
+    try:
+        at.session_state["kvsim_job"] = job
+        at.switch_page("pages/compare.py").run()
+        assert at.button(key="cmp_run").disabled
+        assert "started on the Simulate page is running" in at.info[0].value
+    finally:
+        job.cancel()
+        job.wait(10)
+    at.run()
+    assert not at.button(key="cmp_run").disabled
 
 
 # ---- Memory ----------------------------------------------------------------------------------
@@ -178,6 +247,66 @@ def test_memory_page_reads_a_cli_run_directory(tmp_path):
     assert not errors(at)
     assert metric(at, "Fragmentation mean / p99") == (
         f"{result.summary['fragmentation_mean']:.1%} / {result.summary['fragmentation_p99']:.1%}")
+
+
+PER_HEAD = {"trace": "sharegpt", "gpu": "l4", "trace_options.max_requests": 40, "kv.policy": "h2o", "kv.budget": 128,
+            "kv.layout": "per_head", "kv.slot_strategy": "slot_reuse", "kv.mode": "fast"}
+
+
+def per_head_config(at: AppTest, prefix: str) -> None:
+    at.selectbox(key=f"{prefix}trace_name").set_value("sharegpt")
+    at.selectbox(key=f"{prefix}gpu").set_value("L4")
+    at.number_input(key=f"{prefix}max_requests").set_value(40)
+    for name in ("policy", "layout", "slot_strategy", "mode"):
+        at.selectbox(key=f"{prefix}kv.{name}").set_value(PER_HEAD[f"kv.{name}"])
+    at.number_input(key=f"{prefix}kv.budget").set_value(128)
+
+
+@pytest.fixture(scope="module")
+def per_head():
+    """An H2O + slot_reuse per-head run (fast mode) simulated directly and on the Simulate page."""
+    result = run_simulation(load_config(None, PER_HEAD))
+    at = app()
+    per_head_config(at, "sim_")
+    at.run()
+    at.button(key="sim_run").click().run()
+    assert not errors(at)
+    return result, at
+
+
+def test_memory_page_draws_a_per_head_run_against_its_pages(per_head):
+    result, at = per_head
+    at.switch_page("pages/memory.py").run()
+    assert not errors(at)
+    steps, s = result.steps, result.summary
+    pages = int((steps.blocks_used + steps.blocks_free).max())
+    assert pages == result.num_gpu_blocks * 32 * 8             # Llama-3.1-8B: 32 layers x 8 KV heads
+    util = chart(at, "KV utilization")["data"]
+    used = values(util[0]["y"])
+    binned = bin_steps(steps, 200)
+    np.testing.assert_allclose(used, binned["blocks_used"] / pages)
+    assert 0 < used.max() <= s["kv_util_max"] + 1e-9 <= 1
+    np.testing.assert_allclose(values(util[1]["y"]), binned["fragmentation"])
+    pool = chart(at, "Block pool over time")
+    assert "256 (layer, KV head) rows" in pool["layout"]["title"]["text"]
+    codes = values(pool["data"][0]["z"])
+    live, allocated = (codes == 3).sum(axis=0), (codes >= 2).sum(axis=0)
+    busy = allocated >= 20                                     # columns with enough rows to measure a share
+    map_fragmentation = 1 - live[busy] / allocated[busy]
+    assert np.abs(map_fragmentation - binned["fragmentation"][busy]).max() < 0.1
+    assert map_fragmentation.mean() == pytest.approx(s["fragmentation_mean"], abs=0.1) and s["fragmentation_mean"] > 0.3
+    assert "Per-head layout" in at.info[0].value
+
+
+def test_compare_page_shares_of_a_per_head_run_stay_within_the_pool(per_head):
+    result, at = per_head
+    at.switch_page("pages/compare.py").run()
+    label = next(iter(at.session_state["kvsim_runs"]))
+    at.multiselect(key="cmp_selected").set_value([label]).run()
+    assert not errors(at)
+    util = chart(at, "KV utilization")["data"][0]
+    assert values(util["y"]).max() == pytest.approx(
+        bin_steps(result.steps, 200)["blocks_used"].max() / (result.num_gpu_blocks * 256))
 
 
 # ---- Compare ---------------------------------------------------------------------------------
@@ -235,6 +364,42 @@ def test_capacity_search_then_reload_its_store(tmp_path):
     assert best["usd_per_m_output_tok"].is_monotonic_increasing
 
 
+def test_capacity_search_cancels_within_a_second():
+    import time
+    from dashboard.jobs import Job, capacity_search_task
+    from sim.capacity import parse_slo
+    base = load_config(None, {"trace_options.max_requests": 19_366})       # seconds per simulation
+    job = Job(task=capacity_search_task(base, ["H100-SXM"], parse_slo("ttft_p99<=2s"), "rate", 8, None),
+              page="Capacity").start()
+    while not job.done and not (job.progress is not None and job.progress.tokens_done > 0):
+        time.sleep(0.02)
+    job.cancel()
+    job.wait(5)
+    assert job.done and job.finished - job.cancel_time < 1.0
+    assert job.error == "cancelled" and job.run_done == 0                  # stopped inside the first simulation
+
+
+def test_configuration_survives_navigation():
+    at = app()
+    at.number_input(key="sim_max_requests").set_value(77)
+    at.selectbox(key="sim_gpu").set_value("L4")
+    at.selectbox(key="sim_kv.policy").set_value("h2o").run()
+    at.switch_page("pages/memory.py").run()
+    at.switch_page("pages/simulate.py").run()
+    assert not errors(at)
+    assert at.number_input(key="sim_max_requests").value == 77 and at.selectbox(key="sim_gpu").value == "L4"
+    assert at.selectbox(key="sim_kv.policy").value == "h2o"
+
+
+def test_capacity_gpu_choice_survives_navigation():
+    at = app()
+    at.switch_page("pages/capacity.py").run()
+    at.multiselect(key="cap_gpus").set_value(["H100-SXM", "L4"]).run()
+    at.switch_page("pages/simulate.py").run()
+    at.switch_page("pages/capacity.py").run()
+    assert at.multiselect(key="cap_gpus").value == ["H100-SXM", "L4"]
+
+
 # ---- Fidelity --------------------------------------------------------------------------------
 def test_fidelity_page_measures_prediction_error(tmp_path, expected):
     replay = expected.steps.copy()
@@ -247,10 +412,38 @@ def test_fidelity_page_measures_prediction_error(tmp_path, expected):
     assert "missing column(s) predicted_s" in errors(at)[0]
     at.text_input(key="fid_path").set_value(str(tmp_path / "steps.parquet")).run()
     assert not errors(at)
-    assert metric(at, "Step-time MAPE") == "20.0%"
+    assert metric(at, "Per-step time MAPE") == "20.0%"
     assert metric(at, "Total predicted / measured") == "0.800"
     scatter = chart(at, "Predicted vs measured")
     assert sum(len(values(t["x"])) for t in scatter["data"][:-1]) == len(replay)
+
+
+def test_fidelity_page_shows_a_crosscheck_as_its_report_does(small_crosscheck, monkeypatch):
+    import re
+    monkeypatch.setenv("KVSIM_DATA_ROOT", str(small_crosscheck.parent))
+    report = (small_crosscheck / "report.md").read_text()
+    at = app()
+    at.switch_page("pages/fidelity.py").run()
+    at.text_input(key="fid_path").set_value("cc").run()
+    assert not errors(at)
+    mape = re.search(r"per-step time MAPE: \*\*([0-9.]+%)\*\*", report).group(1)
+    total = re.search(r"cost model on the replay's own batches [0-9.]+ s \(([+-][0-9.]+%)\)", report).group(1)
+    assert metric(at, "Per-step time MAPE") == mape
+    assert metric(at, "Step time, model vs measured") == total
+    ttft = re.search(r"TTFT p50 error: \*\*([0-9.]+%)\*\*", report).group(1)
+    assert metric(at, "TTFT p50 error") == ttft
+    table = frame_with(at, "median_bias_%").set_index("group")
+    rows = re.findall(r"^\| (prefill|decode|mixed|all) \| (\d+) \| ([0-9.]+)% \| [0-9.]+% \| [0-9.]+% \| "
+                      r"([+-][0-9.]+)% \|$", report, re.M)
+    assert len(rows) >= 2
+    for kind, steps, ape, bias in rows:
+        row = table.loc["all steps" if kind == "all" else f"{kind} steps"]
+        assert (row["steps"], f"{row['MAPE_%']:.1f}", f"{row['median_bias_%']:+.1f}") == (int(steps), ape, bias)
+    at.text_input(key="fid_path").set_value("cc/step_times.parquet").run()     # the report's table itself
+    assert not errors(at) and metric(at, "Per-step time MAPE") == mape
+    # the replay's own step log prices the steps with the profile the replay ran with: not the report's figures
+    at.text_input(key="fid_path").set_value("cc/real/steps.parquet").run()
+    assert "part of a cross-check" in at.info[0].value
 
 
 # ---- data shaping ----------------------------------------------------------------------------
@@ -273,21 +466,50 @@ def test_fidelity_table_and_pareto():
     t = fidelity_table(steps).set_index("group")
     assert t.loc["all steps", "steps"] == 3
     assert t.loc["all steps", "MAPE_%"] == pytest.approx(100 * (0.1 + 0.1 + 0) / 3)
-    assert t.loc["all steps", "bias_%"] == pytest.approx(0.0)
+    assert t.loc["all steps", "median_bias_%"] == pytest.approx(0.0)
     assert t.loc["prefill steps", "steps"] == 1 and t.loc["mixed steps", "steps"] == 1
     df = pd.DataFrame({"cost": [1.0, 2.0, 2.0, 3.0], "good": [5.0, 4.0, 7.0, 6.0]})
     assert list(pareto_front(df, "cost", "good")) == [True, False, True, False]
 
 
-def test_background_job_reports_progress_and_cancels():
-    from dashboard.jobs import Job
+def test_background_job_reports_progress_with_eta_and_cancels_within_a_second():
     import time
-    job = Job([("long", load_config(None, {"trace_options.max_requests": 2000}))]).start()
-    seen = set()
-    while not job.done and not seen & {"partway"}:
+    from dashboard.jobs import Job
+    cfg = load_config(None, {"trace": "sharegpt", "trace_options.max_requests": 3000})   # all at t=0
+    job = Job([("long", cfg)]).start()
+    seen = []
+    while not job.done and len(seen) < 3:
         time.sleep(0.05)
-        if 0 < job.fraction < 1 and job.run_total == 2000:
-            seen.add("partway")
-    job.cancel_requested = True
-    job.wait(30)
-    assert seen == {"partway"} and job.error == "cancelled" and job.records == []
+        p = job.progress
+        if p is not None and 0 < job.fraction < 1 and job.eta_s is not None:
+            seen.append((p.tokens_done, job.fraction))
+    assert len(seen) == 3, "no partway progress seen"
+    assert [f for _, f in seen] == sorted(f for _, f in seen)            # moves forward with the tokens computed
+    assert seen[0][1] == pytest.approx(seen[0][0] / job.progress.tokens_total, abs=0.01)
+    assert "tokens" in job.status_text() and "left" in job.status_text()
+    job.cancel()
+    job.wait(5)
+    assert job.done and job.finished - job.cancel_time < 1.0
+    assert job.error == "cancelled" and job.records == []
+
+
+@pytest.mark.parametrize("address, local", [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                            ("0.0.0.0", False), ("", False), ("192.168.1.20", False)])
+def test_exposure_is_flagged_for_non_local_addresses(address, local):
+    from dashboard.cli import is_local_address
+    assert is_local_address(address) is local
+
+
+def test_dashboard_command_warns_when_exposed_and_passes_the_data_root(monkeypatch, tmp_path):
+    import os
+    from typer.testing import CliRunner
+    from dashboard import cli
+    from sim.cli import app as kvsim
+    started = []
+    monkeypatch.setattr(cli.os, "execv", lambda path, argv: started.append(argv))
+    out = CliRunner().invoke(kvsim, ["dashboard", "--address", "0.0.0.0", "--data-root", str(tmp_path)])
+    assert out.exit_code == 0 and "WARNING: the dashboard is bound to 0.0.0.0" in out.output
+    assert os.environ["KVSIM_DATA_ROOT"] == str(tmp_path.resolve())
+    assert started and started[0][started[0].index("--client.toolbarMode") + 1] == "minimal"
+    out = CliRunner().invoke(kvsim, ["dashboard", "--data-root", str(tmp_path)])
+    assert "WARNING" not in out.output

@@ -4,11 +4,12 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts
-from dashboard.data import DataError, capacity_by_group, meets_slo, pareto_front, read_sweep_store, varying_columns
-from dashboard.forms import config_form, with_value
-from dashboard.jobs import Cancelled
-from dashboard.ui import follow_job, start_job
-from sim.capacity import find_capacity, parse_slo
+from dashboard.data import (DataError, capacity_by_group, drain_share, meets_slo, pareto_front, read_sweep_store,
+                            resolve_user_path, varying_columns)
+from dashboard.forms import config_form, gui_message
+from dashboard.jobs import capacity_search_task
+from dashboard.ui import follow_job, keep_widget, run_button, start_job
+from sim.capacity import parse_slo
 from sim.catalog import list_gpus
 from sim.config import ConfigError, SimConfig
 from sim.sweep import config_columns
@@ -19,21 +20,35 @@ BENEFIT_COLUMNS = ["goodput_req_s", "throughput_output_tok_s", "throughput_req_s
 COST = "usd_per_m_output_tok"
 
 
-def capacity_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int, store: str | None):
-    def task(job):
-        job.unit, job.run_total = "points", len(gpus) * max_evals
-        answers = []
-        for i, gpu in enumerate(gpus):
-            def progress(row):
-                if job.cancel_requested:
-                    raise Cancelled()
-                job.run_done += 1
-            result = find_capacity(with_value(base, "gpu", gpu), constraints, mode=mode, max_evals=max_evals,
-                                   store=store, progress=progress)
-            answers.append((gpu, result))
-            job.run_done = (i + 1) * max_evals
-        return answers
-    return task
+ANSWER_FORMATS = {name: st.column_config.NumberColumn(name, format=fmt) for name, fmt in (
+    ("max rate scale", "%.3g"), ("fewest replicas", "%d"), ("rate (req/s)", "%.3g"), ("goodput (req/s)", "%.3g"),
+    ("TTFT p99 (s)", "%.3f"), ("TPOT p99 (ms)", "%.1f"), ("USD per M output tokens", "%.3f"))}
+DRAIN_LIMIT = 0.5
+
+
+def answer_table(answers) -> pd.DataFrame:
+    return pd.DataFrame([{
+        "gpu": gpu, "search": r.mode, "meets SLO somewhere": r.feasible, "boundary found": r.bounded,
+        ("max rate scale" if r.mode == "rate" else "fewest replicas"): r.answer,
+        "rate (req/s)": r.answer_rate_req_s, "goodput (req/s)": r.answer_metrics.get("goodput_req_s"),
+        "TTFT p99 (s)": r.answer_metrics.get("ttft_p99_s"),
+        "TPOT p99 (ms)": None if r.answer_metrics.get("tpot_p99_s") is None else r.answer_metrics["tpot_p99_s"] * 1e3,
+        "USD per M output tokens": r.answer_metrics.get(COST),
+    } for gpu, r in answers])
+
+
+def warn_if_drain_dominated(answers) -> None:
+    """Warn when, at a GPU's answer, most of the run is the queue draining after the last arrival."""
+    for gpu, r in answers:
+        if r.curve is None or r.answer_run_id is None:
+            continue
+        row = r.curve.set_index("run_id").loc[r.answer_run_id].to_dict()
+        share = drain_share(row)
+        if share > DRAIN_LIMIT:
+            st.warning(f"{gpu}: at the answer, {share:.0%} of the run is the queue draining after the last of its "
+                       f"{int(row['num_requests']):,} requests arrived, so goodput there measures how fast this "
+                       f"batch drains, not a rate the server sustains. Raise Max requests (first N) in the sidebar "
+                       f"until the answer stops moving.")
 
 
 st.title("Capacity")
@@ -47,7 +62,7 @@ if source == "Load a sweep store":
                 "(gpu, tp, trace_options.rate_scale, ...) and summary figures (goodput_req_s, ttft_p99_s, ...).")
         st.stop()
     try:
-        table, failed, capacity = read_sweep_store(path)
+        table, failed, capacity = read_sweep_store(resolve_user_path(path))
     except DataError as exc:
         st.error(str(exc))
         st.stop()
@@ -63,25 +78,33 @@ else:
         base, error = config_form("cap_", max_requests=100)
     gpus = [g.name for g in list_gpus() if g.kind == "gpu"]
     a, b = st.columns(2)
-    chosen = a.multiselect("GPUs", gpus, default=[base.gpu] if base and base.gpu in gpus else gpus[:1], key="cap_gpus")
+    for key in ("cap_gpus", "cap_mode", "cap_slo", "cap_evals", "cap_store"):
+        keep_widget(key)
+    if "cap_gpus" not in st.session_state:
+        st.session_state["cap_gpus"] = [base.gpu] if base and base.gpu in gpus else gpus[:1]
+    chosen = a.multiselect("GPUs", gpus, key="cap_gpus")
     mode = b.radio("Search for", ["rate", "replicas"], horizontal=True, key="cap_mode",
                    format_func={"rate": "highest arrival rate", "replicas": "fewest replicas"}.get)
-    slo_text = a.text_input("SLO", value=DEFAULT_SLO, key="cap_slo",
+    st.session_state.setdefault("cap_slo", DEFAULT_SLO)
+    slo_text = a.text_input("SLO", key="cap_slo",
                             help="constraints on summary metrics, e.g. ttft_p99<=2s, e2e_p90<=30s, slo_attainment>=0.99")
-    max_evals = b.number_input("Max simulations per GPU", min_value=2, max_value=64, value=8, key="cap_evals")
-    store = st.text_input("Save points to a store directory (optional, resumable)", key="cap_store").strip() or None
+    st.session_state.setdefault("cap_evals", 8)
+    max_evals = b.number_input("Max simulations per GPU", min_value=2, max_value=64, key="cap_evals")
+    store = st.text_input("Save points to a store directory under the data directory (optional, resumable)",
+                          key="cap_store").strip() or None
     try:
         if error:
             raise ConfigError(error)
         constraints = parse_slo(slo_text)
         if not chosen:
             raise ConfigError("pick at least one GPU")
-    except ConfigError as exc:
-        st.error(str(exc))
+        store = str(resolve_user_path(store)) if store else None
+    except (ConfigError, DataError) as exc:
+        st.error(gui_message(str(exc)))
         chosen = []
-    if st.button("Search capacity", type="primary", disabled=not chosen, key="cap_run"):
-        start_job("cap_job", task=capacity_task(base, chosen, constraints, mode, int(max_evals), store))
-    job = follow_job("cap_job")
+    if run_button("Search capacity", "cap_run", "Capacity", blocked=not chosen):
+        start_job("Capacity", task=capacity_search_task(base, chosen, constraints, mode, int(max_evals), store))
+    job = follow_job("Capacity")
     if job is not None and job.value:
         st.session_state["cap_answers"] = job.value
     answers = st.session_state.get("cap_answers")
@@ -89,13 +112,9 @@ else:
         st.info("For each GPU the search brackets the SLO boundary by doubling/halving the load, then bisects.")
         st.stop()
     st.subheader("Capacity")
-    st.dataframe(pd.DataFrame([{
-        "gpu": gpu, "search": r.mode, "meets SLO somewhere": r.feasible, "boundary found": r.bounded,
-        ("max rate scale" if r.mode == "rate" else "fewest replicas"): r.answer,
-        "rate (req/s)": r.answer_rate_req_s, **{k: r.answer_metrics.get(k) for k in
-                                                ("goodput_req_s", "ttft_p99_s", "tpot_p99_s", COST)},
-    } for gpu, r in answers]), hide_index=True, key="cap_answers_table")
+    st.dataframe(answer_table(answers), hide_index=True, key="cap_answers_table", column_config=ANSWER_FORMATS)
     table = pd.concat([r.curve for _, r in answers if r.curve is not None], ignore_index=True)
+    warn_if_drain_dominated(answers)
 
 if table is None or not len(table):
     st.stop()
@@ -104,9 +123,13 @@ config_cols = list(config_columns(SimConfig().model_dump(mode="json")))
 groups = varying_columns(table, [c for c in config_cols if c not in LOAD_COLUMNS and c != "seed"])
 
 
+def _short(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
 def pick(column, label, options, preferred, key):
     index = next((options.index(p) for p in preferred if p in options), 0)
-    return column.selectbox(label, options, index=index, key=key)
+    return column.selectbox(label, options, index=index, key=key, format_func=charts.column_title)
 
 
 a, b, c = st.columns(3)
@@ -118,28 +141,34 @@ slo_view = st.text_input("SLO for the views below", value=st.session_state.get("
 try:
     ok = meets_slo(table, parse_slo(slo_view))
 except (ConfigError, DataError) as exc:
-    st.error(str(exc))
+    st.error(gui_message(str(exc)))
     st.stop()
 
 left, right = st.columns(2)
-left.plotly_chart(charts.xy_lines(table, load, benefit, group, "Capacity curve"), key="cap_curve")
+left.plotly_chart(charts.xy_lines(table, load, benefit, group, "Capacity curve"), key="cap_curve",
+                  config=charts.PLOT_CONFIG)
 latency = "ttft_p99_s" if "ttft_p99_s" in table else benefit
-right.plotly_chart(charts.xy_lines(table, load, latency, group, f"{latency} vs load"), key="cap_latency")
-st.dataframe(capacity_by_group(table, load, ok, group), hide_index=True, key="cap_capacity")
+right.plotly_chart(charts.xy_lines(table, load, latency, group, f"{charts.column_title(latency)} vs load"),
+                   key="cap_latency", config=charts.PLOT_CONFIG)
+answer_column = f"max {load} meeting the SLO"
+st.dataframe(capacity_by_group(table, load, ok, group), hide_index=True, key="cap_capacity", column_config={
+    answer_column: st.column_config.NumberColumn(f"highest {charts.column_title(load)} meeting the SLO", format="%.3g")})
 if COST in table:
     left.plotly_chart(charts.xy_lines(table, load, COST, group, "Cost per million output tokens (USD)"),
-                      key="cap_cost")
+                      key="cap_cost", config=charts.PLOT_CONFIG)
     feasible = table[ok]
     if len(feasible):
         right.plotly_chart(charts.xy_lines(feasible, COST, benefit, group, "Pareto view: points meeting the SLO",
-                                           pareto_front(feasible, COST, benefit)), key="cap_pareto")
+                                           pareto_front(feasible, COST, benefit)), key="cap_pareto",
+                           config=charts.PLOT_CONFIG)
 st.subheader("Best configuration under the SLO")
 best = table[ok].sort_values(COST if COST in table else benefit, ascending=COST in table, kind="stable")
 if len(best):
     top = best.iloc[0]
-    what = ", ".join(f"{k}={top[k]}" for k in ([group] if group else []) + [load] if k in top)
+    what = ", ".join(f"{charts.column_title(k)} {_short(top[k])}" for k in ([group] if group else []) + [load]
+                     if k in top)
     cost = f"${top[COST]:.3f} per million output tokens, " if COST in table else ""
-    st.success(f"Best: {what}: {cost}{benefit} = {top[benefit]:.4g}")
+    st.success(f"Best: {what}: {cost}{charts.column_title(benefit)} {top[benefit]:.3g}")
     st.dataframe(best, hide_index=True, key="cap_best")
 else:
     st.warning("No point meets the SLO.")

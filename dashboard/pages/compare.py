@@ -2,8 +2,8 @@
 import streamlit as st
 
 from dashboard import charts
-from dashboard.forms import config_axes, config_form, parse_axis_values, with_value
-from dashboard.ui import follow_job, saved_runs, start_job, summary_table
+from dashboard.forms import config_axes, config_form, gui_message, parse_axis_values, with_value
+from dashboard.ui import follow_job, run_button, saved_runs, start_job, summary_column_config, summary_table
 from sim.config import ConfigError
 
 st.title("Compare")
@@ -31,13 +31,13 @@ if base is not None and not axis_error:
     try:
         runs = [(f"{axis}={v}", with_value(base, axis, v)) for v in values]
     except ConfigError as exc:
-        axis_error = str(exc)
+        axis_error = gui_message(str(exc))
 for message in (error, axis_error):
     if message:
         st.error(message)
-if st.button(f"Run {len(runs)} simulations", type="primary", disabled=not runs, key="cmp_run"):
-    start_job("cmp_job", runs)
-job = follow_job("cmp_job")
+if run_button(f"Run {len(runs)} simulations", "cmp_run", "Compare", blocked=not runs):
+    start_job("Compare", runs)
+job = follow_job("Compare")
 available = saved_runs()
 if job is not None:   # show what just ran
     st.session_state["cmp_selected"] = [r.label for r in job.records]
@@ -47,15 +47,20 @@ if not records:
     st.info("Choose an axis and values, run them, or select earlier runs to compare.")
     st.stop()
 table = summary_table(records)
-st.dataframe(table, hide_index=True, key="cmp_table")
-st.plotly_chart(charts.metric_bars(table, "run", ["TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]),
-                key="cmp_bars")
+st.dataframe(table, hide_index=True, key="cmp_table", column_config=summary_column_config())
+a, b = st.columns(2)
+a.plotly_chart(charts.metric_bars(table, "run", ["TTFT p50 ms", "TTFT p99 ms"], "TTFT by configuration", "ms"),
+               key="cmp_ttft_bars", config=charts.PLOT_CONFIG)
+b.plotly_chart(charts.metric_bars(table, "run", ["TPOT p50 ms", "TPOT p99 ms"], "TPOT by configuration", "ms"),
+               key="cmp_tpot_bars", config=charts.PLOT_CONFIG)
 cols = st.columns(3)
 for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s")):
-    col.plotly_chart(charts.latency_cdfs(records, metric), key=f"cmp_cdf_{metric}")
+    col.plotly_chart(charts.latency_cdfs(records, metric), key=f"cmp_cdf_{metric}", config=charts.PLOT_CONFIG)
 a, b = st.columns(2)
-a.plotly_chart(charts.throughput_over_time(records), key="cmp_throughput")
-b.plotly_chart(charts.kv_utilization(records), key="cmp_util")
-a.plotly_chart(charts.step_series(records, {"num_waiting": "waiting"}, "Queue length", "requests"), key="cmp_queue")
+a.plotly_chart(charts.throughput_over_time(records), key="cmp_throughput", config=charts.PLOT_CONFIG)
+b.plotly_chart(charts.kv_utilization(records), key="cmp_util", config=charts.PLOT_CONFIG)
+a, b = st.columns(2)
+a.plotly_chart(charts.step_series(records, {"num_waiting": "waiting"}, "Queue length", "requests"), key="cmp_queue",
+               config=charts.PLOT_CONFIG)
 b.plotly_chart(charts.step_series(records, {"bytes_moved_per_s": "bytes moved / s"}, "Bytes moved by slots",
-                                  "bytes / s"), key="cmp_bytes")
+                                  "bytes / s"), key="cmp_bytes", config=charts.PLOT_CONFIG)

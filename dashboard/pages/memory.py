@@ -2,9 +2,10 @@
 import streamlit as st
 
 from dashboard import charts
-from dashboard.ui import pick_run
+from dashboard.ui import follow_job, pick_run
 
 st.title("Memory")
+follow_job("Memory")
 run = pick_run("mem_", "Run")
 if run is None:
     st.stop()
@@ -12,27 +13,27 @@ if not len(run.steps):
     st.warning(f"{run.label}: the run has no step log.")
     st.stop()
 bins = st.slider("Time bins", min_value=20, max_value=600, value=200, step=20, key="mem_bins")
-s = run.summary
+s, per_row = run.summary, run.rows_per_block
 a, b, c, d = st.columns(4)
-a.metric("KV pool (blocks x tokens)", f"{run.num_blocks_total:,} x {run.block_size}")
+a.metric("KV pool (blocks x tokens)", f"{run.num_blocks_total:,} x {run.block_size}",
+         help=None if per_row == 1 else f"per (layer, KV head) row; {run.pool_blocks:,} pages in all")
 b.metric("KV util mean / max", f"{s.get('kv_util_mean', 0):.0%} / {s.get('kv_util_max', 0):.0%}")
 c.metric("Fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.1%} / {s.get('fragmentation_p99', 0):.1%}")
 d.metric("Data moved by slots", f"{run.steps['bytes_moved'].sum() / 2**20:,.1f} MiB")
-st.plotly_chart(charts.kv_utilization([run], bins), key="mem_util")
+if per_row > 1:
+    st.info(f"Per-head layout: the pool is {run.pool_blocks:,} pages of one (layer, KV head) each "
+            f"({run.num_blocks_total:,} blocks x {per_row:,} rows). Utilization counts the pages of all rows "
+            f"against all pages; the pool map shows the mean row (pages and slots divided by {per_row:,}).")
+st.plotly_chart(charts.kv_utilization([run], bins), key="mem_util", config=charts.PLOT_CONFIG)
 zoom = st.checkbox("Zoom the pool map to the blocks ever in use", value=True, key="mem_zoom")
-st.plotly_chart(charts.memory_map(run, bins, zoom=zoom), key="mem_map")
+st.plotly_chart(charts.memory_map(run, bins, zoom=zoom), key="mem_map", config=charts.PLOT_CONFIG)
 st.caption("The step log records pool counts per step, not the state of each block, so each column shows the "
            "pool grouped by state: live tokens (in block-equivalents), then the empty or evicted slots of "
-           "allocated blocks, then free blocks still caching a prefix, then free blocks.")
+           "allocated blocks (the fragmentation), then free blocks still caching a prefix, then free blocks.")
 a, b = st.columns(2)
 a.plotly_chart(charts.step_series([run], {"bytes_moved_per_s": "bytes moved / s"},
-                                  "Bytes copied / moved by the slot strategy", "bytes / s", bins), key="mem_bytes")
+                                  "Bytes copied / moved by the slot strategy", "bytes / s", bins),
+               key="mem_bytes", config=charts.PLOT_CONFIG)
 b.plotly_chart(charts.step_series([run], {"evicted_tokens_per_s": "tokens evicted / s",
                                           "blocks_freed_by_eviction_per_s": "blocks freed by eviction / s"},
-                                  "Eviction", "per second", bins), key="mem_evict")
-head_cols = [c for c in run.steps.columns if c.startswith("head_")]
-if head_cols:
-    st.plotly_chart(charts.step_series([run], {c: c for c in head_cols}, "Per-head occupancy", "slots", bins),
-                    key="mem_heads")
-else:
-    st.caption("Per-head occupancy appears for runs whose step log has per-head columns (per-head layout).")
+                                  "Eviction", "per second", bins), key="mem_evict", config=charts.PLOT_CONFIG)

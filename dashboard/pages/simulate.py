@@ -3,7 +3,7 @@ import streamlit as st
 
 from dashboard import charts
 from dashboard.forms import config_form
-from dashboard.ui import follow_job, pick_run, saved_runs, show_summary_metrics, start_job
+from dashboard.ui import follow_job, pick_run, run_button, saved_runs, show_summary_metrics, start_job
 
 st.title("Simulate")
 with st.sidebar:
@@ -12,10 +12,10 @@ with st.sidebar:
 if error:
     st.error(error)
 label = st.text_input("Run label", value="", placeholder="auto", key="sim_label")
-if st.button("Run simulation", type="primary", disabled=cfg is None, key="sim_run"):
+if run_button("Run simulation", "sim_run", "Simulate", blocked=cfg is None):
     name = label.strip() or f"#{len(saved_runs()) + 1} {cfg.trace.rsplit('/', 1)[-1]} {cfg.model} {cfg.gpu}"
-    start_job("sim_job", [(name, cfg)])
-follow_job("sim_job")
+    start_job("Simulate", [(name, cfg)])
+follow_job("Simulate")
 
 if not saved_runs():
     st.info("Pick a trace and a configuration in the sidebar, then run a simulation.")
@@ -29,10 +29,10 @@ with st.expander("All summary figures"):
     st.dataframe({k: [str(v)] for k, v in run.summary.items()}, hide_index=True)
 cols = st.columns(3)
 for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s")):
-    col.plotly_chart(charts.latency_cdfs([run], metric), key=f"sim_cdf_{metric}")
-st.plotly_chart(charts.throughput_over_time([run]), key="sim_throughput")
+    col.plotly_chart(charts.latency_cdfs([run], metric), key=f"sim_cdf_{metric}", config=charts.PLOT_CONFIG)
+st.plotly_chart(charts.throughput_over_time([run]), key="sim_throughput", config=charts.PLOT_CONFIG)
 a, b = st.columns(2)
 a.plotly_chart(charts.step_series([run], {"num_waiting": "waiting", "num_running": "running"},
-                                  "Queue length", "requests"), key="sim_queue")
+                                  "Queue length", "requests"), key="sim_queue", config=charts.PLOT_CONFIG)
 b.plotly_chart(charts.step_series([run], {"batch_size": "batch size"}, "Batch size", "sequences per step"),
-               key="sim_batch")
+               key="sim_batch", config=charts.PLOT_CONFIG)
