@@ -22,7 +22,8 @@ c.metric("Fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.1%} / {s
 d.metric("Data moved by slots", f"{run.steps['bytes_moved'].sum() / 2**20:,.1f} MiB")
 if per_row > 1:
     st.info(f"Per-head layout: the pool is {run.pool_blocks:,} pages of one (layer, KV head) each "
-            f"({run.num_blocks_total:,} blocks x {per_row:,} rows). Utilization counts the pages of all rows "
+            f"({run.pool_blocks // per_row:,} usable blocks x {per_row:,} rows; one of the "
+            f"{run.num_blocks_total:,} blocks is vLLM's null block). Utilization counts the pages of all rows "
             f"against all pages; the pool map shows the mean row (pages and slots divided by {per_row:,}).")
 st.plotly_chart(charts.kv_utilization([run], bins), key="mem_util", config=charts.PLOT_CONFIG)
 zoom = st.checkbox("Zoom the pool map to the blocks ever in use", value=True, key="mem_zoom")
