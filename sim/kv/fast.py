@@ -245,6 +245,16 @@ class FastKVManager(EvictingManagerBase):
         self._pages_l = self.slot_pages.tolist()
         self._live_total = sum(self._live_l)
         self._pages_total = sum(self._pages_l)
+        if self.append:
+            # what a paged kernel reads: every slot of the row's pages (evicted ones masked, not
+            # skipped) but the tail page's unwritten ones; reuse strategies refill holes before
+            # writing elsewhere, so they read their live tokens
+            bs = self.block_size
+            tw = self.tail_w
+            unwritten = np.where((self.ncol > 0) & (tw < bs), bs - tw, 0).sum(axis=1)
+            self._read_l = (self.slot_pages * bs - unwritten).tolist()
+        else:
+            self._read_l = self._live_l
 
     def _restat(self, S: np.ndarray, live: np.ndarray | None = None, pages: np.ndarray | None = None) -> None:
         """Per-slot live / page totals of the slots in S after they changed (from their [len(S), rows]
@@ -287,8 +297,9 @@ class FastKVManager(EvictingManagerBase):
         return self.slot_of
 
     def kv_tokens(self, req) -> float:
+        """Token-equivalents attention reads per row (holes included, as in token-level mode)."""
         s = self.slot_of.get(req)
-        return self._live_l[s] / self.rows if s is not None else 0
+        return self._read_l[s] / self.rows if s is not None else 0
 
     def block_table_entries(self, req) -> int:
         s = self.slot_of.get(req)
@@ -402,8 +413,8 @@ class FastKVManager(EvictingManagerBase):
         self.pool.take(total)
         for s in slots:
             pending[s] = need_l[s]
-        live_l, rows = self._live_l, self.rows
-        return [live_l[s] / rows for s in slots]
+        read_l, rows = self._read_l, self.rows
+        return [read_l[s] / rows for s in slots]
 
     def _prefill_write(self, s: int, n: int) -> None:
         """Before the cut every row holds the same tokens densely: columns are filled in order."""

@@ -159,8 +159,9 @@ class EvictingKVManager(EvictingManagerBase):
         return self.req_kv
 
     def kv_tokens(self, req: Request) -> float:
-        """fp16 token-equivalents attention reads per row (tiers weighted by their bytes; selection
-        policies count only what they read)."""
+        """fp16 token-equivalents attention reads per row: every written slot of the row's pages, live
+        or evicted (a paged kernel masks holes but still reads them), tiers weighted by their bytes;
+        selection policies count only what they read."""
         st = self._stats.get(req)
         return st[2] if st else 0
 
@@ -581,7 +582,13 @@ class EvictingKVManager(EvictingManagerBase):
         tb = np.asarray(self.ctx.tier_bytes, dtype=np.float64)
         stored = float(tb[st.tier[st.live]].sum()) / self.rows
         read = self.policy.read_tokens(st, self.ctx)
-        kv = stored if read is None else float(np.sum(read)) / self.rows
+        if read is None:
+            # A paged kernel scans every slot of each page in the block table up to the sequence's
+            # last written slot; evicted slots are masked, not skipped: holes cost their bytes.
+            # Slots ever written (pos >= 0: live or evicted), weighted by their tier's bytes.
+            kv = float(tb[st.tier[st.pos >= 0]].sum()) / self.rows
+        else:
+            kv = float(np.sum(read)) / self.rows
         self._stats[req] = (live, alloc, kv, int(pages.sum()), stored)
         self._live_total += live
         self._alloc_total += alloc
