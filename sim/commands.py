@@ -37,7 +37,7 @@ def simulate(
                                          "pyramidkv, ada_snapkv, kvcompress, leankv, quest, tokenselect, recorded)"),
     budget: Optional[int] = typer.Option(None, help="tokens kept per KV head (budgeted policies)"),
     layout: Optional[str] = typer.Option(None, help="KV layout: shared | per_head"),
-    slot_strategy: Optional[str] = typer.Option(None, help="noop | free_block | slot_reuse | sparse_copy | compact "
+    slot_strategy: Optional[str] = typer.Option(None, help="noop | free_block | slot_reuse | sparse_copy | holed_copy | compact "
                                                 "| parallel_compact"),
     kv_mode: Optional[str] = typer.Option(None, help="token (exact token-level state) | fast (block occupancy)"),
     rate_scale: Optional[float] = typer.Option(None, help="arrival-rate multiplier"),

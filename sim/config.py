@@ -85,7 +85,7 @@ class KVConfig(_Strict):
     budget: int | None = Field(None, gt=0, description="tokens kept per head (policies with a budget)")
     params: dict[str, Any] = Field(default_factory=dict, description="extra policy parameters")
     layout: Literal["shared", "per_head"] = "shared"
-    slot_strategy: Literal["noop", "free_block", "slot_reuse", "sparse_copy", "compact",
+    slot_strategy: Literal["noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact",
                            "parallel_compact"] = "free_block"
     trigger: Literal["policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure",
                      "pressure", "threshold"] = "policy"

@@ -59,13 +59,13 @@ import numpy as np
 
 from ..core.request import Request
 from .base import EvictingManagerBase
-from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
+from .manager import SLOT_STRATEGIES, KVStepPlan, _COPY, _FREES, _REUSE
 from .fast_kernels import (K as KCAND, advance_first_free_np, decode_rows, first_free_np, score_prompt,
                            scored_step_np)
 from .importance import NUM_SINK, ImportanceModelSpec, SyntheticImportance
 from .policy import EvictionPolicy, PolicyContext, PolicyError
 
-_APPEND = {"noop", "free_block", "sparse_copy"}
+_APPEND = {"noop", "free_block", "sparse_copy", "holed_copy"}
 # per-row scalars, fields of one [slots, rows, fields] array so a step gathers / scatters them at once
 TAIL, TAILW, NCOL, PAGES, LIVE, HOLE, HOLED, HN = range(8)
 _ROW_FIELDS = {"tail": TAIL, "tail_w": TAILW, "ncol": NCOL, "pages": PAGES, "live": LIVE, "hole_col": HOLE,
@@ -221,7 +221,7 @@ class FastKVManager(EvictingManagerBase):
             self._rs_f, self.occ.reshape(-1, cols), self.win.reshape(-1, cols), self.alive.reshape(-1, cols),
             self.ring.reshape(-1, self.ring.shape[2]), self.ntok, self._heavy_f, self.block_size, self.window,
             -1 if self.budget is None else int(self.budget), self.tracks_columns, self.append,
-            self.strategy in _REUSE, self.strategy in _FREES, self.strategy == "sparse_copy",
+            self.strategy in _REUSE, self.strategy in _FREES, self.strategy in _COPY,
             self.strategy in _COMPACT, self.evict_leaving, self.scored)
         Hc = self.heavy.shape[2]
         if self.scored:
@@ -329,8 +329,11 @@ class FastKVManager(EvictingManagerBase):
         return self._need_l[s] + self.rows * -(-(n - 1) // bs)
 
     def _typical_copy(self, S) -> np.ndarray:
-        """sparse_copy rows whose holes are all in one page other than the tail (the steady state)."""
+        """holed_copy rows whose holes are all in one page other than the tail (the steady state; the
+        kernel rewrites them). sparse_copy rewrites whole rows: none is typical."""
         h = self.holed[S]
+        if self.strategy == "sparse_copy":
+            return np.zeros(h.shape, dtype=bool)
         return (h >= 0) & (h != self.tail[S]) & (self.window >= self.block_size)
 
     def _need_rows(self, S: np.ndarray) -> np.ndarray:
@@ -339,7 +342,7 @@ class FastKVManager(EvictingManagerBase):
         if self.strategy in _REUSE:
             return (self.pages[S] * bs - self.live[S] < 1).astype(np.int64)
         need = ((self.tail_w[S] >= bs) | (self.ncol[S] == 0)).astype(np.int64)
-        if self.strategy != "sparse_copy":
+        if self.strategy not in _COPY:
             return need
         qP = (S[:, None] * self.rows + self._row_ids) * self.occ.shape[2]
         holed = self.holed[S]
@@ -367,6 +370,8 @@ class FastKVManager(EvictingManagerBase):
         cols = self.occ.shape[2]
         written = np.where(np.arange(cols)[None, :] == self.tail[s][:, None], self.tail_w[s][:, None], bs)
         dirty = self.alive[s] & (self.occ[s] < written)
+        if self.strategy == "sparse_copy":              # the whole row of a holed row
+            return self.alive[s] & dirty.any(axis=1)[:, None]
         r = np.flatnonzero(dirty.any(axis=1))
         dirty[r, self.tail[s][r]] = True
         return dirty
@@ -571,7 +576,7 @@ class FastKVManager(EvictingManagerBase):
             self._compact_rows(s, rows)
         if self.strategy in _REUSE:
             self._rescan_holes(s, rows)
-        if self.strategy == "sparse_copy":
+        if self.strategy in _COPY:
             self._mark_holed(s, rows)
 
     def _drop(self, s: int, rows: np.ndarray, cols_mask: np.ndarray) -> None:
@@ -657,7 +662,7 @@ class FastKVManager(EvictingManagerBase):
         Returns the (token, row) evictions per slot. Pages were taken from the pool by allocate_slots.
         Runs as one compiled kernel (fast_kernels.decode_rows) where numba is installed, else in numpy
         (`_step_numpy`, its twin: the same state, draw for draw)."""
-        sparse = self.strategy == "sparse_copy"
+        sparse = self.strategy in _COPY
         if decode_rows is None:
             if sparse:
                 self._sparse_copy(S)
@@ -702,6 +707,8 @@ class FastKVManager(EvictingManagerBase):
                     self._rescan_holes(s, rows)
                 self._restat(rest)
             self.need_next[rest] = self._need_rows(rest).sum(axis=1)
+        if self.strategy == "sparse_copy":       # the kernel's page need assumes holed_copy's rewrite
+            self.need_next[S] = self._need_rows(S).sum(axis=1)
         self._mirror_counts()
         return evicted.tolist()
 
@@ -787,7 +794,7 @@ class FastKVManager(EvictingManagerBase):
         self._rs_f[q] = st
         if self.strategy in _COMPACT:
             self._compact_step(S, q, col)
-        if self.strategy in _COMPACT or self.strategy == "sparse_copy":   # pages moved: recount from the slab
+        if self.strategy in _COMPACT or self.strategy in _COPY:   # pages moved: recount from the slab
             self._update_need(S)
             self._restat(S)
         else:                                    # the gathered row state is final
@@ -965,7 +972,7 @@ class FastKVManager(EvictingManagerBase):
             kept = over if empty is None else over & ~empty
             np.copyto(hole, np.where(hole < 0, ev, np.minimum(hole, ev)), where=kept)
             return None if empty is None else empty & (hole < 0)
-        if self.strategy == "sparse_copy":
+        if self.strategy in _COPY:
             holed = st[:, HOLED]
             holed[:] = np.where(over, np.where(holed == -1, ev, np.where(holed == ev, holed, -2)), holed)
         return None
@@ -1080,7 +1087,9 @@ class FastKVManager(EvictingManagerBase):
         self.alive[s, rows] &= ~dirty
         self.pages[s, rows] += (dst - dirty.sum(axis=1)).astype(np.int32)
         self.pool.give(n_old)
-        base = self.ncol[s, rows].astype(np.int64)
+        # a whole-row rewrite (sparse_copy) starts again at column 0, holed pages go after the last column
+        whole = ~(self.alive[s, rows]).any(axis=1)
+        base = np.where(whole, 0, self.ncol[s, rows]).astype(np.int64)
         self._ensure_cols(int((base + dst).max()))
         if dst.size and dst.max() > 0:           # new page j of a row holds its moved tokens j*bs .. (j+1)*bs - 1
             start = np.arange(int(dst.max()))[None, :] * bs

@@ -15,9 +15,13 @@ Slot strategies (what happens to the hole an evicted token leaves):
   noop          evicted slots stay allocated; new tokens append at the row's tail page.
   free_block    as noop, and a page whose tokens are all evicted returns to the pool.
   slot_reuse    free_block, and new tokens fill evicted slots before a new page is allocated.
-  sparse_copy   at the next allocation of a row with holes, its holed pages (and tail page) are
-                copied densely into fresh pages allocated BEFORE the old ones are freed (so it
-                can force preemptions); bytes copied are charged.
+  sparse_copy   the published sparse copy: at the next allocation of a row with holes (the step
+                after an eviction) ALL its kept tokens are rewritten densely into fresh pages
+                allocated BEFORE the old ones are freed (the allocation is part of the step's memory
+                plan: when the destination pages cannot be allocated the request cannot run and the
+                scheduler preempts); bytes copied are charged.
+  holed_copy    kvsim's cheaper variant: as sparse_copy, but only the holed pages (and the tail
+                page) of a row are rewritten.
   compact       slot_reuse, and after each eviction survivors move from the row's last pages into
                 holes of its first ceil(live / capacity) pages; emptied pages are freed.
   parallel_compact  compact with LeanKV's circular free-page list (pool order "ring"); all rows'
@@ -42,7 +46,8 @@ from .policy import Decision, EvictionPolicy, PolicyContext
 from .pool import ArrayBlockPool
 from .state import TIER_FULL, TIER_LOW, TokenState
 
-SLOT_STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "compact", "parallel_compact")
+SLOT_STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
+_COPY = {"sparse_copy", "holed_copy"}
 TRIGGERS = ("policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure", "pressure",
             "threshold")
 _REUSE = {"slot_reuse", "compact", "parallel_compact"}
@@ -207,10 +212,13 @@ class EvictingKVManager(EvictingManagerBase):
         return out.reshape(self.rows, -1)
 
     def _dirty_pages(self, rk: RequestKV) -> np.ndarray:
-        """sparse_copy: bool [rows, E] pages to rewrite densely (holed pages, plus the tail of a holed row)."""
+        """bool [rows, E] pages to rewrite densely: sparse_copy every page of a holed row; holed_copy the
+        holed pages, plus the tail of a holed row."""
         st = rk.state
         holes = (~st.live & (st.pos >= 0)).reshape(self.rows, -1, self.stride).any(axis=2) & (rk.table >= 0)
         rows_holed = holes.any(axis=1)
+        if self.strategy == "sparse_copy":
+            return (rk.table >= 0) & rows_holed[:, None]
         r = np.flatnonzero(rows_holed & (rk.tail >= 0))
         holes[r, rk.tail[r]] = True
         return holes
@@ -222,7 +230,7 @@ class EvictingKVManager(EvictingManagerBase):
     def _needs(self, rk: RequestKV, n: int):
         """(pages for new tokens per row, sparse-copy destination pages per row)."""
         cap = int(self.tier_capacity[self.new_token_tier])
-        if self.strategy == "sparse_copy" and rk.num_entries:
+        if self.strategy in _COPY and rk.num_entries:
             dirty = self._dirty_pages(rk)
             moved = (rk.state.live.reshape(self.rows, -1, self.stride) & dirty[:, :, None]).sum(axis=(1, 2))
             dst = -(-moved // cap)
