@@ -187,6 +187,7 @@ class EvictingKVManager(EvictingManagerBase):
         if rk is None:
             rk = self.req_kv[req] = RequestKV(self.rows, self.stride)
             rk.state.extra["request_id"] = req.request_id
+            rk.state.extra["prompt_tokens"] = req.prompt_tokens    # a recompute prefills generated tokens too
             self.policy.on_admit(rk.state, self.ctx)
         return rk
 
