@@ -48,6 +48,7 @@ from .state import TIER_FULL, TIER_LOW, TokenState
 
 SLOT_STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
 _COPY = {"sparse_copy", "holed_copy"}
+QUANT_FLOPS = 6            # FLOPs per quantized element (min/max, scale, round, clamp, pack)
 TRIGGERS = ("policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure", "pressure",
             "threshold")
 _REUSE = {"slot_reuse", "compact", "parallel_compact"}
@@ -80,6 +81,8 @@ class KVStepPlan:
     evicted_tokens: int = 0          # (token, row) entries evicted
     blocks_freed_by_eviction: int = 0
     bytes_moved: int = 0
+    op_bytes: float = 0.0            # bytes read + written by the policy's own operations (metric, sort,
+    op_flops: float = 0.0            # table rewrite, quantization) and their FLOPs: EvictionPolicy.op_cost
     mass_retained: dict[int, float] = field(default_factory=dict)
     # every applied eviction in order (a request may be evicted twice in one plan, e.g. by two reclaim
     # calls): (request id, rows int64 [k], positions int64 [k], decode steps, tokens cached) — the
@@ -445,8 +448,16 @@ class EvictingKVManager(EvictingManagerBase):
         self.policy.observe(rk.state, self.ctx, scores, "prefill")
         rk.prefilled = True
         if self.trigger in ("every_step", "every_n", "after_prefill", "after_prefill+pressure", "threshold"):
+            self._charge(rk, "prefill")
             self._apply(req, rk, self.policy.compress(rk.state, self.ctx, "prefill", scores))
             rk.added_since_compress = 0
+
+    def _charge(self, rk: RequestKV, reason: str, decision: Decision | None = None) -> None:
+        """Add the policy's own work for a compression to the step (before its decision applies)."""
+        cost = self.policy.op_cost(rk.state, self.ctx, reason)
+        if cost is not None:
+            self.plan.op_bytes += cost[0]
+            self.plan.op_flops += cost[1]
 
     def _after_decode(self, req: Request, rk: RequestKV) -> None:
         rk.decode_steps += 1
@@ -462,7 +473,10 @@ class EvictingKVManager(EvictingManagerBase):
                 or (self.trigger == "every_n" and rk.decode_steps % self.trigger_interval == 0)
                 or (self.trigger == "threshold" and rk.added_since_compress >= self.trigger_threshold))
         if fire:
-            self._apply(req, rk, self.policy.compress(rk.state, self.ctx, "decode", scores))
+            decision = self.policy.compress(rk.state, self.ctx, "decode", scores)
+            if decision is not None:
+                self._charge(rk, "decode")
+            self._apply(req, rk, decision)
             rk.added_since_compress = 0
 
     def _apply(self, req: Request, rk: RequestKV, decision: Decision | None) -> int:
@@ -550,6 +564,9 @@ class EvictingKVManager(EvictingManagerBase):
             dst_r = np.broadcast_to(np.arange(self.rows)[:, None], slots.shape)[take]
             dst_s = slots[take]
             self._record_moves(rk, src_r, src_s, dst_r, dst_s, dst_tier=int(tier))
+            # quantization (LeanKV): per element of K and V, a min/max pass for scale and zero, then
+            # scale, round, clamp and pack: QUANT_FLOPS each (the bytes are the move's, charged above)
+            self.plan.op_flops += QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row * src_r.size
             st.move(src_r, src_s, dst_s)
             st.tier[dst_r, dst_s] = tier
 
@@ -567,6 +584,8 @@ class EvictingKVManager(EvictingManagerBase):
                 continue
             self._unstat(req)
             decision = self.policy.reclaim(rk.state, self.ctx, (num_blocks - freed) * cap)
+            if decision is not None:
+                self._charge(rk, "reclaim")
             freed += self._apply(req, rk, decision)
             if decision is not None and self.strategy == "noop":
                 pass

@@ -12,6 +12,11 @@ tokens each row reads this step; `select` gives which ones, for a backend that h
 
 Parameters: `budget` (tokens read per head, default 512), `page_size` (default 16; tokenselect: 1),
 `dense_layers` (default 2).
+
+What a selective layer reads per decode, in full-token equivalents (one token = its K and V): the
+selected pages, plus the selection's own input. Quest reads each page's channel-wise key min and max
+(two key vectors = one token-equivalent) for every page of the sequence: ceil(n / page_size);
+TokenSelect scores every key: n / 2. (Only where selection is active: n > the pages read.)
 """
 from __future__ import annotations
 
@@ -35,9 +40,12 @@ class Quest(EvictionPolicy):
         return -(-self.budget // self.page_size)
 
     def read_tokens(self, state, ctx) -> np.ndarray:
-        """int [rows]: tokens each row's attention reads this step (whole pages, never more than live)."""
+        """[rows]: token-equivalents each row's attention reads this step: whole pages (never more than
+        live) plus, where the selection is active (more live tokens than the pages read), its metadata."""
         live = state.live_counts()
-        sparse = np.minimum(live, self._pages() * self.page_size)
+        meta = -(-live // self.page_size) if self.page_size > 1 else live / 2
+        meta = np.where(live > self._pages() * self.page_size, meta, 0)
+        sparse = np.minimum(live, self._pages() * self.page_size) + meta
         if ctx.layout == "per_head":
             return np.where(ctx.row_layer < self.dense_layers, live, sparse)
         dense = min(self.dense_layers, ctx.num_layers)            # shared layout: mean over layers
