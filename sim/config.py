@@ -114,6 +114,7 @@ class SimConfig(_Strict):
     router: Literal["round_robin", "least_outstanding"] = "round_robin"
     profile: str = "default"
     kv_dtype: str | None = None
+    weight_dtype: str | None = None      # decoder-layer weight dtype (fp16, bf16, fp8, int8, int4); None: the catalog's
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
     slo: SLO = SLO(ttft="2s", tpot="100ms")

@@ -69,8 +69,8 @@ def resolve_hardware(cfg: SimConfig, model=None):
     from .cost_model import CostModel, load_profile
 
     model = get_model(cfg.model) if model is None else model
-    if cfg.kv_dtype:
-        model = model.with_dtypes(kv_dtype=cfg.kv_dtype)
+    if cfg.kv_dtype or cfg.weight_dtype:
+        model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
     gpu = get_gpu(cfg.gpu)
     cost = CostModel(model, gpu, load_profile(cfg.profile), tp=cfg.tp)
     eng = cfg.engine

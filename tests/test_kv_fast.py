@@ -138,7 +138,7 @@ def test_eviction_simulation_does_not_import_torch():
     import subprocess
     import sys
     code = ("import sys\nfrom sim.config import load_config\nfrom sim.simulate import run_simulation\n"
-            "cfg = load_config(None, {'trace': 'sharegpt', 'trace_options.max_requests': 5, 'model': 'smollm2-135m',"
+            "cfg = load_config(None, {'trace': 'sharegpt-8k-filtered', 'trace_options.max_requests': 5, 'model': 'smollm2-135m',"
             " 'gpu': 'l4', 'kv.policy': 'h2o', 'kv.budget': 64, 'kv.layout': 'per_head', 'kv.mode': 'fast'})\n"
             "run_simulation(cfg)\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
