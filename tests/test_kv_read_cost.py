@@ -70,3 +70,14 @@ def test_fast_mode_charges_holes_like_token_mode(strategy):
     assert f == pytest.approx(t, rel=0.03)
     if strategy == "noop":
         assert f == t
+
+
+@pytest.mark.parametrize("policy,params", [("quest", {"budget": 64, "dense_layers": 2}), ("tokenselect", {"budget": 32})])
+@pytest.mark.parametrize("layout", ["per_head", "shared"])
+def test_selection_policies_run_in_fast_mode_exactly_as_token_mode(policy, params, layout):
+    cfg = {"policy": policy, "layout": layout, "params": params}
+    t = run(cfg, n=4, prompt=300, output=60)
+    f = run({**cfg, "mode": "fast"}, n=4, prompt=300, output=60)
+    assert f[1]["kv_tokens_read"].tolist() == t[1]["kv_tokens_read"].tolist()
+    for k in ("throughput_output_tok_s", "kv_util_mean", "fragmentation_mean"):
+        assert f[0][k] == t[0][k]

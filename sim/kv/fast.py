@@ -128,6 +128,7 @@ class FastKVManager(EvictingManagerBase):
             if sample_rows > 0 else ctx.rows
         self.unit = ctx.rows // self.rows
         self.budget = profile.get("budget")
+        self._mean_read = getattr(policy, "mean_read", None)      # selection policies: what attention reads
         self.window = int(profile.get("protect_recent", 0))
         self.sink = int(profile.get("protect_first", 0))
         self.age_weight = profile.get("age_weight", "uniform")
@@ -255,6 +256,9 @@ class FastKVManager(EvictingManagerBase):
             self._read_l = (self.slot_pages * bs - unwritten).tolist()
         else:
             self._read_l = self._live_l
+        if self._mean_read is not None:
+            live_row = self.slot_live // self.rows
+            self._read_l = (self._mean_read(live_row, self.ctx) * self.rows).tolist()
 
     def _restat(self, S: np.ndarray, live: np.ndarray | None = None, pages: np.ndarray | None = None) -> None:
         """Per-slot live / page totals of the slots in S after they changed (from their [len(S), rows]

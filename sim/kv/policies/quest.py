@@ -43,13 +43,33 @@ class Quest(EvictionPolicy):
         """[rows]: token-equivalents each row's attention reads this step: whole pages (never more than
         live) plus, where the selection is active (more live tokens than the pages read), its metadata."""
         live = state.live_counts()
-        meta = -(-live // self.page_size) if self.page_size > 1 else live / 2
-        meta = np.where(live > self._pages() * self.page_size, meta, 0)
-        sparse = np.minimum(live, self._pages() * self.page_size) + meta
+        sparse = self._sparse_read(live)
         if ctx.layout == "per_head":
             return np.where(ctx.row_layer < self.dense_layers, live, sparse)
+        return self._shared_read(live, sparse, ctx)
+
+    def _sparse_read(self, live: np.ndarray) -> np.ndarray:
+        meta = -(-live // self.page_size) if self.page_size > 1 else live / 2
+        meta = np.where(live > self._pages() * self.page_size, meta, 0)
+        return np.minimum(live, self._pages() * self.page_size) + meta
+
+    def _shared_read(self, live, sparse, ctx):
         dense = min(self.dense_layers, ctx.num_layers)            # shared layout: mean over layers
         return (live * dense + sparse * (ctx.num_layers - dense) + ctx.num_layers // 2) // ctx.num_layers
+
+    def mean_read(self, live: np.ndarray, ctx) -> np.ndarray:
+        """Fast mode (every row holds the same `live` tokens, [requests]): the mean over rows of
+        `read_tokens`, as token-level mode charges it."""
+        live = np.asarray(live, dtype=np.int64)
+        sparse = self._sparse_read(live)
+        if ctx.layout == "per_head":
+            dense = float(np.mean(ctx.row_layer < self.dense_layers))
+            return dense * live + (1.0 - dense) * sparse
+        return self._shared_read(live, sparse, ctx)
+
+    def fast_mode_profile(self) -> dict:
+        # selection evicts nothing: pages fill as without a policy; fast mode charges mean_read
+        return {"budget": None}
 
     def select(self, state, ctx, bound: np.ndarray) -> np.ndarray:
         """bool [rows, S]: the live slots read this step, given a per-slot upper bound of the query's
