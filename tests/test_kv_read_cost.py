@@ -81,3 +81,25 @@ def test_selection_policies_run_in_fast_mode_exactly_as_token_mode(policy, param
     assert f[1]["kv_tokens_read"].tolist() == t[1]["kv_tokens_read"].tolist()
     for k in ("throughput_output_tok_s", "kv_util_mean", "fragmentation_mean"):
         assert f[0][k] == t[0][k]
+
+
+@pytest.mark.parametrize("strategy,decode", [("free_block", "off"), ("slot_reuse", "off"), ("compact", "off"),
+                                             ("slot_reuse", "over_budget")])
+def test_snapkv_fast_mode_agrees_with_token_level_within_5_percent(strategy, decode):
+    cfg = {"policy": "snapkv", "budget": 48, "layout": "per_head", "slot_strategy": strategy,
+           "params": {"obs_window": 8, "kernel_size": 1, "decode_compression": decode}}
+    t = run(cfg, n=6, prompt=300, output=60)[0]
+    f = run({**cfg, "mode": "fast"}, n=6, prompt=300, output=60, check=True)[0]
+    assert f["evicted_tokens"] > 0
+    for k in ("fragmentation_mean", "kv_util_mean", "throughput_output_tok_s"):
+        assert f[k] == pytest.approx(t[k], rel=0.05), k
+
+
+@pytest.mark.parametrize("policy,params", [("pyramidkv", {"budget": 64}), ("ada_snapkv", {"budget": 64}),
+                                           ("kvcompress", {}), ("leankv", {}), ("snapkv", {"compression_rate": 4}),
+                                           ("snapkv", {"budget": 64, "decode_compression": "every_n"})])
+def test_policies_without_a_fast_model_are_refused_by_name(policy, params):
+    from sim.config import ConfigError
+    from sim.kv.policy import PolicyError
+    with pytest.raises((PolicyError, ConfigError), match="no fast-mode profile; use kv.mode=token"):
+        run({"policy": policy, "layout": "per_head", "mode": "fast", "params": params}, n=1)

@@ -135,8 +135,16 @@ class FastKVManager(EvictingManagerBase):
         # "oldest": the token leaving the window goes; "uniform": a uniformly drawn non-window token;
         # "young" (H2O): the lowest accumulated attention under the importance model (see _pick_scored)
         self.evict_leaving = self.age_weight == "oldest"
+        # "prompt_only" (SnapKV): the prompt cut keeps `budget` per row (its newest `protect_recent`
+        # included), decode never evicts
+        self.cut_budget, self.cut_window = self.budget, self.window
+        self.prompt_only = bool(profile.get("prompt_only", False))
+        if self.prompt_only:
+            self.budget, self.window = None, 0
         self.scored = self.age_weight == "young" and self.budget is not None
-        if self.scored:
+        self.cut_scored = self.age_weight == "young" and self.cut_budget is not None
+        self._scores = self.scored or self.cut_scored
+        if self._scores:
             self._init_heads(importance, seed, int(profile.get("obs_window", 8)))
         self.strategy = slot_strategy
         self.append = slot_strategy in _APPEND
@@ -182,9 +190,9 @@ class FastKVManager(EvictingManagerBase):
         self.win = np.zeros((n, R, cols), np.int32)         # ... of which in the recent window
         self.alive = np.zeros((n, R, cols), bool)           # column holds a page
         self.ring = np.zeros((n, R, W), np.int32)           # page column of position p at p % W
-        self.heavy = np.zeros((n, R, (self.budget or 0) + 2), np.int32)  # columns of non-window live tokens
+        self.heavy = np.zeros((n, R, (self.cut_budget or 0) + 2), np.int32)  # columns of non-window live tokens
         self.rs = np.zeros((n, R, len(_ROW_FIELDS)), np.int32)
-        if self.scored:
+        if self._scores:
             # H2O scores in closed form (see _pick_scored): per listed token its score terms `hv`
             # (static part A, content coefficient CW, local term E); A and CW of window tokens in a ring;
             # per row the content normalizer Zw, the running sum H of 1/Zw, and sigma
@@ -204,7 +212,7 @@ class FastKVManager(EvictingManagerBase):
         self._rs_f = self.rs.reshape(-1, len(_ROW_FIELDS))
         self._occ_f, self._win_f, self._alive_f = self.occ.reshape(-1), self.win.reshape(-1), self.alive.reshape(-1)
         self._ring_f, self._heavy_f = self.ring.reshape(-1), self.heavy.reshape(-1)
-        if self.scored:
+        if self._scores:
             self._hv_f = self.hv.reshape(-1, 3)
         self._row_ids = np.arange(R)[None, :]
         self._index_key = None                              # S.tobytes() of the last step's index arrays
@@ -246,16 +254,20 @@ class FastKVManager(EvictingManagerBase):
         self._pages_l = self.slot_pages.tolist()
         self._live_total = sum(self._live_l)
         self._pages_total = sum(self._pages_l)
+        # what a paged kernel reads: every slot of the row's pages (evicted ones masked, not skipped)
+        # but the never-written ones: the append page's unwritten end (append strategies); with hole-
+        # first filling (reuse strategies) a new page opens only when no slot is free and earlier
+        # holes are filled first, so the never-written slots are (about) the free ones of the last page
+        bs = self.block_size
         if self.append:
-            # what a paged kernel reads: every slot of the row's pages (evicted ones masked, not
-            # skipped) but the tail page's unwritten ones; reuse strategies refill holes before
-            # writing elsewhere, so they read their live tokens
-            bs = self.block_size
             tw = self.tail_w
             unwritten = np.where((self.ncol > 0) & (tw < bs), bs - tw, 0).sum(axis=1)
-            self._read_l = (self.slot_pages * bs - unwritten).tolist()
         else:
-            self._read_l = self._live_l
+            last = np.maximum(self.ncol.astype(np.int64) - 1, 0)[:, :, None]
+            occ_last = np.take_along_axis(self.occ, last, axis=2)[:, :, 0]
+            open_last = np.take_along_axis(self.alive, last, axis=2)[:, :, 0] & (self.ncol > 0)
+            unwritten = np.where(open_last, bs - occ_last, 0).sum(axis=1)
+        self._read_l = (self.slot_pages * bs - unwritten).tolist()
         if self._mean_read is not None:
             live_row = self.slot_live // self.rows
             self._read_l = (self._mean_read(live_row, self.ctx) * self.rows).tolist()
@@ -273,7 +285,7 @@ class FastKVManager(EvictingManagerBase):
 
     def _grow(self, n: int | None = None, cols: int | None = None) -> None:
         old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "heavy", "rs", "ntok", "prefilled",
-                                              "need_next", "slot_live", "slot_pages") + self._SCORED * self.scored}
+                                              "need_next", "slot_live", "slot_pages") + self._SCORED * self._scores}
         n0, _, c0 = old["occ"].shape
         self._alloc_arrays(n or n0, cols or c0)
         for k, a in old.items():
@@ -470,9 +482,9 @@ class FastKVManager(EvictingManagerBase):
         del self.slot_of[req]
         for a in (self.occ, self.win, self.alive, self.ring, self.heavy, self.rs):
             a[s] = 0
-        for k in self._SCORED * self.scored:
+        for k in self._SCORED * self._scores:
             getattr(self, k)[s] = 0
-        if self.scored:
+        if self._scores:
             self._reset_candidates(s)
         self.hole_col[s] = -1
         self.holed[s] = -1
@@ -533,16 +545,17 @@ class FastKVManager(EvictingManagerBase):
             wpos = np.arange(L - W, L)
             self.ring[s][:, wpos % self.window] = (wpos // bs)[None, :]
             self.win[s, :, :cols] = np.bincount(wpos // bs, minlength=cols)[None, :]
-        scored = self.scored and self.tracks_columns
+        scored = self.cut_scored and self.tracks_columns
+        W = min(self.cut_window, L)
         kept_pos = self._score_prompt(s, L, W) if scored else None
-        if self.budget is not None and L > self.budget:
+        if self.cut_budget is not None and L > self.cut_budget:
             cand = L - W
-            keep = self.budget - W
+            keep = self.cut_budget - W
             protect = min(self.sink, cand, keep)
             per_page = np.bincount(pos_page[protect:cand], minlength=cols)
             k = keep - protect
             if not self.tracks_columns:
-                self.live[s] = self.budget
+                self.live[s] = self.cut_budget
                 self.plan.evicted_tokens += R * (cand - keep)
                 kept = None
             elif scored:
@@ -556,10 +569,12 @@ class FastKVManager(EvictingManagerBase):
             if kept is not None:
                 evict = per_page[None, :] - kept
                 self.occ[s, :, :cols] -= evict.astype(np.int32)
-                self.live[s] = self.budget
+                self.live[s] = self.cut_budget
                 self.plan.evicted_tokens += int(evict.sum())
         self.prefilled[s] = True
         self._prefilled_l[s] = True
+        if self.prompt_only:                     # no decode evictions: no candidate list to keep
+            self.hn[s] = 0
         self._settle_generic(s, np.arange(R))
         if not scored:                           # scored lists are built by _score_prompt (and remapped by compaction)
             self._rebuild_heavy(s, np.arange(R))
@@ -896,11 +911,11 @@ class FastKVManager(EvictingManagerBase):
         sig = self.h_sigma * np.exp(self.sigma_jitter * self.rng.standard_normal(R))
         self.hsig[s] = sig
         cand = L - W
-        keep = min(cand, self.budget - W)
+        keep = min(cand, self.cut_budget - W)
         self.zw[s], self.hsum[s], kept, terms, win_A, win_cw = score_prompt(
             self.rng.standard_normal((R, L)), sig, self.h_local, self.h_tau, self.h_content, obs, cand, keep, NUM_SINK,
             W)
-        if W:
+        if W and self.window:
             at = np.arange(L - W, L) % W
             self.ringA[s][:, at] = win_A
             self.ringcw[s][:, at] = win_cw

@@ -99,6 +99,23 @@ class SnapKV(EvictionPolicy):
         # decode-time compression needs the manager to call compress after every decode step
         return "after_prefill" if self.decode_compression == "off" else "every_step"
 
+    def fast_mode_profile(self) -> dict | None:
+        """Fast mode: one budget for every row (no rate, no per-layer budgets). Prefill-only: the
+        prompt cut keeps budget + window per row by the importance model's window votes (no pooling),
+        decode never evicts; over_budget decode compression: H2O-like, the lowest accumulated
+        attention leaves once a row is over budget + window. every_n is not modelled."""
+        if self.budget is None or self.decode_compression == "every_n" or type(self).row_budgets is not \
+                SnapKV.row_budgets or type(self).keep_mask is not SnapKV.keep_mask:
+            return None
+        kept = self.budget + self.obs_window
+        profile = {"budget": kept, "protect_recent": self.obs_window, "protect_first": 0, "age_weight": "young",
+                   "obs_window": self.obs_window}
+        if self.decode_compression == "off":
+            profile["prompt_only"] = True
+        else:
+            profile["per_step"] = 1
+        return profile
+
     def on_admit(self, state, ctx):
         if self.per_head_only and ctx.layout != "per_head":
             raise PolicyError(f"KV policy {self.name!r} needs kv.layout 'per_head' (its budgets differ "
