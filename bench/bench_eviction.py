@@ -22,7 +22,7 @@ import time
 from sim.config import load_config
 from sim.simulate import run_simulation
 
-STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "compact", "parallel_compact")
+STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
 
 
 def bench(strategy: str, mode: str, requests: int) -> dict:
