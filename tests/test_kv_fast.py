@@ -16,10 +16,10 @@ def rel(a, b):
 @pytest.fixture(scope="module")
 def token_level():
     return {st: run({**H2O, "slot_strategy": st}, **KW)[0]
-            for st in ("noop", "free_block", "slot_reuse", "sparse_copy", "compact", "parallel_compact")}
+            for st in ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")}
 
 
-@pytest.mark.parametrize("strategy", ["noop", "sparse_copy", "compact", "parallel_compact"])
+@pytest.mark.parametrize("strategy", ["noop", "sparse_copy", "holed_copy", "compact", "parallel_compact"])
 def test_fast_mode_agrees_with_token_level_within_5_percent(token_level, strategy):
     tok = token_level[strategy]
     fast = run({**H2O, "slot_strategy": strategy, "mode": "fast"}, **KW, check=True)[0]
