@@ -58,3 +58,12 @@ def test_decode_compression_over_budget_bounds_every_head_through_a_long_generat
     rows = on[3].rows                            # SmolLM2: 30 layers x 3 KV heads
     decode = on[1][on[1]["num_prefill_seqs"] == 0]
     assert decode["live_slots"].max() <= 2 * rows * (16 + 4 + 1)   # budget + window + the new token
+
+
+def test_recomputed_requests_lose_only_prompt_tokens_end_to_end():
+    # 6 requests in 24 blocks: some are preempted (recompute) after generating tokens; each prefill cut,
+    # first or recomputed, evicts the same 64 - 16 - 4 prompt tokens and keeps every generated token
+    s, _, req, _ = run({"policy": "snapkv", "budget": 16, "layout": "shared", "slot_strategy": "free_block",
+                        "params": {"obs_window": 4}}, num_blocks=24, n=6, prompt=64, output=100)
+    assert s["num_finished"] == 6 and req["preemptions"].max() >= 1
+    assert (req["evicted_tokens"] == 44 * (1 + req["preemptions"])).all()
