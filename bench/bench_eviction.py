@@ -22,12 +22,12 @@ import time
 from sim.config import load_config
 from sim.simulate import run_simulation
 
-STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "compact", "parallel_compact")
+STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
 
 
 def bench(strategy: str, mode: str, requests: int) -> dict:
     cfg = load_config(None, {
-        "trace": "sharegpt", "trace_options.max_requests": requests, "model": "llama-3.1-8b", "gpu": "l4",
+        "trace": "sharegpt-8k-filtered", "trace_options.max_requests": requests, "model": "llama-3.1-8b", "gpu": "l4",
         "kv.policy": "h2o", "kv.budget": 256, "kv.layout": "per_head", "kv.slot_strategy": strategy,
         "kv.mode": mode})
     t0 = time.perf_counter()

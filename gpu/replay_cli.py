@@ -37,7 +37,7 @@ def replay(
                                                     "ada_snapkv, kvcompress, leankv, quest, tokenselect"),
     budget: Optional[int] = typer.Option(None, help="tokens kept per head (policies with a budget)"),
     layout: Optional[str] = typer.Option(None, help="shared | per_head"),
-    slot_strategy: Optional[str] = typer.Option(None, help="noop | free_block | slot_reuse | sparse_copy | "
+    slot_strategy: Optional[str] = typer.Option(None, help="noop | free_block | slot_reuse | sparse_copy | holed_copy | "
                                                            "compact | parallel_compact"),
     rate_scale: Optional[float] = typer.Option(None, help="arrival-rate multiplier"),
     max_requests: Optional[int] = typer.Option(None, help="first N requests of the trace"),

@@ -65,7 +65,8 @@ class _Spec(BaseModel):
 
 
 class ModelSpec(_Spec):
-    """Decoder-only transformer (Llama family: RMSNorm, GQA attention, SwiGLU MLP)."""
+    """Decoder-only transformer (Llama family: RMSNorm, GQA attention, SwiGLU MLP; OPT family:
+    LayerNorm, biases on every linear, a two-matrix ReLU MLP and learned position embeddings)."""
 
     name: str
     hf_id: str | None = None
@@ -84,6 +85,10 @@ class ModelSpec(_Spec):
     embedding_dtype: Dtype | None = None
     activation_dtype: Dtype = "bf16"
     kv_dtype: Dtype
+    mlp_matrices: int = Field(3, ge=2, le=3)      # 3: SwiGLU (gate, up, down); 2: fc1, fc2 (OPT)
+    linear_bias: bool = False                     # biases on every linear (OPT)
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"   # layernorm has a bias too
+    position_embeddings: int = Field(0, ge=0)     # rows of a learned position table (OPT: max_position + 2)
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:
@@ -107,7 +112,7 @@ class ModelSpec(_Spec):
 
     @property
     def mlp_params_per_layer(self) -> int:
-        return 3 * self.hidden_size * self.intermediate_size
+        return self.mlp_matrices * self.hidden_size * self.intermediate_size
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -115,9 +120,15 @@ class ModelSpec(_Spec):
 
     @property
     def small_params_per_layer(self) -> int:
-        """Biases and the two RMSNorm weights: stored at the activation dtype."""
-        bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
-        return bias + 2 * self.hidden_size
+        """Biases and the two norms' weights (and LayerNorm biases): stored at the activation dtype."""
+        bias = self.q_size + 2 * self.kv_size if self.qkv_bias or self.linear_bias else 0
+        if self.linear_bias:       # o projection, then the MLP's up (and gate) and down projections
+            bias += self.hidden_size + (self.mlp_matrices - 1) * self.intermediate_size + self.hidden_size
+        return bias + 2 * self.final_norm_params
+
+    @property
+    def final_norm_params(self) -> int:
+        return self.hidden_size * (2 if self.norm == "layernorm" else 1)
 
     @property
     def linear_params(self) -> int:
@@ -126,7 +137,7 @@ class ModelSpec(_Spec):
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        return (self.vocab_size + self.position_embeddings) * self.hidden_size
 
     @property
     def lm_head_params(self) -> int:
@@ -138,7 +149,7 @@ class ModelSpec(_Spec):
         """Unique parameters, as the model card counts them."""
         lm_head = 0 if self.tied_embeddings else self.lm_head_params
         return (self.linear_params + self.num_layers * self.small_params_per_layer
-                + self.embedding_params + lm_head + self.hidden_size)
+                + self.embedding_params + lm_head + self.final_norm_params)
 
     # ---- bytes --------------------------------------------------------------------------------
     @property
@@ -150,7 +161,7 @@ class ModelSpec(_Spec):
         """Bytes of all weights in GPU memory (unsharded)."""
         emb = DTYPE_BYTES[self.embedding_dtype_resolved]
         lm_head = 0 if self.tied_embeddings else self.lm_head_params
-        small = self.num_layers * self.small_params_per_layer + self.hidden_size
+        small = self.num_layers * self.small_params_per_layer + self.final_norm_params
         return int(self.linear_params * DTYPE_BYTES[self.weight_dtype]
                    + (self.embedding_params + lm_head) * emb
                    + small * DTYPE_BYTES[self.activation_dtype])
@@ -160,7 +171,7 @@ class ModelSpec(_Spec):
         """Bytes a forward pass streams from memory: every linear weight and the LM head once;
         the embedding table is only gathered row by row (negligible)."""
         emb = DTYPE_BYTES[self.embedding_dtype_resolved]
-        small = self.num_layers * self.small_params_per_layer + self.hidden_size
+        small = self.num_layers * self.small_params_per_layer + self.final_norm_params
         return int(self.linear_params * DTYPE_BYTES[self.weight_dtype] + self.lm_head_params * emb
                    + small * DTYPE_BYTES[self.activation_dtype])
 

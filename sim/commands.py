@@ -39,9 +39,14 @@ def simulate(
                                          "pyramidkv, ada_snapkv, kvcompress, leankv, quest, tokenselect, recorded)"),
     budget: Optional[int] = typer.Option(None, help="tokens kept per KV head (budgeted policies)"),
     layout: Optional[str] = typer.Option(None, help="KV layout: shared | per_head"),
-    slot_strategy: Optional[str] = typer.Option(None, help="noop | free_block | slot_reuse | sparse_copy | compact "
+    slot_strategy: Optional[str] = typer.Option(None, help="noop | free_block | slot_reuse | sparse_copy | holed_copy | compact "
                                                 "| parallel_compact"),
     kv_mode: Optional[str] = typer.Option(None, help="token (exact token-level state) | fast (block occupancy)"),
+    compression_rate: Optional[float] = typer.Option(None, help="KV compression rate r >= 1 (kvcompress, snapkv, "
+                                                     "pyramidkv, ada_snapkv: keep tokens / r); = kv.params.compression_rate"),
+    weight_dtype: Optional[str] = typer.Option(None, help="weight dtype of the decoder-layer linears (fp16, bf16, "
+                                               "fp8, int8, int4); default: the catalog's"),
+    kv_dtype: Optional[str] = typer.Option(None, help="KV cache dtype (e.g. fp8); default: the model's"),
     rate_scale: Optional[float] = typer.Option(None, help="arrival-rate multiplier"),
     max_requests: Optional[int] = typer.Option(None, help="first N requests of the trace"),
     slo_ttft: Optional[str] = typer.Option(None, help="TTFT SLO for goodput, with unit (2s, 500ms)"),
@@ -57,13 +62,13 @@ def simulate(
     summary.json and config.yaml into --out and prints a summary table."""
     overrides = {
         "trace": trace, "model": model, "gpu": gpu, "tp": tp, "replicas": replicas, "router": router,
-        "profile": profile, "seed": seed, "fast_forward": fast_forward, "check_invariants": check_invariants,
+        "profile": profile, "seed": seed, "weight_dtype": weight_dtype, "kv_dtype": kv_dtype, "fast_forward": fast_forward, "check_invariants": check_invariants,
         "engine.block_size": block_size, "engine.num_gpu_blocks": num_gpu_blocks,
         "engine.max_num_seqs": max_num_seqs, "engine.max_num_batched_tokens": max_num_batched_tokens,
         "engine.enable_prefix_caching": prefix_caching, "engine.preemption_mode": preemption_mode,
         "engine.scheduling_policy": scheduling_policy,
         "kv.policy": policy, "kv.budget": budget, "kv.layout": layout, "kv.slot_strategy": slot_strategy,
-        "kv.mode": kv_mode,
+        "kv.mode": kv_mode, "kv.params.compression_rate": compression_rate,
         "trace_options.rate_scale": rate_scale, "trace_options.max_requests": max_requests,
         "slo.ttft": slo_ttft, "slo.tpot": slo_tpot,
     }

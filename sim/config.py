@@ -99,7 +99,7 @@ class KVConfig(_Strict):
     budget: int | None = Field(None, gt=0, description="tokens kept per head (policies with a budget)")
     params: dict[str, Any] = Field(default_factory=dict, description="extra policy parameters")
     layout: Literal["shared", "per_head"] = "shared"
-    slot_strategy: Literal["noop", "free_block", "slot_reuse", "sparse_copy", "compact",
+    slot_strategy: Literal["noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact",
                            "parallel_compact"] = "free_block"
     trigger: Literal["policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure",
                      "pressure", "threshold"] = "policy"
@@ -128,6 +128,7 @@ class SimConfig(_Strict):
     router: Literal["round_robin", "least_outstanding"] = "round_robin"
     profile: str = "default"
     kv_dtype: str | None = None
+    weight_dtype: str | None = None      # decoder-layer weight dtype (fp16, bf16, fp8, int8, int4); None: the catalog's
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
     slo: SLO = SLO(ttft="2s", tpot="100ms")

@@ -21,6 +21,8 @@ efficiency factor:
                           chunks attending over the step's widest block table plus themselves;
                           attn_pairs_prefill when the shape leaves it None)
   copy                    2 * bytes_moved * kv_split / mem_bw          (read + write)
+  policy_ops              max(op_flops / peak_a, op_bytes / mem_bw) * kv_split   (a KV policy's own work:
+                          metric aggregation, sort, block-table rewrite, quantization; docs/kv-policies.md)
   swap                    swap_bytes * kv_split / pcie_bw
   allreduce_bw            2 * layers * 2 * (tp - 1) / tp * num_tokens * hidden * act_bytes / link_bw
   allreduce_count         [tp > 1] * [num_tokens > 0] * 2 * layers   (two all-reduces per layer)
@@ -43,7 +45,7 @@ cost model's KV dtype (a mixed-precision tier counts as its bytes / full-precisi
              linear_memory / p.mem_bw_eff)
        + max(attn_compute / p.attn_compute_eff, attn_memory / p.attn_bw_eff)
        + attn_padded * p.padded_attn_cost + attn_prefill_padded * p.padded_prefill_cost
-       + copy / p.copy_bw_eff + swap / p.pcie_eff + allreduce_bw / p.allreduce_bw_eff
+       + (copy + policy_ops) / p.copy_bw_eff + swap / p.pcie_eff + allreduce_bw / p.allreduce_bw_eff
        + allreduce_count * p.allreduce_latency_s
   overhead = step * p.step_overhead_s + seqs * p.per_seq_overhead_s
              + block_entries * p.per_block_entry_overhead_s
@@ -90,7 +92,7 @@ PROFILES_DIR = DATA_DIR / "profiles"
 FEATURE_NAMES: tuple[str, ...] = (
     "linear_compute_prefill", "linear_compute_decode", "linear_memory", "attn_compute", "attn_memory",
     "copy", "swap", "allreduce_bw", "allreduce_count", "step", "seqs", "block_entries", "attn_padded",
-    "attn_prefill_padded",
+    "attn_prefill_padded", "policy_ops",
 )
 # feature -> (profile field, how it enters): "div" = feature / factor, "mul" = feature * factor
 FACTOR_OF_FEATURE: dict[str, tuple[str, str]] = {
@@ -108,6 +110,7 @@ FACTOR_OF_FEATURE: dict[str, tuple[str, str]] = {
     "block_entries": ("per_block_entry_overhead_s", "mul"),
     "attn_padded": ("padded_attn_cost", "mul"),
     "attn_prefill_padded": ("padded_prefill_cost", "mul"),
+    "policy_ops": ("copy_bw_eff", "div"),
 }
 
 
@@ -263,6 +266,8 @@ class CostModel:
             "attn_pair_s": m.attention_flops_per_pair() / tp / peak_a,
             "kv_token_s": self.kv_bytes_per_token_per_gpu / g.mem_bw,
             "copy_byte_s": 2 * self.kv_split / g.mem_bw,
+            "op_byte_s": self.kv_split / g.mem_bw,
+            "op_flop_s": self.kv_split / peak_a,
             "swap_byte_s": self.kv_split / g.pcie_bw,
             "allreduce_token_s": (2 * m.num_layers * 2 * (tp - 1) / tp * m.hidden_size * act_bytes / g.link_bw),
             "allreduce_count": float(2 * m.num_layers if tp > 1 else 0),
@@ -288,6 +293,7 @@ class CostModel:
             "attn_compute": (_f64(shape.attn_pairs_prefill) + kv_read) * c["attn_pair_s"],
             "attn_memory": kv_read * c["kv_token_s"],
             "copy": _f64(shape.bytes_moved) * c["copy_byte_s"],
+            "policy_ops": _max(_f64(shape.op_flops) * c["op_flop_s"], _f64(shape.op_bytes) * c["op_byte_s"]) + zero,
             "swap": _f64(shape.swap_bytes) * c["swap_byte_s"],
             "allreduce_bw": tokens * c["allreduce_token_s"],
             "allreduce_count": ran * c["allreduce_count"],
@@ -315,7 +321,7 @@ class CostModel:
         attention = _max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
         if self._pads:
             attention = attention + f["attn_padded"] * p.padded_attn_cost + f["attn_prefill_padded"] * p.padded_prefill_cost
-        copy = f["copy"] / p.copy_bw_eff
+        copy = (f["copy"] + f["policy_ops"]) / p.copy_bw_eff
         swap = f["swap"] / p.pcie_eff
         allreduce = f["allreduce_bw"] / p.allreduce_bw_eff + f["allreduce_count"] * p.allreduce_latency_s
         overhead = (f["step"] * p.step_overhead_s + f["seqs"] * p.per_seq_overhead_s

@@ -74,8 +74,8 @@ def resolve_hardware(cfg: SimConfig, model=None):
     from .defaults import resolve_engine
 
     model = get_model(cfg.model) if model is None else model
-    if cfg.kv_dtype:
-        model = model.with_dtypes(kv_dtype=cfg.kv_dtype)
+    if cfg.kv_dtype or cfg.weight_dtype:
+        model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
     gpu = get_gpu(cfg.gpu)
     eng = resolve_engine(cfg)
     cost = CostModel(model, gpu, load_profile(cfg.profile), tp=cfg.tp,

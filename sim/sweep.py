@@ -237,7 +237,7 @@ class _FitChecker:
 
     def check(self, cfg: SimConfig, where: str) -> None:
         eng = cfg.engine
-        key = (cfg.model, cfg.gpu, cfg.tp, cfg.kv_dtype, cfg.profile, cfg.trace, eng.block_size,
+        key = (cfg.model, cfg.gpu, cfg.tp, cfg.kv_dtype, cfg.weight_dtype, cfg.profile, cfg.trace, eng.block_size,
                eng.gpu_memory_utilization, eng.max_num_batched_tokens, eng.max_num_seqs)
         if key not in self._seen:
             self._seen[key] = self._problem(cfg)
@@ -259,7 +259,9 @@ class _FitChecker:
             return f"trace={cfg.trace!r}: {exc}"
         try:
             model = get_model(cfg.model)
-        except CatalogError as exc:
+            if cfg.weight_dtype:
+                model = model.with_dtypes(weight_dtype=cfg.weight_dtype)
+        except (CatalogError, ValueError) as exc:
             return f"model={cfg.model!r}: {exc}"
         try:
             gpu = get_gpu(cfg.gpu)

@@ -66,7 +66,7 @@ def test_fast_forward_gives_identical_results_to_stepping(name):
 def test_advancing_simpy_only_before_arrivals_gives_identical_results(name, monkeypatch):
     # run_simulation lets a replica run steps without a simpy event until an arrival is due
     from sim import engine, simulate
-    over = SCENARIOS.get(name) or {"trace": "sharegpt", "trace_options.max_requests": 60, "gpu": "l4",
+    over = SCENARIOS.get(name) or {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 60, "gpu": "l4",
                                    "replicas": 2, "router": "least_outstanding", "kv.policy": "h2o",
                                    "kv.budget": 128, "kv.layout": "per_head", "kv.mode": "fast"}
     lazy = sim(over)

@@ -16,10 +16,10 @@ def rel(a, b):
 @pytest.fixture(scope="module")
 def token_level():
     return {st: run({**H2O, "slot_strategy": st}, **KW)[0]
-            for st in ("noop", "free_block", "slot_reuse", "sparse_copy", "compact", "parallel_compact")}
+            for st in ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")}
 
 
-@pytest.mark.parametrize("strategy", ["noop", "sparse_copy", "compact", "parallel_compact"])
+@pytest.mark.parametrize("strategy", ["noop", "sparse_copy", "holed_copy", "compact", "parallel_compact"])
 def test_fast_mode_agrees_with_token_level_within_5_percent(token_level, strategy):
     tok = token_level[strategy]
     fast = run({**H2O, "slot_strategy": strategy, "mode": "fast"}, **KW, check=True)[0]
@@ -138,7 +138,7 @@ def test_eviction_simulation_does_not_import_torch():
     import subprocess
     import sys
     code = ("import sys\nfrom sim.config import load_config\nfrom sim.simulate import run_simulation\n"
-            "cfg = load_config(None, {'trace': 'sharegpt', 'trace_options.max_requests': 5, 'model': 'smollm2-135m',"
+            "cfg = load_config(None, {'trace': 'sharegpt-8k-filtered', 'trace_options.max_requests': 5, 'model': 'smollm2-135m',"
             " 'gpu': 'l4', 'kv.policy': 'h2o', 'kv.budget': 64, 'kv.layout': 'per_head', 'kv.mode': 'fast'})\n"
             "run_simulation(cfg)\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -109,7 +109,7 @@ def test_prompt_cut_keeps_the_highest_scores_and_breaks_ties_by_position():
 STREAMING = {"policy": "streaming", "params": {"sink": 4, "window": 40}, "layout": "per_head"}
 
 
-@pytest.mark.parametrize("policy,strategy", [(H2O, s) for s in ("noop", "free_block", "slot_reuse", "sparse_copy",
+@pytest.mark.parametrize("policy,strategy", [(H2O, s) for s in ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy",
                                                                  "compact")] + [(STREAMING, "free_block"),
                                                                                 (STREAMING, "slot_reuse")])
 def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, strategy):

@@ -11,7 +11,8 @@ def test_reads_budget_pages_per_sparse_row_dense_layers_read_everything_never_ev
     p = get_policy("quest", budget=40, page_size=16, dense_layers=2)     # 3 pages = 48 tokens
     st = TokenState.dense(8, 500)
     st.live[7, 100:] = False                                             # a row with only 100 live
-    np.testing.assert_array_equal(p.read_tokens(st, c), [500] * 4 + [48, 48, 48, 48])
+    # sparse rows: 3 pages plus every page's min/max metadata (one token-equivalent per page)
+    np.testing.assert_array_equal(p.read_tokens(st, c), [500] * 4 + [48 + 32, 48 + 32, 48 + 32, 48 + 7])
     short = TokenState.dense(8, 30)
     np.testing.assert_array_equal(p.read_tokens(short, c), [30] * 8)
     assert not p.evicts and p.compress(st, c, "decode", None) is None and p.reclaim(st, c, 100) is None
@@ -22,14 +23,15 @@ def test_shared_layout_reads_the_mean_over_layers():
     c = PolicyContext("shared", 4, 2, 4, 16, 1)
     p = get_policy("quest", budget=64, page_size=16, dense_layers=1)
     st = TokenState.dense(1, 1000)
-    assert p.read_tokens(st, c).tolist() == [(1000 + 3 * 64) // 4]
+    assert p.read_tokens(st, c).tolist() == [(1000 + 3 * (64 + 63)) // 4]      # 63 pages of metadata
 
 
 def test_tokenselect_is_token_level():
     c = PolicyContext("per_head", 4, 1, 1, 16, 4)
     p = get_policy("tokenselect", budget=10, dense_layers=0)
     assert p.page_size == 1
-    np.testing.assert_array_equal(p.read_tokens(TokenState.dense(4, 100), c), [10] * 4)
+    # TokenSelect scores every key (half a token-equivalent each) and reads the 10 it picks
+    np.testing.assert_array_equal(p.read_tokens(TokenState.dense(4, 100), c), [10 + 50] * 4)
 
 
 def test_select_takes_top_pages_by_bound_plus_the_current_page():

@@ -29,12 +29,12 @@ def test_stats_prints_the_published_azure_conv_figures():
 
 
 def test_stats_of_several_traces_as_json():
-    result = kvsim("stats", "mooncake-conversation", "sharegpt", "--rate", "2", "--json")
+    result = kvsim("stats", "mooncake-conversation", "sharegpt-8k-filtered", "--rate", "2", "--json")
     assert result.exit_code == 0, result.output
     conversation, sharegpt = json.loads(result.stdout)
     assert conversation["prefix_repeat_share"] == pytest.approx(0.366, abs=0.0005)
     assert conversation["mean_rate_rps"] == pytest.approx(3.40, abs=0.005)
-    assert sharegpt["mean_rate_rps"] == pytest.approx(trace_stats(load_trace("sharegpt", rate=2.0))["mean_rate_rps"])
+    assert sharegpt["mean_rate_rps"] == pytest.approx(trace_stats(load_trace("sharegpt-8k-filtered", rate=2.0))["mean_rate_rps"])
 
 
 def test_stats_table_shows_prefix_reuse_and_length_only_notice():
@@ -68,9 +68,9 @@ def test_convert_applies_transforms_and_writes_native(tmp_path):
 
 def test_convert_length_only_with_rate_then_sample(tmp_path):
     out = tmp_path / "sg.parquet"
-    result = kvsim("convert", "sharegpt", out, "--rate", "3", "--seed", "4", "--sample", "100")
+    result = kvsim("convert", "sharegpt-8k-filtered", out, "--rate", "3", "--seed", "4", "--sample", "100")
     assert result.exit_code == 0, result.output
-    expected = load_trace("sharegpt", rate=3.0, seed=4).sample(100, seed=4)
+    expected = load_trace("sharegpt-8k-filtered", rate=3.0, seed=4).sample(100, seed=4)
     pd.testing.assert_frame_equal(load_trace(out).df, expected.df)
 
 

@@ -14,7 +14,7 @@ SHIPPED = {  # name: (requests, rate, prompt mean/p50/p90/max, output mean/p50/p
     "azure-code-2023": (8819, 2.57, (2048, 1469, 5188, 7437), (28, 13, 55, 1899), None),
     "mooncake-conversation": (12031, 3.40, (12035, 6909, 27367, 126195), (343, 350, 597, 2000), 0.366),
     "mooncake-synthetic": (3993, None, (15325, 11587, 38611, 191378), (149, 69, 389, 893), 0.640),
-    "sharegpt": (30731, None, (2340, 1730, 5696, 8141), (439, 415, 834, 1024), None),
+    "sharegpt-8k-filtered": (30731, None, (2340, 1730, 5696, 8141), (439, 415, 834, 1024), None),
     "arxiv": (28257, None, (2588, 2730, 3702, 4054), (291, 167, 372, 4056), None),
 }
 
@@ -114,20 +114,20 @@ def test_unknown_short_name_lists_the_shipped_ones():
 
 # ---- length-only traces need an arrival process ---------------------------------------------------
 def test_length_only_without_rate_is_a_closed_batch(shipped):
-    trace = shipped["sharegpt"]
+    trace = shipped["sharegpt-8k-filtered"]
     assert (trace.df["arrival_time_s"] == 0).all()
     assert "closed batch" in trace.notices[-1]
 
 
 def test_length_only_with_rate_is_seeded_poisson(shipped):
-    a = load_trace("sharegpt", rate=2.0, seed=0)
-    assert a.df.equals(load_trace("sharegpt", rate=2.0, seed=0).df)
-    assert not a.df.equals(load_trace("sharegpt", rate=2.0, seed=1).df)
+    a = load_trace("sharegpt-8k-filtered", rate=2.0, seed=0)
+    assert a.df.equals(load_trace("sharegpt-8k-filtered", rate=2.0, seed=0).df)
+    assert not a.df.equals(load_trace("sharegpt-8k-filtered", rate=2.0, seed=1).df)
     stats = trace_stats(a)
     assert stats["mean_rate_rps"] == pytest.approx(2.0, rel=0.02)
     assert stats["interarrival_cv"] == pytest.approx(1.0, abs=0.03)
     # lengths stay in file order
-    assert a.df["prompt_tokens"].equals(shipped["sharegpt"].df["prompt_tokens"])
+    assert a.df["prompt_tokens"].equals(shipped["sharegpt-8k-filtered"].df["prompt_tokens"])
 
 
 def test_length_only_with_cv_is_bursty():

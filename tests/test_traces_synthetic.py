@@ -98,9 +98,9 @@ def test_synthesize_streams_are_independent():
 
 
 def test_synthesize_resamples_joint_lengths_from_a_trace():
-    pool = load_trace("sharegpt").df
+    pool = load_trace("sharegpt-8k-filtered").df
     pairs = set(zip(pool["prompt_tokens"], pool["output_tokens"]))
-    trace = synthesize(2000, rate=4.0, lengths="sharegpt", seed=5)
+    trace = synthesize(2000, rate=4.0, lengths="sharegpt-8k-filtered", seed=5)
     assert all(pair in pairs for pair in zip(trace.df["prompt_tokens"], trace.df["output_tokens"]))
     assert trace_stats(trace)["prompt_mean"] == pytest.approx(2340, rel=0.05)
 

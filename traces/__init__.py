@@ -3,7 +3,7 @@ generators, transforms and statistics.
 
     from traces import load_trace
     t = load_trace("azure-conv-2023")             # shipped short name or any supported file
-    t = load_trace("sharegpt", rate=2.0, seed=0)  # length-only stats + Poisson arrivals
+    t = load_trace("sharegpt-8k-filtered", rate=2.0, seed=0)  # length-only stats + Poisson arrivals
 """
 from traces.errors import TraceError, TraceWarning
 from traces.loaders import DATA_DIR, DATA_TRACES, FORMATS, detect_format, load_trace

@@ -40,8 +40,14 @@ DATA_TRACES: dict[str, str] = {
     "azure-code-2023": "azure2023/AzureLLMInferenceTrace_code.csv",
     "mooncake-conversation": "mooncake/conversation_trace.jsonl",
     "mooncake-synthetic": "mooncake/synthetic_trace.jsonl",
-    "sharegpt": "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
+    "sharegpt-8k-filtered": "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
     "arxiv": "lengths/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
+}
+# Old short names: still accepted, with a notice naming the new one.
+TRACE_ALIASES: dict[str, tuple[str, str]] = {
+    "sharegpt": ("sharegpt-8k-filtered", "the trace 'sharegpt' is now 'sharegpt-8k-filtered': Sarathi-Serve's "
+                 "8K-filtered ShareGPT conversation lengths (prompt mean 2,340 tokens, output 439), not "
+                 "single-round chats; the old name keeps working"),
 }
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -67,6 +73,9 @@ FORMATS = ("azure", "mooncake", "vidur", "burstgpt", "lengths", "native-jsonl", 
 def resolve_trace_path(source: str | os.PathLike) -> tuple[Path, str]:
     """(path, short name) for a short name from DATA_TRACES or a file path."""
     text = str(source)
+    if text in TRACE_ALIASES:
+        text, notice = TRACE_ALIASES[text]
+        warnings.warn(notice, TraceWarning, stacklevel=2)
     if text in DATA_TRACES:
         return DATA_DIR / DATA_TRACES[text], text
     path = Path(source)

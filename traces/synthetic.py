@@ -12,7 +12,7 @@ Length specs (strings, as on the command line, or objects):
 - ``lognormal:MEAN,CV``       lognormal with that mean and coefficient of variation, rounded, >= 1
   (append ``,MAX`` to cap it, e.g. ``lognormal:1000,1.2,8192``)
 - ``resample:NAME_OR_PATH``   (``lengths=``) prompt and output drawn together, with replacement,
-  from the rows of a trace (e.g. ``sharegpt``), keeping their correlation
+  from the rows of a trace (e.g. ``sharegpt-8k-filtered``), keeping their correlation
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Paged decode attention: one program per (sequence, KV head) serving all query heads of its GQA
-group, 64 cached tokens per loop step, online softmax over live slots only. A second pass writes
+group, 64 cached tokens per loop step, online softmax over live slots only. Like vLLM's paged
+kernels it READS every slot of each block in the table (K and V of evicted slots are loaded, then
+masked out of the softmax): holes cost their bytes, as the simulator's cost model charges them
+(docs/kv-policies.md); a selection mask (below) narrows what is read. A second pass writes
 per-slot attention statistics (sum and sum of squares of the probabilities over the group's query
 heads) when asked. An optional slot mask [B, H, M * block_size] in block-table order narrows the
 slots each (sequence, KV head) reads (Quest-style selection) on top of the live mask. Cache view
@@ -27,15 +30,16 @@ def _scores_tile(q, k_ptr, tbl_ptr, live_ptr, sel_ptr, b, h, start, n_slots, sca
     blk = tl.load(tbl_ptr + b * stride_tb + h * stride_th + (n // BLOCK_SIZE) * stride_tm, mask=in_range, other=-1)
     blk = blk.to(tl.int64)
     off = n % BLOCK_SIZE
-    valid = in_range & (blk >= 0)
-    valid = valid & (tl.load(live_ptr + blk * stride_lb + off * stride_ls, mask=valid, other=0) != 0)
-    if HAS_SELECT:
-        valid = valid & (tl.load(sel_ptr + b * stride_xb + h * stride_xh + n * stride_xn, mask=valid, other=0) != 0)
+    read = in_range & (blk >= 0)                 # every slot of a listed block is read...
+    if HAS_SELECT:                               # ... or of the selected ones (Quest reads whole pages)
+        read = read & (tl.load(sel_ptr + b * stride_xb + h * stride_xh + n * stride_xn, mask=read, other=0) != 0)
+    valid = read & (tl.load(live_ptr + blk * stride_lb + off * stride_ls, mask=read, other=0) != 0)
     k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + h * stride_kh + d[None, :] * stride_kd,
-                mask=valid[:, None], other=0.0).to(tl.float32)
+                mask=read[:, None], other=0.0).to(tl.float32)
+    k = tl.where(valid[:, None], k, 0.0)         # ... and only live slots attended (never-written slots may hold NaN)
     s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
     s = tl.where(valid[None, :], s, float("-inf"))
-    return s, n, blk, off, valid
+    return s, n, blk, off, valid, read
 
 
 @triton.jit
@@ -67,16 +71,18 @@ def _paged_decode_kernel(
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for start in range(0, n_slots, TILE):
-        s, n, blk, off, valid = _scores_tile(q, k_ptr, tbl_ptr, live_ptr, sel_ptr, b, h, start, n_slots, scale,
-                                             stride_kb, stride_ks, stride_kh, stride_kd,
-                                             stride_tb, stride_th, stride_tm, stride_lb, stride_ls,
-                                             stride_xb, stride_xh, stride_xn, BLOCK_SIZE, HEAD_DIM, TILE, HAS_SELECT)
+        s, n, blk, off, valid, read = _scores_tile(q, k_ptr, tbl_ptr, live_ptr, sel_ptr, b, h, start, n_slots, scale,
+                                                   stride_kb, stride_ks, stride_kh, stride_kd,
+                                                   stride_tb, stride_th, stride_tm, stride_lb, stride_ls,
+                                                   stride_xb, stride_xh, stride_xn, BLOCK_SIZE, HEAD_DIM, TILE,
+                                                   HAS_SELECT)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_ref)
         p = tl.exp(s - m_ref[:, None])
         v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + h * stride_vh + d[None, :] * stride_vd,
-                    mask=valid[:, None], other=0.0).to(tl.float32)
+                    mask=read[:, None], other=0.0).to(tl.float32)
+        v = tl.where(valid[:, None], v, 0.0)
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
@@ -89,7 +95,7 @@ def _paged_decode_kernel(
     if WANT_SCORES:
         m_ref = tl.where(m == float("-inf"), 0.0, m)
         for start in range(0, n_slots, TILE):
-            s, n, blk, off, valid = _scores_tile(q, k_ptr, tbl_ptr, live_ptr, sel_ptr, b, h, start, n_slots, scale,
+            s, n, blk, off, valid, read = _scores_tile(q, k_ptr, tbl_ptr, live_ptr, sel_ptr, b, h, start, n_slots, scale,
                                                  stride_kb, stride_ks, stride_kh, stride_kd,
                                                  stride_tb, stride_th, stride_tm, stride_lb, stride_ls,
                                                  stride_xb, stride_xh, stride_xn, BLOCK_SIZE, HEAD_DIM, TILE,

@@ -43,19 +43,20 @@ def _load_fp16_pair(page_ptr, at, mask):
 
 
 @triton.jit
-def _dequant_tile(page_ptr, layout_ptr, tier, off, valid, FIELDS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Dequantized K (FIELDS=KEY_FIELDS) or V rows [TILE, HEAD_DIM] fp32 of the tile's slots, 0 where not valid."""
+def _dequant_tile(page_ptr, layout_ptr, tier, off, read, valid, FIELDS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Dequantized K (FIELDS=KEY_FIELDS) or V rows [TILE, HEAD_DIM] fp32 of the tile's slots: every slot
+    of the pages is read (`read`; evicted ones too, as a paged kernel does), 0 where not `valid` (live)."""
     d = tl.arange(0, HEAD_DIM)
     fields = layout_ptr + tier * LAYOUT_COLUMNS + FIELDS
-    bits = tl.load(fields, mask=valid, other=8)
-    width = tl.load(fields + 1, mask=valid, other=0)
-    base = tl.load(fields + 2, mask=valid, other=0)
+    bits = tl.load(fields, mask=read, other=8)
+    width = tl.load(fields + 1, mask=read, other=0)
+    base = tl.load(fields + 2, mask=read, other=0)
     bit_pos = d[None, :] * bits[:, None]
     byte = tl.load(page_ptr[:, None] + base[:, None] + off[:, None] * width[:, None] + (bit_pos >> 3),
-                   mask=valid[:, None], other=0).to(tl.int32)
+                   mask=read[:, None], other=0).to(tl.int32)
     codes = (byte >> (bit_pos & 7)) & ((1 << bits[:, None]) - 1)
-    scale = _load_fp16_pair(page_ptr, tl.load(fields + 3, mask=valid, other=0) + off * 2, valid)
-    zero = _load_fp16_pair(page_ptr, tl.load(fields + 4, mask=valid, other=0) + off * 2, valid)
+    scale = _load_fp16_pair(page_ptr, tl.load(fields + 3, mask=read, other=0) + off * 2, read)
+    zero = _load_fp16_pair(page_ptr, tl.load(fields + 4, mask=read, other=0) + off * 2, read)
     return tl.where(valid[:, None], codes.to(tl.float32) * scale[:, None] + zero[:, None], 0.0)
 
 
@@ -71,21 +72,22 @@ def _slots_tile(pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, n_
     tier = tl.load(tier_ptr + page, mask=valid, other=-1).to(tl.int32)
     valid = valid & (tier >= 0)
     cap = tl.load(layout_ptr + tier * LAYOUT_COLUMNS + CAPACITY, mask=valid, other=0)
-    valid = valid & (off < cap)
-    valid = valid & (tl.load(live_ptr + page * stride_lp + off * stride_ls, mask=valid, other=0) != 0)
-    return n, pages_ptr + page * stride_p, tier, off, valid
+    read = valid & (off < cap)                   # every slot of a listed page is read ...
+    valid = read & (tl.load(live_ptr + page * stride_lp + off * stride_ls, mask=read, other=0) != 0)
+    return n, pages_ptr + page * stride_p, tier, off, valid, read   # ... only live ones are attended
 
 
 @triton.jit
 def _mixed_scores_tile(q, pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, n_slots, scale,
                        stride_p, stride_lp, stride_ls, stride_tr, stride_tm,
                        MAX_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
-    n, page_ptr, tier, off, valid = _slots_tile(pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, n_slots,
-                                                stride_p, stride_lp, stride_ls, stride_tr, stride_tm, MAX_TOKENS, TILE)
-    k = _dequant_tile(page_ptr, layout_ptr, tier, off, valid, KEY_FIELDS, HEAD_DIM)
+    n, page_ptr, tier, off, valid, read = _slots_tile(pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start,
+                                                      n_slots, stride_p, stride_lp, stride_ls, stride_tr, stride_tm,
+                                                      MAX_TOKENS, TILE)
+    k = _dequant_tile(page_ptr, layout_ptr, tier, off, read, valid, KEY_FIELDS, HEAD_DIM)
     s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
     s = tl.where(valid[None, :], s, float("-inf"))
-    return s, n, page_ptr, tier, off, valid
+    return s, n, page_ptr, tier, off, valid, read
 
 
 @triton.jit
@@ -111,14 +113,14 @@ def _mixed_decode_kernel(
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for start in range(0, n_slots, TILE):
-        s, n, page_ptr, tier, off, valid = _mixed_scores_tile(
+        s, n, page_ptr, tier, off, valid, read = _mixed_scores_tile(
             q, pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, n_slots, scale,
             stride_p, stride_lp, stride_ls, stride_tr, stride_tm, MAX_TOKENS, HEAD_DIM, TILE)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_ref)
         p = tl.exp(s - m_ref[:, None])
-        v = _dequant_tile(page_ptr, layout_ptr, tier, off, valid, VALUE_FIELDS, HEAD_DIM)
+        v = _dequant_tile(page_ptr, layout_ptr, tier, off, read, valid, VALUE_FIELDS, HEAD_DIM)
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
@@ -131,7 +133,7 @@ def _mixed_decode_kernel(
     if WANT_SCORES:
         m_ref = tl.where(m == float("-inf"), 0.0, m)
         for start in range(0, n_slots, TILE):
-            s, n, page_ptr, tier, off, valid = _mixed_scores_tile(
+            s, n, page_ptr, tier, off, valid, read = _mixed_scores_tile(
                 q, pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, n_slots, scale,
                 stride_p, stride_lp, stride_ls, stride_tr, stride_tm, MAX_TOKENS, HEAD_DIM, TILE)
             p = tl.exp(s - m_ref[:, None]) / denom_safe[:, None]

@@ -23,6 +23,8 @@ class BatchShape:
     bytes_moved: ArrayLike = 0           # bytes copied/moved by sparse copy / compaction
     swap_bytes: ArrayLike = 0            # bytes over PCIe for swap preemption
     block_table_entries: ArrayLike = 0   # block-table entries touched (grows x layers x heads in per_head)
+    op_bytes: ArrayLike = 0              # bytes read + written by KV-policy operations (metric, sort, table
+    op_flops: ArrayLike = 0              # rewrite, quantization; sim.kv) and their FLOPs, all KV heads
     # KV token-equivalents a padded decode attention scans: every decoding sequence padded to the widest
     # block table of the step (whole blocks, holes included). Paged GPU kernels do not pad (their
     # profiles give it no cost); a dense gather over [seqs, widest table] (the real backend's CPU

@@ -38,7 +38,8 @@ def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int):
     rows = model.num_layers * kv_heads if kv.layout == "per_head" else 1
     tier_bytes, tier_caps = tier_layout(model, block_size, kv.high_tier, kv.low_tier)
     ctx = PolicyContext(kv.layout, model.num_layers, kv_heads, max(1, model.num_heads * kv_heads // model.num_kv_heads),
-                        block_size, rows, tier_bytes=tier_bytes)
+                        block_size, rows, tier_bytes=tier_bytes, head_dim=model.head_dim,
+                        bytes_per_token_row=cost.kv_bytes_per_token / rows)
     try:
         policy = get_policy(kv.policy, **policy_params(kv))
     except PolicyError as exc:

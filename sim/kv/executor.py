@@ -24,6 +24,8 @@ class KVPolicyExecutor:
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
         plan = self.kv.finish_step(out.scheduled)
         shape.bytes_moved = plan.bytes_moved
+        shape.op_bytes = plan.op_bytes
+        shape.op_flops = plan.op_flops
         seconds = float(self.cost.predict(shape))
         self.last_plan = plan
         return StepResult(duration_s=seconds, predicted_s=seconds, evicted_tokens=plan.evicted_tokens,

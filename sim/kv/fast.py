@@ -59,13 +59,13 @@ import numpy as np
 
 from ..core.request import Request
 from .base import EvictingManagerBase
-from .manager import SLOT_STRATEGIES, KVStepPlan, _FREES, _REUSE
+from .manager import SLOT_STRATEGIES, KVStepPlan, _COPY, _FREES, _REUSE
 from .fast_kernels import (K as KCAND, advance_first_free_np, decode_rows, first_free_np, score_prompt,
                            scored_step_np)
 from .importance import NUM_SINK, ImportanceModelSpec, SyntheticImportance
 from .policy import EvictionPolicy, PolicyContext, PolicyError
 
-_APPEND = {"noop", "free_block", "sparse_copy"}
+_APPEND = {"noop", "free_block", "sparse_copy", "holed_copy"}
 # per-row scalars, fields of one [slots, rows, fields] array so a step gathers / scatters them at once
 TAIL, TAILW, NCOL, PAGES, LIVE, HOLE, HOLED, HN = range(8)
 _ROW_FIELDS = {"tail": TAIL, "tail_w": TAILW, "ncol": NCOL, "pages": PAGES, "live": LIVE, "hole_col": HOLE,
@@ -128,14 +128,23 @@ class FastKVManager(EvictingManagerBase):
             if sample_rows > 0 else ctx.rows
         self.unit = ctx.rows // self.rows
         self.budget = profile.get("budget")
+        self._mean_read = getattr(policy, "mean_read", None)      # selection policies: what attention reads
         self.window = int(profile.get("protect_recent", 0))
         self.sink = int(profile.get("protect_first", 0))
         self.age_weight = profile.get("age_weight", "uniform")
         # "oldest": the token leaving the window goes; "uniform": a uniformly drawn non-window token;
         # "young" (H2O): the lowest accumulated attention under the importance model (see _pick_scored)
         self.evict_leaving = self.age_weight == "oldest"
+        # "prompt_only" (SnapKV): the prompt cut keeps `budget` per row (its newest `protect_recent`
+        # included), decode never evicts
+        self.cut_budget, self.cut_window = self.budget, self.window
+        self.prompt_only = bool(profile.get("prompt_only", False))
+        if self.prompt_only:
+            self.budget, self.window = None, 0
         self.scored = self.age_weight == "young" and self.budget is not None
-        if self.scored:
+        self.cut_scored = self.age_weight == "young" and self.cut_budget is not None
+        self._scores = self.scored or self.cut_scored
+        if self._scores:
             self._init_heads(importance, seed, int(profile.get("obs_window", 8)))
         self.strategy = slot_strategy
         self.append = slot_strategy in _APPEND
@@ -181,9 +190,9 @@ class FastKVManager(EvictingManagerBase):
         self.win = np.zeros((n, R, cols), np.int32)         # ... of which in the recent window
         self.alive = np.zeros((n, R, cols), bool)           # column holds a page
         self.ring = np.zeros((n, R, W), np.int32)           # page column of position p at p % W
-        self.heavy = np.zeros((n, R, (self.budget or 0) + 2), np.int32)  # columns of non-window live tokens
+        self.heavy = np.zeros((n, R, (self.cut_budget or 0) + 2), np.int32)  # columns of non-window live tokens
         self.rs = np.zeros((n, R, len(_ROW_FIELDS)), np.int32)
-        if self.scored:
+        if self._scores:
             # H2O scores in closed form (see _pick_scored): per listed token its score terms `hv`
             # (static part A, content coefficient CW, local term E); A and CW of window tokens in a ring;
             # per row the content normalizer Zw, the running sum H of 1/Zw, and sigma
@@ -203,7 +212,7 @@ class FastKVManager(EvictingManagerBase):
         self._rs_f = self.rs.reshape(-1, len(_ROW_FIELDS))
         self._occ_f, self._win_f, self._alive_f = self.occ.reshape(-1), self.win.reshape(-1), self.alive.reshape(-1)
         self._ring_f, self._heavy_f = self.ring.reshape(-1), self.heavy.reshape(-1)
-        if self.scored:
+        if self._scores:
             self._hv_f = self.hv.reshape(-1, 3)
         self._row_ids = np.arange(R)[None, :]
         self._index_key = None                              # S.tobytes() of the last step's index arrays
@@ -221,7 +230,7 @@ class FastKVManager(EvictingManagerBase):
             self._rs_f, self.occ.reshape(-1, cols), self.win.reshape(-1, cols), self.alive.reshape(-1, cols),
             self.ring.reshape(-1, self.ring.shape[2]), self.ntok, self._heavy_f, self.block_size, self.window,
             -1 if self.budget is None else int(self.budget), self.tracks_columns, self.append,
-            self.strategy in _REUSE, self.strategy in _FREES, self.strategy == "sparse_copy",
+            self.strategy in _REUSE, self.strategy in _FREES, self.strategy in _COPY,
             self.strategy in _COMPACT, self.evict_leaving, self.scored)
         Hc = self.heavy.shape[2]
         if self.scored:
@@ -245,6 +254,23 @@ class FastKVManager(EvictingManagerBase):
         self._pages_l = self.slot_pages.tolist()
         self._live_total = sum(self._live_l)
         self._pages_total = sum(self._pages_l)
+        # what a paged kernel reads: every slot of the row's pages (evicted ones masked, not skipped)
+        # but the never-written ones: the append page's unwritten end (append strategies); with hole-
+        # first filling (reuse strategies) a new page opens only when no slot is free and earlier
+        # holes are filled first, so the never-written slots are (about) the free ones of the last page
+        bs = self.block_size
+        if self.append:
+            tw = self.tail_w
+            unwritten = np.where((self.ncol > 0) & (tw < bs), bs - tw, 0).sum(axis=1)
+        else:
+            last = np.maximum(self.ncol.astype(np.int64) - 1, 0)[:, :, None]
+            occ_last = np.take_along_axis(self.occ, last, axis=2)[:, :, 0]
+            open_last = np.take_along_axis(self.alive, last, axis=2)[:, :, 0] & (self.ncol > 0)
+            unwritten = np.where(open_last, bs - occ_last, 0).sum(axis=1)
+        self._read_l = (self.slot_pages * bs - unwritten).tolist()
+        if self._mean_read is not None:
+            live_row = self.slot_live // self.rows
+            self._read_l = (self._mean_read(live_row, self.ctx) * self.rows).tolist()
 
     def _restat(self, S: np.ndarray, live: np.ndarray | None = None, pages: np.ndarray | None = None) -> None:
         """Per-slot live / page totals of the slots in S after they changed (from their [len(S), rows]
@@ -259,7 +285,7 @@ class FastKVManager(EvictingManagerBase):
 
     def _grow(self, n: int | None = None, cols: int | None = None) -> None:
         old = {k: getattr(self, k) for k in ("occ", "win", "alive", "ring", "heavy", "rs", "ntok", "prefilled",
-                                              "need_next", "slot_live", "slot_pages") + self._SCORED * self.scored}
+                                              "need_next", "slot_live", "slot_pages") + self._SCORED * self._scores}
         n0, _, c0 = old["occ"].shape
         self._alloc_arrays(n or n0, cols or c0)
         for k, a in old.items():
@@ -287,8 +313,9 @@ class FastKVManager(EvictingManagerBase):
         return self.slot_of
 
     def kv_tokens(self, req) -> float:
+        """Token-equivalents attention reads per row (holes included, as in token-level mode)."""
         s = self.slot_of.get(req)
-        return self._live_l[s] / self.rows if s is not None else 0
+        return self._read_l[s] / self.rows if s is not None else 0
 
     def block_table_entries(self, req) -> int:
         s = self.slot_of.get(req)
@@ -318,8 +345,11 @@ class FastKVManager(EvictingManagerBase):
         return self._need_l[s] + self.rows * -(-(n - 1) // bs)
 
     def _typical_copy(self, S) -> np.ndarray:
-        """sparse_copy rows whose holes are all in one page other than the tail (the steady state)."""
+        """holed_copy rows whose holes are all in one page other than the tail (the steady state; the
+        kernel rewrites them). sparse_copy rewrites whole rows: none is typical."""
         h = self.holed[S]
+        if self.strategy == "sparse_copy":
+            return np.zeros(h.shape, dtype=bool)
         return (h >= 0) & (h != self.tail[S]) & (self.window >= self.block_size)
 
     def _need_rows(self, S: np.ndarray) -> np.ndarray:
@@ -328,7 +358,7 @@ class FastKVManager(EvictingManagerBase):
         if self.strategy in _REUSE:
             return (self.pages[S] * bs - self.live[S] < 1).astype(np.int64)
         need = ((self.tail_w[S] >= bs) | (self.ncol[S] == 0)).astype(np.int64)
-        if self.strategy != "sparse_copy":
+        if self.strategy not in _COPY:
             return need
         qP = (S[:, None] * self.rows + self._row_ids) * self.occ.shape[2]
         holed = self.holed[S]
@@ -356,6 +386,8 @@ class FastKVManager(EvictingManagerBase):
         cols = self.occ.shape[2]
         written = np.where(np.arange(cols)[None, :] == self.tail[s][:, None], self.tail_w[s][:, None], bs)
         dirty = self.alive[s] & (self.occ[s] < written)
+        if self.strategy == "sparse_copy":              # the whole row of a holed row
+            return self.alive[s] & dirty.any(axis=1)[:, None]
         r = np.flatnonzero(dirty.any(axis=1))
         dirty[r, self.tail[s][r]] = True
         return dirty
@@ -402,8 +434,8 @@ class FastKVManager(EvictingManagerBase):
         self.pool.take(total)
         for s in slots:
             pending[s] = need_l[s]
-        live_l, rows = self._live_l, self.rows
-        return [live_l[s] / rows for s in slots]
+        read_l, rows = self._read_l, self.rows
+        return [read_l[s] / rows for s in slots]
 
     def _prefill_write(self, s: int, n: int) -> None:
         """Before the cut every row holds the same tokens densely: columns are filled in order."""
@@ -450,9 +482,9 @@ class FastKVManager(EvictingManagerBase):
         del self.slot_of[req]
         for a in (self.occ, self.win, self.alive, self.ring, self.heavy, self.rs):
             a[s] = 0
-        for k in self._SCORED * self.scored:
+        for k in self._SCORED * self._scores:
             getattr(self, k)[s] = 0
-        if self.scored:
+        if self._scores:
             self._reset_candidates(s)
         self.hole_col[s] = -1
         self.holed[s] = -1
@@ -513,16 +545,17 @@ class FastKVManager(EvictingManagerBase):
             wpos = np.arange(L - W, L)
             self.ring[s][:, wpos % self.window] = (wpos // bs)[None, :]
             self.win[s, :, :cols] = np.bincount(wpos // bs, minlength=cols)[None, :]
-        scored = self.scored and self.tracks_columns
+        scored = self.cut_scored and self.tracks_columns
+        W = min(self.cut_window, L)
         kept_pos = self._score_prompt(s, L, W) if scored else None
-        if self.budget is not None and L > self.budget:
+        if self.cut_budget is not None and L > self.cut_budget:
             cand = L - W
-            keep = self.budget - W
+            keep = self.cut_budget - W
             protect = min(self.sink, cand, keep)
             per_page = np.bincount(pos_page[protect:cand], minlength=cols)
             k = keep - protect
             if not self.tracks_columns:
-                self.live[s] = self.budget
+                self.live[s] = self.cut_budget
                 self.plan.evicted_tokens += R * (cand - keep)
                 kept = None
             elif scored:
@@ -536,10 +569,12 @@ class FastKVManager(EvictingManagerBase):
             if kept is not None:
                 evict = per_page[None, :] - kept
                 self.occ[s, :, :cols] -= evict.astype(np.int32)
-                self.live[s] = self.budget
+                self.live[s] = self.cut_budget
                 self.plan.evicted_tokens += int(evict.sum())
         self.prefilled[s] = True
         self._prefilled_l[s] = True
+        if self.prompt_only:                     # no decode evictions: no candidate list to keep
+            self.hn[s] = 0
         self._settle_generic(s, np.arange(R))
         if not scored:                           # scored lists are built by _score_prompt (and remapped by compaction)
             self._rebuild_heavy(s, np.arange(R))
@@ -560,7 +595,7 @@ class FastKVManager(EvictingManagerBase):
             self._compact_rows(s, rows)
         if self.strategy in _REUSE:
             self._rescan_holes(s, rows)
-        if self.strategy == "sparse_copy":
+        if self.strategy in _COPY:
             self._mark_holed(s, rows)
 
     def _drop(self, s: int, rows: np.ndarray, cols_mask: np.ndarray) -> None:
@@ -646,7 +681,7 @@ class FastKVManager(EvictingManagerBase):
         Returns the (token, row) evictions per slot. Pages were taken from the pool by allocate_slots.
         Runs as one compiled kernel (fast_kernels.decode_rows) where numba is installed, else in numpy
         (`_step_numpy`, its twin: the same state, draw for draw)."""
-        sparse = self.strategy == "sparse_copy"
+        sparse = self.strategy in _COPY
         if decode_rows is None:
             if sparse:
                 self._sparse_copy(S)
@@ -691,6 +726,8 @@ class FastKVManager(EvictingManagerBase):
                     self._rescan_holes(s, rows)
                 self._restat(rest)
             self.need_next[rest] = self._need_rows(rest).sum(axis=1)
+        if self.strategy == "sparse_copy":       # the kernel's page need assumes holed_copy's rewrite
+            self.need_next[S] = self._need_rows(S).sum(axis=1)
         self._mirror_counts()
         return evicted.tolist()
 
@@ -776,7 +813,7 @@ class FastKVManager(EvictingManagerBase):
         self._rs_f[q] = st
         if self.strategy in _COMPACT:
             self._compact_step(S, q, col)
-        if self.strategy in _COMPACT or self.strategy == "sparse_copy":   # pages moved: recount from the slab
+        if self.strategy in _COMPACT or self.strategy in _COPY:   # pages moved: recount from the slab
             self._update_need(S)
             self._restat(S)
         else:                                    # the gathered row state is final
@@ -874,11 +911,11 @@ class FastKVManager(EvictingManagerBase):
         sig = self.h_sigma * np.exp(self.sigma_jitter * self.rng.standard_normal(R))
         self.hsig[s] = sig
         cand = L - W
-        keep = min(cand, self.budget - W)
+        keep = min(cand, self.cut_budget - W)
         self.zw[s], self.hsum[s], kept, terms, win_A, win_cw = score_prompt(
             self.rng.standard_normal((R, L)), sig, self.h_local, self.h_tau, self.h_content, obs, cand, keep, NUM_SINK,
             W)
-        if W:
+        if W and self.window:
             at = np.arange(L - W, L) % W
             self.ringA[s][:, at] = win_A
             self.ringcw[s][:, at] = win_cw
@@ -954,7 +991,7 @@ class FastKVManager(EvictingManagerBase):
             kept = over if empty is None else over & ~empty
             np.copyto(hole, np.where(hole < 0, ev, np.minimum(hole, ev)), where=kept)
             return None if empty is None else empty & (hole < 0)
-        if self.strategy == "sparse_copy":
+        if self.strategy in _COPY:
             holed = st[:, HOLED]
             holed[:] = np.where(over, np.where(holed == -1, ev, np.where(holed == ev, holed, -2)), holed)
         return None
@@ -1069,7 +1106,9 @@ class FastKVManager(EvictingManagerBase):
         self.alive[s, rows] &= ~dirty
         self.pages[s, rows] += (dst - dirty.sum(axis=1)).astype(np.int32)
         self.pool.give(n_old)
-        base = self.ncol[s, rows].astype(np.int64)
+        # a whole-row rewrite (sparse_copy) starts again at column 0, holed pages go after the last column
+        whole = ~(self.alive[s, rows]).any(axis=1)
+        base = np.where(whole, 0, self.ncol[s, rows]).astype(np.int64)
         self._ensure_cols(int((base + dst).max()))
         if dst.size and dst.max() > 0:           # new page j of a row holds its moved tokens j*bs .. (j+1)*bs - 1
             start = np.arange(int(dst.max()))[None, :] * bs

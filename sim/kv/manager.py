@@ -15,9 +15,13 @@ Slot strategies (what happens to the hole an evicted token leaves):
   noop          evicted slots stay allocated; new tokens append at the row's tail page.
   free_block    as noop, and a page whose tokens are all evicted returns to the pool.
   slot_reuse    free_block, and new tokens fill evicted slots before a new page is allocated.
-  sparse_copy   at the next allocation of a row with holes, its holed pages (and tail page) are
-                copied densely into fresh pages allocated BEFORE the old ones are freed (so it
-                can force preemptions); bytes copied are charged.
+  sparse_copy   the published sparse copy: at the next allocation of a row with holes (the step
+                after an eviction) ALL its kept tokens are rewritten densely into fresh pages
+                allocated BEFORE the old ones are freed (the allocation is part of the step's memory
+                plan: when the destination pages cannot be allocated the request cannot run and the
+                scheduler preempts); bytes copied are charged.
+  holed_copy    kvsim's cheaper variant: as sparse_copy, but only the holed pages (and the tail
+                page) of a row are rewritten.
   compact       slot_reuse, and after each eviction survivors move from the row's last pages into
                 holes of its first ceil(live / capacity) pages; emptied pages are freed.
   parallel_compact  compact with LeanKV's circular free-page list (pool order "ring"); all rows'
@@ -42,7 +46,9 @@ from .policy import Decision, EvictionPolicy, PolicyContext
 from .pool import ArrayBlockPool
 from .state import TIER_FULL, TIER_LOW, TokenState
 
-SLOT_STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "compact", "parallel_compact")
+SLOT_STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
+_COPY = {"sparse_copy", "holed_copy"}
+QUANT_FLOPS = 6            # FLOPs per quantized element (min/max, scale, round, clamp, pack)
 TRIGGERS = ("policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure", "pressure",
             "threshold")
 _REUSE = {"slot_reuse", "compact", "parallel_compact"}
@@ -75,6 +81,8 @@ class KVStepPlan:
     evicted_tokens: int = 0          # (token, row) entries evicted
     blocks_freed_by_eviction: int = 0
     bytes_moved: int = 0
+    op_bytes: float = 0.0            # bytes read + written by the policy's own operations (metric, sort,
+    op_flops: float = 0.0            # table rewrite, quantization) and their FLOPs: EvictionPolicy.op_cost
     mass_retained: dict[int, float] = field(default_factory=dict)
     # every applied eviction in order (a request may be evicted twice in one plan, e.g. by two reclaim
     # calls): (request id, rows int64 [k], positions int64 [k], decode steps, tokens cached) — the
@@ -159,8 +167,9 @@ class EvictingKVManager(EvictingManagerBase):
         return self.req_kv
 
     def kv_tokens(self, req: Request) -> float:
-        """fp16 token-equivalents attention reads per row (tiers weighted by their bytes; selection
-        policies count only what they read)."""
+        """fp16 token-equivalents attention reads per row: every written slot of the row's pages, live
+        or evicted (a paged kernel masks holes but still reads them), tiers weighted by their bytes;
+        selection policies count only what they read."""
         st = self._stats.get(req)
         return st[2] if st else 0
 
@@ -181,6 +190,7 @@ class EvictingKVManager(EvictingManagerBase):
         if rk is None:
             rk = self.req_kv[req] = RequestKV(self.rows, self.stride)
             rk.state.extra["request_id"] = req.request_id
+            rk.state.extra["prompt_tokens"] = req.prompt_tokens    # a recompute prefills generated tokens too
             self.policy.on_admit(rk.state, self.ctx)
         return rk
 
@@ -206,10 +216,13 @@ class EvictingKVManager(EvictingManagerBase):
         return out.reshape(self.rows, -1)
 
     def _dirty_pages(self, rk: RequestKV) -> np.ndarray:
-        """sparse_copy: bool [rows, E] pages to rewrite densely (holed pages, plus the tail of a holed row)."""
+        """bool [rows, E] pages to rewrite densely: sparse_copy every page of a holed row; holed_copy the
+        holed pages, plus the tail of a holed row."""
         st = rk.state
         holes = (~st.live & (st.pos >= 0)).reshape(self.rows, -1, self.stride).any(axis=2) & (rk.table >= 0)
         rows_holed = holes.any(axis=1)
+        if self.strategy == "sparse_copy":
+            return (rk.table >= 0) & rows_holed[:, None]
         r = np.flatnonzero(rows_holed & (rk.tail >= 0))
         holes[r, rk.tail[r]] = True
         return holes
@@ -221,7 +234,7 @@ class EvictingKVManager(EvictingManagerBase):
     def _needs(self, rk: RequestKV, n: int):
         """(pages for new tokens per row, sparse-copy destination pages per row)."""
         cap = int(self.tier_capacity[self.new_token_tier])
-        if self.strategy == "sparse_copy" and rk.num_entries:
+        if self.strategy in _COPY and rk.num_entries:
             dirty = self._dirty_pages(rk)
             moved = (rk.state.live.reshape(self.rows, -1, self.stride) & dirty[:, :, None]).sum(axis=(1, 2))
             dst = -(-moved // cap)
@@ -435,8 +448,16 @@ class EvictingKVManager(EvictingManagerBase):
         self.policy.observe(rk.state, self.ctx, scores, "prefill")
         rk.prefilled = True
         if self.trigger in ("every_step", "every_n", "after_prefill", "after_prefill+pressure", "threshold"):
+            self._charge(rk, "prefill")
             self._apply(req, rk, self.policy.compress(rk.state, self.ctx, "prefill", scores))
             rk.added_since_compress = 0
+
+    def _charge(self, rk: RequestKV, reason: str, decision: Decision | None = None) -> None:
+        """Add the policy's own work for a compression to the step (before its decision applies)."""
+        cost = self.policy.op_cost(rk.state, self.ctx, reason)
+        if cost is not None:
+            self.plan.op_bytes += cost[0]
+            self.plan.op_flops += cost[1]
 
     def _after_decode(self, req: Request, rk: RequestKV) -> None:
         rk.decode_steps += 1
@@ -452,7 +473,10 @@ class EvictingKVManager(EvictingManagerBase):
                 or (self.trigger == "every_n" and rk.decode_steps % self.trigger_interval == 0)
                 or (self.trigger == "threshold" and rk.added_since_compress >= self.trigger_threshold))
         if fire:
-            self._apply(req, rk, self.policy.compress(rk.state, self.ctx, "decode", scores))
+            decision = self.policy.compress(rk.state, self.ctx, "decode", scores)
+            if decision is not None:
+                self._charge(rk, "decode")
+            self._apply(req, rk, decision)
             rk.added_since_compress = 0
 
     def _apply(self, req: Request, rk: RequestKV, decision: Decision | None) -> int:
@@ -540,6 +564,9 @@ class EvictingKVManager(EvictingManagerBase):
             dst_r = np.broadcast_to(np.arange(self.rows)[:, None], slots.shape)[take]
             dst_s = slots[take]
             self._record_moves(rk, src_r, src_s, dst_r, dst_s, dst_tier=int(tier))
+            # quantization (LeanKV): per element of K and V, a min/max pass for scale and zero, then
+            # scale, round, clamp and pack: QUANT_FLOPS each (the bytes are the move's, charged above)
+            self.plan.op_flops += QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row * src_r.size
             st.move(src_r, src_s, dst_s)
             st.tier[dst_r, dst_s] = tier
 
@@ -557,6 +584,8 @@ class EvictingKVManager(EvictingManagerBase):
                 continue
             self._unstat(req)
             decision = self.policy.reclaim(rk.state, self.ctx, (num_blocks - freed) * cap)
+            if decision is not None:
+                self._charge(rk, "reclaim")
             freed += self._apply(req, rk, decision)
             if decision is not None and self.strategy == "noop":
                 pass
@@ -581,7 +610,13 @@ class EvictingKVManager(EvictingManagerBase):
         tb = np.asarray(self.ctx.tier_bytes, dtype=np.float64)
         stored = float(tb[st.tier[st.live]].sum()) / self.rows
         read = self.policy.read_tokens(st, self.ctx)
-        kv = stored if read is None else float(np.sum(read)) / self.rows
+        if read is None:
+            # A paged kernel scans every slot of each page in the block table up to the sequence's
+            # last written slot; evicted slots are masked, not skipped: holes cost their bytes.
+            # Slots ever written (pos >= 0: live or evicted), weighted by their tier's bytes.
+            kv = float(tb[st.tier[st.pos >= 0]].sum()) / self.rows
+        else:
+            kv = float(np.sum(read)) / self.rows
         self._stats[req] = (live, alloc, kv, int(pages.sum()), stored)
         self._live_total += live
         self._alloc_total += alloc

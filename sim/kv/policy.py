@@ -108,6 +108,8 @@ class PolicyContext:
     row_layer: np.ndarray = field(default=None)   # int [rows]
     row_head: np.ndarray = field(default=None)    # int [rows]
     tier_bytes: tuple[float, float, float] = (1.0, 0.5, 0.25)   # bytes/token of each tier / full
+    head_dim: int = 64
+    bytes_per_token_row: float = 0.0   # bytes of one full-precision token of one row (K and V)
 
     def __post_init__(self):
         if self.row_layer is None:
@@ -116,6 +118,11 @@ class PolicyContext:
                 self.row_layer, self.row_head = r // self.num_kv_heads, r % self.num_kv_heads
             else:
                 self.row_layer, self.row_head = np.zeros(self.rows, int), np.zeros(self.rows, int)
+
+    @property
+    def heads_per_row(self) -> int:
+        """(layer, KV head) pairs one row stands for: 1 per_head, layers x KV heads shared."""
+        return 1 if self.layout == "per_head" else self.num_layers * self.num_kv_heads
 
     @property
     def group_size(self) -> int:
@@ -166,6 +173,12 @@ class EvictionPolicy:
         return None
 
     def read_tokens(self, state: TokenState, ctx: PolicyContext) -> np.ndarray | None:
+        return None
+
+    def op_cost(self, state: TokenState, ctx: PolicyContext, reason: str) -> tuple[float, float] | None:
+        """(bytes read + written, FLOPs) of the policy's own work when it compresses for `reason`
+        ("prefill", "decode", "reclaim"), from the state BEFORE its decision applies; None = free.
+        The manager adds them to the step (the cost model prices them on the GPU's roofline)."""
         return None
 
     # Fast mode (sim.kv.fast): how many tokens each row keeps and where evictions fall.

@@ -26,15 +26,17 @@ class AdaSnapKV(SnapKV):
     per_head_only = True
 
     def __init__(self, budget: int | None = None, compression_rate: float | None = None, obs_window: int = 8,
-                 kernel_size: int = 7, pooling: str = "max", floor: float = 0.2):
-        super().__init__(budget, compression_rate, obs_window, kernel_size, pooling)
+                 kernel_size: int = 7, pooling: str = "max", floor: float = 0.2, decode_compression: str = "off",
+                 decode_interval: int = 32):
+        super().__init__(budget, compression_rate, obs_window, kernel_size, pooling, decode_compression,
+                         decode_interval)
         if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not math.isfinite(floor) \
                 or not 0 <= floor <= 1:
             raise ValueError(f"floor must be a fraction in [0, 1], got {floor!r}")
         self.floor = float(floor)
 
     def keep_mask(self, state, ctx, votes, cand):
-        budget = self.mean_budget(state.num_tokens)
+        budget = self.mean_budget(self.basis(state))
         guaranteed = lowest_k_mask(-votes, np.full(state.rows, int(self.floor * budget)), cand)
         # the rest of each layer's budget goes to the best remaining (head, token) pairs of the layer
         layers, heads = ctx.num_layers, ctx.num_kv_heads

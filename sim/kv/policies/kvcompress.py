@@ -19,6 +19,16 @@ never below the target, so a request already at its target is preempted instead.
 
 Parameters: `compression_rate` (r >= 1), `max_cache_tokens` (per row), `protect_recent`
 (default 8), `obs_window` (prefill observation queries, default 8).
+
+Cost of a compression (`op_cost`), per row with n live tokens, e entries in its block table, w the
+observation window, g query heads per KV head, d the head dim, h the (layer, KV head) pairs a row
+stands for, b the bytes of one token of the row:
+- metric aggregation (after prefill only: decode queries' squared attention is a by-product of
+  their attention kernel): the w window queries' scores against every key are recomputed
+  (FlashAttention does not keep probabilities): reads the keys, n b / 2 bytes, 2 w g d h n FLOPs;
+- sort of the n metrics (float32 key + int32 index, ceil(log2 n) passes, read and written each):
+  16 n ceil(log2 n) bytes, n ceil(log2 n) comparisons;
+- block-table rewrite: e int32 entries read and written, 8 e bytes.
 """
 from __future__ import annotations
 
@@ -85,6 +95,18 @@ class KVCompress(EvictionPolicy):
         cand = state.live & (state.pos < state.num_tokens - self.protect_recent)
         mask = block_eviction_mask(state.score, cand, ctx.block_size, -(-token_rows // ctx.block_size))
         return Decision(evict=mask) if mask.any() else None
+
+    def op_cost(self, state, ctx, reason):
+        n = state.live_counts().astype(np.float64)
+        passes = np.ceil(np.log2(np.maximum(n, 2)))
+        entries = -(-n // ctx.block_size)
+        nbytes = float((16 * n * passes).sum() + (8 * entries).sum())
+        flops = float((n * passes).sum())
+        if reason == "prefill":
+            w = min(self.obs_window, state.num_tokens)
+            nbytes += float(n.sum()) * ctx.bytes_per_token_row / 2
+            flops += 2.0 * w * ctx.group_size * ctx.head_dim * ctx.heads_per_row * float(n.sum())
+        return nbytes, flops
 
     def compress(self, state, ctx, reason, scores):
         return self._evict(state, ctx, int(state.live.sum()) - self.target_tokens(state))

@@ -41,12 +41,14 @@ class PyramidKV(SnapKV):
     per_head_only = True
 
     def __init__(self, budget: int | None = None, compression_rate: float | None = None, obs_window: int = 8,
-                 kernel_size: int = 7, pooling: str = "max", beta: float = 20.0):
-        super().__init__(budget, compression_rate, obs_window, kernel_size, pooling)
+                 kernel_size: int = 7, pooling: str = "max", beta: float = 20.0, decode_compression: str = "off",
+                 decode_interval: int = 32):
+        super().__init__(budget, compression_rate, obs_window, kernel_size, pooling, decode_compression,
+                         decode_interval)
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 1:
             raise ValueError(f"beta must be a number > 1 (last layer keeps budget / beta), got {beta!r}")
         self.beta = float(beta)
 
     def row_budgets(self, state, ctx) -> np.ndarray:
-        layers = pyramid_budgets(self.mean_budget(state.num_tokens), ctx.num_layers, self.beta)
+        layers = pyramid_budgets(self.mean_budget(self.basis(state)), ctx.num_layers, self.beta)
         return layers[ctx.row_layer]

@@ -12,6 +12,11 @@ tokens each row reads this step; `select` gives which ones, for a backend that h
 
 Parameters: `budget` (tokens read per head, default 512), `page_size` (default 16; tokenselect: 1),
 `dense_layers` (default 2).
+
+What a selective layer reads per decode, in full-token equivalents (one token = its K and V): the
+selected pages, plus the selection's own input. Quest reads each page's channel-wise key min and max
+(two key vectors = one token-equivalent) for every page of the sequence: ceil(n / page_size);
+TokenSelect scores every key: n / 2. (Only where selection is active: n > the pages read.)
 """
 from __future__ import annotations
 
@@ -35,13 +40,36 @@ class Quest(EvictionPolicy):
         return -(-self.budget // self.page_size)
 
     def read_tokens(self, state, ctx) -> np.ndarray:
-        """int [rows]: tokens each row's attention reads this step (whole pages, never more than live)."""
+        """[rows]: token-equivalents each row's attention reads this step: whole pages (never more than
+        live) plus, where the selection is active (more live tokens than the pages read), its metadata."""
         live = state.live_counts()
-        sparse = np.minimum(live, self._pages() * self.page_size)
+        sparse = self._sparse_read(live)
         if ctx.layout == "per_head":
             return np.where(ctx.row_layer < self.dense_layers, live, sparse)
+        return self._shared_read(live, sparse, ctx)
+
+    def _sparse_read(self, live: np.ndarray) -> np.ndarray:
+        meta = -(-live // self.page_size) if self.page_size > 1 else live / 2
+        meta = np.where(live > self._pages() * self.page_size, meta, 0)
+        return np.minimum(live, self._pages() * self.page_size) + meta
+
+    def _shared_read(self, live, sparse, ctx):
         dense = min(self.dense_layers, ctx.num_layers)            # shared layout: mean over layers
         return (live * dense + sparse * (ctx.num_layers - dense) + ctx.num_layers // 2) // ctx.num_layers
+
+    def mean_read(self, live: np.ndarray, ctx) -> np.ndarray:
+        """Fast mode (every row holds the same `live` tokens, [requests]): the mean over rows of
+        `read_tokens`, as token-level mode charges it."""
+        live = np.asarray(live, dtype=np.int64)
+        sparse = self._sparse_read(live)
+        if ctx.layout == "per_head":
+            dense = float(np.mean(ctx.row_layer < self.dense_layers))
+            return dense * live + (1.0 - dense) * sparse
+        return self._shared_read(live, sparse, ctx)
+
+    def fast_mode_profile(self) -> dict:
+        # selection evicts nothing: pages fill as without a policy; fast mode charges mean_read
+        return {"budget": None}
 
     def select(self, state, ctx, bound: np.ndarray) -> np.ndarray:
         """bool [rows, S]: the live slots read this step, given a per-slot upper bound of the query's

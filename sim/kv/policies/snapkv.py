@@ -8,12 +8,26 @@ Once, right after prefill, each row (layer, KV head) keeps
   the tokens around a heavy hitter survive with it.
 
 Every row therefore keeps `budget + obs_window` prompt tokens (all of them when the prompt is not
-longer). Decode tokens are never evicted. With `compression_rate` r instead of `budget`, a prompt
-of T tokens keeps ceil(T / r) tokens per row (window included).
+longer). With `compression_rate` r instead of `budget`, a prompt of T tokens keeps ceil(T / r)
+tokens per row (window included).
+
+Decode-time compression (off by default, as published: decode tokens are never evicted). As the
+compression papers run these baselines on long generations, `decode_compression` can also apply the
+same selection during decode: `every_n` (every `decode_interval` decode steps) or `over_budget`
+(whenever a request-head holds more than its budget + `obs_window` live tokens; with a rate the
+budget is ceil(tokens so far / r)). Then every live token before the last `obs_window` (prompt or
+generated) is a candidate, voted by the attention it has accumulated over all observed queries
+(pooled as above), and each row keeps its budget of them plus the window.
+
+Recompute after a preemption prefills prompt + generated tokens again. Only prompt tokens are
+prompt: the prefill cut ranks the prompt tokens before the prompt's last `obs_window` ones, with the
+budget of the prompt length, and keeps every generated token (they are subject to decode-time
+compression only, when it is on).
 
 Parameters: `budget` (C, default 256 when no rate is given), `compression_rate` (r >= 1;
 excludes `budget`), `obs_window` (w, default 8), `kernel_size` (p, odd, default 7; 1 = no pooling),
-`pooling` ("max" default, or "avg" as SnapKV's reference code).
+`pooling` ("max" default, or "avg" as SnapKV's reference code), `decode_compression` ("off" default,
+"every_n", "over_budget"), `decode_interval` (every_n: decode steps between compressions, default 32).
 
 `pyramidkv` and `ada_snapkv` reuse this selection with other per-row budgets.
 """
@@ -25,6 +39,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..policy import Decision, EvictionPolicy, PolicyError, check_positive_int, lowest_k_mask, register_policy
+
+DECODE_COMPRESSION = ("off", "every_n", "over_budget")
 
 
 def check_rate(name: str, value) -> float:
@@ -57,7 +73,8 @@ class SnapKV(EvictionPolicy):
     per_head_only = False
 
     def __init__(self, budget: int | None = None, compression_rate: float | None = None, obs_window: int = 8,
-                 kernel_size: int = 7, pooling: str = "max"):
+                 kernel_size: int = 7, pooling: str = "max", decode_compression: str = "off",
+                 decode_interval: int = 32):
         if budget is not None and compression_rate is not None:
             raise ValueError("give budget or compression_rate, not both")
         self.budget = None if compression_rate is not None else \
@@ -71,6 +88,33 @@ class SnapKV(EvictionPolicy):
         if pooling not in ("max", "avg"):
             raise ValueError(f"pooling must be 'max' or 'avg', got {pooling!r}")
         self.pooling = pooling
+        if decode_compression not in DECODE_COMPRESSION:
+            raise ValueError(f"decode_compression must be one of {DECODE_COMPRESSION}, got {decode_compression!r}")
+        self.decode_compression = decode_compression
+        self.decode_interval = check_positive_int("decode_interval", decode_interval)
+        self._basis: int | None = None
+
+    @property
+    def default_trigger(self) -> str:
+        # decode-time compression needs the manager to call compress after every decode step
+        return "after_prefill" if self.decode_compression == "off" else "every_step"
+
+    def fast_mode_profile(self) -> dict | None:
+        """Fast mode: one budget for every row (no rate, no per-layer budgets). Prefill-only: the
+        prompt cut keeps budget + window per row by the importance model's window votes (no pooling),
+        decode never evicts; over_budget decode compression: H2O-like, the lowest accumulated
+        attention leaves once a row is over budget + window. every_n is not modelled."""
+        if self.budget is None or self.decode_compression == "every_n" or type(self).row_budgets is not \
+                SnapKV.row_budgets or type(self).keep_mask is not SnapKV.keep_mask:
+            return None
+        kept = self.budget + self.obs_window
+        profile = {"budget": kept, "protect_recent": self.obs_window, "protect_first": 0, "age_weight": "young",
+                   "obs_window": self.obs_window}
+        if self.decode_compression == "off":
+            profile["prompt_only"] = True
+        else:
+            profile["per_step"] = 1
+        return profile
 
     def on_admit(self, state, ctx):
         if self.per_head_only and ctx.layout != "per_head":
@@ -84,14 +128,19 @@ class SnapKV(EvictionPolicy):
             return self.budget
         return max(0, math.ceil(num_tokens / self.compression_rate) - min(self.obs_window, num_tokens))
 
+    def basis(self, state) -> int:
+        """Tokens the budget is computed from: the prompt in a prefill cut, all tokens so far in decode."""
+        return state.num_tokens if self._basis is None else self._basis
+
     def row_budgets(self, state, ctx) -> np.ndarray:
         """int [rows]: tokens each row keeps outside the window."""
-        return np.full(state.rows, self.mean_budget(state.num_tokens), dtype=np.int64)
+        return np.full(state.rows, self.mean_budget(self.basis(state)), dtype=np.int64)
 
     # ----- selection ----------------------------------------------------------------------------
     def candidates(self, state) -> np.ndarray:
-        """Live prompt tokens before the observation window."""
-        return state.live & (state.pos < state.num_tokens - self.obs_window)
+        """Live tokens before the observation window (of the prompt in a prefill cut: tokens past the
+        prompt, generated before a recompute, are not candidates)."""
+        return state.live & (state.pos < self.basis(state) - self.obs_window)
 
     def votes(self, state) -> np.ndarray:
         """Pooled observation-window votes [rows, S] (0 outside the candidates)."""
@@ -103,8 +152,23 @@ class SnapKV(EvictionPolicy):
         return lowest_k_mask(-votes, self.row_budgets(state, ctx), cand)
 
     def compress(self, state, ctx, reason, scores):
-        if reason != "prefill":
+        if reason == "prefill":
+            prompt = state.extra.get("prompt_tokens", state.num_tokens)
+            self._basis = min(int(prompt), state.num_tokens)
+        elif reason == "decode" and self.decode_compression != "off":
+            steps = state.extra["decode_steps"] = state.extra.get("decode_steps", 0) + 1
+            if self.decode_compression == "every_n" and steps % self.decode_interval:
+                return None
+            if self.decode_compression == "over_budget":
+                limit = self.row_budgets(state, ctx) + self.obs_window
+                if not (state.live_counts() > limit).any():
+                    return None
+            self._basis = None
+        else:
             return None
-        cand = self.candidates(state)
-        evict = cand & ~self.keep_mask(state, ctx, self.votes(state), cand)
+        try:
+            cand = self.candidates(state)
+            evict = cand & ~self.keep_mask(state, ctx, self.votes(state), cand)
+        finally:
+            self._basis = None
         return Decision(evict=evict) if evict.any() else None
