@@ -60,7 +60,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 # glibc malloc: keep freed memory in the heap (no per-step page faults for large temporaries)

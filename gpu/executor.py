@@ -115,7 +115,7 @@ class ReplayRecorder:
             "recent_share": np.asarray(recent, np.float64)})
 
     @staticmethod
-    def _table(parts: list[dict], columns) -> "pd.DataFrame":
+    def _table(parts: list[dict], columns) -> "pd.DataFrame":  # noqa: F821 - pandas imported on use
         import pandas as pd
         if not parts:
             return pd.DataFrame({c: pd.Series(dtype=object if c in ("action", "reason") else "int64")

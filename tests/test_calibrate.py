@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from sim.calibrate import (
-    CalibrationError, FACTORS, fit_importance, fit_profile, load_attention_stats, load_step_logs, nnls,
+    CalibrationError, fit_importance, fit_profile, load_attention_stats, load_step_logs, nnls,
     shape_of_steps,
 )
 from sim.cli import app

@@ -6,7 +6,6 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from sim.catalog import CatalogError
 from sim.cli import app
 from sim.config import ConfigError, load_config, parse_duration
 from sim.simulate import run_simulation

@@ -44,7 +44,7 @@ def test_tiny_trace_replays_with_simulate_schema(small, tmp_path):
     tr = trace([37, 22, 30, 45], [5, 7, 3, 4], arrivals=[0.0, 0.01, 0.02, 5.0])
     cfg = config(**{"engine.num_gpu_blocks": 40})
     res = run_replay(cfg, tmp_path / "replay", model=small, trace=tr)
-    sim = run_simulation(cfg, tmp_path / "sim", trace=tr)
+    run_simulation(cfg, tmp_path / "sim", trace=tr)
     for name in ("requests.parquet", "steps.parquet"):
         real, simulated = pd.read_parquet(tmp_path / "replay" / name), pd.read_parquet(tmp_path / "sim" / name)
         assert list(real.columns) == list(simulated.columns) and (real.dtypes == simulated.dtypes).all(), name

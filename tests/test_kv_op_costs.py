@@ -1,6 +1,5 @@
 """The KV policies' own work is charged from the operations performed (docs/kv-policies.md):
 KV-Compress metric aggregation + sort + block-table rewrite, LeanKV quantization, Quest metadata."""
-import math
 
 import numpy as np
 import pytest

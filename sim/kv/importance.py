@@ -355,7 +355,7 @@ def keys_for_mass(attn: np.ndarray, mass: float = 0.95) -> np.ndarray:
 
 def attention_stats(ctx: PolicyContext, spec: ImportanceModelSpec | str = "smollm2-135m", *, num_tokens: int = 1000,
                     num_requests: int = 4, last_queries: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
-    """Per-head statistics of the synthetic model in the units DESIGN.md quotes for real models:
+    """Per-head statistics of the synthetic model in the units used for measured attention of real models:
     keys for 95% of the last queries' mass, sink share (first 4 tokens), last-64 share."""
     model = SyntheticImportance(ctx, spec, seed)
     k95, sink, recent = [], [], []

@@ -69,7 +69,6 @@ def pool_by_position(values: np.ndarray, pos: np.ndarray, mask: np.ndarray, kern
 @register_policy("snapkv")
 class SnapKV(EvictionPolicy):
     gqa_reduce = "sum"
-    default_trigger = "after_prefill"
     per_head_only = False
 
     def __init__(self, budget: int | None = None, compression_rate: float | None = None, obs_window: int = 8,
