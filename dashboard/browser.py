@@ -279,7 +279,7 @@ def prepare_data_root(root: Path) -> tuple[str, str]:
     from sim.config import load_config
     from sim.simulate import run_simulation
 
-    run_simulation(load_config(None, {"trace": "sharegpt", "gpu": "l4", "trace_options.max_requests": 100,
+    run_simulation(load_config(None, {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 100,
                                       "kv.policy": "h2o", "kv.budget": 128, "kv.layout": "per_head",
                                       "kv.slot_strategy": "slot_reuse", "kv.mode": "fast"}), root / "per-head")
     if not (root / "cc" / "crosscheck.json").exists():

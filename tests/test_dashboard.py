@@ -206,7 +206,7 @@ def test_newest_run_is_selected_after_each_run():
 def test_one_job_per_session_disables_run_on_every_page():
     from dashboard.jobs import Job
     at = app()
-    job = Job([("long", load_config(None, {"trace": "sharegpt", "trace_options.max_requests": 5000}))],
+    job = Job([("long", load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 5000}))],
               page="Simulate").start()
     try:
         at.session_state["kvsim_job"] = job
@@ -249,12 +249,12 @@ def test_memory_page_reads_a_cli_run_directory(tmp_path):
         f"{result.summary['fragmentation_mean']:.1%} / {result.summary['fragmentation_p99']:.1%}")
 
 
-PER_HEAD = {"trace": "sharegpt", "gpu": "l4", "trace_options.max_requests": 40, "kv.policy": "h2o", "kv.budget": 128,
+PER_HEAD = {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 40, "kv.policy": "h2o", "kv.budget": 128,
             "kv.layout": "per_head", "kv.slot_strategy": "slot_reuse", "kv.mode": "fast"}
 
 
 def per_head_config(at: AppTest, prefix: str) -> None:
-    at.selectbox(key=f"{prefix}trace_name").set_value("sharegpt")
+    at.selectbox(key=f"{prefix}trace_name").set_value("sharegpt-8k-filtered")
     at.selectbox(key=f"{prefix}gpu").set_value("L4")
     at.number_input(key=f"{prefix}max_requests").set_value(40)
     for name in ("policy", "layout", "slot_strategy", "mode"):
@@ -475,7 +475,7 @@ def test_fidelity_table_and_pareto():
 def test_background_job_reports_progress_with_eta_and_cancels_within_a_second():
     import time
     from dashboard.jobs import Job
-    cfg = load_config(None, {"trace": "sharegpt", "trace_options.max_requests": 3000})   # all at t=0
+    cfg = load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 3000})   # all at t=0
     job = Job([("long", cfg)]).start()
     seen = []
     while not job.done and len(seen) < 3:

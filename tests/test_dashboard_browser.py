@@ -16,7 +16,7 @@ from sim.simulate import run_simulation
 
 pytestmark = pytest.mark.skipif(chromium_binary() is None, reason="chromium is not installed")
 
-PER_HEAD = {"trace": "sharegpt", "gpu": "l4", "trace_options.max_requests": 100, "kv.policy": "h2o",
+PER_HEAD = {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 100, "kv.policy": "h2o",
             "kv.budget": 128, "kv.layout": "per_head", "kv.slot_strategy": "slot_reuse", "kv.mode": "fast"}
 PAGES = ("simulate", "memory", "compare", "capacity", "fidelity")
 
