@@ -62,7 +62,7 @@ class ResultDir:
             os.replace(self.path, out)
             return out
         others = [p for p in out.iterdir() if p.name not in RESULT_FILES]
-        if not others:                      # only an earlier run's results: swap whole directories
+        if not others and not out.is_symlink():     # only an earlier run's results: swap directories
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING}{os.getpid()}-old-", dir=out.parent))
             os.replace(out, old / "previous")
             os.replace(self.path, out)
@@ -72,7 +72,7 @@ class ResultDir:
             (out / name).unlink(missing_ok=True)
         staged = sorted(self.path.iterdir(), key=lambda p: p.name == "summary.json")   # the summary last
         for f in staged:
-            os.replace(f, out / f.name)
+            shutil.move(f, out / f.name)    # a rename, or a copy when a link leads to another file system
         self.path.rmdir()
         return out
 
