@@ -7,6 +7,8 @@ router, tensor parallelism and small pools that force preemption. Only KV policy
 shared layout advances decode runs in bulk (every eviction policy steps one at a time), so that is
 the policy drawn. Both runs check the KV invariants after every step.
 """
+import os
+
 import numpy as np
 import pandas as pd
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -70,8 +72,13 @@ def assert_bit_identical(a, b) -> None:
         {k: v for k, v in b.summary.items() if k not in ignore}
 
 
-@settings(max_examples=int(__import__("os").environ.get("FFP_N", 60)), deadline=None, derandomize=not __import__("os").environ.get("FFP_RANDOM"), database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# CI: the same 60 examples every run (~15 s). Explore more with KVSIM_PROPERTY_EXAMPLES=1000
+# KVSIM_PROPERTY_RANDOM=1 (800 random examples found no difference after the fixes of issue 19).
+EXAMPLES = int(os.environ.get("KVSIM_PROPERTY_EXAMPLES", 60))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("KVSIM_PROPERTY_RANDOM"),
+          database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(config=engine_configs(), trace=traces())
 def test_fast_forward_equals_stepping_for_every_feature_mix(config, trace):
     fast = simulate(config, trace, fast_forward=True)
