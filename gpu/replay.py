@@ -300,7 +300,7 @@ def _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num
         decisions.to_parquet(out / "decisions.parquet", index=False)
         stats.to_parquet(out / "attention_stats.parquet", index=False)
         staging.publish()
-    return ReplayResult(summary, req_df, steps_df, tokens, decisions, stats, staging.out if staging else None,
+    return ReplayResult(summary, req_df, steps_df, tokens, decisions, stats, staging.shown if staging else None,
                         partial, executor)
 
 

@@ -70,6 +70,8 @@ def replay(
     }
     try:
         cfg = load_config(config, overrides, set_)
+        from sim.results import check_out_dir
+        check_out_dir(out)                  # before the model loads
         from gpu.replay import ReplayOptions, resolve_device, run_replay
         dev = resolve_device(device)
         apply_device_defaults(cfg, dev, weights)

@@ -108,8 +108,11 @@ def interrupt_on_sigterm():
 
 
 def partial_exit(out: Path, reason: str) -> None:
-    summary = out / "summary.json"
-    if summary.exists() and json.loads(summary.read_text()).get("partial"):
+    try:
+        partial = json.loads((out / "summary.json").read_text()).get("partial")
+    except (OSError, ValueError, AttributeError):
+        partial = False
+    if partial:
         typer.echo(f"{reason}: partial results in {out} (summary.json: partial: true)", err=True)
     else:
         typer.echo(f"{reason}: no results written", err=True)

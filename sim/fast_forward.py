@@ -81,6 +81,8 @@ def plan(replica) -> DecodeRun | None:
     k = min(k, replica.max_run_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
     ev = _events(c_list, last_list, k, bs, kv.enable_caching)
     k = _steps_that_fit(ev, k, kv.num_free_blocks)
+    if admission_blocked and kv.enable_caching:
+        k = _steps_keeping_head_hits(sched, kv, ev["allocs"], k)
     if k < 1:
         return None
     batch = list(accumulate(ev["d_count"][:k]))
@@ -143,6 +145,21 @@ def _events(c_list: list, last_list: list, k: int, bs: int, caching: bool) -> di
         fills = sorted(set(fills) | set(allocs))
     return {"d_count": d_count, "d_c": d_c, "d_held": d_held, "new": new, "freed": freed, "fin": fin,
             "fin_c": fin_c, "fin_held": fin_held, "allocs": allocs, "fills": fills}
+
+
+def _steps_keeping_head_hits(sched, kv, allocs: list, k: int) -> int:
+    """Of the first k steps, those before the first allocation that would evict a free cached block
+    the blocked head of WAITING hits. Such an eviction can let the head in: it recomputes that block
+    within its capped chunk instead, and the block no longer counts both as free and as a hit."""
+    head = sched.waiting.peek()
+    if head.swapped_tokens:                  # a swapped request comes back without prefix hits
+        return k
+    revivable = {b for b in kv.get_computed_blocks(head) if kv.pool.ref_cnt[b] == 0}
+    if revivable:
+        for block, (step, _) in zip(kv.pool.next_free_blocks(len(allocs)), allocs):
+            if block in revivable:
+                return min(k, step)
+    return k
 
 
 def _steps_that_fit(ev: dict, k: int, free_blocks: int) -> int:

@@ -146,8 +146,10 @@ def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None
     parts = [("KV block pool", f"{cfg.replicas} replica(s) x {pool_blocks} blocks x {per_block} B",
               "--num-gpu-blocks", cfg.replicas * pool_blocks * per_block)]
     if kv.mode == "fast" and not kv.is_default:
-        parts.append(("fast-mode slabs", f"kv.budget {kv.budget}, {cfg.replicas} replica(s)", "--budget",
-                      cfg.replicas * _fast_slab_bytes(cfg, rows, trace)))
+        slab, budget, window = _fast_slab_bytes(cfg, rows, trace)
+        option = "--budget" if kv.budget is not None else f"kv.params of {kv.policy} (its window)"
+        parts.append(("fast-mode slabs", f"{budget} budget and {window} window tokens a row, "
+                      f"{cfg.replicas} replica(s)", option, cfg.replicas * slab))
     if trace is not None:
         outputs = int(trace.df["output_tokens"].sum())
         parts.append(("requests", f"{len(trace)} requests, {outputs} output tokens", "--max-requests",
@@ -155,16 +157,17 @@ def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None
     return RunMemoryEstimate(tuple(parts))
 
 
-def _fast_slab_bytes(cfg, rows: int, trace) -> int:
-    """Fast mode keeps, per request slot and simulated row, page columns, the recent-window ring and
-    the budget-sized survivor list (with H2O, its score terms): see FastKVManager._alloc_arrays."""
+def _fast_slab_bytes(cfg, rows: int, trace) -> tuple[int, int, int]:
+    """(bytes, budget, window): fast mode keeps, per request slot and simulated row, page columns, the
+    recent-window ring and the budget-sized survivor list (with H2O, its score terms): see
+    FastKVManager._alloc_arrays."""
     from .kv.build import policy_params
     from .kv.policy import PolicyError, get_policy
 
     try:
         profile = get_policy(cfg.kv.policy, **policy_params(cfg.kv)).fast_mode_profile() or {}
     except (PolicyError, TypeError, ValueError):
-        return 0                            # reported by the manager itself when it is built
+        return 0, 0, 0                      # reported by the manager itself when it is built
     budget = int(profile.get("budget") or 0)
     window = max(int(profile.get("protect_recent", 0)), 1)
     scored = profile.get("age_weight") == "young" and profile.get("budget") is not None
@@ -181,7 +184,7 @@ def _fast_slab_bytes(cfg, rows: int, trace) -> int:
     slots = 4
     while slots < concurrent:
         slots *= 2
-    return int(slots * sim_rows * per_row * FAST_SLAB_GROWTH)
+    return int(slots * sim_rows * per_row * FAST_SLAB_GROWTH), budget, window
 
 
 def available_memory_bytes() -> tuple[int, str]:

@@ -43,8 +43,9 @@ class ResultDir:
     """A staging directory beside `out`; `publish()` moves its files into `out`, `discard()` drops it."""
 
     def __init__(self, out: str | Path, option: str = "--out"):
-        self.out = Path(out)
-        check_out_dir(self.out, option)
+        check_out_dir(Path(out), option)
+        self.shown = Path(out)
+        self.out = Path(os.path.abspath(out))          # "." has a name and a parent
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             remove_dead_staging(self.out)
@@ -52,7 +53,7 @@ class ResultDir:
                                               dir=self.out.parent))
             self.path.chmod(0o777 & ~_umask())      # mkdtemp's 0700 would become the results' mode
         except OSError as exc:
-            raise OutputDirError(f"{option} {self.out}: cannot write beside it ({exc.strerror}); expected "
+            raise OutputDirError(f"{option} {self.shown}: cannot write beside it ({exc.strerror}); expected "
                                  "a directory whose parent is writable") from None
 
     def publish(self) -> Path:
@@ -60,21 +61,22 @@ class ResultDir:
         out = self.out
         if not out.exists():
             os.replace(self.path, out)
-            return out
+            return self.shown
         others = [p for p in out.iterdir() if p.name not in RESULT_FILES]
-        if not others:                      # only an earlier run's results: swap whole directories
+        swappable = not out.is_symlink() and out != Path.cwd()
+        if not others and swappable:        # only an earlier run's results: swap whole directories
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING}{os.getpid()}-old-", dir=out.parent))
             os.replace(out, old / "previous")
             os.replace(self.path, out)
             shutil.rmtree(old, ignore_errors=True)
-            return out
+            return self.shown
         for name in RESULT_FILES:           # other files stay: drop the previous run's, then move ours in
             (out / name).unlink(missing_ok=True)
         staged = sorted(self.path.iterdir(), key=lambda p: p.name == "summary.json")   # the summary last
         for f in staged:
-            os.replace(f, out / f.name)
+            shutil.move(f, out / f.name)    # a rename, or a copy when a link leads to another file system
         self.path.rmdir()
-        return out
+        return self.shown
 
     def discard(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -181,7 +181,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         staging.publish()
     if stop:
         raise stop[1]
-    return SimulationResult(summary, req_df, steps_df, staging.out if staging else None, num_blocks, wall)
+    return SimulationResult(summary, req_df, steps_df, staging.shown if staging else None, num_blocks, wall)
 
 
 def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:

@@ -136,3 +136,14 @@ def test_kill_9_leaves_the_previous_results_and_the_next_run_cleans_up(tmp_path)
     assert list(tmp_path.glob(".run.kvsim-tmp-*"))                  # the dead run's staging directory
     simulate(out, seed=3)
     assert [p.name for p in tmp_path.iterdir()] == ["run"] and summary(out)["partial"] is False
+
+
+def test_an_out_that_is_a_link_keeps_the_link_and_gets_the_results(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "summary.json").write_text("{}")
+    link = tmp_path / "run"
+    link.symlink_to(target)
+    simulate(link)
+    assert link.is_symlink() and summary(target)["partial"] is False
+    assert {p.name for p in target.iterdir()} == {"requests.parquet", "steps.parquet", "summary.json", "config.yaml"}

@@ -7,6 +7,7 @@ last, LRU); freed unhashed blocks go to the head (reused first).
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 import numpy as np
 
@@ -51,6 +52,12 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """Free blocks, head (next to allocate) first."""
         return list(self.free_queue) if self.enable_caching else self._stack[::-1]
+
+    def next_free_blocks(self, n: int) -> list[int]:
+        """The first `n` blocks the allocator would hand out, in order."""
+        if self.enable_caching:
+            return list(islice(self.free_queue, n))
+        return self._stack[:-n - 1:-1] if n > 0 else []
 
     def get_new_blocks(self, n: int) -> list[int]:
         if n > self.num_free_blocks:
