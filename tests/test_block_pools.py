@@ -1,0 +1,91 @@
+"""The two block pools on their own: vLLM's prefix-caching BlockPool (sim/core/block_pool.py) and the
+array pool of the eviction-aware managers (sim/kv/pool.py)."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.core.block_pool import BlockPool
+from sim.kv.pool import ArrayBlockPool
+
+
+def test_without_caching_the_last_freed_block_is_reused_first():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(3)
+    pool.free_blocks(reversed(a))                 # callers free a request's tail first
+    assert pool.get_new_blocks(3) == a            # its head block comes back first
+    assert pool.num_free_blocks == 3 and pool.num_cached_free_blocks == 0
+
+
+def test_freed_hashed_blocks_stay_findable_until_the_allocator_needs_them():
+    pool = BlockPool(4, enable_caching=True)
+    a = pool.get_new_blocks(2)
+    pool.cache_block(a[0], "h0")
+    pool.cache_block(a[1], "h1")
+    pool.free_blocks(reversed(a))
+    assert pool.num_free_blocks == 4 and pool.num_cached_free_blocks == 2
+    assert pool.lookup("h0") == a[0]
+    # unhashed free blocks go first; the cached ones follow in LRU order (the tail freed first)
+    fresh = pool.get_new_blocks(3)
+    assert set(fresh[:2]).isdisjoint(a) and fresh[2] == a[1]
+    assert pool.lookup("h1") is None and pool.lookup("h0") == a[0]
+    assert pool.num_cache_evictions == 1 and pool.num_cached_free_blocks == 1
+    pool.check_invariants()
+
+
+def test_a_hit_on_a_free_cached_block_revives_it():
+    pool = BlockPool(3, enable_caching=True)
+    [b] = pool.get_new_blocks(1)
+    pool.cache_block(b, "prefix")
+    pool.free_blocks([b])
+    pool.touch([pool.lookup("prefix")])
+    assert pool.num_free_blocks == 2 and pool.num_cached_free_blocks == 0 and pool.ref_cnt[b] == 1
+    pool.touch([b])                              # a second request shares it
+    pool.free_blocks([b])
+    assert pool.ref_cnt[b] == 1 and pool.num_free_blocks == 2
+    pool.check_invariants()
+
+
+def test_an_identical_block_keeps_the_first_copy_in_the_index():
+    pool = BlockPool(3, enable_caching=True)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_blocks([a, b], ["same", "same"])
+    assert pool.lookup("same") == a and pool.block_hash[b] is None
+
+
+def test_overdrawing_a_pool_is_refused():
+    with pytest.raises(ValueError, match="only 2 free"):
+        BlockPool(2).get_new_blocks(3)
+    with pytest.raises(ValueError, match="only 2 free"):
+        ArrayBlockPool(2).get_new_blocks(3)
+    with pytest.raises(AssertionError, match="not owned"):
+        ArrayBlockPool(4).free_blocks([1])
+
+
+@pytest.mark.parametrize("order", ["stack", "ring"])
+def test_array_pool_orders(order):
+    pool = ArrayBlockPool(5, order=order)
+    a = pool.get_new_blocks(2)
+    pool.free_blocks(a)
+    b = pool.get_new_blocks(2)
+    if order == "stack":
+        assert b.tolist() == a.tolist()          # the freed blocks come back first, in the same order
+    else:
+        assert set(b.tolist()).isdisjoint(a.tolist())   # the ring moves on to never-used pages
+    pool.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["stack", "ring"]), st.lists(st.integers(-4, 4), min_size=1, max_size=40))
+def test_array_pool_accounting_survives_any_sequence(order, ops):
+    pool = ArrayBlockPool(12, order=order)
+    held: list[int] = []
+    for op in ops:
+        if op > 0 and pool.num_free_blocks >= op:
+            held += pool.get_new_blocks(op).tolist()
+        elif op < 0 and held:
+            k = min(-op, len(held))
+            pool.free_blocks(np.array(held[:k]))
+            held = held[k:]
+        assert pool.num_used_blocks == len(held) == len(set(held))
+        pool.check_invariants()
