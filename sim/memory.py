@@ -146,7 +146,7 @@ def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None
     parts = [("KV block pool", f"{cfg.replicas} replica(s) x {pool_blocks} blocks x {per_block} B",
               "--num-gpu-blocks", cfg.replicas * pool_blocks * per_block)]
     if kv.mode == "fast" and not kv.is_default:
-        slab, budget, window = _fast_slab_bytes(cfg, rows, trace)
+        slab, budget, window = _fast_slab_bytes(cfg, rows, trace, eng.max_num_seqs)
         option = "--budget" if kv.budget is not None else f"kv.params of {kv.policy} (its window)"
         parts.append(("fast-mode slabs", f"{budget} budget and {window} window tokens a row, "
                       f"{cfg.replicas} replica(s)", option, cfg.replicas * slab))
@@ -157,7 +157,7 @@ def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None
     return RunMemoryEstimate(tuple(parts))
 
 
-def _fast_slab_bytes(cfg, rows: int, trace) -> tuple[int, int, int]:
+def _fast_slab_bytes(cfg, rows: int, trace, max_seqs: int) -> tuple[int, int, int]:
     """(bytes, budget, window): fast mode keeps, per request slot and simulated row, page columns, the
     recent-window ring and the budget-sized survivor list (with H2O, its score terms): see
     FastKVManager._alloc_arrays."""
@@ -177,9 +177,6 @@ def _fast_slab_bytes(cfg, rows: int, trace) -> tuple[int, int, int]:
     per_row = cols * 9 + window * 4 + (budget + 2) * 4 + 64
     if scored:
         per_row += (budget + 2) * 24 + window * 16 + 256
-    from .defaults import resolve_engine
-
-    max_seqs = resolve_engine(cfg).max_num_seqs
     concurrent = min(max_seqs, len(trace)) if trace is not None else max_seqs
     slots = 4
     while slots < concurrent:

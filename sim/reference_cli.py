@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import ConfigError, load_config
+from .planning_cli import _fail
 
 app = typer.Typer(help="compare kvsim's schedule with a real vLLM engine's, step for step",
                   no_args_is_help=True)
@@ -24,11 +25,6 @@ def _vllm_python(value: str | None) -> str:
         _fail("--vllm-python: not given and $KVSIM_VLLM_PYTHON is not set; expected the python of the "
               "virtualenv where vLLM is installed (see docs/vllm-reference.md)")
     return python
-
-
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
 
 
 def _model_dir(value: Path | None, python: str) -> Path:
@@ -72,9 +68,8 @@ def vllm_reference(
     """Run TRACE on a real vLLM engine (CPU, in-process, step by step), simulate it in kvsim with the
     same settings, and report where the schedules agree and the first step and column that differ.
     Writes vllm_steps.parquet, kvsim_steps.parquet, agreement.json and config.yaml into --out."""
-    from traces import load_trace
-
     from .reference.harness import ReferenceError, reference_run, steps_from_times
+    from .simulate import load_workload
 
     overrides = {
         "trace": trace, "model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
@@ -97,9 +92,7 @@ def vllm_reference(
             raise ConfigError("--num-gpu-blocks: required; vLLM's CPU KV cache is sized exactly from it")
         if eng.max_model_len is None:
             cfg = cfg.model_copy(update={"engine": eng.model_copy(update={"max_model_len": 2048})})
-        t = load_trace(cfg.trace)
-        if max_requests:
-            t = t.head(max_requests)
+        t = load_workload(cfg)               # the trace with its trace_options (max_requests, ...)
         if step_s:
             t = steps_from_times(t, step_s)
             cfg = cfg.model_copy(update={"trace_options": cfg.trace_options.model_copy(

@@ -86,7 +86,7 @@ def remove_dead_staging(out: Path) -> None:
     """Staging directories beside `out` whose process no longer runs (a kill -9 leaves them)."""
     for p in out.parent.glob(f".{out.name}{_STAGING}*"):
         pid = p.name[len(f".{out.name}{_STAGING}"):].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -96,7 +96,8 @@ def _umask() -> int:
     return mask
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

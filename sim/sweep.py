@@ -492,13 +492,8 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     except OSError:                 # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        from .results import pid_alive
+        return pid_alive(pid)
 
 
 def _dask(tasks: list[RunTask], scheduler: Any) -> Completed:

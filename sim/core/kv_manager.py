@@ -92,11 +92,13 @@ class KVCacheManager:
         """vLLM's admission gate (`scheduler_reserve_full_isl`): the free pool (or `free_blocks`)
         must hold blocks for all `num_tokens` known tokens after the prefix hits, where a hit on a
         free cached block takes that block out of the free pool."""
-        held = len(self.req_blocks.get(req, ())) + len(computed_blocks)
-        need = max(0, -(-num_tokens // self.block_size) - held)
-        revivable = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        need = self.blocks_needed(req, num_tokens - req.num_computed_tokens, len(computed_blocks))
         free = self.pool.num_free_blocks if free_blocks is None else free_blocks
-        return need + revivable <= free
+        return need + self.num_revivable(computed_blocks) <= free
+
+    def num_revivable(self, computed_blocks: list[int]) -> int:
+        """Prefix hits on free cached blocks: reusing them takes them out of the free pool."""
+        return sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
 
     def _block_hash(self, req: Request, j: int):
         if req.prefix_hash_ids is None:
@@ -138,8 +140,7 @@ class KVCacheManager:
                 return True      # fits in the blocks it holds, no block newly full (the common decode step)
         computed_blocks = computed_blocks or []
         need = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
-        revivable = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
-        if need > self.pool.num_free_blocks - revivable:
+        if need > self.pool.num_free_blocks - self.num_revivable(computed_blocks):
             return False
         blocks = self.req_blocks.setdefault(req, [])
         if computed_blocks:
@@ -151,10 +152,7 @@ class KVCacheManager:
             full = (req.num_computed_tokens + num_new_tokens) // self.block_size
             full = min(full, len(blocks))
             first = req.extra.get("num_cached_blocks", 0)
-            if req.prefix_hash_ids is None:
-                self.pool.cache_blocks(blocks[first:full], [(req.request_id, j) for j in range(first, full)])
-            else:
-                self.pool.cache_blocks(blocks[first:full], [self._block_hash(req, j) for j in range(first, full)])
+            self.pool.cache_blocks(blocks[first:full], [self._block_hash(req, j) for j in range(first, full)])
             req.extra["num_cached_blocks"] = max(full, first)
         return True
 

@@ -243,13 +243,15 @@ class Scheduler:
             break           # vLLM (0.32, recorded): a request that preempted itself ends the loop
         return scheduled
 
-    def _chunk(self, remaining: int, budget: int, computed: int) -> int:
+    def _chunk(self, remaining: int, budget: int, computed: int, threshold: int | None = None) -> int:
         """New tokens a request gets: min(remaining, budget left, long_prefill_token_threshold)."""
-        n = self._capped(remaining)
+        n = self._capped(remaining, threshold)
         return min(n, budget, self.config.max_model_len - computed)
 
-    def _capped(self, n: int) -> int:
-        return min(n, self._threshold) if self._threshold > 0 else n
+    def _capped(self, n: int, threshold: int | None = None) -> int:
+        """`n` under the chunk cap (this step's, unless `threshold` is given)."""
+        threshold = self._threshold if threshold is None else threshold
+        return min(n, threshold) if threshold > 0 else n
 
     def _pick_victim(self) -> tuple[Request, int]:
         candidates = [k for k, r in enumerate(self.running) if r.status != RequestStatus.FINISHED]
@@ -348,19 +350,17 @@ class Scheduler:
         else:
             hits = self.kv.get_computed_blocks(req)
             computed = len(hits) * bs
-        revivable = sum(1 for b in hits if self.kv.pool.ref_cnt[b] == 0)
         full = min(req.num_tokens, self.config.max_model_len)
         if not req.swapped_tokens and not self.kv.fits_full_sequence(req, full, hits, free_blocks):
             return True
         # a decode run has requests running and this one waiting: the chunk cap applies
         threshold = self.config.long_prefill_token_threshold
         remaining = req.num_tokens - computed
-        first = min(remaining, threshold) if threshold > 0 else remaining
-        if not self.config.enable_chunked_prefill and first > budget:
+        if not self.config.enable_chunked_prefill and self._capped(remaining, threshold) > budget:
             return True
-        n = min(first, budget, self.config.max_model_len - computed)
+        n = self._chunk(remaining, budget, computed, threshold)
         need = -(-(computed + n) // bs) - len(hits)
-        return need > free_blocks - revivable
+        return need > free_blocks - self.kv.num_revivable(hits)
 
     def _undo_admission(self, req: Request, swapped: int) -> None:
         if swapped:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,11 +125,15 @@ def read_vllm_steps(path: Path) -> tuple[pd.DataFrame, dict]:
         else:
             rows.append(rec)
     meta["rejected"] = rejected
-    df = pd.DataFrame(rows)
+    return _with_counts(pd.DataFrame(rows)), meta
+
+
+def _with_counts(df: pd.DataFrame) -> pd.DataFrame:
+    """The schedule log in column order, with the counts derived from the per-request lists."""
     df["batch_size"] = df["scheduled_ids"].map(len)
     df["preemptions"] = df["preempted_ids"].map(len)
     df["finished"] = df["finished_ids"].map(len)
-    return df[list(SCHEDULE_COLUMNS)], meta
+    return df[list(SCHEDULE_COLUMNS)]
 
 
 # ----- the kvsim side ---------------------------------------------------------------------------
@@ -191,12 +196,9 @@ def schedule_log(steps: pd.DataFrame, tapped: list, finished: set) -> pd.DataFra
     detail = pd.DataFrame(rows)
     counts = steps[["step", "prefill_tokens", "decode_tokens", "num_running", "num_waiting", "blocks_free"]]
     df = detail.merge(counts, on="step", how="left")
-    df["batch_size"] = df["scheduled_ids"].map(len)
-    df["preemptions"] = df["preempted_ids"].map(len)
-    df["finished"] = df["finished_ids"].map(len)
     for c in ("prefill_tokens", "decode_tokens", "num_running", "num_waiting", "blocks_free"):
         df[c] = df[c].astype("int64")
-    return df[list(SCHEDULE_COLUMNS)]
+    return _with_counts(df)
 
 
 # ----- comparison -------------------------------------------------------------------------------
@@ -275,8 +277,8 @@ def record_scenario(directory: Path, vllm_python: str, model_dir: Path, timeout_
     import platform
 
     cfg, trace = load_scenario(directory)
-    with _scratch_dir() as work:
-        raw = record_vllm(driver_spec(cfg, trace, model_dir), vllm_python, work, timeout_s)
+    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as work:
+        raw = record_vllm(driver_spec(cfg, trace, model_dir), vllm_python, Path(work), timeout_s)
         ref, meta = read_vllm_steps(raw)
     save_schedule(ref, directory / "vllm_steps.parquet")
     meta.update({"recorded_on": datetime.date.today().isoformat(), "machine": platform.machine(),
@@ -300,16 +302,6 @@ def reference_run(cfg: SimConfig, trace, out: Path, vllm_python: str, model_dir:
     (out / "agreement.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return agreement
-
-
-class _scratch_dir:
-    def __enter__(self) -> Path:
-        import tempfile
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvsim-vllm-")
-        return Path(self._tmp.name)
-
-    def __exit__(self, *exc) -> None:
-        self._tmp.cleanup()
 
 
 def steps_from_times(trace, step_s: float):
