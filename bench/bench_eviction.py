@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from sim.config import load_config
-from sim.simulate import run_simulation
+from kvsim.sim.config import load_config
+from kvsim.sim.simulate import run_simulation
 
 STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
 

@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from gpu.attention import AttentionMetadata
-from gpu.cache import PagedKVCache
-from gpu.prompts import prompt_token_ids
-from gpu.weights import load_smollm2
+from kvsim.gpu.attention import AttentionMetadata
+from kvsim.gpu.cache import PagedKVCache
+from kvsim.gpu.prompts import prompt_token_ids
+from kvsim.gpu.weights import load_smollm2
 
 
 def fill_step(model, cache, seq: int, prompt: list[int], block_size: int, max_blocks: int):

@@ -23,12 +23,12 @@ import time
 import numpy as np
 import torch
 
-from gpu.replay import run_replay
-from gpu.weights import load_smollm2
-from sim.config import load_config
-from sim.kv.manager import SLOT_STRATEGIES
-from traces.synthetic import closed_batch
-from traces.trace import Trace
+from kvsim.gpu.replay import run_replay
+from kvsim.gpu.weights import load_smollm2
+from kvsim.sim.config import load_config
+from kvsim.sim.kv.manager import SLOT_STRATEGIES
+from kvsim.traces.synthetic import closed_batch
+from kvsim.traces.trace import Trace
 
 BASE = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core", "engine.block_size": 16}
 

@@ -35,12 +35,12 @@ ROWS = ("A:kvcompress", "A:quest", "A:snapkv", "B:leankv", "B:quest", "B:snapkv"
 
 
 def one(row: str) -> dict:
-    from sim.config import load_config
-    from sim.kv.build import policy_params
-    from sim.kv.policy import get_policy
-    from sim.config import KVConfig
-    from sim.simulate import run_simulation
-    from traces.synthetic import closed_batch
+    from kvsim.sim.config import load_config
+    from kvsim.sim.kv.build import policy_params
+    from kvsim.sim.kv.policy import get_policy
+    from kvsim.sim.config import KVConfig
+    from kvsim.sim.simulate import run_simulation
+    from kvsim.traces.synthetic import closed_batch
 
     w, p = row.split(":")
     wl, kv = WORKLOADS[w], dict(POLICIES[p])

@@ -21,7 +21,7 @@ FULL, PART = None, 3000
 def peak_rss_mib(checkout: Path, max_requests: int | None) -> tuple[float, int]:
     """(peak RSS in MiB, requests finished) of one run."""
     out = tempfile.mkdtemp(prefix="kvsim-bench-mem-")
-    cmd = [sys.executable, "-m", "sim.cli", "simulate", "--trace", "mooncake-conversation",
+    cmd = [sys.executable, "-m", "kvsim.sim.cli", "simulate", "--trace", "mooncake-conversation",
            "--model", "llama-3.1-8b", "--gpu", "h100", "--prefix-caching", "--out", out, "--quiet"]
     if max_requests:
         cmd += ["--max-requests", str(max_requests)]

@@ -69,8 +69,8 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "6
 
 def calibration_trace(batches, prompts, output_tokens: int, gap_s: float = 1e4):
     """Closed batches (all requests of one batch at once), one after another with idle gaps."""
-    from traces.synthetic import closed_batch
-    from traces.trace import Trace
+    from kvsim.traces.synthetic import closed_batch
+    from kvsim.traces.trace import Trace
     parts = []
     for i, (b, p) in enumerate((b, p) for p in prompts for b in batches):
         t = closed_batch(b, p, output_tokens)
@@ -81,7 +81,7 @@ def calibration_trace(batches, prompts, output_tokens: int, gap_s: float = 1e4):
 
 def mixed_trace(groups, output_tokens: int, gap_s: float = 1e4, name: str = "calibration-mixed"):
     """One batch per group of prompt lengths, all its requests arriving together."""
-    from traces.trace import Trace
+    from kvsim.traces.trace import Trace
     prompts = [p for g in groups for p in g]
     arrivals = [i * gap_s for i, g in enumerate(groups) for _ in g]
     return Trace.from_columns(arrival_time_s=arrivals, prompt_tokens=prompts,
@@ -91,7 +91,7 @@ def mixed_trace(groups, output_tokens: int, gap_s: float = 1e4, name: str = "cal
 def staggered_trace(groups, output_tokens: int, delay_s: float = 1.5, gap_s: float = 1e4):
     """Per group: its first prompt at the group's start, the others `delay_s` later (during the first
     one's prefill: they join its first decode step)."""
-    from traces.trace import Trace
+    from kvsim.traces.trace import Trace
     arrivals, prompts = [], []
     for i, (first, later) in enumerate(groups):
         arrivals += [i * gap_s] + [i * gap_s + delay_s] * len(later)
@@ -117,7 +117,7 @@ def repeat_dir(out: Path, name: str, repeat: int) -> Path:
 
 def kvsim(*args: str) -> None:
     print("$ kvsim " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-c", "from sim.cli import main; main()", *args], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", "from kvsim.sim.cli import main; main()", *args], check=True, cwd=ROOT)
 
 
 def main() -> None:
@@ -172,9 +172,9 @@ def main() -> None:
 
     import torch
     torch.set_num_threads(args.threads)
-    from gpu.replay import ReplayOptions, run_replay
-    from sim.config import load_config
-    from traces.trace import Trace
+    from kvsim.gpu.replay import ReplayOptions, run_replay
+    from kvsim.sim.config import load_config
+    from kvsim.traces.trace import Trace
 
     print(f"load average before: {os.getloadavg()}, torch threads {torch.get_num_threads()}, clock {args.clock}, "
           f"malloc {args.malloc}", flush=True)

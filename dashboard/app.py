@@ -3,8 +3,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from dashboard.cli import exposure_warning, is_local_address
-from dashboard.data import data_root
+from kvsim.dashboard.cli import exposure_warning, is_local_address
+from kvsim.dashboard.data import data_root
 
 PAGES = Path(__file__).resolve().parent / "pages"
 

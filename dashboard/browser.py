@@ -56,7 +56,7 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen) -> bytes:
 def serve_dashboard(port: int | None = None, timeout: float = 60.0, data_root: str | Path | None = None):
     """Run `kvsim dashboard --port PORT [--data-root DIR]` (bound to 127.0.0.1); yields its URL."""
     port = port or free_port()
-    command = [sys.executable, "-c", "from sim.cli import main; main()", "dashboard", "--port", str(port)]
+    command = [sys.executable, "-c", "from kvsim.sim.cli import main; main()", "dashboard", "--port", str(port)]
     if data_root is not None:
         command += ["--data-root", str(data_root)]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -276,16 +276,16 @@ def tour(browser: Browser, url: str, run_dir: str, crosscheck_dir: str, shots: P
 def prepare_data_root(root: Path) -> tuple[str, str]:
     """A per-head eviction run (H2O + slot_reuse, fast mode, 100 ShareGPT requests on an L4) and a
     small real cross-check (3 requests replayed on SmolLM2 on CPU) under `root`; their relative paths."""
-    from sim.config import load_config
-    from sim.simulate import run_simulation
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulate import run_simulation
 
     run_simulation(load_config(None, {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 100,
                                       "kv.policy": "h2o", "kv.budget": 128, "kv.layout": "per_head",
                                       "kv.slot_strategy": "slot_reuse", "kv.mode": "fast"}), root / "per-head")
     if not (root / "cc" / "crosscheck.json").exists():
-        from traces.synthetic import synthesize
+        from kvsim.traces.synthetic import synthesize
         synthesize(3, rate=5.0, prompt="uniform:8,40", output="uniform:2,5", seed=3).save(root / "tiny.jsonl")
-        subprocess.run([sys.executable, "-c", "from sim.cli import main; main()", "crosscheck", "--trace",
+        subprocess.run([sys.executable, "-c", "from kvsim.sim.cli import main; main()", "crosscheck", "--trace",
                         str(root / "tiny.jsonl"), "--profile", "cpu-2core", "--num-gpu-blocks", "64", "--threads", "1",
                         "--clock", "cpu", "--no-warmup", "--out", str(root / "cc")], check=True,
                        stdout=subprocess.DEVNULL)

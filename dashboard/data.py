@@ -228,7 +228,7 @@ def pool_map(binned: pd.DataFrame, num_blocks: int, block_size: int, rows: int =
 def step_kind(steps: pd.DataFrame) -> pd.Series:
     """prefill / decode / mixed per step, as the calibration and the cross-check classify steps."""
     if {"prefill_tokens", "decode_tokens"} <= set(steps.columns):
-        from sim.calibrate import step_kind as by_tokens
+        from kvsim.sim.calibrate import step_kind as by_tokens
         return pd.Series(by_tokens(steps), index=steps.index)
     prefill = steps["num_prefill_seqs"] > 0
     decode = steps["num_decode_seqs"] > 0
@@ -264,7 +264,7 @@ def fidelity_table(steps: pd.DataFrame, measured: str = "duration_s", predicted:
 
 
 def _error_row(name: str, measured: np.ndarray, predicted: np.ndarray) -> dict:
-    from sim.calibrate import fit_errors
+    from kvsim.sim.calibrate import fit_errors
 
     e = fit_errors(measured, predicted, np.full(measured.size, "all"))["all"]
     return {"group": name, "steps": e["count"], "MAPE_%": 100 * e["mape"], "median_APE_%": 100 * e["median_ape"],
@@ -320,8 +320,8 @@ def read_crosscheck(path: str | Path) -> Crosscheck:
 def read_sweep_store(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict | None]:
     """(finished rows, failed rows, capacity result or None) of a sweep/capacity store directory
     (`kvsim sweep` / `kvsim capacity --store`), or of a single Parquet file of rows."""
-    from sim.capacity import read_capacity
-    from sim.sweep import read_store
+    from kvsim.sim.capacity import read_capacity
+    from kvsim.sim.sweep import read_store
 
     p = Path(path).expanduser()
     if p.is_file():

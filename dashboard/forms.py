@@ -16,8 +16,8 @@ from typing import Any, Literal
 import streamlit as st
 from pydantic import BaseModel
 
-from sim.config import ConfigError, SimConfig, load_config
-from traces import DATA_TRACES, TraceError
+from kvsim.sim.config import ConfigError, SimConfig, load_config
+from kvsim.traces import DATA_TRACES, TraceError
 
 from .data import DataError, data_root, redact_content, resolve_user_path
 
@@ -125,7 +125,7 @@ def config_axes() -> dict[str, list | None]:
                 axes[key] = None
 
     walk(SimConfig, "")
-    from sim.catalog import list_gpus, list_models
+    from kvsim.sim.catalog import list_gpus, list_models
     axes["model"] = [m.name for m in list_models()]
     axes["gpu"] = [g.name for g in list_gpus()]
     for skip in ("seed", "check_invariants", "fast_forward", "slo.ttft", "slo.tpot"):
@@ -239,9 +239,9 @@ def _save_upload(upload) -> Path:
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def _trace_info(source: str, mtime: float) -> tuple[str, dict]:
-    from traces import load_trace
-    from traces.loaders import detect_format, resolve_trace_path
-    from traces.stats import trace_stats
+    from kvsim.traces import load_trace
+    from kvsim.traces.loaders import detect_format, resolve_trace_path
+    from kvsim.traces.stats import trace_stats
 
     path, _ = resolve_trace_path(source)
     return detect_format(path), trace_stats(load_trace(source))
@@ -249,7 +249,7 @@ def _trace_info(source: str, mtime: float) -> tuple[str, dict]:
 
 def trace_info(source: str) -> tuple[str, dict]:
     """(format, stats) of a trace; raises TraceError with the loader's message."""
-    from traces.loaders import resolve_trace_path
+    from kvsim.traces.loaders import resolve_trace_path
 
     path, _ = resolve_trace_path(source)
     return _trace_info(source, path.stat().st_mtime)
@@ -347,7 +347,7 @@ def _workload_fields(prefix: str, max_requests: int, overrides: dict, problems: 
 
 
 def _hardware_fields(prefix: str, overrides: dict, problems: list) -> None:
-    from sim.catalog import list_gpus, list_models
+    from kvsim.sim.catalog import list_gpus, list_models
 
     defaults = SimConfig()
     models = [m.name for m in list_models()]
@@ -406,7 +406,7 @@ def pool_rows(overrides: dict) -> int:
     """Pool pages per block: layers x KV heads per GPU with the per_head layout, else 1."""
     if overrides.get("kv.layout") != "per_head":
         return 1
-    from sim.catalog import get_model
+    from kvsim.sim.catalog import get_model
 
     try:
         model = get_model(overrides["model"])
@@ -426,7 +426,7 @@ def _check_pool_size(overrides: dict, problems: list) -> None:
 
 
 def _index_of(names: list[str], wanted: str) -> int:
-    from sim.catalog import get_gpu, get_model
+    from kvsim.sim.catalog import get_gpu, get_model
 
     for getter in (get_model, get_gpu):
         try:

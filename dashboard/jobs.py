@@ -13,8 +13,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sim.config import ConfigError, SimConfig
-from sim.progress import Cancelled, SimProgress, format_duration, reporting_to
+from kvsim.sim.config import ConfigError, SimConfig
+from kvsim.sim.progress import Cancelled, SimProgress, format_duration, reporting_to
 
 from .data import RunRecord, record_from_result
 
@@ -78,7 +78,7 @@ class Job:
             self.finished = time.perf_counter()
 
     def _simulate_runs(self) -> None:
-        from sim.simulate import run_simulation
+        from kvsim.sim.simulate import run_simulation
 
         for label, cfg in self.runs:
             self.progress = None
@@ -130,7 +130,7 @@ class Job:
 def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int,
                          store: str | None) -> Callable[[Job], list]:
     """A Job task: sim.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
-    from sim.capacity import find_capacity
+    from kvsim.sim.capacity import find_capacity
 
     from .forms import with_value
 

@@ -19,10 +19,10 @@ import torch
 
 import numpy as np
 
-from gpu.kernels.cache_ops import copy_slots, reshape_and_cache
-from gpu.kernels.paged_attention import paged_decode_attention
-from gpu.kernels.reference import gather_live, gather_table
-from gpu.quant import TIERS, MixedPrecisionKVCache
+from kvsim.gpu.kernels.cache_ops import copy_slots, reshape_and_cache
+from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+from kvsim.gpu.kernels.reference import gather_live, gather_table
+from kvsim.gpu.quant import TIERS, MixedPrecisionKVCache
 
 LAYOUTS = ("shared", "per_head")
 

@@ -12,7 +12,7 @@ app = typer.Typer(help="Real-backend model weights (SmolLM2-135M-Instruct from t
 @app.command()
 def prepare(force: bool = typer.Option(False, "--force", help="Re-convert even if the cached file is current.")) -> None:
     """Locate the SmolLM2 GGUF, dequantize it to fp32 and cache it as a torch file for fast loads."""
-    from gpu.weights import WeightsNotFoundError, find_gguf, load_prepared, prepare as prepare_weights
+    from kvsim.gpu.weights import WeightsNotFoundError, find_gguf, load_prepared, prepare as prepare_weights
 
     try:
         source = find_gguf()

@@ -40,15 +40,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gpu.attention import AttentionMetadata, quest_bound
-from gpu.cache import TieredKVCache
-from sim.core.request import Request
-from sim.core.scheduler import ScheduledRequest, SchedulerOutput
-from sim.core.step import batch_shape
-from sim.engine import StepResult
-from sim.kv.importance import NUM_SINK, ImportanceSource, keys_for_mass
-from sim.kv.manager import EvictingKVManager, KVStepPlan
-from sim.kv.policy import EvictionPolicy
+from kvsim.gpu.attention import AttentionMetadata, quest_bound
+from kvsim.gpu.cache import TieredKVCache
+from kvsim.sim.core.request import Request
+from kvsim.sim.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvsim.sim.core.step import batch_shape
+from kvsim.sim.engine import StepResult
+from kvsim.sim.kv.importance import NUM_SINK, ImportanceSource, keys_for_mass
+from kvsim.sim.kv.manager import EvictingKVManager, KVStepPlan
+from kvsim.sim.kv.policy import EvictionPolicy
 
 RECENT_WINDOW = 64          # attention statistics: share of the mass on the last 64 tokens
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from gpu.attention import AttentionMetadata, paged_attention
+from kvsim.gpu.attention import AttentionMetadata, paged_attention
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ TEXT_FILE = "shakespeare_coriolanus.txt"
 
 
 def corpus_text() -> str:
-    return resources.files("gpu").joinpath("data", TEXT_FILE).read_text(encoding="utf-8")
+    return resources.files("kvsim.gpu").joinpath("data", TEXT_FILE).read_text(encoding="utf-8")
 
 
 @functools.lru_cache(maxsize=1)
 def corpus_token_ids() -> np.ndarray:
-    from gpu.tokenizer import Tokenizer
+    from kvsim.gpu.tokenizer import Tokenizer
     return np.asarray(Tokenizer.smollm2().encode(corpus_text()), dtype=np.int64)
 
 

@@ -25,13 +25,13 @@ import numpy as np
 import pandas as pd
 import simpy
 
-from sim.config import ConfigError, SimConfig
-from sim.core.request import Request
-from sim.core.scheduler import Scheduler
-from sim.engine import ArrivalProcess, EngineReplica, Router
-from sim.metrics import StepLog, request_table
-from sim.results import ResultDir
-from sim.simulate import (_build_kv, load_workload, resolve_hardware, run_summary, scheduler_config,
+from kvsim.sim.config import ConfigError, SimConfig
+from kvsim.sim.core.request import Request
+from kvsim.sim.core.scheduler import Scheduler
+from kvsim.sim.engine import ArrivalProcess, EngineReplica, Router
+from kvsim.sim.metrics import StepLog, request_table
+from kvsim.sim.results import ResultDir
+from kvsim.sim.simulate import (_build_kv, load_workload, resolve_hardware, run_summary, scheduler_config,
                           trace_to_requests, write_outputs)
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -83,7 +83,7 @@ def torch_dtype(name: str | None, device):
 def model_spec_for(config, base, dtype):
     """The catalog spec of the model actually run: shape from the real model, weight/activation/KV dtypes
     from the real tensors (so predicted_s prices the bytes the replay really moves)."""
-    from sim.catalog import normalize_dtype
+    from kvsim.sim.catalog import normalize_dtype
 
     dt = normalize_dtype(str(dtype).removeprefix("torch."))
     return base.model_copy(update={
@@ -96,8 +96,8 @@ def model_spec_for(config, base, dtype):
 
 def build_model(cfg: SimConfig, opts: ReplayOptions):
     """The real model: SmolLM2 from the GGUF, or seeded random weights at the catalog shape of cfg.model."""
-    from gpu.model import LlamaModel, ModelConfig
-    from sim.catalog import get_model
+    from kvsim.gpu.model import LlamaModel, ModelConfig
+    from kvsim.sim.catalog import get_model
 
     device = resolve_device(opts.device)
     dtype = torch_dtype(opts.dtype, device)
@@ -108,7 +108,7 @@ def build_model(cfg: SimConfig, opts: ReplayOptions):
         if spec.name != get_model("smollm2-135m").name:
             raise ConfigError(f"--weights smollm2 runs SmolLM2-135M but --model is {cfg.model!r}; use "
                               f"--model smollm2-135m, or --weights random for other shapes")
-        from gpu.weights import load_smollm2
+        from kvsim.gpu.weights import load_smollm2
         model = load_smollm2(device=str(device), dtype=dtype)
     else:
         spec = get_model(cfg.model)
@@ -127,7 +127,7 @@ def build_model(cfg: SimConfig, opts: ReplayOptions):
 def replay_config(cfg: SimConfig) -> SimConfig:
     """`cfg` with the engine defaults a replay runs with: the real backend steps synchronously, and
     its per-request prompts share no prefixes, so prefix caching is off unless asked for."""
-    from sim.defaults import resolve_defaults
+    from kvsim.sim.defaults import resolve_defaults
 
     eng = cfg.engine.model_copy(update={
         "async_scheduling": False,
@@ -155,7 +155,7 @@ def check_replayable(cfg: SimConfig) -> None:
 
 def prompt_ids_for(seed: int, vocab: int) -> Callable[[Request], list[int]]:
     """Real-text prompt ids (gpu.prompts) of the trace's length, seeded by (seed, request id)."""
-    from gpu.prompts import corpus_token_ids, prompt_token_ids
+    from kvsim.gpu.prompts import corpus_token_ids, prompt_token_ids
 
     corpus_token_ids()       # tokenize the corpus once, up front
 
@@ -169,7 +169,7 @@ def prompt_ids_for(seed: int, vocab: int) -> Callable[[Request], list[int]]:
 def default_num_blocks(cfg: SimConfig, model, layout: str, device, dtype) -> int:
     """KV pool that fits the free device memory (CUDA) times gpu_memory_utilization."""
     import torch
-    from gpu.cache import PagedKVCache
+    from kvsim.gpu.cache import PagedKVCache
 
     if device.type != "cuda":
         raise ConfigError("--num-gpu-blocks (engine.num_gpu_blocks) is required on cpu: say how many KV blocks "
@@ -188,7 +188,7 @@ def build_cache(cfg: SimConfig, model, kv):
     """The paged KV cache the manager's pages describe: full precision, or LeanKV's mixed-precision
     pages when the policy writes tokens at a precision tier (pages of one full-precision block's bytes)."""
     import torch
-    from gpu.cache import PagedKVCache, TieredKVCache
+    from kvsim.gpu.cache import PagedKVCache, TieredKVCache
 
     c, bs = model.config, cfg.engine.block_size
     if getattr(kv, "new_token_tier", 0) == 0:
@@ -207,8 +207,8 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     anywhere during the replay ends it with a partial result). `check_cache` (default:
     `cfg.check_invariants`) asserts every step that the cache's live mask equals the KV manager's state.
     """
-    from gpu.executor import RealExecutor, ReplayRecorder
-    from sim.catalog import get_model
+    from kvsim.gpu.executor import RealExecutor, ReplayRecorder
+    from kvsim.sim.catalog import get_model
 
     t0 = time.perf_counter()
     opts = options or ReplayOptions()

@@ -55,8 +55,8 @@ def replay(
     shape), executing and timing every engine step; writes requests.parquet, steps.parquet,
     summary.json, config.yaml (as `kvsim simulate`) plus tokens.parquet, decisions.parquet and
     attention_stats.parquet into --out. Ctrl-C writes a partial result."""
-    from sim.commands import print_summary
-    from sim.config import ConfigError, load_config
+    from kvsim.sim.commands import print_summary
+    from kvsim.sim.config import ConfigError, load_config
 
     overrides = {
         "trace": trace, "model": model, "gpu": gpu, "profile": profile, "seed": seed,
@@ -70,9 +70,9 @@ def replay(
     }
     try:
         cfg = load_config(config, overrides, set_)
-        from sim.results import check_out_dir
+        from kvsim.sim.results import check_out_dir
         check_out_dir(out)                  # before the model loads
-        from gpu.replay import ReplayOptions, resolve_device, run_replay
+        from kvsim.gpu.replay import ReplayOptions, resolve_device, run_replay
         dev = resolve_device(device)
         apply_device_defaults(cfg, dev, weights)
         if threads is not None:

@@ -101,7 +101,7 @@ class Tokenizer:
 
     @classmethod
     def smollm2(cls) -> "Tokenizer":
-        from gpu.weights import load_prepared
+        from kvsim.gpu.weights import load_prepared
         return cls.from_prepared(load_prepared())
 
     @property

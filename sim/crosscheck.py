@@ -440,7 +440,7 @@ def with_shape_columns(steps: pd.DataFrame, shapes: pd.DataFrame, where: str) ->
 def trace_of_replay(requests: pd.DataFrame):
     """The workload a replay ran, rebuilt from its requests.parquet (arrivals, prompt and output
     lengths, request ids; rejected requests get one output token: they never run)."""
-    from traces.trace import Trace
+    from kvsim.traces.trace import Trace
     r = requests.sort_values(["arrival_s", "request_id"], kind="stable")
     return Trace.from_columns(arrival_time_s=r["arrival_s"].to_numpy(), prompt_tokens=r["prompt_tokens"].to_numpy(),
                               output_tokens=np.maximum(r["output_tokens"].to_numpy(), 1),

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from sim.catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_gpu, get_model
-from sim.cost_model import kv_heads_per_gpu
+from kvsim.sim.catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_gpu, get_model
+from kvsim.sim.cost_model import kv_heads_per_gpu
 
 GiB = 2**30
 NON_TORCH_OVERHEAD_BYTES = GiB // 2   # CUDA context extras, cuBLAS/NCCL workspaces, CUDA graph pool

@@ -32,7 +32,7 @@ def _model_dir(value: Path | None, python: str) -> Path:
 
     model_dir = value or default_model_dir()
     if not (model_dir / "config.json").exists():
-        from gpu.weights import find_gguf
+        from kvsim.gpu.weights import find_gguf
 
         console.print(f"converting SmolLM2-135M to a Hugging Face checkpoint in {model_dir} (once, ~1 min)")
         try:

@@ -38,7 +38,7 @@ class SimulationResult:
 
 
 def load_workload(cfg: SimConfig):
-    from traces import load_trace
+    from kvsim.traces import load_trace
 
     opts = cfg.trace_options
     trace = load_trace(cfg.trace, **({"rate": opts.rate, "seed": cfg.seed} if opts.rate else {}))

@@ -246,8 +246,8 @@ class _FitChecker:
 
     @staticmethod
     def _problem(cfg: SimConfig) -> str | None:
-        from traces.errors import TraceError
-        from traces.loaders import resolve_trace_path
+        from kvsim.traces.errors import TraceError
+        from kvsim.traces.loaders import resolve_trace_path
 
         from .catalog import CatalogError, get_gpu, get_model
         from .cost_model import load_profile
@@ -313,7 +313,7 @@ def execute_run(task: RunTask) -> dict:
     """Run one simulation; return its metric columns. Never raises: a failure becomes a row."""
     from .simulate import run_simulation
 
-    from traces.errors import TraceWarning
+    from kvsim.traces.errors import TraceWarning
 
     try:
         cfg = SimConfig.model_validate(task.config)
@@ -459,7 +459,7 @@ def _serial(tasks: list[RunTask]) -> Completed:
 def _local(tasks: list[RunTask], jobs: int) -> Completed:
     # forkserver: workers fork from a clean process that has already imported the simulator
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["sim.sweep", "sim.simulate"])
+    ctx.set_forkserver_preload(["kvsim.sim.sweep", "kvsim.sim.simulate"])
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=exit_with_parent,
                              initargs=(os.getpid(),)) as pool:
         futures = {pool.submit(execute_run, t): t for t in tasks}

@@ -20,7 +20,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from gpu.weights import load_smollm2
+    from kvsim.gpu.weights import load_smollm2
 
     return load_smollm2()
 
@@ -38,8 +38,8 @@ def small_crosscheck(tmp_path_factory):
     torch = pytest.importorskip("torch")
     from typer.testing import CliRunner
 
-    from sim.cli import app
-    from traces.synthetic import synthesize
+    from kvsim.sim.cli import app
+    from kvsim.traces.synthetic import synthesize
 
     root = tmp_path_factory.mktemp("crosscheck")
     synthesize(3, rate=5.0, prompt="uniform:8,40", output="uniform:2,5", seed=3).save(root / "tiny.jsonl")

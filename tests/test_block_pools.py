@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.core.block_pool import BlockPool
-from sim.kv.pool import ArrayBlockPool
+from kvsim.sim.core.block_pool import BlockPool
+from kvsim.sim.kv.pool import ArrayBlockPool
 
 
 def test_without_caching_the_last_freed_block_is_reused_first():

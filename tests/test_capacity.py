@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from sim.capacity import find_capacity, parse_slo, read_capacity
-from sim.config import ConfigError, load_config
-from sim.simulate import run_simulation
-from sim.sweep import read_store
+from kvsim.sim.capacity import find_capacity, parse_slo, read_capacity
+from kvsim.sim.config import ConfigError, load_config
+from kvsim.sim.simulate import run_simulation
+from kvsim.sim.sweep import read_store
 
 N, SPACING, PROMPT = 40, 1.0, 2048
 
@@ -107,7 +107,7 @@ def test_parse_slo_errors(text, expected):
 
 
 def test_cli_capacity_prints_answer_and_cost(uniform, tmp_path):
-    from sim.cli import app
+    from kvsim.sim.cli import app
     overrides, s = uniform
     args = ["capacity", "--trace", overrides["trace"], "--num-gpu-blocks", "4000", "--max-num-seqs", "1",
             "--max-num-batched-tokens", str(PROMPT), "--slo", f"ttft_p99<={s * 1.5 * 1e3:.6f}ms",

@@ -1,6 +1,6 @@
 import pytest
 
-from sim.catalog import CatalogError, get_gpu, get_model, list_gpus, list_models
+from kvsim.sim.catalog import CatalogError, get_gpu, get_model, list_gpus, list_models
 
 # Parameter totals as published on each model's Hugging Face page (safetensors metadata).
 PUBLISHED_PARAMS = {

@@ -5,13 +5,13 @@ import warnings
 import pytest
 from typer.testing import CliRunner
 
-from sim.catalog import get_model
-from sim.cli import app
-from sim.config import load_config
-from sim.memory import num_gpu_blocks
-from sim.catalog import get_gpu
-from traces.errors import TraceWarning
-from traces.loaders import load_trace
+from kvsim.sim.catalog import get_model
+from kvsim.sim.cli import app
+from kvsim.sim.config import load_config
+from kvsim.sim.memory import num_gpu_blocks
+from kvsim.sim.catalog import get_gpu
+from kvsim.traces.errors import TraceWarning
+from kvsim.traces.loaders import load_trace
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.2-3b", "opt-125m", "opt-1.3b"])

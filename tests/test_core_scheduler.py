@@ -1,9 +1,9 @@
 """vLLM v1 scheduler semantics pinned on small hand-built cases."""
 import pytest
 
-from sim.core.kv_manager import KVCacheManager
-from sim.core.request import Request, RequestStatus
-from sim.core.scheduler import Scheduler, SchedulerConfig
+from kvsim.sim.core.kv_manager import KVCacheManager
+from kvsim.sim.core.request import Request, RequestStatus
+from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=100, block_size=4, caching=False, **cfg):

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from sim.catalog import get_gpu, get_model
-from sim.core.step import BatchShape
-from sim.cost_model import (
+from kvsim.sim.catalog import get_gpu, get_model
+from kvsim.sim.core.step import BatchShape
+from kvsim.sim.cost_model import (
     FACTOR_OF_FEATURE, FEATURE_NAMES, CostModel, HardwareProfile, ProfileError, list_profiles, load_profile,
 )
 

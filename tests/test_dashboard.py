@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard.data import bin_steps, fidelity_table, pareto_front, pool_map
-from sim.config import SimConfig, load_config
-from sim.simulate import run_simulation
+from kvsim.dashboard.data import bin_steps, fidelity_table, pareto_front, pool_map
+from kvsim.sim.config import SimConfig, load_config
+from kvsim.sim.simulate import run_simulation
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 TIMEOUT = 60
@@ -133,7 +133,7 @@ def test_bad_upload_shows_the_loader_error_without_the_file_content(data_root):
 
 
 def test_uploaded_trace_runs(tmp_path):
-    from traces import load_trace
+    from kvsim.traces import load_trace
     trace = load_trace("mooncake-conversation").head(20)
     trace.save(tmp_path / "mine.jsonl")
     at = app()
@@ -204,7 +204,7 @@ def test_newest_run_is_selected_after_each_run():
 
 
 def test_one_job_per_session_disables_run_on_every_page():
-    from dashboard.jobs import Job
+    from kvsim.dashboard.jobs import Job
     at = app()
     job = Job([("long", load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 5000}))],
               page="Simulate").start()
@@ -349,7 +349,7 @@ def test_capacity_search_then_reload_its_store(tmp_path):
     assert list(answers["gpu"]) == ["H100-SXM"]
     assert {"Capacity curve", "Cost per million output tokens (USD)"} <= {
         c["layout"]["title"]["text"] for c in charts(at)}
-    from sim.sweep import read_store
+    from kvsim.sim.sweep import read_store
     store = read_store(tmp_path / "store")
     assert len(store) == 4 or answers["boundary found"][0]
     at.radio(key="cap_source").set_value("Load a sweep store").run()
@@ -366,8 +366,8 @@ def test_capacity_search_then_reload_its_store(tmp_path):
 
 def test_capacity_search_cancels_within_a_second():
     import time
-    from dashboard.jobs import Job, capacity_search_task
-    from sim.capacity import parse_slo
+    from kvsim.dashboard.jobs import Job, capacity_search_task
+    from kvsim.sim.capacity import parse_slo
     base = load_config(None, {"trace_options.max_requests": 19_366})       # seconds per simulation
     job = Job(task=capacity_search_task(base, ["H100-SXM"], parse_slo("ttft_p99<=2s"), "rate", 8, None),
               page="Capacity").start()
@@ -474,7 +474,7 @@ def test_fidelity_table_and_pareto():
 
 def test_background_job_reports_progress_with_eta_and_cancels_within_a_second():
     import time
-    from dashboard.jobs import Job
+    from kvsim.dashboard.jobs import Job
     cfg = load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 3000})   # all at t=0
     job = Job([("long", cfg)]).start()
     seen = []
@@ -496,15 +496,15 @@ def test_background_job_reports_progress_with_eta_and_cancels_within_a_second():
 @pytest.mark.parametrize("address, local", [("127.0.0.1", True), ("localhost", True), ("::1", True),
                                             ("0.0.0.0", False), ("", False), ("192.168.1.20", False)])
 def test_exposure_is_flagged_for_non_local_addresses(address, local):
-    from dashboard.cli import is_local_address
+    from kvsim.dashboard.cli import is_local_address
     assert is_local_address(address) is local
 
 
 def test_dashboard_command_warns_when_exposed_and_passes_the_data_root(monkeypatch, tmp_path):
     import os
     from typer.testing import CliRunner
-    from dashboard import cli
-    from sim.cli import app as kvsim
+    from kvsim.dashboard import cli
+    from kvsim.sim.cli import app as kvsim
     started = []
     monkeypatch.setattr(cli.os, "execv", lambda path, argv: started.append(argv))
     out = CliRunner().invoke(kvsim, ["dashboard", "--address", "0.0.0.0", "--data-root", str(tmp_path)])

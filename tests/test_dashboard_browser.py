@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dashboard.browser import Browser, cancel_in_browser, chromium_binary, serve_dashboard, tour
-from sim.config import load_config
-from sim.simulate import run_simulation
+from kvsim.dashboard.browser import Browser, cancel_in_browser, chromium_binary, serve_dashboard, tour
+from kvsim.sim.config import load_config
+from kvsim.sim.simulate import run_simulation
 
 pytestmark = pytest.mark.skipif(chromium_binary() is None, reason="chromium is not installed")
 

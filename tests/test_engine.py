@@ -6,11 +6,11 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli import app
-from sim.config import ConfigError, load_config, parse_duration
-from sim.simulate import run_simulation
-from traces import Trace
-from traces.synthetic import closed_batch
+from kvsim.sim.cli import app
+from kvsim.sim.config import ConfigError, load_config, parse_duration
+from kvsim.sim.simulate import run_simulation
+from kvsim.traces import Trace
+from kvsim.traces.synthetic import closed_batch
 
 
 def sim(overrides, trace=None, out=None):
@@ -64,7 +64,7 @@ def test_fast_forward_gives_identical_results_to_stepping(name):
 @pytest.mark.parametrize("name", ["two-replicas", "memory-pressure", "fast-eviction-two-replicas"])
 def test_advancing_simpy_only_before_arrivals_gives_identical_results(name, monkeypatch):
     # run_simulation lets a replica run steps without a simpy event until an arrival is due
-    from sim import engine, simulate
+    from kvsim.sim import engine, simulate
     over = SCENARIOS.get(name) or {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 60, "gpu": "l4",
                                    "replicas": 2, "router": "least_outstanding", "kv.policy": "h2o",
                                    "kv.budget": 128, "kv.layout": "per_head", "kv.mode": "fast"}
@@ -81,8 +81,8 @@ def test_advancing_simpy_only_before_arrivals_gives_identical_results(name, monk
 @pytest.mark.parametrize("model,gpu,tp", [("llama-3.1-8b", "h100", 1), ("llama-3.1-70b", "a100-80gb", 4),
                                           ("qwen2.5-32b", "l4", 2), ("smollm2-135m", "cpu-2core", 1)])
 def test_decode_run_pricing_is_bit_identical_to_step_pricing(model, gpu, tp):
-    from sim.cost_model import CostModel
-    from sim.core.step import BatchShape
+    from kvsim.sim.cost_model import CostModel
+    from kvsim.sim.core.step import BatchShape
 
     cost = CostModel(model, gpu, tp=tp)
     rng = np.random.default_rng(0)

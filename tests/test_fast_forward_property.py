@@ -13,9 +13,9 @@ import numpy as np
 import pandas as pd
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from sim.config import load_config
-from sim.simulate import run_simulation
-from traces import Trace
+from kvsim.sim.config import load_config
+from kvsim.sim.simulate import run_simulation
+from kvsim.traces import Trace
 
 PREFIX_SPAN = 32          # tokens per prefix id in the synthetic traces
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from gpu.cache import PagedKVCache
-from gpu.kernels.cache_ops import copy_slots, reshape_and_cache
-from gpu.kernels.paged_attention import paged_decode_attention
+from kvsim.gpu.cache import PagedKVCache
+from kvsim.gpu.kernels.cache_ops import copy_slots, reshape_and_cache
+from kvsim.gpu.kernels.paged_attention import paged_decode_attention
 
 H, GROUP, D = 2, 3, 16
 

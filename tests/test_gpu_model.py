@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from gpu.attention import AttentionMetadata
-from gpu.cache import PagedKVCache
-from gpu.model import LlamaModel, ModelConfig
-from gpu.prompts import prompt_token_ids
+from kvsim.gpu.attention import AttentionMetadata
+from kvsim.gpu.cache import PagedKVCache
+from kvsim.gpu.model import LlamaModel, ModelConfig
+from kvsim.gpu.prompts import prompt_token_ids
 
 
 
@@ -91,7 +91,7 @@ def test_paged_matches_dense_mixed_batches(small, layout, block_size):
 
 
 def test_full_smollm2_paged_greedy_matches_dense_and_answers(smollm2):
-    from gpu.tokenizer import Tokenizer
+    from kvsim.gpu.tokenizer import Tokenizer
     tok = Tokenizer.smollm2()
     prompt = tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     seqs, history = run_greedy(smollm2, "per_head", 16, [prompt], chunk=16, decode_steps=7)

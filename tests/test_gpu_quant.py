@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gpu.quant import TIERS, MixedPrecisionKVCache, pack, unpack
+from kvsim.gpu.quant import TIERS, MixedPrecisionKVCache, pack, unpack
 
 D = 64
 

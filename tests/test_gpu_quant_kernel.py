@@ -3,7 +3,7 @@ torch twin and against fp32 attention over the unquantized K/V."""
 import pytest
 import torch
 
-from gpu.quant import MixedPrecisionKVCache
+from kvsim.gpu.quant import MixedPrecisionKVCache
 
 # Two page-table rows (sequence, KV head); LeanKV grows high-tier pages from the left of a row and
 # low-tier pages from the right, so -1 holes sit in the middle.

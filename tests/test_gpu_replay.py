@@ -9,12 +9,12 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from gpu.replay import replay_config, run_replay
-from sim.catalog import get_model
-from sim.config import ConfigError, load_config
-from sim.kv.manager import SLOT_STRATEGIES
-from sim.simulate import run_simulation
-from traces.trace import Trace
+from kvsim.gpu.replay import replay_config, run_replay
+from kvsim.sim.catalog import get_model
+from kvsim.sim.config import ConfigError, load_config
+from kvsim.sim.kv.manager import SLOT_STRATEGIES
+from kvsim.sim.simulate import run_simulation
+from kvsim.traces.trace import Trace
 
 BASE = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core", "engine.block_size": 4,
         "check_invariants": True}
@@ -247,7 +247,7 @@ def test_bad_configs_are_refused_with_the_reason(small):
 
 
 def test_cli_replays_a_trace_file(tmp_path):
-    from sim.cli import app
+    from kvsim.sim.cli import app
 
     path = tmp_path / "t.jsonl"
     trace([12, 15], [3, 2], arrivals=[0.0, 0.3]).save(path)
@@ -266,7 +266,7 @@ def test_cli_replays_a_trace_file(tmp_path):
 
 
 def test_cli_cpu_clock_needs_one_thread(tmp_path):
-    from sim.cli import app
+    from kvsim.sim.cli import app
 
     path = tmp_path / "t.jsonl"
     trace([12], [3]).save(path)
@@ -291,7 +291,7 @@ def test_a_replay_starts_with_the_previous_replays_cache_freed(small, monkeypatc
     """Each replay's timed steps start clean: the last replay's KV cache (kept alive by reference cycles)
     is collected before the next one allocates, not in the middle of its first steps."""
     import weakref
-    import gpu.replay as replay_mod
+    import kvsim.gpu.replay as replay_mod
     caches, alive_at_build = [], []
     build = replay_mod.build_cache
 

@@ -4,15 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.attention import quest_bound
-from gpu.cache import PagedKVCache, TieredKVCache
-from gpu.kernels.paged_attention import paged_decode_attention
-from gpu.quant import TIERS
-from gpu.replay import run_replay
-from sim.config import load_config
-from sim.kv.state import TIER_HIGH, TIER_LOW
+from kvsim.gpu.attention import quest_bound
+from kvsim.gpu.cache import PagedKVCache, TieredKVCache
+from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+from kvsim.gpu.quant import TIERS
+from kvsim.gpu.replay import run_replay
+from kvsim.sim.config import load_config
+from kvsim.sim.kv.state import TIER_HIGH, TIER_LOW
 from test_gpu_replay import masked_last_query
-from traces.trace import Trace
+from kvsim.traces.trace import Trace
 
 BASE = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core", "engine.block_size": 4,
         "check_invariants": True}

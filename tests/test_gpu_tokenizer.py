@@ -3,9 +3,9 @@ import importlib.util
 
 import pytest
 
-from gpu.prompts import corpus_text, prompt_token_ids
-from gpu.tokenizer import Tokenizer, pre_tokenize
-from gpu.weights import INSTALL_HINT, WeightsNotFoundError, find_gguf, load_prepared
+from kvsim.gpu.prompts import corpus_text, prompt_token_ids
+from kvsim.gpu.tokenizer import Tokenizer, pre_tokenize
+from kvsim.gpu.weights import INSTALL_HINT, WeightsNotFoundError, find_gguf, load_prepared
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from sim.calibrate import CalibrationError, fit_content_correlation, simulate_evictions
-from sim.cli import app
-from sim.config import load_config
-from sim.kv.importance import CHUNK, DATA_DIR, ImportanceError, ImportanceModelSpec, SyntheticImportance
-from sim.kv.policy import PolicyContext
-from sim.kv.state import TokenState
-from traces.trace import Trace
+from kvsim.sim.calibrate import CalibrationError, fit_content_correlation, simulate_evictions
+from kvsim.sim.cli import app
+from kvsim.sim.config import load_config
+from kvsim.sim.kv.importance import CHUNK, DATA_DIR, ImportanceError, ImportanceModelSpec, SyntheticImportance
+from kvsim.sim.kv.policy import PolicyContext
+from kvsim.sim.kv.state import TokenState
+from kvsim.traces.trace import Trace
 
 BASE = yaml.safe_load((DATA_DIR / "smollm2-135m.yaml").read_text())
 CTX = PolicyContext("per_head", 2, 3, 3, 16, 6)

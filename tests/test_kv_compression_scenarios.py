@@ -4,16 +4,16 @@ import numpy as np
 import pytest
 import simpy
 
-from sim.config import KVConfig, load_config
-from sim.core.request import Request
-from sim.core.scheduler import Scheduler, SchedulerConfig
-from sim.cost_model import CostModel
-from sim.engine import EngineReplica
-from sim.kv.build import build_kv
-from sim.metrics import StepLog
-from sim.simulate import run_simulation
-from sim.kv.state import TIER_LOW
-from traces.synthetic import closed_batch
+from kvsim.sim.config import KVConfig, load_config
+from kvsim.sim.core.request import Request
+from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
+from kvsim.sim.cost_model import CostModel
+from kvsim.sim.engine import EngineReplica
+from kvsim.sim.kv.build import build_kv
+from kvsim.sim.metrics import StepLog
+from kvsim.sim.simulate import run_simulation
+from kvsim.sim.kv.state import TIER_LOW
+from kvsim.traces.synthetic import closed_batch
 
 N, PROMPT, OUTPUT, BLOCKS = 32, 256, 32, 160       # 32 prompts of 256 tokens, 16 per block: 10 fit uncompressed
 

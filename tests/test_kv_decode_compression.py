@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from sim.kv.policy import PolicyContext, get_policy
-from sim.kv.state import TokenState
+from kvsim.sim.kv.policy import PolicyContext, get_policy
+from kvsim.sim.kv.state import TokenState
 from test_kv_manager import run
 
 

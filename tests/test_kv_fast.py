@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from sim.kv.fast import FastKVManager
-from sim.kv.policy import PolicyContext, PolicyError, get_policy
+from kvsim.sim.kv.fast import FastKVManager
+from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
 from test_kv_manager import H2O, run
 
 KW = dict(n=3, prompt=120, output=80, num_blocks=4000)
@@ -45,7 +45,7 @@ def test_fast_mode_h2o_block_frees_agree_within_5_percent(token_level, strategy)
 
 
 def test_fast_rows_are_a_stratified_sample_of_the_importance_model_heads():
-    from sim.kv.importance import SyntheticImportance
+    from kvsim.sim.kv.importance import SyntheticImportance
     # fast mode simulates a few of the 90 SmolLM2 rows: their head types keep the model's proportions
     ctx = PolicyContext("per_head", 30, 3, 3, 16, 90)
     types = SyntheticImportance(ctx, "smollm2-135m", 0).head_type
@@ -137,7 +137,7 @@ def test_eviction_simulation_does_not_import_torch():
     # (importing torch costs ~1.6 s per simulation on this machine)
     import subprocess
     import sys
-    code = ("import sys\nfrom sim.config import load_config\nfrom sim.simulate import run_simulation\n"
+    code = ("import sys\nfrom kvsim.sim.config import load_config\nfrom kvsim.sim.simulate import run_simulation\n"
             "cfg = load_config(None, {'trace': 'sharegpt-8k-filtered', 'trace_options.max_requests': 5, 'model': 'smollm2-135m',"
             " 'gpu': 'l4', 'kv.policy': 'h2o', 'kv.budget': 64, 'kv.layout': 'per_head', 'kv.mode': 'fast'})\n"
             "run_simulation(cfg)\nprint('torch' in sys.modules)")

@@ -3,14 +3,14 @@ import numpy as np
 import pytest
 import simpy
 
-from sim.core.request import Request
-from sim.core.scheduler import Scheduler, SchedulerConfig
-from sim.cost_model import CostModel
-from sim.engine import EngineReplica
-from sim.kv.build import build_kv
-from sim.config import KVConfig, load_config
-from sim.metrics import StepLog, request_table, summarize
-from sim.kv.metrics import kv_summary
+from kvsim.sim.core.request import Request
+from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
+from kvsim.sim.cost_model import CostModel
+from kvsim.sim.engine import EngineReplica
+from kvsim.sim.kv.build import build_kv
+from kvsim.sim.config import KVConfig, load_config
+from kvsim.sim.metrics import StepLog, request_table, summarize
+from kvsim.sim.kv.metrics import kv_summary
 
 MODEL = "smollm2-135m"
 

@@ -4,11 +4,11 @@ KV-Compress metric aggregation + sort + block-table rewrite, LeanKV quantization
 import numpy as np
 import pytest
 
-from sim.core.step import BatchShape
-from sim.cost_model import CostModel
-from sim.kv import executor as kv_executor
-from sim.kv.policy import PolicyContext, get_policy
-from sim.kv.state import TokenState
+from kvsim.sim.core.step import BatchShape
+from kvsim.sim.cost_model import CostModel
+from kvsim.sim.kv import executor as kv_executor
+from kvsim.sim.kv.policy import PolicyContext, get_policy
+from kvsim.sim.kv.state import TokenState
 from test_kv_manager import run
 
 
@@ -64,7 +64,7 @@ def test_kvcompress_compressions_cost_time(monkeypatch):
 
 
 def test_leankv_quantization_flops_follow_the_tokens_moved(monkeypatch):
-    from sim.kv.manager import QUANT_FLOPS
+    from kvsim.sim.kv.manager import QUANT_FLOPS
     cfg = {"policy": "leankv", "layout": "per_head", "slot_strategy": "slot_reuse"}
     s, plans = _plans(monkeypatch, cfg, n=2, prompt=120, output=30)
     assert plans[:, 1].sum() > 0

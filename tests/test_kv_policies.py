@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from sim.kv.importance import ImportanceError, ImportanceModelSpec, SyntheticImportance, attention_stats
-from sim.kv.policy import PolicyContext, PolicyError, get_policy, lowest_k_mask, policy_names
-from sim.kv.state import TokenState
+from kvsim.sim.kv.importance import ImportanceError, ImportanceModelSpec, SyntheticImportance, attention_stats
+from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy, lowest_k_mask, policy_names
+from kvsim.sim.kv.state import TokenState
 
 
 def ctx(rows_layers=2, kv_heads=2, q_heads=4, layout="per_head"):

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from sim.kv.policy import PolicyContext, PolicyError, get_policy
-from sim.kv.state import TokenState
+from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
+from kvsim.sim.kv.state import TokenState
 
 
 def test_concentrated_heads_give_tokens_to_spread_heads_total_per_layer_fixed():

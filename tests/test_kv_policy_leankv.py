@@ -3,10 +3,10 @@ demotion / pruning chain on decode."""
 import numpy as np
 import pytest
 
-from sim.kv.importance import SyntheticImportance
-from sim.kv.policies.leankv import OBSERVED, PLACED
-from sim.kv.policy import PolicyContext, PolicyError, get_policy
-from sim.kv.state import TIER_FULL, TIER_HIGH, TIER_LOW, TokenState
+from kvsim.sim.kv.importance import SyntheticImportance
+from kvsim.sim.kv.policies.leankv import OBSERVED, PLACED
+from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
+from kvsim.sim.kv.state import TIER_FULL, TIER_HIGH, TIER_LOW, TokenState
 
 SHARED = PolicyContext("shared", 1, 1, 1, 16, 1)
 
@@ -122,13 +122,13 @@ def test_high_and_low_precision_pages_grow_from_opposite_ends_of_the_page_table(
     # (check_invariants also pins a fixed bug: demoted tokens were counted against the append tail's
     # free slots, so with append strategies a full low-precision tier got no new page)
     import simpy
-    from sim.config import KVConfig
-    from sim.core.request import Request
-    from sim.core.scheduler import Scheduler, SchedulerConfig
-    from sim.cost_model import CostModel
-    from sim.engine import EngineReplica
-    from sim.kv.build import build_kv
-    from sim.metrics import StepLog
+    from kvsim.sim.config import KVConfig
+    from kvsim.sim.core.request import Request
+    from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
+    from kvsim.sim.cost_model import CostModel
+    from kvsim.sim.engine import EngineReplica
+    from kvsim.sim.kv.build import build_kv
+    from kvsim.sim.metrics import StepLog
     cost = CostModel("smollm2-135m", "l4")
     kv, executor = build_kv(KVConfig(policy="leankv", layout="per_head", slot_strategy=strategy),
                             cost.model, cost, 400, 16, 0)

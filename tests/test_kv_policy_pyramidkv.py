@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from sim.kv.policies.pyramidkv import pyramid_budgets
-from sim.kv.policy import PolicyContext, PolicyError, get_policy
-from sim.kv.state import TokenState
+from kvsim.sim.kv.policies.pyramidkv import pyramid_budgets
+from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
+from kvsim.sim.kv.state import TokenState
 
 
 @pytest.mark.parametrize("mean, layers, beta", [(64, 4, 20), (100, 30, 20), (7, 5, 2), (10, 1, 20), (33, 7, 3.5)])

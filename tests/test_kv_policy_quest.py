@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from sim.kv.policy import PolicyContext, PolicyError, get_policy
-from sim.kv.state import TokenState
+from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
+from kvsim.sim.kv.state import TokenState
 
 
 def test_reads_budget_pages_per_sparse_row_dense_layers_read_everything_never_evicts():

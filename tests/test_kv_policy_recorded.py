@@ -5,13 +5,13 @@ import pandas as pd
 import pytest
 import yaml
 
-from sim.config import ConfigError, load_config
-from sim.crosscheck import CrosscheckError, first_divergence, recorded_config, simulate_recorded
-from sim.kv.policies.recorded import RecordedDecisionsError
-from sim.kv.policy import PolicyContext, PolicyError, get_policy
-from sim.kv.state import TokenState
-from sim.simulate import run_simulation
-from traces.trace import Trace
+from kvsim.sim.config import ConfigError, load_config
+from kvsim.sim.crosscheck import CrosscheckError, first_divergence, recorded_config, simulate_recorded
+from kvsim.sim.kv.policies.recorded import RecordedDecisionsError
+from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
+from kvsim.sim.kv.state import TokenState
+from kvsim.sim.simulate import run_simulation
+from kvsim.traces.trace import Trace
 
 BASE = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core", "engine.block_size": 4,
         "engine.num_gpu_blocks": 17}
@@ -30,7 +30,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def small():
     torch = pytest.importorskip("torch")
-    from gpu.weights import load_smollm2
+    from kvsim.gpu.weights import load_smollm2
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield load_smollm2().truncated(2)
@@ -39,7 +39,7 @@ def small():
 
 @pytest.fixture(scope="module")
 def replays(small, tmp_path_factory):
-    from gpu.replay import run_replay
+    from kvsim.gpu.replay import run_replay
     out = {}
     for name, kv in CASES.items():
         cfg = load_config(None, {**BASE, **kv})
@@ -77,8 +77,8 @@ def test_the_pressure_cases_are_not_trivial(replays):
 def test_rerunning_the_policy_on_synthetic_scores_diverges(replays):
     """Why recorded mode exists: h2o on the simulator's synthetic attention evicts other tokens."""
     cfg, d, real = replays["h2o-compact-per_head-pressure"]
-    from sim import simulate as sim_mod
-    from sim.crosscheck import replay_model_spec
+    from kvsim.sim import simulate as sim_mod
+    from kvsim.sim.crosscheck import replay_model_spec
     import json
     spec = replay_model_spec(cfg, json.loads((d / "summary.json").read_text()))
     hw = sim_mod.resolve_hardware

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from sim.kv.policies.snapkv import pool_by_position
-from sim.kv.policy import PolicyContext, PolicyError, get_policy
-from sim.kv.state import TokenState
+from kvsim.sim.kv.policies.snapkv import pool_by_position
+from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
+from kvsim.sim.kv.state import TokenState
 
 
 def ctx(layers=2, kv_heads=2, q_heads=4):

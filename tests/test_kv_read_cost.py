@@ -3,9 +3,9 @@ pages (evicted slots are masked, not skipped), so slot strategies are priced by 
 allocated; and the published sparse copy pre-allocates its destination pages."""
 import pytest
 
-from sim.config import load_config
-from sim.simulate import run_simulation
-from traces.synthetic import closed_batch
+from kvsim.sim.config import load_config
+from kvsim.sim.simulate import run_simulation
+from kvsim.traces.synthetic import closed_batch
 from test_kv_manager import run
 
 STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
@@ -99,7 +99,7 @@ def test_snapkv_fast_mode_agrees_with_token_level_within_5_percent(strategy, dec
                                            ("kvcompress", {}), ("leankv", {}), ("snapkv", {"compression_rate": 4}),
                                            ("snapkv", {"budget": 64, "decode_compression": "every_n"})])
 def test_policies_without_a_fast_model_are_refused_by_name(policy, params):
-    from sim.config import ConfigError
-    from sim.kv.policy import PolicyError
+    from kvsim.sim.config import ConfigError
+    from kvsim.sim.kv.policy import PolicyError
     with pytest.raises((PolicyError, ConfigError), match="no fast-mode profile; use kv.mode=token"):
         run({"policy": policy, "layout": "per_head", "mode": "fast", "params": params}, n=1)

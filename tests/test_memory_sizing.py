@@ -1,7 +1,7 @@
 import pytest
 
-from sim.catalog import get_model
-from sim.memory import GiB, ModelDoesNotFitError, activation_peak_bytes, num_gpu_blocks
+from kvsim.sim.catalog import get_model
+from kvsim.sim.memory import GiB, ModelDoesNotFitError, activation_peak_bytes, num_gpu_blocks
 
 
 def test_llama31_8b_on_h100_by_hand():
@@ -89,7 +89,7 @@ def test_bad_arguments(kwargs, message):
 def _simulate_cli(tmp_path, *args):
     from typer.testing import CliRunner
 
-    from sim.cli import app
+    from kvsim.sim.cli import app
     return CliRunner().invoke(app, ["simulate", "--max-requests", "20", "-q", "-o", str(tmp_path / "out"), *args])
 
 
@@ -116,9 +116,9 @@ def test_a_fast_mode_budget_beyond_host_memory_is_refused(tmp_path):
 
 
 def test_run_memory_estimate_is_small_for_ordinary_runs_and_checked_against_what_is_given():
-    from sim.config import load_config
-    from sim.memory import HostMemoryError, check_config_memory, check_memory, estimate_run_memory
-    from sim.simulate import load_workload, resolve_hardware
+    from kvsim.sim.config import load_config
+    from kvsim.sim.memory import HostMemoryError, check_config_memory, check_memory, estimate_run_memory
+    from kvsim.sim.simulate import load_workload, resolve_hardware
 
     cfg = load_config(None, {"trace_options.max_requests": 200, "engine.enable_prefix_caching": True})
     trace = load_workload(cfg)

@@ -25,7 +25,7 @@ def test_ci_runs_the_readme_setup_and_test_commands():
 def test_documented_config_example_is_the_default_config():
     import yaml
 
-    from sim.config import SimConfig
+    from kvsim.sim.config import SimConfig
 
     readme = (ROOT / "docs" / "simulate.md").read_text()
     block = readme.split("Config file (every key optional; defaults shown):", 1)[1]

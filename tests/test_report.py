@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from sim.capacity import find_capacity, parse_slo
-from sim.config import load_config
-from sim.report import build_report, pareto_front, series_by_group
-from sim.sweep import parse_spec, run_sweep
+from kvsim.sim.capacity import find_capacity, parse_slo
+from kvsim.sim.config import load_config
+from kvsim.sim.report import build_report, pareto_front, series_by_group
+from kvsim.sim.sweep import parse_spec, run_sweep
 
 SMALL = {"trace_options.max_requests": 40, "engine.num_gpu_blocks": 1500}
 
@@ -87,7 +87,7 @@ def test_capacity_store_report_marks_the_answer(tmp_path):
 
 
 def test_cli_report_errors_name_the_directory(tmp_path):
-    from sim.cli import app
+    from kvsim.sim.cli import app
     res = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert res.exit_code == 2 and "no runs in this store" in res.output
     res = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])

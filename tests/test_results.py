@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from sim import engine
-from sim.cli import app
-from sim.config import load_config
-from sim.simulate import run_simulation
+from kvsim.sim import engine
+from kvsim.sim.cli import app
+from kvsim.sim.config import load_config
+from kvsim.sim.simulate import run_simulation
 
 SMALL = {"trace_options.max_requests": 30}
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_a_write_error_keeps_the_previous_results_whole(tmp_path, monkeypatch):
     out = tmp_path / "run"
     simulate(out, seed=1)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import sim.simulate as simulate_module
+    import kvsim.sim.simulate as simulate_module
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -102,7 +102,7 @@ def test_a_write_error_keeps_the_previous_results_whole(tmp_path, monkeypatch):
 
 def _start(out: Path, sig_ready: Path) -> subprocess.Popen:
     """`kvsim simulate` on the whole Azure trace (long enough to be stopped mid-run)."""
-    cmd = [sys.executable, "-m", "sim.cli", "simulate", "--gpu", "l4", "-q", "-o", str(out)]
+    cmd = [sys.executable, "-m", "kvsim.sim.cli", "simulate", "--gpu", "l4", "-q", "-o", str(out)]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

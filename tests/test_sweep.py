@@ -13,10 +13,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from sim.catalog import get_gpu
-from sim.config import load_config
-from sim.simulate import run_simulation
-from sim.sweep import SpecError, load_spec, parse_spec, read_store, run_sweep
+from kvsim.sim.catalog import get_gpu
+from kvsim.sim.config import load_config
+from kvsim.sim.simulate import run_simulation
+from kvsim.sim.sweep import SpecError, load_spec, parse_spec, read_store, run_sweep
 
 SMALL = {"trace_options.max_requests": 60, "engine.num_gpu_blocks": 1500}
 SPEC = {"fixed": SMALL,
@@ -101,7 +101,7 @@ def test_model_that_fits_only_at_higher_tp_is_accepted_there():
 
 
 def test_cli_rejects_bad_spec_before_running_anything(tmp_path):
-    from sim.cli import app
+    from kvsim.sim.cli import app
     spec = write_spec(tmp_path / "bad.yaml", {"fixed": SMALL, "grid": {"engine.max_num_seqs": [8, -1]}})
     out = tmp_path / "store"
     res = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(out)])
@@ -148,7 +148,7 @@ def test_stop_after_n_runs_then_resume_gives_the_same_store(tmp_path, reference)
 def test_killed_sweep_resumes_without_loss_or_duplicates(tmp_path, reference):
     spec = write_spec(tmp_path / "spec.yaml", SPEC)
     store = tmp_path / "store"
-    script = ("import typer; from sim.planning_cli import sweep; typer.run(sweep)")
+    script = ("import typer; from kvsim.sim.planning_cli import sweep; typer.run(sweep)")
     proc = subprocess.Popen([sys.executable, "-c", script, str(spec), "--out", str(store), "--jobs", "1", "-q"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     runs = store / "runs"
@@ -215,7 +215,7 @@ def test_dask_cluster_store_equals_local(tmp_path, reference):
 
 
 def test_dask_executor_needs_a_scheduler(tmp_path):
-    from sim.cli import app
+    from kvsim.sim.cli import app
     spec = write_spec(tmp_path / "spec.yaml", SPEC)
     res = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "s"), "--executor", "dask"])
     assert res.exit_code == 2 and "--scheduler" in res.output
@@ -224,8 +224,8 @@ def test_dask_executor_needs_a_scheduler(tmp_path):
 # ---- robustness ---------------------------------------------------------------------------------
 
 def test_an_unreadable_run_file_is_run_again_and_reports_still_work(tmp_path, reference):
-    from sim.cli import app
-    from sim.report import build_report
+    from kvsim.sim.cli import app
+    from kvsim.sim.report import build_report
     spec = write_spec(tmp_path / "spec.yaml", SPEC)
     store = tmp_path / "store"
     run_sweep(load_spec(spec), store, jobs=1, progress=False)
@@ -242,7 +242,7 @@ def test_an_unreadable_run_file_is_run_again_and_reports_still_work(tmp_path, re
 
 
 def test_retry_failed_says_what_it_runs(tmp_path):
-    from sim.cli import app
+    from kvsim.sim.cli import app
     spec = write_spec(tmp_path / "spec.yaml", {"fixed": {**SMALL, "trace_options.max_requests": 30},
                                                "grid": {"trace_options.rate": [None, 5.0],
                                                         "engine.block_size": [16, 32]}})
@@ -276,7 +276,7 @@ def _descendants(pid: int) -> set[int]:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
 def test_sweep_workers_forkserver_and_tracker_end_with_a_killed_sweep(tmp_path):
     spec = write_spec(tmp_path / "spec.yaml", {"fixed": {"gpu": "l4"}, "grid": {"seed": [0, 1, 2, 3]}})
-    proc = subprocess.Popen([sys.executable, "-m", "sim.cli", "sweep", str(spec), "--out", str(tmp_path / "s"),
+    proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "sweep", str(spec), "--out", str(tmp_path / "s"),
                              "-j", "2", "-q"], cwd=Path(__file__).resolve().parents[1],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

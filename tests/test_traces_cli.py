@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli import app
-from traces import load_trace, trace_stats
-from traces.synthetic import synthesize
+from kvsim.sim.cli import app
+from kvsim.traces import load_trace, trace_stats
+from kvsim.traces.synthetic import synthesize
 
 runner = CliRunner()
 

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from traces import DATA_DIR, DATA_TRACES, Trace, TraceError, TraceWarning, detect_format, load_trace, trace_stats
+from kvsim.traces import DATA_DIR, DATA_TRACES, Trace, TraceError, TraceWarning, detect_format, load_trace, trace_stats
 
 SHIPPED = {  # name: (requests, rate, prompt mean/p50/p90/max, output mean/p50/p90/max, prefix repeat share)
     "azure-conv-2023": (19366, 5.53, (1155, 1020, 2734, 14050), (211, 129, 424, 1000), None),

@@ -4,8 +4,8 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from traces import Trace, TraceError, load_trace, trace_stats
-from traces.synthetic import (Fixed, LogNormal, Uniform, closed_batch, gamma_arrivals, parse_length_spec,
+from kvsim.traces import Trace, TraceError, load_trace, trace_stats
+from kvsim.traces.synthetic import (Fixed, LogNormal, Uniform, closed_batch, gamma_arrivals, parse_length_spec,
                               poisson_arrivals, synthesize)
 
 N = 200_000

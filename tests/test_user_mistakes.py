@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli import app
+from kvsim.sim.cli import app
 
 SIM = ["simulate", "--max-requests", "5", "-q"]
 

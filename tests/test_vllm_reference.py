@@ -5,13 +5,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sim.cli import app
-from sim.core.kv_manager import KVCacheManager
-from sim.core.request import Request
-from sim.reference.harness import (ReferenceError, check_scenario, compare_schedules, driver_spec,
+from kvsim.sim.cli import app
+from kvsim.sim.core.kv_manager import KVCacheManager
+from kvsim.sim.core.request import Request
+from kvsim.sim.reference.harness import (ReferenceError, check_scenario, compare_schedules, driver_spec,
                                    kvsim_schedule, load_reference, load_scenario, record_vllm)
-from sim.reference.prompts import prompt_token_ids
-from sim.reference.scenarios import SCENARIOS
+from kvsim.sim.reference.prompts import prompt_token_ids
+from kvsim.sim.reference.scenarios import SCENARIOS
 
 DATA = Path(__file__).parent / "data" / "vllm_reference"
 RECORDED = sorted(p.name for p in DATA.iterdir() if (p / "vllm_steps.parquet").exists())

@@ -4,13 +4,13 @@ arrivals by engine step."""
 import numpy as np
 import pytest
 
-from sim.catalog import get_gpu
-from sim.config import load_config
-from sim.core.step import BatchShape
-from sim.cost_model import CostModel
-from sim.defaults import batch_defaults, resolve_engine
-from sim.simulate import run_simulation
-from traces import Trace
+from kvsim.sim.catalog import get_gpu
+from kvsim.sim.config import load_config
+from kvsim.sim.core.step import BatchShape
+from kvsim.sim.cost_model import CostModel
+from kvsim.sim.defaults import batch_defaults, resolve_engine
+from kvsim.sim.simulate import run_simulation
+from kvsim.traces import Trace
 
 
 @pytest.mark.parametrize("gpu, entry, expected", [

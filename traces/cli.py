@@ -11,11 +11,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from traces.errors import TraceError, TraceWarning
-from traces.loaders import DATA_TRACES, load_trace
-from traces.stats import trace_stats
-from traces.synthetic import synthesize
-from traces.trace import Trace
+from kvsim.traces.errors import TraceError, TraceWarning
+from kvsim.traces.loaders import DATA_TRACES, load_trace
+from kvsim.traces.stats import trace_stats
+from kvsim.traces.synthetic import synthesize
+from kvsim.traces.trace import Trace
 
 app = typer.Typer(help="Inspect, synthesize and convert request traces. Shipped traces: "
                        + ", ".join(DATA_TRACES), no_args_is_help=True)
@@ -106,7 +106,7 @@ def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped sh
 
 
 def _is_length_only(source: str) -> bool:
-    from traces.loaders import detect_format, resolve_trace_path
+    from kvsim.traces.loaders import detect_format, resolve_trace_path
 
     return detect_format(resolve_trace_path(source)[0]) == "lengths"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from traces.trace import Trace
+from kvsim.traces.trace import Trace
 
 PERCENTILES = (50, 90, 99)
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from traces.errors import TraceError
-from traces.trace import Trace
+from kvsim.traces.errors import TraceError
+from kvsim.traces.trace import Trace
 
 
 def _positive(name: str, value: float) -> float:
@@ -183,7 +183,7 @@ def synthesize(n: int, *, rate: float | None = None, cv: float | None = None,
 
 
 def _resample(source: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    from traces.loaders import load_trace
+    from kvsim.traces.loaders import load_trace
 
     pool = load_trace(source).df
     rows = rng.integers(0, len(pool), size=n)

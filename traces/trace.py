@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from traces.errors import TraceError
+from kvsim.traces.errors import TraceError
 
 REQUIRED_COLUMNS = ("request_id", "arrival_time_s", "prompt_tokens", "output_tokens")
 OPTIONAL_COLUMNS = ("session_id", "prefix_hash_ids", "priority")

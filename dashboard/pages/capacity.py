@@ -3,16 +3,16 @@ cheapest configuration that meets an SLO."""
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts
-from dashboard.data import (DataError, capacity_by_group, drain_share, meets_slo, pareto_front, read_sweep_store,
+from kvsim.dashboard import charts
+from kvsim.dashboard.data import (DataError, capacity_by_group, drain_share, meets_slo, pareto_front, read_sweep_store,
                             resolve_user_path, varying_columns)
-from dashboard.forms import config_form, gui_message
-from dashboard.jobs import capacity_search_task
-from dashboard.ui import follow_job, keep_widget, run_button, start_job
-from sim.capacity import parse_slo
-from sim.catalog import list_gpus
-from sim.config import ConfigError, SimConfig
-from sim.sweep import config_columns
+from kvsim.dashboard.forms import config_form, gui_message
+from kvsim.dashboard.jobs import capacity_search_task
+from kvsim.dashboard.ui import follow_job, keep_widget, run_button, start_job
+from kvsim.sim.capacity import parse_slo
+from kvsim.sim.catalog import list_gpus
+from kvsim.sim.config import ConfigError, SimConfig
+from kvsim.sim.sweep import config_columns
 
 DEFAULT_SLO = "ttft_p99<=2s, tpot_p99<=100ms"
 LOAD_COLUMNS = ["offered_rate_req_s", "trace_options.rate_scale", "replicas", "searched_value"]

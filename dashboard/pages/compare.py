@@ -1,10 +1,10 @@
 """Compare: the same trace under several values of one config axis, side by side."""
 import streamlit as st
 
-from dashboard import charts
-from dashboard.forms import config_axes, config_form, gui_message, parse_axis_values, with_value
-from dashboard.ui import follow_job, run_button, saved_runs, start_job, summary_column_config, summary_table
-from sim.config import ConfigError
+from kvsim.dashboard import charts
+from kvsim.dashboard.forms import config_axes, config_form, gui_message, parse_axis_values, with_value
+from kvsim.dashboard.ui import follow_job, run_button, saved_runs, start_job, summary_column_config, summary_table
+from kvsim.sim.config import ConfigError
 
 st.title("Compare")
 with st.sidebar:

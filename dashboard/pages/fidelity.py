@@ -7,10 +7,10 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts
-from dashboard.data import (Crosscheck, DataError, fidelity_table, is_crosscheck_dir, read_crosscheck, read_parquet,
+from kvsim.dashboard import charts
+from kvsim.dashboard.data import (Crosscheck, DataError, fidelity_table, is_crosscheck_dir, read_crosscheck, read_parquet,
                             resolve_user_path, step_kind)
-from dashboard.ui import follow_job, saved_runs
+from kvsim.dashboard.ui import follow_job, saved_runs
 
 DISK = "Cross-check directory or step log on disk"
 UPLOAD = "Upload a step log (Parquet)"

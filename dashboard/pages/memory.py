@@ -1,8 +1,8 @@
 """Memory: KV utilization, internal fragmentation, a map of the block pool, data moved by slots."""
 import streamlit as st
 
-from dashboard import charts
-from dashboard.ui import follow_job, pick_run
+from kvsim.dashboard import charts
+from kvsim.dashboard.ui import follow_job, pick_run
 
 st.title("Memory")
 follow_job("Memory")

@@ -1,9 +1,9 @@
 """Simulate: one trace on one model/GPU/engine config, with latency, throughput and queue charts."""
 import streamlit as st
 
-from dashboard import charts
-from dashboard.forms import config_form
-from dashboard.ui import follow_job, pick_run, run_button, saved_runs, show_summary_metrics, start_job
+from kvsim.dashboard import charts
+from kvsim.dashboard.forms import config_form
+from kvsim.dashboard.ui import follow_job, pick_run, run_button, saved_runs, show_summary_metrics, start_job
 
 st.title("Simulate")
 with st.sidebar:

@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels import use_triton
-from gpu.kernels.reference import copy_slots_ref, reshape_and_cache_ref
+from kvsim.gpu.kernels import use_triton
+from kvsim.gpu.kernels.reference import copy_slots_ref, reshape_and_cache_ref
 
 
 @triton.jit

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels import use_triton
-from gpu.kernels.reference import paged_decode_attention_ref
+from kvsim.gpu.kernels import use_triton
+from kvsim.gpu.kernels.reference import paged_decode_attention_ref
 
 TILE = 64
 

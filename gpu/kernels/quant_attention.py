@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels import use_triton
+from kvsim.gpu.kernels import use_triton
 
 TILE = 64
 # Per-tier layout table the kernel reads, one row per tier: for K then for V the fields

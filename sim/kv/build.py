@@ -10,7 +10,7 @@ from .state import TIER_FULL
 def tier_layout(model, block_size: int, high: str, low: str) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
     """(bytes per token of each tier / full-precision bytes, tokens per page of each tier) for pages of
     the byte size of one full-precision block of one (layer, KV head) — LeanKV's fixed-size pages."""
-    from gpu.tiers import TIERS  # the real backend's tier definitions (bits + per-token fp16 scale/zero)
+    from kvsim.gpu.tiers import TIERS  # the real backend's tier definitions (bits + per-token fp16 scale/zero)
 
     full_bytes = model.kv_bytes_per_token() / (model.num_layers * model.num_kv_heads)
     page_bytes = block_size * full_bytes

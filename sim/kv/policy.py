@@ -65,7 +65,7 @@ The default trigger of a policy is its `default_trigger` ("never", "every_step",
 
 Writing a policy
 ----------------
-    from sim.kv.policy import EvictionPolicy, Decision, register_policy
+    from kvsim.sim.kv.policy import EvictionPolicy, Decision, register_policy
 
     @register_policy("mypolicy")
     class MyPolicy(EvictionPolicy):

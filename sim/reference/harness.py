@@ -59,7 +59,7 @@ def write_scenario(scenario: Scenario, directory: Path) -> None:
 
 def load_scenario(directory: Path) -> tuple[SimConfig, object]:
     """The scenario's config (trace path resolved next to it) and its trace."""
-    from traces import load_trace
+    from kvsim.traces import load_trace
 
     cfg = load_config(directory / "scenario.yaml")
     cfg = cfg.model_copy(update={"trace": str(directory / cfg.trace)})
