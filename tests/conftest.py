@@ -1,4 +1,10 @@
+"""Shared test setup: Triton's interpreter on CPU, kvsim importable from an uninstalled checkout, fixtures."""
 import os
+
+try:
+    import kvsim.sim  # noqa: F401
+except ImportError:       # an uninstalled checkout (`python -m pytest` from it): sim/__init__ maps kvsim here
+    import sim  # noqa: F401
 
 # Triton kernels run on CPU only in interpreter mode, which must be set before they are defined.
 os.environ.setdefault("TRITON_INTERPRET", "1")
