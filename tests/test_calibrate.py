@@ -7,12 +7,15 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.calibrate import (
-    CalibrationError, fit_importance, fit_profile, load_attention_stats, load_step_logs, nnls,
-    shape_of_steps,
-)
+from kvsim.sim.calibration.errors import CalibrationError
+from kvsim.sim.calibration.importance_fit import fit_importance, load_attention_stats
+from kvsim.sim.calibration.profile_fit import fit_profile, nnls
+from kvsim.sim.calibration.step_logs import load_step_logs
 from kvsim.sim.cli import app
 from kvsim.sim.cost_model import CostModel, load_profile
+from kvsim.sim.crosscheck.comparison import shape_of_steps
+from kvsim.sim.kv.importance import ImportanceModelSpec, attention_stats
+from kvsim.sim.kv.policy import PolicyContext
 
 FITTED = ("mfu_prefill", "mfu_decode", "mem_bw_eff", "attn_compute_eff", "attn_bw_eff", "copy_bw_eff",
           "step_overhead_s", "per_seq_overhead_s", "per_block_entry_overhead_s", "padded_attn_cost",
@@ -160,8 +163,6 @@ def test_bad_step_logs_fail_with_file_and_column(tmp_path):
 
 
 def _stats_of_synthetic(spec: str, num_requests: int, seed: int) -> pd.DataFrame:
-    from kvsim.sim.kv.importance import attention_stats
-    from kvsim.sim.kv.policy import PolicyContext
     ctx = PolicyContext("per_head", 30, 3, 9, 16, 90)
     st = attention_stats(ctx, spec, num_requests=num_requests, num_tokens=800, seed=seed)
     return pd.DataFrame({"request_id": np.repeat(np.arange(num_requests), 90), "layer": st["layer"],
@@ -178,7 +179,6 @@ def test_importance_fit_reproduces_measured_statistics(tmp_path):
     assert s["sink_share_median"] == pytest.approx(m["sink_share_median"], abs=0.05)
     assert s["recent_share_median"] == pytest.approx(m["recent_share_median"], abs=0.05)
     assert s["request_log_keys95_std"] == pytest.approx(m["request_log_keys95_std"], rel=0.25)
-    from kvsim.sim.kv.importance import ImportanceModelSpec
     spec = ImportanceModelSpec.load(fit.write(tmp_path / "imp.yaml", command="kvsim calibrate --attention x"))
     assert spec.dense_layers in (2, 3) and spec.mix["heavy"] > 0.2
     assert "regenerate: kvsim calibrate" in (tmp_path / "imp.yaml").read_text()
