@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from kvsim.sim.calibration import regenerate_cpu_profile as regen
 from kvsim.sim.calibration.errors import CalibrationError
 from kvsim.sim.calibration.importance_fit import fit_importance, load_attention_stats
 from kvsim.sim.calibration.profile_fit import fit_profile, nnls
@@ -227,3 +228,41 @@ def test_repeated_replays_are_fitted_on_each_steps_median(tmp_path):
     with pytest.raises(CalibrationError, match=r"rep1/steps.parquet: not a repeat of .*rep0/steps.parquet: it "
                                                r"schedules differently from step 7 on \(batch_size"):
         load_step_logs([",".join(dirs)])
+
+
+def test_cpu_profile_regeneration_replays_the_documented_workloads():
+    """The workloads `python -m kvsim.sim.calibration.regenerate_cpu_profile` replays (defaults)."""
+    args = regen.parse_args([])
+    runs = regen.calibration_runs(args)
+    assert list(runs) == ["replay-sweep", "replay-staggered", "replay-long-decode", "replay-irregular",
+                          "replay-h2o-b128", "replay-h2o-b256", "replay-h2o-b512"]
+    assert all(cfg.kv.policy == "none" for name, (cfg, _) in runs.items() if "h2o" not in name)
+    assert [runs[f"replay-h2o-b{b}"][0].kv.budget for b in (128, 256, 512)] == [128, 256, 512]
+    sweep = runs["replay-sweep"][1].df
+    closed = sweep[sweep["arrival_time_s"] < 16 * 1e4]          # 4 batch sizes x 4 prompt lengths, one per gap
+    assert closed.groupby("arrival_time_s").size().tolist() == [1, 2, 4, 8] * 4
+    assert sorted(set(closed["prompt_tokens"])) == [64, 256, 768, 1024]
+    staggered = runs["replay-staggered"][1].df
+    first = staggered.groupby(staggered["arrival_time_s"] // 1e4)["arrival_time_s"].agg(["min", "max"])
+    assert ((first["max"] - first["min"]) == 1.5).all()         # the later prompts join the first one's prefill
+    irregular = runs["replay-irregular"][1].df["prompt_tokens"]
+    assert (irregular % 16 != 0).all()
+    assert regen.SHIPPED_PROFILE.is_file() and regen.SHIPPED_IMPORTANCE.is_file()
+
+
+def test_cpu_profile_regeneration_fits_every_repeat_into_the_shipped_files(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(regen, "kvsim", lambda *a: calls.append(a))
+    earlier = tmp_path / "earlier"
+    for name in ("replay-sweep", "replay-sweep-r2", "replay-staggered"):
+        (earlier / name).mkdir(parents=True)
+    args = regen.parse_args(["--out", str(tmp_path / "cal"), "--repeats", "2", "--h2o-budgets", "64",
+                             "--fit-also", str(earlier)])
+    regen.fit(regen.calibration_runs(args), args)
+    profile, importance = calls
+    cal = tmp_path / "cal"
+    assert profile[1] == f"{cal}/replay-sweep,{cal}/replay-sweep-r2,{earlier}/replay-sweep,{earlier}/replay-sweep-r2"
+    assert profile[2] == f"{cal}/replay-staggered,{cal}/replay-staggered-r2,{earlier}/replay-staggered"
+    assert profile[-6:] == ("--out", str(regen.SHIPPED_PROFILE), "--model", "smollm2-135m", "--gpu", "cpu-2core")
+    assert importance == ("calibrate", "--attention", str(cal / "replay-sweep"), "--decisions",
+                          str(cal / "replay-h2o-b64"), "--out", str(regen.SHIPPED_IMPORTANCE))
