@@ -17,7 +17,8 @@ from kvsim.sim.catalog import get_model
 from kvsim.sim.cli import app
 from kvsim.sim.config import load_config
 from kvsim.sim.cost_model import CostModel, load_profile
-from kvsim.sim.crosscheck.comparison import CrosscheckError, Repeats, Run, compare, first_divergence, same_request_timings
+from kvsim.sim.crosscheck.comparison import (CrosscheckError, Repeats, Run, compare, first_divergence,
+                                            same_request_timings)
 from kvsim.sim.crosscheck.recorded import predicted_config, simulate_recorded
 from kvsim.sim.crosscheck.report import write_report
 from kvsim.sim.simulate import run_simulation

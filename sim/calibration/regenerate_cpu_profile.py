@@ -144,6 +144,11 @@ def calibration_runs(args) -> dict[str, tuple]:
     return runs
 
 
+def earlier_repeats(earlier: Path, name: str) -> list[Path]:
+    """The replays of workload `name` in an earlier calibration output directory (every repeat)."""
+    return sorted(earlier.glob(name)) + sorted(earlier.glob(f"{name}-r*"))
+
+
 def repeat_dir(out: Path, name: str, repeat: int) -> Path:
     """Replay directory of one repeat of a calibration workload (repeat 1: the plain name)."""
     return out / (name if repeat == 1 else f"{name}-r{repeat}")
@@ -176,7 +181,7 @@ def fit(runs: dict[str, tuple], args) -> None:
     and --fit-also) and of the shipped importance model (per-head statistics from the sweep, the content
     correlation from the h2o replays' recorded evictions)."""
     groups = [",".join([str(repeat_dir(args.out, name, r)) for r in range(1, args.repeats + 1)]
-                       + [str(d) for extra in args.fit_also for d in sorted(extra.glob(name)) + sorted(extra.glob(f"{name}-r*"))])
+                       + [str(d) for extra in args.fit_also for d in earlier_repeats(extra, name)])
               for name in runs]
     kvsim("calibrate", *groups, "--out", str(SHIPPED_PROFILE), "--model", "smollm2-135m", "--gpu", "cpu-2core")
     h2o_dirs = [a for name in runs if name.startswith("replay-h2o") for a in ("--decisions", str(args.out / name))]

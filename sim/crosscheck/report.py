@@ -49,11 +49,10 @@ def markdown_report(res: CrosscheckResult) -> str:
                          f"**{'identical' if r['request_timings_identical'] else 'NOT identical'}**")
     t = res.total_time
     if t:
-        m = t["measured_s"]
+        m, model, predicted = t["measured_s"], t["model_on_replay_batches_s"], t["predicted_simulation_s"]
         lines.append(f"- total step time: measured {m:.2f} s; cost model on the replay's own batches "
-                     f"{t['model_on_replay_batches_s']:.2f} s ({_pct(relative_error(t['model_on_replay_batches_s'], m))}); "
-                     f"predicted simulation {t['predicted_simulation_s']:.2f} s "
-                     f"({_pct(relative_error(t['predicted_simulation_s'], m))}) — the difference between the last two is the "
+                     f"{model:.2f} s ({_pct(relative_error(model, m))}); predicted simulation {predicted:.2f} s "
+                     f"({_pct(relative_error(predicted, m))}) — the difference between the last two is the "
                      f"simulation running other batches (its own policy decisions, block use: see Memory)")
     rep = res.repeats
     if rep is None:
