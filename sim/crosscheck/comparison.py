@@ -127,7 +127,6 @@ def fit_errors(measured: np.ndarray, predicted: np.ndarray, kinds: np.ndarray) -
     return out
 
 
-
 def with_shape_columns(steps: pd.DataFrame, shapes: pd.DataFrame, where: str) -> pd.DataFrame:
     """`steps` with the SHAPE_COLUMNS it lacks taken from `shapes` (one row per step, same order)."""
     missing = [c for c in SHAPE_COLUMNS if c not in steps.columns and c in shapes.columns]
@@ -137,7 +136,6 @@ def with_shape_columns(steps: pd.DataFrame, shapes: pd.DataFrame, where: str) ->
         raise CrosscheckError(f"{where}: the recorded simulation ran {len(shapes)} steps, the replay {len(steps)}; "
                               f"cannot take per-step shapes from it")
     return steps.assign(**{c: shapes[c].to_numpy() for c in missing})
-
 
 
 # ---- comparisons ------------------------------------------------------------------------------
@@ -150,6 +148,7 @@ def step_time_table(steps: pd.DataFrame, cost: CostModel) -> pd.DataFrame:
 
 
 def relative_error(sim: float, real: float) -> float:
+    """(sim - real) / real; NaN when either is not finite or real is 0."""
     if not (math.isfinite(sim) and math.isfinite(real)) or real == 0:
         return math.nan
     return (sim - real) / real
