@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -114,52 +115,71 @@ def fit_importance(stats: pd.DataFrame, *, name: str = "fitted", seed: int = 0, 
     """
     base_spec = ImportanceModelSpec.load(base)
     layers, kv_heads = int(stats["layer"].max()) + 1, int(stats["head"].max()) + 1
-    num_tokens = int(np.median(stats["num_keys"]))
     heads = stats.groupby(["layer", "head"], as_index=False)[["num_keys", "keys_95", "sink_share",
                                                                "recent_share"]].mean()
-    layer_frac = (heads["keys_95"] / heads["num_keys"]).groupby(heads["layer"]).mean().to_numpy()
-    dense = 0
-    while dense < layers - 1 and layer_frac[dense] > 2 * np.median(layer_frac):
-        dense += 1
+    dense = _dense_layers(heads, layers)
     sparse = heads[heads["layer"] >= dense].reset_index(drop=True)
     kinds = _classify_heads(sparse)
     mix = {t: round(float(np.mean(kinds == t)), 4) for t in HEAD_TYPES}
     mix[max(mix, key=mix.get)] += round(1.0 - sum(mix.values()), 6)
-    types = {}
-    for t in HEAD_TYPES:
-        bp = base_spec.types[t]
-        h = sparse[kinds == t]
-        if len(h) < 2:      # too few heads of this type to fit: keep the base model's ranges
-            types[t] = {"sink_share": [float(v) for v in bp.sink_share], "local_share": [float(v) for v in bp.local_share],
-                        "tau": [float(v) for v in bp.tau], "sigma": [float(v) for v in bp.sigma]}
-            continue
-        s = np.clip(np.percentile(h["sink_share"], [10, 90]), 0.0, 0.95)
-        n = h["num_keys"].to_numpy()
-        content = (1 - h["sink_share"].to_numpy()) * RECENT_WINDOW / n
-        l_est = np.clip((h["recent_share"].to_numpy() - content) / (1 - RECENT_WINDOW / n), 0.0, 1.0)
-        l = np.percentile(l_est, [10, 90])
-        l = np.minimum(l, 0.98 - s[1])
-        types[t] = {"sink_share": [round(float(s[0]), 4), round(float(max(s[1], s[0])), 4)],
-                    "local_share": [round(float(l[0]), 4), round(float(max(l[1], l[0])), 4)],
-                    "tau": [float(v) for v in bp.tau], "sigma": [float(v) for v in bp.sigma]}
     spec = {"name": name, "dense_layers": dense, "request_sigma_jitter": base_spec.request_sigma_jitter,
-            "sink_weights": [round(float(w), 4) for w in base_spec.sink_weights], "head_mix": mix, "head_types": types}
-    ctx = PolicyContext("per_head", layers, kv_heads, kv_heads, 16, layers * kv_heads)
-    num_requests = int(min(max(stats["request_id"].nunique(), 2), 4))
-
-    def simulate(spec_dict: dict) -> tuple[pd.DataFrame, np.ndarray]:
-        sp = _spec_from_dict(spec_dict)
-        st = attention_stats(ctx, sp, num_tokens=num_tokens, num_requests=num_requests, seed=seed)
-        head_type = np.asarray(HEAD_TYPES)[SyntheticImportance(ctx, sp, seed).head_type]
-        rows = ctx.rows
-        df = pd.DataFrame({"request_id": np.repeat(np.arange(num_requests), rows),
-                           "layer": st["layer"], "head": np.tile(ctx.row_head, num_requests),
-                           "num_keys": num_tokens, "keys_95": st["keys_95"], "sink_share": st["sink_share"],
-                           "recent_share": st["recent_share"]})
-        return df, np.tile(head_type, num_requests)
-
-    # sigma per type: keys_95 falls as sigma grows; bisect log(sigma) per type, all types at once
+            "sink_weights": [round(float(w), 4) for w in base_spec.sink_weights], "head_mix": mix,
+            "head_types": {t: _type_ranges(sparse[kinds == t], base_spec.types[t]) for t in HEAD_TYPES}}
+    simulate = partial(_simulated_stats, ctx=PolicyContext("per_head", layers, kv_heads, kv_heads, 16, layers * kv_heads),
+                       num_tokens=int(np.median(stats["num_keys"])),
+                       num_requests=int(min(max(stats["request_id"].nunique(), 2), 4)), seed=seed)
     target = {t: float(np.median(sparse.loc[kinds == t, "keys_95"])) for t in HEAD_TYPES if (kinds == t).sum() >= 2}
+    _fit_sigmas(spec, target, simulate, iterations)
+    measured = _head_summary(stats)
+    if "request_log_keys95_std" in measured:
+        _fit_jitter(spec, measured["request_log_keys95_std"], simulate, iterations)
+    synthetic = _head_summary(simulate(spec)[0])
+    return ImportanceFit(spec=spec, measured=measured, synthetic=synthetic)
+
+
+def _dense_layers(heads: pd.DataFrame, layers: int) -> int:
+    """Leading layers whose 95% mass needs more than twice the median layer's share of keys."""
+    layer_frac = (heads["keys_95"] / heads["num_keys"]).groupby(heads["layer"]).mean().to_numpy()
+    dense = 0
+    while dense < layers - 1 and layer_frac[dense] > 2 * np.median(layer_frac):
+        dense += 1
+    return dense
+
+
+def _type_ranges(h: pd.DataFrame, bp) -> dict[str, list[float]]:
+    """One head type's sink and local share ranges (p10..p90 of its heads `h`); tau and sigma from the
+    base model's type `bp` (sigma is fitted later). Too few heads to fit: the base model's ranges."""
+    base = {"tau": [float(v) for v in bp.tau], "sigma": [float(v) for v in bp.sigma]}
+    if len(h) < 2:
+        return {"sink_share": [float(v) for v in bp.sink_share], "local_share": [float(v) for v in bp.local_share],
+                **base}
+    s = np.clip(np.percentile(h["sink_share"], [10, 90]), 0.0, 0.95)
+    n = h["num_keys"].to_numpy()
+    content = (1 - h["sink_share"].to_numpy()) * RECENT_WINDOW / n
+    l_est = np.clip((h["recent_share"].to_numpy() - content) / (1 - RECENT_WINDOW / n), 0.0, 1.0)
+    l = np.percentile(l_est, [10, 90])
+    l = np.minimum(l, 0.98 - s[1])
+    return {"sink_share": [round(float(s[0]), 4), round(float(max(s[1], s[0])), 4)],
+            "local_share": [round(float(l[0]), 4), round(float(max(l[1], l[0])), 4)], **base}
+
+
+def _simulated_stats(spec_dict: dict, *, ctx: PolicyContext, num_tokens: int, num_requests: int,
+                     seed: int) -> tuple[pd.DataFrame, np.ndarray]:
+    """The synthetic model's per-head statistics (ATTENTION_COLUMNS) and each row's head type."""
+    sp = _spec_from_dict(spec_dict)
+    st = attention_stats(ctx, sp, num_tokens=num_tokens, num_requests=num_requests, seed=seed)
+    head_type = np.asarray(HEAD_TYPES)[SyntheticImportance(ctx, sp, seed).head_type]
+    df = pd.DataFrame({"request_id": np.repeat(np.arange(num_requests), ctx.rows),
+                       "layer": st["layer"], "head": np.tile(ctx.row_head, num_requests),
+                       "num_keys": num_tokens, "keys_95": st["keys_95"], "sink_share": st["sink_share"],
+                       "recent_share": st["recent_share"]})
+    return df, np.tile(head_type, num_requests)
+
+
+def _fit_sigmas(spec: dict, target: dict[str, float], simulate, iterations: int) -> None:
+    """Each type's sigma range (its width kept) to match the type's median keys_95 (`target`): keys_95
+    falls as sigma grows, so bisect log(sigma) per type, all types in one simulation per round."""
+    types, dense = spec["head_types"], spec["dense_layers"]
     lo = {t: np.log(0.2) for t in target}
     hi = {t: np.log(8.0) for t in target}
     for _ in range(iterations):
@@ -176,18 +196,18 @@ def fit_importance(stats: pd.DataFrame, *, name: str = "fitted", seed: int = 0, 
                 lo[t] = mid       # too spread: concentrate more
             else:
                 hi[t] = mid
-    measured = _head_summary(stats)
-    if "request_log_keys95_std" in measured:
-        lo_j, hi_j = 0.0, 1.0
-        for _ in range(max(iterations - 2, 3)):
-            spec["request_sigma_jitter"] = round((lo_j + hi_j) / 2, 4)
-            got = _head_summary(simulate(spec)[0])["request_log_keys95_std"]
-            if got < measured["request_log_keys95_std"]:
-                lo_j = spec["request_sigma_jitter"]
-            else:
-                hi_j = spec["request_sigma_jitter"]
-    synthetic = _head_summary(simulate(spec)[0])
-    return ImportanceFit(spec=spec, measured=measured, synthetic=synthetic)
+
+
+def _fit_jitter(spec: dict, target: float, simulate, iterations: int) -> None:
+    """The per-request sigma jitter to match how much log keys_95 of one head varies across requests."""
+    lo_j, hi_j = 0.0, 1.0
+    for _ in range(max(iterations - 2, 3)):
+        spec["request_sigma_jitter"] = round((lo_j + hi_j) / 2, 4)
+        got = _head_summary(simulate(spec)[0])["request_log_keys95_std"]
+        if got < target:
+            lo_j = spec["request_sigma_jitter"]
+        else:
+            hi_j = spec["request_sigma_jitter"]
 
 
 def _spec_from_dict(d: dict):

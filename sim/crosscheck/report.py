@@ -21,32 +21,28 @@ def _num(v: float) -> str:
 
 def markdown_report(res: CrosscheckResult) -> str:
     ctx = res.context
-    h = res.headline()
     lines = [f"# kvsim cross-check: {ctx.get('trace', '')}", ""]
     if ctx:
         lines += ["| setting | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in ctx.items()]
         lines.append("")
-    lines += ["## Headline", "",
-              f"- per-step time MAPE: **{h['step_mape']:.1%}**",
-              f"- TTFT p50 error: **{h['ttft_p50_error']:.1%}**, TPOT p50 error: **{h['tpot_p50_error']:.1%}**, "
-              f"E2E p50 error: **{h['e2e_p50_error']:.1%}**",
-              f"- throughput (total tok/s) error: **{h['throughput_error']:.1%}**"]
+    lines += ["## Headline", "", *_headline_lines(res)]
+    lines += _step_error_lines(res.step_errors)
+    if res.repeats is not None:
+        lines += _repeats_lines(res.repeats)
+    lines += _figure_table_lines(res)
+    lines += ["", "Charts: `report.html`.", ""]
+    return "\n".join(lines)
+
+
+def _headline_lines(res: CrosscheckResult) -> list[str]:
+    h = res.headline()
+    lines = [f"- per-step time MAPE: **{h['step_mape']:.1%}**",
+             f"- TTFT p50 error: **{h['ttft_p50_error']:.1%}**, TPOT p50 error: **{h['tpot_p50_error']:.1%}**, "
+             f"E2E p50 error: **{h['e2e_p50_error']:.1%}**",
+             f"- throughput (total tok/s) error: **{h['throughput_error']:.1%}**"]
     if res.recorded is not None:
-        r = res.recorded
-        if r["identical"]:
-            lines.append(f"- recorded mode: memory metrics **identical** over all {r['steps_compared']} steps "
-                         f"({', '.join(r['columns'])})")
-        else:
-            d = r["first_divergence"]
-            lines.append(f"- recorded mode: memory metrics **diverge** at step {d['step']}: {d['column']} "
-                         f"real={d['real']} sim={d['sim']} (real {r['real_steps']} steps, sim {r['sim_steps']})")
-        if "decisions" in r:
-            lines.append(f"- recorded mode replayed {r['decisions_replayed']} recorded evictions from "
-                         f"`{r['decisions']}` ({r['decisions_missing']} recorded entries not found live)")
-        if "request_timings_identical" in r:
-            lines.append(f"- recorded mode reproduces the replay's request timings (TTFT/TPOT/E2E): "
-                         f"**{'identical' if r['request_timings_identical'] else 'NOT identical'}**")
+        lines += _recorded_lines(res.recorded)
     t = res.total_time
     if t:
         m, model, predicted = t["measured_s"], t["model_on_replay_batches_s"], t["predicted_simulation_s"]
@@ -63,25 +59,57 @@ def markdown_report(res: CrosscheckResult) -> str:
                      f"relative spread (slowest - fastest) / median per step: median "
                      f"**{rep['spread_median']:.1%}**, p90 {rep['spread_p90']:.1%}; latencies and throughput "
                      f"from the recorded simulation fed the median step times")
-    lines += ["", "## Per-step time (replay steps: cost model vs measured)", "",
-              "| kind | steps | MAPE | median APE | p90 APE | median bias |", "|---|---:|---:|---:|---:|---:|"]
-    for kind, e in res.step_errors.items():
+    return lines
+
+
+def _recorded_lines(r: dict) -> list[str]:
+    """What recorded mode found: identical memory metrics or the first divergence, decisions replayed."""
+    lines = []
+    if r["identical"]:
+        lines.append(f"- recorded mode: memory metrics **identical** over all {r['steps_compared']} steps "
+                     f"({', '.join(r['columns'])})")
+    else:
+        d = r["first_divergence"]
+        lines.append(f"- recorded mode: memory metrics **diverge** at step {d['step']}: {d['column']} "
+                     f"real={d['real']} sim={d['sim']} (real {r['real_steps']} steps, sim {r['sim_steps']})")
+    if "decisions" in r:
+        lines.append(f"- recorded mode replayed {r['decisions_replayed']} recorded evictions from "
+                     f"`{r['decisions']}` ({r['decisions_missing']} recorded entries not found live)")
+    if "request_timings_identical" in r:
+        lines.append(f"- recorded mode reproduces the replay's request timings (TTFT/TPOT/E2E): "
+                     f"**{'identical' if r['request_timings_identical'] else 'NOT identical'}**")
+    return lines
+
+
+def _step_error_lines(step_errors: dict) -> list[str]:
+    lines = ["", "## Per-step time (replay steps: cost model vs measured)", "",
+             "| kind | steps | MAPE | median APE | p90 APE | median bias |", "|---|---:|---:|---:|---:|---:|"]
+    for kind, e in step_errors.items():
         lines.append(f"| {kind} | {e['count']} | {e['mape']:.1%} | {e['median_ape']:.1%} | {e['p90_ape']:.1%} "
                      f"| {e['bias']:+.1%} |")
-    if rep is not None:
-        lines += ["", f"## Repeats ({rep['n']} replays)", "",
-                  "| kind | steps | median spread | p90 spread |", "|---|---:|---:|---:|"]
-        for kind, e in rep["spread_by_kind"].items():
-            lines.append(f"| {kind} | {e['count']} | {e['median']:.1%} | {e['p90']:.1%} |")
-        lines += ["", "Each replay alone against the prediction (what a single replay would have reported):", "",
-                  "| replay | load avg 1m | measured step time (s) | shift vs median | step MAPE | TTFT p50 err "
-                  "| TPOT p50 err | throughput err |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in rep["singles"]:
-            lines.append(f"| `{r['replay']}` | {_num(r['loadavg_1m'])} | {r['measured_s']:.2f} | "
-                         f"{r['shift_vs_median']:+.1%} | {r['step_mape']:.1%} | {r['ttft_p50_error']:.1%} | "
-                         f"{r['tpot_p50_error']:.1%} | {r['throughput_error']:.1%} |")
-    lines += ["", "## Latency (finished requests)", "", "| metric | pct | real (s) | sim (s) | error |",
-              "|---|---:|---:|---:|---:|"]
+    return lines
+
+
+def _repeats_lines(rep: dict) -> list[str]:
+    """Spread over the repeats by step kind, and what each replay alone would have reported."""
+    lines = ["", f"## Repeats ({rep['n']} replays)", "",
+             "| kind | steps | median spread | p90 spread |", "|---|---:|---:|---:|"]
+    for kind, e in rep["spread_by_kind"].items():
+        lines.append(f"| {kind} | {e['count']} | {e['median']:.1%} | {e['p90']:.1%} |")
+    lines += ["", "Each replay alone against the prediction (what a single replay would have reported):", "",
+              "| replay | load avg 1m | measured step time (s) | shift vs median | step MAPE | TTFT p50 err "
+              "| TPOT p50 err | throughput err |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rep["singles"]:
+        lines.append(f"| `{r['replay']}` | {_num(r['loadavg_1m'])} | {r['measured_s']:.2f} | "
+                     f"{r['shift_vs_median']:+.1%} | {r['step_mape']:.1%} | {r['ttft_p50_error']:.1%} | "
+                     f"{r['tpot_p50_error']:.1%} | {r['throughput_error']:.1%} |")
+    return lines
+
+
+def _figure_table_lines(res: CrosscheckResult) -> list[str]:
+    """Latency, throughput and memory tables: real against simulated."""
+    lines = ["", "## Latency (finished requests)", "", "| metric | pct | real (s) | sim (s) | error |",
+             "|---|---:|---:|---:|---:|"]
     for row in res.latency.itertuples():
         lines.append(f"| {row.metric} | p{row.percentile} | {_num(row.real)} | {_num(row.sim)} | {_pct(row.rel_error)} |")
     lines += ["", "## Throughput", "", "| metric | real | sim | error |", "|---|---:|---:|---:|"]
@@ -91,8 +119,7 @@ def markdown_report(res: CrosscheckResult) -> str:
     lines += ["", "## Memory", "", "| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for _, row in res.memory.iterrows():
         lines.append(f"| {row['metric']} | " + " | ".join(_num(row[n]) for n in names) + " |")
-    lines += ["", "Charts: `report.html`.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def html_report(res: CrosscheckResult) -> str:
