@@ -1,10 +1,18 @@
-"""Cross-check report rendering: report.md, report.html (plotly charts) and crosscheck.json of a comparison."""
+"""Cross-check report rendering: report.md, report.html (plotly charts) and crosscheck.json of a comparison.
+
+Only `kvsim crosscheck` imports this module (it always writes the HTML page), so plotly is imported at
+module level here; the comparison and the calibration do not load it.
+"""
 from __future__ import annotations
 
 import html as html_mod
 import json
 import math
 from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from kvsim.sim.crosscheck.comparison import LATENCY_METRICS, CrosscheckResult, relative_error
 
@@ -123,12 +131,18 @@ def _figure_table_lines(res: CrosscheckResult) -> list[str]:
 
 
 def html_report(res: CrosscheckResult) -> str:
-    # plotly is imported here, not at module level: it is slow to import and only the HTML page needs it
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+    figs = [_step_scatter(res.step_times), _step_times_over_replay(res), _latency_bars(res.latency),
+            _memory_over_time(res.series)]
+    body = "\n".join(f.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False)
+                     for i, f in enumerate(figs))
+    md = html_mod.escape(markdown_report(res))
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvsim cross-check</title></head>"
+            f"<body style='font-family:sans-serif;max-width:1100px;margin:auto'>{body}"
+            f"<h2>Figures</h2><pre>{md}</pre></body></html>")
 
-    t = res.step_times
-    figs = []
+
+def _step_scatter(t: pd.DataFrame) -> go.Figure:
+    """Predicted against measured time of every replay step, by step kind, with the y = x line."""
     scatter = go.Figure()
     for kind in ("prefill", "decode", "mixed"):
         m = t[t["kind"] == kind]
@@ -136,11 +150,16 @@ def html_report(res: CrosscheckResult) -> str:
             scatter.add_trace(go.Scattergl(x=m["measured_s"] * 1e3, y=m["predicted_s"] * 1e3, mode="markers",
                                            name=kind, marker={"size": 4, "opacity": 0.6}))
     hi = float(max(t["measured_s"].max(), t["predicted_s"].max()) * 1e3) if len(t) else 1.0
-    scatter.add_trace(go.Scatter(x=[0, hi], y=[0, hi], mode="lines", name="y = x", line={"dash": "dash", "color": "gray"}))
+    scatter.add_trace(go.Scatter(x=[0, hi], y=[0, hi], mode="lines", name="y = x",
+                                 line={"dash": "dash", "color": "gray"}))
     scatter.update_layout(title="Per-step time: predicted vs measured (replay steps)",
                           xaxis_title="measured (ms)", yaxis_title="predicted (ms)")
-    figs.append(scatter)
+    return scatter
 
+
+def _step_times_over_replay(res: CrosscheckResult) -> go.Figure:
+    """Measured (median, between the fastest and slowest repeat) and predicted step time over the replay."""
+    t = res.step_times
     over = go.Figure()
     if res.repeat_steps is not None:
         reps = res.repeat_steps.filter(like="duration_")
@@ -151,32 +170,31 @@ def html_report(res: CrosscheckResult) -> str:
     over.add_trace(go.Scattergl(x=t["time_s"], y=t["measured_s"] * 1e3, mode="lines",
                                 name="measured" if res.repeat_steps is None else "measured (median)"))
     over.add_trace(go.Scattergl(x=t["time_s"], y=t["predicted_s"] * 1e3, mode="lines", name="predicted"))
-    over.update_layout(title="Per-step time over the replay", xaxis_title="replay time (s)", yaxis_title="step time (ms)")
-    figs.append(over)
+    over.update_layout(title="Per-step time over the replay", xaxis_title="replay time (s)",
+                       yaxis_title="step time (ms)")
+    return over
 
+
+def _latency_bars(latency: pd.DataFrame) -> go.Figure:
     lat = make_subplots(rows=1, cols=len(LATENCY_METRICS), subplot_titles=[m.upper() for m in LATENCY_METRICS])
     for i, metric in enumerate(LATENCY_METRICS, start=1):
-        d = res.latency[res.latency["metric"] == metric]
+        d = latency[latency["metric"] == metric]
         labels = [f"p{q}" for q in d["percentile"]]
         lat.add_trace(go.Bar(x=labels, y=d["real"], name="real", marker_color="#1f77b4", showlegend=i == 1), 1, i)
         lat.add_trace(go.Bar(x=labels, y=d["sim"], name="sim", marker_color="#ff7f0e", showlegend=i == 1), 1, i)
     lat.update_layout(title="Latency percentiles (s): real vs simulated", barmode="group")
-    figs.append(lat)
+    return lat
 
+
+def _memory_over_time(series: dict[str, pd.DataFrame]) -> go.Figure:
     mem = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=["blocks used", "fragmentation"])
-    for name, s in res.series.items():
-        mem.add_trace(go.Scattergl(x=s["time_s"], y=s["blocks_used"], mode="lines", name=name, legendgroup=name), 1, 1)
+    for name, s in series.items():
+        mem.add_trace(go.Scattergl(x=s["time_s"], y=s["blocks_used"], mode="lines", name=name, legendgroup=name),
+                      1, 1)
         mem.add_trace(go.Scattergl(x=s["time_s"], y=s["fragmentation"], mode="lines", name=name, legendgroup=name,
                                    showlegend=False), 2, 1)
     mem.update_layout(title="Memory over time", xaxis2_title="time (s)")
-    figs.append(mem)
-
-    body = "\n".join(f.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False)
-                     for i, f in enumerate(figs))
-    md = html_mod.escape(markdown_report(res))
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvsim cross-check</title></head>"
-            f"<body style='font-family:sans-serif;max-width:1100px;margin:auto'>{body}"
-            f"<h2>Figures</h2><pre>{md}</pre></body></html>")
+    return mem
 
 
 def write_report(res: CrosscheckResult, out_dir: str | Path) -> tuple[Path, Path]:
