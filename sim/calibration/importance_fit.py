@@ -75,7 +75,8 @@ class ImportanceFit:
             head.append(f"# content correlation fitted to the evictions recorded in {', '.join(map(str, c.sources))}: "
                         f"blocks freed by eviction {c.measured.blocks_freed}/{c.synthetic.blocks_freed} "
                         f"(uncorrelated {c.uncorrelated.blocks_freed}), prefill-cut mean evicted run "
-                        f"{c.measured.mean_run:.3g}/{c.synthetic.mean_run:.3g} (uncorrelated {c.uncorrelated.mean_run:.3g})")
+                        f"{c.measured.mean_run:.3g}/{c.synthetic.mean_run:.3g} "
+                        f"(uncorrelated {c.uncorrelated.mean_run:.3g})")
         path = Path(path)
         path.write_text("\n".join(head) + "\n" + yaml.safe_dump(self.spec, sort_keys=False, default_flow_style=None))
         return path
@@ -125,8 +126,8 @@ def fit_importance(stats: pd.DataFrame, *, name: str = "fitted", seed: int = 0, 
     spec = {"name": name, "dense_layers": dense, "request_sigma_jitter": base_spec.request_sigma_jitter,
             "sink_weights": [round(float(w), 4) for w in base_spec.sink_weights], "head_mix": mix,
             "head_types": {t: _type_ranges(sparse[kinds == t], base_spec.types[t]) for t in HEAD_TYPES}}
-    simulate = partial(_simulated_stats, ctx=PolicyContext("per_head", layers, kv_heads, kv_heads, 16, layers * kv_heads),
-                       num_tokens=int(np.median(stats["num_keys"])),
+    ctx = PolicyContext("per_head", layers, kv_heads, kv_heads, 16, layers * kv_heads)
+    simulate = partial(_simulated_stats, ctx=ctx, num_tokens=int(np.median(stats["num_keys"])),
                        num_requests=int(min(max(stats["request_id"].nunique(), 2), 4)), seed=seed)
     target = {t: float(np.median(sparse.loc[kinds == t, "keys_95"])) for t in HEAD_TYPES if (kinds == t).sum() >= 2}
     _fit_sigmas(spec, target, simulate, iterations)

@@ -151,78 +151,92 @@ def _fit_factors(steps: pd.DataFrame, model, gpu, base: HardwareProfile, tp: int
     steps = steps[steps["duration_s"] > 0].reset_index(drop=True)
     if len(steps) < len(FACTORS):
         raise CalibrationError(f"need at least {len(FACTORS)} steps with a positive duration_s, got {len(steps)}")
-    cost = CostModel(model, gpu, base, tp=tp)
-    shape = shape_of_steps(steps)
-    features = cost.feature_matrix(shape)
-    y = steps["duration_s"].to_numpy(dtype=np.float64)
-    kinds = step_kind(steps)
-    for column, feature in (("kv_tokens_padded", "attn_padded"), ("attn_pairs_prefill_padded", "attn_prefill_padded")):
-        if column not in steps.columns:      # no padded counts logged: the factor is not identifiable
-            features[:, FEATURE_NAMES.index(feature)] = 0.0
-    present = np.array([any(np.any(features[:, FEATURE_NAMES.index(n)] > 0)
-                            for n, (f, _) in FACTOR_OF_FEATURE.items() if f == factor) for factor in FACTORS])
-    lower = np.array([1.0 if f in EFFICIENCY_FACTORS else 0.0 for f in FACTORS])
+    fit = _AlternatingFit(steps, CostModel(model, gpu, base, tp=tp), base, tp, max_iter)
+    profile, iterations, converged = fit.alternate(np.arange(len(fit.y)), base)
+    if trim > 0:
+        ape = np.abs(fit.predict(profile) - fit.y) / fit.y
+        keep = ape <= np.quantile(ape, 1 - trim)
+        profile, it2, converged = fit.alternate(np.flatnonzero(keep), profile)
+        iterations += it2
+    profile = profile.model_copy(update={"name": name, "description": description or base.description})
+    return fit.report(profile, iterations, converged, step_kind(steps))
 
-    def solve(rows: np.ndarray, x_prev: np.ndarray, profile: HardwareProfile):
-        branch = cost_with(profile).active_branches(shape)
+
+class _AlternatingFit:
+    """The factors of one step log: with each step's roofline branches fixed, a weighted NNLS on the
+    relative error; then the branches re-picked under the new factors, until they stop changing."""
+
+    def __init__(self, steps: pd.DataFrame, cost: CostModel, base: HardwareProfile, tp: int, max_iter: int):
+        self.cost, self.base, self.tp, self.max_iter = cost, base, tp, max_iter
+        self.shape = shape_of_steps(steps)
+        self.features = cost.feature_matrix(self.shape)
+        self.y = steps["duration_s"].to_numpy(dtype=np.float64)
+        for column, feature in (("kv_tokens_padded", "attn_padded"),
+                                ("attn_pairs_prefill_padded", "attn_prefill_padded")):
+            if column not in steps.columns:      # no padded counts logged: the factor is not identifiable
+                self.features[:, FEATURE_NAMES.index(feature)] = 0.0
+        self.present = np.array([any(np.any(self.features[:, FEATURE_NAMES.index(n)] > 0)
+                                     for n, (f, _) in FACTOR_OF_FEATURE.items() if f == factor) for factor in FACTORS])
+        self.lower = np.array([1.0 if f in EFFICIENCY_FACTORS else 0.0 for f in FACTORS])
+
+    def cost_with(self, profile: HardwareProfile) -> CostModel:
+        return CostModel(self.cost.model, self.cost.gpu, profile, tp=self.tp)
+
+    def predict(self, profile: HardwareProfile) -> np.ndarray:
+        return np.atleast_1d(self.cost_with(profile).predict(self.shape))
+
+    def design(self, profile: HardwareProfile) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The design matrix under `profile`'s roofline branches, and those branches per step (linear
+        layers compute-bound, attention compute-bound)."""
+        branch = self.cost_with(profile).active_branches(self.shape)
         cl = np.atleast_1d(branch["linear_compute_bound"])
         ca = np.atleast_1d(branch["attn_compute_bound"])
-        a = _unknown_columns(features, cl, ca)
-        fixed = ~present | ~np.any(a[rows] > 0, axis=0)   # unidentifiable in this branch assignment
-        x0 = np.where(fixed, x_prev, lower)
-        w = 1.0 / y[rows]
-        rhs = (y[rows] - a[rows] @ x0) * w
+        return _unknown_columns(self.features, cl, ca), cl, ca
+
+    def solve(self, rows: np.ndarray, x_prev: np.ndarray, profile: HardwareProfile):
+        a, cl, ca = self.design(profile)
+        fixed = ~self.present | ~np.any(a[rows] > 0, axis=0)   # unidentifiable in this branch assignment
+        x0 = np.where(fixed, x_prev, self.lower)
+        w = 1.0 / self.y[rows]
+        rhs = (self.y[rows] - a[rows] @ x0) * w
         free = ~fixed
         x = x0.copy()
-        x[free] = lower[free] + nnls(a[rows][:, free] * w[:, None], rhs)
+        x[free] = self.lower[free] + nnls(a[rows][:, free] * w[:, None], rhs)
         return x, (cl, ca)
 
-    def cost_with(profile: HardwareProfile) -> CostModel:
-        return CostModel(cost.model, cost.gpu, profile, tp=tp)
+    def loss(self, profile: HardwareProfile, rows: np.ndarray) -> float:
+        pred = self.predict(profile)
+        return float(np.sum(((pred[rows] - self.y[rows]) / self.y[rows]) ** 2))
 
-    def loss(profile: HardwareProfile, rows: np.ndarray) -> float:
-        pred = np.atleast_1d(cost_with(profile).predict(shape))
-        return float(np.sum(((pred[rows] - y[rows]) / y[rows]) ** 2))
-
-    def alternate(rows: np.ndarray, start: HardwareProfile):
+    def alternate(self, rows: np.ndarray, start: HardwareProfile):
+        """(best profile seen, iterations, whether the branches settled) fitting the steps `rows`."""
         profile, x = start, _x_of_profile(start)
-        best = (loss(profile, rows), profile)
+        best = (self.loss(profile, rows), profile)
         seen = None
-        for it in range(1, max_iter + 1):
-            x, branches = solve(rows, x, profile)
-            profile = _profile_of_x(base, x)
-            cur = loss(profile, rows)
+        for it in range(1, self.max_iter + 1):
+            x, branches = self.solve(rows, x, profile)
+            profile = _profile_of_x(self.base, x)
+            cur = self.loss(profile, rows)
             if cur < best[0]:
                 best = (cur, profile)
             key = tuple(b.tobytes() for b in branches)
             if key == seen:
                 return best[1], it, True
             seen = key
-        return best[1], max_iter, False
+        return best[1], self.max_iter, False
 
-    rows = np.arange(len(y))
-    profile, iterations, converged = alternate(rows, base)
-    if trim > 0:
-        pred = np.atleast_1d(cost_with(profile).predict(shape))
-        ape = np.abs(pred - y) / y
-        keep = ape <= np.quantile(ape, 1 - trim)
-        profile, it2, converged = alternate(np.flatnonzero(keep), profile)
-        iterations += it2
-    pred = np.atleast_1d(cost_with(profile).predict(shape))
-    branch = cost_with(profile).active_branches(shape)
-    x = _x_of_profile(profile)
-    a_any = _unknown_columns(features, np.atleast_1d(branch["linear_compute_bound"]),
-                             np.atleast_1d(branch["attn_compute_bound"]))
-    identified = np.any(a_any > 0, axis=0)
-    fitted = [f for f, ok in zip(FACTORS, identified) if ok]
-    not_fitted = [f for f, ok in zip(FACTORS, identified) if not ok]
-    at_bound = [f for f, v in zip(FACTORS, x) if f in EFFICIENCY_FACTORS and f in fitted and v <= 1.0 + 1e-12]
-    errors = fit_errors(y, pred, kinds)
-    profile = profile.model_copy(update={"name": name, "description": description or base.description})
-    return FitReport(profile=profile, iterations=iterations, converged=converged, fitted=fitted,
-                     not_fitted=not_fitted, at_bound=at_bound, errors=errors,
-                     branches={"linear_compute": float(np.mean(branch["linear_compute_bound"])),
-                               "attn_compute": float(np.mean(branch["attn_compute_bound"]))})
+    def report(self, profile: HardwareProfile, iterations: int, converged: bool, kinds: np.ndarray) -> FitReport:
+        """Which factors the steps identify under `profile`'s branches, and its errors on every step."""
+        a_any, cl, ca = self.design(profile)
+        identified = np.any(a_any > 0, axis=0)
+        fitted = [f for f, ok in zip(FACTORS, identified) if ok]
+        not_fitted = [f for f, ok in zip(FACTORS, identified) if not ok]
+        x = _x_of_profile(profile)
+        at_bound = [f for f, v in zip(FACTORS, x) if f in EFFICIENCY_FACTORS and f in fitted and v <= 1.0 + 1e-12]
+        errors = fit_errors(self.y, self.predict(profile), kinds)
+        return FitReport(profile=profile, iterations=iterations, converged=converged, fitted=fitted,
+                         not_fitted=not_fitted, at_bound=at_bound, errors=errors,
+                         branches={"linear_compute": float(np.mean(cl)), "attn_compute": float(np.mean(ca))})
 
 
 def profile_meta(report: FitReport, *, model: str, gpu: str, sources: list[str], command: str | None = None,

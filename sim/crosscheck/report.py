@@ -119,7 +119,8 @@ def _figure_table_lines(res: CrosscheckResult) -> list[str]:
     lines = ["", "## Latency (finished requests)", "", "| metric | pct | real (s) | sim (s) | error |",
              "|---|---:|---:|---:|---:|"]
     for row in res.latency.itertuples():
-        lines.append(f"| {row.metric} | p{row.percentile} | {_num(row.real)} | {_num(row.sim)} | {_pct(row.rel_error)} |")
+        lines.append(f"| {row.metric} | p{row.percentile} | {_num(row.real)} | {_num(row.sim)} "
+                     f"| {_pct(row.rel_error)} |")
     lines += ["", "## Throughput", "", "| metric | real | sim | error |", "|---|---:|---:|---:|"]
     for row in res.throughput.itertuples():
         lines.append(f"| {row.metric} | {_num(row.real)} | {_num(row.sim)} | {_pct(row.rel_error)} |")
