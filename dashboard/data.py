@@ -228,7 +228,7 @@ def pool_map(binned: pd.DataFrame, num_blocks: int, block_size: int, rows: int =
 def step_kind(steps: pd.DataFrame) -> pd.Series:
     """prefill / decode / mixed per step, as the calibration and the cross-check classify steps."""
     if {"prefill_tokens", "decode_tokens"} <= set(steps.columns):
-        from kvsim.sim.calibrate import step_kind as by_tokens
+        from kvsim.sim.crosscheck.comparison import step_kind as by_tokens
         return pd.Series(by_tokens(steps), index=steps.index)
     prefill = steps["num_prefill_seqs"] > 0
     decode = steps["num_decode_seqs"] > 0
@@ -239,7 +239,7 @@ def step_kind(steps: pd.DataFrame) -> pd.Series:
 def fidelity_table(steps: pd.DataFrame, measured: str = "duration_s", predicted: str = "predicted_s",
                    kind: pd.Series | None = None) -> pd.DataFrame:
     """Per-step error of the cost model's prediction against the measured step time, with the
-    cross-check report's definitions (sim.calibrate.fit_errors).
+    cross-check report's definitions (sim.crosscheck.comparison.fit_errors).
 
     Rows: all steps, then by step kind (prefill / decode / mixed) and batch-size bucket. Columns:
     steps, MAPE, median and p90 absolute percentage error, median bias (signed; + = the model
@@ -264,7 +264,7 @@ def fidelity_table(steps: pd.DataFrame, measured: str = "duration_s", predicted:
 
 
 def _error_row(name: str, measured: np.ndarray, predicted: np.ndarray) -> dict:
-    from kvsim.sim.calibrate import fit_errors
+    from kvsim.sim.crosscheck.comparison import fit_errors
 
     e = fit_errors(measured, predicted, np.full(measured.size, "all"))["all"]
     return {"group": name, "steps": e["count"], "MAPE_%": 100 * e["mape"], "median_APE_%": 100 * e["median_ape"],

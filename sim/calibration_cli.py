@@ -53,8 +53,8 @@ def calibrate(
     The per-head attention statistics (--attention) fix the head mix, shares and concentrations; they
     cannot see where the heavy keys sit. Real attention is positionally correlated (H2O evicts runs of
     tokens and empties whole pages), so --decisions fits the model's content correlation to recorded
-    evictions by simulating the replays over a (rho, ell) grid (sim/calibrate.py fit_content_correlation)."""
-    from .calibrate import CalibrationError
+    evictions by simulating the replays over a (rho, ell) grid (sim/calibration/correlation_fit.py)."""
+    from .calibration.errors import CalibrationError
     command = "kvsim calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     try:
         if attention is not None:
@@ -71,7 +71,8 @@ def calibrate(
 
 def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command,
                        decode_batch_factors: bool = True) -> None:
-    from .calibrate import fit_profile, load_step_logs, profile_meta
+    from .calibration.profile_fit import fit_profile, profile_meta
+    from .calibration.step_logs import load_step_logs
     steps = load_step_logs(step_logs)
     report = fit_profile(steps, model, gpu, base_profile=base_profile, tp=tp, name=name or out.stem,
                          description=f"fitted by kvsim calibrate on {len(steps)} measured steps of {model}",
@@ -96,7 +97,8 @@ def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim,
 
 
 def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: str, decisions: list[Path]) -> None:
-    from .calibrate import fit_content_correlation, fit_importance, load_attention_stats
+    from .calibration.correlation_fit import fit_content_correlation
+    from .calibration.importance_fit import fit_importance, load_attention_stats
     stats = load_attention_stats(attention)
     fit = fit_importance(stats, name=name or out.stem, seed=seed)
     if decisions:
@@ -141,8 +143,9 @@ def crosscheck(
     """Replay TRACE on the real backend, simulate it with PROFILE, and write report.md / report.html
     (per-step time MAPE, TTFT/TPOT/E2E percentile errors, throughput error, memory side by side)."""
     from .config import ConfigError, load_config
-    from .crosscheck import (CrosscheckError, Repeats, Run, compare, predicted_config, replay_shape_columns,
-                             simulate_recorded, with_shape_columns, write_report)
+    from .crosscheck.comparison import CrosscheckError, Repeats, Run, compare, with_shape_columns
+    from .crosscheck.recorded import predicted_config, replay_shape_columns, simulate_recorded
+    from .crosscheck.report import write_report
     if real and repeats not in (1, len(real)):
         _fail(f"--repeats {repeats} with {len(real)} --real directories: give one --real per repeat")
     repeats = len(real) or repeats

@@ -9,8 +9,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .capacity import read_capacity
-from .sweep import read_plan, read_store
+from .capacity import parse_slo, read_capacity
+from .config import SimConfig
+from .sweep import config_columns, read_plan, read_store
 
 LOAD_AXES = ("trace_options.rate_scale", "replicas", "engine.max_num_seqs")
 REPLICATE_AXES = ("seed",)   # averaged over in the line charts
@@ -31,8 +32,6 @@ def config_axes(df: pd.DataFrame, metric_columns: set[str]) -> list[str]:
 
 
 def _metric_columns(df: pd.DataFrame) -> set[str]:
-    from .config import SimConfig
-    from .sweep import config_columns
     cfg_cols = set(config_columns(SimConfig().model_dump(mode="json")))
     return {c for c in df.columns if c not in cfg_cols and c not in _NOT_AXES}
 
@@ -130,7 +129,6 @@ def _capacity_figure(cap: dict, df: pd.DataFrame) -> go.Figure:
         if col in rows:
             fig.add_trace(go.Scatter(x=rows[x], y=rows[col] * 1e3, mode="lines+markers", name=f"{name} (ms)"),
                           row=1, col=2)
-    from .capacity import parse_slo
     plotted = {"ttft_p99_s", "tpot_p99_s", "e2e_p99_s"}
     for c in parse_slo(",".join(cap["slo"])):
         if c.metric in plotted:

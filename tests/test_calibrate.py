@@ -7,12 +7,16 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.calibrate import (
-    CalibrationError, fit_importance, fit_profile, load_attention_stats, load_step_logs, nnls,
-    shape_of_steps,
-)
+from kvsim.sim.calibration import regenerate_cpu_profile as regen
+from kvsim.sim.calibration.errors import CalibrationError
+from kvsim.sim.calibration.importance_fit import fit_importance, load_attention_stats
+from kvsim.sim.calibration.profile_fit import fit_profile, nnls
+from kvsim.sim.calibration.step_logs import load_step_logs
 from kvsim.sim.cli import app
 from kvsim.sim.cost_model import CostModel, load_profile
+from kvsim.sim.crosscheck.comparison import shape_of_steps
+from kvsim.sim.kv.importance import ImportanceModelSpec, attention_stats
+from kvsim.sim.kv.policy import PolicyContext
 
 FITTED = ("mfu_prefill", "mfu_decode", "mem_bw_eff", "attn_compute_eff", "attn_bw_eff", "copy_bw_eff",
           "step_overhead_s", "per_seq_overhead_s", "per_block_entry_overhead_s", "padded_attn_cost",
@@ -160,8 +164,6 @@ def test_bad_step_logs_fail_with_file_and_column(tmp_path):
 
 
 def _stats_of_synthetic(spec: str, num_requests: int, seed: int) -> pd.DataFrame:
-    from kvsim.sim.kv.importance import attention_stats
-    from kvsim.sim.kv.policy import PolicyContext
     ctx = PolicyContext("per_head", 30, 3, 9, 16, 90)
     st = attention_stats(ctx, spec, num_requests=num_requests, num_tokens=800, seed=seed)
     return pd.DataFrame({"request_id": np.repeat(np.arange(num_requests), 90), "layer": st["layer"],
@@ -178,7 +180,6 @@ def test_importance_fit_reproduces_measured_statistics(tmp_path):
     assert s["sink_share_median"] == pytest.approx(m["sink_share_median"], abs=0.05)
     assert s["recent_share_median"] == pytest.approx(m["recent_share_median"], abs=0.05)
     assert s["request_log_keys95_std"] == pytest.approx(m["request_log_keys95_std"], rel=0.25)
-    from kvsim.sim.kv.importance import ImportanceModelSpec
     spec = ImportanceModelSpec.load(fit.write(tmp_path / "imp.yaml", command="kvsim calibrate --attention x"))
     assert spec.dense_layers in (2, 3) and spec.mix["heavy"] > 0.2
     assert "regenerate: kvsim calibrate" in (tmp_path / "imp.yaml").read_text()
@@ -227,3 +228,41 @@ def test_repeated_replays_are_fitted_on_each_steps_median(tmp_path):
     with pytest.raises(CalibrationError, match=r"rep1/steps.parquet: not a repeat of .*rep0/steps.parquet: it "
                                                r"schedules differently from step 7 on \(batch_size"):
         load_step_logs([",".join(dirs)])
+
+
+def test_cpu_profile_regeneration_replays_the_documented_workloads():
+    """The workloads `python -m kvsim.sim.calibration.regenerate_cpu_profile` replays (defaults)."""
+    args = regen.parse_args([])
+    runs = regen.calibration_runs(args)
+    assert list(runs) == ["replay-sweep", "replay-staggered", "replay-long-decode", "replay-irregular",
+                          "replay-h2o-b128", "replay-h2o-b256", "replay-h2o-b512"]
+    assert all(cfg.kv.policy == "none" for name, (cfg, _) in runs.items() if "h2o" not in name)
+    assert [runs[f"replay-h2o-b{b}"][0].kv.budget for b in (128, 256, 512)] == [128, 256, 512]
+    sweep = runs["replay-sweep"][1].df
+    closed = sweep[sweep["arrival_time_s"] < 16 * 1e4]          # 4 batch sizes x 4 prompt lengths, one per gap
+    assert closed.groupby("arrival_time_s").size().tolist() == [1, 2, 4, 8] * 4
+    assert sorted(set(closed["prompt_tokens"])) == [64, 256, 768, 1024]
+    staggered = runs["replay-staggered"][1].df
+    first = staggered.groupby(staggered["arrival_time_s"] // 1e4)["arrival_time_s"].agg(["min", "max"])
+    assert ((first["max"] - first["min"]) == 1.5).all()         # the later prompts join the first one's prefill
+    irregular = runs["replay-irregular"][1].df["prompt_tokens"]
+    assert (irregular % 16 != 0).all()
+    assert regen.SHIPPED_PROFILE.is_file() and regen.SHIPPED_IMPORTANCE.is_file()
+
+
+def test_cpu_profile_regeneration_fits_every_repeat_into_the_shipped_files(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(regen, "kvsim", lambda *a: calls.append(a))
+    earlier = tmp_path / "earlier"
+    for name in ("replay-sweep", "replay-sweep-r2", "replay-staggered"):
+        (earlier / name).mkdir(parents=True)
+    args = regen.parse_args(["--out", str(tmp_path / "cal"), "--repeats", "2", "--h2o-budgets", "64",
+                             "--fit-also", str(earlier)])
+    regen.fit(regen.calibration_runs(args), args)
+    profile, importance = calls
+    cal = tmp_path / "cal"
+    assert profile[1] == f"{cal}/replay-sweep,{cal}/replay-sweep-r2,{earlier}/replay-sweep,{earlier}/replay-sweep-r2"
+    assert profile[2] == f"{cal}/replay-staggered,{cal}/replay-staggered-r2,{earlier}/replay-staggered"
+    assert profile[-6:] == ("--out", str(regen.SHIPPED_PROFILE), "--model", "smollm2-135m", "--gpu", "cpu-2core")
+    assert importance == ("calibrate", "--attention", str(cal / "replay-sweep"), "--decisions",
+                          str(cal / "replay-h2o-b64"), "--out", str(regen.SHIPPED_IMPORTANCE))

@@ -9,12 +9,21 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from typer.testing import CliRunner
+
+from kvsim.sim.calibration.profile_fit import fit_profile
+from kvsim.sim.calibration.step_logs import load_step_logs
+from kvsim.sim.catalog import get_model
+from kvsim.sim.cli import app
 from kvsim.sim.config import load_config
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.crosscheck import (CrosscheckError, Repeats, Run, compare, first_divergence, same_request_timings,
-                            simulate_recorded, write_report)
+from kvsim.sim.cost_model import CostModel, load_profile
+from kvsim.sim.crosscheck.comparison import (CrosscheckError, Repeats, Run, compare, first_divergence,
+                                            same_request_timings)
+from kvsim.sim.crosscheck.recorded import predicted_config, simulate_recorded
+from kvsim.sim.crosscheck.report import write_report
 from kvsim.sim.simulate import run_simulation
-from kvsim.traces.synthetic import synthesize
+from kvsim.traces.synthetic import closed_batch, synthesize
+from kvsim.traces.trace import Trace
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +93,7 @@ def test_tiny_calibrate_and_crosscheck_on_the_real_backend(tmp_path):
     """Replay on the real model (2 layers of SmolLM2), fit a profile, cross-check another trace."""
     torch = pytest.importorskip("torch")
     replay = pytest.importorskip("kvsim.gpu.replay")
-    from kvsim.gpu.weights import load_smollm2
-    from kvsim.sim.calibrate import fit_profile, load_step_logs
-    from kvsim.sim.catalog import get_model
-    from kvsim.traces.synthetic import closed_batch
-    from kvsim.traces.trace import Trace
+    from kvsim.gpu.weights import load_smollm2       # imports torch: only where the real backend runs
 
     torch.set_num_threads(1)
     model = load_smollm2().truncated(2)
@@ -161,8 +166,6 @@ def test_report_states_recorded_identity_or_divergence(pair):
 def test_padded_attention_profiles_price_every_decode_step_with_its_own_shape(pair):
     """The decode fast-forward has no per-step widest block table: with a padding profile the
     predicted simulation steps one by one, so each step is priced with its padded count."""
-    from kvsim.sim.cost_model import load_profile
-    from kvsim.sim.crosscheck import predicted_config
     cfg, trace, _, _, d = pair
     plain = load_profile("cpu-2core")
     assert predicted_config(cfg, plain) is cfg
@@ -226,8 +229,6 @@ def test_repeats_refuse_replays_that_schedule_differently(pair):
     (["--repeats", "2", "--no-recorded"], "--repeats needs recorded mode"),
 ])
 def test_crosscheck_repeats_options_are_checked(args, message, tmp_path):
-    from typer.testing import CliRunner
-    from kvsim.sim.cli import app
     res = CliRunner().invoke(app, ["crosscheck", "--trace", "azure-conv-2023", "--profile", "cpu-smollm2",
                                    "--num-gpu-blocks", "100", "--out", str(tmp_path), *args])
     assert res.exit_code == 2 and message in res.output

@@ -9,7 +9,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from kvsim.sim.calibrate import CalibrationError, fit_content_correlation, simulate_evictions
+from kvsim.sim.calibration.correlation_fit import fit_content_correlation, simulate_evictions
+from kvsim.sim.calibration.errors import CalibrationError
 from kvsim.sim.cli import app
 from kvsim.sim.config import load_config
 from kvsim.sim.kv.importance import CHUNK, DATA_DIR, ImportanceError, ImportanceModelSpec, SyntheticImportance

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from kvsim.sim.config import ConfigError, load_config
-from kvsim.sim.crosscheck import CrosscheckError, first_divergence, recorded_config, simulate_recorded
+from kvsim.sim.crosscheck.comparison import CrosscheckError, first_divergence
+from kvsim.sim.crosscheck.recorded import recorded_config, simulate_recorded
 from kvsim.sim.kv.policies.recorded import RecordedDecisionsError
 from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
 from kvsim.sim.kv.state import TokenState
@@ -78,7 +79,7 @@ def test_rerunning_the_policy_on_synthetic_scores_diverges(replays):
     """Why recorded mode exists: h2o on the simulator's synthetic attention evicts other tokens."""
     cfg, d, real = replays["h2o-compact-per_head-pressure"]
     from kvsim.sim import simulate as sim_mod
-    from kvsim.sim.crosscheck import replay_model_spec
+    from kvsim.sim.crosscheck.recorded import replay_model_spec
     import json
     spec = replay_model_spec(cfg, json.loads((d / "summary.json").read_text()))
     hw = sim_mod.resolve_hardware

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvsim.traces import Trace, TraceError, load_trace, trace_stats
-from kvsim.traces.synthetic import (Fixed, LogNormal, Uniform, closed_batch, gamma_arrivals, parse_length_spec,
-                              poisson_arrivals, synthesize)
+from kvsim.traces.arrivals import gamma_arrivals, poisson_arrivals
+from kvsim.traces.synthetic import Fixed, LogNormal, Uniform, closed_batch, parse_length_spec, synthesize
 
 N = 200_000
 

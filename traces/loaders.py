@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvsim.traces.arrivals import arrivals
 from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.trace import NATIVE_METADATA_KEY, Trace, _session_column
 
@@ -361,8 +362,6 @@ def load_burstgpt(path: Path, *, model: str | None = None, log_type: str | None 
 
 
 def load_lengths(path: Path, *, rate: float | None = None, cv: float | None = None, seed: int = 0) -> Trace:
-    from kvsim.traces.synthetic import arrivals  # synthetic imports this module
-
     df, rows = _read_csv(path, ("num_prefill_tokens", "num_decode_tokens"), "length-only")
     prompt = _integers(df["num_prefill_tokens"], rows, "num_prefill_tokens", 1)
     output = _integers(df["num_decode_tokens"], rows, "num_decode_tokens", 0)

@@ -1,4 +1,4 @@
-"""Seeded synthetic workloads: arrival processes, length distributions, closed batches.
+"""Seeded synthetic workloads: length distributions, closed batches, synthesized traces.
 
 Every function takes a ``seed`` (int) and returns the same result for the same arguments on any
 machine (numpy's PCG64 via ``np.random.default_rng``). ``synthesize`` draws arrivals, prompt
@@ -21,55 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvsim.traces.arrivals import arrivals, check_count, check_positive
 from kvsim.traces.errors import TraceError
+from kvsim.traces.loaders import load_trace
 from kvsim.traces.trace import Trace
-
-
-def _positive(name: str, value: float) -> float:
-    if value is None or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise TraceError(None, None, f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def _count(n: int) -> int:
-    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
-        raise TraceError(None, None, f"number of requests must be an integer >= 1, got {n!r}")
-    return int(n)
-
-
-# ---- arrival processes -------------------------------------------------------------------------
-def poisson_arrivals(n: int, rate: float, seed: int | np.random.SeedSequence = 0) -> np.ndarray:
-    """``n`` arrival times (s) of a Poisson process of ``rate`` req/s; the first arrives at t=0."""
-    return gamma_arrivals(n, rate, cv=1.0, seed=seed)
-
-
-def gamma_arrivals(n: int, rate: float, cv: float, seed: int | np.random.SeedSequence = 0) -> np.ndarray:
-    """``n`` arrival times (s) with Gamma inter-arrival gaps of mean ``1/rate`` and coefficient of
-    variation ``cv`` (cv=1 is Poisson; cv>1 is burstier); the first request arrives at t=0."""
-    n, rate, cv = _count(n), _positive("rate", rate), _positive("cv", cv)
-    rng = np.random.default_rng(seed)
-    if cv == 1.0:
-        gaps = rng.exponential(1.0 / rate, size=n - 1)
-    else:
-        shape = 1.0 / cv**2
-        gaps = rng.gamma(shape, 1.0 / (rate * shape), size=n - 1)
-    return np.concatenate([[0.0], np.cumsum(gaps)])
-
-
-def arrivals(n: int, *, rate: float | None, cv: float | None = None,
-             seed: int | np.random.SeedSequence = 0) -> tuple[np.ndarray, str]:
-    """Arrival times and a description: Poisson (cv None or 1), Gamma (cv), or all at 0 (rate None)."""
-    if rate is None:
-        if cv is not None:
-            raise TraceError(None, None, "cv needs a rate: give rate= (req/s) to draw bursty arrivals")
-        return np.zeros(_count(n)), "closed batch, every request arrives at t=0 (no rate given)"
-    if cv is None or cv == 1.0:
-        return poisson_arrivals(n, rate, seed), f"Poisson, {rate:g} req/s, seed {_seed_text(seed)}"
-    return gamma_arrivals(n, rate, cv, seed), f"Gamma, {rate:g} req/s, inter-arrival CV {cv:g}, seed {_seed_text(seed)}"
-
-
-def _seed_text(seed) -> str:
-    return str(seed.entropy) if isinstance(seed, np.random.SeedSequence) else str(seed)
 
 
 # ---- length distributions ----------------------------------------------------------------------
@@ -105,8 +60,8 @@ class LogNormal:
     max_tokens: int | None = None
 
     def __post_init__(self):
-        _positive("lognormal mean", self.mean)
-        _positive("lognormal cv", self.cv)
+        check_positive("lognormal mean", self.mean)
+        check_positive("lognormal cv", self.cv)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise TraceError(None, None, f"lognormal max must be >= 1, got {self.max_tokens}")
 
@@ -146,7 +101,7 @@ def parse_length_spec(spec: str | int | LengthDist) -> LengthDist:
 def closed_batch(n: int, prompt_tokens: int, output_tokens: int, *, name: str | None = None) -> Trace:
     """The closed "batch" workload: ``n`` requests of ``prompt_tokens`` prompt and ``output_tokens``
     output tokens, all arriving at t=0."""
-    n = _count(n)
+    n = check_count(n)
     for label, value in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens)):
         if value < 1:
             raise TraceError(None, None, f"closed_batch: {label} must be >= 1, got {value}")
@@ -165,7 +120,7 @@ def synthesize(n: int, *, rate: float | None = None, cv: float | None = None,
     at t=0 when ``rate`` is None. Lengths: ``prompt``/``output`` specs, or ``lengths`` = a trace
     name or path whose (prompt, output) pairs are resampled with replacement.
     """
-    n = _count(n)
+    n = check_count(n)
     arrival_seed, prompt_seed, output_seed = np.random.SeedSequence(seed).spawn(3)
     times, how = arrivals(n, rate=rate, cv=cv, seed=arrival_seed)
     if lengths is not None:
@@ -183,8 +138,6 @@ def synthesize(n: int, *, rate: float | None = None, cv: float | None = None,
 
 
 def _resample(source: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    from kvsim.traces.loaders import load_trace
-
     pool = load_trace(source).df
     rows = rng.integers(0, len(pool), size=n)
     return pool["prompt_tokens"].to_numpy()[rows], pool["output_tokens"].to_numpy()[rows]

@@ -1,4 +1,4 @@
-"""Regenerate the shipped CPU calibration: replay generated calibration workloads on the real
+"""Regenerate the shipped CPU calibration data: replay generated calibration workloads on the real
 backend (SmolLM2-135M), fit `sim/data/profiles/cpu-smollm2.yaml` and
 `sim/data/importance/smollm2-135m-fitted.yaml`, then cross-check on a held-out Azure conv slice
 with policy none and h2o + slot_reuse. Prints the figures and the load average.
@@ -48,9 +48,12 @@ KV cache before allocating the next (it sits in reference cycles), the first ste
 replay in a process (after the warm-up, or repeat 2 without one) read 10-30% slower: the cycle
 collection landed there and the allocator faulted ~2 GB of fresh pages (515k page faults).
 
-    python bench/calibrate_cpu.py --out runs/calibration [--repeats 3] [--crosscheck-repeats 3]
-        [--threads 1] [--clock cpu] [--reuse] [--replay-only] [--skip-crosscheck] [--skip-fit]
-        [--crosschecks none h2o] [--crosscheck-suffix=-run2] [--fit-also runs/earlier-calibration]
+Run from the repository root (the fitted files record the replay directories as given; docs/calibration.md
+says when to regenerate):
+
+    python -m kvsim.sim.calibration.regenerate_cpu_profile --out runs/calibration [--repeats 3]
+        [--crosscheck-repeats 3] [--threads 1] [--clock cpu] [--reuse] [--replay-only] [--skip-crosscheck]
+        [--skip-fit] [--crosschecks none h2o] [--crosscheck-suffix=-run2] [--fit-also runs/earlier-calibration]
 """
 from __future__ import annotations
 
@@ -60,17 +63,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvsim.sim.config import load_config
+from kvsim.traces.synthetic import closed_batch
+from kvsim.traces.trace import Trace
 
-ROOT = Path(__file__).resolve().parent.parent
+SIM_DIR = Path(__file__).resolve().parent.parent
+SHIPPED_PROFILE = SIM_DIR / "data" / "profiles" / "cpu-smollm2.yaml"
+SHIPPED_IMPORTANCE = SIM_DIR / "data" / "importance" / "smollm2-135m-fitted.yaml"
 # glibc malloc: keep freed memory in the heap (no per-step page faults for large temporaries)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "68719476736",
               "MALLOC_TOP_PAD_": "1073741824"}
+BASE_CONFIG = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core"}
 
 
+# ---- calibration workloads ----------------------------------------------------------------------
 def calibration_trace(batches, prompts, output_tokens: int, gap_s: float = 1e4):
     """Closed batches (all requests of one batch at once), one after another with idle gaps."""
-    from kvsim.traces.synthetic import closed_batch
-    from kvsim.traces.trace import Trace
     parts = []
     for i, (b, p) in enumerate((b, p) for p in prompts for b in batches):
         t = closed_batch(b, p, output_tokens)
@@ -81,7 +89,6 @@ def calibration_trace(batches, prompts, output_tokens: int, gap_s: float = 1e4):
 
 def mixed_trace(groups, output_tokens: int, gap_s: float = 1e4, name: str = "calibration-mixed"):
     """One batch per group of prompt lengths, all its requests arriving together."""
-    from kvsim.traces.trace import Trace
     prompts = [p for g in groups for p in g]
     arrivals = [i * gap_s for i, g in enumerate(groups) for _ in g]
     return Trace.from_columns(arrival_time_s=arrivals, prompt_tokens=prompts,
@@ -91,7 +98,6 @@ def mixed_trace(groups, output_tokens: int, gap_s: float = 1e4, name: str = "cal
 def staggered_trace(groups, output_tokens: int, delay_s: float = 1.5, gap_s: float = 1e4):
     """Per group: its first prompt at the group's start, the others `delay_s` later (during the first
     one's prefill: they join its first decode step)."""
-    from kvsim.traces.trace import Trace
     arrivals, prompts = [], []
     for i, (first, later) in enumerate(groups):
         arrivals += [i * gap_s] + [i * gap_s + delay_s] * len(later)
@@ -105,9 +111,42 @@ def parse_staggered(text: str) -> tuple[int, list[int]]:
     return int(first), [int(p) for p in later.split(",") if p]
 
 
+def parse_batches(texts: list[str]) -> list[list[int]]:
+    """Comma-separated prompt lengths, one batch per text."""
+    return [[int(p) for p in g.split(",")] for g in texts]
+
+
 def shifted(trace, offset_s: float):
     trace.df["arrival_time_s"] = trace.df["arrival_time_s"] + offset_s
     return trace
+
+
+def calibration_runs(args) -> dict[str, tuple]:
+    """Every calibration workload by replay name: (config, trace)."""
+    base = {**BASE_CONFIG, "engine.num_gpu_blocks": args.num_gpu_blocks}
+    sweep = calibration_trace(args.batches, args.prompts, args.output_tokens)
+    n_sweep = len(args.batches) * len(args.prompts)
+    mixed = shifted(mixed_trace(parse_batches(args.mixed), args.output_tokens + 4), n_sweep * 1e4)
+    runs = {"replay-sweep": (load_config(None, base),
+                             Trace.concat([sweep, mixed], how="overlay", name="calibration-sweep")),
+            "replay-staggered": (load_config(None, base),
+                                 staggered_trace([parse_staggered(g) for g in args.staggered], args.output_tokens)),
+            "replay-long-decode": (load_config(None, base),
+                                   mixed_trace(parse_batches(args.long_decode), args.long_decode_tokens,
+                                               name="calibration-long-decode")),
+            "replay-irregular": (load_config(None, base),
+                                 mixed_trace(parse_batches(args.irregular), args.irregular_tokens,
+                                             name="calibration-irregular"))}
+    for budget in args.h2o_budgets:
+        runs[f"replay-h2o-b{budget}"] = (
+            load_config(None, {**base, "kv.policy": "h2o", "kv.budget": budget, "kv.slot_strategy": "slot_reuse"}),
+            mixed_trace(parse_batches(args.h2o), args.h2o_output_tokens, name=f"calibration-h2o-b{budget}"))
+    return runs
+
+
+def earlier_repeats(earlier: Path, name: str) -> list[Path]:
+    """The replays of workload `name` in an earlier calibration output directory (every repeat)."""
+    return sorted(earlier.glob(name)) + sorted(earlier.glob(f"{name}-r*"))
 
 
 def repeat_dir(out: Path, name: str, repeat: int) -> Path:
@@ -115,14 +154,68 @@ def repeat_dir(out: Path, name: str, repeat: int) -> Path:
     return out / (name if repeat == 1 else f"{name}-r{repeat}")
 
 
+# ---- steps ---------------------------------------------------------------------------------------
 def kvsim(*args: str) -> None:
     print("$ kvsim " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-c", "from kvsim.sim.cli import main; main()", *args], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", "from kvsim.sim.cli import main; main()", *args], check=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "calibration")
+def replay_all(runs: dict[str, tuple], args) -> None:
+    """Replay every workload `args.repeats` times, the repeats interleaved so that each workload's repeats run at
+    different moments."""
+    # gpu.replay imports torch: only this step needs it, and only after the malloc re-exec
+    from kvsim.gpu.replay import ReplayOptions, run_replay
+    opts = ReplayOptions(device="cpu", clock=args.clock)
+    for r in range(1, args.repeats + 1):
+        for name, (cfg, trace) in runs.items():
+            d = repeat_dir(args.out, name, r)
+            if args.reuse and (d / "steps.parquet").is_file():
+                print(f"{d}: reused", flush=True)
+                continue
+            res = run_replay(cfg, d, trace=trace, options=opts, progress=True)
+            print(f"{d.name}: {len(res.steps)} steps, load average after: {os.getloadavg()}", flush=True)
+
+
+def fit(runs: dict[str, tuple], args) -> None:
+    """`kvsim calibrate` of the shipped profile (every workload, each step at its median over the repeats
+    and --fit-also) and of the shipped importance model (per-head statistics from the sweep, the content
+    correlation from the h2o replays' recorded evictions)."""
+    groups = [",".join([str(repeat_dir(args.out, name, r)) for r in range(1, args.repeats + 1)]
+                       + [str(d) for extra in args.fit_also for d in earlier_repeats(extra, name)])
+              for name in runs]
+    kvsim("calibrate", *groups, "--out", str(SHIPPED_PROFILE), "--model", "smollm2-135m", "--gpu", "cpu-2core")
+    h2o_dirs = [a for name in runs if name.startswith("replay-h2o") for a in ("--decisions", str(args.out / name))]
+    kvsim("calibrate", "--attention", str(args.out / "replay-sweep"), *h2o_dirs, "--out", str(SHIPPED_IMPORTANCE))
+
+
+def crosscheck(args) -> None:
+    """`kvsim crosscheck` of the shipped profile on a held-out Azure conv slice, per policy in --crosschecks."""
+    # Prompts beyond 1,100 tokens are rejected (and outputs capped) so the CPU replay of the full
+    # 30-layer model stays within minutes.
+    common = ["--trace", "azure-conv-2023", "--profile", str(SHIPPED_PROFILE),
+              "--num-gpu-blocks", str(args.num_gpu_blocks), "--start-s", "2400",
+              "--max-requests", str(args.crosscheck_requests), "--rate-scale", "0.5",
+              "--set", "engine.max_model_len=1100", "--threads", str(args.threads), "--clock", args.clock,
+              "--repeats", str(args.crosscheck_repeats)]
+    # The simulated h2o run scores tokens with the fitted importance model (the calibration's product),
+    # not the hand-seeded default.
+    policies = {"none": [], "h2o": ["--set", "kv.policy=h2o", "--set", "kv.budget=256", "--set",
+                                    "kv.slot_strategy=slot_reuse", "--set", f"kv.importance={SHIPPED_IMPORTANCE.stem}"]}
+    for policy in args.crosschecks:
+        out = args.out / f"crosscheck-{policy}{args.crosscheck_suffix}"
+        reals = [out / ("real" if r == 1 else f"real-{r}") for r in range(1, args.crosscheck_repeats + 1)]
+        reuse = []
+        if args.reuse and all((d / "steps.parquet").is_file() for d in reals):
+            print(f"{out}: replays reused", flush=True)
+            reuse = [a for d in reals for a in ("--real", str(d))]
+        kvsim("crosscheck", *common, *policies[policy], *reuse, "--out", str(out))
+
+
+# ---- command line --------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m kvsim.sim.calibration.regenerate_cpu_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/calibration"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="cpu",
                     help="replay step timer (cpu: the thread's CPU time; needs --threads 1)")
@@ -166,81 +259,26 @@ def main() -> None:
                          "starting with - needs =, e.g. --crosscheck-suffix=-run2)")
     ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
                     help="tuned: rerun under MALLOC_ENV (glibc keeps freed memory; see the module doc)")
-    args = ap.parse_args()
-    if args.malloc == "tuned" and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    return ap.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.malloc == "tuned" and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *sys.argv[1:]], {**os.environ, **MALLOC_ENV})
+    # torch is imported only here, after the malloc re-exec: the settings must be in place when it loads
     import torch
     torch.set_num_threads(args.threads)
-    from kvsim.gpu.replay import ReplayOptions, run_replay
-    from kvsim.sim.config import load_config
-    from kvsim.traces.trace import Trace
-
     print(f"load average before: {os.getloadavg()}, torch threads {torch.get_num_threads()}, clock {args.clock}, "
           f"malloc {args.malloc}", flush=True)
-    sweep = calibration_trace(args.batches, args.prompts, args.output_tokens)
-    n_sweep = len(args.batches) * len(args.prompts)
-    mixed = shifted(mixed_trace([[int(p) for p in g.split(",")] for g in args.mixed], args.output_tokens + 4),
-                    n_sweep * 1e4)
-    base = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
-            "engine.num_gpu_blocks": args.num_gpu_blocks}
-    opts = ReplayOptions(device="cpu", clock=args.clock)
-    h2o_batches = [[int(p) for p in g.split(",")] for g in args.h2o]
-    runs = {"replay-sweep": (load_config(None, base),
-                             Trace.concat([sweep, mixed], how="overlay", name="calibration-sweep")),
-            "replay-staggered": (load_config(None, base),
-                                 staggered_trace([parse_staggered(g) for g in args.staggered], args.output_tokens)),
-            "replay-long-decode": (load_config(None, base),
-                                   mixed_trace([[int(p) for p in g.split(",")] for g in args.long_decode],
-                                               args.long_decode_tokens, name="calibration-long-decode")),
-            "replay-irregular": (load_config(None, base),
-                                 mixed_trace([[int(p) for p in g.split(",")] for g in args.irregular],
-                                             args.irregular_tokens, name="calibration-irregular"))}
-    for budget in args.h2o_budgets:
-        runs[f"replay-h2o-b{budget}"] = (
-            load_config(None, {**base, "kv.policy": "h2o", "kv.budget": budget, "kv.slot_strategy": "slot_reuse"}),
-            mixed_trace(h2o_batches, args.h2o_output_tokens, name=f"calibration-h2o-b{budget}"))
-    for r in range(1, args.repeats + 1):       # repeats interleaved: each workload's at different moments
-        for name, (cfg, trace) in runs.items():
-            d = repeat_dir(args.out, name, r)
-            if args.reuse and (d / "steps.parquet").is_file():
-                print(f"{d}: reused", flush=True)
-                continue
-            res = run_replay(cfg, d, trace=trace, options=opts, progress=True)
-            print(f"{d.name}: {len(res.steps)} steps, load average after: {os.getloadavg()}", flush=True)
+    runs = calibration_runs(args)
+    replay_all(runs, args)
     if args.replay_only:
         return
-    cal_dir = args.out / "replay-sweep"
-    profile = ROOT / "sim" / "data" / "profiles" / "cpu-smollm2.yaml"
-    importance = ROOT / "sim" / "data" / "importance" / "smollm2-135m-fitted.yaml"
-    groups = [",".join([str(repeat_dir(args.out, name, r)) for r in range(1, args.repeats + 1)]
-                       + [str(d) for extra in args.fit_also for d in sorted(extra.glob(name)) + sorted(extra.glob(f"{name}-r*"))])
-              for name in runs]
     if not args.skip_fit:
-        kvsim("calibrate", *groups, "--out", str(profile), "--model", "smollm2-135m", "--gpu", "cpu-2core")
-        # per-head statistics from the sweep; the content correlation from the h2o replays' recorded evictions
-        h2o_dirs = [a for name in runs if name.startswith("replay-h2o") for a in ("--decisions", str(args.out / name))]
-        kvsim("calibrate", "--attention", str(cal_dir), *h2o_dirs, "--out", str(importance))
-    if args.skip_crosscheck:
-        return
-    # A held-out Azure conv slice; prompts beyond 1,100 tokens are rejected (and outputs capped) so
-    # the CPU replay of the full 30-layer model stays within minutes.
-    common = ["--trace", "azure-conv-2023", "--profile", str(profile), "--num-gpu-blocks", str(args.num_gpu_blocks),
-              "--start-s", "2400", "--max-requests", str(args.crosscheck_requests), "--rate-scale", "0.5",
-              "--set", "engine.max_model_len=1100", "--threads", str(args.threads), "--clock", args.clock,
-              "--repeats", str(args.crosscheck_repeats)]
-    # The simulated h2o run scores tokens with the fitted importance model (the calibration's product),
-    # not the hand-seeded default.
-    policies = {"none": [], "h2o": ["--set", "kv.policy=h2o", "--set", "kv.budget=256", "--set",
-                                    "kv.slot_strategy=slot_reuse", "--set", f"kv.importance={importance.stem}"]}
-    for policy in args.crosschecks:
-        out = args.out / f"crosscheck-{policy}{args.crosscheck_suffix}"
-        reals = [out / ("real" if r == 1 else f"real-{r}") for r in range(1, args.crosscheck_repeats + 1)]
-        reuse = []
-        if args.reuse and all((d / "steps.parquet").is_file() for d in reals):
-            print(f"{out}: replays reused", flush=True)
-            reuse = [a for d in reals for a in ("--real", str(d))]
-        kvsim("crosscheck", *common, *policies[policy], *reuse, "--out", str(out))
+        fit(runs, args)
+    if not args.skip_crosscheck:
+        crosscheck(args)
 
 
 if __name__ == "__main__":
