@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, Sets, config_overrides, fail
+from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, config_overrides, fail
 
 console = Console()
 
@@ -120,7 +120,7 @@ def crosscheck(
     start_s: Optional[float] = typer.Option(None, help="trace window start (s)"),
     end_s: Optional[float] = typer.Option(None, help="trace window end (s)"),
     max_requests: Annotated[Optional[int], typer.Option(help="first N requests of the window")] = None,
-    set_: Sets = [],
+    set_: Annotated[list[str], typer.Option("--set", help="config key for both runs, e.g. kv.policy=h2o")] = [],
     threads: Optional[int] = typer.Option(None, help="torch threads of the replay (use the calibration's)"),
     clock: str = typer.Option("wall", help="replay step timer: wall | cpu (the thread's CPU time, so other "
                                            "processes' load does not count; device cpu with --threads 1; use "
