@@ -3,7 +3,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvsim.dashboard.cli import exposure_warning, is_local_address
+from kvsim.dashboard.server import exposure_warning, is_local_address
 from kvsim.dashboard.data import data_root
 
 PAGES = Path(__file__).resolve().parent / "pages"

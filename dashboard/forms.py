@@ -16,7 +16,7 @@ from typing import Any, Literal
 import streamlit as st
 from pydantic import BaseModel
 
-from kvsim.sim.config import ConfigError, SimConfig, load_config
+from kvsim.sim.config import ConfigError, SimConfig, load_config, registry_choices
 from kvsim.traces import DATA_TRACES, TraceError
 
 from .data import DataError, data_root, redact_content, resolve_user_path
@@ -91,8 +91,11 @@ def _is_model(annotation) -> bool:
     return isinstance(inner, type) and issubclass(inner, BaseModel)
 
 
-def field_choices(annotation) -> list | None:
-    """The finite set of values a field takes (Literal, bool), or None."""
+def field_choices(annotation, key: str | None = None) -> list | None:
+    """The finite set of values a field (dotted config `key`) takes (a registry's names, Literal, bool), or None."""
+    registered = registry_choices(key) if key else None
+    if registered is not None:
+        return registered
     inner, optional = _unwrap(annotation)
     if typing.get_origin(inner) is Literal:
         return list(typing.get_args(inner)) + ([None] if optional else [])
@@ -117,7 +120,7 @@ def config_axes() -> dict[str, list | None]:
             if _is_model(f.annotation):
                 walk(_unwrap(f.annotation)[0], f"{key}.")
                 continue
-            choices = field_choices(f.annotation)
+            choices = field_choices(f.annotation, key)
             inner, _ = _unwrap(f.annotation)
             if choices is not None:
                 axes[key] = choices
@@ -154,7 +157,7 @@ def parse_axis_values(key: str, text: str) -> list:
 
 
 def _field_widget(key: str, name: str, f, prefix: str):
-    choices = field_choices(f.annotation)
+    choices = field_choices(f.annotation, key)
     inner, optional = _unwrap(f.annotation)
     help_text = f.description or None
     wkey = f"{prefix}{key}"

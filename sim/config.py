@@ -1,9 +1,10 @@
 """Validated simulation configuration (YAML file and/or CLI options; CLI overrides win)."""
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -25,6 +26,36 @@ def parse_duration(text: str | float, what: str = "duration") -> float:
     if not m:
         raise ConfigError(f"{what}: {text!r} is not a duration with a unit (e.g. 200ms, 2s, 500us)")
     return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def policy_names() -> list[str]:
+    """Every KV policy registered so far (built-in ones and plug-ins registered with @register_policy)."""
+    from .kv.policy import policy_names as registered
+
+    return registered()
+
+
+def slot_strategy_names() -> list[str]:
+    from .kv.manager import SLOT_STRATEGIES
+
+    return list(SLOT_STRATEGIES)
+
+
+# config keys whose valid values come from a registry, not from the type: key -> names provider
+REGISTRY_CHOICES: dict[str, Callable[[], list[str]]] = {"kv.policy": policy_names,
+                                                        "kv.slot_strategy": slot_strategy_names}
+
+
+def registry_choices(key: str) -> list[str] | None:
+    """Valid values of a registry-backed dotted config key (kv.policy, ...), or None for other keys."""
+    names = REGISTRY_CHOICES.get(key)
+    return None if names is None else names()
+
+
+def _one_of(value: str, names: list[str], what: str) -> str:
+    if value not in names:
+        raise ValueError(f"unknown {what} {value!r}; known: {', '.join(names)}")
+    return value
 
 
 class _Strict(BaseModel):
@@ -94,13 +125,11 @@ class SLO(_Strict):
 
 class KVConfig(_Strict):
     """KV eviction / compression / fragmentation (sim/kv). Defaults keep vLLM's full cache."""
-    policy: Literal["none", "streaming", "h2o", "snapkv", "pyramidkv", "ada_snapkv", "kvcompress", "leankv",
-                    "quest", "tokenselect", "recorded"] = "none"
+    policy: str = Field("none", description="a registered KV policy (sim.kv.policy.register_policy)")
     budget: int | None = Field(None, gt=0, description="tokens kept per head (policies with a budget)")
     params: dict[str, Any] = Field(default_factory=dict, description="extra policy parameters")
     layout: Literal["shared", "per_head"] = "shared"
-    slot_strategy: Literal["noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact",
-                           "parallel_compact"] = "free_block"
+    slot_strategy: str = Field("free_block", description="how freed token slots are handled (sim.kv.manager)")
     trigger: Literal["policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure",
                      "pressure", "threshold"] = "policy"
     trigger_interval: int = Field(1, gt=0, description="every_n: decode steps between compressions")
@@ -111,6 +140,16 @@ class KVConfig(_Strict):
                                                 "layers x KV heads / fast_rows rows (rounded down to a divisor)")
     high_tier: str = "K8V4"
     low_tier: str = "K4V2"
+
+    @field_validator("policy")
+    @classmethod
+    def _registered_policy(cls, v: str) -> str:
+        return _one_of(v, policy_names(), "KV policy")
+
+    @field_validator("slot_strategy")
+    @classmethod
+    def _known_slot_strategy(cls, v: str) -> str:
+        return _one_of(v, slot_strategy_names(), "slot strategy")
 
     @property
     def is_default(self) -> bool:
@@ -136,59 +175,110 @@ class SimConfig(_Strict):
     fast_forward: bool = True
     check_invariants: bool = False
 
+    @field_validator("model")
+    @classmethod
+    def _catalog_model(cls, v: str) -> str:
+        from .catalog import get_model
 
-def _format_errors(exc: ValidationError, source: str) -> str:
-    lines = []
+        get_model(v)            # CatalogError (a ValueError) names the known models
+        return v
+
+    @field_validator("gpu")
+    @classmethod
+    def _catalog_gpu(cls, v: str) -> str:
+        from .catalog import get_gpu
+
+        get_gpu(v)
+        return v
+
+
+def validation_message(exc: ValidationError, source: str | None = None) -> str:
+    """Each problem as `field: message (got value)`: one line each prefixed by `source` when given, else
+    all on one line separated by '; '."""
+    problems = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{source}: {loc}: {msg} (got {err.get('input')!r})")
-    return "\n".join(lines)
+        problems.append(f"{loc}: {msg} (got {err.get('input')!r})")
+    if source is None:
+        return "; ".join(problems)
+    return "\n".join(f"{source}: {problem}" for problem in problems)
 
 
-def _set_dotted(data: dict, key: str, value: Any) -> None:
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{'engine': {'block_size': 16}} -> {'engine.block_size': 16} (dotted keys pass through)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    """data['engine']['block_size'] = value for key 'engine.block_size', creating sections."""
     parts = key.split(".")
     node = data
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {key}: {p} is not a section")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {'.'.join(parts[:i + 1])} is a value, not a section")
+        node = child
     node[parts[-1]] = value
+
+
+def build_config(base: dict, overrides: dict[str, Any], source: str | None = None) -> SimConfig:
+    """SimConfig from a base mapping (left unchanged) plus dotted overrides (None is a value here, not
+    'unset'). Errors name the field; `source` (a file) prefixes each one on its own line."""
+    data = copy.deepcopy(base)
+    for key, value in overrides.items():
+        set_dotted(data, key, value)
+    try:
+        return SimConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(validation_message(exc, source)) from None
+
+
+def read_yaml_file(path: str | Path, *, what: str = "config file", expected: str = "a YAML config file",
+                   option: str = "", example: str | None = None) -> Any:
+    """Parse a YAML file; a missing, unreadable or invalid file raises ConfigError naming it (`option`,
+    e.g. '--config ', before the path) and what was `expected` there."""
+    path = Path(path)
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found: {path}") from None
+    except IsADirectoryError:
+        hint = f" (e.g. {path / example})" if example else ""
+        raise ConfigError(f"{option}{path}: is a directory; expected {expected}{hint}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{option}{path}: cannot be read ({getattr(exc, 'strerror', None) or exc.reason}); "
+                          f"expected {expected}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
+
+
+def read_config_file(path: str | Path, option: str = "--config ") -> dict:
+    """A YAML config file's mapping of options (an empty file is an empty mapping)."""
+    data = read_yaml_file(path, option=option, example="config.yaml") or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of options at the top level")
+    return data
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 sets: list[str] | tuple[str, ...] = ()) -> SimConfig:
-    """Read an optional YAML file, apply dotted overrides (`{"engine.block_size": 32}`), then the
-    command line's `--set KEY=VALUE` items, and validate."""
+    """Read an optional YAML file, apply dotted overrides (`{"engine.block_size": 32}`; None = not
+    given), then the command line's `--set KEY=VALUE` items, and validate."""
     overrides = dict(overrides or {})
     for item in sets:
         key, value = parse_set_option(item)
         overrides[key] = value
-    data: dict = {}
-    source = "config"
-    if path is not None:
-        source = str(path)
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except IsADirectoryError:
-            raise ConfigError(f"--config {path}: is a directory; expected a YAML config file "
-                              f"(e.g. {Path(path) / 'config.yaml'})") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"--config {path}: cannot be read ({getattr(exc, 'strerror', None) or exc.reason}); "
-                              "expected a YAML config file") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of options at the top level")
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            _set_dotted(data, key, value)
-    try:
-        return SimConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, source)) from None
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    data = {} if path is None else read_config_file(path)
+    return build_config(data, overrides, source="config" if path is None else str(path))
 
 
 def parse_set_option(item: str) -> tuple[str, Any]:

@@ -27,7 +27,6 @@ shares runs with an earlier one) skips the runs already in the store.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import json
@@ -44,10 +43,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
-from pydantic import ValidationError
 
-from .config import ConfigError, SimConfig, yaml_problem
+from .config import ConfigError, SimConfig, build_config, flatten, read_config_file, read_yaml_file
 
 SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
 # summary keys that repeat a config column; the store keeps the config column
@@ -78,42 +75,6 @@ class SweepPlan:
     duplicates: int = 0   # grid points that resolved to a config already planned
 
 
-def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    """{'engine': {'block_size': 16}} -> {'engine.block_size': 16} (dotted keys pass through)."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
-def _set_dotted(data: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{key}: {'.'.join(parts[:i + 1])} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def build_config(base: dict, overrides: dict[str, Any]) -> SimConfig:
-    """SimConfig from a base mapping plus dotted overrides (None is a value, not 'unset')."""
-    data = copy.deepcopy(base)
-    for key, value in overrides.items():
-        _set_dotted(data, key, value)
-    try:
-        return SimConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError("; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']} (got {err.get('input')!r})"
-            for err in exc.errors())) from None
-
-
 def run_id_of(cfg: SimConfig) -> str:
     """Stable hash of the resolved config (every field, defaults included)."""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -127,16 +88,9 @@ def _describe(values: dict) -> str:
 def load_spec(path: str | Path) -> SweepPlan:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"sweep spec not found: {path}") from None
-    except IsADirectoryError:
-        raise SpecError(f"{path}: is a directory; expected a sweep spec YAML file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot be read ({getattr(exc, 'strerror', None) or exc.reason}); "
-                        "expected a sweep spec YAML file") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
+        raw = read_yaml_file(path, what="sweep spec", expected="a sweep spec YAML file")
+    except ConfigError as exc:
+        raise SpecError(str(exc)) from None
     return parse_spec(raw, source=str(path), root=path.parent)
 
 
@@ -205,21 +159,14 @@ def _load_base(base: Any, source: str, root: Path | None) -> dict:
     if base is None:
         return {}
     if isinstance(base, dict):
-        return copy.deepcopy(base)
+        return base                  # build_config copies it
     path = Path(base)
     if not path.is_absolute() and root is not None:
         path = root / path
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise SpecError(f"{source}: base: config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError):
-        raise SpecError(f"{source}: base: {path} cannot be read; expected a YAML config file") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{source}: base: {path} is not valid YAML: {yaml_problem(exc)}") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: base: {path} must hold a mapping of config options")
-    return data
+        return read_config_file(path, option="")
+    except ConfigError as exc:
+        raise SpecError(f"{source}: base: {exc}") from None
 
 
 def _check(base: dict, overrides: dict, where: str) -> SimConfig:

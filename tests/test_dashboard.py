@@ -496,17 +496,16 @@ def test_background_job_reports_progress_with_eta_and_cancels_within_a_second():
 @pytest.mark.parametrize("address, local", [("127.0.0.1", True), ("localhost", True), ("::1", True),
                                             ("0.0.0.0", False), ("", False), ("192.168.1.20", False)])
 def test_exposure_is_flagged_for_non_local_addresses(address, local):
-    from kvsim.dashboard.cli import is_local_address
+    from kvsim.dashboard.server import is_local_address
     assert is_local_address(address) is local
 
 
 def test_dashboard_command_warns_when_exposed_and_passes_the_data_root(monkeypatch, tmp_path):
     import os
     from typer.testing import CliRunner
-    from kvsim.dashboard import cli
     from kvsim.sim.cli import app as kvsim
     started = []
-    monkeypatch.setattr(cli.os, "execv", lambda path, argv: started.append(argv))
+    monkeypatch.setattr(os, "execv", lambda path, argv: started.append(argv))
     out = CliRunner().invoke(kvsim, ["dashboard", "--address", "0.0.0.0", "--data-root", str(tmp_path)])
     assert out.exit_code == 0 and "WARNING: the dashboard is bound to 0.0.0.0" in out.output
     assert os.environ["KVSIM_DATA_ROOT"] == str(tmp_path.resolve())

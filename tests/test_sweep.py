@@ -148,7 +148,7 @@ def test_stop_after_n_runs_then_resume_gives_the_same_store(tmp_path, reference)
 def test_killed_sweep_resumes_without_loss_or_duplicates(tmp_path, reference):
     spec = write_spec(tmp_path / "spec.yaml", SPEC)
     store = tmp_path / "store"
-    script = ("import typer; from kvsim.sim.planning_cli import sweep; typer.run(sweep)")
+    script = ("import typer; from kvsim.sim.cli.planning import sweep; typer.run(sweep)")
     proc = subprocess.Popen([sys.executable, "-c", script, str(spec), "--out", str(store), "--jobs", "1", "-q"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     runs = store / "runs"

@@ -3,21 +3,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from .config import ConfigError, load_config
+from kvsim.sim.config import ConfigError, load_config
+
+from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks,
+                      Sets, Tp, Trace, config_overrides, fail)
 
 console = Console()
 err_console = Console(stderr=True)
-
-
-def _fail(message: str) -> None:
-    err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 def sweep(
@@ -35,19 +33,19 @@ def sweep(
 ) -> None:
     """Run every configuration of a sweep spec; one row per run (config + summary metrics + cost)
     in OUT/runs/*.parquet. Re-running skips finished runs; a failed run is recorded and skipped."""
-    from .sweep import SpecError, StoreState, load_spec, run_sweep, store_state
+    from kvsim.sim.sweep import SpecError, StoreState, load_spec, run_sweep, store_state
 
     if executor not in ("local", "dask"):
-        _fail(f"--executor: expected local or dask, got {executor!r}")
+        fail(f"--executor: expected local or dask, got {executor!r}")
     if executor == "dask" and not scheduler:
-        _fail("--executor dask needs --scheduler tcp://HOST:PORT (a running dask scheduler)")
+        fail("--executor dask needs --scheduler tcp://HOST:PORT (a running dask scheduler)")
     if jobs is not None and jobs < 1:
-        _fail(f"--jobs: expected a positive number, got {jobs}")
+        fail(f"--jobs: expected a positive number, got {jobs}")
     _check_store(out, "--out")
     try:
         plan = load_spec(spec)
     except SpecError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     state = store_state(out) if out.exists() else StoreState()
     console.print(_plan_line(plan, state, out, retry_failed, max_runs), highlight=False, soft_wrap=True)
     if dry_run:
@@ -100,46 +98,47 @@ def _run_status(run_id: str, state, retry_failed: bool) -> str:
 
 def capacity(
     slo: str = typer.Option(..., help='constraints, e.g. "ttft_p99<=2s,tpot_p99<=100ms,slo_attainment>=0.99"'),
-    trace: Optional[str] = typer.Option(None, help="shipped trace name or trace file"),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file; options override it"),
-    model: Optional[str] = typer.Option(None),
-    gpu: Optional[str] = typer.Option(None),
-    tp: Optional[int] = typer.Option(None),
-    replicas: Optional[int] = typer.Option(None, help="replicas (mode=rate); ignored in mode=replicas"),
-    block_size: Optional[int] = typer.Option(None),
-    num_gpu_blocks: Optional[int] = typer.Option(None),
-    max_num_seqs: Optional[int] = typer.Option(None),
-    max_num_batched_tokens: Optional[int] = typer.Option(None),
-    max_requests: Optional[int] = typer.Option(None, help="first N requests of the trace"),
-    rate_scale: Optional[float] = typer.Option(None, help="mode=rate: first scale tried; mode=replicas: the load"),
-    set_: list[str] = typer.Option([], "--set", help="any config key, dotted: engine.enable_prefix_caching=true"),
+    trace: Trace = None,
+    config: ConfigFile = None,
+    model: Model = None,
+    gpu: Gpu = None,
+    tp: Tp = None,
+    replicas: Annotated[Optional[int], typer.Option(help="replicas (mode=rate); ignored in mode=replicas")] = None,
+    block_size: BlockSize = None,
+    num_gpu_blocks: NumGpuBlocks = None,
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    max_requests: MaxRequests = None,
+    rate_scale: Annotated[Optional[float], typer.Option(
+        help="mode=rate: first scale tried; mode=replicas: the load")] = None,
+    set_: Sets = [],
     mode: str = typer.Option("rate", help="rate: highest rate scale meeting the SLO; replicas: fewest replicas"),
     tol: float = typer.Option(0.02, help="mode=rate: stop when the bracket is within this relative width"),
     max_evals: int = typer.Option(24, help="most simulations for the search"),
     max_replicas: int = typer.Option(64, help="mode=replicas: give up above this"),
     out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
 ) -> None:
     """Find the highest arrival-rate scale (or the fewest replicas) meeting an SLO, by bracketing and
     bisection on simulated runs; prints the answer, its cost and the curve measured."""
-    from .capacity import find_capacity, parse_slo
+    from kvsim.sim.capacity import find_capacity, parse_slo
 
-    overrides = {"trace": trace, "model": model, "gpu": gpu, "tp": tp, "replicas": replicas,
-                 "engine.block_size": block_size, "engine.num_gpu_blocks": num_gpu_blocks,
-                 "engine.max_num_seqs": max_num_seqs, "engine.max_num_batched_tokens": max_num_batched_tokens,
-                 "trace_options.max_requests": max_requests, "trace_options.rate_scale": rate_scale}
+    overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
+                                 num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_requests=max_requests,
+                                 rate_scale=rate_scale)
     if mode not in ("rate", "replicas"):
-        _fail(f"--mode: expected rate or replicas, got {mode!r}")
+        fail(f"--mode: expected rate or replicas, got {mode!r}")
     if not 0 < tol < 1:
-        _fail(f"--tol: expected a fraction in (0, 1), got {tol}")
+        fail(f"--tol: expected a fraction in (0, 1), got {tol}")
     if out is not None:
         _check_store(out, "--out")
     try:
         cfg = load_config(config, overrides, set_)
         constraints = parse_slo(slo)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
     def show(row: dict) -> None:
         if not quiet:
@@ -151,7 +150,7 @@ def capacity(
         result = find_capacity(cfg, constraints, mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
                                max_evals=max_evals, max_replicas=max_replicas, store=out, progress=show)
     except (ConfigError, RuntimeError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     _print_capacity(result, mode)
     if not result.feasible:
         raise typer.Exit(1)
@@ -194,21 +193,21 @@ def report(
 ) -> None:
     """Turn a sweep store into one HTML page of plotly charts: throughput/goodput vs load, latency
     percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 latency Pareto view."""
-    from .report import build_report
+    from kvsim.sim.report import build_report
 
     if not store.is_dir():
-        _fail(f"{store}: not a directory (give the --out of `kvsim sweep` or `kvsim capacity`)")
+        fail(f"{store}: not a directory (give the --out of `kvsim sweep` or `kvsim capacity`)")
     if out is not None and out.is_dir():
-        _fail(f"--out {out}: is a directory; expected the HTML file to write, e.g. {out / 'report.html'}")
+        fail(f"--out {out}: is a directory; expected the HTML file to write, e.g. {out / 'report.html'}")
     if out is not None:
         _check_parent(out, "--out")
     try:
         path = build_report(store, out)
     except ValueError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except OSError as exc:
-        _fail(f"--out {out or store / 'report.html'}: cannot be written ({exc.strerror or exc})")
-    from .sweep import store_state
+        fail(f"--out {out or store / 'report.html'}: cannot be written ({exc.strerror or exc})")
+    from kvsim.sim.sweep import store_state
     unreadable = store_state(store).unreadable
     if unreadable:
         err_console.print(f"note: {len(unreadable)} unreadable run file(s) left out ({unreadable[0]}"
@@ -219,19 +218,19 @@ def report(
 
 def _check_store(store: Path, option: str) -> None:
     """A results store must be a directory (existing or to be created) that can be written."""
-    from .results import OutputDirError, check_out_dir
+    from kvsim.sim.results import OutputDirError, check_out_dir
 
     try:
         check_out_dir(store, option)
     except OutputDirError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def _check_parent(path: Path, option: str) -> None:
     """A file to write: its folder must be (or become) a writable directory."""
-    from .results import OutputDirError, check_out_dir
+    from kvsim.sim.results import OutputDirError, check_out_dir
 
     try:
         check_out_dir(path.parent, option)
     except OutputDirError:
-        _fail(f"{option} {path}: its folder {path.parent} is not a writable directory (nor can it be created)")
+        fail(f"{option} {path}: its folder {path.parent} is not a writable directory (nor can it be created)")

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from .config import ConfigError, load_config
-from .planning_cli import _fail
+from kvsim.sim.config import ConfigError, load_config
+
+from .options import (MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, PrefixCaching, SchedulingPolicy, Sets,
+                      config_overrides, fail)
 
 app = typer.Typer(help="compare kvsim's schedule with a real vLLM engine's, step for step",
                   no_args_is_help=True)
@@ -22,13 +24,13 @@ VLLM_PYTHON_HELP = "python of the virtualenv where vLLM is installed (default: $
 def _vllm_python(value: str | None) -> str:
     python = value or os.environ.get("KVSIM_VLLM_PYTHON")
     if not python:
-        _fail("--vllm-python: not given and $KVSIM_VLLM_PYTHON is not set; expected the python of the "
+        fail("--vllm-python: not given and $KVSIM_VLLM_PYTHON is not set; expected the python of the "
               "virtualenv where vLLM is installed (see docs/vllm-reference.md)")
     return python
 
 
 def _model_dir(value: Path | None, python: str) -> Path:
-    from .reference.harness import ReferenceError, convert_model, default_model_dir
+    from kvsim.sim.reference.harness import ReferenceError, convert_model, default_model_dir
 
     model_dir = value or default_model_dir()
     if not (model_dir / "config.json").exists():
@@ -38,49 +40,48 @@ def _model_dir(value: Path | None, python: str) -> Path:
         try:
             convert_model(python, find_gguf(), model_dir)
         except (ReferenceError, OSError) as exc:
-            _fail(str(exc))
+            fail(str(exc))
     return model_dir
 
 
 @app.command("vllm")
 def vllm_reference(
     trace: Optional[str] = typer.Option(None, help="trace file or shipped name"),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="kvsim config file (engine settings)"),
+    config: Annotated[Optional[Path], typer.Option("--config", "-c",
+                                                   help="kvsim config file (engine settings)")] = None,
     out: Path = typer.Option(Path("runs/vllm-reference"), "--out", "-o", help="output directory"),
     vllm_python: Optional[str] = typer.Option(None, help=VLLM_PYTHON_HELP),
     model_dir: Optional[Path] = typer.Option(None, help="SmolLM2 HF checkpoint (default: converted once into "
                                                          "$KVSIM_CACHE_DIR/smollm2-135m-hf)"),
     step_s: Optional[float] = typer.Option(None, help="time-based trace: arrival step = arrival_time_s // STEP_S "
                                                       "(default: the trace's arrivals are steps already)"),
-    max_requests: Optional[int] = typer.Option(None, help="first N requests of the trace"),
+    max_requests: MaxRequests = None,
     block_size: Optional[int] = typer.Option(None, help="tokens per block (a multiple of 32 on vLLM's CPU backend)"),
     num_gpu_blocks: Optional[int] = typer.Option(None, help="KV blocks (vLLM's num_gpu_blocks, null block included)"),
-    max_num_seqs: Optional[int] = typer.Option(None),
-    max_num_batched_tokens: Optional[int] = typer.Option(None),
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
     max_model_len: Optional[int] = typer.Option(None),
     long_prefill_token_threshold: Optional[int] = typer.Option(None),
-    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching"),
+    prefix_caching: PrefixCaching = None,
     chunked_prefill: Optional[bool] = typer.Option(None, "--chunked-prefill/--no-chunked-prefill"),
-    scheduling_policy: Optional[str] = typer.Option(None, help="fcfs | priority"),
-    set_: list[str] = typer.Option([], "--set", help="any config key, dotted"),
+    scheduling_policy: SchedulingPolicy = None,
+    set_: Sets = [],
     timeout: float = typer.Option(1800.0, help="seconds vLLM may run"),
 ) -> None:
     """Run TRACE on a real vLLM engine (CPU, in-process, step by step), simulate it in kvsim with the
     same settings, and report where the schedules agree and the first step and column that differ.
     Writes vllm_steps.parquet, kvsim_steps.parquet, agreement.json and config.yaml into --out."""
-    from .reference.harness import ReferenceError, reference_run, steps_from_times
-    from .simulate import load_workload
+    from kvsim.sim.reference.harness import ReferenceError, reference_run, steps_from_times
+    from kvsim.sim.simulate import load_workload
 
     overrides = {
-        "trace": trace, "model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
-        "trace_options.max_requests": max_requests,
-        "trace_options.arrival_unit": "time" if step_s else "step",
-        "engine.block_size": block_size or (None if config else 32),
-        "engine.num_gpu_blocks": num_gpu_blocks, "engine.max_num_seqs": max_num_seqs,
-        "engine.max_num_batched_tokens": max_num_batched_tokens, "engine.max_model_len": max_model_len,
-        "engine.long_prefill_token_threshold": long_prefill_token_threshold,
-        "engine.enable_prefix_caching": prefix_caching, "engine.enable_chunked_prefill": chunked_prefill,
-        "engine.scheduling_policy": scheduling_policy, "engine.async_scheduling": False,
+        **config_overrides(
+            trace=trace, max_requests=max_requests, block_size=block_size or (None if config else 32),
+            num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+            prefix_caching=prefix_caching, chunked_prefill=chunked_prefill, scheduling_policy=scheduling_policy),
+        "model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
+        "trace_options.arrival_unit": "time" if step_s else "step", "engine.async_scheduling": False,
     }
     python = _vllm_python(vllm_python)
     try:
@@ -99,7 +100,7 @@ def vllm_reference(
                 update={"arrival_unit": "step"})})
         agreement = reference_run(cfg, t, out, python, _model_dir(model_dir, python), timeout)
     except (ConfigError, ReferenceError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     _print_agreement(agreement, out)
     raise typer.Exit(0 if agreement.identical else 1)
 
@@ -121,11 +122,11 @@ def _print_agreement(a, out: Path) -> None:
 @app.command("check")
 def check(directory: Path = typer.Option(DEFAULT_DATA, "--dir", help="recorded scenarios")) -> None:
     """Replay every recorded vLLM scenario in kvsim (no vLLM needed) and report the agreement."""
-    from .reference.harness import check_scenario
+    from kvsim.sim.reference.harness import check_scenario
 
     dirs = sorted(p for p in directory.iterdir() if (p / "vllm_steps.parquet").exists()) if directory.is_dir() else []
     if not dirs:
-        _fail(f"--dir {directory}: no recorded scenarios (expected subdirectories with vllm_steps.parquet)")
+        fail(f"--dir {directory}: no recorded scenarios (expected subdirectories with vllm_steps.parquet)")
     table = Table("scenario", "steps vLLM/kvsim", "preemptions vLLM/kvsim", "agreement", title="vLLM reference")
     failed = 0
     for d in dirs:
@@ -147,8 +148,8 @@ def record_scenarios(
     only: list[str] = typer.Option([], "--only", help="scenario names (default: all)"),
 ) -> None:
     """Regenerate the recorded references the test suite replays (writes scenario files and runs vLLM)."""
-    from .reference.harness import ReferenceError, record_scenario, write_scenario
-    from .reference.scenarios import SCENARIOS
+    from kvsim.sim.reference.harness import ReferenceError, record_scenario, write_scenario
+    from kvsim.sim.reference.scenarios import SCENARIOS
 
     python = _vllm_python(vllm_python)
     model = _model_dir(model_dir, python)
@@ -159,6 +160,6 @@ def record_scenarios(
         try:
             meta = record_scenario(out / scenario.name, python, model)
         except ReferenceError as exc:
-            _fail(f"{scenario.name}: {exc}")
+            fail(f"{scenario.name}: {exc}")
         console.print(f"{scenario.name}: {meta['steps']} steps, {meta['preemptions']} preemptions "
                       f"(vLLM {meta['vllm_version']}, {meta['wall_s']:.0f} s)")

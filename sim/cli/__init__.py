@@ -1,8 +1,20 @@
-"""kvsim command line (entry point `kvsim`). Each area registers its own sub-app here."""
+"""kvsim command line (entry point `kvsim`): the typer app, one module per command group.
+
+Command modules keep heavy imports (torch via kvsim.gpu, streamlit, the calibration fits) inside the
+command functions, so `kvsim simulate` never imports torch."""
 import sys
 import warnings
 
 import typer
+
+from .calibration import calibrate, crosscheck
+from .dashboard import dashboard
+from .model import app as model_app
+from .planning import capacity, report, sweep
+from .reference import app as reference_app
+from .replay import replay
+from .simulate import simulate
+from .trace import app as trace_app
 
 app = typer.Typer(help="kvsim: paged KV-cache serving simulator and real backend", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -21,38 +33,14 @@ def _setup() -> None:
     warnings.showwarning = _show_warning
 
 
-from kvsim.traces.cli import app as trace_app  # noqa: E402
+# registration order is the order of `kvsim --help`
 app.add_typer(trace_app, name="trace")
-
-from kvsim.sim.commands import simulate  # noqa: E402
-
 app.command()(simulate)
-
-from kvsim.gpu.cli import app as model_app  # noqa: E402
 app.add_typer(model_app, name="model")
-
-from kvsim.gpu.replay_cli import replay  # noqa: E402
-app.command()(replay)
-
-from kvsim.dashboard.cli import dashboard  # noqa: E402
-app.command()(dashboard)
-
-from kvsim.sim.planning_cli import capacity, report, sweep  # noqa: E402
-app.command()(sweep)
-app.command()(capacity)
-app.command()(report)
-
-from kvsim.sim.calibration_cli import calibrate, crosscheck  # noqa: E402
-app.command()(calibrate)
-app.command()(crosscheck)
-
-from kvsim.sim.reference_cli import app as reference_app  # noqa: E402
+for command in (replay, dashboard, sweep, capacity, report, calibrate, crosscheck):
+    app.command()(command)
 app.add_typer(reference_app, name="reference")
 
 
 def main() -> None:
     app()
-
-
-if __name__ == "__main__":
-    main()

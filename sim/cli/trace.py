@@ -1,4 +1,4 @@
-"""``kvsim trace``: statistics, synthesis and conversion of request traces."""
+"""`kvsim trace`: statistics, synthesis and conversion of request traces."""
 from __future__ import annotations
 
 import functools

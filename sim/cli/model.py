@@ -1,4 +1,4 @@
-"""`kvsim model ...`: prepare the real backend's weights."""
+"""`kvsim model ...`: prepare the real backend's weights (kvsim.gpu imported only inside the command)."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
-"""`kvsim calibrate` and `kvsim crosscheck`."""
+"""`kvsim calibrate` and `kvsim crosscheck`. The only CLI module that imports sim.calibration and
+sim.crosscheck, always inside a command function."""
 from __future__ import annotations
 
 import math
@@ -6,17 +7,14 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
+from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, config_overrides, fail
+
 console = Console()
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def calibrate(
@@ -54,25 +52,25 @@ def calibrate(
     cannot see where the heavy keys sit. Real attention is positionally correlated (H2O evicts runs of
     tokens and empties whole pages), so --decisions fits the model's content correlation to recorded
     evictions by simulating the replays over a (rho, ell) grid (sim/calibration/correlation_fit.py)."""
-    from .calibration.errors import CalibrationError
+    from kvsim.sim.calibration.errors import CalibrationError
     command = "kvsim calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     try:
         if attention is not None:
             _calibrate_importance(attention, out, name, seed, command, decisions)
             return
         if decisions:
-            _fail("--decisions fits the importance model: give it with --attention ATTNSTATS")
+            fail("--decisions fits the importance model: give it with --attention ATTNSTATS")
         if not step_logs:
-            _fail("give one or more step logs, or --attention ATTNSTATS")
+            fail("give one or more step logs, or --attention ATTNSTATS")
         _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command, decode_batch_factors)
     except (CalibrationError, ValueError, FileNotFoundError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command,
                        decode_batch_factors: bool = True) -> None:
-    from .calibration.profile_fit import fit_profile, profile_meta
-    from .calibration.step_logs import load_step_logs
+    from kvsim.sim.calibration.profile_fit import fit_profile, profile_meta
+    from kvsim.sim.calibration.step_logs import load_step_logs
     steps = load_step_logs(step_logs)
     report = fit_profile(steps, model, gpu, base_profile=base_profile, tp=tp, name=name or out.stem,
                          description=f"fitted by kvsim calibrate on {len(steps)} measured steps of {model}",
@@ -97,8 +95,8 @@ def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim,
 
 
 def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: str, decisions: list[Path]) -> None:
-    from .calibration.correlation_fit import fit_content_correlation
-    from .calibration.importance_fit import fit_importance, load_attention_stats
+    from kvsim.sim.calibration.correlation_fit import fit_content_correlation
+    from kvsim.sim.calibration.importance_fit import fit_importance, load_attention_stats
     stats = load_attention_stats(attention)
     fit = fit_importance(stats, name=name or out.stem, seed=seed)
     if decisions:
@@ -117,14 +115,14 @@ def crosscheck(
     gpu: str = typer.Option("cpu-2core", help="catalog GPU/CPU entry the profile refers to"),
     device: str = typer.Option("cpu", help="replay device: cpu | cuda"),
     num_gpu_blocks: int = typer.Option(..., help="KV pool size in blocks (the replay's real number)"),
-    block_size: Optional[int] = typer.Option(None),
-    max_num_seqs: Optional[int] = typer.Option(None),
-    max_num_batched_tokens: Optional[int] = typer.Option(None),
-    rate_scale: Optional[float] = typer.Option(None, help="arrival-rate multiplier"),
+    block_size: BlockSize = None,
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    rate_scale: RateScale = None,
     start_s: Optional[float] = typer.Option(None, help="trace window start (s)"),
     end_s: Optional[float] = typer.Option(None, help="trace window end (s)"),
-    max_requests: Optional[int] = typer.Option(None, help="first N requests of the window"),
-    set_: list[str] = typer.Option([], "--set", help="config key for both runs, e.g. kv.policy=h2o"),
+    max_requests: Annotated[Optional[int], typer.Option(help="first N requests of the window")] = None,
+    set_: Annotated[list[str], typer.Option("--set", help="config key for both runs, e.g. kv.policy=h2o")] = [],
     threads: Optional[int] = typer.Option(None, help="torch threads of the replay (use the calibration's)"),
     clock: str = typer.Option("wall", help="replay step timer: wall | cpu (the thread's CPU time, so other "
                                            "processes' load does not count; device cpu with --threads 1; use "
@@ -142,21 +140,20 @@ def crosscheck(
 ) -> None:
     """Replay TRACE on the real backend, simulate it with PROFILE, and write report.md / report.html
     (per-step time MAPE, TTFT/TPOT/E2E percentile errors, throughput error, memory side by side)."""
-    from .config import ConfigError, load_config
-    from .crosscheck.comparison import CrosscheckError, Repeats, Run, compare, with_shape_columns
-    from .crosscheck.recorded import predicted_config, replay_shape_columns, simulate_recorded
-    from .crosscheck.report import write_report
+    from kvsim.sim.config import ConfigError, load_config
+    from kvsim.sim.crosscheck.comparison import CrosscheckError, Repeats, Run, compare, with_shape_columns
+    from kvsim.sim.crosscheck.recorded import predicted_config, replay_shape_columns, simulate_recorded
+    from kvsim.sim.crosscheck.report import write_report
     if real and repeats not in (1, len(real)):
-        _fail(f"--repeats {repeats} with {len(real)} --real directories: give one --real per repeat")
+        fail(f"--repeats {repeats} with {len(real)} --real directories: give one --real per repeat")
     repeats = len(real) or repeats
     if repeats > 1 and not recorded:
-        _fail("--repeats needs recorded mode (the measured request timings come from the recorded simulation "
+        fail("--repeats needs recorded mode (the measured request timings come from the recorded simulation "
               "fed the median step times); drop --no-recorded")
-    overrides = {"trace": trace, "model": model, "gpu": gpu, "profile": profile,
-                 "engine.num_gpu_blocks": num_gpu_blocks, "engine.block_size": block_size,
-                 "engine.max_num_seqs": max_num_seqs, "engine.max_num_batched_tokens": max_num_batched_tokens,
-                 "trace_options.rate_scale": rate_scale, "trace_options.start_s": start_s,
-                 "trace_options.end_s": end_s, "trace_options.max_requests": max_requests}
+    overrides = config_overrides(
+        trace=trace, model=model, gpu=gpu, profile=profile, num_gpu_blocks=num_gpu_blocks, block_size=block_size,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, rate_scale=rate_scale,
+        start_s=start_s, end_s=end_s, max_requests=max_requests)
     try:
         cfg = load_config(None, overrides, set_)
         real_dirs = list(real) or [out / ("real" if r == 1 else f"real-{r}") for r in range(1, repeats + 1)]
@@ -168,8 +165,8 @@ def crosscheck(
         real_dir = real_dirs[0]
         reps = Repeats.of([Run.load(d, "real") for d in real_dirs], real_dirs)
         real_run = reps.runs[0]
-        from .cost_model import CostModel, load_profile
-        from .simulate import load_workload, run_simulation
+        from kvsim.sim.cost_model import CostModel, load_profile
+        from kvsim.sim.simulate import load_workload, run_simulation
         workload = load_workload(cfg)
         predicted_cfg = predicted_config(cfg, load_profile(profile))
         sim = run_simulation(predicted_cfg, out / "sim", trace=workload)
@@ -193,7 +190,7 @@ def crosscheck(
                       repeats=reps)
         md, html = write_report(res, out)
     except (ConfigError, CrosscheckError, ValueError, FileNotFoundError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     h = res.headline()
     console.print(f"per-step MAPE {h['step_mape']:.1%}  TTFT p50 err {h['ttft_p50_error']:.1%}  "
                   f"TPOT p50 err {h['tpot_p50_error']:.1%}  throughput err {h['throughput_error']:.1%}  "
@@ -211,7 +208,7 @@ def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, clock: s
     import torch
     from kvsim.gpu.replay import ReplayOptions, build_model, run_replay as replay
     from kvsim.traces.trace import Trace
-    from .simulate import load_workload
+    from kvsim.sim.simulate import load_workload
     if threads:
         torch.set_num_threads(threads)
     options = ReplayOptions(device=device, clock=clock)

@@ -1,0 +1,4 @@
+"""`python -m kvsim.sim.cli ...` runs the `kvsim` command line."""
+from kvsim.sim.cli import main
+
+main()

@@ -1,0 +1,72 @@
+"""Options several commands share (one definition each, as typer Annotated aliases), the table that
+maps them to config keys, and the one way a command reports a user mistake."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, Optional
+
+import typer
+
+from kvsim.sim.config import policy_names, slot_strategy_names
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """A user mistake: one `error: ...` line on stderr and exit status 2 (no traceback)."""
+    typer.echo(f"{typer.style('error:', fg='red')} {message}", err=True)
+    raise typer.Exit(code)
+
+# ---- what the run is: trace, model, hardware ---------------------------------------------------------
+Trace = Annotated[Optional[str], typer.Option(help="shipped trace name (azure-conv-2023, ...) or trace file")]
+Model = Annotated[Optional[str], typer.Option(help="catalog model (llama-3.1-8b, ...) or YAML file")]
+Gpu = Annotated[Optional[str], typer.Option(help="catalog GPU (h100, l4, a100, ...) or YAML file")]
+Tp = Annotated[Optional[int], typer.Option(help="tensor parallel degree")]
+Replicas = Annotated[Optional[int], typer.Option(help="engine replicas behind the router")]
+Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or file (efficiency factors)")]
+ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file; options override it")]
+Out = Annotated[Path, typer.Option("--out", "-o", help="output directory")]
+Seed = Annotated[Optional[int], typer.Option(help="random seed (synthetic importance scores, arrivals of length-only traces)")]
+Sets = Annotated[list[str], typer.Option("--set", help="any config key, dotted: engine.long_prefill_token_threshold=512")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar or table")]
+
+# ---- engine ------------------------------------------------------------------------------------------
+BlockSize = Annotated[Optional[int], typer.Option(help="tokens per KV block")]
+NumGpuBlocks = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (default: from GPU memory)")]
+MaxNumSeqs = Annotated[Optional[int], typer.Option(help="most sequences in one step (default: vLLM's)")]
+MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(help="token budget per step")]
+PrefixCaching = Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
+                                                       help="automatic prefix caching (default: vLLM's)")]
+SchedulingPolicy = Annotated[Optional[str], typer.Option(help="fcfs | priority")]
+CheckInvariants = Annotated[Optional[bool], typer.Option("--check-invariants", help="check KV invariants every step")]
+
+# ---- KV eviction / compression (names from the registries, plug-ins included) --------------------------
+Policy = Annotated[Optional[str], typer.Option(help="KV eviction/compression policy: " + ", ".join(policy_names()))]
+Budget = Annotated[Optional[int], typer.Option(help="tokens kept per KV head (budgeted policies)")]
+Layout = Annotated[Optional[str], typer.Option(help="KV layout: shared | per_head")]
+SlotStrategy = Annotated[Optional[str], typer.Option(help=" | ".join(slot_strategy_names()))]
+
+# ---- the workload ------------------------------------------------------------------------------------
+RateScale = Annotated[Optional[float], typer.Option(help="arrival-rate multiplier")]
+MaxRequests = Annotated[Optional[int], typer.Option(help="first N requests of the trace")]
+SloTtft = Annotated[Optional[str], typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
+SloTpot = Annotated[Optional[str], typer.Option(help="TPOT SLO for goodput, with unit (100ms)")]
+
+# command-line option (parameter name) -> the config key it sets
+CONFIG_KEYS = {
+    "trace": "trace", "model": "model", "gpu": "gpu", "tp": "tp", "replicas": "replicas", "router": "router",
+    "profile": "profile", "seed": "seed", "weight_dtype": "weight_dtype", "kv_dtype": "kv_dtype",
+    "fast_forward": "fast_forward", "check_invariants": "check_invariants",
+    "block_size": "engine.block_size", "num_gpu_blocks": "engine.num_gpu_blocks",
+    "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "max_model_len": "engine.max_model_len", "long_prefill_token_threshold": "engine.long_prefill_token_threshold",
+    "prefix_caching": "engine.enable_prefix_caching", "chunked_prefill": "engine.enable_chunked_prefill",
+    "preemption_mode": "engine.preemption_mode", "scheduling_policy": "engine.scheduling_policy",
+    "policy": "kv.policy", "budget": "kv.budget", "layout": "kv.layout", "slot_strategy": "kv.slot_strategy",
+    "kv_mode": "kv.mode", "compression_rate": "kv.params.compression_rate",
+    "rate_scale": "trace_options.rate_scale", "max_requests": "trace_options.max_requests",
+    "start_s": "trace_options.start_s", "end_s": "trace_options.end_s",
+    "slo_ttft": "slo.ttft", "slo_tpot": "slo.tpot",
+}
+
+def config_overrides(**options: Any) -> dict[str, Any]:
+    """Command options by parameter name -> dotted config overrides (None = not given, left out later)."""
+    return {CONFIG_KEYS[name]: value for name, value in options.items()}

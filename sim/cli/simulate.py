@@ -1,0 +1,152 @@
+"""`kvsim simulate`: run one simulation from a config file and/or options."""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvsim.sim.config import ConfigError, load_config
+
+from .options import (BlockSize, Budget, CheckInvariants, ConfigFile, Gpu, Layout, MaxNumBatchedTokens, MaxNumSeqs,
+                      MaxRequests, Model, NumGpuBlocks, Out, Policy, PrefixCaching, Profile, Quiet, RateScale,
+                      Replicas, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft, SlotStrategy, Tp, Trace,
+                      config_overrides, fail)
+
+console = Console()
+
+
+def simulate(
+    trace: Trace = None,
+    model: Model = None,
+    gpu: Gpu = None,
+    config: ConfigFile = None,
+    out: Out = Path("runs/latest"),
+    tp: Tp = None,
+    replicas: Replicas = None,
+    router: Annotated[Optional[str], typer.Option(help="round_robin | least_outstanding")] = None,
+    profile: Profile = None,
+    block_size: BlockSize = None,
+    num_gpu_blocks: NumGpuBlocks = None,
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    prefix_caching: PrefixCaching = None,
+    preemption_mode: Annotated[Optional[str], typer.Option(help="recompute | swap")] = None,
+    scheduling_policy: SchedulingPolicy = None,
+    policy: Policy = None,
+    budget: Budget = None,
+    layout: Layout = None,
+    slot_strategy: SlotStrategy = None,
+    kv_mode: Annotated[Optional[str], typer.Option(
+        help="token (exact token-level state) | fast (block occupancy)")] = None,
+    compression_rate: Annotated[Optional[float], typer.Option(
+        help="KV compression rate r >= 1 (kvcompress, snapkv, pyramidkv, ada_snapkv: keep tokens / r); "
+             "= kv.params.compression_rate")] = None,
+    weight_dtype: Annotated[Optional[str], typer.Option(
+        help="weight dtype of the decoder-layer linears (fp16, bf16, fp8, int8, int4); default: the catalog's")] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype (e.g. fp8); default: the model's")] = None,
+    rate_scale: RateScale = None,
+    max_requests: MaxRequests = None,
+    slo_ttft: SloTtft = None,
+    slo_tpot: SloTpot = None,
+    seed: Seed = None,
+    set_: Sets = [],
+    fast_forward: Annotated[Optional[bool], typer.Option(
+        "--fast-forward/--no-fast-forward", help="advance pure-decode runs in bulk (identical results)")] = None,
+    check_invariants: CheckInvariants = None,
+    quiet: Quiet = False,
+) -> None:
+    """Simulate a trace on a model/GPU/engine config; writes requests.parquet, steps.parquet,
+    summary.json and config.yaml into --out and prints a summary table."""
+    overrides = config_overrides(
+        trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, router=router, profile=profile, seed=seed,
+        weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
+        block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
+        preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
+        layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
+        rate_scale=rate_scale, max_requests=max_requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+    try:
+        cfg = load_config(config, overrides, set_)
+        from kvsim.sim.simulate import run_simulation
+        gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
+        with interrupt_on_sigterm():
+            result = run_simulation(cfg, out, progress=not quiet, keep_steps=False)
+    except KeyboardInterrupt as exc:
+        partial_exit(out, str(exc) or "interrupted (Ctrl-C)")
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+    except OSError as exc:          # writing the results (disk full, ...): the previous results are intact
+        fail(f"--out {out}: cannot write the results: {exc.strerror or exc}", code=1)
+    if not quiet:
+        print_summary(result.summary)
+    console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
+
+
+@contextmanager
+def interrupt_on_sigterm():
+    """SIGTERM (kill) ends the run like Ctrl-C: with a partial result instead of nothing."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt("terminated (SIGTERM)")
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:              # not the main thread: leave the handler alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def partial_exit(out: Path, reason: str) -> None:
+    try:
+        partial = json.loads((out / "summary.json").read_text()).get("partial")
+    except (OSError, ValueError, AttributeError):
+        partial = False
+    if partial:
+        typer.echo(f"{reason}: partial results in {out} (summary.json: partial: true)", err=True)
+    else:
+        typer.echo(f"{reason}: no results written", err=True)
+    raise typer.Exit(130)
+
+
+def print_summary(s: dict) -> None:
+    table = Table(title=f"{s.get('trace')} on {s.get('model')} / {s.get('tp')}x {s.get('gpu')}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+
+    def add(name, value, fmt="{:.3f}"):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return
+        table.add_row(name, fmt.format(value) if isinstance(value, float) else str(value))
+
+    add("requests (finished / rejected)", f"{s['num_finished']} / {s['num_rejected']}")
+    add("KV pool", f"{s['num_gpu_blocks']} blocks x {s['block_size']} tokens")
+    add("makespan (s)", s["makespan_s"], "{:.1f}")
+    add("throughput (req/s)", s["throughput_req_s"])
+    add("output tok/s", s["throughput_output_tok_s"], "{:.1f}")
+    add("total tok/s", s["throughput_total_tok_s"], "{:.1f}")
+    for m in ("ttft", "tpot", "e2e", "itl"):
+        add(f"{m.upper()} p50 / p90 / p99 (ms)",
+            " / ".join(f"{1e3 * s[f'{m}_p{q}_s']:.1f}" for q in (50, 90, 99)))
+    add("goodput (req/s)", s.get("goodput_req_s"))
+    add("SLO attainment", s.get("slo_attainment"))
+    add("KV utilization mean / max", f"{s.get('kv_util_mean', 0):.3f} / {s.get('kv_util_max', 0):.3f}")
+    add("fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.3f} / {s.get('fragmentation_p99', 0):.3f}")
+    add("preemptions", s.get("preemptions"))
+    add("compression ratio", s.get("compression_ratio"))
+    add("attention mass retained (mean)", s.get("attention_mass_retained_mean"))
+    add("tokens evicted (token x head)", s.get("evicted_tokens"), "{:.0f}")
+    add("MB copied/moved", s["bytes_moved"] / 1e6 if s.get("bytes_moved") is not None else None, "{:.1f}")
+    add("prefix hit rate", s.get("prefix_hit_rate"))
+    add("engine steps", s.get("num_steps"))
+    add("wall time (s)", s.get("wall_s"), "{:.2f}")
+    console.print(table)
