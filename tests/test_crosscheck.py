@@ -232,3 +232,12 @@ def test_crosscheck_repeats_options_are_checked(args, message, tmp_path):
     res = CliRunner().invoke(app, ["crosscheck", "--trace", "azure-conv-2023", "--profile", "cpu-smollm2",
                                    "--num-gpu-blocks", "100", "--out", str(tmp_path), *args])
     assert res.exit_code == 2 and message in res.output
+
+
+def test_a_replay_that_ran_no_step_is_refused_with_the_reason():
+    # every request rejected (e.g. a pool too small for any prompt): a clear error, not a KeyError deep in the report
+    from kvsim.sim.metrics import STEP_COLUMNS
+    empty = Run("real", pd.DataFrame({"request_id": [0], "status": ["rejected"]}),
+                pd.DataFrame({c: [] for c in STEP_COLUMNS}), {})
+    with pytest.raises(CrosscheckError, match="ran no engine step.*reject_reason"):
+        compare(empty, empty, cost=None)

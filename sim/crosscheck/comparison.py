@@ -227,6 +227,9 @@ def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = N
             context: dict | None = None, repeats: "Repeats | None" = None) -> CrosscheckResult:
     """Figures of `real` (one replay) against `predicted`; with `repeats` (N > 1 replays of the same
     workload, `recorded` fed their median step times), the measured side is `repeats.measured_run(recorded)`."""
+    if len(real.steps) == 0:
+        raise CrosscheckError(f"{real.name}: the replay ran no engine step (every request was rejected or none "
+                              f"arrived; see reject_reason in its requests.parquet): nothing to compare")
     timings_identical = None
     if repeats is not None and repeats.n > 1:
         if recorded is None:
