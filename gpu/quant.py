@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .tiers import META_BYTES, TIERS, PrecisionTier  # noqa: F401  (re-exported)
+from kvsim.sim.kv.tiers import META_BYTES, TIERS, PrecisionTier  # noqa: F401  (re-exported)
 
 
 def quantize(x: torch.Tensor, bits: int):

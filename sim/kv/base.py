@@ -25,6 +25,10 @@ class EvictingManagerBase:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def table_rows(self) -> int:
+        return self.ctx.rows
+
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks // self.ctx.rows * self.block_size
 
@@ -39,6 +43,13 @@ class EvictingManagerBase:
         acts on it, so its pages must fit the free pool (or `free_blocks`)."""
         free = self.num_free_blocks if free_blocks is None else free_blocks
         return self.blocks_needed(req, num_tokens - req.num_computed_tokens) <= free
+
+    def num_revivable(self, computed_blocks) -> int:
+        return 0                     # no prefix caching: no cached free blocks to revive
+
+    def allocate_decodes(self, reqs) -> list[float] | None:
+        """No batch decode path unless a subclass has one: the scheduler allocates request by request."""
+        return None
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int, preempted: bool = False) -> None:
         pass
