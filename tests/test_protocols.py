@@ -173,3 +173,35 @@ def test_kv_config_defaults_build_the_plain_manager():
     kv, executor = built("plain")
     assert type(kv).__name__ == "KVCacheManager" and isinstance(executor, CostModelExecutor)
     assert KVConfig().is_default
+
+
+@pytest.mark.parametrize("over, pressure", [
+    ({"engine.num_gpu_blocks": 500}, True),                           # preemptions
+    ({"engine.num_gpu_blocks": 500, "engine.enable_prefix_caching": False}, True),
+    ({"engine.num_gpu_blocks": 600, "engine.async_scheduling": False, "engine.preemption_mode": "swap",
+      "engine.swap_space_gib": 0.05}, True),
+    ({"trace": "mooncake-conversation", "engine.num_gpu_blocks": 3000, "gpu": "l4"}, False),   # prefix hits
+])
+def test_plain_manager_batch_decode_path_schedules_as_the_per_request_loop(monkeypatch, over, pressure):
+    from kvsim.sim.core.kv_manager import KVCacheManager
+    from kvsim.sim.simulate import run_simulation
+
+    cfg = load_config(None, {"trace_options.max_requests": 150, "fast_forward": False, **over})
+    calls = []
+    batch = KVCacheManager.allocate_decodes
+
+    def counted(self, reqs):
+        out = batch(self, reqs)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(KVCacheManager, "allocate_decodes", counted)
+    batched = run_simulation(cfg)
+    monkeypatch.setattr(KVCacheManager, "allocate_decodes", lambda self, reqs: None)   # no batch path
+    looped = run_simulation(cfg)
+    assert any(calls)
+    if pressure:                                   # it fell back when the pool was short
+        assert not all(calls) and batched.steps["preemptions"].sum() > 0
+    else:
+        assert batched.summary["prefix_hit_rate"] > 0
+    assert batched.requests.equals(looped.requests)
+    assert batched.steps.equals(looped.steps)

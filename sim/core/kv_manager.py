@@ -157,9 +157,22 @@ class KVCacheManager:
             req.extra["num_cached_blocks"] = max(full, first)
         return True
 
-    def allocate_decodes(self, reqs: list[Request]) -> None:
-        """No batch decode path: the scheduler allocates request by request."""
-        return None
+    def allocate_decodes(self, reqs: list[Request]) -> list[int] | None:
+        """One decode token's slots for every request in `reqs` (each holding its computed tokens) at
+        once: the contexts, with the pool left as `allocate_slots(req, 1)` request by request would
+        leave it (the same blocks, in the same order), or None with nothing allocated when the free
+        pool is short (the scheduler then preempts request by request)."""
+        bs, req_blocks = self.block_size, self.req_blocks
+        growing = [r for r in reqs if len(req_blocks[r]) * bs <= r.num_computed_tokens]
+        if len(growing) > self.pool.num_free_blocks:
+            return None
+        contexts = [r.num_computed_tokens for r in reqs]
+        if self.enable_caching:
+            for r in reqs:               # each succeeds; blocks are hashed as they fill, in order
+                self.allocate_slots(r, 1)
+        elif growing:
+            self.append_one_block_each(growing)
+        return contexts
 
     def append_one_block_each(self, reqs: list[Request]) -> None:
         """Give each request one new block, in order (bulk decode growth without prefix caching)."""
