@@ -3,7 +3,8 @@ from __future__ import annotations
 
 
 class EvictingManagerBase:
-    """What the scheduler asks of a KV manager, where it is the same for every eviction-aware one.
+    """The part of the `KVManager` protocol (sim/core/protocols.py) that is the same for every
+    eviction-aware manager.
 
     No prefix caching (evicted tokens break shared prefix blocks) and no bulk decode fast-forward
     (eviction changes memory every step). The pool counts blocks of one (layer, KV head) row in the
