@@ -123,8 +123,11 @@ def test_every_built_kv_manager_and_simulator_executor_satisfies_its_protocol(na
 
 
 def test_the_kv_managers_checked_are_all_there_are():
+    # every class that allocates slots is one of the managers built above, or a base/mixin of one
     built_types = {type(built(name)[0]) for name in KV_CONFIGS}
-    assert set(classes_defining("allocate_slots")) == built_types
+    found = classes_defining("allocate_slots")
+    assert built_types <= set(found)
+    assert all(any(issubclass(b, c) for b in built_types) for c in found), found
 
 
 @pytest.mark.parametrize("cls", classes_defining("execute"), ids=lambda c: f"{c.__module__}.{c.__name__}")
