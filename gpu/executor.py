@@ -1,7 +1,7 @@
 """The real backend's executor: runs each engine step on tensors, with the engine core's KV plan.
 
-The engine core (`sim.engine.EngineReplica`) schedules a step, calls `execute(out)`, then updates
-the requests. Here a step is:
+The engine core (`sim.engine.EngineReplica`) schedules a step, calls `execute(out)` (the `Executor`
+protocol of sim/core/protocols.py), then updates the requests. Here a step is:
 
 1. take the KV plan the manager built while the scheduler allocated (`KVStepPlan`: slot mapping of
    the new tokens, and — when a slot strategy copies at allocation or memory pressure made the
@@ -44,8 +44,7 @@ from kvsim.gpu.attention import AttentionMetadata, quest_bound
 from kvsim.gpu.cache import TieredKVCache
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import ScheduledRequest, SchedulerOutput
-from kvsim.sim.core.step import batch_shape
-from kvsim.sim.engine import StepResult
+from kvsim.sim.core.step import StepResult, batch_shape
 from kvsim.sim.kv.importance import NUM_SINK, ImportanceSource, keys_for_mass
 from kvsim.sim.kv.manager import EvictingKVManager, KVStepPlan
 from kvsim.sim.kv.policy import EvictionPolicy

@@ -6,6 +6,8 @@ from importlib import resources
 
 import numpy as np
 
+from kvsim.gpu.tokenizer import Tokenizer
+
 TEXT_FILE = "shakespeare_coriolanus.txt"
 
 
@@ -15,7 +17,6 @@ def corpus_text() -> str:
 
 @functools.lru_cache(maxsize=1)
 def corpus_token_ids() -> np.ndarray:
-    from kvsim.gpu.tokenizer import Tokenizer
     return np.asarray(Tokenizer.smollm2().encode(corpus_text()), dtype=np.int64)
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .tiers import META_BYTES, TIERS, PrecisionTier  # noqa: F401  (re-exported)
+from kvsim.gpu.kernels import use_triton
+from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
+from kvsim.sim.kv.tiers import META_BYTES, TIERS, PrecisionTier  # noqa: F401  (re-exported)
 
 
 def quantize(x: torch.Tensor, bits: int):
@@ -180,9 +182,7 @@ class MixedPrecisionKVCache:
         (high and low tier mixed). Returns out [G, head_dim] and probabilities [G, live tokens].
         `backend` as in `gpu.kernels`: the Triton kernel runs each query head as its own row so its
         per-slot score output is that head's probabilities."""
-        from kvsim.gpu.kernels import use_triton
         if use_triton(q, backend):
-            from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
             table = page_table.reshape(1, -1).expand(q.shape[0], -1)
             out, (probs, _) = mixed_decode_attention(self, q[:, None, :], table, scale, True, backend="triton")
             slots = (page_table.clamp(min=0).long()[:, None] * self.max_tokens
@@ -197,5 +197,4 @@ class MixedPrecisionKVCache:
                                want_scores: bool = False, backend: str | None = None, group_max: bool = False):
         """Batched decode attention, one GQA group q [R, G, head_dim] per page-table row [R, max_pages];
         see `gpu.kernels.quant_attention.mixed_decode_attention`."""
-        from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
         return mixed_decode_attention(self, q, page_tables, scale, want_scores, backend, group_max)

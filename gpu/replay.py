@@ -11,6 +11,9 @@ the cost model with the configured profile), `summary.json`, `config.yaml` — t
 `kvsim simulate` — plus `tokens.parquet` (prompt and greedy output ids per request),
 `decisions.parquet` and `attention_stats.parquet` (the recorded format of `sim.kv.importance`).
 Ctrl-C stops the replay and still writes all of them for what ran so far (`summary["partial"]`).
+
+torch and the gpu modules that load it are imported inside the functions that need them: importing
+this module (for its options and errors) stays cheap.
 """
 from __future__ import annotations
 
@@ -25,14 +28,19 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from kvsim.sim.assembly import load_workload, resolve_hardware, scheduler_config, trace_to_requests
+from kvsim.sim.catalog import get_model, normalize_dtype
 from kvsim.sim.config import ConfigError, SimConfig
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler
+from kvsim.sim.defaults import resolve_defaults
 from kvsim.sim.engine import ArrivalProcess, EngineReplica, Router
+from kvsim.sim.kv.build import build_kv_manager
+from kvsim.sim.kv.manager import EvictingKVManager
+from kvsim.sim.kv.state import TIER_FULL
 from kvsim.sim.metrics import StepLog, request_table
+from kvsim.sim.outputs import run_summary, write_outputs
 from kvsim.sim.results import ResultDir
-from kvsim.sim.simulate import (_build_kv, load_workload, resolve_hardware, run_summary, scheduler_config,
-                          trace_to_requests, write_outputs)
 
 DTYPES = ("float32", "float16", "bfloat16")
 WEIGHTS = ("smollm2", "random")
@@ -83,8 +91,6 @@ def torch_dtype(name: str | None, device):
 def model_spec_for(config, base, dtype):
     """The catalog spec of the model actually run: shape from the real model, weight/activation/KV dtypes
     from the real tensors (so predicted_s prices the bytes the replay really moves)."""
-    from kvsim.sim.catalog import normalize_dtype
-
     dt = normalize_dtype(str(dtype).removeprefix("torch."))
     return base.model_copy(update={
         "num_layers": config.layers, "hidden_size": config.hidden, "num_heads": config.heads,
@@ -97,7 +103,6 @@ def model_spec_for(config, base, dtype):
 def build_model(cfg: SimConfig, opts: ReplayOptions):
     """The real model: SmolLM2 from the GGUF, or seeded random weights at the catalog shape of cfg.model."""
     from kvsim.gpu.model import LlamaModel, ModelConfig
-    from kvsim.sim.catalog import get_model
 
     device = resolve_device(opts.device)
     dtype = torch_dtype(opts.dtype, device)
@@ -127,8 +132,6 @@ def build_model(cfg: SimConfig, opts: ReplayOptions):
 def replay_config(cfg: SimConfig) -> SimConfig:
     """`cfg` with the engine defaults a replay runs with: the real backend steps synchronously, and
     its per-request prompts share no prefixes, so prefix caching is off unless asked for."""
-    from kvsim.sim.defaults import resolve_defaults
-
     eng = cfg.engine.model_copy(update={
         "async_scheduling": False,
         "enable_prefix_caching": bool(cfg.engine.enable_prefix_caching)})
@@ -191,7 +194,7 @@ def build_cache(cfg: SimConfig, model, kv):
     from kvsim.gpu.cache import PagedKVCache, TieredKVCache
 
     c, bs = model.config, cfg.engine.block_size
-    if getattr(kv, "new_token_tier", 0) == 0:
+    if not (isinstance(kv, EvictingKVManager) and kv.new_token_tier != TIER_FULL):
         return PagedKVCache.for_model(c, cfg.kv.layout, kv.num_blocks, bs, dtype=model.dtype, device=model.device)
     full_bytes = 2 * c.head_dim * torch.empty(0, dtype=model.dtype).element_size()
     return TieredKVCache.for_model(c, cfg.kv.layout, kv.num_blocks, bs, full_bytes,
@@ -208,7 +211,6 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     `cfg.check_invariants`) asserts every step that the cache's live mask equals the KV manager's state.
     """
     from kvsim.gpu.executor import RealExecutor, ReplayRecorder
-    from kvsim.sim.catalog import get_model
 
     t0 = time.perf_counter()
     opts = options or ReplayOptions()
@@ -222,7 +224,7 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     if cfg.engine.num_gpu_blocks is None:
         cfg.engine.num_gpu_blocks = default_num_blocks(cfg, model, cfg.kv.layout, device, dtype)
     spec, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=spec)
-    kv, _ = _build_kv(cfg, spec, cost, num_blocks)
+    kv = build_kv_manager(cfg, spec, cost, num_blocks)
     # A previous replay's KV cache sits in reference cycles (engine, simpy generators) until a full
     # collection: collect it now, or that collection lands inside this replay's first steps, frees
     # ~1 GB there and the allocator faults in fresh pages (measured: 515k page faults, +15-30% on the

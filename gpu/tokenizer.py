@@ -101,7 +101,7 @@ class Tokenizer:
 
     @classmethod
     def smollm2(cls) -> "Tokenizer":
-        from kvsim.gpu.weights import load_prepared
+        from kvsim.gpu.weights import load_prepared     # here: it loads torch; tokenizing needs none
         return cls.from_prepared(load_prepared())
 
     @property

@@ -8,6 +8,7 @@ Async scheduling is on for GPUs and off for CPUs (vLLM's CPU engine forces it of
 """
 from __future__ import annotations
 
+from .catalog import get_gpu, get_model
 from .config import EngineConfig, SimConfig
 
 GiB = 2**30
@@ -28,8 +29,6 @@ def batch_defaults(gpu, entry_point: str = "serve", world_size: int = 1) -> tupl
 
 def resolve_engine(cfg: SimConfig) -> EngineConfig:
     """`cfg.engine` with every null default filled in (see module docstring)."""
-    from .catalog import get_gpu, get_model
-
     eng = cfg.engine
     gpu = get_gpu(cfg.gpu)
     tokens, seqs = batch_defaults(gpu, eng.entry_point, cfg.tp)

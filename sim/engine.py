@@ -1,37 +1,25 @@
 """simpy engine: trace arrivals, a router, and replicas that loop schedule -> execute -> update.
 
-The executor decides how long a step takes: the simulator's executor asks the cost model, the
-real backend's executor runs it on tensors. Pure-decode stretches between events (an arrival, a
-request finishing, a block allocation that could fail) may be advanced in bulk ("fast-forward"),
+Part of the engine core: both executors are driven by it. The executor (`Executor`,
+sim/core/protocols.py) decides how long a step takes: the simulator's executor asks the cost
+model, the real backend's executor runs it on tensors. Pure-decode stretches between events (an
+arrival, a request finishing, a block allocation that could fail) may be advanced in bulk
+("fast-forward", sim/fast_forward.py) when the executor and the KV manager both support it,
 producing exactly the rows and request state that stepping one by one would.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import simpy
 
+from . import fast_forward
+from .core.protocols import Executor
 from .core.request import Request
 from .core.scheduler import Scheduler, SchedulerOutput
-from . import fast_forward
-from .core.step import BatchShape, batch_shape
+from .core.step import BatchShape, StepResult, batch_shape
 from .metrics import StepLog
-
-
-@dataclass
-class StepResult:
-    duration_s: float
-    predicted_s: float = float("nan")
-    evicted_tokens: int = 0
-    blocks_freed_by_eviction: int = 0
-    bytes_moved: int = 0
-    shape: BatchShape | None = None      # what the step asked of the hardware (as priced), for the log
-
-
-class Executor(Protocol):
-    def execute(self, out: SchedulerOutput) -> StepResult: ...
 
 
 class EngineReplica:
@@ -46,8 +34,8 @@ class EngineReplica:
         self.kv = scheduler.kv
         self.executor = executor
         self.step_log = step_log
-        self.fast_forward = fast_forward and getattr(executor, "supports_fast_forward", False) \
-            and getattr(self.kv, "supports_fast_forward", False)
+        # only then are they a FastForwardExecutor and a FastForwardKV (sim/core/protocols.py)
+        self.fast_forward = fast_forward and executor.supports_fast_forward and self.kv.supports_fast_forward
         self.check = check_invariants
         self.next_arrival = next_arrival
         self.on_step = on_step

@@ -1,15 +1,26 @@
-"""The simulator's executor: a step takes as long as the cost model predicts."""
+"""The simulator's executors: a step takes as long as the cost model predicts.
+
+`CostModelExecutor` prices the plain vLLM path (and runs of decode steps, for the fast-forward);
+`KVPolicyExecutor` also runs the eviction-aware manager's policies after the step's attention and
+charges their effects: the bytes copied/moved by the slot strategy, the per-head block-table
+entries, and the KV reads the policies leave (evicted tokens are not read, quantized tiers read
+fewer bytes — `kv_tokens_read` is in fp16 token-equivalents — and selection policies read only
+what they select).
+"""
 from __future__ import annotations
 
+from .config import SimConfig
+from .core.protocols import Executor, KVManager
 from .core.scheduler import SchedulerOutput
-from .core.step import BatchShape, batch_shape
-from .engine import StepResult
+from .core.step import BatchShape, StepResult, batch_shape
+from .kv.base import EvictingManagerBase
+from .kv.build import build_evicting_manager
 
 
 class CostModelExecutor:
     supports_fast_forward = True
 
-    def __init__(self, cost_model, kv):
+    def __init__(self, cost_model, kv: KVManager):
         self.cost = cost_model
         self.kv = kv
         # A profile that prices padded decode attention needs each step's widest block table, which
@@ -27,3 +38,38 @@ class CostModelExecutor:
     def predict_decode_run(self, num_seqs, kv_tokens_read, block_table_entries):
         """Durations of a run of pure-decode steps (float64 arrays), as `execute` would price them."""
         return self.cost.predict_decode(num_seqs, kv_tokens_read, block_table_entries)
+
+
+class KVPolicyExecutor:
+    supports_fast_forward = False       # eviction changes memory every step
+
+    def __init__(self, cost_model, kv: EvictingManagerBase):
+        self.cost = cost_model
+        self.kv = kv
+        self.last_plan = None
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
+        plan = self.kv.finish_step(out.scheduled)
+        shape.bytes_moved = plan.bytes_moved
+        shape.op_bytes = plan.op_bytes
+        shape.op_flops = plan.op_flops
+        seconds = float(self.cost.predict(shape))
+        self.last_plan = plan
+        return StepResult(duration_s=seconds, predicted_s=seconds, evicted_tokens=plan.evicted_tokens,
+                          blocks_freed_by_eviction=plan.blocks_freed_by_eviction, bytes_moved=plan.bytes_moved,
+                          shape=shape)
+
+    def predict_run(self, shape: BatchShape):
+        return self.cost.predict(shape)
+
+
+def replica_executor(cfg: SimConfig, cost, kv: KVManager) -> Executor:
+    """The executor of a replica whose KV manager `sim.kv.build.build_kv_manager` built from `cfg`."""
+    return CostModelExecutor(cost, kv) if cfg.kv.is_default else KVPolicyExecutor(cost, kv)
+
+
+def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int) -> tuple[EvictingManagerBase, KVPolicyExecutor]:
+    """The eviction-aware manager of a `KVConfig` and its executor (see `build_evicting_manager`)."""
+    manager = build_evicting_manager(kv, model, cost, num_blocks, block_size, seed)
+    return manager, KVPolicyExecutor(cost, manager)

@@ -17,8 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .core.protocols import FastForwardExecutor, FastForwardKV
+
+if TYPE_CHECKING:
+    from .engine import EngineReplica
 
 F64 = np.float64
 
@@ -45,7 +51,8 @@ class DecodeRun:
     ends: list
 
 
-def plan(replica) -> DecodeRun | None:
+def plan(replica: EngineReplica) -> DecodeRun | None:
+    """The next decode run of `replica` (whose executor and KV manager support fast-forward), or None."""
     sched = replica.scheduler
     running = sched.running
     cfg = sched.config
@@ -66,7 +73,7 @@ def plan(replica) -> DecodeRun | None:
             return None
         c_list.append(r.num_computed_tokens)
         last_list.append(r.max_output_tokens - n_out)
-    kv = replica.kv
+    kv: FastForwardKV = replica.kv
     bs = kv.block_size
     if admission_blocked and b < cfg.max_num_seqs:
         # Only while the head of WAITING cannot get its blocks even before this run's allocations.
@@ -89,7 +96,8 @@ def plan(replica) -> DecodeRun | None:
     c_sum = list(accumulate(ev["d_c"][:k]))
     held = list(accumulate(ev["d_held"][:k]))
     kv_read = [c + (j + 1) * n for j, (c, n) in enumerate(zip(c_sum, batch))]   # tokens after step j: c + j + 1
-    durations = replica.executor.predict_decode_run(
+    executor: FastForwardExecutor = replica.executor
+    durations = executor.predict_decode_run(
         np.array(batch, F64), np.array(kv_read, F64), np.array(held, F64)).tolist()
     # The clock advances step by step exactly as stepping adds durations; steps that start before
     # the next arrival are scheduled exactly as stepping would schedule them.
@@ -147,7 +155,7 @@ def _events(c_list: list, last_list: list, k: int, bs: int, caching: bool) -> di
             "fin_c": fin_c, "fin_held": fin_held, "allocs": allocs, "fills": fills}
 
 
-def _steps_keeping_head_hits(sched, kv, allocs: list, k: int) -> int:
+def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> int:
     """Of the first k steps, those before the first allocation that would evict a free cached block
     the blocked head of WAITING hits. Such an eviction can let the head in: it recomputes that block
     within its capped chunk instead, and the block no longer counts both as free and as a hit."""
@@ -173,7 +181,7 @@ def _steps_that_fit(ev: dict, k: int, free_blocks: int) -> int:
     return k
 
 
-def apply(replica, run: DecodeRun) -> dict:
+def apply(replica: EngineReplica, run: DecodeRun) -> dict:
     """Allocate, finish and advance requests as the run's steps would (all but the last step's
     finishes, which happen when the clock reaches its end); returns the run's pool columns."""
     kv = replica.kv
@@ -210,7 +218,7 @@ def apply(replica, run: DecodeRun) -> dict:
             "num_running": running, "finished": run.finished}
 
 
-def _bulk_allocate(replica, run: DecodeRun) -> list:
+def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> list:
     """No prefix caching: blocks are popped in bulk between finishes (freed blocks are reused)."""
     kv, reqs, k = replica.kv, run.reqs, run.k
     used0 = kv.pool.num_used_blocks
@@ -229,7 +237,7 @@ def _bulk_allocate(replica, run: DecodeRun) -> list:
     return list(accumulate((n - f for n, f in zip(run.new, run.freed)), initial=used0))[1:]
 
 
-def _replay_events(replica, run: DecodeRun) -> tuple[list, list]:
+def _replay_events(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
     """Prefix caching: replay each allocation / block fill / finish through the manager in order."""
     kv, pool, k = replica.kv, replica.kv.pool, run.k
     finishing = sorted((e - 1, r) for r, e in enumerate(run.last) if e < k)

@@ -17,8 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvsim.sim.catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_gpu, get_model
-from kvsim.sim.cost_model import kv_heads_per_gpu
+from .catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_gpu, get_model
+from .cost_model import kv_heads_per_gpu
+from .defaults import resolve_engine
+from .kv.build import policy_params
+from .kv.policy import PolicyError, get_policy
 
 GiB = 2**30
 NON_TORCH_OVERHEAD_BYTES = GiB // 2   # CUDA context extras, cuBLAS/NCCL workspaces, CUDA graph pool
@@ -136,8 +139,6 @@ class RunMemoryEstimate:
 def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None) -> RunMemoryEstimate:
     """Host memory a simulation of `cfg` needs, before anything is allocated: the KV block pool of
     every replica, fast mode's per-request slabs at their peak, and the requests of `trace`."""
-    from .defaults import resolve_engine
-
     eng, kv = resolve_engine(cfg), cfg.kv
     rows = model.num_layers * kv_heads_per_gpu(model, cfg.tp) if kv.layout == "per_head" else 1
     pool_blocks = num_blocks * rows
@@ -161,9 +162,6 @@ def _fast_slab_bytes(cfg, rows: int, trace, max_seqs: int) -> tuple[int, int, in
     """(bytes, budget, window): fast mode keeps, per request slot and simulated row, page columns, the
     recent-window ring and the budget-sized survivor list (with H2O, its score terms): see
     FastKVManager._alloc_arrays."""
-    from .kv.build import policy_params
-    from .kv.policy import PolicyError, get_policy
-
     try:
         profile = get_policy(cfg.kv.policy, **policy_params(cfg.kv)).fast_mode_profile() or {}
     except (PolicyError, TypeError, ValueError):
@@ -227,15 +225,3 @@ def check_memory(estimate: RunMemoryEstimate, available: tuple[int, str] | None 
     raise HostMemoryError(
         f"this run needs about {need / GiB:.1f} GiB of host memory: {estimate.describe()}; but "
         f"{free / GiB:.1f} GiB is available ({source}); lower {option} (largest part: {what})")
-
-
-def check_config_memory(cfg, trace=None) -> RunMemoryEstimate:
-    """Estimate and check the host memory of a simulation of `cfg` (resolving its model, GPU and pool
-    size) before running it: the bound `kvsim simulate` applies, for other front ends (the
-    dashboard). Raises HostMemoryError (a ValueError) when it does not fit; returns the estimate."""
-    from .simulate import resolve_hardware
-
-    model, _, cost, num_blocks, _ = resolve_hardware(cfg)
-    estimate = estimate_run_memory(cfg, model, cost, num_blocks, trace)
-    check_memory(estimate)
-    return estimate

@@ -1,30 +1,26 @@
-"""Build and run one simulation from a SimConfig; write requests/steps/summary/config."""
+"""The simulator's driver: build and run one simulation from a SimConfig; write requests/steps/summary/config."""
 from __future__ import annotations
 
 import gc
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import simpy
-import yaml
 
+from .assembly import load_workload, resolve_hardware, scheduler_config, trace_to_requests
 from .config import ConfigError, SimConfig
-from .core.kv_manager import KVCacheManager
-from .core.request import Request
-from .core.scheduler import Scheduler, SchedulerConfig
+from .core.scheduler import Scheduler
 from .defaults import resolve_defaults
 from .engine import ArrivalProcess, EngineReplica, Router, StepArrivals
-from .executor import CostModelExecutor
+from .executor import replica_executor
+from .kv.build import build_kv_manager
 from .memory import check_memory, estimate_run_memory
-from .metrics import SUMMARY_STEP_COLUMNS, StepLog, flat_token_times, request_table, summarize
-from .results import ResultDir, check_out_dir
+from .metrics import SUMMARY_STEP_COLUMNS, StepLog, request_table
+from .outputs import run_summary, write_outputs
 from .progress import ProgressTracker, TokenBar, ambient_callback
+from .results import ResultDir, check_out_dir
 
 
 @dataclass
@@ -35,61 +31,6 @@ class SimulationResult:
     out_dir: Path | None
     num_gpu_blocks: int
     wall_s: float
-
-
-def load_workload(cfg: SimConfig):
-    from kvsim.traces import load_trace
-
-    opts = cfg.trace_options
-    trace = load_trace(cfg.trace, **({"rate": opts.rate, "seed": cfg.seed} if opts.rate else {}))
-    if opts.start_s is not None or opts.end_s is not None:
-        trace = trace.window(opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
-    if opts.rate_scale != 1.0:
-        trace = trace.scale_rate(opts.rate_scale)
-    if opts.max_requests is not None:
-        trace = trace.head(opts.max_requests)
-    return trace
-
-
-def trace_to_requests(trace) -> list[Request]:
-    df = trace.df
-    ids = df["prefix_hash_ids"].tolist() if "prefix_hash_ids" in df else [None] * len(df)
-    prio = df["priority"].tolist() if "priority" in df else [0] * len(df)
-    span = getattr(trace, "prefix_block_tokens", None)
-    return [
-        Request(request_id=int(rid), arrival_time=float(t), prompt_tokens=int(p), max_output_tokens=int(o),
-                priority=int(pr) if pr == pr and pr is not None else 0,
-                prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
-                prefix_block_tokens=span)
-        for rid, t, p, o, h, pr in zip(df["request_id"].tolist(), df["arrival_time_s"].tolist(),
-                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio)
-    ]
-
-
-def resolve_hardware(cfg: SimConfig, model=None):
-    """(model spec, GPU spec, cost model, KV pool blocks, max_model_len); `model` overrides `cfg.model`
-    (the real backend passes the spec of the model it actually runs)."""
-    from .catalog import get_gpu, get_model
-    from .cost_model import CostModel, load_profile
-    from .defaults import resolve_engine
-
-    model = get_model(cfg.model) if model is None else model
-    if cfg.kv_dtype or cfg.weight_dtype:
-        model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
-    gpu = get_gpu(cfg.gpu)
-    eng = resolve_engine(cfg)
-    cost = CostModel(model, gpu, load_profile(cfg.profile), tp=cfg.tp,
-                     async_scheduling=bool(eng.async_scheduling))
-    if eng.num_gpu_blocks is not None:
-        blocks = eng.num_gpu_blocks
-    else:
-        from .memory import num_gpu_blocks
-        blocks = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
-                                gpu_memory_utilization=eng.gpu_memory_utilization,
-                                max_num_batched_tokens=eng.max_num_batched_tokens,
-                                max_num_seqs=eng.max_num_seqs).num_blocks
-    max_model_len = eng.max_model_len or model.max_position
-    return model, gpu, cost, blocks, max_model_len
 
 
 def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progress=False,
@@ -140,7 +81,8 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
                           f"got {cfg.replicas}")
     step_arrivals = StepArrivals(requests) if by_step else None
     for i in range(cfg.replicas):
-        kv, executor = _build_kv(cfg, model, cost, num_blocks)
+        kv = build_kv_manager(cfg, model, cost, num_blocks)
+        executor = replica_executor(cfg, cost, kv)
         if wrap_kv is not None:
             kv, executor = wrap_kv(kv, executor)
         scheduler = Scheduler(sched_cfg, kv)
@@ -216,65 +158,3 @@ def _drive(env: simpy.Environment, arrivals: ArrivalProcess | None, replicas: li
         if gc_was_enabled:
             gc.enable()
     return None
-
-
-def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfig:
-    eng = cfg.engine
-    return SchedulerConfig(
-        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens,
-        long_prefill_token_threshold=eng.long_prefill_token_threshold, max_model_len=max_model_len,
-        enable_chunked_prefill=eng.enable_chunked_prefill, policy=eng.scheduling_policy,
-        preemption_mode=eng.preemption_mode, async_scheduling=bool(eng.async_scheduling),
-        swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
-
-
-def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
-                max_model_len: int, model, gpu) -> dict:
-    """summary.json of a run (simulated or replayed) from its request and step tables."""
-    # blocks of the pool actually managed (per_head pools count one-head blocks)
-    pool_blocks = kvs[0].num_blocks if kvs else num_blocks
-    summary = summarize(req_df, steps_df, num_blocks_total=pool_blocks,
-                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
-                        prefix_queries=sum(kv.num_prefix_queries for kv in kvs),
-                        prefix_hits=sum(kv.num_prefix_hits for kv in kvs))
-    preempted_queries = sum(kv.num_prefix_queries_preempted for kv in kvs)
-    preempted_hits = sum(kv.num_prefix_hits_preempted for kv in kvs)
-    summary["prefix_hit_rate_preempted"] = preempted_hits / preempted_queries if preempted_queries else 0.0
-    if not cfg.kv.is_default:
-        from .kv.metrics import kv_summary
-        summary.update(kv_summary(kvs, req_df, steps_df))
-    summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
-                    "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
-                    "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace})
-    return summary
-
-
-def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame, summary: dict) -> None:
-    """requests.parquet, summary.json and config.yaml (steps.parquet is written by the StepLog)."""
-    pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-
-
-def requests_arrow(req_df: pd.DataFrame) -> pa.Table:
-    """The request table as Arrow; token times become a list<double> column built from one
-    concatenated buffer (pandas' object-column conversion of 10^4-10^5 arrays is several x slower)."""
-    offsets, values = flat_token_times(req_df["token_times_s"])
-    table = pa.Table.from_pandas(req_df.drop(columns="token_times_s"), preserve_index=False)
-    lists = pa.ListArray if offsets[-1] < 2**31 else pa.LargeListArray      # int32 offsets while they fit
-    offsets = offsets.astype(np.int32) if lists is pa.ListArray else offsets
-    return table.append_column("token_times_s", lists.from_arrays(pa.array(offsets), pa.array(values)))
-
-
-def _build_kv(cfg: SimConfig, model, cost, num_blocks: int):
-    """The KV manager and executor of one replica: the plain vLLM path unless `kv:` asks for more."""
-    eng = cfg.engine
-    if cfg.kv.is_default:
-        kv = KVCacheManager(num_blocks, eng.block_size, enable_caching=bool(eng.enable_prefix_caching))
-        return kv, CostModelExecutor(cost, kv)
-    if eng.enable_prefix_caching:
-        raise ConfigError("engine.enable_prefix_caching: not supported with kv.policy/kv.layout other than "
-                          "none/shared (evicted tokens break shared prefix blocks)")
-    from .kv.build import build_kv
-    # like vLLM's pool, one block of the memory is the null block
-    return build_kv(cfg.kv, model, cost, num_blocks - 1, eng.block_size, cfg.seed)

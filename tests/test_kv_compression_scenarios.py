@@ -9,7 +9,7 @@ from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
 from kvsim.sim.cost_model import CostModel
 from kvsim.sim.engine import EngineReplica
-from kvsim.sim.kv.build import build_kv
+from kvsim.sim.executor import build_kv
 from kvsim.sim.metrics import StepLog
 from kvsim.sim.simulate import run_simulation
 from kvsim.sim.kv.state import TIER_LOW

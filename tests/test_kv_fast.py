@@ -152,7 +152,7 @@ def test_scheduler_decode_batch_path_schedules_as_the_per_request_loop(monkeypat
     cfg = {**H2O, "slot_strategy": strategy, "mode": "fast"}
     kw = dict(n=10, prompt=200, output=150, num_blocks=60)
     batched = run(cfg, **kw)[1]
-    monkeypatch.setattr(FastKVManager, "allocate_decodes", None)
+    monkeypatch.setattr(FastKVManager, "allocate_decodes", lambda self, reqs: None)   # no batch path
     looped = run(cfg, **kw)[1]
     assert batched["preemptions"].sum() > 0
     for col in ("batch_size", "blocks_used", "live_slots", "preemptions", "evicted_tokens", "duration_s"):

@@ -7,7 +7,7 @@ from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
 from kvsim.sim.cost_model import CostModel
 from kvsim.sim.engine import EngineReplica
-from kvsim.sim.kv.build import build_kv
+from kvsim.sim.executor import build_kv
 from kvsim.sim.config import KVConfig, load_config
 from kvsim.sim.metrics import StepLog, request_table, summarize
 from kvsim.sim.kv.metrics import kv_summary

@@ -127,7 +127,7 @@ def test_high_and_low_precision_pages_grow_from_opposite_ends_of_the_page_table(
     from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
     from kvsim.sim.cost_model import CostModel
     from kvsim.sim.engine import EngineReplica
-    from kvsim.sim.kv.build import build_kv
+    from kvsim.sim.executor import build_kv
     from kvsim.sim.metrics import StepLog
     cost = CostModel("smollm2-135m", "l4")
     kv, executor = build_kv(KVConfig(policy="leankv", layout="per_head", slot_strategy=strategy),

@@ -117,7 +117,8 @@ def test_a_fast_mode_budget_beyond_host_memory_is_refused(tmp_path):
 
 def test_run_memory_estimate_is_small_for_ordinary_runs_and_checked_against_what_is_given():
     from kvsim.sim.config import load_config
-    from kvsim.sim.memory import HostMemoryError, check_config_memory, check_memory, estimate_run_memory
+    from kvsim.sim.assembly import check_config_memory
+    from kvsim.sim.memory import HostMemoryError, check_memory, estimate_run_memory
     from kvsim.sim.simulate import load_workload, resolve_hardware
 
     cfg = load_config(None, {"trace_options.max_requests": 200, "engine.enable_prefix_caching": True})

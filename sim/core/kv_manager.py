@@ -1,8 +1,8 @@
 """KV cache manager for the shared (vLLM) layout: one block table per request.
 
 Owns which blocks each request holds and the prefix-cache hashing of full blocks. The scheduler
-talks to it only through `get_computed_blocks`, `allocate_slots`, `free`, `reclaim` and the
-read-only accessors, so other layouts and eviction-aware managers can stand in for it.
+and the engine talk to it only through the `KVManager` protocol (sim/core/protocols.py), so other
+layouts and eviction-aware managers can stand in for it.
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class KVCacheManager:
     # The simulator may advance pure-decode runs in bulk when the manager's state is a pure
     # function of token counts (no per-step eviction).
     supports_fast_forward = True
+    table_rows = 1                   # one block table per sequence
 
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
@@ -155,6 +156,23 @@ class KVCacheManager:
             self.pool.cache_blocks(blocks[first:full], [self._block_hash(req, j) for j in range(first, full)])
             req.extra["num_cached_blocks"] = max(full, first)
         return True
+
+    def allocate_decodes(self, reqs: list[Request]) -> list[int] | None:
+        """One decode token's slots for every request in `reqs` (each holding its computed tokens) at
+        once: the contexts, with the pool left as `allocate_slots(req, 1)` request by request would
+        leave it (the same blocks, in the same order), or None with nothing allocated when the free
+        pool is short (the scheduler then preempts request by request)."""
+        bs, req_blocks = self.block_size, self.req_blocks
+        growing = [r for r in reqs if len(req_blocks[r]) * bs <= r.num_computed_tokens]
+        if len(growing) > self.pool.num_free_blocks:
+            return None
+        contexts = [r.num_computed_tokens for r in reqs]
+        if self.enable_caching:
+            for r in reqs:               # each succeeds; blocks are hashed as they fill, in order
+                self.allocate_slots(r, 1)
+        elif growing:
+            self.append_one_block_each(growing)
+        return contexts
 
     def append_one_block_each(self, reqs: list[Request]) -> None:
         """Give each request one new block, in order (bulk decode growth without prefix caching)."""

@@ -22,7 +22,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_manager import KVCacheManager
+from .protocols import KVManager
 from .request import Request, RequestStatus
 
 
@@ -103,7 +103,7 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVManager):
         self.config = config
         self.kv = kv
         self.waiting = WaitingQueue(config.policy)
@@ -197,16 +197,15 @@ class Scheduler:
         reserve all their slots at once (`allocate_decodes`): the same result as the loop in
         `_schedule_running`, without its per-request calls. None when that does not hold (nothing
         was allocated then)."""
-        allocate = getattr(self.kv, "allocate_decodes", None)
         running = self.running
-        if allocate is None or not running or len(running) > budget or self.finishing:
+        if not running or len(running) > budget or self.finishing:
             return None
         max_len = self.config.max_model_len
         for req in running:
             computed = req.num_computed_tokens
             if req.num_tokens - computed != 1 or not req.num_output_tokens or computed >= max_len:
                 return None
-        contexts = allocate(running)
+        contexts = self.kv.allocate_decodes(running)
         if contexts is None:
             return None
         return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts)}

@@ -1,4 +1,4 @@
-"""What one engine step asks of the hardware: the input of every executor's cost.
+"""What one engine step asks of the hardware (the input of every executor's cost) and what it took.
 
 Fields are plain numbers for one step, or equal-length float64 numpy arrays for a run of
 steps (the simulator's decode fast-forward); the cost model must broadcast over both and give
@@ -7,8 +7,13 @@ bit-identical results either way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .protocols import KVManager
+    from .scheduler import SchedulerOutput
 
 ArrayLike = float | int | np.ndarray
 
@@ -40,8 +45,20 @@ class BatchShape:
         return self.num_prefill_tokens + self.num_decode_tokens
 
 
-def batch_shape(out, kv, kv_bytes_per_token: float = 0.0) -> BatchShape:
-    """The cost-relevant shape of one scheduled step (shared by every executor)."""
+@dataclass
+class StepResult:
+    """What an executor reports of one step (a row of the step log with the scheduler's counts)."""
+    duration_s: float
+    predicted_s: float = float("nan")
+    evicted_tokens: int = 0
+    blocks_freed_by_eviction: int = 0
+    bytes_moved: int = 0
+    shape: BatchShape | None = None      # what the step asked of the hardware (as priced), for the log
+
+
+def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float = 0.0) -> BatchShape:
+    """The cost-relevant shape of one scheduled step (shared by every executor); `bytes_moved` and
+    the policy-operation fields are the executor's to fill in (they come from the KV manager's plan)."""
     prefill_tokens = decode_tokens = 0
     attn_pairs = 0.0
     kv_read = 0
@@ -64,22 +81,16 @@ def batch_shape(out, kv, kv_bytes_per_token: float = 0.0) -> BatchShape:
         if e > widest:
             widest = e
     swap_tokens = out.swap_out_tokens + out.swap_in_tokens
-    widest_slots = widest * kv.block_size / _table_rows(kv)
+    widest_slots = widest * kv.block_size / kv.table_rows
     return BatchShape(
         num_seqs=len(out.scheduled),
         num_prefill_tokens=prefill_tokens,
         num_decode_tokens=decode_tokens,
         attn_pairs_prefill=attn_pairs,
         kv_tokens_read=kv_read,
-        bytes_moved=getattr(out, "bytes_moved", 0),
         swap_bytes=swap_tokens * kv_bytes_per_token,
         block_table_entries=entries,
         kv_tokens_padded=num_decode * widest_slots,
         attn_pairs_prefill_padded=prefill_tokens * widest_slots + chunk_sq,
     )
 
-
-def _table_rows(kv) -> int:
-    """Block-table rows per sequence: layers x KV heads in a per-head layout, else 1."""
-    ctx = getattr(kv, "ctx", None)
-    return ctx.rows if ctx is not None else 1

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 
 class EvictingManagerBase:
-    """What the scheduler asks of a KV manager, where it is the same for every eviction-aware one.
+    """The part of the `KVManager` protocol (sim/core/protocols.py) that is the same for every
+    eviction-aware manager.
 
     No prefix caching (evicted tokens break shared prefix blocks) and no bulk decode fast-forward
     (eviction changes memory every step). The pool counts blocks of one (layer, KV head) row in the
@@ -25,6 +26,10 @@ class EvictingManagerBase:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def table_rows(self) -> int:
+        return self.ctx.rows
+
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks // self.ctx.rows * self.block_size
 
@@ -39,6 +44,13 @@ class EvictingManagerBase:
         acts on it, so its pages must fit the free pool (or `free_blocks`)."""
         free = self.num_free_blocks if free_blocks is None else free_blocks
         return self.blocks_needed(req, num_tokens - req.num_computed_tokens) <= free
+
+    def num_revivable(self, computed_blocks) -> int:
+        return 0                     # no prefix caching: no cached free blocks to revive
+
+    def allocate_decodes(self, reqs) -> list[float] | None:
+        """No batch decode path unless a subclass has one: the scheduler allocates request by request."""
+        return None
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int, preempted: bool = False) -> None:
         pass

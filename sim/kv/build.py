@@ -1,17 +1,20 @@
-"""Build an eviction-aware KV manager and its executor from a `KVConfig` (used by sim.simulate)."""
+"""Build a replica's KV manager from a run's config (shared by the simulator and the real backend)."""
 from __future__ import annotations
 
-from ..config import ConfigError
+from ..config import ConfigError, SimConfig
+from ..core.kv_manager import KVCacheManager
+from ..core.protocols import KVManager
+from .base import EvictingManagerBase
 from .importance import ImportanceError, SyntheticImportance
+from .manager import EvictingKVManager
 from .policy import PolicyContext, PolicyError, get_policy
 from .state import TIER_FULL
+from .tiers import TIERS
 
 
 def tier_layout(model, block_size: int, high: str, low: str) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
     """(bytes per token of each tier / full-precision bytes, tokens per page of each tier) for pages of
     the byte size of one full-precision block of one (layer, KV head) — LeanKV's fixed-size pages."""
-    from kvsim.gpu.tiers import TIERS  # the real backend's tier definitions (bits + per-token fp16 scale/zero)
-
     full_bytes = model.kv_bytes_per_token() / (model.num_layers * model.num_kv_heads)
     page_bytes = block_size * full_bytes
     ratios, caps = [1.0], [block_size]
@@ -31,9 +34,23 @@ def policy_params(kv) -> dict:
     return params
 
 
-def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int):
-    """-> (manager, executor). `num_blocks` is the shared-layout pool size; per_head pools hold the
-    same bytes as num_blocks x layers x (KV heads per GPU) one-head blocks."""
+def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int) -> KVManager:
+    """The KV manager of one replica: the plain vLLM manager unless `kv:` asks for more. `num_blocks`
+    is vLLM's num_gpu_blocks (one of them the null block)."""
+    eng = cfg.engine
+    if cfg.kv.is_default:
+        return KVCacheManager(num_blocks, eng.block_size, enable_caching=bool(eng.enable_prefix_caching))
+    if eng.enable_prefix_caching:
+        raise ConfigError("engine.enable_prefix_caching: not supported with kv.policy/kv.layout other than "
+                          "none/shared (evicted tokens break shared prefix blocks)")
+    # like vLLM's pool, one block of the memory is the null block
+    return build_evicting_manager(cfg.kv, model, cost, num_blocks - 1, eng.block_size, cfg.seed)
+
+
+def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, seed: int) -> EvictingManagerBase:
+    """The eviction-aware manager of a `KVConfig` (token-level, or fast mode). `num_blocks` is the
+    shared-layout pool size; per_head pools hold the same bytes as num_blocks x layers x (KV heads per
+    GPU) one-head blocks."""
     kv_heads = cost.kv_heads_per_gpu
     rows = model.num_layers * kv_heads if kv.layout == "per_head" else 1
     tier_bytes, tier_caps = tier_layout(model, block_size, kv.high_tier, kv.low_tier)
@@ -44,29 +61,22 @@ def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int):
         policy = get_policy(kv.policy, **policy_params(kv))
     except PolicyError as exc:
         raise ConfigError(str(exc)) from None
+    # optional policy attributes (sim.kv.policies.pyramidkv, .leankv)
     if getattr(policy, "per_head_only", False) and kv.layout != "per_head":
         raise ConfigError(f"kv.layout: policy {kv.policy!r} sets different budgets per layer and head; it needs "
                           f"kv.layout=per_head, got {kv.layout!r}")
     pool_blocks = num_blocks * rows
     bytes_per_row = cost.kv_bytes_per_token / rows
-    new_tier = getattr(policy, "new_token_tier", TIER_FULL)
-    if kv.mode == "fast":
-        from .fast import FastKVManager
-        try:
-            manager = FastKVManager(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
-                                    bytes_per_token_row=bytes_per_row, seed=seed,
-                                    sample_rows=kv.fast_rows, importance=kv.importance)
-        except ImportanceError as exc:
-            raise ConfigError(f"kv.importance: {exc}") from None
-    else:
-        from .manager import EvictingKVManager
-        try:
-            importance = SyntheticImportance(ctx, kv.importance, seed) if (policy.needs_scores or policy.evicts) else None
-        except ImportanceError as exc:
-            raise ConfigError(f"kv.importance: {exc}") from None
-        manager = EvictingKVManager(pool_blocks, block_size, ctx, policy, importance, slot_strategy=kv.slot_strategy,
-                                    trigger=kv.trigger, trigger_interval=kv.trigger_interval,
-                                    trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
-                                    tier_capacity=tier_caps, new_token_tier=new_tier)
-    from .executor import KVPolicyExecutor
-    return manager, KVPolicyExecutor(cost, manager)
+    try:
+        if kv.mode == "fast":
+            from .fast import FastKVManager     # here: it loads numba (its kernels), which token mode never needs
+            return FastKVManager(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
+                                 bytes_per_token_row=bytes_per_row, seed=seed,
+                                 sample_rows=kv.fast_rows, importance=kv.importance)
+        importance = SyntheticImportance(ctx, kv.importance, seed) if (policy.needs_scores or policy.evicts) else None
+    except ImportanceError as exc:
+        raise ConfigError(f"kv.importance: {exc}") from None
+    return EvictingKVManager(pool_blocks, block_size, ctx, policy, importance, slot_strategy=kv.slot_strategy,
+                             trigger=kv.trigger, trigger_interval=kv.trigger_interval,
+                             trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
+                             tier_capacity=tier_caps, new_token_tier=getattr(policy, "new_token_tier", TIER_FULL))

@@ -7,8 +7,9 @@ import numpy as np
 
 
 def kv_summary(managers, requests, steps) -> dict:
-    logical = sum(getattr(m, "logical_token_steps", 0) for m in managers)
-    stored = sum(getattr(m, "stored_token_steps", 0.0) for m in managers)
+    """Compression, attention mass kept and eviction counts of a run of eviction-aware `managers`."""
+    logical = sum(m.logical_token_steps for m in managers)
+    stored = sum(m.stored_token_steps for m in managers)
     mass = requests["attention_mass_retained"].dropna() if "attention_mass_retained" in requests else []
     out = {
         "compression_ratio": logical / stored if stored else math.nan,

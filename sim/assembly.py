@@ -1,0 +1,85 @@
+"""Assemble a run's engine core from a SimConfig: its requests, hardware, KV pool and scheduler config.
+
+Shared by the two executors' drivers: the simulator (`sim.simulate`) and the real backend's replay
+(`gpu.replay`); the KV manager of a replica comes from `sim.kv.build.build_kv_manager`.
+"""
+from __future__ import annotations
+
+from kvsim.traces import load_trace
+
+from .catalog import get_gpu, get_model
+from .config import SimConfig
+from .core.request import Request
+from .core.scheduler import SchedulerConfig
+from .cost_model import CostModel, load_profile
+from .defaults import resolve_engine
+from .memory import RunMemoryEstimate, check_memory, estimate_run_memory, num_gpu_blocks
+
+
+def load_workload(cfg: SimConfig):
+    """The trace of `cfg` with its trace options (rate, window, rate scale, first N requests) applied."""
+    opts = cfg.trace_options
+    trace = load_trace(cfg.trace, **({"rate": opts.rate, "seed": cfg.seed} if opts.rate else {}))
+    if opts.start_s is not None or opts.end_s is not None:
+        trace = trace.window(opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
+    if opts.rate_scale != 1.0:
+        trace = trace.scale_rate(opts.rate_scale)
+    if opts.max_requests is not None:
+        trace = trace.head(opts.max_requests)
+    return trace
+
+
+def trace_to_requests(trace) -> list[Request]:
+    df = trace.df
+    ids = df["prefix_hash_ids"].tolist() if "prefix_hash_ids" in df else [None] * len(df)
+    prio = df["priority"].tolist() if "priority" in df else [0] * len(df)
+    span = trace.prefix_block_tokens
+    return [
+        Request(request_id=int(rid), arrival_time=float(t), prompt_tokens=int(p), max_output_tokens=int(o),
+                priority=int(pr) if pr == pr and pr is not None else 0,
+                prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
+                prefix_block_tokens=span)
+        for rid, t, p, o, h, pr in zip(df["request_id"].tolist(), df["arrival_time_s"].tolist(),
+                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio)
+    ]
+
+
+def resolve_hardware(cfg: SimConfig, model=None):
+    """(model spec, GPU spec, cost model, KV pool blocks, max_model_len); `model` overrides `cfg.model`
+    (the real backend passes the spec of the model it actually runs)."""
+    model = get_model(cfg.model) if model is None else model
+    if cfg.kv_dtype or cfg.weight_dtype:
+        model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
+    gpu = get_gpu(cfg.gpu)
+    eng = resolve_engine(cfg)
+    cost = CostModel(model, gpu, load_profile(cfg.profile), tp=cfg.tp,
+                     async_scheduling=bool(eng.async_scheduling))
+    if eng.num_gpu_blocks is not None:
+        blocks = eng.num_gpu_blocks
+    else:
+        blocks = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
+                                gpu_memory_utilization=eng.gpu_memory_utilization,
+                                max_num_batched_tokens=eng.max_num_batched_tokens,
+                                max_num_seqs=eng.max_num_seqs).num_blocks
+    max_model_len = eng.max_model_len or model.max_position
+    return model, gpu, cost, blocks, max_model_len
+
+
+def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfig:
+    eng = cfg.engine
+    return SchedulerConfig(
+        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens,
+        long_prefill_token_threshold=eng.long_prefill_token_threshold, max_model_len=max_model_len,
+        enable_chunked_prefill=eng.enable_chunked_prefill, policy=eng.scheduling_policy,
+        preemption_mode=eng.preemption_mode, async_scheduling=bool(eng.async_scheduling),
+        swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
+
+
+def check_config_memory(cfg, trace=None) -> RunMemoryEstimate:
+    """Estimate and check the host memory of a simulation of `cfg` (resolving its model, GPU and pool
+    size) before running it: the bound `kvsim simulate` applies, for other front ends (the
+    dashboard). Raises HostMemoryError (a ValueError) when it does not fit; returns the estimate."""
+    model, _, cost, num_blocks, _ = resolve_hardware(cfg)
+    estimate = estimate_run_memory(cfg, model, cost, num_blocks, trace)
+    check_memory(estimate)
+    return estimate

@@ -1,0 +1,148 @@
+"""The two interfaces of the engine core: what it asks of a KV manager and of an executor.
+
+The engine loop (`sim.engine`), the scheduler (`sim.core.scheduler`), the step shape
+(`sim.core.step`) and the decode fast-forward (`sim.fast_forward`) use a KV manager and an
+executor only through these protocols. KV managers: `sim.core.kv_manager.KVCacheManager` (shared
+layout, prefix caching), `sim.kv.manager.EvictingKVManager` (token-level eviction/compression) and
+`sim.kv.fast.FastKVManager` (fast mode). Executors: the simulator's (`sim.executor`: the cost
+model prices each step) and the real backend's (`gpu.executor.RealExecutor`: runs it on tensors).
+
+Capabilities are attributes, never probed with getattr: a manager without a batch decode path
+returns None from `allocate_decodes`; only a manager AND an executor whose `supports_fast_forward`
+is True are driven through the fast-forward protocols below.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .request import Request
+    from .scheduler import SchedulerOutput
+    from .step import StepResult
+
+
+@runtime_checkable
+class PoolView(Protocol):
+    """The block-pool counters the engine logs every step."""
+    num_blocks: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_used_blocks(self) -> int: ...
+
+    @property
+    def num_cached_free_blocks(self) -> int: ...
+
+    def check_invariants(self) -> None: ...
+
+
+@runtime_checkable
+class KVManager(Protocol):
+    """What the scheduler and the engine ask of a KV manager."""
+    block_size: int
+    enable_caching: bool            # prefix caching
+    supports_fast_forward: bool     # state is a pure function of token counts (see FastForwardKV)
+    num_prefix_queries: int         # prompt tokens looked up in the prefix cache (first admissions)
+    num_prefix_hits: int
+    num_prefix_queries_preempted: int   # the same for requests resuming after a recompute preemption
+    num_prefix_hits_preempted: int
+
+    @property
+    def pool(self) -> PoolView: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def table_rows(self) -> int:
+        """Block-table rows per sequence: layers x KV heads per GPU in the per_head layout, else 1."""
+
+    @property
+    def req_blocks(self) -> Mapping[Request, Any]:
+        """The requests holding KV (a mapping keyed by request)."""
+
+    def max_tokens_per_request(self) -> int: ...
+
+    def kv_tokens(self, req: Request) -> float:
+        """fp16 token-equivalents attention reads for `req` (its context before the next tokens)."""
+
+    def block_table_entries(self, req: Request) -> int: ...
+
+    def slot_stats(self) -> tuple[int, int]:
+        """(live slots, slots in allocated blocks)."""
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Prefix-cache hits of a waiting request."""
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int, preempted: bool = False) -> None: ...
+
+    def fits_full_sequence(self, req: Request, num_tokens: int, computed_blocks: list[int],
+                           free_blocks: int | None = None) -> bool:
+        """The admission gate: blocks for the whole known sequence fit the free pool."""
+
+    def num_revivable(self, computed_blocks: list[int]) -> int:
+        """Prefix hits on free cached blocks (reusing them takes them out of the free pool)."""
+
+    def blocks_needed(self, req: Request, num_new_tokens: int, num_computed_blocks: int = 0) -> int: ...
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Slots for `num_new_tokens` more tokens; False, changing nothing, when they do not fit."""
+
+    def allocate_decodes(self, reqs: Sequence[Request]) -> list[float] | None:
+        """One decode token's slots for every request at once: their contexts, or None (nothing
+        reserved) when they do not all fit or the manager has no batch path."""
+
+    def free(self, req: Request) -> int: ...
+
+    def forget(self, req: Request) -> None:
+        """Drop per-request state nothing reads once `req` has finished."""
+
+    def reclaim(self, num_blocks: int, running: list[Request]) -> int:
+        """Free up to `num_blocks` by compressing running requests (memory-pressure policies); freed count."""
+
+    def check_invariants(self, live_requests: Iterable[Request]) -> None: ...
+
+
+@runtime_checkable
+class FastForwardPool(PoolView, Protocol):
+    """A pool the decode fast-forward can plan over (`sim.core.block_pool.BlockPool`)."""
+
+    @property
+    def ref_cnt(self) -> list[int]: ...
+
+    def next_free_blocks(self, n: int) -> list[int]: ...
+
+
+@runtime_checkable
+class FastForwardKV(KVManager, Protocol):
+    """A KV manager whose `supports_fast_forward` is True: the decode fast-forward grows its
+    requests' block tables in bulk."""
+
+    @property
+    def pool(self) -> FastForwardPool: ...
+
+    def append_one_block_each(self, reqs: list[Request]) -> None: ...
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Runs (or prices) one scheduled step."""
+    supports_fast_forward: bool     # True: a FastForwardExecutor (prices runs of decode steps)
+
+    def execute(self, out: SchedulerOutput) -> StepResult: ...
+
+
+@runtime_checkable
+class FastForwardExecutor(Executor, Protocol):
+    """An executor that prices a run of pure-decode steps at once, bit-identical to `execute`."""
+
+    def predict_decode_run(self, num_seqs: np.ndarray, kv_tokens_read: np.ndarray,
+                           block_table_entries: np.ndarray) -> np.ndarray: ...

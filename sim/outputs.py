@@ -1,0 +1,56 @@
+"""The result files of a run (requests.parquet, summary.json, config.yaml) and its summary.
+
+Written alike by the simulator (`sim.simulate`) and the real backend's replay (`gpu.replay`), so
+both produce the same schemas; steps.parquet is written by `sim.metrics.StepLog` as the run goes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from .config import SimConfig
+from .kv.metrics import kv_summary
+from .metrics import flat_token_times, summarize
+
+
+def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
+                max_model_len: int, model, gpu) -> dict:
+    """summary.json of a run (simulated or replayed) from its request and step tables."""
+    # blocks of the pool actually managed (per_head pools count one-head blocks)
+    pool_blocks = kvs[0].num_blocks if kvs else num_blocks
+    summary = summarize(req_df, steps_df, num_blocks_total=pool_blocks,
+                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
+                        prefix_queries=sum(kv.num_prefix_queries for kv in kvs),
+                        prefix_hits=sum(kv.num_prefix_hits for kv in kvs))
+    preempted_queries = sum(kv.num_prefix_queries_preempted for kv in kvs)
+    preempted_hits = sum(kv.num_prefix_hits_preempted for kv in kvs)
+    summary["prefix_hit_rate_preempted"] = preempted_hits / preempted_queries if preempted_queries else 0.0
+    if not cfg.kv.is_default:
+        summary.update(kv_summary(kvs, req_df, steps_df))
+    summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
+                    "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
+                    "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace})
+    return summary
+
+
+def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame, summary: dict) -> None:
+    """requests.parquet, summary.json and config.yaml (steps.parquet is written by the StepLog)."""
+    pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def requests_arrow(req_df: pd.DataFrame) -> pa.Table:
+    """The request table as Arrow; token times become a list<double> column built from one
+    concatenated buffer (pandas' object-column conversion of 10^4-10^5 arrays is several x slower)."""
+    offsets, values = flat_token_times(req_df["token_times_s"])
+    table = pa.Table.from_pandas(req_df.drop(columns="token_times_s"), preserve_index=False)
+    lists = pa.ListArray if offsets[-1] < 2**31 else pa.LargeListArray      # int32 offsets while they fit
+    offsets = offsets.astype(np.int32) if lists is pa.ListArray else offsets
+    return table.append_column("token_times_s", lists.from_arrays(pa.array(offsets), pa.array(values)))

@@ -1,0 +1,249 @@
+"""The package layers import one way: data < core < executors (simulator | backend) < analysis < interfaces.
+
+Layers (rules by module-name prefix, so they also hold for packages that split a module, e.g.
+kvsim.sim.kv.fast.*, kvsim.sim.cli.*, kvsim.sim.calibration.*, kvsim.sim.crosscheck.*):
+
+- data: the inputs of a run and their schemas — kvsim.traces (its loaders, synthetic generators,
+  stats), kvsim.sim.catalog (model/GPU catalog) and kvsim.sim.config (the run config schema, which
+  the catalog's YAML errors use). No engine logic.
+- core: the engine core both executors share — kvsim.sim.core (request, block pool, KV manager,
+  scheduler, step shape, the KVManager/Executor protocols), kvsim.sim.kv (eviction-aware managers,
+  policies, importance, fast mode, LeanKV tiers, manager assembly), the engine loop kvsim.sim.engine
+  and its decode fast-forward (the real backend drives the same loop; fast-forward runs only for an
+  executor that declares it), the cost model (the simulator's step time and the backend's
+  predicted_s), run assembly and outputs (kvsim.sim.assembly, .outputs, .metrics, .results,
+  .progress, .memory, .defaults).
+- executors, two of them that must not import each other: the simulator (kvsim.sim.simulate,
+  kvsim.sim.executor) and the real backend (kvsim.gpu, torch/Triton).
+- analysis: tools that run and compare executors — calibration, crosscheck, sweep, capacity,
+  report, the vLLM reference harness.
+- interfaces: every CLI (a module whose name ends in `cli` or that lives in a `cli` package),
+  kvsim.sim.commands (what the CLI runs) and the dashboard.
+
+A package's __init__ belongs to the layer of its contents (a submodule's import runs it). Imports
+are read with ast, module level and inside functions alike (a lazy import still couples the two
+modules); only `if TYPE_CHECKING:` blocks are left out (they never run). The test fails on an
+import of a higher layer, on simulator <-> backend imports, and on any import cycle between
+modules, and on a module no rule places (give it a layer here).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = ("sim", "gpu", "traces", "dashboard")
+RANK = {"data": 0, "core": 1, "simulator": 2, "backend": 2, "analysis": 3, "interface": 4}
+
+# (module-name prefix, layer): the first rule whose prefix is the module or one of its packages wins
+RULES = (
+    ("kvsim.dashboard", "interface"),
+    ("kvsim.sim.commands", "interface"),
+    ("kvsim.sim.calibrate", "analysis"),
+    ("kvsim.sim.calibration", "analysis"),
+    ("kvsim.sim.crosscheck", "analysis"),
+    ("kvsim.sim.sweep", "analysis"),
+    ("kvsim.sim.capacity", "analysis"),
+    ("kvsim.sim.report", "analysis"),
+    ("kvsim.sim.reference", "analysis"),
+    ("kvsim.sim.simulate", "simulator"),
+    ("kvsim.sim.executor", "simulator"),
+    ("kvsim.gpu", "backend"),
+    ("kvsim.sim.core", "core"),
+    ("kvsim.sim.kv", "core"),
+    ("kvsim.sim.engine", "core"),
+    ("kvsim.sim.fast_forward", "core"),
+    ("kvsim.sim.cost_model", "core"),
+    ("kvsim.sim.assembly", "core"),
+    ("kvsim.sim.outputs", "core"),
+    ("kvsim.sim.metrics", "core"),
+    ("kvsim.sim.memory", "core"),
+    ("kvsim.sim.defaults", "core"),
+    ("kvsim.sim.progress", "core"),
+    ("kvsim.sim.results", "core"),
+    ("kvsim.sim.catalog", "data"),
+    ("kvsim.sim.config", "data"),
+    ("kvsim.traces", "data"),
+    ("kvsim.sim", "data"),           # the package's own (empty) __init__: below everything in it
+)
+
+
+def module_files() -> dict[str, Path]:
+    """kvsim module name -> file, for every .py file of the packaged folders."""
+    out = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(("kvsim",) + parts)] = path
+    return out
+
+
+def is_interface(name: str) -> bool:
+    parts = name.split(".")
+    return "cli" in parts or parts[-1].endswith("cli")
+
+
+def layer_of(name: str) -> str | None:
+    if is_interface(name):
+        return "interface"
+    for prefix, layer in RULES:
+        if name == prefix or name.startswith(prefix + "."):
+            return layer
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+class _Imports(ast.NodeVisitor):
+    """(module, names) of every import statement that can run (not under `if TYPE_CHECKING:`)."""
+
+    def __init__(self):
+        self.found: list[tuple[int, str, list[str]]] = []     # (level, module, imported names)
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):
+            for child in node.orelse:
+                self.visit(child)
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self.found.append((0, alias.name, []))
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        self.found.append((node.level, node.module or "", [a.name for a in node.names]))
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The kvsim modules `name` (at `path`) imports: `from pkg import sub` counts sub when it is a module."""
+    visitor = _Imports()
+    visitor.visit(ast.parse(path.read_text(), filename=str(path)))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for level, module, names in visitor.found:
+        if level:
+            base = package.split(".")
+            base = base[:len(base) - (level - 1)]
+            module = ".".join(base + ([module] if module else []))
+        if not module.startswith("kvsim"):
+            continue
+        subs = {f"{module}.{n}" for n in names} & known
+        out |= subs or ({module} & known)
+    out.discard(name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    files = module_files()
+    known = set(files)
+    return {name: imported_modules(name, path, known) for name, path in files.items()}
+
+
+def test_every_module_has_a_layer(graph):
+    unplaced = sorted(m for m in graph if layer_of(m) is None)
+    assert not unplaced, f"modules no layer rule places (add a rule in tests/test_layering.py): {unplaced}"
+
+
+def test_no_module_imports_a_higher_layer(graph):
+    bad = [f"{src} ({layer_of(src)}) imports {dst} ({layer_of(dst)})"
+           for src, targets in sorted(graph.items()) for dst in sorted(targets)
+           if layer_of(src) and layer_of(dst) and RANK[layer_of(dst)] > RANK[layer_of(src)]]
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_simulator_and_backend_do_not_import_each_other(graph):
+    executors = {"simulator", "backend"}
+    bad = [f"{src} ({layer_of(src)}) imports {dst} ({layer_of(dst)})"
+           for src, targets in sorted(graph.items()) for dst in sorted(targets)
+           if {layer_of(src), layer_of(dst)} == executors]
+    assert not bad, "the two executors import each other:\n" + "\n".join(bad)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycles(graph):
+    cycles = import_cycles(graph)
+    assert not cycles, "modules that import each other (directly or through others):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_finds_a_cycle_and_ignores_a_chain():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_imports_are_read_at_any_depth_except_type_checking_blocks(tmp_path):
+    src = tmp_path / "mod.py"
+    src.write_text("from typing import TYPE_CHECKING\nfrom . import a\nif TYPE_CHECKING:\n    from .b import X\n"
+                   "def f():\n    from ..pkg2 import c\n    import kvsim.pkg.d\n")
+    known = {"kvsim.pkg.a", "kvsim.pkg.b", "kvsim.pkg2.c", "kvsim.pkg.d"}
+    assert imported_modules("kvsim.pkg.mod", src, known) == {"kvsim.pkg.a", "kvsim.pkg2.c", "kvsim.pkg.d"}
+
+
+def test_layer_rules_place_split_packages_and_every_cli():
+    assert layer_of("kvsim.sim.kv.fast.kernels") == "core"
+    assert layer_of("kvsim.sim.calibration.fit") == "analysis"
+    assert layer_of("kvsim.sim.crosscheck.compare") == "analysis"
+    assert layer_of("kvsim.sim.cli.simulate") == "interface"
+    assert layer_of("kvsim.gpu.replay_cli") == "interface"
+    assert layer_of("kvsim.traces.cli") == "interface"
+    assert layer_of("kvsim.gpu.kernels.paged_attention") == "backend"
+    assert layer_of("kvsim.sim.simulate") == "simulator"
+
+
+def test_pyproject_lists_every_package():
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(kvsim\.[\w.]+)"', text.split("packages = [", 1)[1].split("]", 1)[0]))
+    packages = {name for name, path in module_files().items() if path.name == "__init__.py"}
+    assert packages == listed, f"pyproject.toml packages: missing {sorted(packages - listed)}, " \
+                               f"stale {sorted(listed - packages)}"
