@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .config import yaml_problem
+from .yaml_errors import yaml_problem
 
 DATA_DIR = Path(__file__).parent / "data"
 

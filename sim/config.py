@@ -9,6 +9,9 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .catalog import get_gpu, get_model
+from .yaml_errors import yaml_problem
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names it."""
@@ -36,7 +39,7 @@ def policy_names() -> list[str]:
 
 
 def slot_strategy_names() -> list[str]:
-    from .kv.manager import SLOT_STRATEGIES
+    from .kv.slots import SLOT_STRATEGIES
 
     return list(SLOT_STRATEGIES)
 
@@ -178,16 +181,12 @@ class SimConfig(_Strict):
     @field_validator("model")
     @classmethod
     def _catalog_model(cls, v: str) -> str:
-        from .catalog import get_model
-
         get_model(v)            # CatalogError (a ValueError) names the known models
         return v
 
     @field_validator("gpu")
     @classmethod
     def _catalog_gpu(cls, v: str) -> str:
-        from .catalog import get_gpu
-
         get_gpu(v)
         return v
 
@@ -291,10 +290,3 @@ def parse_set_option(item: str) -> tuple[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)}); expected a "
                           "number, true/false, a word, [a, list] or {a: mapping}") from None
-
-
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML error in one line, without the quoted source lines PyYAML appends."""
-    problem = getattr(exc, "problem", None) or "parse error"
-    mark = getattr(exc, "problem_mark", None)
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem

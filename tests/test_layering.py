@@ -4,9 +4,9 @@ Layers (rules by module-name prefix, so they also hold for packages that split a
 kvsim.sim.kv.fast.*, kvsim.sim.cli.*, kvsim.sim.calibration.*, kvsim.sim.crosscheck.*):
 
 - data: the inputs of a run and their schemas — kvsim.traces (its loaders, synthetic generators,
-  stats), kvsim.sim.catalog (model/GPU catalog) and kvsim.sim.config (the run config schema, which
-  the catalog's YAML errors use). No engine logic.
-- core: the engine core both executors share — kvsim.sim.core (request, block pool, KV manager,
+  stats), kvsim.sim.catalog (model/GPU catalog) and kvsim.sim.yaml_errors. No engine logic.
+- core: the engine core both executors share — kvsim.sim.config (the run config schema; it validates
+  policy and slot-strategy names against the core's registries), kvsim.sim.core (request, block pool, KV manager,
   scheduler, step shape, the KVManager/Executor protocols), kvsim.sim.kv (eviction-aware managers,
   policies, importance, fast mode, LeanKV tiers, manager assembly), the engine loop kvsim.sim.engine
   and its decode fast-forward (the real backend drives the same loop; fast-forward runs only for an
@@ -64,8 +64,9 @@ RULES = (
     ("kvsim.sim.defaults", "core"),
     ("kvsim.sim.progress", "core"),
     ("kvsim.sim.results", "core"),
+    ("kvsim.sim.config", "core"),
     ("kvsim.sim.catalog", "data"),
-    ("kvsim.sim.config", "data"),
+    ("kvsim.sim.yaml_errors", "data"),
     ("kvsim.traces", "data"),
     ("kvsim.sim", "data"),           # the package's own (empty) __init__: below everything in it
 )
