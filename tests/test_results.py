@@ -88,11 +88,11 @@ def test_a_write_error_keeps_the_previous_results_whole(tmp_path, monkeypatch):
     out = tmp_path / "run"
     simulate(out, seed=1)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import kvsim.sim.simulate as simulate_module
+    import kvsim.sim.outputs as outputs_module
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(simulate_module.pq, "write_table", disk_full)
+    monkeypatch.setattr(outputs_module.pq, "write_table", disk_full)
     res = CliRunner().invoke(app, ["simulate", "--max-requests", "30", "-q", "-o", str(out), "--seed", "2"])
     assert res.exit_code == 1
     assert res.output.strip() == f"error: --out {out}: cannot write the results: No space left on device"
