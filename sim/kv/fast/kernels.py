@@ -176,26 +176,36 @@ def _scan_free(occ_row, col, stop, block_size):
     return col
 
 
+def prompt_inputs(z, sigma, tau, obs):
+    """The prompt's content weights exp(sigma z) and decays d^(L-1-t) [rows, L], and per row
+    top = d^-(obs-1) and shift = d (the vectorized exps of the prompt scoring)."""
+    length = z.shape[1]
+    weight = np.exp(sigma[:, None] * z)
+    decay = np.exp((np.arange(length) - (length - 1)) / tau[:, None])     # d^(L - 1 - t)
+    return weight, decay, np.exp((obs - 1) / tau), np.exp(-1.0 / tau)
+
+
 def score_prompt(z, sigma, local, tau, content, obs, cand, keep, num_sink, window):
     """H2O's prompt cut for fast mode's scored rows (see FastKVManager._score_prompt): from the
     prompt's content draws z [rows, L] and head parameters, per row: the content normalizer and H
     after the prompt, the `keep` highest-scored of the first `cand` positions (ties to the lower
     position, in position order) and their score terms A, CW, E [rows, keep, 3], and the terms A and
-    CW of the last `window` positions [rows, window]. The sinks (the first num_sink) score inf. The two
+    CW of the last `window` positions [rows, window]. `keep` may differ per row (int [rows]; kept
+    positions padded with -1 past a row's keep). The sinks (the first num_sink) score inf. The two
     exps per token run in numpy (vectorized, faster than a compiled scalar loop), the rest in
     `prompt_cut`."""
-    length = z.shape[1]
-    weight = np.exp(sigma[:, None] * z)
-    decay = np.exp((np.arange(length) - (length - 1)) / tau[:, None])     # d^(L - 1 - t)
-    return prompt_cut(weight, decay, local, content, np.exp((obs - 1) / tau), np.exp(-1.0 / tau), obs, cand, keep,
-                      num_sink, window)
+    weight, decay, top, shift = prompt_inputs(z, sigma, tau, obs)
+    keep = np.broadcast_to(np.asarray(keep, np.int64), sigma.shape).copy()
+    return prompt_cut(weight, decay, local, content, top, shift, obs, cand, keep, num_sink, window)
 
 
 def _prompt_cut_loop(weight, decay, local, content, top, shift, obs, cand, keep, num_sink, window):
     rows, length = weight.shape
     q0 = length - obs
-    num_kept = min(keep, cand)
-    kept, kept_terms = np.empty((rows, num_kept), np.int64), np.empty((rows, num_kept, 3))
+    num_kept = 0
+    for r in range(rows):
+        num_kept = max(num_kept, min(keep[r], cand))
+    kept, kept_terms = np.full((rows, num_kept), -1, np.int64), np.zeros((rows, num_kept, 3))
     win_static, win_cw = np.empty((rows, window)), np.empty((rows, window))
     norm_last, h_last = np.empty(rows), np.empty(rows)
     static, cw, local_term, score = np.empty(length), np.empty(length), np.empty(length), np.empty(cand)
@@ -212,14 +222,15 @@ def _prompt_cut_loop(weight, decay, local, content, top, shift, obs, cand, keep,
         norm_last[r], h_last[r] = norm, h_obs
         for j in range(window):
             win_static[r, j], win_cw[r, j] = static[length - window + j], cw[length - window + j]
-        if keep >= cand:
+        row_keep = min(keep[r], cand)
+        if row_keep >= cand:
             for t in range(cand):
                 kept[r, t] = t
-        else:
+        elif row_keep > 0:
             for t in range(cand):
                 score[t] = static[t] + cw[t] * h_obs - local_term[t] * shift[r]
-            v = -np.partition(-score, keep - 1)[keep - 1]
-            ties = keep
+            v = -np.partition(-score, row_keep - 1)[row_keep - 1]
+            ties = row_keep
             for t in range(cand):
                 ties -= score[t] > v
             k = 0
@@ -228,7 +239,7 @@ def _prompt_cut_loop(weight, decay, local, content, top, shift, obs, cand, keep,
                     ties -= score[t] == v
                     kept[r, k] = t
                     k += 1
-        for k in range(num_kept):
+        for k in range(row_keep):
             t = kept[r, k]
             kept_terms[r, k, 0], kept_terms[r, k, 1], kept_terms[r, k, 2] = static[t], cw[t], local_term[t]
     return norm_last, h_last, kept, kept_terms, win_static, win_cw

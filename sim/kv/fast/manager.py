@@ -9,6 +9,7 @@ from ..base import EvictingManagerBase
 from ..importance import ImportanceModelSpec
 from ..manager import SLOT_STRATEGIES, KVStepPlan, _REUSE
 from ..policy import EvictionPolicy, PolicyContext, PolicyError
+from .budgets import CutBudgetMixin
 from .scoring import ScoringMixin
 from .slab import APPEND, CountPool, SlabMixin
 from .slots import SlotStrategyMixin
@@ -17,7 +18,7 @@ from .step import StepMixin
 _first = operator.itemgetter(0)
 
 
-class FastKVManager(SlabMixin, ScoringMixin, SlotStrategyMixin, StepMixin, EvictingManagerBase):
+class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, StepMixin, EvictingManagerBase):
     """The scheduler-facing fast-mode manager: allocation, freeing, the batched step, invariants."""
 
     def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy, *,
@@ -52,8 +53,12 @@ class FastKVManager(SlabMixin, ScoringMixin, SlotStrategyMixin, StepMixin, Evict
         self.prompt_only = bool(profile.get("prompt_only", False))
         if self.prompt_only:
             self.budget, self.window = None, 0
+        self._init_cut_budgets(profile)
+        if self._cut_budgets is not None and not self.prompt_only:
+            raise PolicyError(f"kv.mode=fast: policy {policy.name!r}: per-row cut budgets need a prompt-only profile")
+        self._strata = np.arange(ctx.rows).reshape(self.rows, self.unit)
         self.scored = self.age_weight == "young" and self.budget is not None
-        self.cut_scored = self.age_weight == "young" and self.cut_budget is not None
+        self.cut_scored = self.age_weight == "young" and (self.cut_budget is not None or self._cut_budgets is not None)
         self._scores = self.scored or self.cut_scored
         if self._scores:
             self._init_heads(importance, seed, int(profile.get("obs_window", 8)))

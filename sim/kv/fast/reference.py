@@ -114,8 +114,10 @@ def advance_first_free_np(occ, first_page, col, hole, pages, live, ncol, block_s
         hole[search] = first_free_np(occ, first_page[search], col[search] + 1, ncol[search], block_size)
 
 
-def prompt_cut_np(weight, decay, local, content, top, shift, obs, cand, keep, num_sink, window):
-    """numpy twin of `kernels.prompt_cut`: H2O's prompt scores and top-`keep` per row."""
+def prompt_terms_np(weight, decay, local, content, top, shift, obs, cand, num_sink):
+    """H2O's prompt scoring per row: the content normalizer and H after the prompt [rows], each
+    position's static part A, content coefficient CW and local term E [rows, L], and the scores of
+    the first `cand` positions after the last observation query [rows, cand] (sinks: inf)."""
     rows, length = weight.shape
     norm = np.cumsum(weight, axis=1)
     q0 = length - obs
@@ -128,12 +130,32 @@ def prompt_cut_np(weight, decay, local, content, top, shift, obs, cand, keep, nu
     static[:, :num_sink] = np.inf
     local_term = local * decay
     score = static[:, :cand] + cw[:, :cand] * h_obs[:, -1:] - local_term[:, :cand] * shift
-    if keep >= cand:
-        kept = np.broadcast_to(np.arange(cand), (rows, cand))
-    else:                                   # the keep highest, ties to the lower position, in position order
-        v = -np.partition(-score, keep - 1, axis=1)[:, keep - 1:keep]
-        eq = score == v
-        take = (score > v) | (eq & (np.cumsum(eq, axis=1) <= keep - (score > v).sum(axis=1, keepdims=True)))
-        kept = np.nonzero(take)[1].reshape(rows, keep)
-    kept_terms = np.stack([np.take_along_axis(x, kept, axis=1) for x in (static, cw, local_term)], axis=2)
-    return norm[:, -1], h_obs[:, -1], kept, kept_terms, static[:, length - window:], cw[:, length - window:]
+    return norm[:, -1], h_obs[:, -1], static, cw, local_term, score
+
+
+def top_positions(score: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """int [rows, max(keep)]: per row the keep[row] highest-scored positions (ties to the lower
+    position) in position order, padded with -1."""
+    rows, cand = score.shape
+    most = int(keep.max()) if rows else 0
+    rank = np.empty((rows, cand), np.int64)
+    np.put_along_axis(rank, np.argsort(-score, axis=1, kind="stable"), np.arange(cand)[None, :], axis=1)
+    take = rank < keep[:, None]
+    kept = np.full((rows, most), -1, np.int64)
+    row, pos = np.nonzero(take)
+    kept[row, (np.cumsum(take, axis=1) - 1)[take]] = pos
+    return kept
+
+
+def prompt_cut_np(weight, decay, local, content, top, shift, obs, cand, keep, num_sink, window):
+    """numpy twin of `kernels.prompt_cut`: H2O's prompt scores and each row's top keep[row]
+    (kept positions and their terms padded with -1 / 0 past a row's keep)."""
+    length = weight.shape[1]
+    norm, h_obs, static, cw, local_term, score = prompt_terms_np(weight, decay, local, content, top, shift, obs,
+                                                                 cand, num_sink)
+    keep = np.minimum(keep, cand)
+    kept = top_positions(score, keep)
+    at = np.maximum(kept, 0)
+    kept_terms = np.stack([np.take_along_axis(x, at, axis=1) for x in (static, cw, local_term)], axis=2)
+    kept_terms[kept < 0] = 0.0
+    return norm, h_obs, kept, kept_terms, static[:, length - window:], cw[:, length - window:]

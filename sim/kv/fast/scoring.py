@@ -8,7 +8,7 @@ import numpy as np
 
 from ..importance import NUM_SINK, SyntheticImportance
 from . import kernels
-from .reference import scored_step_np
+from .reference import prompt_terms_np, scored_step_np
 
 
 class ScoringMixin:
@@ -24,7 +24,9 @@ class ScoringMixin:
                 f"{model.spec.content_correlation}, which fast mode ignores; its slot-strategy metrics can then "
                 f"differ from token level by well over 5% (measured up to +19% fragmentation): compare slot "
                 f"strategies with kv.mode=token", UserWarning, stacklevel=2)
-        order = np.lexsort((model.tau, model.head_type))
+        budget_key = self._budget_order_key()          # rows with different budgets: strata by budget first
+        order = np.lexsort((model.tau, model.head_type) + (() if budget_key is None else (budget_key,)))
+        self._strata = order[:self.rows * self.unit].reshape(self.rows, self.unit)
         pick = order[self.unit // 2::self.unit][:self.rows]
         self.head_type = model.head_type[pick]
         self.h_local = model.l[pick]
@@ -84,29 +86,39 @@ class ScoringMixin:
         self.cand[s, :, :, 0] = -1
         self.thr[s] = -np.inf                    # the first eviction scans the whole list
 
-    def _score_prompt(self, s: int, L: int, W: int) -> np.ndarray:
+    def _score_prompt(self, s: int, L: int, W: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """H2O's prompt cut under the importance model: draw the prompt's content weights, score the
-        candidates by the last obs_window prefill queries, list the kept ones (with their score
-        terms) and put the window tokens' terms in the ring. Returns the kept positions [rows, keep]."""
+        candidates by the last obs_window prefill queries, share the kept total among rows (the
+        policy's cut_sharing), list the kept ones with their score terms (decode evictions need the
+        list) and put the window tokens' terms in the ring. Returns the kept positions [rows, most]
+        (-1 past a row's keep) and the candidates each row keeps [rows]."""
         R, bs = self.rows, self.block_size
         obs = min(self.obs_window, L)
         sig = self.h_sigma * np.exp(self.sigma_jitter * self.rng.standard_normal(R))
         self.sigma[s] = sig
         cand = L - W
-        keep = min(cand, self.cut_budget - W)
-        self.norm[s], self.hsum[s], kept, terms, win_A, win_cw = kernels.score_prompt(
-            self.rng.standard_normal((R, L)), sig, self.h_local, self.h_tau, self.h_content, obs, cand, keep, NUM_SINK,
-            W)
+        z = self.rng.standard_normal((R, L))
+        if self.cut_sharing is None:
+            cut = kernels.score_prompt(z, sig, self.h_local, self.h_tau, self.h_content, obs, cand, keep, NUM_SINK, W)
+        else:
+            weight, decay, top, shift = kernels.prompt_inputs(z, sig, self.h_tau, obs)
+            score = prompt_terms_np(weight, decay, self.h_local, self.h_content, top, shift, obs, cand, NUM_SINK)[5]
+            keep = self._share(score, keep)
+            cut = kernels.prompt_cut(weight, decay, self.h_local, self.h_content, top, shift, obs, cand, keep,
+                                     NUM_SINK, W)
+        self.norm[s], self.hsum[s], kept, terms, win_A, win_cw = cut
         if W and self.window:
             at = np.arange(L - W, L) % W
             self.ring_static[s][:, at] = win_A
             self.ring_content[s][:, at] = win_cw
-        self.heavy[s, :, :keep] = kept // bs
-        self.terms[s, :, :keep] = terms
+        if not self.prompt_only:
+            most = kept.shape[1]
+            self.heavy[s, :, :most] = np.where(kept >= 0, kept // bs, 0)
+            self.terms[s, :, :most] = terms
+            self.hn[s] = keep
         self.eref[s] = L - 1
-        self.hn[s] = keep
         self._reset_candidates(s)
-        return kept
+        return kept, keep
 
     def _rebuild_heavy(self, s: int, rows: np.ndarray) -> None:
         """The heavy list of some rows from their per-column non-window counts (column order = age order)."""

@@ -20,37 +20,19 @@ class StepMixin:
         L = int(self.ntok[s])
         W = min(self.window, L)
         cols = -(-L // bs)
-        pos_page = np.arange(L) // bs
         if self.window and self.tracks_columns:
             wpos = np.arange(L - W, L)
             self.ring[s][:, wpos % self.window] = (wpos // bs)[None, :]
             self.win[s, :, :cols] = np.bincount(wpos // bs, minlength=cols)[None, :]
         scored = self.cut_scored and self.tracks_columns
         W = min(self.cut_window, L)
-        kept_pos = self._score_prompt(s, L, W) if scored else None
-        if self.cut_budget is not None and L > self.cut_budget:
-            cand = L - W
-            keep = self.cut_budget - W
-            protect = min(self.sink, cand, keep)
-            per_page = np.bincount(pos_page[protect:cand], minlength=cols)
-            k = keep - protect
-            if not self.tracks_columns:
-                self.live[s] = self.cut_budget
-                self.plan.evicted_tokens += R * (cand - keep)
-                kept = None
-            elif scored:
-                listed = np.bincount((np.arange(R)[:, None] * cols + kept_pos // bs).ravel(), minlength=R * cols)
-                kept = per_page[None, :] - (np.bincount(pos_page[:cand], minlength=cols)[None, :]
-                                            - listed.reshape(R, cols))
-            elif self.age_weight == "oldest":
-                kept = np.bincount(pos_page[cand - k:cand], minlength=cols)[None, :].repeat(R, 0)
-            else:
-                kept = self.rng.multivariate_hypergeometric(per_page, k, size=R, method="marginals")
-            if kept is not None:
-                evict = per_page[None, :] - kept
-                self.occ[s, :, :cols] -= evict.astype(np.int32)
-                self.live[s] = self.cut_budget
-                self.plan.evicted_tokens += int(evict.sum())
+        cand = L - W
+        keep = self._row_keep(L, W)
+        kept_pos = None
+        if scored:
+            kept_pos, keep = self._score_prompt(s, L, W, keep)
+        if (keep < cand).any():
+            self._cut(s, L, cand, keep, kept_pos)
         self.prefilled[s] = True
         self._prefilled_l[s] = True
         if self.prompt_only:                     # no decode evictions: no candidate list to keep
@@ -59,6 +41,36 @@ class StepMixin:
         if not scored:                           # scored lists are built by _score_prompt (and remapped by compaction)
             self._rebuild_heavy(s, np.arange(R))
         self._update_need(np.array([s]))
+
+    def _cut(self, s: int, L: int, cand: int, keep: np.ndarray, kept_pos: np.ndarray | None) -> None:
+        """The prompt cut: row r keeps keep[r] of its `cand` candidates (the tokens before the window)
+        — the scored ones in kept_pos, else the newest ("oldest" policies) or a uniform draw — and
+        every window token."""
+        bs, R = self.block_size, self.rows
+        cols = -(-L // bs)
+        pos_page = np.arange(L) // bs
+        protect = min(self.sink, cand, int(keep.min()))
+        per_page = np.bincount(pos_page[protect:cand], minlength=cols)
+        if not self.tracks_columns:
+            self.live[s] = L - cand + keep
+            self.plan.evicted_tokens += int((cand - keep).sum())
+            return
+        if kept_pos is not None:
+            listed = kept_pos >= 0
+            row_of = np.broadcast_to(np.arange(R)[:, None], kept_pos.shape)[listed]
+            listed = np.bincount(row_of * cols + kept_pos[listed] // bs, minlength=R * cols)
+            kept = per_page[None, :] - (np.bincount(pos_page[:cand], minlength=cols)[None, :]
+                                        - listed.reshape(R, cols))
+        elif self.age_weight == "oldest":
+            kept = np.stack([np.bincount(pos_page[cand - k + protect:cand], minlength=cols) for k in keep])
+        else:
+            kept = np.stack([self.rng.multivariate_hypergeometric(per_page, k - protect, method="marginals")
+                             for k in keep]) if (keep != keep[0]).any() else \
+                self.rng.multivariate_hypergeometric(per_page, int(keep[0]) - protect, size=R, method="marginals")
+        evict = per_page[None, :] - kept
+        self.occ[s, :, :cols] -= evict.astype(np.int32)
+        self.live[s] = L - cand + keep
+        self.plan.evicted_tokens += int(evict.sum())
 
     def _step(self, S: np.ndarray) -> list[int]:
         """Write one token per row of every slot in S, move the window, evict, apply the slot strategy.
