@@ -10,6 +10,7 @@ from ..importance import ImportanceModelSpec
 from ..manager import SLOT_STRATEGIES, KVStepPlan, _REUSE
 from ..policy import EvictionPolicy, PolicyContext, PolicyError
 from .budgets import CutBudgetMixin
+from .reclaim import ReclaimMixin
 from .scoring import ScoringMixin
 from .slab import APPEND, CountPool, SlabMixin
 from .slots import SlotStrategyMixin
@@ -18,7 +19,8 @@ from .step import StepMixin
 _first = operator.itemgetter(0)
 
 
-class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, StepMixin, EvictingManagerBase):
+class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, StepMixin, ReclaimMixin,
+                    EvictingManagerBase):
     """The scheduler-facing fast-mode manager: allocation, freeing, the batched step, invariants."""
 
     def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy, *,
@@ -54,6 +56,7 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         if self.prompt_only:
             self.budget, self.window = None, 0
         self._init_cut_budgets(profile)
+        self._reclaim_target = profile.get("reclaim_target")     # compress again under memory pressure
         if self._cut_budgets is not None and not self.prompt_only:
             raise PolicyError(f"kv.mode=fast: policy {policy.name!r}: per-row cut budgets need a prompt-only profile")
         self._strata = np.arange(ctx.rows).reshape(self.rows, self.unit)
@@ -97,7 +100,9 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         return self._live_total * self.unit, self._pages_total * self.block_size * self.unit
 
     def reclaim(self, num_blocks, running) -> int:
-        return 0
+        if self._reclaim_target is None or num_blocks <= 0:
+            return 0
+        return self._reclaim_blocks(num_blocks, running)
 
     def blocks_needed(self, req, n: int, num_computed_blocks: int = 0) -> int:
         s = self.slot_of.get(req)
