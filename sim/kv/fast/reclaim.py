@@ -7,8 +7,9 @@ Fast mode evicts the same number of token-rows per request; the groups go to the
 most tokens outside the protected window first (water-filling, a group at a time: decode tokens
 accumulate alike in every row, so the rows the prompt cut left long give first), and within a row a
 uniform draw of its non-window tokens (per page column, multivariate hypergeometric) leaves; the
-slot strategy then answers as after the prompt cut (compaction frees the emptied pages). Slots with
-a page reserved for this step's token are left alone (their reservation assumed the old pages).
+slot strategy then answers as after the prompt cut (compaction frees the emptied pages). A slot
+with a page reserved for this step's token writes that token first (its reservation assumed the
+old pages).
 """
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ class ReclaimMixin:
         freed = 0
         for req in reversed(running):
             s = self.slot_of.get(req)
-            if s is None or not self._prefilled_l[s] or s in self._pending:
+            if s is None or not self._prefilled_l[s]:
                 continue
-            asked = -(-(num_blocks - freed) // self.unit) * self.block_size * self.rows
+            self._flush_one(s)                   # this step's reserved token is written first
+            asked = -(-(num_blocks - freed) // self.unit) * self.block_size
             freed += self._reclaim_slot(s, req, asked) * self.unit
             if freed >= num_blocks:
                 break
