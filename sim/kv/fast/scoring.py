@@ -120,12 +120,17 @@ class ScoringMixin:
         self._reset_candidates(s)
         return kept, keep
 
-    def _rebuild_heavy(self, s: int, rows: np.ndarray) -> None:
-        """The heavy list of some rows from their per-column non-window counts (column order = age order)."""
+    def _rebuild_heavy(self, s, rows: np.ndarray) -> None:
+        """The heavy list of some rows from their per-column non-window counts (column order = age
+        order; s: a slot, or one slot per row, all prefilled or none)."""
         if self.budget is None or rows.size == 0 or not self.tracks_columns:
             return
-        cnt = (np.maximum(self.occ[s, rows] - self.win[s, rows], 0) * self.alive[s, rows]).astype(np.int64)
-        if self.scored and self.prefilled[s]:
+        width = self._used_width(s, rows)
+        if self.scored and np.any(self.prefilled[s]):        # listed entries may still name old columns
+            width = max(width, int(self.heavy[s, rows].max()) + 1)
+        cnt = (np.maximum(self.occ[s, rows, :width] - self.win[s, rows, :width], 0)
+               * self.alive[s, rows, :width]).astype(np.int64)
+        if self.scored and np.any(self.prefilled[s]):
             self._remap_heavy(s, rows, cnt)
             return
         cap = self.heavy.shape[2]
@@ -136,10 +141,10 @@ class ScoringMixin:
         row_of = np.repeat(np.arange(rows.size), tot)
         start = np.cumsum(tot) - tot
         idx = np.arange(cols.size) - start[row_of]
-        self.heavy[s, rows[row_of], idx] = cols
+        self.heavy[np.broadcast_to(s, rows.shape)[row_of], rows[row_of], idx] = cols
         self.hn[s, rows] = tot
 
-    def _remap_heavy(self, s: int, rows: np.ndarray, cnt: np.ndarray) -> None:
+    def _remap_heavy(self, s, rows: np.ndarray, cnt: np.ndarray) -> None:
         """Scored lists after tokens moved between columns (compaction, sparse copy): entries keep their
         score terms; an entry stays in its column while the column holds that many non-window tokens,
         the rest take the columns' remaining places in order."""

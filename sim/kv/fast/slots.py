@@ -35,25 +35,34 @@ class SlotStrategyMixin:
         moved = self._occ_f[qP + np.maximum(holed, 0)] + self._occ_f[qP + self.tail[S]]
         dst = -(-moved // bs)
         need = np.where(typical, dst + (dst * bs - moved < 1), need)
-        for i in np.flatnonzero(((holed != -1) & ~typical).any(axis=1)):
-            s = int(S[i])
-            rows = (self.holed[s] != -1) & ~typical[i]
-            dirty = self._dirty(s)
-            moved = (self.occ[s] * dirty).sum(axis=1)
+        slot_index, rows = np.nonzero((holed != -1) & ~typical)
+        if rows.size:                            # several holed pages: all such rows at once
+            slots = S[slot_index]
+            width = self._used_width(slots, rows)
+            moved = (self.occ[slots, rows, :width] * self._dirty_rows(slots, rows, width)).sum(axis=1)
             dst = -(-moved // bs)
-            need[i] = np.where(rows, dst + (dst * bs - moved < 1), need[i])
+            need[slot_index, rows] = dst + (dst * bs - moved < 1)
         return need
+
+    def _used_width(self, s, rows: np.ndarray) -> int:
+        """Columns that can hold a page in these rows (every alive column is below its row's ncol)."""
+        return max(1, int(self.ncol[s, rows].max())) if rows.size else 1
 
     def _dirty(self, s) -> np.ndarray:
         """sparse_copy: bool [rows, cols] pages to rewrite (holed pages, plus the tail of a holed row)."""
+        return self._dirty_rows(s, np.arange(self.rows), self.occ.shape[2])
+
+    def _dirty_rows(self, s, rows: np.ndarray, width: int) -> np.ndarray:
+        """`_dirty` of some rows over their first `width` columns (s: a slot, or one slot per row)."""
         bs = self.block_size
-        cols = self.occ.shape[2]
-        written = np.where(np.arange(cols)[None, :] == self.tail[s][:, None], self.tail_w[s][:, None], bs)
-        dirty = self.alive[s] & (self.occ[s] < written)
+        tail = self.tail[s, rows]
+        written = np.where(np.arange(width)[None, :] == tail[:, None], self.tail_w[s, rows][:, None], bs)
+        alive = self.alive[s, rows, :width]
+        dirty = alive & (self.occ[s, rows, :width] < written)
         if self.strategy == "sparse_copy":              # the whole row of a holed row
-            return self.alive[s] & dirty.any(axis=1)[:, None]
+            return alive & dirty.any(axis=1)[:, None]
         r = np.flatnonzero(dirty.any(axis=1))
-        dirty[r, self.tail[s][r]] = True
+        dirty[r, tail[r]] = True
         return dirty
 
     def _settle_generic(self, s: int, rows: np.ndarray) -> None:
@@ -112,14 +121,16 @@ class SlotStrategyMixin:
         if self.prefilled[s]:
             self._rebuild_heavy(s, rows)
 
-    def _rebuild_ring(self, s: int, rows: np.ndarray) -> None:
-        """Window tokens are the newest live ones: place them by each column's window count, in column order."""
+    def _rebuild_ring(self, s, rows: np.ndarray) -> None:
+        """Window tokens are the newest live ones: place them by each column's window count, in column
+        order (s: a slot, or one slot per row)."""
         if not self.window:
             return
-        win = self.win[s, rows]
+        width = self._used_width(s, rows)
+        win = self.win[s, rows, :width]
         cw = np.cumsum(win, axis=1)
         nwin = cw[:, -1]
-        t = int(self.ntok[s])
+        t = np.asarray(self.ntok[s])[..., None]
         k = np.arange(self.window)
         pos = t - self.window + k                                   # window positions, oldest first
         first = self.window - nwin                                  # rows with fewer window tokens
@@ -132,11 +143,11 @@ class SlotStrategyMixin:
         col = np.searchsorted((cw + shift).ravel(), np.maximum(idx, 0) + shift, side="right") - row * P
         col = np.minimum(col, P - 1)
         ring = self.ring[s, rows]
-        ring[:, pos % self.window] = col
+        np.put_along_axis(ring, np.broadcast_to(pos % self.window, col.shape), col, axis=1)
         self.ring[s, rows] = ring
         n = self.ncol[s, rows]
-        hi = np.where(self.alive[s, rows].any(axis=1),
-                      win.shape[1] - np.argmax(self.alive[s, rows][:, ::-1], axis=1), 0)
+        alive = self.alive[s, rows, :width]
+        hi = np.where(alive.any(axis=1), width - np.argmax(alive[:, ::-1], axis=1), 0)
         self.ncol[s, rows] = np.minimum(n, hi)
 
     def _rescan_holes(self, s: int, rows: np.ndarray) -> None:
@@ -272,26 +283,29 @@ class SlotStrategyMixin:
     def _densify_generic(self, S, typical) -> None:
         """sparse_copy's rows with several holed pages (or holed at the tail) go through _densify."""
         generic = (self.holed[S] != -1) & ~typical
-        for i in np.flatnonzero(generic.any(axis=1)):
-            self._densify(int(S[i]), np.flatnonzero(generic[i]))
+        slot_index, rows = np.nonzero(generic)
+        if rows.size:                            # all of them at once (one slot per row)
+            self._densify(S[slot_index], rows)
 
-    def _densify(self, s: int, rows: np.ndarray) -> None:
+    def _densify(self, s, rows: np.ndarray) -> None:
         """sparse_copy, any number of holed pages: their live tokens (and the tail's) go densely, in
-        order, into new columns after the row's last one."""
+        order, into new columns after the row's last one (s: a slot, or one slot per row)."""
         bs = self.block_size
-        dirty = self._dirty(s)[rows]
-        occ, win = self.occ[s, rows], self.win[s, rows]
+        width = self._used_width(s, rows)        # columns past every row's ncol hold nothing
+        dirty = self._dirty_rows(s, rows, width)
+        occ, win = self.occ[s, rows, :width], self.win[s, rows, :width]
         moved = (occ * dirty).sum(axis=1)
         wmoved = (win * dirty).sum(axis=1)
         dst = -(-moved // bs)
         n_old = int(dirty.sum())
-        self.occ[s, rows] = np.where(dirty, 0, occ)
-        self.win[s, rows] = np.where(dirty, 0, win)
-        self.alive[s, rows] &= ~dirty
+        self.occ[s, rows, :width] = np.where(dirty, 0, occ)
+        self.win[s, rows, :width] = np.where(dirty, 0, win)
+        alive = self.alive[s, rows, :width] & ~dirty
+        self.alive[s, rows, :width] = alive
         self.pages[s, rows] += (dst - dirty.sum(axis=1)).astype(np.int32)
         self.pool.give(n_old)
         # a whole-row rewrite (sparse_copy) starts again at column 0, holed pages go after the last column
-        whole = ~(self.alive[s, rows]).any(axis=1)
+        whole = ~alive.any(axis=1)
         base = np.where(whole, 0, self.ncol[s, rows]).astype(np.int64)
         self._ensure_cols(int((base + dst).max()))
         if dst.size and dst.max() > 0:           # new page j of a row holds its moved tokens j*bs .. (j+1)*bs - 1
@@ -301,18 +315,28 @@ class SlotStrategyMixin:
             lo = (moved - wmoved)[:, None]           # window tokens are the last wmoved ones
             wcnt = np.maximum(np.minimum(start + cnt, moved[:, None]) - np.maximum(start, lo), 0)
             r, c = np.broadcast_to(rows[:, None], m.shape)[m], (base[:, None] + start // bs)[m]
-            self.occ[s, r, c] = cnt[m]
-            self.alive[s, r, c] = True
-            self.win[s, r, c] = wcnt[m]
+            sl = np.broadcast_to(np.broadcast_to(s, rows.shape)[:, None], m.shape)[m]
+            self.occ[sl, r, c] = cnt[m]
+            self.alive[sl, r, c] = True
+            self.win[sl, r, c] = wcnt[m]
         has = dst > 0
         self.tail[s, rows] = np.where(has, base + dst - 1, self.tail[s, rows])
         self.tail_w[s, rows] = np.where(has, moved - (dst - 1) * bs, bs)
         self.ncol[s, rows] = base + dst
         self._ncol_hi = max(self._ncol_hi, int((base + dst).max()))
-        self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
+        self._charge_moves(s, moved)
         self.holed[s, rows] = -1
         self._rebuild_ring(s, rows)
         self._rebuild_heavy(s, rows)
+
+    def _charge_moves(self, s, moved: np.ndarray) -> None:
+        """Bytes of the tokens rewritten per row (moved), rounded per slot (s: a slot or one per row)."""
+        if np.ndim(s) == 0:
+            self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
+            return
+        slots, slot_of_row = np.unique(s, return_inverse=True)
+        per_slot = np.bincount(slot_of_row, weights=moved, minlength=slots.size).astype(np.int64)
+        self.plan.bytes_moved += sum(int(round(int(n) * self.bytes_per_token_row)) for n in per_slot)
 
     def _after_fill(self, qP, st, at, col) -> None:
         """Reuse strategies: a filled page moves the first-hole pointer (in `st`) on."""
