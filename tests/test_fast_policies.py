@@ -84,3 +84,10 @@ def test_block_sharing_evicts_whole_groups_with_the_smallest_largest_score():
 def test_reclaim_groups_go_to_the_longest_rows_first():
     assert groups_per_row(np.array([10, 40, 25]), 4, 8).tolist() == [0, 3, 1]
     assert groups_per_row(np.array([7, 3]), 2, 8).tolist() == [0, 0]
+
+
+def test_first_of_run_matches_searchsorted():
+    from kvsim.sim.kv.fast.scoring import first_of_run
+    keys = np.sort(np.random.default_rng(0).integers(0, 20, 200))
+    assert first_of_run(keys).tolist() == np.searchsorted(keys, keys).tolist()
+    assert first_of_run(np.zeros(0, np.int64)).tolist() == []

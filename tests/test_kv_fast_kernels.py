@@ -89,16 +89,19 @@ def test_first_free_scan_matches_its_numpy_twin():
     assert kernel == ref.first_free_np(occ, qP, start, stop, bs).tolist()
 
 
-@pytest.mark.parametrize("L, cand, keep", [(300, 260, 30), (50, 10, 10), (40, 0, 0)])
+@pytest.mark.parametrize("L, cand, keep", [(300, 260, 30), (50, 10, 10), (40, 0, 0), (300, 260, (0, 30, 7, 260))])
 def test_prompt_scoring_kernel_matches_its_numpy_twin(L, cand, keep):
     rng = np.random.default_rng(5)
     R = 4
+    keep = np.broadcast_to(np.asarray(keep, np.int64), R).copy()       # one keep per row, or all alike
     w, decay = np.exp(rng.standard_normal((R, L)) * 2), np.exp(-rng.random((R, L)) * 5)
     args = (w, decay, rng.uniform(0.1, 0.5, R), rng.uniform(0.2, 0.6, R), rng.uniform(1, 3, R), rng.random(R), 8,
             cand, keep, 4, 6)
     got, want = fk.prompt_cut(*args), ref.prompt_cut_np(*args)
-    assert got[2].shape == (R, keep) and np.array_equal(got[2], want[2])        # the kept positions
-    assert got[3].shape == (R, keep, 3) and got[4].shape == (R, 6)
+    most = int(np.minimum(keep, cand).max())
+    assert got[2].shape == (R, most) and np.array_equal(got[2], want[2])        # the kept positions
+    assert ((got[2] >= 0).sum(axis=1) == np.minimum(keep, cand)).all()           # -1 past a row's keep
+    assert got[3].shape == (R, most, 3) and got[4].shape == (R, 6)
     for g, w_ in zip(got, want):
         assert np.array_equal(g, w_)
 

@@ -11,6 +11,14 @@ from . import kernels
 from .reference import prompt_terms_np, scored_step_np
 
 
+def first_of_run(sorted_keys: np.ndarray) -> np.ndarray:
+    """For each element of a sorted array, the index of the first element equal to it
+    (np.searchsorted(a, a) in one linear pass)."""
+    change = np.ones(sorted_keys.size, bool)
+    change[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    return np.flatnonzero(change)[np.cumsum(change) - 1]
+
+
 class ScoringMixin:
     """Which token each over-budget row evicts, and the heavy lists that make it O(1) or O(list)."""
 
@@ -158,7 +166,7 @@ class ScoringMixin:
         order = np.argsort(key, kind="stable")
         sk = key[order]
         rank = np.empty_like(key)
-        rank[order] = np.arange(key.size) - np.searchsorted(sk, sk)
+        rank[order] = np.arange(key.size) - first_of_run(sk)
         stays = valid.ravel() & (rank < np.append(cnt.ravel(), 0)[key])
         cap = cnt.ravel() - np.bincount(key[stays], minlength=k * P)[:k * P]
         moved = np.flatnonzero(valid.ravel() & ~stays)
