@@ -198,7 +198,7 @@ class SlotStrategyMixin:
         through the exact count-based path."""
         bs, R, W = self.block_size, self.rows, self.window
         st = self._row_state_f[q]
-        pages, live, ncol, hc = st[:, PAGES], st[:, LIVE], st[:, NCOL], st[:, HOLE]
+        pages, live, ncol, hole = st[:, PAGES], st[:, LIVE], st[:, NCOL], st[:, HOLE]
         extra = pages - -(-live // bs)
         if not (extra > 0).any():
             return
@@ -206,29 +206,29 @@ class SlotStrategyMixin:
         occ_f, win_f, alive_f = self._occ_f, self._win_f, self._alive_f
         last = np.maximum(ncol - 1, 0)
         at_last = q * P + last
-        simple = (extra == 1) & (occ_f[at_last] == 1) & (hc >= 0) & (hc < last) & alive_f[at_last]
+        simple = (extra == 1) & (occ_f[at_last] == 1) & (hole >= 0) & (hole < last) & alive_f[at_last]
         if W:
             simple &= col == last                # the newest token is the one alone in the last page
         if simple.any():
-            r2, l = q[simple], at_last[simple]
-            h = r2 * P + hc[simple]
-            occ_f[h] += 1
-            occ_f[l] = 0
-            win_f[h] += 1
-            win_f[l] = 0
+            moving_rows, last_page = q[simple], at_last[simple]
+            hole_page = moving_rows * P + hole[simple]
+            occ_f[hole_page] += 1
+            occ_f[last_page] = 0
+            win_f[hole_page] += 1
+            win_f[last_page] = 0
             if W:
-                t = np.repeat(self.ntok[S] - 1, R)[simple]
-                self._ring_f[r2 * W + t % W] = hc[simple]
-            alive_f[l] = False
+                newest = np.repeat(self.ntok[S] - 1, R)[simple]
+                self._ring_f[moving_rows * W + newest % W] = hole[simple]
+            alive_f[last_page] = False
             pages -= simple
             ncol[simple] = last[simple]
-            n = int(r2.size)
+            n = int(moving_rows.size)
             self.pool.give(n)
             self.plan.blocks_freed_by_eviction += n
             self.plan.bytes_moved += int(round(n * self.bytes_per_token_row))
             moved = st[simple]                   # a filled hole moves the first-free pointer on
-            advance_first_free_np(self.occ.reshape(-1, P), r2 * P, hc[simple], moved[:, HOLE], moved[:, PAGES],
-                                  moved[:, LIVE], moved[:, NCOL], bs)
+            advance_first_free_np(self.occ.reshape(-1, P), moving_rows * P, hole[simple], moved[:, HOLE],
+                                  moved[:, PAGES], moved[:, LIVE], moved[:, NCOL], bs)
             st[simple] = moved
             self._row_state_f[q] = st
         hard = ((extra > 0) & ~simple).reshape(S.size, R)
@@ -241,42 +241,42 @@ class SlotStrategyMixin:
         """Rewrite each holed row's holed page and tail densely into fresh pages, then free the old ones."""
         bs, W = self.block_size, self.window
         typical = self._typical_copy(S)
-        si, ri = np.nonzero(typical)
-        if si.size:
+        slot_index, row = np.nonzero(typical)
+        if slot_index.size:
             # flat row ids and page ids (row q = slot * rows + row, page = q * cols + column)
-            P, rs = self.occ.shape[2], self._row_state_f
-            s = S[si]
-            q = s * self.rows + ri
-            hc, t = rs[q, HOLED], rs[q, TAIL]
-            ph, pt = q * P + hc, q * P + t
+            P, row_state = self.occ.shape[2], self._row_state_f
+            slots = S[slot_index]
+            q = slots * self.rows + row
+            holed_col, tail_col = row_state[q, HOLED], row_state[q, TAIL]
+            holed_page, tail_page = q * P + holed_col, q * P + tail_col
             occ_f, win_f = self._occ_f, self._win_f
-            oh, ot = occ_f[ph], occ_f[pt]
-            moved = oh + ot
+            holed_occ, tail_occ = occ_f[holed_page], occ_f[tail_page]
+            moved = holed_occ + tail_occ
             dst = -(-moved // bs)
-            p0 = self.ntok[s] - ot                          # the tail holds the newest ot tokens
-            k = np.where(dst == 2, bs - oh, ot)             # tail tokens that move into the holed page's column
-            kk = np.maximum(k, 0).astype(np.int64)
-            e = np.repeat(np.arange(kk.size), kk)          # one entry per moved tail token (window slots differ)
-            if e.size:
-                j = np.arange(e.size) - np.repeat(np.cumsum(kk) - kk, kk)
-                self._ring_f[q[e] * W + (p0[e] + j) % W] = hc[e]
-            wk = np.minimum(k, win_f[pt])
-            win_f[ph] += wk
-            win_f[pt] -= wk
+            tail_first_pos = self.ntok[slots] - tail_occ          # the tail holds the newest tail_occ tokens
+            to_holed = np.where(dst == 2, bs - holed_occ, tail_occ)  # tail tokens that move into the holed column
+            per_row = np.maximum(to_holed, 0).astype(np.int64)
+            entry_row = np.repeat(np.arange(per_row.size), per_row)  # one entry per moved tail token
+            if entry_row.size:
+                nth = np.arange(entry_row.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+                self._ring_f[q[entry_row] * W + (tail_first_pos[entry_row] + nth) % W] = holed_col[entry_row]
+            window_moved = np.minimum(to_holed, win_f[tail_page])
+            win_f[holed_page] += window_moved
+            win_f[tail_page] -= window_moved
             kept = np.minimum(moved, bs)
-            occ_f[ph] = kept
-            occ_f[pt] = moved - kept
+            occ_f[holed_page] = kept
+            occ_f[tail_page] = moved - kept
             one = dst == 1
-            self._alive_f[pt[one]] = False
-            st = rs[q]
-            top = one & (st[:, NCOL] == t + 1)
-            st[top, NCOL] = t[top]
-            st[one, TAIL] = hc[one]
+            self._alive_f[tail_page[one]] = False
+            st = row_state[q]
+            top = one & (st[:, NCOL] == tail_col + 1)
+            st[top, NCOL] = tail_col[top]
+            st[one, TAIL] = holed_col[one]
             st[:, TAIL_WRITTEN] = np.where(one, moved, moved - bs)
             st[:, PAGES] += (dst - 2).astype(np.int32)
             st[:, HOLED] = -1
-            rs[q] = st
-            self.pool.give(2 * si.size)
+            row_state[q] = st
+            self.pool.give(2 * slot_index.size)
             self.plan.bytes_moved += int(round(moved.sum() * self.bytes_per_token_row))
         self._densify_generic(S, typical)
 
