@@ -11,6 +11,7 @@ from ..manager import SLOT_STRATEGIES, KVStepPlan, _REUSE
 from ..policy import EvictionPolicy, PolicyContext, PolicyError
 from .budgets import CutBudgetMixin
 from .reclaim import ReclaimMixin
+from .recut import BUDGET_SENTINEL, RecutMixin
 from .scoring import ScoringMixin
 from .slab import APPEND, CountPool, SlabMixin
 from .slots import SlotStrategyMixin
@@ -19,7 +20,7 @@ from .step import StepMixin
 _first = operator.itemgetter(0)
 
 
-class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, StepMixin, ReclaimMixin,
+class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, StepMixin, ReclaimMixin, RecutMixin,
                     EvictingManagerBase):
     """The scheduler-facing fast-mode manager: allocation, freeing, the batched step, invariants."""
 
@@ -56,8 +57,11 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         if self.prompt_only:
             self.budget, self.window = None, 0
         self._init_cut_budgets(profile)
+        self._init_recut(profile)
+        if self.recut:                           # re-cuts evict; the kernel only keeps the lists
+            self.budget = BUDGET_SENTINEL
         self._reclaim_target = profile.get("reclaim_target")     # compress again under memory pressure
-        if self._cut_budgets is not None and not self.prompt_only:
+        if self._cut_budgets is not None and not (self.prompt_only or self.recut):
             raise PolicyError(f"kv.mode=fast: policy {policy.name!r}: per-row cut budgets need a prompt-only profile")
         self._strata = np.arange(ctx.rows).reshape(self.rows, self.unit)
         self.scored = self.age_weight == "young" and self.budget is not None
@@ -79,6 +83,8 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         self._free_slots: list[int] = []
         self._pending: dict[int, int] = {}          # slot -> pages taken for this step's decode token (not yet written)
         self._ncol_hi = 0                           # >= every row's ncol: below the slab's width, pages open unchecked
+        self._list_cap = 64 if self.recut else (self.cut_budget or 0) + 2    # heavy-list entries per row
+        self._cut_len: dict[int, int] = {}          # slot -> tokens at its prompt cut (re-cut intervals)
         self._alloc_arrays(4, 8)
 
     @property
@@ -236,6 +242,8 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
                 for (_, req), k in zip(dec, evicted):
                     if k:
                         req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + k / self.rows
+            if self.recut:
+                self._recut_step(dec)
         live_l = self._live_l
         self.logical_token_steps += logical
         self.stored_token_steps += sum([live_l[s] for s in slots]) / self.rows

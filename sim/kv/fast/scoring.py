@@ -121,6 +121,7 @@ class ScoringMixin:
             self.ring_content[s][:, at] = win_cw
         if not self.prompt_only:
             most = kept.shape[1]
+            self._ensure_list_cap(most + 2)
             self.heavy[s, :, :most] = np.where(kept >= 0, kept // bs, 0)
             self.terms[s, :, :most] = terms
             self.hn[s] = keep

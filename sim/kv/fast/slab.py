@@ -52,7 +52,7 @@ class SlabMixin:
         self.win = np.zeros((n, R, cols), np.int32)         # ... of which in the recent window
         self.alive = np.zeros((n, R, cols), bool)           # column holds a page
         self.ring = np.zeros((n, R, W), np.int32)           # page column of position p at p % W
-        self.heavy = np.zeros((n, R, (self.cut_budget or 0) + 2), np.int32)  # columns of non-window live tokens
+        self.heavy = np.zeros((n, R, self._list_cap), np.int32)   # columns of non-window live tokens
         self.row_state = np.zeros((n, R, len(ROW_FIELDS)), np.int32)
         if self._scores:
             # H2O scores in closed form (see _pick_scored): per listed token its score terms `terms`
@@ -170,6 +170,7 @@ class SlabMixin:
 
     def _release_slot(self, req, s) -> None:
         del self.slot_of[req]
+        self._cut_len.pop(s, None)
         for a in (self.occ, self.win, self.alive, self.ring, self.heavy, self.row_state):
             a[s] = 0
         for k in self._SCORED * self._scores:

@@ -35,6 +35,7 @@ class StepMixin:
             self._cut(s, L, cand, keep, kept_pos)
         self.prefilled[s] = True
         self._prefilled_l[s] = True
+        self._cut_len[s] = L
         if self.prompt_only:                     # no decode evictions: no candidate list to keep
             self.hn[s] = 0
         self._settle_generic(s, np.arange(R))
@@ -77,6 +78,8 @@ class StepMixin:
         Returns the (token, row) evictions per slot. Pages were taken from the pool by allocate_slots.
         Runs as one compiled kernel (kernels.decode_rows) where numba is installed, else in numpy
         (`_step_numpy`, its twin: the same state, draw for draw)."""
+        if self.recut:                           # a row's list grows by at most one entry a step
+            self._ensure_list_cap(int(self.hn[S].max()) + 2)
         sparse = self.strategy in _COPY
         if kernels.decode_rows is None:
             if sparse:

@@ -103,21 +103,25 @@ class SnapKV(EvictionPolicy):
         by the importance model's window votes (no pooling), decode never evicts; the budgets are
         `budgets_for` (a rate's ceil(T / r), PyramidKV's per-layer schedule), shared among rows by
         `fast_cut_sharing` (Ada-KV). over_budget decode compression with one fixed budget: H2O-like, the
-        lowest accumulated attention leaves once a row is over budget + window. Not modelled (None, use
-        kv.mode=token): every_n, and over_budget with a rate or per-row budgets."""
+        lowest accumulated attention leaves once a row is over budget + window; every_n, and over_budget
+        with a rate or per-row budgets: the same selection re-run during decode (sim.kv.fast.recut)."""
         w = self.obs_window
         uniform = self.budget is not None and type(self).budgets_for is SnapKV.budgets_for \
             and not self.fast_cut_sharing()
-        if self.decode_compression != "off":
-            if self.decode_compression == "every_n" or not uniform:
-                return None
+        if self.decode_compression == "over_budget" and uniform:
             return {"budget": self.budget + w, "protect_recent": w, "protect_first": 0, "age_weight": "young",
                     "obs_window": w, "per_step": 1}
         profile = {"budget": self.budget + w if uniform else None, "protect_recent": w, "protect_first": 0,
-                   "age_weight": "young", "obs_window": w, "prompt_only": True}
-        if not uniform:
+                   "age_weight": "young", "obs_window": w}
+        if not uniform or self.decode_compression != "off":
             profile["cut_budgets"] = self.budgets_for
             profile.update(self.fast_cut_sharing())
+        if self.decode_compression == "off":
+            profile["prompt_only"] = True
+        else:
+            profile["budget"] = None
+            profile["recut"] = self.decode_compression
+            profile["recut_interval"] = self.decode_interval
         return profile
 
     def fast_cut_sharing(self) -> dict:
