@@ -22,7 +22,7 @@ def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("strategy", ["free_block", "slot_reuse", "compact"])
+@pytest.mark.parametrize("strategy", ["noop", "free_block", "slot_reuse", "compact", "sparse_copy"])
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_policy_fast_mode_agrees_with_token_level_within_5_percent(name, strategy):
     cfg = {**POLICIES[name], "layout": "per_head", "slot_strategy": strategy}
@@ -30,6 +30,18 @@ def test_policy_fast_mode_agrees_with_token_level_within_5_percent(name, strateg
     fast = run({**cfg, "mode": "fast"}, **KW, check=True)[0]
     assert fast["evicted_token_rows"] > 0
     assert rel(fast["evicted_token_rows"], tok["evicted_token_rows"]) < 0.01
+    for metric in METRICS:
+        assert rel(fast[metric], tok[metric]) < 0.05, (metric, fast[metric], tok[metric])
+
+
+@pytest.mark.parametrize("strategy", ["free_block", "compact"])
+@pytest.mark.parametrize("decode", ["off", "over_budget"])
+def test_snapkv_rate_in_the_shared_layout_agrees_with_token_level(strategy, decode):
+    cfg = {"policy": "snapkv", "layout": "shared", "slot_strategy": strategy,
+           "params": {**NO_POOLING, "compression_rate": 6, "decode_compression": decode}}
+    tok = run(cfg, **KW)[0]
+    fast = run({**cfg, "mode": "fast"}, **KW, check=True)[0]
+    assert fast["evicted_token_rows"] == tok["evicted_token_rows"] > 0
     for metric in METRICS:
         assert rel(fast[metric], tok[metric]) < 0.05, (metric, fast[metric], tok[metric])
 
@@ -105,7 +117,7 @@ RECUT = {
 }
 
 
-@pytest.mark.parametrize("strategy", ["free_block", "slot_reuse", "compact"])
+@pytest.mark.parametrize("strategy", ["noop", "free_block", "slot_reuse", "compact"])
 @pytest.mark.parametrize("name", sorted(RECUT))
 def test_decode_compression_fast_mode_agrees_with_token_level_within_5_percent(name, strategy):
     cfg = {**RECUT[name], "layout": "per_head", "slot_strategy": strategy}

@@ -38,9 +38,29 @@ class RecutMixin:
             if self.recut == "every_n" and (num_tokens - self._cut_len[s]) % self.recut_interval:
                 continue
             keep = self._row_keep(num_tokens, self.window)
-            if self.recut == "over_budget" and not (self.hn[s] > keep).any():
+            if self.recut == "over_budget" and not (self._num_listed(s) > keep).any():
                 continue
-            self._recut_slot(s, req, keep)
+            if self.tracks_columns:
+                self._recut_slot(s, req, keep)
+            else:
+                self._recut_counts(s, req, keep)
+
+    def _num_listed(self, s: int) -> np.ndarray:
+        """int [rows]: live tokens outside the window (noop tracks counts only, no lists)."""
+        if self.tracks_columns:
+            return self.hn[s].astype(np.int64)
+        return np.maximum(self.live[s].astype(np.int64) - min(self.window, int(self.ntok[s])), 0)
+
+    def _recut_counts(self, s: int, req, keep: np.ndarray) -> None:
+        """noop's re-cut: counts only (the pages stay whatever goes)."""
+        evicted = np.maximum(self._num_listed(s) - keep, 0)
+        total = int(evicted.sum())
+        if not total:
+            return
+        self.live[s] -= evicted.astype(np.int32)
+        self.plan.evicted_tokens += total
+        self._note_evicted(req, total)
+        self._restat(np.array([s]))
 
     def _listed_scores(self, s: int) -> np.ndarray:
         """float [rows, list_cap]: the closed-form score of each listed token now (-inf past a list)."""
