@@ -6,7 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from kvsim.sim.kv import fast, fast_kernels as fk
+from kvsim.sim.kv.fast import kernels as fk, reference as ref
+from kvsim.sim.kv.fast.layout import NUM_CANDIDATES, ScoreArrays
 from test_kv_manager import H2O, run
 
 pytestmark = pytest.mark.skipif(fk.njit is None, reason="numba not installed: the twins are the only path")
@@ -15,34 +16,36 @@ pytestmark = pytest.mark.skipif(fk.njit is None, reason="numba not installed: th
 def _random_rows(rng, rows=6, Hc=24, W=4):
     st = {
         "hn": rng.integers(3, 14, rows).astype(np.int32),
-        "hsig": rng.uniform(0.5, 3.0, rows), "zw": rng.uniform(50, 80, rows), "hsum": rng.uniform(0.1, 0.3, rows),
-        "eref": rng.uniform(0, 40, rows), "ringA": rng.random(rows * W), "ringcw": rng.random(rows * W),
-        "heavy": rng.integers(0, 30, rows * Hc).astype(np.int32), "hv": rng.random((rows * Hc, 3)),
-        "cand": np.zeros((rows, fk.K, 4)), "thr": np.full(rows, -np.inf),
+        "sigma": rng.uniform(0.5, 3.0, rows), "norm": rng.uniform(50, 80, rows), "hsum": rng.uniform(0.1, 0.3, rows),
+        "eref": rng.uniform(0, 40, rows), "ring_static": rng.random(rows * W), "ring_content": rng.random(rows * W),
+        "heavy": rng.integers(0, 30, rows * Hc).astype(np.int32), "terms": rng.random((rows * Hc, 3)),
+        "cand": np.zeros((rows, NUM_CANDIDATES, 4)), "thr": np.full(rows, -np.inf),
     }
     st["cand"][:, :, 0] = -1
     st["eref"][0] = -40000.0                       # row 0 is due for a rebase of its local terms
     return st
 
 
-def _kernel_rows(q, t_new, z, l, inv_tau, c, W, Hc, over, ex, ec, hn, hsig, zw, hsum, eref, ringA, ringcw, heavy, hv,
-                 cand, thr):
+def _score_arrays(st, consts):
+    return ScoreArrays(*consts, st["sigma"], st["norm"], st["hsum"], st["eref"], st["ring_static"],
+                       st["ring_content"], st["terms"], st["cand"], st["thr"])
+
+
+def _kernel_rows(q, t_new, z, local, inv_tau, content, W, Hc, over, ex, ec, hn, heavy, sc):
     """The decode kernel's scored part, row by row (`_scored_exit` then `_evict_lowest_row`, as
     decode_rows calls them), with scored_step_np's arguments."""
     out = np.empty(q.size, heavy.dtype)
     buf, top = np.empty(Hc), np.empty(fk.K, np.int64)
     for i in range(q.size):
-        H, g, s_exit, exits, A_e, cw_e, E_e = fk._scored_exit(q[i], t_new[i], z[i], l[i], inv_tau[i], c[i], W, Hc,
-                                                               ex[i], hsig, zw, hsum, eref, ringA, ringcw, hv, cand)
+        H, g, s_exit, exits, A_e, cw_e, E_e = fk._scored_exit(q[i], t_new[i], z[i], local[i], inv_tau[i], content[i],
+                                                               W, Hc, ex[i], sc)
         out[i], hn[i] = fk._evict_lowest_row(q[i], hn[i], Hc, over[i], exits, H, g, s_exit, ec[i], A_e, cw_e, E_e,
-                                             heavy, hv, cand, thr, buf, top)
+                                             heavy, sc, buf, top)
     return out
 
 
 def _step(fn, st, q, t, z, consts, over, ex, ec, W, Hc):
-    l, inv_tau, c = consts
-    return fn(q, t, z, l, inv_tau, c, W, Hc, over, ex, ec, st["hn"], st["hsig"], st["zw"], st["hsum"], st["eref"],
-              st["ringA"], st["ringcw"], st["heavy"], st["hv"], st["cand"], st["thr"])
+    return fn(q, t, z, *consts, W, Hc, over, ex, ec, st["hn"], st["heavy"], _score_arrays(st, consts))
 
 
 @pytest.mark.parametrize("W", [4, 0])
@@ -60,14 +63,14 @@ def test_scored_step_kernel_rows_match_their_numpy_twin(W):
         ex = rng.random(rows) < 0.8
         ec = rng.integers(0, 30, rows).astype(np.int32)
         out_k = _step(_kernel_rows, kernel, q, t, z, consts, over, ex, ec, W, Hc)
-        out_t = _step(fk.scored_step_np, twin, q, t, z, consts, over, ex, ec, W, Hc)
+        out_t = _step(ref.scored_step_np, twin, q, t, z, consts, over, ex, ec, W, Hc)
         assert np.array_equal(out_k[over], out_t[over]), step            # the evicted columns
         for name in ("hn", "heavy"):
             assert np.array_equal(kernel[name], twin[name]), (step, name)
-        for name in ("hsig", "zw", "hsum", "eref", "ringA", "ringcw"):
+        for name in ("sigma", "norm", "hsum", "eref", "ring_static", "ring_content"):
             np.testing.assert_allclose(kernel[name], twin[name], rtol=1e-12, err_msg=f"{step} {name}")
         live = np.arange(Hc)[None, :] < kernel["hn"][:, None]           # entries past a row's list are unused
-        np.testing.assert_allclose(kernel["hv"].reshape(rows, Hc, 3)[live], twin["hv"].reshape(rows, Hc, 3)[live],
+        np.testing.assert_allclose(kernel["terms"].reshape(rows, Hc, 3)[live], twin["terms"].reshape(rows, Hc, 3)[live],
                                    rtol=1e-12)
         t += 1
     assert kernel["eref"][0] > 0                   # the rebase happened (and changed no decision)
@@ -83,19 +86,22 @@ def test_first_free_scan_matches_its_numpy_twin():
     occ[np.arange(P)[None, :] < start[:, None]] = bs     # the pointer invariant: pages before start are full
     stop = np.full(12, P)
     kernel = [fk._scan_free(occ[i], start[i], stop[i], bs) for i in range(12)]
-    assert kernel == fk.first_free_np(occ, qP, start, stop, bs).tolist()
+    assert kernel == ref.first_free_np(occ, qP, start, stop, bs).tolist()
 
 
-@pytest.mark.parametrize("L, cand, keep", [(300, 260, 30), (50, 10, 10), (40, 0, 0)])
+@pytest.mark.parametrize("L, cand, keep", [(300, 260, 30), (50, 10, 10), (40, 0, 0), (300, 260, (0, 30, 7, 260))])
 def test_prompt_scoring_kernel_matches_its_numpy_twin(L, cand, keep):
     rng = np.random.default_rng(5)
     R = 4
+    keep = np.broadcast_to(np.asarray(keep, np.int64), R).copy()       # one keep per row, or all alike
     w, decay = np.exp(rng.standard_normal((R, L)) * 2), np.exp(-rng.random((R, L)) * 5)
     args = (w, decay, rng.uniform(0.1, 0.5, R), rng.uniform(0.2, 0.6, R), rng.uniform(1, 3, R), rng.random(R), 8,
             cand, keep, 4, 6)
-    got, want = fk.prompt_cut(*args), fk.prompt_cut_np(*args)
-    assert got[2].shape == (R, keep) and np.array_equal(got[2], want[2])        # the kept positions
-    assert got[3].shape == (R, keep, 3) and got[4].shape == (R, 6)
+    got, want = fk.prompt_cut(*args), ref.prompt_cut_np(*args)
+    most = int(np.minimum(keep, cand).max())
+    assert got[2].shape == (R, most) and np.array_equal(got[2], want[2])        # the kept positions
+    assert ((got[2] >= 0).sum(axis=1) == np.minimum(keep, cand)).all()           # -1 past a row's keep
+    assert got[3].shape == (R, most, 3) and got[4].shape == (R, 6)
     for g, w_ in zip(got, want):
         assert np.array_equal(g, w_)
 
@@ -116,8 +122,8 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, stra
     cfg = {**policy, "slot_strategy": strategy, "mode": "fast"}
     kw = dict(n=3, prompt=120, output=80, num_blocks=4000)
     compiled = run(cfg, **kw)[1]
-    monkeypatch.setattr(fast, "decode_rows", None)          # the whole step in numpy
-    monkeypatch.setattr(fk, "prompt_cut", fk.prompt_cut_np)
+    monkeypatch.setattr(fk, "decode_rows", None)          # the whole step in numpy
+    monkeypatch.setattr(fk, "prompt_cut", ref.prompt_cut_np)
     twins = run(cfg, **kw)[1]
     for col in ("blocks_used", "live_slots", "allocated_slots", "evicted_tokens", "blocks_freed_by_eviction",
                 "block_table_entries", "duration_s"):
@@ -125,12 +131,13 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, stra
 
 
 def test_kvsim_no_numba_selects_the_numpy_twins():
-    code = "import kvsim.sim.kv.fast_kernels as fk\nassert fk.decode_rows is None and fk.prompt_cut is fk.prompt_cut_np\n"
+    code = ("import kvsim.sim.kv.fast.kernels as fk\n"
+            "assert fk.decode_rows is None and fk.prompt_cut is fk.prompt_cut_np\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "KVSIM_NO_NUMBA": "1"})
 
 
 def test_without_numba_the_numpy_twins_run():
     code = ("import sys; sys.modules['numba'] = None\n"
-            "import kvsim.sim.kv.fast_kernels as fk\n"
+            "import kvsim.sim.kv.fast.kernels as fk\n"
             "assert fk.decode_rows is None and fk.prompt_cut is fk.prompt_cut_np\n")
     subprocess.run([sys.executable, "-c", code], check=True)

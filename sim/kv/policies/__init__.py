@@ -5,8 +5,4 @@ _BUILTIN = ("none", "streaming", "h2o", "snapkv", "pyramidkv", "ada_snapkv", "kv
             "recorded")
 
 for _name in _BUILTIN:
-    try:
-        import_module(f"{__name__}.{_name}")
-    except ModuleNotFoundError as exc:          # a policy module not written yet
-        if exc.name != f"{__name__}.{_name}":
-            raise
+    import_module(f"{__name__}.{_name}")

@@ -35,6 +35,10 @@ class AdaSnapKV(SnapKV):
             raise ValueError(f"floor must be a fraction in [0, 1], got {floor!r}")
         self.floor = float(floor)
 
+    def fast_cut_sharing(self) -> dict:
+        # fast mode: the simulated rows (a stratified sample of all heads) compete jointly, floor kept
+        return {"cut_sharing": "layer", "floor": self.floor}
+
     def keep_mask(self, state, ctx, votes, cand):
         budget = self.mean_budget(self.basis(state))
         guaranteed = lowest_k_mask(-votes, np.full(state.rows, int(self.floor * budget)), cand)

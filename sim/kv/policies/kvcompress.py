@@ -82,12 +82,28 @@ class KVCompress(EvictionPolicy):
 
     def target_tokens(self, state) -> int:
         """Token-rows the request may keep (sum over rows)."""
+        return self.target_per_row(state.num_tokens) * state.rows
+
+    def target_per_row(self, num_tokens: int) -> int:
+        """Tokens a row keeps on average after a compression of a num_tokens-long sequence."""
         per_row = math.inf
         if self.compression_rate is not None:
-            per_row = math.ceil(state.num_tokens / self.compression_rate)
+            per_row = math.ceil(num_tokens / self.compression_rate)
         if self.max_cache_tokens is not None:
             per_row = min(per_row, self.max_cache_tokens)
-        return int(per_row) * state.rows
+        return int(per_row)
+
+    def fast_mode_profile(self) -> dict:
+        """Fast mode (sim.kv.fast): the prompt cut evicts, over all simulated rows jointly, the groups
+        of block_size lowest-scored candidates with the smallest largest score until the request is at
+        its target (the importance model's accumulated attention stands for the squared-attention
+        metric); decode never evicts; under memory pressure whole blocks go down to the target again
+        (`reclaim_target`)."""
+        w = self.protect_recent
+        return {"budget": None, "protect_recent": w, "protect_first": 0, "age_weight": "young",
+                "obs_window": self.obs_window, "prompt_only": True, "cut_sharing": "blocks",
+                "cut_budgets": lambda n, ctx: np.full(ctx.rows, max(self.target_per_row(n) - min(w, n), 0), np.int64),
+                "reclaim_target": self.target_per_row}
 
     def _evict(self, state, ctx, token_rows: int) -> Decision | None:
         if token_rows <= 0:

@@ -49,6 +49,6 @@ class PyramidKV(SnapKV):
             raise ValueError(f"beta must be a number > 1 (last layer keeps budget / beta), got {beta!r}")
         self.beta = float(beta)
 
-    def row_budgets(self, state, ctx) -> np.ndarray:
-        layers = pyramid_budgets(self.mean_budget(self.basis(state)), ctx.num_layers, self.beta)
+    def budgets_for(self, num_tokens: int, ctx) -> np.ndarray:
+        layers = pyramid_budgets(self.mean_budget(num_tokens), ctx.num_layers, self.beta)
         return layers[ctx.row_layer]

@@ -99,21 +99,34 @@ class SnapKV(EvictionPolicy):
         return "after_prefill" if self.decode_compression == "off" else "every_step"
 
     def fast_mode_profile(self) -> dict | None:
-        """Fast mode: one budget for every row (no rate, no per-layer budgets). Prefill-only: the
-        prompt cut keeps budget + window per row by the importance model's window votes (no pooling),
-        decode never evicts; over_budget decode compression: H2O-like, the lowest accumulated
-        attention leaves once a row is over budget + window. every_n is not modelled."""
-        if self.budget is None or self.decode_compression == "every_n" or type(self).row_budgets is not \
-                SnapKV.row_budgets or type(self).keep_mask is not SnapKV.keep_mask:
-            return None
-        kept = self.budget + self.obs_window
-        profile = {"budget": kept, "protect_recent": self.obs_window, "protect_first": 0, "age_weight": "young",
-                   "obs_window": self.obs_window}
+        """Fast mode (sim.kv.fast). Prefill-only: the prompt cut keeps each row's budget plus the window
+        by the importance model's window votes (no pooling), decode never evicts; the budgets are
+        `budgets_for` (a rate's ceil(T / r), PyramidKV's per-layer schedule), shared among rows by
+        `fast_cut_sharing` (Ada-KV). over_budget decode compression with one fixed budget: H2O-like, the
+        lowest accumulated attention leaves once a row is over budget + window; every_n, and over_budget
+        with a rate or per-row budgets: the same selection re-run during decode (sim.kv.fast.recut)."""
+        w = self.obs_window
+        uniform = self.budget is not None and type(self).budgets_for is SnapKV.budgets_for \
+            and not self.fast_cut_sharing()
+        if self.decode_compression == "over_budget" and uniform:
+            return {"budget": self.budget + w, "protect_recent": w, "protect_first": 0, "age_weight": "young",
+                    "obs_window": w, "per_step": 1}
+        profile = {"budget": self.budget + w if uniform else None, "protect_recent": w, "protect_first": 0,
+                   "age_weight": "young", "obs_window": w}
+        if not uniform or self.decode_compression != "off":
+            profile["cut_budgets"] = self.budgets_for
+            profile.update(self.fast_cut_sharing())
         if self.decode_compression == "off":
             profile["prompt_only"] = True
         else:
-            profile["per_step"] = 1
+            profile["budget"] = None
+            profile["recut"] = self.decode_compression
+            profile["recut_interval"] = self.decode_interval
         return profile
+
+    def fast_cut_sharing(self) -> dict:
+        """Fast mode: how the rows' budgets are shared among rows at the prompt cut ({} = not at all)."""
+        return {}
 
     def on_admit(self, state, ctx):
         if self.per_head_only and ctx.layout != "per_head":
@@ -133,7 +146,11 @@ class SnapKV(EvictionPolicy):
 
     def row_budgets(self, state, ctx) -> np.ndarray:
         """int [rows]: tokens each row keeps outside the window."""
-        return np.full(state.rows, self.mean_budget(self.basis(state)), dtype=np.int64)
+        return self.budgets_for(self.basis(state), ctx)
+
+    def budgets_for(self, num_tokens: int, ctx) -> np.ndarray:
+        """int [ctx.rows]: tokens each row keeps outside the window when the basis is num_tokens."""
+        return np.full(ctx.rows, self.mean_budget(num_tokens), dtype=np.int64)
 
     # ----- selection ----------------------------------------------------------------------------
     def candidates(self, state) -> np.ndarray:
