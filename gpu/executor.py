@@ -157,7 +157,7 @@ class RealExecutor:
             self.needs_scores = kv.policy.needs_scores
             self.score_window = kv.policy.obs_window if self.needs_scores else stats_window
             self.score_max = kv.policy.needs_scores and kv.policy.gqa_reduce == "max"
-            self.selector = kv.policy if hasattr(kv.policy, "select_layer") else None
+            self.selector = kv.policy if kv.policy.select_layer is not None else None
         else:
             self.score_max = False
             if kv.enable_caching:
@@ -187,7 +187,7 @@ class RealExecutor:
         if self.tiered and kv.stride != cache.block_slots:
             raise ValueError(f"KV manager slot stride {kv.stride} differs from the cache's {cache.block_slots}")
         selective = type(kv.policy).read_tokens is not EvictionPolicy.read_tokens
-        if selective and (not hasattr(kv.policy, "select_layer") or self.tiered):
+        if selective and (kv.policy.select_layer is None or self.tiered):
             raise ValueError(f"policy {kv.policy.name}: selection needs a select_layer(state, ctx, layer, bound) "
                              "method and a full-precision cache")
         if kv.policy.needs_scores and kv.policy.gqa_reduce not in ("sum", "mean", "max"):

@@ -10,6 +10,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .catalog import get_gpu, get_model
+from .kv.policy import policy_names as registered_policy_names
+from .kv.slots import SLOT_STRATEGIES
 from .yaml_errors import yaml_problem
 
 
@@ -33,14 +35,10 @@ def parse_duration(text: str | float, what: str = "duration") -> float:
 
 def policy_names() -> list[str]:
     """Every KV policy registered so far (built-in ones and plug-ins registered with @register_policy)."""
-    from .kv.policy import policy_names as registered
-
-    return registered()
+    return registered_policy_names()
 
 
 def slot_strategy_names() -> list[str]:
-    from .kv.slots import SLOT_STRATEGIES
-
     return list(SLOT_STRATEGIES)
 
 

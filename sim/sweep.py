@@ -44,7 +44,16 @@ from typing import Any, Callable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kvsim.traces.errors import TraceError, TraceWarning
+from kvsim.traces.loaders import resolve_trace_path
+
+from .catalog import CatalogError, get_gpu, get_model
 from .config import ConfigError, SimConfig, build_config, flatten, read_config_file, read_yaml_file
+from .cost_model import load_profile
+from .defaults import resolve_engine
+from .memory import ModelDoesNotFitError, num_gpu_blocks
+from .results import pid_alive
+from .simulate import run_simulation
 
 SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
 # summary keys that repeat a config column; the store keeps the config column
@@ -193,12 +202,6 @@ class _FitChecker:
 
     @staticmethod
     def _problem(cfg: SimConfig) -> str | None:
-        from kvsim.traces.errors import TraceError
-        from kvsim.traces.loaders import resolve_trace_path
-
-        from .catalog import CatalogError, get_gpu, get_model
-        from .cost_model import load_profile
-        from .memory import ModelDoesNotFitError, num_gpu_blocks
 
         try:
             resolve_trace_path(cfg.trace)
@@ -218,7 +221,6 @@ class _FitChecker:
             load_profile(cfg.profile)
         except (CatalogError, ValueError, FileNotFoundError) as exc:
             return f"profile={cfg.profile!r}: {exc}"
-        from .defaults import resolve_engine
         eng = resolve_engine(cfg)
         try:
             num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size, kv_dtype=cfg.kv_dtype,
@@ -242,7 +244,6 @@ class RunTask:
 
 def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
     """GPUs used, $/hour for them and $ per million output tokens at the throughput achieved."""
-    from .catalog import get_gpu
 
     gpus = cfg.tp * cfg.replicas
     usd_per_hour = get_gpu(cfg.gpu).usd_per_hour * gpus
@@ -258,9 +259,6 @@ def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
 
 def execute_run(task: RunTask) -> dict:
     """Run one simulation; return its metric columns. Never raises: a failure becomes a row."""
-    from .simulate import run_simulation
-
-    from kvsim.traces.errors import TraceWarning
 
     try:
         cfg = SimConfig.model_validate(task.config)
@@ -439,7 +437,6 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     except OSError:                 # no /proc: ask the kernel
-        from .results import pid_alive
         return pid_alive(pid)
 
 

@@ -49,3 +49,10 @@ def test_an_uninstalled_checkout_runs_as_python_m_sim_cli(tmp_path):
     assert out.returncode == 0, out.stderr
     finished, path = out.stdout.split()
     assert finished == "5" and Path(path) == ROOT / "sim" / "config.py"
+
+
+def test_every_module_says_what_it_is_for():
+    import ast
+    missing = [str(path.relative_to(ROOT)) for name in TOP_LEVEL for path in sorted((ROOT / name).rglob("*.py"))
+               if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert missing == []

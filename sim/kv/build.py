@@ -8,7 +8,6 @@ from .base import EvictingManagerBase
 from .importance import ImportanceError, SyntheticImportance
 from .manager import EvictingKVManager
 from .policy import PolicyContext, PolicyError, get_policy
-from .state import TIER_FULL
 from .tiers import TIERS
 
 
@@ -61,8 +60,7 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
         policy = get_policy(kv.policy, **policy_params(kv))
     except PolicyError as exc:
         raise ConfigError(str(exc)) from None
-    # optional policy attributes (sim.kv.policies.pyramidkv, .leankv)
-    if getattr(policy, "per_head_only", False) and kv.layout != "per_head":
+    if policy.per_head_only and kv.layout != "per_head":
         raise ConfigError(f"kv.layout: policy {kv.policy!r} sets different budgets per layer and head; it needs "
                           f"kv.layout=per_head, got {kv.layout!r}")
     pool_blocks = num_blocks * rows
@@ -79,4 +77,4 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     return EvictingKVManager(pool_blocks, block_size, ctx, policy, importance, slot_strategy=kv.slot_strategy,
                              trigger=kv.trigger, trigger_interval=kv.trigger_interval,
                              trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
-                             tier_capacity=tier_caps, new_token_tier=getattr(policy, "new_token_tier", TIER_FULL))
+                             tier_capacity=tier_caps, new_token_tier=policy.new_token_tier)

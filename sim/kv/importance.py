@@ -30,7 +30,7 @@ Three sources stand behind one interface, `ImportanceSource`:
   ell <= 64), so a chunk's weights still depend only on (seed, request, chunk). Without these
   fields (rho = 0) the weights are bit for bit the uncorrelated model's. `kvsim calibrate
   --attention ... --decisions` fits rho and ell to a replay's recorded H2O evictions
-  (sim/calibrate.py fit_content_correlation). The block-occupancy fast mode (sim/kv/fast/) scores
+  (sim/calibration/correlation_fit.py). The block-occupancy fast mode (sim/kv/fast/) scores
   H2O with this model's heads in closed form but ignores these two fields.
   What a policy sees is a_q restricted to the live tokens and renormalized (real attention only
   covers resident tokens); the mass the live tokens hold under the full

@@ -152,6 +152,13 @@ class EvictionPolicy:
     gqa_reduce = "sum"
     obs_window = 8                # prefill observation queries wanted
     default_trigger = "every_step"
+    per_head_only = False         # True: budgets differ per layer and head, so it needs kv.layout=per_head
+    new_token_tier = TIER_FULL    # precision tier the manager writes new tokens at (LeanKV: TIER_HIGH)
+    # Optional hooks of selection policies (Quest), None when the policy does not select:
+    # select_layer(state, ctx, layer, bound) -> the slots one layer's attention reads (the real backend);
+    # mean_read(live, ctx) -> mean tokens read per row given live counts (fast mode).
+    select_layer = None
+    mean_read = None
 
     def on_admit(self, state: TokenState, ctx: PolicyContext) -> None:
         pass

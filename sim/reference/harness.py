@@ -18,7 +18,11 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from kvsim.traces import load_trace
+
 from ..config import SimConfig, load_config
+from ..defaults import resolve_engine
+from ..simulate import run_simulation
 from .prompts import prompt_token_ids
 from .scenarios import Scenario
 
@@ -59,7 +63,6 @@ def write_scenario(scenario: Scenario, directory: Path) -> None:
 
 def load_scenario(directory: Path) -> tuple[SimConfig, object]:
     """The scenario's config (trace path resolved next to it) and its trace."""
-    from kvsim.traces import load_trace
 
     cfg = load_config(directory / "scenario.yaml")
     cfg = cfg.model_copy(update={"trace": str(directory / cfg.trace)})
@@ -69,7 +72,6 @@ def load_scenario(directory: Path) -> tuple[SimConfig, object]:
 # ----- the vLLM side ----------------------------------------------------------------------------
 def driver_spec(cfg: SimConfig, trace, model_dir: str | Path) -> dict:
     """What `vllm_driver.py` needs: engine settings and requests with their prompt token ids."""
-    from ..defaults import resolve_engine
 
     eng = resolve_engine(cfg)
     if eng.num_gpu_blocks is None or eng.max_model_len is None:
@@ -156,7 +158,6 @@ class _ScheduleTap:
 
 def kvsim_schedule(cfg: SimConfig, trace) -> tuple[pd.DataFrame, dict]:
     """kvsim's schedule of `trace` (stepping one step at a time) and the ids it rejected."""
-    from ..simulate import run_simulation
 
     taps: list[_ScheduleTap] = []
     kvs = []

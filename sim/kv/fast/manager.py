@@ -1,3 +1,4 @@
+"""FastKVManager: the scheduler-facing surface of fast mode (allocation, freeing, the step's policy work, invariants)."""
 from __future__ import annotations
 
 import operator
@@ -43,7 +44,7 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
             if sample_rows > 0 else ctx.rows
         self.unit = ctx.rows // self.rows
         self.budget = profile.get("budget")
-        self._mean_read = getattr(policy, "mean_read", None)      # selection policies: what attention reads
+        self._mean_read = policy.mean_read      # selection policies: what attention reads
         self.window = int(profile.get("protect_recent", 0))
         self.sink = int(profile.get("protect_first", 0))
         self.age_weight = profile.get("age_weight", "uniform")

@@ -3,7 +3,7 @@
 For each request it evicts exactly the recorded (layer, KV head, position) entries at the points
 where the real run's policy evicted them: after prefill and after the same decode step (`compress`),
 and under memory pressure in the same `reclaim` call. It needs no scores, so with the same schedule
-(`sim.crosscheck.simulate_recorded` feeds the replay's measured step times) the simulated memory
+(`sim.crosscheck.recorded.simulate_recorded` feeds the replay's measured step times) the simulated memory
 state equals the real one step by step.
 
 A decision is found by (request id, reason, tokens cached when it happened, ordinal): a request's
