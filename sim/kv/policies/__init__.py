@@ -1,8 +1,6 @@
-"""Built-in KV policies; importing this package registers them (see sim.kv.policy)."""
+"""Built-in KV policies, one module each; importing this package registers every module in it (see sim.kv.policy)."""
 from importlib import import_module
+from pkgutil import iter_modules
 
-_BUILTIN = ("none", "streaming", "h2o", "snapkv", "pyramidkv", "ada_snapkv", "kvcompress", "leankv", "quest",
-            "recorded")
-
-for _name in _BUILTIN:
-    import_module(f"{__name__}.{_name}")
+for _module in iter_modules(__path__):
+    import_module(f"{__name__}.{_module.name}")
