@@ -2,6 +2,7 @@
 runs end to end (CLI and API), unknown names fail naming the field and the valid names, the CLI's help
 comes from the registries, and `kvsim simulate` never imports torch."""
 import json
+import os
 import subprocess
 import sys
 
@@ -96,3 +97,52 @@ def test_kvsim_simulate_does_not_import_torch(tmp_path):
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
+
+
+PLUGIN = '''"""A policy plug-in living outside kvsim: keeps the newest `window` tokens."""
+from kvsim.sim.kv.policy import Decision, EvictionPolicy, register_policy
+
+
+@register_policy("plugin-keep-last")
+class PluginKeepLast(EvictionPolicy):
+    needs_scores = False
+
+    def __init__(self, window: int = 32):
+        self.window = window
+
+    def compress(self, state, ctx, reason, scores):
+        drop = state.live & (state.pos < state.num_tokens - self.window)
+        return Decision(evict=drop) if drop.any() else None
+'''
+
+
+def _plugin_env(tmp_path, modules: str) -> dict:
+    (tmp_path / "my_kv_plugin.py").write_text(PLUGIN)
+    return {**os.environ, "PYTHONPATH": str(tmp_path), "KVSIM_PLUGINS": modules}
+
+
+def test_the_kvsim_command_and_parallel_sweep_workers_load_plugins_from_kvsim_plugins(tmp_path):
+    env = _plugin_env(tmp_path, "my_kv_plugin")
+    run = subprocess.run([sys.executable, "-m", "kvsim.sim.cli", "simulate", "--trace", SMALL["trace"], "--model",
+                          SMALL["model"], "--gpu", "l4", "--max-requests", "4", "--policy", "plugin-keep-last",
+                          "-q", "-o", str(tmp_path / "one")], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "one" / "summary.json").read_text())["evicted_tokens"] > 0
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("fixed: {trace: sharegpt-8k-filtered, model: smollm2-135m, gpu: l4, "
+                    "trace_options.max_requests: 4, kv.policy: plugin-keep-last}\n"
+                    "grid: {kv.params.window: [16, 64]}\n")
+    sweep = subprocess.run([sys.executable, "-m", "kvsim.sim.cli", "sweep", str(spec), "--out", str(tmp_path / "s"),
+                            "-j", "2"], env=env, capture_output=True, text=True)
+    assert sweep.returncode == 0, sweep.stdout + sweep.stderr
+    rows = pd.read_parquet(tmp_path / "s" / "runs")
+    assert len(rows) == 2 and (rows["status"] == "ok").all() and (rows["evicted_tokens"] > 0).all()
+
+
+def test_a_plugin_that_cannot_be_imported_is_named_with_its_source(tmp_path):
+    env = _plugin_env(tmp_path, "my_kv_plugin, no_such_plugin")
+    run = subprocess.run([sys.executable, "-m", "kvsim.sim.cli", "simulate", "--trace", SMALL["trace"], "--model",
+                          SMALL["model"], "--max-requests", "2", "-q", "-o", str(tmp_path / "x")],
+                         env=env, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "$KVSIM_PLUGINS: cannot import policy plug-in module 'no_such_plugin'" in run.stdout + run.stderr

@@ -76,6 +76,12 @@ Writing a policy
             ...
             return Decision(evict=mask)
 
+Where kvsim finds it: a module imported before the run (the Python API), a module named in
+$KVSIM_PLUGINS (comma-separated; the CLI, the dashboard and sweep workers import them), or an
+installed package's entry point in the group `kvsim.policies`
+(`[project.entry-points."kvsim.policies"] mypolicy = "mypkg.mypolicy"`). The config then accepts its
+name like a built-in one.
+
 Unknown parameters raise `PolicyError` naming the policy and its accepted parameters. Helpers:
 `lowest_k_mask(values, k, candidates)` selects, per row, the k candidates with the smallest value
 (vectorized; ties broken deterministically).
@@ -85,7 +91,10 @@ Unknown parameters raise `PolicyError` naming the policy and its accepted parame
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field
+from importlib import import_module
+from importlib.metadata import entry_points
 
 import numpy as np
 
@@ -235,8 +244,35 @@ def get_policy(name: str, **params) -> EvictionPolicy:
         raise PolicyError(f"kv.params for policy {name!r}: {exc}") from None
 
 
+PLUGIN_GROUP = "kvsim.policies"      # entry-point group of installed policy plug-ins
+PLUGIN_ENV = "KVSIM_PLUGINS"         # comma-separated modules to import (registering policies)
+_plugins_loaded = False
+
+
 def _load_builtin() -> None:
     from . import policies  # noqa: F401  (registers the built-in policies)
+    _load_plugins()
+
+
+def _load_plugins() -> None:
+    """Import the policy plug-ins outside kvsim once: installed packages' `kvsim.policies` entry points
+    and the modules named in $KVSIM_PLUGINS (inherited by sweep workers, so they see the same policies)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for entry in entry_points(group=PLUGIN_GROUP):
+        _import_plugin(entry.value.partition(":")[0], f"entry point {entry.name!r} of group {PLUGIN_GROUP}")
+    for module in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
+        _import_plugin(module, f"${PLUGIN_ENV}")
+
+
+def _import_plugin(module: str, source: str) -> None:
+    try:
+        import_module(module)
+    except Exception as exc:
+        raise PolicyError(f"{source}: cannot import policy plug-in module {module!r} "
+                          f"({type(exc).__name__}: {exc})") from None
 
 
 # ----- helpers policies share ---------------------------------------------------------------
