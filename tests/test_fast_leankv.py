@@ -4,11 +4,9 @@ import math
 
 import pytest
 
-from kvsim.sim.config import ConfigError, KVConfig
+from kvsim.sim.config import KVConfig
 from kvsim.sim.executor import build_kv
 from kvsim.sim.kv.fast.sampled import SampledRowsKVManager, sample_row_count
-from kvsim.sim.kv.policies.leankv import LeanKV
-from kvsim.sim.kv.policy import PolicyError
 from test_kv_manager import MODEL, run
 
 METRICS = ("fragmentation_mean", "kv_util_mean", "throughput_output_tok_s")
@@ -72,9 +70,3 @@ def test_sample_row_count_is_the_largest_divisor_not_above_the_wish():
     assert sample_row_count(90, 8) == 6
     assert sample_row_count(256, 8) == 8
     assert sample_row_count(7, 100) == 7
-
-
-def test_a_policy_without_a_fast_profile_is_still_refused(monkeypatch):
-    monkeypatch.setattr(LeanKV, "fast_mode_profile", lambda self: None)
-    with pytest.raises((PolicyError, ConfigError), match="no fast-mode profile; use kv.mode=token"):
-        run({**LEANKV, "mode": "fast"}, n=1)
