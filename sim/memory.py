@@ -166,6 +166,8 @@ def _fast_slab_bytes(cfg, rows: int, trace, max_seqs: int) -> tuple[int, int, in
         profile = get_policy(cfg.kv.policy, **policy_params(cfg.kv)).fast_mode_profile() or {}
     except (PolicyError, TypeError, ValueError):
         return 0, 0, 0                      # reported by the manager itself when it is built
+    if profile.get("sampled_rows"):         # token-level state on sampled rows (sim/kv/fast/sampled.py), no slab
+        return 0, 0, 0
     budget = int(profile.get("budget") or 0)
     window = max(int(profile.get("protect_recent", 0)), 1)
     scored = profile.get("age_weight") == "young" and profile.get("budget") is not None

@@ -95,9 +95,11 @@ def test_snapkv_fast_mode_agrees_with_token_level_within_5_percent(strategy, dec
         assert f[k] == pytest.approx(t[k], rel=0.05), k
 
 
-@pytest.mark.parametrize("policy,params", [("leankv", {})])
-def test_policies_without_a_fast_model_are_refused_by_name(policy, params):
+def test_policies_without_a_fast_model_are_refused_by_name(monkeypatch):
+    # every built-in policy has a fast model now (leankv by row sampling): take leankv's away
     from kvsim.sim.config import ConfigError
+    from kvsim.sim.kv.policies.leankv import LeanKV
     from kvsim.sim.kv.policy import PolicyError
-    with pytest.raises((PolicyError, ConfigError), match="no fast-mode profile; use kv.mode=token"):
-        run({"policy": policy, "layout": "per_head", "mode": "fast", "params": params}, n=1)
+    monkeypatch.setattr(LeanKV, "fast_mode_profile", lambda self: None)
+    with pytest.raises((PolicyError, ConfigError), match="policy 'leankv' has no fast-mode profile; use kv.mode=token"):
+        run({"policy": "leankv", "layout": "per_head", "mode": "fast"}, n=1)

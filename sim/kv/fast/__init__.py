@@ -52,14 +52,16 @@ tests/test_kv_fast_kernels.py.
 
 Prompt-cut policies (SnapKV with a rate, PyramidKV, Ada-KV, KV-Compress) give per-row cut budgets
 (`budgets`), KV-Compress also compresses under memory pressure (`reclaim`), the SnapKV family's
-decode-time compression re-runs the cut (`recut`); their models and
-agreement are in docs/kv-policies.md section 5.
+decode-time compression re-runs the cut (`recut`); LeanKV (tiers of different page capacities)
+runs the token-level manager on a stratified sample of the rows (`sampled`, no slab); their models
+and agreement are in docs/kv-policies.md section 5.
 
 Modules: manager (FastKVManager, the scheduler-facing surface), slab (the per-slot arrays, their
 growth, the count pool, the scheduler's mirrors), budgets (per-row prompt-cut budgets and their
 sharing), scoring (where evictions fall: H2O's closed form, heavy lists, draws), slots (slot
 strategies on page counts), step (the prompt cut and the batched decode step), reclaim
-(compression under memory pressure), recut (decode-time re-cuts), layout (row fields and the kernel's named argument groups),
+(compression under memory pressure), recut (decode-time re-cuts), sampled (LeanKV: the token-level
+manager on sampled rows), layout (row fields and the kernel's named argument groups),
 kernels (numba) and reference (their numpy twins).
 """
 

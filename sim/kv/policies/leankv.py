@@ -52,6 +52,11 @@ class LeanKV(EvictionPolicy):
         self.window = check_positive_int("window", window)
         self.obs_window = check_positive_int("obs_window", obs_window)
 
+    def fast_mode_profile(self) -> dict:
+        # tiers of different page capacities and a significance that is not monotone in time: fast
+        # mode runs the token-level manager on a sample of the rows (sim/kv/fast/sampled.py)
+        return {"sampled_rows": True}
+
     def on_admit(self, state, ctx):
         state.add_field(OBSERVED, np.int32, 0)
         state.add_field(PLACED, bool, False)

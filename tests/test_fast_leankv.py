@@ -1,0 +1,86 @@
+"""LeanKV in fast mode: the token-level manager on a stratified sample of the rows (sim/kv/fast/sampled.py)
+against token-level mode on the same workloads: fragmentation, KV utilization and throughput within 5%."""
+import math
+
+import pytest
+
+from kvsim.sim.config import KVConfig
+from kvsim.sim.executor import build_kv
+from kvsim.sim.kv.fast.sampled import SampledRowsKVManager, sample_row_count
+from test_kv_manager import MODEL, run
+
+METRICS = ("fragmentation_mean", "kv_util_mean", "throughput_output_tok_s")
+LEANKV = {"policy": "leankv", "layout": "per_head"}
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def assert_agrees(cfg, **kw):
+    tok, tok_steps = run({k: v for k, v in cfg.items() if k != "fast_rows"}, **kw)[:2]
+    fast, fast_steps = run({**cfg, "mode": "fast"}, **kw, check=True)[:2]
+    assert fast["evicted_token_rows"] > 0
+    assert rel(fast["evicted_token_rows"], tok["evicted_token_rows"]) < 0.02
+    for metric in METRICS:
+        assert rel(fast[metric], tok[metric]) < 0.05, (metric, fast[metric], tok[metric])
+    return tok_steps, fast_steps
+
+
+@pytest.mark.parametrize("strategy", ["noop", "free_block", "slot_reuse", "compact", "sparse_copy"])
+def test_leankv_fast_mode_agrees_with_token_level_within_5_percent(strategy):
+    assert_agrees({**LEANKV, "slot_strategy": strategy}, n=6, prompt=300, output=60)
+
+
+@pytest.mark.parametrize("strategy", ["free_block", "slot_reuse"])
+def test_leankv_fast_mode_agrees_with_long_outputs(strategy):
+    # 200 decode steps: most tokens are placed (or demoted) after the prompt cut
+    assert_agrees({**LEANKV, "slot_strategy": strategy}, n=6, prompt=300, output=200)
+
+
+@pytest.mark.parametrize("num_blocks", [40, 60])
+def test_leankv_fast_mode_preempts_as_token_level_under_memory_pressure(num_blocks):
+    # 10 sampled rows of 90 (with the default 6 the pool's coarser steps preempt 1-2 more times)
+    cfg = {**LEANKV, "slot_strategy": "free_block", "fast_rows": 10}
+    tok_steps, fast_steps = assert_agrees(cfg, n=10, prompt=300, output=200, num_blocks=num_blocks)
+    assert fast_steps["preemptions"].sum() == tok_steps["preemptions"].sum() > 0
+
+
+def test_all_rows_sampled_is_token_level_exactly():
+    # fast_rows = every row: the same heads, draws and pages, so the same run bit for bit
+    cfg = {**LEANKV, "slot_strategy": "slot_reuse"}
+    tok = run(cfg, n=3, prompt=120, output=40)[0]
+    fast = run({**cfg, "mode": "fast", "fast_rows": 90}, n=3, prompt=120, output=40, check=True)[0]
+    assert fast.keys() == tok.keys()
+    for key, value in tok.items():
+        assert fast[key] == value or (math.isnan(value) and math.isnan(fast[key])), key
+
+
+def test_sampled_rows_scale_pool_and_slots_to_all_rows():
+    from kvsim.sim.cost_model import CostModel
+    cost = CostModel(MODEL, "l4")
+    kv = build_kv(KVConfig(**LEANKV, mode="fast", fast_rows=8), cost.model, cost, 100, 16, 0)[0]
+    assert isinstance(kv, SampledRowsKVManager)
+    assert (kv.rows, kv.unit) == (6, 15)                  # SmolLM2: 30 layers x 3 KV heads = 90 rows
+    assert kv.num_blocks == 100 * 90 and kv.num_free_blocks == kv.num_blocks
+    assert kv.inner.pool.num_blocks == 100 * 6
+
+
+def test_sample_row_count_is_the_largest_divisor_not_above_the_wish():
+    assert sample_row_count(90, 8) == 6
+    assert sample_row_count(256, 8) == 8
+    assert sample_row_count(7, 100) == 7
+
+
+def test_the_memory_estimate_has_no_slab_for_sampled_rows():
+    from kvsim.sim.config import load_config
+    from kvsim.sim.memory import estimate_run_memory
+    from kvsim.sim.simulate import load_workload, resolve_hardware
+    parts = {}
+    for policy in ("leankv", "h2o"):
+        cfg = load_config(None, {"kv.policy": policy, "kv.layout": "per_head", "kv.mode": "fast",
+                                 "trace_options.max_requests": 20})
+        model, _, cost, blocks, _ = resolve_hardware(cfg)
+        estimate = estimate_run_memory(cfg, model, cost, blocks, load_workload(cfg))
+        parts[policy] = dict((p[0], p[3]) for p in estimate.parts)
+    assert parts["leankv"]["fast-mode slabs"] == 0 < parts["h2o"]["fast-mode slabs"]
