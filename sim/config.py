@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .catalog import get_gpu, get_model
+from .kv.policy import PolicyError
 from .kv.policy import policy_names as registered_policy_names
 from .kv.slots import SLOT_STRATEGIES
 from .yaml_errors import yaml_problem
@@ -232,6 +233,10 @@ def build_config(base: dict, overrides: dict[str, Any], source: str | None = Non
     data = copy.deepcopy(base)
     for key, value in overrides.items():
         set_dotted(data, key, value)
+    try:
+        policy_names()       # load the plug-ins: a broken one fails every run, even one that names no policy
+    except PolicyError as exc:
+        raise ConfigError(f"kv.policy: {exc}") from None
     try:
         return SimConfig.model_validate(data)
     except ValidationError as exc:

@@ -8,6 +8,7 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from kvsim.sim.config import policy_names, slot_strategy_names
+from kvsim.sim.kv.policy import PolicyError
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -39,7 +40,16 @@ SchedulingPolicy = Annotated[Optional[str], typer.Option(help="fcfs | priority")
 CheckInvariants = Annotated[Optional[bool], typer.Option("--check-invariants", help="check KV invariants every step")]
 
 # ---- KV eviction / compression (names from the registries, plug-ins included) --------------------------
-Policy = Annotated[Optional[str], typer.Option(help="KV eviction/compression policy: " + ", ".join(policy_names()))]
+def _policy_help() -> str:
+    # a broken plug-in must not stop commands that never look a policy up (kvsim trace, --help):
+    # the help says what is wrong, and the config check of a run fails with the same message
+    try:
+        return "KV eviction/compression policy: " + ", ".join(policy_names())
+    except PolicyError as exc:
+        return f"KV eviction/compression policy ({exc})"
+
+
+Policy = Annotated[Optional[str], typer.Option(help=_policy_help())]
 Budget = Annotated[Optional[int], typer.Option(help="tokens kept per KV head (budgeted policies)")]
 Layout = Annotated[Optional[str], typer.Option(help="KV layout: shared | per_head")]
 SlotStrategy = Annotated[Optional[str], typer.Option(help=" | ".join(slot_strategy_names()))]

@@ -255,16 +255,17 @@ def _load_builtin() -> None:
 
 
 def _load_plugins() -> None:
-    """Import the policy plug-ins outside kvsim once: installed packages' `kvsim.policies` entry points
-    and the modules named in $KVSIM_PLUGINS (inherited by sweep workers, so they see the same policies)."""
+    """Import the policy plug-ins outside kvsim: installed packages' `kvsim.policies` entry points and
+    the modules named in $KVSIM_PLUGINS (inherited by sweep workers, so they see the same policies).
+    Done once it succeeds; a plug-in that fails to import fails every lookup with the same PolicyError."""
     global _plugins_loaded
     if _plugins_loaded:
         return
-    _plugins_loaded = True
     for entry in entry_points(group=PLUGIN_GROUP):
         _import_plugin(entry.value.partition(":")[0], f"entry point {entry.name!r} of group {PLUGIN_GROUP}")
     for module in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
         _import_plugin(module, f"${PLUGIN_ENV}")
+    _plugins_loaded = True
 
 
 def _import_plugin(module: str, source: str) -> None:
