@@ -196,31 +196,31 @@ def memory_table(runs: dict[str, Run]) -> pd.DataFrame:
                                                for name, s in stats.items()}})
 
 
+def _mismatches(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return ~np.isclose(a, b, rtol=0, atol=1e-12) if a.dtype.kind == "f" else a != b
+
+
 def first_divergence(real: pd.DataFrame, sim: pd.DataFrame, columns=MEMORY_COLUMNS) -> dict:
-    """Compare two step logs row by row on `columns`: identical, or where they first differ."""
+    """Compare two step logs row by row on `columns`: identical, or where they first differ (the
+    earliest step over all columns; on a tie, the first column in `columns`)."""
     cols = [c for c in columns if c in real.columns and c in sim.columns]
     n = min(len(real), len(sim))
+    compared = {"steps_compared": n, "columns": cols}
+    lengths = {"real_steps": len(real), "sim_steps": len(sim)}
+    first_step = {}
     for c in cols:
-        a, b = real[c].to_numpy()[:n], sim[c].to_numpy()[:n]
-        same = np.isclose(a, b, rtol=0, atol=1e-12) if a.dtype.kind == "f" else a == b
-        if not same.all():
-            i = int(np.argmin(same))
-            first = {"step": i, "column": c, "real": a[i].item(), "sim": b[i].item()}
-            # the earliest step over all columns is the real first divergence
-            for c2 in cols:
-                a2, b2 = real[c2].to_numpy()[:i], sim[c2].to_numpy()[:i]
-                s2 = np.isclose(a2, b2, rtol=0, atol=1e-12) if a2.dtype.kind == "f" else a2 == b2
-                if not s2.all():
-                    j = int(np.argmin(s2))
-                    first = {"step": j, "column": c2, "real": a2[j].item(), "sim": b2[j].item()}
-                    i = j
-            return {"identical": False, "steps_compared": n, "columns": cols, "first_divergence": first,
-                    "real_steps": len(real), "sim_steps": len(sim)}
+        differ = _mismatches(real[c].to_numpy()[:n], sim[c].to_numpy()[:n])
+        if differ.any():
+            first_step[c] = int(np.argmax(differ))
+    if first_step:
+        c = min(first_step, key=first_step.get)
+        i = first_step[c]
+        first = {"step": i, "column": c, "real": real[c].to_numpy()[i].item(), "sim": sim[c].to_numpy()[i].item()}
+        return {"identical": False, **compared, "first_divergence": first, **lengths}
     if len(real) != len(sim):
-        return {"identical": False, "steps_compared": n, "columns": cols, "real_steps": len(real),
-                "sim_steps": len(sim), "first_divergence": {"step": n, "column": "(step count)",
-                                                            "real": len(real), "sim": len(sim)}}
-    return {"identical": True, "steps_compared": n, "columns": cols, "real_steps": len(real), "sim_steps": len(sim)}
+        return {"identical": False, **compared, **lengths,
+                "first_divergence": {"step": n, "column": "(step count)", "real": len(real), "sim": len(sim)}}
+    return {"identical": True, **compared, **lengths}
 
 
 def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = None,
