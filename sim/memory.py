@@ -20,6 +20,7 @@ from typing import Literal
 from .catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_gpu, get_model
 from .cost_model import kv_heads_per_gpu
 from .defaults import resolve_engine
+from .kv.base import sample_row_count
 from .kv.build import policy_params
 from .kv.policy import PolicyError, get_policy
 
@@ -171,7 +172,7 @@ def _fast_slab_bytes(cfg, rows: int, trace, max_seqs: int) -> tuple[int, int, in
     budget = int(profile.get("budget") or 0)
     window = max(int(profile.get("protect_recent", 0)), 1)
     scored = profile.get("age_weight") == "young" and profile.get("budget") is not None
-    sim_rows = max(d for d in range(1, rows + 1) if rows % d == 0 and d <= max(cfg.kv.fast_rows, 1))
+    sim_rows = sample_row_count(rows, cfg.kv.fast_rows)
     longest = int((trace.df["prompt_tokens"] + trace.df["output_tokens"]).max()) if trace is not None else 0
     cols = max(8, -(-longest // cfg.engine.block_size))
     per_row = cols * 9 + window * 4 + (budget + 2) * 4 + 64

@@ -6,7 +6,8 @@ import pytest
 
 from kvsim.sim.config import KVConfig
 from kvsim.sim.executor import build_kv
-from kvsim.sim.kv.fast.sampled import SampledRowsKVManager, sample_row_count
+from kvsim.sim.kv.base import sample_row_count
+from kvsim.sim.kv.fast.sampled import SampledRowsKVManager
 from test_kv_manager import MODEL, run
 
 METRICS = ("fragmentation_mean", "kv_util_mean", "throughput_output_tok_s")

@@ -2,6 +2,12 @@
 from __future__ import annotations
 
 
+def sample_row_count(rows: int, wanted: int) -> int:
+    """Rows a fast-mode manager simulates: the largest divisor of `rows` (layers x KV heads) not above
+    `wanted` (`kv.fast_rows`), so that every simulated row stands for the same number of real rows."""
+    return max(d for d in range(1, rows + 1) if rows % d == 0 and d <= max(wanted, 1))
+
+
 class EvictingManagerBase:
     """The part of the `KVManager` protocol (sim/core/protocols.py) that is the same for every
     eviction-aware manager.

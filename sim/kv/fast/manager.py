@@ -6,7 +6,7 @@ import operator
 import numpy as np
 
 from ...core.request import Request
-from ..base import EvictingManagerBase
+from ..base import EvictingManagerBase, sample_row_count
 from ..importance import ImportanceModelSpec
 from ..manager import SLOT_STRATEGIES, KVStepPlan, _REUSE
 from ..policy import EvictionPolicy, PolicyContext, PolicyError
@@ -40,8 +40,7 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         self.tracks_columns = slot_strategy != "noop"      # noop: counts decide every metric, rows are identical
         if not self.tracks_columns:
             sample_rows = 1
-        self.rows = max(d for d in range(1, ctx.rows + 1) if ctx.rows % d == 0 and d <= max(sample_rows, 1)) \
-            if sample_rows > 0 else ctx.rows
+        self.rows = sample_row_count(ctx.rows, sample_rows) if sample_rows > 0 else ctx.rows
         self.unit = ctx.rows // self.rows
         self.budget = profile.get("budget")
         self._mean_read = policy.mean_read      # selection policies: what attention reads

@@ -17,17 +17,12 @@ import dataclasses
 
 import numpy as np
 
-from ..base import EvictingManagerBase
+from ..base import EvictingManagerBase, sample_row_count
 from ..importance import ImportanceModelSpec, SyntheticImportance
 from ..manager import EvictingKVManager
 from ..policy import EvictionPolicy, PolicyContext
 
 SCALED_PLAN_FIELDS = ("evicted_tokens", "blocks_freed_by_eviction", "bytes_moved", "op_bytes", "op_flops")
-
-
-def sample_row_count(rows: int, wanted: int) -> int:
-    """The largest divisor of `rows` not above `wanted` (every simulated row stands for as many)."""
-    return max(d for d in range(1, rows + 1) if rows % d == 0 and d <= max(wanted, 1))
 
 
 def stratified_rows(model: SyntheticImportance, count: int) -> np.ndarray:
