@@ -67,12 +67,14 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     bytes_per_row = cost.kv_bytes_per_token / rows
     try:
         if kv.mode == "fast" and (policy.fast_mode_profile() or {}).get("sampled_rows"):
+            from .fast.leankv import BatchedLeanKVManager, batched_leankv_supported
             from .fast.sampled import SampledRowsKVManager
-            return SampledRowsKVManager(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
-                                        bytes_per_token_row=bytes_per_row, seed=seed, sample_rows=kv.fast_rows,
-                                        importance=kv.importance, tier_capacity=tier_caps, trigger=kv.trigger,
-                                        trigger_interval=kv.trigger_interval,
-                                        trigger_threshold=kv.trigger_threshold)
+            cls = BatchedLeanKVManager if batched_leankv_supported(policy, kv.slot_strategy, kv.trigger) \
+                else SampledRowsKVManager
+            return cls(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
+                       bytes_per_token_row=bytes_per_row, seed=seed, sample_rows=kv.fast_rows,
+                       importance=kv.importance, tier_capacity=tier_caps, trigger=kv.trigger,
+                       trigger_interval=kv.trigger_interval, trigger_threshold=kv.trigger_threshold)
         if kv.mode == "fast":
             from .fast import FastKVManager     # here: it loads numba (its kernels), which token mode never needs
             return FastKVManager(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
