@@ -34,12 +34,24 @@ def batched_leankv_supported(policy, slot_strategy: str, trigger: str) -> bool:
 
 
 class _Decoding:
-    """A prefilled request whose decode steps run compiled: its pages, token state and counters."""
-    __slots__ = ("rk", "imp", "meta", "need")
+    """A prefilled request whose decode steps run compiled: its token and page arrays (the token-level
+    manager's, plus each page's live and written slot counts), [tokens, entries] and the pages its
+    next token needs."""
+    __slots__ = ("rk", "imp", "meta", "need", "tokens", "pages")
 
-    def __init__(self, rk, imp, need: int):
-        self.rk, self.imp, self.need = rk, imp, need
+    def __init__(self, rk, imp, stride: int):
+        self.rk, self.imp = rk, imp
         self.meta = np.array([rk.state.num_tokens, rk.num_entries], dtype=np.int64)
+        self.bind(stride)
+
+    def bind(self, stride: int) -> None:
+        """(Re)build the array tuples the kernel takes (after the table grew)."""
+        rk = self.rk
+        st = rk.state
+        self.tokens = (st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED), st.field(PLACED))
+        occ = np.zeros(rk.table.shape, dtype=np.int64)
+        self.pages = (rk.table, rk.page_tier, occ, np.zeros_like(occ), rk.tail, rk.tail_off)
+        K.page_counts(self.tokens, self.pages, stride, int(self.meta[1]))
 
 
 class BatchedLeanKVManager(SampledRowsKVManager):
@@ -50,8 +62,10 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         inner = self.inner
         model = inner.importance
         self._strategy = K.STRATEGY_CODES[inner.strategy]
-        self._heads = (model.s.astype(np.float32), model.l.astype(np.float32), model.tau.astype(np.float32),
-                       np.asarray(model.tau, dtype=np.float64), np.asarray(model.spec.sink_weights, dtype=np.float64))
+        self._tau32 = model.tau.astype(np.float32)
+        self._heads = (model.s.astype(np.float32), model.l.astype(np.float32), self._local_decay(256),
+                       np.asarray(model.tau, dtype=np.float64))
+        self._sink = np.asarray(model.spec.sink_weights, dtype=np.float64)
         self._cap = np.asarray(inner.tier_capacity, dtype=np.int64)
         self._tier_bytes = np.asarray(self.ctx.tier_bytes, dtype=np.float64)
         self._quant_flops = QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row
@@ -140,12 +154,13 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         super().check_invariants(live_requests)
 
     # ----- compiled decode steps ----------------------------------------------------------------
+    def _local_decay(self, ages: int) -> np.ndarray:
+        """exp(-age / tau) per row for ages 0..ages-1, in float32 as SyntheticImportance computes it."""
+        return np.exp(-np.arange(ages, dtype=np.float32)[None, :] / self._tau32[:, None])
+
     def _enter(self, req, rk) -> None:
-        inner = self.inner
-        imp = inner.importance._r(req.request_id)
-        need = K.next_token_pages(rk.table, rk.page_tier, rk.tail, rk.tail_off, rk.state.live, self._cap,
-                                  inner.stride, rk.num_entries, inner.strategy in ("slot_reuse", "compact"))
-        self._decoding[req] = _Decoding(rk, imp, need)
+        d = self._decoding[req] = _Decoding(rk, self.inner.importance._r(req.request_id), self.inner.stride)
+        d.need = K.next_token_pages(d.pages, self._cap, rk.num_entries, self._strategy >= K.SLOT_REUSE)
 
     def _leave(self, req) -> None:
         """Anything but a one-token decode goes back to the token-level manager, with the table's
@@ -166,24 +181,25 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         st = rk.state
         if rk.num_entries < 2 * meta[1] + 2:         # room for the step to double the entries
             rk.grow(int(2 * meta[1] + 2))
+            d.bind(inner.stride)
         if self._scratch.size < st.num_slots:
             self._scratch = np.zeros(2 * st.num_slots, dtype=np.float32)
         if self._ids.size < rk.table.size:
             self._ids = np.zeros(2 * rk.table.size, dtype=np.int64)
         q = st.num_tokens
+        if self._heads[2].shape[1] <= q:
+            self._heads = (*self._heads[:2], self._local_decay(2 * (q + 1)), self._heads[3])
         imp = d.imp
         if imp["chunk"] != q // CHUNK:
             inner.importance._weights(req.request_id, imp, np.array([q]))
-        weight = np.ascontiguousarray(imp["w"][:, q % CHUNK])
-        s32, l32, tau32, tau, sink = self._heads
         out = self._out
         policy = self.policy
         pool = inner.pool
         count = np.array([pool.count], dtype=np.int64)
-        K.leankv_decode(rk.table, rk.page_tier, rk.tail, rk.tail_off, st.live, st.pos, st.score, st.tier,
-                        st.field("imp_w"), st.field(OBSERVED), st.field(PLACED), meta, weight, imp["wsum"], s32, l32,
-                        tau32, tau, sink, self._cap, self._tier_bytes, policy.alpha_h, policy.alpha_l, policy.window,
-                        self._strategy, reserved, pool.free, pool.owned, count, self._scratch, self._ids, out)
+        K.leankv_decode(d.tokens, d.pages, meta, np.ascontiguousarray(imp["w"][:, q % CHUNK]), imp["wsum"],
+                        self._heads, self._sink, self._cap, self._tier_bytes, policy.alpha_h, policy.alpha_l,
+                        policy.window, self._strategy, reserved, (pool.free, pool.owned, count), self._scratch,
+                        self._ids, out)
         if out[K.OUT_ERROR]:
             raise AssertionError(f"request {req.request_id}: compiled LeanKV step failed (code {out[K.OUT_ERROR]:g})")
         pool.count = int(count[0])
