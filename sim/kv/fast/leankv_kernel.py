@@ -31,6 +31,7 @@ except ImportError:          # pragma: no cover - exercised where numba is absen
 HIGH, LOW = 1, 2
 NOOP, FREE_BLOCK, SLOT_REUSE, COMPACT = 0, 1, 2, 3
 STRATEGY_CODES = {"noop": NOOP, "free_block": FREE_BLOCK, "slot_reuse": SLOT_REUSE, "compact": COMPACT}
+SAFE = 1.0 + 1e-9              # sc N > alpha (1 + 1e-9) seen implies (sc / seen) N > alpha after rounding
 KMAX = 8                       # tokens a row may demote / prune in one decode step (one leaves the window)
 NUM_SINK = 4
 # out[...] of leankv_decode
@@ -440,6 +441,10 @@ def leankv_decode(T, P, meta, weight, wsum, heads, sink_weights, cap, tier_bytes
                 sc = np.float32(score[r, s] + np.float32(scratch[s] / denom))
                 score[r, s] = sc
                 seen[r, s] += 1
+                if placed[r, s]:                        # clearly above its tier's bar: not a candidate
+                    bar_alpha = alpha_h if tier[r, s] == HIGH else alpha_l
+                    if np.float64(sc) * nf > bar_alpha * SAFE * seen[r, s]:
+                        continue
                 sig = np.float64(sc) / seen[r, s]
                 x = sig * nf
                 if not placed[r, s]:
