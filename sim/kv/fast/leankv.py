@@ -2,17 +2,19 @@
 
 `SampledRowsKVManager` (sampled.py) runs the token-level manager on a stratified sample of the rows;
 what it pays for is the per-request Python and numpy of every decode step (about 3 ms a
-request-step at 8 sampled rows and 2,000-token contexts). `BatchedLeanKVManager` runs each prefilled
-request's decode step in one compiled call (sim/kv/fast/leankv_kernel.py) on the same token-level
-arrays — write, decode attention, LeanKV's placement, demotion and pruning, tier moves, the slot
-strategy — and keeps the token-level manager for everything else (prefill and the prompt cut,
-allocation of prompts, freeing, invariants). The scheduler's per-request work per decode step is a
-count: pages are reserved by `allocate_decodes` / `allocate_slots` and the token is written in
-`finish_step`. Same results as the sampled-row manager up to float rounding (tested).
+request-step at 8 sampled rows and 2,000-token contexts). `BatchedLeanKVManager` runs the decode
+step of every prefilled request of an engine step in one compiled call (sim/kv/fast/leankv_kernel.py)
+on the same token-level arrays — write, decode attention, LeanKV's placement, demotion and pruning,
+tier moves, the slot strategy — with the rows' attention in parallel, and keeps the token-level
+manager for everything else (prefill and the prompt cut, prompt allocation, freeing, invariants).
+Per decode step the scheduler's work per request is a count: pages are reserved by
+`allocate_decodes` / `allocate_slots` and the token is written in `finish_step`. Same results as the
+sampled-row manager up to float rounding (tested); the per-step `mass_retained` of the plan (read by
+the real backend only) is not filled, each request's mean retained mass is.
 
 Used for `leankv` with its `every_step` trigger and the noop / free_block / slot_reuse / compact
-strategies when numba is present; otherwise (the copy strategies, parallel_compact, other triggers)
-fast mode is the sampled-row manager.
+strategies when numba is present; otherwise (sparse_copy, holed_copy, parallel_compact, other
+triggers) fast mode is the sampled-row manager.
 """
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ from . import leankv_kernel as K
 from .sampled import SampledRowsKVManager
 
 FIELDS = {"imp_w", OBSERVED, PLACED}
+ARRAY_TYPES = (("bool_", 2), ("int64", 2), ("float32", 2), ("int8", 2), ("float32", 2), ("int32", 2), ("bool_", 2),
+               ("int64", 2), ("int8", 2), ("int64", 2), ("int64", 2), ("int64", 1), ("int64", 1), ("float64", 1),
+               ("float32", 2))
+META_TOKENS, META_ENTRIES, META_STEPS, META_EVICTED, META_ERROR = range(5)
 
 
 def batched_leankv_supported(policy, slot_strategy: str, trigger: str) -> bool:
@@ -33,25 +39,19 @@ def batched_leankv_supported(policy, slot_strategy: str, trigger: str) -> bool:
             and (trigger == "policy" or trigger == policy.default_trigger == "every_step"))
 
 
+def _typed_lists():
+    from numba import typed, types
+    return tuple(typed.List.empty_list(types.Array(getattr(types, dt), nd, "C")) for dt, nd in ARRAY_TYPES)
+
+
 class _Decoding:
-    """A prefilled request whose decode steps run compiled: its token and page arrays (the token-level
-    manager's, plus each page's live and written slot counts), [tokens, entries] and the pages its
-    next token needs."""
-    __slots__ = ("rk", "imp", "meta", "need", "tokens", "pages")
+    """A prefilled request whose decode steps run compiled: its handle into the kernel's lists and
+    what it had when it entered (to write its counters back when it leaves)."""
+    __slots__ = ("rk", "imp", "handle", "steps0", "evicted0")
 
-    def __init__(self, rk, imp, stride: int):
-        self.rk, self.imp = rk, imp
-        self.meta = np.array([rk.state.num_tokens, rk.num_entries], dtype=np.int64)
-        self.bind(stride)
-
-    def bind(self, stride: int) -> None:
-        """(Re)build the array tuples the kernel takes (after the table grew)."""
-        rk = self.rk
-        st = rk.state
-        self.tokens = (st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED), st.field(PLACED))
-        occ = np.zeros(rk.table.shape, dtype=np.int64)
-        self.pages = (rk.table, rk.page_tier, occ, np.zeros_like(occ), rk.tail, rk.tail_off)
-        K.page_counts(self.tokens, self.pages, stride, int(self.meta[1]))
+    def __init__(self, rk, imp, handle: int):
+        self.rk, self.imp, self.handle = rk, imp, handle
+        self.steps0, self.evicted0 = rk.decode_steps, rk.evicted_rows
 
 
 class BatchedLeanKVManager(SampledRowsKVManager):
@@ -62,6 +62,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         inner = self.inner
         model = inner.importance
         self._strategy = K.STRATEGY_CODES[inner.strategy]
+        self._hole_first = self._strategy >= K.SLOT_REUSE
         self._tau32 = model.tau.astype(np.float32)
         self._heads = (model.s.astype(np.float32), model.l.astype(np.float32), self._local_decay(256),
                        np.asarray(model.tau, dtype=np.float64))
@@ -71,20 +72,43 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._quant_flops = QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row
         self._decoding: dict = {}
         self._pending: dict = {}            # request -> block ids reserved for its next decode token
-        self._out = np.zeros(K.OUT_SIZE)
-        self._scratch = np.zeros(0, dtype=np.float32)
+        self._lists = _typed_lists()
+        self._free_handles: list[int] = []
+        self._meta = np.zeros((0, 5), dtype=np.int64)
+        self._stats = np.zeros((0, K.OUT_SIZE))
+        self._scratch = np.zeros((self._threads(), 0), dtype=np.float32)
         self._ids = np.zeros(0, dtype=np.int64)
         self._none = np.zeros(0, dtype=np.int64)
+        self._live_dec = 0                  # live and allocated slots of the requests decoding compiled
+        self._alloc_dec = 0
+
+    @staticmethod
+    def _threads() -> int:
+        import numba
+        return numba.config.NUMBA_NUM_THREADS
 
     # ----- scheduler-facing surface --------------------------------------------------------------
+    def kv_tokens(self, req) -> float:
+        d = self._decoding.get(req)
+        if d is None:
+            return self.inner.kv_tokens(req)
+        return self._stats[d.handle, K.OUT_READ] / self.inner.rows
+
     def block_table_entries(self, req) -> int:
+        d = self._decoding.get(req)
+        if d is None:
+            return super().block_table_entries(req)
         ids = self._pending.get(req)
-        return (self.inner.block_table_entries(req) + (ids.size if ids is not None else 0)) * self.unit
+        return (int(self._stats[d.handle, K.OUT_PAGES]) + (ids.size if ids is not None else 0)) * self.unit
+
+    def slot_stats(self) -> tuple[int, int]:
+        live, alloc = self.inner.slot_stats()
+        return (live + self._live_dec) * self.unit, (alloc + self._alloc_dec) * self.unit
 
     def blocks_needed(self, req, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
         d = self._decoding.get(req)
         if d is not None and num_new_tokens == 1:
-            return d.need * self.unit
+            return int(self._stats[d.handle, K.OUT_NEED]) * self.unit
         self._leave(req)
         return super().blocks_needed(req, num_new_tokens, num_computed_blocks)
 
@@ -94,54 +118,59 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             if req in self._pending:
                 raise AssertionError(f"request {req.request_id}: a second decode token in one step")
             pool = self.inner.pool
-            if d.need > pool.num_free_blocks:
+            need = int(self._stats[d.handle, K.OUT_NEED])
+            if need > pool.num_free_blocks:
                 return False
-            self._pending[req] = pool.get_new_blocks(d.need) if d.need else self._none
+            self._pending[req] = pool.get_new_blocks(need) if need else self._none
             return True
         self._leave(req)
         return super().allocate_slots(req, num_new_tokens, computed_blocks)
 
     def allocate_decodes(self, reqs) -> list[float] | None:
         decoding, pending = self._decoding, self._pending
-        total = 0
+        handles = []
         for req in reqs:
             d = decoding.get(req)
             if d is None or req in pending:
                 return None
-            total += d.need
+            handles.append(d.handle)
+        stats = self._stats[handles]
+        need = stats[:, K.OUT_NEED].astype(np.int64)
+        total = int(need.sum())
         pool = self.inner.pool
         if total > pool.num_free_blocks:
             return None
         ids = pool.get_new_blocks(total) if total else self._none
-        stats = self.inner._stats
-        contexts = []
-        k = 0
-        for req in reqs:
-            n = decoding[req].need
-            pending[req] = ids[k:k + n]
-            k += n
-            contexts.append(stats[req][2])
-        return contexts
+        ends = np.cumsum(need).tolist()
+        start = 0
+        for req, end in zip(reqs, ends):
+            pending[req] = ids[start:end]
+            start = end
+        return (stats[:, K.OUT_READ] / self.inner.rows).tolist()
 
     def free(self, req) -> int:
         ids = self._pending.pop(req, None)
         if ids is not None and ids.size:
             self.inner.pool.free_blocks(ids)
-        self._decoding.pop(req, None)
+        self._leave(req)
         return super().free(req)
 
     def finish_step(self, scheduled):
         inner = self.inner
-        rest = []
+        rest, batch, reserved = [], [], []
+        logical = 0
         for s in scheduled:
             req = s.request
             ids = self._pending.pop(req, None)
             if ids is None:
                 rest.append(s)
                 continue
-            self._decode(req, self._decoding[req], ids)
-            inner.logical_token_steps += req.num_computed_tokens + s.num_new_tokens
-            inner.stored_token_steps += inner._stats[req][4]
+            batch.append(self._decoding[req])
+            reserved.append(ids)
+            logical += req.num_computed_tokens + s.num_new_tokens
+        if batch:
+            self._decode(batch, reserved)
+            inner.logical_token_steps += logical
         plan = super().finish_step(rest)
         for s in rest:
             rk = inner.req_kv.get(s.request)
@@ -151,82 +180,156 @@ class BatchedLeanKVManager(SampledRowsKVManager):
 
     def check_invariants(self, live_requests) -> None:
         assert not self._pending, "pages reserved for a decode token outlived the step"
-        super().check_invariants(live_requests)
+        for req, d in self._decoding.items():
+            st = d.rk.state
+            row = self._stats[d.handle]
+            st.num_tokens = int(self._meta[d.handle, META_TOKENS])     # kept by the kernel
+            assert int(st.live.sum()) == row[K.OUT_LIVE], f"request {req.request_id}: live slot count drifted"
+            occ, wr = self._lists[9][d.handle], self._lists[10][d.handle]
+            pages = d.rk.table >= 0
+            live3 = st.live.reshape(st.rows, -1, d.rk.stride)
+            written3 = (st.pos >= 0).reshape(st.rows, -1, d.rk.stride)
+            assert (occ[pages] == live3.sum(axis=2)[pages]).all(), f"request {req.request_id}: page live counts drifted"
+            assert (wr[pages] == written3.sum(axis=2)[pages]).all(), f"request {req.request_id}: written counts drifted"
+        self.inner._live_total += self._live_dec          # the token-level check counts every request's slots
+        try:
+            super().check_invariants(live_requests)
+        finally:
+            self.inner._live_total -= self._live_dec
 
     # ----- compiled decode steps ----------------------------------------------------------------
     def _local_decay(self, ages: int) -> np.ndarray:
         """exp(-age / tau) per row for ages 0..ages-1, in float32 as SyntheticImportance computes it."""
         return np.exp(-np.arange(ages, dtype=np.float32)[None, :] / self._tau32[:, None])
 
+    def _handle(self) -> int:
+        if self._free_handles:
+            return self._free_handles.pop()
+        h = len(self._lists[0])
+        for lst, (dt, nd) in zip(self._lists, ARRAY_TYPES):
+            lst.append(np.zeros((0,) * nd, dtype=np.dtype(dt.rstrip("_"))))
+        if h >= self._meta.shape[0]:
+            grow = max(16, 2 * h)
+            self._meta = np.concatenate([self._meta, np.zeros((grow, 5), np.int64)])
+            self._stats = np.concatenate([self._stats, np.zeros((grow, K.OUT_SIZE))])
+        return h
+
+    def _bind(self, d: _Decoding) -> None:
+        """Point the kernel's lists at the request's arrays (after it entered or its table grew)."""
+        rk, h = d.rk, d.handle
+        st = rk.state
+        occ = np.zeros(rk.table.shape, dtype=np.int64)
+        wr = np.zeros_like(occ)
+        arrays = (st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED), st.field(PLACED),
+                  rk.table, rk.page_tier, occ, wr, rk.tail, rk.tail_off, d.imp["wsum"], d.imp["w"])
+        for lst, a in zip(self._lists, arrays):
+            lst[h] = a
+        K.page_counts(arrays[:7], arrays[7:13], self.inner.stride, int(self._meta[h, META_ENTRIES]))
+        if self._scratch.shape[1] < st.num_slots:
+            self._scratch = np.zeros((self._scratch.shape[0], 2 * st.num_slots), dtype=np.float32)
+        if self._ids.size < rk.table.size:
+            self._ids = np.zeros(2 * rk.table.size, dtype=np.int64)
+
     def _enter(self, req, rk) -> None:
-        d = self._decoding[req] = _Decoding(rk, self.inner.importance._r(req.request_id), self.inner.stride)
-        d.need = K.next_token_pages(d.pages, self._cap, rk.num_entries, self._strategy >= K.SLOT_REUSE)
+        inner = self.inner
+        imp = inner.importance._r(req.request_id)
+        q = rk.state.num_tokens
+        if imp["chunk"] != q // CHUNK:
+            inner.importance._weights(req.request_id, imp, np.array([q]))
+        d = self._decoding[req] = _Decoding(rk, imp, self._handle())
+        h = d.handle
+        self._meta[h] = (q, rk.num_entries, rk.decode_steps, rk.evicted_rows, 0)
+        self._bind(d)
+        live, alloc, read, pages, stored = inner._stats[req]
+        inner._unstat(req)
+        row = self._stats[h]
+        row[:] = 0
+        row[K.OUT_LIVE], row[K.OUT_ALLOC], row[K.OUT_READ] = live, alloc, read * inner.rows
+        row[K.OUT_PAGES], row[K.OUT_STORED] = pages, stored * inner.rows
+        row[K.OUT_NEED] = K.next_token_pages(self._pages_of(h), self._cap, rk.num_entries, self._hole_first)
+        self._live_dec += live
+        self._alloc_dec += alloc
+
+    def _pages_of(self, h: int):
+        return tuple(lst[h] for lst in self._lists[7:13])
 
     def _leave(self, req) -> None:
-        """Anything but a one-token decode goes back to the token-level manager, with the table's
-        entry count the compiled steps gave it (the padding for their growth comes off)."""
+        """Back to the token-level manager (anything but one decode token at a time, or freeing): the
+        counters the compiled steps kept go back to the request, the table keeps its entry count."""
         if req in self._pending:
             raise AssertionError(f"request {req.request_id}: leaves compiled decoding with a token reserved")
         d = self._decoding.pop(req, None)
         if d is None:
             return
-        rk, entries = d.rk, int(d.meta[1])
+        inner, rk, h = self.inner, d.rk, d.handle
+        m, row = self._meta[h], self._stats[h]
+        steps = int(m[META_STEPS] - d.steps0)
+        st = rk.state
+        st.num_tokens = int(m[META_TOKENS])
+        st.num_steps_observed += steps
+        rk.decode_steps = int(m[META_STEPS])
+        rk.evicted_rows = int(m[META_EVICTED])
+        rk.mass_sum += float(row[K.OUT_MASS_SUM])
+        rk.mass_steps += steps
+        rk.added_since_compress = 0
+        entries = int(m[META_ENTRIES])
         if rk.num_entries > entries:
             assert (rk.table[:, entries:] < 0).all()
             rk.table, rk.page_tier = rk.table[:, :entries].copy(), rk.page_tier[:, :entries].copy()
-            rk.state.resize(entries * rk.stride)
+            st.resize(entries * rk.stride)
+        self._live_dec -= int(row[K.OUT_LIVE])
+        self._alloc_dec -= int(row[K.OUT_ALLOC])
+        inner._stat(req)
+        for lst, (dt, nd) in zip(self._lists, ARRAY_TYPES):     # let the arrays go
+            lst[h] = np.zeros((0,) * nd, dtype=np.dtype(dt.rstrip("_")))
+        self._free_handles.append(h)
 
-    def _decode(self, req, d: _Decoding, reserved: np.ndarray) -> None:
-        inner, rk, meta = self.inner, d.rk, d.meta
-        st = rk.state
-        if rk.num_entries < 2 * meta[1] + 2:         # room for the step to double the entries
-            rk.grow(int(2 * meta[1] + 2))
-            d.bind(inner.stride)
-        if self._scratch.size < st.num_slots:
-            self._scratch = np.zeros(2 * st.num_slots, dtype=np.float32)
-        if self._ids.size < rk.table.size:
-            self._ids = np.zeros(2 * rk.table.size, dtype=np.int64)
-        q = st.num_tokens
-        if self._heads[2].shape[1] <= q:
-            self._heads = (*self._heads[:2], self._local_decay(2 * (q + 1)), self._heads[3])
-        imp = d.imp
-        if imp["chunk"] != q // CHUNK:
-            inner.importance._weights(req.request_id, imp, np.array([q]))
-        out = self._out
-        policy = self.policy
+    def _decode(self, batch: list, reserved: list) -> None:
+        inner = self.inner
+        meta, stats = self._meta, self._stats
+        handles = np.fromiter((d.handle for d in batch), np.int64, len(batch))
+        longest = int(meta[handles, META_TOKENS].max()) + 1
+        if self._heads[2].shape[1] < longest:
+            self._heads = (*self._heads[:2], self._local_decay(2 * longest), self._heads[3])
+        for d in batch:
+            h = d.handle
+            q = int(meta[h, META_TOKENS])
+            imp = d.imp
+            if imp["chunk"] != q // CHUNK:                   # the next chunk of content weights
+                self._next_chunk(d, q)
+            rk = d.rk
+            if rk.num_entries < 2 * meta[h, META_ENTRIES] + 2:    # room for the step to double the entries
+                rk.grow(int(2 * meta[h, META_ENTRIES] + 2))
+                self._bind(d)
+        ends = np.cumsum([r.size for r in reserved])
+        ids = np.concatenate(reserved) if len(reserved) > 1 else reserved[0]
         pool = inner.pool
         count = np.array([pool.count], dtype=np.int64)
-        K.leankv_decode(d.tokens, d.pages, meta, np.ascontiguousarray(imp["w"][:, q % CHUNK]), imp["wsum"],
-                        self._heads, self._sink, self._cap, self._tier_bytes, policy.alpha_h, policy.alpha_l,
-                        policy.window, self._strategy, reserved, (pool.free, pool.owned, count), self._scratch,
-                        self._ids, out)
-        if out[K.OUT_ERROR]:
-            raise AssertionError(f"request {req.request_id}: compiled LeanKV step failed (code {out[K.OUT_ERROR]:g})")
+        policy = self.policy
+        K.leankv_step(handles, ids, ends, self._lists, self._heads, self._sink, self._cap, self._tier_bytes,
+                      policy.alpha_h, policy.alpha_l, policy.window, self._strategy, (pool.free, pool.owned, count),
+                      self._scratch, self._ids, meta, stats)
         pool.count = int(count[0])
-        st.num_tokens = int(meta[0])
-        st.num_steps_observed += 1
-        rk.decode_steps += 1
-        rk.added_since_compress = 0
+        if meta[handles, META_ERROR].any():
+            bad = handles[meta[handles, META_ERROR] != 0][0]
+            raise AssertionError(f"compiled LeanKV step failed (handle {bad}, code {meta[bad, META_ERROR]})")
+        step = stats[handles]
         plan = inner.plan
-        mass = float(out[K.OUT_MASS])
-        rk.mass_sum += mass
-        rk.mass_steps += 1
-        plan.mass_retained[req.request_id] = mass
-        evicted = int(out[K.OUT_EVICTED])
-        rk.evicted_rows += evicted
-        plan.evicted_tokens += evicted
-        plan.blocks_freed_by_eviction += int(out[K.OUT_FREED])
+        plan.evicted_tokens += int(step[:, K.OUT_EVICTED].sum())
+        plan.blocks_freed_by_eviction += int(step[:, K.OUT_FREED].sum())
         bpr = inner.bytes_per_token_row
-        if out[K.OUT_MOVED]:
-            plan.bytes_moved += int(round(float(out[K.OUT_MOVED_BYTES]) * bpr))
-            plan.op_flops += self._quant_flops * int(out[K.OUT_MOVED])
-        if out[K.OUT_COMPACT_BYTES]:
-            plan.bytes_moved += int(round(float(out[K.OUT_COMPACT_BYTES]) * bpr))
-        rows = inner.rows
-        inner._unstat(req)
-        live, alloc = int(out[K.OUT_LIVE]), int(out[K.OUT_ALLOC])
-        inner._stats[req] = (live, alloc, float(out[K.OUT_READ]) / rows, int(out[K.OUT_PAGES]),
-                             float(out[K.OUT_STORED]) / rows)
-        inner._live_total += live
-        inner._alloc_total += alloc
-        d.need = int(out[K.OUT_NEED])
+        plan.bytes_moved += int(np.rint(step[:, K.OUT_MOVED_BYTES] * bpr).sum()
+                                + np.rint(step[:, K.OUT_COMPACT_BYTES] * bpr).sum())
+        plan.op_flops += self._quant_flops * float(step[:, K.OUT_MOVED].sum())
+        inner.stored_token_steps += float(step[:, K.OUT_STORED].sum()) / inner.rows
+        active = [d.handle for d in self._decoding.values()]
+        self._live_dec = int(stats[active, K.OUT_LIVE].sum())
+        self._alloc_dec = int(stats[active, K.OUT_ALLOC].sum())
+
+    def _next_chunk(self, d: _Decoding, q: int) -> None:
+        self.inner.importance._weights(self._request_id(d), d.imp, np.array([q]))
+        self._lists[14][d.handle] = d.imp["w"]
+
+    @staticmethod
+    def _request_id(d: _Decoding) -> int:
+        return d.rk.state.extra["request_id"]

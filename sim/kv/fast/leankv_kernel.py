@@ -24,9 +24,10 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from numba import njit
+    from numba import get_thread_id, njit, prange
 except ImportError:          # pragma: no cover - exercised where numba is absent
     njit = None
+    prange = range
 
 HIGH, LOW = 1, 2
 NOOP, FREE_BLOCK, SLOT_REUSE, COMPACT = 0, 1, 2, 3
@@ -34,9 +35,10 @@ STRATEGY_CODES = {"noop": NOOP, "free_block": FREE_BLOCK, "slot_reuse": SLOT_REU
 SAFE = 1.0 + 1e-9              # sc N > alpha (1 + 1e-9) seen implies (sc / seen) N > alpha after rounding
 KMAX = 8                       # tokens a row may demote / prune in one decode step (one leaves the window)
 NUM_SINK = 4
-# out[...] of leankv_decode
+CHUNK = 256                    # positions per content-weight draw (sim.kv.importance.CHUNK)
+# stats[handle, ...] of leankv_step (all per step but OUT_MASS_SUM)
 OUT_LIVE, OUT_ALLOC, OUT_READ, OUT_PAGES, OUT_STORED, OUT_MASS, OUT_EVICTED, OUT_FREED, OUT_MOVED, \
-    OUT_MOVED_BYTES, OUT_COMPACT_BYTES, OUT_NEED, OUT_ERROR = range(13)
+    OUT_MOVED_BYTES, OUT_COMPACT_BYTES, OUT_NEED, OUT_ERROR, OUT_MASS_SUM = range(14)
 OUT_SIZE = 16
 
 
@@ -354,147 +356,190 @@ def page_counts(T, P, stride, ent):
                     wr[r, e] += 1
 
 
-def leankv_decode(T, P, meta, weight, wsum, heads, sink_weights, cap, tier_bytes, alpha_h, alpha_l, window,
-                  strategy, reserved, pool, scratch, ids, out):
-    """One decode token of one request (module doc). T = token arrays (live, pos, score, tier, imp_w,
-    queries seen, placed) [rows, slots]; P = page arrays (table, page tier, live and written slots per
-    page, append tail entry and offset); meta = [num_tokens, table entries]; weight [rows] the new
-    token's content weight, wsum [rows] the content weights written so far (updated here); heads =
-    (s, l as float32, exp(-age / tau) as float32 [rows, ages >= tokens], tau) of the rows; `reserved` pages were taken for the token by
-    the scheduler's allocation and go back to the pool first (the write takes them again, same ids
-    in the same order); pool = (free ids, owned, [count]) of the ArrayBlockPool. Fills out[OUT_*]."""
-    rows, stride = P[0].shape[0], cap.max()
+def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, local_decay, tau, wsum, alpha_h,
+                alpha_l, scratch, res, resi):
+    """Decode attention of the query at position q over row r's live tokens (SyntheticImportance:
+    sink + local + content terms, renormalized over the live tokens), LeanKV's observe (score +=
+    attention, queries seen += 1) and compress for the row: the leaving token's tier, the demoted
+    token, the pruned ones. Writes resi = [leaving slot, kind (1 high, 2 low, 3 pruned), demoted
+    slot, error, pruned slots...] and res = [kept attention mass]."""
     live, pos, score, tier, imp_w, seen, placed = T
     table, page_tier = P[0], P[1]
-    s32, l32, local_decay, tau = heads
-    hole_first = strategy >= SLOT_REUSE
-    for i in range(OUT_SIZE):
-        out[i] = 0.0
-    _push(pool, reserved.shape[0], reserved)
-    need = np.zeros(rows, np.int64)
-    for r in range(rows):
-        if _row_needs_page(P, cap, meta[1], r, hole_first):
-            need[r] = 1
-    if not _add_pages(P, meta, need, HIGH, pool, ids):
-        out[OUT_ERROR] = 1.0
-        return
-    ent = meta[1]
-    q = meta[0]
-    for r in range(rows):
-        _write(T, P, cap, stride, ent, r, hole_first, q, weight[r])
-        wsum[r] += np.float64(weight[r])
     n = q + 1
-    meta[0] = n
-
-    # decode attention of the query at position q over the live tokens, then LeanKV's observe + compress
-    n_sink = min(NUM_SINK, q + 1)
+    n_sink = min(NUM_SINK, n)
     sink_total = 0.0
     for i in range(n_sink):
         sink_total += sink_weights[i]
     bar = n - window                                    # tokens below it have left the window
-    decision = False
-    leave_slot = np.full(rows, -1, np.int64)
-    leave_kind = np.zeros(rows, np.int64)               # 1 high, 2 low, 3 pruned
-    demote = np.full(rows, -1, np.int64)
-    prune = np.full((rows, KMAX), -1, np.int64)
+    nf = np.float64(np.float32(n))
+    decay = np.exp(-1.0 / tau[r])
+    zl = np.float32((1 - decay ** (q + 1)) / (1 - decay))
+    ws = np.float32(wsum[r])
+    sr, lr = s32[r], l32[r]
+    cr = np.float32(np.float32(np.float32(1.0) - sr) - lr)
+    decay_r = local_decay[r]
+    kept = 0.0
+    for e in range(ent):
+        if table[r, e] < 0:
+            continue
+        base = e * stride
+        for s in range(base, base + cap[page_tier[r, e]]):
+            if not live[r, s]:
+                continue
+            p = pos[r, s]
+            local = np.float32(decay_r[q - p] / zl)
+            sink = np.float32(0.0)
+            if p < n_sink:
+                sink = np.float32(sink_weights[p] / sink_total)
+            a = np.float32(np.float32(sr * sink + lr * local) + cr * np.float32(imp_w[r, s] / ws))
+            scratch[s] = a
+            kept += a
+    kept32 = np.float32(kept)
+    res[0] = kept32
+    denom = max(kept32, np.float32(1e-30))
     hv = np.empty(KMAX, np.float64)
     hi = np.empty(KMAX, np.int64)
     lv = np.empty(KMAX + 1, np.float64)
     li = np.empty(KMAX + 1, np.int64)
-    mass = 0.0
-    nf = np.float64(np.float32(n))
-    for r in range(rows):
-        decay = np.exp(-1.0 / tau[r])
-        zl = np.float32((1 - decay ** (q + 1)) / (1 - decay))
-        ws = np.float32(wsum[r])
-        sr, lr = s32[r], l32[r]
-        cr = np.float32(np.float32(np.float32(1.0) - sr) - lr)
-        decay_r = local_decay[r]
-        kept = 0.0
-        for e in range(ent):
-            if table[r, e] < 0:
+    hc, lc = 0, 0
+    leave, kind = -1, 0
+    for e in range(ent):
+        if table[r, e] < 0:
+            continue
+        base = e * stride
+        for s in range(base, base + cap[page_tier[r, e]]):
+            if not live[r, s]:
                 continue
-            base = e * stride
-            for s in range(base, base + cap[page_tier[r, e]]):
-                if not live[r, s]:
+            sc = np.float32(score[r, s] + np.float32(scratch[s] / denom))
+            score[r, s] = sc
+            seen[r, s] += 1
+            if placed[r, s]:                            # clearly above its tier's bar: not a candidate
+                bar_alpha = alpha_h if tier[r, s] == HIGH else alpha_l
+                if np.float64(sc) * nf > bar_alpha * SAFE * seen[r, s]:
                     continue
-                p = pos[r, s]
-                local = np.float32(decay_r[q - p] / zl)
-                sink = np.float32(0.0)
-                if p < n_sink:
-                    sink = np.float32(sink_weights[p] / sink_total)
-                a = np.float32(np.float32(sr * sink + lr * local) + cr * np.float32(imp_w[r, s] / ws))
-                scratch[s] = a
-                kept += a
-        kept32 = np.float32(kept)
-        mass += kept32
-        denom = max(kept32, np.float32(1e-30))
-        hc, lc = 0, 0
-        for e in range(ent):
-            if table[r, e] < 0:
-                continue
-            base = e * stride
-            pt = page_tier[r, e]
-            for s in range(base, base + cap[pt]):
-                if not live[r, s]:
-                    continue
-                sc = np.float32(score[r, s] + np.float32(scratch[s] / denom))
-                score[r, s] = sc
-                seen[r, s] += 1
-                if placed[r, s]:                        # clearly above its tier's bar: not a candidate
-                    bar_alpha = alpha_h if tier[r, s] == HIGH else alpha_l
-                    if np.float64(sc) * nf > bar_alpha * SAFE * seen[r, s]:
-                        continue
-                sig = np.float64(sc) / seen[r, s]
-                x = sig * nf
-                if not placed[r, s]:
-                    if pos[r, s] < bar:
-                        if leave_slot[r] >= 0:
-                            out[OUT_ERROR] = 2.0      # two tokens left the window in one decode step
-                            return
-                        leave_slot[r] = s
-                        leave_kind[r] = 1 if x > alpha_h else (2 if x > alpha_l else 3)
-                elif tier[r, s] == HIGH:
-                    if x <= alpha_h:
-                        hc = _insert(hv, hi, hc, sig, s)
-                elif x <= alpha_l:
-                    lc = _insert(lv, li, lc, sig, s)
-        # _make_room: a token entering high demotes the least significant high token below the bar;
-        # tokens entering low (placed low or demoted) prune the least significant low ones below it
-        kind = leave_kind[r]
-        if kind == 1 and hc > 0:
-            demote[r] = hi[0]
-        k_low = (1 if kind == 2 else 0) + (1 if demote[r] >= 0 else 0)
-        if k_low > 0:
-            d = demote[r]
-            if d >= 0:                                  # the demoted token is a candidate too
-                dsig = np.float64(score[r, d]) / seen[r, d]
-                if dsig * nf <= alpha_l:
-                    j = lc
-                    while j > 0 and (lv[j - 1] > dsig or (lv[j - 1] == dsig and li[j - 1] > d)):
-                        lv[j] = lv[j - 1]
-                        li[j] = li[j - 1]
-                        j -= 1
-                    lv[j] = dsig
-                    li[j] = d
-                    lc += 1
-            for j in range(min(k_low, lc)):
-                prune[r, j] = li[j]
-        if leave_slot[r] >= 0:
-            placed[r, leave_slot[r]] = kind != 3
-        if kind >= 2 or demote[r] >= 0 or prune[r, 0] >= 0:
-            decision = True
-    out[OUT_MASS] = mass / rows
-    if decision:
-        _apply(T, P, meta, cap, stride, tier_bytes, strategy, leave_slot, leave_kind, demote, prune, pool, ids,
-               out)
-        if out[OUT_ERROR] != 0:
+            sig = np.float64(sc) / seen[r, s]
+            x = sig * nf
+            if not placed[r, s]:
+                if pos[r, s] < bar:
+                    if leave >= 0:
+                        resi[3] = 2                     # two tokens left the window in one decode step
+                        return
+                    leave = s
+                    kind = 1 if x > alpha_h else (2 if x > alpha_l else 3)
+            elif tier[r, s] == HIGH:
+                if x <= alpha_h:
+                    hc = _insert(hv, hi, hc, sig, s)
+            elif x <= alpha_l:
+                lc = _insert(lv, li, lc, sig, s)
+    # _make_room: a token entering high demotes the least significant high token below the bar; tokens
+    # entering low (placed low, or demoted) prune the least significant low ones below it
+    demote = hi[0] if kind == 1 and hc > 0 else -1
+    k_low = (1 if kind == 2 else 0) + (1 if demote >= 0 else 0)
+    if demote >= 0:                                     # the demoted token is a candidate too
+        dsig = np.float64(score[r, demote]) / seen[r, demote]
+        if dsig * nf <= alpha_l:
+            j = lc
+            while j > 0 and (lv[j - 1] > dsig or (lv[j - 1] == dsig and li[j - 1] > demote)):
+                lv[j] = lv[j - 1]
+                li[j] = li[j - 1]
+                j -= 1
+            lv[j] = dsig
+            li[j] = demote
+            lc += 1
+    resi[0], resi[1], resi[2] = leave, kind, demote
+    for j in range(KMAX):
+        resi[4 + j] = li[j] if j < min(k_low, lc) else -1
+    if leave >= 0:
+        placed[r, leave] = kind != 3
+
+
+def leankv_step(handles, reserved, reserved_end, arrays, heads, sink_weights, cap, tier_bytes, alpha_h, alpha_l,
+                window, strategy, pool, scratch, ids, meta, stats):
+    """One decode token for each request of `handles` (module doc). arrays = typed lists indexed by
+    handle: the token arrays (live, pos, score, tier, imp_w, queries seen, placed) [rows, slots], the
+    page arrays (table, page tier, live and written slots per page) [rows, entries], the append tail
+    (entry, offset) [rows], wsum [rows] (content weights written so far) and the current chunk of
+    content weights [rows, CHUNK]. heads = (s, l as float32, exp(-age / tau) as float32 [rows, ages],
+    tau) of the rows. reserved[reserved_end[i-1]:reserved_end[i]] are the pages the scheduler took for
+    request i's token: they go back to the pool and the write takes them again (same ids, same order);
+    pool = (free ids, owned, [count]) of the ArrayBlockPool. meta[h] = [tokens, table entries, decode
+    steps, evicted token-rows, error], stats[h] = OUT_* of the step (mass summed over steps)."""
+    (L_live, L_pos, L_score, L_tier, L_imp, L_seen, L_placed, L_table, L_ptier, L_occ, L_wr, L_tail, L_toff,
+     L_wsum, L_w) = arrays
+    s32, l32, local_decay, tau = heads
+    stride = cap.max()
+    hole_first = strategy >= SLOT_REUSE
+    n_req = handles.shape[0]
+    rows = L_table[handles[0]].shape[0] if n_req else 0
+    # A. the writes, in the scheduler's order (they take pages)
+    start = 0
+    for i in range(n_req):
+        h = handles[i]
+        T = (L_live[h], L_pos[h], L_score[h], L_tier[h], L_imp[h], L_seen[h], L_placed[h])
+        P = (L_table[h], L_ptier[h], L_occ[h], L_wr[h], L_tail[h], L_toff[h])
+        m = meta[h]
+        _push(pool, reserved_end[i] - start, reserved[start:reserved_end[i]])
+        start = reserved_end[i]
+        need = np.zeros(rows, np.int64)
+        for r in range(rows):
+            if _row_needs_page(P, cap, m[1], r, hole_first):
+                need[r] = 1
+        if not _add_pages(P, m, need, HIGH, pool, ids):
+            m[4] = 1
             return
-    _stats(P, cap, meta[1], tier_bytes, hole_first, out)
+        q = m[0]
+        w, wsum = L_w[h], L_wsum[h]
+        for r in range(rows):
+            weight = w[r, q % CHUNK]
+            _write(T, P, cap, stride, m[1], r, hole_first, q, weight)
+            wsum[r] += np.float64(weight)
+    # B. attention and LeanKV's decision, row by row (independent: in parallel)
+    res = np.zeros(n_req * rows)
+    resi = np.full((n_req * rows, 4 + KMAX), -1, np.int64)
+    for k in prange(n_req * rows):
+        i, r = k // rows, k % rows
+        h = handles[i]
+        T = (L_live[h], L_pos[h], L_score[h], L_tier[h], L_imp[h], L_seen[h], L_placed[h])
+        P = (L_table[h], L_ptier[h], L_occ[h], L_wr[h], L_tail[h], L_toff[h])
+        _attend_row(T, P, r, meta[h, 1], stride, cap, meta[h, 0], window, sink_weights, s32, l32, local_decay, tau,
+                    L_wsum[h], alpha_h, alpha_l, scratch[get_thread_id()], res[k:k + 1], resi[k])
+    # C. each request's decision applied (evictions, moves to low pages, the slot strategy), in order
+    for i in range(n_req):
+        h = handles[i]
+        T = (L_live[h], L_pos[h], L_score[h], L_tier[h], L_imp[h], L_seen[h], L_placed[h])
+        P = (L_table[h], L_ptier[h], L_occ[h], L_wr[h], L_tail[h], L_toff[h])
+        m = meta[h]
+        out = stats[h]
+        mass_sum = out[OUT_MASS_SUM]
+        for j in range(OUT_SIZE):
+            out[j] = 0.0
+        mass = 0.0
+        m[0] += 1
+        m[2] += 1
+        decision = False
+        k0 = i * rows
+        for r in range(rows):
+            if resi[k0 + r, 3] >= 0:
+                m[4] = resi[k0 + r, 3]
+                return
+            mass += res[k0 + r] / rows
+            kind = resi[k0 + r, 1]
+            if kind >= 2 or resi[k0 + r, 2] >= 0 or resi[k0 + r, 4] >= 0:
+                decision = True
+        out[OUT_MASS] = mass
+        out[OUT_MASS_SUM] = mass_sum + mass
+        if decision:
+            _apply(T, P, m, cap, stride, tier_bytes, strategy, resi[k0:k0 + rows], pool, ids, out)
+            if out[OUT_ERROR] != 0:
+                m[4] = 1
+                return
+            m[3] += out[OUT_EVICTED]
+        _stats(P, cap, m[1], tier_bytes, hole_first, out)
 
 
-def _apply(T, P, meta, cap, stride, tier_bytes, strategy, leave_slot, leave_kind, demote, prune, pool, ids, out):
-    """EvictingKVManager._apply of LeanKV's decision: evictions, the move to low pages, the strategy."""
+def _apply(T, P, meta, cap, stride, tier_bytes, strategy, resi, pool, ids, out):
+    """EvictingKVManager._apply of LeanKV's decision (resi[r] = _attend_row's result of row r):
+    evictions, the move to low pages, the slot strategy."""
     table, page_tier, occ = P[0], P[1], P[2]
     tier = T[3]
     rows = table.shape[0]
@@ -503,17 +548,17 @@ def _apply(T, P, meta, cap, stride, tier_bytes, strategy, leave_slot, leave_kind
     src = np.full((rows, 2), -1, np.int64)              # tokens moving to low pages, in slot order
     to_low = np.zeros(rows, np.int64)
     for r in range(rows):
-        d = demote[r]
+        leave, kind, d = resi[r, 0], resi[r, 1], resi[r, 2]
         for j in range(KMAX):                           # a pruned demoted token is evicted where it is
-            s = prune[r, j]
+            s = resi[r, 4 + j]
             if s < 0:
                 break
             if s == d:
                 d = -1
             evicted += _evict(T, P, stride, r, s)
-        if leave_kind[r] == 3:
-            evicted += _evict(T, P, stride, r, leave_slot[r])
-        a = leave_slot[r] if leave_kind[r] == 2 else -1
+        if kind == 3:
+            evicted += _evict(T, P, stride, r, leave)
+        a = leave if kind == 2 else -1
         if a >= 0 and d >= 0:
             src[r, 0], src[r, 1] = min(a, d), max(a, d)
         elif a >= 0 or d >= 0:
@@ -592,5 +637,6 @@ def next_token_pages(P, cap, ent, hole_first):
 if njit is not None:
     for _name in ("_pop", "_push", "_clear", "_move", "_evict", "_release_page", "_add_pages", "_first_free",
                   "_tail_free", "_row_needs_page", "_write", "_insert", "_release_empty", "_compact", "page_counts",
-                  "_apply", "_stats", "next_token_pages", "leankv_decode"):
+                  "_attend_row", "_apply", "_stats", "next_token_pages"):
         globals()[_name] = njit(cache=True, nogil=True)(globals()[_name])
+    leankv_step = njit(cache=True, nogil=True, parallel=True)(leankv_step)
