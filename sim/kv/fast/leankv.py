@@ -27,9 +27,9 @@ from . import leankv_kernel as K
 from .sampled import SampledRowsKVManager
 
 FIELDS = {"imp_w", OBSERVED, PLACED}
-ARRAY_TYPES = (("bool_", 2), ("int64", 2), ("float32", 2), ("int8", 2), ("float32", 2), ("int32", 2), ("bool_", 2),
-               ("int64", 2), ("int8", 2), ("int64", 2), ("int64", 2), ("int64", 1), ("int64", 1), ("float64", 1),
-               ("float32", 2))
+# dtypes of the arrays whose addresses the kernel takes (leankv_kernel._arrays), in order
+DTYPES = tuple(np.dtype(t) for t in (bool, np.int64, np.float32, np.int8, np.float32, np.int32, bool, np.int64,
+                                     np.int8, np.int64, np.int64, np.int64, np.int64, np.float64, np.float32))
 META_TOKENS, META_ENTRIES, META_STEPS, META_EVICTED, META_ERROR = range(5)
 
 
@@ -39,19 +39,15 @@ def batched_leankv_supported(policy, slot_strategy: str, trigger: str) -> bool:
             and (trigger == "policy" or trigger == policy.default_trigger == "every_step"))
 
 
-def _typed_lists():
-    from numba import typed, types
-    return tuple(typed.List.empty_list(types.Array(getattr(types, dt), nd, "C")) for dt, nd in ARRAY_TYPES)
-
-
 class _Decoding:
-    """A prefilled request whose decode steps run compiled: its handle into the kernel's lists and
-    what it had when it entered (to write its counters back when it leaves)."""
-    __slots__ = ("rk", "imp", "handle", "steps0", "evicted0")
+    """A prefilled request whose decode steps run compiled: its handle (row of the kernel's address
+    table), the arrays it points at (kept alive here), what it had when it entered."""
+    __slots__ = ("rk", "imp", "handle", "steps0", "arrays")
 
     def __init__(self, rk, imp, handle: int):
         self.rk, self.imp, self.handle = rk, imp, handle
-        self.steps0, self.evicted0 = rk.decode_steps, rk.evicted_rows
+        self.steps0 = rk.decode_steps
+        self.arrays = ()
 
 
 class BatchedLeanKVManager(SampledRowsKVManager):
@@ -72,8 +68,9 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._quant_flops = QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row
         self._decoding: dict = {}
         self._pending: dict = {}            # request -> block ids reserved for its next decode token
-        self._lists = _typed_lists()
         self._free_handles: list[int] = []
+        self._addr = np.zeros((0, len(DTYPES)), dtype=np.int64)
+        self._dims = np.zeros((0, 2), dtype=np.int64)
         self._meta = np.zeros((0, 5), dtype=np.int64)
         self._stats = np.zeros((0, K.OUT_SIZE))
         self._scratch = np.zeros((self._threads(), 0), dtype=np.float32)
@@ -185,7 +182,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             row = self._stats[d.handle]
             st.num_tokens = int(self._meta[d.handle, META_TOKENS])     # kept by the kernel
             assert int(st.live.sum()) == row[K.OUT_LIVE], f"request {req.request_id}: live slot count drifted"
-            occ, wr = self._lists[9][d.handle], self._lists[10][d.handle]
+            occ, wr = d.arrays[9], d.arrays[10]
             pages = d.rk.table >= 0
             live3 = st.live.reshape(st.rows, -1, d.rk.stride)
             written3 = (st.pos >= 0).reshape(st.rows, -1, d.rk.stride)
@@ -205,26 +202,30 @@ class BatchedLeanKVManager(SampledRowsKVManager):
     def _handle(self) -> int:
         if self._free_handles:
             return self._free_handles.pop()
-        h = len(self._lists[0])
-        for lst, (dt, nd) in zip(self._lists, ARRAY_TYPES):
-            lst.append(np.zeros((0,) * nd, dtype=np.dtype(dt.rstrip("_"))))
+        h = self._next_handle = getattr(self, "_next_handle", -1) + 1
         if h >= self._meta.shape[0]:
-            grow = max(16, 2 * h)
+            grow = max(16, h)
+            self._addr = np.concatenate([self._addr, np.zeros((grow, len(DTYPES)), np.int64)])
+            self._dims = np.concatenate([self._dims, np.zeros((grow, 2), np.int64)])
             self._meta = np.concatenate([self._meta, np.zeros((grow, 5), np.int64)])
             self._stats = np.concatenate([self._stats, np.zeros((grow, K.OUT_SIZE))])
         return h
 
     def _bind(self, d: _Decoding) -> None:
-        """Point the kernel's lists at the request's arrays (after it entered or its table grew)."""
+        """Give the kernel the addresses of the request's arrays (after it entered or its table grew);
+        `d.arrays` keeps them alive as long as the kernel may use them."""
         rk, h = d.rk, d.handle
         st = rk.state
         occ = np.zeros(rk.table.shape, dtype=np.int64)
         wr = np.zeros_like(occ)
-        arrays = (st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED), st.field(PLACED),
-                  rk.table, rk.page_tier, occ, wr, rk.tail, rk.tail_off, d.imp["wsum"], d.imp["w"])
-        for lst, a in zip(self._lists, arrays):
-            lst[h] = a
-        K.page_counts(arrays[:7], arrays[7:13], self.inner.stride, int(self._meta[h, META_ENTRIES]))
+        d.arrays = (st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED), st.field(PLACED),
+                    rk.table, rk.page_tier, occ, wr, rk.tail, rk.tail_off, d.imp["wsum"], d.imp["w"])
+        for i, (a, dt) in enumerate(zip(d.arrays, DTYPES)):
+            assert a.dtype == dt and a.flags.c_contiguous, (i, a.dtype, a.flags)
+            self._addr[h, i] = a.ctypes.data
+        self._dims[h] = st.num_slots, rk.num_entries
+        assert d.arrays[14].shape == (self.inner.rows, CHUNK)
+        K.page_counts(d.arrays[:7], d.arrays[7:13], self.inner.stride, int(self._meta[h, META_ENTRIES]))
         if self._scratch.shape[1] < st.num_slots:
             self._scratch = np.zeros((self._scratch.shape[0], 2 * st.num_slots), dtype=np.float32)
         if self._ids.size < rk.table.size:
@@ -246,12 +247,9 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         row[:] = 0
         row[K.OUT_LIVE], row[K.OUT_ALLOC], row[K.OUT_READ] = live, alloc, read * inner.rows
         row[K.OUT_PAGES], row[K.OUT_STORED] = pages, stored * inner.rows
-        row[K.OUT_NEED] = K.next_token_pages(self._pages_of(h), self._cap, rk.num_entries, self._hole_first)
+        row[K.OUT_NEED] = K.next_token_pages(d.arrays[7:13], self._cap, rk.num_entries, self._hole_first)
         self._live_dec += live
         self._alloc_dec += alloc
-
-    def _pages_of(self, h: int):
-        return tuple(lst[h] for lst in self._lists[7:13])
 
     def _leave(self, req) -> None:
         """Back to the token-level manager (anything but one decode token at a time, or freeing): the
@@ -280,8 +278,8 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._live_dec -= int(row[K.OUT_LIVE])
         self._alloc_dec -= int(row[K.OUT_ALLOC])
         inner._stat(req)
-        for lst, (dt, nd) in zip(self._lists, ARRAY_TYPES):     # let the arrays go
-            lst[h] = np.zeros((0,) * nd, dtype=np.dtype(dt.rstrip("_")))
+        self._addr[h] = 0
+        d.arrays = ()
         self._free_handles.append(h)
 
     def _decode(self, batch: list, reserved: list) -> None:
@@ -306,7 +304,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         pool = inner.pool
         count = np.array([pool.count], dtype=np.int64)
         policy = self.policy
-        K.leankv_step(handles, ids, ends, self._lists, self._heads, self._sink, self._cap, self._tier_bytes,
+        K.leankv_step(handles, ids, ends, self._addr, self._dims, inner.rows, self._heads, self._sink, self._cap, self._tier_bytes,
                       policy.alpha_h, policy.alpha_l, policy.window, self._strategy, (pool.free, pool.owned, count),
                       self._scratch, self._ids, meta, stats)
         pool.count = int(count[0])
@@ -328,7 +326,8 @@ class BatchedLeanKVManager(SampledRowsKVManager):
 
     def _next_chunk(self, d: _Decoding, q: int) -> None:
         self.inner.importance._weights(self._request_id(d), d.imp, np.array([q]))
-        self._lists[14][d.handle] = d.imp["w"]
+        d.arrays = d.arrays[:14] + (d.imp["w"],)
+        self._addr[d.handle, 14] = d.imp["w"].ctypes.data
 
     @staticmethod
     def _request_id(d: _Decoding) -> int:

@@ -24,10 +24,19 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from numba import get_thread_id, njit, prange
+    from numba import carray, get_thread_id, njit, prange
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
 except ImportError:          # pragma: no cover - exercised where numba is absent
     njit = None
     prange = range
+else:
+    @intrinsic
+    def _ptr(typingctx, address):
+        """The int64 address of a numpy array's data as a pointer (numba.carray views it)."""
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], cgutils.voidptr_t)
+        return types.voidptr(types.int64), codegen
 
 HIGH, LOW = 1, 2
 NOOP, FREE_BLOCK, SLOT_REUSE, COMPACT = 0, 1, 2, 3
@@ -453,10 +462,21 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
         placed[r, leave] = kind != 3
 
 
-def leankv_step(handles, reserved, reserved_end, arrays, heads, sink_weights, cap, tier_bytes, alpha_h, alpha_l,
+def _arrays(addr, dims, rows, h):
+    """The request's arrays (owned by its RequestKV and importance state) from their addresses."""
+    a, S, E = addr[h], (rows, dims[h, 0]), (rows, dims[h, 1])
+    T = (carray(_ptr(a[0]), S, np.bool_), carray(_ptr(a[1]), S, np.int64), carray(_ptr(a[2]), S, np.float32),
+         carray(_ptr(a[3]), S, np.int8), carray(_ptr(a[4]), S, np.float32), carray(_ptr(a[5]), S, np.int32),
+         carray(_ptr(a[6]), S, np.bool_))
+    P = (carray(_ptr(a[7]), E, np.int64), carray(_ptr(a[8]), E, np.int8), carray(_ptr(a[9]), E, np.int64),
+         carray(_ptr(a[10]), E, np.int64), carray(_ptr(a[11]), rows, np.int64), carray(_ptr(a[12]), rows, np.int64))
+    return T, P, carray(_ptr(a[13]), rows, np.float64), carray(_ptr(a[14]), (rows, CHUNK), np.float32)
+
+
+def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_weights, cap, tier_bytes, alpha_h, alpha_l,
                 window, strategy, pool, scratch, ids, meta, stats):
-    """One decode token for each request of `handles` (module doc). arrays = typed lists indexed by
-    handle: the token arrays (live, pos, score, tier, imp_w, queries seen, placed) [rows, slots], the
+    """One decode token for each request of `handles` (module doc). addr[h] = the addresses of request
+    h's arrays (dims[h] = slots, table entries): the token arrays (live, pos, score, tier, imp_w, queries seen, placed) [rows, slots], the
     page arrays (table, page tier, live and written slots per page) [rows, entries], the append tail
     (entry, offset) [rows], wsum [rows] (content weights written so far) and the current chunk of
     content weights [rows, CHUNK]. heads = (s, l as float32, exp(-age / tau) as float32 [rows, ages],
@@ -464,19 +484,15 @@ def leankv_step(handles, reserved, reserved_end, arrays, heads, sink_weights, ca
     request i's token: they go back to the pool and the write takes them again (same ids, same order);
     pool = (free ids, owned, [count]) of the ArrayBlockPool. meta[h] = [tokens, table entries, decode
     steps, evicted token-rows, error], stats[h] = OUT_* of the step (mass summed over steps)."""
-    (L_live, L_pos, L_score, L_tier, L_imp, L_seen, L_placed, L_table, L_ptier, L_occ, L_wr, L_tail, L_toff,
-     L_wsum, L_w) = arrays
     s32, l32, local_decay, tau = heads
     stride = cap.max()
     hole_first = strategy >= SLOT_REUSE
     n_req = handles.shape[0]
-    rows = L_table[handles[0]].shape[0] if n_req else 0
     # A. the writes, in the scheduler's order (they take pages)
     start = 0
     for i in range(n_req):
         h = handles[i]
-        T = (L_live[h], L_pos[h], L_score[h], L_tier[h], L_imp[h], L_seen[h], L_placed[h])
-        P = (L_table[h], L_ptier[h], L_occ[h], L_wr[h], L_tail[h], L_toff[h])
+        T, P, wsum, w = _arrays(addr, dims, rows, h)
         m = meta[h]
         _push(pool, reserved_end[i] - start, reserved[start:reserved_end[i]])
         start = reserved_end[i]
@@ -488,7 +504,6 @@ def leankv_step(handles, reserved, reserved_end, arrays, heads, sink_weights, ca
             m[4] = 1
             return
         q = m[0]
-        w, wsum = L_w[h], L_wsum[h]
         for r in range(rows):
             weight = w[r, q % CHUNK]
             _write(T, P, cap, stride, m[1], r, hole_first, q, weight)
@@ -499,15 +514,13 @@ def leankv_step(handles, reserved, reserved_end, arrays, heads, sink_weights, ca
     for k in prange(n_req * rows):
         i, r = k // rows, k % rows
         h = handles[i]
-        T = (L_live[h], L_pos[h], L_score[h], L_tier[h], L_imp[h], L_seen[h], L_placed[h])
-        P = (L_table[h], L_ptier[h], L_occ[h], L_wr[h], L_tail[h], L_toff[h])
+        T, P, wsum, w = _arrays(addr, dims, rows, h)
         _attend_row(T, P, r, meta[h, 1], stride, cap, meta[h, 0], window, sink_weights, s32, l32, local_decay, tau,
-                    L_wsum[h], alpha_h, alpha_l, scratch[get_thread_id()], res[k:k + 1], resi[k])
+                    wsum, alpha_h, alpha_l, scratch[get_thread_id()], res[k:k + 1], resi[k])
     # C. each request's decision applied (evictions, moves to low pages, the slot strategy), in order
     for i in range(n_req):
         h = handles[i]
-        T = (L_live[h], L_pos[h], L_score[h], L_tier[h], L_imp[h], L_seen[h], L_placed[h])
-        P = (L_table[h], L_ptier[h], L_occ[h], L_wr[h], L_tail[h], L_toff[h])
+        T, P, wsum, w = _arrays(addr, dims, rows, h)
         m = meta[h]
         out = stats[h]
         mass_sum = out[OUT_MASS_SUM]
@@ -637,6 +650,6 @@ def next_token_pages(P, cap, ent, hole_first):
 if njit is not None:
     for _name in ("_pop", "_push", "_clear", "_move", "_evict", "_release_page", "_add_pages", "_first_free",
                   "_tail_free", "_row_needs_page", "_write", "_insert", "_release_empty", "_compact", "page_counts",
-                  "_attend_row", "_apply", "_stats", "next_token_pages"):
+                  "_attend_row", "_apply", "_stats", "next_token_pages", "_arrays"):
         globals()[_name] = njit(cache=True, nogil=True)(globals()[_name])
     leankv_step = njit(cache=True, nogil=True, parallel=True)(leankv_step)
