@@ -371,7 +371,8 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
     sink + local + content terms, renormalized over the live tokens), LeanKV's observe (score +=
     attention, queries seen += 1) and compress for the row: the leaving token's tier, the demoted
     token, the pruned ones. Writes resi = [leaving slot, kind (1 high, 2 low, 3 pruned), demoted
-    slot, error, pruned slots...] and res = [kept attention mass]."""
+    slot, error, pruned slots...] and res = [kept attention mass]. The slot loops have no branches
+    (empty slots add 0), so they vectorize."""
     live, pos, score, tier, imp_w, seen, placed = T
     table, page_tier = P[0], P[1]
     n = q + 1
@@ -379,6 +380,9 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
     sink_total = 0.0
     for i in range(n_sink):
         sink_total += sink_weights[i]
+    sink = np.zeros(NUM_SINK + 2, np.float32)           # by position + 1: empty slots (-1) and later positions get 0
+    for i in range(n_sink):
+        sink[i + 1] = np.float32(sink_weights[i] / sink_total)
     bar = n - window                                    # tokens below it have left the window
     nf = np.float64(np.float32(n))
     decay = np.exp(-1.0 / tau[r])
@@ -387,20 +391,17 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
     sr, lr = s32[r], l32[r]
     cr = np.float32(np.float32(np.float32(1.0) - sr) - lr)
     decay_r = local_decay[r]
+    live_r, pos_r, imp_r, score_r, seen_r = live[r], pos[r], imp_w[r], score[r], seen[r]
     kept = 0.0
     for e in range(ent):
         if table[r, e] < 0:
             continue
         base = e * stride
-        for s in range(base, base + cap[page_tier[r, e]]):
-            if not live[r, s]:
-                continue
-            p = pos[r, s]
-            local = np.float32(decay_r[q - p] / zl)
-            sink = np.float32(0.0)
-            if p < n_sink:
-                sink = np.float32(sink_weights[p] / sink_total)
-            a = np.float32(np.float32(sr * sink + lr * local) + cr * np.float32(imp_w[r, s] / ws))
+        for s in range(base, base + cap[page_tier[r, e]]):    # no branches: it vectorizes
+            p = pos_r[s]
+            a = np.float32(np.float32(sr * sink[min(p + 1, NUM_SINK + 1)] + lr * np.float32(decay_r[q - p] / zl))
+                           + cr * np.float32(imp_r[s] / ws))
+            a = a if live_r[s] else np.float32(0.0)
             scratch[s] = a
             kept += a
     kept32 = np.float32(kept)
@@ -416,20 +417,25 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
         if table[r, e] < 0:
             continue
         base = e * stride
-        for s in range(base, base + cap[page_tier[r, e]]):
-            if not live[r, s]:
+        end = base + cap[page_tier[r, e]]
+        bar_alpha = (alpha_h if page_tier[r, e] == HIGH else alpha_l) * SAFE
+        candidates = 0
+        for s in range(base, end):
+            sc = np.float32(score_r[s] + np.float32(scratch[s] / denom))
+            score_r[s] = sc
+            k = seen_r[s] + live_r[s]
+            seen_r[s] = k
+            # a live token that has not left the window yet, or is placed but not clearly above its tier's bar
+            candidates += live_r[s] and (not placed[r, s] or np.float64(sc) * nf <= bar_alpha * k)
+        if candidates == 0:
+            continue
+        for s in range(base, end):
+            if not live_r[s]:
                 continue
-            sc = np.float32(score[r, s] + np.float32(scratch[s] / denom))
-            score[r, s] = sc
-            seen[r, s] += 1
-            if placed[r, s]:                            # clearly above its tier's bar: not a candidate
-                bar_alpha = alpha_h if tier[r, s] == HIGH else alpha_l
-                if np.float64(sc) * nf > bar_alpha * SAFE * seen[r, s]:
-                    continue
-            sig = np.float64(sc) / seen[r, s]
+            sig = np.float64(score_r[s]) / seen_r[s]
             x = sig * nf
             if not placed[r, s]:
-                if pos[r, s] < bar:
+                if pos_r[s] < bar:
                     if leave >= 0:
                         resi[3] = 2                     # two tokens left the window in one decode step
                         return
@@ -650,6 +656,7 @@ def next_token_pages(P, cap, ent, hole_first):
 if njit is not None:
     for _name in ("_pop", "_push", "_clear", "_move", "_evict", "_release_page", "_add_pages", "_first_free",
                   "_tail_free", "_row_needs_page", "_write", "_insert", "_release_empty", "_compact", "page_counts",
-                  "_attend_row", "_apply", "_stats", "next_token_pages", "_arrays"):
+                  "_apply", "_stats", "next_token_pages", "_arrays"):
         globals()[_name] = njit(cache=True, nogil=True)(globals()[_name])
+    _attend_row = njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})(_attend_row)
     leankv_step = njit(cache=True, nogil=True, parallel=True)(leankv_step)
