@@ -25,8 +25,8 @@ from .base import EvictingManagerBase
 from .importance import ImportanceSource
 from .policy import Decision, EvictionPolicy, PolicyContext
 from .pool import ArrayBlockPool
-from .slots import _FREES, SLOT_STRATEGIES, KVStepPlan, RequestKV, SlotStrategies
-from .slots import _COPY, _REUSE, QUANT_FLOPS  # noqa: F401  (fast mode and tests import them from here)
+from .slots import _FREES, _REUSE, SLOT_STRATEGIES, KVStepPlan, RequestKV, SlotStrategies
+from .slots import _COPY, QUANT_FLOPS  # noqa: F401  (fast mode and tests import them from here)
 from .state import TIER_FULL
 
 TRIGGERS = ("policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure", "pressure",
@@ -322,6 +322,11 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
             for r in range(min(self.rows, 4)):
                 p = pos[r][pos[r] >= 0]
                 assert np.unique(p).size == p.size, f"request {req.request_id}: a position is live twice"
+                t = rk.tail[r]
+                if self.strategy not in _REUSE and t >= 0:      # an append tail's next slots are unwritten
+                    cap = int(self.tier_capacity[rk.page_tier[r, t]])
+                    ahead = st.pos[r, t * self.stride + rk.tail_off[r]:t * self.stride + cap]
+                    assert (ahead < 0).all(), f"request {req.request_id}: the append tail runs into written slots"
             assert (st.pos[st.live] < st.num_tokens).all()
         ids = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
         assert np.unique(ids).size == ids.size, "a block is in two tables"

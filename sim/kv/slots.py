@@ -188,8 +188,10 @@ class SlotStrategies:
             hole_first = self.strategy in _REUSE
         free = self._free_slots(rk, tier, hole_first)
         if not hole_first:                # append-only: tail page, then the freshly added pages
-            fresh = np.repeat((rk.page_tier == tier) & (rk.table >= 0), self.stride, axis=1) & \
-                ~rk.state.live & (rk.state.pos < 0)
+            # (a page no token was ever written to: a slot a tier move emptied in an older page has
+            # pos -1 too, but appending there would make the tail's next slots live ones)
+            unwritten = ~(rk.state.pos >= 0).reshape(self.rows, -1, self.stride).any(axis=2)
+            fresh = np.repeat((rk.page_tier == tier) & (rk.table >= 0) & unwritten, self.stride, axis=1)
             fresh &= self._valid(rk)
             key = np.where(free, 0, np.where(fresh, 1, 2)) * rk.state.num_slots + np.arange(rk.state.num_slots)
             usable = free | fresh

@@ -29,7 +29,7 @@ from .sampled import SampledRowsKVManager
 FIELDS = {"imp_w", OBSERVED, PLACED}
 # dtypes of the arrays whose addresses the kernel takes (leankv_kernel._arrays), in order
 DTYPES = tuple(np.dtype(t) for t in (bool, np.int64, np.float32, np.int8, np.float32, np.int32, bool, np.int64,
-                                     np.int8, np.int64, np.int64, np.int64, np.int64, np.float64, np.float32))
+                                     np.int8, np.int64, np.int64, np.int64, np.int64, np.float64, np.float32, bool))
 META_TOKENS, META_ENTRIES, META_STEPS, META_EVICTED, META_ERROR = range(5)
 
 
@@ -73,16 +73,11 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._dims = np.zeros((0, 2), dtype=np.int64)
         self._meta = np.zeros((0, 5), dtype=np.int64)
         self._stats = np.zeros((0, K.OUT_SIZE))
-        self._scratch = np.zeros((self._threads(), 0), dtype=np.float32)
+        self._sums = np.zeros((0, self.inner.rows, 3))
         self._ids = np.zeros(0, dtype=np.int64)
         self._none = np.zeros(0, dtype=np.int64)
         self._live_dec = 0                  # live and allocated slots of the requests decoding compiled
         self._alloc_dec = 0
-
-    @staticmethod
-    def _threads() -> int:
-        import numba
-        return numba.config.NUMBA_NUM_THREADS
 
     # ----- scheduler-facing surface --------------------------------------------------------------
     def kv_tokens(self, req) -> float:
@@ -188,6 +183,13 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             written3 = (st.pos >= 0).reshape(st.rows, -1, d.rk.stride)
             assert (occ[pages] == live3.sum(axis=2)[pages]).all(), f"request {req.request_id}: page live counts drifted"
             assert (wr[pages] == written3.sum(axis=2)[pages]).all(), f"request {req.request_id}: written counts drifted"
+            q = st.num_tokens - 1
+            age = np.where(st.live, q - st.pos, 0)
+            local = np.where(st.live, np.exp(-age / self._heads[3][:, None]), 0.0).sum(axis=1)
+            content = np.where(st.live, st.field("imp_w"), 0.0).sum(axis=1, dtype=np.float64)
+            sums = self._sums[d.handle]
+            assert np.allclose(sums[:, 0], local, rtol=1e-9, atol=1e-9), (req.request_id, sums[:, 0], local)
+            assert np.allclose(sums[:, 1], content, rtol=1e-9), (req.request_id, sums[:, 1], content)
         self.inner._live_total += self._live_dec          # the token-level check counts every request's slots
         try:
             super().check_invariants(live_requests)
@@ -209,6 +211,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             self._dims = np.concatenate([self._dims, np.zeros((grow, 2), np.int64)])
             self._meta = np.concatenate([self._meta, np.zeros((grow, 5), np.int64)])
             self._stats = np.concatenate([self._stats, np.zeros((grow, K.OUT_SIZE))])
+            self._sums = np.concatenate([self._sums, np.zeros((grow,) + self._sums.shape[1:])])
         return h
 
     def _bind(self, d: _Decoding) -> None:
@@ -218,16 +221,17 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         st = rk.state
         occ = np.zeros(rk.table.shape, dtype=np.int64)
         wr = np.zeros_like(occ)
+        settled = np.zeros(st.live.shape, dtype=bool)
         d.arrays = (st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED), st.field(PLACED),
-                    rk.table, rk.page_tier, occ, wr, rk.tail, rk.tail_off, d.imp["wsum"], d.imp["w"])
+                    rk.table, rk.page_tier, occ, wr, rk.tail, rk.tail_off, d.imp["wsum"], d.imp["w"], settled)
         for i, (a, dt) in enumerate(zip(d.arrays, DTYPES)):
             assert a.dtype == dt and a.flags.c_contiguous, (i, a.dtype, a.flags)
             self._addr[h, i] = a.ctypes.data
         self._dims[h] = st.num_slots, rk.num_entries
         assert d.arrays[14].shape == (self.inner.rows, CHUNK)
-        K.page_counts(d.arrays[:7], d.arrays[7:13], self.inner.stride, int(self._meta[h, META_ENTRIES]))
-        if self._scratch.shape[1] < st.num_slots:
-            self._scratch = np.zeros((self._scratch.shape[0], 2 * st.num_slots), dtype=np.float32)
+        policy = self.policy
+        K.page_counts(d.arrays[:7] + d.arrays[15:], d.arrays[7:13], self.inner.stride, int(self._meta[h, META_ENTRIES]),
+                      int(self._meta[h, META_TOKENS]) - 1, self._heads[3], policy.alpha_h, policy.alpha_l, self._sums[h])
         if self._ids.size < rk.table.size:
             self._ids = np.zeros(2 * rk.table.size, dtype=np.int64)
 
@@ -306,7 +310,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         policy = self.policy
         K.leankv_step(handles, ids, ends, self._addr, self._dims, inner.rows, self._heads, self._sink, self._cap, self._tier_bytes,
                       policy.alpha_h, policy.alpha_l, policy.window, self._strategy, (pool.free, pool.owned, count),
-                      self._scratch, self._ids, meta, stats)
+                      self._ids, meta, stats, self._sums)
         pool.count = int(count[0])
         if meta[handles, META_ERROR].any():
             bad = handles[meta[handles, META_ERROR] != 0][0]
@@ -326,7 +330,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
 
     def _next_chunk(self, d: _Decoding, q: int) -> None:
         self.inner.importance._weights(self._request_id(d), d.imp, np.array([q]))
-        d.arrays = d.arrays[:14] + (d.imp["w"],)
+        d.arrays = d.arrays[:14] + (d.imp["w"],) + d.arrays[15:]
         self._addr[d.handle, 14] = d.imp["w"].ctypes.data
 
     @staticmethod

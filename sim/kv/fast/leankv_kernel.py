@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from numba import carray, get_thread_id, njit, prange
+    from numba import carray, njit, prange
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 except ImportError:          # pragma: no cover - exercised where numba is absent
@@ -75,7 +75,7 @@ def _push(pool, n, ids):
 
 def _clear(T, P, stride, r, s):
     """TokenState.clear_slots of one slot (and its page's live / written counts)."""
-    live, pos, score, tier, imp_w, seen, placed = T
+    live, pos, score, tier, imp_w, seen, placed, settled = T
     occ, wr = P[2], P[3]
     e = s // stride
     if live[r, s]:
@@ -89,11 +89,12 @@ def _clear(T, P, stride, r, s):
     imp_w[r, s] = 0
     seen[r, s] = 0
     placed[r, s] = False
+    settled[r, s] = False
 
 
 def _move(T, P, stride, r, src, dst):
     """TokenState.move of one live token to an empty or evicted slot."""
-    live, pos, score, tier, imp_w, seen, placed = T
+    live, pos, score, tier, imp_w, seen, placed, settled = T
     occ, wr = P[2], P[3]
     d = dst // stride
     occ[r, d] += 1
@@ -106,15 +107,22 @@ def _move(T, P, stride, r, src, dst):
     imp_w[r, dst] = imp_w[r, src]
     seen[r, dst] = seen[r, src]
     placed[r, dst] = placed[r, src]
+    settled[r, dst] = settled[r, src]
     _clear(T, P, stride, r, src)
 
 
-def _evict(T, P, stride, r, s):
-    if T[0][r, s]:
-        T[0][r, s] = False
-        P[2][r, s // stride] -= 1
-        return 1
-    return 0
+def _evict(T, P, stride, r, s, q, tau, sums):
+    """An eviction: the slot becomes a hole; the row's live sums lose the token (module doc)."""
+    if not T[0][r, s]:
+        return 0
+    T[0][r, s] = False
+    P[2][r, s // stride] -= 1
+    p = T[1][r, s]
+    sums[r, 0] -= np.exp(-(q - p) / tau[r])
+    sums[r, 1] -= np.float64(T[4][r, s])
+    if p < NUM_SINK:
+        sums[r, 2] -= 2.0 ** p
+    return 1
 
 
 def _release_page(T, P, stride, r, e):
@@ -221,7 +229,7 @@ def _row_needs_page(P, cap, ent, r, hole_first):
 
 def _write(T, P, cap, stride, ent, r, hole_first, position, weight):
     """SlotStrategies._place of one new token (the first hole of a high page, or the append tail, else
-    the first never-written slot of a high page) and its write."""
+    the first slot of a high page never written to) and its write."""
     live, pos = T[0], T[1]
     table, page_tier, tail, tail_off = P[0], P[1], P[4], P[5]
     if hole_first:
@@ -229,16 +237,11 @@ def _write(T, P, cap, stride, ent, r, hole_first, position, weight):
     else:
         if _tail_free(P, cap, r):
             s = tail[r] * stride + tail_off[r]
-        else:
+        else:                                           # the first slot of a page never written to
             s = -1
             for e in range(ent):
-                if table[r, e] < 0 or page_tier[r, e] != HIGH:
-                    continue
-                for o in range(cap[HIGH]):
-                    if not live[r, e * stride + o] and pos[r, e * stride + o] < 0:
-                        s = e * stride + o
-                        break
-                if s >= 0:
+                if table[r, e] >= 0 and page_tier[r, e] == HIGH and P[3][r, e] == 0:
+                    s = e * stride
                     break
         tail[r] = s // stride
         tail_off[r] = s % stride + 1
@@ -348,10 +351,21 @@ def _compact(T, P, cap, stride, ent, tier_bytes, pool, ids, out):
     return freed
 
 
-def page_counts(T, P, stride, ent):
-    """Fill the pages' live (occ) and written (wr) slot counts from the token state."""
-    live, pos = T[0], T[1]
+def page_counts(T, P, stride, ent, q, tau, alpha_h, alpha_l, sums):
+    """Fill what the kernel keeps beside the token state: the pages' live (occ) and written (wr) slot
+    counts, the settled flags, and each row's live sums at query position q (module doc)."""
+    live, pos, score, tier, placed, settled = T[0], T[1], T[2], T[3], T[6], T[7]
     table, occ, wr = P[0], P[2], P[3]
+    for r in range(table.shape[0]):
+        sums[r, 0] = sums[r, 1] = sums[r, 2] = 0.0
+        for s in range(live.shape[1]):
+            bar = alpha_h if tier[r, s] == HIGH else alpha_l
+            settled[r, s] = live[r, s] and placed[r, s] and np.float64(score[r, s]) > bar * SAFE
+            if live[r, s]:
+                sums[r, 0] += np.exp(-(q - pos[r, s]) / tau[r])
+                sums[r, 1] += np.float64(T[4][r, s])
+                if pos[r, s] < NUM_SINK:
+                    sums[r, 2] += 2.0 ** pos[r, s]
     for r in range(table.shape[0]):
         for e in range(table.shape[1]):
             occ[r, e] = 0
@@ -365,24 +379,28 @@ def page_counts(T, P, stride, ent):
                     wr[r, e] += 1
 
 
-def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, local_decay, tau, wsum, alpha_h,
-                alpha_l, scratch, res, resi):
+def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, local_decay, tau, wsum, sums,
+                alpha_h, alpha_l, res, resi):
     """Decode attention of the query at position q over row r's live tokens (SyntheticImportance:
     sink + local + content terms, renormalized over the live tokens), LeanKV's observe (score +=
     attention, queries seen += 1) and compress for the row: the leaving token's tier, the demoted
     token, the pruned ones. Writes resi = [leaving slot, kind (1 high, 2 low, 3 pruned), demoted
-    slot, error, pruned slots...] and res = [kept attention mass]. The slot loops have no branches
-    (empty slots add 0), so they vectorize."""
-    live, pos, score, tier, imp_w, seen, placed = T
+    slot, error, pruned slots...] and res = [kept attention mass]. The normalizer comes from the
+    row's live sums; settled tokens are skipped (module doc)."""
+    live, pos, score, tier, imp_w, seen, placed, settled = T
     table, page_tier = P[0], P[1]
     n = q + 1
     n_sink = min(NUM_SINK, n)
     sink_total = 0.0
     for i in range(n_sink):
         sink_total += sink_weights[i]
-    sink = np.zeros(NUM_SINK + 2, np.float32)           # by position + 1: empty slots (-1) and later positions get 0
+    sink = np.zeros(NUM_SINK + 2, np.float32)           # by position + 1: later positions get 0
+    live_sinks = np.int64(sums[r, 2])
+    sink_kept = 0.0
     for i in range(n_sink):
         sink[i + 1] = np.float32(sink_weights[i] / sink_total)
+        if live_sinks >> i & 1:
+            sink_kept += sink[i + 1]
     bar = n - window                                    # tokens below it have left the window
     nf = np.float64(np.float32(n))
     decay = np.exp(-1.0 / tau[r])
@@ -391,22 +409,11 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
     sr, lr = s32[r], l32[r]
     cr = np.float32(np.float32(np.float32(1.0) - sr) - lr)
     decay_r = local_decay[r]
-    live_r, pos_r, imp_r, score_r, seen_r = live[r], pos[r], imp_w[r], score[r], seen[r]
-    kept = 0.0
-    for e in range(ent):
-        if table[r, e] < 0:
-            continue
-        base = e * stride
-        for s in range(base, base + cap[page_tier[r, e]]):    # no branches: it vectorizes
-            p = pos_r[s]
-            a = np.float32(np.float32(sr * sink[min(p + 1, NUM_SINK + 1)] + lr * np.float32(decay_r[q - p] / zl))
-                           + cr * np.float32(imp_r[s] / ws))
-            a = a if live_r[s] else np.float32(0.0)
-            scratch[s] = a
-            kept += a
-    kept32 = np.float32(kept)
+    kept32 = np.float32(sr * sink_kept + lr * sums[r, 0] / zl + cr * sums[r, 1] / ws)
     res[0] = kept32
     denom = max(kept32, np.float32(1e-30))
+    live_r, pos_r, imp_r, score_r, seen_r, placed_r, settled_r = (live[r], pos[r], imp_w[r], score[r], seen[r],
+                                                                  placed[r], settled[r])
     hv = np.empty(KMAX, np.float64)
     hi = np.empty(KMAX, np.int64)
     lv = np.empty(KMAX + 1, np.float64)
@@ -418,30 +425,33 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
             continue
         base = e * stride
         end = base + cap[page_tier[r, e]]
-        bar_alpha = (alpha_h if page_tier[r, e] == HIGH else alpha_l) * SAFE
-        candidates = 0
+        high_page = page_tier[r, e] == HIGH
+        bar_alpha = (alpha_h if high_page else alpha_l) * SAFE
         for s in range(base, end):
-            sc = np.float32(score_r[s] + np.float32(scratch[s] / denom))
-            score_r[s] = sc
-            k = seen_r[s] + live_r[s]
-            seen_r[s] = k
-            # a live token that has not left the window yet, or is placed but not clearly above its tier's bar
-            candidates += live_r[s] and (not placed[r, s] or np.float64(sc) * nf <= bar_alpha * k)
-        if candidates == 0:
-            continue
-        for s in range(base, end):
-            if not live_r[s]:
+            if not live_r[s] or settled_r[s]:
                 continue
-            sig = np.float64(score_r[s]) / seen_r[s]
+            p = pos_r[s]
+            a = np.float32(np.float32(sr * sink[min(p + 1, NUM_SINK + 1)] + lr * np.float32(decay_r[q - p] / zl))
+                           + cr * np.float32(imp_r[s] / ws))
+            sc = np.float32(score_r[s] + np.float32(a / denom))
+            score_r[s] = sc
+            k = seen_r[s] + 1
+            seen_r[s] = k
+            if placed_r[s]:
+                if np.float64(sc) * nf > bar_alpha * k:  # clearly above its tier's bar: not a candidate
+                    if sc > bar_alpha:                  # ... and never again (module doc)
+                        settled_r[s] = True
+                    continue
+            sig = np.float64(sc) / k
             x = sig * nf
-            if not placed[r, s]:
-                if pos_r[s] < bar:
+            if not placed_r[s]:
+                if p < bar:
                     if leave >= 0:
                         resi[3] = 2                     # two tokens left the window in one decode step
                         return
                     leave = s
                     kind = 1 if x > alpha_h else (2 if x > alpha_l else 3)
-            elif tier[r, s] == HIGH:
+            elif high_page:
                 if x <= alpha_h:
                     hc = _insert(hv, hi, hc, sig, s)
             elif x <= alpha_l:
@@ -473,14 +483,14 @@ def _arrays(addr, dims, rows, h):
     a, S, E = addr[h], (rows, dims[h, 0]), (rows, dims[h, 1])
     T = (carray(_ptr(a[0]), S, np.bool_), carray(_ptr(a[1]), S, np.int64), carray(_ptr(a[2]), S, np.float32),
          carray(_ptr(a[3]), S, np.int8), carray(_ptr(a[4]), S, np.float32), carray(_ptr(a[5]), S, np.int32),
-         carray(_ptr(a[6]), S, np.bool_))
+         carray(_ptr(a[6]), S, np.bool_), carray(_ptr(a[15]), S, np.bool_))
     P = (carray(_ptr(a[7]), E, np.int64), carray(_ptr(a[8]), E, np.int8), carray(_ptr(a[9]), E, np.int64),
          carray(_ptr(a[10]), E, np.int64), carray(_ptr(a[11]), rows, np.int64), carray(_ptr(a[12]), rows, np.int64))
     return T, P, carray(_ptr(a[13]), rows, np.float64), carray(_ptr(a[14]), (rows, CHUNK), np.float32)
 
 
 def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_weights, cap, tier_bytes, alpha_h, alpha_l,
-                window, strategy, pool, scratch, ids, meta, stats):
+                window, strategy, pool, ids, meta, stats, sums):
     """One decode token for each request of `handles` (module doc). addr[h] = the addresses of request
     h's arrays (dims[h] = slots, table entries): the token arrays (live, pos, score, tier, imp_w, queries seen, placed) [rows, slots], the
     page arrays (table, page tier, live and written slots per page) [rows, entries], the append tail
@@ -510,10 +520,15 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
             m[4] = 1
             return
         q = m[0]
+        rs = sums[h]
         for r in range(rows):
             weight = w[r, q % CHUNK]
             _write(T, P, cap, stride, m[1], r, hole_first, q, weight)
             wsum[r] += np.float64(weight)
+            rs[r, 0] = rs[r, 0] * np.exp(-1.0 / tau[r]) + 1.0
+            rs[r, 1] += np.float64(weight)
+            if q < NUM_SINK:
+                rs[r, 2] += 2.0 ** q
     # B. attention and LeanKV's decision, row by row (independent: in parallel)
     res = np.zeros(n_req * rows)
     resi = np.full((n_req * rows, 4 + KMAX), -1, np.int64)
@@ -522,12 +537,13 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
         h = handles[i]
         T, P, wsum, w = _arrays(addr, dims, rows, h)
         _attend_row(T, P, r, meta[h, 1], stride, cap, meta[h, 0], window, sink_weights, s32, l32, local_decay, tau,
-                    wsum, alpha_h, alpha_l, scratch[get_thread_id()], res[k:k + 1], resi[k])
+                    wsum, sums[h], alpha_h, alpha_l, res[k:k + 1], resi[k])
     # C. each request's decision applied (evictions, moves to low pages, the slot strategy), in order
     for i in range(n_req):
         h = handles[i]
         T, P, wsum, w = _arrays(addr, dims, rows, h)
         m = meta[h]
+        q = m[0]
         out = stats[h]
         mass_sum = out[OUT_MASS_SUM]
         for j in range(OUT_SIZE):
@@ -548,7 +564,7 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
         out[OUT_MASS] = mass
         out[OUT_MASS_SUM] = mass_sum + mass
         if decision:
-            _apply(T, P, m, cap, stride, tier_bytes, strategy, resi[k0:k0 + rows], pool, ids, out)
+            _apply(T, P, m, cap, stride, tier_bytes, strategy, resi[k0:k0 + rows], pool, ids, out, q, tau, sums[h])
             if out[OUT_ERROR] != 0:
                 m[4] = 1
                 return
@@ -556,7 +572,7 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
         _stats(P, cap, m[1], tier_bytes, hole_first, out)
 
 
-def _apply(T, P, meta, cap, stride, tier_bytes, strategy, resi, pool, ids, out):
+def _apply(T, P, meta, cap, stride, tier_bytes, strategy, resi, pool, ids, out, q, tau, sums):
     """EvictingKVManager._apply of LeanKV's decision (resi[r] = _attend_row's result of row r):
     evictions, the move to low pages, the slot strategy."""
     table, page_tier, occ = P[0], P[1], P[2]
@@ -574,9 +590,9 @@ def _apply(T, P, meta, cap, stride, tier_bytes, strategy, resi, pool, ids, out):
                 break
             if s == d:
                 d = -1
-            evicted += _evict(T, P, stride, r, s)
+            evicted += _evict(T, P, stride, r, s, q, tau, sums)
         if kind == 3:
-            evicted += _evict(T, P, stride, r, leave)
+            evicted += _evict(T, P, stride, r, leave, q, tau, sums)
         a = leave if kind == 2 else -1
         if a >= 0 and d >= 0:
             src[r, 0], src[r, 1] = min(a, d), max(a, d)
@@ -658,5 +674,5 @@ if njit is not None:
                   "_tail_free", "_row_needs_page", "_write", "_insert", "_release_empty", "_compact", "page_counts",
                   "_apply", "_stats", "next_token_pages", "_arrays"):
         globals()[_name] = njit(cache=True, nogil=True)(globals()[_name])
-    _attend_row = njit(cache=True, nogil=True, fastmath={"reassoc", "nsz"})(_attend_row)
+    _attend_row = njit(cache=True, nogil=True)(_attend_row)
     leankv_step = njit(cache=True, nogil=True, parallel=True)(leankv_step)
