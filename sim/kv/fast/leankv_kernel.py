@@ -210,7 +210,7 @@ def _first_free(T, P, cap, stride, ent, r, tier, start):
 
 
 def _tail_free(P, cap, r):
-    table, page_tier, tail, tail_off = P[0], P[1], P[4], P[5]
+    page_tier, tail, tail_off = P[1], P[4], P[5]
     t = tail[r]
     return t >= 0 and tail_off[r] < cap[page_tier[r, t]]
 
