@@ -412,6 +412,9 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
     kept32 = np.float32(sr * sink_kept + lr * sums[r, 0] / zl + cr * sums[r, 1] / ws)
     res[0] = kept32
     denom = max(kept32, np.float32(1e-30))
+    inv_denom = np.float32(1.0) / denom
+    lr_zl = lr / zl
+    cr_ws = cr / ws
     live_r, pos_r, imp_r, score_r, seen_r, placed_r, settled_r = (live[r], pos[r], imp_w[r], score[r], seen[r],
                                                                   placed[r], settled[r])
     hv = np.empty(KMAX, np.float64)
@@ -431,9 +434,9 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
             if not live_r[s] or settled_r[s]:
                 continue
             p = pos_r[s]
-            a = np.float32(np.float32(sr * sink[min(p + 1, NUM_SINK + 1)] + lr * np.float32(decay_r[q - p] / zl))
-                           + cr * np.float32(imp_r[s] / ws))
-            sc = np.float32(score_r[s] + np.float32(a / denom))
+            a = np.float32(np.float32(sr * sink[min(p + 1, NUM_SINK + 1)] + lr_zl * decay_r[q - p])
+                           + cr_ws * imp_r[s])
+            sc = np.float32(score_r[s] + a * inv_denom)
             score_r[s] = sc
             k = seen_r[s] + 1
             seen_r[s] = k
