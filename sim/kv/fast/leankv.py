@@ -30,7 +30,7 @@ FIELDS = {"imp_w", OBSERVED, PLACED}
 # dtypes of the arrays whose addresses the kernel takes (leankv_kernel._arrays), in order
 DTYPES = tuple(np.dtype(t) for t in (bool, np.int64, np.float32, np.int8, np.float32, np.int32, bool, np.int64,
                                      np.int8, np.int64, np.int64, np.int64, np.int64, np.float64, np.float32, bool))
-META_TOKENS, META_ENTRIES, META_STEPS, META_EVICTED, META_ERROR = range(5)
+META_TOKENS, META_ENTRIES, META_STEPS, META_EVICTED, META_ERROR, META_PROMPT = range(6)
 
 
 def batched_leankv_supported(policy, slot_strategy: str, trigger: str) -> bool:
@@ -71,7 +71,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._free_handles: list[int] = []
         self._addr = np.zeros((0, len(DTYPES)), dtype=np.int64)
         self._dims = np.zeros((0, 2), dtype=np.int64)
-        self._meta = np.zeros((0, 5), dtype=np.int64)
+        self._meta = np.zeros((0, 6), dtype=np.int64)
         self._stats = np.zeros((0, K.OUT_SIZE))
         self._sums = np.zeros((0, self.inner.rows, 3))
         self._ids = np.zeros(0, dtype=np.int64)
@@ -209,7 +209,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             grow = max(16, h)
             self._addr = np.concatenate([self._addr, np.zeros((grow, len(DTYPES)), np.int64)])
             self._dims = np.concatenate([self._dims, np.zeros((grow, 2), np.int64)])
-            self._meta = np.concatenate([self._meta, np.zeros((grow, 5), np.int64)])
+            self._meta = np.concatenate([self._meta, np.zeros((grow, 6), np.int64)])
             self._stats = np.concatenate([self._stats, np.zeros((grow, K.OUT_SIZE))])
             self._sums = np.concatenate([self._sums, np.zeros((grow,) + self._sums.shape[1:])])
         return h
@@ -243,7 +243,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             inner.importance._weights(req.request_id, imp, np.array([q]))
         d = self._decoding[req] = _Decoding(rk, imp, self._handle())
         h = d.handle
-        self._meta[h] = (q, rk.num_entries, rk.decode_steps, rk.evicted_rows, 0)
+        self._meta[h] = (q, rk.num_entries, rk.decode_steps, rk.evicted_rows, 0, q)
         self._bind(d)
         live, alloc, read, pages, stored = inner._stats[req]
         inner._unstat(req)
@@ -269,6 +269,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         st = rk.state
         st.num_tokens = int(m[META_TOKENS])
         st.num_steps_observed += steps
+        self._restore_observed(st, int(m[META_PROMPT]))
         rk.decode_steps = int(m[META_STEPS])
         rk.evicted_rows = int(m[META_EVICTED])
         rk.mass_sum += float(row[K.OUT_MASS_SUM])
@@ -285,6 +286,13 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._addr[h] = 0
         d.arrays = ()
         self._free_handles.append(h)
+
+    def _restore_observed(self, st, prompt: int) -> None:
+        """The queries each live token saw (the kernel derives them from positions instead of counting)."""
+        q = st.num_tokens - 1
+        pos = st.pos
+        seen = np.minimum(np.maximum(prompt - pos, 0), min(self.policy.obs_window, prompt)) + q - np.maximum(prompt, pos) + 1
+        st.field(OBSERVED)[st.live] = seen[st.live]
 
     def _decode(self, batch: list, reserved: list) -> None:
         inner = self.inner
@@ -309,7 +317,8 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         count = np.array([pool.count], dtype=np.int64)
         policy = self.policy
         K.leankv_step(handles, ids, ends, self._addr, self._dims, inner.rows, self._heads, self._sink, self._cap, self._tier_bytes,
-                      policy.alpha_h, policy.alpha_l, policy.window, self._strategy, (pool.free, pool.owned, count),
+                      policy.alpha_h, policy.alpha_l, policy.window, policy.obs_window, self._strategy,
+                      (pool.free, pool.owned, count),
                       self._ids, meta, stats, self._sums)
         pool.count = int(count[0])
         if meta[handles, META_ERROR].any():

@@ -380,7 +380,7 @@ def page_counts(T, P, stride, ent, q, tau, alpha_h, alpha_l, sums):
 
 
 def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, local_decay, tau, wsum, sums,
-                alpha_h, alpha_l, res, resi):
+                alpha_h, alpha_l, prompt, obs_window, res, resi):
     """Decode attention of the query at position q over row r's live tokens (SyntheticImportance:
     sink + local + content terms, renormalized over the live tokens), LeanKV's observe (score +=
     attention, queries seen += 1) and compress for the row: the leaving token's tier, the demoted
@@ -415,8 +415,12 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
     inv_denom = np.float32(1.0) / denom
     lr_zl = lr / zl
     cr_ws = cr / ws
-    live_r, pos_r, imp_r, score_r, seen_r, placed_r, settled_r = (live[r], pos[r], imp_w[r], score[r], seen[r],
-                                                                  placed[r], settled[r])
+    live_r, pos_r, imp_r, score_r, settled_r = live[r], pos[r], imp_w[r], score[r], settled[r]
+    # a live token has been live since it was written, so the queries it saw and whether it has left
+    # the window follow from its position: the prompt's last `observed` queries saw prompt tokens
+    # (prefill), every decode query since saw it; tokens below n - window - 1 were placed
+    observed = min(obs_window, prompt)
+    placed_below = n - window - 1
     hv = np.empty(KMAX, np.float64)
     hi = np.empty(KMAX, np.int64)
     lv = np.empty(KMAX + 1, np.float64)
@@ -438,16 +442,16 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
                            + cr_ws * imp_r[s])
             sc = np.float32(score_r[s] + a * inv_denom)
             score_r[s] = sc
-            k = seen_r[s] + 1
-            seen_r[s] = k
-            if placed_r[s]:
+            k = min(max(prompt - p, 0), observed) + q - max(prompt, p) + 1
+            placed_s = p < placed_below
+            if placed_s:
                 if np.float64(sc) * nf > bar_alpha * k:  # clearly above its tier's bar: not a candidate
                     if sc > bar_alpha:                  # ... and never again (module doc)
                         settled_r[s] = True
                     continue
             sig = np.float64(sc) / k
             x = sig * nf
-            if not placed_r[s]:
+            if not placed_s:
                 if p < bar:
                     if leave >= 0:
                         resi[3] = 2                     # two tokens left the window in one decode step
@@ -464,7 +468,8 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
     demote = hi[0] if kind == 1 and hc > 0 else -1
     k_low = (1 if kind == 2 else 0) + (1 if demote >= 0 else 0)
     if demote >= 0:                                     # the demoted token is a candidate too
-        dsig = np.float64(score[r, demote]) / seen[r, demote]
+        p = pos[r, demote]
+        dsig = np.float64(score[r, demote]) / (min(max(prompt - p, 0), observed) + q - max(prompt, p) + 1)
         if dsig * nf <= alpha_l:
             j = lc
             while j > 0 and (lv[j - 1] > dsig or (lv[j - 1] == dsig and li[j - 1] > demote)):
@@ -493,7 +498,7 @@ def _arrays(addr, dims, rows, h):
 
 
 def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_weights, cap, tier_bytes, alpha_h, alpha_l,
-                window, strategy, pool, ids, meta, stats, sums):
+                window, obs_window, strategy, pool, ids, meta, stats, sums):
     """One decode token for each request of `handles` (module doc). addr[h] = the addresses of request
     h's arrays (dims[h] = slots, table entries): the token arrays (live, pos, score, tier, imp_w, queries seen, placed) [rows, slots], the
     page arrays (table, page tier, live and written slots per page) [rows, entries], the append tail
@@ -502,7 +507,7 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
     tau) of the rows. reserved[reserved_end[i-1]:reserved_end[i]] are the pages the scheduler took for
     request i's token: they go back to the pool and the write takes them again (same ids, same order);
     pool = (free ids, owned, [count]) of the ArrayBlockPool. meta[h] = [tokens, table entries, decode
-    steps, evicted token-rows, error], stats[h] = OUT_* of the step (mass summed over steps)."""
+    steps, evicted token-rows, error, tokens at the prompt cut], stats[h] = OUT_* of the step (mass summed over steps)."""
     s32, l32, local_decay, tau = heads
     stride = cap.max()
     hole_first = strategy >= SLOT_REUSE
@@ -540,7 +545,7 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
         h = handles[i]
         T, P, wsum, w = _arrays(addr, dims, rows, h)
         _attend_row(T, P, r, meta[h, 1], stride, cap, meta[h, 0], window, sink_weights, s32, l32, local_decay, tau,
-                    wsum, sums[h], alpha_h, alpha_l, res[k:k + 1], resi[k])
+                    wsum, sums[h], alpha_h, alpha_l, meta[h, 5], obs_window, res[k:k + 1], resi[k])
     # C. each request's decision applied (evictions, moves to low pages, the slot strategy), in order
     for i in range(n_req):
         h = handles[i]
