@@ -1,5 +1,7 @@
-"""LeanKV in fast mode: the token-level manager on a stratified sample of the rows (sim/kv/fast/sampled.py)
-against token-level mode on the same workloads: fragmentation, KV utilization and throughput within 5%."""
+"""LeanKV in fast mode: the token-level manager on a stratified sample of the rows (sim/kv/fast/sampled.py),
+its decode steps compiled (sim/kv/fast/leankv.py), against token-level mode on the same workloads:
+fragmentation, KV utilization and throughput within 5%; the compiled steps against the token-level
+manager on the same rows: the same run."""
 import math
 
 import pytest
@@ -7,6 +9,8 @@ import pytest
 from kvsim.sim.config import KVConfig
 from kvsim.sim.executor import build_kv
 from kvsim.sim.kv.base import sample_row_count
+from kvsim.sim.kv.fast import leankv_kernel
+from kvsim.sim.kv.fast.leankv import BatchedLeanKVManager
 from kvsim.sim.kv.fast.sampled import SampledRowsKVManager
 from test_kv_manager import MODEL, run
 
@@ -39,22 +43,72 @@ def test_leankv_fast_mode_agrees_with_long_outputs(strategy):
     assert_agrees({**LEANKV, "slot_strategy": strategy}, n=6, prompt=300, output=200)
 
 
-@pytest.mark.parametrize("num_blocks", [40, 60])
-def test_leankv_fast_mode_preempts_as_token_level_under_memory_pressure(num_blocks):
-    # 10 sampled rows of 90 (with the default 6 the pool's coarser steps preempt 1-2 more times)
-    cfg = {**LEANKV, "slot_strategy": "free_block", "fast_rows": 10}
+@pytest.mark.parametrize("num_blocks, fast_rows", [(40, 15), (60, 10)])
+def test_leankv_fast_mode_preempts_as_token_level_under_memory_pressure(num_blocks, fast_rows):
+    # 10 or 15 sampled rows of 90 (with the default 6 the pool's coarser steps preempt 1-2 more times;
+    # with 10 at 40 blocks, once more)
+    cfg = {**LEANKV, "slot_strategy": "free_block", "fast_rows": fast_rows}
     tok_steps, fast_steps = assert_agrees(cfg, n=10, prompt=300, output=200, num_blocks=num_blocks)
     assert fast_steps["preemptions"].sum() == tok_steps["preemptions"].sum() > 0
 
 
-def test_all_rows_sampled_is_token_level_exactly():
+def sampled_rows_uncompiled(monkeypatch):
+    """Fast mode as the sampled-row manager alone (as where numba is absent)."""
+    monkeypatch.setattr(leankv_kernel, "njit", None)
+
+
+def same_run(a, b, loose=()):
+    assert a.keys() == b.keys()
+    for key, value in b.items():
+        if key in loose:
+            assert math.isclose(a[key], value, rel_tol=1e-6), key
+        else:
+            assert a[key] == value or (math.isnan(value) and math.isnan(a[key])), key
+
+
+def test_all_rows_sampled_is_token_level_exactly(monkeypatch):
     # fast_rows = every row: the same heads, draws and pages, so the same run bit for bit
+    sampled_rows_uncompiled(monkeypatch)
     cfg = {**LEANKV, "slot_strategy": "slot_reuse"}
     tok = run(cfg, n=3, prompt=120, output=40)[0]
     fast = run({**cfg, "mode": "fast", "fast_rows": 90}, n=3, prompt=120, output=40, check=True)[0]
-    assert fast.keys() == tok.keys()
-    for key, value in tok.items():
-        assert fast[key] == value or (math.isnan(value) and math.isnan(fast[key])), key
+    same_run(fast, tok)
+
+
+# the compiled step sums float32 attention in another order (the attention mass, and the stored-token
+# total behind compression_ratio, differ in the last digits); everything else is the same run
+LOOSE = ("attention_mass_retained_mean", "attention_mass_retained_p10", "compression_ratio")
+
+
+@pytest.mark.parametrize("strategy, output, num_blocks", [
+    ("noop", 60, 400), ("free_block", 60, 400), ("slot_reuse", 200, 400), ("compact", 60, 400),
+    ("free_block", 200, 40), ("compact", 200, 40)])
+def test_compiled_decode_steps_are_the_token_level_manager_on_the_same_rows(monkeypatch, strategy, output,
+                                                                              num_blocks):
+    cfg = {**LEANKV, "slot_strategy": strategy, "mode": "fast"}
+    compiled, steps, _, kv = run(cfg, n=6, prompt=300, output=output, num_blocks=num_blocks, check=True)
+    assert isinstance(kv, BatchedLeanKVManager)
+    sampled_rows_uncompiled(monkeypatch)
+    plain, plain_steps, _, plain_kv = run(cfg, n=6, prompt=300, output=output, num_blocks=num_blocks, check=True)
+    assert type(plain_kv) is SampledRowsKVManager
+    same_run(compiled, plain, LOOSE)
+    for column in ("batch_size", "kv_tokens_read", "blocks_used", "live_slots", "allocated_slots", "evicted_tokens",
+                   "blocks_freed_by_eviction", "bytes_moved", "block_table_entries", "preemptions", "duration_s"):
+        assert (steps[column].to_numpy() == plain_steps[column].to_numpy()).all(), column
+    if num_blocks == 40:
+        assert compiled["preemptions"] > 0
+
+
+@pytest.mark.parametrize("kv, compiled", [
+    ({"slot_strategy": "slot_reuse"}, True), ({"slot_strategy": "noop"}, True), ({"slot_strategy": "compact"}, True),
+    ({"slot_strategy": "sparse_copy"}, False), ({"slot_strategy": "parallel_compact"}, False),
+    ({"slot_strategy": "free_block", "trigger": "every_n", "trigger_interval": 4}, False)])
+def test_leankv_decode_steps_are_compiled_where_the_kernel_covers_them(kv, compiled):
+    from kvsim.sim.cost_model import CostModel
+    cost = CostModel(MODEL, "l4")
+    manager = build_kv(KVConfig(**LEANKV, **kv, mode="fast"), cost.model, cost, 100, 16, 0)[0]
+    assert isinstance(manager, BatchedLeanKVManager) is compiled
+    assert isinstance(manager, SampledRowsKVManager)
 
 
 def test_sampled_rows_scale_pool_and_slots_to_all_rows():

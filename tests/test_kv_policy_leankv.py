@@ -7,6 +7,7 @@ from kvsim.sim.kv.importance import SyntheticImportance
 from kvsim.sim.kv.policies.leankv import OBSERVED, PLACED
 from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
 from kvsim.sim.kv.state import TIER_FULL, TIER_HIGH, TIER_LOW, TokenState
+from test_kv_manager import run
 
 SHARED = PolicyContext("shared", 1, 1, 1, 16, 1)
 
@@ -146,3 +147,14 @@ def test_high_and_low_precision_pages_grow_from_opposite_ends_of_the_page_table(
     last_high = np.where(high, entries, -1).max(axis=1)
     first_low = np.where(low, entries, rk.num_entries).min(axis=1)
     assert (last_high < first_low).all()                 # high pages from the front, low from the back
+
+
+@pytest.mark.parametrize("strategy", ["noop", "free_block", "holed_copy"])
+def test_append_strategies_never_write_over_a_live_token_after_tier_moves(strategy):
+    # A tier move empties a slot in an older high page (pos -1, like a never-written slot). Appending
+    # the next token there used to move the append tail into that full page, so the following tokens
+    # overwrote live ones; a new token now goes to the tail page or a fresh page (check_invariants:
+    # the tail's next slots are unwritten), and live tokens leave only by eviction.
+    s = run({"policy": "leankv", "layout": "per_head", "slot_strategy": strategy},
+            n=3, prompt=200, output=80, check=True)[0]
+    assert s["evicted_token_rows"] > 0

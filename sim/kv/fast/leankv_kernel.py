@@ -21,6 +21,8 @@ Block ids come from and return to the `ArrayBlockPool` stack arrays in the same 
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 try:
@@ -30,7 +32,9 @@ try:
 except ImportError:          # pragma: no cover - exercised where numba is absent
     njit = None
     prange = range
-else:
+if os.environ.get("KVSIM_NO_NUMBA"):    # fast mode without compiled kernels: the sampled-row manager
+    njit = None
+if njit is not None:
     @intrinsic
     def _ptr(typingctx, address):
         """The int64 address of a numpy array's data as a pointer (numba.carray views it)."""
