@@ -30,7 +30,7 @@ FIELDS = {"imp_w", OBSERVED, PLACED}
 # dtypes of the arrays whose addresses the kernel takes (leankv_kernel._arrays), in order
 DTYPES = tuple(np.dtype(t) for t in (bool, np.int64, np.float32, np.int8, np.float32, np.int32, bool, np.int64,
                                      np.int8, np.int64, np.int64, np.int64, np.int64, np.float64, np.float32, bool))
-META_TOKENS, META_ENTRIES, META_STEPS, META_EVICTED, META_ERROR, META_PROMPT = range(6)
+META_TOKENS, META_ENTRIES, META_STEPS, META_EVICTED, META_ERROR, META_PROMPT, META_MAX = range(7)
 
 
 def batched_leankv_supported(policy, slot_strategy: str, trigger: str) -> bool:
@@ -71,7 +71,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._free_handles: list[int] = []
         self._addr = np.zeros((0, len(DTYPES)), dtype=np.int64)
         self._dims = np.zeros((0, 2), dtype=np.int64)
-        self._meta = np.zeros((0, 6), dtype=np.int64)
+        self._meta = np.zeros((0, 7), dtype=np.int64)
         self._stats = np.zeros((0, K.OUT_SIZE))
         self._sums = np.zeros((0, self.inner.rows, 3))
         self._ids = np.zeros(0, dtype=np.int64)
@@ -209,7 +209,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             grow = max(16, h)
             self._addr = np.concatenate([self._addr, np.zeros((grow, len(DTYPES)), np.int64)])
             self._dims = np.concatenate([self._dims, np.zeros((grow, 2), np.int64)])
-            self._meta = np.concatenate([self._meta, np.zeros((grow, 6), np.int64)])
+            self._meta = np.concatenate([self._meta, np.zeros((grow, 7), np.int64)])
             self._stats = np.concatenate([self._stats, np.zeros((grow, K.OUT_SIZE))])
             self._sums = np.concatenate([self._sums, np.zeros((grow,) + self._sums.shape[1:])])
         return h
@@ -222,6 +222,10 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         occ = np.zeros(rk.table.shape, dtype=np.int64)
         wr = np.zeros_like(occ)
         settled = np.zeros(st.live.shape, dtype=bool)
+        fresh = not d.arrays
+        if not fresh:                               # the table grew: slots keep their indices
+            old = d.arrays[15]
+            settled[:, :old.shape[1]] = old
         d.arrays = (st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED), st.field(PLACED),
                     rk.table, rk.page_tier, occ, wr, rk.tail, rk.tail_off, d.imp["wsum"], d.imp["w"], settled)
         for i, (a, dt) in enumerate(zip(d.arrays, DTYPES)):
@@ -230,8 +234,10 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._dims[h] = st.num_slots, rk.num_entries
         assert d.arrays[14].shape == (self.inner.rows, CHUNK)
         policy = self.policy
-        K.page_counts(d.arrays[:7] + d.arrays[15:], d.arrays[7:13], self.inner.stride, int(self._meta[h, META_ENTRIES]),
-                      int(self._meta[h, META_TOKENS]) - 1, self._heads[3], policy.alpha_h, policy.alpha_l, self._sums[h])
+        m = self._meta[h]
+        K.page_counts(d.arrays[:7] + d.arrays[15:], d.arrays[7:13], self.inner.stride, int(m[META_ENTRIES]),
+                      int(m[META_TOKENS]) - 1, self._heads[3], policy.alpha_h, policy.alpha_l, self._sums[h],
+                      int(m[META_PROMPT]), policy.obs_window, int(m[META_MAX]), fresh)
         if self._ids.size < rk.table.size:
             self._ids = np.zeros(2 * rk.table.size, dtype=np.int64)
 
@@ -243,7 +249,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             inner.importance._weights(req.request_id, imp, np.array([q]))
         d = self._decoding[req] = _Decoding(rk, imp, self._handle())
         h = d.handle
-        self._meta[h] = (q, rk.num_entries, rk.decode_steps, rk.evicted_rows, 0, q)
+        self._meta[h] = (q, rk.num_entries, rk.decode_steps, rk.evicted_rows, 0, q, req.prompt_tokens + req.max_output_tokens)
         self._bind(d)
         live, alloc, read, pages, stored = inner._stats[req]
         inner._unstat(req)

@@ -355,16 +355,33 @@ def _compact(T, P, cap, stride, ent, tier_bytes, pool, ids, out):
     return freed
 
 
-def page_counts(T, P, stride, ent, q, tau, alpha_h, alpha_l, sums):
+def _seen(p, q, prompt, observed):
+    """Queries a token at position p live since it was written has seen by query position q: the
+    prompt's last `observed` queries (prefill) and every decode query since."""
+    return min(max(prompt - p, 0), observed) + q - max(prompt, p) + 1
+
+
+def _settles(sc, k, n, n_max, bar_alpha):
+    """Whether a placed token (score sc, k queries seen, n tokens cached) stays above its tier's bar
+    until the request ends (n_max tokens): its significance x N' >= sc N' / (k + N' - n), which only
+    falls as N' grows (k <= n) — so at N' = n_max — and its score only grows."""
+    return np.float64(sc) * n_max > bar_alpha * (k + n_max - n)
+
+
+def page_counts(T, P, stride, ent, q, tau, alpha_h, alpha_l, sums, prompt, obs_window, n_max, fresh):
     """Fill what the kernel keeps beside the token state: the pages' live (occ) and written (wr) slot
-    counts, the settled flags, and each row's live sums at query position q (module doc)."""
+    counts, each row's live sums at query position q, and (`fresh`: a request starting its decode
+    steps) the settled flags (module doc)."""
     live, pos, score, tier, placed, settled = T[0], T[1], T[2], T[3], T[6], T[7]
     table, occ, wr = P[0], P[2], P[3]
     for r in range(table.shape[0]):
         sums[r, 0] = sums[r, 1] = sums[r, 2] = 0.0
         for s in range(live.shape[1]):
-            bar = alpha_h if tier[r, s] == HIGH else alpha_l
-            settled[r, s] = live[r, s] and placed[r, s] and np.float64(score[r, s]) > bar * SAFE
+            if fresh:
+                bar = (alpha_h if tier[r, s] == HIGH else alpha_l) * SAFE
+                p = pos[r, s]
+                settled[r, s] = live[r, s] and placed[r, s] and _settles(
+                    score[r, s], _seen(p, q, prompt, min(obs_window, prompt)), q + 1, n_max, bar)
             if live[r, s]:
                 sums[r, 0] += np.exp(-(q - pos[r, s]) / tau[r])
                 sums[r, 1] += np.float64(T[4][r, s])
@@ -384,7 +401,7 @@ def page_counts(T, P, stride, ent, q, tau, alpha_h, alpha_l, sums):
 
 
 def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, local_decay, tau, wsum, sums,
-                alpha_h, alpha_l, prompt, obs_window, res, resi):
+                alpha_h, alpha_l, prompt, obs_window, n_max, res, resi):
     """Decode attention of the query at position q over row r's live tokens (SyntheticImportance:
     sink + local + content terms, renormalized over the live tokens), LeanKV's observe (score +=
     attention, queries seen += 1) and compress for the row: the leaving token's tier, the demoted
@@ -446,11 +463,11 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
                            + cr_ws * imp_r[s])
             sc = np.float32(score_r[s] + a * inv_denom)
             score_r[s] = sc
-            k = min(max(prompt - p, 0), observed) + q - max(prompt, p) + 1
+            k = _seen(p, q, prompt, observed)
             placed_s = p < placed_below
             if placed_s:
                 if np.float64(sc) * nf > bar_alpha * k:  # clearly above its tier's bar: not a candidate
-                    if sc > bar_alpha:                  # ... and never again (module doc)
+                    if _settles(sc, k, n, n_max, bar_alpha):    # ... nor until the request ends
                         settled_r[s] = True
                     continue
             sig = np.float64(sc) / k
@@ -473,7 +490,7 @@ def _attend_row(T, P, r, ent, stride, cap, q, window, sink_weights, s32, l32, lo
     k_low = (1 if kind == 2 else 0) + (1 if demote >= 0 else 0)
     if demote >= 0:                                     # the demoted token is a candidate too
         p = pos[r, demote]
-        dsig = np.float64(score[r, demote]) / (min(max(prompt - p, 0), observed) + q - max(prompt, p) + 1)
+        dsig = np.float64(score[r, demote]) / _seen(p, q, prompt, observed)
         if dsig * nf <= alpha_l:
             j = lc
             while j > 0 and (lv[j - 1] > dsig or (lv[j - 1] == dsig and li[j - 1] > demote)):
@@ -511,7 +528,8 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
     tau) of the rows. reserved[reserved_end[i-1]:reserved_end[i]] are the pages the scheduler took for
     request i's token: they go back to the pool and the write takes them again (same ids, same order);
     pool = (free ids, owned, [count]) of the ArrayBlockPool. meta[h] = [tokens, table entries, decode
-    steps, evicted token-rows, error, tokens at the prompt cut], stats[h] = OUT_* of the step (mass summed over steps)."""
+    steps, evicted token-rows, error, tokens at the prompt cut, most tokens the request can reach],
+    stats[h] = OUT_* of the step (mass summed over steps)."""
     s32, l32, local_decay, tau = heads
     stride = cap.max()
     hole_first = strategy >= SLOT_REUSE
@@ -549,7 +567,7 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
         h = handles[i]
         T, P, wsum, w = _arrays(addr, dims, rows, h)
         _attend_row(T, P, r, meta[h, 1], stride, cap, meta[h, 0], window, sink_weights, s32, l32, local_decay, tau,
-                    wsum, sums[h], alpha_h, alpha_l, meta[h, 5], obs_window, res[k:k + 1], resi[k])
+                    wsum, sums[h], alpha_h, alpha_l, meta[h, 5], obs_window, meta[h, 6], res[k:k + 1], resi[k])
     # C. each request's decision applied (evictions, moves to low pages, the slot strategy), in order
     for i in range(n_req):
         h = handles[i]
@@ -683,7 +701,7 @@ def next_token_pages(P, cap, ent, hole_first):
 
 if njit is not None:
     for _name in ("_pop", "_push", "_clear", "_move", "_evict", "_release_page", "_add_pages", "_first_free",
-                  "_tail_free", "_row_needs_page", "_write", "_insert", "_release_empty", "_compact", "page_counts",
+                  "_tail_free", "_row_needs_page", "_seen", "_settles", "_write", "_insert", "_release_empty", "_compact", "page_counts",
                   "_apply", "_stats", "next_token_pages", "_arrays"):
         globals()[_name] = njit(cache=True, nogil=True)(globals()[_name])
     _attend_row = njit(cache=True, nogil=True)(_attend_row)
