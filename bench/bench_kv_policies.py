@@ -6,9 +6,10 @@ Workloads (closed batches, every request at t=0):
 Policies: kvcompress (per_head, compression rate 64, compress after prefill and under memory pressure,
 compact), leankv (per_head, K8V4/K4V2 tiers), quest (shared, budget 512), snapkv (per_head, the
 budget of rate 64: ceil(6000 / 64) - 8 window = 86 per KV head). Each runs in fast mode where the
-policy has a fast-mode model (all four; leankv's is the token-level manager on sampled rows,
-docs/kv-policies.md section 5), else in token mode, in a child process stopped after --timeout
-seconds (printed as "> T").
+policy has a fast-mode model (all four; leankv's is the token-level manager on sampled rows with
+compiled decode steps, docs/kv-policies.md section 5), else in token mode, in a child process
+stopped after --timeout seconds (printed as "> T"). Numba kernels compile on their first use after
+an install (cached beside the source): run twice for the steady figure.
 
     python bench/bench_kv_policies.py                       # all rows, 120 s cap per run
     python bench/bench_kv_policies.py --only A:quest,A:snapkv --timeout 60

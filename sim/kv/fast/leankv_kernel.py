@@ -1,23 +1,29 @@
-"""LeanKV's decode step for one request, compiled (numba): what the token-level manager does for it.
+"""LeanKV's decode steps, compiled (numba): what the token-level manager does for them.
 
-`leankv_decode` runs, on a request's token-level arrays (sim/kv/slots.py `RequestKV` and its
-`TokenState`), exactly the steps of `EvictingKVManager` for one decode token of a `leankv` request
-with the `every_step` trigger and the noop / free_block / slot_reuse / compact slot strategies:
+`leankv_step` runs one decode token for every decoding request of an engine step, on the requests'
+token-level arrays (sim/kv/slots.py `RequestKV` and its `TokenState`, by address), the steps of
+`EvictingKVManager` for a `leankv` request with the `every_step` trigger and the noop / free_block /
+slot_reuse / compact slot strategies:
 
-1. write the token (`_needs`, `_add_pages`, `_place`: the tail page or the first hole of a high page);
-2. the importance model's decode attention of the new query over the live tokens
-   (`SyntheticImportance.decode_scores`: sink + local + content terms, renormalized over live tokens)
-   and LeanKV's `observe` (score += attention, queries seen += 1);
-3. LeanKV's `compress` (the token leaving the window is placed high, low or pruned by
-   significance x N against alpha_h / alpha_l, and `_make_room` demotes / prunes the least
-   significant placed tokens below the bar);
-4. `_apply`: evictions leave holes, tier moves go hole-first into low pages (`_retier`), then the
-   slot strategy (free empty pages; compact each tier).
+A. (in the scheduler's order) write the token (`_needs`, `_add_pages`, `_place`: the append tail, the
+   first hole of a high page, or a new page);
+B. (per request and row, in parallel) the importance model's decode attention of the new query over
+   the live tokens (`SyntheticImportance.decode_scores`: sink + local + content terms, renormalized
+   over the live tokens), LeanKV's `observe` (score += attention) and `compress` (the token leaving
+   the window placed high, low or pruned by significance x N against alpha_h / alpha_l; `_make_room`
+   demotes / prunes the least significant placed tokens below the bar);
+C. (in order) `_apply`: evictions leave holes, tier moves go hole-first into low pages (`_retier`),
+   then the slot strategy (free empty pages; compact each tier), and `_stat`.
 
-Its twin is the token-level manager itself (tests/test_fast_leankv.py runs both on the same sampled
-rows). Differences are float rounding only: sums are taken in float64 (numpy sums float32
-pairwise); exp(-age / tau) comes from a per-row table numpy fills as the token-level model does.
-Block ids come from and return to the `ArrayBlockPool` stack arrays in the same order.
+What the kernel keeps beside the token state: each page's live and written slot counts; per row
+three running sums over the live tokens (exp(-age / tau), content weights, live sinks as bits) from
+which the attention normalizer follows without a pass; and per token a *settled* flag: a placed
+token whose significance cannot fall to its tier's bar before its request ends is not visited again
+(`_settles`). Queries seen and whether a token has left the window follow from its position
+(`_seen`). Its twin is the token-level manager itself (tests/test_fast_leankv.py runs both on the
+same sampled rows): the same decisions; the attention mass differs in the last digits (float64 sums
+where numpy sums float32 pairwise). Block ids come from and return to the `ArrayBlockPool` stack
+arrays in the same order.
 """
 from __future__ import annotations
 
