@@ -69,6 +69,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._decoding: dict = {}
         self._pending: dict = {}            # request -> block ids reserved for its next decode token
         self._free_handles: list[int] = []
+        self._handles = 0                   # handles ever given out
         self._addr = np.zeros((0, len(DTYPES)), dtype=np.int64)
         self._dims = np.zeros((0, 2), dtype=np.int64)
         self._meta = np.zeros((0, 7), dtype=np.int64)
@@ -204,7 +205,8 @@ class BatchedLeanKVManager(SampledRowsKVManager):
     def _handle(self) -> int:
         if self._free_handles:
             return self._free_handles.pop()
-        h = self._next_handle = getattr(self, "_next_handle", -1) + 1
+        h = self._handles
+        self._handles += 1
         if h >= self._meta.shape[0]:
             grow = max(16, h)
             self._addr = np.concatenate([self._addr, np.zeros((grow, len(DTYPES)), np.int64)])
@@ -249,7 +251,8 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             inner.importance._weights(req.request_id, imp, np.array([q]))
         d = self._decoding[req] = _Decoding(rk, imp, self._handle())
         h = d.handle
-        self._meta[h] = (q, rk.num_entries, rk.decode_steps, rk.evicted_rows, 0, q, req.prompt_tokens + req.max_output_tokens)
+        most = req.prompt_tokens + req.max_output_tokens
+        self._meta[h] = (q, rk.num_entries, rk.decode_steps, rk.evicted_rows, 0, q, most)
         self._bind(d)
         live, alloc, read, pages, stored = inner._stats[req]
         inner._unstat(req)
