@@ -31,6 +31,9 @@ import os
 
 import numpy as np
 
+from ..importance import CHUNK, NUM_SINK
+from ..state import TIER_HIGH, TIER_LOW
+
 try:
     from numba import carray, njit, prange
     from numba.core import cgutils, types
@@ -48,13 +51,11 @@ if njit is not None:
             return builder.inttoptr(args[0], cgutils.voidptr_t)
         return types.voidptr(types.int64), codegen
 
-HIGH, LOW = 1, 2
+HIGH, LOW = TIER_HIGH, TIER_LOW
 NOOP, FREE_BLOCK, SLOT_REUSE, COMPACT = 0, 1, 2, 3
 STRATEGY_CODES = {"noop": NOOP, "free_block": FREE_BLOCK, "slot_reuse": SLOT_REUSE, "compact": COMPACT}
 SAFE = 1.0 + 1e-9              # sc N > alpha (1 + 1e-9) seen implies (sc / seen) N > alpha after rounding
 KMAX = 8                       # tokens a row may demote / prune in one decode step (one leaves the window)
-NUM_SINK = 4
-CHUNK = 256                    # positions per content-weight draw (sim.kv.importance.CHUNK)
 # stats[handle, ...] of leankv_step (all per step but OUT_MASS_SUM)
 OUT_LIVE, OUT_ALLOC, OUT_READ, OUT_PAGES, OUT_STORED, OUT_MASS, OUT_EVICTED, OUT_FREED, OUT_MOVED, \
     OUT_MOVED_BYTES, OUT_COMPACT_BYTES, OUT_NEED, OUT_ERROR, OUT_MASS_SUM = range(14)
