@@ -176,7 +176,6 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         for req, d in self._decoding.items():
             st = d.rk.state
             row = self._stats[d.handle]
-            st.num_tokens = int(self._meta[d.handle, META_TOKENS])     # kept by the kernel
             assert int(st.live.sum()) == row[K.OUT_LIVE], f"request {req.request_id}: live slot count drifted"
             occ, wr = d.arrays[9], d.arrays[10]
             pages = d.rk.table >= 0
@@ -333,6 +332,8 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         if meta[handles, META_ERROR].any():
             bad = handles[meta[handles, META_ERROR] != 0][0]
             raise AssertionError(f"compiled LeanKV step failed (handle {bad}, code {meta[bad, META_ERROR]})")
+        for d, tokens in zip(batch, meta[handles, META_TOKENS].tolist()):
+            d.rk.state.num_tokens = tokens
         step = stats[handles]
         plan = inner.plan
         plan.evicted_tokens += int(step[:, K.OUT_EVICTED].sum())
