@@ -5,15 +5,16 @@ token-level arrays (sim/kv/slots.py `RequestKV` and its `TokenState`, by address
 `EvictingKVManager` for a `leankv` request with the `every_step` trigger and the noop / free_block /
 slot_reuse / compact slot strategies:
 
-A. (in the scheduler's order) write the token (`_needs`, `_add_pages`, `_place`: the append tail, the
-   first hole of a high page, or a new page);
+A. (per request, in parallel) write the token (`_needs`, `_add_pages` with the pages the scheduler
+   reserved, `_place`: the append tail, the first hole of a high page, or a new page);
 B. (per request and row, in parallel) the importance model's decode attention of the new query over
    the live tokens (`SyntheticImportance.decode_scores`: sink + local + content terms, renormalized
    over the live tokens), LeanKV's `observe` (score += attention) and `compress` (the token leaving
    the window placed high, low or pruned by significance x N against alpha_h / alpha_l; `_make_room`
    demotes / prunes the least significant placed tokens below the bar);
-C. (in order) `_apply`: evictions leave holes, tier moves go hole-first into low pages (`_retier`),
-   then the slot strategy (free empty pages; compact each tier), and `_stat`.
+C. (in order: the pool) `_apply`: evictions leave holes, tier moves go hole-first into low pages
+   (`_retier`), then the slot strategy (free empty pages; compact each tier);
+D. (per request, in parallel) `_stat`.
 
 What the kernel keeps beside the token state: each page's live and written slot counts; per row
 three running sums over the live tokens (exp(-age / tau), content weights, live sinks as bits) from
@@ -149,16 +150,25 @@ def _release_page(T, P, stride, r, e):
 
 
 def _add_pages(P, meta, need, tier, pool, ids):
-    """RequestKV.grow + SlotStrategies._add_pages: need[r] pages of `tier` per row (high: the lowest
-    empty entries, low: the highest); meta[1] is the table's entry count. False when the physical
-    table is too small (nothing changed; the caller makes room first)."""
-    table, page_tier = P[0], P[1]
-    rows = table.shape[0]
-    total = 0
+    """RequestKV.grow + SlotStrategies._add_pages: need[r] pages of `tier` per row from the pool.
+    False when the physical table is too small (nothing changed; the caller makes room first)."""
+    total = need.sum()
+    if total == 0:
+        return True
+    if not _grow(P, meta, need):
+        return False
+    _pop(pool, total, ids)
+    _assign_pages(P, meta[1], need, tier, ids)
+    return True
+
+
+def _grow(P, meta, need):
+    """RequestKV.grow when a row has fewer empty entries than pages to add: meta[1] (the table's
+    entry count) doubles, or grows by what is missing; False when the physical table is too small."""
+    table = P[0]
     ent = meta[1]
     extra = 0
-    for r in range(rows):
-        total += need[r]
+    for r in range(table.shape[0]):
         if need[r] == 0:
             continue
         free_e = 0
@@ -166,20 +176,24 @@ def _add_pages(P, meta, need, tier, pool, ids):
             if table[r, e] < 0:
                 free_e += 1
         extra = max(extra, need[r] - free_e)
-    if total == 0:
-        return True
     if extra > 0:
         new_ent = max(ent + extra, 2 * ent)
         if new_ent > table.shape[1]:
             return False
-        meta[1] = ent = new_ent
-    _pop(pool, total, ids)
+        meta[1] = new_ent
+    return True
+
+
+def _assign_pages(P, ent, need, tier, ids):
+    """Block ids ids[0:] to need[r] empty entries of each row (row by row; high pages take the lowest
+    empty entries, low pages the highest — they grow from opposite ends; ids in entry order)."""
+    table, page_tier = P[0], P[1]
     k = 0
-    for r in range(rows):
+    for r in range(table.shape[0]):
         left = need[r]
         if left == 0:
             continue
-        if tier == LOW:                                # the highest empty entries, ids in entry order
+        if tier == LOW:
             for e in range(ent - 1, -1, -1):
                 if left == 0:
                     break
@@ -200,7 +214,6 @@ def _add_pages(P, meta, need, tier, pool, ids):
                     page_tier[r, e] = tier
                     k += 1
                     left -= 1
-    return True
 
 
 def _first_free(T, P, cap, stride, ent, r, tier, start):
@@ -533,7 +546,7 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
     (entry, offset) [rows], wsum [rows] (content weights written so far) and the current chunk of
     content weights [rows, CHUNK]. heads = (s, l as float32, exp(-age / tau) as float32 [rows, ages],
     tau) of the rows. reserved[reserved_end[i-1]:reserved_end[i]] are the pages the scheduler took for
-    request i's token: they go back to the pool and the write takes them again (same ids, same order);
+    request i's token, which its write places (ids in the order the pool handed them out);
     pool = (free ids, owned, [count]) of the ArrayBlockPool. meta[h] = [tokens, table entries, decode
     steps, evicted token-rows, error, tokens at the prompt cut, most tokens the request can reach],
     stats[h] = OUT_* of the step (mass summed over steps)."""
@@ -541,21 +554,21 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
     stride = cap.max()
     hole_first = strategy >= SLOT_REUSE
     n_req = handles.shape[0]
-    # A. the writes, in the scheduler's order (they take pages)
-    start = 0
-    for i in range(n_req):
+    # A. the writes (in parallel: each request takes the pages the scheduler reserved for it, in the
+    # order the pool would have handed them out)
+    for i in prange(n_req):
         h = handles[i]
         T, P, wsum, w = _arrays(addr, dims, rows, h)
         m = meta[h]
-        _push(pool, reserved_end[i] - start, reserved[start:reserved_end[i]])
-        start = reserved_end[i]
+        start = reserved_end[i - 1] if i > 0 else 0
         need = np.zeros(rows, np.int64)
         for r in range(rows):
             if _row_needs_page(P, cap, m[1], r, hole_first):
                 need[r] = 1
-        if not _add_pages(P, m, need, HIGH, pool, ids):
+        if need.sum() != reserved_end[i] - start or not _grow(P, m, need):
             m[4] = 1
-            return
+            continue
+        _assign_pages(P, m[1], need, HIGH, reserved[start:reserved_end[i]])
         q = m[0]
         rs = sums[h]
         for r in range(rows):
@@ -566,6 +579,9 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
             rs[r, 1] += np.float64(weight)
             if q < NUM_SINK:
                 rs[r, 2] += 2.0 ** q
+    for i in range(n_req):
+        if meta[handles[i], 4] != 0:
+            return
     # B. attention and LeanKV's decision, row by row (independent: in parallel)
     res = np.zeros(n_req * rows)
     resi = np.full((n_req * rows, 4 + KMAX), -1, np.int64)
@@ -606,7 +622,10 @@ def leankv_step(handles, reserved, reserved_end, addr, dims, rows, heads, sink_w
                 m[4] = 1
                 return
             m[3] += out[OUT_EVICTED]
-        _stats(P, cap, m[1], tier_bytes, hole_first, out)
+    for i in prange(n_req):                             # D. each request's counts (in parallel)
+        h = handles[i]
+        P = _arrays(addr, dims, rows, h)[1]
+        _stats(P, cap, meta[h, 1], tier_bytes, hole_first, stats[h])
 
 
 def _apply(T, P, meta, cap, stride, tier_bytes, strategy, resi, pool, ids, out, q, tau, sums):
@@ -708,7 +727,7 @@ def next_token_pages(P, cap, ent, hole_first):
 
 if njit is not None:
     for _name in ("_pop", "_push", "_clear", "_move", "_evict", "_release_page", "_add_pages", "_first_free",
-                  "_tail_free", "_row_needs_page", "_seen", "_settles", "_write", "_insert", "_release_empty", "_compact", "page_counts",
+                  "_tail_free", "_row_needs_page", "_grow", "_assign_pages", "_seen", "_settles", "_write", "_insert", "_release_empty", "_compact", "page_counts",
                   "_apply", "_stats", "next_token_pages", "_arrays"):
         globals()[_name] = njit(cache=True, nogil=True)(globals()[_name])
     _attend_row = njit(cache=True, nogil=True)(_attend_row)
