@@ -102,8 +102,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         d = self._decoding.get(req)
         if d is not None and num_new_tokens == 1:
             return int(self._stats[d.handle, K.OUT_NEED]) * self.unit
-        self._leave(req)
-        return super().blocks_needed(req, num_new_tokens, num_computed_blocks)
+        return super().blocks_needed(req, num_new_tokens, num_computed_blocks)   # reads pages only
 
     def allocate_slots(self, req, num_new_tokens: int, computed_blocks=None) -> bool:
         d = self._decoding.get(req)
@@ -275,7 +274,6 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         m, row = self._meta[h], self._stats[h]
         steps = int(m[META_STEPS] - d.steps0)
         st = rk.state
-        st.num_tokens = int(m[META_TOKENS])
         st.num_steps_observed += steps
         self._restore_observed(st, int(m[META_PROMPT]))
         rk.decode_steps = int(m[META_STEPS])

@@ -694,7 +694,7 @@ def _stats(P, cap, ent, tier_bytes, hole_first, out):
     """EvictingKVManager._stat (live and allocated slots, reads and stored bytes in token-equivalents
     summed over rows, pages: a page's written slots all hold its tier) and the next token's pages."""
     table, page_tier, occ, wr = P[0], P[1], P[2], P[3]
-    n_live, alloc, pages, need = 0, 0, 0, 0
+    n_live, alloc, pages = 0, 0, 0
     read, stored = 0.0, 0.0
     for r in range(table.shape[0]):
         for e in range(ent):
@@ -706,14 +706,12 @@ def _stats(P, cap, ent, tier_bytes, hole_first, out):
             n_live += occ[r, e]
             read += wr[r, e] * tier_bytes[t]
             stored += occ[r, e] * tier_bytes[t]
-        if _row_needs_page(P, cap, ent, r, hole_first):
-            need += 1
     out[OUT_LIVE] = n_live
     out[OUT_ALLOC] = alloc
     out[OUT_READ] = read
     out[OUT_STORED] = stored
     out[OUT_PAGES] = pages
-    out[OUT_NEED] = need
+    out[OUT_NEED] = next_token_pages(P, cap, ent, hole_first)
 
 
 def next_token_pages(P, cap, ent, hole_first):
