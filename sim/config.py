@@ -167,7 +167,7 @@ class SimConfig(_Strict):
     tp: int = Field(1, gt=0)
     replicas: int = Field(1, gt=0)
     router: Literal["round_robin", "least_outstanding"] = "round_robin"
-    profile: str = "default"
+    profile: str = "auto"                # the GPU's shipped profile (sim/data/profiles; docs/gpu-profiles.md)
     kv_dtype: str | None = None
     weight_dtype: str | None = None      # decoder-layer weight dtype (fp16, bf16, fp8, int8, int4); None: the catalog's
     engine: EngineConfig = EngineConfig()
@@ -176,6 +176,8 @@ class SimConfig(_Strict):
     seed: int = 0
     fast_forward: bool = True
     check_invariants: bool = False
+    # engine time only: the profile's client-side terms (API server, tokenization) off
+    engine_only: bool = False
 
     @field_validator("model")
     @classmethod

@@ -12,6 +12,8 @@ import simpy
 from .assembly import load_workload, resolve_hardware, scheduler_config, trace_to_requests
 from .config import ConfigError, SimConfig
 from .core.scheduler import Scheduler
+from .client import client_view
+from .cost_model import ClientLatency, profile_fit_error
 from .defaults import resolve_defaults
 from .engine import ArrivalProcess, EngineReplica, Router, StepArrivals
 from .executor import replica_executor
@@ -65,7 +67,8 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
 
 def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost, num_blocks: int,
               max_model_len: int, t0: float, *, progress, keep_steps: bool, wrap_kv) -> SimulationResult:
-    requests = trace_to_requests(trace)
+    client = ClientLatency() if cfg.engine_only else cost.profile.client
+    requests = trace_to_requests(trace, client.request_s)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None)
     sched_cfg = scheduler_config(cfg, cost, max_model_len)
@@ -106,12 +109,15 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         else:
             unsent = set(map(id, step_arrivals.pending))
             requests = [r for r in requests if id(r) not in unsent]
-    req_df = request_table(requests)
+    req_df = client_view(request_table(requests), client)
     steps_df = step_log.to_pandas() if keep_steps or out is None else None
     steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(
         out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(cfg, req_df, steps_for_summary, [r.kv for r in replicas], num_blocks,
                           max_model_len, model, gpu)
+    summary["profile"] = cost.profile.name
+    summary["profile_step_mape"] = profile_fit_error(cost.profile)
+    summary["client_latency"] = client.enabled
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
