@@ -161,21 +161,24 @@ class GemmEfficiency(BaseModel):
 
 
 class ClientLatency(BaseModel):
-    """Time a `vllm bench serve` client sees beyond the engine's steps (sim/engine.py applies it).
+    """Time a `vllm bench serve` client sees beyond the engine's steps (sim/client.py applies it).
 
-    request_s: per request, from the client's send to the request entering the engine's queue
-    (HTTP, the API server, tokenization) -- TTFT and E2E include it, TPOT/ITL do not.
-    output_token_s: per output token, the API server's serial work (detokenization, streaming): a
-    step's tokens reach the client after the server has processed every token of the step, so it
-    stretches ITL with the batch size."""
+    request_s: per request, a fixed latency from the client's send to the request entering the
+    engine (HTTP, client and network: requests overlap in it); TTFT and E2E include it, TPOT/ITL not.
+    request_serial_s: per request, the API server's serial work before the engine sees it
+    (parsing, tokenization): one request at a time, so a burst of sends queues there.
+    output_token_s: per output token, the API server's serial work after the engine (detokenization,
+    streaming): a step's tokens reach the client once the server has processed them and every token
+    before them, so ITL grows with the batch when the server is the bottleneck."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_s: float = Field(default=0.0, ge=0)
+    request_serial_s: float = Field(default=0.0, ge=0)
     output_token_s: float = Field(default=0.0, ge=0)
 
     @property
     def enabled(self) -> bool:
-        return self.request_s > 0 or self.output_token_s > 0
+        return self.request_s > 0 or self.request_serial_s > 0 or self.output_token_s > 0
 
 
 class HardwareProfile(BaseModel):

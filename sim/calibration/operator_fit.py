@@ -324,8 +324,8 @@ def fit_operator_profile(tables: OperatorTables, *, holdout: str | None = None, 
                                         else None),
                           "allreduce": bool(update.get("allreduce_by_tp"))},
             "nccl_allreduce_latency_s": nccl_latency,
-            "not_fitted": ["allreduce latency (vLLM's custom all-reduce)", "step_overhead_s", "per_seq_overhead_s", "per_block_entry_overhead_s", "copy_bw_eff",
-                           "pcie_eff", "client"],
+            "not_from_kernel_times": ["allreduce latency (vLLM's custom all-reduce)", "step_overhead_s (host)", "per_seq_overhead_s", "per_block_entry_overhead_s", "copy_bw_eff",
+                           "pcie_eff", "client (host)"],
             "fit_errors": errors}
     profile = profile.model_copy(update={"meta": meta})
     return OperatorFit(profile, errors, holdout, [m for m in models if m != holdout])
