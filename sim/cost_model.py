@@ -414,6 +414,16 @@ class CostModel:
         self._elementwise_token_s = float(elem / self.gpu.mem_bw)
 
     @property
+    def matmul_time_per_token(self) -> float:
+        """Seconds at peak of the decoder-layer matmuls for one token on one GPU (LM head excluded)."""
+        return self._c["prefill_flops_s"]
+
+    @property
+    def elementwise_time_per_token(self) -> float:
+        """Seconds at peak bandwidth of one token's elementwise kernels (norms, RoPE, activation, adds)."""
+        return self._elementwise_token_s
+
+    @property
     def layer_weight_mib(self) -> float:
         """One layer's matmul weights on one GPU, MiB (what sets how well a matmul fills the GPU)."""
         m = self.model
