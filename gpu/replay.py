@@ -297,7 +297,7 @@ def _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num
     if limits:
         add_client_queue(req_df, limits[0].client_arrival)
     steps_df = step_log.to_pandas()
-    summary = run_summary(cfg, req_df, steps_df, [kv], num_blocks, max_model_len, spec, gpu)
+    summary = run_summary(cfg, req_df, steps_df, [kv], num_blocks, max_model_len, spec, gpu, cost.profile)
     summary.update(_replay_summary(cfg, opts, model, steps_df, executor, partial, replica.now, len(requests)))
     if partial:
         summary["partial_reason"] = "interrupted (Ctrl-C)"

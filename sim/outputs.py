@@ -15,12 +15,13 @@ import pyarrow.parquet as pq
 import yaml
 
 from .config import SimConfig
+from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
 from .metrics import flat_token_times, summarize
 
 
 def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
-                max_model_len: int, model, gpu) -> dict:
+                max_model_len: int, model, gpu, profile=None, client_latency: bool = False) -> dict:
     """summary.json of a run (simulated or replayed) from its request and step tables."""
     # blocks of the pool actually managed (per_head pools count one-head blocks)
     pool_blocks = kvs[0].num_blocks if kvs else num_blocks
@@ -35,7 +36,11 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kv
         summary.update(kv_summary(kvs, req_df, steps_df))
     summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
                     "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
-                    "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace})
+                    "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace,
+                    # the profile that priced the steps (the replay's predicted_s) and its measured error
+                    "profile": profile.name if profile else None,
+                    "profile_step_mape": profile_fit_error(profile) if profile else None,
+                    "client_latency": client_latency})
     return summary
 
 

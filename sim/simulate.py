@@ -13,7 +13,7 @@ from .assembly import load_workload, resolve_hardware, scheduler_config, trace_t
 from .config import ConfigError, SimConfig
 from .core.scheduler import Scheduler
 from .client import RequestEntry, client_view
-from .cost_model import ClientLatency, profile_fit_error
+from .cost_model import ClientLatency
 from .defaults import resolve_defaults
 from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, StepArrivals
 from .executor import replica_executor
@@ -130,10 +130,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
     steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(
         out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(cfg, req_df, steps_for_summary, [r.kv for r in replicas], num_blocks,
-                          max_model_len, model, gpu)
-    summary["profile"] = cost.profile.name
-    summary["profile_step_mape"] = profile_fit_error(cost.profile)
-    summary["client_latency"] = client.enabled
+                          max_model_len, model, gpu, cost.profile, client.enabled)
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
