@@ -13,6 +13,7 @@ from .catalog import get_gpu, get_model
 from .kv.policy import PolicyError
 from .kv.policy import policy_names as registered_policy_names
 from .kv.slots import SLOT_STRATEGIES
+from .safe_io import MAX_SET_VALUE_CHARS, InputError, load_yaml_file, safe_yaml_load, short_repr
 from .yaml_errors import yaml_problem
 
 
@@ -197,7 +198,7 @@ def validation_message(exc: ValidationError, source: str | None = None) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
         msg = err["msg"].removeprefix("Value error, ")
-        problems.append(f"{loc}: {msg} (got {err.get('input')!r})")
+        problems.append(f"{loc}: {msg} (got {short_repr(err.get('input'))})")
     if source is None:
         return "; ".join(problems)
     return "\n".join(f"{source}: {problem}" for problem in problems)
@@ -249,7 +250,9 @@ def read_yaml_file(path: str | Path, *, what: str = "config file", expected: str
     e.g. '--config ', before the path) and what was `expected` there."""
     path = Path(path)
     try:
-        return yaml.safe_load(path.read_text())
+        return load_yaml_file(path, what=expected.removeprefix("a "), option=option)
+    except InputError as exc:
+        raise ConfigError(str(exc)) from None
     except FileNotFoundError:
         raise ConfigError(f"{what} not found: {path}") from None
     except IsADirectoryError:
@@ -288,8 +291,12 @@ def parse_set_option(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. engine.block_size=32")
+    if len(raw) > MAX_SET_VALUE_CHARS:
+        raise ConfigError(f"--set {key}: the value is {len(raw)} characters; at most {MAX_SET_VALUE_CHARS}")
     try:
-        return key.strip(), yaml.safe_load(raw)
+        return key.strip(), safe_yaml_load(raw, f"--set {key}")
+    except InputError as exc:
+        raise ConfigError(str(exc)) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)}); expected a "
                           "number, true/false, a word, [a, list] or {a: mapping}") from None
