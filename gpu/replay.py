@@ -56,6 +56,7 @@ class ReplayOptions:
     attention_stats: bool = True         # record attention statistics at the end of every prefill
     stats_window: int = 32               # queries observed for them (the policy's obs_window if it needs scores)
     clock: str = "wall"                  # step timer: wall | cpu (the thread's CPU time; device cpu, 1 torch thread)
+    overwrite: bool = False              # write into a non-empty --out kvsim did not create (sim/results.py)
 
 
 @dataclass
@@ -268,7 +269,7 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     if cfg.engine.long_prefill_token_threshold > 0:
         chunk = min(chunk, cfg.engine.long_prefill_token_threshold)
     executor.warm_up(chunk)
-    staging = ResultDir(out_dir) if out_dir else None      # published at the end (sim/results.py)
+    staging = ResultDir(out_dir, overwrite=opts.overwrite) if out_dir else None    # published at the end
     try:
         return _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num_blocks, max_model_len,
                        executor, recorder, t0, progress, on_step)

@@ -17,6 +17,7 @@ from typing import Callable, Literal
 import pandas as pd
 
 from .config import ConfigError, SimConfig, parse_duration
+from .results import mark_owned
 from .sweep import PlannedRun, RunTask, execute_run, finished_runs, make_row, read_store, run_id_of, write_row
 
 LATENCY_METRICS = [f"{m}_{q}" for m in ("ttft", "tpot", "e2e", "queueing") for q in ("p50", "p90", "p99", "mean")]
@@ -245,6 +246,7 @@ def _search_replicas(cfg, evaluate, max_replicas):
 
 def _write_result(store: Path, result: CapacityResult) -> None:
     store.mkdir(parents=True, exist_ok=True)
+    mark_owned(store)
     data = result.to_json()
     data["curve_run_ids"] = result.curve["run_id"].tolist() if result.curve is not None else []
     (store / "capacity.json").write_text(json.dumps(data, indent=2, default=_json_default))

@@ -6,9 +6,14 @@ staging directory `.<name>.kvsim-tmp-<pid>-*` beside `out`. `publish()` moves th
 place: a reused `out` loses every kvsim result file of the previous run (whichever command wrote
 it), so the directory never mixes two runs; other files in it are left alone. A run that is
 interrupted or fails publishes what it has, marked `partial: true` in summary.json by the caller.
+
+`--out` owns only what kvsim created: every results directory (and sweep/capacity store) gets a
+marker file `.kvsim-results`; a non-empty directory without it (the user's own folder, `.`) is
+refused unless `--overwrite` is given, and system directories (/, /etc, /dev, ...) are always refused.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -18,6 +23,11 @@ from pathlib import Path
 RESULT_FILES = ("requests.parquet", "steps.parquet", "summary.json", "config.yaml", "tokens.parquet",
                 "decisions.parquet", "attention_stats.parquet")
 _STAGING = ".kvsim-tmp-"
+OWNER_MARKER = ".kvsim-results"
+# directories no results may go into (or, for the second group, under)
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc", "/root",
+               "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 
 
 class OutputDirError(ValueError):
@@ -27,6 +37,8 @@ class OutputDirError(ValueError):
 def check_out_dir(out: Path, option: str = "--out") -> None:
     """Refuse an `out` that is a file, lies under a file, or cannot be written (nor staged beside)."""
     shown, out = out, Path(out).absolute()
+    if str(shown).strip() == "":
+        raise OutputDirError(f"{option}: empty; expected a directory name")
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{option} {shown}: is a file; expected a directory (existing or to be created)")
     ancestor = out.parent
@@ -37,13 +49,46 @@ def check_out_dir(out: Path, option: str = "--out") -> None:
     for d in (ancestor, out) if out.is_dir() else (ancestor,):
         if not os.access(d, os.W_OK | os.X_OK):
             raise OutputDirError(f"{option} {shown}: {d} is not writable; expected a writable directory")
+    _refuse_system_dir(out, shown, option)
+
+
+def _refuse_system_dir(out: Path, shown: Path, option: str) -> None:
+    real = Path(os.path.realpath(out))
+    home = Path.home().resolve()
+    trees = tuple(Path(t) for t in SYSTEM_TREES)
+    if str(real) in SYSTEM_DIRS or real == home or any(t in real.parents for t in trees):
+        raise OutputDirError(f"{option} {shown}: is a system directory ({real}); expected a directory of its own "
+                             "for the results, e.g. runs/NAME")
+
+
+def check_out_owner(out: Path, option: str = "--out", overwrite: bool = False,
+                    legacy: tuple[str, ...] = ()) -> None:
+    """Refuse an existing non-empty `out` that kvsim did not create (no OWNER_MARKER; nor, for stores
+    written before markers, any of the `legacy` names) unless `overwrite`."""
+    real = Path(os.path.realpath(out))
+    if overwrite or not real.is_dir() or (real / OWNER_MARKER).exists():
+        return
+    if any((real / name).exists() for name in legacy):
+        return
+    entries = [p.name for p in itertools.islice(real.iterdir(), 4)]
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise OutputDirError(f"{option} {out}: holds files kvsim did not write ({shown}); expected a new or empty "
+                             f"directory or one of kvsim's (it has a {OWNER_MARKER} file); pass --overwrite to "
+                             f"write kvsim's files into it anyway")
+
+
+def mark_owned(directory: Path) -> None:
+    """Record that kvsim created `directory` (check_out_owner accepts it from now on)."""
+    (Path(directory) / OWNER_MARKER).touch()
 
 
 class ResultDir:
     """A staging directory beside `out`; `publish()` moves its files into `out`, `discard()` drops it."""
 
-    def __init__(self, out: str | Path, option: str = "--out"):
+    def __init__(self, out: str | Path, option: str = "--out", overwrite: bool = False):
         check_out_dir(Path(out), option)
+        check_out_owner(Path(out), option, overwrite)
         self.shown = Path(out)
         self.out = Path(os.path.abspath(out))          # "." has a name and a parent
         try:
@@ -52,6 +97,7 @@ class ResultDir:
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}{_STAGING}{os.getpid()}-",
                                               dir=self.out.parent))
             self.path.chmod(0o777 & ~_umask())      # mkdtemp's 0700 would become the results' mode
+            mark_owned(self.path)
         except OSError as exc:
             raise OutputDirError(f"{option} {self.shown}: cannot write beside it ({exc.strerror}); expected "
                                  "a directory whose parent is writable") from None
@@ -62,7 +108,7 @@ class ResultDir:
         if not out.exists():
             os.replace(self.path, out)
             return self.shown
-        others = [p for p in out.iterdir() if p.name not in RESULT_FILES]
+        others = [p for p in out.iterdir() if p.name not in RESULT_FILES and p.name != OWNER_MARKER]
         swappable = not out.is_symlink() and out != Path.cwd()
         if not others and swappable:        # only an earlier run's results: swap whole directories
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING}{os.getpid()}-old-", dir=out.parent))

@@ -52,7 +52,7 @@ from .config import ConfigError, SimConfig, build_config, flatten, read_config_f
 from .cost_model import load_profile
 from .defaults import resolve_engine
 from .memory import ModelDoesNotFitError, num_gpu_blocks
-from .results import pid_alive
+from .results import mark_owned, pid_alive
 from .simulate import run_simulation
 
 SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
@@ -376,6 +376,7 @@ def read_plan(store: Path) -> list[str]:
 
 def _write_plan(store: Path, plan: SweepPlan, spec_text: str | None) -> None:
     store.mkdir(parents=True, exist_ok=True)
+    mark_owned(store)
     tmp = store / ".plan.json.tmp"
     tmp.write_text(json.dumps({"name": plan.name, "axis_keys": plan.axis_keys,
                                "run_ids": [r.run_id for r in plan.runs]}, indent=1))

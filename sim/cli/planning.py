@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvsim.sim.config import ConfigError, load_config
 
-from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks,
+from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
                       Sets, Tp, Trace, config_overrides, fail)
 
 console = Console()
@@ -30,6 +30,7 @@ def sweep(
                                                 help="keep each run's requests/steps (default: the spec's)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the runs, run nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    overwrite: Overwrite = False,
 ) -> None:
     """Run every configuration of a sweep spec; one row per run (config + summary metrics + cost)
     in OUT/runs/*.parquet. Re-running skips finished runs; a failed run is recorded and skipped."""
@@ -41,7 +42,7 @@ def sweep(
         fail("--executor dask needs --scheduler tcp://HOST:PORT (a running dask scheduler)")
     if jobs is not None and jobs < 1:
         fail(f"--jobs: expected a positive number, got {jobs}")
-    _check_store(out, "--out")
+    _check_store(out, "--out", overwrite)
     try:
         plan = load_spec(spec)
     except SpecError as exc:
@@ -119,6 +120,7 @@ def capacity(
     out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Find the highest arrival-rate scale (or the fewest replicas) meeting an SLO, by bracketing and
     bisection on simulated runs; prints the answer, its cost and the curve measured."""
@@ -133,7 +135,7 @@ def capacity(
     if not 0 < tol < 1:
         fail(f"--tol: expected a fraction in (0, 1), got {tol}")
     if out is not None:
-        _check_store(out, "--out")
+        _check_store(out, "--out", overwrite)
     try:
         cfg = load_config(config, overrides, set_)
         constraints = parse_slo(slo)
@@ -216,12 +218,14 @@ def report(
     console.print(f"wrote {path}")
 
 
-def _check_store(store: Path, option: str) -> None:
-    """A results store must be a directory (existing or to be created) that can be written."""
-    from kvsim.sim.results import OutputDirError, check_out_dir
+def _check_store(store: Path, option: str, overwrite: bool = False) -> None:
+    """A results store must be a directory (existing or to be created) that can be written, and kvsim's
+    (a store written before stores were marked has plan.json or runs/)."""
+    from kvsim.sim.results import OutputDirError, check_out_dir, check_out_owner
 
     try:
         check_out_dir(store, option)
+        check_out_owner(store, option, overwrite, legacy=("plan.json", "capacity.json", "runs"))
     except OutputDirError as exc:
         fail(str(exc))
 
