@@ -9,7 +9,7 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .catalog import get_gpu, get_model
+from .catalog import get_gpu, get_model, normalize_dtype
 from .kv.policy import PolicyError
 from .kv.policy import policy_names as registered_policy_names
 from .kv.slots import SLOT_STRATEGIES
@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
 
 
-_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e-?\d+)?)\s*(us|ms|s|min)\s*")
+_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*(us|ms|s|min)\s*")
 
 
 def parse_duration(text: str | float, what: str = "duration") -> float:
@@ -62,7 +62,8 @@ def _one_of(value: str, names: list[str], what: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are refused in every float field (a rate scale of inf, a nan memory fraction)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class EngineConfig(_Strict):
@@ -174,7 +175,7 @@ class SimConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
     slo: SLO = SLO(ttft="2s", tpot="100ms")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     fast_forward: bool = True
     check_invariants: bool = False
 
@@ -188,6 +189,13 @@ class SimConfig(_Strict):
     @classmethod
     def _catalog_gpu(cls, v: str) -> str:
         get_gpu(v)
+        return v
+
+    @field_validator("kv_dtype", "weight_dtype")
+    @classmethod
+    def _known_dtype(cls, v: str | None) -> str | None:
+        if v is not None:
+            normalize_dtype(v)      # CatalogError (a ValueError) names the known dtypes
         return v
 
 
@@ -255,6 +263,8 @@ def read_yaml_file(path: str | Path, *, what: str = "config file", expected: str
         raise ConfigError(str(exc)) from None
     except FileNotFoundError:
         raise ConfigError(f"{what} not found: {path}") from None
+    except ValueError as exc:        # a value YAML parses but Python cannot hold (a 5,000-digit integer)
+        raise ConfigError(f"{option}{path}: {exc}; expected values of ordinary size") from None
     except IsADirectoryError:
         hint = f" (e.g. {path / example})" if example else ""
         raise ConfigError(f"{option}{path}: is a directory; expected {expected}{hint}") from None
@@ -297,6 +307,8 @@ def parse_set_option(item: str) -> tuple[str, Any]:
         return key.strip(), safe_yaml_load(raw, f"--set {key}")
     except InputError as exc:
         raise ConfigError(str(exc)) from None
+    except ValueError as exc:        # e.g. an integer of more than 4,300 digits
+        raise ConfigError(f"--set {key}: {exc}; expected a number of ordinary size") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)}); expected a "
                           "number, true/false, a word, [a, list] or {a: mapping}") from None

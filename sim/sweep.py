@@ -84,6 +84,9 @@ class SweepPlan:
     duplicates: int = 0   # grid points that resolved to a config already planned
 
 
+MAX_SWEEP_RUNS = 100_000          # planned runs of one spec (each is checked and listed before any runs)
+
+
 def run_id_of(cfg: SimConfig) -> str:
     """Stable hash of the resolved config (every field, defaults included)."""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -126,6 +129,7 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
     runs = [_mapping(r, f"{source}: runs[{i}]") for i, r in enumerate(runs)]
 
     _check(base, fixed, f"{source}: fixed")
+    _check_size(runs, grid, source)
     for key, values in grid.items():
         if not isinstance(values, list):
             raise SpecError(f"{source}: grid.{key}: expected a list of values, got {values!r}")
@@ -154,6 +158,18 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
             planned.append(PlannedRun(len(planned), rid, cfg.model_dump(mode="json"), axes))
     axis_keys = list(dict.fromkeys([k for r in runs for k in r] + list(grid)))
     return SweepPlan(planned, bool(raw.get("save_outputs", False)), raw.get("name"), axis_keys, duplicates)
+
+
+def _check_size(runs: list, grid: dict, source: str) -> None:
+    """Count the runs before expanding the product: a spec of a few lines can name billions."""
+    total = len(runs)
+    for key, values in grid.items():
+        if isinstance(values, list):
+            total *= max(len(values), 1)
+    if total > MAX_SWEEP_RUNS:
+        sizes = " x ".join(f"{len(v)} {k}" for k, v in grid.items() if isinstance(v, list))
+        raise SpecError(f"{source}: grid: {total:,} runs ({len(runs)} run(s) x {sizes}); a sweep may have at most "
+                        f"{MAX_SWEEP_RUNS:,}; split it into several specs or fewer values")
 
 
 def _mapping(value: Any, where: str) -> dict:

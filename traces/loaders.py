@@ -54,6 +54,7 @@ TRACE_ALIASES: dict[str, tuple[str, str]] = {
 }
 
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_TIME_S = 1e9            # ~31 years: later arrivals are mistakes (and lose sub-millisecond precision)
 MAX_INTEGER = 2**53          # token counts and ids beyond are not exact in the float64 they are parsed into
 
 _CSV_SIGNATURES = (  # (format, any of these header columns identifies it), checked in order
@@ -219,10 +220,14 @@ def _integers(raw, rows: _Rows, field: str, minimum: int | None) -> np.ndarray:
     return values.astype(np.int64)
 
 
-def _floats(raw, rows: _Rows, field: str, what: str, minimum: float | None = None) -> np.ndarray:
+def _floats(raw, rows: _Rows, field: str, what: str, minimum: float | None = None,
+            maximum: float = MAX_TIME_S) -> np.ndarray:
     values = _numbers(raw)
     with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(values) | (values < minimum if minimum is not None else False)
+        bad = ~np.isfinite(values) | (values < minimum if minimum is not None else False) | (np.abs(values) > maximum)
+    if bad.any() and np.isfinite(values[bad]).all() and (np.abs(values[bad]) > maximum).any():
+        row = int(np.flatnonzero(bad)[0])
+        raise rows.error(row, f"{field}: expected {what} of at most {maximum:g}, got {_describe(_at(raw, row))}")
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise rows.error(row, f"{field}: expected {what}, got {_describe(_at(raw, row))}")
@@ -439,7 +444,8 @@ def load_mooncake(path: Path) -> Trace:
     rows = _Rows(path, lines, len(records))
     prompt = _integers(_field(records, rows, "input_length"), rows, "input_length", 1)
     output = _integers(_field(records, rows, "output_length"), rows, "output_length", 0)
-    arrival_ms = _floats(_field(records, rows, "timestamp"), rows, "timestamp", "milliseconds from the trace start")
+    arrival_ms = _floats(_field(records, rows, "timestamp"), rows, "timestamp", "milliseconds from the trace start",
+                         maximum=MAX_TIME_S * 1000)
     hash_ids = _field(records, rows, "hash_ids", required=False)
     has_prefix = any(h is not None for h in hash_ids)
     prefix = _prefix_lists(hash_ids, rows, "hash_ids", prompt, MOONCAKE_BLOCK_TOKENS) if has_prefix else None
