@@ -18,6 +18,7 @@ import pandas as pd
 
 from .config import ConfigError, SimConfig, parse_duration
 from .results import mark_owned
+from .safe_io import atomic_output, dumps_json
 from .sweep import PlannedRun, RunTask, execute_run, finished_runs, make_row, read_store, run_id_of, write_row
 
 LATENCY_METRICS = [f"{m}_{q}" for m in ("ttft", "tpot", "e2e", "queueing") for q in ("p50", "p90", "p99", "mean")]
@@ -249,11 +250,12 @@ def _write_result(store: Path, result: CapacityResult) -> None:
     mark_owned(store)
     data = result.to_json()
     data["curve_run_ids"] = result.curve["run_id"].tolist() if result.curve is not None else []
-    (store / "capacity.json").write_text(json.dumps(data, indent=2, default=_json_default))
+    with atomic_output(store / "capacity.json") as tmp:
+        tmp.write_text(dumps_json(data, indent=2, default=_json_default))
     if result.curve is not None:
-        (store / "plan.json").write_text(json.dumps({"name": f"capacity ({result.mode})",
-                                                     "axis_keys": [_axis(result.mode)],
-                                                     "run_ids": data["curve_run_ids"]}, indent=1))
+        with atomic_output(store / "plan.json") as tmp:
+            tmp.write_text(json.dumps({"name": f"capacity ({result.mode})", "axis_keys": [_axis(result.mode)],
+                                       "run_ids": data["curve_run_ids"]}, indent=1))
 
 
 def _axis(mode: str) -> str:

@@ -12,11 +12,13 @@ never quote the file's content, so a page that reads a file cannot leak another 
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -213,3 +215,66 @@ def _small(value: Any, budget: int) -> bool:
         elif isinstance(v, str) and len(v) > 1000:
             return False
     return True
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside `path` to write; renamed onto `path` when the block ends without error,
+    removed otherwise, so a reader never sees a half-written file (a full disk leaves the previous file
+    or none). A full disk is re-raised as OSError whose message says so and names `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(exc.errno, f"{path}: disk full ({exc.strerror}); nothing was written") from None
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def json_safe(summary: dict, reasons_key: str = "null_reasons") -> dict:
+    """`summary` with every non-finite float (top-level or in nested dicts/lists) as null, and under
+    `reasons_key` why, per dotted key: JSON has no NaN or Infinity (json.dumps would write invalid JSON)."""
+    reasons: dict[str, str] = {}
+
+    def clean(value: Any, key: str) -> Any:
+        if isinstance(value, float) and value != value:
+            reasons[key] = "not a number: nothing to measure (e.g. no request finished, or none had this event)"
+            return None
+        if isinstance(value, float) and value in (float("inf"), float("-inf")):
+            reasons[key] = f"{'' if value > 0 else 'minus '}infinity: a division by zero (e.g. a zero-length window)"
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{key}[{i}]") for i, v in enumerate(value)]
+        if hasattr(value, "item") and not isinstance(value, (str, bytes)):      # numpy scalars
+            return clean(value.item(), key)
+        return value
+
+    out = clean(dict(summary), "")
+    if reasons:
+        out[reasons_key] = reasons
+    return out
+
+
+def dumps_json(data: Any, **kwargs) -> str:
+    """json.dumps of json_safe(data) (mappings) that can never write NaN (allow_nan=False)."""
+    if isinstance(data, dict):
+        data = json_safe(data)
+    return json.dumps(data, allow_nan=False, **kwargs)
+
+
+def restore_nan(summary: Any, reasons_key: str = "null_reasons") -> Any:
+    """A summary read back from JSON with the nulls json_safe wrote (top-level keys) as NaN again, as
+    the code that made it had them."""
+    if isinstance(summary, dict) and isinstance(summary.get(reasons_key), dict):
+        for key in summary[reasons_key]:
+            if key in summary and summary[key] is None:
+                summary[key] = float("nan")
+    return summary

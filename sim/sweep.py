@@ -53,6 +53,7 @@ from .cost_model import load_profile
 from .defaults import resolve_engine
 from .memory import ModelDoesNotFitError, num_gpu_blocks
 from .results import mark_owned, pid_alive
+from .safe_io import atomic_output
 from .simulate import run_simulation
 
 SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
@@ -398,7 +399,8 @@ def _write_plan(store: Path, plan: SweepPlan, spec_text: str | None) -> None:
                                "run_ids": [r.run_id for r in plan.runs]}, indent=1))
     os.replace(tmp, store / "plan.json")
     if spec_text is not None:
-        (store / "spec.yaml").write_text(spec_text)
+        with atomic_output(store / "spec.yaml") as tmp:
+            tmp.write_text(spec_text)
 
 
 def _remove_stale_tmp(store: Path) -> None:
