@@ -17,7 +17,7 @@ from typing import Callable, Literal
 import pandas as pd
 
 from .config import ConfigError, SimConfig, parse_duration
-from .results import mark_owned
+from .results import holding_store_lock, mark_owned
 from .safe_io import atomic_output, dumps_json
 from .sweep import PlannedRun, RunTask, execute_run, finished_runs, make_row, read_store, run_id_of, write_row
 
@@ -145,6 +145,7 @@ def _fmt(value, c: Constraint) -> str:
     return f"{value * 1e3:.1f}ms" if c.metric.endswith("_s") else f"{value:.4g}"
 
 
+@holding_store_lock
 def find_capacity(cfg: SimConfig, constraints: list[Constraint], *, mode: Literal["rate", "replicas"] = "rate",
                   start: float = 1.0, growth: float = 2.0, rel_tol: float = 0.02, max_evals: int = 24,
                   min_scale: float = 1 / 1024, max_scale: float = 1024.0, max_replicas: int = 64,

@@ -13,10 +13,14 @@ refused unless `--overwrite` is given, and system directories (/, /etc, /dev, ..
 """
 from __future__ import annotations
 
+import fcntl
+import functools
+import inspect
 import itertools
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 # every file `kvsim simulate` or `kvsim replay` writes into --out
@@ -103,7 +107,12 @@ class ResultDir:
                                  "a directory whose parent is writable") from None
 
     def publish(self) -> Path:
-        """Move the staged files into `out` (replacing the previous run's kvsim files)."""
+        """Move the staged files into `out` (replacing the previous run's kvsim files); runs publishing
+        into the same directory at once take turns (a lock on its parent directory)."""
+        with _flock(self.out.parent, fcntl.LOCK_EX):
+            return self._publish()
+
+    def _publish(self) -> Path:
         out = self.out
         if not out.exists():
             os.replace(self.path, out)
@@ -151,3 +160,51 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextmanager
+def _flock(path: Path, how: int):
+    """An flock on `path` (a directory or file, opened read-only) for the duration of the block."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, how)
+        yield fd
+    finally:
+        os.close(fd)                # releases the lock
+
+
+STORE_LOCK = ".kvsim-lock"
+
+
+class StoreBusyError(ValueError):
+    """Another process is writing the store."""
+
+
+@contextmanager
+def store_lock(store: Path, option: str = "--out"):
+    """Hold the store's lock (sweep and capacity stores): a second kvsim writing the same store is
+    refused at once, instead of both running every missing run."""
+    store = Path(store)
+    store.mkdir(parents=True, exist_ok=True)
+    lock = store / STORE_LOCK
+    lock.touch()
+    try:
+        with _flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB):
+            yield
+    except BlockingIOError:
+        raise StoreBusyError(f"{option} {store}: another kvsim process is writing this store; wait for it to "
+                             "end (a later run resumes what it leaves) or use another directory") from None
+
+
+def holding_store_lock(func):
+    """Decorator: run `func` holding store_lock of its `store` argument (when it is not None)."""
+    sig = inspect.signature(func)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        store = sig.bind(*args, **kwargs).arguments.get("store")
+        if store is None:
+            return func(*args, **kwargs)
+        with store_lock(Path(store)):
+            return func(*args, **kwargs)
+    return wrapper

@@ -52,7 +52,8 @@ from .config import ConfigError, SimConfig, build_config, flatten, read_config_f
 from .cost_model import load_profile
 from .defaults import resolve_engine
 from .memory import ModelDoesNotFitError, num_gpu_blocks
-from .results import mark_owned, pid_alive
+from .kv.policy import policy_identity
+from .results import holding_store_lock, mark_owned, pid_alive
 from .safe_io import atomic_output
 from .simulate import run_simulation
 
@@ -89,8 +90,12 @@ MAX_SWEEP_RUNS = 100_000          # planned runs of one spec (each is checked an
 
 
 def run_id_of(cfg: SimConfig) -> str:
-    """Stable hash of the resolved config (every field, defaults included)."""
+    """Stable hash of the resolved config (every field, defaults included) and, for a plug-in policy,
+    the plug-in's identity (class and source hash: sim.kv.policy.policy_identity)."""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    identity = policy_identity(cfg.kv.policy)
+    if identity:
+        blob += "|" + identity
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -492,6 +497,7 @@ class SweepResult:
     redone: int = 0       # of those that ran: their run file was unreadable
 
 
+@holding_store_lock
 def run_sweep(plan: SweepPlan, store: str | Path, *, executor: str = "local", jobs: int | None = None,
               scheduler: Any = None, max_runs: int | None = None, retry_failed: bool = False,
               save_outputs: bool | None = None, progress: bool = True, spec_text: str | None = None,

@@ -234,9 +234,13 @@ def store_errors(store: Path | None, scheduler: str | None):
     from .simulate import interrupt_on_sigterm
 
     kept = f"; the store {store} keeps the finished runs (run again to resume)" if store else ""
+    from kvsim.sim.results import StoreBusyError
+
     try:
         with interrupt_on_sigterm():
             yield
+    except StoreBusyError as exc:
+        fail(str(exc))
     except KeyboardInterrupt as exc:
         typer.echo(f"{exc or 'interrupted (Ctrl-C)'}{kept}", err=True)
         raise typer.Exit(130) from None
