@@ -74,12 +74,15 @@ def check_out_owner(out: Path, option: str = "--out", overwrite: bool = False,
         return
     if any((real / name).exists() for name in legacy):
         return
-    entries = [p.name for p in itertools.islice(real.iterdir(), 4)]
+    entries = [p.name for p in itertools.islice((p for p in real.iterdir() if p.name not in _OWN_NAMES), 4)]
     if entries:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise OutputDirError(f"{option} {out}: holds files kvsim did not write ({shown}); expected a new or empty "
                              f"directory or one of kvsim's (it has a {OWNER_MARKER} file); pass --overwrite to "
                              f"write kvsim's files into it anyway")
+
+
+_OWN_NAMES = (OWNER_MARKER, ".kvsim-lock")       # kvsim's own bookkeeping files (the marker, a store's lock)
 
 
 def mark_owned(directory: Path) -> None:
