@@ -44,6 +44,9 @@ def resolve_user_path(text: str) -> Path:
     """A path typed into the page: relative paths are taken from the data root; anything resolving
     outside it (absolute paths elsewhere, `..`, symbolic links out) is refused."""
     root = data_root()
+    if "\x00" in text or len(text) > 1024:
+        raise DataError("the path holds a NUL character or is longer than 1024 characters; expected a path under "
+                        f"the data directory {root}")
     path = (root / Path(text.strip()).expanduser()).resolve()
     if path != root and root not in path.parents:
         raise DataError(f"{text.strip()}: outside the dashboard's data directory {root}; the dashboard reads "
