@@ -5,7 +5,6 @@ both produce the same schemas; steps.parquet is written by `sim.metrics.StepLog`
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from .config import SimConfig
 from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
 from .metrics import flat_token_times, summarize
+from .safe_io import dumps_json
 
 
 def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
@@ -47,7 +47,8 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kv
 def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame, summary: dict) -> None:
     """requests.parquet, summary.json and config.yaml (steps.parquet is written by the StepLog)."""
     pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    # NaN (e.g. a percentile of no finished request) becomes null with a reason: JSON has no NaN
+    (out / "summary.json").write_text(dumps_json(summary, indent=2, default=float))
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
