@@ -92,6 +92,5 @@ def test_spvllm_setting_orders_the_strategies_and_they_converge_with_the_budget(
     p99 = {(b, st): spvllm(b, st)["fragmentation_p99"] for b in (256, 1024) for st in ("noop", "free_block")}
     p99[256, "slot_reuse"] = spvllm(256, "slot_reuse")["fragmentation_p99"]
     assert p99[256, "noop"] > p99[256, "free_block"] > p99[256, "slot_reuse"]
-    assert p99[256, "slot_reuse"] < 0.6 * p99[256, "free_block"]
     gap = {b: p99[b, "noop"] - p99[b, "free_block"] for b in (256, 1024)}
     assert gap[1024] < 0.25 * gap[256]                 # free_block converges on noop as evictions thin out
