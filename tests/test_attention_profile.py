@@ -31,6 +31,9 @@ def test_h2o_oracle_evicts_one_lowest_scored_token_per_step():
     ev = h2o_oracle(attn, prompt=9, budget=8, recent=2, obs_window=2)
     # 9 prompt tokens kept (no cut); each of the 3 decode steps evicts one: token 6 first
     assert ev.sum() == 3 and ev[0, 6] and not ev[0, :4].any()
+    # kvsim's default H2O first cuts the prompt to the budget: one token at once, then one a step
+    cut = h2o_oracle(attn, prompt=9, budget=8, recent=2, obs_window=2, prompt_cut=True)
+    assert cut.sum() == 4 and cut[0, 6] and not cut[0, :4].any()
 
 
 def test_real_smollm2_evictions_fall_where_the_importance_model_puts_them(real):

@@ -41,8 +41,11 @@ class EvictionProfile:
     evictions: int
 
 
-def h2o_oracle(attn: np.ndarray, prompt: int, budget: int, recent: int, obs_window: int = 8) -> np.ndarray:
-    """bool [rows, T]: the tokens per-step H2O has evicted after the last query (see the module doc)."""
+def h2o_oracle(attn: np.ndarray, prompt: int, budget: int, recent: int, obs_window: int = 8,
+               prompt_cut: bool = False) -> np.ndarray:
+    """bool [rows, T]: the tokens per-step H2O has evicted after the last query (see the module doc);
+    `prompt_cut`: kvsim's default H2O, which first cuts the prompt to the budget by the observation
+    window's scores."""
     rows, T, _ = attn.shape
     if not 0 < prompt < T or recent >= budget:
         raise ValueError(f"need 0 < prompt ({prompt}) < tokens ({T}) and recent ({recent}) < budget ({budget})")
@@ -57,6 +60,12 @@ def h2o_oracle(attn: np.ndarray, prompt: int, budget: int, recent: int, obs_wind
 
     for q in range(max(0, prompt - obs_window), prompt):
         observe(q)
+    if prompt_cut and prompt > budget:
+        cand = np.zeros(T, bool)
+        cand[NUM_SINK:prompt - recent] = True
+        key = np.where(cand[None, :], score, np.inf)
+        drop = np.argsort(key, axis=1, kind="stable")[:, :prompt - budget]
+        live[r[:, None], drop] = False
     for q in range(prompt, T):
         live[:, q] = True
         observe(q)
@@ -73,9 +82,9 @@ def h2o_oracle(attn: np.ndarray, prompt: int, budget: int, recent: int, obs_wind
 
 
 def eviction_profile(attn: np.ndarray, prompt: int, budget: int, recent: int | None = None, *,
-                     block_size: int = 16, obs_window: int = 8) -> EvictionProfile:
+                     block_size: int = 16, obs_window: int = 8, prompt_cut: bool = False) -> EvictionProfile:
     T = attn.shape[1]
-    evicted = h2o_oracle(attn, prompt, budget, budget // 2 if recent is None else recent, obs_window)
+    evicted = h2o_oracle(attn, prompt, budget, budget // 2 if recent is None else recent, obs_window, prompt_cut)
     n = int(evicted.sum())
     full = (T // block_size) * block_size
     pages = evicted[:, :full].reshape(evicted.shape[0], -1, block_size).all(axis=2)
