@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvsim.gpu.kernels import use_triton
-from kvsim.gpu.kernels.split_kv import NUM_STAGES, NUM_WARPS, _lse, combine, group_pad, num_sms, plan_splits
+from kvsim.gpu.kernels.split_kv import NUM_STAGES, _lse, combine, group_pad, num_sms, plan_splits
 
 # Per-tier layout table the kernel reads, one row per tier: for K then for V the fields
 # [bits, bytes per token's code row, code region start, scale region start, zero region start]
@@ -193,6 +193,9 @@ def _mixed_stats_kernel(
             tl.store(ssq_ptr + dst, tl.sum(p * p, axis=0), mask=n < end)
 
 
+QUANT_WARPS = 8     # at 4 warps sm_89's ptxas caps registers at 128 and spills (8 B of stack, head dim 128)
+
+
 def quant_tile(head_dim: int) -> int:
     """Slots per loop step: 16, the tl.dot minimum. Dequantizing holds a tile's byte pointers, bit
     positions, codes and values at once; at 32 slots the kernel spills (sm_90: 255 registers + 208 B
@@ -217,7 +220,7 @@ def mixed_decode_attention_triton(cache, q, page_tables, scale, want_scores=Fals
         dst = torch.empty(R, plan.splits, G, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(R, plan.splits, G, dtype=torch.float32, device=q.device)
     common = dict(MAX_TOKENS=cache.max_tokens, GROUP=G, GROUP_PAD=GP, HEAD_DIM=D, TILE=tile,
-                  IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                  IEEE=q.dtype == torch.float32, num_warps=QUANT_WARPS, num_stages=NUM_STAGES)
     _mixed_decode_kernel[(R, plan.splits)](
         q, cache.pages, cache.page_tier, live_u8, page_tables, layout, dst, lse, float(scale), n_slots, plan.split_len,
         *q.stride(), cache.pages.stride(0), *live_u8.stride(), *page_tables.stride(), *dst.stride(), *lse.stride(),
