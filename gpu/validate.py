@@ -189,7 +189,7 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
                 print(f"  batch {batch} x context {context}: skipped, {cache_bytes / 1e9:.1f} GB of cache "
                       f"(x4 while filling it) exceeds the free device memory")
                 continue
-            cache = None                       # the previous size's cache is freed before this one is filled
+            cache = kc = vc = live = None      # the previous size's cache is freed before this one is filled
             cache = _cache(torch, plan, H, D, num_blocks, 2)
             tables = _tables(torch, plan, batch, H, context, num_blocks, 3)
             q = torch.randn(batch, H * G, D, device=plan.device).to(dtype)
