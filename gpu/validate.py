@@ -240,7 +240,7 @@ def replay_and_crosscheck(plan: Plan, out: Path, gpu: str | None) -> dict:
                out / f"replay-{name}.log")
     cfg = yaml.safe_load((out / "replay-heldout" / "config.yaml").read_text())
     gpu_name, blocks = cfg["gpu"], cfg["engine"]["num_gpu_blocks"]
-    base = "cpu-2core" if plan.device == "cpu" else "default"
+    base = _base_profile(plan, str(gpu_name))
     fit = _kvsim(["calibrate", str(out / "replay-calibration"), "--out", str(out / "profile.yaml"), "--model",
                   plan.model, "--gpu", str(gpu_name), "--base-profile", base], out / "calibrate.log")
     cc = _kvsim(["crosscheck", "--trace", str(heldout), "--profile", str(out / "profile.yaml"), "--model", plan.model,
@@ -262,15 +262,25 @@ def compiled_resources(out: Path) -> str:
 
 
 def _gpu_for_device(device: str) -> str | None:
+    """The catalog GPU of this CUDA device (longest names first: "L40" before "L4"; A100 by memory)."""
     if device != "cuda":
         return None
     import torch
-    from kvsim.sim.catalog import get_gpu, list_gpus
-    name = torch.cuda.get_device_name().lower()
-    for spec in list_gpus():
-        if spec.kind == "gpu" and any(k.lower().split("-")[0] in name for k in (spec.name, *spec.aliases)):
-            return get_gpu(spec.name).name
-    return None
+    from kvsim.sim.catalog import get_gpu
+    name = torch.cuda.get_device_name().upper()
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    labels = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb" if gib > 48 else "a100-40gb"),
+              ("L40", "l40"), ("L4", "l4"), ("A40", "a40"), ("T4", "t4"))
+    key = next((k for label, k in labels if label in name), None)
+    return get_gpu(key).name if key else None
+
+
+def _base_profile(plan: Plan, gpu_name: str) -> str:
+    """The shipped profile of this GPU if there is one (the fit starts from it), else `default`."""
+    if plan.device == "cpu":
+        return "cpu-2core"
+    from kvsim.sim.cost_model import list_profiles
+    return gpu_name.lower() if gpu_name.lower() in list_profiles() else "default"
 
 
 def _step(what: str, started: float) -> None:

@@ -27,8 +27,9 @@ from kvsim.gpu.kernels.split_kv import group_pad, plan_splits, sm_balance, tile_
 from kvsim.gpu.kernels.targets import LaunchCase, Resources, catalog_shapes, compile_cases
 
 # Streaming multiprocessors and compile target of the catalog GPUs (the catalog carries neither).
-SMS = {"H100-SXM": 132, "H200": 132, "A100-80GB": 108, "A100-40GB": 108, "L4": 58, "L40": 142}
-ARCH = {"H100-SXM": 90, "H200": 90, "A100-80GB": 80, "A100-40GB": 80, "L4": 89, "L40": 89}
+# T4 (sm_75, no bf16) is left out: the kernels are compiled and checked for sm_80 and newer.
+SMS = {"H100-SXM": 132, "H200": 132, "A100-80GB": 108, "A100-40GB": 108, "A40": 84, "L4": 58, "L40": 142}
+ARCH = {"H100-SXM": 90, "H200": 90, "A100-80GB": 80, "A100-40GB": 80, "A40": 86, "L4": 89, "L40": 89}
 LAUNCH_S = 4e-6            # per kernel launch (a split adds the reduction kernel's)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2}
 
