@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import streamlit as st
 from pydantic import BaseModel
 
@@ -21,7 +22,10 @@ from kvsim.traces import DATA_TRACES, TraceError
 
 from .data import DataError, data_root, redact_content, resolve_user_path
 
-DEFAULT_MAX_REQUESTS = 200
+DEFAULT_MAX_REQUESTS = 100
+# One base configuration for every page (its widgets' key prefix): edited once on any page's sidebar,
+# simulated on Simulate, varied on Compare, searched on Capacity.
+BASE = "cfg_"
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Fields with hand-made widgets below; every other field gets a generated one.
 _HANDLED = {"trace", "trace_options", "model", "gpu", "tp", "replicas", "engine", "slo", "seed"}
@@ -54,16 +58,19 @@ def gui_message(message: str) -> str:
 
 
 def number_field(container, label: str, key: str, value, *, low=None, high=None, integer: bool = True,
-                 problems: list | None = None, **kw):
-    """A number input validated by the page (not the browser): out of range or empty, the message
-    shows under the field and is added to `problems`; returns the value typed."""
-    value = container.number_input(label, value=value, key=key, step=kw.pop("step", 1 if integer else None), **kw)
-    problem = number_problem(value, low, high, optional="placeholder" in kw)
+                 problems: list | None = None, placeholder: str | None = None, help: str | None = None, **_):
+    """A number typed as text and parsed by the page (scientific notation and decimals read as such,
+    anything else refused with the reason under the field, added to `problems`); returns the number,
+    or None when the field is empty and `placeholder` says what empty means."""
+    text = container.text_input(label, value=format_number(value), key=key, placeholder=placeholder, help=help)
+    number, problem = parse_number(text, integer=integer, optional=placeholder is not None)
+    problem = problem or number_problem(number, low, high, optional=placeholder is not None)
     if problem:
         container.error(f"{label}: {problem}")
         if problems is not None:
             problems.append(label)
-    return value
+        return None
+    return number
 
 
 def number_problem(value, low=None, high=None, optional: bool = False) -> str | None:
@@ -74,6 +81,35 @@ def number_problem(value, low=None, high=None, optional: bool = False) -> str | 
     if high is not None and value > high:
         return f"must be at most {high:,}"
     return None
+
+
+def format_number(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return f"{value:.1f}"
+    return str(value)
+
+
+def parse_number(text, integer: bool = False, optional: bool = False) -> tuple[float | int | None, str | None]:
+    """'1e9' -> 1000000000, '2.5' -> 2.5, '1_000' -> 1000; (None, reason) for 'abc', '2.5' where a
+    whole number is needed, inf and nan. Empty: (None, None) when `optional`."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):   # a value set programmatically
+        text = repr(text)
+    text = (text or "").strip()
+    if not text:
+        return None, None if optional else "enter a number"
+    try:
+        value = float(text)
+    except ValueError:
+        return None, f"{text!r} is not a number (digits, a decimal point, or e.g. 1e9)"
+    if not np.isfinite(value):
+        return None, f"{text!r} is not a finite number"
+    if integer:
+        if not value.is_integer():
+            return None, f"{text} is not a whole number"
+        return int(value), None
+    return value, None
 
 
 # ---- pydantic field introspection ---------------------------------------------------------------
@@ -174,12 +210,11 @@ def _field_widget(key: str, name: str, f, prefix: str):
     if inner in (int, float):
         default = f.default if isinstance(f.default, (int, float)) else None
         low, high = field_bounds(f)
-        value = st.number_input(name, value=inner(default) if default is not None else None, key=wkey,
-                                step=1 if inner is int else None, help=help_text,
-                                placeholder="default" if optional else None)
-        problem = number_problem(value, low, high, optional=optional)
-        if problem:
-            st.error(f"{name}: {problem}")
+        problems: list[str] = []
+        value = number_field(st, name, wkey, inner(default) if default is not None else None, low=low, high=high,
+                             integer=inner is int, problems=problems, help=help_text,
+                             placeholder="default" if optional else None)
+        if problems:
             raise FieldProblem(name)
         return value
     if inner is str:
@@ -313,6 +348,7 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
     with st.expander("SLO, seed and other options", expanded=False):
         _other_fields(prefix, overrides, problems)
     _check_pool_size(overrides, problems)
+    _check_cross_fields(overrides, problems)
     remember_form(prefix)
     if error or problems:
         return None, error or INVALID_FIELDS
@@ -428,6 +464,61 @@ def _check_pool_size(overrides: dict, problems: list) -> None:
         problems.append("KV pool (blocks)")
 
 
+def _check_cross_fields(overrides: dict, problems: list) -> None:
+    """Checks between fields, shown before Run: tensor parallelism against the model's heads, the
+    typed KV pool against what the GPU's memory holds after weights and activations."""
+    from kvsim.sim.catalog import get_gpu, get_model
+    from kvsim.sim.cost_model import check_tp
+    from kvsim.sim.memory import ModelDoesNotFitError, num_gpu_blocks
+
+    try:
+        model, gpu = get_model(overrides["model"]), get_gpu(overrides["gpu"])
+    except Exception:  # the config check names an unknown model or GPU
+        return
+    tp = overrides.get("tp")
+    if tp is None:
+        return
+    try:
+        check_tp(model, tp)
+    except ValueError:
+        fits = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= 64 and _tp_fits(model, t)]
+        st.error(f"Tensor parallel: {tp} does not split {model.name}'s {model.num_heads} attention heads and "
+                 f"{model.num_kv_heads} KV heads evenly across GPUs; use one of {', '.join(map(str, fits))}")
+        problems.append("Tensor parallel")
+        return
+    blocks = overrides.get("engine.num_gpu_blocks")
+    if blocks is None or "KV pool (blocks)" in problems:
+        return
+    e = SimConfig().engine
+    try:
+        size = num_gpu_blocks(model, gpu, tp=tp, block_size=int(overrides.get("engine.block_size") or e.block_size),
+                              gpu_memory_utilization=overrides.get("engine.gpu_memory_utilization") or 0.9,
+                              max_num_batched_tokens=overrides.get("engine.max_num_batched_tokens") or 8192,
+                              max_num_seqs=overrides.get("engine.max_num_seqs") or 256,
+                              kv_dtype=overrides.get("kv_dtype"))
+    except ModelDoesNotFitError as exc:
+        st.error(f"GPU: {exc}")
+        problems.append("GPU")
+        return
+    except (ValueError, KeyError):   # other fields' own checks report these
+        return
+    if blocks > size.num_blocks:
+        st.error(f"KV pool (blocks): {blocks:,} blocks do not fit in {gpu.name}'s memory with {model.name} "
+                 f"(tp={tp}): at most {size.num_blocks:,} blocks remain after weights and activations at "
+                 f"gpu_memory_utilization {overrides.get('engine.gpu_memory_utilization') or 0.9:g}; leave it "
+                 "empty to size the pool like vLLM")
+        problems.append("KV pool (blocks)")
+
+
+def _tp_fits(model, tp: int) -> bool:
+    from kvsim.sim.cost_model import check_tp
+    try:
+        check_tp(model, tp)
+        return True
+    except ValueError:
+        return False
+
+
 def _index_of(names: list[str], wanted: str) -> int:
     from kvsim.sim.catalog import get_gpu, get_model
 
@@ -439,6 +530,19 @@ def _index_of(names: list[str], wanted: str) -> int:
         if name in names:
             return names.index(name)
     return 0
+
+
+def run_label(cfg: SimConfig, number: int) -> str:
+    """'#3 sharegpt-8k-filtered Llama-3.1-8B L4: kv.policy=h2o, kv.budget=128': what it ran and what
+    differs from the default configuration (the trace, model and GPU named first)."""
+    from kvsim.dashboard.data import config_diff
+
+    diff = config_diff(cfg.model_dump(mode="json"), SimConfig().model_dump(mode="json"))
+    for k in ("trace", "model", "gpu"):
+        diff.pop(k, None)
+    head = f"#{number} {Path(cfg.trace).name} {cfg.model} {cfg.gpu}"
+    rest = ", ".join(f"{k.removeprefix('trace_options.').removeprefix('engine.')}={v}" for k, v in diff.items())
+    return f"{head}: {rest}"[:120] if rest else head
 
 
 def with_value(cfg: SimConfig, key: str, value) -> SimConfig:
