@@ -354,9 +354,11 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
         return None, error or INVALID_FIELDS
     overrides["trace"] = source
     try:
-        return load_config(None, overrides), None
+        cfg = load_config(None, overrides)
     except ConfigError as exc:
         return None, gui_message(str(exc))
+    problem = pool_problem(cfg)
+    return (None, problem) if problem else (cfg, None)
 
 
 _NOT_RESTORED = ("trace_upload", "run", "pick", "label", "_x", "_y", "_group")   # uploads, buttons, page widgets
@@ -465,14 +467,13 @@ def _check_pool_size(overrides: dict, problems: list) -> None:
 
 
 def _check_cross_fields(overrides: dict, problems: list) -> None:
-    """Checks between fields, shown before Run: tensor parallelism against the model's heads, the
-    typed KV pool against what the GPU's memory holds after weights and activations."""
-    from kvsim.sim.catalog import get_gpu, get_model
+    """Tensor parallelism against the model's heads, checked before Run (the KV pool against the GPU's
+    memory: pool_problem, once the config is built)."""
+    from kvsim.sim.catalog import get_model
     from kvsim.sim.cost_model import check_tp
-    from kvsim.sim.memory import ModelDoesNotFitError, num_gpu_blocks
 
     try:
-        model, gpu = get_model(overrides["model"]), get_gpu(overrides["gpu"])
+        model = get_model(overrides["model"])
     except Exception:  # the config check names an unknown model or GPU
         return
     tp = overrides.get("tp")
@@ -486,28 +487,35 @@ def _check_cross_fields(overrides: dict, problems: list) -> None:
                  f"{model.num_kv_heads} KV heads evenly across GPUs; use one of {', '.join(map(str, fits))}")
         problems.append("Tensor parallel")
         return
-    blocks = overrides.get("engine.num_gpu_blocks")
-    if blocks is None or "KV pool (blocks)" in problems:
-        return
-    e = SimConfig().engine
+
+
+def pool_problem(cfg: SimConfig) -> str | None:
+    """A typed KV pool larger than the GPU's memory holds after weights and activations (sized as
+    the simulator sizes it, with the engine defaults resolved for this GPU), or None."""
+    from kvsim.sim.catalog import get_gpu, get_model
+    from kvsim.sim.defaults import resolve_engine
+    from kvsim.sim.memory import ModelDoesNotFitError, num_gpu_blocks
+
+    blocks = cfg.engine.num_gpu_blocks
+    if blocks is None:
+        return None
     try:
-        size = num_gpu_blocks(model, gpu, tp=tp, block_size=int(overrides.get("engine.block_size") or e.block_size),
-                              gpu_memory_utilization=overrides.get("engine.gpu_memory_utilization") or 0.9,
-                              max_num_batched_tokens=overrides.get("engine.max_num_batched_tokens") or 8192,
-                              max_num_seqs=overrides.get("engine.max_num_seqs") or 256,
-                              kv_dtype=overrides.get("kv_dtype"))
+        eng = resolve_engine(cfg)
+        model, gpu = get_model(cfg.model), get_gpu(cfg.gpu)
+        if cfg.kv_dtype or cfg.weight_dtype:
+            model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
+        size = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
+                              gpu_memory_utilization=eng.gpu_memory_utilization,
+                              max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs)
     except ModelDoesNotFitError as exc:
-        st.error(f"GPU: {exc}")
-        problems.append("GPU")
-        return
-    except (ValueError, KeyError):   # other fields' own checks report these
-        return
-    if blocks > size.num_blocks:
-        st.error(f"KV pool (blocks): {blocks:,} blocks do not fit in {gpu.name}'s memory with {model.name} "
-                 f"(tp={tp}): at most {size.num_blocks:,} blocks remain after weights and activations at "
-                 f"gpu_memory_utilization {overrides.get('engine.gpu_memory_utilization') or 0.9:g}; leave it "
-                 "empty to size the pool like vLLM")
-        problems.append("KV pool (blocks)")
+        return f"GPU: {exc}"
+    except (ValueError, KeyError):   # the simulator's own checks report these
+        return None
+    if blocks <= size.num_blocks:
+        return None
+    return (f"KV pool (blocks): {blocks:,} blocks do not fit in {gpu.name}'s memory with {model.name} (tp={cfg.tp}): "
+            f"at most {size.num_blocks:,} blocks remain after weights and activations at gpu_memory_utilization "
+            f"{eng.gpu_memory_utilization:g}; leave it empty to size the pool like vLLM")
 
 
 def _tp_fits(model, tp: int) -> bool:
