@@ -540,15 +540,16 @@ def _index_of(names: list[str], wanted: str) -> int:
     return 0
 
 
-def run_label(cfg: SimConfig, number: int) -> str:
-    """'#3 sharegpt-8k-filtered Llama-3.1-8B L4: kv.policy=h2o, kv.budget=128': what it ran and what
-    differs from the default configuration (the trace, model and GPU named first)."""
+def label_for(cfg: SimConfig) -> str:
+    """'sharegpt-8k-filtered Llama-3.1-8B L4: kv.policy=h2o, kv.budget=128': what it ran and what
+    differs from the default configuration (the trace, model and GPU named first). A label already
+    taken gets a counter when the run is saved (data.new_run_dir)."""
     from kvsim.dashboard.data import config_diff
 
     diff = config_diff(cfg.model_dump(mode="json"), SimConfig().model_dump(mode="json"))
     for k in ("trace", "model", "gpu"):
         diff.pop(k, None)
-    head = f"#{number} {Path(cfg.trace).name} {cfg.model} {cfg.gpu}"
+    head = f"{Path(cfg.trace).name} {cfg.model} {cfg.gpu}"
     rest = ", ".join(f"{k.removeprefix('trace_options.').removeprefix('engine.')}={v}" for k, v in diff.items())
     return f"{head}: {rest}"[:120] if rest else head
 

@@ -193,8 +193,8 @@ def show_summary_metrics(run: RunRecord) -> None:
                   ("Bytes moved by slots", fmt_bytes(s.get("bytes_moved"))),
                   ("Pages freed by eviction" if run.per_head else "Blocks freed by eviction",
                    _num(s.get("blocks_freed_by_eviction"), "{:,.0f}"))]
-    for row in (cells[i:i + 5] for i in range(0, len(cells), 5)):
-        for col, (label, value) in zip(st.columns(5), row):
+    for row in (cells[i:i + 4] for i in range(0, len(cells), 4)):
+        for col, (label, value) in zip(st.columns(4), row):
             col.metric(label, value)
 
 

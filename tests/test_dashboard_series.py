@@ -12,28 +12,17 @@ import pytest
 import yaml
 from streamlit.testing.v1 import AppTest
 
+from kvsim.dashboard.browser import HALF_S, simulate_doubling_load
 from kvsim.dashboard.data import DATA_ROOT_ENV, bin_steps, load_run_dir, time_series
 from kvsim.dashboard.forms import parse_number
 from kvsim.sim.config import load_config
 from kvsim.sim.simulate import run_simulation
-from kvsim.traces.trace import Trace
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 # per-head H2O with compaction: evicts (token, layer, KV head) entries, frees pages, moves bytes
 PER_HEAD = {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 24, "kv.policy": "h2o",
             "kv.budget": 128, "kv.layout": "per_head", "kv.slot_strategy": "compact", "kv.mode": "fast",
             "engine.num_gpu_blocks": 600}
-HALF_S = 60.0
-
-
-def doubling_trace(path: Path) -> None:
-    """2 requests/s for 60 s, then 4 requests/s for 60 s (evenly spaced), 200-400 prompt and 100-200
-    output tokens: an L4 with 700 KV blocks keeps up with the first half, not with the second."""
-    from kvsim.traces.synthetic import synthesize
-    lengths = synthesize(360, prompt="uniform:200,400", output="uniform:100,200", seed=1).df
-    arrivals = np.concatenate([np.arange(120) / 2.0, HALF_S + np.arange(240) / 4.0])
-    Trace.from_columns(arrival_time_s=arrivals, prompt_tokens=lengths["prompt_tokens"],
-                       output_tokens=lengths["output_tokens"], name="doubling").save(path)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +30,7 @@ def root(tmp_path_factory):
     """A data root holding a per-head run and the doubling-load run, as `kvsim simulate --out` writes them."""
     root = tmp_path_factory.mktemp("data")
     run_simulation(load_config(None, PER_HEAD), root / "per-head")
-    doubling_trace(root / "doubling.jsonl")
-    run_simulation(load_config(None, {"trace": str(root / "doubling.jsonl"), "gpu": "l4",
-                                      "engine.num_gpu_blocks": 700}), root / "doubling")
+    simulate_doubling_load(root)          # 2 req/s for 60 s, then 4 req/s: an L4 keeps up with the first half only
     return root
 
 

@@ -66,8 +66,9 @@ if not records:
     st.info("Choose an axis and values, run them, or select earlier runs to compare.")
     st.stop()
 colors = charts.run_colors(records)
-st.caption("Each run keeps its colour on every chart of this page. Base: " + config_headline(records[0]))
 differs = config_table(records)
+st.caption("Each run keeps its colour on every chart of this page. Common to the runs: "
+           + config_headline(records[0], omit=tuple(differs.columns)))
 if len(differs.columns) > 1:
     st.dataframe(differs, hide_index=True, key="cmp_config",
                  column_config={"run": st.column_config.TextColumn("run", pinned=True)})
