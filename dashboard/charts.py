@@ -92,9 +92,8 @@ def eviction_over_time(runs: list[RunRecord], bins: int = 200) -> go.Figure:
     """Tokens evicted and blocks freed per second, in the summary's units (per-head runs: (token,
     layer, KV head) entries and one-(layer, KV head) pages divided by layers x KV heads)."""
     per_head = any(r.per_head for r in runs)
-    fig = _fig("Eviction: tokens evicted and blocks freed per second" + (
-        " (per-head runs: summed over layers and KV heads, in token and block equivalents)" if per_head else ""),
-        "time (s)", "per second")
+    fig = _fig("Eviction / s" + (", summed over layers and KV heads" if per_head else ""), "time (s)",
+               "tokens or block-equivalents / s" if per_head else "per second")
     colors = run_colors(runs)
     for run in runs:
         b = bin_steps(run.steps, bins)
