@@ -15,6 +15,7 @@ if not is_local_address(address):
 page = st.navigation([
     st.Page(PAGES / "simulate.py", title="Simulate", default=True),
     st.Page(PAGES / "memory.py", title="Memory"),
+    st.Page(PAGES / "timeseries.py", title="Time series", url_path="timeseries"),
     st.Page(PAGES / "compare.py", title="Compare"),
     st.Page(PAGES / "capacity.py", title="Capacity"),
     st.Page(PAGES / "fidelity.py", title="Fidelity"),

@@ -1,6 +1,6 @@
 """Drive the dashboard in headless Chromium over the DevTools protocol (browser test, docs screenshots).
 
-    python -m dashboard.browser docs/img     # serve, use all five pages, screenshot each, print timings
+    python -m dashboard.browser docs/img     # serve, use all six pages, screenshot each, print timings
 
 The page drivers below each return the seconds from the user's action (a click or opening a link)
 to the rendered result: the "time to result" of docs/dashboard.md.
@@ -84,7 +84,7 @@ class Browser:
 
     def __enter__(self) -> "Browser":
         self.profile = tempfile.mkdtemp(prefix="kvsim-chromium-")
-        port = free_port()
+        port = self.debug_port = free_port()
         self.proc = subprocess.Popen(
             [self.binary, *CHROMIUM_FLAGS, f"--remote-debugging-port={port}", f"--user-data-dir={self.profile}",
              f"--window-size={self.width},{self.height}", "about:blank"],
@@ -126,6 +126,29 @@ class Browser:
     def navigate(self, url: str) -> None:
         self.cdp("Page.navigate", url=url)
 
+    def reload(self) -> None:
+        self.cdp("Page.reload", ignoreCache=True)
+
+    @contextmanager
+    def new_tab(self, url: str):
+        """A second tab of the same browser opened on `url` (its own Streamlit session); yields a
+        Browser driving it (closed at the end)."""
+        port = self.debug_port
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/json/new?{url}", method="PUT")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            target = json.loads(r.read())
+        tab = object.__new__(Browser)
+        tab.binary, tab.width, tab.height, tab.proc = self.binary, self.width, self.height, self.proc
+        tab.debug_port, tab._ids = port, itertools.count(1)
+        tab.ws = websocket.create_connection(target["webSocketDebuggerUrl"], timeout=30, suppress_origin=True)
+        try:
+            tab.cdp("Emulation.setDeviceMetricsOverride", width=self.width, height=self.height, deviceScaleFactor=1,
+                    mobile=False)
+            yield tab
+        finally:
+            tab.ws.close()
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/json/close/{target['id']}", timeout=10).close()
+
     def eval(self, expression: str):
         result = self.cdp("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
         if "exceptionDetails" in result:
@@ -147,7 +170,7 @@ class Browser:
             time.sleep(0.25)
 
     def text(self) -> str:
-        return self.eval("document.body.innerText")
+        return self.wait_for("document.body && document.body.innerText", 30, "the page's text")
 
     def click_button(self, label: str) -> None:
         clicked = self.eval(
@@ -157,12 +180,20 @@ class Browser:
             raise RuntimeError(f"no enabled button {label!r} on the page")
 
     def type_into(self, label: str, text: str, timeout: float = 30.0) -> None:
-        """Replace the text of the input labelled `label` (as a user would: focus, select all, type, Enter)."""
-        self.wait_for(f"(() => {{ const i = document.querySelector('input[aria-label=' + {json.dumps(json.dumps(label))} "
-                      "+ ']'); if (i) { i.focus(); i.select(); } return !!i; })()", timeout, f"an input labelled {label!r}")
-        self.cdp("Input.insertText", text=text)
-        for kind in ("keyDown", "keyUp"):
-            self.cdp("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
+        """Replace the text of the input labelled `label` as a user would (focus, select all, type,
+        Enter), again if a rerun of the page redrew the input meanwhile and dropped what was typed."""
+        selector = "document.querySelector('input[aria-label=' + " + json.dumps(json.dumps(label)) + " + ']')"
+        for _ in range(5):
+            settle(self, timeout)
+            self.wait_for(f"(() => {{ const i = {selector}; if (i) {{ i.focus(); i.select(); }} return !!i; }})()",
+                          timeout, f"an input labelled {label!r}")
+            self.cdp("Input.insertText", text=text)
+            for kind in ("keyDown", "keyUp"):
+                self.cdp("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
+            time.sleep(1.0)
+            if self.eval(f"{selector}?.value") == text:
+                return
+        raise RuntimeError(f"typing {text!r} into {label!r} did not stick")
 
     def screenshot(self, path: str | Path, max_height: int = 3200) -> Path:
         """The whole page (the viewport grown to the app's content height), as a 256-colour PNG."""
@@ -203,12 +234,29 @@ def _shows(text: str, plots: int) -> str:
     return f"document.body.innerText.includes({json.dumps(text)}) && {PLOTS_RENDERED} >= {plots}"
 
 
+def _disabled_button(label: str) -> str:
+    return (f"[...document.querySelectorAll('button')].some(b => b.innerText.trim() === {json.dumps(label)} "
+            f"&& b.disabled)")
+
+
+def settle(browser: Browser, timeout: float = 90.0) -> None:
+    """Wait until the app's script is no longer running (a page can rerun itself right after showing
+    a result, e.g. when a run ends) and plotly has drawn."""
+    quiet = "!document.querySelector('[data-testid=\"stStatusWidget\"]')"
+    for _ in range(2):    # twice, a moment apart: a rerun may start just after the first look
+        browser.wait_for(quiet, timeout, "the page to finish running")
+        time.sleep(0.5)
+
+
 def click_and_wait(browser: Browser, url: str, button: str, result: str, plots: int, timeout: float) -> float:
-    """Open `url`, click `button` once it is enabled; seconds from the click to `result` and `plots` charts."""
+    """Open `url`, click `button` once it is enabled; seconds from the click to `result` and `plots`
+    charts. The button must be disabled while its run goes."""
     browser.navigate(url)
     browser.wait_for(_enabled_button(button), timeout, f"the {button} button")
     start = time.monotonic()
     browser.click_button(button)
+    browser.wait_for(f"({_disabled_button(button)}) || ({_shows(result, plots)})", timeout,
+                     f"the {button} button disabled while it runs")
     browser.wait_for(_shows(result, plots), timeout, f"{result!r} and {plots} charts")
     return time.monotonic() - start
 
@@ -247,15 +295,36 @@ def cancel_in_browser(browser: Browser, url: str, requests: int, timeout: float 
     return time.monotonic() - start
 
 
+def reopen_run(browser: Browser, timeout: float = 90.0) -> dict[str, str]:
+    """After a run on the Simulate page: its link (the page's address names the run), the page text
+    after a reload, and the text of a new tab opened on the link; seconds to each."""
+    link = browser.wait_for("location.search.includes('run=') && location.href", timeout, "the run's link")
+    shown = browser.eval("document.querySelector('h3') ? document.querySelector('h3').innerText : ''")
+    browser.eval("window.kvsimBeforeReload = true")
+    start = time.monotonic()
+    browser.reload()
+    reloaded = browser.wait_for(f"!window.kvsimBeforeReload && {_shows(shown, 6)} && document.body.innerText",
+                                timeout, f"{shown!r} after the reload")
+    reload_s = time.monotonic() - start
+    start = time.monotonic()
+    with browser.new_tab(link) as tab:
+        in_tab = tab.wait_for(f"{_shows(shown, 6)} && document.body.innerText", timeout, f"{shown!r} in a new tab")
+        tab_s = time.monotonic() - start
+    return {"link": link, "summary": shown, "reloaded": reloaded, "new_tab": in_tab, "reload_s": reload_s,
+            "new_tab_s": tab_s}
+
+
 def tour(browser: Browser, url: str, run_dir: str, crosscheck_dir: str, shots: Path | None = None,
-         timeout: float = 90.0, inspect=None) -> dict[str, float]:
-    """Use all five pages as a user would; seconds to result per page. Memory opens `run_dir` and
-    Fidelity `crosscheck_dir` (paths relative to the data root) by link; Simulate, Compare and
-    Capacity run their defaults. With `shots`, a screenshot of each page lands there as PAGE.png;
-    `inspect(page)` runs on each page once it shows its result."""
+         timeout: float = 90.0, inspect=None, series_dir: str | None = None) -> dict[str, float]:
+    """Use all six pages as a user would; seconds to result per page. Memory opens `run_dir`, Time
+    series `series_dir` (default `run_dir`) and Fidelity `crosscheck_dir` (paths relative to the data
+    root) by link; Simulate, Compare and Capacity run their defaults. With `shots`, a screenshot of
+    each page lands there as PAGE.png; `inspect(page)` runs on each page once it shows its result."""
+    series_dir = series_dir or run_dir
     steps = {
         "simulate": lambda: click_and_wait(browser, url, "Run simulation", "Summary:", 6, timeout),
         "memory": lambda: open_and_wait(browser, f"{url}memory?run={run_dir}", "Block pool over time", 4, timeout),
+        "timeseries": lambda: open_and_wait(browser, f"{url}timeseries?run={series_dir}", "over time", 1, timeout),
         "compare": lambda: click_and_wait(browser, f"{url}compare", "Run 3 simulations", "TTFT by configuration",
                                           9, timeout),
         "capacity": lambda: click_and_wait(browser, f"{url}capacity", "Search capacity", "Best configuration", 3,
@@ -266,6 +335,7 @@ def tour(browser: Browser, url: str, run_dir: str, crosscheck_dir: str, shots: P
     seconds = {}
     for page, use in steps.items():
         seconds[page] = use()
+        settle(browser, timeout)
         if inspect is not None:
             inspect(page)
         if shots is not None:
@@ -273,12 +343,44 @@ def tour(browser: Browser, url: str, run_dir: str, crosscheck_dir: str, shots: P
     return seconds
 
 
-def prepare_data_root(root: Path) -> tuple[str, str]:
-    """A per-head eviction run (H2O + slot_reuse, fast mode, 100 ShareGPT requests on an L4) and a
-    small real cross-check (3 requests replayed on SmolLM2 on CPU) under `root`; their relative paths."""
+HALF_S = 60.0
+
+
+def doubling_load_trace(path: Path) -> Path:
+    """A trace whose load doubles halfway: 2 requests/s for 60 s, then 4 requests/s for 60 s (evenly
+    spaced), 200-400 prompt and 100-200 output tokens. An L4 with 700 KV blocks serving Llama-3.1-8B
+    keeps up with the first half, not with the second."""
+    import numpy as np
+
+    from kvsim.traces.synthetic import synthesize
+    from kvsim.traces.trace import Trace
+
+    lengths = synthesize(360, prompt="uniform:200,400", output="uniform:100,200", seed=1).df
+    arrivals = np.concatenate([np.arange(120) / 2.0, HALF_S + np.arange(240) / 4.0])
+    Trace.from_columns(arrival_time_s=arrivals, prompt_tokens=lengths["prompt_tokens"],
+                       output_tokens=lengths["output_tokens"], name="doubling").save(path)
+    return path
+
+
+def simulate_doubling_load(root: Path) -> str:
+    """The doubling-load trace simulated under `root` (as `kvsim simulate --out root/doubling`)."""
     from kvsim.sim.config import load_config
     from kvsim.sim.simulate import run_simulation
 
+    trace = doubling_load_trace(root / "doubling.jsonl")
+    run_simulation(load_config(None, {"trace": str(trace), "gpu": "l4", "engine.num_gpu_blocks": 700}),
+                   root / "doubling")
+    return "doubling"
+
+
+def prepare_data_root(root: Path) -> tuple[str, str]:
+    """A per-head eviction run (H2O + slot_reuse, fast mode, 100 ShareGPT requests on an L4), a run
+    of the doubling-load trace and a small real cross-check (3 requests replayed on SmolLM2 on CPU)
+    under `root`; the first and last's relative paths."""
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulate import run_simulation
+
+    simulate_doubling_load(root)
     run_simulation(load_config(None, {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 100,
                                       "kv.policy": "h2o", "kv.budget": 128, "kv.layout": "per_head",
                                       "kv.slot_strategy": "slot_reuse", "kv.mode": "fast"}), root / "per-head")
@@ -298,7 +400,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="kvsim-dashboard-") as tmp:
         run_dir, cc_dir = prepare_data_root(Path(tmp))
         with serve_dashboard(data_root=tmp) as url, Browser(1400, 1400) as browser:
-            seconds = tour(browser, url, run_dir, cc_dir, shots)
+            seconds = tour(browser, url, run_dir, cc_dir, shots, series_dir="doubling")
     for page, s in seconds.items():
         print(f"{page:9s} {s:5.1f} s to result   {shots / (page + '.png')}")
     return 0

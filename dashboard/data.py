@@ -72,6 +72,7 @@ class RunRecord:
     requests: pd.DataFrame
     steps: pd.DataFrame
     config: dict = field(default_factory=dict)
+    path: Path | None = None           # its run directory (every dashboard run has one)
 
     @property
     def num_blocks_total(self) -> int:
@@ -97,6 +98,10 @@ class RunRecord:
     @property
     def block_size(self) -> int:
         return int(self.summary.get("block_size") or self.config.get("engine", {}).get("block_size", 16))
+
+    @property
+    def per_head(self) -> bool:
+        return self.rows_per_block > 1
 
 
 def record_from_result(result, cfg, label: str) -> RunRecord:
@@ -130,8 +135,112 @@ def load_run_dir(path: str | Path, label: str | None = None) -> RunRecord:
             raise DataError(f"{d / 'config.yaml'}: not valid YAML") from None
     if not isinstance(summary, dict) or not isinstance(config, dict):
         raise DataError(f"{d}: summary.json and config.yaml must each hold a mapping")
-    return RunRecord(label or d.name, summary, read_parquet(d / "requests.parquet"),
-                     read_parquet(d / "steps.parquet"), config)
+    return RunRecord(label or run_label(d), summary, read_parquet(d / "requests.parquet"),
+                     read_parquet(d / "steps.parquet"), config, d)
+
+
+# ---- run directories: every dashboard run is one, in the CLI's layout -----------------------------
+RUNS_DIR = "dashboard-runs"       # where the dashboard's own runs go, under the data root
+LABEL_FILE = "dashboard.json"     # the label a dashboard run was given (CLI runs: their path)
+RUN_FILES = ("summary.json", "requests.parquet", "steps.parquet")
+
+
+def is_run_dir(path: Path) -> bool:
+    return all((path / name).is_file() for name in RUN_FILES)
+
+
+def list_run_dirs(root: Path, max_depth: int = 4) -> list[Path]:
+    """Run directories (summary.json + requests/steps.parquet) under `root`, newest first: the
+    dashboard's own runs and any `kvsim simulate --out` directory there. Staging directories of
+    runs still being written (hidden names) are skipped."""
+    found = []
+    for summary in root.glob("**/summary.json"):
+        d = summary.parent
+        rel = d.relative_to(root).parts
+        if len(rel) <= max_depth and not any(p.startswith(".") for p in rel) and is_run_dir(d):
+            found.append(d)
+    return sorted(found, key=lambda d: ((d / "summary.json").stat().st_mtime, str(d)), reverse=True)
+
+
+def run_label(d: Path) -> str:
+    try:
+        return str(json.loads((d / LABEL_FILE).read_text())["label"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return d.name
+
+
+def new_run_dir(root: Path, label: str, taken: set[str]) -> tuple[Path, str]:
+    """A fresh directory for a dashboard run (not created) and the run's label, made unique
+    among `taken` labels by a counter ("label (2)")."""
+    unique, n = label, 2
+    while unique in taken:
+        unique, n = f"{label} ({n})", n + 1
+    slug = re.sub(r"[^A-Za-z0-9._=-]+", "-", unique).strip("-.")[:80] or "run"
+    stamp = pd.Timestamp.now().strftime("%Y%m%d-%H%M%S")
+    d, n = root / RUNS_DIR / f"{stamp}-{slug}", 2
+    while d.exists():
+        d, n = root / RUNS_DIR / f"{stamp}-{slug}-{n}", n + 1
+    return d, unique
+
+
+def write_label(d: Path, label: str) -> None:
+    (d / LABEL_FILE).write_text(json.dumps({"label": label}) + "\n")
+
+
+def run_zip(d: Path) -> bytes:
+    """The run directory as a zip (its files under the directory's name)."""
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in sorted(p for p in d.rglob("*") if p.is_file()):
+            z.write(f, f"{d.name}/{f.relative_to(d)}")
+    return out.getvalue()
+
+
+def cli_command(d: Path, root: Path) -> str:
+    """The `kvsim simulate` command that reruns a run directory bit for bit (its resolved config.yaml)."""
+    rel = d.relative_to(root) if d == root or root in d.parents else d
+    return f"kvsim simulate -c {root / rel / 'config.yaml'} --out {rel}-rerun"
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """{'engine': {'block_size': 16}} -> {'engine.block_size': 16}."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_diff(config: dict, base: dict) -> dict:
+    """Dotted keys whose value in `config` differs from `base` (both nested dicts)."""
+    a, b = flatten(config), flatten(base)
+    return {k: v for k, v in a.items() if k in b and b[k] != v or k not in b}
+
+
+# what a reader of any chart of the run needs to know of its configuration, in this order
+CONFIG_HEADLINE = ("trace", "trace_options.max_requests", "trace_options.rate_scale", "model", "gpu", "tp",
+                   "replicas", "engine.block_size", "engine.num_gpu_blocks", "engine.max_num_seqs",
+                   "engine.max_num_batched_tokens", "engine.enable_prefix_caching", "kv.policy", "kv.budget",
+                   "kv.layout", "kv.slot_strategy", "kv.mode", "seed")
+
+
+def config_headline(run: RunRecord, omit: tuple[str, ...] = ()) -> str:
+    """One line of the run's configuration (trace, model, GPU, engine, KV policy, budget, layout,
+    slot strategy), with the pool size the run actually used; `omit`: dotted keys left out."""
+    flat = {k: v for k, v in flatten(run.config).items() if k not in omit}
+    if run.summary.get("num_gpu_blocks") and "engine.num_gpu_blocks" not in omit:
+        flat["engine.num_gpu_blocks"] = run.summary["num_gpu_blocks"]
+    if flat.get("kv.policy") in (None, "none"):
+        for k in ("kv.budget", "kv.layout", "kv.slot_strategy", "kv.mode"):
+            flat.pop(k, None)
+    parts = [f"{k.rsplit('.', 1)[-1]}={Path(str(flat[k])).name if k == 'trace' else flat[k]}"
+             for k in CONFIG_HEADLINE if flat.get(k) is not None]
+    return ", ".join(parts)
 
 
 def read_parquet(path: str | Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
@@ -170,23 +279,25 @@ def output_token_rate(requests: pd.DataFrame, num_bins: int = 200) -> pd.DataFra
 
 
 # ---- step log ----------------------------------------------------------------------------------
-def bin_steps(steps: pd.DataFrame, num_bins: int = 200) -> pd.DataFrame:
-    """Resample a step log onto `num_bins` equal time bins.
+def bin_steps(steps: pd.DataFrame, num_bins: int = 200, span: tuple[float, float] | None = None) -> pd.DataFrame:
+    """Resample a step log onto `num_bins` equal time bins (over `span`, default the log's).
 
     State columns (pool counts, queue lengths, batch size) are duration-weighted means per replica,
     summed over replicas; a bin with no step start holds the previous bin's state (the engine was
     idle). Event columns (tokens, preemptions, evictions, bytes moved) are summed per bin and also
-    given per second (`*_per_s`). Fragmentation is recomputed from the summed slot counts.
+    given per second (`*_per_s`). `busy_s` is the step time started in each bin (all replicas) and
+    `fragmentation` the duration-weighted mean of the steps' own, as summary.json weighs them: the
+    busy-time-weighted mean of a state column over the bins is the summary's time-weighted mean.
     """
     if steps is None or not len(steps):
         return pd.DataFrame()
-    t0 = float(steps["time_s"].min())
-    t1 = float((steps["time_s"] + steps["duration_s"]).max())
+    t0, t1 = span if span is not None else (float(steps["time_s"].min()),
+                                            float((steps["time_s"] + steps["duration_s"]).max()))
     edges = np.linspace(t0, t1 if t1 > t0 else t0 + 1.0, num_bins + 1)
     width = np.diff(edges)
     idx = np.clip(np.searchsorted(edges, steps["time_s"].to_numpy(), side="right") - 1, 0, num_bins - 1)
     weight = np.maximum(steps["duration_s"].to_numpy(dtype=float), 1e-12)
-    out = pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:])})
+    out = pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:]), "bin_s": width})
     state_cols = [c for c in _ADDITIVE if c in steps]
     total = np.zeros((num_bins, len(state_cols)))
     for _, part in steps.groupby("replica" if "replica" in steps else np.zeros(len(steps)), sort=True):
@@ -199,13 +310,30 @@ def bin_steps(steps: pd.DataFrame, num_bins: int = 200) -> pd.DataFrame:
         total += means
     for j, c in enumerate(state_cols):
         out[c] = total[:, j]
+    busy = np.bincount(idx, weights=weight, minlength=num_bins)
+    out["busy_s"] = busy
+    out["steps"] = np.bincount(idx, minlength=num_bins)
     for c in _EVENTS:
         if c in steps:
             out[c] = np.bincount(idx, weights=steps[c].to_numpy(float), minlength=num_bins)
             out[f"{c}_per_s"] = out[c] / width
-    if "allocated_slots" in out:
+    if "fragmentation" in steps:
+        frag = np.bincount(idx, weights=steps["fragmentation"].to_numpy(float) * weight, minlength=num_bins)
+        out["fragmentation"] = pd.Series(np.where(busy > 0, frag / np.where(busy > 0, busy, 1), np.nan)).ffill().fillna(0.0)
+    elif "allocated_slots" in out:
         alloc = out["allocated_slots"].to_numpy()
         out["fragmentation"] = np.where(alloc > 0, 1.0 - out["live_slots"] / np.where(alloc > 0, alloc, 1), 0.0)
+    return out
+
+
+def eviction_rates(binned: pd.DataFrame, rows_per_block: int) -> pd.DataFrame:
+    """Eviction per second in the summary's units: tokens evicted (a per-head run's (token, layer,
+    KV head) entries divided by the layers x KV heads: token-equivalents, summed as summary.json's
+    evicted_tokens is) and blocks freed (a per-head run's one-(layer, KV head) pages divided likewise:
+    block-equivalents)."""
+    out = pd.DataFrame({"time_s": binned["time_s"]})
+    for col, name in (("evicted_tokens", "tokens_per_s"), ("blocks_freed_by_eviction", "blocks_per_s")):
+        out[name] = binned[f"{col}_per_s"] / rows_per_block if f"{col}_per_s" in binned else 0.0
     return out
 
 
@@ -301,6 +429,16 @@ class Crosscheck:
     @property
     def kind(self) -> pd.Series:
         return self.step_times["kind"]
+
+    def signed_error(self, metric: str, percentile: int | None = None) -> float:
+        """(simulated - measured) / measured of a latency percentile or a throughput metric, with its
+        sign (the headline keeps only the size)."""
+        table = self.figures.get("latency" if percentile is not None else "throughput") or []
+        for row in table:
+            if row.get("metric") == metric and (percentile is None or row.get("percentile") == percentile):
+                value = row.get("rel_error")
+                return math.nan if value is None else float(value)
+        return math.nan
 
     @property
     def model_vs_measured(self) -> float:
@@ -401,3 +539,146 @@ def drain_share(row) -> float:
     if not rate or not n or not makespan or any(map(math.isnan, (rate, n, makespan))) or n < 2:
         return math.nan
     return max(0.0, 1.0 - ((n - 1) / rate) / makespan)
+
+
+# ---- time series: what a vLLM operator's Grafana shows, over the simulated run ---------------------
+WINDOW_PERCENTILES = (50, 90, 99)
+# the cost model's time terms (CostModel.breakdown) as the time-series page names them
+TIME_TERMS = {"linear": "GEMMs (linear layers, LM head)", "attention": "attention", "copy": "KV copies / moves",
+              "allreduce": "all-reduce", "swap": "swap", "overhead": "CPU overhead (not hidden)",
+              "rest": "policy ops and other (not in the step log)"}
+
+
+def time_edges(run: RunRecord, num_bins: int) -> np.ndarray:
+    """Window edges spanning the run: first arrival to the end of its last step."""
+    t0 = float(run.requests["arrival_s"].min()) if len(run.requests) else 0.0
+    ends = [float((run.steps["time_s"] + run.steps["duration_s"]).max())] if len(run.steps) else []
+    if len(run.requests) and run.requests["finish_s"].notna().any():
+        ends.append(float(run.requests["finish_s"].max()))
+    t1 = max(ends + [t0 + 1e-9])
+    return np.linspace(t0, t1, num_bins + 1)
+
+
+def _window_of(times: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    return np.clip(np.searchsorted(edges, times, side="right") - 1, 0, len(edges) - 2)
+
+
+def window_percentiles(times: pd.Series, values: pd.Series, edges: np.ndarray, scale: float = 1.0) -> pd.DataFrame:
+    """Percentiles (p50/p90/p99) of `values` observed at `times`, per window (NaN where none): a
+    histogram_quantile over the window, as Grafana shows vLLM's latency histograms."""
+    ok = times.notna() & values.notna()
+    n = len(edges) - 1
+    out = pd.DataFrame(index=range(n))
+    if not ok.any():
+        for q in WINDOW_PERCENTILES:
+            out[f"p{q}"] = np.nan
+        out["count"] = 0
+        return out
+    w = _window_of(times[ok].to_numpy(float), edges)
+    grouped = pd.Series(values[ok].to_numpy(float) * scale).groupby(w)
+    for q in WINDOW_PERCENTILES:
+        out[f"p{q}"] = grouped.quantile(q / 100).reindex(range(n))
+    out["count"] = grouped.size().reindex(range(n)).fillna(0).astype(int)
+    return out
+
+
+def request_series(requests: pd.DataFrame, edges: np.ndarray) -> pd.DataFrame:
+    """Per window: arrivals and finishes per second; TTFT percentiles of the requests whose first token
+    came in it, TPOT and E2E of those that finished in it, queue time of those first scheduled in it
+    (as vLLM's histograms observe them); the prefix-cache hit rate of prompt tokens admitted in it."""
+    r = requests
+    width = np.diff(edges)
+    out = pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:])})
+    n = len(width)
+    arrivals = np.bincount(_window_of(r["arrival_s"].to_numpy(float), edges), minlength=n) if len(r) else np.zeros(n)
+    done = r[r["status"] == "finished"]
+    finishes = np.bincount(_window_of(done["finish_s"].to_numpy(float), edges), minlength=n) if len(done) else np.zeros(n)
+    out["arrivals_per_s"], out["finished_per_s"] = arrivals / width, finishes / width
+    for name, at, column, scale in (("ttft_ms", "first_token_s", "ttft_s", 1e3), ("tpot_ms", "finish_s", "tpot_s", 1e3),
+                                    ("e2e_s", "finish_s", "e2e_s", 1.0), ("queue_s", "first_scheduled_s", "queueing_s", 1.0)):
+        p = window_percentiles(done[at], done[column], edges, scale)
+        for q in WINDOW_PERCENTILES:
+            out[f"{name}_p{q}"] = p[f"p{q}"].to_numpy()
+    admitted = r[r["first_scheduled_s"].notna()]
+    w = _window_of(admitted["first_scheduled_s"].to_numpy(float), edges)
+    prompt = np.bincount(w, weights=admitted["prompt_tokens"].to_numpy(float), minlength=n)
+    cached = np.bincount(w, weights=admitted["cached_tokens"].to_numpy(float), minlength=n)
+    out["prefix_hit_rate"] = np.where(prompt > 0, cached / np.where(prompt > 0, prompt, 1), np.nan)
+    return out
+
+
+def step_shape(steps: pd.DataFrame):
+    """The step log's columns as the cost model's BatchShape (float arrays). Policy-operation work
+    and swap bytes are not logged: they are 0 here."""
+    from kvsim.sim.core.step import BatchShape
+
+    col = lambda c: steps[c].to_numpy(np.float64) if c in steps else np.zeros(len(steps))   # noqa: E731
+    return BatchShape(num_seqs=col("batch_size"), num_prefill_tokens=col("prefill_tokens"),
+                      num_decode_tokens=col("decode_tokens"), attn_pairs_prefill=col("attn_pairs_prefill"),
+                      kv_tokens_read=col("kv_tokens_read"), bytes_moved=col("bytes_moved"),
+                      block_table_entries=col("block_table_entries"))
+
+
+def step_costs(steps: pd.DataFrame, cost) -> pd.DataFrame:
+    """Per step, from the cost model (`sim.cost_model.CostModel`): `flops_s` and `bytes_s`, the seconds
+    the step's model FLOPs (linear layers, LM head, attention) and its HBM traffic (weights,
+    activations, KV reads, slot copies) take at the GPU's peak rates, and the seconds of each term of
+    TIME_TERMS (`t_<term>`), which add up to the step's duration."""
+    shape = step_shape(steps)
+    f = cost.features(shape, padded=False)
+    b = cost.breakdown(shape)
+    out = pd.DataFrame(index=steps.index)
+    out["flops_s"] = f["linear_compute_prefill"] + f["linear_compute_decode"] + f["attn_compute"]
+    out["bytes_s"] = f["linear_memory"] + f["attn_memory"] + f["copy"]
+    device = b["linear"] + b["attention"] + b["copy"] + b["swap"] + b["allreduce"]
+    for term in ("linear", "attention", "copy", "allreduce", "swap"):
+        out[f"t_{term}"] = np.asarray(b[term], dtype=float) * np.ones(len(steps))
+    out["t_overhead"] = np.asarray(b["total"] - device, dtype=float) * np.ones(len(steps))   # async: the part not hidden
+    duration = steps["duration_s"].to_numpy(float)
+    out["t_rest"] = np.maximum(duration - np.asarray(b["total"], dtype=float), 0.0)
+    return out
+
+
+def run_cost_model(run: RunRecord):
+    """The cost model the run was priced with (from its config.yaml), or None when it cannot be rebuilt."""
+    from kvsim.sim.assembly import resolve_hardware
+    from kvsim.sim.config import SimConfig
+
+    if not run.config:
+        return None
+    try:
+        return resolve_hardware(SimConfig.model_validate(run.config))[2]
+    except Exception:  # a replay's model file, a profile no longer there: no cost panels
+        return None
+
+
+def time_series(run: RunRecord, num_bins: int = 120, cost=None) -> pd.DataFrame:
+    """Every time-series panel's data, one row per window (see request_series, bin_steps, step_costs).
+    `mfu` / `mbu`: model FLOPs and bandwidth utilisation of the busy time (the peak-rate seconds of
+    the steps started in a window over their duration); `share_<term>`: each term's share of it."""
+    edges = time_edges(run, num_bins)
+    out = request_series(run.requests, edges)
+    if not len(run.steps):
+        return out
+    b = bin_steps(run.steps, num_bins, span=(float(edges[0]), float(edges[-1])))
+    for c in ("num_running", "num_waiting", "batch_size", "fragmentation", "busy_s", "steps", "preemptions_per_s",
+              "bin_s"):
+        if c in b:
+            out[c] = b[c].to_numpy()
+    out["kv_usage"] = b["blocks_used"].to_numpy() / max(run.pool_blocks, 1)
+    w = _window_of(run.steps["time_s"].to_numpy(float), edges)
+    steps_in = np.maximum(out["steps"].to_numpy(float), 1)
+    tokens = (run.steps["prefill_tokens"] + run.steps["decode_tokens"]).to_numpy(float)
+    out["batched_tokens"] = np.where(out["steps"] > 0, np.bincount(w, weights=tokens, minlength=num_bins) / steps_in,
+                                     np.nan)
+    out["batch_size_per_step"] = np.where(out["steps"] > 0, np.bincount(
+        w, weights=run.steps["batch_size"].to_numpy(float), minlength=num_bins) / steps_in, np.nan)
+    if cost is not None:
+        c = step_costs(run.steps, cost)
+        busy = out["busy_s"].to_numpy(float)
+        share = lambda col: np.where(busy > 0, np.bincount(w, weights=c[col].to_numpy(float), minlength=num_bins)  # noqa: E731
+                                     / np.where(busy > 0, busy, 1), np.nan)
+        out["mfu"], out["mbu"] = share("flops_s"), share("bytes_s")
+        for term in TIME_TERMS:
+            out[f"share_{term}"] = share(f"t_{term}")
+    return out

@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import streamlit as st
 from pydantic import BaseModel
 
@@ -22,7 +23,10 @@ from kvsim.traces import DATA_TRACES, TraceError
 from .data import DataError, data_root, redact_content, resolve_user_path
 from .guard import confine_overrides, confine_value, upload_name
 
-DEFAULT_MAX_REQUESTS = 200
+DEFAULT_MAX_REQUESTS = 100
+# One base configuration for every page (its widgets' key prefix): edited once on any page's sidebar,
+# simulated on Simulate, varied on Compare, searched on Capacity.
+BASE = "cfg_"
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Fields with hand-made widgets below; every other field gets a generated one.
 _HANDLED = {"trace", "trace_options", "model", "gpu", "tp", "replicas", "engine", "slo", "seed"}
@@ -55,16 +59,19 @@ def gui_message(message: str) -> str:
 
 
 def number_field(container, label: str, key: str, value, *, low=None, high=None, integer: bool = True,
-                 problems: list | None = None, **kw):
-    """A number input validated by the page (not the browser): out of range or empty, the message
-    shows under the field and is added to `problems`; returns the value typed."""
-    value = container.number_input(label, value=value, key=key, step=kw.pop("step", 1 if integer else None), **kw)
-    problem = number_problem(value, low, high, optional="placeholder" in kw)
+                 problems: list | None = None, placeholder: str | None = None, help: str | None = None, **_):
+    """A number typed as text and parsed by the page (scientific notation and decimals read as such,
+    anything else refused with the reason under the field, added to `problems`); returns the number,
+    or None when the field is empty and `placeholder` says what empty means."""
+    text = container.text_input(label, value=format_number(value), key=key, placeholder=placeholder, help=help)
+    number, problem = parse_number(text, integer=integer, optional=placeholder is not None)
+    problem = problem or number_problem(number, low, high, optional=placeholder is not None)
     if problem:
         container.error(f"{label}: {problem}")
         if problems is not None:
             problems.append(label)
-    return value
+        return None
+    return number
 
 
 def number_problem(value, low=None, high=None, optional: bool = False) -> str | None:
@@ -75,6 +82,35 @@ def number_problem(value, low=None, high=None, optional: bool = False) -> str | 
     if high is not None and value > high:
         return f"must be at most {high:,}"
     return None
+
+
+def format_number(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return f"{value:.1f}"
+    return str(value)
+
+
+def parse_number(text, integer: bool = False, optional: bool = False) -> tuple[float | int | None, str | None]:
+    """'1e9' -> 1000000000, '2.5' -> 2.5, '1_000' -> 1000; (None, reason) for 'abc', '2.5' where a
+    whole number is needed, inf and nan. Empty: (None, None) when `optional`."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):   # a value set programmatically
+        text = repr(text)
+    text = (text or "").strip()
+    if not text:
+        return None, None if optional else "enter a number"
+    try:
+        value = float(text)
+    except ValueError:
+        return None, f"{text!r} is not a number (digits, a decimal point, or e.g. 1e9)"
+    if not np.isfinite(value):
+        return None, f"{text!r} is not a finite number"
+    if integer:
+        if not value.is_integer():
+            return None, f"{text} is not a whole number"
+        return int(value), None
+    return value, None
 
 
 # ---- pydantic field introspection ---------------------------------------------------------------
@@ -175,12 +211,11 @@ def _field_widget(key: str, name: str, f, prefix: str):
     if inner in (int, float):
         default = f.default if isinstance(f.default, (int, float)) else None
         low, high = field_bounds(f)
-        value = st.number_input(name, value=inner(default) if default is not None else None, key=wkey,
-                                step=1 if inner is int else None, help=help_text,
-                                placeholder="default" if optional else None)
-        problem = number_problem(value, low, high, optional=optional)
-        if problem:
-            st.error(f"{name}: {problem}")
+        problems: list[str] = []
+        value = number_field(st, name, wkey, inner(default) if default is not None else None, low=low, high=high,
+                             integer=inner is int, problems=problems, help=help_text,
+                             placeholder="default" if optional else None)
+        if problems:
             raise FieldProblem(name)
         return value
     if inner is str:
@@ -314,14 +349,17 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
     with st.expander("SLO, seed and other options", expanded=False):
         _other_fields(prefix, overrides, problems)
     _check_pool_size(overrides, problems)
+    _check_cross_fields(overrides, problems)
     remember_form(prefix)
     if error or problems:
         return None, error or INVALID_FIELDS
     overrides["trace"] = source
     try:
-        return load_config(None, confine_overrides(overrides)), None
+        cfg = load_config(None, confine_overrides(overrides))
     except (ConfigError, DataError) as exc:
         return None, gui_message(str(exc))
+    problem = pool_problem(cfg)
+    return (None, problem) if problem else (cfg, None)
 
 
 _NOT_RESTORED = ("trace_upload", "run", "pick", "label", "_x", "_y", "_group")   # uploads, buttons, page widgets
@@ -429,6 +467,67 @@ def _check_pool_size(overrides: dict, problems: list) -> None:
         problems.append("KV pool (blocks)")
 
 
+def _check_cross_fields(overrides: dict, problems: list) -> None:
+    """Tensor parallelism against the model's heads, checked before Run (the KV pool against the GPU's
+    memory: pool_problem, once the config is built)."""
+    from kvsim.sim.catalog import get_model
+    from kvsim.sim.cost_model import check_tp
+
+    try:
+        model = get_model(overrides["model"])
+    except Exception:  # the config check names an unknown model or GPU
+        return
+    tp = overrides.get("tp")
+    if tp is None:
+        return
+    try:
+        check_tp(model, tp)
+    except ValueError:
+        fits = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= 64 and _tp_fits(model, t)]
+        st.error(f"Tensor parallel: {tp} does not split {model.name}'s {model.num_heads} attention heads and "
+                 f"{model.num_kv_heads} KV heads evenly across GPUs; use one of {', '.join(map(str, fits))}")
+        problems.append("Tensor parallel")
+        return
+
+
+def pool_problem(cfg: SimConfig) -> str | None:
+    """A typed KV pool larger than the GPU's memory holds after weights and activations (sized as
+    the simulator sizes it, with the engine defaults resolved for this GPU), or None."""
+    from kvsim.sim.catalog import get_gpu, get_model
+    from kvsim.sim.defaults import resolve_engine
+    from kvsim.sim.memory import ModelDoesNotFitError, num_gpu_blocks
+
+    blocks = cfg.engine.num_gpu_blocks
+    if blocks is None:
+        return None
+    try:
+        eng = resolve_engine(cfg)
+        model, gpu = get_model(cfg.model), get_gpu(cfg.gpu)
+        if cfg.kv_dtype or cfg.weight_dtype:
+            model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
+        size = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
+                              gpu_memory_utilization=eng.gpu_memory_utilization,
+                              max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs)
+    except ModelDoesNotFitError as exc:
+        return f"GPU: {exc}"
+    except (ValueError, KeyError):   # the simulator's own checks report these
+        return None
+    if blocks <= size.num_blocks:
+        return None
+    return (f"KV pool (blocks): {blocks:,} blocks do not fit in {gpu.name}'s memory with {model.name} (tp={cfg.tp}): "
+            f"at most {size.num_blocks:,} blocks remain after weights and activations at gpu_memory_utilization "
+            f"{eng.gpu_memory_utilization:g}; leave it empty to size the pool like vLLM")
+
+
+def _tp_fits(model, tp: int) -> bool:
+    from kvsim.sim.cost_model import check_tp
+    try:
+        check_tp(model, tp)
+        return True
+    except ValueError:
+        return False
+
+
 def _index_of(names: list[str], wanted: str) -> int:
     from kvsim.sim.catalog import get_gpu, get_model
 
@@ -440,6 +539,20 @@ def _index_of(names: list[str], wanted: str) -> int:
         if name in names:
             return names.index(name)
     return 0
+
+
+def label_for(cfg: SimConfig) -> str:
+    """'sharegpt-8k-filtered Llama-3.1-8B L4: kv.policy=h2o, kv.budget=128': what it ran and what
+    differs from the default configuration (the trace, model and GPU named first). A label already
+    taken gets a counter when the run is saved (data.new_run_dir)."""
+    from kvsim.dashboard.data import config_diff
+
+    diff = config_diff(cfg.model_dump(mode="json"), SimConfig().model_dump(mode="json"))
+    for k in ("trace", "model", "gpu"):
+        diff.pop(k, None)
+    head = f"{Path(cfg.trace).name} {cfg.model} {cfg.gpu}"
+    rest = ", ".join(f"{k.removeprefix('trace_options.').removeprefix('engine.')}={v}" for k, v in diff.items())
+    return f"{head}: {rest}"[:120] if rest else head
 
 
 def with_value(cfg: SimConfig, key: str, value) -> SimConfig:

@@ -11,19 +11,24 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
+
+import yaml
 
 from kvsim.sim.config import ConfigError, SimConfig
 from kvsim.sim.progress import Cancelled, SimProgress, format_duration, reporting_to
 
-from .data import RunRecord, record_from_result
+from .data import RunRecord, new_run_dir, record_from_result, write_label
 
 __all__ = ["Cancelled", "Job", "capacity_search_task"]
 
 
 @dataclass
 class Job:
-    """Simulates each (label, config) in turn; `records` fills in as runs finish.
+    """Simulates each (label, config) in turn; `records` fills in as runs finish. With `out_root`,
+    each run is written to a run directory under it (the CLI's layout, sim/results.py) and its
+    record points there; labels are made unique among `taken`.
 
     With `task`, runs task(job) instead and keeps its return value in `value`; the task reports
     progress through `run_done` / `run_total` / `unit` and calls `check_cancel()` between its steps."""
@@ -42,6 +47,8 @@ class Job:
     started: float = field(default_factory=time.perf_counter)
     cancel_time: float | None = None
     finished: float | None = None
+    out_root: Path | None = None
+    taken: set[str] = field(default_factory=set)
     _thread: threading.Thread | None = None
 
     def start(self) -> "Job":
@@ -84,8 +91,18 @@ class Job:
         for label, cfg in self.runs:
             check_run(cfg)                  # also for a job built without the page's start_job
             self.progress = None
-            result = run_simulation(cfg, None, progress=self.on_progress)
-            self.records.append(record_from_result(result, cfg, label))
+            if self.out_root is None:
+                result = run_simulation(cfg, None, progress=self.on_progress)
+                self.records.append(record_from_result(result, cfg, label))
+                continue
+            out, label = new_run_dir(self.out_root, label, self.taken)
+            self.taken.add(label)
+            result = run_simulation(cfg, out, progress=self.on_progress)
+            write_label(out, label)
+            record = record_from_result(result, cfg, label)
+            record.config = yaml.safe_load((out / "config.yaml").read_text())   # resolved, as the CLI reruns it
+            record.path = out
+            self.records.append(record)
 
     @property
     def done(self) -> bool:
@@ -103,10 +120,17 @@ class Job:
             return min(1.0, (self.run_done + inner) / self.run_total) if self.run_total else 0.0
         return min(1.0, (len(self.records) + inner) / max(len(self.runs), 1))
 
+    # The first steps (trace loading, the scheduler's warm-up, JIT compiles) are not representative:
+    # the time left is extrapolated only once this much time has passed and work is done.
+    ETA_AFTER_S = 3.0
+    ETA_AFTER_FRACTION = 0.05
+
     @property
     def eta_s(self) -> float | None:
         f = self.fraction
-        return None if f <= 0 else self.elapsed_s * (1 - f) / f
+        if f < self.ETA_AFTER_FRACTION or self.elapsed_s < self.ETA_AFTER_S:
+            return None
+        return self.elapsed_s * (1 - f) / f
 
     def status_text(self) -> str:
         if self.cancel_requested and not self.done:

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvsim.dashboard.data import bin_steps, fidelity_table, pareto_front, pool_map
+from kvsim.dashboard.data import DATA_ROOT_ENV, bin_steps, fidelity_table, pareto_front, pool_map
+from kvsim.dashboard.ui import fmt_share
 from kvsim.sim.config import SimConfig, load_config
 from kvsim.sim.simulate import run_simulation
 
@@ -27,8 +28,8 @@ def app() -> AppTest:
 
 
 def small_config(at: AppTest, prefix: str, requests: int = 50, blocks: int = 300) -> None:
-    at.number_input(key=f"{prefix}max_requests").set_value(requests)
-    at.number_input(key=f"{prefix}num_gpu_blocks").set_value(blocks)
+    at.text_input(key=f"{prefix}max_requests").set_value(str(requests))
+    at.text_input(key=f"{prefix}num_gpu_blocks").set_value(str(blocks))
 
 
 def charts(at: AppTest) -> list[dict]:
@@ -64,10 +65,13 @@ def metric(at: AppTest, label: str) -> str:
 
 
 @pytest.fixture(autouse=True)
-def data_root(tmp_path, monkeypatch):
-    """The dashboard reads and writes only under its data root: each test's tmp_path."""
-    monkeypatch.setenv("KVSIM_DATA_ROOT", str(tmp_path))
-    return tmp_path
+def data_root(tmp_path, monkeypatch, request):
+    """The dashboard reads and writes only under its data root: each test's tmp_path, or the root of
+    the module-scoped app the test uses (its runs are run directories there)."""
+    uses_shared = any(n in request.fixturenames for n in ("simulated", "per_head"))
+    root = request.getfixturevalue("module_root") if uses_shared else tmp_path
+    monkeypatch.setenv(DATA_ROOT_ENV, str(root))
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +80,27 @@ def expected():
 
 
 @pytest.fixture(scope="module")
-def simulated():
+def module_root(tmp_path_factory):
+    """A data root for a module-scoped app; tests using the app point the dashboard at it again."""
+    import os
+    root = tmp_path_factory.mktemp("data")
+    before = os.environ.get(DATA_ROOT_ENV)
+    os.environ[DATA_ROOT_ENV] = str(root)
+    yield root
+    if before is None:
+        os.environ.pop(DATA_ROOT_ENV, None)
+    else:
+        os.environ[DATA_ROOT_ENV] = before
+
+
+@pytest.fixture(scope="module")
+def simulated(module_root):
     """The app after one small simulation on the Simulate page (shared by the read-only checks)."""
     at = app()
-    small_config(at, "sim_")
+    small_config(at, "cfg_")
     at.button(key="sim_run").click().run()
     assert not errors(at)
+    at.kvsim_root = module_root
     return at
 
 
@@ -89,20 +108,20 @@ def simulated():
 def test_simulate_page_has_its_inputs():
     at = app()
     assert at.title[0].value == "Simulate"
-    labels = {w.label for w in [*at.selectbox, *at.number_input, *at.radio, *at.checkbox]}
+    labels = {w.label for w in [*at.selectbox, *at.text_input, *at.radio, *at.checkbox]}
     for label in ("Trace", "Shipped trace", "Model", "GPU", "Block size (tokens)", "KV pool (blocks)",
                   "max_num_seqs", "max_num_batched_tokens", "Prefix caching", "Max requests (first N)"):
         assert label in labels
-    assert at.selectbox(key="sim_trace_name").options[0] == "azure-conv-2023"
+    assert at.selectbox(key="cfg_trace_name").options[0] == "azure-conv-2023"
     if "kv" in SimConfig.model_fields:   # eviction policy / slot strategy widgets come from the config
-        assert any(k.startswith("sim_kv.") for k in at.session_state)
+        assert any(k.startswith("cfg_kv.") for k in at.session_state)
     assert at.button(key="sim_run").disabled is False
 
 
 def test_simulate_run_shows_the_engine_figures(simulated, expected):
     s = expected.summary
     assert metric(simulated, "Finished / rejected") == f"{s['num_finished']} / {s['num_rejected']}" == "50 / 0"
-    assert metric(simulated, "Output throughput") == f"{s['throughput_output_tok_s']:.0f} tok/s"
+    assert metric(simulated, "Output throughput") == f"{s['throughput_output_tok_s']:,.0f} tok/s"
     assert metric(simulated, "Preemptions") == str(s["preemptions"])
     ttft = chart(simulated, "TTFT CDF")["data"][0]
     done = expected.requests[expected.requests["status"] == "finished"]
@@ -116,15 +135,15 @@ def test_simulate_run_shows_the_engine_figures(simulated, expected):
 
 def test_bad_upload_shows_the_loader_error_without_the_file_content(data_root):
     at = app()
-    at.radio(key="sim_trace_kind").set_value("Upload a file").run()
-    at.file_uploader(key="sim_trace_upload").upload("mine.csv", b"API_TOKEN=s3cr3t,bar\n1,2\n", "text/csv")
+    at.radio(key="cfg_trace_kind").set_value("Upload a file").run()
+    at.file_uploader(key="cfg_trace_upload").upload("mine.csv", b"API_TOKEN=s3cr3t,bar\n1,2\n", "text/csv")
     at.run()
     [message] = errors(at)
     assert message.startswith("mine.csv:1:") and "is not a known trace format" in message
     assert "s3cr3t" not in message and "API_TOKEN" not in message     # file content is never quoted
     assert at.button(key="sim_run").disabled
     assert list((data_root / "uploads").rglob("mine.csv"))       # uploads are kept under the data root
-    at.file_uploader(key="sim_trace_upload").clear().upload(
+    at.file_uploader(key="cfg_trace_upload").clear().upload(
         "azure.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
         b"2023-11-16 18:15:50.9951690,lots,152\n", "text/csv")
     at.run()
@@ -137,9 +156,9 @@ def test_uploaded_trace_runs(tmp_path):
     trace = load_trace("mooncake-conversation").head(20)
     trace.save(tmp_path / "mine.jsonl")
     at = app()
-    at.radio(key="sim_trace_kind").set_value("Upload a file").run()
-    at.file_uploader(key="sim_trace_upload").upload("mine.jsonl", (tmp_path / "mine.jsonl").read_bytes())
-    small_config(at, "sim_", blocks=2000)
+    at.radio(key="cfg_trace_kind").set_value("Upload a file").run()
+    at.file_uploader(key="cfg_trace_upload").upload("mine.jsonl", (tmp_path / "mine.jsonl").read_bytes())
+    small_config(at, "cfg_", blocks=2000)
     at.run()
     assert not errors(at)
     at.button(key="sim_run").click().run()
@@ -148,35 +167,35 @@ def test_uploaded_trace_runs(tmp_path):
                                                "engine.num_gpu_blocks": 2000})).summary
     assert direct["num_finished"] + direct["num_rejected"] == 20
     assert metric(at, "Finished / rejected") == f"{direct['num_finished']} / {direct['num_rejected']}"
-    assert metric(at, "Output throughput") == f"{direct['throughput_output_tok_s']:.0f} tok/s"
+    assert metric(at, "Output throughput") == f"{direct['throughput_output_tok_s']:,.0f} tok/s"
 
 
 def test_invalid_option_is_named_as_the_page_names_it():
     at = app()
-    at.text_input(key="sim_slo_ttft").set_value("2").run()
+    at.text_input(key="cfg_slo_ttft").set_value("2").run()
     [message] = errors(at)
     assert message.startswith("TTFT SLO") and "not a duration with a unit" in message and "slo.ttft" not in message
     assert at.button(key="sim_run").disabled
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("sim_max_requests", 0, "Max requests (first N): must be at least 1"),
-    ("sim_max_requests", -5, "Max requests (first N): must be at least 1"),
-    ("sim_num_gpu_blocks", 10**9, "KV pool (blocks): must be at most 4,000,000"),
-    ("sim_rate_scale", 0.0, "Arrival-rate scale: must be at least 0.01"),
-    ("sim_kv.budget", 0, "budget: must be at least 1"),           # a generated widget: bounds from the config
+    ("cfg_max_requests", 0, "Max requests (first N): must be at least 1"),
+    ("cfg_max_requests", -5, "Max requests (first N): must be at least 1"),
+    ("cfg_num_gpu_blocks", 10**9, "KV pool (blocks): must be at most 4,000,000"),
+    ("cfg_rate_scale", 0.0, "Arrival-rate scale: must be at least 0.01"),
+    ("cfg_kv.budget", 0, "budget: must be at least 1"),           # a generated widget: bounds from the config
 ])
 def test_out_of_range_number_blocks_the_run_with_its_message(key, value, message):
     at = app()
-    at.number_input(key=key).set_value(value).run()
+    at.text_input(key=key).set_value(str(value)).run()
     assert message in errors(at) and at.button(key="sim_run").disabled
     assert not any("--" in m for m in errors(at))
 
 
 def test_per_head_pool_is_bounded_in_pages():
     at = app()
-    at.selectbox(key="sim_kv.layout").set_value("per_head")
-    at.number_input(key="sim_num_gpu_blocks").set_value(100_000).run()   # x 32 layers x 8 KV heads of Llama-3.1-8B
+    at.selectbox(key="cfg_kv.layout").set_value("per_head")
+    at.text_input(key="cfg_num_gpu_blocks").set_value("100000").run()   # x 32 layers x 8 KV heads of Llama-3.1-8B
     assert any(m.startswith("KV pool (blocks): at most 15,625 blocks") for m in errors(at))
     assert at.button(key="sim_run").disabled
 
@@ -184,16 +203,16 @@ def test_per_head_pool_is_bounded_in_pages():
 def test_paths_outside_the_data_root_are_refused(tmp_path):
     outside = tmp_path.parent / "elsewhere.csv"
     at = app()
-    at.radio(key="sim_trace_kind").set_value("Path on this machine").run()
+    at.radio(key="cfg_trace_kind").set_value("Path on this machine").run()
     for path in (str(outside), "../elsewhere.csv", "/etc/passwd"):
-        at.text_input(key="sim_trace_path").set_value(path).run()
+        at.text_input(key="cfg_trace_path").set_value(path).run()
         [message] = errors(at)
         assert "outside the dashboard's data directory" in message and "root:" not in message
 
 
 def test_newest_run_is_selected_after_each_run():
     at = app()
-    small_config(at, "sim_")
+    small_config(at, "cfg_")
     for label in ("first", "second"):
         at.text_input(key="sim_label").set_value(label)
         at.button(key="sim_run").click().run()
@@ -226,7 +245,7 @@ def test_memory_page_charts_the_pool(simulated, expected):
     assert not errors(simulated)
     s = expected.summary
     assert metric(simulated, "KV pool (blocks x tokens)") == "300 x 16"
-    assert metric(simulated, "KV util mean / max") == f"{s['kv_util_mean']:.0%} / {s['kv_util_max']:.0%}"
+    assert metric(simulated, "KV util mean / max") == f"{fmt_share(s['kv_util_mean'])} / {fmt_share(s['kv_util_max'])}"
     pool = chart(simulated, "Block pool over time")["data"][0]
     codes = values(pool["z"])
     assert codes.shape == (120, 200) and set(np.unique(codes)) <= {0, 1, 2, 3}
@@ -246,7 +265,7 @@ def test_memory_page_reads_a_cli_run_directory(tmp_path):
     at.text_input(key="mem_run_dir").set_value(str(tmp_path / "run")).run()
     assert not errors(at)
     assert metric(at, "Fragmentation mean / p99") == (
-        f"{result.summary['fragmentation_mean']:.1%} / {result.summary['fragmentation_p99']:.1%}")
+        f"{fmt_share(result.summary['fragmentation_mean'])} / {fmt_share(result.summary['fragmentation_p99'])}")
 
 
 PER_HEAD = {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 40, "kv.policy": "h2o", "kv.budget": 128,
@@ -256,18 +275,19 @@ PER_HEAD = {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_req
 def per_head_config(at: AppTest, prefix: str) -> None:
     at.selectbox(key=f"{prefix}trace_name").set_value("sharegpt-8k-filtered")
     at.selectbox(key=f"{prefix}gpu").set_value("L4")
-    at.number_input(key=f"{prefix}max_requests").set_value(40)
+    at.text_input(key=f"{prefix}max_requests").set_value("40")
     for name in ("policy", "layout", "slot_strategy", "mode"):
         at.selectbox(key=f"{prefix}kv.{name}").set_value(PER_HEAD[f"kv.{name}"])
-    at.number_input(key=f"{prefix}kv.budget").set_value(128)
+    at.text_input(key=f"{prefix}kv.budget").set_value("128")
 
 
 @pytest.fixture(scope="module")
-def per_head():
+def per_head(module_root):
     """An H2O + slot_reuse per-head run (fast mode) simulated directly and on the Simulate page."""
     result = run_simulation(load_config(None, PER_HEAD))
     at = app()
-    per_head_config(at, "sim_")
+    at.kvsim_root = module_root
+    per_head_config(at, "cfg_")
     at.run()
     at.button(key="sim_run").click().run()
     assert not errors(at)
@@ -301,7 +321,7 @@ def test_memory_page_draws_a_per_head_run_against_its_pages(per_head):
 def test_compare_page_shares_of_a_per_head_run_stay_within_the_pool(per_head):
     result, at = per_head
     at.switch_page("pages/compare.py").run()
-    label = next(iter(at.session_state["kvsim_runs"]))
+    label = next(o for o in at.multiselect(key="cmp_selected").options if "h2o" in o)
     at.multiselect(key="cmp_selected").set_value([label]).run()
     assert not errors(at)
     util = chart(at, "KV utilization")["data"][0]
@@ -313,7 +333,7 @@ def test_compare_page_shares_of_a_per_head_run_stay_within_the_pool(per_head):
 def test_compare_block_sizes_side_by_side():
     at = app()
     at.switch_page("pages/compare.py").run()
-    small_config(at, "cmp_")
+    small_config(at, "cfg_")
     at.selectbox(key="cmp_axis").set_value("engine.block_size").run()
     at.text_input(key="cmp_text_engine.block_size").set_value("16, abc").run()
     assert "engine.block_size: 'abc' is not an integer" in errors(at)[0]
@@ -323,8 +343,9 @@ def test_compare_block_sizes_side_by_side():
     assert not errors(at)
     at.button(key="cmp_run").click().run()
     assert not errors(at)
-    table = at.dataframe[0].value
+    table = frame_with(at, "TTFT p99 ms")
     assert list(table["run"]) == ["engine.block_size=16", "engine.block_size=32"]
+    assert list(frame_with(at, "engine.block_size")["engine.block_size"]) == ["16", "32"]   # what differs
     direct = run_simulation(load_config(None, {**SMALL, "engine.block_size": 32})).summary
     row = table.set_index("run").loc["engine.block_size=32"]
     assert row["TTFT p99 ms"] == pytest.approx(direct["ttft_p99_s"] * 1e3)
@@ -337,7 +358,7 @@ def test_compare_block_sizes_side_by_side():
 def test_capacity_search_then_reload_its_store(tmp_path):
     at = app()
     at.switch_page("pages/capacity.py").run()
-    small_config(at, "cap_", requests=40, blocks=2000)
+    small_config(at, "cfg_", requests=40, blocks=2000)
     at.text_input(key="cap_slo").set_value("ttft_p99<=fast").run()
     assert "ttft_p99" in errors(at)[0]
     at.text_input(key="cap_slo").set_value("ttft_p99<=500ms").run()
@@ -381,14 +402,14 @@ def test_capacity_search_cancels_within_a_second():
 
 def test_configuration_survives_navigation():
     at = app()
-    at.number_input(key="sim_max_requests").set_value(77)
-    at.selectbox(key="sim_gpu").set_value("L4")
-    at.selectbox(key="sim_kv.policy").set_value("h2o").run()
+    at.text_input(key="cfg_max_requests").set_value("77")
+    at.selectbox(key="cfg_gpu").set_value("L4")
+    at.selectbox(key="cfg_kv.policy").set_value("h2o").run()
     at.switch_page("pages/memory.py").run()
     at.switch_page("pages/simulate.py").run()
     assert not errors(at)
-    assert at.number_input(key="sim_max_requests").value == 77 and at.selectbox(key="sim_gpu").value == "L4"
-    assert at.selectbox(key="sim_kv.policy").value == "h2o"
+    assert at.text_input(key="cfg_max_requests").value == "77" and at.selectbox(key="cfg_gpu").value == "L4"
+    assert at.selectbox(key="cfg_kv.policy").value == "h2o"
 
 
 def test_capacity_gpu_choice_survives_navigation():
@@ -431,7 +452,9 @@ def test_fidelity_page_shows_a_crosscheck_as_its_report_does(small_crosscheck, m
     assert metric(at, "Per-step time MAPE") == mape
     assert metric(at, "Step time, model vs measured") == total
     ttft = re.search(r"TTFT p50 error: \*\*([0-9.]+%)\*\*", report).group(1)
-    assert metric(at, "TTFT p50 error") == ttft
+    figures = json.loads((small_crosscheck / "crosscheck.json").read_text())
+    signed = next(r["rel_error"] for r in figures["latency"] if r["metric"] == "ttft" and r["percentile"] == 50)
+    assert metric(at, "TTFT p50 error") == f"{signed:+.1%}" and metric(at, "TTFT p50 error").lstrip("+-") == ttft
     table = frame_with(at, "median_bias_%").set_index("group")
     rows = re.findall(r"^\| (prefill|decode|mixed|all) \| (\d+) \| ([0-9.]+)% \| [0-9.]+% \| [0-9.]+% \| "
                       r"([+-][0-9.]+)% \|$", report, re.M)

@@ -6,7 +6,7 @@ import streamlit as st
 from kvsim.dashboard import charts
 from kvsim.dashboard.data import (DataError, capacity_by_group, drain_share, meets_slo, pareto_front, read_sweep_store,
                             resolve_user_path, varying_columns)
-from kvsim.dashboard.forms import config_form, gui_message
+from kvsim.dashboard.forms import BASE, config_form, gui_message
 from kvsim.dashboard.guard import check_run
 from kvsim.dashboard.jobs import capacity_search_task
 from kvsim.dashboard.ui import follow_job, keep_widget, run_button, start_job
@@ -76,7 +76,7 @@ if source == "Load a sweep store":
 else:
     with st.sidebar:
         st.header("Base configuration")
-        base, error = config_form("cap_", max_requests=100)
+        base, error = config_form(BASE)
     gpus = [g.name for g in list_gpus() if g.kind == "gpu"]
     a, b = st.columns(2)
     for key in ("cap_gpus", "cap_mode", "cap_slo", "cap_evals", "cap_store"):

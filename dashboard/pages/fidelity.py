@@ -10,13 +10,16 @@ import streamlit as st
 from kvsim.dashboard import charts
 from kvsim.dashboard.data import (Crosscheck, DataError, fidelity_table, is_crosscheck_dir, read_crosscheck, read_parquet,
                             resolve_user_path, step_kind)
-from kvsim.dashboard.ui import follow_job, saved_runs
+from kvsim.dashboard.ui import available_runs, fmt_share, follow_job, get_run
 
 DISK = "Cross-check directory or step log on disk"
 UPLOAD = "Upload a step log (Parquet)"
 TABLE_FORMATS = {c: st.column_config.NumberColumn(label, format=f) for c, label, f in (
     ("MAPE_%", "MAPE (%)", "%.1f"), ("median_APE_%", "median APE (%)", "%.1f"), ("p90_APE_%", "p90 APE (%)", "%.1f"),
     ("median_bias_%", "median bias (%)", "%+.1f"), ("predicted/measured", "predicted / measured", "%.3f"))}
+
+
+SIGNED = "(simulated - measured) / measured: + means the simulator is slower than the real run"
 
 
 def step_log_from_upload():
@@ -64,11 +67,11 @@ def show_crosscheck(cc: Crosscheck) -> None:
     c.metric("Step time, model vs measured", f"{cc.model_vs_measured:+.1%}",
              help=f"summed step time: cost model on the replay's batches {t.get('model_on_replay_batches_s', 0):.2f} s, "
                   f"measured {t.get('measured_s', 0):.2f} s")
-    d.metric("Throughput error", f"{h.get('throughput_error', float('nan')):.1%}")
+    d.metric("Throughput error", fmt_share(cc.signed_error("throughput_total_tok_s"), sign=True), help=SIGNED)
     a, b, c, d = st.columns(4)
-    a.metric("TTFT p50 error", f"{h.get('ttft_p50_error', float('nan')):.1%}")
-    b.metric("TPOT p50 error", f"{h.get('tpot_p50_error', float('nan')):.1%}")
-    c.metric("E2E p50 error", f"{h.get('e2e_p50_error', float('nan')):.1%}")
+    a.metric("TTFT p50 error", fmt_share(cc.signed_error("ttft", 50), sign=True), help=SIGNED)
+    b.metric("TPOT p50 error", fmt_share(cc.signed_error("tpot", 50), sign=True), help=SIGNED)
+    c.metric("E2E p50 error", fmt_share(cc.signed_error("e2e", 50), sign=True), help=SIGNED)
     identical = h.get("memory_identical")
     d.metric("Memory, recorded mode", "-" if identical is None else ("identical" if identical else "diverges"))
     context = cc.figures.get("context") or {}
@@ -110,14 +113,14 @@ st.title("Fidelity")
 follow_job("Fidelity")
 st.caption("The cost model's predicted step time against measured step time: a `kvsim crosscheck` result, or "
            "any step log with a measured `duration_s` and a predicted `predicted_s` (a real-backend replay).")
-options = [DISK, UPLOAD] + [f"Session run: {label}" for label in reversed(saved_runs())]
+options = [DISK, UPLOAD] + [f"Run: {label}" for label in available_runs()]
 source = st.selectbox("Source", options, key="fid_source")
 try:
     if source == UPLOAD:
         found = step_log_from_upload()
-    elif source.startswith("Session run: "):
-        name = source.removeprefix("Session run: ")
-        found = saved_runs()[name].steps, name
+    elif source.startswith("Run: "):
+        name = source.removeprefix("Run: ")
+        found = get_run(name).steps, name
     else:
         found = source_on_disk()
     if isinstance(found, Crosscheck):

@@ -2,13 +2,14 @@
 import streamlit as st
 
 from kvsim.dashboard import charts
-from kvsim.dashboard.ui import follow_job, pick_run
+from kvsim.dashboard.ui import fmt_bytes, fmt_share, follow_job, pick_run, show_run_config
 
 st.title("Memory")
 follow_job("Memory")
 run = pick_run("mem_", "Run")
 if run is None:
     st.stop()
+show_run_config(run, "mem")
 if not len(run.steps):
     st.warning(f"{run.label}: the run has no step log.")
     st.stop()
@@ -17,9 +18,21 @@ s, per_row = run.summary, run.rows_per_block
 a, b, c, d = st.columns(4)
 a.metric("KV pool (blocks x tokens)", f"{run.num_blocks_total:,} x {run.block_size}",
          help=None if per_row == 1 else f"per (layer, KV head) row; {run.pool_blocks:,} pages in all")
-b.metric("KV util mean / max", f"{s.get('kv_util_mean', 0):.0%} / {s.get('kv_util_max', 0):.0%}")
-c.metric("Fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.1%} / {s.get('fragmentation_p99', 0):.1%}")
-d.metric("Data moved by slots", f"{run.steps['bytes_moved'].sum() / 2**20:,.1f} MiB")
+b.metric("KV util mean / max", f"{fmt_share(s.get('kv_util_mean'))} / {fmt_share(s.get('kv_util_max'))}")
+c.metric("Fragmentation mean / p99", f"{fmt_share(s.get('fragmentation_mean'))} / {fmt_share(s.get('fragmentation_p99'))}")
+d.metric("Data moved by slots", fmt_bytes(run.steps["bytes_moved"].sum()))
+if "evicted_tokens" in s:
+    a, b, c, d = st.columns(4)
+    a.metric("Evicted tokens", f"{s['evicted_tokens']:,.0f}",
+             help="summed over layers and KV heads as summary.json's evicted_tokens (per-head runs: "
+                  "(token, layer, KV head) entries / (layers x KV heads))")
+    freed = s.get("blocks_freed_by_eviction", 0)
+    b.metric("Blocks freed by eviction", f"{freed / per_row:,.0f}",
+             help=None if per_row == 1 else f"block-equivalents: {freed:,} one-(layer, KV head) pages / {per_row}")
+    if per_row > 1:
+        c.metric("(layer, KV head) entries evicted", f"{s.get('evicted_token_rows', 0):,}",
+                 help="per-(layer, KV head) view: each token evicted from one head of one layer counts once")
+        d.metric("Pages freed by eviction", f"{freed:,}", help="per-(layer, KV head) pages")
 if per_row > 1:
     st.info(f"Per-head layout: the pool is {run.pool_blocks:,} pages of one (layer, KV head) each "
             f"({run.pool_blocks // per_row:,} usable blocks x {per_row:,} rows; one of the "
@@ -35,6 +48,4 @@ a, b = st.columns(2)
 a.plotly_chart(charts.step_series([run], {"bytes_moved_per_s": "bytes moved / s"},
                                   "Bytes copied / moved by the slot strategy", "bytes / s", bins),
                key="mem_bytes", config=charts.PLOT_CONFIG)
-b.plotly_chart(charts.step_series([run], {"evicted_tokens_per_s": "tokens evicted / s",
-                                          "blocks_freed_by_eviction_per_s": "blocks freed by eviction / s"},
-                                  "Eviction", "per second", bins), key="mem_evict", config=charts.PLOT_CONFIG)
+b.plotly_chart(charts.eviction_over_time([run], bins), key="mem_evict", config=charts.PLOT_CONFIG)

@@ -2,31 +2,34 @@
 import streamlit as st
 
 from kvsim.dashboard import charts
-from kvsim.dashboard.forms import config_form
-from kvsim.dashboard.ui import follow_job, pick_run, run_button, saved_runs, show_summary_metrics, start_job
+from kvsim.dashboard.forms import BASE, config_form, label_for
+from kvsim.dashboard.ui import (available_runs, follow_job, pick_run, run_button, show_run_config,
+                                show_summary_metrics, start_job, summary_figures)
 
 st.title("Simulate")
 with st.sidebar:
-    st.header("Configuration")
-    cfg, error = config_form("sim_")
+    st.header("Base configuration")
+    cfg, error = config_form(BASE)
 if error:
     st.error(error)
-label = st.text_input("Run label", value="", placeholder="auto", key="sim_label")
+label = st.text_input("Run label", value="", placeholder="auto: what differs from the default configuration",
+                      key="sim_label")
 if run_button("Run simulation", "sim_run", "Simulate", blocked=cfg is None):
-    name = label.strip() or f"#{len(saved_runs()) + 1} {cfg.trace.rsplit('/', 1)[-1]} {cfg.model} {cfg.gpu}"
-    start_job("Simulate", [(name, cfg)])
+    start_job("Simulate", [(label.strip() or label_for(cfg), cfg)])
 follow_job("Simulate")
 
-if not saved_runs():
-    st.info("Pick a trace and a configuration in the sidebar, then run a simulation.")
+if not available_runs():
+    st.info("Pick a trace and a configuration in the sidebar, then run a simulation. Every run is kept as a "
+            "run directory under the data directory (listed here after a reload).")
     st.stop()
 run = pick_run("sim_")
 if run is None:
     st.stop()
 st.subheader(f"Summary: {run.label}")
+show_run_config(run, "sim")
 show_summary_metrics(run)
 with st.expander("All summary figures"):
-    st.dataframe({k: [str(v)] for k, v in run.summary.items()}, hide_index=True)
+    st.dataframe(summary_figures(run.summary), hide_index=True, key="sim_figures")
 cols = st.columns(3)
 for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s")):
     col.plotly_chart(charts.latency_cdfs([run], metric), key=f"sim_cdf_{metric}", config=charts.PLOT_CONFIG)
@@ -36,3 +39,5 @@ a.plotly_chart(charts.step_series([run], {"num_waiting": "waiting", "num_running
                                   "Queue length", "requests"), key="sim_queue", config=charts.PLOT_CONFIG)
 b.plotly_chart(charts.step_series([run], {"batch_size": "batch size"}, "Batch size", "sequences per step"),
                key="sim_batch", config=charts.PLOT_CONFIG)
+st.caption("Latency, load, KV usage, prefix hits, preemptions and the cost model's utilisation per time window: "
+           "the Time series page.")

@@ -1,0 +1,31 @@
+"""Time series: a run over simulated time as a vLLM operator's Grafana dashboard shows a server, plus
+the cost model's utilisation and time breakdown per step; all panels share one zoomable time axis."""
+import streamlit as st
+
+from kvsim.dashboard import charts
+from kvsim.dashboard.data import run_cost_model, time_series
+from kvsim.dashboard.ui import follow_job, pick_run, show_run_config
+
+st.title("Time series")
+follow_job("Time series")
+run = pick_run("ts_", "Run")
+if run is None:
+    st.stop()
+show_run_config(run, "ts")
+windows = st.slider("Time windows", min_value=20, max_value=400, value=120, step=10, key="ts_bins")
+cost = run_cost_model(run)
+ts = time_series(run, windows, cost)
+width = float(ts["time_s"].diff().iloc[1]) if len(ts) > 1 else 0.0
+st.caption(f"{windows} windows of {width:.3g} s of simulated time. Latency percentiles are taken over the "
+           "requests observed in each window (TTFT when the first token came, TPOT and E2E when the request "
+           "finished, queue time when it was first scheduled), as vLLM's histograms are; gaps are windows with "
+           "none. Drag on any panel to zoom: every panel follows; double-click to reset.")
+if cost is None:
+    st.info("The run's cost model cannot be rebuilt from its config.yaml: the utilisation and time-breakdown "
+            "panels are left out.")
+st.plotly_chart(charts.time_series_figure(ts, f"{run.label} over time"), key="ts_figure",
+                config=charts.PLOT_CONFIG)
+st.caption("Utilisation: the seconds the steps' model FLOPs (linear layers, LM head, attention) and HBM traffic "
+           "(weights, activations, KV reads, slot copies) take at the GPU's peak rates, over the steps' time "
+           "(busy time only). Time by term: the cost model's terms for each step (sim/cost_model.py); the "
+           "policy-operation and swap work is not in the step log and shows as the remainder.")
