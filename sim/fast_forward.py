@@ -186,8 +186,10 @@ def apply(replica: EngineReplica, run: DecodeRun) -> dict:
     finishes, which happen when the clock reaches its end); returns the run's pool columns."""
     kv = replica.kv
     k = run.k
-    if kv.enable_caching:
+    if kv.enable_caching and any(r.num_preemptions for r in run.reqs):
         used, cached = _replay_events(replica, run)
+    elif kv.enable_caching:
+        used, cached = _bulk_allocate_cached(replica, run)
     else:
         used = _bulk_allocate(replica, run)
         cached = [0] * k
@@ -235,6 +237,44 @@ def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> list:
         replica.scheduler.finish(finishing[j], run.ends[j])
     kv.append_one_block_each([reqs[r] for _, r in allocs[a:]])
     return list(accumulate((n - f for n, f in zip(run.new, run.freed)), initial=used0))[1:]
+
+
+def _bulk_allocate_cached(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
+    """Prefix caching, no request resumed after a preemption: each decode fill's hash is its
+    request's own and new, so hashing a request's filled blocks can wait until it finishes or the
+    run ends, and blocks are popped in bulk between finishes. The free queue's unhashed part goes
+    first, so a step's pops evict hashed blocks only once it is empty: the cached count follows."""
+    kv, pool, k, reqs = replica.kv, replica.kv.pool, run.k, run.reqs
+    finishing: dict[int, list] = {}
+    for r, e in enumerate(run.last):
+        if e < k:
+            finishing.setdefault(e - 1, []).append(r)
+    used, cached = [0] * k, [0] * k
+    allocs, a, first = run.allocs, 0, 0
+    req_blocks = kv.req_blocks
+    for j in [*sorted(finishing), k - 1]:
+        unhashed, hashed, used0 = len(pool._stack), len(pool._fifo), pool.num_used_blocks
+        start = a
+        while a < len(allocs) and allocs[a][0] <= j:
+            a += 1
+        for (_, r), block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
+            req_blocks[reqs[r]].append(block)
+        pops = 0
+        for i in range(first, j + 1):
+            pops += run.new[i]
+            used[i] = used0 + pops
+            cached[i] = hashed - max(0, pops - unhashed)
+        first = j + 1
+        if j in finishing:
+            done = [reqs[r] for r in finishing[j]]
+            for r in finishing[j]:
+                kv.cache_full_blocks(reqs[r], run.c[r] + run.last[r])
+            replica.scheduler.finish(done, run.ends[j])
+            used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
+    for req, c, e in zip(reqs, run.c, run.last):
+        if e >= k:
+            kv.cache_full_blocks(req, c + k)
+    return used, cached
 
 
 def _replay_events(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:

@@ -3,13 +3,30 @@
 Modelled on vLLM v1's `BlockPool`: a freed block keeps its hash and stays findable until the
 allocator needs it (lazy eviction). Freed hashed blocks go to the tail of the free queue (evicted
 last, LRU); freed unhashed blocks go to the head (reused first).
+
+Blocks are hashed only while owned, so the free queue is always its unhashed blocks (head side)
+followed by its hashed ones: it is kept as those two parts, a stack of unhashed blocks whose END is
+the head and a FIFO of hashed ones, which lets blocks move in bulk (`get_new_blocks(n)` takes the
+stack's end, then the FIFO's front) in exactly vLLM's single queue order.
+
+Hashes are of two kinds. Shared ones (a prompt block's chain of prefix ids) go in the `cached`
+index, where any request may hit them. A private hash (`PrivateKey`: a block only its own request
+can hit again, after a preemption) stays out of the index: its request keeps the chain of its
+blocks (`private_lookup`), so filling and evicting such blocks costs no dict update.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import islice
+from itertools import islice, repeat
+from typing import NamedTuple
 
 import numpy as np
+
+
+class PrivateKey(NamedTuple):
+    """The hash of a block only its request can hit: (request id, block index)."""
+    request_id: int
+    index: int
 
 
 class BlockPool:
@@ -18,19 +35,18 @@ class BlockPool:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}        # block hash -> block id
+        self.block_hash: list = [None] * num_blocks
+        self.cached: dict = {}                  # shared block hash -> block id
         self.num_cache_evictions = 0
-        self.num_cached_free_blocks = 0         # free blocks still holding a reusable prefix
-        if enable_caching:
-            # Free queue, head = next to allocate: an OrderedDict gives O(1) pop/append/remove-from-
-            # middle (revival). Ref counts in a list: scalar access is far faster than numpy's.
-            self.free_queue = OrderedDict.fromkeys(range(num_blocks))
-            self._ref_cnt = [0] * num_blocks
-        else:
-            # Without caching no block is shared (ref counts are 0 or 1) and nothing leaves the
-            # middle of the queue: a list used as a stack whose END is the head moves blocks in bulk.
-            self._stack = list(range(num_blocks - 1, -1, -1))
+        # free unhashed blocks, a list used as a stack whose END is the head of the free queue
+        self._stack = list(range(num_blocks - 1, -1, -1))
+        # free hashed blocks in LRU order (front = evicted first); an OrderedDict gives O(1) pop
+        # from the front and removal from the middle (a prefix hit reviving a free block)
+        self._fifo: OrderedDict = OrderedDict()
+        # ref counts in a list (scalar access is far faster than numpy's); without caching no block
+        # is shared and a block is owned exactly when it is not free (computed on demand)
+        self._ref_cnt = [0] * num_blocks if enable_caching else None
+        self._shared_refs = 0                   # references beyond each owned block's first
 
     @property
     def ref_cnt(self) -> list[int]:
@@ -43,89 +59,117 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue) if self.enable_caching else len(self._stack)
+        return len(self._stack) + len(self._fifo)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks still holding a reusable prefix."""
+        return len(self._fifo)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+        return self.num_blocks - len(self._stack) - len(self._fifo)
 
     def free_block_ids(self) -> list[int]:
         """Free blocks, head (next to allocate) first."""
-        return list(self.free_queue) if self.enable_caching else self._stack[::-1]
+        return self._stack[::-1] + list(self._fifo)
 
     def next_free_blocks(self, n: int) -> list[int]:
         """The first `n` blocks the allocator would hand out, in order."""
-        if self.enable_caching:
-            return list(islice(self.free_queue, n))
-        return self._stack[:-n - 1:-1] if n > 0 else []
+        if n <= 0:
+            return []
+        head = self._stack[:-n - 1:-1]
+        return head + list(islice(self._fifo, n - len(head)))
 
     def get_new_blocks(self, n: int) -> list[int]:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
-        if not self.enable_caching:
-            if n <= 0:
-                return []
-            stack = self._stack
-            blocks = stack[-n:]
-            del stack[-n:]
-            blocks.reverse()
-            return blocks
-        blocks = []
-        pop = self.free_queue.popitem
-        for _ in range(n):
-            block, _ = pop(last=False)
-            if self.block_hash[block] is not None:
-                self._evict_cached(block)
-            self._ref_cnt[block] = 1
-            blocks.append(block)
+        if n <= 0:
+            return []
+        stack = self._stack
+        blocks = stack[-n:]
+        del stack[-n:]
+        blocks.reverse()
+        rest = n - len(blocks)
+        if rest:
+            blocks += self._pop_hashed(rest)
+        if self.enable_caching:
+            ref = self._ref_cnt
+            for block in blocks:
+                ref[block] = 1
         return blocks
 
-    def _evict_cached(self, block: int) -> None:
-        h = self.block_hash[block]
-        if h is not None:
-            self.num_cached_free_blocks -= 1
-            self.block_hash[block] = None
-            if self.cached.get(h) == block:
-                del self.cached[h]
-            self.num_cache_evictions += 1
+    def _pop_hashed(self, n: int) -> list[int]:
+        """Evict the `n` least recently freed hashed blocks and hand them out."""
+        pop, block_hash, cached = self._fifo.popitem, self.block_hash, self.cached
+        blocks = [pop(last=False)[0] for _ in range(n)]
+        for block in blocks:
+            h = block_hash[block]
+            block_hash[block] = None
+            if h.__class__ is not PrivateKey and cached.get(h) == block:
+                del cached[h]
+        self.num_cache_evictions += n
+        return blocks
 
     def free_blocks(self, blocks) -> None:
         """Drop one reference from each block, in the given order (callers pass tail blocks first)."""
         if not self.enable_caching:      # each goes to the head, the last one given first
             self._stack.extend(blocks)
             return
-        ref = self._ref_cnt
+        ref, block_hash, stack, fifo = self._ref_cnt, self.block_hash, self._stack, self._fifo
         for block in blocks:
+            if ref[block] > 1:
+                self._shared_refs -= 1
             ref[block] -= 1
-            if ref[block] == 0:
-                self.free_queue[block] = None
-                if self.block_hash[block] is None:
-                    self.free_queue.move_to_end(block, last=False)
+            if not ref[block]:
+                if block_hash[block] is None:
+                    stack.append(block)
                 else:
-                    self.num_cached_free_blocks += 1
+                    fifo[block] = None
 
-    def lookup(self, block_hash: int) -> int | None:
+    def free_request_blocks(self, blocks: list[int]) -> None:
+        """`free_blocks(reversed(blocks))`: a request's blocks, tail first; in bulk while no block
+        is shared (every owned block then has one reference)."""
+        if not self.enable_caching or self._shared_refs:
+            self.free_blocks(reversed(blocks))
+            return
+        ref, block_hash = self._ref_cnt, self.block_hash
+        tail_first = blocks[::-1]
+        for block in tail_first:
+            ref[block] = 0
+        self._stack.extend([b for b in tail_first if block_hash[b] is None])
+        self._fifo.update(zip([b for b in tail_first if block_hash[b] is not None], repeat(None)))
+
+    def lookup(self, block_hash) -> int | None:
         return self.cached.get(block_hash)
+
+    def private_lookup(self, chain: list[int], key: PrivateKey) -> int | None:
+        """The block still holding private `key`, given its request's chain of private blocks."""
+        if key.index < len(chain):
+            block = chain[key.index]
+            if self.block_hash[block] == key:
+                return block
+        return None
 
     def touch(self, blocks) -> None:
         """Take a reference on cached blocks hit by a new request; revive them if free."""
         ref = self._ref_cnt
         for block in blocks:
             if ref[block] == 0:
-                del self.free_queue[block]
-                self.num_cached_free_blocks -= 1
+                if block in self._fifo:
+                    del self._fifo[block]
+                else:
+                    self._stack.remove(block)
+            else:
+                self._shared_refs += 1
             ref[block] += 1
 
-    def cache_block(self, block: int, block_hash: int) -> None:
-        if not self.enable_caching or self.block_hash[block] is not None:
-            return
-        if block_hash in self.cached:       # an identical block exists; keep the first one
-            return
-        self.block_hash[block] = block_hash
-        self.cached[block_hash] = block
+    def cache_block(self, block: int, block_hash) -> None:
+        self.cache_blocks([block], [block_hash])
 
     def cache_blocks(self, blocks: list[int], hashes: list) -> None:
-        """`cache_block` for each (block, hash) pair."""
+        """Hash each owned block (an identical shared block already cached keeps the index: the new
+        one stays unhashed)."""
         if not self.enable_caching:
             return
         block_hash, cached = self.block_hash, self.cached
@@ -133,6 +177,22 @@ class BlockPool:
             if block_hash[block] is None and h not in cached:
                 block_hash[block] = h
                 cached[h] = block
+
+    def cache_private(self, blocks: list[int], keys: list[PrivateKey], chain: list[int]) -> None:
+        """Hash owned blocks with their request's private keys (`keys[i].index` counting up from at
+        most len(chain)); `chain` (the request's) records the block of each index."""
+        block_hash = self.block_hash
+        for block, key in zip(blocks, keys):
+            if block_hash[block] is not None:
+                continue
+            j = key.index
+            if j == len(chain):
+                chain.append(block)
+            elif block_hash[chain[j]] == key:          # an identical block is cached: keep it
+                continue
+            else:
+                chain[j] = block
+            block_hash[block] = key
 
     def check_invariants(self) -> None:
         free_ids = self.free_block_ids()
@@ -148,5 +208,6 @@ class BlockPool:
         assert lost.size == 0, f"blocks neither free nor owned: {lost[:10].tolist()}"
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, f"cache index points at block {b} with another hash"
-        cached_free = sum(1 for b in self.cached.values() if ref_cnt[b] == 0)
-        assert cached_free == self.num_cached_free_blocks, "cached-free block count drifted"
+        assert self._shared_refs == int(np.maximum(ref - 1, 0).sum()), "shared reference count drifted"
+        assert all(self.block_hash[b] is None for b in self._stack), "a hashed block in the unhashed part"
+        assert all(self.block_hash[b] is not None for b in self._fifo), "an unhashed block in the hashed part"
