@@ -182,8 +182,8 @@ class EngineReplica:
         released = self.async_scheduling and not sched.has_work and sched.finishing
         if released:
             sched.release_finishing()
-        if (self.kv.enable_caching and not self.async_scheduling) or released:
-            # the last step's finishes return (cached) blocks now
+        if not self.async_scheduling or released:
+            # the last step's finishes return their blocks now
             last = self._pool_row()
             for name in ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
                          "fragmentation", "num_running"):

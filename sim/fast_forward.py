@@ -80,14 +80,18 @@ def plan(replica: EngineReplica) -> DecodeRun | None:
         first_step_blocks = sum(1 for x in c_list if x % bs == 0)
         if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
             return None
-    # async scheduling: a finish releases its blocks a step later, so a run ends at the first finish
-    k = min(last_list) if admission_blocked or cfg.async_scheduling else max(last_list)
+    # A finish may let the blocked head of WAITING in: the run ends there. Async scheduling releases
+    # a finish's blocks after the next step's allocations, modelled within a run unless fills must
+    # be replayed one by one (`_must_replay`).
+    deferred = cfg.async_scheduling
+    until_first = admission_blocked or (deferred and _must_replay(kv, running))
+    k = min(last_list) if until_first else max(last_list)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
     gap = (next_arrival - replica.now) / max(replica._last_duration, 1e-9)
     k = min(k, replica.max_run_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
     ev = _events(c_list, last_list, k, bs, kv.enable_caching)
-    k = _steps_that_fit(ev, k, kv.num_free_blocks)
+    k = _steps_that_fit(ev, k, kv.num_free_blocks, deferred)
     if admission_blocked and kv.enable_caching:
         k = _steps_keeping_head_hits(sched, kv, ev["allocs"], k)
     if k < 1:
@@ -170,14 +174,17 @@ def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> 
     return k
 
 
-def _steps_that_fit(ev: dict, k: int, free_blocks: int) -> int:
-    """Steps before the first whose allocations the free pool could not supply."""
+def _steps_that_fit(ev: dict, k: int, free_blocks: int, deferred: bool = False) -> int:
+    """Steps before the first whose allocations the free pool could not supply (`deferred`: a
+    finish's blocks return after the next step's allocations)."""
     allocated = released = 0
-    for j, (n_new, n_freed) in enumerate(zip(ev["new"], ev["freed"])):
+    freed = ev["freed"]
+    for j, n_new in enumerate(ev["new"]):
         allocated += n_new
         if allocated - released > free_blocks:
             return j
-        released += n_freed
+        if j >= deferred:
+            released += freed[j - deferred]
     return k
 
 
@@ -186,13 +193,10 @@ def apply(replica: EngineReplica, run: DecodeRun) -> dict:
     finishes, which happen when the clock reaches its end); returns the run's pool columns."""
     kv = replica.kv
     k = run.k
-    if kv.enable_caching and any(r.num_preemptions for r in run.reqs):
+    if _must_replay(kv, run.reqs):
         used, cached = _replay_events(replica, run)
-    elif kv.enable_caching:
-        used, cached = _bulk_allocate_cached(replica, run)
     else:
-        used = _bulk_allocate(replica, run)
-        cached = [0] * k
+        used, cached = _bulk_allocate(replica, run)
     ends = run.ends
     for req, c, e in zip(run.reqs, run.c, run.last):
         n = e if e < k else k
@@ -200,13 +204,10 @@ def apply(replica: EngineReplica, run: DecodeRun) -> dict:
         req.num_output_tokens += n
         req.token_times.extend(ends[:n])
     bs = kv.block_size
-    # async scheduling: the last step's finishers (the only ones) keep their blocks until the next schedule
-    deferred = replica.scheduler.config.async_scheduling
-    if deferred and not kv.enable_caching:
-        used[k - 1] += run.freed[k - 1]
+    # async scheduling: a step's finishers keep their blocks until the next step has been scheduled
+    gone = 0 if replica.scheduler.config.async_scheduling else 1
     live, allocated, fragmentation, running = [], [], [], []
     for j in range(k):
-        gone = 0 if deferred else 1
         alive = run.batch[j] - gone * run.finished[j]           # still holding blocks after step j
         tokens = run.kv_read[j] - gone * (run.finished_c[j] + (j + 1) * run.finished[j])
         slots = used[j] * bs
@@ -220,39 +221,29 @@ def apply(replica: EngineReplica, run: DecodeRun) -> dict:
             "num_running": running, "finished": run.finished}
 
 
-def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> list:
-    """No prefix caching: blocks are popped in bulk between finishes (freed blocks are reused)."""
-    kv, reqs, k = replica.kv, run.reqs, run.k
-    used0 = kv.pool.num_used_blocks
-    finishing: dict[int, list] = {}
-    for req, e in zip(reqs, run.last):
-        if e < k:
-            finishing.setdefault(e - 1, []).append(req)
-    allocs, a = run.allocs, 0
-    for j in sorted(finishing):
-        start = a
-        while a < len(allocs) and allocs[a][0] <= j:
-            a += 1
-        kv.append_one_block_each([reqs[r] for _, r in allocs[start:a]])
-        replica.scheduler.finish(finishing[j], run.ends[j])
-    kv.append_one_block_each([reqs[r] for _, r in allocs[a:]])
-    return list(accumulate((n - f for n, f in zip(run.new, run.freed)), initial=used0))[1:]
+def _must_replay(kv, reqs: list) -> bool:
+    """Prefix caching with a request resumed after a preemption: it may find its own older copy of
+    a block cached (the hash stays with that copy), so its fills must be replayed in stepping order."""
+    return kv.enable_caching and any(r.num_preemptions for r in reqs)
 
 
-def _bulk_allocate_cached(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
-    """Prefix caching, no request resumed after a preemption: each decode fill's hash is its
-    request's own and new, so hashing a request's filled blocks can wait until it finishes or the
-    run ends, and blocks are popped in bulk between finishes. The free queue's unhashed part goes
-    first, so a step's pops evict hashed blocks only once it is empty: the cached count follows."""
-    kv, pool, k, reqs = replica.kv, replica.kv.pool, run.k, run.reqs
-    finishing: dict[int, list] = {}
+def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
+    """Blocks popped in bulk between the steps that release finished requests' blocks (the step
+    they finish in; with async scheduling the next one, after its allocations). With prefix
+    caching each decode fill's hash is its request's own and new (no request here resumed after a
+    preemption), so a request's filled blocks are hashed when it finishes or the run ends. The
+    free queue's unhashed part goes first, so pops evict hashed blocks only once it is empty: the
+    cached-free count follows from the counts. Returns each step's (used, cached-free) blocks."""
+    kv, pool, k, reqs, sched = replica.kv, replica.kv.pool, run.k, run.reqs, replica.scheduler
+    deferred = sched.config.async_scheduling
+    releases: dict[int, list] = {}
     for r, e in enumerate(run.last):
         if e < k:
-            finishing.setdefault(e - 1, []).append(r)
+            releases.setdefault(e - 1 + deferred, []).append(r)
     used, cached = [0] * k, [0] * k
     allocs, a, first = run.allocs, 0, 0
-    req_blocks = kv.req_blocks
-    for j in [*sorted(finishing), k - 1]:
+    req_blocks, caching = kv.req_blocks, kv.enable_caching
+    for j in sorted({*releases, k - 1}):
         unhashed, hashed, used0 = len(pool._stack), len(pool._fifo), pool.num_used_blocks
         start = a
         while a < len(allocs) and allocs[a][0] <= j:
@@ -265,15 +256,19 @@ def _bulk_allocate_cached(replica: EngineReplica, run: DecodeRun) -> tuple[list,
             used[i] = used0 + pops
             cached[i] = hashed - max(0, pops - unhashed)
         first = j + 1
-        if j in finishing:
-            done = [reqs[r] for r in finishing[j]]
-            for r in finishing[j]:
-                kv.cache_full_blocks(reqs[r], run.c[r] + run.last[r])
-            replica.scheduler.finish(done, run.ends[j])
+        if j in releases:
+            done = [reqs[r] for r in releases[j]]
+            if caching:
+                for r in releases[j]:
+                    kv.cache_full_blocks(reqs[r], run.c[r] + run.last[r])
+            sched.finish(done, run.ends[j - deferred])
+            if deferred:
+                sched.release_finishing()
             used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
-    for req, c, e in zip(reqs, run.c, run.last):
-        if e >= k:
-            kv.cache_full_blocks(req, c + k)
+    if caching:
+        for req, c, e in zip(reqs, run.c, run.last):
+            if e >= k:
+                kv.cache_full_blocks(req, c + k)
     return used, cached
 
 
