@@ -176,6 +176,7 @@ class EngineReplica:
         waiting = [len(sched.waiting)] * k
         rows = fast_forward.apply(self, run)
         self.now = run.ends[-1]
+        self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         yield self._sleep_until(self.now)
         self.scheduler.finish([r for r, e in zip(run.reqs, run.last) if e == k], self.now)
         waiting[-1] = len(sched.waiting)       # arrivals during the last step

@@ -104,13 +104,17 @@ def plan(replica: EngineReplica) -> DecodeRun | None:
     durations = executor.predict_decode_run(
         np.array(batch, F64), np.array(kv_read, F64), np.array(held, F64)).tolist()
     # The clock advances step by step exactly as stepping adds durations; steps that start before
-    # the next arrival are scheduled exactly as stepping would schedule them.
+    # the next arrival are scheduled exactly as stepping would schedule them. With async scheduling
+    # a step's schedule sees only the arrivals from before the previous step started, so the run
+    # may go on one step more (the step before the run saw none: the inbox is empty).
     starts, ends = [], []
     t = replica.now
+    previous = -np.inf                          # start of the step before
     for d in durations:
-        if t >= next_arrival:
+        if (previous if deferred else t) >= next_arrival:
             break
         starts.append(t)
+        previous = t
         t += d
         ends.append(t)
     k = len(starts)
