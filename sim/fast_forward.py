@@ -248,7 +248,7 @@ def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
     allocs, a, first = run.allocs, 0, 0
     req_blocks, caching = kv.req_blocks, kv.enable_caching
     for j in sorted({*releases, k - 1}):
-        unhashed, hashed, used0 = len(pool._stack), len(pool._fifo), pool.num_used_blocks
+        unhashed, hashed, used0 = pool.num_unhashed_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks
         start = a
         while a < len(allocs) and allocs[a][0] <= j:
             a += 1

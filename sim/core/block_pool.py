@@ -10,23 +10,15 @@ the head and a FIFO of hashed ones, which lets blocks move in bulk (`get_new_blo
 stack's end, then the FIFO's front) in exactly vLLM's single queue order.
 
 Hashes are of two kinds. Shared ones (a prompt block's chain of prefix ids) go in the `cached`
-index, where any request may hit them. A private hash (`PrivateKey`: a block only its own request
-can hit again, after a preemption) stays out of the index: its request keeps the chain of its
-blocks (`private_lookup`), so filling and evicting such blocks costs no dict update.
+index, where any request may hit them. A private hash (a `(request id, block index)` tuple: a block
+only its own request can hit again, after a preemption) stays out of the index: its request keeps
+the chain of its blocks (`private_lookup`), so filling and evicting such blocks costs no dict update.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from itertools import islice, repeat
-from typing import NamedTuple
+from itertools import repeat
 
 import numpy as np
-
-
-class PrivateKey(NamedTuple):
-    """The hash of a block only its request can hit: (request id, block index)."""
-    request_id: int
-    index: int
 
 
 class BlockPool:
@@ -40,9 +32,13 @@ class BlockPool:
         self.num_cache_evictions = 0
         # free unhashed blocks, a list used as a stack whose END is the head of the free queue
         self._stack = list(range(num_blocks - 1, -1, -1))
-        # free hashed blocks in LRU order (front = evicted first); an OrderedDict gives O(1) pop
-        # from the front and removal from the middle (a prefix hit reviving a free block)
-        self._fifo: OrderedDict = OrderedDict()
+        # free hashed blocks in LRU order: a list read from `_head` on (slices pop in bulk); a block
+        # revived from the middle (a prefix hit) leaves a tombstone, `_dead[block]` entries of it
+        # to skip from the front
+        self._fifo: list[int] = []
+        self._head = 0
+        self._dead: dict[int, int] = {}
+        self._num_dead = 0
         # ref counts in a list (scalar access is far faster than numpy's); without caching no block
         # is shared and a block is owned exactly when it is not free (computed on demand)
         self._ref_cnt = [0] * num_blocks if enable_caching else None
@@ -59,27 +55,47 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._stack) + len(self._fifo)
+        return len(self._stack) + len(self._fifo) - self._head - self._num_dead
 
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks still holding a reusable prefix."""
-        return len(self._fifo)
+        return len(self._fifo) - self._head - self._num_dead
+
+    @property
+    def num_unhashed_free_blocks(self) -> int:
+        """Free blocks without a hash: the allocator hands them out before any hashed one."""
+        return len(self._stack)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._stack) - len(self._fifo)
+        return self.num_blocks - self.num_free_blocks
 
     def free_block_ids(self) -> list[int]:
         """Free blocks, head (next to allocate) first."""
-        return self._stack[::-1] + list(self._fifo)
+        return self._stack[::-1] + self._hashed_free(len(self._fifo))
 
     def next_free_blocks(self, n: int) -> list[int]:
         """The first `n` blocks the allocator would hand out, in order."""
         if n <= 0:
             return []
         head = self._stack[:-n - 1:-1]
-        return head + list(islice(self._fifo, n - len(head)))
+        return head + self._hashed_free(n - len(head))
+
+    def _hashed_free(self, n: int) -> list[int]:
+        """The first `n` free hashed blocks (LRU first), tombstones skipped."""
+        fifo, h = self._fifo, self._head
+        if not self._num_dead:
+            return fifo[h:h + n]
+        dead, out = dict(self._dead), []
+        for block in fifo[h:]:
+            if len(out) == n:
+                break
+            if dead.get(block):
+                dead[block] -= 1
+            else:
+                out.append(block)
+        return out
 
     def get_new_blocks(self, n: int) -> list[int]:
         if n > self.num_free_blocks:
@@ -101,13 +117,34 @@ class BlockPool:
 
     def _pop_hashed(self, n: int) -> list[int]:
         """Evict the `n` least recently freed hashed blocks and hand them out."""
-        pop, block_hash, cached = self._fifo.popitem, self.block_hash, self.cached
-        blocks = [pop(last=False)[0] for _ in range(n)]
+        fifo, h = self._fifo, self._head
+        if not self._num_dead:
+            blocks = fifo[h:h + n]
+            h += n
+        else:
+            blocks, dead = [], self._dead
+            while len(blocks) < n:
+                block = fifo[h]
+                h += 1
+                if dead.get(block):
+                    dead[block] -= 1
+                    if not dead[block]:
+                        del dead[block]
+                    self._num_dead -= 1
+                else:
+                    blocks.append(block)
+        if h > 4096 and 2 * h > len(fifo):
+            del fifo[:h]
+            h = 0
+        self._head = h
+        block_hash, cached = self.block_hash, self.cached
+        if cached:
+            for block in blocks:
+                key = block_hash[block]
+                if cached.get(key) == block:        # a shared hash (private ones are not indexed)
+                    del cached[key]
         for block in blocks:
-            h = block_hash[block]
             block_hash[block] = None
-            if h.__class__ is not PrivateKey and cached.get(h) == block:
-                del cached[h]
         self.num_cache_evictions += n
         return blocks
 
@@ -125,7 +162,7 @@ class BlockPool:
                 if block_hash[block] is None:
                     stack.append(block)
                 else:
-                    fifo[block] = None
+                    fifo.append(block)
 
     def free_request_blocks(self, blocks: list[int]) -> None:
         """`free_blocks(reversed(blocks))`: a request's blocks, tail first; in bulk while no block
@@ -138,15 +175,16 @@ class BlockPool:
         for block in tail_first:
             ref[block] = 0
         self._stack.extend([b for b in tail_first if block_hash[b] is None])
-        self._fifo.update(zip([b for b in tail_first if block_hash[b] is not None], repeat(None)))
+        self._fifo.extend([b for b in tail_first if block_hash[b] is not None])
 
     def lookup(self, block_hash) -> int | None:
         return self.cached.get(block_hash)
 
-    def private_lookup(self, chain: list[int], key: PrivateKey) -> int | None:
-        """The block still holding private `key`, given its request's chain of private blocks."""
-        if key.index < len(chain):
-            block = chain[key.index]
+    def private_lookup(self, chain: list[int], key: tuple[int, int]) -> int | None:
+        """The block still holding private `key` (request id, block index), given its request's
+        chain of private blocks."""
+        if key[1] < len(chain):
+            block = chain[key[1]]
             if self.block_hash[block] == key:
                 return block
         return None
@@ -156,8 +194,9 @@ class BlockPool:
         ref = self._ref_cnt
         for block in blocks:
             if ref[block] == 0:
-                if block in self._fifo:
-                    del self._fifo[block]
+                if self.block_hash[block] is not None:       # free and hashed: in the FIFO
+                    self._dead[block] = self._dead.get(block, 0) + 1
+                    self._num_dead += 1
                 else:
                     self._stack.remove(block)
             else:
@@ -178,14 +217,22 @@ class BlockPool:
                 block_hash[block] = h
                 cached[h] = block
 
-    def cache_private(self, blocks: list[int], keys: list[PrivateKey], chain: list[int]) -> None:
-        """Hash owned blocks with their request's private keys (`keys[i].index` counting up from at
-        most len(chain)); `chain` (the request's) records the block of each index."""
+    def cache_private(self, blocks: list[int], request_id: int, first: int, chain: list[int],
+                      fresh: bool = False) -> None:
+        """Hash owned blocks with their request's private keys (request id, first + i); `first` is at
+        most len(chain), the request's chain of the block of each index. `fresh`: the request was
+        never preempted, so its blocks are unhashed and its chain ends at `first`."""
         block_hash = self.block_hash
+        keys = zip(repeat(request_id), range(first, first + len(blocks)))
+        if fresh:
+            chain.extend(blocks)
+            for block, key in zip(blocks, keys):
+                block_hash[block] = key
+            return
         for block, key in zip(blocks, keys):
             if block_hash[block] is not None:
                 continue
-            j = key.index
+            j = key[1]
             if j == len(chain):
                 chain.append(block)
             elif block_hash[chain[j]] == key:          # an identical block is cached: keep it
@@ -210,4 +257,6 @@ class BlockPool:
             assert self.block_hash[b] == h, f"cache index points at block {b} with another hash"
         assert self._shared_refs == int(np.maximum(ref - 1, 0).sum()), "shared reference count drifted"
         assert all(self.block_hash[b] is None for b in self._stack), "a hashed block in the unhashed part"
-        assert all(self.block_hash[b] is not None for b in self._fifo), "an unhashed block in the hashed part"
+        hashed = self._hashed_free(len(self._fifo))
+        assert all(self.block_hash[b] is not None for b in hashed), "an unhashed block in the hashed part"
+        assert len(hashed) == self.num_cached_free_blocks, "cached-free block count drifted"

@@ -6,7 +6,7 @@ layouts and eviction-aware managers can stand in for it.
 """
 from __future__ import annotations
 
-from .block_pool import BlockPool, PrivateKey
+from .block_pool import BlockPool
 from .request import Request
 
 
@@ -78,7 +78,7 @@ class KVCacheManager:
             if chain:
                 lookup = self.pool.private_lookup
                 for j in range(min(max_hit_blocks, len(chain))):
-                    block = lookup(chain, PrivateKey(req.request_id, j))
+                    block = lookup(chain, (req.request_id, j))
                     if block is None:
                         break
                     hits.append(block)
@@ -115,7 +115,7 @@ class KVCacheManager:
         if req.prefix_hash_ids is None:
             # no shared-prefix information: only the request itself can hit its blocks (after a
             # preemption), so (request, block) identifies them without hashing a chain
-            return PrivateKey(req.request_id, j)
+            return req.request_id, j
         hashes = req.extra.setdefault("block_hashes", [])
         while len(hashes) <= j:
             parent = hashes[-1] if hashes else None
@@ -172,11 +172,10 @@ class KVCacheManager:
         if full <= first:
             return
         if req.prefix_hash_ids is None:
-            rid = req.request_id
             chain = extra.get("private_blocks")
             if chain is None:
                 chain = extra["private_blocks"] = []
-            self.pool.cache_private(blocks[first:full], [PrivateKey(rid, j) for j in range(first, full)], chain)
+            self.pool.cache_private(blocks[first:full], req.request_id, first, chain, not req.num_preemptions)
         else:
             self.pool.cache_blocks(blocks[first:full], [self._block_hash(req, j) for j in range(first, full)])
         extra["num_cached_blocks"] = full
