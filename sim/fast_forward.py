@@ -37,7 +37,6 @@ class DecodeRun:
     last: list            # step (1-based) in which each request produces its last token
     k: int
     allocs: list          # (step, request index) of each block allocation, step-major, then scheduling order
-    fills: list           # with prefix caching: (step, request index) where a block becomes full
     new: list             # blocks allocated in step j
     freed: list           # blocks freed by requests finishing in step j (no prefix caching)
     batch: list           # sequences in step j
@@ -121,8 +120,7 @@ def plan(replica: EngineReplica) -> DecodeRun | None:
     if k < 1:
         return None
     allocs = [a for a in ev["allocs"] if a[0] < k]
-    fills = [f for f in ev["fills"] if f[0] < k]
-    return DecodeRun(list(running), c_list, last_list, k, allocs, fills, ev["new"][:k], ev["freed"][:k],
+    return DecodeRun(list(running), c_list, last_list, k, allocs, ev["new"][:k], ev["freed"][:k],
                      batch[:k], kv_read[:k], held[:k], ev["fin"][:k], ev["fin_c"][:k],
                      ev["fin_held"][:k], durations[:k], starts, ends)
 
@@ -131,7 +129,7 @@ def _events(c_list: list, last_list: list, k: int, bs: int, caching: bool) -> di
     """Per-request block allocations and finishes over steps 0..k-1, as difference arrays."""
     d_count, d_c, d_held = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
     new, freed, fin, fin_c, fin_held = [0] * k, [0] * k, [0] * k, [0] * k, [0] * k
-    allocs, fills = [], []
+    allocs = []
     for r, (c, e) in enumerate(zip(c_list, last_list)):
         n = e if e < k else k                   # steps this request takes part in: 0..n-1
         h = -(-c // bs)                         # blocks held at the start
@@ -154,13 +152,9 @@ def _events(c_list: list, last_list: list, k: int, bs: int, caching: bool) -> di
             fin_held[e - 1] += h
             if not caching:     # with prefix caching shared blocks may not return: count none
                 freed[e - 1] += h
-        if caching:             # a block fills when its last slot is written: hash it then
-            fills.extend((j, r) for j in range(-(c + 1) % bs, n, bs))
     allocs.sort()
-    if caching:
-        fills = sorted(set(fills) | set(allocs))
     return {"d_count": d_count, "d_c": d_c, "d_held": d_held, "new": new, "freed": freed, "fin": fin,
-            "fin_c": fin_c, "fin_held": fin_held, "allocs": allocs, "fills": fills}
+            "fin_c": fin_c, "fin_held": fin_held, "allocs": allocs}
 
 
 def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> int:
@@ -276,6 +270,15 @@ def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
     return used, cached
 
 
+def _fills(run: DecodeRun, bs: int) -> list:
+    """(step, request index) of each allocation and each step where a block becomes full (its last
+    slot written: hashed then), in stepping order."""
+    fills = set(run.allocs)
+    for r, (c, e) in enumerate(zip(run.c, run.last)):
+        fills.update((j, r) for j in range(-(c + 1) % bs, min(e, run.k), bs))
+    return sorted(fills)
+
+
 def _replay_events(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
     """Prefix caching: replay each allocation / block fill / finish through the manager in order."""
     kv, pool, k = replica.kv, replica.kv.pool, run.k
@@ -293,7 +296,7 @@ def _replay_events(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
             cached[i] = pool.num_cached_free_blocks
         done = upto
 
-    for i, r in run.fills:
+    for i, r in _fills(run, replica.kv.block_size):
         record(i)
         req = run.reqs[r]
         req.num_computed_tokens = run.c[r] + i
