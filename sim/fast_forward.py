@@ -108,9 +108,12 @@ def plan(replica: EngineReplica) -> DecodeRun | None:
     # may go on one step more (the step before the run saw none: the inbox is empty).
     starts, ends = [], []
     t = replica.now
+    # That extra step's schedule releases the previous step's finishers, which at the arrival are
+    # still running (a router counting outstanding requests sees them): none may finish there.
     previous = -np.inf                          # start of the step before
-    for d in durations:
-        if (previous if deferred else t) >= next_arrival:
+    fin = ev["fin"]
+    for j, d in enumerate(durations):
+        if (previous if deferred else t) >= next_arrival or (t >= next_arrival and fin[j - 1]):
             break
         starts.append(t)
         previous = t
