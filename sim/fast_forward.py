@@ -79,11 +79,12 @@ def plan(replica: EngineReplica) -> DecodeRun | None:
         first_step_blocks = sum(1 for x in c_list if x % bs == 0)
         if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
             return None
-    # A finish may let the blocked head of WAITING in: the run ends there. Async scheduling releases
-    # a finish's blocks after the next step's allocations, modelled within a run unless fills must
-    # be replayed one by one (`_must_replay`).
+    # A finish may let the blocked head of WAITING in, or send a closed-loop client's next request
+    # (replica.on_done): the run ends there. Async scheduling releases a finish's blocks after the
+    # next step's allocations, modelled within a run unless fills must be replayed one by one
+    # (`_must_replay`).
     deferred = cfg.async_scheduling
-    until_first = admission_blocked or (deferred and _must_replay(kv, running))
+    until_first = admission_blocked or replica.on_done or (deferred and _must_replay(kv, running))
     k = min(last_list) if until_first else max(last_list)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
