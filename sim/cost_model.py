@@ -216,7 +216,7 @@ class HardwareProfile(BaseModel):
     # empty: allreduce_latency_s / allreduce_bw_eff for every degree
     allreduce_by_tp: dict[int, AllReduceTerms] = Field(default_factory=dict)
     # what `vllm bench serve` measures beyond the engine (API server, tokenization, streaming); off
-    # with --engine-only. See ClientLatency.
+    # with --client-latency (off: engine time only). See ClientLatency.
     client: ClientLatency = Field(default_factory=lambda: ClientLatency())
     meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
 

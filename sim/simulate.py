@@ -67,7 +67,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
 
 def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost, num_blocks: int,
               max_model_len: int, t0: float, *, progress, keep_steps: bool, wrap_kv) -> SimulationResult:
-    client = ClientLatency() if cfg.engine_only else cost.profile.client
+    client = cost.profile.client if cfg.client_latency else ClientLatency()
     # requests enter the engine through the client-side API server: at their trace time (open loop) or
     # when the closed loop sends them
     entry = RequestEntry(client) if client.enabled else None

@@ -36,7 +36,7 @@ def trace(tmp_path_factory):
 def simulate(trace, tmp_path, client=None, **options):
     profile = load_profile("auto", gpu="l4").model_copy(update={"client": client or ClientLatency()})
     profile.to_yaml(tmp_path / "p.yaml")
-    cfg = SimConfig.model_validate({"trace": str(trace), "model": "qwen2.5-0.5b", "gpu": "l4",
+    cfg = SimConfig.model_validate({"trace": str(trace), "model": "qwen2.5-0.5b", "gpu": "l4", "client_latency": True,
                                     "profile": str(tmp_path / "p.yaml"), **options})
     return run_simulation(cfg, None)
 
@@ -65,9 +65,12 @@ def test_closed_loop_sends_wait_for_the_api_server(trace, tmp_path):
     assert client.summary["ttft_p50_s"] > engine.summary["ttft_p50_s"] + 0.05
 
 
-def test_engine_only_turns_the_client_terms_off(tmp_path):
+@pytest.mark.parametrize("flag, on", [([], False), (["--engine-only"], False), (["--client-latency"], True)])
+def test_client_terms_are_opt_in(tmp_path, flag, on):
     run = tmp_path / "run"
     res = CliRunner().invoke(app, ["simulate", "--trace", "azure-conv-2023", "--max-requests", "10", "--gpu", "l4",
-                                   "--model", "qwen2.5-0.5b", "--engine-only", "-q", "--out", str(run)])
+                                   "--model", "qwen2.5-0.5b", *flag, "-q", "--out", str(run)])
     assert res.exit_code == 0, res.output
-    assert json.loads((run / "summary.json").read_text())["client_latency"] is False
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["client_latency"] is on
+    assert (summary["ttft_p50_s"] > 0.0282) is on       # the L4 host's fixed request latency

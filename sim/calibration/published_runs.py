@@ -118,7 +118,7 @@ def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, pr
             ({"request_rate": rate} if math.isfinite(rate) else {})
     cfg = SimConfig.model_validate({
         "trace": str(trace_file), "model": setup["model"], "gpu": setup["gpu"], "seed": seed, "profile": profile,
-        "engine": engine, "trace_options": options, "engine_only": run.kind == "latency"})
+        "engine": engine, "trace_options": options, "client_latency": run.kind == "serve"})
     return run_simulation(cfg, None).summary
 
 
