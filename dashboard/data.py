@@ -13,6 +13,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from kvsim.sim.safe_io import InputError, load_yaml_file, read_input_text, restore_nan, safe_json_loads
+
 LATENCY_METRICS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "e2e_s": "E2E"}
 
 # Columns of a step log that count things (summed over replicas when binning).
@@ -42,6 +44,9 @@ def resolve_user_path(text: str) -> Path:
     """A path typed into the page: relative paths are taken from the data root; anything resolving
     outside it (absolute paths elsewhere, `..`, symbolic links out) is refused."""
     root = data_root()
+    if "\x00" in text or len(text) > 1024:
+        raise DataError("the path holds a NUL character or is longer than 1024 characters; expected a path under "
+                        f"the data directory {root}")
     path = (root / Path(text.strip()).expanduser()).resolve()
     if path != root and root not in path.parents:
         raise DataError(f"{text.strip()}: outside the dashboard's data directory {root}; the dashboard reads "
@@ -109,14 +114,19 @@ def load_run_dir(path: str | Path, label: str | None = None) -> RunRecord:
     if missing:
         raise DataError(f"{d}: missing {', '.join(missing)} (expected the --out directory of `kvsim simulate`)")
     try:
-        summary = json.loads((d / "summary.json").read_text())
+        summary = restore_nan(safe_json_loads(read_input_text(d / "summary.json", what="summary.json"),
+                                              str(d / "summary.json")))
     except json.JSONDecodeError as exc:
         raise DataError(f"{d / 'summary.json'}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    except InputError as exc:
+        raise DataError(str(exc)) from None
     config = {}
     if (d / "config.yaml").exists():
         try:
-            config = yaml.safe_load((d / "config.yaml").read_text()) or {}
-        except yaml.YAMLError:
+            config = load_yaml_file(d / "config.yaml", what="config.yaml") or {}
+        except InputError as exc:
+            raise DataError(str(exc)) from None
+        except (yaml.YAMLError, ValueError):
             raise DataError(f"{d / 'config.yaml'}: not valid YAML") from None
     if not isinstance(summary, dict) or not isinstance(config, dict):
         raise DataError(f"{d}: summary.json and config.yaml must each hold a mapping")

@@ -20,6 +20,7 @@ from kvsim.sim.config import ConfigError, SimConfig, load_config, registry_choic
 from kvsim.traces import DATA_TRACES, TraceError
 
 from .data import DataError, data_root, redact_content, resolve_user_path
+from .guard import confine_overrides, confine_value, upload_name
 
 DEFAULT_MAX_REQUESTS = 200
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -234,7 +235,7 @@ def _save_upload(upload) -> Path:
     digest = hashlib.sha256(data).hexdigest()[:16]
     root = data_root() / "uploads" / digest
     root.mkdir(parents=True, exist_ok=True)
-    path = root / Path(upload.name).name
+    path = root / upload_name(upload.name)
     if not path.exists():
         path.write_bytes(data)
     return path
@@ -318,8 +319,8 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
         return None, error or INVALID_FIELDS
     overrides["trace"] = source
     try:
-        return load_config(None, overrides), None
-    except ConfigError as exc:
+        return load_config(None, confine_overrides(overrides)), None
+    except (ConfigError, DataError) as exc:
         return None, gui_message(str(exc))
 
 
@@ -445,6 +446,6 @@ def with_value(cfg: SimConfig, key: str, value) -> SimConfig:
     """A copy of `cfg` with one dotted key changed, validated; ConfigError names key=value."""
     data = cfg.model_dump(mode="json")
     try:
-        return load_config(None, {**data, key: value})
-    except ConfigError as exc:
+        return load_config(None, {**data, key: confine_value(key, value)})
+    except (ConfigError, DataError) as exc:
         raise ConfigError(f"{key}={value}: {exc}") from None

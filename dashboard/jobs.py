@@ -80,7 +80,9 @@ class Job:
     def _simulate_runs(self) -> None:
         from kvsim.sim.simulate import run_simulation
 
+        from .guard import check_run
         for label, cfg in self.runs:
+            check_run(cfg)                  # also for a job built without the page's start_job
             self.progress = None
             result = run_simulation(cfg, None, progress=self.on_progress)
             self.records.append(record_from_result(result, cfg, label))

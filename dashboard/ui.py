@@ -45,7 +45,16 @@ def running_job() -> Job | None:
 
 
 def start_job(page: str, runs: list | None = None, **job) -> None:
-    """Start simulating `runs` ([(label, SimConfig)]) or a Job(task=...) in the background."""
+    """Start simulating `runs` ([(label, SimConfig)]) or a Job(task=...) in the background, once they
+    pass the dashboard's limits and memory estimate (dashboard/guard.py)."""
+    from kvsim.sim.config import ConfigError
+
+    from .guard import check_runs
+    try:
+        check_runs(runs or [])
+    except ConfigError as exc:
+        st.error(str(exc))
+        return
     if running_job() is None:
         st.session_state[JOB_KEY] = Job(runs or [], page=page, **job).start()
 

@@ -205,10 +205,11 @@ class LlamaModel:
 
     # -- dense reference -----------------------------------------------------------------------
     @torch.inference_mode()
-    def dense_forward(self, input_ids: torch.Tensor, return_probs: bool = False):
+    def dense_forward(self, input_ids: torch.Tensor, return_probs: bool = False, return_queries: bool = False):
         """Full causal forward of one sequence without a cache: logits [T, vocab].
 
-        With `return_probs`, also the attention probabilities [layers, heads, T, T] (fp32).
+        With `return_probs`, also the attention probabilities [layers, heads, T, T] (fp32); with
+        `return_queries`, also the queries after RoPE [layers, heads, T, head_dim] (fp32).
         """
         c = self.config
         ids = torch.as_tensor(input_ids, device=self.device)
@@ -217,10 +218,12 @@ class LlamaModel:
         h = self.w["embed"][ids]
         group = c.heads // c.kv_heads
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        probs = []
+        probs, queries = [], []
         for i in range(c.layers):
             q, k, v = self._qkv(i, h, positions)
             qh = q.float().transpose(0, 1)                                   # [heads, T, D]
+            if return_queries:
+                queries.append(qh)
             kh = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
             vh = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
             s = (qh @ kh.transpose(1, 2)) * self.scale
@@ -230,4 +233,6 @@ class LlamaModel:
             attn = (p @ vh).transpose(0, 1).to(h.dtype)
             h = self._finish_layer(i, h, attn)
         logits = self._logits(h)
-        return (logits, torch.stack(probs)) if return_probs else logits
+        out = (logits,) + ((torch.stack(probs),) if return_probs else ()) + \
+            ((torch.stack(queries),) if return_queries else ())
+        return out if len(out) > 1 else logits

@@ -38,6 +38,7 @@ from kvsim.sim.engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Ro
 from kvsim.sim.kv.build import build_kv_manager
 from kvsim.sim.kv.manager import EvictingKVManager
 from kvsim.sim.kv.state import TIER_FULL
+from kvsim.sim.memory import HostMemoryError, RunMemoryEstimate, check_memory, estimate_run_memory
 from kvsim.sim.metrics import StepLog, add_client_queue, request_table
 from kvsim.sim.outputs import run_summary, write_outputs
 from kvsim.sim.results import ResultDir
@@ -55,6 +56,7 @@ class ReplayOptions:
     attention_stats: bool = True         # record attention statistics at the end of every prefill
     stats_window: int = 32               # queries observed for them (the policy's obs_window if it needs scores)
     clock: str = "wall"                  # step timer: wall | cpu (the thread's CPU time; device cpu, 1 torch thread)
+    overwrite: bool = False              # write into a non-empty --out kvsim did not create (sim/results.py)
 
 
 @dataclass
@@ -187,6 +189,28 @@ def default_num_blocks(cfg: SimConfig, model, layout: str, device, dtype) -> int
     return blocks
 
 
+def check_replay_memory(cfg: SimConfig, model, spec, cost, num_blocks: int, trace) -> None:
+    """Refuse a pool that does not fit before anything of its size is allocated: the KV manager's
+    host structures plus the cache tensor (host memory on cpu, device memory on cuda)."""
+    import torch
+    from kvsim.gpu.cache import PagedKVCache
+
+    c = model.config
+    cache = num_blocks * PagedKVCache.bytes_per_block("shared", c.layers, c.kv_heads, c.head_dim,
+                                                      cfg.engine.block_size, model.dtype)
+    estimate = estimate_run_memory(cfg, spec, cost, num_blocks, trace)
+    if model.device.type == "cpu":
+        estimate = RunMemoryEstimate(estimate.parts + (
+            ("KV cache tensor", f"{num_blocks} blocks x {cache // max(num_blocks, 1)} B", "--num-gpu-blocks",
+             cache),))
+    check_memory(estimate)
+    if model.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(model.device)
+        if cache > free:
+            raise HostMemoryError(f"--num-gpu-blocks {num_blocks}: the KV cache needs {cache / 2**30:.1f} GiB "
+                                  f"but {free / 2**30:.1f} GiB is free on {model.device}; lower --num-gpu-blocks")
+
+
 def build_cache(cfg: SimConfig, model, kv):
     """The paged KV cache the manager's pages describe: full precision, or LeanKV's mixed-precision
     pages when the policy writes tokens at a precision tier (pages of one full-precision block's bytes)."""
@@ -224,6 +248,7 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     if cfg.engine.num_gpu_blocks is None:
         cfg.engine.num_gpu_blocks = default_num_blocks(cfg, model, cfg.kv.layout, device, dtype)
     spec, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=spec)
+    check_replay_memory(cfg, model, spec, cost, num_blocks, trace)
     kv = build_kv_manager(cfg, spec, cost, num_blocks)
     # A previous replay's KV cache sits in reference cycles (engine, simpy generators) until a full
     # collection: collect it now, or that collection lands inside this replay's first steps, frees
@@ -244,7 +269,7 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     if cfg.engine.long_prefill_token_threshold > 0:
         chunk = min(chunk, cfg.engine.long_prefill_token_threshold)
     executor.warm_up(chunk)
-    staging = ResultDir(out_dir) if out_dir else None      # published at the end (sim/results.py)
+    staging = ResultDir(out_dir, overwrite=opts.overwrite) if out_dir else None    # published at the end
     try:
         return _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num_blocks, max_model_len,
                        executor, recorder, t0, progress, on_step)
@@ -297,7 +322,7 @@ def _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num
     if limits:
         add_client_queue(req_df, limits[0].client_arrival)
     steps_df = step_log.to_pandas()
-    summary = run_summary(cfg, req_df, steps_df, [kv], num_blocks, max_model_len, spec, gpu)
+    summary = run_summary(cfg, req_df, steps_df, [kv], num_blocks, max_model_len, spec, gpu, cost.profile)
     summary.update(_replay_summary(cfg, opts, model, steps_df, executor, partial, replica.now, len(requests)))
     if partial:
         summary["partial_reason"] = "interrupted (Ctrl-C)"

@@ -22,7 +22,9 @@ from .memory import RunMemoryEstimate, check_memory, estimate_run_memory, num_gp
 def load_workload(cfg: SimConfig):
     """The trace of `cfg` with its trace options (rate, window, rate scale, first N requests) applied."""
     opts = cfg.trace_options
-    trace = load_trace(cfg.trace, **({"rate": opts.rate, "seed": cfg.seed} if opts.rate else {}))
+    # without a time window the first N requests are the file's first N (only those rows are read)
+    first = opts.max_requests if opts.start_s is None and opts.end_s is None else None
+    trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate, "seed": cfg.seed} if opts.rate else {}))
     if opts.start_s is not None or opts.end_s is not None:
         trace = trace.window(opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
     if opts.max_requests is not None:

@@ -17,6 +17,8 @@ from typing import Callable, Literal
 import pandas as pd
 
 from .config import ConfigError, SimConfig, parse_duration
+from .results import holding_store_lock, mark_owned
+from .safe_io import atomic_output, dumps_json
 from .sweep import PlannedRun, RunTask, execute_run, finished_runs, make_row, read_store, run_id_of, write_row
 
 LATENCY_METRICS = [f"{m}_{q}" for m in ("ttft", "tpot", "e2e", "queueing") for q in ("p50", "p90", "p99", "mean")]
@@ -143,6 +145,7 @@ def _fmt(value, c: Constraint) -> str:
     return f"{value * 1e3:.1f}ms" if c.metric.endswith("_s") else f"{value:.4g}"
 
 
+@holding_store_lock
 def find_capacity(cfg: SimConfig, constraints: list[Constraint], *, mode: Literal["rate", "replicas"] = "rate",
                   start: float = 1.0, growth: float = 2.0, rel_tol: float = 0.02, max_evals: int = 24,
                   min_scale: float = 1 / 1024, max_scale: float = 1024.0, max_replicas: int = 64,
@@ -245,13 +248,15 @@ def _search_replicas(cfg, evaluate, max_replicas):
 
 def _write_result(store: Path, result: CapacityResult) -> None:
     store.mkdir(parents=True, exist_ok=True)
+    mark_owned(store)
     data = result.to_json()
     data["curve_run_ids"] = result.curve["run_id"].tolist() if result.curve is not None else []
-    (store / "capacity.json").write_text(json.dumps(data, indent=2, default=_json_default))
+    with atomic_output(store / "capacity.json") as tmp:
+        tmp.write_text(dumps_json(data, indent=2, default=_json_default))
     if result.curve is not None:
-        (store / "plan.json").write_text(json.dumps({"name": f"capacity ({result.mode})",
-                                                     "axis_keys": [_axis(result.mode)],
-                                                     "run_ids": data["curve_run_ids"]}, indent=1))
+        with atomic_output(store / "plan.json") as tmp:
+            tmp.write_text(json.dumps({"name": f"capacity ({result.mode})", "axis_keys": [_axis(result.mode)],
+                                       "run_ids": data["curve_run_ids"]}, indent=1))
 
 
 def _axis(mode: str) -> str:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .safe_io import InputError, read_input_text, safe_yaml_load
 from .yaml_errors import yaml_problem
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -270,9 +271,6 @@ class GPUSpec(_Spec):
 
 # ---- YAML loading with line numbers ----------------------------------------------------------
 
-_FastLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
 class _LineMap(dict):
     """Key path -> 1-based line, composed on first use (only error messages need it)."""
 
@@ -315,11 +313,12 @@ def yaml_load_with_lines(path: Path) -> tuple[Any, dict[tuple, int]]:
     """Parse YAML; also map each key path (tuple of keys / list indices) to its 1-based line (built
     lazily: the pure-Python composer costs more than the C parser, and only errors need lines)."""
     try:
-        text = Path(path).read_text()
+        text = read_input_text(path, what="YAML file")
+        data = safe_yaml_load(text, str(path), fast=True)
+    except InputError as exc:
+        raise CatalogError(str(exc)) from None
     except OSError as exc:
         raise CatalogError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.load(text, Loader=_FastLoader)
     except yaml.YAMLError as exc:
         raise CatalogError(f"{path}: invalid YAML: {yaml_problem(exc)}") from None
     return data, _LineMap(text)

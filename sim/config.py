@@ -9,10 +9,11 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .catalog import get_gpu, get_model
+from .catalog import get_gpu, get_model, normalize_dtype
 from .kv.policy import PolicyError
 from .kv.policy import policy_names as registered_policy_names
 from .kv.slots import SLOT_STRATEGIES
+from .safe_io import MAX_SET_VALUE_CHARS, InputError, load_yaml_file, safe_yaml_load, short_repr
 from .yaml_errors import yaml_problem
 
 
@@ -23,7 +24,7 @@ class ConfigError(ValueError):
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
 
 
-_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e-?\d+)?)\s*(us|ms|s|min)\s*")
+_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*(us|ms|s|min)\s*")
 
 
 def parse_duration(text: str | float, what: str = "duration") -> float:
@@ -61,7 +62,8 @@ def _one_of(value: str, names: list[str], what: str) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are refused in every float field (a rate scale of inf, a nan memory fraction)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class EngineConfig(_Strict):
@@ -156,6 +158,8 @@ class KVConfig(_Strict):
                      "pressure", "threshold"] = "policy"
     trigger_interval: int = Field(1, gt=0, description="every_n: decode steps between compressions")
     trigger_threshold: int = Field(0, ge=0, description="threshold: tokens added between compressions")
+    copy_threshold: int = Field(0, ge=0, description="sparse_copy / holed_copy (token mode): rewrite a row only once "
+                                                     "it holds more than this many holes (0: after every eviction)")
     importance: str = Field("smollm2-135m", description="synthetic importance model (sim/data/importance) or YAML")
     mode: Literal["token", "fast"] = Field("token", description="token-level state or block-occupancy fast mode")
     fast_rows: int = Field(8, gt=0, description="fast mode: (layer, KV head) rows simulated, each standing for "
@@ -193,7 +197,7 @@ class SimConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
     slo: SLO = SLO(ttft="2s", tpot="100ms")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     fast_forward: bool = True
     check_invariants: bool = False
     # the profile's client-side terms (API server, tokenization: what `vllm bench serve` measures beyond
@@ -212,6 +216,13 @@ class SimConfig(_Strict):
         get_gpu(v)
         return v
 
+    @field_validator("kv_dtype", "weight_dtype")
+    @classmethod
+    def _known_dtype(cls, v: str | None) -> str | None:
+        if v is not None:
+            normalize_dtype(v)      # CatalogError (a ValueError) names the known dtypes
+        return v
+
 
 def validation_message(exc: ValidationError, source: str | None = None) -> str:
     """Each problem as `field: message (got value)`: one line each prefixed by `source` when given, else
@@ -220,7 +231,7 @@ def validation_message(exc: ValidationError, source: str | None = None) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
         msg = err["msg"].removeprefix("Value error, ")
-        problems.append(f"{loc}: {msg} (got {err.get('input')!r})")
+        problems.append(f"{loc}: {msg} (got {short_repr(err.get('input'))})")
     if source is None:
         return "; ".join(problems)
     return "\n".join(f"{source}: {problem}" for problem in problems)
@@ -272,9 +283,13 @@ def read_yaml_file(path: str | Path, *, what: str = "config file", expected: str
     e.g. '--config ', before the path) and what was `expected` there."""
     path = Path(path)
     try:
-        return yaml.safe_load(path.read_text())
+        return load_yaml_file(path, what=expected.removeprefix("a "), option=option)
+    except InputError as exc:
+        raise ConfigError(str(exc)) from None
     except FileNotFoundError:
         raise ConfigError(f"{what} not found: {path}") from None
+    except ValueError as exc:        # a value YAML parses but Python cannot hold (a 5,000-digit integer)
+        raise ConfigError(f"{option}{path}: {exc}; expected values of ordinary size") from None
     except IsADirectoryError:
         hint = f" (e.g. {path / example})" if example else ""
         raise ConfigError(f"{option}{path}: is a directory; expected {expected}{hint}") from None
@@ -311,8 +326,14 @@ def parse_set_option(item: str) -> tuple[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. engine.block_size=32")
+    if len(raw) > MAX_SET_VALUE_CHARS:
+        raise ConfigError(f"--set {key}: the value is {len(raw)} characters; at most {MAX_SET_VALUE_CHARS}")
     try:
-        return key.strip(), yaml.safe_load(raw)
+        return key.strip(), safe_yaml_load(raw, f"--set {key}")
+    except InputError as exc:
+        raise ConfigError(str(exc)) from None
+    except ValueError as exc:        # e.g. an integer of more than 4,300 digits
+        raise ConfigError(f"--set {key}: {exc}; expected a number of ordinary size") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)}); expected a "
                           "number, true/false, a word, [a, list] or {a: mapping}") from None

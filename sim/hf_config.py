@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import CatalogError, ModelSpec
+from .safe_io import InputError, read_input_text, safe_json_loads
 
 # model_type -> (tie_word_embeddings default, q/k/v bias default, per-head q/k norm); the defaults are those
 # of the transformers config class (used when the file leaves the key out)
@@ -64,7 +65,9 @@ def _cached(shown: str, resolved: str, mtime_ns: int, size: int) -> ModelSpec:
 
 def _read(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = safe_json_loads(read_input_text(path, what="Hugging Face config.json"), str(path))
+    except InputError as exc:       # a FIFO, a device, over 16 MiB, not UTF-8, nested too deeply
+        raise CatalogError(str(exc)) from None
     except OSError as exc:
         raise CatalogError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

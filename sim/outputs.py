@@ -5,7 +5,6 @@ both produce the same schemas; steps.parquet is written by `sim.metrics.StepLog`
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +14,14 @@ import pyarrow.parquet as pq
 import yaml
 
 from .config import SimConfig
+from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
 from .metrics import flat_token_times, summarize
+from .safe_io import dumps_json
 
 
 def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
-                max_model_len: int, model, gpu) -> dict:
+                max_model_len: int, model, gpu, profile=None, client_latency: bool = False) -> dict:
     """summary.json of a run (simulated or replayed) from its request and step tables."""
     # blocks of the pool actually managed (per_head pools count one-head blocks)
     pool_blocks = kvs[0].num_blocks if kvs else num_blocks
@@ -35,14 +36,19 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kv
         summary.update(kv_summary(kvs, req_df, steps_df))
     summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
                     "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
-                    "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace})
+                    "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace,
+                    # the profile that priced the steps (the replay's predicted_s) and its measured error
+                    "profile": profile.name if profile else None,
+                    "profile_step_mape": profile_fit_error(profile) if profile else None,
+                    "client_latency": client_latency})
     return summary
 
 
 def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame, summary: dict) -> None:
     """requests.parquet, summary.json and config.yaml (steps.parquet is written by the StepLog)."""
     pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    # NaN (e.g. a percentile of no finished request) becomes null with a reason: JSON has no NaN
+    (out / "summary.json").write_text(dumps_json(summary, indent=2, default=float))
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .capacity import parse_slo, read_capacity
+from .safe_io import atomic_output
 from .config import SimConfig
 from .sweep import config_columns, read_plan, read_store
 
@@ -200,7 +201,9 @@ def build_report(store: str | Path, out: str | Path | None = None) -> Path:
             figures.append(("Capacity curve", _derived_capacity_figure(series, x)))
         figures.append(("Cost vs p99 latency", _pareto_figure(ok, group_keys + ([x] if x != "run_index" else []))))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_page(store, df, ok, axes, figures))
+    page = _page(store, df, ok, axes, figures)
+    with atomic_output(out) as tmp:                 # never a 0-byte or cut page
+        tmp.write_text(page)
     return out
 
 

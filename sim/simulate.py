@@ -13,7 +13,7 @@ from .assembly import load_workload, resolve_hardware, scheduler_config, trace_t
 from .config import ConfigError, SimConfig
 from .core.scheduler import Scheduler
 from .client import RequestEntry, client_view
-from .cost_model import ClientLatency, profile_fit_error
+from .cost_model import ClientLatency
 from .defaults import resolve_defaults
 from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, StepArrivals
 from .executor import replica_executor
@@ -22,7 +22,7 @@ from .memory import check_memory, estimate_run_memory
 from .metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
 from .outputs import run_summary, write_outputs
 from .progress import ProgressTracker, TokenBar, ambient_callback
-from .results import ResultDir, check_out_dir
+from .results import ResultDir, check_out_dir, check_out_owner
 
 
 @dataclass
@@ -36,14 +36,16 @@ class SimulationResult:
 
 
 def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progress=False,
-                   keep_steps: bool = True, trace=None, wrap_kv=None, model=None) -> SimulationResult:
+                   keep_steps: bool = True, trace=None, wrap_kv=None, model=None,
+                   overwrite: bool = False) -> SimulationResult:
     """Simulate `cfg` (or the given in-memory `trace` in place of `cfg.trace`). `wrap_kv(kv, executor)`,
     if given, returns the (kv, executor) pair each replica runs with (cross-check and calibration tools
     observe or replace them). `progress`: True for a bar over the tokens computed with an ETA (on
     stderr), or a callable given a `sim.progress.SimProgress` after every engine step, which may raise
     (e.g. `sim.progress.Cancelled`) to stop the run; without it, the callback of an enclosing
     `sim.progress.reporting_to` if any. `model` (a ModelSpec) replaces `cfg.model`'s catalog
-    entry (the cross-check simulates the model a replay actually ran).
+    entry (the cross-check simulates the model a replay actually ran). `overwrite`: write into an
+    existing non-empty `out_dir` kvsim did not create (sim/results.py).
 
     Results are staged beside `out_dir` and moved into it at the end (sim/results.py). A run that is
     interrupted (KeyboardInterrupt) or fails still writes what it has, with `partial: true` and
@@ -52,11 +54,12 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     cfg = resolve_defaults(cfg)
     if out_dir:
         check_out_dir(Path(out_dir))
+        check_out_owner(Path(out_dir), overwrite=overwrite)
         _check_not_reading_from(cfg, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
     model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=model)
     check_memory(estimate_run_memory(cfg, model, cost, num_blocks, trace))
-    staging = ResultDir(out_dir) if out_dir else None
+    staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
     try:
         return _simulate(cfg, trace, staging, model, gpu, cost, num_blocks, max_model_len, t0,
                          progress=progress, keep_steps=keep_steps, wrap_kv=wrap_kv)
@@ -130,10 +133,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
     steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(
         out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(cfg, req_df, steps_for_summary, [r.kv for r in replicas], num_blocks,
-                          max_model_len, model, gpu)
-    summary["profile"] = cost.profile.name
-    summary["profile_step_mape"] = profile_fit_error(cost.profile)
-    summary["client_latency"] = client.enabled
+                          max_model_len, model, gpu, cost.profile, client.enabled)
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]

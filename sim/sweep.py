@@ -52,7 +52,9 @@ from .config import ConfigError, SimConfig, build_config, flatten, read_config_f
 from .cost_model import load_profile
 from .defaults import resolve_engine
 from .memory import ModelDoesNotFitError, num_gpu_blocks
-from .results import pid_alive
+from .kv.policy import policy_identity
+from .results import holding_store_lock, mark_owned, pid_alive
+from .safe_io import atomic_output
 from .simulate import run_simulation
 
 SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
@@ -84,9 +86,16 @@ class SweepPlan:
     duplicates: int = 0   # grid points that resolved to a config already planned
 
 
+MAX_SWEEP_RUNS = 100_000          # planned runs of one spec (each is checked and listed before any runs)
+
+
 def run_id_of(cfg: SimConfig) -> str:
-    """Stable hash of the resolved config (every field, defaults included)."""
+    """Stable hash of the resolved config (every field, defaults included) and, for a plug-in policy,
+    the plug-in's identity (class and source hash: sim.kv.policy.policy_identity)."""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    identity = policy_identity(cfg.kv.policy)
+    if identity:
+        blob += "|" + identity
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -126,6 +135,7 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
     runs = [_mapping(r, f"{source}: runs[{i}]") for i, r in enumerate(runs)]
 
     _check(base, fixed, f"{source}: fixed")
+    _check_size(runs, grid, source)
     for key, values in grid.items():
         if not isinstance(values, list):
             raise SpecError(f"{source}: grid.{key}: expected a list of values, got {values!r}")
@@ -154,6 +164,18 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
             planned.append(PlannedRun(len(planned), rid, cfg.model_dump(mode="json"), axes))
     axis_keys = list(dict.fromkeys([k for r in runs for k in r] + list(grid)))
     return SweepPlan(planned, bool(raw.get("save_outputs", False)), raw.get("name"), axis_keys, duplicates)
+
+
+def _check_size(runs: list, grid: dict, source: str) -> None:
+    """Count the runs before expanding the product: a spec of a few lines can name billions."""
+    total = len(runs)
+    for key, values in grid.items():
+        if isinstance(values, list):
+            total *= max(len(values), 1)
+    if total > MAX_SWEEP_RUNS:
+        sizes = " x ".join(f"{len(v)} {k}" for k, v in grid.items() if isinstance(v, list))
+        raise SpecError(f"{source}: grid: {total:,} runs ({len(runs)} run(s) x {sizes}); a sweep may have at most "
+                        f"{MAX_SWEEP_RUNS:,}; split it into several specs or fewer values")
 
 
 def _mapping(value: Any, where: str) -> dict:
@@ -376,12 +398,14 @@ def read_plan(store: Path) -> list[str]:
 
 def _write_plan(store: Path, plan: SweepPlan, spec_text: str | None) -> None:
     store.mkdir(parents=True, exist_ok=True)
+    mark_owned(store)
     tmp = store / ".plan.json.tmp"
     tmp.write_text(json.dumps({"name": plan.name, "axis_keys": plan.axis_keys,
                                "run_ids": [r.run_id for r in plan.runs]}, indent=1))
     os.replace(tmp, store / "plan.json")
     if spec_text is not None:
-        (store / "spec.yaml").write_text(spec_text)
+        with atomic_output(store / "spec.yaml") as tmp:
+            tmp.write_text(spec_text)
 
 
 def _remove_stale_tmp(store: Path) -> None:
@@ -473,6 +497,7 @@ class SweepResult:
     redone: int = 0       # of those that ran: their run file was unreadable
 
 
+@holding_store_lock
 def run_sweep(plan: SweepPlan, store: str | Path, *, executor: str = "local", jobs: int | None = None,
               scheduler: Any = None, max_runs: int | None = None, retry_failed: bool = False,
               save_outputs: bool | None = None, progress: bool = True, spec_text: str | None = None,

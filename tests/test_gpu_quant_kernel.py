@@ -3,6 +3,7 @@ torch twin and against fp32 attention over the unquantized K/V."""
 import pytest
 import torch
 
+from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
 from kvsim.gpu.quant import MixedPrecisionKVCache
 
 # Two page-table rows (sequence, KV head); LeanKV grows high-tier pages from the left of a row and
@@ -45,13 +46,16 @@ def queries(survivors, group, seed=1):
     return torch.stack(qs)
 
 
-@pytest.mark.parametrize("head_dim,group", [(16, 3), (32, 2)])
-def test_triton_matches_torch_twin_on_mixed_tier_pages_with_evictions(head_dim, group):
+@pytest.mark.parametrize("head_dim,group,num_splits", [(16, 3, None), (32, 2, None), (16, 3, 3)])
+def test_triton_matches_torch_twin_on_mixed_tier_pages_with_evictions(head_dim, group, num_splits):
+    """num_splits 3: each row's pages split over three programs (flash-decoding), merged by the
+    reduction kernel; statistics from the merged log-sum-exp."""
     cache, survivors = filled_cache(head_dim)
     q = queries(survivors, group)
     tables = torch.tensor(TABLES, dtype=torch.int32)
     scale = head_dim ** -0.5
-    out_t, (sum_t, sq_t) = cache.paged_decode_attention(q, tables, scale, want_scores=True, backend="triton")
+    out_t, (sum_t, sq_t) = mixed_decode_attention(cache, q, tables, scale, want_scores=True, backend="triton",
+                                                  num_splits=num_splits)
     out_r, (sum_r, sq_r) = cache.paged_decode_attention(q, tables, scale, want_scores=True, backend="torch")
     torch.testing.assert_close(out_t, out_r, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sum_t, sum_r, atol=1e-6, rtol=1e-5)
@@ -62,8 +66,12 @@ def test_triton_matches_torch_twin_on_mixed_tier_pages_with_evictions(head_dim, 
     assert sum_t.shape == (2, len(TABLES[0]) * cache.max_tokens)
     assert sum_t[~alive].abs().max() == 0 and (sum_t[alive] > 0).all()     # evicted, empty, hole slots: none
     torch.testing.assert_close(sum_t.sum(-1), torch.full((2,), float(group)), atol=1e-5, rtol=0)
-    out_plain, none = cache.paged_decode_attention(q, tables, scale, backend="triton")
+    out_plain, none = mixed_decode_attention(cache, q, tables, scale, backend="triton", num_splits=num_splits)
     assert none is None and torch.equal(out_plain, out_t)
+    _, (_, max_t) = mixed_decode_attention(cache, q, tables, scale, True, "triton", group_max=True,
+                                           num_splits=num_splits)
+    _, (_, max_r) = cache.paged_decode_attention(q, tables, scale, want_scores=True, group_max=True, backend="torch")
+    torch.testing.assert_close(max_t, max_r, atol=1e-6, rtol=1e-5)
 
 
 def half_steps(x, bits):

@@ -66,6 +66,7 @@ RULES = (
     ("kvsim.sim.config", "core"),
     ("kvsim.sim.catalog", "data"),
     ("kvsim.sim.yaml_errors", "data"),
+    ("kvsim.sim.safe_io", "data"),
     ("kvsim.traces", "data"),
     ("kvsim.sim", "data"),           # the package's own (empty) __init__: below everything in it
 )

@@ -21,8 +21,8 @@ SMALL = {"trace_options.max_requests": 30}
 REPO = Path(__file__).resolve().parents[1]
 
 
-def simulate(out, **over):
-    return run_simulation(load_config(None, {**SMALL, **over}), out)
+def simulate(out, overwrite=False, **over):
+    return run_simulation(load_config(None, {**SMALL, **over}), out, overwrite=overwrite)
 
 
 def summary(out: Path) -> dict:
@@ -46,9 +46,11 @@ def test_reused_out_holds_only_the_new_runs_files(tmp_path):
     for stale in ("tokens.parquet", "decisions.parquet", "attention_stats.parquet", "steps.parquet"):
         (out / stale).write_text("a replay's file")
     (out / "notes.txt").write_text("mine")
-    simulate(out)
+    with pytest.raises(ValueError, match="holds files kvsim did not write"):     # not kvsim's directory
+        simulate(out)
+    simulate(out, overwrite=True)
     assert {p.name for p in out.iterdir()} == {"requests.parquet", "steps.parquet", "summary.json", "config.yaml",
-                                               "notes.txt"}
+                                               "notes.txt", ".kvsim-results"}
     assert (out / "notes.txt").read_text() == "mine" and len(pd.read_parquet(out / "steps.parquet")) > 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run.kvsim-tmp-")]
 
@@ -144,6 +146,7 @@ def test_an_out_that_is_a_link_keeps_the_link_and_gets_the_results(tmp_path):
     (target / "summary.json").write_text("{}")
     link = tmp_path / "run"
     link.symlink_to(target)
-    simulate(link)
+    simulate(link, overwrite=True)
     assert link.is_symlink() and summary(target)["partial"] is False
-    assert {p.name for p in target.iterdir()} == {"requests.parquet", "steps.parquet", "summary.json", "config.yaml"}
+    assert {p.name for p in target.iterdir()} == {"requests.parquet", "steps.parquet", "summary.json", "config.yaml",
+                                                  ".kvsim-results"}

@@ -190,7 +190,8 @@ def test_save_outputs_keeps_each_runs_simulate_files(tmp_path):
     plan = parse_spec({**SPEC, "grid": {"engine.block_size": [16]}, "save_outputs": True})
     run_sweep(plan, tmp_path, jobs=1, progress=False)
     out = tmp_path / "outputs" / plan.runs[0].run_id
-    assert {p.name for p in out.iterdir()} == {"requests.parquet", "steps.parquet", "summary.json", "config.yaml"}
+    assert {p.name for p in out.iterdir()} == {"requests.parquet", "steps.parquet", "summary.json", "config.yaml",
+                                               ".kvsim-results"}
     assert len(pd.read_parquet(out / "requests.parquet")) == 60
 
 

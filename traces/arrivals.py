@@ -20,10 +20,16 @@ def check_positive(name: str, value: float) -> float:
     return float(value)
 
 
+MAX_REQUESTS = 100_000_000      # a synthesized trace's requests (~100 B each in memory)
+
+
 def check_count(n: int) -> int:
     """`n` as an int, or a TraceError unless it is a request count (an integer >= 1)."""
     if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
         raise TraceError(None, None, f"number of requests must be an integer >= 1, got {n!r}")
+    if n > MAX_REQUESTS:
+        raise TraceError(None, None, f"number of requests must be at most {MAX_REQUESTS:,} (a trace of {n:,} "
+                                     f"requests needs about {n * 100 / 2**30:,.0f} GiB), got {n:,}")
     return int(n)
 
 

@@ -25,11 +25,13 @@ import math
 import os
 import re
 import warnings
+from contextvars import ContextVar
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from kvsim.sim.safe_io import InputError, check_input_file, safe_json_loads
 from kvsim.traces.arrivals import arrivals
 from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.trace import NATIVE_METADATA_KEY, Trace, _session_column
@@ -52,6 +54,7 @@ TRACE_ALIASES: dict[str, tuple[str, str]] = {
 }
 
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_TIME_S = 1e9            # ~31 years: later arrivals are mistakes (and lose sub-millisecond precision)
 MAX_INTEGER = 2**53          # token counts and ids beyond are not exact in the float64 they are parsed into
 
 _CSV_SIGNATURES = (  # (format, any of these header columns identifies it), checked in order
@@ -67,6 +70,8 @@ _KNOWN_FORMATS_HELP = (
     "num_decode_tokens), BurstGPT CSV (Timestamp,...,Request tokens,Response tokens,...), length-only "
     "CSV (num_prefill_tokens,num_decode_tokens), kvsim native JSONL/Parquet/CSV "
     "(arrival_time_s,prompt_tokens,output_tokens)")
+# the most data rows a loader reads (load_trace's max_rows); None: the whole file
+_ROW_LIMIT: ContextVar[int | None] = ContextVar("trace_row_limit", default=None)
 FORMATS = ("azure", "mooncake", "vidur", "burstgpt", "lengths", "native-jsonl", "native-parquet", "native-csv")
 
 
@@ -85,17 +90,24 @@ def resolve_trace_path(source: str | os.PathLike) -> tuple[Path, str]:
         raise TraceError(path, None, f"no such file, and not a shipped trace name ({names})")
     if path.is_dir():
         raise TraceError(path, None, "is a directory, expected a trace file")
+    try:
+        check_input_file(path, what="trace file", max_bytes=None)
+    except InputError as exc:
+        raise TraceError(path, None, str(exc).removeprefix(f"{path}: ")) from None
     return path, path.stem
 
 
 def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: float | None = None,
-               cv: float | None = None, seed: int = 0, name: str | None = None, **options) -> Trace:
+               cv: float | None = None, seed: int = 0, name: str | None = None, max_rows: int | None = None,
+               **options) -> Trace:
     """Load a trace from a shipped short name or a file of any supported format.
 
     ``rate`` (req/s), ``cv`` (inter-arrival coefficient of variation; 1 = Poisson, >1 = bursty
     Gamma) and ``seed`` give arrivals to length-only files; without ``rate`` every request of a
     length-only file arrives at t=0 (a closed batch). ``options`` go to the format's loader
-    (BurstGPT: ``model``, ``log_type``).
+    (BurstGPT: ``model``, ``log_type``). ``max_rows``: read only the file's first N requests (the
+    rest of the file is not read; length-only files and filtered BurstGPT files are read whole, their
+    first N rows are not their first N requests).
     """
     path, short_name = resolve_trace_path(source)
     fmt = format or detect_format(path)
@@ -106,10 +118,14 @@ def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: fl
                                      "with its own arrival times (use Trace.scale_rate to change its rate)")
     if fmt == "lengths":
         options.update(rate=rate, cv=cv, seed=seed)
+    limited = max_rows is not None and fmt != "lengths" and not any(options.get(k) for k in ("model", "log_type"))
+    token = _ROW_LIMIT.set(max_rows if limited else None)
     try:
         trace = _LOADERS[fmt](path, **options)
     except UnicodeDecodeError as exc:
         raise TraceError(path, None, f"not a text file ({exc.reason}); {_KNOWN_FORMATS_HELP}") from None
+    finally:
+        _ROW_LIMIT.reset(token)
     trace.name = name or trace.name or short_name
     trace.source = str(path)
     return trace
@@ -135,9 +151,14 @@ def detect_format(path: str | os.PathLike) -> str:
     line_no, line = first
     if line.startswith("{"):
         try:
-            record = json.loads(line)
+            record = safe_json_loads(line, f"line {line_no}")
         except json.JSONDecodeError as exc:
             raise TraceError(path, line_no, f"invalid JSON ({exc.msg}); {_KNOWN_FORMATS_HELP}") from None
+        except InputError:
+            raise TraceError(path, line_no, "JSON nested too deeply; expected one flat JSON object per line") from None
+        if not isinstance(record, dict):
+            raise TraceError(path, line_no, f"expected a JSON object, got {type(record).__name__}; "
+                                            f"{_KNOWN_FORMATS_HELP}")
         if NATIVE_METADATA_KEY in record or "arrival_time_s" in record:
             return "native-jsonl"
         if "input_length" in record or "timestamp" in record:
@@ -199,10 +220,14 @@ def _integers(raw, rows: _Rows, field: str, minimum: int | None) -> np.ndarray:
     return values.astype(np.int64)
 
 
-def _floats(raw, rows: _Rows, field: str, what: str, minimum: float | None = None) -> np.ndarray:
+def _floats(raw, rows: _Rows, field: str, what: str, minimum: float | None = None,
+            maximum: float = MAX_TIME_S) -> np.ndarray:
     values = _numbers(raw)
     with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(values) | (values < minimum if minimum is not None else False)
+        bad = ~np.isfinite(values) | (values < minimum if minimum is not None else False) | (np.abs(values) > maximum)
+    if bad.any() and np.isfinite(values[bad]).all() and (np.abs(values[bad]) > maximum).any():
+        row = int(np.flatnonzero(bad)[0])
+        raise rows.error(row, f"{field}: expected {what} of at most {maximum:g}, got {_describe(_at(raw, row))}")
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise rows.error(row, f"{field}: expected {what}, got {_describe(_at(raw, row))}")
@@ -285,7 +310,8 @@ def _build(path: Path, rows: _Rows, *, arrival: np.ndarray, prompt: np.ndarray, 
 # ---- CSV formats -----------------------------------------------------------------------------
 def _read_csv(path: Path, required: tuple[str, ...], fmt: str) -> tuple[pd.DataFrame, _Rows]:
     try:
-        df = pd.read_csv(path, dtype=str, keep_default_na=False, skip_blank_lines=False, encoding="utf-8-sig")
+        df = pd.read_csv(path, dtype=str, keep_default_na=False, skip_blank_lines=False, encoding="utf-8-sig",
+                         nrows=_ROW_LIMIT.get())
     except pd.errors.EmptyDataError:
         raise TraceError(path, 1, f"empty file; expected a {fmt} CSV header {','.join(required)}") from None
     except pd.errors.ParserError as exc:
@@ -377,12 +403,18 @@ def load_lengths(path: Path, *, rate: float | None = None, cv: float | None = No
 # ---- JSON lines formats ----------------------------------------------------------------------
 def _read_jsonl(path: Path) -> tuple[list[dict], np.ndarray, dict | None]:
     records, lines, metadata = [], [], None
+    limit = _ROW_LIMIT.get()
     with open(path, encoding="utf-8-sig") as f:
         for line_no, line in enumerate(f, start=1):
+            if limit is not None and len(records) >= limit:
+                break
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = safe_json_loads(line, f"line {line_no}")
+            except InputError:
+                raise TraceError(path, line_no, "JSON nested more than a request needs; expected one flat "
+                                                "JSON object per line") from None
             except json.JSONDecodeError as exc:
                 raise TraceError(path, line_no, f"invalid JSON ({exc.msg} at column {exc.colno}); "
                                                 "expected one JSON object per line") from None
@@ -412,7 +444,8 @@ def load_mooncake(path: Path) -> Trace:
     rows = _Rows(path, lines, len(records))
     prompt = _integers(_field(records, rows, "input_length"), rows, "input_length", 1)
     output = _integers(_field(records, rows, "output_length"), rows, "output_length", 0)
-    arrival_ms = _floats(_field(records, rows, "timestamp"), rows, "timestamp", "milliseconds from the trace start")
+    arrival_ms = _floats(_field(records, rows, "timestamp"), rows, "timestamp", "milliseconds from the trace start",
+                         maximum=MAX_TIME_S * 1000)
     hash_ids = _field(records, rows, "hash_ids", required=False)
     has_prefix = any(h is not None for h in hash_ids)
     prefix = _prefix_lists(hash_ids, rows, "hash_ids", prompt, MOONCAKE_BLOCK_TOKENS) if has_prefix else None
@@ -491,10 +524,9 @@ def load_native_csv(path: Path) -> Trace:
 
 
 def load_native_parquet(path: Path) -> Trace:
-    import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        table = _read_parquet_rows(path, _ROW_LIMIT.get())
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise TraceError(path, None, f"unreadable Parquet file: {exc}") from None
     required = ("arrival_time_s", "prompt_tokens", "output_tokens")
@@ -505,7 +537,11 @@ def load_native_parquet(path: Path) -> Trace:
     if table.num_rows == 0:
         raise TraceError(path, None, "no requests: the Parquet file has no rows")
     raw_meta = (table.schema.metadata or {}).get(NATIVE_METADATA_KEY.encode())
-    metadata = json.loads(raw_meta) if raw_meta else None
+    try:
+        metadata = safe_json_loads(raw_meta, "metadata") if raw_meta else None
+    except (ValueError, UnicodeDecodeError):
+        raise TraceError(path, None, f"the Parquet schema metadata {NATIVE_METADATA_KEY!r} is not valid JSON "
+                                     "(at most 100 levels deep); expected the object kvsim writes") from None
     rows = _Rows(path, None, table.num_rows)
 
     def get(key):
@@ -520,6 +556,23 @@ def load_native_parquet(path: Path) -> Trace:
         columns["prefix_hash_ids"] = _prefix_lists(prefix_raw, rows, "prefix_hash_ids", columns["prompt"],
                                                    meta["prefix_block_tokens"])
     return _build(path, rows, shift=False, **columns, **meta)
+
+
+def _read_parquet_rows(path: Path, limit: int | None):
+    """The Parquet file as a table, or its first `limit` rows (later row groups are not read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if limit is None:
+        return pq.read_table(path)
+    pf = pq.ParquetFile(path)
+    batches, n = [], 0
+    for batch in pf.iter_batches(batch_size=min(max(limit, 1), 65536)):
+        batches.append(batch.slice(0, limit - n))
+        n += len(batches[-1])
+        if n >= limit:
+            break
+    return pa.Table.from_batches(batches, schema=pf.schema_arrow)
 
 
 _LOADERS = {

@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from kvsim.sim.safe_io import atomic_output
 from kvsim.traces.errors import TraceError
 
 REQUIRED_COLUMNS = ("request_id", "arrival_time_s", "prompt_tokens", "output_tokens")
@@ -219,12 +220,11 @@ class Trace:
         """Write the native format chosen by extension: ``.parquet`` or ``.jsonl``."""
         path = Path(path)
         suffix = path.suffix.lower()
-        if suffix == ".parquet":
-            _write_parquet(self, path)
-        elif suffix == ".jsonl":
-            _write_jsonl(self, path)
-        else:
+        writers = {".parquet": _write_parquet, ".jsonl": _write_jsonl}
+        if suffix not in writers:
             raise TraceError(path, None, f"unsupported extension {path.suffix!r}: expected .parquet or .jsonl")
+        with atomic_output(path) as tmp:            # a full disk leaves no half trace that loads
+            writers[suffix](self, tmp)
         return path
 
 

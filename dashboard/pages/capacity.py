@@ -7,6 +7,7 @@ from kvsim.dashboard import charts
 from kvsim.dashboard.data import (DataError, capacity_by_group, drain_share, meets_slo, pareto_front, read_sweep_store,
                             resolve_user_path, varying_columns)
 from kvsim.dashboard.forms import config_form, gui_message
+from kvsim.dashboard.guard import check_run
 from kvsim.dashboard.jobs import capacity_search_task
 from kvsim.dashboard.ui import follow_job, keep_widget, run_button, start_job
 from kvsim.sim.capacity import parse_slo
@@ -99,6 +100,7 @@ else:
         if not chosen:
             raise ConfigError("pick at least one GPU")
         store = str(resolve_user_path(store)) if store else None
+        check_run(base)
     except (ConfigError, DataError) as exc:
         st.error(gui_message(str(exc)))
         chosen = []

@@ -1,4 +1,5 @@
-"""Cache write (`reshape_and_cache`) and slot copy/move (sparse copy, compaction) kernels."""
+"""Cache write (`reshape_and_cache`: one program per token writes all its KV heads as one [heads,
+head_dim] tile) and slot copy/move (sparse copy, compaction) kernels."""
 from __future__ import annotations
 
 import torch
@@ -15,21 +16,23 @@ def _reshape_and_cache_kernel(
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_st, stride_sh,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
+    """Program t: token t's K and V [heads, D] as one tile, each head to its slot (one slot for all
+    heads in the shared layout, one per head in the per-head layout)."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slot_ptr + t * stride_st + h * stride_sh).to(tl.int64)
-    if slot >= 0:
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-        d = tl.arange(0, HEAD_DIM)
-        dst = blk * stride_cb + off * stride_cs + h * stride_ch + d * stride_cd
-        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd)
-        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty))
-        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty))
-        tl.store(live_ptr + slot, 1)
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    slot = tl.load(slot_ptr + t * stride_st + h * stride_sh, mask=h < NUM_HEADS, other=-1).to(tl.int64)
+    keep = slot >= 0
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    dst = blk[:, None] * stride_cb + off[:, None] * stride_cs + h[:, None] * stride_ch + d[None, :] * stride_cd
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=keep[:, None])
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=keep[:, None])
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=keep[:, None])
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=keep[:, None])
+    tl.store(live_ptr + slot, tl.full([HEADS_PAD], 1, tl.uint8), mask=keep)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -55,9 +58,11 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     if kc.stride() != vc.stride():
         raise ValueError("k_cache and v_cache must have the same strides")
     live_u8 = live.view(torch.uint8)
-    _reshape_and_cache_kernel[(T, H)](
+    heads_pad = triton.next_power_of_2(H)
+    _reshape_and_cache_kernel[(T,)](
         key, value, kc, vc, slots, live_u8, *key.stride(), *value.stride(), *kc.stride(), *slots.stride(),
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=D,
+        NUM_HEADS=H, HEADS_PAD=heads_pad, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=D,
+        num_warps=max(1, min(8, heads_pad * D // 256)),     # 8 elements per thread: 16-byte bf16 accesses
     )
 
 

@@ -9,6 +9,8 @@ Modules (`kvsim calibrate` is their command line):
 - `importance_fit`: fit the synthetic importance model to measured per-head attention statistics
   (`load_attention_stats`, `fit_importance`);
 - `correlation_fit`: fit that model's content correlation to recorded evictions (`fit_content_correlation`);
+- `attention_profile`: where per-step H2O's evictions fall on real SmolLM2 attention vs the importance
+  model, and TokenSelect's Selection Cache reuse rate on real decode queries;
 - `regenerate_cpu_profile`: the procedure that regenerates the shipped CPU profile and importance model.
 
 The package builds on `kvsim.sim.crosscheck` (step shapes and kinds, error figures, recorded simulation);

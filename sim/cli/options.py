@@ -26,6 +26,9 @@ Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or f
                                                     "(fitted or derived; docs/gpu-profiles.md)")]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file; options override it")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="output directory")]
+Overwrite = Annotated[bool, typer.Option(
+    "--overwrite", help="write into an existing non-empty --out that kvsim did not create (its kvsim result "
+                        "files are replaced, other files kept)")]
 Seed = Annotated[Optional[int], typer.Option(help="random seed (synthetic importance scores, arrivals of length-only traces)")]
 Sets = Annotated[list[str], typer.Option("--set", help="any config key, dotted: engine.long_prefill_token_threshold=512")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar or table")]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,7 +12,7 @@ from rich.table import Table
 
 from kvsim.sim.config import ConfigError, load_config
 
-from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks,
+from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
                       Sets, Tp, Trace, config_overrides, fail)
 
 console = Console()
@@ -30,6 +31,7 @@ def sweep(
                                                 help="keep each run's requests/steps (default: the spec's)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the runs, run nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+    overwrite: Overwrite = False,
 ) -> None:
     """Run every configuration of a sweep spec; one row per run (config + summary metrics + cost)
     in OUT/runs/*.parquet. Re-running skips finished runs; a failed run is recorded and skipped."""
@@ -41,7 +43,7 @@ def sweep(
         fail("--executor dask needs --scheduler tcp://HOST:PORT (a running dask scheduler)")
     if jobs is not None and jobs < 1:
         fail(f"--jobs: expected a positive number, got {jobs}")
-    _check_store(out, "--out")
+    _check_store(out, "--out", overwrite)
     try:
         plan = load_spec(spec)
     except SpecError as exc:
@@ -55,9 +57,10 @@ def sweep(
                           _run_status(r.run_id, state, retry_failed))
         console.print(table)
         return
-    result = run_sweep(plan, out, executor=executor, jobs=jobs, scheduler=scheduler, max_runs=max_runs,
-                       retry_failed=retry_failed, save_outputs=save_outputs, progress=not quiet,
-                       spec_text=spec.read_text())
+    with store_errors(out, scheduler if executor == "dask" else None):
+        result = run_sweep(plan, out, executor=executor, jobs=jobs, scheduler=scheduler, max_runs=max_runs,
+                           retry_failed=retry_failed, save_outputs=save_outputs, progress=not quiet,
+                           spec_text=spec.read_text())
     again = [f"{n} {what}" for n, what in ((result.retried, "failed before"), (result.redone, "unreadable"))
              if n]
     console.print(f"ran {result.ran} runs in {result.wall_s:.1f}s ({result.failed} failed"
@@ -119,6 +122,7 @@ def capacity(
     out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Find the highest arrival-rate scale (or the fewest replicas) meeting an SLO, by bracketing and
     bisection on simulated runs; prints the answer, its cost and the curve measured."""
@@ -132,8 +136,12 @@ def capacity(
         fail(f"--mode: expected rate or replicas, got {mode!r}")
     if not 0 < tol < 1:
         fail(f"--tol: expected a fraction in (0, 1), got {tol}")
+    if not 1 <= max_evals <= 10_000:
+        fail(f"--max-evals: expected a number of simulations from 1 to 10000, got {max_evals}")
+    if not 1 <= max_replicas <= 100_000:
+        fail(f"--max-replicas: expected 1 to 100000, got {max_replicas}")
     if out is not None:
-        _check_store(out, "--out")
+        _check_store(out, "--out", overwrite)
     try:
         cfg = load_config(config, overrides, set_)
         constraints = parse_slo(slo)
@@ -147,8 +155,9 @@ def capacity(
                           f"goodput {row.get('goodput_req_s', math.nan):.3f} req/s -> {mark}", soft_wrap=True)
 
     try:
-        result = find_capacity(cfg, constraints, mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
-                               max_evals=max_evals, max_replicas=max_replicas, store=out, progress=show)
+        with store_errors(out, None):
+            result = find_capacity(cfg, constraints, mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
+                                   max_evals=max_evals, max_replicas=max_replicas, store=out, progress=show)
     except (ConfigError, RuntimeError, ValueError) as exc:
         fail(str(exc))
     _print_capacity(result, mode)
@@ -216,12 +225,42 @@ def report(
     console.print(f"wrote {path}")
 
 
-def _check_store(store: Path, option: str) -> None:
-    """A results store must be a directory (existing or to be created) that can be written."""
-    from kvsim.sim.results import OutputDirError, check_out_dir
+@contextmanager
+def store_errors(store: Path | None, scheduler: str | None):
+    """Ctrl-C or SIGTERM: exit 130 saying the store keeps the finished runs; a full disk or an unreachable
+    Dask scheduler: one line (exit 1 and 2)."""
+    import errno
+
+    from .simulate import interrupt_on_sigterm
+
+    kept = f"; the store {store} keeps the finished runs (run again to resume)" if store else ""
+    from kvsim.sim.results import StoreBusyError
+
+    try:
+        with interrupt_on_sigterm():
+            yield
+    except StoreBusyError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt as exc:
+        typer.echo(f"{exc or 'interrupted (Ctrl-C)'}{kept}", err=True)
+        raise typer.Exit(130) from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fail(f"--out {store}: disk full ({exc.strerror}){kept}", code=1)
+        if scheduler is not None and (exc.errno is None or isinstance(exc, (ConnectionError, TimeoutError))):
+            fail(f"--scheduler {scheduler}: cannot reach the Dask scheduler ({exc}); expected a running "
+                 "`dask scheduler` at that address")
+        fail(f"--out {store}: cannot write the store ({exc.strerror or exc})", code=1)
+
+
+def _check_store(store: Path, option: str, overwrite: bool = False) -> None:
+    """A results store must be a directory (existing or to be created) that can be written, and kvsim's
+    (a store written before stores were marked has plan.json or runs/)."""
+    from kvsim.sim.results import OutputDirError, check_out_dir, check_out_owner
 
     try:
         check_out_dir(store, option)
+        check_out_owner(store, option, overwrite, legacy=("plan.json", "capacity.json", "runs"))
     except OutputDirError as exc:
         fail(str(exc))
 

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ConfigFile, Layout, MaxConcurrency,
-                      MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Out, Policy, Quiet, RateScale, RequestRate,
+                      MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Out, Overwrite, Policy, Quiet, RateScale, RequestRate,
                       SchedulingPolicy, Sets, SloTpot, SloTtft, SlotStrategy, Trace, config_overrides, fail)
 
 console = Console()
@@ -35,6 +35,7 @@ def replay(
         help="cost-model profile for predicted_s (default: cpu-2core on cpu, default on cuda)")] = None,
     config: ConfigFile = None,
     out: Out = Path("runs/replay"),
+    overwrite: Overwrite = False,
     block_size: BlockSize = None,
     num_gpu_blocks: Annotated[Optional[int], typer.Option(
         help="KV pool size in blocks (required on cpu; small pools create memory pressure)")] = None,
@@ -77,8 +78,9 @@ def replay(
         max_concurrency=max_concurrency, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
-        from kvsim.sim.results import check_out_dir
+        from kvsim.sim.results import check_out_dir, check_out_owner
         check_out_dir(out)                  # before the model loads
+        check_out_owner(out, overwrite=overwrite)
         from kvsim.gpu.replay import ReplayOptions, resolve_device, run_replay
         dev = resolve_device(device)
         apply_device_defaults(cfg, dev, weights)
@@ -88,7 +90,7 @@ def replay(
             import torch
             torch.set_num_threads(threads)
         opts = ReplayOptions(device=device, weights=weights, dtype=dtype, layers=layers,
-                             attention_stats=attention_stats, clock=clock)
+                             attention_stats=attention_stats, clock=clock, overwrite=overwrite)
         result = run_replay(cfg, out, options=opts, progress=not quiet)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))

@@ -16,7 +16,7 @@ from rich.table import Table
 from kvsim.sim.config import ConfigError, load_config
 
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ConfigFile, Gpu, Layout, MaxConcurrency,
-                      MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Policy, PrefixCaching,
+                      MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite, Policy, PrefixCaching,
                       Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
                       SlotStrategy, Tp, Trace, config_overrides, fail)
 
@@ -29,6 +29,7 @@ def simulate(
     gpu: Gpu = None,
     config: ConfigFile = None,
     out: Out = Path("runs/latest"),
+    overwrite: Overwrite = False,
     tp: Tp = None,
     replicas: Replicas = None,
     router: Annotated[Optional[str], typer.Option(help="round_robin | least_outstanding")] = None,
@@ -86,7 +87,7 @@ def simulate(
         from kvsim.sim.simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
         with interrupt_on_sigterm():
-            result = run_simulation(cfg, out, progress=not quiet, keep_steps=False)
+            result = run_simulation(cfg, out, progress=not quiet, keep_steps=False, overwrite=overwrite)
     except KeyboardInterrupt as exc:
         partial_exit(out, str(exc) or "interrupted (Ctrl-C)")
     except (ConfigError, ValueError, FileNotFoundError) as exc:

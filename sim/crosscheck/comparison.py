@@ -17,6 +17,7 @@ import pandas as pd
 
 from kvsim.sim.core.step import BatchShape
 from kvsim.sim.cost_model import CostModel
+from kvsim.sim.safe_io import restore_nan
 
 LATENCY_METRICS = ("ttft", "tpot", "e2e")
 PERCENTILES = (50, 90, 99)
@@ -54,7 +55,7 @@ class Run:
             raise CrosscheckError(f"{d}: missing {', '.join(missing)} (expected the output directory of "
                                   f"`kvsim replay` or `kvsim simulate`)")
         return cls(name or d.name, pd.read_parquet(files["requests.parquet"]), pd.read_parquet(files["steps.parquet"]),
-                   json.loads(files["summary.json"].read_text()))
+                   restore_nan(json.loads(files["summary.json"].read_text())))
 
 
 @dataclass

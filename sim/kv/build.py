@@ -6,7 +6,7 @@ from ..core.kv_manager import KVCacheManager
 from ..core.protocols import KVManager
 from .base import EvictingManagerBase
 from .importance import ImportanceError, SyntheticImportance
-from .manager import EvictingKVManager
+from .manager import _COPY, EvictingKVManager
 from .policy import PolicyContext, PolicyError, get_policy
 from .tiers import TIERS
 
@@ -65,6 +65,13 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
                           f"kv.layout=per_head, got {kv.layout!r}")
     pool_blocks = num_blocks * rows
     bytes_per_row = cost.kv_bytes_per_token / rows
+    if kv.copy_threshold:
+        if kv.slot_strategy not in _COPY:
+            raise ConfigError(f"kv.copy_threshold applies to the copy strategies ({', '.join(sorted(_COPY))}); "
+                              f"kv.slot_strategy is {kv.slot_strategy!r}")
+        if kv.mode != "token":
+            raise ConfigError("kv.copy_threshold: fast mode rewrites every holed row (the published sparse copy); "
+                              "use kv.mode=token")
     try:
         if kv.mode == "fast" and (policy.fast_mode_profile() or {}).get("sampled_rows"):
             from .fast.leankv import BatchedLeanKVManager, batched_leankv_supported
@@ -86,4 +93,5 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     return EvictingKVManager(pool_blocks, block_size, ctx, policy, importance, slot_strategy=kv.slot_strategy,
                              trigger=kv.trigger, trigger_interval=kv.trigger_interval,
                              trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
-                             tier_capacity=tier_caps, new_token_tier=policy.new_token_tier)
+                             tier_capacity=tier_caps, new_token_tier=policy.new_token_tier,
+                             copy_threshold=kv.copy_threshold)

@@ -76,6 +76,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from ..safe_io import InputError, load_yaml_file
 from .policy import PolicyContext
 from .state import TokenState
 
@@ -138,7 +139,9 @@ class ImportanceModelSpec:
             known = ", ".join(sorted(p.stem for p in DATA_DIR.glob("*.yaml")))
             raise ImportanceError(f"importance model {name_or_path!r} not found; shipped: {known}, or a YAML path")
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml_file(path, what="importance model YAML file")
+        except InputError as exc:
+            raise ImportanceError(str(exc)) from None
         except yaml.YAMLError as exc:
             raise ImportanceError(f"{path}: not valid YAML ({getattr(exc, 'problem', None) or 'parse error'})") from None
         if not isinstance(data, dict):

@@ -40,7 +40,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
                  importance: ImportanceSource | None = None, *, slot_strategy: str = "free_block",
                  trigger: str = "policy", trigger_interval: int = 1, trigger_threshold: int = 0,
                  bytes_per_token_row: float = 0.0, tier_capacity: tuple[int, int, int] | None = None,
-                 new_token_tier: int = TIER_FULL):
+                 new_token_tier: int = TIER_FULL, copy_threshold: int = 0):
         if slot_strategy not in SLOT_STRATEGIES:
             raise ValueError(f"kv.slot_strategy must be one of {SLOT_STRATEGIES}, got {slot_strategy!r}")
         if trigger not in TRIGGERS:
@@ -51,6 +51,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         self.policy = policy
         self.importance = importance if importance is not None else ImportanceSource()
         self.strategy = slot_strategy
+        self.copy_threshold = copy_threshold      # copy strategies: holes a row may hold before its rewrite
         self.trigger = policy.default_trigger if trigger == "policy" else trigger
         self.trigger_interval = max(1, trigger_interval)
         self.trigger_threshold = trigger_threshold

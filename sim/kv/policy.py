@@ -213,12 +213,40 @@ class EvictionPolicy:
 _REGISTRY: dict[str, type[EvictionPolicy]] = {}
 
 
-def register_policy(name: str):
+def register_policy(name: str, *, override: bool = False):
+    """Class decorator registering a policy under `name`. A name already taken by another class is
+    refused (PolicyError) unless `override=True`: a plug-in cannot silently replace a built-in."""
     def deco(cls):
+        existing = _REGISTRY.get(name)
+        if existing is not None and _qualname(existing) != _qualname(cls) and not override:
+            raise PolicyError(f"register_policy({name!r}) in {cls.__module__}: the name is taken by "
+                              f"{_qualname(existing)}; pick another name, or pass override=True to replace it")
         cls.name = name
         _REGISTRY[name] = cls
         return cls
     return deco
+
+
+def _qualname(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def policy_identity(name: str) -> str:
+    """'' for a built-in policy; for a plug-in's, its class and a hash of its module's source, so run
+    ids (sim.sweep.run_id_of) change when a plug-in (or the one overriding a built-in) changes."""
+    _load_builtin()
+    cls = _REGISTRY.get(name)
+    if cls is None or cls.__module__.startswith(_BUILTIN_PREFIX):
+        return ""
+    import hashlib
+    import sys
+
+    source = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    try:
+        digest = hashlib.sha256(open(source, "rb").read()).hexdigest()[:12] if source else "unknown"
+    except OSError:
+        digest = "unknown"
+    return f"{_qualname(cls)}@{digest}"
 
 
 def policy_names() -> list[str]:
@@ -244,6 +272,7 @@ def get_policy(name: str, **params) -> EvictionPolicy:
         raise PolicyError(f"kv.params for policy {name!r}: {exc}") from None
 
 
+_BUILTIN_PREFIX = __name__.rpartition(".")[0] + ".policies"     # kvsim.sim.kv.policies
 PLUGIN_GROUP = "kvsim.policies"      # entry-point group of installed policy plug-ins
 PLUGIN_ENV = "KVSIM_PLUGINS"         # comma-separated modules to import (registering policies)
 _plugins_loaded = False
@@ -271,6 +300,11 @@ def _load_plugins() -> None:
 def _import_plugin(module: str, source: str) -> None:
     try:
         import_module(module)
+    except PolicyError as exc:
+        raise PolicyError(f"{source}: policy plug-in module {module!r}: {exc}") from None
+    except SystemExit as exc:       # exit() on import: an error naming the plug-in, not a silent exit 0
+        raise PolicyError(f"{source}: policy plug-in module {module!r} called exit({exc.code!r}) while "
+                          "being imported") from None
     except Exception as exc:
         raise PolicyError(f"{source}: cannot import policy plug-in module {module!r} "
                           f"({type(exc).__name__}: {exc})") from None

@@ -18,6 +18,8 @@ Slot strategies:
                 scheduler preempts); bytes copied are charged.
   holed_copy    kvsim's cheaper variant: as sparse_copy, but only the holed pages (and the tail
                 page) of a row are rewritten.
+                Both batched (`copy_threshold` h > 0): a row is rewritten only once it holds more
+                than h holes (evicted slots in allocated pages); until then it appends as noop.
   compact       slot_reuse, and after each eviction survivors move from the row's last pages into
                 holes of its first ceil(live / capacity) pages; emptied pages are freed.
   parallel_compact  compact with LeanKV's circular free-page list (pool order "ring"); all rows'
@@ -116,6 +118,7 @@ class SlotStrategies:
     `tier_capacity`, `new_token_tier`, `pool` (an ArrayBlockPool), `plan` (this step's KVStepPlan),
     `ctx` and `bytes_per_token_row`.
     """
+    copy_threshold = 0          # copy strategies: holes a row may hold before it is rewritten (0: none)
 
     def _valid(self, rk: RequestKV) -> np.ndarray:
         """bool [rows, S]: slots inside an allocated page's capacity."""
@@ -142,8 +145,9 @@ class SlotStrategies:
         """bool [rows, E] pages to rewrite densely: sparse_copy every page of a holed row; holed_copy the
         holed pages, plus the tail of a holed row."""
         st = rk.state
-        holes = (~st.live & (st.pos >= 0)).reshape(self.rows, -1, self.stride).any(axis=2) & (rk.table >= 0)
-        rows_holed = holes.any(axis=1)
+        hole_slots = (~st.live & (st.pos >= 0)).reshape(self.rows, -1, self.stride) & (rk.table >= 0)[:, :, None]
+        holes = hole_slots.any(axis=2)
+        rows_holed = hole_slots.sum(axis=(1, 2)) > self.copy_threshold if self.copy_threshold else holes.any(axis=1)
         if self.strategy == "sparse_copy":
             return (rk.table >= 0) & rows_holed[:, None]
         r = np.flatnonzero(rows_holed & (rk.tail >= 0))

@@ -53,6 +53,12 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         # "prompt_only" (SnapKV): the prompt cut keeps `budget` per row (its newest `protect_recent`
         # included), decode never evicts
         self.cut_budget, self.cut_window = self.budget, self.window
+        # per-step eviction without a prompt cut (h2o evict_per_step=1): the prompt is scored and listed
+        # whole, decode evicts one token per row per step while over the budget
+        self.prompt_cut = bool(profile.get("prompt_cut", True))
+        if not self.prompt_cut:
+            self._check_per_step(policy, profile)
+            self.cut_budget = None
         self.prompt_only = bool(profile.get("prompt_only", False))
         if self.prompt_only:
             self.budget, self.window = None, 0
@@ -65,7 +71,8 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
             raise PolicyError(f"kv.mode=fast: policy {policy.name!r}: per-row cut budgets need a prompt-only profile")
         self._strata = np.arange(ctx.rows).reshape(self.rows, self.unit)
         self.scored = self.age_weight == "young" and self.budget is not None
-        self.cut_scored = self.age_weight == "young" and (self.cut_budget is not None or self._cut_budgets is not None)
+        self.cut_scored = self.age_weight == "young" and (self.cut_budget is not None or self._cut_budgets is not None
+                                                          or not self.prompt_cut)
         self._scores = self.scored or self.cut_scored
         if self._scores:
             self._init_heads(importance, seed, int(profile.get("obs_window", 8)))
@@ -83,9 +90,18 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         self._free_slots: list[int] = []
         self._pending: dict[int, int] = {}          # slot -> pages taken for this step's decode token (not yet written)
         self._ncol_hi = 0                           # >= every row's ncol: below the slab's width, pages open unchecked
-        self._list_cap = 64 if self.recut else (self.cut_budget or 0) + 2    # heavy-list entries per row
+        self._list_cap = 64 if self.recut else max(self.cut_budget or 0, self.budget or 0) + 2   # heavy-list entries per row
         self._cut_len: dict[int, int] = {}          # slot -> tokens at its prompt cut (re-cut intervals)
         self._alloc_arrays(4, 8)
+
+    @staticmethod
+    def _check_per_step(policy: EvictionPolicy, profile: dict) -> None:
+        if profile.get("age_weight") != "young":
+            raise PolicyError(f"kv.mode=fast: policy {policy.name!r} with kv.params.evict_per_step evicts the oldest "
+                              f"tokens of a per-request window fast mode does not track; use kv.mode=token")
+        if int(profile.get("per_step", 1)) != 1:
+            raise PolicyError(f"kv.mode=fast: policy {policy.name!r}: kv.params.evict_per_step must be 1 in fast "
+                              f"mode (got {profile['per_step']}); use kv.mode=token for more")
 
     @property
     def req_blocks(self):

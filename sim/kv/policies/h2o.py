@@ -4,6 +4,11 @@ heavy hitters with the largest accumulated attention.
 After prefill the prompt is cut to the budget at once; each decode step then evicts the excess
 (one token per row per step once at the budget, since each step adds one). Under memory pressure
 (`reclaim`) it evicts the lowest-scored non-recent tokens, below the budget if it must.
+
+`evict_per_step` (k, default unset) is H2O as SpvLLM and the original H2O implementation run it:
+no prompt cut; each decode step evicts at most k tokens per row while the row is over the budget,
+so a prompt longer than the budget keeps its length (k = 1: one in, one out) instead of dropping to
+the budget at once. Fast mode supports k = 1.
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ class H2O(EvictionPolicy):
     gqa_reduce = "sum"
     default_trigger = "every_step"
 
-    def __init__(self, budget: int = 256, recent: int | None = None, obs_window: int = 8):
+    def __init__(self, budget: int = 256, recent: int | None = None, obs_window: int = 8,
+                 evict_per_step: int | None = None):
         self.budget = check_positive_int("budget", budget, minimum=2)
+        self.evict_per_step = None if evict_per_step is None else check_positive_int("evict_per_step", evict_per_step)
         self.recent = self.budget // 2 if recent is None else check_positive_int("recent", recent, minimum=0)
         if self.recent >= self.budget:
             raise ValueError(f"recent ({self.recent}) must be smaller than budget ({self.budget})")
@@ -29,6 +36,10 @@ class H2O(EvictionPolicy):
 
     def compress(self, state, ctx, reason, scores):
         over = state.live_counts() - self.budget
+        if self.evict_per_step is not None:
+            if reason == "prefill":
+                return None                      # no prompt cut
+            over = np.minimum(over, self.evict_per_step)
         if (over <= 0).all():
             return None
         return Decision(evict=lowest_k_mask(state.score, over, self._candidates(state)))
@@ -41,4 +52,5 @@ class H2O(EvictionPolicy):
 
     def fast_mode_profile(self) -> dict:
         return {"budget": self.budget, "protect_recent": self.recent, "protect_first": 0,
-                "age_weight": "young", "per_step": 1, "obs_window": self.obs_window}
+                "age_weight": "young", "per_step": self.evict_per_step or 1, "obs_window": self.obs_window,
+                "prompt_cut": self.evict_per_step is None}

@@ -11,12 +11,19 @@ bandwidth: `read_tokens` tells the KV manager (and so the cost model's KV bytes 
 tokens each row reads this step; `select` gives which ones, for a backend that has the bound.
 
 Parameters: `budget` (tokens read per head, default 512), `page_size` (default 16; tokenselect: 1),
-`dense_layers` (default 2).
+`dense_layers` (default 2); quest's `score_interval` (k, default 1: the page scores are recomputed
+every k decode steps, the selection reused in between); tokenselect's Selection Cache:
+`cache_threshold` (cosine similarity of a head's consecutive decode queries above which the previous
+selection is reused, default 0.9, documentation of what `reuse_rate` was measured at) and
+`reuse_rate` (share of decode steps that reuse the cached selection, default 0: no cache; measured on
+SmolLM2-135M by `kvsim.gpu.attention_profile.selection_reuse`, docs/kv-policies.md section 4).
 
 What a selective layer reads per decode, in full-token equivalents (one token = its K and V): the
 selected pages, plus the selection's own input. Quest reads each page's channel-wise key min and max
-(two key vectors = one token-equivalent) for every page of the sequence: ceil(n / page_size);
-TokenSelect scores every key: n / 2. (Only where selection is active: n > the pages read.)
+(two key vectors = one token-equivalent) for every page of the sequence: ceil(n / page_size), on one
+step in k; TokenSelect scores every key: n / 2, on the (1 - reuse_rate) share of steps whose query
+is not similar enough to the cached one. (Only where selection is active: n > the pages read.) The
+amortized figure is charged every step (expected cost; the simulator has no queries to compare).
 """
 from __future__ import annotations
 
@@ -31,10 +38,13 @@ class Quest(EvictionPolicy):
     evicts = False
     default_trigger = "never"
 
-    def __init__(self, budget: int = 512, page_size: int = 16, dense_layers: int = 2):
+    def __init__(self, budget: int = 512, page_size: int = 16, dense_layers: int = 2, score_interval: int = 1):
         self.budget = check_positive_int("budget", budget)
         self.page_size = check_positive_int("page_size", page_size)
         self.dense_layers = check_positive_int("dense_layers", dense_layers, minimum=0)
+        self.score_interval = check_positive_int("score_interval", score_interval)
+        self._meta_share = 1.0 / self.score_interval      # share of decode steps that score
+
 
     def _pages(self) -> int:
         return -(-self.budget // self.page_size)
@@ -51,6 +61,8 @@ class Quest(EvictionPolicy):
     def _sparse_read(self, live: np.ndarray) -> np.ndarray:
         meta = -(-live // self.page_size) if self.page_size > 1 else live / 2
         meta = np.where(live > self._pages() * self.page_size, meta, 0)
+        if self._meta_share != 1.0:
+            meta = meta * self._meta_share
         return np.minimum(live, self._pages() * self.page_size) + meta
 
     def _shared_read(self, live, sparse, ctx):
@@ -108,5 +120,17 @@ class Quest(EvictionPolicy):
 
 @register_policy("tokenselect")
 class TokenSelect(Quest):
-    def __init__(self, budget: int = 512, dense_layers: int = 2):
+    def __init__(self, budget: int = 512, dense_layers: int = 2, cache_threshold: float = 0.9,
+                 reuse_rate: float = 0.0):
         super().__init__(budget, page_size=1, dense_layers=dense_layers)
+        self.cache_threshold = _fraction("cache_threshold", cache_threshold, upper_open=False)
+        self.reuse_rate = _fraction("reuse_rate", reuse_rate, upper_open=True)
+        self._meta_share = 1.0 - self.reuse_rate
+
+
+def _fraction(name: str, value, *, upper_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0.0 <= value < 1.0 if upper_open else -1.0 <= value <= 1.0):
+        want = "in [0, 1)" if upper_open else "in [-1, 1]"
+        raise ValueError(f"{name} must be a number {want}, got {value!r}")
+    return float(value)

@@ -1,0 +1,127 @@
+"""What a dashboard page may make the server read or run.
+
+- Path fields (trace, model, gpu, profile, kv.importance, kv.params.path) hold either a shipped name
+  or a path; a path is resolved against the data root and refused when it leads outside it
+  (`..`, absolute paths, symbolic links out), before anything reads it. A name is a plain word
+  (letters, digits, `.`, `_`, `-`, `+`) that is not also a file in the server's directory.
+- Every run a page queues passes the limits of the form (pool pages, replicas, tensor parallel,
+  batch sizes) and the command line's host-memory estimate (`sim.assembly.check_config_memory`),
+  whichever way it was built (the form, a Compare axis, a capacity search).
+- Uploaded file names are reduced to a safe base name.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from kvsim.sim.config import ConfigError, SimConfig
+
+from .data import DataError, redact_content, resolve_user_path
+
+PATH_KEYS = ("trace", "model", "gpu", "profile", "kv.importance", "kv.params.path")
+MAX_POOL_PAGES = 4_000_000          # the form's KV pool bound (pages of per-head layouts count each)
+MAX_RUNS_PER_JOB = 64               # one Compare job; a capacity search has its own max_evals bound
+LIMITS = {"replicas": 64, "tp": 64, "engine.max_num_seqs": 65_536, "engine.max_num_batched_tokens": 1_048_576,
+          "trace_options.max_requests": 1_000_000}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+_FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".csv", ".parquet")
+MAX_UPLOAD_NAME = 100
+
+
+def _is_name(text: str) -> bool:
+    """A shipped name rather than a path (a name-like word that is a file in the cwd is a path)."""
+    word = text.partition("#")[0]
+    return (bool(_NAME.fullmatch(word)) and not word.lower().endswith(_FILE_SUFFIXES)
+            and not Path(word).exists())
+
+
+def confine_value(key: str, value: Any) -> Any:
+    """`value` of path field `key` as the server may read it: a name unchanged, a path resolved under
+    the data root (DataError naming the field when it leads outside)."""
+    if not isinstance(value, (str, Path)) or _is_name(str(value)):
+        return value
+    text = str(value)
+    file_part, sep, entry = text.partition("#") if key in ("model", "gpu") else (text, "", "")
+    if "\x00" in file_part:
+        raise DataError(f"{key}: the path holds a NUL character")
+    try:
+        resolved = resolve_user_path(file_part)
+    except DataError as exc:
+        raise DataError(f"{key}: {exc}") from None
+    return f"{resolved}{sep}{entry}"
+
+
+def confine_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Dotted overrides with every path field confined to the data root (see confine_value)."""
+    out = dict(overrides)
+    for key in PATH_KEYS:
+        if out.get(key) is not None:
+            out[key] = confine_value(key, out[key])
+    params = out.get("kv.params")
+    if isinstance(params, dict) and params.get("path") is not None:
+        out["kv.params"] = {**params, "path": confine_value("kv.params.path", params["path"])}
+    return out
+
+
+def _config_value(cfg: SimConfig, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+    return node
+
+
+def check_run(cfg: SimConfig, label: str = "") -> None:
+    """Refuse a run a page is about to queue: a path field outside the data root, a value beyond the
+    form's limits, or a host-memory estimate that does not fit (ConfigError naming the field)."""
+    where = f"{label}: " if label else ""
+    for key in PATH_KEYS:
+        value = _config_value(cfg, key)
+        if value is not None and not _is_name(str(value)):
+            try:
+                if confine_value(key, value) != str(value):
+                    raise DataError(f"{key}: {value}: give a path under the data root")
+            except DataError as exc:
+                raise ConfigError(f"{where}{exc}") from None
+    for key, high in LIMITS.items():
+        value = _config_value(cfg, key)
+        if value is not None and value > high:
+            raise ConfigError(f"{where}{key}: at most {high:,} on the dashboard, got {value:,}")
+    blocks = cfg.engine.num_gpu_blocks
+    if blocks is not None:
+        from kvsim.sim.catalog import get_model
+        from kvsim.sim.cost_model import kv_heads_per_gpu
+
+        rows = 1
+        if cfg.kv.layout == "per_head":
+            model = get_model(cfg.model)
+            rows = model.num_layers * kv_heads_per_gpu(model, cfg.tp)
+        if blocks * rows > MAX_POOL_PAGES:
+            raise ConfigError(f"{where}engine.num_gpu_blocks: at most {MAX_POOL_PAGES // rows:,} blocks on the "
+                              f"dashboard ({MAX_POOL_PAGES:,} pool pages), got {blocks:,}")
+    from kvsim.sim.assembly import check_config_memory
+    from kvsim.sim.defaults import resolve_defaults
+
+    try:
+        check_config_memory(resolve_defaults(cfg))
+    except ValueError as exc:
+        raise ConfigError(f"{where}{redact_content(str(exc))}") from None
+
+
+def check_runs(runs: list[tuple[str, SimConfig]]) -> None:
+    """check_run for each (label, config) of a job, and the job's size."""
+    if len(runs) > MAX_RUNS_PER_JOB:
+        raise ConfigError(f"{len(runs)} simulations in one job; at most {MAX_RUNS_PER_JOB} on the dashboard")
+    for label, cfg in runs:
+        check_run(cfg, label if len(runs) > 1 else "")
+
+
+def upload_name(name: str) -> str:
+    """An uploaded file's name as stored: its base name, printable characters only, at most
+    MAX_UPLOAD_NAME characters (keeping the suffix), never empty or a dot name."""
+    base = re.sub(r"[^\w.+-]", "_", Path(str(name).replace("\x00", "").replace("\\", "/")).name)
+    base = base.lstrip(".") or "upload"
+    if len(base) > MAX_UPLOAD_NAME:
+        suffix = Path(base).suffix[:16]
+        base = base[:MAX_UPLOAD_NAME - len(suffix)] + suffix
+    return base

@@ -1,0 +1,310 @@
+"""The red-team corpus (issue 31): hostile inputs a user (or a script) can hand kvsim, each run as a
+real `kvsim` process under an address-space cap and a timeout. Each must end as documented: one
+`error:` line naming the option or file and exit status 2 (or the documented status), within 500 MB
+of resident memory and a few seconds of CPU, without touching files it does not own."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RSS_LIMIT_MB = 500
+CPU_LIMIT_S = 10
+
+
+class Ran:
+    def __init__(self, code: int, out: str, err: str, rss_mb: float, cpu_s: float):
+        self.code, self.out, self.err, self.rss_mb, self.cpu_s = code, out, err, rss_mb, cpu_s
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for line in self.err.splitlines() if line.strip()]
+
+
+def kvsim(args: list[str], cwd: Path, *, env: dict | None = None, timeout: float = 60, cap_gb: float = 3,
+          stdin=subprocess.DEVNULL) -> Ran:
+    """Run `kvsim ARGS` with an address-space cap; its own peak RSS and CPU time (os.wait4)."""
+    cap = int(cap_gb * 2**30)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    out, err = cwd / ".stdout", cwd / ".stderr"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", *args], cwd=cwd, stdout=fo, stderr=fe,
+                                stdin=stdin, preexec_fn=limit, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                pytest.fail(f"kvsim {' '.join(args)}: still running after {timeout} s (a hang)")
+            time.sleep(0.02)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    ran = Ran(proc.returncode, out.read_text(), err.read_text(), usage.ru_maxrss / 1024,
+              usage.ru_utime + usage.ru_stime)
+    out.unlink()
+    err.unlink()
+    return ran
+
+
+def refused(ran: Ran, *fragments: str) -> None:
+    """One `error:` line holding every fragment, exit 2, bounded memory and time."""
+    assert ran.code == 2, ran.err
+    assert len(ran.lines) == 1 and ran.lines[0].startswith("error:"), ran.err
+    for fragment in fragments:
+        assert fragment in ran.lines[0], ran.lines[0]
+    bounded(ran)
+
+
+def bounded(ran: Ran) -> None:
+    assert ran.rss_mb < RSS_LIMIT_MB, f"{ran.rss_mb:.0f} MB"
+    assert ran.cpu_s < CPU_LIMIT_S, f"{ran.cpu_s:.1f} s CPU"
+    assert "Traceback" not in ran.err
+
+
+def alias_bomb(levels: int = 8) -> str:
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+SIM = ["simulate", "-q", "--max-requests", "5"]
+
+
+@pytest.fixture
+def d(tmp_path) -> Path:
+    (tmp_path / "bomb.yaml").write_text(alias_bomb())
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    (tmp_path / "dup.yaml").write_text("seed: 1\nseed: 2\n")
+    return tmp_path
+
+
+# (arguments with {d} for the test's directory, fragments the one error line must hold)
+CASES = {
+    "alias bomb via -c": (SIM + ["-c", "{d}/bomb.yaml", "-o", "{d}/r"], ["bomb.yaml", "expands to more than"]),
+    "alias bomb via --set": (SIM + ["--set", "kv.params={" + alias_bomb(7).strip().replace("\n", ", ") + "}",
+                                    "-o", "{d}/r"],
+                             ["--set kv.params", "expands to more than"]),
+    "-c is /dev/zero": (SIM + ["-c", "{d}/zero.yaml", "-o", "{d}/r"], ["zero.yaml", "character device"]),
+    "-c is a FIFO": (SIM + ["-c", "{d}/fifo.yaml", "-o", "{d}/r"], ["fifo.yaml", "named pipe"]),
+    "--trace is a FIFO": (SIM + ["--trace", "{d}/fifo.jsonl", "-o", "{d}/r"], ["fifo.jsonl", "named pipe"]),
+    "--profile is /dev/zero": (SIM + ["--profile", "{d}/zero.yaml", "-o", "{d}/r"], ["zero.yaml", "character device"]),
+    "--model is /dev/zero": (SIM + ["--model", "{d}/zero.yaml", "-o", "{d}/r"], ["zero.yaml", "character device"]),
+    "importance model is /dev/zero": (SIM + ["--policy", "h2o", "--budget", "64", "--set",
+                                             "kv.importance={d}/zero.yaml", "-o", "{d}/r"], ["kv.importance"]),
+    "sweep spec is /dev/zero": (["sweep", "{d}/zero.yaml", "-o", "{d}/st", "--dry-run"], ["zero.yaml",
+                                                                                       "character device"]),
+    "YAML 20k deep": (SIM + ["-c", "{d}/deep.yaml", "-o", "{d}/r"], ["deep.yaml", "nested more than 100"]),
+    "duplicate YAML keys": (SIM + ["-c", "{d}/dup.yaml", "-o", "{d}/r"], ["dup.yaml", "duplicate key 'seed'"]),
+    "trace synth 1e12 requests": (["trace", "synth", "{d}/t.jsonl", "-n", "1000000000000"], ["at most 100,000,000"]),
+    "--seed -1": (SIM + ["--seed", "-1", "-o", "{d}/r"], ["seed", "greater than or equal to 0"]),
+    "--weight-dtype fp3": (SIM + ["--weight-dtype", "fp3", "-o", "{d}/r"], ["weight_dtype", "unknown dtype 'fp3'"]),
+    "--rate-scale inf": (SIM + ["--rate-scale", "inf", "-o", "{d}/r"], ["rate_scale", "finite"]),
+    "--set 5000-digit integer": (SIM + ["--set", "seed=" + "9" * 5000, "-o", "{d}/r"], ["--set seed"]),
+    "capacity --max-evals 0": (["capacity", "--slo", "ttft_p99<=2s", "--max-evals", "0", "-q"], ["--max-evals"]),
+    "--out /": (SIM + ["-o", "/"], ["--out /", "system directory"]),
+    "--out /etc": (SIM + ["-o", "/etc"], ["--out /etc", "system directory"]),
+    "--out /dev": (SIM + ["-o", "/dev"], ["--out /dev", "system directory"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_input_is_one_line_exit_2_in_bounded_memory(case, d):
+    args, fragments = CASES[case]
+    refused(kvsim([a.replace("{d}", str(d)) for a in args], d), *fragments)
+    assert not (d / "r").exists() and not (d / "t.jsonl").exists()
+
+
+def test_json_nested_100k_deep_in_a_trace(d):
+    (d / "deep.jsonl").write_text('{"arrival_time_s": 0, "prompt_tokens": 5, "output_tokens": 2}\n'
+                                  + "[" * 100_000 + "]" * 100_000 + "\n")
+    refused(kvsim(SIM[:2] + ["--trace", str(d / "deep.jsonl"), "-o", str(d / "r")], d), "deep.jsonl:2", "nested")
+
+
+def test_arrival_time_1e300_is_refused_naming_line_and_field(d):
+    (d / "far.jsonl").write_text('{"arrival_time_s": 0, "prompt_tokens": 5, "output_tokens": 2}\n'
+                                 '{"arrival_time_s": 1e300, "prompt_tokens": 5, "output_tokens": 2}\n')
+    refused(kvsim(SIM[:2] + ["--trace", str(d / "far.jsonl"), "-o", str(d / "r")], d),
+            "far.jsonl:2", "arrival_time_s", "at most 1e+09")
+
+
+def test_bad_parquet_metadata_names_the_file(d):
+    table = pa.table({"arrival_time_s": [0.0], "prompt_tokens": [5], "output_tokens": [2]})
+    pq.write_table(table.replace_schema_metadata({"kvsim_trace": "{not json"}), d / "meta.parquet")
+    refused(kvsim(SIM[:2] + ["--trace", str(d / "meta.parquet"), "-o", str(d / "r")], d), "meta.parquet", "metadata")
+
+
+def test_max_requests_reads_only_the_start_of_a_2_gb_trace(d):
+    trace = d / "big.jsonl"
+    with open(trace, "w") as f:
+        for i in range(10):
+            f.write(json.dumps({"arrival_time_s": i * 0.5, "prompt_tokens": 100, "output_tokens": 8}) + "\n")
+        f.truncate(2 * 2**30)                      # sparse: 2 GiB the loader must not read
+    ran = kvsim(SIM[:2] + ["--max-requests", "5", "--trace", str(trace), "-o", str(d / "r")], d)
+    assert ran.code == 0, ran.err
+    bounded(ran)
+    assert json.loads((d / "r" / "summary.json").read_text())["num_finished"] == 5
+
+
+def test_sweep_grid_is_counted_before_it_is_expanded(d):
+    spec = d / "huge.yaml"
+    spec.write_text("grid:\n  seed: [" + ", ".join(map(str, range(2000))) + "]\n"
+                    "  engine.max_num_seqs: [" + ", ".join(map(str, range(1, 2001))) + "]\n"
+                    "  replicas: [" + ", ".join(map(str, range(1, 1601))) + "]\n")   # 6.4e9 points
+    refused(kvsim(["sweep", str(spec), "-o", str(d / "st"), "--dry-run"], d), "huge.yaml", "at most 100,000")
+
+
+def test_out_in_a_folder_of_the_users_own_files_leaves_them_alone(d):
+    mine = d / "project"
+    mine.mkdir()
+    files = {"config.yaml": "my config\n", "summary.json": '{"mine": 1}', "decisions.parquet": "not kvsim's"}
+    for name, text in files.items():
+        (mine / name).write_text(text)
+    refused(kvsim(SIM + ["-o", "."], mine), "--out .", "holds files kvsim did not write", "--overwrite")
+    assert {p.name: p.read_text() for p in mine.iterdir()} == files
+    ran = kvsim(SIM + ["-o", "run"], mine)                 # a new directory is fine, and is kvsim's from now on
+    assert ran.code == 0 and (mine / "run" / ".kvsim-results").exists()
+    assert kvsim(SIM + ["-o", "run", "--seed", "2"], mine).code == 0
+
+
+def test_replay_refuses_a_pool_that_does_not_fit_before_allocating(d):
+    ran = kvsim(["replay", "--num-gpu-blocks", "1000000000", "--max-requests", "2", "-q", "-o", str(d / "r")], d,
+                cap_gb=8, timeout=120)
+    assert ran.code == 2 and len(ran.lines) == 1, ran.err
+    assert "host memory" in ran.lines[0] and "--num-gpu-blocks" in ran.lines[0]
+    assert ran.rss_mb < 1000 and "Traceback" not in ran.err   # torch and the model, not the pool
+
+
+PLUGIN_EXIT = "import sys\nsys.exit(0)\n"
+PLUGIN_H2O = ("from kvsim.sim.kv.policy import EvictionPolicy, register_policy\n"
+              "@register_policy('h2o')\nclass Mine(EvictionPolicy):\n    pass\n")
+
+
+@pytest.mark.parametrize("source, fragments", [(PLUGIN_EXIT, ["evil_plugin", "called exit(0)"]),
+                                               (PLUGIN_H2O, ["evil_plugin", "register_policy('h2o')", "taken"])])
+def test_a_misbehaving_plugin_is_an_error_naming_it(d, source, fragments):
+    (d / "evil_plugin.py").write_text(source)
+    ran = kvsim(SIM + ["-o", str(d / "r")], d, env={"KVSIM_PLUGINS": "evil_plugin", "PYTHONPATH": str(d)})
+    refused(ran, *fragments)
+    assert not (d / "r").exists()
+
+
+def test_nan_is_never_written_into_summary_json(d):
+    (d / "one.jsonl").write_text("".join(json.dumps({"arrival_time_s": i, "prompt_tokens": 10, "output_tokens": 1})
+                                         + "\n" for i in range(3)))
+    ran = kvsim(SIM[:2] + ["--trace", str(d / "one.jsonl"), "-o", str(d / "r")], d)
+    assert ran.code == 0, ran.err
+
+    def no_constants(name):
+        raise AssertionError(f"summary.json holds {name}")
+    summary = json.loads((d / "r" / "summary.json").read_text(), parse_constant=no_constants)
+    assert summary["tpot_p50_s"] is None and "tpot_p50_s" in summary["null_reasons"]
+
+
+def _sweep_spec(d: Path, runs: int) -> Path:
+    spec = d / "spec.yaml"
+    spec.write_text("fixed: {trace_options.max_requests: 200}\ngrid:\n  seed: [" + ", ".join(map(str, range(runs)))
+                    + "]\n")
+    return spec
+
+
+def test_sigterm_to_sweep_exits_130_keeping_the_finished_runs(d):
+    spec, store = _sweep_spec(d, 40), d / "st"
+    proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "sweep", str(spec), "-o", str(store), "-q",
+                             "--jobs", "1"], cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(store.glob("runs/*.parquet")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().startswith("terminated (SIGTERM); the store") and "Traceback" not in err
+    assert list((store / "runs").glob("*.parquet"))
+
+
+def test_a_second_sweep_on_a_busy_store_is_refused(d):
+    from kvsim.sim.results import store_lock
+
+    spec, store = _sweep_spec(d, 2), d / "st"
+    with store_lock(store):
+        refused(kvsim(["sweep", str(spec), "-o", str(store), "-q"], d), "another kvsim process is writing")
+    assert not list(store.glob("runs/*.parquet"))
+
+
+# ---- in-process checks (no memory risk) ---------------------------------------------------------
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_leaves_no_trace_file_that_loads(tmp_path, monkeypatch):
+    from kvsim.traces import synthetic, trace as trace_module
+
+    t = synthetic.synthesize(50, rate=1.0, seed=0)
+    out = tmp_path / "t.jsonl"
+
+    def half_then_full(trace, path):
+        Path(path).write_text('{"arrival_time_s": 0, "prompt_tokens": 5, "output_tokens": 2}\n')
+        _disk_full()
+    monkeypatch.setattr(trace_module, "_write_jsonl", half_then_full)
+    with pytest.raises(OSError, match="disk full"):
+        t.save(out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_leaves_no_empty_report(tmp_path, monkeypatch):
+    from kvsim.sim import report
+    from kvsim.sim.sweep import parse_spec, run_sweep
+
+    plan = parse_spec({"fixed": {"trace_options.max_requests": 20}, "grid": {"seed": [0]}})
+    run_sweep(plan, tmp_path, jobs=1, progress=False)
+    monkeypatch.setattr(Path, "write_text", _disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        report.build_report(tmp_path)
+    assert not (tmp_path / "report.html").exists() and not list(tmp_path.glob(".report.html*"))
+
+
+def test_a_plugin_policy_changes_the_run_id(monkeypatch):
+    from kvsim.sim.config import load_config
+    from kvsim.sim.kv import policy
+    from kvsim.sim.sweep import run_id_of
+
+    cfg = load_config(None, {"kv.policy": "h2o", "kv.budget": 64})
+    builtin = run_id_of(cfg)
+    monkeypatch.setattr(policy, "_REGISTRY", dict(policy._REGISTRY))
+    with pytest.raises(policy.PolicyError, match="taken"):
+        policy.register_policy("h2o")(type("Mine", (policy.EvictionPolicy,), {}))
+
+    @policy.register_policy("h2o", override=True)
+    class Replacement(policy.EvictionPolicy):
+        pass
+    assert policy.policy_identity("h2o").startswith(f"{__name__}.")
+    assert run_id_of(cfg) != builtin
+
+
+def test_json_safe_keeps_finite_values_and_explains_nulls():
+    from kvsim.sim.safe_io import dumps_json, restore_nan
+
+    text = dumps_json({"a": 1.5, "b": float("nan"), "c": {"d": float("inf")}})
+    data = json.loads(text)
+    assert data["a"] == 1.5 and data["b"] is None and data["c"]["d"] is None
+    assert set(data["null_reasons"]) == {"b", "c.d"}
+    assert restore_nan(data)["b"] != restore_nan(data)["b"]         # NaN again after reading
