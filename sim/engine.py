@@ -189,6 +189,7 @@ class EngineReplica:
         waiting = [len(sched.waiting)] * k
         rows = fast_forward.apply(self, run)
         self.now = run.ends[-1]
+        self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         yield self._sleep_until(self.now)
         done = [r for r, e in zip(run.reqs, run.last) if e == k]
         self.scheduler.finish(done, self.now)
@@ -198,8 +199,8 @@ class EngineReplica:
         released = self.async_scheduling and not sched.has_work and sched.finishing
         if released:
             sched.release_finishing()
-        if (self.kv.enable_caching and not self.async_scheduling) or released:
-            # the last step's finishes return (cached) blocks now
+        if not self.async_scheduling or released:
+            # the last step's finishes return their blocks now
             last = self._pool_row()
             for name in ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
                          "fragmentation", "num_running"):

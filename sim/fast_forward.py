@@ -37,7 +37,6 @@ class DecodeRun:
     last: list            # step (1-based) in which each request produces its last token
     k: int
     allocs: list          # (step, request index) of each block allocation, step-major, then scheduling order
-    fills: list           # with prefix caching: (step, request index) where a block becomes full
     new: list             # blocks allocated in step j
     freed: list           # blocks freed by requests finishing in step j (no prefix caching)
     batch: list           # sequences in step j
@@ -80,15 +79,19 @@ def plan(replica: EngineReplica) -> DecodeRun | None:
         first_step_blocks = sum(1 for x in c_list if x % bs == 0)
         if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
             return None
-    # async scheduling: a finish releases its blocks a step later, so a run ends at the first finish;
-    # so it does when a finish sends the next request of a closed-loop client (replica.on_done)
-    k = min(last_list) if admission_blocked or cfg.async_scheduling or replica.on_done else max(last_list)
+    # A finish may let the blocked head of WAITING in, or send a closed-loop client's next request
+    # (replica.on_done): the run ends there. Async scheduling releases a finish's blocks after the
+    # next step's allocations, modelled within a run unless fills must be replayed one by one
+    # (`_must_replay`).
+    deferred = cfg.async_scheduling
+    until_first = admission_blocked or replica.on_done or (deferred and _must_replay(kv, running))
+    k = min(last_list) if until_first else max(last_list)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
     gap = (next_arrival - replica.now) / max(replica._last_duration, 1e-9)
     k = min(k, replica.max_run_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
     ev = _events(c_list, last_list, k, bs, kv.enable_caching)
-    k = _steps_that_fit(ev, k, kv.num_free_blocks)
+    k = _steps_that_fit(ev, k, kv.num_free_blocks, deferred)
     if admission_blocked and kv.enable_caching:
         k = _steps_keeping_head_hits(sched, kv, ev["allocs"], k)
     if k < 1:
@@ -101,21 +104,27 @@ def plan(replica: EngineReplica) -> DecodeRun | None:
     durations = executor.predict_decode_run(
         np.array(batch, F64), np.array(kv_read, F64), np.array(held, F64)).tolist()
     # The clock advances step by step exactly as stepping adds durations; steps that start before
-    # the next arrival are scheduled exactly as stepping would schedule them.
+    # the next arrival are scheduled exactly as stepping would schedule them. With async scheduling
+    # a step's schedule sees only the arrivals from before the previous step started, so the run
+    # may go on one step more (the step before the run saw none: the inbox is empty).
     starts, ends = [], []
     t = replica.now
-    for d in durations:
-        if t >= next_arrival:
+    # That extra step's schedule releases the previous step's finishers, which at the arrival are
+    # still running (a router counting outstanding requests sees them): none may finish there.
+    previous = -np.inf                          # start of the step before
+    fin = ev["fin"]
+    for j, d in enumerate(durations):
+        if (previous if deferred else t) >= next_arrival or (t >= next_arrival and fin[j - 1]):
             break
         starts.append(t)
+        previous = t
         t += d
         ends.append(t)
     k = len(starts)
     if k < 1:
         return None
     allocs = [a for a in ev["allocs"] if a[0] < k]
-    fills = [f for f in ev["fills"] if f[0] < k]
-    return DecodeRun(list(running), c_list, last_list, k, allocs, fills, ev["new"][:k], ev["freed"][:k],
+    return DecodeRun(list(running), c_list, last_list, k, allocs, ev["new"][:k], ev["freed"][:k],
                      batch[:k], kv_read[:k], held[:k], ev["fin"][:k], ev["fin_c"][:k],
                      ev["fin_held"][:k], durations[:k], starts, ends)
 
@@ -124,7 +133,7 @@ def _events(c_list: list, last_list: list, k: int, bs: int, caching: bool) -> di
     """Per-request block allocations and finishes over steps 0..k-1, as difference arrays."""
     d_count, d_c, d_held = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
     new, freed, fin, fin_c, fin_held = [0] * k, [0] * k, [0] * k, [0] * k, [0] * k
-    allocs, fills = [], []
+    allocs = []
     for r, (c, e) in enumerate(zip(c_list, last_list)):
         n = e if e < k else k                   # steps this request takes part in: 0..n-1
         h = -(-c // bs)                         # blocks held at the start
@@ -147,13 +156,9 @@ def _events(c_list: list, last_list: list, k: int, bs: int, caching: bool) -> di
             fin_held[e - 1] += h
             if not caching:     # with prefix caching shared blocks may not return: count none
                 freed[e - 1] += h
-        if caching:             # a block fills when its last slot is written: hash it then
-            fills.extend((j, r) for j in range(-(c + 1) % bs, n, bs))
     allocs.sort()
-    if caching:
-        fills = sorted(set(fills) | set(allocs))
     return {"d_count": d_count, "d_c": d_c, "d_held": d_held, "new": new, "freed": freed, "fin": fin,
-            "fin_c": fin_c, "fin_held": fin_held, "allocs": allocs, "fills": fills}
+            "fin_c": fin_c, "fin_held": fin_held, "allocs": allocs}
 
 
 def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> int:
@@ -171,14 +176,17 @@ def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> 
     return k
 
 
-def _steps_that_fit(ev: dict, k: int, free_blocks: int) -> int:
-    """Steps before the first whose allocations the free pool could not supply."""
+def _steps_that_fit(ev: dict, k: int, free_blocks: int, deferred: bool = False) -> int:
+    """Steps before the first whose allocations the free pool could not supply (`deferred`: a
+    finish's blocks return after the next step's allocations)."""
     allocated = released = 0
-    for j, (n_new, n_freed) in enumerate(zip(ev["new"], ev["freed"])):
+    freed = ev["freed"]
+    for j, n_new in enumerate(ev["new"]):
         allocated += n_new
         if allocated - released > free_blocks:
             return j
-        released += n_freed
+        if j >= deferred:
+            released += freed[j - deferred]
     return k
 
 
@@ -187,11 +195,10 @@ def apply(replica: EngineReplica, run: DecodeRun) -> dict:
     finishes, which happen when the clock reaches its end); returns the run's pool columns."""
     kv = replica.kv
     k = run.k
-    if kv.enable_caching:
+    if _must_replay(kv, run.reqs):
         used, cached = _replay_events(replica, run)
     else:
-        used = _bulk_allocate(replica, run)
-        cached = [0] * k
+        used, cached = _bulk_allocate(replica, run)
     ends = run.ends
     for req, c, e in zip(run.reqs, run.c, run.last):
         n = e if e < k else k
@@ -199,13 +206,10 @@ def apply(replica: EngineReplica, run: DecodeRun) -> dict:
         req.num_output_tokens += n
         req.token_times.extend(ends[:n])
     bs = kv.block_size
-    # async scheduling: the last step's finishers (the only ones) keep their blocks until the next schedule
-    deferred = replica.scheduler.config.async_scheduling
-    if deferred and not kv.enable_caching:
-        used[k - 1] += run.freed[k - 1]
+    # async scheduling: a step's finishers keep their blocks until the next step has been scheduled
+    gone = 0 if replica.scheduler.config.async_scheduling else 1
     live, allocated, fragmentation, running = [], [], [], []
     for j in range(k):
-        gone = 0 if deferred else 1
         alive = run.batch[j] - gone * run.finished[j]           # still holding blocks after step j
         tokens = run.kv_read[j] - gone * (run.finished_c[j] + (j + 1) * run.finished[j])
         slots = used[j] * bs
@@ -219,23 +223,64 @@ def apply(replica: EngineReplica, run: DecodeRun) -> dict:
             "num_running": running, "finished": run.finished}
 
 
-def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> list:
-    """No prefix caching: blocks are popped in bulk between finishes (freed blocks are reused)."""
-    kv, reqs, k = replica.kv, run.reqs, run.k
-    used0 = kv.pool.num_used_blocks
-    finishing: dict[int, list] = {}
-    for req, e in zip(reqs, run.last):
+def _must_replay(kv, reqs: list) -> bool:
+    """Prefix caching with a request resumed after a preemption: it may find its own older copy of
+    a block cached (the hash stays with that copy), so its fills must be replayed in stepping order."""
+    return kv.enable_caching and any(r.num_preemptions for r in reqs)
+
+
+def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
+    """Blocks popped in bulk between the steps that release finished requests' blocks (the step
+    they finish in; with async scheduling the next one, after its allocations). With prefix
+    caching each decode fill's hash is its request's own and new (no request here resumed after a
+    preemption), so a request's filled blocks are hashed when it finishes or the run ends. The
+    free queue's unhashed part goes first, so pops evict hashed blocks only once it is empty: the
+    cached-free count follows from the counts. Returns each step's (used, cached-free) blocks."""
+    kv, pool, k, reqs, sched = replica.kv, replica.kv.pool, run.k, run.reqs, replica.scheduler
+    deferred = sched.config.async_scheduling
+    releases: dict[int, list] = {}
+    for r, e in enumerate(run.last):
         if e < k:
-            finishing.setdefault(e - 1, []).append(req)
-    allocs, a = run.allocs, 0
-    for j in sorted(finishing):
+            releases.setdefault(e - 1 + deferred, []).append(r)
+    used, cached = [0] * k, [0] * k
+    allocs, a, first = run.allocs, 0, 0
+    req_blocks, caching = kv.req_blocks, kv.enable_caching
+    for j in sorted({*releases, k - 1}):
+        unhashed, hashed, used0 = pool.num_unhashed_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks
         start = a
         while a < len(allocs) and allocs[a][0] <= j:
             a += 1
-        kv.append_one_block_each([reqs[r] for _, r in allocs[start:a]])
-        replica.scheduler.finish(finishing[j], run.ends[j])
-    kv.append_one_block_each([reqs[r] for _, r in allocs[a:]])
-    return list(accumulate((n - f for n, f in zip(run.new, run.freed)), initial=used0))[1:]
+        for (_, r), block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
+            req_blocks[reqs[r]].append(block)
+        pops = 0
+        for i in range(first, j + 1):
+            pops += run.new[i]
+            used[i] = used0 + pops
+            cached[i] = hashed - max(0, pops - unhashed)
+        first = j + 1
+        if j in releases:
+            done = [reqs[r] for r in releases[j]]
+            if caching:
+                for r in releases[j]:
+                    kv.cache_full_blocks(reqs[r], run.c[r] + run.last[r])
+            sched.finish(done, run.ends[j - deferred])
+            if deferred:
+                sched.release_finishing()
+            used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
+    if caching:
+        for req, c, e in zip(reqs, run.c, run.last):
+            if e >= k:
+                kv.cache_full_blocks(req, c + k)
+    return used, cached
+
+
+def _fills(run: DecodeRun, bs: int) -> list:
+    """(step, request index) of each allocation and each step where a block becomes full (its last
+    slot written: hashed then), in stepping order."""
+    fills = set(run.allocs)
+    for r, (c, e) in enumerate(zip(run.c, run.last)):
+        fills.update((j, r) for j in range(-(c + 1) % bs, min(e, run.k), bs))
+    return sorted(fills)
 
 
 def _replay_events(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
@@ -255,7 +300,7 @@ def _replay_events(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
             cached[i] = pool.num_cached_free_blocks
         done = upto
 
-    for i, r in run.fills:
+    for i, r in _fills(run, replica.kv.block_size):
         record(i)
         req = run.reqs[r]
         req.num_computed_tokens = run.c[r] + i

@@ -49,7 +49,9 @@ STEP_DEFAULTS = {"predicted_s": math.nan, "evicted_tokens": 0, "blocks_freed_by_
 
 
 class StepLog:
-    """Buffers step rows and appends them to a Parquet file in large row groups (bounded memory).
+    """Buffers step rows and appends them to a Parquet file in row groups of exactly `flush_rows`
+    rows (the last one shorter), so the file does not depend on how rows were appended (one step
+    at a time or a decode run at once); memory stays bounded by about one row group.
 
     Within a row group, rows are ordered by (replica, step).
     """
@@ -59,6 +61,7 @@ class StepLog:
         self.flush_rows = flush_rows
         self._writer: pq.ParquetWriter | None = None
         self._reset_rows()
+        self._carry: dict[str, np.ndarray] | None = None   # rows past the last full row group
         self._pending = 0
         self._tables: list[pa.Table] = []                # kept only when there is no file
         self.num_rows = 0
@@ -69,6 +72,7 @@ class StepLog:
         self._required = [(name, v.append) for name, v in self._rows.items() if name not in STEP_DEFAULTS]
         self._optional = [(name, v.append, STEP_DEFAULTS[name]) for name, v in self._rows.items()
                           if name in STEP_DEFAULTS]
+        self._extend = [(v.extend, name, STEP_DEFAULTS.get(name)) for name, v in self._rows.items()]
 
     def append(self, row: dict) -> None:
         for name, append in self._required:
@@ -80,36 +84,47 @@ class StepLog:
 
     def append_columns(self, cols: dict, n: int) -> None:
         """Append n rows given as columns (sequences of length n, or scalars repeated n times)."""
-        for name, values in self._rows.items():
-            v = cols[name] if name in cols else STEP_DEFAULTS[name]
-            if isinstance(v, np.ndarray):
-                values.extend(v.tolist())
-            elif isinstance(v, (list, tuple, range)):
-                values.extend(v)
+        for extend, name, default in self._extend:
+            v = cols.get(name, default)
+            kind = v.__class__
+            if kind is list or kind is range or kind is tuple:
+                extend(v)
+            elif kind is np.ndarray:
+                extend(v.tolist())
             else:
-                values.extend([v] * n)
+                extend([v] * n)
         self._grow(n)
 
     def _grow(self, n: int) -> None:
         self._pending += n
         self.num_rows += n
         if self._pending >= self.flush_rows:
-            self.flush()
+            self.flush(whole_groups=True)
 
-    def flush(self) -> None:
+    def flush(self, whole_groups: bool = False) -> None:
+        """Write the buffered rows (`whole_groups`: only whole row groups of `flush_rows`)."""
         if not self._pending:
             return
-        if not self._drop_torn_row():
-            self._pending = 0
-            return
-        columns = {name: np.asarray(self._rows[name], dtype=typ.to_pandas_dtype())
+        n = self._drop_torn_row()
+        columns = {name: np.asarray(self._rows[name][:n], dtype=typ.to_pandas_dtype())
                    for name, (typ, _) in STEP_COLUMNS.items()}
+        self._reset_rows()
+        if self._carry is not None:
+            columns = {name: np.concatenate((self._carry[name], v)) for name, v in columns.items()}
+            self._carry = None
+        total = len(columns["step"])
+        cut = total - total % self.flush_rows if whole_groups else total
+        if cut < total:
+            self._carry = {name: v[cut:] for name, v in columns.items()}
+        self._pending = total - cut
+        for start in range(0, cut, self.flush_rows):
+            self._write({name: v[start:min(start + self.flush_rows, cut)] for name, v in columns.items()})
+
+    def _write(self, columns: dict[str, np.ndarray]) -> None:
         replica, step = columns["replica"], columns["step"]
         in_order = (replica == replica[0]).all() and (np.diff(step) > 0).all()    # one replica: as appended
         order = slice(None) if in_order else np.lexsort((step, replica))
         arrays = [pa.array(columns[name][order], type=typ) for name, (typ, _) in STEP_COLUMNS.items()]
-        self._reset_rows()
-        self._pending = 0
         table = pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
         if self.path is None:
             self._tables.append(table)
@@ -123,10 +138,7 @@ class StepLog:
     def _drop_torn_row(self) -> int:
         """An interrupt (Ctrl-C) inside `append` leaves some columns one row longer: drop that row.
         Returns the complete rows."""
-        n = min(len(v) for v in self._rows.values())
-        for values in self._rows.values():
-            del values[n:]
-        return n
+        return min(len(v) for v in self._rows.values())
 
     def close(self) -> None:
         self.flush()
@@ -136,14 +148,16 @@ class StepLog:
         elif self.path is not None and not self.path.exists():
             pq.write_table(STEP_SCHEMA.empty_table(), self.path)
 
-    def to_pandas(self) -> pd.DataFrame:
+    def to_pandas(self, columns: list[str] | None = None) -> pd.DataFrame:
         self.flush()
         if self.path is not None:
             self.close()
-            return pq.read_table(self.path).to_pandas()
+            return pq.read_table(self.path, columns=columns).to_pandas()
         if not self._tables:
-            return STEP_SCHEMA.empty_table().to_pandas()
-        return pa.concat_tables(self._tables).to_pandas()
+            table = STEP_SCHEMA.empty_table()
+        else:
+            table = pa.concat_tables(self._tables)
+        return (table.select(columns) if columns else table).to_pandas()
 
 
 REQUEST_COLUMNS = {

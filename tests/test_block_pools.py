@@ -89,3 +89,75 @@ def test_array_pool_accounting_survives_any_sequence(order, ops):
             held = held[k:]
         assert pool.num_used_blocks == len(held) == len(set(held))
         pool.check_invariants()
+
+
+class QueuePool:
+    """vLLM's free queue as one ordered dict (the pool's previous implementation), for reference."""
+
+    def __init__(self, n):
+        from collections import OrderedDict
+        self.queue, self.hash, self.cached, self.ref = OrderedDict.fromkeys(range(n)), [None] * n, {}, [0] * n
+
+    def get_new_blocks(self, n):
+        out = []
+        for _ in range(n):
+            b, _ = self.queue.popitem(last=False)
+            h, self.hash[b] = self.hash[b], None
+            if h is not None and self.cached.get(h) == b:
+                del self.cached[h]
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def free_blocks(self, blocks):
+        for b in blocks:
+            self.ref[b] -= 1
+            if not self.ref[b]:
+                self.queue[b] = None
+                if self.hash[b] is None:
+                    self.queue.move_to_end(b, last=False)
+
+    def touch(self, blocks):
+        for b in blocks:
+            if not self.ref[b]:
+                del self.queue[b]
+            self.ref[b] += 1
+
+    def cache_blocks(self, blocks, hashes):
+        for b, h in zip(blocks, hashes):
+            if self.hash[b] is None and h not in self.cached:
+                self.hash[b], self.cached[h] = h, b
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "hash", "hit"]), st.integers(0, 6)), max_size=80))
+def test_two_part_free_queue_hands_out_blocks_in_vllms_single_queue_order(ops):
+    # the pool keeps its free queue as an unhashed stack and a hashed FIFO (revivals leave
+    # tombstones); every allocation, eviction and cached-free count must match the one queue
+    pool, ref = BlockPool(12, enable_caching=True), QueuePool(12)
+    held = []                                          # groups of blocks, each owned by one "request"
+    for op, x in ops:
+        if op == "alloc" and x <= pool.num_free_blocks:
+            got = pool.get_new_blocks(x)
+            assert got == ref.get_new_blocks(x)
+            held.append(got)
+        elif op == "free" and held:
+            group = held.pop(x % len(held))
+            pool.free_request_blocks(group)
+            ref.free_blocks(reversed(group))
+        elif op == "hash" and held:
+            group = held[x % len(held)]
+            keys = [f"h{(x + i) % 5}" for i in range(len(group))]     # repeats: first copy kept
+            pool.cache_blocks(group, keys)
+            ref.cache_blocks(group, keys)
+        elif op == "hit":
+            hit = pool.lookup(f"h{x % 5}")
+            assert hit == ref.cached.get(f"h{x % 5}")
+            if hit is not None:
+                pool.touch([hit])
+                ref.touch([hit])
+                held.append([hit])
+        assert pool.free_block_ids() == list(ref.queue)
+        assert pool.num_cached_free_blocks == sum(1 for b in ref.queue if ref.hash[b] is not None)
+        assert pool.next_free_blocks(3) == list(ref.queue)[:3]
+        pool.check_invariants()

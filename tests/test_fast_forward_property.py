@@ -20,9 +20,12 @@ from kvsim.traces import Trace
 PREFIX_SPAN = 32          # tokens per prefix id in the synthetic traces
 
 
-def make_trace(gaps, prompts, outputs, priorities, families) -> Trace:
+def make_trace(gaps, prompts, outputs, priorities, families, prefix_ids: bool = True) -> Trace:
     # requests of one family share a prefix: the first ids of one id sequence per family
     prefix = [list(range(1000 * f, 1000 * f + -(-p // PREFIX_SPAN))) for f, p in zip(families, prompts)]
+    if not prefix_ids:      # like the Azure traces: only a request itself can hit its blocks
+        return Trace.from_columns(arrival_time_s=np.cumsum(gaps), prompt_tokens=np.array(prompts),
+                                  output_tokens=np.array(outputs), priority=np.array(priorities, dtype=np.int64))
     return Trace.from_columns(arrival_time_s=np.cumsum(gaps), prompt_tokens=np.array(prompts),
                               output_tokens=np.array(outputs), priority=np.array(priorities, dtype=np.int64),
                               prefix_hash_ids=prefix, prefix_block_tokens=PREFIX_SPAN)
@@ -34,7 +37,7 @@ def traces(draw) -> Trace:
     lists = [draw(st.lists(values, min_size=n, max_size=n)) for values in (
         st.sampled_from([0.0, 0.002, 0.02, 0.1, 0.5]), st.integers(1, 300), st.integers(1, 80),
         st.integers(0, 2), st.integers(0, 2))]
-    return make_trace(*lists)
+    return make_trace(*lists, prefix_ids=draw(st.booleans()))
 
 
 @st.composite
@@ -55,6 +58,7 @@ def engine_configs(draw) -> dict:
         "engine.preemption_mode": draw(st.sampled_from(["recompute", "swap"])),
         # llama-3.1-8b: 128 KiB a token, so 1e-4 GiB swaps <1 request and 4 GiB all of them
         "engine.swap_space_gib": draw(st.sampled_from([1e-4, 2e-3, 4.0])),
+        "engine.async_scheduling": draw(st.booleans()),
         "kv.policy": "none",
         "check_invariants": True,
     }

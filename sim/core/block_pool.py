@@ -3,11 +3,20 @@
 Modelled on vLLM v1's `BlockPool`: a freed block keeps its hash and stays findable until the
 allocator needs it (lazy eviction). Freed hashed blocks go to the tail of the free queue (evicted
 last, LRU); freed unhashed blocks go to the head (reused first).
+
+Blocks are hashed only while owned, so the free queue is always its unhashed blocks (head side)
+followed by its hashed ones: it is kept as those two parts, a stack of unhashed blocks whose END is
+the head and a FIFO of hashed ones, which lets blocks move in bulk (`get_new_blocks(n)` takes the
+stack's end, then the FIFO's front) in exactly vLLM's single queue order.
+
+Hashes are of two kinds. Shared ones (a prompt block's chain of prefix ids) go in the `cached`
+index, where any request may hit them. A private hash (a `(request id, block index)` tuple: a block
+only its own request can hit again, after a preemption) stays out of the index: its request keeps
+the chain of its blocks (`private_lookup`), so filling and evicting such blocks costs no dict update.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from itertools import islice
+from itertools import repeat
 
 import numpy as np
 
@@ -18,19 +27,22 @@ class BlockPool:
             raise ValueError(f"num_gpu_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}        # block hash -> block id
+        self.block_hash: list = [None] * num_blocks
+        self.cached: dict = {}                  # shared block hash -> block id
         self.num_cache_evictions = 0
-        self.num_cached_free_blocks = 0         # free blocks still holding a reusable prefix
-        if enable_caching:
-            # Free queue, head = next to allocate: an OrderedDict gives O(1) pop/append/remove-from-
-            # middle (revival). Ref counts in a list: scalar access is far faster than numpy's.
-            self.free_queue = OrderedDict.fromkeys(range(num_blocks))
-            self._ref_cnt = [0] * num_blocks
-        else:
-            # Without caching no block is shared (ref counts are 0 or 1) and nothing leaves the
-            # middle of the queue: a list used as a stack whose END is the head moves blocks in bulk.
-            self._stack = list(range(num_blocks - 1, -1, -1))
+        # free unhashed blocks, a list used as a stack whose END is the head of the free queue
+        self._stack = list(range(num_blocks - 1, -1, -1))
+        # free hashed blocks in LRU order: a list read from `_head` on (slices pop in bulk); a block
+        # revived from the middle (a prefix hit) leaves a tombstone, `_dead[block]` entries of it
+        # to skip from the front
+        self._fifo: list[int] = []
+        self._head = 0
+        self._dead: dict[int, int] = {}
+        self._num_dead = 0
+        # ref counts in a list (scalar access is far faster than numpy's); without caching no block
+        # is shared and a block is owned exactly when it is not free (computed on demand)
+        self._ref_cnt = [0] * num_blocks if enable_caching else None
+        self._shared_refs = 0                   # references beyond each owned block's first
 
     @property
     def ref_cnt(self) -> list[int]:
@@ -43,7 +55,17 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue) if self.enable_caching else len(self._stack)
+        return len(self._stack) + len(self._fifo) - self._head - self._num_dead
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks still holding a reusable prefix."""
+        return len(self._fifo) - self._head - self._num_dead
+
+    @property
+    def num_unhashed_free_blocks(self) -> int:
+        """Free blocks without a hash: the allocator hands them out before any hashed one."""
+        return len(self._stack)
 
     @property
     def num_used_blocks(self) -> int:
@@ -51,81 +73,142 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """Free blocks, head (next to allocate) first."""
-        return list(self.free_queue) if self.enable_caching else self._stack[::-1]
+        return self._stack[::-1] + self._hashed_free(len(self._fifo))
 
     def next_free_blocks(self, n: int) -> list[int]:
         """The first `n` blocks the allocator would hand out, in order."""
-        if self.enable_caching:
-            return list(islice(self.free_queue, n))
-        return self._stack[:-n - 1:-1] if n > 0 else []
+        if n <= 0:
+            return []
+        head = self._stack[:-n - 1:-1]
+        return head + self._hashed_free(n - len(head))
+
+    def _hashed_free(self, n: int) -> list[int]:
+        """The first `n` free hashed blocks (LRU first), tombstones skipped."""
+        fifo, h = self._fifo, self._head
+        if not self._num_dead:
+            return fifo[h:h + n]
+        dead, out = dict(self._dead), []
+        for block in fifo[h:]:
+            if len(out) == n:
+                break
+            if dead.get(block):
+                dead[block] -= 1
+            else:
+                out.append(block)
+        return out
 
     def get_new_blocks(self, n: int) -> list[int]:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
-        if not self.enable_caching:
-            if n <= 0:
-                return []
-            stack = self._stack
-            blocks = stack[-n:]
-            del stack[-n:]
-            blocks.reverse()
-            return blocks
-        blocks = []
-        pop = self.free_queue.popitem
-        for _ in range(n):
-            block, _ = pop(last=False)
-            if self.block_hash[block] is not None:
-                self._evict_cached(block)
-            self._ref_cnt[block] = 1
-            blocks.append(block)
+        if n <= 0:
+            return []
+        stack = self._stack
+        blocks = stack[-n:]
+        del stack[-n:]
+        blocks.reverse()
+        rest = n - len(blocks)
+        if rest:
+            blocks += self._pop_hashed(rest)
+        if self.enable_caching:
+            ref = self._ref_cnt
+            for block in blocks:
+                ref[block] = 1
         return blocks
 
-    def _evict_cached(self, block: int) -> None:
-        h = self.block_hash[block]
-        if h is not None:
-            self.num_cached_free_blocks -= 1
-            self.block_hash[block] = None
-            if self.cached.get(h) == block:
-                del self.cached[h]
-            self.num_cache_evictions += 1
+    def _pop_hashed(self, n: int) -> list[int]:
+        """Evict the `n` least recently freed hashed blocks and hand them out."""
+        fifo, h = self._fifo, self._head
+        if not self._num_dead:
+            blocks = fifo[h:h + n]
+            h += n
+        else:
+            blocks, dead = [], self._dead
+            while len(blocks) < n:
+                block = fifo[h]
+                h += 1
+                if dead.get(block):
+                    dead[block] -= 1
+                    if not dead[block]:
+                        del dead[block]
+                    self._num_dead -= 1
+                else:
+                    blocks.append(block)
+        if h > 4096 and 2 * h > len(fifo):
+            del fifo[:h]
+            h = 0
+        self._head = h
+        block_hash, cached = self.block_hash, self.cached
+        if cached:
+            for block in blocks:
+                key = block_hash[block]
+                if cached.get(key) == block:        # a shared hash (private ones are not indexed)
+                    del cached[key]
+        for block in blocks:
+            block_hash[block] = None
+        self.num_cache_evictions += n
+        return blocks
 
     def free_blocks(self, blocks) -> None:
         """Drop one reference from each block, in the given order (callers pass tail blocks first)."""
         if not self.enable_caching:      # each goes to the head, the last one given first
             self._stack.extend(blocks)
             return
-        ref = self._ref_cnt
+        ref, block_hash, stack, fifo = self._ref_cnt, self.block_hash, self._stack, self._fifo
         for block in blocks:
+            if ref[block] > 1:
+                self._shared_refs -= 1
             ref[block] -= 1
-            if ref[block] == 0:
-                self.free_queue[block] = None
-                if self.block_hash[block] is None:
-                    self.free_queue.move_to_end(block, last=False)
+            if not ref[block]:
+                if block_hash[block] is None:
+                    stack.append(block)
                 else:
-                    self.num_cached_free_blocks += 1
+                    fifo.append(block)
 
-    def lookup(self, block_hash: int) -> int | None:
+    def free_request_blocks(self, blocks: list[int]) -> None:
+        """`free_blocks(reversed(blocks))`: a request's blocks, tail first; in bulk while no block
+        is shared (every owned block then has one reference)."""
+        if not self.enable_caching or self._shared_refs:
+            self.free_blocks(reversed(blocks))
+            return
+        ref, block_hash = self._ref_cnt, self.block_hash
+        tail_first = blocks[::-1]
+        for block in tail_first:
+            ref[block] = 0
+        self._stack.extend([b for b in tail_first if block_hash[b] is None])
+        self._fifo.extend([b for b in tail_first if block_hash[b] is not None])
+
+    def lookup(self, block_hash) -> int | None:
         return self.cached.get(block_hash)
+
+    def private_lookup(self, chain: list[int], key: tuple[int, int]) -> int | None:
+        """The block still holding private `key` (request id, block index), given its request's
+        chain of private blocks."""
+        if key[1] < len(chain):
+            block = chain[key[1]]
+            if self.block_hash[block] == key:
+                return block
+        return None
 
     def touch(self, blocks) -> None:
         """Take a reference on cached blocks hit by a new request; revive them if free."""
         ref = self._ref_cnt
         for block in blocks:
             if ref[block] == 0:
-                del self.free_queue[block]
-                self.num_cached_free_blocks -= 1
+                if self.block_hash[block] is not None:       # free and hashed: in the FIFO
+                    self._dead[block] = self._dead.get(block, 0) + 1
+                    self._num_dead += 1
+                else:
+                    self._stack.remove(block)
+            else:
+                self._shared_refs += 1
             ref[block] += 1
 
-    def cache_block(self, block: int, block_hash: int) -> None:
-        if not self.enable_caching or self.block_hash[block] is not None:
-            return
-        if block_hash in self.cached:       # an identical block exists; keep the first one
-            return
-        self.block_hash[block] = block_hash
-        self.cached[block_hash] = block
+    def cache_block(self, block: int, block_hash) -> None:
+        self.cache_blocks([block], [block_hash])
 
     def cache_blocks(self, blocks: list[int], hashes: list) -> None:
-        """`cache_block` for each (block, hash) pair."""
+        """Hash each owned block (an identical shared block already cached keeps the index: the new
+        one stays unhashed)."""
         if not self.enable_caching:
             return
         block_hash, cached = self.block_hash, self.cached
@@ -133,6 +216,30 @@ class BlockPool:
             if block_hash[block] is None and h not in cached:
                 block_hash[block] = h
                 cached[h] = block
+
+    def cache_private(self, blocks: list[int], request_id: int, first: int, chain: list[int],
+                      fresh: bool = False) -> None:
+        """Hash owned blocks with their request's private keys (request id, first + i); `first` is at
+        most len(chain), the request's chain of the block of each index. `fresh`: the request was
+        never preempted, so its blocks are unhashed and its chain ends at `first`."""
+        block_hash = self.block_hash
+        keys = zip(repeat(request_id), range(first, first + len(blocks)))
+        if fresh:
+            chain.extend(blocks)
+            for block, key in zip(blocks, keys):
+                block_hash[block] = key
+            return
+        for block, key in zip(blocks, keys):
+            if block_hash[block] is not None:
+                continue
+            j = key[1]
+            if j == len(chain):
+                chain.append(block)
+            elif block_hash[chain[j]] == key:          # an identical block is cached: keep it
+                continue
+            else:
+                chain[j] = block
+            block_hash[block] = key
 
     def check_invariants(self) -> None:
         free_ids = self.free_block_ids()
@@ -148,5 +255,8 @@ class BlockPool:
         assert lost.size == 0, f"blocks neither free nor owned: {lost[:10].tolist()}"
         for h, b in self.cached.items():
             assert self.block_hash[b] == h, f"cache index points at block {b} with another hash"
-        cached_free = sum(1 for b in self.cached.values() if ref_cnt[b] == 0)
-        assert cached_free == self.num_cached_free_blocks, "cached-free block count drifted"
+        assert self._shared_refs == int(np.maximum(ref - 1, 0).sum()), "shared reference count drifted"
+        assert all(self.block_hash[b] is None for b in self._stack), "a hashed block in the unhashed part"
+        hashed = self._hashed_free(len(self._fifo))
+        assert all(self.block_hash[b] is not None for b in hashed), "an unhashed block in the hashed part"
+        assert len(hashed) == self.num_cached_free_blocks, "cached-free block count drifted"

@@ -73,6 +73,16 @@ class KVCacheManager:
             return []
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         hits = []
+        if req.prefix_hash_ids is None:
+            chain = req.extra.get("private_blocks")
+            if chain:
+                lookup = self.pool.private_lookup
+                for j in range(min(max_hit_blocks, len(chain))):
+                    block = lookup(chain, (req.request_id, j))
+                    if block is None:
+                        break
+                    hits.append(block)
+            return hits
         for j in range(max_hit_blocks):
             block = self.pool.lookup(self._block_hash(req, j))
             if block is None:
@@ -150,12 +160,25 @@ class KVCacheManager:
         if need:
             blocks.extend(self.pool.get_new_blocks(need))
         if self.enable_caching:
-            full = (req.num_computed_tokens + num_new_tokens) // self.block_size
-            full = min(full, len(blocks))
-            first = req.extra.get("num_cached_blocks", 0)
-            self.pool.cache_blocks(blocks[first:full], [self._block_hash(req, j) for j in range(first, full)])
-            req.extra["num_cached_blocks"] = max(full, first)
+            self.cache_full_blocks(req, req.num_computed_tokens + num_new_tokens)
         return True
+
+    def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Hash the blocks of `req` that `num_tokens` tokens fill and that are not hashed yet."""
+        blocks = self.req_blocks[req]
+        full = min(num_tokens // self.block_size, len(blocks))
+        extra = req.extra
+        first = extra.get("num_cached_blocks", 0)
+        if full <= first:
+            return
+        if req.prefix_hash_ids is None:
+            chain = extra.get("private_blocks")
+            if chain is None:
+                chain = extra["private_blocks"] = []
+            self.pool.cache_private(blocks[first:full], req.request_id, first, chain, not req.num_preemptions)
+        else:
+            self.pool.cache_blocks(blocks[first:full], [self._block_hash(req, j) for j in range(first, full)])
+        extra["num_cached_blocks"] = full
 
     def allocate_decodes(self, reqs: list[Request]) -> list[int] | None:
         """One decode token's slots for every request in `reqs` (each holding its computed tokens) at
@@ -167,11 +190,21 @@ class KVCacheManager:
         if len(growing) > self.pool.num_free_blocks:
             return None
         contexts = [r.num_computed_tokens for r in reqs]
-        if self.enable_caching:
-            for r in reqs:               # each succeeds; blocks are hashed as they fill, in order
+        if self.enable_caching and any(r.num_preemptions for r in reqs):
+            # a resumed request may find its own older copy of a block cached (its hash stays
+            # with that copy): hash in stepping order, each request's allocation then its fill
+            for r in reqs:
                 self.allocate_slots(r, 1)
-        elif growing:
+            return contexts
+        if growing:
             self.append_one_block_each(growing)
+        if self.enable_caching:
+            # otherwise a decode fill's hash is its request's own and new: the order of
+            # allocations and fills changes nothing (see sim/fast_forward.py)
+            bs = self.block_size
+            for r, c in zip(reqs, contexts):
+                if not (c + 1) % bs:
+                    self.cache_full_blocks(r, c + 1)
         return contexts
 
     def append_one_block_each(self, reqs: list[Request]) -> None:
@@ -182,7 +215,7 @@ class KVCacheManager:
     def free(self, req: Request) -> int:
         """Release all of a request's blocks (tail first, so its tail is evicted from the cache first)."""
         blocks = self.req_blocks.pop(req, [])
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_request_blocks(blocks)
         req.extra.pop("num_cached_blocks", None)
         return len(blocks)
 
@@ -190,6 +223,7 @@ class KVCacheManager:
         """Drop the per-request state nothing reads once `req` has finished (its block-hash chain:
         ~40 bytes a prompt block, kept across preemptions for re-hits, useless after the finish)."""
         req.extra.pop("block_hashes", None)
+        req.extra.pop("private_blocks", None)
 
     def reclaim(self, num_blocks: int, running: list[Request]) -> int:
         """Hook for compression-on-pressure managers: free up to `num_blocks`; none here."""
