@@ -194,8 +194,30 @@ class SimConfig(_Strict):
     kv: KVConfig = KVConfig()
     slo: SLO = SLO(ttft="2s", tpot="100ms")
     seed: int = 0
+    metric_percentiles: list[float] = Field(
+        [99.0], description="percentiles of TTFT/TPOT/ITL/E2EL in summary.json (vllm bench serve --metric-percentiles)")
     fast_forward: bool = True
     check_invariants: bool = False
+
+    @field_validator("metric_percentiles", mode="before")
+    @classmethod
+    def _comma_separated(cls, v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return [v]
+        if isinstance(v, str):           # vLLM's spelling: "25,50,99"
+            try:
+                return [float(x) for x in v.split(",")]
+            except ValueError:
+                raise ValueError("expected comma-separated numbers such as 50,90,99") from None
+        return v
+
+    @field_validator("metric_percentiles")
+    @classmethod
+    def _percentiles(cls, v: list[float]) -> list[float]:
+        bad = [p for p in v if not 0 <= p <= 100]
+        if bad or not v:
+            raise ValueError(f"expected percentiles between 0 and 100, got {bad or 'none'}")
+        return v
 
     @field_validator("model")
     @classmethod

@@ -64,6 +64,8 @@ Burstiness = Annotated[Optional[float], typer.Option(
     help="as vllm bench serve, with --request-rate: Gamma shape of the gaps (1 Poisson, <1 burstier)")]
 MaxConcurrency = Annotated[Optional[int], typer.Option(
     help="as vllm bench serve: at most C requests in flight; the next is sent when one finishes (closed loop)")]
+MetricPercentiles = Annotated[Optional[str], typer.Option(
+    help="as vllm bench serve: comma-separated percentiles of TTFT, TPOT, ITL and E2EL to report (default 99)")]
 SloTtft = Annotated[Optional[str], typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
 SloTpot = Annotated[Optional[str], typer.Option(help="TPOT SLO for goodput, with unit (100ms)")]
 
@@ -83,7 +85,7 @@ CONFIG_KEYS = {
     "start_s": "trace_options.start_s", "end_s": "trace_options.end_s",
     "slo_ttft": "slo.ttft", "slo_tpot": "slo.tpot",
     "request_rate": "trace_options.request_rate", "burstiness": "trace_options.burstiness",
-    "max_concurrency": "trace_options.max_concurrency",
+    "max_concurrency": "trace_options.max_concurrency", "metric_percentiles": "metric_percentiles",
 }
 
 def config_overrides(**options: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from rich.table import Table
 from kvsim.sim.config import ConfigError, load_config
 
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ConfigFile, Gpu, Layout, MaxConcurrency,
-                      MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Policy, PrefixCaching,
+                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Policy, PrefixCaching,
                       Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
                       SlotStrategy, Tp, Trace, config_overrides, fail)
 
@@ -57,6 +57,7 @@ def simulate(
     request_rate: RequestRate = None,
     burstiness: Burstiness = None,
     max_concurrency: MaxConcurrency = None,
+    metric_percentiles: MetricPercentiles = None,
     slo_ttft: SloTtft = None,
     slo_tpot: SloTpot = None,
     seed: Seed = None,
@@ -76,7 +77,7 @@ def simulate(
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
         rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
-        max_concurrency=max_concurrency, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+        max_concurrency=max_concurrency, metric_percentiles=metric_percentiles, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
         from kvsim.sim.simulate import run_simulation
@@ -123,8 +124,13 @@ def partial_exit(out: Path, reason: str) -> None:
 
 
 def print_summary(s: dict) -> None:
+    """vllm bench serve's report (its names and units), then kvsim's own figures (KV memory, the engine)."""
+    from kvsim.sim.vllm_metrics import report_lines
+
+    if "completed" in s:
+        console.print("\n".join(report_lines(s)), markup=False, highlight=False)
     table = Table(title=f"{s.get('trace')} on {s.get('model')} / {s.get('tp')}x {s.get('gpu')}")
-    table.add_column("metric")
+    table.add_column("kvsim")
     table.add_column("value", justify="right")
 
     def add(name, value, fmt="{:.3f}"):
@@ -134,14 +140,8 @@ def print_summary(s: dict) -> None:
 
     add("requests (finished / rejected)", f"{s['num_finished']} / {s['num_rejected']}")
     add("KV pool", f"{s['num_gpu_blocks']} blocks x {s['block_size']} tokens")
-    add("makespan (s)", s["makespan_s"], "{:.1f}")
-    add("throughput (req/s)", s["throughput_req_s"])
-    add("output tok/s", s["throughput_output_tok_s"], "{:.1f}")
-    add("total tok/s", s["throughput_total_tok_s"], "{:.1f}")
-    for m in ("ttft", "tpot", "e2e", "itl"):
-        add(f"{m.upper()} p50 / p90 / p99 (ms)",
-            " / ".join(f"{1e3 * s[f'{m}_p{q}_s']:.1f}" for q in (50, 90, 99)))
-    add("goodput (req/s)", s.get("goodput_req_s"))
+    add("makespan, first arrival to last token (s)", s["makespan_s"], "{:.1f}")
+    add("queueing p50 / p99 (ms)", " / ".join(f"{1e3 * s[f'queueing_p{q}_s']:.1f}" for q in (50, 99)))
     add("SLO attainment", s.get("slo_attainment"))
     add("KV utilization mean / max", f"{s.get('kv_util_mean', 0):.3f} / {s.get('kv_util_max', 0):.3f}")
     add("fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.3f} / {s.get('fragmentation_p99', 0):.3f}")
