@@ -22,7 +22,8 @@ from .memory import RunMemoryEstimate, check_memory, estimate_run_memory, num_gp
 def load_workload(cfg: SimConfig):
     """The trace of `cfg` with its trace options (rate, window, rate scale, first N requests) applied."""
     opts = cfg.trace_options
-    trace = load_trace(cfg.trace, **({"rate": opts.rate, "seed": cfg.seed} if opts.rate else {}))
+    trace = load_trace(cfg.trace, **({"rate": opts.rate} if opts.rate else {}), seed=cfg.seed,
+                       **trace_file_options(opts))
     if opts.start_s is not None or opts.end_s is not None:
         trace = trace.window(opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
     if opts.max_requests is not None:
@@ -36,6 +37,16 @@ def load_workload(cfg: SimConfig):
     if opts.rate_scale != 1.0:
         trace = trace.scale_rate(opts.rate_scale)
     return trace
+
+
+def trace_file_options(opts) -> dict:
+    """load_trace's format and reader options from `trace_options` (only those given)."""
+    out = {"format": opts.format} if opts.format else {}
+    if opts.format in ("csv", "jsonl", "parquet"):
+        out.update(columns=opts.columns, time_unit=opts.time_unit)
+    if opts.tokenizer is not None:
+        out["tokenizer"] = opts.tokenizer
+    return out
 
 
 def with_request_rate(trace, request_rate: float, burstiness: float, seed: int):

@@ -18,7 +18,7 @@ from kvsim.sim.config import ConfigError, load_config
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ConfigFile, Gpu, Layout, MaxConcurrency,
                       MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Policy, PrefixCaching,
                       Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
-                      SlotStrategy, Tp, Trace, config_overrides, fail)
+                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Tp, Trace, config_overrides, fail)
 
 console = Console()
 
@@ -58,6 +58,10 @@ def simulate(
     burstiness: Burstiness = None,
     max_concurrency: MaxConcurrency = None,
     metric_percentiles: MetricPercentiles = None,
+    trace_format: TraceFormat = None,
+    trace_columns: TraceColumns = None,
+    time_unit: TimeUnit = None,
+    tokenizer: Tokenizer = None,
     slo_ttft: SloTtft = None,
     slo_tpot: SloTpot = None,
     seed: Seed = None,
@@ -77,7 +81,8 @@ def simulate(
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
         rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
-        max_concurrency=max_concurrency, metric_percentiles=metric_percentiles, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+        max_concurrency=max_concurrency, metric_percentiles=metric_percentiles,
+        trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
         from kvsim.sim.simulate import run_simulation
@@ -153,4 +158,17 @@ def print_summary(s: dict) -> None:
     add("prefix hit rate", s.get("prefix_hit_rate"))
     add("engine steps", s.get("num_steps"))
     add("wall time (s)", s.get("wall_s"), "{:.2f}")
+    console.print(table)
+    if s.get("bench_comparison"):
+        print_comparison(s["bench_comparison"])
+
+
+def print_comparison(agg: dict) -> None:
+    from kvsim.sim.bench_compare import report_rows
+
+    table = Table(title=f"predicted vs measured (vllm bench serve result, {agg['num_requests']} requests)")
+    for name in ("figure", "measured", "kvsim", "error"):
+        table.add_column(name, justify="left" if name == "figure" else "right")
+    for row in report_rows(agg):
+        table.add_row(*row)
     console.print(table)
