@@ -16,7 +16,7 @@ from .core.request import Request
 from .core.scheduler import SchedulerConfig
 from .cost_model import CostModel, load_profile
 from .defaults import resolve_engine
-from .memory import RunMemoryEstimate, check_memory, estimate_run_memory, num_gpu_blocks
+from .memory import RunMemoryEstimate, check_memory, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
 
 
 def load_workload(cfg: SimConfig):
@@ -91,6 +91,7 @@ def resolve_hardware(cfg: SimConfig, model=None):
                      async_scheduling=bool(eng.async_scheduling))
     if eng.num_gpu_blocks is not None:
         blocks = eng.num_gpu_blocks
+        check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)
     else:
         blocks = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
                                 gpu_memory_utilization=eng.gpu_memory_utilization,

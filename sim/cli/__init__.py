@@ -28,8 +28,19 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"{kind}: {message}", file=sys.stderr if file is None else file)
 
 
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            typer.echo(f"kvsim {version('kvsim')}")
+        except PackageNotFoundError:          # an uninstalled checkout (python -m sim.cli)
+            typer.echo("kvsim (uninstalled checkout)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _setup() -> None:
+def _setup(show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                             help="print kvsim's version and exit")) -> None:
     warnings.showwarning = _show_warning
 
 

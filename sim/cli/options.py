@@ -36,6 +36,14 @@ MaxNumSeqs = Annotated[Optional[int], typer.Option(help="most sequences in one s
 MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(help="token budget per step")]
 PrefixCaching = Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
                                                        help="automatic prefix caching (default: vLLM's)")]
+MaxModelLen = Annotated[Optional[int], typer.Option(help="longest prompt + output (default: the model's "
+                                                         "max_position_embeddings, as vLLM)")]
+LongPrefillTokenThreshold = Annotated[Optional[int], typer.Option(
+    help="most prompt tokens a long prefill computes per step (vLLM's --long-prefill-token-threshold; 0: off)")]
+ChunkedPrefill = Annotated[Optional[bool], typer.Option("--chunked-prefill/--no-chunked-prefill",
+                                                        help="chunked prefill (default: on, as vLLM V1)")]
+StartS = Annotated[Optional[float], typer.Option(help="keep requests arriving at or after this time (s), re-based to 0")]
+EndS = Annotated[Optional[float], typer.Option(help="keep requests arriving before this time (s)")]
 SchedulingPolicy = Annotated[Optional[str], typer.Option(help="fcfs | priority")]
 CheckInvariants = Annotated[Optional[bool], typer.Option("--check-invariants", help="check KV invariants every step")]
 

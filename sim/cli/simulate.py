@@ -15,7 +15,8 @@ from rich.table import Table
 
 from kvsim.sim.config import ConfigError, load_config
 
-from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ConfigFile, Gpu, Layout, MaxConcurrency,
+from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPrefill, EndS, LongPrefillTokenThreshold,
+                      MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
                       MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Policy, PrefixCaching,
                       Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
                       SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Tp, Trace, config_overrides, fail)
@@ -38,6 +39,9 @@ def simulate(
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
     prefix_caching: PrefixCaching = None,
+    max_model_len: MaxModelLen = None,
+    long_prefill_token_threshold: LongPrefillTokenThreshold = None,
+    chunked_prefill: ChunkedPrefill = None,
     preemption_mode: Annotated[Optional[str], typer.Option(help="recompute | swap")] = None,
     scheduling_policy: SchedulingPolicy = None,
     policy: Policy = None,
@@ -54,6 +58,8 @@ def simulate(
     kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype (e.g. fp8); default: the model's")] = None,
     rate_scale: RateScale = None,
     max_requests: MaxRequests = None,
+    start_s: StartS = None,
+    end_s: EndS = None,
     request_rate: RequestRate = None,
     burstiness: Burstiness = None,
     max_concurrency: MaxConcurrency = None,
@@ -78,6 +84,8 @@ def simulate(
         weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
+        max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+        chunked_prefill=chunked_prefill, start_s=start_s, end_s=end_s,
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
         rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
@@ -85,6 +93,7 @@ def simulate(
         trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
+        refuse_ineffective(cfg)
         from kvsim.sim.simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
         with interrupt_on_sigterm():
@@ -98,6 +107,21 @@ def simulate(
     if not quiet:
         print_summary(result.summary)
     console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
+
+
+def refuse_ineffective(cfg) -> None:
+    """Options that would change nothing in this run are a mistake to say, not to ignore."""
+    kv = cfg.kv
+    if kv.policy == "none":
+        if kv.budget is not None:
+            raise ConfigError("--budget (kv.budget): policy none keeps every token; a budget needs an eviction "
+                              "policy (--policy h2o, snapkv, ...)")
+        if "compression_rate" in kv.params:
+            raise ConfigError("--compression-rate (kv.params.compression_rate): policy none compresses nothing; "
+                              "give --policy kvcompress, snapkv, pyramidkv or ada_snapkv")
+        if kv.mode == "fast" and kv.layout == "shared":
+            raise ConfigError("--kv-mode fast (kv.mode): with policy none and the shared layout the plain vLLM "
+                              "KV manager runs, which has no fast mode; drop it or give an eviction policy")
 
 
 @contextmanager
