@@ -204,7 +204,7 @@ class SimConfig(_Strict):
     tp: int = Field(1, gt=0)
     replicas: int = Field(1, gt=0)
     router: Literal["round_robin", "least_outstanding"] = "round_robin"
-    profile: str = "default"
+    profile: str = "auto"                # the GPU's shipped profile (sim/data/profiles; docs/gpu-profiles.md)
     kv_dtype: str | None = None
     weight_dtype: str | None = None      # decoder-layer weight dtype (fp16, bf16, fp8, int8, int4); None: the catalog's
     engine: EngineConfig = EngineConfig()
@@ -215,6 +215,9 @@ class SimConfig(_Strict):
         [99.0], description="percentiles of TTFT/TPOT/ITL/E2EL in summary.json (vllm bench serve --metric-percentiles)")
     fast_forward: bool = True
     check_invariants: bool = False
+    # the profile's client-side terms (API server, tokenization: what `vllm bench serve` measures beyond
+    # the engine) in TTFT/TPOT/ITL/E2E; off: engine time only
+    client_latency: bool = False
 
     @field_validator("metric_percentiles", mode="before")
     @classmethod

@@ -267,15 +267,23 @@ class ConcurrencyLimit:
     benchmark's asyncio semaphore, and is sent the moment one of them finishes (or is rejected). A
     request's `arrival_time` becomes the time it is sent, so TTFT and E2E latency are measured from there,
     as vLLM measures them; `client_arrival` keeps when it reached the client (its queue time is the
-    difference: vLLM's client_queue_time)."""
+    difference: vLLM's client_queue_time). With an `entry` (sim.client.RequestEntry: the profile's
+    client-side API server) a sent request enters the engine when the server lets it; `next_entry`
+    tells the engines when."""
 
-    def __init__(self, limit: int, router: Router):
+    def __init__(self, limit: int, router: Router, env: simpy.Environment | None = None, entry=None):
         self.limit = limit
         self.router = router
+        self.env = env
+        self.entry = entry
         self.in_flight = 0
         self.queue: deque[Request] = deque()
+        self.in_transit: deque[Request] = deque()       # sent, entering the engine at their arrival_time
         self.client_arrival: dict[int, float] = {}      # request_id -> time it reached the client
         self._sending = False
+
+    def next_entry(self) -> float:
+        return self.in_transit[0].arrival_time if self.in_transit else float("inf")
 
     @property
     def pending(self) -> int:
@@ -298,11 +306,20 @@ class ConcurrencyLimit:
         try:
             while self.queue and self.in_flight < self.limit:
                 req = self.queue.popleft()
-                req.arrival_time = now
+                req.arrival_time = now if self.entry is None else self.entry.enter(req.request_id, now)
                 self.in_flight += 1
-                self.router.route(req).submit(req)
+                if req.arrival_time > now:
+                    self.in_transit.append(req)          # sends happen in time order: FIFO
+                    self.env.process(self._enter(req))
+                else:
+                    self.router.route(req).submit(req)
         finally:
             self._sending = False
+
+    def _enter(self, req: Request):
+        yield self.env.timeout(max(req.arrival_time - self.env.now, 0.0))
+        self.in_transit.remove(req)
+        self.router.route(req).submit(req)
 
 
 class ArrivalProcess:
@@ -319,7 +336,8 @@ class ArrivalProcess:
         self.process = env.process(self.run())
 
     def next_arrival(self) -> float:
-        return self.requests[self.index].arrival_time if self.index < len(self.requests) else float("inf")
+        nxt = self.requests[self.index].arrival_time if self.index < len(self.requests) else float("inf")
+        return min(nxt, self.limit.next_entry()) if self.limit is not None else nxt
 
     def run(self):
         while self.index < len(self.requests):

@@ -13,6 +13,8 @@ from .bench_compare import compare
 from .assembly import load_workload, resolve_hardware, scheduler_config, trace_to_requests
 from .config import ConfigError, SimConfig
 from .core.scheduler import Scheduler
+from .client import RequestEntry, client_view
+from .cost_model import ClientLatency, profile_fit_error
 from .defaults import resolve_defaults
 from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, StepArrivals
 from .executor import replica_executor
@@ -67,7 +69,11 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
 
 def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost, num_blocks: int,
               max_model_len: int, t0: float, *, progress, keep_steps: bool, wrap_kv) -> SimulationResult:
-    requests = trace_to_requests(trace)
+    client = cost.profile.client if cfg.client_latency else ClientLatency()
+    # requests enter the engine through the client-side API server: at their trace time (open loop) or
+    # when the closed loop sends them
+    entry = RequestEntry(client) if client.enabled else None
+    requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency else entry)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None)
     sched_cfg = scheduler_config(cfg, cost, max_model_len)
@@ -103,7 +109,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
     limit = None
     if not by_step:
         router = Router(replicas, cfg.router)
-        limit = ConcurrencyLimit(limit_n, router) if limit_n is not None else None
+        limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
         limit_holder.append(limit)
         arrivals = ArrivalProcess(env, requests, router, limit)
         arrivals_holder.append(arrivals)
@@ -119,7 +125,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         else:
             unsent = set(map(id, step_arrivals.pending))
             requests = [r for r in requests if id(r) not in unsent]
-    req_df = request_table(requests)
+    req_df = client_view(request_table(requests), client, entry.sent if entry else {})
     if limit is not None:
         add_client_queue(req_df, limit.client_arrival)
     steps_df = step_log.to_pandas() if keep_steps or out is None else None
@@ -127,6 +133,9 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(cfg, req_df, steps_for_summary, [r.kv for r in replicas], num_blocks,
                           max_model_len, model, gpu)
+    summary["profile"] = cost.profile.name
+    summary["profile_step_mape"] = profile_fit_error(cost.profile)
+    summary["client_latency"] = client.enabled
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
@@ -178,7 +187,8 @@ def _drive(env: simpy.Environment, arrivals: ArrivalProcess | None, replicas: li
     try:
         if arrivals is not None:
             env.run(until=arrivals.process)    # all requests submitted
-        while any(r.scheduler.has_work for r in replicas) or (step_arrivals and step_arrivals.pending):
+        while (any(r.scheduler.has_work for r in replicas) or (step_arrivals and step_arrivals.pending)
+               or (limit is not None and limit.in_transit)):
             env.step()
         if limit is not None and limit.pending:
             raise RuntimeError(f"{limit.pending} requests still wait for a concurrency slot with no request "

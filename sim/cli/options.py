@@ -22,7 +22,8 @@ Model = Annotated[Optional[str], typer.Option(help="catalog model (llama-3.1-8b,
 Gpu = Annotated[Optional[str], typer.Option(help="catalog GPU (h100, l4, a100, ...) or YAML file")]
 Tp = Annotated[Optional[int], typer.Option(help="tensor parallel degree")]
 Replicas = Annotated[Optional[int], typer.Option(help="engine replicas behind the router")]
-Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or file (efficiency factors)")]
+Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or file; default auto: the GPU's own "
+                                                    "(fitted or derived; docs/gpu-profiles.md)")]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file; options override it")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="output directory")]
 Seed = Annotated[Optional[int], typer.Option(help="random seed (synthetic importance scores, arrivals of length-only traces)")]
@@ -91,7 +92,7 @@ SloTpot = Annotated[Optional[str], typer.Option(help="TPOT SLO for goodput, with
 CONFIG_KEYS = {
     "trace": "trace", "model": "model", "gpu": "gpu", "tp": "tp", "replicas": "replicas", "router": "router",
     "profile": "profile", "seed": "seed", "weight_dtype": "weight_dtype", "kv_dtype": "kv_dtype",
-    "fast_forward": "fast_forward", "check_invariants": "check_invariants",
+    "fast_forward": "fast_forward", "check_invariants": "check_invariants", "client_latency": "client_latency",
     "block_size": "engine.block_size", "num_gpu_blocks": "engine.num_gpu_blocks",
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "max_model_len": "engine.max_model_len", "long_prefill_token_threshold": "engine.long_prefill_token_threshold",
