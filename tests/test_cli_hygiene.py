@@ -65,3 +65,22 @@ def test_unreachable_dask_scheduler_is_one_line():
         connect("tcp://127.0.0.1:1", timeout_s=1)
     assert "--scheduler tcp://127.0.0.1:1: no dask scheduler answered" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_models_and_gpus_list_the_catalog_figures(tmp_path):
+    import json
+    r = run("models", "--json")
+    assert r.exit_code == 0, r.output
+    rows = {m["name"]: m for m in json.loads(r.output)}
+    assert rows["Qwen3-0.6B"]["kv_bytes_per_token"] == 114688 and rows["Llama-3.1-8B"]["layers"] == 32
+    assert rows["Qwen2.5-0.5B"]["weight_gib"] == pytest.approx(988065536 / 2**30)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
+        "num_attention_heads": 8, "num_hidden_layers": 4, "vocab_size": 1000, "torch_dtype": "float16"}))
+    one = json.loads(run("models", str(tmp_path / "m"), "--json").output)
+    assert one[0]["name"] == "m" and one[0]["kv_bytes_per_token"] == 2 * 4 * 8 * 64 * 2
+    assert run("models", "no-such-model").exit_code == 2
+    gpus = {g["name"]: g for g in json.loads(run("gpus", "--json").output)}
+    assert gpus["H100-SXM"]["memory_bw_gbps"] == 3350 and "fp8" not in gpus["T4"]["tflops"]
+    assert run("gpus").exit_code == 0 and "H200" in run("gpus").output

@@ -12,6 +12,7 @@ from .dashboard import dashboard
 from .model import app as model_app
 from .planning import capacity, report, sweep
 from .reference import app as reference_app
+from .catalog import gpus, models
 from .replay import replay
 from .simulate import simulate
 from .trace import app as trace_app
@@ -47,6 +48,8 @@ def _setup(show_version: bool = typer.Option(False, "--version", is_eager=True, 
 # registration order is the order of `kvsim --help`
 app.add_typer(trace_app, name="trace")
 app.command()(simulate)
+app.command()(models)
+app.command()(gpus)
 app.add_typer(model_app, name="model")
 for command in (replay, dashboard, sweep, capacity, report, calibrate, crosscheck):
     app.command()(command)
