@@ -48,6 +48,7 @@ def test_engine_and_window_options_reach_the_config(tmp_path):
     (["--kv-mode", "fast"], "--kv-mode fast (kv.mode): with policy none"),
     (["--num-gpu-blocks", "200000"], "390.6 GiB of KV cache per GPU, but H100-SXM has 79.11 GiB"),
     (["--burstiness", "0.5"], "burstiness 0.5 has no effect without request_rate"),
+    (["--gpu", "t4", "--model", "llama-3.2-1b", "--weight-dtype", "fp8"], "T4 predates Ampere"),
 ])
 def test_ineffective_or_impossible_options_are_one_line(tmp_path, args, message):
     r = run("simulate", "--max-requests", "5", *args, "-q", "-o", str(tmp_path / "x"))

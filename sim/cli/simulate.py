@@ -114,7 +114,16 @@ def simulate(
 
 
 def refuse_ineffective(cfg) -> None:
-    """Options that would change nothing in this run are a mistake to say, not to ignore."""
+    """Options that would change nothing in this run, or that vLLM cannot run, are a mistake to say, not to
+    ignore."""
+    from kvsim.sim.catalog import get_gpu, get_model, normalize_dtype
+
+    gpu = get_gpu(cfg.gpu)
+    weights = normalize_dtype(cfg.weight_dtype) if cfg.weight_dtype else get_model(cfg.model).weight_dtype
+    if weights == "fp8" and gpu.kind == "gpu" and not {"fp8", "bf16"} & set(gpu.tflops):
+        raise ConfigError(f"--weight-dtype fp8: {gpu.name} predates Ampere; vLLM runs FP8 weights only on compute "
+                          "capability 8.0+ (Marlin weight-only on Ampere, native FP8 on Ada/Hopper); expected "
+                          "int8, int4 or fp16 weights on it")
     kv = cfg.kv
     if kv.policy == "none":
         if kv.budget is not None:
