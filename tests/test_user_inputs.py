@@ -207,3 +207,16 @@ def test_shipped_tokenizer_equals_the_real_backends_smollm2_tokenizer():
     tok = load_tokenizer()
     for t in texts:
         assert tok.encode(t, add_special_tokens=False).ids == list(ref.encode(t)), t[:60]
+
+
+def test_bench_result_without_send_times_draws_its_rate(tmp_path):
+    from kvsim.traces.arrivals import vllm_bench_arrivals
+    trace = load_trace("azure-conv-2023").head(12)
+    res = run_simulation(load_config(None, BASE), trace=trace)
+    bench_file(tmp_path / "b.json", res, request_rate=3.0)
+    data = json.loads((tmp_path / "b.json").read_text())
+    del data["start_times"], data["queue_times"]             # as older vLLM versions save it
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    t = load_trace(tmp_path / "b.json")
+    drawn = vllm_bench_arrivals(12, 3.0, 1.0)
+    np.testing.assert_allclose(t.df["arrival_time_s"], drawn - drawn[0])

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvsim.traces.arrivals import vllm_bench_arrivals
 from kvsim.traces.errors import TraceError
 
 VLLM_MIN_LEN, VLLM_MAX_PROMPT, VLLM_MAX_TOTAL = 4, 1024, 2048
@@ -112,8 +113,11 @@ def vllm_bench_columns(path: Path) -> dict:
         arrival = np.array([starts[i] for i in idx], dtype=np.float64)
     elif starts is not None and queue is not None and all(isinstance(q, (int, float)) for q in queue):
         arrival = np.array([starts[i] - queue[i] for i in idx], dtype=np.float64)     # client arrival times
-    else:
-        arrival = np.zeros(len(idx))
+    else:           # no send times saved (older vLLM): its rate's arrivals, drawn as vllm bench serve draws them
+        rate = data.get("request_rate")
+        rate = float(rate) if isinstance(rate, (int, float)) or str(rate).replace(".", "", 1).isdigit() else None
+        arrival = (vllm_bench_arrivals(len(idx), rate, float(data.get("burstiness") or 1.0))
+                   if rate and data.get("max_concurrency") is None else np.zeros(len(idx)))
     measured = {key: [data[key][i] for i in idx] for key in MEASURED if key in data}
     measured.update(request_id=idx.tolist(), duration=data.get("duration"))
     dropped = n - len(idx)
