@@ -69,6 +69,19 @@ each max per step (`active_branches`), which makes time linear in the unknowns (
 feature in `FEATURE_NAMES`, merged per `FACTOR_OF_FEATURE`), solve non-negative least squares,
 repeat until the branches stop changing.
 
+The operator form (profiles with a `gemm_efficiency` table: every shipped GPU profile, fitted to
+measured kernel times by sim/calibration/operator_fit.py; docs/gpu-profiles.md) replaces the linear
+and all-reduce terms (`_operator_breakdown`), tokens = prefill + decode tokens, [ran] = tokens > 0:
+
+  linear    = max(tokens * flops_s / eff(tokens) + seqs * lm_head_s / eff(seqs),
+                  ([ran] * weights_s + seqs * logits_s) / p.mem_bw_eff)
+              + [ran] * ((4 * layers + 1) * p.gemm_latency_s + layers * p.layer_latency_s)
+              + tokens * elementwise_s / p.elementwise_bw_eff
+  allreduce = allreduce_bw / bw_eff(tp) + allreduce_count * latency(tp)     (p.allreduce_by_tp)
+
+with eff() the table interpolated at this model's per-GPU layer weight size; attention, copy, swap,
+overhead and async as above (decode_batch_factors and the padded terms are not used: GPU kernels).
+
 Scalars and equal-length float64 arrays (a run of steps) go through the same numpy float64
 operations in the same order, so the two paths agree bit for bit.
 """
@@ -215,8 +228,8 @@ class HardwareProfile(BaseModel):
     # TP degree -> {latency_s, bw_eff} of one all-reduce (the nearest listed degree beyond the table);
     # empty: allreduce_latency_s / allreduce_bw_eff for every degree
     allreduce_by_tp: dict[int, AllReduceTerms] = Field(default_factory=dict)
-    # what `vllm bench serve` measures beyond the engine (API server, tokenization, streaming); off
-    # with --client-latency (off: engine time only). See ClientLatency.
+    # what `vllm bench serve` measures beyond the engine (API server, tokenization, streaming); applied
+    # with --client-latency (default: engine time only). See ClientLatency.
     client: ClientLatency = Field(default_factory=lambda: ClientLatency())
     meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
 
@@ -399,6 +412,16 @@ class CostModel:
         elem = m.num_layers * act_bytes * (7 * m.hidden_size + 2 * (m.q_size + m.kv_size) / tp
                                            + 3 * m.intermediate_size / tp)
         self._elementwise_token_s = float(elem / self.gpu.mem_bw)
+
+    @property
+    def matmul_time_per_token(self) -> float:
+        """Seconds at peak of the decoder-layer matmuls for one token on one GPU (LM head excluded)."""
+        return self._c["prefill_flops_s"]
+
+    @property
+    def elementwise_time_per_token(self) -> float:
+        """Seconds at peak bandwidth of one token's elementwise kernels (norms, RoPE, activation, adds)."""
+        return self._elementwise_token_s
 
     @property
     def layer_weight_mib(self) -> float:
