@@ -16,7 +16,7 @@ from .core.request import Request
 from .core.scheduler import SchedulerConfig
 from .cost_model import CostModel, load_profile
 from .defaults import resolve_engine
-from .memory import RunMemoryEstimate, check_memory, estimate_run_memory, num_gpu_blocks
+from .memory import RunMemoryEstimate, check_memory, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
 
 
 def load_workload(cfg: SimConfig):
@@ -24,7 +24,8 @@ def load_workload(cfg: SimConfig):
     opts = cfg.trace_options
     # without a time window the first N requests are the file's first N (only those rows are read)
     first = opts.max_requests if opts.start_s is None and opts.end_s is None else None
-    trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate, "seed": cfg.seed} if opts.rate else {}))
+    trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate} if opts.rate else {}), seed=cfg.seed,
+                       **trace_file_options(opts))
     if opts.start_s is not None or opts.end_s is not None:
         trace = trace.window(opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
     if opts.max_requests is not None:
@@ -38,6 +39,16 @@ def load_workload(cfg: SimConfig):
     if opts.rate_scale != 1.0:
         trace = trace.scale_rate(opts.rate_scale)
     return trace
+
+
+def trace_file_options(opts) -> dict:
+    """load_trace's format and reader options from `trace_options` (only those given)."""
+    out = {"format": opts.format} if opts.format else {}
+    if opts.format in ("csv", "jsonl", "parquet"):
+        out.update(columns=opts.columns, time_unit=opts.time_unit)
+    if opts.tokenizer is not None:
+        out["tokenizer"] = opts.tokenizer
+    return out
 
 
 def with_request_rate(trace, request_rate: float, burstiness: float, seed: int):
@@ -85,6 +96,7 @@ def resolve_hardware(cfg: SimConfig, model=None):
                      async_scheduling=bool(eng.async_scheduling))
     if eng.num_gpu_blocks is not None:
         blocks = eng.num_gpu_blocks
+        check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)
     else:
         blocks = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
                                 gpu_memory_utilization=eng.gpu_memory_utilization,

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .hf_config import HFConfigError, hf_config_path, model_fields_from_hf_config
 from .safe_io import InputError, read_input_text, safe_yaml_load
 from .yaml_errors import yaml_problem
 
@@ -415,11 +416,13 @@ def _gpus() -> _Catalog:
 def get_model(name_or_path: str | Path | ModelSpec) -> ModelSpec:
     """Catalog model by name/alias (case-insensitive), from a YAML file path (`file.yaml#Name`), or from a
     Hugging Face config.json (or a directory holding one: sim/hf_config.py)."""
-    from .hf_config import hf_config_path, model_from_hf_config
-
-    hf = hf_config_path(name_or_path)
-    if hf is not None:
-        return model_from_hf_config(hf)
+    try:
+        hf = hf_config_path(name_or_path)
+        if hf is not None:
+            return ModelSpec(**model_fields_from_hf_config(hf))
+    except (HFConfigError, ValidationError) as exc:
+        message = str(exc) if isinstance(exc, HFConfigError) else f"{hf}: {str(exc).splitlines()[-1].strip()}"
+        raise CatalogError(message) from None
     return _models().get(name_or_path)
 
 

@@ -9,6 +9,9 @@ from typing import Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvsim.traces.loaders import FORMATS as TRACE_FORMATS
+from kvsim.traces.loaders import GENERIC_FORMATS
+
 from .catalog import get_gpu, get_model, normalize_dtype
 from .kv.policy import PolicyError
 from .kv.policy import policy_names as registered_policy_names
@@ -111,6 +114,15 @@ class TraceOptions(_Strict):
     max_concurrency: int | None = Field(
         None, gt=0, description="vllm bench serve --max-concurrency: at most this many requests in flight; "
                                 "the next one is sent when one finishes")
+    # reading the trace file (traces/loaders.py, traces/user_formats.py)
+    format: str | None = Field(None, description="trace file format; default: detected (csv, jsonl, parquet: "
+                                                 "a log read through `columns`, never detected)")
+    columns: dict[str, str] | str | None = Field(
+        None, description="csv/jsonl/parquet: kvsim field -> source column, e.g. arrival=timestamp,"
+                          "prompt_tokens=usage.prompt_tokens,output_tokens=usage.completion_tokens")
+    time_unit: Literal["s", "ms", "us", "ns"] = Field("s", description="csv/jsonl/parquet: unit of epoch times")
+    tokenizer: str | None = Field(None, description="ShareGPT: tokenizer.json (or its model directory) counting "
+                                                    "tokens; default: the shipped SmolLM2 tokenizer")
 
     @model_validator(mode="after")
     def _load_options_agree(self) -> "TraceOptions":
@@ -119,6 +131,11 @@ class TraceOptions(_Strict):
                              "(request_rate: vllm bench serve's arrivals, rate: Poisson from t=0)")
         if self.burstiness != 1.0 and self.request_rate is None:
             raise ValueError(f"burstiness {self.burstiness:g} has no effect without request_rate")
+        if self.format is not None and self.format not in TRACE_FORMATS:
+            raise ValueError(f"unknown trace format {self.format!r}; expected one of {', '.join(TRACE_FORMATS)}")
+        if self.columns is not None and self.format not in GENERIC_FORMATS:
+            raise ValueError(f"columns map a csv, jsonl or parquet log; give format: csv|jsonl|parquet "
+                             f"(got format {self.format!r})")
         if self.max_concurrency is not None and self.arrival_unit == "step":
             raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
         return self
@@ -198,11 +215,33 @@ class SimConfig(_Strict):
     kv: KVConfig = KVConfig()
     slo: SLO = SLO(ttft="2s", tpot="100ms")
     seed: int = Field(0, ge=0, lt=2**63)
+    metric_percentiles: list[float] = Field(
+        [99.0], description="percentiles of TTFT/TPOT/ITL/E2EL in summary.json (vllm bench serve --metric-percentiles)")
     fast_forward: bool = True
     check_invariants: bool = False
     # the profile's client-side terms (API server, tokenization: what `vllm bench serve` measures beyond
     # the engine) in TTFT/TPOT/ITL/E2E; off: engine time only
     client_latency: bool = False
+
+    @field_validator("metric_percentiles", mode="before")
+    @classmethod
+    def _comma_separated(cls, v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return [v]
+        if isinstance(v, str):           # vLLM's spelling: "25,50,99"
+            try:
+                return [float(x) for x in v.split(",")]
+            except ValueError:
+                raise ValueError("expected comma-separated numbers such as 50,90,99") from None
+        return v
+
+    @field_validator("metric_percentiles")
+    @classmethod
+    def _percentiles(cls, v: list[float]) -> list[float]:
+        bad = [p for p in v if not 0 <= p <= 100]
+        if bad or not v:
+            raise ValueError(f"expected percentiles between 0 and 100, got {bad or 'none'}")
+        return v
 
     @field_validator("model")
     @classmethod

@@ -16,8 +16,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .catalog import CatalogError, ModelSpec
 from .safe_io import InputError, read_input_text, safe_json_loads
+
+
+class HFConfigError(ValueError):
+    """A config.json that cannot be read as a model (sim.catalog raises it as a CatalogError)."""
 
 # model_type -> (tie_word_embeddings default, q/k/v bias default, per-head q/k norm); the defaults are those
 # of the transformers config class (used when the file leaves the key out)
@@ -43,38 +46,38 @@ def hf_config_path(name_or_path: Any) -> Path | None:
     if path.is_dir():
         if (path / "config.json").is_file():
             return path / "config.json"
-        raise CatalogError(f"--model {text}: is a directory without config.json; expected a Hugging Face model "
+        raise HFConfigError(f"--model {text}: is a directory without config.json; expected a Hugging Face model "
                            "directory, a config.json, a catalog name or a model YAML file")
     return None
 
 
-def model_from_hf_config(path: str | os.PathLike) -> ModelSpec:
-    """The ModelSpec of a Hugging Face config.json (cached per file version)."""
+def model_fields_from_hf_config(path: str | os.PathLike) -> dict:
+    """The ModelSpec fields of a Hugging Face config.json (cached per file version; a copy each call)."""
     path = Path(path)
     try:
         stat = path.stat()
     except FileNotFoundError:
-        raise CatalogError(f"{path}: no such file; expected a Hugging Face config.json") from None
-    return _cached(str(path), str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        raise HFConfigError(f"{path}: no such file; expected a Hugging Face config.json") from None
+    return dict(_cached(str(path), str(path.resolve()), stat.st_mtime_ns, stat.st_size))
 
 
 @lru_cache(maxsize=32)
-def _cached(shown: str, resolved: str, mtime_ns: int, size: int) -> ModelSpec:
-    return spec_from_hf_dict(_read(Path(resolved)), Path(shown))
+def _cached(shown: str, resolved: str, mtime_ns: int, size: int) -> dict:
+    return fields_from_hf_dict(_read(Path(resolved)), Path(shown))
 
 
 def _read(path: Path) -> dict:
     try:
         data = safe_json_loads(read_input_text(path, what="Hugging Face config.json"), str(path))
     except InputError as exc:       # a FIFO, a device, over 16 MiB, not UTF-8, nested too deeply
-        raise CatalogError(str(exc)) from None
+        raise HFConfigError(str(exc)) from None
     except OSError as exc:
-        raise CatalogError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+        raise HFConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         where = f"line {exc.lineno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else exc.reason
-        raise CatalogError(f"{path}: not valid JSON ({where}); expected a Hugging Face config.json") from None
+        raise HFConfigError(f"{path}: not valid JSON ({where}); expected a Hugging Face config.json") from None
     if not isinstance(data, dict):
-        raise CatalogError(f"{path}: expected a JSON object (a Hugging Face config.json)")
+        raise HFConfigError(f"{path}: expected a JSON object (a Hugging Face config.json)")
     return data
 
 
@@ -84,8 +87,8 @@ class _Fields:
     def __init__(self, data: dict, path: Path):
         self.data, self.path = data, path
 
-    def error(self, message: str) -> CatalogError:
-        return CatalogError(f"{self.path}: {message}")
+    def error(self, message: str) -> HFConfigError:
+        return HFConfigError(f"{self.path}: {message}")
 
     def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
         value = self.data.get(key, default)
@@ -104,8 +107,8 @@ class _Fields:
         return value
 
 
-def spec_from_hf_dict(data: dict, path: Path) -> ModelSpec:
-    """ModelSpec from a parsed config.json (`path` names it in errors and gives the model's name)."""
+def fields_from_hf_dict(data: dict, path: Path) -> dict:
+    """ModelSpec fields from a parsed config.json (`path` names it in errors and gives the model's name)."""
     top = data
     if isinstance(data.get("text_config"), dict):        # multimodal wrapper: the language model's config
         data = {**{k: v for k, v in data.items() if k in ("torch_dtype", "dtype", "quantization_config")},
@@ -121,16 +124,13 @@ def spec_from_hf_dict(data: dict, path: Path) -> ModelSpec:
         raise f.error(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
     qkv_bias = bias_default or f.bool("attention_bias", False) or f.bool("qkv_bias", False)
     weight, embedding, activation = _dtypes(f, top)
-    try:
-        return ModelSpec(
-            name=_name(top, path), num_layers=f.int("num_hidden_layers"), hidden_size=hidden, num_heads=heads,
-            num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=f.int("intermediate_size"),
-            vocab_size=f.int("vocab_size"), tied_embeddings=f.bool("tie_word_embeddings", tie_default),
-            qkv_bias=qkv_bias, qk_norm=qk_norm, max_position=f.int("max_position_embeddings", 2048),
-            weight_dtype=weight, embedding_dtype=embedding, activation_dtype=activation, kv_dtype=activation,
-            mlp_matrices=3)
-    except ValueError as exc:       # pydantic's ValidationError is one
-        raise f.error(str(exc).splitlines()[-1].strip()) from None
+    return dict(
+        name=_name(top, path), num_layers=f.int("num_hidden_layers"), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=f.int("intermediate_size"),
+        vocab_size=f.int("vocab_size"), tied_embeddings=f.bool("tie_word_embeddings", tie_default),
+        qkv_bias=qkv_bias, qk_norm=qk_norm, max_position=f.int("max_position_embeddings", 2048),
+        weight_dtype=weight, embedding_dtype=embedding, activation_dtype=activation, kv_dtype=activation,
+        mlp_matrices=3)
 
 
 def _refuse_unsupported(f: _Fields, model_type: str) -> None:

@@ -121,6 +121,21 @@ TOKEN_TIME_BYTES = 16                 # each output token's time: in the request
 FAST_SLAB_GROWTH = 1.5                # the slab doubles: old and new arrays coexist while it grows
 
 
+def check_pool_fits_gpu(model: ModelSpec, gpu: GPUSpec, *, tp: int, num_blocks: int, block_size: int,
+                        kv_dtype: str | None = None) -> None:
+    """A KV pool given by hand (engine.num_gpu_blocks) must fit the GPU beside the weights: vLLM could not
+    allocate it. Raises ModelDoesNotFitError naming the option and the most that fits."""
+    per_token = model.kv_bytes_per_token(kv_dtype) * kv_heads_per_gpu(model, tp) / model.num_kv_heads
+    pool = num_blocks * block_size * per_token
+    room = gpu.memory_bytes - model.weight_bytes // tp
+    if pool > room:
+        most = max(int(room // (block_size * per_token)), 0)
+        raise ModelDoesNotFitError(
+            f"engine.num_gpu_blocks: {num_blocks} blocks x {block_size} tokens x {per_token / 1024:g} KiB = "
+            f"{pool / GiB:.1f} GiB of KV cache per GPU, but {gpu.name} has {gpu.memory_gib:g} GiB and the weights "
+            f"take {model.weight_bytes / tp / GiB:.1f} GiB of it; expected at most {most} blocks")
+
+
 class HostMemoryError(ValueError):
     """A run would need more host memory than is available; the message says what and how much."""
 

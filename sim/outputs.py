@@ -18,6 +18,7 @@ from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
 from .metrics import flat_token_times, summarize
 from .safe_io import dumps_json
+from .vllm_metrics import bench_metrics
 
 
 def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
@@ -34,6 +35,7 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kv
     summary["prefix_hit_rate_preempted"] = preempted_hits / preempted_queries if preempted_queries else 0.0
     if not cfg.kv.is_default:
         summary.update(kv_summary(kvs, req_df, steps_df))
+    summary.update(run_bench_metrics(cfg, req_df))
     summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
                     "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
                     "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace,
@@ -42,6 +44,20 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kv
                     "profile_step_mape": profile_fit_error(profile) if profile else None,
                     "client_latency": client_latency})
     return summary
+
+
+def run_bench_metrics(cfg: SimConfig, req_df: pd.DataFrame) -> dict:
+    """`vllm bench serve`'s result keys (sim/vllm_metrics.py), and the load options it echoes when set."""
+    opts = cfg.trace_options
+    start = 0.0 if opts.request_rate is not None or not len(req_df) else float(
+        req_df.get("client_arrival_s", req_df["arrival_s"]).min())
+    out = bench_metrics(req_df, start_s=start, percentiles=cfg.metric_percentiles,
+                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s)
+    if opts.request_rate is not None:
+        out.update(request_rate=opts.request_rate, burstiness=opts.burstiness)
+    if opts.max_concurrency is not None:
+        out["max_concurrency"] = opts.max_concurrency
+    return out
 
 
 def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame, summary: dict) -> None:

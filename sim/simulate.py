@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import simpy
 
+from .bench_compare import compare
 from .assembly import load_workload, resolve_hardware, scheduler_config, trace_to_requests
 from .config import ConfigError, SimConfig
 from .core.scheduler import Scheduler
@@ -57,6 +58,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
         check_out_owner(Path(out_dir), overwrite=overwrite)
         _check_not_reading_from(cfg, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
+    cfg = with_bench_load(cfg, trace)
     model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=model)
     check_memory(estimate_run_memory(cfg, model, cost, num_blocks, trace))
     staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
@@ -138,14 +140,29 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
     if stop:
         summary["partial_reason"] = stop[0]
         summary["num_trace_requests"] = len(trace)
+    comparison = None
+    if getattr(trace, "measured", None) and not stop:
+        comparison, summary["bench_comparison"] = compare(trace.measured, req_df, summary)
     wall = time.perf_counter() - t0
     summary["wall_s"] = wall
     if staging:
         write_outputs(out, cfg, req_df, summary)
+        if comparison is not None:
+            comparison.to_parquet(out / "bench_comparison.parquet", index=False)
         staging.publish()
     if stop:
         raise stop[1]
     return SimulationResult(summary, req_df, steps_df, staging.shown if staging else None, num_blocks, wall)
+
+
+def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
+    """A `vllm bench serve` result replayed as a trace runs under the load it was measured with: its
+    --max-concurrency unless the config sets one (its send times are already on the trace)."""
+    load = getattr(trace, "bench_load", None) or {}
+    if load.get("max_concurrency") and cfg.trace_options.max_concurrency is None:
+        opts = cfg.trace_options.model_copy(update={"max_concurrency": int(load["max_concurrency"])})
+        return cfg.model_copy(update={"trace_options": opts})
+    return cfg
 
 
 def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:

@@ -464,10 +464,26 @@ def _running(pid: int) -> bool:
         return pid_alive(pid)
 
 
+class SchedulerUnreachable(ConnectionError):
+    """No dask scheduler answered at the address given; the message names it."""
+
+
+def connect(address: str, timeout_s: float = 10.0):
+    """A distributed.Client of the scheduler at `address`, or SchedulerUnreachable in one line."""
+    from distributed import Client
+
+    try:
+        return Client(address, timeout=f"{timeout_s:g}s")
+    except (OSError, TimeoutError, ValueError, TypeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SchedulerUnreachable(f"--scheduler {address}: no dask scheduler answered within {timeout_s:g} s "
+                                   f"({reason[:160]}); start one (dask scheduler) or check the address") from None
+
+
 def _dask(tasks: list[RunTask], scheduler: Any) -> Completed:
     from distributed import Client, as_completed as dask_completed
 
-    client = scheduler if isinstance(scheduler, Client) else Client(scheduler)
+    client = scheduler if isinstance(scheduler, Client) else connect(scheduler)
     try:
         futures = {client.submit(execute_run, t, key=f"kvsim-run-{t.run_id}", pure=False): t for t in tasks}
         try:

@@ -58,6 +58,8 @@ RULES = (
     ("kvsim.sim.assembly", "core"),
     ("kvsim.sim.outputs", "core"),
     ("kvsim.sim.metrics", "core"),
+    ("kvsim.sim.vllm_metrics", "core"),
+    ("kvsim.sim.bench_compare", "core"),
     ("kvsim.sim.client", "core"),
     ("kvsim.sim.memory", "core"),
     ("kvsim.sim.defaults", "core"),

@@ -96,8 +96,12 @@ def _simulate_cli(tmp_path, *args):
 def test_a_pool_beyond_host_memory_is_refused_before_it_is_allocated(tmp_path):
     import tracemalloc
 
+    # a GPU of 10^8 GiB: the pool fits it (an H100 refuses it first: test_cli_hygiene), not the host
+    gpu = tmp_path / "huge.yaml"
+    gpu.write_text("name: Huge-GPU\nmemory_gib: 100000000\nmemory_bw_gbps: 3350\ntflops: {bf16: 989}\n"
+                   "pcie_gbps: 64\nusd_per_hour: 1\n")
     tracemalloc.start()
-    res = _simulate_cli(tmp_path, "--num-gpu-blocks", "1000000000")
+    res = _simulate_cli(tmp_path, "--num-gpu-blocks", "1000000000", "--gpu", str(gpu))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert res.exit_code == 2 and "Traceback" not in res.output

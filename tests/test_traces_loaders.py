@@ -258,7 +258,9 @@ def test_binary_file_is_an_unknown_format(tmp_path):
 
 
 def test_forced_unknown_format_is_refused(tmp_path):
-    assert_trace_error(write(tmp_path, "x.csv", AZURE_HEADER + ROW), None, "unknown format 'sharegpt'", format="sharegpt")
+    assert_trace_error(write(tmp_path, "x.csv", AZURE_HEADER + ROW), None, "unknown format 'openai'", format="openai")
+    # a known format forced on the wrong file: that format's reader says what it expected
+    assert_trace_error(write(tmp_path, "y.csv", AZURE_HEADER + ROW), 1, "expected a ShareGPT JSON list", format="sharegpt")
 
 
 def test_bad_parquet_rows_name_the_row(tmp_path):

@@ -12,6 +12,8 @@ Formats (``format=`` names):
 - ``lengths``: length-only stats CSV ``num_prefill_tokens,num_decode_tokens,...`` (ShareGPT,
   arXiv); arrivals come from ``rate=``/``cv=``/``seed=`` or, with no rate, all at t=0.
 - ``native-jsonl``, ``native-parquet``, ``native-csv``: kvsim's own format (see ``Trace.save``).
+- ``sharegpt``, ``vllm-bench`` (detected) and ``csv``, ``jsonl``, ``parquet`` (only when named, with
+  ``columns=``): a vLLM user's files, traces/user_formats.py.
 
 Every loader except the native ones shifts time so the first request arrives at t=0. Output
 lengths of 0 (failed requests in BurstGPT) become 1 and are counted in ``num_output_clamped``.
@@ -35,6 +37,7 @@ from kvsim.sim.safe_io import InputError, check_input_file, safe_json_loads
 from kvsim.traces.arrivals import arrivals
 from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.trace import NATIVE_METADATA_KEY, Trace, _session_column
+from kvsim.traces.user_formats import TIME_UNITS, read_mapped_table, sharegpt_lengths, vllm_bench_columns
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -69,10 +72,16 @@ _KNOWN_FORMATS_HELP = (
     "(timestamp,input_length,output_length,hash_ids), Vidur CSV (arrived_at,num_prefill_tokens,"
     "num_decode_tokens), BurstGPT CSV (Timestamp,...,Request tokens,Response tokens,...), length-only "
     "CSV (num_prefill_tokens,num_decode_tokens), kvsim native JSONL/Parquet/CSV "
-    "(arrival_time_s,prompt_tokens,output_tokens)")
+    "(arrival_time_s,prompt_tokens,output_tokens), ShareGPT JSON, a vllm bench serve result JSON; any other "
+    "CSV/JSONL/Parquet log with --trace-format csv|jsonl|parquet and --trace-columns")
+FORMATS = ("azure", "mooncake", "vidur", "burstgpt", "lengths", "native-jsonl", "native-parquet", "native-csv",
+           "sharegpt", "vllm-bench", "csv", "jsonl", "parquet")
+# read only when named with format= (a column mapping says which column is what): never detected
+GENERIC_FORMATS = ("csv", "jsonl", "parquet")
+# formats without arrival times: every request at t=0 unless a rate is given
+LENGTH_ONLY_FORMATS = ("lengths", "sharegpt")
 # the most data rows a loader reads (load_trace's max_rows); None: the whole file
 _ROW_LIMIT: ContextVar[int | None] = ContextVar("trace_row_limit", default=None)
-FORMATS = ("azure", "mooncake", "vidur", "burstgpt", "lengths", "native-jsonl", "native-parquet", "native-csv")
 
 
 # ---- public entry points ----------------------------------------------------------------------
@@ -113,12 +122,20 @@ def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: fl
     fmt = format or detect_format(path)
     if fmt not in _LOADERS:
         raise TraceError(path, None, f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    if fmt != "lengths" and (rate is not None or cv is not None):
+    if fmt not in LENGTH_ONLY_FORMATS and (rate is not None or cv is not None):
         raise TraceError(path, None, f"rate/cv apply only to length-only traces, this is a {fmt} trace "
                                      "with its own arrival times (use Trace.scale_rate to change its rate)")
     if fmt == "lengths":
         options.update(rate=rate, cv=cv, seed=seed)
-    limited = max_rows is not None and fmt != "lengths" and not any(options.get(k) for k in ("model", "log_type"))
+    elif fmt == "sharegpt":
+        options.update(seed=seed)
+    if options.get("tokenizer") is not None and fmt != "sharegpt":
+        raise TraceError(path, None, f"a tokenizer applies to ShareGPT JSON (text), this is a {fmt} trace of "
+                                     "token counts")
+    options = {k: v for k, v in options.items() if not (k == "tokenizer" and v is None)}
+    # the first N rows are the first N requests only where rows are requests in file order
+    limited = (max_rows is not None and fmt not in LENGTH_ONLY_FORMATS + ("vllm-bench",) + GENERIC_FORMATS
+               and not any(options.get(k) for k in ("model", "log_type")))
     token = _ROW_LIMIT.set(max_rows if limited else None)
     try:
         trace = _LOADERS[fmt](path, **options)
@@ -126,6 +143,10 @@ def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: fl
         raise TraceError(path, None, f"not a text file ({exc.reason}); {_KNOWN_FORMATS_HELP}") from None
     finally:
         _ROW_LIMIT.reset(token)
+    if fmt == "sharegpt" and rate is not None:
+        times, how = arrivals(len(trace), rate=rate, cv=cv, seed=seed)
+        trace = trace.with_arrivals(times)
+        trace.notices.append(f"arrivals synthesized: {how}")
     trace.name = name or trace.name or short_name
     trace.source = str(path)
     return trace
@@ -149,6 +170,10 @@ def detect_format(path: str | os.PathLike) -> str:
     if first is None:
         raise TraceError(path, 1, f"empty file; {_KNOWN_FORMATS_HELP}")
     line_no, line = first
+    if line.startswith("[") and '"conversations"' in text:
+        return "sharegpt"
+    if line.startswith("{") and '"input_lens"' in text and '"output_lens"' in text:
+        return "vllm-bench"
     if line.startswith("{"):
         try:
             record = safe_json_loads(line, f"line {line_no}")
@@ -575,7 +600,62 @@ def _read_parquet_rows(path: Path, limit: int | None):
     return pa.Table.from_batches(batches, schema=pf.schema_arrow)
 
 
+# ---- a vLLM user's files (traces/user_formats.py reads them; built and validated here) ----------------
+def load_sharegpt(path: Path, *, seed: int = 0, tokenizer=None, shuffle: bool = True, vllm_filter: bool = True):
+    prompt, output, notice = sharegpt_lengths(path, seed=seed, tokenizer=tokenizer, shuffle=shuffle,
+                                              vllm_filter=vllm_filter)
+    trace = _build(path, _Rows(path, None, len(prompt)), arrival=np.zeros(len(prompt)), prompt=prompt,
+                   output=output)
+    trace.notices.append(notice)
+    return trace
+
+
+def load_vllm_bench(path: Path) -> Trace:
+    c = vllm_bench_columns(path)
+    rows = _Rows(path, None, len(c["prompt"]))
+    trace = _build(path, rows, arrival=c["arrival"], prompt=_integers(c["prompt"], rows, "input_lens", 1),
+                   output=_integers(c["output"], rows, "output_lens", 1), request_id=c["request_id"])
+    trace.measured, trace.bench_load = c["measured"], c["bench_load"]
+    trace.notices.append(c["notice"])
+    return trace
+
+
+def _generic(fmt: str):
+    def load(path: Path, *, columns=None, time_unit: str = "s") -> Trace:
+        if time_unit not in TIME_UNITS:
+            raise TraceError(path, None, f"time_unit {time_unit!r}; expected one of {', '.join(TIME_UNITS)}")
+        df, lines, mapping = read_mapped_table(path, fmt, columns)
+        rows = _Rows(path, lines, len(df))
+        extra = {}
+        for field in ("request_id", "priority"):
+            if field in mapping:
+                extra[field] = _integers(df[mapping[field]], rows, mapping[field], 0 if field == "request_id" else None)
+        if "session_id" in mapping:
+            extra["session_id"] = list(df[mapping["session_id"]])
+        return _build(path, rows, arrival=_log_times(df[mapping["arrival"]], rows, mapping["arrival"], time_unit),
+                      prompt=_integers(df[mapping["prompt_tokens"]], rows, mapping["prompt_tokens"], 1),
+                      output=_integers(df[mapping["output_tokens"]], rows, mapping["output_tokens"], 0), **extra)
+    return load
+
+
+def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str) -> np.ndarray:
+    """Epoch numbers (in `unit`) or ISO-8601 strings -> seconds from the first request."""
+    if pd.to_numeric(raw, errors="coerce").notna().all():
+        values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)") * TIME_UNITS[unit]
+        return values - values.min()
+    parsed = pd.to_datetime(raw.astype(str).str.strip(), format="ISO8601", utc=True, errors="coerce")
+    bad = parsed.isna().to_numpy()
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise rows.error(row, f"{name}: expected an ISO-8601 time (2026-11-25T17:00:00.123Z) or an epoch number, "
+                              f"got {_describe(raw.iloc[row])}")
+    return (parsed - parsed.min()).dt.total_seconds().to_numpy(dtype=np.float64)
+
+
 _LOADERS = {
+    "sharegpt": load_sharegpt,
+    "vllm-bench": load_vllm_bench,
+    **{fmt: _generic(fmt) for fmt in GENERIC_FORMATS},
     "azure": load_azure,
     "mooncake": load_mooncake,
     "vidur": load_vidur,

@@ -47,6 +47,10 @@ class Trace:
     num_output_clamped: int = 0    # requests whose output length 0 was raised to 1 on load
     num_reordered: int = 0         # requests found earlier than a predecessor in the source file
     notices: list[str] = field(default_factory=list)
+    # a `vllm bench serve` result read as a trace: its measured per-request figures ("request_id" plus
+    # "ttfts", "itls", "latencies" lists in the same order) and load options (traces/user_formats.py)
+    measured: dict | None = None
+    bench_load: dict | None = None
 
     def __post_init__(self) -> None:
         self.df = _canonical_frame(self.df, self.source or self.name)

@@ -12,6 +12,7 @@ from .dashboard import dashboard
 from .model import app as model_app
 from .planning import capacity, report, sweep
 from .reference import app as reference_app
+from .catalog import gpus, models
 from .replay import replay
 from .simulate import simulate
 from .trace import app as trace_app
@@ -28,14 +29,27 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"{kind}: {message}", file=sys.stderr if file is None else file)
 
 
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            typer.echo(f"kvsim {version('kvsim')}")
+        except PackageNotFoundError:          # an uninstalled checkout (python -m sim.cli)
+            typer.echo("kvsim (uninstalled checkout)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _setup() -> None:
+def _setup(show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                             help="print kvsim's version and exit")) -> None:
     warnings.showwarning = _show_warning
 
 
 # registration order is the order of `kvsim --help`
 app.add_typer(trace_app, name="trace")
 app.command()(simulate)
+app.command()(models)
+app.command()(gpus)
 app.add_typer(model_app, name="model")
 for command in (replay, dashboard, sweep, capacity, report, calibrate, crosscheck):
     app.command()(command)

@@ -40,6 +40,14 @@ MaxNumSeqs = Annotated[Optional[int], typer.Option(help="most sequences in one s
 MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(help="token budget per step")]
 PrefixCaching = Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
                                                        help="automatic prefix caching (default: vLLM's)")]
+MaxModelLen = Annotated[Optional[int], typer.Option(help="longest prompt + output (default: the model's "
+                                                         "max_position_embeddings, as vLLM)")]
+LongPrefillTokenThreshold = Annotated[Optional[int], typer.Option(
+    help="most prompt tokens a long prefill computes per step (vLLM's --long-prefill-token-threshold; 0: off)")]
+ChunkedPrefill = Annotated[Optional[bool], typer.Option("--chunked-prefill/--no-chunked-prefill",
+                                                        help="chunked prefill (default: on, as vLLM V1)")]
+StartS = Annotated[Optional[float], typer.Option(help="keep requests arriving at or after this time (s), re-based to 0")]
+EndS = Annotated[Optional[float], typer.Option(help="keep requests arriving before this time (s)")]
 SchedulingPolicy = Annotated[Optional[str], typer.Option(help="fcfs | priority")]
 CheckInvariants = Annotated[Optional[bool], typer.Option("--check-invariants", help="check KV invariants every step")]
 
@@ -68,6 +76,18 @@ Burstiness = Annotated[Optional[float], typer.Option(
     help="as vllm bench serve, with --request-rate: Gamma shape of the gaps (1 Poisson, <1 burstier)")]
 MaxConcurrency = Annotated[Optional[int], typer.Option(
     help="as vllm bench serve: at most C requests in flight; the next is sent when one finishes (closed loop)")]
+TraceFormat = Annotated[Optional[str], typer.Option(
+    help="trace file format (default: detected); csv | jsonl | parquet read any log through --trace-columns")]
+TraceColumns = Annotated[Optional[str], typer.Option(
+    help="with --trace-format csv|jsonl|parquet: FIELD=COLUMN,... for arrival, prompt_tokens, output_tokens "
+         "(optional request_id, session_id, priority); nested JSON keys dotted (usage.prompt_tokens)")]
+TimeUnit = Annotated[Optional[str], typer.Option(help="with --trace-format csv|jsonl|parquet: unit of epoch "
+                                                      "times: s | ms | us | ns (ISO-8601 times need none)")]
+Tokenizer = Annotated[Optional[str], typer.Option(
+    help="ShareGPT traces: tokenizer.json (or its model directory) counting tokens; default: the shipped "
+         "SmolLM2 tokenizer (an approximation)")]
+MetricPercentiles = Annotated[Optional[str], typer.Option(
+    help="as vllm bench serve: comma-separated percentiles of TTFT, TPOT, ITL and E2EL to report (default 99)")]
 SloTtft = Annotated[Optional[str], typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
 SloTpot = Annotated[Optional[str], typer.Option(help="TPOT SLO for goodput, with unit (100ms)")]
 
@@ -87,7 +107,9 @@ CONFIG_KEYS = {
     "start_s": "trace_options.start_s", "end_s": "trace_options.end_s",
     "slo_ttft": "slo.ttft", "slo_tpot": "slo.tpot",
     "request_rate": "trace_options.request_rate", "burstiness": "trace_options.burstiness",
-    "max_concurrency": "trace_options.max_concurrency",
+    "max_concurrency": "trace_options.max_concurrency", "metric_percentiles": "metric_percentiles",
+    "trace_format": "trace_options.format", "trace_columns": "trace_options.columns",
+    "time_unit": "trace_options.time_unit", "tokenizer": "trace_options.tokenizer",
 }
 
 def config_overrides(**options: Any) -> dict[str, Any]:

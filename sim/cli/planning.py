@@ -57,10 +57,14 @@ def sweep(
                           _run_status(r.run_id, state, retry_failed))
         console.print(table)
         return
-    with store_errors(out, scheduler if executor == "dask" else None):
-        result = run_sweep(plan, out, executor=executor, jobs=jobs, scheduler=scheduler, max_runs=max_runs,
-                           retry_failed=retry_failed, save_outputs=save_outputs, progress=not quiet,
-                           spec_text=spec.read_text())
+    from kvsim.sim.sweep import SchedulerUnreachable
+    try:
+        with store_errors(out, scheduler if executor == "dask" else None):
+            result = run_sweep(plan, out, executor=executor, jobs=jobs, scheduler=scheduler, max_runs=max_runs,
+                               retry_failed=retry_failed, save_outputs=save_outputs, progress=not quiet,
+                               spec_text=spec.read_text())
+    except SchedulerUnreachable as exc:
+        fail(str(exc), code=1)
     again = [f"{n} {what}" for n, what in ((result.retried, "failed before"), (result.redone, "unreadable"))
              if n]
     console.print(f"ran {result.ran} runs in {result.wall_s:.1f}s ({result.failed} failed"

@@ -9,8 +9,9 @@ import typer
 from rich.console import Console
 
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ConfigFile, Layout, MaxConcurrency,
-                      MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Out, Overwrite, Policy, Quiet, RateScale, RequestRate,
-                      SchedulingPolicy, Sets, SloTpot, SloTtft, SlotStrategy, Trace, config_overrides, fail)
+                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Out, Overwrite, Policy, Quiet,
+                      RateScale, RequestRate, SchedulingPolicy, Sets, SloTpot, SloTtft, SlotStrategy, TimeUnit, Tokenizer,
+                      TraceColumns, TraceFormat, Trace, config_overrides, fail)
 
 console = Console()
 
@@ -51,6 +52,11 @@ def replay(
     request_rate: RequestRate = None,
     burstiness: Burstiness = None,
     max_concurrency: MaxConcurrency = None,
+    metric_percentiles: MetricPercentiles = None,
+    trace_format: TraceFormat = None,
+    trace_columns: TraceColumns = None,
+    time_unit: TimeUnit = None,
+    tokenizer: Tokenizer = None,
     slo_ttft: SloTtft = None,
     slo_tpot: SloTpot = None,
     seed: Annotated[Optional[int], typer.Option(help="seeds prompts (per request id) and random weights")] = None,
@@ -75,7 +81,8 @@ def replay(
         max_num_batched_tokens=max_num_batched_tokens, scheduling_policy=scheduling_policy, policy=policy,
         budget=budget, layout=layout, slot_strategy=slot_strategy, rate_scale=rate_scale,
         max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
-        max_concurrency=max_concurrency, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+        max_concurrency=max_concurrency, metric_percentiles=metric_percentiles,
+        trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
         from kvsim.sim.results import check_out_dir, check_out_owner

@@ -15,10 +15,12 @@ from rich.table import Table
 
 from kvsim.sim.config import ConfigError, load_config
 
-from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ConfigFile, Gpu, Layout, MaxConcurrency,
-                      MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite, Policy, PrefixCaching,
+from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPrefill, EndS, LongPrefillTokenThreshold,
+                      MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
+                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite,
+                      Policy, PrefixCaching,
                       Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
-                      SlotStrategy, Tp, Trace, config_overrides, fail)
+                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Tp, Trace, config_overrides, fail)
 
 console = Console()
 
@@ -39,6 +41,9 @@ def simulate(
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
     prefix_caching: PrefixCaching = None,
+    max_model_len: MaxModelLen = None,
+    long_prefill_token_threshold: LongPrefillTokenThreshold = None,
+    chunked_prefill: ChunkedPrefill = None,
     preemption_mode: Annotated[Optional[str], typer.Option(help="recompute | swap")] = None,
     scheduling_policy: SchedulingPolicy = None,
     policy: Policy = None,
@@ -55,9 +60,16 @@ def simulate(
     kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype (e.g. fp8); default: the model's")] = None,
     rate_scale: RateScale = None,
     max_requests: MaxRequests = None,
+    start_s: StartS = None,
+    end_s: EndS = None,
     request_rate: RequestRate = None,
     burstiness: Burstiness = None,
     max_concurrency: MaxConcurrency = None,
+    metric_percentiles: MetricPercentiles = None,
+    trace_format: TraceFormat = None,
+    trace_columns: TraceColumns = None,
+    time_unit: TimeUnit = None,
+    tokenizer: Tokenizer = None,
     slo_ttft: SloTtft = None,
     slo_tpot: SloTpot = None,
     seed: Seed = None,
@@ -78,12 +90,16 @@ def simulate(
         client_latency=client_latency,
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
+        max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
+        chunked_prefill=chunked_prefill, start_s=start_s, end_s=end_s,
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
         rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
-        max_concurrency=max_concurrency, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+        max_concurrency=max_concurrency, metric_percentiles=metric_percentiles,
+        trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
+        refuse_ineffective(cfg)
         from kvsim.sim.simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
         with interrupt_on_sigterm():
@@ -97,6 +113,30 @@ def simulate(
     if not quiet:
         print_summary(result.summary)
     console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
+
+
+def refuse_ineffective(cfg) -> None:
+    """Options that would change nothing in this run, or that vLLM cannot run, are a mistake to say, not to
+    ignore."""
+    from kvsim.sim.catalog import get_gpu, get_model, normalize_dtype
+
+    gpu = get_gpu(cfg.gpu)
+    weights = normalize_dtype(cfg.weight_dtype) if cfg.weight_dtype else get_model(cfg.model).weight_dtype
+    if weights == "fp8" and gpu.kind == "gpu" and not {"fp8", "bf16"} & set(gpu.tflops):
+        raise ConfigError(f"--weight-dtype fp8: {gpu.name} predates Ampere; vLLM runs FP8 weights only on compute "
+                          "capability 8.0+ (Marlin weight-only on Ampere, native FP8 on Ada/Hopper); expected "
+                          "int8, int4 or fp16 weights on it")
+    kv = cfg.kv
+    if kv.policy == "none":
+        if kv.budget is not None:
+            raise ConfigError("--budget (kv.budget): policy none keeps every token; a budget needs an eviction "
+                              "policy (--policy h2o, snapkv, ...)")
+        if "compression_rate" in kv.params:
+            raise ConfigError("--compression-rate (kv.params.compression_rate): policy none compresses nothing; "
+                              "give --policy kvcompress, snapkv, pyramidkv or ada_snapkv")
+        if kv.mode == "fast" and kv.layout == "shared":
+            raise ConfigError("--kv-mode fast (kv.mode): with policy none and the shared layout the plain vLLM "
+                              "KV manager runs, which has no fast mode; drop it or give an eviction policy")
 
 
 @contextmanager
@@ -128,8 +168,13 @@ def partial_exit(out: Path, reason: str) -> None:
 
 
 def print_summary(s: dict) -> None:
+    """vllm bench serve's report (its names and units), then kvsim's own figures (KV memory, the engine)."""
+    from kvsim.sim.vllm_metrics import report_lines
+
+    if "completed" in s:
+        console.print("\n".join(report_lines(s)), markup=False, highlight=False)
     table = Table(title=f"{s.get('trace')} on {s.get('model')} / {s.get('tp')}x {s.get('gpu')}")
-    table.add_column("metric")
+    table.add_column("kvsim")
     table.add_column("value", justify="right")
 
     def add(name, value, fmt="{:.3f}"):
@@ -139,14 +184,8 @@ def print_summary(s: dict) -> None:
 
     add("requests (finished / rejected)", f"{s['num_finished']} / {s['num_rejected']}")
     add("KV pool", f"{s['num_gpu_blocks']} blocks x {s['block_size']} tokens")
-    add("makespan (s)", s["makespan_s"], "{:.1f}")
-    add("throughput (req/s)", s["throughput_req_s"])
-    add("output tok/s", s["throughput_output_tok_s"], "{:.1f}")
-    add("total tok/s", s["throughput_total_tok_s"], "{:.1f}")
-    for m in ("ttft", "tpot", "e2e", "itl"):
-        add(f"{m.upper()} p50 / p90 / p99 (ms)",
-            " / ".join(f"{1e3 * s[f'{m}_p{q}_s']:.1f}" for q in (50, 90, 99)))
-    add("goodput (req/s)", s.get("goodput_req_s"))
+    add("makespan, first arrival to last token (s)", s["makespan_s"], "{:.1f}")
+    add("queueing p50 / p99 (ms)", " / ".join(f"{1e3 * s[f'queueing_p{q}_s']:.1f}" for q in (50, 99)))
     add("SLO attainment", s.get("slo_attainment"))
     add("KV utilization mean / max", f"{s.get('kv_util_mean', 0):.3f} / {s.get('kv_util_max', 0):.3f}")
     add("fragmentation mean / p99", f"{s.get('fragmentation_mean', 0):.3f} / {s.get('fragmentation_p99', 0):.3f}")
@@ -158,4 +197,17 @@ def print_summary(s: dict) -> None:
     add("prefix hit rate", s.get("prefix_hit_rate"))
     add("engine steps", s.get("num_steps"))
     add("wall time (s)", s.get("wall_s"), "{:.2f}")
+    console.print(table)
+    if s.get("bench_comparison"):
+        print_comparison(s["bench_comparison"])
+
+
+def print_comparison(agg: dict) -> None:
+    from kvsim.sim.bench_compare import report_rows
+
+    table = Table(title=f"predicted vs measured (vllm bench serve result, {agg['num_requests']} requests)")
+    for name in ("figure", "measured", "kvsim", "error"):
+        table.add_column(name, justify="left" if name == "figure" else "right")
+    for row in report_rows(agg):
+        table.add_row(*row)
     console.print(table)

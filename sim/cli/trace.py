@@ -106,9 +106,9 @@ def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped sh
 
 
 def _is_length_only(source: str) -> bool:
-    from kvsim.traces.loaders import detect_format, resolve_trace_path
+    from kvsim.traces.loaders import LENGTH_ONLY_FORMATS, detect_format, resolve_trace_path
 
-    return detect_format(resolve_trace_path(source)[0]) == "lengths"
+    return detect_format(resolve_trace_path(source)[0]) in LENGTH_ONLY_FORMATS
 
 
 @app.command()

@@ -1,0 +1,67 @@
+"""`kvsim models` and `kvsim gpus`: the catalogs with the figures that size a run."""
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvsim.sim.catalog import CatalogError, get_model, list_gpus, list_models
+
+from .options import fail
+
+console = Console()
+GiB = 2**30
+AsJson = Annotated[bool, typer.Option("--json", help="print the figures as JSON instead of a table")]
+
+
+def model_row(m) -> dict:
+    return {"name": m.name, "hf_id": m.hf_id, "params_b": m.param_count / 1e9, "layers": m.num_layers,
+            "heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
+            "weight_dtype": m.weight_dtype, "weight_gib": m.weight_bytes / GiB,
+            "kv_dtype": m.kv_dtype, "kv_bytes_per_token": m.kv_bytes_per_token(), "max_position": m.max_position}
+
+
+def models(
+    model: Annotated[list[str], typer.Argument(help="catalog names, model YAML files or HF config.json "
+                                                    "(default: the whole catalog)")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """List the model catalog (or the given models): parameters, weight bytes, KV bytes per token."""
+    try:
+        specs = [get_model(m) for m in model] if model else list_models()
+    except CatalogError as exc:
+        fail(str(exc))
+    rows = [model_row(m) for m in specs]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    table = Table(title="models (kvsim simulate --model NAME; aliases and HF ids work too)")
+    for col in ("name", "params", "layers", "heads / KV", "head_dim", "weights", "KV per token", "max len"):
+        table.add_column(col, justify="left" if col == "name" else "right", no_wrap=col == "name")
+    for r in rows:
+        table.add_row(r["name"], f"{r['params_b']:.2f} B", str(r["layers"]), f"{r['heads']} / {r['kv_heads']}",
+                      str(r["head_dim"]), f"{r['weight_gib']:.2f} GiB {r['weight_dtype']}",
+                      f"{r['kv_bytes_per_token'] / 1024:g} KiB {r['kv_dtype']}", f"{r['max_position']:,}")
+    console.print(table)
+
+
+def gpus(as_json: AsJson = False) -> None:
+    """List the GPU catalog: memory, bandwidth, peak TFLOP/s, links and price."""
+    rows = [{"name": g.name, "kind": g.kind, "memory_gib": g.memory_gib, "memory_bw_gbps": g.memory_bw_gbps,
+             "tflops": dict(g.tflops), "interconnect_gbps": g.interconnect_gbps, "pcie_gbps": g.pcie_gbps,
+             "usd_per_hour": g.usd_per_hour} for g in list_gpus()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    table = Table(title="GPUs (kvsim simulate --gpu NAME)")
+    for col in ("name", "memory", "bandwidth", "peak TFLOP/s (dense)", "GPU link", "$/h"):
+        table.add_column(col, justify="left" if col in ("name", "peak TFLOP/s (dense)") else "right")
+    for r in rows:
+        flops = ", ".join(f"{k} {v:g}" for k, v in r["tflops"].items())
+        link = f"{r['interconnect_gbps']:g} GB/s" if r["interconnect_gbps"] else f"PCIe {r['pcie_gbps']:g} GB/s"
+        table.add_row(r["name"], f"{r['memory_gib']:g} GiB", f"{r['memory_bw_gbps']:g} GB/s", flops, link,
+                      f"{r['usd_per_hour']:g}")
+    console.print(table)

@@ -1,0 +1,87 @@
+"""CLI hygiene: documented options exist, --version, ineffective or impossible options refused in one line."""
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from kvsim.sim.cli import app
+from kvsim.sim.sweep import SchedulerUnreachable, connect
+
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "commands.md").read_text()
+
+
+def run(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_version():
+    r = run("--version")
+    assert r.exit_code == 0 and re.fullmatch(r"kvsim \S+\n", r.output)
+
+
+def test_every_option_of_the_shared_table_exists_on_simulate():
+    shared = DOC.split("## Options shared by the simulation commands")[1].split("\n## ")[0]
+    options = re.findall(r"(?m)^\| `(--[a-z-]+)` \| `", shared)
+    assert "--max-model-len" in options and "--chunked-prefill" in options
+    import typer
+    simulate = typer.main.get_command(app).commands["simulate"]
+    names = {n for p in simulate.params for n in (*p.opts, *p.secondary_opts)}
+    assert [o for o in options if o not in names] == []
+
+
+def test_engine_and_window_options_reach_the_config(tmp_path):
+    out = tmp_path / "run"
+    r = run("simulate", "--max-model-len", "1024", "--no-chunked-prefill", "--long-prefill-token-threshold", "256",
+            "--start-s", "10", "--end-s", "60", "-q", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["engine"]["max_model_len"] == 1024 and cfg["engine"]["enable_chunked_prefill"] is False
+    assert cfg["engine"]["long_prefill_token_threshold"] == 256
+    assert (cfg["trace_options"]["start_s"], cfg["trace_options"]["end_s"]) == (10.0, 60.0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "128"], "--budget (kv.budget): policy none keeps every token"),
+    (["--compression-rate", "2"], "policy none compresses nothing"),
+    (["--kv-mode", "fast"], "--kv-mode fast (kv.mode): with policy none"),
+    (["--num-gpu-blocks", "200000"], "390.6 GiB of KV cache per GPU, but H100-SXM has 79.11 GiB"),
+    (["--burstiness", "0.5"], "burstiness 0.5 has no effect without request_rate"),
+    (["--gpu", "t4", "--model", "llama-3.2-1b", "--weight-dtype", "fp8"], "T4 predates Ampere"),
+])
+def test_ineffective_or_impossible_options_are_one_line(tmp_path, args, message):
+    r = run("simulate", "--max-requests", "5", *args, "-q", "-o", str(tmp_path / "x"))
+    assert r.exit_code == 2 and message in r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("error: ")
+
+
+def test_the_pool_check_passes_what_fits(tmp_path):
+    r = run("simulate", "--max-requests", "5", "--num-gpu-blocks", "32846", "-q", "-o", str(tmp_path / "x"))
+    assert r.exit_code == 0, r.output
+
+
+def test_unreachable_dask_scheduler_is_one_line():
+    with pytest.raises(SchedulerUnreachable) as err:
+        connect("tcp://127.0.0.1:1", timeout_s=1)
+    assert "--scheduler tcp://127.0.0.1:1: no dask scheduler answered" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_models_and_gpus_list_the_catalog_figures(tmp_path):
+    import json
+    r = run("models", "--json")
+    assert r.exit_code == 0, r.output
+    rows = {m["name"]: m for m in json.loads(r.output)}
+    assert rows["Qwen3-0.6B"]["kv_bytes_per_token"] == 114688 and rows["Llama-3.1-8B"]["layers"] == 32
+    assert rows["Qwen2.5-0.5B"]["weight_gib"] == pytest.approx(988065536 / 2**30)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
+        "num_attention_heads": 8, "num_hidden_layers": 4, "vocab_size": 1000, "torch_dtype": "float16"}))
+    one = json.loads(run("models", str(tmp_path / "m"), "--json").output)
+    assert one[0]["name"] == "m" and one[0]["kv_bytes_per_token"] == 2 * 4 * 8 * 64 * 2
+    assert run("models", "no-such-model").exit_code == 2
+    gpus = {g["name"]: g for g in json.loads(run("gpus", "--json").output)}
+    assert gpus["H100-SXM"]["memory_bw_gbps"] == 3350 and "fp8" not in gpus["T4"]["tflops"]
+    assert run("gpus").exit_code == 0 and "H200" in run("gpus").output
