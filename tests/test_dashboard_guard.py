@@ -37,7 +37,7 @@ def errors(at: AppTest) -> list[str]:
 OUTSIDE = ("{secret}", "../secrets.yaml", "link.yaml", "/etc/passwd", "../../../../etc/hostname")
 
 
-@pytest.mark.parametrize("key", ["sim_profile", "sim_kv.importance"])
+@pytest.mark.parametrize("key", ["cfg_profile", "cfg_kv.importance"])     # the shared base form (forms.BASE)
 def test_path_fields_outside_the_data_root_are_refused_without_their_content(setup, key):
     root, secret = setup
     at = AppTest.from_file(APP, default_timeout=60)
@@ -85,7 +85,7 @@ def test_every_queued_run_passes_the_memory_estimate(setup, monkeypatch):
 
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: (2**20, "a tiny test budget"))
     with pytest.raises(ConfigError, match="host memory"):
-        check_run(load_config(None, {"engine.num_gpu_blocks": 100_000}))
+        check_run(load_config(None, {"engine.num_gpu_blocks": 30_000}))     # fits an H100 beside the weights
 
 
 @pytest.mark.parametrize("name, stored", [("trace.csv", "trace.csv"), ("a\x00b.csv", "ab.csv"),
