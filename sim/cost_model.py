@@ -74,6 +74,7 @@ operations in the same order, so the two paths agree bit for bit.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,9 @@ class HardwareProfile(BaseModel):
     # pure-decode steps of b sequences take decode_batch_factors[b] x the model's time (linear
     # interpolation between listed sizes, the nearest listed size beyond them; empty: 1 everywhere)
     decode_batch_factors: dict[int, float] = Field(default_factory=dict)
+    # every step's time x this (1: as modelled); a profile name `NAME*1.04` loads NAME with it, for
+    # the capacity band implied by the profile's measured error (sim.capacity.profile_band)
+    step_time_scale: float = Field(default=1.0, gt=0)
     meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
 
     @field_validator("decode_batch_factors")
@@ -162,15 +166,25 @@ class HardwareProfile(BaseModel):
         return path
 
 
+_SCALED = re.compile(r"(.+)\*(\d+(?:\.\d*)?(?:e-?\d+)?)")
+
+
 def list_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 
 
 def load_profile(name_or_path: str | Path | HardwareProfile = "default") -> HardwareProfile:
-    """A shipped profile by name (`default`, `cpu-2core`, ...) or a YAML file path."""
+    """A shipped profile by name (`default`, `cpu-2core`, ...) or a YAML file path; `NAME*K` is that
+    profile with every step time multiplied by K."""
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
     text = str(name_or_path)
+    scaled = _SCALED.fullmatch(text)
+    if scaled:
+        base, factor = load_profile(scaled.group(1)), float(scaled.group(2))
+        if not factor > 0:
+            raise ProfileError(f"profile {text!r}: the step-time factor after '*' must be > 0")
+        return base.model_copy(update={"step_time_scale": base.step_time_scale * factor})
     if text.endswith((".yaml", ".yml")) or Path(text).is_file():
         path = Path(text)
     else:
@@ -330,6 +344,10 @@ class CostModel:
             k = self.decode_batch_factor(shape.num_seqs, shape.num_prefill_tokens)
             linear, attention, copy, swap, allreduce, overhead = (
                 linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
+        if p.step_time_scale != 1.0:
+            k = p.step_time_scale
+            linear, attention, copy, swap, allreduce, overhead = (
+                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
         device = linear + attention + copy + swap + allreduce
         total = _max(device, overhead) if self.async_scheduling else device + overhead
         return {"linear": linear, "attention": attention, "copy": copy, "swap": swap,
@@ -382,6 +400,8 @@ class CostModel:
         total = linear + attention
         if allreduce is not None:
             total = total + allreduce
+        if p.step_time_scale != 1.0:
+            total, overhead = total * p.step_time_scale, overhead * p.step_time_scale
         return np.maximum(total, overhead) if self.async_scheduling else total + overhead
 
     def active_branches(self, shape: BatchShape) -> dict[str, np.ndarray | np.bool_]:

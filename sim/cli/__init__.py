@@ -10,7 +10,7 @@ import typer
 from .calibration import calibrate, crosscheck
 from .dashboard import dashboard
 from .model import app as model_app
-from .planning import capacity, report, sweep
+from .planning import capacity, plan, report, sweep
 from .reference import app as reference_app
 from .replay import replay
 from .simulate import simulate
@@ -37,7 +37,7 @@ def _setup() -> None:
 app.add_typer(trace_app, name="trace")
 app.command()(simulate)
 app.add_typer(model_app, name="model")
-for command in (replay, dashboard, sweep, capacity, report, calibrate, crosscheck):
+for command in (replay, dashboard, sweep, capacity, plan, report, calibrate, crosscheck):
     app.command()(command)
 app.add_typer(reference_app, name="reference")
 
