@@ -78,7 +78,7 @@ def slo_for_goodput(cfg: SimConfig, constraints: list[Constraint]) -> SimConfig:
     for c in constraints:
         kind = c.metric.split("_")[0]
         if kind in ("ttft", "tpot") and c.op in ("<=", "<"):
-            update[kind] = f"{c.limit * 1e3:g}ms"
+            update[kind] = f"{c.limit * 1e3:.12g}ms"
     return cfg.model_copy(update={"slo": cfg.slo.model_copy(update=update)}) if update else cfg
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ class Search:
 class PlanResult:
     slo: list[str]
     searches: list[Search]
-    unfit: list[tuple[str, str]]              # (label, why it cannot run)
+    unfit: list[tuple[Candidate, str]]        # (configuration, why it cannot run)
     cheapest: dict[str, Search]               # model -> the cheapest search that found an answer
     ranges: dict[str, dict] = field(default_factory=dict)   # model -> {label: replicas or None}
     range_notes: list[str] = field(default_factory=list)
@@ -100,7 +101,7 @@ class PlanResult:
 
 
 def candidates(base: SimConfig, models: list[str], gpus: list[str], tps: list[int],
-               policies: list[str] | None) -> tuple[list[Candidate], list[tuple[str, str]]]:
+               policies: list[str] | None) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
     """The cross product, less the configurations that cannot run (weights do not fit, TP does not
     divide the heads, ...), each with why."""
     fits = _FitChecker()
@@ -114,15 +115,24 @@ def candidates(base: SimConfig, models: list[str], gpus: list[str], tps: list[in
                     data.update(update)
                     if policy:
                         data["kv"] = {**data["kv"], "policy": policy}
-                    label = Candidate(model, gpu, tp, policy, base).label
                     cfg = SimConfig.model_validate(data)
+                    cand = Candidate(model, gpu, tp, policy, cfg)
                     try:
-                        fits.check(cfg, label)
+                        fits.check(cfg, "")
                     except SpecError as exc:
-                        unfit.append((label, str(exc).removeprefix(f"{label}: ")))
+                        unfit.append((cand, _short_reason(str(exc).removeprefix(": "))))
                         continue
-                    keep.append(Candidate(model, gpu, tp, policy, cfg))
+                    keep.append(cand)
     return keep, unfit
+
+
+def _short_reason(text: str) -> str:
+    """'model=... gpu=... tp=1: Llama-3.1-70B does not fit on L4 (tp=1): weights ... 112.67 GiB missing (raise
+    tp, ...)' -> 'Llama-3.1-70B does not fit on L4 (tp=1): 112.67 GiB missing'."""
+    text = text.split(": ", 1)[1] if text.startswith("model=") and ": " in text else text
+    head, _, rest = text.partition(": ")
+    missing = re.search(r"[\d.]+ GiB missing", rest)
+    return f"{head}: {missing.group(0)}" if missing else text
 
 
 @contextmanager
@@ -188,7 +198,7 @@ def _next_count(s: Search, best: float | None, max_replicas: int) -> int | None:
         s.status = "answer"
         return None
     if s.prune and best is not None and price * (s.lo_fail + 1) >= best * (1 - 1e-9):
-        s.status, s.note = "dominated", f"{s.lo_fail + 1}+ replicas cost >= ${best:.2f}/h already found"
+        s.status, s.note = "dominated", f">= {s.lo_fail + 1} replicas, >= ${best:.2f}/h found"
         return None
     near = s.start - 1 if s.hi_ok == s.start else s.start + 1 if s.lo_fail == s.start else None
     if s.start > 1 and near is not None and near not in s.rows and near >= 1:
@@ -196,7 +206,7 @@ def _next_count(s: Search, best: float | None, max_replicas: int) -> int | None:
     if s.hi_ok is not None:
         return (s.lo_fail + s.hi_ok) // 2
     if s.lo_fail >= max_replicas:
-        s.status, s.note = "over max replicas", f"fails at {s.lo_fail} replicas (--max-replicas)"
+        s.status, s.note = "over max replicas", f"fails at {s.lo_fail}"
         return None
     if not s.rows:
         n = s.start
@@ -290,7 +300,7 @@ def _write_plan_result(store: Path, result: PlanResult, run_ids: list[str]) -> N
     store.mkdir(parents=True, exist_ok=True)
     data = {
         "slo": result.slo, "simulations": result.simulations, "wall_s": result.wall_s,
-        "unfit": [{"config": label, "why": why} for label, why in result.unfit],
+        "unfit": [{"config": c.label, "why": why} for c, why in result.unfit],
         "searches": [{"config": s.cand.label, "model": s.cand.model, "gpu": s.cand.gpu, "tp": s.cand.tp,
                       "policy": s.cand.policy, "status": s.status, "note": s.note,
                       "fewest_replicas": s.hi_ok if s.status == "answer" else None,

@@ -51,13 +51,15 @@ def parse_duration_s(text: str, what: str = "window") -> float:
 def busiest_windows(arrivals: np.ndarray, duration_s: float, k: int = 1) -> list[tuple[float, int]]:
     """The `k` busiest non-overlapping windows of `duration_s`, busiest first, as (start, requests).
 
-    Every window starts at an arrival (the busiest window of a given length always can); the i-th is
-    the busiest one that does not overlap the i-1 before it. Fewer than k when the trace runs out."""
+    Every window starts at an arrival (the busiest window of a given length always can) and ends
+    before the last one (a window running past the trace's end would be partly empty; a window longer
+    than the trace is the whole trace); the i-th is the busiest one that does not overlap the i-1
+    before it. Fewer than k when the trace runs out."""
     t = np.asarray(arrivals, dtype=np.float64)
     if not len(t):
         return []
     counts = np.searchsorted(t, t + duration_s, side="left") - np.arange(len(t))
-    free = np.ones(len(t), dtype=bool)
+    free = t <= max(t[0], t[-1] - duration_s)
     found = []
     for _ in range(k):
         if not free.any():

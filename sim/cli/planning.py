@@ -384,19 +384,21 @@ def _ms(v) -> str:
 
 
 def _print_plan(result) -> None:
-    table = Table("configuration", "result", "replicas", "GPUs", "$/h", "$/M out tok", "TTFT p99 ms", "TPOT p99 ms",
-                  title=f"fewest replicas per configuration ({', '.join(result.slo)})")
+    table = Table("model", "GPU", "TP", "result", "replicas", "GPUs", "$/h", "$/M out tok", "TTFT p99 ms",
+                  "TPOT p99 ms", title=f"fewest replicas per configuration ({', '.join(result.slo)})")
     for s in result.searches:
         row = s.answer_row or {}
         n = s.hi_ok if s.status == "answer" else None
         cost = row.get("usd_per_m_output_tok")
-        table.add_row(s.cand.label, s.status + (f": {s.note}" if s.note else ""), "-" if n is None else str(n),
+        table.add_row(s.cand.model, s.cand.gpu + (f" {s.cand.policy}" if s.cand.policy else ""), str(s.cand.tp),
+                      s.status + (f" ({s.note})" if s.note else ""), "-" if n is None else str(n),
                       "-" if n is None else str(n * s.cand.tp),
                       "-" if n is None else f"{n * s.cand.usd_per_replica_hour:.2f}",
                       "-" if cost is None or math.isnan(cost) else f"{cost:.3f}",
                       _ms(row.get("ttft_p99_s")), _ms(row.get("tpot_p99_s")))
-    for label, why in result.unfit:
-        table.add_row(label, f"cannot run: {why}", "-", "-", "-", "-", "-", "-")
+    for c, why in result.unfit:
+        table.add_row(c.model, c.gpu + (f" {c.policy}" if c.policy else ""), str(c.tp), f"cannot run: {why}",
+                      *["-"] * 6)
     console.print(table)
     front = result.pareto()
     if len(front):
