@@ -136,12 +136,12 @@ def _short_reason(text: str) -> str:
 
 
 @contextmanager
-def executor(scheduler: str | None = None, jobs: int | None = None) -> Iterator[RunBatch]:
-    """A function running a batch of tasks: on the Dask scheduler at `scheduler`, else on a local Dask
-    cluster of `jobs` single-threaded worker processes (default: all cores); jobs=1 without a
-    scheduler runs in this process."""
+def executor(scheduler: str | None = None, jobs: int | None = None) -> Iterator[tuple[RunBatch, int]]:
+    """(a function running a batch of tasks, how many run at once): on the Dask scheduler at
+    `scheduler`, else on a local Dask cluster of `jobs` single-threaded worker processes (default: all
+    cores); jobs=1 without a scheduler runs in this process."""
     if scheduler is None and jobs == 1:
-        yield _serial
+        yield _serial, 1
         return
     import logging
 
@@ -153,7 +153,7 @@ def executor(scheduler: str | None = None, jobs: int | None = None) -> Iterator[
                                dashboard_address=None, silence_logs=logging.ERROR)
     client = Client(scheduler or cluster)
     try:
-        yield lambda tasks: _dask(tasks, client)
+        yield (lambda tasks: _dask(tasks, client)), max(1, sum(client.nthreads().values()))
     finally:
         client.close()
         if cluster is not None:
@@ -225,17 +225,19 @@ def _saturation_guess(row: dict, n: int) -> int:
     return math.ceil(n * offered / served * 1.1)
 
 
-def search_rounds(searches: list[Search], runner: _Runner, max_replicas: int,
+def search_rounds(searches: list[Search], runner: _Runner, max_replicas: int, width: int | None = None,
                   progress: Callable[[Search, int, dict], None] | None = None) -> None:
-    """Advance every search one simulation per round, all of a round's runs in one batch."""
+    """Advance the searches in rounds of at most `width` simulations (None: every search each round),
+    all of a round's runs in one batch. The cheapest proposals go first, taken in turn from each model,
+    so a cheap answer found early drops the expensive configurations before they are simulated."""
     while True:
         best = _best_costs(searches)
         proposals = [(s, n) for s in searches if s.status == "searching"
                      for n in [_next_count(s, best.get(s.cand.model), max_replicas)] if n is not None]
         if not proposals:
             return
-        rows = runner([s.cand.cfg.model_copy(update={"replicas": n}) for s, n in proposals])
-        for (s, n), row in zip(proposals, rows):
+        rows = runner([s.cand.cfg.model_copy(update={"replicas": n}) for s, n in _cheapest_first(proposals, width)])
+        for (s, n), row in zip(_cheapest_first(proposals, width), rows):
             row["replicas"] = n
             s.rows[n] = row
             if row["status"] != "ok":
@@ -246,6 +248,21 @@ def search_rounds(searches: list[Search], runner: _Runner, max_replicas: int,
                 s.lo_fail = n
             if progress:
                 progress(s, n, row)
+
+
+def _cheapest_first(proposals: list[tuple[Search, int]], width: int | None) -> list[tuple[Search, int]]:
+    if width is None or len(proposals) <= width:
+        return proposals
+    by_model: dict[str, list] = {}
+    for s, n in sorted(proposals, key=lambda p: p[0].cand.usd_per_replica_hour * p[1]):
+        by_model.setdefault(s.cand.model, []).append((s, n))
+    queues = list(by_model.values())
+    picked = []
+    while len(picked) < width:
+        for q in queues:
+            if q and len(picked) < width:
+                picked.append(q.pop(0))
+    return picked
 
 
 def _best_costs(searches: list[Search]) -> dict[str, float]:
@@ -259,11 +276,12 @@ def _best_costs(searches: list[Search]) -> dict[str, float]:
 
 def plan_capacity(base: SimConfig, constraints: list[Constraint], *, models: list[str], gpus: list[str],
                   tps: list[int], policies: list[str] | None = None, max_replicas: int = 64,
-                  run_batch: RunBatch = _serial, store: str | Path | None = None,
+                  run_batch: RunBatch = _serial, width: int | None = 1, store: str | Path | None = None,
                   variants: Callable[[SimConfig], dict[str, SimConfig]] | None = None,
                   progress: Callable[[Search, int, dict], None] | None = None) -> PlanResult:
     """The cheapest (model-wise) configuration meeting `constraints` at `base`'s load, searched over
-    models x gpus x tps (x policies). `variants(cfg)`: other versions of the winner's config (other
+    models x gpus x tps (x policies), `width` simulations at a time (the executor's workers; None:
+    every open search each round). `variants(cfg)`: other versions of the winner's config (other
     load samples, profile band) whose fewest replicas give the answer's range."""
     t0 = time.perf_counter()
     base = slo_for_goodput(base, constraints)
@@ -271,7 +289,7 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], *, models: lis
     cands, unfit = candidates(base, models, gpus, tps, policies)
     runner = _Runner(constraints, run_batch, store)
     searches = [Search(c) for c in cands]
-    search_rounds(searches, runner, max_replicas, progress)
+    search_rounds(searches, runner, max_replicas, width, progress)
     cheapest: dict[str, Search] = {}
     for s in searches:
         if s.status == "answer":
@@ -286,7 +304,7 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], *, models: lis
             for label, cfg in variants(s.cand.cfg).items():
                 cand = Candidate(s.cand.model, s.cand.gpu, s.cand.tp, s.cand.policy, cfg)
                 extra.append((model, label, Search(cand, start=s.hi_ok, prune=False)))
-        search_rounds([e[2] for e in extra], runner, max_replicas, progress)
+        search_rounds([e[2] for e in extra], runner, max_replicas, None, progress)
         for model, label, s in extra:
             result.ranges.setdefault(model, {})[label] = s.hi_ok if s.status == "answer" else None
     result.simulations = runner.simulations

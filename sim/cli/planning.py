@@ -366,9 +366,9 @@ def plan(
             console.print(f"  {s.cand.label} x{n}: {mark}", soft_wrap=True)
 
     try:
-        with executor(scheduler, jobs) as run_batch:
+        with executor(scheduler, jobs) as (run_batch, width):
             result = plan_capacity(cfg, constraints, models=model_list, gpus=gpu_list, tps=tp_list,
-                                   policies=policy_list, max_replicas=max_replicas, run_batch=run_batch,
+                                   policies=policy_list, max_replicas=max_replicas, run_batch=run_batch, width=width,
                                    store=out, variants=variants, progress=show)
     except (ConfigError, OSError) as exc:
         fail(str(exc))
