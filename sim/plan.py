@@ -150,7 +150,7 @@ def executor(scheduler: str | None = None, jobs: int | None = None) -> Iterator[
     cluster = None
     if scheduler is None:
         cluster = LocalCluster(n_workers=jobs or os.cpu_count() or 1, threads_per_worker=1, processes=True,
-                               dashboard_address=None, silence_logs=logging.ERROR)
+                               dashboard_address=":0", silence_logs=logging.ERROR)
     client = Client(scheduler or cluster)
     try:
         yield (lambda tasks: _dask(tasks, client)), max(1, sum(client.nthreads().values()))
@@ -198,7 +198,7 @@ def _next_count(s: Search, best: float | None, max_replicas: int) -> int | None:
         s.status = "answer"
         return None
     if s.prune and best is not None and price * (s.lo_fail + 1) >= best * (1 - 1e-9):
-        s.status, s.note = "dominated", f">= {s.lo_fail + 1} replicas, >= ${best:.2f}/h found"
+        s.status, s.note = "dominated", f">= ${best:.2f}/h"
         return None
     near = s.start - 1 if s.hi_ok == s.start else s.start + 1 if s.lo_fail == s.start else None
     if s.start > 1 and near is not None and near not in s.rows and near >= 1:
