@@ -256,3 +256,28 @@ def test_length_only_trace_ranges_over_arrival_seeds():
     full, notes = variant_configs(load_config(None, {"trace": "azure-conv-2023"}),
                                   dataclasses.replace(sample, window="full trace"), 3)
     assert full == {} and "no resampled range" in notes[0]
+
+
+def test_default_sample_range_holds_the_full_trace_answer():
+    """docs/planning.md's example on the shipped Azure code trace: the answer on the default sample
+    (its busiest 16 minutes) and its range over the next busiest window hold the answer on all 8,819
+    requests. The full trace's bracket [answer, lowest failing scale] must overlap the range."""
+    from kvsim.sim.capacity import capacity_range, choose_sample
+    slo = parse_slo("ttft_p99<=2s,tpot_p99<=100ms")
+    cfg = load_config(None, {"trace": "azure-code-2023", "model": "llama-3.1-8b", "gpu": "h100"})
+    sampled, sample = choose_sample(cfg, None)
+    assert sample.window.startswith("16m@peak") and sample.requests < len_of_trace(cfg) / 2
+    result = find_capacity(sampled, slo, start=0.25, rel_tol=0.1)
+    spread = capacity_range(sampled, slo, result, sample, rel_tol=0.1)
+    assert spread.samples and spread.low < spread.high
+    full_cfg, full_sample = choose_sample(cfg, "full")
+    assert full_sample.requests == len_of_trace(cfg) and full_cfg.trace_options.start_s is None
+    full = find_capacity(full_cfg, slo, start=0.25, rel_tol=0.1)
+    assert full.bounded
+    full_fail = full.curve.loc[~full.curve["meets_slo"], "searched_value"].min()
+    assert full.answer <= spread.high and full_fail >= spread.low, (full.answer, full_fail, spread)
+
+
+def len_of_trace(cfg) -> int:
+    from kvsim.sim.capacity import unwindowed_trace
+    return len(unwindowed_trace(cfg))
