@@ -136,6 +136,8 @@ else:
     for key in ("cap_gpus", "cap_mode", "cap_slo", "cap_evals", "cap_store", "cap_load", "cap_window", "cap_models",
                 "cap_tps", "cap_max_replicas"):
         keep_widget(key)
+    if st.query_params.get("load") in LOADS and "cap_load" not in st.session_state:    # a link: ?load=first
+        st.session_state["cap_load"] = st.query_params["load"]
     mode = st.radio("Search for", list(MODES), horizontal=True, key="cap_mode", format_func=MODES.get)
     a, b = st.columns(2)
     if "cap_gpus" not in st.session_state:
