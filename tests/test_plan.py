@@ -103,3 +103,14 @@ def test_cli_plan_prints_each_configuration_and_the_cheapest(uniform, tmp_path):
         out = CliRunner().invoke(app, [*args[:1], "--slo", "ttft_p99<=2s", "--models", "llama-3.1-8b",
                                        "--gpus", "h100", *bad, "-j", "1"])
         assert out.exit_code == 2 and message in out.output, out.output
+
+
+def test_candidates_cross_models_gpus_tps_and_policies():
+    from kvsim.sim.plan import candidates
+    base = load_config(None, {"kv.budget": 256})
+    cands, unfit = candidates(base, ["llama-3.1-8b"], ["h100", "l4"], [1, 3], ["none", "h2o"])
+    assert [(c.gpu, c.tp, c.policy, c.cfg.kv.policy) for c in cands] == [
+        ("h100", 1, "none", "none"), ("h100", 1, "h2o", "h2o"), ("l4", 1, "none", "none"), ("l4", 1, "h2o", "h2o")]
+    # TP 3 does not divide Llama-3.1-8B's 32 heads: never simulated, with the reason
+    assert {(c.gpu, c.tp) for c, _ in unfit} == {("h100", 3), ("l4", 3)}
+    assert all("tp=3 must divide num_heads=32" in why for _, why in unfit)
