@@ -34,11 +34,11 @@ from kvsim.sim.config import ConfigError, SimConfig
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler
 from kvsim.sim.defaults import resolve_defaults
-from kvsim.sim.engine import ArrivalProcess, EngineReplica, Router
+from kvsim.sim.engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router
 from kvsim.sim.kv.build import build_kv_manager
 from kvsim.sim.kv.manager import EvictingKVManager
 from kvsim.sim.kv.state import TIER_FULL
-from kvsim.sim.metrics import StepLog, request_table
+from kvsim.sim.metrics import StepLog, add_client_queue, request_table
 from kvsim.sim.outputs import run_summary, write_outputs
 from kvsim.sim.results import ResultDir
 
@@ -261,6 +261,7 @@ def _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num
     bar = _progress_bar(len(requests)) if progress else None
     scheduler = Scheduler(scheduler_config(cfg, cost, max_model_len), kv)
     arrivals: list[ArrivalProcess] = []
+    limits: list[ConcurrencyLimit] = []
 
     def stepped(n: int) -> None:
         if bar is not None:
@@ -272,8 +273,12 @@ def _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num
 
     replica = EngineReplica(env, 0, scheduler, executor, step_log, fast_forward=False,
                             check_invariants=cfg.check_invariants,
-                            next_arrival=lambda: arrivals[0].next_arrival(), on_step=stepped)
-    arrivals.append(ArrivalProcess(env, requests, Router([replica])))
+                            next_arrival=lambda: arrivals[0].next_arrival(), on_step=stepped,
+                            on_done=lambda n, t: limits[0].done(n, t) if limits else None)
+    router = Router([replica])
+    if cfg.trace_options.max_concurrency is not None:
+        limits.append(ConcurrencyLimit(cfg.trace_options.max_concurrency, router))
+    arrivals.append(ArrivalProcess(env, requests, router, limits[0] if limits else None))
     partial = False
     try:
         env.run(until=arrivals[0].process)
@@ -286,8 +291,11 @@ def _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num
             bar.close()
         step_log.close()
 
-    arrived = requests[:arrivals[0].index]
+    unsent = set(map(id, limits[0].queue)) if limits else set()
+    arrived = [r for r in requests[:arrivals[0].index] if id(r) not in unsent]
     req_df = request_table(arrived)
+    if limits:
+        add_client_queue(req_df, limits[0].client_arrival)
     steps_df = step_log.to_pandas()
     summary = run_summary(cfg, req_df, steps_df, [kv], num_blocks, max_model_len, spec, gpu)
     summary.update(_replay_summary(cfg, opts, model, steps_df, executor, partial, replica.now, len(requests)))

@@ -5,10 +5,13 @@ Shared by the two executors' drivers: the simulator (`sim.simulate`) and the rea
 """
 from __future__ import annotations
 
-from kvsim.traces import load_trace
+import warnings
+
+from kvsim.traces import TraceWarning, load_trace
+from kvsim.traces.arrivals import vllm_bench_arrivals
 
 from .catalog import get_gpu, get_model
-from .config import SimConfig
+from .config import ConfigError, SimConfig
 from .core.request import Request
 from .core.scheduler import SchedulerConfig
 from .cost_model import CostModel, load_profile
@@ -22,20 +25,43 @@ def load_workload(cfg: SimConfig):
     trace = load_trace(cfg.trace, **({"rate": opts.rate, "seed": cfg.seed} if opts.rate else {}))
     if opts.start_s is not None or opts.end_s is not None:
         trace = trace.window(opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
-    if opts.rate_scale != 1.0:
-        trace = trace.scale_rate(opts.rate_scale)
     if opts.max_requests is not None:
         trace = trace.head(opts.max_requests)
+    if opts.request_rate is not None:
+        trace = with_request_rate(trace, opts.request_rate, opts.burstiness, cfg.seed)
+    elif opts.max_concurrency is None and opts.rate is None and opts.arrival_unit == "time" and len(trace) > 1 and not _has_arrival_times(trace):
+        warnings.warn(f"all {len(trace)} requests arrive at t=0 (the trace has no arrival times): one batch, as "
+                      "vllm bench serve's default --request-rate inf; --request-rate or --max-concurrency give "
+                      "another load", TraceWarning, stacklevel=2)
+    if opts.rate_scale != 1.0:
+        trace = trace.scale_rate(opts.rate_scale)
     return trace
 
 
-def trace_to_requests(trace) -> list[Request]:
+def with_request_rate(trace, request_rate: float, burstiness: float, seed: int):
+    """`trace`'s requests sent as `vllm bench serve --request-rate --burstiness` sends them. Only for a
+    trace without arrival times of its own (every request at t=0: length-only files, ShareGPT)."""
+    if _has_arrival_times(trace):
+        raise ConfigError(f"trace_options.request_rate: the trace {trace.name or trace.source!r} has its own "
+                          "arrival times; request_rate applies to traces without them (length-only, ShareGPT); "
+                          "use rate_scale (--rate-scale) to speed this one up")
+    return trace.with_arrivals(vllm_bench_arrivals(len(trace), request_rate, burstiness, seed))
+
+
+def _has_arrival_times(trace) -> bool:
+    arrivals = trace.df["arrival_time_s"].to_numpy()
+    return len(arrivals) > 0 and arrivals.max() > arrivals.min()
+
+
+def trace_to_requests(trace, entry_delay_s: float = 0.0) -> list[Request]:
+    """The trace's requests; each enters the engine `entry_delay_s` after its arrival (a client's
+    request latency: sim/client.py)."""
     df = trace.df
     ids = df["prefix_hash_ids"].tolist() if "prefix_hash_ids" in df else [None] * len(df)
     prio = df["priority"].tolist() if "priority" in df else [0] * len(df)
     span = trace.prefix_block_tokens
     return [
-        Request(request_id=int(rid), arrival_time=float(t), prompt_tokens=int(p), max_output_tokens=int(o),
+        Request(request_id=int(rid), arrival_time=float(t) + entry_delay_s, prompt_tokens=int(p), max_output_tokens=int(o),
                 priority=int(pr) if pr == pr and pr is not None else 0,
                 prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
                 prefix_block_tokens=span)
@@ -52,7 +78,7 @@ def resolve_hardware(cfg: SimConfig, model=None):
         model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
     gpu = get_gpu(cfg.gpu)
     eng = resolve_engine(cfg)
-    cost = CostModel(model, gpu, load_profile(cfg.profile), tp=cfg.tp,
+    cost = CostModel(model, gpu, load_profile(cfg.profile, gpu=gpu), tp=cfg.tp,
                      async_scheduling=bool(eng.async_scheduling))
     if eng.num_gpu_blocks is not None:
         blocks = eng.num_gpu_blocks

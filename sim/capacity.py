@@ -412,17 +412,25 @@ class FitError:
     count: int | None
 
 
-def profile_fit_error(profile: str) -> FitError | None:
-    """The step-time error a fitted profile measured (`meta.fit_errors.all`), or None when the profile
-    carries none (a hand-set profile) or it cannot be read."""
-    from .cost_model import load_profile
+def measured_profile_error(profile: str, gpu: str | None = None) -> FitError | None:
+    """The step-time error the profile of `profile` (and `gpu`, for `auto`) measured when it was fitted
+    (`meta.fit_errors`, read by cost_model.profile_fit_error), or None when it carries none (a hand-set
+    profile) or cannot be loaded."""
+    from .cost_model import ProfileError, load_profile, profile_fit_error
 
     try:
-        errors = load_profile(profile).meta.get("fit_errors", {}).get("all", {})
-        return FitError(float(errors["mape"]), float(errors.get("bias", 0.0)),
-                        int(errors["count"]) if "count" in errors else None)
-    except (AttributeError, KeyError, TypeError, ValueError):
+        loaded = load_profile(profile, gpu=gpu)
+    except (ProfileError, ValueError, OSError):
         return None
+    mape = profile_fit_error(loaded)
+    if mape is None:
+        return None
+    errors = loaded.meta.get("fit_errors") or {}
+    entry = next((errors[k] for k in ("step", "all") if isinstance(errors.get(k), dict)), {})
+    try:
+        return FitError(mape, float(entry.get("bias", 0.0)), int(entry["count"]) if "count" in entry else None)
+    except (TypeError, ValueError):
+        return FitError(mape, 0.0, None)
 
 
 @dataclass
@@ -472,7 +480,7 @@ def variant_configs(cfg: SimConfig, sample: LoadSample, repeats: int, trace=None
 
 def profile_configs(cfg: SimConfig) -> tuple[dict[str, SimConfig], list[str]]:
     """`cfg` with every step time x (1 - mape) and x (1 + mape) of its profile's measured fit error."""
-    err = profile_fit_error(cfg.profile)
+    err = measured_profile_error(cfg.profile, cfg.gpu)
     if err is None:
         return {}, [f"no profile band: profile {cfg.profile!r} carries no measured fit error (meta.fit_errors)"]
     out = {}

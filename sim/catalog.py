@@ -89,6 +89,7 @@ class ModelSpec(_Spec):
     linear_bias: bool = False                     # biases on every linear (OPT)
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"   # layernorm has a bias too
     position_embeddings: int = Field(0, ge=0)     # rows of a learned position table (OPT: max_position + 2)
+    qk_norm: bool = False                         # per-head RMSNorm on q and k (Qwen3, Gemma 3): 2 x head_dim
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:
@@ -124,7 +125,7 @@ class ModelSpec(_Spec):
         bias = self.q_size + 2 * self.kv_size if self.qkv_bias or self.linear_bias else 0
         if self.linear_bias:       # o projection, then the MLP's up (and gate) and down projections
             bias += self.hidden_size + (self.mlp_matrices - 1) * self.intermediate_size + self.hidden_size
-        return bias + 2 * self.final_norm_params
+        return bias + 2 * self.final_norm_params + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def final_norm_params(self) -> int:
@@ -413,7 +414,13 @@ def _gpus() -> _Catalog:
 
 
 def get_model(name_or_path: str | Path | ModelSpec) -> ModelSpec:
-    """Catalog model by name/alias (case-insensitive), or from a YAML file path (`file.yaml#Name`)."""
+    """Catalog model by name/alias (case-insensitive), from a YAML file path (`file.yaml#Name`), or from a
+    Hugging Face config.json (or a directory holding one: sim/hf_config.py)."""
+    from .hf_config import hf_config_path, model_from_hf_config
+
+    hf = hf_config_path(name_or_path)
+    if hf is not None:
+        return model_from_hf_config(hf)
     return _models().get(name_or_path)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .catalog import get_gpu, get_model
 from .kv.policy import PolicyError
@@ -100,6 +100,26 @@ class TraceOptions(_Strict):
     rate: float | None = Field(None, gt=0, description="Poisson rate for length-only traces")
     arrival_unit: Literal["time", "step"] = Field(
         "time", description="step: arrival_time_s holds the engine step before which a request arrives")
+    # the load options of `vllm bench serve` (docs/traces.md, "Load as vllm bench serve applies it")
+    request_rate: float | None = Field(
+        None, gt=0, description="vllm bench serve --request-rate: req/s for a trace without arrival times "
+                                "(.inf: all at t=0)")
+    burstiness: float = Field(1.0, gt=0, description="Gamma shape of the gaps with request_rate: 1 Poisson, "
+                                                     "<1 burstier, >1 more regular")
+    max_concurrency: int | None = Field(
+        None, gt=0, description="vllm bench serve --max-concurrency: at most this many requests in flight; "
+                                "the next one is sent when one finishes")
+
+    @model_validator(mode="after")
+    def _load_options_agree(self) -> "TraceOptions":
+        if self.request_rate is not None and self.rate is not None:
+            raise ValueError("request_rate and rate both set arrivals for a length-only trace; give one "
+                             "(request_rate: vllm bench serve's arrivals, rate: Poisson from t=0)")
+        if self.burstiness != 1.0 and self.request_rate is None:
+            raise ValueError(f"burstiness {self.burstiness:g} has no effect without request_rate")
+        if self.max_concurrency is not None and self.arrival_unit == "step":
+            raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
+        return self
 
 
 class SLO(_Strict):
@@ -167,7 +187,7 @@ class SimConfig(_Strict):
     tp: int = Field(1, gt=0)
     replicas: int = Field(1, gt=0)
     router: Literal["round_robin", "least_outstanding"] = "round_robin"
-    profile: str = "default"
+    profile: str = "auto"                # the GPU's shipped profile (sim/data/profiles; docs/gpu-profiles.md)
     kv_dtype: str | None = None
     weight_dtype: str | None = None      # decoder-layer weight dtype (fp16, bf16, fp8, int8, int4); None: the catalog's
     engine: EngineConfig = EngineConfig()
@@ -176,6 +196,8 @@ class SimConfig(_Strict):
     seed: int = 0
     fast_forward: bool = True
     check_invariants: bool = False
+    # engine time only: the profile's client-side terms (API server, tokenization) off
+    engine_only: bool = False
 
     @field_validator("model")
     @classmethod

@@ -80,7 +80,7 @@ from typing import Any
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvsim.sim.catalog import (
     DATA_DIR, DTYPE_BYTES, CatalogError, GPUSpec, ModelSpec, format_validation_error, get_gpu, get_model,
@@ -121,6 +121,62 @@ class ProfileError(ValueError):
 
 _Efficiency = Field(gt=0, le=1)
 _Overhead = Field(ge=0)
+_Overhead0 = Field(default=0.0, ge=0)
+
+
+class AllReduceTerms(BaseModel):
+    """One all-reduce at a TP degree: fixed latency plus bytes over the link at an efficiency."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    latency_s: float = Field(ge=0)
+    bw_eff: float = Field(gt=0, le=1)
+
+
+class GemmEfficiency(BaseModel):
+    """Compute efficiency (fraction of peak) of a layer's matmuls by the step's tokens (rows) and the
+    size of one layer's matmul weights on one GPU (MiB): small matmuls fill fewer SMs. Interpolated
+    linearly in log tokens and log size; the nearest entry beyond the table."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens: list[int] = Field(min_length=1)
+    weight_mib: list[float] = Field(min_length=1)
+    efficiency: list[list[float]]        # [len(tokens)][len(weight_mib)]
+
+    @model_validator(mode="after")
+    def _check_table(self) -> GemmEfficiency:
+        if sorted(set(self.tokens)) != self.tokens or self.tokens[0] < 1:
+            raise ValueError("gemm_efficiency.tokens must be increasing and >= 1")
+        if sorted(set(self.weight_mib)) != self.weight_mib or self.weight_mib[0] <= 0:
+            raise ValueError("gemm_efficiency.weight_mib must be increasing and > 0")
+        if len(self.efficiency) != len(self.tokens) or any(len(r) != len(self.weight_mib) for r in self.efficiency):
+            raise ValueError(f"gemm_efficiency.efficiency must be {len(self.tokens)} rows of {len(self.weight_mib)}")
+        if not all(0 < e <= 1 for r in self.efficiency for e in r):
+            raise ValueError("gemm_efficiency.efficiency values must be in (0, 1]")
+        return self
+
+    def at_size(self, weight_mib: float) -> tuple[np.ndarray, np.ndarray]:
+        """(log tokens, efficiency) for one matmul-weight size: the table the cost model interpolates."""
+        x = np.log(np.array(self.weight_mib, dtype=np.float64))
+        eff = np.array([np.interp(np.log(weight_mib), x, row) for row in self.efficiency], dtype=np.float64)
+        return np.log(np.array(self.tokens, dtype=np.float64)), eff
+
+
+class ClientLatency(BaseModel):
+    """Time a `vllm bench serve` client sees beyond the engine's steps (sim/engine.py applies it).
+
+    request_s: per request, from the client's send to the request entering the engine's queue
+    (HTTP, the API server, tokenization) -- TTFT and E2E include it, TPOT/ITL do not.
+    output_token_s: per output token, the API server's serial work (detokenization, streaming): a
+    step's tokens reach the client after the server has processed every token of the step, so it
+    stretches ITL with the batch size."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_s: float = Field(default=0.0, ge=0)
+    output_token_s: float = Field(default=0.0, ge=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.request_s > 0 or self.output_token_s > 0
 
 
 class HardwareProfile(BaseModel):
@@ -147,10 +203,27 @@ class HardwareProfile(BaseModel):
     # pure-decode steps of b sequences take decode_batch_factors[b] x the model's time (linear
     # interpolation between listed sizes, the nearest listed size beyond them; empty: 1 everywhere)
     decode_batch_factors: dict[int, float] = Field(default_factory=dict)
+    # ---- operator-fitted form (sim/calibration/operator_fit.py; docs/gpu-profiles.md). An empty
+    # gemm_efficiency keeps the plain roofline above (every CPU profile and the step-log fits).
+    gemm_efficiency: GemmEfficiency | None = None   # compute efficiency of the linear layers
+    gemm_latency_s: float = _Overhead0         # fixed time of one matmul kernel (4 per layer + LM head)
+    layer_latency_s: float = _Overhead0        # fixed time per layer of its other kernels (norms, RoPE,
+                                               # activation, residual adds, attention)
+    elementwise_bw_eff: float = Field(default=1.0, gt=0, le=1)   # their bytes per token vs peak bandwidth
+    # TP degree -> {latency_s, bw_eff} of one all-reduce (the nearest listed degree beyond the table);
+    # empty: allreduce_latency_s / allreduce_bw_eff for every degree
+    allreduce_by_tp: dict[int, AllReduceTerms] = Field(default_factory=dict)
+    # what `vllm bench serve` measures beyond the engine (API server, tokenization, streaming); off
+    # with --engine-only. See ClientLatency.
+    client: ClientLatency = Field(default_factory=lambda: ClientLatency())
     # every step's time x this (1: as modelled); a profile name `NAME*1.04` loads NAME with it, for
     # the capacity band implied by the profile's measured error (sim.capacity.profile_band)
     step_time_scale: float = Field(default=1.0, gt=0)
     meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
+
+    @property
+    def operator_form(self) -> bool:
+        return self.gemm_efficiency is not None
 
     @field_validator("decode_batch_factors")
     @classmethod
@@ -173,18 +246,33 @@ def list_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 
 
-def load_profile(name_or_path: str | Path | HardwareProfile = "default") -> HardwareProfile:
-    """A shipped profile by name (`default`, `cpu-2core`, ...) or a YAML file path; `NAME*K` is that
-    profile with every step time multiplied by K."""
+AUTO_PROFILE = "auto"
+
+
+def profile_for_gpu(gpu: GPUSpec | str) -> str:
+    """The shipped profile of a catalog GPU (fitted to measured kernel times, or derived from a fitted
+    one: docs/gpu-profiles.md); `default` (hand-set, H100-class) for a GPU without one."""
+    name = get_gpu(gpu).name.lower()
+    return name if (PROFILES_DIR / f"{name}.yaml").is_file() else "default"
+
+
+def load_profile(name_or_path: str | Path | HardwareProfile = "default", gpu: GPUSpec | str | None = None
+                 ) -> HardwareProfile:
+    """A shipped profile by name (`default`, `cpu-2core`, `h100-sxm`, ...), a YAML file path, or `auto`:
+    the shipped profile of `gpu`; `NAME*K` is that profile with every step time multiplied by K."""
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
     text = str(name_or_path)
     scaled = _SCALED.fullmatch(text)
     if scaled:
-        base, factor = load_profile(scaled.group(1)), float(scaled.group(2))
+        base, factor = load_profile(scaled.group(1), gpu), float(scaled.group(2))
         if not factor > 0:
             raise ProfileError(f"profile {text!r}: the step-time factor after '*' must be > 0")
         return base.model_copy(update={"step_time_scale": base.step_time_scale * factor})
+    if text.strip().lower() == AUTO_PROFILE:
+        if gpu is None:
+            raise ProfileError("profile 'auto' picks the GPU's own profile: give the GPU")
+        return load_profile(profile_for_gpu(gpu))
     if text.endswith((".yaml", ".yml")) or Path(text).is_file():
         path = Path(text)
     else:
@@ -203,6 +291,16 @@ def load_profile(name_or_path: str | Path | HardwareProfile = "default") -> Hard
     except ValidationError as exc:
         raise ProfileError(f"invalid hardware profile {path}:\n"
                            + format_validation_error(exc, str(path), lines)) from exc
+
+
+def profile_fit_error(profile: HardwareProfile) -> float | None:
+    """The profile's measured step-time error (MAPE on rows its fit did not see, or of its step-log fit),
+    None where it was not measured (hand-set profiles)."""
+    errors = profile.meta.get("fit_errors") or {}
+    for key in ("step", "all"):
+        if isinstance(errors.get(key), dict) and errors[key].get("mape") is not None:
+            return float(errors[key]["mape"])
+    return None
 
 
 def kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
@@ -237,7 +335,7 @@ def _max(a, b):
 class CostModel:
     """Step time of `model` on `gpu` x `tp` under `profile` (see module docstring for the form)."""
 
-    def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, profile: HardwareProfile | str = "default",
+    def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, profile: HardwareProfile | str = AUTO_PROFILE,
                  tp: int = 1, *, kv_dtype: str | None = None, weight_dtype: str | None = None,
                  async_scheduling: bool = False):
         model = get_model(model)
@@ -246,7 +344,7 @@ class CostModel:
         self.model, self.gpu, self.tp = model, get_gpu(gpu), tp
         # async scheduling: the CPU's per-step work (the overhead terms) overlaps the device's
         self.async_scheduling = async_scheduling
-        self.profile = load_profile(profile)
+        self.profile = load_profile(profile, gpu=self.gpu)
         self.kv_heads_per_gpu = kv_heads_per_gpu(model, tp)
         self.kv_split = self.kv_heads_per_gpu / model.num_kv_heads
         self.kv_bytes_per_token = model.kv_bytes_per_token()
@@ -254,6 +352,7 @@ class CostModel:
         self._set_coefficients()
         # the padded-attention features are skipped when pricing steps under a profile that gives them no cost
         self._pads = self.profile.padded_attn_cost > 0 or self.profile.padded_prefill_cost > 0
+        self._set_operator_terms()
         table = sorted(self.profile.decode_batch_factors.items())     # model_copy(update=) skips the validator
         self._batch_table = (np.array([b for b, _ in table], dtype=np.float64),
                              np.array([f for _, f in table], dtype=np.float64)) if table else None
@@ -287,6 +386,43 @@ class CostModel:
             "allreduce_count": float(2 * m.num_layers if tp > 1 else 0),
         }
         self._c = {k: float(v) for k, v in c.items()}
+
+    def _set_operator_terms(self) -> None:
+        """The operator form's constants: efficiency table in log tokens, per-step latency counts, and
+        the all-reduce terms at this TP degree."""
+        p, m, tp = self.profile, self.model, self.tp
+        self._gemm_table = None
+        if p.gemm_efficiency is not None:
+            self._gemm_table = p.gemm_efficiency.at_size(self.layer_weight_mib)
+        # 4 matmul kernels per layer (fused QKV, O, fused gate/up or fc1, down or fc2) and the LM head
+        self._gemm_launches = float(4 * m.num_layers + 1)
+        self._layers = float(m.num_layers)
+        ar_lat, ar_eff = p.allreduce_latency_s, p.allreduce_bw_eff
+        if p.allreduce_by_tp and tp > 1:
+            degrees = sorted(p.allreduce_by_tp)
+            terms = p.allreduce_by_tp[min((d for d in degrees if d >= tp), default=degrees[-1])]
+            ar_lat, ar_eff = terms.latency_s, terms.bw_eff
+        self._allreduce_latency_s, self._allreduce_bw_eff = float(ar_lat), float(ar_eff)
+        act_bytes = DTYPE_BYTES[m.activation_dtype]
+        # norms, residual adds and RoPE read and write hidden-sized rows; the activation reads gate
+        # and up and writes their product (this GPU's shard of the TP-split ones)
+        elem = m.num_layers * act_bytes * (7 * m.hidden_size + 2 * (m.q_size + m.kv_size) / tp
+                                           + 3 * m.intermediate_size / tp)
+        self._elementwise_token_s = float(elem / self.gpu.mem_bw)
+
+    @property
+    def layer_weight_mib(self) -> float:
+        """One layer's matmul weights on one GPU, MiB (what sets how well a matmul fills the GPU)."""
+        m = self.model
+        return m.linear_params_per_layer * DTYPE_BYTES[m.weight_dtype] / self.tp / 2**20
+
+    def gemm_efficiency(self, tokens):
+        """The profile's linear-layer compute efficiency at `tokens` rows (scalar or array): linear in
+        log tokens between entries, the nearest entry beyond them (below the first entry matmuls are
+        bound by weight streaming, where the compute side does not bind)."""
+        log_t, eff = self._gemm_table
+        e = np.interp(np.log(np.maximum(_f64(tokens), 1.0)), log_t, eff)
+        return float(e) if np.ndim(e) == 0 else e
 
     # ---- model ---------------------------------------------------------------------------
     def features(self, shape: BatchShape, *, padded: bool = True) -> dict[str, np.float64 | np.ndarray]:
@@ -329,6 +465,8 @@ class CostModel:
 
     def breakdown(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
         """Seconds per part after the profile's factors; `total` equals `predict(shape)`."""
+        if self._gemm_table is not None:
+            return self._operator_breakdown(shape)
         f, p = self.features(shape, padded=self._pads), self.profile
         linear = _max(f["linear_compute_prefill"] / p.mfu_prefill + f["linear_compute_decode"] / p.mfu_decode,
                             f["linear_memory"] / p.mem_bw_eff)
@@ -344,6 +482,43 @@ class CostModel:
             k = self.decode_batch_factor(shape.num_seqs, shape.num_prefill_tokens)
             linear, attention, copy, swap, allreduce, overhead = (
                 linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
+        if p.step_time_scale != 1.0:
+            k = p.step_time_scale
+            linear, attention, copy, swap, allreduce, overhead = (
+                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
+        device = linear + attention + copy + swap + allreduce
+        total = _max(device, overhead) if self.async_scheduling else device + overhead
+        return {"linear": linear, "attention": attention, "copy": copy, "swap": swap,
+                "allreduce": allreduce, "overhead": overhead, "total": total}
+
+    def _operator_breakdown(self, shape: BatchShape) -> dict[str, np.float64 | np.ndarray]:
+        """The operator-fitted form (docs/gpu-profiles.md):
+
+          linear    = max(tokens * flops_s / eff(tokens) + seqs * lm_head_s / eff(seqs),
+                          (weights_s + seqs * logits_s) / mem_bw_eff) + [ran] * matmuls * gemm_latency_s
+          elementwise = [ran] * layers * layer_latency_s + tokens * elementwise_s / elementwise_bw_eff
+          attention = max(attn_compute / attn_compute_eff, attn_memory / attn_bw_eff)
+          allreduce = tokens * allreduce_token_s / bw_eff(tp) + [ran] * 2 * layers * latency(tp)
+
+        (elementwise is reported inside `linear`); copy, swap, overhead and async as the plain form."""
+        c, p = self._c, self.profile
+        f = self.features(shape, padded=False)
+        seqs = _f64(shape.num_seqs)
+        tokens = _f64(shape.num_prefill_tokens) + _f64(shape.num_decode_tokens)
+        ran = (tokens > 0).astype(np.float64) if isinstance(tokens, np.ndarray) else float(tokens > 0)
+        compute = (tokens * c["prefill_flops_s"] / self.gemm_efficiency(tokens)
+                   + seqs * c["lm_head_s"] / self.gemm_efficiency(seqs))
+        memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
+        linear = (_max(compute, memory) + ran * (self._gemm_launches * p.gemm_latency_s
+                                                 + self._layers * p.layer_latency_s)
+                  + tokens * self._elementwise_token_s / p.elementwise_bw_eff)
+        attention = _max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
+        copy = (f["copy"] + f["policy_ops"]) / p.copy_bw_eff
+        swap = f["swap"] / p.pcie_eff
+        allreduce = (f["allreduce_bw"] / self._allreduce_bw_eff
+                     + f["allreduce_count"] * self._allreduce_latency_s)
+        overhead = (f["step"] * p.step_overhead_s + f["seqs"] * p.per_seq_overhead_s
+                    + f["block_entries"] * p.per_block_entry_overhead_s)
         if p.step_time_scale != 1.0:
             k = p.step_time_scale
             linear, attention, copy, swap, allreduce, overhead = (
@@ -378,6 +553,10 @@ class CostModel:
         prefill, copy or swap), with the zero terms left out. Bit-identical to `predict` on the same
         BatchShape: every dropped term is an exact 0.0, and x + 0.0 == x. The decode fast-forward
         prices each run with it (tested against `predict`)."""
+        if self._gemm_table is not None:
+            return self.predict(BatchShape(num_seqs=num_seqs, num_decode_tokens=num_seqs,
+                                           kv_tokens_read=kv_tokens_read, block_table_entries=block_table_entries,
+                                           kv_tokens_padded=kv_tokens_padded))
         c, p = self._c, self.profile
         linear = np.maximum((num_seqs * c["decode_flops_s"] + num_seqs * c["lm_head_s"]) / p.mfu_decode,
                             (c["weights_s"] + num_seqs * c["act_token_s"] + num_seqs * c["logits_seq_s"])

@@ -27,7 +27,8 @@ class EngineReplica:
                  step_log: StepLog, *, fast_forward: bool = True, check_invariants: bool = False,
                  next_arrival: Callable[[], float] = lambda: float("inf"),
                  on_step: Callable[[int], None] | None = None, max_run_steps: int = 4096,
-                 yield_every_step: bool = True, step_arrivals: "StepArrivals | None" = None):
+                 yield_every_step: bool = True, step_arrivals: "StepArrivals | None" = None,
+                 on_done: "Callable[[int, float], None] | None" = None):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -47,6 +48,8 @@ class EngineReplica:
         self.now = 0.0              # authoritative clock (simpy time tracks it)
         self.num_steps = 0
         self.step_arrivals = step_arrivals
+        # told how many requests left the engine (finished or rejected) and when: the closed-loop client
+        self.on_done = on_done
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()
@@ -65,15 +68,23 @@ class EngineReplica:
         if self.async_scheduling and self.scheduler.has_work:
             self.inbox.append(req)       # a step is in flight: the next schedule is already made
             return
-        if self.scheduler.add_request(req) and self._wake is not None and not self._wake.triggered:
+        if self._add(req) and self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+
+    def _add(self, req: Request) -> bool:
+        """Hand `req` to the scheduler; False if it is rejected (it can never fit)."""
+        if self.scheduler.add_request(req):
+            return True
+        if self.on_done is not None:
+            self.on_done(1, self.now)
+        return False
 
     def _take_arrivals(self) -> None:
         """Hand the scheduler what has arrived for the step about to be scheduled."""
         inbox = self.inbox
         idle = not self.scheduler.has_work
         while inbox and (idle or inbox[0].arrival_time <= self._step_start):
-            self.scheduler.add_request(inbox.popleft())
+            self._add(inbox.popleft())
         if self.step_arrivals is not None:
             for req in self.step_arrivals.due(self.num_steps, idle=not self.scheduler.has_work):
                 req.arrival_time = self.now
@@ -111,6 +122,8 @@ class EngineReplica:
             if self.yield_every_step or self.now >= self.next_arrival():
                 yield self._sleep_until(self.now)
             finished = self.scheduler.update(out, self.now)
+            if finished and self.on_done is not None:
+                self.on_done(len(finished), self.now)
             if not self.scheduler.has_work:
                 self.scheduler.release_finishing()     # async: no next schedule to wait for
             self._log_step(start, out, result, len(finished), shape)
@@ -177,7 +190,10 @@ class EngineReplica:
         rows = fast_forward.apply(self, run)
         self.now = run.ends[-1]
         yield self._sleep_until(self.now)
-        self.scheduler.finish([r for r, e in zip(run.reqs, run.last) if e == k], self.now)
+        done = [r for r, e in zip(run.reqs, run.last) if e == k]
+        self.scheduler.finish(done, self.now)
+        if done and self.on_done is not None:
+            self.on_done(len(done), self.now)
         waiting[-1] = len(sched.waiting)       # arrivals during the last step
         released = self.async_scheduling and not sched.has_work and sched.finishing
         if released:
@@ -245,18 +261,82 @@ class StepArrivals:
         return self.pending[0].arrival_time - step if self.pending else float("inf")
 
 
-class ArrivalProcess:
-    """Feeds trace requests (sorted by arrival) to the router at their arrival times."""
+class ConcurrencyLimit:
+    """`vllm bench serve --max-concurrency C` on the client side: a request that arrives (at its trace
+    time, or all at t=0 without a rate) while C requests are in flight waits in a FIFO queue, like the
+    benchmark's asyncio semaphore, and is sent the moment one of them finishes (or is rejected). A
+    request's `arrival_time` becomes the time it is sent, so TTFT and E2E latency are measured from there,
+    as vLLM measures them; `client_arrival` keeps when it reached the client (its queue time is the
+    difference: vLLM's client_queue_time). With `entry_delay_s` (the profile's client request latency,
+    sim/client.py) a sent request enters the engine that much later; `next_entry` tells the engines when."""
 
-    def __init__(self, env: simpy.Environment, requests: list[Request], router: Router):
+    def __init__(self, limit: int, router: Router, env: simpy.Environment | None = None, entry_delay_s: float = 0.0):
+        self.limit = limit
+        self.router = router
+        self.env = env
+        self.entry_delay_s = entry_delay_s
+        self.in_flight = 0
+        self.queue: deque[Request] = deque()
+        self.in_transit: deque[Request] = deque()       # sent, entering the engine at their arrival_time
+        self.client_arrival: dict[int, float] = {}      # request_id -> time it reached the client
+        self._sending = False
+
+    def next_entry(self) -> float:
+        return self.in_transit[0].arrival_time if self.in_transit else float("inf")
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def arrive(self, req: Request, now: float) -> None:
+        self.client_arrival[req.request_id] = now
+        self.queue.append(req)
+        self._send(now)
+
+    def done(self, count: int, now: float) -> None:
+        """`count` requests left the engine at `now` (EngineReplica.on_done)."""
+        self.in_flight -= count
+        self._send(now)
+
+    def _send(self, now: float) -> None:
+        if self._sending:           # a rejection inside submit() calls done(): the outer loop goes on
+            return
+        self._sending = True
+        try:
+            while self.queue and self.in_flight < self.limit:
+                req = self.queue.popleft()
+                req.arrival_time = now + self.entry_delay_s
+                self.in_flight += 1
+                if self.entry_delay_s > 0:
+                    self.in_transit.append(req)          # sends happen in time order: FIFO
+                    self.env.process(self._enter(req))
+                else:
+                    self.router.route(req).submit(req)
+        finally:
+            self._sending = False
+
+    def _enter(self, req: Request):
+        yield self.env.timeout(max(req.arrival_time - self.env.now, 0.0))
+        self.in_transit.remove(req)
+        self.router.route(req).submit(req)
+
+
+class ArrivalProcess:
+    """Feeds trace requests (sorted by arrival) to the router at their arrival times (through a
+    `ConcurrencyLimit` when one is given)."""
+
+    def __init__(self, env: simpy.Environment, requests: list[Request], router: Router,
+                 limit: ConcurrencyLimit | None = None):
         self.env = env
         self.requests = requests
         self.router = router
+        self.limit = limit
         self.index = 0
         self.process = env.process(self.run())
 
     def next_arrival(self) -> float:
-        return self.requests[self.index].arrival_time if self.index < len(self.requests) else float("inf")
+        nxt = self.requests[self.index].arrival_time if self.index < len(self.requests) else float("inf")
+        return min(nxt, self.limit.next_entry()) if self.limit is not None else nxt
 
     def run(self):
         while self.index < len(self.requests):
@@ -264,4 +344,7 @@ class ArrivalProcess:
             if req.arrival_time > self.env.now:
                 yield self.env.timeout(req.arrival_time - self.env.now)
             self.index += 1
-            self.router.route(req).submit(req)
+            if self.limit is not None:
+                self.limit.arrive(req, self.env.now)
+            else:
+                self.router.route(req).submit(req)

@@ -80,8 +80,9 @@ def plan(replica: EngineReplica) -> DecodeRun | None:
         first_step_blocks = sum(1 for x in c_list if x % bs == 0)
         if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
             return None
-    # async scheduling: a finish releases its blocks a step later, so a run ends at the first finish
-    k = min(last_list) if admission_blocked or cfg.async_scheduling else max(last_list)
+    # async scheduling: a finish releases its blocks a step later, so a run ends at the first finish;
+    # so it does when a finish sends the next request of a closed-loop client (replica.on_done)
+    k = min(last_list) if admission_blocked or cfg.async_scheduling or replica.on_done else max(last_list)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
     gap = (next_arrival - replica.now) / max(replica._last_duration, 1e-9)

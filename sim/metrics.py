@@ -201,6 +201,14 @@ def request_table(requests) -> pd.DataFrame:
     return df
 
 
+def add_client_queue(req_df: pd.DataFrame, client_arrival: dict[int, float]) -> None:
+    """With a concurrency limit (`trace_options.max_concurrency`): when each request reached the client
+    and how long it waited there for a slot (vLLM's client_queue_time); `arrival_s` is when it was sent."""
+    reached = req_df["request_id"].map(client_arrival).astype("float64")
+    req_df["client_arrival_s"] = reached
+    req_df["client_queue_s"] = req_df["arrival_s"] - reached
+
+
 def flat_token_times(token_times) -> tuple[np.ndarray, np.ndarray]:
     """(offsets [n + 1], values): every request's token times in one float64 buffer; request i's
     are values[offsets[i]:offsets[i + 1]]."""

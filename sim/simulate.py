@@ -12,12 +12,14 @@ import simpy
 from .assembly import load_workload, resolve_hardware, scheduler_config, trace_to_requests
 from .config import ConfigError, SimConfig
 from .core.scheduler import Scheduler
+from .client import client_view
+from .cost_model import ClientLatency, profile_fit_error
 from .defaults import resolve_defaults
-from .engine import ArrivalProcess, EngineReplica, Router, StepArrivals
+from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, StepArrivals
 from .executor import replica_executor
 from .kv.build import build_kv_manager
 from .memory import check_memory, estimate_run_memory
-from .metrics import SUMMARY_STEP_COLUMNS, StepLog, request_table
+from .metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
 from .outputs import run_summary, write_outputs
 from .progress import ProgressTracker, TokenBar, ambient_callback
 from .results import ResultDir, check_out_dir
@@ -65,7 +67,9 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
 
 def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost, num_blocks: int,
               max_model_len: int, t0: float, *, progress, keep_steps: bool, wrap_kv) -> SimulationResult:
-    requests = trace_to_requests(trace)
+    client = ClientLatency() if cfg.engine_only else cost.profile.client
+    # open loop: requests enter the engine request_s after their trace time; a closed loop delays each send
+    requests = trace_to_requests(trace, 0.0 if cfg.trace_options.max_concurrency else client.request_s)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None)
     sched_cfg = scheduler_config(cfg, cost, max_model_len)
@@ -80,6 +84,11 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         raise ConfigError(f"trace_options.arrival_unit: step feeds one engine step by step; replicas must be 1, "
                           f"got {cfg.replicas}")
     step_arrivals = StepArrivals(requests) if by_step else None
+    limit_n = cfg.trace_options.max_concurrency
+    limit_holder: list[ConcurrencyLimit] = []
+    # a closed loop lets one replica's finish send a request to another: with several replicas each
+    # one must stop at every step end for it to land in time (no decode fast-forward across it)
+    cross_replica = limit_n is not None and cfg.replicas > 1
     for i in range(cfg.replicas):
         kv = build_kv_manager(cfg, model, cost, num_blocks)
         executor = replica_executor(cfg, cost, kv)
@@ -88,30 +97,41 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         scheduler = Scheduler(sched_cfg, kv)
         replicas.append(EngineReplica(
             env, i, scheduler, executor, step_log,
-            fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants,
+            fast_forward=cfg.fast_forward and not cross_replica, check_invariants=cfg.check_invariants,
             next_arrival=(lambda: float("inf")) if by_step else (lambda: arrivals_holder[0].next_arrival()),
-            yield_every_step=False, step_arrivals=step_arrivals, on_step=tracker))
+            yield_every_step=cross_replica, step_arrivals=step_arrivals, on_step=tracker,
+            on_done=None if limit_n is None else (lambda n, t: limit_holder[0].done(n, t))))
     arrivals = None
+    limit = None
     if not by_step:
-        arrivals = ArrivalProcess(env, requests, Router(replicas, cfg.router))
+        router = Router(replicas, cfg.router)
+        limit = ConcurrencyLimit(limit_n, router, env, client.request_s) if limit_n is not None else None
+        limit_holder.append(limit)
+        arrivals = ArrivalProcess(env, requests, router, limit)
         arrivals_holder.append(arrivals)
-    stop = _drive(env, arrivals, replicas, step_arrivals)
+    stop = _drive(env, arrivals, replicas, step_arrivals, limit)
     if tracker:
         tracker.finish()
     step_log.close()
 
     if stop:                               # requests that never arrived are not part of the result
         if arrivals is not None:
-            requests = requests[:arrivals.index]
+            unsent = set(map(id, limit.queue)) if limit is not None else set()
+            requests = [r for r in requests[:arrivals.index] if id(r) not in unsent]
         else:
             unsent = set(map(id, step_arrivals.pending))
             requests = [r for r in requests if id(r) not in unsent]
-    req_df = request_table(requests)
+    req_df = client_view(request_table(requests), client)
+    if limit is not None:
+        add_client_queue(req_df, limit.client_arrival)
     steps_df = step_log.to_pandas() if keep_steps or out is None else None
     steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(
         out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(cfg, req_df, steps_for_summary, [r.kv for r in replicas], num_blocks,
                           max_model_len, model, gpu)
+    summary["profile"] = cost.profile.name
+    summary["profile_step_mape"] = profile_fit_error(cost.profile)
+    summary["client_latency"] = client.enabled
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
@@ -139,7 +159,7 @@ def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
 
 
 def _drive(env: simpy.Environment, arrivals: ArrivalProcess | None, replicas: list[EngineReplica],
-           step_arrivals: StepArrivals | None = None):
+           step_arrivals: StepArrivals | None = None, limit: ConcurrencyLimit | None = None):
     """Run the engine to the end; None, or (reason, exception) when it was interrupted or failed."""
     # The engine allocates many small, long-lived objects (token times, step rows) and no reference
     # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
@@ -148,8 +168,12 @@ def _drive(env: simpy.Environment, arrivals: ArrivalProcess | None, replicas: li
     try:
         if arrivals is not None:
             env.run(until=arrivals.process)    # all requests submitted
-        while any(r.scheduler.has_work for r in replicas) or (step_arrivals and step_arrivals.pending):
+        while (any(r.scheduler.has_work for r in replicas) or (step_arrivals and step_arrivals.pending)
+               or (limit is not None and limit.in_transit)):
             env.step()
+        if limit is not None and limit.pending:
+            raise RuntimeError(f"{limit.pending} requests still wait for a concurrency slot with no request "
+                               "in flight")
     except KeyboardInterrupt as exc:
         return (str(exc) or "interrupted (Ctrl-C)"), exc
     except Exception as exc:  # noqa: BLE001 - written as a partial result, then raised again

@@ -218,7 +218,7 @@ class _FitChecker:
         except CatalogError as exc:
             return f"gpu={cfg.gpu!r}: {exc}"
         try:
-            load_profile(cfg.profile)
+            load_profile(cfg.profile, gpu=gpu)
         except (CatalogError, ValueError, FileNotFoundError) as exc:
             return f"profile={cfg.profile!r}: {exc}"
         eng = resolve_engine(cfg)

@@ -200,10 +200,17 @@ def test_drain_dominated_and_search_limit_warnings(uniform):
 # ---- error bars: the profile's measured error, other samples ------------------------------------
 
 def test_profile_fit_error_is_read_when_present():
-    from kvsim.sim.capacity import profile_fit_error
-    err = profile_fit_error("cpu-smollm2")
+    from kvsim.sim.capacity import measured_profile_error, profile_configs
+    err = measured_profile_error("cpu-smollm2")
     assert err is not None and err.mape == pytest.approx(0.04026) and err.bias == pytest.approx(-0.00875)
-    assert profile_fit_error("default") is None        # hand-set: no measured error, no band
+    assert measured_profile_error("default") is None        # hand-set: no measured error, no band
+    assert measured_profile_error("no-such-profile") is None
+    # `auto` is the GPU's own profile: the band scales it by its own measured error
+    h100 = measured_profile_error("auto", "h100")
+    assert h100 is not None and 0 < h100.mape < 0.2
+    band, notes = profile_configs(load_config(None, {"gpu": "h100", "profile": "auto"}))
+    assert [c.profile for c in band.values()] == [f"auto*{1 - h100.mape:.6g}", f"auto*{1 + h100.mape:.6g}"]
+    assert "MAPE" in notes[0]
 
 
 def test_scaled_profile_multiplies_every_step_time():
@@ -217,6 +224,10 @@ def test_scaled_profile_multiplies_every_step_time():
     np.testing.assert_allclose(slow.predict(shape), 1.25 * base.predict(shape), rtol=1e-12)
     args = (np.array([8.0, 64]), np.array([8000.0, 64000]), np.array([500.0, 4000]))
     np.testing.assert_allclose(slow.predict_decode(*args), 1.25 * base.predict_decode(*args), rtol=1e-12)
+    fitted = CostModel("llama-3.1-8b", "h100", load_profile("auto", gpu="h100"), tp=2)      # operator form
+    scaled = CostModel("llama-3.1-8b", "h100", load_profile("auto*0.9", gpu="h100"), tp=2)
+    np.testing.assert_allclose(scaled.predict(shape), 0.9 * fitted.predict(shape), rtol=1e-12)
+    np.testing.assert_allclose(scaled.predict_decode(*args), 0.9 * fitted.predict_decode(*args), rtol=1e-12)
     assert load_profile("default*1").step_time_scale == 1.0
     with pytest.raises(ProfileError, match="must be > 0"):
         load_profile("default*0")

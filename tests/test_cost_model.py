@@ -23,7 +23,7 @@ def prefill(tokens, context=0):
 
 @pytest.fixture(scope="module")
 def h100_8b():
-    return CostModel("llama-3.1-8b", "h100")
+    return CostModel("llama-3.1-8b", "h100", "default")     # the plain roofline form, hand-set
 
 
 def random_shapes(rng, n):
@@ -106,7 +106,7 @@ def test_scalar_and_array_paths_are_bit_identical():
 
 def test_tensor_parallel_speeds_up_sublinearly_and_adds_allreduce():
     shape = decode(64, 2048)
-    models = {tp: CostModel("llama-3.1-70b", "h100", tp=tp) for tp in (1, 2, 4, 8)}
+    models = {tp: CostModel("llama-3.1-70b", "h100", "default", tp=tp) for tp in (1, 2, 4, 8)}
     times = {tp: cm.predict(shape) for tp, cm in models.items()}
     assert times[1] > times[2] > times[4] > times[8]
     assert all(times[1] / times[tp] < tp for tp in (2, 4, 8))
@@ -241,7 +241,7 @@ def test_decode_batch_factors_scale_pure_decode_steps_by_batch_size():
 
 def test_features_reconstruct_predict_for_a_fitter():
     """The documented linear-given-branches form that calibration fits reproduces predict()."""
-    cm = CostModel("llama-3.1-8b", "h100", tp=1)
+    cm = CostModel("llama-3.1-8b", "h100", "default", tp=1)     # the plain form the step-log fitter fits
     shapes = random_shapes(np.random.default_rng(3), 500)
     X = cm.feature_matrix(shapes)
     branches = cm.active_branches(shapes)

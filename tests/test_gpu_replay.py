@@ -311,3 +311,16 @@ def test_a_replay_starts_with_the_previous_replays_cache_freed(small, monkeypatc
         if gc_was:
             gc.enable()
     assert alive_at_build == [[], [False]]
+
+
+def test_replay_closed_loop_sends_the_next_request_when_one_finishes(small):
+    """--max-concurrency drives the real backend as it drives the simulator (the shared engine core)."""
+    tr = trace([30, 22, 40, 18, 25], [6, 3, 5, 4, 2])
+    res = run_replay(config(**{"engine.num_gpu_blocks": 40, "trace_options.max_concurrency": 2}), model=small,
+                     trace=tr)
+    req = res.requests
+    assert (req["status"] == "finished").all()
+    sent = req["arrival_s"].to_numpy()
+    assert not sent[:2].any()
+    np.testing.assert_array_equal(sent[2:], np.sort(req["finish_s"].to_numpy())[:3])
+    np.testing.assert_array_equal(req["client_queue_s"].to_numpy(), sent)

@@ -11,7 +11,7 @@ kvsim.sim.kv.fast.*, kvsim.sim.cli.*, kvsim.sim.calibration.*, kvsim.sim.crossch
   policies, importance, fast mode, LeanKV tiers, manager assembly), the engine loop kvsim.sim.engine
   and its decode fast-forward (the real backend drives the same loop; fast-forward runs only for an
   executor that declares it), the cost model (the simulator's step time and the backend's
-  predicted_s), run assembly and outputs (kvsim.sim.assembly, .outputs, .metrics, .results,
+  predicted_s), run assembly and outputs (kvsim.sim.assembly, .outputs, .metrics, .client, .results,
   .progress, .memory, .defaults).
 - executors, two of them that must not import each other: the simulator (kvsim.sim.simulate,
   kvsim.sim.executor) and the real backend (kvsim.gpu, torch/Triton).
@@ -58,6 +58,7 @@ RULES = (
     ("kvsim.sim.assembly", "core"),
     ("kvsim.sim.outputs", "core"),
     ("kvsim.sim.metrics", "core"),
+    ("kvsim.sim.client", "core"),
     ("kvsim.sim.memory", "core"),
     ("kvsim.sim.defaults", "core"),
     ("kvsim.sim.progress", "core"),

@@ -59,3 +59,31 @@ def arrivals(n: int, *, rate: float | None, cv: float | None = None,
 
 def _seed_text(seed) -> str:
     return str(seed.entropy) if isinstance(seed, np.random.SeedSequence) else str(seed)
+
+
+def vllm_bench_arrivals(n: int, request_rate: float, burstiness: float = 1.0,
+                        seed: int | np.random.SeedSequence = 0) -> np.ndarray:
+    """``n`` send times (s) as ``vllm bench serve --request-rate R --burstiness B`` draws them.
+
+    Every request, the first included, waits a Gamma gap of shape ``B`` and mean ``1/R`` (B=1 is
+    Poisson, B<1 burstier, B>1 more regular, B=inf a constant gap) after the previous one; the
+    cumulative times are then rescaled so the last request is sent at exactly ``n / R`` (vLLM does
+    this to remove the 1-2% spread of the sum between seeds). ``R = inf`` sends every request at
+    t=0 (vLLM's default). Times are measured from the benchmark's start, so the first one is > 0.
+    The draws come from ``np.random.default_rng(seed)``, not vLLM's global numpy state: the same
+    distribution, not the same numbers as a vLLM run with that seed."""
+    n = check_count(n)
+    if request_rate is None or not request_rate > 0:
+        raise TraceError(None, None, f"request rate must be > 0 (inf: all at once), got {request_rate!r}")
+    if burstiness is None or not burstiness > 0:
+        raise TraceError(None, None, f"burstiness must be > 0, got {burstiness!r}")
+    if math.isinf(request_rate):
+        return np.zeros(n)
+    if math.isinf(burstiness):
+        gaps = np.full(n, 1.0 / request_rate)
+    else:
+        gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), size=n)
+    times = np.cumsum(gaps)
+    if times[-1] > 0:
+        times *= (n / request_rate) / times[-1]
+    return times

@@ -112,6 +112,15 @@ class Trace:
         df["arrival_time_s"] = df["arrival_time_s"] / factor
         return self._derive(df)
 
+    def with_arrivals(self, times) -> "Trace":
+        """The same requests, in the same order, arriving at ``times`` (s; one per request, non-decreasing)."""
+        times = np.asarray(times, dtype=np.float64)
+        if times.shape != (len(self),):
+            raise TraceError(None, None, f"with_arrivals: {times.size} times for {len(self)} requests")
+        df = self.df.copy()
+        df["arrival_time_s"] = times
+        return self._derive(df)
+
     def head(self, n: int) -> "Trace":
         """The first ``n`` requests by arrival."""
         if n < 0:

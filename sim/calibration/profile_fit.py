@@ -122,7 +122,8 @@ def fit_profile(steps: pd.DataFrame, model: str, gpu: str, *, base_profile: str 
     factor is the median measured / predicted of its pure-decode steps (sizes with at least
     DECODE_BATCH_MIN_STEPS steps), and the factors are refitted on the times divided by it.
     """
-    base = load_profile(base_profile).model_copy(update={"decode_batch_factors": {}})
+    # the step-log fit is of the plain roofline: an operator-fitted base keeps only its scalar factors
+    base = load_profile(base_profile).model_copy(update={"decode_batch_factors": {}, "gemm_efficiency": None})
     report = _fit_factors(steps, model, gpu, base, tp, name, description, max_iter, trim)
     if not decode_batch_factors:
         return report

@@ -37,6 +37,14 @@ def calibrate(
                                                    "linear in the batch); sizes with >= 10 decode steps"),
     attention: Optional[Path] = typer.Option(None, "--attention", help="fit the synthetic importance model to "
                                              "this attention_stats.parquet (or replay directory) instead"),
+    operators: Optional[Path] = typer.Option(None, "--operators", help="fit a GPU profile to per-operator kernel "
+                                             "timings instead (Vidur's profiling layout: compute/<gpu>/<org>/<model>/"
+                                             "mlp.csv, attention*.csv, network/<gpu>_dgx/all_reduce.csv); 'shipped' = "
+                                             "the A100/H100/A40 tables kvsim ships; --gpu picks the GPU"),
+    holdout: Optional[str] = typer.Option(None, "--holdout", help="with --operators: leave this profiled model "
+                                          "out of the fit and report the errors on its rows"),
+    attention_from: Optional[str] = typer.Option(None, "--attention-from", help="with --operators: GPU whose "
+                                                 "attention rows to use when --gpu has none (e.g. a100)"),
     seed: int = typer.Option(0, help="seed of the importance-model fit's simulation"),
     decisions: list[Path] = typer.Option([], "--decisions", help="with --attention: replay directories of a "
                                          "score-driven eviction policy (h2o; decisions.parquet, config.yaml, "
@@ -57,6 +65,11 @@ def calibrate(
     try:
         if attention is not None:
             _calibrate_importance(attention, out, name, seed, command, decisions)
+            return
+        if operators is not None:
+            if step_logs:
+                fail("--operators fits to operator tables: give no step logs with it")
+            _calibrate_operators(operators, out, gpu, holdout, attention_from, name, base_profile)
             return
         if decisions:
             fail("--decisions fits the importance model: give it with --attention ATTNSTATS")
@@ -92,6 +105,23 @@ def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim,
         console.print(f"[yellow]at the efficiency bound 1 (faster than the catalog peak of {gpu}): "
                       f"{', '.join(report.at_bound)}[/yellow]")
     console.print(f"wrote {out}  (use: kvsim simulate --profile {out})")
+
+
+def _calibrate_operators(operators: Path, out: Path, gpu: str, holdout, attention_from, name, base_profile) -> None:
+    from kvsim.sim.calibration.operator_fit import SHIPPED_OPERATORS, fit_operator_profile, load_operator_tables
+    root = SHIPPED_OPERATORS if str(operators) == "shipped" else operators
+    if gpu == "cpu-2core":
+        fail("--operators fits a GPU: give --gpu (a100, h100, a40, or a catalog GPU whose folder the tables have)")
+    tables = load_operator_tables(root, gpu)
+    reference = load_operator_tables(root, attention_from) if attention_from else None
+    base = "default" if base_profile == "cpu-2core" else base_profile
+    fit = fit_operator_profile(tables, holdout=holdout, name=name or out.stem, base_profile=base,
+                               attention_from=reference)
+    fit.profile.to_yaml(out)
+    rows = f"held-out model {holdout}" if holdout else "the training rows (no --holdout: in-sample)"
+    console.print(f"fitted {tables.gpu.name} on {', '.join(fit.models)}; errors on {rows}:")
+    console.print(fit.table())
+    console.print(f"wrote {out}  (use: kvsim simulate --gpu {gpu} --profile {out})")
 
 
 def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: str, decisions: list[Path]) -> None:
@@ -168,7 +198,7 @@ def crosscheck(
         from kvsim.sim.cost_model import CostModel, load_profile
         from kvsim.sim.simulate import load_workload, run_simulation
         workload = load_workload(cfg)
-        predicted_cfg = predicted_config(cfg, load_profile(profile))
+        predicted_cfg = predicted_config(cfg, load_profile(profile, gpu=gpu))
         sim = run_simulation(predicted_cfg, out / "sim", trace=workload)
         sim_run = Run("sim", sim.requests, sim.steps, sim.summary)
         rec = simulate_recorded(cfg, workload, reps.median, out / "sim_recorded", replay_dir=real_dir) \

@@ -18,11 +18,12 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 # ---- what the run is: trace, model, hardware ---------------------------------------------------------
 Trace = Annotated[Optional[str], typer.Option(help="shipped trace name (azure-conv-2023, ...) or trace file")]
-Model = Annotated[Optional[str], typer.Option(help="catalog model (llama-3.1-8b, ...) or YAML file")]
+Model = Annotated[Optional[str], typer.Option(help="catalog model (llama-3.1-8b, ...), model YAML file, or Hugging Face config.json (or its directory)")]
 Gpu = Annotated[Optional[str], typer.Option(help="catalog GPU (h100, l4, a100, ...) or YAML file")]
 Tp = Annotated[Optional[int], typer.Option(help="tensor parallel degree")]
 Replicas = Annotated[Optional[int], typer.Option(help="engine replicas behind the router")]
-Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or file (efficiency factors)")]
+Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or file; default auto: the GPU's own "
+                                                    "(fitted or derived; docs/gpu-profiles.md)")]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file; options override it")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="output directory")]
 Seed = Annotated[Optional[int], typer.Option(help="random seed (synthetic importance scores, arrivals of length-only traces)")]
@@ -57,6 +58,13 @@ SlotStrategy = Annotated[Optional[str], typer.Option(help=" | ".join(slot_strate
 # ---- the workload ------------------------------------------------------------------------------------
 RateScale = Annotated[Optional[float], typer.Option(help="arrival-rate multiplier")]
 MaxRequests = Annotated[Optional[int], typer.Option(help="first N requests of the trace")]
+RequestRate = Annotated[Optional[float], typer.Option(
+    help="as vllm bench serve: requests/s for a trace without arrival times (length-only, ShareGPT), Gamma "
+         "gaps rescaled to end at N/rate; inf: all at t=0")]
+Burstiness = Annotated[Optional[float], typer.Option(
+    help="as vllm bench serve, with --request-rate: Gamma shape of the gaps (1 Poisson, <1 burstier)")]
+MaxConcurrency = Annotated[Optional[int], typer.Option(
+    help="as vllm bench serve: at most C requests in flight; the next is sent when one finishes (closed loop)")]
 SloTtft = Annotated[Optional[str], typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
 SloTpot = Annotated[Optional[str], typer.Option(help="TPOT SLO for goodput, with unit (100ms)")]
 
@@ -64,7 +72,7 @@ SloTpot = Annotated[Optional[str], typer.Option(help="TPOT SLO for goodput, with
 CONFIG_KEYS = {
     "trace": "trace", "model": "model", "gpu": "gpu", "tp": "tp", "replicas": "replicas", "router": "router",
     "profile": "profile", "seed": "seed", "weight_dtype": "weight_dtype", "kv_dtype": "kv_dtype",
-    "fast_forward": "fast_forward", "check_invariants": "check_invariants",
+    "fast_forward": "fast_forward", "check_invariants": "check_invariants", "engine_only": "engine_only",
     "block_size": "engine.block_size", "num_gpu_blocks": "engine.num_gpu_blocks",
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "max_model_len": "engine.max_model_len", "long_prefill_token_threshold": "engine.long_prefill_token_threshold",
@@ -75,6 +83,8 @@ CONFIG_KEYS = {
     "rate_scale": "trace_options.rate_scale", "max_requests": "trace_options.max_requests",
     "start_s": "trace_options.start_s", "end_s": "trace_options.end_s",
     "slo_ttft": "slo.ttft", "slo_tpot": "slo.tpot",
+    "request_rate": "trace_options.request_rate", "burstiness": "trace_options.burstiness",
+    "max_concurrency": "trace_options.max_concurrency",
 }
 
 def config_overrides(**options: Any) -> dict[str, Any]:

@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .options import (BlockSize, Budget, CheckInvariants, ConfigFile, Layout, MaxNumBatchedTokens, MaxNumSeqs,
-                      MaxRequests, Out, Policy, Quiet, RateScale, SchedulingPolicy, Sets, SloTpot, SloTtft, SlotStrategy,
-                      Trace, config_overrides, fail)
+from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ConfigFile, Layout, MaxConcurrency,
+                      MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Out, Policy, Quiet, RateScale, RequestRate,
+                      SchedulingPolicy, Sets, SloTpot, SloTtft, SlotStrategy, Trace, config_overrides, fail)
 
 console = Console()
 
@@ -47,6 +47,9 @@ def replay(
     slot_strategy: SlotStrategy = None,
     rate_scale: RateScale = None,
     max_requests: MaxRequests = None,
+    request_rate: RequestRate = None,
+    burstiness: Burstiness = None,
+    max_concurrency: MaxConcurrency = None,
     slo_ttft: SloTtft = None,
     slo_tpot: SloTpot = None,
     seed: Annotated[Optional[int], typer.Option(help="seeds prompts (per request id) and random weights")] = None,
@@ -70,7 +73,8 @@ def replay(
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, scheduling_policy=scheduling_policy, policy=policy,
         budget=budget, layout=layout, slot_strategy=slot_strategy, rate_scale=rate_scale,
-        max_requests=max_requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+        max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
+        max_concurrency=max_concurrency, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
         from kvsim.sim.results import check_out_dir

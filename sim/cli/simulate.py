@@ -15,10 +15,10 @@ from rich.table import Table
 
 from kvsim.sim.config import ConfigError, load_config
 
-from .options import (BlockSize, Budget, CheckInvariants, ConfigFile, Gpu, Layout, MaxNumBatchedTokens, MaxNumSeqs,
-                      MaxRequests, Model, NumGpuBlocks, Out, Policy, PrefixCaching, Profile, Quiet, RateScale,
-                      Replicas, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft, SlotStrategy, Tp, Trace,
-                      config_overrides, fail)
+from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ConfigFile, Gpu, Layout, MaxConcurrency,
+                      MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Policy, PrefixCaching,
+                      Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
+                      SlotStrategy, Tp, Trace, config_overrides, fail)
 
 console = Console()
 
@@ -54,6 +54,9 @@ def simulate(
     kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype (e.g. fp8); default: the model's")] = None,
     rate_scale: RateScale = None,
     max_requests: MaxRequests = None,
+    request_rate: RequestRate = None,
+    burstiness: Burstiness = None,
+    max_concurrency: MaxConcurrency = None,
     slo_ttft: SloTtft = None,
     slo_tpot: SloTpot = None,
     seed: Seed = None,
@@ -61,6 +64,9 @@ def simulate(
     fast_forward: Annotated[Optional[bool], typer.Option(
         "--fast-forward/--no-fast-forward", help="advance pure-decode runs in bulk (identical results)")] = None,
     check_invariants: CheckInvariants = None,
+    engine_only: Annotated[Optional[bool], typer.Option(
+        "--engine-only/--client", help="engine step time only (no API-server / tokenization latency of the "
+                                       "profile's client terms), as `vllm bench latency` measures")] = None,
     quiet: Quiet = False,
 ) -> None:
     """Simulate a trace on a model/GPU/engine config; writes requests.parquet, steps.parquet,
@@ -68,11 +74,13 @@ def simulate(
     overrides = config_overrides(
         trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, router=router, profile=profile, seed=seed,
         weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
+        engine_only=engine_only,
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
-        rate_scale=rate_scale, max_requests=max_requests, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+        rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
+        max_concurrency=max_concurrency, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
         from kvsim.sim.simulate import run_simulation

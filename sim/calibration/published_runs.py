@@ -1,0 +1,136 @@
+"""Published measurements of real vLLM on real GPUs, simulated as they were run.
+
+The validation set lives in `tests/data/published_runs/runs.yaml` (setup, source, measured figures);
+`compare_published(path)` simulates every point of every run and returns kvsim's figure beside the
+measured one. `kvsim`'s test suite pins each error (tests/test_published_runs.py) and
+`bench/bench_published_runs.py` prints the table (docs/gpu-profiles.md, docs/results.md).
+
+Kinds of run:
+- `serve`: `vllm bench serve` with a fixed-length random dataset, as the client measures (the
+  profile's client terms on), at each `max_concurrency` (closed loop) or `request_rate` point;
+  `seeds` > 1 averages the figures over that many arrival seeds, as the source did.
+- `latency`: `vllm bench latency`: `batch_size` requests at once, engine only; the batch's latency.
+- `kernels`: GPU kernel time of one step (Vidur's per-operator rows summed over a model's layers)
+  against the cost model's device time for the same step (no CPU overhead, no LM head).
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from kvsim.sim.calibration.errors import CalibrationError
+
+METRICS = {     # measured figure -> (summary key, scale to the figure's unit)
+    "itl_p50_ms": ("itl_p50_s", 1e3), "ttft_p50_ms": ("ttft_p50_s", 1e3), "ttft_mean_ms": ("ttft_mean_s", 1e3),
+    "tpot_mean_ms": ("tpot_mean_s", 1e3), "tpot_p50_ms": ("tpot_p50_s", 1e3),
+    "output_tok_s": ("throughput_output_tok_s", 1.0), "request_throughput": ("throughput_req_s", 1.0),
+    "batch_latency_ms": ("makespan_s", 1e3),
+}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    id: str
+    source: str
+    kind: str
+    setup: dict
+    workload: dict
+    points: dict           # one key -> its values
+    measured: dict         # figure -> one value per point
+
+
+@dataclass(frozen=True)
+class Comparison:
+    run: str
+    point: str
+    figure: str
+    measured: float
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of kvsim's figure, (predicted - measured) / measured."""
+        return (self.predicted - self.measured) / self.measured
+
+
+def load_published_runs(path: str | Path) -> list[PublishedRun]:
+    path = Path(path)
+    data = yaml.safe_load(path.read_text())
+    runs = []
+    for i, entry in enumerate(data.get("runs", [])):
+        try:
+            run = PublishedRun(id=entry["id"], source=entry["source"], kind=entry["kind"], setup=entry["setup"],
+                               workload=entry.get("workload") or {}, points=entry["points"],
+                               measured=entry.get("measured") or {})
+        except KeyError as exc:
+            raise CalibrationError(f"{path}: run {i + 1}: missing key {exc}") from exc
+        if run.kind not in ("serve", "latency", "kernels") or len(run.points) != 1:
+            raise CalibrationError(f"{path}: run {run.id}: kind must be serve | latency | kernels with one points key")
+        runs.append(run)
+    return runs
+
+
+def compare_published(path: str | Path, only: str | None = None) -> list[Comparison]:
+    out = []
+    for run in load_published_runs(path):
+        if only is None or run.id == only:
+            out.extend(compare_run(run))
+    return out
+
+
+def compare_run(run: PublishedRun) -> list[Comparison]:
+    if run.kind == "kernels":
+        return _kernel_comparisons(run)
+    (key, values), = run.points.items()
+    out = []
+    with tempfile.TemporaryDirectory(prefix="kvsim-published-") as tmp:
+        for i, value in enumerate(values):
+            seeds = int(run.workload.get("seeds", 1))
+            summaries = [_simulate_point(run, key, value, seed, Path(tmp)) for seed in range(seeds)]
+            for figure, measured in run.measured.items():
+                summary_key, scale = METRICS[figure]
+                predicted = float(np.mean([s[summary_key] for s in summaries])) * scale
+                out.append(Comparison(run.id, f"{key}={value}", figure, float(measured[i]), predicted))
+    return out
+
+
+def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path) -> dict:
+    from kvsim.sim.config import SimConfig
+    from kvsim.sim.simulate import run_simulation
+    from kvsim.traces.synthetic import closed_batch
+
+    w, setup = run.workload, run.setup
+    n = int(value) if run.kind == "latency" else int(w["num_prompts"])
+    trace_file = tmp / f"{run.id}-{n}-{w['input_tokens']}-{w['output_tokens']}.jsonl"
+    if not trace_file.exists():
+        closed_batch(n, int(w["input_tokens"]), int(w["output_tokens"]), name=run.id).save(trace_file)
+    engine = {k: setup[k] for k in ("gpu_memory_utilization", "max_model_len") if k in setup}
+    options = {}
+    if run.kind == "serve":
+        rate = float(value)
+        options = {"max_concurrency": int(value)} if key == "max_concurrency" else \
+            ({"request_rate": rate} if math.isfinite(rate) else {})
+    cfg = SimConfig.model_validate({
+        "trace": str(trace_file), "model": setup["model"], "gpu": setup["gpu"], "seed": seed,
+        "engine": engine, "trace_options": options, "engine_only": run.kind == "latency"})
+    return run_simulation(cfg, None).summary
+
+
+def _kernel_comparisons(run: PublishedRun) -> list[Comparison]:
+    from kvsim.sim.calibration.operator_fit import SHIPPED_OPERATORS, kernel_step_times
+    return [Comparison(run.id, step, "gpu_time_ms", meas * 1e3, pred * 1e3)
+            for step, (meas, pred) in kernel_step_times(SHIPPED_OPERATORS, run.setup["gpu"], run.setup["model"],
+                                                        run.points["step"]).items()]
+
+
+def comparison_table(rows: list[Comparison]) -> str:
+    lines = [f"{'run':<28} {'point':<22} {'figure':<18} {'measured':>10} {'kvsim':>10} {'error':>8}"]
+    for c in rows:
+        lines.append(f"{c.run:<28} {c.point:<22} {c.figure:<18} {c.measured:>10.2f} {c.predicted:>10.2f} "
+                     f"{c.error:>+7.1%}")
+    return "\n".join(lines)
