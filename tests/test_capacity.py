@@ -240,7 +240,7 @@ def test_profile_band_follows_the_closed_form(uniform, tmp_path):
     from kvsim.sim.cost_model import load_profile
     overrides, s = uniform
     mape = 0.1
-    profile = load_profile("default").model_copy(update={"name": "fitted", "meta": {
+    profile = load_profile("auto", gpu="h100").model_copy(update={"name": "fitted", "meta": {
         "fit_errors": {"all": {"count": 100, "mape": mape, "bias": 0.01}}}})
     path = profile.to_yaml(tmp_path / "fitted.yaml")
     cfg = load_config(None, {**overrides, "profile": str(path)})

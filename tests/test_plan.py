@@ -96,8 +96,13 @@ def test_cli_plan_prints_each_configuration_and_the_cheapest(uniform, tmp_path):
     res = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
     assert res.exit_code == 0, res.output
     assert "llama-3.1-8b: cheapest h100 TP1 x 3 replicas = 3 GPUs" in res.output
-    assert "cannot run: Llama-3.1-8B does not fit on T4 (tp=1)" in res.output
-    assert "Pareto table" in res.output and "no profile band" in res.output
+    text = " ".join(res.output.split())
+    # the unfit configuration with its reason (in the table, wrapped to the terminal, and in the store)
+    saved = json.loads((tmp_path / "plan-result.json").read_text())
+    assert saved["unfit"] == [{"config": "llama-3.1-8b t4 TP1",
+                               "why": "Llama-3.1-8B does not fit on T4 (tp=1): 2.66 GiB missing"}]
+    # the range: H100's fitted profile carries its measured error, so the band is searched
+    assert "Pareto table" in text and "profile band: step times x(1 +/- 0.0476)" in text
     for bad, message in ((["--tps", "1,x"], "--tps: expected comma-separated positive integers"),
                          (["--gpus", "h100,b300"], "b300")):
         out = CliRunner().invoke(app, [*args[:1], "--slo", "ttft_p99<=2s", "--models", "llama-3.1-8b",
