@@ -325,7 +325,7 @@ def unwindowed_trace(cfg: SimConfig):
     from .assembly import load_workload
 
     opts = cfg.trace_options.model_copy(update={"start_s": None, "end_s": None, "rate_scale": 1.0,
-                                                "max_requests": None})
+                                                "max_requests": None})      # request_rate kept: its arrivals
     return load_workload(cfg.model_copy(update={"trace_options": opts}))
 
 
@@ -334,8 +334,12 @@ def choose_sample(cfg: SimConfig, window: str | None, trace=None) -> tuple[SimCo
     default unless `cfg` already selects part of the trace (start_s/end_s or max_requests)."""
     from kvsim.traces.windows import Window, representative_window, resolve_window, window_stats
 
-    trace = unwindowed_trace(cfg) if trace is None else trace
     opts = cfg.trace_options
+    sent = opts.request_rate is not None or opts.max_concurrency is not None
+    if sent and window is not None:
+        raise ConfigError("--window selects requests by arrival time; with trace_options.request_rate or "
+                          "max_concurrency the arrivals are drawn after the selection: use --max-requests")
+    trace = unwindowed_trace(cfg) if trace is None else trace
     whole = window_stats(trace, Window(None, None, "full trace"))
     if window is not None:
         if opts.max_requests is not None:
@@ -349,6 +353,8 @@ def choose_sample(cfg: SimConfig, window: str | None, trace=None) -> tuple[SimCo
                                whole["interarrival_cv"])
     elif opts.start_s is not None or opts.end_s is not None:
         w = Window(opts.start_s, opts.end_s, f"{opts.start_s or 0:g}:{'' if opts.end_s is None else f'{opts.end_s:g}'}")
+    elif sent:          # arrivals drawn by the sender: the whole trace, as configured
+        w = Window(None, None, "full trace", len(trace))
     else:
         w = representative_window(trace)
     cfg = cfg.model_copy(update={"trace_options": opts.model_copy(update={"start_s": w.start_s, "end_s": w.end_s})})
@@ -456,7 +462,7 @@ def variant_configs(cfg: SimConfig, sample: LoadSample, repeats: int, trace=None
     if repeats <= 1:
         return out, notes
     opts = cfg.trace_options
-    if opts.rate is not None:
+    if opts.rate is not None or opts.request_rate is not None:
         for seed in range(cfg.seed + 1, cfg.seed + repeats):
             out[f"arrival seed {seed}"] = cfg.model_copy(update={"seed": seed})
         return out, notes

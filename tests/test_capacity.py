@@ -292,3 +292,17 @@ def test_default_sample_range_holds_the_full_trace_answer():
 def len_of_trace(cfg) -> int:
     from kvsim.sim.capacity import unwindowed_trace
     return len(unwindowed_trace(cfg))
+
+
+def test_request_rate_loads_are_not_windowed():
+    """vllm bench serve's --request-rate draws arrivals after the selection: the sample is the trace as
+    configured, its range is over arrival seeds, and a window is refused."""
+    from kvsim.sim.capacity import choose_sample, variant_configs
+    cfg = load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.request_rate": 4.0,
+                             "trace_options.max_requests": 300})
+    sampled, sample = choose_sample(cfg, None)
+    assert sampled == cfg and sample.requests == 300
+    assert [v.seed for v in variant_configs(sampled, sample, 3)[0].values()] == [1, 2]
+    with pytest.raises(ConfigError, match="--window selects requests by arrival time"):
+        choose_sample(load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.request_rate": 4.0}),
+                      "10m@peak")
