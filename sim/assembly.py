@@ -53,15 +53,16 @@ def _has_arrival_times(trace) -> bool:
     return len(arrivals) > 0 and arrivals.max() > arrivals.min()
 
 
-def trace_to_requests(trace, entry_delay_s: float = 0.0) -> list[Request]:
-    """The trace's requests; each enters the engine `entry_delay_s` after its arrival (a client's
-    request latency: sim/client.py)."""
+def trace_to_requests(trace, entry=None) -> list[Request]:
+    """The trace's requests; with `entry` (sim.client.RequestEntry) each enters the engine when the
+    client-side API server lets it, after its arrival (the client's send)."""
     df = trace.df
     ids = df["prefix_hash_ids"].tolist() if "prefix_hash_ids" in df else [None] * len(df)
     prio = df["priority"].tolist() if "priority" in df else [0] * len(df)
     span = trace.prefix_block_tokens
     return [
-        Request(request_id=int(rid), arrival_time=float(t) + entry_delay_s, prompt_tokens=int(p), max_output_tokens=int(o),
+        Request(request_id=int(rid), arrival_time=float(t) if entry is None else entry.enter(int(rid), float(t)),
+                prompt_tokens=int(p), max_output_tokens=int(o),
                 priority=int(pr) if pr == pr and pr is not None else 0,
                 prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
                 prefix_block_tokens=span)

@@ -1,7 +1,8 @@
 """What a `vllm bench serve` client sees beyond the engine (a profile's `client` terms; docs/gpu-profiles.md).
 
-The engine's requests enter `request_s` after the client sent them (the trace's arrival times are the
-client's); the API server then processes each step's output tokens serially, `output_token_s` each,
+A request enters the engine after the API server's serial work on it and a fixed latency
+(`RequestEntry`; the trace's arrival times are the client's sends); the API server then processes
+each step's output tokens serially, `output_token_s` each,
 so a token reaches the client when the server has processed it and everything before it:
 
     done_k = max(done_{k-1}, t_k) + n_k * output_token_s
@@ -20,13 +21,31 @@ from .cost_model import ClientLatency
 from .metrics import flat_token_times
 
 
-def client_view(req_df: pd.DataFrame, client: ClientLatency) -> pd.DataFrame:
-    """The request table as the client measures it: arrival at the client's send (the engine's arrival
-    less request_s), token times after the API server's serial work; queueing stays the engine's."""
+class RequestEntry:
+    """When a request the client sent enters the engine: the API server takes requests one at a time
+    (`request_serial_s` each, in send order), then `request_s` of fixed latency. Remembers each
+    request's send time for `client_view`."""
+
+    def __init__(self, client: ClientLatency):
+        self.serial_s, self.fixed_s = client.request_serial_s, client.request_s
+        self.server_free = -math.inf
+        self.sent: dict[int, float] = {}
+
+    def enter(self, request_id: int, send_time: float) -> float:
+        self.sent[request_id] = send_time
+        if self.serial_s == 0:
+            return send_time + self.fixed_s
+        self.server_free = max(self.server_free, send_time) + self.serial_s
+        return self.server_free + self.fixed_s
+
+
+def client_view(req_df: pd.DataFrame, client: ClientLatency, sent: dict[int, float]) -> pd.DataFrame:
+    """The request table as the client measures it: arrival at the client's send (`sent`: request id
+    -> send time), token times after the API server's serial work; queueing stays the engine's."""
     if not client.enabled or req_df.empty:
         return req_df
     df = req_df.copy()
-    df["arrival_s"] = df["arrival_s"] - client.request_s
+    df["arrival_s"] = df["request_id"].map(sent).astype("float64").fillna(df["arrival_s"])
     if client.output_token_s > 0:
         df["token_times_s"] = _served_token_times(df, client.output_token_s)
         first = np.array([t[0] if len(t) else math.nan for t in df["token_times_s"]])

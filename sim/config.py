@@ -196,8 +196,9 @@ class SimConfig(_Strict):
     seed: int = 0
     fast_forward: bool = True
     check_invariants: bool = False
-    # engine time only: the profile's client-side terms (API server, tokenization) off
-    engine_only: bool = False
+    # the profile's client-side terms (API server, tokenization: what `vllm bench serve` measures beyond
+    # the engine) in TTFT/TPOT/ITL/E2E; off: engine time only
+    client_latency: bool = False
 
     @field_validator("model")
     @classmethod

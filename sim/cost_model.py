@@ -69,6 +69,19 @@ each max per step (`active_branches`), which makes time linear in the unknowns (
 feature in `FEATURE_NAMES`, merged per `FACTOR_OF_FEATURE`), solve non-negative least squares,
 repeat until the branches stop changing.
 
+The operator form (profiles with a `gemm_efficiency` table: every shipped GPU profile, fitted to
+measured kernel times by sim/calibration/operator_fit.py; docs/gpu-profiles.md) replaces the linear
+and all-reduce terms (`_operator_breakdown`), tokens = prefill + decode tokens, [ran] = tokens > 0:
+
+  linear    = max(tokens * flops_s / eff(tokens) + seqs * lm_head_s / eff(seqs),
+                  ([ran] * weights_s + seqs * logits_s) / p.mem_bw_eff)
+              + [ran] * ((4 * layers + 1) * p.gemm_latency_s + layers * p.layer_latency_s)
+              + tokens * elementwise_s / p.elementwise_bw_eff
+  allreduce = allreduce_bw / bw_eff(tp) + allreduce_count * latency(tp)     (p.allreduce_by_tp)
+
+with eff() the table interpolated at this model's per-GPU layer weight size; attention, copy, swap,
+overhead and async as above (decode_batch_factors and the padded terms are not used: GPU kernels).
+
 Scalars and equal-length float64 arrays (a run of steps) go through the same numpy float64
 operations in the same order, so the two paths agree bit for bit.
 """
@@ -162,21 +175,24 @@ class GemmEfficiency(BaseModel):
 
 
 class ClientLatency(BaseModel):
-    """Time a `vllm bench serve` client sees beyond the engine's steps (sim/engine.py applies it).
+    """Time a `vllm bench serve` client sees beyond the engine's steps (sim/client.py applies it).
 
-    request_s: per request, from the client's send to the request entering the engine's queue
-    (HTTP, the API server, tokenization) -- TTFT and E2E include it, TPOT/ITL do not.
-    output_token_s: per output token, the API server's serial work (detokenization, streaming): a
-    step's tokens reach the client after the server has processed every token of the step, so it
-    stretches ITL with the batch size."""
+    request_s: per request, a fixed latency from the client's send to the request entering the
+    engine (HTTP, client and network: requests overlap in it); TTFT and E2E include it, TPOT/ITL not.
+    request_serial_s: per request, the API server's serial work before the engine sees it
+    (parsing, tokenization): one request at a time, so a burst of sends queues there.
+    output_token_s: per output token, the API server's serial work after the engine (detokenization,
+    streaming): a step's tokens reach the client once the server has processed them and every token
+    before them, so ITL grows with the batch when the server is the bottleneck."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_s: float = Field(default=0.0, ge=0)
+    request_serial_s: float = Field(default=0.0, ge=0)
     output_token_s: float = Field(default=0.0, ge=0)
 
     @property
     def enabled(self) -> bool:
-        return self.request_s > 0 or self.output_token_s > 0
+        return self.request_s > 0 or self.request_serial_s > 0 or self.output_token_s > 0
 
 
 class HardwareProfile(BaseModel):
@@ -213,8 +229,8 @@ class HardwareProfile(BaseModel):
     # TP degree -> {latency_s, bw_eff} of one all-reduce (the nearest listed degree beyond the table);
     # empty: allreduce_latency_s / allreduce_bw_eff for every degree
     allreduce_by_tp: dict[int, AllReduceTerms] = Field(default_factory=dict)
-    # what `vllm bench serve` measures beyond the engine (API server, tokenization, streaming); off
-    # with --engine-only. See ClientLatency.
+    # what `vllm bench serve` measures beyond the engine (API server, tokenization, streaming); applied
+    # with --client-latency (default: engine time only). See ClientLatency.
     client: ClientLatency = Field(default_factory=lambda: ClientLatency())
     # every step's time x this (1: as modelled); a profile name `NAME*1.04` loads NAME with it, for
     # the capacity band implied by the profile's measured error (sim.capacity.profile_band)
@@ -409,6 +425,16 @@ class CostModel:
         elem = m.num_layers * act_bytes * (7 * m.hidden_size + 2 * (m.q_size + m.kv_size) / tp
                                            + 3 * m.intermediate_size / tp)
         self._elementwise_token_s = float(elem / self.gpu.mem_bw)
+
+    @property
+    def matmul_time_per_token(self) -> float:
+        """Seconds at peak of the decoder-layer matmuls for one token on one GPU (LM head excluded)."""
+        return self._c["prefill_flops_s"]
+
+    @property
+    def elementwise_time_per_token(self) -> float:
+        """Seconds at peak bandwidth of one token's elementwise kernels (norms, RoPE, activation, adds)."""
+        return self._elementwise_token_s
 
     @property
     def layer_weight_mib(self) -> float:

@@ -267,14 +267,15 @@ class ConcurrencyLimit:
     benchmark's asyncio semaphore, and is sent the moment one of them finishes (or is rejected). A
     request's `arrival_time` becomes the time it is sent, so TTFT and E2E latency are measured from there,
     as vLLM measures them; `client_arrival` keeps when it reached the client (its queue time is the
-    difference: vLLM's client_queue_time). With `entry_delay_s` (the profile's client request latency,
-    sim/client.py) a sent request enters the engine that much later; `next_entry` tells the engines when."""
+    difference: vLLM's client_queue_time). With an `entry` (sim.client.RequestEntry: the profile's
+    client-side API server) a sent request enters the engine when the server lets it; `next_entry`
+    tells the engines when."""
 
-    def __init__(self, limit: int, router: Router, env: simpy.Environment | None = None, entry_delay_s: float = 0.0):
+    def __init__(self, limit: int, router: Router, env: simpy.Environment | None = None, entry=None):
         self.limit = limit
         self.router = router
         self.env = env
-        self.entry_delay_s = entry_delay_s
+        self.entry = entry
         self.in_flight = 0
         self.queue: deque[Request] = deque()
         self.in_transit: deque[Request] = deque()       # sent, entering the engine at their arrival_time
@@ -305,9 +306,9 @@ class ConcurrencyLimit:
         try:
             while self.queue and self.in_flight < self.limit:
                 req = self.queue.popleft()
-                req.arrival_time = now + self.entry_delay_s
+                req.arrival_time = now if self.entry is None else self.entry.enter(req.request_id, now)
                 self.in_flight += 1
-                if self.entry_delay_s > 0:
+                if req.arrival_time > now:
                     self.in_transit.append(req)          # sends happen in time order: FIFO
                     self.env.process(self._enter(req))
                 else:

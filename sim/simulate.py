@@ -12,7 +12,7 @@ import simpy
 from .assembly import load_workload, resolve_hardware, scheduler_config, trace_to_requests
 from .config import ConfigError, SimConfig
 from .core.scheduler import Scheduler
-from .client import client_view
+from .client import RequestEntry, client_view
 from .cost_model import ClientLatency, profile_fit_error
 from .defaults import resolve_defaults
 from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, StepArrivals
@@ -67,9 +67,11 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
 
 def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost, num_blocks: int,
               max_model_len: int, t0: float, *, progress, keep_steps: bool, wrap_kv) -> SimulationResult:
-    client = ClientLatency() if cfg.engine_only else cost.profile.client
-    # open loop: requests enter the engine request_s after their trace time; a closed loop delays each send
-    requests = trace_to_requests(trace, 0.0 if cfg.trace_options.max_concurrency else client.request_s)
+    client = cost.profile.client if cfg.client_latency else ClientLatency()
+    # requests enter the engine through the client-side API server: at their trace time (open loop) or
+    # when the closed loop sends them
+    entry = RequestEntry(client) if client.enabled else None
+    requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency else entry)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None)
     sched_cfg = scheduler_config(cfg, cost, max_model_len)
@@ -105,7 +107,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
     limit = None
     if not by_step:
         router = Router(replicas, cfg.router)
-        limit = ConcurrencyLimit(limit_n, router, env, client.request_s) if limit_n is not None else None
+        limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
         limit_holder.append(limit)
         arrivals = ArrivalProcess(env, requests, router, limit)
         arrivals_holder.append(arrivals)
@@ -121,7 +123,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         else:
             unsent = set(map(id, step_arrivals.pending))
             requests = [r for r in requests if id(r) not in unsent]
-    req_df = client_view(request_table(requests), client)
+    req_df = client_view(request_table(requests), client, entry.sent if entry else {})
     if limit is not None:
         add_client_queue(req_df, limit.client_arrival)
     steps_df = step_log.to_pandas() if keep_steps or out is None else None

@@ -185,8 +185,8 @@ def _layer_terms(layers: pd.DataFrame, gpu: GPUSpec) -> _LayerTerms:
         m = cost.model
         tokens = layers.loc[idx, "num_tokens"].to_numpy(dtype=np.float64)
         weights[layers.index.get_indexer(idx)] = m.linear_params_per_layer * 2 / cost.tp / gpu.mem_bw
-        flops[layers.index.get_indexer(idx)] = tokens * cost._c["prefill_flops_s"]
-        elem[layers.index.get_indexer(idx)] = tokens * cost._elementwise_token_s
+        flops[layers.index.get_indexer(idx)] = tokens * cost.matmul_time_per_token
+        elem[layers.index.get_indexer(idx)] = tokens * cost.elementwise_time_per_token
         mib[layers.index.get_indexer(idx)] = cost.layer_weight_mib
     return _LayerTerms(weights, flops, elem, mib)
 
@@ -324,8 +324,8 @@ def fit_operator_profile(tables: OperatorTables, *, holdout: str | None = None, 
                                         else None),
                           "allreduce": bool(update.get("allreduce_by_tp"))},
             "nccl_allreduce_latency_s": nccl_latency,
-            "not_fitted": ["allreduce latency (vLLM's custom all-reduce)", "step_overhead_s", "per_seq_overhead_s", "per_block_entry_overhead_s", "copy_bw_eff",
-                           "pcie_eff", "client"],
+            "not_from_kernel_times": ["allreduce latency (vLLM's custom all-reduce)", "step_overhead_s (host)", "per_seq_overhead_s", "per_block_entry_overhead_s", "copy_bw_eff",
+                           "pcie_eff", "client (host)"],
             "fit_errors": errors}
     profile = profile.model_copy(update={"meta": meta})
     return OperatorFit(profile, errors, holdout, [m for m in models if m != holdout])
@@ -349,9 +349,9 @@ def predict_layers(profile: HardwareProfile, layers: pd.DataFrame, gpu: GPUSpec)
         cost = CostModel(layer_model(row), gpu, profile, tp=int(row.tp))
         tokens = layers.loc[idx, "num_tokens"].to_numpy(dtype=np.float64)
         weights = cost.model.linear_params_per_layer * 2 / cost.tp / gpu.mem_bw
-        compute = tokens * cost._c["prefill_flops_s"] / cost.gemm_efficiency(tokens)
+        compute = tokens * cost.matmul_time_per_token / cost.gemm_efficiency(tokens)
         out.loc[idx, "linear_s"] = np.maximum(compute, weights / profile.mem_bw_eff) + 4 * profile.gemm_latency_s
-        out.loc[idx, "elementwise_s"] = tokens * cost._elementwise_token_s / profile.elementwise_bw_eff
+        out.loc[idx, "elementwise_s"] = tokens * cost.elementwise_time_per_token / profile.elementwise_bw_eff
     return out
 
 

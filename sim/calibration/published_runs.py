@@ -83,7 +83,8 @@ def compare_published(path: str | Path, only: str | None = None) -> list[Compari
     return out
 
 
-def compare_run(run: PublishedRun) -> list[Comparison]:
+def compare_run(run: PublishedRun, profile: str = "auto") -> list[Comparison]:
+    """kvsim's figure beside each measured one of `run` (under `profile`: the GPU's own by default)."""
     if run.kind == "kernels":
         return _kernel_comparisons(run)
     (key, values), = run.points.items()
@@ -91,7 +92,7 @@ def compare_run(run: PublishedRun) -> list[Comparison]:
     with tempfile.TemporaryDirectory(prefix="kvsim-published-") as tmp:
         for i, value in enumerate(values):
             seeds = int(run.workload.get("seeds", 1))
-            summaries = [_simulate_point(run, key, value, seed, Path(tmp)) for seed in range(seeds)]
+            summaries = [_simulate_point(run, key, value, seed, Path(tmp), profile) for seed in range(seeds)]
             for figure, measured in run.measured.items():
                 summary_key, scale = METRICS[figure]
                 predicted = float(np.mean([s[summary_key] for s in summaries])) * scale
@@ -99,7 +100,7 @@ def compare_run(run: PublishedRun) -> list[Comparison]:
     return out
 
 
-def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path) -> dict:
+def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, profile: str) -> dict:
     from kvsim.sim.config import SimConfig
     from kvsim.sim.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
@@ -116,8 +117,8 @@ def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path) ->
         options = {"max_concurrency": int(value)} if key == "max_concurrency" else \
             ({"request_rate": rate} if math.isfinite(rate) else {})
     cfg = SimConfig.model_validate({
-        "trace": str(trace_file), "model": setup["model"], "gpu": setup["gpu"], "seed": seed,
-        "engine": engine, "trace_options": options, "engine_only": run.kind == "latency"})
+        "trace": str(trace_file), "model": setup["model"], "gpu": setup["gpu"], "seed": seed, "profile": profile,
+        "engine": engine, "trace_options": options, "client_latency": run.kind == "serve"})
     return run_simulation(cfg, None).summary
 
 

@@ -72,7 +72,7 @@ SloTpot = Annotated[Optional[str], typer.Option(help="TPOT SLO for goodput, with
 CONFIG_KEYS = {
     "trace": "trace", "model": "model", "gpu": "gpu", "tp": "tp", "replicas": "replicas", "router": "router",
     "profile": "profile", "seed": "seed", "weight_dtype": "weight_dtype", "kv_dtype": "kv_dtype",
-    "fast_forward": "fast_forward", "check_invariants": "check_invariants", "engine_only": "engine_only",
+    "fast_forward": "fast_forward", "check_invariants": "check_invariants", "client_latency": "client_latency",
     "block_size": "engine.block_size", "num_gpu_blocks": "engine.num_gpu_blocks",
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "max_model_len": "engine.max_model_len", "long_prefill_token_threshold": "engine.long_prefill_token_threshold",

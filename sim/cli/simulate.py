@@ -64,9 +64,9 @@ def simulate(
     fast_forward: Annotated[Optional[bool], typer.Option(
         "--fast-forward/--no-fast-forward", help="advance pure-decode runs in bulk (identical results)")] = None,
     check_invariants: CheckInvariants = None,
-    engine_only: Annotated[Optional[bool], typer.Option(
-        "--engine-only/--client", help="engine step time only (no API-server / tokenization latency of the "
-                                       "profile's client terms), as `vllm bench latency` measures")] = None,
+    client_latency: Annotated[Optional[bool], typer.Option(
+        "--client-latency/--engine-only", help="add the profile's client-side terms (API server, tokenization, "
+        "detokenization) to TTFT/TPOT/ITL/E2E, as `vllm bench serve` measures; default: engine time only")] = None,
     quiet: Quiet = False,
 ) -> None:
     """Simulate a trace on a model/GPU/engine config; writes requests.parquet, steps.parquet,
@@ -74,7 +74,7 @@ def simulate(
     overrides = config_overrides(
         trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, router=router, profile=profile, seed=seed,
         weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
-        engine_only=engine_only,
+        client_latency=client_latency,
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,

@@ -1,0 +1,45 @@
+"""Published vLLM runs on real GPUs (tests/data/published_runs) simulated by kvsim: each figure's error
+is pinned, at the issue's bounds (10% TPOT/ITL/throughput, 15% TTFT) where kvsim meets them and at
+the documented gap where it does not (docs/gpu-profiles.md explains each gap's cause). A change of
+the cost model, a profile or the client terms that moves a figure out of its band fails here."""
+from pathlib import Path
+
+import pytest
+
+from kvsim.sim.calibration.published_runs import compare_published, load_published_runs
+
+RUNS = Path(__file__).parent / "data" / "published_runs" / "runs.yaml"
+# (run, figure) -> largest |relative error| allowed; keys absent: the issue's bound by figure kind
+GAPS = {
+    ("l4-qwen2.5-0.5b", "ttft_p50_ms"): 0.35,          # client-side TTFT curve (docs: "Remaining gaps" 1)
+    ("l4-qwen2.5-0.5b", "output_tok_s"): 0.12,         # follows from the TTFT gap at concurrency 32
+    ("h100-qwen3-0.6b", "request_throughput"): 0.25,   # a 500-request burst at the API server (gap 2)
+    ("h100-qwen3-0.6b", "ttft_mean_ms"): 0.35,
+    ("h100-qwen3-0.6b", "tpot_mean_ms"): 0.35,
+    ("h200-llama-3.1-8b-latency", "batch_latency_ms"): 0.25,   # vllm bench latency's engine loop (gap 3)
+}
+
+
+def bound(run: str, figure: str) -> float:
+    if (run, figure) in GAPS:
+        return GAPS[(run, figure)]
+    return 0.15 if figure.startswith("ttft") else 0.10
+
+
+@pytest.fixture(scope="module")
+def comparisons():
+    return compare_published(RUNS)
+
+
+def test_every_published_figure_is_simulated(comparisons):
+    expected = sum(len(r.measured) * len(next(iter(r.points.values()))) for r in load_published_runs(RUNS)
+                   if r.kind != "kernels") + 4
+    assert len(comparisons) == expected
+    assert {c.run for c in comparisons} == {r.id for r in load_published_runs(RUNS)}
+
+
+def test_each_figure_within_its_band(comparisons):
+    outside = [f"{c.run} {c.point} {c.figure}: measured {c.measured:.4g}, kvsim {c.predicted:.4g} "
+               f"({c.error:+.1%}, band {bound(c.run, c.figure):.0%})"
+               for c in comparisons if abs(c.error) > bound(c.run, c.figure)]
+    assert not outside, "\n".join(outside)
