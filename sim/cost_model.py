@@ -234,7 +234,7 @@ class HardwareProfile(BaseModel):
     client: ClientLatency = Field(default_factory=lambda: ClientLatency())
     # every step's time x this (1: as modelled); a profile name `NAME*1.04` loads NAME with it, for
     # the capacity band implied by the profile's measured error (sim.capacity.profile_band)
-    step_time_scale: float = Field(default=1.0, gt=0)
+    step_time_scale: float = Field(default=1.0, gt=0, exclude=True)   # a run-time factor: never written
     meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
 
     @property
