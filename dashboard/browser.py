@@ -318,7 +318,8 @@ def tour(browser: Browser, url: str, run_dir: str, crosscheck_dir: str, shots: P
          timeout: float = 90.0, inspect=None, series_dir: str | None = None) -> dict[str, float]:
     """Use all six pages as a user would; seconds to result per page. Memory opens `run_dir`, Time
     series `series_dir` (default `run_dir`) and Fidelity `crosscheck_dir` (paths relative to the data
-    root) by link; Simulate, Compare and Capacity run their defaults. With `shots`, a screenshot of
+    root) by link; Simulate, Compare and Capacity run their defaults (Capacity on the sidebar's first N
+    requests, not the representative sample, to stay quick). With `shots`, a screenshot of
     each page lands there as PAGE.png; `inspect(page)` runs on each page once it shows its result."""
     series_dir = series_dir or run_dir
     steps = {
@@ -327,7 +328,7 @@ def tour(browser: Browser, url: str, run_dir: str, crosscheck_dir: str, shots: P
         "timeseries": lambda: open_and_wait(browser, f"{url}timeseries?run={series_dir}", "over time", 1, timeout),
         "compare": lambda: click_and_wait(browser, f"{url}compare", "Run 3 simulations", "TTFT by configuration",
                                           9, timeout),
-        "capacity": lambda: click_and_wait(browser, f"{url}capacity", "Search capacity", "Best configuration", 3,
+        "capacity": lambda: click_and_wait(browser, f"{url}capacity?load=first", "Search capacity", "Best configuration", 3,
                                            timeout),
         "fidelity": lambda: open_and_wait(browser, f"{url}fidelity?path={crosscheck_dir}", "Per-step time MAPE", 1,
                                           timeout),

@@ -19,7 +19,8 @@ import pandas as pd
 from .config import ConfigError, SimConfig, parse_duration
 from .results import holding_store_lock, mark_owned
 from .safe_io import atomic_output, dumps_json
-from .sweep import PlannedRun, RunTask, execute_run, finished_runs, make_row, read_store, run_id_of, write_row
+from .sweep import (PlannedRun, RunTask, execute_run, finished_runs, make_row, read_store, run_id_of, slo_costs,
+                    write_row)
 
 LATENCY_METRICS = [f"{m}_{q}" for m in ("ttft", "tpot", "e2e", "queueing") for q in ("p50", "p90", "p99", "mean")]
 LATENCY_METRICS += [f"itl_{q}" for q in ("p50", "p90", "p99")]
@@ -79,7 +80,7 @@ def slo_for_goodput(cfg: SimConfig, constraints: list[Constraint]) -> SimConfig:
     for c in constraints:
         kind = c.metric.split("_")[0]
         if kind in ("ttft", "tpot") and c.op in ("<=", "<"):
-            update[kind] = f"{c.limit * 1e3:g}ms"
+            update[kind] = f"{c.limit * 1e3:.12g}ms"
     return cfg.model_copy(update={"slo": cfg.slo.model_copy(update=update)}) if update else cfg
 
 
@@ -125,14 +126,23 @@ class _Evaluator:
                 write_row(self.store, row)
         if row["status"] != "ok":
             raise RuntimeError(f"simulation failed at {value:g}: {row['error']}")
-        row["meets_slo"] = all(c.holds(row) for c in self.constraints)
-        row["violations"] = "; ".join(f"{c.text} (got {_fmt(row.get(c.metric), c)})"
-                                      for c in self.constraints if not c.holds(row))
+        judge_row(row, self.constraints)
         row["searched_value"] = value
         self.rows[rid] = row
         if self.progress:
             self.progress(row)
         return row
+
+
+def judge_row(row: dict, constraints: list[Constraint]) -> dict:
+    """Set a run row's `meets_slo` and `violations` by `constraints`, and its cost columns to count only
+    if it meets them (a cost limit in the SLO is judged on the run's price either way)."""
+    tok_s, good = row.get("throughput_output_tok_s"), row.get("goodput_req_s")
+    row.update(slo_costs(row["usd_per_hour"], tok_s, good, True))
+    row["meets_slo"] = all(c.holds(row) for c in constraints)
+    row["violations"] = "; ".join(f"{c.text} (got {_fmt(row.get(c.metric), c)})" for c in constraints if not c.holds(row))
+    row.update(slo_costs(row["usd_per_hour"], tok_s, good, row["meets_slo"]))
+    return row
 
 
 def _is_missing(v) -> bool:
@@ -149,9 +159,11 @@ def _fmt(value, c: Constraint) -> str:
 def find_capacity(cfg: SimConfig, constraints: list[Constraint], *, mode: Literal["rate", "replicas"] = "rate",
                   start: float = 1.0, growth: float = 2.0, rel_tol: float = 0.02, max_evals: int = 24,
                   min_scale: float = 1 / 1024, max_scale: float = 1024.0, max_replicas: int = 64,
-                  store: str | Path | None = None, progress: Callable[[dict], None] | None = None) -> CapacityResult:
+                  start_replicas: int = 1, store: str | Path | None = None,
+                  progress: Callable[[dict], None] | None = None, write_result: bool = True) -> CapacityResult:
     """mode='rate': highest trace_options.rate_scale meeting the SLO, within rel_tol.
-    mode='replicas': fewest replicas meeting it for the trace at its configured rate."""
+    mode='replicas': fewest replicas meeting it for the trace at its configured rate (the search
+    starts at `start_replicas`). write_result=False leaves the store's capacity.json as it is."""
     if mode not in ("rate", "replicas"):
         raise ConfigError(f"capacity mode must be 'rate' or 'replicas', got {mode!r}")
     cfg = slo_for_goodput(cfg, constraints)
@@ -160,7 +172,7 @@ def find_capacity(cfg: SimConfig, constraints: list[Constraint], *, mode: Litera
     if mode == "rate":
         search = _search_rate(cfg, evaluate, start, growth, rel_tol, max_evals, min_scale, max_scale)
     else:
-        search = _search_replicas(cfg, evaluate, max_replicas)
+        search = _search_replicas(cfg, evaluate, max_replicas, start_replicas)
     lo, hi = search
     bounded = hi is not None if mode == "rate" else lo is not None
     curve = pd.DataFrame(list(evaluate.rows.values())).sort_values("searched_value", kind="stable")
@@ -172,7 +184,7 @@ def find_capacity(cfg: SimConfig, constraints: list[Constraint], *, mode: Litera
         answer_run_id=best["run_id"] if best else None,
         answer_metrics={k: best.get(k) for k in _ANSWER_KEYS if best and k in best} if best else {},
         curve=curve)
-    if store:
+    if store and write_result:
         _write_result(store, result)
     return result
 
@@ -225,12 +237,23 @@ def _search_rate(cfg, evaluate, start, growth, rel_tol, max_evals, min_scale, ma
     return lo, hi
 
 
-def _search_replicas(cfg, evaluate, max_replicas):
-    """(fewest passing replica count or None, highest failing count or None)."""
+def _search_replicas(cfg, evaluate, max_replicas, start=1):
+    """(fewest passing replica count or None, highest failing count or None). From `start`: doubling
+    while counts fail, or halving while they pass, then bisection."""
+    def meets(n: int) -> bool:
+        return _meets(cfg, evaluate, "replicas", n)
+
     lo_fail, hi_ok = None, None
-    n = 1
-    while True:
-        if _meets(cfg, evaluate, "replicas", n):
+    n = max(1, min(start, max_replicas))
+    if n > 1 and meets(n):
+        hi_ok = n
+        while hi_ok > 1 and lo_fail is None:
+            if meets(hi_ok // 2):
+                hi_ok //= 2
+            else:
+                lo_fail = hi_ok // 2
+    while hi_ok is None:
+        if meets(n):
             hi_ok = n
             break
         lo_fail = n
@@ -239,7 +262,7 @@ def _search_replicas(cfg, evaluate, max_replicas):
         n = min(n * 2, max_replicas)
     while lo_fail is not None and hi_ok - lo_fail > 1:
         mid = (lo_fail + hi_ok) // 2
-        if _meets(cfg, evaluate, "replicas", mid):
+        if meets(mid):
             hi_ok = mid
         else:
             lo_fail = mid
@@ -272,3 +295,237 @@ def _json_default(value):
 def read_capacity(store: str | Path) -> dict | None:
     path = Path(store) / "capacity.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+# ---- the load a capacity answer is for: window, sample statistics, warnings ------------------------
+
+DRAIN_WARN_SHARE = 0.25      # drain (after the last arrival) above this share of the makespan
+RATE_WARN_RATIO = 1.2        # sample vs trace mean rate (either way)
+CV_WARN_RATIO = 1.25         # sample vs trace inter-arrival CV (either way)
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """Which part of the trace a search ran on, and how it compares with the whole trace."""
+    window: str                 # '10m@peak', '600:1200', 'full trace', 'first 200 requests'
+    start_s: float | None
+    end_s: float | None
+    requests: int
+    rate_req_s: float           # at rate scale 1
+    interarrival_cv: float
+    trace_requests: int
+    trace_rate_req_s: float
+    trace_interarrival_cv: float
+
+    def describe(self) -> str:
+        share = self.requests / self.trace_requests if self.trace_requests else math.nan
+        return (f"load sample: {self.window}, {self.requests:,} of {self.trace_requests:,} requests ({share:.0%}), "
+                f"{self.rate_req_s:.2f} req/s (trace {self.trace_rate_req_s:.2f}), inter-arrival CV "
+                f"{self.interarrival_cv:.2f} (trace {self.trace_interarrival_cv:.2f}), at rate scale 1")
+
+
+def unwindowed_trace(cfg: SimConfig):
+    """The trace of `cfg` as loaded (arrivals drawn for a length-only trace), before its window,
+    rate scale and first-N selection."""
+    from .assembly import load_workload
+
+    opts = cfg.trace_options.model_copy(update={"start_s": None, "end_s": None, "rate_scale": 1.0,
+                                                "max_requests": None})      # request_rate kept: its arrivals
+    return load_workload(cfg.model_copy(update={"trace_options": opts}))
+
+
+def choose_sample(cfg: SimConfig, window: str | None, trace=None) -> tuple[SimConfig, LoadSample]:
+    """`cfg` over `window` (a spec of kvsim.traces.windows), or, when None, over the representative
+    default unless `cfg` already selects part of the trace (start_s/end_s or max_requests)."""
+    from kvsim.traces.windows import Window, representative_window, resolve_window, window_stats
+
+    opts = cfg.trace_options
+    sent = opts.request_rate is not None or opts.max_concurrency is not None
+    if sent and window is not None:
+        raise ConfigError("--window selects requests by arrival time; with trace_options.request_rate or "
+                          "max_concurrency the arrivals are drawn after the selection: use --max-requests")
+    trace = unwindowed_trace(cfg) if trace is None else trace
+    whole = window_stats(trace, Window(None, None, "full trace"))
+    if window is not None:
+        if opts.max_requests is not None:
+            raise ConfigError("--window and --max-requests both select requests; give one")
+        w = resolve_window(trace, window)
+    elif opts.max_requests is not None:
+        head = trace.head(opts.max_requests)
+        st = window_stats(head, Window(None, None, ""))
+        return cfg, LoadSample(f"first {len(head):,} requests", None, None, st["requests"], st["rate_req_s"],
+                               st["interarrival_cv"], whole["requests"], whole["rate_req_s"],
+                               whole["interarrival_cv"])
+    elif opts.start_s is not None or opts.end_s is not None:
+        w = Window(opts.start_s, opts.end_s, f"{opts.start_s or 0:g}:{'' if opts.end_s is None else f'{opts.end_s:g}'}")
+    elif sent:          # arrivals drawn by the sender: the whole trace, as configured
+        w = Window(None, None, "full trace", len(trace))
+    else:
+        w = representative_window(trace)
+    cfg = cfg.model_copy(update={"trace_options": opts.model_copy(update={"start_s": w.start_s, "end_s": w.end_s})})
+    cfg = SimConfig.model_validate(cfg.model_dump())
+    st = window_stats(trace, w)
+    label = f"{w.label} ({w.start_s:.0f}-{w.end_s:.0f} s)" if "@peak" in w.label else w.label
+    return cfg, LoadSample(label, w.start_s, w.end_s, st["requests"], st["rate_req_s"], st["interarrival_cv"],
+                           whole["requests"], whole["rate_req_s"], whole["interarrival_cv"])
+
+
+def sample_warnings(sample: LoadSample) -> list[str]:
+    """The sample's arrival rate or burstiness is not the trace's."""
+    out = []
+    ratio = sample.rate_req_s / sample.trace_rate_req_s if sample.trace_rate_req_s else math.nan
+    if math.isfinite(ratio) and not 1 / RATE_WARN_RATIO <= ratio <= RATE_WARN_RATIO:
+        why = ("the answer holds for the trace's busiest period" if "@peak" in sample.window and ratio > 1
+               else "the answer is not the whole trace's")
+        out.append(f"the sample arrives at {sample.rate_req_s:.2f} req/s, {ratio:.2f}x the trace's "
+                   f"{sample.trace_rate_req_s:.2f} req/s: {why}")
+    cv = sample.interarrival_cv / sample.trace_interarrival_cv if sample.trace_interarrival_cv else math.nan
+    if math.isfinite(cv) and not 1 / CV_WARN_RATIO <= cv <= CV_WARN_RATIO:
+        out.append(f"the sample's inter-arrival CV is {sample.interarrival_cv:.2f}, the trace's "
+                   f"{sample.trace_interarrival_cv:.2f}: its burstiness differs")
+    return out
+
+
+def drain_share(row: dict) -> float:
+    """Share of a run's makespan after its last arrival (the queue draining with nothing arriving)."""
+    rate, n, makespan = row.get("offered_rate_req_s"), row.get("num_requests"), row.get("makespan_s")
+    if _is_missing(rate) or _is_missing(makespan) or not n or not makespan or not rate > 0:
+        return math.nan
+    return max(0.0, 1.0 - (n - 1) / rate / makespan)
+
+
+def result_warnings(result: CapacityResult, max_evals: int | None = None) -> list[str]:
+    """A search that hit its limit, or an answer whose latencies come from draining a queue."""
+    out = []
+    if result.feasible and not result.bounded:
+        out.append("the search limit was reached before any point failed the SLO: the answer is a lower bound "
+                   "(raise --max-evals / --max-replicas, or the load)")
+    elif result.feasible and result.mode == "rate" and result.curve is not None and max_evals is not None \
+            and len(result.curve) >= max_evals:
+        failing = result.curve.loc[~result.curve["meets_slo"], "searched_value"]
+        out.append(f"the search stopped after {max_evals} simulations with the bracket "
+                   f"[{result.answer:g}, {failing.min():g}] still open")
+    if result.feasible and result.answer_run_id is not None:
+        row = result.curve.set_index("run_id").loc[result.answer_run_id].to_dict()
+        share = drain_share(row)
+        if share > DRAIN_WARN_SHARE:
+            out.append(f"drain-dominated: {share:.0%} of the answer's run is spent after the last arrival; its "
+                       f"latencies describe a queue emptying, not steady load: use a longer window")
+    return out
+
+
+# ---- error bars: other samples, and the GPU profile's measured error -----------------------------
+
+@dataclass(frozen=True)
+class FitError:
+    mape: float       # mean absolute percentage error of step times (0.04 = 4%)
+    bias: float       # mean signed error (predicted - measured) / measured
+    count: int | None
+
+
+def measured_profile_error(profile: str, gpu: str | None = None) -> FitError | None:
+    """The step-time error the profile of `profile` (and `gpu`, for `auto`) measured when it was fitted
+    (`meta.fit_errors`, read by cost_model.profile_fit_error), or None when it carries none (a hand-set
+    profile) or cannot be loaded."""
+    from .cost_model import ProfileError, load_profile, profile_fit_error
+
+    try:
+        loaded = load_profile(profile, gpu=gpu)
+    except (ProfileError, ValueError, OSError):
+        return None
+    mape = profile_fit_error(loaded)
+    if mape is None:
+        return None
+    errors = loaded.meta.get("fit_errors") or {}
+    entry = next((errors[k] for k in ("step", "all") if isinstance(errors.get(k), dict)), {})
+    try:
+        return FitError(mape, float(entry.get("bias", 0.0)), int(entry["count"]) if "count" in entry else None)
+    except (TypeError, ValueError):
+        return FitError(mape, 0.0, None)
+
+
+@dataclass
+class CapacityRange:
+    answer: float
+    low: float
+    high: float
+    samples: dict[str, float | None]          # other load samples (windows, seeds) -> answer
+    profile_band: dict[str, float | None]     # 'steps x0.96' -> answer; empty without a fit error
+    notes: list[str] = field(default_factory=list)
+
+    def text(self, fmt: str = "{:g}") -> str:
+        return f"{fmt.format(self.answer)} (range {fmt.format(self.low)}-{fmt.format(self.high)})"
+
+
+def variant_configs(cfg: SimConfig, sample: LoadSample, repeats: int, trace=None) -> tuple[dict[str, SimConfig], list[str]]:
+    """Other samples of the same load, for the spread of the answer: the next busiest windows of the
+    same length for a peak window, other arrival seeds for a trace whose arrivals are drawn; none for
+    a fixed sample of fixed arrivals (said in the notes)."""
+    from kvsim.traces.windows import resolve_window
+
+    notes, out = [], {}
+    if repeats <= 1:
+        return out, notes
+    opts = cfg.trace_options
+    if opts.rate is not None or opts.request_rate is not None:
+        for seed in range(cfg.seed + 1, cfg.seed + repeats):
+            out[f"arrival seed {seed}"] = cfg.model_copy(update={"seed": seed})
+        return out, notes
+    if "@peak" in sample.window:
+        spec = sample.window.split(" ")[0]
+        base = spec.split("@peak")[0]
+        trace = unwindowed_trace(cfg) if trace is None else trace
+        for k in range(2, repeats + 1):
+            try:
+                w = resolve_window(trace, f"{base}@peak{k}")
+            except Exception as exc:  # noqa: BLE001 - the trace has fewer windows: say so
+                notes.append(str(exc))
+                break
+            out[f"{base}@peak{k}"] = cfg.model_copy(update={"trace_options": opts.model_copy(
+                update={"start_s": w.start_s, "end_s": w.end_s})})
+        return {k: SimConfig.model_validate(v.model_dump()) for k, v in out.items()}, notes
+    notes.append(f"no resampled range: the sample ({sample.window}) has fixed arrivals; use --window DUR@peak "
+                 "for a range over the busiest windows")
+    return out, notes
+
+
+def profile_configs(cfg: SimConfig) -> tuple[dict[str, SimConfig], list[str]]:
+    """`cfg` with every step time x (1 - mape) and x (1 + mape) of its profile's measured fit error."""
+    err = measured_profile_error(cfg.profile, cfg.gpu)
+    if err is None:
+        return {}, [f"no profile band: profile {cfg.profile!r} carries no measured fit error (meta.fit_errors)"]
+    out = {}
+    for factor in (1 - err.mape, 1 + err.mape):
+        out[f"step times x{factor:.3g}"] = SimConfig.model_validate(
+            cfg.model_copy(update={"profile": f"{cfg.profile}*{factor:.6g}"}).model_dump())
+    return out, [f"profile band: step times x(1 +/- {err.mape:.3g}), the profile's measured step-time MAPE "
+                 f"(bias {err.bias:+.3g})"]
+
+
+def capacity_range(cfg: SimConfig, constraints: list[Constraint], result: CapacityResult, sample: LoadSample, *,
+                   repeats: int = 3, band: bool = True, mode: str = "rate", rel_tol: float = 0.02,
+                   max_evals: int = 24, max_replicas: int = 64, store: str | Path | None = None,
+                   progress: Callable[[str, dict], None] | None = None) -> CapacityRange | None:
+    """The answer's range over other load samples and the profile's error band, each searched again
+    from the answer (so a narrow bracket is reached in a few simulations)."""
+    if not result.feasible:
+        return None
+    samples, notes = variant_configs(cfg, sample, repeats)
+    profiles, more = profile_configs(cfg) if band else ({}, ["no profile band (--no-band)"])
+    notes += more
+
+    def search(label: str, c: SimConfig) -> float | None:
+        start = result.answer if mode == "rate" else cfg.trace_options.rate_scale
+        r = find_capacity(c, constraints, mode=mode, start=start, growth=1.25, rel_tol=rel_tol,
+                          max_evals=max_evals, max_replicas=max_replicas, store=store, write_result=False,
+                          start_replicas=int(result.answer) if mode == "replicas" else 1,
+                          progress=(lambda row: progress(label, row)) if progress else None)
+        return r.answer
+
+    got_samples = {k: search(k, c) for k, c in samples.items()}
+    got_band = {k: search(k, c) for k, c in profiles.items()}
+    values = [result.answer] + [v for v in (*got_samples.values(), *got_band.values()) if v is not None]
+    infeasible = [k for k, v in (*got_samples.items(), *got_band.items()) if v is None]
+    if infeasible:
+        notes.append(f"no point met the SLO for: {', '.join(infeasible)}")
+    return CapacityRange(result.answer, min(values), max(values), got_samples, got_band, notes)

@@ -87,6 +87,7 @@ operations in the same order, so the two paths agree bit for bit.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,9 @@ class HardwareProfile(BaseModel):
     # what `vllm bench serve` measures beyond the engine (API server, tokenization, streaming); applied
     # with --client-latency (default: engine time only). See ClientLatency.
     client: ClientLatency = Field(default_factory=lambda: ClientLatency())
+    # every step's time x this (1: as modelled); a profile name `NAME*1.04` loads NAME with it, for
+    # the capacity band implied by the profile's measured error (sim.capacity.profile_band)
+    step_time_scale: float = Field(default=1.0, gt=0, exclude=True)   # a run-time factor: never written
     meta: dict[str, Any] = Field(default_factory=dict)   # free-form: what it was fitted on, errors
 
     @property
@@ -251,6 +255,9 @@ class HardwareProfile(BaseModel):
         return path
 
 
+_SCALED = re.compile(r"(.+)\*(\d+(?:\.\d*)?(?:e-?\d+)?)")
+
+
 def list_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
 
@@ -268,10 +275,16 @@ def profile_for_gpu(gpu: GPUSpec | str) -> str:
 def load_profile(name_or_path: str | Path | HardwareProfile = "default", gpu: GPUSpec | str | None = None
                  ) -> HardwareProfile:
     """A shipped profile by name (`default`, `cpu-2core`, `h100-sxm`, ...), a YAML file path, or `auto`:
-    the shipped profile of `gpu`."""
+    the shipped profile of `gpu`; `NAME*K` is that profile with every step time multiplied by K."""
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
     text = str(name_or_path)
+    scaled = _SCALED.fullmatch(text)
+    if scaled:
+        base, factor = load_profile(scaled.group(1), gpu), float(scaled.group(2))
+        if not factor > 0:
+            raise ProfileError(f"profile {text!r}: the step-time factor after '*' must be > 0")
+        return base.model_copy(update={"step_time_scale": base.step_time_scale * factor})
     if text.strip().lower() == AUTO_PROFILE:
         if gpu is None:
             raise ProfileError("profile 'auto' picks the GPU's own profile: give the GPU")
@@ -495,6 +508,10 @@ class CostModel:
             k = self.decode_batch_factor(shape.num_seqs, shape.num_prefill_tokens)
             linear, attention, copy, swap, allreduce, overhead = (
                 linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
+        if p.step_time_scale != 1.0:
+            k = p.step_time_scale
+            linear, attention, copy, swap, allreduce, overhead = (
+                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
         device = linear + attention + copy + swap + allreduce
         total = _max(device, overhead) if self.async_scheduling else device + overhead
         return {"linear": linear, "attention": attention, "copy": copy, "swap": swap,
@@ -528,6 +545,10 @@ class CostModel:
                      + f["allreduce_count"] * self._allreduce_latency_s)
         overhead = (f["step"] * p.step_overhead_s + f["seqs"] * p.per_seq_overhead_s
                     + f["block_entries"] * p.per_block_entry_overhead_s)
+        if p.step_time_scale != 1.0:
+            k = p.step_time_scale
+            linear, attention, copy, swap, allreduce, overhead = (
+                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
         device = linear + attention + copy + swap + allreduce
         total = _max(device, overhead) if self.async_scheduling else device + overhead
         return {"linear": linear, "attention": attention, "copy": copy, "swap": swap,
@@ -584,6 +605,8 @@ class CostModel:
         total = linear + attention
         if allreduce is not None:
             total = total + allreduce
+        if p.step_time_scale != 1.0:
+            total, overhead = total * p.step_time_scale, overhead * p.step_time_scale
         return np.maximum(total, overhead) if self.async_scheduling else total + overhead
 
     def active_branches(self, shape: BatchShape) -> dict[str, np.ndarray | np.bool_]:

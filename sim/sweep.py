@@ -264,18 +264,36 @@ class RunTask:
     out_dir: str | None = None
 
 
+def meets_run_slo(cfg: SimConfig, summary: dict) -> bool:
+    """The run meets its config's SLO at p99: TTFT p99 <= slo.ttft and TPOT p99 <= slo.tpot (those set),
+    with every request finished. An undefined percentile (no request with two output tokens has a
+    TPOT) does not fail it, as in SLO attainment."""
+    if summary.get("num_unfinished"):
+        return False
+    for limit, key in ((cfg.slo.ttft_s, "ttft_p99_s"), (cfg.slo.tpot_s, "tpot_p99_s")):
+        value = summary.get(key)
+        if limit is not None and value is not None and not math.isnan(value) and value > limit:
+            return False
+    return True
+
+
 def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
-    """GPUs used, $/hour for them and $ per million output tokens at the throughput achieved."""
+    """GPUs used, $/hour for them and, for a run that meets its SLO (`meets_slo`), $ per million output
+    tokens and per thousand good requests at the throughput achieved; NaN for a run that does not,
+    so an SLO failure is never the cheapest."""
 
     gpus = cfg.tp * cfg.replicas
     usd_per_hour = get_gpu(cfg.gpu).usd_per_hour * gpus
-    tok_s = summary.get("throughput_output_tok_s") or 0.0
-    good = summary.get("goodput_req_s")
+    meets = meets_run_slo(cfg, summary)
+    return {"num_gpus": gpus, "usd_per_hour": usd_per_hour, "meets_slo": meets,
+            **slo_costs(usd_per_hour, summary.get("throughput_output_tok_s"), summary.get("goodput_req_s"), meets)}
+
+
+def slo_costs(usd_per_hour: float, tok_s: float | None, good_req_s: float | None, meets: bool) -> dict:
+    ok = bool(meets)
     return {
-        "num_gpus": gpus,
-        "usd_per_hour": usd_per_hour,
-        "usd_per_m_output_tok": usd_per_hour / 3600 / tok_s * 1e6 if tok_s > 0 else math.nan,
-        "usd_per_k_good_req": usd_per_hour / 3600 / good * 1e3 if good else math.nan,
+        "usd_per_m_output_tok": usd_per_hour / 3600 / tok_s * 1e6 if ok and tok_s and tok_s > 0 else math.nan,
+        "usd_per_k_good_req": usd_per_hour / 3600 / good_req_s * 1e3 if ok and good_req_s else math.nan,
     }
 
 

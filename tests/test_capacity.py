@@ -1,6 +1,7 @@
 """kvsim capacity: SLO parsing, bisection against an analytically known boundary, replicas search."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -118,3 +119,190 @@ def test_cli_capacity_prints_answer_and_cost(uniform, tmp_path):
     assert (tmp_path / "capacity.json").exists()
     bad = CliRunner().invoke(app, ["capacity", "--slo", "ttft_p99<=2"])
     assert bad.exit_code == 2 and "not a duration with a unit" in bad.output
+
+
+# ---- load windows and the representative sample ------------------------------------------------
+
+def _trace(arrivals):
+    from kvsim.traces import Trace
+    n = len(arrivals)
+    return Trace.from_columns(arrival_time_s=arrivals, prompt_tokens=[100] * n, output_tokens=[10] * n)
+
+
+def test_busiest_windows_find_the_bursts_in_order_without_overlap():
+    from kvsim.traces.windows import busiest_windows, resolve_window
+    # one request a second for 1000 s, plus a burst of 50 at 300-310 s and one of 30 at 700-705 s
+    arrivals = np.sort(np.r_[np.arange(1000.0), np.linspace(300, 310, 50), np.linspace(700, 705, 30)])
+    first, second, third = busiest_windows(arrivals, 60.0, 3)
+    assert first[0] <= 300 and first[0] + 60 > 310 and first[1] == 60 + 50
+    assert second[0] <= 700 and second[0] + 60 > 705 and second[1] == 60 + 30
+    assert third[1] == 60 and abs(third[0] - first[0]) >= 60 and abs(third[0] - second[0]) >= 60
+    w = resolve_window(_trace(arrivals), "1m@peak2")
+    assert (w.start_s, w.end_s, w.requests) == (second[0], second[0] + 60, 90)
+    w = resolve_window(_trace(arrivals), "100:200")
+    assert (w.start_s, w.end_s, w.requests) == (100.0, 200.0, 100)
+    assert resolve_window(_trace(arrivals), "full").is_full
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("5x@peak", "is not a duration"),
+    ("200:100", "end must be after start"),
+    ("5000:6000", "no request arrives in it"),
+    ("10m@peak3", "has only 1 non-overlapping 10m windows"),
+    ("soon", "expected DUR@peak"),
+])
+def test_window_errors_say_what_was_expected(spec, message):
+    from kvsim.traces import TraceError
+    from kvsim.traces.windows import resolve_window
+    with pytest.raises(TraceError, match=message):
+        resolve_window(_trace(np.arange(1000.0)), spec)
+
+
+def test_representative_sample_is_the_full_trace_when_small_else_its_peak():
+    from kvsim.sim.capacity import choose_sample
+    small, sample = choose_sample(load_config(None, {"trace": "azure-code-2023", "trace_options.max_requests": 100}),
+                                  None)
+    assert sample.window == "first 100 requests" and small.trace_options.max_requests == 100
+    cfg, sample = choose_sample(load_config(None, {"trace": "azure-conv-2023"}), None)
+    # 19,366 requests over 3,502 s: the busiest window holding ~2,500 at the mean rate (8 minutes)
+    assert sample.window.startswith("8m@peak") and cfg.trace_options.end_s - cfg.trace_options.start_s == pytest.approx(480)
+    assert sample.requests > 2500 * 1.2 and sample.rate_req_s > sample.trace_rate_req_s
+    from kvsim.sim.assembly import load_workload
+    assert len(load_workload(cfg)) == sample.requests
+
+
+def test_sample_warnings_name_rate_and_burstiness():
+    from kvsim.sim.capacity import LoadSample, sample_warnings
+    calm = LoadSample("first 200 requests", None, None, 200, 3.2, 1.0, 19366, 5.5, 1.1)
+    (rate,) = sample_warnings(calm)
+    assert "3.20 req/s, 0.58x the trace's 5.50 req/s" in rate
+    bursty = LoadSample("10m@peak", 0, 600, 4000, 6.0, 2.0, 19366, 5.5, 1.1)
+    assert "burstiness differs" in sample_warnings(bursty)[0]
+    assert sample_warnings(LoadSample("full trace", None, None, 10, 5.5, 1.1, 10, 5.5, 1.1)) == []
+
+
+def test_drain_dominated_and_search_limit_warnings(uniform):
+    from kvsim.sim.capacity import drain_share, result_warnings
+    overrides, s = uniform
+    # every request arrives at once (huge rate scale): the whole run is the queue draining
+    loose = parse_slo("ttft_p99<=1000s")
+    result = find_capacity(load_config(None, overrides), loose, start=512, max_scale=1024, max_evals=3)
+    assert result.feasible and not result.bounded
+    row = result.curve.set_index("run_id").loc[result.answer_run_id].to_dict()
+    assert drain_share(row) > 0.9
+    text = " ".join(result_warnings(result, 3))
+    assert "lower bound" in text and "drain-dominated" in text
+    # well below capacity nothing drains and the answer is bracketed: no warning
+    ok = find_capacity(load_config(None, overrides), parse_slo(f"ttft_p99<={s * 1.5 * 1e3:.6f}ms"), rel_tol=0.05)
+    assert ok.bounded and result_warnings(ok, 24) == []
+
+
+# ---- error bars: the profile's measured error, other samples ------------------------------------
+
+def test_profile_fit_error_is_read_when_present():
+    from kvsim.sim.capacity import measured_profile_error, profile_configs
+    err = measured_profile_error("cpu-smollm2")
+    assert err is not None and err.mape == pytest.approx(0.04026) and err.bias == pytest.approx(-0.00875)
+    assert measured_profile_error("default") is None        # hand-set: no measured error, no band
+    assert measured_profile_error("no-such-profile") is None
+    # `auto` is the GPU's own profile: the band scales it by its own measured error
+    h100 = measured_profile_error("auto", "h100")
+    assert h100 is not None and 0 < h100.mape < 0.2
+    band, notes = profile_configs(load_config(None, {"gpu": "h100", "profile": "auto"}))
+    assert [c.profile for c in band.values()] == [f"auto*{1 - h100.mape:.6g}", f"auto*{1 + h100.mape:.6g}"]
+    assert "MAPE" in notes[0]
+
+
+def test_scaled_profile_multiplies_every_step_time():
+    from kvsim.sim.cost_model import CostModel, ProfileError, load_profile
+    from kvsim.sim.core.step import BatchShape
+    shape = BatchShape(num_seqs=np.array([1.0, 8, 64]), num_prefill_tokens=np.array([2048.0, 0, 100]),
+                       num_decode_tokens=np.array([0.0, 8, 63]), kv_tokens_read=np.array([0.0, 8000, 64000]),
+                       block_table_entries=np.array([128.0, 500, 4000]))
+    base = CostModel("llama-3.1-8b", "h100", load_profile("default"), tp=2)
+    slow = CostModel("llama-3.1-8b", "h100", load_profile("default*1.25"), tp=2)
+    np.testing.assert_allclose(slow.predict(shape), 1.25 * base.predict(shape), rtol=1e-12)
+    args = (np.array([8.0, 64]), np.array([8000.0, 64000]), np.array([500.0, 4000]))
+    np.testing.assert_allclose(slow.predict_decode(*args), 1.25 * base.predict_decode(*args), rtol=1e-12)
+    fitted = CostModel("llama-3.1-8b", "h100", load_profile("auto", gpu="h100"), tp=2)      # operator form
+    scaled = CostModel("llama-3.1-8b", "h100", load_profile("auto*0.9", gpu="h100"), tp=2)
+    np.testing.assert_allclose(scaled.predict(shape), 0.9 * fitted.predict(shape), rtol=1e-12)
+    np.testing.assert_allclose(scaled.predict_decode(*args), 0.9 * fitted.predict_decode(*args), rtol=1e-12)
+    assert load_profile("default*1").step_time_scale == 1.0
+    with pytest.raises(ProfileError, match="must be > 0"):
+        load_profile("default*0")
+
+
+def test_profile_band_follows_the_closed_form(uniform, tmp_path):
+    """Step times x k make every TTFT of the uniform trace k s + i (k s - SPACING/x): the band's two
+    searches land on the closed-form boundary for k = 1 -/+ mape."""
+    from kvsim.sim.capacity import LoadSample, capacity_range
+    from kvsim.sim.cost_model import load_profile
+    overrides, s = uniform
+    mape = 0.1
+    profile = load_profile("auto", gpu="h100").model_copy(update={"name": "fitted", "meta": {
+        "fit_errors": {"all": {"count": 100, "mape": mape, "bias": 0.01}}}})
+    path = profile.to_yaml(tmp_path / "fitted.yaml")
+    cfg = load_config(None, {**overrides, "profile": str(path)})
+    limit = s * 1.5
+    slo = parse_slo(f"ttft_p99<={limit * 1e3:.9f}ms")
+    result = find_capacity(cfg, slo, rel_tol=0.005, max_evals=40)
+    sample = LoadSample("full trace", None, None, N, 1.0, 0.0, N, 1.0, 0.0)
+    spread = capacity_range(cfg, slo, result, sample, repeats=1, rel_tol=0.005, max_evals=40)
+
+    def boundary(k):     # p99 = k s + 0.99 (N-1) (k s - SPACING/x) = limit
+        return SPACING / (k * s - (limit - k * s) / (0.99 * (N - 1)))
+    low, high = spread.profile_band["step times x1.1"], spread.profile_band["step times x0.9"]
+    assert low == pytest.approx(boundary(1 + mape), rel=0.006) and high == pytest.approx(boundary(1 - mape), rel=0.006)
+    assert spread.low == low < result.answer < spread.high == high
+    assert any("MAPE" in n for n in spread.notes) and spread.samples == {}
+
+
+def test_length_only_trace_ranges_over_arrival_seeds():
+    from kvsim.sim.capacity import choose_sample, variant_configs
+    cfg = load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.rate": 2.0, "seed": 3})
+    cfg, sample = choose_sample(cfg, "10m@peak")
+    variants, notes = variant_configs(cfg, sample, 3)
+    assert [v.seed for v in variants.values()] == [4, 5] and notes == []
+    full, notes = variant_configs(load_config(None, {"trace": "azure-conv-2023"}),
+                                  dataclasses.replace(sample, window="full trace"), 3)
+    assert full == {} and "no resampled range" in notes[0]
+
+
+def test_default_sample_range_holds_the_full_trace_answer():
+    """docs/planning.md's example on the shipped Azure code trace: the answer on the default sample
+    (its busiest 16 minutes) and its range over the next busiest window hold the answer on all 8,819
+    requests. The full trace's bracket [answer, lowest failing scale] must overlap the range."""
+    from kvsim.sim.capacity import capacity_range, choose_sample
+    slo = parse_slo("ttft_p99<=2s,tpot_p99<=100ms")
+    cfg = load_config(None, {"trace": "azure-code-2023", "model": "llama-3.1-8b", "gpu": "h100"})
+    sampled, sample = choose_sample(cfg, None)
+    assert sample.window.startswith("16m@peak") and sample.requests < len_of_trace(cfg) / 2
+    result = find_capacity(sampled, slo, start=0.25, rel_tol=0.1)
+    spread = capacity_range(sampled, slo, result, sample, rel_tol=0.1)
+    assert spread.samples and spread.low < spread.high
+    full_cfg, full_sample = choose_sample(cfg, "full")
+    assert full_sample.requests == len_of_trace(cfg) and full_cfg.trace_options.start_s is None
+    full = find_capacity(full_cfg, slo, start=0.25, rel_tol=0.1)
+    assert full.bounded
+    full_fail = full.curve.loc[~full.curve["meets_slo"], "searched_value"].min()
+    assert full.answer <= spread.high and full_fail >= spread.low, (full.answer, full_fail, spread)
+
+
+def len_of_trace(cfg) -> int:
+    from kvsim.sim.capacity import unwindowed_trace
+    return len(unwindowed_trace(cfg))
+
+
+def test_request_rate_loads_are_not_windowed():
+    """vllm bench serve's --request-rate draws arrivals after the selection: the sample is the trace as
+    configured, its range is over arrival seeds, and a window is refused."""
+    from kvsim.sim.capacity import choose_sample, variant_configs
+    cfg = load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.request_rate": 4.0,
+                             "trace_options.max_requests": 300})
+    sampled, sample = choose_sample(cfg, None)
+    assert sampled == cfg and sample.requests == 300
+    assert [v.seed for v in variant_configs(sampled, sample, 3)[0].values()] == [1, 2]
+    with pytest.raises(ConfigError, match="--window selects requests by arrival time"):
+        choose_sample(load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.request_rate": 4.0}),
+                      "10m@peak")

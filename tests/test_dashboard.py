@@ -359,6 +359,7 @@ def test_capacity_search_then_reload_its_store(tmp_path):
     at = app()
     at.switch_page("pages/capacity.py").run()
     small_config(at, "cfg_", requests=40, blocks=2000)
+    at.radio(key="cap_load").set_value("first").run()
     at.text_input(key="cap_slo").set_value("ttft_p99<=fast").run()
     assert "ttft_p99" in errors(at)[0]
     at.text_input(key="cap_slo").set_value("ttft_p99<=500ms").run()
@@ -383,6 +384,27 @@ def test_capacity_search_then_reload_its_store(tmp_path):
     best = at.dataframe[-2].value   # best-first table, then "All points"
     assert (best["ttft_p99_s"] <= 0.5).all()
     assert best["usd_per_m_output_tok"].is_monotonic_increasing
+
+
+def test_capacity_page_cheapest_configuration_with_one_slo_and_stale_marking():
+    at = app()
+    at.switch_page("pages/capacity.py").run()
+    small_config(at, "cap_", requests=40, blocks=2000)
+    at.radio(key="cap_load").set_value("first").run()
+    assert at.number_input(key="cap_evals").value == 24                   # the CLI's --max-evals
+    at.radio(key="cap_mode").set_value("plan").run()
+    at.multiselect(key="cap_tps").set_value([1, 2])
+    at.text_input(key="cap_slo").set_value("ttft_p99<=2s, tpot_p99<=100ms")
+    at.button(key="cap_run").click().run()
+    assert not errors(at)
+    assert any("Llama-3.1-8B: H100-SXM TP1 x 1 replicas" in m.value for m in at.success)
+    assert "Views judged against the SLO ttft_p99<=2s, tpot_p99<=100ms" in [c.value for c in at.caption]
+    assert not any(w.value.startswith("Stale") for w in at.warning)
+    at.text_input(key="cap_slo").set_value("ttft_p99<=1ms").run()
+    stale = [w.value for w in at.warning if w.value.startswith("Stale")]
+    assert stale and "ttft_p99<=2s, tpot_p99<=100ms" in stale[0]
+    # the views keep the search's SLO until it runs again
+    assert "Views judged against the SLO ttft_p99<=2s, tpot_p99<=100ms" in [c.value for c in at.caption]
 
 
 def test_capacity_search_cancels_within_a_second():

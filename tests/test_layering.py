@@ -15,7 +15,7 @@ kvsim.sim.kv.fast.*, kvsim.sim.cli.*, kvsim.sim.calibration.*, kvsim.sim.crossch
   .progress, .memory, .defaults).
 - executors, two of them that must not import each other: the simulator (kvsim.sim.simulate,
   kvsim.sim.executor) and the real backend (kvsim.gpu, torch/Triton).
-- analysis: tools that run and compare executors — calibration, crosscheck, sweep, capacity,
+- analysis: tools that run and compare executors — calibration, crosscheck, sweep, capacity, plan,
   report, the vLLM reference harness.
 - interfaces: every CLI (the kvsim.sim.cli package, or any module whose name ends in `cli`) and the
   dashboard.
@@ -45,6 +45,7 @@ RULES = (
     ("kvsim.sim.crosscheck", "analysis"),
     ("kvsim.sim.sweep", "analysis"),
     ("kvsim.sim.capacity", "analysis"),
+    ("kvsim.sim.plan", "analysis"),
     ("kvsim.sim.report", "analysis"),
     ("kvsim.sim.reference", "analysis"),
     ("kvsim.sim.simulate", "simulator"),

@@ -1,6 +1,7 @@
 """kvsim sweep: spec validation, the resumable store, failure isolation, local vs Dask executors."""
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -296,3 +297,20 @@ def test_sweep_workers_forkserver_and_tracker_end_with_a_killed_sweep(tmp_path):
     for p in alive:                                               # do not leave them behind either way
         os.kill(p, signal.SIGKILL)
     assert not alive, "processes of the killed sweep are still running"
+
+
+def test_cost_columns_count_only_runs_meeting_the_slo(reference, tmp_path):
+    """An SLO failure is never the cheapest: its $/token is NaN, its $/hour (the price) stays."""
+    from kvsim.sim.config import parse_duration
+    cfg = load_config(None, SMALL)
+    ttft, tpot = parse_duration(cfg.slo.ttft), parse_duration(cfg.slo.tpot)
+    meets = (reference["ttft_p99_s"] <= ttft) & (reference["tpot_p99_s"] <= tpot)
+    assert list(reference["meets_slo"]) == list(meets) and meets.any()
+    assert reference["usd_per_m_output_tok"].notna().tolist() == list(meets)
+    assert reference["usd_per_k_good_req"].notna().tolist() == list(meets)
+    assert reference["usd_per_hour"].notna().all()
+    # a tight SLO fails every run: no run has a cost per token, so none ranks cheapest
+    run_sweep(parse_spec({"fixed": {**SMALL, "slo.ttft": "1ms"}, "grid": {"trace_options.rate_scale": [4]}}),
+              tmp_path, jobs=1, progress=False)
+    row = read_store(tmp_path).iloc[0]
+    assert not row["meets_slo"] and math.isnan(row["usd_per_m_output_tok"]) and row["usd_per_hour"] > 0

@@ -10,7 +10,7 @@ import typer
 from .calibration import calibrate, crosscheck
 from .dashboard import dashboard
 from .model import app as model_app
-from .planning import capacity, report, sweep
+from .planning import capacity, plan, report, sweep
 from .reference import app as reference_app
 from .catalog import gpus, models
 from .replay import replay
@@ -51,7 +51,7 @@ app.command()(simulate)
 app.command()(models)
 app.command()(gpus)
 app.add_typer(model_app, name="model")
-for command in (replay, dashboard, sweep, capacity, report, calibrate, crosscheck):
+for command in (replay, dashboard, sweep, capacity, plan, report, calibrate, crosscheck):
     app.command()(command)
 app.add_typer(reference_app, name="reference")
 

@@ -11,12 +11,21 @@ from rich.console import Console
 from rich.table import Table
 
 from kvsim.sim.config import ConfigError, load_config
+from kvsim.traces.errors import TraceError
 
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
                       Sets, Tp, Trace, config_overrides, fail)
 
 console = Console()
 err_console = Console(stderr=True)
+
+Window = Annotated[Optional[str], typer.Option(help="the part of the trace to plan on: DUR@peak (its busiest DUR), "
+                                               "DUR@peakK (K-th busiest), START:END, full; default: the whole trace "
+                                               "up to 4,000 requests, else its busiest window of ~2,500")]
+Repeats = Annotated[int, typer.Option(help="samples for the range: the answer plus the next busiest windows (peak "
+                                           "windows) or arrival seeds (length-only traces); 1: none")]
+Band = Annotated[bool, typer.Option("--band/--no-band", help="search again with step times x(1 +/- the GPU "
+                                                             "profile's measured MAPE) for the range")]
 
 
 def sweep(
@@ -123,14 +132,20 @@ def capacity(
     tol: float = typer.Option(0.02, help="mode=rate: stop when the bracket is within this relative width"),
     max_evals: int = typer.Option(24, help="most simulations for the search"),
     max_replicas: int = typer.Option(64, help="mode=replicas: give up above this"),
+    window: Window = None,
+    repeats: Repeats = 3,
+    band: Band = True,
     out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
     overwrite: Overwrite = False,
 ) -> None:
     """Find the highest arrival-rate scale (or the fewest replicas) meeting an SLO, by bracketing and
-    bisection on simulated runs; prints the answer, its cost and the curve measured."""
-    from kvsim.sim.capacity import find_capacity, parse_slo
+    bisection on simulated runs, on a representative sample of the trace (default: the whole trace if
+    it has at most 4,000 requests, else its busiest window of about 2,500); prints the answer with its
+    range (other busy windows or arrival seeds, the GPU profile's measured error), its cost, the curve
+    measured and warnings where the answer is not to be trusted as is."""
+    from kvsim.sim.capacity import capacity_range, choose_sample, find_capacity, parse_slo
 
     overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
                                  num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
@@ -146,11 +161,14 @@ def capacity(
         fail(f"--max-replicas: expected 1 to 100000, got {max_replicas}")
     if out is not None:
         _check_store(out, "--out", overwrite)
+    _check_repeats(repeats)
     try:
         cfg = load_config(config, overrides, set_)
         constraints = parse_slo(slo)
-    except ConfigError as exc:
+        cfg, sample = choose_sample(cfg, window)
+    except (ConfigError, TraceError) as exc:
         fail(str(exc))
+    console.print(sample.describe(), highlight=False, soft_wrap=True)
 
     def show(row: dict) -> None:
         if not quiet:
@@ -158,18 +176,39 @@ def capacity(
             console.print(f"  {mode} {row['searched_value']:g}: {row['offered_rate_req_s']:.3f} req/s offered, "
                           f"goodput {row.get('goodput_req_s', math.nan):.3f} req/s -> {mark}", soft_wrap=True)
 
+    def show_variant(label: str, row: dict) -> None:
+        if not quiet:
+            mark = "meets" if row["meets_slo"] else "fails"
+            console.print(f"  [{label}] {mode} {row['searched_value']:g}: {mark}", highlight=False, soft_wrap=True)
+
     try:
         with store_errors(out, None):
             result = find_capacity(cfg, constraints, mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
                                    max_evals=max_evals, max_replicas=max_replicas, store=out, progress=show)
+            spread = capacity_range(cfg, constraints, result, sample, repeats=repeats, band=band, mode=mode,
+                                    rel_tol=tol, max_evals=max_evals, max_replicas=max_replicas, store=out,
+                                    progress=show_variant)
     except (ConfigError, RuntimeError, ValueError) as exc:
         fail(str(exc))
-    _print_capacity(result, mode)
+    _print_capacity(result, mode, spread)
+    _print_warnings(sample, result, max_evals)
     if not result.feasible:
         raise typer.Exit(1)
 
 
-def _print_capacity(result, mode: str) -> None:
+def _check_repeats(repeats: int) -> None:
+    if repeats < 1:
+        fail(f"--repeats: expected a count >= 1 (1: no resampled range), got {repeats}")
+
+
+def _print_warnings(sample, result, max_evals: int | None) -> None:
+    from kvsim.sim.capacity import result_warnings, sample_warnings
+
+    for line in sample_warnings(sample) + (result_warnings(result, max_evals) if result is not None else []):
+        err_console.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
+
+
+def _print_capacity(result, mode: str, spread=None) -> None:
     cols = [("searched_value", "rate scale" if mode == "rate" else "replicas", "{:g}"),
             ("offered_rate_req_s", "offered req/s", "{:.3f}"), ("throughput_req_s", "req/s", "{:.3f}"),
             ("goodput_req_s", "goodput req/s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 ms", "ms"),
@@ -192,12 +231,18 @@ def _print_capacity(result, mode: str) -> None:
     if not result.feasible:
         console.print("[red]no configuration searched meets the SLO[/red]")
         return
-    what = (f"max rate scale {result.answer:g}" if mode == "rate" else f"fewest replicas {result.answer:g}")
+    value = spread.text("{:.4g}") if spread is not None and mode == "rate" else spread.text() if spread else f"{result.answer:g}"
+    what = f"max rate scale {value}" if mode == "rate" else f"fewest replicas {value}"
     bound = "" if result.bounded else " (lower bound: the search limit was reached before the SLO failed)"
     console.print(f"[bold]{what}[/bold]{bound}: {result.answer_rate_req_s:.3f} req/s offered, "
                   f"{m.get('throughput_output_tok_s', math.nan):.1f} output tok/s, "
                   f"{m.get('num_gpus')} GPUs at ${m.get('usd_per_hour', math.nan):.2f}/h = "
                   f"${m.get('usd_per_m_output_tok', math.nan):.3f} per million output tokens", highlight=False, soft_wrap=True)
+    if spread is not None:
+        parts = [f"{k}: {'-' if v is None else f'{v:.4g}'}" for k, v in {**spread.samples, **spread.profile_band}.items()]
+        console.print("range from " + ("; ".join(parts) if parts else "the answer alone"), highlight=False, soft_wrap=True)
+        for note in spread.notes:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 def report(
@@ -277,3 +322,152 @@ def _check_parent(path: Path, option: str) -> None:
         check_out_dir(path.parent, option)
     except OutputDirError:
         fail(f"{option} {path}: its folder {path.parent} is not a writable directory (nor can it be created)")
+
+
+def _names(text: str, option: str) -> list[str]:
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    if not items:
+        fail(f"{option}: expected a comma-separated list, got {text!r}")
+    return list(dict.fromkeys(items))
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in _names(text, option)]
+    except ValueError:
+        fail(f"{option}: expected comma-separated positive integers (e.g. 1,2,4,8), got {text!r}")
+    if any(v < 1 for v in values):
+        fail(f"{option}: expected positive integers, got {text!r}")
+    return values
+
+
+def plan(
+    slo: str = typer.Option(..., help='constraints, e.g. "ttft_p99<=2s,tpot_p99<=100ms"'),
+    models: str = typer.Option(..., "--models", help="comma-separated catalog models, e.g. llama-3.1-8b,llama-3.1-70b"),
+    gpus: str = typer.Option(..., "--gpus", help="comma-separated catalog GPUs, e.g. h100,h200"),
+    tps: str = typer.Option("1,2,4,8", "--tps", help="comma-separated tensor-parallel degrees"),
+    policies: Optional[str] = typer.Option(None, "--policies", help="comma-separated KV policies to compare "
+                                           "(default: the config's); budgets via --set kv.budget=..."),
+    trace: Trace = None,
+    config: ConfigFile = None,
+    rate_scale: Annotated[Optional[float], typer.Option(help="the load: arrival-rate multiplier of the trace")] = None,
+    window: Window = None,
+    set_: Sets = [],
+    max_replicas: int = typer.Option(64, help="give a configuration up above this many replicas"),
+    repeats: Repeats = 3,
+    band: Band = True,
+    scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address (default: a local Dask cluster)"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local cluster workers (default: all cores; "
+                                                                  "1: in this process, no cluster)"),
+    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
+                                       help="store for the runs + plan-result.json (resumable; kvsim report reads it)"),
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
+) -> None:
+    """The cheapest configuration meeting an SLO at a given load, for each model: every GPU x TP degree
+    (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
+    that cannot be cheaper than an answer already found are dropped); prints each configuration's
+    answer, the Pareto table (cost vs p99 TTFT/TPOT) and the cheapest with its range."""
+    from kvsim.sim.capacity import choose_sample, parse_slo, profile_configs, variant_configs
+    from kvsim.sim.catalog import CatalogError, get_gpu, get_model
+    from kvsim.sim.plan import executor, plan_capacity
+
+    model_list, gpu_list, tp_list = _names(models, "--models"), _names(gpus, "--gpus"), _ints(tps, "--tps")
+    policy_list = _names(policies, "--policies") if policies else None
+    _check_repeats(repeats)
+    if jobs is not None and jobs < 1:
+        fail(f"--jobs: expected a positive number, got {jobs}")
+    if max_replicas < 1:
+        fail(f"--max-replicas: expected a positive number, got {max_replicas}")
+    if out is not None:
+        _check_store(out, "--out")
+    try:
+        for name in model_list:
+            get_model(name)
+        for name in gpu_list:
+            get_gpu(name)
+        cfg = load_config(config, config_overrides(trace=trace, rate_scale=rate_scale, model=model_list[0],
+                                                   gpu=gpu_list[0]), set_)
+        if policy_list:
+            for p in policy_list:
+                load_config(None, {"kv.policy": p})
+        constraints = parse_slo(slo)
+        cfg, sample = choose_sample(cfg, window)
+    except (ConfigError, CatalogError, TraceError) as exc:
+        fail(str(exc).replace("\n", " "))
+    console.print(sample.describe(), highlight=False, soft_wrap=True)
+    notes: list[str] = []
+
+    def variants(c):
+        found, why = variant_configs(c, sample, repeats)
+        more, why2 = profile_configs(c) if band else ({}, ["no profile band (--no-band)"])
+        notes.extend(n for n in why + why2 if n not in notes)
+        return {**found, **more}
+
+    def show(s, n, row) -> None:
+        if not quiet:
+            mark = ("[green]meets[/green]" if row.get("meets_slo") else f"[red]fails[/red] {row.get('violations', '')}"
+                    if row["status"] == "ok" else f"[red]failed[/red] {row.get('error')}")
+            console.print(f"  {s.cand.label} x{n}: {mark}", soft_wrap=True)
+
+    try:
+        with executor(scheduler, jobs) as (run_batch, width):
+            result = plan_capacity(cfg, constraints, models=model_list, gpus=gpu_list, tps=tp_list,
+                                   policies=policy_list, max_replicas=max_replicas, run_batch=run_batch, width=width,
+                                   store=out, variants=variants, progress=show)
+    except (ConfigError, OSError) as exc:
+        fail(str(exc))
+    result.range_notes = notes
+    _print_plan(result)
+    _print_warnings(sample, None, None)
+    if not result.cheapest:
+        raise typer.Exit(1)
+
+
+def _ms(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1e3:.0f}"
+
+
+def _print_plan(result) -> None:
+    table = Table("model", "GPU", "TP", "result", "replicas", "GPUs", "$/h", "$/M out tok", "TTFT p99 ms",
+                  "TPOT p99 ms", title=f"fewest replicas per configuration ({', '.join(result.slo)})")
+    for s in result.searches:
+        row = s.answer_row or {}
+        n = s.hi_ok if s.status == "answer" else None
+        cost = row.get("usd_per_m_output_tok")
+        table.add_row(s.cand.model, s.cand.gpu + (f" {s.cand.policy}" if s.cand.policy else ""), str(s.cand.tp),
+                      s.status + (f" ({s.note})" if s.note else ""), "-" if n is None else str(n),
+                      "-" if n is None else str(n * s.cand.tp),
+                      "-" if n is None else f"{n * s.cand.usd_per_replica_hour:.2f}",
+                      "-" if cost is None or math.isnan(cost) else f"{cost:.3f}",
+                      _ms(row.get("ttft_p99_s")), _ms(row.get("tpot_p99_s")))
+    for c, why in result.unfit:
+        table.add_row(c.model, c.gpu + (f" {c.policy}" if c.policy else ""), str(c.tp), f"cannot run: {why}",
+                      *["-"] * 6)
+    console.print(table)
+    front = result.pareto()
+    if len(front):
+        pt = Table("model", "configuration", "replicas", "$/h", "TTFT p99 ms", "TPOT p99 ms", "E2E p99 ms",
+                   title="Pareto table: meets the SLO, no other point cheaper and faster (points simulated)")
+        for _, r in front.iterrows():
+            pt.add_row(r["model_key"], r["candidate"], str(int(r["replicas"])), f"{r['usd_per_hour']:.2f}",
+                       _ms(r.get("ttft_p99_s")), _ms(r.get("tpot_p99_s")), _ms(r.get("e2e_p99_s")))
+        console.print(pt)
+    for model, s in result.cheapest.items():
+        price = s.cand.usd_per_replica_hour
+        rng = result.ranges.get(model, {})
+        values = [s.hi_ok] + [v for v in rng.values() if v is not None]
+        lo, hi = min(values), max(values)
+        cost = s.answer_row.get("usd_per_m_output_tok", math.nan)
+        console.print(f"[bold]{model}: cheapest {s.cand.gpu} TP{s.cand.tp}"
+                      f"{' ' + s.cand.policy if s.cand.policy else ''} x {s.hi_ok} replicas[/bold] = "
+                      f"{s.hi_ok * s.cand.tp} GPUs, ${s.hi_ok * price:.2f}/h, ${cost:.3f} per million output tokens; "
+                      f"range {lo}-{hi} replicas (${lo * price:.2f}-{hi * price:.2f}/h)", highlight=False, soft_wrap=True)
+        if rng:
+            console.print("  range from " + "; ".join(f"{k}: {'-' if v is None else v}" for k, v in rng.items()),
+                          highlight=False, soft_wrap=True)
+    for note in result.range_notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    for model in dict.fromkeys(s.cand.model for s in result.searches):
+        if model not in result.cheapest:
+            console.print(f"[red]{model}: no configuration searched meets the SLO[/red]", soft_wrap=True)
+    console.print(f"{result.simulations} simulations, {result.wall_s:.1f} s", highlight=False)
