@@ -389,7 +389,7 @@ def test_capacity_search_then_reload_its_store(tmp_path):
 def test_capacity_page_cheapest_configuration_with_one_slo_and_stale_marking():
     at = app()
     at.switch_page("pages/capacity.py").run()
-    small_config(at, "cap_", requests=40, blocks=2000)
+    small_config(at, "cfg_", requests=40, blocks=2000)      # the shared base form (forms.BASE)
     at.radio(key="cap_load").set_value("first").run()
     assert at.number_input(key="cap_evals").value == 24                   # the CLI's --max-evals
     at.radio(key="cap_mode").set_value("plan").run()
@@ -520,7 +520,7 @@ def test_fidelity_table_and_pareto():
 def test_background_job_reports_progress_with_eta_and_cancels_within_a_second():
     import time
     from kvsim.dashboard.jobs import Job
-    cfg = load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 3000})   # all at t=0
+    cfg = load_config(None, {"trace": "azure-conv-2023"})     # long enough (~10 s) for the ETA (after 3 s) to show
     job = Job([("long", cfg)]).start()
     seen = []
     while not job.done and len(seen) < 3:

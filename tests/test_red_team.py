@@ -32,17 +32,36 @@ class Ran:
         return [line for line in self.err.splitlines() if line.strip()]
 
 
+# Runs the kvsim CLI and, at exit, writes the process's own peak RSS (VmHWM of its own address space).
+# wait4's ru_maxrss would not do: a forked child starts with the forking pytest worker's high-water mark
+# (hundreds of MB once other tests have run in that worker), which survives exec.
+PEAK_RSS_WRAPPER = """
+import atexit, runpy, sys
+peak_file = sys.argv.pop(1)
+def write_peak():
+    with open('/proc/self/status') as status:
+        kb = next(line.split()[1] for line in status if line.startswith('VmHWM:'))
+    with open(peak_file, 'w') as out:
+        out.write(kb)
+atexit.register(write_peak)
+sys.argv[0] = 'kvsim'
+runpy.run_module('kvsim.sim.cli', run_name='__main__', alter_sys=True)
+"""
+
+
 def kvsim(args: list[str], cwd: Path, *, env: dict | None = None, timeout: float = 60, cap_gb: float = 3,
           stdin=subprocess.DEVNULL) -> Ran:
-    """Run `kvsim ARGS` with an address-space cap; its own peak RSS and CPU time (os.wait4)."""
+    """Run `kvsim ARGS` with an address-space cap; its own peak RSS (VmHWM, or wait4's figure when it
+    died before writing it) and CPU time (os.wait4)."""
     cap = int(cap_gb * 2**30)
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    out, err = cwd / ".stdout", cwd / ".stderr"
+    out, err, peak = cwd / ".stdout", cwd / ".stderr", cwd / ".peak_kb"
+    peak.unlink(missing_ok=True)
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", *args], cwd=cwd, stdout=fo, stderr=fe,
+        proc = subprocess.Popen([sys.executable, "-c", PEAK_RSS_WRAPPER, str(peak), *args], cwd=cwd, stdout=fo, stderr=fe,
                                 stdin=stdin, preexec_fn=limit, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout
         while True:
@@ -55,10 +74,10 @@ def kvsim(args: list[str], cwd: Path, *, env: dict | None = None, timeout: float
                 pytest.fail(f"kvsim {' '.join(args)}: still running after {timeout} s (a hang)")
             time.sleep(0.02)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    ran = Ran(proc.returncode, out.read_text(), err.read_text(), usage.ru_maxrss / 1024,
-              usage.ru_utime + usage.ru_stime)
-    out.unlink()
-    err.unlink()
+    rss_kb = int(peak.read_text()) if peak.exists() and peak.read_text().strip() else usage.ru_maxrss
+    ran = Ran(proc.returncode, out.read_text(), err.read_text(), rss_kb / 1024, usage.ru_utime + usage.ru_stime)
+    for f in (out, err, peak):
+        f.unlink(missing_ok=True)
     return ran
 
 
@@ -190,7 +209,8 @@ def test_replay_refuses_a_pool_that_does_not_fit_before_allocating(d):
     ran = kvsim(["replay", "--num-gpu-blocks", "1000000000", "--max-requests", "2", "-q", "-o", str(d / "r")], d,
                 cap_gb=8, timeout=120)
     assert ran.code == 2 and len(ran.lines) == 1, ran.err
-    assert "host memory" in ran.lines[0] and "--num-gpu-blocks" in ran.lines[0]
+    # refused by the GPU-memory check (the pool beside the weights) before the host-memory one
+    assert "KV cache per GPU" in ran.lines[0] and "num_gpu_blocks" in ran.lines[0]
     assert ran.rss_mb < 1000 and "Traceback" not in ran.err   # torch and the model, not the pool
 
 

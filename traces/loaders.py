@@ -641,8 +641,10 @@ def _generic(fmt: str):
 def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str) -> np.ndarray:
     """Epoch numbers (in `unit`) or ISO-8601 strings -> seconds from the first request."""
     if pd.to_numeric(raw, errors="coerce").notna().all():
-        values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)") * TIME_UNITS[unit]
-        return values - values.min()
+        # epoch numbers are large by nature: the bound on arrival times applies once they are relative
+        values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)", maximum=np.inf) * TIME_UNITS[unit]
+        relative = values - values.min()
+        return _floats(relative, rows, name, "a time span from the first request (s)")
     parsed = pd.to_datetime(raw.astype(str).str.strip(), format="ISO8601", utc=True, errors="coerce")
     bad = parsed.isna().to_numpy()
     if bad.any():
