@@ -502,16 +502,23 @@ class CostModel:
         copy = (f["copy"] + f["policy_ops"]) / p.copy_bw_eff
         swap = f["swap"] / p.pcie_eff
         allreduce = f["allreduce_bw"] / p.allreduce_bw_eff + f["allreduce_count"] * p.allreduce_latency_s
-        overhead = (f["step"] * p.step_overhead_s + f["seqs"] * p.per_seq_overhead_s
-                    + f["block_entries"] * p.per_block_entry_overhead_s)
+        scales = [p.step_time_scale]
         if self._batch_table is not None:
-            k = self.decode_batch_factor(shape.num_seqs, shape.num_prefill_tokens)
-            linear, attention, copy, swap, allreduce, overhead = (
-                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
-        if p.step_time_scale != 1.0:
-            k = p.step_time_scale
-            linear, attention, copy, swap, allreduce, overhead = (
-                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
+            scales.insert(0, self.decode_batch_factor(shape.num_seqs, shape.num_prefill_tokens))
+        return self._step_parts(linear, attention, copy, swap, allreduce, self._overhead(f), scales)
+
+    def _overhead(self, f) -> float | np.ndarray:
+        p = self.profile
+        return (f["step"] * p.step_overhead_s + f["seqs"] * p.per_seq_overhead_s
+                + f["block_entries"] * p.per_block_entry_overhead_s)
+
+    def _step_parts(self, linear, attention, copy, swap, allreduce, overhead, scales) -> dict:
+        """The parts, each scaled by every factor of `scales` (a factor of exactly 1 is skipped), and the
+        step total: device + overhead, or their max under async scheduling."""
+        for k in scales:
+            if not (np.ndim(k) == 0 and k == 1.0):
+                linear, attention, copy, swap, allreduce, overhead = (
+                    linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
         device = linear + attention + copy + swap + allreduce
         total = _max(device, overhead) if self.async_scheduling else device + overhead
         return {"linear": linear, "attention": attention, "copy": copy, "swap": swap,
@@ -543,16 +550,7 @@ class CostModel:
         swap = f["swap"] / p.pcie_eff
         allreduce = (f["allreduce_bw"] / self._allreduce_bw_eff
                      + f["allreduce_count"] * self._allreduce_latency_s)
-        overhead = (f["step"] * p.step_overhead_s + f["seqs"] * p.per_seq_overhead_s
-                    + f["block_entries"] * p.per_block_entry_overhead_s)
-        if p.step_time_scale != 1.0:
-            k = p.step_time_scale
-            linear, attention, copy, swap, allreduce, overhead = (
-                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
-        device = linear + attention + copy + swap + allreduce
-        total = _max(device, overhead) if self.async_scheduling else device + overhead
-        return {"linear": linear, "attention": attention, "copy": copy, "swap": swap,
-                "allreduce": allreduce, "overhead": overhead, "total": total}
+        return self._step_parts(linear, attention, copy, swap, allreduce, self._overhead(f), [p.step_time_scale])
 
     def decode_batch_factor(self, num_seqs, num_prefill_tokens=0.0):
         """The profile's decode_batch_factors at each step (1 for steps with prefill tokens, or without
