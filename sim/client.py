@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from .cost_model import ClientLatency
-from .metrics import flat_token_times
+from .metrics import flat_token_times, set_latencies
 
 
 class RequestEntry:
@@ -52,10 +52,7 @@ def client_view(req_df: pd.DataFrame, client: ClientLatency, sent: dict[int, flo
         last = np.array([t[-1] if len(t) else math.nan for t in df["token_times_s"]])
         df["first_token_s"] = first
         df["finish_s"] = np.where(df["status"] == "finished", last, math.nan)
-    df["ttft_s"] = df["first_token_s"] - df["arrival_s"]
-    n_out = df["output_tokens"].astype("float64")
-    df["tpot_s"] = np.where(n_out > 1, (df["finish_s"] - df["first_token_s"]) / (n_out - 1), math.nan)
-    df["e2e_s"] = df["finish_s"] - df["arrival_s"]
+    set_latencies(df)
     return df
 
 

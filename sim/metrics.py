@@ -207,12 +207,17 @@ def request_table(requests) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=[c for c in REQUEST_COLUMNS if c not in (
         "queueing_s", "ttft_s", "tpot_s", "e2e_s")])
     df["queueing_s"] = df["first_scheduled_s"] - df["arrival_s"]
+    set_latencies(df)
+    df = df[list(REQUEST_COLUMNS)].sort_values("request_id", kind="stable").reset_index(drop=True)
+    return df
+
+
+def set_latencies(df: pd.DataFrame) -> None:
+    """TTFT, TPOT and E2E of each request from its arrival, first-token and finish times (in place)."""
     df["ttft_s"] = df["first_token_s"] - df["arrival_s"]
     n_out = df["output_tokens"].astype("float64")
     df["tpot_s"] = np.where(n_out > 1, (df["finish_s"] - df["first_token_s"]) / (n_out - 1), math.nan)
     df["e2e_s"] = df["finish_s"] - df["arrival_s"]
-    df = df[list(REQUEST_COLUMNS)].sort_values("request_id", kind="stable").reset_index(drop=True)
-    return df
 
 
 def add_client_queue(req_df: pd.DataFrame, client_arrival: dict[int, float]) -> None:

@@ -169,26 +169,31 @@ def layer_model(row) -> ModelSpec:
 
 @dataclass(frozen=True)
 class _LayerTerms:
-    """Per row: seconds at peak of the layer's weight streaming, matmul FLOPs and elementwise bytes."""
+    """Per row: seconds at peak of the layer's weight streaming, matmul FLOPs and elementwise bytes, its
+    matmul weight size, and (under an operator-form profile) the profile's matmul efficiency there."""
     weights_s: np.ndarray
     flops_s: np.ndarray
     elementwise_s: np.ndarray
     weight_mib: np.ndarray
+    gemm_eff: np.ndarray
 
 
-def _layer_terms(layers: pd.DataFrame, gpu: GPUSpec) -> _LayerTerms:
-    weights, flops, elem, mib = (np.empty(len(layers)) for _ in range(4))
+def _layer_terms(layers: pd.DataFrame, gpu: GPUSpec, profile: HardwareProfile | str = "default") -> _LayerTerms:
+    weights, flops, elem, mib, eff = (np.full(len(layers), np.nan) for _ in range(5))
+    profile = load_profile(profile)
     keys = ["n_embd", "n_head", "n_kv_head", "n_expanded_embd", "use_gated_mlp", "tp"]
     for key, idx in layers.groupby(keys).groups.items():
         row = pd.Series(dict(zip(keys, key)))
-        cost = CostModel(layer_model(row), gpu, load_profile("default"), tp=int(row.tp))
-        m = cost.model
+        cost = CostModel(layer_model(row), gpu, profile, tp=int(row.tp))
         tokens = layers.loc[idx, "num_tokens"].to_numpy(dtype=np.float64)
-        weights[layers.index.get_indexer(idx)] = m.linear_params_per_layer * 2 / cost.tp / gpu.mem_bw
-        flops[layers.index.get_indexer(idx)] = tokens * cost.matmul_time_per_token
-        elem[layers.index.get_indexer(idx)] = tokens * cost.elementwise_time_per_token
-        mib[layers.index.get_indexer(idx)] = cost.layer_weight_mib
-    return _LayerTerms(weights, flops, elem, mib)
+        at = layers.index.get_indexer(idx)
+        weights[at] = cost.model.linear_params_per_layer * 2 / cost.tp / gpu.mem_bw
+        flops[at] = tokens * cost.matmul_time_per_token
+        elem[at] = tokens * cost.elementwise_time_per_token
+        mib[at] = cost.layer_weight_mib
+        if profile.operator_form:
+            eff[at] = cost.gemm_efficiency(tokens)
+    return _LayerTerms(weights, flops, elem, mib, eff)
 
 
 # ---- fit ----------------------------------------------------------------------------------------
@@ -317,7 +322,7 @@ def fit_operator_profile(tables: OperatorTables, *, holdout: str | None = None, 
     profile = base.model_copy(update=update)
     profile = HardwareProfile.model_validate(profile.model_dump())
     test = layers[layers["model"] == holdout].reset_index(drop=True) if holdout else train
-    errors = operator_errors(profile, tables, test, attention_source=source)
+    errors = operator_errors(profile, tables, test, attention)
     meta = {"fitted_on": {"gpu": tables.gpu.name, "operators": "vidur" if "vidur" in tables.source else tables.source,
                           "models": [m for m in models if m != holdout], "holdout": holdout,
                           "attention": (source.gpu.name if source is not None and source.attention is not None
@@ -340,35 +345,27 @@ def _errors(pred: np.ndarray, meas: np.ndarray) -> dict[str, float]:
 
 
 def predict_layers(profile: HardwareProfile, layers: pd.DataFrame, gpu: GPUSpec) -> pd.DataFrame:
-    """The profile's matmul and elementwise seconds per row of a layer table, through CostModel (a
-    one-layer model, no LM head: its matmul latency and logits are taken out)."""
-    out = pd.DataFrame(index=layers.index, columns=["linear_s", "elementwise_s"], dtype=np.float64)
-    keys = ["n_embd", "n_head", "n_kv_head", "n_expanded_embd", "use_gated_mlp", "tp"]
-    for key, idx in layers.groupby(keys).groups.items():
-        row = pd.Series(dict(zip(keys, key)))
-        cost = CostModel(layer_model(row), gpu, profile, tp=int(row.tp))
-        tokens = layers.loc[idx, "num_tokens"].to_numpy(dtype=np.float64)
-        weights = cost.model.linear_params_per_layer * 2 / cost.tp / gpu.mem_bw
-        compute = tokens * cost.matmul_time_per_token / cost.gemm_efficiency(tokens)
-        out.loc[idx, "linear_s"] = np.maximum(compute, weights / profile.mem_bw_eff) + 4 * profile.gemm_latency_s
-        out.loc[idx, "elementwise_s"] = tokens * cost.elementwise_time_per_token / profile.elementwise_bw_eff
-    return out
+    """The profile's matmul and elementwise seconds per row of a layer table (the cost model's operator
+    form for one layer, without the LM head and the per-layer floor)."""
+    t = _layer_terms(layers, gpu, profile)
+    linear = np.maximum(t.flops_s / t.gemm_eff, t.weights_s / profile.mem_bw_eff) + 4 * profile.gemm_latency_s
+    return pd.DataFrame({"linear_s": linear, "elementwise_s": t.elementwise_s / profile.elementwise_bw_eff},
+                        index=layers.index)
 
 
 def operator_errors(profile: HardwareProfile, tables: OperatorTables, rows: pd.DataFrame,
-                    attention_source: OperatorTables | None = None) -> dict[str, dict[str, float]]:
-    """Per-operator-group and per-step (one layer's matmuls + elementwise kernels) errors on `rows`."""
+                    attention: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """Per-operator-group and per-step (one layer's matmuls + elementwise kernels) errors on `rows`;
+    `attention`: the attention fit the profile took (its latency is part of layer_latency_s), whose
+    rows are scored too when they are `tables`' own."""
     pred = predict_layers(profile, rows, tables.gpu)
-    attention = None
-    if attention_source is not None and attention_source.attention is not None:
-        attention = _fit_attention(attention_source.attention, attention_source.gpu)
     # layer_latency_s holds the attention kernel's floor too; the elementwise rows have none of it
     pred_el = pred["elementwise_s"].to_numpy() + profile.layer_latency_s - (attention or {}).get("attn_latency_s", 0.0)
     errors = {"matmul": _errors(pred["linear_s"].to_numpy(), rows["linear_s"].to_numpy()),
               "elementwise": _errors(pred_el, rows["elementwise_s"].to_numpy())}
     errors["step"] = _errors(pred["linear_s"].to_numpy() + pred_el, (rows["linear_s"] + rows["elementwise_s"]).to_numpy())
-    if attention is not None and attention_source is tables:
-        errors.update(_attention_errors(profile, attention_source, attention["attn_latency_s"]))
+    if attention is not None and tables.attention is not None:
+        errors.update(_attention_errors(profile, tables, attention["attn_latency_s"]))
     return errors
 
 
