@@ -641,13 +641,13 @@ def step_costs(steps: pd.DataFrame, cost) -> pd.DataFrame:
 
 def run_cost_model(run: RunRecord):
     """The cost model the run was priced with (from its config.yaml), or None when it cannot be rebuilt."""
-    from kvsim.sim.assembly import resolve_hardware
     from kvsim.sim.config import SimConfig
+    from kvsim.sim.run_plan import resolve_hardware, with_engine_defaults
 
     if not run.config:
         return None
     try:
-        return resolve_hardware(SimConfig.model_validate(run.config))[2]
+        return resolve_hardware(with_engine_defaults(SimConfig.model_validate(run.config))).cost
     except Exception:  # a replay's model file, a profile no longer there: no cost panels
         return None
 

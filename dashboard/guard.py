@@ -5,7 +5,7 @@
   (`..`, absolute paths, symbolic links out), before anything reads it. A name is a plain word
   (letters, digits, `.`, `_`, `-`, `+`) that is not also a file in the server's directory.
 - Every run a page queues passes the limits of the form (pool pages, replicas, tensor parallel,
-  batch sizes) and the command line's host-memory estimate (`sim.assembly.check_config_memory`),
+  batch sizes) and the command line's host-memory estimate (`sim.run_plan.check_config_memory`),
   whichever way it was built (the form, a Compare axis, a capacity search).
 - Uploaded file names are reduced to a safe base name.
 """
@@ -99,11 +99,10 @@ def check_run(cfg: SimConfig, label: str = "") -> None:
         if blocks * rows > MAX_POOL_PAGES:
             raise ConfigError(f"{where}engine.num_gpu_blocks: at most {MAX_POOL_PAGES // rows:,} blocks on the "
                               f"dashboard ({MAX_POOL_PAGES:,} pool pages), got {blocks:,}")
-    from kvsim.sim.assembly import check_config_memory
-    from kvsim.sim.defaults import resolve_defaults
+    from kvsim.sim.run_plan import check_config_memory
 
     try:
-        check_config_memory(resolve_defaults(cfg))
+        check_config_memory(cfg)
     except ValueError as exc:
         raise ConfigError(f"{where}{redact_content(str(exc))}") from None
 

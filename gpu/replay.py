@@ -22,26 +22,23 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pandas as pd
-import simpy
 
-from kvsim.sim.assembly import load_workload, resolve_hardware, scheduler_config, trace_to_requests
+from kvsim.sim.assembly import build_engine, load_workload, trace_to_requests
 from kvsim.sim.catalog import get_model, normalize_dtype
 from kvsim.sim.config import ConfigError, SimConfig
 from kvsim.sim.core.request import Request
-from kvsim.sim.core.scheduler import Scheduler
-from kvsim.sim.defaults import resolve_defaults
-from kvsim.sim.engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router
-from kvsim.sim.kv.build import build_kv_manager
+from kvsim.sim.engine import EngineReplica
 from kvsim.sim.kv.manager import EvictingKVManager
 from kvsim.sim.kv.state import TIER_FULL
-from kvsim.sim.memory import HostMemoryError, RunMemoryEstimate, check_memory, estimate_run_memory
+from kvsim.sim.memory import HostMemoryError, RunMemoryEstimate, check_memory
 from kvsim.sim.metrics import StepLog, add_client_queue, request_table
 from kvsim.sim.outputs import run_summary, write_outputs
 from kvsim.sim.results import ResultDir
+from kvsim.sim.run_plan import build_kv_manager, build_run_plan
 
 DTYPES = ("float32", "float16", "bfloat16")
 WEIGHTS = ("smollm2", "random")
@@ -132,12 +129,13 @@ def build_model(cfg: SimConfig, opts: ReplayOptions):
 
 
 def replay_config(cfg: SimConfig) -> SimConfig:
-    """`cfg` with the engine defaults a replay runs with: the real backend steps synchronously, and
-    its per-request prompts share no prefixes, so prefix caching is off unless asked for."""
+    """`cfg` with the engine settings a replay runs with (the run plan resolves the other defaults):
+    the real backend steps synchronously, and its per-request prompts share no prefixes, so prefix
+    caching is off unless asked for."""
     eng = cfg.engine.model_copy(update={
         "async_scheduling": False,
         "enable_prefix_caching": bool(cfg.engine.enable_prefix_caching)})
-    return resolve_defaults(cfg.model_copy(deep=True, update={"engine": eng}))
+    return cfg.model_copy(deep=True, update={"engine": eng})
 
 
 def check_replayable(cfg: SimConfig) -> None:
@@ -189,16 +187,16 @@ def default_num_blocks(cfg: SimConfig, model, layout: str, device, dtype) -> int
     return blocks
 
 
-def check_replay_memory(cfg: SimConfig, model, spec, cost, num_blocks: int, trace) -> None:
+def check_replay_memory(plan, model) -> None:
     """Refuse a pool that does not fit before anything of its size is allocated: the KV manager's
     host structures plus the cache tensor (host memory on cpu, device memory on cuda)."""
     import torch
     from kvsim.gpu.cache import PagedKVCache
 
-    c = model.config
+    c, num_blocks = model.config, plan.num_blocks
     cache = num_blocks * PagedKVCache.bytes_per_block("shared", c.layers, c.kv_heads, c.head_dim,
-                                                      cfg.engine.block_size, model.dtype)
-    estimate = estimate_run_memory(cfg, spec, cost, num_blocks, trace)
+                                                      plan.cfg.engine.block_size, model.dtype)
+    estimate = plan.memory
     if model.device.type == "cpu":
         estimate = RunMemoryEstimate(estimate.parts + (
             ("KV cache tensor", f"{num_blocks} blocks x {cache // max(num_blocks, 1)} B", "--num-gpu-blocks",
@@ -242,93 +240,92 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     check_replayable(cfg)
     trace = load_workload(cfg) if trace is None else trace
     model = build_model(cfg, opts) if model is None else model
-    device, dtype = model.device, model.dtype
-    spec = model_spec_for(model.config, get_model(cfg.model), dtype)
+    spec = model_spec_for(model.config, get_model(cfg.model), model.dtype)
     cfg.kv_dtype = None           # the cache holds the model's dtype
     if cfg.engine.num_gpu_blocks is None:
-        cfg.engine.num_gpu_blocks = default_num_blocks(cfg, model, cfg.kv.layout, device, dtype)
-    spec, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=spec)
-    check_replay_memory(cfg, model, spec, cost, num_blocks, trace)
-    kv = build_kv_manager(cfg, spec, cost, num_blocks)
+        cfg.engine.num_gpu_blocks = default_num_blocks(cfg, model, cfg.kv.layout, model.device, model.dtype)
+    plan = build_run_plan(cfg, trace=trace, model=spec)
+    check_replay_memory(plan, model)
+    kv = build_kv_manager(plan)
     # A previous replay's KV cache sits in reference cycles (engine, simpy generators) until a full
     # collection: collect it now, or that collection lands inside this replay's first steps, frees
     # ~1 GB there and the allocator faults in fresh pages (measured: 515k page faults, +15-30% on the
     # first prefill of every second replay in a process).
     gc.collect()
-    cache = build_cache(cfg, model, kv)
+    cache = build_cache(plan.cfg, model, kv)
     recorder = ReplayRecorder()
-    executor = RealExecutor(model, cache, kv, cost, prompt_ids=prompt_ids_for(cfg.seed, model.config.vocab),
+    executor = RealExecutor(model, cache, kv, plan.cost, prompt_ids=prompt_ids_for(cfg.seed, model.config.vocab),
                             recorder=recorder, stats_window=opts.stats_window if opts.attention_stats else 0,
                             check_cache=cfg.check_invariants if check_cache is None else check_cache,
                             clock=opts.clock)
-
     requests = trace_to_requests(trace)
-    # warm up at the largest prefill chunk the replay can schedule
-    longest = max((r.prompt_tokens for r in requests), default=2)
-    chunk = min(longest, cfg.engine.max_num_batched_tokens, max_model_len)
-    if cfg.engine.long_prefill_token_threshold > 0:
-        chunk = min(chunk, cfg.engine.long_prefill_token_threshold)
-    executor.warm_up(chunk)
+    executor.warm_up(_largest_chunk(plan, requests))
     staging = ResultDir(out_dir, overwrite=opts.overwrite) if out_dir else None    # published at the end
     try:
-        return _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num_blocks, max_model_len,
-                       executor, recorder, t0, progress, on_step)
+        return _replay(plan, ReplayRun(opts, staging, requests, trace, model, executor, recorder, t0),
+                       progress, on_step)
     finally:
         if staging:
             staging.discard()
 
 
-def _replay(cfg, opts, staging, requests, trace, model, spec, gpu, cost, kv, num_blocks, max_model_len, executor,
-            recorder, t0, progress, on_step) -> ReplayResult:
+def _largest_chunk(plan, requests: list[Request]) -> int:
+    """The largest prefill chunk the replay can schedule (the warm-up's size)."""
+    eng = plan.cfg.engine
+    chunk = min(max((r.prompt_tokens for r in requests), default=2), eng.max_num_batched_tokens, plan.max_model_len)
+    return min(chunk, eng.long_prefill_token_threshold) if eng.long_prefill_token_threshold > 0 else chunk
+
+
+class ReplayRun(NamedTuple):
+    """What a replay runs besides its plan: the workload, the real model and its executor."""
+    opts: ReplayOptions
+    staging: ResultDir | None
+    requests: list
+    trace: object
+    model: object
+    executor: object
+    recorder: object
+    t0: float
+
+
+def _replay(plan, run: ReplayRun, progress, on_step) -> ReplayResult:
+    cfg, opts, staging, requests, executor = plan.cfg, run.opts, run.staging, run.requests, run.executor
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None)
-    env = simpy.Environment()
     bar = _progress_bar(len(requests)) if progress else None
-    scheduler = Scheduler(scheduler_config(cfg, cost, max_model_len), kv)
-    arrivals: list[ArrivalProcess] = []
-    limits: list[ConcurrencyLimit] = []
+    replicas: list[EngineReplica] = []
 
     def stepped(n: int) -> None:
+        replica = replicas[0]
         if bar is not None:
-            done = len(scheduler.finished) + len(scheduler.rejected)
+            done = len(replica.scheduler.finished) + len(replica.scheduler.rejected)
             bar.update(done - bar.n)
             bar.set_postfix_str(f"step {replica.num_steps}, sim {replica.now:.2f}s", refresh=False)
         if on_step is not None:
             on_step(replica)
 
-    replica = EngineReplica(env, 0, scheduler, executor, step_log, fast_forward=False,
-                            check_invariants=cfg.check_invariants,
-                            next_arrival=lambda: arrivals[0].next_arrival(), on_step=stepped,
-                            on_done=lambda n, t: limits[0].done(n, t) if limits else None)
-    router = Router([replica])
-    if cfg.trace_options.max_concurrency is not None:
-        limits.append(ConcurrencyLimit(cfg.trace_options.max_concurrency, router))
-    arrivals.append(ArrivalProcess(env, requests, router, limits[0] if limits else None))
-    partial = False
+    engine = build_engine(plan, requests, step_log, lambda i: (executor.kv, executor), on_step=stepped)
+    replicas.extend(engine.replicas)
     try:
-        env.run(until=arrivals[0].process)
-        while scheduler.has_work:
-            env.step()
-    except KeyboardInterrupt:
-        partial = True
+        stop = engine.drive(catch=(KeyboardInterrupt,))
     finally:
         if bar is not None:
             bar.close()
         step_log.close()
-
-    unsent = set(map(id, limits[0].queue)) if limits else set()
-    arrived = [r for r in requests[:arrivals[0].index] if id(r) not in unsent]
+    partial = stop is not None
+    arrived = engine.arrived(requests)
     req_df = request_table(arrived)
-    if limits:
-        add_client_queue(req_df, limits[0].client_arrival)
+    if engine.limit is not None:
+        add_client_queue(req_df, engine.limit.client_arrival)
     steps_df = step_log.to_pandas()
-    summary = run_summary(cfg, req_df, steps_df, [kv], num_blocks, max_model_len, spec, gpu, cost.profile)
-    summary.update(_replay_summary(cfg, opts, model, steps_df, executor, partial, replica.now, len(requests)))
+    summary = run_summary(plan, req_df, steps_df, [executor.kv])
+    summary.update(_replay_summary(cfg, opts, run.model, steps_df, executor, partial, replicas[0].now,
+                                   len(requests)))
     if partial:
         summary["partial_reason"] = "interrupted (Ctrl-C)"
-    summary["wall_s"] = time.perf_counter() - t0
+    summary["wall_s"] = time.perf_counter() - run.t0
     tokens = _tokens_table(arrived)
-    decisions, stats = recorder.decisions_table(), recorder.stats_table()
+    decisions, stats = run.recorder.decisions_table(), run.recorder.stats_table()
     if out:
         write_outputs(out, cfg, req_df, summary)
         tokens.to_parquet(out / "tokens.parquet", index=False)

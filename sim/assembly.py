@@ -1,22 +1,31 @@
-"""Assemble a run's engine core from a SimConfig: its requests, hardware, KV pool and scheduler config.
+"""Assemble a run's engine core: its workload and requests, the scheduler's settings, and the engine
+(replicas, router, arrivals, client-side concurrency limit) built from a run plan (sim/run_plan.py).
 
 Shared by the two executors' drivers: the simulator (`sim.simulate`) and the real backend's replay
-(`gpu.replay`); the KV manager of a replica comes from `sim.kv.build.build_kv_manager`.
+(`gpu.replay`) both call `build_engine` and `EngineRun.drive`; each passes its own replica parts
+(a KV manager from `sim.run_plan.build_kv_manager` and its executor).
 """
 from __future__ import annotations
 
+import gc
 import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import simpy
 
 from kvsim.traces import TraceWarning, load_trace
 from kvsim.traces.arrivals import vllm_bench_arrivals
 
-from .catalog import get_gpu, get_model
 from .config import ConfigError, SimConfig
 from .core.request import Request
-from .core.scheduler import SchedulerConfig
-from .cost_model import CostModel, load_profile
-from .defaults import resolve_engine
-from .memory import RunMemoryEstimate, check_memory, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
+from .core.protocols import Executor, KVManager
+from .core.scheduler import Scheduler, SchedulerConfig
+from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, StepArrivals
+from .metrics import StepLog
+
+if TYPE_CHECKING:
+    from .run_plan import RunPlan
 
 
 def load_workload(cfg: SimConfig):
@@ -84,28 +93,6 @@ def trace_to_requests(trace, entry=None) -> list[Request]:
     ]
 
 
-def resolve_hardware(cfg: SimConfig, model=None):
-    """(model spec, GPU spec, cost model, KV pool blocks, max_model_len); `model` overrides `cfg.model`
-    (the real backend passes the spec of the model it actually runs)."""
-    model = get_model(cfg.model) if model is None else model
-    if cfg.kv_dtype or cfg.weight_dtype:
-        model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
-    gpu = get_gpu(cfg.gpu)
-    eng = resolve_engine(cfg)
-    cost = CostModel(model, gpu, load_profile(cfg.profile, gpu=gpu), tp=cfg.tp,
-                     async_scheduling=bool(eng.async_scheduling))
-    if eng.num_gpu_blocks is not None:
-        blocks = eng.num_gpu_blocks
-        check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)
-    else:
-        blocks = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
-                                gpu_memory_utilization=eng.gpu_memory_utilization,
-                                max_num_batched_tokens=eng.max_num_batched_tokens,
-                                max_num_seqs=eng.max_num_seqs).num_blocks
-    max_model_len = eng.max_model_len or model.max_position
-    return model, gpu, cost, blocks, max_model_len
-
-
 def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfig:
     eng = cfg.engine
     return SchedulerConfig(
@@ -116,11 +103,85 @@ def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfi
         swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
 
 
-def check_config_memory(cfg, trace=None) -> RunMemoryEstimate:
-    """Estimate and check the host memory of a simulation of `cfg` (resolving its model, GPU and pool
-    size) before running it: the bound `kvsim simulate` applies, for other front ends (the
-    dashboard). Raises HostMemoryError (a ValueError) when it does not fit; returns the estimate."""
-    model, _, cost, num_blocks, _ = resolve_hardware(cfg)
-    estimate = estimate_run_memory(cfg, model, cost, num_blocks, trace)
-    check_memory(estimate)
-    return estimate
+@dataclass
+class EngineRun:
+    """A run's engine: its replicas and what feeds them (trace-time arrivals through the router and
+    an optional client-side concurrency limit, or arrivals by engine step)."""
+    env: simpy.Environment
+    replicas: list[EngineReplica]
+    arrivals: ArrivalProcess | None
+    limit: ConcurrencyLimit | None
+    step_arrivals: StepArrivals | None
+
+    def drive(self, catch: tuple[type[BaseException], ...] = (KeyboardInterrupt, Exception)):
+        """Run the engine to the end; None, or (reason, exception) when it was interrupted or failed
+        with one of `catch` (the driver writes a partial result)."""
+        # The engine allocates many small, long-lived objects (token times, step rows) and no reference
+        # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._run()
+        except catch as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                return (str(exc) or "interrupted (Ctrl-C)"), exc
+            return f"failed: {type(exc).__name__}: {exc}", exc
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        return None
+
+    def _run(self) -> None:
+        env, limit, step_arrivals = self.env, self.limit, self.step_arrivals
+        if self.arrivals is not None:
+            env.run(until=self.arrivals.process)    # all requests submitted
+        while (any(r.scheduler.has_work for r in self.replicas) or (step_arrivals and step_arrivals.pending)
+               or (limit is not None and limit.in_transit)):
+            env.step()
+        if limit is not None and limit.pending:
+            raise RuntimeError(f"{limit.pending} requests still wait for a concurrency slot with no request "
+                               "in flight")
+
+    def arrived(self, requests: list[Request]) -> list[Request]:
+        """Of `requests`, those that reached the engine (all of them once the run ended)."""
+        if self.arrivals is not None:
+            unsent = set(map(id, self.limit.queue)) if self.limit is not None else set()
+            return [r for r in requests[:self.arrivals.index] if id(r) not in unsent]
+        unsent = set(map(id, self.step_arrivals.pending))
+        return [r for r in requests if id(r) not in unsent]
+
+
+def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
+                 replica_parts: Callable[[int], tuple[KVManager, Executor]], *, entry=None,
+                 on_step: Callable[[int], None] | None = None) -> EngineRun:
+    """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager
+    and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.client.
+    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in."""
+    cfg = plan.cfg
+    env = simpy.Environment()
+    by_step = cfg.trace_options.arrival_unit == "step"
+    if by_step and cfg.replicas != 1:
+        raise ConfigError(f"trace_options.arrival_unit: step feeds one engine step by step; replicas must be 1, "
+                          f"got {cfg.replicas}")
+    step_arrivals = StepArrivals(requests) if by_step else None
+    limit_n = cfg.trace_options.max_concurrency
+    feed: list = []            # the arrival process and the limit, made once the replicas exist
+    # a closed loop lets one replica's finish send a request to another: with several replicas each
+    # one must stop at every step end for it to land in time (no decode fast-forward across it)
+    cross_replica = limit_n is not None and cfg.replicas > 1
+    replicas: list[EngineReplica] = []
+    for i in range(cfg.replicas):
+        kv, executor = replica_parts(i)
+        replicas.append(EngineReplica(
+            env, i, Scheduler(plan.scheduler, kv), executor, step_log,
+            fast_forward=cfg.fast_forward and not cross_replica, check_invariants=cfg.check_invariants,
+            next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
+            yield_every_step=cross_replica, step_arrivals=step_arrivals, on_step=on_step,
+            on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t))))
+    if by_step:
+        return EngineRun(env, replicas, None, None, step_arrivals)
+    router = Router(replicas, cfg.router)
+    limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
+    arrivals = ArrivalProcess(env, requests, router, limit)
+    feed.extend((arrivals, limit))
+    return EngineRun(env, replicas, arrivals, limit, None)

@@ -43,8 +43,3 @@ def resolve_engine(cfg: SimConfig) -> EngineConfig:
         "async_scheduling": gpu.kind != "cpu" if eng.async_scheduling is None else eng.async_scheduling,
     }
     return eng.model_copy(update=updates)
-
-
-def resolve_defaults(cfg: SimConfig) -> SimConfig:
-    """`cfg` with its engine defaults resolved (what a run writes to config.yaml)."""
-    return cfg.model_copy(update={"engine": resolve_engine(cfg)})

@@ -9,12 +9,12 @@ what they select).
 """
 from __future__ import annotations
 
-from .config import SimConfig
 from .core.protocols import Executor, KVManager
 from .core.scheduler import SchedulerOutput
 from .core.step import BatchShape, StepResult, batch_shape
 from .kv.base import EvictingManagerBase
 from .kv.build import build_evicting_manager
+from .run_plan import RunPlan, build_kv_manager
 
 
 class CostModelExecutor:
@@ -64,9 +64,19 @@ class KVPolicyExecutor:
         return self.cost.predict(shape)
 
 
-def replica_executor(cfg: SimConfig, cost, kv: KVManager) -> Executor:
-    """The executor of a replica whose KV manager `sim.kv.build.build_kv_manager` built from `cfg`."""
-    return CostModelExecutor(cost, kv) if cfg.kv.is_default else KVPolicyExecutor(cost, kv)
+EXECUTORS = {"cost_model": CostModelExecutor, "kv_policy": KVPolicyExecutor}
+
+
+def replica_executor(plan: RunPlan, kv: KVManager) -> Executor:
+    """The simulator's executor of a replica running `kv` (`sim.run_plan.build_kv_manager`): the kind
+    the plan chose for its KV manager."""
+    return EXECUTORS[plan.executor_kind](plan.cost, kv)
+
+
+def replica_parts(plan: RunPlan, index: int) -> tuple[KVManager, Executor]:
+    """The KV manager and executor of replica `index` of a simulation."""
+    kv = build_kv_manager(plan, index)
+    return kv, replica_executor(plan, kv)
 
 
 def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int) -> tuple[EvictingManagerBase, KVPolicyExecutor]:

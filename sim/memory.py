@@ -19,10 +19,7 @@ from typing import Literal
 
 from .catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_gpu, get_model
 from .cost_model import kv_heads_per_gpu
-from .defaults import resolve_engine
 from .kv.base import sample_row_count
-from .kv.build import policy_params
-from .kv.policy import PolicyError, get_policy
 
 GiB = 2**30
 NON_TORCH_OVERHEAD_BYTES = GiB // 2   # CUDA context extras, cuBLAS/NCCL workspaces, CUDA graph pool
@@ -152,18 +149,21 @@ class RunMemoryEstimate:
         return "; ".join(f"{what} {b / GiB:.2f} GiB ({how})" for what, how, _, b in self.parts if b >= GiB / 100)
 
 
-def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None) -> RunMemoryEstimate:
-    """Host memory a simulation of `cfg` needs, before anything is allocated: the KV block pool of
-    every replica, fast mode's per-request slabs at their peak, and the requests of `trace`."""
-    eng, kv = resolve_engine(cfg), cfg.kv
+def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None,
+                        fast_profile: dict | None = None) -> RunMemoryEstimate:
+    """Host memory a simulation of `cfg` (its engine defaults resolved: sim.run_plan builds it)
+    needs, before anything is allocated: the KV block pool of every replica, fast mode's
+    per-request slabs at their peak (sized from the policy's `fast_profile`), and the requests of
+    `trace`."""
+    eng, kv = cfg.engine, cfg.kv
     rows = model.num_layers * kv_heads_per_gpu(model, cfg.tp) if kv.layout == "per_head" else 1
     pool_blocks = num_blocks * rows
     kind = "array" if not kv.is_default else "prefix_caching" if eng.enable_prefix_caching else "plain"
     per_block = POOL_BYTES_PER_BLOCK[kind] + (INVARIANT_CHECK_BYTES_PER_BLOCK if cfg.check_invariants else 0)
     parts = [("KV block pool", f"{cfg.replicas} replica(s) x {pool_blocks} blocks x {per_block} B",
               "--num-gpu-blocks", cfg.replicas * pool_blocks * per_block)]
-    if kv.mode == "fast" and not kv.is_default:
-        slab, budget, window = _fast_slab_bytes(cfg, rows, trace, eng.max_num_seqs)
+    if kv.mode == "fast" and fast_profile is not None:
+        slab, budget, window = _fast_slab_bytes(cfg, fast_profile, rows, trace, eng.max_num_seqs)
         option = "--budget" if kv.budget is not None else f"kv.params of {kv.policy} (its window)"
         parts.append(("fast-mode slabs", f"{budget} budget and {window} window tokens a row, "
                       f"{cfg.replicas} replica(s)", option, cfg.replicas * slab))
@@ -174,14 +174,10 @@ def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None
     return RunMemoryEstimate(tuple(parts))
 
 
-def _fast_slab_bytes(cfg, rows: int, trace, max_seqs: int) -> tuple[int, int, int]:
+def _fast_slab_bytes(cfg, profile: dict, rows: int, trace, max_seqs: int) -> tuple[int, int, int]:
     """(bytes, budget, window): fast mode keeps, per request slot and simulated row, page columns, the
     recent-window ring and the budget-sized survivor list (with H2O, its score terms): see
     FastKVManager._alloc_arrays."""
-    try:
-        profile = get_policy(cfg.kv.policy, **policy_params(cfg.kv)).fast_mode_profile() or {}
-    except (PolicyError, TypeError, ValueError):
-        return 0, 0, 0                      # reported by the manager itself when it is built
     if profile.get("sampled_rows"):         # token-level state on sampled rows (sim/kv/fast/sampled.py), no slab
         return 0, 0, 0
     budget = int(profile.get("budget") or 0)

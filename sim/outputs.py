@@ -6,6 +6,7 @@ both produce the same schemas; steps.parquet is written by `sim.metrics.StepLog`
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -20,10 +21,14 @@ from .metrics import flat_token_times, summarize
 from .safe_io import dumps_json
 from .vllm_metrics import bench_metrics
 
+if TYPE_CHECKING:
+    from .run_plan import RunPlan
 
-def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
-                max_model_len: int, model, gpu, profile=None, client_latency: bool = False) -> dict:
-    """summary.json of a run (simulated or replayed) from its request and step tables."""
+
+def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list,
+                client_latency: bool = False) -> dict:
+    """summary.json of a run (simulated or replayed) from its plan and its request and step tables."""
+    cfg, num_blocks, profile = plan.cfg, plan.num_blocks, plan.cost.profile
     # blocks of the pool actually managed (per_head pools count one-head blocks)
     pool_blocks = kvs[0].num_blocks if kvs else num_blocks
     summary = summarize(req_df, steps_df, num_blocks_total=pool_blocks,
@@ -37,7 +42,7 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kv
         summary.update(kv_summary(kvs, req_df, steps_df))
     summary.update(run_bench_metrics(cfg, req_df))
     summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
-                    "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
+                    "max_model_len": plan.max_model_len, "model": plan.model.name, "gpu": plan.gpu.name,
                     "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace,
                     # the profile that priced the steps (the replay's predicted_s) and its measured error
                     "profile": profile.name if profile else None,

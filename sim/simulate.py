@@ -1,29 +1,25 @@
 """The simulator's driver: build and run one simulation from a SimConfig; write requests/steps/summary/config."""
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
-import simpy
 
 from .bench_compare import compare
-from .assembly import load_workload, resolve_hardware, scheduler_config, trace_to_requests
+from .assembly import build_engine, load_workload, trace_to_requests
 from .config import ConfigError, SimConfig
-from .core.scheduler import Scheduler
 from .client import RequestEntry, client_view
 from .cost_model import ClientLatency
-from .defaults import resolve_defaults
-from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, StepArrivals
-from .executor import replica_executor
-from .kv.build import build_kv_manager
-from .memory import check_memory, estimate_run_memory
+from .executor import replica_parts
+from .memory import check_memory
 from .metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
 from .outputs import run_summary, write_outputs
 from .progress import ProgressTracker, TokenBar, ambient_callback
 from .results import ResultDir, check_out_dir, check_out_owner
+from .run_plan import RunPlan, build_run_plan
 
 
 @dataclass
@@ -52,90 +48,60 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     interrupted (KeyboardInterrupt) or fails still writes what it has, with `partial: true` and
     `partial_reason` in summary.json, then raises again."""
     t0 = time.perf_counter()
-    cfg = resolve_defaults(cfg)
     if out_dir:
         check_out_dir(Path(out_dir))
         check_out_owner(Path(out_dir), overwrite=overwrite)
         _check_not_reading_from(cfg, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
-    cfg = with_bench_load(cfg, trace)
-    model, gpu, cost, num_blocks, max_model_len = resolve_hardware(cfg, model=model)
-    check_memory(estimate_run_memory(cfg, model, cost, num_blocks, trace))
+    plan = build_run_plan(with_bench_load(cfg, trace), trace=trace, model=model)
+    check_memory(plan.memory)
     staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
     try:
-        return _simulate(cfg, trace, staging, model, gpu, cost, num_blocks, max_model_len, t0,
-                         progress=progress, keep_steps=keep_steps, wrap_kv=wrap_kv)
+        return _simulate(plan, trace, staging, t0, RunOptions(progress, keep_steps, wrap_kv))
     finally:
         if staging:
             staging.discard()              # nothing left once published
 
 
-def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost, num_blocks: int,
-              max_model_len: int, t0: float, *, progress, keep_steps: bool, wrap_kv) -> SimulationResult:
-    client = cost.profile.client if cfg.client_latency else ClientLatency()
+class RunOptions(NamedTuple):
+    progress: object                   # see run_simulation
+    keep_steps: bool
+    wrap_kv: object
+
+
+def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
+    cfg = plan.cfg
+    client = plan.cost.profile.client if cfg.client_latency else ClientLatency()
     # requests enter the engine through the client-side API server: at their trace time (open loop) or
     # when the closed loop sends them
     entry = RequestEntry(client) if client.enabled else None
     requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency else entry)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None)
-    sched_cfg = scheduler_config(cfg, cost, max_model_len)
-
-    env = simpy.Environment()
-    replicas: list[EngineReplica] = []
-    progress = progress or ambient_callback()
+    progress = opts.progress or ambient_callback()
+    replicas: list = []
     tracker = ProgressTracker(requests, replicas, TokenBar() if progress is True else progress) if progress else None
-    arrivals_holder: list[ArrivalProcess] = []
-    by_step = cfg.trace_options.arrival_unit == "step"
-    if by_step and cfg.replicas != 1:
-        raise ConfigError(f"trace_options.arrival_unit: step feeds one engine step by step; replicas must be 1, "
-                          f"got {cfg.replicas}")
-    step_arrivals = StepArrivals(requests) if by_step else None
-    limit_n = cfg.trace_options.max_concurrency
-    limit_holder: list[ConcurrencyLimit] = []
-    # a closed loop lets one replica's finish send a request to another: with several replicas each
-    # one must stop at every step end for it to land in time (no decode fast-forward across it)
-    cross_replica = limit_n is not None and cfg.replicas > 1
-    for i in range(cfg.replicas):
-        kv = build_kv_manager(cfg, model, cost, num_blocks)
-        executor = replica_executor(cfg, cost, kv)
-        if wrap_kv is not None:
-            kv, executor = wrap_kv(kv, executor)
-        scheduler = Scheduler(sched_cfg, kv)
-        replicas.append(EngineReplica(
-            env, i, scheduler, executor, step_log,
-            fast_forward=cfg.fast_forward and not cross_replica, check_invariants=cfg.check_invariants,
-            next_arrival=(lambda: float("inf")) if by_step else (lambda: arrivals_holder[0].next_arrival()),
-            yield_every_step=cross_replica, step_arrivals=step_arrivals, on_step=tracker,
-            on_done=None if limit_n is None else (lambda n, t: limit_holder[0].done(n, t))))
-    arrivals = None
-    limit = None
-    if not by_step:
-        router = Router(replicas, cfg.router)
-        limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
-        limit_holder.append(limit)
-        arrivals = ArrivalProcess(env, requests, router, limit)
-        arrivals_holder.append(arrivals)
-    stop = _drive(env, arrivals, replicas, step_arrivals, limit)
+
+    def parts(index: int):
+        kv, executor = replica_parts(plan, index)
+        return opts.wrap_kv(kv, executor) if opts.wrap_kv is not None else (kv, executor)
+
+    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker)
+    replicas.extend(run.replicas)
+    stop = run.drive()
     if tracker:
         tracker.finish()
     step_log.close()
 
     if stop:                               # requests that never arrived are not part of the result
-        if arrivals is not None:
-            unsent = set(map(id, limit.queue)) if limit is not None else set()
-            requests = [r for r in requests[:arrivals.index] if id(r) not in unsent]
-        else:
-            unsent = set(map(id, step_arrivals.pending))
-            requests = [r for r in requests if id(r) not in unsent]
+        requests = run.arrived(requests)
     req_df = client_view(request_table(requests), client, entry.sent if entry else {})
-    if limit is not None:
-        add_client_queue(req_df, limit.client_arrival)
-    steps_df = step_log.to_pandas() if keep_steps or out is None else None
+    if run.limit is not None:
+        add_client_queue(req_df, run.limit.client_arrival)
+    steps_df = step_log.to_pandas() if opts.keep_steps or out is None else None
     steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(
         out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
-    summary = run_summary(cfg, req_df, steps_for_summary, [r.kv for r in replicas], num_blocks,
-                          max_model_len, model, gpu, cost.profile, client.enabled)
+    summary = run_summary(plan, req_df, steps_for_summary, [r.kv for r in replicas], client.enabled)
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
@@ -152,7 +118,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         staging.publish()
     if stop:
         raise stop[1]
-    return SimulationResult(summary, req_df, steps_df, staging.shown if staging else None, num_blocks, wall)
+    return SimulationResult(summary, req_df, steps_df, staging.shown if staging else None, plan.num_blocks, wall)
 
 
 def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
@@ -175,29 +141,3 @@ def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
     if out.exists() and folder.exists() and folder.resolve() == out.resolve():
         raise ConfigError(f"--out {out}: holds the recorded decisions this run reads (kv.params.path); its "
                           "results would replace them; expected another directory")
-
-
-def _drive(env: simpy.Environment, arrivals: ArrivalProcess | None, replicas: list[EngineReplica],
-           step_arrivals: StepArrivals | None = None, limit: ConcurrencyLimit | None = None):
-    """Run the engine to the end; None, or (reason, exception) when it was interrupted or failed."""
-    # The engine allocates many small, long-lived objects (token times, step rows) and no reference
-    # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        if arrivals is not None:
-            env.run(until=arrivals.process)    # all requests submitted
-        while (any(r.scheduler.has_work for r in replicas) or (step_arrivals and step_arrivals.pending)
-               or (limit is not None and limit.in_transit)):
-            env.step()
-        if limit is not None and limit.pending:
-            raise RuntimeError(f"{limit.pending} requests still wait for a concurrency slot with no request "
-                               "in flight")
-    except KeyboardInterrupt as exc:
-        return (str(exc) or "interrupted (Ctrl-C)"), exc
-    except Exception as exc:  # noqa: BLE001 - written as a partial result, then raised again
-        return f"failed: {type(exc).__name__}: {exc}", exc
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return None

@@ -64,7 +64,7 @@ def test_fast_forward_gives_identical_results_to_stepping(name):
 @pytest.mark.parametrize("name", ["two-replicas", "memory-pressure", "fast-eviction-two-replicas"])
 def test_advancing_simpy_only_before_arrivals_gives_identical_results(name, monkeypatch):
     # run_simulation lets a replica run steps without a simpy event until an arrival is due
-    from kvsim.sim import engine, simulate
+    from kvsim.sim import assembly, engine
     over = SCENARIOS.get(name) or {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 60, "gpu": "l4",
                                    "replicas": 2, "router": "least_outstanding", "kv.policy": "h2o",
                                    "kv.budget": 128, "kv.layout": "per_head", "kv.mode": "fast"}
@@ -74,7 +74,7 @@ def test_advancing_simpy_only_before_arrivals_gives_identical_results(name, monk
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **{**kwargs, "yield_every_step": True})
 
-    monkeypatch.setattr(simulate, "EngineReplica", EveryStep)
+    monkeypatch.setattr(assembly, "EngineReplica", EveryStep)
     assert_same_results(lazy, sim(over))
 
 

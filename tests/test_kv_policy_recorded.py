@@ -78,16 +78,10 @@ def test_the_pressure_cases_are_not_trivial(replays):
 def test_rerunning_the_policy_on_synthetic_scores_diverges(replays):
     """Why recorded mode exists: h2o on the simulator's synthetic attention evicts other tokens."""
     cfg, d, real = replays["h2o-compact-per_head-pressure"]
-    from kvsim.sim import simulate as sim_mod
     from kvsim.sim.crosscheck.recorded import replay_model_spec
     import json
     spec = replay_model_spec(cfg, json.loads((d / "summary.json").read_text()))
-    hw = sim_mod.resolve_hardware
-    sim_mod.resolve_hardware = lambda c, model=None: hw(c, model=spec)
-    try:
-        own = run_simulation(cfg.model_copy(update={"fast_forward": False}), trace=TRACE).steps
-    finally:
-        sim_mod.resolve_hardware = hw
+    own = run_simulation(cfg.model_copy(update={"fast_forward": False}), trace=TRACE, model=spec).steps
     assert not first_divergence(real.steps, own)["identical"]
 
 

@@ -57,6 +57,7 @@ RULES = (
     ("kvsim.sim.fast_forward", "core"),
     ("kvsim.sim.cost_model", "core"),
     ("kvsim.sim.assembly", "core"),
+    ("kvsim.sim.run_plan", "core"),
     ("kvsim.sim.outputs", "core"),
     ("kvsim.sim.metrics", "core"),
     ("kvsim.sim.vllm_metrics", "core"),

@@ -121,22 +121,23 @@ def test_a_fast_mode_budget_beyond_host_memory_is_refused(tmp_path):
 
 def test_run_memory_estimate_is_small_for_ordinary_runs_and_checked_against_what_is_given():
     from kvsim.sim.config import load_config
-    from kvsim.sim.assembly import check_config_memory
-    from kvsim.sim.memory import HostMemoryError, check_memory, estimate_run_memory
-    from kvsim.sim.simulate import load_workload, resolve_hardware
+    from kvsim.sim.memory import HostMemoryError, check_memory
+    from kvsim.sim.run_plan import build_run_plan, check_config_memory
+    from kvsim.sim.simulate import load_workload
 
     cfg = load_config(None, {"trace_options.max_requests": 200, "engine.enable_prefix_caching": True})
     trace = load_workload(cfg)
-    model, _, cost, blocks, _ = resolve_hardware(cfg)
+    plan = build_run_plan(cfg, trace=trace)
+    blocks = plan.num_blocks
     estimate = check_config_memory(cfg, trace)                   # the dashboard's entry point: passes
-    assert estimate.total_bytes == estimate_run_memory(cfg, model, cost, blocks, trace).total_bytes
+    assert estimate.total_bytes == plan.memory.total_bytes
     assert blocks * 139 < estimate.total_bytes < 64 * 2**20
     check_memory(estimate, available=(estimate.total_bytes, "test"))
     with pytest.raises(HostMemoryError, match=r"0\.0 GiB is available \(test\); lower --num-gpu-blocks"):
         check_memory(estimate, available=(estimate.total_bytes - 1, "test"))
     fast = load_config(None, {"kv.policy": "h2o", "kv.budget": 256, "kv.layout": "per_head", "kv.mode": "fast",
                               "trace_options.max_requests": 200})
-    slab = dict((p[0], p[3]) for p in estimate_run_memory(fast, model, cost, blocks, trace).parts)
+    slab = dict((p[0], p[3]) for p in build_run_plan(fast, trace=trace).memory.parts)
     bigger = load_config(None, {**fast.model_dump(), "kv": {**fast.kv.model_dump(), "budget": 2560}})
-    slab10 = dict((p[0], p[3]) for p in estimate_run_memory(bigger, model, cost, blocks, trace).parts)
+    slab10 = dict((p[0], p[3]) for p in build_run_plan(bigger, trace=trace).memory.parts)
     assert 0 < slab["fast-mode slabs"] < slab10["fast-mode slabs"] < 11 * slab["fast-mode slabs"]

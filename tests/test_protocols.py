@@ -13,9 +13,8 @@ import pytest
 
 from kvsim.sim.config import KVConfig, load_config
 from kvsim.sim.core.protocols import Executor, FastForwardExecutor, FastForwardKV, FastForwardPool, KVManager, PoolView
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.executor import CostModelExecutor, KVPolicyExecutor, replica_executor
-from kvsim.sim.kv.build import build_kv_manager
+from kvsim.sim.executor import CostModelExecutor, KVPolicyExecutor, replica_parts
+from kvsim.sim.run_plan import build_run_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,10 +103,9 @@ KV_CONFIGS = {
 
 
 def built(name: str):
-    cfg = load_config(None, {"model": "smollm2-135m", "gpu": "l4", **KV_CONFIGS[name]})
-    cost = CostModel(cfg.model, cfg.gpu)
-    kv = build_kv_manager(cfg, cost.model, cost, 64)
-    return kv, replica_executor(cfg, cost, kv)
+    cfg = load_config(None, {"model": "smollm2-135m", "gpu": "l4", "engine.num_gpu_blocks": 64,
+                             **KV_CONFIGS[name]})
+    return replica_parts(build_run_plan(cfg), 0)
 
 
 @pytest.mark.parametrize("name", list(KV_CONFIGS))

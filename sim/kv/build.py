@@ -33,9 +33,9 @@ def policy_params(kv) -> dict:
     return params
 
 
-def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int) -> KVManager:
+def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int, policy=None) -> KVManager:
     """The KV manager of one replica: the plain vLLM manager unless `kv:` asks for more. `num_blocks`
-    is vLLM's num_gpu_blocks (one of them the null block)."""
+    is vLLM's num_gpu_blocks (one of them the null block); `policy`: the built `kv.policy`, if it is."""
     eng = cfg.engine
     if cfg.kv.is_default:
         return KVCacheManager(num_blocks, eng.block_size, enable_caching=bool(eng.enable_prefix_caching))
@@ -43,10 +43,11 @@ def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int) -> KVManager:
         raise ConfigError("engine.enable_prefix_caching: not supported with kv.policy/kv.layout other than "
                           "none/shared (evicted tokens break shared prefix blocks)")
     # like vLLM's pool, one block of the memory is the null block
-    return build_evicting_manager(cfg.kv, model, cost, num_blocks - 1, eng.block_size, cfg.seed)
+    return build_evicting_manager(cfg.kv, model, cost, num_blocks - 1, eng.block_size, cfg.seed, policy)
 
 
-def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, seed: int) -> EvictingManagerBase:
+def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, seed: int,
+                           policy=None) -> EvictingManagerBase:
     """The eviction-aware manager of a `KVConfig` (token-level, or fast mode). `num_blocks` is the
     shared-layout pool size; per_head pools hold the same bytes as num_blocks x layers x (KV heads per
     GPU) one-head blocks."""
@@ -57,7 +58,7 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
                         block_size, rows, tier_bytes=tier_bytes, head_dim=model.head_dim,
                         bytes_per_token_row=cost.kv_bytes_per_token / rows)
     try:
-        policy = get_policy(kv.policy, **policy_params(kv))
+        policy = policy if policy is not None else get_policy(kv.policy, **policy_params(kv))
     except PolicyError as exc:
         raise ConfigError(str(exc)) from None
     if policy.per_head_only and kv.layout != "per_head":
