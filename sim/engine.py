@@ -180,18 +180,27 @@ class EngineReplica:
             assert r in finishing or r not in self.kv.req_blocks
 
     # ----- decode fast-forward ----------------------------------------------------------------
+    def fast_forward_view(self) -> fast_forward.ReplicaView:
+        """What the decode fast-forward's plan needs of this replica (sim/fast_forward.py)."""
+        return fast_forward.ReplicaView(
+            now=self.now, next_arrival=self.next_arrival(), inbox_empty=not self.inbox,
+            steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
+            else float("inf"),
+            last_step_s=self._last_duration, max_steps=self.max_run_steps, closed_loop=self.on_done is not None)
+
     def _decode_run(self):
         """Advance a stretch of pure-decode steps in bulk (see sim/fast_forward.py)."""
-        run = fast_forward.plan(self)
+        sched = self.scheduler
+        run = fast_forward.plan(self.fast_forward_view(), sched, self.kv, self.executor)
         if run is None:
             return
-        k, sched = run.k, self.scheduler
+        k = run.num_steps
         waiting = [len(sched.waiting)] * k
-        rows = fast_forward.apply(self, run)
+        rows = fast_forward.apply(sched, self.kv, run)
         self.now = run.ends[-1]
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         yield self._sleep_until(self.now)
-        done = [r for r, e in zip(run.reqs, run.last) if e == k]
+        done = [r for r, e in zip(run.requests, run.last_step) if e == k]
         self.scheduler.finish(done, self.now)
         if done and self.on_done is not None:
             self.on_done(len(done), self.now)

@@ -17,124 +17,150 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import numpy as np
 
 from .core.protocols import FastForwardExecutor, FastForwardKV
-
-if TYPE_CHECKING:
-    from .engine import EngineReplica
+from .core.scheduler import Scheduler
 
 F64 = np.float64
 
 
+class ReplicaView(NamedTuple):
+    """What a decode run's plan needs of the replica besides its scheduler, KV manager and executor
+    (`EngineReplica.fast_forward_view`)."""
+    now: float                  # the replica's clock: the end of the step just taken
+    next_arrival: float         # when the next request reaches the engine (inf: none)
+    inbox_empty: bool           # no arrival waits for the next schedule (async scheduling)
+    steps_to_step_arrival: float    # arrival_unit=step: engine steps before the next arrival (inf: none)
+    last_step_s: float          # duration of the step just taken (the run's horizon is paced by it)
+    max_steps: int              # longest run
+    closed_loop: bool           # a finish sends the client's next request (the run stops at a finish)
+
+
 @dataclass
 class DecodeRun:
-    """A run of k decode steps; per-step lists are indexed by step j = 0..k-1."""
-    reqs: list            # running requests at the start, in scheduling order
-    c: list               # computed tokens of each request at the start
-    last: list            # step (1-based) in which each request produces its last token
-    k: int
+    """A run of `num_steps` decode steps; per-step lists are indexed by step j = 0..num_steps-1."""
+    requests: list        # running requests at the start, in scheduling order
+    computed: list        # computed tokens of each request at the start
+    last_step: list       # step (1-based) in which each request produces its last token
+    num_steps: int
     allocs: list          # (step, request index) of each block allocation, step-major, then scheduling order
-    new: list             # blocks allocated in step j
-    freed: list           # blocks freed by requests finishing in step j (no prefix caching)
+    new_blocks: list      # blocks allocated in step j
+    freed_blocks: list    # blocks freed by requests finishing in step j (no prefix caching)
     batch: list           # sequences in step j
     kv_read: list         # KV tokens read in step j
     entries: list         # block-table entries in step j: blocks held by its requests after its allocations
     finished: list        # requests producing their last token in step j
-    finished_c: list      # their start token counts, summed
-    finished_held: list   # their blocks, summed
+    finished_computed: list   # their start token counts, summed
+    finished_blocks: list     # their blocks, summed
     durations: list
     starts: list
     ends: list
 
 
-def plan(replica: EngineReplica) -> DecodeRun | None:
-    """The next decode run of `replica` (whose executor and KV manager support fast-forward), or None."""
-    sched = replica.scheduler
+class RunEvents(NamedTuple):
+    """Block allocations and finishes of a candidate run: difference arrays over steps 0..k (their
+    prefix sums are per-step figures) and per-step counts over steps 0..k-1."""
+    d_count: list         # sequences in the batch
+    d_computed: list      # their start token counts
+    d_blocks: list        # blocks they hold
+    new_blocks: list      # blocks allocated in step j
+    freed_blocks: list    # blocks freed by finishes in step j (none with prefix caching)
+    finished: list        # requests finishing in step j
+    finished_computed: list
+    finished_blocks: list
+    allocs: list          # (step, request index) of each allocation, sorted
+
+
+def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastForwardExecutor) -> DecodeRun | None:
+    """The next decode run of a replica (whose executor and KV manager support fast-forward), or None."""
     running = sched.running
     cfg = sched.config
     b = len(running)
     if not b or b > cfg.max_num_batched_tokens:
         return None
     admission_blocked = len(sched.waiting) > 0
-    next_arrival = replica.next_arrival()
-    if next_arrival <= replica.now or replica.inbox or sched.finishing:
+    next_arrival = view.next_arrival
+    if next_arrival <= view.now or not view.inbox_empty or sched.finishing:
         return None
-    step_gap = replica.step_arrivals.steps_until_next(replica.num_steps) if replica.step_arrivals else float("inf")
+    step_gap = view.steps_to_step_arrival
     if step_gap < 1:
         return None
-    c_list, last_list = [], []
+    computed, last_step = [], []
     for r in running:
         n_out = r.num_output_tokens
         if n_out == 0 or r.num_computed_tokens != r.prompt_tokens + n_out - 1:
             return None
-        c_list.append(r.num_computed_tokens)
-        last_list.append(r.max_output_tokens - n_out)
-    kv: FastForwardKV = replica.kv
+        computed.append(r.num_computed_tokens)
+        last_step.append(r.max_output_tokens - n_out)
     bs = kv.block_size
     if admission_blocked and b < cfg.max_num_seqs:
         # Only while the head of WAITING cannot get its blocks even before this run's allocations.
-        first_step_blocks = sum(1 for x in c_list if x % bs == 0)
+        first_step_blocks = sum(1 for x in computed if x % bs == 0)
         if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
             return None
     # A finish may let the blocked head of WAITING in, or send a closed-loop client's next request
-    # (replica.on_done): the run ends there. Async scheduling releases a finish's blocks after the
+    # (view.closed_loop): the run ends there. Async scheduling releases a finish's blocks after the
     # next step's allocations, modelled within a run unless fills must be replayed one by one
     # (`_must_replay`).
     deferred = cfg.async_scheduling
-    until_first = admission_blocked or replica.on_done or (deferred and _must_replay(kv, running))
-    k = min(last_list) if until_first else max(last_list)
+    until_first = admission_blocked or view.closed_loop or (deferred and _must_replay(kv, running))
+    k = min(last_step) if until_first else max(last_step)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
-    gap = (next_arrival - replica.now) / max(replica._last_duration, 1e-9)
-    k = min(k, replica.max_run_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
-    ev = _events(c_list, last_list, k, bs, kv.enable_caching)
+    gap = (next_arrival - view.now) / max(view.last_step_s, 1e-9)
+    k = min(k, view.max_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
+    ev = _events(computed, last_step, k, bs, kv.enable_caching)
     k = _steps_that_fit(ev, k, kv.num_free_blocks, deferred)
     if admission_blocked and kv.enable_caching:
-        k = _steps_keeping_head_hits(sched, kv, ev["allocs"], k)
+        k = _steps_keeping_head_hits(sched, kv, ev.allocs, k)
     if k < 1:
         return None
-    batch = list(accumulate(ev["d_count"][:k]))
-    c_sum = list(accumulate(ev["d_c"][:k]))
-    held = list(accumulate(ev["d_held"][:k]))
+    batch = list(accumulate(ev.d_count[:k]))
+    c_sum = list(accumulate(ev.d_computed[:k]))
+    held = list(accumulate(ev.d_blocks[:k]))
     kv_read = [c + (j + 1) * n for j, (c, n) in enumerate(zip(c_sum, batch))]   # tokens after step j: c + j + 1
-    executor: FastForwardExecutor = replica.executor
     durations = executor.predict_decode_run(
         np.array(batch, F64), np.array(kv_read, F64), np.array(held, F64)).tolist()
-    # The clock advances step by step exactly as stepping adds durations; steps that start before
-    # the next arrival are scheduled exactly as stepping would schedule them. With async scheduling
-    # a step's schedule sees only the arrivals from before the previous step started, so the run
-    # may go on one step more (the step before the run saw none: the inbox is empty).
+    starts, ends = _step_times(view.now, durations, next_arrival, ev.finished, deferred)
+    k = len(starts)
+    if k < 1:
+        return None
+    allocs = [a for a in ev.allocs if a[0] < k]
+    return DecodeRun(list(running), computed, last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
+                     batch[:k], kv_read[:k], held[:k], ev.finished[:k], ev.finished_computed[:k],
+                     ev.finished_blocks[:k], durations[:k], starts, ends)
+
+
+def _step_times(now: float, durations: list, next_arrival: float, finished: list, deferred: bool) -> tuple[list, list]:
+    """(starts, ends) of the steps the run takes. The clock advances step by step exactly as stepping
+    adds durations; steps that start before the next arrival are scheduled exactly as stepping would
+    schedule them. With async scheduling a step's schedule sees only the arrivals from before the
+    previous step started, so the run may go on one step more (the step before the run saw none:
+    the inbox is empty)."""
     starts, ends = [], []
-    t = replica.now
+    t = now
     # That extra step's schedule releases the previous step's finishers, which at the arrival are
     # still running (a router counting outstanding requests sees them): none may finish there.
     previous = -np.inf                          # start of the step before
-    fin = ev["fin"]
     for j, d in enumerate(durations):
-        if (previous if deferred else t) >= next_arrival or (t >= next_arrival and fin[j - 1]):
+        if (previous if deferred else t) >= next_arrival or (t >= next_arrival and finished[j - 1]):
             break
         starts.append(t)
         previous = t
         t += d
         ends.append(t)
-    k = len(starts)
-    if k < 1:
-        return None
-    allocs = [a for a in ev["allocs"] if a[0] < k]
-    return DecodeRun(list(running), c_list, last_list, k, allocs, ev["new"][:k], ev["freed"][:k],
-                     batch[:k], kv_read[:k], held[:k], ev["fin"][:k], ev["fin_c"][:k],
-                     ev["fin_held"][:k], durations[:k], starts, ends)
+    return starts, ends
 
 
-def _events(c_list: list, last_list: list, k: int, bs: int, caching: bool) -> dict:
+def _events(computed: list, last_step: list, k: int, bs: int, caching: bool) -> RunEvents:
     """Per-request block allocations and finishes over steps 0..k-1, as difference arrays."""
     d_count, d_c, d_held = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
     new, freed, fin, fin_c, fin_held = [0] * k, [0] * k, [0] * k, [0] * k, [0] * k
     allocs = []
-    for r, (c, e) in enumerate(zip(c_list, last_list)):
+    for r, (c, e) in enumerate(zip(computed, last_step)):
         n = e if e < k else k                   # steps this request takes part in: 0..n-1
         h = -(-c // bs)                         # blocks held at the start
         d_count[0] += 1
@@ -157,8 +183,7 @@ def _events(c_list: list, last_list: list, k: int, bs: int, caching: bool) -> di
             if not caching:     # with prefix caching shared blocks may not return: count none
                 freed[e - 1] += h
     allocs.sort()
-    return {"d_count": d_count, "d_c": d_c, "d_held": d_held, "new": new, "freed": freed, "fin": fin,
-            "fin_c": fin_c, "fin_held": fin_held, "allocs": allocs}
+    return RunEvents(d_count, d_c, d_held, new, freed, fin, fin_c, fin_held, allocs)
 
 
 def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> int:
@@ -176,12 +201,12 @@ def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> 
     return k
 
 
-def _steps_that_fit(ev: dict, k: int, free_blocks: int, deferred: bool = False) -> int:
+def _steps_that_fit(ev: RunEvents, k: int, free_blocks: int, deferred: bool = False) -> int:
     """Steps before the first whose allocations the free pool could not supply (`deferred`: a
     finish's blocks return after the next step's allocations)."""
     allocated = released = 0
-    freed = ev["freed"]
-    for j, n_new in enumerate(ev["new"]):
+    freed = ev.freed_blocks
+    for j, n_new in enumerate(ev.new_blocks):
         allocated += n_new
         if allocated - released > free_blocks:
             return j
@@ -190,30 +215,29 @@ def _steps_that_fit(ev: dict, k: int, free_blocks: int, deferred: bool = False) 
     return k
 
 
-def apply(replica: EngineReplica, run: DecodeRun) -> dict:
+def apply(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> dict:
     """Allocate, finish and advance requests as the run's steps would (all but the last step's
     finishes, which happen when the clock reaches its end); returns the run's pool columns."""
-    kv = replica.kv
-    k = run.k
-    if _must_replay(kv, run.reqs):
-        used, cached = _replay_events(replica, run)
+    k = run.num_steps
+    if _must_replay(kv, run.requests):
+        used, cached = _replay_events(sched, kv, run)
     else:
-        used, cached = _bulk_allocate(replica, run)
+        used, cached = _bulk_allocate(sched, kv, run)
     ends = run.ends
-    for req, c, e in zip(run.reqs, run.c, run.last):
+    for req, c, e in zip(run.requests, run.computed, run.last_step):
         n = e if e < k else k
         req.num_computed_tokens = c + n
         req.num_output_tokens += n
         req.token_times.extend(ends[:n])
     bs = kv.block_size
     # async scheduling: a step's finishers keep their blocks until the next step has been scheduled
-    gone = 0 if replica.scheduler.config.async_scheduling else 1
+    gone = 0 if sched.config.async_scheduling else 1
     live, allocated, fragmentation, running = [], [], [], []
     for j in range(k):
         alive = run.batch[j] - gone * run.finished[j]           # still holding blocks after step j
-        tokens = run.kv_read[j] - gone * (run.finished_c[j] + (j + 1) * run.finished[j])
+        tokens = run.kv_read[j] - gone * (run.finished_computed[j] + (j + 1) * run.finished[j])
         slots = used[j] * bs
-        empty = (run.entries[j] - gone * run.finished_held[j]) * bs - tokens
+        empty = (run.entries[j] - gone * run.finished_blocks[j]) * bs - tokens
         live.append(slots - empty)
         allocated.append(slots)
         fragmentation.append(1.0 - (slots - empty) / slots if slots else 0.0)
@@ -229,17 +253,17 @@ def _must_replay(kv, reqs: list) -> bool:
     return kv.enable_caching and any(r.num_preemptions for r in reqs)
 
 
-def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
+def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple[list, list]:
     """Blocks popped in bulk between the steps that release finished requests' blocks (the step
     they finish in; with async scheduling the next one, after its allocations). With prefix
     caching each decode fill's hash is its request's own and new (no request here resumed after a
     preemption), so a request's filled blocks are hashed when it finishes or the run ends. The
     free queue's unhashed part goes first, so pops evict hashed blocks only once it is empty: the
     cached-free count follows from the counts. Returns each step's (used, cached-free) blocks."""
-    kv, pool, k, reqs, sched = replica.kv, replica.kv.pool, run.k, run.reqs, replica.scheduler
+    pool, k, reqs = kv.pool, run.num_steps, run.requests
     deferred = sched.config.async_scheduling
     releases: dict[int, list] = {}
-    for r, e in enumerate(run.last):
+    for r, e in enumerate(run.last_step):
         if e < k:
             releases.setdefault(e - 1 + deferred, []).append(r)
     used, cached = [0] * k, [0] * k
@@ -254,7 +278,7 @@ def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
             req_blocks[reqs[r]].append(block)
         pops = 0
         for i in range(first, j + 1):
-            pops += run.new[i]
+            pops += run.new_blocks[i]
             used[i] = used0 + pops
             cached[i] = hashed - max(0, pops - unhashed)
         first = j + 1
@@ -262,13 +286,13 @@ def _bulk_allocate(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
             done = [reqs[r] for r in releases[j]]
             if caching:
                 for r in releases[j]:
-                    kv.cache_full_blocks(reqs[r], run.c[r] + run.last[r])
+                    kv.cache_full_blocks(reqs[r], run.computed[r] + run.last_step[r])
             sched.finish(done, run.ends[j - deferred])
             if deferred:
                 sched.release_finishing()
             used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
     if caching:
-        for req, c, e in zip(reqs, run.c, run.last):
+        for req, c, e in zip(reqs, run.computed, run.last_step):
             if e >= k:
                 kv.cache_full_blocks(req, c + k)
     return used, cached
@@ -278,15 +302,15 @@ def _fills(run: DecodeRun, bs: int) -> list:
     """(step, request index) of each allocation and each step where a block becomes full (its last
     slot written: hashed then), in stepping order."""
     fills = set(run.allocs)
-    for r, (c, e) in enumerate(zip(run.c, run.last)):
-        fills.update((j, r) for j in range(-(c + 1) % bs, min(e, run.k), bs))
+    for r, (c, e) in enumerate(zip(run.computed, run.last_step)):
+        fills.update((j, r) for j in range(-(c + 1) % bs, min(e, run.num_steps), bs))
     return sorted(fills)
 
 
-def _replay_events(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
+def _replay_events(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple[list, list]:
     """Prefix caching: replay each allocation / block fill / finish through the manager in order."""
-    kv, pool, k = replica.kv, replica.kv.pool, run.k
-    finishing = sorted((e - 1, r) for r, e in enumerate(run.last) if e < k)
+    pool, k = kv.pool, run.num_steps
+    finishing = sorted((e - 1, r) for r, e in enumerate(run.last_step) if e < k)
     used, cached = [0] * k, [0] * k
     done = f = 0
 
@@ -294,16 +318,16 @@ def _replay_events(replica: EngineReplica, run: DecodeRun) -> tuple[list, list]:
         nonlocal done, f
         for i in range(done, upto):
             while f < len(finishing) and finishing[f][0] == i:     # finishes end their step
-                replica.scheduler.finish([run.reqs[finishing[f][1]]], run.ends[i])
+                sched.finish([run.requests[finishing[f][1]]], run.ends[i])
                 f += 1
             used[i] = pool.num_used_blocks
             cached[i] = pool.num_cached_free_blocks
         done = upto
 
-    for i, r in _fills(run, replica.kv.block_size):
+    for i, r in _fills(run, kv.block_size):
         record(i)
-        req = run.reqs[r]
-        req.num_computed_tokens = run.c[r] + i
+        req = run.requests[r]
+        req.num_computed_tokens = run.computed[r] + i
         if not kv.allocate_slots(req, 1):
             raise AssertionError("fast-forward planned an allocation that failed")
     record(k)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .protocols import KVManager
 from .request import Request, RequestStatus
@@ -62,6 +63,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class Admission(NamedTuple):
+    """An admissible request's prefix-cache hits and the tokens it gets this step."""
+    hits: list
+    num_new_tokens: int
 
 
 class WaitingQueue:
@@ -280,16 +287,11 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             swapped = req.swapped_tokens
-            hits = [] if swapped else self.kv.get_computed_blocks(req)
+            admission = self._admission(req, budget)
+            if admission is None:
+                break
+            hits, n = admission
             num_cached = len(hits) * self.kv.block_size
-            computed = swapped or num_cached
-            if not swapped and not self.kv.fits_full_sequence(
-                    req, min(req.num_tokens, self.config.max_model_len), hits):
-                break
-            remaining = req.num_tokens - computed
-            if not self.config.enable_chunked_prefill and self._capped(remaining) > budget:
-                break
-            n = self._chunk(remaining, budget, computed)
             if swapped and self._swap_in_blocked(req, swapped + n):
                 break                         # a failed swap-in must not touch the pool (see below)
             context = self._allocate_admission(req, swapped, num_cached, n, hits)
@@ -334,6 +336,23 @@ class Scheduler:
             return None
         return context
 
+    def _admission(self, req: Request, budget: int, threshold: int | None = None,
+                   free_blocks: int | None = None) -> Admission | None:
+        """The admission rule, before any allocation: None when `req` cannot be admitted with `budget`
+        tokens left (its whole sequence does not fit the KV pool — with `free_blocks` free, if
+        given — or, without chunked prefill, its prompt does not fit the budget); else its prefix-cache
+        hits and this step's tokens. Changes nothing."""
+        swapped = req.swapped_tokens
+        hits = [] if swapped else self.kv.get_computed_blocks(req)
+        computed = swapped or len(hits) * self.kv.block_size
+        if not swapped and not self.kv.fits_full_sequence(
+                req, min(req.num_tokens, self.config.max_model_len), hits, free_blocks):
+            return None
+        remaining = req.num_tokens - computed
+        if not self.config.enable_chunked_prefill and self._capped(remaining, threshold) > budget:
+            return None
+        return Admission(hits, self._chunk(remaining, budget, computed, threshold))
+
     def waiting_head_blocked(self, budget: int, free_blocks: int) -> bool:
         """Whether `_admit` would stop at the head of WAITING for lack of KV blocks (or, without
         chunked prefill, of budget) with `budget` tokens left and `free_blocks` free. Changes nothing.
@@ -342,23 +361,15 @@ class Scheduler:
         """
         req = self.waiting.peek()
         bs = self.kv.block_size
-        if req.swapped_tokens:
-            hits, computed = [], req.swapped_tokens
-            if -(-computed // bs) > free_blocks:
-                return True
-        else:
-            hits = self.kv.get_computed_blocks(req)
-            computed = len(hits) * bs
-        full = min(req.num_tokens, self.config.max_model_len)
-        if not req.swapped_tokens and not self.kv.fits_full_sequence(req, full, hits, free_blocks):
+        swapped = req.swapped_tokens
+        if swapped and -(-swapped // bs) > free_blocks:
             return True
         # a decode run has requests running and this one waiting: the chunk cap applies
-        threshold = self.config.long_prefill_token_threshold
-        remaining = req.num_tokens - computed
-        if not self.config.enable_chunked_prefill and self._capped(remaining, threshold) > budget:
+        admission = self._admission(req, budget, self.config.long_prefill_token_threshold, free_blocks)
+        if admission is None:
             return True
-        n = self._chunk(remaining, budget, computed, threshold)
-        need = -(-(computed + n) // bs) - len(hits)
+        hits, n = admission
+        need = -(-((swapped or len(hits) * bs) + n) // bs) - len(hits)
         return need > free_blocks - self.kv.num_revivable(hits)
 
     def _undo_admission(self, req: Request, swapped: int) -> None:
