@@ -21,7 +21,7 @@ from .config import ConfigError, SimConfig
 from .core.request import Request
 from .core.protocols import Executor, KVManager
 from .core.scheduler import Scheduler, SchedulerConfig
-from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, StepArrivals
+from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, ReplicaFeed, ReplicaOptions, Router, StepArrivals
 from .metrics import StepLog
 
 if TYPE_CHECKING:
@@ -174,10 +174,11 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
             env, i, Scheduler(plan.scheduler, kv), executor, step_log,
-            fast_forward=cfg.fast_forward and not cross_replica, check_invariants=cfg.check_invariants,
-            next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
-            yield_every_step=cross_replica, step_arrivals=step_arrivals, on_step=on_step,
-            on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t))))
+            ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
+                           check_invariants=cfg.check_invariants, yield_every_step=cross_replica),
+            ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
+                        step_arrivals=step_arrivals, on_step=on_step,
+                        on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)))))
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
     router = Router(replicas, cfg.router)

@@ -10,6 +10,7 @@ producing exactly the rows and request state that stepping one by one would.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import simpy
@@ -22,13 +23,30 @@ from .core.step import BatchShape, StepResult, batch_shape
 from .metrics import StepLog
 
 
+@dataclass(frozen=True)
+class ReplicaOptions:
+    fast_forward: bool = True         # advance pure-decode stretches in bulk when executor and KV manager allow
+    check_invariants: bool = False
+    max_run_steps: int = 4096         # longest decode run
+    # False: simpy's clock is advanced only when an arrival is due before a step ends (only an
+    # arrival can act on a replica mid-run; results are identical, one event less per step), so
+    # one env.step() may run many engine steps
+    yield_every_step: bool = True
+
+
+@dataclass(frozen=True)
+class ReplicaFeed:
+    """How a replica meets the rest of the run: arrivals, progress and the closed-loop client."""
+    next_arrival: Callable[[], float] = lambda: float("inf")
+    step_arrivals: StepArrivals | None = None
+    on_step: Callable[[int], None] | None = None
+    # told how many requests left the engine (finished or rejected) and when: the closed-loop client
+    on_done: Callable[[int, float], None] | None = None
+
+
 class EngineReplica:
     def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, executor: Executor,
-                 step_log: StepLog, *, fast_forward: bool = True, check_invariants: bool = False,
-                 next_arrival: Callable[[], float] = lambda: float("inf"),
-                 on_step: Callable[[int], None] | None = None, max_run_steps: int = 4096,
-                 yield_every_step: bool = True, step_arrivals: "StepArrivals | None" = None,
-                 on_done: "Callable[[int, float], None] | None" = None):
+                 step_log: StepLog, options: ReplicaOptions = ReplicaOptions(), feed: ReplicaFeed = ReplicaFeed()):
         self.env = env
         self.index = index
         self.scheduler = scheduler
@@ -36,20 +54,16 @@ class EngineReplica:
         self.executor = executor
         self.step_log = step_log
         # only then are they a FastForwardExecutor and a FastForwardKV (sim/core/protocols.py)
-        self.fast_forward = fast_forward and executor.supports_fast_forward and self.kv.supports_fast_forward
-        self.check = check_invariants
-        self.next_arrival = next_arrival
-        self.on_step = on_step
-        self.max_run_steps = max_run_steps
-        # False: simpy's clock is advanced only when an arrival is due before a step ends (only an
-        # arrival can act on a replica mid-run; results are identical, one event less per step), so
-        # one env.step() may run many engine steps
-        self.yield_every_step = yield_every_step
+        self.fast_forward = options.fast_forward and executor.supports_fast_forward and self.kv.supports_fast_forward
+        self.check = options.check_invariants
+        self.next_arrival = feed.next_arrival
+        self.on_step = feed.on_step
+        self.max_run_steps = options.max_run_steps
+        self.yield_every_step = options.yield_every_step
         self.now = 0.0              # authoritative clock (simpy time tracks it)
         self.num_steps = 0
-        self.step_arrivals = step_arrivals
-        # told how many requests left the engine (finished or rejected) and when: the closed-loop client
-        self.on_done = on_done
+        self.step_arrivals = feed.step_arrivals
+        self.on_done = feed.on_done
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()

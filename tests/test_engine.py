@@ -1,4 +1,5 @@
 """Simulator engine end to end: fast-forward equivalence, determinism, invariants, outputs, errors."""
+import dataclasses
 import json
 
 import numpy as np
@@ -72,7 +73,8 @@ def test_advancing_simpy_only_before_arrivals_gives_identical_results(name, monk
 
     class EveryStep(engine.EngineReplica):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, "yield_every_step": True})
+            *args, options, feed = args
+            super().__init__(*args, dataclasses.replace(options, yield_every_step=True), feed)
 
     monkeypatch.setattr(assembly, "EngineReplica", EveryStep)
     assert_same_results(lazy, sim(over))

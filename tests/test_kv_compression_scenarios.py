@@ -8,7 +8,7 @@ from kvsim.sim.config import KVConfig, load_config
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
 from kvsim.sim.cost_model import CostModel
-from kvsim.sim.engine import EngineReplica
+from kvsim.sim.engine import EngineReplica, ReplicaOptions
 from kvsim.sim.executor import build_kv
 from kvsim.sim.metrics import StepLog
 from kvsim.sim.simulate import run_simulation
@@ -73,7 +73,7 @@ def test_kvcompress_per_head_layout_keeps_different_counts_per_head():
                                      params={"compression_rate": 4}), cost.model, cost, 40, 16, 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1024), kv)
     env = simpy.Environment()
-    rep = EngineReplica(env, 0, sched, executor, StepLog(None), check_invariants=True)
+    rep = EngineReplica(env, 0, sched, executor, StepLog(None), ReplicaOptions(check_invariants=True))
     rep.submit(Request(0, 0.0, 320, 2))
     while not kv.req_kv:
         env.step()
@@ -95,7 +95,7 @@ def run_leankv(layout: str):
                                      params={"window": 32}), cost.model, cost, 400, 16, 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1024), kv)
     env = simpy.Environment()
-    rep = EngineReplica(env, 0, sched, executor, StepLog(None), check_invariants=True)
+    rep = EngineReplica(env, 0, sched, executor, StepLog(None), ReplicaOptions(check_invariants=True))
     for i in range(4):
         rep.submit(Request(i, 0.0, 256, 48))
     tier_bytes = np.asarray(kv.ctx.tier_bytes)

@@ -6,7 +6,7 @@ import simpy
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
 from kvsim.sim.cost_model import CostModel
-from kvsim.sim.engine import EngineReplica
+from kvsim.sim.engine import EngineReplica, ReplicaOptions
 from kvsim.sim.executor import build_kv
 from kvsim.sim.config import KVConfig, load_config
 from kvsim.sim.metrics import StepLog, request_table, summarize
@@ -23,7 +23,7 @@ def run(kv_cfg: dict, *, num_blocks=400, n=4, prompt=48, output=120, block_size=
     sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched, max_model_len=4096), kv)
     env = simpy.Environment()
     log = StepLog(None)
-    rep = EngineReplica(env, 0, sched, executor, log, check_invariants=check)
+    rep = EngineReplica(env, 0, sched, executor, log, ReplicaOptions(check_invariants=check))
     reqs = [Request(i, 0.0, prompt, output) for i in range(n)]
     for r in reqs:
         rep.submit(r)

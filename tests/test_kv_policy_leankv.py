@@ -127,7 +127,7 @@ def test_high_and_low_precision_pages_grow_from_opposite_ends_of_the_page_table(
     from kvsim.sim.core.request import Request
     from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
     from kvsim.sim.cost_model import CostModel
-    from kvsim.sim.engine import EngineReplica
+    from kvsim.sim.engine import EngineReplica, ReplicaOptions
     from kvsim.sim.executor import build_kv
     from kvsim.sim.metrics import StepLog
     cost = CostModel("smollm2-135m", "l4")
@@ -135,7 +135,7 @@ def test_high_and_low_precision_pages_grow_from_opposite_ends_of_the_page_table(
                             cost.model, cost, 400, 16, 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048), kv)
     env = simpy.Environment()
-    rep = EngineReplica(env, 0, sched, executor, StepLog(None), check_invariants=True)
+    rep = EngineReplica(env, 0, sched, executor, StepLog(None), ReplicaOptions(check_invariants=True))
     rep.submit(Request(0, 0.0, 400, 60))
     while rep.num_steps < 40:
         env.step()
