@@ -1,7 +1,8 @@
 """The real backend's executor: runs each engine step on tensors, with the engine core's KV plan.
 
 The engine core (`sim.engine.EngineReplica`) schedules a step, calls `execute(out)` (the `Executor`
-protocol of sim/core/protocols.py), then updates the requests. Here a step is:
+protocol of sim/core/protocols.py), runs the KV manager's policies (`kv.finish_step`), calls
+`complete(result, kv_plan)`, then updates the requests. Here a step is:
 
 1. take the KV plan the manager built while the scheduler allocated (`KVStepPlan`: slot mapping of
    the new tokens, and — when a slot strategy copies at allocation or memory pressure made the
@@ -11,8 +12,8 @@ protocol of sim/core/protocols.py), then updates the requests. Here a step is:
    manager's tables) and run `model.forward` (which writes the new K/V and marks them live);
 3. sample greedily; hand the real attention scores to the manager (`supply_scores`) for the
    requests whose policy runs this step, and record attention statistics at the end of prefills;
-4. let the manager run the policies (`finish_step`) and apply the resulting plan (evictions,
-   compaction moves, freed pages) to the cache.
+4. (`complete`) apply the plan of the policies the engine ran (evictions, compaction moves, freed
+   pages) to the cache.
 
 The whole of it is timed (CUDA synchronized before and after) and returned as the step's duration;
 the cost model's prediction for the same step shape is returned alongside.
@@ -35,7 +36,7 @@ layer's query); the cache keeps everything.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -67,6 +68,14 @@ def step_clock(name: str, device) -> Callable[[], float]:
         raise ValueError(f"clock 'cpu' times the calling thread only: it needs device cpu and 1 torch thread "
                          f"(got {device}, {torch.get_num_threads()} threads)")
     return time.thread_time
+
+
+class _BegunStep(NamedTuple):
+    """What `execute` leaves for `complete`: the step's requests, shape, pre-write plan and clock marks."""
+    scheduled: list
+    shape: object
+    pre: KVStepPlan | None
+    marks: tuple
 
 
 class RealScoresOnly(ImportanceSource):
@@ -174,6 +183,7 @@ class RealExecutor:
         self.step_times: list[dict[str, float]] = []
         self.last_logits: torch.Tensor | None = None
         self.last_request_ids: list[int] = []
+        self._begun: _BegunStep | None = None
 
     def _check_supported(self, kv: EvictingKVManager, cache, cfg) -> None:
         tiers = kv.new_token_tier != 0
@@ -230,13 +240,18 @@ class RealExecutor:
                 req.extra["gpu_tokens"].append(int(token))
         if meta.scores is not None:
             self._use_scores(sched, meta, tables)
-        post = None
-        if self.evicting:
-            post = self.kv.finish_step(sched)
-            t4 = self.clock()
+        self._begun = _BegunStep(sched, shape, pre, (t0, t1, t2, t3))
+        return StepResult(duration_s=float("nan"), predicted_s=float("nan"), shape=shape)
+
+    def complete(self, result: StepResult, kv_plan: KVStepPlan | None) -> StepResult:
+        """Apply what the manager's policies did (`kv_plan`, from the engine's `finish_step` call) to the
+        cache and time the whole step."""
+        sched, shape, pre, (t0, t1, t2, t3) = self._begun
+        self._begun = None
+        post = kv_plan if self.evicting else None
+        t4 = self.clock()
+        if post is not None:
             self._apply_plan(post, sched, after_write=True, reason="policy")
-        else:
-            t4 = self.clock()
         if self.check_cache:
             self.verify_cache(sched)
         self._sync()

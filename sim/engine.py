@@ -130,6 +130,9 @@ class EngineReplica:
                 if s.request.first_scheduled_time is None:
                     s.request.first_scheduled_time = start
             result = self.executor.execute(out)
+            # the KV manager's policies act on the step that ran (vLLM: the scheduler's update, not
+            # the model runner); the executor charges (simulator) or applies (backend) what they did
+            result = self.executor.complete(result, self.kv.finish_step(out.scheduled))
             shape = result.shape or batch_shape(out, self.kv)     # before finishes free blocks
             self._last_duration = result.duration_s
             self.now = start + result.duration_s

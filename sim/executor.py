@@ -1,9 +1,9 @@
 """The simulator's executors: a step takes as long as the cost model predicts.
 
 `CostModelExecutor` prices the plain vLLM path (and runs of decode steps, for the fast-forward);
-`KVPolicyExecutor` also runs the eviction-aware manager's policies after the step's attention and
-charges their effects: the bytes copied/moved by the slot strategy, the per-head block-table
-entries, and the KV reads the policies leave (evicted tokens are not read, quantized tiers read
+`KVPolicyExecutor` also charges the effects of the eviction-aware manager's policies (which the
+engine runs after the step's attention, `KVManager.finish_step`): the bytes copied/moved by the slot
+strategy, the per-head block-table entries, and the KV reads the policies leave (evicted tokens are not read, quantized tiers read
 fewer bytes — `kv_tokens_read` is in fp16 token-equivalents — and selection policies read only
 what they select).
 """
@@ -13,6 +13,7 @@ from .core.protocols import Executor, KVManager
 from .core.scheduler import SchedulerOutput
 from .core.step import BatchShape, StepResult, batch_shape
 from .kv.base import EvictingManagerBase
+from .kv.slots import KVStepPlan
 from .kv.build import build_evicting_manager
 from .run_plan import RunPlan, build_kv_manager
 
@@ -32,6 +33,9 @@ class CostModelExecutor:
         seconds = float(self.cost.predict(shape))
         return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
 
+    def complete(self, result: StepResult, kv_plan: None) -> StepResult:
+        return result                       # the plain manager has no per-step policies
+
     def predict_run(self, shape: BatchShape):
         return self.cost.predict(shape)
 
@@ -49,16 +53,20 @@ class KVPolicyExecutor:
         self.last_plan = None
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
-        plan = self.kv.finish_step(out.scheduled)
-        shape.bytes_moved = plan.bytes_moved
-        shape.op_bytes = plan.op_bytes
-        shape.op_flops = plan.op_flops
+        """The step's shape (before the policies act); `complete` prices it with their effects."""
+        return StepResult(duration_s=float("nan"), predicted_s=float("nan"),
+                          shape=batch_shape(out, self.kv, self.cost.kv_bytes_per_token))
+
+    def complete(self, result: StepResult, kv_plan: KVStepPlan) -> StepResult:
+        shape = result.shape
+        shape.bytes_moved = kv_plan.bytes_moved
+        shape.op_bytes = kv_plan.op_bytes
+        shape.op_flops = kv_plan.op_flops
         seconds = float(self.cost.predict(shape))
-        self.last_plan = plan
-        return StepResult(duration_s=seconds, predicted_s=seconds, evicted_tokens=plan.evicted_tokens,
-                          blocks_freed_by_eviction=plan.blocks_freed_by_eviction, bytes_moved=plan.bytes_moved,
-                          shape=shape)
+        self.last_plan = kv_plan
+        return StepResult(duration_s=seconds, predicted_s=seconds, evicted_tokens=kv_plan.evicted_tokens,
+                          blocks_freed_by_eviction=kv_plan.blocks_freed_by_eviction,
+                          bytes_moved=kv_plan.bytes_moved, shape=shape)
 
     def predict_run(self, shape: BatchShape):
         return self.cost.predict(shape)

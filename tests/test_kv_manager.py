@@ -113,7 +113,7 @@ def test_step_plan_maps_new_tokens_and_lists_evictions():
     plans = []
     for _ in range(4):
         out = sched.schedule()
-        ex.execute(out)
+        ex.complete(ex.execute(out), kv.finish_step(out.scheduled))     # as the engine runs a step
         plans.append(ex.last_plan)
         sched.update(out, 0.0)
     prefill, decode = plans[0], plans[1]

@@ -41,13 +41,13 @@ def test_cost_model_prices_policy_operations_on_the_roofline():
 
 def _plans(monkeypatch, kv_cfg, **kw):
     plans = []
-    orig = kv_executor.KVPolicyExecutor.execute
+    orig = kv_executor.KVPolicyExecutor.complete
 
-    def execute(self, out):
-        r = orig(self, out)
+    def complete(self, result, kv_plan):
+        r = orig(self, result, kv_plan)
         plans.append((self.last_plan.op_bytes, self.last_plan.op_flops, r.duration_s))
         return r
-    monkeypatch.setattr(kv_executor.KVPolicyExecutor, "execute", execute)
+    monkeypatch.setattr(kv_executor.KVPolicyExecutor, "complete", complete)
     s = run(kv_cfg, **kw)[0]
     return s, np.array(plans)
 

@@ -229,6 +229,10 @@ class KVCacheManager:
         """Hook for compression-on-pressure managers: free up to `num_blocks`; none here."""
         return 0
 
+    def finish_step(self, scheduled: list) -> None:
+        """The per-step policy hook (the engine calls it after every step): no policies here."""
+        return None
+
     def check_invariants(self, live_requests) -> None:
         self.pool.check_invariants()
         counts = {}

@@ -108,6 +108,10 @@ class KVManager(Protocol):
     def reclaim(self, num_blocks: int, running: list[Request]) -> int:
         """Free up to `num_blocks` by compressing running requests (memory-pressure policies); freed count."""
 
+    def finish_step(self, scheduled: list) -> Any:
+        """The per-step policy hook, called by the engine once a step ran (after its attention): what
+        the policies did (the eviction-aware managers' `KVStepPlan`), or None when there are none."""
+
     def check_invariants(self, live_requests: Iterable[Request]) -> None: ...
 
 
@@ -137,7 +141,12 @@ class Executor(Protocol):
     """Runs (or prices) one scheduled step."""
     supports_fast_forward: bool     # True: a FastForwardExecutor (prices runs of decode steps)
 
-    def execute(self, out: SchedulerOutput) -> StepResult: ...
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run (or price) the step's model part; `complete` finishes it."""
+
+    def complete(self, result: StepResult, kv_plan: Any) -> StepResult:
+        """Finish the step `execute` began, given what the KV manager's per-step policies did
+        (`KVManager.finish_step`, which the engine calls in between): charge or apply it."""
 
 
 @runtime_checkable

@@ -45,7 +45,10 @@ class MeasuredTimeExecutor:
         self.shapes = []           # the BatchShape of every step, as the simulator priced it
 
     def execute(self, out):
-        result = self.inner.execute(out)
+        return self.inner.execute(out)
+
+    def complete(self, result, kv_plan):
+        result = self.inner.complete(result, kv_plan)
         if self.step >= len(self.durations):
             raise CrosscheckError(f"recorded mode: the simulation needs more steps than the replay's "
                                   f"{len(self.durations)}; schedules diverged (see the memory comparison)")

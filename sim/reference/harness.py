@@ -155,6 +155,9 @@ class _ScheduleTap:
                            [r.request_id for r in out.preempted]))
         return self.inner.execute(out)
 
+    def complete(self, result, kv_plan):
+        return self.inner.complete(result, kv_plan)
+
 
 def kvsim_schedule(cfg: SimConfig, trace) -> tuple[pd.DataFrame, dict]:
     """kvsim's schedule of `trace` (stepping one step at a time) and the ids it rejected."""
