@@ -328,3 +328,87 @@ def test_json_safe_keeps_finite_values_and_explains_nulls():
     assert data["a"] == 1.5 and data["b"] is None and data["c"]["d"] is None
     assert set(data["null_reasons"]) == {"b", "c.d"}
     assert restore_nan(data)["b"] != restore_nan(data)["b"]         # NaN again after reading
+
+
+# ---- outputs: empty names, racing runs ------------------------------------------------------------
+@pytest.mark.parametrize("args", [SIM + ["-o", ""], ["sweep", "spec.yaml", "-o", ""], ["report", "st", "-o", ""],
+                                  ["capacity", "--slo", "ttft_p99<=2s", "-o", " "], ["trace", "synth", ""]])
+def test_an_empty_output_name_is_refused_even_in_an_empty_folder(tmp_path, args):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(kvsim(args, empty), "''", "empty name")
+    assert [p.name for p in empty.iterdir()] == []
+
+
+def _start_simulate(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "simulate", "-q", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("out", ["run", "."])
+def test_racing_simulate_runs_into_one_out_each_finish_whole(tmp_path, out):
+    """N runs started together into one --out (a new directory, or the current one): each exits 0 (or
+    with one error line, exit 2); the directory ends holding one run's files, all of that run; no
+    staging directory is left behind."""
+    (tmp_path / "run").mkdir()
+    cwd = tmp_path / "run" if out == "." else tmp_path
+    procs = [_start_simulate(["--max-requests", str(20 + i), "-o", out], cwd) for i in range(6)]
+    done = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
+    for code, err in done:
+        assert code == 0 or (code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:")), err
+    assert sum(code == 0 for code, _ in done) >= 1
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir()) == [".kvsim-results", "config.yaml", "requests.parquet",
+                                                     "steps.parquet", "summary.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]             # no staging directory left
+    s = json.loads((run / "summary.json").read_text())
+    winner = s["num_requests"]
+    assert s["partial"] is False and done[winner - 20][0] == 0          # the run whose files these are succeeded
+    assert f"max_requests: {winner}" in (run / "config.yaml").read_text()
+    assert pq.read_metadata(run / "requests.parquet").num_rows == winner
+    assert pq.read_metadata(run / "steps.parquet").num_rows == s["num_steps"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_runs_publishing_into_one_out_at_once_take_turns(tmp_path, monkeypatch, existing):
+    """The publishing step itself, six at once, with every rename slowed down so that their windows
+    overlap for certain: the lock on --out's parent makes them take turns; the directory ends holding
+    one run's files, whole."""
+    import threading
+
+    from kvsim.sim import results
+
+    out, names = tmp_path / "run", ("summary.json", "config.yaml", "steps.parquet")
+    if existing:
+        first = results.ResultDir(out)
+        (first.path / "summary.json").write_text("previous")
+        first.publish()
+    staged = []
+    for i in range(6):
+        rd = results.ResultDir(out)
+        for name in names:
+            (rd.path / name).write_text(f"run {i}")
+        staged.append(rd)
+    real_replace = os.replace
+
+    def slow_replace(src, dst):
+        time.sleep(0.02)
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", slow_replace)
+    barrier, failures = threading.Barrier(len(staged)), []
+
+    def publish(rd):
+        barrier.wait()
+        try:
+            rd.publish()
+        except Exception as exc:         # noqa: BLE001 - a failing publish is what this test looks for
+            failures.append(exc)
+    threads = [threading.Thread(target=publish, args=(rd,)) for rd in staged]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert failures == []
+    assert len({(out / name).read_text() for name in names}) == 1          # one run's files, not a mix
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, ".kvsim-results"])
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, config_overrides, fail
+from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, config_overrides, fail, output_path
 
 console = Console()
 
@@ -21,7 +21,7 @@ def calibrate(
     step_logs: list[str] = typer.Argument(None, help="replay step logs (steps.parquet files or run directories); "
                                                     "DIR1,DIR2,... = repeats of one replay, fitted on each step's "
                                                     "median time"),
-    out: Path = typer.Option(..., "--out", "-o", help="output file: hardware profile YAML (or importance YAML "
+    out: Path = typer.Option(..., "--out", "-o", parser=output_path(), help="output file: hardware profile YAML (or importance YAML "
                                                        "with --attention)"),
     model: str = typer.Option("smollm2-135m", help="catalog model the step logs were measured on"),
     gpu: str = typer.Option("cpu-2core", help="catalog GPU/CPU entry whose peaks the factors refer to"),
@@ -140,7 +140,7 @@ def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: 
 def crosscheck(
     trace: str = typer.Option(..., help="trace the simulator was NOT calibrated on (shipped name or file)"),
     profile: str = typer.Option(..., help="calibrated hardware profile (name or YAML)"),
-    out: Path = typer.Option(Path("runs/crosscheck"), "--out", "-o", help="output directory"),
+    out: Path = typer.Option(Path("runs/crosscheck"), "--out", "-o", parser=output_path(), help="output directory"),
     model: str = typer.Option("smollm2-135m", help="model the replay runs"),
     gpu: str = typer.Option("cpu-2core", help="catalog GPU/CPU entry the profile refers to"),
     device: str = typer.Option("cpu", help="replay device: cpu | cuda"),

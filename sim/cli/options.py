@@ -25,7 +25,20 @@ Replicas = Annotated[Optional[int], typer.Option(help="engine replicas behind th
 Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or file; default auto: the GPU's own "
                                                     "(fitted or derived; docs/gpu-profiles.md)")]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file; options override it")]
-Out = Annotated[Path, typer.Option("--out", "-o", help="output directory")]
+
+
+def output_path(option: str = "--out"):
+    """Parser of an option or argument naming an output (--out, a trace file to write): an empty name is
+    refused, since Path('') is the current directory (`--out ''` would write into it)."""
+    def parse(value: str | Path) -> Path:
+        if str(value).strip() == "":
+            fail(f"{option} '': an empty name (it would mean the current directory); expected a directory or "
+                 "file name, e.g. runs/NAME")
+        return Path(value)
+    return parse
+
+
+Out = Annotated[Path, typer.Option("--out", "-o", parser=output_path(), help="output directory")]
 Overwrite = Annotated[bool, typer.Option(
     "--overwrite", help="write into an existing non-empty --out that kvsim did not create (its kvsim result "
                         "files are replaced, other files kept)")]

@@ -14,7 +14,7 @@ from kvsim.sim.config import ConfigError, load_config
 from kvsim.traces.errors import TraceError
 
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
-                      Sets, Tp, Trace, config_overrides, fail)
+                      Sets, Tp, Trace, config_overrides, fail, output_path)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -30,7 +30,7 @@ Band = Annotated[bool, typer.Option("--band/--no-band", help="search again with 
 
 def sweep(
     spec: Path = typer.Argument(..., help="sweep spec YAML (base / fixed / grid / runs / save_outputs)"),
-    out: Path = typer.Option(..., "--out", "-o", help="results store directory (created; re-runs resume)"),
+    out: Path = typer.Option(..., "--out", "-o", parser=output_path(), help="results store directory (created; re-runs resume)"),
     executor: str = typer.Option("local", help="local (process pool) | dask (distributed cluster)"),
     scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address, e.g. tcp://host:8786"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local worker processes (default: all cores)"),
@@ -135,7 +135,7 @@ def capacity(
     window: Window = None,
     repeats: Repeats = 3,
     band: Band = True,
-    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
+    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
     overwrite: Overwrite = False,
@@ -247,7 +247,7 @@ def _print_capacity(result, mode: str, spread=None) -> None:
 
 def report(
     store: Path = typer.Argument(..., help="sweep or capacity store directory"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="HTML file (default: STORE/report.html)"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", parser=output_path(), help="HTML file (default: STORE/report.html)"),
 ) -> None:
     """Turn a sweep store into one HTML page of plotly charts: throughput/goodput vs load, latency
     percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 latency Pareto view."""
@@ -359,7 +359,7 @@ def plan(
     scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address (default: a local Dask cluster)"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local cluster workers (default: all cores; "
                                                                   "1: in this process, no cluster)"),
-    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
+    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + plan-result.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
 ) -> None:
