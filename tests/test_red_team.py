@@ -214,6 +214,31 @@ def test_replay_refuses_a_pool_that_does_not_fit_before_allocating(d):
     assert ran.rss_mb < 1000 and "Traceback" not in ran.err   # torch and the model, not the pool
 
 
+HUGE_GPU = "name: Huge-GPU\nmemory_gib: 100000000\nmemory_bw_gbps: 3350\ntflops: {bf16: 989}\npcie_gbps: 64\nusd_per_hour: 1\n"
+
+
+@pytest.mark.parametrize("command", ["sweep", "capacity", "reference"])
+def test_every_command_refuses_a_pool_beyond_host_memory_before_allocating(d, command):
+    """10^9 blocks (129 GiB of the simulator's pool; for `reference`, 687 TiB of vLLM's CPU KV cache too) on
+    a GPU large enough to hold them: refused by the host-memory estimate, naming --num-gpu-blocks, before
+    any run starts or vLLM is called (`--vllm-python /bin/false` is never run)."""
+    (d / "huge.yaml").write_text(HUGE_GPU)
+    if command == "sweep":
+        (d / "spec.yaml").write_text(f"fixed: {{gpu: {d}/huge.yaml, engine.num_gpu_blocks: 1000000000}}\n"
+                                     "grid: {seed: [0, 1]}\n")
+        args, fragments = ["sweep", "spec.yaml", "-o", "st", "-q"], ["spec.yaml: run 0", "host memory"]
+    elif command == "capacity":
+        args = ["capacity", "--slo", "ttft_p99<=2s", "--gpu", str(d / "huge.yaml"), "--num-gpu-blocks", "1000000000",
+                "--max-requests", "5", "-q", "-o", "st"]
+        fragments = ["host memory"]
+    else:
+        args = ["reference", "vllm", "--num-gpu-blocks", "1000000000", "--max-requests", "2", "--vllm-python",
+                "/bin/false", "-o", "st"]
+        fragments = ["vLLM's CPU KV cache", "host memory"]
+    refused(kvsim(args, d), *fragments, "lower --num-gpu-blocks")
+    assert not list((d / "st").glob("runs/*.parquet")) and not (d / "st" / "agreement.json").exists()
+
+
 PLUGIN_EXIT = "import sys\nsys.exit(0)\n"
 PLUGIN_H2O = ("from kvsim.sim.kv.policy import EvictionPolicy, register_policy\n"
               "@register_policy('h2o')\nclass Mine(EvictionPolicy):\n    pass\n")

@@ -71,7 +71,8 @@ def vllm_reference(
     """Run TRACE on a real vLLM engine (CPU, in-process, step by step), simulate it in kvsim with the
     same settings, and report where the schedules agree and the first step and column that differ.
     Writes vllm_steps.parquet, kvsim_steps.parquet, agreement.json and config.yaml into --out."""
-    from kvsim.sim.reference.harness import ReferenceError, reference_run, steps_from_times
+    from kvsim.sim.reference.harness import (ReferenceError, check_reference_memory, reference_run,
+                                             steps_from_times)
     from kvsim.sim.simulate import load_workload
 
     overrides = {
@@ -98,6 +99,7 @@ def vllm_reference(
             t = steps_from_times(t, step_s)
             cfg = cfg.model_copy(update={"trace_options": cfg.trace_options.model_copy(
                 update={"arrival_unit": "step"})})
+        check_reference_memory(cfg, t)
         agreement = reference_run(cfg, t, out, python, _model_dir(model_dir, python), timeout)
     except (ConfigError, ReferenceError, ValueError) as exc:
         fail(str(exc))
