@@ -237,6 +237,43 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def check_output_file(path: str | os.PathLike, option: str = "--out", what: str = "file") -> Path:
+    """A file a command is about to write: not a directory, not an existing named pipe, device or socket
+    (writing would hang or go nowhere), not in a system directory, and its folder writable (created if
+    missing). InputError naming `option` otherwise; checked before the work that makes the file."""
+    from .results import SYSTEM_TREES
+
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise InputError(f"{option} {path}: cannot be written ({exc.strerror}); expected a {what} to write") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise InputError(f"{option} {path}: is a directory; expected the {what} to write, e.g. {path / 'out.yaml'}")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{option} {path}: is {_kind(st.st_mode)}; expected a regular {what} to write")
+    folder = Path(os.path.realpath(path.absolute().parent))
+    if any(folder == Path(t) or Path(t) in folder.parents for t in SYSTEM_TREES):
+        raise InputError(f"{option} {path}: is in a system directory ({folder}); expected a {what} of your own")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{option} {path}: {existing} is not a writable directory; expected a {what} in one")
+    return path
+
+
+def write_error(exc: OSError, path: str | os.PathLike, option: str = "--out") -> tuple[str, int]:
+    """(one-line message, exit status) for an OSError writing `path`: a full disk says so (status 1, as a
+    run's results), anything else names the file and the reason (status 2)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = exc.strerror if str(path) in str(exc.strerror) else f"{path}: disk full ({exc.strerror})"
+        return f"{option} {reason}", 1
+    return f"{option} {path}: cannot be written ({exc.strerror or exc})", 2
+
+
 def json_safe(summary: dict, reasons_key: str = "null_reasons") -> dict:
     """`summary` with every non-finite float (top-level or in nested dicts/lists) as null, and under
     `reasons_key` why, per dotted key: JSON has no NaN or Infinity (json.dumps would write invalid JSON)."""

@@ -437,3 +437,64 @@ def test_runs_publishing_into_one_out_at_once_take_turns(tmp_path, monkeypatch, 
     assert len({(out / name).read_text() for name in names}) == 1          # one run's files, not a mix
     assert sorted(p.name for p in out.iterdir()) == sorted([*names, ".kvsim-results"])
     assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+# ---- calibrate's output: checked before the fit, written to a temporary file and renamed ----------
+@pytest.mark.parametrize("target, fragment", [("{d}", "is a directory"), ("{d}/fifo.yaml", "named pipe"),
+                                              ("/dev/full", "character device"), ("/etc/kvsim.yaml", "system directory"),
+                                              ("{d}/dup.yaml/x.yaml", "Not a directory")])
+def test_calibrate_refuses_an_output_it_cannot_write_before_fitting(d, target, fragment):
+    refused(kvsim(["calibrate", "no-such-log", "-o", target.format(d=d)], d), "--out", fragment)
+
+
+def _step_log(d: Path) -> Path:
+    from test_calibrate import synthetic_steps
+
+    synthetic_steps(n=200, padded=False).to_parquet(d / "steps.parquet")
+    return d / "steps.parquet"
+
+
+def test_calibrate_on_a_full_disk_keeps_the_previous_profile(tmp_path, monkeypatch):
+    """In process: the profile writer fails half-way with ENOSPC (monkeypatched write)."""
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli import app
+    from kvsim.sim.cost_model import HardwareProfile
+
+    log, out = _step_log(tmp_path), tmp_path / "fitted.yaml"
+    out.write_text("the previous profile\n")
+
+    def half_then_full(self, path):
+        Path(path).write_text("name: half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(HardwareProfile, "to_yaml", half_then_full)
+    res = CliRunner().invoke(app, ["calibrate", str(log), "-o", str(out), "--model", "smollm2", "--trim", "0"])
+    assert res.exit_code == 1
+    assert res.output.strip().splitlines()[-1] == (f"error: --out {out}: disk full (No space left on device); "
+                                                   "nothing was written")
+    assert out.read_text() == "the previous profile\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fitted.yaml", "steps.parquet"]
+
+
+def _unshare_tmpfs_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-Urm", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_tmpfs_works(), reason="no unprivileged user namespaces (unshare -Urm) for a tmpfs")
+def test_calibrate_on_a_real_full_disk_leaves_nothing_half_written(tmp_path):
+    """A real ENOSPC: a 16 KiB tmpfs (mounted in a user namespace, no root needed) already holding the
+    previous profile and a filler; kvsim calibrate in there says the disk is full (exit 1), and the
+    folder afterwards holds exactly what it held before."""
+    log, mnt = _step_log(tmp_path), tmp_path / "mnt"
+    mnt.mkdir()
+    script = (f"mount -t tmpfs -o size=16k tmpfs {mnt} && printf 'previous\\n' > {mnt}/fitted.yaml && "
+              f"head -c 12288 /dev/zero > {mnt}/filler; "
+              f"{sys.executable} -m kvsim.sim.cli calibrate {log} -o {mnt}/fitted.yaml --model smollm2 --trim 0 "
+              f">/dev/null 2>{tmp_path}/err; echo \"rc=$?\"; ls -A {mnt}; cat {mnt}/fitted.yaml")
+    ran = subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    err = (tmp_path / "err").read_text()
+    assert ran.stdout.split() == ["rc=1", "filler", "fitted.yaml", "previous"], (ran.stdout, ran.stderr, err)
+    assert err.strip() == f"error: --out {mnt}/fitted.yaml: disk full (No space left on device); nothing was written"
