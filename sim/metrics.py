@@ -12,6 +12,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .safe_io import deferred_interrupts
+
 # name -> (arrow type, meaning)
 STEP_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "replica": (pa.int32(), "engine replica index"),
@@ -105,6 +107,10 @@ class StepLog:
         """Write the buffered rows (`whole_groups`: only whole row groups of `flush_rows`)."""
         if not self._pending:
             return
+        with deferred_interrupts():     # a Ctrl-C here would drop the rows taken out of the buffer
+            self._flush(whole_groups)
+
+    def _flush(self, whole_groups: bool) -> None:
         n = self._drop_torn_row()
         columns = {name: np.asarray(self._rows[name][:n], dtype=typ.to_pandas_dtype())
                    for name, (typ, _) in STEP_COLUMNS.items()}

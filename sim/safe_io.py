@@ -15,7 +15,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import stat
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -272,6 +274,32 @@ def write_error(exc: OSError, path: str | os.PathLike, option: str = "--out") ->
         reason = exc.strerror if str(path) in str(exc.strerror) else f"{path}: disk full ({exc.strerror})"
         return f"{option} {reason}", 1
     return f"{option} {path}: cannot be written ({exc.strerror or exc})", 2
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Ctrl-C and SIGTERM arriving inside the block take effect when it ends, so the block (a table's
+    flush) is done whole or not at all; the previous handlers then run as they would have. Only the
+    main thread can set handlers: elsewhere (a dashboard job) the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[tuple[int, Any]] = []
+    previous = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, lambda n, frame: received.append((n, frame)))
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            signum, frame = received[0]
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def json_safe(summary: dict, reasons_key: str = "null_reasons") -> dict:

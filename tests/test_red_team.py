@@ -498,3 +498,36 @@ def test_calibrate_on_a_real_full_disk_leaves_nothing_half_written(tmp_path):
     err = (tmp_path / "err").read_text()
     assert ran.stdout.split() == ["rc=1", "filler", "fitted.yaml", "previous"], (ran.stdout, ran.stderr, err)
     assert err.strip() == f"error: --out {mnt}/fitted.yaml: disk full (No space left on device); nothing was written"
+
+
+# ---- partial results: a Ctrl-C while the step log writes a row group -------------------------------
+def test_ctrl_c_while_the_step_log_flushes_keeps_every_table_consistent(tmp_path, monkeypatch):
+    """Ctrl-C (a real SIGINT to this process) arriving while StepLog.flush writes a row group: the
+    partial result's step log has every step up to where the run stopped (none dropped), matching the
+    summary, and reaches as far in simulated time as the requests do."""
+    import pandas as pd
+
+    from kvsim.sim import metrics
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulate import run_simulation
+
+    monkeypatch.setattr(metrics.StepLog.__init__, "__defaults__", (256,))        # row groups of 256 steps
+    write, calls = metrics.StepLog._write, []
+
+    def interrupted_write(self, columns):
+        calls.append(len(columns["step"]))
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)          # delivered at the next bytecode, inside the flush
+        write(self, columns)
+    monkeypatch.setattr(metrics.StepLog, "_write", interrupted_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(load_config(None, {"trace_options.max_requests": 200}), tmp_path / "run")
+    out = tmp_path / "run"
+    s = json.loads((out / "summary.json").read_text())
+    steps, reqs = pd.read_parquet(out / "steps.parquet"), pd.read_parquet(out / "requests.parquet")
+    assert s["partial"] is True and s["partial_reason"] == "interrupted (Ctrl-C)"
+    assert len(steps) == s["num_steps"] >= 3 * 256
+    assert (steps["step"].to_numpy() == range(len(steps))).all()                 # no step dropped
+    steps_end = (steps["time_s"] + steps["duration_s"]).max()
+    latest_event = reqs[["first_token_s", "finish_s"]].max().max()                # the requests' last event
+    assert latest_event <= steps_end + 1e-9, (latest_event, steps_end)
