@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -531,3 +532,46 @@ def test_ctrl_c_while_the_step_log_flushes_keeps_every_table_consistent(tmp_path
     steps_end = (steps["time_s"] + steps["duration_s"]).max()
     latest_event = reqs[["first_token_s", "finish_s"]].max().max()                # the requests' last event
     assert latest_event <= steps_end + 1e-9, (latest_event, steps_end)
+
+
+# ---- a real full disk: a small tmpfs in a user namespace ------------------------------------------
+def in_full_tmpfs(tmp_path: Path, args: list[str], size_kb: int = 32) -> tuple[int, str, Path]:
+    """Run `kvsim ARGS` (with {mnt} for the tmpfs) in a user and mount namespace where {mnt} is a fresh
+    tmpfs of `size_kb`; (exit status, stderr, a copy of the tmpfs's content afterwards)."""
+    mnt, after = tmp_path / "mnt", tmp_path / "after"
+    mnt.mkdir()
+    after.mkdir()
+    command = " ".join(shlex.quote(a.replace("{mnt}", str(mnt))) for a in args)
+    script = (f"mount -t tmpfs -o size={size_kb}k tmpfs {mnt} || exit 99; cd {tmp_path}; "
+              f"{shlex.quote(sys.executable)} -m kvsim.sim.cli {command} >/dev/null 2>{tmp_path}/err; "
+              f"echo $? > {tmp_path}/rc; cp -a {mnt}/. {after}/")
+    subprocess.run(["unshare", "-Urm", "sh", "-c", script], timeout=120, check=True)
+    return int((tmp_path / "rc").read_text()), (tmp_path / "err").read_text(), after
+
+
+@pytest.mark.skipif(not _unshare_tmpfs_works(), reason="no unprivileged user namespaces (unshare -Urm) for a tmpfs")
+@pytest.mark.parametrize("command", ["sweep", "capacity", "simulate", "trace synth"])
+def test_a_real_full_disk_is_reported_as_such_leaving_nothing_half_written(tmp_path, command):
+    (tmp_path / "spec.yaml").write_text("fixed: {trace_options.max_requests: 20}\ngrid: {seed: [0, 1, 2]}\n")
+    args, code, says = {
+        "sweep": (["sweep", "spec.yaml", "-o", "{mnt}/st", "-q", "--jobs", "1"], 1, "disk full"),
+        "capacity": (["capacity", "--slo", "ttft_p99<=2s", "--max-requests", "20", "--max-evals", "4", "-q",
+                      "-o", "{mnt}/st"], 1, "disk full"),
+        "simulate": (["simulate", "--max-requests", "20", "-q", "-o", "{mnt}/run"], 1, "No space left on device"),
+        "trace synth": (["trace", "synth", "{mnt}/t.jsonl", "-n", "5000"], 2, "disk full"),
+    }[command]
+    rc, err, after = in_full_tmpfs(tmp_path, args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == code and len(lines) == 1 and lines[0].startswith("error: --out" if command != "trace synth"
+                                                                    else "error: "), err
+    assert says in lines[0] and "Traceback" not in err
+    left = [p for p in after.rglob("*") if p.is_file()]
+    assert not [p for p in left if "tmp" in p.name], left                         # no temporary file left
+    for p in left:                                                                # what is there is whole
+        if p.suffix == ".parquet":
+            pq.read_table(p)
+        elif p.suffix == ".json":
+            json.loads(p.read_text())
+        elif p.suffix == ".jsonl":
+            [json.loads(line) for line in p.read_text().splitlines()]
+    assert not (after / "run").exists() and not (after / "t.jsonl").exists()

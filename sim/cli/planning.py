@@ -188,6 +188,8 @@ def capacity(
             spread = capacity_range(cfg, constraints, result, sample, repeats=repeats, band=band, mode=mode,
                                     rel_tol=tol, max_evals=max_evals, max_replicas=max_replicas, store=out,
                                     progress=show_variant)
+    except typer.Exit:              # store_errors' own one-line exit (typer.Exit is a RuntimeError)
+        raise
     except (ConfigError, RuntimeError, ValueError) as exc:
         fail(str(exc))
     _print_capacity(result, mode, spread)
