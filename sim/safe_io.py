@@ -38,7 +38,8 @@ class InputError(ValueError):
     """A user file or value is unsafe to read (not a regular file, too large, too nested, a bomb)."""
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words (\"a named pipe (FIFO)\", \"a character device\", ...)."""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):
@@ -62,7 +63,7 @@ def check_input_file(path: str | os.PathLike, *, what: str = "file", max_bytes: 
     if not stat.S_ISREG(st.st_mode):
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(21, "Is a directory", str(path))
-        raise InputError(f"{where}: is {_kind(st.st_mode)}; expected a {what} (a regular file)")
+        raise InputError(f"{where}: is {file_kind(st.st_mode)}; expected a {what} (a regular file)")
     if max_bytes is not None and st.st_size > max_bytes:
         raise InputError(f"{where}: is {st.st_size / 2**20:.1f} MiB; a {what} may be at most "
                          f"{max_bytes / 2**20:.0f} MiB")
@@ -255,7 +256,7 @@ def check_output_file(path: str | os.PathLike, option: str = "--out", what: str 
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise InputError(f"{option} {path}: is a directory; expected the {what} to write, e.g. {path / 'out.yaml'}")
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise InputError(f"{option} {path}: is {_kind(st.st_mode)}; expected a regular {what} to write")
+        raise InputError(f"{option} {path}: is {file_kind(st.st_mode)}; expected a regular {what} to write")
     folder = Path(os.path.realpath(path.absolute().parent))
     if any(folder == Path(t) or Path(t) in folder.parents for t in SYSTEM_TREES):
         raise InputError(f"{option} {path}: is in a system directory ({folder}); expected a {what} of your own")
