@@ -293,7 +293,7 @@ def store_errors(store: Path | None, scheduler: str | None):
     except StoreBusyError as exc:
         fail(str(exc))
     except KeyboardInterrupt as exc:
-        typer.echo(f"{exc or 'interrupted (Ctrl-C)'}{kept}", err=True)
+        typer.echo(f"{str(exc) or 'interrupted (Ctrl-C)'}{kept}", err=True)
         raise typer.Exit(130) from None
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
