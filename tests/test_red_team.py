@@ -115,6 +115,8 @@ def d(tmp_path) -> Path:
     os.mkfifo(tmp_path / "fifo.jsonl")
     (tmp_path / "deep.yaml").write_text("a: " + "[" * 20_000 + "]" * 20_000 + "\n")
     (tmp_path / "dup.yaml").write_text("seed: 1\nseed: 2\n")
+    (tmp_path / "circular.yaml").write_text("engine: &e {max_num_seqs: *e}\n")
+    (tmp_path / "digits.yaml").write_text("seed: " + "9" * 5000 + "\n")
     return tmp_path
 
 
@@ -134,6 +136,10 @@ CASES = {
     "sweep spec is /dev/zero": (["sweep", "{d}/zero.yaml", "-o", "{d}/st", "--dry-run"], ["zero.yaml",
                                                                                        "character device"]),
     "YAML 20k deep": (SIM + ["-c", "{d}/deep.yaml", "-o", "{d}/r"], ["deep.yaml", "nested more than 100"]),
+    "circular YAML alias": (SIM + ["-c", "{d}/circular.yaml", "-o", "{d}/r"], ["circular.yaml",
+                                                                              "engine.max_num_seqs"]),
+    "5000-digit integer in a config file": (SIM + ["-c", "{d}/digits.yaml", "-o", "{d}/r"], ["digits.yaml",
+                                                                                            "5000 digits"]),
     "duplicate YAML keys": (SIM + ["-c", "{d}/dup.yaml", "-o", "{d}/r"], ["dup.yaml", "duplicate key 'seed'"]),
     "trace synth 1e12 requests": (["trace", "synth", "{d}/t.jsonl", "-n", "1000000000000"], ["at most 100,000,000"]),
     "--seed -1": (SIM + ["--seed", "-1", "-o", "{d}/r"], ["seed", "greater than or equal to 0"]),
@@ -145,6 +151,22 @@ CASES = {
     "--out /etc": (SIM + ["-o", "/etc"], ["--out /etc", "system directory"]),
     "--out /dev": (SIM + ["-o", "/dev"], ["--out /dev", "system directory"]),
 }
+
+
+def test_an_slo_in_seconds_is_accepted_by_capacity(d):
+    ran = kvsim(["capacity", "--slo", "ttft_p99<=1000s", "--max-requests", "20", "--max-evals", "2", "--repeats", "1",
+                 "-q"], d)
+    assert ran.code in (0, 1) and "1e+06" not in ran.err and "pydantic" not in ran.err, ran.err   # 1: no bound found
+    assert "rate" in ran.out
+    bounded(ran)
+
+
+def test_an_unreachable_dask_scheduler_is_one_line_exit_1(d):
+    (d / "spec.yaml").write_text("grid: {seed: [0]}\n")
+    ran = kvsim(["sweep", "spec.yaml", "-o", "st", "--executor", "dask", "--scheduler", "tcp://127.0.0.1:1", "-q"], d)
+    assert ran.code == 1 and len(ran.lines) == 1, ran.err
+    assert ran.lines[0].startswith("error: --scheduler tcp://127.0.0.1:1: no dask scheduler answered")
+    bounded(ran)
 
 
 @pytest.mark.parametrize("case", list(CASES))

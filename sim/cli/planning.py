@@ -279,13 +279,14 @@ def report(
 @contextmanager
 def store_errors(store: Path | None, scheduler: str | None):
     """Ctrl-C or SIGTERM: exit 130 saying the store keeps the finished runs; a full disk or an unreachable
-    Dask scheduler: one line (exit 1 and 2)."""
+    Dask scheduler: one line, exit 1."""
     import errno
 
     from .simulate import interrupt_on_sigterm
 
     kept = f"; the store {store} keeps the finished runs (run again to resume)" if store else ""
     from kvsim.sim.results import StoreBusyError
+    from kvsim.sim.sweep import SchedulerUnreachable
 
     try:
         with interrupt_on_sigterm():
@@ -298,9 +299,11 @@ def store_errors(store: Path | None, scheduler: str | None):
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             fail(f"--out {store}: disk full ({exc.strerror}){kept}", code=1)
+        if isinstance(exc, SchedulerUnreachable):          # names the address already
+            fail(str(exc), code=1)
         if scheduler is not None and (exc.errno is None or isinstance(exc, (ConnectionError, TimeoutError))):
             fail(f"--scheduler {scheduler}: cannot reach the Dask scheduler ({exc}); expected a running "
-                 "`dask scheduler` at that address")
+                 "`dask scheduler` at that address", code=1)
         fail(f"--out {store}: cannot write the store ({exc.strerror or exc})", code=1)
 
 
