@@ -606,3 +606,28 @@ def test_a_real_full_disk_is_reported_as_such_leaving_nothing_half_written(tmp_p
         elif p.suffix == ".jsonl":
             [json.loads(line) for line in p.read_text().splitlines()]
     assert not (after / "run").exists() and not (after / "t.jsonl").exists()
+
+
+@pytest.mark.parametrize("after_s", [0.0, 4.0])
+def test_sigterm_to_replay_exits_130_with_a_marked_partial_result_or_none(tmp_path, after_s):
+    """SIGTERM while the model loads (0 s) or while steps run (4 s after its staging directory appears):
+    exit 130 without a traceback, and either no result or one marked partial whose tables agree."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "replay", "--layers", "2", "--max-requests", "200",
+                             "--num-gpu-blocks", "2000", "-q", "-o", str(out)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(tmp_path.glob(".run.kvsim-tmp-*")):
+        time.sleep(0.05)
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGTERM)
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    if out.exists():
+        s = json.loads((out / "summary.json").read_text())
+        steps = out / "steps.parquet"
+        logged = pq.read_metadata(steps).num_rows if steps.exists() else 0
+        assert s["partial"] is True and logged == s.get("num_steps", 0)
+        assert "interrupted: partial result" in " ".join(stdout.split())
+    else:
+        assert err.strip() == "terminated (SIGTERM): no results written"
