@@ -613,7 +613,7 @@ def test_sigterm_to_replay_exits_130_with_a_marked_partial_result_or_none(tmp_pa
     """SIGTERM while the model loads (0 s) or while steps run (4 s after its staging directory appears):
     exit 130 without a traceback, and either no result or one marked partial whose tables agree."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "replay", "--layers", "2", "--max-requests", "200",
+    proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "replay", "--layers", "1", "--max-requests", "50",
                              "--num-gpu-blocks", "2000", "-q", "-o", str(out)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
