@@ -30,6 +30,10 @@ MAX_YAML_ALIASES = 100          # anchors are fine for sharing a few sections; a
 MAX_YAML_VALUES = 1_000_000     # values after aliases are expanded
 MAX_NESTING = 100               # mappings/lists (YAML) or objects/arrays (JSON) inside each other
 MAX_SET_VALUE_CHARS = 10_000    # one --set KEY=VALUE item
+# directories no output may go into (or, for the second group, under)
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc", "/root",
+               "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 
 _CParser = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -244,8 +248,6 @@ def check_output_file(path: str | os.PathLike, option: str = "--out", what: str 
     """A file a command is about to write: not a directory, not an existing named pipe, device or socket
     (writing would hang or go nowhere), not in a system directory, and its folder writable (created if
     missing). InputError naming `option` otherwise; checked before the work that makes the file."""
-    from .results import SYSTEM_TREES
-
     path = Path(path)
     try:
         st = os.stat(path)
