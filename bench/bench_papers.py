@@ -18,8 +18,14 @@ SmolLM2-135M's queries, `--reuse-rate`, default 0.21 at threshold 0.9) and in ch
 chunk-level selection (sim/kv/policies/selection_work.py), 8K-1M tokens (published: up to 23.84x
 attention, 2.28x end to end).
 
-    python bench/bench_papers.py                # both (~10 s CPU)
+Attention check (`--only attention`, needs torch and the SmolLM2 weights of the real backend): the
+share of H2O's evicted slots lying in wholly evicted pages (what free_block gives back) after a
+700-token prompt is cut at the first decode query and 300 tokens are decoded, real SmolLM2-135M
+attention against the importance model, per sequence on the head-averaged score (SpvLLM) and per head.
+
+    python bench/bench_papers.py                # SpvLLM and TokenSelect (~10 s CPU)
     python bench/bench_papers.py --only tokenselect
+    python bench/bench_papers.py --only attention   # ~2 min CPU
 """
 from __future__ import annotations
 
@@ -93,9 +99,26 @@ def print_tokenselect(reuse_rate: float) -> None:
               f"{2 * TOKENSELECT_CHUNK:>10,}")
 
 
+def print_attention_check(tokens: int = 1000, prompt: int = 700) -> None:
+    from kvsim.sim.calibration.attention_profile import eviction_profile, real_attention, synthetic_attention
+    from kvsim.sim.kv.policy import PolicyContext
+
+    smollm2 = PolicyContext("per_head", 30, 3, 9, 16, 90)
+    print(f"\nH2O prompt cut at the first decode query ({prompt}-token prompt, {tokens} tokens): pages-freed "
+          f"share, real SmolLM2-135M / importance model")
+    print(f"{'seed':>5}{'budget':>8}{'shared real':>13}{'model':>8}{'per_head real':>15}{'model':>8}")
+    for seed in (0, 1):
+        real = real_attention(tokens, seed)[0]
+        model = synthetic_attention(smollm2, "smollm2-135m", tokens, seed=seed)
+        for budget in (64, 128, 256):
+            f = [eviction_profile(a, prompt, budget, obs_window=1, prompt_cut=True, shared=sh).pages_freed_share
+                 for sh in (True, False) for a in (real, model)]
+            print(f"{seed:>5}{budget:>8}{f[0]:>13.3f}{f[1]:>8.3f}{f[2]:>15.3f}{f[3]:>8.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("spvllm", "tokenselect"))
+    ap.add_argument("--only", choices=("spvllm", "tokenselect", "attention"))
     ap.add_argument("--setup", choices=tuple(SETUPS), default="spvllm", help="SpvLLM: how H2O is run")
     ap.add_argument("--reuse-rate", type=float, default=0.21, help="TokenSelect Selection Cache reuse rate")
     args = ap.parse_args()
@@ -104,6 +127,8 @@ def main() -> None:
         print_spvllm(args.setup)
     if args.only in (None, "tokenselect"):
         print_tokenselect(args.reuse_rate)
+    if args.only == "attention":
+        print_attention_check()
     print(f"\nCPU time {time.process_time() - t0:.1f} s")
 
 
