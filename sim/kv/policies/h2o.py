@@ -5,7 +5,8 @@ After prefill the prompt is cut to the budget at once; each decode step then evi
 (one token per row per step once at the budget, since each step adds one). Under memory pressure
 (`reclaim`) it evicts the lowest-scored non-recent tokens, below the budget if it must.
 
-`evict_per_step` (k, default unset) is H2O as SpvLLM and the original H2O implementation run it:
+`evict_per_step` (k, default unset) is H2O as the original H2O implementation runs it (SpvLLM's
+instead cuts at the first decode step: the default cut with `obs_window: 1`, shared layout):
 no prompt cut; each decode step evicts at most k tokens per row while the row is over the budget,
 so a prompt longer than the budget keeps its length (k = 1: one in, one out) instead of dropping to
 the budget at once. Fast mode supports k = 1.
