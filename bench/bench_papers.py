@@ -18,12 +18,22 @@ SmolLM2-135M's queries, `--reuse-rate`, default 0.21 at threshold 0.9) and in ch
 chunk-level selection (sim/kv/policies/selection_work.py), 8K-1M tokens (published: up to 23.84x
 attention, 2.28x end to end).
 
+Throughput headlines (`--only others`, ~100 s CPU, LeanKV's fast mode most of it), each against
+`none` on the same workload (closed batches; the workloads are this script's choices where the
+papers' exact grids are not restated): KV-Compress, total token throughput at compression rate 8
+and 64, 256 x 6,000-token prompts + 500 outputs, Llama-3.1-8B / L4 (bench_kv_policies.py's
+workload A; published: up to 5.18x); LeanKV (K8V4 / K4V2 tiers, per_head, slot_reuse), total
+throughput, 64 x 2,000 + 2,000, Qwen2.5-32B / 2x L40 (workload B; published 1.9-2.5x, up to 6.9x);
+SnapKV (budget 1,024 per head), decode speed (TPOT) of one request with a 16K-token prompt and 512
+outputs, Llama-2-7B shape (the paper's LWM-Text-Chat-1M) / A100-80GB (published 3.6x, against a
+HuggingFace eager baseline).
+
 Attention check (`--only attention`, needs torch and the SmolLM2 weights of the real backend): the
 share of H2O's evicted slots lying in wholly evicted pages (what free_block gives back) after a
 700-token prompt is cut at the first decode query and 300 tokens are decoded, real SmolLM2-135M
 attention against the importance model, per sequence on the head-averaged score (SpvLLM) and per head.
 
-    python bench/bench_papers.py                # SpvLLM and TokenSelect (~10 s CPU)
+    python bench/bench_papers.py                # SpvLLM, TokenSelect, the others (~110 s CPU)
     python bench/bench_papers.py --only tokenselect
     python bench/bench_papers.py --only attention   # ~2 min CPU
 """
@@ -99,6 +109,36 @@ def print_tokenselect(reuse_rate: float) -> None:
               f"{2 * TOKENSELECT_CHUNK:>10,}")
 
 
+def _summary(model: str, gpu: str, kv: dict, n: int, prompt: int, output: int, tp: int = 1, **engine) -> dict:
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulate import run_simulation
+    from kvsim.traces.synthetic import closed_batch
+
+    cfg = load_config(None, {"model": model, "gpu": gpu, "tp": tp, "kv": kv, "engine": {"max_num_seqs": 256, **engine}})
+    return run_simulation(cfg, trace=closed_batch(n, prompt, output)).summary
+
+
+def print_others() -> None:
+    print("\nThroughput headlines, kvsim vs published (each against `none` on the same workload)")
+    print(f"{'paper, figure':<52}{'kvsim':>10}{'published':>22}")
+    a = ("llama-3.1-8b", "l4")
+    base = _summary(*a, {"policy": "none"}, 256, 6000, 500)["total_token_throughput"]
+    for rate in (8, 64):
+        kv = {"policy": "kvcompress", "layout": "per_head", "slot_strategy": "compact", "mode": "fast",
+              "trigger": "after_prefill+pressure", "params": {"compression_rate": rate}}
+        r = _summary(*a, kv, 256, 6000, 500)["total_token_throughput"] / base
+        print(f"{f'KV-Compress, total throughput, rate {rate}':<52}{r:>9.2f}x{'up to 5.18x':>22}", flush=True)
+    b = ("qwen2.5-32b", "l40")
+    base = _summary(*b, {"policy": "none"}, 64, 2000, 2000, tp=2)["total_token_throughput"]
+    kv = {"policy": "leankv", "layout": "per_head", "slot_strategy": "slot_reuse", "mode": "fast"}
+    r = _summary(*b, kv, 64, 2000, 2000, tp=2)["total_token_throughput"] / base
+    print(f"{'LeanKV, total throughput (K8V4 / K4V2)':<52}{r:>9.2f}x{'1.9-2.5x, up to 6.9x':>22}", flush=True)
+    c = ("llama-2-7b", "a100-80gb")
+    tpot = [_summary(*c, kv, 1, 16384, 512, max_model_len=32768)["tpot_mean_s"]
+            for kv in ({"policy": "none"}, {"policy": "snapkv", "layout": "per_head", "budget": 1024, "mode": "fast"})]
+    print(f"{'SnapKV, decode speed at 16K, one request':<52}{tpot[0] / tpot[1]:>9.2f}x{'3.6x':>22}", flush=True)
+
+
 def print_attention_check(tokens: int = 1000, prompt: int = 700) -> None:
     from kvsim.sim.calibration.attention_profile import eviction_profile, real_attention, synthetic_attention
     from kvsim.sim.kv.policy import PolicyContext
@@ -118,7 +158,7 @@ def print_attention_check(tokens: int = 1000, prompt: int = 700) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("spvllm", "tokenselect", "attention"))
+    ap.add_argument("--only", choices=("spvllm", "tokenselect", "others", "attention"))
     ap.add_argument("--setup", choices=tuple(SETUPS), default="spvllm", help="SpvLLM: how H2O is run")
     ap.add_argument("--reuse-rate", type=float, default=0.21, help="TokenSelect Selection Cache reuse rate")
     args = ap.parse_args()
@@ -127,6 +167,8 @@ def main() -> None:
         print_spvllm(args.setup)
     if args.only in (None, "tokenselect"):
         print_tokenselect(args.reuse_rate)
+    if args.only in (None, "others"):
+        print_others()
     if args.only == "attention":
         print_attention_check()
     print(f"\nCPU time {time.process_time() - t0:.1f} s")
