@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..policy import EvictionPolicy, check_positive_int, register_policy
+from ..policy import EvictionPolicy, FastModeProfile, check_positive_int, register_policy
 from . import selection_work
 
 
@@ -82,9 +82,9 @@ class Quest(EvictionPolicy):
             return dense * live + (1.0 - dense) * sparse
         return self._shared_read(live, sparse, ctx)
 
-    def fast_mode_profile(self) -> dict:
+    def fast_mode_profile(self) -> FastModeProfile:
         # selection evicts nothing: pages fill as without a policy; fast mode charges mean_read
-        return {"budget": None}
+        return FastModeProfile()
 
     def select(self, state, ctx, bound: np.ndarray) -> np.ndarray:
         """bool [rows, S]: the live slots read this step, given a per-slot upper bound of the query's
