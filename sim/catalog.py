@@ -232,10 +232,13 @@ class ModelSpec(_Spec):
 
     @property
     def _variant_small_params(self) -> int:
-        """Per-layer average of the MoE routers (hidden x experts) and MLA's latent norms."""
-        mla = self.kv_lora_rank + self.q_lora_rank if self.is_mla else 0
-        router = self.num_moe_layers * self.hidden_size * self.num_experts
-        return mla + router // self.num_layers
+        """MLA's norms of the compressed q and KV."""
+        return self.kv_lora_rank + self.q_lora_rank if self.is_mla else 0
+
+    @property
+    def router_params(self) -> int:
+        """The MoE layers' routers (hidden x experts each), kept at the activation dtype."""
+        return self.num_moe_layers * self.hidden_size * self.num_experts
 
     @property
     def final_norm_params(self) -> int:
@@ -264,7 +267,7 @@ class ModelSpec(_Spec):
         """Unique parameters, as the model card counts them."""
         lm_head = 0 if self.tied_embeddings else self.lm_head_params
         return (self.linear_params + self.num_layers * self.small_params_per_layer
-                + self.embedding_params + lm_head + self.final_norm_params)
+                + self.embedding_params + lm_head + self.final_norm_params + self.router_params)
 
     # ---- bytes --------------------------------------------------------------------------------
     @property
@@ -276,7 +279,7 @@ class ModelSpec(_Spec):
         """Bytes of all weights in GPU memory (unsharded)."""
         emb = DTYPE_BYTES[self.embedding_dtype_resolved]
         lm_head = 0 if self.tied_embeddings else self.lm_head_params
-        small = self.num_layers * self.small_params_per_layer + self.final_norm_params
+        small = self.num_layers * self.small_params_per_layer + self.final_norm_params + self.router_params
         return int(self.linear_params * DTYPE_BYTES[self.weight_dtype]
                    + (self.embedding_params + lm_head) * emb
                    + small * DTYPE_BYTES[self.activation_dtype] + self._expert_dtype_correction)
@@ -293,7 +296,7 @@ class ModelSpec(_Spec):
         """Bytes a forward pass streams from memory when it touches every expert: every linear weight
         and the LM head once; the embedding table is only gathered row by row (negligible)."""
         emb = DTYPE_BYTES[self.embedding_dtype_resolved]
-        small = self.num_layers * self.small_params_per_layer + self.final_norm_params
+        small = self.num_layers * self.small_params_per_layer + self.final_norm_params + self.router_params
         return int(self.linear_params * DTYPE_BYTES[self.weight_dtype] + self.lm_head_params * emb
                    + small * DTYPE_BYTES[self.activation_dtype] + self._expert_dtype_correction)
 

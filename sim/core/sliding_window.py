@@ -43,13 +43,13 @@ class GroupTables:
         have = len(self.tables.get(req, ()))
         return self.groups * max(0, -(-total_tokens // self.block_size) - have)
 
-    def blocks_for_sequence(self, total_tokens: int, num_computed_tokens: int) -> int:
-        """Pool blocks a whole sequence of `total_tokens` tokens occupies at most, as an admission bound: a
-        full group holds them all; a sliding group the window's blocks plus the next chunk's."""
+    def blocks_for_sequence(self, total_tokens: int) -> int:
+        """Pool blocks a sequence of `total_tokens` tokens holds once computed (the admission gate's
+        figure): a full group all of them, a sliding group the window's (a prefill chunk holds more
+        until the next step: allocate_slots checks those)."""
         blocks = -(-total_tokens // self.block_size)
         if self.window is not None:
-            blocks = min(blocks, -(-self.window // self.block_size) + 1
-                         + -(-(total_tokens - num_computed_tokens) // self.block_size))
+            blocks = min(blocks, -(-self.window // self.block_size) + 1)
         return self.groups * blocks
 
     def remove_skipped(self, req: Request, num_computed_tokens: int) -> None:
@@ -174,7 +174,7 @@ class HybridKVManager:
     # ----- allocation ------------------------------------------------------------------------
     def fits_full_sequence(self, req: Request, num_tokens: int, computed_blocks: list[int],
                            free_blocks: int | None = None) -> bool:
-        need = sum(t.blocks_for_sequence(num_tokens, req.num_computed_tokens) for t in self.types)
+        need = sum(t.blocks_for_sequence(num_tokens) for t in self.types)
         need -= self.blocks_held(req)
         return need <= (self.pool.num_free_blocks if free_blocks is None else free_blocks)
 
