@@ -251,3 +251,18 @@ def test_each_new_catalog_model_simulates(model, gpu, tp):
     res = run_simulation(cfg)
     assert res.summary["completed"] == 40
     assert res.summary["output_throughput"] > 0
+
+
+def test_kvsim_models_lists_experts_active_params_and_attention():
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli import app
+    r = CliRunner().invoke(app, ["models", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {m["name"]: m for m in json.loads(r.output)}
+    ds = rows["DeepSeek-V3"]
+    assert (ds["experts"], ds["experts_per_token"], ds["shared_experts"], ds["attention"]) == (256, 8, 1, "MLA")
+    assert ds["kv_bytes_per_token"] == 70_272 and 37.0 < ds["active_params_b"] < 38.0
+    assert rows["gpt-oss-20b"]["attention"] == "GQA, window 128 on 12/24 layers"
+    assert rows["gpt-oss-20b"]["expert_dtype"] == "mxfp4"
+    assert rows["Llama-3.1-8B"]["experts"] == 0 and rows["Llama-3.1-8B"]["attention"] == "GQA"
