@@ -52,6 +52,16 @@ GPT_OSS_20B_CONFIG = {
     "rms_norm_eps": 1e-05, "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
     "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "vocab_size": 201088}
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936}
 SPEC_ONLY = {"name", "hf_id", "aliases"}
 
 
@@ -62,10 +72,17 @@ def from_hf(tmp_path, config):
 
 
 @pytest.mark.parametrize("config, name", [(MIXTRAL_CONFIG, "mixtral-8x7b"), (DEEPSEEK_V3_CONFIG, "deepseek-v3"),
-                                          (GPT_OSS_20B_CONFIG, "gpt-oss-20b")])
+                                          (GPT_OSS_20B_CONFIG, "gpt-oss-20b"), (QWEN3_30B_A3B_CONFIG, "qwen3-30b-a3b")])
 def test_hf_config_parses_into_the_catalog_spec(tmp_path, config, name):
     parsed = from_hf(tmp_path, config).model_dump(exclude=SPEC_ONLY)
     assert parsed == get_model(name).model_dump(exclude=SPEC_ONLY)
+
+
+def test_interleaved_moe_layers_are_refused_in_one_line(tmp_path):
+    from kvsim.sim.catalog import CatalogError
+    with pytest.raises(CatalogError, match="decoder_sparse_step") as err:
+        from_hf(tmp_path, {**QWEN3_30B_A3B_CONFIG, "decoder_sparse_step": 2})
+    assert "config.json" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_mixtral_memory_by_hand():
