@@ -24,7 +24,7 @@ from .cost_model import kv_heads_per_gpu
 from .defaults import resolve_engine
 from .kv.base import sample_row_count
 from .kv.build import policy_params
-from .kv.policy import PolicyError, get_policy
+from .kv.policy import FastModeProfile, PolicyError, get_policy
 
 GiB = 2**30
 NON_TORCH_OVERHEAD_BYTES = GiB // 2   # CUDA context extras, cuBLAS/NCCL workspaces, CUDA graph pool
@@ -191,14 +191,14 @@ def _fast_slab_bytes(cfg, rows: int, trace, max_seqs: int) -> tuple[int, int, in
     recent-window ring and the budget-sized survivor list (with H2O, its score terms): see
     FastKVManager._alloc_arrays."""
     try:
-        profile = get_policy(cfg.kv.policy, **policy_params(cfg.kv)).fast_mode_profile() or {}
+        profile = get_policy(cfg.kv.policy, **policy_params(cfg.kv)).fast_mode_profile() or FastModeProfile()
     except (PolicyError, TypeError, ValueError):
         return 0, 0, 0                      # reported by the manager itself when it is built
-    if profile.get("sampled_rows"):         # token-level state on sampled rows (sim/kv/fast/sampled.py), no slab
+    if profile.sampled_rows:         # token-level state on sampled rows (sim/kv/fast/sampled.py), no slab
         return 0, 0, 0
-    budget = int(profile.get("budget") or 0)
-    window = max(int(profile.get("protect_recent", 0)), 1)
-    scored = profile.get("age_weight") == "young" and profile.get("budget") is not None
+    budget = int(profile.budget or 0)
+    window = max(int(profile.protect_recent), 1)
+    scored = profile.age_weight == "young" and profile.budget is not None
     sim_rows = sample_row_count(rows, cfg.kv.fast_rows)
     longest = int((trace.df["prompt_tokens"] + trace.df["output_tokens"]).max()) if trace is not None else 0
     cols = max(8, -(-longest // cfg.engine.block_size))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..policy import Decision, EvictionPolicy, check_positive_int, lowest_k_mask, register_policy
+from ..policy import Decision, EvictionPolicy, FastModeProfile, check_positive_int, lowest_k_mask, register_policy
 
 
 @register_policy("h2o")
@@ -50,7 +50,7 @@ class H2O(EvictionPolicy):
         mask = lowest_k_mask(state.score, np.full(state.rows, per_row), cand)
         return Decision(evict=mask) if mask.any() else None
 
-    def fast_mode_profile(self) -> dict:
-        return {"budget": self.budget, "protect_recent": self.recent, "protect_first": 0,
-                "age_weight": "young", "per_step": self.evict_per_step or 1, "obs_window": self.obs_window,
-                "prompt_cut": self.evict_per_step is None}
+    def fast_mode_profile(self) -> FastModeProfile:
+        return FastModeProfile(budget=self.budget, protect_recent=self.recent, age_weight="young",
+                               per_step=self.evict_per_step or 1, obs_window=self.obs_window,
+                               prompt_cut=self.evict_per_step is None)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..policy import EvictionPolicy, check_positive_int, register_policy
+from ..policy import EvictionPolicy, FastModeProfile, check_positive_int, register_policy
 
 
 @register_policy("quest")
@@ -79,9 +79,9 @@ class Quest(EvictionPolicy):
             return dense * live + (1.0 - dense) * sparse
         return self._shared_read(live, sparse, ctx)
 
-    def fast_mode_profile(self) -> dict:
+    def fast_mode_profile(self) -> FastModeProfile:
         # selection evicts nothing: pages fill as without a policy; fast mode charges mean_read
-        return {"budget": None}
+        return FastModeProfile()
 
     def select(self, state, ctx, bound: np.ndarray) -> np.ndarray:
         """bool [rows, S]: the live slots read this step, given a per-slot upper bound of the query's
