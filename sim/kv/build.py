@@ -4,6 +4,7 @@ from __future__ import annotations
 from ..config import ConfigError, SimConfig
 from ..core.kv_manager import KVCacheManager
 from ..core.protocols import KVManager
+from ..core.sliding_window import build_sliding_window_manager
 from .base import EvictingManagerBase
 from .importance import ImportanceError, SyntheticImportance
 from .manager import EvictingKVManager
@@ -38,6 +39,8 @@ def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int) -> KVManager:
     """The KV manager of one replica: the plain vLLM manager unless `kv:` asks for more. `num_blocks`
     is vLLM's num_gpu_blocks (one of them the null block)."""
     eng = cfg.engine
+    if model.num_sliding_layers:
+        return build_sliding_window_manager(cfg, model, num_blocks)
     if cfg.kv.is_default:
         return KVCacheManager(num_blocks, eng.block_size, enable_caching=bool(eng.enable_prefix_caching))
     if eng.enable_prefix_caching:
