@@ -205,9 +205,8 @@ def request_table(requests) -> pd.DataFrame:
             "first_token_s": first, "finish_s": last if status == "finished" else math.nan,
             "prompt_tokens": r.prompt_tokens, "output_tokens": r.num_output_tokens,
             "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,
-            "evicted_tokens": r.extra.get("kv_evicted_tokens", 0.0),
-            "attention_mass_retained": (r.extra["kv_mass_sum"] / r.extra["kv_mass_steps"]
-                                        if r.extra.get("kv_mass_steps") else math.nan),
+            "evicted_tokens": r.kv_evicted_tokens,
+            "attention_mass_retained": r.kv_mass_sum / r.kv_mass_steps if r.kv_mass_steps else math.nan,
             "token_times_s": np.array(times, dtype=np.float64),
         })
     df = pd.DataFrame(rows, columns=[c for c in REQUEST_COLUMNS if c not in (

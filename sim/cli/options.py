@@ -53,6 +53,9 @@ MaxNumSeqs = Annotated[Optional[int], typer.Option(help="most sequences in one s
 MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(help="token budget per step")]
 PrefixCaching = Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
                                                        help="automatic prefix caching (default: vLLM's)")]
+ExpertParallel = Annotated[Optional[bool], typer.Option(
+    "--enable-expert-parallel", help="MoE models: experts split over the TP group's GPUs, all-to-all for the MoE "
+                                     "layers (vLLM's --enable-expert-parallel)")]
 MaxModelLen = Annotated[Optional[int], typer.Option(help="longest prompt + output (default: the model's "
                                                          "max_position_embeddings, as vLLM)")]
 LongPrefillTokenThreshold = Annotated[Optional[int], typer.Option(
@@ -113,6 +116,7 @@ CONFIG_KEYS = {
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "max_model_len": "engine.max_model_len", "long_prefill_token_threshold": "engine.long_prefill_token_threshold",
     "prefix_caching": "engine.enable_prefix_caching", "chunked_prefill": "engine.enable_chunked_prefill",
+    "expert_parallel": "engine.enable_expert_parallel",
     "preemption_mode": "engine.preemption_mode", "scheduling_policy": "engine.scheduling_policy",
     "policy": "kv.policy", "budget": "kv.budget", "layout": "kv.layout", "slot_strategy": "kv.slot_strategy",
     "kv_mode": "kv.mode", "compression_rate": "kv.params.compression_rate",
