@@ -19,10 +19,10 @@ from .core.scheduler import SchedulerConfig
 from .cost_model import CostModel, load_profile
 from .defaults import resolve_engine
 from .kv.build import build_kv_manager as _build_manager, policy_params
-from .kv.policy import EvictionPolicy, PolicyError, get_policy
+from .kv.policy import EvictionPolicy, FastModeProfile, PolicyError, get_policy
 from .memory import RunMemoryEstimate, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
 
-KVKind = Literal["plain", "evicting"]            # vLLM's KVCacheManager | the eviction-aware managers
+KVKind = Literal["plain", "evicting", "hybrid"]  # vLLM's KVCacheManager | eviction-aware | sliding-window layers
 ExecutorKind = Literal["cost_model", "kv_policy"]    # sim.executor's two; the real backend has its own
 
 
@@ -40,7 +40,7 @@ class RunPlan:
     cfg: SimConfig             # engine defaults resolved: what config.yaml records
     hardware: Hardware
     scheduler: SchedulerConfig
-    policy: EvictionPolicy | None    # the configured policy, built once; None with the plain manager
+    policy: EvictionPolicy | None    # the configured policy, built once; None unless kv_kind is evicting
     kv_kind: KVKind
     executor_kind: ExecutorKind
     memory: RunMemoryEstimate  # host memory the run needs (checked by the driver: it knows what is available)
@@ -71,12 +71,13 @@ def build_run_plan(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None
     replaces `cfg.model`'s catalog entry (the real backend passes the spec of the model it runs)."""
     cfg = with_engine_defaults(cfg)
     hardware = resolve_hardware(cfg, model)
-    policy = None if cfg.kv.is_default else build_policy(cfg)
-    profile = (policy.fast_mode_profile() or {}) if policy is not None and cfg.kv.mode == "fast" else None
+    # a model with sliding-window layers runs the hybrid manager, which refuses policies when built
+    kv_kind: KVKind = "hybrid" if hardware.model.num_sliding_layers else "plain" if cfg.kv.is_default else "evicting"
+    policy = build_policy(cfg) if kv_kind == "evicting" else None
+    profile = (policy.fast_mode_profile() or FastModeProfile()) if policy is not None and cfg.kv.mode == "fast" else None
     return RunPlan(
         cfg=cfg, hardware=hardware, scheduler=scheduler_config(cfg, hardware.cost, hardware.max_model_len),
-        policy=policy, kv_kind="plain" if policy is None else "evicting",
-        executor_kind="cost_model" if policy is None else "kv_policy",
+        policy=policy, kv_kind=kv_kind, executor_kind="kv_policy" if kv_kind == "evicting" else "cost_model",
         memory=estimate_run_memory(cfg, hardware.model, hardware.cost, hardware.num_blocks, trace, profile))
 
 
@@ -93,8 +94,13 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
         model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
     gpu = get_gpu(cfg.gpu)
     eng = cfg.engine
-    cost = CostModel(model, gpu, load_profile(cfg.profile, gpu=gpu), tp=cfg.tp,
-                     async_scheduling=bool(eng.async_scheduling))
+    try:
+        cost = CostModel(model, gpu, load_profile(cfg.profile, gpu=gpu), tp=cfg.tp,
+                         async_scheduling=bool(eng.async_scheduling), expert_parallel=eng.enable_expert_parallel)
+    except ValueError as exc:
+        if "--enable-expert-parallel" not in str(exc):
+            raise
+        raise ConfigError(str(exc).replace("--enable-expert-parallel", "engine.enable_expert_parallel")) from None
     if eng.num_gpu_blocks is not None:
         blocks = eng.num_gpu_blocks
         check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)
