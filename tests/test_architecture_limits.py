@@ -5,10 +5,11 @@
   its command-line options, declared in its signature);
 - no class has more than two bases besides Protocol/Generic (composition over deep mixing).
 
-sim/kv/ is not covered yet: its managers are being recomposed separately (the KV managers of issue
-27, part B); widen `EXCLUDED` when that lands. The functions still over the limit are listed in
-`KNOWN_LONG`, each with its count: the test fails when one grows, when a new one appears, and when
-one is fixed and still listed (so the list only shrinks).
+Kernels compiled by assignment (`f = njit(...)(f)`, or a loop over names doing the same, as
+sim/kv/fast/ does) count as compiled. The functions still over the limit are listed in
+`KNOWN_LONG`, each with its count, and the classes still over the base limit in `KNOWN_WIDE`: the
+tests fail when one grows, when a new one appears, and when one is fixed and still listed (so the
+lists only shrink). sim/kv/'s managers are the largest debt (FastKVManager's eight mixins).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("sim", "gpu")
-EXCLUDED = ("sim/kv/",)
+EXCLUDED: tuple[str, ...] = ()
 MAX_PARAMS = 8
 MAX_BASES = 2
 COMPILED = {"jit", "njit", "vectorize", "guvectorize"}       # triton.jit, numba.njit, ...
@@ -39,6 +40,20 @@ KNOWN_LONG = {
     "sim/memory.py:num_gpu_blocks": 11,
     "sim/plan.py:plan_capacity": 12,
     "sim/sweep.py:run_sweep": 11,
+    # numpy twins of the compiled kernels (same argument lists as the kernels they check)
+    "sim/kv/fast/reference.py:evict_lowest_np": 12,
+    "sim/kv/fast/reference.py:prompt_cut_np": 11,
+    "sim/kv/fast/reference.py:prompt_terms_np": 9,
+    "sim/kv/fast/reference.py:scored_step_np": 14,
+    "sim/kv/fast/kernels.py:score_prompt": 10,
+    "sim/kv/fast/manager.py:FastKVManager.__init__": 9,
+    "sim/kv/fast/sampled.py:SampledRowsKVManager.__init__": 13,
+    "sim/kv/manager.py:EvictingKVManager.__init__": 13,
+}
+
+# path:class -> bases besides Protocol/Generic, still over the limit
+KNOWN_WIDE = {
+    "sim/kv/fast/manager.py:FastKVManager": 8,
 }
 
 
@@ -48,6 +63,29 @@ def _files():
             rel = path.relative_to(ROOT).as_posix()
             if not rel.startswith(EXCLUDED):
                 yield rel, ast.parse(path.read_text(), filename=rel)
+
+
+def _assigned_kernels(tree) -> set[str]:
+    """Names a module compiles by assignment: `f = njit(...)(f)` or `for n in ("f", ...): globals()[n] = njit(...)(...)`."""
+    def compiles(call) -> bool:
+        return (isinstance(call, ast.Call) and isinstance(call.func, ast.Call)
+                and _callee_name(call.func) in COMPILED)
+
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and compiles(node.value) and node.value.args:
+            arg = node.value.args[0]
+            if isinstance(arg, ast.Name):
+                out.add(arg.id)
+        elif isinstance(node, ast.For) and isinstance(node.iter, (ast.Tuple, ast.List)):
+            if any(isinstance(n, ast.Assign) and compiles(n.value) for n in ast.walk(node)):
+                out |= {e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return out
+
+
+def _callee_name(call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
 
 
 def _decorator_names(node) -> set[str]:
@@ -99,8 +137,9 @@ def _functions(tree):
 def long_functions() -> dict[str, int]:
     out, commands = {}, cli_commands()
     for rel, tree in _files():
+        kernels = _assigned_kernels(tree)
         for name, fn in _functions(tree):
-            if _decorator_names(fn) & COMPILED or f"{rel}:{name}" in commands:
+            if _decorator_names(fn) & COMPILED or name in kernels or f"{rel}:{name}" in commands:
                 continue
             n = _param_count(fn)
             if n > MAX_PARAMS:
@@ -119,22 +158,27 @@ def test_no_function_takes_more_than_eight_parameters():
 
 
 def test_no_class_has_more_than_two_bases_besides_protocols():
-    wide = []
+    wide = {}
     for rel, tree in _files():
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 bases = [ast.unparse(b) for b in node.bases]
                 kept = [b for b in bases if b.split("[")[0].split(".")[-1] not in EXEMPT_BASES]
                 if len(kept) > MAX_BASES:
-                    wide.append(f"{rel}:{node.name}({', '.join(bases)})")
-    assert not wide, f"classes with more than {MAX_BASES} bases besides Protocol/Generic: {wide}"
+                    wide[f"{rel}:{node.name}"] = len(kept)
+    new = {k: v for k, v in wide.items() if KNOWN_WIDE.get(k, MAX_BASES) < v}
+    fixed = sorted(set(KNOWN_WIDE) - set(wide))
+    assert not new, f"classes with more than {MAX_BASES} bases besides Protocol/Generic (or more than listed): {new}"
+    assert not fixed, f"now within the limit: remove from KNOWN_WIDE: {fixed}"
 
 
 def test_the_checks_see_what_they_check():
     """The scan reaches the engine and the backend, and recognises kernels and CLI commands."""
     names = {f"{rel}:{name}" for rel, tree in _files() for name, _ in _functions(tree)}
     assert "sim/engine.py:EngineReplica.run" in names and "gpu/replay.py:run_replay" in names
-    assert not any(k.startswith("sim/kv/") for k in names)
+    assert "sim/kv/fast/manager.py:FastKVManager.__init__" in names
+    kernels = _assigned_kernels(ast.parse((ROOT / "sim/kv/fast/leankv_kernel.py").read_text()))
+    assert {"leankv_step", "_attend_row", "page_counts"} <= kernels
     assert {"sim/cli/simulate.py:simulate", "sim/cli/replay.py:replay"} <= cli_commands() <= names
     tree = ast.parse("@triton.jit\ndef k(a, b, c, d, e, f, g, h, i): pass\n"
                      "class A:\n    def f(self, a, b, c, d, e, f, g, h): pass\n"
