@@ -21,21 +21,24 @@ from .safe_io import dumps_json
 from .vllm_metrics import bench_metrics
 
 
-def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list, num_blocks: int,
-                max_model_len: int, model, gpu, profile=None, client_latency: bool = False) -> dict:
-    """summary.json of a run (simulated or replayed) from its request and step tables."""
+def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame | dict, kvs: list, num_blocks: int,
+                max_model_len: int, model, gpu, profile=None, client_latency: bool = False,
+                tokens=None) -> dict:
+    """summary.json of a run (simulated or replayed) from its request and step tables (a streamed run:
+    its step figures, sim.metrics.step_figures_from_file, and token figures, sim.request_log.TokenStats)."""
     # blocks of the pool actually managed (per_head pools count one-head blocks)
     pool_blocks = kvs[0].num_blocks if kvs else num_blocks
     summary = summarize(req_df, steps_df, num_blocks_total=pool_blocks,
                         slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
                         prefix_queries=sum(kv.num_prefix_queries for kv in kvs),
-                        prefix_hits=sum(kv.num_prefix_hits for kv in kvs))
+                        prefix_hits=sum(kv.num_prefix_hits for kv in kvs), tokens=tokens)
     preempted_queries = sum(kv.num_prefix_queries_preempted for kv in kvs)
     preempted_hits = sum(kv.num_prefix_hits_preempted for kv in kvs)
     summary["prefix_hit_rate_preempted"] = preempted_hits / preempted_queries if preempted_queries else 0.0
     if not cfg.kv.is_default:
-        summary.update(kv_summary(kvs, req_df, steps_df))
-    summary.update(run_bench_metrics(cfg, req_df))
+        totals = pd.DataFrame({k: [v] for k, v in steps_df.items()}) if isinstance(steps_df, dict) else steps_df
+        summary.update(kv_summary(kvs, req_df, totals))
+    summary.update(run_bench_metrics(cfg, req_df, tokens))
     summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
                     "max_model_len": max_model_len, "model": model.name, "gpu": gpu.name,
                     "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace,
@@ -46,13 +49,13 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame, kv
     return summary
 
 
-def run_bench_metrics(cfg: SimConfig, req_df: pd.DataFrame) -> dict:
+def run_bench_metrics(cfg: SimConfig, req_df: pd.DataFrame, tokens=None) -> dict:
     """`vllm bench serve`'s result keys (sim/vllm_metrics.py), and the load options it echoes when set."""
     opts = cfg.trace_options
     start = 0.0 if opts.request_rate is not None or not len(req_df) else float(
         req_df.get("client_arrival_s", req_df["arrival_s"]).min())
     out = bench_metrics(req_df, start_s=start, percentiles=cfg.metric_percentiles,
-                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s)
+                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s, tokens=tokens)
     if opts.request_rate is not None:
         out.update(request_rate=opts.request_rate, burstiness=opts.burstiness)
     if opts.max_concurrency is not None:
@@ -60,9 +63,11 @@ def run_bench_metrics(cfg: SimConfig, req_df: pd.DataFrame) -> dict:
     return out
 
 
-def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame, summary: dict) -> None:
-    """requests.parquet, summary.json and config.yaml (steps.parquet is written by the StepLog)."""
-    pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
+def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summary: dict) -> None:
+    """requests.parquet (unless `req_df` is None: sim.request_log.RequestLog streamed it), summary.json
+    and config.yaml (steps.parquet is written by the StepLog)."""
+    if req_df is not None:
+        pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
     # NaN (e.g. a percentile of no finished request) becomes null with a reason: JSON has no NaN
     (out / "summary.json").write_text(dumps_json(summary, indent=2, default=float))
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

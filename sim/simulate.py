@@ -20,9 +20,11 @@ from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, Ste
 from .executor import replica_executor
 from .kv.build import build_kv_manager
 from .memory import check_memory, estimate_run_memory
-from .metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
+from .metrics import (SUMMARY_STEP_COLUMNS, WHOLE_STEP_LOG_ROWS, StepLog, add_client_queue, request_table,
+                      step_figures_from_file)
 from .outputs import run_summary, write_outputs
 from .progress import ProgressTracker, TokenBar, ambient_callback
+from .request_log import RequestLog, read_request_columns, token_stats_from_file
 from .results import ResultDir, check_out_dir, check_out_owner
 
 
@@ -116,10 +118,22 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         limit_holder.append(limit)
         arrivals = ArrivalProcess(env, requests, router, limit)
         arrivals_holder.append(arrivals)
-    stop = _drive(env, arrivals, replicas, step_arrivals, limit)
+
+    def frame(reqs: list) -> pd.DataFrame:
+        df = client_view(request_table(reqs), client, entry.sent if entry else {})
+        if limit is not None:
+            add_client_queue(df, limit.client_arrival)
+        return df
+    # rows go to requests.parquet as requests finish, unless the client view needs all token times at once
+    # or the bench comparison the whole table
+    streamable = not client.output_token_s > 0 and not getattr(trace, "measured", None)
+    log = RequestLog(requests, out / "requests.parquet" if out else None, frame, stream=streamable)
+    schedulers = [r.scheduler for r in replicas]
+    stop = _drive(env, arrivals, replicas, step_arrivals, limit, collect=lambda: log.collect(schedulers))
     if tracker:
         tracker.finish()
     step_log.close()
+    log.collect(schedulers)
 
     if stop:                               # requests that never arrived are not part of the result
         if arrivals is not None:
@@ -128,14 +142,21 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
         else:
             unsent = set(map(id, step_arrivals.pending))
             requests = [r for r in requests if id(r) not in unsent]
-    req_df = client_view(request_table(requests), client, entry.sent if entry else {})
-    if limit is not None:
-        add_client_queue(req_df, limit.client_arrival)
+    req_df = log.finish(requests)
+    tokens = None
+    if req_df is None:                     # streamed: the summary reads the file
+        req_df = read_request_columns(out / "requests.parquet")
+        done = req_df["arrival_s"][req_df["status"] == "finished"]
+        tokens = token_stats_from_file(out / "requests.parquet", float(done.min()) if len(done) else 0.0)
     steps_df = step_log.to_pandas() if keep_steps or out is None else None
-    steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(
-        out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
+    if steps_df is not None:
+        steps_for_summary = steps_df
+    elif step_log.num_rows > WHOLE_STEP_LOG_ROWS:
+        steps_for_summary = step_figures_from_file(out / "steps.parquet", _pool_blocks(replicas, num_blocks))
+    else:
+        steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(cfg, req_df, steps_for_summary, [r.kv for r in replicas], num_blocks,
-                          max_model_len, model, gpu, cost.profile, client.enabled)
+                          max_model_len, model, gpu, cost.profile, client.enabled, tokens=tokens)
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
@@ -146,7 +167,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
     wall = time.perf_counter() - t0
     summary["wall_s"] = wall
     if staging:
-        write_outputs(out, cfg, req_df, summary)
+        write_outputs(out, cfg, None if tokens is not None else req_df, summary)
         if comparison is not None:
             comparison.to_parquet(out / "bench_comparison.parquet", index=False)
         staging.publish()
@@ -177,19 +198,38 @@ def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
                           "results would replace them; expected another directory")
 
 
+def _pool_blocks(replicas: list[EngineReplica], num_blocks: int) -> int:
+    """Blocks of the pool actually managed (as sim.outputs.run_summary counts them)."""
+    return replicas[0].kv.num_blocks if replicas else num_blocks
+
+
+COLLECT_EVERY = 1024          # simpy events between two collections of finished requests
+
+
 def _drive(env: simpy.Environment, arrivals: ArrivalProcess | None, replicas: list[EngineReplica],
-           step_arrivals: StepArrivals | None = None, limit: ConcurrencyLimit | None = None):
-    """Run the engine to the end; None, or (reason, exception) when it was interrupted or failed."""
+           step_arrivals: StepArrivals | None = None, limit: ConcurrencyLimit | None = None,
+           collect=lambda: None):
+    """Run the engine to the end, calling `collect` every COLLECT_EVERY events; None, or (reason,
+    exception) when it was interrupted or failed."""
     # The engine allocates many small, long-lived objects (token times, step rows) and no reference
     # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        events = 0
         if arrivals is not None:
-            env.run(until=arrivals.process)    # all requests submitted
+            submitted = arrivals.process       # as env.run(until=it): stepping until it is processed
+            while not submitted.processed:
+                env.step()
+                events += 1
+                if events % COLLECT_EVERY == 0:
+                    collect()
         while (any(r.scheduler.has_work for r in replicas) or (step_arrivals and step_arrivals.pending)
                or (limit is not None and limit.in_transit)):
             env.step()
+            events += 1
+            if events % COLLECT_EVERY == 0:
+                collect()
         if limit is not None and limit.pending:
             raise RuntimeError(f"{limit.pending} requests still wait for a concurrency slot with no request "
                                "in flight")

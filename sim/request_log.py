@@ -1,0 +1,278 @@
+"""Requests summarised as they finish and streamed to requests.parquet, so a run's memory does not grow
+with its finished requests (issue 32).
+
+`RequestLog` takes the requests that finished or were rejected (collected from the schedulers' lists
+every so often) and emits their rows in request-id order (the order of requests.parquet) as soon as
+every lower id is done. While the rows kept hold fewer than `chunk_tokens` token times and
+`chunk_rows` rows, nothing is written: a run that never exceeds that is written at the end in one
+piece, exactly as before (same bytes). Past it, whole chunks are written as Parquet row groups and the
+requests' token times released; the summary is then computed from the file (one column at a time for
+the per-request metrics, row group by row group for the token times: `TokenStats`).
+
+Exact throughout: per-request percentiles from the full columns (8 bytes a request each), inter-token
+latencies through `ValueCounts` (the gaps of one step pair are the same float for every request in it,
+so their distinct values stay few; percentiles, median exact as numpy's; mean and standard deviation from
+the exact distribution, equal to numpy's pairwise sums to ~1e-15 relative).
+"""
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Callable, NamedTuple
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+
+class ValueCounts:
+    """Exact distribution of float64 values: kept raw up to `raw_limit` values (numpy's own results,
+    bit for bit), then as sorted distinct values with counts (exact order statistics)."""
+
+    def __init__(self, raw_limit: int = 1 << 23):
+        self.raw_limit = raw_limit
+        self._raw: list[np.ndarray] = []
+        self._raw_n = 0
+        self.values: np.ndarray | None = None      # sorted distinct values once compacted
+        self.counts: np.ndarray | None = None
+
+    def add(self, v: np.ndarray) -> None:
+        if v.size:
+            self._raw.append(np.asarray(v, dtype=np.float64))
+            self._raw_n += v.size
+            if self._raw_n > self.raw_limit:
+                self._compact()
+
+    def _compact(self) -> None:
+        parts = self._raw + ([self.values] if self.values is not None else [])
+        weights = [np.ones(self._raw_n, np.int64)] + ([self.counts] if self.counts is not None else [])
+        v, c = np.concatenate(parts), np.concatenate(weights)
+        self._raw, self._raw_n = [], 0
+        order = np.argsort(v, kind="stable")
+        v, c = v[order], c[order]
+        starts = np.flatnonzero(np.concatenate(([True], v[1:] != v[:-1])))
+        self.values, self.counts = v[starts], np.add.reduceat(c, starts) if v.size else c
+
+    @property
+    def compacted(self) -> bool:
+        return self.values is not None
+
+    def raw(self) -> np.ndarray:
+        """All values in the order added (only before compaction)."""
+        return np.concatenate(self._raw) if self._raw else np.array([], dtype=np.float64)
+
+    @property
+    def size(self) -> int:
+        return self._raw_n + (int(self.counts.sum()) if self.counts is not None else 0)
+
+    def finish(self) -> None:
+        if self.compacted and self._raw:
+            self._compact()
+
+    def _stat(self, k: np.ndarray) -> np.ndarray:
+        """The k-th smallest values (0-based)."""
+        return self.values[np.searchsorted(np.cumsum(self.counts), k, side="right")]
+
+    def percentile(self, q):
+        """numpy's percentile (linear method), over the compacted values."""
+        if not self.compacted:
+            return np.percentile(self.raw(), q)
+        self.finish()
+        n = self.size
+        virtual = np.asanyarray((n - 1) * np.true_divide(q, 100))
+        prev = np.floor(virtual)
+        nxt = prev + 1
+        above = virtual >= n - 1
+        prev, nxt = np.where(above, n - 1, prev), np.where(above, n - 1, nxt)
+        below = virtual < 0
+        prev, nxt = np.where(below, 0, prev), np.where(below, 0, nxt)
+        a, b = self._stat(prev.astype(np.int64)), self._stat(nxt.astype(np.int64))
+        gamma = np.asanyarray(virtual - np.floor(virtual))
+        diff = b - a
+        out = np.where(gamma >= 0.5, b - diff * (1 - gamma), a + diff * gamma)
+        return out[()] if out.ndim == 0 else out
+
+    def median(self) -> float:
+        if not self.compacted:
+            return float(np.median(self.raw()))
+        self.finish()
+        n = self.size
+        if n % 2:
+            return float(self._stat(np.int64((n - 1) // 2)))
+        return float((self._stat(np.int64(n // 2 - 1)) + self._stat(np.int64(n // 2))) / 2)
+
+    def mean(self) -> float:
+        if not self.compacted:
+            return float(np.mean(self.raw()))
+        self.finish()
+        return float(math.fsum(self.values * self.counts) / self.size)
+
+    def std(self) -> float:
+        if not self.compacted:
+            return float(np.std(self.raw()))
+        mean = self.mean()
+        return math.sqrt(math.fsum(self.counts * (self.values - mean) ** 2) / self.size)
+
+
+class TokenStats(NamedTuple):
+    """What the summary needs from every finished request's token times."""
+    itl: ValueCounts                 # gaps between consecutive output tokens of a request, all requests
+    peak_tokens_per_s: float         # most tokens in one whole second counted from `start`
+
+
+def list_gaps(offsets: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """Gaps between consecutive values of each list (lists given as offsets [n + 1] and values)."""
+    if times.size == 0:
+        return np.array([])
+    gaps = np.diff(times)
+    first_of_list = offsets[1:-1]
+    keep = np.ones(gaps.size, dtype=bool)
+    keep[first_of_list[(first_of_list > 0) & (first_of_list < times.size)] - 1] = False
+    return gaps[keep]
+
+
+def token_stats_from_file(path, start_s: float) -> TokenStats:
+    """TokenStats of the finished requests of a requests.parquet, read row group by row group."""
+    itl, buckets = ValueCounts(), np.zeros(0, np.int64)
+    for batch in pq.ParquetFile(path).iter_batches(columns=["status", "token_times_s"]):
+        keep = pa.compute.equal(batch.column(0), "finished")
+        lists = pa.compute.filter(batch.column(1), keep)
+        offsets = lists.offsets.to_numpy().astype(np.int64)
+        times = lists.values.to_numpy()[offsets[0]:offsets[-1]]
+        offsets = offsets - offsets[0]
+        itl.add(list_gaps(offsets, times))
+        b = (times - start_s).astype(np.int64)
+        counts = np.bincount(b[b >= 0])
+        if counts.size > buckets.size:
+            counts[:buckets.size] += buckets
+            buckets = counts
+        else:
+            buckets[:counts.size] += counts
+    itl.finish()
+    return TokenStats(itl, float(buckets.max()) if buckets.size else 0.0)
+
+
+def read_request_columns(path) -> pd.DataFrame:
+    """A streamed requests.parquet without its token times (8 bytes a request a column)."""
+    names = [c for c in pq.read_schema(path).names if c != "token_times_s"]
+    return pq.read_table(path, columns=names).to_pandas()
+
+
+@contextmanager
+def _signals_deferred():
+    """Ctrl-C / SIGTERM wait until the block ends (a chunk is written and recorded as written, or not)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# a chunk is written once the rows ready hold this many token times or rows (~64 MiB of token times)
+CHUNK_TOKENS = 1 << 23
+CHUNK_ROWS = 1 << 16
+
+
+class RequestLog:
+    """Finished requests' rows, emitted in request-id order and streamed to `path` in chunks.
+
+    `frame(requests)` makes the rows (a DataFrame: sim.metrics.request_table and the client view);
+    `stream`: whether chunks may be written before the end (False: the whole table at the end)."""
+
+    def __init__(self, requests: list, path, frame: Callable[[list], pd.DataFrame], *, stream: bool = True,
+                 chunk_tokens: int | None = None, chunk_rows: int | None = None):
+        self.path = path
+        self.frame = frame
+        self.chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
+        self.chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
+        ids = np.fromiter((r.request_id for r in requests), np.int64, len(requests))
+        self.sorted_ids = np.sort(ids, kind="stable")
+        # rows come out in id order as ids finish: needs distinct ids (else all rows wait to the end)
+        self.stream = stream and path is not None and (
+            ids.size < 2 or bool((self.sorted_ids[1:] != self.sorted_ids[:-1]).all()))
+        self.done = np.zeros(len(requests), dtype=bool)
+        self.pending: dict[int, object] = {}     # rank -> finished request waiting for lower ids
+        self.watermark = 0                       # ranks below it are in `ready` or written
+        self.ready: list = []
+        self.ready_tokens = 0
+        self._seen: dict[int, list[int]] = {}    # replica scheduler -> how many finished/rejected taken
+        self._writer: pq.ParquetWriter | None = None
+        self._schema: pa.Schema | None = None
+        self.rows_written = 0
+
+    @property
+    def streamed(self) -> bool:
+        return self._writer is not None
+
+    def collect(self, schedulers) -> None:
+        """Take the requests the schedulers finished or rejected since the last call."""
+        new = []
+        for i, s in enumerate(schedulers):
+            seen = self._seen.setdefault(i, [0, 0])
+            new += s.finished[seen[0]:]
+            new += s.rejected[seen[1]:]
+            seen[0], seen[1] = len(s.finished), len(s.rejected)
+        if not new or not self.stream:
+            return
+        ranks = np.searchsorted(self.sorted_ids, [r.request_id for r in new])
+        for rank, req in zip(ranks.tolist(), new):
+            self.done[rank] = True
+            self.pending[rank] = req
+        done, pending, ready = self.done, self.pending, self.ready
+        wm = self.watermark
+        while wm < done.size and done[wm]:
+            req = pending.pop(wm)
+            ready.append(req)
+            self.ready_tokens += len(req.token_times)
+            wm += 1
+        self.watermark = wm
+        if self.ready_tokens >= self.chunk_tokens or len(ready) >= self.chunk_rows:
+            self._write(ready, True)
+
+    def _write(self, reqs: list, from_ready: bool = False) -> None:
+        table = self._arrow(self.frame(reqs))
+        with _signals_deferred():
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(self.path, self._schema, use_dictionary=False)
+            self._writer.write_table(table)
+            self.rows_written += len(reqs)
+            if from_ready:
+                self.ready, self.ready_tokens = [], 0
+        for r in reqs:
+            del r.token_times[:]               # written: the Request keeps an empty array
+
+    def _arrow(self, df: pd.DataFrame) -> pa.Table:
+        from .outputs import requests_arrow
+        table = requests_arrow(df)
+        if self._schema is None:
+            # reject_reason is null-typed in a chunk without rejections: fix it as a string column
+            i = table.schema.get_field_index("reject_reason")
+            self._schema = table.schema.set(i, pa.field("reject_reason", pa.large_string()))
+        return table.cast(self._schema)
+
+    def finish(self, included: list) -> pd.DataFrame | None:
+        """The table of the `included` requests (those that arrived) when nothing was streamed, else
+        None after writing the rest to the file."""
+        if not self.streamed:
+            return self.frame(included)
+        left = [r for r in included if not r.is_finished] + list(self.pending.values()) + self.ready
+        left.sort(key=lambda r: r.request_id)
+        for start in range(0, len(left), self.chunk_rows):
+            self._write(left[start:start + self.chunk_rows])
+        self._writer.close()
+        return None
+
+    def close(self) -> None:
+        """Release the file (a run that failed before `finish`)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
