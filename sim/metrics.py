@@ -321,7 +321,7 @@ STEP_FIGURES = ("num_steps", "kv_util_mean", "kv_util_max", "fragmentation_mean"
                 "batch_size_mean", "preemptions")
 # step logs up to this many rows are summarised from whole columns (numpy's sums, as always); longer
 # ones row group by row group (`step_figures_from_file`)
-WHOLE_STEP_LOG_ROWS = 1 << 22
+WHOLE_STEP_LOG_ROWS = 1 << 20
 
 
 def step_figures_from_file(path, num_blocks_total: int) -> dict:

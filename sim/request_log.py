@@ -31,35 +31,39 @@ import pyarrow.parquet as pq
 
 class ValueCounts:
     """Exact distribution of float64 values: kept raw up to `raw_limit` values (numpy's own results,
-    bit for bit), then as sorted distinct values with counts (exact order statistics)."""
+    bit for bit), then as runs of sorted distinct values with their counts (one run per `raw_limit`
+    values added; exact order statistics by a search over the values' bit patterns, no merge)."""
 
-    def __init__(self, raw_limit: int = 1 << 23):
-        self.raw_limit = raw_limit
+    def __init__(self, raw_limit: int = 1 << 22, max_runs: int = 256):
+        self.raw_limit, self.max_runs = raw_limit, max_runs
         self._raw: list[np.ndarray] = []
         self._raw_n = 0
-        self.values: np.ndarray | None = None      # sorted distinct values once compacted
-        self.counts: np.ndarray | None = None
+        self.runs: list[tuple[np.ndarray, np.ndarray]] = []     # (sorted order keys, counts)
 
     def add(self, v: np.ndarray) -> None:
         if v.size:
             self._raw.append(np.asarray(v, dtype=np.float64))
             self._raw_n += v.size
             if self._raw_n > self.raw_limit:
-                self._compact()
+                self._flush()
 
-    def _compact(self) -> None:
-        parts = self._raw + ([self.values] if self.values is not None else [])
-        weights = [np.ones(self._raw_n, np.int64)] + ([self.counts] if self.counts is not None else [])
-        v, c = np.concatenate(parts), np.concatenate(weights)
+    def _flush(self) -> None:
+        if not self._raw:
+            return
+        keys, counts = np.unique(_order_keys(np.concatenate(self._raw)), return_counts=True)
         self._raw, self._raw_n = [], 0
-        order = np.argsort(v, kind="stable")
-        v, c = v[order], c[order]
-        starts = np.flatnonzero(np.concatenate(([True], v[1:] != v[:-1])))
-        self.values, self.counts = v[starts], np.add.reduceat(c, starts) if v.size else c
+        self.runs.append((keys, counts.astype(np.int64)))
+        if len(self.runs) > self.max_runs:          # values repeating across runs: one run of them all
+            keys = np.concatenate([k for k, _ in self.runs])
+            counts = np.concatenate([c for _, c in self.runs])
+            order = np.argsort(keys, kind="stable")
+            keys, counts = keys[order], counts[order]
+            starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+            self.runs = [(keys[starts], np.add.reduceat(counts, starts))]
 
     @property
     def compacted(self) -> bool:
-        return self.values is not None
+        return bool(self.runs)
 
     def raw(self) -> np.ndarray:
         """All values in the order added (only before compaction)."""
@@ -67,15 +71,25 @@ class ValueCounts:
 
     @property
     def size(self) -> int:
-        return self._raw_n + (int(self.counts.sum()) if self.counts is not None else 0)
+        return self._raw_n + sum(int(c.sum()) for _, c in self.runs)
 
     def finish(self) -> None:
-        if self.compacted and self._raw:
-            self._compact()
+        if self.runs:
+            self._flush()
 
-    def _stat(self, k: np.ndarray) -> np.ndarray:
-        """The k-th smallest values (0-based)."""
-        return self.values[np.searchsorted(np.cumsum(self.counts), k, side="right")]
+    def _kth(self, k: int) -> float:
+        """The k-th smallest value (0-based): the smallest key with more than k values at or below it."""
+        lo, hi = min(int(keys[0]) for keys, _ in self.runs), max(int(keys[-1]) for keys, _ in self.runs)
+        cums = [np.cumsum(c) for _, c in self.runs]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            at_or_below = sum(int(cum[i - 1]) if (i := int(np.searchsorted(keys, mid, side="right"))) else 0
+                              for (keys, _), cum in zip(self.runs, cums))
+            if at_or_below > k:
+                hi = mid
+            else:
+                lo = mid + 1
+        return float(_from_order_key(np.int64(lo)))
 
     def percentile(self, q):
         """numpy's percentile (linear method), over the compacted values."""
@@ -84,13 +98,11 @@ class ValueCounts:
         self.finish()
         n = self.size
         virtual = np.asanyarray((n - 1) * np.true_divide(q, 100))
-        prev = np.floor(virtual)
-        nxt = prev + 1
-        above = virtual >= n - 1
-        prev, nxt = np.where(above, n - 1, prev), np.where(above, n - 1, nxt)
-        below = virtual < 0
-        prev, nxt = np.where(below, 0, prev), np.where(below, 0, nxt)
-        a, b = self._stat(prev.astype(np.int64)), self._stat(nxt.astype(np.int64))
+        prev = np.clip(np.floor(virtual), 0, n - 1).astype(np.int64)
+        nxt = np.clip(np.floor(virtual) + 1, 0, n - 1).astype(np.int64)
+        nxt = np.where(virtual >= n - 1, n - 1, nxt)
+        a = np.array([self._kth(int(k)) for k in prev.ravel()]).reshape(prev.shape)
+        b = np.array([self._kth(int(k)) for k in nxt.ravel()]).reshape(nxt.shape)
         gamma = np.asanyarray(virtual - np.floor(virtual))
         diff = b - a
         out = np.where(gamma >= 0.5, b - diff * (1 - gamma), a + diff * gamma)
@@ -102,20 +114,37 @@ class ValueCounts:
         self.finish()
         n = self.size
         if n % 2:
-            return float(self._stat(np.int64((n - 1) // 2)))
-        return float((self._stat(np.int64(n // 2 - 1)) + self._stat(np.int64(n // 2))) / 2)
+            return self._kth((n - 1) // 2)
+        return (self._kth(n // 2 - 1) + self._kth(n // 2)) / 2
+
+    def _weighted_sum(self, f) -> float:
+        return math.fsum(float(np.dot(f(_from_order_key(keys)), counts)) for keys, counts in self.runs)
 
     def mean(self) -> float:
         if not self.compacted:
             return float(np.mean(self.raw()))
         self.finish()
-        return float(math.fsum(self.values * self.counts) / self.size)
+        return self._weighted_sum(lambda v: v) / self.size
 
     def std(self) -> float:
         if not self.compacted:
             return float(np.std(self.raw()))
         mean = self.mean()
-        return math.sqrt(math.fsum(self.counts * (self.values - mean) ** 2) / self.size)
+        return math.sqrt(self._weighted_sum(lambda v: (v - mean) ** 2) / self.size)
+
+
+_LOW_BITS = np.int64(0x7FFFFFFFFFFFFFFF)
+
+
+def _order_keys(v: np.ndarray) -> np.ndarray:
+    """int64 keys ordered as the float64 values (negative floats' bits reversed)."""
+    bits = v.view(np.int64)
+    return bits ^ ((bits >> 63) & _LOW_BITS)
+
+
+def _from_order_key(keys):
+    keys = np.asarray(keys, dtype=np.int64)
+    return (keys ^ ((keys >> 63) & _LOW_BITS)).view(np.float64)
 
 
 class TokenStats(NamedTuple):
@@ -138,7 +167,7 @@ def list_gaps(offsets: np.ndarray, times: np.ndarray) -> np.ndarray:
 def token_stats_from_file(path, start_s: float) -> TokenStats:
     """TokenStats of the finished requests of a requests.parquet, read row group by row group."""
     itl, buckets = ValueCounts(), np.zeros(0, np.int64)
-    for batch in pq.ParquetFile(path).iter_batches(columns=["status", "token_times_s"]):
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=8192, columns=["status", "token_times_s"]):
         keep = pa.compute.equal(batch.column(0), "finished")
         lists = pa.compute.filter(batch.column(1), keep)
         offsets = lists.offsets.to_numpy().astype(np.int64)
@@ -159,7 +188,7 @@ def token_stats_from_file(path, start_s: float) -> TokenStats:
 def read_request_columns(path) -> pd.DataFrame:
     """A streamed requests.parquet without its token times (8 bytes a request a column)."""
     names = [c for c in pq.read_schema(path).names if c != "token_times_s"]
-    return pq.read_table(path, columns=names).to_pandas()
+    return pq.read_table(path, columns=names).to_pandas(self_destruct=True)
 
 
 @contextmanager
@@ -176,9 +205,12 @@ def _signals_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-# a chunk is written once the rows ready hold this many token times or rows (~64 MiB of token times)
+# streaming starts once the rows ready hold this many token times or rows (~64 MiB of token times; a run
+# below it is written whole at the end, as before); from then on rows are written in row groups of about
+# WRITE_TOKENS token times (at most CHUNK_ROWS rows)
 CHUNK_TOKENS = 1 << 23
 CHUNK_ROWS = 1 << 16
+WRITE_TOKENS = 1 << 20
 
 
 class RequestLog:
@@ -234,18 +266,32 @@ class RequestLog:
             self.ready_tokens += len(req.token_times)
             wm += 1
         self.watermark = wm
-        if self.ready_tokens >= self.chunk_tokens or len(ready) >= self.chunk_rows:
-            self._write(ready, True)
+        if self.streamed or self.ready_tokens >= self.chunk_tokens or len(ready) >= self.chunk_rows:
+            self._write_ready(whole=False)
 
-    def _write(self, reqs: list, from_ready: bool = False) -> None:
+    def _write_ready(self, whole: bool) -> None:
+        """Write the ready rows in pieces of about WRITE_TOKENS token times (`whole`: the last, shorter
+        piece too)."""
+        while self.ready:
+            n = tokens = 0
+            for r in self.ready:
+                if n and (tokens + len(r.token_times) > WRITE_TOKENS or n >= self.chunk_rows):
+                    break
+                n += 1
+                tokens += len(r.token_times)
+            if n == len(self.ready) and not whole and tokens < WRITE_TOKENS:
+                return
+            self._write(self.ready[:n], tokens)
+
+    def _write(self, reqs: list, tokens: int) -> None:
         table = self._arrow(self.frame(reqs))
         with _signals_deferred():
             if self._writer is None:
                 self._writer = pq.ParquetWriter(self.path, self._schema, use_dictionary=False)
             self._writer.write_table(table)
             self.rows_written += len(reqs)
-            if from_ready:
-                self.ready, self.ready_tokens = [], 0
+            del self.ready[:len(reqs)]
+            self.ready_tokens -= tokens
         for r in reqs:
             del r.token_times[:]               # written: the Request keeps an empty array
 
@@ -263,10 +309,11 @@ class RequestLog:
         None after writing the rest to the file."""
         if not self.streamed:
             return self.frame(included)
-        left = [r for r in included if not r.is_finished] + list(self.pending.values()) + self.ready
-        left.sort(key=lambda r: r.request_id)
-        for start in range(0, len(left), self.chunk_rows):
-            self._write(left[start:start + self.chunk_rows])
+        left = [r for r in included if not r.is_finished] + list(self.pending.values())
+        self.ready += sorted(left, key=lambda r: r.request_id)
+        self.pending = {}
+        self.ready_tokens = sum(len(r.token_times) for r in self.ready)
+        self._write_ready(whole=True)
         self._writer.close()
         return None
 
