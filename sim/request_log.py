@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 
@@ -34,11 +35,12 @@ class ValueCounts:
     bit for bit), then as runs of sorted distinct values with their counts (one run per `raw_limit`
     values added; exact order statistics by a search over the values' bit patterns, no merge)."""
 
-    def __init__(self, raw_limit: int = 1 << 22, max_runs: int = 256):
+    def __init__(self, raw_limit: int = 1 << 20, max_runs: int = 512):
         self.raw_limit, self.max_runs = raw_limit, max_runs
         self._raw: list[np.ndarray] = []
         self._raw_n = 0
         self.runs: list[tuple[np.ndarray, np.ndarray]] = []     # (sorted order keys, counts)
+        self._cums: list[np.ndarray] | None = None              # cumulative counts of each run
 
     def add(self, v: np.ndarray) -> None:
         if v.size:
@@ -51,7 +53,7 @@ class ValueCounts:
         if not self._raw:
             return
         keys, counts = np.unique(_order_keys(np.concatenate(self._raw)), return_counts=True)
-        self._raw, self._raw_n = [], 0
+        self._raw, self._raw_n, self._cums = [], 0, None
         self.runs.append((keys, counts.astype(np.int64)))
         if len(self.runs) > self.max_runs:          # values repeating across runs: one run of them all
             keys = np.concatenate([k for k, _ in self.runs])
@@ -80,7 +82,8 @@ class ValueCounts:
     def _kth(self, k: int) -> float:
         """The k-th smallest value (0-based): the smallest key with more than k values at or below it."""
         lo, hi = min(int(keys[0]) for keys, _ in self.runs), max(int(keys[-1]) for keys, _ in self.runs)
-        cums = [np.cumsum(c) for _, c in self.runs]
+        cums = self._cums if self._cums is not None else [np.cumsum(c) for _, c in self.runs]
+        self._cums = cums
         while lo < hi:
             mid = (lo + hi) // 2
             at_or_below = sum(int(cum[i - 1]) if (i := int(np.searchsorted(keys, mid, side="right"))) else 0
@@ -167,9 +170,11 @@ def list_gaps(offsets: np.ndarray, times: np.ndarray) -> np.ndarray:
 def token_stats_from_file(path, start_s: float) -> TokenStats:
     """TokenStats of the finished requests of a requests.parquet, read row group by row group."""
     itl, buckets = ValueCounts(), np.zeros(0, np.int64)
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=8192, columns=["status", "token_times_s"]):
-        keep = pa.compute.equal(batch.column(0), "finished")
-        lists = pa.compute.filter(batch.column(1), keep)
+    file = pq.ParquetFile(path, pre_buffer=False)
+    for i in range(file.num_row_groups):       # one row group at a time: memory stays about one's
+        batch = file.read_row_group(i, columns=["status", "token_times_s"], use_threads=False)
+        keep = pc.equal(batch.column(0), "finished")
+        lists = pc.filter(batch.column(1), keep).combine_chunks()
         offsets = lists.offsets.to_numpy().astype(np.int64)
         times = lists.values.to_numpy()[offsets[0]:offsets[-1]]
         offsets = offsets - offsets[0]
