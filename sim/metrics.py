@@ -334,8 +334,10 @@ def step_figures_from_file(path, num_blocks_total: int) -> dict:
     util_max = -math.inf
     totals = dict.fromkeys(("preemptions", "bytes_moved", "blocks_freed_by_eviction", "evicted_tokens"), 0)
     frags = ValueCounts()
-    for batch_rb in pq.ParquetFile(path).iter_batches(columns=list(SUMMARY_STEP_COLUMNS)):
-        cols = {name: batch_rb.column(name).to_numpy() for name in SUMMARY_STEP_COLUMNS}
+    file = pq.ParquetFile(path, pre_buffer=False)
+    for i in range(file.num_row_groups):            # one row group at a time (no read-ahead)
+        group = file.read_row_group(i, columns=list(SUMMARY_STEP_COLUMNS), use_threads=False)
+        cols = {name: group.column(name).to_numpy() for name in SUMMARY_STEP_COLUMNS}
         dur, frag = cols["duration_s"], cols["fragmentation"]
         util = cols["blocks_used"] / num_blocks_total
         n += dur.size

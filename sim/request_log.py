@@ -190,10 +190,16 @@ def token_stats_from_file(path, start_s: float) -> TokenStats:
     return TokenStats(itl, float(buckets.max()) if buckets.size else 0.0)
 
 
+# the columns of a streamed requests.parquet that the summary reads (8 bytes a request each)
+SUMMARY_REQUEST_COLUMNS = ("request_id", "status", "arrival_s", "finish_s", "queueing_s", "ttft_s", "tpot_s",
+                           "e2e_s", "prompt_tokens", "output_tokens", "preemptions", "evicted_tokens",
+                           "attention_mass_retained", "client_arrival_s")
+
+
 def read_request_columns(path) -> pd.DataFrame:
-    """A streamed requests.parquet without its token times (8 bytes a request a column)."""
-    names = [c for c in pq.read_schema(path).names if c != "token_times_s"]
-    return pq.read_table(path, columns=names).to_pandas(self_destruct=True)
+    """The summary's columns of a streamed requests.parquet (SUMMARY_REQUEST_COLUMNS present in it)."""
+    names = [c for c in pq.read_schema(path).names if c in SUMMARY_REQUEST_COLUMNS]
+    return pq.read_table(path, columns=names, use_threads=False).to_pandas(self_destruct=True)
 
 
 @contextmanager
@@ -228,6 +234,7 @@ class RequestLog:
                  chunk_tokens: int | None = None, chunk_rows: int | None = None):
         self.path = path
         self.frame = frame
+        self.requests = requests
         self.chunk_tokens = CHUNK_TOKENS if chunk_tokens is None else chunk_tokens
         self.chunk_rows = CHUNK_ROWS if chunk_rows is None else chunk_rows
         ids = np.fromiter((r.request_id for r in requests), np.int64, len(requests))
@@ -321,6 +328,14 @@ class RequestLog:
         self._write_ready(whole=True)
         self._writer.close()
         return None
+
+    def release(self, replicas) -> None:
+        """After `finish` of a streamed run: drop the engine's references to its requests (the trace's
+        list, the schedulers' finished and rejected lists), whose rows are in the file."""
+        self.requests.clear()
+        for replica in replicas:
+            replica.scheduler.finished.clear()
+            replica.scheduler.rejected.clear()
 
     def close(self) -> None:
         """Release the file (a run that failed before `finish`)."""

@@ -145,6 +145,7 @@ def _simulate(cfg: SimConfig, trace, staging: ResultDir | None, model, gpu, cost
     req_df = log.finish(requests)
     tokens = None
     if req_df is None:                     # streamed: the summary reads the file
+        log.release(replicas)
         req_df = read_request_columns(out / "requests.parquet")
         done = req_df["arrival_s"][req_df["status"] == "finished"]
         tokens = token_stats_from_file(out / "requests.parquet", float(done.min()) if len(done) else 0.0)
