@@ -7,16 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
 from .config import SimConfig
 from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
-from .metrics import flat_token_times, summarize
+from .metrics import summarize
+from .request_log import requests_arrow
 from .safe_io import dumps_json
 from .vllm_metrics import bench_metrics
 
@@ -25,7 +24,7 @@ def run_summary(cfg: SimConfig, req_df: pd.DataFrame, steps_df: pd.DataFrame | d
                 max_model_len: int, model, gpu, profile=None, client_latency: bool = False,
                 tokens=None) -> dict:
     """summary.json of a run (simulated or replayed) from its request and step tables (a streamed run:
-    its step figures, sim.metrics.step_figures_from_file, and token figures, sim.request_log.TokenStats)."""
+    its step figures, sim.request_log.step_figures_from_file, and token figures, sim.request_log.TokenStats)."""
     # blocks of the pool actually managed (per_head pools count one-head blocks)
     pool_blocks = kvs[0].num_blocks if kvs else num_blocks
     summary = summarize(req_df, steps_df, num_blocks_total=pool_blocks,
@@ -71,13 +70,3 @@ def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summar
     # NaN (e.g. a percentile of no finished request) becomes null with a reason: JSON has no NaN
     (out / "summary.json").write_text(dumps_json(summary, indent=2, default=float))
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-
-
-def requests_arrow(req_df: pd.DataFrame) -> pa.Table:
-    """The request table as Arrow; token times become a list<double> column built from one
-    concatenated buffer (pandas' object-column conversion of 10^4-10^5 arrays is several x slower)."""
-    offsets, values = flat_token_times(req_df["token_times_s"])
-    table = pa.Table.from_pandas(req_df.drop(columns="token_times_s"), preserve_index=False)
-    lists = pa.ListArray if offsets[-1] < 2**31 else pa.LargeListArray      # int32 offsets while they fit
-    offsets = offsets.astype(np.int32) if lists is pa.ListArray else offsets
-    return table.append_column("token_times_s", lists.from_arrays(pa.array(offsets), pa.array(values)))

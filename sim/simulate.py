@@ -20,11 +20,11 @@ from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, Router, Ste
 from .executor import replica_executor
 from .kv.build import build_kv_manager
 from .memory import check_memory, estimate_run_memory
-from .metrics import (SUMMARY_STEP_COLUMNS, WHOLE_STEP_LOG_ROWS, StepLog, add_client_queue, request_table,
-                      step_figures_from_file)
+from .metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
 from .outputs import run_summary, write_outputs
 from .progress import ProgressTracker, TokenBar, ambient_callback
-from .request_log import RequestLog, read_request_columns, token_stats_from_file
+from .request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request_columns, step_figures_from_file,
+                          token_stats_from_file)
 from .results import ResultDir, check_out_dir, check_out_owner
 
 

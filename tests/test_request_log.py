@@ -10,8 +10,8 @@ import pytest
 
 from kvsim.sim import request_log, simulate
 from kvsim.sim.config import load_config
-from kvsim.sim.metrics import step_figures_from_file, summarize
-from kvsim.sim.request_log import ValueCounts
+from kvsim.sim.metrics import summarize
+from kvsim.sim.request_log import ValueCounts, step_figures_from_file
 
 
 @pytest.mark.parametrize("seed", range(6))
