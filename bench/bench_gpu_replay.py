@@ -26,7 +26,7 @@ import torch
 from kvsim.gpu.replay import run_replay
 from kvsim.gpu.weights import load_smollm2
 from kvsim.sim.config import load_config
-from kvsim.sim.kv.manager import SLOT_STRATEGIES
+from kvsim.sim.kv.slots import SLOT_STRATEGIES
 from kvsim.traces.synthetic import closed_batch
 from kvsim.traces.trace import Trace
 

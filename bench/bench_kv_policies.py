@@ -13,11 +13,19 @@ an install (cached beside the source): run twice for the steady figure.
 
     python bench/bench_kv_policies.py                       # all rows, 120 s cap per run
     python bench/bench_kv_policies.py --only A:quest,A:snapkv --timeout 60
+    python bench/bench_kv_policies.py --only B:leankv --busy-core 1 --repeat 3   # a core kept busy
+
+--busy-core C keeps CPU C busy for the whole run (a `while True: pass` process pinned to C with
+sched_setaffinity, as `taskset -c C python -c "while True: pass"`), the load a shared CI machine or a
+laptop adds. Each row also prints its process's CPU time (user + sys) and the 1-minute load average
+when it ended.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -61,28 +69,50 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(ROWS))
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each row")
+    ap.add_argument("--busy-core", type=int, help="keep this CPU busy during the runs (see the module doc)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one)))
         return
-    print(f"{'workload:policy':<16}{'mode':<6}{'wall s':>9}{'steps':>8}{'out tok/s':>11}{'frag':>7}{'kv util':>9}"
-          f"{'preempt':>9}")
-    for row in args.only.split(","):
-        t0 = time.perf_counter()
-        try:
-            out = subprocess.run([sys.executable, __file__, "--one", row], capture_output=True, text=True,
-                                 timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{row:<16}{'':<6}{'> ' + format(args.timeout, '.0f'):>9}  (stopped; {time.perf_counter() - t0:.0f} s)",
-                  flush=True)
-            continue
-        if out.returncode:
-            print(f"{row:<16} failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
-            continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{row:<16}{r['mode']:<6}{r['wall_s']:>9.2f}{r['steps']:>8}{r['tok_s']:>11.1f}{r['frag']:>7.3f}"
-              f"{r['kv_util']:>9.3f}{r['preempt']:>9}", flush=True)
+    spinner = None
+    if args.busy_core is not None:
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        os.sched_setaffinity(spinner.pid, {args.busy_core})
+        print(f"CPU {args.busy_core} kept busy by process {spinner.pid} (pinned 'while True: pass')")
+    try:
+        print(f"{'workload:policy':<16}{'mode':<6}{'wall s':>9}{'cpu s':>8}{'load':>6}{'steps':>8}{'out tok/s':>11}"
+              f"{'frag':>7}{'kv util':>9}{'preempt':>9}")
+        for row in args.only.split(","):
+            for _ in range(args.repeat):
+                run_row(row, args.timeout)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def run_row(row: str, timeout: float) -> None:
+    t0, cpu0 = time.perf_counter(), _children_cpu()
+    try:
+        out = subprocess.run([sys.executable, __file__, "--one", row], capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"{row:<16}{'':<6}{'> ' + format(timeout, '.0f'):>9}  (stopped; {time.perf_counter() - t0:.0f} s)",
+              flush=True)
+        return
+    if out.returncode:
+        print(f"{row:<16} failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
+        return
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{row:<16}{r['mode']:<6}{r['wall_s']:>9.2f}{_children_cpu() - cpu0:>8.2f}{os.getloadavg()[0]:>6.2f}"
+          f"{r['steps']:>8}{r['tok_s']:>11.1f}{r['frag']:>7.3f}{r['kv_util']:>9.3f}{r['preempt']:>9}", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,24 @@ def confine_value(key: str, value: Any) -> Any:
         resolved = resolve_user_path(file_part)
     except DataError as exc:
         raise DataError(f"{key}: {exc}") from None
+    _refuse_special_file(key, file_part, resolved)
     return f"{resolved}{sep}{entry}"
+
+
+def _refuse_special_file(key: str, shown: str, path: Path) -> None:
+    """A named pipe, device or socket in the data root is refused as the field is filled in: reading one
+    would hang the job or never end (a missing file is reported by the run, a directory may be a model's)."""
+    import os
+    import stat
+
+    from kvsim.sim.safe_io import file_kind
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise DataError(f"{key}: {shown} is {file_kind(mode)}; expected a regular file")
 
 
 def confine_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

@@ -46,7 +46,8 @@ from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvsim.sim.core.step import StepResult, batch_shape
 from kvsim.sim.kv.importance import NUM_SINK, ImportanceSource, keys_for_mass
-from kvsim.sim.kv.manager import EvictingKVManager, KVStepPlan
+from kvsim.sim.kv.manager import EvictingKVManager
+from kvsim.sim.kv.slots import KVStepPlan
 from kvsim.sim.kv.policy import EvictionPolicy
 
 RECENT_WINDOW = 64          # attention statistics: share of the mass on the last 64 tokens
@@ -227,7 +228,7 @@ class RealExecutor:
         for s, token in zip(sched, next_tokens):
             req = s.request
             if req.num_computed_tokens + s.num_new_tokens >= req.num_tokens:
-                req.extra["gpu_tokens"].append(int(token))
+                req.gpu_tokens.append(int(token))
         if meta.scores is not None:
             self._use_scores(sched, meta, tables)
         post = None
@@ -284,9 +285,9 @@ class RealExecutor:
     # ----- tokens -----------------------------------------------------------------------------------
     def tokens(self, req: Request) -> list[int]:
         """Prompt ids plus every greedy output so far (EOS ignored: outputs run to the trace's length)."""
-        toks = req.extra.get("gpu_tokens")
+        toks = req.gpu_tokens
         if toks is None:
-            toks = req.extra["gpu_tokens"] = list(self.prompt_ids(req))
+            toks = req.gpu_tokens = list(self.prompt_ids(req))
             if len(toks) != req.prompt_tokens:
                 raise ValueError(f"request {req.request_id}: {len(toks)} prompt ids for {req.prompt_tokens} tokens")
         return toks

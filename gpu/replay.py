@@ -363,7 +363,7 @@ def _replay_summary(cfg, opts: ReplayOptions, model, steps: pd.DataFrame, execut
 def _tokens_table(requests: list[Request]) -> pd.DataFrame:
     rows = []
     for r in requests:
-        toks = r.extra.get("gpu_tokens") or []
+        toks = r.gpu_tokens or []
         rows.append({"request_id": r.request_id, "prompt_token_ids": toks[:r.prompt_tokens],
                      "output_token_ids": toks[r.prompt_tokens:]})
     df = pd.DataFrame(rows, columns=["request_id", "prompt_token_ids", "output_token_ids"])

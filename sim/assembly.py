@@ -92,8 +92,13 @@ def resolve_hardware(cfg: SimConfig, model=None):
         model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
     gpu = get_gpu(cfg.gpu)
     eng = resolve_engine(cfg)
-    cost = CostModel(model, gpu, load_profile(cfg.profile, gpu=gpu), tp=cfg.tp,
-                     async_scheduling=bool(eng.async_scheduling))
+    try:
+        cost = CostModel(model, gpu, load_profile(cfg.profile, gpu=gpu), tp=cfg.tp,
+                         async_scheduling=bool(eng.async_scheduling), expert_parallel=eng.enable_expert_parallel)
+    except ValueError as exc:
+        if "--enable-expert-parallel" not in str(exc):
+            raise
+        raise ConfigError(str(exc).replace("--enable-expert-parallel", "engine.enable_expert_parallel")) from None
     if eng.num_gpu_blocks is not None:
         blocks = eng.num_gpu_blocks
         check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)

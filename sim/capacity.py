@@ -16,6 +16,7 @@ from typing import Callable, Literal
 
 import pandas as pd
 
+from .assembly import check_config_memory
 from .config import ConfigError, SimConfig, parse_duration
 from .results import holding_store_lock, mark_owned
 from .safe_io import atomic_output, dumps_json
@@ -167,6 +168,7 @@ def find_capacity(cfg: SimConfig, constraints: list[Constraint], *, mode: Litera
     if mode not in ("rate", "replicas"):
         raise ConfigError(f"capacity mode must be 'rate' or 'replicas', got {mode!r}")
     cfg = slo_for_goodput(cfg, constraints)
+    check_config_memory(cfg)        # the pool every run allocates, before the search starts (each run checks again)
     store = Path(store) if store else None
     evaluate = _Evaluator(constraints, store, progress)
     if mode == "rate":

@@ -22,12 +22,13 @@ DATA_DIR = Path(__file__).parent / "data"
 
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
+    "mxfp4": 4.25 / 8,      # OCP MX FP4: 4-bit values + one 8-bit scale per 32 (gpt-oss's expert weights)
 }
 _DTYPE_ALIASES = {
     "float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
     "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8",
 }
-Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "int4"]
+Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "int8", "int4", "mxfp4"]
 
 
 class CatalogError(ValueError):
@@ -92,12 +93,80 @@ class ModelSpec(_Spec):
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"   # layernorm has a bias too
     position_embeddings: int = Field(0, ge=0)     # rows of a learned position table (OPT: max_position + 2)
     qk_norm: bool = False                         # per-head RMSNorm on q and k (Qwen3, Gemma 3): 2 x head_dim
+    # ---- mixture of experts (num_experts 0: a dense MLP in every layer; docs/models.md) ----
+    num_experts: int = Field(0, ge=0)             # routed experts per MoE layer
+    experts_per_token: int = Field(0, ge=0)       # top-k
+    moe_intermediate_size: int = Field(0, ge=0)   # one expert's MLP width (0: intermediate_size)
+    num_shared_experts: int = Field(0, ge=0)      # always-active experts of moe_intermediate_size (DeepSeek)
+    first_dense_layers: int = Field(0, ge=0)      # leading layers with a dense MLP of intermediate_size
+    expert_dtype: Dtype | None = None             # routed experts' storage dtype (default weight_dtype)
+    # ---- multi-head latent attention (kv_lora_rank 0: standard attention; DeepSeek-V2/V3) ----
+    kv_lora_rank: int = Field(0, ge=0)            # the compressed KV's width (cached with the RoPE key)
+    q_lora_rank: int = Field(0, ge=0)             # 0: q projected directly from the hidden state
+    qk_rope_head_dim: int = Field(0, ge=0)
+    qk_nope_head_dim: int = Field(0, ge=0)
+    v_head_dim: int = Field(0, ge=0)
+    # ---- sliding-window attention (0: every layer attends to the whole context) ----
+    sliding_window: int = Field(0, ge=0)          # tokens a sliding-window layer attends to
+    sliding_window_layers: int | None = Field(None, ge=0)   # how many layers use it (None: all)
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelSpec:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) must be in 1..num_experts "
+                             f"({self.num_experts})")
+        if self.num_experts and self.first_dense_layers >= self.num_layers:
+            raise ValueError(f"first_dense_layers ({self.first_dense_layers}) must be below num_layers")
+        if self.kv_lora_rank and not (self.qk_rope_head_dim and self.qk_nope_head_dim and self.v_head_dim):
+            raise ValueError("multi-head latent attention (kv_lora_rank) needs qk_rope_head_dim, qk_nope_head_dim "
+                             "and v_head_dim")
+        if self.kv_lora_rank and self.num_kv_heads != 1:
+            raise ValueError("multi-head latent attention caches one latent per token: num_kv_heads must be 1")
+        if self.sliding_window_layers is not None and not (
+                self.sliding_window and self.sliding_window_layers <= self.num_layers):
+            raise ValueError(f"sliding_window_layers ({self.sliding_window_layers}) needs a sliding_window and "
+                             f"at most num_layers ({self.num_layers})")
         return self
+
+    # ---- architecture variants ----------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_dense_layers if self.is_moe else 0
+
+    @property
+    def expert_width(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def expert_params(self) -> int:
+        """One routed (or shared) expert's MLP weights."""
+        return self.mlp_matrices * self.hidden_size * self.expert_width
+
+    @property
+    def routed_expert_params(self) -> int:
+        """Every routed expert of every MoE layer (the weights routing selects among)."""
+        return self.num_moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def expert_bytes(self) -> float:
+        """One routed expert's weight bytes (at expert_dtype)."""
+        return self.expert_params * DTYPE_BYTES[self.expert_dtype or self.weight_dtype]
+
+    @property
+    def num_sliding_layers(self) -> int:
+        if not self.sliding_window:
+            return 0
+        return self.num_layers if self.sliding_window_layers is None else self.sliding_window_layers
 
     # ---- parameter counts -------------------------------------------------------------------
     @property
@@ -110,16 +179,48 @@ class ModelSpec(_Spec):
 
     @property
     def attn_linear_params_per_layer(self) -> int:
-        """q, k, v and o projection weights (no biases)."""
-        return self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        """q, k, v and o projection weights (no biases). MLA: q (through q_lora_rank when set), the
+        joint KV down-projection with the RoPE key, the KV up-projection and o."""
+        if not self.is_mla:
+            return self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        h, heads, qk = self.hidden_size, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = (h * self.q_lora_rank + self.q_lora_rank * heads * qk) if self.q_lora_rank else h * heads * qk
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * heads * (
+            self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h
 
     @property
     def mlp_params_per_layer(self) -> int:
+        """A dense layer's MLP."""
         return self.mlp_matrices * self.hidden_size * self.intermediate_size
 
     @property
     def linear_params_per_layer(self) -> int:
+        """A dense layer's matmul weights (attention + MLP)."""
         return self.attn_linear_params_per_layer + self.mlp_params_per_layer
+
+    @property
+    def active_linear_params(self) -> int:
+        """Decoder-layer matmul weights one token multiplies by: attention, dense MLPs, and in each MoE
+        layer its experts_per_token routed experts and the shared ones."""
+        if not self.is_moe:
+            return self.linear_params
+        return (self.num_layers * self.attn_linear_params_per_layer
+                + self.first_dense_layers * self.mlp_params_per_layer
+                + self.num_moe_layers * (self.experts_per_token + self.num_shared_experts) * self.expert_params)
+
+    @property
+    def active_linear_params_per_layer(self) -> float:
+        """active_linear_params per layer (a dense model's linear_params_per_layer)."""
+        return self.active_linear_params / self.num_layers if self.is_moe else self.linear_params_per_layer
+
+    @property
+    def active_mlp_width(self) -> float:
+        """MLP width one token passes through, averaged over layers (intermediate_size when dense)."""
+        if not self.is_moe:
+            return self.intermediate_size
+        moe = (self.experts_per_token + self.num_shared_experts) * self.expert_width
+        return (self.first_dense_layers * self.intermediate_size + self.num_moe_layers * moe) / self.num_layers
 
     @property
     def small_params_per_layer(self) -> int:
@@ -127,7 +228,17 @@ class ModelSpec(_Spec):
         bias = self.q_size + 2 * self.kv_size if self.qkv_bias or self.linear_bias else 0
         if self.linear_bias:       # o projection, then the MLP's up (and gate) and down projections
             bias += self.hidden_size + (self.mlp_matrices - 1) * self.intermediate_size + self.hidden_size
-        return bias + 2 * self.final_norm_params + (2 * self.head_dim if self.qk_norm else 0)
+        return bias + 2 * self.final_norm_params + (2 * self.head_dim if self.qk_norm else 0) + self._variant_small_params
+
+    @property
+    def _variant_small_params(self) -> int:
+        """MLA's norms of the compressed q and KV."""
+        return self.kv_lora_rank + self.q_lora_rank if self.is_mla else 0
+
+    @property
+    def router_params(self) -> int:
+        """The MoE layers' routers (hidden x experts each), kept at the activation dtype."""
+        return self.num_moe_layers * self.hidden_size * self.num_experts
 
     @property
     def final_norm_params(self) -> int:
@@ -135,8 +246,12 @@ class ModelSpec(_Spec):
 
     @property
     def linear_params(self) -> int:
-        """Weights of all decoder-layer matmuls (excludes embedding and LM head)."""
-        return self.num_layers * self.linear_params_per_layer
+        """Weights of all decoder-layer matmuls, every expert included (excludes embedding and LM head)."""
+        if not self.is_moe:
+            return self.num_layers * self.linear_params_per_layer
+        return (self.num_layers * self.attn_linear_params_per_layer
+                + self.first_dense_layers * self.mlp_params_per_layer
+                + self.num_moe_layers * (self.num_experts + self.num_shared_experts) * self.expert_params)
 
     @property
     def embedding_params(self) -> int:
@@ -152,7 +267,7 @@ class ModelSpec(_Spec):
         """Unique parameters, as the model card counts them."""
         lm_head = 0 if self.tied_embeddings else self.lm_head_params
         return (self.linear_params + self.num_layers * self.small_params_per_layer
-                + self.embedding_params + lm_head + self.final_norm_params)
+                + self.embedding_params + lm_head + self.final_norm_params + self.router_params)
 
     # ---- bytes --------------------------------------------------------------------------------
     @property
@@ -164,30 +279,47 @@ class ModelSpec(_Spec):
         """Bytes of all weights in GPU memory (unsharded)."""
         emb = DTYPE_BYTES[self.embedding_dtype_resolved]
         lm_head = 0 if self.tied_embeddings else self.lm_head_params
-        small = self.num_layers * self.small_params_per_layer + self.final_norm_params
+        small = self.num_layers * self.small_params_per_layer + self.final_norm_params + self.router_params
         return int(self.linear_params * DTYPE_BYTES[self.weight_dtype]
                    + (self.embedding_params + lm_head) * emb
-                   + small * DTYPE_BYTES[self.activation_dtype])
+                   + small * DTYPE_BYTES[self.activation_dtype] + self._expert_dtype_correction)
+
+    @property
+    def _expert_dtype_correction(self) -> float:
+        """Routed experts stored at expert_dtype instead of weight_dtype (gpt-oss: MXFP4 experts)."""
+        if not self.is_moe or self.expert_dtype is None:
+            return 0.0
+        return self.routed_expert_params * (DTYPE_BYTES[self.expert_dtype] - DTYPE_BYTES[self.weight_dtype])
 
     @property
     def weight_bytes_read_per_step(self) -> int:
-        """Bytes a forward pass streams from memory: every linear weight and the LM head once;
-        the embedding table is only gathered row by row (negligible)."""
+        """Bytes a forward pass streams from memory when it touches every expert: every linear weight
+        and the LM head once; the embedding table is only gathered row by row (negligible)."""
         emb = DTYPE_BYTES[self.embedding_dtype_resolved]
-        small = self.num_layers * self.small_params_per_layer + self.final_norm_params
+        small = self.num_layers * self.small_params_per_layer + self.final_norm_params + self.router_params
         return int(self.linear_params * DTYPE_BYTES[self.weight_dtype] + self.lm_head_params * emb
-                   + small * DTYPE_BYTES[self.activation_dtype])
+                   + small * DTYPE_BYTES[self.activation_dtype] + self._expert_dtype_correction)
+
+    @property
+    def dense_weight_bytes_read_per_step(self) -> int:
+        """weight_bytes_read_per_step without the routed experts (read in every step that runs; the
+        experts' share depends on the batch: sim.cost_model.expected_distinct_experts)."""
+        return int(self.weight_bytes_read_per_step - self.num_moe_layers * self.num_experts * self.expert_bytes)
 
     def kv_bytes_per_token(self, kv_dtype: str | None = None) -> float:
-        """K and V of one token over all layers and KV heads: 2 * layers * kv_heads * head_dim * bytes."""
+        """K and V of one token over all layers and KV heads: 2 * layers * kv_heads * head_dim * bytes.
+        MLA caches one latent (kv_lora_rank) and the RoPE key per layer: layers * (rank + rope) * bytes."""
         nbytes = dtype_bytes(kv_dtype or self.kv_dtype)
+        if self.is_mla:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * nbytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * nbytes
 
     # ---- FLOPs --------------------------------------------------------------------------------
     @property
     def linear_flops_per_token(self) -> int:
-        """Multiply-adds x 2 of the decoder-layer linears for one token (LM head excluded)."""
-        return 2 * self.linear_params
+        """Multiply-adds x 2 of the decoder-layer linears for one token (LM head excluded; MoE: the
+        active experts only)."""
+        return 2 * self.active_linear_params
 
     @property
     def lm_head_flops_per_seq(self) -> int:
@@ -195,8 +327,31 @@ class ModelSpec(_Spec):
         return 2 * self.hidden_size * self.vocab_size
 
     def attention_flops_per_pair(self) -> int:
-        """QK^T and PV for one (query, key) pair over all layers and query heads."""
+        """QK^T and PV for one (query, key) pair over all layers and query heads. MLA prefill (vLLM
+        decompresses K and V and runs multi-head attention): 2 * (qk_nope + qk_rope + v) per head."""
+        if self.is_mla:
+            return 2 * self.num_layers * self.num_heads * (
+                self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
         return 4 * self.num_layers * self.num_heads * self.head_dim
+
+    def attention_flops_per_kv_read(self) -> int:
+        """Attention FLOPs per KV token a decode query reads. MLA decode runs in the latent space (the
+        up-projections absorbed into q and o): QK over rank + rope, PV over rank, per query head."""
+        if self.is_mla:
+            return 2 * self.num_layers * self.num_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
+        return self.attention_flops_per_pair()
+
+    def kv_cache_groups(self) -> tuple[int, int, int]:
+        """(layers per group, full-attention groups, sliding-window groups) of vLLM's hybrid KV cache
+        allocator: layers of one attention type are cut into groups of equal size (the smaller type's
+        layer count, or the larger one's when they are within 1.25x), a pool block holds block_size
+        tokens of one group. Without sliding layers: one group of every layer."""
+        sliding = self.num_sliding_layers
+        full = self.num_layers - sliding
+        if not sliding or not full:
+            return self.num_layers, int(full > 0), int(sliding > 0)
+        size = max(full, sliding) if max(full, sliding) < 1.25 * min(full, sliding) else min(full, sliding)
+        return size, -(-full // size), -(-sliding // size)
 
     def with_dtypes(self, *, weight_dtype: str | None = None, kv_dtype: str | None = None,
                     activation_dtype: str | None = None) -> ModelSpec:
@@ -256,7 +411,8 @@ class GPUSpec(_Spec):
         dtype = normalize_dtype(dtype)
         order = {
             "fp8": ("fp8", "bf16", "fp16", "fp32"), "int8": ("int8", "bf16", "fp16", "fp32"),
-            "int4": ("bf16", "fp16", "fp32"), "bf16": ("bf16", "fp16", "fp32"),
+            "int4": ("bf16", "fp16", "fp32"), "mxfp4": ("bf16", "fp16", "fp32"),
+            "bf16": ("bf16", "fp16", "fp32"),
             "fp16": ("fp16", "bf16", "fp32"), "fp32": ("fp32", "tf32", "bf16", "fp16"),
             "tf32": ("tf32", "fp32"),
         }[dtype]

@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator,
+)
 
 from kvsim.traces.loaders import FORMATS as TRACE_FORMATS
 from kvsim.traces.loaders import GENERIC_FORMATS
@@ -88,6 +90,16 @@ class EngineConfig(_Strict):
     swap_space_gib: float = Field(4.0, ge=0)
     async_scheduling: bool | None = Field(
         None, description="schedule step k+1 while step k runs; default: on for GPUs, off for CPUs (as vLLM)")
+    enable_expert_parallel: bool = Field(
+        False, description="MoE models: each MoE layer's experts split over the TP group's GPUs, all-to-all "
+                           "instead of the MLP all-reduce (vLLM's --enable-expert-parallel)")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if not self.enable_expert_parallel:      # off: left out, so configs written before it stay as they were
+            data.pop("enable_expert_parallel", None)
+        return data
 
     @field_validator("block_size")
     @classmethod

@@ -325,6 +325,17 @@ def kv_heads_per_gpu(model: ModelSpec, tp: int) -> int:
     return max(1, model.num_kv_heads // tp)
 
 
+def check_expert_parallel(model: ModelSpec, tp: int, expert_parallel: bool) -> None:
+    """vLLM's --enable-expert-parallel splits each MoE layer's experts over the TP group's GPUs."""
+    if not expert_parallel:
+        return
+    if not model.is_moe:
+        raise ValueError(f"--enable-expert-parallel: {model.name} has no experts (a dense model)")
+    if model.num_experts % tp:
+        raise ValueError(f"--enable-expert-parallel: {model.num_experts} experts of {model.name} do not split "
+                         f"evenly over tp={tp} GPUs")
+
+
 def check_tp(model: ModelSpec, tp: int) -> None:
     if not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
@@ -332,6 +343,13 @@ def check_tp(model: ModelSpec, tp: int) -> None:
         raise ValueError(f"{model.name}: tp={tp} must divide num_heads={model.num_heads}")
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
         raise ValueError(f"{model.name}: tp={tp} and num_kv_heads={model.num_kv_heads} must divide one another")
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens):
+    """Experts a MoE layer reads in a step of `tokens` tokens when each token picks `top_k` of
+    `num_experts` uniformly (the uniform-routing assumption; docs/models.md):
+    E * (1 - (1 - k/E)^T). 0 tokens read none; many tokens read all E."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** _f64(tokens))
 
 
 def _f64(x: Any) -> float | np.ndarray:
@@ -353,11 +371,13 @@ class CostModel:
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, profile: HardwareProfile | str = AUTO_PROFILE,
                  tp: int = 1, *, kv_dtype: str | None = None, weight_dtype: str | None = None,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, expert_parallel: bool = False):
         model = get_model(model)
         if weight_dtype or kv_dtype:
             model = model.with_dtypes(weight_dtype=weight_dtype, kv_dtype=kv_dtype)
         self.model, self.gpu, self.tp = model, get_gpu(gpu), tp
+        check_expert_parallel(model, tp, expert_parallel)
+        self.expert_parallel = expert_parallel and tp > 1
         # async scheduling: the CPU's per-step work (the overhead terms) overlaps the device's
         self.async_scheduling = async_scheduling
         self.profile = load_profile(profile, gpu=self.gpu)
@@ -382,17 +402,19 @@ class CostModel:
         # Activation traffic per token and layer: each linear reads its input and writes its
         # output, attention reads q/k/v and writes o, SwiGLU reads gate/up and writes its product,
         # norms and residual adds (~8 hidden-sized passes, replicated across TP ranks).
-        split_elems = (2 * (m.q_size + 2 * m.kv_size) + 2 * m.q_size + 4 * m.intermediate_size
-                       + 2 * m.intermediate_size)
+        split_elems = (2 * (m.q_size + 2 * m.kv_size) + 2 * m.q_size + 4 * m.active_mlp_width
+                       + 2 * m.active_mlp_width)
         act_per_token = m.num_layers * act_bytes * (8 * m.hidden_size + split_elems / tp)
         c = {
             "prefill_flops_s": m.linear_flops_per_token / tp / peak_w,
             "decode_flops_s": m.linear_flops_per_token / tp / peak_w,
             "lm_head_s": m.lm_head_flops_per_seq / tp / peak_e,
-            "weights_s": m.weight_bytes_read_per_step / tp / g.mem_bw,
+            "weights_s": (m.dense_weight_bytes_read_per_step if m.is_moe else m.weight_bytes_read_per_step)
+                         / tp / g.mem_bw,
             "act_token_s": act_per_token / g.mem_bw,
             "logits_seq_s": 4 * m.vocab_size / tp / g.mem_bw,
             "attn_pair_s": m.attention_flops_per_pair() / tp / peak_a,
+            "attn_read_s": m.attention_flops_per_kv_read() / tp / peak_a,
             "kv_token_s": self.kv_bytes_per_token_per_gpu / g.mem_bw,
             "copy_byte_s": 2 * self.kv_split / g.mem_bw,
             "op_byte_s": self.kv_split / g.mem_bw,
@@ -400,8 +422,27 @@ class CostModel:
             "swap_byte_s": self.kv_split / g.pcie_bw,
             "allreduce_token_s": (2 * m.num_layers * 2 * (tp - 1) / tp * m.hidden_size * act_bytes / g.link_bw),
             "allreduce_count": float(2 * m.num_layers if tp > 1 else 0),
+            # one routed expert of every MoE layer on this GPU, at peak bandwidth (x distinct experts)
+            "expert_s": m.num_moe_layers * m.expert_bytes / tp / g.mem_bw,
         }
+        if self.expert_parallel:
+            # MoE layers: all-to-all dispatch and combine of each token's k expert inputs (each GPU sends its
+            # 1/tp share of the tokens, (tp-1)/tp of them to other GPUs) instead of the MLP's all-reduce
+            ar_layers = 2 * m.num_layers - m.num_moe_layers
+            a2a = 2 * m.experts_per_token * (tp - 1) / tp / tp
+            c["allreduce_token_s"] = ((ar_layers * 2 * (tp - 1) / tp + m.num_moe_layers * a2a)
+                                      * m.hidden_size * act_bytes / g.link_bw)
+            c["allreduce_count"] = float(ar_layers + 2 * m.num_moe_layers)
         self._c = {k: float(v) for k, v in c.items()}
+        self._moe = (m.num_experts, m.experts_per_token) if m.is_moe else None
+        self._mla = m.is_mla
+
+    def expert_read_time(self, tokens):
+        """Seconds at peak bandwidth to read the routed experts a step of `tokens` tokens touches on
+        one GPU (0 for a dense model)."""
+        if self._moe is None:
+            return 0.0
+        return expected_distinct_experts(*self._moe, tokens) * self._c["expert_s"]
 
     def _set_operator_terms(self) -> None:
         """The operator form's constants: efficiency table in log tokens, per-step latency counts, and
@@ -423,7 +464,7 @@ class CostModel:
         # norms, residual adds and RoPE read and write hidden-sized rows; the activation reads gate
         # and up and writes their product (this GPU's shard of the TP-split ones)
         elem = m.num_layers * act_bytes * (7 * m.hidden_size + 2 * (m.q_size + m.kv_size) / tp
-                                           + 3 * m.intermediate_size / tp)
+                                           + 3 * m.active_mlp_width / tp)
         self._elementwise_token_s = float(elem / self.gpu.mem_bw)
 
     @property
@@ -440,7 +481,7 @@ class CostModel:
     def layer_weight_mib(self) -> float:
         """One layer's matmul weights on one GPU, MiB (what sets how well a matmul fills the GPU)."""
         m = self.model
-        return m.linear_params_per_layer * DTYPE_BYTES[m.weight_dtype] / self.tp / 2**20
+        return m.active_linear_params_per_layer * DTYPE_BYTES[m.weight_dtype] / self.tp / 2**20
 
     def gemm_efficiency(self, tokens):
         """The profile's linear-layer compute efficiency at `tokens` rows (scalar or array): linear in
@@ -466,7 +507,8 @@ class CostModel:
             "linear_compute_prefill": prefill * c["prefill_flops_s"],
             "linear_compute_decode": decode * c["decode_flops_s"] + num_seqs * c["lm_head_s"],
             "linear_memory": ran * c["weights_s"] + tokens * c["act_token_s"] + num_seqs * c["logits_seq_s"],
-            "attn_compute": (_f64(shape.attn_pairs_prefill) + kv_read) * c["attn_pair_s"],
+            "attn_compute": (_f64(shape.attn_pairs_prefill) * c["attn_pair_s"] + kv_read * c["attn_read_s"]
+                             if self._mla else (_f64(shape.attn_pairs_prefill) + kv_read) * c["attn_pair_s"]),
             "attn_memory": kv_read * c["kv_token_s"],
             "copy": _f64(shape.bytes_moved) * c["copy_byte_s"],
             "policy_ops": _max(_f64(shape.op_flops) * c["op_flop_s"], _f64(shape.op_bytes) * c["op_byte_s"]) + zero,
@@ -477,6 +519,8 @@ class CostModel:
             "seqs": num_seqs + zero,
             "block_entries": _f64(shape.block_table_entries) + zero,
         }
+        if self._moe is not None:
+            f["linear_memory"] = f["linear_memory"] + self.expert_read_time(tokens)
         if padded:
             if shape.kv_tokens_padded is not None:
                 kv_padded = _f64(shape.kv_tokens_padded)
@@ -542,6 +586,8 @@ class CostModel:
         compute = (tokens * c["prefill_flops_s"] / self.gemm_efficiency(tokens)
                    + seqs * c["lm_head_s"] / self.gemm_efficiency(seqs))
         memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
+        if self._moe is not None:
+            memory = memory + self.expert_read_time(tokens) / p.mem_bw_eff
         linear = (_max(compute, memory) + ran * (self._gemm_launches * p.gemm_latency_s
                                                  + self._layers * p.layer_latency_s)
                   + tokens * self._elementwise_token_s / p.elementwise_bw_eff)
@@ -582,10 +628,11 @@ class CostModel:
                                            kv_tokens_read=kv_tokens_read, block_table_entries=block_table_entries,
                                            kv_tokens_padded=kv_tokens_padded))
         c, p = self._c, self.profile
+        weights = c["weights_s"] if self._moe is None else c["weights_s"] + self.expert_read_time(num_seqs)
         linear = np.maximum((num_seqs * c["decode_flops_s"] + num_seqs * c["lm_head_s"]) / p.mfu_decode,
-                            (c["weights_s"] + num_seqs * c["act_token_s"] + num_seqs * c["logits_seq_s"])
+                            (weights + num_seqs * c["act_token_s"] + num_seqs * c["logits_seq_s"])
                             / p.mem_bw_eff)
-        attention = np.maximum(kv_tokens_read * c["attn_pair_s"] / p.attn_compute_eff,
+        attention = np.maximum(kv_tokens_read * c["attn_read_s"] / p.attn_compute_eff,
                                kv_tokens_read * c["kv_token_s"] / p.attn_bw_eff)
         if p.padded_attn_cost:
             padded = kv_tokens_read if kv_tokens_padded is None else kv_tokens_padded

@@ -5,8 +5,11 @@ layers, widths, heads, KV heads, head_dim (explicit, else hidden / heads), vocab
 q/k/v biases (Qwen2 always; Llama-style `attention_bias`), per-head q/k norms (Qwen3, Gemma 3),
 `max_position_embeddings` (vLLM's default max_model_len), the dtype (`torch_dtype`, or `dtype` in newer
 files; float32 checkpoints run in bf16 as vLLM's `--dtype auto` does on GPUs) and a quantization
-(`quantization_config`: fp8, int8/int4 via compressed-tensors, GPTQ, AWQ). Multimodal configs are read
-through their `text_config`. Every problem is one line naming the file and the field.
+(`quantization_config`: fp8, int8/int4 via compressed-tensors, GPTQ, AWQ; mxfp4 for gpt-oss's experts).
+Mixture-of-experts (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, gpt-oss), multi-head latent attention
+(DeepSeek `kv_lora_rank`) and sliding-window layers (`sliding_window` with `layer_types`, Gemma 2/3's
+patterns, Mistral v0.1's all-layer window) are read into the fields docs/models.md describes. Multimodal
+configs are read through their `text_config`. Every problem is one line naming the file and the field.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ DENSE_TYPES: dict[str, tuple[bool, bool, bool]] = {
     "qwen3": (False, False, True), "gemma": (True, False, False), "gemma2": (True, False, False),
     "gemma3_text": (True, False, True), "phi3": (False, False, False), "granite": (True, False, False),
     "olmo2": (True, False, True), "smollm3": (True, False, False),
+    # mixture of experts / multi-head latent attention (read by _moe_fields / _mla_fields)
+    "mixtral": (False, False, False), "qwen2_moe": (False, True, False), "qwen3_moe": (False, False, True),
+    "deepseek_v2": (False, False, False), "deepseek_v3": (False, False, False), "gpt_oss": (False, True, False),
 }
 _GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 _DTYPES = {"float32": "bf16", "float": "bf16", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -122,23 +128,96 @@ def fields_from_hf_dict(data: dict, path: Path) -> dict:
     head_dim = f.int("head_dim", hidden // heads if hidden % heads == 0 else None)
     if heads % kv_heads:
         raise f.error(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
-    qkv_bias = bias_default or f.bool("attention_bias", False) or f.bool("qkv_bias", False)
+    qkv_bias = f.bool("attention_bias", bias_default) or f.bool("qkv_bias", False) or (
+        bias_default and model_type != "gpt_oss")
     weight, embedding, activation = _dtypes(f, top)
-    return dict(
-        name=_name(top, path), num_layers=f.int("num_hidden_layers"), hidden_size=hidden, num_heads=heads,
+    layers = f.int("num_hidden_layers")
+    fields = dict(
+        name=_name(top, path), num_layers=layers, hidden_size=hidden, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=f.int("intermediate_size"),
         vocab_size=f.int("vocab_size"), tied_embeddings=f.bool("tie_word_embeddings", tie_default),
         qkv_bias=qkv_bias, qk_norm=qk_norm, max_position=f.int("max_position_embeddings", 2048),
         weight_dtype=weight, embedding_dtype=embedding, activation_dtype=activation, kv_dtype=activation,
         mlp_matrices=3)
+    fields.update(_moe_fields(f, top, layers))
+    fields.update(_mla_fields(f))
+    fields.update(_sliding_fields(f, model_type, layers))
+    if _quant_method(top, f) == "mxfp4":      # gpt-oss: MXFP4 experts, everything else at the checkpoint dtype
+        fields.update(weight_dtype=activation, embedding_dtype=None, expert_dtype="mxfp4")
+    return fields
+
+
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _moe_fields(f: _Fields, top: dict, layers: int) -> dict:
+    """Routed experts, top-k, expert width, shared experts and leading dense layers."""
+    key = next((k for k in _EXPERT_KEYS if f.data.get(k)), None)
+    if key is None:
+        return {}
+    experts = f.int(key)
+    top_key = "num_experts_per_tok" if "num_experts_per_tok" in f.data else "experts_per_token"
+    if top_key not in f.data:
+        raise f.error(f"'{key}' makes it a mixture-of-experts config but 'num_experts_per_tok' (the top-k) is "
+                      "missing")
+    out = dict(num_experts=experts, experts_per_token=f.int(top_key))
+    if f.data.get("moe_intermediate_size"):
+        out["moe_intermediate_size"] = f.int("moe_intermediate_size")
+    if f.data.get("n_shared_experts"):
+        out["num_shared_experts"] = f.int("n_shared_experts")
+    if f.data.get("shared_expert_intermediate_size"):      # Qwen2-MoE: one wide shared expert
+        width, expert = f.int("shared_expert_intermediate_size"), out.get("moe_intermediate_size", 0)
+        if not expert or width % expert:
+            raise f.error(f"field 'shared_expert_intermediate_size' ({width}): kvsim models shared experts as "
+                          f"multiples of moe_intermediate_size ({expert or None})")
+        out["num_shared_experts"] = width // expert
+    if f.data.get("first_k_dense_replace"):
+        out["first_dense_layers"] = f.int("first_k_dense_replace")
+    if f.data.get("decoder_sparse_step", 1) != 1 or f.data.get("mlp_only_layers") or f.data.get("moe_layer_freq", 1) != 1:
+        raise f.error("fields 'decoder_sparse_step' / 'mlp_only_layers' / 'moe_layer_freq': MoE layers interleaved "
+                      "with dense ones are not modelled (only the leading first_k_dense_replace layers)")
+    return out
+
+
+def _mla_fields(f: _Fields) -> dict:
+    """DeepSeek's multi-head latent attention: one latent (kv_lora_rank) and one RoPE key per token."""
+    if not f.data.get("kv_lora_rank"):
+        return {}
+    rope, nope = f.int("qk_rope_head_dim"), f.int("qk_nope_head_dim")
+    return dict(kv_lora_rank=f.int("kv_lora_rank"), q_lora_rank=f.int("q_lora_rank", 0, minimum=0),
+                qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=f.int("v_head_dim"),
+                num_kv_heads=1, head_dim=rope + nope)
+
+
+def _sliding_fields(f: _Fields, model_type: str, layers: int) -> dict:
+    """The sliding window and how many layers use it: `layer_types` when given, else Gemma 2's
+    alternation, Gemma 3's `sliding_window_pattern`, otherwise every layer (Mistral v0.1); none when
+    `use_sliding_window` is false (Qwen2)."""
+    window = f.data.get("sliding_window")
+    if not window or f.data.get("use_sliding_window") is False:
+        return {}
+    window = f.int("sliding_window")
+    types = f.data.get("layer_types")
+    if isinstance(types, list):
+        if len(types) != layers:
+            raise f.error(f"field 'layer_types': {len(types)} entries for {layers} layers")
+        sliding = sum(1 for t in types if t == "sliding_attention")
+    elif model_type == "gemma2":
+        sliding = (layers + 1) // 2                  # layers 0, 2, 4, ... slide
+    elif model_type == "gemma3_text" or f.data.get("sliding_window_pattern"):
+        pattern = f.int("sliding_window_pattern", 6)
+        sliding = layers - layers // pattern         # every pattern-th layer is global
+    else:
+        sliding = layers
+    return dict(sliding_window=window, sliding_window_layers=sliding) if sliding else {}
+
+
+def _quant_method(top: dict, f: _Fields) -> str:
+    quant = top.get("quantization_config") or f.data.get("quantization_config")
+    return str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
 
 
 def _refuse_unsupported(f: _Fields, model_type: str) -> None:
-    moe = [k for k in ("num_local_experts", "num_experts", "n_routed_experts") if f.data.get(k)]
-    if moe:
-        raise f.error(f"'{moe[0]}': mixture-of-experts configs are not supported yet (dense models only)")
-    if f.data.get("kv_lora_rank"):
-        raise f.error("'kv_lora_rank': multi-head latent attention is not supported yet (dense models only)")
     arch = f.data.get("architectures") or []
     if arch and not any(str(a).endswith(_GENERATIVE) for a in arch):
         raise f.error(f"architectures {arch}: not a text-generation model (expected a ...ForCausalLM config)")
@@ -156,7 +235,7 @@ def _dtypes(f: _Fields, top: dict) -> tuple[str, str | None, str]:
     if activation is None:
         raise f.error(f"field 'torch_dtype': expected float32, bfloat16 or float16, got {raw!r}")
     quant = top.get("quantization_config") or f.data.get("quantization_config")
-    if not quant:
+    if not quant or _quant_method(top, f) == "mxfp4":       # mxfp4: the experts only (fields_from_hf_dict)
         return activation, None, activation
     weight = _quantized_dtype(f, quant)
     return weight, activation, activation

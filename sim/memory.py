@@ -9,6 +9,8 @@ sampler run over `max_num_seqs` logits; `activation_peak_bytes` estimates that r
 figure your vLLM log prints as `activation_reserve_bytes`). KV heads split across TP ranks and are
 replicated when there are fewer KV heads than ranks.
 
+With sliding-window layers a block holds one KV cache group's layers (`block_bytes_per_token`).
+
 In the `per_head` layout (KV-Compress) a block holds `block_size` tokens of ONE layer and ONE KV
 head, so the same bytes make `num_blocks * layers * kv_heads_per_gpu` blocks.
 """
@@ -22,7 +24,7 @@ from .cost_model import kv_heads_per_gpu
 from .defaults import resolve_engine
 from .kv.base import sample_row_count
 from .kv.build import policy_params
-from .kv.policy import PolicyError, get_policy
+from .kv.policy import FastModeProfile, PolicyError, get_policy
 
 GiB = 2**30
 NON_TORCH_OVERHEAD_BYTES = GiB // 2   # CUDA context extras, cuBLAS/NCCL workspaces, CUDA graph pool
@@ -58,6 +60,16 @@ class KVPoolSize:
         return self.num_blocks * self.block_size
 
 
+def block_bytes_per_token(model: ModelSpec, tp: int, kv_dtype: str | None = None) -> float:
+    """KV bytes of one token in one pool block on one GPU: every layer, this GPU's KV heads; with
+    sliding-window layers one KV cache group's layers (vLLM's hybrid allocator: a block holds one group;
+    ModelSpec.kv_cache_groups). MLA's one latent per token is held whole on every GPU."""
+    per_token = model.kv_bytes_per_token(kv_dtype) * kv_heads_per_gpu(model, tp) / model.num_kv_heads
+    if model.num_sliding_layers:
+        per_token = per_token * model.kv_cache_groups()[0] / model.num_layers
+    return per_token
+
+
 def activation_peak_bytes(model: ModelSpec, *, tp: int = 1, max_num_batched_tokens: int = 8192,
                           max_num_seqs: int = 256) -> int:
     """Estimate of vLLM's profiled activation peak: the widest live tensors of the MLP for a full
@@ -89,7 +101,7 @@ def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, b
                                          max_num_seqs=max_num_seqs)
                    if activation_reserve_bytes is None else int(activation_reserve_bytes))
     available = usable - weights - activations - non_torch_overhead_bytes
-    kv_per_token = model.kv_bytes_per_token(kv_dtype) * heads / model.num_kv_heads
+    kv_per_token = block_bytes_per_token(model, tp, kv_dtype)
     bytes_per_block = int(block_size * kv_per_token)
     if available < bytes_per_block:
         need = weights + activations + non_torch_overhead_bytes + bytes_per_block
@@ -125,7 +137,7 @@ def check_pool_fits_gpu(model: ModelSpec, gpu: GPUSpec, *, tp: int, num_blocks: 
                         kv_dtype: str | None = None) -> None:
     """A KV pool given by hand (engine.num_gpu_blocks) must fit the GPU beside the weights: vLLM could not
     allocate it. Raises ModelDoesNotFitError naming the option and the most that fits."""
-    per_token = model.kv_bytes_per_token(kv_dtype) * kv_heads_per_gpu(model, tp) / model.num_kv_heads
+    per_token = block_bytes_per_token(model, tp, kv_dtype)
     pool = num_blocks * block_size * per_token
     room = gpu.memory_bytes - model.weight_bytes // tp
     if pool > room:
@@ -179,14 +191,14 @@ def _fast_slab_bytes(cfg, rows: int, trace, max_seqs: int) -> tuple[int, int, in
     recent-window ring and the budget-sized survivor list (with H2O, its score terms): see
     FastKVManager._alloc_arrays."""
     try:
-        profile = get_policy(cfg.kv.policy, **policy_params(cfg.kv)).fast_mode_profile() or {}
+        profile = get_policy(cfg.kv.policy, **policy_params(cfg.kv)).fast_mode_profile() or FastModeProfile()
     except (PolicyError, TypeError, ValueError):
         return 0, 0, 0                      # reported by the manager itself when it is built
-    if profile.get("sampled_rows"):         # token-level state on sampled rows (sim/kv/fast/sampled.py), no slab
+    if profile.sampled_rows:         # token-level state on sampled rows (sim/kv/fast/sampled.py), no slab
         return 0, 0, 0
-    budget = int(profile.get("budget") or 0)
-    window = max(int(profile.get("protect_recent", 0)), 1)
-    scored = profile.get("age_weight") == "young" and profile.get("budget") is not None
+    budget = int(profile.budget or 0)
+    window = max(int(profile.protect_recent), 1)
+    scored = profile.age_weight == "young" and profile.budget is not None
     sim_rows = sample_row_count(rows, cfg.kv.fast_rows)
     longest = int((trace.df["prompt_tokens"] + trace.df["output_tokens"]).max()) if trace is not None else 0
     cols = max(8, -(-longest // cfg.engine.block_size))

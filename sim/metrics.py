@@ -12,6 +12,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .safe_io import deferred_interrupts
+
 # name -> (arrow type, meaning)
 STEP_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "replica": (pa.int32(), "engine replica index"),
@@ -105,6 +107,10 @@ class StepLog:
         """Write the buffered rows (`whole_groups`: only whole row groups of `flush_rows`)."""
         if not self._pending:
             return
+        with deferred_interrupts():     # a Ctrl-C here would drop the rows taken out of the buffer
+            self._flush(whole_groups)
+
+    def _flush(self, whole_groups: bool) -> None:
         n = self._drop_torn_row()
         columns = {name: np.asarray(self._rows[name][:n], dtype=typ.to_pandas_dtype())
                    for name, (typ, _) in STEP_COLUMNS.items()}
@@ -199,9 +205,8 @@ def request_table(requests) -> pd.DataFrame:
             "first_token_s": first, "finish_s": last if status == "finished" else math.nan,
             "prompt_tokens": r.prompt_tokens, "output_tokens": r.num_output_tokens,
             "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,
-            "evicted_tokens": r.extra.get("kv_evicted_tokens", 0.0),
-            "attention_mass_retained": (r.extra["kv_mass_sum"] / r.extra["kv_mass_steps"]
-                                        if r.extra.get("kv_mass_steps") else math.nan),
+            "evicted_tokens": r.kv_evicted_tokens,
+            "attention_mass_retained": r.kv_mass_sum / r.kv_mass_steps if r.kv_mass_steps else math.nan,
             "token_times_s": np.array(times, dtype=np.float64),
         })
     df = pd.DataFrame(rows, columns=[c for c in REQUEST_COLUMNS if c not in (

@@ -23,15 +23,13 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from .safe_io import SYSTEM_DIRS, SYSTEM_TREES
+
 # every file `kvsim simulate` or `kvsim replay` writes into --out
 RESULT_FILES = ("requests.parquet", "steps.parquet", "summary.json", "config.yaml", "tokens.parquet",
                 "decisions.parquet", "attention_stats.parquet")
 _STAGING = ".kvsim-tmp-"
 OWNER_MARKER = ".kvsim-results"
-# directories no results may go into (or, for the second group, under)
-SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc", "/root",
-               "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
-SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 
 
 class OutputDirError(ValueError):

@@ -15,7 +15,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import stat
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,6 +30,10 @@ MAX_YAML_ALIASES = 100          # anchors are fine for sharing a few sections; a
 MAX_YAML_VALUES = 1_000_000     # values after aliases are expanded
 MAX_NESTING = 100               # mappings/lists (YAML) or objects/arrays (JSON) inside each other
 MAX_SET_VALUE_CHARS = 10_000    # one --set KEY=VALUE item
+# directories no output may go into (or, for the second group, under)
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/opt", "/proc", "/root",
+               "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 
 _CParser = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -36,7 +42,8 @@ class InputError(ValueError):
     """A user file or value is unsafe to read (not a regular file, too large, too nested, a bomb)."""
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words (\"a named pipe (FIFO)\", \"a character device\", ...)."""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):
@@ -60,7 +67,7 @@ def check_input_file(path: str | os.PathLike, *, what: str = "file", max_bytes: 
     if not stat.S_ISREG(st.st_mode):
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(21, "Is a directory", str(path))
-        raise InputError(f"{where}: is {_kind(st.st_mode)}; expected a {what} (a regular file)")
+        raise InputError(f"{where}: is {file_kind(st.st_mode)}; expected a {what} (a regular file)")
     if max_bytes is not None and st.st_size > max_bytes:
         raise InputError(f"{where}: is {st.st_size / 2**20:.1f} MiB; a {what} may be at most "
                          f"{max_bytes / 2**20:.0f} MiB")
@@ -235,6 +242,67 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def check_output_file(path: str | os.PathLike, option: str = "--out", what: str = "file") -> Path:
+    """A file a command is about to write: not a directory, not an existing named pipe, device or socket
+    (writing would hang or go nowhere), not in a system directory, and its folder writable (created if
+    missing). InputError naming `option` otherwise; checked before the work that makes the file."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise InputError(f"{option} {path}: cannot be written ({exc.strerror}); expected a {what} to write") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise InputError(f"{option} {path}: is a directory; expected the {what} to write, e.g. {path / 'out.yaml'}")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{option} {path}: is {file_kind(st.st_mode)}; expected a regular {what} to write")
+    folder = Path(os.path.realpath(path.absolute().parent))
+    if any(folder == Path(t) or Path(t) in folder.parents for t in SYSTEM_TREES):
+        raise InputError(f"{option} {path}: is in a system directory ({folder}); expected a {what} of your own")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{option} {path}: {existing} is not a writable directory; expected a {what} in one")
+    return path
+
+
+def write_error(exc: OSError, path: str | os.PathLike, option: str = "--out") -> tuple[str, int]:
+    """(one-line message, exit status) for an OSError writing `path`: a full disk says so (status 1, as a
+    run's results), anything else names the file and the reason (status 2)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = exc.strerror if str(path) in str(exc.strerror) else f"{path}: disk full ({exc.strerror})"
+        return f"{option} {reason}", 1
+    return f"{option} {path}: cannot be written ({exc.strerror or exc})", 2
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Ctrl-C and SIGTERM arriving inside the block take effect when it ends, so the block (a table's
+    flush) is done whole or not at all; the previous handlers then run as they would have. Only the
+    main thread can set handlers: elsewhere (a dashboard job) the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[tuple[int, Any]] = []
+    previous = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, lambda n, frame: received.append((n, frame)))
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            signum, frame = received[0]
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def json_safe(summary: dict, reasons_key: str = "null_reasons") -> dict:

@@ -51,7 +51,8 @@ from .catalog import CatalogError, get_gpu, get_model
 from .config import ConfigError, SimConfig, build_config, flatten, read_config_file, read_yaml_file
 from .cost_model import load_profile
 from .defaults import resolve_engine
-from .memory import ModelDoesNotFitError, num_gpu_blocks
+from .memory import (ModelDoesNotFitError, available_memory_bytes, check_memory, estimate_run_memory,
+                     num_gpu_blocks)
 from .kv.policy import policy_identity
 from .results import holding_store_lock, mark_owned, pid_alive
 from .safe_io import atomic_output
@@ -212,6 +213,9 @@ class _FitChecker:
 
     def __init__(self):
         self._seen: dict[tuple, str | None] = {}
+        self._pools: dict[tuple, tuple | str] = {}
+        self._memory: dict[tuple, str | None] = {}
+        self._available: tuple[int, str] | None = None
 
     def check(self, cfg: SimConfig, where: str) -> None:
         eng = cfg.engine
@@ -221,6 +225,38 @@ class _FitChecker:
             self._seen[key] = self._problem(cfg)
         if self._seen[key]:
             raise SpecError(f"{where}: {self._seen[key]}")
+        pool_key = key + (eng.num_gpu_blocks,)
+        if pool_key not in self._pools:
+            self._pools[pool_key] = self._pool(cfg)
+        if isinstance(self._pools[pool_key], str):
+            raise SpecError(f"{where}: {self._pools[pool_key]}")
+        mem_key = pool_key + (cfg.replicas, cfg.check_invariants, cfg.kv.model_dump_json())
+        if mem_key not in self._memory:
+            self._memory[mem_key] = self._memory_problem(cfg, *self._pools[pool_key])
+        if self._memory[mem_key]:
+            raise SpecError(f"{where}: {self._memory[mem_key]}")
+
+    # The checks a run makes before it allocates its pool (a hand-given pool fits the GPU; the host-memory
+    # estimate fits what is available), made for every configuration before any run starts.
+    @staticmethod
+    def _pool(cfg: SimConfig):
+        """(model, pool blocks) as the run resolves them, or the reason the pool does not fit the GPU."""
+        from .assembly import resolve_hardware
+
+        try:
+            model, _, _, blocks, _ = resolve_hardware(cfg)
+        except (CatalogError, ValueError) as exc:
+            return str(exc)
+        return model, blocks
+
+    def _memory_problem(self, cfg: SimConfig, model, blocks: int) -> str | None:
+        if self._available is None:
+            self._available = available_memory_bytes()
+        try:
+            check_memory(estimate_run_memory(cfg, model, None, blocks), self._available)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     @staticmethod
     def _problem(cfg: SimConfig) -> str | None:

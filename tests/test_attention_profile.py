@@ -96,3 +96,19 @@ def test_attention_speedup_grows_with_context_beyond_2x_with_the_cache():
         speed[r] = [n / p.read_tokens(TokenState.dense(1, n), c)[0] for n in (1 << 17, 1 << 19, 1 << 20)]
     assert all(s < 2 for s in speed[0.0])
     assert speed[0.9] == sorted(speed[0.9]) and speed[0.9][-1] > 15
+
+
+def test_shared_oracle_evicts_per_sequence_on_the_rows_mean_score():
+    # SpvLLM's H2O averages attention over layers and heads and evicts the same token from every head:
+    # row 0 ignores token 5, row 1 token 6; the rows' mean ranks token 5 lowest (row 1 attends it least)
+    T = 10
+    attn = np.tril(np.ones((2, T, T)))
+    attn[0, :, 5] = 0.0
+    attn[1, :, 6] = 0.0
+    attn[1, :, 5] = 0.5
+    attn /= attn.sum(axis=2, keepdims=True)
+    per_head = h2o_oracle(attn, prompt=9, budget=8, recent=2, obs_window=1)
+    shared = h2o_oracle(attn, prompt=9, budget=8, recent=2, obs_window=1, shared=True)
+    assert per_head[0, 5] and per_head[1, 6]                   # each head its own token
+    assert (shared[0] == shared[1]).all() and shared[0, 5] and shared.sum() == 2
+    assert eviction_profile(attn, 9, 8, 2, obs_window=1, shared=True).evictions == 2

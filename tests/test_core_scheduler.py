@@ -280,10 +280,10 @@ def test_finished_requests_keep_no_prefix_hash_state():
     r = req(0, 16, 3, prefix_hash_ids=(7, 8), prefix_block_tokens=8)
     s.add_request(r)
     step(s)
-    assert r.extra["block_hashes"]                    # hashed while it runs (kept across preemptions)
+    assert r.block_hashes                    # hashed while it runs (kept across preemptions)
     while r.status != RequestStatus.FINISHED:
         step(s)
-    assert "block_hashes" not in r.extra and r.prefix_hash_ids is None
+    assert r.block_hashes is None and r.prefix_hash_ids is None
     hit = req(1, 16, 2, prefix_hash_ids=(7, 8), prefix_block_tokens=8)
     s.add_request(hit)
     step(s)

@@ -107,3 +107,45 @@ def test_the_real_server_refuses_a_profile_outside_its_data_root(setup):
                          "the refusal")
         text = browser.text()
     assert "aws_secret" not in text and "hunter2" not in text
+
+
+@pytest.mark.parametrize("key", ["cfg_profile", "cfg_kv.importance"])
+def test_a_pipe_or_device_inside_the_data_root_is_refused_without_reading_it(setup, key):
+    """A named pipe in the data root (reading it would hang the job) and a link there to /dev/zero (reading
+    it would fill the server's memory): each refused in one message, at once."""
+    import os
+
+    root, _ = setup
+    os.mkfifo(root / "pipe.yaml")
+    (root / "zero.yaml").symlink_to("/dev/zero")
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    for name, fragment in (("pipe.yaml", "named pipe"), ("zero.yaml", "outside the dashboard's data directory")):
+        at.text_input(key=key).set_value(name).run()
+        shown = " ".join(errors(at))
+        assert fragment in shown, (name, shown)
+        assert at.button(key="sim_run").disabled
+
+
+def test_a_job_of_more_runs_than_the_limit_is_refused_before_any_is_checked(setup):
+    from kvsim.dashboard.guard import MAX_RUNS_PER_JOB, check_runs
+
+    cfg = load_config(None, {})
+    with pytest.raises(ConfigError, match=f"{MAX_RUNS_PER_JOB + 1} simulations in one job; at most {MAX_RUNS_PER_JOB}"):
+        check_runs([(str(i), cfg) for i in range(MAX_RUNS_PER_JOB + 1)])
+    check_runs([(str(i), cfg) for i in range(2)])
+
+
+@pytest.mark.parametrize("name", ["a\x00b.jsonl", "x" * 300 + ".jsonl", "../../../etc/cron.d/x.jsonl"],
+                         ids=["NUL byte", "300 characters", "a path out"])
+def test_a_hostile_upload_name_is_stored_safely_under_the_data_root(setup, name):
+    root, _ = setup
+    body = b'{"arrival_time_s": 0, "prompt_tokens": 5, "output_tokens": 2}\n'
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    at.radio(key="cfg_trace_kind").set_value("Upload a file").run()
+    at.file_uploader(key="cfg_trace_upload").upload(name, body)
+    at.run()
+    assert errors(at) == []                                      # no uncaught exception, no refusal
+    stored = [p for p in (root / "uploads").rglob("*") if p.is_file()]
+    assert [p.name for p in stored] == [upload_name(name)] and stored[0].read_bytes() == body

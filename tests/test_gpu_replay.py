@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from kvsim.gpu.replay import replay_config, run_replay
 from kvsim.sim.catalog import get_model
 from kvsim.sim.config import ConfigError, load_config
-from kvsim.sim.kv.manager import SLOT_STRATEGIES
+from kvsim.sim.kv.slots import SLOT_STRATEGIES
 from kvsim.sim.simulate import run_simulation
 from kvsim.traces.trace import Trace
 

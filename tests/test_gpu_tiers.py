@@ -221,7 +221,7 @@ def test_quest_decodes_over_exactly_the_selected_tokens(small, layout, page_size
             return
         for rid, logits in zip(ex.last_request_ids, ex.last_logits):
             req = next(r for r in list(replica.scheduler.running) + replica.scheduler.finished if r.request_id == rid)
-            toks = req.extra["gpu_tokens"][:req.num_computed_tokens]
+            toks = req.gpu_tokens[:req.num_computed_tokens]
             sel = ex.last_selection[rid]
             keep = np.stack([sel[layer] for layer in range(L)])                 # [L, kv_heads, T]
             assert keep.shape == (L, 3, len(toks))

@@ -105,7 +105,7 @@ def test_quantized_and_float32_checkpoints(tmp_path):
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
     ({"hidden_size": "896"}, "field 'hidden_size': expected an integer"),
     ({"torch_dtype": "int8"}, "field 'torch_dtype'"),
-    ({"num_local_experts": 8}, "mixture-of-experts"),
+    ({"num_local_experts": 8}, "mixture-of-experts config but .num_experts_per_tok."),
     ({"quantization_config": {"quant_method": "hqq"}}, "quant_method 'hqq'"),
 ])
 def test_bad_config_json_is_one_line_naming_file_and_field(tmp_path, change, message):

@@ -64,7 +64,7 @@ def test_kvcompress_compressions_cost_time(monkeypatch):
 
 
 def test_leankv_quantization_flops_follow_the_tokens_moved(monkeypatch):
-    from kvsim.sim.kv.manager import QUANT_FLOPS
+    from kvsim.sim.kv.slots import QUANT_FLOPS
     cfg = {"policy": "leankv", "layout": "per_head", "slot_strategy": "slot_reuse"}
     s, plans = _plans(monkeypatch, cfg, n=2, prompt=120, output=30)
     assert plans[:, 1].sum() > 0

@@ -85,15 +85,27 @@ def spvllm():
 
 
 def test_spvllm_setting_orders_the_strategies_and_they_converge_with_the_budget(spvllm):
-    # SpvLLM's setting (bench/bench_papers.py: 1,000 requests at t=0, mean 225 in / 209 out, T4, H2O one
-    # token per step, fast mode). Measured p99 fragmentation noop / free_block / slot_reuse: 0.866 /
-    # 0.777 / 0.059 at budget 256, 0.462 / 0.459 / 0.030 at 1,024 (published at 256: slot_reuse 0.79x
-    # free_block's and 0.44x noop's; kvsim's slot_reuse refills each step's one hole, docs/kv-eviction.md)
+    # SpvLLM's setting as its code runs it (bench/bench_papers.py: 1,000 requests at t=0, ShareGPT's
+    # length filter, OPT-125m / T4; H2O on the attention averaged over layers and heads, one decision per
+    # sequence = shared layout, the first decode query cutting the prompt, then one token a step; fast
+    # mode). Measured p99 fragmentation noop / free_block / slot_reuse 0.866 / 0.753 / 0.266 at budget
+    # 256 (slot_reuse 0.35x free_block's, 0.31x noop's; published 0.79x and 0.44x), 0.463 for noop and
+    # free_block at 1,024. slot_reuse / noop is in the published band; slot_reuse / free_block is not:
+    # the importance model's cut leaves the prompt's evictions spread over more pages than real
+    # head-averaged attention does (docs/kv-eviction.md), so free_block stays near noop.
     p99 = {(b, st): spvllm(b, st)["fragmentation_p99"] for b in (256, 1024) for st in ("noop", "free_block")}
     p99[256, "slot_reuse"] = spvllm(256, "slot_reuse")["fragmentation_p99"]
     assert p99[256, "noop"] > p99[256, "free_block"] > p99[256, "slot_reuse"]
+    assert 0.3 <= p99[256, "slot_reuse"] / p99[256, "noop"] <= 0.6
     gap = {b: p99[b, "noop"] - p99[b, "free_block"] for b in (256, 1024)}
     assert gap[1024] < 0.25 * gap[256]                 # free_block converges on noop as evictions thin out
+
+
+def test_spvllm_per_step_reading_keeps_slot_reuse_at_the_no_eviction_baseline(spvllm):
+    # without the prompt cut (evict_per_step 1, per_head) each step's one hole is refilled by the next
+    # step's token, so slot_reuse never holds more than one hole per row: 0.059 at budget 256
+    assert spvllm(256, "slot_reuse", "per-step")["fragmentation_p99"] < 0.1 < spvllm(256, "slot_reuse")[
+        "fragmentation_p99"]
 
 
 def test_batched_sparse_copy_rewrites_once_holes_pass_the_threshold():

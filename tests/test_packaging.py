@@ -92,3 +92,70 @@ def test_the_core_runs_simulate_without_the_optional_packages(tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "run" / "summary.json").exists()
+
+
+def _closure(requirements: list[str]) -> dict[str, object]:
+    """The installed distributions `requirements` need, transitively (environment markers evaluated,
+    extras left out): name -> importlib.metadata Distribution."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    found, todo = {}, [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        key = re.sub(r"[-_.]+", "-", req.name).lower()
+        if key in found:
+            continue
+        found[key] = dist = metadata.distribution(req.name)
+        todo.extend(Requirement(r) for r in dist.requires or ())
+    return found
+
+
+def _link_distributions(dists, target: Path) -> None:
+    """A site directory holding exactly `dists`: a link to each top-level file or folder they installed
+    (their packages and .dist-info, so pip sees them as installed)."""
+    target.mkdir()
+    for dist in dists:
+        for top in {Path(str(f)).parts[0] for f in dist.files or () if not str(f).startswith("..")}:
+            link, source = target / top, Path(dist.locate_file(top))
+            if source.exists() and not link.exists():
+                link.symlink_to(source)
+
+
+def test_a_fresh_virtualenv_with_only_the_core_dependencies_runs_simulate(tmp_path):
+    """A virtualenv without the system's site packages, holding only pyproject's core dependencies (and what
+    they require, per their metadata) and kvsim installed with `pip install --no-deps -e .`: `kvsim simulate`
+    runs, torch and the other optional packages cannot be imported there, and `pip check` finds every
+    requirement met. Offline: the dependencies are the machine's installed ones, linked into the venv's
+    site directory (a pip download would need the network)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = _closure(project["dependencies"])
+    assert not set(core) & set(OPTIONAL), "a core dependency pulls in an optional package"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    _link_distributions(core.values(), tmp_path / "core")
+    build = _closure(["pip", "setuptools>=68"])          # to install kvsim itself (kvsim does not import them)
+    _link_distributions(build.values(), tmp_path / "build")
+    Path(purelib, "core.pth").write_text(f"{tmp_path / 'core'}\n{tmp_path / 'build'}\n")
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "PIP_NO_INDEX": "1",
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    install = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e",
+                              str(ROOT)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True, env=env)
+    assert check.returncode == 0, check.stdout
+    probe = ("import importlib.util, sys\n"
+             f"print(sorted(m for m in {OPTIONAL!r} if importlib.util.find_spec(m)), sys.prefix)")
+    found, prefix = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, env=env,
+                                   check=True).stdout.rsplit(" ", 1)
+    assert found == "[]" and Path(prefix.strip()) == venv
+    run = subprocess.run([str(venv / "bin" / "kvsim"), "simulate", "--trace", "sharegpt-8k-filtered",
+                          "--max-requests", "20", "--model", "qwen3-0.6b", "--gpu", "l4", "--max-concurrency", "4",
+                          "-q", "-o", str(tmp_path / "run")], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "run" / "summary.json").exists()

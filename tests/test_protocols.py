@@ -100,6 +100,7 @@ KV_CONFIGS = {
     "per_head leankv": {"kv.policy": "leankv", "kv.layout": "per_head"},
     "fast h2o": {"kv.policy": "h2o", "kv.budget": 64, "kv.mode": "fast"},
     "fast leankv (sampled rows)": {"kv.policy": "leankv", "kv.layout": "per_head", "kv.mode": "fast"},
+    "sliding-window layers (hybrid)": {"model": "gpt-oss-20b"},
 }
 
 

@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -114,6 +115,8 @@ def d(tmp_path) -> Path:
     os.mkfifo(tmp_path / "fifo.jsonl")
     (tmp_path / "deep.yaml").write_text("a: " + "[" * 20_000 + "]" * 20_000 + "\n")
     (tmp_path / "dup.yaml").write_text("seed: 1\nseed: 2\n")
+    (tmp_path / "circular.yaml").write_text("engine: &e {max_num_seqs: *e}\n")
+    (tmp_path / "digits.yaml").write_text("seed: " + "9" * 5000 + "\n")
     return tmp_path
 
 
@@ -133,6 +136,10 @@ CASES = {
     "sweep spec is /dev/zero": (["sweep", "{d}/zero.yaml", "-o", "{d}/st", "--dry-run"], ["zero.yaml",
                                                                                        "character device"]),
     "YAML 20k deep": (SIM + ["-c", "{d}/deep.yaml", "-o", "{d}/r"], ["deep.yaml", "nested more than 100"]),
+    "circular YAML alias": (SIM + ["-c", "{d}/circular.yaml", "-o", "{d}/r"], ["circular.yaml",
+                                                                              "engine.max_num_seqs"]),
+    "5000-digit integer in a config file": (SIM + ["-c", "{d}/digits.yaml", "-o", "{d}/r"], ["digits.yaml",
+                                                                                            "5000 digits"]),
     "duplicate YAML keys": (SIM + ["-c", "{d}/dup.yaml", "-o", "{d}/r"], ["dup.yaml", "duplicate key 'seed'"]),
     "trace synth 1e12 requests": (["trace", "synth", "{d}/t.jsonl", "-n", "1000000000000"], ["at most 100,000,000"]),
     "--seed -1": (SIM + ["--seed", "-1", "-o", "{d}/r"], ["seed", "greater than or equal to 0"]),
@@ -144,6 +151,22 @@ CASES = {
     "--out /etc": (SIM + ["-o", "/etc"], ["--out /etc", "system directory"]),
     "--out /dev": (SIM + ["-o", "/dev"], ["--out /dev", "system directory"]),
 }
+
+
+def test_an_slo_in_seconds_is_accepted_by_capacity(d):
+    ran = kvsim(["capacity", "--slo", "ttft_p99<=1000s", "--max-requests", "20", "--max-evals", "2", "--repeats", "1",
+                 "-q"], d)
+    assert ran.code in (0, 1) and "1e+06" not in ran.err and "pydantic" not in ran.err, ran.err   # 1: no bound found
+    assert "rate" in ran.out
+    bounded(ran)
+
+
+def test_an_unreachable_dask_scheduler_is_one_line_exit_1(d):
+    (d / "spec.yaml").write_text("grid: {seed: [0]}\n")
+    ran = kvsim(["sweep", "spec.yaml", "-o", "st", "--executor", "dask", "--scheduler", "tcp://127.0.0.1:1", "-q"], d)
+    assert ran.code == 1 and len(ran.lines) == 1, ran.err
+    assert ran.lines[0].startswith("error: --scheduler tcp://127.0.0.1:1: no dask scheduler answered")
+    bounded(ran)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -211,7 +234,32 @@ def test_replay_refuses_a_pool_that_does_not_fit_before_allocating(d):
     assert ran.code == 2 and len(ran.lines) == 1, ran.err
     # refused by the GPU-memory check (the pool beside the weights) before the host-memory one
     assert "KV cache per GPU" in ran.lines[0] and "num_gpu_blocks" in ran.lines[0]
-    assert ran.rss_mb < 1000 and "Traceback" not in ran.err   # torch and the model, not the pool
+    bounded(ran)                                              # torch and the model, not the pool
+
+
+HUGE_GPU = "name: Huge-GPU\nmemory_gib: 100000000\nmemory_bw_gbps: 3350\ntflops: {bf16: 989}\npcie_gbps: 64\nusd_per_hour: 1\n"
+
+
+@pytest.mark.parametrize("command", ["sweep", "capacity", "reference"])
+def test_every_command_refuses_a_pool_beyond_host_memory_before_allocating(d, command):
+    """10^9 blocks (129 GiB of the simulator's pool; for `reference`, 687 TiB of vLLM's CPU KV cache too) on
+    a GPU large enough to hold them: refused by the host-memory estimate, naming --num-gpu-blocks, before
+    any run starts or vLLM is called (`--vllm-python /bin/false` is never run)."""
+    (d / "huge.yaml").write_text(HUGE_GPU)
+    if command == "sweep":
+        (d / "spec.yaml").write_text(f"fixed: {{gpu: {d}/huge.yaml, engine.num_gpu_blocks: 1000000000}}\n"
+                                     "grid: {seed: [0, 1]}\n")
+        args, fragments = ["sweep", "spec.yaml", "-o", "st", "-q"], ["spec.yaml: run 0", "host memory"]
+    elif command == "capacity":
+        args = ["capacity", "--slo", "ttft_p99<=2s", "--gpu", str(d / "huge.yaml"), "--num-gpu-blocks", "1000000000",
+                "--max-requests", "5", "-q", "-o", "st"]
+        fragments = ["host memory"]
+    else:
+        args = ["reference", "vllm", "--num-gpu-blocks", "1000000000", "--max-requests", "2", "--vllm-python",
+                "/bin/false", "-o", "st"]
+        fragments = ["vLLM's CPU KV cache", "host memory"]
+    refused(kvsim(args, d), *fragments, "lower --num-gpu-blocks")
+    assert not list((d / "st").glob("runs/*.parquet")) and not (d / "st" / "agreement.json").exists()
 
 
 PLUGIN_EXIT = "import sys\nsys.exit(0)\n"
@@ -247,26 +295,35 @@ def _sweep_spec(d: Path, runs: int) -> Path:
     return spec
 
 
-def test_sigterm_to_sweep_exits_130_keeping_the_finished_runs(d):
-    spec, store = _sweep_spec(d, 40), d / "st"
-    proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "sweep", str(spec), "-o", str(store), "-q",
-                             "--jobs", "1"], cwd=d, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("command, sig, reason", [("sweep", signal.SIGTERM, "terminated (SIGTERM)"),
+                                                  ("sweep", signal.SIGINT, "interrupted (Ctrl-C)"),
+                                                  ("capacity", signal.SIGTERM, "terminated (SIGTERM)"),
+                                                  ("capacity", signal.SIGINT, "interrupted (Ctrl-C)")])
+def test_a_signal_to_a_store_command_exits_130_keeping_the_finished_runs(d, command, sig, reason):
+    store = d / "st"
+    args = (["sweep", str(_sweep_spec(d, 40)), "--jobs", "1"] if command == "sweep" else
+            ["capacity", "--slo", "ttft_p99<=2s", "--max-requests", "300", "--repeats", "1"])
+    proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", *args, "-o", str(store), "-q"], cwd=d,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not list(store.glob("runs/*.parquet")):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert err.strip().startswith("terminated (SIGTERM); the store") and "Traceback" not in err
+    assert err.strip() == f"{reason}; the store {store} keeps the finished runs (run again to resume)"
     assert list((store / "runs").glob("*.parquet"))
 
 
-def test_a_second_sweep_on_a_busy_store_is_refused(d):
+@pytest.mark.parametrize("command", ["sweep", "capacity"])
+def test_a_second_store_command_on_a_busy_store_is_refused(d, command):
     from kvsim.sim.results import store_lock
 
-    spec, store = _sweep_spec(d, 2), d / "st"
+    store = d / "st"
+    args = (["sweep", str(_sweep_spec(d, 2))] if command == "sweep" else
+            ["capacity", "--slo", "ttft_p99<=2s", "--max-requests", "20"])
     with store_lock(store):
-        refused(kvsim(["sweep", str(spec), "-o", str(store), "-q"], d), "another kvsim process is writing")
+        refused(kvsim([*args, "-o", str(store), "-q"], d), "another kvsim process is writing")
     assert not list(store.glob("runs/*.parquet"))
 
 
@@ -328,3 +385,249 @@ def test_json_safe_keeps_finite_values_and_explains_nulls():
     assert data["a"] == 1.5 and data["b"] is None and data["c"]["d"] is None
     assert set(data["null_reasons"]) == {"b", "c.d"}
     assert restore_nan(data)["b"] != restore_nan(data)["b"]         # NaN again after reading
+
+
+# ---- outputs: empty names, racing runs ------------------------------------------------------------
+@pytest.mark.parametrize("args", [SIM + ["-o", ""], ["sweep", "spec.yaml", "-o", ""], ["report", "st", "-o", ""],
+                                  ["capacity", "--slo", "ttft_p99<=2s", "-o", " "], ["trace", "synth", ""]])
+def test_an_empty_output_name_is_refused_even_in_an_empty_folder(tmp_path, args):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(kvsim(args, empty), "''", "empty name")
+    assert [p.name for p in empty.iterdir()] == []
+
+
+def _start_simulate(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "simulate", "-q", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("out", ["run", "."])
+def test_racing_simulate_runs_into_one_out_each_finish_whole(tmp_path, out):
+    """N runs started together into one --out (a new directory, or the current one): each exits 0 (or
+    with one error line, exit 2); the directory ends holding one run's files, all of that run; no
+    staging directory is left behind."""
+    (tmp_path / "run").mkdir()
+    cwd = tmp_path / "run" if out == "." else tmp_path
+    procs = [_start_simulate(["--max-requests", str(20 + i), "-o", out], cwd) for i in range(6)]
+    done = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
+    for code, err in done:
+        assert code == 0 or (code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error:")), err
+    assert sum(code == 0 for code, _ in done) >= 1
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir()) == [".kvsim-results", "config.yaml", "requests.parquet",
+                                                     "steps.parquet", "summary.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]             # no staging directory left
+    s = json.loads((run / "summary.json").read_text())
+    winner = s["num_requests"]
+    assert s["partial"] is False and done[winner - 20][0] == 0          # the run whose files these are succeeded
+    assert f"max_requests: {winner}" in (run / "config.yaml").read_text()
+    assert pq.read_metadata(run / "requests.parquet").num_rows == winner
+    assert pq.read_metadata(run / "steps.parquet").num_rows == s["num_steps"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_runs_publishing_into_one_out_at_once_take_turns(tmp_path, monkeypatch, existing):
+    """The publishing step itself, six at once, with every rename slowed down so that their windows
+    overlap for certain: the lock on --out's parent makes them take turns; the directory ends holding
+    one run's files, whole."""
+    import threading
+
+    from kvsim.sim import results
+
+    out, names = tmp_path / "run", ("summary.json", "config.yaml", "steps.parquet")
+    if existing:
+        first = results.ResultDir(out)
+        (first.path / "summary.json").write_text("previous")
+        first.publish()
+    staged = []
+    for i in range(6):
+        rd = results.ResultDir(out)
+        for name in names:
+            (rd.path / name).write_text(f"run {i}")
+        staged.append(rd)
+    real_replace = os.replace
+
+    def slow_replace(src, dst):
+        time.sleep(0.02)
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", slow_replace)
+    barrier, failures = threading.Barrier(len(staged)), []
+
+    def publish(rd):
+        barrier.wait()
+        try:
+            rd.publish()
+        except Exception as exc:         # noqa: BLE001 - a failing publish is what this test looks for
+            failures.append(exc)
+    threads = [threading.Thread(target=publish, args=(rd,)) for rd in staged]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert failures == []
+    assert len({(out / name).read_text() for name in names}) == 1          # one run's files, not a mix
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, ".kvsim-results"])
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+# ---- calibrate's output: checked before the fit, written to a temporary file and renamed ----------
+@pytest.mark.parametrize("target, fragment", [("{d}", "is a directory"), ("{d}/fifo.yaml", "named pipe"),
+                                              ("/dev/full", "character device"), ("/etc/kvsim.yaml", "system directory"),
+                                              ("{d}/dup.yaml/x.yaml", "Not a directory")])
+def test_calibrate_refuses_an_output_it_cannot_write_before_fitting(d, target, fragment):
+    refused(kvsim(["calibrate", "no-such-log", "-o", target.format(d=d)], d), "--out", fragment)
+
+
+def _step_log(d: Path) -> Path:
+    from test_calibrate import synthetic_steps
+
+    synthetic_steps(n=200, padded=False).to_parquet(d / "steps.parquet")
+    return d / "steps.parquet"
+
+
+def test_calibrate_on_a_full_disk_keeps_the_previous_profile(tmp_path, monkeypatch):
+    """In process: the profile writer fails half-way with ENOSPC (monkeypatched write)."""
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli import app
+    from kvsim.sim.cost_model import HardwareProfile
+
+    log, out = _step_log(tmp_path), tmp_path / "fitted.yaml"
+    out.write_text("the previous profile\n")
+
+    def half_then_full(self, path):
+        Path(path).write_text("name: half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(HardwareProfile, "to_yaml", half_then_full)
+    res = CliRunner().invoke(app, ["calibrate", str(log), "-o", str(out), "--model", "smollm2", "--trim", "0"])
+    assert res.exit_code == 1
+    assert res.output.strip().splitlines()[-1] == (f"error: --out {out}: disk full (No space left on device); "
+                                                   "nothing was written")
+    assert out.read_text() == "the previous profile\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fitted.yaml", "steps.parquet"]
+
+
+def _unshare_tmpfs_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-Urm", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_tmpfs_works(), reason="no unprivileged user namespaces (unshare -Urm) for a tmpfs")
+def test_calibrate_on_a_real_full_disk_leaves_nothing_half_written(tmp_path):
+    """A real ENOSPC: a 16 KiB tmpfs (mounted in a user namespace, no root needed) already holding the
+    previous profile and a filler; kvsim calibrate in there says the disk is full (exit 1), and the
+    folder afterwards holds exactly what it held before."""
+    log, mnt = _step_log(tmp_path), tmp_path / "mnt"
+    mnt.mkdir()
+    script = (f"mount -t tmpfs -o size=16k tmpfs {mnt} && printf 'previous\\n' > {mnt}/fitted.yaml && "
+              f"head -c 12288 /dev/zero > {mnt}/filler; "
+              f"{sys.executable} -m kvsim.sim.cli calibrate {log} -o {mnt}/fitted.yaml --model smollm2 --trim 0 "
+              f">/dev/null 2>{tmp_path}/err; echo \"rc=$?\"; ls -A {mnt}; cat {mnt}/fitted.yaml")
+    ran = subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    err = (tmp_path / "err").read_text()
+    assert ran.stdout.split() == ["rc=1", "filler", "fitted.yaml", "previous"], (ran.stdout, ran.stderr, err)
+    assert err.strip() == f"error: --out {mnt}/fitted.yaml: disk full (No space left on device); nothing was written"
+
+
+# ---- partial results: a Ctrl-C while the step log writes a row group -------------------------------
+def test_ctrl_c_while_the_step_log_flushes_keeps_every_table_consistent(tmp_path, monkeypatch):
+    """Ctrl-C (a real SIGINT to this process) arriving while StepLog.flush writes a row group: the
+    partial result's step log has every step up to where the run stopped (none dropped), matching the
+    summary, and reaches as far in simulated time as the requests do."""
+    import pandas as pd
+
+    from kvsim.sim import metrics
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulate import run_simulation
+
+    monkeypatch.setattr(metrics.StepLog.__init__, "__defaults__", (256,))        # row groups of 256 steps
+    write, calls = metrics.StepLog._write, []
+
+    def interrupted_write(self, columns):
+        calls.append(len(columns["step"]))
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)          # delivered at the next bytecode, inside the flush
+        write(self, columns)
+    monkeypatch.setattr(metrics.StepLog, "_write", interrupted_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(load_config(None, {"trace_options.max_requests": 200}), tmp_path / "run")
+    out = tmp_path / "run"
+    s = json.loads((out / "summary.json").read_text())
+    steps, reqs = pd.read_parquet(out / "steps.parquet"), pd.read_parquet(out / "requests.parquet")
+    assert s["partial"] is True and s["partial_reason"] == "interrupted (Ctrl-C)"
+    assert len(steps) == s["num_steps"] >= 3 * 256
+    assert (steps["step"].to_numpy() == range(len(steps))).all()                 # no step dropped
+    steps_end = (steps["time_s"] + steps["duration_s"]).max()
+    latest_event = reqs[["first_token_s", "finish_s"]].max().max()                # the requests' last event
+    assert latest_event <= steps_end + 1e-9, (latest_event, steps_end)
+
+
+# ---- a real full disk: a small tmpfs in a user namespace ------------------------------------------
+def in_full_tmpfs(tmp_path: Path, args: list[str], size_kb: int = 32) -> tuple[int, str, Path]:
+    """Run `kvsim ARGS` (with {mnt} for the tmpfs) in a user and mount namespace where {mnt} is a fresh
+    tmpfs of `size_kb`; (exit status, stderr, a copy of the tmpfs's content afterwards)."""
+    mnt, after = tmp_path / "mnt", tmp_path / "after"
+    mnt.mkdir()
+    after.mkdir()
+    command = " ".join(shlex.quote(a.replace("{mnt}", str(mnt))) for a in args)
+    script = (f"mount -t tmpfs -o size={size_kb}k tmpfs {mnt} || exit 99; cd {tmp_path}; "
+              f"{shlex.quote(sys.executable)} -m kvsim.sim.cli {command} >/dev/null 2>{tmp_path}/err; "
+              f"echo $? > {tmp_path}/rc; cp -a {mnt}/. {after}/")
+    subprocess.run(["unshare", "-Urm", "sh", "-c", script], timeout=120, check=True)
+    return int((tmp_path / "rc").read_text()), (tmp_path / "err").read_text(), after
+
+
+@pytest.mark.skipif(not _unshare_tmpfs_works(), reason="no unprivileged user namespaces (unshare -Urm) for a tmpfs")
+@pytest.mark.parametrize("command", ["sweep", "capacity", "simulate", "trace synth"])
+def test_a_real_full_disk_is_reported_as_such_leaving_nothing_half_written(tmp_path, command):
+    (tmp_path / "spec.yaml").write_text("fixed: {trace_options.max_requests: 20}\ngrid: {seed: [0, 1, 2]}\n")
+    args, code, says = {
+        "sweep": (["sweep", "spec.yaml", "-o", "{mnt}/st", "-q", "--jobs", "1"], 1, "disk full"),
+        "capacity": (["capacity", "--slo", "ttft_p99<=2s", "--max-requests", "20", "--max-evals", "4", "-q",
+                      "-o", "{mnt}/st"], 1, "disk full"),
+        "simulate": (["simulate", "--max-requests", "20", "-q", "-o", "{mnt}/run"], 1, "No space left on device"),
+        "trace synth": (["trace", "synth", "{mnt}/t.jsonl", "-n", "5000"], 2, "disk full"),
+    }[command]
+    rc, err, after = in_full_tmpfs(tmp_path, args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == code and len(lines) == 1 and lines[0].startswith("error: --out" if command != "trace synth"
+                                                                    else "error: "), err
+    assert says in lines[0] and "Traceback" not in err
+    left = [p for p in after.rglob("*") if p.is_file()]
+    assert not [p for p in left if "tmp" in p.name], left                         # no temporary file left
+    for p in left:                                                                # what is there is whole
+        if p.suffix == ".parquet":
+            pq.read_table(p)
+        elif p.suffix == ".json":
+            json.loads(p.read_text())
+        elif p.suffix == ".jsonl":
+            [json.loads(line) for line in p.read_text().splitlines()]
+    assert not (after / "run").exists() and not (after / "t.jsonl").exists()
+
+
+@pytest.mark.parametrize("after_s", [0.0, 4.0])
+def test_sigterm_to_replay_exits_130_with_a_marked_partial_result_or_none(tmp_path, after_s):
+    """SIGTERM while the model loads (0 s) or while steps run (4 s after its staging directory appears):
+    exit 130 without a traceback, and either no result or one marked partial whose tables agree."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "replay", "--layers", "1", "--max-requests", "50",
+                             "--num-gpu-blocks", "2000", "-q", "-o", str(out)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(tmp_path.glob(".run.kvsim-tmp-*")):
+        time.sleep(0.05)
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGTERM)
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    if out.exists():
+        s = json.loads((out / "summary.json").read_text())
+        steps = out / "steps.parquet"
+        logged = pq.read_metadata(steps).num_rows if steps.exists() else 0
+        assert s["partial"] is True and logged == s.get("num_steps", 0)
+        assert "interrupted: partial result" in " ".join(stdout.split())
+    else:
+        assert err.strip() == "terminated (SIGTERM): no results written"

@@ -42,10 +42,11 @@ class EvictionProfile:
 
 
 def h2o_oracle(attn: np.ndarray, prompt: int, budget: int, recent: int, obs_window: int = 8,
-               prompt_cut: bool = False) -> np.ndarray:
+               prompt_cut: bool = False, shared: bool = False) -> np.ndarray:
     """bool [rows, T]: the tokens per-step H2O has evicted after the last query (see the module doc);
     `prompt_cut`: kvsim's default H2O, which first cuts the prompt to the budget by the observation
-    window's scores."""
+    window's scores; `shared`: one decision per sequence for every row, on the rows' mean score (the
+    `shared` layout, as SpvLLM's H2O averages attention over layers and heads)."""
     rows, T, _ = attn.shape
     if not 0 < prompt < T or recent >= budget:
         raise ValueError(f"need 0 < prompt ({prompt}) < tokens ({T}) and recent ({recent}) < budget ({budget})")
@@ -56,7 +57,9 @@ def h2o_oracle(attn: np.ndarray, prompt: int, budget: int, recent: int, obs_wind
 
     def observe(q: int) -> None:
         a = attn[:, q, :q + 1] * live[:, :q + 1]
-        score[:, :q + 1] += a / np.maximum(a.sum(axis=1, keepdims=True), 1e-30)
+        a = a / np.maximum(a.sum(axis=1, keepdims=True), 1e-30)
+        # shared: every row holds the same live set and gets the rows' mean, so all rows decide alike
+        score[:, :q + 1] += a.mean(axis=0) if shared else a
 
     for q in range(max(0, prompt - obs_window), prompt):
         observe(q)
@@ -82,9 +85,11 @@ def h2o_oracle(attn: np.ndarray, prompt: int, budget: int, recent: int, obs_wind
 
 
 def eviction_profile(attn: np.ndarray, prompt: int, budget: int, recent: int | None = None, *,
-                     block_size: int = 16, obs_window: int = 8, prompt_cut: bool = False) -> EvictionProfile:
+                     block_size: int = 16, obs_window: int = 8, prompt_cut: bool = False,
+                     shared: bool = False) -> EvictionProfile:
     T = attn.shape[1]
-    evicted = h2o_oracle(attn, prompt, budget, budget // 2 if recent is None else recent, obs_window, prompt_cut)
+    evicted = h2o_oracle(attn, prompt, budget, budget // 2 if recent is None else recent, obs_window, prompt_cut,
+                         shared)
     n = int(evicted.sum())
     full = (T // block_size) * block_size
     pages = evicted[:, :full].reshape(evicted.shape[0], -1, block_size).all(axis=2)

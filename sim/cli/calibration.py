@@ -12,7 +12,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, config_overrides, fail
+from kvsim.sim.safe_io import atomic_output
+
+from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, config_overrides, fail, output_path
 
 console = Console()
 
@@ -21,7 +23,7 @@ def calibrate(
     step_logs: list[str] = typer.Argument(None, help="replay step logs (steps.parquet files or run directories); "
                                                     "DIR1,DIR2,... = repeats of one replay, fitted on each step's "
                                                     "median time"),
-    out: Path = typer.Option(..., "--out", "-o", help="output file: hardware profile YAML (or importance YAML "
+    out: Path = typer.Option(..., "--out", "-o", parser=output_path(), help="output file: hardware profile YAML (or importance YAML "
                                                        "with --attention)"),
     model: str = typer.Option("smollm2-135m", help="catalog model the step logs were measured on"),
     gpu: str = typer.Option("cpu-2core", help="catalog GPU/CPU entry whose peaks the factors refer to"),
@@ -61,8 +63,10 @@ def calibrate(
     tokens and empties whole pages), so --decisions fits the model's content correlation to recorded
     evictions by simulating the replays over a (rho, ell) grid (sim/calibration/correlation_fit.py)."""
     from kvsim.sim.calibration.errors import CalibrationError
+    from kvsim.sim.safe_io import check_output_file, write_error
     command = "kvsim calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     try:
+        check_output_file(out, what="YAML file")
         if attention is not None:
             _calibrate_importance(attention, out, name, seed, command, decisions)
             return
@@ -78,6 +82,8 @@ def calibrate(
         _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command, decode_batch_factors)
     except (CalibrationError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
+    except OSError as exc:          # writing --out (a full disk): written to a temporary file, so nothing is left
+        fail(*write_error(exc, out))
 
 
 def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command,
@@ -89,7 +95,8 @@ def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim,
                          description=f"fitted by kvsim calibrate on {len(steps)} measured steps of {model}",
                          trim=trim, decode_batch_factors=decode_batch_factors)
     meta = profile_meta(report, model=model, gpu=gpu, sources=[str(p) for p in step_logs], command=command)
-    report.profile.model_copy(update={"meta": meta}).to_yaml(out)
+    with atomic_output(out) as tmp:
+        report.profile.model_copy(update={"meta": meta}).to_yaml(tmp)
     if "repeats" in steps.columns:
         rep = steps["repeats"].notna()
         console.print(f"{int(rep.sum())} steps are medians of repeated replays; (slowest - fastest) / median per "
@@ -117,7 +124,8 @@ def _calibrate_operators(operators: Path, out: Path, gpu: str, holdout, attentio
     base = "default" if base_profile == "cpu-2core" else base_profile
     fit = fit_operator_profile(tables, holdout=holdout, name=name or out.stem, base_profile=base,
                                attention_from=reference)
-    fit.profile.to_yaml(out)
+    with atomic_output(out) as tmp:
+        fit.profile.to_yaml(tmp)
     rows = f"held-out model {holdout}" if holdout else "the training rows (no --holdout: in-sample)"
     console.print(f"fitted {tables.gpu.name} on {', '.join(fit.models)}; errors on {rows}:")
     console.print(fit.table())
@@ -132,7 +140,8 @@ def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: 
     if decisions:
         console.print(f"fitting the content correlation to the evictions recorded in {len(decisions)} replay(s) ...")
         fit = fit.with_correlation(fit_content_correlation(decisions, fit.spec))
-    fit.write(out, command=command, source=str(attention))
+    with atomic_output(out) as tmp:
+        fit.write(tmp, command=command, source=str(attention))
     console.print(fit.table())
     console.print(f"wrote {out}  (use: --set kv.importance={out})")
 
@@ -140,7 +149,7 @@ def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: 
 def crosscheck(
     trace: str = typer.Option(..., help="trace the simulator was NOT calibrated on (shipped name or file)"),
     profile: str = typer.Option(..., help="calibrated hardware profile (name or YAML)"),
-    out: Path = typer.Option(Path("runs/crosscheck"), "--out", "-o", help="output directory"),
+    out: Path = typer.Option(Path("runs/crosscheck"), "--out", "-o", parser=output_path(), help="output directory"),
     model: str = typer.Option("smollm2-135m", help="model the replay runs"),
     gpu: str = typer.Option("cpu-2core", help="catalog GPU/CPU entry the profile refers to"),
     device: str = typer.Option("cpu", help="replay device: cpu | cuda"),

@@ -18,10 +18,22 @@ AsJson = Annotated[bool, typer.Option("--json", help="print the figures as JSON 
 
 
 def model_row(m) -> dict:
-    return {"name": m.name, "hf_id": m.hf_id, "params_b": m.param_count / 1e9, "layers": m.num_layers,
-            "heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
-            "weight_dtype": m.weight_dtype, "weight_gib": m.weight_bytes / GiB,
-            "kv_dtype": m.kv_dtype, "kv_bytes_per_token": m.kv_bytes_per_token(), "max_position": m.max_position}
+    active = m.param_count - m.routed_expert_params + m.num_moe_layers * m.experts_per_token * m.expert_params
+    return {"name": m.name, "hf_id": m.hf_id, "params_b": m.param_count / 1e9, "active_params_b": active / 1e9,
+            "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
+            "weight_dtype": m.weight_dtype, "expert_dtype": m.expert_dtype, "weight_gib": m.weight_bytes / GiB,
+            "kv_dtype": m.kv_dtype, "kv_bytes_per_token": m.kv_bytes_per_token(), "max_position": m.max_position,
+            "experts": m.num_experts, "experts_per_token": m.experts_per_token,
+            "shared_experts": m.num_shared_experts, "attention": _attention(m),
+            "sliding_window": m.sliding_window, "sliding_window_layers": m.num_sliding_layers}
+
+
+def _attention(m) -> str:
+    """MHA / GQA / MLA, and the sliding window (on how many layers)."""
+    kind = "MLA" if m.is_mla else "MHA" if m.num_kv_heads == m.num_heads else "GQA"
+    if m.sliding_window:
+        kind += f", window {m.sliding_window:,} on {m.num_sliding_layers}/{m.num_layers} layers"
+    return kind
 
 
 def models(
@@ -39,11 +51,16 @@ def models(
         typer.echo(json.dumps(rows, indent=1))
         return
     table = Table(title="models (kvsim simulate --model NAME; aliases and HF ids work too)")
-    for col in ("name", "params", "layers", "heads / KV", "head_dim", "weights", "KV per token", "max len"):
-        table.add_column(col, justify="left" if col == "name" else "right", no_wrap=col == "name")
+    for col in ("name", "params (active)", "experts", "layers", "heads / KV", "head_dim", "attention", "weights",
+                "KV per token", "max len"):
+        table.add_column(col, justify="left" if col in ("name", "attention") else "right", no_wrap=col == "name")
     for r in rows:
-        table.add_row(r["name"], f"{r['params_b']:.2f} B", str(r["layers"]), f"{r['heads']} / {r['kv_heads']}",
-                      str(r["head_dim"]), f"{r['weight_gib']:.2f} GiB {r['weight_dtype']}",
+        params = f"{r['params_b']:.2f} B" + (f" ({r['active_params_b']:.2f})" if r["experts"] else "")
+        experts = (f"{r['experts']} top {r['experts_per_token']}" + (f" +{r['shared_experts']}" if r["shared_experts"]
+                                                                      else "")) if r["experts"] else ""
+        dtype = r["weight_dtype"] + (f"/{r['expert_dtype']}" if r["expert_dtype"] else "")
+        table.add_row(r["name"], params, experts, str(r["layers"]), f"{r['heads']} / {r['kv_heads']}",
+                      str(r["head_dim"]), r["attention"], f"{r['weight_gib']:.2f} GiB {dtype}",
                       f"{r['kv_bytes_per_token'] / 1024:g} KiB {r['kv_dtype']}", f"{r['max_position']:,}")
     console.print(table)
 

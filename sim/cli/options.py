@@ -25,7 +25,20 @@ Replicas = Annotated[Optional[int], typer.Option(help="engine replicas behind th
 Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or file; default auto: the GPU's own "
                                                     "(fitted or derived; docs/gpu-profiles.md)")]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file; options override it")]
-Out = Annotated[Path, typer.Option("--out", "-o", help="output directory")]
+
+
+def output_path(option: str = "--out"):
+    """Parser of an option or argument naming an output (--out, a trace file to write): an empty name is
+    refused, since Path('') is the current directory (`--out ''` would write into it)."""
+    def parse(value: str | Path) -> Path:
+        if str(value).strip() == "":
+            fail(f"{option} '': an empty name (it would mean the current directory); expected a directory or "
+                 "file name, e.g. runs/NAME")
+        return Path(value)
+    return parse
+
+
+Out = Annotated[Path, typer.Option("--out", "-o", parser=output_path(), help="output directory")]
 Overwrite = Annotated[bool, typer.Option(
     "--overwrite", help="write into an existing non-empty --out that kvsim did not create (its kvsim result "
                         "files are replaced, other files kept)")]
@@ -40,6 +53,9 @@ MaxNumSeqs = Annotated[Optional[int], typer.Option(help="most sequences in one s
 MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(help="token budget per step")]
 PrefixCaching = Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
                                                        help="automatic prefix caching (default: vLLM's)")]
+ExpertParallel = Annotated[Optional[bool], typer.Option(
+    "--enable-expert-parallel", help="MoE models: experts split over the TP group's GPUs, all-to-all for the MoE "
+                                     "layers (vLLM's --enable-expert-parallel)")]
 MaxModelLen = Annotated[Optional[int], typer.Option(help="longest prompt + output (default: the model's "
                                                          "max_position_embeddings, as vLLM)")]
 LongPrefillTokenThreshold = Annotated[Optional[int], typer.Option(
@@ -100,6 +116,7 @@ CONFIG_KEYS = {
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "max_model_len": "engine.max_model_len", "long_prefill_token_threshold": "engine.long_prefill_token_threshold",
     "prefix_caching": "engine.enable_prefix_caching", "chunked_prefill": "engine.enable_chunked_prefill",
+    "expert_parallel": "engine.enable_expert_parallel",
     "preemption_mode": "engine.preemption_mode", "scheduling_policy": "engine.scheduling_policy",
     "policy": "kv.policy", "budget": "kv.budget", "layout": "kv.layout", "slot_strategy": "kv.slot_strategy",
     "kv_mode": "kv.mode", "compression_rate": "kv.params.compression_rate",

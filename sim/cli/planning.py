@@ -14,7 +14,7 @@ from kvsim.sim.config import ConfigError, load_config
 from kvsim.traces.errors import TraceError
 
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
-                      Sets, Tp, Trace, config_overrides, fail)
+                      Sets, Tp, Trace, config_overrides, fail, output_path)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -30,7 +30,7 @@ Band = Annotated[bool, typer.Option("--band/--no-band", help="search again with 
 
 def sweep(
     spec: Path = typer.Argument(..., help="sweep spec YAML (base / fixed / grid / runs / save_outputs)"),
-    out: Path = typer.Option(..., "--out", "-o", help="results store directory (created; re-runs resume)"),
+    out: Path = typer.Option(..., "--out", "-o", parser=output_path(), help="results store directory (created; re-runs resume)"),
     executor: str = typer.Option("local", help="local (process pool) | dask (distributed cluster)"),
     scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address, e.g. tcp://host:8786"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local worker processes (default: all cores)"),
@@ -135,7 +135,7 @@ def capacity(
     window: Window = None,
     repeats: Repeats = 3,
     band: Band = True,
-    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
+    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
     overwrite: Overwrite = False,
@@ -188,6 +188,8 @@ def capacity(
             spread = capacity_range(cfg, constraints, result, sample, repeats=repeats, band=band, mode=mode,
                                     rel_tol=tol, max_evals=max_evals, max_replicas=max_replicas, store=out,
                                     progress=show_variant)
+    except typer.Exit:              # store_errors' own one-line exit (typer.Exit is a RuntimeError)
+        raise
     except (ConfigError, RuntimeError, ValueError) as exc:
         fail(str(exc))
     _print_capacity(result, mode, spread)
@@ -247,7 +249,7 @@ def _print_capacity(result, mode: str, spread=None) -> None:
 
 def report(
     store: Path = typer.Argument(..., help="sweep or capacity store directory"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="HTML file (default: STORE/report.html)"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", parser=output_path(), help="HTML file (default: STORE/report.html)"),
 ) -> None:
     """Turn a sweep store into one HTML page of plotly charts: throughput/goodput vs load, latency
     percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 latency Pareto view."""
@@ -277,13 +279,14 @@ def report(
 @contextmanager
 def store_errors(store: Path | None, scheduler: str | None):
     """Ctrl-C or SIGTERM: exit 130 saying the store keeps the finished runs; a full disk or an unreachable
-    Dask scheduler: one line (exit 1 and 2)."""
+    Dask scheduler: one line, exit 1."""
     import errno
 
     from .simulate import interrupt_on_sigterm
 
     kept = f"; the store {store} keeps the finished runs (run again to resume)" if store else ""
     from kvsim.sim.results import StoreBusyError
+    from kvsim.sim.sweep import SchedulerUnreachable
 
     try:
         with interrupt_on_sigterm():
@@ -291,14 +294,16 @@ def store_errors(store: Path | None, scheduler: str | None):
     except StoreBusyError as exc:
         fail(str(exc))
     except KeyboardInterrupt as exc:
-        typer.echo(f"{exc or 'interrupted (Ctrl-C)'}{kept}", err=True)
+        typer.echo(f"{str(exc) or 'interrupted (Ctrl-C)'}{kept}", err=True)
         raise typer.Exit(130) from None
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             fail(f"--out {store}: disk full ({exc.strerror}){kept}", code=1)
+        if isinstance(exc, SchedulerUnreachable):          # names the address already
+            fail(str(exc), code=1)
         if scheduler is not None and (exc.errno is None or isinstance(exc, (ConnectionError, TimeoutError))):
             fail(f"--scheduler {scheduler}: cannot reach the Dask scheduler ({exc}); expected a running "
-                 "`dask scheduler` at that address")
+                 "`dask scheduler` at that address", code=1)
         fail(f"--out {store}: cannot write the store ({exc.strerror or exc})", code=1)
 
 
@@ -359,7 +364,7 @@ def plan(
     scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address (default: a local Dask cluster)"),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local cluster workers (default: all cores; "
                                                                   "1: in this process, no cluster)"),
-    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o",
+    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + plan-result.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
 ) -> None:

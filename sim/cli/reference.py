@@ -12,7 +12,7 @@ from rich.table import Table
 from kvsim.sim.config import ConfigError, load_config
 
 from .options import (MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, PrefixCaching, SchedulingPolicy, Sets,
-                      config_overrides, fail)
+                      config_overrides, fail, output_path)
 
 app = typer.Typer(help="compare kvsim's schedule with a real vLLM engine's, step for step",
                   no_args_is_help=True)
@@ -49,7 +49,7 @@ def vllm_reference(
     trace: Optional[str] = typer.Option(None, help="trace file or shipped name"),
     config: Annotated[Optional[Path], typer.Option("--config", "-c",
                                                    help="kvsim config file (engine settings)")] = None,
-    out: Path = typer.Option(Path("runs/vllm-reference"), "--out", "-o", help="output directory"),
+    out: Path = typer.Option(Path("runs/vllm-reference"), "--out", "-o", parser=output_path(), help="output directory"),
     vllm_python: Optional[str] = typer.Option(None, help=VLLM_PYTHON_HELP),
     model_dir: Optional[Path] = typer.Option(None, help="SmolLM2 HF checkpoint (default: converted once into "
                                                          "$KVSIM_CACHE_DIR/smollm2-135m-hf)"),
@@ -71,7 +71,8 @@ def vllm_reference(
     """Run TRACE on a real vLLM engine (CPU, in-process, step by step), simulate it in kvsim with the
     same settings, and report where the schedules agree and the first step and column that differ.
     Writes vllm_steps.parquet, kvsim_steps.parquet, agreement.json and config.yaml into --out."""
-    from kvsim.sim.reference.harness import ReferenceError, reference_run, steps_from_times
+    from kvsim.sim.reference.harness import (ReferenceError, check_reference_memory, reference_run,
+                                             steps_from_times)
     from kvsim.sim.simulate import load_workload
 
     overrides = {
@@ -98,6 +99,7 @@ def vllm_reference(
             t = steps_from_times(t, step_s)
             cfg = cfg.model_copy(update={"trace_options": cfg.trace_options.model_copy(
                 update={"arrival_unit": "step"})})
+        check_reference_memory(cfg, t)
         agreement = reference_run(cfg, t, out, python, _model_dir(model_dir, python), timeout)
     except (ConfigError, ReferenceError, ValueError) as exc:
         fail(str(exc))
@@ -142,7 +144,7 @@ def check(directory: Path = typer.Option(DEFAULT_DATA, "--dir", help="recorded s
 
 @app.command("record-scenarios")
 def record_scenarios(
-    out: Path = typer.Option(DEFAULT_DATA, "--out", help="where the scenario directories go"),
+    out: Path = typer.Option(DEFAULT_DATA, "--out", parser=output_path(), help="where the scenario directories go"),
     vllm_python: Optional[str] = typer.Option(None, help=VLLM_PYTHON_HELP),
     model_dir: Optional[Path] = typer.Option(None, help="SmolLM2 HF checkpoint"),
     only: list[str] = typer.Option([], "--only", help="scenario names (default: all)"),

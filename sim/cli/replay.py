@@ -98,7 +98,12 @@ def replay(
             torch.set_num_threads(threads)
         opts = ReplayOptions(device=device, weights=weights, dtype=dtype, layers=layers,
                              attention_stats=attention_stats, clock=clock, overwrite=overwrite)
-        result = run_replay(cfg, out, options=opts, progress=not quiet)
+        from .simulate import interrupt_on_sigterm
+        with interrupt_on_sigterm():    # SIGTERM ends the replay like Ctrl-C: a partial result, exit 130
+            result = run_replay(cfg, out, options=opts, progress=not quiet)
+    except KeyboardInterrupt as exc:    # before the engine ran (loading the model): nothing to keep
+        from .simulate import partial_exit
+        partial_exit(out, str(exc) or "interrupted (Ctrl-C)")
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
     s = result.summary

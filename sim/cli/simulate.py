@@ -15,7 +15,8 @@ from rich.table import Table
 
 from kvsim.sim.config import ConfigError, load_config
 
-from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPrefill, EndS, LongPrefillTokenThreshold,
+from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPrefill, EndS, ExpertParallel,
+                      LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
                       MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite,
                       Policy, PrefixCaching,
@@ -44,6 +45,7 @@ def simulate(
     max_model_len: MaxModelLen = None,
     long_prefill_token_threshold: LongPrefillTokenThreshold = None,
     chunked_prefill: ChunkedPrefill = None,
+    expert_parallel: ExpertParallel = None,
     preemption_mode: Annotated[Optional[str], typer.Option(help="recompute | swap")] = None,
     scheduling_policy: SchedulingPolicy = None,
     policy: Policy = None,
@@ -91,7 +93,7 @@ def simulate(
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
         max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
-        chunked_prefill=chunked_prefill, start_s=start_s, end_s=end_s,
+        chunked_prefill=chunked_prefill, expert_parallel=expert_parallel, start_s=start_s, end_s=end_s,
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
         rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,

@@ -17,6 +17,8 @@ from kvsim.traces.stats import trace_stats
 from kvsim.traces.synthetic import synthesize
 from kvsim.traces.trace import Trace
 
+from .options import output_path
+
 app = typer.Typer(help="Inspect, synthesize and convert request traces. Shipped traces: "
                        + ", ".join(DATA_TRACES), no_args_is_help=True)
 
@@ -113,7 +115,7 @@ def _is_length_only(source: str) -> bool:
 
 @app.command()
 @_exits_cleanly
-def synth(out: Path = typer.Argument(..., help="Output file: .parquet or .jsonl (kvsim native format)."),
+def synth(out: Path = typer.Argument(..., parser=output_path("OUT"), help="Output file: .parquet or .jsonl (kvsim native format)."),
           requests: int = typer.Option(1000, "--requests", "-n", help="Number of requests."),
           rate: Optional[float] = typer.Option(None, help="Arrival rate (req/s); omit for a closed batch at t=0."),
           cv: Optional[float] = typer.Option(None, help=CV_HELP),
@@ -134,7 +136,7 @@ def synth(out: Path = typer.Argument(..., help="Output file: .parquet or .jsonl 
 @app.command()
 @_exits_cleanly
 def convert(source: str = typer.Argument(..., help="Input trace file (any supported format) or shipped short name."),
-            out: Path = typer.Argument(..., help="Output file: .parquet or .jsonl (kvsim native format)."),
+            out: Path = typer.Argument(..., parser=output_path("OUT"), help="Output file: .parquet or .jsonl (kvsim native format)."),
             rate: Optional[float] = typer.Option(None, help=RATE_HELP),
             cv: Optional[float] = typer.Option(None, help=CV_HELP),
             seed: int = typer.Option(0, help="Seed for synthesized arrivals and --sample."),

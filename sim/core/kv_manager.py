@@ -74,7 +74,7 @@ class KVCacheManager:
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         hits = []
         if req.prefix_hash_ids is None:
-            chain = req.extra.get("private_blocks")
+            chain = req.private_blocks
             if chain:
                 lookup = self.pool.private_lookup
                 for j in range(min(max_hit_blocks, len(chain))):
@@ -116,7 +116,9 @@ class KVCacheManager:
             # no shared-prefix information: only the request itself can hit its blocks (after a
             # preemption), so (request, block) identifies them without hashing a chain
             return req.request_id, j
-        hashes = req.extra.setdefault("block_hashes", [])
+        hashes = req.block_hashes
+        if hashes is None:
+            hashes = req.block_hashes = []
         while len(hashes) <= j:
             parent = hashes[-1] if hashes else None
             hashes.append(hash((parent, self._block_key(req, len(hashes)))))
@@ -147,7 +149,7 @@ class KVCacheManager:
             total = req.num_computed_tokens + num_new_tokens
             if blocks is not None and len(blocks) * self.block_size >= total and (
                     not self.enable_caching
-                    or req.extra.get("num_cached_blocks", 0) >= min(total // self.block_size, len(blocks))):
+                    or req.num_cached_blocks >= min(total // self.block_size, len(blocks))):
                 return True      # fits in the blocks it holds, no block newly full (the common decode step)
         computed_blocks = computed_blocks or []
         need = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
@@ -167,18 +169,17 @@ class KVCacheManager:
         """Hash the blocks of `req` that `num_tokens` tokens fill and that are not hashed yet."""
         blocks = self.req_blocks[req]
         full = min(num_tokens // self.block_size, len(blocks))
-        extra = req.extra
-        first = extra.get("num_cached_blocks", 0)
+        first = req.num_cached_blocks
         if full <= first:
             return
         if req.prefix_hash_ids is None:
-            chain = extra.get("private_blocks")
+            chain = req.private_blocks
             if chain is None:
-                chain = extra["private_blocks"] = []
+                chain = req.private_blocks = []
             self.pool.cache_private(blocks[first:full], req.request_id, first, chain, not req.num_preemptions)
         else:
             self.pool.cache_blocks(blocks[first:full], [self._block_hash(req, j) for j in range(first, full)])
-        extra["num_cached_blocks"] = full
+        req.num_cached_blocks = full
 
     def allocate_decodes(self, reqs: list[Request]) -> list[int] | None:
         """One decode token's slots for every request in `reqs` (each holding its computed tokens) at
@@ -216,14 +217,13 @@ class KVCacheManager:
         """Release all of a request's blocks (tail first, so its tail is evicted from the cache first)."""
         blocks = self.req_blocks.pop(req, [])
         self.pool.free_request_blocks(blocks)
-        req.extra.pop("num_cached_blocks", None)
+        req.num_cached_blocks = 0
         return len(blocks)
 
     def forget(self, req: Request) -> None:
         """Drop the per-request state nothing reads once `req` has finished (its block-hash chain:
         ~40 bytes a prompt block, kept across preemptions for re-hits, useless after the finish)."""
-        req.extra.pop("block_hashes", None)
-        req.extra.pop("private_blocks", None)
+        req.block_hashes = req.private_blocks = None
 
     def reclaim(self, num_blocks: int, running: list[Request]) -> int:
         """Hook for compression-on-pressure managers: free up to `num_blocks`; none here."""

@@ -37,8 +37,19 @@ class Request:
     token_times: array = field(default_factory=lambda: array("d"))
     finish_time: float | None = None
     reject_reason: str | None = None
-    # Scratch for engine components (policies, executors) keyed by owner name.
-    extra: dict = field(default_factory=dict)
+    output_capped: bool = False         # max_output_tokens cut to fit max_model_len at admission
+    # prefix caching (sim/core/kv_manager.py): blocks hashed so far, the hash chain of a request with
+    # prefix ids (kept across preemptions), the private cache chain of one without
+    num_cached_blocks: int = 0
+    block_hashes: list[int] | None = None
+    private_blocks: list | None = None
+    # KV policies (sim/kv): token-rows evicted (per row), attention mass retained summed over steps
+    kv_evicted_tokens: float = 0.0
+    kv_mass_sum: float = 0.0
+    kv_mass_steps: int = 0
+    gpu_tokens: list[int] | None = None     # real backend: prompt ids then sampled ids (gpu/executor.py)
+    # a plug-in policy's own per-request state: set and read by that policy only (None until it does)
+    policy_state: object | None = None
 
     @property
     def num_tokens(self) -> int:

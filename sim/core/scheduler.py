@@ -125,7 +125,7 @@ class Scheduler:
         limit = self.config.max_model_len
         if req.prompt_tokens + 1 <= limit < req.prompt_tokens + req.max_output_tokens:
             req.max_output_tokens = limit - req.prompt_tokens
-            req.extra["output_capped"] = True
+            req.output_capped = True
         reason = self._never_fits(req)
         if reason:
             req.status = RequestStatus.REJECTED

@@ -4,9 +4,11 @@ from __future__ import annotations
 from ..config import ConfigError, SimConfig
 from ..core.kv_manager import KVCacheManager
 from ..core.protocols import KVManager
+from ..core.sliding_window import build_sliding_window_manager
 from .base import EvictingManagerBase
 from .importance import ImportanceError, SyntheticImportance
-from .manager import _COPY, EvictingKVManager
+from .manager import EvictingKVManager
+from .slots import COPY_STRATEGIES
 from .policy import PolicyContext, PolicyError, get_policy
 from .tiers import TIERS
 
@@ -37,6 +39,8 @@ def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int) -> KVManager:
     """The KV manager of one replica: the plain vLLM manager unless `kv:` asks for more. `num_blocks`
     is vLLM's num_gpu_blocks (one of them the null block)."""
     eng = cfg.engine
+    if model.num_sliding_layers:
+        return build_sliding_window_manager(cfg, model, num_blocks)
     if cfg.kv.is_default:
         return KVCacheManager(num_blocks, eng.block_size, enable_caching=bool(eng.enable_prefix_caching))
     if eng.enable_prefix_caching:
@@ -66,14 +70,14 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     pool_blocks = num_blocks * rows
     bytes_per_row = cost.kv_bytes_per_token / rows
     if kv.copy_threshold:
-        if kv.slot_strategy not in _COPY:
-            raise ConfigError(f"kv.copy_threshold applies to the copy strategies ({', '.join(sorted(_COPY))}); "
+        if kv.slot_strategy not in COPY_STRATEGIES:
+            raise ConfigError(f"kv.copy_threshold applies to the copy strategies ({', '.join(sorted(COPY_STRATEGIES))}); "
                               f"kv.slot_strategy is {kv.slot_strategy!r}")
         if kv.mode != "token":
             raise ConfigError("kv.copy_threshold: fast mode rewrites every holed row (the published sparse copy); "
                               "use kv.mode=token")
     try:
-        if kv.mode == "fast" and (policy.fast_mode_profile() or {}).get("sampled_rows"):
+        if kv.mode == "fast" and getattr(policy.fast_mode_profile(), "sampled_rows", False):
             from .fast.leankv import BatchedLeanKVManager, batched_leankv_supported
             from .fast.sampled import SampledRowsKVManager
             cls = BatchedLeanKVManager if batched_leankv_supported(policy, kv.slot_strategy, kv.trigger) \

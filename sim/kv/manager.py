@@ -25,8 +25,8 @@ from .base import EvictingManagerBase
 from .importance import ImportanceSource
 from .policy import Decision, EvictionPolicy, PolicyContext
 from .pool import ArrayBlockPool
-from .slots import _FREES, _REUSE, SLOT_STRATEGIES, KVStepPlan, RequestKV, SlotStrategies
-from .slots import _COPY, QUANT_FLOPS  # noqa: F401  (fast mode and tests import them from here)
+from .slots import (FREEING_STRATEGIES, REUSE_STRATEGIES, SLOT_STRATEGIES, KVStepPlan,
+                    RequestKV, SlotStrategies)
 from .state import TIER_FULL
 
 TRIGGERS = ("policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure", "pressure",
@@ -149,9 +149,9 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         ids = rk.table[rk.table >= 0]
         self.pool.free_blocks(ids[::-1])
         if rk.mass_steps:
-            req.extra["kv_mass_sum"] = req.extra.get("kv_mass_sum", 0.0) + rk.mass_sum
-            req.extra["kv_mass_steps"] = req.extra.get("kv_mass_steps", 0) + rk.mass_steps
-        req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + rk.evicted_rows / self.rows
+            req.kv_mass_sum += rk.mass_sum
+            req.kv_mass_steps += rk.mass_steps
+        req.kv_evicted_tokens += rk.evicted_rows / self.rows
         self.importance.release(req.request_id)
         self._external.pop(req.request_id, None)
         return int(ids.size)
@@ -255,7 +255,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
                 self.plan.decisions.append((req.request_id, r, st.pos[r, s], rk.decode_steps, st.num_tokens))
         if decision.tier is not None:
             self._retier(rk, decision.tier)
-        if self.strategy in _FREES:
+        if self.strategy in FREEING_STRATEGIES:
             freed += self._free_empty_pages(rk)
         if self.strategy in ("compact", "parallel_compact"):
             freed += self._compact(rk)
@@ -324,7 +324,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
                 p = pos[r][pos[r] >= 0]
                 assert np.unique(p).size == p.size, f"request {req.request_id}: a position is live twice"
                 t = rk.tail[r]
-                if self.strategy not in _REUSE and t >= 0:      # an append tail's next slots are unwritten
+                if self.strategy not in REUSE_STRATEGIES and t >= 0:      # an append tail's next slots are unwritten
                     cap = int(self.tier_capacity[rk.page_tier[r, t]])
                     ahead = st.pos[r, t * self.stride + rk.tail_off[r]:t * self.stride + cap]
                     assert (ahead < 0).all(), f"request {req.request_id}: the append tail runs into written slots"

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
@@ -103,6 +104,32 @@ from .state import TIER_FULL, TIER_HIGH, TIER_LOW, TokenState  # noqa: F401 (re-
 
 class PolicyError(ValueError):
     """Unknown policy or invalid policy parameter; the message names it."""
+
+
+@dataclass(frozen=True)
+class FastModeProfile:
+    """How the block-occupancy fast mode (sim.kv.fast) models a policy: what each row keeps and
+    where evictions fall. Returned by `EvictionPolicy.fast_mode_profile()`; every field has the
+    default of a policy that does not use it."""
+    budget: int | None = None          # tokens kept per row after prefill and per decode step (None: no cap)
+    protect_recent: int = 0            # newest tokens never evicted (the window)
+    protect_first: int = 0             # oldest tokens never evicted (sinks)
+    # which tokens go among the rest: "uniform", "oldest" (the one leaving the window) or "young"
+    # (the lowest accumulated attention under the importance model, H2O)
+    age_weight: str = "uniform"
+    per_step: int = 1                  # evictions per row per decode step once at budget
+    obs_window: int = 8                # prefill queries whose attention scores the prompt cut
+    prompt_cut: bool = True            # False: no cut after prefill, decode evicts one a step (h2o evict_per_step)
+    prompt_only: bool = False          # the prompt cut keeps the budget, decode never evicts (SnapKV)
+    # per-row cut budgets: (prompt tokens, PolicyContext) -> int [rows] (None: `budget` for every row)
+    cut_budgets: Callable | None = None
+    cut_sharing: str | None = None     # budgets shared among rows at the cut: "layer" (Ada-KV) | "blocks" (KV-Compress)
+    floor: float = 0.0                 # "layer" sharing: the share of a row's budget it keeps for itself
+    reclaim_target: Callable | None = None   # under memory pressure evict whole blocks down to target(tokens) per row
+    recut: str | None = None           # decode re-runs the cut: "every_n" | "over_budget" (SnapKV decode compression)
+    recut_interval: int = 1            # "every_n": decode steps between re-cuts
+    sampled_rows: bool = False         # the token-level manager on sampled rows instead (LeanKV, sim/kv/fast/sampled.py)
+
 
 
 @dataclass
@@ -198,11 +225,8 @@ class EvictionPolicy:
         return None
 
     # Fast mode (sim.kv.fast): how many tokens each row keeps and where evictions fall.
-    def fast_mode_profile(self) -> dict | None:
-        """None = not supported in fast mode. Keys: `budget` (tokens kept per row after prefill and
-        per decode step), `protect_recent` (newest tokens never evicted), `protect_first` (oldest
-        tokens never evicted), `age_weight` ("uniform" | "old" | "young": which ages evictions
-        favour among the rest), `per_step` (evictions per row per decode step once at budget)."""
+    def fast_mode_profile(self) -> FastModeProfile | None:
+        """None = not supported in fast mode; else how fast mode models the policy (FastModeProfile)."""
         return None
 
     def __repr__(self) -> str:

@@ -34,10 +34,10 @@ import numpy as np
 from .state import TIER_LOW, TokenState
 
 SLOT_STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
-_COPY = {"sparse_copy", "holed_copy"}
+COPY_STRATEGIES = {"sparse_copy", "holed_copy"}
 QUANT_FLOPS = 6            # FLOPs per quantized element (min/max, scale, round, clamp, pack)
-_REUSE = {"slot_reuse", "compact", "parallel_compact"}
-_FREES = {"free_block", "slot_reuse", "compact", "parallel_compact"}
+REUSE_STRATEGIES = {"slot_reuse", "compact", "parallel_compact"}
+FREEING_STRATEGIES = {"free_block", "slot_reuse", "compact", "parallel_compact"}
 
 
 @dataclass
@@ -130,7 +130,7 @@ class SlotStrategies:
         page of that tier when filling hole-first (default: the reuse strategies), else the append tail's."""
         if rk.num_entries == 0:
             return np.zeros((self.rows, 0), dtype=bool)
-        if self.strategy in _REUSE if hole_first is None else hole_first:
+        if self.strategy in REUSE_STRATEGIES if hole_first is None else hole_first:
             tier_ok = np.repeat(rk.page_tier == tier, self.stride, axis=1)
             return self._valid(rk) & ~rk.state.live & tier_ok
         out = np.zeros((self.rows, rk.num_entries, self.stride), dtype=bool)
@@ -157,7 +157,7 @@ class SlotStrategies:
     def _needs(self, rk: RequestKV, n: int):
         """(pages for new tokens per row, sparse-copy destination pages per row)."""
         cap = int(self.tier_capacity[self.new_token_tier])
-        if self.strategy in _COPY and rk.num_entries:
+        if self.strategy in COPY_STRATEGIES and rk.num_entries:
             dirty = self._dirty_pages(rk)
             moved = (rk.state.live.reshape(self.rows, -1, self.stride) & dirty[:, :, None]).sum(axis=(1, 2))
             dst = -(-moved // cap)
@@ -189,7 +189,7 @@ class SlotStrategies:
         default for the reuse strategies); returns [rows, max n] (rows with fewer tokens repeat their
         last slot; callers pass equal n or mask)."""
         if hole_first is None:
-            hole_first = self.strategy in _REUSE
+            hole_first = self.strategy in REUSE_STRATEGIES
         free = self._free_slots(rk, tier, hole_first)
         if not hole_first:                # append-only: tail page, then the freshly added pages
             # (a page no token was ever written to: a slot a tier move emptied in an older page has
@@ -280,7 +280,7 @@ class SlotStrategies:
     def _free_empty_pages(self, rk: RequestKV) -> int:
         live_pages = rk.state.live.reshape(self.rows, -1, self.stride).any(axis=2)
         empty = (rk.table >= 0) & ~live_pages
-        if self.strategy not in _REUSE:      # keep an append tail that still has unwritten slots
+        if self.strategy not in REUSE_STRATEGIES:      # keep an append tail that still has unwritten slots
             r = np.flatnonzero(rk.tail >= 0)
             cap = self.tier_capacity[rk.page_tier[r, rk.tail[r]]]
             keep = rk.tail_off[r] < cap

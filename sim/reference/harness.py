@@ -288,6 +288,23 @@ def record_scenario(directory: Path, vllm_python: str, model_dir: Path, timeout_
     return meta
 
 
+def check_reference_memory(cfg: SimConfig, trace) -> None:
+    """Refuse, before vLLM starts or kvsim allocates anything, a reference run whose host memory does not
+    fit: vLLM's CPU KV cache (engine.num_gpu_blocks blocks of the model's bf16 KV, sized exactly by
+    num_gpu_blocks_override) and weights, beside kvsim's own simulation of the trace (HostMemoryError)."""
+    from kvsim.sim.catalog import get_model
+    from kvsim.sim.memory import RunMemoryEstimate, check_memory, estimate_run_memory
+
+    model, eng = get_model(cfg.model), cfg.engine
+    vllm_kv = eng.num_gpu_blocks * eng.block_size * int(model.kv_bytes_per_token("bf16"))
+    simulated = estimate_run_memory(cfg, model, None, eng.num_gpu_blocks, trace)
+    check_memory(RunMemoryEstimate((
+        ("vLLM's CPU KV cache", f"{eng.num_gpu_blocks} blocks x {eng.block_size} tokens x "
+         f"{model.kv_bytes_per_token('bf16') / 1024:g} KiB", "--num-gpu-blocks", vllm_kv),
+        ("vLLM's weights", f"{model.name} in bf16", "--num-gpu-blocks", model.weight_bytes),
+        *simulated.parts)))
+
+
 def reference_run(cfg: SimConfig, trace, out: Path, vllm_python: str, model_dir: Path,
                   timeout_s: float | None = None) -> Agreement:
     """Record vLLM's schedule of `trace`, simulate it in kvsim, write both and the agreement to `out`."""

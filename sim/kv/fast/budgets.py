@@ -65,10 +65,10 @@ def share_by_blocks(score: np.ndarray, keep: np.ndarray, block_size: int) -> np.
 class CutBudgetMixin:
     """FastKVManager's per-row prompt-cut budgets (see the module doc)."""
 
-    def _init_cut_budgets(self, profile: dict) -> None:
-        self._cut_budgets = profile.get("cut_budgets")
-        self.cut_sharing = profile.get("cut_sharing")
-        self.share_floor = float(profile.get("floor", 0.0))
+    def _init_cut_budgets(self, profile) -> None:
+        self._cut_budgets = profile.cut_budgets
+        self.cut_sharing = profile.cut_sharing
+        self.share_floor = float(profile.floor)
         if self.cut_sharing not in (None, "layer", "blocks"):
             raise ValueError(f"fast mode: unknown cut_sharing {self.cut_sharing!r}")
 

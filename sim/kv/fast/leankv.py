@@ -25,6 +25,7 @@ from ..policies.leankv import OBSERVED, PLACED
 from ..slots import QUANT_FLOPS
 from . import leankv_kernel as K
 from .sampled import SampledRowsKVManager
+from .threads import ThreadBudget
 
 FIELDS = {"imp_w", OBSERVED, PLACED}
 # dtypes of the arrays whose addresses the kernel takes (leankv_kernel._arrays), in order
@@ -67,6 +68,8 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._tier_bytes = np.asarray(self.ctx.tier_bytes, dtype=np.float64)
         self._quant_flops = QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row
         self._decoding: dict = {}
+        # threads of the parallel step: from the batch's rows and the cores other processes leave free
+        self.thread_budget = ThreadBudget(K.max_threads())
         self._pending: dict = {}            # request -> block ids reserved for its next decode token
         self._free_handles: list[int] = []
         self._handles = 0                   # handles ever given out
@@ -322,7 +325,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         pool = inner.pool
         count = np.array([pool.count], dtype=np.int64)
         policy = self.policy
-        K.leankv_step(handles, ids, ends, self._addr, self._dims, inner.rows, self._heads, self._sink, self._cap, self._tier_bytes,
+        K.run_step(self.thread_budget.threads(len(batch) * inner.rows), handles, ids, ends, self._addr, self._dims, inner.rows, self._heads, self._sink, self._cap, self._tier_bytes,
                       policy.alpha_h, policy.alpha_l, policy.window, policy.obs_window, self._strategy,
                       (pool.free, pool.owned, count),
                       self._ids, meta, stats, self._sums)

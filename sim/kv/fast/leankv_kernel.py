@@ -36,7 +36,7 @@ from ..importance import CHUNK, NUM_SINK
 from ..state import TIER_HIGH, TIER_LOW
 
 try:
-    from numba import carray, njit, prange
+    from numba import carray, get_num_threads, njit, prange, set_num_threads
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 except ImportError:          # pragma: no cover - exercised where numba is absent
@@ -51,6 +51,27 @@ if njit is not None:
         def codegen(context, builder, signature, args):
             return builder.inttoptr(args[0], cgutils.voidptr_t)
         return types.voidptr(types.int64), codegen
+
+
+def max_threads() -> int:
+    """Threads the parallel step may use at most (numba's NUMBA_NUM_THREADS)."""
+    return get_num_threads() if njit is not None else 1
+
+
+def run_step(threads: int, *args) -> None:
+    """`leankv_step(*args)` on at most `threads` threads (sim/kv/fast/threads.py chooses them; no
+    result depends on it), the caller's thread count restored after."""
+    before = get_num_threads()
+    n = min(threads, before)
+    if n == before:
+        leankv_step(*args)
+        return
+    set_num_threads(n)
+    try:
+        leankv_step(*args)
+    finally:
+        set_num_threads(before)
+
 
 HIGH, LOW = TIER_HIGH, TIER_LOW
 NOOP, FREE_BLOCK, SLOT_REUSE, COMPACT = 0, 1, 2, 3

@@ -8,8 +8,8 @@ import numpy as np
 from ...core.request import Request
 from ..base import EvictingManagerBase, sample_row_count
 from ..importance import ImportanceModelSpec
-from ..manager import SLOT_STRATEGIES, KVStepPlan, _REUSE
-from ..policy import EvictionPolicy, PolicyContext, PolicyError
+from ..slots import SLOT_STRATEGIES, KVStepPlan, REUSE_STRATEGIES
+from ..policy import EvictionPolicy, FastModeProfile, PolicyContext, PolicyError
 from .budgets import CutBudgetMixin
 from .reclaim import ReclaimMixin
 from .recut import BUDGET_SENTINEL, RecutMixin
@@ -42,11 +42,11 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
             sample_rows = 1
         self.rows = sample_row_count(ctx.rows, sample_rows) if sample_rows > 0 else ctx.rows
         self.unit = ctx.rows // self.rows
-        self.budget = profile.get("budget")
+        self.budget = profile.budget
         self._mean_read = policy.mean_read      # selection policies: what attention reads
-        self.window = int(profile.get("protect_recent", 0))
-        self.sink = int(profile.get("protect_first", 0))
-        self.age_weight = profile.get("age_weight", "uniform")
+        self.window = int(profile.protect_recent)
+        self.sink = int(profile.protect_first)
+        self.age_weight = profile.age_weight
         # "oldest": the token leaving the window goes; "uniform": a uniformly drawn non-window token;
         # "young" (H2O): the lowest accumulated attention under the importance model (see _pick_scored)
         self.evict_leaving = self.age_weight == "oldest"
@@ -55,18 +55,18 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         self.cut_budget, self.cut_window = self.budget, self.window
         # per-step eviction without a prompt cut (h2o evict_per_step=1): the prompt is scored and listed
         # whole, decode evicts one token per row per step while over the budget
-        self.prompt_cut = bool(profile.get("prompt_cut", True))
+        self.prompt_cut = bool(profile.prompt_cut)
         if not self.prompt_cut:
             self._check_per_step(policy, profile)
             self.cut_budget = None
-        self.prompt_only = bool(profile.get("prompt_only", False))
+        self.prompt_only = bool(profile.prompt_only)
         if self.prompt_only:
             self.budget, self.window = None, 0
         self._init_cut_budgets(profile)
         self._init_recut(profile)
         if self.recut:                           # re-cuts evict; the kernel only keeps the lists
             self.budget = BUDGET_SENTINEL
-        self._reclaim_target = profile.get("reclaim_target")     # compress again under memory pressure
+        self._reclaim_target = profile.reclaim_target     # compress again under memory pressure
         if self._cut_budgets is not None and not (self.prompt_only or self.recut):
             raise PolicyError(f"kv.mode=fast: policy {policy.name!r}: per-row cut budgets need a prompt-only profile")
         self._strata = np.arange(ctx.rows).reshape(self.rows, self.unit)
@@ -75,7 +75,7 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
                                                           or not self.prompt_cut)
         self._scores = self.scored or self.cut_scored
         if self._scores:
-            self._init_heads(importance, seed, int(profile.get("obs_window", 8)))
+            self._init_heads(importance, seed, int(profile.obs_window))
         self.strategy = slot_strategy
         self.append = slot_strategy in APPEND
         self.bytes_per_token_row = bytes_per_token_row
@@ -95,13 +95,13 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         self._alloc_arrays(4, 8)
 
     @staticmethod
-    def _check_per_step(policy: EvictionPolicy, profile: dict) -> None:
-        if profile.get("age_weight") != "young":
+    def _check_per_step(policy: EvictionPolicy, profile: FastModeProfile) -> None:
+        if profile.age_weight != "young":
             raise PolicyError(f"kv.mode=fast: policy {policy.name!r} with kv.params.evict_per_step evicts the oldest "
                               f"tokens of a per-request window fast mode does not track; use kv.mode=token")
-        if int(profile.get("per_step", 1)) != 1:
+        if int(profile.per_step) != 1:
             raise PolicyError(f"kv.mode=fast: policy {policy.name!r}: kv.params.evict_per_step must be 1 in fast "
-                              f"mode (got {profile['per_step']}); use kv.mode=token for more")
+                              f"mode (got {profile.per_step}); use kv.mode=token for more")
 
     @property
     def req_blocks(self):
@@ -209,7 +209,7 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
         self.tail_w[s] = end - (cols - 1) * bs
         self.live[s] = end
         self.ntok[s] = end
-        if self.strategy in _REUSE:              # a chunked prefill leaves the last page open
+        if self.strategy in REUSE_STRATEGIES:              # a chunked prefill leaves the last page open
             self.hole_col[s] = cols - 1 if end % bs else -1
 
     def _decode_write_one(self, s: int, n: int) -> None:
@@ -257,7 +257,7 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
             if any(evicted):
                 for (_, req), k in zip(dec, evicted):
                     if k:
-                        req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + k / self.rows
+                        req.kv_evicted_tokens += k / self.rows
             if self.recut:
                 self._recut_step(dec)
         live_l = self._live_l
@@ -271,7 +271,7 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
 
     def _note_evicted(self, req, n: int) -> None:
         if n:
-            req.extra["kv_evicted_tokens"] = req.extra.get("kv_evicted_tokens", 0.0) + n / self.rows
+            req.kv_evicted_tokens += n / self.rows
 
     def check_invariants(self, live_requests) -> None:
         self.pool.check_invariants()
@@ -288,7 +288,7 @@ class FastKVManager(SlabMixin, CutBudgetMixin, ScoringMixin, SlotStrategyMixin, 
             "scheduler-facing mirrors drifted"
         if not self.tracks_columns:
             return
-        if self.strategy in _REUSE:                 # first-free pointers: the first column with a free slot
+        if self.strategy in REUSE_STRATEGIES:                 # first-free pointers: the first column with a free slot
             free = alive & (occ < self.block_size)
             first = np.where(free.any(axis=2), np.argmax(free, axis=2), -1)
             assert (self.hole_col[slots] == first).all(), "first-free pointer drifted"

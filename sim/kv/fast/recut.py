@@ -19,9 +19,9 @@ BUDGET_SENTINEL = 1 << 30      # the decode kernel's budget when re-cuts do the 
 class RecutMixin:
     """FastKVManager's decode-time re-cuts (see the module doc)."""
 
-    def _init_recut(self, profile: dict) -> None:
-        self.recut = profile.get("recut")
-        self.recut_interval = int(profile.get("recut_interval", 1))
+    def _init_recut(self, profile) -> None:
+        self.recut = profile.recut
+        self.recut_interval = int(profile.recut_interval)
         if self.recut not in (None, "every_n", "over_budget"):
             raise ValueError(f"fast mode: unknown recut {self.recut!r}")
 

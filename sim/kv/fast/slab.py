@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...core.request import Request
-from ..manager import _COPY, _FREES, _REUSE
+from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES
 from .layout import (EMPTY_SCORES, HOLE, HOLED, NUM_CANDIDATES, ROW_FIELDS, ScoreArrays, SlabArrays, StepFlags)
 
 COMPACT = {"compact", "parallel_compact"}
@@ -92,8 +92,8 @@ class SlabMixin:
                                 self.alive.reshape(-1, cols), self.ring.reshape(-1, self.ring.shape[2]), self.ntok,
                                 self._heavy_f)
         self._flags = StepFlags(self.block_size, self.window, -1 if self.budget is None else int(self.budget),
-                                self.tracks_columns, self.append, self.strategy in _REUSE, self.strategy in _FREES,
-                                self.strategy in _COPY, self.strategy in COMPACT, self.evict_leaving, self.scored,
+                                self.tracks_columns, self.append, self.strategy in REUSE_STRATEGIES, self.strategy in FREEING_STRATEGIES,
+                                self.strategy in COPY_STRATEGIES, self.strategy in COMPACT, self.evict_leaving, self.scored,
                                 self.heavy.shape[2])
         self._score_arrays = EMPTY_SCORES
         if self._scores:

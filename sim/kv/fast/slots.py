@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..manager import _COPY, _FREES, _REUSE
+from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES
 from .layout import HOLE, HOLED, LIVE, NCOL, PAGES, TAIL, TAIL_WRITTEN
 from .reference import advance_first_free_np, first_free_np
 from .slab import COMPACT
@@ -24,10 +24,10 @@ class SlotStrategyMixin:
     def _need_rows(self, S: np.ndarray) -> np.ndarray:
         """int [len(S), rows]: pages the next one-token write of each row takes (sparse copy included)."""
         bs = self.block_size
-        if self.strategy in _REUSE:
+        if self.strategy in REUSE_STRATEGIES:
             return (self.pages[S] * bs - self.live[S] < 1).astype(np.int64)
         need = ((self.tail_w[S] >= bs) | (self.ncol[S] == 0)).astype(np.int64)
-        if self.strategy not in _COPY:
+        if self.strategy not in COPY_STRATEGIES:
             return need
         qP = (S[:, None] * self.rows + self._row_ids) * self.occ.shape[2]
         holed = self.holed[S]
@@ -69,18 +69,18 @@ class SlotStrategyMixin:
         """Exact count-based slot strategy for some rows of slot s (any number of holed pages)."""
         bs = self.block_size
         occ, alive = self.occ[s, rows], self.alive[s, rows]
-        if self.strategy in _FREES:
+        if self.strategy in FREEING_STRATEGIES:
             empty = alive & (occ == 0)
-            if self.strategy not in _REUSE:          # keep an append tail with unwritten slots
+            if self.strategy not in REUSE_STRATEGIES:          # keep an append tail with unwritten slots
                 tail = self.tail[s, rows]
                 open_tail = self.tail_w[s, rows] < bs
                 empty[np.arange(rows.size)[open_tail], tail[open_tail]] = False
             self._drop(s, rows, empty)
         if self.strategy in COMPACT:
             self._compact_rows(s, rows)
-        if self.strategy in _REUSE:
+        if self.strategy in REUSE_STRATEGIES:
             self._rescan_holes(s, rows)
-        if self.strategy in _COPY:
+        if self.strategy in COPY_STRATEGIES:
             self._mark_holed(s, rows)
 
     def _drop(self, s: int, rows: np.ndarray, cols_mask: np.ndarray) -> None:
@@ -167,7 +167,7 @@ class SlotStrategyMixin:
         on the gathered row scalars `st`. Returns the rows whose first-hole pointer must be searched for."""
         tail, tw, ncol, pages, _, hole = st.T[:HOLED]
         empty = None
-        if self.strategy in _FREES:
+        if self.strategy in FREEING_STRATEGIES:
             empty = over & (self._occ_f[ev_at] == 0)
             if self.append:
                 empty &= (tail != ev) | (tw >= self.block_size)
@@ -178,15 +178,15 @@ class SlotStrategyMixin:
                 n = int(np.count_nonzero(empty))
                 self.pool.give(n)
                 self.plan.blocks_freed_by_eviction += n
-                if self.strategy in _REUSE:
+                if self.strategy in REUSE_STRATEGIES:
                     hole[empty & (hole == ev)] = -1
             else:
                 empty = None
-        if self.strategy in _REUSE:
+        if self.strategy in REUSE_STRATEGIES:
             kept = over if empty is None else over & ~empty
             np.copyto(hole, np.where(hole < 0, ev, np.minimum(hole, ev)), where=kept)
             return None if empty is None else empty & (hole < 0)
-        if self.strategy in _COPY:
+        if self.strategy in COPY_STRATEGIES:
             holed = st[:, HOLED]
             holed[:] = np.where(over, np.where(holed == -1, ev, np.where(holed == ev, holed, -2)), holed)
         return None

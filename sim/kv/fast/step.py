@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..manager import _COPY, _REUSE
+from ..slots import COPY_STRATEGIES, REUSE_STRATEGIES
 from . import kernels
 from .layout import StepOutputs
 from .slab import COMPACT
@@ -80,7 +80,7 @@ class StepMixin:
         (`_step_numpy`, its twin: the same state, draw for draw)."""
         if self.recut:                           # a row's list grows by at most one entry a step
             self._ensure_list_cap(int(self.hn[S].max()) + 2)
-        sparse = self.strategy in _COPY
+        sparse = self.strategy in COPY_STRATEGIES
         if kernels.decode_rows is None:
             if sparse:
                 self._sparse_copy(S)
@@ -190,7 +190,7 @@ class StepMixin:
             self._win_f[at] += 1
             self._ring_f[ring_at] = col
         self.ntok[S] += 1
-        if self.strategy in _REUSE:
+        if self.strategy in REUSE_STRATEGIES:
             self._after_fill(qP, st, at, col)
         # --- evict
         evicted = None
@@ -216,7 +216,7 @@ class StepMixin:
         self._row_state_f[q] = st
         if self.strategy in COMPACT:
             self._compact_step(S, q, col)
-        if self.strategy in COMPACT or self.strategy in _COPY:   # pages moved: recount from the slab
+        if self.strategy in COMPACT or self.strategy in COPY_STRATEGIES:   # pages moved: recount from the slab
             self._update_need(S)
             self._restat(S)
         else:                                    # the gathered row state is final

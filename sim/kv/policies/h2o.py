@@ -5,7 +5,8 @@ After prefill the prompt is cut to the budget at once; each decode step then evi
 (one token per row per step once at the budget, since each step adds one). Under memory pressure
 (`reclaim`) it evicts the lowest-scored non-recent tokens, below the budget if it must.
 
-`evict_per_step` (k, default unset) is H2O as SpvLLM and the original H2O implementation run it:
+`evict_per_step` (k, default unset) is H2O as the original H2O implementation runs it (SpvLLM's
+instead cuts at the first decode step: the default cut with `obs_window: 1`, shared layout):
 no prompt cut; each decode step evicts at most k tokens per row while the row is over the budget,
 so a prompt longer than the budget keeps its length (k = 1: one in, one out) instead of dropping to
 the budget at once. Fast mode supports k = 1.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..policy import Decision, EvictionPolicy, check_positive_int, lowest_k_mask, register_policy
+from ..policy import Decision, EvictionPolicy, FastModeProfile, check_positive_int, lowest_k_mask, register_policy
 
 
 @register_policy("h2o")
@@ -50,7 +51,7 @@ class H2O(EvictionPolicy):
         mask = lowest_k_mask(state.score, np.full(state.rows, per_row), cand)
         return Decision(evict=mask) if mask.any() else None
 
-    def fast_mode_profile(self) -> dict:
-        return {"budget": self.budget, "protect_recent": self.recent, "protect_first": 0,
-                "age_weight": "young", "per_step": self.evict_per_step or 1, "obs_window": self.obs_window,
-                "prompt_cut": self.evict_per_step is None}
+    def fast_mode_profile(self) -> FastModeProfile:
+        return FastModeProfile(budget=self.budget, protect_recent=self.recent, age_weight="young",
+                               per_step=self.evict_per_step or 1, obs_window=self.obs_window,
+                               prompt_cut=self.evict_per_step is None)

@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 
-from ..policy import Decision, EvictionPolicy, check_positive_int, register_policy
+from ..policy import Decision, EvictionPolicy, FastModeProfile, check_positive_int, register_policy
 from .snapkv import check_rate
 
 
@@ -93,17 +93,17 @@ class KVCompress(EvictionPolicy):
             per_row = min(per_row, self.max_cache_tokens)
         return int(per_row)
 
-    def fast_mode_profile(self) -> dict:
+    def fast_mode_profile(self) -> FastModeProfile:
         """Fast mode (sim.kv.fast): the prompt cut evicts, over all simulated rows jointly, the groups
         of block_size lowest-scored candidates with the smallest largest score until the request is at
         its target (the importance model's accumulated attention stands for the squared-attention
         metric); decode never evicts; under memory pressure whole blocks go down to the target again
         (`reclaim_target`)."""
         w = self.protect_recent
-        return {"budget": None, "protect_recent": w, "protect_first": 0, "age_weight": "young",
-                "obs_window": self.obs_window, "prompt_only": True, "cut_sharing": "blocks",
-                "cut_budgets": lambda n, ctx: np.full(ctx.rows, max(self.target_per_row(n) - min(w, n), 0), np.int64),
-                "reclaim_target": self.target_per_row}
+        return FastModeProfile(
+            budget=None, protect_recent=w, age_weight="young", obs_window=self.obs_window, prompt_only=True,
+            cut_sharing="blocks", reclaim_target=self.target_per_row,
+            cut_budgets=lambda n, ctx: np.full(ctx.rows, max(self.target_per_row(n) - min(w, n), 0), np.int64))
 
     def _evict(self, state, ctx, token_rows: int) -> Decision | None:
         if token_rows <= 0:

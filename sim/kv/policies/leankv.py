@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from ..policy import Decision, EvictionPolicy, check_positive_int, lowest_k_mask, register_policy
+from ..policy import Decision, EvictionPolicy, FastModeProfile, check_positive_int, lowest_k_mask, register_policy
 from ..state import TIER_HIGH, TIER_LOW
 
 OBSERVED = "leankv_queries"     # per slot: queries whose attention is in `score`
@@ -52,10 +52,10 @@ class LeanKV(EvictionPolicy):
         self.window = check_positive_int("window", window)
         self.obs_window = check_positive_int("obs_window", obs_window)
 
-    def fast_mode_profile(self) -> dict:
+    def fast_mode_profile(self) -> FastModeProfile:
         # tiers of different page capacities and a significance that is not monotone in time: fast
         # mode runs the token-level manager on a sample of the rows (sim/kv/fast/sampled.py)
-        return {"sampled_rows": True}
+        return FastModeProfile(sampled_rows=True)
 
     def on_admit(self, state, ctx):
         state.add_field(OBSERVED, np.int32, 0)

@@ -1,7 +1,7 @@
 """`none`: the full cache stays resident (vLLM baseline)."""
 from __future__ import annotations
 
-from ..policy import EvictionPolicy, register_policy
+from ..policy import EvictionPolicy, FastModeProfile, register_policy
 
 
 @register_policy("none")
@@ -10,5 +10,5 @@ class NoEviction(EvictionPolicy):
     evicts = False
     default_trigger = "never"
 
-    def fast_mode_profile(self) -> dict:
-        return {"budget": None}
+    def fast_mode_profile(self) -> FastModeProfile:
+        return FastModeProfile()

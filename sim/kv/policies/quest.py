@@ -16,7 +16,9 @@ every k decode steps, the selection reused in between); tokenselect's Selection 
 `cache_threshold` (cosine similarity of a head's consecutive decode queries above which the previous
 selection is reused, default 0.9, documentation of what `reuse_rate` was measured at) and
 `reuse_rate` (share of decode steps that reuse the cached selection, default 0: no cache; measured on
-SmolLM2-135M by `kvsim.gpu.attention_profile.selection_reuse`, docs/kv-policies.md section 4).
+SmolLM2-135M by `kvsim.gpu.attention_profile.selection_reuse`, docs/kv-policies.md section 4);
+tokenselect's `prefill_chunk` (c, default 8,192 as in the paper's Llama config): the chunk size of its
+chunk-level prefill selection (`prefill_pairs`; sim/kv/policies/selection_work.py).
 
 What a selective layer reads per decode, in full-token equivalents (one token = its K and V): the
 selected pages, plus the selection's own input. Quest reads each page's channel-wise key min and max
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..policy import EvictionPolicy, check_positive_int, register_policy
+from ..policy import EvictionPolicy, FastModeProfile, check_positive_int, register_policy
+from . import selection_work
 
 
 @register_policy("quest")
@@ -79,9 +82,9 @@ class Quest(EvictionPolicy):
             return dense * live + (1.0 - dense) * sparse
         return self._shared_read(live, sparse, ctx)
 
-    def fast_mode_profile(self) -> dict:
+    def fast_mode_profile(self) -> FastModeProfile:
         # selection evicts nothing: pages fill as without a policy; fast mode charges mean_read
-        return {"budget": None}
+        return FastModeProfile()
 
     def select(self, state, ctx, bound: np.ndarray) -> np.ndarray:
         """bool [rows, S]: the live slots read this step, given a per-slot upper bound of the query's
@@ -121,11 +124,17 @@ class Quest(EvictionPolicy):
 @register_policy("tokenselect")
 class TokenSelect(Quest):
     def __init__(self, budget: int = 512, dense_layers: int = 2, cache_threshold: float = 0.9,
-                 reuse_rate: float = 0.0):
+                 reuse_rate: float = 0.0, prefill_chunk: int = 8192):
         super().__init__(budget, page_size=1, dense_layers=dense_layers)
         self.cache_threshold = _fraction("cache_threshold", cache_threshold, upper_open=False)
         self.reuse_rate = _fraction("reuse_rate", reuse_rate, upper_open=True)
         self._meta_share = 1.0 - self.reuse_rate
+        self.prefill_chunk = check_positive_int("prefill_chunk", prefill_chunk)
+
+    def prefill_pairs(self, prompt: int) -> float:
+        """Token-pair equivalents of a selective layer's chunk-level prefill selection of `prompt` tokens
+        (policies/selection_work.py); full attention's: `selection_work.prefill_pairs(prompt, chunk, None)`."""
+        return selection_work.prefill_pairs(prompt, self.prefill_chunk, self.budget)
 
 
 def _fraction(name: str, value, *, upper_open: bool) -> float:

@@ -34,11 +34,12 @@ excludes `budget`), `obs_window` (w, default 8), `kernel_size` (p, odd, default 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..policy import Decision, EvictionPolicy, PolicyError, check_positive_int, lowest_k_mask, register_policy
+from ..policy import Decision, EvictionPolicy, FastModeProfile, PolicyError, check_positive_int, lowest_k_mask, register_policy
 
 DECODE_COMPRESSION = ("off", "every_n", "over_budget")
 
@@ -98,7 +99,7 @@ class SnapKV(EvictionPolicy):
         # decode-time compression needs the manager to call compress after every decode step
         return "after_prefill" if self.decode_compression == "off" else "every_step"
 
-    def fast_mode_profile(self) -> dict | None:
+    def fast_mode_profile(self) -> FastModeProfile | None:
         """Fast mode (sim.kv.fast). Prefill-only: the prompt cut keeps each row's budget plus the window
         by the importance model's window votes (no pooling), decode never evicts; the budgets are
         `budgets_for` (a rate's ceil(T / r), PyramidKV's per-layer schedule), shared among rows by
@@ -109,23 +110,18 @@ class SnapKV(EvictionPolicy):
         uniform = self.budget is not None and type(self).budgets_for is SnapKV.budgets_for \
             and not self.fast_cut_sharing()
         if self.decode_compression == "over_budget" and uniform:
-            return {"budget": self.budget + w, "protect_recent": w, "protect_first": 0, "age_weight": "young",
-                    "obs_window": w, "per_step": 1}
-        profile = {"budget": self.budget + w if uniform else None, "protect_recent": w, "protect_first": 0,
-                   "age_weight": "young", "obs_window": w}
+            return FastModeProfile(budget=self.budget + w, protect_recent=w, age_weight="young", obs_window=w)
+        profile = FastModeProfile(budget=self.budget + w if uniform else None, protect_recent=w, age_weight="young",
+                                  obs_window=w)
         if not uniform or self.decode_compression != "off":
-            profile["cut_budgets"] = self.budgets_for
-            profile.update(self.fast_cut_sharing())
+            profile = replace(profile, cut_budgets=self.budgets_for, **self.fast_cut_sharing())
         if self.decode_compression == "off":
-            profile["prompt_only"] = True
-        else:
-            profile["budget"] = None
-            profile["recut"] = self.decode_compression
-            profile["recut_interval"] = self.decode_interval
-        return profile
+            return replace(profile, prompt_only=True)
+        return replace(profile, budget=None, recut=self.decode_compression, recut_interval=self.decode_interval)
 
     def fast_cut_sharing(self) -> dict:
-        """Fast mode: how the rows' budgets are shared among rows at the prompt cut ({} = not at all)."""
+        """Fast mode: how the rows' budgets are shared among rows at the prompt cut, as FastModeProfile
+        fields ({} = not at all)."""
         return {}
 
     def on_admit(self, state, ctx):

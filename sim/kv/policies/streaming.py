@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..policy import Decision, EvictionPolicy, check_positive_int, lowest_k_mask, register_policy
+from ..policy import Decision, EvictionPolicy, FastModeProfile, check_positive_int, lowest_k_mask, register_policy
 
 
 @register_policy("streaming")
@@ -32,7 +32,7 @@ class Streaming(EvictionPolicy):
             drop = lowest_k_mask(pos.astype(np.float64), np.full(state.rows, self.evict_per_step), drop)
         return Decision(evict=drop) if drop.any() else None
 
-    def fast_mode_profile(self) -> dict:
-        return {"budget": self.sink + self.window, "protect_recent": self.window,
-                "protect_first": self.sink, "age_weight": "oldest", "per_step": self.evict_per_step or 1,
-                "prompt_cut": self.evict_per_step is None}
+    def fast_mode_profile(self) -> FastModeProfile:
+        return FastModeProfile(budget=self.sink + self.window, protect_recent=self.window, protect_first=self.sink,
+                               age_weight="oldest", per_step=self.evict_per_step or 1,
+                               prompt_cut=self.evict_per_step is None)

@@ -1,0 +1,49 @@
+"""Typed data between modules (issue 27): fast-mode profiles are FastModeProfile dataclasses, a request
+carries typed fields instead of an untyped scratch dict."""
+import dataclasses
+import math
+
+import pytest
+
+from kvsim.sim.core.request import Request
+from kvsim.sim.kv.policy import FastModeProfile, PolicyError, get_policy, policy_names
+from kvsim.sim.metrics import request_table
+
+
+def test_every_policy_profile_is_typed():
+    for name in policy_names():
+        try:
+            policy = get_policy(name)
+        except (PolicyError, TypeError):
+            continue                                    # needs parameters (e.g. a recorded file)
+        profile = policy.fast_mode_profile()
+        assert profile is None or isinstance(profile, FastModeProfile), name
+
+
+def test_profile_is_frozen_with_the_defaults_of_an_unused_feature():
+    p = FastModeProfile()
+    assert (p.budget, p.protect_recent, p.age_weight, p.per_step, p.prompt_cut, p.sampled_rows) == \
+        (None, 0, "uniform", 1, True, False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.budget = 3
+    h2o = get_policy("h2o", budget=64, evict_per_step=1).fast_mode_profile()
+    assert (h2o.budget, h2o.age_weight, h2o.prompt_cut) == (64, "young", False)
+
+
+def test_request_has_no_untyped_scratch_dict():
+    fields = {f.name: f.type for f in dataclasses.fields(Request)}
+    assert "extra" not in fields
+    assert not [n for n, t in fields.items() if str(t).startswith("dict")]
+
+
+def test_request_table_reads_the_typed_kv_counters():
+    done, plain = Request(0, 0.0, 10, 2), Request(1, 0.0, 10, 2)
+    for r in (done, plain):
+        r.token_times.extend([1.0, 2.0])
+        r.num_output_tokens = 2
+        r.first_scheduled_time = 0.5
+        r.finish_time = 2.0
+    done.kv_evicted_tokens, done.kv_mass_sum, done.kv_mass_steps = 3.5, 1.8, 2
+    df = request_table([done, plain]).set_index("request_id")
+    assert df.loc[0, "evicted_tokens"] == 3.5 and df.loc[0, "attention_mass_retained"] == pytest.approx(0.9)
+    assert df.loc[1, "evicted_tokens"] == 0.0 and math.isnan(df.loc[1, "attention_mass_retained"])
