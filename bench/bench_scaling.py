@@ -4,8 +4,10 @@
 
 Each size runs in a child process (trace built, simulated, results written to a temporary folder);
 prints CPU seconds (user + sys), ms of CPU per request and the child's peak RSS, so linear CPU and
-memory per request can be read off. Usage: python bench/bench_scaling.py [N ...] (default the four
-sizes; the larger ones need memory in proportion while request tables are kept in memory).
+memory per request can be read off. Past ~40 k requests the request table is streamed to its file
+(sim/request_log.py), so peak RSS grows only by the per-request state the engine keeps (its Request
+objects). Usage: python bench/bench_scaling.py [N ...] (default the four sizes; the 1 M point takes
+several minutes of CPU).
 """
 from __future__ import annotations
 

@@ -103,6 +103,9 @@ def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfi
         swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
 
 
+COLLECT_EVERY = 1024          # simpy events between two collections of finished requests
+
+
 @dataclass
 class EngineRun:
     """A run's engine: its replicas and what feeds them (trace-time arrivals through the router and
@@ -113,15 +116,17 @@ class EngineRun:
     limit: ConcurrencyLimit | None
     step_arrivals: StepArrivals | None
 
-    def drive(self, catch: tuple[type[BaseException], ...] = (KeyboardInterrupt, Exception)):
-        """Run the engine to the end; None, or (reason, exception) when it was interrupted or failed
-        with one of `catch` (the driver writes a partial result)."""
+    def drive(self, catch: tuple[type[BaseException], ...] = (KeyboardInterrupt, Exception),
+              collect: Callable[[], None] = lambda: None):
+        """Run the engine to the end, calling `collect` every COLLECT_EVERY simpy events; None, or
+        (reason, exception) when it was interrupted or failed with one of `catch` (the driver writes
+        a partial result)."""
         # The engine allocates many small, long-lived objects (token times, step rows) and no reference
         # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            self._run()
+            self._run(collect)
         except catch as exc:
             if isinstance(exc, KeyboardInterrupt):
                 return (str(exc) or "interrupted (Ctrl-C)"), exc
@@ -131,13 +136,22 @@ class EngineRun:
                 gc.enable()
         return None
 
-    def _run(self) -> None:
+    def _run(self, collect: Callable[[], None]) -> None:
         env, limit, step_arrivals = self.env, self.limit, self.step_arrivals
+        events = 0
         if self.arrivals is not None:
-            env.run(until=self.arrivals.process)    # all requests submitted
+            submitted = self.arrivals.process     # as env.run(until=it): stepping until it is processed
+            while not submitted.processed:
+                env.step()
+                events += 1
+                if events % COLLECT_EVERY == 0:
+                    collect()
         while (any(r.scheduler.has_work for r in self.replicas) or (step_arrivals and step_arrivals.pending)
                or (limit is not None and limit.in_transit)):
             env.step()
+            events += 1
+            if events % COLLECT_EVERY == 0:
+                collect()
         if limit is not None and limit.pending:
             raise RuntimeError(f"{limit.pending} requests still wait for a concurrency slot with no request "
                                "in flight")

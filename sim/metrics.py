@@ -266,9 +266,11 @@ SUMMARY_STEP_COLUMNS = ("duration_s", "blocks_used", "fragmentation", "batch_siz
                         "bytes_moved", "blocks_freed_by_eviction", "evicted_tokens")
 
 
-def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, num_blocks_total: int,
+def summarize(requests: pd.DataFrame, steps: pd.DataFrame | dict, *, num_blocks_total: int,
               slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-              prefix_queries: int = 0, prefix_hits: int = 0) -> dict:
+              prefix_queries: int = 0, prefix_hits: int = 0, tokens=None) -> dict:
+    """The run's summary. `steps`: the step log (or its figures, `step_figures_from_file`); `tokens`
+    (sim.request_log.TokenStats): the token times' figures when the table has no token_times_s column."""
     done = requests[requests["status"] == "finished"]
     start = float(requests["arrival_s"].min()) if len(requests) else 0.0
     end = float(done["finish_s"].max()) if len(done) else start
@@ -289,8 +291,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, num_blocks_total: 
         for q in (50, 90, 99):
             s[f"{metric[:-2]}_p{q}_s"] = _pct(done[metric], q)
         s[f"{metric[:-2]}_mean_s"] = float(done[metric].mean()) if len(done) else math.nan
-    itl = inter_token_latencies(done["token_times_s"])
-    itl_q = np.percentile(itl, (50, 90, 99)) if itl.size else [math.nan] * 3
+    itl = inter_token_latencies(done["token_times_s"]) if tokens is None else tokens.itl
+    itl_q = (np.percentile(itl, (50, 90, 99)) if tokens is None else itl.percentile((50, 90, 99))) \
+        if itl.size else [math.nan] * 3
     for q, v in zip((50, 90, 99), itl_q):
         s[f"itl_p{q}_s"] = float(v)
     if slo_ttft_s is not None or slo_tpot_s is not None:
@@ -301,7 +304,9 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, num_blocks_total: 
             ok &= np.nan_to_num(done["tpot_s"].to_numpy(), nan=0.0) <= slo_tpot_s
         s["slo_attainment"] = float(ok.sum() / max(len(requests), 1))
         s["goodput_req_s"] = float(ok.sum() / span)
-    if len(steps):
+    if isinstance(steps, dict):
+        s.update({k: v for k, v in steps.items() if k in STEP_FIGURES})
+    elif len(steps):
         dur = steps["duration_s"].to_numpy()
         util = steps["blocks_used"].to_numpy() / num_blocks_total
         s["num_steps"] = int(len(steps))
@@ -315,3 +320,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame, *, num_blocks_total: 
     s["preemption_rate"] = float(requests["preemptions"].sum() / max(len(requests), 1))
     s["prefix_hit_rate"] = prefix_hits / prefix_queries if prefix_queries else 0.0
     return s
+
+
+STEP_FIGURES = ("num_steps", "kv_util_mean", "kv_util_max", "fragmentation_mean", "fragmentation_p99",
+                "batch_size_mean", "preemptions")

@@ -8,16 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
 from .config import SimConfig
 from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
-from .metrics import flat_token_times, summarize
+from .metrics import summarize
+from .request_log import requests_arrow
 from .safe_io import dumps_json
 from .vllm_metrics import bench_metrics
 
@@ -25,22 +24,25 @@ if TYPE_CHECKING:
     from .run_plan import RunPlan
 
 
-def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs: list,
-                client_latency: bool = False) -> dict:
-    """summary.json of a run (simulated or replayed) from its plan and its request and step tables."""
+def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame | dict, kvs: list,
+                client_latency: bool = False, tokens=None) -> dict:
+    """summary.json of a run (simulated or replayed) from its plan and its request and step tables (a
+    streamed run: its step figures, sim.request_log.step_figures_from_file, and token figures,
+    sim.request_log.TokenStats)."""
     cfg, num_blocks, profile = plan.cfg, plan.num_blocks, plan.cost.profile
     # blocks of the pool actually managed (per_head pools count one-head blocks)
     pool_blocks = kvs[0].num_blocks if kvs else num_blocks
     summary = summarize(req_df, steps_df, num_blocks_total=pool_blocks,
                         slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
                         prefix_queries=sum(kv.num_prefix_queries for kv in kvs),
-                        prefix_hits=sum(kv.num_prefix_hits for kv in kvs))
+                        prefix_hits=sum(kv.num_prefix_hits for kv in kvs), tokens=tokens)
     preempted_queries = sum(kv.num_prefix_queries_preempted for kv in kvs)
     preempted_hits = sum(kv.num_prefix_hits_preempted for kv in kvs)
     summary["prefix_hit_rate_preempted"] = preempted_hits / preempted_queries if preempted_queries else 0.0
     if not cfg.kv.is_default:
-        summary.update(kv_summary(kvs, req_df, steps_df))
-    summary.update(run_bench_metrics(cfg, req_df))
+        totals = pd.DataFrame({k: [v] for k, v in steps_df.items()}) if isinstance(steps_df, dict) else steps_df
+        summary.update(kv_summary(kvs, req_df, totals))
+    summary.update(run_bench_metrics(cfg, req_df, tokens))
     summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
                     "max_model_len": plan.max_model_len, "model": plan.model.name, "gpu": plan.gpu.name,
                     "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace,
@@ -51,13 +53,13 @@ def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame, kvs
     return summary
 
 
-def run_bench_metrics(cfg: SimConfig, req_df: pd.DataFrame) -> dict:
+def run_bench_metrics(cfg: SimConfig, req_df: pd.DataFrame, tokens=None) -> dict:
     """`vllm bench serve`'s result keys (sim/vllm_metrics.py), and the load options it echoes when set."""
     opts = cfg.trace_options
     start = 0.0 if opts.request_rate is not None or not len(req_df) else float(
         req_df.get("client_arrival_s", req_df["arrival_s"]).min())
     out = bench_metrics(req_df, start_s=start, percentiles=cfg.metric_percentiles,
-                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s)
+                        slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s, tokens=tokens)
     if opts.request_rate is not None:
         out.update(request_rate=opts.request_rate, burstiness=opts.burstiness)
     if opts.max_concurrency is not None:
@@ -65,19 +67,11 @@ def run_bench_metrics(cfg: SimConfig, req_df: pd.DataFrame) -> dict:
     return out
 
 
-def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame, summary: dict) -> None:
-    """requests.parquet, summary.json and config.yaml (steps.parquet is written by the StepLog)."""
-    pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
+def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summary: dict) -> None:
+    """requests.parquet (unless `req_df` is None: sim.request_log.RequestLog streamed it), summary.json
+    and config.yaml (steps.parquet is written by the StepLog)."""
+    if req_df is not None:
+        pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
     # NaN (e.g. a percentile of no finished request) becomes null with a reason: JSON has no NaN
     (out / "summary.json").write_text(dumps_json(summary, indent=2, default=float))
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-
-
-def requests_arrow(req_df: pd.DataFrame) -> pa.Table:
-    """The request table as Arrow; token times become a list<double> column built from one
-    concatenated buffer (pandas' object-column conversion of 10^4-10^5 arrays is several x slower)."""
-    offsets, values = flat_token_times(req_df["token_times_s"])
-    table = pa.Table.from_pandas(req_df.drop(columns="token_times_s"), preserve_index=False)
-    lists = pa.ListArray if offsets[-1] < 2**31 else pa.LargeListArray      # int32 offsets while they fit
-    offsets = offsets.astype(np.int32) if lists is pa.ListArray else offsets
-    return table.append_column("token_times_s", lists.from_arrays(pa.array(offsets), pa.array(values)))

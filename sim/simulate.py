@@ -18,6 +18,8 @@ from .memory import check_memory
 from .metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
 from .outputs import run_summary, write_outputs
 from .progress import ProgressTracker, TokenBar, ambient_callback
+from .request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request_columns, step_figures_from_file,
+                          token_stats_from_file)
 from .results import ResultDir, check_out_dir, check_out_owner
 from .run_plan import RunPlan, build_run_plan
 
@@ -88,20 +90,40 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
 
     run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker)
     replicas.extend(run.replicas)
-    stop = run.drive()
+
+    def frame(reqs: list) -> pd.DataFrame:
+        df = client_view(request_table(reqs), client, entry.sent if entry else {})
+        if run.limit is not None:
+            add_client_queue(df, run.limit.client_arrival)
+        return df
+    # rows go to requests.parquet as requests finish, unless the client view needs all token times at once
+    # or the bench comparison the whole table
+    streamable = not client.output_token_s > 0 and not getattr(trace, "measured", None)
+    log = RequestLog(requests, out / "requests.parquet" if out else None, frame, stream=streamable)
+    schedulers = [r.scheduler for r in replicas]
+    stop = run.drive(collect=lambda: log.collect(schedulers))
     if tracker:
         tracker.finish()
     step_log.close()
+    log.collect(schedulers)
 
     if stop:                               # requests that never arrived are not part of the result
         requests = run.arrived(requests)
-    req_df = client_view(request_table(requests), client, entry.sent if entry else {})
-    if run.limit is not None:
-        add_client_queue(req_df, run.limit.client_arrival)
+    req_df = log.finish(requests)
+    tokens = None
+    if req_df is None:                     # streamed: the summary reads the file
+        log.release(replicas)
+        req_df = read_request_columns(out / "requests.parquet")
+        done = req_df["arrival_s"][req_df["status"] == "finished"]
+        tokens = token_stats_from_file(out / "requests.parquet", float(done.min()) if len(done) else 0.0)
     steps_df = step_log.to_pandas() if opts.keep_steps or out is None else None
-    steps_for_summary = steps_df if steps_df is not None else pd.read_parquet(
-        out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
-    summary = run_summary(plan, req_df, steps_for_summary, [r.kv for r in replicas], client.enabled)
+    if steps_df is not None:
+        steps_for_summary = steps_df
+    elif step_log.num_rows > WHOLE_STEP_LOG_ROWS:
+        steps_for_summary = step_figures_from_file(out / "steps.parquet", _pool_blocks(replicas, plan.hardware.num_blocks))
+    else:
+        steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
+    summary = run_summary(plan, req_df, steps_for_summary, [r.kv for r in replicas], client.enabled, tokens=tokens)
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
@@ -112,7 +134,7 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
     wall = time.perf_counter() - t0
     summary["wall_s"] = wall
     if staging:
-        write_outputs(out, cfg, req_df, summary)
+        write_outputs(out, cfg, None if tokens is not None else req_df, summary)
         if comparison is not None:
             comparison.to_parquet(out / "bench_comparison.parquet", index=False)
         staging.publish()
@@ -141,3 +163,9 @@ def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
     if out.exists() and folder.exists() and folder.resolve() == out.resolve():
         raise ConfigError(f"--out {out}: holds the recorded decisions this run reads (kv.params.path); its "
                           "results would replace them; expected another directory")
+
+
+def _pool_blocks(replicas: list, num_blocks: int) -> int:
+    """Blocks of the pool actually managed (as sim.outputs.run_summary counts them)."""
+    return replicas[0].kv.num_blocks if replicas else num_blocks
+

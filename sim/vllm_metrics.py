@@ -30,8 +30,9 @@ def percentile_word(p: float) -> str:
 
 
 def bench_metrics(requests: pd.DataFrame, *, start_s: float, percentiles=DEFAULT_PERCENTILES,
-                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
-    """The `vllm bench serve` result keys of a run (request table of sim.metrics.request_table)."""
+                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, tokens=None) -> dict:
+    """The `vllm bench serve` result keys of a run (request table of sim.metrics.request_table; without
+    its token_times_s column, `tokens`: sim.request_log.token_stats_from_file's figures)."""
     done = requests[requests["status"] == "finished"]
     end = float(done["finish_s"].max()) if len(done) else start_s
     duration = max(end - start_s, 1e-12)
@@ -46,19 +47,31 @@ def bench_metrics(requests: pd.DataFrame, *, start_s: float, percentiles=DEFAULT
         "request_goodput": _good(done, slo_ttft_s, slo_tpot_s) / duration,
         "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration,
-        "max_output_tokens_per_s": _peak_tokens_per_s(done),
+        "max_output_tokens_per_s": _peak_tokens_per_s(done) if tokens is None else tokens.peak_tokens_per_s,
         "max_concurrent_requests": _peak_concurrency(done),
     }
     values = {"ttft": done["ttft_s"].to_numpy(), "e2el": done["e2e_s"].to_numpy(),
               "tpot": done.loc[done["output_tokens"] > 1, "tpot_s"].to_numpy(),
-              "itl": inter_token_latencies(done["token_times_s"])}
+              "itl": inter_token_latencies(done["token_times_s"]) if tokens is None else None}
     for key, _, _ in LATENCIES:
-        v = values[key] if len(values[key]) else np.zeros(1)   # vLLM: `np.mean(x or 0)` on an empty list
+        if key == "itl" and tokens is not None and tokens.itl.size:
+            out.update(_distribution_ms(key, tokens.itl, percentiles))
+            continue
+        v = values[key] if values[key] is not None and len(values[key]) else np.zeros(1)   # vLLM: `np.mean(x or 0)` on an empty list
         out[f"mean_{key}_ms"] = float(np.mean(v)) * 1e3
         out[f"median_{key}_ms"] = float(np.median(v)) * 1e3
         out[f"std_{key}_ms"] = float(np.std(v)) * 1e3
         for p in percentiles:
             out[f"p{percentile_word(p)}_{key}_ms"] = float(np.percentile(v, p)) * 1e3
+    return out
+
+
+def _distribution_ms(key: str, dist, percentiles) -> dict:
+    """The mean/median/std/percentile keys of a sim.request_log.ValueCounts."""
+    out = {f"mean_{key}_ms": dist.mean() * 1e3, f"median_{key}_ms": dist.median() * 1e3,
+           f"std_{key}_ms": dist.std() * 1e3}
+    for p in percentiles:
+        out[f"p{percentile_word(p)}_{key}_ms"] = float(dist.percentile(p)) * 1e3
     return out
 
 

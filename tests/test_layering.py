@@ -60,6 +60,7 @@ RULES = (
     ("kvsim.sim.run_plan", "core"),
     ("kvsim.sim.outputs", "core"),
     ("kvsim.sim.metrics", "core"),
+    ("kvsim.sim.request_log", "core"),
     ("kvsim.sim.vllm_metrics", "core"),
     ("kvsim.sim.bench_compare", "core"),
     ("kvsim.sim.client", "core"),

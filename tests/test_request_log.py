@@ -1,0 +1,98 @@
+"""Requests streamed to requests.parquet as they finish (sim/request_log.py): the same table and summary
+as a run kept whole, exact quantiles of the compacted inter-token gaps, partial results on Ctrl-C."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from kvsim.sim import request_log, simulate
+from kvsim.sim.config import load_config
+from kvsim.sim.metrics import summarize
+from kvsim.sim.request_log import ValueCounts, step_figures_from_file
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compacted_quantiles_equal_numpys(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 3000))
+    values = rng.choice(rng.random(int(rng.integers(1, 50))) * 0.05, size=n)
+    dist = ValueCounts(raw_limit=int(rng.integers(0, 200)))
+    for part in np.array_split(values, 7):
+        dist.add(part)
+    assert dist.compacted and dist.size == n
+    qs = (0, 1, 10, 33.3, 50, 90, 99, 99.9, 100)
+    assert dist.percentile(qs).tolist() == np.percentile(values, qs).tolist()       # bit for bit
+    for q in qs:
+        assert float(dist.percentile(q)) == float(np.percentile(values, q))
+    assert dist.median() == float(np.median(values))
+    assert dist.mean() == pytest.approx(float(np.mean(values)), rel=1e-14)
+    assert dist.std() == pytest.approx(float(np.std(values)), rel=1e-12, abs=1e-18)
+
+
+def test_raw_distribution_is_numpys():
+    values = np.random.default_rng(1).random(1000)
+    dist = ValueCounts()
+    dist.add(values[:400])
+    dist.add(values[400:])
+    assert not dist.compacted
+    assert (dist.mean(), dist.std(), dist.median()) == (np.mean(values), np.std(values), np.median(values))
+
+
+def _cfg(n=1500):
+    return load_config(None, {"trace": "azure-conv-2023", "model": "llama-3.1-8b", "gpu": "h100",
+                              "trace_options": {"max_requests": n}})
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(request_log, "CHUNK_ROWS", 100)
+    monkeypatch.setattr(simulate, "WHOLE_STEP_LOG_ROWS", 500)
+
+
+def test_streamed_run_writes_the_same_table_and_summary(tmp_path, monkeypatch):
+    whole = simulate.run_simulation(_cfg(), tmp_path / "whole", keep_steps=False)
+    monkeypatch.setattr(request_log, "CHUNK_ROWS", 100)
+    streamed = simulate.run_simulation(_cfg(), tmp_path / "streamed", keep_steps=False)
+    meta = pq.ParquetFile(tmp_path / "streamed" / "requests.parquet").metadata
+    assert meta.num_row_groups > 3 and meta.num_rows == 1500       # written as the run went
+    a = pq.read_table(tmp_path / "whole" / "requests.parquet")
+    b = pq.read_table(tmp_path / "streamed" / "requests.parquet")
+    for name in a.column_names:
+        if name != "reject_reason":                                 # null-typed when kept whole
+            assert a.column(name).equals(b.column(name)), name
+    assert "token_times_s" not in streamed.requests                # the table in memory has no token lists
+    sa, sb = dict(whole.summary), dict(streamed.summary)
+    sa.pop("wall_s"), sb.pop("wall_s")
+    assert sa == sb
+    assert json.loads((tmp_path / "streamed" / "summary.json").read_text())["num_finished"] == 1500
+
+
+def test_step_figures_from_file_match_the_whole_columns(tmp_path):
+    run = simulate.run_simulation(_cfg(400), tmp_path / "r")
+    whole = summarize(run.requests, run.steps, num_blocks_total=run.num_gpu_blocks)
+    figures = step_figures_from_file(tmp_path / "r" / "steps.parquet", run.num_gpu_blocks)
+    for key in ("num_steps", "kv_util_max", "fragmentation_p99", "preemptions"):
+        assert figures[key] == whole[key]
+    for key in ("kv_util_mean", "fragmentation_mean", "batch_size_mean"):
+        assert figures[key] == pytest.approx(whole[key], rel=1e-12)
+
+
+def test_interrupted_streamed_run_keeps_consistent_partial_results(tmp_path, small_chunks):
+    def stop(p):
+        if p.requests_done >= 700 and not p.finished:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        simulate.run_simulation(_cfg(), tmp_path / "r", keep_steps=False, progress=stop)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    table = pq.read_table(tmp_path / "r" / "requests.parquet").to_pandas()
+    assert summary["partial"] and pq.ParquetFile(tmp_path / "r" / "requests.parquet").metadata.num_row_groups >= 2
+    ids = table["request_id"].to_numpy()
+    assert (np.diff(ids) > 0).all() and len(table) == summary["num_requests"] < 1500
+    assert summary["num_finished"] == (table["status"] == "finished").sum() >= 700
+    unfinished = table[table["status"] != "finished"]
+    assert len(unfinished) == summary["num_unfinished"]
+    done = table[table["status"] == "finished"]
+    assert (done["token_times_s"].map(len) == done["output_tokens"]).all()
