@@ -322,7 +322,7 @@ def _replay(plan, run: ReplayRun, progress, on_step) -> ReplayResult:
     summary.update(_replay_summary(cfg, opts, run.model, steps_df, executor, partial, replicas[0].now,
                                    len(requests)))
     if partial:
-        summary["partial_reason"] = "interrupted (Ctrl-C)"
+        summary["partial_reason"] = stop[0]          # "interrupted (Ctrl-C)" or "terminated (SIGTERM)"
     summary["wall_s"] = time.perf_counter() - run.t0
     tokens = _tokens_table(arrived)
     decisions, stats = run.recorder.decisions_table(), run.recorder.stats_table()

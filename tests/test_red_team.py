@@ -581,13 +581,15 @@ def in_full_tmpfs(tmp_path: Path, args: list[str], size_kb: int = 32) -> tuple[i
 
 
 @pytest.mark.skipif(not _unshare_tmpfs_works(), reason="no unprivileged user namespaces (unshare -Urm) for a tmpfs")
-@pytest.mark.parametrize("command", ["sweep", "capacity", "simulate", "trace synth"])
+@pytest.mark.parametrize("command", ["sweep", "capacity", "plan", "simulate", "trace synth"])
 def test_a_real_full_disk_is_reported_as_such_leaving_nothing_half_written(tmp_path, command):
     (tmp_path / "spec.yaml").write_text("fixed: {trace_options.max_requests: 20}\ngrid: {seed: [0, 1, 2]}\n")
     args, code, says = {
         "sweep": (["sweep", "spec.yaml", "-o", "{mnt}/st", "-q", "--jobs", "1"], 1, "disk full"),
         "capacity": (["capacity", "--slo", "ttft_p99<=2s", "--max-requests", "20", "--max-evals", "4", "-q",
                       "-o", "{mnt}/st"], 1, "disk full"),
+        "plan": (["plan", "--slo", "ttft_p99<=2s", "--models", "llama-3.1-8b", "--gpus", "h100", "--window", "0:60",
+                  "--max-replicas", "2", "--jobs", "1", "-q", "-o", "{mnt}/st"], 1, "disk full"),
         "simulate": (["simulate", "--max-requests", "20", "-q", "-o", "{mnt}/run"], 1, "No space left on device"),
         "trace synth": (["trace", "synth", "{mnt}/t.jsonl", "-n", "5000"], 2, "disk full"),
     }[command]
@@ -628,6 +630,7 @@ def test_sigterm_to_replay_exits_130_with_a_marked_partial_result_or_none(tmp_pa
         steps = out / "steps.parquet"
         logged = pq.read_metadata(steps).num_rows if steps.exists() else 0
         assert s["partial"] is True and logged == s.get("num_steps", 0)
+        assert s["partial_reason"] == "terminated (SIGTERM)"
         assert "interrupted: partial result" in " ".join(stdout.split())
     else:
         assert err.strip() == "terminated (SIGTERM): no results written"

@@ -1,6 +1,8 @@
 """`kvsim sweep`, `kvsim capacity`, `kvsim report`: capacity-planning commands on the simulator."""
 from __future__ import annotations
 
+import errno
+
 import math
 from contextlib import contextmanager
 from pathlib import Path
@@ -419,7 +421,12 @@ def plan(
             result = plan_capacity(cfg, constraints, models=model_list, gpus=gpu_list, tps=tp_list,
                                    policies=policy_list, max_replicas=max_replicas, run_batch=run_batch, width=width,
                                    store=out, variants=variants, progress=show)
-    except (ConfigError, OSError) as exc:
+    except ConfigError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fail(f"--out {out}: disk full ({exc.strerror}); the store keeps the finished runs (run again to resume)",
+                 code=1)
         fail(str(exc))
     result.range_notes = notes
     _print_plan(result)
