@@ -242,9 +242,10 @@ HUGE_GPU = "name: Huge-GPU\nmemory_gib: 100000000\nmemory_bw_gbps: 3350\ntflops:
 
 @pytest.mark.parametrize("command", ["sweep", "capacity", "reference"])
 def test_every_command_refuses_a_pool_beyond_host_memory_before_allocating(d, command):
-    """10^9 blocks (129 GiB of the simulator's pool; for `reference`, 687 TiB of vLLM's CPU KV cache too) on
-    a GPU large enough to hold them: refused by the host-memory estimate, naming --num-gpu-blocks, before
-    any run starts or vLLM is called (`--vllm-python /bin/false` is never run)."""
+    """10^9 blocks (129 GiB of the simulator's pool) on a GPU large enough to hold them: refused by the
+    host-memory estimate, naming --num-gpu-blocks, before any run starts. `reference` runs on the CPU
+    profile, whose memory is the host's: its run plan refuses vLLM's 687 TiB CPU KV cache first, before
+    vLLM is called (`--vllm-python /bin/false` is never run) or the model converted."""
     (d / "huge.yaml").write_text(HUGE_GPU)
     if command == "sweep":
         (d / "spec.yaml").write_text(f"fixed: {{gpu: {d}/huge.yaml, engine.num_gpu_blocks: 1000000000}}\n"
@@ -257,9 +258,29 @@ def test_every_command_refuses_a_pool_beyond_host_memory_before_allocating(d, co
     else:
         args = ["reference", "vllm", "--num-gpu-blocks", "1000000000", "--max-requests", "2", "--vllm-python",
                 "/bin/false", "-o", "st"]
-        fragments = ["vLLM's CPU KV cache", "host memory"]
-    refused(kvsim(args, d), *fragments, "lower --num-gpu-blocks")
+        fragments = ["engine.num_gpu_blocks: 1000000000 blocks", "of KV cache per GPU", "cpu-2core"]
+    refused(kvsim(args, d), *fragments, *(["lower --num-gpu-blocks"] if command != "reference" else []))
     assert not list((d / "st").glob("runs/*.parquet")) and not (d / "st" / "agreement.json").exists()
+
+
+def test_reference_counts_vllms_cpu_kv_cache_beside_the_simulation_in_host_memory(monkeypatch):
+    """A pool that fits the CPU profile alone, but not beside vLLM's own CPU KV cache of the same blocks
+    in the host memory left: refused naming vLLM's cache and --num-gpu-blocks."""
+    from kvsim.sim import memory
+    from kvsim.sim.config import load_config
+    from kvsim.sim.reference.harness import check_reference_memory
+    from kvsim.sim.simulate import load_workload
+
+    cfg = load_config(None, {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
+                             "engine.block_size": 32, "engine.num_gpu_blocks": 4000, "engine.max_model_len": 2048,
+                             "trace_options.max_requests": 2})
+    trace = load_workload(cfg)
+    vllm_kv = 4000 * 32 * 22.5 * 1024                                  # 2.7 GiB of bf16 KV (22.5 KiB per token)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: (int(vllm_kv * 4), "test"))
+    check_reference_memory(cfg, trace)                                  # fits with room to spare
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: (int(vllm_kv * 0.9), "test"))
+    with pytest.raises(memory.HostMemoryError, match=r"vLLM's CPU KV cache.*lower --num-gpu-blocks"):
+        check_reference_memory(cfg, trace)
 
 
 PLUGIN_EXIT = "import sys\nsys.exit(0)\n"
