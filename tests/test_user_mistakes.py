@@ -92,11 +92,18 @@ def test_user_mistake_is_one_line_naming_what_was_expected(case, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_trace_notices_are_one_note_line_each_not_python_warnings(tmp_path):
+@pytest.mark.parametrize("leftover_filter", [None, "ignore"])
+def test_trace_notices_are_one_note_line_each_not_python_warnings(tmp_path, leftover_filter):
+    """Also when the process embedding kvsim (a notebook, a test worker) left an 'ignore' filter behind."""
+    from kvsim.traces.errors import TraceWarning
+
     trace = tmp_path / "unsorted.jsonl"
     trace.write_text('{"timestamp": 5, "input_length": 10, "output_length": 5}\n'
                      '{"timestamp": 1, "input_length": 10, "output_length": 0}\n')
-    res = CliRunner().invoke(app, SIM + ["--trace", str(trace), "--out", str(tmp_path / "o")])
+    with warnings.catch_warnings():
+        if leftover_filter:
+            warnings.simplefilter(leftover_filter, TraceWarning)
+        res = CliRunner().invoke(app, SIM + ["--trace", str(trace), "--out", str(tmp_path / "o")])
     assert res.exit_code == 0, res.output
     assert res.stderr.splitlines() == [
         f"note: {trace}: 1 requests have 0 output tokens (first at line 2); set to 1 because every request "

@@ -42,7 +42,12 @@ def _version(show: bool) -> None:
 @app.callback()
 def _setup(show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
                                              help="print kvsim's version and exit")) -> None:
+    from kvsim.traces.errors import TraceWarning
+
     warnings.showwarning = _show_warning
+    # a notice is shown whatever filter an embedding process left behind (commands that print notices
+    # themselves still silence them inside their own catch_warnings)
+    warnings.filterwarnings("default", category=TraceWarning)
 
 
 # registration order is the order of `kvsim --help`
