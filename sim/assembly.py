@@ -137,17 +137,11 @@ class EngineRun:
         return None
 
     def _run(self, collect: Callable[[], None]) -> None:
-        env, limit, step_arrivals = self.env, self.limit, self.step_arrivals
+        env, limit = self.env, self.limit
+        # as env.run(until=the arrival process) and then on while any work is left
+        submitted = self.arrivals.process if self.arrivals is not None else None
         events = 0
-        if self.arrivals is not None:
-            submitted = self.arrivals.process     # as env.run(until=it): stepping until it is processed
-            while not submitted.processed:
-                env.step()
-                events += 1
-                if events % COLLECT_EVERY == 0:
-                    collect()
-        while (any(r.scheduler.has_work for r in self.replicas) or (step_arrivals and step_arrivals.pending)
-               or (limit is not None and limit.in_transit)):
+        while (submitted is not None and not submitted.processed) or self._has_work():
             env.step()
             events += 1
             if events % COLLECT_EVERY == 0:
@@ -155,6 +149,11 @@ class EngineRun:
         if limit is not None and limit.pending:
             raise RuntimeError(f"{limit.pending} requests still wait for a concurrency slot with no request "
                                "in flight")
+
+    def _has_work(self) -> bool:
+        step_arrivals, limit = self.step_arrivals, self.limit
+        return (any(r.scheduler.has_work for r in self.replicas) or bool(step_arrivals and step_arrivals.pending)
+                or (limit is not None and limit.in_transit))
 
     def arrived(self, requests: list[Request]) -> list[Request]:
         """Of `requests`, those that reached the engine (all of them once the run ended)."""

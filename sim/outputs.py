@@ -24,15 +24,18 @@ if TYPE_CHECKING:
     from .run_plan import RunPlan
 
 
+def managed_pool_blocks(kvs: list, num_blocks: int) -> int:
+    """Blocks of the pool actually managed (per_head pools count one-head blocks)."""
+    return kvs[0].num_blocks if kvs else num_blocks
+
+
 def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame | dict, kvs: list,
                 client_latency: bool = False, tokens=None) -> dict:
     """summary.json of a run (simulated or replayed) from its plan and its request and step tables (a
     streamed run: its step figures, sim.request_log.step_figures_from_file, and token figures,
     sim.request_log.TokenStats)."""
     cfg, num_blocks, profile = plan.cfg, plan.num_blocks, plan.cost.profile
-    # blocks of the pool actually managed (per_head pools count one-head blocks)
-    pool_blocks = kvs[0].num_blocks if kvs else num_blocks
-    summary = summarize(req_df, steps_df, num_blocks_total=pool_blocks,
+    summary = summarize(req_df, steps_df, num_blocks_total=managed_pool_blocks(kvs, num_blocks),
                         slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
                         prefix_queries=sum(kv.num_prefix_queries for kv in kvs),
                         prefix_hits=sum(kv.num_prefix_hits for kv in kvs), tokens=tokens)

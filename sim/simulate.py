@@ -16,7 +16,7 @@ from .cost_model import ClientLatency
 from .executor import replica_parts
 from .memory import check_memory
 from .metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
-from .outputs import run_summary, write_outputs
+from .outputs import managed_pool_blocks, run_summary, write_outputs
 from .progress import ProgressTracker, TokenBar, ambient_callback
 from .request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request_columns, step_figures_from_file,
                           token_stats_from_file)
@@ -116,14 +116,15 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
         req_df = read_request_columns(out / "requests.parquet")
         done = req_df["arrival_s"][req_df["status"] == "finished"]
         tokens = token_stats_from_file(out / "requests.parquet", float(done.min()) if len(done) else 0.0)
+    kvs = [r.kv for r in replicas]
     steps_df = step_log.to_pandas() if opts.keep_steps or out is None else None
     if steps_df is not None:
         steps_for_summary = steps_df
     elif step_log.num_rows > WHOLE_STEP_LOG_ROWS:
-        steps_for_summary = step_figures_from_file(out / "steps.parquet", _pool_blocks(replicas, plan.hardware.num_blocks))
+        steps_for_summary = step_figures_from_file(out / "steps.parquet", managed_pool_blocks(kvs, plan.num_blocks))
     else:
         steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
-    summary = run_summary(plan, req_df, steps_for_summary, [r.kv for r in replicas], client.enabled, tokens=tokens)
+    summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens)
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
@@ -163,9 +164,4 @@ def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
     if out.exists() and folder.exists() and folder.resolve() == out.resolve():
         raise ConfigError(f"--out {out}: holds the recorded decisions this run reads (kv.params.path); its "
                           "results would replace them; expected another directory")
-
-
-def _pool_blocks(replicas: list, num_blocks: int) -> int:
-    """Blocks of the pool actually managed (as sim.outputs.run_summary counts them)."""
-    return replicas[0].kv.num_blocks if replicas else num_blocks
 
