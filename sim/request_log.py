@@ -17,9 +17,6 @@ the exact distribution, equal to numpy's pairwise sums to ~1e-15 relative).
 from __future__ import annotations
 
 import math
-import signal
-import threading
-from contextlib import contextmanager
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -29,6 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .metrics import SUMMARY_STEP_COLUMNS, flat_token_times
+from .safe_io import deferred_interrupts
 
 
 
@@ -204,20 +202,6 @@ def read_request_columns(path) -> pd.DataFrame:
     return pq.read_table(path, columns=names, use_threads=False).to_pandas(self_destruct=True)
 
 
-@contextmanager
-def _signals_deferred():
-    """Ctrl-C / SIGTERM wait until the block ends (a chunk is written and recorded as written, or not)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 # streaming starts once the rows ready hold this many token times or rows (~64 MiB of token times; a run
 # below it is written whole at the end, as before); from then on rows are written in row groups of about
 # WRITE_TOKENS token times (at most CHUNK_ROWS rows)
@@ -299,7 +283,7 @@ class RequestLog:
 
     def _write(self, reqs: list, tokens: int) -> None:
         table = self._arrow(self.frame(reqs))
-        with _signals_deferred():
+        with deferred_interrupts():
             if self._writer is None:
                 self._writer = pq.ParquetWriter(self.path, self._schema, use_dictionary=False)
             self._writer.write_table(table)
