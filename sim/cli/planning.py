@@ -1,7 +1,6 @@
 """`kvsim sweep`, `kvsim capacity`, `kvsim report`: capacity-planning commands on the simulator."""
 from __future__ import annotations
 
-import errno
 
 import math
 from contextlib import contextmanager
@@ -417,16 +416,13 @@ def plan(
             console.print(f"  {s.cand.label} x{n}: {mark}", soft_wrap=True)
 
     try:
-        with executor(scheduler, jobs) as (run_batch, width):
+        with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
             result = plan_capacity(cfg, constraints, models=model_list, gpus=gpu_list, tps=tp_list,
                                    policies=policy_list, max_replicas=max_replicas, run_batch=run_batch, width=width,
                                    store=out, variants=variants, progress=show)
+    except typer.Exit:              # store_errors' own one-line exit (typer.Exit is a RuntimeError)
+        raise
     except ConfigError as exc:
-        fail(str(exc))
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            fail(f"--out {out}: disk full ({exc.strerror}); the store keeps the finished runs (run again to resume)",
-                 code=1)
         fail(str(exc))
     result.range_notes = notes
     _print_plan(result)
