@@ -60,7 +60,15 @@ def _load_group(q_ptr, b, h, stride_qb, stride_qh, stride_qg, stride_qd, dot_ty,
                    mask=(g < GROUP)[:, None], other=0.0).to(dot_ty)
 
 
-@triton.jit
+# Integer arguments that change from step to step (split length, strides of the per-step block tables,
+# slot masks, split outputs and scores): Triton would specialize each on divisibility by 16 (and on 1)
+# and compile a new variant, ~0.7 s on an H100, whenever one changes class mid-replay.
+PER_STEP_DECODE = ["split_len", "stride_tb", "stride_th", "stride_xb", "stride_xh", "stride_ob", "stride_oh",
+                   "stride_os", "stride_eb", "stride_eh", "stride_es"]
+PER_STEP_STATS = ["split_len", "stride_tb", "stride_th", "stride_xb", "stride_xh", "stride_eb", "stride_eh",
+                  "stride_sb", "stride_sh"]
+
+@triton.jit(do_not_specialize=PER_STEP_DECODE)
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, tbl_ptr, nblk_ptr, live_ptr, sel_ptr, out_ptr, lse_ptr, scale, split_len,
     stride_qb, stride_qh, stride_qg, stride_qd,
@@ -120,7 +128,7 @@ def _paged_decode_kernel(
     tl.store(lse_ptr + b * stride_eb + h * stride_eh + sp * stride_es + g * stride_eg, _lse(m, denom), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_STATS)
 def _paged_stats_kernel(
     q_ptr, k_ptr, tbl_ptr, nblk_ptr, live_ptr, sel_ptr, lse_ptr, ssum_ptr, ssq_ptr, scale, split_len,
     stride_qb, stride_qh, stride_qg, stride_qd,

@@ -94,7 +94,11 @@ def _mixed_kv_tile(pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start,
     return k, v, n, valid
 
 
-@triton.jit
+# per-step integer arguments, not specialized (see paged_attention.PER_STEP_DECODE)
+PER_STEP_MIXED_DECODE = ["n_slots", "split_len", "stride_tr", "stride_or", "stride_os", "stride_er", "stride_es"]
+PER_STEP_MIXED_STATS = ["n_slots", "split_len", "stride_tr", "stride_er", "stride_sr"]
+
+@triton.jit(do_not_specialize=PER_STEP_MIXED_DECODE)
 def _mixed_decode_kernel(
     q_ptr, pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, out_ptr, lse_ptr, scale, n_slots, split_len,
     stride_qr, stride_qg, stride_qd,
@@ -149,7 +153,7 @@ def _mixed_decode_kernel(
     tl.store(lse_ptr + r * stride_er + sp * stride_es + g * stride_eg, _lse(m, denom), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_MIXED_STATS)
 def _mixed_stats_kernel(
     q_ptr, pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, lse_ptr, ssum_ptr, ssq_ptr, scale, n_slots,
     split_len,

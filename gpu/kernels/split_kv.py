@@ -78,7 +78,10 @@ def _lse(m, denom):
     return tl.where(denom > 0, m + tl.log(tl.where(denom > 0, denom, 1.0)), float("-inf"))
 
 
-@triton.jit
+# per-step integer arguments, not specialized (see paged_attention.PER_STEP_DECODE)
+PER_STEP_COMBINE = ["num_splits", "stride_pr", "stride_ps", "stride_xr", "stride_xs"]
+
+@triton.jit(do_not_specialize=PER_STEP_COMBINE)
 def _combine_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, num_splits,
                     stride_pr, stride_ps, stride_pg, stride_pd,
                     stride_xr, stride_xs, stride_xg,

@@ -194,7 +194,12 @@ def crosscheck(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, rate_scale=rate_scale,
         start_s=start_s, end_s=end_s, max_requests=max_requests)
     try:
-        cfg = load_config(None, overrides, set_)
+        from kvsim.gpu.replay import replay_config
+        # both simulations run the engine as the replay does (synchronous steps, no prefix caching
+        # unless asked): vLLM's serving defaults would schedule other batches than the replay's
+        cfg = replay_config(load_config(None, overrides, set_))
+        for d in real:
+            check_same_engine(cfg, d)
         real_dirs = list(real) or [out / ("real" if r == 1 else f"real-{r}") for r in range(1, repeats + 1)]
         if not real:
             for r, d in enumerate(real_dirs, start=1):
@@ -236,6 +241,23 @@ def crosscheck(
                   f"memory identical (recorded): {h['memory_identical']}  replays: {h['repeats']}"
                   + (f" (median per-step spread {res.repeats['spread_median']:.1%})" if res.repeats else ""))
     console.print(f"wrote {md} and {html}")
+
+
+def check_same_engine(cfg, replay_dir: Path) -> None:
+    """Refuse a reused replay whose engine settings (its config.yaml) differ from the simulations'."""
+    import yaml
+    from kvsim.sim.config import ConfigError
+    from kvsim.sim.run_plan import with_engine_defaults
+    config_file = Path(replay_dir) / "config.yaml"
+    if not config_file.is_file():
+        raise ConfigError(f"--real {replay_dir}: no config.yaml (not a kvsim replay output directory)")
+    recorded = (yaml.safe_load(config_file.read_text()) or {}).get("engine") or {}
+    ours = with_engine_defaults(cfg).engine.model_dump()
+    differ = [f"engine.{k}: replay {recorded[k]!r}, here {ours[k]!r}" for k in sorted(recorded)
+              if k in ours and recorded[k] != ours[k]]
+    if differ:
+        raise ConfigError(f"--real {replay_dir}: the replay ran another engine configuration than this "
+                          f"cross-check's ({'; '.join(differ)}); give the same options (or --set)")
 
 
 def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, clock: str = "wall",
