@@ -161,14 +161,14 @@ class LlamaModel:
         return LlamaModel(config, keep, device=self.device)
 
     # -- shared pieces -------------------------------------------------------------------------
-    def _qkv(self, i: int, h: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """`rope`: the step's (cos, sin), computed once for all layers (`rope_cos_sin`)."""
         c, w, p = self.config, self.w, f"layers.{i}."
         x = rms_norm(h, w[p + "attn_norm"], c.rms_eps)
         q = (x @ w[p + "q"].T).view(-1, c.heads, c.head_dim)
         k = (x @ w[p + "k"].T).view(-1, c.kv_heads, c.head_dim)
         v = (x @ w[p + "v"].T).view(-1, c.kv_heads, c.head_dim)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, *rope), apply_rope(k, *rope), v
 
     def _finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         c, w, p = self.config, self.w, f"layers.{i}."
@@ -193,9 +193,9 @@ class LlamaModel:
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         meta.prepare(cache)
         h = self.w["embed"][input_ids.to(self.device)]
-        positions = positions.to(self.device)
+        rope = rope_cos_sin(positions.to(self.device), c.head_dim, c.rope_theta)
         for i in range(c.layers):
-            q, k, v = self._qkv(i, h, positions)
+            q, k, v = self._qkv(i, h, rope)
             attn = paged_attention(i, q, k, v, meta, cache, self.scale)
             h = self._finish_layer(i, h, attn)
         last = meta.query_start_loc[1:].to(self.device) - 1
@@ -219,8 +219,9 @@ class LlamaModel:
         group = c.heads // c.kv_heads
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         probs, queries = [], []
+        rope = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         for i in range(c.layers):
-            q, k, v = self._qkv(i, h, positions)
+            q, k, v = self._qkv(i, h, rope)
             qh = q.float().transpose(0, 1)                                   # [heads, T, D]
             if return_queries:
                 queries.append(qh)

@@ -169,6 +169,35 @@ def _time_s(torch, fn, plan: Plan) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _graph_time_s(torch, fn, plan: Plan) -> float:
+    """Median time of `fn` captured in a CUDA graph and replayed: the kernels alone, without the host
+    work of launching them (as vLLM runs decode steps); NaN off CUDA or where capture fails."""
+    if plan.device != "cuda":
+        return math.nan
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:
+        print(f"  CUDA graph capture failed ({exc}); graph_us left empty")
+        return math.nan
+    graph.replay()
+    times = []
+    for _ in range(plan.repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
     """Decode attention time and achieved bandwidth at batch x context (one layer)."""
     import torch
@@ -196,14 +225,17 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
             kc, vc = cache.layer_view(0)
             live = cache.live
             for label, splits in (("auto", None), ("unsplit", 1)):
-                seconds = _time_s(torch, lambda n=splits: paged_decode_attention(q, kc, vc, tables, live, D ** -0.5,
-                                                                                 backend="triton", num_splits=n), plan)
+                def call(n=splits):
+                    return paged_decode_attention(q, kc, vc, tables, live, D ** -0.5, backend="triton", num_splits=n)
+                seconds, graph_seconds = _time_s(torch, call, plan), _graph_time_s(torch, call, plan)
                 chosen = splits or (plan_splits(batch * H, tables.shape[-1] * plan.block_size, tile_for(D),
                                                 sms).splits if sms else 1)
                 nbytes, _ = decode_traffic(D, H, G, dtype.itemsize, batch, context, plan.block_size, chosen)
                 rows.append(dict(batch=batch, context=context, splits=label, num_splits=chosen, time_us=seconds * 1e6,
-                                 mbytes=nbytes / 1e6, achieved_gbps=nbytes / seconds / 1e9,
-                                 peak_fraction=(nbytes / seconds / peak) if peak else math.nan))
+                                 graph_us=graph_seconds * 1e6, mbytes=nbytes / 1e6,
+                                 achieved_gbps=nbytes / seconds / 1e9, graph_gbps=nbytes / graph_seconds / 1e9,
+                                 peak_fraction=(nbytes / seconds / peak) if peak else math.nan,
+                                 graph_peak_fraction=(nbytes / graph_seconds / peak) if peak else math.nan))
     return pd.DataFrame(rows)
 
 
@@ -227,8 +259,9 @@ def replay_and_crosscheck(plan: Plan, out: Path, gpu: str | None) -> dict:
     calibration = Trace.concat(parts, how="overlay").save(out / "calibration.jsonl")
     heldout = synthesize(plan.heldout["n"], rate=plan.heldout["rate"], prompt=plan.heldout["prompt"],
                          output=plan.heldout["output"], seed=plan.heldout["seed"], name="heldout").save(out / "heldout.jsonl")
+    # timing replays: no attention statistics (their fp32 pass at the end of each prompt is not engine work)
     common = ["--model", plan.model, "--weights", "random", "--device", plan.device, "--dtype", plan.dtype,
-              "--block-size", str(plan.block_size), "--seed", "0", "--quiet"]
+              "--block-size", str(plan.block_size), "--seed", "0", "--quiet", "--no-attention-stats"]
     if plan.num_gpu_blocks:
         common += ["--num-gpu-blocks", str(plan.num_gpu_blocks)]
     if gpu:

@@ -241,3 +241,23 @@ def test_a_replay_that_ran_no_step_is_refused_with_the_reason():
                 pd.DataFrame({c: [] for c in STEP_COLUMNS}), {})
     with pytest.raises(CrosscheckError, match="ran no engine step.*reject_reason"):
         compare(empty, empty, cost=None)
+
+
+def test_crosscheck_simulates_the_engine_as_the_replay_ran(tmp_path):
+    """A replay steps synchronously without prefix caching; the cross-check's simulations must too, or
+    requests arriving mid-step reach other batches (the first H100 validation failed so). A reused
+    replay whose engine settings differ from the cross-check's options is refused by field."""
+    trace = synthesize(40, rate=20.0, prompt="uniform:64,400", output="uniform:4,40", seed=5)
+    path = trace.save(tmp_path / "t.jsonl")
+    base = {"model": "smollm2", "gpu": "cpu-2core", "profile": "cpu-2core", "engine.num_gpu_blocks": 200,
+            "engine.async_scheduling": False, "engine.enable_prefix_caching": False}
+    run_simulation(load_config(None, base), tmp_path / "real", trace=trace)      # stands in for a replay
+    args = ["crosscheck", "--trace", str(path), "--profile", "cpu-2core", "--model", "smollm2",
+            "--num-gpu-blocks", "200"]
+    ok = CliRunner().invoke(app, [*args, "--real", str(tmp_path / "real"), "--out", str(tmp_path / "cc")])
+    assert ok.exit_code == 0, ok.output
+    assert "memory identical (recorded): True" in " ".join(ok.output.split())
+    run_simulation(load_config(None, {**base, "engine.max_num_seqs": 8}), tmp_path / "other", trace=trace)
+    bad = CliRunner().invoke(app, [*args, "--real", str(tmp_path / "other"), "--out", str(tmp_path / "cc2")])
+    assert bad.exit_code != 0
+    assert "engine.max_num_seqs: replay 8" in " ".join(bad.output.split())

@@ -9,6 +9,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from kvsim.gpu.model import rope_cos_sin
 from kvsim.gpu.replay import replay_config, run_replay
 from kvsim.sim.catalog import get_model
 from kvsim.sim.config import ConfigError, load_config
@@ -122,11 +123,11 @@ def masked_last_query(model, ids: list[int], keep: np.ndarray):
     n = len(ids)
     group = c.heads // c.kv_heads
     h = model.w["embed"][torch.tensor(ids)]
-    positions = torch.arange(n)
+    rope = rope_cos_sin(torch.arange(n), c.head_dim, c.rope_theta)
     probs = []
     with torch.inference_mode():
         for i in range(c.layers):
-            q, k, v = model._qkv(i, h, positions)
+            q, k, v = model._qkv(i, h, rope)
             qh = q.float().transpose(0, 1)
             kh = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
             vh = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
