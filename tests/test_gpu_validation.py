@@ -26,6 +26,10 @@ def test_gpu_validation_script_runs_end_to_end_on_cpu(tmp_path):
     for name in ("calibration", "heldout"):
         steps = pd.read_parquet(out / f"replay-{name}" / "steps.parquet")
         assert len(steps) > 0 and (steps.duration_s > 0).all()
+    policies = pd.read_csv(out / "policies.csv")          # each replayed with the cache checked every step
+    assert policies.ok.all() and set(policies.policy) == {"h2o free_block", "h2o slot_reuse", "streaming",
+                                                          "leankv", "quest"}
+    assert (policies.finished == 2).all() and policies.set_index("policy").evicted_tokens["h2o free_block"] > 0
     from kvsim.sim.cost_model import load_profile
     assert load_profile(out / "profile.yaml").meta                  # the fitted profile loads
     report = (out / "crosscheck" / "report.md").read_text()
