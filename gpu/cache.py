@@ -71,7 +71,9 @@ class PagedKVCache:
         return self.block_size
 
     def set_live(self, block_ids: torch.Tensor, live: torch.Tensor | bool) -> None:
-        self.live[torch.as_tensor(block_ids, dtype=torch.long, device=self.device)] = live
+        # the executor passes host masks: a CPU value into a CUDA tensor is an error (found on an H100)
+        self.live[torch.as_tensor(block_ids, dtype=torch.long, device=self.device)] = \
+            live if isinstance(live, bool) else live.to(self.device)
 
     def block_live(self, block_ids: torch.Tensor) -> torch.Tensor:
         """[copies=1, k, block_slots] live masks of the blocks."""
