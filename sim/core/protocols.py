@@ -42,6 +42,17 @@ class PoolView(Protocol):
 
 
 @runtime_checkable
+class KVPool(PoolView, Protocol):
+    """The one pool abstraction every KV manager holds: the counters plus the caching flags.
+    Implemented by `sim.core.block_pool.BlockPool` (block ids, prefix caching),
+    `sim.kv.pool.ArrayBlockPool` (block ids as numpy arrays), `sim.kv.fast.slab.CountPool`
+    (counts only: fast mode) and `sim.kv.fast.sampled.ScaledPoolView` (a sampled pool scaled up);
+    tests/test_kv_pools.py checks each against it."""
+    enable_caching: bool
+    num_cache_evictions: int
+
+
+@runtime_checkable
 class KVManager(Protocol):
     """What the scheduler and the engine ask of a KV manager."""
     block_size: int

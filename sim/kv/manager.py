@@ -18,6 +18,8 @@ evict whenever the trigger includes `pressure`.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..core.request import Request
@@ -31,6 +33,15 @@ from .state import TIER_FULL
 
 TRIGGERS = ("policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure", "pressure",
             "threshold")
+
+
+class ReqStats(NamedTuple):
+    """One request's numbers after its last change (what the scheduler and the step log read)."""
+    live: int           # live token-rows
+    alloc: int          # slots of its pages (tier capacities)
+    kv_tokens: float    # fp16 token-equivalents attention reads per row
+    pages: int          # block-table entries
+    stored: float       # fp16 token-equivalents stored per row (token-steps of the stored-KV metric)
 
 
 class EvictingKVManager(SlotStrategies, EvictingManagerBase):
@@ -70,7 +81,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         self._external: dict[int, np.ndarray] = {}
         self._live_total = 0
         self._alloc_total = 0
-        self._stats: dict[Request, tuple[int, int, float, int]] = {}   # live, alloc slots, kv tokens, pages
+        self._stats: dict[Request, ReqStats] = {}
 
     # ----- scheduler-facing surface (as KVCacheManager) ------------------------------------------
     @property
@@ -82,11 +93,11 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         or evicted (a paged kernel masks holes but still reads them), tiers weighted by their bytes;
         selection policies count only what they read."""
         st = self._stats.get(req)
-        return st[2] if st else 0
+        return st.kv_tokens if st else 0
 
     def block_table_entries(self, req: Request) -> int:
         st = self._stats.get(req)
-        return st[3] if st else 0
+        return st.pages if st else 0
 
     def slot_stats(self) -> tuple[int, int]:
         return self._live_total, self._alloc_total
@@ -185,7 +196,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
             req = s.request
             if req in self._stats:
                 self.logical_token_steps += req.num_computed_tokens + s.num_new_tokens
-                self.stored_token_steps += self._stats[req][4]
+                self.stored_token_steps += self._stats[req].stored
         plan = self.plan
         self.plan = KVStepPlan()
         return plan
@@ -287,8 +298,8 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
     def _unstat(self, req: Request) -> None:
         st = self._stats.pop(req, None)
         if st:
-            self._live_total -= st[0]
-            self._alloc_total -= st[1]
+            self._live_total -= st.live
+            self._alloc_total -= st.alloc
 
     def _stat(self, req: Request) -> None:
         rk = self.req_kv[req]
@@ -306,7 +317,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
             kv = float(tb[st.tier[st.pos >= 0]].sum()) / self.rows
         else:
             kv = float(np.sum(read)) / self.rows
-        self._stats[req] = (live, alloc, kv, int(pages.sum()), stored)
+        self._stats[req] = ReqStats(live, alloc, kv, int(pages.sum()), stored)
         self._live_total += live
         self._alloc_total += alloc
 

@@ -1,0 +1,52 @@
+"""The four pool types behind one protocol (sim.core.protocols.KVPool), and what each pool does
+that a KV manager relies on: pages taken are no longer free, pages given back are."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvsim.sim.core.block_pool import BlockPool
+from kvsim.sim.core.protocols import KVPool
+from kvsim.sim.kv.fast.sampled import ScaledPoolView
+from kvsim.sim.kv.fast.slab import CountPool
+from kvsim.sim.kv.pool import ArrayBlockPool
+
+
+@pytest.mark.parametrize("pool", [BlockPool(16), ArrayBlockPool(16), ArrayBlockPool(16, order="ring"),
+                                  CountPool(16, unit=2), ScaledPoolView(ArrayBlockPool(8), 2)],
+                         ids=["BlockPool", "ArrayBlockPool", "ArrayBlockPool-ring", "CountPool", "ScaledPoolView"])
+def test_every_pool_type_implements_the_pool_protocol(pool):
+    assert isinstance(pool, KVPool)
+    assert pool.num_blocks == 16 and pool.num_free_blocks == 16 and pool.num_used_blocks == 0
+    assert pool.num_cached_free_blocks == 0 and pool.num_cache_evictions == 0
+    pool.check_invariants()
+
+
+def test_count_pool_counts_sampled_pages_as_unit_pool_pages():
+    pool = CountPool(12, unit=3)
+    pool.take(2)                                  # two simulated pages = six pool pages
+    assert (pool.num_free_blocks, pool.num_used_blocks) == (6, 6)
+    with pytest.raises(ValueError, match="cannot allocate 9 blocks, only 6 free"):
+        pool.take(3)
+    pool.give(2)
+    assert pool.num_free_blocks == 12
+    pool.check_invariants()
+
+
+def test_array_pool_returns_freed_blocks_and_refuses_foreign_ones():
+    pool = ArrayBlockPool(8)
+    ids = pool.get_new_blocks(3)
+    assert len(set(ids.tolist())) == 3 and pool.num_free_blocks == 5
+    pool.free_blocks(ids[:2])
+    assert pool.num_free_blocks == 7
+    assert pool.get_new_blocks(1)[0] == ids[0]    # stack order: the most recently freed first
+    with pytest.raises(AssertionError, match="not owned"):
+        pool.free_blocks(np.array([ids[1]]))      # already back in the pool
+    pool.check_invariants()
+
+
+def test_scaled_view_follows_its_pool():
+    inner = ArrayBlockPool(10)
+    view = ScaledPoolView(inner, 4)
+    inner.get_new_blocks(3)
+    assert (view.num_blocks, view.num_free_blocks, view.num_used_blocks) == (40, 28, 12)
