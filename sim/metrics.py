@@ -59,9 +59,14 @@ class StepLog:
     Within a row group, rows are ordered by (replica, step).
     """
 
-    def __init__(self, path: str | Path | None, flush_rows: int = 65536):
+    def __init__(self, path: str | Path | None, flush_rows: int = 65536, keep: tuple[str, ...] = (),
+                 keep_rows: int = 0):
         self.path = Path(path) if path else None
         self.flush_rows = flush_rows
+        # copies of the `keep` columns as written, while the log has at most `keep_rows` rows (`kept`)
+        self._kept: dict[str, list[np.ndarray]] | None = {name: [] for name in keep} if keep else None
+        self._keep_rows = keep_rows
+        self._written = 0
         self._writer: pq.ParquetWriter | None = None
         self._typed = True
         self._reset_rows()
@@ -172,6 +177,13 @@ class StepLog:
         in_order = (replica == replica[0]).all() and (np.diff(step) > 0).all()    # one replica: as appended
         order = slice(None) if in_order else np.lexsort((step, replica))
         arrays = [pa.array(columns[name][order], type=typ) for name, (typ, _) in STEP_COLUMNS.items()]
+        self._written += len(step)
+        if self._kept is not None:
+            if self._written > self._keep_rows:
+                self._kept = None
+            else:
+                for name, chunks in self._kept.items():
+                    chunks.append(columns[name][order])
         table = pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
         if self.path is None:
             self._tables.append(table)
@@ -181,6 +193,17 @@ class StepLog:
             # no dictionary pages: the columns are numeric and mostly distinct; 3x faster to write
             self._writer = pq.ParquetWriter(self.path, STEP_SCHEMA, use_dictionary=False)
         self._writer.write_table(table)
+
+    def kept(self) -> pd.DataFrame | None:
+        """The `keep` columns of every row written, as `pd.read_parquet(path, columns=keep)` reads
+        them back; None when not kept (no `keep`, or more than `keep_rows` rows)."""
+        if self._kept is None:
+            return None
+        self.flush()
+        if self._kept is None:
+            return None
+        return pd.DataFrame({name: np.concatenate(chunks) if chunks else
+                             np.empty(0, STEP_COLUMNS[name][0].to_pandas_dtype()) for name, chunks in self._kept.items()})
 
     def _drop_torn_row(self) -> int:
         """An interrupt (Ctrl-C) inside `append` leaves some columns one row longer: drop that row.

@@ -53,3 +53,21 @@ def test_a_float_in_an_integer_column_gives_numpy_conversion(tmp_path):
     assert typed._typed and not odd._typed          # the second one took the fallback
     assert b["kv_tokens_read"].tolist()[8] == 8 and b["batch_size"].tolist()[8] == 8
     assert a.equals(b)
+
+
+def test_kept_columns_equal_the_file_read_back(tmp_path):
+    """The run summary reads its step columns from the log's copies instead of the file: the same
+    frame, rows in the file's order (by replica, then step, within each row group)."""
+    import pandas as pd
+    keep = ("duration_s", "blocks_used", "batch_size", "preemptions")
+    log = StepLog(tmp_path / "steps.parquet", flush_rows=64, keep=keep, keep_rows=1000)
+    for i in range(150):                                  # two replicas interleaved
+        log.append(row(i // 2, replica=i % 2, duration_s=0.5 * i, preemptions=i % 3))
+    log.close()
+    kept = log.kept()
+    assert kept["duration_s"].tolist()[:3] == [0.0, 1.0, 2.0]            # replica 0 first in a group
+    pd.testing.assert_frame_equal(kept, pd.read_parquet(tmp_path / "steps.parquet", columns=list(keep)))
+    small = StepLog(tmp_path / "small.parquet", flush_rows=64, keep=keep, keep_rows=100)
+    fill(small)
+    small.close()
+    assert small.kept() is None                            # over keep_rows: read the file instead
