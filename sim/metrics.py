@@ -59,7 +59,7 @@ class StepLog:
     Within a row group, rows are ordered by (replica, step).
     """
 
-    def __init__(self, path: str | Path | None, flush_rows: int = 65536, keep: tuple[str, ...] = (),
+    def __init__(self, path: str | Path | None, flush_rows: int = 65536, *, keep: tuple[str, ...] = (),
                  keep_rows: int = 0):
         self.path = Path(path) if path else None
         self.flush_rows = flush_rows
