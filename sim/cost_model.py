@@ -647,11 +647,14 @@ class CostModel:
 
     def _operator_decode_total(self, seqs: np.ndarray, kv_read: np.ndarray, entries: np.ndarray) -> np.ndarray:
         """`_operator_breakdown(...)["total"]` of a run of pure-decode steps (tokens = seqs, no prefill,
-        copy or swap): the exact-zero terms left out (x + 0.0 == x for these non-negative parts) and
-        one efficiency lookup for both matmul terms (tokens and seqs are the same counts)."""
+        copy or swap) with fewer array operations, bit for bit: the exact-zero terms are left out
+        (x + 0.0 == x for these non-negative parts: copy, swap, and the all-reduce at TP 1), `[ran]`
+        factors of 1.0 are dropped when every step computes a token, and one efficiency lookup serves
+        both matmul terms (tokens and seqs are the same counts)."""
         c, p = self._c, self.profile
         seqs = seqs.astype(np.float64, copy=False)
-        ran = (seqs > 0).astype(np.float64)
+        kv_read = kv_read.astype(np.float64, copy=False)
+        ran = 1.0 if seqs.all() else (seqs > 0).astype(np.float64)
         e = self.gemm_efficiency(seqs)
         compute = seqs * c["prefill_flops_s"] / e + seqs * c["lm_head_s"] / e
         memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
@@ -660,17 +663,18 @@ class CostModel:
         linear = (np.maximum(compute, memory)
                   + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)
                   + seqs * self._elementwise_token_s / p.elementwise_bw_eff)
-        kv_read = kv_read.astype(np.float64, copy=False)
         attn_compute = kv_read * c["attn_read_s"] if self._mla else kv_read * c["attn_pair_s"]
         attention = np.maximum(attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff)
-        allreduce = (seqs * c["allreduce_token_s"] / self._allreduce_bw_eff
-                     + ran * c["allreduce_count"] * self._allreduce_latency_s)
         overhead = (p.step_overhead_s + seqs * p.per_seq_overhead_s
                     + entries.astype(np.float64, copy=False) * p.per_block_entry_overhead_s)
         k = p.step_time_scale
         if k != 1.0:
-            linear, attention, allreduce, overhead = linear * k, attention * k, allreduce * k, overhead * k
-        device = linear + attention + allreduce
+            linear, attention, overhead = linear * k, attention * k, overhead * k
+        device = linear + attention
+        if c["allreduce_token_s"] or c["allreduce_count"]:
+            allreduce = (seqs * c["allreduce_token_s"] / self._allreduce_bw_eff
+                         + ran * c["allreduce_count"] * self._allreduce_latency_s)
+            device = device + (allreduce * k if k != 1.0 else allreduce)
         return np.maximum(device, overhead) if self.async_scheduling else device + overhead
 
     def decode_batch_factor(self, num_seqs, num_prefill_tokens=0.0):
