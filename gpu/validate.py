@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,7 +62,8 @@ class Plan:
 FULL = Plan("llama-3.1-8b", "cuda", "bfloat16", 16, None, (8, 4, 128), 8, 4096, (1, 8, 32, 128),
             (1024, 4096, 16384), 20, tuple((b, p, 32) for b in (1, 4, 16, 48) for p in (256, 1024, 2048)),
             dict(n=48, rate=6.0, prompt="uniform:128,2048", output="uniform:16,192", seed=3), True,
-            policies=dict(n=12, rate=8.0, prompt="uniform:256,1024", output="uniform:32,96", budget=128))
+            policies=dict(n=12, rate=8.0, prompt="uniform:256,1024", output="uniform:32,96", budget=128,
+                          time_limit_s=90))
 # calibration: batches up to 48 and prompts up to 2,048 tokens, so the held-out trace (up to 48 running,
 # contexts up to ~2,200) is interpolated, not extrapolated (with batches <= 16 the fitted per-sequence
 # terms overpredicted its batch-48 decode steps 2x on an H100)
@@ -70,7 +72,8 @@ FULL = Plan("llama-3.1-8b", "cuda", "bfloat16", 16, None, (8, 4, 128), 8, 4096, 
 TINY = Plan("smollm2-135m", "cpu", "float32", 16, 64, (3, 3, 64), 2, 200, (2,), (160,), 1,
             ((1, 16, 8), (3, 40, 8)), dict(n=3, rate=5.0, prompt="uniform:8,40", output="uniform:2,5", seed=3),
             False, threads=1, policy_model="smollm2-135m", policy_layers=2,
-            policies=dict(n=2, rate=5.0, prompt="uniform:24,40", output="uniform:4,8", budget=16))
+            policies=dict(n=2, rate=5.0, prompt="uniform:24,40", output="uniform:4,8", budget=16,
+                          time_limit_s=300))
 
 
 def _cache(torch, plan: Plan, H: int, D: int, num_blocks: int, seed: int):
@@ -247,10 +250,24 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _kvsim(args: list[str], log: Path) -> str:
-    """Run a kvsim command as a user would (`python -m kvsim.sim.cli`); its output goes to `log`."""
-    proc = subprocess.run([sys.executable, "-m", "kvsim.sim.cli", *args], capture_output=True, text=True,
-                          env=dict(os.environ, COLUMNS="200"))
+def _kvsim(args: list[str], log: Path, timeout_s: float | None = None) -> str:
+    """Run a kvsim command as a user would (`python -m kvsim.sim.cli`); its output goes to `log`.
+    Past `timeout_s` the command is stopped (SIGINT first, so a replay writes its partial result)."""
+    cmd = [sys.executable, "-m", "kvsim.sim.cli", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, COLUMNS="200")) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            log.write_text(f"$ kvsim {' '.join(args)}\n{stdout}\n{stderr}")
+            raise RuntimeError(f"kvsim {args[0]} stopped after {timeout_s:.0f} s (time limit); see {log}") from None
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     log.write_text(f"$ kvsim {' '.join(args)}\n{proc.stdout}\n{proc.stderr}")
     if proc.returncode:
         raise RuntimeError(f"kvsim {args[0]} failed (exit {proc.returncode}); see {log}:\n{proc.stderr[-2000:]}")
@@ -337,7 +354,7 @@ def replay_policies(plan: Plan, out: Path) -> pd.DataFrame:
         if plan.num_gpu_blocks:
             args += ["--num-gpu-blocks", str(plan.num_gpu_blocks)]
         try:
-            _kvsim(args, out / "policies" / f"{label.replace(' ', '-')}.log")
+            _kvsim(args, out / "policies" / f"{label.replace(' ', '-')}.log", timeout_s=plan.policies["time_limit_s"])
         except RuntimeError as exc:
             rows.append(dict(policy=label, ok=False, error=str(exc).splitlines()[-1][:200]))
             continue
@@ -409,14 +426,15 @@ def run(out: Path, plan: Plan, gpu: str | None = None) -> Path:
     if plan.compile:
         _step("compiled resources", started)
         sections += ["## Compiled resources", "", compiled_resources(out), ""]
-    _step("eviction and compression policies, replayed with invariant checks", started)
-    policies = replay_policies(plan, out)
-    policies.to_csv(out / "policies.csv", index=False)
-    sections += ["## Policies on the real backend (--check-invariants)", "", _markdown(policies), ""]
     _step("replay, calibrate, cross-check", started)
     cc = replay_and_crosscheck(plan, out, gpu)
     sections += ["## Replay, calibrate, cross-check", "", f"GPU spec {cc['gpu']}, {cc['num_gpu_blocks']} blocks", "",
-                 "```", *cc["calibrate"], *cc["crosscheck"], "```", "",
+                 "```", *cc["calibrate"], *cc["crosscheck"], "```", ""]
+    # after the principal figures: a slow policy replay (each has a time limit) cannot starve them
+    _step("eviction and compression policies, replayed with invariant checks", started)
+    policies = replay_policies(plan, out)
+    policies.to_csv(out / "policies.csv", index=False)
+    sections += ["## Policies on the real backend (--check-invariants)", "", _markdown(policies), "",
                  f"total {time.time() - started:.0f} s"]
     (out / "summary.md").write_text("\n".join(sections) + "\n")
     (out / "kernels_ok.json").write_text(json.dumps(bool(kernels.ok.all())))
