@@ -34,8 +34,6 @@ KNOWN_LONG = {
     "gpu/kernels/paged_attention.py:paged_decode_attention": 10,
     "sim/calibration/profile_fit.py:fit_profile": 10,
     "sim/calibration/profile_fit.py:_fit_factors": 9,
-    "sim/capacity.py:find_capacity": 14,
-    "sim/capacity.py:capacity_range": 12,
     "sim/cli/calibration.py:_calibrate_profile": 10,
     "sim/memory.py:num_gpu_blocks": 11,
     "sim/plan.py:plan_capacity": 12,

@@ -8,7 +8,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.capacity import find_capacity, parse_slo
+from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo
 from kvsim.sim.catalog import get_gpu
 from kvsim.sim.config import load_config
 from kvsim.sim.plan import executor, plan_capacity
@@ -41,7 +41,7 @@ def test_plan_finds_the_cheapest_that_an_exhaustive_search_finds(uniform, tmp_pa
     assert "does not fit" in result.unfit[0][1]
     exhaustive, one_by_one = {}, 0
     for s in result.searches:
-        r = find_capacity(s.cand.cfg, slo, mode="replicas", max_replicas=8)
+        r = find_capacity(s.cand.cfg, slo, CapacitySearch(mode="replicas", max_replicas=8))
         exhaustive[(s.cand.gpu, s.cand.tp)] = r.answer
         one_by_one += len(r.curve)
         if s.status == "answer":

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.capacity import find_capacity, parse_slo
+from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo
 from kvsim.sim.config import load_config
 from kvsim.sim.report import build_report, pareto_front, series_by_group
 from kvsim.sim.sweep import parse_spec, run_sweep
@@ -77,7 +77,7 @@ def test_pareto_front_keeps_only_undominated_points():
 
 def test_capacity_store_report_marks_the_answer(tmp_path):
     cfg = load_config(None, SMALL)
-    result = find_capacity(cfg, parse_slo("ttft_p99<=1s"), max_evals=5, store=tmp_path)
+    result = find_capacity(cfg, parse_slo("ttft_p99<=1s"), CapacitySearch(max_evals=5), store=tmp_path)
     page = build_report(tmp_path, tmp_path / "cap.html").read_text()
     assert "Capacity search (ttft_p99\\u003c=1s)" in page   # '<' as plotly's JSON writes it
     assert f"max rate scale = {result.answer}" in page

@@ -146,7 +146,7 @@ def capacity(
     it has at most 4,000 requests, else its busiest window of about 2,500); prints the answer with its
     range (other busy windows or arrival seeds, the GPU profile's measured error), its cost, the curve
     measured and warnings where the answer is not to be trusted as is."""
-    from kvsim.sim.capacity import capacity_range, choose_sample, find_capacity, parse_slo
+    from kvsim.sim.capacity import CapacitySearch, RangeVariants, capacity_range, choose_sample, find_capacity, parse_slo
 
     overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
                                  num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
@@ -184,10 +184,10 @@ def capacity(
 
     try:
         with store_errors(out, None):
-            result = find_capacity(cfg, constraints, mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
-                                   max_evals=max_evals, max_replicas=max_replicas, store=out, progress=show)
-            spread = capacity_range(cfg, constraints, result, sample, repeats=repeats, band=band, mode=mode,
-                                    rel_tol=tol, max_evals=max_evals, max_replicas=max_replicas, store=out,
+            search = CapacitySearch(mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
+                                    max_evals=max_evals, max_replicas=max_replicas)
+            result = find_capacity(cfg, constraints, search, store=out, progress=show)
+            spread = capacity_range(cfg, constraints, result, sample, search, RangeVariants(repeats, band), store=out,
                                     progress=show_variant)
     except typer.Exit:              # store_errors' own one-line exit (typer.Exit is a RuntimeError)
         raise
