@@ -375,7 +375,7 @@ def plan(
     answer, the Pareto table (cost vs p99 TTFT/TPOT) and the cheapest with its range."""
     from kvsim.sim.capacity import choose_sample, parse_slo, profile_configs, variant_configs
     from kvsim.sim.catalog import CatalogError, get_gpu, get_model
-    from kvsim.sim.plan import executor, plan_capacity
+    from kvsim.sim.plan import PlanSpace, executor, plan_capacity
 
     model_list, gpu_list, tp_list = _names(models, "--models"), _names(gpus, "--gpus"), _ints(tps, "--tps")
     policy_list = _names(policies, "--policies") if policies else None
@@ -417,9 +417,9 @@ def plan(
 
     try:
         with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
-            result = plan_capacity(cfg, constraints, models=model_list, gpus=gpu_list, tps=tp_list,
-                                   policies=policy_list, max_replicas=max_replicas, run_batch=run_batch, width=width,
-                                   store=out, variants=variants, progress=show)
+            space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas)
+            result = plan_capacity(cfg, constraints, space, run_batch=run_batch, width=width, store=out,
+                                   variants=variants, progress=show)
     except typer.Exit:              # store_errors' own one-line exit (typer.Exit is a RuntimeError)
         raise
     except ConfigError as exc:
