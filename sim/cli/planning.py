@@ -45,7 +45,7 @@ def sweep(
 ) -> None:
     """Run every configuration of a sweep spec; one row per run (config + summary metrics + cost)
     in OUT/runs/*.parquet. Re-running skips finished runs; a failed run is recorded and skipped."""
-    from kvsim.sim.sweep import SpecError, StoreState, load_spec, run_sweep, store_state
+    from kvsim.sim.sweep import SpecError, StoreState, SweepRunOptions, load_spec, run_sweep, store_state
 
     if executor not in ("local", "dask"):
         fail(f"--executor: expected local or dask, got {executor!r}")
@@ -70,9 +70,8 @@ def sweep(
     from kvsim.sim.sweep import SchedulerUnreachable
     try:
         with store_errors(out, scheduler if executor == "dask" else None):
-            result = run_sweep(plan, out, executor=executor, jobs=jobs, scheduler=scheduler, max_runs=max_runs,
-                               retry_failed=retry_failed, save_outputs=save_outputs, progress=not quiet,
-                               spec_text=spec.read_text())
+            options = SweepRunOptions(executor, jobs, scheduler, max_runs, retry_failed, save_outputs)
+            result = run_sweep(plan, out, options, progress=not quiet, spec_text=spec.read_text())
     except SchedulerUnreachable as exc:
         fail(str(exc), code=1)
     again = [f"{n} {what}" for n, what in ((result.retried, "failed before"), (result.redone, "unreadable"))
