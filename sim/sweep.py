@@ -51,7 +51,7 @@ from .catalog import CatalogError, get_gpu, get_model
 from .config import ConfigError, SimConfig, build_config, flatten, read_config_file, read_yaml_file
 from .cost_model import load_profile
 from .defaults import resolve_engine
-from .memory import (ModelDoesNotFitError, available_memory_bytes, check_memory, num_gpu_blocks)
+from .memory import ModelDoesNotFitError, PoolSizing, available_memory_bytes, check_memory, num_gpu_blocks
 from .kv.policy import policy_identity
 from .results import holding_store_lock, mark_owned, pid_alive
 from .safe_io import atomic_output
@@ -282,9 +282,7 @@ class _FitChecker:
             return f"profile={cfg.profile!r}: {exc}"
         eng = resolve_engine(cfg)
         try:
-            num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size, kv_dtype=cfg.kv_dtype,
-                           gpu_memory_utilization=eng.gpu_memory_utilization,
-                           max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs)
+            num_gpu_blocks(model, gpu, PoolSizing.of_engine(eng, tp=cfg.tp, kv_dtype=cfg.kv_dtype))
         except ModelDoesNotFitError as exc:
             return f"model={cfg.model!r} gpu={cfg.gpu!r} tp={cfg.tp}: {exc}"
         except (CatalogError, ValueError) as exc:
