@@ -32,9 +32,6 @@ KNOWN_LONG = {
     "gpu/executor.py:RealExecutor.__init__": 9,
     "gpu/kernels/paged_attention.py:paged_decode_attention_triton": 9,
     "gpu/kernels/paged_attention.py:paged_decode_attention": 10,
-    "sim/calibration/profile_fit.py:fit_profile": 10,
-    "sim/calibration/profile_fit.py:_fit_factors": 9,
-    "sim/cli/calibration.py:_calibrate_profile": 10,
     # numpy twins of the compiled kernels (same argument lists as the kernels they check)
     "sim/kv/fast/reference.py:evict_lowest_np": 12,
     "sim/kv/fast/reference.py:prompt_cut_np": 11,
