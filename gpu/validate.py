@@ -77,9 +77,9 @@ TINY = Plan("smollm2-135m", "cpu", "float32", 16, 64, (3, 3, 64), 2, 200, (2,), 
 
 
 def _cache(torch, plan: Plan, H: int, D: int, num_blocks: int, seed: int):
-    from kvsim.gpu.cache import PagedKVCache
+    from kvsim.gpu.cache import CacheGeometry, PagedKVCache
     gen = torch.Generator(device=plan.device).manual_seed(seed)
-    cache = PagedKVCache("shared", 1, H, D, num_blocks, plan.block_size, dtype=getattr(torch, plan.dtype),
+    cache = PagedKVCache(CacheGeometry("shared", 1, H, D, num_blocks), plan.block_size, dtype=getattr(torch, plan.dtype),
                          device=plan.device)
     cache.k.copy_(torch.randn(cache.k.shape, generator=gen, device=plan.device))
     cache.v.copy_(torch.randn(cache.v.shape, generator=gen, device=plan.device))
@@ -98,7 +98,7 @@ def check_kernels(plan: Plan) -> pd.DataFrame:
     """Each Triton kernel against its torch twin on the plan's device; max abs error per output."""
     import torch
     from kvsim.gpu.kernels.cache_ops import copy_slots, reshape_and_cache
-    from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+    from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
     from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
     from kvsim.gpu.quant import MixedPrecisionKVCache
     H, G, D = plan.kernel_shape
@@ -117,15 +117,15 @@ def check_kernels(plan: Plan) -> pd.DataFrame:
         err = float((got.float() - ref.float()).abs().max())
         rows.append(dict(kernel=kernel, variant=variant, max_abs_error=err, tolerance=tolerance, ok=err <= tolerance))
 
-    ref_out, (ref_sum, ref_sq) = paged_decode_attention(q, kc, vc, tables, cache.live, D ** -0.5, True, "torch")
+    ref_out, (ref_sum, ref_sq) = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, D ** -0.5, True, "torch")
     for variant, splits in (("unsplit", 1), ("split-kv x4", 4), ("split-kv auto", None)):
-        out, (s, sq) = paged_decode_attention(q, kc, vc, tables, cache.live, D ** -0.5, True, "triton",
+        out, (s, sq) = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, D ** -0.5, True, "triton",
                                               num_splits=splits)
         record("paged_decode_attention", variant, out, ref_out, tol)
         record("paged_decode_attention stats (sum)", variant, s, ref_sum, 1e-3)
         record("paged_decode_attention stats (sum sq)", variant, sq, ref_sq, 1e-3)
-    sel_ref, _ = paged_decode_attention(q, kc, vc, tables, cache.live, D ** -0.5, False, "torch", select)
-    sel_out, _ = paged_decode_attention(q, kc, vc, tables, cache.live, D ** -0.5, False, "triton", select)
+    sel_ref, _ = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, D ** -0.5, False, "torch", select)
+    sel_out, _ = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, D ** -0.5, False, "triton", select)
     record("paged_decode_attention", "slot mask", sel_out, sel_ref, tol)
 
     page_tokens = 32
@@ -213,7 +213,7 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
     """Decode attention time and achieved bandwidth at batch x context (one layer)."""
     import torch
     from kvsim.gpu.kernels.estimate import SMS, decode_traffic
-    from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+    from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
     from kvsim.gpu.kernels.split_kv import plan_splits, tile_for
     from kvsim.sim.catalog import get_gpu
     H, G, D = plan.kernel_shape
@@ -237,7 +237,7 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
             live = cache.live
             for label, splits in (("auto", None), ("unsplit", 1)):
                 def call(n=splits):
-                    return paged_decode_attention(q, kc, vc, tables, live, D ** -0.5, backend="triton", num_splits=n)
+                    return paged_decode_attention(q, PagedKV(kc, vc, live), tables, D ** -0.5, backend="triton", num_splits=n)
                 seconds, graph_seconds = _time_s(torch, call, plan), _graph_time_s(torch, call, plan)
                 chosen = splits or (plan_splits(batch * H, tables.shape[-1] * plan.block_size, tile_for(D),
                                                 sms).splits if sms else 1)

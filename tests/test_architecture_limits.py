@@ -26,12 +26,6 @@ EXEMPT_BASES = {"Protocol", "Generic"}
 
 # path:function -> parameters, still over the limit (to be cut; never to grow)
 KNOWN_LONG = {
-    "gpu/attention.py:prefill_attention": 9,
-    "gpu/cache.py:PagedKVCache.__init__": 9,
-    "gpu/cache.py:TieredKVCache.__init__": 10,
-    "gpu/executor.py:RealExecutor.__init__": 9,
-    "gpu/kernels/paged_attention.py:paged_decode_attention_triton": 9,
-    "gpu/kernels/paged_attention.py:paged_decode_attention": 10,
     # numpy twins of the compiled kernels (same argument lists as the kernels they check)
     "sim/kv/fast/reference.py:evict_lowest_np": 12,
     "sim/kv/fast/reference.py:prompt_cut_np": 11,
