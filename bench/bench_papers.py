@@ -8,7 +8,9 @@ H2O averages the attention over all layers and heads and evicts per sequence (kv
 layout); it accumulates decode attention only, so the first decode step's single query cuts a longer
 prompt to the budget (kvsim's prompt cut with `obs_window: 1`), then one token goes per step. Printed:
 p99 fragmentation of noop / free_block / slot_reuse and the two ratios (published at budget 256:
-slot_reuse 0.79x free_block's and 0.44x noop's; strategies converging at 1,024). `--setup per-step`
+slot_reuse 0.79x free_block's and 0.44x noop's; strategies converging at 1,024). The default setup scores
+with `smollm2-135m-aged` (the age profile fitted to real head-averaged attention) in token mode (~450 s
+CPU); `--setup spvllm-unfitted` is the unfitted model in fast mode (~10 s). `--setup per-step`
 gives the earlier per_head, no-cut (`evict_per_step: 1`) reading of the setting.
 
 TokenSelect (selective attention at long contexts), the paper's Llama config (n_init 128 + top_k

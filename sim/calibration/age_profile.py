@@ -144,9 +144,10 @@ def write_age_profile(fit: AgeProfileFit, base: str | Path, out: str | Path, *, 
     head = [f"# Synthetic importance model {path.stem!r} with the shared layout's row fitted to SmolLM2-135M's",
             "# head-averaged attention (real weights, the real backend's model; sim/calibration/age_profile.py)",
             f"# regenerate: {command}",
-            "# median log attention by age bin 4-8 ... 512-1000, real / fitted: "
+            "# median log attention by age bin 0, 1, 2-3, 4-7, ..., 512-999, real / fitted: "
             + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(m.median_log, f.median_log)),
-            "# log-sd by age bin, real / fitted: " + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(m.log_sd, f.log_sd)),
+            "# log-sd by age bin 4-7, ..., 512-999, real / fitted: "
+            + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(m.log_sd, f.log_sd) if np.isfinite(a)),
             f"# sink share real / fitted: {m.sink_share:.3f}/{f.sink_share:.3f}"]
     out = Path(out)
     out.write_text("\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
