@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvsim.sim.sweep import parse_spec, read_store, run_sweep
+from kvsim.sim.sweep import SweepRunOptions, parse_spec, read_store, run_sweep
 
 
 def make_spec(max_requests: int, grid: str = "policies") -> dict:
@@ -64,7 +64,7 @@ def main() -> None:
 
     def local(name: str, jobs: int | None):
         stores[name] = root / name
-        return lambda: run_sweep(plan, stores[name], jobs=jobs, progress=False)
+        return lambda: run_sweep(plan, stores[name], SweepRunOptions(jobs=jobs), progress=False)
 
     def dask():
         from distributed import Client, LocalCluster
@@ -72,7 +72,8 @@ def main() -> None:
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
                           host="127.0.0.1") as cluster, Client(cluster) as client:
             t0 = time.perf_counter()
-            run_sweep(plan, stores["dask"], executor="dask", scheduler=client.scheduler.address, progress=False)
+            run_sweep(plan, stores["dask"], SweepRunOptions("dask", scheduler=client.scheduler.address),
+                      progress=False)
             print(f"  (cluster start excluded: sweep alone {time.perf_counter() - t0:.1f} s)")
 
     results = []

@@ -495,7 +495,7 @@ def pool_problem(cfg: SimConfig) -> str | None:
     the simulator sizes it, with the engine defaults resolved for this GPU), or None."""
     from kvsim.sim.catalog import get_gpu, get_model
     from kvsim.sim.defaults import resolve_engine
-    from kvsim.sim.memory import ModelDoesNotFitError, num_gpu_blocks
+    from kvsim.sim.memory import ModelDoesNotFitError, PoolSizing, num_gpu_blocks
 
     blocks = cfg.engine.num_gpu_blocks
     if blocks is None:
@@ -505,9 +505,7 @@ def pool_problem(cfg: SimConfig) -> str | None:
         model, gpu = get_model(cfg.model), get_gpu(cfg.gpu)
         if cfg.kv_dtype or cfg.weight_dtype:
             model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
-        size = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
-                              gpu_memory_utilization=eng.gpu_memory_utilization,
-                              max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs)
+        size = num_gpu_blocks(model, gpu, PoolSizing.of_engine(eng, tp=cfg.tp))
     except ModelDoesNotFitError as exc:
         return f"GPU: {exc}"
     except (ValueError, KeyError):   # the simulator's own checks report these

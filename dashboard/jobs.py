@@ -156,7 +156,7 @@ class Job:
 def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int,
                          store: str | None) -> Callable[[Job], list]:
     """A Job task: sim.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
-    from kvsim.sim.capacity import find_capacity
+    from kvsim.sim.capacity import CapacitySearch, find_capacity
 
     from .forms import with_value
 
@@ -166,8 +166,9 @@ def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: st
         for i, gpu in enumerate(gpus):
             def progress(row):
                 job.run_done += 1
-            answers.append((gpu, find_capacity(with_value(base, "gpu", gpu), constraints, mode=mode,
-                                               max_evals=max_evals, store=store, progress=progress)))
+            answers.append((gpu, find_capacity(with_value(base, "gpu", gpu), constraints,
+                                               CapacitySearch(mode=mode, max_evals=max_evals), store=store,
+                                               progress=progress)))
             job.run_done = (i + 1) * max_evals
         return answers
     return task

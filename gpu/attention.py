@@ -11,7 +11,7 @@ each decode's read to the slots the selection policy picked, layer by layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -137,8 +137,8 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             meta.scores.sum[seqs, layer], second[seqs, layer] = stats
     for b in prep["prefill"]:
         s, e = prep["starts"][b], prep["starts"][b + 1]
-        ctx_k, ctx_v, ctx_live = (t[0] for t in contexts[b])
-        out[s:e], stats = prefill_attention(q[s:e], k[s:e], v[s:e], ctx_k, ctx_v, ctx_live, scale,
+        context = GatheredContext(*(t[0] for t in contexts[b]))
+        out[s:e], stats = prefill_attention(q[s:e], k[s:e], v[s:e], context, scale,
                                             meta.score_window if want_scores else 0, group_max=meta.score_max)
         if want_scores:
             index = _table_index(meta.layer_slots(layer)[s:e], tables[b], cache.block_slots)
@@ -175,16 +175,24 @@ def _table_index(slots: torch.Tensor, table: torch.Tensor, block_size: int) -> t
     return entry * block_size + slots % block_size
 
 
-def prefill_attention(q, k, v, ctx_k, ctx_v, ctx_live, scale: float, score_window: int = 0,
+class GatheredContext(NamedTuple):
+    """A sequence's cached context gathered from its block table: K, V [H, S, D] and live [H, S]."""
+    k: torch.Tensor
+    v: torch.Tensor
+    live: torch.Tensor
+
+
+def prefill_attention(q, k, v, context: GatheredContext, scale: float, score_window: int = 0,
                       group_max: bool = False):
     """A prefill chunk of c tokens over its live cached context (S slots) plus itself, causally.
 
-    q [c, heads, D]; k, v [c, H, D]; ctx_k, ctx_v [H, S, D]; ctx_live [H, S].
+    q [c, heads, D]; k, v [c, H, D]; context: K, V [H, S, D] and live [H, S].
     Returns out [c, heads, D] and, with score_window w, ((ctx_sum [H, S], chunk_sum [H, c]),
     (ctx_sq, chunk_sq)) over the last min(w, c) queries (with `group_max`: the max over the GQA group
     summed over those queries in place of the sum of squares).
     """
     c, nh, D = q.shape
+    ctx_k, ctx_v, ctx_live = context
     H, S = ctx_live.shape
     group = nh // H
     keys = torch.cat([ctx_k.to(q.dtype), k.transpose(0, 1)], dim=1).repeat_interleave(group, 0)   # [heads, S+c, D]

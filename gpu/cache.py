@@ -15,28 +15,49 @@ and V at each page's precision tier, for both layouts.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 import numpy as np
 
 from kvsim.gpu.kernels.cache_ops import copy_slots, reshape_and_cache
-from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
 from kvsim.gpu.kernels.reference import gather_live, gather_table
 from kvsim.gpu.quant import TIERS, MixedPrecisionKVCache
 
 LAYOUTS = ("shared", "per_head")
 
 
+class CacheGeometry(NamedTuple):
+    """What a paged cache holds: `layout` (shared: one block per token for all layers and KV heads;
+    per_head: one block per (layer, KV head)), the model's layers, KV heads and head size, and the
+    number of blocks."""
+    layout: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+
+    @classmethod
+    def for_model(cls, config, layout: str, num_blocks: int) -> "CacheGeometry":
+        return cls(layout, config.layers, config.kv_heads, config.head_dim, num_blocks)
+
+    def check(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
 class PagedKVCache:
-    def __init__(self, layout: str, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 backend: str | None = None):
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("num_blocks", num_blocks), ("block_size", block_size)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+    def __init__(self, geometry: CacheGeometry, block_size: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", backend: str | None = None):
+        geometry.check()
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        layout, num_layers, num_kv_heads, head_dim, num_blocks = geometry
         self.layout, self.backend = layout, backend
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -52,8 +73,7 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, config, layout: str, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu", backend: str | None = None) -> "PagedKVCache":
-        return cls(layout, config.layers, config.kv_heads, config.head_dim, num_blocks, block_size, dtype, device,
-                   backend)
+        return cls(CacheGeometry.for_model(config, layout, num_blocks), block_size, dtype, device, backend)
 
     @staticmethod
     def bytes_per_block(layout: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -89,7 +109,7 @@ class PagedKVCache:
         if group_max:
             raise ValueError("the full-precision decode kernel reports sums over each GQA group, not maxima")
         kc, vc = self.layer_view(layer)
-        return paged_decode_attention(q, kc, vc, tables, self.live, scale, want_scores=want_scores,
+        return paged_decode_attention(q, PagedKV(kc, vc, self.live), tables, scale, want_scores=want_scores,
                                       backend=self.backend, slot_mask=slot_mask)
 
     def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,12 +174,11 @@ class TieredKVCache:
     live mask. `live` is per page: [num_blocks * copies, block_slots].
     """
 
-    def __init__(self, layout: str, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 page_bytes: int, tiers: tuple[str, str] = ("K8V4", "K4V2"), device: str | torch.device = "cpu",
-                 backend: str | None = None, block_size: int | None = None):
+    def __init__(self, geometry: CacheGeometry, page_bytes: int, tiers: tuple[str, str] = ("K8V4", "K4V2"),
+                 device: str | torch.device = "cpu", backend: str | None = None, block_size: int | None = None):
         """`block_size`: the full-precision tokens a page's bytes stand for (the engine core's block size)."""
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        geometry.check()
+        layout, num_layers, num_kv_heads, head_dim, num_blocks = geometry
         if len(tiers) != 2:
             raise ValueError(f"tiers must name the high and the low tier, got {tiers!r}")
         self.layout, self.backend = layout, backend
@@ -177,8 +196,8 @@ class TieredKVCache:
                   tiers: tuple[str, str] = ("K8V4", "K4V2"), device="cpu", backend=None) -> "TieredKVCache":
         """Pages of the bytes of one full-precision block of one (layer, KV head): block_size tokens x
         `full_bytes` (K + V bytes of one token of one head at the cache dtype)."""
-        return cls(layout, config.layers, config.kv_heads, config.head_dim, num_blocks, block_size * full_bytes,
-                   tiers, device, backend, block_size=block_size)
+        return cls(CacheGeometry.for_model(config, layout, num_blocks), block_size * full_bytes, tiers, device,
+                   backend, block_size=block_size)
 
     @staticmethod
     def tier_capacity(tiers, page_bytes: int, head_dim: int) -> tuple[int, ...]:

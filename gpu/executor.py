@@ -35,6 +35,7 @@ layer's query); the cache keeps everything.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 import time
 from typing import Callable, NamedTuple
 
@@ -138,19 +139,29 @@ class ReplayRecorder:
         return self._table(self._stats, self.STATS_COLUMNS)
 
 
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """How a RealExecutor runs: `stats_window` queries observed for the attention statistics recorded
+    at the end of each prefill (0: none); `check_cache` asserts every step that the cache's live mask
+    (and page tiers) equal the KV manager's; `clock` times steps by wall | cpu time."""
+    stats_window: int = 0
+    check_cache: bool = False
+    clock: str = "wall"
+
+
 class RealExecutor:
     """Executes engine steps on a `LlamaModel` over a `PagedKVCache`, driven by the shared KV manager."""
 
     supports_fast_forward = False
 
     def __init__(self, model, cache, kv, cost=None, *, prompt_ids: Callable[[Request], list[int]],
-                 recorder: ReplayRecorder | None = None, stats_window: int = 0, check_cache: bool = False,
-                 clock: str = "wall"):
+                 recorder: ReplayRecorder | None = None, options: ExecutorOptions = ExecutorOptions()):
         self.model, self.cache, self.kv, self.cost = model, cache, kv, cost
         self.prompt_ids = prompt_ids
         self.recorder = recorder
-        self.check_cache = check_cache
-        self.clock = step_clock(clock, cache.device)
+        self.check_cache = options.check_cache
+        stats_window = options.stats_window
+        self.clock = step_clock(options.clock, cache.device)
         self.device = cache.device
         self.bs = cache.block_slots
         self.tiered = isinstance(cache, TieredKVCache)

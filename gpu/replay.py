@@ -232,7 +232,7 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     anywhere during the replay ends it with a partial result). `check_cache` (default:
     `cfg.check_invariants`) asserts every step that the cache's live mask equals the KV manager's state.
     """
-    from kvsim.gpu.executor import RealExecutor, ReplayRecorder
+    from kvsim.gpu.executor import ExecutorOptions, RealExecutor, ReplayRecorder
 
     t0 = time.perf_counter()
     opts = options or ReplayOptions()
@@ -255,9 +255,10 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     cache = build_cache(plan.cfg, model, kv)
     recorder = ReplayRecorder()
     executor = RealExecutor(model, cache, kv, plan.cost, prompt_ids=prompt_ids_for(cfg.seed, model.config.vocab),
-                            recorder=recorder, stats_window=opts.stats_window if opts.attention_stats else 0,
-                            check_cache=cfg.check_invariants if check_cache is None else check_cache,
-                            clock=opts.clock)
+                            recorder=recorder, options=ExecutorOptions(
+                                stats_window=opts.stats_window if opts.attention_stats else 0,
+                                check_cache=cfg.check_invariants if check_cache is None else check_cache,
+                                clock=opts.clock))
     requests = trace_to_requests(trace)
     executor.warm_up(_largest_chunk(plan, requests))
     staging = ResultDir(out_dir, overwrite=opts.overwrite) if out_dir else None    # published at the end

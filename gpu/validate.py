@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,7 +62,8 @@ class Plan:
 FULL = Plan("llama-3.1-8b", "cuda", "bfloat16", 16, None, (8, 4, 128), 8, 4096, (1, 8, 32, 128),
             (1024, 4096, 16384), 20, tuple((b, p, 32) for b in (1, 4, 16, 48) for p in (256, 1024, 2048)),
             dict(n=48, rate=6.0, prompt="uniform:128,2048", output="uniform:16,192", seed=3), True,
-            policies=dict(n=12, rate=8.0, prompt="uniform:256,1024", output="uniform:32,96", budget=128))
+            policies=dict(n=12, rate=8.0, prompt="uniform:256,1024", output="uniform:32,96", budget=128,
+                          time_limit_s=90))
 # calibration: batches up to 48 and prompts up to 2,048 tokens, so the held-out trace (up to 48 running,
 # contexts up to ~2,200) is interpolated, not extrapolated (with batches <= 16 the fitted per-sequence
 # terms overpredicted its batch-48 decode steps 2x on an H100)
@@ -70,13 +72,14 @@ FULL = Plan("llama-3.1-8b", "cuda", "bfloat16", 16, None, (8, 4, 128), 8, 4096, 
 TINY = Plan("smollm2-135m", "cpu", "float32", 16, 64, (3, 3, 64), 2, 200, (2,), (160,), 1,
             ((1, 16, 8), (3, 40, 8)), dict(n=3, rate=5.0, prompt="uniform:8,40", output="uniform:2,5", seed=3),
             False, threads=1, policy_model="smollm2-135m", policy_layers=2,
-            policies=dict(n=2, rate=5.0, prompt="uniform:24,40", output="uniform:4,8", budget=16))
+            policies=dict(n=2, rate=5.0, prompt="uniform:24,40", output="uniform:4,8", budget=16,
+                          time_limit_s=300))
 
 
 def _cache(torch, plan: Plan, H: int, D: int, num_blocks: int, seed: int):
-    from kvsim.gpu.cache import PagedKVCache
+    from kvsim.gpu.cache import CacheGeometry, PagedKVCache
     gen = torch.Generator(device=plan.device).manual_seed(seed)
-    cache = PagedKVCache("shared", 1, H, D, num_blocks, plan.block_size, dtype=getattr(torch, plan.dtype),
+    cache = PagedKVCache(CacheGeometry("shared", 1, H, D, num_blocks), plan.block_size, dtype=getattr(torch, plan.dtype),
                          device=plan.device)
     cache.k.copy_(torch.randn(cache.k.shape, generator=gen, device=plan.device))
     cache.v.copy_(torch.randn(cache.v.shape, generator=gen, device=plan.device))
@@ -95,7 +98,7 @@ def check_kernels(plan: Plan) -> pd.DataFrame:
     """Each Triton kernel against its torch twin on the plan's device; max abs error per output."""
     import torch
     from kvsim.gpu.kernels.cache_ops import copy_slots, reshape_and_cache
-    from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+    from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
     from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
     from kvsim.gpu.quant import MixedPrecisionKVCache
     H, G, D = plan.kernel_shape
@@ -114,15 +117,15 @@ def check_kernels(plan: Plan) -> pd.DataFrame:
         err = float((got.float() - ref.float()).abs().max())
         rows.append(dict(kernel=kernel, variant=variant, max_abs_error=err, tolerance=tolerance, ok=err <= tolerance))
 
-    ref_out, (ref_sum, ref_sq) = paged_decode_attention(q, kc, vc, tables, cache.live, D ** -0.5, True, "torch")
+    ref_out, (ref_sum, ref_sq) = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, D ** -0.5, True, "torch")
     for variant, splits in (("unsplit", 1), ("split-kv x4", 4), ("split-kv auto", None)):
-        out, (s, sq) = paged_decode_attention(q, kc, vc, tables, cache.live, D ** -0.5, True, "triton",
+        out, (s, sq) = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, D ** -0.5, True, "triton",
                                               num_splits=splits)
         record("paged_decode_attention", variant, out, ref_out, tol)
         record("paged_decode_attention stats (sum)", variant, s, ref_sum, 1e-3)
         record("paged_decode_attention stats (sum sq)", variant, sq, ref_sq, 1e-3)
-    sel_ref, _ = paged_decode_attention(q, kc, vc, tables, cache.live, D ** -0.5, False, "torch", select)
-    sel_out, _ = paged_decode_attention(q, kc, vc, tables, cache.live, D ** -0.5, False, "triton", select)
+    sel_ref, _ = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, D ** -0.5, False, "torch", select)
+    sel_out, _ = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, D ** -0.5, False, "triton", select)
     record("paged_decode_attention", "slot mask", sel_out, sel_ref, tol)
 
     page_tokens = 32
@@ -210,7 +213,7 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
     """Decode attention time and achieved bandwidth at batch x context (one layer)."""
     import torch
     from kvsim.gpu.kernels.estimate import SMS, decode_traffic
-    from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+    from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
     from kvsim.gpu.kernels.split_kv import plan_splits, tile_for
     from kvsim.sim.catalog import get_gpu
     H, G, D = plan.kernel_shape
@@ -234,7 +237,7 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
             live = cache.live
             for label, splits in (("auto", None), ("unsplit", 1)):
                 def call(n=splits):
-                    return paged_decode_attention(q, kc, vc, tables, live, D ** -0.5, backend="triton", num_splits=n)
+                    return paged_decode_attention(q, PagedKV(kc, vc, live), tables, D ** -0.5, backend="triton", num_splits=n)
                 seconds, graph_seconds = _time_s(torch, call, plan), _graph_time_s(torch, call, plan)
                 chosen = splits or (plan_splits(batch * H, tables.shape[-1] * plan.block_size, tile_for(D),
                                                 sms).splits if sms else 1)
@@ -247,10 +250,24 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _kvsim(args: list[str], log: Path) -> str:
-    """Run a kvsim command as a user would (`python -m kvsim.sim.cli`); its output goes to `log`."""
-    proc = subprocess.run([sys.executable, "-m", "kvsim.sim.cli", *args], capture_output=True, text=True,
-                          env=dict(os.environ, COLUMNS="200"))
+def _kvsim(args: list[str], log: Path, timeout_s: float | None = None) -> str:
+    """Run a kvsim command as a user would (`python -m kvsim.sim.cli`); its output goes to `log`.
+    Past `timeout_s` the command is stopped (SIGINT first, so a replay writes its partial result)."""
+    cmd = [sys.executable, "-m", "kvsim.sim.cli", *args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, COLUMNS="200")) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            log.write_text(f"$ kvsim {' '.join(args)}\n{stdout}\n{stderr}")
+            raise RuntimeError(f"kvsim {args[0]} stopped after {timeout_s:.0f} s (time limit); see {log}") from None
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     log.write_text(f"$ kvsim {' '.join(args)}\n{proc.stdout}\n{proc.stderr}")
     if proc.returncode:
         raise RuntimeError(f"kvsim {args[0]} failed (exit {proc.returncode}); see {log}:\n{proc.stderr[-2000:]}")
@@ -337,7 +354,7 @@ def replay_policies(plan: Plan, out: Path) -> pd.DataFrame:
         if plan.num_gpu_blocks:
             args += ["--num-gpu-blocks", str(plan.num_gpu_blocks)]
         try:
-            _kvsim(args, out / "policies" / f"{label.replace(' ', '-')}.log")
+            _kvsim(args, out / "policies" / f"{label.replace(' ', '-')}.log", timeout_s=plan.policies["time_limit_s"])
         except RuntimeError as exc:
             rows.append(dict(policy=label, ok=False, error=str(exc).splitlines()[-1][:200]))
             continue
@@ -409,14 +426,15 @@ def run(out: Path, plan: Plan, gpu: str | None = None) -> Path:
     if plan.compile:
         _step("compiled resources", started)
         sections += ["## Compiled resources", "", compiled_resources(out), ""]
-    _step("eviction and compression policies, replayed with invariant checks", started)
-    policies = replay_policies(plan, out)
-    policies.to_csv(out / "policies.csv", index=False)
-    sections += ["## Policies on the real backend (--check-invariants)", "", _markdown(policies), ""]
     _step("replay, calibrate, cross-check", started)
     cc = replay_and_crosscheck(plan, out, gpu)
     sections += ["## Replay, calibrate, cross-check", "", f"GPU spec {cc['gpu']}, {cc['num_gpu_blocks']} blocks", "",
-                 "```", *cc["calibrate"], *cc["crosscheck"], "```", "",
+                 "```", *cc["calibrate"], *cc["crosscheck"], "```", ""]
+    # after the principal figures: a slow policy replay (each has a time limit) cannot starve them
+    _step("eviction and compression policies, replayed with invariant checks", started)
+    policies = replay_policies(plan, out)
+    policies.to_csv(out / "policies.csv", index=False)
+    sections += ["## Policies on the real backend (--check-invariants)", "", _markdown(policies), "",
                  f"total {time.time() - started:.0f} s"]
     (out / "summary.md").write_text("\n".join(sections) + "\n")
     (out / "kernels_ok.json").write_text(json.dumps(bool(kernels.ok.all())))

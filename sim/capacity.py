@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 import pandas as pd
 
@@ -156,15 +156,29 @@ def _fmt(value, c: Constraint) -> str:
     return f"{value * 1e3:.1f}ms" if c.metric.endswith("_s") else f"{value:.4g}"
 
 
+@dataclass(frozen=True)
+class CapacitySearch:
+    """What a capacity search looks for and how far it may walk (`kvsim capacity`'s --mode, --tol,
+    --max-evals, --max-replicas)."""
+    mode: Literal["rate", "replicas"] = "rate"   # highest rate scale, or fewest replicas, meeting the SLO
+    start: float = 1.0              # mode=rate: the first rate scale simulated
+    growth: float = 2.0             # mode=rate: factor between bracketing points (x growth up, / growth down)
+    rel_tol: float = 0.02           # mode=rate: bisect until the bracket is within this share of the answer
+    max_evals: int = 24             # mode=rate: at most this many simulations
+    min_scale: float = 1 / 1024     # mode=rate: no rate scale below this is tried
+    max_scale: float = 1024.0       # mode=rate: no rate scale above this is tried
+    max_replicas: int = 64          # mode=replicas: no count above this is tried
+    start_replicas: int = 1         # mode=replicas: the first count simulated
+
+
 @holding_store_lock
-def find_capacity(cfg: SimConfig, constraints: list[Constraint], *, mode: Literal["rate", "replicas"] = "rate",
-                  start: float = 1.0, growth: float = 2.0, rel_tol: float = 0.02, max_evals: int = 24,
-                  min_scale: float = 1 / 1024, max_scale: float = 1024.0, max_replicas: int = 64,
-                  start_replicas: int = 1, store: str | Path | None = None,
-                  progress: Callable[[dict], None] | None = None, write_result: bool = True) -> CapacityResult:
-    """mode='rate': highest trace_options.rate_scale meeting the SLO, within rel_tol.
-    mode='replicas': fewest replicas meeting it for the trace at its configured rate (the search
-    starts at `start_replicas`). write_result=False leaves the store's capacity.json as it is."""
+def find_capacity(cfg: SimConfig, constraints: list[Constraint], search: CapacitySearch = CapacitySearch(), *,
+                  store: str | Path | None = None, progress: Callable[[dict], None] | None = None,
+                  write_result: bool = True) -> CapacityResult:
+    """search.mode='rate': highest trace_options.rate_scale meeting the SLO, within search.rel_tol.
+    search.mode='replicas': fewest replicas meeting it for the trace at its configured rate (the search
+    starts at `search.start_replicas`). write_result=False leaves the store's capacity.json as it is."""
+    mode = search.mode
     if mode not in ("rate", "replicas"):
         raise ConfigError(f"capacity mode must be 'rate' or 'replicas', got {mode!r}")
     cfg = slo_for_goodput(cfg, constraints)
@@ -172,10 +186,10 @@ def find_capacity(cfg: SimConfig, constraints: list[Constraint], *, mode: Litera
     store = Path(store) if store else None
     evaluate = _Evaluator(constraints, store, progress)
     if mode == "rate":
-        search = _search_rate(cfg, evaluate, start, growth, rel_tol, max_evals, min_scale, max_scale)
+        bracket = _search_rate(cfg, evaluate, search)
     else:
-        search = _search_replicas(cfg, evaluate, max_replicas, start_replicas)
-    lo, hi = search
+        bracket = _search_replicas(cfg, evaluate, search.max_replicas, search.start_replicas)
+    lo, hi = bracket
     bounded = hi is not None if mode == "rate" else lo is not None
     curve = pd.DataFrame(list(evaluate.rows.values())).sort_values("searched_value", kind="stable")
     curve = curve.reset_index(drop=True)
@@ -211,10 +225,12 @@ def _meets(cfg: SimConfig, evaluate: _Evaluator, mode: str, value: float) -> boo
     return evaluate(SimConfig.model_validate(_at(cfg, mode, value).model_dump()), value)["meets_slo"]
 
 
-def _search_rate(cfg, evaluate, start, growth, rel_tol, max_evals, min_scale, max_scale):
+def _search_rate(cfg: SimConfig, evaluate: _Evaluator, search: CapacitySearch):
     """(highest passing scale or None, lowest failing scale or None)."""
+    growth, rel_tol, max_evals = search.growth, search.rel_tol, search.max_evals
+    min_scale, max_scale = search.min_scale, search.max_scale
     lo = hi = None
-    x = start
+    x = search.start
     while len(evaluate.rows) < max_evals:
         if _meets(cfg, evaluate, "rate", x):
             lo = x
@@ -504,28 +520,34 @@ def profile_configs(cfg: SimConfig) -> tuple[dict[str, SimConfig], list[str]]:
                  f"(bias {err.bias:+.3g})"]
 
 
-def capacity_range(cfg: SimConfig, constraints: list[Constraint], result: CapacityResult, sample: LoadSample, *,
-                   repeats: int = 3, band: bool = True, mode: str = "rate", rel_tol: float = 0.02,
-                   max_evals: int = 24, max_replicas: int = 64, store: str | Path | None = None,
+class RangeVariants(NamedTuple):
+    """Which other versions of a capacity answer's config `capacity_range` searches again."""
+    repeats: int = 3        # load samples in all (the answer's and repeats - 1 others: busy windows, seeds)
+    band: bool = True       # also the profile's measured error band (step times x (1 -/+ MAPE))
+
+
+def capacity_range(cfg: SimConfig, constraints: list[Constraint], result: CapacityResult, sample: LoadSample,
+                   search: CapacitySearch = CapacitySearch(), variants: RangeVariants = RangeVariants(), *,
+                   store: str | Path | None = None,
                    progress: Callable[[str, dict], None] | None = None) -> CapacityRange | None:
     """The answer's range over other load samples and the profile's error band, each searched again
-    from the answer (so a narrow bracket is reached in a few simulations)."""
+    from the answer (so a narrow bracket is reached in a few simulations) with `search`'s mode and limits."""
     if not result.feasible:
         return None
-    samples, notes = variant_configs(cfg, sample, repeats)
-    profiles, more = profile_configs(cfg) if band else ({}, ["no profile band (--no-band)"])
+    samples, notes = variant_configs(cfg, sample, variants.repeats)
+    profiles, more = profile_configs(cfg) if variants.band else ({}, ["no profile band (--no-band)"])
     notes += more
+    rate = search.mode == "rate"
+    again = replace(search, start=result.answer if rate else cfg.trace_options.rate_scale, growth=1.25,
+                    start_replicas=1 if rate else int(result.answer))
 
-    def search(label: str, c: SimConfig) -> float | None:
-        start = result.answer if mode == "rate" else cfg.trace_options.rate_scale
-        r = find_capacity(c, constraints, mode=mode, start=start, growth=1.25, rel_tol=rel_tol,
-                          max_evals=max_evals, max_replicas=max_replicas, store=store, write_result=False,
-                          start_replicas=int(result.answer) if mode == "replicas" else 1,
+    def research(label: str, c: SimConfig) -> float | None:
+        r = find_capacity(c, constraints, again, store=store, write_result=False,
                           progress=(lambda row: progress(label, row)) if progress else None)
         return r.answer
 
-    got_samples = {k: search(k, c) for k, c in samples.items()}
-    got_band = {k: search(k, c) for k, c in profiles.items()}
+    got_samples = {k: research(k, c) for k, c in samples.items()}
+    got_band = {k: research(k, c) for k, c in profiles.items()}
     values = [result.answer] + [v for v in (*got_samples.values(), *got_band.values()) if v is not None]
     infeasible = [k for k, v in (*got_samples.items(), *got_band.items()) if v is None]
     if infeasible:

@@ -451,6 +451,7 @@ class CostModel:
         self._gemm_table = None
         if p.gemm_efficiency is not None:
             self._gemm_table = p.gemm_efficiency.at_size(self.layer_weight_mib)
+        self._eff_memo: dict[float, float] = {}     # gemm_efficiency of scalar token counts (steps repeat them)
         # 4 matmul kernels per layer (fused QKV, O, fused gate/up or fc1, down or fc2) and the LM head
         self._gemm_launches = float(4 * m.num_layers + 1)
         self._layers = float(m.num_layers)
@@ -487,9 +488,15 @@ class CostModel:
         """The profile's linear-layer compute efficiency at `tokens` rows (scalar or array): linear in
         log tokens between entries, the nearest entry beyond them (below the first entry matmuls are
         bound by weight streaming, where the compute side does not bind)."""
+        if not isinstance(tokens, np.ndarray):
+            memo = self._eff_memo
+            e = memo.get(tokens)
+            if e is None:
+                log_t, eff = self._gemm_table
+                e = memo[tokens] = float(np.interp(np.log(np.maximum(float(tokens), 1.0)), log_t, eff))
+            return e
         log_t, eff = self._gemm_table
-        e = np.interp(np.log(np.maximum(_f64(tokens), 1.0)), log_t, eff)
-        return float(e) if np.ndim(e) == 0 else e
+        return np.interp(np.log(np.maximum(_f64(tokens), 1.0)), log_t, eff)
 
     # ---- model ---------------------------------------------------------------------------
     def features(self, shape: BatchShape, *, padded: bool = True) -> dict[str, np.float64 | np.ndarray]:
@@ -598,6 +605,78 @@ class CostModel:
                      + f["allreduce_count"] * self._allreduce_latency_s)
         return self._step_parts(linear, attention, copy, swap, allreduce, self._overhead(f), [p.step_time_scale])
 
+    def _operator_step_total(self, shape: BatchShape) -> float:
+        """`_operator_breakdown(shape)["total"]` of one step (every field a scalar), the same IEEE
+        operations in the same order without the per-part dicts (the engine prices every step)."""
+        c, p = self._c, self.profile
+        seqs = float(shape.num_seqs)
+        tokens = float(shape.num_prefill_tokens) + float(shape.num_decode_tokens)
+        kv_read = float(shape.kv_tokens_read)
+        ran = float(tokens > 0)
+        zero = tokens * 0.0
+        pairs = float(shape.attn_pairs_prefill)
+        attn_compute = (pairs * c["attn_pair_s"] + kv_read * c["attn_read_s"] if self._mla
+                        else (pairs + kv_read) * c["attn_pair_s"])
+        a = float(shape.op_flops) * c["op_flop_s"]
+        b = float(shape.op_bytes) * c["op_byte_s"]
+        policy_ops = (a if a >= b else b) + zero
+        eff = self.gemm_efficiency
+        compute = tokens * c["prefill_flops_s"] / eff(tokens) + seqs * c["lm_head_s"] / eff(seqs)
+        memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
+        if self._moe is not None:
+            memory = memory + self.expert_read_time(tokens) / p.mem_bw_eff
+        linear = ((compute if compute >= memory else memory)
+                  + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)
+                  + tokens * self._elementwise_token_s / p.elementwise_bw_eff)
+        a, b = attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff
+        attention = a if a >= b else b
+        copy = (float(shape.bytes_moved) * c["copy_byte_s"] + policy_ops) / p.copy_bw_eff
+        swap = float(shape.swap_bytes) * c["swap_byte_s"] / p.pcie_eff
+        allreduce = (tokens * c["allreduce_token_s"] / self._allreduce_bw_eff
+                     + ran * c["allreduce_count"] * self._allreduce_latency_s)
+        overhead = ((zero + 1.0) * p.step_overhead_s + (seqs + zero) * p.per_seq_overhead_s
+                    + (float(shape.block_table_entries) + zero) * p.per_block_entry_overhead_s)
+        k = p.step_time_scale
+        if k != 1.0:
+            linear, attention, copy, swap, allreduce, overhead = (
+                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
+        device = linear + attention + copy + swap + allreduce
+        if self.async_scheduling:
+            return device if device >= overhead else overhead
+        return device + overhead
+
+    def _operator_decode_total(self, seqs: np.ndarray, kv_read: np.ndarray, entries: np.ndarray) -> np.ndarray:
+        """`_operator_breakdown(...)["total"]` of a run of pure-decode steps (tokens = seqs, no prefill,
+        copy or swap) with fewer array operations, bit for bit: the exact-zero terms are left out
+        (x + 0.0 == x for these non-negative parts: copy, swap, and the all-reduce at TP 1), `[ran]`
+        factors of 1.0 are dropped when every step computes a token, and one efficiency lookup serves
+        both matmul terms (tokens and seqs are the same counts)."""
+        c, p = self._c, self.profile
+        seqs = seqs.astype(np.float64, copy=False)
+        kv_read = kv_read.astype(np.float64, copy=False)
+        ran = 1.0 if seqs.all() else (seqs > 0).astype(np.float64)
+        e = self.gemm_efficiency(seqs)
+        compute = seqs * c["prefill_flops_s"] / e + seqs * c["lm_head_s"] / e
+        memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
+        if self._moe is not None:
+            memory = memory + self.expert_read_time(seqs) / p.mem_bw_eff
+        linear = (np.maximum(compute, memory)
+                  + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)
+                  + seqs * self._elementwise_token_s / p.elementwise_bw_eff)
+        attn_compute = kv_read * c["attn_read_s"] if self._mla else kv_read * c["attn_pair_s"]
+        attention = np.maximum(attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff)
+        overhead = (p.step_overhead_s + seqs * p.per_seq_overhead_s
+                    + entries.astype(np.float64, copy=False) * p.per_block_entry_overhead_s)
+        k = p.step_time_scale
+        if k != 1.0:
+            linear, attention, overhead = linear * k, attention * k, overhead * k
+        device = linear + attention
+        if c["allreduce_token_s"] or c["allreduce_count"]:
+            allreduce = (seqs * c["allreduce_token_s"] / self._allreduce_bw_eff
+                         + ran * c["allreduce_count"] * self._allreduce_latency_s)
+            device = device + (allreduce * k if k != 1.0 else allreduce)
+        return np.maximum(device, overhead) if self.async_scheduling else device + overhead
+
     def decode_batch_factor(self, num_seqs, num_prefill_tokens=0.0):
         """The profile's decode_batch_factors at each step (1 for steps with prefill tokens, or without
         a table)."""
@@ -614,6 +693,8 @@ class CostModel:
 
     def predict(self, shape: BatchShape) -> float | np.ndarray:
         """Seconds for the step (float), or for each step of a run (float64 array)."""
+        if self._gemm_table is not None and not isinstance(shape.num_seqs, np.ndarray):
+            return self._operator_step_total(shape)
         total = self.breakdown(shape)["total"]
         return float(total) if np.ndim(total) == 0 else total
 
@@ -624,9 +705,7 @@ class CostModel:
         BatchShape: every dropped term is an exact 0.0, and x + 0.0 == x. The decode fast-forward
         prices each run with it (tested against `predict`)."""
         if self._gemm_table is not None:
-            return self.predict(BatchShape(num_seqs=num_seqs, num_decode_tokens=num_seqs,
-                                           kv_tokens_read=kv_tokens_read, block_table_entries=block_table_entries,
-                                           kv_tokens_padded=kv_tokens_padded))
+            return self._operator_decode_total(num_seqs, kv_tokens_read, block_table_entries)
         c, p = self._c, self.profile
         weights = c["weights_s"] if self._moe is None else c["weights_s"] + self.expert_read_time(num_seqs)
         linear = np.maximum((num_seqs * c["decode_flops_s"] + num_seqs * c["lm_head_s"]) / p.mfu_decode,

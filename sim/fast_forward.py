@@ -230,18 +230,18 @@ def apply(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> dict:
         req.num_output_tokens += n
         req.token_times.extend(ends[:n])
     bs = kv.block_size
-    # async scheduling: a step's finishers keep their blocks until the next step has been scheduled
-    gone = 0 if sched.config.async_scheduling else 1
-    live, allocated, fragmentation, running = [], [], [], []
-    for j in range(k):
-        alive = run.batch[j] - gone * run.finished[j]           # still holding blocks after step j
-        tokens = run.kv_read[j] - gone * (run.finished_computed[j] + (j + 1) * run.finished[j])
-        slots = used[j] * bs
-        empty = (run.entries[j] - gone * run.finished_blocks[j]) * bs - tokens
-        live.append(slots - empty)
-        allocated.append(slots)
-        fragmentation.append(1.0 - (slots - empty) / slots if slots else 0.0)
-        running.append(alive)
+    allocated = [u * bs for u in used]
+    if sched.config.async_scheduling:
+        # a step's finishers keep their blocks until the next step has been scheduled
+        running = list(run.batch)
+        live = [slots - (entries * bs - tokens) for slots, entries, tokens in zip(allocated, run.entries, run.kv_read)]
+    else:
+        # what is still held after step j: its finishers' sequences, tokens and blocks are gone
+        running = [n - f for n, f in zip(run.batch, run.finished)]
+        live = [slots - ((entries - fin_blocks) * bs - (tokens - (fin_c + (j + 1) * f)))
+                for j, (slots, entries, fin_blocks, tokens, fin_c, f) in enumerate(zip(
+                    allocated, run.entries, run.finished_blocks, run.kv_read, run.finished_computed, run.finished))]
+    fragmentation = [1.0 - x / slots if slots else 0.0 for x, slots in zip(live, allocated)]
     return {"blocks_used": used, "blocks_free": [kv.num_blocks - u for u in used], "blocks_cached": cached,
             "live_slots": live, "allocated_slots": allocated, "fragmentation": fragmentation,
             "num_running": running, "finished": run.finished}

@@ -17,12 +17,15 @@ head, so the same bytes make `num_blocks * layers * kv_heads_per_gpu` blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from .catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_gpu, get_model
 from .cost_model import kv_heads_per_gpu
 from .kv.base import sample_row_count
 from .kv.policy import FastModeProfile
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 GiB = 2**30
 NON_TORCH_OVERHEAD_BYTES = GiB // 2   # CUDA context extras, cuBLAS/NCCL workspaces, CUDA graph pool
@@ -79,13 +82,33 @@ def activation_peak_bytes(model: ModelSpec, *, tp: int = 1, max_num_batched_toke
     return int(max_num_batched_tokens * per_token + logits)
 
 
-def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, block_size: int = 16,
-                   gpu_memory_utilization: float = 0.9, activation_reserve_bytes: int | None = None,
-                   max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-                   non_torch_overhead_bytes: int = NON_TORCH_OVERHEAD_BYTES, kv_dtype: str | None = None,
-                   layout: Literal["shared", "per_head"] = "shared") -> KVPoolSize:
+@dataclass(frozen=True)
+class PoolSizing:
+    """The engine settings that size the KV pool of one GPU (vLLM's names; see the module docstring)."""
+    tp: int = 1                             # tensor-parallel degree: weights and KV heads split over it
+    block_size: int = 16                    # tokens per block
+    gpu_memory_utilization: float = 0.9     # share of the GPU's memory vLLM may use
+    max_num_batched_tokens: int = 8192      # token budget of the profiled dummy forward (activation peak)
+    max_num_seqs: int = 256                 # rows of the profiled sampler run (activation peak)
+    activation_reserve_bytes: int | None = None   # the activation peak your vLLM log prints (None: estimated)
+    non_torch_overhead_bytes: int = NON_TORCH_OVERHEAD_BYTES   # CUDA context, workspaces, graph pool
+    kv_dtype: str | None = None             # KV cache dtype (None: the model's)
+    layout: Literal["shared", "per_head"] = "shared"   # per_head: blocks of one layer and one KV head
+
+    @classmethod
+    def of_engine(cls, eng: EngineConfig, *, tp: int, kv_dtype: str | None = None) -> PoolSizing:
+        """The sizing of a run's resolved engine settings (`resolve_engine`: no field left None)."""
+        return cls(tp=tp, block_size=eng.block_size, gpu_memory_utilization=eng.gpu_memory_utilization,
+                   max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs,
+                   kv_dtype=kv_dtype)
+
+
+def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, sizing: PoolSizing = PoolSizing()) -> KVPoolSize:
     """Size the KV block pool of one GPU (see module docstring)."""
     model, gpu = get_model(model), get_gpu(gpu)
+    tp, block_size, layout = sizing.tp, sizing.block_size, sizing.layout
+    gpu_memory_utilization = sizing.gpu_memory_utilization
+    non_torch_overhead_bytes = sizing.non_torch_overhead_bytes
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if block_size < 1:
@@ -95,11 +118,11 @@ def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, *, tp: int = 1, b
     heads = kv_heads_per_gpu(model, tp)
     usable = int(gpu.memory_bytes * gpu_memory_utilization)
     weights = model.weight_bytes // tp
-    activations = (activation_peak_bytes(model, tp=tp, max_num_batched_tokens=max_num_batched_tokens,
-                                         max_num_seqs=max_num_seqs)
-                   if activation_reserve_bytes is None else int(activation_reserve_bytes))
+    activations = (activation_peak_bytes(model, tp=tp, max_num_batched_tokens=sizing.max_num_batched_tokens,
+                                         max_num_seqs=sizing.max_num_seqs)
+                   if sizing.activation_reserve_bytes is None else int(sizing.activation_reserve_bytes))
     available = usable - weights - activations - non_torch_overhead_bytes
-    kv_per_token = block_bytes_per_token(model, tp, kv_dtype)
+    kv_per_token = block_bytes_per_token(model, tp, sizing.kv_dtype)
     bytes_per_block = int(block_size * kv_per_token)
     if available < bytes_per_block:
         need = weights + activations + non_torch_overhead_bytes + bytes_per_block

@@ -5,6 +5,7 @@ The step-log schema is shared by the simulator and the real backend.
 from __future__ import annotations
 
 import math
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -58,10 +59,16 @@ class StepLog:
     Within a row group, rows are ordered by (replica, step).
     """
 
-    def __init__(self, path: str | Path | None, flush_rows: int = 65536):
+    def __init__(self, path: str | Path | None, flush_rows: int = 65536, *, keep: tuple[str, ...] = (),
+                 keep_rows: int = 0):
         self.path = Path(path) if path else None
         self.flush_rows = flush_rows
+        # copies of the `keep` columns as written, while the log has at most `keep_rows` rows (`kept`)
+        self._kept: dict[str, list[np.ndarray]] | None = {name: [] for name in keep} if keep else None
+        self._keep_rows = keep_rows
+        self._written = 0
         self._writer: pq.ParquetWriter | None = None
+        self._typed = True
         self._reset_rows()
         self._carry: dict[str, np.ndarray] | None = None   # rows past the last full row group
         self._pending = 0
@@ -69,33 +76,69 @@ class StepLog:
         self.num_rows = 0
 
     def _reset_rows(self) -> None:
-        self._rows: dict[str, list] = {name: [] for name in STEP_COLUMNS}
-        # (name, column list's append[, default]): one step's append is one pass over each
+        # Typed buffers (int64 or float64 by the column's type): converted at flush without a pass over
+        # Python objects. A value a buffer refuses (a float in an integer column) turns the log into
+        # plain lists, converted by numpy as before (`_to_lists`).
+        self._rows: dict[str, array | list] = (
+            {name: array("d" if pa.types.is_floating(typ) else "q") for name, (typ, _) in STEP_COLUMNS.items()}
+            if self._typed else {name: [] for name in STEP_COLUMNS})
+        self._bind()
+
+    def _bind(self) -> None:
+        # (name, column buffer's append[, default]): one step's append is one pass over each
         self._required = [(name, v.append) for name, v in self._rows.items() if name not in STEP_DEFAULTS]
         self._optional = [(name, v.append, STEP_DEFAULTS[name]) for name, v in self._rows.items()
                           if name in STEP_DEFAULTS]
-        self._extend = [(v.extend, name, STEP_DEFAULTS.get(name)) for name, v in self._rows.items()]
+        self._extend = [(v.extend, v.fromlist if isinstance(v, array) else v.extend, name, STEP_DEFAULTS.get(name))
+                        for name, v in self._rows.items()]
+
+    def _to_lists(self) -> None:
+        """Leave typed buffers for lists (dropping a row or run appended to some columns only)."""
+        n = self._drop_torn_row()
+        self._typed = False
+        self._rows = {name: v[:n].tolist() if isinstance(v, array) else v[:n] for name, v in self._rows.items()}
+        self._bind()
 
     def append(self, row: dict) -> None:
+        try:
+            self._append(row)
+        except (TypeError, OverflowError):
+            if not self._typed:
+                raise
+            self._to_lists()
+            self._append(row)
+        self._grow(1)
+
+    def _append(self, row: dict) -> None:
         for name, append in self._required:
             append(row[name])
         get = row.get
         for name, append, default in self._optional:
             append(get(name, default))
-        self._grow(1)
 
     def append_columns(self, cols: dict, n: int) -> None:
         """Append n rows given as columns (sequences of length n, or scalars repeated n times)."""
-        for extend, name, default in self._extend:
+        try:
+            self._append_columns(cols, n)
+        except (TypeError, OverflowError):
+            if not self._typed:
+                raise
+            self._to_lists()
+            self._append_columns(cols, n)
+        self._grow(n)
+
+    def _append_columns(self, cols: dict, n: int) -> None:
+        for extend, from_list, name, default in self._extend:
             v = cols.get(name, default)
             kind = v.__class__
-            if kind is list or kind is range or kind is tuple:
+            if kind is list:
+                from_list(v)
+            elif kind is range or kind is tuple:
                 extend(v)
             elif kind is np.ndarray:
-                extend(v.tolist())
+                from_list(v.tolist())
             else:
-                extend([v] * n)
-        self._grow(n)
+                from_list([v] * n)
 
     def _grow(self, n: int) -> None:
         self._pending += n
@@ -112,7 +155,10 @@ class StepLog:
 
     def _flush(self, whole_groups: bool) -> None:
         n = self._drop_torn_row()
-        columns = {name: np.asarray(self._rows[name][:n], dtype=typ.to_pandas_dtype())
+        rows = self._rows
+        columns = {name: (np.frombuffer(rows[name], dtype=np.float64 if rows[name].typecode == "d" else np.int64,
+                                        count=n).astype(typ.to_pandas_dtype()) if self._typed
+                          else np.asarray(rows[name][:n], dtype=typ.to_pandas_dtype()))
                    for name, (typ, _) in STEP_COLUMNS.items()}
         self._reset_rows()
         if self._carry is not None:
@@ -131,6 +177,13 @@ class StepLog:
         in_order = (replica == replica[0]).all() and (np.diff(step) > 0).all()    # one replica: as appended
         order = slice(None) if in_order else np.lexsort((step, replica))
         arrays = [pa.array(columns[name][order], type=typ) for name, (typ, _) in STEP_COLUMNS.items()]
+        self._written += len(step)
+        if self._kept is not None:
+            if self._written > self._keep_rows:
+                self._kept = None
+            else:
+                for name, chunks in self._kept.items():
+                    chunks.append(columns[name][order])
         table = pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
         if self.path is None:
             self._tables.append(table)
@@ -140,6 +193,17 @@ class StepLog:
             # no dictionary pages: the columns are numeric and mostly distinct; 3x faster to write
             self._writer = pq.ParquetWriter(self.path, STEP_SCHEMA, use_dictionary=False)
         self._writer.write_table(table)
+
+    def kept(self) -> pd.DataFrame | None:
+        """The `keep` columns of every row written, as `pd.read_parquet(path, columns=keep)` reads
+        them back; None when not kept (no `keep`, or more than `keep_rows` rows)."""
+        if self._kept is None:
+            return None
+        self.flush()
+        if self._kept is None:
+            return None
+        return pd.DataFrame({name: np.concatenate(chunks) if chunks else
+                             np.empty(0, STEP_COLUMNS[name][0].to_pandas_dtype()) for name, chunks in self._kept.items()})
 
     def _drop_torn_row(self) -> int:
         """An interrupt (Ctrl-C) inside `append` leaves some columns one row longer: drop that row.

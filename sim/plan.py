@@ -100,16 +100,25 @@ class PlanResult:
         return ok.loc[keep].sort_values(["model_key", "usd_per_hour", "ttft_p99_s"], kind="stable")
 
 
-def candidates(base: SimConfig, models: list[str], gpus: list[str], tps: list[int],
-               policies: list[str] | None) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
-    """The cross product, less the configurations that cannot run (weights do not fit, TP does not
-    divide the heads, ...), each with why."""
+@dataclass(frozen=True)
+class PlanSpace:
+    """The configurations a plan searches (`kvsim plan`'s --models, --gpus, --tps, --policies, --max-replicas)."""
+    models: list[str]                   # catalog model names (or model YAML paths): one cheapest answer each
+    gpus: list[str]                     # catalog GPU names
+    tps: list[int]                      # tensor-parallel degrees
+    policies: list[str] | None = None   # kv.policy names (None: the base config's policy only)
+    max_replicas: int = 64              # no configuration is simulated with more replicas than this
+
+
+def candidates(base: SimConfig, space: PlanSpace) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+    """The cross product of `space`, less the configurations that cannot run (weights do not fit, TP
+    does not divide the heads, ...), each with why."""
     fits = _FitChecker()
     keep, unfit = [], []
-    for model in models:
-        for gpu in gpus:
-            for tp in tps:
-                for policy in policies or [None]:
+    for model in space.models:
+        for gpu in space.gpus:
+            for tp in space.tps:
+                for policy in space.policies or [None]:
                     update = {"model": model, "gpu": gpu, "tp": tp, "replicas": 1}
                     data = base.model_dump()
                     data.update(update)
@@ -274,19 +283,19 @@ def _best_costs(searches: list[Search]) -> dict[str, float]:
     return best
 
 
-def plan_capacity(base: SimConfig, constraints: list[Constraint], *, models: list[str], gpus: list[str],
-                  tps: list[int], policies: list[str] | None = None, max_replicas: int = 64,
+def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpace, *,
                   run_batch: RunBatch = _serial, width: int | None = 1, store: str | Path | None = None,
                   variants: Callable[[SimConfig], dict[str, SimConfig]] | None = None,
                   progress: Callable[[Search, int, dict], None] | None = None) -> PlanResult:
     """The cheapest (model-wise) configuration meeting `constraints` at `base`'s load, searched over
-    models x gpus x tps (x policies), `width` simulations at a time (the executor's workers; None:
-    every open search each round). `variants(cfg)`: other versions of the winner's config (other
+    `space` (models x gpus x tps (x policies)), `width` simulations at a time (the executor's workers;
+    None: every open search each round). `variants(cfg)`: other versions of the winner's config (other
     load samples, profile band) whose fewest replicas give the answer's range."""
     t0 = time.perf_counter()
     base = slo_for_goodput(base, constraints)
     store = Path(store) if store else None
-    cands, unfit = candidates(base, models, gpus, tps, policies)
+    max_replicas = space.max_replicas
+    cands, unfit = candidates(base, space)
     runner = _Runner(constraints, run_batch, store)
     searches = [Search(c) for c in cands]
     search_rounds(searches, runner, max_replicas, width, progress)

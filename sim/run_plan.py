@@ -20,7 +20,7 @@ from .cost_model import CostModel, load_profile
 from .defaults import resolve_engine
 from .kv.build import build_kv_manager as _build_manager, policy_params
 from .kv.policy import EvictionPolicy, FastModeProfile, PolicyError, get_policy
-from .memory import RunMemoryEstimate, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
+from .memory import PoolSizing, RunMemoryEstimate, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
 
 KVKind = Literal["plain", "evicting", "hybrid"]  # vLLM's KVCacheManager | eviction-aware | sliding-window layers
 ExecutorKind = Literal["cost_model", "kv_policy"]    # sim.executor's two; the real backend has its own
@@ -105,10 +105,7 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
         blocks = eng.num_gpu_blocks
         check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)
     else:
-        blocks = num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size,
-                                gpu_memory_utilization=eng.gpu_memory_utilization,
-                                max_num_batched_tokens=eng.max_num_batched_tokens,
-                                max_num_seqs=eng.max_num_seqs).num_blocks
+        blocks = num_gpu_blocks(model, gpu, PoolSizing.of_engine(eng, tp=cfg.tp)).num_blocks
     return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_position)
 
 

@@ -79,7 +79,7 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
     entry = RequestEntry(client) if client.enabled else None
     requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency else entry)
     out = staging.path if staging else None
-    step_log = StepLog(out / "steps.parquet" if out else None)
+    step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS)
     progress = opts.progress or ambient_callback()
     replicas: list = []
     tracker = ProgressTracker(requests, replicas, TokenBar() if progress is True else progress) if progress else None
@@ -122,8 +122,10 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
         steps_for_summary = steps_df
     elif step_log.num_rows > WHOLE_STEP_LOG_ROWS:
         steps_for_summary = step_figures_from_file(out / "steps.parquet", managed_pool_blocks(kvs, plan.num_blocks))
-    else:
-        steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
+    else:                                  # the summary's columns as written (or read back)
+        steps_for_summary = step_log.kept()
+        if steps_for_summary is None:
+            steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens)
     summary["partial"] = stop is not None
     if stop:

@@ -51,7 +51,7 @@ from .catalog import CatalogError, get_gpu, get_model
 from .config import ConfigError, SimConfig, build_config, flatten, read_config_file, read_yaml_file
 from .cost_model import load_profile
 from .defaults import resolve_engine
-from .memory import (ModelDoesNotFitError, available_memory_bytes, check_memory, num_gpu_blocks)
+from .memory import ModelDoesNotFitError, PoolSizing, available_memory_bytes, check_memory, num_gpu_blocks
 from .kv.policy import policy_identity
 from .results import holding_store_lock, mark_owned, pid_alive
 from .safe_io import atomic_output
@@ -282,9 +282,7 @@ class _FitChecker:
             return f"profile={cfg.profile!r}: {exc}"
         eng = resolve_engine(cfg)
         try:
-            num_gpu_blocks(model, gpu, tp=cfg.tp, block_size=eng.block_size, kv_dtype=cfg.kv_dtype,
-                           gpu_memory_utilization=eng.gpu_memory_utilization,
-                           max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs)
+            num_gpu_blocks(model, gpu, PoolSizing.of_engine(eng, tp=cfg.tp, kv_dtype=cfg.kv_dtype))
         except ModelDoesNotFitError as exc:
             return f"model={cfg.model!r} gpu={cfg.gpu!r} tp={cfg.tp}: {exc}"
         except (CatalogError, ValueError) as exc:
@@ -568,41 +566,49 @@ class SweepResult:
     redone: int = 0       # of those that ran: their run file was unreadable
 
 
-@holding_store_lock
-def run_sweep(plan: SweepPlan, store: str | Path, *, executor: str = "local", jobs: int | None = None,
-              scheduler: Any = None, max_runs: int | None = None, retry_failed: bool = False,
-              save_outputs: bool | None = None, progress: bool = True, spec_text: str | None = None,
-              on_row: Callable[[dict], None] | None = None) -> SweepResult:
-    """Run the plan's runs that are not in the store yet, writing each row as it finishes.
+@dataclass(frozen=True)
+class SweepRunOptions:
+    """Where and how many of a sweep's pending runs execute (`kvsim sweep`'s --executor, --jobs,
+    --scheduler, --max-runs, --retry-failed, --save-outputs)."""
+    executor: str = "local"             # 'local' (a process pool) or 'dask' (a running scheduler)
+    jobs: int | None = None             # local workers (None: all cores; 1: in this process)
+    scheduler: Any = None               # dask: an address such as tcp://host:8786, or a distributed.Client
+    max_runs: int | None = None         # run at most this many of the pending runs (the rest on a later call)
+    retry_failed: bool = False          # run again the runs the store records as failed
+    save_outputs: bool | None = None    # keep each run's requests/steps (None: the spec's save_outputs)
 
-    executor: 'local' (a process pool of `jobs` workers, default all cores; jobs=1 runs in this
-    process) or 'dask' (`scheduler`: an address such as tcp://host:8786, or a distributed.Client).
-    max_runs: run at most this many of the pending runs, then stop (the rest on a later call)."""
+
+@holding_store_lock
+def run_sweep(plan: SweepPlan, store: str | Path, options: SweepRunOptions = SweepRunOptions(), *,
+              progress: bool = True, spec_text: str | None = None,
+              on_row: Callable[[dict], None] | None = None) -> SweepResult:
+    """Run the plan's runs that are not in the store yet, writing each row as it finishes, as
+    `options` says (SweepRunOptions)."""
     t0 = time.perf_counter()
     store = Path(store)
     _write_plan(store, plan, spec_text)
     _remove_stale_tmp(store)
     state = store_state(store)
-    done = state.ok if retry_failed else state.ok | state.failed
+    done = state.ok if options.retry_failed else state.ok | state.failed
     pending = [r for r in plan.runs if r.run_id not in done]
-    if max_runs is not None:
-        pending = pending[:max_runs]
+    if options.max_runs is not None:
+        pending = pending[:options.max_runs]
     unreadable = {p.stem for p in state.unreadable}
-    keep = plan.save_outputs if save_outputs is None else save_outputs
+    keep = plan.save_outputs if options.save_outputs is None else options.save_outputs
     tasks = [RunTask(r.run_id, r.config, str(store / "outputs" / r.run_id) if keep else None) for r in pending]
     by_id = {r.run_id: r for r in pending}
 
     if not tasks:
         completed: Iterable = ()
-    elif executor == "dask":
-        if scheduler is None:
+    elif options.executor == "dask":
+        if options.scheduler is None:
             raise ValueError("executor 'dask' needs a scheduler address (--scheduler tcp://host:8786)")
-        completed = _dask(tasks, scheduler)
-    elif executor == "local":
-        jobs = jobs or os.cpu_count() or 1
+        completed = _dask(tasks, options.scheduler)
+    elif options.executor == "local":
+        jobs = options.jobs or os.cpu_count() or 1
         completed = _serial(tasks) if jobs == 1 or len(tasks) == 1 else _local(tasks, min(jobs, len(tasks)))
     else:
-        raise ValueError(f"executor must be 'local' or 'dask', got {executor!r}")
+        raise ValueError(f"executor must be 'local' or 'dask', got {options.executor!r}")
 
     skipped = len(plan.runs) - len([r for r in plan.runs if r.run_id not in done])
     bar = _bar(len(plan.runs), skipped, len(tasks)) if progress else None

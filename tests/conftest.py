@@ -9,7 +9,15 @@ except ImportError:       # an uninstalled checkout (`python -m pytest` from it)
 # Triton kernels run on CPU only in interpreter mode, which must be set before they are defined.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import signal  # noqa: E402
+
 import pytest  # noqa: E402
+
+# A suite started as a background job of a script (`pytest ... &`) inherits SIGINT ignored, and so
+# would every kvsim process the tests start: the Ctrl-C tests would see their signal dropped and the
+# run finish with exit 0. A handler set here is reset to the default in those processes.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="module")

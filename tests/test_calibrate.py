@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from kvsim.sim.calibration import regenerate_cpu_profile as regen
 from kvsim.sim.calibration.errors import CalibrationError
 from kvsim.sim.calibration.importance_fit import fit_importance, load_attention_stats
-from kvsim.sim.calibration.profile_fit import fit_profile, nnls
+from kvsim.sim.calibration.profile_fit import FitOptions, fit_profile, nnls
 from kvsim.sim.calibration.step_logs import load_step_logs
 from kvsim.sim.cli import app
 from kvsim.sim.cost_model import CostModel, load_profile
@@ -86,14 +86,14 @@ def test_fit_recovers_per_batch_size_decode_factors():
     steps = synthetic_steps(n=2000)
     truth = load_profile("cpu-2core").model_copy(update={**TRUE, "decode_batch_factors": truth_table})
     steps["duration_s"] = CostModel("smollm2", "cpu-2core", truth).predict(shape_of_steps(steps))
-    report = fit_profile(steps, "smollm2", "cpu-2core", base_profile="cpu-2core", decode_batch_factors=True)
+    report = fit_profile(steps, "smollm2", "cpu-2core", base_profile="cpu-2core", options=FitOptions(decode_batch_factors=True))
     table = report.profile.decode_batch_factors
     for b in (3, 4, 8, 1, 16):
         assert table[b] == pytest.approx(truth_table[b], rel=0.02), b
     assert report.profile.mfu_decode == pytest.approx(TRUE["mfu_decode"], rel=0.02)
     assert report.errors["decode"]["mape"] < 0.01
     plain = fit_profile(synthetic_steps(n=2000), "smollm2", "cpu-2core", base_profile="cpu-2core",
-                        decode_batch_factors=True)
+                        options=FitOptions(decode_batch_factors=True))
     assert all(f == pytest.approx(1.0, abs=0.01) for f in plain.profile.decode_batch_factors.values())
     no_table = fit_profile(steps, "smollm2", "cpu-2core", base_profile="cpu-2core")
     assert no_table.profile.decode_batch_factors == {}
@@ -103,7 +103,7 @@ def test_fit_recovers_per_batch_size_decode_factors():
 def test_fit_trims_outliers():
     df = synthetic_steps(n=1000, noise=0.005)
     df.loc[::50, "duration_s"] *= 3.0           # 2% of steps hit by a background process
-    report = fit_profile(df, "smollm2", "cpu-2core", base_profile="cpu-2core", trim=0.03)
+    report = fit_profile(df, "smollm2", "cpu-2core", base_profile="cpu-2core", options=FitOptions(trim=0.03))
     for name in ("mfu_prefill", "mfu_decode", "attn_compute_eff", "attn_bw_eff", "copy_bw_eff", "padded_attn_cost",
                  "padded_prefill_cost"):
         assert getattr(report.profile, name) == pytest.approx(TRUE[name], rel=0.02), name

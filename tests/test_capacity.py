@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.capacity import find_capacity, parse_slo, read_capacity
+from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo, read_capacity
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.simulate import run_simulation
 from kvsim.sim.sweep import read_store
@@ -45,7 +45,7 @@ def test_bisection_finds_the_known_max_rate(uniform, tmp_path):
     # p99 of TTFT_k = s + k*delta over k = 0..N-1 is s + 0.99 (N-1) delta; solve for the boundary
     x_star = SPACING / (s - eps * s / (0.99 * (N - 1)))
     slo = parse_slo(f"ttft_p99<={s * (1 + eps) * 1e3:.9f}ms")
-    result = find_capacity(load_config(None, overrides), slo, rel_tol=0.01, store=tmp_path)
+    result = find_capacity(load_config(None, overrides), slo, CapacitySearch(rel_tol=0.01), store=tmp_path)
     assert result.feasible and result.bounded
     curve = result.curve
     lowest_failing = curve.loc[~curve["meets_slo"], "searched_value"].min()
@@ -60,7 +60,7 @@ def test_bisection_finds_the_known_max_rate(uniform, tmp_path):
     # every point is a run in the store; a second search reuses them all
     assert len(read_store(tmp_path)) == len(curve)
     mtimes = sorted(p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir())
-    again = find_capacity(load_config(None, overrides), slo, rel_tol=0.01, store=tmp_path)
+    again = find_capacity(load_config(None, overrides), slo, CapacitySearch(rel_tol=0.01), store=tmp_path)
     assert again.answer == result.answer
     assert mtimes == sorted(p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir())
     assert read_capacity(tmp_path)["answer"] == result.answer
@@ -72,7 +72,7 @@ def test_fewest_replicas_matches_round_robin_arithmetic(uniform):
     # iff n >= x*s/SPACING. x is chosen so that ratio is 2.5 -> 3 replicas
     x = 2.5 * SPACING / s
     cfg = load_config(None, {**overrides, "trace_options.rate_scale": x})
-    result = find_capacity(cfg, parse_slo(f"ttft_p99<={s * 1.01 * 1e3:.9f}ms"), mode="replicas")
+    result = find_capacity(cfg, parse_slo(f"ttft_p99<={s * 1.01 * 1e3:.9f}ms"), CapacitySearch(mode="replicas"))
     assert result.answer == 3
     assert result.answer_metrics["num_gpus"] == 3
     meets = dict(zip(result.curve["searched_value"], result.curve["meets_slo"]))
@@ -82,7 +82,7 @@ def test_fewest_replicas_matches_round_robin_arithmetic(uniform):
 def test_unreachable_slo_is_reported_infeasible(uniform):
     overrides, s = uniform
     result = find_capacity(load_config(None, overrides), parse_slo(f"ttft_p99<={s * 0.5 * 1e3:.6f}ms"),
-                           min_scale=0.25)
+                           CapacitySearch(min_scale=0.25))
     assert not result.feasible and result.answer is None
     assert result.curve["meets_slo"].sum() == 0
 
@@ -186,14 +186,15 @@ def test_drain_dominated_and_search_limit_warnings(uniform):
     overrides, s = uniform
     # every request arrives at once (huge rate scale): the whole run is the queue draining
     loose = parse_slo("ttft_p99<=1000s")
-    result = find_capacity(load_config(None, overrides), loose, start=512, max_scale=1024, max_evals=3)
+    result = find_capacity(load_config(None, overrides), loose, CapacitySearch(start=512, max_scale=1024, max_evals=3))
     assert result.feasible and not result.bounded
     row = result.curve.set_index("run_id").loc[result.answer_run_id].to_dict()
     assert drain_share(row) > 0.9
     text = " ".join(result_warnings(result, 3))
     assert "lower bound" in text and "drain-dominated" in text
     # well below capacity nothing drains and the answer is bracketed: no warning
-    ok = find_capacity(load_config(None, overrides), parse_slo(f"ttft_p99<={s * 1.5 * 1e3:.6f}ms"), rel_tol=0.05)
+    ok = find_capacity(load_config(None, overrides), parse_slo(f"ttft_p99<={s * 1.5 * 1e3:.6f}ms"),
+                       CapacitySearch(rel_tol=0.05))
     assert ok.bounded and result_warnings(ok, 24) == []
 
 
@@ -236,7 +237,7 @@ def test_scaled_profile_multiplies_every_step_time():
 def test_profile_band_follows_the_closed_form(uniform, tmp_path):
     """Step times x k make every TTFT of the uniform trace k s + i (k s - SPACING/x): the band's two
     searches land on the closed-form boundary for k = 1 -/+ mape."""
-    from kvsim.sim.capacity import LoadSample, capacity_range
+    from kvsim.sim.capacity import LoadSample, RangeVariants, capacity_range
     from kvsim.sim.cost_model import load_profile
     overrides, s = uniform
     mape = 0.1
@@ -246,9 +247,9 @@ def test_profile_band_follows_the_closed_form(uniform, tmp_path):
     cfg = load_config(None, {**overrides, "profile": str(path)})
     limit = s * 1.5
     slo = parse_slo(f"ttft_p99<={limit * 1e3:.9f}ms")
-    result = find_capacity(cfg, slo, rel_tol=0.005, max_evals=40)
+    result = find_capacity(cfg, slo, CapacitySearch(rel_tol=0.005, max_evals=40))
     sample = LoadSample("full trace", None, None, N, 1.0, 0.0, N, 1.0, 0.0)
-    spread = capacity_range(cfg, slo, result, sample, repeats=1, rel_tol=0.005, max_evals=40)
+    spread = capacity_range(cfg, slo, result, sample, CapacitySearch(rel_tol=0.005, max_evals=40), RangeVariants(repeats=1))
 
     def boundary(k):     # p99 = k s + 0.99 (N-1) (k s - SPACING/x) = limit
         return SPACING / (k * s - (limit - k * s) / (0.99 * (N - 1)))
@@ -278,12 +279,12 @@ def test_default_sample_range_holds_the_full_trace_answer():
     cfg = load_config(None, {"trace": "azure-code-2023", "model": "llama-3.1-8b", "gpu": "h100"})
     sampled, sample = choose_sample(cfg, None)
     assert sample.window.startswith("16m@peak") and sample.requests < len_of_trace(cfg) / 2
-    result = find_capacity(sampled, slo, start=0.25, rel_tol=0.1)
-    spread = capacity_range(sampled, slo, result, sample, rel_tol=0.1)
+    result = find_capacity(sampled, slo, CapacitySearch(start=0.25, rel_tol=0.1))
+    spread = capacity_range(sampled, slo, result, sample, CapacitySearch(rel_tol=0.1))
     assert spread.samples and spread.low < spread.high
     full_cfg, full_sample = choose_sample(cfg, "full")
     assert full_sample.requests == len_of_trace(cfg) and full_cfg.trace_options.start_s is None
-    full = find_capacity(full_cfg, slo, start=0.25, rel_tol=0.1)
+    full = find_capacity(full_cfg, slo, CapacitySearch(start=0.25, rel_tol=0.1))
     assert full.bounded
     full_fail = full.curve.loc[~full.curve["meets_slo"], "searched_value"].min()
     assert full.answer <= spread.high and full_fail >= spread.low, (full.answer, full_fail, spread)

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from kvsim.sim.catalog import get_model
 from kvsim.sim.cli import app
 from kvsim.sim.config import load_config
-from kvsim.sim.memory import num_gpu_blocks
+from kvsim.sim.memory import PoolSizing, num_gpu_blocks
 from kvsim.sim.catalog import get_gpu
 from kvsim.traces.errors import TraceWarning
 from kvsim.traces.loaders import load_trace
@@ -16,7 +16,7 @@ from kvsim.traces.loaders import load_trace
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.2-3b", "opt-125m", "opt-1.3b"])
 def test_small_models_fit_a_16gb_t4(name):
-    assert num_gpu_blocks(get_model(name), get_gpu("t4"), block_size=16).num_blocks > 1000
+    assert num_gpu_blocks(get_model(name), get_gpu("t4"), PoolSizing(block_size=16)).num_blocks > 1000
 
 
 def test_opt_is_fp16_with_a_two_matrix_mlp_and_biases():

@@ -304,3 +304,30 @@ def test_accepts_specs_and_profile_objects():
     profile = HardwareProfile(**{**load_profile().model_dump(), "step_overhead_s": 0.0})
     cm = CostModel(get_model("smollm2"), get_gpu("l4"), profile)
     assert cm.breakdown(BatchShape())["total"] == 0.0       # an empty step costs nothing here
+
+
+@pytest.mark.parametrize("model,gpu,tp,overlap", [("llama-3.1-8b", "h100", 1, True), ("llama-3.1-8b", "h100", 1, False),
+                                                  ("llama-3.1-70b", "h100", 4, True), ("qwen3-30b-a3b", "h100", 1, True),
+                                                  ("deepseek-v3", "h200", 8, False), ("llama-3.1-8b", "scaled", 2, True)])
+def test_operator_form_fast_paths_equal_the_breakdown_bit_for_bit(model, gpu, tp, overlap):
+    """The engine prices single steps (`predict` on scalars) and decode runs (`predict_decode`) without
+    the per-part dicts; both must give the breakdown's total exactly, or simulated clocks drift."""
+    profile = "auto"
+    if gpu == "scaled":                     # a profile scaled by a capacity search's step_time_scale
+        gpu, profile = "h100", load_profile("h100-sxm").model_copy(update={"step_time_scale": 1.25})
+    cm = CostModel(model, gpu, profile, tp=tp, async_scheduling=overlap)
+    assert cm.profile.operator_form
+    shapes = random_shapes(np.random.default_rng(11), 300)
+    shapes.op_flops, shapes.op_bytes = shapes.bytes_moved * 3.0, shapes.swap_bytes * 0.5
+    total = cm.breakdown(shapes)["total"]
+    for i in range(300):
+        one = BatchShape(**{f: float(getattr(shapes, f)[i]) for f in ("num_seqs", "num_prefill_tokens", "num_decode_tokens",
+                            "attn_pairs_prefill", "kv_tokens_read", "bytes_moved", "swap_bytes", "block_table_entries",
+                            "op_bytes", "op_flops")})
+        assert cm.predict(one) == cm.breakdown(one)["total"] == total[i]
+    seqs = shapes.num_seqs.copy()
+    seqs[::37] = 0.0                        # steps computing nothing keep their [ran] factors
+    run = cm.predict_decode(seqs, shapes.kv_tokens_read, shapes.block_table_entries)
+    ref = cm.breakdown(BatchShape(num_seqs=seqs, num_decode_tokens=seqs, kv_tokens_read=shapes.kv_tokens_read,
+                                  block_table_entries=shapes.block_table_entries))["total"]
+    assert (run == ref).all()

@@ -2,16 +2,16 @@
 import pytest
 import torch
 
-from kvsim.gpu.cache import PagedKVCache
+from kvsim.gpu.cache import CacheGeometry, PagedKVCache
 from kvsim.gpu.kernels.cache_ops import copy_slots, reshape_and_cache
-from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
 
 H, GROUP, D = 2, 3, 16
 
 
 def random_cache(layout, num_blocks, block_size, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    cache = PagedKVCache(layout, 2, H, D, num_blocks, block_size, dtype=dtype)
+    cache = PagedKVCache(CacheGeometry(layout, 2, H, D, num_blocks), block_size, dtype=dtype)
     cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
     cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
     cache.live.copy_(torch.rand(cache.live.shape, generator=gen) > 0.3)
@@ -37,15 +37,15 @@ def test_paged_decode_attention_triton_matches_torch(layout, block_size, dtype):
     tables = tables_for(layout, 3, 80 // block_size, num_blocks)
     q = torch.randn(3, H * GROUP, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     kc, vc = cache.layer_view(1)
-    out_t, (sum_t, sq_t) = paged_decode_attention(q, kc, vc, tables, cache.live, 0.25, True, backend="triton")
-    out_r, (sum_r, sq_r) = paged_decode_attention(q, kc, vc, tables, cache.live, 0.25, True, backend="torch")
+    out_t, (sum_t, sq_t) = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, 0.25, True, backend="triton")
+    out_r, (sum_r, sq_r) = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, 0.25, True, backend="torch")
     tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_t, out_r, **tol)
     torch.testing.assert_close(sum_t, sum_r, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sq_t, sq_r, atol=1e-5, rtol=1e-5)
     # every KV head's group of GROUP queries distributes probability mass GROUP over live slots
     torch.testing.assert_close(sum_t.sum(-1), torch.full((3, H), float(GROUP)), atol=1e-4, rtol=0)
-    out_plain, none = paged_decode_attention(q, kc, vc, tables, cache.live, 0.25, False, backend="triton")
+    out_plain, none = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, 0.25, False, backend="triton")
     assert none is None and torch.equal(out_plain, out_t)
 
 
@@ -65,9 +65,9 @@ def test_split_kv_decode_matches_torch_twin(layout, num_splits):
     q = torch.randn(3, H * GROUP, D, generator=torch.Generator().manual_seed(7))
     kc, vc = cache.layer_view(0)
     for mask in (None, select):
-        out_t, (sum_t, sq_t) = paged_decode_attention(q, kc, vc, tables, cache.live, 0.3, True, "triton", mask,
+        out_t, (sum_t, sq_t) = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, 0.3, True, "triton", mask,
                                                       num_splits=num_splits)
-        out_r, (sum_r, sq_r) = paged_decode_attention(q, kc, vc, tables, cache.live, 0.3, True, "torch", mask)
+        out_r, (sum_r, sq_r) = paged_decode_attention(q, PagedKV(kc, vc, cache.live), tables, 0.3, True, "torch", mask)
         torch.testing.assert_close(out_t, out_r, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(sum_t, sum_r, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(sq_t, sq_r, atol=1e-6, rtol=1e-5)
@@ -108,7 +108,7 @@ def test_masked_attention_equals_dense_attention_over_survivors(backend):
     table = torch.tensor([[5, 2, 7]])
     kc, vc = cache.layer_view(0)
     q = torch.randn(1, H * GROUP, D)
-    out, (p_sum, _) = paged_decode_attention(q, kc, vc, table[:, None, :].expand(1, H, 3), cache.live, 0.25, True,
+    out, (p_sum, _) = paged_decode_attention(q, PagedKV(kc, vc, cache.live), table[:, None, :].expand(1, H, 3), 0.25, True,
                                              backend=backend)
     slots = (table[0][:, None] * 16 + torch.arange(16)).reshape(-1)
     survivors = slots[cache.live.view(-1)[slots]]
@@ -127,7 +127,7 @@ def test_masked_attention_equals_dense_attention_over_survivors(backend):
 def test_reshape_and_cache_triton_matches_torch(layout):
     T, block_size = 7, 4
     key, value = torch.randn(T, H, D), torch.randn(T, H, D)
-    caches = [PagedKVCache(layout, 2, H, D, 40, block_size) for _ in range(2)]
+    caches = [PagedKVCache(CacheGeometry(layout, 2, H, D, 40), block_size) for _ in range(2)]
     gen = torch.Generator().manual_seed(2)
     shape = (T,) if layout == "shared" else (T, H)
     slots = torch.randperm(160, generator=gen)[:T * (1 if layout == "shared" else H)].view(shape)

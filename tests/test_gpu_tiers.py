@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvsim.gpu.attention import quest_bound
-from kvsim.gpu.cache import PagedKVCache, TieredKVCache
-from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+from kvsim.gpu.cache import CacheGeometry, PagedKVCache, TieredKVCache
+from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
 from kvsim.gpu.quant import TIERS
 from kvsim.gpu.replay import run_replay
 from kvsim.sim.config import load_config
@@ -35,7 +35,7 @@ def tiered_cache(layout, seed=0):
     surviving slots were written from, slot ids in table order."""
     gen = torch.Generator().manual_seed(seed)
     nb = 12
-    cache = TieredKVCache(layout, L, H, D, nb, page_bytes=8 * 2 * D * 4, block_size=8)
+    cache = TieredKVCache(CacheGeometry(layout, L, H, D, nb), page_bytes=8 * 2 * D * 4, block_size=8)
     high, low = cache.capacity
     rng = np.random.default_rng(seed)
     tables = torch.full((2, H, 2), -1, dtype=torch.long)
@@ -123,7 +123,7 @@ def test_tiered_triton_kernel_reports_the_group_max():
 def test_selective_decode_attention_equals_dense_over_exactly_the_selected_slots(backend):
     gen = torch.Generator().manual_seed(0)
     bs, nb = 4, 10
-    cache = PagedKVCache("shared", 1, H, D, nb, bs, backend=backend)
+    cache = PagedKVCache(CacheGeometry("shared", 1, H, D, nb), bs, backend=backend)
     tables = torch.tensor([[0, 3, 5], [7, 2, -1]])
     slots = (tables.clamp(min=0)[..., None] * bs + torch.arange(bs)).reshape(2, -1)
     for b in range(2):
@@ -143,7 +143,7 @@ def test_selective_decode_attention_equals_dense_over_exactly_the_selected_slots
             assert (p_sum[b, h][~m] == 0).all()
             torch.testing.assert_close(p_sum[b, h][m], p.sum(0), atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="slot_mask must be bool"):
-        paged_decode_attention(q, *cache.layer_view(0), tbl, cache.live, 0.3, slot_mask=select[:, :, :5])
+        paged_decode_attention(q, PagedKV(*cache.layer_view(0), cache.live), tbl, 0.3, slot_mask=select[:, :, :5])
 
 
 def test_quest_bound_bounds_every_score_of_its_page_and_is_exact_per_token():

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,3 +45,13 @@ def test_gpu_validation_script_refuses_a_python_without_the_backend(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_validation.sh"), str(tmp_path / "o")],
                           capture_output=True, text=True, env=env)
     assert proc.returncode != 0
+
+
+def test_a_validation_step_past_its_time_limit_is_stopped_and_reported(tmp_path):
+    """A slow policy replay must not starve the rest of the validation: it is stopped and named."""
+    from kvsim.gpu.validate import _kvsim
+    log = tmp_path / "slow.log"
+    with pytest.raises(RuntimeError, match="stopped after 1 s"):
+        _kvsim(["simulate", "--trace", "azure-conv-2023", "--model", "llama-3.1-8b", "--gpu", "h100", "-q",
+                "--no-fast-forward", "--out", str(tmp_path / "run")], log, timeout_s=1)
+    assert log.read_text().startswith("$ kvsim simulate")

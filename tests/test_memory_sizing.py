@@ -1,7 +1,7 @@
 import pytest
 
 from kvsim.sim.catalog import get_model
-from kvsim.sim.memory import GiB, ModelDoesNotFitError, activation_peak_bytes, num_gpu_blocks
+from kvsim.sim.memory import GiB, ModelDoesNotFitError, PoolSizing, activation_peak_bytes, num_gpu_blocks
 
 
 def test_llama31_8b_on_h100_by_hand():
@@ -26,14 +26,14 @@ def test_llama31_8b_on_h100_by_hand():
 
 def test_per_head_layout_has_layers_times_kv_heads_more_blocks():
     shared = num_gpu_blocks("llama-3.1-8b", "h100")
-    per_head = num_gpu_blocks("llama-3.1-8b", "h100", layout="per_head")
+    per_head = num_gpu_blocks("llama-3.1-8b", "h100", PoolSizing(layout="per_head"))
     assert per_head.num_blocks_per_head == shared.num_blocks * 32 * 8 == per_head.pool_blocks
     assert shared.pool_blocks == shared.num_blocks
     assert per_head.bytes_per_head_block == 16 * 2 * 128 * 2
 
 
 def test_tensor_parallel_shards_weights_and_kv_heads():
-    pool = num_gpu_blocks("llama-3.1-70b", "h100", tp=4)
+    pool = num_gpu_blocks("llama-3.1-70b", "h100", PoolSizing(tp=4))
     m_weights = 70_553_706_496 * 2
     assert pool.weight_bytes == m_weights // 4
     assert pool.bytes_per_block == 16 * 2 * 80 * (8 // 4) * 128 * 2
@@ -42,10 +42,10 @@ def test_tensor_parallel_shards_weights_and_kv_heads():
 
 
 def test_kv_heads_replicate_when_fewer_than_ranks():
-    pool = num_gpu_blocks("smollm2", "l4", tp=9)          # 3 KV heads on 9 ranks: one each
+    pool = num_gpu_blocks("smollm2", "l4", PoolSizing(tp=9))          # 3 KV heads on 9 ranks: one each
     assert pool.bytes_per_block == 16 * 2 * 30 * 1 * 64 * 2
     with pytest.raises(ValueError, match="tp=2 must divide num_heads=9"):
-        num_gpu_blocks("smollm2", "l4", tp=2)
+        num_gpu_blocks("smollm2", "l4", PoolSizing(tp=2))
 
 
 def test_model_that_does_not_fit_reports_missing_gib():
@@ -56,21 +56,21 @@ def test_model_that_does_not_fit_reports_missing_gib():
     missing = (need - int(79.11 * 2**30 * 0.9)) / GiB
     assert f"{missing:.2f} GiB missing" in text and "Llama-3.1-70B does not fit on H100-SXM (tp=1)" in text
     # On two H100s bf16 weights leave ~4 GiB of KV per GPU; FP8 weights leave ~8x more.
-    bf16 = num_gpu_blocks("llama-3.1-70b", "h100", tp=2)
-    fp8 = num_gpu_blocks("llama-3.1-70b-fp8", "h100", tp=2)
+    bf16 = num_gpu_blocks("llama-3.1-70b", "h100", PoolSizing(tp=2))
+    fp8 = num_gpu_blocks("llama-3.1-70b-fp8", "h100", PoolSizing(tp=2))
     assert 3 * GiB < bf16.kv_bytes_available < 5 * GiB
     assert fp8.num_blocks > 7 * bf16.num_blocks
 
 
 def test_reserve_kv_dtype_and_utilization():
-    base = num_gpu_blocks("llama-3.1-8b", "h100", activation_reserve_bytes=0, non_torch_overhead_bytes=0)
+    base = num_gpu_blocks("llama-3.1-8b", "h100", PoolSizing(activation_reserve_bytes=0, non_torch_overhead_bytes=0))
     assert base.num_blocks == (int(79.11 * 2**30 * 0.9) - 8_030_261_248 * 2) // 2**21
-    fp8 = num_gpu_blocks("llama-3.1-8b", "h100", activation_reserve_bytes=0, non_torch_overhead_bytes=0,
-                         kv_dtype="fp8")
+    fp8 = num_gpu_blocks("llama-3.1-8b", "h100", PoolSizing(activation_reserve_bytes=0, non_torch_overhead_bytes=0,
+                                                           kv_dtype="fp8"))
     assert fp8.num_blocks == base.kv_bytes_available // 2**20
-    lower = num_gpu_blocks("llama-3.1-8b", "h100", gpu_memory_utilization=0.8)
+    lower = num_gpu_blocks("llama-3.1-8b", "h100", PoolSizing(gpu_memory_utilization=0.8))
     assert lower.num_blocks < num_gpu_blocks("llama-3.1-8b", "h100").num_blocks
-    bigger_budget = num_gpu_blocks("llama-3.1-8b", "h100", max_num_batched_tokens=32768)
+    bigger_budget = num_gpu_blocks("llama-3.1-8b", "h100", PoolSizing(max_num_batched_tokens=32768))
     assert bigger_budget.activation_bytes > lower.activation_bytes
 
 
@@ -81,7 +81,7 @@ def test_reserve_kv_dtype_and_utilization():
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        num_gpu_blocks("llama-3.1-8b", "h100", **kwargs)
+        num_gpu_blocks("llama-3.1-8b", "h100", PoolSizing(**kwargs))
 
 
 # ---- host memory of a simulation run (refused before anything is allocated) ---------------------

@@ -12,7 +12,7 @@ from kvsim.sim.core.request import Request
 from kvsim.sim.core.sliding_window import HybridKVManager
 from kvsim.sim.core.step import BatchShape
 from kvsim.sim.cost_model import CostModel, expected_distinct_experts
-from kvsim.sim.memory import num_gpu_blocks
+from kvsim.sim.memory import PoolSizing, num_gpu_blocks
 from kvsim.sim.simulate import run_simulation
 from kvsim.traces import Trace
 
@@ -160,7 +160,7 @@ def test_deepseek_v3_latent_kv_is_whole_on_every_gpu():
     for tp in (1, 8):
         cost = CostModel("deepseek-v3", "h200", "default", tp=tp)
         assert cost.kv_bytes_per_token_per_gpu == 70_272
-        pool = num_gpu_blocks("deepseek-v3", "h200", tp=8, block_size=16)
+        pool = num_gpu_blocks("deepseek-v3", "h200", PoolSizing(tp=8, block_size=16))
         assert pool.bytes_per_block == 16 * 70_272
     cost = CostModel("deepseek-v3", "h200", "default", tp=8)
     f = cost.features(BatchShape(num_seqs=4, num_prefill_tokens=100, num_decode_tokens=3, kv_tokens_read=5000,
@@ -180,7 +180,7 @@ def test_gpt_oss_mxfp4_experts_and_groups():
     assert 20.8e9 < m.param_count < 21.0e9                     # 20.9 B on the model card
     assert m.kv_cache_groups() == (12, 1, 1)                   # 12 full + 12 sliding layers
     assert m.kv_bytes_per_token() == 2 * 24 * 8 * 64 * 2
-    pool = num_gpu_blocks(m, "h100", block_size=16)
+    pool = num_gpu_blocks(m, "h100", PoolSizing(block_size=16))
     assert pool.bytes_per_block == 16 * 2 * 12 * 8 * 64 * 2    # one group's 12 layers
 
 

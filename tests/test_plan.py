@@ -8,10 +8,10 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.capacity import find_capacity, parse_slo
+from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo
 from kvsim.sim.catalog import get_gpu
 from kvsim.sim.config import load_config
-from kvsim.sim.plan import executor, plan_capacity
+from kvsim.sim.plan import PlanSpace, executor, plan_capacity
 from kvsim.sim.simulate import run_simulation
 
 N, SPACING, PROMPT = 24, 1.0, 2048
@@ -35,13 +35,13 @@ def uniform(tmp_path_factory):
 def test_plan_finds_the_cheapest_that_an_exhaustive_search_finds(uniform, tmp_path):
     overrides, slo = uniform
     base = load_config(None, overrides)
-    result = plan_capacity(base, slo, models=["llama-3.1-8b"], gpus=GPUS, tps=TPS, max_replicas=8, store=tmp_path)
+    result = plan_capacity(base, slo, PlanSpace(["llama-3.1-8b"], GPUS, TPS, max_replicas=8), store=tmp_path)
     # T4 (15 GiB) cannot hold the 16 GB of bf16 weights at TP 1: pruned before anything runs
     assert [(c.gpu, c.tp) for c, _ in result.unfit] == [("t4", 1)]
     assert "does not fit" in result.unfit[0][1]
     exhaustive, one_by_one = {}, 0
     for s in result.searches:
-        r = find_capacity(s.cand.cfg, slo, mode="replicas", max_replicas=8)
+        r = find_capacity(s.cand.cfg, slo, CapacitySearch(mode="replicas", max_replicas=8))
         exhaustive[(s.cand.gpu, s.cand.tp)] = r.answer
         one_by_one += len(r.curve)
         if s.status == "answer":
@@ -62,7 +62,7 @@ def test_plan_finds_the_cheapest_that_an_exhaustive_search_finds(uniform, tmp_pa
     front = result.pareto()
     assert front["meets_slo"].all() and front["usd_per_hour"].min() == best
     # the store: every point a sweep row, a second plan reuses them all
-    again = plan_capacity(base, slo, models=["llama-3.1-8b"], gpus=GPUS, tps=TPS, max_replicas=8, store=tmp_path)
+    again = plan_capacity(base, slo, PlanSpace(["llama-3.1-8b"], GPUS, TPS, max_replicas=8), store=tmp_path)
     assert again.simulations == 0 and again.cheapest["llama-3.1-8b"].cand.label == winner.cand.label
     saved = json.loads((tmp_path / "plan-result.json").read_text())
     assert saved["cheapest"] == {"llama-3.1-8b": winner.cand.label}
@@ -73,11 +73,11 @@ def test_dask_executor_gives_the_serial_rounds(uniform):
     overrides, slo = uniform
     base = load_config(None, overrides)
     # the same rounds (width 2) run in this process
-    serial = plan_capacity(base, slo, models=["llama-3.1-8b"], gpus=["h100"], tps=TPS, max_replicas=8, width=2)
+    serial = plan_capacity(base, slo, PlanSpace(["llama-3.1-8b"], ["h100"], TPS, max_replicas=8), width=2)
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
             executor(cluster.scheduler_address) as (run_batch, width):
         assert width == 2
-        dask = plan_capacity(base, slo, models=["llama-3.1-8b"], gpus=["h100"], tps=TPS, max_replicas=8,
+        dask = plan_capacity(base, slo, PlanSpace(["llama-3.1-8b"], ["h100"], TPS, max_replicas=8),
                              run_batch=run_batch, width=width)
     assert [(s.cand.label, s.status, s.hi_ok) for s in dask.searches] == \
         [(s.cand.label, s.status, s.hi_ok) for s in serial.searches]
@@ -115,7 +115,7 @@ def test_cli_plan_prints_each_configuration_and_the_cheapest(uniform, tmp_path):
 def test_candidates_cross_models_gpus_tps_and_policies():
     from kvsim.sim.plan import candidates
     base = load_config(None, {"kv.budget": 256})
-    cands, unfit = candidates(base, ["llama-3.1-8b"], ["h100", "l4"], [1, 3], ["none", "h2o"])
+    cands, unfit = candidates(base, PlanSpace(["llama-3.1-8b"], ["h100", "l4"], [1, 3], ["none", "h2o"]))
     assert [(c.gpu, c.tp, c.policy, c.cfg.kv.policy) for c in cands] == [
         ("h100", 1, "none", "none"), ("h100", 1, "h2o", "h2o"), ("l4", 1, "none", "none"), ("l4", 1, "h2o", "h2o")]
     # TP 3 does not divide Llama-3.1-8B's 32 heads: never simulated, with the reason

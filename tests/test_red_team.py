@@ -370,10 +370,10 @@ def test_a_full_disk_leaves_no_trace_file_that_loads(tmp_path, monkeypatch):
 
 def test_a_full_disk_leaves_no_empty_report(tmp_path, monkeypatch):
     from kvsim.sim import report
-    from kvsim.sim.sweep import parse_spec, run_sweep
+    from kvsim.sim.sweep import SweepRunOptions, parse_spec, run_sweep
 
     plan = parse_spec({"fixed": {"trace_options.max_requests": 20}, "grid": {"seed": [0]}})
-    run_sweep(plan, tmp_path, jobs=1, progress=False)
+    run_sweep(plan, tmp_path, SweepRunOptions(jobs=1), progress=False)
     monkeypatch.setattr(Path, "write_text", _disk_full)
     with pytest.raises(OSError, match="disk full"):
         report.build_report(tmp_path)

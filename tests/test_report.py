@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.capacity import find_capacity, parse_slo
+from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo
 from kvsim.sim.config import load_config
 from kvsim.sim.report import build_report, pareto_front, series_by_group
-from kvsim.sim.sweep import parse_spec, run_sweep
+from kvsim.sim.sweep import SweepRunOptions, parse_spec, run_sweep
 
 SMALL = {"trace_options.max_requests": 40, "engine.num_gpu_blocks": 1500}
 
@@ -37,7 +37,7 @@ def sweep_store(tmp_path_factory):
     spec = {"fixed": SMALL,
             "runs": [{"engine.block_size": b, "trace_options.rate_scale": r} for b in (16, 32) for r in (1, 4)]
             + [{"trace_options.rate": 5.0}]}   # fails at run time (rate needs a length-only trace)
-    run_sweep(parse_spec(spec), store, jobs=1, progress=False)
+    run_sweep(parse_spec(spec), store, SweepRunOptions(jobs=1), progress=False)
     return store
 
 
@@ -77,7 +77,7 @@ def test_pareto_front_keeps_only_undominated_points():
 
 def test_capacity_store_report_marks_the_answer(tmp_path):
     cfg = load_config(None, SMALL)
-    result = find_capacity(cfg, parse_slo("ttft_p99<=1s"), max_evals=5, store=tmp_path)
+    result = find_capacity(cfg, parse_slo("ttft_p99<=1s"), CapacitySearch(max_evals=5), store=tmp_path)
     page = build_report(tmp_path, tmp_path / "cap.html").read_text()
     assert "Capacity search (ttft_p99\\u003c=1s)" in page   # '<' as plotly's JSON writes it
     assert f"max rate scale = {result.answer}" in page

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from kvsim.sim.catalog import get_gpu
 from kvsim.sim.config import load_config
 from kvsim.sim.simulate import run_simulation
-from kvsim.sim.sweep import SpecError, load_spec, parse_spec, read_store, run_sweep
+from kvsim.sim.sweep import SpecError, SweepRunOptions, load_spec, parse_spec, read_store, run_sweep
 
 SMALL = {"trace_options.max_requests": 60, "engine.num_gpu_blocks": 1500}
 SPEC = {"fixed": SMALL,
@@ -38,7 +38,7 @@ def comparable(df: pd.DataFrame) -> pd.DataFrame:
 def reference(tmp_path_factory) -> pd.DataFrame:
     """The spec run serially in this process: the store every other executor must reproduce."""
     store = tmp_path_factory.mktemp("reference")
-    result = run_sweep(parse_spec(SPEC), store, jobs=1, progress=False)
+    result = run_sweep(parse_spec(SPEC), store, SweepRunOptions(jobs=1), progress=False)
     assert (result.ran, result.failed) == (8, 0)
     return read_store(store)
 
@@ -135,13 +135,13 @@ def test_rows_hold_config_and_the_same_metrics_as_kvsim_simulate(reference):
 
 def test_stop_after_n_runs_then_resume_gives_the_same_store(tmp_path, reference):
     plan = parse_spec(SPEC)
-    first = run_sweep(plan, tmp_path, jobs=1, max_runs=3, progress=False)
+    first = run_sweep(plan, tmp_path, SweepRunOptions(jobs=1, max_runs=3), progress=False)
     assert first.ran == 3 and len(read_store(tmp_path)) == 3
-    second = run_sweep(plan, tmp_path, jobs=1, progress=False)
+    second = run_sweep(plan, tmp_path, SweepRunOptions(jobs=1), progress=False)
     assert (second.skipped, second.ran) == (3, 5)
     pd.testing.assert_frame_equal(comparable(read_store(tmp_path)), comparable(reference))
     mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
-    third = run_sweep(plan, tmp_path, jobs=1, progress=False)
+    third = run_sweep(plan, tmp_path, SweepRunOptions(jobs=1), progress=False)
     assert third.ran == 0
     assert mtimes == {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
 
@@ -164,7 +164,7 @@ def test_killed_sweep_resumes_without_loss_or_duplicates(tmp_path, reference):
         proc.wait()
     done = len(list(runs.glob("[!.]*.parquet")))
     assert 2 <= done < 8, "the kill should land mid-sweep"
-    resumed = run_sweep(load_spec(spec), store, jobs=1, progress=False)
+    resumed = run_sweep(load_spec(spec), store, SweepRunOptions(jobs=1), progress=False)
     assert resumed.ran == 8 - done
     assert not list(runs.glob(".tmp-*"))
     pd.testing.assert_frame_equal(comparable(read_store(store)), comparable(reference))
@@ -174,22 +174,22 @@ def test_a_failing_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     # `rate` applies only to length-only traces: on the Azure trace the loader refuses it at run time
     spec = {"fixed": {**SMALL, "trace_options.max_requests": 30},
             "grid": {"trace_options.rate": [None, 5.0], "engine.block_size": [16, 32]}}
-    result = run_sweep(parse_spec(spec), tmp_path, jobs=1, progress=False)
+    result = run_sweep(parse_spec(spec), tmp_path, SweepRunOptions(jobs=1), progress=False)
     assert (result.ran, result.failed) == (4, 2)
     df = read_store(tmp_path)
     assert list(df["status"]) == ["ok", "ok", "failed", "failed"]
     assert df.loc[2, "error"].startswith("TraceError") and "length-only" in df.loc[2, "error"]
     assert df.loc[2, "trace_options.rate"] == 5.0 and pd.isna(df.loc[2, "throughput_req_s"])
     assert df.loc[:1, "throughput_req_s"].gt(0).all()
-    assert run_sweep(parse_spec(spec), tmp_path, jobs=1, progress=False).ran == 0
-    retried = run_sweep(parse_spec(spec), tmp_path, jobs=1, retry_failed=True, progress=False)
+    assert run_sweep(parse_spec(spec), tmp_path, SweepRunOptions(jobs=1), progress=False).ran == 0
+    retried = run_sweep(parse_spec(spec), tmp_path, SweepRunOptions(jobs=1, retry_failed=True), progress=False)
     assert (retried.ran, retried.failed) == (2, 2)
     assert len(read_store(tmp_path)) == 4
 
 
 def test_save_outputs_keeps_each_runs_simulate_files(tmp_path):
     plan = parse_spec({**SPEC, "grid": {"engine.block_size": [16]}, "save_outputs": True})
-    run_sweep(plan, tmp_path, jobs=1, progress=False)
+    run_sweep(plan, tmp_path, SweepRunOptions(jobs=1), progress=False)
     out = tmp_path / "outputs" / plan.runs[0].run_id
     assert {p.name for p in out.iterdir()} == {"requests.parquet", "steps.parquet", "summary.json", "config.yaml",
                                                ".kvsim-results"}
@@ -199,7 +199,7 @@ def test_save_outputs_keeps_each_runs_simulate_files(tmp_path):
 # ---- executors ----------------------------------------------------------------------------------
 
 def test_process_pool_store_equals_serial(tmp_path, reference):
-    result = run_sweep(parse_spec(SPEC), tmp_path, jobs=2, progress=False)
+    result = run_sweep(parse_spec(SPEC), tmp_path, SweepRunOptions(jobs=2), progress=False)
     assert result.ran == 8
     pd.testing.assert_frame_equal(comparable(read_store(tmp_path)), comparable(reference))
 
@@ -210,7 +210,7 @@ def test_dask_cluster_store_equals_local(tmp_path, reference):
     # in-process workers (inproc:// transport): fast to start, same task function as a real cluster
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
             Client(cluster) as client:
-        result = run_sweep(parse_spec(SPEC), tmp_path, executor="dask", scheduler=client.scheduler.address,
+        result = run_sweep(parse_spec(SPEC), tmp_path, SweepRunOptions("dask", scheduler=client.scheduler.address),
                            progress=False)
     assert (result.ran, result.failed) == (8, 0)
     pd.testing.assert_frame_equal(comparable(read_store(tmp_path)), comparable(reference))
@@ -230,7 +230,7 @@ def test_an_unreadable_run_file_is_run_again_and_reports_still_work(tmp_path, re
     from kvsim.sim.report import build_report
     spec = write_spec(tmp_path / "spec.yaml", SPEC)
     store = tmp_path / "store"
-    run_sweep(load_spec(spec), store, jobs=1, progress=False)
+    run_sweep(load_spec(spec), store, SweepRunOptions(jobs=1), progress=False)
     broken = sorted((store / "runs").glob("*.parquet"))[3]
     broken.write_bytes(broken.read_bytes()[:100])                 # a copy cut short
     df = read_store(store)
@@ -311,6 +311,6 @@ def test_cost_columns_count_only_runs_meeting_the_slo(reference, tmp_path):
     assert reference["usd_per_hour"].notna().all()
     # a tight SLO fails every run: no run has a cost per token, so none ranks cheapest
     run_sweep(parse_spec({"fixed": {**SMALL, "slo.ttft": "1ms"}, "grid": {"trace_options.rate_scale": [4]}}),
-              tmp_path, jobs=1, progress=False)
+              tmp_path, SweepRunOptions(jobs=1), progress=False)
     row = read_store(tmp_path).iloc[0]
     assert not row["meets_slo"] and math.isnan(row["usd_per_m_output_tok"]) and row["usd_per_hour"] > 0

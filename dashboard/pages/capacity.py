@@ -13,7 +13,7 @@ from kvsim.dashboard.ui import follow_job, keep_widget, run_button, running_job,
 from kvsim.sim.capacity import choose_sample, parse_slo, sample_warnings
 from kvsim.sim.catalog import list_gpus, list_models
 from kvsim.sim.config import ConfigError, SimConfig
-from kvsim.sim.plan import PlanResult, plan_capacity
+from kvsim.sim.plan import PlanResult, PlanSpace, plan_capacity
 from kvsim.sim.sweep import config_columns
 from kvsim.traces.errors import TraceError
 from kvsim.traces.windows import WINDOW_HELP
@@ -56,8 +56,8 @@ def plan_task(base: SimConfig, constraints, models, gpus, tps, max_replicas: int
         def progress(search, n, row):
             job.run_done = min(job.run_done + 1, job.run_total - 1)
             job.check_cancel()
-        return plan_capacity(base, constraints, models=models, gpus=gpus, tps=tps, max_replicas=max_replicas,
-                             store=store, progress=progress)
+        space = PlanSpace(models=models, gpus=gpus, tps=tps, max_replicas=max_replicas)
+        return plan_capacity(base, constraints, space, store=store, progress=progress)
     return task
 
 

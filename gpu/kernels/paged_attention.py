@@ -13,6 +13,8 @@ block_size] in block-table order narrows the slots each (sequence, KV head) read
 selection) on top of the live mask. Cache view conventions: see `gpu.kernels.reference`."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +22,14 @@ import triton.language as tl
 from kvsim.gpu.kernels import use_triton
 from kvsim.gpu.kernels.reference import paged_decode_attention_ref
 from kvsim.gpu.kernels.split_kv import NUM_STAGES, NUM_WARPS, _lse, combine, group_pad, num_sms, plan_splits, tile_for
+
+
+class PagedKV(NamedTuple):
+    """One layer's paged cache as the decode kernels read it: K and V [NB, bs, H, D] (any strides) and
+    the live mask [NB, bs] bool."""
+    k: torch.Tensor
+    v: torch.Tensor
+    live: torch.Tensor
 
 
 @triton.jit
@@ -169,8 +179,9 @@ def _paged_stats_kernel(
         tl.store(ssq_ptr + dst, tl.sum(p * p, axis=0), mask=n < end)
 
 
-def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, live, scale, want_scores=False, slot_mask=None,
+def paged_decode_attention_triton(q, kv: PagedKV, block_tables, scale, want_scores=False, slot_mask=None,
                                   num_splits=None):
+    k_cache, v_cache, live = kv
     B, nh, D = q.shape
     H, M = block_tables.shape[1:]
     bs = k_cache.shape[1]
@@ -208,12 +219,11 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, live, scale
     return out.view(B, nh, D), (ssum, ssq)
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, live: torch.Tensor, scale: float,
+def paged_decode_attention(q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, scale: float,
                            want_scores: bool = False, backend: str | None = None,
                            slot_mask: torch.Tensor | None = None, num_splits: int | None = None):
-    """q [B, heads, D]; caches [NB, bs, H, D] (any strides); block_tables [B, H, M] (-1 padded);
-    live [NB, bs] bool; slot_mask None or bool [B, H, M * bs] (block-table order): only slots both
+    """q [B, heads, D]; kv: the layer's PagedKV (caches [NB, bs, H, D], any strides; live [NB, bs]
+    bool); block_tables [B, H, M] (-1 padded); slot_mask None or bool [B, H, M * bs] (block-table order): only slots both
     live and selected are attended. `num_splits` (Triton only) forces the number of split-KV programs
     per (sequence, KV head); None picks it from the GPU's SM count (1 off CUDA). Returns (out [B,
     heads, D], None or (sum, sum_sq) [B, H, M * bs] fp32)."""
@@ -221,10 +231,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({block_tables.shape[1]})")
     if slot_mask is not None:
         B, H, M = block_tables.shape
-        if tuple(slot_mask.shape) != (B, H, M * k_cache.shape[1]) or slot_mask.dtype != torch.bool:
-            raise ValueError(f"slot_mask must be bool [{B}, {H}, {M * k_cache.shape[1]}], got "
+        if tuple(slot_mask.shape) != (B, H, M * kv.k.shape[1]) or slot_mask.dtype != torch.bool:
+            raise ValueError(f"slot_mask must be bool [{B}, {H}, {M * kv.k.shape[1]}], got "
                              f"{slot_mask.dtype} {list(slot_mask.shape)}")
     if use_triton(q, backend):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, live, scale, want_scores, slot_mask,
-                                             num_splits)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, live, scale, want_scores, slot_mask)
+        return paged_decode_attention_triton(q, kv, block_tables, scale, want_scores, slot_mask, num_splits)
+    return paged_decode_attention_ref(q, kv.k, kv.v, block_tables, kv.live, scale, want_scores, slot_mask)

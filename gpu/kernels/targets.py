@@ -132,7 +132,7 @@ def _run_case(case: LaunchCase) -> None:
     D, H, G, bs = case.head_dim, case.kv_heads, case.group, case.block_size
     B, M, NB = 2, 8, 64
     if case.op in ("decode", "decode_stats"):
-        from kvsim.gpu.kernels.paged_attention import paged_decode_attention
+        from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
         if case.layout == "shared":
             k = torch.zeros(NB, bs, H, D, dtype=dtype)
             v = torch.zeros_like(k)
@@ -142,7 +142,7 @@ def _run_case(case: LaunchCase) -> None:
         tables = torch.zeros(B, H, M, dtype=torch.int32)
         live = torch.zeros(k.shape[0], bs, dtype=torch.bool)
         sel = torch.ones(B, H, M * bs, dtype=torch.bool) if case.select else None
-        paged_decode_attention(torch.zeros(B, H * G, D, dtype=dtype), k, v, tables, live, 0.1,
+        paged_decode_attention(torch.zeros(B, H * G, D, dtype=dtype), PagedKV(k, v, live), tables, 0.1,
                                want_scores=case.op == "decode_stats", backend="triton", slot_mask=sel,
                                num_splits=case.num_splits)
     elif case.op in ("quant_decode", "quant_stats"):

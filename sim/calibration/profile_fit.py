@@ -111,21 +111,30 @@ DECODE_BATCH_MIN_STEPS = 10     # decode steps of one batch size needed for its 
 DECODE_BATCH_ROUNDS = 4
 
 
-def fit_profile(steps: pd.DataFrame, model: str, gpu: str, *, base_profile: str | HardwareProfile = "default",
-                tp: int = 1, name: str = "fitted", description: str = "", max_iter: int = 25,
-                trim: float = 0.0, decode_batch_factors: bool = False) -> FitReport:
-    """Fit the profile's factors to `steps` (a step log with measured duration_s).
+@dataclass(frozen=True)
+class FitOptions:
+    """How `fit_profile` fits and names a profile (`kvsim calibrate`'s --name, --trim, --decode-batch-factors)."""
+    name: str = "fitted"                 # the fitted profile's name
+    description: str = ""                # its description ("": the base profile's)
+    max_iter: int = 25                   # most rounds of re-picking the roofline branches per fit
+    trim: float = 0.0                    # share of steps with the largest residual left out of the refit
+    decode_batch_factors: bool = False   # also fit the per-batch-size decode table
 
-    `trim`: after a first fit, drop this share of the steps with the largest relative residual
+
+def fit_profile(steps: pd.DataFrame, model: str, gpu: str, *, base_profile: str | HardwareProfile = "default",
+                tp: int = 1, options: FitOptions = FitOptions()) -> FitReport:
+    """Fit the profile's factors to `steps` (a step log with measured duration_s), as `options` says.
+
+    `options.trim`: after a first fit, drop this share of the steps with the largest relative residual
     (timing outliers: page faults, other processes) and refit; errors are reported on all steps.
-    `decode_batch_factors`: also fit the per-batch-size decode table: alternately, each batch size's
+    `options.decode_batch_factors`: also fit the per-batch-size decode table: alternately, each batch size's
     factor is the median measured / predicted of its pure-decode steps (sizes with at least
     DECODE_BATCH_MIN_STEPS steps), and the factors are refitted on the times divided by it.
     """
     # the step-log fit is of the plain roofline: an operator-fitted base keeps only its scalar factors
     base = load_profile(base_profile).model_copy(update={"decode_batch_factors": {}, "gemm_efficiency": None})
-    report = _fit_factors(steps, model, gpu, base, tp, name, description, max_iter, trim)
-    if not decode_batch_factors:
+    report = _fit_factors(steps, model, gpu, base, tp, options)
+    if not options.decode_batch_factors:
         return report
     steps = steps[steps["duration_s"] > 0].reset_index(drop=True)
     shape, y = shape_of_steps(steps), steps["duration_s"].to_numpy(dtype=np.float64)
@@ -141,25 +150,24 @@ def fit_profile(steps: pd.DataFrame, model: str, gpu: str, *, base_profile: str 
         # fit on the times the table would explain away (the factors divide pure-decode steps only)
         k = CostModel(model, gpu, base.model_copy(update={"decode_batch_factors": table}), tp=tp) \
             .decode_batch_factor(shape.num_seqs, shape.num_prefill_tokens)
-        report = _fit_factors(steps.assign(duration_s=y / k), model, gpu, base, tp, name, description, max_iter, trim)
+        report = _fit_factors(steps.assign(duration_s=y / k), model, gpu, base, tp, options)
     profile = report.profile.model_copy(update={"decode_batch_factors": table})
     pred = np.atleast_1d(CostModel(model, gpu, profile, tp=tp).predict(shape))
     return replace(report, profile=profile, errors=fit_errors(y, pred, step_kind(steps)))
 
 
-def _fit_factors(steps: pd.DataFrame, model, gpu, base: HardwareProfile, tp: int, name: str, description: str,
-                 max_iter: int, trim: float) -> FitReport:
+def _fit_factors(steps: pd.DataFrame, model, gpu, base: HardwareProfile, tp: int, options: FitOptions) -> FitReport:
     steps = steps[steps["duration_s"] > 0].reset_index(drop=True)
     if len(steps) < len(FACTORS):
         raise CalibrationError(f"need at least {len(FACTORS)} steps with a positive duration_s, got {len(steps)}")
-    fit = _AlternatingFit(steps, CostModel(model, gpu, base, tp=tp), base, tp, max_iter)
+    fit = _AlternatingFit(steps, CostModel(model, gpu, base, tp=tp), base, tp, options.max_iter)
     profile, iterations, converged = fit.alternate(np.arange(len(fit.y)), base)
-    if trim > 0:
+    if options.trim > 0:
         ape = np.abs(fit.predict(profile) - fit.y) / fit.y
-        keep = ape <= np.quantile(ape, 1 - trim)
+        keep = ape <= np.quantile(ape, 1 - options.trim)
         profile, it2, converged = fit.alternate(np.flatnonzero(keep), profile)
         iterations += it2
-    profile = profile.model_copy(update={"name": name, "description": description or base.description})
+    profile = profile.model_copy(update={"name": options.name, "description": options.description or base.description})
     return fit.report(profile, iterations, converged, step_kind(steps))
 
 

@@ -6,8 +6,9 @@ import math
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -15,6 +16,9 @@ from rich.console import Console
 from kvsim.sim.safe_io import atomic_output
 
 from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, config_overrides, fail, output_path
+
+if TYPE_CHECKING:
+    from kvsim.sim.calibration.profile_fit import FitOptions
 
 console = Console()
 
@@ -86,21 +90,21 @@ def calibrate(
             fail("--decisions fits the importance model: give it with --attention ATTNSTATS")
         if not step_logs:
             fail("give one or more step logs, or --attention ATTNSTATS")
-        _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command, decode_batch_factors)
+        from kvsim.sim.calibration.profile_fit import FitOptions
+        options = FitOptions(name=name or out.stem, trim=trim, decode_batch_factors=decode_batch_factors)
+        _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, options, command)
     except (CalibrationError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
     except OSError as exc:          # writing --out (a full disk): written to a temporary file, so nothing is left
         fail(*write_error(exc, out))
 
 
-def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, name, trim, command,
-                       decode_batch_factors: bool = True) -> None:
+def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, options: FitOptions, command: str) -> None:
     from kvsim.sim.calibration.profile_fit import fit_profile, profile_meta
     from kvsim.sim.calibration.step_logs import load_step_logs
     steps = load_step_logs(step_logs)
-    report = fit_profile(steps, model, gpu, base_profile=base_profile, tp=tp, name=name or out.stem,
-                         description=f"fitted by kvsim calibrate on {len(steps)} measured steps of {model}",
-                         trim=trim, decode_batch_factors=decode_batch_factors)
+    described = replace(options, description=f"fitted by kvsim calibrate on {len(steps)} measured steps of {model}")
+    report = fit_profile(steps, model, gpu, base_profile=base_profile, tp=tp, options=described)
     meta = profile_meta(report, model=model, gpu=gpu, sources=[str(p) for p in step_logs], command=command)
     with atomic_output(out) as tmp:
         report.profile.model_copy(update={"meta": meta}).to_yaml(tmp)

@@ -45,7 +45,7 @@ def sweep(
 ) -> None:
     """Run every configuration of a sweep spec; one row per run (config + summary metrics + cost)
     in OUT/runs/*.parquet. Re-running skips finished runs; a failed run is recorded and skipped."""
-    from kvsim.sim.sweep import SpecError, StoreState, load_spec, run_sweep, store_state
+    from kvsim.sim.sweep import SpecError, StoreState, SweepRunOptions, load_spec, run_sweep, store_state
 
     if executor not in ("local", "dask"):
         fail(f"--executor: expected local or dask, got {executor!r}")
@@ -70,9 +70,8 @@ def sweep(
     from kvsim.sim.sweep import SchedulerUnreachable
     try:
         with store_errors(out, scheduler if executor == "dask" else None):
-            result = run_sweep(plan, out, executor=executor, jobs=jobs, scheduler=scheduler, max_runs=max_runs,
-                               retry_failed=retry_failed, save_outputs=save_outputs, progress=not quiet,
-                               spec_text=spec.read_text())
+            options = SweepRunOptions(executor, jobs, scheduler, max_runs, retry_failed, save_outputs)
+            result = run_sweep(plan, out, options, progress=not quiet, spec_text=spec.read_text())
     except SchedulerUnreachable as exc:
         fail(str(exc), code=1)
     again = [f"{n} {what}" for n, what in ((result.retried, "failed before"), (result.redone, "unreadable"))
@@ -146,7 +145,7 @@ def capacity(
     it has at most 4,000 requests, else its busiest window of about 2,500); prints the answer with its
     range (other busy windows or arrival seeds, the GPU profile's measured error), its cost, the curve
     measured and warnings where the answer is not to be trusted as is."""
-    from kvsim.sim.capacity import capacity_range, choose_sample, find_capacity, parse_slo
+    from kvsim.sim.capacity import CapacitySearch, RangeVariants, capacity_range, choose_sample, find_capacity, parse_slo
 
     overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
                                  num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
@@ -184,10 +183,10 @@ def capacity(
 
     try:
         with store_errors(out, None):
-            result = find_capacity(cfg, constraints, mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
-                                   max_evals=max_evals, max_replicas=max_replicas, store=out, progress=show)
-            spread = capacity_range(cfg, constraints, result, sample, repeats=repeats, band=band, mode=mode,
-                                    rel_tol=tol, max_evals=max_evals, max_replicas=max_replicas, store=out,
+            search = CapacitySearch(mode=mode, start=cfg.trace_options.rate_scale, rel_tol=tol,
+                                    max_evals=max_evals, max_replicas=max_replicas)
+            result = find_capacity(cfg, constraints, search, store=out, progress=show)
+            spread = capacity_range(cfg, constraints, result, sample, search, RangeVariants(repeats, band), store=out,
                                     progress=show_variant)
     except typer.Exit:              # store_errors' own one-line exit (typer.Exit is a RuntimeError)
         raise
@@ -375,7 +374,7 @@ def plan(
     answer, the Pareto table (cost vs p99 TTFT/TPOT) and the cheapest with its range."""
     from kvsim.sim.capacity import choose_sample, parse_slo, profile_configs, variant_configs
     from kvsim.sim.catalog import CatalogError, get_gpu, get_model
-    from kvsim.sim.plan import executor, plan_capacity
+    from kvsim.sim.plan import PlanSpace, executor, plan_capacity
 
     model_list, gpu_list, tp_list = _names(models, "--models"), _names(gpus, "--gpus"), _ints(tps, "--tps")
     policy_list = _names(policies, "--policies") if policies else None
@@ -417,9 +416,9 @@ def plan(
 
     try:
         with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
-            result = plan_capacity(cfg, constraints, models=model_list, gpus=gpu_list, tps=tp_list,
-                                   policies=policy_list, max_replicas=max_replicas, run_batch=run_batch, width=width,
-                                   store=out, variants=variants, progress=show)
+            space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas)
+            result = plan_capacity(cfg, constraints, space, run_batch=run_batch, width=width, store=out,
+                                   variants=variants, progress=show)
     except typer.Exit:              # store_errors' own one-line exit (typer.Exit is a RuntimeError)
         raise
     except ConfigError as exc:
