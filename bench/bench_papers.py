@@ -8,7 +8,9 @@ H2O averages the attention over all layers and heads and evicts per sequence (kv
 layout); it accumulates decode attention only, so the first decode step's single query cuts a longer
 prompt to the budget (kvsim's prompt cut with `obs_window: 1`), then one token goes per step. Printed:
 p99 fragmentation of noop / free_block / slot_reuse and the two ratios (published at budget 256:
-slot_reuse 0.79x free_block's and 0.44x noop's; strategies converging at 1,024). `--setup per-step`
+slot_reuse 0.79x free_block's and 0.44x noop's; strategies converging at 1,024). The default setup scores
+with `smollm2-135m-aged` (the age profile fitted to real head-averaged attention) in token mode (~450 s
+CPU); `--setup spvllm-unfitted` is the unfitted model in fast mode (~10 s). `--setup per-step`
 gives the earlier per_head, no-cut (`evict_per_step: 1`) reading of the setting.
 
 TokenSelect (selective attention at long contexts), the paper's Llama config (n_init 128 + top_k
@@ -63,9 +65,10 @@ def spvllm_trace(n: int = 1000, seed: int = 0):
                               name=f"spvllm-seed{seed}", source="synthetic")
 
 
-SETUPS = {
-    "spvllm": ("opt-125m", "shared", {"obs_window": 1}),
-    "per-step": ("opt-1.3b", "per_head", {"evict_per_step": 1}),
+SETUPS = {      # model, layout, H2O parameters, importance model, kv.mode
+    "spvllm": ("opt-125m", "shared", {"obs_window": 1}, "smollm2-135m-aged", "token"),
+    "spvllm-unfitted": ("opt-125m", "shared", {"obs_window": 1}, "smollm2-135m", "fast"),
+    "per-step": ("opt-1.3b", "per_head", {"evict_per_step": 1}, "smollm2-135m", "fast"),
 }
 
 
@@ -73,15 +76,17 @@ def spvllm(budget: int, strategy: str, setup: str = "spvllm", n: int = 1000) -> 
     from kvsim.sim.config import load_config
     from kvsim.sim.simulate import run_simulation
 
-    model, layout, params = SETUPS[setup]
-    kv = {"policy": "h2o", "budget": budget, "layout": layout, "slot_strategy": strategy, "mode": "fast",
-          "params": params}
+    model, layout, params, importance, mode = SETUPS[setup]
+    kv = {"policy": "h2o", "budget": budget, "layout": layout, "slot_strategy": strategy, "mode": mode,
+          "params": params, "importance": importance}
     cfg = load_config(None, {"model": model, "gpu": "t4", "kv": kv, "engine": {"max_num_seqs": 256}})
     return run_simulation(cfg, trace=spvllm_trace(n)).summary
 
 
 def print_spvllm(setup: str) -> None:
-    print(f"SpvLLM: p99 fragmentation, H2O ({setup} setup, fast mode, 1,000 requests, {SETUPS[setup][0]}, T4)")
+    model, _, _, importance, mode = SETUPS[setup]
+    print(f"SpvLLM: p99 fragmentation, H2O ({setup} setup, {mode} mode, importance {importance}, 1,000 requests, "
+          f"{model}, T4)")
     print(f"{'budget':>7}{'noop':>8}{'free_block':>12}{'slot_reuse':>12}{'sr/fb':>8}{'sr/noop':>9}{'published':>18}")
     for budget in (256, 512, 1024):
         p99 = {st: spvllm(budget, st, setup)["fragmentation_p99"] for st in ("noop", "free_block", "slot_reuse")}
@@ -107,6 +112,42 @@ def print_tokenselect(reuse_rate: float) -> None:
         print(f"{n // 1024:>8}K{decode_speedup(plain, [n], ctx)[0]:>9.2f}{decode_speedup(cached, [n], ctx)[0]:>15.2f}"
               f"{2 / (1 - reuse_rate):>15.2f}{prefill_speedup(n, TOKENSELECT_CHUNK, TOKENSELECT_READ):>17.2f}"
               f"{2 * TOKENSELECT_CHUNK:>10,}")
+
+
+def tokenselect_simulated(prompt: int, reuse_rate: float, output: int = 256) -> tuple[float, float, float]:
+    """The simulator's step cost, TokenSelect (the paper's read, chunk 8,192, no dense layers) against
+    `none` on one request of `prompt` + `output` tokens, Llama-3.1-8B / H100, 8,192-token prefill
+    chunks: (decode attention read, prefill query-key pairs, end-to-end time) of none over tokenselect."""
+    import tempfile
+
+    import pandas as pd
+
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulate import run_simulation
+    from kvsim.traces.synthetic import closed_batch
+
+    kvs = ({"policy": "none"}, {"policy": "tokenselect", "layout": "per_head", "mode": "fast", "params": {
+        "budget": TOKENSELECT_READ, "dense_layers": 0, "reuse_rate": reuse_rate, "prefill_chunk": TOKENSELECT_CHUNK}})
+    steps = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, kv in enumerate(kvs):
+            cfg = load_config(None, {"model": "llama-3.1-8b", "gpu": "h100", "kv": kv, "engine": {
+                "max_num_batched_tokens": TOKENSELECT_CHUNK, "max_model_len": prompt + output}})
+            run_simulation(cfg, f"{tmp}/{i}", trace=closed_batch(1, prompt, output))
+            steps.append(pd.read_parquet(f"{tmp}/{i}/steps.parquet"))
+    full, sel = steps
+    return (full["kv_tokens_read"].iloc[-1] / sel["kv_tokens_read"].iloc[-1],
+            full["attn_pairs_prefill"].sum() / sel["attn_pairs_prefill"].sum(),
+            full["duration_s"].sum() / sel["duration_s"].sum())
+
+
+def print_tokenselect_simulated(reuse_rate: float) -> None:
+    print(f"\nTokenSelect in the simulator's step cost (Llama-3.1-8B / H100, one request, prompt + 256 outputs, "
+          f"reuse rate {reuse_rate:g}); published: up to {TOKENSELECT_PUBLISHED}x attention, 2.28x end to end")
+    print(f"{'prompt':>9}{'decode attention':>18}{'prefill attention':>19}{'end to end':>12}")
+    for n in (1 << 15, 1 << 17, 1 << 18):
+        d, p, e = tokenselect_simulated(n, reuse_rate)
+        print(f"{n // 1024:>8}K{d:>17.2f}x{p:>18.2f}x{e:>11.2f}x", flush=True)
 
 
 def _summary(model: str, gpu: str, kv: dict, n: int, prompt: int, output: int, tp: int = 1, **engine) -> dict:
@@ -167,6 +208,7 @@ def main() -> None:
         print_spvllm(args.setup)
     if args.only in (None, "tokenselect"):
         print_tokenselect(args.reuse_rate)
+        print_tokenselect_simulated(args.reuse_rate)
     if args.only in (None, "others"):
         print_others()
     if args.only == "attention":

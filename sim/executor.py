@@ -5,7 +5,9 @@
 engine runs after the step's attention, `KVManager.finish_step`): the bytes copied/moved by the slot
 strategy, the per-head block-table entries, and the KV reads the policies leave (evicted tokens are not read, quantized tiers read
 fewer bytes — `kv_tokens_read` is in fp16 token-equivalents — and selection policies read only
-what they select).
+what they select). A selection policy's `prefill_pairs` hook also sets the step's prefill
+query-key pairs (TokenSelect's chunk-level prefill selection; Quest's prefill is full attention over
+the prompt positions).
 """
 from __future__ import annotations
 
@@ -54,8 +56,11 @@ class KVPolicyExecutor:
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """The step's shape (before the policies act); `complete` prices it with their effects."""
-        return StepResult(duration_s=float("nan"), predicted_s=float("nan"),
-                          shape=batch_shape(out, self.kv, self.cost.kv_bytes_per_token))
+        shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
+        pairs = _policy_prefill_pairs(self.kv, out)
+        if pairs is not None:
+            shape.attn_pairs_prefill = pairs
+        return StepResult(duration_s=float("nan"), predicted_s=float("nan"), shape=shape)
 
     def complete(self, result: StepResult, kv_plan: KVStepPlan) -> StepResult:
         shape = result.shape
@@ -70,6 +75,15 @@ class KVPolicyExecutor:
 
     def predict_run(self, shape: BatchShape):
         return self.cost.predict(shape)
+
+
+def _policy_prefill_pairs(kv, out: SchedulerOutput) -> float | None:
+    """The step's prefill query-key pairs as the policy counts them (None: the engine's count)."""
+    policy, ctx = getattr(kv, "policy", None), getattr(kv, "ctx", None)
+    if policy is None or ctx is None or policy.prefill_pairs(0, 1, ctx) is None:
+        return None
+    return float(sum(policy.prefill_pairs(s.request.num_computed_tokens, s.num_new_tokens, ctx)
+                     for s in out.scheduled if s.is_prefill))
 
 
 EXECUTORS = {"cost_model": CostModelExecutor, "kv_policy": KVPolicyExecutor}

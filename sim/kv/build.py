@@ -6,7 +6,7 @@ from ..core.kv_manager import KVCacheManager
 from ..core.protocols import KVManager
 from ..core.sliding_window import build_sliding_window_manager
 from .base import EvictingManagerBase
-from .importance import ImportanceError, SyntheticImportance
+from .importance import ImportanceError, ImportanceModelSpec, SyntheticImportance
 from .manager import EvictingKVManager
 from .slots import COPY_STRATEGIES
 from .policy import PolicyContext, PolicyError, get_policy
@@ -78,6 +78,8 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
             raise ConfigError("kv.copy_threshold: fast mode rewrites every holed row (the published sparse copy); "
                               "use kv.mode=token")
     try:
+        if kv.mode == "fast" and kv.layout == "shared" and policy.needs_scores:
+            _check_fast_age_profile(kv.importance)
         if kv.mode == "fast" and getattr(policy.fast_mode_profile(), "sampled_rows", False):
             from .fast.leankv import BatchedLeanKVManager, batched_leankv_supported
             from .fast.sampled import SampledRowsKVManager
@@ -100,3 +102,12 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
                              trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
                              tier_capacity=tier_caps, new_token_tier=policy.new_token_tier,
                              copy_threshold=kv.copy_threshold)
+
+
+def _check_fast_age_profile(importance: str) -> None:
+    """Fast mode scores H2O in closed form (one exponential age term); an age profile's power law needs token mode."""
+    spec = ImportanceModelSpec.load(importance)
+    if spec.age_profile is not None:
+        raise ConfigError(f"kv.importance: {spec.name!r} has an age_profile (the shared layout's head-averaged row, a "
+                          f"power law in token age) that fast mode's closed-form scoring cannot represent; use "
+                          f"kv.mode=token, or kv.layout=per_head (whose rows it does not change)")

@@ -32,6 +32,20 @@ Three sources stand behind one interface, `ImportanceSource`:
   --attention ... --decisions` fits rho and ell to a replay's recorded H2O evictions
   (sim/calibration/correlation_fit.py). The block-occupancy fast mode (sim/kv/fast/) scores
   H2O with this model's heads in closed form but ignores these two fields.
+  The optional `age_profile` section gives the row of the `shared` layout (one score per token, the
+  mean over every layer and head, as SpvLLM's H2O) its own parameters: sink_share s, local_share l,
+  tau, sigma, and an age exponent alpha that makes the content term fall with the token's age:
+
+      content_q(t) = w(t) (1 + q - t)^-alpha / Z_a(q),   Z_a(q) = sum over positions p <= q of w(p) (1 + q - p)^-alpha
+
+  Averaged over heads, real attention falls with age as a power law (SmolLM2-135M: about age^-0.8
+  from 4 to 1,000 tokens) with a log-spread of ~0.8 around it, so the lowest scores (what H2O
+  evicts) sit in the oldest tokens and evictions empty whole pages; the per-head parameters averaged
+  into one row instead give a flat profile past a few dozen tokens and a log-spread of ~2.6, which
+  scatters evictions. `kvsim calibrate --age-profile` fits the section to the real backend's
+  head-averaged attention (sim/calibration/age_profile.py). Rows of the `per_head` layout keep their
+  head types. Fast mode's closed-form scoring has no power-law term: it refuses such a model for
+  score-driven policies in the shared layout (token mode runs it).
   What a policy sees is a_q restricted to the live tokens and renormalized (real attention only
   covers resident tokens); the mass the live tokens hold under the full
   cache, sum over live t of a_q(t), is the *attention mass retained* quality proxy.
@@ -120,6 +134,19 @@ class HeadTypeParams:
 
 
 @dataclass(frozen=True)
+class AgeProfile:
+    """The `shared` layout's head-averaged row (see the module doc)."""
+    exponent: float                      # alpha: content attention falls as (1 + age)^-alpha
+    sigma: float                         # content concentration (log-sd of w) of the head average
+    sink_share: float
+    local_share: float
+    tau: float                           # local decay (tokens)
+
+
+AGE_PROFILE_FIELDS = ("exponent", "sigma", "sink_share", "local_share", "tau")
+
+
+@dataclass(frozen=True)
 class ImportanceModelSpec:
     name: str
     mix: dict[str, float]                # head-type probabilities (sparse layers)
@@ -129,6 +156,7 @@ class ImportanceModelSpec:
     sink_weights: tuple[float, ...]      # distribution over the first NUM_SINK tokens
     content_correlation: float = 0.0     # rho: share of the content log-weight variance that is smooth in position
     correlation_length: float = 0.0      # ell (tokens): the smooth part's correlation decays as exp(-k / ell)
+    age_profile: AgeProfile | None = None   # the shared layout's row, with an age exponent (module doc)
 
     @classmethod
     def load(cls, name_or_path: str | Path = "smollm2-135m") -> "ImportanceModelSpec":
@@ -181,7 +209,8 @@ class ImportanceModelSpec:
                    dense_layers=int(data.get("dense_layers", 0)),
                    request_sigma_jitter=float(data.get("request_sigma_jitter", 0.0)),
                    sink_weights=tuple(np.asarray(sink) / sum(sink)),
-                   content_correlation=rho, correlation_length=ell)
+                   content_correlation=rho, correlation_length=ell,
+                   age_profile=_age_profile(path, data["age_profile"]) if "age_profile" in data else None)
 
 
 def _number(path: Path, data: dict, field: str) -> float:
@@ -212,12 +241,34 @@ def _correlation_fields(path: Path, data: dict) -> tuple[float, float]:
     return rho, ell
 
 
+def _age_profile(path: Path, data) -> AgeProfile:
+    if not isinstance(data, dict):
+        raise ImportanceError(f"{path}: age_profile: expected a mapping with {', '.join(AGE_PROFILE_FIELDS)}")
+    unknown = sorted(set(data) - set(AGE_PROFILE_FIELDS))
+    if unknown:
+        raise ImportanceError(f"{path}: age_profile: unknown field(s) {unknown}; expected {AGE_PROFILE_FIELDS}")
+    missing = [k for k in AGE_PROFILE_FIELDS if k not in data]
+    if missing:
+        raise ImportanceError(f"{path}: age_profile.{missing[0]}: missing (the section needs {AGE_PROFILE_FIELDS})")
+    v = {k: _number(path, data, k) for k in AGE_PROFILE_FIELDS}
+    limits = {"exponent": (0.0, 4.0), "sigma": (0.0, 8.0), "sink_share": (0.0, 1.0), "local_share": (0.0, 1.0),
+              "tau": (1e-3, 1e6)}
+    for k, (lo, hi) in limits.items():
+        if not lo <= v[k] <= hi:
+            raise ImportanceError(f"{path}: age_profile.{k}: expected a value in [{lo:g}, {hi:g}], got {v[k]}")
+    if v["sink_share"] + v["local_share"] >= 1:
+        raise ImportanceError(f"{path}: age_profile: sink_share + local_share must stay < 1")
+    return AgeProfile(**v)
+
+
 class SyntheticImportance(ImportanceSource):
     def __init__(self, ctx: PolicyContext, spec: ImportanceModelSpec | str = "smollm2-135m", seed: int = 0):
         self.ctx = ctx
         self.spec = spec if isinstance(spec, ImportanceModelSpec) else ImportanceModelSpec.load(spec)
         self.seed = seed
         self.head_type, self.s, self.l, self.tau, self.sigma = self._head_params()
+        ap = self.spec.age_profile
+        self.age_exponent = ap.exponent if ap is not None and ctx.layout == "shared" else 0.0
         self._req: dict[int, dict] = {}
         self._filter: np.ndarray | None = None
 
@@ -240,6 +291,10 @@ class SyntheticImportance(ImportanceSource):
             l[m] = p.local_share[0] + u[1, m] * (p.local_share[1] - p.local_share[0])
             tau[m] = np.exp(np.log(p.tau[0]) + u[2, m] * (np.log(p.tau[1]) - np.log(p.tau[0])))
             sigma[m] = p.sigma[0] + u[3, m] * (p.sigma[1] - p.sigma[0])
+        ap = spec.age_profile
+        if ctx.layout == "shared" and ap is not None:  # one row: the fitted head average
+            return types[:1], *(np.array([x], dtype=np.float64) for x in (ap.sink_share, ap.local_share, ap.tau,
+                                                                           ap.sigma))
         if ctx.layout == "shared":                   # one row: the mean head
             return types[:1], s.mean(keepdims=True), l.mean(keepdims=True), \
                 np.exp(np.log(tau).mean(keepdims=True)), sigma.mean(keepdims=True)
@@ -299,6 +354,15 @@ class SyntheticImportance(ImportanceSource):
         imp = state.add_field("imp_w", np.float32, 0.0)
         imp[rows[:, None], slots] = w
         r["wsum"] += w.sum(axis=1, dtype=np.float64)
+        if self.age_exponent:                  # Z_a needs every written weight, evicted ones included
+            hist = r.get("hist")
+            need = int(positions[-1]) + 1
+            if hist is None or hist.shape[1] < need:
+                grown = np.zeros((len(self.sigma), max(need, 2 * (0 if hist is None else hist.shape[1]))), np.float64)
+                if hist is not None:
+                    grown[:, :hist.shape[1]] = hist
+                r["hist"] = hist = grown
+            hist[:, positions] = w
 
     def _attention(self, r: dict, state: TokenState, q: int) -> np.ndarray:
         """Full-cache attention a_q(t) of the query at position q, at every slot (0 where not live or t > q)."""
@@ -316,10 +380,18 @@ class SyntheticImportance(ImportanceSource):
         s = self.s[:, None].astype(np.float32)
         l = self.l[:, None].astype(np.float32)
         local = np.exp(-age / self.tau[:, None].astype(np.float32)) / z_local[:, None].astype(np.float32)
-        wsum = r["wsum_q"][:, None].astype(np.float32)
-        content = state.field("imp_w") / wsum
+        if self.age_exponent:
+            content = self._aged_content(r, state, age, q)
+        else:
+            content = state.field("imp_w") / r["wsum_q"][:, None].astype(np.float32)
         a = s * sink + l * local + (1 - s - l) * content
         return np.where(valid, a, 0.0).astype(np.float32)
+
+    def _aged_content(self, r: dict, state: TokenState, age: np.ndarray, q: int) -> np.ndarray:
+        """w(t) (1 + age)^-alpha / Z_a(q) at every slot (the age-profile row, see the module doc)."""
+        alpha = self.age_exponent
+        z = r["hist"][:, q::-1] @ (1.0 + np.arange(q + 1)) ** -alpha          # [rows]: ages 0..q
+        return (state.field("imp_w") * (1.0 + age) ** np.float32(-alpha) / z[:, None]).astype(np.float32)
 
     def prefill_scores(self, req_id, state, window):
         r = self._r(req_id)

@@ -52,6 +52,10 @@ Calls a policy receives (all optional to override; defaults do nothing / keep ev
   Default: None (the policy cannot help; the scheduler preempts).
 - `read_tokens(state, ctx) -> np.ndarray | None`: selection policies (quest): tokens attention
   reads this step per row (int [rows]); None = all live tokens. Reads only; memory is unchanged.
+- `prefill_pairs(start, num_new, ctx) -> float | None`: selection policies: the query-key pairs
+  (token-pair equivalents, mean over rows) of a prefill chunk of `num_new` tokens at positions
+  start.. (the step cost's `attn_pairs_prefill`); None = the engine's count, `num_new x (KV read
+  before + (num_new + 1) / 2)`.
 
 Decision
 --------
@@ -216,6 +220,9 @@ class EvictionPolicy:
         return None
 
     def read_tokens(self, state: TokenState, ctx: PolicyContext) -> np.ndarray | None:
+        return None
+
+    def prefill_pairs(self, start: int, num_new: int, ctx: PolicyContext) -> float | None:
         return None
 
     def op_cost(self, state: TokenState, ctx: PolicyContext, reason: str) -> tuple[float, float] | None:

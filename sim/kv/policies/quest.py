@@ -82,6 +82,17 @@ class Quest(EvictionPolicy):
             return dense * live + (1.0 - dense) * sparse
         return self._shared_read(live, sparse, ctx)
 
+    def prefill_pairs(self, start: int, num_new: int, ctx) -> float:
+        """Query-key pairs of a prefill chunk of `num_new` tokens at positions start..: full causal
+        attention (Quest selects in decode only)."""
+        return num_new * (start + (num_new + 1) / 2)
+
+    def _dense_share(self, ctx) -> float:
+        """Share of rows that attend in full (the first `dense_layers` layers)."""
+        if ctx.layout == "per_head":
+            return float(np.mean(ctx.row_layer < self.dense_layers))
+        return min(self.dense_layers, ctx.num_layers) / ctx.num_layers
+
     def fast_mode_profile(self) -> FastModeProfile:
         # selection evicts nothing: pages fill as without a policy; fast mode charges mean_read
         return FastModeProfile()
@@ -131,7 +142,16 @@ class TokenSelect(Quest):
         self._meta_share = 1.0 - self.reuse_rate
         self.prefill_chunk = check_positive_int("prefill_chunk", prefill_chunk)
 
-    def prefill_pairs(self, prompt: int) -> float:
+    def prefill_pairs(self, start: int, num_new: int, ctx) -> float:
+        """Query-key pairs of a prefill chunk of `num_new` tokens at positions start.., mean over rows:
+        full attention in the dense layers, chunk-level selection in the others
+        (selection_work.range_pairs; the whole prompt of a selective layer: prompt_pairs)."""
+        dense = self._dense_share(ctx)
+        full = num_new * (start + (num_new + 1) / 2)
+        selective = selection_work.range_pairs(start, start + num_new, self.prefill_chunk, self.budget)
+        return dense * full + (1.0 - dense) * selective
+
+    def prompt_pairs(self, prompt: int) -> float:
         """Token-pair equivalents of a selective layer's chunk-level prefill selection of `prompt` tokens
         (policies/selection_work.py); full attention's: `selection_work.prefill_pairs(prompt, chunk, None)`."""
         return selection_work.prefill_pairs(prompt, self.prefill_chunk, self.budget)

@@ -28,8 +28,16 @@ def decode_speedup(policy, context: np.ndarray, ctx) -> np.ndarray:
 def prefill_pairs(prompt: int, chunk: int, budget: int | None) -> float:
     """Token-pair equivalents of one layer's chunked prefill of `prompt` tokens: full attention when
     `budget` is None, else chunk-level selection (see the module doc)."""
-    ends = np.minimum(np.arange(chunk, prompt + chunk, chunk, dtype=np.float64), prompt)
-    sizes = np.diff(np.concatenate([[0.0], ends]))
+    return range_pairs(0, prompt, chunk, budget)
+
+
+def range_pairs(start: int, end: int, chunk: int, budget: int | None) -> float:
+    """`prefill_pairs` of the prompt positions start..end-1 only (an engine's prefill chunk), in
+    selection chunks of `chunk` queries counted from `start`."""
+    if end <= start:
+        return 0.0
+    ends = np.minimum(np.arange(start + chunk, end + chunk, chunk, dtype=np.float64), end)
+    sizes = np.diff(np.concatenate([[float(start)], ends]))
     full = sizes * ends - sizes * (sizes - 1) / 2
     if budget is None:
         return float(full.sum())
