@@ -169,8 +169,13 @@ def _time_s(torch, fn, plan: Plan) -> float:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
+    return _median_event_time_s(torch, fn, plan.repeats)
+
+
+def _median_event_time_s(torch, fn, repeats: int) -> float:
+    """Median over `repeats` calls of `fn`, each timed between two CUDA events."""
     times = []
-    for _ in range(plan.repeats):
+    for _ in range(repeats):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         fn()
@@ -198,15 +203,7 @@ def _graph_time_s(torch, fn, plan: Plan) -> float:
         print(f"  CUDA graph capture failed ({exc}); graph_us left empty")
         return math.nan
     graph.replay()
-    times = []
-    for _ in range(plan.repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return _median_event_time_s(torch, graph.replay, plan.repeats)
 
 
 def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
@@ -256,22 +253,36 @@ def _kvsim(args: list[str], log: Path, timeout_s: float | None = None) -> str:
     cmd = [sys.executable, "-m", "kvsim.sim.cli", *args]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=dict(os.environ, COLUMNS="200")) as proc:
+        stopped = False
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            stopped = True
             proc.send_signal(signal.SIGINT)
             try:
                 stdout, stderr = proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 stdout, stderr = proc.communicate()
-            log.write_text(f"$ kvsim {' '.join(args)}\n{stdout}\n{stderr}")
-            raise RuntimeError(f"kvsim {args[0]} stopped after {timeout_s:.0f} s (time limit); see {log}") from None
+    log.write_text(f"$ kvsim {' '.join(args)}\n{stdout}\n{stderr}")
+    if stopped:
+        raise RuntimeError(f"kvsim {args[0]} stopped after {timeout_s:.0f} s (time limit); see {log}")
     proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    log.write_text(f"$ kvsim {' '.join(args)}\n{proc.stdout}\n{proc.stderr}")
     if proc.returncode:
         raise RuntimeError(f"kvsim {args[0]} failed (exit {proc.returncode}); see {log}:\n{proc.stderr[-2000:]}")
     return proc.stdout
+
+
+def _replay_options(plan: Plan, model: str) -> list[str]:
+    """`kvsim replay` options of the validation's replays of `model` (random weights on plan.device)."""
+    # timing replays: no attention statistics (their fp32 pass at the end of each prompt is not engine work)
+    args = ["--model", model, "--weights", "random", "--device", plan.device, "--dtype", plan.dtype,
+            "--block-size", str(plan.block_size), "--seed", "0", "--quiet", "--no-attention-stats"]
+    if plan.num_gpu_blocks:
+        args += ["--num-gpu-blocks", str(plan.num_gpu_blocks)]
+    if plan.threads:
+        args += ["--threads", str(plan.threads)]
+    return args
 
 
 def replay_and_crosscheck(plan: Plan, out: Path, gpu: str | None) -> dict:
@@ -284,15 +295,7 @@ def replay_and_crosscheck(plan: Plan, out: Path, gpu: str | None) -> dict:
     calibration = Trace.concat(parts, how="overlay").save(out / "calibration.jsonl")
     heldout = synthesize(plan.heldout["n"], rate=plan.heldout["rate"], prompt=plan.heldout["prompt"],
                          output=plan.heldout["output"], seed=plan.heldout["seed"], name="heldout").save(out / "heldout.jsonl")
-    # timing replays: no attention statistics (their fp32 pass at the end of each prompt is not engine work)
-    common = ["--model", plan.model, "--weights", "random", "--device", plan.device, "--dtype", plan.dtype,
-              "--block-size", str(plan.block_size), "--seed", "0", "--quiet", "--no-attention-stats"]
-    if plan.num_gpu_blocks:
-        common += ["--num-gpu-blocks", str(plan.num_gpu_blocks)]
-    if gpu:
-        common += ["--gpu", gpu]
-    if plan.threads:
-        common += ["--threads", str(plan.threads)]
+    common = _replay_options(plan, plan.model) + (["--gpu", gpu] if gpu else [])
     for name, trace in (("calibration", calibration), ("heldout", heldout)):
         _kvsim(["replay", "--trace", str(trace), *common, "--out", str(out / f"replay-{name}")],
                out / f"replay-{name}.log")
@@ -341,20 +344,15 @@ def replay_policies(plan: Plan, out: Path) -> pd.DataFrame:
     for label, options in POLICY_RUNS:
         budget = ["--budget", str(plan.policies["budget"])] if options[1] in ("h2o", "quest") else []
         run_dir = out / "policies" / label.replace(" ", "-")
-        args = ["replay", "--trace", str(trace), "--model", plan.policy_model, "--weights", "random", "--device",
-                plan.device, "--dtype", plan.dtype, "--block-size", str(plan.block_size), "--seed", "0", "--quiet",
-                "--no-attention-stats", "--check-invariants", *options, *budget, "--out", str(run_dir)]
+        args = ["replay", "--trace", str(trace), *_replay_options(plan, plan.policy_model), "--check-invariants",
+                *options, *budget, "--out", str(run_dir)]
         if label.startswith("streaming"):
             window = plan.policies["budget"]
             args += ["--set", f"kv.params.window={window - 4}", "--set", "kv.params.sink=4"]
-        if plan.threads:
-            args += ["--threads", str(plan.threads)]
         if plan.policy_layers:
             args += ["--layers", str(plan.policy_layers)]
-        if plan.num_gpu_blocks:
-            args += ["--num-gpu-blocks", str(plan.num_gpu_blocks)]
         try:
-            _kvsim(args, out / "policies" / f"{label.replace(' ', '-')}.log", timeout_s=plan.policies["time_limit_s"])
+            _kvsim(args, run_dir.with_suffix(".log"), timeout_s=plan.policies["time_limit_s"])
         except RuntimeError as exc:
             rows.append(dict(policy=label, ok=False, error=str(exc).splitlines()[-1][:200]))
             continue
