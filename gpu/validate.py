@@ -63,7 +63,9 @@ FULL = Plan("llama-3.1-8b", "cuda", "bfloat16", 16, None, (8, 4, 128), 8, 4096, 
             (1024, 4096, 16384), 20, tuple((b, p, 32) for b in (1, 4, 16, 48) for p in (256, 1024, 2048)),
             dict(n=48, rate=6.0, prompt="uniform:128,2048", output="uniform:16,192", seed=3), True,
             policies=dict(n=12, rate=8.0, prompt="uniform:256,1024", output="uniform:32,96", budget=128,
-                          time_limit_s=90))
+                          time_limit_s=90, kv_tokens=32768))
+# policy replays: a KV pool of kv_tokens, not the device's free memory: per-head blocks of a 1B model on an
+# H200 number 30 million, and every invariant check walks the pool
 # calibration: batches up to 48 and prompts up to 2,048 tokens, so the held-out trace (up to 48 running,
 # contexts up to ~2,200) is interpolated, not extrapolated (with batches <= 16 the fitted per-sequence
 # terms overpredicted its batch-48 decode steps 2x on an H100)
@@ -273,13 +275,13 @@ def _kvsim(args: list[str], log: Path, timeout_s: float | None = None) -> str:
     return proc.stdout
 
 
-def _replay_options(plan: Plan, model: str) -> list[str]:
+def _replay_options(plan: Plan, model: str, num_gpu_blocks: int | None = None) -> list[str]:
     """`kvsim replay` options of the validation's replays of `model` (random weights on plan.device)."""
     # timing replays: no attention statistics (their fp32 pass at the end of each prompt is not engine work)
     args = ["--model", model, "--weights", "random", "--device", plan.device, "--dtype", plan.dtype,
             "--block-size", str(plan.block_size), "--seed", "0", "--quiet", "--no-attention-stats"]
-    if plan.num_gpu_blocks:
-        args += ["--num-gpu-blocks", str(plan.num_gpu_blocks)]
+    if num_gpu_blocks or plan.num_gpu_blocks:
+        args += ["--num-gpu-blocks", str(num_gpu_blocks or plan.num_gpu_blocks)]
     if plan.threads:
         args += ["--threads", str(plan.threads)]
     return args
@@ -344,8 +346,9 @@ def replay_policies(plan: Plan, out: Path) -> pd.DataFrame:
     for label, options in POLICY_RUNS:
         budget = ["--budget", str(plan.policies["budget"])] if options[1] in ("h2o", "quest") else []
         run_dir = out / "policies" / label.replace(" ", "-")
-        args = ["replay", "--trace", str(trace), *_replay_options(plan, plan.policy_model), "--check-invariants",
-                *options, *budget, "--out", str(run_dir)]
+        blocks = _policy_pool_blocks(plan, per_head="per_head" in options)
+        args = ["replay", "--trace", str(trace), *_replay_options(plan, plan.policy_model, blocks),
+                "--check-invariants", *options, *budget, "--out", str(run_dir)]
         if label.startswith("streaming"):
             window = plan.policies["budget"]
             args += ["--set", f"kv.params.window={window - 4}", "--set", "kv.params.sink=4"]
@@ -365,6 +368,17 @@ def replay_policies(plan: Plan, out: Path) -> pd.DataFrame:
                          fragmentation_p99=float(steps.fragmentation.quantile(0.99)),
                          decode_step_ms=1e3 * float(decode.duration_s.median()) if len(decode) else math.nan))
     return pd.DataFrame(rows)
+
+
+def _policy_pool_blocks(plan: Plan, per_head: bool) -> int | None:
+    """Blocks holding plan.policies["kv_tokens"] tokens (a per-head layout has a block per layer and KV head)."""
+    tokens = plan.policies.get("kv_tokens")
+    if not tokens:
+        return None
+    from kvsim.sim.catalog import get_model
+    spec = get_model(plan.policy_model)
+    layers = plan.policy_layers or spec.num_layers
+    return -(-tokens // plan.block_size) * (layers * spec.num_kv_heads if per_head else 1)
 
 
 def _gpu_for_device(device: str) -> str | None:
@@ -393,6 +407,11 @@ def _step(what: str, started: float) -> None:
     print(f"[{time.time() - started:6.1f} s, cpu {time.process_time():6.1f} s] {what} ...", flush=True)
 
 
+def _write_summary(out: Path, sections: list[str], started: float, done: bool) -> None:
+    status = "total" if done else "incomplete: still running after"
+    (out / "summary.md").write_text("\n".join([*sections, f"{status} {time.time() - started:.0f} s"]) + "\n")
+
+
 def _markdown(df: pd.DataFrame) -> str:
     """A pipe table (pandas' to_markdown needs tabulate, not a dependency)."""
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)   # noqa: E731
@@ -411,6 +430,7 @@ def run(out: Path, plan: Plan, gpu: str | None = None) -> Path:
     kernels = check_kernels(plan)
     kernels.to_csv(out / "kernels.csv", index=False)
     sections += ["## Kernels vs torch twins", "", _markdown(kernels), ""]
+    _write_summary(out, sections, started, done=False)
     _step("decode attention timings", started)
     bench = bench_decode(plan, gpu)
     if gpu and plan.device == "cuda":
@@ -421,20 +441,22 @@ def run(out: Path, plan: Plan, gpu: str | None = None) -> Path:
         bench = bench.merge(est[["batch", "context", "estimate_us", "unsplit_us"]], on=["batch", "context"], how="left")
     bench.to_csv(out / "decode_bandwidth.csv", index=False)
     sections += ["## Decode attention (one layer)", "", _markdown(bench), ""]
+    _write_summary(out, sections, started, done=False)
     if plan.compile:
         _step("compiled resources", started)
         sections += ["## Compiled resources", "", compiled_resources(out), ""]
+        _write_summary(out, sections, started, done=False)
     _step("replay, calibrate, cross-check", started)
     cc = replay_and_crosscheck(plan, out, gpu)
     sections += ["## Replay, calibrate, cross-check", "", f"GPU spec {cc['gpu']}, {cc['num_gpu_blocks']} blocks", "",
                  "```", *cc["calibrate"], *cc["crosscheck"], "```", ""]
+    _write_summary(out, sections, started, done=False)
     # after the principal figures: a slow policy replay (each has a time limit) cannot starve them
     _step("eviction and compression policies, replayed with invariant checks", started)
     policies = replay_policies(plan, out)
     policies.to_csv(out / "policies.csv", index=False)
-    sections += ["## Policies on the real backend (--check-invariants)", "", _markdown(policies), "",
-                 f"total {time.time() - started:.0f} s"]
-    (out / "summary.md").write_text("\n".join(sections) + "\n")
+    sections += ["## Policies on the real backend (--check-invariants)", "", _markdown(policies), ""]
+    _write_summary(out, sections, started, done=True)
     (out / "kernels_ok.json").write_text(json.dumps(bool(kernels.ok.all())))
     if not kernels.ok.all():
         raise SystemExit(f"kernel mismatches: see {out / 'kernels.csv'}")

@@ -50,3 +50,22 @@ def test_scaled_view_follows_its_pool():
     view = ScaledPoolView(inner, 4)
     inner.get_new_blocks(3)
     assert (view.num_blocks, view.num_free_blocks, view.num_used_blocks) == (40, 28, 12)
+
+
+@pytest.mark.parametrize("order", ["stack", "ring"])
+def test_array_pool_invariant_check_catches_a_corrupted_free_list(order):
+    pool = ArrayBlockPool(10, order=order)
+    ids = pool.get_new_blocks(7)
+    pool.free_blocks(ids[:5])          # the ring's free range now wraps past the end
+    pool.check_invariants()
+    first_free = pool.head if order == "ring" else 0
+    pool.free[first_free] = pool._free_ids()[-1]      # one free id listed twice, another lost
+    with pytest.raises(AssertionError, match="twice"):
+        pool.check_invariants()
+    fresh = ArrayBlockPool(10, order=order)
+    fresh.owned[3] = True                             # owned, still free-listed, count not updated
+    with pytest.raises(AssertionError, match="drifted"):
+        fresh.check_invariants()
+    fresh.count -= 1
+    with pytest.raises(AssertionError, match="owned"):
+        fresh.check_invariants()
