@@ -346,7 +346,7 @@ def replay_policies(plan: Plan, out: Path) -> pd.DataFrame:
     for label, options in POLICY_RUNS:
         budget = ["--budget", str(plan.policies["budget"])] if options[1] in ("h2o", "quest") else []
         run_dir = out / "policies" / label.replace(" ", "-")
-        blocks = _policy_pool_blocks(plan, per_head="per_head" in options)
+        blocks = _policy_pool_blocks(plan)
         args = ["replay", "--trace", str(trace), *_replay_options(plan, plan.policy_model, blocks),
                 "--check-invariants", *options, *budget, "--out", str(run_dir)]
         if label.startswith("streaming"):
@@ -370,15 +370,10 @@ def replay_policies(plan: Plan, out: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _policy_pool_blocks(plan: Plan, per_head: bool) -> int | None:
-    """Blocks holding plan.policies["kv_tokens"] tokens (a per-head layout has a block per layer and KV head)."""
+def _policy_pool_blocks(plan: Plan) -> int | None:
+    """Token blocks holding plan.policies["kv_tokens"] (a per-head layout splits each into layers x KV heads)."""
     tokens = plan.policies.get("kv_tokens")
-    if not tokens:
-        return None
-    from kvsim.sim.catalog import get_model
-    spec = get_model(plan.policy_model)
-    layers = plan.policy_layers or spec.num_layers
-    return -(-tokens // plan.block_size) * (layers * spec.num_kv_heads if per_head else 1)
+    return -(-tokens // plan.block_size) if tokens else None
 
 
 def _gpu_for_device(device: str) -> str | None:
@@ -407,6 +402,13 @@ def _step(what: str, started: float) -> None:
     print(f"[{time.time() - started:6.1f} s, cpu {time.process_time():6.1f} s] {what} ...", flush=True)
 
 
+def _versions(device: str) -> str:
+    import torch
+    import triton
+    where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return f"device {where}; torch {torch.__version__}; triton {triton.__version__}"
+
+
 def _write_summary(out: Path, sections: list[str], started: float, done: bool) -> None:
     status = "total" if done else "incomplete: still running after"
     (out / "summary.md").write_text("\n".join([*sections, f"{status} {time.time() - started:.0f} s"]) + "\n")
@@ -425,7 +427,7 @@ def run(out: Path, plan: Plan, gpu: str | None = None) -> Path:
     gpu = gpu or _gpu_for_device(plan.device)
     started = time.time()
     sections = [f"# GPU validation ({'tiny, CPU' if plan.device == 'cpu' else gpu or plan.device})", "",
-                f"plan: {plan}", ""]
+                f"plan: {plan}", "", _versions(plan.device), ""]
     _step("kernels vs torch twins", started)
     kernels = check_kernels(plan)
     kernels.to_csv(out / "kernels.csv", index=False)

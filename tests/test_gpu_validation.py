@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -38,6 +39,14 @@ def test_gpu_validation_script_runs_end_to_end_on_cpu(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "memory identical (recorded): True" in summary           # simulator and replay: same batches
     assert "## Kernels vs torch twins" in summary and "## Decode attention" in summary
+    assert "; torch " in summary and summary.splitlines()[-1].startswith("total ")   # finished, versions named
+
+
+def test_a_stopped_validation_keeps_a_summary_of_the_sections_it_finished(tmp_path):
+    from kvsim.gpu.validate import _write_summary
+    _write_summary(tmp_path, ["## Kernels vs torch twins", "", "| kernel |"], time.time(), done=False)
+    lines = (tmp_path / "summary.md").read_text().splitlines()
+    assert lines[0] == "## Kernels vs torch twins" and lines[-1].startswith("incomplete: still running after")
 
 
 def test_gpu_validation_script_refuses_a_python_without_the_backend(tmp_path):
