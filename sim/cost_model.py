@@ -452,6 +452,7 @@ class CostModel:
         if p.gemm_efficiency is not None:
             self._gemm_table = p.gemm_efficiency.at_size(self.layer_weight_mib)
         self._eff_memo: dict[float, float] = {}     # gemm_efficiency of scalar token counts (steps repeat them)
+        self._decode_terms = None                   # see _decode_seq_terms
         # 4 matmul kernels per layer (fused QKV, O, fused gate/up or fc1, down or fc2) and the LM head
         self._gemm_launches = float(4 * m.num_layers + 1)
         self._layers = float(m.num_layers)
@@ -649,11 +650,59 @@ class CostModel:
         """`_operator_breakdown(...)["total"]` of a run of pure-decode steps (tokens = seqs, no prefill,
         copy or swap) with fewer array operations, bit for bit: the exact-zero terms are left out
         (x + 0.0 == x for these non-negative parts: copy, swap, and the all-reduce at TP 1), `[ran]`
-        factors of 1.0 are dropped when every step computes a token, and one efficiency lookup serves
-        both matmul terms (tokens and seqs are the same counts)."""
+        factors of 1.0 are dropped when every step computes a token, and the terms that depend on the
+        sequence count alone come from a table over counts (`_decode_seq_terms`: the same operations
+        on the same values give the same bits)."""
         c, p = self._c, self.profile
         seqs = seqs.astype(np.float64, copy=False)
         kv_read = kv_read.astype(np.float64, copy=False)
+        n = seqs.astype(np.intp)
+        if not n.size or n.min() < 0 or not (n == seqs).all():
+            return self._operator_decode_priced(seqs, kv_read, entries)
+        linear, base, allreduce = self._decode_seq_terms(int(n.max()))
+        attn_compute = kv_read * c["attn_read_s"] if self._mla else kv_read * c["attn_pair_s"]
+        attention = np.maximum(attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff)
+        overhead = base[n] + entries.astype(np.float64, copy=False) * p.per_block_entry_overhead_s
+        k = p.step_time_scale
+        if k != 1.0:
+            attention, overhead = attention * k, overhead * k
+        device = linear[n] + attention
+        if allreduce is not None:
+            device = device + allreduce[n]
+        return np.maximum(device, overhead) if self.async_scheduling else device + overhead
+
+    def _decode_seq_terms(self, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(linear part, overhead before the block-table term, all-reduce part or None) of a decode
+        step of each sequence count 0..top or more, each scaled by step_time_scale where
+        `_operator_decode_priced` scales it; tabulated once (the fast-forward prices every run)."""
+        terms = self._decode_terms
+        if terms is None or terms[0].size <= top:
+            c, p = self._c, self.profile
+            seqs = np.arange(max(top + 1, 1025, 2 * terms[0].size if terms else 0), dtype=np.float64)
+            ran = (seqs > 0).astype(np.float64)
+            e = self.gemm_efficiency(seqs)
+            compute = seqs * c["prefill_flops_s"] / e + seqs * c["lm_head_s"] / e
+            memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
+            if self._moe is not None:
+                memory = memory + self.expert_read_time(seqs) / p.mem_bw_eff
+            linear = (np.maximum(compute, memory)
+                      + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)
+                      + seqs * self._elementwise_token_s / p.elementwise_bw_eff)
+            base = p.step_overhead_s + seqs * p.per_seq_overhead_s
+            allreduce = None
+            if c["allreduce_token_s"] or c["allreduce_count"]:
+                allreduce = (seqs * c["allreduce_token_s"] / self._allreduce_bw_eff
+                             + ran * c["allreduce_count"] * self._allreduce_latency_s)
+            k = p.step_time_scale
+            if k != 1.0:
+                linear = linear * k
+                allreduce = allreduce * k if allreduce is not None else None
+            terms = self._decode_terms = (linear, base, allreduce)
+        return terms
+
+    def _operator_decode_priced(self, seqs: np.ndarray, kv_read: np.ndarray, entries: np.ndarray) -> np.ndarray:
+        """`_operator_decode_total` of any sequence counts (not whole, or negative), term by term."""
+        c, p = self._c, self.profile
         ran = 1.0 if seqs.all() else (seqs > 0).astype(np.float64)
         e = self.gemm_efficiency(seqs)
         compute = seqs * c["prefill_flops_s"] / e + seqs * c["lm_head_s"] / e

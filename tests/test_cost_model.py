@@ -327,7 +327,9 @@ def test_operator_form_fast_paths_equal_the_breakdown_bit_for_bit(model, gpu, tp
         assert cm.predict(one) == cm.breakdown(one)["total"] == total[i]
     seqs = shapes.num_seqs.copy()
     seqs[::37] = 0.0                        # steps computing nothing keep their [ran] factors
-    run = cm.predict_decode(seqs, shapes.kv_tokens_read, shapes.block_table_entries)
-    ref = cm.breakdown(BatchShape(num_seqs=seqs, num_decode_tokens=seqs, kv_tokens_read=shapes.kv_tokens_read,
-                                  block_table_entries=shapes.block_table_entries))["total"]
-    assert (run == ref).all()
+    # whole counts are priced from a table over counts (grown past its first 1,025 here), others term by term
+    for counts in (seqs, seqs * 20, seqs + 0.5):
+        run = cm.predict_decode(counts, shapes.kv_tokens_read, shapes.block_table_entries)
+        ref = cm.breakdown(BatchShape(num_seqs=counts, num_decode_tokens=counts, kv_tokens_read=shapes.kv_tokens_read,
+                                      block_table_entries=shapes.block_table_entries))["total"]
+        assert (run == ref).all()
