@@ -53,6 +53,25 @@ def test_an_identical_block_keeps_the_first_copy_in_the_index():
     assert pool.lookup("same") == a and pool.block_hash[b] is None
 
 
+def test_a_private_block_is_found_at_its_own_index_only_while_it_keeps_its_hash():
+    """A request's blocks hashed before its first preemption share one key, `(request id,)`: a
+    lookup must still miss a block evicted and then hashed again by the same request at another index."""
+    pool, chain = BlockPool(4, enable_caching=True), []
+    a = pool.get_new_blocks(3)
+    pool.cache_private(a, 7, 0, chain, fresh=True)
+    assert [pool.private_lookup(chain, (7, j)) for j in range(3)] == a
+    assert pool.private_lookup(chain, (8, 0)) is None                 # another request's key
+    pool.free_request_blocks(a)                   # preempted: tail first, so the tail is evicted first
+    taken = pool.get_new_blocks(3)                # the unhashed block, then a[2] and a[1]
+    assert taken[1:] == [a[2], a[1]]
+    assert [pool.private_lookup(chain, (7, j)) for j in range(3)] == [a[0], None, None]
+    pool.cache_private([a[2]], 7, 1, chain)       # resumed, it fills its block 1 in a[2]
+    assert chain == [a[0], a[2], a[2]]
+    assert [pool.private_lookup(chain, (7, j)) for j in range(3)] == [a[0], a[2], None]
+    pool.cache_private([taken[0]], 7, 0, chain)   # an identical block 0 is cached: it keeps the index
+    assert chain[0] == a[0] and pool.block_hash[taken[0]] is None
+
+
 def test_overdrawing_a_pool_is_refused():
     with pytest.raises(ValueError, match="only 2 free"):
         BlockPool(2).get_new_blocks(3)

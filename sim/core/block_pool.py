@@ -10,9 +10,13 @@ the head and a FIFO of hashed ones, which lets blocks move in bulk (`get_new_blo
 stack's end, then the FIFO's front) in exactly vLLM's single queue order.
 
 Hashes are of two kinds. Shared ones (a prompt block's chain of prefix ids) go in the `cached`
-index, where any request may hit them. A private hash (a `(request id, block index)` tuple: a block
-only its own request can hit again, after a preemption) stays out of the index: its request keeps
-the chain of its blocks (`private_lookup`), so filling and evicting such blocks costs no dict update.
+index, where any request may hit them. A private hash (a block only its own request can hit again,
+after a preemption) stays out of the index: its request keeps the chain of its blocks
+(`private_lookup`), so filling and evicting such blocks costs no dict update. A private hash is
+the tuple `(request id, block index)`, or `(request id,)` for every block a request fills before
+its first preemption: such a block sits in its chain at its own index for as long as it keeps that
+hash (the chain only grows until then), so the index need not be stored, and one tuple serves all
+the blocks a call hashes (no tuple per block to build, then free on eviction).
 """
 from __future__ import annotations
 
@@ -185,7 +189,8 @@ class BlockPool:
         chain of private blocks."""
         if key[1] < len(chain):
             block = chain[key[1]]
-            if self.block_hash[block] == key:
+            h = self.block_hash[block]
+            if h == key or h == key[:1]:
                 return block
         return None
 
@@ -221,21 +226,23 @@ class BlockPool:
                       fresh: bool = False) -> None:
         """Hash owned blocks with their request's private keys (request id, first + i); `first` is at
         most len(chain), the request's chain of the block of each index. `fresh`: the request was
-        never preempted, so its blocks are unhashed and its chain ends at `first`."""
+        never preempted, so its blocks are unhashed and its chain ends at `first` (they all get the
+        key `(request id,)`: see the module's docstring)."""
         block_hash = self.block_hash
-        keys = zip(repeat(request_id), range(first, first + len(blocks)))
         if fresh:
             chain.extend(blocks)
-            for block, key in zip(blocks, keys):
+            key = (request_id,)
+            for block in blocks:
                 block_hash[block] = key
             return
-        for block, key in zip(blocks, keys):
+        own = (request_id,)
+        for block, key in zip(blocks, zip(repeat(request_id), range(first, first + len(blocks)))):
             if block_hash[block] is not None:
                 continue
             j = key[1]
             if j == len(chain):
                 chain.append(block)
-            elif block_hash[chain[j]] == key:          # an identical block is cached: keep it
+            elif block_hash[chain[j]] in (key, own):          # an identical block is cached: keep it
                 continue
             else:
                 chain[j] = block
