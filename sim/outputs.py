@@ -16,7 +16,7 @@ from .config import SimConfig
 from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
 from .metrics import summarize
-from .request_log import requests_arrow
+from .request_log import requests_arrow, token_stats
 from .safe_io import dumps_json
 from .vllm_metrics import bench_metrics
 
@@ -35,6 +35,9 @@ def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame | di
     streamed run: its step figures, sim.request_log.step_figures_from_file, and token figures,
     sim.request_log.TokenStats)."""
     cfg, num_blocks, profile = plan.cfg, plan.num_blocks, plan.cost.profile
+    if tokens is None and "token_times_s" in req_df:       # the token figures once for both summaries
+        done = req_df[req_df["status"] == "finished"]
+        tokens = token_stats(done["token_times_s"], float(done["arrival_s"].min()) if len(done) else 0.0)
     summary = summarize(req_df, steps_df, num_blocks_total=managed_pool_blocks(kvs, num_blocks),
                         slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
                         prefix_queries=sum(kv.num_prefix_queries for kv in kvs),

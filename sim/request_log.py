@@ -156,6 +156,47 @@ class TokenStats(NamedTuple):
     peak_tokens_per_s: float         # most tokens in one whole second counted from `start`
 
 
+class ExactValues:
+    """Values kept whole, with ValueCounts' interface: numpy's own mean, std, median and percentiles
+    of them, bit for bit. The mean and std are taken first, since the order statistics then reorder
+    the values in place (no copy of millions of gaps per statistic), which would change a sum's order."""
+
+    def __init__(self, values: np.ndarray):
+        self._values = values
+        self.size = values.size
+        self._mean = float(np.mean(values)) if values.size else math.nan
+        self._std = float(np.std(values)) if values.size else math.nan
+
+    def mean(self) -> float:
+        return self._mean
+
+    def std(self) -> float:
+        return self._std
+
+    def median(self) -> float:
+        return float(np.median(self._values, overwrite_input=True))
+
+    def percentile(self, q):
+        return np.percentile(self._values, q, overwrite_input=True)
+
+
+def token_stats(token_times, start_s: float) -> TokenStats:
+    """TokenStats of finished requests' token times held in memory (one array or list a request):
+    what `summarize` and `bench_metrics` would compute from them, computed once."""
+    offsets, times = flat_token_times(token_times)
+    peak = peak_tokens_per_s(times, start_s)
+    gaps = list_gaps(offsets, times)
+    del times                                   # before the statistics' temporaries
+    return TokenStats(ExactValues(gaps), peak)
+
+
+def peak_tokens_per_s(times: np.ndarray, start_s: float) -> float:
+    """Most token times in one whole second counted from `start_s` (vLLM's per-second buckets)."""
+    buckets = (times - start_s).astype(np.int64)
+    counts = np.bincount(buckets[buckets >= 0])
+    return float(counts.max()) if counts.size else 0.0
+
+
 def list_gaps(offsets: np.ndarray, times: np.ndarray) -> np.ndarray:
     """Gaps between consecutive values of each list (lists given as offsets [n + 1] and values)."""
     if times.size == 0:

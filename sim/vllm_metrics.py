@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from .metrics import flat_token_times, inter_token_latencies
+from .request_log import peak_tokens_per_s
 
 DEFAULT_PERCENTILES = (99.0,)
 # (key in the result JSON, name in the printed report, the report's section header)
@@ -90,10 +91,7 @@ def _peak_tokens_per_s(done: pd.DataFrame) -> float:
     if not len(done):
         return 0.0
     _, times = flat_token_times(done["token_times_s"])
-    if not times.size:
-        return 0.0
-    buckets = (times - float(done["arrival_s"].min())).astype(np.int64)
-    return float(np.bincount(buckets[buckets >= 0]).max())
+    return peak_tokens_per_s(times, float(done["arrival_s"].min()))
 
 
 def _peak_concurrency(done: pd.DataFrame) -> int:

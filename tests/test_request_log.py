@@ -10,8 +10,8 @@ import pytest
 
 from kvsim.sim import request_log, simulate
 from kvsim.sim.config import load_config
-from kvsim.sim.metrics import summarize
-from kvsim.sim.request_log import ValueCounts, step_figures_from_file
+from kvsim.sim.metrics import inter_token_latencies, summarize
+from kvsim.sim.request_log import ValueCounts, step_figures_from_file, token_stats
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -39,6 +39,20 @@ def test_raw_distribution_is_numpys():
     dist.add(values[400:])
     assert not dist.compacted
     assert (dist.mean(), dist.std(), dist.median()) == (np.mean(values), np.std(values), np.median(values))
+
+
+def test_token_figures_computed_once_are_numpys_in_any_order():
+    """The summary computes the token times' figures once (`token_stats`) for both of its summaries:
+    the same bits as numpy on the pooled gaps, whichever statistic is asked first."""
+    rng = np.random.default_rng(3)
+    lists = [np.cumsum(rng.random(int(k)) * 0.05) + s for k, s in zip(rng.integers(0, 40, 300), rng.random(300) * 9)]
+    gaps = inter_token_latencies(lists)
+    stats = token_stats(lists, 0.0)
+    qs = (50, 90, 99)
+    assert stats.itl.percentile(qs).tolist() == np.percentile(gaps, qs).tolist()        # reorders in place
+    assert (stats.itl.size, stats.itl.mean(), stats.itl.std()) == (gaps.size, np.mean(gaps), np.std(gaps))
+    assert stats.itl.median() == np.median(gaps) and float(stats.itl.percentile(99.9)) == np.percentile(gaps, 99.9)
+    assert stats.peak_tokens_per_s == np.bincount(np.concatenate(lists).astype(np.int64)).max()
 
 
 def _cfg(n=1500):
