@@ -15,6 +15,7 @@ per-call overhead dominates at these sizes; only the pricing is vectorized.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
@@ -223,12 +224,12 @@ def apply(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> dict:
         used, cached = _replay_events(sched, kv, run)
     else:
         used, cached = _bulk_allocate(sched, kv, run)
-    ends = run.ends
+    ends = array("d", run.ends)             # token times go to float64 arrays: copied, not converted
     for req, c, e in zip(run.requests, run.computed, run.last_step):
         n = e if e < k else k
         req.num_computed_tokens = c + n
         req.num_output_tokens += n
-        req.token_times.extend(ends[:n])
+        req.token_times.extend(ends if n == k else ends[:n])
     bs = kv.block_size
     allocated = [u * bs for u in used]
     if sched.config.async_scheduling:

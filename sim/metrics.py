@@ -89,7 +89,7 @@ class StepLog:
         self._required = [(name, v.append) for name, v in self._rows.items() if name not in STEP_DEFAULTS]
         self._optional = [(name, v.append, STEP_DEFAULTS[name]) for name, v in self._rows.items()
                           if name in STEP_DEFAULTS]
-        self._extend = [(v.extend, v.fromlist if isinstance(v, array) else v.extend, name, STEP_DEFAULTS.get(name))
+        self._extend = [(v.extend, v.typecode if isinstance(v, array) else None, name, STEP_DEFAULTS.get(name))
                         for name, v in self._rows.items()]
 
     def _to_lists(self) -> None:
@@ -128,17 +128,25 @@ class StepLog:
         self._grow(n)
 
     def _append_columns(self, cols: dict, n: int) -> None:
-        for extend, from_list, name, default in self._extend:
+        # Typed buffers take each column as one typed array (a copy, not a conversion per value): a
+        # scalar's as one value repeated, a list given for several columns converted once.
+        converted: dict = {}
+        for extend, typecode, name, default in self._extend:
             v = cols.get(name, default)
             kind = v.__class__
-            if kind is list:
-                from_list(v)
-            elif kind is range or kind is tuple:
-                extend(v)
-            elif kind is np.ndarray:
-                from_list(v.tolist())
+            if typecode is None:
+                extend(v.tolist() if kind is np.ndarray else v if kind is list or kind is range or kind is tuple
+                       else [v] * n)
+            elif kind is list or kind is tuple:
+                key = (id(v), typecode)
+                typed = converted.get(key)
+                if typed is None:
+                    typed = converted[key] = array(typecode, v)
+                extend(typed)
+            elif kind is range or kind is np.ndarray:
+                extend(array(typecode, v.tolist() if kind is np.ndarray else list(v)))
             else:
-                from_list([v] * n)
+                extend(array(typecode, (v,)) * n)
 
     def _grow(self, n: int) -> None:
         self._pending += n
