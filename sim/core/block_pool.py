@@ -110,17 +110,17 @@ class BlockPool:
         blocks = stack[-n:]
         del stack[-n:]
         blocks.reverse()
-        rest = n - len(blocks)
-        if rest:
-            blocks += self._pop_hashed(rest)
         if self.enable_caching:
             ref = self._ref_cnt
             for block in blocks:
                 ref[block] = 1
+        rest = n - len(blocks)
+        if rest:
+            blocks += self._pop_hashed(rest)
         return blocks
 
     def _pop_hashed(self, n: int) -> list[int]:
-        """Evict the `n` least recently freed hashed blocks and hand them out."""
+        """Evict the `n` least recently freed hashed blocks and hand them out (one reference each)."""
         fifo, h = self._fifo, self._head
         if not self._num_dead:
             blocks = fifo[h:h + n]
@@ -147,8 +147,10 @@ class BlockPool:
                 key = block_hash[block]
                 if cached.get(key) == block:        # a shared hash (private ones are not indexed)
                     del cached[key]
+        ref = self._ref_cnt
         for block in blocks:
             block_hash[block] = None
+            ref[block] = 1
         self.num_cache_evictions += n
         return blocks
 
@@ -175,11 +177,13 @@ class BlockPool:
             self.free_blocks(reversed(blocks))
             return
         ref, block_hash = self._ref_cnt, self.block_hash
-        tail_first = blocks[::-1]
-        for block in tail_first:
+        unhashed, hashed = self._stack.append, self._fifo.append
+        for block in reversed(blocks):
             ref[block] = 0
-        self._stack.extend([b for b in tail_first if block_hash[b] is None])
-        self._fifo.extend([b for b in tail_first if block_hash[b] is not None])
+            if block_hash[block] is None:
+                unhashed(block)
+            else:
+                hashed(block)
 
     def lookup(self, block_hash) -> int | None:
         return self.cached.get(block_hash)
