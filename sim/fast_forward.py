@@ -277,11 +277,9 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
             a += 1
         for (_, r), block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
             req_blocks[reqs[r]].append(block)
-        pops = 0
-        for i in range(first, j + 1):
-            pops += run.new_blocks[i]
-            used[i] = used0 + pops
-            cached[i] = hashed - max(0, pops - unhashed)
+        pops = list(accumulate(run.new_blocks[first:j + 1]))
+        used[first:j + 1] = [used0 + p for p in pops]
+        cached[first:j + 1] = [hashed if p <= unhashed else hashed - (p - unhashed) for p in pops]
         first = j + 1
         if j in releases:
             done = [reqs[r] for r in releases[j]]
