@@ -654,11 +654,10 @@ class CostModel:
         sequence count alone come from a table over counts (`_decode_seq_terms`: the same operations
         on the same values give the same bits)."""
         c, p = self._c, self.profile
-        seqs = seqs.astype(np.float64, copy=False)
         kv_read = kv_read.astype(np.float64, copy=False)
-        n = seqs.astype(np.intp)
-        if not n.size or n.min() < 0 or not (n == seqs).all():
-            return self._operator_decode_priced(seqs, kv_read, entries)
+        n = seqs.astype(np.intp, copy=False)
+        if not n.size or n.min() < 0 or (seqs.dtype.kind == "f" and not (n == seqs).all()):
+            return self._operator_decode_priced(seqs.astype(np.float64, copy=False), kv_read, entries)
         linear, base, allreduce = self._decode_seq_terms(int(n.max()))
         attn_compute = kv_read * c["attn_read_s"] if self._mla else kv_read * c["attn_pair_s"]
         attention = np.maximum(attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff)
@@ -749,12 +748,13 @@ class CostModel:
 
     def predict_decode(self, num_seqs: np.ndarray, kv_tokens_read: np.ndarray,
                        block_table_entries: np.ndarray, kv_tokens_padded: np.ndarray | None = None) -> np.ndarray:
-        """`predict` for a run of pure-decode steps (float64 arrays; one new token per sequence, no
-        prefill, copy or swap), with the zero terms left out. Bit-identical to `predict` on the same
+        """`predict` for a run of pure-decode steps (float64 or integer arrays; one new token per
+        sequence, no prefill, copy or swap), with the zero terms left out. Bit-identical to `predict` on the same
         BatchShape: every dropped term is an exact 0.0, and x + 0.0 == x. The decode fast-forward
         prices each run with it (tested against `predict`)."""
         if self._gemm_table is not None:
             return self._operator_decode_total(num_seqs, kv_tokens_read, block_table_entries)
+        num_seqs, kv_tokens_read, block_table_entries = _f64(num_seqs), _f64(kv_tokens_read), _f64(block_table_entries)
         c, p = self._c, self.profile
         weights = c["weights_s"] if self._moe is None else c["weights_s"] + self.expert_read_time(num_seqs)
         linear = np.maximum((num_seqs * c["decode_flops_s"] + num_seqs * c["lm_head_s"]) / p.mfu_decode,

@@ -241,7 +241,7 @@ class EngineReplica:
         })
         self.step_log.append_columns(rows, k)
         self.num_steps += k
-        self.tokens_computed += sum(run.batch)
+        self.tokens_computed += int(run.batch.sum())
         if self.check:
             self.check_invariants()
         if self.on_step:

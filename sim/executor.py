@@ -42,7 +42,7 @@ class CostModelExecutor:
         return self.cost.predict(shape)
 
     def predict_decode_run(self, num_seqs, kv_tokens_read, block_table_entries):
-        """Durations of a run of pure-decode steps (float64 arrays), as `execute` would price them."""
+        """Durations of a run of pure-decode steps (int64 or float64 count arrays), as `execute` would price them."""
         return self.cost.predict_decode(num_seqs, kv_tokens_read, block_table_entries)
 
 

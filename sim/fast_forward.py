@@ -42,7 +42,7 @@ class ReplicaView(NamedTuple):
 
 @dataclass
 class DecodeRun:
-    """A run of `num_steps` decode steps; per-step lists are indexed by step j = 0..num_steps-1."""
+    """A run of `num_steps` decode steps; per-step lists and arrays are indexed by step j = 0..num_steps-1."""
     requests: list        # running requests at the start, in scheduling order
     computed: list        # computed tokens of each request at the start
     last_step: list       # step (1-based) in which each request produces its last token
@@ -50,13 +50,13 @@ class DecodeRun:
     allocs: list          # (step, request index) of each block allocation, step-major, then scheduling order
     new_blocks: list      # blocks allocated in step j
     freed_blocks: list    # blocks freed by requests finishing in step j (no prefix caching)
-    batch: list           # sequences in step j
-    kv_read: list         # KV tokens read in step j
-    entries: list         # block-table entries in step j: blocks held by its requests after its allocations
+    batch: np.ndarray     # sequences in step j (int64)
+    kv_read: np.ndarray   # KV tokens read in step j (int64)
+    entries: np.ndarray   # block-table entries in step j: blocks held by its requests after its allocations (int64)
     finished: list        # requests producing their last token in step j
     finished_computed: list   # their start token counts, summed
     finished_blocks: list     # their blocks, summed
-    durations: list
+    durations: np.ndarray     # float64
     starts: list
     ends: list
 
@@ -119,13 +119,12 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
         k = _steps_keeping_head_hits(sched, kv, ev.allocs, k)
     if k < 1:
         return None
-    batch = list(accumulate(ev.d_count[:k]))
-    c_sum = list(accumulate(ev.d_computed[:k]))
-    held = list(accumulate(ev.d_blocks[:k]))
-    kv_read = [c + (j + 1) * n for j, (c, n) in enumerate(zip(c_sum, batch))]   # tokens after step j: c + j + 1
-    durations = executor.predict_decode_run(
-        np.array(batch, F64), np.array(kv_read, F64), np.array(held, F64)).tolist()
-    starts, ends = _step_times(view.now, durations, next_arrival, ev.finished, deferred)
+    # the per-step figures as int64 arrays (priced, then logged, without a conversion per value)
+    sums = np.array((ev.d_count[:k], ev.d_computed[:k], ev.d_blocks[:k]), np.int64)
+    batch, c_sum, held = np.cumsum(sums, axis=1, out=sums)
+    kv_read = c_sum + np.arange(1, k + 1) * batch        # tokens after step j: c + j + 1 per request
+    durations = executor.predict_decode_run(batch, kv_read, held)
+    starts, ends = _step_times(view.now, durations.tolist(), next_arrival, ev.finished, deferred)
     k = len(starts)
     if k < 1:
         return None
@@ -231,19 +230,20 @@ def apply(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> dict:
         req.num_output_tokens += n
         req.token_times.extend(ends if n == k else ends[:n])
     bs = kv.block_size
-    allocated = [u * bs for u in used]
+    used = np.array(used, np.int64)
+    allocated = used * bs
     if sched.config.async_scheduling:
         # a step's finishers keep their blocks until the next step has been scheduled
-        running = list(run.batch)
-        live = [slots - (entries * bs - tokens) for slots, entries, tokens in zip(allocated, run.entries, run.kv_read)]
+        running = run.batch.copy()
+        live = allocated - (run.entries * bs - run.kv_read)
     else:
         # what is still held after step j: its finishers' sequences, tokens and blocks are gone
-        running = [n - f for n, f in zip(run.batch, run.finished)]
-        live = [slots - ((entries - fin_blocks) * bs - (tokens - (fin_c + (j + 1) * f)))
-                for j, (slots, entries, fin_blocks, tokens, fin_c, f) in enumerate(zip(
-                    allocated, run.entries, run.finished_blocks, run.kv_read, run.finished_computed, run.finished))]
-    fragmentation = [1.0 - x / slots if slots else 0.0 for x, slots in zip(live, allocated)]
-    return {"blocks_used": used, "blocks_free": [kv.num_blocks - u for u in used], "blocks_cached": cached,
+        fin, fin_c, fin_blocks = np.array((run.finished, run.finished_computed, run.finished_blocks), np.int64)
+        running = run.batch - fin
+        live = allocated - ((run.entries - fin_blocks) * bs - (run.kv_read - (fin_c + np.arange(1, k + 1) * fin)))
+    # 1 - live / allocated (an exact quotient of exact int64 values, as Python's), 0 without slots
+    fragmentation = 1.0 - np.divide(live, allocated, out=np.ones(k), where=allocated != 0)
+    return {"blocks_used": used, "blocks_free": kv.num_blocks - used, "blocks_cached": cached,
             "live_slots": live, "allocated_slots": allocated, "fragmentation": fragmentation,
             "num_running": running, "finished": run.finished}
 

@@ -47,6 +47,7 @@ STEP_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                                         "per_head)"),
 }
 STEP_SCHEMA = pa.schema([(name, t) for name, (t, _) in STEP_COLUMNS.items()])
+_ARRAY_DTYPE = {"d": np.dtype(np.float64).char, "q": np.dtype(np.int64).char}    # typed buffer -> numpy type
 STEP_DEFAULTS = {"predicted_s": math.nan, "evicted_tokens": 0, "blocks_freed_by_eviction": 0,
                  "bytes_moved": 0, "attn_pairs_prefill": 0.0, "block_table_entries": 0}
 
@@ -143,8 +144,13 @@ class StepLog:
                 if typed is None:
                     typed = converted[key] = array(typecode, v)
                 extend(typed)
-            elif kind is range or kind is np.ndarray:
-                extend(array(typecode, v.tolist() if kind is np.ndarray else list(v)))
+            elif kind is np.ndarray:
+                if v.dtype.char == _ARRAY_DTYPE[typecode]:      # the buffer's own type: its bytes
+                    extend(array(typecode, v.tobytes()))
+                else:
+                    extend(array(typecode, v.tolist()))
+            elif kind is range:
+                extend(array(typecode, list(v)))
             else:
                 extend(array(typecode, (v,)) * n)
 

@@ -201,6 +201,8 @@ def test_decode_runs_price_padding_as_steps_do():
                                   block_table_entries=entries, kv_tokens_padded=padded))
     assert (run == steps).all()
     assert (cm.predict_decode(seqs, kv_read, entries) == cm.predict_decode(seqs, kv_read, entries, kv_read)).all()
+    counts = [x.astype(np.int64) for x in (seqs, kv_read, entries)]        # the fast-forward's int64 counts
+    assert (cm.predict_decode(*counts) == cm.predict_decode(seqs, kv_read, entries)).all()
 
 
 def test_decode_batch_factors_scale_pure_decode_steps_by_batch_size():
@@ -333,3 +335,6 @@ def test_operator_form_fast_paths_equal_the_breakdown_bit_for_bit(model, gpu, tp
         ref = cm.breakdown(BatchShape(num_seqs=counts, num_decode_tokens=counts, kv_tokens_read=shapes.kv_tokens_read,
                                       block_table_entries=shapes.block_table_entries))["total"]
         assert (run == ref).all()
+        if (counts == counts.astype(np.int64)).all():       # the fast-forward passes int64 counts
+            ints = [x.astype(np.int64) for x in (counts, shapes.kv_tokens_read, shapes.block_table_entries)]
+            assert (cm.predict_decode(*ints) == cm.predict_decode(*(x.astype(np.float64) for x in ints))).all()

@@ -21,6 +21,7 @@ def fill(log: StepLog, odd: dict | None = None) -> None:
     cols = {name: [v] * 3 for name, v in row(5).items()}
     cols["step"] = range(5, 8)
     cols["time_s"] = np.array([5.5, 6.5, 7.5])
+    cols["kv_tokens_read"] = np.array([50, 60, 70])       # int64: copied as the buffer's own bytes
     cols["predicted_s"] = 1.5                     # a scalar repeated over the run
     cols["batch_size"] = cols["num_decode_seqs"] = cols["duration_s"] = [5, 6, 7]   # one list, both types
     log.append_columns(cols, 3)
@@ -42,6 +43,7 @@ def test_rows_and_runs_come_back_in_order_with_defaults(tmp_path):
     assert t.column("bytes_moved").to_pylist()[:3] == [0, 0, 0]
     assert t.column("num_decode_seqs").to_pylist()[4:9] == [4, 5, 6, 7, 8] == t.column("batch_size").to_pylist()[4:9]
     assert t.column("duration_s").to_pylist()[4:9] == [4.25, 5.0, 6.0, 7.0, 8.25]
+    assert t.column("kv_tokens_read").to_pylist()[4:9] == [4, 50, 60, 70, 8]
     assert [g.num_rows for g in (pq.ParquetFile(tmp_path / "steps.parquet").metadata.row_group(i)
                                  for i in range(5))] == [64, 64, 64, 64, 44]
 

@@ -165,4 +165,5 @@ class FastForwardExecutor(Executor, Protocol):
     """An executor that prices a run of pure-decode steps at once, bit-identical to `execute`."""
 
     def predict_decode_run(self, num_seqs: np.ndarray, kv_tokens_read: np.ndarray,
-                           block_table_entries: np.ndarray) -> np.ndarray: ...
+                           block_table_entries: np.ndarray) -> np.ndarray:
+        """Float64 durations of the steps (counts given as int64 or float64 arrays)."""
