@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Callable
 
 from ...core.request import Request
 from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES, KVStepPlan
-from .layout import (EMPTY_SCORES, HOLE, HOLED, NUM_CANDIDATES, ROW_FIELDS, ScoreArrays, SlabArrays, StepFlags)
+from .layout import (EMPTY_SCORES, HOLE, HOLED, LIST_LEN, LIVE, NCOL, NUM_CANDIDATES, PAGES, ROW_FIELDS, TAIL, TAIL_WRITTEN,
+                     ScoreArrays, SlabArrays, StepFlags)
 from .settings import FastSettings
 
 if TYPE_CHECKING:
@@ -120,8 +121,9 @@ class FastSlab:
         # views of row_state: hn = heavy-list length (newest survivors last); tail = append column (append
         # strategies), tail_w = slots written in it; ncol = columns in use (alive or dead below);
         # hole_col = reuse: first column with a free slot; holed = sparse_copy: the one holed column, -2 = several
-        for name, f in ROW_FIELDS.items():
-            setattr(self, name, self.row_state[:, :, f])
+        rs = self.row_state
+        self.tail, self.tail_w, self.ncol, self.pages = rs[:, :, TAIL], rs[:, :, TAIL_WRITTEN], rs[:, :, NCOL], rs[:, :, PAGES]
+        self.live, self.hole_col, self.holed, self.hn = rs[:, :, LIVE], rs[:, :, HOLE], rs[:, :, HOLED], rs[:, :, LIST_LEN]
         self.row_state_f = self.row_state.reshape(-1, len(ROW_FIELDS))
         self.occ_f, self.win_f, self.alive_f = self.occ.reshape(-1), self.win.reshape(-1), self.alive.reshape(-1)
         self.ring_f, self.heavy_f = self.ring.reshape(-1), self.heavy.reshape(-1)
