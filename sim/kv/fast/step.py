@@ -6,7 +6,7 @@ import numpy as np
 
 from ..slots import COPY_STRATEGIES, REUSE_STRATEGIES
 from . import kernels
-from .layout import StepOutputs
+from .layout import HOLE, HOLED, LIVE, StepOutputs
 from .budgets import CutBudgets
 from .scoring import Scorer
 from .settings import FastSettings
@@ -150,14 +150,28 @@ class FastStep:
         pairs. The per-row scalars of those pairs are gathered once into `st` [m, fields], updated
         in place through column views, and scattered back; page columns are addressed in the
         flattened slab (row id q = slot * rows + row, page id = q * cols + column)."""
-        bs, R, W = self.cfg.block_size, self.cfg.rows, self.cfg.window
-        nS = S.size
-        q, qP, ring_base = self.slab.index(S)
-        pos = self.slab.ntok[S]
-        st = self.slab.row_state_f[q]
-        tail, tw, ncol, pages, live, hole, _, hn = st.T        # column views (field order of ROW_FIELDS)
-        # --- write the new token (into the tail page, the first hole, or a page opened from the reservation)
-        if self.cfg.append:
+        slab = self.slab
+        q, qP, ring_base = slab.index(S)
+        pos = slab.ntok[S]
+        st = slab.row_state_f[q]
+        col, qP, ring_base = self._write(S, st, qP, ring_base)
+        at = qP + col
+        ex, ec = self._move_window(pos, qP, ring_base, at, col)
+        slab.ntok[S] += 1
+        if self.cfg.strategy in REUSE_STRATEGIES:
+            self.slots.after_fill(qP, st, at, col)
+        evicted = self._evict(S.size, q, qP, st, ex, ec)
+        slab.row_state_f[q] = st
+        self._settle(S, q, col, st)
+        return [0] * S.size if evicted is None else evicted
+
+    def _write(self, S: np.ndarray, st: np.ndarray, qP, ring_base) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The new token of each row goes into the tail page, the first hole, or a page opened from the
+        reservation. Returns its columns and the step's (re-cut when the slab widened) page ids and
+        ring bases."""
+        slab, bs, append = self.slab, self.cfg.block_size, self.cfg.append
+        tail, tw, ncol, pages, _, hole = st.T[:HOLED]          # column views (field order of ROW_FIELDS)
+        if append:
             new = tw >= bs
             new |= ncol == 0
             col = np.where(new, ncol, tail)
@@ -165,71 +179,82 @@ class FastStep:
             new = hole < 0
             col = np.where(new, ncol, hole)
         if np.count_nonzero(new):
-            if self.slab.ncol_hi >= self.slab.occ.shape[2]:
-                self.slab.ncol_hi = int(self.slab.ncol.max())
-                self.slab.ensure_cols(self.slab.ncol_hi + 1)
-                q, qP, ring_base = self.slab.index(S)
-            self.slab.ncol_hi += 1
-            self.slab.alive_f[(qP + col)[new]] = True
+            if slab.ncol_hi >= slab.occ.shape[2]:
+                slab.ncol_hi = int(slab.ncol.max())
+                slab.ensure_cols(slab.ncol_hi + 1)
+                _, qP, ring_base = slab.index(S)
+            slab.ncol_hi += 1
+            slab.alive_f[(qP + col)[new]] = True
             pages += new
             ncol += new                   # pages open at column ncol
-            if self.cfg.append:
+            if append:
                 tail[:] = col
                 tw[new] = 0
             else:
                 np.copyto(hole, col, where=new)
-        if self.cfg.append:
+        if append:
             tw += 1
-        at = qP + col
-        track = self.cfg.tracks_columns
-        if track:
-            self.slab.occ_f[at] += 1
-        live += 1
-        # --- the window moves on: the token at pos - W leaves it
-        ex, ec = False, col
-        if W and track:
-            ring_at = (ring_base + (pos % W)[:, None]).ravel()
-            ec = self.slab.ring_f[ring_at]
-            if pos.min() >= W:
-                ex = True
-                self.slab.win_f[qP + ec] -= 1
-            else:
-                ex = np.repeat(pos >= W, R)
-                self.slab.win_f[qP + ec] -= ex
-            self.slab.win_f[at] += 1
-            self.slab.ring_f[ring_at] = col
-        self.slab.ntok[S] += 1
-        if self.cfg.strategy in REUSE_STRATEGIES:
-            self.slots.after_fill(qP, st, at, col)
-        # --- evict
-        evicted = None
-        rescan = None
-        if self.cfg.budget is not None:
-            over = live > self.cfg.budget
-            n_over = int(np.count_nonzero(over))
-            if n_over:
-                live -= over
-                self.ledger.plan.evicted_tokens += n_over
-                evicted = [R] * nS if n_over == over.size else over.reshape(nS, R).sum(axis=1).tolist()
-                if track:
-                    ev = self.scorer.pick(q, over, ex, ec, hn)
-                    ev_at = qP + ev
-                    self.slab.occ_f[ev_at] -= over
-                    rescan = self.slots.after_evict(over, ev, ev_at, st)
-                    if rescan is not None:
-                        rescan &= pages * bs > live
-                        if np.count_nonzero(rescan):
-                            hole[rescan] = self.slots.first_free(qP[rescan], ev[rescan] + 1, ncol[rescan])
-            elif track:                          # below budget: tokens leaving the window are listed
+        if self.cfg.tracks_columns:
+            slab.occ_f[qP + col] += 1
+        st[:, LIVE] += 1
+        return col, qP, ring_base
+
+    def _move_window(self, pos, qP, ring_base, at, col):
+        """The window moves on: the token at pos - W leaves it (ex: whether it does, per row or for all;
+        ec: its column)."""
+        slab, W = self.slab, self.cfg.window
+        if not (W and self.cfg.tracks_columns):
+            return False, col
+        ring_at = (ring_base + (pos % W)[:, None]).ravel()
+        ec = slab.ring_f[ring_at]
+        if pos.min() >= W:
+            ex = True
+            slab.win_f[qP + ec] -= 1
+        else:
+            ex = np.repeat(pos >= W, self.cfg.rows)
+            slab.win_f[qP + ec] -= ex
+        slab.win_f[at] += 1
+        slab.ring_f[ring_at] = col
+        return ex, ec
+
+    def _evict(self, nS: int, q, qP, st, ex, ec) -> list[int] | None:
+        """Over-budget rows evict one token each (the scorer picks it, the slot strategy answers);
+        rows below the budget list the token leaving the window. Returns evictions per slot (None: none)."""
+        cfg, slab = self.cfg, self.slab
+        if cfg.budget is None:
+            return None
+        _, _, ncol, pages, live, hole, _, hn = st.T
+        over = live > cfg.budget
+        n_over = int(np.count_nonzero(over))
+        if not n_over:
+            if cfg.tracks_columns:
                 self.scorer.pick(q, over, ex, ec, hn)
-        self.slab.row_state_f[q] = st
-        if self.cfg.strategy in COMPACT:
+            return None
+        live -= over
+        self.ledger.plan.evicted_tokens += n_over
+        evicted = [cfg.rows] * nS if n_over == over.size else over.reshape(nS, cfg.rows).sum(axis=1).tolist()
+        if cfg.tracks_columns:
+            ev = self.scorer.pick(q, over, ex, ec, hn)
+            ev_at = qP + ev
+            slab.occ_f[ev_at] -= over
+            rescan = self.slots.after_evict(over, ev, ev_at, st)
+            if rescan is not None:
+                rescan &= pages * cfg.block_size > live
+                if np.count_nonzero(rescan):
+                    hole[rescan] = self.slots.first_free(qP[rescan], ev[rescan] + 1, ncol[rescan])
+        return evicted
+
+    def _settle(self, S: np.ndarray, q, col, st) -> None:
+        """Compaction's answer, then each slot's next page need and totals (from the gathered row state
+        when no page moved)."""
+        strategy, bs, R = self.cfg.strategy, self.cfg.block_size, self.cfg.rows
+        if strategy in COMPACT:
             self.slots.compact_step(S, q, col)
-        if self.cfg.strategy in COMPACT or self.cfg.strategy in COPY_STRATEGIES:   # pages moved: recount from the slab
+        if strategy in COMPACT or strategy in COPY_STRATEGIES:   # pages moved: recount from the slab
             self.slots.update_need(S)
             self.slab.restat(S)
-        else:                                    # the gathered row state is final
-            need = (tw >= bs) | (ncol == 0) if self.cfg.append else pages * bs <= live
-            self.slots.update_need(S, need.reshape(nS, R))
-            self.slab.restat(S, live.reshape(nS, R), pages.reshape(nS, R))
-        return [0] * nS if evicted is None else evicted
+            return
+        _, tw, ncol, pages, live = st.T[:HOLE]                  # the gathered row state is final
+        need = (tw >= bs) | (ncol == 0) if self.cfg.append else pages * bs <= live
+        self.slots.update_need(S, need.reshape(S.size, R))
+        self.slab.restat(S, live.reshape(S.size, R), pages.reshape(S.size, R))
