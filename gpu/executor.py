@@ -264,10 +264,10 @@ class RealExecutor:
         t4 = self.clock()
         if post is not None:
             self._apply_plan(post, sched, after_write=True, reason="policy")
-        if self.check_cache:
-            self.verify_cache(sched)
         self._sync()
         t5 = self.clock()
+        if self.check_cache:      # a check, not engine work: outside the step's time (and the replay's clock)
+            self.verify_cache(sched)
         parts = {"prepare_s": t2 - t1, "forward_s": t3 - t2, "policy_s": t4 - t3, "kv_ops_s": (t1 - t0) + (t5 - t4)}
         for k, v in parts.items():
             self.times[k] += v

@@ -1,6 +1,7 @@
 """Replaying traces on the real backend through the shared engine core (CPU, truncated SmolLM2)."""
 import gc
 import json
+import time
 
 import numpy as np
 import pandas as pd
@@ -325,3 +326,21 @@ def test_replay_closed_loop_sends_the_next_request_when_one_finishes(small):
     assert not sent[:2].any()
     np.testing.assert_array_equal(sent[2:], np.sort(req["finish_s"].to_numpy())[:3])
     np.testing.assert_array_equal(req["client_queue_s"].to_numpy(), sent)
+
+
+def test_cache_checks_are_not_timed_as_engine_work(small, monkeypatch):
+    """`--check-invariants` compares the whole cache with the manager's state every step; that check
+    must not enter the step times (or the replay's clock), or checked replays schedule differently."""
+    from kvsim.gpu.executor import RealExecutor
+    verify = RealExecutor.verify_cache
+    calls = []
+
+    def slow_verify(self, sched=()):
+        calls.append(self.num_steps)
+        time.sleep(0.3)
+        verify(self, sched)
+
+    monkeypatch.setattr(RealExecutor, "verify_cache", slow_verify)
+    res = run_replay(config(**{"engine.num_gpu_blocks": 40}), model=small, trace=trace([9, 9], [2, 2]))
+    assert len(calls) == len(res.steps) > 0
+    assert (res.steps["duration_s"] < 0.3).all()

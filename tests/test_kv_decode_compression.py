@@ -15,7 +15,7 @@ def ctx(layers=1, kv_heads=2):
 def test_recompute_prefill_cuts_only_the_prompt_and_keeps_generated_tokens():
     p = get_policy("snapkv", budget=3, obs_window=4, kernel_size=1)
     st = TokenState.dense(2, 30)                 # prompt 20 + 10 generated, prefilled again
-    st.extra["prompt_tokens"] = 20
+    st.prompt_tokens = 20
     st.score[:] = np.arange(30)[None, :]          # generated tokens score highest: still not candidates
     st.score[:, [1, 2, 3]] = 100
     d = p.compress(st, ctx(), "prefill", None)

@@ -125,7 +125,7 @@ def ctx_per_head(layers=2, kv_heads=2):
 
 def state_for(request_id, rows, num_tokens):
     st = TokenState.dense(rows, num_tokens)
-    st.extra["request_id"] = request_id
+    st.request_id = request_id
     return st
 
 

@@ -111,8 +111,8 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         rk = self.req_kv.get(req)
         if rk is None:
             rk = self.req_kv[req] = RequestKV(self.rows, self.stride)
-            rk.state.extra["request_id"] = req.request_id
-            rk.state.extra["prompt_tokens"] = req.prompt_tokens    # a recompute prefills generated tokens too
+            rk.state.request_id = req.request_id
+            rk.state.prompt_tokens = req.prompt_tokens
             self.policy.on_admit(rk.state, self.ctx)
         return rk
 

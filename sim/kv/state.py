@@ -31,7 +31,10 @@ class TokenState:
         self.score = np.zeros((rows, num_slots), dtype=np.float32)   # attention received, summed
         self.tier = np.zeros((rows, num_slots), dtype=np.int8)
         self._fields: dict[str, tuple[np.ndarray, object]] = {}
-        self.extra: dict = {}                # per-request scalars/arrays a policy keeps (not per slot)
+        # the request, as the eviction-aware manager tags it at admission (None in standalone use)
+        self.request_id: int | None = None
+        self.prompt_tokens: int | None = None     # a recompute prefills generated tokens too
+        self.decode_compressions = 0              # decode steps a policy has been asked to compress at
 
     # ----- per-slot arrays -----------------------------------------------------------------
     @property

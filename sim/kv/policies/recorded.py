@@ -108,6 +108,7 @@ class Recorded(EvictionPolicy):
         self._bound = None
         self.replayed = 0              # (row, token) entries evicted
         self.missing = 0               # recorded entries that were not live here (the runs diverged)
+        self._pressure_calls: dict[int, dict[int, int]] = {}   # request -> {length: pressure calls there}
 
     def _bind(self, ctx) -> None:
         """Index the decisions by (request, reason, tokens cached, ordinal) once the layout is known."""
@@ -142,10 +143,10 @@ class Recorded(EvictionPolicy):
 
     def on_admit(self, state, ctx) -> None:
         self._bind(ctx)
-        if "request_id" not in state.extra:
+        if state.request_id is None:
             raise RuntimeError("the recorded policy needs the request id the eviction-aware KV manager tags "
-                               "each request's TokenState with (state.extra['request_id'])")
-        state.extra["recorded_pressure"] = {}
+                               "each request's TokenState with (state.request_id)")
+        self._pressure_calls[state.request_id] = {}
 
     def observe(self, state, ctx, scores, phase) -> None:
         pass
@@ -162,12 +163,12 @@ class Recorded(EvictionPolicy):
         return Decision(evict=mask) if found else None
 
     def compress(self, state, ctx, reason, scores):
-        return self._decision(state, (state.extra["request_id"], "policy", state.num_tokens, 0))
+        return self._decision(state, (state.request_id, "policy", state.num_tokens, 0))
 
     def reclaim(self, state, ctx, num_tokens):
-        calls = state.extra["recorded_pressure"]
+        calls = self._pressure_calls[state.request_id]     # pressure calls at each length, this admission
         n = calls.get(state.num_tokens, 0)
-        key = (state.extra["request_id"], "pressure", state.num_tokens, n)
+        key = (state.request_id, "pressure", state.num_tokens, n)
         if key not in self._events:
             return None
         calls[state.num_tokens] = n + 1

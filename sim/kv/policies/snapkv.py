@@ -165,10 +165,11 @@ class SnapKV(EvictionPolicy):
 
     def compress(self, state, ctx, reason, scores):
         if reason == "prefill":
-            prompt = state.extra.get("prompt_tokens", state.num_tokens)
+            prompt = state.prompt_tokens if state.prompt_tokens is not None else state.num_tokens
             self._basis = min(int(prompt), state.num_tokens)
         elif reason == "decode" and self.decode_compression != "off":
-            steps = state.extra["decode_steps"] = state.extra.get("decode_steps", 0) + 1
+            state.decode_compressions += 1
+            steps = state.decode_compressions
             if self.decode_compression == "every_n" and steps % self.decode_interval:
                 return None
             if self.decode_compression == "over_budget":
