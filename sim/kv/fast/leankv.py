@@ -217,7 +217,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
 
     def _handle(self) -> int:
         if self._reqs is None:
-            self._reqs = K.request_list(self.inner.rows)
+            self._reqs = K.request_list(self._empty)
         if self._free_handles:
             return self._free_handles.pop()
         h = self._handles
@@ -226,8 +226,6 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             grow = max(16, h)
             self._meta = K.grown(self._meta, grow)
             self._stats = K.grown(self._stats, grow)
-        while len(self._reqs) <= h:
-            self._reqs.append(self._empty)
         return h
 
     def _bind(self, d: _Decoding) -> None:
@@ -256,7 +254,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         meta = self._meta
         K.page_counts(d.arrays, self._params, self._heads.tau, int(meta.entries[h]), int(meta.tokens[h]) - 1,
                       int(meta.prompt[h]), int(meta.most[h]), fresh)
-        self._reqs[h] = d.arrays
+        K.store(self._reqs, h, d.arrays)
         if self._ids.size < rk.table.size:
             self._ids = np.zeros(2 * rk.table.size, dtype=np.int64)
 
@@ -312,7 +310,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._live_dec -= int(stats.live[h])
         self._alloc_dec -= int(stats.alloc[h])
         inner._stat(req)
-        self._reqs[h] = self._empty
+        K.store(self._reqs, h, self._empty)
         d.arrays = None
         self._free_handles.append(h)
 
@@ -381,8 +379,8 @@ class BatchedLeanKVManager(SampledRowsKVManager):
     def _next_chunk(self, d: _Decoding, q: int) -> None:
         self.inner.importance._weights(self._request_id(d), d.imp, np.array([q]))
         d.arrays = d.arrays._replace(weights=d.imp["w"])
-        self._reqs[d.handle] = d.arrays
+        K.store(self._reqs, d.handle, d.arrays)
 
     @staticmethod
     def _request_id(d: _Decoding) -> int:
-        return d.rk.state.extra["request_id"]
+        return d.rk.state.request_id

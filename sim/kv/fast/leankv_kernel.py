@@ -195,9 +195,19 @@ def empty_request(rows: int) -> RequestArrays:
                          np.zeros((rows, 3)))
 
 
-def request_list(rows: int):
-    """A typed List of `RequestArrays` (the kernel's per-handle arrays)."""
-    return typed.List([empty_request(rows)])
+def request_list(first: RequestArrays):
+    """A typed List of `RequestArrays` (the kernel's arrays by handle), `first` at 0. Made and changed by
+    compiled functions only (`store`): from Python, a typed List's methods compile at every start."""
+    reqs = typed.List()
+    reqs.append(first)
+    return reqs
+
+
+def store(reqs, h, arrays):
+    """reqs[h] = arrays (the list grows to h + 1 with `arrays`)."""
+    while len(reqs) <= h:
+        reqs.append(arrays)
+    reqs[h] = arrays
 
 
 def max_threads() -> int:
@@ -987,6 +997,6 @@ if njit is not None:
         globals()[_name] = njit(cache=True, nogil=True, error_model="numpy", inline="always")(globals()[_name])
     for _name in ("_release_page", "_add_pages", "_grow", "_assign_pages", "_release_empty", "_attend_rows", "_make_room",
                   "_compact_tier", "_compact", "page_counts", "sync_scores", "_write_tokens", "_reset_step", "_apply",
-                  "_stats", "next_token_pages"):
+                  "_stats", "next_token_pages", "request_list", "store"):
         globals()[_name] = njit(cache=True, nogil=True, error_model="numpy")(globals()[_name])
     leankv_step = njit(cache=True, nogil=True, error_model="numpy", parallel=True)(leankv_step)
