@@ -177,3 +177,14 @@ def test_invariant_check_catches_an_active_list_that_drifted(monkeypatch):
     monkeypatch.setattr(BatchedLeanKVManager, "_decode", drift)
     with pytest.raises(AssertionError, match="active list drifted"):
         run({**LEANKV, "slot_strategy": "slot_reuse", "mode": "fast"}, n=4, prompt=300, output=60, check=True)
+
+
+def test_compiled_decode_steps_cross_a_chunk_of_content_weights(monkeypatch):
+    # decode tokens past position 512 take the request's next chunk of content weights (256 positions
+    # a draw) while it decodes compiled: the same run as the sampled-row manager's
+    cfg = {**LEANKV, "slot_strategy": "slot_reuse", "mode": "fast"}
+    compiled, steps = run(cfg, n=3, prompt=480, output=80, check=True)[:2]
+    sampled_rows_uncompiled(monkeypatch)
+    plain, plain_steps = run(cfg, n=3, prompt=480, output=80, check=True)[:2]
+    same_run(compiled, plain, LOOSE)
+    assert (steps["evicted_tokens"].to_numpy() == plain_steps["evicted_tokens"].to_numpy()).all()
