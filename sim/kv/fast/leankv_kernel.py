@@ -353,10 +353,22 @@ def _evict(R, stride, r, s, q, tau):
 
 
 def _release_page(R, stride, r, e):
-    """SlotStrategies._release_entries of one page (its id is collected by the caller)."""
-    P = R.pages
-    for o in range(stride):
-        _clear(R, stride, r, e * stride + o)
+    """SlotStrategies._release_entries of one page (its id is collected by the caller): its slots
+    cleared as `_clear` does, the request's arrays unpacked once (a `_clear` per slot would count
+    references to each of them)."""
+    T, P = R.tokens, R.pages
+    live, pos, score, tier, imp_w, seen, placed, settled = T
+    for s in range(e * stride, (e + 1) * stride):
+        if live[r, s]:                              # (a released page holds no live token)
+            _deactivate(R.active, r, s)
+        live[r, s] = False
+        pos[r, s] = -1
+        score[r, s] = 0
+        tier[r, s] = 0
+        imp_w[r, s] = 0
+        seen[r, s] = 0
+        placed[r, s] = False
+        settled[r, s] = False
     P.table[r, e] = -1
     P.occ[r, e] = 0
     P.written[r, e] = 0
