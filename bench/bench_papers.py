@@ -11,7 +11,9 @@ p99 fragmentation of noop / free_block / slot_reuse and the two ratios (publishe
 slot_reuse 0.79x free_block's and 0.44x noop's; strategies converging at 1,024). The default setup scores
 with `smollm2-135m-aged` (the age profile fitted to real head-averaged attention) in token mode (~450 s
 CPU); `--setup spvllm-unfitted` is the unfitted model in fast mode (~10 s). `--setup per-step`
-gives the earlier per_head, no-cut (`evict_per_step: 1`) reading of the setting.
+gives the earlier per_head, no-cut (`evict_per_step: 1`) reading of the setting. `--only spvllm-code`
+replays the workload through SpvLLM's own code path (bench/spvllm_code.py: its kernel's seq_len under
+slot reuse, paged_attention_v2's partition-relative score indices), each fact on and off.
 
 TokenSelect (selective attention at long contexts), the paper's Llama config (n_init 128 + top_k
 2,048 + n_local 512 = 2,688 tokens read, chunk_size 8,192): one selective layer's attention, full
@@ -37,6 +39,7 @@ attention against the importance model, per sequence on the head-averaged score 
 
     python bench/bench_papers.py                # SpvLLM, TokenSelect, the others (~110 s CPU)
     python bench/bench_papers.py --only tokenselect
+    python bench/bench_papers.py --only spvllm-code    # SpvLLM's own code path (~5 min CPU)
     python bench/bench_papers.py --only attention   # ~2 min CPU
 """
 from __future__ import annotations
@@ -95,6 +98,33 @@ def print_spvllm(setup: str) -> None:
         print(f"{budget:>7}{p99['noop']:>8.3f}{p99['free_block']:>12.3f}{p99['slot_reuse']:>12.3f}"
               f"{p99['slot_reuse'] / p99['free_block']:>8.2f}{p99['slot_reuse'] / p99['noop']:>9.2f}{pub_s:>18}",
               flush=True)
+
+
+def print_spvllm_code() -> None:
+    """The same workload through SpvLLM's own code path (bench/spvllm_code.py): its kernel's seq_len under
+    slot reuse and paged_attention_v2's partition-relative score indices, each on and off at 256."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("spvllm_code", Path(__file__).with_name("spvllm_code.py"))
+    code = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = code
+    spec.loader.exec_module(code)
+    df = spvllm_trace().df
+    prompts, outputs = df["prompt_tokens"].to_numpy(), df["output_tokens"].to_numpy()
+    print("\nSpvLLM as its code computes it (cs243 lines: decode steps, first 200 dropped; importance "
+          "smollm2-135m-aged, shared)")
+    print(f"{'budget':>7}{'seq_len':>9}{'v2 idx':>8}{'noop':>8}{'free_block':>12}{'slot_reuse':>12}{'sr/fb':>8}"
+          f"{'sr/noop':>9}")
+    runs = [(b, code.CodePath()) for b in (256, 512, 1024)]
+    runs += [(256, code.CodePath(s, v)) for s, v in ((False, False), (True, False), (False, True))]
+    for budget, path in runs:
+        p99 = {st: code.fragmentation_p99(code.fragmentation_lines(prompts, outputs, budget, st, path=path))
+               for st in ("noop", "free_block", "slot_reuse")}
+        print(f"{budget:>7}{'code' if path.seq_len_prefix else 'table':>9}{'on' if path.v2_relative_index else 'off':>8}"
+              f"{p99['noop']:>8.3f}{p99['free_block']:>12.3f}{p99['slot_reuse']:>12.3f}"
+              f"{p99['slot_reuse'] / p99['free_block']:>8.2f}{p99['slot_reuse'] / p99['noop']:>9.2f}", flush=True)
 
 
 def print_tokenselect(reuse_rate: float) -> None:
@@ -199,13 +229,15 @@ def print_attention_check(tokens: int = 1000, prompt: int = 700) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("spvllm", "tokenselect", "others", "attention"))
+    ap.add_argument("--only", choices=("spvllm", "spvllm-code", "tokenselect", "others", "attention"))
     ap.add_argument("--setup", choices=tuple(SETUPS), default="spvllm", help="SpvLLM: how H2O is run")
     ap.add_argument("--reuse-rate", type=float, default=0.21, help="TokenSelect Selection Cache reuse rate")
     args = ap.parse_args()
     t0 = time.process_time()
     if args.only in (None, "spvllm"):
         print_spvllm(args.setup)
+    if args.only in (None, "spvllm-code"):
+        print_spvllm_code()
     if args.only in (None, "tokenselect"):
         print_tokenselect(args.reuse_rate)
         print_tokenselect_simulated(args.reuse_rate)

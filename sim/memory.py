@@ -213,7 +213,7 @@ def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None
 def _fast_slab_bytes(cfg, profile: FastModeProfile, rows: int, trace, max_seqs: int) -> tuple[int, int, int]:
     """(bytes, budget, window): fast mode keeps, per request slot and simulated row, page columns, the
     recent-window ring and the budget-sized survivor list (with H2O, its score terms): see
-    FastKVManager._alloc_arrays."""
+    sim/kv/fast/slab.py FastSlab.alloc."""
     if profile.sampled_rows:         # token-level state on sampled rows (sim/kv/fast/sampled.py), no slab
         return 0, 0, 0
     budget = int(profile.budget or 0)

@@ -61,13 +61,14 @@ def test_kvcompress_reclaims_under_pressure_as_token_level(num_blocks):
 
 def test_pyramid_rows_are_sampled_by_budget_and_keep_the_total():
     # SmolLM2's 90 rows in 6 strata of 15: each simulated row keeps its stratum's mean budget
+    from kvsim.sim.kv.base import FastOptions
     from kvsim.sim.kv.fast import FastKVManager
     from kvsim.sim.kv.policy import PolicyContext, get_policy
     ctx = PolicyContext("per_head", 30, 3, 9, 16, 90)
     policy = get_policy("pyramidkv", budget=48)
-    kv = FastKVManager(1000, 16, ctx, policy, sample_rows=6)
+    kv = FastKVManager(1000, 16, ctx, policy, FastOptions(sample_rows=6))
     real = policy.budgets_for(1000, ctx)
-    keep = kv._row_keep(1000, 8)
+    keep = kv.budgets.row_keep(1000, 8)
     assert keep.sum() == real.sum() // 15
     assert (np.diff(keep) <= 0).all() or (np.diff(keep) >= 0).all()     # strata follow the layer schedule
 

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from kvsim.sim.kv.base import FastOptions
 from kvsim.sim.kv.fast import FastKVManager
 from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
 from test_kv_manager import H2O, run
@@ -50,19 +51,19 @@ def test_fast_rows_are_a_stratified_sample_of_the_importance_model_heads():
     ctx = PolicyContext("per_head", 30, 3, 3, 16, 90)
     types = SyntheticImportance(ctx, "smollm2-135m", 0).head_type
     for rows in (90, 9):
-        kv = FastKVManager(1000, 16, ctx, get_policy("h2o", budget=60), sample_rows=rows)
+        kv = FastKVManager(1000, 16, ctx, get_policy("h2o", budget=60), FastOptions(sample_rows=rows))
         want = np.bincount(types, minlength=4) * rows / 90
-        assert np.abs(np.bincount(kv.head_type, minlength=4) - want).max() < 1, (rows, kv.head_type)
+        assert np.abs(np.bincount(kv.heads.head_type, minlength=4) - want).max() < 1, (rows, kv.heads.head_type)
 
 
 def test_fast_mode_warns_that_it_ignores_content_correlation():
     ctx = PolicyContext("per_head", 30, 3, 3, 16, 90)
     with pytest.warns(UserWarning, match=r"content_correlation [0-9.]+.*kv.mode=token"):
-        FastKVManager(1000, 16, ctx, get_policy("h2o", budget=60), importance="smollm2-135m-fitted")
+        FastKVManager(1000, 16, ctx, get_policy("h2o", budget=60), FastOptions(importance="smollm2-135m-fitted"))
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")                   # the uncorrelated default: no warning
-        FastKVManager(1000, 16, ctx, get_policy("h2o", budget=60), importance="smollm2-135m")
+        FastKVManager(1000, 16, ctx, get_policy("h2o", budget=60), FastOptions(importance="smollm2-135m"))
 
 
 def test_prompt_under_the_budget_keeps_the_fast_state_consistent():

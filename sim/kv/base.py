@@ -1,6 +1,24 @@
 """Scheduler-facing surface shared by the eviction-aware KV managers (token-level and fast mode)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .importance import ImportanceModelSpec
+
+
+@dataclass(frozen=True)
+class FastOptions:
+    """kv.mode=fast's options (resolved once from `kv:` by sim/kv/build.py): the slot strategy, the
+    bytes of one token of one row, and the row sample (`sample_rows` = kv.fast_rows, drawn for
+    `seed` from the importance model's heads)."""
+    slot_strategy: str = "free_block"
+    bytes_per_token_row: float = 0.0
+    seed: int = 0
+    sample_rows: int = 32
+    importance: "str | ImportanceModelSpec" = "smollm2-135m"
+
 
 def sample_row_count(rows: int, wanted: int) -> int:
     """Rows a fast-mode manager simulates: the largest divisor of `rows` (layers x KV heads) not above

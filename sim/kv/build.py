@@ -5,9 +5,9 @@ from ..config import ConfigError, SimConfig
 from ..core.kv_manager import KVCacheManager
 from ..core.protocols import KVManager
 from ..core.sliding_window import build_sliding_window_manager
-from .base import EvictingManagerBase
+from .base import EvictingManagerBase, FastOptions
 from .importance import ImportanceError, ImportanceModelSpec, SyntheticImportance
-from .manager import EvictingKVManager
+from .manager import EvictingKVManager, EvictingOptions
 from .slots import COPY_STRATEGIES
 from .policy import PolicyContext, PolicyError, get_policy
 from .tiers import TIERS
@@ -77,6 +77,12 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
         if kv.mode != "token":
             raise ConfigError("kv.copy_threshold: fast mode rewrites every holed row (the published sparse copy); "
                               "use kv.mode=token")
+    token = EvictingOptions(slot_strategy=kv.slot_strategy, trigger=kv.trigger, trigger_interval=kv.trigger_interval,
+                            trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
+                            tier_capacity=tier_caps, new_token_tier=policy.new_token_tier,
+                            copy_threshold=kv.copy_threshold)
+    fast = FastOptions(slot_strategy=kv.slot_strategy, bytes_per_token_row=bytes_per_row, seed=seed,
+                       sample_rows=kv.fast_rows, importance=kv.importance)
     try:
         if kv.mode == "fast" and kv.layout == "shared" and policy.needs_scores:
             _check_fast_age_profile(kv.importance)
@@ -85,23 +91,14 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
             from .fast.sampled import SampledRowsKVManager
             cls = BatchedLeanKVManager if batched_leankv_supported(policy, kv.slot_strategy, kv.trigger) \
                 else SampledRowsKVManager
-            return cls(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
-                       bytes_per_token_row=bytes_per_row, seed=seed, sample_rows=kv.fast_rows,
-                       importance=kv.importance, tier_capacity=tier_caps, trigger=kv.trigger,
-                       trigger_interval=kv.trigger_interval, trigger_threshold=kv.trigger_threshold)
+            return cls(pool_blocks, block_size, ctx, policy, fast, token)
         if kv.mode == "fast":
             from .fast import FastKVManager     # here: it loads numba (its kernels), which token mode never needs
-            return FastKVManager(pool_blocks, block_size, ctx, policy, slot_strategy=kv.slot_strategy,
-                                 bytes_per_token_row=bytes_per_row, seed=seed,
-                                 sample_rows=kv.fast_rows, importance=kv.importance)
+            return FastKVManager(pool_blocks, block_size, ctx, policy, fast)
         importance = SyntheticImportance(ctx, kv.importance, seed) if (policy.needs_scores or policy.evicts) else None
     except ImportanceError as exc:
         raise ConfigError(f"kv.importance: {exc}") from None
-    return EvictingKVManager(pool_blocks, block_size, ctx, policy, importance, slot_strategy=kv.slot_strategy,
-                             trigger=kv.trigger, trigger_interval=kv.trigger_interval,
-                             trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
-                             tier_capacity=tier_caps, new_token_tier=policy.new_token_tier,
-                             copy_threshold=kv.copy_threshold)
+    return EvictingKVManager(pool_blocks, block_size, ctx, policy, importance, token)
 
 
 def _check_fast_age_profile(importance: str) -> None:

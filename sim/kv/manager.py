@@ -18,6 +18,7 @@ evict whenever the trigger includes `pressure`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -35,6 +36,19 @@ TRIGGERS = ("policy", "never", "every_step", "every_n", "after_prefill", "after_
             "threshold")
 
 
+@dataclass(frozen=True)
+class EvictingOptions:
+    """The token-level manager's options (resolved once from `kv:` by sim/kv/build.py)."""
+    slot_strategy: str = "free_block"
+    trigger: str = "policy"
+    trigger_interval: int = 1
+    trigger_threshold: int = 0
+    bytes_per_token_row: float = 0.0
+    tier_capacity: tuple[int, int, int] | None = None
+    new_token_tier: int = TIER_FULL
+    copy_threshold: int = 0              # copy strategies: holes a row may hold before its rewrite
+
+
 class ReqStats(NamedTuple):
     """One request's numbers after its last change (what the scheduler and the step log read)."""
     live: int           # live token-rows
@@ -48,10 +62,8 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
     """Token-level eviction-aware manager: per-request pages and token state, policies run per step."""
 
     def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy,
-                 importance: ImportanceSource | None = None, *, slot_strategy: str = "free_block",
-                 trigger: str = "policy", trigger_interval: int = 1, trigger_threshold: int = 0,
-                 bytes_per_token_row: float = 0.0, tier_capacity: tuple[int, int, int] | None = None,
-                 new_token_tier: int = TIER_FULL, copy_threshold: int = 0):
+                 importance: ImportanceSource | None = None, options: EvictingOptions = EvictingOptions()):
+        slot_strategy, trigger = options.slot_strategy, options.trigger
         if slot_strategy not in SLOT_STRATEGIES:
             raise ValueError(f"kv.slot_strategy must be one of {SLOT_STRATEGIES}, got {slot_strategy!r}")
         if trigger not in TRIGGERS:
@@ -62,14 +74,14 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         self.policy = policy
         self.importance = importance if importance is not None else ImportanceSource()
         self.strategy = slot_strategy
-        self.copy_threshold = copy_threshold      # copy strategies: holes a row may hold before its rewrite
+        self.copy_threshold = options.copy_threshold
         self.trigger = policy.default_trigger if trigger == "policy" else trigger
-        self.trigger_interval = max(1, trigger_interval)
-        self.trigger_threshold = trigger_threshold
-        self.bytes_per_token_row = bytes_per_token_row
-        self.tier_capacity = np.asarray(tier_capacity or (block_size, block_size, block_size), dtype=np.int64)
+        self.trigger_interval = max(1, options.trigger_interval)
+        self.trigger_threshold = options.trigger_threshold
+        self.bytes_per_token_row = options.bytes_per_token_row
+        self.tier_capacity = np.asarray(options.tier_capacity or (block_size, block_size, block_size), dtype=np.int64)
         self.stride = int(self.tier_capacity.max())
-        self.new_token_tier = new_token_tier
+        self.new_token_tier = options.new_token_tier
         # Quality proxy: query the importance model for the attention mass kept even when the
         # policy itself needs no scores (streaming); off for policies that never evict.
         self.track_mass = policy.evicts

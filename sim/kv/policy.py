@@ -24,7 +24,9 @@ All arrays are `[rows, num_slots]`, vectorized over rows (never loop over heads 
   `compress`; override `observe` to change that, e.g. squared attention or a decayed sum).
 - `state.tier` int8: TIER_FULL=0 (cache dtype), TIER_HIGH=1, TIER_LOW=2 (LeanKV).
 - policy-specific per-slot arrays: `state.add_field(name, dtype, fill)` once (e.g. in `on_admit`),
-  then `state.field(name)`; they move with their tokens. Per-request scalars: `state.extra`.
+  then `state.field(name)`; they move with their tokens. The request: `state.request_id` and
+  `state.prompt_tokens` (set at admission); per-request values a policy keeps live in the policy,
+  keyed by `state.request_id` (as `recorded` keeps its pressure-call counts).
 
 Scores (`scores` arguments)
 ---------------------------

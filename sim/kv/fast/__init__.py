@@ -39,7 +39,7 @@ applies the step to all decoding requests at once: one write, one window exit an
 row, plus the slot strategy (a page frees when its count reaches zero; reuse strategies fill the
 first page with a hole; compaction moves the last page's tokens into the hole; sparse copy rewrites
 the holed page and the tail), in one compiled kernel call (kernels.decode_rows) or, without
-numba, as fancy-index updates of [requests, rows] arrays (`_step_numpy`, its twin). Rows in an
+numba, as fancy-index updates of [requests, rows] arrays (`FastStep.step_numpy`, its twin). Rows in an
 unusual state (several holed pages right after the prompt cut, several pages to compact) take an
 exact count-based path over their page columns. Rows differ only by their head parameters (H2O),
 so only `sample_rows` of them (a divisor of layers x KV heads, `kv.fast_rows`, default 8; stratified by head type) are simulated,
@@ -56,13 +56,15 @@ decode-time compression re-runs the cut (`recut`); LeanKV (tiers of different pa
 runs the token-level manager on a stratified sample of the rows (`sampled`, no slab); their models
 and agreement are in docs/kv-policies.md section 5.
 
-Modules: manager (FastKVManager, the scheduler-facing surface), slab (the per-slot arrays, their
-growth, the count pool, the scheduler's mirrors), budgets (per-row prompt-cut budgets and their
-sharing), scoring (where evictions fall: H2O's closed form, heavy lists, draws), slots (slot
-strategies on page counts), step (the prompt cut and the batched decode step), reclaim
-(compression under memory pressure), recut (decode-time re-cuts), sampled (LeanKV: the token-level
-manager on sampled rows), layout (row fields and the kernel's named argument groups),
-kernels (numba) and reference (their numpy twins).
+Modules, one component each (FastKVManager holds them; each is built from what it reads, see
+manager.py): manager (FastKVManager, the scheduler-facing surface), settings (FastSettings: the run's
+constants, resolved once), slab (FastSlab: the per-slot arrays, their growth, the scheduler's
+mirrors; CountPool and Ledger: the pool and the step's plan), budgets (CutBudgets: per-row cut
+budgets, their sharing, when a re-cut fires), scoring (Heads and Scorer: where evictions fall,
+H2O's closed form, heavy lists, draws), slots (SlotStrategy on page counts), step (FastStep: the
+prompt cut and the batched decode step), reclaim (Reclaim: compression under memory pressure), recut
+(Recut: decode-time re-cuts), sampled (LeanKV: the token-level manager on sampled rows), layout (row
+fields and the kernel's named argument groups), kernels (numba) and reference (their numpy twins).
 """
 
 from .manager import FastKVManager

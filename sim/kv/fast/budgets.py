@@ -17,7 +17,12 @@ real rows:
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
+
+from ..policy import FastModeProfile, PolicyContext
+from .settings import FastSettings
 
 
 def stratum_budgets(real_budgets: np.ndarray, strata: np.ndarray) -> np.ndarray:
@@ -62,36 +67,52 @@ def share_by_blocks(score: np.ndarray, keep: np.ndarray, block_size: int) -> np.
     return cand - block_size * np.bincount(chosen // groups, minlength=rows)
 
 
-class CutBudgetMixin:
-    """FastKVManager's per-row prompt-cut budgets (see the module doc)."""
+def budget_order_key(cut_budgets, ctx) -> np.ndarray | None:
+    """Real rows' budgets for a long prompt, when they differ per row (the strata follow them)."""
+    if cut_budgets is None:
+        return None
+    key = np.asarray(cut_budgets(1 << 20, ctx))
+    return key if (key != key[0]).any() else None
 
-    def _init_cut_budgets(self, profile) -> None:
-        self._cut_budgets = profile.cut_budgets
-        self.cut_sharing = profile.cut_sharing
-        self.share_floor = float(profile.floor)
-        if self.cut_sharing not in (None, "layer", "blocks"):
-            raise ValueError(f"fast mode: unknown cut_sharing {self.cut_sharing!r}")
 
-    def _budget_order_key(self) -> np.ndarray | None:
-        """Real rows' budgets for a long prompt (the strata follow them when they differ per row)."""
-        if self._cut_budgets is None:
-            return None
-        key = np.asarray(self._cut_budgets(1 << 20, self.ctx))
-        return key if (key != key[0]).any() else None
+class CutBudgets:
+    """How many candidates each simulated row keeps at a cut (the prompt cut and the decode-time
+    re-cuts, see recut.py), and when a re-cut fires. Reads the profile's `cut_budgets`,
+    `cut_sharing` and `floor`, the context `cut_budgets` takes, the strata (real rows of each
+    simulated row) and the settings' rows, cut budget, window, block size and re-cut trigger."""
 
-    def _row_keep(self, num_tokens: int, window: int) -> np.ndarray:
+    def __init__(self, settings: FastSettings, profile: FastModeProfile, ctx: PolicyContext, strata: np.ndarray):
+        self.settings, self.ctx, self.strata = settings, ctx, strata
+        self.real_budgets = profile.cut_budgets        # (tokens, ctx) -> int [real rows], or None
+        self.sharing = profile.cut_sharing
+        self.floor = float(profile.floor)
+        self.cut_len: dict[int, int] = {}              # slot -> tokens at its prompt cut (re-cut intervals)
+
+    def row_keep(self, num_tokens: int, window: int) -> np.ndarray:
         """int [rows]: candidates (tokens before the window) each simulated row keeps before sharing."""
         cand = num_tokens - window
-        if self._cut_budgets is None:
-            keep = cand if self.cut_budget is None or num_tokens <= self.cut_budget else self.cut_budget - window
-            return np.full(self.rows, keep, np.int64)
-        real = np.asarray(self._cut_budgets(num_tokens, self.ctx), dtype=np.int64)
-        return np.minimum(stratum_budgets(real, self._strata), cand)
+        if self.real_budgets is None:
+            cut_budget = self.settings.cut_budget
+            keep = cand if cut_budget is None or num_tokens <= cut_budget else cut_budget - window
+            return np.full(self.settings.rows, keep, np.int64)
+        real = np.asarray(self.real_budgets(num_tokens, self.ctx), dtype=np.int64)
+        return np.minimum(stratum_budgets(real, self.strata), cand)
 
-    def _share(self, score: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    def share(self, score: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """The policy's sharing of the kept total among rows, from the candidates' scores [rows, cand]."""
-        if self.cut_sharing == "layer":
-            return share_by_layer(score, keep, self.share_floor)
-        if self.cut_sharing == "blocks":
-            return share_by_blocks(score, keep, self.block_size)
+        if self.sharing == "layer":
+            return share_by_layer(score, keep, self.floor)
+        if self.sharing == "blocks":
+            return share_by_blocks(score, keep, self.settings.block_size)
+        return keep
+
+    def recut_keep(self, s: int, num_tokens: int, num_listed: Callable[[int], np.ndarray]) -> np.ndarray | None:
+        """After slot s's decode step: each row's keep when its re-cut fires, else None
+        (`num_listed(s)`: its rows' live tokens outside the window, asked only for over_budget)."""
+        cfg = self.settings
+        if cfg.recut == "every_n" and (num_tokens - self.cut_len[s]) % cfg.recut_interval:
+            return None
+        keep = self.row_keep(num_tokens, cfg.window)
+        if cfg.recut == "over_budget" and not (num_listed(s) > keep).any():
+            return None
         return keep

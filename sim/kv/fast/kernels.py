@@ -1,7 +1,7 @@
 """Fast mode's compiled kernels (numba); their numpy twins are in sim.kv.fast.reference.
 
 `decode_rows` is a whole decode step of FastKVManager (write, window exit, eviction, slot strategy)
-for every (request, row) of the batch; its twin is the manager's numpy step (`_step_numpy`), which
+for every (request, row) of the batch; its twin is the numpy step (step.py `FastStep.step_numpy`), which
 uses the twins; the kernel's per-row parts (`_scored_exit`, `_evict_lowest_row`, `_scan_free`)
 match `scored_step_np`, `evict_lowest_np` and `first_free_np`. Per decode step a scored row over its
 budget evicts the lowest-scored candidate — a listed token, score A + CW H - E g, or the token
@@ -186,7 +186,7 @@ def prompt_inputs(z, sigma, tau, obs):
 
 
 def score_prompt(z, sigma, local, tau, content, obs, cand, keep, num_sink, window):
-    """H2O's prompt cut for fast mode's scored rows (see FastKVManager._score_prompt): from the
+    """H2O's prompt cut for fast mode's scored rows (see scoring.py Scorer.score_prompt): from the
     prompt's content draws z [rows, L] and head parameters, per row: the content normalizer and H
     after the prompt, the `keep` highest-scored of the first `cand` positions (ties to the lower
     position, in position order) and their score terms A, CW, E [rows, keep, 3], and the terms A and
@@ -420,7 +420,7 @@ if njit is not None:
     prompt_cut = njit(cache=True, nogil=True)(_prompt_cut_loop)
     decode_rows = njit(cache=True, nogil=True)(_decode_rows_loop)
 else:
-    decode_rows = None          # the numpy path of FastKVManager._step is its twin
+    decode_rows = None          # the numpy path of FastStep.step is its twin
     prompt_cut = prompt_cut_np
 prompt_cut.__doc__ = """The prompt cut's scoring and top-k (see score_prompt) from the content weights and decays
 d^(L-1-t) [rows, L], per-row local, content, top = d^-(obs-1) and shift = d: the content normalizer
@@ -435,5 +435,5 @@ answer to it (an emptied page freed, the first-free pointer, sparse_copy's holed
 compaction's common case (the newest token moves into the first hole and its page is freed), on
 the slab (`SlabArrays`, row scalars in layout.ROW_FIELDS order). Writes to `out` (`StepOutputs`);
 returns (rows that opened a page, evicted tokens, pages freed, rows sparse-copied, tokens they
-copied, rows compacted, slots with rows left to the caller). Its twin is FastKVManager's numpy step
+copied, rows compacted, slots with rows left to the caller). Its twin is FastStep.step_numpy
 (same state, tests/test_kv_fast_kernels.py)."""

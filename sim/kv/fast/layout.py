@@ -44,7 +44,7 @@ class StepFlags(NamedTuple):
 
 
 class ScoreArrays(NamedTuple):
-    """H2O's closed-form scores of the scored rows (see FastKVManager._pick_scored); empty when unscored."""
+    """H2O's closed-form scores of the scored rows (see scoring.py Scorer.pick_scored); empty when unscored."""
     local: np.ndarray        # [sample rows]: local share l of each head row
     inv_tau: np.ndarray      # [sample rows]: 1 / local decay tau
     content: np.ndarray      # [sample rows]: content share c = 1 - sink share - local share

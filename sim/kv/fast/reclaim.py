@@ -13,7 +13,13 @@ old pages).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
+
+from .settings import FastSettings
+from .slab import FastSlab, Ledger, note_evicted
+from .slots import SlotStrategy
 
 
 def groups_per_row(evictable: np.ndarray, num_groups: int, block_size: int) -> np.ndarray:
@@ -30,46 +36,53 @@ def groups_per_row(evictable: np.ndarray, num_groups: int, block_size: int) -> n
     return out
 
 
-class ReclaimMixin:
-    """FastKVManager.reclaim for policies that compress under memory pressure."""
+class Reclaim:
+    """Compression under memory pressure (see the module doc). Reads the settings, the slab, the
+    ledger, the run's Generator (which tokens of a row go), the slot strategy (how pages answer) and
+    the profile's `target(tokens)`: the tokens a row keeps at least."""
 
-    def _reclaim_blocks(self, num_blocks: int, running) -> int:
+    def __init__(self, settings: FastSettings, slab: FastSlab, ledger: Ledger, rng: np.random.Generator,
+                 slots: SlotStrategy, target: Callable[[int], int]):
+        self.cfg, self.slab, self.ledger, self.rng, self.slots, self.target = settings, slab, ledger, rng, slots, target
+
+    def reclaim(self, num_blocks: int, running, flush: Callable[[int], None]) -> int:
         """Compress running requests, newest first, until num_blocks pool pages are free; returns the
-        pool pages freed (0 = the scheduler preempts)."""
+        pool pages freed (0 = the scheduler preempts). `flush(slot)` writes a slot's token reserved
+        for this step first."""
         freed = 0
         for req in reversed(running):
-            s = self.slot_of.get(req)
-            if s is None or not self._prefilled_l[s]:
+            s = self.slab.slot_of.get(req)
+            if s is None or not self.slab.prefilled_l[s]:
                 continue
-            self._flush_one(s)                   # this step's reserved token is written first
-            asked = -(-(num_blocks - freed) // self.unit) * self.block_size
-            freed += self._reclaim_slot(s, req, asked) * self.unit
+            flush(s)
+            asked = -(-(num_blocks - freed) // self.cfg.unit) * self.cfg.block_size
+            freed += self.reclaim_slot(s, req, asked) * self.cfg.unit
             if freed >= num_blocks:
                 break
         return freed
 
-    def _reclaim_slot(self, s: int, req, asked_token_rows: int) -> int:
+    def reclaim_slot(self, s: int, req, asked_token_rows: int) -> int:
         """Evict whole groups of one slot's token-rows down to its target; returns the pages freed."""
-        bs = self.block_size
-        target = self._reclaim_target(int(self.ntok[s])) * self.rows
-        excess = int(self.live[s].sum()) - target
+        bs = self.cfg.block_size
+        target = self.target(int(self.slab.ntok[s])) * self.cfg.rows
+        excess = int(self.slab.live[s].sum()) - target
         evict = min(asked_token_rows, excess // bs * bs)
         if evict <= 0:
             return 0
-        rows = np.arange(self.rows)
-        outside = np.maximum(self.occ[s] - self.win[s], 0) * self.alive[s]
+        rows = np.arange(self.cfg.rows)
+        outside = np.maximum(self.slab.occ[s] - self.slab.win[s], 0) * self.slab.alive[s]
         groups = groups_per_row(outside.sum(axis=1), evict // bs, bs)
         if not groups.any():
             return 0
         for r in np.flatnonzero(groups):
             drawn = self.rng.multivariate_hypergeometric(outside[r], int(groups[r]) * bs, method="marginals")
-            self.occ[s, r] -= drawn.astype(np.int32)
+            self.slab.occ[s, r] -= drawn.astype(np.int32)
         evicted = int(groups.sum()) * bs
-        self.live[s] -= (groups * bs).astype(np.int32)
-        self.plan.evicted_tokens += evicted
-        self._note_evicted(req, evicted)
-        before = self.plan.blocks_freed_by_eviction
-        self._settle_generic(s, rows)
-        self._update_need(np.array([s]))
-        self._restat(np.array([s]))
-        return self.plan.blocks_freed_by_eviction - before
+        self.slab.live[s] -= (groups * bs).astype(np.int32)
+        self.ledger.plan.evicted_tokens += evicted
+        note_evicted(req, evicted, self.cfg.rows)
+        before = self.ledger.plan.blocks_freed_by_eviction
+        self.slots.settle_generic(s, rows)
+        self.slots.update_need(np.array([s]))
+        self.slab.restat(np.array([s]))
+        return self.ledger.plan.blocks_freed_by_eviction - before

@@ -3,7 +3,7 @@
 They run where numba is absent (or KVSIM_NO_NUMBA=1) and are what the kernels are tested against
 (tests/test_kv_fast_kernels.py): same state, same decisions, ties to the first entry in both. Each
 scored row holds a list of its live non-window tokens: page column, static score part A, content
-coefficient CW and local-decay term E (see FastKVManager._pick_scored).
+coefficient CW and local-decay term E (see sim/kv/fast/scoring.py Scorer.pick_scored).
 """
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ import dataclasses
 
 import numpy as np
 
-from ..base import EvictingManagerBase, sample_row_count
-from ..importance import ImportanceModelSpec, SyntheticImportance
-from ..manager import EvictingKVManager
+from ..base import EvictingManagerBase, FastOptions, sample_row_count
+from ..importance import SyntheticImportance
+from ..manager import EvictingKVManager, EvictingOptions
 from ..policy import EvictionPolicy, PolicyContext
 
 SCALED_PLAN_FIELDS = ("evicted_tokens", "blocks_freed_by_eviction", "bytes_moved", "op_bytes", "op_flops")
@@ -69,23 +69,19 @@ class ScaledPoolView:
 class SampledRowsKVManager(EvictingManagerBase):
     """Token-level manager on a stratified sample of the rows, scaled to all of them (module doc)."""
 
-    def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy, *,
-                 slot_strategy: str = "free_block", bytes_per_token_row: float = 0.0, seed: int = 0,
-                 sample_rows: int = 8, importance: "str | ImportanceModelSpec" = "smollm2-135m",
-                 tier_capacity: tuple[int, int, int] | None = None, trigger: str = "policy",
-                 trigger_interval: int = 1, trigger_threshold: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy,
+                 options: FastOptions = FastOptions(sample_rows=8), token: EvictingOptions = EvictingOptions()):
+        """`options`: the row sample (its seed, sample_rows and importance model); `token`: the
+        token-level manager's options (slot strategy, trigger, tiers) for the sampled rows."""
         self.ctx, self.policy, self.block_size = ctx, policy, block_size
-        self.rows = sample_row_count(ctx.rows, sample_rows)
+        self.rows = sample_row_count(ctx.rows, options.sample_rows)
         self.unit = ctx.rows // self.rows
-        model = SyntheticImportance(ctx, importance, seed)
+        model = SyntheticImportance(ctx, options.importance, options.seed)
         picked = stratified_rows(model, self.rows)
         sub_ctx = dataclasses.replace(ctx, rows=self.rows, row_layer=ctx.row_layer[picked],
                                       row_head=ctx.row_head[picked])
         self.inner = EvictingKVManager(num_blocks // self.unit, block_size, sub_ctx, policy,
-                                       restrict_importance(model, picked, sub_ctx), slot_strategy=slot_strategy,
-                                       trigger=trigger, trigger_interval=trigger_interval,
-                                       trigger_threshold=trigger_threshold, bytes_per_token_row=bytes_per_token_row,
-                                       tier_capacity=tier_capacity, new_token_tier=policy.new_token_tier)
+                                       restrict_importance(model, picked, sub_ctx), token)
         self.pool = ScaledPoolView(self.inner.pool, self.unit)
 
     @property

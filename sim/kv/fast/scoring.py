@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..importance import NUM_SINK, SyntheticImportance
+from ..policy import PolicyContext
 from . import kernels
+from .budgets import CutBudgets
 from .reference import prompt_terms_np, scored_step_np
+from .settings import FastSettings
+from .slab import FastSlab
 
 
 def first_of_run(sorted_keys: np.ndarray) -> np.ndarray:
@@ -19,44 +24,63 @@ def first_of_run(sorted_keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(change)[np.cumsum(change) - 1]
 
 
-class ScoringMixin:
-    """Which token each over-budget row evicts, and the heavy lists that make it O(1) or O(list)."""
+@dataclass(frozen=True)
+class Heads:
+    """Attention parameters of the simulated rows (each the middle of its stratum of real rows)."""
+    head_type: np.ndarray    # int [rows]
+    local: np.ndarray        # local share l
+    content: np.ndarray      # content share c = 1 - sink share - local share
+    tau: np.ndarray          # local decay
+    sigma: np.ndarray        # content concentration
+    inv_tau: np.ndarray
+    sigma_jitter: float      # per-request jitter of sigma
+    obs_window: int          # prefill queries whose attention scores the prompt cut
+    strata: np.ndarray       # int [rows, unit]: the real rows each simulated row stands for
 
-    def _init_heads(self, importance, seed: int, obs_window: int) -> None:
-        """Attention parameters of the simulated rows: a stratified sample (by head type, then local
-        decay) of the importance model's rows for this seed, i.e. the heads token-level mode scores with."""
-        model = SyntheticImportance(self.ctx, importance, seed)
-        if model.spec.content_correlation > 0:
-            warnings.warn(
-                f"kv.mode=fast: importance model {model.spec.name!r} has content_correlation "
-                f"{model.spec.content_correlation}, which fast mode ignores; its slot-strategy metrics can then "
-                f"differ from token level by well over 5% (measured up to +19% fragmentation): compare slot "
-                f"strategies with kv.mode=token", UserWarning, stacklevel=2)
-        budget_key = self._budget_order_key()          # rows with different budgets: strata by budget first
-        order = np.lexsort((model.tau, model.head_type) + (() if budget_key is None else (budget_key,)))
-        self._strata = order[:self.rows * self.unit].reshape(self.rows, self.unit)
-        pick = order[self.unit // 2::self.unit][:self.rows]
-        self.head_type = model.head_type[pick]
-        self.h_local = model.l[pick]
-        self.h_content = 1.0 - model.s[pick] - model.l[pick]
-        self.h_tau = model.tau[pick]
-        self.h_sigma = model.sigma[pick]
-        self._inv_tau = 1.0 / self.h_tau
-        self.sigma_jitter = model.spec.request_sigma_jitter
-        self.obs_window = obs_window
 
-    def _pick(self, q, over, ex, ec, hn) -> np.ndarray:
+def sample_heads(ctx: PolicyContext, importance, seed: int, shape: tuple[int, int], budget_key: np.ndarray | None,
+                 obs_window: int) -> Heads:
+    """A stratified sample (by budget where rows' budgets differ, then head type, then local decay)
+    of the importance model's rows for this seed, i.e. the heads token-level mode scores with;
+    shape = (simulated rows, real rows each stands for)."""
+    rows, unit = shape
+    model = SyntheticImportance(ctx, importance, seed)
+    if model.spec.content_correlation > 0:
+        warnings.warn(
+            f"kv.mode=fast: importance model {model.spec.name!r} has content_correlation "
+            f"{model.spec.content_correlation}, which fast mode ignores; its slot-strategy metrics can then "
+            f"differ from token level by well over 5% (measured up to +19% fragmentation): compare slot "
+            f"strategies with kv.mode=token", UserWarning, stacklevel=2)
+    order = np.lexsort((model.tau, model.head_type) + (() if budget_key is None else (budget_key,)))
+    pick = order[unit // 2::unit][:rows]
+    tau = model.tau[pick]
+    return Heads(head_type=model.head_type[pick], local=model.l[pick], content=1.0 - model.s[pick] - model.l[pick],
+                 tau=tau, sigma=model.sigma[pick], inv_tau=1.0 / tau, sigma_jitter=model.spec.request_sigma_jitter,
+                 obs_window=obs_window, strata=order[:rows * unit].reshape(rows, unit))
+
+
+class Scorer:
+    """Which token each over-budget row evicts (H2O's closed form, or the uniform / oldest draws),
+    the prompt's scores and the heavy lists that make a choice O(1) or O(list). Reads the settings,
+    the slab, the heads (None when unscored), the run's Generator and the budgets (their sharing)."""
+
+    def __init__(self, settings: FastSettings, slab: FastSlab, heads: Heads | None, rng: np.random.Generator,
+                 budgets: CutBudgets):
+        self.settings, self.slab, self.heads, self.rng, self.budgets = settings, slab, heads, rng, budgets
+
+    def pick(self, q, over, ex, ec, hn) -> np.ndarray:
         """Column of the token each over-budget row evicts (flat over the step's rows; `hn` is updated
         in place); tokens leaving the window (`ex`, column `ec`) that stay join the row's heavy list.
         The list holds exactly the columns of a row's live non-window tokens (check_invariants
         verifies it), so a drawn entry is always a live token. "oldest" evicts the leaving token,
-        "uniform" a uniformly drawn listed one, "young" (H2O) goes through _pick_scored."""
-        if self.scored:
-            return self._pick_scored(q, over, ex, ec, hn)
-        Hc = self.heavy.shape[2]
-        heavy_f = self._heavy_f
+        "uniform" a uniformly drawn listed one, "young" (H2O) goes through pick_scored."""
+        if self.settings.scored:
+            return self.pick_scored(q, over, ex, ec, hn)
+        slab = self.slab
+        Hc = slab.heavy.shape[2]
+        heavy_f = slab.heavy_f
         qH = q * Hc
-        take_exit = over & ex & self.evict_leaving
+        take_exit = over & ex & self.settings.evict_leaving
         heavy_f[qH + hn] = ec                    # the exiting token's column: listed where it is kept
         hn += ex & ~take_exit
         draw = over & ~take_exit
@@ -68,7 +92,7 @@ class ScoringMixin:
         hn -= draw
         return np.where(take_exit, ec, col)
 
-    def _pick_scored(self, q, over, ex, ec, hn) -> np.ndarray:
+    def pick_scored(self, q, over, ex, ec, hn) -> np.ndarray:
         """H2O: evict the candidate (listed token or the one leaving the window) with the lowest
         attention accumulated under the synthetic importance model, in closed form. The newest query
         at position t_q gives token t  l (1 - d) d^(t_q - t)  (local, d = exp(-1/tau)) plus
@@ -83,66 +107,65 @@ class ScoringMixin:
         E = l d^(eref - t) against a per-row reference position eref, so its value after query t_q is
         E g with g = d^(t_q + 1 - eref): the list scan (kernels._evict_lowest_row) needs no exp.
         eref moves to the newest token (E rescaled) before d^(t_q - eref) could overflow."""
+        slab = self.slab
         num_pairs = q.size
-        local, inv_tau, content = self._row_consts
-        t_new = self.ntok[q // self.rows] - 1                  # the newest token = this step's query
+        local, inv_tau, content = slab.row_consts
+        t_new = slab.ntok[q // slab.rows] - 1                  # the newest token = this step's query
         exits = ex if isinstance(ex, np.ndarray) else np.full(num_pairs, ex)
-        return scored_step_np(q, t_new, self.rng.standard_normal(num_pairs), local, inv_tau, content, self.window,
-                              self.heavy.shape[2], over, exits, ec, hn, self._heavy_f, self._score_arrays)
+        return scored_step_np(q, t_new, self.rng.standard_normal(num_pairs), local, inv_tau, content,
+                              self.settings.window, slab.heavy.shape[2], over, exits, ec, hn, slab.heavy_f,
+                              slab.score_arrays)
 
-    def _reset_candidates(self, s: int) -> None:
-        self.cand[s, :, :, 0] = -1
-        self.thr[s] = -np.inf                    # the first eviction scans the whole list
-
-    def _score_prompt(self, s: int, L: int, W: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def score_prompt(self, s: int, L: int, W: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """H2O's prompt cut under the importance model: draw the prompt's content weights, score the
         candidates by the last obs_window prefill queries, share the kept total among rows (the
         policy's cut_sharing), list the kept ones with their score terms (decode evictions need the
         list) and put the window tokens' terms in the ring. Returns the kept positions [rows, most]
         (-1 past a row's keep) and the candidates each row keeps [rows]."""
-        R, bs = self.rows, self.block_size
-        obs = min(self.obs_window, L)
-        sig = self.h_sigma * np.exp(self.sigma_jitter * self.rng.standard_normal(R))
-        self.sigma[s] = sig
+        slab, h, cfg = self.slab, self.heads, self.settings
+        R, bs = cfg.rows, cfg.block_size
+        obs = min(h.obs_window, L)
+        sig = h.sigma * np.exp(h.sigma_jitter * self.rng.standard_normal(R))
+        slab.sigma[s] = sig
         cand = L - W
         z = self.rng.standard_normal((R, L))
-        if self.cut_sharing is None:
-            cut = kernels.score_prompt(z, sig, self.h_local, self.h_tau, self.h_content, obs, cand, keep, NUM_SINK, W)
+        if self.budgets.sharing is None:
+            cut = kernels.score_prompt(z, sig, h.local, h.tau, h.content, obs, cand, keep, NUM_SINK, W)
         else:
-            weight, decay, top, shift = kernels.prompt_inputs(z, sig, self.h_tau, obs)
-            score = prompt_terms_np(weight, decay, self.h_local, self.h_content, top, shift, obs, cand, NUM_SINK)[5]
-            keep = self._share(score, keep)
-            cut = kernels.prompt_cut(weight, decay, self.h_local, self.h_content, top, shift, obs, cand, keep,
-                                     NUM_SINK, W)
-        self.norm[s], self.hsum[s], kept, terms, win_A, win_cw = cut
-        if W and self.window:
+            weight, decay, top, shift = kernels.prompt_inputs(z, sig, h.tau, obs)
+            score = prompt_terms_np(weight, decay, h.local, h.content, top, shift, obs, cand, NUM_SINK)[5]
+            keep = self.budgets.share(score, keep)
+            cut = kernels.prompt_cut(weight, decay, h.local, h.content, top, shift, obs, cand, keep, NUM_SINK, W)
+        slab.norm[s], slab.hsum[s], kept, terms, win_A, win_cw = cut
+        if W and cfg.window:
             at = np.arange(L - W, L) % W
-            self.ring_static[s][:, at] = win_A
-            self.ring_content[s][:, at] = win_cw
-        if not self.prompt_only:
+            slab.ring_static[s][:, at] = win_A
+            slab.ring_content[s][:, at] = win_cw
+        if not cfg.prompt_only:
             most = kept.shape[1]
-            self._ensure_list_cap(most + 2)
-            self.heavy[s, :, :most] = np.where(kept >= 0, kept // bs, 0)
-            self.terms[s, :, :most] = terms
-            self.hn[s] = keep
-        self.eref[s] = L - 1
-        self._reset_candidates(s)
+            slab.ensure_list_cap(most + 2)
+            slab.heavy[s, :, :most] = np.where(kept >= 0, kept // bs, 0)
+            slab.terms[s, :, :most] = terms
+            slab.hn[s] = keep
+        slab.eref[s] = L - 1
+        slab.reset_candidates(s)
         return kept, keep
 
-    def _rebuild_heavy(self, s, rows: np.ndarray) -> None:
+    def rebuild_heavy(self, s, rows: np.ndarray) -> None:
         """The heavy list of some rows from their per-column non-window counts (column order = age
         order; s: a slot, or one slot per row, all prefilled or none)."""
-        if self.budget is None or rows.size == 0 or not self.tracks_columns:
+        slab, cfg = self.slab, self.settings
+        if cfg.budget is None or rows.size == 0 or not cfg.tracks_columns:
             return
-        width = self._used_width(s, rows)
-        if self.scored and np.any(self.prefilled[s]):        # listed entries may still name old columns
-            width = max(width, int(self.heavy[s, rows].max()) + 1)
-        cnt = (np.maximum(self.occ[s, rows, :width] - self.win[s, rows, :width], 0)
-               * self.alive[s, rows, :width]).astype(np.int64)
-        if self.scored and np.any(self.prefilled[s]):
-            self._remap_heavy(s, rows, cnt)
+        width = slab.used_width(s, rows)
+        if cfg.scored and np.any(slab.prefilled[s]):        # listed entries may still name old columns
+            width = max(width, int(slab.heavy[s, rows].max()) + 1)
+        cnt = (np.maximum(slab.occ[s, rows, :width] - slab.win[s, rows, :width], 0)
+               * slab.alive[s, rows, :width]).astype(np.int64)
+        if cfg.scored and np.any(slab.prefilled[s]):
+            self.remap_heavy(s, rows, cnt)
             return
-        cap = self.heavy.shape[2]
+        cap = slab.heavy.shape[2]
         tot = cnt.sum(axis=1)
         if (tot > cap).any():
             raise AssertionError("fast mode: more non-window tokens than the budget allows")
@@ -150,17 +173,18 @@ class ScoringMixin:
         row_of = np.repeat(np.arange(rows.size), tot)
         start = np.cumsum(tot) - tot
         idx = np.arange(cols.size) - start[row_of]
-        self.heavy[np.broadcast_to(s, rows.shape)[row_of], rows[row_of], idx] = cols
-        self.hn[s, rows] = tot
+        slab.heavy[np.broadcast_to(s, rows.shape)[row_of], rows[row_of], idx] = cols
+        slab.hn[s, rows] = tot
 
-    def _remap_heavy(self, s, rows: np.ndarray, cnt: np.ndarray) -> None:
+    def remap_heavy(self, s, rows: np.ndarray, cnt: np.ndarray) -> None:
         """Scored lists after tokens moved between columns (compaction, sparse copy): entries keep their
         score terms; an entry stays in its column while the column holds that many non-window tokens,
         the rest take the columns' remaining places in order."""
-        k, Hc = rows.size, self.heavy.shape[2]
+        slab = self.slab
+        k, Hc = rows.size, slab.heavy.shape[2]
         P = cnt.shape[1]
-        col = self.heavy[s, rows].astype(np.int64)
-        valid = np.arange(Hc)[None, :] < self.hn[s, rows][:, None]
+        col = slab.heavy[s, rows].astype(np.int64)
+        valid = np.arange(Hc)[None, :] < slab.hn[s, rows][:, None]
         if (valid.sum(axis=1) != cnt.sum(axis=1)).any():
             raise AssertionError("fast mode: heavy list length differs from the non-window tokens")
         key = np.where(valid, np.arange(k)[:, None] * P + col, k * P).ravel()
@@ -173,4 +197,4 @@ class ScoringMixin:
         moved = np.flatnonzero(valid.ravel() & ~stays)
         new = col.ravel()
         new[moved] = np.repeat(np.arange(k * P), cap) % P
-        self.heavy[s, rows] = new.reshape(k, Hc)
+        slab.heavy[s, rows] = new.reshape(k, Hc)
