@@ -159,7 +159,7 @@ def test_the_checks_see_what_they_check():
     assert "sim/engine.py:EngineReplica.run" in names and "gpu/replay.py:run_replay" in names
     assert "sim/kv/fast/manager.py:FastKVManager.__init__" in names
     kernels = _assigned_kernels(ast.parse((ROOT / "sim/kv/fast/leankv_kernel.py").read_text()))
-    assert {"leankv_step", "_attend_row", "page_counts"} <= kernels
+    assert {"leankv_step", "_attend_rows", "page_counts"} <= kernels
     assert {"sim/cli/simulate.py:simulate", "sim/cli/replay.py:replay"} <= cli_commands() <= names
     tree = ast.parse("@triton.jit\ndef k(a, b, c, d, e, f, g, h, i): pass\n"
                      "class A:\n    def f(self, a, b, c, d, e, f, g, h): pass\n"

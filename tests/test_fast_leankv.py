@@ -4,6 +4,8 @@ fragmentation, KV utilization and throughput within 5%; the compiled steps again
 manager on the same rows: the same run."""
 import math
 
+import numpy as np
+
 import pytest
 
 from kvsim.sim.config import KVConfig
@@ -138,3 +140,51 @@ def test_the_memory_estimate_has_no_slab_for_sampled_rows():
         estimate = build_run_plan(cfg, trace=load_workload(cfg)).memory
         parts[policy] = dict((p[0], p[3]) for p in estimate.parts)
     assert parts["leankv"]["fast-mode slabs"] == 0 < parts["h2o"]["fast-mode slabs"]
+
+
+@pytest.mark.skipif(leankv_kernel.njit is None, reason="numba absent: the step is not compiled")
+def test_candidates_are_kept_by_significance_then_slot_in_any_offering_order():
+    # the attention walks a row's active list in any order; its KMAX lowest candidates must be those a
+    # walk in slot order keeps (ties: the earlier slot)
+    rng = np.random.default_rng(0)
+    values = rng.choice([0.5, 1.0, 1.5, 2.0], size=40)          # many ties
+    slots = np.arange(40)
+
+    def keep(order):
+        vals, idx = np.zeros(leankv_kernel.KMAX), np.zeros(leankv_kernel.KMAX, dtype=np.int64)
+        count = 0
+        for i in order:
+            count = leankv_kernel._insert(vals, idx, count, values[i], slots[i])
+        return vals[:count].tolist(), idx[:count].tolist()
+
+    expected = keep(range(40))
+    assert expected[1] == sorted(slots, key=lambda s: (values[s], s))[:leankv_kernel.KMAX]
+    for _ in range(5):
+        assert keep(rng.permutation(40)) == expected
+
+
+@pytest.mark.skipif(leankv_kernel.njit is None, reason="numba absent: the step is not compiled")
+def test_invariant_check_catches_an_active_list_that_drifted(monkeypatch):
+    # the kernel's packed lists of active tokens must stay the live, unsettled tokens of each row
+    decode, calls = BatchedLeanKVManager._decode, []
+
+    def drift(self, batch, reserved):
+        decode(self, batch, reserved)
+        calls.append(1)
+        if len(calls) == 20:
+            active = batch[0].arrays.active
+            active.count[0] -= 1                      # a token drops out of row 0's list
+    monkeypatch.setattr(BatchedLeanKVManager, "_decode", drift)
+    with pytest.raises(AssertionError, match="active list drifted"):
+        run({**LEANKV, "slot_strategy": "slot_reuse", "mode": "fast"}, n=4, prompt=300, output=60, check=True)
+
+
+def test_compiled_decode_steps_cross_a_chunk_of_content_weights(monkeypatch):
+    # decode tokens past position 512 take the request's next chunk of content weights (256 positions
+    # a draw) while it decodes compiled: the same run as the sampled-row manager's
+    cfg = {**LEANKV, "slot_strategy": "slot_reuse", "mode": "fast"}
+    compiled, steps = run(cfg, n=3, prompt=480, output=80, check=True)[:2]
+    sampled_rows_uncompiled(monkeypatch)
+    plain, plain_steps = run(cfg, n=3, prompt=480, output=80, check=True)[:2]
+    same_run(compiled, plain, LOOSE)
+    assert (steps["evicted_tokens"].to_numpy() == plain_steps["evicted_tokens"].to_numpy()).all()

@@ -28,10 +28,6 @@ from .sampled import SampledRowsKVManager
 from .threads import ThreadBudget
 
 FIELDS = {"imp_w", OBSERVED, PLACED}
-# dtypes of the arrays whose addresses the kernel takes (leankv_kernel._arrays), in order
-DTYPES = tuple(np.dtype(t) for t in (bool, np.int64, np.float32, np.int8, np.float32, np.int32, bool, np.int64,
-                                     np.int8, np.int64, np.int64, np.int64, np.int64, np.float64, np.float32, bool))
-META_TOKENS, META_ENTRIES, META_STEPS, META_EVICTED, META_ERROR, META_PROMPT, META_MAX = range(7)
 
 
 def batched_leankv_supported(policy, slot_strategy: str, trigger: str) -> bool:
@@ -41,14 +37,14 @@ def batched_leankv_supported(policy, slot_strategy: str, trigger: str) -> bool:
 
 
 class _Decoding:
-    """A prefilled request whose decode steps run compiled: its handle (row of the kernel's address
-    table), the arrays it points at (kept alive here), what it had when it entered."""
+    """A prefilled request whose decode steps run compiled: its handle (its index in the kernel's
+    per-request arrays), the arrays the kernel works on (`K.RequestArrays`), what it had when it entered."""
     __slots__ = ("rk", "imp", "handle", "steps0", "arrays")
 
     def __init__(self, rk, imp, handle: int):
         self.rk, self.imp, self.handle = rk, imp, handle
         self.steps0 = rk.decode_steps
-        self.arrays = ()
+        self.arrays: K.RequestArrays | None = None
 
 
 class BatchedLeanKVManager(SampledRowsKVManager):
@@ -61,11 +57,15 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._strategy = K.STRATEGY_CODES[inner.strategy]
         self._hole_first = self._strategy >= K.SLOT_REUSE
         self._tau32 = model.tau.astype(np.float32)
-        self._heads = (model.s.astype(np.float32), model.l.astype(np.float32), self._local_decay(256),
-                       np.asarray(model.tau, dtype=np.float64))
-        self._sink = np.asarray(model.spec.sink_weights, dtype=np.float64)
+        self._heads = K.Heads(model.s.astype(np.float32), model.l.astype(np.float32), self._local_decay(256),
+                              np.asarray(model.tau, dtype=np.float64),
+                              np.asarray(model.spec.sink_weights, dtype=np.float64))
         self._cap = np.asarray(inner.tier_capacity, dtype=np.int64)
-        self._tier_bytes = np.asarray(self.ctx.tier_bytes, dtype=np.float64)
+        policy = self.policy
+        self._params = K.StepParams(inner.rows, int(inner.stride), self._cap,
+                                    np.asarray(self.ctx.tier_bytes, dtype=np.float64), float(policy.alpha_h),
+                                    float(policy.alpha_l), int(policy.window), int(policy.obs_window),
+                                    self._strategy, self._hole_first)
         self._quant_flops = QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row
         self._decoding: dict = {}
         # threads of the parallel step: from the batch's rows and the cores other processes leave free
@@ -73,11 +73,10 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._pending: dict = {}            # request -> block ids reserved for its next decode token
         self._free_handles: list[int] = []
         self._handles = 0                   # handles ever given out
-        self._addr = np.zeros((0, len(DTYPES)), dtype=np.int64)
-        self._dims = np.zeros((0, 2), dtype=np.int64)
-        self._meta = np.zeros((0, 7), dtype=np.int64)
-        self._stats = np.zeros((0, K.OUT_SIZE))
-        self._sums = np.zeros((0, self.inner.rows, 3))
+        self._empty = K.empty_request(inner.rows)
+        self._reqs = None                   # K.request_list: the kernel's arrays by handle (made on first use)
+        self._meta = K.new_meta(0)
+        self._stats = K.new_stats(0)
         self._ids = np.zeros(0, dtype=np.int64)
         self._none = np.zeros(0, dtype=np.int64)
         self._live_dec = 0                  # live and allocated slots of the requests decoding compiled
@@ -88,14 +87,14 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         d = self._decoding.get(req)
         if d is None:
             return self.inner.kv_tokens(req)
-        return self._stats[d.handle, K.OUT_READ] / self.inner.rows
+        return self._stats.read[d.handle] / self.inner.rows
 
     def block_table_entries(self, req) -> int:
         d = self._decoding.get(req)
         if d is None:
             return super().block_table_entries(req)
         ids = self._pending.get(req)
-        return (int(self._stats[d.handle, K.OUT_PAGES]) + (ids.size if ids is not None else 0)) * self.unit
+        return (int(self._stats.pages[d.handle]) + (ids.size if ids is not None else 0)) * self.unit
 
     def slot_stats(self) -> tuple[int, int]:
         live, alloc = self.inner.slot_stats()
@@ -104,7 +103,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
     def blocks_needed(self, req, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
         d = self._decoding.get(req)
         if d is not None and num_new_tokens == 1:
-            return int(self._stats[d.handle, K.OUT_NEED]) * self.unit
+            return int(self._stats.need[d.handle]) * self.unit
         return super().blocks_needed(req, num_new_tokens, num_computed_blocks)   # reads pages only
 
     def allocate_slots(self, req, num_new_tokens: int, computed_blocks=None) -> bool:
@@ -113,7 +112,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             if req in self._pending:
                 raise AssertionError(f"request {req.request_id}: a second decode token in one step")
             pool = self.inner.pool
-            need = int(self._stats[d.handle, K.OUT_NEED])
+            need = int(self._stats.need[d.handle])
             if need > pool.num_free_blocks:
                 return False
             self._pending[req] = pool.get_new_blocks(need) if need else self._none
@@ -129,8 +128,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             if d is None or req in pending:
                 return None
             handles.append(d.handle)
-        stats = self._stats[handles]
-        need = stats[:, K.OUT_NEED].astype(np.int64)
+        need = self._stats.need[handles].astype(np.int64)
         total = int(need.sum())
         pool = self.inner.pool
         if total > pool.num_free_blocks:
@@ -141,7 +139,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         for req, end in zip(reqs, ends):
             pending[req] = ids[start:end]
             start = end
-        return (stats[:, K.OUT_READ] / self.inner.rows).tolist()
+        return (self._stats.read[handles] / self.inner.rows).tolist()
 
     def free(self, req) -> int:
         ids = self._pending.pop(req, None)
@@ -176,27 +174,41 @@ class BatchedLeanKVManager(SampledRowsKVManager):
     def check_invariants(self, live_requests) -> None:
         assert not self._pending, "pages reserved for a decode token outlived the step"
         for req, d in self._decoding.items():
-            st = d.rk.state
-            row = self._stats[d.handle]
-            assert int(st.live.sum()) == row[K.OUT_LIVE], f"request {req.request_id}: live slot count drifted"
-            occ, wr = d.arrays[9], d.arrays[10]
-            pages = d.rk.table >= 0
-            live3 = st.live.reshape(st.rows, -1, d.rk.stride)
-            written3 = (st.pos >= 0).reshape(st.rows, -1, d.rk.stride)
-            assert (occ[pages] == live3.sum(axis=2)[pages]).all(), f"request {req.request_id}: page live counts drifted"
-            assert (wr[pages] == written3.sum(axis=2)[pages]).all(), f"request {req.request_id}: written counts drifted"
-            q = st.num_tokens - 1
-            age = np.where(st.live, q - st.pos, 0)
-            local = np.where(st.live, np.exp(-age / self._heads[3][:, None]), 0.0).sum(axis=1)
-            content = np.where(st.live, st.field("imp_w"), 0.0).sum(axis=1, dtype=np.float64)
-            sums = self._sums[d.handle]
-            assert np.allclose(sums[:, 0], local, rtol=1e-9, atol=1e-9), (req.request_id, sums[:, 0], local)
-            assert np.allclose(sums[:, 1], content, rtol=1e-9), (req.request_id, sums[:, 1], content)
+            self._check_decoding(req, d)
         self.inner._live_total += self._live_dec          # the token-level check counts every request's slots
         try:
             super().check_invariants(live_requests)
         finally:
             self.inner._live_total -= self._live_dec
+
+    def _check_decoding(self, req, d: _Decoding) -> None:
+        """What the kernel keeps beside a request's token state agrees with it (module doc of the kernel)."""
+        st, arrays = d.rk.state, d.arrays
+        K.sync_scores(st.score, arrays.active)
+        rid = req.request_id
+        assert int(st.live.sum()) == self._stats.live[d.handle], f"request {rid}: live slot count drifted"
+        pages = d.rk.table >= 0
+        live3 = st.live.reshape(st.rows, -1, d.rk.stride)
+        written3 = (st.pos >= 0).reshape(st.rows, -1, d.rk.stride)
+        assert (arrays.pages.occ[pages] == live3.sum(axis=2)[pages]).all(), f"request {rid}: page live counts drifted"
+        assert (arrays.pages.written[pages] == written3.sum(axis=2)[pages]).all(), f"request {rid}: written counts drifted"
+        act = arrays.active
+        high_slot = np.repeat(d.rk.page_tier == K.HIGH, d.rk.stride, axis=1)
+        for r in range(st.rows):
+            n = int(act.count[r])
+            slots = act.slot[r, :n]
+            listed = np.zeros(st.num_slots, dtype=bool)
+            listed[slots] = True
+            assert (listed == (st.live[r] & ~arrays.tokens.settled[r])).all(), f"request {rid}: active list drifted"
+            assert (act.index[r, slots] == np.arange(n)).all() and (act.index[r] >= 0).sum() == n
+            assert (act.pos[r, :n] == st.pos[r, slots]).all() and (act.imp_w[r, :n] == st.field("imp_w")[r, slots]).all()
+            assert (act.high[r, :n] == high_slot[r, slots]).all(), f"request {rid}: active list's page tiers drifted"
+        q = st.num_tokens - 1
+        age = np.where(st.live, q - st.pos, 0)
+        local = np.where(st.live, np.exp(-age / self._heads.tau[:, None]), 0.0).sum(axis=1)
+        content = np.where(st.live, st.field("imp_w"), 0.0).sum(axis=1, dtype=np.float64)
+        assert np.allclose(arrays.sums[:, 0], local, rtol=1e-9, atol=1e-9), (rid, arrays.sums[:, 0], local)
+        assert np.allclose(arrays.sums[:, 1], content, rtol=1e-9), (rid, arrays.sums[:, 1], content)
 
     # ----- compiled decode steps ----------------------------------------------------------------
     def _local_decay(self, ages: int) -> np.ndarray:
@@ -204,43 +216,45 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         return np.exp(-np.arange(ages, dtype=np.float32)[None, :] / self._tau32[:, None])
 
     def _handle(self) -> int:
+        if self._reqs is None:
+            self._reqs = K.request_list(self._empty)
         if self._free_handles:
             return self._free_handles.pop()
         h = self._handles
         self._handles += 1
-        if h >= self._meta.shape[0]:
+        if h >= self._meta.tokens.shape[0]:
             grow = max(16, h)
-            self._addr = np.concatenate([self._addr, np.zeros((grow, len(DTYPES)), np.int64)])
-            self._dims = np.concatenate([self._dims, np.zeros((grow, 2), np.int64)])
-            self._meta = np.concatenate([self._meta, np.zeros((grow, 7), np.int64)])
-            self._stats = np.concatenate([self._stats, np.zeros((grow, K.OUT_SIZE))])
-            self._sums = np.concatenate([self._sums, np.zeros((grow,) + self._sums.shape[1:])])
+            self._meta = K.grown(self._meta, grow)
+            self._stats = K.grown(self._stats, grow)
         return h
 
     def _bind(self, d: _Decoding) -> None:
-        """Give the kernel the addresses of the request's arrays (after it entered or its table grew);
-        `d.arrays` keeps them alive as long as the kernel may use them."""
+        """Give the kernel the request's arrays (after it entered or its table grew): the token state,
+        the table, the counts and active lists page_counts fills (slots keep their indices on growth)."""
         rk, h = d.rk, d.handle
         st = rk.state
-        occ = np.zeros(rk.table.shape, dtype=np.int64)
-        wr = np.zeros_like(occ)
+        rows, slots = st.rows, st.num_slots
         settled = np.zeros(st.live.shape, dtype=bool)
-        fresh = not d.arrays
-        if not fresh:                               # the table grew: slots keep their indices
-            old = d.arrays[15]
+        fresh = d.arrays is None
+        if fresh:
+            sums = np.zeros((rows, 3))
+        else:
+            old = d.arrays.tokens.settled
             settled[:, :old.shape[1]] = old
-        d.arrays = (st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED), st.field(PLACED),
-                    rk.table, rk.page_tier, occ, wr, rk.tail, rk.tail_off, d.imp["wsum"], d.imp["w"], settled)
-        for i, (a, dt) in enumerate(zip(d.arrays, DTYPES)):
-            assert a.dtype == dt and a.flags.c_contiguous, (i, a.dtype, a.flags)
-            self._addr[h, i] = a.ctypes.data
-        self._dims[h] = st.num_slots, rk.num_entries
-        assert d.arrays[14].shape == (self.inner.rows, CHUNK)
-        policy = self.policy
-        m = self._meta[h]
-        K.page_counts(d.arrays[:7] + d.arrays[15:], d.arrays[7:13], self.inner.stride, int(m[META_ENTRIES]),
-                      int(m[META_TOKENS]) - 1, self._heads[3], policy.alpha_h, policy.alpha_l, self._sums[h],
-                      int(m[META_PROMPT]), policy.obs_window, int(m[META_MAX]), fresh)
+            sums = d.arrays.sums
+        tokens = K.TokenArrays(st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED),
+                               st.field(PLACED), settled)
+        pages = K.PageArrays(rk.table, rk.page_tier, np.zeros(rk.table.shape, dtype=np.int64),
+                             np.zeros(rk.table.shape, dtype=np.int64), rk.tail, rk.tail_off)
+        d.arrays = K.RequestArrays(tokens, pages, K.new_active(rows, slots), d.imp["wsum"], d.imp["w"], sums)
+        for group in (tokens, pages):
+            for name, a in zip(group._fields, group):
+                assert a.flags.c_contiguous, (name, a.flags)
+        assert d.arrays.weights.shape == (rows, CHUNK) and d.arrays.wsum.dtype == np.float64
+        meta = self._meta
+        K.page_counts(d.arrays, self._params, self._heads.tau, int(meta.entries[h]), int(meta.tokens[h]) - 1,
+                      int(meta.prompt[h]), int(meta.most[h]), fresh)
+        K.store(self._reqs, h, d.arrays)
         if self._ids.size < rk.table.size:
             self._ids = np.zeros(2 * rk.table.size, dtype=np.int64)
 
@@ -253,15 +267,18 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         d = self._decoding[req] = _Decoding(rk, imp, self._handle())
         h = d.handle
         most = req.prompt_tokens + req.max_output_tokens
-        self._meta[h] = (q, rk.num_entries, rk.decode_steps, rk.evicted_rows, 0, q, most)
+        meta = self._meta
+        meta.tokens[h], meta.entries[h], meta.steps[h], meta.evicted[h] = q, rk.num_entries, rk.decode_steps, rk.evicted_rows
+        meta.error[h], meta.prompt[h], meta.most[h] = 0, q, most
         self._bind(d)
         live, alloc, read, pages, stored = inner._stats[req]
         inner._unstat(req)
-        row = self._stats[h]
-        row[:] = 0
-        row[K.OUT_LIVE], row[K.OUT_ALLOC], row[K.OUT_READ] = live, alloc, read * inner.rows
-        row[K.OUT_PAGES], row[K.OUT_STORED] = pages, stored * inner.rows
-        row[K.OUT_NEED] = K.next_token_pages(d.arrays[7:13], self._cap, rk.num_entries, self._hole_first)
+        stats = self._stats
+        for a in stats:
+            a[h] = 0.0
+        stats.live[h], stats.alloc[h], stats.read[h] = live, alloc, read * inner.rows
+        stats.pages[h], stats.stored[h] = pages, stored * inner.rows
+        stats.need[h] = K.next_token_pages(d.arrays.pages, self._cap, rk.num_entries, self._hole_first)
         self._live_dec += live
         self._alloc_dec += alloc
 
@@ -274,26 +291,27 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         if d is None:
             return
         inner, rk, h = self.inner, d.rk, d.handle
-        m, row = self._meta[h], self._stats[h]
-        steps = int(m[META_STEPS] - d.steps0)
+        meta, stats = self._meta, self._stats
+        steps = int(meta.steps[h] - d.steps0)
         st = rk.state
+        K.sync_scores(st.score, d.arrays.active)
         st.num_steps_observed += steps
-        self._restore_observed(st, int(m[META_PROMPT]))
-        rk.decode_steps = int(m[META_STEPS])
-        rk.evicted_rows = int(m[META_EVICTED])
-        rk.mass_sum += float(row[K.OUT_MASS_SUM])
+        self._restore_observed(st, int(meta.prompt[h]))
+        rk.decode_steps = int(meta.steps[h])
+        rk.evicted_rows = int(meta.evicted[h])
+        rk.mass_sum += float(stats.mass_sum[h])
         rk.mass_steps += steps
         rk.added_since_compress = 0
-        entries = int(m[META_ENTRIES])
+        entries = int(meta.entries[h])
         if rk.num_entries > entries:
             assert (rk.table[:, entries:] < 0).all()
             rk.table, rk.page_tier = rk.table[:, :entries].copy(), rk.page_tier[:, :entries].copy()
             st.resize(entries * rk.stride)
-        self._live_dec -= int(row[K.OUT_LIVE])
-        self._alloc_dec -= int(row[K.OUT_ALLOC])
+        self._live_dec -= int(stats.live[h])
+        self._alloc_dec -= int(stats.alloc[h])
         inner._stat(req)
-        self._addr[h] = 0
-        d.arrays = ()
+        K.store(self._reqs, h, self._empty)
+        d.arrays = None
         self._free_handles.append(h)
 
     def _restore_observed(self, st, prompt: int) -> None:
@@ -303,56 +321,66 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         seen = np.minimum(np.maximum(prompt - pos, 0), min(self.policy.obs_window, prompt)) + q - np.maximum(prompt, pos) + 1
         st.field(OBSERVED)[st.live] = seen[st.live]
 
+    def _prepare(self, batch: list) -> None:
+        """Before a step: the local-decay table covers the longest context, each request has its current
+        chunk of content weights and room in its table for the step to double its entries."""
+        meta = self._meta
+        handles = [d.handle for d in batch]
+        longest = int(meta.tokens[handles].max()) + 1
+        if self._heads.local_decay.shape[1] < longest:
+            self._heads = self._heads._replace(local_decay=self._local_decay(2 * longest))
+        for d in batch:
+            h = d.handle
+            q = int(meta.tokens[h])
+            if d.imp["chunk"] != q // CHUNK:                 # the next chunk of content weights
+                self._next_chunk(d, q)
+            rk = d.rk
+            entries = int(meta.entries[h])
+            if rk.num_entries < 2 * entries + 2:
+                K.sync_scores(rk.state.score, d.arrays.active)    # the lists are rebuilt from the state
+                rk.grow(2 * entries + 2)
+                self._bind(d)
+
     def _decode(self, batch: list, reserved: list) -> None:
         inner = self.inner
         meta, stats = self._meta, self._stats
+        self._prepare(batch)
         handles = np.fromiter((d.handle for d in batch), np.int64, len(batch))
-        longest = int(meta[handles, META_TOKENS].max()) + 1
-        if self._heads[2].shape[1] < longest:
-            self._heads = (*self._heads[:2], self._local_decay(2 * longest), self._heads[3])
-        for d in batch:
-            h = d.handle
-            q = int(meta[h, META_TOKENS])
-            imp = d.imp
-            if imp["chunk"] != q // CHUNK:                   # the next chunk of content weights
-                self._next_chunk(d, q)
-            rk = d.rk
-            if rk.num_entries < 2 * meta[h, META_ENTRIES] + 2:    # room for the step to double the entries
-                rk.grow(int(2 * meta[h, META_ENTRIES] + 2))
-                self._bind(d)
         ends = np.cumsum([r.size for r in reserved])
         ids = np.concatenate(reserved) if len(reserved) > 1 else reserved[0]
         pool = inner.pool
         count = np.array([pool.count], dtype=np.int64)
-        policy = self.policy
-        K.run_step(self.thread_budget.threads(len(batch) * inner.rows), handles, ids, ends, self._addr, self._dims, inner.rows, self._heads, self._sink, self._cap, self._tier_bytes,
-                      policy.alpha_h, policy.alpha_l, policy.window, policy.obs_window, self._strategy,
-                      (pool.free, pool.owned, count),
-                      self._ids, meta, stats, self._sums)
+        K.run_step(self.thread_budget.threads(len(batch) * inner.rows), self._reqs, K.StepBatch(handles, ids, ends),
+                   self._heads, self._params, K.PoolArrays(pool.free, pool.owned, count), self._ids, meta, stats)
         pool.count = int(count[0])
-        if meta[handles, META_ERROR].any():
-            bad = handles[meta[handles, META_ERROR] != 0][0]
-            raise AssertionError(f"compiled LeanKV step failed (handle {bad}, code {meta[bad, META_ERROR]})")
-        for d, tokens in zip(batch, meta[handles, META_TOKENS].tolist()):
+        errors = meta.error[handles]
+        if errors.any():
+            bad = handles[errors != 0][0]
+            raise AssertionError(f"compiled LeanKV step failed (handle {bad}, code {meta.error[bad]})")
+        for d, tokens in zip(batch, meta.tokens[handles].tolist()):
             d.rk.state.num_tokens = tokens
-        step = stats[handles]
+        self._account(handles)
+
+    def _account(self, handles: np.ndarray) -> None:
+        """The step's evictions, frees, moves and stored tokens into the plan and the manager's totals."""
+        inner, stats = self.inner, self._stats
         plan = inner.plan
-        plan.evicted_tokens += int(step[:, K.OUT_EVICTED].sum())
-        plan.blocks_freed_by_eviction += int(step[:, K.OUT_FREED].sum())
+        plan.evicted_tokens += int(stats.evicted[handles].sum())
+        plan.blocks_freed_by_eviction += int(stats.freed[handles].sum())
         bpr = inner.bytes_per_token_row
-        plan.bytes_moved += int(np.rint(step[:, K.OUT_MOVED_BYTES] * bpr).sum()
-                                + np.rint(step[:, K.OUT_COMPACT_BYTES] * bpr).sum())
-        plan.op_flops += self._quant_flops * float(step[:, K.OUT_MOVED].sum())
-        inner.stored_token_steps += float(step[:, K.OUT_STORED].sum()) / inner.rows
+        plan.bytes_moved += int(np.rint(stats.moved_bytes[handles] * bpr).sum()
+                                + np.rint(stats.compact_bytes[handles] * bpr).sum())
+        plan.op_flops += self._quant_flops * float(stats.moved[handles].sum())
+        inner.stored_token_steps += float(stats.stored[handles].sum()) / inner.rows
         active = [d.handle for d in self._decoding.values()]
-        self._live_dec = int(stats[active, K.OUT_LIVE].sum())
-        self._alloc_dec = int(stats[active, K.OUT_ALLOC].sum())
+        self._live_dec = int(stats.live[active].sum())
+        self._alloc_dec = int(stats.alloc[active].sum())
 
     def _next_chunk(self, d: _Decoding, q: int) -> None:
         self.inner.importance._weights(self._request_id(d), d.imp, np.array([q]))
-        d.arrays = d.arrays[:14] + (d.imp["w"],) + d.arrays[15:]
-        self._addr[d.handle, 14] = d.imp["w"].ctypes.data
+        d.arrays = d.arrays._replace(weights=d.imp["w"])
+        K.store(self._reqs, d.handle, d.arrays)
 
     @staticmethod
     def _request_id(d: _Decoding) -> int:
-        return d.rk.state.extra["request_id"]
+        return d.rk.state.request_id
