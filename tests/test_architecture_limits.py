@@ -31,7 +31,6 @@ KNOWN_LONG = {
     "sim/kv/fast/reference.py:prompt_cut_np": 11,
     "sim/kv/fast/reference.py:prompt_terms_np": 9,
     "sim/kv/fast/reference.py:scored_step_np": 14,
-    "sim/kv/fast/kernels.py:score_prompt": 10,
 }
 
 # path:class -> bases besides Protocol/Generic, still over the limit

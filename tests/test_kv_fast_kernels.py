@@ -108,7 +108,8 @@ def test_prompt_scoring_kernel_matches_its_numpy_twin(L, cand, keep):
 
 def test_prompt_cut_keeps_the_highest_scores_and_breaks_ties_by_position():
     z = np.zeros((1, 12))                  # equal content: scores tie except for the local term and sinks
-    got = fk.score_prompt(z, np.ones(1), np.zeros(1), np.full(1, 4.0), np.full(1, 0.5), 1, 10, 6, 4, 2)[2]
+    weight, decay, top, shift = fk.prompt_inputs(z, np.ones(1), np.full(1, 4.0), 1)
+    got = fk.prompt_cut(weight, decay, np.zeros(1), np.full(1, 0.5), top, shift, 1, 10, np.array([6]), 4, 2)[2]
     assert got.tolist() == [[0, 1, 2, 3, 4, 5]]                 # the 4 sinks, then the lowest positions
 
 

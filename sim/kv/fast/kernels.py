@@ -9,7 +9,7 @@ leaving the recent window — and a leaving token that stays joins the list. The
 O(list) per row: ~130 entries x ~200 rows per step on the benchmark, which numpy pays for with a
 dozen [rows, list] temporaries per step; the kernel keeps a few candidates per row and rescans a
 list only when they cannot hold the minimum. The module also holds the prompt cut's scoring
-(`score_prompt`, `prompt_cut`). numba is optional: without it (the real backend's machines need not
+(`prompt_inputs`, `prompt_cut`). numba is optional: without it (the real backend's machines need not
 have it), or with KVSIM_NO_NUMBA=1 set, the twins run, same results.
 """
 from __future__ import annotations
@@ -183,20 +183,6 @@ def prompt_inputs(z, sigma, tau, obs):
     weight = np.exp(sigma[:, None] * z)
     decay = np.exp((np.arange(length) - (length - 1)) / tau[:, None])     # d^(L - 1 - t)
     return weight, decay, np.exp((obs - 1) / tau), np.exp(-1.0 / tau)
-
-
-def score_prompt(z, sigma, local, tau, content, obs, cand, keep, num_sink, window):
-    """H2O's prompt cut for fast mode's scored rows (see scoring.py Scorer.score_prompt): from the
-    prompt's content draws z [rows, L] and head parameters, per row: the content normalizer and H
-    after the prompt, the `keep` highest-scored of the first `cand` positions (ties to the lower
-    position, in position order) and their score terms A, CW, E [rows, keep, 3], and the terms A and
-    CW of the last `window` positions [rows, window]. `keep` may differ per row (int [rows]; kept
-    positions padded with -1 past a row's keep). The sinks (the first num_sink) score inf. The two
-    exps per token run in numpy (vectorized, faster than a compiled scalar loop), the rest in
-    `prompt_cut`."""
-    weight, decay, top, shift = prompt_inputs(z, sigma, tau, obs)
-    keep = np.broadcast_to(np.asarray(keep, np.int64), sigma.shape).copy()
-    return prompt_cut(weight, decay, local, content, top, shift, obs, cand, keep, num_sink, window)
 
 
 def _prompt_cut_loop(weight, decay, local, content, top, shift, obs, cand, keep, num_sink, window):
@@ -422,7 +408,7 @@ if njit is not None:
 else:
     decode_rows = None          # the numpy path of FastStep.step is its twin
     prompt_cut = prompt_cut_np
-prompt_cut.__doc__ = """The prompt cut's scoring and top-k (see score_prompt) from the content weights and decays
+prompt_cut.__doc__ = """The prompt cut's scoring and top-k (see scoring.py Scorer.score_prompt) from the content weights and decays
 d^(L-1-t) [rows, L], per-row local, content, top = d^-(obs-1) and shift = d: the content normalizer
 and H after the prompt, the kept positions and their terms, and the window's terms."""
 if decode_rows is not None:
