@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from .config import SimConfig
+from .core.prefix_lookups import PrefixLookups
 from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
 from .metrics import summarize
@@ -38,13 +39,12 @@ def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame | di
     if tokens is None and "token_times_s" in req_df:       # the token figures once for both summaries
         done = req_df[req_df["status"] == "finished"]
         tokens = token_stats(done["token_times_s"], float(done["arrival_s"].min()) if len(done) else 0.0)
+    lookups = PrefixLookups.total(kv.prefix_lookups for kv in kvs)
     summary = summarize(req_df, steps_df, num_blocks_total=managed_pool_blocks(kvs, num_blocks),
                         slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
-                        prefix_queries=sum(kv.num_prefix_queries for kv in kvs),
-                        prefix_hits=sum(kv.num_prefix_hits for kv in kvs), tokens=tokens)
-    preempted_queries = sum(kv.num_prefix_queries_preempted for kv in kvs)
-    preempted_hits = sum(kv.num_prefix_hits_preempted for kv in kvs)
-    summary["prefix_hit_rate_preempted"] = preempted_hits / preempted_queries if preempted_queries else 0.0
+                        prefix_queries=lookups.queries, prefix_hits=lookups.hits, tokens=tokens)
+    summary["prefix_hit_rate_preempted"] = (lookups.hits_preempted / lookups.queries_preempted
+                                            if lookups.queries_preempted else 0.0)
     if not cfg.kv.is_default:
         totals = pd.DataFrame({k: [v] for k, v in steps_df.items()}) if isinstance(steps_df, dict) else steps_df
         summary.update(kv_summary(kvs, req_df, totals))

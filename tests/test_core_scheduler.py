@@ -198,7 +198,7 @@ def test_prefix_cache_hits_shared_blocks_and_recomputes_the_last_token():
     out = step(s)
     assert b.num_cached_tokens == 4                   # 8 tokens = 2 full blocks, but the last token recomputes
     assert chunks(out) == {1: 4}
-    assert s.kv.num_prefix_hits == 4
+    assert s.kv.prefix_lookups.hits == 4
 
 
 def test_lru_evicts_the_tail_block_of_the_oldest_freed_request_first():

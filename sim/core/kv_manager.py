@@ -7,6 +7,7 @@ layouts and eviction-aware managers can stand in for it.
 from __future__ import annotations
 
 from .block_pool import BlockPool
+from .prefix_lookups import PrefixLookups
 from .request import Request
 
 
@@ -23,11 +24,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks - 1, enable_caching)
         self.enable_caching = enable_caching
         self.req_blocks: dict[Request, list[int]] = {}
-        self.num_prefix_queries = 0      # tokens looked up in the prefix cache by first admissions
-        self.num_prefix_hits = 0         # of which served from it
-        # lookups by requests resuming after a recompute preemption (vLLM counts them apart)
-        self.num_prefix_queries_preempted = 0
-        self.num_prefix_hits_preempted = 0
+        self.prefix_lookups = PrefixLookups()
 
     # ----- read-only views -------------------------------------------------------------------
     @property
@@ -91,12 +88,7 @@ class KVCacheManager:
         return hits
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int, preempted: bool = False) -> None:
-        if preempted:
-            self.num_prefix_queries_preempted += num_queried
-            self.num_prefix_hits_preempted += num_hit
-        else:
-            self.num_prefix_queries += num_queried
-            self.num_prefix_hits += num_hit
+        self.prefix_lookups.record(num_queried, num_hit, preempted)
 
     def fits_full_sequence(self, req: Request, num_tokens: int, computed_blocks: list[int],
                            free_blocks: int | None = None) -> bool:

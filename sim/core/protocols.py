@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import numpy as np
 
+    from .prefix_lookups import PrefixLookups
     from .request import Request
     from .scheduler import SchedulerOutput
     from .step import StepResult
@@ -58,10 +59,7 @@ class KVManager(Protocol):
     block_size: int
     enable_caching: bool            # prefix caching
     supports_fast_forward: bool     # state is a pure function of token counts (see FastForwardKV)
-    num_prefix_queries: int         # prompt tokens looked up in the prefix cache (first admissions)
-    num_prefix_hits: int
-    num_prefix_queries_preempted: int   # the same for requests resuming after a recompute preemption
-    num_prefix_hits_preempted: int
+    prefix_lookups: PrefixLookups   # prompt tokens looked up in the prefix cache, and hits
 
     @property
     def pool(self) -> PoolView: ...

@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 
 from .block_pool import BlockPool
+from .prefix_lookups import PrefixLookups
 from .request import Request
 
 
@@ -105,8 +106,7 @@ class HybridKVManager:
         self.types = [GroupTables(self.pool, block_size, n, w)
                       for n, w in ((full_groups, None), (sliding_groups, window)) if n]
         self.sliding_fraction = sliding_layer_fraction
-        self.num_prefix_queries = self.num_prefix_hits = 0
-        self.num_prefix_queries_preempted = self.num_prefix_hits_preempted = 0
+        self.prefix_lookups = PrefixLookups()
 
     # ----- read-only views -------------------------------------------------------------------
     @property
@@ -161,12 +161,7 @@ class HybridKVManager:
         return []
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int, preempted: bool = False) -> None:
-        if preempted:
-            self.num_prefix_queries_preempted += num_queried
-            self.num_prefix_hits_preempted += num_hit
-        else:
-            self.num_prefix_queries += num_queried
-            self.num_prefix_hits += num_hit
+        self.prefix_lookups.record(num_queried, num_hit, preempted)
 
     def num_revivable(self, computed_blocks: list[int]) -> int:
         return 0

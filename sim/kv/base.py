@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..core.prefix_lookups import PrefixLookups
+
 if TYPE_CHECKING:
     from .importance import ImportanceModelSpec
 
@@ -37,10 +39,10 @@ class EvictingManagerBase:
     """
     supports_fast_forward = False
     enable_caching = False
-    num_prefix_queries = 0
-    num_prefix_hits = 0
-    num_prefix_queries_preempted = 0
-    num_prefix_hits_preempted = 0
+
+    @property
+    def prefix_lookups(self) -> PrefixLookups:
+        return PrefixLookups()          # no prefix cache: nothing is looked up
 
     @property
     def num_blocks(self) -> int:
