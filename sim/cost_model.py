@@ -676,22 +676,10 @@ class CostModel:
         `_operator_decode_priced` scales it; tabulated once (the fast-forward prices every run)."""
         terms = self._decode_terms
         if terms is None or terms[0].size <= top:
-            c, p = self._c, self.profile
+            p = self.profile
             seqs = np.arange(max(top + 1, 1025, 2 * terms[0].size if terms else 0), dtype=np.float64)
-            ran = (seqs > 0).astype(np.float64)
-            e = self.gemm_efficiency(seqs)
-            compute = seqs * c["prefill_flops_s"] / e + seqs * c["lm_head_s"] / e
-            memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
-            if self._moe is not None:
-                memory = memory + self.expert_read_time(seqs) / p.mem_bw_eff
-            linear = (np.maximum(compute, memory)
-                      + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)
-                      + seqs * self._elementwise_token_s / p.elementwise_bw_eff)
+            linear, allreduce = self._decode_seq_parts(seqs, (seqs > 0).astype(np.float64))
             base = p.step_overhead_s + seqs * p.per_seq_overhead_s
-            allreduce = None
-            if c["allreduce_token_s"] or c["allreduce_count"]:
-                allreduce = (seqs * c["allreduce_token_s"] / self._allreduce_bw_eff
-                             + ran * c["allreduce_count"] * self._allreduce_latency_s)
             k = p.step_time_scale
             if k != 1.0:
                 linear = linear * k
@@ -699,10 +687,10 @@ class CostModel:
             terms = self._decode_terms = (linear, base, allreduce)
         return terms
 
-    def _operator_decode_priced(self, seqs: np.ndarray, kv_read: np.ndarray, entries: np.ndarray) -> np.ndarray:
-        """`_operator_decode_total` of any sequence counts (not whole, or negative), term by term."""
+    def _decode_seq_parts(self, seqs: np.ndarray, ran) -> tuple[np.ndarray, np.ndarray | None]:
+        """(linear part, all-reduce part or None) of decode steps of `seqs` sequences, unscaled; `ran` is
+        1 where a step ran (seqs > 0), as an array or the scalar 1.0 when all did."""
         c, p = self._c, self.profile
-        ran = 1.0 if seqs.all() else (seqs > 0).astype(np.float64)
         e = self.gemm_efficiency(seqs)
         compute = seqs * c["prefill_flops_s"] / e + seqs * c["lm_head_s"] / e
         memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
@@ -711,6 +699,15 @@ class CostModel:
         linear = (np.maximum(compute, memory)
                   + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)
                   + seqs * self._elementwise_token_s / p.elementwise_bw_eff)
+        if not (c["allreduce_token_s"] or c["allreduce_count"]):
+            return linear, None
+        return linear, (seqs * c["allreduce_token_s"] / self._allreduce_bw_eff
+                        + ran * c["allreduce_count"] * self._allreduce_latency_s)
+
+    def _operator_decode_priced(self, seqs: np.ndarray, kv_read: np.ndarray, entries: np.ndarray) -> np.ndarray:
+        """`_operator_decode_total` of any sequence counts (not whole, or negative), term by term."""
+        c, p = self._c, self.profile
+        linear, allreduce = self._decode_seq_parts(seqs, 1.0 if seqs.all() else (seqs > 0).astype(np.float64))
         attn_compute = kv_read * c["attn_read_s"] if self._mla else kv_read * c["attn_pair_s"]
         attention = np.maximum(attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff)
         overhead = (p.step_overhead_s + seqs * p.per_seq_overhead_s
@@ -719,9 +716,7 @@ class CostModel:
         if k != 1.0:
             linear, attention, overhead = linear * k, attention * k, overhead * k
         device = linear + attention
-        if c["allreduce_token_s"] or c["allreduce_count"]:
-            allreduce = (seqs * c["allreduce_token_s"] / self._allreduce_bw_eff
-                         + ran * c["allreduce_count"] * self._allreduce_latency_s)
+        if allreduce is not None:
             device = device + (allreduce * k if k != 1.0 else allreduce)
         return np.maximum(device, overhead) if self.async_scheduling else device + overhead
 
