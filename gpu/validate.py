@@ -342,12 +342,12 @@ def replay_policies(plan: Plan, out: Path) -> pd.DataFrame:
     from kvsim.traces.synthetic import synthesize
     trace = synthesize(plan.policies["n"], rate=plan.policies["rate"], prompt=plan.policies["prompt"],
                        output=plan.policies["output"], seed=4, name="policies").save(out / "policies.jsonl")
+    common = _replay_options(plan, plan.policy_model, _policy_pool_blocks(plan))
     rows = []
     for label, options in POLICY_RUNS:
         budget = ["--budget", str(plan.policies["budget"])] if options[1] in ("h2o", "quest") else []
         run_dir = out / "policies" / label.replace(" ", "-")
-        blocks = _policy_pool_blocks(plan)
-        args = ["replay", "--trace", str(trace), *_replay_options(plan, plan.policy_model, blocks),
+        args = ["replay", "--trace", str(trace), *common,
                 "--check-invariants", *options, *budget, "--out", str(run_dir)]
         if label.startswith("streaming"):
             window = plan.policies["budget"]

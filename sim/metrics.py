@@ -323,14 +323,17 @@ def flat_token_times(token_times) -> tuple[np.ndarray, np.ndarray]:
 
 def inter_token_latencies(token_times) -> np.ndarray:
     """Gaps between consecutive output tokens of each request, all requests concatenated."""
-    offsets, times = flat_token_times(token_times)
+    return list_gaps(*flat_token_times(token_times))
+
+
+def list_gaps(offsets: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """Gaps between consecutive values of each list (lists given as offsets [n + 1] and values)."""
     if times.size == 0:
         return np.array([])
     gaps = np.diff(times)
-    first_of_request = offsets[1:-1]                       # a request's first token follows another's last
+    first_of_list = offsets[1:-1]                          # a list's first value follows another's last
     keep = np.ones(gaps.size, dtype=bool)
-    inside = first_of_request[(first_of_request > 0) & (first_of_request < times.size)]
-    keep[inside - 1] = False
+    keep[first_of_list[(first_of_list > 0) & (first_of_list < times.size)] - 1] = False
     return gaps[keep]
 
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .metrics import SUMMARY_STEP_COLUMNS, flat_token_times
+from .metrics import SUMMARY_STEP_COLUMNS, flat_token_times, list_gaps
 from .safe_io import deferred_interrupts
 
 
@@ -195,17 +195,6 @@ def peak_tokens_per_s(times: np.ndarray, start_s: float) -> float:
     buckets = (times - start_s).astype(np.int64)
     counts = np.bincount(buckets[buckets >= 0])
     return float(counts.max()) if counts.size else 0.0
-
-
-def list_gaps(offsets: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """Gaps between consecutive values of each list (lists given as offsets [n + 1] and values)."""
-    if times.size == 0:
-        return np.array([])
-    gaps = np.diff(times)
-    first_of_list = offsets[1:-1]
-    keep = np.ones(gaps.size, dtype=bool)
-    keep[first_of_list[(first_of_list > 0) & (first_of_list < times.size)] - 1] = False
-    return gaps[keep]
 
 
 def token_stats_from_file(path, start_s: float) -> TokenStats:
