@@ -170,8 +170,8 @@ class StepLog:
     def _flush(self, whole_groups: bool) -> None:
         n = self._drop_torn_row()
         rows = self._rows
-        columns = {name: (np.frombuffer(rows[name], dtype=np.float64 if rows[name].typecode == "d" else np.int64,
-                                        count=n).astype(typ.to_pandas_dtype()) if self._typed
+        columns = {name: (np.frombuffer(rows[name], dtype=_ARRAY_DTYPE[rows[name].typecode], count=n)
+                          .astype(typ.to_pandas_dtype()) if self._typed
                           else np.asarray(rows[name][:n], dtype=typ.to_pandas_dtype()))
                    for name, (typ, _) in STEP_COLUMNS.items()}
         self._reset_rows()
