@@ -14,7 +14,8 @@ CPU); `--setup spvllm-unfitted` is the unfitted model in fast mode (~10 s). `--s
 gives the earlier per_head, no-cut (`evict_per_step: 1`) reading of the setting. `--only spvllm-code`
 replays the workload through SpvLLM's own code path (bench/spvllm_code.py: its kernel's seq_len under
 slot reuse, paged_attention_v2's partition-relative score indices), each fact on and off. `--only
-spvllm-tail` shows where each strategy's p99 at budget 1,024 comes from (the run's tail; ~12 s CPU).
+spvllm-tail` shows where each strategy's p99 at budget 1,024 comes from (the run's tail; ~160 s CPU,
+~5 s with `--setup spvllm-unfitted`).
 
 TokenSelect (selective attention at long contexts), the paper's Llama config (n_init 128 + top_k
 2,048 + n_local 512 = 2,688 tokens read, chunk_size 8,192): one selective layer's attention, full
@@ -101,7 +102,7 @@ def print_spvllm(setup: str) -> None:
               flush=True)
 
 
-def spvllm_tail(budget: int, setup: str = "spvllm-unfitted") -> dict:
+def spvllm_tail(budget: int, setup: str = "spvllm") -> dict:
     """Where the p99 of each strategy comes from: {strategy: (p99, mean, steps, steps of <= 3 sequences,
     live and allocated slots of the steps at or over the p99, evicted tokens, blocks freed)}."""
     from kvsim.sim.config import load_config
@@ -126,7 +127,7 @@ def spvllm_tail(budget: int, setup: str = "spvllm-unfitted") -> dict:
     return out
 
 
-def print_spvllm_tail(budget: int = 1024, setup: str = "spvllm-unfitted") -> None:
+def print_spvllm_tail(budget: int = 1024, setup: str = "spvllm") -> None:
     """Why the strategies do not converge at 1,024: the trace's long requests and the run's tail."""
     df = spvllm_trace().df
     total = (df["prompt_tokens"] + df["output_tokens"]).to_numpy()
@@ -282,7 +283,7 @@ def main() -> None:
     if args.only in (None, "spvllm"):
         print_spvllm(args.setup)
     if args.only in (None, "spvllm-tail"):
-        print_spvllm_tail()
+        print_spvllm_tail(setup=args.setup)
     if args.only in (None, "spvllm-code"):
         print_spvllm_code()
     if args.only in (None, "tokenselect"):

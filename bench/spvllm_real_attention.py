@@ -7,7 +7,8 @@ SpvLLM setting (`--requests` requests at t=0 drawn from bench_papers.py's SpvLLM
 length distribution and filter) with H2O at `--budget`, for noop / free_block / slot_reuse, then
 simulates the same trace with the same config and the importance models (token mode), and prints per
 strategy the p99 fragmentation of each and the ratios slot_reuse / free_block and slot_reuse / noop
-(SpvLLM published 0.79 and 0.44 at budget 256). The schedule depends on token counts only (all
+(SpvLLM published 0.79 and 0.44 at budget 256), the mean fragmentation over steps, the (token, row)
+entries evicted and the blocks free_block gave back. The schedule depends on token counts only (all
 requests at t=0), so the replay and the simulation run the same steps; the script checks that.
 
 Fragmentation is computed from each run's step log as the simulator does (`step_p99`: per step
@@ -105,6 +106,14 @@ def sim_run(trace, budget: int, strategy: str, setup: str, importance: str, mode
     return run_simulation(cfg, trace=trace, model=model_spec)
 
 
+def _figures(name: str, steps) -> dict:
+    alloc = steps["allocated_slots"].to_numpy(np.float64)
+    frag = np.where(alloc > 0, 1 - steps["live_slots"].to_numpy(np.float64) / np.maximum(alloc, 1), 0.0)
+    return {name: step_p99(steps), f"mean_{name}": float(frag.mean()),
+            f"evicted_{name}": int(steps["evicted_tokens"].sum()),
+            f"freed_{name}": int(steps["blocks_freed_by_eviction"].sum())}
+
+
 def compare(trace, budget: int, setup: str, layers: int | None = None, log=print) -> dict:
     """{strategy: {"real": p99, model name: p99, ..., "evicted": (real, ...)}}, replays and simulations
     of `trace`; checks that each simulation ran the replay's steps (same batch sizes)."""
@@ -120,13 +129,12 @@ def compare(trace, budget: int, setup: str, layers: int | None = None, log=print
     for strategy in STRATEGIES:
         t0 = time.process_time()
         real = real_run(trace, budget, strategy, setup, model).steps
-        row = {"real": step_p99(real), "evicted_real": int(real["evicted_tokens"].sum())}
+        row = _figures("real", real)
         for name in MODELS:
             sim = sim_run(trace, budget, strategy, setup, name, spec).steps
             if not np.array_equal(sim["batch_size"].to_numpy(), real["batch_size"].to_numpy()):
                 raise RuntimeError(f"{strategy}, {name}: the simulation's schedule differs from the replay's")
-            row[name] = step_p99(sim)
-            row[f"evicted_{name}"] = int(sim["evicted_tokens"].sum())
+            row.update(_figures(name, sim))
         out[strategy] = row
         log(f"  {strategy}: {time.process_time() - t0:.0f} s CPU", file=sys.stderr, flush=True)
     return out
@@ -144,7 +152,10 @@ def print_table(res: dict, trace, budget: int, setup: str) -> None:
         print(f"{st:<22}" + "".join(f"{res[st][c]:>20.3f}" for c in cols))
     for label, den in (("slot_reuse / free_block", "free_block"), ("slot_reuse / noop", "noop")):
         print(f"{label:<22}" + "".join(f"{res['slot_reuse'][c] / res[den][c]:>20.2f}" for c in cols))
-    print(f"{'evicted (token, head)':<22}" + "".join(f"{res['noop']['evicted_' + c]:>20,}" for c in cols))
+    for st in STRATEGIES:
+        print(f"{'mean, ' + st:<22}" + "".join(f"{res[st]['mean_' + c]:>20.3f}" for c in cols))
+    print(f"{'evicted (token, row)':<22}" + "".join(f"{res['noop']['evicted_' + c]:>20,}" for c in cols))
+    print(f"{'free_block: freed':<22}" + "".join(f"{res['free_block']['freed_' + c]:>20,}" for c in cols))
     if budget == 256:
         print(f"published (OPT-125m, 1,000 requests): slot_reuse / free_block {PUBLISHED[0]}, "
               f"slot_reuse / noop {PUBLISHED[1]}")
