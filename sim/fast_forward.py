@@ -16,6 +16,7 @@ per-call overhead dominates at these sizes; only the pricing is vectorized.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
@@ -128,7 +129,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     k = len(starts)
     if k < 1:
         return None
-    allocs = [a for a in ev.allocs if a[0] < k]
+    allocs = ev.allocs[:bisect_left(ev.allocs, (k,))]      # (step, request) sorted: those before step k
     return DecodeRun(list(running), computed, last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
                      batch[:k], kv_read[:k], held[:k], ev.finished[:k], ev.finished_computed[:k],
                      ev.finished_blocks[:k], durations[:k], starts, ends)
@@ -136,23 +137,18 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
 
 def _step_times(now: float, durations: list, next_arrival: float, finished: list, deferred: bool) -> tuple[list, list]:
     """(starts, ends) of the steps the run takes. The clock advances step by step exactly as stepping
-    adds durations; steps that start before the next arrival are scheduled exactly as stepping would
-    schedule them. With async scheduling a step's schedule sees only the arrivals from before the
-    previous step started, so the run may go on one step more (the step before the run saw none:
-    the inbox is empty)."""
-    starts, ends = [], []
-    t = now
+    adds durations (non-negative, so the starts are sorted); steps that start before the next arrival
+    are scheduled exactly as stepping would schedule them. With async scheduling a step's schedule
+    sees only the arrivals from before the previous step started, so the run may go on one step more
+    (the step before the run saw none: the inbox is empty)."""
+    times = list(accumulate(durations, initial=now))       # the clock before each step, then after the last
+    k = len(durations)
+    m = bisect_left(times, next_arrival, 0, k)              # steps starting before the arrival
     # That extra step's schedule releases the previous step's finishers, which at the arrival are
     # still running (a router counting outstanding requests sees them): none may finish there.
-    previous = -np.inf                          # start of the step before
-    for j, d in enumerate(durations):
-        if (previous if deferred else t) >= next_arrival or (t >= next_arrival and finished[j - 1]):
-            break
-        starts.append(t)
-        previous = t
-        t += d
-        ends.append(t)
-    return starts, ends
+    if deferred and m < k and not finished[m - 1]:
+        m += 1
+    return times[:m], times[1:m + 1]
 
 
 def _events(computed: list, last_step: list, k: int, bs: int, caching: bool) -> RunEvents:
