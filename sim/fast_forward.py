@@ -156,11 +156,10 @@ def _events(computed: list, last_step: list, k: int, bs: int, caching: bool) -> 
     d_count, d_c, d_held = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
     new, freed, fin, fin_c, fin_held = [0] * k, [0] * k, [0] * k, [0] * k, [0] * k
     allocs = []
+    d_count[0], d_c[0] = len(computed), sum(computed)          # every request takes part in step 0
     for r, (c, e) in enumerate(zip(computed, last_step)):
         n = e if e < k else k                   # steps this request takes part in: 0..n-1
         h = -(-c // bs)                         # blocks held at the start
-        d_count[0] += 1
-        d_c[0] += c
         d_held[0] += h
         j = -c % bs                             # first step whose token starts a new block
         while j < n:
@@ -268,9 +267,7 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
     req_blocks, caching = kv.req_blocks, kv.enable_caching
     for j in sorted({*releases, k - 1}):
         unhashed, hashed, used0 = pool.num_unhashed_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks
-        start = a
-        while a < len(allocs) and allocs[a][0] <= j:
-            a += 1
+        start, a = a, bisect_left(allocs, (j + 1,), a)       # the allocations of steps up to j
         for (_, r), block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
             req_blocks[reqs[r]].append(block)
         pops = list(accumulate(run.new_blocks[first:j + 1]))
