@@ -3,8 +3,14 @@
 Command modules keep heavy imports (torch via kvsim.gpu, streamlit, the calibration fits) inside the
 command functions, so `kvsim simulate` never imports torch."""
 import gc
+import os
 import sys
 import warnings
+
+# numpy asks the kernel for transparent huge pages for every large array; where the kernel compacts
+# memory to supply them (THP "madvise" mode), a run's few large short-lived temporaries (the summary's
+# copies of all token times) cost up to ~0.15 s of system time for no gain. A user's setting wins.
+os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
 
 # The commands' modules (pandas, pyarrow, pydantic, ...) create ~10^5 objects that live as long as
 # the process: the cyclic collector, run while they arrive, would only rescan them (~0.1 s a start).
