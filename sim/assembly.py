@@ -12,7 +12,6 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-import simpy
 
 from kvsim.traces import TraceWarning, load_trace
 from kvsim.traces.arrivals import vllm_bench_arrivals
@@ -21,7 +20,7 @@ from .config import ConfigError, SimConfig
 from .core.request import Request
 from .core.protocols import Executor, KVManager
 from .core.scheduler import Scheduler, SchedulerConfig
-from .engine import ArrivalProcess, ConcurrencyLimit, EngineReplica, ReplicaFeed, ReplicaOptions, Router, StepArrivals
+from .engine import ArrivalProcess, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router, StepArrivals
 from .metrics import StepLog
 
 if TYPE_CHECKING:
@@ -110,7 +109,7 @@ COLLECT_EVERY = 1024          # simpy events between two collections of finished
 class EngineRun:
     """A run's engine: its replicas and what feeds them (trace-time arrivals through the router and
     an optional client-side concurrency limit, or arrivals by engine step)."""
-    env: simpy.Environment
+    env: EngineClock
     replicas: list[EngineReplica]
     arrivals: ArrivalProcess | None
     limit: ConcurrencyLimit | None
@@ -171,7 +170,7 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
     and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.client.
     RequestEntry) delays requests sent by the concurrency limit until the API server lets them in."""
     cfg = plan.cfg
-    env = simpy.Environment()
+    env = EngineClock()
     by_step = cfg.trace_options.arrival_unit == "step"
     if by_step and cfg.replicas != 1:
         raise ConfigError(f"trace_options.arrival_unit: step feeds one engine step by step; replicas must be 1, "
@@ -188,7 +187,7 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
         replicas.append(EngineReplica(
             env, i, Scheduler(plan.scheduler, kv), executor, step_log,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
-                           check_invariants=cfg.check_invariants, yield_every_step=cross_replica),
+                           check_invariants=cfg.check_invariants),
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
                         step_arrivals=step_arrivals, on_step=on_step,
                         on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)))))

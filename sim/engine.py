@@ -23,15 +23,30 @@ from .core.step import BatchShape, StepResult, batch_shape
 from .metrics import StepLog
 
 
+class EngineClock(simpy.Environment):
+    """simpy's environment: the run's only clock. A replica ending a step moves it forward without
+    an event (`advance_to`) when nothing else is due before the step's end: what a timeout would do,
+    minus the event (most steps of a run end so). `event_per_step=True` makes every step end with an
+    event instead, for a caller that watches the engine step by step with `env.step()` (same results)."""
+
+    def __init__(self, initial_time: float = 0.0, event_per_step: bool = False):
+        super().__init__(initial_time)
+        self.event_per_step = event_per_step
+
+    def advance_to(self, t: float) -> bool:
+        """Move the clock to `t` if no event is due at or before it (then no process can tell the
+        difference from a timeout); False, leaving the clock alone, otherwise."""
+        if t < self.peek() and not self.event_per_step:
+            self._now = t
+            return True
+        return False
+
+
 @dataclass(frozen=True)
 class ReplicaOptions:
     fast_forward: bool = True         # advance pure-decode stretches in bulk when executor and KV manager allow
     check_invariants: bool = False
     max_run_steps: int = 4096         # longest decode run
-    # False: simpy's clock is advanced only when an arrival is due before a step ends (only an
-    # arrival can act on a replica mid-run; results are identical, one event less per step), so
-    # one env.step() may run many engine steps
-    yield_every_step: bool = True
 
 
 @dataclass(frozen=True)
@@ -45,7 +60,7 @@ class ReplicaFeed:
 
 
 class EngineReplica:
-    def __init__(self, env: simpy.Environment, index: int, scheduler: Scheduler, executor: Executor,
+    def __init__(self, env: EngineClock, index: int, scheduler: Scheduler, executor: Executor,
                  step_log: StepLog, options: ReplicaOptions = ReplicaOptions(), feed: ReplicaFeed = ReplicaFeed()):
         self.env = env
         self.index = index
@@ -59,8 +74,6 @@ class EngineReplica:
         self.next_arrival = feed.next_arrival
         self.on_step = feed.on_step
         self.max_run_steps = options.max_run_steps
-        self.yield_every_step = options.yield_every_step
-        self.now = 0.0              # authoritative clock (simpy time tracks it)
         self.num_steps = 0
         self.step_arrivals = feed.step_arrivals
         self.on_done = feed.on_done
@@ -72,6 +85,10 @@ class EngineReplica:
         self._last_duration = 0.0
         self._wake: simpy.Event | None = None
         self.process = env.process(self.run())
+
+    @property
+    def now(self) -> float:
+        return self.env.now
 
     @property
     def outstanding(self) -> int:
@@ -105,20 +122,18 @@ class EngineReplica:
                 req.replica = self.index
                 self.scheduler.add_request(req)
 
-    def _sleep_until(self, t: float):
-        return self.env.timeout(max(t - self.env.now, 0.0))
+    def _reach(self, t: float) -> simpy.Timeout | None:
+        """Bring the clock to `t`: at once if nothing is due before, else the timeout to yield."""
+        return None if self.env.advance_to(t) else self.env.timeout(t - self.env.now)
 
     def run(self):
         while True:
             self._take_arrivals()
             if not self.scheduler.has_work:
                 self.scheduler.release_finishing()
-                if self.env.now < self.now:            # catch up the steps advanced without yielding
-                    yield self._sleep_until(self.now)
                 self._wake = self.env.event()
                 yield self._wake
                 self._wake = None
-                self.now = self.env.now
                 continue
             out = self.scheduler.schedule()
             if out.is_empty:
@@ -135,9 +150,9 @@ class EngineReplica:
             result = self.executor.complete(result, self.kv.finish_step(out.scheduled))
             shape = result.shape or batch_shape(out, self.kv)     # before finishes free blocks
             self._last_duration = result.duration_s
-            self.now = start + result.duration_s
-            if self.yield_every_step or self.now >= self.next_arrival():
-                yield self._sleep_until(self.now)
+            wait = self._reach(start + result.duration_s)
+            if wait is not None:
+                yield wait
             finished = self.scheduler.update(out, self.now)
             if finished and self.on_done is not None:
                 self.on_done(len(finished), self.now)
@@ -214,9 +229,10 @@ class EngineReplica:
         k = run.num_steps
         waiting = [len(sched.waiting)] * k
         rows = fast_forward.apply(sched, self.kv, run)
-        self.now = run.ends[-1]
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
-        yield self._sleep_until(self.now)
+        wait = self._reach(run.ends[-1])
+        if wait is not None:
+            yield wait
         done = [r for r, e in zip(run.requests, run.last_step) if e == k]
         self.scheduler.finish(done, self.now)
         if done and self.on_done is not None:

@@ -1,5 +1,4 @@
 """Simulator engine end to end: fast-forward equivalence, determinism, invariants, outputs, errors."""
-import dataclasses
 import json
 
 import numpy as np
@@ -63,21 +62,27 @@ def test_fast_forward_gives_identical_results_to_stepping(name):
 
 
 @pytest.mark.parametrize("name", ["two-replicas", "memory-pressure", "fast-eviction-two-replicas"])
-def test_advancing_simpy_only_before_arrivals_gives_identical_results(name, monkeypatch):
-    # run_simulation lets a replica run steps without a simpy event until an arrival is due
-    from kvsim.sim import assembly, engine
+def test_clock_moved_without_events_gives_the_results_of_a_timeout_per_step(name, monkeypatch):
+    # a replica moves simpy's clock itself when nothing else is due before its step ends
+    from kvsim.sim import engine
     over = SCENARIOS.get(name) or {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 60, "gpu": "l4",
                                    "replicas": 2, "router": "least_outstanding", "kv.policy": "h2o",
                                    "kv.budget": 128, "kv.layout": "per_head", "kv.mode": "fast"}
-    lazy = sim(over)
+    advanced = sim(over)
+    real_init = engine.EngineClock.__init__
+    monkeypatch.setattr(engine.EngineClock, "__init__", lambda self: real_init(self, event_per_step=True))
+    assert_same_results(advanced, sim(over))
 
-    class EveryStep(engine.EngineReplica):
-        def __init__(self, *args, **kwargs):
-            *args, options, feed = args
-            super().__init__(*args, dataclasses.replace(options, yield_every_step=True), feed)
 
-    monkeypatch.setattr(assembly, "EngineReplica", EveryStep)
-    assert_same_results(lazy, sim(over))
+def test_engine_clock_moves_only_when_nothing_is_due_before():
+    from kvsim.sim.engine import EngineClock
+    clock = EngineClock()
+    clock.timeout(2.0)
+    assert clock.advance_to(1.5) and clock.now == 1.5
+    assert not clock.advance_to(2.0) and clock.now == 1.5      # a tie: the pending event goes first
+    clock.step()
+    assert clock.now == 2.0
+    assert not EngineClock(event_per_step=True).advance_to(1.0)
 
 
 @pytest.mark.parametrize("model,gpu,tp", [("llama-3.1-8b", "h100", 1), ("llama-3.1-70b", "a100-80gb", 4),

@@ -2,13 +2,12 @@
 cost model (SmolLM2-135M on an L4, small closed batches)."""
 import numpy as np
 import pytest
-import simpy
 
 from kvsim.sim.config import KVConfig, load_config
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
 from kvsim.sim.cost_model import CostModel
-from kvsim.sim.engine import EngineReplica, ReplicaOptions
+from kvsim.sim.engine import EngineClock, EngineReplica, ReplicaOptions
 from kvsim.sim.executor import build_kv
 from kvsim.sim.metrics import StepLog
 from kvsim.sim.simulate import run_simulation
@@ -72,7 +71,7 @@ def test_kvcompress_per_head_layout_keeps_different_counts_per_head():
     kv, executor = build_kv(KVConfig(policy="kvcompress", layout="per_head", slot_strategy="compact",
                                      params={"compression_rate": 4}), cost.model, cost, 40, 16, 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1024), kv)
-    env = simpy.Environment()
+    env = EngineClock(event_per_step=True)
     rep = EngineReplica(env, 0, sched, executor, StepLog(None), ReplicaOptions(check_invariants=True))
     rep.submit(Request(0, 0.0, 320, 2))
     while not kv.req_kv:
@@ -94,7 +93,7 @@ def run_leankv(layout: str):
     kv, executor = build_kv(KVConfig(policy="leankv", layout=layout, slot_strategy="compact",
                                      params={"window": 32}), cost.model, cost, 400, 16, 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1024), kv)
-    env = simpy.Environment()
+    env = EngineClock(event_per_step=True)
     rep = EngineReplica(env, 0, sched, executor, StepLog(None), ReplicaOptions(check_invariants=True))
     for i in range(4):
         rep.submit(Request(i, 0.0, 256, 48))

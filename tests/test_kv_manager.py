@@ -1,12 +1,11 @@
 """Eviction-aware KV manager: slot strategies, layouts, step plans, and the H2O fragmentation scenario."""
 import numpy as np
 import pytest
-import simpy
 
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
 from kvsim.sim.cost_model import CostModel
-from kvsim.sim.engine import EngineReplica, ReplicaOptions
+from kvsim.sim.engine import EngineClock, EngineReplica, ReplicaOptions
 from kvsim.sim.executor import build_kv
 from kvsim.sim.config import KVConfig, load_config
 from kvsim.sim.metrics import StepLog, request_table, summarize
@@ -21,7 +20,7 @@ def run(kv_cfg: dict, *, num_blocks=400, n=4, prompt=48, output=120, block_size=
     cost = CostModel(MODEL, "l4")
     kv, executor = build_kv(KVConfig(**kv_cfg), cost.model, cost, num_blocks, block_size, seed)
     sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched, max_model_len=4096), kv)
-    env = simpy.Environment()
+    env = EngineClock(event_per_step=True)
     log = StepLog(None)
     rep = EngineReplica(env, 0, sched, executor, log, ReplicaOptions(check_invariants=check))
     reqs = [Request(i, 0.0, prompt, output) for i in range(n)]

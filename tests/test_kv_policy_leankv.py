@@ -122,19 +122,18 @@ def test_bad_parameters(params, match):
 def test_high_and_low_precision_pages_grow_from_opposite_ends_of_the_page_table(strategy):
     # (check_invariants also pins a fixed bug: demoted tokens were counted against the append tail's
     # free slots, so with append strategies a full low-precision tier got no new page)
-    import simpy
     from kvsim.sim.config import KVConfig
     from kvsim.sim.core.request import Request
     from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
     from kvsim.sim.cost_model import CostModel
-    from kvsim.sim.engine import EngineReplica, ReplicaOptions
+    from kvsim.sim.engine import EngineClock, EngineReplica, ReplicaOptions
     from kvsim.sim.executor import build_kv
     from kvsim.sim.metrics import StepLog
     cost = CostModel("smollm2-135m", "l4")
     kv, executor = build_kv(KVConfig(policy="leankv", layout="per_head", slot_strategy=strategy),
                             cost.model, cost, 400, 16, 0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048), kv)
-    env = simpy.Environment()
+    env = EngineClock(event_per_step=True)
     rep = EngineReplica(env, 0, sched, executor, StepLog(None), ReplicaOptions(check_invariants=True))
     rep.submit(Request(0, 0.0, 400, 60))
     while rep.num_steps < 40:
