@@ -101,7 +101,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     if admission_blocked and b < cfg.max_num_seqs:
         # Only while the head of WAITING cannot get its blocks even before this run's allocations.
         first_step_blocks = sum(1 for x in computed if x % bs == 0)
-        if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
+        if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.pool.num_free_blocks - first_step_blocks):
             return None
     # A finish may let the blocked head of WAITING in, or send a closed-loop client's next request
     # (view.closed_loop): the run ends there. Async scheduling releases a finish's blocks after the
@@ -115,7 +115,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     gap = (next_arrival - view.now) / max(view.last_step_s, 1e-9)
     k = min(k, view.max_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
     ev = _events(computed, last_step, k, bs, kv.enable_caching)
-    k = _steps_that_fit(ev, k, kv.num_free_blocks, deferred)
+    k = _steps_that_fit(ev, k, kv.pool.num_free_blocks, deferred)
     if admission_blocked and kv.enable_caching:
         k = _steps_keeping_head_hits(sched, kv, ev.allocs, k)
     if k < 1:
@@ -238,7 +238,7 @@ def apply(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> dict:
         live = allocated - ((run.entries - fin_blocks) * bs - (run.kv_read - (fin_c + np.arange(1, k + 1) * fin)))
     # 1 - live / allocated (an exact quotient of exact int64 values, as Python's), 0 without slots
     fragmentation = 1.0 - np.divide(live, allocated, out=np.ones(k), where=allocated != 0)
-    return {"blocks_used": used, "blocks_free": kv.num_blocks - used, "blocks_cached": cached,
+    return {"blocks_used": used, "blocks_free": kv.pool.num_blocks - used, "blocks_cached": cached,
             "live_slots": live, "allocated_slots": allocated, "fragmentation": fragmentation,
             "num_running": running, "finished": run.finished}
 
