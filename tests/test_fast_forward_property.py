@@ -96,6 +96,20 @@ def test_fast_forward_equals_stepping_for_every_feature_mix(config, trace):
         done.request_id, "output_tokens"].to_numpy()).all()
 
 
+def test_a_decode_run_ending_past_an_arrival_ends_at_the_stepped_time_to_the_bit():
+    # found by the property test: a run of two steps on replica 1 crossed the arrival at 0.1; one
+    # timeout from the run's start to its end (start + (end - start)) landed one ulp after the end
+    config = {"model": "llama-3.1-8b", "gpu": "l4", "replicas": 2, "engine.block_size": 4,
+              "engine.num_gpu_blocks": 32, "engine.max_num_seqs": 2, "engine.max_num_batched_tokens": 64,
+              "engine.long_prefill_token_threshold": 0, "engine.enable_chunked_prefill": False,
+              "engine.enable_prefix_caching": False, "engine.async_scheduling": True, "check_invariants": True}
+    trace = make_trace([0.0, 0.0, 0.0, 0.1] + [0.0] * 9, [1, 2] + [1] * 11, [1, 3] + [1] * 11, [0] * 13, [0] * 13,
+                       prefix_ids=False)
+    fast, slow = simulate(config, trace, fast_forward=True), simulate(config, trace, fast_forward=False)
+    assert fast.steps.batch_size.max() == 2 and (fast.requests.replica == 1).sum() == 6
+    assert_bit_identical(fast, slow)
+
+
 def test_a_blocked_head_that_loses_a_cached_hit_to_eviction_is_admitted_as_when_stepping():
     # found by the property test: a decode allocation evicting a free block the waiting head would
     # revive lets it in (it recomputes the block within its 16-token chunk instead)

@@ -2,21 +2,8 @@
 
 Command modules keep heavy imports (torch via kvsim.gpu, streamlit, the calibration fits) inside the
 command functions, so `kvsim simulate` never imports torch."""
-import gc
-import os
 import sys
 import warnings
-
-# numpy asks the kernel for transparent huge pages for every large array; where the kernel compacts
-# memory to supply them (THP "madvise" mode), a run's few large short-lived temporaries (the summary's
-# copies of all token times) cost up to ~0.15 s of system time for no gain. A user's setting wins.
-os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")
-
-# The commands' modules (pandas, pyarrow, pydantic, ...) create ~10^5 objects that live as long as
-# the process: the cyclic collector, run while they arrive, would only rescan them (~0.1 s a start).
-# Collected again after the imports, it skips them (frozen).
-_gc_enabled = gc.isenabled()
-gc.disable()
 
 import typer
 
@@ -29,10 +16,6 @@ from .catalog import gpus, models
 from .replay import replay
 from .simulate import simulate
 from .trace import app as trace_app
-
-gc.freeze()
-if _gc_enabled:
-    gc.enable()
 
 app = typer.Typer(help="kvsim: paged KV-cache serving simulator and real backend", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -79,10 +62,5 @@ app.add_typer(reference_app, name="reference")
 
 
 def main() -> None:
-    """The `kvsim` entry point; the process ends when it returns."""
-    try:
-        app()
-    finally:
-        # The interpreter's last act would be a cyclic collection over every object the command left
-        # (after the main command ~0.2 s for requests and tables the OS frees anyway): frozen, skipped.
-        gc.freeze()
+    """The command line (the `kvsim` console script runs it through kvsim.sim.entry)."""
+    app()
