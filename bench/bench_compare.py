@@ -26,7 +26,7 @@ MAIN = ["simulate", "--trace", "azure-conv-2023", "--model", "llama-3.1-8b", "--
 
 def kvsim_command() -> list[str]:
     """This interpreter's kvsim (the checkout it imports), not whichever `kvsim` is first on PATH."""
-    return [sys.executable, "-c", "import sys; from kvsim.sim.cli import main; sys.argv[0] = 'kvsim'; main()"]
+    return [sys.executable, "-c", "import sys; from kvsim.sim.entry import main; sys.argv[0] = 'kvsim'; main()"]
 
 
 def measure(cmd: list[str] | str) -> tuple[float, float]:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-KVSIM = [sys.executable, "-c", "import sys; from kvsim.sim.cli import main; sys.argv[0] = 'kvsim'; main()"]
+KVSIM = [sys.executable, "-c", "import sys; from kvsim.sim.entry import main; sys.argv[0] = 'kvsim'; main()"]
 
 
 def run(gpu: str, extra: list[str]) -> dict:

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from kvsim.dashboard import DATA_ROOT_ENV
 from kvsim.sim.safe_io import InputError, load_yaml_file, read_input_text, restore_nan, safe_json_loads
 
 LATENCY_METRICS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "e2e_s": "E2E"}
@@ -25,9 +26,6 @@ _EVENTS = ("prefill_tokens", "decode_tokens", "preemptions", "finished", "evicte
            "blocks_freed_by_eviction", "bytes_moved")
 
 POOL_STATES = ("free", "cached prefix", "allocated, empty or evicted slots", "live tokens")
-
-
-DATA_ROOT_ENV = "KVSIM_DATA_ROOT"
 
 
 class DataError(ValueError):

@@ -219,8 +219,8 @@ class RealExecutor:
         if kv.rows != rows or kv.ctx.layout != cache.layout:
             raise ValueError(f"KV manager has {kv.rows} rows ({kv.ctx.layout}) but the model/cache needs {rows} "
                              f"({cache.layout})")
-        if kv.num_blocks != cache.num_blocks or kv.block_size != cache.block_size:
-            raise ValueError(f"KV manager pool ({kv.num_blocks} x {kv.block_size}) differs from the cache "
+        if kv.pool.num_blocks != cache.num_blocks or kv.block_size != cache.block_size:
+            raise ValueError(f"KV manager pool ({kv.pool.num_blocks} x {kv.block_size}) differs from the cache "
                              f"({cache.num_blocks} x {cache.block_size})")
         if kv.importance.__class__ is not RealScoresOnly:
             kv.importance = RealScoresOnly()

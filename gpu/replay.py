@@ -217,9 +217,9 @@ def build_cache(cfg: SimConfig, model, kv):
 
     c, bs = model.config, cfg.engine.block_size
     if not (isinstance(kv, EvictingKVManager) and kv.new_token_tier != TIER_FULL):
-        return PagedKVCache.for_model(c, cfg.kv.layout, kv.num_blocks, bs, dtype=model.dtype, device=model.device)
+        return PagedKVCache.for_model(c, cfg.kv.layout, kv.pool.num_blocks, bs, dtype=model.dtype, device=model.device)
     full_bytes = 2 * c.head_dim * torch.empty(0, dtype=model.dtype).element_size()
-    return TieredKVCache.for_model(c, cfg.kv.layout, kv.num_blocks, bs, full_bytes,
+    return TieredKVCache.for_model(c, cfg.kv.layout, kv.pool.num_blocks, bs, full_bytes,
                                    tiers=(cfg.kv.high_tier, cfg.kv.low_tier), device=model.device)
 
 

@@ -656,9 +656,10 @@ class CostModel:
         c, p = self._c, self.profile
         kv_read = kv_read.astype(np.float64, copy=False)
         n = seqs.astype(np.intp, copy=False)
-        if not n.size or n.min() < 0 or (seqs.dtype.kind == "f" and not (n == seqs).all()):
+        counts = n.ravel().tolist()         # a run's few counts: min and max in Python, not two numpy reductions
+        if not counts or min(counts) < 0 or (seqs.dtype.kind == "f" and not (n == seqs).all()):
             return self._operator_decode_priced(seqs.astype(np.float64, copy=False), kv_read, entries)
-        linear, base, allreduce = self._decode_seq_terms(int(n.max()))
+        linear, base, allreduce = self._decode_seq_terms(max(counts))
         attn_compute = kv_read * c["attn_read_s"] if self._mla else kv_read * c["attn_pair_s"]
         attention = np.maximum(attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff)
         overhead = base[n] + entries.astype(np.float64, copy=False) * p.per_block_entry_overhead_s

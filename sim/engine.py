@@ -9,6 +9,7 @@ producing exactly the rows and request state that stepping one by one would.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -122,9 +123,16 @@ class EngineReplica:
                 req.replica = self.index
                 self.scheduler.add_request(req)
 
-    def _reach(self, t: float) -> simpy.Timeout | None:
-        """Bring the clock to `t`: at once if nothing is due before, else the timeout to yield."""
-        return None if self.env.advance_to(t) else self.env.timeout(t - self.env.now)
+    def _reach_run_end(self, run: fast_forward.DecodeRun):
+        """Bring the clock to a decode run's end as stepping does: at once to the last step end before
+        the next event, then one timeout per remaining step (a single timeout from further back can
+        round one ulp away from the end: now + (end - now) is not always end)."""
+        ends = run.ends
+        due = bisect_left(ends, self.env.peek())          # steps ending at or after the next event
+        if due and not self.env.advance_to(ends[due - 1]):
+            due = 0                                       # an event per step (EngineClock.event_per_step)
+        for d in run.durations[due:].tolist():
+            yield self.env.timeout(d)
 
     def run(self):
         while True:
@@ -150,9 +158,8 @@ class EngineReplica:
             result = self.executor.complete(result, self.kv.finish_step(out.scheduled))
             shape = result.shape or batch_shape(out, self.kv)     # before finishes free blocks
             self._last_duration = result.duration_s
-            wait = self._reach(start + result.duration_s)
-            if wait is not None:
-                yield wait
+            if not self.env.advance_to(start + result.duration_s):
+                yield self.env.timeout(result.duration_s)     # from start: the end exactly
             finished = self.scheduler.update(out, self.now)
             if finished and self.on_done is not None:
                 self.on_done(len(finished), self.now)
@@ -230,9 +237,7 @@ class EngineReplica:
         waiting = [len(sched.waiting)] * k
         rows = fast_forward.apply(sched, self.kv, run)
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
-        wait = self._reach(run.ends[-1])
-        if wait is not None:
-            yield wait
+        yield from self._reach_run_end(run)
         done = [r for r, e in zip(run.requests, run.last_step) if e == k]
         self.scheduler.finish(done, self.now)
         if done and self.on_done is not None:

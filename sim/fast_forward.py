@@ -16,6 +16,7 @@ per-call overhead dominates at these sizes; only the pricing is vectorized.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
@@ -100,7 +101,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     if admission_blocked and b < cfg.max_num_seqs:
         # Only while the head of WAITING cannot get its blocks even before this run's allocations.
         first_step_blocks = sum(1 for x in computed if x % bs == 0)
-        if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.num_free_blocks - first_step_blocks):
+        if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.pool.num_free_blocks - first_step_blocks):
             return None
     # A finish may let the blocked head of WAITING in, or send a closed-loop client's next request
     # (view.closed_loop): the run ends there. Async scheduling releases a finish's blocks after the
@@ -114,7 +115,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     gap = (next_arrival - view.now) / max(view.last_step_s, 1e-9)
     k = min(k, view.max_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
     ev = _events(computed, last_step, k, bs, kv.enable_caching)
-    k = _steps_that_fit(ev, k, kv.num_free_blocks, deferred)
+    k = _steps_that_fit(ev, k, kv.pool.num_free_blocks, deferred)
     if admission_blocked and kv.enable_caching:
         k = _steps_keeping_head_hits(sched, kv, ev.allocs, k)
     if k < 1:
@@ -128,7 +129,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     k = len(starts)
     if k < 1:
         return None
-    allocs = [a for a in ev.allocs if a[0] < k]
+    allocs = ev.allocs[:bisect_left(ev.allocs, (k,))]      # (step, request) sorted: those before step k
     return DecodeRun(list(running), computed, last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
                      batch[:k], kv_read[:k], held[:k], ev.finished[:k], ev.finished_computed[:k],
                      ev.finished_blocks[:k], durations[:k], starts, ends)
@@ -136,23 +137,18 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
 
 def _step_times(now: float, durations: list, next_arrival: float, finished: list, deferred: bool) -> tuple[list, list]:
     """(starts, ends) of the steps the run takes. The clock advances step by step exactly as stepping
-    adds durations; steps that start before the next arrival are scheduled exactly as stepping would
-    schedule them. With async scheduling a step's schedule sees only the arrivals from before the
-    previous step started, so the run may go on one step more (the step before the run saw none:
-    the inbox is empty)."""
-    starts, ends = [], []
-    t = now
+    adds durations (non-negative, so the starts are sorted); steps that start before the next arrival
+    are scheduled exactly as stepping would schedule them. With async scheduling a step's schedule
+    sees only the arrivals from before the previous step started, so the run may go on one step more
+    (the step before the run saw none: the inbox is empty)."""
+    times = list(accumulate(durations, initial=now))       # the clock before each step, then after the last
+    k = len(durations)
+    m = bisect_left(times, next_arrival, 0, k)              # steps starting before the arrival
     # That extra step's schedule releases the previous step's finishers, which at the arrival are
     # still running (a router counting outstanding requests sees them): none may finish there.
-    previous = -np.inf                          # start of the step before
-    for j, d in enumerate(durations):
-        if (previous if deferred else t) >= next_arrival or (t >= next_arrival and finished[j - 1]):
-            break
-        starts.append(t)
-        previous = t
-        t += d
-        ends.append(t)
-    return starts, ends
+    if deferred and m < k and not finished[m - 1]:
+        m += 1
+    return times[:m], times[1:m + 1]
 
 
 def _events(computed: list, last_step: list, k: int, bs: int, caching: bool) -> RunEvents:
@@ -160,11 +156,10 @@ def _events(computed: list, last_step: list, k: int, bs: int, caching: bool) -> 
     d_count, d_c, d_held = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
     new, freed, fin, fin_c, fin_held = [0] * k, [0] * k, [0] * k, [0] * k, [0] * k
     allocs = []
+    d_count[0], d_c[0] = len(computed), sum(computed)          # every request takes part in step 0
     for r, (c, e) in enumerate(zip(computed, last_step)):
         n = e if e < k else k                   # steps this request takes part in: 0..n-1
         h = -(-c // bs)                         # blocks held at the start
-        d_count[0] += 1
-        d_c[0] += c
         d_held[0] += h
         j = -c % bs                             # first step whose token starts a new block
         while j < n:
@@ -243,7 +238,7 @@ def apply(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> dict:
         live = allocated - ((run.entries - fin_blocks) * bs - (run.kv_read - (fin_c + np.arange(1, k + 1) * fin)))
     # 1 - live / allocated (an exact quotient of exact int64 values, as Python's), 0 without slots
     fragmentation = 1.0 - np.divide(live, allocated, out=np.ones(k), where=allocated != 0)
-    return {"blocks_used": used, "blocks_free": kv.num_blocks - used, "blocks_cached": cached,
+    return {"blocks_used": used, "blocks_free": kv.pool.num_blocks - used, "blocks_cached": cached,
             "live_slots": live, "allocated_slots": allocated, "fragmentation": fragmentation,
             "num_running": running, "finished": run.finished}
 
@@ -272,9 +267,7 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
     req_blocks, caching = kv.req_blocks, kv.enable_caching
     for j in sorted({*releases, k - 1}):
         unhashed, hashed, used0 = pool.num_unhashed_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks
-        start = a
-        while a < len(allocs) and allocs[a][0] <= j:
-            a += 1
+        start, a = a, bisect_left(allocs, (j + 1,), a)       # the allocations of steps up to j
         for (_, r), block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
             req_blocks[reqs[r]].append(block)
         pops = list(accumulate(run.new_blocks[first:j + 1]))

@@ -171,7 +171,7 @@ class StepLog:
         n = self._drop_torn_row()
         rows = self._rows
         columns = {name: (np.frombuffer(rows[name], dtype=_ARRAY_DTYPE[rows[name].typecode], count=n)
-                          .astype(typ.to_pandas_dtype()) if self._typed
+                          .astype(typ.to_pandas_dtype(), copy=False) if self._typed
                           else np.asarray(rows[name][:n], dtype=typ.to_pandas_dtype()))
                    for name, (typ, _) in STEP_COLUMNS.items()}
         self._reset_rows()

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def managed_pool_blocks(kvs: list, num_blocks: int) -> int:
     """Blocks of the pool actually managed (per_head pools count one-head blocks)."""
-    return kvs[0].num_blocks if kvs else num_blocks
+    return kvs[0].pool.num_blocks if kvs else num_blocks
 
 
 def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame | dict, kvs: list,

@@ -192,9 +192,29 @@ def token_stats(token_times, start_s: float) -> TokenStats:
 
 def peak_tokens_per_s(times: np.ndarray, start_s: float) -> float:
     """Most token times in one whole second counted from `start_s` (vLLM's per-second buckets)."""
-    buckets = (times - start_s).astype(np.int64)
-    counts = np.bincount(buckets[buckets >= 0])
+    counts = np.zeros(0, np.int64)
+    # in slices: temporaries of a few hundred KiB reused, not ~4 of the whole buffer's size (each
+    # fresh memory, faulted in page by page)
+    for i in range(0, times.size, PEAK_SLICE):
+        counts = _add_counts(counts, _second_counts(times[i:i + PEAK_SLICE], start_s))
     return float(counts.max()) if counts.size else 0.0
+
+
+PEAK_SLICE = 1 << 16
+
+
+def _second_counts(times: np.ndarray, start_s: float) -> np.ndarray:
+    """Token times in each whole second from `start_s` (0, 1, ...; none before it)."""
+    buckets = (times - start_s).astype(np.int64)
+    return np.bincount(buckets[buckets >= 0])
+
+
+def _add_counts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Counts of the same buckets added (either may be shorter)."""
+    if b.size > a.size:
+        a, b = b, a
+    a[:b.size] += b
+    return a
 
 
 def token_stats_from_file(path, start_s: float) -> TokenStats:
@@ -209,13 +229,7 @@ def token_stats_from_file(path, start_s: float) -> TokenStats:
         times = lists.values.to_numpy()[offsets[0]:offsets[-1]]
         offsets = offsets - offsets[0]
         itl.add(list_gaps(offsets, times))
-        b = (times - start_s).astype(np.int64)
-        counts = np.bincount(b[b >= 0])
-        if counts.size > buckets.size:
-            counts[:buckets.size] += buckets
-            buckets = counts
-        else:
-            buckets[:counts.size] += counts
+        buckets = _add_counts(buckets, _second_counts(times, start_s))
     itl.finish()
     return TokenStats(itl, float(buckets.max()) if buckets.size else 0.0)
 

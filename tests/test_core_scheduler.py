@@ -61,7 +61,7 @@ def test_admission_needs_blocks_for_the_whole_prompt():
 
 def test_block_zero_is_the_reserved_null_block():
     s = make(num_blocks=10)
-    assert s.kv.num_free_blocks == 9 and s.kv.num_gpu_blocks == 10
+    assert s.kv.pool.num_free_blocks == 9 and s.kv.num_gpu_blocks == 10
     with pytest.raises(ValueError, match="null block"):
         make(num_blocks=1)
 
@@ -116,7 +116,7 @@ def test_preemption_evicts_most_recently_admitted_and_blocks_admission():
     late = req(2, 4, 5)
     for _ in range(12):
         order = list(s.running)
-        if s.kv.num_free_blocks == 0 and late not in s.waiting:
+        if s.kv.pool.num_free_blocks == 0 and late not in s.waiting:
             s.add_request(late)                       # waiting while memory is exhausted
         out = step(s)
         if out.preempted:
@@ -227,7 +227,7 @@ def test_invariants_hold_and_every_block_is_free_at_the_end():
         step(s)
         s.kv.check_invariants(set(s.running) | set(s.waiting))
     assert not s.has_work and len(s.finished) == 6
-    assert s.kv.num_free_blocks == 8
+    assert s.kv.pool.num_free_blocks == 8
     assert all(r.num_output_tokens == 6 for r in s.finished)
 
 
@@ -260,7 +260,7 @@ def test_a_request_that_preempts_itself_lets_the_more_urgent_ones_after_it_run()
     step(s)
     s.add_request(y)
     step(s)                                           # running [x, y], every block taken
-    assert s.running == [x, y] and s.kv.num_free_blocks == 0
+    assert s.running == [x, y] and s.kv.pool.num_free_blocks == 0
     out = step(s)                                     # x needs a block: the least urgent is x itself
     assert out.preempted == [x]
     assert chunks(out) == {1: 1}                      # before: nothing ran and the engine gave up

@@ -96,6 +96,20 @@ def test_fast_forward_equals_stepping_for_every_feature_mix(config, trace):
         done.request_id, "output_tokens"].to_numpy()).all()
 
 
+def test_a_decode_run_ending_past_an_arrival_ends_at_the_stepped_time_to_the_bit():
+    # found by the property test: a run of two steps on replica 1 crossed the arrival at 0.1; one
+    # timeout from the run's start to its end (start + (end - start)) landed one ulp after the end
+    config = {"model": "llama-3.1-8b", "gpu": "l4", "replicas": 2, "engine.block_size": 4,
+              "engine.num_gpu_blocks": 32, "engine.max_num_seqs": 2, "engine.max_num_batched_tokens": 64,
+              "engine.long_prefill_token_threshold": 0, "engine.enable_chunked_prefill": False,
+              "engine.enable_prefix_caching": False, "engine.async_scheduling": True, "check_invariants": True}
+    trace = make_trace([0.0, 0.0, 0.0, 0.1] + [0.0] * 9, [1, 2] + [1] * 11, [1, 3] + [1] * 11, [0] * 13, [0] * 13,
+                       prefix_ids=False)
+    fast, slow = simulate(config, trace, fast_forward=True), simulate(config, trace, fast_forward=False)
+    assert fast.steps.batch_size.max() == 2 and (fast.requests.replica == 1).sum() == 6
+    assert_bit_identical(fast, slow)
+
+
 def test_a_blocked_head_that_loses_a_cached_hit_to_eviction_is_admitted_as_when_stepping():
     # found by the property test: a decode allocation evicting a free block the waiting head would
     # revive lets it in (it recomputes the block within its 16-token chunk instead)
@@ -107,3 +121,33 @@ def test_a_blocked_head_that_loses_a_cached_hit_to_eviction_is_admitted_as_when_
     families = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
     trace = make_trace([0.0] * 21, prompts, outputs, [0] * 21, families)
     assert_bit_identical(simulate(config, trace, fast_forward=True), simulate(config, trace, fast_forward=False))
+
+
+def _stepped_times(now, durations, next_arrival, finished, deferred):
+    """The clock as the engine steps it: a step is taken while it starts before the next arrival (with
+    async scheduling: while the step before it did, and no request finishes at the arrival)."""
+    starts, ends, t, previous = [], [], now, -np.inf
+    for j, d in enumerate(durations):
+        if (previous if deferred else t) >= next_arrival or (t >= next_arrival and finished[j - 1]):
+            break
+        starts.append(t)
+        previous = t
+        t += d
+        ends.append(t)
+    return starts, ends
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.001, 0.0125, 0.1, 1 / 3]), min_size=1, max_size=12),
+       st.floats(0.0, 2.0), st.floats(-0.5, 2.5), st.data(), st.booleans())
+def test_a_runs_step_times_are_the_stepped_clock(durations, now, arrival_after, data, deferred):
+    """The run's step starts and ends are the clock's values, bit for bit, and it stops where stepping
+    would hand the next arrival to the scheduler (an arrival exactly at a step's start included)."""
+    from kvsim.sim.fast_forward import _step_times
+
+    finished = data.draw(st.lists(st.booleans(), min_size=len(durations), max_size=len(durations)))
+    ends = np.cumsum([now] + durations).tolist()
+    # arrivals between, before and exactly at step boundaries
+    next_arrival = data.draw(st.sampled_from(ends)) if data.draw(st.booleans()) else now + arrival_after
+    assert _step_times(now, durations, next_arrival, finished, deferred) == \
+        _stepped_times(now, durations, next_arrival, finished, deferred)

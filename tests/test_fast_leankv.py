@@ -119,7 +119,7 @@ def test_sampled_rows_scale_pool_and_slots_to_all_rows():
     kv = build_kv(KVConfig(**LEANKV, mode="fast", fast_rows=8), cost.model, cost, 100, 16, 0)[0]
     assert isinstance(kv, SampledRowsKVManager)
     assert (kv.rows, kv.unit) == (6, 15)                  # SmolLM2: 30 layers x 3 KV heads = 90 rows
-    assert kv.num_blocks == 100 * 90 and kv.num_free_blocks == kv.num_blocks
+    assert kv.pool.num_blocks == 100 * 90 and kv.pool.num_free_blocks == kv.pool.num_blocks
     assert kv.inner.pool.num_blocks == 100 * 6
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvsim.sim.kv.fast import kernels as fk, reference as ref
-from kvsim.sim.kv.fast.layout import NUM_CANDIDATES, ScoreArrays
+from kvsim.sim.kv.fast.layout import NUM_CANDIDATES, DecodeRows, PromptRows, RowConsts, ScoreArrays, StepFlags
 from test_kv_manager import H2O, run
 
 pytestmark = pytest.mark.skipif(fk.njit is None, reason="numba not installed: the twins are the only path")
@@ -31,21 +31,29 @@ def _score_arrays(st, consts):
                        st["ring_content"], st["terms"], st["cand"], st["thr"])
 
 
-def _kernel_rows(q, t_new, z, local, inv_tau, content, W, Hc, over, ex, ec, hn, heavy, sc):
+def _flags(W, Hc):
+    return StepFlags(block_size=16, window=W, budget=10, track=True, append=True, reuse=False, frees=True,
+                     sparse=False, compact=False, evict_leaving=False, scored=True, list_cap=Hc)
+
+
+def _kernel_rows(rows: DecodeRows, consts: RowConsts, flags: StepFlags, hn, heavy, sc):
     """The decode kernel's scored part, row by row (`_scored_exit` then `_evict_lowest_row`, as
     decode_rows calls them), with scored_step_np's arguments."""
+    q, Hc = rows.q, flags.list_cap
     out = np.empty(q.size, heavy.dtype)
     buf, top = np.empty(Hc), np.empty(fk.K, np.int64)
     for i in range(q.size):
-        H, g, s_exit, exits, A_e, cw_e, E_e = fk._scored_exit(q[i], t_new[i], z[i], local[i], inv_tau[i], content[i],
-                                                               W, Hc, ex[i], sc)
-        out[i], hn[i] = fk._evict_lowest_row(q[i], hn[i], Hc, over[i], exits, H, g, s_exit, ec[i], A_e, cw_e, E_e,
-                                             heavy, sc, buf, top)
+        H, g, s_exit, exits, A_e, cw_e, E_e = fk._scored_exit(q[i], rows.t_new[i], rows.z[i], consts.local[i],
+                                                               consts.inv_tau[i], consts.content[i], flags.window,
+                                                               Hc, rows.exits[i], sc)
+        out[i], hn[i] = fk._evict_lowest_row(q[i], hn[i], Hc, rows.over[i], exits, H, g, s_exit, rows.exit_col[i],
+                                             A_e, cw_e, E_e, heavy, sc, buf, top)
     return out
 
 
 def _step(fn, st, q, t, z, consts, over, ex, ec, W, Hc):
-    return fn(q, t, z, *consts, W, Hc, over, ex, ec, st["hn"], st["heavy"], _score_arrays(st, consts))
+    rows = DecodeRows(q, t, z, over, ex, ec)
+    return fn(rows, RowConsts(*consts), _flags(W, Hc), st["hn"], st["heavy"], _score_arrays(st, consts))
 
 
 @pytest.mark.parametrize("W", [4, 0])
@@ -95,8 +103,8 @@ def test_prompt_scoring_kernel_matches_its_numpy_twin(L, cand, keep):
     R = 4
     keep = np.broadcast_to(np.asarray(keep, np.int64), R).copy()       # one keep per row, or all alike
     w, decay = np.exp(rng.standard_normal((R, L)) * 2), np.exp(-rng.random((R, L)) * 5)
-    args = (w, decay, rng.uniform(0.1, 0.5, R), rng.uniform(0.2, 0.6, R), rng.uniform(1, 3, R), rng.random(R), 8,
-            cand, keep, 4, 6)
+    prompt = PromptRows(w, decay, rng.uniform(0.1, 0.5, R), rng.uniform(0.2, 0.6, R), rng.uniform(1, 3, R), rng.random(R))
+    args = (prompt, 8, cand, keep, 4, 6)
     got, want = fk.prompt_cut(*args), ref.prompt_cut_np(*args)
     most = int(np.minimum(keep, cand).max())
     assert got[2].shape == (R, most) and np.array_equal(got[2], want[2])        # the kept positions
@@ -109,7 +117,8 @@ def test_prompt_scoring_kernel_matches_its_numpy_twin(L, cand, keep):
 def test_prompt_cut_keeps_the_highest_scores_and_breaks_ties_by_position():
     z = np.zeros((1, 12))                  # equal content: scores tie except for the local term and sinks
     weight, decay, top, shift = fk.prompt_inputs(z, np.ones(1), np.full(1, 4.0), 1)
-    got = fk.prompt_cut(weight, decay, np.zeros(1), np.full(1, 0.5), top, shift, 1, 10, np.array([6]), 4, 2)[2]
+    prompt = PromptRows(weight, decay, np.zeros(1), np.full(1, 0.5), top, shift)
+    got = fk.prompt_cut(prompt, 1, 10, np.array([6]), 4, 2)[2]
     assert got.tolist() == [[0, 1, 2, 3, 4, 5]]                 # the 4 sinks, then the lowest positions
 
 

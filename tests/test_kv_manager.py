@@ -30,7 +30,7 @@ def run(kv_cfg: dict, *, num_blocks=400, n=4, prompt=48, output=120, block_size=
         env.step()
     steps = log.to_pandas()
     req_df = request_table(reqs)
-    s = summarize(req_df, steps, num_blocks_total=kv.num_blocks)
+    s = summarize(req_df, steps, num_blocks_total=kv.pool.num_blocks)
     s.update(kv_summary([kv], req_df, steps))
     return s, steps, req_df, kv
 

@@ -69,3 +69,37 @@ def test_array_pool_invariant_check_catches_a_corrupted_free_list(order):
     fresh.count -= 1
     with pytest.raises(AssertionError, match="owned"):
         fresh.check_invariants()
+
+
+POOL_TYPES = {"BlockPool", "ArrayBlockPool", "CountPool", "ScaledPoolView"}
+COUNTERS = {"num_free_blocks", "num_used_blocks", "num_cached_free_blocks"}
+
+
+def counters_defined() -> dict[str, set[str]]:
+    """Class name -> the pool counters it defines (a method/property, a class attribute or `self.X =`
+    in its methods), over sim/ and gpu/."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = {}
+    for folder in ("sim", "gpu"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+                names = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+                names |= {t.id for a in cls.body if isinstance(a, (ast.Assign, ast.AnnAssign))
+                          for t in (a.targets if isinstance(a, ast.Assign) else [a.target]) if isinstance(t, ast.Name)}
+                names |= {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AugAssign))
+                          for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                          if isinstance(t, ast.Attribute) and getattr(t.value, "id", "") == "self"}
+                if names & COUNTERS:
+                    out[cls.name] = names & COUNTERS
+    return out
+
+
+def test_pool_counters_are_defined_by_the_pools_alone():
+    """No KV manager repeats its pool's counters: the scheduler, the step log and the fast-forward
+    read them on `kv.pool` (the KVPool protocol); only the four pool types define them."""
+    found = counters_defined()
+    assert set(found) - {"KVPool", "FastForwardPool"} == POOL_TYPES, found
+    assert all(found[name] == COUNTERS for name in ("BlockPool", "ArrayBlockPool", "CountPool", "ScaledPoolView"))

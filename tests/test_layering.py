@@ -17,8 +17,8 @@ kvsim.sim.kv.fast.*, kvsim.sim.cli.*, kvsim.sim.calibration.*, kvsim.sim.crossch
   kvsim.sim.executor) and the real backend (kvsim.gpu, torch/Triton).
 - analysis: tools that run and compare executors — calibration, crosscheck, sweep, capacity, plan,
   report, the vLLM reference harness.
-- interfaces: every CLI (the kvsim.sim.cli package, or any module whose name ends in `cli`) and the
-  dashboard.
+- interfaces: every CLI (the kvsim.sim.cli package, or any module whose name ends in `cli`), the
+  console script that runs it (kvsim.sim.entry) and the dashboard.
 
 A package's __init__ belongs to the layer of its contents (a submodule's import runs it). Imports
 are read with ast, module level and inside functions alike (a lazy import still couples the two
@@ -41,6 +41,7 @@ RANK = {"data": 0, "core": 1, "simulator": 2, "backend": 2, "analysis": 3, "inte
 # (module-name prefix, layer): the first rule whose prefix is the module or one of its packages wins
 RULES = (
     ("kvsim.dashboard", "interface"),
+    ("kvsim.sim.entry", "interface"),          # the console script around the CLI
     ("kvsim.sim.calibration", "analysis"),
     ("kvsim.sim.crosscheck", "analysis"),
     ("kvsim.sim.sweep", "analysis"),

@@ -226,7 +226,7 @@ def test_sliding_window_keeps_a_long_requests_blocks_bounded():
     assert g.blocks_held(r) == -(-3050 // 16) + (128 // 16 + 1)
     assert g.kv_tokens(r) == 3050 - 0.5 * (3050 - 128)
     held = g.blocks_held(r)
-    assert g.free(r) == held and g.num_free_blocks == 3999    # all back (one block is the null block)
+    assert g.free(r) == held and g.pool.num_free_blocks == 3999    # all back (one block is the null block)
 
 
 def _batch_trace(n, prompt, output):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvsim.sim.config import KVConfig, load_config
-from kvsim.sim.core.protocols import Executor, FastForwardExecutor, FastForwardKV, FastForwardPool, KVManager, PoolView
+from kvsim.sim.core.protocols import Executor, FastForwardExecutor, FastForwardKV, FastForwardPool, KVManager, KVPool
 from kvsim.sim.executor import CostModelExecutor, KVPolicyExecutor, replica_parts
 from kvsim.sim.run_plan import build_run_plan
 
@@ -112,8 +112,8 @@ def built(name: str):
 @pytest.mark.parametrize("name", list(KV_CONFIGS))
 def test_every_built_kv_manager_and_simulator_executor_satisfies_its_protocol(name):
     kv, executor = built(name)
-    assert isinstance(kv, KVManager) and isinstance(executor, Executor) and isinstance(kv.pool, PoolView)
-    assert conformance_problems(kv, KVManager) == []
+    assert isinstance(kv, KVManager) and isinstance(executor, Executor) and isinstance(kv.pool, KVPool)
+    assert conformance_problems(kv, KVManager) == [] and conformance_problems(kv.pool, KVPool) == []
     assert conformance_problems(executor, Executor) == []
     if kv.supports_fast_forward:
         assert isinstance(kv, FastForwardKV) and conformance_problems(kv, FastForwardKV) == []

@@ -110,3 +110,18 @@ def test_interrupted_streamed_run_keeps_consistent_partial_results(tmp_path, sma
     assert len(unfinished) == summary["num_unfinished"]
     done = table[table["status"] == "finished"]
     assert (done["token_times_s"].map(len) == done["output_tokens"]).all()
+
+
+def test_peak_tokens_per_s_in_slices_counts_as_the_whole_buffer(monkeypatch):
+    """Counted slice by slice (bounded temporaries), the busiest second is the whole buffer's: buckets
+    truncated toward zero from the start (times less than a second before it count in second 0), times
+    earlier left out, a second's tokens split across slices added up."""
+    rng = np.random.default_rng(7)
+    times = np.sort(rng.uniform(-3.0, 40.0, 5000)) + 100.0
+    buckets = (times - 100.25).astype(np.int64)
+    whole = float(np.bincount(buckets[buckets >= 0]).max())
+    for size in (1, 7, 64, 4999, 1 << 16):
+        monkeypatch.setattr(request_log, "PEAK_SLICE", size)
+        assert request_log.peak_tokens_per_s(times, 100.25) == whole
+    assert request_log.peak_tokens_per_s(times[:10], 1e6) == 0.0          # all before the start
+    assert request_log.peak_tokens_per_s(np.array([]), 0.0) == 0.0

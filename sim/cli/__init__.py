@@ -62,4 +62,5 @@ app.add_typer(reference_app, name="reference")
 
 
 def main() -> None:
+    """The command line (the `kvsim` console script runs it through kvsim.sim.entry)."""
     app()

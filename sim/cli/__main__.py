@@ -1,4 +1,4 @@
-"""`python -m kvsim.sim.cli ...` runs the `kvsim` command line."""
-from kvsim.sim.cli import main
+"""`python -m kvsim.sim.cli ...` runs the `kvsim` command line (as the console script does)."""
+from kvsim.sim.entry import main
 
 main()

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvsim.dashboard.data import DATA_ROOT_ENV
+from kvsim.dashboard import DATA_ROOT_ENV
 
 
 def dashboard(

@@ -26,15 +26,7 @@ class KVCacheManager:
         self.req_blocks: dict[Request, list[int]] = {}
         self.prefix_lookups = PrefixLookups()
 
-    # ----- read-only views -------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
+    # ----- read-only views (the pool's counters are read on `pool`) ----------------------------
     def blocks_of(self, req: Request) -> list[int]:
         return self.req_blocks.get(req, [])
 

@@ -26,9 +26,16 @@ if TYPE_CHECKING:
 
 
 @runtime_checkable
-class PoolView(Protocol):
-    """The block-pool counters the engine logs every step."""
+class KVPool(Protocol):
+    """The one pool abstraction every KV manager holds (`KVManager.pool`), and the only place its
+    counters are defined: the scheduler, the engine's step log and the fast-forward read them here.
+    Implemented by `sim.core.block_pool.BlockPool` (block ids, prefix caching),
+    `sim.kv.pool.ArrayBlockPool` (block ids as numpy arrays), `sim.kv.fast.slab.CountPool`
+    (counts only: fast mode) and `sim.kv.fast.sampled.ScaledPoolView` (a sampled pool scaled up);
+    tests/test_kv_pools.py checks each against it."""
     num_blocks: int
+    enable_caching: bool
+    num_cache_evictions: int
 
     @property
     def num_free_blocks(self) -> int: ...
@@ -43,17 +50,6 @@ class PoolView(Protocol):
 
 
 @runtime_checkable
-class KVPool(PoolView, Protocol):
-    """The one pool abstraction every KV manager holds: the counters plus the caching flags.
-    Implemented by `sim.core.block_pool.BlockPool` (block ids, prefix caching),
-    `sim.kv.pool.ArrayBlockPool` (block ids as numpy arrays), `sim.kv.fast.slab.CountPool`
-    (counts only: fast mode) and `sim.kv.fast.sampled.ScaledPoolView` (a sampled pool scaled up);
-    tests/test_kv_pools.py checks each against it."""
-    enable_caching: bool
-    num_cache_evictions: int
-
-
-@runtime_checkable
 class KVManager(Protocol):
     """What the scheduler and the engine ask of a KV manager."""
     block_size: int
@@ -62,13 +58,8 @@ class KVManager(Protocol):
     prefix_lookups: PrefixLookups   # prompt tokens looked up in the prefix cache, and hits
 
     @property
-    def pool(self) -> PoolView: ...
-
-    @property
-    def num_blocks(self) -> int: ...
-
-    @property
-    def num_free_blocks(self) -> int: ...
+    def pool(self) -> KVPool:
+        """The manager's blocks: their counters (num_blocks, num_free_blocks, ...) are read here."""
 
     @property
     def table_rows(self) -> int:
@@ -125,7 +116,7 @@ class KVManager(Protocol):
 
 
 @runtime_checkable
-class FastForwardPool(PoolView, Protocol):
+class FastForwardPool(KVPool, Protocol):
     """A pool the decode fast-forward can plan over (`sim.core.block_pool.BlockPool`)."""
 
     @property

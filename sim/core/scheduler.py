@@ -319,7 +319,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         need = self.kv.blocks_needed(req, tokens)
         req.num_computed_tokens = req.swapped_tokens
-        return need > self.kv.num_free_blocks
+        return need > self.kv.pool.num_free_blocks
 
     def _allocate_admission(self, req: Request, swapped: int, num_cached: int, n: int, hits: list) -> float | None:
         """Slots for an admitted request (its swapped KV first); the context before this step's

@@ -108,15 +108,7 @@ class HybridKVManager:
         self.sliding_fraction = sliding_layer_fraction
         self.prefix_lookups = PrefixLookups()
 
-    # ----- read-only views -------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
+    # ----- read-only views (the pool's counters are read on `pool`) ----------------------------
     @property
     def req_blocks(self) -> dict[Request, int]:
         """Pool blocks each request holds, over all groups."""

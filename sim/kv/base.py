@@ -45,14 +45,6 @@ class EvictingManagerBase:
         return PrefixLookups()          # no prefix cache: nothing is looked up
 
     @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
     def table_rows(self) -> int:
         return self.ctx.rows
 
@@ -68,7 +60,7 @@ class EvictingManagerBase:
     def fits_full_sequence(self, req, num_tokens, computed_blocks, free_blocks=None) -> bool:
         """vLLM's full-prompt admission: the whole known sequence is written before any compression
         acts on it, so its pages must fit the free pool (or `free_blocks`)."""
-        free = self.num_free_blocks if free_blocks is None else free_blocks
+        free = self.pool.num_free_blocks if free_blocks is None else free_blocks
         return self.blocks_needed(req, num_tokens - req.num_computed_tokens) <= free
 
     def num_revivable(self, computed_blocks) -> int:

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from .layout import A, CW, E, NUM_CANDIDATES, REBASE, ScoreArrays, SlabArrays, StepFlags, StepOutputs
+from .layout import A, CW, E, NUM_CANDIDATES, REBASE, PromptRows, ScoreArrays, SlabArrays, StepFlags, StepOutputs
 from .reference import prompt_cut_np
 
 try:
@@ -185,7 +185,8 @@ def prompt_inputs(z, sigma, tau, obs):
     return weight, decay, np.exp((obs - 1) / tau), np.exp(-1.0 / tau)
 
 
-def _prompt_cut_loop(weight, decay, local, content, top, shift, obs, cand, keep, num_sink, window):
+def _prompt_cut_loop(p: PromptRows, obs, cand, keep, num_sink, window):
+    weight, decay, local, content, top, shift = p
     rows, length = weight.shape
     q0 = length - obs
     num_kept = 0
@@ -408,9 +409,10 @@ if njit is not None:
 else:
     decode_rows = None          # the numpy path of FastStep.step is its twin
     prompt_cut = prompt_cut_np
-prompt_cut.__doc__ = """The prompt cut's scoring and top-k (see scoring.py Scorer.score_prompt) from the content weights and decays
-d^(L-1-t) [rows, L], per-row local, content, top = d^-(obs-1) and shift = d: the content normalizer
-and H after the prompt, the kept positions and their terms, and the window's terms."""
+prompt_cut.__doc__ = """The prompt cut's scoring and top-k (see scoring.py Scorer.score_prompt) from a `PromptRows`
+(content weights and decays d^(L-1-t) [rows, L], per-row local, content, top = d^-(obs-1) and
+shift = d): the content normalizer and H after the prompt, the kept positions and their terms, and
+the window's terms."""
 if decode_rows is not None:
     decode_rows.__doc__ = """One whole fast-mode decode step for the rows of the slots in S (R rows each; flat row
 q = slot * R + row): per row the write (tail page, first hole or a page opened at column ncol), the

@@ -59,6 +59,45 @@ class ScoreArrays(NamedTuple):
     thr: np.ndarray          # [rows]: the lowest score an entry had when it was left out of the candidates
 
 
+class RowConsts(NamedTuple):
+    """The scored rows' head constants, one entry per flat row of a step (gathered from ScoreArrays'
+    local, inv_tau and content by each flat row's row)."""
+    local: np.ndarray        # local share l
+    inv_tau: np.ndarray      # 1 / local decay tau
+    content: np.ndarray      # content share c
+
+
+class DecodeRows(NamedTuple):
+    """The rows a decode step scores, one entry per (slot, row) pair: what the numpy twins of the
+    kernel's per-row parts (`scored_step_np`, `evict_lowest_np`) read per row."""
+    q: np.ndarray            # int: flat row (slot * rows + row)
+    t_new: np.ndarray        # int: position of the newest token (the step's query)
+    z: np.ndarray            # its content draw ~ N(0, 1)
+    over: np.ndarray         # bool: the row is over its budget (evicts one token)
+    exits: np.ndarray        # bool: a token leaves the recent window
+    exit_col: np.ndarray     # int: the leaving token's page column
+
+
+class ExitScores(NamedTuple):
+    """Per row, what the scoring of the new token hands to the eviction (the kernel's `_scored_exit`
+    returns the same): H and g after the query, and the leaving token's score and terms."""
+    h_now: np.ndarray        # H: running sum of 1 / Zw
+    decay_now: np.ndarray    # g = d^(t_q + 1 - eref): a listed token's local part is E g
+    score: np.ndarray        # the leaving token's score (inf when none leaves)
+    terms: np.ndarray        # [rows, 3]: its A, CW, E
+
+
+class PromptRows(NamedTuple):
+    """The prompt cut's per-row inputs (`kernels.prompt_inputs` and the heads): what `prompt_cut` and
+    its numpy twins score."""
+    weight: np.ndarray       # [rows, L]: content weights exp(sigma z)
+    decay: np.ndarray        # [rows, L]: d^(L - 1 - t)
+    local: np.ndarray        # [rows]: local share l
+    content: np.ndarray      # [rows]: content share c
+    top: np.ndarray          # [rows]: d^-(obs - 1)
+    shift: np.ndarray        # [rows]: d
+
+
 class StepOutputs(NamedTuple):
     """What a decode step writes per slot: per slot of S (evicted, left) and per slot id (the rest)."""
     evicted: np.ndarray      # [len(S)]: (token, row) evictions

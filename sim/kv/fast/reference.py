@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import A, CW, E, REBASE, ScoreArrays
+from .layout import A, CW, E, REBASE, DecodeRows, ExitScores, PromptRows, RowConsts, ScoreArrays, StepFlags
 
 
-def scored_step_np(q, t_new, z, local, inv_tau, content, window, list_cap, over, exits, exit_col, list_len,
-                   heavy, sc: ScoreArrays):
+def scored_step_np(rows: DecodeRows, consts: RowConsts, flags: StepFlags, list_len, heavy, sc: ScoreArrays):
     """One H2O decode step of fast mode's scored rows (the kernel's per-row twin is `_scored_exit` +
-    `_evict_lowest_row`): per row i (flat row q[i], query position t_new[i], content draw z[i] ~ N(0, 1),
-    head constants local, inv_tau, content) the new token's content weight exp(sigma z) updates the
-    row's normalizer and H = sum of 1/normalizer; its score terms enter the window ring (window > 0) and
-    the token leaving it comes out; then `evict_lowest_np`."""
+    `_evict_lowest_row`): per row i (flat row rows.q[i], query position rows.t_new[i], content draw
+    rows.z[i] ~ N(0, 1), head constants consts[i]) the new token's content weight exp(sigma z) updates
+    the row's normalizer and H = sum of 1/normalizer; its score terms enter the window ring
+    (flags.window > 0) and the token leaving it comes out; then `evict_lowest_np` on the rows' lists
+    (flags.list_cap entries each, list_len in place)."""
+    q, t_new = rows.q, rows.t_new
+    local, inv_tau, content = consts
+    window, list_cap = flags.window, flags.list_cap
     m = q.size
-    weight = np.exp(sc.sigma[q] * z)
+    weight = np.exp(sc.sigma[q] * rows.z)
     h_before = sc.hsum[q]
     norm = sc.norm[q] + weight
     sc.norm[q] = norm
@@ -31,11 +34,11 @@ def scored_step_np(q, t_new, z, local, inv_tau, content, window, list_cap, over,
     ref = sc.eref[q]
     aged = (t_new - ref) * inv_tau > REBASE
     if aged.any():
-        rows, new = q[aged], t_new[aged].astype(np.float64)
+        aged_rows, new = q[aged], t_new[aged].astype(np.float64)
         scale = np.exp((ref[aged] - new) * inv_tau[aged])
-        sc.terms.reshape(-1, list_cap, 3)[rows, :, E] *= scale[:, None]
-        sc.cand[rows, :, 1 + E] *= scale[:, None]
-        sc.eref[rows] = new
+        sc.terms.reshape(-1, list_cap, 3)[aged_rows, :, E] *= scale[:, None]
+        sc.cand[aged_rows, :, 1 + E] *= scale[:, None]
+        sc.eref[aged_rows] = new
         ref = ref.copy()
         ref[aged] = new
     decay_now = np.exp((ref - t_new - 1) * inv_tau)
@@ -45,22 +48,25 @@ def scored_step_np(q, t_new, z, local, inv_tau, content, window, list_cap, over,
         sc.ring_static[at], sc.ring_content[at] = a_new, cw_new
         pos_exit = t_new - window
     else:                                       # no window: the new token is a candidate at once
-        a_exit, cw_exit, pos_exit, exits = a_new, cw_new, t_new, np.ones(m, bool)
+        a_exit, cw_exit, pos_exit = a_new, cw_new, t_new
+        rows = rows._replace(exits=np.ones(m, bool))
     e_exit = local * np.exp((pos_exit - ref) * inv_tau)
-    score_exit = np.where(exits, a_exit + cw_exit * h_now - e_exit * decay_now, np.inf)
-    return evict_lowest_np(q, list_cap, list_len, over, exits, h_now, decay_now, score_exit, exit_col,
-                           np.stack([a_exit, cw_exit, e_exit], axis=1), heavy, sc.terms)
+    score_exit = np.where(rows.exits, a_exit + cw_exit * h_now - e_exit * decay_now, np.inf)
+    scores = ExitScores(h_now, decay_now, score_exit, np.stack([a_exit, cw_exit, e_exit], axis=1))
+    return evict_lowest_np(rows, scores, list_cap, list_len, heavy, sc.terms)
 
 
-def evict_lowest_np(q, list_cap, list_len, over, exits, h_now, decay_now, score_exit, exit_col, exit_terms, heavy,
-                    terms):
-    """Per row i (flat row q[i], list at q[i] * list_cap of length list_len[i], updated in place; its
-    tokens' columns in `heavy`, score terms (A, CW, E) in terms [entries, 3]): if over[i], evict the
-    candidate with the lowest score — the listed entry minimizing A + CW H[i] - E g[i], or the leaving
-    token (exits[i], score score_exit[i], column exit_col[i]) when its score is not higher; a leaving
-    token that stays is appended (column exit_col[i], terms exit_terms[i]); the evicted entry's place
-    takes the list's last entry. Returns the evicted column per row (exit_col for rows not over
-    budget: unused). Scans every row's whole list (the kernel's candidates are its own bookkeeping)."""
+def evict_lowest_np(rows: DecodeRows, scores: ExitScores, list_cap: int, list_len, heavy, terms):
+    """Per row i (flat row rows.q[i], list at q[i] * list_cap of length list_len[i], updated in place;
+    its tokens' columns in `heavy`, score terms (A, CW, E) in terms [entries, 3]): if rows.over[i],
+    evict the candidate with the lowest score — the listed entry minimizing A + CW H[i] - E g[i], or
+    the leaving token (rows.exits[i], score scores.score[i], column rows.exit_col[i]) when its score is
+    not higher; a leaving token that stays is appended (its column, terms scores.terms[i]); the evicted
+    entry's place takes the list's last entry. Returns the evicted column per row (exit_col for rows
+    not over budget: unused). Scans every row's whole list (the kernel's candidates are its own
+    bookkeeping)."""
+    q, over, exits, exit_col = rows.q, rows.over, rows.exits, rows.exit_col
+    h_now, decay_now, score_exit, exit_terms = scores
     list_at = q * list_cap
     m = q.size
     longest = int(list_len.max()) if m else 0
@@ -114,17 +120,18 @@ def advance_first_free_np(occ, first_page, col, hole, pages, live, ncol, block_s
         hole[search] = first_free_np(occ, first_page[search], col[search] + 1, ncol[search], block_size)
 
 
-def prompt_terms_np(weight, decay, local, content, top, shift, obs, cand, num_sink):
+def prompt_terms_np(p: PromptRows, obs: int, cand: int, num_sink: int):
     """H2O's prompt scoring per row: the content normalizer and H after the prompt [rows], each
     position's static part A, content coefficient CW and local term E [rows, L], and the scores of
     the first `cand` positions after the last observation query [rows, cand] (sinks: inf)."""
+    weight, decay = p.weight, p.decay
     rows, length = weight.shape
     norm = np.cumsum(weight, axis=1)
     q0 = length - obs
     h_obs = np.cumsum(1.0 / norm[:, q0:], axis=1)              # H(q), q = q0 .. L-1
     h_prev = np.zeros((rows, length))                           # H(a0 - 1), a0 = max(t, q0)
     h_prev[:, q0 + 1:] = h_obs[:, :-1]
-    local, content, top, shift = local[:, None], content[:, None], top[:, None], shift[:, None]
+    local, content, top, shift = p.local[:, None], p.content[:, None], p.top[:, None], p.shift[:, None]
     cw = content * weight
     static = local * np.minimum(decay * top, 1.0) - cw * h_prev
     static[:, :num_sink] = np.inf
@@ -147,12 +154,11 @@ def top_positions(score: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return kept
 
 
-def prompt_cut_np(weight, decay, local, content, top, shift, obs, cand, keep, num_sink, window):
+def prompt_cut_np(p: PromptRows, obs: int, cand: int, keep, num_sink: int, window: int):
     """numpy twin of `kernels.prompt_cut`: H2O's prompt scores and each row's top keep[row]
     (kept positions and their terms padded with -1 / 0 past a row's keep)."""
-    length = weight.shape[1]
-    norm, h_obs, static, cw, local_term, score = prompt_terms_np(weight, decay, local, content, top, shift, obs,
-                                                                 cand, num_sink)
+    length = p.weight.shape[1]
+    norm, h_obs, static, cw, local_term, score = prompt_terms_np(p, obs, cand, num_sink)
     keep = np.minimum(keep, cand)
     kept = top_positions(score, keep)
     at = np.maximum(kept, 0)

@@ -11,6 +11,7 @@ from ..importance import NUM_SINK, SyntheticImportance
 from ..policy import PolicyContext
 from . import kernels
 from .budgets import CutBudgets
+from .layout import DecodeRows, PromptRows
 from .reference import prompt_terms_np, scored_step_np
 from .settings import FastSettings
 from .slab import FastSlab
@@ -109,12 +110,10 @@ class Scorer:
         eref moves to the newest token (E rescaled) before d^(t_q - eref) could overflow."""
         slab = self.slab
         num_pairs = q.size
-        local, inv_tau, content = slab.row_consts
         t_new = slab.ntok[q // slab.rows] - 1                  # the newest token = this step's query
         exits = ex if isinstance(ex, np.ndarray) else np.full(num_pairs, ex)
-        return scored_step_np(q, t_new, self.rng.standard_normal(num_pairs), local, inv_tau, content,
-                              self.settings.window, slab.heavy.shape[2], over, exits, ec, hn, slab.heavy_f,
-                              slab.score_arrays)
+        rows = DecodeRows(q, t_new, self.rng.standard_normal(num_pairs), over, exits, ec)
+        return scored_step_np(rows, slab.row_consts, slab.flags, hn, slab.heavy_f, slab.score_arrays)
 
     def score_prompt(self, s: int, L: int, W: int, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """H2O's prompt cut under the importance model: draw the prompt's content weights, score the
@@ -131,12 +130,12 @@ class Scorer:
         z = self.rng.standard_normal((R, L))
         # the two exps per token in numpy (vectorized, faster than a compiled scalar loop), the cut compiled
         weight, decay, top, shift = kernels.prompt_inputs(z, sig, h.tau, obs)
+        prompt = PromptRows(weight, decay, h.local, h.content, top, shift)
         if self.budgets.sharing is None:
             keep = np.broadcast_to(np.asarray(keep, np.int64), sig.shape).copy()
         else:
-            score = prompt_terms_np(weight, decay, h.local, h.content, top, shift, obs, cand, NUM_SINK)[5]
-            keep = self.budgets.share(score, keep)
-        cut = kernels.prompt_cut(weight, decay, h.local, h.content, top, shift, obs, cand, keep, NUM_SINK, W)
+            keep = self.budgets.share(prompt_terms_np(prompt, obs, cand, NUM_SINK)[5], keep)
+        cut = kernels.prompt_cut(prompt, obs, cand, keep, NUM_SINK, W)
         slab.norm[s], slab.hsum[s], kept, terms, win_A, win_cw = cut
         if W and cfg.window:
             at = np.arange(L - W, L) % W

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 from ...core.request import Request
 from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES, KVStepPlan
 from .layout import (EMPTY_SCORES, HOLE, HOLED, LIST_LEN, LIVE, NCOL, NUM_CANDIDATES, PAGES, ROW_FIELDS, TAIL, TAIL_WRITTEN,
-                     ScoreArrays, SlabArrays, StepFlags)
+                     RowConsts, ScoreArrays, SlabArrays, StepFlags)
 from .settings import FastSettings
 
 if TYPE_CHECKING:
@@ -262,5 +262,5 @@ class FastSlab:
             if self.settings.scored:             # per-row head constants of Scorer.pick_scored, in the same order
                 r = np.tile(np.arange(self.rows), S.size)
                 h = self.heads
-                self.row_consts = (h.local[r], 1.0 / h.tau[r], h.content[r])
+                self.row_consts = RowConsts(h.local[r], 1.0 / h.tau[r], h.content[r])
         return self._index_arrays
