@@ -12,7 +12,6 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-
 from kvsim.traces import TraceWarning, load_trace
 from kvsim.traces.arrivals import vllm_bench_arrivals
 
@@ -20,7 +19,8 @@ from .config import ConfigError, SimConfig
 from .core.request import Request
 from .core.protocols import Executor, KVManager
 from .core.scheduler import Scheduler, SchedulerConfig
-from .engine import ArrivalProcess, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router, StepArrivals
+from .engine import (ArrivalProcess, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
+                     StepArrivals)
 from .metrics import StepLog
 
 if TYPE_CHECKING:

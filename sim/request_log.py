@@ -190,6 +190,9 @@ def token_stats(token_times, start_s: float) -> TokenStats:
     return TokenStats(ExactValues(gaps), peak)
 
 
+PEAK_SLICE = 1 << 16              # token times counted per slice by peak_tokens_per_s
+
+
 def peak_tokens_per_s(times: np.ndarray, start_s: float) -> float:
     """Most token times in one whole second counted from `start_s` (vLLM's per-second buckets)."""
     counts = np.zeros(0, np.int64)
@@ -198,9 +201,6 @@ def peak_tokens_per_s(times: np.ndarray, start_s: float) -> float:
     for i in range(0, times.size, PEAK_SLICE):
         counts = _add_counts(counts, _second_counts(times[i:i + PEAK_SLICE], start_s))
     return float(counts.max()) if counts.size else 0.0
-
-
-PEAK_SLICE = 1 << 16
 
 
 def _second_counts(times: np.ndarray, start_s: float) -> np.ndarray:

@@ -14,14 +14,10 @@ T, PROMPT, BUDGET = 400, 200, 128
 
 
 @pytest.fixture(scope="module")
-def real():
-    torch = pytest.importorskip("torch")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return real_attention(T, seed=0)
-    finally:
-        torch.set_num_threads(threads)
+def real(request):
+    pytest.importorskip("torch")
+    request.getfixturevalue("one_thread")            # conftest: one torch thread for this module
+    return real_attention(T, seed=0)
 
 
 def test_h2o_oracle_evicts_one_lowest_scored_token_per_step():

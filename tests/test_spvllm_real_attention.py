@@ -26,18 +26,14 @@ def real():
 
 
 @pytest.fixture(scope="module")
-def smollm2_one_layer():
-    torch = pytest.importorskip("torch")
+def smollm2_one_layer(request):
+    pytest.importorskip("torch")
+    request.getfixturevalue("one_thread")            # conftest: one torch thread for this module
     from kvsim.gpu.replay import ReplayOptions, build_model
 
     from kvsim.sim.config import load_config
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield build_model(load_config(None, {"model": "smollm2-135m"}), ReplayOptions(layers=1))
-    finally:
-        torch.set_num_threads(threads)
+    return build_model(load_config(None, {"model": "smollm2-135m"}), ReplayOptions(layers=1))
 
 
 def test_real_attention_fragmentation_is_the_simulators_on_the_same_step_log(real, smollm2_one_layer):

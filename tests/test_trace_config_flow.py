@@ -56,21 +56,26 @@ def step():
 '''
 
 
-def probe_tracer():
-    module = type(sys)("kvsim._flow_probe")
+def traced_probe(name: str, stop: str, call) -> flow.Tracer:
+    """The Tracer of `call(module)` on a fresh module `name` made from PROBE, stopping at `stop`."""
+    module = type(sys)(name)
     exec(compile(PROBE, "probe.py", "exec"), module.__dict__)
-    tracer = flow.Tracer((module.Cfg,), ("kvsim._flow_probe", "step"))
+    tracer = flow.Tracer((module.Cfg,), (name, stop))
     sys.setprofile(tracer)
     try:
-        module.run(module.Cfg())
-        module.c(module.Cfg(), plan=module.Cfg())      # after `step`: not traced
+        call(module)
     finally:
         sys.setprofile(None)
     return tracer
 
 
+def run_then_call_c(module) -> None:
+    module.run(module.Cfg())
+    module.c(module.Cfg(), plan=module.Cfg())      # after `step`: not traced
+
+
 def test_stops_and_climbs_follow_their_definitions():
-    tracer = probe_tracer()
+    tracer = traced_probe("kvsim._flow_probe", "step", run_then_call_c)
     assert tracer.done
     got = [(s.function, s.depth, s.climb) for s in tracer.stops]
     assert got == [("run", 1, 0), ("a", 2, 0), ("a1", 3, 0), ("deep", 4, 0),
@@ -80,14 +85,8 @@ def test_stops_and_climbs_follow_their_definitions():
 
 
 def test_varargs_and_generators():
-    module = type(sys)("kvsim._flow_probe2")
-    exec(compile(PROBE, "probe.py", "exec"), module.__dict__)
-    tracer = flow.Tracer((module.Cfg,), ("kvsim._flow_probe2", "never"))
-    sys.setprofile(tracer)
-    try:
-        module.c(module.Cfg(), module.Cfg(), plan=module.Cfg())
-    finally:
-        sys.setprofile(None)
+    tracer = traced_probe("kvsim._flow_probe2", "never",
+                          lambda module: module.c(module.Cfg(), module.Cfg(), plan=module.Cfg()))
     assert [(s.function, s.args) for s in tracer.stops] == [
         ("c", ["cfg: Cfg", "rest: Cfg", "named: Cfg"]), ("d", ["rest: Cfg", "named: Cfg"]), ("g", ["plan: Cfg"])]
 
