@@ -467,7 +467,7 @@ def read_sweep_store(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict
     """(finished rows, failed rows, capacity result or None) of a sweep/capacity store directory
     (`kvsim sweep` / `kvsim capacity --store`), or of a single Parquet file of rows."""
     from kvsim.sim.capacity import read_capacity
-    from kvsim.sim.sweep import read_store
+    from kvsim.sim.sweep import StoreFileError, read_store
 
     p = Path(path).expanduser()
     if p.is_file():
@@ -475,6 +475,8 @@ def read_sweep_store(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict
     elif (p / "runs").is_dir():
         try:
             df, capacity = read_store(p), read_capacity(p)
+        except StoreFileError as exc:    # names the file and what it lacks, never its content
+            raise DataError(str(exc)) from None
         except Exception as exc:  # pyarrow / json errors of a damaged store; their text may quote the files
             raise DataError(f"{p}: a file of this sweep store cannot be read ({type(exc).__name__})") from None
     elif p.is_dir():

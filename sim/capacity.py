@@ -20,7 +20,7 @@ from .run_plan import check_config_memory
 from .config import ConfigError, SimConfig, parse_duration
 from .results import holding_store_lock, mark_owned
 from .safe_io import atomic_output, dumps_json
-from .sweep import (PlannedRun, RunTask, execute_run, finished_runs, make_row, read_store, run_id_of, slo_costs,
+from .sweep import (PlannedRun, RunTask, StoreFileError, execute_run, finished_runs, make_row, read_store, run_id_of, slo_costs,
                     write_row)
 
 LATENCY_METRICS = [f"{m}_{q}" for m in ("ttft", "tpot", "e2e", "queueing") for q in ("p50", "p90", "p99", "mean")]
@@ -311,8 +311,33 @@ def _json_default(value):
 
 
 def read_capacity(store: str | Path) -> dict | None:
+    """The store's capacity.json (None without one); a malformed file is a StoreFileError naming it."""
     path = Path(store) / "capacity.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise StoreFileError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise StoreFileError(f"{path}: expected a JSON object (mode, slo, answer, ...), got a {type(data).__name__}")
+    if data.get("mode") not in ("rate", "replicas"):
+        raise StoreFileError(f"{path}: mode: expected 'rate' or 'replicas'")
+    slo = data.get("slo")
+    if not isinstance(slo, list) or not slo or not all(isinstance(c, str) for c in slo):
+        raise StoreFileError(f"{path}: slo: expected a list of constraints such as 'ttft_p99<=2s'")
+    try:
+        parse_slo(",".join(slo))
+    except ConfigError:
+        raise StoreFileError(f"{path}: slo: not constraints kvsim capacity writes (METRIC<=VALUE)") from None
+    answer, run_ids = data.get("answer"), data.get("curve_run_ids", [])
+    if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (int, float))):
+        raise StoreFileError(f"{path}: answer: expected a number or null")
+    if not isinstance(data.get("feasible"), bool):
+        raise StoreFileError(f"{path}: feasible: expected true or false")
+    if not isinstance(run_ids, list) or not all(isinstance(r, str) for r in run_ids):
+        raise StoreFileError(f"{path}: curve_run_ids: expected a list of run ids")
+    return data
 
 
 # ---- the load a capacity answer is for: window, sample statistics, warnings ------------------------

@@ -123,6 +123,11 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
     unknown = sorted(set(raw) - set(SPEC_KEYS))
     if unknown:
         raise SpecError(f"{source}: unknown key {unknown[0]!r}; a spec has {', '.join(SPEC_KEYS)}")
+    save_outputs, name = raw.get("save_outputs", False), raw.get("name")
+    if not isinstance(save_outputs, bool):
+        raise SpecError(f"{source}: save_outputs: expected true or false, got {save_outputs!r}")
+    if name is not None and not isinstance(name, str):
+        raise SpecError(f"{source}: name: expected a string, got {name!r}")
     base = _load_base(raw.get("base"), source, root)
     fixed = _mapping(raw.get("fixed"), f"{source}: fixed")
     grid = _mapping(raw.get("grid"), f"{source}: grid")
@@ -163,7 +168,7 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
             seen.add(rid)
             planned.append(PlannedRun(len(planned), rid, cfg.model_dump(mode="json"), axes))
     axis_keys = list(dict.fromkeys([k for r in runs for k in r] + list(grid)))
-    return SweepPlan(planned, bool(raw.get("save_outputs", False)), raw.get("name"), axis_keys, duplicates)
+    return SweepPlan(planned, save_outputs, name, axis_keys, duplicates)
 
 
 def _check_size(runs: list, grid: dict, source: str) -> None:
@@ -444,9 +449,27 @@ def read_store(store: str | Path, *, order: bool = True):
     return df
 
 
+class StoreFileError(ValueError):
+    """A store's JSON file (plan.json, capacity.json) is malformed; the message names the file and
+    what was expected, never its content."""
+
+
 def read_plan(store: Path) -> list[str]:
+    """The run ids of the store's plan.json, in run order ([] without one); a malformed file is a
+    StoreFileError naming it."""
     path = Path(store) / "plan.json"
-    return json.loads(path.read_text())["run_ids"] if path.exists() else []
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise StoreFileError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise StoreFileError(f"{path}: expected a JSON object with run_ids, got a {type(data).__name__}")
+    run_ids = data.get("run_ids")
+    if not isinstance(run_ids, list) or not all(isinstance(r, str) for r in run_ids):
+        raise StoreFileError(f"{path}: run_ids: expected a list of run ids")
+    return run_ids
 
 
 def _write_plan(store: Path, plan: SweepPlan, spec_text: str | None) -> None:

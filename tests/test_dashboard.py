@@ -559,3 +559,16 @@ def test_dashboard_command_warns_when_exposed_and_passes_the_data_root(monkeypat
     assert started and started[0][started[0].index("--client.toolbarMode") + 1] == "minimal"
     out = CliRunner().invoke(kvsim, ["dashboard", "--data-root", str(tmp_path)])
     assert "WARNING" not in out.output
+
+
+def test_capacity_store_with_a_malformed_capacity_json_is_one_message(tmp_path):
+    """The Capacity page's store reader: an edited capacity.json was a KeyError in the page; now a
+    message naming the file and the field."""
+    from kvsim.dashboard.data import DataError, read_sweep_store
+    from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo
+    find_capacity(load_config(None, {**SMALL, "trace_options.max_requests": 20}), parse_slo("ttft_p99<=1s"),
+                  CapacitySearch(max_evals=1), store=tmp_path)
+    assert read_sweep_store(tmp_path)[2]["mode"] == "rate"
+    (tmp_path / "capacity.json").write_text('{"slo": 5}')
+    with pytest.raises(DataError, match=r"capacity\.json: mode: expected 'rate' or 'replicas'"):
+        read_sweep_store(tmp_path)

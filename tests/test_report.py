@@ -92,3 +92,25 @@ def test_cli_report_errors_name_the_directory(tmp_path):
     assert res.exit_code == 2 and "no runs in this store" in res.output
     res = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert res.exit_code == 2 and "not a directory" in res.output
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("plan.json", "{", "plan.json: not valid JSON"),
+    ("plan.json", "[1]", "plan.json: expected a JSON object with run_ids"),
+    ("plan.json", '{"run_ids": 5}', "plan.json: run_ids: expected a list of run ids"),
+    ("capacity.json", '{"slo": 5}', "capacity.json: mode: expected 'rate' or 'replicas'"),
+    ("capacity.json", '{"mode": "rate", "slo": ["foo<=1"], "feasible": true}', "capacity.json: slo: "),
+    ("capacity.json", '{"mode": "rate", "slo": ["ttft_p99<=1s"], "feasible": true, "answer": "x"}',
+     "capacity.json: answer: expected a number or null"),
+])
+def test_cli_report_names_a_malformed_store_file(sweep_store, tmp_path, name, text, expected):
+    """A store whose plan.json or capacity.json was cut short or edited: one error line naming the
+    file and what it lacks (it used to be a KeyError/TypeError traceback, or a JSON message naming no file)."""
+    import shutil
+    from kvsim.sim.cli import app
+    store = tmp_path / "store"
+    shutil.copytree(sweep_store, store)
+    (store / name).write_text(text)
+    res = CliRunner().invoke(app, ["report", str(store)])
+    assert res.exit_code == 2, res.output
+    assert f"error: {store / name}: " in res.output and expected in res.output

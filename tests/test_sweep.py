@@ -85,6 +85,8 @@ def test_points_resolving_to_the_same_config_run_once():
     ({"fixed": {"tp": 0}}, "fixed: tp: Input should be greater than 0"),
     ({"runs": [{"model": "llama-9000"}]}, "model='llama-9000'"),
     ({"grid": {"trace": ["azure-conv-2023", "no-such-trace"]}}, "trace='no-such-trace'"),
+    ({"grid": {"engine.block_size": [16]}, "save_outputs": "no"}, "save_outputs: expected true or false, got 'no'"),
+    ({"grid": {"engine.block_size": [16]}, "name": ["a"]}, "name: expected a string"),
     ({"grid": {"gpu": ["h100", "t4"], "model": ["llama-3.1-8b"]}},
      "run 1 (gpu='t4', model='llama-3.1-8b'): model='llama-3.1-8b' gpu='t4' tp=1: Llama-3.1-8B does not fit"),
 ])
@@ -250,7 +252,10 @@ def test_retry_failed_says_what_it_runs(tmp_path):
                                                         "engine.block_size": [16, 32]}})
     store = tmp_path / "store"
     first = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(store), "-q", "-j", "1"])
-    assert first.exit_code == 1                                   # two runs failed
+    assert first.exit_code == 1                                   # two runs failed, each named with its error
+    failed = [" ".join(line.split()) for line in first.output.splitlines() if line.startswith("failed:")]
+    assert len(failed) == 2 and failed[0].startswith("failed: run 2 (trace_options.rate=5.0, engine.block_size=16)")
+    assert all("TraceError" in line and "length-only" in line for line in failed)
     again = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(store), "-q", "-j", "1"])
     assert "2 finished, 2 failed (kept; --retry-failed runs them again); 0 to run now" in " ".join(again.output.split())
     retry = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(store), "-q", "-j", "1", "--retry-failed"])

@@ -71,7 +71,8 @@ def sweep(
     try:
         with store_errors(out, scheduler if executor == "dask" else None):
             options = SweepRunOptions(executor, jobs, scheduler, max_runs, retry_failed, save_outputs)
-            result = run_sweep(plan, out, options, progress=not quiet, spec_text=spec.read_text())
+            result = run_sweep(plan, out, options, progress=not quiet, spec_text=spec.read_text(),
+                               on_row=lambda row: _print_failed_run(plan, row))
     except SchedulerUnreachable as exc:
         fail(str(exc), code=1)
     again = [f"{n} {what}" for n, what in ((result.retried, "failed before"), (result.redone, "unreadable"))
@@ -81,6 +82,17 @@ def sweep(
                   f"store: {out}/runs/ (kvsim report {out})", highlight=False, soft_wrap=True)
     if result.failed:
         raise typer.Exit(1)
+
+
+def _print_failed_run(plan, row: dict) -> None:
+    """A failed run's line on stderr as it is recorded: which run (its axes) and why."""
+    if row.get("status") == "ok":
+        return
+    run = next((r for r in plan.runs if r.run_id == row["run_id"]), None)
+    axes = ", ".join(f"{k}={v!r}" for k, v in run.axes.items()) if run is not None and run.axes else "base config"
+    where = f"run {run.index} ({axes})" if run is not None else f"run {row['run_id']}"
+    err_console.print(f"[red]failed:[/red] {where}, id {row['run_id']}: {row.get('error')}",
+                      highlight=False, soft_wrap=True)
 
 
 def _plan_line(plan, state, out: Path, retry_failed: bool, max_runs: int | None) -> str:
