@@ -359,6 +359,7 @@ class LoadSample:
     trace_requests: int
     trace_rate_req_s: float
     trace_interarrival_cv: float
+    distinct_arrivals: int = 2  # distinct arrival times in the sample (1: it arrives all at once)
 
     def describe(self) -> str:
         share = self.requests / self.trace_requests if self.trace_requests else math.nan
@@ -398,7 +399,7 @@ def choose_sample(cfg: SimConfig, window: str | None, trace=None) -> tuple[SimCo
         st = window_stats(head, Window(None, None, ""))
         return cfg, LoadSample(f"first {len(head):,} requests", None, None, st["requests"], st["rate_req_s"],
                                st["interarrival_cv"], whole["requests"], whole["rate_req_s"],
-                               whole["interarrival_cv"])
+                               whole["interarrival_cv"], st["distinct_arrivals"])
     elif opts.start_s is not None or opts.end_s is not None:
         w = Window(opts.start_s, opts.end_s, f"{opts.start_s or 0:g}:{'' if opts.end_s is None else f'{opts.end_s:g}'}")
     elif sent:          # arrivals drawn by the sender: the whole trace, as configured
@@ -410,7 +411,18 @@ def choose_sample(cfg: SimConfig, window: str | None, trace=None) -> tuple[SimCo
     st = window_stats(trace, w)
     label = f"{w.label} ({w.start_s:.0f}-{w.end_s:.0f} s)" if "@peak" in w.label else w.label
     return cfg, LoadSample(label, w.start_s, w.end_s, st["requests"], st["rate_req_s"], st["interarrival_cv"],
-                           whole["requests"], whole["rate_req_s"], whole["interarrival_cv"])
+                           whole["requests"], whole["rate_req_s"], whole["interarrival_cv"], st["distinct_arrivals"])
+
+
+def check_rate_search(sample: LoadSample) -> None:
+    """Refuse a rate search on a sample that arrives all at once (one request, a closed batch): a rate
+    scale moves no arrival, so every scale would give the same run and the 'answer' would be the
+    search limit."""
+    if sample.distinct_arrivals < 2:
+        what = "holds one request" if sample.requests == 1 else f"arrives all at once ({sample.requests:,} requests)"
+        raise ConfigError(f"--mode rate: the load sample ({sample.window}) {what}: no rate scale changes its load; "
+                          "give it arrival times (--set trace_options.request_rate=R for a trace without them, or "
+                          "another --window) or search --mode replicas")
 
 
 def sample_warnings(sample: LoadSample) -> list[str]:

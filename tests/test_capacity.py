@@ -121,6 +121,29 @@ def test_cli_capacity_prints_answer_and_cost(uniform, tmp_path):
     assert bad.exit_code == 2 and "not a duration with a unit" in bad.output
 
 
+def test_rate_search_on_a_sample_arriving_all_at_once_is_refused(tmp_path):
+    """A closed batch (no arrival times) or one request: no rate scale changes the load. The search
+    used to simulate the same run 11 times up to the 1024x limit and answer 'max rate scale 1024,
+    nan req/s offered'; now one error says why and what to give instead, and nothing runs."""
+    from kvsim.sim.cli import app
+    batch = tmp_path / "batch.jsonl"
+    synth = CliRunner().invoke(app, ["trace", "synth", str(batch), "-n", "20", "--prompt", "fixed:100",
+                                     "--output", "fixed:10"])
+    assert synth.exit_code == 0, synth.output
+    one = tmp_path / "one.csv"
+    one.write_text("arrival_time_s,prompt_tokens,output_tokens\n5.0,100,10\n")
+    for trace, what in ((batch, "arrives all at once (20 requests)"), (one, "holds one request")):
+        store = tmp_path / f"store-{trace.stem}"
+        res = CliRunner().invoke(app, ["capacity", "--trace", str(trace), "--slo", "ttft_p99<=2s", "-q",
+                                       "--out", str(store)])
+        assert res.exit_code == 2, res.output
+        assert f"--mode rate: the load sample (full trace) {what}: no rate scale changes its load" in res.output
+        assert "--mode replicas" in res.output and not (store / "runs").exists()
+    drawn = CliRunner().invoke(app, ["capacity", "--trace", str(batch), "--slo", "ttft_p99<=2s", "-q", "--max-evals", "2",
+                                     "--repeats", "1", "--no-band", "--set", "trace_options.request_rate=10"])
+    assert drawn.exit_code == 0 and "max rate scale" in drawn.output
+
+
 # ---- load windows and the representative sample ------------------------------------------------
 
 def _trace(arrivals):

@@ -128,4 +128,5 @@ def window_stats(trace: Trace, window: Window) -> dict:
     span = (hi - lo) if math.isfinite(hi - lo) else (float(t[-1] - t[0]) if len(t) > 1 else 0.0)
     gaps = np.diff(t)
     return {"requests": int(len(t)), "rate_req_s": len(t) / span if span > 0 else math.nan,
+            "distinct_arrivals": int(len(np.unique(t))),
             "interarrival_cv": float(gaps.std() / gaps.mean()) if len(gaps) and gaps.mean() > 0 else math.nan}

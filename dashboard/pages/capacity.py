@@ -10,7 +10,7 @@ from kvsim.dashboard.forms import BASE, config_form, gui_message
 from kvsim.dashboard.guard import check_run
 from kvsim.dashboard.jobs import capacity_search_task
 from kvsim.dashboard.ui import follow_job, keep_widget, run_button, running_job, start_job
-from kvsim.sim.capacity import choose_sample, parse_slo, sample_warnings
+from kvsim.sim.capacity import check_rate_search, choose_sample, parse_slo, sample_warnings
 from kvsim.sim.catalog import list_gpus, list_models
 from kvsim.sim.config import ConfigError, SimConfig
 from kvsim.sim.plan import PlanResult, PlanSpace, plan_capacity
@@ -184,6 +184,8 @@ else:
     if run_button("Search capacity", "cap_run", "Capacity", blocked=not chosen):
         try:
             sampled, sample = sample_of(base, load_choice, window)
+            if mode == "rate":
+                check_rate_search(sample)
         except (ConfigError, TraceError) as exc:
             st.error(gui_message(str(exc)))
             st.stop()

@@ -157,7 +157,8 @@ def capacity(
     it has at most 4,000 requests, else its busiest window of about 2,500); prints the answer with its
     range (other busy windows or arrival seeds, the GPU profile's measured error), its cost, the curve
     measured and warnings where the answer is not to be trusted as is."""
-    from kvsim.sim.capacity import CapacitySearch, RangeVariants, capacity_range, choose_sample, find_capacity, parse_slo
+    from kvsim.sim.capacity import (CapacitySearch, RangeVariants, capacity_range, check_rate_search, choose_sample,
+                                    find_capacity, parse_slo)
 
     overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
                                  num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
@@ -178,6 +179,8 @@ def capacity(
         cfg = load_config(config, overrides, set_)
         constraints = parse_slo(slo)
         cfg, sample = choose_sample(cfg, window)
+        if mode == "rate":
+            check_rate_search(sample)
     except (ConfigError, TraceError) as exc:
         fail(str(exc))
     console.print(sample.describe(), highlight=False, soft_wrap=True)
