@@ -361,6 +361,19 @@ def _ints(text: str, option: str) -> list[int]:
     return values
 
 
+def _catalog_names(names: list[str], option: str, get) -> list[str]:
+    """The names as given, each checked against its catalog; a second spelling of one entry
+    (h100, H100-SXM) is dropped so it is not planned twice."""
+    from kvsim.sim.catalog import CatalogError
+    kept: dict[str, str] = {}
+    for name in names:
+        try:
+            kept.setdefault(get(name).name, name)
+        except CatalogError as exc:
+            raise CatalogError(f"{option}: {exc}") from None
+    return list(kept.values())
+
+
 def plan(
     slo: str = typer.Option(..., help='constraints, e.g. "ttft_p99<=2s,tpot_p99<=100ms"'),
     models: str = typer.Option(..., "--models", help="comma-separated catalog models, e.g. llama-3.1-8b,llama-3.1-70b"),
@@ -401,10 +414,7 @@ def plan(
     if out is not None:
         _check_store(out, "--out")
     try:
-        for name in model_list:
-            get_model(name)
-        for name in gpu_list:
-            get_gpu(name)
+        model_list, gpu_list = _catalog_names(model_list, "--models", get_model), _catalog_names(gpu_list, "--gpus", get_gpu)
         cfg = load_config(config, config_overrides(trace=trace, rate_scale=rate_scale, model=model_list[0],
                                                    gpu=gpu_list[0]), set_)
         if policy_list:
@@ -489,7 +499,11 @@ def _print_plan(result) -> None:
                           highlight=False, soft_wrap=True)
     for note in result.range_notes:
         console.print(f"note: {note}", highlight=False, soft_wrap=True)
-    for model in dict.fromkeys(s.cand.model for s in result.searches):
-        if model not in result.cheapest:
+    searched = {s.cand.model for s in result.searches}
+    for model in dict.fromkeys([s.cand.model for s in result.searches] + [c.model for c, _ in result.unfit]):
+        if model not in searched:
+            console.print(f"[red]{model}: no configuration can run (every GPU x TP above: cannot run)[/red]",
+                          soft_wrap=True)
+        elif model not in result.cheapest:
             console.print(f"[red]{model}: no configuration searched meets the SLO[/red]", soft_wrap=True)
     console.print(f"{result.simulations} simulations, {result.wall_s:.1f} s", highlight=False)
