@@ -106,3 +106,23 @@ def test_cli_vllm_needs_the_vllm_interpreter(monkeypatch):
     result = CliRunner().invoke(app, ["reference", "vllm", "--trace", str(DATA / "closed_batch" / "trace.jsonl"),
                                       "--num-gpu-blocks", "100"])
     assert result.exit_code == 2 and "--vllm-python" in result.output
+
+
+def test_cli_check_finds_the_recorded_scenarios_from_any_directory(tmp_path, monkeypatch):
+    """The default --dir was tests/data/vllm_reference under the current directory: from anywhere but
+    the repository root `kvsim reference check` said there were no recorded scenarios."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["reference", "check"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("identical") == len(RECORDED)
+    missing = CliRunner().invoke(app, ["reference", "check", "--dir", "nope"])
+    assert missing.exit_code == 2 and "--dir nope: no such directory" in missing.output
+
+
+def test_cli_record_scenarios_refuses_an_unknown_name_before_anything_runs(tmp_path, monkeypatch):
+    """--only with a misspelt name recorded nothing, silently, after converting the model."""
+    monkeypatch.delenv("KVSIM_VLLM_PYTHON", raising=False)
+    result = CliRunner().invoke(app, ["reference", "record-scenarios", "--only", "priority_preemptoin",
+                                      "--out", str(tmp_path / "rec")])
+    assert result.exit_code == 2 and "--only: unknown scenario 'priority_preemptoin'; known: " in result.output
+    assert "priority_preemption" in result.output and not (tmp_path / "rec").exists()

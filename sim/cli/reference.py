@@ -17,7 +17,10 @@ from .options import (MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, PrefixCachin
 app = typer.Typer(help="compare kvsim's schedule with a real vLLM engine's, step for step",
                   no_args_is_help=True)
 console = Console()
-DEFAULT_DATA = Path("tests/data/vllm_reference")
+# the recorded scenarios live in the source tree beside the package (sim/cli/ -> the repository root),
+# not under the current directory: `kvsim reference check` is the same from any directory
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "vllm_reference"
+DATA_HELP = "(default: tests/data/vllm_reference of the kvsim source tree)"
 VLLM_PYTHON_HELP = "python of the virtualenv where vLLM is installed (default: $KVSIM_VLLM_PYTHON)"
 
 
@@ -122,10 +125,13 @@ def _print_agreement(a, out: Path) -> None:
 
 
 @app.command("check")
-def check(directory: Path = typer.Option(DEFAULT_DATA, "--dir", help="recorded scenarios")) -> None:
+def check(directory: Optional[Path] = typer.Option(None, "--dir", help=f"recorded scenarios {DATA_HELP}")) -> None:
     """Replay every recorded vLLM scenario in kvsim (no vLLM needed) and report the agreement."""
     from kvsim.sim.reference.harness import check_scenario
 
+    directory = directory or DEFAULT_DATA
+    if not directory.is_dir():
+        fail(f"--dir {directory}: no such directory (expected the recorded scenarios, one subdirectory each)")
     dirs = sorted(p for p in directory.iterdir() if (p / "vllm_steps.parquet").exists()) if directory.is_dir() else []
     if not dirs:
         fail(f"--dir {directory}: no recorded scenarios (expected subdirectories with vllm_steps.parquet)")
@@ -144,7 +150,8 @@ def check(directory: Path = typer.Option(DEFAULT_DATA, "--dir", help="recorded s
 
 @app.command("record-scenarios")
 def record_scenarios(
-    out: Path = typer.Option(DEFAULT_DATA, "--out", parser=output_path(), help="where the scenario directories go"),
+    out: Optional[Path] = typer.Option(None, "--out", parser=output_path(),
+                                       help=f"where the scenario directories go {DATA_HELP}"),
     vllm_python: Optional[str] = typer.Option(None, help=VLLM_PYTHON_HELP),
     model_dir: Optional[Path] = typer.Option(None, help="SmolLM2 HF checkpoint"),
     only: list[str] = typer.Option([], "--only", help="scenario names (default: all)"),
@@ -153,6 +160,10 @@ def record_scenarios(
     from kvsim.sim.reference.harness import ReferenceError, record_scenario, write_scenario
     from kvsim.sim.reference.scenarios import SCENARIOS
 
+    unknown = sorted(set(only) - {sc.name for sc in SCENARIOS})
+    if unknown:
+        fail(f"--only: unknown scenario {unknown[0]!r}; known: {', '.join(sc.name for sc in SCENARIOS)}")
+    out = out or DEFAULT_DATA
     python = _vllm_python(vllm_python)
     model = _model_dir(model_dir, python)
     for scenario in SCENARIOS:
