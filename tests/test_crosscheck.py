@@ -261,3 +261,26 @@ def test_crosscheck_simulates_the_engine_as_the_replay_ran(tmp_path):
     bad = CliRunner().invoke(app, [*args, "--real", str(tmp_path / "other"), "--out", str(tmp_path / "cc2")])
     assert bad.exit_code != 0
     assert "engine.max_num_seqs: replay 8" in " ".join(bad.output.split())
+
+
+def test_crosscheck_refuses_a_reused_replay_of_another_workload_or_kv_policy(tmp_path):
+    """A --real replay of another window of the trace (or another rate, first N, KV policy) was
+    compared step by step with a simulation of this one: per-step errors of 13-20% and 'memory
+    identical: False' that were a wrong pairing, not a model error. It is refused, saying what differs."""
+    trace = synthesize(40, rate=20.0, prompt="uniform:64,400", output="uniform:4,40", seed=5)
+    path = trace.save(tmp_path / "t.jsonl")
+    base = {"model": "smollm2", "gpu": "cpu-2core", "profile": "cpu-2core", "engine.num_gpu_blocks": 200,
+            "engine.async_scheduling": False, "engine.enable_prefix_caching": False}
+    run_simulation(load_config(None, {**base, "trace": str(path), "trace_options.max_requests": 30}),
+                   tmp_path / "first30")                                    # stands in for a replay
+    args = ["crosscheck", "--trace", str(path), "--profile", "cpu-2core", "--model", "smollm2",
+            "--num-gpu-blocks", "200", "--real", str(tmp_path / "first30"), "--no-recorded"]
+    other = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "cc")])
+    assert other.exit_code == 2
+    assert "the replay's requests (30, ids 0-29) are not this cross-check's (40, ids 0-39)" in " ".join(
+        other.output.split())
+    policy = CliRunner().invoke(app, [*args, "--max-requests", "30", "--set", "kv.policy=streaming",
+                                      "--set", "kv.budget=64", "--out", str(tmp_path / "cc2")])
+    assert policy.exit_code == 2 and "kv.policy: replay 'none', here 'streaming'" in " ".join(policy.output.split())
+    same = CliRunner().invoke(app, [*args, "--max-requests", "30", "--out", str(tmp_path / "cc3")])
+    assert same.exit_code == 0, same.output

@@ -228,6 +228,7 @@ def crosscheck(
         cfg = replay_config(load_config(None, overrides, set_))
         for d in real:
             check_same_engine(cfg, d)
+            check_same_workload(cfg, d)
         real_dirs = list(real) or [out / ("real" if r == 1 else f"real-{r}") for r in range(1, repeats + 1)]
         if not real:
             for r, d in enumerate(real_dirs, start=1):
@@ -286,6 +287,43 @@ def check_same_engine(cfg, replay_dir: Path) -> None:
     if differ:
         raise ConfigError(f"--real {replay_dir}: the replay ran another engine configuration than this "
                           f"cross-check's ({'; '.join(differ)}); give the same options (or --set)")
+
+
+def check_same_workload(cfg, replay_dir: Path) -> None:
+    """Refuse a reused replay of another model, KV policy or workload (trace, window, rate, first N):
+    its requests (ids, arrivals, prompt lengths) must be the ones this cross-check simulates."""
+    import numpy as np
+    import pandas as pd
+    import yaml
+    from kvsim.sim.catalog import get_model
+    from kvsim.sim.config import ConfigError
+    from kvsim.sim.simulate import load_workload
+    recorded = yaml.safe_load((Path(replay_dir) / "config.yaml").read_text()) or {}
+    where = f"--real {replay_dir}: the replay ran"
+    theirs = recorded.get("model")
+    if theirs is not None and get_model(str(theirs)).name != get_model(cfg.model).name:
+        raise ConfigError(f"{where} model {theirs!r}, this cross-check {cfg.model!r}; give the same --model")
+    kv, ours = recorded.get("kv") or {}, cfg.kv.model_dump(mode="json")
+    differ = [f"kv.{k}: replay {kv[k]!r}, here {ours[k]!r}" for k in sorted(kv) if k in ours and kv[k] != ours[k]]
+    if differ:
+        raise ConfigError(f"{where} another KV configuration ({'; '.join(differ)}); give the replay's with --set")
+    requests_file = Path(replay_dir) / "requests.parquet"
+    if not requests_file.is_file():
+        raise ConfigError(f"--real {replay_dir}: no requests.parquet (not a kvsim replay output directory)")
+    real = pd.read_parquet(requests_file, columns=["request_id", "arrival_s", "prompt_tokens"]).sort_values("request_id")
+    want = load_workload(cfg).df.sort_values("request_id")
+    same = (len(real) == len(want) and np.array_equal(real["request_id"], want["request_id"])
+            and np.allclose(real["arrival_s"], want["arrival_time_s"], rtol=0, atol=1e-6)
+            and np.array_equal(real["prompt_tokens"], want["prompt_tokens"]))
+    if not same:
+        raise ConfigError(f"--real {replay_dir}: the replay's requests ({len(real)}, ids {_span(real['request_id'])}) "
+                          f"are not this cross-check's ({len(want)}, ids {_span(want['request_id'])}): they differ in "
+                          "count, ids, arrival times or prompt lengths; give the replay's --trace, --start-s/--end-s, "
+                          "--rate-scale and --max-requests")
+
+
+def _span(ids) -> str:
+    return f"{ids.min()}-{ids.max()}" if len(ids) else "none"
 
 
 def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, clock: str = "wall",
