@@ -90,13 +90,52 @@ MAX_SWEEP_RUNS = 100_000          # planned runs of one spec (each is checked an
 
 
 def run_id_of(cfg: SimConfig) -> str:
-    """Stable hash of the resolved config (every field, defaults included) and, for a plug-in policy,
-    the plug-in's identity (class and source hash: sim.kv.policy.policy_identity)."""
+    """Stable hash of the resolved config (every field, defaults included), of the content of the
+    files it names (input_file_digests) and, for a plug-in policy, the plug-in's identity (class and
+    source hash: sim.kv.policy.policy_identity)."""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     identity = policy_identity(cfg.kv.policy)
     if identity:
         blob += "|" + identity
+    files = input_file_digests(cfg)
+    if files:
+        blob += "|files:" + json.dumps(files, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def input_file_digests(cfg: SimConfig) -> dict[str, str]:
+    """{config key: content hash} of the user files the config names (a trace file, model / GPU /
+    profile / importance YAML, a tokenizer), so a run id changes when a file is rewritten in place
+    and a store never returns the results of the file's former content. Shipped names have none."""
+    from kvsim.traces.loaders import DATA_TRACES, TRACE_ALIASES
+    named = {"trace": None if cfg.trace in DATA_TRACES or cfg.trace in TRACE_ALIASES else cfg.trace,
+             "model": cfg.model, "gpu": cfg.gpu, "profile": cfg.profile, "kv.importance": cfg.kv.importance,
+             "trace_options.tokenizer": cfg.trace_options.tokenizer}
+    out = {}
+    for key, value in named.items():
+        path = Path(value) if value else None
+        if path is not None and path.is_dir():
+            path = next((path / f for f in ("config.json", "tokenizer.json") if (path / f).is_file()), None)
+        if path is not None and path.is_file():
+            out[key] = _file_digest(path)
+    return out
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of the file's bytes, cached while its size and modification time stay the same (a
+    capacity search asks once per point)."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()[:16]
+    return _DIGESTS[key]
 
 
 def _describe(values: dict) -> str:

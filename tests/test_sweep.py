@@ -319,3 +319,22 @@ def test_cost_columns_count_only_runs_meeting_the_slo(reference, tmp_path):
               tmp_path, SweepRunOptions(jobs=1), progress=False)
     row = read_store(tmp_path).iloc[0]
     assert not row["meets_slo"] and math.isnan(row["usd_per_m_output_tok"]) and row["usd_per_hour"] > 0
+
+
+def test_a_trace_file_rewritten_in_place_is_run_again_not_reused(tmp_path):
+    """The run id hashed the config only, so a trace file regenerated under the same name (or another
+    file of that relative name in another directory) reused the old file's rows: a store answered for
+    a workload that no longer exists. The id now covers the named files' content."""
+    from kvsim.traces.synthetic import synthesize
+    trace = tmp_path / "t.jsonl"
+    synthesize(20, rate=4.0, prompt="fixed:100", output="fixed:8", seed=1).save(trace)
+    spec = {"fixed": {"trace": str(trace), "engine.num_gpu_blocks": 1500}, "grid": {"engine.block_size": [16, 32]}}
+    first = parse_spec(spec)
+    assert run_sweep(first, tmp_path / "store", SweepRunOptions(jobs=1), progress=False).ran == 2
+    assert [r.run_id for r in parse_spec(spec).runs] == [r.run_id for r in first.runs]    # same content: same ids
+    synthesize(30, rate=4.0, prompt="fixed:200", output="fixed:8", seed=2).save(trace)
+    again = parse_spec(spec)
+    assert not {r.run_id for r in again.runs} & {r.run_id for r in first.runs}
+    assert run_sweep(again, tmp_path / "store", SweepRunOptions(jobs=1), progress=False).ran == 2
+    rows = read_store(tmp_path / "store").set_index("run_id")
+    assert list(rows.loc[[r.run_id for r in again.runs], "num_requests"]) == [30, 30]
