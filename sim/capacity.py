@@ -589,4 +589,18 @@ def capacity_range(cfg: SimConfig, constraints: list[Constraint], result: Capaci
     infeasible = [k for k, v in (*got_samples.items(), *got_band.items()) if v is None]
     if infeasible:
         notes.append(f"no point met the SLO for: {', '.join(infeasible)}")
-    return CapacityRange(result.answer, min(values), max(values), got_samples, got_band, notes)
+    spread = CapacityRange(result.answer, min(values), max(values), got_samples, got_band, notes)
+    if store is not None:
+        _write_range(Path(store), spread, sample)
+    return spread
+
+
+def _write_range(store: Path, spread: CapacityRange, sample: LoadSample) -> None:
+    """Add the range and the load sample it is for to the store's capacity.json (what the command
+    prints, for a script to read)."""
+    path = store / "capacity.json"
+    data = json.loads(path.read_text())
+    data["range"] = asdict(spread)
+    data["load_sample"] = {**asdict(sample), "description": sample.describe()}
+    with atomic_output(path) as tmp:
+        tmp.write_text(dumps_json(data, indent=2, default=_json_default))

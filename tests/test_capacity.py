@@ -116,7 +116,12 @@ def test_cli_capacity_prints_answer_and_cost(uniform, tmp_path):
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert "max rate scale" in res.output and "per million output tokens" in res.output
-    assert (tmp_path / "capacity.json").exists()
+    # the range printed is in capacity.json too (it was only printed), with the load sample it is for
+    saved = read_capacity(tmp_path)
+    low, high = saved["range"]["low"], saved["range"]["high"]
+    assert low <= saved["answer"] <= high and f"(range {low:.4g}-{high:.4g})" in res.output
+    assert set(saved["range"]["profile_band"]) == {"step times x0.952", "step times x1.05"}
+    assert saved["load_sample"]["requests"] == N and saved["load_sample"]["window"] == "full trace"
     bad = CliRunner().invoke(app, ["capacity", "--slo", "ttft_p99<=2"])
     assert bad.exit_code == 2 and "not a duration with a unit" in bad.output
 
