@@ -452,6 +452,8 @@ def drain_share(row: dict) -> float:
 def result_warnings(result: CapacityResult, max_evals: int | None = None) -> list[str]:
     """A search that hit its limit, or an answer whose latencies come from draining a queue."""
     out = []
+    if not result.feasible and result.curve is not None and len(result.curve):
+        out.append(_infeasible_warning(result, max_evals))
     if result.feasible and not result.bounded:
         out.append("the search limit was reached before any point failed the SLO: the answer is a lower bound "
                    "(raise --max-evals / --max-replicas, or the load)")
@@ -467,6 +469,25 @@ def result_warnings(result: CapacityResult, max_evals: int | None = None) -> lis
             out.append(f"drain-dominated: {share:.0%} of the answer's run is spent after the last arrival; its "
                        f"latencies describe a queue emptying, not steady load: use a longer window")
     return out
+
+
+def _infeasible_warning(result: CapacityResult, max_evals: int | None) -> str:
+    """Why no point met the SLO: the search's last point (the lowest rate, the most replicas) and what it
+    violated, and whether the search stopped at its limit or on a configuration that cannot meet it."""
+    rate = result.mode == "rate"
+    last = result.curve.iloc[0] if rate else result.curve.iloc[-1]
+    value, why = last["searched_value"], last.get("violations", "")
+    stopped = max_evals is not None and len(result.curve) >= max_evals
+    if rate:
+        head = f"no rate scale down to {value:g} ({last['offered_rate_req_s']:.3g} req/s offered) meets the SLO: {why}"
+        tail = (f"; the search stopped after {max_evals} simulations" if stopped else
+                "; nearly unloaded, this configuration's latency is above the SLO: loosen it, or give a faster "
+                "GPU, a higher TP degree or a smaller model")
+    else:
+        head = f"no replica count up to {value:g} meets the SLO: {why}"
+        tail = (f"; the search stopped after {max_evals} simulations" if stopped else
+                "; raise --max-replicas if more replicas keep lowering the latency")
+    return head + tail
 
 
 # ---- error bars: other samples, and the GPU profile's measured error -----------------------------

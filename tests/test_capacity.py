@@ -85,6 +85,14 @@ def test_unreachable_slo_is_reported_infeasible(uniform):
                            CapacitySearch(min_scale=0.25))
     assert not result.feasible and result.answer is None
     assert result.curve["meets_slo"].sum() == 0
+    # the output says why (it only said "no configuration searched meets the SLO")
+    from kvsim.sim.capacity import result_warnings
+    [why] = result_warnings(result, max_evals=24)
+    assert why.startswith("no rate scale down to 0.25 (") and f"(got {s * 1e3:.1f}ms)" in why
+    assert "nearly unloaded, this configuration's latency is above the SLO" in why
+    few = find_capacity(load_config(None, overrides), parse_slo(f"ttft_p99<={s * 0.5 * 1e3:.6f}ms"),
+                        CapacitySearch(mode="replicas", max_replicas=2))
+    assert result_warnings(few, max_evals=24)[0].startswith("no replica count up to 2 meets the SLO: ttft_p99<=")
 
 
 def test_parse_slo():
