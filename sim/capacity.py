@@ -28,6 +28,7 @@ LATENCY_METRICS += [f"itl_{q}" for q in ("p50", "p90", "p99")]
 PLAIN_METRICS = ["slo_attainment", "goodput_req_s", "throughput_req_s", "throughput_output_tok_s",
                  "kv_util_mean", "kv_util_max", "fragmentation_mean", "fragmentation_p99",
                  "preemption_rate", "num_rejected", "usd_per_m_output_tok"]
+FRACTION_METRICS = ("slo_attainment", "kv_util_mean", "kv_util_max", "fragmentation_mean", "fragmentation_p99")
 _OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": lambda v, lim: v <= lim, "<": lambda v, lim: v < lim,
     ">=": lambda v, lim: v >= lim, ">": lambda v, lim: v > lim,
@@ -60,12 +61,19 @@ def parse_slo(text: str) -> list[Constraint]:
         if name.endswith("_s") and name[:-2] in LATENCY_METRICS:
             name = name[:-2]
         if name in LATENCY_METRICS:
-            constraints.append(Constraint(f"{name}_s", op, parse_duration(raw, f"--slo {name}"), part))
+            limit = parse_duration(raw, f"--slo {name}")
+            if limit <= 0 and op in ("<=", "<"):
+                raise ConfigError(f"--slo: {part!r}: a latency is never {raw}; expected a limit above 0")
+            constraints.append(Constraint(f"{name}_s", op, limit, part))
         elif name in PLAIN_METRICS:
             try:
                 limit = float(raw)
             except ValueError:
                 raise ConfigError(f"--slo: {part!r}: {name} takes a plain number, got {raw!r}") from None
+            if not math.isfinite(limit):
+                raise ConfigError(f"--slo: {part!r}: {name} takes a finite number, got {raw!r}")
+            if name in FRACTION_METRICS and not 0 <= limit <= 1:
+                raise ConfigError(f"--slo: {part!r}: {name} is a fraction from 0 to 1 (0.99 = 99%), got {raw}")
             constraints.append(Constraint(name, op, limit, part))
         else:
             raise ConfigError(f"--slo: unknown metric {name!r} in {part!r}; latency metrics (with a unit): "
@@ -77,11 +85,13 @@ def parse_slo(text: str) -> list[Constraint]:
 
 def slo_for_goodput(cfg: SimConfig, constraints: list[Constraint]) -> SimConfig:
     """Use the SLO's TTFT/TPOT limits as the per-request thresholds behind goodput."""
-    update = {}
+    limits: dict[str, float] = {}
     for c in constraints:
         kind = c.metric.split("_")[0]
         if kind in ("ttft", "tpot") and c.op in ("<=", "<"):
-            update[kind] = f"{c.limit * 1e3:.12g}ms"
+            # several limits of one kind (ttft_p50<=200ms,ttft_p99<=2s): the loosest, whatever their order
+            limits[kind] = max(limits.get(kind, c.limit), c.limit)
+    update = {kind: f"{limit * 1e3:.12g}ms" for kind, limit in limits.items()}
     return cfg.model_copy(update={"slo": cfg.slo.model_copy(update=update)}) if update else cfg
 
 

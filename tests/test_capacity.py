@@ -109,10 +109,27 @@ def test_parse_slo():
     ("ttft_p99=2s", "is not METRIC<=VALUE"),
     ("slo_attainment>=high", "takes a plain number"),
     (" , ", "no constraint"),
+    # limits no run can meet (the search ran down to its lowest rate): refused before anything runs
+    ("slo_attainment>=1.5", "slo_attainment is a fraction from 0 to 1 .* got 1.5"),
+    ("goodput_req_s>=nan", "goodput_req_s takes a finite number, got 'nan'"),
+    ("throughput_req_s>=inf", "takes a finite number"),
+    ("ttft_p99<=0s", "a latency is never 0s; expected a limit above 0"),
 ])
 def test_parse_slo_errors(text, expected):
     with pytest.raises(ConfigError, match=expected):
         parse_slo(text)
+
+
+def test_goodput_thresholds_do_not_depend_on_the_constraints_order():
+    """Each TTFT/TPOT upper limit overwrote the per-request goodput threshold, so
+    'ttft_p99<=2s,ttft_p50<=200ms' counted good requests against 200 ms and the reverse order against
+    2 s: two answers (and two run ids) for one SLO. The loosest limit of each kind is the threshold."""
+    from kvsim.sim.capacity import slo_for_goodput
+    cfg = load_config(None, {})
+    one = slo_for_goodput(cfg, parse_slo("ttft_p99<=2s,ttft_p50<=200ms,tpot_p99<=100ms"))
+    two = slo_for_goodput(cfg, parse_slo("tpot_p99<=100ms,ttft_p50<=200ms,ttft_p99<=2s"))
+    assert one.slo == two.slo and one.slo.ttft == two.slo.ttft
+    assert math.isclose(parse_slo(f"ttft_p99<={one.slo.ttft}")[0].limit, 2.0)
 
 
 def test_cli_capacity_prints_answer_and_cost(uniform, tmp_path):
