@@ -646,6 +646,8 @@ def run_sweep(plan: SweepPlan, store: str | Path, options: SweepRunOptions = Swe
               on_row: Callable[[dict], None] | None = None) -> SweepResult:
     """Run the plan's runs that are not in the store yet, writing each row as it finishes, as
     `options` says (SweepRunOptions)."""
+    if options.max_runs is not None and options.max_runs < 0:
+        raise ValueError(f"max_runs: expected a number of runs >= 0, got {options.max_runs}")
     t0 = time.perf_counter()
     store = Path(store)
     _write_plan(store, plan, spec_text)

@@ -103,6 +103,18 @@ def test_model_that_fits_only_at_higher_tp_is_accepted_there():
         parse_spec({**spec, "runs": [{"model": "llama-3.1-70b", "gpu": "h100", "tp": 1}]})
 
 
+def test_negative_max_runs_is_refused_not_sliced(tmp_path):
+    """--max-runs -1 printed '-1 to run now' and ran all pending runs but the last (a list slice)."""
+    from kvsim.sim.cli import app
+    spec = write_spec(tmp_path / "spec.yaml", SPEC)
+    res = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "store"), "--max-runs", "-1"])
+    assert res.exit_code == 2 and "--max-runs: expected a number of runs >= 0, got -1" in res.output
+    assert not (tmp_path / "store").exists()
+    with pytest.raises(ValueError, match="max_runs"):
+        run_sweep(parse_spec(SPEC), tmp_path / "py", SweepRunOptions(max_runs=-1), progress=False)
+    assert not (tmp_path / "py" / "runs").exists()
+
+
 def test_cli_rejects_bad_spec_before_running_anything(tmp_path):
     from kvsim.sim.cli import app
     spec = write_spec(tmp_path / "bad.yaml", {"fixed": SMALL, "grid": {"engine.max_num_seqs": [8, -1]}})

@@ -53,6 +53,8 @@ def sweep(
         fail("--executor dask needs --scheduler tcp://HOST:PORT (a running dask scheduler)")
     if jobs is not None and jobs < 1:
         fail(f"--jobs: expected a positive number, got {jobs}")
+    if max_runs is not None and max_runs < 0:
+        fail(f"--max-runs: expected a number of runs >= 0, got {max_runs}")
     _check_store(out, "--out", overwrite)
     try:
         plan = load_spec(spec)
