@@ -266,3 +266,28 @@ def test_cpu_profile_regeneration_fits_every_repeat_into_the_shipped_files(tmp_p
     assert profile[-6:] == ("--out", str(regen.SHIPPED_PROFILE), "--model", "smollm2-135m", "--gpu", "cpu-2core")
     assert importance == ("calibrate", "--attention", str(cal / "replay-sweep"), "--decisions",
                           str(cal / "replay-h2o-b64"), "--out", str(regen.SHIPPED_IMPORTANCE))
+
+
+def test_cli_refuses_a_simulated_log_or_one_measured_on_another_model(tmp_path):
+    """A `kvsim simulate` output was fitted as measurements (the simulator's own predictions), and a
+    replay of SmolLM2 was fitted as the --model given (Llama-3.1-8B): two profiles that look fitted
+    and are meaningless. Both are refused naming the log; a replay of the model given is fitted."""
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulate import run_simulation
+    run_simulation(load_config(None, {"model": "smollm2", "gpu": "cpu-2core", "profile": "cpu-2core",
+                                      "trace_options.max_requests": 8, "engine.num_gpu_blocks": 400}), tmp_path / "sim")
+    res = CliRunner().invoke(app, ["calibrate", str(tmp_path / "sim"), "--out", str(tmp_path / "p.yaml")])
+    assert res.exit_code == 2 and "a `kvsim simulate` step log: its duration_s are the simulator's predictions" in (
+        " ".join(res.output.split()))
+    replay = tmp_path / "replay"                     # a replay's files: a measured step log and its config
+    replay.mkdir()
+    synthetic_steps().to_parquet(replay / "steps.parquet")
+    (replay / "summary.json").write_text('{"replay": {"device": "cpu"}}')
+    (replay / "config.yaml").write_text("model: smollm2-135m\ntp: 1\n")
+    other = CliRunner().invoke(app, ["calibrate", str(replay), "--out", str(tmp_path / "p.yaml"),
+                                     "--model", "llama-3.1-8b"])
+    assert other.exit_code == 2
+    assert "measured on smollm2-135m (its config.yaml), not --model llama-3.1-8b" in " ".join(other.output.split())
+    tp = CliRunner().invoke(app, ["calibrate", str(replay), "--out", str(tmp_path / "p.yaml"), "--tp", "2"])
+    assert tp.exit_code == 2 and "measured at tp=1" in tp.output
+    assert not (tmp_path / "p.yaml").exists()

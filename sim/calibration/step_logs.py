@@ -43,6 +43,35 @@ def load_step_logs(paths: list[str | Path], *, recompute_shapes: bool = True) ->
     return pd.concat(frames, ignore_index=True)
 
 
+def check_measured_on(paths: list[str | Path], model: str, tp: int) -> None:
+    """Refuse a step log whose run directory says it is no measurement of `model` at `tp`: a `kvsim
+    simulate` output (its durations are the cost model's predictions; summary.json without `replay`)
+    or a replay of another model or TP degree (its config.yaml). A bare steps.parquet is taken as is."""
+    import json
+
+    import yaml
+
+    from kvsim.sim.catalog import get_model
+    want = get_model(model).name
+    for entry in paths:
+        for q in (q for q in str(entry).split(",") if q):
+            path = _step_log_path(q)
+            summary, config = path.parent / "summary.json", path.parent / "config.yaml"
+            try:
+                info = json.loads(summary.read_text()) if summary.is_file() else None
+            except ValueError:
+                raise CalibrationError(f"{summary}: not valid JSON (a replay writes it with its step log)") from None
+            if isinstance(info, dict) and "replay" not in info:
+                raise CalibrationError(f"{path}: a `kvsim simulate` step log: its duration_s are the simulator's "
+                                       "predictions, not measured times; calibrate needs a replay (kvsim replay)")
+            recorded = (yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+            if recorded.get("model") is not None and get_model(str(recorded["model"])).name != want:
+                raise CalibrationError(f"{path}: measured on {recorded['model']} (its config.yaml), not --model "
+                                       f"{model}; give --model {recorded['model']}")
+            if recorded.get("tp") is not None and int(recorded["tp"]) != tp:
+                raise CalibrationError(f"{path}: measured at tp={recorded['tp']} (its config.yaml), not --tp {tp}")
+
+
 def _step_log_path(p: str | Path) -> Path:
     path = Path(p)
     if path.is_dir():

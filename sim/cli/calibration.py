@@ -101,7 +101,8 @@ def calibrate(
 
 def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, options: FitOptions, command: str) -> None:
     from kvsim.sim.calibration.profile_fit import fit_profile, profile_meta
-    from kvsim.sim.calibration.step_logs import load_step_logs
+    from kvsim.sim.calibration.step_logs import check_measured_on, load_step_logs
+    check_measured_on(step_logs, model, tp)
     steps = load_step_logs(step_logs)
     described = replace(options, description=f"fitted by kvsim calibrate on {len(steps)} measured steps of {model}")
     report = fit_profile(steps, model, gpu, base_profile=base_profile, tp=tp, options=described)
