@@ -163,6 +163,10 @@ def build_report(store: str | Path, out: str | Path | None = None) -> Path:
     store = Path(store)
     df = read_store(store)
     if df.empty:
+        if (store / "summary.json").is_file() and (store / "steps.parquet").is_file():
+            raise ValueError(f"{store}: one run's output (kvsim simulate / replay), not a store; kvsim report draws "
+                             "the stores of kvsim sweep, capacity and plan (--out); one run is drawn by the "
+                             "dashboard's Memory and Time series pages")
         raise ValueError(f"{store}: no runs in this store (expected {store}/runs/*.parquet; run `kvsim sweep` first)")
     out = Path(out) if out else store / "report.html"
     metrics = _metric_columns(df)

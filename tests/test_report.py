@@ -92,6 +92,11 @@ def test_cli_report_errors_name_the_directory(tmp_path):
     assert res.exit_code == 2 and "no runs in this store" in res.output
     res = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert res.exit_code == 2 and "not a directory" in res.output
+    # a simulate output is not a store: say so (it said 'no runs in this store ... run kvsim sweep first')
+    from kvsim.sim.simulate import run_simulation
+    run_simulation(load_config(None, {**SMALL, "trace_options.max_requests": 10}), tmp_path / "sim")
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "sim")])
+    assert res.exit_code == 2 and "one run's output (kvsim simulate / replay), not a store" in res.output
 
 
 @pytest.mark.parametrize("name, text, expected", [
