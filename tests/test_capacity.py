@@ -207,8 +207,15 @@ def test_busiest_windows_find_the_bursts_in_order_without_overlap():
 def test_window_errors_say_what_was_expected(spec, message):
     from kvsim.traces import TraceError
     from kvsim.traces.windows import resolve_window
-    with pytest.raises(TraceError, match=message):
-        resolve_window(_trace(np.arange(1000.0)), spec)
+    with pytest.raises(TraceError, match=message) as exc:
+        resolve_window(_named(_trace(np.arange(1000.0)), "steady"), spec)
+    if "duration" not in message:
+        assert str(exc.value).startswith("steady: window ")     # the trace is named, not '<trace>'
+
+
+def _named(trace, name: str):
+    trace.name = name
+    return trace
 
 
 def test_representative_sample_is_the_full_trace_when_small_else_its_peak():

@@ -73,6 +73,7 @@ def busiest_windows(arrivals: np.ndarray, duration_s: float, k: int = 1) -> list
 def resolve_window(trace: Trace, spec: str) -> Window:
     """A window spec (see WINDOW_HELP) on `trace` -> the window in trace seconds."""
     text = spec.strip()
+    where = trace.source or trace.name or None     # names the trace in every error
     arrivals = trace.df["arrival_time_s"].to_numpy()
     if text in ("full", "all", ""):
         return Window(None, None, "full trace", len(arrivals))
@@ -81,11 +82,11 @@ def resolve_window(trace: Trace, spec: str) -> Window:
         duration = parse_duration_s(peak.group(1), f"window {spec!r}")
         rank = int(peak.group(2) or 1)
         if rank < 1:
-            raise TraceError(None, None, f"window {spec!r}: peak rank must be >= 1")
+            raise TraceError(where, None, f"window {spec!r}: peak rank must be >= 1")
         found = busiest_windows(arrivals, duration, rank)
         if len(found) < rank:
-            raise TraceError(None, None, f"window {spec!r}: the trace ({trace.duration_s:.0f} s) has only "
-                                         f"{len(found)} non-overlapping {peak.group(1)} windows")
+            raise TraceError(where, None, f"window {spec!r}: the trace ({trace.duration_s:.0f} s) has only "
+                                          f"{len(found)} non-overlapping {peak.group(1)} windows")
         start, n = found[rank - 1]
         return Window(start, start + duration, text, n)
     span = _SPAN.fullmatch(text)
@@ -94,15 +95,15 @@ def resolve_window(trace: Trace, spec: str) -> Window:
             else None
         end = parse_duration_s(span.group(2), f"window {spec!r} end") if span.group(2).strip() else None
         if start is not None and end is not None and not end > start:
-            raise TraceError(None, None, f"window {spec!r}: end must be after start")
+            raise TraceError(where, None, f"window {spec!r}: end must be after start")
         lo = start if start is not None else -math.inf
         hi = end if end is not None else math.inf
         n = int(((arrivals >= lo) & (arrivals < hi)).sum())
         if n == 0:
-            raise TraceError(None, None, f"window {spec!r}: no request arrives in it (the trace spans "
-                                         f"{arrivals[0]:.0f}-{arrivals[-1]:.0f} s)")
+            raise TraceError(where, None, f"window {spec!r}: no request arrives in it (the trace spans "
+                                          f"{arrivals[0]:.0f}-{arrivals[-1]:.0f} s)")
         return Window(start, end, text, n)
-    raise TraceError(None, None, f"window {spec!r}: expected {WINDOW_HELP}")
+    raise TraceError(where, None, f"window {spec!r}: expected {WINDOW_HELP}")
 
 
 def representative_window(trace: Trace, *, full_max_requests: int = 4000,
