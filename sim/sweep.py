@@ -109,7 +109,8 @@ def input_file_digests(cfg: SimConfig) -> dict[str, str]:
     and a store never returns the results of the file's former content. Shipped names have none."""
     from kvsim.traces.loaders import DATA_TRACES, TRACE_ALIASES
     named = {"trace": None if cfg.trace in DATA_TRACES or cfg.trace in TRACE_ALIASES else cfg.trace,
-             "model": cfg.model, "gpu": cfg.gpu, "profile": cfg.profile, "kv.importance": cfg.kv.importance,
+             "model": cfg.model, "gpu": cfg.gpu, "profile": cfg.profile.rpartition("*")[0] or cfg.profile,  # NAME*K
+             "kv.importance": cfg.kv.importance,
              "trace_options.tokenizer": cfg.trace_options.tokenizer}
     out = {}
     for key, value in named.items():

@@ -350,3 +350,16 @@ def test_a_trace_file_rewritten_in_place_is_run_again_not_reused(tmp_path):
     assert run_sweep(again, tmp_path / "store", SweepRunOptions(jobs=1), progress=False).ran == 2
     rows = read_store(tmp_path / "store").set_index("run_id")
     assert list(rows.loc[[r.run_id for r in again.runs], "num_requests"]) == [30, 30]
+
+
+def test_a_profile_file_and_its_scaled_band_variant_are_hashed_by_content(tmp_path):
+    """capacity's profile band runs 'FILE*K': its id must follow the file's content as FILE's does."""
+    from kvsim.sim.sweep import input_file_digests, run_id_of
+    profile = tmp_path / "p.yaml"
+    profile.write_text((Path(__file__).resolve().parents[1] / "sim" / "data" / "profiles" / "cpu-2core.yaml").read_text())
+    cfg = load_config(None, {"model": "smollm2", "gpu": "cpu-2core", "profile": f"{profile}*0.95"})
+    before = (input_file_digests(cfg), run_id_of(cfg))
+    assert set(before[0]) == {"profile"}
+    profile.write_text(profile.read_text() + "\n# edited\n")
+    after = (input_file_digests(cfg), run_id_of(cfg))
+    assert after[0]["profile"] != before[0]["profile"] and after[1] != before[1]
