@@ -474,11 +474,19 @@ def result_warnings(result: CapacityResult, max_evals: int | None = None) -> lis
                    f"[{result.answer:g}, {failing.min():g}] still open")
     if result.feasible and result.answer_run_id is not None:
         row = result.curve.set_index("run_id").loc[result.answer_run_id].to_dict()
+        rejected = int(row.get("num_rejected") or 0)
+        if rejected:
+            out.append(f"{rejected:,} of {int(row['num_requests']):,} requests were rejected at the answer ({REJECTED}); "
+                       "they are in no latency and no goodput: the answer is for the others only")
         share = drain_share(row)
         if share > DRAIN_WARN_SHARE:
             out.append(f"drain-dominated: {share:.0%} of the answer's run is spent after the last arrival; its "
                        f"latencies describe a queue emptying, not steady load: use a longer window")
     return out
+
+
+REJECTED = ("they can never fit: prompt + output above max_model_len, or more KV blocks than the pool holds; "
+            "`kvsim simulate` with the same options gives each one's reject_reason")
 
 
 def _infeasible_warning(result: CapacityResult, max_evals: int | None) -> str:
@@ -487,6 +495,9 @@ def _infeasible_warning(result: CapacityResult, max_evals: int | None) -> str:
     rate = result.mode == "rate"
     last = result.curve.iloc[0] if rate else result.curve.iloc[-1]
     value, why = last["searched_value"], last.get("violations", "")
+    if not last.get("num_finished") and last.get("num_rejected"):
+        return (f"every request was rejected ({REJECTED}), at {result.mode} {value:g} as at every point: the "
+                "workload does not fit this configuration")
     stopped = max_evals is not None and len(result.curve) >= max_evals
     if rate:
         head = f"no rate scale down to {value:g} ({last['offered_rate_req_s']:.3g} req/s offered) meets the SLO: {why}"

@@ -174,6 +174,26 @@ def test_rate_search_on_a_sample_arriving_all_at_once_is_refused(tmp_path):
     assert drawn.exit_code == 0 and "max rate scale" in drawn.output
 
 
+def test_rejected_requests_are_said_not_hidden(tmp_path):
+    """Requests that can never fit (over max_model_len) are rejected and fall out of every percentile:
+    the search answered for the others without a word. Now a warning counts them at the answer, and
+    when every request is rejected the infeasible answer says that instead of 'latency above the SLO'."""
+    from kvsim.sim.capacity import result_warnings
+    path = tmp_path / "mixed.csv"
+    path.write_text("arrival_time_s,prompt_tokens,output_tokens\n"
+                    + "".join(f"{i},{100 if i % 2 else 3000},8\n" for i in range(20)))
+    base = {"trace": str(path), "engine.num_gpu_blocks": 2000}
+    some = find_capacity(load_config(None, {**base, "engine.max_model_len": 2000}), parse_slo("ttft_p99<=2s"),
+                         CapacitySearch(max_evals=3))
+    assert some.feasible
+    assert any(w.startswith("10 of 20 requests were rejected at the answer (they can never fit")
+               for w in result_warnings(some, max_evals=3))
+    none = find_capacity(load_config(None, {**base, "engine.max_model_len": 50}), parse_slo("ttft_p99<=2s"),
+                         CapacitySearch(max_evals=3))
+    [why] = result_warnings(none, max_evals=3)
+    assert not none.feasible and why.startswith("every request was rejected (they can never fit")
+
+
 # ---- load windows and the representative sample ------------------------------------------------
 
 def _trace(arrivals):
