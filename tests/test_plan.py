@@ -113,19 +113,21 @@ def test_cli_plan_prints_each_configuration_and_the_cheapest(uniform, tmp_path):
         assert out.exit_code == 2 and message in out.output, out.output
 
 
-def test_cli_plan_names_a_model_that_cannot_run_and_plans_an_alias_once(uniform):
+def test_cli_plan_names_a_model_that_cannot_run_and_plans_an_alias_once(uniform, tmp_path):
     """A model with no configuration that fits got no line of its own (only the table's 'cannot
     run' rows); a second spelling of one catalog entry (l4, L4) was planned as another GPU."""
     from kvsim.sim.cli import app
     overrides, slo = uniform
     args = ["plan", "--slo", "ttft_p99<=2s", "--models", "llama-3.1-70b,llama-3.1-8b,Llama-3.1-8B",
             "--gpus", "t4,T4", "--tps", "1", "--trace", overrides["trace"], "--set", "trace_options.max_requests=4",
-            "--set", "engine.num_gpu_blocks=400", "--repeats", "1", "--no-band", "-j", "1", "-q"]
+            "--set", "engine.num_gpu_blocks=400", "--repeats", "1", "--no-band", "-j", "1", "-q", "--out", str(tmp_path)]
     res = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
     assert res.exit_code == 1, res.output
     text = " ".join(res.output.split())
     assert "llama-3.1-70b: no configuration can run" in text and "llama-3.1-8b: no configuration can run" in text
-    assert text.count("cannot run: Llama-3.1-8B") == 1 and "Llama-3.1-8B: no" not in text
+    assert "Llama-3.1-8B: no" not in text
+    saved = json.loads((tmp_path / "plan-result.json").read_text())
+    assert sorted(u["config"] for u in saved["unfit"]) == ["llama-3.1-70b t4 TP1", "llama-3.1-8b t4 TP1"]
 
 
 def test_candidates_cross_models_gpus_tps_and_policies():
