@@ -5,6 +5,8 @@ both produce the same schemas; steps.parquet is written by `sim.metrics.StepLog`
 """
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,6 +80,9 @@ def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summar
     and config.yaml (steps.parquet is written by the StepLog)."""
     if req_df is not None:
         pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
+    # an infinite configured rate is a setting, not a division by zero: "inf", as vllm bench serve writes it
+    summary = {**summary, **{key: "inf" for key in ("request_rate", "burstiness")
+                             if isinstance(summary.get(key), float) and math.isinf(summary[key])}}
     # NaN (e.g. a percentile of no finished request) becomes null with a reason: JSON has no NaN
     (out / "summary.json").write_text(dumps_json(summary, indent=2, default=float))
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -1,5 +1,6 @@
 """Load options as `vllm bench serve` applies them: --request-rate/--burstiness arrivals for traces without
 arrival times, and --max-concurrency (closed loop: an asyncio semaphore of C permits, FIFO)."""
+import json
 import math
 
 import numpy as np
@@ -167,6 +168,27 @@ def test_cli_load_options(tmp_path):
     np.testing.assert_allclose(req["client_arrival_s"], vllm_bench_arrivals(30, 5.0, 2.0, seed=1))
     r = CliRunner().invoke(app, ["simulate", "--trace", str(csv), "--burstiness", "2", "-q", "-o", str(out)])
     assert r.exit_code == 2 and "burstiness 2 has no effect without request_rate" in r.output
+
+
+def test_cli_infinite_request_rate_and_burstiness_are_accepted_as_documented(tmp_path):
+    """`--request-rate inf` (vllm bench serve's default) and `burstiness: .inf` were refused as non-finite."""
+    csv = tmp_path / "lengths.csv"
+    csv.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{100 + i},{10 + i}\n" for i in range(6)))
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(csv), "--request-rate", "inf", "-q", "-o",
+                                 str(tmp_path / "inf")])
+    assert r.exit_code == 0, r.output
+    assert not pd.read_parquet(tmp_path / "inf" / "requests.parquet")["arrival_s"].any()
+    summary = json.loads((tmp_path / "inf" / "summary.json").read_text())
+    assert summary["request_rate"] == "inf" and "request_rate" not in summary.get("null_reasons", {})
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(csv), "--request-rate", "2", "--set",
+                                 "trace_options.burstiness=.inf", "-q", "-o", str(tmp_path / "regular")])
+    assert r.exit_code == 0, r.output
+    arrivals = pd.read_parquet(tmp_path / "regular" / "requests.parquet")["arrival_s"]
+    np.testing.assert_allclose(arrivals, [0.5, 1.0, 1.5, 2.0, 2.5, 3.0])
+    for bad in ("nan", "-inf"):
+        r = CliRunner().invoke(app, ["simulate", "--trace", str(csv), "--request-rate", bad, "-q", "-o",
+                                     str(tmp_path / "bad")])
+        assert r.exit_code == 2 and "trace_options.request_rate" in r.output
 
 
 def test_a_trace_without_arrival_times_run_as_one_batch_says_so(tmp_path):
