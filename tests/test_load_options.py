@@ -199,3 +199,15 @@ def test_a_trace_without_arrival_times_run_as_one_batch_says_so(tmp_path):
     r = CliRunner().invoke(app, ["simulate", "--trace", str(csv), "--max-concurrency", "1", "-q", "-o",
                                  str(tmp_path / "b")])
     assert r.exit_code == 0 and "note:" not in r.output
+
+
+@pytest.mark.parametrize("window, match", [
+    ({"trace_options.start_s": 1e5}, r"no request of 'azure-conv-2023' arrives in \[100000, inf\) s; its arrivals "
+                                     r"span 0 to 3501.72 s"),
+    ({"trace_options.start_s": 10.0, "trace_options.end_s": 10.001}, r"arrives in \[10, 10.001\) s"),
+    ({"trace_options.start_s": 100.0, "trace_options.end_s": 50.0}, "end_s .50. must be greater than"),
+])
+def test_a_window_without_requests_is_refused_not_run_as_an_empty_result(window, match):
+    """Was: exit 0 with num_requests 0 and every metric null, as if the run had answered something."""
+    with pytest.raises(ConfigError, match=match):
+        sim({"trace": "azure-conv-2023", **window})
