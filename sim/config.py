@@ -149,6 +149,10 @@ class TraceOptions(_Strict):
         if self.columns is not None and self.format not in GENERIC_FORMATS:
             raise ValueError(f"columns map a csv, jsonl or parquet log; give format: csv|jsonl|parquet "
                              f"(got format {self.format!r})")
+        if self.time_unit != "s" and self.format not in GENERIC_FORMATS:
+            # a detected format has its own unit (Mooncake: ms); the option would be ignored
+            raise ValueError(f"time_unit {self.time_unit!r} applies to a csv, jsonl or parquet log's epoch times; "
+                             f"give format: csv|jsonl|parquet (got format {self.format!r})")
         if self.max_concurrency is not None and self.arrival_unit == "step":
             raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
         return self

@@ -229,6 +229,13 @@ def test_columns_without_a_generic_format_are_refused():
         load_config(None, {"trace_options.columns": "arrival=t"})
 
 
+def test_a_time_unit_for_a_detected_format_is_refused_not_ignored():
+    """Was: `--time-unit ms` on a Mooncake (or any detected) trace ran with the option silently ignored."""
+    with pytest.raises(ConfigError, match="time_unit 'ms' applies to a csv, jsonl or parquet log"):
+        load_config(None, {"trace": "mooncake-conversation", "trace_options.time_unit": "ms"})
+    load_config(None, {"trace_options.format": "jsonl", "trace_options.time_unit": "ms"})
+
+
 def test_shipped_tokenizer_equals_the_real_backends_smollm2_tokenizer():
     """traces/data/tokenizers/smollm2-135m.json (built by traces.tokenizer.build_smollm2_tokenizer) tokenizes
     as the backend's own BPE over the GGUF's tables does."""
