@@ -35,7 +35,7 @@ def load_workload(cfg: SimConfig):
     trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate} if opts.rate else {}), seed=cfg.seed,
                        **trace_file_options(opts))
     if opts.start_s is not None or opts.end_s is not None:
-        trace = trace.window(opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
+        trace = _window(trace, opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
     if opts.max_requests is not None:
         trace = trace.head(opts.max_requests)
     if opts.request_rate is not None:
@@ -47,6 +47,18 @@ def load_workload(cfg: SimConfig):
     if opts.rate_scale != 1.0:
         trace = trace.scale_rate(opts.rate_scale)
     return trace
+
+
+def _window(trace, start_s: float, end_s: float):
+    """The requests arriving in [start_s, end_s); an empty window is refused (a run of nothing is no answer)."""
+    if len(trace) and end_s <= start_s:
+        raise ConfigError(f"trace_options.end_s ({end_s:g}) must be greater than trace_options.start_s ({start_s:g})")
+    last = float(trace.df["arrival_time_s"].max()) if len(trace) else 0.0
+    window = trace.window(start_s, end_s)
+    if not len(window):
+        raise ConfigError(f"trace_options.start_s/end_s: no request of {trace.name or trace.source!r} arrives in "
+                          f"[{start_s:g}, {end_s:g}) s; its arrivals span 0 to {last:g} s")
+    return window
 
 
 def trace_file_options(opts) -> dict:

@@ -577,7 +577,9 @@ def get_model(name_or_path: str | Path | ModelSpec) -> ModelSpec:
         if hf is not None:
             return ModelSpec(**model_fields_from_hf_config(hf))
     except (HFConfigError, ValidationError) as exc:
-        message = str(exc) if isinstance(exc, HFConfigError) else f"{hf}: {str(exc).splitlines()[-1].strip()}"
+        message = str(exc) if isinstance(exc, HFConfigError) else f"{hf}: " + "; ".join(
+            ".".join(map(str, e["loc"])) + (": " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+            for e in exc.errors())      # was the last line of pydantic's text: its documentation link
         raise CatalogError(message) from None
     return _models().get(name_or_path)
 

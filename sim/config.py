@@ -118,10 +118,11 @@ class TraceOptions(_Strict):
     arrival_unit: Literal["time", "step"] = Field(
         "time", description="step: arrival_time_s holds the engine step before which a request arrives")
     # the load options of `vllm bench serve` (docs/traces.md, "Load as vllm bench serve applies it")
+    # .inf is a value here, as in vllm bench serve (all at once; constant gaps): the only config floats that take it
     request_rate: float | None = Field(
-        None, gt=0, description="vllm bench serve --request-rate: req/s for a trace without arrival times "
+        None, gt=0, allow_inf_nan=True, description="vllm bench serve --request-rate: req/s for a trace without arrival times "
                                 "(.inf: all at t=0)")
-    burstiness: float = Field(1.0, gt=0, description="Gamma shape of the gaps with request_rate: 1 Poisson, "
+    burstiness: float = Field(1.0, gt=0, allow_inf_nan=True, description="Gamma shape of the gaps with request_rate: 1 Poisson, "
                                                      "<1 burstier, >1 more regular")
     max_concurrency: int | None = Field(
         None, gt=0, description="vllm bench serve --max-concurrency: at most this many requests in flight; "
@@ -148,6 +149,10 @@ class TraceOptions(_Strict):
         if self.columns is not None and self.format not in GENERIC_FORMATS:
             raise ValueError(f"columns map a csv, jsonl or parquet log; give format: csv|jsonl|parquet "
                              f"(got format {self.format!r})")
+        if self.time_unit != "s" and self.format not in GENERIC_FORMATS:
+            # a detected format has its own unit (Mooncake: ms); the option would be ignored
+            raise ValueError(f"time_unit {self.time_unit!r} applies to a csv, jsonl or parquet log's epoch times; "
+                             f"give format: csv|jsonl|parquet (got format {self.format!r})")
         if self.max_concurrency is not None and self.arrival_unit == "step":
             raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
         return self

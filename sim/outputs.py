@@ -5,12 +5,15 @@ both produce the same schemas; steps.parquet is written by `sim.metrics.StepLog`
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
 import pyarrow.parquet as pq
 import yaml
+
+from kvsim.traces.loaders import DATA_TRACES
 
 from .config import SimConfig
 from .core.prefix_lookups import PrefixLookups
@@ -78,6 +81,32 @@ def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summar
     and config.yaml (steps.parquet is written by the StepLog)."""
     if req_df is not None:
         pq.write_table(requests_arrow(req_df), out / "requests.parquet", use_dictionary=False)
+    # an infinite configured rate is a setting, not a division by zero: "inf", as vllm bench serve writes it
+    summary = {**summary, **{key: "inf" for key in ("request_rate", "burstiness")
+                             if isinstance(summary.get(key), float) and math.isinf(summary[key])}}
     # NaN (e.g. a percentile of no finished request) becomes null with a reason: JSON has no NaN
     (out / "summary.json").write_text(dumps_json(summary, indent=2, default=float))
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    (out / "config.yaml").write_text(yaml.safe_dump(portable_config(cfg.model_dump(mode="json")), sort_keys=False))
+
+
+# config keys that may name a file; read relative to the working directory, so config.yaml keeps them absolute
+_FILE_SUFFIXES = {".yaml", ".yml", ".json", ".jsonl", ".csv", ".parquet"}
+_PATH_KEYS = (("trace",), ("model",), ("gpu",), ("profile",), ("kv", "importance"), ("trace_options", "tokenizer"))
+
+
+def portable_config(data: dict) -> dict:
+    """`data` with each relative file path of _PATH_KEYS made absolute, so `kvsim simulate -c OUT/config.yaml`
+    reads the same files from any directory (names of shipped traces, catalog entries and profiles stay)."""
+    for keys in _PATH_KEYS:
+        parent = data
+        for key in keys[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        value = parent.get(keys[-1]) if isinstance(parent, dict) else None
+        if not isinstance(value, str):
+            continue
+        file_part, sep, entry = value.partition("#")          # catalog files may pick an entry: file.yaml#Name
+        path = Path(file_part)
+        looks_like_a_file = "/" in file_part or path.suffix.lower() in _FILE_SUFFIXES
+        if looks_like_a_file and not path.is_absolute() and path.exists() and value not in DATA_TRACES:
+            parent[keys[-1]] = str(path.resolve()) + sep + entry
+    return data

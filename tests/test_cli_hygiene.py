@@ -85,3 +85,24 @@ def test_models_and_gpus_list_the_catalog_figures(tmp_path):
     gpus = {g["name"]: g for g in json.loads(run("gpus", "--json").output)}
     assert gpus["H100-SXM"]["memory_bw_gbps"] == 3350 and "fp8" not in gpus["T4"]["tflops"]
     assert run("gpus").exit_code == 0 and "H200" in run("gpus").output
+
+
+def test_a_runs_config_yaml_reruns_from_another_directory(tmp_path, monkeypatch):
+    """config.yaml kept --trace and --model as typed (relative), so `kvsim simulate -c OUT/config.yaml`
+    failed from any other directory, or read another directory's file of the same name."""
+    work = tmp_path / "work"
+    (work / "hf").mkdir(parents=True)
+    (work / "t.csv").write_text("arrival_time_s,prompt_tokens,output_tokens\n0,50,4\n0.1,60,5\n")
+    (work / "hf" / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, '
+        '"num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048}')
+    monkeypatch.chdir(work)
+    r = run("simulate", "--trace", "t.csv", "--model", "hf/config.json", "--gpu", "l4", "-q", "-o", "run")
+    assert r.exit_code == 0, r.output
+    cfg = yaml.safe_load((work / "run" / "config.yaml").read_text())
+    assert cfg["trace"] == str(work / "t.csv") and cfg["model"] == str(work / "hf" / "config.json")
+    assert cfg["gpu"] == "l4"                                      # a catalog name stays a name
+    monkeypatch.chdir(tmp_path)
+    r = run("simulate", "-c", str(work / "run" / "config.yaml"), "-q", "-o", "again")
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "again" / "requests.parquet").read_bytes() == (work / "run" / "requests.parquet").read_bytes()

@@ -107,6 +107,8 @@ def test_quantized_and_float32_checkpoints(tmp_path):
     ({"torch_dtype": "int8"}, "field 'torch_dtype'"),
     ({"num_local_experts": 8}, "mixture-of-experts config but .num_experts_per_tok."),
     ({"quantization_config": {"quant_method": "hqq"}}, "quant_method 'hqq'"),
+    # checked by the model entry, not the reader: was pydantic's last line, its documentation link
+    ({"num_local_experts": 8, "num_experts_per_tok": 9}, r"experts_per_token \(9\) must be in 1..num_experts \(8\)$"),
 ])
 def test_bad_config_json_is_one_line_naming_file_and_field(tmp_path, change, message):
     config = {**QWEN25_05B_INSTRUCT, **change}

@@ -136,6 +136,8 @@ def test_config_errors_name_the_option():
     cost = CostModel(MODEL, "l4")
     with pytest.raises(ValueError, match="policy 'h2o' has no parameter"):
         build_kv(KVConfig(policy="h2o", params={"windw": 3}), cost.model, cost, 100, 16, 0)
+    with pytest.raises(ValueError, match=r"^kv.budget \(--budget\): policy 'streaming' has no parameter"):
+        build_kv(KVConfig(policy="streaming", budget=64), cost.model, cost, 100, 16, 0)   # was: 'kv.params'
     with pytest.raises(ValueError, match="kv.slot_strategy"):
         load_config(None, {"kv.slot_strategy": "defrag"})
     with pytest.raises(ValueError, match="kv.high_tier: unknown precision tier"):

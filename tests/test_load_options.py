@@ -1,5 +1,6 @@
 """Load options as `vllm bench serve` applies them: --request-rate/--burstiness arrivals for traces without
 arrival times, and --max-concurrency (closed loop: an asyncio semaphore of C permits, FIFO)."""
+import json
 import math
 
 import numpy as np
@@ -169,6 +170,27 @@ def test_cli_load_options(tmp_path):
     assert r.exit_code == 2 and "burstiness 2 has no effect without request_rate" in r.output
 
 
+def test_cli_infinite_request_rate_and_burstiness_are_accepted_as_documented(tmp_path):
+    """`--request-rate inf` (vllm bench serve's default) and `burstiness: .inf` were refused as non-finite."""
+    csv = tmp_path / "lengths.csv"
+    csv.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{100 + i},{10 + i}\n" for i in range(6)))
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(csv), "--request-rate", "inf", "-q", "-o",
+                                 str(tmp_path / "inf")])
+    assert r.exit_code == 0, r.output
+    assert not pd.read_parquet(tmp_path / "inf" / "requests.parquet")["arrival_s"].any()
+    summary = json.loads((tmp_path / "inf" / "summary.json").read_text())
+    assert summary["request_rate"] == "inf" and "request_rate" not in summary.get("null_reasons", {})
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(csv), "--request-rate", "2", "--set",
+                                 "trace_options.burstiness=.inf", "-q", "-o", str(tmp_path / "regular")])
+    assert r.exit_code == 0, r.output
+    arrivals = pd.read_parquet(tmp_path / "regular" / "requests.parquet")["arrival_s"]
+    np.testing.assert_allclose(arrivals, [0.5, 1.0, 1.5, 2.0, 2.5, 3.0])
+    for bad in ("nan", "-inf"):
+        r = CliRunner().invoke(app, ["simulate", "--trace", str(csv), "--request-rate", bad, "-q", "-o",
+                                     str(tmp_path / "bad")])
+        assert r.exit_code == 2 and "trace_options.request_rate" in r.output
+
+
 def test_a_trace_without_arrival_times_run_as_one_batch_says_so(tmp_path):
     csv = tmp_path / "lengths.csv"
     csv.write_text("num_prefill_tokens,num_decode_tokens\n100,10\n200,20\n")
@@ -177,3 +199,15 @@ def test_a_trace_without_arrival_times_run_as_one_batch_says_so(tmp_path):
     r = CliRunner().invoke(app, ["simulate", "--trace", str(csv), "--max-concurrency", "1", "-q", "-o",
                                  str(tmp_path / "b")])
     assert r.exit_code == 0 and "note:" not in r.output
+
+
+@pytest.mark.parametrize("window, match", [
+    ({"trace_options.start_s": 1e5}, r"no request of 'azure-conv-2023' arrives in \[100000, inf\) s; its arrivals "
+                                     r"span 0 to 3501.72 s"),
+    ({"trace_options.start_s": 10.0, "trace_options.end_s": 10.001}, r"arrives in \[10, 10.001\) s"),
+    ({"trace_options.start_s": 100.0, "trace_options.end_s": 50.0}, "end_s .50. must be greater than"),
+])
+def test_a_window_without_requests_is_refused_not_run_as_an_empty_result(window, match):
+    """Was: exit 0 with num_requests 0 and every metric null, as if the run had answered something."""
+    with pytest.raises(ConfigError, match=match):
+        sim({"trace": "azure-conv-2023", **window})

@@ -74,6 +74,20 @@ def test_convert_length_only_with_rate_then_sample(tmp_path):
     pd.testing.assert_frame_equal(load_trace(out).df, expected.df)
 
 
+def test_stats_and_convert_read_a_gateway_log_through_its_column_mapping(tmp_path):
+    log = tmp_path / "gateway.jsonl"
+    log.write_text('{"t": 1764064800000, "u": {"p": 10, "o": 5}}\n{"t": 1764064800500, "u": {"p": 20, "o": 6}}\n')
+    reader = ["--trace-format", "jsonl", "--trace-columns", "arrival=t,prompt_tokens=u.p,output_tokens=u.o",
+              "--time-unit", "ms"]
+    result = kvsim("stats", log, "--json", *reader)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)[0]["span_s"] == 0.5
+    result = kvsim("convert", log, tmp_path / "native.parquet", *reader)
+    assert result.exit_code == 0, result.output
+    t = load_trace(tmp_path / "native.parquet")
+    assert t.df["arrival_time_s"].tolist() == [0.0, 0.5] and t.df["prompt_tokens"].tolist() == [10, 20]
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["stats", "{bad}"], "{bad}:3: ContextTokens: expected an integer >= 1, got '-2'"),
     (["stats", "nothing-here.csv"], "no such file, and not a shipped trace name"),
@@ -83,6 +97,9 @@ def test_convert_length_only_with_rate_then_sample(tmp_path):
     (["convert", "azure-code-2023", "{out}", "--rate", "2"], "rate/cv apply only to length-only traces"),
     (["synth", "{out}", "--prompt", "gauss:5"], "length spec 'gauss:5'"),
     (["synth", "{out}", "--rate", "-1"], "rate must be a finite number > 0"),
+    (["convert", "{bad}", "{bad}"], "{bad}: is the source trace"),        # was: the source overwritten
+    (["stats", "{bad}", "--trace-columns", "arrival=t"], "--trace-columns reads a csv, jsonl or parquet log"),
+    (["convert", "{bad}", "{out}", "--time-unit", "ms"], "--time-unit reads a csv, jsonl or parquet log"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(tmp_path, args, fragment):
     bad = tmp_path / "bad.csv"

@@ -224,6 +224,8 @@ ROW = "2023-11-16 18:15:46.6805900,374,44\n"
     ("time,prompt,output\n1,2,3\n", 1, "is not a known trace format"),
     ("arrived_at,num_prefill_tokens,num_decode_tokens\nsoon,5,5\n", 2, "arrived_at: expected a time in seconds"),
     ("num_prefill_tokens,num_decode_tokens\n5,5\n5,x\n", 3, "num_decode_tokens: expected an integer >= 0, got 'x'"),
+    # a first row longer than the header would become an index, shifting every column
+    ("arrived_at,num_prefill_tokens,num_decode_tokens\n0,100,20,7\n0.5,5,30,8\n", 2, "malformed row: 4 fields"),
 ])
 def test_bad_csv_files_name_file_line_and_expectation(tmp_path, body, line, fragment):
     assert_trace_error(write(tmp_path, "bad.csv", body), line, fragment)

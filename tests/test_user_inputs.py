@@ -181,9 +181,59 @@ def test_bad_column_mappings_are_one_line(tmp_path, kwargs, match):
     assert "\n" not in str(err.value)
 
 
+GATEWAY_COLS = "arrival=ts,prompt_tokens=inp,output_tokens=out"
+
+
+@pytest.mark.parametrize("body, line, fragment", [
+    # every row one field more than the header: pandas would take the first field as an index and
+    # shift the columns (ts <- inp, inp <- out, out <- the extra field), silently
+    ("ts,inp,out\n0,100,20,7\n0.5,5,30,8\n", 2, "malformed row: 4 fields, expected 3 as in the header"),
+    ("ts,inp,out\n0,100,20\n0.5,5,30,9\n", 3, "malformed row: 4 fields, expected 3 as in the header"),
+    ("ts,inp,out\n0,100,20\n\n0.5,abc,30\n", 4, "inp: expected an integer >= 1, got 'abc'"),   # blank line counted
+    ("ts,inp,out\n0,100,20\nnan,100,30\n", 3, "ts: expected an ISO-8601 time"),                 # not line 2's '0'
+    ("ts,inp,out\n0,100,20\n1,100,30\nsoon,1,1\n", 4, "got 'soon'"),
+    ("ts,inp,out\n2026-11-25T10:00:00Z,1,1\n2026-11-25T10:00:01Z,1,1\n7,1,1\n", 4, "got '7'"),
+])
+def test_bad_gateway_csv_rows_name_their_own_line(tmp_path, body, line, fragment):
+    path = tmp_path / "log.csv"
+    path.write_text(body)
+    with pytest.raises(TraceError) as err:
+        load_trace(path, format="csv", columns=GATEWAY_COLS)
+    assert str(err.value).startswith(f"{path}:{line}: ") and fragment in str(err.value), str(err.value)
+
+
+def test_a_null_time_in_a_jsonl_log_names_its_line(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"ts": 0, "inp": 1, "out": 1}\n{"ts": null, "inp": 1, "out": 1}\n')
+    with pytest.raises(TraceError, match=r"log.jsonl:2: ts: .* got nothing \(missing value\)"):
+        load_trace(path, format="jsonl", columns=GATEWAY_COLS)
+
+
+def test_parquet_timestamp_column_is_read_as_times_not_epoch_numbers(tmp_path):
+    for tz in ("UTC", None):
+        times = pd.to_datetime(["2026-11-25T10:00:00.0", "2026-11-25T10:00:02.5"], format="ISO8601").tz_localize(tz)
+        pd.DataFrame({"ts": times, "inp": [7, 8], "out": [1, 2]}).to_parquet(tmp_path / "log.parquet")
+        t = load_trace(tmp_path / "log.parquet", format="parquet", columns=GATEWAY_COLS)
+        np.testing.assert_allclose(t.df["arrival_time_s"], [0.0, 2.5])
+
+
+def test_a_bench_result_with_a_non_numeric_send_time_names_the_field(tmp_path):
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"input_lens": [5, 6], "output_lens": [1, 2], "start_times": [0.0, "a"]}))
+    with pytest.raises(TraceError, match=r"b.json: 'start_times'\[1\]: expected a send time in seconds, got 'a'"):
+        load_trace(path)
+
+
 def test_columns_without_a_generic_format_are_refused():
     with pytest.raises(ConfigError, match="columns map a csv, jsonl or parquet log"):
         load_config(None, {"trace_options.columns": "arrival=t"})
+
+
+def test_a_time_unit_for_a_detected_format_is_refused_not_ignored():
+    """Was: `--time-unit ms` on a Mooncake (or any detected) trace ran with the option silently ignored."""
+    with pytest.raises(ConfigError, match="time_unit 'ms' applies to a csv, jsonl or parquet log"):
+        load_config(None, {"trace": "mooncake-conversation", "trace_options.time_unit": "ms"})
+    load_config(None, {"trace_options.format": "jsonl", "trace_options.time_unit": "ms"})
 
 
 def test_shipped_tokenizer_equals_the_real_backends_smollm2_tokenizer():

@@ -37,7 +37,8 @@ from kvsim.sim.safe_io import InputError, check_input_file, safe_json_loads
 from kvsim.traces.arrivals import arrivals
 from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.trace import NATIVE_METADATA_KEY, Trace, _session_column
-from kvsim.traces.user_formats import TIME_UNITS, read_mapped_table, sharegpt_lengths, vllm_bench_columns
+from kvsim.traces.user_formats import (TIME_UNITS, check_csv_fields, malformed_csv, read_mapped_table,
+                                       sharegpt_lengths, vllm_bench_columns)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
@@ -340,11 +341,8 @@ def _read_csv(path: Path, required: tuple[str, ...], fmt: str) -> tuple[pd.DataF
     except pd.errors.EmptyDataError:
         raise TraceError(path, 1, f"empty file; expected a {fmt} CSV header {','.join(required)}") from None
     except pd.errors.ParserError as exc:
-        match = re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", str(exc))
-        if not match:
-            raise TraceError(path, None, f"malformed CSV: {exc}") from None
-        expected, line, saw = match.groups()
-        raise TraceError(path, int(line), f"malformed row: {saw} fields, expected {expected} as in the header") from None
+        raise malformed_csv(path, exc) from None
+    check_csv_fields(path, df)
     df.columns = [str(c).strip() for c in df.columns]
     missing = [c for c in required if c not in df.columns]
     if missing:
@@ -640,15 +638,22 @@ def _generic(fmt: str):
 
 def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str) -> np.ndarray:
     """Epoch numbers (in `unit`) or ISO-8601 strings -> seconds from the first request."""
-    if pd.to_numeric(raw, errors="coerce").notna().all():
-        # epoch numbers are large by nature: the bound on arrival times applies once they are relative
-        values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)", maximum=np.inf) * TIME_UNITS[unit]
-        relative = values - values.min()
-        return _floats(relative, rows, name, "a time span from the first request (s)")
-    parsed = pd.to_datetime(raw.astype(str).str.strip(), format="ISO8601", utc=True, errors="coerce")
+    if pd.api.types.is_datetime64_any_dtype(raw):       # a Parquet timestamp column: times, not epoch numbers
+        parsed = pd.to_datetime(raw, utc=True)
+    else:
+        numeric = ~np.isnan(_numbers(raw))
+        if numeric.all():
+            # epoch numbers are large by nature: the bound on arrival times applies once they are relative
+            values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)", maximum=np.inf) * TIME_UNITS[unit]
+            relative = values - values.min()
+            return _floats(relative, rows, name, "a time span from the first request (s)")
+        text = raw.astype(str).where(raw.notna(), "").str.strip()
+        parsed = pd.to_datetime(text, format="ISO8601", utc=True, errors="coerce")
     bad = parsed.isna().to_numpy()
     if bad.any():
-        row = int(np.flatnonzero(bad)[0])
+        # mixed epoch numbers and text: the first value not of the column's majority kind is the one named
+        majority_numeric = not pd.api.types.is_datetime64_any_dtype(raw) and numeric.sum() > (~bad).sum()
+        row = int(np.flatnonzero(~numeric if majority_numeric else bad)[0])
         raise rows.error(row, f"{name}: expected an ISO-8601 time (2026-11-25T17:00:00.123Z) or an epoch number, "
                               f"got {_describe(raw.iloc[row])}")
     return (parsed - parsed.min()).dt.total_seconds().to_numpy(dtype=np.float64)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +103,9 @@ def vllm_bench_columns(path: Path) -> dict:
     for key in ("output_lens", *MEASURED, "start_times", "errors"):
         if key in data and (not isinstance(data[key], list) or len(data[key]) != n):
             raise TraceError(path, None, f"'{key}': expected a list of {n} values, one per request (as input_lens)")
+    for i, v in enumerate(data.get("start_times") or []):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TraceError(path, None, f"'start_times'[{i}]: expected a send time in seconds, got {v!r:.40}")
     errors = data.get("errors") or [""] * n
     ok = np.array([not e for e in errors], dtype=bool)
     ok &= np.array([isinstance(v, (int, float)) and v > 0 for v in data["output_lens"]], dtype=bool)
@@ -175,13 +179,19 @@ def _read_table(path: Path, fmt: str) -> tuple[pd.DataFrame, np.ndarray | None]:
             raise TraceError(path, None, f"unreadable Parquet file ({exc}); expected --trace-format parquet") from None
     if fmt == "csv":
         try:
-            df = pd.read_csv(path, dtype=str, keep_default_na=False, encoding="utf-8-sig")
-        except (pd.errors.EmptyDataError, pd.errors.ParserError) as exc:
+            df = pd.read_csv(path, dtype=str, keep_default_na=False, skip_blank_lines=False, encoding="utf-8-sig")
+        except pd.errors.EmptyDataError as exc:
             raise TraceError(path, None, f"not a CSV table with a header line ({str(exc).splitlines()[0]})") from None
+        except pd.errors.ParserError as exc:
+            raise malformed_csv(path, exc) from None
+        check_csv_fields(path, df)
         df.columns = [str(c).strip() for c in df.columns]
+        lines = np.arange(len(df), dtype=np.int64) + 2
+        blank = (df == "").all(axis=1).to_numpy()
+        df, lines = df[~blank].reset_index(drop=True), lines[~blank]
         if df.empty:
             raise TraceError(path, 2, "no requests: the CSV has a header but no data rows")
-        return df, np.arange(len(df), dtype=np.int64) + 2
+        return df, lines
     records, lines = [], []
     with open(path, encoding="utf-8-sig") as f:
         for line_no, line in enumerate(f, start=1):
@@ -198,6 +208,24 @@ def _read_table(path: Path, fmt: str) -> tuple[pd.DataFrame, np.ndarray | None]:
     if not records:
         raise TraceError(path, None, "no requests: the file has no JSON lines")
     return pd.DataFrame(records), np.array(lines)
+
+
+def malformed_csv(path: Path, exc: Exception) -> TraceError:
+    """pandas' 'Expected 3 fields in line 5, saw 4' as 'path:5: malformed row: ...'."""
+    match = re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", str(exc))
+    if not match:
+        return TraceError(path, None, f"malformed CSV: {str(exc).splitlines()[0]}")
+    expected, line, saw = match.groups()
+    return TraceError(path, int(line), f"malformed row: {saw} fields, expected {expected} as in the header")
+
+
+def check_csv_fields(path: Path, df: pd.DataFrame) -> None:
+    """Refuse a CSV whose first data row has more fields than its header: pandas would take the extra
+    leading fields as an index and shift every column by them, silently."""
+    if not isinstance(df.index, pd.RangeIndex):
+        expected = len(df.columns)
+        raise TraceError(path, 2, f"malformed row: {expected + df.index.nlevels} fields, expected {expected} "
+                                  "as in the header")
 
 
 def _flatten(record: dict, prefix: str = "") -> dict:

@@ -12,12 +12,12 @@ from rich.console import Console
 from rich.table import Table
 
 from kvsim.traces.errors import TraceError, TraceWarning
-from kvsim.traces.loaders import DATA_TRACES, load_trace
+from kvsim.traces.loaders import DATA_TRACES, FORMATS, GENERIC_FORMATS, load_trace, resolve_trace_path
 from kvsim.traces.stats import trace_stats
 from kvsim.traces.synthetic import synthesize
 from kvsim.traces.trace import Trace
 
-from .options import output_path
+from .options import TimeUnit, Tokenizer, TraceColumns, TraceFormat, output_path
 
 app = typer.Typer(help="Inspect, synthesize and convert request traces. Shipped traces: "
                        + ", ".join(DATA_TRACES), no_args_is_help=True)
@@ -30,6 +30,10 @@ def _console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=None if Console().is_terminal else 160, highlight=False)
 
 
+class _OptionError(ValueError):
+    """An option given that this command cannot use: 'error: --option ...', exit status 2."""
+
+
 def _exits_cleanly(command):
     """Bad input ends with 'error: path:line: reason' on stderr and exit status 2, not a traceback."""
 
@@ -39,11 +43,28 @@ def _exits_cleanly(command):
             warnings.simplefilter("ignore", TraceWarning)  # notices are printed from trace.notices
             try:
                 return command(*args, **kwargs)
-            except (TraceError, OSError) as exc:
+            except (TraceError, _OptionError, OSError) as exc:
                 _console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
                 raise typer.Exit(2) from None
 
     return wrapper
+
+
+def _reader_options(trace_format: str | None, trace_columns: str | None, time_unit: str | None,
+                    tokenizer: str | None) -> dict:
+    """load_trace's format options, refused where they would be ignored (as `simulate` refuses them)."""
+    generic = trace_format in GENERIC_FORMATS
+    if trace_format is not None and trace_format not in FORMATS:
+        raise _OptionError(f"--trace-format {trace_format!r}; expected one of {', '.join(FORMATS)}")
+    for option, value in (("--trace-columns", trace_columns), ("--time-unit", time_unit)):
+        if value is not None and not generic:
+            raise _OptionError(f"{option} reads a csv, jsonl or parquet log; give --trace-format csv|jsonl|parquet")
+    options = {"format": trace_format} if trace_format else {}
+    if generic:
+        options.update(columns=trace_columns, time_unit=time_unit or "s")
+    if tokenizer is not None:
+        options["tokenizer"] = tokenizer
+    return options
 
 
 def _print_notices(trace: Trace, console: Console) -> None:
@@ -86,9 +107,13 @@ def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped sh
           rate: Optional[float] = typer.Option(None, help=RATE_HELP),
           cv: Optional[float] = typer.Option(None, help=CV_HELP),
           seed: int = typer.Option(0, help="Seed for synthesized arrivals."),
-          as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON instead of a table.")):
+          as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON instead of a table."),
+          trace_format: TraceFormat = None, trace_columns: TraceColumns = None, time_unit: TimeUnit = None,
+          tokenizer: Tokenizer = None):
     """Count, time span, mean rate, inter-arrival CV, prompt/output length percentiles and prefix reuse."""
-    traces = [load_trace(f, rate=rate, cv=cv, seed=seed) if _is_length_only(f) else load_trace(f) for f in files]
+    reader = _reader_options(trace_format, trace_columns, time_unit, tokenizer)
+    traces = [load_trace(f, rate=rate, cv=cv, seed=seed, **reader) if _is_length_only(f, trace_format)
+              else load_trace(f, **reader) for f in files]
     figures = [trace_stats(t) for t in traces]
     console = _console()
     if as_json:
@@ -107,10 +132,10 @@ def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped sh
         _print_notices(t, console)
 
 
-def _is_length_only(source: str) -> bool:
+def _is_length_only(source: str, trace_format: str | None = None) -> bool:
     from kvsim.traces.loaders import LENGTH_ONLY_FORMATS, detect_format, resolve_trace_path
 
-    return detect_format(resolve_trace_path(source)[0]) in LENGTH_ONLY_FORMATS
+    return (trace_format or detect_format(resolve_trace_path(source)[0])) in LENGTH_ONLY_FORMATS
 
 
 @app.command()
@@ -147,11 +172,17 @@ def convert(source: str = typer.Argument(..., help="Input trace file (any suppor
             head: Optional[int] = typer.Option(None, help="Keep the first N requests."),
             sample: Optional[int] = typer.Option(None, help="Keep N requests drawn at random (seeded)."),
             max_model_len: Optional[int] = typer.Option(None, help="Clip prompt+output to this many tokens."),
-            name: Optional[str] = typer.Option(None, help="Trace name stored in the file.")):
+            name: Optional[str] = typer.Option(None, help="Trace name stored in the file."),
+            trace_format: TraceFormat = None, trace_columns: TraceColumns = None, time_unit: TimeUnit = None,
+            tokenizer: Tokenizer = None):
     """Convert a trace to kvsim's native format, optionally windowing, rescaling, sampling and clipping.
 
     Transforms apply in this order: window, scale-rate, head, sample, clip."""
-    trace = load_trace(source, rate=rate, cv=cv, seed=seed)
+    source_path = resolve_trace_path(source)[0]
+    if Path(out).resolve() == source_path.resolve():
+        raise TraceError(out, None, "is the source trace; write the converted trace to another file")
+    trace = load_trace(source, rate=rate, cv=cv, seed=seed,
+                       **_reader_options(trace_format, trace_columns, time_unit, tokenizer))
     if start is not None or end is not None:
         trace = trace.window(start or 0.0, float("inf") if end is None else end)
     if scale_rate is not None:

@@ -297,7 +297,8 @@ def get_policy(name: str, **params) -> EvictionPolicy:
     accepted = [p for p in sig.parameters if p != "self"]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
-        raise PolicyError(f"kv.params: policy {name!r} has no parameter(s) {unknown}; "
+        where = "kv.budget (--budget)" if unknown == ["budget"] else "kv.params"    # budget is its own option
+        raise PolicyError(f"{where}: policy {name!r} has no parameter(s) {unknown}; "
                           f"it accepts {accepted or 'none'}")
     try:
         return cls(**params)
