@@ -46,6 +46,8 @@ def test_engine_and_window_options_reach_the_config(tmp_path):
     (["--budget", "128"], "--budget (kv.budget): policy none keeps every token"),
     (["--compression-rate", "2"], "policy none compresses nothing"),
     (["--kv-mode", "fast"], "--kv-mode fast (kv.mode): with policy none"),
+    (["--slot-strategy", "compact"], "--slot-strategy compact (kv.slot_strategy): policy none evicts nothing"),
+    (["--layout", "per_head", "--slot-strategy", "slot_reuse"], "policy none evicts nothing"),
     (["--num-gpu-blocks", "200000"], "390.6 GiB of KV cache per GPU, but H100-SXM has 79.11 GiB"),
     (["--burstiness", "0.5"], "burstiness 0.5 has no effect without request_rate"),
     (["--gpu", "t4", "--model", "llama-3.2-1b", "--weight-dtype", "fp8"], "T4 predates Ampere"),
@@ -54,6 +56,17 @@ def test_ineffective_or_impossible_options_are_one_line(tmp_path, args, message)
     r = run("simulate", "--max-requests", "5", *args, "-q", "-o", str(tmp_path / "x"))
     assert r.exit_code == 2 and message in r.output
     assert r.output.count("\n") == 1 and r.output.startswith("error: ")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "64"], "--budget (kv.budget): policy none keeps every token"),
+    (["--slot-strategy", "sparse_copy"], "--slot-strategy sparse_copy (kv.slot_strategy): policy none evicts nothing"),
+])
+def test_replay_refuses_kv_options_policy_none_would_ignore(tmp_path, args, message):
+    r = run("replay", "--trace", "azure-conv-2023", "--max-requests", "2", "--num-gpu-blocks", "40", *args, "-q",
+            "-o", str(tmp_path / "x"))
+    assert r.exit_code == 2 and message in r.output
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_pool_check_passes_what_fits(tmp_path):

@@ -73,7 +73,7 @@ def replay(
     attention_stats.parquet into --out. Ctrl-C writes a partial result."""
     from kvsim.sim.config import ConfigError, load_config
 
-    from .simulate import print_summary
+    from .simulate import print_summary, refuse_ineffective_kv
 
     overrides = config_overrides(
         trace=trace, model=model, gpu=gpu, profile=profile, seed=seed, check_invariants=check_invariants,
@@ -85,6 +85,7 @@ def replay(
         trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
+        refuse_ineffective_kv(cfg.kv)
         from kvsim.sim.results import check_out_dir, check_out_owner
         check_out_dir(out)                  # before the model loads
         check_out_owner(out, overwrite=overwrite)

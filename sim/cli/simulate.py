@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvsim.sim.config import ConfigError, load_config
+from kvsim.sim.config import ConfigError, KVConfig, load_config
 
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPrefill, EndS, ExpertParallel,
                       LongPrefillTokenThreshold,
@@ -128,7 +128,11 @@ def refuse_ineffective(cfg) -> None:
         raise ConfigError(f"--weight-dtype fp8: {gpu.name} predates Ampere; vLLM runs FP8 weights only on compute "
                           "capability 8.0+ (Marlin weight-only on Ampere, native FP8 on Ada/Hopper); expected "
                           "int8, int4 or fp16 weights on it")
-    kv = cfg.kv
+    refuse_ineffective_kv(cfg.kv)
+
+
+def refuse_ineffective_kv(kv) -> None:
+    """KV options that policy none would silently ignore (simulate and replay)."""
     if kv.policy == "none":
         if kv.budget is not None:
             raise ConfigError("--budget (kv.budget): policy none keeps every token; a budget needs an eviction "
@@ -139,6 +143,9 @@ def refuse_ineffective(cfg) -> None:
         if kv.mode == "fast" and kv.layout == "shared":
             raise ConfigError("--kv-mode fast (kv.mode): with policy none and the shared layout the plain vLLM "
                               "KV manager runs, which has no fast mode; drop it or give an eviction policy")
+        if kv.slot_strategy != KVConfig.model_fields["slot_strategy"].default:
+            raise ConfigError(f"--slot-strategy {kv.slot_strategy} (kv.slot_strategy): policy none evicts nothing, "
+                              "so no slot strategy applies; drop it or give an eviction policy (--policy h2o, ...)")
 
 
 @contextmanager
