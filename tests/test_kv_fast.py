@@ -158,3 +158,18 @@ def test_scheduler_decode_batch_path_schedules_as_the_per_request_loop(monkeypat
     assert batched["preemptions"].sum() > 0
     for col in ("batch_size", "blocks_used", "live_slots", "preemptions", "evicted_tokens", "duration_s"):
         assert np.array_equal(batched[col].to_numpy(), looped[col].to_numpy()), col
+
+
+@pytest.mark.parametrize("trigger", ["pressure", "every_n", "after_prefill"])
+def test_fast_mode_refuses_a_trigger_it_would_ignore(trigger):
+    # fast mode evicts on the policy's own trigger: another kv.trigger once changed nothing, silently
+    from kvsim.sim.config import ConfigError, KVConfig
+    from kvsim.sim.cost_model import CostModel
+    from kvsim.sim.executor import build_kv
+    cost = CostModel("smollm2-135m", "h100")
+    with pytest.raises(ConfigError, match=f"kv.trigger={trigger}: fast mode runs policy 'h2o' on its own trigger"):
+        build_kv(KVConfig(policy="h2o", budget=32, layout="per_head", mode="fast", trigger=trigger),
+                 cost.model, cost, 100, 16, 0)
+    for same in ("policy", "every_step"):       # h2o's own trigger, named or not
+        build_kv(KVConfig(policy="h2o", budget=32, layout="per_head", mode="fast", trigger=same),
+                 cost.model, cost, 100, 16, 0)

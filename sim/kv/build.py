@@ -93,12 +93,21 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
                 else SampledRowsKVManager
             return cls(pool_blocks, block_size, ctx, policy, fast, token)
         if kv.mode == "fast":
+            _check_fast_trigger(kv, policy)
             from .fast import FastKVManager     # here: it loads numba (its kernels), which token mode never needs
             return FastKVManager(pool_blocks, block_size, ctx, policy, fast)
         importance = SyntheticImportance(ctx, kv.importance, seed) if (policy.needs_scores or policy.evicts) else None
     except ImportanceError as exc:
         raise ConfigError(f"kv.importance: {exc}") from None
     return EvictingKVManager(pool_blocks, block_size, ctx, policy, importance, token)
+
+
+def _check_fast_trigger(kv, policy) -> None:
+    """Fast mode evicts where the policy's `fast_mode_profile` says, on the policy's own trigger; another one
+    would be ignored."""
+    if kv.trigger not in ("policy", policy.default_trigger):
+        raise ConfigError(f"kv.trigger={kv.trigger}: fast mode runs policy {kv.policy!r} on its own trigger "
+                          f"({policy.default_trigger}); use kv.mode=token for another trigger")
 
 
 def _check_fast_age_profile(importance: str) -> None:
