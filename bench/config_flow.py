@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import ast
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
 DEFAULT = ["simulate", "--trace", "azure-conv-2023", "--model", "llama-3.1-8b", "--gpu", "h100",
-           "--max-requests", "2000", "-q", "--out", "/tmp/kvsim-config-flow"]
+           "--max-requests", "2000", "-q", "--out", str(Path(tempfile.gettempdir()) / "kvsim-config-flow")]
 
 
 def config_types() -> tuple[type, ...]:

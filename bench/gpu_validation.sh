@@ -8,8 +8,8 @@
 #
 #   bench/gpu_validation.sh [OUT] [--tiny] [--gpu CATALOG_GPU]      (OUT default runs/gpu-validation)
 set -euo pipefail
-out="${1:-runs/gpu-validation}"
-shift || true
+out="runs/gpu-validation"
+if [[ $# -gt 0 && "$1" != -* ]]; then out="$1"; shift; fi     # OUT is optional: `--tiny` alone is an option
 python="${PYTHON:-python}"
 "$python" -c "import kvsim.gpu, torch, triton" || { echo "gpu_validation.sh: kvsim, torch and triton must be importable by $python" >&2; exit 2; }
 exec "$python" -m kvsim.gpu.validate --out "$out" "$@"

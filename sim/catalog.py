@@ -542,8 +542,12 @@ class _Catalog:
             return self._from_file(Path(file_part), entry)
         spec = self.index.get(_normalize_name(text))
         if spec is None:
+            files = "a YAML file" + (", a Hugging Face config.json or its directory" if self.kind == "model" else "")
+            if ("/" in text or text.startswith("~")) and not Path(file_part).expanduser().exists():
+                raise CatalogError(f"{self.kind} {text!r}: no such file or directory (expected a catalog name "
+                                   f"or {files})")
             raise CatalogError(f"unknown {self.kind} {text!r}; known {self.kind}s: {', '.join(self.names())} "
-                               f"(aliases allowed, case-insensitive), or a path to a YAML file")
+                               f"(aliases allowed, case-insensitive), or a path to {files}")
         return spec
 
     def _from_file(self, path: Path, entry: str) -> _Spec:

@@ -9,7 +9,7 @@ Async scheduling is on for GPUs and off for CPUs (vLLM's CPU engine forces it of
 from __future__ import annotations
 
 from .catalog import get_gpu, get_model
-from .config import EngineConfig, SimConfig
+from .config import ConfigError, EngineConfig, SimConfig
 
 GiB = 2**30
 
@@ -42,4 +42,10 @@ def resolve_engine(cfg: SimConfig) -> EngineConfig:
         else eng.enable_prefix_caching,
         "async_scheduling": gpu.kind != "cpu" if eng.async_scheduling is None else eng.async_scheduling,
     }
+    if updates["max_num_batched_tokens"] < updates["max_num_seqs"]:
+        # vLLM's SchedulerConfig refuses it too: every running sequence takes a token of the step's budget
+        given = "" if eng.max_num_seqs else f", vLLM's default for {gpu.name}"
+        raise ConfigError(f"engine.max_num_batched_tokens ({updates['max_num_batched_tokens']}) must be at least "
+                          f"engine.max_num_seqs ({updates['max_num_seqs']}{given}), as vLLM requires; raise "
+                          f"--max-num-batched-tokens or lower --max-num-seqs")
     return eng.model_copy(update=updates)

@@ -151,6 +151,21 @@ def test_cli_capacity_prints_answer_and_cost(uniform, tmp_path):
     assert bad.exit_code == 2 and "not a duration with a unit" in bad.output
 
 
+def test_cli_capacity_progress_names_each_range_variant(uniform, tmp_path):
+    """The range's progress lines are labelled by the variant they search ("[8m@peak2] rate 2: meets").
+    The profile band's labels, "[step times x0.952]", were read as Rich markup and swallowed, so its
+    lines printed as an unlabelled "   rate 1.9375: meets" indistinguishable from each other."""
+    from kvsim.sim.cli import app
+    overrides, s = uniform
+    args = ["capacity", "--trace", overrides["trace"], "--num-gpu-blocks", "4000", "--max-num-seqs", "1",
+            "--max-num-batched-tokens", str(PROMPT), "--slo", f"ttft_p99<={s * 1.5 * 1e3:.6f}ms",
+            "--tol", "0.05", "--repeats", "1", "--out", str(tmp_path)]
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    for label in ("step times x0.952", "step times x1.05"):
+        assert f"  [{label}] rate " in res.output, res.output
+
+
 def test_rate_search_on_a_sample_arriving_all_at_once_is_refused(tmp_path):
     """A closed batch (no arrival times) or one request: no rate scale changes the load. The search
     used to simulate the same run 11 times up to the 1024x limit and answer 'max rate scale 1024,

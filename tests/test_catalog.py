@@ -99,6 +99,18 @@ def test_unknown_names_list_the_known_ones():
         get_model("gpt-5")
 
 
+def test_a_model_path_that_does_not_exist_is_said_so(tmp_path):
+    """`kvsim models ~/models/Qwen2.5-14B-Instruct` (a typo in a Hugging Face directory) answered
+    "unknown model ...; known models: <the catalog> ... or a path to a YAML file": neither that the path
+    does not exist nor that a config.json directory is accepted."""
+    missing = tmp_path / "Qwen2.5-14B-Instruct"
+    with pytest.raises(CatalogError, match=r"no such file or directory \(expected a catalog name or a YAML file, "
+                                           r"a Hugging Face config.json or its directory\)"):
+        get_model(str(missing))
+    with pytest.raises(CatalogError, match="or a path to a YAML file, a Hugging Face config.json"):
+        get_model("gpt-5")
+
+
 def test_gpu_specs_and_dtype_fallbacks():
     h100, a100, t4 = get_gpu("h100"), get_gpu("a100"), get_gpu("t4")
     assert h100.peak_flops("bf16") == pytest.approx(989.4e12)

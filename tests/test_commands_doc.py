@@ -49,3 +49,12 @@ def test_documented_options_exist():
         for row in re.findall(r"(?m)^\| (`[^|]+) \|", text):
             for name in re.findall(r"`([^`.]+?)(?:\.\.\.)?`", row):
                 assert name in every[key], f"`kvsim {key}` documents {name}, which it does not have"
+
+
+def test_every_option_says_what_it_does():
+    """`kvsim reference vllm --help` listed --max-model-len, --long-prefill-token-threshold and
+    --chunked-prefill with no text (and commands.md's table with empty cells): --help must say what
+    every option does."""
+    blank = [f"kvsim {' '.join(path)} {names(p)[0]}" for path, command in commands() for p in command.params
+             if p.param_type_name == "option" and not (p.help or "").strip() and names(p)[0] != "--help"]
+    assert not blank, f"options without help text: {blank}"

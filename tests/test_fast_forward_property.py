@@ -114,7 +114,7 @@ def test_a_blocked_head_that_loses_a_cached_hit_to_eviction_is_admitted_as_when_
     # found by the property test: a decode allocation evicting a free block the waiting head would
     # revive lets it in (it recomputes the block within its 16-token chunk instead)
     config = {"model": "llama-3.1-8b", "gpu": "l4", "engine.block_size": 4, "engine.num_gpu_blocks": 100,
-              "engine.max_num_batched_tokens": 64, "engine.long_prefill_token_threshold": 16,
+              "engine.max_num_batched_tokens": 64, "engine.max_num_seqs": 64, "engine.long_prefill_token_threshold": 16,
               "engine.enable_prefix_caching": True, "check_invariants": True}
     prompts = [1, 1, 241, 253, 1, 272, 300, 1, 1, 1, 177, 1, 225, 1, 1, 1, 1, 1, 1, 1, 1]
     outputs = [1, 1, 7, 1, 1, 1, 2, 25, 1, 1, 5, 16, 1, 1, 1, 1, 1, 1, 1, 1, 1]

@@ -60,6 +60,24 @@ def test_gpu_validation_script_refuses_a_python_without_the_backend(tmp_path):
     assert proc.returncode != 0
 
 
+def test_gpu_validation_script_takes_options_without_out(tmp_path):
+    """`bench/gpu_validation.sh --tiny` (OUT left out, as the usage line allows) took --tiny for OUT
+    and ran `validate --out --tiny`, which argparse refused. The interpreter here only records the
+    arguments it is given (the validation itself is run by the test above)."""
+    record = tmp_path / "argv"
+    python = tmp_path / "python"
+    python.write_text(f'#!/usr/bin/env bash\n[ "$1" = -c ] && exit 0\necho "$@" > {record}\n')
+    python.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(python))
+    for args, expected in ((["--tiny", "--gpu", "h100"], "--out runs/gpu-validation --tiny --gpu h100"),
+                           ([str(tmp_path / "o"), "--tiny"], f"--out {tmp_path / 'o'} --tiny"),
+                           ([], "--out runs/gpu-validation")):
+        proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_validation.sh"), *args], capture_output=True,
+                              text=True, env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert record.read_text().split() == ["-m", "kvsim.gpu.validate", *expected.split()]
+
+
 def test_a_validation_step_past_its_time_limit_is_stopped_and_reported(tmp_path):
     """A slow policy replay must not starve the rest of the validation: it is stopped and named."""
     from kvsim.gpu.validate import _kvsim

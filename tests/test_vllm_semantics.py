@@ -35,6 +35,16 @@ def test_unset_engine_options_resolve_to_vllms_defaults_and_explicit_ones_win():
     assert no_chunking.max_num_batched_tokens == 131072       # raised to max_model_len, as vLLM does
 
 
+def test_a_step_budget_below_the_sequence_cap_is_refused_as_vllm_refuses_it():
+    from kvsim.sim.config import ConfigError
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(512\) must be at least "
+                                          r"engine.max_num_seqs \(1024, vLLM's default for H100"):
+        resolve_engine(load_config(None, {"gpu": "h100", "engine.max_num_batched_tokens": 512}))
+    eng = resolve_engine(load_config(None, {"gpu": "h100", "engine.max_num_batched_tokens": 512,
+                                            "engine.max_num_seqs": 512}))
+    assert (eng.max_num_batched_tokens, eng.max_num_seqs) == (512, 512)     # equal is allowed
+
+
 def test_a_run_writes_the_resolved_engine_settings(tmp_path):
     trace = Trace.from_columns(arrival_time_s=[0.0], prompt_tokens=[64], output_tokens=[4])
     run_simulation(load_config(None, {"gpu": "l4"}), tmp_path, trace=trace)

@@ -196,7 +196,8 @@ def capacity(
     def show_variant(label: str, row: dict) -> None:
         if not quiet:
             mark = "meets" if row["meets_slo"] else "fails"
-            console.print(f"  [{label}] {mode} {row['searched_value']:g}: {mark}", highlight=False, soft_wrap=True)
+            console.print(f"  [{label}] {mode} {row['searched_value']:g}: {mark}", markup=False, highlight=False,
+                          soft_wrap=True)
 
     try:
         with store_errors(out, None):

@@ -59,14 +59,18 @@ def vllm_reference(
     step_s: Optional[float] = typer.Option(None, help="time-based trace: arrival step = arrival_time_s // STEP_S "
                                                       "(default: the trace's arrivals are steps already)"),
     max_requests: MaxRequests = None,
-    block_size: Optional[int] = typer.Option(None, help="tokens per block (a multiple of 32 on vLLM's CPU backend)"),
-    num_gpu_blocks: Optional[int] = typer.Option(None, help="KV blocks (vLLM's num_gpu_blocks, null block included)"),
+    block_size: Optional[int] = typer.Option(
+        None, help="tokens per block (a multiple of 32 on vLLM's CPU backend; default 32, or the --config file's)"),
+    num_gpu_blocks: Optional[int] = typer.Option(
+        None, help="KV blocks (vLLM's num_gpu_blocks, null block included); required, here or in --config"),
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
-    max_model_len: Optional[int] = typer.Option(None),
-    long_prefill_token_threshold: Optional[int] = typer.Option(None),
+    max_model_len: Optional[int] = typer.Option(None, help="longest prompt + output (default 2048)"),
+    long_prefill_token_threshold: Optional[int] = typer.Option(
+        None, help="most prompt tokens a long prefill computes per step (vLLM's option; 0: off)"),
     prefix_caching: PrefixCaching = None,
-    chunked_prefill: Optional[bool] = typer.Option(None, "--chunked-prefill/--no-chunked-prefill"),
+    chunked_prefill: Optional[bool] = typer.Option(None, "--chunked-prefill/--no-chunked-prefill",
+                                                  help="chunked prefill (default: on, as vLLM V1)"),
     scheduling_policy: SchedulingPolicy = None,
     set_: Sets = [],
     timeout: float = typer.Option(1800.0, help="seconds vLLM may run"),
