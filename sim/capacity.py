@@ -20,7 +20,7 @@ from .run_plan import check_config_memory
 from .config import ConfigError, SimConfig, parse_duration
 from .results import holding_store_lock, mark_owned
 from .safe_io import atomic_output, dumps_json
-from .sweep import (PlannedRun, RunTask, StoreFileError, execute_run, finished_runs, make_row, read_store, run_id_of, slo_costs,
+from .sweep import (PlannedRun, RunTask, StoreFileError, execute_run, finished_runs, make_row, read_store, read_store_object, run_id_of, slo_costs,
                     write_row)
 
 LATENCY_METRICS = [f"{m}_{q}" for m in ("ttft", "tpot", "e2e", "queueing") for q in ("p50", "p90", "p99", "mean")]
@@ -325,12 +325,7 @@ def read_capacity(store: str | Path) -> dict | None:
     path = Path(store) / "capacity.json"
     if not path.exists():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise StoreFileError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise StoreFileError(f"{path}: expected a JSON object (mode, slo, answer, ...), got a {type(data).__name__}")
+    data = read_store_object(path, "(mode, slo, answer, ...)")
     if data.get("mode") not in ("rate", "replicas"):
         raise StoreFileError(f"{path}: mode: expected 'rate' or 'replicas'")
     slo = data.get("slo")

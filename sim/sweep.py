@@ -494,18 +494,25 @@ class StoreFileError(ValueError):
     what was expected, never its content."""
 
 
+def read_store_object(path: Path, expected: str) -> dict:
+    """A store file's JSON object; not JSON, or not an object, is a StoreFileError naming the file
+    (`expected` says what the object holds)."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise StoreFileError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise StoreFileError(f"{path}: expected a JSON object {expected}, got a {type(data).__name__}")
+    return data
+
+
 def read_plan(store: Path) -> list[str]:
     """The run ids of the store's plan.json, in run order ([] without one); a malformed file is a
     StoreFileError naming it."""
     path = Path(store) / "plan.json"
     if not path.exists():
         return []
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise StoreFileError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise StoreFileError(f"{path}: expected a JSON object with run_ids, got a {type(data).__name__}")
+    data = read_store_object(path, "with run_ids")
     run_ids = data.get("run_ids")
     if not isinstance(run_ids, list) or not all(isinstance(r, str) for r in run_ids):
         raise StoreFileError(f"{path}: run_ids: expected a list of run ids")
