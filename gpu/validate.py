@@ -320,9 +320,13 @@ def replay_and_crosscheck(plan: Plan, out: Path, gpu: str | None) -> dict:
                      "--block-size", str(plan.block_size), "--real", str(out / f"replay-{_numbered('heldout', r)}"),
                      "--out", str(out / _numbered("crosscheck", r))], out / f"{_numbered('crosscheck', r)}.log")
         lines += [f"held-out replay {r}: {ln}" for ln in cc.splitlines() if "MAPE" in ln]
-    medians = ", ".join(f"{name} {_median_decode_ms(out / f'replay-{name}'):.2f}" for name, _ in replays)
+    medians = ", ".join(f"{name} {_median_decode_ms(_steps_of(out / f'replay-{name}')):.2f}" for name, _ in replays)
     return {"gpu": gpu_name, "num_gpu_blocks": blocks, "calibrate": fit.strip().splitlines()[-12:],
             "crosscheck": lines + [f"median pure-decode step (ms): {medians}"]}
+
+
+def _steps_of(replay: Path) -> pd.DataFrame:
+    return pd.read_parquet(replay / "steps.parquet", columns=["num_prefill_seqs", "duration_s"])
 
 
 def _numbered(name: str, r: int) -> str:
@@ -330,11 +334,10 @@ def _numbered(name: str, r: int) -> str:
     return name if r == 1 else f"{name}-{r}"
 
 
-def _median_decode_ms(replay: Path) -> float:
-    """Median duration of a replay's pure-decode steps, in ms (NaN without any)."""
-    steps = pd.read_parquet(replay / "steps.parquet", columns=["prefill_tokens", "decode_tokens", "duration_s"])
-    decode = steps.duration_s[(steps.prefill_tokens == 0) & (steps.decode_tokens > 0)]
-    return float(decode.median() * 1e3) if len(decode) else math.nan
+def _median_decode_ms(steps: pd.DataFrame) -> float:
+    """Median duration of a step log's pure-decode steps (no prefill sequence), in ms (NaN without any)."""
+    decode = steps.duration_s[steps.num_prefill_seqs == 0]
+    return 1e3 * float(decode.median()) if len(decode) else math.nan
 
 
 def compiled_resources(out: Path) -> str:
@@ -384,12 +387,11 @@ def replay_policies(plan: Plan, out: Path) -> pd.DataFrame:
             continue
         steps = pd.read_parquet(run_dir / "steps.parquet")
         summary = json.loads((run_dir / "summary.json").read_text())
-        decode = steps[steps.num_prefill_seqs == 0]
         rows.append(dict(policy=label, ok=True, error="", steps=len(steps), finished=summary["num_finished"],
                          evicted_tokens=int(steps.evicted_tokens.sum()),
                          mbytes_moved=float(steps.bytes_moved.sum()) / 1e6,
                          fragmentation_p99=float(steps.fragmentation.quantile(0.99)),
-                         decode_step_ms=1e3 * float(decode.duration_s.median()) if len(decode) else math.nan))
+                         decode_step_ms=_median_decode_ms(steps)))
     return pd.DataFrame(rows)
 
 
