@@ -217,6 +217,11 @@ class KVConfig(_Strict):
         return self.policy == "none" and self.layout == "shared"
 
 
+# config keys whose value may name a user file (dotted: section.key): run ids hash their content
+# (sweep.input_file_digests), config.yaml keeps them absolute (outputs.portable_config)
+FILE_KEYS = ("trace", "model", "gpu", "profile", "kv.importance", "trace_options.tokenizer")
+
+
 class SimConfig(_Strict):
     trace: str = "azure-conv-2023"
     trace_options: TraceOptions = TraceOptions()

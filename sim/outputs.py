@@ -15,7 +15,7 @@ import yaml
 
 from kvsim.traces.loaders import DATA_TRACES
 
-from .config import SimConfig
+from .config import FILE_KEYS, SimConfig
 from .core.prefix_lookups import PrefixLookups
 from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
@@ -89,15 +89,14 @@ def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summar
     (out / "config.yaml").write_text(yaml.safe_dump(portable_config(cfg.model_dump(mode="json")), sort_keys=False))
 
 
-# config keys that may name a file; read relative to the working directory, so config.yaml keeps them absolute
+# a FILE_KEYS value is read relative to the working directory, so config.yaml keeps it absolute
 _FILE_SUFFIXES = {".yaml", ".yml", ".json", ".jsonl", ".csv", ".parquet"}
-_PATH_KEYS = (("trace",), ("model",), ("gpu",), ("profile",), ("kv", "importance"), ("trace_options", "tokenizer"))
 
 
 def portable_config(data: dict) -> dict:
-    """`data` with each relative file path of _PATH_KEYS made absolute, so `kvsim simulate -c OUT/config.yaml`
+    """`data` with each relative file path of FILE_KEYS made absolute, so `kvsim simulate -c OUT/config.yaml`
     reads the same files from any directory (names of shipped traces, catalog entries and profiles stay)."""
-    for keys in _PATH_KEYS:
+    for keys in (dotted.split(".") for dotted in FILE_KEYS):
         parent = data
         for key in keys[:-1]:
             parent = parent.get(key) if isinstance(parent, dict) else None

@@ -48,7 +48,7 @@ from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.loaders import resolve_trace_path
 
 from .catalog import CatalogError, get_gpu, get_model
-from .config import ConfigError, SimConfig, build_config, flatten, read_config_file, read_yaml_file
+from .config import FILE_KEYS, ConfigError, SimConfig, build_config, flatten, read_config_file, read_yaml_file
 from .cost_model import load_profile
 from .defaults import resolve_engine
 from .memory import ModelDoesNotFitError, PoolSizing, available_memory_bytes, check_memory, num_gpu_blocks
@@ -108,10 +108,10 @@ def input_file_digests(cfg: SimConfig) -> dict[str, str]:
     profile / importance YAML, a tokenizer), so a run id changes when a file is rewritten in place
     and a store never returns the results of the file's former content. Shipped names have none."""
     from kvsim.traces.loaders import DATA_TRACES, TRACE_ALIASES
-    named = {"trace": None if cfg.trace in DATA_TRACES or cfg.trace in TRACE_ALIASES else cfg.trace,
-             "model": cfg.model, "gpu": cfg.gpu, "profile": cfg.profile.rpartition("*")[0] or cfg.profile,  # NAME*K
-             "kv.importance": cfg.kv.importance,
-             "trace_options.tokenizer": cfg.trace_options.tokenizer}
+    named = {key: _config_value(cfg, key) for key in FILE_KEYS}
+    if cfg.trace in DATA_TRACES or cfg.trace in TRACE_ALIASES:
+        named["trace"] = None
+    named["profile"] = cfg.profile.rpartition("*")[0] or cfg.profile      # NAME*K: a scaled profile file
     out = {}
     for key, value in named.items():
         path = Path(value) if value else None
@@ -120,6 +120,13 @@ def input_file_digests(cfg: SimConfig) -> dict[str, str]:
         if path is not None and path.is_file():
             out[key] = _file_digest(path)
     return out
+
+
+def _config_value(cfg: SimConfig, dotted: str):
+    value = cfg
+    for key in dotted.split("."):
+        value = getattr(value, key)
+    return value
 
 
 _DIGESTS: dict[tuple, str] = {}
