@@ -500,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
     plan = TINY if args.tiny or not torch.cuda.is_available() else FULL
+    if plan.device == "cpu":   # Triton runs CPU tensors only interpreted, set before triton is first imported
+        os.environ["TRITON_INTERPRET"] = "1"
     print(f"writing {run(args.out, plan, args.gpu)}")
     return 0
 
