@@ -186,7 +186,7 @@ def show_summary_metrics(run: RunRecord) -> None:
     s = run.summary
     cells = [
         ("Finished / rejected", f"{s['num_finished']} / {s['num_rejected']}"),
-        ("Output throughput", f"{s['throughput_output_tok_s']:,.0f} tok/s"),
+        ("Output throughput", _rate(s.get("throughput_output_tok_s"), "tok/s")),
         ("TTFT p50", fmt_seconds(s["ttft_p50_s"])), ("TTFT p99", fmt_seconds(s["ttft_p99_s"])),
         ("TPOT p50", fmt_seconds(s["tpot_p50_s"])), ("TPOT p99", fmt_seconds(s["tpot_p99_s"])),
         ("SLO attainment", fmt_share(s.get("slo_attainment"))),
@@ -212,6 +212,15 @@ def _missing(value) -> bool:
 
 def _num(value, fmt: str) -> str:
     return "-" if _missing(value) else fmt.format(value)
+
+
+def fmt_sig3(x: float) -> str:
+    """At least three significant digits, never an exponent: 10.5, 0.0467, 175, 12,345."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _rate(value, unit: str) -> str:
+    return "-" if _missing(value) else f"{fmt_sig3(value)} {unit}"
 
 
 def fmt_seconds(seconds: float | None) -> str:
@@ -251,20 +260,32 @@ def summary_figures(summary: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# summary keys by unit (docs/outputs.md); vllm bench serve's keys keep its names: *_ms, duration, *_throughput
+_SHARE_KEYS = ("kv_util_mean", "kv_util_max", "fragmentation_mean", "fragmentation_p99", "slo_attainment",
+               "prefix_hit_rate", "prefix_hit_rate_preempted", "profile_step_mape")
+_TOKEN_RATES = ("output_throughput", "total_token_throughput", "max_output_tokens_per_s")
+_REQUEST_RATES = ("request_throughput", "request_goodput")
+
+
 def _figure(key: str, value) -> str:
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return "-" if value is None else str(value)
     if _missing(value):
         return "-"
-    if key.endswith("_s") and not key.startswith(("throughput", "goodput")):
+    if key.endswith("_tok_s") or key in _TOKEN_RATES:
+        return _rate(value, "tok/s")
+    if key.endswith("_req_s") or key in _REQUEST_RATES:
+        return _rate(value, "req/s")
+    if key.endswith("_ms"):
+        return f"{fmt_sig3(value)} ms"
+    if key.endswith("_s") or key == "duration":
         return fmt_seconds(value)
-    if key in ("kv_util_mean", "kv_util_max", "fragmentation_mean", "fragmentation_p99", "slo_attainment",
-               "prefix_hit_rate", "prefix_hit_rate_preempted") or key.startswith("attention_mass"):
+    if key in _SHARE_KEYS or key.startswith("attention_mass"):
         return fmt_share(value)
+    if key == "prediction_error":
+        return fmt_share(value, sign=True)
     if key == "bytes_moved":
         return fmt_bytes(value)
-    if key.endswith(("_tok_s", "_req_s")):
-        return f"{value:,.3g} {'tok/s' if key.endswith('tok_s') else 'req/s'}"
     if isinstance(value, int) or float(value).is_integer():
         return f"{value:,.0f}"
     return f"{value:.4g}"

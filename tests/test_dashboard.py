@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -131,6 +132,22 @@ def test_simulate_run_shows_the_engine_figures(simulated, expected):
     assert titles == ["TTFT CDF", "TPOT CDF", "E2E CDF", "Throughput over time", "Queue length", "Batch size"]
     batch = chart(simulated, "Batch size")["data"][0]
     assert values(batch["y"]).max() <= expected.steps["batch_size"].max()
+
+
+def test_all_summary_figures_carry_their_units(simulated, expected):
+    """The expander's table of summary.json: vllm bench serve's keys showed max_output_tokens_per_s
+    as seconds ('24.0 s'), its *_ms latencies and throughputs without a unit (p99_e2el_ms 1.702e+04)."""
+    s = expected.summary
+    shown = frame_with(simulated, "figure").set_index("figure")["value"]
+    assert shown["max_output_tokens_per_s"].endswith(" tok/s")
+    assert shown["output_throughput"] == shown["throughput_output_tok_s"]
+    assert shown["request_throughput"] == shown["throughput_req_s"] and shown["request_throughput"].endswith(" req/s")
+    assert shown["p99_e2el_ms"] == f"{s['p99_e2el_ms']:,.0f} ms" and shown["median_tpot_ms"].endswith(" ms")
+    assert shown["duration"] == shown["makespan_s"]
+    assert not [v for v in shown if re.fullmatch(r"-?[\d.]+e[+-]\d+.*", v)]       # no exponents
+    from kvsim.dashboard.ui import summary_figures
+    replay = summary_figures({"prediction_error": -0.2619, "profile_step_mape": 0.0456}).set_index("figure")["value"]
+    assert replay["prediction_error"] == "-26.2%" and replay["profile_step_mape"] == "4.56%"
 
 
 def test_bad_upload_shows_the_loader_error_without_the_file_content(data_root):
