@@ -197,10 +197,28 @@ def run_zip(d: Path) -> bytes:
     return out.getvalue()
 
 
-def cli_command(d: Path, root: Path) -> str:
-    """The `kvsim simulate` command that reruns a run directory bit for bit (its resolved config.yaml)."""
+def cli_command(d: Path, root: Path, summary: dict | None = None) -> str:
+    """The command that reruns a run directory from its resolved config.yaml: `kvsim simulate`, bit
+    for bit; for a real-backend replay (`backend: real`), `kvsim replay` with the replay's options."""
     rel = d.relative_to(root) if d == root or root in d.parents else d
-    return f"kvsim simulate -c {root / rel / 'config.yaml'} --out {rel}-rerun"
+    config = root / rel / "config.yaml"
+    if (summary or {}).get("backend") != "real":
+        return f"kvsim simulate -c {config} --out {rel}-rerun"
+    return " ".join(["kvsim replay -c", str(config), *replay_options(summary), f"--out {rel}-rerun"])
+
+
+def replay_options(summary: dict) -> list[str]:
+    """The `kvsim replay` options a replay ran with (summary.json's `replay` and `torch_threads`),
+    those that differ from the command's defaults."""
+    ran = summary.get("replay") or {}
+    out = [f"--{key} {ran[key]}" for key, default in (("device", "cpu"), ("weights", "smollm2"), ("dtype", None),
+                                                       ("layers", None), ("clock", "wall"))
+           if ran.get(key) not in (None, default)]
+    if ran.get("attention_stats") is False:
+        out.append("--no-attention-stats")
+    if summary.get("torch_threads"):
+        out.append(f"--threads {summary['torch_threads']}")
+    return out
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

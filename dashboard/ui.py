@@ -297,7 +297,7 @@ def show_run_config(run: RunRecord, key: str) -> None:
     st.caption(f"**{run.label}**: {config_headline(run)}")
     with st.expander(f"Configuration, CLI command and download of {run.label}"):
         if run.path is not None:
-            st.code(cli_command(run.path, data_root()), language="bash")
+            st.code(cli_command(run.path, data_root(), run.summary), language="bash")
             st.download_button("Download the run directory (zip)", data=lambda d=run.path: run_zip(d),
                                file_name=f"{run.path.name}.zip", mime="application/zip", key=f"{key}_zip")
             st.caption(f"Run directory: {relative_path(run.path)} (under {data_root()}); link to it: "

@@ -460,6 +460,36 @@ def test_capacity_gpu_choice_survives_navigation():
     assert at.multiselect(key="cap_gpus").value == ["H100-SXM", "L4"]
 
 
+def test_a_replay_run_offers_the_replay_command_that_reruns_it(small_crosscheck, monkeypatch, tmp_path):
+    """A real-backend replay's directory (here the cross-check's) was offered `kvsim simulate -c ...`,
+    which simulates instead of replaying; it gets `kvsim replay` with the replay's own options."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli import app as cli
+    monkeypatch.setenv(DATA_ROOT_ENV, str(small_crosscheck.parent))
+    at = app()
+    at.query_params["run"] = "cc/real"
+    at.switch_page("pages/memory.py").run()
+    assert not errors(at)
+    command = next(c.value for c in at.code if c.value.startswith("kvsim "))
+    words = shlex.split(command)
+    assert words[:2] == ["kvsim", "replay"] and "--clock cpu" in command and "--threads 1" in command
+    out = tmp_path / "rerun"
+    words[words.index("--out") + 1] = str(out)
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    try:
+        result = CliRunner().invoke(cli, [*words[1:], "-q"])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    again = json.loads((out / "summary.json").read_text())
+    first = json.loads((small_crosscheck / "real" / "summary.json").read_text())
+    assert again["replay"] == first["replay"] and again["num_finished"] == first["num_finished"] == 3
+
+
 # ---- Fidelity --------------------------------------------------------------------------------
 def test_fidelity_page_measures_prediction_error(tmp_path, expected):
     replay = expected.steps.copy()
