@@ -174,7 +174,8 @@ def config_axes() -> dict[str, list | None]:
 
 
 def parse_axis_values(key: str, text: str) -> list:
-    """'8, 16, 32' -> [8, 16, 32] for a numeric config key; ConfigError names the bad item."""
+    """'8, 16, 32' -> [8, 16, 32] for a numeric config key, each item read as the form's number fields
+    read theirs (parse_number: 5e2, 1_000, 2.0 for a whole number); ConfigError names the bad item."""
     model: type[BaseModel] = SimConfig
     *parents, leaf = key.split(".")
     for p in parents:
@@ -184,10 +185,10 @@ def parse_axis_values(key: str, text: str) -> list:
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
-        try:
-            values.append(inner(item) if inner is float else int(item))
-        except ValueError:
-            raise ConfigError(f"{key}: {item!r} is not {'a number' if inner is float else 'an integer'}") from None
+        number, problem = parse_number(item, integer=inner is int)
+        if problem:
+            raise ConfigError(f"{key}: {problem}")
+        values.append(number)
     if not values:
         raise ConfigError(f"{key}: give at least one value, comma-separated (e.g. 8, 16, 32)")
     return values
@@ -559,4 +560,4 @@ def with_value(cfg: SimConfig, key: str, value) -> SimConfig:
     try:
         return load_config(None, {**data, key: confine_value(key, value)})
     except (ConfigError, DataError) as exc:
-        raise ConfigError(f"{key}={value}: {exc}") from None
+        raise ConfigError(f"{key}={value}: {str(exc).removeprefix('config: ')}") from None

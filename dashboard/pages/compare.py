@@ -42,7 +42,7 @@ else:
     try:
         values = parse_axis_values(axis, text)
     except ConfigError as exc:
-        axis_error = str(exc)
+        axis_error = gui_message(str(exc))
 runs = []
 if base is not None and not axis_error:
     try:
@@ -52,7 +52,7 @@ if base is not None and not axis_error:
 for message in (error, axis_error):
     if message:
         st.error(message)
-if run_button(f"Run {len(runs)} simulations", "cmp_run", "Compare", blocked=not runs):
+if run_button(f"Run {len(runs)} simulation{'' if len(runs) == 1 else 's'}", "cmp_run", "Compare", blocked=not runs):
     start_job("Compare", runs)
 job = follow_job("Compare")
 available = available_runs()
