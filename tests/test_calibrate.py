@@ -290,4 +290,9 @@ def test_cli_refuses_a_simulated_log_or_one_measured_on_another_model(tmp_path):
     assert "measured on smollm2-135m (its config.yaml), not --model llama-3.1-8b" in " ".join(other.output.split())
     tp = CliRunner().invoke(app, ["calibrate", str(replay), "--out", str(tmp_path / "p.yaml"), "--tp", "2"])
     assert tp.exit_code == 2 and "measured at tp=1" in tp.output
+    # a replay of the first 2 of SmolLM2's 30 layers (--layers 2) was fitted as the whole model: every
+    # factor at the efficiency bound, step times ~15x too long
+    (replay / "summary.json").write_text('{"replay": {"device": "cpu", "layers": 2}, "model_layers": 2}')
+    part = CliRunner().invoke(app, ["calibrate", str(replay), "--out", str(tmp_path / "p.yaml")])
+    assert part.exit_code == 2 and "measured on 2 of SmolLM2-135M's 30 layers" in " ".join(part.output.split())
     assert not (tmp_path / "p.yaml").exists()

@@ -52,7 +52,8 @@ def check_measured_on(paths: list[str | Path], model: str, tp: int) -> None:
     import yaml
 
     from kvsim.sim.catalog import get_model
-    want = get_model(model).name
+    spec = get_model(model)
+    want = spec.name
     for entry in paths:
         for q in (q for q in str(entry).split(",") if q):
             path = _step_log_path(q)
@@ -70,6 +71,10 @@ def check_measured_on(paths: list[str | Path], model: str, tp: int) -> None:
                                        f"{model}; give --model {recorded['model']}")
             if recorded.get("tp") is not None and int(recorded["tp"]) != tp:
                 raise CalibrationError(f"{path}: measured at tp={recorded['tp']} (its config.yaml), not --tp {tp}")
+            layers = info.get("model_layers") if isinstance(info, dict) else None
+            if layers is not None and int(layers) != spec.num_layers:
+                raise CalibrationError(f"{path}: measured on {layers} of {want}'s {spec.num_layers} layers (kvsim "
+                                       f"replay --layers {layers}); calibrate fits the whole model: replay all layers")
 
 
 def _step_log_path(p: str | Path) -> Path:
