@@ -261,6 +261,11 @@ def test_crosscheck_simulates_the_engine_as_the_replay_ran(tmp_path):
     bad = CliRunner().invoke(app, [*args, "--real", str(tmp_path / "other"), "--out", str(tmp_path / "cc2")])
     assert bad.exit_code != 0
     assert "engine.max_num_seqs: replay 8" in " ".join(bad.output.split())
+    # a replay of SmolLM2's first 2 layers (replay --layers 2) was compared with the 30-layer cost model
+    summary = json.loads((tmp_path / "real" / "summary.json").read_text())
+    (tmp_path / "real" / "summary.json").write_text(json.dumps({**summary, "model_layers": 2}))
+    part = CliRunner().invoke(app, [*args, "--real", str(tmp_path / "real"), "--out", str(tmp_path / "cc3")])
+    assert part.exit_code == 2 and "the replay ran 2 of SmolLM2-135M's 30 layers" in " ".join(part.output.split())
 
 
 def test_crosscheck_refuses_a_reused_replay_of_another_workload_or_kv_policy(tmp_path):

@@ -304,6 +304,7 @@ def check_same_workload(cfg, replay_dir: Path) -> None:
     theirs = recorded.get("model")
     if theirs is not None and get_model(str(theirs)).name != get_model(cfg.model).name:
         raise ConfigError(f"{where} model {theirs!r}, this cross-check {cfg.model!r}; give the same --model")
+    check_all_layers(cfg, replay_dir)
     kv, ours = recorded.get("kv") or {}, cfg.kv.model_dump(mode="json")
     differ = [f"kv.{k}: replay {kv[k]!r}, here {ours[k]!r}" for k in sorted(kv) if k in ours and kv[k] != ours[k]]
     if differ:
@@ -321,6 +322,22 @@ def check_same_workload(cfg, replay_dir: Path) -> None:
                           f"are not this cross-check's ({len(want)}, ids {_span(want['request_id'])}): they differ in "
                           "count, ids, arrival times or prompt lengths; give the replay's --trace, --start-s/--end-s, "
                           "--rate-scale and --max-requests")
+
+
+def check_all_layers(cfg, replay_dir: Path) -> None:
+    """Refuse a replay of only the model's first layers (`replay --layers N`): the cross-check prices
+    and simulates the whole model, so its step times would be compared with a fraction of the work."""
+    import json
+
+    from kvsim.sim.catalog import get_model
+    from kvsim.sim.config import ConfigError
+    summary = Path(replay_dir) / "summary.json"
+    layers = json.loads(summary.read_text()).get("model_layers") if summary.is_file() else None
+    model = get_model(cfg.model)
+    if layers is not None and int(layers) != model.num_layers:
+        raise ConfigError(f"--real {replay_dir}: the replay ran {layers} of {model.name}'s {model.num_layers} layers "
+                          f"(kvsim replay --layers {layers}); the cross-check prices and simulates the whole model: "
+                          "give a replay of all layers")
 
 
 def _span(ids) -> str:
