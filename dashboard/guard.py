@@ -120,8 +120,10 @@ def check_run(cfg: SimConfig, label: str = "") -> None:
 
     try:
         check_config_memory(cfg)
-    except ValueError as exc:
-        raise ConfigError(f"{where}{redact_content(str(exc))}") from None
+    except ValueError as exc:   # it reads no trace; only a user's model, GPU, profile or KV file can be quoted
+        reads_files = any(_config_value(cfg, key) is not None and not _is_name(str(_config_value(cfg, key)))
+                          for key in PATH_KEYS if key != "trace")
+        raise ConfigError(f"{where}{redact_content(str(exc)) if reads_files else exc}") from None
 
 
 def check_runs(runs: list[tuple[str, SimConfig]]) -> None:

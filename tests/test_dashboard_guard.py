@@ -50,6 +50,20 @@ def test_path_fields_outside_the_data_root_are_refused_without_their_content(set
         assert at.button(key="sim_run").disabled
 
 
+def test_a_policy_parameter_error_names_the_policy_and_its_parameters(setup):
+    """Without a user file in the configuration no message can quote one: a policy given a parameter
+    it lacks said "policy (content not shown) has no parameter(s) (content not shown); it accepts
+    (content not shown)", redacted as if it quoted a file."""
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    at.text_input(key="cfg_max_requests").set_value("5")
+    at.selectbox(key="cfg_kv.policy").set_value("streaming")
+    at.text_input(key="cfg_kv.budget").set_value("64").run()
+    at.button(key="sim_run").click().run()
+    assert errors(at) == ["kv.budget (--budget): policy 'streaming' has no parameter(s) ['budget']; it accepts "
+                          "['sink', 'window', 'evict_per_step']"]
+
+
 def test_a_path_inside_the_data_root_is_read_from_there(setup):
     root, _ = setup
     (root / "mine.yaml").write_text(SECRET)                  # the user's own file: an honest error is fine
