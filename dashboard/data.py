@@ -102,6 +102,18 @@ class RunRecord:
         return self.rows_per_block > 1
 
 
+def partial_note(run: RunRecord) -> str | None:
+    """What an interrupted run (summary.json `partial: true`) covers, or None for a complete one."""
+    s = run.summary
+    if not s.get("partial"):
+        return None
+    total = s.get("num_trace_requests")
+    of = f" of the workload's {total:,}" if isinstance(total, int) else ""
+    return (f"{run.label}: partial result ({s.get('partial_reason') or 'interrupted'}): the run stopped after "
+            f"{s.get('num_requests', 0):,} requests{of} had arrived, {s.get('num_finished', 0):,} finished; every "
+            "figure covers the run up to then.")
+
+
 def record_from_result(result, cfg, label: str) -> RunRecord:
     return RunRecord(label, dict(result.summary), result.requests,
                      result.steps if result.steps is not None else pd.DataFrame(),

@@ -10,7 +10,7 @@ import streamlit as st
 import yaml
 
 from .data import (LABEL_FILE, DataError, RunRecord, cli_command, config_headline, data_root, list_run_dirs,
-                   load_run_dir, resolve_user_path, run_label, run_zip)
+                   load_run_dir, partial_note, resolve_user_path, run_label, run_zip)
 from .jobs import Job
 
 RUNS_KEY = "kvsim_runs"          # label -> RunRecord, every run this session (newest last)
@@ -295,6 +295,8 @@ def show_run_config(run: RunRecord, key: str) -> None:
     """What ran: the configuration's headline under every chart group of a run, its full config.yaml,
     the `kvsim simulate` command that reruns it and its directory as a zip."""
     st.caption(f"**{run.label}**: {config_headline(run)}")
+    if partial_note(run):
+        st.warning(partial_note(run))
     with st.expander(f"Configuration, CLI command and download of {run.label}"):
         if run.path is not None:
             st.code(cli_command(run.path, data_root(), run.summary), language="bash")

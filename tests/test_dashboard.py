@@ -311,6 +311,30 @@ def per_head(module_root):
     return result, at
 
 
+def test_an_interrupted_run_is_marked_partial_on_every_page(tmp_path):
+    """A run stopped by Ctrl-C (summary.json partial: true) was shown as if complete: its headline
+    said max_requests=200 with 23 requests arrived and no word of the interruption."""
+    steps = [0]
+
+    def ctrl_c(progress):
+        steps[0] += 1
+        if steps[0] == 50:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(load_config(None, {"trace_options.max_requests": 200}), tmp_path / "stopped", progress=ctrl_c)
+    s = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    expected = (f"stopped: partial result (interrupted (Ctrl-C)): the run stopped after {s['num_requests']} requests "
+                f"of the workload's 200 had arrived, {s['num_finished']} finished; every figure covers the run up to then.")
+    for page in ("simulate", "memory", "timeseries"):
+        at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+        at.query_params["run"] = "stopped"
+        at.switch_page(f"pages/{page}.py").run()
+        assert expected in [w.value for w in at.warning], page
+    at.switch_page("pages/compare.py").run()
+    at.multiselect(key="cmp_selected").set_value(["stopped"]).run()
+    assert expected in [w.value for w in at.warning]
+
+
 def test_memory_page_draws_a_per_head_run_against_its_pages(per_head):
     result, at = per_head
     at.switch_page("pages/memory.py").run()

@@ -3,7 +3,7 @@ import pandas as pd
 import streamlit as st
 
 from kvsim.dashboard import charts
-from kvsim.dashboard.data import config_headline, flatten
+from kvsim.dashboard.data import config_headline, flatten, partial_note
 from kvsim.dashboard.forms import BASE, config_axes, config_form, gui_message, parse_axis_values, with_value
 from kvsim.dashboard.ui import (available_runs, follow_job, get_run, run_button, start_job, summary_column_config,
                                 summary_table)
@@ -66,6 +66,8 @@ if not records:
     st.info("Choose an axis and values, run them, or select earlier runs to compare.")
     st.stop()
 colors = charts.run_colors(records)
+for note in filter(None, map(partial_note, records)):
+    st.warning(note)
 differs = config_table(records)
 st.caption("Each run keeps its colour on every chart of this page. Common to the runs: "
            + config_headline(records[0], omit=tuple(differs.columns)))
