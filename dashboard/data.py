@@ -670,14 +670,18 @@ def step_costs(steps: pd.DataFrame, cost) -> pd.DataFrame:
 
 
 def run_cost_model(run: RunRecord):
-    """The cost model the run was priced with (from its config.yaml), or None when it cannot be rebuilt."""
+    """The cost model the run was priced with (from its config.yaml; a real-backend replay's with the
+    model it ran: its layers and tensor dtype), or None when it cannot be rebuilt."""
     from kvsim.sim.config import SimConfig
+    from kvsim.sim.crosscheck.recorded import replay_model_spec
     from kvsim.sim.run_plan import resolve_hardware, with_engine_defaults
 
     if not run.config:
         return None
     try:
-        return resolve_hardware(with_engine_defaults(SimConfig.model_validate(run.config))).cost
+        cfg = with_engine_defaults(SimConfig.model_validate(run.config))
+        return resolve_hardware(cfg, replay_model_spec(cfg, run.summary) if run.summary.get("backend") == "real"
+                                else None).cost
     except Exception:  # a replay's model file, a profile no longer there: no cost panels
         return None
 

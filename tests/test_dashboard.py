@@ -530,6 +530,23 @@ def test_a_replay_run_offers_the_replay_command_that_reruns_it(small_crosscheck,
     assert again["replay"] == first["replay"] and again["num_finished"] == first["num_finished"] == 3
 
 
+def test_time_series_of_a_replay_prices_the_model_it_ran(small_crosscheck, monkeypatch):
+    """A replay's time-series panels rebuilt the catalog model (bf16; all layers even for --layers N):
+    MBU of an fp32 CPU replay halved, and 251% MFU with terms stacking to 945% for a 2-layer replay.
+    Its terms now add up to the replay's own predicted_s, and the page says what they mean."""
+    from kvsim.dashboard.data import TIME_TERMS, load_run_dir, run_cost_model, step_costs
+    run = load_run_dir(small_crosscheck / "real")
+    assert run.summary["dtype"] == "float32"
+    costs = step_costs(run.steps, run_cost_model(run))
+    predicted = sum(costs[f"t_{term}"] for term in TIME_TERMS if term != "rest")
+    np.testing.assert_allclose(predicted, run.steps["predicted_s"], rtol=1e-9)
+    monkeypatch.setenv(DATA_ROOT_ENV, str(small_crosscheck.parent))
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.query_params["run"] = "cc/real"
+    at.switch_page("pages/timeseries.py").run()
+    assert not errors(at) and any(i.value.startswith("A real-backend replay") for i in at.info)
+
+
 # ---- Fidelity --------------------------------------------------------------------------------
 def test_fidelity_page_measures_prediction_error(tmp_path, expected):
     replay = expected.steps.copy()

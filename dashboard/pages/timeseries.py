@@ -20,6 +20,12 @@ st.caption(f"{windows} windows of {width:.3g} s of simulated time. Latency perce
            "requests observed in each window (TTFT when the first token came, TPOT and E2E when the request "
            "finished, queue time when it was first scheduled), as vLLM's histograms are; gaps are windows with "
            "none. Drag on any panel to zoom: every panel follows; double-click to reset.")
+if cost is not None and run.summary.get("backend") == "real":
+    st.info("A real-backend replay: the utilisation panels put the cost model's peak-rate seconds over the measured "
+            "step time, and the time-by-term panel splits the model's prediction of each step (the replay's "
+            "predicted_s, priced for the layers and dtype it ran): the terms add up to the prediction, so a stack "
+            "above 1 means the model predicts the steps slower than they were measured, and the remainder is "
+            "measured time the model does not explain.")
 if cost is None:
     st.info("The run's cost model cannot be rebuilt from its config.yaml: the utilisation and time-breakdown "
             "panels are left out.")
