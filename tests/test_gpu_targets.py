@@ -83,3 +83,30 @@ def test_occupancy_from_registers_threads_and_shared_memory():
     assert Resources("c", "k", 89, 128, 0, 0, 70144, 4, "").blocks_per_sm() == 1      # 99 KiB on sm_89
     assert Resources("c", "k", 80, 255, 0, 0, 0, 4, "").blocks_per_sm() == 2          # registers: 65536 // (255 * 128)
     assert Resources("c", "k", 90, 40, 8, 0, 0, 4, "").spills
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "t4"], "no SM count / compile target for ['T4']"),
+    (["--gpus", "nosuch"], "unknown gpu 'nosuch'"),
+    (["--models", "nosuch"], "unknown model 'nosuch'"),
+    (["--batches", "0"], "argument --batches: expected a whole number >= 1, got '0'"),
+    (["--contexts", "-5"], "argument --contexts: expected a whole number >= 1, got '-5'"),
+    (["--block-size", "7"], "argument --block-size: expected a power of two"),
+])
+def test_estimate_refuses_bad_options_in_one_line(args, message, capsys):
+    """Unknown names were tracebacks, --batches 0 a ZeroDivisionError, and a negative context or a block
+    size of 7 printed rows of nonsense; each is one usage error naming the option (exit status 2)."""
+    from kvsim.gpu.kernels.estimate import main
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_targets_refuses_an_unknown_sm_version_before_compiling(capsys):
+    """--arch 75 compiled every launch, then failed with a KeyError traceback."""
+    from kvsim.gpu.kernels.targets import main
+    with pytest.raises(SystemExit) as stop:
+        main(["--arch", "75"])
+    assert stop.value.code == 2 and "invalid choice: 75 (choose from 80, 86, 89, 90)" in capsys.readouterr().err

@@ -128,17 +128,34 @@ def markdown(rows: list[Estimate]) -> str:
     return "\n".join(lines)
 
 
+def _positive(text: str) -> int:
+    value = int(text) if text.strip().lstrip("-").isdigit() else None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _power_of_two(text: str) -> int:
+    value = _positive(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"expected a power of two (tokens per KV block), got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvsim.gpu.kernels.estimate", description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["llama-3.1-8b", "llama-3.1-70b", "llama-2-7b",
                                                         "qwen2.5-7b", "llama-3.2-1b"])
     parser.add_argument("--gpus", nargs="+", default=["h100", "a100-80gb", "l4"])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batches", type=_positive, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--contexts", type=_positive, nargs="+", default=[4096])
+    parser.add_argument("--block-size", type=_power_of_two, default=16)
     parser.add_argument("--out", type=Path, help="also write the rows as CSV")
     args = parser.parse_args(argv)
-    rows = estimate_table(args.models, args.gpus, args.batches, args.contexts, args.block_size)
+    try:
+        rows = estimate_table(args.models, args.gpus, args.batches, args.contexts, args.block_size)
+    except ValueError as exc:     # an unknown model or GPU, a GPU without an SM count (catalog errors included)
+        parser.error(str(exc))
     print(markdown(rows))
     if args.out:
         import pandas as pd

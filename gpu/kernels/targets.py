@@ -275,7 +275,8 @@ def markdown_table(rows: list[Resources]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvsim.gpu.kernels.targets", description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), help="SM versions (default 80 89 90)")
+    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), choices=sorted(SHARED_LIMIT),
+                        help="SM versions (default 80 89 90)")
     parser.add_argument("--cases", choices=("suite", "catalog"), default="suite",
                         help="suite: the test suite's launches; catalog: every catalog model x block size")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
