@@ -500,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
     plan = TINY if args.tiny or not torch.cuda.is_available() else FULL
+    if args.gpu is not None:      # before the first step: a misspelt GPU ended in a traceback after the kernels
+        from kvsim.sim.catalog import CatalogError, get_gpu
+        try:
+            get_gpu(args.gpu)
+        except CatalogError as exc:
+            parser.error(f"--gpu: {exc}")
     if plan.device == "cpu":   # Triton runs CPU tensors only interpreted, set before triton is first imported
         os.environ["TRITON_INTERPRET"] = "1"
     print(f"writing {run(args.out, plan, args.gpu)}")

@@ -87,3 +87,13 @@ def test_a_validation_step_past_its_time_limit_is_stopped_and_reported(tmp_path)
         _kvsim(["simulate", "--trace", "azure-conv-2023", "--model", "llama-3.1-8b", "--gpu", "h100", "-q",
                 "--no-fast-forward", "--out", str(tmp_path / "run")], log, timeout_s=1)
     assert log.read_text().startswith("$ kvsim simulate")
+
+
+def test_a_misspelt_gpu_is_refused_before_the_first_step(tmp_path, capsys):
+    """--gpu nosuch ran the kernel checks (15 s on CPU, minutes of a lent GPU) and then ended in a
+    CatalogError traceback at the first replay; it is one usage line before anything runs."""
+    from kvsim.gpu.validate import main
+    with pytest.raises(SystemExit) as stop:
+        main(["--out", str(tmp_path / "v"), "--tiny", "--gpu", "nosuch"])
+    assert stop.value.code == 2 and "--gpu: unknown gpu 'nosuch'" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
