@@ -76,6 +76,17 @@ def get_run(label: str, runs: dict | None = None) -> RunRecord:
     return _read_run(str(where), (where / "summary.json").stat().st_mtime, label)
 
 
+def get_runs(labels: list[str], runs: dict) -> list[RunRecord]:
+    """The runs of `labels` that can be read; each damaged run directory is an error naming its file."""
+    records = []
+    for label in labels:
+        try:
+            records.append(get_run(label, runs))
+        except DataError as exc:
+            st.error(f"{label}: {exc}")
+    return records
+
+
 def relative_path(d: Path) -> str:
     root = data_root()
     return str(d.relative_to(root)) if root in d.parents else str(d)
@@ -326,7 +337,11 @@ def pick_run(prefix: str, label: str = "Results to show") -> RunRecord | None:
         st.session_state[key] = linked
     choice = st.selectbox(label, options, key=key)
     if choice != LOAD_CHOICE:
-        record = get_run(choice, runs)
+        try:
+            record = get_run(choice, runs)
+        except DataError as exc:      # a damaged run directory: the picker above still offers the others
+            st.error(f"{exc}; pick another run")
+            return None
         if record.path is not None:    # the address links to what is shown (not a link to follow again)
             st.query_params["run"] = st.session_state["_linked_run"] = relative_path(record.path)
         return record

@@ -335,6 +335,30 @@ def test_an_interrupted_run_is_marked_partial_on_every_page(tmp_path):
     assert expected in [w.value for w in at.warning]
 
 
+def test_a_damaged_run_directory_is_an_error_naming_its_file_not_a_crash(tmp_path):
+    """One run directory whose summary.json was cut short (newest, so selected) crashed Simulate,
+    Memory and Time series with an exception box, and Compare as soon as it was selected."""
+    import os
+    run_simulation(load_config(None, {"trace_options.max_requests": 10}), tmp_path / "good")
+    (tmp_path / "damaged").mkdir()
+    for name in ("requests.parquet", "steps.parquet"):
+        (tmp_path / "damaged" / name).write_bytes((tmp_path / "good" / name).read_bytes())
+    (tmp_path / "damaged" / "summary.json").write_text('{"num_requests": 10, "num_fini')
+    os.utime(tmp_path / "good" / "summary.json", (1e9, 1e9))            # the damaged run is the newest
+    message = f"{tmp_path / 'damaged' / 'summary.json'}:1: not valid JSON"
+    for page in ("simulate", "memory", "timeseries"):
+        at = app()
+        at.switch_page(f"pages/{page}.py").run()
+        assert errors(at)[0].startswith(message), page
+        pick = next(s for s in at.selectbox if s.key and s.key.endswith("pick"))
+        pick.set_value("good").run()
+        assert not errors(at) and at.get("plotly_chart"), page
+    at.switch_page("pages/compare.py").run()
+    at.multiselect(key="cmp_selected").set_value(["damaged", "good"]).run()
+    assert [e.startswith(f"damaged: {message}") for e in errors(at)] == [True]
+    assert list(frame_with(at, "TTFT p99 ms")["run"]) == ["good"]
+
+
 def test_memory_page_draws_a_per_head_run_against_its_pages(per_head):
     result, at = per_head
     at.switch_page("pages/memory.py").run()

@@ -5,7 +5,7 @@ import streamlit as st
 from kvsim.dashboard import charts
 from kvsim.dashboard.data import config_headline, flatten, partial_note
 from kvsim.dashboard.forms import BASE, config_axes, config_form, gui_message, parse_axis_values, with_value
-from kvsim.dashboard.ui import (available_runs, follow_job, get_run, run_button, start_job, summary_column_config,
+from kvsim.dashboard.ui import (available_runs, follow_job, get_runs, run_button, start_job, summary_column_config,
                                 summary_table)
 from kvsim.sim.config import ConfigError
 
@@ -61,7 +61,7 @@ if job is not None:   # show what just ran
 if "cmp_selected" in st.session_state:
     st.session_state["cmp_selected"] = [x for x in st.session_state["cmp_selected"] if x in available]
 selected = st.multiselect("Runs to compare", list(available), key="cmp_selected")
-records = [get_run(x, available) for x in selected]
+records = get_runs(selected, available)
 if not records:
     st.info("Choose an axis and values, run them, or select earlier runs to compare.")
     st.stop()
