@@ -74,7 +74,7 @@ class RunRecord:
 
     @property
     def num_blocks_total(self) -> int:
-        return int(self.summary.get("num_gpu_blocks", 0)) * int(self.summary.get("replicas", 1) or 1)
+        return int(self.summary.get("num_gpu_blocks") or 0) * int(self.summary.get("replicas") or 1)
 
     @property
     def pool_blocks(self) -> int:
@@ -145,8 +145,30 @@ def load_run_dir(path: str | Path, label: str | None = None) -> RunRecord:
             raise DataError(f"{d / 'config.yaml'}: not valid YAML") from None
     if not isinstance(summary, dict) or not isinstance(config, dict):
         raise DataError(f"{d}: summary.json and config.yaml must each hold a mapping")
+    check_summary(summary, d / "summary.json")
     return RunRecord(label or run_label(d), summary, read_parquet(d / "requests.parquet"),
                      read_parquet(d / "steps.parquet"), config, d)
+
+
+# summary.json figures the pages read: the counts must be there, every one a number (or null: not measured)
+SUMMARY_COUNTS = ("num_requests", "num_finished", "num_rejected")
+SUMMARY_NUMBERS = SUMMARY_COUNTS + (
+    "num_gpu_blocks", "replicas", "block_size", "num_trace_requests", "throughput_output_tok_s", "goodput_req_s",
+    "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "slo_attainment", "kv_util_mean", "kv_util_max",
+    "fragmentation_mean", "fragmentation_p99", "preemptions", "evicted_tokens", "evicted_token_rows",
+    "blocks_freed_by_eviction", "bytes_moved", "compression_ratio", "attention_mass_retained_mean", "torch_threads")
+
+
+def check_summary(summary: dict, where: Path) -> None:
+    """DataError naming the file and key when a summary.json lacks a count or holds a non-number
+    where the pages read a figure (a file edited by hand or written by another tool)."""
+    missing = [k for k in SUMMARY_COUNTS if k not in summary]
+    if missing:
+        raise DataError(f"{where}: no {', '.join(missing)} (expected the summary.json of a kvsim run)")
+    wrong = [k for k in SUMMARY_NUMBERS if summary.get(k) is not None
+             and (isinstance(summary[k], bool) or not isinstance(summary[k], (int, float)))]
+    if wrong:
+        raise DataError(f"{where}: {', '.join(wrong)}: expected a number or null")
 
 
 # ---- run directories: every dashboard run is one, in the CLI's layout -----------------------------

@@ -357,6 +357,16 @@ def test_a_damaged_run_directory_is_an_error_naming_its_file_not_a_crash(tmp_pat
     at.multiselect(key="cmp_selected").set_value(["damaged", "good"]).run()
     assert [e.startswith(f"damaged: {message}") for e in errors(at)] == [True]
     assert list(frame_with(at, "TTFT p99 ms")["run"]) == ["good"]
+    # valid JSON, but not what a kvsim run writes: a KeyError and a TypeError on Simulate and Memory
+    summary = json.loads((tmp_path / "good" / "summary.json").read_text())
+    for text, why in (("{}", "no num_requests, num_finished, num_rejected"),
+                      (json.dumps({**summary, "ttft_p50_s": "n/a"}), "ttft_p50_s: expected a number or null")):
+        (tmp_path / "damaged" / "summary.json").write_text(text)
+        for page in ("simulate", "memory"):
+            at = app()
+            at.query_params["run"] = "damaged"
+            at.switch_page(f"pages/{page}.py").run()
+            assert [e.startswith(f"{tmp_path / 'damaged' / 'summary.json'}: {why}") for e in errors(at)] == [True]
 
 
 def test_memory_page_draws_a_per_head_run_against_its_pages(per_head):
