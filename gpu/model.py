@@ -89,7 +89,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Seeded random weights at any shape (for timing); std 0.02 like a fresh Llama init."""
+    """Seeded random weights at any shape (for timing); std 0.02 like a fresh Llama init. The layers
+    come last, so the first N layers of a model are those of its N-layer build (`--layers N` builds
+    only what it runs)."""
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int) -> torch.Tensor:
@@ -97,6 +99,8 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torc
 
     c = config
     weights = {"embed": normal(c.vocab, c.hidden), "norm": torch.ones(c.hidden, dtype=dtype)}
+    if not c.tied:
+        weights["lm_head"] = normal(c.vocab, c.hidden)
     for i in range(c.layers):
         p = f"layers.{i}."
         weights.update({
@@ -110,8 +114,6 @@ def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torc
             p + "up": normal(c.intermediate, c.hidden),
             p + "down": normal(c.hidden, c.intermediate),
         })
-    if not c.tied:
-        weights["lm_head"] = normal(c.vocab, c.hidden)
     return weights
 
 

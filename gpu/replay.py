@@ -116,16 +116,34 @@ def build_model(cfg: SimConfig, opts: ReplayOptions):
         model = load_smollm2(device=str(device), dtype=dtype)
     else:
         spec = get_model(cfg.model)
-        config = ModelConfig(layers=spec.num_layers, hidden=spec.hidden_size, heads=spec.num_heads,
+        check_dense(spec)
+        check_layers(opts.layers, spec.num_layers)
+        config = ModelConfig(layers=opts.layers or spec.num_layers, hidden=spec.hidden_size, heads=spec.num_heads,
                              kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                              intermediate=spec.intermediate_size, vocab=spec.vocab_size,
                              tied=spec.tied_embeddings, name=spec.name)
-        model = LlamaModel.random(config, seed=cfg.seed, device=str(device), dtype=dtype)
+        # only the layers it runs (the full model's first ones): the whole of a 70B was built for --layers 2
+        return LlamaModel.random(config, seed=cfg.seed, device=str(device), dtype=dtype)
     if opts.layers is not None:
-        if not 1 <= opts.layers <= model.config.layers:
-            raise ConfigError(f"--layers must be between 1 and {model.config.layers}, got {opts.layers}")
+        check_layers(opts.layers, model.config.layers)
         model = model.truncated(opts.layers)
     return model
+
+
+def check_layers(layers: int | None, total: int) -> None:
+    if layers is not None and not 1 <= layers <= total:
+        raise ConfigError(f"--layers must be between 1 and {total}, got {layers}")
+
+
+def check_dense(spec) -> None:
+    """Random weights build a dense Llama-architecture decoder: refuse a shape it would misrepresent."""
+    kinds = [what for what, present in (
+        (f"a mixture of experts ({spec.num_experts} experts)", spec.num_experts),
+        ("multi-head latent attention", spec.kv_lora_rank),
+        (f"sliding-window attention ({spec.sliding_window} tokens)", spec.sliding_window)) if present]
+    if kinds:
+        raise ConfigError(f"--weights random: {spec.name} uses {' and '.join(kinds)}; the real backend runs dense "
+                          "Llama-architecture decoders only (docs/models.md: the simulator models these)")
 
 
 def replay_config(cfg: SimConfig) -> SimConfig:

@@ -187,6 +187,11 @@ def test_random_weights_are_seeded_and_shaped_from_a_spec():
     assert torch.equal(a.dense_forward(ids), b.dense_forward(ids))
     assert not torch.equal(a.dense_forward(ids), LlamaModel.random(spec, seed=4).dense_forward(ids))
     assert a.config.num_params == sum(t.numel() for t in a.w.values())
+    # a 1-layer build (replay --weights random --layers 1 builds only what it runs) is the full model's
+    # first layer with the same embedding and (untied) head
+    one = LlamaModel.random({**spec, "layers": 1}, seed=3)
+    assert one.w.keys() == a.truncated(1).w.keys()
+    assert all(torch.equal(one.w[k], a.w[k]) for k in one.w)
     with pytest.raises(ValueError, match="missing field"):
         ModelConfig.from_spec({"layers": 2})
     with pytest.raises(ValueError, match="multiple of kv_heads"):

@@ -248,6 +248,19 @@ def test_bad_configs_are_refused_with_the_reason(small):
         run_replay(config(**{"model": "llama-3.1-8b", "engine.num_gpu_blocks": 9}), trace=tr)
 
 
+@pytest.mark.parametrize("model, kind", [("mixtral-8x7b", "a mixture of experts"),
+                                         ("deepseek-v3", "multi-head latent attention"),
+                                         ("gpt-oss-20b", "sliding-window attention")])
+def test_random_weights_refuse_an_architecture_the_backend_does_not_run(model, kind, tmp_path):
+    """--weights random --model mixtral-8x7b (or DeepSeek-V3) built a dense Llama of the model's
+    whole shape, every layer in fp32 on the host before --layers cut it: minutes and tens to hundreds
+    of GB for a model the backend does not run. Refused before anything is built."""
+    from kvsim.gpu.replay import ReplayOptions
+    with pytest.raises(ConfigError, match=f"--weights random: .* uses .*{kind}.*dense Llama-architecture"):
+        run_replay(config(**{"model": model, "engine.num_gpu_blocks": 9}), tmp_path / "out", trace=trace([9], [2]),
+                   options=ReplayOptions(weights="random", layers=1))
+
+
 def test_cli_replays_a_trace_file(tmp_path):
     from kvsim.sim.cli import app
 

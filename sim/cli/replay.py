@@ -21,7 +21,7 @@ def replay(
     model: Annotated[Optional[str], typer.Option(
         help="catalog model; smollm2-135m with --weights smollm2 (default)")] = None,
     weights: Annotated[str, typer.Option(
-        help="smollm2 (the real GGUF) | random (seeded, any catalog shape)")] = "smollm2",
+        help="smollm2 (the real GGUF) | random (seeded, any dense catalog shape)")] = "smollm2",
     device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
     dtype: Annotated[Optional[str], typer.Option(
         help="float32 | float16 | bfloat16 (default: float32 on cpu, bfloat16 on cuda)")] = None,
