@@ -51,7 +51,7 @@ class _Timeline:
         self.count: list[int] = []          # decoding sequences in step j
         self.computed: list[int] = []       # their start counts, summed (context before step j: + j each)
         self.blocks: list[int] = []         # blocks they hold after step j's allocations
-        self.mixed: dict[int, tuple[int, int]] = {}   # admission step -> (prompt tokens, prompt blocks)
+        self.mixed: dict[int, list] = {}    # step -> its prefill chunks (`mix`)
 
     @property
     def priced(self) -> int:
@@ -100,18 +100,28 @@ class _Timeline:
         del self.times[steps + 1:]
         self.limit = self.horizon           # an empty batch found past `steps` is priced again
 
-    def admit(self, s: int, prompt: int, blocks: int, executor) -> None:
-        """Step s becomes a mixed step with a `prompt`-token prefill holding `blocks` blocks."""
-        self.truncate(s + 1)
-        self.mixed[s] = (prompt, blocks)
-        count = self.count[s]
-        shape = BatchShape(num_seqs=count + 1, num_prefill_tokens=prompt, num_decode_tokens=count,
-                           attn_pairs_prefill=0.0 + prompt * (0 + (prompt + 1) / 2),
-                           kv_tokens_read=self.computed[s] + (s + 1) * count + prompt,
-                           block_table_entries=self.blocks[s] + blocks)
+    def cover_step(self, j: int, executor) -> None:
+        """Price up to step j (decode-only), or to the limit."""
+        if self.priced <= j:
+            self.price(j + 3 - self.priced, executor)
+
+    def mix(self, j: int, prefills: list, executor) -> None:
+        """Step j gets prefill chunks beside its decodes, in scheduling order: (tokens, prompt tokens
+        computed before, blocks its request holds after it) each."""
+        self.truncate(j + 1)
+        self.mixed[j] = prefills
+        count = self.count[j]
+        pairs, kv_read, held = 0.0, self.computed[j] + (j + 1) * count, self.blocks[j]
+        for n, done, blocks in prefills:
+            pairs += n * (done + (n + 1) / 2)
+            kv_read += done + n
+            held += blocks
+        shape = BatchShape(num_seqs=count + len(prefills), num_prefill_tokens=sum(n for n, _, _ in prefills),
+                           num_decode_tokens=count, attn_pairs_prefill=pairs, kv_tokens_read=kv_read,
+                           block_table_entries=held)
         d = float(executor.predict_step(shape))
-        self.durations[s] = d
-        self.times[s + 1] = self.times[s] + d
+        self.durations[j] = d
+        self.times[j + 1] = self.times[j] + d
 
 
 class _Pool:
@@ -148,13 +158,11 @@ def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: 
     deferred = cfg.async_scheduling
     horizon = view.max_steps
     ev = empty_events(horizon)
-    reqs, computed, last_step = list(sched.running), list(start[0]), list(start[1])
-    for r, span in enumerate(zip(computed, [0] * len(reqs), last_step)):
+    run = _Admissions(list(sched.running), list(start[0]), list(start[1]))
+    for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step)):
         add_request_events(ev, r, span, horizon, bs, kv.enable_caching)
     line = _Timeline(view.now, ev, horizon, max(view.last_step_s, 1e-9))
     pool = _Pool(kv.pool.num_free_blocks, ev, deferred)
-    first_token = [0] * len(reqs)
-    admissions: list[Admitted] = []
     i = 0
     while True:
         req = arrivals.upcoming(i)
@@ -163,73 +171,156 @@ def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: 
         s = bisect_left(line.times, t, 0, line.priced) + deferred       # the step whose schedule sees it
         if req is None or s >= line.priced or pool.fits_until(s) < s:
             break
-        prompt, output = req.prompt_tokens, sched.capped_output(req)
-        blocks = -(-prompt // bs)
-        if not _admissible(sched, kv, req, (s, prompt, blocks), line, pool, arrivals.upcoming(i + 1)):
+        group = [req]                       # every arrival this step's schedule sees
+        while (nxt := arrivals.upcoming(i + len(group))) is not None and nxt.arrival_time <= line.times[s - deferred]:
+            group.append(nxt)
+        following = arrivals.upcoming(i + len(group))
+        firsts = _first_chunks(sched, kv, (group, s), (line, pool), following)
+        if firsts is None:
             break
-        line.admit(s, prompt, blocks, executor)
-        r = len(reqs)
-        reqs.append(req)
-        computed.append(prompt - s - 1)         # as if it had decoded from step 0: c + j before step j
-        last_step.append(s + output)
-        first_token.append(s)
-        ev.new_blocks[s] += blocks
-        add_request_events(ev, r, (prompt - s - 1, s + 1, s + output), horizon, bs, kv.enable_caching)
-        admissions.append(Admitted(s, req, line.count[s]))
-        i += 1
-    if not admissions:
+        i += len(group)
+        t = following.arrival_time if following is not None else float("inf")
+        if not _prefill(sched, kv, (group, s, firsts), (line, pool, run), t, executor):
+            break
+    if not run.admissions:
         return None
     k = pool.fits_until(_end(line, t, deferred, ev.finished))
-    assert k > admissions[-1].step, "a run ends after its last admission"
-    return _run(line, k, (reqs, computed, last_step, first_token), admissions, ev)
+    assert k > run.admissions[-1].step, "a run ends after its last admission"
+    return _run(line, k, run, ev)
 
 
-def _admissible(sched: Scheduler, kv, req: Request, step: tuple[int, int, int], line: _Timeline,
-                pool: _Pool, following: Request | None) -> bool:
-    """Whether stepping would admit `req` whole in step s (`step`: s, its prompt tokens and blocks),
-    beside that step's decodes, with nothing else arriving for that step."""
-    s, prompt, blocks = step
-    cfg, deferred = sched.config, sched.config.async_scheduling
+class _Admissions:
+    """The run's requests (running ones, then those it admits) and its admissions."""
+
+    def __init__(self, requests: list, computed: list, last_step: list):
+        self.requests, self.computed, self.last_step = requests, computed, last_step
+        self.first_token = [0] * len(requests)
+        self.admissions: list[Admitted] = []
+
+    def add(self, adm: Admitted) -> None:
+        self.admissions.append(adm)
+        for column, value in ((self.requests, adm.request), (self.computed, 0), (self.last_step, 0),
+                              (self.first_token, 0)):
+            column.append(value)            # set once its prompt is done (by `_run` if it is not)
+
+    def decode_from(self, r: int, j: int, output: int) -> None:
+        """Request r computed its prompt in step j: it decodes from the next step on."""
+        self.computed[r] = self.requests[r].prompt_tokens - j - 1      # as if decoding from step 0: c + i before step i
+        self.last_step[r], self.first_token[r] = j + output, j
+
+
+def _first_chunks(sched: Scheduler, kv, arriving: tuple, state: tuple, following: Request | None) -> list | None:
+    """The prompt tokens stepping would admit each of `group` with in step s (`arriving` = (group, s)),
+    in order, beside that step's decodes; None unless it would admit them all so, only the last one
+    possibly cut to a chunk, with the next arrival coming for a later step."""
+    (group, s), (line, pool) = arriving, state
+    cfg, deferred, bs = sched.config, sched.config.async_scheduling, kv.block_size
     decodes = line.count[s]
     # async: the finishers of the step before still hold their sequence slots at this schedule
     running = decodes + (line.ev.finished[s - 1] if deferred else 0)
-    threshold = cfg.long_prefill_token_threshold
-    if (decodes < 1 or running >= cfg.max_num_seqs or not 0 < prompt <= cfg.max_num_batched_tokens - decodes
-            or (threshold > 0 and prompt > threshold) or req.prefix_hash_ids is not None
-            or sched.never_fits(req) or pool.free_in(s) < blocks):
-        return False
-    if following is None:
-        return True
-    # the next arrival must come later than this step's schedule, and (async) the run must be able
-    # to end after this step should it stop at that arrival (`_end`)
-    seen_by_s = line.times[s - deferred]
-    return following.arrival_time > seen_by_s and not (
-        deferred and following.arrival_time <= line.times[s] and line.ev.finished[s - 1])
+    budget, free, threshold = cfg.max_num_batched_tokens - decodes, pool.free_in(s), cfg.long_prefill_token_threshold
+    firsts = []
+    for req in group:
+        prompt = req.prompt_tokens
+        if (decodes < 1 or running >= cfg.max_num_seqs or budget < 1 or prompt < 1 or req.prefix_hash_ids is not None
+                or sched.never_fits(req) or free < -(-prompt // bs)
+                or (not cfg.enable_chunked_prefill and sched._capped(prompt, threshold) > budget)):
+            return None
+        n = sched._chunk(prompt, budget, 0, threshold)
+        if n < prompt and req is not group[-1]:
+            return None                     # the budget is spent: the next one would wait
+        firsts.append(n)
+        running += 1
+        budget -= n
+        free -= -(-n // bs)
+    if following is not None and not (following.arrival_time > line.times[s - deferred] and not (
+            deferred and following.arrival_time <= line.times[s] and line.ev.finished[s - 1])):
+        return None                         # (async) the run could not end right after this step
+    return firsts
+
+
+def _prefill(sched: Scheduler, kv, arriving: tuple, state: tuple, following: float, executor) -> bool:
+    """Admit `group` in step s with their first chunks (`arriving` = (group, s, first chunks)), then
+    plan the last one's further chunks, one a step beside the decodes, until its prompt is computed
+    (each request decodes from the step after its prompt) or something stepping would judge comes
+    first: an arrival, a short pool, a step without decodes. Then the run ends there (returns False)
+    with that request part-way through its prompt."""
+    (group, s, firsts), (line, pool, run) = arriving, state
+    cfg, bs, deferred, ev = sched.config, kv.block_size, sched.config.async_scheduling, line.ev
+    budget, chunks = cfg.max_num_batched_tokens - line.count[s], []
+    for req, n in zip(group, firsts):
+        run.add(Admitted(s, req, budget, [(s, n)], len(run.requests)))
+        budget -= n
+        blocks = -(-n // bs)
+        ev.new_blocks[s] += blocks
+        chunks.append((n, 0, blocks))
+    line.mix(s, chunks, executor)
+    last, (j, done) = run.admissions[-1], (s, firsts[-1])
+    for adm in run.admissions[-len(group):-1]:
+        _decode_after(sched, kv, (run, line), adm.index, s)
+    req, prompt = last.request, last.request.prompt_tokens
+    while done < prompt:
+        j += 1
+        line.cover_step(j, executor)
+        if (j >= line.priced or pool.fits_until(j) < j or line.count[j] < 1
+                or following <= line.times[j - deferred]
+                or (deferred and following <= line.times[j] and ev.finished[j - 1])):
+            line.limit = min(line.limit, j)
+            return False
+        n = sched._chunk(prompt - done, cfg.max_num_batched_tokens - line.count[j], done,
+                         cfg.long_prefill_token_threshold)
+        blocks = -(-(done + n) // bs)
+        if n < 1 or pool.free_in(j) < blocks - -(-done // bs):
+            line.limit = min(line.limit, j)
+            return False
+        ev.new_blocks[j] += blocks - -(-done // bs)
+        line.mix(j, [(n, done, blocks)], executor)
+        last.chunks.append((j, n))
+        done += n
+    _decode_after(sched, kv, (run, line), last.index, j)
+    return True
+
+
+def _decode_after(sched: Scheduler, kv, state: tuple, r: int, j: int) -> None:
+    """Request r computed its prompt in step j: it decodes from the next step on."""
+    run, line = state
+    run.decode_from(r, j, sched.capped_output(run.requests[r]))
+    add_request_events(line.ev, r, (run.computed[r], j + 1, run.last_step[r]), line.horizon, kv.block_size,
+                       kv.enable_caching)
 
 
 def _end(line: _Timeline, t: float, deferred: bool, finished: list) -> int:
     """Steps the run takes before the next arrival's schedule (sim/fast_forward.py `_step_times`)."""
-    m = bisect_left(line.times, t, 0, line.priced)
-    if deferred and m < line.priced and m and not finished[m - 1]:
+    limit = min(line.limit, line.priced)
+    m = bisect_left(line.times, t, 0, limit)
+    if deferred and m < limit and m and not finished[m - 1]:
         m += 1
     return m
 
 
-def _run(line: _Timeline, k: int, requests: tuple, admissions: list, ev: RunEvents) -> DecodeRun:
-    reqs, computed, last_step, first_token = requests
+def _run(line: _Timeline, k: int, run: _Admissions, ev: RunEvents) -> DecodeRun:
     count = np.array(line.count[:k], np.int64)
     kv_read = np.array(line.computed[:k], np.int64) + np.arange(1, k + 1) * count
     blocks = np.array(line.blocks[:k], np.int64)
     seqs, tokens, pairs = [0] * k, [0] * k, [0.0] * k
-    for s, (prompt, held) in line.mixed.items():
-        seqs[s], tokens[s] = 1, prompt
-        pairs[s] = 0.0 + prompt * (0 + (prompt + 1) / 2)
-        kv_read[s] += prompt
-        blocks[s] += held
+    for j, prefills in line.mixed.items():
+        if j < k:
+            seqs[j] = len(prefills)
+            for n, done, held in prefills:
+                tokens[j] += n
+                pairs[j] += n * (done + (n + 1) / 2)
+                kv_read[j] += done + n
+                blocks[j] += held
+    for adm in run.admissions:          # part-way through its prompt when the run ends: no token yet
+        done = sum(n for j, n in adm.chunks if j < k)
+        if done < adm.request.prompt_tokens:
+            r = adm.index
+            run.computed[r], run.last_step[r], run.first_token[r] = done - k, k + 1, k
     batch = count + np.array(seqs, np.int64)
     allocs = sorted(ev.allocs)
     allocs = allocs[:bisect_left(allocs, (k,))]
-    return DecodeRun(reqs, computed, last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k], batch, kv_read,
-                     blocks, ev.finished[:k], ev.finished_computed[:k], ev.finished_blocks[:k],
+    return DecodeRun(run.requests, run.computed, run.last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
+                     batch, kv_read, blocks, ev.finished[:k], ev.finished_computed[:k], ev.finished_blocks[:k],
                      np.array(line.durations[:k]), line.times[:k], line.times[1:k + 1],
-                     token_start=first_token, admissions=admissions, prefill=PrefillColumns(seqs, tokens, pairs))
+                     token_start=run.first_token, admissions=run.admissions,
+                     prefill=PrefillColumns(seqs, tokens, pairs))

@@ -68,10 +68,13 @@ class DecodeRun:
 
 
 class Admitted(NamedTuple):
-    """An arrival a run admits whole in step `step`, beside `num_decodes` decoding requests."""
+    """An arrival a run admits in step `step`, with `budget` tokens of the step left; its prompt is
+    computed in `chunks`, (step, tokens) one a step from `step` on; it is the run's request `index`."""
     step: int
     request: object
-    num_decodes: int
+    budget: int
+    chunks: list
+    index: int
 
 
 class PrefillColumns(NamedTuple):
@@ -326,7 +329,11 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
     for r, e in enumerate(run.last_step):
         if e < k:
             releases.setdefault(e - 1 + deferred, []).append(r)
-    admits = {adm.step: adm for adm in run.admissions}
+    admits: dict[int, list] = {}         # step -> its prefill chunks, in scheduling order
+    for adm in run.admissions:
+        for i, (j, n) in enumerate(adm.chunks):
+            if j < k:
+                admits.setdefault(j, []).append((adm, n, not i))
     used, cached = [0] * k, [0] * k
     allocs, a, first = run.allocs, 0, 0
     req_blocks, caching = kv.req_blocks, kv.enable_caching
@@ -341,9 +348,8 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
         cached[first:counted] = [hashed if p <= unhashed else hashed - (p - unhashed) for p in pops]
         first = j + 1
         if j in admits:             # after the step's decode allocations, before its releases (async)
-            adm = admits[j]
-            adm.request.first_scheduled_time = run.starts[j]
-            sched.admit_arrival(adm.request, adm.num_decodes)
+            for chunk in admits[j]:
+                _prefill_chunk(sched, kv, chunk, run.starts[j])
             used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
         if j in releases:
             done = [reqs[r] for r in releases[j]]
@@ -359,6 +365,19 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
             if e >= k:
                 kv.cache_full_blocks(req, c + k)
     return used, cached
+
+
+def _prefill_chunk(sched: Scheduler, kv: FastForwardKV, chunk: tuple, start: float) -> None:
+    """A chunk of an admitted request's prompt: its admission (the scheduler's own), or the slots of
+    a further chunk (as the scheduler's running loop would allocate them)."""
+    adm, n, first = chunk
+    req = adm.request
+    if first:
+        req.first_scheduled_time = start
+        sched.admit_arrival(req, adm.budget, n)
+    elif not kv.allocate_slots(req, n):
+        raise AssertionError(f"a decode run planned slots for request {req.request_id} the pool could not give")
+    req.num_computed_tokens += n
 
 
 def _fills(run: DecodeRun, bs: int) -> list:

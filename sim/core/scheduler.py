@@ -323,20 +323,19 @@ class Scheduler:
             budget -= n
         return budget
 
-    def admit_arrival(self, req: Request, num_decodes: int) -> None:
-        """Queue and admit `req` as the schedule of a step whose `num_decodes` running requests each
-        decode a token would (a decode run that admits arrivals, sim/admitting_runs.py, planned that
-        this request fits whole: nothing else waits, it is not alone, its prompt fits the budget
-        and the pool)."""
+    def admit_arrival(self, req: Request, budget: int, num_tokens: int) -> None:
+        """Queue and admit `req` as a step's schedule would with `budget` tokens left (a decode run
+        that admits arrivals, sim/admitting_runs.py, planned that it gets `num_tokens` tokens:
+        nothing else waits, requests decode beside it, its whole prompt fits the pool)."""
         if not self.add_request(req):
             raise AssertionError(f"a decode run admitted request {req.request_id}, which the scheduler rejects")
         self._threshold = self.config.long_prefill_token_threshold       # requests decode beside it
         scheduled: dict = {}
-        self._admit(self.config.max_num_batched_tokens - num_decodes, scheduled, SchedulerOutput())
+        self._admit(budget, scheduled, SchedulerOutput())
         got = scheduled.get(req)
-        if got is None or got.num_new_tokens != req.prompt_tokens or len(self.waiting):
-            raise AssertionError(f"a decode run planned to admit request {req.request_id} whole; the scheduler "
-                                 "did not")
+        if got is None or got.num_new_tokens != num_tokens or len(self.waiting):
+            raise AssertionError(f"a decode run planned to admit request {req.request_id} with {num_tokens} "
+                                 "tokens; the scheduler did not")
 
     def _swap_in_blocked(self, req: Request, tokens: int) -> bool:
         """Whether the blocks for a swapped request's KV plus this step's tokens are missing. Checked
