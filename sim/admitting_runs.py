@@ -156,6 +156,9 @@ def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: 
     and last steps, as `fast_forward.plan` found them), admitting the arrivals it can."""
     cfg, bs = sched.config, kv.block_size
     deferred = cfg.async_scheduling
+    first = arrivals.upcoming(0)
+    if first is not None and deferred and first.arrival_time <= view.last_step_start:
+        return None                         # the next schedule takes it: a step of its own
     horizon = view.max_steps
     ev = empty_events(horizon)
     run = _Admissions(list(sched.running), list(start[0]), list(start[1]))

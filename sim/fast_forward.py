@@ -37,6 +37,7 @@ class ReplicaView(NamedTuple):
     inbox_empty: bool           # no arrival waits for the next schedule (async scheduling)
     steps_to_step_arrival: float    # arrival_unit=step: engine steps before the next arrival (inf: none)
     last_step_s: float          # duration of the step just taken (the run's horizon is paced by it)
+    last_step_start: float      # when it started (async: the next schedule sees the arrivals until then)
     max_steps: int              # longest run
     closed_loop: bool           # a finish sends the client's next request (the run stops at a finish)
 
@@ -110,7 +111,8 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
         return None
     admission_blocked = len(sched.waiting) > 0
     next_arrival = view.next_arrival
-    if next_arrival <= view.now or not view.inbox_empty or sched.finishing:
+    # an arrival waiting for the next schedule (async): only a run that admits it can go on
+    if next_arrival <= view.now or sched.finishing or not (view.inbox_empty or admitting):
         return None
     step_gap = view.steps_to_step_arrival
     if step_gap < 1:
@@ -136,8 +138,10 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     replay = _must_replay(kv, running)
     if admitting is not None and not (admission_blocked or view.closed_loop or replay) and step_gap == float("inf"):
         run = admitting(view, sched, kv, executor, (computed, last_step))
-        if run is not None:
+        if run is not None or not view.inbox_empty:
             return run
+    if not view.inbox_empty:
+        return None
     until_first = admission_blocked or view.closed_loop or (deferred and replay)
     k = min(last_step) if until_first else max(last_step)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
