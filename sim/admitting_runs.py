@@ -81,14 +81,15 @@ class _Timeline:
         if q <= p:
             return
         ev = self.ev
-        sums = np.array((ev.d_count[p:q], ev.d_computed[p:q], ev.d_blocks[p:q]), np.int64)
+        rows = ev.d_count[p:q], ev.d_computed[p:q], ev.d_blocks[p:q]
+        if p:                               # the sums so far, carried into the first step's differences
+            for row, total in zip(rows, (self.count[-1], self.computed[-1], self.blocks[-1])):
+                row[0] += total
+        sums = np.array(rows, np.int64)
         np.cumsum(sums, axis=1, out=sums)
-        if p:
-            sums += np.array((self.count[-1], self.computed[-1], self.blocks[-1]), np.int64)[:, None]
         count = sums[0]
-        empty = np.flatnonzero(count == 0)
-        if empty.size:                      # every request has finished: the engine idles there
-            q = p + int(empty[0])
+        if not count.all():                 # every request has finished: the engine idles there
+            q = p + int(np.argmin(count))
             self.limit = q
             sums = sums[:, :q - p]
             count = sums[0]
@@ -100,9 +101,10 @@ class _Timeline:
         self.durations += durations
         self.times += accumulate(durations, initial=self.times[-1])
         del self.times[p + 1]               # accumulate repeats the start
-        self.count += sums[0].tolist()
-        self.computed += sums[1].tolist()
-        self.blocks += sums[2].tolist()
+        counts, computed, blocks = sums.tolist()
+        self.count += counts
+        self.computed += computed
+        self.blocks += blocks
 
     def cover(self, t: float, deferred: bool, executor) -> None:
         """Price the steps up to the one whose schedule first sees an arrival at `t` (async: one step
