@@ -155,8 +155,20 @@ class _Pool:
 
     def fits_until(self, end: int) -> int:
         """Account steps up to `end`; the first whose allocations the pool cannot supply, or `end`."""
-        ev, deferred = self.ev, self.deferred
-        for j in range(self.step, end):
+        ev, deferred, step = self.ev, self.deferred, self.step
+        if step >= end:
+            return end
+        grown = sum(ev.new_blocks[step:end])
+        if self.allocated + grown - self.released <= self.free:     # fits even with nothing released
+            self.allocated += grown
+            first = step - deferred
+            if first < 0:
+                self.released += self.leaving
+                first = 0
+            self.released += sum(ev.freed_blocks[first:end - deferred])
+            self.step = end
+            return end
+        for j in range(step, end):
             if self.allocated + ev.new_blocks[j] - self.released > self.free:
                 return j
             self.allocated += ev.new_blocks[j]
