@@ -1,20 +1,24 @@
 """Decode runs that admit arrivals: a fast-forward run (sim/fast_forward.py) that goes on through
-the steps admitting new requests, as long as each admission is one stepping would make without
-judgement: the request arrives alone at its step, is accepted, fits the step's token budget whole
-(no chunk cap cuts it) and the free pool, beside requests that all decode. Its step is then a
-mixed step (their decodes and its prefill), priced as the engine prices a step, and the request
-decodes from the next step on.
+the steps where arrivals are seen, wait, are admitted and compute their prompts, as long as each
+step's schedule is one the run can plan exactly: the running requests decode, beside at most one
+prompt computed in chunks; the arrivals a schedule sees join WAITING (FCFS; with priority
+scheduling, one at a time) and its head is admitted while the token budget and the sequence slots
+allow, whole or (the last one) cut to a chunk, its whole prompt fitting the free pool. Such a step
+is a mixed step, priced as the engine prices any step. Quiet stretches between arrivals are priced
+in bulk.
 
-Without it every arrival ends a run and takes a step of its own through the scheduler; a run per
-arrival gap costs about as much as the steps it spans (a run covers ~20 steps of ~10 requests on
-the Azure traces). Here a run spans many arrivals. Everything stepping does still happens, in the
-same order: the admissions go through the scheduler's own admission (`Scheduler.admit_planned`)
-between the run's bulk allocations, so block identities, the prefix cache, request state and the
-step log come out bit-identical to stepping (tested with the decode fast-forward's property test).
+Without it every arrival ends a run and takes steps of its own through the scheduler. Here a run
+spans thousands of steps. Everything stepping does still happens, in the same order: the arrivals
+join WAITING through `Scheduler.add_request` and the admissions go through the scheduler's own
+admission (`Scheduler.admit_planned`, which checks it admits what was planned) between the run's
+bulk allocations, so block identities, the prefix cache, request state and the step log come out
+bit-identical to stepping (tests/test_admitting_runs.py, and the decode fast-forward's property test).
 
-Only for one engine fed by the trace's arrivals (no router choice, no client in the loop), a KV
-manager whose pool is a function of token counts, requests without shared prefix ids (with
-prefix caching, a prompt's hits would have to be planned) and no request waiting.
+What stepping would judge otherwise ends the run right before that step: a request the scheduler
+would reject, a prompt with shared prefix ids (its prefix-cache hits), a head of WAITING short of
+blocks, a chunk the pool cannot give, a step without decodes, two prompts part-way at once.
+Only for one engine fed by the trace's arrivals (no router choice, no client in the loop) and a KV
+manager whose pool is a function of token counts.
 """
 from __future__ import annotations
 
