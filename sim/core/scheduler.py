@@ -129,11 +129,11 @@ class Scheduler:
         past max_model_len is capped there (as vLLM stops at the model length)."""
         req.arrival_order = self.num_submitted
         self.num_submitted += 1
-        limit = self.config.max_model_len
-        if req.prompt_tokens + 1 <= limit < req.prompt_tokens + req.max_output_tokens:
-            req.max_output_tokens = limit - req.prompt_tokens
+        capped = self.capped_output(req)
+        if capped != req.max_output_tokens:
+            req.max_output_tokens = capped
             req.output_capped = True
-        reason = self._never_fits(req)
+        reason = self._never_fits(req, capped)
         if reason:
             req.status = RequestStatus.REJECTED
             req.reject_reason = reason
@@ -142,11 +142,22 @@ class Scheduler:
         self.waiting.add(req)
         return True
 
-    def _never_fits(self, req: Request) -> str | None:
+    def capped_output(self, req: Request) -> int:
+        """The output length `req` gets: its own, capped at max_model_len (vLLM stops there)."""
+        limit = self.config.max_model_len
+        if req.prompt_tokens + 1 <= limit < req.prompt_tokens + req.max_output_tokens:
+            return limit - req.prompt_tokens
+        return req.max_output_tokens
+
+    def never_fits(self, req: Request) -> bool:
+        """Whether `add_request` would reject `req`. Changes nothing."""
+        return self._never_fits(req, self.capped_output(req)) is not None
+
+    def _never_fits(self, req: Request, max_output: int) -> str | None:
         if req.prompt_tokens + 1 > self.config.max_model_len:
             return (f"prompt of {req.prompt_tokens} tokens leaves no room for output within "
                     f"max_model_len={self.config.max_model_len}")
-        peak = req.prompt_tokens + req.max_output_tokens - 1
+        peak = req.prompt_tokens + max_output - 1
         capacity = self.kv.max_tokens_per_request()
         if peak > capacity:
             return (f"needs {peak} KV slots at its last token but the whole KV pool holds "
@@ -311,6 +322,18 @@ class Scheduler:
             scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n), swap_in_tokens=swapped)
             budget -= n
         return budget
+
+    def admit_planned(self, budget: int, planned: list) -> None:
+        """Admit from WAITING as a step's schedule would with `budget` tokens left, checking that it
+        admits exactly `planned`, (request, tokens) in order: a decode run that admits arrivals
+        (sim/admitting_runs.py) planned them (requests decode beside them: not alone)."""
+        self._threshold = self.config.long_prefill_token_threshold
+        scheduled: dict = {}
+        self._admit(budget, scheduled, SchedulerOutput())
+        got = [(s.request, s.num_new_tokens) for s in scheduled.values()]
+        if got != planned:
+            raise AssertionError(f"a decode run planned to admit {[(r.request_id, n) for r, n in planned]}; the "
+                                 f"scheduler admitted {[(r.request_id, n) for r, n in got]}")
 
     def _swap_in_blocked(self, req: Request, tokens: int) -> bool:
         """Whether the blocks for a swapped request's KV plus this step's tokens are missing. Checked
