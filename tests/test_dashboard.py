@@ -321,7 +321,8 @@ def test_an_interrupted_run_is_marked_partial_on_every_page(tmp_path):
         if steps[0] == 50:
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        run_simulation(load_config(None, {"trace_options.max_requests": 200}), tmp_path / "stopped", progress=ctrl_c)
+        run_simulation(load_config(None, {"trace_options.max_requests": 200, "fast_forward": False}),   # step by step
+                       tmp_path / "stopped", progress=ctrl_c)
     s = json.loads((tmp_path / "stopped" / "summary.json").read_text())
     expected = (f"stopped: partial result (interrupted (Ctrl-C)): the run stopped after {s['num_requests']} requests "
                 f"of the workload's 200 had arrived, {s['num_finished']} finished; every figure covers the run up to then.")
