@@ -339,15 +339,31 @@ def inter_token_latencies(token_times) -> np.ndarray:
     return list_gaps(*flat_token_times(token_times))
 
 
-def list_gaps(offsets: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """Gaps between consecutive values of each list (lists given as offsets [n + 1] and values)."""
+def list_gaps(offsets: np.ndarray, times: np.ndarray, *, overwrite: bool = False) -> np.ndarray:
+    """Gaps between consecutive values of each list (lists given as offsets [n + 1] and values).
+    `overwrite`: `times` may be overwritten; the gaps are then computed into its own memory (a view
+    of it is returned), not into two fresh buffers of its size, each faulted in page by page."""
     if times.size == 0:
         return np.array([])
-    gaps = np.diff(times)
     first_of_list = offsets[1:-1]                          # a list's first value follows another's last
-    keep = np.ones(gaps.size, dtype=bool)
+    keep = np.ones(times.size - 1, dtype=bool)
     keep[first_of_list[(first_of_list > 0) & (first_of_list < times.size)] - 1] = False
-    return gaps[keep]
+    return _gaps_in_place(times, keep) if overwrite else np.diff(times)[keep]
+
+
+GAPS_SLICE = 1 << 16
+
+
+def _gaps_in_place(times: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """np.diff(times)[keep] written to the front of `times`, one slice at a time: the kept gaps before
+    a slice are at most its start, so no value is overwritten before it is read."""
+    n = 0
+    for start in range(0, keep.size, GAPS_SLICE):
+        end = min(start + GAPS_SLICE, keep.size)
+        part = (times[start + 1:end + 1] - times[start:end])[keep[start:end]]
+        times[n:n + part.size] = part
+        n += part.size
+    return times[:n]
 
 
 def _pct(values: pd.Series, q: float) -> float:
