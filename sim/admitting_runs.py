@@ -41,12 +41,14 @@ class ArrivalFeed(Protocol):
 class _Timeline:
     """The run's steps priced so far: clock, decode-only figures, and the admissions' mixed steps."""
 
-    def __init__(self, now: float, ev: RunEvents, limit: int, pace: float):
+    def __init__(self, view: ReplicaView, ev: RunEvents, leaving: int):
         self.ev = ev
-        self.horizon = limit
-        self.pace = pace                    # the last decode step's duration: steps ahead of an arrival
-        self.limit = limit                  # no step at or past it (the horizon, or an empty batch)
-        self.times = [now]                  # start of step j; then the end of the last priced step
+        self.horizon = view.max_steps
+        self.pace = max(view.last_step_s, 1e-9)     # the last decode step's duration: steps ahead of an arrival
+        self.limit = view.max_steps         # no step at or past it (the horizon, or an empty batch)
+        self.before = view.last_step_start  # start of the step before the run
+        self.leaving = leaving              # (async) finishers of that step, leaving at step 0's schedule
+        self.times = [view.now]             # start of step j; then the end of the last priced step
         self.durations: list[float] = []
         self.count: list[int] = []          # decoding sequences in step j
         self.computed: list[int] = []       # their start counts, summed (context before step j: + j each)
@@ -57,6 +59,21 @@ class _Timeline:
     def priced(self) -> int:
         return len(self.durations)
 
+    def start(self, j: int) -> float:
+        """Start of step j (j = -1: the step before the run)."""
+        return self.times[j] if j >= 0 else self.before
+
+    def finished_before(self, j: int) -> int:
+        """Requests finishing in the step before step j."""
+        return self.ev.finished[j - 1] if j else self.leaving
+
+    def seen_by(self, t: float, deferred: bool) -> int:
+        """The step whose schedule first sees an arrival at `t` (async: the arrivals from before the
+        previous step started), or `priced` (+ 1) if none priced does."""
+        if deferred and t <= self.before:
+            return 0
+        return bisect_left(self.times, t, 0, self.priced) + deferred
+
     def price(self, steps: int, executor) -> None:
         """Price up to `steps` more decode steps (fewer at the limit)."""
         p = self.priced
@@ -64,14 +81,15 @@ class _Timeline:
         if q <= p:
             return
         ev = self.ev
-        sums = np.array((ev.d_count[p:q], ev.d_computed[p:q], ev.d_blocks[p:q]), np.int64)
+        rows = ev.d_count[p:q], ev.d_computed[p:q], ev.d_blocks[p:q]
+        if p:                               # the sums so far, carried into the first step's differences
+            for row, total in zip(rows, (self.count[-1], self.computed[-1], self.blocks[-1])):
+                row[0] += total
+        sums = np.array(rows, np.int64)
         np.cumsum(sums, axis=1, out=sums)
-        if p:
-            sums += np.array((self.count[-1], self.computed[-1], self.blocks[-1]), np.int64)[:, None]
         count = sums[0]
-        empty = np.flatnonzero(count == 0)
-        if empty.size:                      # every request has finished: the engine idles there
-            q = p + int(empty[0])
+        if not count.all():                 # every request has finished: the engine idles there
+            q = p + int(np.argmin(count))
             self.limit = q
             sums = sums[:, :q - p]
             count = sums[0]
@@ -83,9 +101,10 @@ class _Timeline:
         self.durations += durations
         self.times += accumulate(durations, initial=self.times[-1])
         del self.times[p + 1]               # accumulate repeats the start
-        self.count += sums[0].tolist()
-        self.computed += sums[1].tolist()
-        self.blocks += sums[2].tolist()
+        counts, computed, blocks = sums.tolist()
+        self.count += counts
+        self.computed += computed
+        self.blocks += blocks
 
     def cover(self, t: float, deferred: bool, executor) -> None:
         """Price the steps up to the one whose schedule first sees an arrival at `t` (async: one step
@@ -126,22 +145,34 @@ class _Timeline:
 
 class _Pool:
     """Free blocks as the run's steps allocate and release them (conservative with prefix caching,
-    whose finished blocks are not counted back: sim/fast_forward.py `_events`)."""
+    whose finished blocks are not counted back: sim/fast_forward.py `_events`); `leaving`: blocks
+    returning after step 0's allocations (async: the finishers of the step before the run)."""
 
-    def __init__(self, free: int, ev: RunEvents, deferred: bool):
-        self.free, self.ev, self.deferred = free, ev, deferred
+    def __init__(self, free: int, ev: RunEvents, deferred: bool, leaving: int = 0):
+        self.free, self.ev, self.deferred, self.leaving = free, ev, deferred, leaving
         self.allocated = self.released = 0
         self.step = 0                       # steps accounted
 
     def fits_until(self, end: int) -> int:
         """Account steps up to `end`; the first whose allocations the pool cannot supply, or `end`."""
-        ev, deferred = self.ev, self.deferred
-        for j in range(self.step, end):
+        ev, deferred, step = self.ev, self.deferred, self.step
+        if step >= end:
+            return end
+        grown = sum(ev.new_blocks[step:end])
+        if self.allocated + grown - self.released <= self.free:     # fits even with nothing released
+            self.allocated += grown
+            first = step - deferred
+            if first < 0:
+                self.released += self.leaving
+                first = 0
+            self.released += sum(ev.freed_blocks[first:end - deferred])
+            self.step = end
+            return end
+        for j in range(step, end):
             if self.allocated + ev.new_blocks[j] - self.released > self.free:
                 return j
             self.allocated += ev.new_blocks[j]
-            if j >= deferred:
-                self.released += ev.freed_blocks[j - deferred]
+            self.released += ev.freed_blocks[j - deferred] if j >= deferred else self.leaving
             self.step = j + 1
         return end
 
@@ -151,28 +182,31 @@ class _Pool:
 
 
 def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: ArrivalFeed,
-                   start: tuple[list, list]) -> DecodeRun | None:
-    """The next run of a replica whose running requests all decode (`start`: their computed counts
-    and last steps, as `fast_forward.plan` found them), admitting the arrivals it can."""
+                   start: tuple[list, list, list]) -> DecodeRun | None:
+    """The next run of a replica whose running requests all decode, or finished in the step just
+    taken (async), admitting the arrivals it can. `start`: the decoding requests, their computed
+    counts and last steps, as `fast_forward.plan` found them."""
     cfg, bs = sched.config, kv.block_size
     deferred = cfg.async_scheduling
     horizon = view.max_steps
     ev = empty_events(horizon)
-    run = _Admissions(list(sched.running), list(start[0]), list(start[1]))
+    run = _Admissions(*map(list, start))
     for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step)):
         add_request_events(ev, r, span, horizon, bs, kv.enable_caching)
-    line = _Timeline(view.now, ev, horizon, max(view.last_step_s, 1e-9))
-    pool = _Pool(kv.pool.num_free_blocks, ev, deferred)
+    line = _Timeline(view, ev, len(sched.finishing))
+    # (async) the finishers of the step just taken leave after step 0's allocations
+    leaving = 0 if kv.enable_caching else sum(len(kv.req_blocks.get(r, ())) for r in sched.finishing)
+    pool = _Pool(kv.pool.num_free_blocks, ev, deferred, leaving)
     i = 0
     while True:
         req = arrivals.upcoming(i)
         t = req.arrival_time if req is not None else float("inf")
         line.cover(t, deferred, executor)
-        s = bisect_left(line.times, t, 0, line.priced) + deferred       # the step whose schedule sees it
+        s = line.seen_by(t, deferred)       # the step whose schedule sees it
         if req is None or s >= line.priced or pool.fits_until(s) < s:
             break
         group = [req]                       # every arrival this step's schedule sees
-        while (nxt := arrivals.upcoming(i + len(group))) is not None and nxt.arrival_time <= line.times[s - deferred]:
+        while (nxt := arrivals.upcoming(i + len(group))) is not None and line.seen_by(nxt.arrival_time, deferred) <= s:
             group.append(nxt)
         following = arrivals.upcoming(i + len(group))
         firsts = _first_chunks(sched, kv, (group, s), (line, pool), following)
@@ -217,7 +251,7 @@ def _first_chunks(sched: Scheduler, kv, arriving: tuple, state: tuple, following
     cfg, deferred, bs = sched.config, sched.config.async_scheduling, kv.block_size
     decodes = line.count[s]
     # async: the finishers of the step before still hold their sequence slots at this schedule
-    running = decodes + (line.ev.finished[s - 1] if deferred else 0)
+    running = decodes + (line.finished_before(s) if deferred else 0)
     budget, free, threshold = cfg.max_num_batched_tokens - decodes, pool.free_in(s), cfg.long_prefill_token_threshold
     firsts = []
     for req in group:
@@ -233,8 +267,8 @@ def _first_chunks(sched: Scheduler, kv, arriving: tuple, state: tuple, following
         running += 1
         budget -= n
         free -= -(-n // bs)
-    if following is not None and not (following.arrival_time > line.times[s - deferred] and not (
-            deferred and following.arrival_time <= line.times[s] and line.ev.finished[s - 1])):
+    if following is not None and not (following.arrival_time > line.start(s - deferred) and not (
+            deferred and following.arrival_time <= line.times[s] and line.finished_before(s))):
         return None                         # (async) the run could not end right after this step
     return firsts
 
@@ -293,7 +327,7 @@ def _end(line: _Timeline, t: float, deferred: bool, finished: list) -> int:
     """Steps the run takes before the next arrival's schedule (sim/fast_forward.py `_step_times`)."""
     limit = min(line.limit, line.priced)
     m = bisect_left(line.times, t, 0, limit)
-    if deferred and m < limit and m and not finished[m - 1]:
+    if deferred and m < limit and (not m or not finished[m - 1]):     # m = 0: in the inbox, seen by step 1
         m += 1
     return m
 

@@ -244,7 +244,8 @@ class EngineReplica:
             now=self.now, next_arrival=self.next_arrival(), inbox_empty=not self.inbox,
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
-            last_step_s=self._last_duration, max_steps=self.max_run_steps, closed_loop=self.on_done is not None)
+            last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
+            closed_loop=self.on_done is not None)
 
     def _decode_run(self):
         """Advance a stretch of pure-decode steps in bulk (see sim/fast_forward.py)."""
@@ -295,7 +296,7 @@ class EngineReplica:
 
 
     def _plan_admitting(self, view, sched, kv, executor, start) -> fast_forward.DecodeRun | None:
-        return plan_admitting(view, sched, kv, executor, self.arrivals(), start)
+        return plan_admitting(view, sched, kv, executor, Incoming(self.inbox, self.arrivals()), start)
 
     def _take_admitted(self, run: fast_forward.DecodeRun, waiting: list) -> None:
         """The run's admissions leave the arrival process for this replica (without async scheduling
@@ -304,7 +305,27 @@ class EngineReplica:
             adm.request.replica = self.index
             if not self.async_scheduling:
                 waiting[adm.step - 1] += 1
-        self.arrivals().take(len(run.admissions))
+        Incoming(self.inbox, self.arrivals()).take(len(run.admissions))
+
+
+class Incoming:
+    """A replica's requests still to schedule, in arrival order: those waiting in its inbox for the
+    next schedule (async scheduling), then those still to arrive."""
+
+    def __init__(self, inbox: deque, arrivals: ArrivalProcess):
+        self.inbox, self.arrivals = inbox, arrivals
+
+    def upcoming(self, i: int) -> Request | None:
+        inbox = self.inbox
+        return inbox[i] if i < len(inbox) else self.arrivals.upcoming(i - len(inbox))
+
+    def take(self, n: int) -> None:
+        inbox = self.inbox
+        while n and inbox:
+            inbox.popleft()
+            n -= 1
+        if n:
+            self.arrivals.take(n)
 
 
 class Router:

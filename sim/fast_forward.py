@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .core.protocols import FastForwardExecutor, FastForwardKV
+from .core.request import RequestStatus
 from .core.scheduler import Scheduler
 
 F64 = np.float64
@@ -37,6 +38,7 @@ class ReplicaView(NamedTuple):
     inbox_empty: bool           # no arrival waits for the next schedule (async scheduling)
     steps_to_step_arrival: float    # arrival_unit=step: engine steps before the next arrival (inf: none)
     last_step_s: float          # duration of the step just taken (the run's horizon is paced by it)
+    last_step_start: float      # when it started (async: the next schedule sees the arrivals until then)
     max_steps: int              # longest run
     closed_loop: bool           # a finish sends the client's next request (the run stops at a finish)
 
@@ -110,12 +112,17 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
         return None
     admission_blocked = len(sched.waiting) > 0
     next_arrival = view.next_arrival
-    if next_arrival <= view.now or not view.inbox_empty or sched.finishing:
+    # an arrival waiting for the next schedule, or finishers releasing their slots at it (async):
+    # only a run that admits arrivals goes on from there
+    finishing = sched.finishing
+    if next_arrival <= view.now or not ((view.inbox_empty and not finishing) or admitting):
         return None
     step_gap = view.steps_to_step_arrival
     if step_gap < 1:
         return None
     computed, last_step = [], []
+    if finishing:
+        running = [r for r in running if r.status != RequestStatus.FINISHED]
     for r in running:
         n_out = r.num_output_tokens
         if n_out == 0 or r.num_computed_tokens != r.prompt_tokens + n_out - 1:
@@ -135,9 +142,11 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     deferred = cfg.async_scheduling
     replay = _must_replay(kv, running)
     if admitting is not None and not (admission_blocked or view.closed_loop or replay) and step_gap == float("inf"):
-        run = admitting(view, sched, kv, executor, (computed, last_step))
-        if run is not None:
+        run = admitting(view, sched, kv, executor, (running, computed, last_step))
+        if run is not None or not view.inbox_empty or finishing:
             return run
+    if not view.inbox_empty or finishing:
+        return None
     until_first = admission_blocked or view.closed_loop or (deferred and replay)
     k = min(last_step) if until_first else max(last_step)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
@@ -329,6 +338,7 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
     for r, e in enumerate(run.last_step):
         if e < k:
             releases.setdefault(e - 1 + deferred, []).append(r)
+    finishing = bool(sched.finishing)       # (async) finishers of the step before the run: they leave in step 0
     admits: dict[int, list] = {}         # step -> its prefill chunks, in scheduling order
     for adm in run.admissions:
         for i, (j, n) in enumerate(adm.chunks):
@@ -337,7 +347,7 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
     used, cached = [0] * k, [0] * k
     allocs, a, first = run.allocs, 0, 0
     req_blocks, caching = kv.req_blocks, kv.enable_caching
-    for j in sorted({*releases, *admits, k - 1}):
+    for j in sorted({*releases, *admits, k - 1, *((0,) if finishing else ())}):
         unhashed, hashed, used0 = pool.num_unhashed_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks
         start, a = a, bisect_left(allocs, (j + 1,), a)       # the decode allocations of steps up to j
         for (_, r), block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
@@ -350,6 +360,9 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
         if j in admits:             # after the step's decode allocations, before its releases (async)
             for chunk in admits[j]:
                 _prefill_chunk(sched, kv, chunk, run.starts[j])
+            used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
+        if j == 0 and finishing:
+            sched.release_finishing()
             used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
         if j in releases:
             done = [reqs[r] for r in releases[j]]
