@@ -69,6 +69,45 @@ def test_replay_refuses_kv_options_policy_none_would_ignore(tmp_path, args, mess
     assert not (tmp_path / "x").exists()
 
 
+H2O = ["--policy", "h2o", "--budget", "64"]
+IGNORED_KV_OPTIONS = [
+    (H2O + ["--set", "kv.trigger_interval=4"], "kv.trigger_interval=4: only kv.trigger=every_n reads it, and this "
+                                               "run's trigger is every_step (policy h2o's default)"),
+    (["--set", "kv.trigger_threshold=100"], "kv.trigger_threshold=100: only kv.trigger=threshold reads it, and this "
+                                            "run's trigger is never (policy none's default)"),
+    (H2O + ["--set", "kv.trigger=every_step", "--set", "kv.trigger_threshold=9"], "run's trigger is every_step;"),
+    (H2O + ["--set", "kv.high_tier=K8V8"], "kv.high_tier=K8V8: policy 'h2o' keeps every token at full precision"),
+    (["--policy", "snapkv", "--budget", "64", "--set", "kv.low_tier=K8V4"], "kv.low_tier=K8V4: policy 'snapkv' keeps"),
+    (H2O + ["--set", "kv.fast_rows=4"], "kv.fast_rows=4: only kv.mode=fast samples rows, and this run is "
+                                        "kv.mode=token"),
+    (["--policy", "quest", "--slot-strategy", "compact"], "--slot-strategy compact (kv.slot_strategy): policy "
+                                                          "'quest' evicts nothing"),
+    (["--policy", "tokenselect", "--slot-strategy", "slot_reuse"], "policy 'tokenselect' evicts nothing"),
+]
+
+
+@pytest.mark.parametrize("command", ["simulate", "replay"])
+@pytest.mark.parametrize("args, message", IGNORED_KV_OPTIONS)
+def test_kv_options_the_runs_policy_never_reads_are_refused(tmp_path, command, args, message):
+    extra = ["--num-gpu-blocks", "40"] if command == "replay" else []
+    r = run(command, "--max-requests", "2", *extra, *args, "-q", "-o", str(tmp_path / "x"))
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("error: ")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("args", [
+    H2O + ["--set", "kv.trigger=every_n", "--set", "kv.trigger_interval=4"],
+    H2O + ["--set", "kv.trigger=threshold", "--set", "kv.trigger_threshold=32"],
+    ["--policy", "leankv", "--layout", "per_head", "--set", "kv.high_tier=K8V8", "--set", "kv.low_tier=K8V4"],
+    H2O + ["--kv-mode", "fast", "--set", "kv.fast_rows=4"],
+    ["--policy", "quest"],
+])
+def test_kv_options_are_accepted_where_the_run_reads_them(tmp_path, args):
+    r = run("simulate", "--max-requests", "3", *args, "-q", "-o", str(tmp_path / "x"))
+    assert r.exit_code == 0, r.output
+
+
 def test_the_pool_check_passes_what_fits(tmp_path):
     r = run("simulate", "--max-requests", "5", "--num-gpu-blocks", "32846", "-q", "-o", str(tmp_path / "x"))
     assert r.exit_code == 0, r.output
