@@ -21,6 +21,63 @@ def test_version():
     assert r.exit_code == 0 and re.fullmatch(r"kvsim \S+\n", r.output)
 
 
+def command_paths(command=None, path=()):
+    """Every command of the CLI, as its argument path (('simulate',), ('trace', 'synth'), ...)."""
+    import typer
+    command = typer.main.get_command(app) if command is None else command
+    subcommands = getattr(command, "commands", None)
+    if not subcommands:
+        return [path]
+    return [p for name, sub in subcommands.items() for p in command_paths(sub, (*path, name))]
+
+
+def usage(*args):
+    return CliRunner().invoke(app, list(args), prog_name="kvsim")
+
+
+def one_error_line(r) -> str:
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Usage:" not in r.output, r.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("path", command_paths(), ids=" ".join)
+def test_every_command_reports_an_unknown_option_in_one_line_and_keeps_its_help(path):
+    line = one_error_line(usage(*path, "--no-such-option"))
+    assert line.startswith("error: No such option: --no-such-option") and f"'kvsim {' '.join(path)} --help'" in line
+    r = usage(*path, "--help")
+    assert r.exit_code == 0 and "Usage: kvsim " + " ".join(path) in " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["simulate", "--polcy", "h2o"], "error: No such option: --polcy (Possible options: --policy, --profile); see "
+                                     "'kvsim simulate --help'"),
+    (["simulate", "--num-gpu-block", "9"], "error: No such option: --num-gpu-block (Possible options: "
+                                           "--num-gpu-blocks); see 'kvsim simulate --help'"),
+    (["simulate", "--seed", "abc"], "error: Invalid value for '--seed': Input should be a valid integer, unable to "
+                                    "parse string as an integer; see 'kvsim simulate --help'"),
+    (["simulate", "--max-requests"], "error: Option '--max-requests' requires an argument"),
+    (["sweep"], "error: Missing argument 'spec'; see 'kvsim sweep --help'"),
+    (["simulte"], "error: No such command 'simulte'. Did you mean 'simulate'?; see 'kvsim --help'"),
+    (["trace", "synth", "-n", "1e3", "t.jsonl"], "error: Invalid value for '--requests' / '-n'"),
+])
+def test_usage_errors_are_one_line_naming_the_option(args, expected):
+    assert one_error_line(usage(*args)).startswith(expected)
+
+
+def test_the_console_script_reports_a_usage_error_in_one_line():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "kvsim.sim.cli", "capacity", "--overwrit"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("error: No such option: --overwrit (Possible options: --overwrite); see 'python -m "
+                        "kvsim.sim.cli capacity --help'\n")
+    r = subprocess.run([sys.executable, "-m", "kvsim.sim.cli"], capture_output=True, text=True, timeout=120)
+    assert "Usage: python -m kvsim.sim.cli [OPTIONS] COMMAND" in r.stdout and r.stderr == ""     # bare: the help
+
+
 def test_every_option_of_the_shared_table_exists_on_simulate():
     shared = DOC.split("## Options shared by the simulation commands")[1].split("\n## ")[0]
     options = re.findall(r"(?m)^\| `(--[a-z-]+)` \| `", shared)
