@@ -126,6 +126,34 @@ def test_replay_refuses_kv_options_policy_none_would_ignore(tmp_path, args, mess
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("command", ["simulate", "replay"])
+def test_max_model_len_above_the_models_positions_is_refused_as_vllm_does(tmp_path, command, monkeypatch):
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    model = "llama-3.2-1b" if command == "simulate" else "smollm2-135m"      # 131,072 / 8,192 positions
+    limit = 131072 if command == "simulate" else 8192
+    length = ["--max-model-len", str(limit + 1)] if command == "simulate" else [
+        "--set", f"engine.max_model_len={limit + 1}", "--num-gpu-blocks", "40"]
+    r = run(command, "--model", model, *length, "--max-requests", "2", "-q", "-o", str(tmp_path / "x"))
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: engine.max_model_len (--max-model-len) {limit + 1} is above ")
+    assert f"max_position_embeddings ({limit}); vLLM refuses it" in r.output
+    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in r.output and not (tmp_path / "x").exists()
+
+
+def test_vllms_switch_allows_a_longer_max_model_len_with_a_warning(tmp_path, monkeypatch):
+    for value, code in (("0", 2), ("1", 0), ("true", 0)):
+        monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", value)
+        r = run("simulate", "--model", "llama-3.2-1b", "--max-model-len", "200000", "--max-requests", "2", "-q",
+                "-o", str(tmp_path / value))
+        assert r.exit_code == code, r.output
+    assert "warning: engine.max_model_len (--max-model-len) 200000 is above Llama-3.2-1B's max_position_embeddings " \
+           "(131072), allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in r.stderr
+    assert yaml.safe_load((tmp_path / "1" / "config.yaml").read_text())["engine"]["max_model_len"] == 200000
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    assert run("simulate", "--model", "llama-3.2-1b", "--max-model-len", "131072", "--max-requests", "2", "-q",
+               "-o", str(tmp_path / "at")).exit_code == 0
+
+
 H2O = ["--policy", "h2o", "--budget", "64"]
 IGNORED_KV_OPTIONS = [
     (H2O + ["--set", "kv.trigger_interval=4"], "kv.trigger_interval=4: only kv.trigger=every_n reads it, and this "
