@@ -193,6 +193,8 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
     # a closed loop lets one replica's finish send a request to another: with several replicas each
     # one must stop at every step end for it to land in time (no decode fast-forward across it)
     cross_replica = limit_n is not None and cfg.replicas > 1
+    # one replica fed by the trace alone may admit its arrivals inside decode runs
+    own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and limit_n is None and not by_step else None
     replicas: list[EngineReplica] = []
     for i in range(cfg.replicas):
         kv, executor = replica_parts(i)
@@ -202,7 +204,8 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
                            check_invariants=cfg.check_invariants),
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
                         step_arrivals=step_arrivals, on_step=on_step,
-                        on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)))))
+                        on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)),
+                        arrivals=own_arrivals)))
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
     router = Router(replicas, cfg.router)

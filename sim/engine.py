@@ -9,14 +9,17 @@ producing exactly the rows and request state that stepping one by one would.
 """
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import simpy
 
 from . import fast_forward
+from .admitting_runs import plan_admitting
 from .core.protocols import Executor
 from .core.request import Request
 from .core.scheduler import Scheduler, SchedulerOutput
@@ -33,6 +36,17 @@ class EngineClock(simpy.Environment):
     def __init__(self, initial_time: float = 0.0, event_per_step: bool = False):
         super().__init__(initial_time)
         self.event_per_step = event_per_step
+
+    def retarget(self, event: simpy.Event, t: float) -> None:
+        """Move a scheduled, unprocessed event to time `t` (the arrival process's wait, when a decode
+        run admitted the arrivals it waited for)."""
+        queue = self._queue
+        for i, (_, priority, eid, queued) in enumerate(queue):
+            if queued is event:
+                queue[i] = (t, priority, eid, event)
+                heapq.heapify(queue)
+                return
+        raise ValueError("retarget: the event is not scheduled")
 
     def advance_to(self, t: float) -> bool:
         """Move the clock to `t` if no event is due at or before it (then no process can tell the
@@ -58,6 +72,9 @@ class ReplicaFeed:
     on_step: Callable[[int], None] | None = None
     # told how many requests left the engine (finished or rejected) and when: the closed-loop client
     on_done: Callable[[int, float], None] | None = None
+    # the arrival process, when this replica alone takes the trace's arrivals: its decode runs may
+    # admit them (sim/admitting_runs.py)
+    arrivals: Callable[[], ArrivalProcess] | None = None
 
 
 class EngineReplica:
@@ -78,6 +95,8 @@ class EngineReplica:
         self.num_steps = 0
         self.step_arrivals = feed.step_arrivals
         self.on_done = feed.on_done
+        self.arrivals = feed.arrivals if self.fast_forward and getattr(executor, "supports_admitting_runs", False) \
+            else None
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()
@@ -225,16 +244,20 @@ class EngineReplica:
             now=self.now, next_arrival=self.next_arrival(), inbox_empty=not self.inbox,
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
-            last_step_s=self._last_duration, max_steps=self.max_run_steps, closed_loop=self.on_done is not None)
+            last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
+            closed_loop=self.on_done is not None)
 
     def _decode_run(self):
         """Advance a stretch of pure-decode steps in bulk (see sim/fast_forward.py)."""
         sched = self.scheduler
-        run = fast_forward.plan(self.fast_forward_view(), sched, self.kv, self.executor)
+        run = fast_forward.plan(self.fast_forward_view(), sched, self.kv, self.executor,
+                                self._plan_admitting if self.arrivals is not None else None)
         if run is None:
             return
         k = run.num_steps
         waiting = [len(sched.waiting)] * k
+        if run.admissions:
+            self._take_admitted(run, waiting)
         rows = fast_forward.apply(sched, self.kv, run)
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         yield from self._reach_run_end(run)
@@ -252,21 +275,57 @@ class EngineReplica:
             for name in ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
                          "fragmentation", "num_running"):
                 rows[name][-1] = last[name]
+        prefill = run.prefill
+        decodes = run.batch if prefill is None else run.batch - np.array(prefill.seqs, np.int64)
         rows.update({
             "replica": self.index, "step": range(self.num_steps, self.num_steps + k),
             "time_s": run.starts, "duration_s": run.durations, "predicted_s": run.durations,
-            "batch_size": run.batch, "num_prefill_seqs": 0, "num_decode_seqs": run.batch,
-            "prefill_tokens": 0, "decode_tokens": run.batch, "kv_tokens_read": run.kv_read,
-            "attn_pairs_prefill": 0.0, "block_table_entries": run.entries,
+            "batch_size": run.batch, "num_prefill_seqs": 0 if prefill is None else prefill.seqs,
+            "num_decode_seqs": decodes, "prefill_tokens": 0 if prefill is None else prefill.tokens,
+            "decode_tokens": decodes, "kv_tokens_read": run.kv_read,
+            "attn_pairs_prefill": 0.0 if prefill is None else prefill.attn_pairs, "block_table_entries": run.entries,
             "preemptions": 0, "num_waiting": waiting,
         })
         self.step_log.append_columns(rows, k)
         self.num_steps += k
-        self.tokens_computed += int(run.batch.sum())
+        self.tokens_computed += int(run.batch.sum()) + (0 if prefill is None else sum(prefill.tokens) - len(run.admissions))
         if self.check:
             self.check_invariants()
         if self.on_step:
             self.on_step(k)
+
+
+    def _plan_admitting(self, view, sched, kv, executor, start) -> fast_forward.DecodeRun | None:
+        return plan_admitting(view, sched, kv, executor, Incoming(self.inbox, self.arrivals()), start)
+
+    def _take_admitted(self, run: fast_forward.DecodeRun, waiting: list) -> None:
+        """The run's admissions leave the arrival process for this replica (without async scheduling
+        each one waits in WAITING at the end of the step it arrived in)."""
+        for adm in run.admissions:
+            adm.request.replica = self.index
+            if not self.async_scheduling:
+                waiting[adm.step - 1] += 1
+        Incoming(self.inbox, self.arrivals()).take(len(run.admissions))
+
+
+class Incoming:
+    """A replica's requests still to schedule, in arrival order: those waiting in its inbox for the
+    next schedule (async scheduling), then those still to arrive."""
+
+    def __init__(self, inbox: deque, arrivals: ArrivalProcess):
+        self.inbox, self.arrivals = inbox, arrivals
+
+    def upcoming(self, i: int) -> Request | None:
+        inbox = self.inbox
+        return inbox[i] if i < len(inbox) else self.arrivals.upcoming(i - len(inbox))
+
+    def take(self, n: int) -> None:
+        inbox = self.inbox
+        while n and inbox:
+            inbox.popleft()
+            n -= 1
+        if n:
+            self.arrivals.take(n)
 
 
 class Router:
@@ -387,11 +446,24 @@ class ArrivalProcess:
         nxt = self.requests[self.index].arrival_time if self.index < len(self.requests) else float("inf")
         return min(nxt, self.limit.next_entry()) if self.limit is not None else nxt
 
+    def upcoming(self, i: int) -> Request | None:
+        """The i-th request still to arrive (0: the next), or None."""
+        j = self.index + i
+        return self.requests[j] if j < len(self.requests) else None
+
+    def take(self, n: int) -> None:
+        """A decode run admitted the next `n` requests (sim/admitting_runs.py): wait for the one after."""
+        self.index += n
+        wake = self.requests[self.index].arrival_time if self.index < len(self.requests) else self.env.now
+        self.env.retarget(self.process.target, wake)
+
     def run(self):
         while self.index < len(self.requests):
             req = self.requests[self.index]
             if req.arrival_time > self.env.now:
                 yield self.env.timeout(req.arrival_time - self.env.now)
+                if self.index >= len(self.requests) or self.requests[self.index] is not req:
+                    continue            # a decode run admitted it meanwhile
             self.index += 1
             if self.limit is not None:
                 self.limit.arrive(req, self.env.now)

@@ -22,6 +22,7 @@ from .run_plan import RunPlan, build_kv_manager
 
 class CostModelExecutor:
     supports_fast_forward = True
+    supports_admitting_runs = True
 
     def __init__(self, cost_model, kv: KVManager):
         self.cost = cost_model
@@ -29,6 +30,8 @@ class CostModelExecutor:
         # A profile that prices padded decode attention needs each step's widest block table, which
         # the decode fast-forward does not compute: such runs step one at a time (same results).
         self.supports_fast_forward = not cost_model.profile.padded_attn_cost
+        # a run's mixed steps are priced from their counts alone: no padded prefill term either
+        self.supports_admitting_runs = self.supports_fast_forward and not cost_model.profile.padded_prefill_cost
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
@@ -40,6 +43,10 @@ class CostModelExecutor:
 
     def predict_run(self, shape: BatchShape):
         return self.cost.predict(shape)
+
+    def predict_step(self, shape: BatchShape) -> float:
+        """Seconds for one step of this shape, as `execute` prices it."""
+        return float(self.cost.predict(shape))
 
     def predict_decode_run(self, num_seqs, kv_tokens_read, block_table_entries):
         """Durations of a run of pure-decode steps (int64 or float64 count arrays), as `execute` would price them."""

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from dataclasses import dataclass
-from itertools import accumulate
+from dataclasses import dataclass, field
+from itertools import accumulate, repeat
 from typing import NamedTuple
 
 import numpy as np
 
 from .core.protocols import FastForwardExecutor, FastForwardKV
+from .core.request import RequestStatus
 from .core.scheduler import Scheduler
 
 F64 = np.float64
@@ -37,6 +38,7 @@ class ReplicaView(NamedTuple):
     inbox_empty: bool           # no arrival waits for the next schedule (async scheduling)
     steps_to_step_arrival: float    # arrival_unit=step: engine steps before the next arrival (inf: none)
     last_step_s: float          # duration of the step just taken (the run's horizon is paced by it)
+    last_step_start: float      # when it started (async: the next schedule sees the arrivals until then)
     max_steps: int              # longest run
     closed_loop: bool           # a finish sends the client's next request (the run stops at a finish)
 
@@ -60,6 +62,28 @@ class DecodeRun:
     durations: np.ndarray     # float64
     starts: list
     ends: list
+    # a run that admits arrivals (sim/admitting_runs.py): each request's first step with a token in the
+    # run (None: step 0 for every request), the admissions, and each step's prefill figures
+    token_start: list | None = None
+    admissions: list = field(default_factory=list)
+    prefill: PrefillColumns | None = None
+
+
+class Admitted(NamedTuple):
+    """An arrival a run admits in step `step`, with `budget` tokens of the step left; its prompt is
+    computed in `chunks`, (step, tokens) one a step from `step` on; it is the run's request `index`."""
+    step: int
+    request: object
+    budget: int
+    chunks: list
+    index: int
+
+
+class PrefillColumns(NamedTuple):
+    """Per-step prefill figures of a run that admits arrivals (lists over its steps)."""
+    seqs: list
+    tokens: list
+    attn_pairs: list
 
 
 class RunEvents(NamedTuple):
@@ -76,8 +100,11 @@ class RunEvents(NamedTuple):
     allocs: list          # (step, request index) of each allocation, sorted
 
 
-def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastForwardExecutor) -> DecodeRun | None:
-    """The next decode run of a replica (whose executor and KV manager support fast-forward), or None."""
+def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastForwardExecutor,
+         admitting=None) -> DecodeRun | None:
+    """The next decode run of a replica (whose executor and KV manager support fast-forward), or None.
+    `admitting(view, sched, kv, executor, (computed, last_step))`, if given, plans a run that admits
+    arrivals (sim/admitting_runs.py) where one may; None from it: a run up to the next arrival."""
     running = sched.running
     cfg = sched.config
     b = len(running)
@@ -85,12 +112,17 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
         return None
     admission_blocked = len(sched.waiting) > 0
     next_arrival = view.next_arrival
-    if next_arrival <= view.now or not view.inbox_empty or sched.finishing:
+    # an arrival waiting for the next schedule, or finishers releasing their slots at it (async):
+    # only a run that admits arrivals goes on from there
+    finishing = sched.finishing
+    if next_arrival <= view.now or not ((view.inbox_empty and not finishing) or admitting):
         return None
     step_gap = view.steps_to_step_arrival
     if step_gap < 1:
         return None
     computed, last_step = [], []
+    if finishing:
+        running = [r for r in running if r.status != RequestStatus.FINISHED]
     for r in running:
         n_out = r.num_output_tokens
         if n_out == 0 or r.num_computed_tokens != r.prompt_tokens + n_out - 1:
@@ -108,7 +140,14 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     # next step's allocations, modelled within a run unless fills must be replayed one by one
     # (`_must_replay`).
     deferred = cfg.async_scheduling
-    until_first = admission_blocked or view.closed_loop or (deferred and _must_replay(kv, running))
+    replay = _must_replay(kv, running)
+    if admitting is not None and not (admission_blocked or view.closed_loop or replay) and step_gap == float("inf"):
+        run = admitting(view, sched, kv, executor, (running, computed, last_step))
+        if run is not None or not view.inbox_empty or finishing:
+            return run
+    if not view.inbox_empty or finishing:
+        return None
+    until_first = admission_blocked or view.closed_loop or (deferred and replay)
     k = min(last_step) if until_first else max(last_step)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
@@ -153,9 +192,9 @@ def _step_times(now: float, durations: list, next_arrival: float, finished: list
 
 def _events(computed: list, last_step: list, k: int, bs: int, caching: bool) -> RunEvents:
     """Per-request block allocations and finishes over steps 0..k-1, as difference arrays."""
-    d_count, d_c, d_held = [0] * (k + 1), [0] * (k + 1), [0] * (k + 1)
-    new, freed, fin, fin_c, fin_held = [0] * k, [0] * k, [0] * k, [0] * k, [0] * k
-    allocs = []
+    ev = empty_events(k)
+    d_count, d_c, d_held = ev.d_count, ev.d_computed, ev.d_blocks
+    new, allocs = ev.new_blocks, ev.allocs
     d_count[0], d_c[0] = len(computed), sum(computed)          # every request takes part in step 0
     for r, (c, e) in enumerate(zip(computed, last_step)):
         n = e if e < k else k                   # steps this request takes part in: 0..n-1
@@ -172,13 +211,48 @@ def _events(computed: list, last_step: list, k: int, bs: int, caching: bool) -> 
         d_c[n] -= c
         d_held[n] -= h
         if e <= k:
-            fin[e - 1] += 1
-            fin_c[e - 1] += c
-            fin_held[e - 1] += h
-            if not caching:     # with prefix caching shared blocks may not return: count none
-                freed[e - 1] += h
+            _finish_event(ev, e - 1, c, h, caching)
     allocs.sort()
-    return RunEvents(d_count, d_c, d_held, new, freed, fin, fin_c, fin_held, allocs)
+    return ev
+
+
+def empty_events(k: int) -> RunEvents:
+    return RunEvents([0] * (k + 1), [0] * (k + 1), [0] * (k + 1), [0] * k, [0] * k, [0] * k, [0] * k, [0] * k, [])
+
+
+def _finish_event(ev: RunEvents, j: int, c: int, h: int, caching: bool) -> None:
+    """A request finishing in step j, with start count `c` and `h` blocks."""
+    ev.finished[j] += 1
+    ev.finished_computed[j] += c
+    ev.finished_blocks[j] += h
+    if not caching:     # with prefix caching shared blocks may not return: count none
+        ev.freed_blocks[j] += h
+
+
+def add_request_events(ev: RunEvents, r: int, span: tuple[int, int, int], k: int, bs: int, caching: bool) -> None:
+    """The events of request index `r` joining a run at step `start` to decode until its last token
+    in step `last` - 1 (`span` = (c, start, last)), with `c + j` tokens computed before step j
+    (a request admitted in the run has a negative `c`: its prompt minus the steps before it)."""
+    c, start, last = span
+    n = last if last < k else k
+    h = -(-(c + start) // bs)                   # blocks held when it joins
+    if start < n:
+        ev.d_count[start] += 1
+        ev.d_computed[start] += c
+        ev.d_blocks[start] += h
+        j = start + -(c + start) % bs           # first step whose token starts a new block
+        new, d_held, allocs = ev.new_blocks, ev.d_blocks, ev.allocs
+        while j < n:
+            allocs.append((j, r))
+            new[j] += 1
+            d_held[j] += 1
+            h += 1
+            j += bs
+        ev.d_count[n] -= 1
+        ev.d_computed[n] -= c
+        d_held[n] -= h
+    if last <= k:
+        _finish_event(ev, last - 1, c, h, caching)
 
 
 def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> int:
@@ -215,15 +289,17 @@ def apply(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> dict:
     finishes, which happen when the clock reaches its end); returns the run's pool columns."""
     k = run.num_steps
     if _must_replay(kv, run.requests):
+        assert not run.admissions, "a run that admits arrivals replays no fills"
         used, cached = _replay_events(sched, kv, run)
     else:
         used, cached = _bulk_allocate(sched, kv, run)
     ends = array("d", run.ends)             # token times go to float64 arrays: copied, not converted
-    for req, c, e in zip(run.requests, run.computed, run.last_step):
+    first = run.token_start or repeat(0)
+    for req, c, e, t0 in zip(run.requests, run.computed, run.last_step, first):
         n = e if e < k else k
         req.num_computed_tokens = c + n
-        req.num_output_tokens += n
-        req.token_times.extend(ends if n == k else ends[:n])
+        req.num_output_tokens += n - t0
+        req.token_times.extend(ends if n == k and not t0 else ends[t0:n])
     bs = kv.block_size
     used = np.array(used, np.int64)
     allocated = used * bs
@@ -262,18 +338,32 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
     for r, e in enumerate(run.last_step):
         if e < k:
             releases.setdefault(e - 1 + deferred, []).append(r)
+    finishing = bool(sched.finishing)       # (async) finishers of the step before the run: they leave in step 0
+    admits: dict[int, list] = {}         # step -> its prefill chunks, in scheduling order
+    for adm in run.admissions:
+        for i, (j, n) in enumerate(adm.chunks):
+            if j < k:
+                admits.setdefault(j, []).append((adm, n, not i))
     used, cached = [0] * k, [0] * k
     allocs, a, first = run.allocs, 0, 0
     req_blocks, caching = kv.req_blocks, kv.enable_caching
-    for j in sorted({*releases, k - 1}):
+    for j in sorted({*releases, *admits, k - 1, *((0,) if finishing else ())}):
         unhashed, hashed, used0 = pool.num_unhashed_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks
-        start, a = a, bisect_left(allocs, (j + 1,), a)       # the allocations of steps up to j
+        start, a = a, bisect_left(allocs, (j + 1,), a)       # the decode allocations of steps up to j
         for (_, r), block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
             req_blocks[reqs[r]].append(block)
-        pops = list(accumulate(run.new_blocks[first:j + 1]))
-        used[first:j + 1] = [used0 + p for p in pops]
-        cached[first:j + 1] = [hashed if p <= unhashed else hashed - (p - unhashed) for p in pops]
+        counted = j if j in admits else j + 1       # steps whose pool figures follow from the counts
+        pops = list(accumulate(run.new_blocks[first:counted]))
+        used[first:counted] = [used0 + p for p in pops]
+        cached[first:counted] = [hashed if p <= unhashed else hashed - (p - unhashed) for p in pops]
         first = j + 1
+        if j in admits:             # after the step's decode allocations, before its releases (async)
+            for chunk in admits[j]:
+                _prefill_chunk(sched, kv, chunk, run.starts[j])
+            used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
+        if j == 0 and finishing:
+            sched.release_finishing()
+            used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
         if j in releases:
             done = [reqs[r] for r in releases[j]]
             if caching:
@@ -288,6 +378,19 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
             if e >= k:
                 kv.cache_full_blocks(req, c + k)
     return used, cached
+
+
+def _prefill_chunk(sched: Scheduler, kv: FastForwardKV, chunk: tuple, start: float) -> None:
+    """A chunk of an admitted request's prompt: its admission (the scheduler's own), or the slots of
+    a further chunk (as the scheduler's running loop would allocate them)."""
+    adm, n, first = chunk
+    req = adm.request
+    if first:
+        req.first_scheduled_time = start
+        sched.admit_arrival(req, adm.budget, n)
+    elif not kv.allocate_slots(req, n):
+        raise AssertionError(f"a decode run planned slots for request {req.request_id} the pool could not give")
+    req.num_computed_tokens += n
 
 
 def _fills(run: DecodeRun, bs: int) -> list:

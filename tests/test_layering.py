@@ -56,6 +56,7 @@ RULES = (
     ("kvsim.sim.kv", "core"),
     ("kvsim.sim.engine", "core"),
     ("kvsim.sim.fast_forward", "core"),
+    ("kvsim.sim.admitting_runs", "core"),
     ("kvsim.sim.cost_model", "core"),
     ("kvsim.sim.assembly", "core"),
     ("kvsim.sim.run_plan", "core"),

@@ -129,11 +129,11 @@ class Scheduler:
         past max_model_len is capped there (as vLLM stops at the model length)."""
         req.arrival_order = self.num_submitted
         self.num_submitted += 1
-        limit = self.config.max_model_len
-        if req.prompt_tokens + 1 <= limit < req.prompt_tokens + req.max_output_tokens:
-            req.max_output_tokens = limit - req.prompt_tokens
+        capped = self.capped_output(req)
+        if capped != req.max_output_tokens:
+            req.max_output_tokens = capped
             req.output_capped = True
-        reason = self._never_fits(req)
+        reason = self._never_fits(req, capped)
         if reason:
             req.status = RequestStatus.REJECTED
             req.reject_reason = reason
@@ -142,11 +142,22 @@ class Scheduler:
         self.waiting.add(req)
         return True
 
-    def _never_fits(self, req: Request) -> str | None:
+    def capped_output(self, req: Request) -> int:
+        """The output length `req` gets: its own, capped at max_model_len (vLLM stops there)."""
+        limit = self.config.max_model_len
+        if req.prompt_tokens + 1 <= limit < req.prompt_tokens + req.max_output_tokens:
+            return limit - req.prompt_tokens
+        return req.max_output_tokens
+
+    def never_fits(self, req: Request) -> bool:
+        """Whether `add_request` would reject `req`. Changes nothing."""
+        return self._never_fits(req, self.capped_output(req)) is not None
+
+    def _never_fits(self, req: Request, max_output: int) -> str | None:
         if req.prompt_tokens + 1 > self.config.max_model_len:
             return (f"prompt of {req.prompt_tokens} tokens leaves no room for output within "
                     f"max_model_len={self.config.max_model_len}")
-        peak = req.prompt_tokens + req.max_output_tokens - 1
+        peak = req.prompt_tokens + max_output - 1
         capacity = self.kv.max_tokens_per_request()
         if peak > capacity:
             return (f"needs {peak} KV slots at its last token but the whole KV pool holds "
@@ -311,6 +322,20 @@ class Scheduler:
             scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n), swap_in_tokens=swapped)
             budget -= n
         return budget
+
+    def admit_arrival(self, req: Request, budget: int, num_tokens: int) -> None:
+        """Queue and admit `req` as a step's schedule would with `budget` tokens left (a decode run
+        that admits arrivals, sim/admitting_runs.py, planned that it gets `num_tokens` tokens:
+        nothing else waits, requests decode beside it, its whole prompt fits the pool)."""
+        if not self.add_request(req):
+            raise AssertionError(f"a decode run admitted request {req.request_id}, which the scheduler rejects")
+        self._threshold = self.config.long_prefill_token_threshold       # requests decode beside it
+        scheduled: dict = {}
+        self._admit(budget, scheduled, SchedulerOutput())
+        got = scheduled.get(req)
+        if got is None or got.num_new_tokens != num_tokens or len(self.waiting):
+            raise AssertionError(f"a decode run planned to admit request {req.request_id} with {num_tokens} "
+                                 "tokens; the scheduler did not")
 
     def _swap_in_blocked(self, req: Request, tokens: int) -> bool:
         """Whether the blocks for a swapped request's KV plus this step's tokens are missing. Checked
