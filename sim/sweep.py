@@ -272,6 +272,7 @@ class _FitChecker:
         self._seen: dict[tuple, str | None] = {}
         self._pools: dict[tuple, tuple | str] = {}
         self._memory: dict[tuple, str | None] = {}
+        self._kv: dict[str, str | None] = {}
         self._available: tuple[int, str] | None = None
 
     def check(self, cfg: SimConfig, where: str) -> None:
@@ -282,6 +283,11 @@ class _FitChecker:
             self._seen[key] = self._problem(cfg)
         if self._seen[key]:
             raise SpecError(f"{where}: {self._seen[key]}")
+        kv_key = cfg.kv.model_dump_json()
+        if kv_key not in self._kv:
+            self._kv[kv_key] = self._kv_problem(cfg)
+        if self._kv[kv_key]:
+            raise SpecError(f"{where}: {self._kv[kv_key]}")
         pool_key = key + (eng.num_gpu_blocks,)
         if pool_key not in self._pools:
             self._pools[pool_key] = self._pool(cfg)
@@ -305,6 +311,17 @@ class _FitChecker:
         except (CatalogError, ValueError) as exc:
             return str(exc)
         return model, blocks
+
+    @staticmethod
+    def _kv_problem(cfg: SimConfig) -> str | None:
+        """A KV option the run's policy would never read (refused when the run builds its manager)."""
+        from .kv.build import build_policy, refuse_ignored_kv_options
+
+        try:
+            refuse_ignored_kv_options(cfg.kv, build_policy(cfg.kv))
+        except ConfigError as exc:
+            return str(exc)
+        return None
 
     def _memory_problem(self, cfg: SimConfig, model, blocks: int) -> str | None:
         if self._available is None:

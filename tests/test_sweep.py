@@ -55,6 +55,15 @@ def test_grid_is_cartesian_product_in_spec_order_last_key_fastest():
     assert len({r.run_id for r in plan.runs}) == 8
 
 
+def test_a_kv_option_the_runs_policy_never_reads_is_refused_before_any_run():
+    spec = {"fixed": SMALL, "runs": [{"kv.policy": "h2o", "kv.budget": 64, "kv.fast_rows": 4},
+                                     {"kv.policy": "h2o", "kv.budget": 64, "kv.mode": "fast", "kv.fast_rows": 4}]}
+    with pytest.raises(SpecError, match=r"run 0 \(kv.policy='h2o', kv.budget=64, kv.fast_rows=4\): kv.fast_rows=4: "
+                                        "only kv.mode=fast samples rows"):
+        parse_spec(spec)
+    assert len(parse_spec({**spec, "runs": spec["runs"][1:]}).runs) == 1
+
+
 def write_trace(path: Path, n: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(f'{{"arrival_time_s": {i}, "prompt_tokens": 50, "output_tokens": 5}}\n' for i in range(n)))

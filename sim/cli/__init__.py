@@ -24,6 +24,7 @@ try:                        # Typer >= 0.22 carries its own copy of click
 except ImportError:
     from click.exceptions import UsageError as _UsageError
 
+
 class _OneLineUsageErrors(TyperGroup):
     """Click's usage errors (unknown option or command, missing or bad value) as one `error:` line naming
     the option, as every other user mistake, instead of Typer's usage panel. The root group parses the
