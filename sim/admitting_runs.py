@@ -1,24 +1,29 @@
 """Decode runs that admit arrivals: a fast-forward run (sim/fast_forward.py) that goes on through
-the steps admitting new requests, as long as each admission is one stepping would make without
-judgement: the request arrives alone at its step, is accepted, fits the step's token budget whole
-(no chunk cap cuts it) and the free pool, beside requests that all decode. Its step is then a
-mixed step (their decodes and its prefill), priced as the engine prices a step, and the request
-decodes from the next step on.
+the steps where arrivals are seen, wait, are admitted and compute their prompts, as long as each
+step's schedule is one the run can plan exactly: the running requests decode, beside at most one
+prompt computed in chunks; the arrivals a schedule sees join WAITING (FCFS; with priority
+scheduling, one at a time) and its head is admitted while the token budget and the sequence slots
+allow, whole or (the last one) cut to a chunk, its whole prompt fitting the free pool. Such a step
+is a mixed step, priced as the engine prices any step. Quiet stretches between arrivals are priced
+in bulk.
 
-Without it every arrival ends a run and takes a step of its own through the scheduler; a run per
-arrival gap costs about as much as the steps it spans (a run covers ~20 steps of ~10 requests on
-the Azure traces). Here a run spans many arrivals. Everything stepping does still happens, in the
-same order: the admissions go through the scheduler's own admission (`Scheduler.admit_arrival`)
-between the run's bulk allocations, so block identities, the prefix cache, request state and the
-step log come out bit-identical to stepping (tested with the decode fast-forward's property test).
+Without it every arrival ends a run and takes steps of its own through the scheduler. Here a run
+spans thousands of steps. Everything stepping does still happens, in the same order: the arrivals
+join WAITING through `Scheduler.add_request` and the admissions go through the scheduler's own
+admission (`Scheduler.admit_planned`, which checks it admits what was planned) between the run's
+bulk allocations, so block identities, the prefix cache, request state and the step log come out
+bit-identical to stepping (tests/test_admitting_runs.py, and the decode fast-forward's property test).
 
-Only for one engine fed by the trace's arrivals (no router choice, no client in the loop), a KV
-manager whose pool is a function of token counts, requests without shared prefix ids (with
-prefix caching, a prompt's hits would have to be planned) and no request waiting.
+What stepping would judge otherwise ends the run right before that step: a request the scheduler
+would reject, a prompt with shared prefix ids (its prefix-cache hits), a head of WAITING short of
+blocks, a chunk the pool cannot give, a step without decodes, two prompts part-way at once.
+Only for one engine fed by the trace's arrivals (no router choice, no client in the loop) and a KV
+manager whose pool is a function of token counts.
 """
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from itertools import accumulate
 from typing import Protocol
 
@@ -186,41 +191,14 @@ def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: 
     """The next run of a replica whose running requests all decode, or finished in the step just
     taken (async), admitting the arrivals it can. `start`: the decoding requests, their computed
     counts and last steps, as `fast_forward.plan` found them."""
-    cfg, bs = sched.config, kv.block_size
-    deferred = cfg.async_scheduling
-    horizon = view.max_steps
-    ev = empty_events(horizon)
+    planner = _Planner(view, sched, kv, executor, arrivals)
     run = _Admissions(*map(list, start))
     for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step)):
-        add_request_events(ev, r, span, horizon, bs, kv.enable_caching)
-    line = _Timeline(view, ev, len(sched.finishing))
-    # (async) the finishers of the step just taken leave after step 0's allocations
-    leaving = 0 if kv.enable_caching else sum(len(kv.req_blocks.get(r, ())) for r in sched.finishing)
-    pool = _Pool(kv.pool.num_free_blocks, ev, deferred, leaving)
-    i = 0
-    while True:
-        req = arrivals.upcoming(i)
-        t = req.arrival_time if req is not None else float("inf")
-        line.cover(t, deferred, executor)
-        s = line.seen_by(t, deferred)       # the step whose schedule sees it
-        if req is None or s >= line.priced or pool.fits_until(s) < s:
-            break
-        group = [req]                       # every arrival this step's schedule sees
-        while (nxt := arrivals.upcoming(i + len(group))) is not None and line.seen_by(nxt.arrival_time, deferred) <= s:
-            group.append(nxt)
-        following = arrivals.upcoming(i + len(group))
-        firsts = _first_chunks(sched, kv, (group, s), (line, pool), following)
-        if firsts is None:
-            break
-        i += len(group)
-        t = following.arrival_time if following is not None else float("inf")
-        if not _prefill(sched, kv, (group, s, firsts), (line, pool, run), t, executor):
-            break
+        add_request_events(planner.ev, r, span, planner.horizon, kv.block_size, kv.enable_caching)
+    k = planner.end(planner.plan(run), run)
     if not run.admissions:
         return None
-    k = pool.fits_until(_end(line, t, deferred, ev.finished))
-    assert k > run.admissions[-1].step, "a run ends after its last admission"
-    return _run(line, k, run, ev)
+    return _run(planner.line, k, run, planner.ev, planner.taken_columns(k))
 
 
 class _Admissions:
@@ -243,76 +221,156 @@ class _Admissions:
         self.last_step[r], self.first_token[r] = j + output, j
 
 
-def _first_chunks(sched: Scheduler, kv, arriving: tuple, state: tuple, following: Request | None) -> list | None:
-    """The prompt tokens stepping would admit each of `group` with in step s (`arriving` = (group, s)),
-    in order, beside that step's decodes; None unless it would admit them all so, only the last one
-    possibly cut to a chunk, with the next arrival coming for a later step."""
-    (group, s), (line, pool) = arriving, state
-    cfg, deferred, bs = sched.config, sched.config.async_scheduling, kv.block_size
-    decodes = line.count[s]
-    # async: the finishers of the step before still hold their sequence slots at this schedule
-    running = decodes + (line.finished_before(s) if deferred else 0)
-    budget, free, threshold = cfg.max_num_batched_tokens - decodes, pool.free_in(s), cfg.long_prefill_token_threshold
-    firsts = []
-    for req in group:
-        prompt = req.prompt_tokens
-        if (decodes < 1 or running >= cfg.max_num_seqs or budget < 1 or prompt < 1 or req.prefix_hash_ids is not None
-                or sched.never_fits(req) or free < -(-prompt // bs)
-                or (not cfg.enable_chunked_prefill and sched._capped(prompt, threshold) > budget)):
-            return None
-        n = sched._chunk(prompt, budget, 0, threshold)
-        if n < prompt and req is not group[-1]:
-            return None                     # the budget is spent: the next one would wait
-        firsts.append(n)
-        running += 1
-        budget -= n
-        free -= -(-n // bs)
-    if following is not None and not (following.arrival_time > line.start(s - deferred) and not (
-            deferred and following.arrival_time <= line.times[s] and line.finished_before(s))):
-        return None                         # (async) the run could not end right after this step
-    return firsts
+class _Planner:
+    """Steps a run's schedules: quiet stretches of decodes between arrivals, priced in bulk, and the
+    steps where arrivals wait, are admitted or compute their prompts, one at a time."""
 
+    def __init__(self, view: ReplicaView, sched: Scheduler, kv, executor, arrivals: ArrivalFeed):
+        self.sched, self.kv, self.executor, self.arrivals = sched, kv, executor, arrivals
+        self.cfg, self.deferred = sched.config, sched.config.async_scheduling
+        self.horizon = view.max_steps
+        self.ev = empty_events(self.horizon)
+        self.line = _Timeline(view, self.ev, len(sched.finishing))
+        # (async) the finishers of the step just taken leave after step 0's allocations
+        leaving = 0 if kv.enable_caching else sum(len(kv.req_blocks.get(r, ())) for r in sched.finishing)
+        self.pool = _Pool(kv.pool.num_free_blocks, self.ev, self.deferred, leaving)
+        self.taken = 0                      # arrivals a schedule has seen (the run takes them)
+        self.seen: list[int] = []           # the step whose schedule saw each of them
+        self.waiting: deque = deque()       # seen, not admitted
+        self.prefilling: list | None = None     # [admission, prompt tokens done]: part-way through its prompt
+        self.admitted_by: list[int] = []    # admissions in steps up to j, at j
 
-def _prefill(sched: Scheduler, kv, arriving: tuple, state: tuple, following: float, executor) -> bool:
-    """Admit `group` in step s with their first chunks (`arriving` = (group, s, first chunks)), then
-    plan the last one's further chunks, one a step beside the decodes, until its prompt is computed
-    (each request decodes from the step after its prompt) or something stepping would judge comes
-    first: an arrival, a short pool, a step without decodes. Then the run ends there (returns False)
-    with that request part-way through its prompt."""
-    (group, s, firsts), (line, pool, run) = arriving, state
-    cfg, bs, deferred, ev = sched.config, kv.block_size, sched.config.async_scheduling, line.ev
-    budget, chunks = cfg.max_num_batched_tokens - line.count[s], []
-    for req, n in zip(group, firsts):
-        run.add(Admitted(s, req, budget, [(s, n)], len(run.requests)))
-        budget -= n
-        blocks = -(-n // bs)
-        ev.new_blocks[s] += blocks
-        chunks.append((n, 0, blocks))
-    line.mix(s, chunks, executor)
-    last, (j, done) = run.admissions[-1], (s, firsts[-1])
-    for adm in run.admissions[-len(group):-1]:
-        _decode_after(sched, kv, (run, line), adm.index, s)
-    req, prompt = last.request, last.request.prompt_tokens
-    while done < prompt:
-        j += 1
-        line.cover_step(j, executor)
-        if (j >= line.priced or pool.fits_until(j) < j or line.count[j] < 1
-                or following <= line.times[j - deferred]
-                or (deferred and following <= line.times[j] and ev.finished[j - 1])):
-            line.limit = min(line.limit, j)
-            return False
-        n = sched._chunk(prompt - done, cfg.max_num_batched_tokens - line.count[j], done,
-                         cfg.long_prefill_token_threshold)
-        blocks = -(-(done + n) // bs)
-        if n < 1 or pool.free_in(j) < blocks - -(-done // bs):
-            line.limit = min(line.limit, j)
-            return False
-        ev.new_blocks[j] += blocks - -(-done // bs)
-        line.mix(j, [(n, done, blocks)], executor)
-        last.chunks.append((j, n))
-        done += n
-    _decode_after(sched, kv, (run, line), last.index, j)
-    return True
+    def plan(self, run: _Admissions) -> int:
+        """Plan the run; returns its steps."""
+        line = self.line
+        j = None
+        while True:
+            if not self.waiting and self.prefilling is None:
+                req = self.arrivals.upcoming(self.taken)
+                t = req.arrival_time if req is not None else float("inf")
+                line.cover(t, self.deferred, self.executor)
+                j = line.seen_by(t, self.deferred)      # the next step with something to schedule
+                if req is None or j >= line.priced:
+                    return self.pool.fits_until(_end(line, t, self.deferred, self.ev.finished))
+            line.cover_step(j, self.executor)
+            if j >= line.priced or line.count[j] < 1:
+                return j
+            fit = self.pool.fits_until(j)
+            if fit < j:
+                return fit
+            if not self._see(j) or not self._schedule(j, run):
+                return j
+            j += 1
+
+    def _see(self, j: int) -> bool:
+        """The arrivals step j's schedule sees join WAITING; False, taking none, if one of them is
+        not for a run to plan (the scheduler would reject it, or its prompt may hit the prefix cache)."""
+        seen = []
+        while (req := self.arrivals.upcoming(self.taken + len(seen))) is not None and \
+                self.line.seen_by(req.arrival_time, self.deferred) <= j:
+            if req.prompt_tokens < 1 or req.prefix_hash_ids is not None or self.sched.never_fits(req):
+                return False
+            seen.append(req)
+        self.waiting.extend(seen)
+        self.seen.extend([j] * len(seen))
+        self.taken += len(seen)
+        return True
+
+    def _schedule(self, j: int, run: _Admissions) -> bool:
+        """Plan step j's schedule beyond its decodes (the prompt part-way, then WAITING's head while
+        budget, sequence slots and the pool allow, as `Scheduler.schedule` would); False, planning
+        nothing, where stepping would judge something the run does not plan."""
+        sched, cfg, bs, line = self.sched, self.cfg, self.kv.block_size, self.line
+        decodes, threshold = line.count[j], cfg.long_prefill_token_threshold
+        budget, free = cfg.max_num_batched_tokens - decodes, self.pool.free_in(j)
+        # async: the finishers of the step before still hold their sequence slots at this schedule
+        running = decodes + (line.finished_before(j) if self.deferred else 0) + (self.prefilling is not None)
+        if len(self.waiting) > 1 and cfg.policy != "fcfs":
+            return False                    # WAITING in priority order: not planned
+        chunks, admitted, partial = [], [], 0
+        if self.prefilling is not None:
+            adm, done = self.prefilling
+            n = sched._chunk(adm.request.prompt_tokens - done, budget, done, threshold)
+            held = -(-(done + n) // bs)
+            if n < 1 or free < held - -(-done // bs):
+                return False
+            chunks.append((n, done, held))
+            budget, free = budget - n, free - (held - -(-done // bs))
+            partial = done + n < adm.request.prompt_tokens
+        for req in self.waiting:
+            if budget < 1 or running >= cfg.max_num_seqs:
+                break
+            prompt = req.prompt_tokens
+            if free < -(-prompt // bs):
+                return False                # the head waits for blocks: the pool's judgement, not planned
+            if not cfg.enable_chunked_prefill and sched._capped(prompt, threshold) > budget:
+                break                       # it waits for a step with budget enough
+            n = sched._chunk(prompt, budget, 0, threshold)
+            partial += n < prompt
+            if partial > 1:
+                return False                # two prompts part-way at once (a chunk cap): not planned
+            admitted.append((req, n, budget))
+            chunks.append((n, 0, -(-n // bs)))
+            running, budget, free = running + 1, budget - n, free - -(-n // bs)
+        self._commit(j, run, chunks, admitted)
+        return True
+
+    def _commit(self, j: int, run: _Admissions, chunks: list, admitted: list) -> None:
+        line, ev, bs = self.line, self.ev, self.kv.block_size
+        for n, done, held in chunks:
+            ev.new_blocks[j] += held - -(-done // bs)
+        if chunks:
+            line.mix(j, chunks, self.executor)
+        if self.prefilling is not None:
+            adm, done = self.prefilling
+            n = chunks[0][0]
+            adm.chunks.append((j, n))
+            self.prefilling = None
+            if done + n < adm.request.prompt_tokens:
+                self.prefilling = [adm, done + n]
+            else:
+                _decode_after(self.sched, self.kv, (run, line), adm.index, j)
+        for req, n, budget in admitted:
+            self.waiting.popleft()
+            adm = Admitted(j, req, budget, [(j, n)], len(run.requests))
+            run.add(adm)
+            if n < req.prompt_tokens:
+                self.prefilling = [adm, n]
+            else:
+                _decode_after(self.sched, self.kv, (run, line), adm.index, j)
+        self.admitted_by.extend([j] * len(admitted))
+
+    def end(self, k: int, run: _Admissions) -> int:
+        """The run's steps, from the `k` planned: fewer where the pool or the next arrival not taken
+        says so (async: it must not arrive in a step with finishes right before the run's last one,
+        sim/fast_forward.py `_step_times`); the admissions past them are dropped."""
+        while True:
+            nxt = self.arrivals.upcoming(bisect_left(self.seen, k))
+            end = k if nxt is None else min(k, _end(self.line, nxt.arrival_time, self.deferred, self.ev.finished))
+            end = self.pool.fits_until(end)
+            if end == k:
+                break
+            k = end
+        while run.admissions and run.admissions[-1].step >= k:
+            adm = run.admissions.pop()
+            for column in (run.requests, run.computed, run.last_step, run.first_token):
+                del column[adm.index:]
+        return k
+
+    def taken_columns(self, k: int) -> tuple[list, list[int]]:
+        """The arrivals the run's k steps take, (step whose schedule saw it, request) each, and the
+        requests in WAITING after each step (without async scheduling an arrival waits there from
+        the step it arrives in, the one before the schedule that sees it)."""
+        taken = bisect_left(self.seen, k)
+        arrived = [0] * (k + 1)
+        for j in self.seen[:taken]:
+            arrived[j - (not self.deferred)] += 1
+        admitted = [0] * (k + 1)
+        for j in self.admitted_by:
+            if j < k:
+                admitted[j] += 1
+        waiting = list(accumulate(a - b for a, b in zip(arrived[:k], admitted[:k])))
+        return [(j, self.arrivals.upcoming(i)) for i, j in enumerate(self.seen[:taken])], waiting
 
 
 def _decode_after(sched: Scheduler, kv, state: tuple, r: int, j: int) -> None:
@@ -332,7 +390,7 @@ def _end(line: _Timeline, t: float, deferred: bool, finished: list) -> int:
     return m
 
 
-def _run(line: _Timeline, k: int, run: _Admissions, ev: RunEvents) -> DecodeRun:
+def _run(line: _Timeline, k: int, run: _Admissions, ev: RunEvents, taken: tuple) -> DecodeRun:
     count = np.array(line.count[:k], np.int64)
     kv_read = np.array(line.computed[:k], np.int64) + np.arange(1, k + 1) * count
     blocks = np.array(line.blocks[:k], np.int64)
@@ -357,4 +415,4 @@ def _run(line: _Timeline, k: int, run: _Admissions, ev: RunEvents) -> DecodeRun:
                      batch, kv_read, blocks, ev.finished[:k], ev.finished_computed[:k], ev.finished_blocks[:k],
                      np.array(line.durations[:k]), line.times[:k], line.times[1:k + 1],
                      token_start=run.first_token, admissions=run.admissions,
-                     prefill=PrefillColumns(seqs, tokens, pairs))
+                     prefill=PrefillColumns(seqs, tokens, pairs), arrivals=taken[0], waiting=taken[1])

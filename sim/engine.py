@@ -255,9 +255,11 @@ class EngineReplica:
         if run is None:
             return
         k = run.num_steps
-        waiting = [len(sched.waiting)] * k
-        if run.admissions:
-            self._take_admitted(run, waiting)
+        if run.waiting is not None:
+            waiting = run.waiting
+            self._take_arrivals_of(run)
+        else:
+            waiting = [len(sched.waiting)] * k
         rows = fast_forward.apply(sched, self.kv, run)
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         yield from self._reach_run_end(run)
@@ -298,14 +300,11 @@ class EngineReplica:
     def _plan_admitting(self, view, sched, kv, executor, start) -> fast_forward.DecodeRun | None:
         return plan_admitting(view, sched, kv, executor, Incoming(self.inbox, self.arrivals()), start)
 
-    def _take_admitted(self, run: fast_forward.DecodeRun, waiting: list) -> None:
-        """The run's admissions leave the arrival process for this replica (without async scheduling
-        each one waits in WAITING at the end of the step it arrived in)."""
-        for adm in run.admissions:
-            adm.request.replica = self.index
-            if not self.async_scheduling:
-                waiting[adm.step - 1] += 1
-        Incoming(self.inbox, self.arrivals()).take(len(run.admissions))
+    def _take_arrivals_of(self, run: fast_forward.DecodeRun) -> None:
+        """The arrivals a run took leave the inbox and the arrival process for this replica."""
+        for _, req in run.arrivals:
+            req.replica = self.index
+        Incoming(self.inbox, self.arrivals()).take(len(run.arrivals))
 
 
 class Incoming:

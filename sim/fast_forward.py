@@ -67,6 +67,8 @@ class DecodeRun:
     token_start: list | None = None
     admissions: list = field(default_factory=list)
     prefill: PrefillColumns | None = None
+    arrivals: list = field(default_factory=list)    # (step whose schedule sees it, request): the run takes them
+    waiting: list | None = None           # requests in WAITING after each step
 
 
 class Admitted(NamedTuple):
@@ -339,11 +341,13 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
         if e < k:
             releases.setdefault(e - 1 + deferred, []).append(r)
     finishing = bool(sched.finishing)       # (async) finishers of the step before the run: they leave in step 0
-    admits: dict[int, list] = {}         # step -> its prefill chunks, in scheduling order
+    admits: dict[int, list] = {}         # step -> (arrivals it sees, its prefill chunks in scheduling order)
+    for j, req in run.arrivals:
+        admits.setdefault(j, ([], []))[0].append(req)
     for adm in run.admissions:
         for i, (j, n) in enumerate(adm.chunks):
             if j < k:
-                admits.setdefault(j, []).append((adm, n, not i))
+                admits.setdefault(j, ([], []))[1].append((adm, n, not i))
     used, cached = [0] * k, [0] * k
     allocs, a, first = run.allocs, 0, 0
     req_blocks, caching = kv.req_blocks, kv.enable_caching
@@ -358,8 +362,7 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
         cached[first:counted] = [hashed if p <= unhashed else hashed - (p - unhashed) for p in pops]
         first = j + 1
         if j in admits:             # after the step's decode allocations, before its releases (async)
-            for chunk in admits[j]:
-                _prefill_chunk(sched, kv, chunk, run.starts[j])
+            _schedule_arrivals(sched, kv, admits[j], run.starts[j])
             used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
         if j == 0 and finishing:
             sched.release_finishing()
@@ -380,17 +383,28 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
     return used, cached
 
 
-def _prefill_chunk(sched: Scheduler, kv: FastForwardKV, chunk: tuple, start: float) -> None:
-    """A chunk of an admitted request's prompt: its admission (the scheduler's own), or the slots of
-    a further chunk (as the scheduler's running loop would allocate them)."""
-    adm, n, first = chunk
-    req = adm.request
-    if first:
-        req.first_scheduled_time = start
-        sched.admit_arrival(req, adm.budget, n)
-    elif not kv.allocate_slots(req, n):
-        raise AssertionError(f"a decode run planned slots for request {req.request_id} the pool could not give")
-    req.num_computed_tokens += n
+def _schedule_arrivals(sched: Scheduler, kv: FastForwardKV, planned: tuple, start: float) -> None:
+    """A step's schedule beyond its decodes, as planned (sim/admitting_runs.py): the arrivals it sees
+    join WAITING, the prompt part-way gets its next chunk (the slots the scheduler's running loop
+    would allocate), then the scheduler's own admission takes what the plan says it takes."""
+    arriving, chunks = planned
+    for req in arriving:
+        if not sched.add_request(req):
+            raise AssertionError(f"a decode run took request {req.request_id}, which the scheduler rejects")
+    admitted = []
+    for adm, n, first in chunks:
+        req = adm.request
+        if first:
+            admitted.append((req, n))
+        elif not kv.allocate_slots(req, n):
+            raise AssertionError(f"a decode run planned slots for request {req.request_id} the pool could not give")
+        else:
+            req.num_computed_tokens += n
+    if admitted:
+        sched.admit_planned(chunks[-len(admitted)][0].budget, admitted)
+        for req, n in admitted:
+            req.first_scheduled_time = start
+            req.num_computed_tokens += n
 
 
 def _fills(run: DecodeRun, bs: int) -> list:

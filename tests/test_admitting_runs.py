@@ -2,9 +2,10 @@
 
 The general fast-forward property test (test_fast_forward_property.py) draws every feature mix, where
 runs that admit arrivals are rare (several replicas, bursts, shared prefixes). Here the draws stay
-where they happen: one replica, arrivals landing while requests decode, prompts around the token
-budget and the chunk cap, pools that run short, outputs capped at max_model_len, prefix caching and
-async scheduling on and off, and requests with shared prefix ids (never admitted in a run).
+where they happen: one replica, arrivals landing while requests decode, bursts that wait for budget,
+prompts around the token budget and the chunk cap, pools that run short, outputs capped at
+max_model_len, prefix caching and async scheduling on and off, FCFS and priority queues, and
+requests with shared prefix ids (never admitted in a run).
 """
 import os
 
@@ -26,7 +27,8 @@ def traces(draw) -> Trace:
     gaps = draw(st.lists(st.sampled_from([0.0, 0.004, 0.01, 0.03, 0.08, 0.4]), min_size=n, max_size=n))
     prompts = draw(st.lists(st.integers(1, 300), min_size=n, max_size=n))
     outputs = draw(st.lists(st.integers(1, 120), min_size=n, max_size=n))
-    columns = dict(arrival_time_s=np.cumsum(gaps), prompt_tokens=np.array(prompts), output_tokens=np.array(outputs))
+    columns = dict(arrival_time_s=np.cumsum(gaps), prompt_tokens=np.array(prompts), output_tokens=np.array(outputs),
+                   priority=np.array(draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)), dtype=np.int64))
     if draw(st.booleans()) and draw(st.booleans()):       # some requests share prefixes
         shared = draw(st.lists(st.booleans(), min_size=n, max_size=n))
         columns["prefix_hash_ids"] = [list(range(-(-p // 32))) if s else [10_000 + i] for i, (p, s)
@@ -50,6 +52,7 @@ def engine_configs(draw) -> dict:
         "engine.enable_prefix_caching": draw(st.booleans()),
         "engine.async_scheduling": draw(st.booleans()),
         "engine.preemption_mode": draw(st.sampled_from(["recompute", "swap"])),
+        "engine.scheduling_policy": draw(st.sampled_from(["fcfs", "fcfs", "priority"])),
         "kv.policy": "none",
         "check_invariants": True,
     }

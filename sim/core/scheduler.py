@@ -323,19 +323,17 @@ class Scheduler:
             budget -= n
         return budget
 
-    def admit_arrival(self, req: Request, budget: int, num_tokens: int) -> None:
-        """Queue and admit `req` as a step's schedule would with `budget` tokens left (a decode run
-        that admits arrivals, sim/admitting_runs.py, planned that it gets `num_tokens` tokens:
-        nothing else waits, requests decode beside it, its whole prompt fits the pool)."""
-        if not self.add_request(req):
-            raise AssertionError(f"a decode run admitted request {req.request_id}, which the scheduler rejects")
-        self._threshold = self.config.long_prefill_token_threshold       # requests decode beside it
+    def admit_planned(self, budget: int, planned: list) -> None:
+        """Admit from WAITING as a step's schedule would with `budget` tokens left, checking that it
+        admits exactly `planned`, (request, tokens) in order: a decode run that admits arrivals
+        (sim/admitting_runs.py) planned them (requests decode beside them: not alone)."""
+        self._threshold = self.config.long_prefill_token_threshold
         scheduled: dict = {}
         self._admit(budget, scheduled, SchedulerOutput())
-        got = scheduled.get(req)
-        if got is None or got.num_new_tokens != num_tokens or len(self.waiting):
-            raise AssertionError(f"a decode run planned to admit request {req.request_id} with {num_tokens} "
-                                 "tokens; the scheduler did not")
+        got = [(s.request, s.num_new_tokens) for s in scheduled.values()]
+        if got != planned:
+            raise AssertionError(f"a decode run planned to admit {[(r.request_id, n) for r, n in planned]}; the "
+                                 f"scheduler admitted {[(r.request_id, n) for r, n in got]}")
 
     def _swap_in_blocked(self, req: Request, tokens: int) -> bool:
         """Whether the blocks for a swapped request's KV plus this step's tokens are missing. Checked
