@@ -47,7 +47,9 @@ attention against the importance model, per sequence on the head-averaged score 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -55,6 +57,23 @@ SPV_PUBLISHED = {256: (0.79, 0.44)}            # slot_reuse / free_block, slot_r
 TOKENSELECT_PUBLISHED = 23.84                  # attention speedup, the paper's best at long context
 TOKENSELECT_READ = 128 + 2048 + 512            # n_init + top_k + n_local
 TOKENSELECT_CHUNK = 8192
+
+
+@contextmanager
+def past_trained_positions():
+    """TokenSelect's prompts (to 256K on Llama-3.1-8B, trained to 131,072) and SnapKV's 16K prompt on the
+    Llama-2-7B shape (LWM-Text-Chat-1M's; Llama-2-7B is trained to 4,096) go past the stand-in model's
+    max_position_embeddings: allowed as vLLM allows it, with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
+    from kvsim.sim.defaults import ALLOW_LONG_MAX_MODEL_LEN as key
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def spvllm_trace(n: int = 1000, seed: int = 0):
@@ -208,7 +227,8 @@ def tokenselect_simulated(prompt: int, reuse_rate: float, output: int = 256) -> 
         for i, kv in enumerate(kvs):
             cfg = load_config(None, {"model": "llama-3.1-8b", "gpu": "h100", "kv": kv, "engine": {
                 "max_num_batched_tokens": TOKENSELECT_CHUNK, "max_model_len": prompt + output}})
-            run_simulation(cfg, f"{tmp}/{i}", trace=closed_batch(1, prompt, output))
+            with past_trained_positions():
+                run_simulation(cfg, f"{tmp}/{i}", trace=closed_batch(1, prompt, output))
             steps.append(pd.read_parquet(f"{tmp}/{i}/steps.parquet"))
     full, sel = steps
     return (full["kv_tokens_read"].iloc[-1] / sel["kv_tokens_read"].iloc[-1],
@@ -231,7 +251,8 @@ def _summary(model: str, gpu: str, kv: dict, n: int, prompt: int, output: int, t
     from kvsim.traces.synthetic import closed_batch
 
     cfg = load_config(None, {"model": model, "gpu": gpu, "tp": tp, "kv": kv, "engine": {"max_num_seqs": 256, **engine}})
-    return run_simulation(cfg, trace=closed_batch(n, prompt, output)).summary
+    with past_trained_positions():
+        return run_simulation(cfg, trace=closed_batch(n, prompt, output)).summary
 
 
 def print_others() -> None:

@@ -114,7 +114,8 @@ def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfi
         swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
 
 
-COLLECT_EVERY = 1024          # simpy events between two collections of finished requests
+COLLECT_EVERY = 1024          # simpy events between two collections of finished requests,
+COLLECT_STEPS = 8192          # or engine steps (a decode run takes thousands of steps in one event)
 
 
 @dataclass
@@ -129,7 +130,8 @@ class EngineRun:
 
     def drive(self, catch: tuple[type[BaseException], ...] = (KeyboardInterrupt, Exception),
               collect: Callable[[], None] = lambda: None):
-        """Run the engine to the end, calling `collect` every COLLECT_EVERY simpy events; None, or
+        """Run the engine to the end, calling `collect` every COLLECT_EVERY simpy events or COLLECT_STEPS
+        engine steps; None, or
         (reason, exception) when it was interrupted or failed with one of `catch` (the driver writes
         a partial result)."""
         # The engine allocates many small, long-lived objects (token times, step rows) and no reference
@@ -151,12 +153,14 @@ class EngineRun:
         env, limit = self.env, self.limit
         # as env.run(until=the arrival process) and then on while any work is left
         submitted = self.arrivals.process if self.arrivals is not None else None
-        events = 0
+        events = collected_at = 0
         while (submitted is not None and not submitted.processed) or self._has_work():
             env.step()
             events += 1
-            if events % COLLECT_EVERY == 0:
+            steps = sum(r.num_steps for r in self.replicas)
+            if events % COLLECT_EVERY == 0 or steps - collected_at >= COLLECT_STEPS:
                 collect()
+                collected_at = steps
         if limit is not None and limit.pending:
             raise RuntimeError(f"{limit.pending} requests still wait for a concurrency slot with no request "
                                "in flight")

@@ -365,12 +365,18 @@ class LoadSample:
     trace_rate_req_s: float
     trace_interarrival_cv: float
     distinct_arrivals: int = 2  # distinct arrival times in the sample (1: it arrives all at once)
+    rate_scale: float = 1.0     # the config's trace_options.rate_scale (a rate search's first scale)
+
+    def rates(self) -> tuple[float, float]:
+        """(sample, trace) arrival rates in req/s at `rate_scale`."""
+        return self.rate_req_s * self.rate_scale, self.trace_rate_req_s * self.rate_scale
 
     def describe(self) -> str:
         share = self.requests / self.trace_requests if self.trace_requests else math.nan
+        rate, trace_rate = self.rates()
         return (f"load sample: {self.window}, {self.requests:,} of {self.trace_requests:,} requests ({share:.0%}), "
-                f"{self.rate_req_s:.2f} req/s (trace {self.trace_rate_req_s:.2f}), inter-arrival CV "
-                f"{self.interarrival_cv:.2f} (trace {self.trace_interarrival_cv:.2f}), at rate scale 1")
+                f"{rate:.2f} req/s (trace {trace_rate:.2f}), inter-arrival CV "
+                f"{self.interarrival_cv:.2f} (trace {self.trace_interarrival_cv:.2f}), at rate scale {self.rate_scale:g}")
 
 
 def unwindowed_trace(cfg: SimConfig):
@@ -404,7 +410,7 @@ def choose_sample(cfg: SimConfig, window: str | None, trace=None) -> tuple[SimCo
         st = window_stats(head, Window(None, None, ""))
         return cfg, LoadSample(f"first {len(head):,} requests", None, None, st["requests"], st["rate_req_s"],
                                st["interarrival_cv"], whole["requests"], whole["rate_req_s"],
-                               whole["interarrival_cv"], st["distinct_arrivals"])
+                               whole["interarrival_cv"], st["distinct_arrivals"], opts.rate_scale)
     elif opts.start_s is not None or opts.end_s is not None:
         w = Window(opts.start_s, opts.end_s, f"{opts.start_s or 0:g}:{'' if opts.end_s is None else f'{opts.end_s:g}'}")
     elif sent:          # arrivals drawn by the sender: the whole trace, as configured
@@ -416,7 +422,8 @@ def choose_sample(cfg: SimConfig, window: str | None, trace=None) -> tuple[SimCo
     st = window_stats(trace, w)
     label = f"{w.label} ({w.start_s:.0f}-{w.end_s:.0f} s)" if "@peak" in w.label else w.label
     return cfg, LoadSample(label, w.start_s, w.end_s, st["requests"], st["rate_req_s"], st["interarrival_cv"],
-                           whole["requests"], whole["rate_req_s"], whole["interarrival_cv"], st["distinct_arrivals"])
+                           whole["requests"], whole["rate_req_s"], whole["interarrival_cv"], st["distinct_arrivals"],
+                           opts.rate_scale)
 
 
 def check_rate_search(sample: LoadSample) -> None:
@@ -437,8 +444,8 @@ def sample_warnings(sample: LoadSample) -> list[str]:
     if math.isfinite(ratio) and not 1 / RATE_WARN_RATIO <= ratio <= RATE_WARN_RATIO:
         why = ("the answer holds for the trace's busiest period" if "@peak" in sample.window and ratio > 1
                else "the answer is not the whole trace's")
-        out.append(f"the sample arrives at {sample.rate_req_s:.2f} req/s, {ratio:.2f}x the trace's "
-                   f"{sample.trace_rate_req_s:.2f} req/s: {why}")
+        rate, trace_rate = sample.rates()
+        out.append(f"the sample arrives at {rate:.2f} req/s, {ratio:.2f}x the trace's {trace_rate:.2f} req/s: {why}")
     cv = sample.interarrival_cv / sample.trace_interarrival_cv if sample.trace_interarrival_cv else math.nan
     if math.isfinite(cv) and not 1 / CV_WARN_RATIO <= cv <= CV_WARN_RATIO:
         out.append(f"the sample's inter-arrival CV is {sample.interarrival_cv:.2f}, the trace's "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -220,6 +221,44 @@ class KVConfig(_Strict):
 # config keys whose value may name a user file (dotted: section.key): run ids hash their content
 # (sweep.input_file_digests), config.yaml keeps them absolute (outputs.portable_config)
 FILE_KEYS = ("trace", "model", "gpu", "profile", "kv.importance", "trace_options.tokenizer")
+# a FILE_KEYS value names a file (not a catalog entry, shipped trace or profile name) when it holds a
+# '/' or ends in one of these
+FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".csv", ".parquet")
+
+
+def file_value_under(value: Any, root: Path) -> Any:
+    """A FILE_KEYS value naming a relative file, as the path under `root` (absolute); any other value
+    unchanged. A catalog file's entry (`file.yaml#Name`) and a profile's factor (`file.yaml*1.2`) stay."""
+    if not isinstance(value, str):
+        return value
+    head, sep, tail = value.partition("#")
+    if not sep:
+        stem, star, factor = value.rpartition("*")
+        if star and re.fullmatch(r"\s*[0-9.eE+-]+\s*", factor):
+            head, sep, tail = stem, star, factor
+    path = Path(head)
+    if path.is_absolute() or not ("/" in head or path.suffix.lower() in FILE_SUFFIXES):
+        return value
+    return os.path.normpath(root.absolute() / path) + sep + tail
+
+
+def files_under(data: dict, root: Path) -> dict:
+    """A copy of a config mapping (nested, dotted keys or both) whose relative file paths (FILE_KEYS) are
+    read under `root`: a sweep spec's directory, for the paths written in the spec."""
+    out = copy.deepcopy(data)
+    for dotted in FILE_KEYS:
+        *sections, key = dotted.split(".")
+        parent = out if dotted in out else _section(out, sections)
+        target = dotted if dotted in out else key
+        if isinstance(parent, dict) and target in parent:
+            parent[target] = file_value_under(parent[target], root)
+    return out
+
+
+def _section(data: dict, sections: list[str]):
+    for name in sections:
+        data = data.get(name) if isinstance(data, dict) else None
+    return data
 
 
 class SimConfig(_Strict):

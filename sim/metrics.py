@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .core.request import RequestStatus
 from .safe_io import deferred_interrupts
 
 # name -> (arrow type, meaning)
@@ -268,31 +270,40 @@ REQUEST_COLUMNS = {
 }
 
 
+_STATUS_NAMES = {RequestStatus.FINISHED: "finished", RequestStatus.REJECTED: "rejected"}   # else "unfinished"
+
+
 def request_table(requests) -> pd.DataFrame:
-    rows = []
-    for r in requests:
-        times = r.token_times
-        first = times[0] if times else math.nan
-        last = times[-1] if times else math.nan
-        status = r.status.name.lower() if r.status.name in ("FINISHED", "REJECTED") else "unfinished"
-        rows.append({
-            "request_id": r.request_id, "replica": r.replica, "status": status,
-            "reject_reason": r.reject_reason,
-            "arrival_s": r.arrival_time,
-            "first_scheduled_s": math.nan if r.first_scheduled_time is None else r.first_scheduled_time,
-            "first_token_s": first, "finish_s": last if status == "finished" else math.nan,
-            "prompt_tokens": r.prompt_tokens, "output_tokens": r.num_output_tokens,
-            "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions,
-            "evicted_tokens": r.kv_evicted_tokens,
-            "attention_mass_retained": r.kv_mass_sum / r.kv_mass_steps if r.kv_mass_steps else math.nan,
-            "token_times_s": np.array(times, dtype=np.float64),
-        })
-    df = pd.DataFrame(rows, columns=[c for c in REQUEST_COLUMNS if c not in (
-        "queueing_s", "ttft_s", "tpot_s", "e2e_s")])
+    """One row per request (REQUEST_COLUMNS), sorted by request id (stable)."""
+    reqs = sorted(requests, key=attrgetter("request_id"))
+    times = [r.token_times for r in reqs]
+    status = [_STATUS_NAMES.get(r.status, "unfinished") for r in reqs]
+    columns = {
+        "request_id": [r.request_id for r in reqs], "replica": [r.replica for r in reqs], "status": status,
+        "reject_reason": [r.reject_reason for r in reqs],
+        "arrival_s": [r.arrival_time for r in reqs],
+        "first_scheduled_s": [math.nan if r.first_scheduled_time is None else r.first_scheduled_time for r in reqs],
+        "first_token_s": [t[0] if t else math.nan for t in times],
+        "finish_s": [t[-1] if t and s == "finished" else math.nan for t, s in zip(times, status)],
+        "prompt_tokens": [r.prompt_tokens for r in reqs], "output_tokens": [r.num_output_tokens for r in reqs],
+        "cached_tokens": [r.num_cached_tokens for r in reqs], "preemptions": [r.num_preemptions for r in reqs],
+        "evicted_tokens": [r.kv_evicted_tokens for r in reqs],
+        "attention_mass_retained": [r.kv_mass_sum / r.kv_mass_steps if r.kv_mass_steps else math.nan for r in reqs],
+        "token_times_s": token_time_arrays(times),
+    }
+    # no rows: object columns, as a table built from no records
+    df = pd.DataFrame(columns) if reqs else pd.DataFrame(columns=list(columns))
     df["queueing_s"] = df["first_scheduled_s"] - df["arrival_s"]
     set_latencies(df)
-    df = df[list(REQUEST_COLUMNS)].sort_values("request_id", kind="stable").reset_index(drop=True)
-    return df
+    return df[list(REQUEST_COLUMNS)]
+
+
+def token_time_arrays(token_times: list) -> list[np.ndarray]:
+    """Each request's token times as a float64 array: views of one buffer filled by a single copy
+    (a numpy array made per request costs ~5x more)."""
+    offsets, values = flat_token_times(token_times)
+    bounds = offsets.tolist()
+    return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def set_latencies(df: pd.DataFrame) -> None:
@@ -314,10 +325,12 @@ def add_client_queue(req_df: pd.DataFrame, client_arrival: dict[int, float]) -> 
 def flat_token_times(token_times) -> tuple[np.ndarray, np.ndarray]:
     """(offsets [n + 1], values): every request's token times in one float64 buffer; request i's
     are values[offsets[i]:offsets[i + 1]]."""
-    arrays = [np.asarray(t, dtype=np.float64) for t in token_times]
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum([a.size for a in arrays], out=offsets[1:])
-    values = np.concatenate(arrays) if arrays else np.array([], dtype=np.float64)
+    parts = [t if isinstance(t, array) and t.typecode == "d" else np.ascontiguousarray(t, dtype=np.float64)
+             for t in token_times]
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)), out=offsets[1:])
+    # one bytes join of the buffers: several x faster than np.concatenate of 10^4-10^5 small arrays
+    values = np.frombuffer(bytearray().join(parts), dtype=np.float64)
     return offsets, values
 
 
@@ -326,15 +339,31 @@ def inter_token_latencies(token_times) -> np.ndarray:
     return list_gaps(*flat_token_times(token_times))
 
 
-def list_gaps(offsets: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """Gaps between consecutive values of each list (lists given as offsets [n + 1] and values)."""
+def list_gaps(offsets: np.ndarray, times: np.ndarray, *, overwrite: bool = False) -> np.ndarray:
+    """Gaps between consecutive values of each list (lists given as offsets [n + 1] and values).
+    `overwrite`: `times` may be overwritten; the gaps are then computed into its own memory (a view
+    of it is returned), not into two fresh buffers of its size, each faulted in page by page."""
     if times.size == 0:
         return np.array([])
-    gaps = np.diff(times)
     first_of_list = offsets[1:-1]                          # a list's first value follows another's last
-    keep = np.ones(gaps.size, dtype=bool)
+    keep = np.ones(times.size - 1, dtype=bool)
     keep[first_of_list[(first_of_list > 0) & (first_of_list < times.size)] - 1] = False
-    return gaps[keep]
+    return _gaps_in_place(times, keep) if overwrite else np.diff(times)[keep]
+
+
+GAPS_SLICE = 1 << 16
+
+
+def _gaps_in_place(times: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """np.diff(times)[keep] written to the front of `times`, one slice at a time: the kept gaps before
+    a slice are at most its start, so no value is overwritten before it is read."""
+    n = 0
+    for start in range(0, keep.size, GAPS_SLICE):
+        end = min(start + GAPS_SLICE, keep.size)
+        part = (times[start + 1:end + 1] - times[start:end])[keep[start:end]]
+        times[n:n + part.size] = part
+        n += part.size
+    return times[:n]
 
 
 def _pct(values: pd.Series, q: float) -> float:

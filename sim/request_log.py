@@ -185,7 +185,7 @@ def token_stats(token_times, start_s: float) -> TokenStats:
     what `summarize` and `bench_metrics` would compute from them, computed once."""
     offsets, times = flat_token_times(token_times)
     peak = peak_tokens_per_s(times, start_s)
-    gaps = list_gaps(offsets, times)
+    gaps = list_gaps(offsets, times, overwrite=True)        # `times` is this function's own copy
     del times                                   # before the statistics' temporaries
     return TokenStats(ExactValues(gaps), peak)
 

@@ -48,7 +48,8 @@ from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.loaders import resolve_trace_path
 
 from .catalog import CatalogError, get_gpu, get_model
-from .config import FILE_KEYS, ConfigError, SimConfig, build_config, flatten, read_config_file, read_yaml_file
+from .config import (FILE_KEYS, ConfigError, SimConfig, build_config, files_under, flatten, read_config_file,
+                     read_yaml_file)
 from .cost_model import load_profile
 from .defaults import resolve_engine
 from .memory import ModelDoesNotFitError, PoolSizing, available_memory_bytes, check_memory, num_gpu_blocks
@@ -185,28 +186,33 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
     if not runs:
         raise SpecError(f"{source}: runs: empty list: the sweep has no runs")
     runs = [_mapping(r, f"{source}: runs[{i}]") for i, r in enumerate(runs)]
-
-    _check(base, fixed, f"{source}: fixed")
     _check_size(runs, grid, source)
     for key, values in grid.items():
         if not isinstance(values, list):
             raise SpecError(f"{source}: grid.{key}: expected a list of values, got {values!r}")
         if not values:
             raise SpecError(f"{source}: grid.{key}: empty list: the product has no runs")
+    # the spec's relative file paths name files beside it, as `base:` does; labels keep them as written
+    files = (lambda d: d) if root is None else (lambda d: files_under(d, root))
+    fixed, runs_cfg = files(fixed), [files(r) for r in runs]
+    grid_cfg = {key: [files({key: v})[key] for v in values] for key, values in grid.items()}
+
+    _check(base, fixed, f"{source}: fixed")
+    for key, values in grid.items():
         for i, value in enumerate(values):
-            _check(base, {**fixed, key: value}, f"{source}: grid.{key}[{i}] = {value!r}")
+            _check(base, {**fixed, key: grid_cfg[key][i]}, f"{source}: grid.{key}[{i}] = {value!r}")
     for i, run in enumerate(runs):
-        _check(base, {**fixed, **run}, f"{source}: runs[{i}] ({_describe(run)})")
+        _check(base, {**fixed, **runs_cfg[i]}, f"{source}: runs[{i}] ({_describe(run)})")
 
     planned: list[PlannedRun] = []
     seen: set[str] = set()
     duplicates = 0
     fits = _FitChecker()
-    for run in runs:
-        for combo in itertools.product(*grid.values()):
+    for run, run_cfg in zip(runs, runs_cfg):
+        for combo, combo_cfg in zip(itertools.product(*grid.values()), itertools.product(*grid_cfg.values())):
             axes = {**run, **dict(zip(grid, combo))}
             where = f"{source}: run {len(planned) + duplicates} ({_describe(axes)})"
-            cfg = _check(base, {**fixed, **axes}, where)
+            cfg = _check(base, {**fixed, **run_cfg, **dict(zip(grid, combo_cfg))}, where)
             fits.check(cfg, where)
             rid = run_id_of(cfg)
             if rid in seen:
@@ -242,7 +248,7 @@ def _load_base(base: Any, source: str, root: Path | None) -> dict:
     if base is None:
         return {}
     if isinstance(base, dict):
-        return base                  # build_config copies it
+        return base if root is None else files_under(base, root)      # build_config copies it
     path = Path(base)
     if not path.is_absolute() and root is not None:
         path = root / path
@@ -266,6 +272,7 @@ class _FitChecker:
         self._seen: dict[tuple, str | None] = {}
         self._pools: dict[tuple, tuple | str] = {}
         self._memory: dict[tuple, str | None] = {}
+        self._kv: dict[str, str | None] = {}
         self._available: tuple[int, str] | None = None
 
     def check(self, cfg: SimConfig, where: str) -> None:
@@ -276,6 +283,11 @@ class _FitChecker:
             self._seen[key] = self._problem(cfg)
         if self._seen[key]:
             raise SpecError(f"{where}: {self._seen[key]}")
+        kv_key = cfg.kv.model_dump_json()
+        if kv_key not in self._kv:
+            self._kv[kv_key] = self._kv_problem(cfg)
+        if self._kv[kv_key]:
+            raise SpecError(f"{where}: {self._kv[kv_key]}")
         pool_key = key + (eng.num_gpu_blocks,)
         if pool_key not in self._pools:
             self._pools[pool_key] = self._pool(cfg)
@@ -299,6 +311,17 @@ class _FitChecker:
         except (CatalogError, ValueError) as exc:
             return str(exc)
         return model, blocks
+
+    @staticmethod
+    def _kv_problem(cfg: SimConfig) -> str | None:
+        """A KV option the run's policy would never read (refused when the run builds its manager)."""
+        from .kv.build import build_policy, refuse_ignored_kv_options
+
+        try:
+            refuse_ignored_kv_options(cfg.kv, build_policy(cfg.kv))
+        except ConfigError as exc:
+            return str(exc)
+        return None
 
     def _memory_problem(self, cfg: SimConfig, model, blocks: int) -> str | None:
         if self._available is None:

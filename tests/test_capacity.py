@@ -266,6 +266,26 @@ def test_representative_sample_is_the_full_trace_when_small_else_its_peak():
     assert len(load_workload(cfg)) == sample.requests
 
 
+def test_the_load_sample_line_states_the_rate_scale_applied(uniform, tmp_path):
+    from kvsim.sim.cli import app
+    trace = uniform[0]["trace"]
+    rate = N / ((N - 1) * SPACING)                  # N arrivals over (N - 1) SPACING s, at scale 1
+    line = f"load sample: full trace, {N} of {N} requests (100%), {{r:.2f}} req/s (trace {{r:.2f}}), inter-arrival CV "
+    once = ["--max-replicas", "1", "--repeats", "1", "--no-band", "--slo", "ttft_p99<=100s", "-q"]
+    for scale, args in ((1, []), (2.5, ["--rate-scale", "2.5"])):
+        for command in (["capacity", "--mode", "replicas"], ["plan", "--models", "llama-3.2-1b", "--gpus", "h100",
+                                                              "--tps", "1", "-j", "1"]):
+            res = CliRunner().invoke(app, [*command, "--trace", trace, *once, *args, "--out",
+                                           str(tmp_path / f"{command[0]}{scale}")], env={"COLUMNS": "300"})
+            assert res.exit_code == 0, res.output
+            first = res.output.splitlines()[0]
+            assert first.startswith(line.format(r=rate * scale)) and first.endswith(f"at rate scale {scale:g}"), first
+    from kvsim.sim.capacity import LoadSample, sample_warnings
+    (warning,) = sample_warnings(LoadSample("first 200 requests", None, None, 200, 3.2, 1.0, 19366, 5.5, 1.1,
+                                            rate_scale=2))
+    assert "6.40 req/s, 0.58x the trace's 11.00 req/s" in warning
+
+
 def test_sample_warnings_name_rate_and_burstiness():
     from kvsim.sim.capacity import LoadSample, sample_warnings
     calm = LoadSample("first 200 requests", None, None, 200, 3.2, 1.0, 19366, 5.5, 1.1)

@@ -21,6 +21,63 @@ def test_version():
     assert r.exit_code == 0 and re.fullmatch(r"kvsim \S+\n", r.output)
 
 
+def command_paths(command=None, path=()):
+    """Every command of the CLI, as its argument path (('simulate',), ('trace', 'synth'), ...)."""
+    import typer
+    command = typer.main.get_command(app) if command is None else command
+    subcommands = getattr(command, "commands", None)
+    if not subcommands:
+        return [path]
+    return [p for name, sub in subcommands.items() for p in command_paths(sub, (*path, name))]
+
+
+def usage(*args):
+    return CliRunner().invoke(app, list(args), prog_name="kvsim")
+
+
+def one_error_line(r) -> str:
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Usage:" not in r.output, r.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("path", command_paths(), ids=" ".join)
+def test_every_command_reports_an_unknown_option_in_one_line_and_keeps_its_help(path):
+    line = one_error_line(usage(*path, "--no-such-option"))
+    assert line.startswith("error: No such option: --no-such-option") and f"'kvsim {' '.join(path)} --help'" in line
+    r = usage(*path, "--help")
+    assert r.exit_code == 0 and "Usage: kvsim " + " ".join(path) in " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["simulate", "--polcy", "h2o"], "error: No such option: --polcy (Possible options: --policy, --profile); see "
+                                     "'kvsim simulate --help'"),
+    (["simulate", "--num-gpu-block", "9"], "error: No such option: --num-gpu-block (Possible options: "
+                                           "--num-gpu-blocks); see 'kvsim simulate --help'"),
+    (["simulate", "--seed", "abc"], "error: Invalid value for '--seed': Input should be a valid integer, unable to "
+                                    "parse string as an integer; see 'kvsim simulate --help'"),
+    (["simulate", "--max-requests"], "error: Option '--max-requests' requires an argument"),
+    (["sweep"], "error: Missing argument 'spec'; see 'kvsim sweep --help'"),
+    (["simulte"], "error: No such command 'simulte'. Did you mean 'simulate'?; see 'kvsim --help'"),
+    (["trace", "synth", "-n", "1e3", "t.jsonl"], "error: Invalid value for '--requests' / '-n'"),
+])
+def test_usage_errors_are_one_line_naming_the_option(args, expected):
+    assert one_error_line(usage(*args)).startswith(expected)
+
+
+def test_the_console_script_reports_a_usage_error_in_one_line():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "kvsim.sim.cli", "capacity", "--overwrit"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("error: No such option: --overwrit (Possible options: --overwrite); see 'python -m "
+                        "kvsim.sim.cli capacity --help'\n")
+    r = subprocess.run([sys.executable, "-m", "kvsim.sim.cli"], capture_output=True, text=True, timeout=120)
+    assert "Usage: python -m kvsim.sim.cli [OPTIONS] COMMAND" in r.stdout and r.stderr == ""     # bare: the help
+
+
 def test_every_option_of_the_shared_table_exists_on_simulate():
     shared = DOC.split("## Options shared by the simulation commands")[1].split("\n## ")[0]
     options = re.findall(r"(?m)^\| `(--[a-z-]+)` \| `", shared)
@@ -67,6 +124,73 @@ def test_replay_refuses_kv_options_policy_none_would_ignore(tmp_path, args, mess
             "-o", str(tmp_path / "x"))
     assert r.exit_code == 2 and message in r.output
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("command", ["simulate", "replay"])
+def test_max_model_len_above_the_models_positions_is_refused_as_vllm_does(tmp_path, command, monkeypatch):
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    model = "llama-3.2-1b" if command == "simulate" else "smollm2-135m"      # 131,072 / 8,192 positions
+    limit = 131072 if command == "simulate" else 8192
+    length = ["--max-model-len", str(limit + 1)] if command == "simulate" else [
+        "--set", f"engine.max_model_len={limit + 1}", "--num-gpu-blocks", "40"]
+    r = run(command, "--model", model, *length, "--max-requests", "2", "-q", "-o", str(tmp_path / "x"))
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith(f"error: engine.max_model_len (--max-model-len) {limit + 1} is above ")
+    assert f"max_position_embeddings ({limit}); vLLM refuses it" in r.output
+    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in r.output and not (tmp_path / "x").exists()
+
+
+def test_vllms_switch_allows_a_longer_max_model_len_with_a_warning(tmp_path, monkeypatch):
+    for value, code in (("0", 2), ("1", 0), ("true", 0)):
+        monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", value)
+        r = run("simulate", "--model", "llama-3.2-1b", "--max-model-len", "200000", "--max-requests", "2", "-q",
+                "-o", str(tmp_path / value))
+        assert r.exit_code == code, r.output
+    assert "warning: engine.max_model_len (--max-model-len) 200000 is above Llama-3.2-1B's max_position_embeddings " \
+           "(131072), allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in r.stderr
+    assert yaml.safe_load((tmp_path / "1" / "config.yaml").read_text())["engine"]["max_model_len"] == 200000
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    assert run("simulate", "--model", "llama-3.2-1b", "--max-model-len", "131072", "--max-requests", "2", "-q",
+               "-o", str(tmp_path / "at")).exit_code == 0
+
+
+H2O = ["--policy", "h2o", "--budget", "64"]
+IGNORED_KV_OPTIONS = [
+    (H2O + ["--set", "kv.trigger_interval=4"], "kv.trigger_interval=4: only kv.trigger=every_n reads it, and this "
+                                               "run's trigger is every_step (policy h2o's default)"),
+    (["--set", "kv.trigger_threshold=100"], "kv.trigger_threshold=100: only kv.trigger=threshold reads it, and this "
+                                            "run's trigger is never (policy none's default)"),
+    (H2O + ["--set", "kv.trigger=every_step", "--set", "kv.trigger_threshold=9"], "run's trigger is every_step;"),
+    (H2O + ["--set", "kv.high_tier=K8V8"], "kv.high_tier=K8V8: policy 'h2o' keeps every token at full precision"),
+    (["--policy", "snapkv", "--budget", "64", "--set", "kv.low_tier=K8V4"], "kv.low_tier=K8V4: policy 'snapkv' keeps"),
+    (H2O + ["--set", "kv.fast_rows=4"], "kv.fast_rows=4: only kv.mode=fast samples rows, and this run is "
+                                        "kv.mode=token"),
+    (["--policy", "quest", "--slot-strategy", "compact"], "--slot-strategy compact (kv.slot_strategy): policy "
+                                                          "'quest' evicts nothing"),
+    (["--policy", "tokenselect", "--slot-strategy", "slot_reuse"], "policy 'tokenselect' evicts nothing"),
+]
+
+
+@pytest.mark.parametrize("command", ["simulate", "replay"])
+@pytest.mark.parametrize("args, message", IGNORED_KV_OPTIONS)
+def test_kv_options_the_runs_policy_never_reads_are_refused(tmp_path, command, args, message):
+    extra = ["--num-gpu-blocks", "40"] if command == "replay" else []
+    r = run(command, "--max-requests", "2", *extra, *args, "-q", "-o", str(tmp_path / "x"))
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("error: ")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("args", [
+    H2O + ["--set", "kv.trigger=every_n", "--set", "kv.trigger_interval=4"],
+    H2O + ["--set", "kv.trigger=threshold", "--set", "kv.trigger_threshold=32"],
+    ["--policy", "leankv", "--layout", "per_head", "--set", "kv.high_tier=K8V8", "--set", "kv.low_tier=K8V4"],
+    H2O + ["--kv-mode", "fast", "--set", "kv.fast_rows=4"],
+    ["--policy", "quest"],
+])
+def test_kv_options_are_accepted_where_the_run_reads_them(tmp_path, args):
+    r = run("simulate", "--max-requests", "3", *args, "-q", "-o", str(tmp_path / "x"))
+    assert r.exit_code == 0, r.output
 
 
 def test_the_pool_check_passes_what_fits(tmp_path):

@@ -142,3 +142,17 @@ def test_config_errors_name_the_option():
         load_config(None, {"kv.slot_strategy": "defrag"})
     with pytest.raises(ValueError, match="kv.high_tier: unknown precision tier"):
         build_kv(KVConfig(policy="h2o", high_tier="K9V9"), cost.model, cost, 100, 16, 0)
+
+
+@pytest.mark.parametrize("kv, message", [
+    ({"policy": "h2o", "trigger_interval": 4}, "kv.trigger_interval=4: only kv.trigger=every_n reads it"),
+    ({"policy": "streaming", "trigger": "every_n", "trigger_threshold": 8}, "kv.trigger_threshold=8: only"),
+    ({"policy": "h2o", "layout": "per_head", "high_tier": "K8V8"}, "kv.high_tier=K8V8: policy 'h2o' keeps"),
+    ({"policy": "h2o", "fast_rows": 4}, "kv.fast_rows=4: only kv.mode=fast samples rows"),
+    ({"policy": "quest", "slot_strategy": "compact", "mode": "fast"}, "policy 'quest' evicts nothing"),
+])
+def test_every_front_end_refuses_kv_options_the_policy_never_reads(kv, message):
+    # sweep, capacity and the dashboard build their managers here, without the CLI's early check
+    cost = CostModel(MODEL, "l4")
+    with pytest.raises(ValueError, match=message):
+        build_kv(KVConfig(**kv), cost.model, cost, 100, 16, 0)

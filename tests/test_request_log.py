@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from kvsim.sim import request_log, simulate
+from kvsim.sim import metrics, request_log, simulate
 from kvsim.sim.config import load_config
 from kvsim.sim.metrics import inter_token_latencies, summarize
 from kvsim.sim.request_log import ValueCounts, step_figures_from_file, token_stats
@@ -125,3 +125,18 @@ def test_peak_tokens_per_s_in_slices_counts_as_the_whole_buffer(monkeypatch):
         assert request_log.peak_tokens_per_s(times, 100.25) == whole
     assert request_log.peak_tokens_per_s(times[:10], 1e6) == 0.0          # all before the start
     assert request_log.peak_tokens_per_s(np.array([]), 0.0) == 0.0
+
+
+def test_gaps_computed_in_the_buffer_itself_are_np_diffs(monkeypatch):
+    """The token figures take the gaps in the flat token buffer's own memory, slice by slice: the same
+    gaps as np.diff without each list's first (lists of 0, 1 or many values, slices cut anywhere), and
+    the input left untouched when it may not be overwritten."""
+    rng = np.random.default_rng(11)
+    lists = [np.cumsum(rng.random(int(k))) for k in rng.integers(0, 6, 400)] + [np.array([]), np.array([2.0])]
+    offsets, times = metrics.flat_token_times(lists)
+    expected = np.concatenate([np.diff(t) for t in lists])
+    kept = times.copy()
+    assert metrics.list_gaps(offsets, times).tobytes() == expected.tobytes() and (times == kept).all()
+    for size in (1, 2, 5, 64, 1 << 16):
+        monkeypatch.setattr(metrics, "GAPS_SLICE", size)
+        assert metrics.list_gaps(offsets, kept.copy(), overwrite=True).tobytes() == expected.tobytes()

@@ -15,7 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from kvsim.sim.catalog import get_gpu
-from kvsim.sim.config import load_config
+from kvsim.sim.config import files_under, load_config
 from kvsim.sim.simulate import run_simulation
 from kvsim.sim.sweep import SpecError, SweepRunOptions, load_spec, parse_spec, read_store, run_sweep
 
@@ -53,6 +53,57 @@ def test_grid_is_cartesian_product_in_spec_order_last_key_fastest():
     assert [r.config["engine"]["block_size"] for r in plan.runs] == [16] * 4 + [32] * 4
     assert all(r.config["trace_options"]["max_requests"] == 60 for r in plan.runs)
     assert len({r.run_id for r in plan.runs}) == 8
+
+
+def test_a_kv_option_the_runs_policy_never_reads_is_refused_before_any_run():
+    spec = {"fixed": SMALL, "runs": [{"kv.policy": "h2o", "kv.budget": 64, "kv.fast_rows": 4},
+                                     {"kv.policy": "h2o", "kv.budget": 64, "kv.mode": "fast", "kv.fast_rows": 4}]}
+    with pytest.raises(SpecError, match=r"run 0 \(kv.policy='h2o', kv.budget=64, kv.fast_rows=4\): kv.fast_rows=4: "
+                                        "only kv.mode=fast samples rows"):
+        parse_spec(spec)
+    assert len(parse_spec({**spec, "runs": spec["runs"][1:]}).runs) == 1
+
+
+def write_trace(path: Path, n: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f'{{"arrival_time_s": {i}, "prompt_tokens": 50, "output_tokens": 5}}\n' for i in range(n)))
+    return path
+
+
+def test_a_specs_relative_file_paths_name_files_beside_it_from_any_directory(tmp_path, monkeypatch):
+    """As `base:`, a trace (and any file a config key names) written relative in the spec is the file beside
+    the spec, whatever the working directory; the run labels keep the paths as written."""
+    exp = tmp_path / "exp"
+    write_trace(exp / "traces" / "three.jsonl", 3)
+    write_trace(exp / "four.jsonl", 4)
+    (exp / "base.yaml").write_text("engine:\n  num_gpu_blocks: 1500\n")
+    spec = write_spec(exp / "spec.yaml", {
+        "base": "base.yaml", "fixed": {"kv": {"importance": "imp/model.yaml"}},
+        "runs": [{"trace": "traces/three.jsonl"}, {"trace": "four.jsonl"}, {"trace": "azure-conv-2023"}],
+        "grid": {"profile": ["default", "prof.yaml*1.5"], "model": ["llama-3.1-8b", "../cat.yaml#Mine"]}})
+    elsewhere = tmp_path / "elsewhere"
+    write_trace(elsewhere / "four.jsonl", 9)             # a file of the same name in the working directory
+    monkeypatch.chdir(elsewhere)
+    given = {"kv": {"importance": "imp/model.yaml"}, "profile": "prof.yaml*1.5", "model": "../cat.yaml#Mine",
+             "gpu": "h100", "trace_options.tokenizer": "/abs/tok.json", "trace": "azure-conv-2023"}
+    assert files_under(given, exp) == {"kv": {"importance": f"{exp}/imp/model.yaml"}, "profile": f"{exp}/prof.yaml*1.5",
+                                       "model": f"{tmp_path}/cat.yaml#Mine", "gpu": "h100",
+                                       "trace_options.tokenizer": "/abs/tok.json", "trace": "azure-conv-2023"}
+    with pytest.raises(SpecError, match=f"grid.model.1. = '../cat.yaml#Mine': model: cannot read {tmp_path}/cat.yaml"):
+        load_spec(spec)
+    spec = write_spec(exp / "spec.yaml", {"base": "base.yaml", "fixed": {"trace_options.max_requests": 60},
+                                          "runs": [{"trace": "traces/three.jsonl"}, {"trace": "four.jsonl"},
+                                                   {"trace": "azure-conv-2023"}]})
+    plan = load_spec(spec)
+    assert [r.config["trace"] for r in plan.runs] == [str(exp / "traces" / "three.jsonl"), str(exp / "four.jsonl"),
+                                                      "azure-conv-2023"]
+    assert [r.axes["trace"] for r in plan.runs] == ["traces/three.jsonl", "four.jsonl", "azure-conv-2023"]
+    from kvsim.sim.cli import app
+    r = CliRunner().invoke(app, ["sweep", "../exp/spec.yaml", "--out", "store", "-q"])
+    assert r.exit_code == 0, r.output
+    rows = read_store(elsewhere / "store").set_index("trace")
+    assert rows.loc[str(exp / "four.jsonl"), "num_finished"] == 4       # the spec's file, not the cwd's
+    assert rows.loc[str(exp / "traces" / "three.jsonl"), "num_finished"] == 3
 
 
 def test_explicit_runs_are_crossed_with_grid_and_nested_keys_equal_dotted(tmp_path):

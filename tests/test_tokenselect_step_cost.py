@@ -14,6 +14,13 @@ READ, CHUNK, REUSE = 2688, 8192, 0.21
 CONTEXTS = (1 << 17, 1 << 18, 1 << 19)          # 128K, 256K, 512K prompts
 
 
+@pytest.fixture(autouse=True)
+def past_trained_positions(monkeypatch):
+    # the prompts go past Qwen2.5-0.5B's 32,768 trained positions (TokenSelect's length extrapolation):
+    # allowed, as in vLLM, by VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (docs/simulate.md)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+
+
 def steps(tmp_path, prompt: int, kv: dict) -> pd.DataFrame:
     out = tmp_path / f"{kv['policy']}-{prompt}"
     cfg = load_config(None, {"model": "qwen2.5-0.5b", "gpu": "h100", "kv": kv,

@@ -3,11 +3,13 @@ carries typed fields instead of an untyped scratch dict."""
 import dataclasses
 import math
 
+import numpy as np
+
 import pytest
 
-from kvsim.sim.core.request import Request
+from kvsim.sim.core.request import Request, RequestStatus
 from kvsim.sim.kv.policy import FastModeProfile, PolicyError, get_policy, policy_names
-from kvsim.sim.metrics import request_table
+from kvsim.sim.metrics import REQUEST_COLUMNS, request_table
 
 
 def test_every_policy_profile_is_typed():
@@ -47,3 +49,25 @@ def test_request_table_reads_the_typed_kv_counters():
     df = request_table([done, plain]).set_index("request_id")
     assert df.loc[0, "evicted_tokens"] == 3.5 and df.loc[0, "attention_mass_retained"] == pytest.approx(0.9)
     assert df.loc[1, "evicted_tokens"] == 0.0 and math.isnan(df.loc[1, "attention_mass_retained"])
+
+
+def test_request_table_rows_in_id_order_each_with_its_own_token_times():
+    """Rows sorted by request id (stable); each row's token_times_s holds that request's times, and the
+    status, first-token and finish columns follow from them."""
+    reqs = [Request(rid, float(rid), 10, 3) for rid in (5, 2, 9, 2)]
+    times = {0: [0.5, 0.75, 1.0], 1: [2.25], 2: [], 3: [3.0, 4.0]}
+    for i, r in enumerate(reqs):
+        r.token_times.extend(times[i])
+        r.num_output_tokens = len(times[i])
+    reqs[0].status = reqs[1].status = reqs[3].status = RequestStatus.FINISHED
+    reqs[2].status, reqs[2].reject_reason = RequestStatus.REJECTED, "too long"
+    reqs[3].token_times = [3.0, 4.0]          # a list works as well as the engine's array('d')
+    df = request_table(reqs)
+    assert df["request_id"].tolist() == [2, 2, 5, 9]
+    assert [t.tolist() for t in df["token_times_s"]] == [[2.25], [3.0, 4.0], [0.5, 0.75, 1.0], []]
+    assert df["status"].tolist() == ["finished", "finished", "finished", "rejected"]
+    assert df["first_token_s"].tolist()[:3] == [2.25, 3.0, 0.5] and math.isnan(df["first_token_s"].iloc[3])
+    assert df["finish_s"].tolist()[:3] == [2.25, 4.0, 1.0] and math.isnan(df["finish_s"].iloc[3])
+    assert df["reject_reason"].isna().tolist() == [True] * 3 + [False] and df["reject_reason"].iloc[3] == "too long"
+    assert all(t.dtype == np.float64 for t in df["token_times_s"])
+    assert list(df.columns) == list(REQUEST_COLUMNS) and len(request_table([])) == 0

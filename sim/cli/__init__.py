@@ -4,8 +4,10 @@ Command modules keep heavy imports (torch via kvsim.gpu, streamlit, the calibrat
 command functions, so `kvsim simulate` never imports torch."""
 import sys
 import warnings
+from contextlib import contextmanager
 
 import typer
+from typer.core import TyperGroup
 
 from .calibration import calibrate, crosscheck
 from .dashboard import dashboard
@@ -17,8 +19,41 @@ from .replay import replay
 from .simulate import simulate
 from .trace import app as trace_app
 
+try:                        # Typer >= 0.22 carries its own copy of click
+    from typer._click.exceptions import UsageError as _UsageError
+except ImportError:
+    from click.exceptions import UsageError as _UsageError
+
+
+class _OneLineUsageErrors(TyperGroup):
+    """Click's usage errors (unknown option or command, missing or bad value) as one `error:` line naming
+    the option, as every other user mistake, instead of Typer's usage panel. The root group parses the
+    command line and, in `invoke`, every subcommand's, so both hooks see every usage error."""
+
+    def make_context(self, *args, **kwargs):
+        with _one_line_usage_error():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line_usage_error():
+            return super().invoke(ctx)
+
+
+@contextmanager
+def _one_line_usage_error():
+    from .options import fail
+
+    try:
+        yield
+    except _UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":       # `kvsim` / `kvsim trace` alone: the help
+            raise
+        hint = f"; see '{exc.ctx.command_path} --help'" if exc.ctx is not None else ""
+        fail(" ".join(exc.format_message().split()).rstrip(".") + hint)
+
+
 app = typer.Typer(help="kvsim: paged KV-cache serving simulator and real backend", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
+                  pretty_exceptions_enable=False, cls=_OneLineUsageErrors)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -57,7 +57,8 @@ ExpertParallel = Annotated[Optional[bool], typer.Option(
     "--enable-expert-parallel", help="MoE models: experts split over the TP group's GPUs, all-to-all for the MoE "
                                      "layers (vLLM's --enable-expert-parallel)")]
 MaxModelLen = Annotated[Optional[int], typer.Option(help="longest prompt + output (default: the model's "
-                                                         "max_position_embeddings, as vLLM)")]
+                                                         "max_position_embeddings, as vLLM; above it refused unless "
+                                                         "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")]
 LongPrefillTokenThreshold = Annotated[Optional[int], typer.Option(
     help="most prompt tokens a long prefill computes per step (vLLM's --long-prefill-token-threshold; 0: off)")]
 ChunkedPrefill = Annotated[Optional[bool], typer.Option("--chunked-prefill/--no-chunked-prefill",

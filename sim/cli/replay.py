@@ -92,6 +92,10 @@ def replay(
         from kvsim.gpu.replay import ReplayOptions, resolve_device, run_replay
         dev = resolve_device(device)
         apply_device_defaults(cfg, dev, weights)
+        if cfg.engine.max_model_len is not None:        # before the model loads (the run plan checks it too)
+            from kvsim.sim.catalog import get_model
+            from kvsim.sim.defaults import check_max_model_len
+            check_max_model_len(cfg.engine.max_model_len, get_model(cfg.model))
         if threads is not None:
             if threads < 1:
                 raise ValueError(f"--threads must be at least 1, got {threads}")

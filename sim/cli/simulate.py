@@ -132,7 +132,9 @@ def refuse_ineffective(cfg) -> None:
 
 
 def refuse_ineffective_kv(kv) -> None:
-    """KV options that policy none would silently ignore (simulate and replay)."""
+    """KV options that the run's policy would silently ignore (simulate and replay, before the run)."""
+    from kvsim.sim.kv.build import build_policy, refuse_ignored_kv_options
+
     if kv.policy == "none":
         if kv.budget is not None:
             raise ConfigError("--budget (kv.budget): policy none keeps every token; a budget needs an eviction "
@@ -146,6 +148,7 @@ def refuse_ineffective_kv(kv) -> None:
         if kv.slot_strategy != KVConfig.model_fields["slot_strategy"].default:
             raise ConfigError(f"--slot-strategy {kv.slot_strategy} (kv.slot_strategy): policy none evicts nothing, "
                               "so no slot strategy applies; drop it or give an eviction policy (--policy h2o, ...)")
+    refuse_ignored_kv_options(kv, build_policy(kv))
 
 
 @contextmanager

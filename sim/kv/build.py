@@ -1,7 +1,7 @@
 """Build a replica's KV manager from a run's config (shared by the simulator and the real backend)."""
 from __future__ import annotations
 
-from ..config import ConfigError, SimConfig
+from ..config import ConfigError, KVConfig, SimConfig
 from ..core.kv_manager import KVCacheManager
 from ..core.protocols import KVManager
 from ..core.sliding_window import build_sliding_window_manager
@@ -9,7 +9,8 @@ from .base import EvictingManagerBase, FastOptions
 from .importance import ImportanceError, ImportanceModelSpec, SyntheticImportance
 from .manager import EvictingKVManager, EvictingOptions
 from .slots import COPY_STRATEGIES
-from .policy import PolicyContext, PolicyError, get_policy
+from .policy import EvictionPolicy, PolicyContext, PolicyError, get_policy
+from .state import TIER_FULL
 from .tiers import TIERS
 
 
@@ -42,6 +43,7 @@ def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int, policy=None) 
     if model.num_sliding_layers:
         return build_sliding_window_manager(cfg, model, num_blocks)
     if cfg.kv.is_default:
+        refuse_ignored_kv_options(cfg.kv, get_policy("none") if policy is None else policy)
         return KVCacheManager(num_blocks, eng.block_size, enable_caching=bool(eng.enable_prefix_caching))
     if eng.enable_prefix_caching:
         raise ConfigError("engine.enable_prefix_caching: not supported with kv.policy/kv.layout other than "
@@ -61,10 +63,8 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     ctx = PolicyContext(kv.layout, model.num_layers, kv_heads, max(1, model.num_heads * kv_heads // model.num_kv_heads),
                         block_size, rows, tier_bytes=tier_bytes, head_dim=model.head_dim,
                         bytes_per_token_row=cost.kv_bytes_per_token / rows)
-    try:
-        policy = policy if policy is not None else get_policy(kv.policy, **policy_params(kv))
-    except PolicyError as exc:
-        raise ConfigError(str(exc)) from None
+    policy = policy if policy is not None else build_policy(kv)
+    refuse_ignored_kv_options(kv, policy)
     if policy.per_head_only and kv.layout != "per_head":
         raise ConfigError(f"kv.layout: policy {kv.policy!r} sets different budgets per layer and head; it needs "
                           f"kv.layout=per_head, got {kv.layout!r}")
@@ -100,6 +100,40 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     except ImportanceError as exc:
         raise ConfigError(f"kv.importance: {exc}") from None
     return EvictingKVManager(pool_blocks, block_size, ctx, policy, importance, token)
+
+
+def build_policy(kv: KVConfig) -> EvictionPolicy:
+    """The `kv.policy` of a `KVConfig` with its parameters (a bad one is a ConfigError)."""
+    try:
+        return get_policy(kv.policy, **policy_params(kv))
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def refuse_ignored_kv_options(kv: KVConfig, policy: EvictionPolicy) -> None:
+    """KV options that `policy` in this mode never reads: accepted, they would change nothing, so each is
+    refused naming what would read it (simulate and replay check them before the run; every front end
+    when the manager is built). A value equal to the default is no request (config.yaml lists them all)."""
+    def given(name: str):
+        value = getattr(kv, name)
+        return None if value == KVConfig.model_fields[name].default else value
+
+    trigger = policy.default_trigger if kv.trigger == "policy" else kv.trigger
+    for name, reader in (("trigger_interval", "every_n"), ("trigger_threshold", "threshold")):
+        if given(name) is not None and trigger != reader:
+            whose = f" (policy {kv.policy}'s default)" if kv.trigger == "policy" else ""
+            raise ConfigError(f"kv.{name}={given(name)}: only kv.trigger={reader} reads it, and this run's trigger "
+                              f"is {trigger}{whose}; set kv.trigger={reader} or drop kv.{name}")
+    for name in ("high_tier", "low_tier"):
+        if given(name) is not None and policy.new_token_tier == TIER_FULL:
+            raise ConfigError(f"kv.{name}={given(name)}: policy {kv.policy!r} keeps every token at full precision; "
+                              f"the precision tiers apply to a tiering policy (leankv); drop kv.{name}")
+    if given("fast_rows") is not None and kv.mode != "fast":
+        raise ConfigError(f"kv.fast_rows={given('fast_rows')}: only kv.mode=fast samples rows, and this run is "
+                          f"kv.mode={kv.mode} (every row simulated); drop kv.fast_rows or set kv.mode=fast")
+    if given("slot_strategy") is not None and not policy.evicts:
+        raise ConfigError(f"--slot-strategy {kv.slot_strategy} (kv.slot_strategy): policy {kv.policy!r} evicts "
+                          "nothing (the whole cache stays resident), so no slot strategy applies; drop it")
 
 
 def _check_fast_trigger(kv, policy) -> None:
