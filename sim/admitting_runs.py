@@ -77,7 +77,7 @@ class _Timeline:
         previous step started), or `priced` (+ 1) if none priced does."""
         if deferred and t <= self.before:
             return 0
-        return bisect_left(self.times, t, 0, self.priced) + deferred
+        return bisect_left(self.times, t) + deferred
 
     def price(self, steps: int, executor) -> None:
         """Price up to `steps` more decode steps (fewer at the limit)."""
@@ -124,28 +124,35 @@ class _Timeline:
         del self.times[steps + 1:]
         self.limit = self.horizon           # an empty batch found past `steps` is priced again
 
-    def cover_step(self, j: int, executor) -> None:
-        """Price up to step j (decode-only), or to the limit."""
-        if self.priced <= j:
-            self.price(j + 3 - self.priced, executor)
+    def counts_at(self, j: int) -> tuple[int, int, int]:
+        """Step j's decoding sequences, their start counts summed and the blocks they hold after its
+        allocations (j = the steps priced)."""
+        ev = self.ev
+        count, computed, blocks = (self.count[-1], self.computed[-1], self.blocks[-1]) if j else (0, 0, 0)
+        return count + ev.d_count[j], computed + ev.d_computed[j], blocks + ev.d_blocks[j]
 
-    def mix(self, j: int, prefills: list, executor) -> None:
-        """Step j gets prefill chunks beside its decodes, in scheduling order: (tokens, prompt tokens
-        computed before, blocks its request holds after it) each."""
-        self.truncate(j + 1)
-        self.mixed[j] = prefills
-        count = self.count[j]
-        pairs, kv_read, held = 0.0, self.computed[j] + (j + 1) * count, self.blocks[j]
-        for n, done, blocks in prefills:
+    def append_step(self, counts: tuple[int, int, int], prefills: list, executor) -> None:
+        """Price step j = the steps priced, with its decodes (`counts_at`) and prefill chunks in
+        scheduling order, (tokens, prompt tokens computed before, blocks its request holds after)
+        each, as the engine prices a step (a mixed one is priced alone)."""
+        j = self.priced
+        count, computed, held = counts
+        pairs, kv_read, blocks = 0.0, computed + (j + 1) * count, held
+        for n, done, after in prefills:
             pairs += n * (done + (n + 1) / 2)
             kv_read += done + n
-            held += blocks
+            blocks += after
+        if prefills:
+            self.mixed[j] = prefills
         shape = BatchShape(num_seqs=count + len(prefills), num_prefill_tokens=sum(n for n, _, _ in prefills),
                            num_decode_tokens=count, attn_pairs_prefill=pairs, kv_tokens_read=kv_read,
-                           block_table_entries=held)
+                           block_table_entries=blocks)
         d = float(executor.predict_step(shape))
-        self.durations[j] = d
-        self.times[j + 1] = self.times[j] + d
+        self.durations.append(d)
+        self.times.append(self.times[-1] + d)
+        self.count.append(count)
+        self.computed.append(computed)
+        self.blocks.append(held)
 
 
 class _Pool:
@@ -252,13 +259,16 @@ class _Planner:
                 j = line.seen_by(t, self.deferred)      # the next step with something to schedule
                 if req is None or j >= line.priced:
                     return self.pool.fits_until(_end(line, t, self.deferred, self.ev.finished))
-            line.cover_step(j, self.executor)
-            if j >= line.priced or line.count[j] < 1:
+                line.truncate(j)            # from here steps are planned one at a time
+            if j >= self.horizon:
+                return j
+            counts = line.counts_at(j)
+            if counts[0] < 1:
                 return j
             fit = self.pool.fits_until(j)
             if fit < j:
                 return fit
-            if not self._see(j) or not self._schedule(j, run):
+            if not self._see(j) or not self._schedule(j, counts, run):
                 return j
             j += 1
 
@@ -276,12 +286,12 @@ class _Planner:
         self.taken += len(seen)
         return True
 
-    def _schedule(self, j: int, run: _Admissions) -> bool:
+    def _schedule(self, j: int, counts: tuple, run: _Admissions) -> bool:
         """Plan step j's schedule beyond its decodes (the prompt part-way, then WAITING's head while
         budget, sequence slots and the pool allow, as `Scheduler.schedule` would); False, planning
         nothing, where stepping would judge something the run does not plan."""
         sched, cfg, bs, line = self.sched, self.cfg, self.kv.block_size, self.line
-        decodes, threshold = line.count[j], cfg.long_prefill_token_threshold
+        decodes, threshold = counts[0], cfg.long_prefill_token_threshold
         budget, free = cfg.max_num_batched_tokens - decodes, self.pool.free_in(j)
         # async: the finishers of the step before still hold their sequence slots at this schedule
         running = decodes + (line.finished_before(j) if self.deferred else 0) + (self.prefilling is not None)
@@ -312,15 +322,15 @@ class _Planner:
             admitted.append((req, n, budget))
             chunks.append((n, 0, -(-n // bs)))
             running, budget, free = running + 1, budget - n, free - -(-n // bs)
-        self._commit(j, run, chunks, admitted)
+        self._commit(j, run, (counts, chunks), admitted)
         return True
 
-    def _commit(self, j: int, run: _Admissions, chunks: list, admitted: list) -> None:
+    def _commit(self, j: int, run: _Admissions, step: tuple, admitted: list) -> None:
         line, ev, bs = self.line, self.ev, self.kv.block_size
+        counts, chunks = step
         for n, done, held in chunks:
             ev.new_blocks[j] += held - -(-done // bs)
-        if chunks:
-            line.mix(j, chunks, self.executor)
+        line.append_step(counts, chunks, self.executor)
         if self.prefilling is not None:
             adm, done = self.prefilling
             n = chunks[0][0]
