@@ -22,7 +22,8 @@ from typing import Callable, Iterator
 
 from .capacity import Constraint, judge_row, slo_for_goodput
 from .catalog import get_gpu
-from .config import SimConfig
+from .config import KVConfig, SimConfig
+from .kv.policy import policy_parameters
 from .sweep import (PlannedRun, RunTask, SpecError, _dask, _FitChecker, _serial, finished_runs, make_row,
                     read_store, run_id_of, write_row)
 
@@ -124,6 +125,8 @@ def candidates(base: SimConfig, space: PlanSpace) -> tuple[list[Candidate], list
                     data.update(update)
                     if policy:
                         data["kv"] = {**data["kv"], "policy": policy}
+                        if "budget" not in policy_parameters(policy):     # the base's budget is for those that take one
+                            data["kv"]["budget"] = KVConfig.model_fields["budget"].default
                     cfg = SimConfig.model_validate(data)
                     cand = Candidate(model, gpu, tp, policy, cfg)
                     try:

@@ -139,3 +139,11 @@ def test_candidates_cross_models_gpus_tps_and_policies():
     # TP 3 does not divide Llama-3.1-8B's 32 heads: never simulated, with the reason
     assert {(c.gpu, c.tp) for c, _ in unfit} == {("h100", 3), ("l4", 3)}
     assert all("tp=3 must divide num_heads=32" in why for _, why in unfit)
+
+
+def test_a_budget_crossed_with_policies_goes_to_those_that_take_one():
+    """`plan --policies none,h2o --budget 256`: the baseline runs without the budget it would refuse."""
+    from kvsim.sim.plan import candidates
+    base = load_config(None, {"kv.budget": 256})
+    cands, _ = candidates(base, PlanSpace(["llama-3.1-8b"], ["h100"], [1], ["none", "h2o", "streaming"]))
+    assert {c.policy: c.cfg.kv.budget for c in cands} == {"none": None, "h2o": 256, "streaming": None}

@@ -287,6 +287,13 @@ def policy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def policy_parameters(name: str) -> list[str]:
+    """The parameters registered policy `name` takes (its constructor's); [] for an unknown name."""
+    _load_builtin()
+    cls = _REGISTRY.get(name)
+    return [] if cls is None else [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+
 def get_policy(name: str, **params) -> EvictionPolicy:
     """Instantiate a registered policy; unknown names or parameters raise PolicyError."""
     _load_builtin()
