@@ -156,9 +156,9 @@ class _Timeline:
 
 
 class _Pool:
-    """Free blocks as the run's steps allocate and release them (conservative with prefix caching,
-    whose finished blocks are not counted back: sim/fast_forward.py `_events`); `leaving`: blocks
-    returning after step 0's allocations (async: the finishers of the step before the run)."""
+    """Free blocks as the run's steps allocate and release them (conservative where a finished
+    request's blocks may not all return, prefix hits shared: `_Planner.blocks_return`); `leaving`:
+    blocks returning after step 0's allocations (async: the finishers of the step before the run)."""
 
     def __init__(self, free: int, ev: RunEvents, deferred: bool, leaving: int = 0):
         self.free, self.ev, self.deferred, self.leaving = free, ev, deferred, leaving
@@ -201,7 +201,7 @@ def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: 
     planner = _Planner(view, sched, kv, executor, arrivals)
     run = _Admissions(*map(list, start))
     for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step)):
-        add_request_events(planner.ev, r, span, planner.horizon, kv.block_size, kv.enable_caching)
+        add_request_events(planner.ev, r, span, planner.horizon, kv.block_size, not planner.blocks_return)
     k = planner.end(planner.plan(run), run)
     if not run.admissions:
         return None
@@ -239,7 +239,11 @@ class _Planner:
         self.ev = empty_events(self.horizon)
         self.line = _Timeline(view, self.ev, len(sched.finishing))
         # (async) the finishers of the step just taken leave after step 0's allocations
-        leaving = 0 if kv.enable_caching else sum(len(kv.req_blocks.get(r, ())) for r in sched.finishing)
+        # a finished request's blocks all return to the free pool unless one is shared (a prefix hit):
+        # none is, nor will be, when no block is shared now and no request has shared prefix ids
+        self.blocks_return = not kv.enable_caching or (
+            not kv.pool.num_shared_refs and all(r.prefix_hash_ids is None for r in sched.running))
+        leaving = sum(len(kv.req_blocks.get(r, ())) for r in sched.finishing) if self.blocks_return else 0
         self.pool = _Pool(kv.pool.num_free_blocks, self.ev, self.deferred, leaving)
         self.taken = 0                      # arrivals a schedule has seen (the run takes them)
         self.seen: list[int] = []           # the step whose schedule saw each of them
@@ -339,7 +343,7 @@ class _Planner:
             if done + n < adm.request.prompt_tokens:
                 self.prefilling = [adm, done + n]
             else:
-                _decode_after(self.sched, self.kv, (run, line), adm.index, j)
+                _decode_after(self.sched, self.kv, (run, line, self.blocks_return), adm.index, j)
         for req, n, budget in admitted:
             self.waiting.popleft()
             adm = Admitted(j, req, budget, [(j, n)], len(run.requests))
@@ -347,7 +351,7 @@ class _Planner:
             if n < req.prompt_tokens:
                 self.prefilling = [adm, n]
             else:
-                _decode_after(self.sched, self.kv, (run, line), adm.index, j)
+                _decode_after(self.sched, self.kv, (run, line, self.blocks_return), adm.index, j)
         self.admitted_by.extend([j] * len(admitted))
 
     def end(self, k: int, run: _Admissions) -> int:
@@ -385,10 +389,10 @@ class _Planner:
 
 def _decode_after(sched: Scheduler, kv, state: tuple, r: int, j: int) -> None:
     """Request r computed its prompt in step j: it decodes from the next step on."""
-    run, line = state
+    run, line, blocks_return = state
     run.decode_from(r, j, sched.capped_output(run.requests[r]))
     add_request_events(line.ev, r, (run.computed[r], j + 1, run.last_step[r]), line.horizon, kv.block_size,
-                       kv.enable_caching)
+                       not blocks_return)
 
 
 def _end(line: _Timeline, t: float, deferred: bool, finished: list) -> int:

@@ -72,6 +72,11 @@ class BlockPool:
         return len(self._stack)
 
     @property
+    def num_shared_refs(self) -> int:
+        """References to owned blocks beyond each one's first (prefix hits on an owned block)."""
+        return self._shared_refs
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 

@@ -124,6 +124,9 @@ class FastForwardPool(KVPool, Protocol):
 
     def next_free_blocks(self, n: int) -> list[int]: ...
 
+    @property
+    def num_shared_refs(self) -> int: ...
+
 
 @runtime_checkable
 class FastForwardKV(KVManager, Protocol):
