@@ -331,7 +331,8 @@ def validation_message(exc: ValidationError, source: str | None = None) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
         msg = err["msg"].removeprefix("Value error, ")
-        problems.append(f"{loc}: {msg} (got {short_repr(err.get('input'))})")
+        got = "" if ", got " in msg else f" (got {short_repr(err.get('input'))})"     # the check said it
+        problems.append(f"{loc}: {msg}{got}")
     if source is None:
         return "; ".join(problems)
     return "\n".join(f"{source}: {problem}" for problem in problems)

@@ -199,3 +199,17 @@ def test_mooncake_hash_ids_drive_prefix_hits():
     # served prefixes are not recomputed: less prefill work, earlier first tokens
     assert cached.steps.prefill_tokens.sum() < plain.steps.prefill_tokens.sum()
     assert cached.summary["ttft_p50_s"] < plain.summary["ttft_p50_s"]
+
+
+def test_a_config_error_states_the_value_once():
+    """A check whose message already says what it got is not followed by a second '(got ...)'."""
+    from pydantic import ValidationError
+
+    from kvsim.sim.config import EngineConfig, validation_message
+    with pytest.raises(ValidationError) as exc:
+        EngineConfig(block_size=7)
+    message = validation_message(exc.value)
+    assert message.count("got 7") == 1 and "power of two" in message
+    with pytest.raises(ValidationError) as exc:
+        EngineConfig(max_num_seqs=-3)
+    assert "(got -3)" in validation_message(exc.value)          # pydantic's own checks still say it
