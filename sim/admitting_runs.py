@@ -64,10 +64,6 @@ class _Timeline:
     def priced(self) -> int:
         return len(self.durations)
 
-    def start(self, j: int) -> float:
-        """Start of step j (j = -1: the step before the run)."""
-        return self.times[j] if j >= 0 else self.before
-
     def finished_before(self, j: int) -> int:
         """Requests finishing in the step before step j."""
         return self.ev.finished[j - 1] if j else self.leaving
@@ -201,7 +197,7 @@ def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: 
     planner = _Planner(view, sched, kv, executor, arrivals)
     run = _Admissions(*map(list, start))
     for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step)):
-        add_request_events(planner.ev, r, span, planner.horizon, kv.block_size, not planner.blocks_return)
+        add_request_events(planner.ev, r, span, (planner.horizon, kv.block_size), planner.blocks_return)
     k = planner.end(planner.plan(run), run)
     if not run.admissions:
         return None
@@ -391,8 +387,8 @@ def _decode_after(sched: Scheduler, kv, state: tuple, r: int, j: int) -> None:
     """Request r computed its prompt in step j: it decodes from the next step on."""
     run, line, blocks_return = state
     run.decode_from(r, j, sched.capped_output(run.requests[r]))
-    add_request_events(line.ev, r, (run.computed[r], j + 1, run.last_step[r]), line.horizon, kv.block_size,
-                       not blocks_return)
+    add_request_events(line.ev, r, (run.computed[r], j + 1, run.last_step[r]), (line.horizon, kv.block_size),
+                       blocks_return)
 
 
 def _end(line: _Timeline, t: float, deferred: bool, finished: list) -> int:

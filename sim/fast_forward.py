@@ -193,28 +193,12 @@ def _step_times(now: float, durations: list, next_arrival: float, finished: list
 
 
 def _events(computed: list, last_step: list, k: int, bs: int, caching: bool) -> RunEvents:
-    """Per-request block allocations and finishes over steps 0..k-1, as difference arrays."""
+    """Per-request block allocations and finishes over steps 0..k-1, as difference arrays (with
+    prefix caching a finish's blocks are not counted back: shared ones may not return)."""
     ev = empty_events(k)
-    d_count, d_c, d_held = ev.d_count, ev.d_computed, ev.d_blocks
-    new, allocs = ev.new_blocks, ev.allocs
-    d_count[0], d_c[0] = len(computed), sum(computed)          # every request takes part in step 0
-    for r, (c, e) in enumerate(zip(computed, last_step)):
-        n = e if e < k else k                   # steps this request takes part in: 0..n-1
-        h = -(-c // bs)                         # blocks held at the start
-        d_held[0] += h
-        j = -c % bs                             # first step whose token starts a new block
-        while j < n:
-            allocs.append((j, r))
-            new[j] += 1
-            d_held[j] += 1
-            h += 1
-            j += bs
-        d_count[n] -= 1
-        d_c[n] -= c
-        d_held[n] -= h
-        if e <= k:
-            _finish_event(ev, e - 1, c, h, caching)
-    allocs.sort()
+    for r, span in enumerate(zip(computed, repeat(0), last_step)):
+        add_request_events(ev, r, span, (k, bs), not caching)
+    ev.allocs.sort()
     return ev
 
 
@@ -222,20 +206,14 @@ def empty_events(k: int) -> RunEvents:
     return RunEvents([0] * (k + 1), [0] * (k + 1), [0] * (k + 1), [0] * k, [0] * k, [0] * k, [0] * k, [0] * k, [])
 
 
-def _finish_event(ev: RunEvents, j: int, c: int, h: int, caching: bool) -> None:
-    """A request finishing in step j, with start count `c` and `h` blocks."""
-    ev.finished[j] += 1
-    ev.finished_computed[j] += c
-    ev.finished_blocks[j] += h
-    if not caching:     # with prefix caching shared blocks may not return: count none
-        ev.freed_blocks[j] += h
-
-
-def add_request_events(ev: RunEvents, r: int, span: tuple[int, int, int], k: int, bs: int, caching: bool) -> None:
-    """The events of request index `r` joining a run at step `start` to decode until its last token
-    in step `last` - 1 (`span` = (c, start, last)), with `c + j` tokens computed before step j
-    (a request admitted in the run has a negative `c`: its prompt minus the steps before it)."""
+def add_request_events(ev: RunEvents, r: int, span: tuple[int, int, int], shape: tuple[int, int],
+                       count_freed: bool) -> None:
+    """The events of request index `r` joining a run of `k` steps (`shape` = (k, block size)) at step
+    `start` to decode until its last token in step `last` - 1 (`span` = (c, start, last)), with
+    `c + j` tokens computed before step j (a request admitted in the run has a negative `c`: its
+    prompt minus the steps before it). `count_freed`: its blocks return to the pool when it finishes."""
     c, start, last = span
+    k, bs = shape
     n = last if last < k else k
     h = -(-(c + start) // bs)                   # blocks held when it joins
     if start < n:
@@ -254,7 +232,12 @@ def add_request_events(ev: RunEvents, r: int, span: tuple[int, int, int], k: int
         ev.d_computed[n] -= c
         d_held[n] -= h
     if last <= k:
-        _finish_event(ev, last - 1, c, h, caching)
+        j = last - 1
+        ev.finished[j] += 1
+        ev.finished_computed[j] += c
+        ev.finished_blocks[j] += h
+        if count_freed:
+            ev.freed_blocks[j] += h
 
 
 def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> int:
