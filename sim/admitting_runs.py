@@ -111,7 +111,10 @@ class _Timeline:
         """Price the steps up to the one whose schedule first sees an arrival at `t` (async: one step
         later), that one included, or up to the limit."""
         while self.priced < self.limit and self.priced <= bisect_left(self.times, t) + deferred:
-            ahead = (t - self.times[-1]) / self.pace if self.times[-1] < t < float("inf") else 256
+            if t == float("inf"):
+                ahead = 256
+            else:                           # steps until `t`; none when the steps priced reach it
+                ahead = max((t - self.times[-1]) / self.pace, 0)
             self.price(int(min(ahead, 4096)) + 2 + deferred, executor)
 
     def truncate(self, steps: int) -> None:
