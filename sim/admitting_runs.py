@@ -36,6 +36,9 @@ from .fast_forward import (Admitted, DecodeRun, PrefillColumns, ReplicaView, Run
                            empty_events)
 
 
+SCALAR_STRETCH = 48     # stretches this short are summed and priced in Python: numpy's cost per call is more
+
+
 class ArrivalFeed(Protocol):
     """The requests not yet handed to the engine, in arrival order (sim.engine.ArrivalProcess)."""
 
@@ -82,27 +85,27 @@ class _Timeline:
         if q <= p:
             return
         ev = self.ev
-        rows = ev.d_count[p:q], ev.d_computed[p:q], ev.d_blocks[p:q]
-        if p:                               # the sums so far, carried into the first step's differences
-            for row, total in zip(rows, (self.count[-1], self.computed[-1], self.blocks[-1])):
-                row[0] += total
-        sums = np.array(rows, np.int64)
-        np.cumsum(sums, axis=1, out=sums)
-        count = sums[0]
-        if not count.all():                 # every request has finished: the engine idles there
-            q = p + int(np.argmin(count))
+        start = (self.count[-1], self.computed[-1], self.blocks[-1]) if p else (0, 0, 0)
+        if q - p <= SCALAR_STRETCH:
+            sums = [list(accumulate(row[p:q], initial=total))[1:]
+                    for row, total in zip((ev.d_count, ev.d_computed, ev.d_blocks), start)]
+        else:
+            sums = np.array((ev.d_count[p:q], ev.d_computed[p:q], ev.d_blocks[p:q]), np.int64)
+            sums[:, 0] += start             # the sums so far, carried into the first step's differences
+            sums = np.cumsum(sums, axis=1).tolist()
+        counts, computed, blocks = sums
+        if 0 in counts:                     # every request has finished: the engine idles there
+            q = p + counts.index(0)
             self.limit = q
-            sums = sums[:, :q - p]
-            count = sums[0]
             if q <= p:
                 return
-        kv_read = sums[1] + np.arange(p + 1, q + 1) * count
-        durations = executor.predict_decode_run(count, kv_read, sums[2]).tolist()
+            del counts[q - p:], computed[q - p:], blocks[q - p:]
+        kv_read = [c + j * n for j, c, n in zip(range(p + 1, q + 1), computed, counts)]
+        durations = executor.predict_decode_steps(counts, kv_read, blocks)
         self.pace = durations[-1]
         self.durations += durations
         self.times += accumulate(durations, initial=self.times[-1])
         del self.times[p + 1]               # accumulate repeats the start
-        counts, computed, blocks = sums.tolist()
         self.count += counts
         self.computed += computed
         self.blocks += blocks

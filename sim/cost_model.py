@@ -453,6 +453,7 @@ class CostModel:
             self._gemm_table = p.gemm_efficiency.at_size(self.layer_weight_mib)
         self._eff_memo: dict[float, float] = {}     # gemm_efficiency of scalar token counts (steps repeat them)
         self._decode_terms = None                   # see _decode_seq_terms
+        self._decode_lists = None                   # see _decode_seq_lists
         # 4 matmul kernels per layer (fused QKV, O, fused gate/up or fc1, down or fc2) and the LM head
         self._gemm_launches = float(4 * m.num_layers + 1)
         self._layers = float(m.num_layers)
@@ -670,6 +671,43 @@ class CostModel:
         if allreduce is not None:
             device = device + allreduce[n]
         return np.maximum(device, overhead) if self.async_scheduling else device + overhead
+
+    def decode_prices(self, seqs: list[int], kv_read: list[int], entries: list[int]) -> list[float] | None:
+        """`predict_decode` of a few pure-decode steps as Python floats, bit for bit (the same IEEE
+        operations on the same values, in the same order, as `_operator_decode_total`), without
+        numpy's fixed cost per call: an admitting run prices a stretch of ~10 steps between arrivals.
+        Integer counts, sequences >= 0; None where the profile has no GEMM table (use predict_decode)."""
+        if self._gemm_table is None:
+            return None
+        linear, base, allreduce = self._decode_seq_lists(max(seqs))
+        c, p = self._c, self.profile
+        pair, compute_eff = (c["attn_read_s"] if self._mla else c["attn_pair_s"]), p.attn_compute_eff
+        token, bw_eff, entry = c["kv_token_s"], p.attn_bw_eff, p.per_block_entry_overhead_s
+        k, overlap = p.step_time_scale, self.async_scheduling
+        out = []
+        if k == 1.0 and allreduce is None and overlap:    # the defaults: the loop below, its branches known
+            for n, r, e in zip(seqs, kv_read, entries):
+                a, b = float(r) * pair / compute_eff, float(r) * token / bw_eff
+                device, overhead = linear[n] + (a if a >= b else b), base[n] + float(e) * entry
+                out.append(device if device >= overhead else overhead)
+            return out
+        for n, r, e in zip(seqs, kv_read, entries):
+            a, b = float(r) * pair / compute_eff, float(r) * token / bw_eff
+            attention, overhead = (a if a >= b else b), base[n] + float(e) * entry
+            if k != 1.0:
+                attention, overhead = attention * k, overhead * k
+            device = linear[n] + attention
+            if allreduce is not None:
+                device = device + allreduce[n]
+            out.append((device if device >= overhead else overhead) if overlap else device + overhead)
+        return out
+
+    def _decode_seq_lists(self, top: int) -> tuple[list, list, list | None]:
+        """`_decode_seq_terms` as Python lists (exact: float64 to float)."""
+        terms = self._decode_seq_terms(top)
+        if self._decode_lists is None or self._decode_lists[0] is not terms:
+            self._decode_lists = (terms, tuple(None if t is None else t.tolist() for t in terms))
+        return self._decode_lists[1]
 
     def _decode_seq_terms(self, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(linear part, overhead before the block-table term, all-reduce part or None) of a decode

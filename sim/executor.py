@@ -11,6 +11,8 @@ the prompt positions).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .core.protocols import Executor, KVManager
 from .core.scheduler import SchedulerOutput
 from .core.step import BatchShape, StepResult, batch_shape
@@ -18,6 +20,9 @@ from .kv.base import EvictingManagerBase
 from .kv.slots import KVStepPlan
 from .kv.build import build_evicting_manager
 from .run_plan import RunPlan, build_kv_manager
+
+
+SCALAR_STEPS = 48       # decode steps priced one by one in Python up to this many (numpy's fixed cost is more)
 
 
 class CostModelExecutor:
@@ -51,6 +56,16 @@ class CostModelExecutor:
     def predict_decode_run(self, num_seqs, kv_tokens_read, block_table_entries):
         """Durations of a run of pure-decode steps (int64 or float64 count arrays), as `execute` would price them."""
         return self.cost.predict_decode(num_seqs, kv_tokens_read, block_table_entries)
+
+    def predict_decode_steps(self, num_seqs: list[int], kv_tokens_read: list[int],
+                             block_table_entries: list[int]) -> list[float]:
+        """`predict_decode_run` of integer lists, as a list: in Python for a few steps where the cost
+        model can (bit-identical), else in numpy."""
+        if len(num_seqs) <= SCALAR_STEPS and (prices := self.cost.decode_prices(
+                num_seqs, kv_tokens_read, block_table_entries)) is not None:
+            return prices
+        return self.cost.predict_decode(np.array(num_seqs, np.int64), np.array(kv_tokens_read, np.int64),
+                                        np.array(block_table_entries, np.int64)).tolist()
 
 
 class KVPolicyExecutor:
