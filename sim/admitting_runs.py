@@ -32,7 +32,7 @@ import numpy as np
 from .core.request import Request
 from .core.scheduler import Scheduler
 from .core.step import BatchShape
-from .fast_forward import (Admitted, DecodeRun, PrefillColumns, ReplicaView, RunEvents, add_request_events,
+from .fast_forward import (ALLOC_SHIFT, Admitted, DecodeRun, PrefillColumns, ReplicaView, RunEvents, add_request_events,
                            empty_events)
 
 
@@ -426,7 +426,7 @@ def _run(line: _Timeline, k: int, run: _Admissions, ev: RunEvents, taken: tuple)
             run.computed[r], run.last_step[r], run.first_token[r] = done - k, k + 1, k
     batch = count + np.array(seqs, np.int64)
     allocs = sorted(ev.allocs)
-    allocs = allocs[:bisect_left(allocs, (k,))]
+    allocs = allocs[:bisect_left(allocs, k << ALLOC_SHIFT)]
     return DecodeRun(run.requests, run.computed, run.last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
                      batch, kv_read, blocks, ev.finished[:k], ev.finished_computed[:k], ev.finished_blocks[:k],
                      np.array(line.durations[:k]), line.times[:k], line.times[1:k + 1],

@@ -43,6 +43,12 @@ class ReplicaView(NamedTuple):
     closed_loop: bool           # a finish sends the client's next request (the run stops at a finish)
 
 
+# A block allocation is one int, step << ALLOC_SHIFT | request index: sorting ints is ~2x faster
+# than sorting (step, request) tuples, and a run's allocations are sorted once per run.
+ALLOC_SHIFT = 32
+ALLOC_MASK = (1 << ALLOC_SHIFT) - 1
+
+
 @dataclass
 class DecodeRun:
     """A run of `num_steps` decode steps; per-step lists and arrays are indexed by step j = 0..num_steps-1."""
@@ -50,7 +56,7 @@ class DecodeRun:
     computed: list        # computed tokens of each request at the start
     last_step: list       # step (1-based) in which each request produces its last token
     num_steps: int
-    allocs: list          # (step, request index) of each block allocation, step-major, then scheduling order
+    allocs: list          # each block allocation, step << ALLOC_SHIFT | request index, sorted (step-major, then scheduling order)
     new_blocks: list      # blocks allocated in step j
     freed_blocks: list    # blocks freed by requests finishing in step j (no prefix caching)
     batch: np.ndarray     # sequences in step j (int64)
@@ -99,7 +105,7 @@ class RunEvents(NamedTuple):
     finished: list        # requests finishing in step j
     finished_computed: list
     finished_blocks: list
-    allocs: list          # (step, request index) of each allocation, sorted
+    allocs: list          # step << ALLOC_SHIFT | request index of each allocation, sorted
 
 
 def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastForwardExecutor,
@@ -170,7 +176,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     k = len(starts)
     if k < 1:
         return None
-    allocs = ev.allocs[:bisect_left(ev.allocs, (k,))]      # (step, request) sorted: those before step k
+    allocs = ev.allocs[:bisect_left(ev.allocs, k << ALLOC_SHIFT)]     # sorted: those before step k
     return DecodeRun(list(running), computed, last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
                      batch[:k], kv_read[:k], held[:k], ev.finished[:k], ev.finished_computed[:k],
                      ev.finished_blocks[:k], durations[:k], starts, ends)
@@ -223,7 +229,7 @@ def add_request_events(ev: RunEvents, r: int, span: tuple[int, int, int], shape:
         j = start + -(c + start) % bs           # first step whose token starts a new block
         new, d_held, allocs = ev.new_blocks, ev.d_blocks, ev.allocs
         while j < n:
-            allocs.append((j, r))
+            allocs.append(j << ALLOC_SHIFT | r)
             new[j] += 1
             d_held[j] += 1
             h += 1
@@ -249,9 +255,9 @@ def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> 
         return k
     revivable = {b for b in kv.get_computed_blocks(head) if kv.pool.ref_cnt[b] == 0}
     if revivable:
-        for block, (step, _) in zip(kv.pool.next_free_blocks(len(allocs)), allocs):
+        for block, key in zip(kv.pool.next_free_blocks(len(allocs)), allocs):
             if block in revivable:
-                return min(k, step)
+                return min(k, key >> ALLOC_SHIFT)
     return k
 
 
@@ -336,9 +342,9 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
     req_blocks, caching = kv.req_blocks, kv.enable_caching
     for j in sorted({*releases, *admits, k - 1, *((0,) if finishing else ())}):
         unhashed, hashed, used0 = pool.num_unhashed_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks
-        start, a = a, bisect_left(allocs, (j + 1,), a)       # the decode allocations of steps up to j
-        for (_, r), block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
-            req_blocks[reqs[r]].append(block)
+        start, a = a, bisect_left(allocs, (j + 1) << ALLOC_SHIFT, a)      # the decode allocations of steps up to j
+        for key, block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
+            req_blocks[reqs[key & ALLOC_MASK]].append(block)
         counted = j if j in admits else j + 1       # steps whose pool figures follow from the counts
         pops = list(accumulate(run.new_blocks[first:counted]))
         used[first:counted] = [used0 + p for p in pops]
@@ -393,7 +399,7 @@ def _schedule_arrivals(sched: Scheduler, kv: FastForwardKV, planned: tuple, star
 def _fills(run: DecodeRun, bs: int) -> list:
     """(step, request index) of each allocation and each step where a block becomes full (its last
     slot written: hashed then), in stepping order."""
-    fills = set(run.allocs)
+    fills = {(key >> ALLOC_SHIFT, key & ALLOC_MASK) for key in run.allocs}
     for r, (c, e) in enumerate(zip(run.computed, run.last_step)):
         fills.update((j, r) for j in range(-(c + 1) % bs, min(e, run.num_steps), bs))
     return sorted(fills)
