@@ -11,6 +11,7 @@ several minutes of CPU).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -45,7 +46,11 @@ def measure(n: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    sizes = [int(a) for a in sys.argv[1:]] or SIZES
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sizes", nargs="*", type=int, metavar="N", help=f"request counts (default {SIZES})")
+    sizes = parser.parse_args().sizes or SIZES
+    if any(n < 1 for n in sizes):
+        parser.error("request counts must be positive")
     print(f"{'requests':>9} {'CPU s':>8} {'ms/request':>10} {'peak RSS MiB':>13}")
     for n in sizes:
         cpu, rss = measure(n)
