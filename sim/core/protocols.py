@@ -159,3 +159,8 @@ class FastForwardExecutor(Executor, Protocol):
     def predict_decode_run(self, num_seqs: np.ndarray, kv_tokens_read: np.ndarray,
                            block_table_entries: np.ndarray) -> np.ndarray:
         """Float64 durations of the steps (counts given as int64 or float64 arrays)."""
+
+    def predict_decode_steps(self, num_seqs: list[int], kv_tokens_read: list[int],
+                             block_table_entries: list[int]) -> list[float]:
+        """The same durations for counts given as integer lists (a run that admits arrivals prices
+        the few steps up to the next one at a time)."""
