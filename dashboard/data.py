@@ -279,12 +279,19 @@ CONFIG_HEADLINE = ("trace", "trace_options.max_requests", "trace_options.rate_sc
                    "kv.layout", "kv.slot_strategy", "kv.mode", "seed")
 
 
+def used_config(run: RunRecord) -> dict:
+    """The run's configuration as dotted keys, with the KV pool it actually used: a pool sized from
+    GPU memory (`engine.num_gpu_blocks` unset) shows the block count the run computed."""
+    flat = flatten(run.config)
+    if run.summary.get("num_gpu_blocks"):
+        flat["engine.num_gpu_blocks"] = run.summary["num_gpu_blocks"]
+    return flat
+
+
 def config_headline(run: RunRecord, omit: tuple[str, ...] = ()) -> str:
     """One line of the run's configuration (trace, model, GPU, engine, KV policy, budget, layout,
     slot strategy), with the pool size the run actually used; `omit`: dotted keys left out."""
-    flat = {k: v for k, v in flatten(run.config).items() if k not in omit}
-    if run.summary.get("num_gpu_blocks") and "engine.num_gpu_blocks" not in omit:
-        flat["engine.num_gpu_blocks"] = run.summary["num_gpu_blocks"]
+    flat = {k: v for k, v in used_config(run).items() if k not in omit}
     if flat.get("kv.policy") in (None, "none"):
         for k in ("kv.budget", "kv.layout", "kv.slot_strategy", "kv.mode"):
             flat.pop(k, None)

@@ -226,20 +226,31 @@ FILE_KEYS = ("trace", "model", "gpu", "profile", "kv.importance", "trace_options
 FILE_SUFFIXES = (".yaml", ".yml", ".json", ".jsonl", ".csv", ".parquet")
 
 
-def file_value_under(value: Any, root: Path) -> Any:
-    """A FILE_KEYS value naming a relative file, as the path under `root` (absolute); any other value
-    unchanged. A catalog file's entry (`file.yaml#Name`) and a profile's factor (`file.yaml*1.2`) stay."""
-    if not isinstance(value, str):
-        return value
+def split_file_value(value: str) -> tuple[str, str, str]:
+    """A FILE_KEYS value as (path or name, separator, rest): a catalog file's entry (`file.yaml#Name`)
+    and a profile's factor (`file.yaml*1.2`) are not part of the path."""
     head, sep, tail = value.partition("#")
     if not sep:
         stem, star, factor = value.rpartition("*")
         if star and re.fullmatch(r"\s*[0-9.eE+-]+\s*", factor):
             head, sep, tail = stem, star, factor
-    path = Path(head)
-    if path.is_absolute() or not ("/" in head or path.suffix.lower() in FILE_SUFFIXES):
+    return head, sep, tail
+
+
+def names_a_file(head: str) -> bool:
+    """Whether a FILE_KEYS value's path part names a file (a shipped name or catalog entry does not)."""
+    return "/" in head or Path(head).suffix.lower() in FILE_SUFFIXES
+
+
+def file_value_under(value: Any, root: Path) -> Any:
+    """A FILE_KEYS value naming a relative file, as the path under `root` (absolute); any other value
+    unchanged. A catalog file's entry (`file.yaml#Name`) and a profile's factor (`file.yaml*1.2`) stay."""
+    if not isinstance(value, str):
         return value
-    return os.path.normpath(root.absolute() / path) + sep + tail
+    head, sep, tail = split_file_value(value)
+    if Path(head).is_absolute() or not names_a_file(head):
+        return value
+    return os.path.normpath(root.absolute() / head) + sep + tail
 
 
 def files_under(data: dict, root: Path) -> dict:

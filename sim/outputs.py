@@ -15,7 +15,7 @@ import yaml
 
 from kvsim.traces.loaders import DATA_TRACES
 
-from .config import FILE_KEYS, SimConfig
+from .config import FILE_KEYS, SimConfig, names_a_file, split_file_value
 from .core.prefix_lookups import PrefixLookups
 from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
@@ -90,9 +90,6 @@ def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summar
 
 
 # a FILE_KEYS value is read relative to the working directory, so config.yaml keeps it absolute
-_FILE_SUFFIXES = {".yaml", ".yml", ".json", ".jsonl", ".csv", ".parquet"}
-
-
 def portable_config(data: dict) -> dict:
     """`data` with each relative file path of FILE_KEYS made absolute, so `kvsim simulate -c OUT/config.yaml`
     reads the same files from any directory (names of shipped traces, catalog entries and profiles stay)."""
@@ -103,9 +100,8 @@ def portable_config(data: dict) -> dict:
         value = parent.get(keys[-1]) if isinstance(parent, dict) else None
         if not isinstance(value, str):
             continue
-        file_part, sep, entry = value.partition("#")          # catalog files may pick an entry: file.yaml#Name
-        path = Path(file_part)
-        looks_like_a_file = "/" in file_part or path.suffix.lower() in _FILE_SUFFIXES
-        if looks_like_a_file and not path.is_absolute() and path.exists() and value not in DATA_TRACES:
-            parent[keys[-1]] = str(path.resolve()) + sep + entry
+        head, sep, tail = split_file_value(value)     # file.yaml#Name, file.yaml*1.2: the path is file.yaml
+        path = Path(head)
+        if names_a_file(head) and not path.is_absolute() and path.exists() and value not in DATA_TRACES:
+            parent[keys[-1]] = str(path.resolve()) + sep + tail
     return data

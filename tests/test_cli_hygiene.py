@@ -233,11 +233,16 @@ def test_a_runs_config_yaml_reruns_from_another_directory(tmp_path, monkeypatch)
     (work / "hf" / "config.json").write_text(
         '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, '
         '"num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048}')
+    import shutil
+    from kvsim.sim.cost_model import PROFILES_DIR
+    shutil.copy(PROFILES_DIR / "l4.yaml", work / "mine.yaml")
     monkeypatch.chdir(work)
-    r = run("simulate", "--trace", "t.csv", "--model", "hf/config.json", "--gpu", "l4", "-q", "-o", "run")
+    r = run("simulate", "--trace", "t.csv", "--model", "hf/config.json", "--gpu", "l4", "-q", "-o", "run",
+            "--profile", "mine.yaml*1.25")
     assert r.exit_code == 0, r.output
     cfg = yaml.safe_load((work / "run" / "config.yaml").read_text())
     assert cfg["trace"] == str(work / "t.csv") and cfg["model"] == str(work / "hf" / "config.json")
+    assert cfg["profile"] == f"{work / 'mine.yaml'}*1.25"         # a scaled profile file: the file made absolute
     assert cfg["gpu"] == "l4"                                      # a catalog name stays a name
     monkeypatch.chdir(tmp_path)
     r = run("simulate", "-c", str(work / "run" / "config.yaml"), "-q", "-o", "again")

@@ -430,6 +430,18 @@ def test_compare_block_sizes_side_by_side():
     assert [t["name"] for t in cdf["data"]] == ["engine.block_size=16", "engine.block_size=32"]
 
 
+def test_a_pool_sized_from_memory_shows_its_block_count_not_none():
+    """Compare's table of what differs, and every headline, show the KV pool a run used: a run whose
+    pool was sized from GPU memory (engine.num_gpu_blocks unset) showed `num_gpu_blocks None`."""
+    from kvsim.dashboard.data import config_headline, record_from_result, used_config
+    cfg = load_config(None, {"trace": "azure-conv-2023", "trace_options.max_requests": 20})
+    assert cfg.engine.num_gpu_blocks is None
+    run = record_from_result(run_simulation(cfg), cfg, "memory-sized")
+    blocks = run.summary["num_gpu_blocks"]
+    assert blocks > 0 and used_config(run)["engine.num_gpu_blocks"] == blocks
+    assert f"num_gpu_blocks={blocks}" in config_headline(run)
+
+
 def test_compare_values_are_read_as_the_form_reads_numbers():
     """The values field refused 5e2 and 2.0 for a whole-number key ('is not an integer') while every
     number field of the form reads them (docs/dashboard.md); nan and inf are refused, named as the page names the key."""
@@ -698,6 +710,18 @@ def test_dashboard_command_warns_when_exposed_and_passes_the_data_root(monkeypat
     assert started and started[0][started[0].index("--client.toolbarMode") + 1] == "minimal"
     out = CliRunner().invoke(kvsim, ["dashboard", "--data-root", str(tmp_path)])
     assert "WARNING" not in out.output
+
+
+def test_dashboard_command_refuses_a_data_root_that_is_a_file(monkeypatch, tmp_path):
+    import os
+    from typer.testing import CliRunner
+    from kvsim.sim.cli import app as kvsim
+    started = []
+    monkeypatch.setattr(os, "execv", lambda path, argv: started.append(argv))
+    (tmp_path / "runs.txt").write_text("not a directory")
+    out = CliRunner().invoke(kvsim, ["dashboard", "--data-root", str(tmp_path / "runs.txt")])
+    assert out.exit_code == 2 and "--data-root" in out.output and "not a directory" in out.output
+    assert not started                      # no server started on a file
 
 
 def test_capacity_store_with_a_malformed_capacity_json_is_one_message(tmp_path):

@@ -322,8 +322,10 @@ def _sweep_spec(d: Path, runs: int) -> Path:
                                                   ("capacity", signal.SIGINT, "interrupted (Ctrl-C)")])
 def test_a_signal_to_a_store_command_exits_130_keeping_the_finished_runs(d, command, sig, reason):
     store = d / "st"
+    # each run long enough that the command is still going when the signal comes, one run written
+    # (capacity on 300 requests could finish its whole search in the 50 ms poll once runs got fast)
     args = (["sweep", str(_sweep_spec(d, 40)), "--jobs", "1"] if command == "sweep" else
-            ["capacity", "--slo", "ttft_p99<=2s", "--max-requests", "300", "--repeats", "1"])
+            ["capacity", "--slo", "ttft_p99<=2s", "--max-requests", "3000", "--repeats", "1"])
     proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", *args, "-o", str(store), "-q"], cwd=d,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60

@@ -3,7 +3,7 @@ import pandas as pd
 import streamlit as st
 
 from kvsim.dashboard import charts
-from kvsim.dashboard.data import config_headline, flatten, partial_note
+from kvsim.dashboard.data import config_headline, partial_note, used_config
 from kvsim.dashboard.forms import BASE, config_axes, config_form, gui_message, parse_axis_values, with_value
 from kvsim.dashboard.ui import (available_runs, follow_job, get_runs, run_button, start_job, summary_column_config,
                                 summary_table)
@@ -16,8 +16,9 @@ EVICTION_BARS = [("evicted tokens", "Evicted tokens", "tokens (summed over layer
 
 
 def config_table(records) -> pd.DataFrame:
-    """The configuration keys on which the runs differ, one row per run (the run column first)."""
-    flat = [flatten(r.config) for r in records]
+    """The configuration keys on which the runs differ, one row per run (the run column first); the
+    KV pool as each run used it (a pool sized from memory shows its block count, not None)."""
+    flat = [used_config(r) for r in records]
     keys = sorted({k for f in flat for k in f})
     varying = [k for k in keys if len({str(f.get(k)) for f in flat}) > 1]
     return pd.DataFrame([{"run": r.label, **{k: str(f.get(k)) for k in varying}} for r, f in zip(records, flat)])

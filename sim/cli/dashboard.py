@@ -24,6 +24,10 @@ def dashboard(
     from kvsim.dashboard.server import exposure_warning, is_local_address, streamlit_command
 
     root = data_root.expanduser().resolve()
+    if root.exists() and not root.is_dir():
+        from .options import fail
+        fail(f"--data-root {data_root}: not a directory; expected the directory of run results, traces and "
+             f"stores (created if missing)")
     os.environ[DATA_ROOT_ENV] = str(root)
     if not is_local_address(address):
         typer.secho(exposure_warning(address, root), fg="red", bold=True, err=True)
