@@ -340,9 +340,7 @@ class RequestLog:
     def _arrow(self, df: pd.DataFrame) -> pa.Table:
         table = requests_arrow(df)
         if self._schema is None:
-            # reject_reason is null-typed in a chunk without rejections: fix it as a string column
-            i = table.schema.get_field_index("reject_reason")
-            self._schema = table.schema.set(i, pa.field("reject_reason", pa.large_string()))
+            self._schema = table.schema
         return table.cast(self._schema)
 
     def finish(self, included: list) -> pd.DataFrame | None:
@@ -378,6 +376,11 @@ def requests_arrow(req_df: pd.DataFrame) -> pa.Table:
     concatenated buffer (pandas' object-column conversion of 10^4-10^5 arrays is several x slower)."""
     offsets, values = flat_token_times(req_df["token_times_s"])
     table = pa.Table.from_pandas(req_df.drop(columns="token_times_s"), preserve_index=False)
+    i = table.schema.get_field_index("reject_reason")
+    if i >= 0 and pa.types.is_null(table.schema.field(i).type):
+        # no rejection in the run: still a string column, so every run's file has one schema
+        table = table.set_column(i, pa.field("reject_reason", pa.large_string()),
+                                 table.column(i).cast(pa.large_string()))
     lists = pa.ListArray if offsets[-1] < 2**31 else pa.LargeListArray      # int32 offsets while they fit
     offsets = offsets.astype(np.int32) if lists is pa.ListArray else offsets
     return table.append_column("token_times_s", lists.from_arrays(pa.array(offsets), pa.array(values)))
