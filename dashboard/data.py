@@ -62,6 +62,17 @@ def redact_content(message: str) -> str:
     return _LISTED.sub(r"\1 other content", _QUOTED.sub("(content not shown)", message))
 
 
+def redact_file_text(message: str, paths: list[str]) -> str:
+    """`message` with what follows the first of `paths` it names redacted (redact_content): a loader
+    names its file, then says what it found there; a message naming none of them is unchanged."""
+    found = [(message.find(p), p) for p in paths if p and p in message]
+    if not found:
+        return message
+    at, path = min(found)
+    cut = at + len(path)
+    return message[:cut] + redact_content(message[cut:])
+
+
 @dataclass
 class RunRecord:
     """One simulation's results as the pages use them (from run_simulation or a --out directory)."""

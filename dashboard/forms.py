@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from kvsim.sim.config import ConfigError, SimConfig, load_config, registry_choices
 from kvsim.traces import DATA_TRACES, TraceError
 
-from .data import DataError, data_root, redact_content, resolve_user_path
+from .data import DataError, data_root, redact_content, redact_file_text, resolve_user_path
 from .guard import confine_overrides, confine_value, upload_name
 
 DEFAULT_MAX_REQUESTS = 100
@@ -54,7 +54,8 @@ def gui_message(message: str) -> str:
     for key in sorted(FIELD_LABELS, key=len, reverse=True):
         message = re.sub(rf"(?<![\w.-]){re.escape(key)}(?![\w-])", FIELD_LABELS[key], message)
     message = re.sub(r"(?<![\w-])--([a-z][\w-]*)", lambda m: m.group(1).replace("-", " "), message)
-    message = re.sub(r"(?<![\w.])(?:kv|engine|trace_options|slo)\.(\w+)", r"\1", message)   # generated widgets' labels
+    message = re.sub(r"(?<![\w.])(?:kv|engine|trace_options|slo)\.(?!params\b)(\w+)", r"\1",   # generated widgets'
+                     message)                                   # labels; kv.params.NAME stays as on the CLI
     return re.sub(r"^([^:]+): \1: ", r"\1: ", message)      # "TTFT SLO: TTFT SLO: ..." -> once
 
 
@@ -147,8 +148,10 @@ def extra_sections() -> dict[str, type[BaseModel]]:
             if name not in _HANDLED and _is_model(f.annotation)}
 
 
-def config_axes() -> dict[str, list | None]:
-    """Dotted config keys a comparison can vary -> their choices (None: numeric, typed in)."""
+def config_axes(base: SimConfig | None = None) -> dict[str, list | None]:
+    """Dotted config keys a comparison can vary -> their choices (None: typed in, numbers; a policy
+    parameter's values are read as `--set` reads them). With `base`, its policy's parameters
+    (kv.params.NAME, from the policy's declaration) are axes too."""
     axes: dict[str, list | None] = {}
 
     def walk(model: type[BaseModel], prefix: str) -> None:
@@ -170,12 +173,24 @@ def config_axes() -> dict[str, list | None]:
     axes["gpu"] = [g.name for g in list_gpus()]
     for skip in ("seed", "check_invariants", "fast_forward", "slo.ttft", "slo.tpot"):
         axes.pop(skip, None)
+    if base is not None:
+        from kvsim.sim.kv.policy import policy_parameter_specs
+
+        axes.update({f"kv.params.{p.name}": None for p in policy_parameter_specs(base.kv.policy) if p.name != "budget"})
     return dict(sorted(axes.items(), key=lambda kv: (not kv[0].startswith(tuple(extra_sections())), kv[0])))
 
 
 def parse_axis_values(key: str, text: str) -> list:
     """'8, 16, 32' -> [8, 16, 32] for a numeric config key, each item read as the form's number fields
-    read theirs (parse_number: 5e2, 1_000, 2.0 for a whole number); ConfigError names the bad item."""
+    read theirs (parse_number: 5e2, 1_000, 2.0 for a whole number); ConfigError names the bad item. A
+    policy parameter's items (kv.params.NAME) are read as `--set kv.params.NAME=ITEM` reads its value."""
+    if key.startswith("kv.params."):
+        from kvsim.sim.config import parse_set_option
+
+        values = [parse_set_option(f"{key}={item.strip()}")[1] for item in text.split(",") if item.strip()]
+        if not values:
+            raise ConfigError(f"{key}: give at least one value, comma-separated (e.g. 64, 128)")
+        return values
     model: type[BaseModel] = SimConfig
     *parents, leaf = key.split(".")
     for p in parents:
@@ -347,6 +362,8 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
     for name, model in sections.items():
         with st.expander(_SECTION_TITLES.get(name, f"{name} options"), expanded=True):
             overrides.update(model_widgets(name, model, prefix, problems=problems))
+            if name == "kv":
+                overrides.update(policy_param_widgets(prefix, overrides.get("kv.policy"), problems))
     with st.expander("SLO, seed and other options", expanded=False):
         _other_fields(prefix, overrides, problems)
     _check_pool_size(overrides, problems)
@@ -359,8 +376,84 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
         cfg = load_config(None, confine_overrides(overrides))
     except (ConfigError, DataError) as exc:
         return None, gui_message(str(exc))
-    problem = pool_problem(cfg)
+    problem = policy_problem(cfg) or pool_problem(cfg)
     return (None, problem) if problem else (cfg, None)
+
+
+# ---- the policy's own parameters (kv.params) ---------------------------------------------------
+def policy_param_widgets(prefix: str, policy: str | None, problems: list) -> dict:
+    """A text field per parameter the selected policy's constructor declares (budget aside: it is
+    kv.budget), read as `--set kv.params.NAME=VALUE` reads its value (YAML: 8, 0.5, true, a word);
+    empty = the policy's default, not written. -> {'kv.params.NAME': value} of the fields filled in."""
+    from kvsim.sim.kv.policy import PolicyError, policy_parameter_specs
+
+    try:
+        specs = [p for p in policy_parameter_specs(policy or "") if p.name != "budget"]
+    except PolicyError:           # a broken plug-in: the config check reports it
+        return {}
+    if not specs:
+        return {}
+    st.caption(f"Parameters of {policy} (kv.params; empty: the policy's default)")
+    out = {}
+    for spec in specs:
+        key = f"kv.params.{spec.name}"
+        text = st.text_input(spec.name, key=f"{prefix}{key}@{policy}", placeholder=_param_placeholder(spec),
+                             help=_param_help(spec)).strip()
+        if not text:
+            continue
+        try:
+            value = _param_value(key, text, spec.is_file)
+        except (ConfigError, DataError) as exc:
+            st.error(f"{spec.name}: {exc}")
+            problems.append(spec.name)
+            continue
+        out[key] = value
+    return out
+
+
+def _param_value(key: str, text: str, is_file: bool):
+    """The value `--set key=text` gives; a file parameter's path confined to the data root."""
+    from kvsim.sim.config import parse_set_option
+
+    _, value = parse_set_option(f"{key}={text}")
+    return confine_value(key, value, always_path=True) if is_file and isinstance(value, str) else value
+
+
+def _param_placeholder(spec) -> str:
+    if spec.required:
+        return "required"
+    return "default: none" if spec.default is None else f"default: {spec.default}"
+
+
+def _param_help(spec) -> str:
+    kind = f" ({spec.annotation})" if spec.annotation else ""
+    default = "required" if spec.required else f"default {spec.default!r}" if spec.default is not None else "no default"
+    where = f" A path under the data directory {data_root()}." if spec.is_file else ""
+    head = f"{spec.help}. " if spec.help else ""
+    return f"{head}kv.params.{spec.name}{kind}, {default}; the CLI's --set kv.params.{spec.name}=VALUE.{where}"
+
+
+def policy_problem(cfg: SimConfig) -> str | None:
+    """The command line's check of the KV policy before a run: its parameters (the policy is built)
+    and options it would ignore, with the CLI's message; text read from a parameter's file is not shown."""
+    from kvsim.sim.kv.build import build_policy, refuse_ignored_kv_options
+
+    try:
+        refuse_ignored_kv_options(cfg.kv, build_policy(cfg.kv))
+    except (ConfigError, ValueError) as exc:
+        return redact_file_text(str(exc), policy_files(cfg))
+    return None
+
+
+def policy_files(cfg: SimConfig) -> list[str]:
+    """The paths the run's policy parameters name (its file parameters' values)."""
+    from kvsim.sim.kv.policy import PolicyError, policy_parameter_specs
+
+    try:
+        specs = policy_parameter_specs(cfg.kv.policy)
+    except PolicyError:
+        return []
+    return [str(cfg.kv.params[p.name]) for p in specs if p.is_file and isinstance(cfg.kv.params.get(p.name), str)]
 
 
 _NOT_RESTORED = ("trace_upload", "run", "pick", "label", "_x", "_y", "_group")   # uploads, buttons, page widgets
@@ -556,8 +649,15 @@ def label_for(cfg: SimConfig) -> str:
 
 def with_value(cfg: SimConfig, key: str, value) -> SimConfig:
     """A copy of `cfg` with one dotted key changed, validated; ConfigError names key=value."""
+    from .guard import policy_file_keys
+
     data = cfg.model_dump(mode="json")
     try:
-        return load_config(None, {**data, key: confine_value(key, value)})
+        changed = load_config(None, {**data, key: confine_value(key, value,
+                                                               always_path=key in policy_file_keys(cfg.kv.policy))})
     except (ConfigError, DataError) as exc:
         raise ConfigError(f"{key}={value}: {str(exc).removeprefix('config: ')}") from None
+    problem = policy_problem(changed) if key.startswith("kv.") else None
+    if problem:
+        raise ConfigError(f"{key}={value}: {problem}")
+    return changed

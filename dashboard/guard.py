@@ -1,6 +1,7 @@
 """What a dashboard page may make the server read or run.
 
-- Path fields (trace, model, gpu, profile, kv.importance, kv.params.path) hold either a shipped name
+- Path fields (trace, model, gpu, profile, kv.importance, and the KV policy's file parameters:
+  kv.params.path and any other its constructor names `*_path`, `*_file`, `*_dir`) hold either a shipped name
   or a path; a path is resolved against the data root and refused when it leads outside it
   (`..`, absolute paths, symbolic links out), before anything reads it. A name is a plain word
   (letters, digits, `.`, `_`, `-`, `+`) that is not also a file in the server's directory.
@@ -17,7 +18,7 @@ from typing import Any
 
 from kvsim.sim.config import ConfigError, SimConfig
 
-from .data import DataError, redact_content, resolve_user_path
+from .data import DataError, redact_content, redact_file_text, resolve_user_path
 
 PATH_KEYS = ("trace", "model", "gpu", "profile", "kv.importance", "kv.params.path")
 MAX_POOL_PAGES = 4_000_000          # the form's KV pool bound (pages of per-head layouts count each)
@@ -36,10 +37,11 @@ def _is_name(text: str) -> bool:
             and not Path(word).exists())
 
 
-def confine_value(key: str, value: Any) -> Any:
+def confine_value(key: str, value: Any, *, always_path: bool = False) -> Any:
     """`value` of path field `key` as the server may read it: a name unchanged, a path resolved under
-    the data root (DataError naming the field when it leads outside)."""
-    if not isinstance(value, (str, Path)) or _is_name(str(value)):
+    the data root (DataError naming the field when it leads outside). `always_path`: the field takes
+    no names (a policy's file parameter), so a plain word is a path too."""
+    if not isinstance(value, (str, Path)) or (not always_path and _is_name(str(value))):
         return value
     text = str(value)
     file_part, sep, entry = text.partition("#") if key in ("model", "gpu") else (text, "", "")
@@ -69,15 +71,35 @@ def _refuse_special_file(key: str, shown: str, path: Path) -> None:
         raise DataError(f"{key}: {shown} is {file_kind(mode)}; expected a regular file")
 
 
+def policy_file_keys(policy: Any) -> tuple[str, ...]:
+    """kv.params.NAME of each file parameter of `policy` (PolicyParameter.is_file), kv.params.path always."""
+    from kvsim.sim.kv.policy import PolicyError, policy_parameter_specs
+
+    try:
+        specs = policy_parameter_specs(policy) if isinstance(policy, str) else []
+    except PolicyError:          # a broken plug-in: the config check reports it
+        specs = []
+    return tuple(dict.fromkeys(["kv.params.path", *(f"kv.params.{p.name}" for p in specs if p.is_file)]))
+
+
+def path_keys(policy: Any) -> tuple[str, ...]:
+    """Every config key of a run of `policy` whose value may name a file the server reads."""
+    return tuple(dict.fromkeys(PATH_KEYS + policy_file_keys(policy)))
+
+
 def confine_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     """Dotted overrides with every path field confined to the data root (see confine_value)."""
     out = dict(overrides)
-    for key in PATH_KEYS:
+    policy = out.get("kv.policy", (out.get("kv") or {}).get("policy") if isinstance(out.get("kv"), dict) else None)
+    files = policy_file_keys(policy)
+    for key in path_keys(policy):
         if out.get(key) is not None:
-            out[key] = confine_value(key, out[key])
+            out[key] = confine_value(key, out[key], always_path=key in files)
     params = out.get("kv.params")
-    if isinstance(params, dict) and params.get("path") is not None:
-        out["kv.params"] = {**params, "path": confine_value("kv.params.path", params["path"])}
+    if isinstance(params, dict):
+        out["kv.params"] = {name: confine_value(f"kv.params.{name}", value, always_path=True)
+                            if f"kv.params.{name}" in files and value is not None else value
+                            for name, value in params.items()}
     return out
 
 
@@ -92,11 +114,12 @@ def check_run(cfg: SimConfig, label: str = "") -> None:
     """Refuse a run a page is about to queue: a path field outside the data root, a value beyond the
     form's limits, or a host-memory estimate that does not fit (ConfigError naming the field)."""
     where = f"{label}: " if label else ""
-    for key in PATH_KEYS:
+    files = policy_file_keys(cfg.kv.policy)
+    for key in path_keys(cfg.kv.policy):
         value = _config_value(cfg, key)
-        if value is not None and not _is_name(str(value)):
+        if value is not None and (key in files or not _is_name(str(value))):
             try:
-                if confine_value(key, value) != str(value):
+                if confine_value(key, value, always_path=key in files) != str(value):
                     raise DataError(f"{key}: {value}: give a path under the data root")
             except DataError as exc:
                 raise ConfigError(f"{where}{exc}") from None
@@ -121,9 +144,27 @@ def check_run(cfg: SimConfig, label: str = "") -> None:
     try:
         check_config_memory(cfg)
     except ValueError as exc:   # it reads no trace; only a user's model, GPU, profile or KV file can be quoted
-        reads_files = any(_config_value(cfg, key) is not None and not _is_name(str(_config_value(cfg, key)))
-                          for key in PATH_KEYS if key != "trace")
-        raise ConfigError(f"{where}{redact_content(str(exc)) if reads_files else exc}") from None
+        raise ConfigError(f"{where}{shown_error(cfg, str(exc), skip=('trace',))}") from None
+
+
+def user_files(cfg: SimConfig, skip: tuple[str, ...] = ()) -> list[str]:
+    """The files (not shipped names) a run of `cfg` reads: trace, model, GPU, profile, KV importance,
+    the policy's file parameters."""
+    files = policy_file_keys(cfg.kv.policy)
+    values = [(key, _config_value(cfg, key)) for key in path_keys(cfg.kv.policy) if key not in skip]
+    return [str(v) for key, v in values if v is not None and (key in files or not _is_name(str(v)))]
+
+
+def shown_error(cfg: SimConfig, message: str, skip: tuple[str, ...] = ()) -> str:
+    """An error of a run of `cfg` as a page may show it: when the run reads a user's file, without the
+    quoted values, lists and header columns a loader may have copied from it (data.redact_content): after
+    the file's name when the message names it (what precedes is the page's or the CLI's own text), else all."""
+    files = user_files(cfg, skip)
+    if not files:
+        return message
+    if any(f in message for f in files):
+        return redact_file_text(message, files)
+    return redact_content(message)
 
 
 def check_runs(runs: list[tuple[str, SimConfig]]) -> None:

@@ -49,6 +49,7 @@ class Job:
     finished: float | None = None
     out_root: Path | None = None
     taken: set[str] = field(default_factory=set)
+    config: SimConfig | None = None    # what a task simulates (its errors are shown as guard.shown_error does)
     _thread: threading.Thread | None = None
 
     def start(self) -> "Job":
@@ -78,11 +79,21 @@ class Job:
         except Cancelled:
             self.error = "cancelled"
         except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
-            self.error = str(exc) if len(self.runs) < 2 else f"{self.runs[len(self.records)][0]}: {exc}"
-        except Exception as exc:  # an engine bug: keep the trace for the report, not a crashed page
-            self.error = f"internal error: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+            message = self._shown(str(exc))
+            self.error = message if len(self.runs) < 2 else f"{self.runs[len(self.records)][0]}: {message}"
+        except Exception as exc:  # an engine bug: keep the frames for the report, not a crashed page
+            frames = "".join(traceback.format_tb(exc.__traceback__, limit=4))
+            self.error = f"internal error: {type(exc).__name__}: {self._shown(str(exc))}\n{frames}"
         finally:
             self.finished = time.perf_counter()
+
+    def _shown(self, message: str) -> str:
+        """An error as the page may show it: a run reading a user's file (trace, model, profile, KV
+        importance, a policy's file) may have its loader quote the file; that text is redacted."""
+        from .guard import shown_error
+
+        cfg = self.runs[len(self.records)][1] if len(self.records) < len(self.runs) else self.config
+        return message if cfg is None else shown_error(cfg, message)
 
     def _simulate_runs(self) -> None:
         from kvsim.sim.simulate import run_simulation

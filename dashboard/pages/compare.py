@@ -28,7 +28,7 @@ st.title("Compare")
 with st.sidebar:
     st.header("Base configuration")
     base, error = config_form(BASE)
-axes = config_axes()
+axes = config_axes(base)
 axis = st.selectbox("Vary (each run is the base configuration with this key changed)", list(axes), key="cmp_axis",
                     index=list(axes).index("engine.block_size") if "engine.block_size" in axes else 0)
 choices = axes[axis]

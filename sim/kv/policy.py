@@ -88,7 +88,11 @@ installed package's entry point in the group `kvsim.policies`
 (`[project.entry-points."kvsim.policies"] mypolicy = "mypkg.mypolicy"`). The config then accepts its
 name like a built-in one.
 
-Unknown parameters raise `PolicyError` naming the policy and its accepted parameters. Helpers:
+Unknown parameters raise `PolicyError` naming the policy and its accepted parameters. The constructor's
+signature declares the parameters (`policy_parameter_specs` lists them with their defaults); an optional
+`parameter_help = {"window": "..."}` gives each a line of help (the dashboard shows it), and a parameter
+named `path` or ending in `_path`, `_file` or `_dir` names a file (the dashboard confines it to its data
+directory). Helpers:
 `lowest_k_mask(values, k, candidates)` selects, per row, the k candidates with the smallest value
 (vectorized; ties broken deterministically).
 `fast_mode_profile` (optional) tells the block-occupancy fast mode where evictions fall (see
@@ -101,6 +105,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import import_module
+from typing import Any, NamedTuple
 from importlib.metadata import entry_points
 
 import numpy as np
@@ -201,6 +206,8 @@ class EvictionPolicy:
     # mean_read(live, ctx) -> mean tokens read per row given live counts (fast mode).
     select_layer = None
     mean_read = None
+    # one line of help per constructor parameter (kv.params.NAME): shown by the dashboard's form
+    parameter_help: dict[str, str] = {}
 
     def on_admit(self, state: TokenState, ctx: PolicyContext) -> None:
         pass
@@ -292,6 +299,45 @@ def policy_parameters(name: str) -> list[str]:
     _load_builtin()
     cls = _REGISTRY.get(name)
     return [] if cls is None else [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+
+class PolicyParameter(NamedTuple):
+    """One parameter a policy takes (`kv.params.NAME`), as its constructor declares it."""
+    name: str
+    default: Any            # REQUIRED when the constructor has none
+    annotation: str         # the declared type, as written ('int | None'); '' when undeclared
+    help: str               # the policy's `parameter_help` entry; '' when it gives none
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+    @property
+    def is_file(self) -> bool:
+        """The value names a file or directory (front ends confine it): `path` or a name ending in
+        `_path`, `_file` or `_dir`."""
+        return self.name == "path" or self.name.endswith(("_path", "_file", "_dir"))
+
+
+REQUIRED = inspect.Parameter.empty
+
+
+def policy_parameter_specs(name: str) -> list[PolicyParameter]:
+    """The parameters of registered policy `name` with their defaults, types and help (the
+    constructor's signature and the class's optional `parameter_help` mapping); [] for an unknown name."""
+    _load_builtin()
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        return []
+    helps = getattr(cls, "parameter_help", {}) or {}
+    out = []
+    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        annotation = "" if p.annotation is p.empty else p.annotation if isinstance(p.annotation, str) else \
+            getattr(p.annotation, "__name__", str(p.annotation))
+        out.append(PolicyParameter(p.name, p.default, annotation, helps.get(p.name, "")))
+    return out
 
 
 def get_policy(name: str, **params) -> EvictionPolicy:

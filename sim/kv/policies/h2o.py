@@ -22,6 +22,12 @@ from ..policy import Decision, EvictionPolicy, FastModeProfile, check_positive_i
 class H2O(EvictionPolicy):
     gqa_reduce = "sum"
     default_trigger = "every_step"
+    parameter_help = {
+        "recent": "newest tokens always kept, part of the budget; empty: half the budget",
+        "obs_window": "last prompt queries whose attention scores the prompt",
+        "evict_per_step": "k: no prompt cut; each decode step evicts at most k tokens per row while over the "
+                          "budget (original H2O); empty: cut the prompt to the budget at once",
+    }
 
     def __init__(self, budget: int = 256, recent: int | None = None, obs_window: int = 8,
                  evict_per_step: int | None = None):

@@ -94,6 +94,10 @@ def recorded_trigger(path: str | Path) -> str:
 class Recorded(EvictionPolicy):
     needs_scores = False
     evicts = True
+    parameter_help = {
+        "path": "a `kvsim replay` output directory, or its decisions.parquet (required)",
+        "trigger": "the recorded run's kv.trigger; empty: read from config.yaml beside the decisions",
+    }
 
     def __init__(self, path: str | None = None, trigger: str | None = None):
         if path is None:

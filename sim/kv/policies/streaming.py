@@ -17,6 +17,12 @@ from ..policy import Decision, EvictionPolicy, FastModeProfile, check_positive_i
 class Streaming(EvictionPolicy):
     needs_scores = False
     default_trigger = "every_step"
+    parameter_help = {
+        "sink": "oldest tokens (attention sinks) never evicted",
+        "window": "newest tokens kept (the sliding window)",
+        "evict_per_step": "k: no prompt cut after prefill; each decode step evicts at most the k oldest tokens "
+                          "outside the sinks and the window (token mode only); empty: cut the prompt at once",
+    }
 
     def __init__(self, sink: int = 4, window: int = 252, evict_per_step: int | None = None):
         self.sink = check_positive_int("sink", sink, minimum=0)
