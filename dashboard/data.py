@@ -522,10 +522,13 @@ def is_crosscheck_dir(path: Path) -> bool:
 
 def read_crosscheck(path: str | Path) -> Crosscheck:
     d = Path(path)
-    try:
-        figures = json.loads((d / "crosscheck.json").read_text())
+    try:     # read as summary.json is: size-bounded, UTF-8 checked, the error naming the file, not quoting it
+        figures = safe_json_loads(read_input_text(d / "crosscheck.json", what="crosscheck.json"),
+                                  str(d / "crosscheck.json"))
     except json.JSONDecodeError as exc:
         raise DataError(f"{d / 'crosscheck.json'}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    except InputError as exc:
+        raise DataError(str(exc)) from None
     times = read_parquet(d / "step_times.parquet", ("kind", "measured_s", "predicted_s"))
     if not isinstance(figures, dict) or "step_errors" not in figures:
         raise DataError(f"{d / 'crosscheck.json'}: not a kvsim crosscheck result (no step_errors)")

@@ -183,3 +183,58 @@ def test_compare_varies_the_streaming_window(root, tmp_path):
     assert set(runs) == {32, 128}
     same_figures(json.loads((runs[32] / "summary.json").read_text()),
                  cli_run(tmp_path / "w32", "kv.policy=streaming", "kv.params.window=32"))
+
+
+# ---- errors from reading a user's file: named, never quoted -----------------------------------------
+def test_a_run_stopped_by_a_users_importance_file_names_it_without_its_content(root):
+    bad = root / "importance.yaml"
+    bad.write_text(f"head_mix: {{{SECRET}: 1.0}}\nhead_types: {{}}\n")
+    assert SECRET in cli_error("kv.policy=h2o", f"kv.importance={bad}")       # the CLI user wants the value
+    at = small(app(), "h2o")
+    at.text_input(key="cfg_kv.importance").set_value("importance.yaml").run()
+    assert not errors(at)
+    at.button(key="sim_run").click().run()
+    [message] = errors(at)
+    assert message.startswith(f"Simulation stopped: kv.importance: {bad}: head_mix: unknown head type(s)")
+    assert SECRET not in message
+
+
+def test_a_task_jobs_error_is_redacted_when_its_configuration_reads_a_users_file(root):
+    from kvsim.dashboard.jobs import Job
+
+    (root / "profile.yaml").write_text("gpu: x\n")
+    quoting = f"{root / 'profile.yaml'}:1: gpu: expected a GPU name, got '{SECRET}'"
+
+    def task(job):
+        raise ValueError(quoting)
+    with_file = load_config(None, {"profile": str(root / "profile.yaml")})
+    job = Job(task=task, config=with_file).start()
+    job.wait(10)
+    assert job.error.startswith(f"{root / 'profile.yaml'}:1: gpu: expected a GPU name") and SECRET not in job.error
+    job = Job(task=task, config=load_config(None, {})).start()       # no user file: nothing to hide
+    job.wait(10)
+    assert job.error == quoting
+
+
+def crosscheck_dir(root: Path, figures: bytes) -> Path:
+    d = root / "cc"
+    d.mkdir()
+    (d / "crosscheck.json").write_bytes(figures)
+    pd.DataFrame({"kind": ["decode"] * 3, "measured_s": [0.01, 0.02, 0.03],
+                  "predicted_s": [0.011, 0.019, 0.03]}).to_parquet(d / "step_times.parquet")
+    return d
+
+
+@pytest.mark.parametrize("figures, fragment", [
+    (b"\xff\xfe" + SECRET.encode(), "not UTF-8 text"),
+    (json.dumps({"step_errors": {"all": {"count": 3, "mape": 0.1}},
+                 "throughput": [{"metric": "throughput_total_tok_s", "rel_error": SECRET}]}).encode(),
+     "a figure has an unexpected shape or type (ValueError)"),
+])
+def test_a_damaged_crosscheck_is_one_error_naming_its_file_not_its_content(root, figures, fragment):
+    d = crosscheck_dir(root, figures)
+    at = app()
+    at.switch_page("pages/fidelity.py").run()
+    at.text_input(key="fid_path").set_value("cc").run()
+    [message] = errors(at)
+    assert message.startswith(str(d / "crosscheck.json")) and fragment in message and SECRET not in message

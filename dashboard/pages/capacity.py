@@ -7,7 +7,7 @@ from kvsim.dashboard import charts
 from kvsim.dashboard.data import (DataError, capacity_by_group, drain_share, meets_slo, pareto_front, read_sweep_store,
                             resolve_user_path, varying_columns)
 from kvsim.dashboard.forms import BASE, config_form, gui_message
-from kvsim.dashboard.guard import check_run, shown_error
+from kvsim.dashboard.guard import check_run
 from kvsim.dashboard.jobs import capacity_search_task
 from kvsim.dashboard.ui import follow_job, keep_widget, run_button, running_job, start_job
 from kvsim.sim.capacity import check_rate_search, choose_sample, parse_slo, sample_warnings
@@ -186,8 +186,8 @@ else:
             sampled, sample = sample_of(base, load_choice, window)
             if mode == "rate":
                 check_rate_search(sample)
-        except (ConfigError, TraceError) as exc:     # the trace is read here: a user's file is not quoted
-            st.error(gui_message(shown_error(base, str(exc))))
+        except (ConfigError, TraceError) as exc:
+            st.error(gui_message(str(exc)))
             st.stop()
         task = (plan_task(sampled, constraints, models, chosen, tps, int(max_evals), store) if mode == "plan" else
                 capacity_search_task(sampled, chosen, constraints, mode, int(max_evals), store))

@@ -124,7 +124,11 @@ try:
     else:
         found = source_on_disk()
     if isinstance(found, Crosscheck):
-        show_crosscheck(found)
+        try:
+            show_crosscheck(found)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:   # a hand-edited file: its text is not shown
+            raise DataError(f"{found.path / 'crosscheck.json'}: a figure has an unexpected shape or type "
+                            f"({type(exc).__name__}); expected the crosscheck.json `kvsim crosscheck` writes") from None
     elif found is not None and found[0] is not None:
         show_step_log(*found)
 except DataError as exc:
