@@ -453,7 +453,8 @@ def policy_files(cfg: SimConfig) -> list[str]:
         specs = policy_parameter_specs(cfg.kv.policy)
     except PolicyError:
         return []
-    return [str(cfg.kv.params[p.name]) for p in specs if p.is_file and isinstance(cfg.kv.params.get(p.name), str)]
+    paths = [str(cfg.kv.params[p.name]) for p in specs if p.is_file and isinstance(cfg.kv.params.get(p.name), str)]
+    return paths + [str(Path(p).parent) for p in paths]      # a loader may name a file beside the one given
 
 
 _NOT_RESTORED = ("trace_upload", "run", "pick", "label", "_x", "_y", "_group")   # uploads, buttons, page widgets

@@ -238,3 +238,21 @@ def test_a_damaged_crosscheck_is_one_error_naming_its_file_not_its_content(root,
     at.text_input(key="fid_path").set_value("cc").run()
     [message] = errors(at)
     assert message.startswith(str(d / "crosscheck.json")) and fragment in message and SECRET not in message
+
+
+def test_a_recorded_runs_broken_config_yaml_beside_its_decisions_is_named_not_quoted(root):
+    replay = root / "replay"
+    replay.mkdir()
+    rows = {"request_id": [0], "step": [0], "layer": [0], "head": [-1], "position": [3], "action": ["evict"],
+            "engine_step": [0], "reason": ["policy"], "num_tokens": [10], "event": [0]}
+    pd.DataFrame(rows).to_parquet(replay / "decisions.parquet")
+    (replay / "config.yaml").write_text(f"kv: {{policy: {SECRET}\n")            # not YAML
+    assert f"{replay / 'config.yaml'}: cannot be read as YAML" in cli_error(
+        "kv.policy=recorded", f"kv.params.path={replay / 'decisions.parquet'}")
+    (replay / "config.yaml").write_text(f"kv: {{policy: '{SECRET}'}}\n")          # a policy with no trigger
+    assert SECRET in cli_error("kv.policy=recorded", f"kv.params.path={replay / 'decisions.parquet'}")
+    at = small(app(), "recorded")
+    param(at, "recorded", "path").set_value("replay/decisions.parquet").run()
+    [message] = errors(at)
+    assert message.startswith(f"kv.params for policy 'recorded': {replay}")
+    assert "has no known default trigger" in message and SECRET not in message

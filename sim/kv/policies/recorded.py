@@ -79,7 +79,15 @@ def recorded_trigger(path: str | Path) -> str:
     if not cfg_file.is_file():
         raise RecordedDecisionsError(f"{cfg_file} not found: give kv.params.trigger (the recorded run's "
                                      f"kv.trigger, or its policy's default trigger)")
-    kv = (yaml.safe_load(cfg_file.read_text()) or {}).get("kv") or {}
+    try:
+        data = yaml.safe_load(cfg_file.read_text()) or {}
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:
+        problem = getattr(exc, "problem", None) or getattr(exc, "strerror", None) or type(exc).__name__
+        raise RecordedDecisionsError(f"{cfg_file}: cannot be read as YAML ({problem}); give kv.params.trigger "
+                                     "(the recorded run's kv.trigger)") from None
+    kv = (data.get("kv") if isinstance(data, dict) else None) or {}
+    if not isinstance(kv, dict):
+        raise RecordedDecisionsError(f"{cfg_file}: kv: expected a mapping (the recorded run's config.yaml)")
     trigger, policy = kv.get("trigger", "policy"), kv.get("policy", "none")
     if trigger != "policy":
         return trigger
