@@ -193,3 +193,14 @@ def test_bad_dtype_and_head_counts_rejected(tmp_path):
     with pytest.raises(CatalogError) as err:
         get_model(path)
     assert "field 'weight_dtype'" in str(err.value) and ":11:" in str(err.value)
+
+
+def test_models_doc_lists_every_catalog_name_alias_and_length():
+    """docs/models.md's catalog table is what `--model` answers to: every entry, alias and max_position."""
+    from pathlib import Path
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    section = text.split("## Catalog names, aliases and lengths", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| model ")]
+    documented = {r[0]: (r[1], tuple(a for a in r[2].split(", ") if a), int(r[3].replace(",", ""))) for r in rows}
+    assert documented == {m.name: (m.hf_id, m.aliases, m.max_position) for m in list_models()}
