@@ -149,10 +149,11 @@ def fields_from_hf_dict(data: dict, path: Path) -> dict:
 
 
 # ---- the model's length, as vLLM derives max_model_len ----------------------------------------------
-# Followed: vLLM's `_get_and_verify_max_len` (vllm/config/model.py, main at commit 18ec6629, late 2025; the
-# RoPE rule is the same in vllm/config.py since v0.6) and `patch_rope_parameters_dict`
-# (vllm/transformers_utils/config.py). tokenizer_config.json's model_max_length (vLLM takes the minimum)
-# is not read: only config.json is.
+# Followed: vLLM's `_get_and_verify_max_len` in vllm/config/model.py (github.com/vllm-project/vllm, main at
+# commit 18ec6629, late 2025) and `patch_rope_parameters_dict` in vllm/transformers_utils/config.py. Older
+# releases (vllm/config.py) have the same su/longrope/llama3 exemption and yarn rule; the Gemma 3 skip,
+# per-layer-type rope_parameters and LongRoPE's shorter default came later. tokenizer_config.json's
+# model_max_length (vLLM takes the minimum) is not read: only config.json is.
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
 _LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
