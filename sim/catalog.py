@@ -83,7 +83,8 @@ class ModelSpec(_Spec):
     vocab_size: int = Field(gt=0)
     tied_embeddings: bool
     qkv_bias: bool = False
-    max_position: int = Field(gt=0)
+    max_position: int = Field(gt=0)               # the longest max_model_len vLLM accepts (after RoPE scaling)
+    default_max_model_len: int | None = Field(None, gt=0)   # vLLM's default when below it (LongRoPE)
     weight_dtype: Dtype
     embedding_dtype: Dtype | None = None
     activation_dtype: Dtype = "bf16"
@@ -129,6 +130,12 @@ class ModelSpec(_Spec):
             raise ValueError(f"sliding_window_layers ({self.sliding_window_layers}) needs a sliding_window and "
                              f"at most num_layers ({self.num_layers})")
         return self
+
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's max_model_len when none is given: default_max_model_len (LongRoPE's unscaled length), else
+        max_position."""
+        return self.default_max_model_len or self.max_position
 
     # ---- architecture variants ----------------------------------------------------------------
     @property

@@ -40,7 +40,7 @@ def resolve_engine(cfg: SimConfig) -> EngineConfig:
         check_max_model_len(eng.max_model_len, get_model(cfg.model))
     tokens, seqs = batch_defaults(gpu, eng.entry_point, cfg.tp)
     if not eng.enable_chunked_prefill and eng.max_num_batched_tokens is None:
-        max_model_len = eng.max_model_len or get_model(cfg.model).max_position
+        max_model_len = eng.max_model_len or get_model(cfg.model).max_model_len
         tokens = max(tokens, max_model_len)              # vLLM: a whole prompt must fit one step
     updates = {
         "max_num_batched_tokens": eng.max_num_batched_tokens or tokens,

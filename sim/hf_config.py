@@ -3,7 +3,8 @@
 A config.json is translated to the catalog's `ModelSpec` with the figures vLLM would size the model by:
 layers, widths, heads, KV heads, head_dim (explicit, else hidden / heads), vocabulary, tied embeddings,
 q/k/v biases (Qwen2 always; Llama-style `attention_bias`), per-head q/k norms (Qwen3, Gemma 3),
-`max_position_embeddings` (vLLM's default max_model_len), the dtype (`torch_dtype`, or `dtype` in newer
+the model's length as vLLM derives max_model_len (`max_position_embeddings` times `rope_scaling.factor` for
+the RoPE types vLLM scales by it: _max_len_fields), the dtype (`torch_dtype`, or `dtype` in newer
 files; float32 checkpoints run in bf16 as vLLM's `--dtype auto` does on GPUs) and a quantization
 (`quantization_config`: fp8, int8/int4 via compressed-tensors, GPTQ, AWQ; mxfp4 for gpt-oss's experts).
 Mixture-of-experts (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, gpt-oss), multi-head latent attention
@@ -136,15 +137,82 @@ def fields_from_hf_dict(data: dict, path: Path) -> dict:
         name=_name(top, path), num_layers=layers, hidden_size=hidden, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=f.int("intermediate_size"),
         vocab_size=f.int("vocab_size"), tied_embeddings=f.bool("tie_word_embeddings", tie_default),
-        qkv_bias=qkv_bias, qk_norm=qk_norm, max_position=f.int("max_position_embeddings", 2048),
-        weight_dtype=weight, embedding_dtype=embedding, activation_dtype=activation, kv_dtype=activation,
-        mlp_matrices=3)
+        qkv_bias=qkv_bias, qk_norm=qk_norm, weight_dtype=weight, embedding_dtype=embedding,
+        activation_dtype=activation, kv_dtype=activation, mlp_matrices=3)
+    fields.update(_max_len_fields(f, model_type))
     fields.update(_moe_fields(f, top, layers))
     fields.update(_mla_fields(f))
     fields.update(_sliding_fields(f, model_type, layers))
     if _quant_method(top, f) == "mxfp4":      # gpt-oss: MXFP4 experts, everything else at the checkpoint dtype
         fields.update(weight_dtype=activation, embedding_dtype=None, expert_dtype="mxfp4")
     return fields
+
+
+# ---- the model's length, as vLLM derives max_model_len ----------------------------------------------
+# Followed: vLLM's `_get_and_verify_max_len` in vllm/config/model.py (github.com/vllm-project/vllm, main at
+# commit 18ec6629, late 2025) and `patch_rope_parameters_dict` in vllm/transformers_utils/config.py. Older
+# releases (vllm/config.py) have the same su/longrope/llama3 exemption and yarn rule; the Gemma 3 skip,
+# per-layer-type rope_parameters and LongRoPE's shorter default came later. tokenizer_config.json's
+# model_max_length (vLLM takes the minimum) is not read: only config.json is.
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "linear_attention"}
+_UNSCALED_ROPE = ("longrope", "llama3")       # their max_position_embeddings already counts the scaling
+
+
+def _max_len_fields(f: _Fields, model_type: str) -> dict:
+    """max_position (the longest max_model_len vLLM accepts) and, for LongRoPE, default_max_model_len."""
+    lengths = {k: f.int(k) for k in _LENGTH_KEYS if f.data.get(k) is not None}
+    derived: float = lengths.get("model_max_length") or min(lengths.values(), default=2048)   # vLLM: 2048
+    key, rope = _rope_parameters(f)
+    if rope and "gemma3" not in model_type:      # Gemma 3's 128K is already scaled (vLLM skips it too)
+        factor = 1.0
+        for rp in rope:
+            if rp["rope_type"] not in _UNSCALED_ROPE:
+                factor = _factor(f, key, rp.get("factor", factor))
+                if rp["rope_type"] == "yarn":
+                    derived = _original_len(f, key, rp)
+        derived *= factor
+    out = {"max_position": int(derived)}
+    if any(rp["rope_type"] == "longrope" for rp in rope):   # vLLM: LongRoPE defaults to the unscaled length
+        out["default_max_model_len"] = int(f.data.get("original_max_position_embeddings") or derived)
+    return out
+
+
+def _rope_parameters(f: _Fields) -> tuple[str, list[dict]]:
+    """`rope_parameters` (transformers v5) or `rope_scaling`, one dict per layer type, each with its
+    `rope_type` (the legacy `type` accepted; `su` is `longrope`, `mrope` is `default`, as vLLM patches them)."""
+    key = "rope_parameters" if f.data.get("rope_parameters") else "rope_scaling"
+    raw = f.data.get(key)
+    if not raw:
+        return key, []
+    if not isinstance(raw, dict):
+        raise f.error(f"field '{key}': expected an object, got {raw!r}")
+    nested = set(raw) <= _LAYER_TYPES and all(isinstance(v, dict) for v in raw.values())
+    out = []
+    for rp in (raw.values() if nested else [raw]):
+        modern, legacy = rp.get("rope_type"), rp.get("type")
+        if modern and legacy and modern != legacy and (legacy, modern) not in (("su", "longrope"), ("mrope", "default")):
+            raise f.error(f"field '{key}': rope_type {modern!r} and type {legacy!r} disagree; expected one of them")
+        rope_type = modern or legacy
+        if not isinstance(rope_type, str):
+            raise f.error(f"field '{key}': no 'rope_type' (or 'type'); expected e.g. linear, dynamic, yarn, llama3")
+        out.append({**rp, "rope_type": {"su": "longrope", "mrope": "default"}.get(rope_type, rope_type)})
+    return key, out
+
+
+def _factor(f: _Fields, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise f.error(f"field '{key}.factor': expected a number > 0, got {value!r}")
+    return float(value)
+
+
+def _original_len(f: _Fields, key: str, rp: dict) -> int:
+    value = rp.get("original_max_position_embeddings", f.data.get("original_max_position_embeddings"))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise f.error(f"field '{key}.original_max_position_embeddings': yarn scaling needs it as an integer "
+                      f">= 1 (vLLM's max_model_len is it times the factor), got {value!r}")
+    return value
 
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")

@@ -106,7 +106,7 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
         check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)
     else:
         blocks = num_gpu_blocks(model, gpu, PoolSizing.of_engine(eng, tp=cfg.tp)).num_blocks
-    return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_position)
+    return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_model_len)
 
 
 def build_policy(cfg: SimConfig) -> EvictionPolicy:

@@ -7,6 +7,8 @@ PUBLISHED_PARAMS = {
     "Llama-2-7B": 6_738_415_616,
     "Llama-3.1-8B": 8_030_261_248,
     "Llama-3.1-70B": 70_553_706_496,
+    "Llama-3-8B": 8_030_261_248,         # meta-llama/Meta-Llama-3-8B
+    "Llama-3-70B": 70_553_706_496,       # meta-llama/Meta-Llama-3-70B
     "Mistral-7B-v0.2": 7_241_732_096,
     "Qwen2.5-7B": 7_615_616_512,
     "Qwen2.5-32B": 32_763_876_352,
@@ -23,6 +25,36 @@ def test_llama31_8b_matches_config_json():
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == (32, 4096, 32, 8, 128)
     assert (m.intermediate_size, m.vocab_size, m.tied_embeddings, m.max_position) == (14336, 128256, False, 131072)
     assert m.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2 == 131072
+
+
+@pytest.mark.parametrize("size", ["8b", "70b"])
+def test_llama3_is_not_llama31(size):
+    """Meta-Llama-3 has Llama 3.1's shapes but 8,192 positions (rope_scaling null), 3.1 has 131,072
+    (rope_type llama3): vLLM's max_model_len differs, so the names must not share an entry."""
+    three = {get_model(n) for n in (f"llama-3-{size}", f"llama3-{size}", f"meta-llama/Meta-Llama-3-{size.upper()}",
+                                    f"meta-llama/Meta-Llama-3-{size.upper()}-Instruct", f"Meta-Llama-3-{size}")}
+    three_one = {get_model(n) for n in (f"llama-3.1-{size}", f"llama3.1-{size}", f"meta-llama/Llama-3.1-{size.upper()}",
+                                        f"meta-llama/Meta-Llama-3.1-{size.upper()}-Instruct")}
+    assert [m.name for m in three] == [f"Llama-3-{size.upper()}"] and three.pop().max_model_len == 8192
+    assert [m.name for m in three_one] == [f"Llama-3.1-{size.upper()}"] and three_one.pop().max_model_len == 131072
+    shape = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size")
+    a, b = get_model(f"llama-3-{size}"), get_model(f"llama-3.1-{size}")
+    assert [getattr(a, f) for f in shape] == [getattr(b, f) for f in shape] and a.weight_bytes == b.weight_bytes
+
+
+def test_llama3_8b_refuses_what_vllm_serving_it_refuses(tmp_path, monkeypatch):
+    """A 9,000-token prompt fits Llama-3.1-8B's 131,072 positions, not Meta-Llama-3-8B's 8,192."""
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    from kvsim.sim.config import ConfigError, load_config
+    from kvsim.sim.simulate import run_simulation
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,100,10\n0.5,9000,10\n")
+    runs = {m: run_simulation(load_config(None, {"model": m, "gpu": "a100-80gb", "trace": str(trace)})).summary
+            for m in ("llama-3-8b", "llama-3.1-8b")}
+    assert (runs["llama-3-8b"]["num_rejected"], runs["llama-3-8b"]["max_model_len"]) == (1, 8192)
+    assert (runs["llama-3.1-8b"]["num_rejected"], runs["llama-3.1-8b"]["max_model_len"]) == (0, 131072)
+    with pytest.raises(ConfigError, match=r"16384 is above Llama-3-8B's max_position_embeddings \(8192\)"):
+        run_simulation(load_config(None, {"model": "llama-3-8b", "trace": str(trace), "engine.max_model_len": 16384}))
 
 
 def test_smollm2_matches_the_backend_gguf():
@@ -161,3 +193,14 @@ def test_bad_dtype_and_head_counts_rejected(tmp_path):
     with pytest.raises(CatalogError) as err:
         get_model(path)
     assert "field 'weight_dtype'" in str(err.value) and ":11:" in str(err.value)
+
+
+def test_models_doc_lists_every_catalog_name_alias_and_length():
+    """docs/models.md's catalog table is what `--model` answers to: every entry, alias and max_position."""
+    from pathlib import Path
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    section = text.split("## Catalog names, aliases and lengths", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| model ")]
+    documented = {r[0]: (r[1], tuple(a for a in r[2].split(", ") if a), int(r[3].replace(",", ""))) for r in rows}
+    assert documented == {m.name: (m.hf_id, m.aliases, m.max_position) for m in list_models()}

@@ -148,3 +148,86 @@ def test_an_encoder_config_is_refused(tmp_path):
             "num_hidden_layers": 12, "intermediate_size": 3072, "vocab_size": 30522}
     with pytest.raises(CatalogError, match="not a text-generation model"):
         get_model(write(tmp_path, bert))
+
+
+# ---- the model's length: vLLM's _get_and_verify_max_len (max_position_embeddings x the RoPE factor) ----
+META_LLAMA3_8B = {   # meta-llama/Meta-Llama-3-8B: Llama 3.1's shapes, 8,192 positions, no RoPE scaling
+    **{k: v for k, v in LLAMA31_8B.items() if k != "rope_scaling"}, "max_position_embeddings": 8192,
+    "rope_scaling": None}
+PHI3_MINI_128K = {   # microsoft/Phi-3-mini-128k-instruct (factor lists shortened, its 262,144 sliding_window left out)
+    "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "model_type": "phi3", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 32, "original_max_position_embeddings": 4096,
+    "rope_scaling": {"long_factor": [1.0, 1.1], "short_factor": [1.0, 1.0], "type": "longrope"},
+    "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 32064}
+
+
+def lengths(tmp_path, config, folder="m"):
+    spec = get_model(write(tmp_path, config, folder) / "config.json")
+    return spec.max_position, spec.max_model_len
+
+
+@pytest.mark.parametrize("rope, max_position", [
+    # Qwen2.5-7B-Instruct as its model card says to serve 128K: YaRN, original 32,768 x 4
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16384}, 65536),   # not x 32,768
+    ({"type": "linear", "factor": 2.0}, 65536),
+    ({"type": "dynamic", "factor": 2.0}, 65536),
+    ({"rope_type": "default", "rope_theta": 1e6}, 32768),            # no factor
+    ({"type": "mrope", "mrope_section": [16, 24, 24]}, 32768),       # Qwen2-VL: vLLM reads it as default
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}, 32768),   # already counted
+    ({"full_attention": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32768},
+      "sliding_attention": {"rope_type": "default"}}, 65536),         # transformers v5: one per layer type
+])
+def test_rope_scaling_sets_max_position_as_vllm_derives_max_model_len(tmp_path, rope, max_position):
+    config = {**QWEN25_05B_INSTRUCT, "rope_scaling": rope}
+    assert lengths(tmp_path, config) == (max_position, max_position)
+    v5 = {**QWEN25_05B_INSTRUCT, "rope_parameters": rope}           # transformers v5's name for it
+    assert lengths(tmp_path, v5, "v5") == (max_position, max_position)
+
+
+def test_llama3_rope_keeps_llama31_at_131072_and_llama3_8b_is_8192(tmp_path):
+    assert lengths(tmp_path, LLAMA31_8B) == (131072, 131072)          # not 8 x 131072
+    assert lengths(tmp_path, META_LLAMA3_8B, "l3") == (8192, 8192)
+    entry = get_model("llama-3-8b")
+    from_file = get_model(write(tmp_path, META_LLAMA3_8B, "l3b") / "config.json")
+    assert {f: getattr(from_file, f) for f in FIELDS} == {f: getattr(entry, f) for f in FIELDS}
+
+
+def test_gemma3_length_is_already_scaled(tmp_path):
+    gemma3 = {**QWEN25_05B_INSTRUCT, "model_type": "gemma3_text", "max_position_embeddings": 131072,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert lengths(tmp_path, gemma3) == (131072, 131072)
+
+
+def test_other_length_keys_and_model_max_length(tmp_path):
+    assert lengths(tmp_path, {**QWEN25_05B_INSTRUCT, "seq_length": 4096}) == (4096, 4096)        # the smallest
+    assert lengths(tmp_path, {**QWEN25_05B_INSTRUCT, "model_max_length": 65536}, "c") == (65536, 65536)   # Cohere
+    no_length = {k: v for k, v in QWEN25_05B_INSTRUCT.items() if k != "max_position_embeddings"}
+    assert lengths(tmp_path, no_length, "none") == (2048, 2048)       # vLLM's fallback
+
+
+def test_longrope_defaults_to_the_original_length_and_accepts_up_to_the_scaled_one(tmp_path):
+    d = write(tmp_path, PHI3_MINI_128K, "Phi-3-mini-128k-instruct")
+    assert lengths(tmp_path, PHI3_MINI_128K, "p") == (131072, 4096)
+    assert lengths(tmp_path, {**PHI3_MINI_128K, "rope_scaling": {"type": "su", "long_factor": [1.0],
+                                                                   "short_factor": [1.0]}}, "su") == (131072, 4096)
+    overrides = {"model": str(d), "trace_options.max_requests": 3}
+    assert run_simulation(load_config(None, overrides)).summary["max_model_len"] == 4096
+    longer = run_simulation(load_config(None, {**overrides, "engine.max_model_len": 65536}))
+    assert longer.summary["max_model_len"] == 65536                  # below the scaled 131,072: accepted
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"factor": 4.0}, r"field 'rope_scaling': no 'rope_type' \(or 'type'\)"),
+    ({"type": "yarn", "factor": 4.0}, "field 'rope_scaling.original_max_position_embeddings': yarn scaling needs"),
+    ({"type": "linear", "factor": "4"}, "field 'rope_scaling.factor': expected a number > 0, got '4'"),
+    ({"type": "linear", "rope_type": "yarn", "factor": 4.0}, "rope_type 'yarn' and type 'linear' disagree"),
+    ([4.0], "field 'rope_scaling': expected an object"),
+])
+def test_bad_rope_scaling_is_one_line(tmp_path, rope, message):
+    path = write(tmp_path, {**QWEN25_05B_INSTRUCT, "rope_scaling": rope}) / "config.json"
+    with pytest.raises(CatalogError, match=message) as err:
+        get_model(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)

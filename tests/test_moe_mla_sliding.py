@@ -37,7 +37,10 @@ DEEPSEEK_V3_CONFIG = {
     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                             "weight_block_size": [128, 128]},
-    "rms_norm_eps": 1e-06, "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                           "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
     "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
     "transformers_version": "4.33.1", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
 GPT_OSS_20B_CONFIG = {
@@ -49,7 +52,10 @@ GPT_OSS_20B_CONFIG = {
     "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
     "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                        "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
-    "rms_norm_eps": 1e-05, "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                           "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                           "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
     "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "vocab_size": 201088}
 QWEN3_30B_A3B_CONFIG = {
