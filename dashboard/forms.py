@@ -461,17 +461,29 @@ _NOT_RESTORED = ("trace_upload", "run", "pick", "label", "_x", "_y", "_group")  
 
 
 def remember_form(prefix: str) -> None:
-    """Keep the form's values, so that they survive a visit to another page (Streamlit drops the
-    state of widgets a page run did not draw)."""
+    """Keep the form's values and the page that drew them, so that they survive a visit to another
+    page (Streamlit drops the state of widgets a page run did not draw)."""
     st.session_state[f"_form_{prefix}"] = {
         k: v for k, v in st.session_state.items() if isinstance(k, str) and k.startswith(prefix)
         and not k.endswith(_NOT_RESTORED) and isinstance(v, (str, int, float, bool, type(None)))}
+    st.session_state[f"_form_page_{prefix}"] = _page()
 
 
 def restore_form(prefix: str) -> None:
+    """Put back the remembered values. On the page that drew them, a key still set is the user's
+    latest edit; on another page it is the previous page's widget, which the same key on this page
+    does not take over (its widget id includes the page), so the remembered value is written."""
+    switched = st.session_state.get(f"_form_page_{prefix}") != _page()
     for key, value in st.session_state.get(f"_form_{prefix}", {}).items():
-        if key not in st.session_state:
+        if switched or key not in st.session_state:
             st.session_state[key] = value
+
+
+def _page() -> str:
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    return ctx.page_script_hash if ctx is not None else ""
 
 
 def _workload_fields(prefix: str, max_requests: int, overrides: dict, problems: list) -> None:

@@ -538,6 +538,23 @@ def test_configuration_survives_navigation():
     assert at.selectbox(key="cfg_kv.policy").value == "h2o"
 
 
+def test_configuration_survives_switching_between_pages_that_show_the_form():
+    """Simulate -> Compare -> Simulate directly (no page without the form in between) put the form
+    back to its defaults, in AppTest and in Chromium: the same key on another page is another widget."""
+    at = app()
+    at.text_input(key="cfg_max_requests").set_value("77")
+    at.selectbox(key="cfg_gpu").set_value("L4")
+    at.selectbox(key="cfg_engine.enable_prefix_caching").set_value(False).run()
+    for page in ("compare", "simulate", "capacity", "compare"):
+        at.switch_page(f"pages/{page}.py").run()
+        assert not errors(at), page
+        assert at.text_input(key="cfg_max_requests").value == "77" and at.selectbox(key="cfg_gpu").value == "L4", page
+        assert at.selectbox(key="cfg_engine.enable_prefix_caching").value is False, page
+    at.text_input(key="cfg_max_requests").set_value("90").run()      # an edit on the new page sticks
+    at.switch_page("pages/simulate.py").run()
+    assert at.text_input(key="cfg_max_requests").value == "90"
+
+
 def test_capacity_gpu_choice_survives_navigation():
     at = app()
     at.switch_page("pages/capacity.py").run()
