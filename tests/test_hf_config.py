@@ -219,6 +219,16 @@ def test_longrope_defaults_to_the_original_length_and_accepts_up_to_the_scaled_o
     assert longer.summary["max_model_len"] == 65536                  # below the scaled 131,072: accepted
 
 
+def test_models_lists_a_longrope_models_default_length_not_only_the_scaled_one(tmp_path):
+    """`kvsim models` showed Phi-3-128k's max len as 131,072 while a run defaults to (and rejects
+    prompts above) 4,096: the listing now shows vLLM's default and the longest --max-model-len."""
+    d = write(tmp_path, PHI3_MINI_128K, "Phi-3-mini-128k-instruct")
+    rows = json.loads(CliRunner().invoke(app, ["models", str(d), "llama-3-8b", "--json"]).output)
+    assert [(r["max_model_len"], r["max_position"]) for r in rows] == [(4096, 131072), (8192, 8192)]
+    table = CliRunner().invoke(app, ["models", str(d), "llama-3-8b"], env={"COLUMNS": "200"}).output
+    assert "4,096 (up to 131,072)" in table and "8,192 (up" not in table
+
+
 @pytest.mark.parametrize("rope, message", [
     ({"factor": 4.0}, r"field 'rope_scaling': no 'rope_type' \(or 'type'\)"),
     ({"type": "yarn", "factor": 4.0}, "field 'rope_scaling.original_max_position_embeddings': yarn scaling needs"),

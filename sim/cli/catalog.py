@@ -23,9 +23,15 @@ def model_row(m) -> dict:
             "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
             "weight_dtype": m.weight_dtype, "expert_dtype": m.expert_dtype, "weight_gib": m.weight_bytes / GiB,
             "kv_dtype": m.kv_dtype, "kv_bytes_per_token": m.kv_bytes_per_token(), "max_position": m.max_position,
-            "experts": m.num_experts, "experts_per_token": m.experts_per_token,
+            "max_model_len": m.max_model_len, "experts": m.num_experts, "experts_per_token": m.experts_per_token,
             "shared_experts": m.num_shared_experts, "attention": _attention(m),
             "sliding_window": m.sliding_window, "sliding_window_layers": m.num_sliding_layers}
+
+
+def _max_len(row: dict) -> str:
+    """vLLM's default max_model_len; a LongRoPE model's scaled length beside it (what --max-model-len accepts)."""
+    default, longest = row["max_model_len"], row["max_position"]
+    return f"{default:,}" + (f" (up to {longest:,})" if longest != default else "")
 
 
 def _attention(m) -> str:
@@ -61,7 +67,7 @@ def models(
         dtype = r["weight_dtype"] + (f"/{r['expert_dtype']}" if r["expert_dtype"] else "")
         table.add_row(r["name"], params, experts, str(r["layers"]), f"{r['heads']} / {r['kv_heads']}",
                       str(r["head_dim"]), r["attention"], f"{r['weight_gib']:.2f} GiB {dtype}",
-                      f"{r['kv_bytes_per_token'] / 1024:g} KiB {r['kv_dtype']}", f"{r['max_position']:,}")
+                      f"{r['kv_bytes_per_token'] / 1024:g} KiB {r['kv_dtype']}", _max_len(r))
     console.print(table)
 
 
