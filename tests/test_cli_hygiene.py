@@ -224,6 +224,15 @@ def test_models_and_gpus_list_the_catalog_figures(tmp_path):
     assert run("gpus").exit_code == 0 and "H200" in run("gpus").output
 
 
+def test_tables_printed_to_a_pipe_are_not_cut_to_80_columns():
+    """Piped or captured, `kvsim models` cut names and lengths to 'Llama-3.1-70B-…', '13…' (and
+    plan's Pareto table 'llama-3.…'): rich's default of 80 columns off a terminal."""
+    r = run("models", "llama-3.1-70b-fp8", "llama-3-8b")
+    assert r.exit_code == 0, r.output
+    assert "Llama-3.1-70B-FP8" in r.output and "131,072" in r.output and "8,192" in r.output
+    assert "\u2026" not in r.output
+
+
 def test_a_runs_config_yaml_reruns_from_another_directory(tmp_path, monkeypatch):
     """config.yaml kept --trace and --model as typed (relative), so `kvsim simulate -c OUT/config.yaml`
     failed from any other directory, or read another directory's file of the same name."""

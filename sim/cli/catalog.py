@@ -5,14 +5,13 @@ import json
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from kvsim.sim.catalog import CatalogError, get_model, list_gpus, list_models
 
-from .options import fail
+from .options import fail, table_console
 
-console = Console()
+console = table_console()
 GiB = 2**30
 AsJson = Annotated[bool, typer.Option("--json", help="print the figures as JSON instead of a table")]
 

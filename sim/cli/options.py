@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 
 import typer
+from rich.console import Console
 
 from kvsim.sim.config import policy_names, slot_strategy_names
 from kvsim.sim.kv.policy import PolicyError
@@ -133,3 +134,9 @@ CONFIG_KEYS = {
 def config_overrides(**options: Any) -> dict[str, Any]:
     """Command options by parameter name -> dotted config overrides (None = not given, left out later)."""
     return {CONFIG_KEYS[name]: value for name, value in options.items()}
+
+
+def table_console(stderr: bool = False, highlight: bool = True) -> Console:
+    """The console for a command's tables: the terminal's width, or 160 columns when the output is
+    piped or captured (rich's 80 cut names and figures to '...': 'llama-3.1-8b' read 'llama-3.…')."""
+    return Console(stderr=stderr, width=None if Console().is_terminal else 160, highlight=highlight)

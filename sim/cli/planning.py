@@ -15,9 +15,9 @@ from kvsim.sim.config import ConfigError, load_config
 from kvsim.traces.errors import TraceError
 
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
-                      Sets, Tp, Trace, config_overrides, fail, output_path)
+                      Sets, Tp, Trace, config_overrides, fail, output_path, table_console)
 
-console = Console()
+console = table_console()
 err_console = Console(stderr=True)
 
 Window = Annotated[Optional[str], typer.Option(help="the part of the trace to plan on: DUR@peak (its busiest DUR), "

@@ -17,7 +17,7 @@ from kvsim.traces.stats import trace_stats
 from kvsim.traces.synthetic import synthesize
 from kvsim.traces.trace import Trace
 
-from .options import TimeUnit, Tokenizer, TraceColumns, TraceFormat, output_path
+from .options import TimeUnit, Tokenizer, TraceColumns, TraceFormat, output_path, table_console
 
 app = typer.Typer(help="Inspect, synthesize and convert request traces. Shipped traces: "
                        + ", ".join(DATA_TRACES), no_args_is_help=True)
@@ -27,7 +27,7 @@ CV_HELP = "Inter-arrival coefficient of variation with --rate: 1 = Poisson, >1 =
 
 
 def _console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr, width=None if Console().is_terminal else 160, highlight=False)
+    return table_console(stderr, highlight=False)
 
 
 class _OptionError(ValueError):
