@@ -36,9 +36,6 @@ from .fast_forward import (ALLOC_SHIFT, Admitted, DecodeRun, PrefillColumns, Rep
                            empty_events)
 
 
-SCALAR_STRETCH = 48     # stretches this short are summed and priced in Python: numpy's cost per call is more
-
-
 class ArrivalFeed(Protocol):
     """The requests not yet handed to the engine, in arrival order (sim.engine.ArrivalProcess)."""
 
@@ -86,14 +83,9 @@ class _Timeline:
             return
         ev = self.ev
         start = (self.count[-1], self.computed[-1], self.blocks[-1]) if p else (0, 0, 0)
-        if q - p <= SCALAR_STRETCH:
-            sums = [list(accumulate(row[p:q], initial=total))[1:]
-                    for row, total in zip((ev.d_count, ev.d_computed, ev.d_blocks), start)]
-        else:
-            sums = np.array((ev.d_count[p:q], ev.d_computed[p:q], ev.d_blocks[p:q]), np.int64)
-            sums[:, 0] += start             # the sums so far, carried into the first step's differences
-            sums = np.cumsum(sums, axis=1).tolist()
-        counts, computed, blocks = sums
+        # the sums so far, carried on over the steps' differences (in Python: 2x numpy's time at any length)
+        counts, computed, blocks = [list(accumulate(row[p:q], initial=total))[1:]
+                                    for row, total in zip((ev.d_count, ev.d_computed, ev.d_blocks), start)]
         if 0 in counts:                     # every request has finished: the engine idles there
             q = p + counts.index(0)
             self.limit = q

@@ -259,14 +259,15 @@ def files_under(data: dict, root: Path) -> dict:
     out = copy.deepcopy(data)
     for dotted in FILE_KEYS:
         *sections, key = dotted.split(".")
-        parent = out if dotted in out else _section(out, sections)
+        parent = out if dotted in out else config_section(out, sections)
         target = dotted if dotted in out else key
         if isinstance(parent, dict) and target in parent:
             parent[target] = file_value_under(parent[target], root)
     return out
 
 
-def _section(data: dict, sections: list[str]):
+def config_section(data: dict, sections: list[str]):
+    """The nested mapping at `sections` (e.g. ['kv'] for kv.importance), or None where one is missing."""
     for name in sections:
         data = data.get(name) if isinstance(data, dict) else None
     return data

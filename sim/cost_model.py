@@ -676,37 +676,31 @@ class CostModel:
         """`predict_decode` of a few pure-decode steps as Python floats, bit for bit (the same IEEE
         operations on the same values, in the same order, as `_operator_decode_total`), without
         numpy's fixed cost per call: an admitting run prices a stretch of ~10 steps between arrivals.
-        Integer counts, sequences >= 0; None where the profile has no GEMM table (use predict_decode)."""
+        Integer counts, sequences >= 0; None where the profile has no GEMM table (use predict_decode).
+        The terms `_operator_decode_total` leaves out are applied as exact identities: x * 1.0 == x
+        (step_time_scale 1) and x + 0.0 == x (no all-reduce: these parts are non-negative)."""
         if self._gemm_table is None:
             return None
         linear, base, allreduce = self._decode_seq_lists(max(seqs))
         c, p = self._c, self.profile
         pair, compute_eff = (c["attn_read_s"] if self._mla else c["attn_pair_s"]), p.attn_compute_eff
-        token, bw_eff, entry = c["kv_token_s"], p.attn_bw_eff, p.per_block_entry_overhead_s
-        k, overlap = p.step_time_scale, self.async_scheduling
+        token, bw_eff, entry, k = c["kv_token_s"], p.attn_bw_eff, p.per_block_entry_overhead_s, p.step_time_scale
+        overlap = self.async_scheduling
         out = []
-        if k == 1.0 and allreduce is None and overlap:    # the defaults: the loop below, its branches known
-            for n, r, e in zip(seqs, kv_read, entries):
-                a, b = float(r) * pair / compute_eff, float(r) * token / bw_eff
-                device, overhead = linear[n] + (a if a >= b else b), base[n] + float(e) * entry
-                out.append(device if device >= overhead else overhead)
-            return out
         for n, r, e in zip(seqs, kv_read, entries):
             a, b = float(r) * pair / compute_eff, float(r) * token / bw_eff
-            attention, overhead = (a if a >= b else b), base[n] + float(e) * entry
-            if k != 1.0:
-                attention, overhead = attention * k, overhead * k
-            device = linear[n] + attention
-            if allreduce is not None:
-                device = device + allreduce[n]
+            device = linear[n] + (a if a >= b else b) * k + allreduce[n]
+            overhead = (base[n] + float(e) * entry) * k
             out.append((device if device >= overhead else overhead) if overlap else device + overhead)
         return out
 
-    def _decode_seq_lists(self, top: int) -> tuple[list, list, list | None]:
-        """`_decode_seq_terms` as Python lists (exact: float64 to float)."""
+    def _decode_seq_lists(self, top: int) -> tuple[list, list, list]:
+        """`_decode_seq_terms` as Python lists (exact: float64 to float), zeros for no all-reduce."""
         terms = self._decode_seq_terms(top)
         if self._decode_lists is None or self._decode_lists[0] is not terms:
-            self._decode_lists = (terms, tuple(None if t is None else t.tolist() for t in terms))
+            linear, base = terms[0].tolist(), terms[1].tolist()
+            allreduce = [0.0] * len(linear) if terms[2] is None else terms[2].tolist()
+            self._decode_lists = (terms, (linear, base, allreduce))
         return self._decode_lists[1]
 
     def _decode_seq_terms(self, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -15,7 +15,7 @@ import yaml
 
 from kvsim.traces.loaders import DATA_TRACES
 
-from .config import FILE_KEYS, SimConfig, names_a_file, split_file_value
+from .config import FILE_KEYS, SimConfig, config_section, names_a_file, split_file_value
 from .core.prefix_lookups import PrefixLookups
 from .cost_model import profile_fit_error
 from .kv.metrics import kv_summary
@@ -93,15 +93,13 @@ def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summar
 def portable_config(data: dict) -> dict:
     """`data` with each relative file path of FILE_KEYS made absolute, so `kvsim simulate -c OUT/config.yaml`
     reads the same files from any directory (names of shipped traces, catalog entries and profiles stay)."""
-    for keys in (dotted.split(".") for dotted in FILE_KEYS):
-        parent = data
-        for key in keys[:-1]:
-            parent = parent.get(key) if isinstance(parent, dict) else None
-        value = parent.get(keys[-1]) if isinstance(parent, dict) else None
+    for *sections, key in (dotted.split(".") for dotted in FILE_KEYS):
+        parent = config_section(data, sections)
+        value = parent.get(key) if isinstance(parent, dict) else None
         if not isinstance(value, str):
             continue
         head, sep, tail = split_file_value(value)     # file.yaml#Name, file.yaml*1.2: the path is file.yaml
         path = Path(head)
         if names_a_file(head) and not path.is_absolute() and path.exists() and value not in DATA_TRACES:
-            parent[keys[-1]] = str(path.resolve()) + sep + tail
+            parent[key] = str(path.resolve()) + sep + tail
     return data

@@ -295,10 +295,8 @@ def policy_names() -> list[str]:
 
 
 def policy_parameters(name: str) -> list[str]:
-    """The parameters registered policy `name` takes (its constructor's); [] for an unknown name."""
-    _load_builtin()
-    cls = _REGISTRY.get(name)
-    return [] if cls is None else [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    """The names of the parameters registered policy `name` takes; [] for an unknown name."""
+    return [p.name for p in policy_parameter_specs(name)]
 
 
 class PolicyParameter(NamedTuple):
