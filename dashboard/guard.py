@@ -114,15 +114,12 @@ def check_run(cfg: SimConfig, label: str = "") -> None:
     """Refuse a run a page is about to queue: a path field outside the data root, a value beyond the
     form's limits, or a host-memory estimate that does not fit (ConfigError naming the field)."""
     where = f"{label}: " if label else ""
-    files = policy_file_keys(cfg.kv.policy)
-    for key in path_keys(cfg.kv.policy):
-        value = _config_value(cfg, key)
-        if value is not None and (key in files or not _is_name(str(value))):
-            try:
-                if confine_value(key, value, always_path=key in files) != str(value):
-                    raise DataError(f"{key}: {value}: give a path under the data root")
-            except DataError as exc:
-                raise ConfigError(f"{where}{exc}") from None
+    for key, value, file_only in _file_fields(cfg):
+        try:
+            if confine_value(key, value, always_path=file_only) != str(value):
+                raise DataError(f"{key}: {value}: give a path under the data root")
+        except DataError as exc:
+            raise ConfigError(f"{where}{exc}") from None
     for key, high in LIMITS.items():
         value = _config_value(cfg, key)
         if value is not None and value > high:
@@ -147,12 +144,21 @@ def check_run(cfg: SimConfig, label: str = "") -> None:
         raise ConfigError(f"{where}{shown_error(cfg, str(exc), skip=('trace',))}") from None
 
 
-def user_files(cfg: SimConfig, skip: tuple[str, ...] = ()) -> list[str]:
-    """The files (not shipped names) a run of `cfg` reads: trace, model, GPU, profile, KV importance,
-    the policy's file parameters."""
+def _file_fields(cfg: SimConfig, skip: tuple[str, ...] = ()) -> list[tuple[str, Any, bool]]:
+    """(key, value, takes no names) of each field of a run of `cfg` whose value names a file, not a
+    shipped name: trace, model, GPU, profile, KV importance, the policy's file parameters."""
     files = policy_file_keys(cfg.kv.policy)
-    values = [(key, _config_value(cfg, key)) for key in path_keys(cfg.kv.policy) if key not in skip]
-    return [str(v) for key, v in values if v is not None and (key in files or not _is_name(str(v)))]
+    out = []
+    for key in path_keys(cfg.kv.policy):
+        value = _config_value(cfg, key)
+        if key not in skip and value is not None and (key in files or not _is_name(str(value))):
+            out.append((key, value, key in files))
+    return out
+
+
+def user_files(cfg: SimConfig, skip: tuple[str, ...] = ()) -> list[str]:
+    """The files (not shipped names) a run of `cfg` reads (see _file_fields)."""
+    return [str(value) for _, value, _ in _file_fields(cfg, skip)]
 
 
 def shown_error(cfg: SimConfig, message: str, skip: tuple[str, ...] = ()) -> str:
