@@ -309,10 +309,10 @@ def test_nan_is_never_written_into_summary_json(d):
     assert summary["tpot_p50_s"] is None and "tpot_p50_s" in summary["null_reasons"]
 
 
-def _sweep_spec(d: Path, runs: int) -> Path:
+def _sweep_spec(d: Path, runs: int, requests: int = 200) -> Path:
     spec = d / "spec.yaml"
-    spec.write_text("fixed: {trace_options.max_requests: 200}\ngrid:\n  seed: [" + ", ".join(map(str, range(runs)))
-                    + "]\n")
+    spec.write_text(f"fixed: {{trace_options.max_requests: {requests}}}\ngrid:\n  seed: ["
+                    + ", ".join(map(str, range(runs))) + "]\n")
     return spec
 
 
@@ -323,8 +323,9 @@ def _sweep_spec(d: Path, runs: int) -> Path:
 def test_a_signal_to_a_store_command_exits_130_keeping_the_finished_runs(d, command, sig, reason):
     store = d / "st"
     # each run long enough that the command is still going when the signal comes, one run written
-    # (capacity on 300 requests could finish its whole search in the 50 ms poll once runs got fast)
-    args = (["sweep", str(_sweep_spec(d, 40)), "--jobs", "1"] if command == "sweep" else
+    # (on 200-300 requests a whole sweep or capacity search could finish between the first run's file and
+    # the signal once runs got fast, on a loaded machine)
+    args = (["sweep", str(_sweep_spec(d, 40, requests=2000)), "--jobs", "1"] if command == "sweep" else
             ["capacity", "--slo", "ttft_p99<=2s", "--max-requests", "3000", "--repeats", "1"])
     proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", *args, "-o", str(store), "-q"], cwd=d,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
