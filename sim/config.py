@@ -110,6 +110,19 @@ class EngineConfig(_Strict):
         return v
 
 
+class RandomDataset(_Strict):
+    """`trace: random`: vllm bench serve's random dataset (--random-input-len, ...; its defaults)."""
+    input_len: int = Field(1024, gt=0, description="--random-input-len")
+    output_len: int = Field(128, gt=0, description="--random-output-len")
+    range_ratio: float = Field(0.0, ge=0, lt=1, description="--random-range-ratio: lengths uniform in L(1 -+ r)")
+    prefix_len: int = Field(0, ge=0, description="--random-prefix-len: tokens every prompt shares first")
+
+
+# `trace: random` is vllm bench serve's random dataset, not a file; its request count without max_requests
+RANDOM_TRACE = "random"
+RANDOM_DEFAULT_NUM_PROMPTS = 1000      # vllm bench serve's --num-prompts default
+
+
 class TraceOptions(_Strict):
     rate_scale: float = Field(1.0, gt=0, description="arrival-rate multiplier (2 = twice as fast)")
     max_requests: int | None = Field(None, gt=0)
@@ -137,6 +150,14 @@ class TraceOptions(_Strict):
     time_unit: Literal["s", "ms", "us", "ns"] = Field("s", description="csv/jsonl/parquet: unit of epoch times")
     tokenizer: str | None = Field(None, description="ShareGPT: tokenizer.json (or its model directory) counting "
                                                     "tokens; default: the shipped SmolLM2 tokenizer")
+    random: RandomDataset | None = Field(None, description="trace: random: the random dataset's lengths")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if self.random is None:          # left out unless set, so configs written before it stay as they were
+            data.pop("random", None)
+        return data
 
     @model_validator(mode="after")
     def _load_options_agree(self) -> "TraceOptions":
@@ -315,6 +336,13 @@ class SimConfig(_Strict):
         if bad or not v:
             raise ValueError(f"expected percentiles between 0 and 100, got {bad or 'none'}")
         return v
+
+    @model_validator(mode="after")
+    def _random_options_need_random_trace(self) -> "SimConfig":
+        if self.trace_options.random is not None and self.trace != RANDOM_TRACE:
+            raise ValueError(f"trace_options.random (--random-input-len, ...) sets the lengths of trace: {RANDOM_TRACE} "
+                             f"(vllm bench serve's random dataset); the trace is {self.trace!r}")
+        return self
 
     @field_validator("model")
     @classmethod

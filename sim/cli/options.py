@@ -129,6 +129,9 @@ CONFIG_KEYS = {
     "max_concurrency": "trace_options.max_concurrency", "metric_percentiles": "metric_percentiles",
     "trace_format": "trace_options.format", "trace_columns": "trace_options.columns",
     "time_unit": "trace_options.time_unit", "tokenizer": "trace_options.tokenizer",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "random_input_len": "trace_options.random.input_len", "random_output_len": "trace_options.random.output_len",
+    "random_range_ratio": "trace_options.random.range_ratio", "random_prefix_len": "trace_options.random.prefix_len",
 }
 
 def config_overrides(**options: Any) -> dict[str, Any]:
