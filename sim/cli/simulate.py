@@ -17,13 +17,12 @@ from kvsim.sim.config import ConfigError, KVConfig, load_config
 
 from .vllm_args import VllmOptions
 
-from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPrefill, EndS, ExpertParallel,
+from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
-                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite,
-                      Policy, PrefixCaching,
-                      Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
-                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Tp, Trace, config_overrides, fail)
+                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, Model, NumGpuBlocks, Out, Overwrite,
+                      Policy, Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
+                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Trace, config_overrides, fail)
 
 console = Console()
 

@@ -14,7 +14,8 @@ import math
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class VllmArgsError(ValueError):
