@@ -48,7 +48,7 @@ from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.loaders import resolve_trace_path
 
 from .catalog import CatalogError, get_gpu, get_model
-from .config import (FILE_KEYS, ConfigError, SimConfig, build_config, files_under, flatten, read_config_file,
+from .config import (FILE_KEYS, RANDOM_TRACE, ConfigError, SimConfig, build_config, files_under, flatten, read_config_file,
                      read_yaml_file)
 from .cost_model import load_profile
 from .defaults import resolve_engine
@@ -338,7 +338,8 @@ class _FitChecker:
     def _problem(cfg: SimConfig) -> str | None:
 
         try:
-            resolve_trace_path(cfg.trace)
+            if cfg.trace != RANDOM_TRACE:          # vllm bench serve's random dataset: no file
+                resolve_trace_path(cfg.trace)
         except TraceError as exc:
             return f"trace={cfg.trace!r}: {exc}"
         try:
@@ -617,13 +618,30 @@ def _running(pid: int) -> bool:
         return pid_alive(pid)
 
 
+class MissingExtra(ImportError):
+    """An optional dependency a command needs is not installed; the message names the extra to install."""
+
+
+DASK_EXTRA = ("a Dask scheduler needs Dask's distributed package, which the core install leaves out: "
+              "pip install 'kvsim[distributed]'")
+
+
+def _distributed():
+    """The distributed package, or MissingExtra naming the extra that installs it."""
+    try:
+        import distributed
+    except ImportError:
+        raise MissingExtra(DASK_EXTRA) from None
+    return distributed
+
+
 class SchedulerUnreachable(ConnectionError):
     """No dask scheduler answered at the address given; the message names it."""
 
 
 def connect(address: str, timeout_s: float = 10.0):
     """A distributed.Client of the scheduler at `address`, or SchedulerUnreachable in one line."""
-    from distributed import Client
+    Client = _distributed().Client
 
     try:
         return Client(address, timeout=f"{timeout_s:g}s")
@@ -634,7 +652,8 @@ def connect(address: str, timeout_s: float = 10.0):
 
 
 def _dask(tasks: list[RunTask], scheduler: Any) -> Completed:
-    from distributed import Client, as_completed as dask_completed
+    distributed = _distributed()
+    Client, dask_completed = distributed.Client, distributed.as_completed
 
     client = scheduler if isinstance(scheduler, Client) else connect(scheduler)
     try:

@@ -2,6 +2,7 @@
 maps them to config keys, and the one way a command reports a user mistake."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 
@@ -16,6 +17,28 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """A user mistake: one `error: ...` line on stderr and exit status 2 (no traceback)."""
     typer.echo(f"{typer.style('error:', fg='red')} {message}", err=True)
     raise typer.Exit(code)
+
+# the optional packages a command may need -> the extra that installs them (pyproject.toml)
+EXTRAS = {"torch": "backend", "triton": "backend", "gguf": "backend", "streamlit": "dashboard",
+          "distributed": "distributed", "dask": "distributed"}
+
+
+def needs_extras(command):
+    """A command that names the extra to install when an optional package it imports is missing (the core
+    install, `pip install -e .`, has none of them), instead of a traceback."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except ModuleNotFoundError as exc:
+            root = (exc.name or "").split(".")[0]
+            if root not in EXTRAS:
+                raise
+            extra = EXTRAS[root]
+            fail(f"kvsim {command.__name__} needs {root}, which the core install leaves out: "
+                 f"pip install 'kvsim[{extra}]'")
+    return run
+
 
 # ---- what the run is: trace, model, hardware ---------------------------------------------------------
 Trace = Annotated[Optional[str], typer.Option(help="shipped trace name (azure-conv-2023, ...) or trace file")]

@@ -304,12 +304,12 @@ def store_errors(store: Path | None, scheduler: str | None):
 
     kept = f"; the store {store} keeps the finished runs (run again to resume)" if store else ""
     from kvsim.sim.results import StoreBusyError
-    from kvsim.sim.sweep import SchedulerUnreachable
+    from kvsim.sim.sweep import MissingExtra, SchedulerUnreachable
 
     try:
         with interrupt_on_sigterm():
             yield
-    except StoreBusyError as exc:
+    except (StoreBusyError, MissingExtra) as exc:
         fail(str(exc))
     except KeyboardInterrupt as exc:
         typer.echo(f"{str(exc) or 'interrupted (Ctrl-C)'}{kept}", err=True)
