@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
 
-from .bench_compare import compare
+from .bench_compare import bench_model_mismatch, compare
 from .assembly import build_engine, load_workload, trace_to_requests
 from .config import ConfigError, SimConfig
 from .client import RequestEntry, client_view
@@ -149,6 +150,9 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
 def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
     """A `vllm bench serve` result replayed as a trace runs under the load it was measured with: its
     --max-concurrency unless the config sets one (its send times are already on the trace)."""
+    problem = bench_model_mismatch(cfg.model, getattr(trace, "measured", None) or {})
+    if problem:
+        warnings.warn(problem, UserWarning, stacklevel=3)
     load = getattr(trace, "bench_load", None) or {}
     if load.get("max_concurrency") and cfg.trace_options.max_concurrency is None:
         opts = cfg.trace_options.model_copy(update={"max_concurrency": int(load["max_concurrency"])})

@@ -1,6 +1,7 @@
 """A vLLM user's own inputs, end to end with small files the tests make: ShareGPT JSON (real tokenizer),
 a `vllm bench serve --save-result --save-detailed` JSON (as trace and as measurement), a mapped gateway log."""
 import json
+import warnings
 import random
 
 import numpy as np
@@ -270,3 +271,32 @@ def test_bench_result_without_send_times_draws_its_rate(tmp_path):
     t = load_trace(tmp_path / "b.json")
     drawn = vllm_bench_arrivals(12, 3.0, 1.0)
     np.testing.assert_allclose(t.df["arrival_time_s"], drawn - drawn[0])
+
+
+def test_older_bench_file_without_latencies_compares_and_counts_its_failures(tmp_path):
+    """An older vLLM saved no `latencies` and no `errors`: E2EL is TTFT + the ITLs' sum (the comparison is not
+    empty), and the failed requests (output length 0) are counted, not reported as 0."""
+    trace = load_trace("azure-conv-2023").head(12)
+    measured = run_simulation(load_config(None, BASE), trace=trace)
+    bench_file(tmp_path / "old.json", measured, request_rate=2.0)
+    data = json.loads((tmp_path / "old.json").read_text())
+    for key in ("latencies", "errors", "failed", "start_times", "queue_times"):
+        del data[key]
+    data["output_lens"][4] = data["output_lens"][7] = 0           # how an older file marks a failed request
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    res = run_simulation(load_config(None, {**BASE, "trace": str(tmp_path / "old.json")}))
+    agg = res.summary["bench_comparison"]
+    assert agg["num_requests"] == 10 and agg["failed"] == {"measured": 2, "predicted": 0, "error": None}
+    assert agg["mean_e2el_ms"]["measured"] > 0 and "TTFT + the sum of ITLs" in agg["note"]
+
+
+def test_bench_model_id_that_differs_from_the_run_is_a_warning(tmp_path):
+    trace = load_trace("azure-conv-2023").head(6)
+    measured = run_simulation(load_config(None, BASE), trace=trace)
+    bench_file(tmp_path / "b.json", measured)
+    with pytest.warns(UserWarning, match=r"measured Qwen/Qwen2.5-0.5B-Instruct \(its model_id\) but this run "
+                                         r"simulates llama-3.1-8b"):
+        run_simulation(load_config(None, {"model": "llama-3.1-8b", "gpu": "l4", "trace": str(tmp_path / "b.json")}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)                 # the same model under its catalog name: silent
+        run_simulation(load_config(None, {**BASE, "trace": str(tmp_path / "b.json")}))

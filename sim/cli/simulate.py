@@ -280,3 +280,5 @@ def print_comparison(agg: dict) -> None:
     for row in report_rows(agg):
         table.add_row(*row)
     console.print(table)
+    if agg.get("note"):
+        console.print(f"note: {agg['note']}", highlight=False)
