@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from kvsim.sim.cli import app
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.simulate import run_simulation
-from kvsim.traces import TraceError, detect_format, load_trace
+from kvsim.traces import TraceError, TraceWarning, detect_format, load_trace
 from kvsim.traces.tokenizer import count_tokens, load_tokenizer
 
 
@@ -164,6 +164,16 @@ def test_gateway_csv_with_epoch_milliseconds_and_parquet(tmp_path):
     csv.write_text("ts_ms,in,out\n1764064800000,10,5\n1764064800250,20,6\n1764064801000,30,7\n")
     t = load_trace(csv, format="csv", columns="arrival=ts_ms,prompt_tokens=in,output_tokens=out", time_unit="ms")
     np.testing.assert_allclose(t.df["arrival_time_s"], [0.0, 0.25, 1.0])
+    # the same file without --time-unit: epoch milliseconds read as seconds would be a 1000x load error
+    with pytest.warns(TraceWarning, match=r"ts_ms: epoch times such as 1764064800000 would be past the year 5000 "
+                                          r"in seconds: read as epoch ms \(give --time-unit ms"):
+        t = load_trace(csv, format="csv", columns="arrival=ts_ms,prompt_tokens=in,output_tokens=out")
+    np.testing.assert_allclose(t.df["arrival_time_s"], [0.0, 0.25, 1.0])
+    csv.write_text("ts,in,out\n1764064800.0,10,5\n1764064800.25,20,6\n")      # epoch seconds: as they are
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TraceWarning)
+        t = load_trace(csv, format="csv", columns="arrival=ts,prompt_tokens=in,output_tokens=out")
+    np.testing.assert_allclose(t.df["arrival_time_s"], [0.0, 0.25])
     pd.DataFrame({"t": [5.0, 6.0], "p": [7, 8], "o": [1, 2]}).to_parquet(tmp_path / "log.parquet")
     t = load_trace(tmp_path / "log.parquet", format="parquet", columns="arrival=t,prompt_tokens=p,output_tokens=o")
     assert t.df["output_tokens"].tolist() == [1, 2]

@@ -636,6 +636,25 @@ def _generic(fmt: str):
     return load
 
 
+# epoch times at or above these (in the unit given) are years past 5000 in that unit: a finer unit was meant
+_EPOCH_LIMITS = ((1e17, "ns"), (1e14, "us"), (1e11, "ms"))
+
+
+def _epoch_unit(values: np.ndarray, unit: str, rows: _Rows, name: str) -> str:
+    """`unit`, or the finer unit that epoch times too large for it are in (1.7e12 'seconds' are epoch
+    milliseconds: read as seconds, a 1000x load error), with a notice."""
+    if not len(values) or unit != "s":
+        return unit
+    first = float(np.min(values))
+    for limit, finer in _EPOCH_LIMITS:
+        if first >= limit:
+            warnings.warn(f"{rows.path}: {name}: epoch times such as {first:.0f} would be past the year 5000 in "
+                          f"seconds: read as epoch {finer} (give --time-unit {finer} to say so)", TraceWarning,
+                          stacklevel=4)
+            return finer
+    return unit
+
+
 def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str) -> np.ndarray:
     """Epoch numbers (in `unit`) or ISO-8601 strings -> seconds from the first request."""
     if pd.api.types.is_datetime64_any_dtype(raw):       # a Parquet timestamp column: times, not epoch numbers
@@ -644,7 +663,9 @@ def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str) -> np.ndarray:
         numeric = ~np.isnan(_numbers(raw))
         if numeric.all():
             # epoch numbers are large by nature: the bound on arrival times applies once they are relative
-            values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)", maximum=np.inf) * TIME_UNITS[unit]
+            values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)", maximum=np.inf)
+            unit = _epoch_unit(values, unit, rows, name)
+            values = values * TIME_UNITS[unit]
             relative = values - values.min()
             return _floats(relative, rows, name, "a time span from the first request (s)")
         text = raw.astype(str).where(raw.notna(), "").str.strip()
