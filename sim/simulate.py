@@ -92,8 +92,12 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
     run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker)
     replicas.extend(run.replicas)
 
+    labels = getattr(trace, "request_labels", None)
+
     def frame(reqs: list) -> pd.DataFrame:
         df = client_view(request_table(reqs), client, entry.sent if entry else {})
+        if labels is not None:               # the source's own request ids (not integers), beside kvsim's
+            df["request_label"] = df["request_id"].map(labels).astype(object)
         if run.limit is not None:
             add_client_queue(df, run.limit.client_arrival)
         return df

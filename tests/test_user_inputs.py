@@ -310,3 +310,20 @@ def test_bench_model_id_that_differs_from_the_run_is_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)                 # the same model under its catalog name: silent
         run_simulation(load_config(None, {**BASE, "trace": str(tmp_path / "b.json")}))
+
+
+def test_string_request_ids_are_numbered_and_kept(tmp_path):
+    log = tmp_path / "ids.csv"
+    log.write_text("id,ts,in,out\nr0,0.0,100,5\nr1,0.25,200,6\nreq-x,1.0,300,7\n")
+    cols = "arrival=ts,prompt_tokens=in,output_tokens=out,request_id=id"
+    with pytest.warns(TraceWarning, match=r"id: request ids that are not integers \(such as 'r0'\) numbered 0..2"):
+        t = load_trace(log, format="csv", columns=cols)
+    assert t.df["request_id"].tolist() == [0, 1, 2] and t.request_labels == {0: "r0", 1: "r1", 2: "req-x"}
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(log), "--trace-format", "csv", "--trace-columns", cols,
+                                 "-q", "-o", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    req = pd.read_parquet(tmp_path / "run" / "requests.parquet")
+    assert dict(zip(req["request_id"], req["request_label"])) == {0: "r0", 1: "r1", 2: "req-x"}
+    log.write_text("id,ts,in,out\nr0,0.0,100,5\nr0,0.25,200,6\n")
+    with pytest.raises(TraceError, match="request id 'r0' repeats an earlier row's"):
+        load_trace(log, format="csv", columns=cols)

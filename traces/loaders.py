@@ -624,16 +624,39 @@ def _generic(fmt: str):
             raise TraceError(path, None, f"time_unit {time_unit!r}; expected one of {', '.join(TIME_UNITS)}")
         df, lines, mapping = read_mapped_table(path, fmt, columns)
         rows = _Rows(path, lines, len(df))
-        extra = {}
-        for field in ("request_id", "priority"):
-            if field in mapping:
-                extra[field] = _integers(df[mapping[field]], rows, mapping[field], 0 if field == "request_id" else None)
+        extra, labels = {}, None
+        if "priority" in mapping:
+            extra["priority"] = _integers(df[mapping["priority"]], rows, mapping["priority"], None)
+        if "request_id" in mapping:
+            extra["request_id"], labels = _request_ids(df[mapping["request_id"]], rows, mapping["request_id"])
         if "session_id" in mapping:
             extra["session_id"] = list(df[mapping["session_id"]])
-        return _build(path, rows, arrival=_log_times(df[mapping["arrival"]], rows, mapping["arrival"], time_unit),
-                      prompt=_integers(df[mapping["prompt_tokens"]], rows, mapping["prompt_tokens"], 1),
-                      output=_integers(df[mapping["output_tokens"]], rows, mapping["output_tokens"], 0), **extra)
+        trace = _build(path, rows, arrival=_log_times(df[mapping["arrival"]], rows, mapping["arrival"], time_unit),
+                       prompt=_integers(df[mapping["prompt_tokens"]], rows, mapping["prompt_tokens"], 1),
+                       output=_integers(df[mapping["output_tokens"]], rows, mapping["output_tokens"], 0), **extra)
+        if labels is not None:
+            trace.request_labels = labels
+            notice = (f"{mapping['request_id']}: request ids that are not integers (such as {labels[0]!r:.40}) "
+                      f"numbered 0..{len(labels) - 1} in file order; requests.parquet's request_label keeps them")
+            trace.notices.append(notice)
+            warnings.warn(f"{path}: {notice}", TraceWarning, stacklevel=3)
+        return trace
     return load
+
+
+def _request_ids(raw: pd.Series, rows: _Rows, name: str) -> tuple[np.ndarray, dict[int, str] | None]:
+    """Integer request ids as they are; any other ids (`r0`, UUIDs) numbered in file order, with the originals."""
+    if not np.isnan(_numbers(raw)).any():
+        return _integers(raw, rows, name, 0), None
+    text = raw.astype(str).where(raw.notna(), "")
+    empty = np.flatnonzero((text.str.strip() == "").to_numpy())
+    if len(empty):
+        raise rows.error(int(empty[0]), f"{name}: expected a request id, got an empty value")
+    repeated = np.flatnonzero(text.duplicated().to_numpy())
+    if len(repeated):
+        raise rows.error(int(repeated[0]), f"{name}: request id {text.iloc[int(repeated[0])]!r:.40} repeats an "
+                                           "earlier row's; expected one row per request")
+    return np.arange(len(text), dtype=np.int64), dict(enumerate(text.tolist()))
 
 
 # epoch times at or above these (in the unit given) are years past 5000 in that unit: a finer unit was meant
