@@ -316,6 +316,47 @@ class SimConfig(_Strict):
     # the profile's client-side terms (API server, tokenization: what `vllm bench serve` measures beyond
     # the engine) in TTFT/TPOT/ITL/E2E; off: engine time only
     client_latency: bool = False
+    # $ per GPU-hour instead of the catalog's: one price (the run's GPU) or {gpu: price} (plans over GPUs)
+    usd_per_hour: float | dict[str, float] | None = Field(None, description="your price per GPU-hour")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if self.usd_per_hour is None:          # left out unless set, so configs written before it stay as they were
+            data.pop("usd_per_hour", None)
+        return data
+
+    @field_validator("usd_per_hour", mode="before")
+    @classmethod
+    def _prices(cls, v):
+        if isinstance(v, str):             # the command line's spelling: 2.5 or h100=2.5,h200=3.9
+            v = v.strip()
+            if "=" not in v:
+                try:
+                    return float(v)
+                except ValueError:
+                    raise ValueError("expected a price ($ per GPU-hour) or GPU=PRICE,... (h100=2.5,h200=3.9)") from None
+            pairs = [item.partition("=") for item in v.split(",")]
+            try:
+                v = {key.strip(): float(value) for key, _, value in pairs}
+            except ValueError:
+                raise ValueError("expected GPU=PRICE,... with prices in $ per GPU-hour (h100=2.5,h200=3.9)") from None
+        prices = v.values() if isinstance(v, dict) else [] if v is None else [v]
+        if any(isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < float("inf") for p in prices):
+            raise ValueError("prices must be positive numbers ($ per GPU-hour)")
+        if isinstance(v, dict):
+            for key in v:
+                get_gpu(key)               # CatalogError (a ValueError) names the known GPUs
+        return v
+
+    def gpu_usd_per_hour(self, gpu: str | None = None) -> float:
+        """$ per hour of one `gpu` (default: the run's): usd_per_hour when it prices it, else the catalog's."""
+        spec = get_gpu(gpu or self.gpu)
+        price = self.usd_per_hour
+        if isinstance(price, dict):
+            given = {get_gpu(name).name: value for name, value in price.items()}
+            return float(given.get(spec.name, spec.usd_per_hour))
+        return float(price) if price is not None else spec.usd_per_hour
 
     @field_validator("metric_percentiles", mode="before")
     @classmethod

@@ -24,7 +24,6 @@ from typing import Callable, Iterator
 from kvsim.traces.errors import TraceWarning
 
 from .capacity import Constraint, judge_row, slo_for_goodput
-from .catalog import get_gpu
 from .config import KVConfig, SimConfig
 from .kv.policy import policy_parameters
 from .sweep import (DASK_EXTRA, MissingExtra, PlannedRun, RunTask, SpecError, _dask, _FitChecker, _local, _serial, finished_runs, make_row,
@@ -48,7 +47,7 @@ class Candidate:
 
     @property
     def usd_per_replica_hour(self) -> float:
-        return get_gpu(self.gpu).usd_per_hour * self.tp
+        return self.cfg.gpu_usd_per_hour(self.gpu) * self.tp
 
 
 @dataclass

@@ -394,7 +394,7 @@ def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
     so an SLO failure is never the cheapest."""
 
     gpus = cfg.tp * cfg.replicas
-    usd_per_hour = get_gpu(cfg.gpu).usd_per_hour * gpus
+    usd_per_hour = cfg.gpu_usd_per_hour() * gpus
     meets = meets_run_slo(cfg, summary)
     return {"num_gpus": gpus, "usd_per_hour": usd_per_hour, "meets_slo": meets,
             **slo_costs(usd_per_hour, summary.get("throughput_output_tok_s"), summary.get("goodput_req_s"), meets)}

@@ -48,7 +48,7 @@ def test_sharegpt_json_is_detected_counted_with_smollm2_and_ordered_as_vllm(tmp_
     expected = [(p, o) for p, o in zip(prompts, outputs) if p >= 4 and o >= 4 and p <= 1024 and p + o <= 2048]
     assert list(zip(trace.df["prompt_tokens"], trace.df["output_tokens"])) == expected
     assert len(expected) >= 8 and not trace.df["arrival_time_s"].any()
-    assert any("shipped SmolLM2 tokenizer (an approximation)" in n for n in trace.notices)
+    assert any("shipped SmolLM2 tokenizer (an approximation of the served model" in n for n in trace.notices)
     assert tok.encode("the cache", add_special_tokens=False).tokens == ["the", "Ġcache"]
 
 
@@ -327,3 +327,17 @@ def test_string_request_ids_are_numbered_and_kept(tmp_path):
     log.write_text("id,ts,in,out\nr0,0.0,100,5\nr0,0.25,200,6\n")
     with pytest.raises(TraceError, match="request id 'r0' repeats an earlier row's"):
         load_trace(log, format="csv", columns=cols)
+
+
+def test_a_hugging_face_tokenizer_id_reads_the_local_cache_or_fails_in_one_line(tmp_path, monkeypatch):
+    from kvsim.traces.tokenizer import DEFAULT_TOKENIZER
+    snapshot = tmp_path / "hub" / "models--acme--tiny-chat" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = ["Hello there, how are you?", "a b c"]
+    assert count_tokens(load_tokenizer("acme/tiny-chat"), texts) == count_tokens(load_tokenizer(), texts)
+    with pytest.raises(TraceError, match=r"tokenizer acme/absent: not in the Hugging Face cache \(.*hub\), and "
+                                         r"HF_HUB_OFFLINE forbids fetching it; download it first"):
+        load_tokenizer("acme/absent")

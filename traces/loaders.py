@@ -605,6 +605,8 @@ def load_sharegpt(path: Path, *, seed: int = 0, tokenizer=None, shuffle: bool = 
     trace = _build(path, _Rows(path, None, len(prompt)), arrival=np.zeros(len(prompt)), prompt=prompt,
                    output=output)
     trace.notices.append(notice)
+    # the counts depend on the tokenizer: say which one counted them (the default is an approximation)
+    warnings.warn(f"{path}: {notice}", TraceWarning, stacklevel=3)
     return trace
 
 

@@ -81,7 +81,8 @@ def sharegpt_lengths(path: Path, *, seed: int = 0, tokenizer=None, shuffle: bool
         raise TraceError(path, None, "no conversation pair passes the length filter (vLLM's: 4 <= tokens, "
                                      "prompt <= 1024, prompt + output <= 2048)")
     n = int(keep.sum())
-    which = "the shipped SmolLM2 tokenizer (an approximation)" if tokenizer is None else f"tokenizer {tokenizer}"
+    which = ("the shipped SmolLM2 tokenizer (an approximation of the served model's: give --tokenizer its "
+             "tokenizer.json or Hugging Face id)" if tokenizer is None else f"tokenizer {tokenizer}")
     order = f"shuffled with seed {seed}" if shuffle else "file order"
     notice = (f"ShareGPT: {n} of {len(pairs)} conversation pairs ({order}"
               f"{', vLLM length filter' if vllm_filter else ''}), counted with {which}")

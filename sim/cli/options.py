@@ -48,6 +48,8 @@ Tp = Annotated[Optional[int], typer.Option(help="tensor parallel degree")]
 Replicas = Annotated[Optional[int], typer.Option(help="engine replicas behind the router")]
 Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or file; default auto: the GPU's own "
                                                     "(fitted or derived; docs/gpu-profiles.md)")]
+UsdPerHour = Annotated[Optional[str], typer.Option(
+    help="your price in $ per GPU-hour instead of the catalog's: PRICE, or GPU=PRICE,... (h100=2.5,h200=3.9)")]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file; options override it")]
 
 
@@ -125,8 +127,8 @@ TraceColumns = Annotated[Optional[str], typer.Option(
 TimeUnit = Annotated[Optional[str], typer.Option(help="with --trace-format csv|jsonl|parquet: unit of epoch "
                                                       "times: s | ms | us | ns (ISO-8601 times need none)")]
 Tokenizer = Annotated[Optional[str], typer.Option(
-    help="ShareGPT traces: tokenizer.json (or its model directory) counting tokens; default: the shipped "
-         "SmolLM2 tokenizer (an approximation)")]
+    help="ShareGPT traces: tokenizer.json, its model directory or a Hugging Face model id (from the local cache, "
+         "else fetched) counting tokens; default: the shipped SmolLM2 tokenizer (an approximation)")]
 MetricPercentiles = Annotated[Optional[str], typer.Option(
     help="as vllm bench serve: comma-separated percentiles of TTFT, TPOT, ITL and E2EL to report (default 99)")]
 SloTtft = Annotated[Optional[str], typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
@@ -152,7 +154,7 @@ CONFIG_KEYS = {
     "max_concurrency": "trace_options.max_concurrency", "metric_percentiles": "metric_percentiles",
     "trace_format": "trace_options.format", "trace_columns": "trace_options.columns",
     "time_unit": "trace_options.time_unit", "tokenizer": "trace_options.tokenizer",
-    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization", "usd_per_hour": "usd_per_hour",
     "random_input_len": "trace_options.random.input_len", "random_output_len": "trace_options.random.output_len",
     "random_range_ratio": "trace_options.random.range_ratio", "random_prefix_len": "trace_options.random.prefix_len",
 }

@@ -15,7 +15,7 @@ from kvsim.sim.config import ConfigError, load_config
 from kvsim.traces.errors import TraceError
 
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
-                      Sets, Tp, Trace, config_overrides, fail, output_path, table_console)
+                      Sets, Tp, Trace, UsdPerHour, config_overrides, fail, output_path, table_console)
 
 console = table_console()
 err_console = Console(stderr=True)
@@ -153,6 +153,7 @@ def capacity(
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
     overwrite: Overwrite = False,
+    usd_per_hour: UsdPerHour = None,
 ) -> None:
     """Find the highest arrival-rate scale (or the fewest replicas) meeting an SLO, by bracketing and
     bisection on simulated runs, on a representative sample of the trace (default: the whole trace if
@@ -165,7 +166,7 @@ def capacity(
     overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
                                  num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_requests=max_requests,
-                                 rate_scale=rate_scale)
+                                 rate_scale=rate_scale, usd_per_hour=usd_per_hour)
     if mode not in ("rate", "replicas"):
         fail(f"--mode: expected rate or replicas, got {mode!r}")
     if not 0 < tol < 1:
@@ -398,6 +399,7 @@ def plan(
     out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + plan-result.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
+    usd_per_hour: UsdPerHour = None,
 ) -> None:
     """The cheapest configuration meeting an SLO at a given load, for each model: every GPU x TP degree
     (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
@@ -419,7 +421,10 @@ def plan(
     try:
         model_list, gpu_list = _catalog_names(model_list, "--models", get_model), _catalog_names(gpu_list, "--gpus", get_gpu)
         cfg = load_config(config, config_overrides(trace=trace, rate_scale=rate_scale, model=model_list[0],
-                                                   gpu=gpu_list[0]), set_)
+                                                   gpu=gpu_list[0], usd_per_hour=usd_per_hour), set_)
+        if isinstance(cfg.usd_per_hour, float) and len(gpu_list) > 1:
+            raise ConfigError(f"--usd-per-hour {cfg.usd_per_hour:g}: one price for {len(gpu_list)} GPUs; give "
+                              "GPU=PRICE for each one to price (h100=2.5,h200=3.9)")
         if policy_list:
             for p in policy_list:
                 load_config(None, {"kv.policy": p})

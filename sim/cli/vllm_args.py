@@ -179,7 +179,7 @@ BENCH_FLAGS = _flags(
     Flag(("--num-warmups",), note="not modelled (warm-up requests are not part of the measured run)"),
     Flag(("--use-beam-search",), kind="switch", warn=True, note="not modelled (beam search): one sequence per request"),
     _ignored("--backend", "--endpoint", "--endpoint-type", "--base-url", "--host", "--port", "--header",
-             "--result-dir", "--result-filename", "--metadata", "--label", "--tokenizer", "--tokenizer-mode",
+             "--result-dir", "--result-filename", "--metadata", "--label", "--tokenizer-mode",
              "--served-model-name", "--logprobs", "--ready-check-timeout-sec", "--request-id-prefix", "--top-p",
              "--top-k", "--min-p", "--temperature", "--extra-body", "--lora-modules", "--max-loras",
              "--goodput-config", "--plot-timeline", "--timeline-itl-thresholds",
@@ -421,7 +421,7 @@ def parse_bench(line: str) -> Translation:
     return result
 
 
-_BENCH_SPECIAL = _flags(Flag(("--model",)), Flag(("--dataset-name",)), Flag(("--dataset-path",)),
+_BENCH_SPECIAL = _flags(Flag(("--model",)), Flag(("--dataset-name",)), Flag(("--dataset-path",)), Flag(("--tokenizer",)),
                         Flag(("--goodput",)), Flag(("--ignore-eos",), kind="switch"))
 
 
@@ -437,6 +437,8 @@ def _dataset(values: dict[str, Any], what: str, result: Translation) -> None:
         result.overrides["trace"] = "random"
         if path is not None:
             result.notes.append(f"{what} --dataset-path {path}: not read by the random dataset")
+        if "--tokenizer" in values:
+            result.notes.append(f"{what} --tokenizer: not needed (the random dataset draws token counts)")
     else:
         if path is None:
             raise VllmArgsError(f"{what} --dataset-name {name}: expected --dataset-path FILE")
@@ -445,6 +447,8 @@ def _dataset(values: dict[str, Any], what: str, result: Translation) -> None:
             result.overrides.pop(key)
             result.notes.append(f"{what} --{key.rsplit('.', 1)[1].replace('_', '-').join(['random-', ''])}: "
                                 f"applies to --dataset-name random only (ignored, as vLLM ignores it)")
+        if "--tokenizer" in values:          # counts the dataset's text, as vLLM's client does
+            result.overrides["trace_options.tokenizer"] = values["--tokenizer"]
         if name == "custom":
             raise VllmArgsError(f"{what} --dataset-name custom: prompts as text are not read yet; give their token "
                                 "counts as a lengths CSV (num_prefill_tokens,num_decode_tokens) to kvsim's --trace")
