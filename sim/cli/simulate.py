@@ -253,6 +253,9 @@ def print_summary(s: dict) -> None:
 
     add("requests (finished / rejected)", f"{s['num_finished']} / {s['num_rejected']}")
     add("KV pool", f"{s['num_gpu_blocks']} blocks x {s['block_size']} tokens")
+    if s.get("kv_cache_tokens") is not None:         # the two lines vLLM logs at start-up
+        add("GPU KV cache size", f"{s['kv_cache_tokens']:,} tokens")
+        add(f"Maximum concurrency for {s['max_model_len']:,} tokens per request", f"{s['kv_max_concurrency']:.2f}x")
     add("makespan, first arrival to last token (s)", s["makespan_s"], "{:.1f}")
     add("queueing p50 / p99 (ms)", " / ".join(f"{1e3 * s[f'queueing_p{q}_s']:.1f}" for q in (50, 99)))
     add("SLO attainment", s.get("slo_attainment"))
