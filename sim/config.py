@@ -12,8 +12,8 @@ from pydantic import (
     BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator,
 )
 
-from kvsim.traces.loaders import FORMATS as TRACE_FORMATS
-from kvsim.traces.loaders import GENERIC_FORMATS
+from kvsim.traces.formats import FORMATS as TRACE_FORMATS
+from kvsim.traces.formats import GENERIC_FORMATS
 
 from .catalog import get_gpu, get_model, normalize_dtype
 from .kv.policy import PolicyError

@@ -42,20 +42,7 @@ from kvsim.traces.user_formats import (TIME_UNITS, check_csv_fields, malformed_c
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
-DATA_TRACES: dict[str, str] = {
-    "azure-conv-2023": "azure2023/AzureLLMInferenceTrace_conv.csv",
-    "azure-code-2023": "azure2023/AzureLLMInferenceTrace_code.csv",
-    "mooncake-conversation": "mooncake/conversation_trace.jsonl",
-    "mooncake-synthetic": "mooncake/synthetic_trace.jsonl",
-    "sharegpt-8k-filtered": "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
-    "arxiv": "lengths/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
-}
-# Old short names: still accepted, with a notice naming the new one.
-TRACE_ALIASES: dict[str, tuple[str, str]] = {
-    "sharegpt": ("sharegpt-8k-filtered", "the trace 'sharegpt' is now 'sharegpt-8k-filtered': Sarathi-Serve's "
-                 "8K-filtered ShareGPT conversation lengths (prompt mean 2,340 tokens, output 439), not "
-                 "single-round chats; the old name keeps working"),
-}
+from kvsim.traces.formats import DATA_TRACES, TRACE_ALIASES  # noqa: E402,F401 - re-exported
 
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_TIME_S = 1e9            # ~31 years: later arrivals are mistakes (and lose sub-millisecond precision)
@@ -75,12 +62,7 @@ _KNOWN_FORMATS_HELP = (
     "CSV (num_prefill_tokens,num_decode_tokens), kvsim native JSONL/Parquet/CSV "
     "(arrival_time_s,prompt_tokens,output_tokens), ShareGPT JSON, a vllm bench serve result JSON; any other "
     "CSV/JSONL/Parquet log with --trace-format csv|jsonl|parquet and --trace-columns")
-FORMATS = ("azure", "mooncake", "vidur", "burstgpt", "lengths", "native-jsonl", "native-parquet", "native-csv",
-           "sharegpt", "vllm-bench", "csv", "jsonl", "parquet")
-# read only when named with format= (a column mapping says which column is what): never detected
-GENERIC_FORMATS = ("csv", "jsonl", "parquet")
-# formats without arrival times: every request at t=0 unless a rate is given
-LENGTH_ONLY_FORMATS = ("lengths", "sharegpt")
+from kvsim.traces.formats import FORMATS, GENERIC_FORMATS, LENGTH_ONLY_FORMATS  # noqa: E402,F401 - re-exported
 # the most data rows a loader reads (load_trace's max_rows); None: the whole file
 _ROW_LIMIT: ContextVar[int | None] = ContextVar("trace_row_limit", default=None)
 
