@@ -422,3 +422,10 @@ def test_request_rate_loads_are_not_windowed():
     with pytest.raises(ConfigError, match="--window selects requests by arrival time"):
         choose_sample(load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.request_rate": 4.0}),
                       "10m@peak")
+
+
+def test_a_violation_of_many_seconds_reads_in_seconds():
+    """A progress line printed a TTFT p99 of 2,571 s as '2571157.9ms'."""
+    from kvsim.sim.capacity import _fmt
+    [c] = parse_slo("ttft_p99<=2s")
+    assert _fmt(2571.1579, c) == "2,571.2s" and _fmt(0.1234, c) == "123.4ms"

@@ -463,6 +463,11 @@ def plan(
         raise typer.Exit(1)
 
 
+def _count(n: int, word: str) -> str:
+    """'1 replica', '3 replicas'."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _ms(v) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1e3:.0f}"
 
@@ -498,10 +503,11 @@ def _print_plan(result) -> None:
         values = [s.hi_ok] + [v for v in rng.values() if v is not None]
         lo, hi = min(values), max(values)
         cost = s.answer_row.get("usd_per_m_output_tok", math.nan)
+        span = _count(lo, "replica") if lo == hi else f"{lo}-{hi} replicas"
         console.print(f"[bold]{model}: cheapest {s.cand.gpu} TP{s.cand.tp}"
-                      f"{' ' + s.cand.policy if s.cand.policy else ''} x {s.hi_ok} replicas[/bold] = "
-                      f"{s.hi_ok * s.cand.tp} GPUs, ${s.hi_ok * price:.2f}/h, ${cost:.3f} per million output tokens; "
-                      f"range {lo}-{hi} replicas (${lo * price:.2f}-{hi * price:.2f}/h)", highlight=False, soft_wrap=True)
+                      f"{' ' + s.cand.policy if s.cand.policy else ''} x {_count(s.hi_ok, 'replica')}[/bold] = "
+                      f"{_count(s.hi_ok * s.cand.tp, 'GPU')}, ${s.hi_ok * price:.2f}/h, ${cost:.3f} per million output "
+                      f"tokens; range {span} (${lo * price:.2f}-{hi * price:.2f}/h)", highlight=False, soft_wrap=True)
         if rng:
             console.print("  range from " + "; ".join(f"{k}: {'-' if v is None else v}" for k, v in rng.items()),
                           highlight=False, soft_wrap=True)
