@@ -12,6 +12,8 @@ from pydantic import (
     BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator,
 )
 
+from kvsim.traces.durations import EXAMPLES as DURATION_EXAMPLES
+from kvsim.traces.durations import duration_seconds
 from kvsim.traces.formats import FORMATS as TRACE_FORMATS
 from kvsim.traces.formats import GENERIC_FORMATS
 
@@ -27,18 +29,13 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names it."""
 
 
-_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
-
-
-_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*(us|ms|s|min)\s*")
-
-
 def parse_duration(text: str | float, what: str = "duration") -> float:
-    """'100ms' -> 0.1. A bare number is refused: SLOs without units are ambiguous."""
-    m = _DURATION.fullmatch(str(text))
-    if not m:
-        raise ConfigError(f"{what}: {text!r} is not a duration with a unit (e.g. 200ms, 2s, 500us)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    """'100ms' -> 0.1 (kvsim.traces.durations, the one parser). A bare number is refused: SLOs without units
+    are ambiguous."""
+    seconds = duration_seconds(text, unit_required=True)
+    if seconds is None:
+        raise ConfigError(f"{what}: {text!r} is not a duration with a unit ({DURATION_EXAMPLES})")
+    return seconds
 
 
 def policy_names() -> list[str]:
@@ -189,9 +186,8 @@ class SLO(_Strict):
     def _has_unit(cls, v):
         if v is None:
             return v
-        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not _DURATION.fullmatch(str(v)):
-            raise ValueError("not a duration with a unit; expected e.g. 2s, 200ms or 500us (a bare number is "
-                             "ambiguous)")
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or duration_seconds(v, unit_required=True) is None:
+            raise ValueError(f"not a duration with a unit; expected {DURATION_EXAMPLES} (a bare number is ambiguous)")
         return str(v)
 
     @property
