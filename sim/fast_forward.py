@@ -41,6 +41,9 @@ class ReplicaView(NamedTuple):
     last_step_start: float      # when it started (async: the next schedule sees the arrivals until then)
     max_steps: int              # longest run
     closed_loop: bool           # a finish sends the client's next request (the run stops at a finish)
+    # when a KV connector's transfer next ends (inf: none): every step end polls for it, so the run
+    # stops at the step in progress then (no async-scheduling extra step, as for arrivals)
+    next_transfer: float = float("inf")
 
 
 # A block allocation is one int, step << ALLOC_SHIFT | request index: sorting ints is ~2x faster
@@ -123,7 +126,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     # an arrival waiting for the next schedule, or finishers releasing their slots at it (async):
     # only a run that admits arrivals goes on from there
     finishing = sched.finishing
-    if next_arrival <= view.now or not ((view.inbox_empty and not finishing) or admitting):
+    if min(next_arrival, view.next_transfer) <= view.now or not ((view.inbox_empty and not finishing) or admitting):
         return None
     step_gap = view.steps_to_step_arrival
     if step_gap < 1:
@@ -159,7 +162,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     k = min(last_step) if until_first else max(last_step)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
-    gap = (next_arrival - view.now) / max(view.last_step_s, 1e-9)
+    gap = (min(next_arrival, view.next_transfer) - view.now) / max(view.last_step_s, 1e-9)
     k = min(k, view.max_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
     ev = _events(computed, last_step, k, bs, kv.enable_caching)
     k = _steps_that_fit(ev, k, kv.pool.num_free_blocks, deferred)
@@ -173,6 +176,9 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     kv_read = c_sum + np.arange(1, k + 1) * batch        # tokens after step j: c + j + 1 per request
     durations = executor.predict_decode_run(batch, kv_read, held)
     starts, ends = _step_times(view.now, durations.tolist(), next_arrival, ev.finished, deferred)
+    if ends and view.next_transfer < ends[-1]:
+        m = bisect_left(starts, view.next_transfer)
+        starts, ends = starts[:m], ends[:m]
     k = len(starts)
     if k < 1:
         return None
