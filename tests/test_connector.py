@@ -9,7 +9,7 @@ import pytest
 
 from kvsim.sim.assembly import EngineRun, load_workload, trace_to_requests
 from kvsim.sim.cluster.connectors.remote_store import KVStore, RemoteStoreConnector
-from kvsim.sim.cluster.fleet import Fleet, PoolSpec, PoolWiring, build_disaggregated, build_pools, feed
+from kvsim.sim.cluster.fleet import Fleet, Handoff, PoolSpec, PoolWiring, build_disaggregated, build_pools, feed
 from kvsim.sim.cluster.links import Link, LinkSpec
 from kvsim.sim.config import load_config
 from kvsim.sim.core.connector import KVTransferStep, step_seconds_with_transfer
@@ -78,8 +78,8 @@ def pd_run(fast_forward: bool, prefill: int = 1, decode: int = 1, bandwidth_gb_s
     log = StepLog(None)
     link = Link(LinkSpec("rdma", bandwidth_gb_s=bandwidth_gb_s, latency_s=0.0005))
     fleet, proxy = build_disaggregated(env, PoolSpec("prefill", "prefill", prefill, plan.scheduler),
-                                       PoolSpec("decode", "decode", decode, plan.scheduler), link, log,
-                                       parts_of(plan), plan.cost.kv_bytes_per_token,
+                                       PoolSpec("decode", "decode", decode, plan.scheduler),
+                                       Handoff(link, plan.cost.kv_bytes_per_token), log, parts_of(plan),
                                        ReplicaOptions(fast_forward=fast_forward, check_invariants=True))
     feed(fleet, requests, proxy)
     run = EngineRun(env, fleet.replicas, fleet.arrivals, None, None)

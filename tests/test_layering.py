@@ -53,6 +53,7 @@ RULES = (
     ("kvsim.sim.executor", "simulator"),
     ("kvsim.gpu", "backend"),
     ("kvsim.sim.core", "core"),
+    ("kvsim.sim.cluster", "core"),             # pools, links, connectors: above the engine loop
     ("kvsim.sim.kv", "core"),
     ("kvsim.sim.engine", "core"),
     ("kvsim.sim.fast_forward", "core"),

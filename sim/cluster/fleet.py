@@ -17,7 +17,8 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..engine import (ArrivalProcess, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router)
 from ..metrics import StepLog
-from .connectors.disaggregation import DecodeSideConnector, PrefillHandoff, PrefillLeg, PrefillSideConnector
+from .connectors.disaggregation import (NIXL_ABORT_TIMEOUT_S, DecodeSideConnector, PrefillHandoff, PrefillLeg,
+                                        PrefillSideConnector)
 from .links import Link
 from .route import Hop, route_of
 
@@ -160,22 +161,28 @@ class DisaggregatedProxy:
         return min((r.busy_until for r in self.prefill.replicas if r.busy_until >= now), default=next_arrival)
 
 
-def build_disaggregated(env: EngineClock, prefill: PoolSpec, decode: PoolSpec, link: Link, step_log: StepLog,
-                        parts: PartsFn, kv_bytes_per_token: float, options: ReplicaOptions = ReplicaOptions(),
-                        abort_timeout_s: float | None = None) -> tuple[Fleet, DisaggregatedProxy]:
-    """A prefill pool and a decode pool joined by `link` (every hand-off crosses it) behind a proxy."""
+class Handoff(NamedTuple):
+    """How a prefill pool hands KV to a decode pool: the link every hand-off crosses, the KV bytes a
+    token moves, and how long the prefill side keeps unpulled KV."""
+    link: Link
+    kv_bytes_per_token: float
+    abort_timeout_s: float = NIXL_ABORT_TIMEOUT_S
+
+
+def build_disaggregated(env: EngineClock, prefill: PoolSpec, decode: PoolSpec, handoff: Handoff, step_log: StepLog,
+                        parts: PartsFn, options: ReplicaOptions = ReplicaOptions()) -> tuple[Fleet, DisaggregatedProxy]:
+    """A prefill pool and a decode pool joined by a link (every hand-off crosses it) behind a proxy."""
     if prefill.role != "prefill" or decode.role != "decode":
         raise ValueError(f"a disaggregated fleet needs a prefill and a decode pool, got roles "
                          f"{prefill.role!r} and {decode.role!r}")
     clock = lambda: env.now        # noqa: E731 - the connectors read the engine's clock
-    timeout = {} if abort_timeout_s is None else {"abort_timeout_s": abort_timeout_s}
     proxy: list = []
     fleet = Fleet(env, [])
 
     def connector(spec: PoolSpec, index: int) -> KVConnector:
         if spec.role == "prefill":
-            return PrefillSideConnector(clock, name=f"{spec.name}/{index}", **timeout)
-        return DecodeSideConnector(link, kv_bytes_per_token, clock, name=f"{spec.name}/{index}")
+            return PrefillSideConnector(clock, abort_timeout_s=handoff.abort_timeout_s, name=f"{spec.name}/{index}")
+        return DecodeSideConnector(handoff.link, handoff.kv_bytes_per_token, clock, name=f"{spec.name}/{index}")
 
     def wiring(spec: PoolSpec) -> PoolWiring:
         if spec.role == "prefill":
