@@ -7,17 +7,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvsim.sim.assembly import EngineRun, load_workload, trace_to_requests
+from kvsim.sim.engine.assembly import EngineRun, load_workload, trace_to_requests
 from kvsim.sim.cluster.connectors.remote_store import KVStore, RemoteStoreConnector
 from kvsim.sim.cluster.fleet import Fleet, Handoff, PoolSpec, PoolWiring, build_disaggregated, build_pools, feed
 from kvsim.sim.cluster.links import Link, LinkSpec
 from kvsim.sim.config import load_config
 from kvsim.sim.core.connector import KVTransferStep, step_seconds_with_transfer
 from kvsim.sim.core.request import Request, RequestStatus
-from kvsim.sim.engine import EngineClock, ReplicaOptions
-from kvsim.sim.executor import replica_parts
-from kvsim.sim.metrics import StepLog
-from kvsim.sim.run_plan import build_run_plan
+from kvsim.sim.engine.loop import EngineClock, ReplicaOptions
+from kvsim.sim.simulator.executor import replica_parts
+from kvsim.sim.results.metrics import StepLog
+from kvsim.sim.engine.run_plan import build_run_plan
 
 # 2 replicas: Llama-3.1-8B on H100 with a small pool (its prefix cache forgets), prefix caching on
 STORE_RUN = {"engine.num_gpu_blocks": 400, "engine.enable_prefix_caching": True}

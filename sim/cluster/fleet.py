@@ -1,7 +1,7 @@
 """A fleet: pools of engine replicas, the links between them, and how requests flow through them.
 
 A pool is a group of identical replicas behind a router, with a role: `mixed` (prefill and decode,
-today's replicas), `prefill` or `decode`. An aggregated fleet is one mixed pool (sim.assembly's
+today's replicas), `prefill` or `decode`. An aggregated fleet is one mixed pool (sim.engine.assembly.s
 `build_engine` builds that run); a disaggregated one pairs a prefill pool and a decode pool through
 `DisaggregatedProxy` and the NIXL-style connectors of sim/cluster/connectors/disaggregation.py.
 Replica indices run over the whole fleet, pool after pool (the step log's `replica` column).
@@ -15,8 +15,8 @@ from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerConfig
-from ..engine import (ArrivalProcess, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router)
-from ..metrics import StepLog
+from ..engine.loop import ArrivalProcess, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router
+from ..results.metrics import StepLog
 from .connectors.disaggregation import (NIXL_ABORT_TIMEOUT_S, DecodeSideConnector, PrefillHandoff, PrefillLeg,
                                         PrefillSideConnector)
 from .links import Link
