@@ -402,16 +402,12 @@ def _policy_pool_blocks(plan: Plan) -> int | None:
 
 
 def _gpu_for_device(device: str) -> str | None:
-    """The catalog GPU of this CUDA device (longest names first: "L40" before "L4"; A100 by memory)."""
+    """The catalog GPU of this CUDA device (sim/model/catalog.py's map of CUDA device names)."""
     if device != "cuda":
         return None
     import torch
-    from kvsim.sim.model.catalog import get_gpu
-    name = torch.cuda.get_device_name().upper()
-    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    labels = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb" if gib > 48 else "a100-40gb"),
-              ("L40", "l40"), ("L4", "l4"), ("A40", "a40"), ("T4", "t4"))
-    key = next((k for label, k in labels if label in name), None)
+    from kvsim.sim.model.catalog import get_gpu, gpu_for_device_name
+    key = gpu_for_device_name(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / 2**30)
     return get_gpu(key).name if key else None
 
 

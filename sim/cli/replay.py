@@ -126,9 +126,6 @@ def replay(
         raise typer.Exit(130)
 
 
-_CUDA_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb"), ("L40", "l40"), ("L4", "l4"), ("T4", "t4"))
-
-
 def apply_device_defaults(cfg, device, weights: str) -> None:
     """Model, hardware spec and profile the user did not set follow the device and weights."""
     explicit = cfg.model_fields_set
@@ -141,5 +138,7 @@ def apply_device_defaults(cfg, device, weights: str) -> None:
             cfg.profile = "cpu-2core"
     elif "gpu" not in explicit:
         import torch
-        name = torch.cuda.get_device_name(device)
-        cfg.gpu = next((key for label, key in _CUDA_NAMES if label in name), "h100")
+
+        from kvsim.sim.model.catalog import gpu_for_device_name
+        memory_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        cfg.gpu = gpu_for_device_name(torch.cuda.get_device_name(device), memory_gib) or "h100"

@@ -18,8 +18,8 @@ from ..config import ConfigError, SimConfig
 from ..core.scheduler import SchedulerConfig
 from ..model.cost_model import CostModel, load_profile
 from ..model.defaults import resolve_engine
-from ..kv.build import build_kv_manager as _build_manager, policy_params
-from ..kv.policy import EvictionPolicy, FastModeProfile, PolicyError, get_policy
+from ..kv.build import build_kv_manager as _build_manager, build_policy
+from ..kv.policy import EvictionPolicy, FastModeProfile
 from ..model.memory import PoolSizing, RunMemoryEstimate, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
 
 KVKind = Literal["plain", "evicting", "hybrid"]  # vLLM's KVCacheManager | eviction-aware | sliding-window layers
@@ -73,7 +73,7 @@ def build_run_plan(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None
     hardware = resolve_hardware(cfg, model)
     # a model with sliding-window layers runs the hybrid manager, which refuses policies when built
     kv_kind: KVKind = "hybrid" if hardware.model.num_sliding_layers else "plain" if cfg.kv.is_default else "evicting"
-    policy = build_policy(cfg) if kv_kind == "evicting" else None
+    policy = build_policy(cfg.kv) if kv_kind == "evicting" else None
     profile = (policy.fast_mode_profile() or FastModeProfile()) if policy is not None and cfg.kv.mode == "fast" else None
     return RunPlan(
         cfg=cfg, hardware=hardware, scheduler=scheduler_config(cfg, hardware.cost, hardware.max_model_len),
@@ -109,18 +109,11 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
     return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_model_len)
 
 
-def build_policy(cfg: SimConfig) -> EvictionPolicy:
-    try:
-        return get_policy(cfg.kv.policy, **policy_params(cfg.kv))
-    except PolicyError as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def build_kv_manager(plan: RunPlan, replica: int = 0):
     """The KV manager of one replica: the plain vLLM manager, or the eviction-aware one of `kv:`.
     Replica 0 runs the plan's policy; the others their own instance (a policy may keep per-run
     state, e.g. the recorded policy's counters)."""
-    policy = plan.policy if replica == 0 or plan.policy is None else build_policy(plan.cfg)
+    policy = plan.policy if replica == 0 or plan.policy is None else build_policy(plan.cfg.kv)
     return _build_manager(plan.cfg, plan.model, plan.cost, plan.num_blocks, policy=policy)
 
 
