@@ -153,6 +153,7 @@ class RealExecutor:
     """Executes engine steps on a `LlamaModel` over a `PagedKVCache`, driven by the shared KV manager."""
 
     supports_fast_forward = False
+    supports_admitting_runs = False
 
     def __init__(self, model, cache, kv, cost=None, *, prompt_ids: Callable[[Request], list[int]],
                  recorder: ReplayRecorder | None = None, options: ExecutorOptions = ExecutorOptions()):

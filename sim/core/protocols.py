@@ -143,6 +143,7 @@ class FastForwardKV(KVManager, Protocol):
 class Executor(Protocol):
     """Runs (or prices) one scheduled step."""
     supports_fast_forward: bool     # True: a FastForwardExecutor (prices runs of decode steps)
+    supports_admitting_runs: bool   # True (with supports_fast_forward): it prices a run's mixed steps from counts
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run (or price) the step's model part; `complete` finishes it."""

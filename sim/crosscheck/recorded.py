@@ -37,6 +37,7 @@ class MeasuredTimeExecutor:
     but takes exactly the replay's measured duration of the same step."""
 
     supports_fast_forward = False
+    supports_admitting_runs = False
 
     def __init__(self, inner, durations: np.ndarray):
         self.inner = inner

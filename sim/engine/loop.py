@@ -95,8 +95,7 @@ class EngineReplica:
         self.num_steps = 0
         self.step_arrivals = feed.step_arrivals
         self.on_done = feed.on_done
-        self.arrivals = feed.arrivals if self.fast_forward and getattr(executor, "supports_admitting_runs", False) \
-            else None
+        self.arrivals = feed.arrivals if self.fast_forward and executor.supports_admitting_runs else None
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()

@@ -8,6 +8,7 @@ from ..core.prefix_lookups import PrefixLookups
 
 if TYPE_CHECKING:
     from .importance import ImportanceModelSpec
+    from .policy import EvictionPolicy, PolicyContext
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,11 @@ class EvictingManagerBase:
     No prefix caching (evicted tokens break shared prefix blocks) and no bulk decode fast-forward
     (eviction changes memory every step). The pool counts blocks of one (layer, KV head) row in the
     per_head layout, so a request can hold at most `pool blocks / ctx.rows` blocks of tokens.
-    Subclasses set `pool`, `ctx` and `block_size`.
+    Subclasses set `pool`, `ctx`, `policy` and `block_size`.
     """
     supports_fast_forward = False
+    ctx: PolicyContext
+    policy: EvictionPolicy
     enable_caching = False
 
     @property

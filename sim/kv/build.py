@@ -1,10 +1,12 @@
 """Build a replica's KV manager from a run's config (shared by the simulator and the real backend)."""
 from __future__ import annotations
 
+import warnings
+
 from ..config import ConfigError, KVConfig, SimConfig
 from ..core.kv_manager import KVCacheManager
 from ..core.protocols import KVManager
-from ..core.sliding_window import build_sliding_window_manager
+from ..core.sliding_window import HybridKVManager
 from .base import EvictingManagerBase, FastOptions
 from .importance import ImportanceError, ImportanceModelSpec, SyntheticImportance
 from .manager import EvictingKVManager, EvictingOptions
@@ -41,7 +43,7 @@ def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int, policy=None) 
     is vLLM's num_gpu_blocks (one of them the null block); `policy`: the built `kv.policy`, if it is."""
     eng = cfg.engine
     if model.num_sliding_layers:
-        return build_sliding_window_manager(cfg, model, num_blocks)
+        return sliding_window_manager(cfg, model, num_blocks)
     if cfg.kv.is_default:
         refuse_ignored_kv_options(cfg.kv, get_policy("none") if policy is None else policy)
         return KVCacheManager(num_blocks, eng.block_size, enable_caching=bool(eng.enable_prefix_caching))
@@ -50,6 +52,24 @@ def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int, policy=None) 
                           "none/shared (evicted tokens break shared prefix blocks)")
     # like vLLM's pool, one block of the memory is the null block
     return build_evicting_manager(cfg.kv, model, cost, num_blocks - 1, eng.block_size, cfg.seed, policy)
+
+
+def sliding_window_manager(cfg: SimConfig, model, num_blocks: int) -> HybridKVManager:
+    """The hybrid manager of a model with sliding-window layers (`num_blocks` of its group-sized
+    blocks); the combinations it does not model are refused in one line."""
+    if not cfg.kv.is_default:
+        raise ConfigError(f"kv.policy/kv.layout: {model.name} has sliding-window layers; KV eviction and compression "
+                          "policies are not modelled with them (use kv.policy none, kv.layout shared)")
+    if cfg.engine.preemption_mode == "swap":
+        raise ConfigError(f"engine.preemption_mode: swap is not modelled for {model.name}'s sliding-window layers; "
+                          "use recompute")
+    if cfg.engine.enable_prefix_caching:
+        warnings.warn(f"{model.name} has sliding-window layers: prefix caching is not modelled for them (no "
+                      "prefix hits in this run)", UserWarning, stacklevel=3)
+    _, full_groups, sliding_groups = model.kv_cache_groups()
+    return HybridKVManager(num_blocks, cfg.engine.block_size, window=model.sliding_window, full_groups=full_groups,
+                           sliding_groups=sliding_groups,
+                           sliding_layer_fraction=model.num_sliding_layers / model.num_layers)
 
 
 def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, seed: int,
@@ -86,7 +106,7 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     try:
         if kv.mode == "fast" and kv.layout == "shared" and policy.needs_scores:
             _check_fast_age_profile(kv.importance)
-        if kv.mode == "fast" and getattr(policy.fast_mode_profile(), "sampled_rows", False):
+        if kv.mode == "fast" and (profile := policy.fast_mode_profile()) is not None and profile.sampled_rows:
             from .fast.sampled.leankv import BatchedLeanKVManager, batched_leankv_supported
             from .fast.sampled.rows import SampledRowsKVManager
             cls = BatchedLeanKVManager if batched_leankv_supported(policy, kv.slot_strategy, kv.trigger) \

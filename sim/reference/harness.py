@@ -145,7 +145,7 @@ class _ScheduleTap:
     def __init__(self, executor):
         self.inner = executor
         self.steps: list[tuple[list, list]] = []
-        self.supports_fast_forward = False
+        self.supports_fast_forward = self.supports_admitting_runs = False
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -70,6 +70,7 @@ class CostModelExecutor:
 
 class KVPolicyExecutor:
     supports_fast_forward = False       # eviction changes memory every step
+    supports_admitting_runs = False
 
     def __init__(self, cost_model, kv: EvictingManagerBase):
         self.cost = cost_model
@@ -99,10 +100,10 @@ class KVPolicyExecutor:
         return self.cost.predict(shape)
 
 
-def _policy_prefill_pairs(kv, out: SchedulerOutput) -> float | None:
+def _policy_prefill_pairs(kv: EvictingManagerBase, out: SchedulerOutput) -> float | None:
     """The step's prefill query-key pairs as the policy counts them (None: the engine's count)."""
-    policy, ctx = getattr(kv, "policy", None), getattr(kv, "ctx", None)
-    if policy is None or ctx is None or policy.prefill_pairs(0, 1, ctx) is None:
+    policy, ctx = kv.policy, kv.ctx
+    if policy.prefill_pairs(0, 1, ctx) is None:
         return None
     return float(sum(policy.prefill_pairs(s.request.num_computed_tokens, s.num_new_tokens, ctx)
                      for s in out.scheduled if s.is_prefill))
