@@ -717,7 +717,7 @@ def run_cost_model(run: RunRecord):
     model it ran: its layers and tensor dtype), or None when it cannot be rebuilt."""
     from kvsim.sim.config import SimConfig
     from kvsim.sim.crosscheck.recorded import replay_model_spec
-    from kvsim.sim.engine.run_plan import resolve_hardware, with_engine_defaults
+    from kvsim.sim.engine.resolved_run import resolve_hardware, with_engine_defaults
 
     if not run.config:
         return None

@@ -5,7 +5,7 @@ then every new token's K/V is written to its slot (marking it live), decodes run
 kernel over live slots, and each prefill chunk runs SDPA over [live context, chunk (causal)].
 
 The cache decides how K/V are stored: full precision (`PagedKVCache`) or LeanKV's mixed-precision
-pages (`TieredKVCache`, dequantized on read). A `decode_select` hook (Quest / TokenSelect) narrows
+pages (`PrecisionGroupKVCache`, dequantized on read). A `decode_select` hook (Quest / TokenSelect) narrows
 each decode's read to the slots the selection policy picked, layer by layer.
 """
 from __future__ import annotations

@@ -139,8 +139,8 @@ def check_kernels(plan: Plan) -> pd.DataFrame:
     page_tables = torch.arange(B * H * per_row, device=plan.device, dtype=torch.int32).view(B * H, per_row)
     pages.assign(page_tables[:, ::2].reshape(-1), "K8V4")
     pages.assign(page_tables[:, 1::2].reshape(-1), "K4V2")
-    for t, tier in enumerate(pages.tiers):
-        ids = (pages.page_tier == t).nonzero().view(-1)
+    for t, precision in enumerate(pages.precisions):
+        ids = (pages.page_precision == t).nonzero().view(-1)
         cap = pages.capacity[t]
         slots = (ids[:, None] * pages.max_tokens + torch.arange(cap, device=plan.device)).view(-1)
         pages.write(slots, torch.randn(len(slots), D, device=plan.device), torch.randn(len(slots), D, device=plan.device))
@@ -351,7 +351,7 @@ def compiled_resources(out: Path) -> str:
 
 
 # (label, kvsim replay options): the eviction and compression paths of the real backend, each replayed
-# with --check-invariants (the cache's live slots and tiers must equal the KV manager's every step)
+# with --check-invariants (the cache's live slots and precision groups must equal the KV manager's every step)
 POLICY_RUNS = (
     ("h2o free_block", ["--policy", "h2o", "--layout", "per_head", "--slot-strategy", "free_block"]),
     ("h2o slot_reuse", ["--policy", "h2o", "--layout", "per_head", "--slot-strategy", "slot_reuse"]),

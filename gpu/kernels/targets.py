@@ -148,7 +148,7 @@ def _run_case(case: LaunchCase) -> None:
     elif case.op in ("quant_decode", "quant_stats"):
         from kvsim.gpu.quant import MixedPrecisionKVCache
         from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
-        cache = MixedPrecisionKVCache(NB, bs * D * 2, D, tiers=("K8V4", "K4V2"))
+        cache = MixedPrecisionKVCache(NB, bs * D * 2, D, precisions=("K8V4", "K4V2"))
         tables = torch.zeros(B * H, M, dtype=torch.int32)
         mixed_decode_attention(cache, torch.zeros(B * H, G, D, dtype=dtype), tables, 0.1,
                                want_scores=case.op == "quant_stats", backend="triton", group_max=case.group_max,

@@ -277,7 +277,7 @@ def check_same_engine(cfg, replay_dir: Path) -> None:
     """Refuse a reused replay whose engine settings (its config.yaml) differ from the simulations'."""
     import yaml
     from kvsim.sim.config import ConfigError
-    from kvsim.sim.engine.run_plan import with_engine_defaults
+    from kvsim.sim.engine.resolved_run import with_engine_defaults
     config_file = Path(replay_dir) / "config.yaml"
     if not config_file.is_file():
         raise ConfigError(f"--real {replay_dir}: no config.yaml (not a kvsim replay output directory)")

@@ -92,7 +92,7 @@ def replay(
         from kvsim.gpu.replay import ReplayOptions, resolve_device, run_replay
         dev = resolve_device(device)
         apply_device_defaults(cfg, dev, weights)
-        if cfg.engine.max_model_len is not None:        # before the model loads (the run plan checks it too)
+        if cfg.engine.max_model_len is not None:        # before the model loads (the resolved run checks it too)
             from kvsim.sim.model.catalog import get_model
             from kvsim.sim.model.defaults import check_max_model_len
             check_max_model_len(cfg.engine.max_model_len, get_model(cfg.model))

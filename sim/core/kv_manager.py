@@ -45,7 +45,7 @@ class KVCacheManager:
 
     # The simulator may advance pure-decode runs in bulk when the manager's state is a pure
     # function of token counts (no per-step eviction).
-    supports_fast_forward = True
+    supports_decode_runs = True
     table_rows = 1                   # one block table per sequence
 
     def capacity_tokens(self) -> int:

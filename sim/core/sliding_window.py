@@ -89,7 +89,7 @@ class HybridKVManager:
     """The KV manager of a model with sliding-window layers (see the module docstring). `num_blocks`
     is vLLM's num_gpu_blocks of group-sized blocks (one of them the reserved null block)."""
 
-    supports_fast_forward = False       # freed window blocks make the pool depend on more than token counts
+    supports_decode_runs = False       # freed window blocks make the pool depend on more than token counts
     table_rows = 1
     enable_caching = False
 

@@ -36,7 +36,7 @@ class MeasuredTimeExecutor:
     """Wraps a simulator executor: the step does everything the simulator does (policies, memory)
     but takes exactly the replay's measured duration of the same step."""
 
-    supports_fast_forward = False
+    supports_decode_runs = False
     supports_admitting_runs = False
 
     def __init__(self, inner, durations: np.ndarray):
@@ -48,8 +48,8 @@ class MeasuredTimeExecutor:
     def execute(self, out):
         return self.inner.execute(out)
 
-    def complete(self, result, kv_plan):
-        result = self.inner.complete(result, kv_plan)
+    def complete(self, result, kv_effects):
+        result = self.inner.complete(result, kv_effects)
         if self.step >= len(self.durations):
             raise CrosscheckError(f"recorded mode: the simulation needs more steps than the replay's "
                                   f"{len(self.durations)}; schedules diverged (see the memory comparison)")

@@ -1,9 +1,9 @@
 """Assemble a run's engine core: its workload and requests, the scheduler's settings, and the engine
-(replicas, router, arrivals, client-side concurrency limit) built from a run plan (sim/engine/run_plan.py).
+(replicas, router, arrivals, client-side concurrency limit) built from a resolved run (sim/engine/resolved_run.py).
 
 Shared by the two executors' drivers: the simulator (`sim.simulator.simulate`) and the real backend's replay
 (`gpu.replay`) both call `build_engine` and `EngineRun.drive`; each passes its own replica parts
-(a KV manager from `sim.engine.run_plan.build_kv_manager` and its executor).
+(a KV manager from `sim.engine.resolved_run.build_kv_manager` and its executor).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .loop import (ArrivalProcess, ConcurrencyLimit, EngineClock, EngineReplica,
 from ..results.metrics import StepLog
 
 if TYPE_CHECKING:
-    from .run_plan import RunPlan
+    from .resolved_run import ResolvedRun
 
 
 def load_workload(cfg: SimConfig):
@@ -179,7 +179,7 @@ class EngineRun:
         return [r for r in requests if id(r) not in unsent]
 
 
-def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
+def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                  replica_parts: Callable[[int], tuple[KVManager, Executor]], *, entry=None,
                  on_step: Callable[[int], None] | None = None) -> EngineRun:
     """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager

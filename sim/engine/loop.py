@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import simpy
 
-from .bulk import decode_runs as fast_forward
+from .bulk import decode_runs
 from .bulk.admitting_runs import plan_admitting
 from ..core.protocols import Executor
 from ..core.request import Request
@@ -86,8 +86,8 @@ class EngineReplica:
         self.kv = scheduler.kv
         self.executor = executor
         self.step_log = step_log
-        # only then are they a FastForwardExecutor and a FastForwardKV (sim/core/protocols.py)
-        self.fast_forward = options.fast_forward and executor.supports_fast_forward and self.kv.supports_fast_forward
+        # only then are they a DecodeRunExecutor and a DecodeRunKV (sim/core/protocols.py)
+        self.bulk_decode = options.fast_forward and executor.supports_decode_runs and self.kv.supports_decode_runs
         self.check = options.check_invariants
         self.next_arrival = feed.next_arrival
         self.on_step = feed.on_step
@@ -95,7 +95,7 @@ class EngineReplica:
         self.num_steps = 0
         self.step_arrivals = feed.step_arrivals
         self.on_done = feed.on_done
-        self.arrivals = feed.arrivals if self.fast_forward and executor.supports_admitting_runs else None
+        self.arrivals = feed.arrivals if self.bulk_decode and executor.supports_admitting_runs else None
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()
@@ -141,7 +141,7 @@ class EngineReplica:
                 req.replica = self.index
                 self.scheduler.add_request(req)
 
-    def _reach_run_end(self, run: fast_forward.DecodeRun):
+    def _reach_run_end(self, run: decode_runs.DecodeRun):
         """Bring the clock to a decode run's end as stepping does: at once to the last step end before
         the next event, then one timeout per remaining step (a single timeout from further back can
         round one ulp away from the end: now + (end - now) is not always end)."""
@@ -184,7 +184,7 @@ class EngineReplica:
             if not self.scheduler.has_work:
                 self.scheduler.release_finishing()     # async: no next schedule to wait for
             self._log_step(start, out, result, len(finished), shape)
-            if self.fast_forward:
+            if self.bulk_decode:
                 yield from self._decode_run()
 
     # ----- logging ----------------------------------------------------------------------------
@@ -237,9 +237,9 @@ class EngineReplica:
             assert r in finishing or r not in self.kv.req_blocks
 
     # ----- decode fast-forward ----------------------------------------------------------------
-    def fast_forward_view(self) -> fast_forward.ReplicaView:
-        """What the decode fast-forward's plan needs of this replica (sim/engine/bulk/decode_runs.py)."""
-        return fast_forward.ReplicaView(
+    def decode_run_view(self) -> decode_runs.ReplicaView:
+        """What `find_decode_run` needs of this replica (sim/engine/bulk/decode_runs.py)."""
+        return decode_runs.ReplicaView(
             now=self.now, next_arrival=self.next_arrival(), inbox_empty=not self.inbox,
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
@@ -249,7 +249,7 @@ class EngineReplica:
     def _decode_run(self):
         """Advance a stretch of pure-decode steps in bulk (see sim/engine/bulk/decode_runs.py)."""
         sched = self.scheduler
-        run = fast_forward.plan(self.fast_forward_view(), sched, self.kv, self.executor,
+        run = decode_runs.find_decode_run(self.decode_run_view(), sched, self.kv, self.executor,
                                 self._plan_admitting if self.arrivals is not None else None)
         if run is None:
             return
@@ -259,7 +259,7 @@ class EngineReplica:
             self._take_arrivals_of(run)
         else:
             waiting = [len(sched.waiting)] * k
-        rows = fast_forward.apply(sched, self.kv, run)
+        rows = decode_runs.apply_decode_run(sched, self.kv, run)
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         yield from self._reach_run_end(run)
         done = [r for r, e in zip(run.requests, run.last_step) if e == k]
@@ -296,10 +296,10 @@ class EngineReplica:
             self.on_step(k)
 
 
-    def _plan_admitting(self, view, sched, kv, executor, start) -> fast_forward.DecodeRun | None:
+    def _plan_admitting(self, view, sched, kv, executor, start) -> decode_runs.DecodeRun | None:
         return plan_admitting(view, sched, kv, executor, Incoming(self.inbox, self.arrivals()), start)
 
-    def _take_arrivals_of(self, run: fast_forward.DecodeRun) -> None:
+    def _take_arrivals_of(self, run: decode_runs.DecodeRun) -> None:
         """The arrivals a run took leave the inbox and the arrival process for this replica."""
         for _, req in run.arrivals:
             req.replica = self.index

@@ -38,7 +38,7 @@ class EvictingManagerBase:
     per_head layout, so a request can hold at most `pool blocks / ctx.rows` blocks of tokens.
     Subclasses set `pool`, `ctx`, `policy` and `block_size`.
     """
-    supports_fast_forward = False
+    supports_decode_runs = False
     ctx: PolicyContext
     policy: EvictionPolicy
     enable_caching = False

@@ -12,20 +12,20 @@ from .importance import ImportanceError, ImportanceModelSpec, SyntheticImportanc
 from .manager import EvictingKVManager, EvictingOptions
 from .slots import COPY_STRATEGIES
 from .policy import EvictionPolicy, PolicyContext, PolicyError, get_policy
-from .state import TIER_FULL
-from .tiers import TIERS
+from .state import PRECISION_FULL
+from .precision import PRECISION_FORMATS
 
 
-def tier_layout(model, block_size: int, high: str, low: str) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
-    """(bytes per token of each tier / full-precision bytes, tokens per page of each tier) for pages of
+def precision_layout(model, block_size: int, high: str, low: str) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
+    """(bytes per token of each precision group / full-precision bytes, tokens per page of each precision group) for pages of
     the byte size of one full-precision block of one (layer, KV head) — LeanKV's fixed-size pages."""
     full_bytes = model.kv_bytes_per_token() / (model.num_layers * model.num_kv_heads)
     page_bytes = block_size * full_bytes
     ratios, caps = [1.0], [block_size]
     for name, what in ((high, "kv.high_tier"), (low, "kv.low_tier")):
-        if name not in TIERS:
-            raise ConfigError(f"{what}: unknown precision tier {name!r}; known: {sorted(TIERS)}")
-        b = TIERS[name].bytes_per_token(model.head_dim)
+        if name not in PRECISION_FORMATS:
+            raise ConfigError(f"{what}: unknown precision format {name!r}; known: {sorted(PRECISION_FORMATS)}")
+        b = PRECISION_FORMATS[name].bytes_per_token(model.head_dim)
         ratios.append(b / full_bytes)
         caps.append(int(page_bytes // b))
     return tuple(ratios), tuple(caps)
@@ -79,9 +79,9 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     GPU) one-head blocks."""
     kv_heads = cost.kv_heads_per_gpu
     rows = model.num_layers * kv_heads if kv.layout == "per_head" else 1
-    tier_bytes, tier_caps = tier_layout(model, block_size, kv.high_tier, kv.low_tier)
+    precision_bytes, precision_caps = precision_layout(model, block_size, kv.high_tier, kv.low_tier)
     ctx = PolicyContext(kv.layout, model.num_layers, kv_heads, max(1, model.num_heads * kv_heads // model.num_kv_heads),
-                        block_size, rows, tier_bytes=tier_bytes, head_dim=model.head_dim,
+                        block_size, rows, precision_bytes=precision_bytes, head_dim=model.head_dim,
                         bytes_per_token_row=cost.kv_bytes_per_token / rows)
     policy = policy if policy is not None else build_policy(kv)
     refuse_ignored_kv_options(kv, policy)
@@ -99,7 +99,7 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
                               "use kv.mode=token")
     token = EvictingOptions(slot_strategy=kv.slot_strategy, trigger=kv.trigger, trigger_interval=kv.trigger_interval,
                             trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
-                            tier_capacity=tier_caps, new_token_tier=policy.new_token_tier,
+                            precision_capacity=precision_caps, new_token_precision=policy.new_token_precision,
                             copy_threshold=kv.copy_threshold)
     fast = FastOptions(slot_strategy=kv.slot_strategy, bytes_per_token_row=bytes_per_row, seed=seed,
                        sample_rows=kv.fast_rows, importance=kv.importance)
@@ -145,9 +145,9 @@ def refuse_ignored_kv_options(kv: KVConfig, policy: EvictionPolicy) -> None:
             raise ConfigError(f"kv.{name}={given(name)}: only kv.trigger={reader} reads it, and this run's trigger "
                               f"is {trigger}{whose}; set kv.trigger={reader} or drop kv.{name}")
     for name in ("high_tier", "low_tier"):
-        if given(name) is not None and policy.new_token_tier == TIER_FULL:
+        if given(name) is not None and policy.new_token_precision == PRECISION_FULL:
             raise ConfigError(f"kv.{name}={given(name)}: policy {kv.policy!r} keeps every token at full precision; "
-                              f"the precision tiers apply to a tiering policy (leankv); drop kv.{name}")
+                              f"the precision groups apply to a mixed-precision policy (leankv); drop kv.{name}")
     if given("fast_rows") is not None and kv.mode != "fast":
         raise ConfigError(f"kv.fast_rows={given('fast_rows')}: only kv.mode=fast samples rows, and this run is "
                           f"kv.mode={kv.mode} (every row simulated); drop kv.fast_rows or set kv.mode=fast")

@@ -304,7 +304,7 @@ class _FitChecker:
     @staticmethod
     def _pool(cfg: SimConfig):
         """(model, pool blocks) as the run resolves them, or the reason the pool does not fit the GPU."""
-        from ..engine.run_plan import resolve_hardware, with_engine_defaults
+        from ..engine.resolved_run import resolve_hardware, with_engine_defaults
 
         try:
             model, _, _, blocks, _ = resolve_hardware(with_engine_defaults(cfg))
@@ -326,10 +326,10 @@ class _FitChecker:
     def _memory_problem(self, cfg: SimConfig, model, blocks: int) -> str | None:
         if self._available is None:
             self._available = available_memory_bytes()
-        from ..engine.run_plan import build_run_plan
+        from ..engine.resolved_run import resolve_run
 
         try:
-            check_memory(build_run_plan(cfg).memory, self._available)
+            check_memory(resolve_run(cfg).memory, self._available)
         except ValueError as exc:
             return str(exc)
         return None

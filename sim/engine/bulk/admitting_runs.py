@@ -10,7 +10,7 @@ in bulk.
 Without it every arrival ends a run and takes steps of its own through the scheduler. Here a run
 spans thousands of steps. Everything stepping does still happens, in the same order: the arrivals
 join WAITING through `Scheduler.add_request` and the admissions go through the scheduler's own
-admission (`Scheduler.admit_planned`, which checks it admits what was planned) between the run's
+admission (`Scheduler.admit_waiting`, checked to admit what was planned) between the run's
 bulk allocations, so block identities, the prefix cache, request state and the step log come out
 bit-identical to stepping (tests/test_admitting_runs.py, and the decode fast-forward's property test).
 
@@ -191,7 +191,7 @@ def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: 
                    start: tuple[list, list, list]) -> DecodeRun | None:
     """The next run of a replica whose running requests all decode, or finished in the step just
     taken (async), admitting the arrivals it can. `start`: the decoding requests, their computed
-    counts and last steps, as `fast_forward.plan` found them."""
+    counts and last steps, as `find_decode_run` found them."""
     planner = _Planner(view, sched, kv, executor, arrivals)
     run = _Admissions(*map(list, start))
     for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step)):
@@ -298,7 +298,7 @@ class _Planner:
         chunks, admitted, partial = [], [], 0
         if self.prefilling is not None:
             adm, done = self.prefilling
-            n = sched._chunk(adm.request.prompt_tokens - done, budget, done, threshold)
+            n = sched.new_tokens(adm.request.prompt_tokens - done, budget, done, threshold)
             held = -(-(done + n) // bs)
             if n < 1 or free < held - -(-done // bs):
                 return False
@@ -311,9 +311,9 @@ class _Planner:
             prompt = req.prompt_tokens
             if free < -(-prompt // bs):
                 return False                # the head waits for blocks: the pool's judgement, not planned
-            if not cfg.enable_chunked_prefill and sched._capped(prompt, threshold) > budget:
+            if not cfg.enable_chunked_prefill and sched.capped(prompt, threshold) > budget:
                 break                       # it waits for a step with budget enough
-            n = sched._chunk(prompt, budget, 0, threshold)
+            n = sched.new_tokens(prompt, budget, 0, threshold)
             partial += n < prompt
             if partial > 1:
                 return False                # two prompts part-way at once (a chunk cap): not planned

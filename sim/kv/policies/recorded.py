@@ -61,7 +61,7 @@ def load_recorded_decisions(path: str | Path):
     bad = sorted(set(df["action"]) - {"evict"})
     if bad:
         raise RecordedDecisionsError(f"{f}: action {bad[0]!r} cannot be replayed; expected 'evict' "
-                                     f"(precision tiers are not recorded by the real backend yet)")
+                                     f"(precision groups are not recorded by the real backend yet)")
     bad = sorted(set(df["reason"]) - set(REASONS))
     if bad:
         raise RecordedDecisionsError(f"{f}: reason {bad[0]!r}; expected one of {REASONS}")

@@ -1,9 +1,9 @@
-"""A run's plan: everything a simulation or a replay needs, resolved once from a validated SimConfig.
+"""A resolved run (`ResolvedRun`): everything a simulation or a replay needs, resolved once from a validated SimConfig.
 
-`build_run_plan` is the one place a run is resolved: the engine defaults (sim/model/defaults.py), the model
+`resolve_run` is the one place a run is resolved: the engine defaults (sim/model/defaults.py), the model
 and GPU specs, the cost model with its profile, the KV pool size, the scheduler's settings, the KV
 policy (built once), the host-memory estimate, and which KV manager and executor each replica runs.
-The plan is immutable; the simulator (`sim.simulator.simulate`) and the real backend (`gpu.replay`) build
+It is immutable; the simulator (`sim.simulator.simulate`) and the real backend (`gpu.replay`) build
 their replicas from it (`build_kv_manager` here, each executor's own factory) and assemble the same
 engine (`sim.engine.assembly.build_engine`).
 """
@@ -36,7 +36,7 @@ class Hardware(NamedTuple):
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class ResolvedRun:
     cfg: SimConfig             # engine defaults resolved: what config.yaml records
     hardware: Hardware
     scheduler: SchedulerConfig
@@ -66,7 +66,7 @@ class RunPlan:
         return self.hardware.max_model_len
 
 
-def build_run_plan(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -> RunPlan:
+def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -> ResolvedRun:
     """The plan of a run of `cfg` over `trace` (sized into the memory estimate when given). `model`
     replaces `cfg.model`'s catalog entry (the real backend passes the spec of the model it runs)."""
     cfg = with_engine_defaults(cfg)
@@ -75,7 +75,7 @@ def build_run_plan(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None
     kv_kind: KVKind = "hybrid" if hardware.model.num_sliding_layers else "plain" if cfg.kv.is_default else "evicting"
     policy = build_policy(cfg.kv) if kv_kind == "evicting" else None
     profile = (policy.fast_mode_profile() or FastModeProfile()) if policy is not None and cfg.kv.mode == "fast" else None
-    return RunPlan(
+    return ResolvedRun(
         cfg=cfg, hardware=hardware, scheduler=scheduler_config(cfg, hardware.cost, hardware.max_model_len),
         policy=policy, kv_kind=kv_kind, executor_kind="kv_policy" if kv_kind == "evicting" else "cost_model",
         memory=estimate_run_memory(cfg, hardware.model, hardware.cost, hardware.num_blocks, trace, profile))
@@ -109,9 +109,9 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
     return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_model_len)
 
 
-def build_kv_manager(plan: RunPlan, replica: int = 0):
+def build_kv_manager(plan: ResolvedRun, replica: int = 0):
     """The KV manager of one replica: the plain vLLM manager, or the eviction-aware one of `kv:`.
-    Replica 0 runs the plan's policy; the others their own instance (a policy may keep per-run
+    Replica 0 runs the resolved run's policy; the others their own instance (a policy may keep per-run
     state, e.g. the recorded policy's counters)."""
     policy = plan.policy if replica == 0 or plan.policy is None else build_policy(plan.cfg.kv)
     return _build_manager(plan.cfg, plan.model, plan.cost, plan.num_blocks, policy=policy)
@@ -122,6 +122,6 @@ def check_config_memory(cfg: SimConfig, trace=None) -> RunMemoryEstimate:
     `kvsim simulate` applies, for other front ends (the dashboard). Raises HostMemoryError (a
     ValueError) when it does not fit; returns the estimate."""
     from ..model.memory import check_memory
-    estimate = build_run_plan(cfg, trace=trace).memory
+    estimate = resolve_run(cfg, trace=trace).memory
     check_memory(estimate)
     return estimate
