@@ -46,7 +46,6 @@ ROWS = ("A:kvcompress", "A:quest", "A:snapkv", "B:leankv", "B:quest", "B:snapkv"
 
 def one(row: str) -> dict:
     from kvsim.sim.config import load_config
-    from kvsim.sim.kv.build import policy_params
     from kvsim.sim.kv.policy import get_policy
     from kvsim.sim.config import KVConfig
     from kvsim.sim.simulator.simulate import run_simulation
@@ -54,7 +53,7 @@ def one(row: str) -> dict:
 
     w, p = row.split(":")
     wl, kv = WORKLOADS[w], dict(POLICIES[p])
-    mode = "fast" if get_policy(kv["policy"], **policy_params(KVConfig(**kv))).fast_mode_profile() else "token"
+    mode = "fast" if get_policy(kv["policy"], **KVConfig(**kv).policy_params()).fast_mode_profile() else "token"
     kv["mode"] = mode
     cfg = load_config(None, {"model": wl["model"], "gpu": wl["gpu"], "tp": wl["tp"], "kv": kv,
                              "engine": {"max_num_seqs": 256}})

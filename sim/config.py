@@ -158,6 +158,15 @@ class TraceOptions(_Strict):
             raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
         return self
 
+    def file_options(self) -> dict:
+        """load_trace's format and reader options (only those given)."""
+        out = {"format": self.format} if self.format else {}
+        if self.format in GENERIC_FORMATS:
+            out.update(columns=self.columns, time_unit=self.time_unit)
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer
+        return out
+
 
 class SLO(_Strict):
     ttft: str | None = None
@@ -216,6 +225,13 @@ class KVConfig(_Strict):
     def is_default(self) -> bool:
         """The plain vLLM path (base KVCacheManager, decode fast-forward) applies."""
         return self.policy == "none" and self.layout == "shared"
+
+    def policy_params(self) -> dict:
+        """The policy's constructor parameters: `params`, with `budget` when given."""
+        params = dict(self.params)
+        if self.budget is not None:
+            params.setdefault("budget", self.budget)
+        return params
 
 
 # config keys whose value may name a user file (dotted: section.key): run ids hash their content

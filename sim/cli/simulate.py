@@ -101,7 +101,8 @@ def simulate(
         trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
-        refuse_ineffective(cfg)
+        refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)
+        refuse_ineffective_kv(cfg.kv)
         from kvsim.sim.simulator.simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
         with interrupt_on_sigterm():
@@ -117,18 +118,17 @@ def simulate(
     console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
 
 
-def refuse_ineffective(cfg) -> None:
-    """Options that would change nothing in this run, or that vLLM cannot run, are a mistake to say, not to
-    ignore."""
+def refuse_ineffective(gpu_name: str, model: str, weight_dtype: str | None) -> None:
+    """Hardware options vLLM cannot run are a mistake to say, not to ignore (the KV options:
+    `refuse_ineffective_kv`)."""
     from kvsim.sim.model.catalog import get_gpu, get_model, normalize_dtype
 
-    gpu = get_gpu(cfg.gpu)
-    weights = normalize_dtype(cfg.weight_dtype) if cfg.weight_dtype else get_model(cfg.model).weight_dtype
+    gpu = get_gpu(gpu_name)
+    weights = normalize_dtype(weight_dtype) if weight_dtype else get_model(model).weight_dtype
     if weights == "fp8" and gpu.kind == "gpu" and not {"fp8", "bf16"} & set(gpu.tflops):
         raise ConfigError(f"--weight-dtype fp8: {gpu.name} predates Ampere; vLLM runs FP8 weights only on compute "
                           "capability 8.0+ (Marlin weight-only on Ampere, native FP8 on Ada/Hopper); expected "
                           "int8, int4 or fp16 weights on it")
-    refuse_ineffective_kv(cfg.kv)
 
 
 def refuse_ineffective_kv(kv) -> None:

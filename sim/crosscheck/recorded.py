@@ -16,7 +16,6 @@ import pandas as pd
 from kvsim.sim.model.catalog import get_model, normalize_dtype
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.crosscheck.comparison import SHAPE_COLUMNS, CrosscheckError, Run, first_divergence
-from kvsim.sim.kv.build import policy_params
 from kvsim.sim.kv.policies.recorded import recorded_trigger
 from kvsim.sim.kv.policy import get_policy
 from kvsim.sim.simulator.simulate import run_simulation
@@ -67,7 +66,7 @@ def recorded_config(cfg, replay_dir: str | Path | None):
     `replay_dir` (same layout, slot strategy and trigger); score-free policies (none, streaming, quest)
     are deterministic and run as they are when no replay directory is given."""
     kv = cfg.kv
-    policy = get_policy(kv.policy, **policy_params(kv))
+    policy = get_policy(kv.policy, **kv.policy_params())
     if not policy.evicts or kv.policy == "recorded":
         return cfg
     if replay_dir is None:

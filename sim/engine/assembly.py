@@ -33,7 +33,7 @@ def load_workload(cfg: SimConfig):
     # without a time window the first N requests are the file's first N (only those rows are read)
     first = opts.max_requests if opts.start_s is None and opts.end_s is None else None
     trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate} if opts.rate else {}), seed=cfg.seed,
-                       **trace_file_options(opts))
+                       **opts.file_options())
     if opts.start_s is not None or opts.end_s is not None:
         trace = _window(trace, opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
     if opts.max_requests is not None:
@@ -59,16 +59,6 @@ def _window(trace, start_s: float, end_s: float):
         raise ConfigError(f"trace_options.start_s/end_s: no request of {trace.name or trace.source!r} arrives in "
                           f"[{start_s:g}, {end_s:g}) s; its arrivals span 0 to {last:g} s")
     return window
-
-
-def trace_file_options(opts) -> dict:
-    """load_trace's format and reader options from `trace_options` (only those given)."""
-    out = {"format": opts.format} if opts.format else {}
-    if opts.format in ("csv", "jsonl", "parquet"):
-        out.update(columns=opts.columns, time_unit=opts.time_unit)
-    if opts.tokenizer is not None:
-        out["tokenizer"] = opts.tokenizer
-    return out
 
 
 def with_request_rate(trace, request_rate: float, burstiness: float, seed: int):

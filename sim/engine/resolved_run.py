@@ -69,7 +69,7 @@ class ResolvedRun:
 def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -> ResolvedRun:
     """The plan of a run of `cfg` over `trace` (sized into the memory estimate when given). `model`
     replaces `cfg.model`'s catalog entry (the real backend passes the spec of the model it runs)."""
-    cfg = with_engine_defaults(cfg)
+    cfg = cfg.model_copy(update={"engine": resolve_engine(cfg)})     # with_engine_defaults
     hardware = resolve_hardware(cfg, model)
     # a model with sliding-window layers runs the hybrid manager, which refuses policies when built
     kv_kind: KVKind = "hybrid" if hardware.model.num_sliding_layers else "plain" if cfg.kv.is_default else "evicting"

@@ -31,13 +31,6 @@ def precision_layout(model, block_size: int, high: str, low: str) -> tuple[tuple
     return tuple(ratios), tuple(caps)
 
 
-def policy_params(kv) -> dict:
-    params = dict(kv.params)
-    if kv.budget is not None:
-        params.setdefault("budget", kv.budget)
-    return params
-
-
 def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int, policy=None) -> KVManager:
     """The KV manager of one replica: the plain vLLM manager unless `kv:` asks for more. `num_blocks`
     is vLLM's num_gpu_blocks (one of them the null block); `policy`: the built `kv.policy`, if it is."""
@@ -125,7 +118,7 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
 def build_policy(kv: KVConfig) -> EvictionPolicy:
     """The `kv.policy` of a `KVConfig` with its parameters (a bad one is a ConfigError)."""
     try:
-        return get_policy(kv.policy, **policy_params(kv))
+        return get_policy(kv.policy, **kv.policy_params())
     except PolicyError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -112,16 +112,11 @@ def _policy_prefill_pairs(kv: EvictingManagerBase, out: SchedulerOutput) -> floa
 EXECUTORS = {"cost_model": CostModelExecutor, "kv_policy": KVPolicyExecutor}
 
 
-def replica_executor(plan: ResolvedRun, kv: KVManager) -> Executor:
-    """The simulator's executor of a replica running `kv` (`sim.engine.resolved_run.build_kv_manager`): the kind
-    the plan chose for its KV manager."""
-    return EXECUTORS[plan.executor_kind](plan.cost, kv)
-
-
 def replica_parts(plan: ResolvedRun, index: int) -> tuple[KVManager, Executor]:
     """The KV manager and executor of replica `index` of a simulation."""
     kv = build_kv_manager(plan, index)
-    return kv, replica_executor(plan, kv)
+    # the simulator's executor of the kind the resolved run chose for its KV manager
+    return kv, EXECUTORS[plan.executor_kind](plan.cost, kv)
 
 
 def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int) -> tuple[EvictingManagerBase, KVPolicyExecutor]:

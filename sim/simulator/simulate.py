@@ -53,7 +53,7 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     if out_dir:
         check_out_dir(Path(out_dir))
         check_out_owner(Path(out_dir), overwrite=overwrite)
-        _check_not_reading_from(cfg, Path(out_dir))
+        _check_not_reading_from(cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
     plan = resolve_run(with_bench_load(cfg, trace), trace=trace, model=model)
     check_memory(plan.memory)
@@ -156,9 +156,9 @@ def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
     return cfg
 
 
-def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
-    """The recorded policy reads a replay's decisions: publishing into that directory would replace them."""
-    source = cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None
+def _check_not_reading_from(source: str | None, out: Path) -> None:
+    """The recorded policy reads a replay's decisions (at `source`): publishing into that directory would
+    replace them."""
     if not source:
         return
     source = Path(source)
