@@ -107,7 +107,7 @@ def trace_readers(argv: list[str]) -> list[tuple[str, str]]:
 
 def re_entries(modules: list[str]) -> int:
     left, count = set(), 0
-    for prev, cur in zip(modules, modules[1:]):
+    for prev, cur in zip(modules, modules[1:], strict=False):
         if cur != prev:
             if cur in left:
                 count += 1

@@ -42,6 +42,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+import contextlib
 
 MAIN = ["simulate", "--trace", "azure-conv-2023", "--model", "llama-3.1-8b", "--gpu", "h100",
         "--max-requests", "200", "-q"]
@@ -57,10 +58,8 @@ def config_types() -> tuple[type, ...]:
     types = [c for c in vars(config).values()
              if isinstance(c, type) and issubclass(c, BaseModel) and c.__module__ == config.__name__]
     for module, name in (("kvsim.sim.engine.resolved_run", "ResolvedRun"), ("kvsim.sim.core.scheduler", "SchedulerConfig")):
-        try:
+        with contextlib.suppress(ImportError, AttributeError):
             types.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
     return tuple(types)
 
 

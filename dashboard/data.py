@@ -93,7 +93,7 @@ class RunRecord:
         num_gpu_blocks x layers x KV heads of them; the step log's used + free count says how many."""
         if len(self.steps) and {"blocks_used", "blocks_free"} <= set(self.steps.columns):
             per_replica = (self.steps["blocks_used"] + self.steps["blocks_free"]).groupby(
-                self.steps["replica"] if "replica" in self.steps else 0).max()
+                self.steps.get("replica", 0)).max()
             return int(per_replica.sum())
         return self.num_blocks_total
 

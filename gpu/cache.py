@@ -40,7 +40,7 @@ class CacheGeometry(NamedTuple):
     num_blocks: int
 
     @classmethod
-    def for_model(cls, config, layout: str, num_blocks: int) -> "CacheGeometry":
+    def for_model(cls, config, layout: str, num_blocks: int) -> CacheGeometry:
         return cls(layout, config.layers, config.kv_heads, config.head_dim, num_blocks)
 
     def check(self) -> None:
@@ -72,7 +72,7 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, config, layout: str, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu", backend: str | None = None) -> "PagedKVCache":
+                  device: str | torch.device = "cpu", backend: str | None = None) -> PagedKVCache:
         return cls(CacheGeometry.for_model(config, layout, num_blocks), block_size, dtype, device, backend)
 
     @staticmethod
@@ -193,7 +193,7 @@ class PrecisionGroupKVCache:
 
     @classmethod
     def for_model(cls, config, layout: str, num_blocks: int, block_size: int, full_bytes: int,
-                  precisions: tuple[str, str] = ("K8V4", "K4V2"), device="cpu", backend=None) -> "PrecisionGroupKVCache":
+                  precisions: tuple[str, str] = ("K8V4", "K4V2"), device="cpu", backend=None) -> PrecisionGroupKVCache:
         """Pages of the bytes of one full-precision block of one (layer, KV head): block_size tokens x
         `full_bytes` (K + V bytes of one token of one head at the cache dtype)."""
         return cls(CacheGeometry.for_model(config, layout, num_blocks), block_size * full_bytes, precisions, device,

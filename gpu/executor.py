@@ -37,7 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import time
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -125,7 +126,7 @@ class ReplayRecorder:
             "recent_share": np.asarray(recent, np.float64)})
 
     @staticmethod
-    def _table(parts: list[dict], columns) -> "pd.DataFrame":  # noqa: F821 - pandas imported on use
+    def _table(parts: list[dict], columns) -> pd.DataFrame:  # noqa: F821 - pandas imported on use
         import pandas as pd
         if not parts:
             return pd.DataFrame({c: pd.Series(dtype=object if c in ("action", "reason") else "int64")
@@ -247,7 +248,7 @@ class RealExecutor:
         next_tokens = logits.argmax(-1).tolist()
         t3 = self.clock()
         self.last_logits, self.last_request_ids = logits, [s.request.request_id for s in sched]
-        for s, token in zip(sched, next_tokens):
+        for s, token in zip(sched, next_tokens, strict=True):
             req = s.request
             if req.num_computed_tokens + s.num_new_tokens >= req.num_tokens:
                 req.gpu_tokens.append(int(token))
@@ -377,7 +378,7 @@ class RealExecutor:
             block_tables=torch.from_numpy(bt).to(dev),
             score_window=self._score_window(sched), score_max=self.score_max)
         if self.selector is not None:
-            decodes = [(s.request, info) for s, info in zip(sched, tables) if s.num_new_tokens == 1]
+            decodes = [(s.request, info) for s, info in zip(sched, tables, strict=True) if s.num_new_tokens == 1]
             if decodes:
                 self.last_selection = {}
                 meta.decode_select = lambda layer, q, tbl, cache: self._select(layer, q, tbl, cache, decodes)
@@ -515,7 +516,7 @@ class RealExecutor:
             # a request evicted twice in one plan keeps only its last entry: resync all its blocks
             by_id = {r.request_id: rk for r, rk in self.kv.req_kv.items()}
             touched += [by_id[rid].table[by_id[rid].table >= 0] for rid in plan.evicted if rid in by_id]
-        for src, dst, src_precision, dst_precision in zip(plan.copy_src, plan.copy_dst, plan.copy_precisions, plan.copy_dst_precisions):
+        for src, dst, src_precision, dst_precision in zip(plan.copy_src, plan.copy_dst, plan.copy_precisions, plan.copy_dst_precisions, strict=True):
             s, d = self._cache_slots(src), self._cache_slots(dst)
             self.cache.move_slots(torch.from_numpy(s), torch.from_numpy(d), src_precision, dst_precision)
             moved = self.slot_pos[s]

@@ -139,7 +139,7 @@ def check_kernels(plan: Plan) -> pd.DataFrame:
     page_tables = torch.arange(B * H * per_row, device=plan.device, dtype=torch.int32).view(B * H, per_row)
     pages.assign(page_tables[:, ::2].reshape(-1), "K8V4")
     pages.assign(page_tables[:, 1::2].reshape(-1), "K4V2")
-    for t, precision in enumerate(pages.precisions):
+    for t, _precision in enumerate(pages.precisions):
         ids = (pages.page_precision == t).nonzero().view(-1)
         cap = pages.capacity[t]
         slots = (ids[:, None] * pages.max_tokens + torch.arange(cap, device=plan.device)).view(-1)
@@ -157,11 +157,11 @@ def check_kernels(plan: Plan) -> pd.DataFrame:
     key, value = torch.randn(T, H, D, device=plan.device).to(dtype), torch.randn(T, H, D, device=plan.device).to(dtype)
     slots = torch.randperm(num_blocks * plan.block_size)[:T].to(plan.device)
     caches = [_cache(torch, plan, H, D, num_blocks, 5) for _ in range(2)]
-    for c, backend in zip(caches, ("torch", "triton")):
+    for c, backend in zip(caches, ("torch", "triton"), strict=True):
         reshape_and_cache(key, value, c.k[0], c.v[0], slots, c.live, backend=backend)
     record("reshape_and_cache", "shared", caches[1].k, caches[0].k, 0.0)
     src, dst = slots[:B], slots[B:]
-    for c, backend in zip(caches, ("torch", "triton")):
+    for c, backend in zip(caches, ("torch", "triton"), strict=True):
         copy_slots(c.k, c.v, c.live, src, dst, move=True, backend=backend)
     record("copy_slots", "move", caches[1].v, caches[0].v, 0.0)
     record("copy_slots", "move (live)", caches[1].live, caches[0].live, 0.0)
@@ -238,8 +238,10 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
             kc, vc = cache.layer_view(0)
             live = cache.live
             for label, splits in (("auto", None), ("unsplit", 1)):
-                def call(n=splits):
-                    return paged_decode_attention(q, PagedKV(kc, vc, live), tables, D ** -0.5, backend="triton", num_splits=n)
+                kv = PagedKV(kc, vc, live)
+
+                def call(n=splits, q=q, kv=kv, tables=tables):
+                    return paged_decode_attention(q, kv, tables, D ** -0.5, backend="triton", num_splits=n)
                 seconds, graph_seconds = _time_s(torch, call, plan), _graph_time_s(torch, call, plan)
                 chosen = splits or (plan_splits(batch * H, tables.shape[-1] * plan.block_size, tile_for(D),
                                                 sms).splits if sms else 1)

@@ -5,7 +5,8 @@ import copy
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
+from collections.abc import Callable
 
 import yaml
 from pydantic import (
@@ -139,7 +140,7 @@ class TraceOptions(_Strict):
                                                     "tokens; default: the shipped SmolLM2 tokenizer")
 
     @model_validator(mode="after")
-    def _load_options_agree(self) -> "TraceOptions":
+    def _load_options_agree(self) -> TraceOptions:
         if self.request_rate is not None and self.rate is not None:
             raise ValueError("request_rate and rate both set arrivals for a length-only trace; give one "
                              "(request_rate: vllm bench serve's arrivals, rate: Poisson from t=0)")

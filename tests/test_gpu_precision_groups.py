@@ -66,7 +66,7 @@ def mixed_precision_cache(layout, seed=0):
             heads = range(H) if layout == "shared" else [h]
             for hh in heads:
                 written[(b, hh)] = {int(s): (k[i, hh], v[i, hh]) for i, s in enumerate(slots.tolist())}
-                for s, d in zip(live_high, dst):
+                for s, d in zip(live_high, dst, strict=True):
                     written[(b, hh)][d] = written[(b, hh)].pop(s)
     return cache, tables, written
 
@@ -115,7 +115,7 @@ def test_mixed_precision_triton_kernel_reports_the_group_max():
     cache.backend = "triton"
     tri = cache.decode_attention(1, q, tables, 0.25, want_scores=True, group_max=True)
     torch.testing.assert_close(tri[0], ref[0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(tri[1], ref[1]):
+    for a, b in zip(tri[1], ref[1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
@@ -219,7 +219,7 @@ def test_quest_decodes_over_exactly_the_selected_tokens(small, layout, page_size
         ex = replica.executor
         if replica.num_steps < 2:
             return
-        for rid, logits in zip(ex.last_request_ids, ex.last_logits):
+        for rid, logits in zip(ex.last_request_ids, ex.last_logits, strict=True):
             req = next(r for r in list(replica.scheduler.running) + replica.scheduler.finished if r.request_id == rid)
             toks = req.gpu_tokens[:req.num_computed_tokens]
             sel = ex.last_selection[rid]

@@ -51,7 +51,7 @@ def signature_problems(impl, proto) -> list[str]:
     problems = []
     if len(i_params) < len(p_params):
         return [f"takes {len(i_params)} parameters, the protocol passes {len(p_params)}"]
-    for p, q in zip(p_params, i_params):
+    for p, q in zip(p_params, i_params, strict=True):
         if q.kind not in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD):
             problems.append(f"parameter {q.name} is not positional")
         if p.default is not p.empty and (q.name != p.name or q.default is q.empty):

@@ -46,8 +46,8 @@ class EvictionClustering:
     def mean_run(self) -> float:
         return self.prefill_evicted / max(self.prefill_runs, 1)
 
-    def __add__(self, other: "EvictionClustering") -> "EvictionClustering":
-        return EvictionClustering(*(a + b for a, b in zip(self.astuple(), other.astuple())))
+    def __add__(self, other: EvictionClustering) -> EvictionClustering:
+        return EvictionClustering(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
 
     def astuple(self) -> tuple[int, int, int, int]:
         return self.evicted_tokens, self.blocks_freed, self.prefill_evicted, self.prefill_runs

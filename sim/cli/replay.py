@@ -3,7 +3,7 @@ inside the command)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -18,27 +18,27 @@ console = Console()
 
 def replay(
     trace: Trace = None,
-    model: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(
         help="catalog model; smollm2-135m with --weights smollm2 (default)")] = None,
     weights: Annotated[str, typer.Option(
         help="smollm2 (the real GGUF) | random (seeded, any dense catalog shape)")] = "smollm2",
     device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
-    dtype: Annotated[Optional[str], typer.Option(
+    dtype: Annotated[str | None, typer.Option(
         help="float32 | float16 | bfloat16 (default: float32 on cpu, bfloat16 on cuda)")] = None,
-    layers: Annotated[Optional[int], typer.Option(help="run only the first N layers (quick runs)")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice)")] = None,
+    layers: Annotated[int | None, typer.Option(help="run only the first N layers (quick runs)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice)")] = None,
     clock: Annotated[str, typer.Option(
         help="step timer: wall | cpu (the thread's CPU time, so other processes' load does not count; device "
              "cpu with --threads 1)")] = "wall",
-    gpu: Annotated[Optional[str], typer.Option(
+    gpu: Annotated[str | None, typer.Option(
         help="hardware spec for predicted_s (default: cpu-2core on cpu, the matching catalog GPU on cuda)")] = None,
-    profile: Annotated[Optional[str], typer.Option(
+    profile: Annotated[str | None, typer.Option(
         help="cost-model profile for predicted_s (default: cpu-2core on cpu, default on cuda)")] = None,
     config: ConfigFile = None,
     out: Out = Path("runs/replay"),
     overwrite: Overwrite = False,
     block_size: BlockSize = None,
-    num_gpu_blocks: Annotated[Optional[int], typer.Option(
+    num_gpu_blocks: Annotated[int | None, typer.Option(
         help="KV pool size in blocks (required on cpu; small pools create memory pressure)")] = None,
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
@@ -59,7 +59,7 @@ def replay(
     tokenizer: Tokenizer = None,
     slo_ttft: SloTtft = None,
     slo_tpot: SloTpot = None,
-    seed: Annotated[Optional[int], typer.Option(help="seeds prompts (per request id) and random weights")] = None,
+    seed: Annotated[int | None, typer.Option(help="seeds prompts (per request id) and random weights")] = None,
     set_: Sets = [],
     attention_stats: Annotated[bool, typer.Option(
         "--attention-stats/--no-attention-stats",

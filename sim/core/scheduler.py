@@ -226,7 +226,7 @@ class Scheduler:
         contexts = self.kv.allocate_decodes(running)
         if contexts is None:
             return None
-        return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts)}
+        return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts, strict=True)}
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> dict:
         scheduled: dict[Request, ScheduledRequest] = {}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import gc
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from kvsim.traces import TraceWarning, load_trace
 from kvsim.traces.arrivals import vllm_bench_arrivals
@@ -90,7 +91,7 @@ def trace_to_requests(trace, entry=None) -> list[Request]:
                 prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
                 prefix_block_tokens=span)
         for rid, t, p, o, h, pr in zip(df["request_id"].tolist(), df["arrival_time_s"].tolist(),
-                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio)
+                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio, strict=True)
     ]
 
 

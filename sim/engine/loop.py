@@ -13,7 +13,7 @@ import heapq
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import simpy
@@ -262,7 +262,7 @@ class EngineReplica:
         rows = decode_runs.apply_decode_run(sched, self.kv, run)
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         yield from self._reach_run_end(run)
-        done = [r for r, e in zip(run.requests, run.last_step) if e == k]
+        done = [r for r, e in zip(run.requests, run.last_step, strict=True) if e == k]
         self.scheduler.finish(done, self.now)
         if done and self.on_done is not None:
             self.on_done(len(done), self.now)

@@ -20,7 +20,7 @@ class FastOptions:
     bytes_per_token_row: float = 0.0
     seed: int = 0
     sample_rows: int = 32
-    importance: "str | ImportanceModelSpec" = "smollm2-135m"
+    importance: str | ImportanceModelSpec = "smollm2-135m"
 
 
 def sample_row_count(rows: int, wanted: int) -> int:

@@ -322,7 +322,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         tb = np.asarray(self.ctx.precision_bytes, dtype=np.float64)
         stored = float(tb[st.precision[st.live]].sum()) / self.rows
         read = self.policy.read_tokens(st, self.ctx)
-        if read is None:
+        if read is None:  # noqa: SIM108  (the why of each branch)
             # A paged kernel scans every slot of each page in the block table up to the sequence's
             # last written slot; evicted slots are masked, not skipped: holes cost their bytes.
             # Slots ever written (pos >= 0: live or evicted), weighted by their precision group's bytes.

@@ -109,6 +109,7 @@ from typing import Any, NamedTuple
 from importlib.metadata import entry_points
 
 import numpy as np
+from pathlib import Path
 
 from .state import PRECISION_FULL, PRECISION_HIGH, PRECISION_LOW, TokenState  # noqa: F401 (re-exported)
 
@@ -283,7 +284,7 @@ def policy_identity(name: str) -> str:
 
     source = getattr(sys.modules.get(cls.__module__), "__file__", None)
     try:
-        digest = hashlib.sha256(open(source, "rb").read()).hexdigest()[:12] if source else "unknown"
+        digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()[:12] if source else "unknown"
     except OSError:
         digest = "unknown"
     return f"{_qualname(cls)}@{digest}"

@@ -204,10 +204,7 @@ class SlotStrategies:
             usable = free
         key = np.where(usable, key, np.iinfo(np.int64).max)
         k = int(n.max())
-        if k == 1:
-            slots = key.argmin(axis=1)[:, None]
-        else:
-            slots = np.argsort(key, axis=1, kind="stable")[:, :k]
+        slots = key.argmin(axis=1)[:, None] if k == 1 else np.argsort(key, axis=1, kind="stable")[:, :k]
         if not hole_first:
             last = slots[:, -1]
             rk.tail = last // self.stride

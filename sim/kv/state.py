@@ -99,7 +99,7 @@ class TokenState:
         return self.num_tokens - 1 - self.pos
 
     @classmethod
-    def dense(cls, rows: int, num_tokens: int) -> "TokenState":
+    def dense(cls, rows: int, num_tokens: int) -> TokenState:
         """A state with tokens 0..num_tokens-1 in slots 0..num_tokens-1 of every row (tests, tools)."""
         st = cls(rows, num_tokens)
         st.live[:] = True

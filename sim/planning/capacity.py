@@ -12,7 +12,8 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple
+from typing import Literal, NamedTuple
+from collections.abc import Callable
 
 import pandas as pd
 

@@ -174,7 +174,7 @@ def kvsim_schedule(cfg: SimConfig, trace) -> tuple[pd.DataFrame, dict]:
     steps = result.steps.sort_values("step").reset_index(drop=True)
     reqs = result.requests
     rejected = dict(zip(reqs.loc[reqs["status"] == "rejected", "request_id"].astype(int),
-                        reqs.loc[reqs["status"] == "rejected", "reject_reason"]))
+                        reqs.loc[reqs["status"] == "rejected", "reject_reason"], strict=True))
     return schedule_log(steps, taps[0].steps, set(reqs.loc[reqs["status"] == "finished", "request_id"])), \
         {"rejected": rejected, "steps": steps, "summary": result.summary, "kv": kvs[0]}
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from ...core.request import Request
 from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES, KVStepEffects
@@ -85,7 +86,7 @@ class FastSlab:
 
     _SCORED = ("terms", "eref", "ring_static", "ring_content", "norm", "hsum", "sigma", "cand", "thr")
 
-    def __init__(self, settings: FastSettings, heads: "Heads | None",
+    def __init__(self, settings: FastSettings, heads: Heads | None,
                  read_tokens: Callable[[np.ndarray], np.ndarray] | None):
         self.settings, self.heads, self.read_tokens = settings, heads, read_tokens
         self.rows = settings.rows

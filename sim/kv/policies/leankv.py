@@ -81,10 +81,7 @@ class LeanKV(EvictionPolicy):
         sig = self.significance(state)
         n = state.num_tokens
         leaving = state.live & ~placed & (state.pos < n - self.window)
-        if reason == "prefill":
-            scale = (state.pos + 1).astype(np.float32)
-        else:
-            scale = np.float32(n)
+        scale = (state.pos + 1).astype(np.float32) if reason == "prefill" else np.float32(n)
         high = leaving & (sig * scale > self.alpha_h)
         low = leaving & ~high & (sig * scale > self.alpha_l)
         evict = leaving & ~high & ~low

@@ -469,7 +469,7 @@ def _row_needs_page(P, cap, ent, r, hole_first):
     if not hole_first:
         return not _tail_free(P, cap, r)
     c = cap[HIGH]
-    for e in range(ent):
+    for e in range(ent):  # noqa: SIM110  (numba compiles no generator for all())
         if P.table[r, e] >= 0 and P.precision[r, e] == HIGH and P.occ[r, e] < c:
             return False
     return True
@@ -511,7 +511,7 @@ def _release_empty(R, prm, ent, keep_open_tail, pool, ids):
     return n
 
 
-def _compact_precision(R, prm, ent, t, ids):
+def _compact_precision(R, prm, ent, t, ids):  # noqa: C901  a numba kernel, kept whole (see _decode_rows_loop)
     """One precision group of SlotStrategies._compact: the live tokens of a row's pages beyond the first
     ceil(live / capacity) move into the holes of those first pages (slot order); the emptied pages'
     ids go to ids[:n]. Returns (n, bytes moved); (0, 0) when no row has a page to spare."""
@@ -653,7 +653,7 @@ def _drop(j, last, slot_r, pos_r, imp_r, score_r, high_r, index_r):
         index_r[t] = j
 
 
-def _attend_rows(R, heads, prm, q, prompt, n_max, res, resi):
+def _attend_rows(R, heads, prm, q, prompt, n_max, res, resi):  # noqa: C901  a numba kernel, kept whole
     """Decode attention of the query at position q over each row's live tokens (SyntheticImportance:
     sink + local + content terms, renormalized over the live tokens), LeanKV's observe (score +=
     attention) and compress for the row: the leaving token's precision group, the demoted token, the pruned
@@ -906,7 +906,7 @@ def leankv_step(reqs, batch, heads, prm, pool, ids, meta, stats):
         _stats(reqs[h].pages, prm, meta.entries[h], stats, h)
 
 
-def _apply(R, prm, meta, stats, h, resi, pool, ids, q, tau):
+def _apply(R, prm, meta, stats, h, resi, pool, ids, q, tau):  # noqa: C901  a numba kernel, kept whole
     """EvictingKVManager._apply of LeanKV's decision (resi[r] = _attend_rows' result for row r):
     evictions, the move to low pages, the slot strategy. False when the table is too small."""
     P, precision = R.pages, R.tokens.precision
