@@ -1,7 +1,7 @@
 """Run simulations in a worker thread so the page keeps rendering progress (and can cancel).
 
 A Job simulates its runs one after the other with `run_simulation(progress=...)`: after every engine
-step the simulator reports a `sim.progress.SimProgress` (tokens computed of the workload's total,
+step the simulator reports a `sim.io.progress.SimProgress` (tokens computed of the workload's total,
 requests done, ETA) and the job raises `Cancelled` there once `cancel()` was called, so a cancel takes
 effect at the end of the current engine step.
 """
@@ -12,12 +12,13 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import yaml
 
 from kvsim.sim.config import ConfigError, SimConfig
-from kvsim.sim.progress import Cancelled, SimProgress, format_duration, reporting_to
+from kvsim.sim.io.progress import Cancelled, SimProgress, format_duration, reporting_to
 
 from .data import RunRecord, new_run_dir, record_from_result, write_label
 
@@ -27,13 +28,13 @@ __all__ = ["Cancelled", "Job", "capacity_search_task"]
 @dataclass
 class Job:
     """Simulates each (label, config) in turn; `records` fills in as runs finish. With `out_root`,
-    each run is written to a run directory under it (the CLI's layout, sim/results.py) and its
+    each run is written to a run directory under it (the CLI's layout, sim/io/result_dirs.py) and its
     record points there; labels are made unique among `taken`.
 
     With `task`, runs task(job) instead and keeps its return value in `value`; the task reports
     progress through `run_done` / `run_total` / `unit` and calls `check_cancel()` between its steps."""
     runs: list[tuple[str, SimConfig]] = field(default_factory=list)
-    task: Callable[["Job"], Any] | None = None
+    task: Callable[[Job], Any] | None = None
     page: str = ""                     # the page that started it (shows its progress and result)
     unit: str = "points"
     value: Any = None
@@ -52,7 +53,7 @@ class Job:
     config: SimConfig | None = None    # what a task simulates (its errors are shown as guard.shown_error does)
     _thread: threading.Thread | None = None
 
-    def start(self) -> "Job":
+    def start(self) -> Job:
         self._thread = threading.Thread(target=self._work, name="kvsim-dashboard-job", daemon=True)
         self._thread.start()
         return self
@@ -96,7 +97,7 @@ class Job:
         return message if cfg is None else shown_error(cfg, message)
 
     def _simulate_runs(self) -> None:
-        from kvsim.sim.simulate import run_simulation
+        from kvsim.sim.simulator.simulate import run_simulation
 
         from .guard import check_run
         for label, cfg in self.runs:
@@ -166,8 +167,8 @@ class Job:
 
 def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int,
                          store: str | None) -> Callable[[Job], list]:
-    """A Job task: sim.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
-    from kvsim.sim.capacity import CapacitySearch, find_capacity
+    """A Job task: sim.planning.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
+    from kvsim.sim.planning.capacity import CapacitySearch, find_capacity
 
     from .forms import with_value
 

@@ -5,7 +5,8 @@ import copy
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
+from collections.abc import Callable
 
 import yaml
 from pydantic import (
@@ -17,12 +18,12 @@ from kvsim.traces.durations import duration_seconds
 from kvsim.traces.formats import FORMATS as TRACE_FORMATS
 from kvsim.traces.formats import GENERIC_FORMATS
 
-from .catalog import get_gpu, get_model, normalize_dtype
+from .model.catalog import get_gpu, get_model, normalize_dtype
 from .kv.policy import PolicyError
 from .kv.policy import policy_names as registered_policy_names
 from .kv.slots import SLOT_STRATEGIES
-from .safe_io import MAX_SET_VALUE_CHARS, InputError, load_yaml_file, safe_yaml_load, short_repr
-from .yaml_errors import yaml_problem
+from .io.safe_io import MAX_SET_VALUE_CHARS, InputError, load_yaml_file, safe_yaml_load, short_repr
+from .io.yaml_errors import yaml_problem
 
 
 class ConfigError(ValueError):
@@ -157,7 +158,7 @@ class TraceOptions(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _load_options_agree(self) -> "TraceOptions":
+    def _load_options_agree(self) -> TraceOptions:
         if self.request_rate is not None and self.rate is not None:
             raise ValueError("request_rate and rate both set arrivals for a length-only trace; give one "
                              "(request_rate: vllm bench serve's arrivals, rate: Poisson from t=0)")
@@ -175,6 +176,15 @@ class TraceOptions(_Strict):
         if self.max_concurrency is not None and self.arrival_unit == "step":
             raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
         return self
+
+    def file_options(self) -> dict:
+        """load_trace's format and reader options (only those given)."""
+        out = {"format": self.format} if self.format else {}
+        if self.format in GENERIC_FORMATS:
+            out.update(columns=self.columns, time_unit=self.time_unit)
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer
+        return out
 
 
 class SLO(_Strict):
@@ -233,6 +243,13 @@ class KVConfig(_Strict):
     def is_default(self) -> bool:
         """The plain vLLM path (base KVCacheManager, decode fast-forward) applies."""
         return self.policy == "none" and self.layout == "shared"
+
+    def policy_params(self) -> dict:
+        """The policy's constructor parameters: `params`, with `budget` when given."""
+        params = dict(self.params)
+        if self.budget is not None:
+            params.setdefault("budget", self.budget)
+        return params
 
 
 # config keys whose value may name a user file (dotted: section.key): run ids hash their content
@@ -375,7 +392,7 @@ class SimConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _random_options_need_random_trace(self) -> "SimConfig":
+    def _random_options_need_random_trace(self) -> SimConfig:
         if self.trace_options.random is not None and self.trace != RANDOM_TRACE:
             raise ValueError(f"trace_options.random (--random-input-len, ...) sets the lengths of trace: {RANDOM_TRACE} "
                              f"(vllm bench serve's random dataset); the trace is {self.trace!r}")

@@ -6,11 +6,11 @@ import warnings
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.catalog import get_gpu
+from kvsim.sim.model.catalog import get_gpu
 from kvsim.sim.cli import app
 from kvsim.sim.config import ConfigError, load_config
-from kvsim.sim.cost_model import load_profile, profile_for_gpu
-from kvsim.sim.sweep import cost_metrics
+from kvsim.sim.model.cost_model import load_profile, profile_for_gpu
+from kvsim.sim.planning.sweep import cost_metrics
 
 NEW = {"B200": "h100-sxm", "GB200": "h100-sxm", "H20": "h100-sxm", "MI300X": "h100-sxm", "MI325X": "h100-sxm",
        "L40S": "a40", "A10G": "a40", "RTX-4090": "a40", "RTX-PRO-6000": "a40"}

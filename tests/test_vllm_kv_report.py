@@ -6,11 +6,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.catalog import get_model
+from kvsim.sim.model.catalog import get_model
 from kvsim.sim.cli import app
 from kvsim.sim.config import load_config
-from kvsim.sim.memory import vllm_kv_cache_report
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.model.memory import vllm_kv_cache_report
+from kvsim.sim.simulator.simulate import run_simulation
 from test_moe_mla_sliding import DEEPSEEK_V3_CONFIG, from_hf
 
 

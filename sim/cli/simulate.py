@@ -7,7 +7,7 @@ import math
 import signal
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -34,65 +34,65 @@ def simulate(
     config: ConfigFile = None,
     out: Out = Path("runs/latest"),
     overwrite: Overwrite = False,
-    tp: Annotated[Optional[int], typer.Option("--tp", "-tp", "--tensor-parallel-size",
+    tp: Annotated[int | None, typer.Option("--tp", "-tp", "--tensor-parallel-size",
                                               help="tensor parallel degree (vLLM's -tp)")] = None,
     replicas: Replicas = None,
-    router: Annotated[Optional[str], typer.Option(help="round_robin | least_outstanding")] = None,
+    router: Annotated[str | None, typer.Option(help="round_robin | least_outstanding")] = None,
     profile: Profile = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
-    prefix_caching: Annotated[Optional[bool], typer.Option(
+    prefix_caching: Annotated[bool | None, typer.Option(
         "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching",
         help="automatic prefix caching (default: vLLM's)")] = None,
     max_model_len: MaxModelLen = None,
     long_prefill_token_threshold: LongPrefillTokenThreshold = None,
-    chunked_prefill: Annotated[Optional[bool], typer.Option(
+    chunked_prefill: Annotated[bool | None, typer.Option(
         "--chunked-prefill/--no-chunked-prefill", "--enable-chunked-prefill/--no-enable-chunked-prefill",
         help="chunked prefill (default: on, as vLLM V1)")] = None,
-    gpu_memory_utilization: Annotated[Optional[float], typer.Option(
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
         help="share of GPU memory vLLM takes (weights, activations, KV pool); default 0.9")] = None,
     expert_parallel: ExpertParallel = None,
-    preemption_mode: Annotated[Optional[str], typer.Option(help="recompute | swap")] = None,
+    preemption_mode: Annotated[str | None, typer.Option(help="recompute | swap")] = None,
     scheduling_policy: SchedulingPolicy = None,
     policy: Policy = None,
     budget: Budget = None,
     layout: Layout = None,
     slot_strategy: SlotStrategy = None,
-    kv_mode: Annotated[Optional[str], typer.Option(
+    kv_mode: Annotated[str | None, typer.Option(
         help="token (exact token-level state) | fast (block occupancy)")] = None,
-    compression_rate: Annotated[Optional[float], typer.Option(
+    compression_rate: Annotated[float | None, typer.Option(
         help="KV compression rate r >= 1 (kvcompress, snapkv, pyramidkv, ada_snapkv: keep tokens / r); "
              "= kv.params.compression_rate")] = None,
-    weight_dtype: Annotated[Optional[str], typer.Option(
+    weight_dtype: Annotated[str | None, typer.Option(
         help="weight dtype of the decoder-layer linears (fp16, bf16, fp8, int8, int4); default: the catalog's")] = None,
-    kv_dtype: Annotated[Optional[str], typer.Option(
+    kv_dtype: Annotated[str | None, typer.Option(
         "--kv-dtype", "--kv-cache-dtype", help="KV cache dtype (e.g. fp8; auto: the model's, the default)")] = None,
-    dtype: Annotated[Optional[str], typer.Option(
+    dtype: Annotated[str | None, typer.Option(
         help="as vllm serve --dtype: auto, half, float16, bfloat16, float32 (the unquantized weights' dtype)")] = None,
-    quantization: Annotated[Optional[str], typer.Option(
+    quantization: Annotated[str | None, typer.Option(
         "--quantization", "-q", help="as vllm serve --quantization: fp8 (FP8 weights), awq, gptq, ... (4-bit)")] = None,
-    vllm: Annotated[Optional[str], typer.Option(
+    vllm: Annotated[str | None, typer.Option(
         "--vllm", help="a pasted `vllm serve MODEL ...` command line, read with vLLM's flags (docs/simulate.md)")] = None,
-    bench: Annotated[Optional[str], typer.Option(
+    bench: Annotated[str | None, typer.Option(
         "--bench", help="a pasted `vllm bench serve ...` command line: its dataset, load and goodput")] = None,
     rate_scale: RateScale = None,
-    max_requests: Annotated[Optional[int], typer.Option(
+    max_requests: Annotated[int | None, typer.Option(
         "--max-requests", "--num-prompts", help="first N requests of the trace (--trace random: how many; "
                                                 "default 1000, as vllm bench serve)")] = None,
-    dataset_name: Annotated[Optional[str], typer.Option(
+    dataset_name: Annotated[str | None, typer.Option(
         help="as vllm bench serve: random (--trace random) or sharegpt (with --dataset-path)")] = None,
-    dataset_path: Annotated[Optional[str], typer.Option(help="as vllm bench serve: the dataset file (= --trace)")] = None,
-    random_input_len: Annotated[Optional[int], typer.Option(
+    dataset_path: Annotated[str | None, typer.Option(help="as vllm bench serve: the dataset file (= --trace)")] = None,
+    random_input_len: Annotated[int | None, typer.Option(
         help="--trace random: prompt tokens (default 1024), = trace_options.random.input_len")] = None,
-    random_output_len: Annotated[Optional[int], typer.Option(
+    random_output_len: Annotated[int | None, typer.Option(
         help="--trace random: output tokens (default 128)")] = None,
-    random_range_ratio: Annotated[Optional[float], typer.Option(
+    random_range_ratio: Annotated[float | None, typer.Option(
         help="--trace random: lengths uniform in L(1-r)..L(1+r), 0 <= r < 1 (default 0)")] = None,
-    random_prefix_len: Annotated[Optional[int], typer.Option(
+    random_prefix_len: Annotated[int | None, typer.Option(
         help="--trace random: tokens every prompt shares before its own (default 0)")] = None,
-    goodput: Annotated[Optional[list[str]], typer.Option(
+    goodput: Annotated[list[str] | None, typer.Option(
         help="as vllm bench serve: ttft:MS or tpot:MS (repeat the option for both) = --slo-ttft/--slo-tpot")] = None,
     start_s: StartS = None,
     end_s: EndS = None,
@@ -108,10 +108,10 @@ def simulate(
     slo_tpot: SloTpot = None,
     seed: Seed = None,
     set_: Sets = [],
-    fast_forward: Annotated[Optional[bool], typer.Option(
+    fast_forward: Annotated[bool | None, typer.Option(
         "--fast-forward/--no-fast-forward", help="advance pure-decode runs in bulk (identical results)")] = None,
     check_invariants: CheckInvariants = None,
-    client_latency: Annotated[Optional[bool], typer.Option(
+    client_latency: Annotated[bool | None, typer.Option(
         "--client-latency/--engine-only", help="add the profile's client-side terms (API server, tokenization, "
         "detokenization) to TTFT/TPOT/ITL/E2E, as `vllm bench serve` measures; default: engine time only")] = None,
     quiet: Quiet = False,
@@ -139,8 +139,9 @@ def simulate(
             serve=vllm, bench=bench, dtype=dtype, quantization=quantization, dataset_name=dataset_name,
             dataset_path=dataset_path, goodput=goodput))
         cfg = load_config(config, overrides, set_)
-        refuse_ineffective(cfg)
-        from kvsim.sim.simulate import run_simulation
+        refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)
+        refuse_ineffective_kv(cfg.kv)
+        from kvsim.sim.simulator.simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
         with interrupt_on_sigterm():
             result = run_simulation(cfg, out, progress=not quiet, keep_steps=False, overwrite=overwrite)
@@ -155,7 +156,7 @@ def simulate(
     console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
 
 
-def with_vllm_options(overrides: dict, options: "VllmOptions") -> dict:
+def with_vllm_options(overrides: dict, options: VllmOptions) -> dict:
     """The kvsim options' overrides merged with what pasted vLLM lines and vLLM-only flags set. A key both set,
     to different values, is refused (naming both); notes and warnings print one line each."""
     from .vllm_args import translate_options
@@ -174,18 +175,17 @@ def with_vllm_options(overrides: dict, options: "VllmOptions") -> dict:
     return merged
 
 
-def refuse_ineffective(cfg) -> None:
-    """Options that would change nothing in this run, or that vLLM cannot run, are a mistake to say, not to
-    ignore."""
-    from kvsim.sim.catalog import get_gpu, get_model, normalize_dtype
+def refuse_ineffective(gpu_name: str, model: str, weight_dtype: str | None) -> None:
+    """Hardware options vLLM cannot run are a mistake to say, not to ignore (the KV options:
+    `refuse_ineffective_kv`)."""
+    from kvsim.sim.model.catalog import get_gpu, get_model, normalize_dtype
 
-    gpu = get_gpu(cfg.gpu)
-    weights = normalize_dtype(cfg.weight_dtype) if cfg.weight_dtype else get_model(cfg.model).weight_dtype
+    gpu = get_gpu(gpu_name)
+    weights = normalize_dtype(weight_dtype) if weight_dtype else get_model(model).weight_dtype
     if weights == "fp8" and gpu.kind == "gpu" and not {"fp8", "bf16"} & set(gpu.tflops):
         raise ConfigError(f"--weight-dtype fp8: {gpu.name} predates Ampere; vLLM runs FP8 weights only on compute "
                           "capability 8.0+ (Marlin weight-only on Ampere, native FP8 on Ada/Hopper); expected "
                           "int8, int4 or fp16 weights on it")
-    refuse_ineffective_kv(cfg.kv)
 
 
 def refuse_ineffective_kv(kv) -> None:
@@ -238,7 +238,7 @@ def partial_exit(out: Path, reason: str) -> None:
 
 def print_summary(s: dict) -> None:
     """vllm bench serve's report (its names and units), then kvsim's own figures (KV memory, the engine)."""
-    from kvsim.sim.vllm_metrics import report_lines
+    from kvsim.sim.results.vllm_metrics import report_lines
 
     if "completed" in s:
         console.print("\n".join(report_lines(s)), markup=False, highlight=False)
@@ -275,7 +275,7 @@ def print_summary(s: dict) -> None:
 
 
 def print_comparison(agg: dict) -> None:
-    from kvsim.sim.bench_compare import report_rows
+    from kvsim.sim.results.bench_compare import report_rows
 
     table = Table(title=f"predicted vs measured (vllm bench serve result, {agg['num_requests']} requests)")
     for name in ("figure", "measured", "kvsim", "error"):

@@ -384,7 +384,7 @@ def _parallelism(values: dict[str, Any], what: str, result: Translation) -> None
 def _dense_data_parallel(result: Translation) -> None:
     """Data parallelism of a MoE model is DP attention with experts shared over the ranks (they step in
     lockstep): not independent replicas, and not modelled."""
-    from kvsim.sim.catalog import get_model
+    from kvsim.sim.model.catalog import get_model
 
     model = result.overrides.get("model")
     if model is not None and get_model(model).is_moe:
