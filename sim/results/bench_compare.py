@@ -19,7 +19,7 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 def bench_model_mismatch(model: str, measured: dict) -> str | None:
     """A warning when the bench result measured another model than the run simulates (its `model_id`), or
     one kvsim cannot tell apart from it; None when they are the same catalog model (or the file names none)."""
-    from .catalog import CatalogError, get_model
+    from ..model.catalog import CatalogError, get_model
 
     bench = measured.get("model_id")
     if not bench:
