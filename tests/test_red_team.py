@@ -248,12 +248,13 @@ def test_every_command_refuses_a_pool_beyond_host_memory_before_allocating(d, co
     vLLM is called (`--vllm-python /bin/false` is never run) or the model converted."""
     (d / "huge.yaml").write_text(HUGE_GPU)
     if command == "sweep":
-        (d / "spec.yaml").write_text(f"fixed: {{gpu: {d}/huge.yaml, engine.num_gpu_blocks: 1000000000}}\n"
+        # profile: default named, as it is the only one a GPU of one's own has (auto would say so in a warning)
+        (d / "spec.yaml").write_text(f"fixed: {{gpu: {d}/huge.yaml, profile: default, engine.num_gpu_blocks: 1000000000}}\n"
                                      "grid: {seed: [0, 1]}\n")
         args, fragments = ["sweep", "spec.yaml", "-o", "st", "-q"], ["spec.yaml: run 0", "host memory"]
     elif command == "capacity":
         args = ["capacity", "--slo", "ttft_p99<=2s", "--gpu", str(d / "huge.yaml"), "--num-gpu-blocks", "1000000000",
-                "--max-requests", "5", "-q", "-o", "st"]
+                "--max-requests", "5", "-q", "-o", "st", "--set", "profile=default"]
         fragments = ["host memory"]
     else:
         args = ["reference", "vllm", "--num-gpu-blocks", "1000000000", "--max-requests", "2", "--vllm-python",

@@ -141,3 +141,36 @@ def _resample(source: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray
     pool = load_trace(source).df
     rows = rng.integers(0, len(pool), size=n)
     return pool["prompt_tokens"].to_numpy()[rows], pool["output_tokens"].to_numpy()[rows]
+
+
+def vllm_random_dataset(n: int, *, input_len: int = 1024, output_len: int = 128, range_ratio: float = 0.0,
+                        prefix_len: int = 0, seed: int = 0) -> Trace:
+    """``vllm bench serve --dataset-name random``'s requests as lengths: ``n`` prompts of ``prefix_len``
+    shared tokens plus a length uniform on the integers [floor(input_len (1 - r)), ceil(input_len (1 + r))],
+    outputs uniform on [max(1, floor(output_len (1 - r))), ceil(output_len (1 + r))], all at t=0 (the
+    load options set arrivals). The draws are vLLM's (``numpy.random.default_rng(seed)``: the prefix
+    tokens first, then input lengths, then output lengths) for a tokenizer that adds no special token; a
+    tokenizer that adds k (Llama's BOS: 1) shifts vLLM's input interval to input_len - k before the server
+    adds them back. Requests share the prefix as one prefix block (prefix caching hits it)."""
+    n = check_count(n)
+    if not 0.0 <= range_ratio < 1.0:
+        raise TraceError(None, None, f"random dataset: range_ratio must be in [0, 1) as in vLLM, got {range_ratio:g}")
+    for label, value, low in (("input_len", input_len, 1), ("output_len", output_len, 1), ("prefix_len", prefix_len, 0)):
+        if int(value) != value or value < low:
+            raise TraceError(None, None, f"random dataset: {label} must be an integer >= {low}, got {value}")
+    rng = np.random.default_rng(seed)
+    if prefix_len:
+        rng.integers(0, 2, size=prefix_len)      # vLLM draws the prefix tokens first: keep the stream aligned
+    input_low, input_high = math.floor(input_len * (1 - range_ratio)), math.ceil(input_len * (1 + range_ratio))
+    output_low = max(math.floor(output_len * (1 - range_ratio)), 1)
+    output_high = max(math.ceil(output_len * (1 + range_ratio)), 1)
+    inputs = rng.integers(input_low, input_high + 1, size=n)
+    outputs = rng.integers(output_low, output_high + 1, size=n)
+    prompt = np.maximum(inputs + prefix_len, 1)
+    columns = {"prefix_hash_ids": [[0]] * n} if prefix_len else {}
+    trace = Trace.from_columns(arrival_time_s=np.zeros(n), prompt_tokens=prompt, output_tokens=outputs,
+                               name="random", source="vllm bench serve --dataset-name random",
+                               prefix_block_tokens=prefix_len or None, **columns)
+    trace.notices.append(f"random dataset (vllm bench serve): {n} requests, input {input_low}-{input_high} + prefix "
+                         f"{prefix_len}, output {output_low}-{output_high} tokens, seed {seed}")
+    return trace

@@ -51,6 +51,8 @@ class Trace:
     # "ttfts", "itls", "latencies" lists in the same order) and load options (traces/user_formats.py)
     measured: dict | None = None
     bench_load: dict | None = None
+    # request ids that were not integers in the source (`r0`, UUIDs): request_id -> the original id
+    request_labels: dict[int, str] | None = None
 
     def __post_init__(self) -> None:
         self.df = _canonical_frame(self.df, self.source or self.name)

@@ -81,7 +81,8 @@ def sharegpt_lengths(path: Path, *, seed: int = 0, tokenizer=None, shuffle: bool
         raise TraceError(path, None, "no conversation pair passes the length filter (vLLM's: 4 <= tokens, "
                                      "prompt <= 1024, prompt + output <= 2048)")
     n = int(keep.sum())
-    which = "the shipped SmolLM2 tokenizer (an approximation)" if tokenizer is None else f"tokenizer {tokenizer}"
+    which = ("the shipped SmolLM2 tokenizer (an approximation of the served model's: give --tokenizer its "
+             "tokenizer.json or Hugging Face id)" if tokenizer is None else f"tokenizer {tokenizer}")
     order = f"shuffled with seed {seed}" if shuffle else "file order"
     notice = (f"ShareGPT: {n} of {len(pairs)} conversation pairs ({order}"
               f"{', vLLM length filter' if vllm_filter else ''}), counted with {which}")
@@ -123,8 +124,11 @@ def vllm_bench_columns(path: Path) -> dict:
         arrival = (vllm_bench_arrivals(len(idx), rate, float(data.get("burstiness") or 1.0))
                    if rate and data.get("max_concurrency") is None else np.zeros(len(idx)))
     measured = {key: [data[key][i] for i in idx] for key in MEASURED if key in data}
-    measured.update(request_id=idx.tolist(), duration=data.get("duration"))
     dropped = n - len(idx)
+    failed = data.get("failed")
+    measured.update(request_id=idx.tolist(), duration=data.get("duration"),
+                    failed=failed if isinstance(failed, int) and not isinstance(failed, bool) else dropped,
+                    model_id=data.get("model_id") if isinstance(data.get("model_id"), str) else None)
     return {"prompt": [data["input_lens"][i] for i in idx], "output": [data["output_lens"][i] for i in idx],
             "arrival": arrival, "request_id": idx.astype(np.int64), "measured": measured,
             "bench_load": {k: data.get(k) for k in ("request_rate", "burstiness", "max_concurrency")},

@@ -10,11 +10,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from typing import TYPE_CHECKING
+
 from kvsim.traces.errors import TraceError, TraceWarning
-from kvsim.traces.loaders import DATA_TRACES, FORMATS, GENERIC_FORMATS, load_trace, resolve_trace_path
-from kvsim.traces.stats import trace_stats
-from kvsim.traces.synthetic import synthesize
-from kvsim.traces.trace import Trace
+from kvsim.traces.formats import DATA_TRACES, FORMATS, GENERIC_FORMATS
+
+if TYPE_CHECKING:
+    from kvsim.traces.trace import Trace
 
 from .options import TimeUnit, Tokenizer, TraceColumns, TraceFormat, output_path, table_console
 
@@ -110,6 +112,9 @@ def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped sh
           trace_format: TraceFormat = None, trace_columns: TraceColumns = None, time_unit: TimeUnit = None,
           tokenizer: Tokenizer = None):
     """Count, time span, mean rate, inter-arrival CV, prompt/output length percentiles and prefix reuse."""
+    from kvsim.traces.loaders import load_trace
+    from kvsim.traces.stats import trace_stats
+
     reader = _reader_options(trace_format, trace_columns, time_unit, tokenizer)
     traces = [load_trace(f, rate=rate, cv=cv, seed=seed, **reader) if _is_length_only(f, trace_format)
               else load_trace(f, **reader) for f in files]
@@ -150,6 +155,8 @@ def synth(out: Path = typer.Argument(..., parser=output_path("OUT"), help="Outpu
           seed: int = typer.Option(0, help="Random seed; same seed and options give the same trace."),
           name: str | None = typer.Option(None, help="Trace name stored in the file.")):
     """Write a seeded synthetic trace (Poisson/Gamma arrivals or a closed batch)."""
+    from kvsim.traces.synthetic import synthesize
+
     trace = synthesize(requests, rate=rate, cv=cv, prompt=prompt, output=output, lengths=lengths, seed=seed,
                        name=name or Path(out).stem)
     trace.save(out)
@@ -177,6 +184,8 @@ def convert(source: str = typer.Argument(..., help="Input trace file (any suppor
     """Convert a trace to kvsim's native format, optionally windowing, rescaling, sampling and clipping.
 
     Transforms apply in this order: window, scale-rate, head, sample, clip."""
+    from kvsim.traces.loaders import load_trace, resolve_trace_path
+
     source_path = resolve_trace_path(source)[0]
     if Path(out).resolve() == source_path.resolve():
         raise TraceError(out, None, "is the source trace; write the converted trace to another file")

@@ -88,6 +88,7 @@ operations in the same order, so the two paths agree bit for bit.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +270,29 @@ def profile_for_gpu(gpu: GPUSpec | str) -> str:
     """The shipped profile of a catalog GPU (fitted to measured kernel times, or derived from a fitted
     one: docs/gpu-profiles.md); `default` (hand-set, H100-class) for a GPU without one."""
     name = get_gpu(gpu).name.lower()
-    return name if (PROFILES_DIR / f"{name}.yaml").is_file() else "default"
+    if (PROFILES_DIR / f"{name}.yaml").is_file():
+        return name
+    if name not in _WARNED_DEFAULT:          # once per GPU and process: a silent fallback moved results
+        _WARNED_DEFAULT.add(name)
+        warnings.warn(f"GPU {get_gpu(gpu).name} has no profile of its own: its step times use the hand-set "
+                      f"'default' profile (H100-class efficiencies on this GPU's peaks); give --profile the "
+                      f"shipped profile of the closest catalog GPU ({', '.join(list_profiles())}) or your "
+                      "own file (kvsim calibrate)", UserWarning, stacklevel=3)
+    return "default"
+
+
+_WARNED_DEFAULT: set[str] = set()
+
+
+def _catalog_gpu_profile(name: str) -> Path | None:
+    """The shipped profile of the catalog GPU `name` names (`h100` -> h100-sxm.yaml), or None."""
+    from .catalog import CatalogError
+
+    try:
+        path = PROFILES_DIR / f"{get_gpu(name.strip()).name.lower()}.yaml"
+    except CatalogError:
+        return None
+    return path if path.is_file() else None
 
 
 def load_profile(name_or_path: str | Path | HardwareProfile = "default", gpu: GPUSpec | str | None = None
@@ -293,6 +316,8 @@ def load_profile(name_or_path: str | Path | HardwareProfile = "default", gpu: GP
         path = Path(text)
     else:
         path = PROFILES_DIR / f"{text.strip().lower()}.yaml"
+        if not path.is_file():
+            path = _catalog_gpu_profile(text) or path      # a catalog GPU's name or alias: its profile (h100)
         if not path.is_file():
             raise ProfileError(f"unknown hardware profile {text!r}; shipped profiles: "
                                f"{', '.join(list_profiles())}, or pass a path to a YAML file")

@@ -98,7 +98,9 @@ class _Fields:
         return HFConfigError(f"{self.path}: {message}")
 
     def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
-        value = self.data.get(key, default)
+        value = self.data.get(key)
+        if value is None:             # absent or null: the transformers class's default (DeepSeek-V2-Lite's q_lora_rank)
+            value = default
         if value is None:
             raise self.error(f"missing '{key}' (an integer); is this a decoder-only transformer's config.json?")
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -114,12 +116,20 @@ class _Fields:
         return value
 
 
+# the vocab_size default of the transformers text-config classes multimodal configs embed, where a text_config
+# leaves it out: Gemma3TextConfig 262,208, LlamaConfig and MistralConfig 32,000, Qwen2Config 151,936
+TEXT_CONFIG_VOCAB = {"gemma3_text": 262208, "gemma3": 262208, "llama": 32000, "mistral": 32000, "qwen2": 151936}
+
+
 def fields_from_hf_dict(data: dict, path: Path) -> dict:
     """ModelSpec fields from a parsed config.json (`path` names it in errors and gives the model's name)."""
     top = data
     if isinstance(data.get("text_config"), dict):        # multimodal wrapper: the language model's config
-        data = {**{k: v for k, v in data.items() if k in ("torch_dtype", "dtype", "quantization_config")},
+        data = {**{k: v for k, v in data.items() if k in ("torch_dtype", "dtype", "quantization_config", "vocab_size")},
                 **data["text_config"]}
+        if data.get("vocab_size") is None and str(data.get("model_type", "")).lower() in TEXT_CONFIG_VOCAB:
+            # a text_config written without the fields its transformers class defaults (Gemma 3's vocab_size)
+            data["vocab_size"] = TEXT_CONFIG_VOCAB[str(data["model_type"]).lower()]
     f = _Fields(data, path)
     model_type = str(data.get("model_type", "")).lower()
     _refuse_unsupported(f, model_type)

@@ -276,3 +276,20 @@ def check_memory(estimate: RunMemoryEstimate, available: tuple[int, str] | None 
     raise HostMemoryError(
         f"this run needs about {need / GiB:.1f} GiB of host memory: {estimate.describe()}; but "
         f"{free / GiB:.1f} GiB is available ({source}); lower {option} (largest part: {what})")
+
+
+def vllm_kv_cache_report(model: ModelSpec, num_blocks: int, block_size: int, max_model_len: int,
+                         max_num_batched_tokens: int) -> tuple[int, float]:
+    """(tokens, concurrency) as vLLM's engine logs them at start-up (`_report_kv_cache_config`, vLLM
+    0.10-0.11): "GPU KV cache size: N tokens" = num_blocks // KV cache groups x block_size, and "Maximum
+    concurrency for max_model_len tokens per request: Cx" = num_blocks / the blocks one request of
+    max_model_len takes in every group: cdiv(max_model_len, block_size) for a full-attention group, and for a
+    sliding-window group cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1."""
+    layers_per_group, full_groups, sliding_groups = model.kv_cache_groups()
+    groups = full_groups + sliding_groups
+    tokens = num_blocks // max(groups, 1) * block_size
+    per_request = full_groups * -(-max_model_len // block_size)
+    if sliding_groups:
+        window_tokens = min(model.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        per_request += sliding_groups * (-(-window_tokens // block_size) + 1)
+    return tokens, num_blocks / max(per_request, 1)
