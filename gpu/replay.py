@@ -71,7 +71,10 @@ class ReplayResult:
 
 def resolve_device(device: str):
     import torch
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:            # torch lists its own two dozen device types: only two run a replay
+        raise ConfigError(f"--device must be cpu or cuda[:N], got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
     if dev.type not in ("cpu", "cuda"):

@@ -195,6 +195,75 @@ def _json_depth(value: Any) -> int:
     return depth - 1 if depth else 0
 
 
+# ---- host memory: what a reader or a run may still allocate ----------------------------------------
+# bytes of memory per byte of file a whole-file reader needs while parsing (Python objects per cell or
+# value: a 3-character number becomes a 28-byte int or 50-byte str and its pointer; pandas' copies)
+READ_EXPANSION = {"text": 12, "json": 12, "parquet": 6}
+
+
+def host_memory_room() -> tuple[int, str]:
+    """(bytes this process can still allocate, where the figure comes from): the smallest of the system's
+    available memory, the room left under a cgroup (container) limit and the room left under the
+    process's address-space limit (ulimit -v)."""
+    try:
+        import psutil
+        figures = [(int(psutil.virtual_memory().available), "available system memory")]
+    except ImportError:
+        figures = [(_meminfo_available(), "MemAvailable in /proc/meminfo")]
+    for room in (_cgroup_room(), _address_space_room()):
+        if room is not None:
+            figures.append(room)
+    return min(figures)
+
+
+def _meminfo_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**62                            # unknown: do not refuse
+
+
+def _cgroup_room() -> tuple[int, str] | None:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else (max(int(limit) - used, 0), "room under the cgroup memory limit")
+
+
+def _address_space_room() -> tuple[int, str] | None:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return max(soft - size, 0), "room under the address-space limit (ulimit -v)"
+
+
+def check_read_memory(path: str | os.PathLike, kind: str, *, what: str = "trace file", option: str = "") -> None:
+    """Refuse, before parsing, a file that a whole-file reader of `kind` (READ_EXPANSION) could not hold in
+    the memory left; its size is what it holds on disk (a sparse file counts at its full length)."""
+    size = os.stat(path).st_size
+    need = size * READ_EXPANSION[kind]
+    room, source = host_memory_room()
+    if need > room:
+        raise InputError(f"{option}{path}: a {what} of {size / 2**30:.2f} GiB needs about {need / 2**30:.1f} GiB "
+                         f"of memory to read whole, but {room / 2**30:.1f} GiB is available ({source}); expected a "
+                         "smaller file (split it, or cut it on a larger machine)")
+
+
 def short_repr(value: Any, limit: int = 120) -> str:
     """repr of a user value for an error message, cut to `limit` characters; a container of more than
     a few dozen items is described, not printed (a shared-alias structure would repr to gigabytes)."""

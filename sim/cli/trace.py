@@ -106,7 +106,7 @@ STAT_ROWS = [
 def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped short names."),
           rate: Optional[float] = typer.Option(None, help=RATE_HELP),
           cv: Optional[float] = typer.Option(None, help=CV_HELP),
-          seed: int = typer.Option(0, help="Seed for synthesized arrivals."),
+          seed: int = typer.Option(0, min=0, help="Seed for synthesized arrivals."),
           as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON instead of a table."),
           trace_format: TraceFormat = None, trace_columns: TraceColumns = None, time_unit: TimeUnit = None,
           tokenizer: Tokenizer = None):
@@ -148,7 +148,7 @@ def synth(out: Path = typer.Argument(..., parser=output_path("OUT"), help="Outpu
           output: str = typer.Option("lognormal:256,1.0", help="Output length spec, as --prompt."),
           lengths: Optional[str] = typer.Option(None, help="Resample (prompt, output) pairs from this trace "
                                                            "(short name or file) instead of --prompt/--output."),
-          seed: int = typer.Option(0, help="Random seed; same seed and options give the same trace."),
+          seed: int = typer.Option(0, min=0, help="Random seed; same seed and options give the same trace."),
           name: Optional[str] = typer.Option(None, help="Trace name stored in the file.")):
     """Write a seeded synthetic trace (Poisson/Gamma arrivals or a closed batch)."""
     trace = synthesize(requests, rate=rate, cv=cv, prompt=prompt, output=output, lengths=lengths, seed=seed,
@@ -164,7 +164,7 @@ def convert(source: str = typer.Argument(..., help="Input trace file (any suppor
             out: Path = typer.Argument(..., parser=output_path("OUT"), help="Output file: .parquet or .jsonl (kvsim native format)."),
             rate: Optional[float] = typer.Option(None, help=RATE_HELP),
             cv: Optional[float] = typer.Option(None, help=CV_HELP),
-            seed: int = typer.Option(0, help="Seed for synthesized arrivals and --sample."),
+            seed: int = typer.Option(0, min=0, help="Seed for synthesized arrivals and --sample."),
             start: Optional[float] = typer.Option(None, help="Keep requests arriving at or after this time (s); "
                                                              "times are shifted so it becomes 0."),
             end: Optional[float] = typer.Option(None, help="Keep requests arriving before this time (s)."),
