@@ -314,8 +314,9 @@ def load_profile(name_or_path: str | Path | HardwareProfile = "default", gpu: GP
     try:
         return HardwareProfile.model_validate(data)
     except ValidationError as exc:
-        raise ProfileError(f"invalid hardware profile {path}:\n"
-                           + format_validation_error(exc, str(path), lines)) from exc
+        problems = format_validation_error(exc, str(path), lines)
+        raise ProfileError(f"invalid hardware profile {path}:" + ("\n" if "\n" in problems else " ")
+                           + problems) from exc
 
 
 def profile_fit_error(profile: HardwareProfile) -> float | None:
