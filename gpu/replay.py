@@ -353,8 +353,8 @@ def _replay(plan, run: ReplayRun, progress, on_step) -> ReplayResult:
         tokens.to_parquet(out / "tokens.parquet", index=False)
         decisions.to_parquet(out / "decisions.parquet", index=False)
         stats.to_parquet(out / "attention_stats.parquet", index=False)
-        staging.publish()
-    return ReplayResult(summary, req_df, steps_df, tokens, decisions, stats, staging.shown if staging else None,
+        published = staging.publish(partial=partial)
+    return ReplayResult(summary, req_df, steps_df, tokens, decisions, stats, published if out else None,
                         partial, executor)
 
 

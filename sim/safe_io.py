@@ -13,6 +13,8 @@ never quote the file's content, so a page that reads a file cannot leak another 
 from __future__ import annotations
 
 import errno
+import fcntl
+import itertools
 import json
 import os
 import signal
@@ -293,14 +295,86 @@ def _small(value: Any, budget: int) -> bool:
     return True
 
 
+KVSIM_TMP = ".kvsim-tmp-"        # `.NAME.kvsim-tmp-PID-...`: a file or directory being written beside NAME
+_LEFTOVER_AGE_S = 10.0          # an unlocked one younger than this may be a live writer's not yet locked
+
+
+def hold_while_writing(path: Path) -> int:
+    """An open descriptor holding a shared flock on `path` (a temporary file or staging directory) while
+    its writer lives: the kernel drops it when the process ends, however it ends (kill -9 too), so
+    `remove_dead_leftovers` can tell a dead writer's leftovers from a live one's (a PID cannot: the dead
+    writer's PID may belong to another process by then, or to one in another PID namespace)."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def remove_dead_leftovers(path: Path) -> None:
+    """Remove the `.NAME.kvsim-tmp-*` files and directories beside `path` that no live kvsim holds (a run
+    killed with kill -9, or a power cut, leaves them); a leftover is removed by the next run writing NAME."""
+    import time
+
+    now = time.time()
+    for p in path.parent.glob(f".{glob_escape(path.name)}{KVSIM_TMP}*"):
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue                        # a live writer holds it
+        finally:
+            os.close(fd)
+        try:
+            if now - os.lstat(p).st_mtime < _LEFTOVER_AGE_S and _pid_alive(_pid_of(p, path.name)):
+                continue                    # just made, perhaps not yet locked
+            if p.is_dir() and not p.is_symlink():
+                import shutil
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        except OSError:
+            continue
+
+
+def glob_escape(name: str) -> str:
+    import glob
+    return glob.escape(name)
+
+
+def _pid_of(leftover: Path, name: str) -> int:
+    head = leftover.name[len(f".{name}{KVSIM_TMP}"):].split("-")[0]
+    return int(head) if head.isdigit() else -1
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside `path` to write; renamed onto `path` when the block ends without error,
     removed otherwise, so a reader never sees a half-written file (a full disk leaves the previous file
-    or none). A full disk is re-raised as OSError whose message says so and names `path`."""
+    or none). A full disk is re-raised as OSError whose message says so and names `path`. The
+    temporary file is `.NAME.kvsim-tmp-PID-N`, locked while this process lives; a killed writer's is
+    removed by the next write of NAME."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove_dead_leftovers(path)
+    tmp = path.with_name(f".{path.name}{KVSIM_TMP}{os.getpid()}-{next(_counter)}")
+    held = None
     try:
+        with open(tmp, "wb"):
+            pass
+        held = hold_while_writing(tmp)
         yield tmp
         os.replace(tmp, path)
     except OSError as exc:
@@ -311,6 +385,12 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+_counter = itertools.count()
 
 
 def check_output_file(path: str | os.PathLike, option: str = "--out", what: str = "file") -> Path:
