@@ -22,7 +22,7 @@ import stat
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -393,10 +393,13 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
 _counter = itertools.count()
 
 
-def check_output_file(path: str | os.PathLike, option: str = "--out", what: str = "file") -> Path:
+def check_output_file(path: str | os.PathLike, option: str = "--out", what: str = "file", *,
+                      overwrite: bool = True, written_by_kvsim: Callable[[Path], bool] | None = None) -> Path:
     """A file a command is about to write: not a directory, not an existing named pipe, device or socket
     (writing would hang or go nowhere), not in a system directory, and its folder writable (created if
-    missing). InputError naming `option` otherwise; checked before the work that makes the file."""
+    missing). With `overwrite=False`, an existing file is replaced only when `written_by_kvsim(path)` says
+    kvsim wrote it (an earlier run's output); a user's own file is refused. InputError naming `option`
+    otherwise; checked before the work that makes the file (then written with atomic_output)."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -408,6 +411,9 @@ def check_output_file(path: str | os.PathLike, option: str = "--out", what: str 
         raise InputError(f"{option} {path}: is a directory; expected the {what} to write, e.g. {path / 'out.yaml'}")
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise InputError(f"{option} {path}: is {file_kind(st.st_mode)}; expected a regular {what} to write")
+    if st is not None and not overwrite and not (written_by_kvsim is not None and _safely(written_by_kvsim, path)):
+        raise InputError(f"{option} {path}: exists and kvsim did not write it; expected a new file name, or "
+                         "--overwrite to replace it")
     folder = Path(os.path.realpath(path.absolute().parent))
     if any(folder == Path(t) or Path(t) in folder.parents for t in SYSTEM_TREES):
         raise InputError(f"{option} {path}: is in a system directory ({folder}); expected a {what} of your own")
@@ -417,6 +423,20 @@ def check_output_file(path: str | os.PathLike, option: str = "--out", what: str 
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"{option} {path}: {existing} is not a writable directory; expected a {what} in one")
     return path
+
+
+def _safely(test: Callable[[Path], bool], path: Path) -> bool:
+    try:
+        return bool(test(path))
+    except Exception:  # noqa: BLE001 - a file that cannot be read as kvsim's output is not kvsim's
+        return False
+
+
+def file_starts_with(path: Path, marker: bytes, within: int = 4096) -> bool:
+    """Whether `marker` is in the first `within` bytes of `path` (how kvsim's text outputs say they are
+    kvsim's: a report's generator tag, a native trace's metadata line)."""
+    with open(path, "rb") as f:
+        return marker in f.read(within)
 
 
 def write_error(exc: OSError, path: str | os.PathLike, option: str = "--out") -> tuple[str, int]:

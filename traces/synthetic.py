@@ -106,6 +106,17 @@ def parse_length_spec(spec: str | int | LengthDist) -> LengthDist:
     raise TraceError(None, None, f"length spec {spec!r}: expected fixed:L, uniform:LO,HI or lognormal:MEAN,CV[,MAX]")
 
 
+# bytes per synthesized request at the peak of `synthesize` + `Trace.save`: the peak RSS of `kvsim trace
+# synth -n N` grew 212 B (.jsonl) and 156 B (.parquet) per request from N = 1e5 to 1e6 (/usr/bin/time -v,
+# 2-core x86 VM, 2026-12-07), rounded up
+SYNTH_BYTES_PER_REQUEST = 250
+
+
+def estimate_synth_bytes(n: int) -> int:
+    """Memory `synthesize(n)` and saving its trace need, in bytes (SYNTH_BYTES_PER_REQUEST each)."""
+    return int(n) * SYNTH_BYTES_PER_REQUEST
+
+
 # ---- workloads -------------------------------------------------------------------------------
 def closed_batch(n: int, prompt_tokens: int, output_tokens: int, *, name: str | None = None) -> Trace:
     """The closed "batch" workload: ``n`` requests of ``prompt_tokens`` prompt and ``output_tokens``
