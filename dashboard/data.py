@@ -233,7 +233,10 @@ def new_run_dir(root: Path, label: str, taken: set[str]) -> tuple[Path, str]:
 
 
 def write_label(d: Path, label: str) -> None:
-    (d / LABEL_FILE).write_text(json.dumps({"label": label}) + "\n")
+    from kvsim.sim.safe_io import atomic_output
+
+    with atomic_output(d / LABEL_FILE) as tmp:
+        tmp.write_text(json.dumps({"label": label}) + "\n")
 
 
 def run_zip(d: Path) -> bytes:

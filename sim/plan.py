@@ -24,6 +24,7 @@ from .capacity import Constraint, judge_row, slo_for_goodput
 from .catalog import get_gpu
 from .config import KVConfig, SimConfig
 from .kv.policy import policy_parameters
+from .safe_io import atomic_output
 from .sweep import (PlannedRun, RunTask, SpecError, _dask, _FitChecker, _serial, finished_runs, make_row,
                     read_store, run_id_of, write_row)
 
@@ -339,6 +340,9 @@ def _write_plan_result(store: Path, result: PlanResult, run_ids: list[str]) -> N
         "cheapest": {m: s.cand.label for m, s in result.cheapest.items()},
         "ranges": result.ranges, "range_notes": result.range_notes,
     }
-    (store / "plan-result.json").write_text(json.dumps(data, indent=2, default=str))
-    (store / "plan.json").write_text(json.dumps({"name": "capacity plan", "axis_keys": ["model", "gpu", "tp", "replicas"],
-                                                 "run_ids": run_ids}, indent=1))
+    texts = {"plan-result.json": json.dumps(data, indent=2, default=str),
+             "plan.json": json.dumps({"name": "capacity plan", "axis_keys": ["model", "gpu", "tp", "replicas"],
+                                      "run_ids": run_ids}, indent=1)}
+    for name, text in texts.items():
+        with atomic_output(store / name) as tmp:
+            tmp.write_text(text)

@@ -85,6 +85,19 @@ def check_out_owner(out: Path, option: str = "--out", overwrite: bool = False,
 _OWN_NAMES = (OWNER_MARKER, ".kvsim-lock")       # kvsim's own bookkeeping files (the marker, a store's lock)
 
 
+def claim_out_dir(out: Path, option: str = "--out", overwrite: bool = False) -> None:
+    """An output directory a command writes several files into (crosscheck, reference), before its work:
+    not a file or a system directory, not a folder of the user's own files (unless `overwrite`); then
+    created and marked kvsim's. OutputDirError otherwise."""
+    check_out_dir(Path(out), option)
+    check_out_owner(Path(out), option, overwrite)
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        mark_owned(Path(out))
+    except OSError as exc:
+        raise OutputDirError(f"{option} {out}: cannot be written ({exc.strerror or exc})") from None
+
+
 def mark_owned(directory: Path) -> None:
     """Record that kvsim created `directory` (check_out_owner accepts it from now on)."""
     (Path(directory) / OWNER_MARKER).touch()

@@ -178,17 +178,12 @@ def _calibrate_age_profile(base: str, out: Path, name, seed: int, command: str) 
 def _claim_out(out: Path, overwrite: bool) -> None:
     """--out before the replay: not a file or system directory, not a folder of the user's own files
     (unless --overwrite); then marked kvsim's, as a results directory is (sim/results.py)."""
-    from kvsim.sim.results import OutputDirError, check_out_dir, check_out_owner, mark_owned
+    from kvsim.sim.results import OutputDirError, claim_out_dir
 
     try:
-        check_out_dir(out)
-        check_out_owner(out, overwrite=overwrite)
-        out.mkdir(parents=True, exist_ok=True)
-        mark_owned(out)
+        claim_out_dir(out, overwrite=overwrite)
     except OutputDirError as exc:
         fail(str(exc))
-    except OSError as exc:
-        fail(f"--out {out}: cannot be written ({exc.strerror or exc})")
 
 
 def crosscheck(
