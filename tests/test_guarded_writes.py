@@ -22,7 +22,7 @@ import typer.main
 from typer.testing import CliRunner
 
 from kvsim.sim.cli import app
-from kvsim.sim.safe_io import KVSIM_TMP
+from kvsim.sim.io.safe_io import KVSIM_TMP
 
 BOOKKEEPING = (".kvsim-results", ".kvsim-lock")      # kvsim's own marker and store lock (touched, never data)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC

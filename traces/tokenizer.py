@@ -11,7 +11,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from kvsim.sim.safe_io import InputError, check_input_file
+from kvsim.sim.io.safe_io import InputError, check_input_file
 from kvsim.traces.errors import TraceError
 
 MAX_TOKENIZER_BYTES = 256 * 2**20

@@ -81,7 +81,7 @@ def vllm_reference(
     Writes vllm_steps.parquet, kvsim_steps.parquet, agreement.json and config.yaml into --out."""
     from kvsim.sim.reference.harness import (ReferenceError, check_reference_memory, reference_run,
                                              steps_from_times)
-    from kvsim.sim.simulate import load_workload
+    from kvsim.sim.simulator.simulate import load_workload
 
     overrides = {
         **config_overrides(
@@ -108,7 +108,7 @@ def vllm_reference(
             cfg = cfg.model_copy(update={"trace_options": cfg.trace_options.model_copy(
                 update={"arrival_unit": "step"})})
         check_reference_memory(cfg, t)
-        from kvsim.sim.results import claim_out_dir
+        from kvsim.sim.io.result_dirs import claim_out_dir
         claim_out_dir(out, overwrite=overwrite)
         agreement = reference_run(cfg, t, out, python, _model_dir(model_dir, python), timeout)
     except (ConfigError, ReferenceError, ValueError) as exc:

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvsim.sim.safe_io import InputError, check_output_file
+from kvsim.sim.io.safe_io import InputError, check_output_file
 from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.loaders import DATA_TRACES, FORMATS, GENERIC_FORMATS, load_trace, resolve_trace_path
 from kvsim.traces.stats import trace_stats
@@ -142,7 +142,7 @@ def _check_trace_output(out: Path, overwrite: bool) -> None:
 
 def check_synth_memory(requests: int) -> None:
     """Refuse a synthetic trace that would not fit in memory before drawing it (estimate_synth_bytes)."""
-    from kvsim.sim.safe_io import host_memory_room
+    from kvsim.sim.io.safe_io import host_memory_room
     from kvsim.traces.synthetic import estimate_synth_bytes
 
     need, (room, source) = estimate_synth_bytes(requests), host_memory_room()

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvsim.sim.crosscheck.comparison import LATENCY_METRICS, CrosscheckResult, relative_error
-from kvsim.sim.safe_io import atomic_output
+from kvsim.sim.io.safe_io import atomic_output
 
 
 def _pct(v: float) -> str:
