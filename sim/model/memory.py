@@ -188,7 +188,7 @@ class RunMemoryEstimate:
 
 def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None,
                         fast_profile: FastModeProfile | None = None) -> RunMemoryEstimate:
-    """Host memory a simulation of `cfg` (its engine defaults resolved: sim.engine.run_plan builds it)
+    """Host memory a simulation of `cfg` (its engine defaults resolved: sim.engine.resolved_run builds it)
     needs, before anything is allocated: the KV block pool of every replica, fast mode's
     per-request slabs at their peak (sized from the policy's `fast_profile`), and the requests of
     `trace`."""
