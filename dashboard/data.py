@@ -38,6 +38,9 @@ def data_root() -> Path:
     return Path(os.environ.get(DATA_ROOT_ENV) or "runs").expanduser().resolve()
 
 
+MAX_NAME_BYTES = 255        # one file or folder name (NAME_MAX of Linux file systems)
+
+
 def resolve_user_path(text: str) -> Path:
     """A path typed into the page: relative paths are taken from the data root; anything resolving
     outside it (absolute paths elsewhere, `..`, symbolic links out) is refused."""
@@ -45,6 +48,9 @@ def resolve_user_path(text: str) -> Path:
     if "\x00" in text or len(text) > 1024:
         raise DataError("the path holds a NUL character or is longer than 1024 characters; expected a path under "
                         f"the data directory {root}")
+    if any(len(part.encode()) > MAX_NAME_BYTES for part in Path(text.strip()).parts):
+        raise DataError(f"a name in the path is longer than {MAX_NAME_BYTES} bytes (the file system's limit); "
+                        f"expected a path under the data directory {root}")
     path = (root / Path(text.strip()).expanduser()).resolve()
     if path != root and root not in path.parents:
         raise DataError(f"{text.strip()}: outside the dashboard's data directory {root}; the dashboard reads "
@@ -227,19 +233,43 @@ def new_run_dir(root: Path, label: str, taken: set[str]) -> tuple[Path, str]:
 
 
 def write_label(d: Path, label: str) -> None:
-    (d / LABEL_FILE).write_text(json.dumps({"label": label}) + "\n")
+    from kvsim.sim.io.safe_io import atomic_output
+
+    with atomic_output(d / LABEL_FILE) as tmp:
+        tmp.write_text(json.dumps({"label": label}) + "\n")
 
 
 def run_zip(d: Path) -> bytes:
-    """The run directory as a zip (its files under the directory's name)."""
+    """The run directory as a zip (its files under the directory's name): regular files only, never
+    a symbolic link (a link in a run directory to /etc/shadow must not ship that file) nor a pipe or
+    device, and only what lies inside the directory."""
     import io
     import zipfile
 
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
-        for f in sorted(p for p in d.rglob("*") if p.is_file()):
+        for f in _regular_files_inside(d):
             z.write(f, f"{d.name}/{f.relative_to(d)}")
     return out.getvalue()
+
+
+def _regular_files_inside(d: Path) -> list[Path]:
+    """The regular files under `d`, walking no symbolic link (to a file or a folder), each resolving
+    inside `d`."""
+    import stat
+
+    root, found = d.resolve(), []
+    for folder, dirs, files in os.walk(d, followlinks=False):
+        dirs[:] = [x for x in dirs if not os.path.islink(os.path.join(folder, x))]
+        for name in files:
+            path = Path(folder) / name
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if stat.S_ISREG(mode) and root in path.resolve().parents:
+                found.append(path)
+    return sorted(found)
 
 
 def cli_command(d: Path, root: Path, summary: dict | None = None) -> str:

@@ -288,7 +288,10 @@ def _save_upload(upload) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path = root / upload_name(upload.name)
     if not path.exists():
-        path.write_bytes(data)
+        from kvsim.sim.io.safe_io import atomic_output
+
+        with atomic_output(path) as tmp:
+            tmp.write_bytes(data)
     return path
 
 

@@ -166,7 +166,7 @@ def test_gateway_csv_with_epoch_milliseconds_and_parquet(tmp_path):
     np.testing.assert_allclose(t.df["arrival_time_s"], [0.0, 0.25, 1.0])
     # the same file without --time-unit: epoch milliseconds read as seconds would be a 1000x load error
     with pytest.warns(TraceWarning, match=r"ts_ms: epoch times such as 1764064800000 would be past the year 5000 "
-                                          r"in seconds: read as epoch ms \(give --time-unit ms"):
+                                          r"in seconds: read as ms \(epoch ms; give --time-unit ms"):
         t = load_trace(csv, format="csv", columns="arrival=ts_ms,prompt_tokens=in,output_tokens=out")
     np.testing.assert_allclose(t.df["arrival_time_s"], [0.0, 0.25, 1.0])
     csv.write_text("ts,in,out\n1764064800.0,10,5\n1764064800.25,20,6\n")      # epoch seconds: as they are

@@ -33,10 +33,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvsim.sim.io.safe_io import InputError, check_input_file, safe_json_loads
+from kvsim.sim.io.safe_io import InputError, check_input_file, check_read_memory, safe_json_loads
 from kvsim.traces.arrivals import arrivals
 from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.trace import NATIVE_METADATA_KEY, Trace, _session_column
+from kvsim.traces.time_units import detect_epoch_unit
 from kvsim.traces.user_formats import (TIME_UNITS, check_csv_fields, malformed_csv, read_mapped_table,
                                        sharegpt_lengths, vllm_bench_columns)
 
@@ -119,6 +120,12 @@ def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: fl
     # the first N rows are the first N requests only where rows are requests in file order
     limited = (max_rows is not None and fmt not in LENGTH_ONLY_FORMATS + ("vllm-bench",) + GENERIC_FORMATS
                and not any(options.get(k) for k in ("model", "log_type")))
+    if not limited:             # the whole file is parsed: refuse one that cannot fit before reading it
+        kind = "parquet" if fmt in ("native-parquet", "parquet") else "json" if fmt in ("sharegpt", "vllm-bench") else "text"
+        try:
+            check_read_memory(path, kind)
+        except InputError as exc:
+            raise TraceError(path, None, str(exc).removeprefix(f"{path}: ")) from None
     token = _ROW_LIMIT.set(max_rows if limited else None)
     try:
         trace = _LOADERS[fmt](path, **options)
@@ -155,7 +162,8 @@ def detect_format(path: str | os.PathLike) -> str:
     line_no, line = first
     if line.startswith("[") and '"conversations"' in text:
         return "sharegpt"
-    if line.startswith("{") and '"input_lens"' in text and '"output_lens"' in text:
+    # a bench result is one JSON document: its per-request lists may push output_lens past the first 64 KiB
+    if line.startswith("{") and ('"input_lens"' in text or '"output_lens"' in text):
         return "vllm-bench"
     if line.startswith("{"):
         try:
@@ -615,9 +623,12 @@ def _generic(fmt: str):
             extra["request_id"], labels = _request_ids(df[mapping["request_id"]], rows, mapping["request_id"])
         if "session_id" in mapping:
             extra["session_id"] = list(df[mapping["session_id"]])
-        trace = _build(path, rows, arrival=_log_times(df[mapping["arrival"]], rows, mapping["arrival"], time_unit),
+        notices: list[str] = []
+        arrival = _log_times(df[mapping["arrival"]], rows, mapping["arrival"], time_unit, notices)
+        trace = _build(path, rows, arrival=arrival,
                        prompt=_integers(df[mapping["prompt_tokens"]], rows, mapping["prompt_tokens"], 1),
                        output=_integers(df[mapping["output_tokens"]], rows, mapping["output_tokens"], 0), **extra)
+        trace.notices.extend(notices)
         if labels is not None:
             trace.request_labels = labels
             notice = (f"{mapping['request_id']}: request ids that are not integers (such as {labels[0]!r:.40}) "
@@ -643,27 +654,23 @@ def _request_ids(raw: pd.Series, rows: _Rows, name: str) -> tuple[np.ndarray, di
     return np.arange(len(text), dtype=np.int64), dict(enumerate(text.tolist()))
 
 
-# epoch times at or above these (in the unit given) are years past 5000 in that unit: a finer unit was meant
-_EPOCH_LIMITS = ((1e17, "ns"), (1e14, "us"), (1e11, "ms"))
-
-
-def _epoch_unit(values: np.ndarray, unit: str, rows: _Rows, name: str) -> str:
+def _epoch_unit(values: np.ndarray, unit: str, rows: _Rows, name: str, notices: list[str]) -> str:
     """`unit`, or the finer unit that epoch times too large for it are in (1.7e12 'seconds' are epoch
-    milliseconds: read as seconds, a 1000x load error), with a notice."""
-    if not len(values) or unit != "s":
+    milliseconds: read as seconds, a 1000x load error), with a notice and a warning."""
+    detected = detect_epoch_unit(values) if unit == "s" else None
+    if not detected:
         return unit
     first = float(np.min(values))
-    for limit, finer in _EPOCH_LIMITS:
-        if first >= limit:
-            warnings.warn(f"{rows.path}: {name}: epoch times such as {first:.0f} would be past the year 5000 in "
-                          f"seconds: read as epoch {finer} (give --time-unit {finer} to say so)", TraceWarning,
-                          stacklevel=4)
-            return finer
-    return unit
+    notice = (f"{name}: epoch times such as {first:.0f} would be past the year 5000 in seconds: read as {detected} "
+              f"(epoch {detected}; give --time-unit {detected} to say so)")
+    notices.append(notice)
+    warnings.warn(f"{rows.path}: {notice}", TraceWarning, stacklevel=4)
+    return detected
 
 
-def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str) -> np.ndarray:
-    """Epoch numbers (in `unit`) or ISO-8601 strings -> seconds from the first request."""
+def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str, notices: list[str]) -> np.ndarray:
+    """Epoch numbers (in `unit`) or ISO-8601 strings -> seconds from the first request. Epoch numbers
+    said to be seconds that can only be a finer unit are read in that unit, with a notice."""
     if pd.api.types.is_datetime64_any_dtype(raw):       # a Parquet timestamp column: times, not epoch numbers
         parsed = pd.to_datetime(raw, utc=True)
     else:
@@ -671,7 +678,7 @@ def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str) -> np.ndarray:
         if numeric.all():
             # epoch numbers are large by nature: the bound on arrival times applies once they are relative
             values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)", maximum=np.inf)
-            unit = _epoch_unit(values, unit, rows, name)
+            unit = _epoch_unit(values, unit, rows, name, notices)
             values = values * TIME_UNITS[unit]
             relative = values - values.min()
             return _floats(relative, rows, name, "a time span from the first request (s)")

@@ -27,14 +27,18 @@ from kvsim.traces.loaders import load_trace
 from kvsim.traces.trace import Trace
 
 
+MAX_LENGTH = 100_000_000      # tokens of one prompt or output: far beyond any model's context
+MAX_LOGNORMAL_CV = 100.0       # sigma^2 = ln(1 + cv^2) stays finite (a cv of 1e300 overflows it)
+
+
 # ---- length distributions ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Fixed:
     tokens: int
 
     def __post_init__(self):
-        if self.tokens < 1:
-            raise TraceError(None, None, f"fixed length must be >= 1, got {self.tokens}")
+        if not 1 <= self.tokens <= MAX_LENGTH:
+            raise TraceError(None, None, f"fixed length must be in 1..{MAX_LENGTH:,}, got {self.tokens}")
 
     def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
         return np.full(n, self.tokens, dtype=np.int64)
@@ -46,8 +50,8 @@ class Uniform:
     high: int
 
     def __post_init__(self):
-        if not 1 <= self.low <= self.high:
-            raise TraceError(None, None, f"uniform lengths need 1 <= low <= high, got {self.low},{self.high}")
+        if not 1 <= self.low <= self.high <= MAX_LENGTH:
+            raise TraceError(None, None, f"uniform lengths need 1 <= low <= high <= {MAX_LENGTH:,}, got {self.low},{self.high}")
 
     def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
         return rng.integers(self.low, self.high, size=n, endpoint=True, dtype=np.int64)
@@ -62,6 +66,9 @@ class LogNormal:
     def __post_init__(self):
         check_positive("lognormal mean", self.mean)
         check_positive("lognormal cv", self.cv)
+        if self.mean > MAX_LENGTH or self.cv > MAX_LOGNORMAL_CV:
+            raise TraceError(None, None, f"lognormal:{self.mean:g},{self.cv:g}: expected a mean of at most "
+                                         f"{MAX_LENGTH:,} tokens and a cv of at most {MAX_LOGNORMAL_CV:g}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise TraceError(None, None, f"lognormal max must be >= 1, got {self.max_tokens}")
 
@@ -92,9 +99,22 @@ def parse_length_spec(spec: str | int | LengthDist) -> LengthDist:
             return Uniform(int(values[0]), int(values[1]))
         if kind == "lognormal" and len(values) in (2, 3):
             return LogNormal(float(values[0]), float(values[1]), int(values[2]) if len(values) == 3 else None)
+    except TraceError:
+        raise
     except ValueError:
         pass
     raise TraceError(None, None, f"length spec {spec!r}: expected fixed:L, uniform:LO,HI or lognormal:MEAN,CV[,MAX]")
+
+
+# bytes per synthesized request at the peak of `synthesize` + `Trace.save`: the peak RSS of `kvsim trace
+# synth -n N` grew 212 B (.jsonl) and 156 B (.parquet) per request from N = 1e5 to 1e6 (/usr/bin/time -v,
+# 2-core x86 VM, 2026-12-07), rounded up
+SYNTH_BYTES_PER_REQUEST = 250
+
+
+def estimate_synth_bytes(n: int) -> int:
+    """Memory `synthesize(n)` and saving its trace need, in bytes (SYNTH_BYTES_PER_REQUEST each)."""
+    return int(n) * SYNTH_BYTES_PER_REQUEST
 
 
 # ---- workloads -------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+from kvsim.sim.io.safe_io import InputError, check_input_file
 from kvsim.traces.errors import TraceError
 
+MAX_TOKENIZER_BYTES = 256 * 2**20
 DATA_DIR = Path(__file__).resolve().parent / "data" / "tokenizers"
 DEFAULT_TOKENIZER = DATA_DIR / "smollm2-135m.json"
 
@@ -33,6 +35,10 @@ def load_tokenizer(source: str | os.PathLike | None = None):
     if not path.is_file():
         raise TraceError(path, None, "no such tokenizer file; expected a Hugging Face tokenizer.json, the "
                                      "model directory holding one, or a Hugging Face model id (org/name)")
+    try:     # real tokenizer.json files are 1-30 MB; the library parses a larger one whole, at ~10x its size
+        check_input_file(path, what="tokenizer.json", max_bytes=MAX_TOKENIZER_BYTES)
+    except InputError as exc:
+        raise TraceError(path, None, str(exc).removeprefix(f"{path}: ")) from None
     return _load(str(path.resolve()), path.stat().st_mtime_ns)
 
 

@@ -20,6 +20,7 @@ JSON, and generic CSV / JSONL / Parquet logs read through an explicit column map
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvsim.sim.io.safe_io import MAX_NESTING, InputError, safe_json_loads
 from kvsim.traces.arrivals import vllm_bench_arrivals
 from kvsim.traces.errors import TraceError
 
@@ -113,6 +115,8 @@ def vllm_bench_columns(path: Path) -> dict:
     if not ok.any():
         raise TraceError(path, None, "every request of the benchmark failed; nothing to replay")
     idx = np.flatnonzero(ok)
+    _check_measured(path, data, idx)
+    _check_load(path, data)
     starts, queue = data.get("start_times"), data.get("queue_times")
     if starts is not None and data.get("max_concurrency") is None:
         arrival = np.array([starts[i] for i in idx], dtype=np.float64)
@@ -136,6 +140,35 @@ def vllm_bench_columns(path: Path) -> dict:
                       + (f" ({dropped} failed ones left out)" if dropped else "")}
 
 
+def _is_time(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _check_measured(path: Path, data: dict, idx: np.ndarray) -> None:
+    """The measured times of the requests kept: seconds >= 0 (a negative or NaN TTFT is a broken file, not a
+    measurement); `itls` a list of such times per request."""
+    for key in ("ttfts", "latencies"):
+        for i in idx if key in data else ():
+            if not _is_time(data[key][i]):
+                raise TraceError(path, None, f"'{key}'[{i}]: expected a measured time in seconds >= 0, got "
+                                             f"{data[key][i]!r:.40}")
+    for i in idx if "itls" in data else ():
+        itls = data["itls"][i]
+        if not isinstance(itls, list) or not all(_is_time(v) for v in itls):
+            raise TraceError(path, None, f"'itls'[{i}]: expected a list of inter-token times in seconds >= 0, got "
+                                         f"{itls!r:.40}")
+
+
+def _check_load(path: Path, data: dict) -> None:
+    concurrency = data.get("max_concurrency")
+    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                    or concurrency < 1):
+        raise TraceError(path, None, f"'max_concurrency': expected null or an integer >= 1, got {concurrency!r:.40}")
+    duration = data.get("duration")
+    if duration is not None and not (_is_time(duration) and duration > 0):
+        raise TraceError(path, None, f"'duration': expected the benchmark's length in seconds > 0, got {duration!r:.40}")
+
+
 # ---- generic tables -----------------------------------------------------------------------------
 def parse_columns(text: str | dict | None) -> dict[str, str]:
     """'arrival=timestamp,prompt_tokens=usage.prompt_tokens' (or a mapping) -> {kvsim field: source column}."""
@@ -149,6 +182,9 @@ def parse_columns(text: str | dict | None) -> dict[str, str]:
             key, sep, value = item.partition("=")
             if not sep or not key.strip() or not value.strip():
                 raise TraceError(None, None, f"columns: {item!r} is not FIELD=COLUMN (e.g. arrival=timestamp)")
+            if key.strip() in mapping:
+                raise TraceError(None, None, f"columns: {key.strip()} is mapped twice ({mapping[key.strip()]} and "
+                                             f"{value.strip()}); expected each field once")
             mapping[key.strip()] = value.strip()
     unknown = sorted(set(mapping) - set(GENERIC_FIELDS))
     if unknown:
@@ -202,7 +238,10 @@ def _read_table(path: Path, fmt: str) -> tuple[pd.DataFrame, np.ndarray | None]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = safe_json_loads(line, f"line {line_no}")
+            except InputError:
+                raise TraceError(path, line_no, f"JSON nested more than {MAX_NESTING} levels deep; expected one "
+                                                "JSON object per line") from None
             except json.JSONDecodeError as exc:
                 raise TraceError(path, line_no, f"invalid JSON ({exc.msg}); expected one object per line") from None
             if not isinstance(record, dict):

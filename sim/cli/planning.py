@@ -269,10 +269,13 @@ def _print_capacity(result, mode: str, spread=None) -> None:
 def report(
     store: Path = typer.Argument(..., help="sweep or capacity store directory"),
     out: Path | None = typer.Option(None, "--out", "-o", parser=output_path(), help="HTML file (default: STORE/report.html)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing HTML file that kvsim report did "
+                                                              "not write (one it wrote is replaced anyway)"),
 ) -> None:
     """Turn a sweep store into one HTML page of plotly charts: throughput/goodput vs load, latency
     percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 latency Pareto view."""
-    from kvsim.sim.planning.report import build_report
+    from kvsim.sim.planning.report import build_report, report_written_by_kvsim
+    from kvsim.sim.io.safe_io import InputError, check_output_file
 
     if not store.is_dir():
         fail(f"{store}: not a directory (give the --out of `kvsim sweep` or `kvsim capacity`)")
@@ -280,6 +283,11 @@ def report(
         fail(f"--out {out}: is a directory; expected the HTML file to write, e.g. {out / 'report.html'}")
     if out is not None:
         _check_parent(out, "--out")
+    try:
+        check_output_file(out or store / "report.html", what="HTML file", overwrite=overwrite,
+                          written_by_kvsim=report_written_by_kvsim)
+    except InputError as exc:
+        fail(str(exc))
     try:
         path = build_report(store, out)
     except ValueError as exc:

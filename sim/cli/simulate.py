@@ -225,15 +225,26 @@ def interrupt_on_sigterm():
 
 
 def partial_exit(out: Path, reason: str) -> None:
-    try:
-        partial = json.loads((out / "summary.json").read_text()).get("partial")
-    except (OSError, ValueError, AttributeError):
-        partial = False
-    if partial:
+    """Exit 130 saying where the interrupted run's partial result went: into --out, or beside a complete
+    result it keeps (sim/results.py: OUT.partial)."""
+    from kvsim.sim.io.result_dirs import PARTIAL_SUFFIX
+
+    aside = Path(f"{out}{PARTIAL_SUFFIX}")
+    if _is_partial(out):
         typer.echo(f"{reason}: partial results in {out} (summary.json: partial: true)", err=True)
+    elif _is_partial(aside):
+        typer.echo(f"{reason}: partial results in {aside} (summary.json: partial: true); {out} keeps the previous "
+                   "complete result", err=True)
     else:
         typer.echo(f"{reason}: no results written", err=True)
     raise typer.Exit(130)
+
+
+def _is_partial(out: Path) -> bool:
+    try:
+        return json.loads((out / "summary.json").read_text()).get("partial") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def print_summary(s: dict) -> None:

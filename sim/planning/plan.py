@@ -26,7 +26,9 @@ from kvsim.traces.errors import TraceWarning
 from .capacity import Constraint, judge_row, slo_for_goodput
 from ..config import KVConfig, SimConfig
 from ..kv.policy import policy_parameters
-from .sweep import (DASK_EXTRA, MissingExtra, PlannedRun, RunTask, SpecError, _dask, _FitChecker, _local, _serial, finished_runs, make_row,
+from ..io.safe_io import atomic_output
+from .sweep import (DASK_EXTRA, MissingExtra, PlannedRun, RunTask, SpecError, _dask, _FitChecker, _local, _serial,
+                    finished_runs, make_row,
                     read_store, run_id_of, write_row)
 
 RunBatch = Callable[[list[RunTask]], Iterator[tuple[RunTask, dict]]]
@@ -347,6 +349,9 @@ def _write_plan_result(store: Path, result: PlanResult, run_ids: list[str]) -> N
         "cheapest": {m: s.cand.label for m, s in result.cheapest.items()},
         "ranges": result.ranges, "range_notes": result.range_notes,
     }
-    (store / "plan-result.json").write_text(json.dumps(data, indent=2, default=str))
-    (store / "plan.json").write_text(json.dumps({"name": "capacity plan", "axis_keys": ["model", "gpu", "tp", "replicas"],
-                                                 "run_ids": run_ids}, indent=1))
+    texts = {"plan-result.json": json.dumps(data, indent=2, default=str),
+             "plan.json": json.dumps({"name": "capacity plan", "axis_keys": ["model", "gpu", "tp", "replicas"],
+                                      "run_ids": run_ids}, indent=1)}
+    for name, text in texts.items():
+        with atomic_output(store / name) as tmp:
+            tmp.write_text(text)

@@ -56,7 +56,7 @@ from ..model.defaults import resolve_engine
 from ..model.memory import ModelDoesNotFitError, PoolSizing, available_memory_bytes, check_memory, num_gpu_blocks
 from ..kv.policy import policy_identity
 from ..io.result_dirs import holding_store_lock, mark_owned, pid_alive
-from ..io.safe_io import atomic_output
+from ..io.safe_io import KVSIM_TMP, atomic_output
 from ..simulator.simulate import run_simulation
 
 SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
@@ -450,9 +450,8 @@ def write_row(store: Path, row: dict) -> Path:
     runs = _runs_dir(store)
     runs.mkdir(parents=True, exist_ok=True)
     final = runs / f"{row['run_id']}.parquet"
-    tmp = runs / f".tmp-{row['run_id']}-{os.getpid()}.parquet"
-    pq.write_table(pa.Table.from_pylist([row]), tmp)
-    os.replace(tmp, final)
+    with atomic_output(final) as tmp:
+        pq.write_table(pa.Table.from_pylist([row]), tmp)
     return final
 
 
@@ -554,10 +553,9 @@ def read_plan(store: Path) -> list[str]:
 def _write_plan(store: Path, plan: SweepPlan, spec_text: str | None) -> None:
     store.mkdir(parents=True, exist_ok=True)
     mark_owned(store)
-    tmp = store / ".plan.json.tmp"
-    tmp.write_text(json.dumps({"name": plan.name, "axis_keys": plan.axis_keys,
-                               "run_ids": [r.run_id for r in plan.runs]}, indent=1))
-    os.replace(tmp, store / "plan.json")
+    with atomic_output(store / "plan.json") as tmp:
+        tmp.write_text(json.dumps({"name": plan.name, "axis_keys": plan.axis_keys,
+                                   "run_ids": [r.run_id for r in plan.runs]}, indent=1))
     if spec_text is not None:
         with atomic_output(store / "spec.yaml") as tmp:
             tmp.write_text(spec_text)
@@ -566,7 +564,9 @@ def _write_plan(store: Path, plan: SweepPlan, spec_text: str | None) -> None:
 def _remove_stale_tmp(store: Path) -> None:
     runs = _runs_dir(store)
     if runs.is_dir():
-        for p in runs.glob(".tmp-*.parquet"):
+        for p in runs.glob(".tmp-*.parquet"):       # written by kvsim before the guarded writer
+            p.unlink(missing_ok=True)
+        for p in runs.glob(f".*.parquet{KVSIM_TMP}*"):      # the store is locked: no live writer holds these
             p.unlink(missing_ok=True)
 
 

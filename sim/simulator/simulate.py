@@ -149,10 +149,10 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
         write_outputs(out, cfg, None if tokens is not None else req_df, summary)
         if comparison is not None:
             comparison.to_parquet(out / "bench_comparison.parquet", index=False)
-        staging.publish()
+        published = staging.publish(partial=stop is not None)
     if stop:
         raise stop[1]
-    return SimulationResult(summary, req_df, steps_df, staging.shown if staging else None, plan.num_blocks, wall)
+    return SimulationResult(summary, req_df, steps_df, published if staging else None, plan.num_blocks, wall)
 
 
 def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
