@@ -35,8 +35,9 @@ for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s")):
     col.plotly_chart(charts.latency_cdfs([run], metric), key=f"sim_cdf_{metric}", config=charts.PLOT_CONFIG)
 st.plotly_chart(charts.throughput_over_time([run]), key="sim_throughput", config=charts.PLOT_CONFIG)
 a, b = st.columns(2)
-a.plotly_chart(charts.step_series([run], {"num_waiting": "waiting", "num_running": "running"},
-                                  "Queue length", "requests"), key="sim_queue", config=charts.PLOT_CONFIG)
+a.plotly_chart(charts.step_series([run], {"num_running": "Num Running", "num_waiting": "Num Waiting"},
+                                  "Scheduler State: running and waiting requests", "requests"), key="sim_queue",
+               config=charts.PLOT_CONFIG)
 b.plotly_chart(charts.step_series([run], {"batch_size": "batch size"}, "Batch size", "sequences per step"),
                key="sim_batch", config=charts.PLOT_CONFIG)
 st.caption("Latency, load, KV usage, prefix hits, preemptions and the cost model's utilisation per time window: "
