@@ -201,7 +201,7 @@ def show_summary_metrics(run: RunRecord) -> None:
         ("TTFT p50", fmt_seconds(s["ttft_p50_s"])), ("TTFT p99", fmt_seconds(s["ttft_p99_s"])),
         ("TPOT p50", fmt_seconds(s["tpot_p50_s"])), ("TPOT p99", fmt_seconds(s["tpot_p99_s"])),
         ("SLO attainment", fmt_share(s.get("slo_attainment"))),
-        ("KV util mean / max", f"{fmt_share(s.get('kv_util_mean'))} / {fmt_share(s.get('kv_util_max'))}"),
+        ("KV util mean", fmt_share(s.get("kv_util_mean"))), ("KV util max", fmt_share(s.get("kv_util_max"))),
         ("Fragmentation mean", fmt_share(s.get("fragmentation_mean"))),
         ("Preemptions", f"{s.get('preemptions', 0):,}"),
     ]
@@ -329,7 +329,7 @@ def pick_run(prefix: str, label: str = "Results to show") -> RunRecord | None:
     runs = available_runs()
     options = list(runs) + [LOAD_CHOICE]
     key = f"{prefix}pick"
-    _select_newest(key, options[0])
+    _select_newest(key, users_latest(runs) or options[0])
     linked = run_from_link(runs)
     if linked is not None:
         runs = available_runs()
@@ -357,6 +357,16 @@ def pick_run(prefix: str, label: str = "Results to show") -> RunRecord | None:
         return None
     save_runs([record]) if record.path is None else None
     return record
+
+
+def users_latest(runs: dict) -> str | None:
+    """The newest run a user made on the dashboard (a run directory with the dashboard's label file,
+    or one held in this session), not a directory another command wrote under the data root since (a
+    cross-check's sim_recorded/, a sweep's runs): what a page opens on."""
+    for label, where in runs.items():
+        if isinstance(where, RunRecord) or (where / LABEL_FILE).exists():
+            return label
+    return None
 
 
 def run_from_link(runs: dict) -> str | None:

@@ -44,15 +44,21 @@ else:
         values = parse_axis_values(axis, text)
     except ConfigError as exc:
         axis_error = gui_message(str(exc))
-runs = []
+runs, refused = [], []
 if base is not None and not axis_error:
-    try:
-        runs = [(f"{axis}={v}", with_value(base, axis, v)) for v in values]
-    except ConfigError as exc:
-        axis_error = gui_message(str(exc))
-for message in (error, axis_error):
+    for v in values:            # each value on its own: a refused one does not hold back the others
+        try:
+            runs.append((f"{axis}={v}", with_value(base, axis, v)))
+        except ConfigError as exc:
+            refused.append(gui_message(str(exc)))
+for message in (error, axis_error, *refused):
     if message:
         st.error(message)
+if refused and runs:
+    st.caption(f"Run queues the {len(runs)} value(s) that pass; fix or drop the refused one(s) to run them too.")
+if axis == "kv.policy" and base is not None and (base.kv.budget is not None or base.kv.params):
+    st.caption("Each policy runs with the base's budget and the parameters it declares; a policy that takes no "
+               "budget (`none`, the baseline: every token kept) runs without it.")
 if run_button(f"Run {len(runs)} simulation{'' if len(runs) == 1 else 's'}", "cmp_run", "Compare", blocked=not runs):
     start_job("Compare", runs)
 job = follow_job("Compare")
