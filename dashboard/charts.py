@@ -353,6 +353,34 @@ def xy_lines(df: pd.DataFrame, x: str, y: str, group: str | None, title: str, hi
     return _legend_below(fig)
 
 
+PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
+
+
+def slo_vs_load(df: pd.DataFrame, x: str, y: str, ok: pd.Series, group: str | None, title: str,
+                limit: float | None = None, scale: float = 1.0, unit: str = "") -> go.Figure:
+    """`y` against the load, each simulated point marked as meeting the SLO (green circle) or not (red
+    cross), with the SLO's limit on `y` as a dashed line when the SLO has one."""
+    fig = _fig(title, column_title(x), f"{column_title(y).split(' (')[0]} ({unit})" if unit else column_title(y))
+    parts = df.groupby(group, sort=True) if group else [(None, df)]
+    for key, part in parts:
+        part = part.sort_values(x)
+        name = str(key[0] if isinstance(key, tuple) else key) if group else column_title(y).split(" (")[0]
+        good = ok.loc[part.index].to_numpy(bool)
+        fig.add_trace(go.Scatter(
+            x=part[x], y=part[y] * scale, mode="lines+markers", name=name, line=dict(color="#7f7f7f"),
+            marker=dict(size=10, symbol=np.where(good, "circle", "x"), color=np.where(good, PASS_COLOR, FAIL_COLOR)),
+            customdata=np.where(good, "meets the SLO", "fails the SLO"),
+            hovertemplate=f"%{{x:.4g}}: %{{y:.4g}} {unit} (%{{customdata}})<extra>{name}</extra>"))
+    for label, color, symbol in (("meets the SLO", PASS_COLOR, "circle"), ("fails the SLO", FAIL_COLOR, "x")):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label,
+                                 marker=dict(size=10, symbol=symbol, color=color)))
+    if limit is not None:
+        fig.add_hline(y=limit * scale, line=dict(color=FAIL_COLOR, dash="dash"),
+                      annotation_text=f"SLO {limit * scale:.4g} {unit}", annotation_position="top left")
+    fig.update_yaxes(rangemode="tozero")
+    return _legend_below(fig)
+
+
 def predicted_vs_measured(steps: pd.DataFrame, kind: pd.Series | None = None, max_points: int = 20000) -> go.Figure:
     s = steps[np.isfinite(steps["predicted_s"]) & (steps["duration_s"] > 0)]
     if len(s) > max_points:   # even thinning keeps the shape and the chart responsive

@@ -876,3 +876,87 @@ def length_heatmap(requests: pd.DataFrame, column: str, edges: np.ndarray) -> tu
     counts = np.zeros((len(bounds), n))
     np.add.at(counts, (b, w), 1)
     return counts, [f"<= {x:,}" for x in bounds]
+
+
+# ---- what decided a capacity search's answer ---------------------------------------------------
+def capacity_bracket(result) -> tuple[float | None, float | None]:
+    """(the highest load meeting the SLO, the lowest load above it that fails) of a rate search, or
+    (the fewest replicas meeting it, the most that fail) of a replica search: the answer's range."""
+    curve = result.curve
+    if curve is None or not len(curve):
+        return None, None
+    passing = curve.loc[curve["meets_slo"].astype(bool), "searched_value"]
+    failing = curve.loc[~curve["meets_slo"].astype(bool), "searched_value"]
+    if result.mode == "rate":
+        lo = float(passing.max()) if len(passing) else None
+        above = failing[failing > lo] if lo is not None else failing
+        return lo, float(above.min()) if len(above) else None
+    hi = float(passing.min()) if len(passing) else None
+    below = failing[failing < hi] if hi is not None else failing
+    return hi, float(below.max()) if len(below) else None
+
+
+def capacity_stop_reason(result, search) -> str:
+    """Why a capacity search (sim.capacity.find_capacity with `search`, a CapacitySearch) stopped where
+    it did: the bracket closed within its tolerance, the simulation limit, or a load limit."""
+    n = 0 if result.curve is None else len(result.curve)
+    answer, other = capacity_bracket(result)
+    if result.mode == "replicas":
+        if answer is None:
+            return f"no replica count up to {search.max_replicas} meets the SLO ({n} simulations)"
+        if other is None:
+            return f"{answer:g} replica(s) meet the SLO and no fewer were tried below ({n} simulations)"
+        return f"{answer:g} replicas meet the SLO and {other:g} fail: the answer is exact ({n} simulations)"
+    if answer is None:
+        limit = "the simulation limit" if n >= search.max_evals else f"the smallest rate scale tried ({search.min_scale:g})"
+        return f"no load meets the SLO down to {limit} ({n} simulations)"
+    if other is None:
+        why = f"the simulation limit ({search.max_evals})" if n >= search.max_evals else \
+            f"the largest rate scale allowed ({search.max_scale:g})"
+        return f"every load tried meets the SLO up to {why}: the answer is a lower bound ({n} simulations)"
+    if other - answer <= search.rel_tol * answer:
+        return (f"the bracket [{answer:g}, {other:g}] closed within the search's tolerance "
+                f"({search.rel_tol:.0%} of the answer) after {n} simulations")
+    if n >= search.max_evals:
+        return f"the simulation limit ({search.max_evals}) was reached with the bracket [{answer:g}, {other:g}] still open"
+    return f"the bracket [{answer:g}, {other:g}] cannot be split further at 6 significant digits ({n} simulations)"
+
+
+# ---- comparing runs ------------------------------------------------------------------------------
+def deltas_against(table: pd.DataFrame, baseline: str, label: str = "run") -> pd.DataFrame:
+    """Each run's figures relative to the `baseline` run's, in percent ((run - baseline) / |baseline|;
+    NaN where the baseline's figure is 0 or missing); the baseline's own row is left out."""
+    numeric = [c for c in table.columns if c != label and pd.api.types.is_numeric_dtype(table[c])]
+    base = table.loc[table[label] == baseline, numeric].iloc[0].astype(float)
+    others = table[table[label] != baseline]
+    rel = (others[numeric].astype(float) - base) / base.abs().where(base != 0)
+    return pd.concat([others[[label]], 100 * rel], axis=1).reset_index(drop=True)
+
+
+def flat_metric_notes(runs: list[RunRecord]) -> list[str]:
+    """Why a compared figure that is the same in every run is flat, where the runs themselves say so: a
+    trace without shared prefixes (no prefix hit anywhere), prefix caching off, no preemption (the pool
+    never ran out), nothing evicted (the budget never reached), no rejection."""
+    if len(runs) < 2:
+        return []
+    s = [r.summary for r in runs]
+    flat = lambda key: all((x.get(key) or 0) == 0 for x in s)   # noqa: E731
+    notes = []
+    if flat("prefix_hit_rate"):
+        caching = [bool(used_config(r).get("engine.enable_prefix_caching", True)) for r in runs]
+        cached = any(int(r.requests["cached_tokens"].sum()) > 0 for r in runs if "cached_tokens" in r.requests)
+        if not any(caching):
+            notes.append("Prefix hit rate is 0 in every run: prefix caching is off in all of them.")
+        elif not cached:
+            notes.append("Prefix hit rate is 0 in every run: no request's prompt shares a full block with an earlier "
+                         "one in this trace, so prefix caching has nothing to hit (a trace with shared system prompts "
+                         "or conversation turns would show a difference).")
+    if flat("preemptions"):
+        notes.append("Preemptions are 0 in every run: no run ran out of KV blocks, so the pool size and preemption "
+                     "settings change nothing here.")
+    if any(x.get("evicted_tokens") is not None for x in s) and flat("evicted_tokens"):
+        notes.append("Evicted tokens are 0 in every run: no request reached the policy's budget, so the runs differ "
+                     "only in the policy's bookkeeping (raise the load or lower kv.budget).")
+    if flat("num_rejected") is False and len({x.get("num_rejected") for x in s}) == 1:
+        notes.append(f"Every run rejected the same {s[0].get('num_rejected'):,} requests (they can never fit).")
+    return notes

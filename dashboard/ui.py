@@ -127,6 +127,43 @@ def run_button(label: str, key: str, page: str, blocked: bool = False) -> bool:
     return clicked
 
 
+SLOW_RUN_S = 60.0
+ESTIMATES_KEY = "kvsim_estimates"     # config JSON -> measured wall seconds (this session)
+
+
+def fast_mode_hint(configs: list, key: str) -> None:
+    """Before Run, for eviction in token mode (every (token, layer, KV head) the policy scores is
+    simulated): a button that measures how long the run(s) will take here (each simulated for 2 s after
+    its first step, the token rate extrapolated), and, when that is minutes, the hint to use
+    kv.mode=fast (the same policy on sampled rows)."""
+    slow = [c for c in configs if c is not None and c.kv.policy != "none" and c.kv.mode == "token"]
+    if not slow:
+        return
+    from kvsim.sim.progress import format_duration
+
+    from .jobs import estimate_run_s
+    known = st.session_state.setdefault(ESTIMATES_KEY, {})
+    wanted = [c.model_dump_json() for c in slow]
+    if st.button("Estimate the run time", key=f"{key}_estimate", disabled=running_job() is not None,
+                 help="simulates each token-mode run for 2 s after its first step and extrapolates its token rate"):
+        with st.spinner("Measuring (2 s of each run after its first step)..."):
+            for config in wanted:
+                if config not in known:
+                    known[config] = estimate_run_s(type(slow[0]).model_validate_json(config))
+    if not all(c in known for c in wanted):
+        st.caption("Token mode simulates every (token, layer, KV head) the policy scores: a long workload takes "
+                   "minutes. Estimate the run time before running, or set kv.mode=fast (sampled rows).")
+        return
+    total = sum(known[c] or 0.0 for c in wanted)
+    what = "this run" if len(configs) == 1 else f"the {len(slow)} token-mode run(s)"
+    if total >= SLOW_RUN_S:
+        st.warning(f"Estimated time: about {format_duration(total)} for {what} on this machine (measured on 2 s "
+                   "of each). kv.mode=fast (under KV eviction policy) runs the same policy on sampled rows, "
+                   "usually in seconds (docs/kv-policies.md).")
+    else:
+        st.caption(f"Estimated time: about {format_duration(total)} for {what} on this machine.")
+
+
 def follow_job(page: str) -> Job | None:
     """Show progress of this page's job until it ends (page stays live); then the finished job, once.
 
@@ -185,12 +222,26 @@ def summary_table(runs: list[RunRecord]) -> pd.DataFrame:
     return pd.DataFrame([summary_row(r) for r in runs]).dropna(axis=1, how="all")
 
 
-def summary_column_config() -> dict:
+NAME_PX_PER_CHAR = 7.5       # the grid's 14 px sans-serif, generous
+NAME_PAD_PX = 24
+
+
+def name_width(labels) -> int:
+    """Pixels for a column of run names that shows the longest whole (a grid cuts a cell at its width)."""
+    return int(max((len(str(x)) for x in labels), default=10) * NAME_PX_PER_CHAR + NAME_PAD_PX)
+
+
+def run_column(labels) -> dict:
+    """The column config of a table's `run` column: pinned while the others scroll, wide enough for its names."""
+    return {"run": st.column_config.TextColumn("run", pinned=True, width=name_width(labels))}
+
+
+def summary_column_config(labels=()) -> dict:
     """Streamlit column formats of summary_table (the printf formats of SUMMARY_COLUMNS); the run
-    column stays in place while the others scroll."""
+    column stays in place while the others scroll, as wide as its longest name."""
     formats = {name: st.column_config.NumberColumn(name, format=fmt.replace("{:,", "{:").replace("{:", "%")
                                                    .replace("}", "")) for name, _, fmt in SUMMARY_COLUMNS.values()}
-    return {"run": st.column_config.TextColumn("run", pinned=True), **formats}
+    return {**run_column(labels or ["run"]), **formats}
 
 
 def show_summary_metrics(run: RunRecord) -> None:

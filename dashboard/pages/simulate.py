@@ -3,7 +3,7 @@ import streamlit as st
 
 from kvsim.dashboard import charts
 from kvsim.dashboard.forms import BASE, config_form, label_for
-from kvsim.dashboard.ui import (available_runs, follow_job, pick_run, run_button, show_run_config,
+from kvsim.dashboard.ui import (available_runs, fast_mode_hint, follow_job, pick_run, run_button, show_run_config,
                                 show_summary_metrics, start_job, summary_figures)
 
 st.title("Simulate")
@@ -14,6 +14,7 @@ if error:
     st.error(error)
 label = st.text_input("Run label", value="", placeholder="auto: what differs from the default configuration",
                       key="sim_label")
+fast_mode_hint([cfg], "sim")
 if run_button("Run simulation", "sim_run", "Simulate", blocked=cfg is None):
     start_job("Simulate", [(label.strip() or label_for(cfg), cfg)])
 follow_job("Simulate")
