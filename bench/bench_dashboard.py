@@ -20,7 +20,7 @@ from pathlib import Path
 from streamlit.testing.v1 import AppTest
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
-PAGES = ("simulate", "memory", "timeseries", "compare")
+PAGES = ("simulate", "memory", "timeseries")
 
 
 def page_cpu(page: str, run: str) -> tuple[float, float]:
@@ -30,12 +30,10 @@ def page_cpu(page: str, run: str) -> tuple[float, float]:
     out = []
     for _ in range(2):
         start = time.process_time()
-        if page == "compare":
-            at.switch_page(f"pages/{page}.py")
-            at.session_state["cmp_selected"] = [r for r in [run] if r]   # placeholder, replaced below
         at.switch_page(f"pages/{page}.py").run()
         out.append(time.process_time() - start)
         assert not at.exception, [e.value for e in at.exception]
+        assert len(at.get("plotly_chart")) >= 1, f"{page}: no chart drawn"
     return out[0], out[1]
 
 
@@ -49,7 +47,7 @@ def main(argv: list[str]) -> int:
         run = load_run_dir(Path(tmp) / "main")
         read_s = time.process_time() - start
         print(f"run: {src} ({len(run.requests):,} requests, {len(run.steps):,} steps); reading it: {read_s:.2f} s CPU")
-        for page in ("simulate", "memory", "timeseries"):
+        for page in PAGES:
             cold, warm = page_cpu(page, "main")
             print(f"{page:11s} first visit {cold:5.2f} s CPU   next visit {warm:5.2f} s CPU")
     return 0

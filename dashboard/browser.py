@@ -194,7 +194,7 @@ class Browser:
         self.wait_for(f"(() => {{ const i = {selector}; if (document.activeElement !== i) i.focus(); "
                       "return document.activeElement === i; })()", timeout, f"{what} focused")
 
-    def type_into(self, label: str, text: str, timeout: float = 30.0) -> None:
+    def type_into(self, label: str, text: str, timeout: float = 90.0) -> None:
         """Replace the text of the input labelled `label` as a user would (focus, select all, type,
         Enter), again if a rerun of the page redrew the input meanwhile and dropped what was typed."""
         selector = "document.querySelector('input[aria-label=' + " + json.dumps(json.dumps(label)) + " + ']')"
@@ -438,17 +438,21 @@ def _widget(testid: str, label: str) -> str:
             f"(w.querySelector('[data-testid=\"stWidgetLabel\"]')?.textContent || '').trim() === {json.dumps(label)})")
 
 
-def choose(browser: Browser, label: str, option: str, testid: str = "stSelectbox", timeout: float = 30.0) -> None:
+def choose(browser: Browser, label: str, option: str, testid: str = "stSelectbox", timeout: float = 90.0) -> None:
     """Pick `option` in the selectbox (or multiselect) labelled `label` as a user does: focus its
     input, type the option's text and press Enter on the highlighted match."""
-    settle(browser, timeout)
-    browser.focus(f"({_widget(testid, label)})?.querySelector('input')", timeout, f"a {testid} {label!r}")
-    browser.cdp("Input.insertText", text=option)
-    time.sleep(0.5)
-    for kind in ("keyDown", "keyUp"):
-        browser.cdp("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
-    time.sleep(1.0)
-    settle(browser, timeout)
+    for _ in range(3):      # again if a rerun redrew the widget meanwhile
+        settle(browser, timeout)
+        browser.focus(f"({_widget(testid, label)})?.querySelector('input')", timeout, f"a {testid} {label!r}")
+        browser.cdp("Input.insertText", text=option)
+        time.sleep(0.5)
+        for kind in ("keyDown", "keyUp"):
+            browser.cdp("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
+        time.sleep(1.0)
+        settle(browser, timeout)
+        if testid != "stSelectbox" or shown_choice(browser, label) == option:
+            return
+    raise RuntimeError(f"choosing {option!r} in {label!r} did not stick")
 
 
 def shown_choice(browser: Browser, label: str) -> str:

@@ -754,3 +754,47 @@ def test_capacity_store_with_a_malformed_capacity_json_is_one_message(tmp_path):
     (tmp_path / "capacity.json").write_text('{"slo": 5}')
     with pytest.raises(DataError, match=r"capacity\.json: mode: expected 'rate' or 'replicas'"):
         read_sweep_store(tmp_path)
+
+
+def test_eta_follows_the_recent_pace_of_tokens_and_simulated_time():
+    """A run that slowed down (long contexts, a queue) is not promised its early pace: the time left
+    is the larger of the tokens left at the recent token rate and the simulated time left to the last
+    arrival at the recent pace of simulated time (issue 51: '2 min left' when 4 min 15 s remained)."""
+    import time as clock
+
+    from kvsim.dashboard.jobs import Job
+    from kvsim.sim.progress import SimProgress
+
+    job = Job([("slowing", SimConfig())])
+    now = clock.perf_counter()
+    job.started = now - 100
+    # 8 tokens/s for 50 s, then 2 tokens/s: 500 of 1,000 tokens done after 100 s; 3 simulated s per s
+    job._samples = [(now - 100 + t, 8 * t if t <= 50 else 400 + 2 * (t - 50), 3.0 * t) for t in range(0, 101, 5)]
+    p = SimProgress(tokens_total=1000, requests_total=10, tokens_done=500, sim_time_s=300.0)
+    p.started = now - 100
+    job.progress = p
+    assert job.elapsed_s * 0.5 / 0.5 == pytest.approx(100, rel=0.01)   # the whole run's pace: 100 s left
+    assert job.eta_s == pytest.approx(500 / 2, rel=0.01)                # the recent pace: 250 s left
+    job.arrivals_end_s = 1000.0          # 700 simulated s left at 3 per s: 233 s, fewer than the tokens' 250
+    assert job.eta_s == pytest.approx(250, rel=0.01)
+    job.arrivals_end_s = 3000.0          # arrivals until 3,000 s: 2,700 simulated s left, 900 s
+    assert job.eta_s == pytest.approx(2700 / 3, rel=0.01)
+
+
+def test_capacity_stop_reason_and_range_and_compare_deltas(tmp_path):
+    from kvsim.dashboard.data import capacity_bracket, capacity_stop_reason, deltas_against
+    from kvsim.sim.capacity import CapacityResult, CapacitySearch
+
+    curve = pd.DataFrame({"searched_value": [1.0, 2.0, 4.0, 3.0], "meets_slo": [True, True, False, False]})
+    result = CapacityResult("rate", ["ttft_p99<=2s"], True, True, 2.0, 1.0, "r2", {}, curve)
+    assert capacity_bracket(result) == (2.0, 3.0)
+    assert "simulation limit (4) was reached with the bracket [2, 3] still open" in capacity_stop_reason(
+        result, CapacitySearch(max_evals=4))
+    assert "closed within the search's tolerance" in capacity_stop_reason(
+        result, CapacitySearch(max_evals=24, rel_tol=0.6))
+    open_top = CapacityResult("rate", [], True, False, 4.0, 1.0, "r", {}, curve.assign(meets_slo=True))
+    assert "lower bound" in capacity_stop_reason(open_top, CapacitySearch(max_evals=4))
+    table = pd.DataFrame({"run": ["a", "b"], "TTFT p99 ms": [100.0, 150.0], "preemptions": [0.0, 3.0]})
+    d = deltas_against(table, "a")
+    assert list(d["run"]) == ["b"] and d["TTFT p99 ms"].iloc[0] == pytest.approx(50.0)
+    assert np.isnan(d["preemptions"].iloc[0])                           # against 0: no percentage

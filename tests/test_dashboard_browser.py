@@ -4,6 +4,7 @@ DevTools protocol) and check what they render. KVSIM_SCREENSHOTS=docs/img keeps 
 (docs/dashboard.md shows them)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -49,6 +50,11 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
                 seen["used"] = plotted(browser, "KV utilization")[0]["y"]
                 seen["pool"] = plotted(browser, "Block pool over time")[0]["z"]
                 seen["evicted"] = plotted(browser, "Eviction")[0]
+                seen["eviction_axes"] = chart_spec(browser, "Eviction")
+                seen["cut"] = browser.eval(CUT_METRICS)
+            if page == "capacity":
+                seen["capacity_charts"] = {t: chart_spec(browser, t) for t in ("Capacity curve", "TTFT p99 vs load",
+                                                                              "TPOT p99 vs load")}
         seconds = tour(browser, url, "per-head", "cc", shots, inspect=inspect, series_dir=series)
         cancel_s = cancel_in_browser(browser, url, 19_366)      # the whole Azure conversation trace
         cancelled = browser.text()
@@ -84,6 +90,19 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
     assert "Latency percentiles are taken" in seen["timeseries"] and "trace=doubling.jsonl" in seen["timeseries"]
     assert "TTFT by configuration" in seen["compare"] and "engine.block_size=32" in seen["compare"]
     assert "Best configuration under the SLO" in seen["capacity"] and "queue draining" in seen["capacity"]
+    # Capacity says what decided the answer: its range, why the search stopped, TTFT and TPOT against the
+    # SLO's lines, every simulated point marked as meeting the SLO or not (issue 51, item 5)
+    assert "capacity range between rate scale" in seen["capacity"] and "Stopped: " in seen["capacity"]
+    cap = seen["capacity_charts"]
+    assert [s["y0"] for s in cap["TTFT p99 vs load"]["shapes"]] == [2.0]           # ttft_p99<=2s, in s
+    assert [s["y0"] for s in cap["TPOT p99 vs load"]["shapes"]] == [100.0]         # tpot_p99<=100ms, in ms
+    for chart in cap.values():
+        symbols = chart["traces"][0]["symbols"]
+        assert set(symbols) <= {"circle", "x"} and "circle" in symbols
+    # Memory: one figure a tile (nothing cut); blocks freed on their own axis, not flat on the tokens' one
+    assert seen["cut"] == []
+    axes = seen["eviction_axes"]
+    assert [t["yaxis"] for t in axes["traces"]] == ["y", "y2"] and "blocks" in axes["yaxes"]["yaxis2"]["title"]
     assert set(seconds) == set(PAGES) and all(0 < t < 60 for t in seconds.values())
     # Cancel stopped the run (no result of it kept). The simulation stops within a step (< 1 s: the job
     # tests); on screen it takes a rerun of the page, 0.3-1.3 s here, more when the machine is busy
@@ -92,6 +111,11 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
     assert len(list((root / "dashboard-runs").glob("*/config.yaml"))) == 1 + 3
     print("time to result:", {page: round(t, 1) for page, t in seconds.items()}, "cancel:", round(cancel_s, 2),
           "reload:", round(reopened["reload_s"], 1), "new tab:", round(reopened["new_tab_s"], 1))
+
+
+def shows(browser: Browser, text: str, timeout: float = 60.0) -> None:
+    """Wait for `text` on the page (a rerun after typing may still be drawing it)."""
+    browser.wait_for(f"document.body.innerText.includes({json.dumps(text)})", timeout, repr(text))
 
 
 def test_forms_colours_and_vllm_panels_in_chromium(tmp_path):
@@ -114,12 +138,11 @@ def test_forms_colours_and_vllm_panels_in_chromium(tmp_path):
                 ("Seed", "1e30", "Seed: must be at most 9,223,372,036,854,775,807", "0"),
                 ("TTFT SLO", "-1s", "TTFT SLO: -1s is negative; expected a positive duration", "")):
             browser.type_into(label, bad)
-            settle(browser)
-            assert said in browser.text() and browser.eval(_disabled_button("Run simulation")), label
+            shows(browser, said)
+            assert browser.eval(_disabled_button("Run simulation")), label
             browser.type_into(label, good)
         browser.type_into("max_model_len", "5")
-        settle(browser)
-        assert "leave no room for output" in browser.text()
+        shows(browser, "leave no room for output")
         browser.type_into("max_model_len", "")
         browser.type_into("Max requests (first N)", "30")
         settle(browser)
@@ -150,6 +173,8 @@ def test_forms_colours_and_vllm_panels_in_chromium(tmp_path):
             tab.wait_for(_shows("Block pool over time", 3), 90, "the Memory page")
             assert "azure-conv-2023 Llama-3.1-8B H100-SXM: max_requests=30" in tab.text()
             assert shown_choice(tab, "Run") == "azure-conv-2023 Llama-3.1-8B H100-SXM: max_requests=30"
+            moved = chart_spec(tab, "Bytes copied")         # no slot strategy ran: nothing moved, on 0..1
+            assert moved["yaxes"]["yaxis"]["range"] == [0, 1] and all(y == 0 for y in moved["traces"][0]["y"])
         # Time series: vLLM's panels, a legend each, one colour per series, formatted hover values
         open_and_wait(browser, f"{url}timeseries?run={series}", "over time", 1, 90)
         settle(browser)

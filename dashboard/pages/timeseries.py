@@ -31,7 +31,9 @@ if cost is not None and run.summary.get("backend") == "real":
 if cost is None:
     st.info("The run's cost model cannot be rebuilt from its config.yaml: the utilisation and time-breakdown "
             "panels are left out.")
-st.plotly_chart(charts.time_series_figure(ts, f"{run.label} over time", heatmaps), key="ts_figure",
+figure = run.memo(("time_series_figure", windows),       # 19 subplots: plotly takes longer to build than to send
+                  lambda: charts.time_series_figure(ts, f"{run.label} over time", heatmaps))
+st.plotly_chart(figure, key="ts_figure",
                 config=charts.PLOT_CONFIG)
 st.caption("Utilisation: the seconds the steps' model FLOPs (linear layers, LM head, attention) and HBM traffic "
            "(weights, activations, KV reads, slot copies) take at the GPU's peak rates, over the steps' time "
