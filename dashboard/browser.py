@@ -464,9 +464,18 @@ def shown_choice(browser: Browser, label: str) -> str:
 
 def go_to(browser: Browser, page: str, timeout: float = 60.0) -> None:
     """Switch page with the sidebar's navigation link (the same session, as a user clicks it)."""
-    browser.wait_for(f"(() => {{ const a = [...document.querySelectorAll('[data-testid=\"stSidebarNav\"] a')]"
-                     f".find(a => a.innerText.trim() === {json.dumps(page)}); if (a) a.click(); return !!a; }})()",
-                     timeout, f"the {page!r} link")
+    here = (f"[...document.querySelectorAll('[data-testid=\"stMain\"] h1')].some(h => h.innerText.trim() === "
+            f"{json.dumps(page)})")
+    for _ in range(3):      # a rerun of the page left (a run just ended) can swallow the click
+        settle(browser, timeout)
+        browser.wait_for(f"(() => {{ const a = [...document.querySelectorAll('[data-testid=\"stSidebarNav\"] a')]"
+                         f".find(a => a.innerText.trim() === {json.dumps(page)}); if (a) a.click(); return !!a; }})()",
+                         timeout, f"the {page!r} link")
+        try:
+            browser.wait_for(here, 20, f"the {page} page")
+            break
+        except TimeoutError:
+            continue
     time.sleep(1.0)
     settle(browser, timeout)
 

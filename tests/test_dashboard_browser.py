@@ -132,11 +132,12 @@ def test_forms_colours_and_vllm_panels_in_chromium(tmp_path):
         browser.wait_for(_enabled_button("Run simulation"), 90, "the Run simulation button")
         assert browser.eval(BROKEN_LABEL_WORDS) == []                 # no "max_num_se qs"
         # values the form took and Run refused: now refused under the field, Run disabled
-        for label, bad, said, good in (
-                ("KV pool (blocks)", "1", "must be at least 2 (one block is vLLM's reserved null block)", ""),
-                ("max_num_batched_tokens", "1", "must be at least max_num_seqs (1024, vLLM's default for H100-SXM)", ""),
-                ("Seed", "1e30", "Seed: must be at most 9,223,372,036,854,775,807", "0"),
-                ("TTFT SLO", "-1s", "TTFT SLO: -1s is negative; expected a positive duration", "")):
+        for label, bad, said in (
+                ("KV pool (blocks)", "1", "must be at least 2 (one block is vLLM's reserved null block)"),
+                ("max_num_batched_tokens", "1", "must be at least max_num_seqs (1024, vLLM's default for H100-SXM)"),
+                ("Seed", "1e30", "Seed: must be at most 9,223,372,036,854,775,807"),
+                ("TTFT SLO", "-1s", "TTFT SLO: -1s is negative; expected a positive duration")):
+            good = browser.eval(f"document.querySelector('input[aria-label={json.dumps(label)}]').value")
             browser.type_into(label, bad)
             shows(browser, said)
             assert browser.eval(_disabled_button("Run simulation")), label
