@@ -5,7 +5,7 @@ CPU time (user + sys) at each phase's end:
 
   imports     interpreter start and the CLI's imports (numpy, pandas, pyarrow, pydantic, typer, ...)
   cli         option parsing, the config and its checks, the simulator's own imports
-  setup       run_simulation up to the engine: trace, run plan, requests, engine
+  setup       run_simulation up to the engine: trace, resolved run, requests, engine
   engine      EngineRun.drive (the engine loop, the step log's Parquet writes)
   results     after the engine: request table, summaries, requests.parquet, summary.json, config.yaml
   exit        after the command: the interpreter's shutdown and the process's exit (from wait4)
@@ -56,7 +56,7 @@ def patch_simulate(m):
     m.run_simulation = timed(m.run_simulation, "run_start", "run_end")
 def patch_assembly(m):
     m.EngineRun.drive = timed(m.EngineRun.drive, "drive_start", "drive_end")
-PATCH = {"kvsim.sim.simulate": patch_simulate, "kvsim.sim.assembly": patch_assembly}
+PATCH = {"kvsim.sim.simulator.simulate": patch_simulate, "kvsim.sim.engine.assembly": patch_assembly}
 class Wrap:
     def find_spec(self, name, path=None, target=None):
         if name not in PATCH:

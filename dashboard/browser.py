@@ -46,9 +46,9 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen) -> bytes:
                 return r.read()
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before serving {url}")
+                raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before serving {url}") from None
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing answered at {url} within {timeout:.0f}s")
+                raise TimeoutError(f"nothing answered at {url} within {timeout:.0f}s") from None
             time.sleep(0.2)
 
 
@@ -82,7 +82,7 @@ class Browser:
         self.width, self.height = width, height
         self._ids = itertools.count(1)
 
-    def __enter__(self) -> "Browser":
+    def __enter__(self) -> Browser:
         self.profile = tempfile.mkdtemp(prefix="kvsim-chromium-")
         port = self.debug_port = free_port()
         self.proc = subprocess.Popen(
@@ -386,7 +386,7 @@ def doubling_load_trace(path: Path) -> Path:
 def simulate_doubling_load(root: Path) -> str:
     """The doubling-load trace simulated under `root` (as `kvsim simulate --out root/doubling`)."""
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     trace = doubling_load_trace(root / "doubling.jsonl")
     run_simulation(load_config(None, {"trace": str(trace), "gpu": "l4", "engine.num_gpu_blocks": 700}),
@@ -399,7 +399,7 @@ def prepare_data_root(root: Path) -> tuple[str, str]:
     of the doubling-load trace and a small real cross-check (3 requests replayed on SmolLM2 on CPU)
     under `root`; the first and last's relative paths."""
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     simulate_doubling_load(root)
     run_simulation(load_config(None, {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 100,

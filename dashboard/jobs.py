@@ -1,7 +1,7 @@
 """Run simulations in a worker thread so the page keeps rendering progress (and can cancel).
 
 A Job simulates its runs one after the other with `run_simulation(progress=...)`: after every engine
-step the simulator reports a `sim.progress.SimProgress` (tokens computed of the workload's total,
+step the simulator reports a `sim.io.progress.SimProgress` (tokens computed of the workload's total,
 requests done, ETA) and the job raises `Cancelled` there once `cancel()` was called, so a cancel takes
 effect at the end of the current engine step.
 """
@@ -13,12 +13,13 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import yaml
 
 from kvsim.sim.config import ConfigError, SimConfig
-from kvsim.sim.progress import Cancelled, SimProgress, format_duration, reporting_to
+from kvsim.sim.io.progress import Cancelled, SimProgress, format_duration, reporting_to
 
 from .data import RunRecord, new_run_dir, record_from_result, write_label
 
@@ -28,13 +29,13 @@ __all__ = ["Cancelled", "Job", "capacity_search_task"]
 @dataclass
 class Job:
     """Simulates each (label, config) in turn; `records` fills in as runs finish. With `out_root`,
-    each run is written to a run directory under it (the CLI's layout, sim/results.py) and its
+    each run is written to a run directory under it (the CLI's layout, sim/io/result_dirs.py) and its
     record points there; labels are made unique among `taken`.
 
     With `task`, runs task(job) instead and keeps its return value in `value`; the task reports
     progress through `run_done` / `run_total` / `unit` and calls `check_cancel()` between its steps."""
     runs: list[tuple[str, SimConfig]] = field(default_factory=list)
-    task: Callable[["Job"], Any] | None = None
+    task: Callable[[Job], Any] | None = None
     page: str = ""                     # the page that started it (shows its progress and result)
     unit: str = "points"
     value: Any = None
@@ -55,7 +56,7 @@ class Job:
     _samples: list = field(default_factory=list)   # (wall s, tokens done, simulated s) of the current run
     _thread: threading.Thread | None = None
 
-    def start(self) -> "Job":
+    def start(self) -> Job:
         self._thread = threading.Thread(target=self._work, name="kvsim-dashboard-job", daemon=True)
         self._thread.start()
         return self
@@ -102,7 +103,7 @@ class Job:
         return message if cfg is None else shown_error(cfg, message)
 
     def _simulate_runs(self) -> None:
-        from kvsim.sim.simulate import run_simulation
+        from kvsim.sim.simulator.simulate import run_simulation
 
         from .guard import check_run
         for label, cfg in self.runs:
@@ -212,7 +213,7 @@ class Job:
 def workload_end_s(cfg: SimConfig) -> float | None:
     """Simulated time of the last arrival of `cfg`'s workload (its trace with the trace options applied);
     None when it cannot be read here (the run reports why)."""
-    from kvsim.sim.assembly import load_workload
+    from kvsim.sim.engine.assembly import load_workload
 
     try:
         with warnings.catch_warnings():     # the run itself says what the workload's notes say
@@ -225,8 +226,8 @@ def workload_end_s(cfg: SimConfig) -> float | None:
 
 def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int,
                          store: str | None) -> Callable[[Job], list]:
-    """A Job task: sim.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
-    from kvsim.sim.capacity import CapacitySearch, find_capacity
+    """A Job task: sim.planning.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
+    from kvsim.sim.planning.capacity import CapacitySearch, find_capacity
 
     from .forms import with_value
 
@@ -253,7 +254,7 @@ def estimate_run_s(cfg: SimConfig, probe_s: float = PROBE_S) -> float | None:
     first engine step (trace loading and first-use compiles come before it and are counted as they
     are), then its token rate is extrapolated to the workload's tokens. None when it ends first (a run
     that short needs no estimate) or fails (the run reports why)."""
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     started = time.perf_counter()
     seen: dict = {}

@@ -139,7 +139,7 @@ def fast_mode_hint(configs: list, key: str) -> None:
     slow = [c for c in configs if c is not None and c.kv.policy != "none" and c.kv.mode == "token"]
     if not slow:
         return
-    from kvsim.sim.progress import format_duration
+    from kvsim.sim.io.progress import format_duration
 
     from .jobs import estimate_run_s
     known = st.session_state.setdefault(ESTIMATES_KEY, {})
@@ -264,7 +264,7 @@ def show_summary_metrics(run: RunRecord) -> None:
                   ("Pages freed by eviction" if run.per_head else "Blocks freed by eviction",
                    _num(s.get("blocks_freed_by_eviction"), "{:,.0f}"))]
     for row in (cells[i:i + 4] for i in range(0, len(cells), 4)):
-        for col, (label, value) in zip(st.columns(4), row):
+        for col, (label, value) in zip(st.columns(4), row, strict=True):
             col.metric(label, value)
 
 

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from kvsim.sim.catalog import get_gpu, get_model
+from kvsim.sim.model.catalog import get_gpu, get_model
 from kvsim.sim.core.step import BatchShape
-from kvsim.sim.cost_model import (
+from kvsim.sim.model.cost_model import (
     FACTOR_OF_FEATURE, FEATURE_NAMES, CostModel, HardwareProfile, ProfileError, list_profiles, load_profile,
 )
 
@@ -233,7 +233,7 @@ def test_decode_batch_factors_scale_pure_decode_steps_by_batch_size():
     assert (table.predict_decode(seqs, kv_read, entries, padded) == steps).all()
     scalar = [table.predict(BatchShape(num_seqs=float(b), num_decode_tokens=float(b), kv_tokens_read=float(r),
                                        block_table_entries=float(e), kv_tokens_padded=float(p)))
-              for b, r, e, p in zip(seqs, kv_read, entries, padded)]
+              for b, r, e, p in zip(seqs, kv_read, entries, padded, strict=True)]
     assert scalar == steps.tolist()
     with pytest.raises(ValueError, match="decode_batch_factors"):
         base.model_validate({**base.model_dump(), "decode_batch_factors": {0: 1.0}})
@@ -338,5 +338,5 @@ def test_operator_form_fast_paths_equal_the_breakdown_bit_for_bit(model, gpu, tp
         if (counts == counts.astype(np.int64)).all():       # the fast-forward passes int64 counts
             ints = [x.astype(np.int64) for x in (counts, shapes.kv_tokens_read, shapes.block_table_entries)]
             assert (cm.predict_decode(*ints) == cm.predict_decode(*(x.astype(np.float64) for x in ints))).all()
-            # an admitting run prices its short stretches in Python (sim/admitting_runs.py): the same bits
+            # an admitting run prices its short stretches in Python (sim/engine/bulk/admitting_runs.py): the same bits
             assert cm.decode_prices(*(x.tolist() for x in ints)) == cm.predict_decode(*ints).tolist()

@@ -16,7 +16,7 @@ from kvsim.dashboard.browser import (BROKEN_LABEL_WORDS, CUT_METRICS, Browser, _
                                      open_and_wait, reopen_run, serve_dashboard, settle, shown_choice,
                                      simulate_doubling_load, tour)
 from kvsim.sim.config import load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 
 pytestmark = pytest.mark.skipif(chromium_binary() is None, reason="chromium is not installed")
 

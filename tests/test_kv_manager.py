@@ -4,11 +4,11 @@ import pytest
 
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.engine import EngineClock, EngineReplica, ReplicaOptions
-from kvsim.sim.executor import build_kv
+from kvsim.sim.model.cost_model import CostModel
+from kvsim.sim.engine.loop import EngineClock, EngineReplica, ReplicaOptions
+from kvsim.sim.simulator.executor import build_kv
 from kvsim.sim.config import KVConfig, load_config
-from kvsim.sim.metrics import StepLog, request_table, summarize
+from kvsim.sim.results.metrics import StepLog, request_table, summarize
 from kvsim.sim.kv.metrics import kv_summary
 
 MODEL = "smollm2-135m"
@@ -113,7 +113,7 @@ def test_step_plan_maps_new_tokens_and_lists_evictions():
     for _ in range(4):
         out = sched.schedule()
         ex.complete(ex.execute(out), kv.finish_step(out.scheduled))     # as the engine runs a step
-        plans.append(ex.last_plan)
+        plans.append(ex.last_effects)
         sched.update(out, 0.0)
     prefill, decode = plans[0], plans[1]
     assert prefill.slot_mapping[0].shape == (90, 100)            # 30 layers x 3 KV heads
@@ -140,7 +140,7 @@ def test_config_errors_name_the_option():
         build_kv(KVConfig(policy="streaming", budget=64), cost.model, cost, 100, 16, 0)   # was: 'kv.params'
     with pytest.raises(ValueError, match="kv.slot_strategy"):
         load_config(None, {"kv.slot_strategy": "defrag"})
-    with pytest.raises(ValueError, match="kv.high_tier: unknown precision tier"):
+    with pytest.raises(ValueError, match="kv.high_tier: unknown precision format"):
         build_kv(KVConfig(policy="h2o", high_tier="K9V9"), cost.model, cost, 100, 16, 0)
 
 

@@ -1,4 +1,4 @@
-"""Requests streamed to requests.parquet as they finish (sim/request_log.py): the same table and summary
+"""Requests streamed to requests.parquet as they finish (sim/results/request_log.py): the same table and summary
 as a run kept whole, exact quantiles of the compacted inter-token gaps, partial results on Ctrl-C."""
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvsim.sim import metrics, request_log, simulate
+from kvsim.sim.results import metrics, request_log
+from kvsim.sim.simulator import simulate
 from kvsim.sim.config import load_config
-from kvsim.sim.metrics import inter_token_latencies, summarize
-from kvsim.sim.request_log import ValueCounts, step_figures_from_file, token_stats
+from kvsim.sim.results.metrics import inter_token_latencies, summarize
+from kvsim.sim.results.request_log import ValueCounts, step_figures_from_file, token_stats
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -46,7 +47,7 @@ def test_token_figures_computed_once_are_numpys_in_any_order():
     """The summary computes the token times' figures once (`token_stats`) for both of its summaries:
     the same bits as numpy on the pooled gaps, whichever statistic is asked first."""
     rng = np.random.default_rng(3)
-    lists = [np.cumsum(rng.random(int(k)) * 0.05) + s for k, s in zip(rng.integers(0, 40, 300), rng.random(300) * 9)]
+    lists = [np.cumsum(rng.random(int(k)) * 0.05) + s for k, s in zip(rng.integers(0, 40, 300), rng.random(300) * 9, strict=True)]
     gaps = inter_token_latencies(lists)
     stats = token_stats(lists, 0.0)
     qs = (50, 90, 99)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -20,7 +20,7 @@ from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeq
 console = table_console()
 err_console = Console(stderr=True)
 
-Window = Annotated[Optional[str], typer.Option(help="the part of the trace to plan on: DUR@peak (its busiest DUR), "
+Window = Annotated[str | None, typer.Option(help="the part of the trace to plan on: DUR@peak (its busiest DUR), "
                                                "DUR@peakK (K-th busiest), START:END, full; default: the whole trace "
                                                "up to 4,000 requests, else its busiest window of ~2,500")]
 Repeats = Annotated[int, typer.Option(help="samples for the range: the answer plus the next busiest windows (peak "
@@ -33,11 +33,11 @@ def sweep(
     spec: Path = typer.Argument(..., help="sweep spec YAML (base / fixed / grid / runs / save_outputs)"),
     out: Path = typer.Option(..., "--out", "-o", parser=output_path(), help="results store directory (created; re-runs resume)"),
     executor: str = typer.Option("local", help="local (process pool) | dask (distributed cluster)"),
-    scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address, e.g. tcp://host:8786"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local worker processes (default: all cores)"),
-    max_runs: Optional[int] = typer.Option(None, help="run at most N pending runs, then stop"),
+    scheduler: str | None = typer.Option(None, help="Dask scheduler address, e.g. tcp://host:8786"),
+    jobs: int | None = typer.Option(None, "--jobs", "-j", help="local worker processes (default: all cores)"),
+    max_runs: int | None = typer.Option(None, help="run at most N pending runs, then stop"),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="run again the runs recorded as failed"),
-    save_outputs: Optional[bool] = typer.Option(None, "--save-outputs/--no-save-outputs",
+    save_outputs: bool | None = typer.Option(None, "--save-outputs/--no-save-outputs",
                                                 help="keep each run's requests/steps (default: the spec's)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the runs, run nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -45,7 +45,7 @@ def sweep(
 ) -> None:
     """Run every configuration of a sweep spec; one row per run (config + summary metrics + cost)
     in OUT/runs/*.parquet. Re-running skips finished runs; a failed run is recorded and skipped."""
-    from kvsim.sim.sweep import SpecError, StoreState, SweepRunOptions, load_spec, run_sweep, store_state
+    from kvsim.sim.planning.sweep import SpecError, StoreState, SweepRunOptions, load_spec, run_sweep, store_state
 
     if executor not in ("local", "dask"):
         fail(f"--executor: expected local or dask, got {executor!r}")
@@ -69,7 +69,7 @@ def sweep(
                           _run_status(r.run_id, state, retry_failed))
         console.print(table)
         return
-    from kvsim.sim.sweep import SchedulerUnreachable
+    from kvsim.sim.planning.sweep import SchedulerUnreachable
     try:
         with store_errors(out, scheduler if executor == "dask" else None):
             options = SweepRunOptions(executor, jobs, scheduler, max_runs, retry_failed, save_outputs)
@@ -133,13 +133,13 @@ def capacity(
     model: Model = None,
     gpu: Gpu = None,
     tp: Tp = None,
-    replicas: Annotated[Optional[int], typer.Option(help="replicas (mode=rate); ignored in mode=replicas")] = None,
+    replicas: Annotated[int | None, typer.Option(help="replicas (mode=rate); ignored in mode=replicas")] = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
     max_requests: MaxRequests = None,
-    rate_scale: Annotated[Optional[float], typer.Option(
+    rate_scale: Annotated[float | None, typer.Option(
         help="mode=rate: first scale tried; mode=replicas: the load")] = None,
     set_: Sets = [],
     mode: str = typer.Option("rate", help="rate: highest rate scale meeting the SLO; replicas: fewest replicas"),
@@ -149,7 +149,7 @@ def capacity(
     window: Window = None,
     repeats: Repeats = 3,
     band: Band = True,
-    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
+    out: Path | None = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
     overwrite: Overwrite = False,
@@ -159,7 +159,7 @@ def capacity(
     it has at most 4,000 requests, else its busiest window of about 2,500); prints the answer with its
     range (other busy windows or arrival seeds, the GPU profile's measured error), its cost, the curve
     measured and warnings where the answer is not to be trusted as is."""
-    from kvsim.sim.capacity import (CapacitySearch, RangeVariants, capacity_range, check_rate_search, choose_sample,
+    from kvsim.sim.planning.capacity import (CapacitySearch, RangeVariants, capacity_range, check_rate_search, choose_sample,
                                     find_capacity, parse_slo)
 
     overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
@@ -222,7 +222,7 @@ def _check_repeats(repeats: int) -> None:
 
 
 def _print_warnings(sample, result, max_evals: int | None) -> None:
-    from kvsim.sim.capacity import result_warnings, sample_warnings
+    from kvsim.sim.planning.capacity import result_warnings, sample_warnings
 
     for line in sample_warnings(sample) + (result_warnings(result, max_evals) if result is not None else []):
         err_console.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
@@ -267,11 +267,11 @@ def _print_capacity(result, mode: str, spread=None) -> None:
 
 def report(
     store: Path = typer.Argument(..., help="sweep or capacity store directory"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", parser=output_path(), help="HTML file (default: STORE/report.html)"),
+    out: Path | None = typer.Option(None, "--out", "-o", parser=output_path(), help="HTML file (default: STORE/report.html)"),
 ) -> None:
     """Turn a sweep store into one HTML page of plotly charts: throughput/goodput vs load, latency
     percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 latency Pareto view."""
-    from kvsim.sim.report import build_report
+    from kvsim.sim.planning.report import build_report
 
     if not store.is_dir():
         fail(f"{store}: not a directory (give the --out of `kvsim sweep` or `kvsim capacity`)")
@@ -285,7 +285,7 @@ def report(
         fail(str(exc))
     except OSError as exc:
         fail(f"--out {out or store / 'report.html'}: cannot be written ({exc.strerror or exc})")
-    from kvsim.sim.sweep import store_state
+    from kvsim.sim.planning.sweep import store_state
     unreadable = store_state(store).unreadable
     if unreadable:
         err_console.print(f"note: {len(unreadable)} unreadable run file(s) left out ({unreadable[0]}"
@@ -303,8 +303,8 @@ def store_errors(store: Path | None, scheduler: str | None):
     from .simulate import interrupt_on_sigterm
 
     kept = f"; the store {store} keeps the finished runs (run again to resume)" if store else ""
-    from kvsim.sim.results import StoreBusyError
-    from kvsim.sim.sweep import SchedulerUnreachable
+    from kvsim.sim.io.result_dirs import StoreBusyError
+    from kvsim.sim.planning.sweep import SchedulerUnreachable
 
     try:
         with interrupt_on_sigterm():
@@ -328,7 +328,7 @@ def store_errors(store: Path | None, scheduler: str | None):
 def _check_store(store: Path, option: str, overwrite: bool = False) -> None:
     """A results store must be a directory (existing or to be created) that can be written, and kvsim's
     (a store written before stores were marked has plan.json or runs/)."""
-    from kvsim.sim.results import OutputDirError, check_out_dir, check_out_owner
+    from kvsim.sim.io.result_dirs import OutputDirError, check_out_dir, check_out_owner
 
     try:
         check_out_dir(store, option)
@@ -339,7 +339,7 @@ def _check_store(store: Path, option: str, overwrite: bool = False) -> None:
 
 def _check_parent(path: Path, option: str) -> None:
     """A file to write: its folder must be (or become) a writable directory."""
-    from kvsim.sim.results import OutputDirError, check_out_dir
+    from kvsim.sim.io.result_dirs import OutputDirError, check_out_dir
 
     try:
         check_out_dir(path.parent, option)
@@ -367,7 +367,7 @@ def _ints(text: str, option: str) -> list[int]:
 def _catalog_names(names: list[str], option: str, get) -> list[str]:
     """The names as given, each checked against its catalog; a second spelling of one entry
     (h100, H100-SXM) is dropped so it is not planned twice."""
-    from kvsim.sim.catalog import CatalogError
+    from kvsim.sim.model.catalog import CatalogError
     kept: dict[str, str] = {}
     for name in names:
         try:
@@ -382,20 +382,20 @@ def plan(
     models: str = typer.Option(..., "--models", help="comma-separated catalog models, e.g. llama-3.1-8b,llama-3.1-70b"),
     gpus: str = typer.Option(..., "--gpus", help="comma-separated catalog GPUs, e.g. h100,h200"),
     tps: str = typer.Option("1,2,4,8", "--tps", help="comma-separated tensor-parallel degrees"),
-    policies: Optional[str] = typer.Option(None, "--policies", help="comma-separated KV policies to compare "
+    policies: str | None = typer.Option(None, "--policies", help="comma-separated KV policies to compare "
                                            "(default: the config's); budgets via --set kv.budget=..."),
     trace: Trace = None,
     config: ConfigFile = None,
-    rate_scale: Annotated[Optional[float], typer.Option(help="the load: arrival-rate multiplier of the trace")] = None,
+    rate_scale: Annotated[float | None, typer.Option(help="the load: arrival-rate multiplier of the trace")] = None,
     window: Window = None,
     set_: Sets = [],
     max_replicas: int = typer.Option(64, help="give a configuration up above this many replicas"),
     repeats: Repeats = 3,
     band: Band = True,
-    scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address (default: a local Dask cluster)"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local cluster workers (default: all cores; "
+    scheduler: str | None = typer.Option(None, help="Dask scheduler address (default: a local Dask cluster)"),
+    jobs: int | None = typer.Option(None, "--jobs", "-j", help="local cluster workers (default: all cores; "
                                                                   "1: in this process, no cluster)"),
-    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
+    out: Path | None = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + plan-result.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
 ) -> None:
@@ -403,9 +403,9 @@ def plan(
     (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
     that cannot be cheaper than an answer already found are dropped); prints each configuration's
     answer, the Pareto table (cost vs p99 TTFT/TPOT) and the cheapest with its range."""
-    from kvsim.sim.capacity import choose_sample, parse_slo, profile_configs, variant_configs
-    from kvsim.sim.catalog import CatalogError, get_gpu, get_model
-    from kvsim.sim.plan import PlanSpace, executor, plan_capacity
+    from kvsim.sim.planning.capacity import choose_sample, parse_slo, profile_configs, variant_configs
+    from kvsim.sim.model.catalog import CatalogError, get_gpu, get_model
+    from kvsim.sim.planning.plan import PlanSpace, executor, plan_capacity
 
     model_list, gpu_list, tp_list = _names(models, "--models"), _names(gpus, "--gpus"), _ints(tps, "--tps")
     policy_list = _names(policies, "--policies") if policies else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .block_pool import BlockPool
 from .prefix_lookups import PrefixLookups
-from .request import Request
+from .request import Request, RequestStatus
 
 
 class KVCacheManager:
@@ -45,7 +45,7 @@ class KVCacheManager:
 
     # The simulator may advance pure-decode runs in bulk when the manager's state is a pure
     # function of token counts (no per-step eviction).
-    supports_fast_forward = True
+    supports_decode_runs = True
     table_rows = 1                   # one block table per sequence
 
     def capacity_tokens(self) -> int:
@@ -145,7 +145,8 @@ class KVCacheManager:
             blocks.extend(computed_blocks)
         if need:
             blocks.extend(self.pool.get_new_blocks(need))
-        if self.enable_caching:
+        # blocks a KV connector is still loading are hashed once loaded (vLLM: delay_cache_blocks)
+        if self.enable_caching and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.cache_full_blocks(req, req.num_computed_tokens + num_new_tokens)
         return True
 
@@ -185,16 +186,16 @@ class KVCacheManager:
             self.append_one_block_each(growing)
         if self.enable_caching:
             # otherwise a decode fill's hash is its request's own and new: the order of
-            # allocations and fills changes nothing (see sim/fast_forward.py)
+            # allocations and fills changes nothing (see sim/engine/bulk/decode_runs.py)
             bs = self.block_size
-            for r, c in zip(reqs, contexts):
+            for r, c in zip(reqs, contexts, strict=True):
                 if not (c + 1) % bs:
                     self.cache_full_blocks(r, c + 1)
         return contexts
 
     def append_one_block_each(self, reqs: list[Request]) -> None:
         """Give each request one new block, in order (bulk decode growth without prefix caching)."""
-        for req, block in zip(reqs, self.pool.get_new_blocks(len(reqs))):
+        for req, block in zip(reqs, self.pool.get_new_blocks(len(reqs)), strict=True):
             self.req_blocks[req].append(block)
 
     def free(self, req: Request) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES
-from .layout import HOLE, HOLED, LIVE, NCOL, PAGES, TAIL, TAIL_WRITTEN
-from .reference import advance_first_free_np, first_free_np
+from .compiled.layout import HOLE, HOLED, LIVE, NCOL, PAGES, TAIL, TAIL_WRITTEN
+from .compiled.reference import advance_first_free_np, first_free_np
 from .scoring import Scorer
 from .settings import FastSettings
 from .slab import COMPACT, FastSlab, Ledger
@@ -337,7 +337,7 @@ class SlotStrategy:
             return
         slots, slot_of_row = np.unique(s, return_inverse=True)
         per_slot = np.bincount(slot_of_row, weights=moved, minlength=slots.size).astype(np.int64)
-        self.ledger.plan.bytes_moved += sum(int(round(int(n) * self.ledger.bytes_per_token_row)) for n in per_slot)
+        self.ledger.effects.bytes_moved += sum(int(round(int(n) * self.ledger.bytes_per_token_row)) for n in per_slot)
 
     def after_fill(self, qP, st, at, col) -> None:
         """Reuse strategies: a filled page moves the first-hole pointer (in `st`) on."""
