@@ -19,7 +19,7 @@ from .config import ConfigError, SimConfig
 from .core.request import Request
 from .core.protocols import Executor, KVManager
 from .core.scheduler import Scheduler, SchedulerConfig
-from .engine import (ArrivalProcess, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
+from .engine import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
                      StepArrivals)
 from .metrics import StepLog
 
@@ -199,6 +199,7 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
     cross_replica = limit_n is not None and cfg.replicas > 1
     # one replica fed by the trace alone may admit its arrivals inside decode runs
     own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and limit_n is None and not by_step else None
+    timeout = client_timeout(cfg.trace_options.request_timeout, entry)
     replicas: list[EngineReplica] = []
     for i in range(cfg.replicas):
         kv, executor = replica_parts(i)
@@ -209,7 +210,7 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
                         step_arrivals=step_arrivals, on_step=on_step,
                         on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)),
-                        arrivals=own_arrivals)))
+                        arrivals=own_arrivals, timeout=timeout)))
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
     router = Router(replicas, cfg.router)
@@ -217,3 +218,14 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
     arrivals = ArrivalProcess(env, requests, router, limit)
     feed.extend((arrivals, limit))
     return EngineRun(env, replicas, arrivals, limit, None)
+
+
+def client_timeout(timeout_s: float | None, entry=None) -> ClientTimeout | None:
+    """The client's timeout (`trace_options.request_timeout`), counted from each request's send: its
+    trace time, or when the closed loop or the API server's entry (sim.client.RequestEntry) sent it."""
+    if timeout_s is None:
+        return None
+    if entry is None:
+        return ClientTimeout(timeout_s, lambda req: req.arrival_time)
+    sent = entry.sent
+    return ClientTimeout(timeout_s, lambda req: sent.get(req.request_id, req.arrival_time))

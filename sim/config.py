@@ -137,6 +137,17 @@ class TraceOptions(_Strict):
     time_unit: Literal["s", "ms", "us", "ns"] = Field("s", description="csv/jsonl/parquet: unit of epoch times")
     tokenizer: str | None = Field(None, description="ShareGPT: tokenizer.json (or its model directory) counting "
                                                     "tokens; default: the shipped SmolLM2 tokenizer")
+    request_timeout: float | None = Field(
+        None, gt=0, description="seconds from a request's send after which the client gives up on it (aiohttp's "
+                                "total timeout; vllm bench serve's is 6 h): it is aborted in the engine and "
+                                "counted failed; default: none")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if self.request_timeout is None:     # unset: left out, so configs and run ids stay as they were
+            data.pop("request_timeout", None)
+        return data
 
     @model_validator(mode="after")
     def _load_options_agree(self) -> "TraceOptions":
@@ -156,6 +167,8 @@ class TraceOptions(_Strict):
                              f"give format: csv|jsonl|parquet (got format {self.format!r})")
         if self.max_concurrency is not None and self.arrival_unit == "step":
             raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
+        if self.request_timeout is not None and self.arrival_unit == "step":
+            raise ValueError("request_timeout needs arrival_unit: time (a timeout counts seconds from a send)")
         return self
 
 

@@ -21,7 +21,7 @@ import simpy
 from . import fast_forward
 from .admitting_runs import plan_admitting
 from .core.protocols import Executor
-from .core.request import Request
+from .core.request import Request, RequestStatus
 from .core.scheduler import Scheduler, SchedulerOutput
 from .core.step import BatchShape, StepResult, batch_shape
 from .metrics import StepLog
@@ -75,6 +75,22 @@ class ReplicaFeed:
     # the arrival process, when this replica alone takes the trace's arrivals: its decode runs may
     # admit them (sim/admitting_runs.py)
     arrivals: Callable[[], ArrivalProcess] | None = None
+    # the client's timeout (`--request-timeout`): requests it gives up on are aborted in the engine
+    timeout: ClientTimeout | None = None
+
+
+@dataclass(frozen=True)
+class ClientTimeout:
+    """A benchmark client's total timeout per request (`--request-timeout`; aiohttp's `total`, the OpenAI
+    client's `timeout`): a request not finished `timeout_s` after the client sent it fails, its connection
+    closes and the API server aborts it in the engine. The engine sees the abort as it sees an arrival at
+    the deadline: at the first schedule at or after it (with async scheduling, one schedule later), so a
+    decode fast-forward stops there exactly as at an arrival. `sent(request)`: when the client sent it."""
+    timeout_s: float
+    sent: Callable[[Request], float]
+
+    def deadline(self, req: Request) -> float:
+        return self.sent(req) + self.timeout_s
 
 
 class EngineReplica:
@@ -96,7 +112,9 @@ class EngineReplica:
         self.step_arrivals = feed.step_arrivals
         self.on_done = feed.on_done
         self.arrivals = feed.arrivals if self.fast_forward and getattr(executor, "supports_admitting_runs", False) \
-            else None
+            and feed.timeout is None else None
+        self.timeout = feed.timeout
+        self._deadlines: list[tuple[float, int, Request]] = []     # (deadline, order, request): a heap
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()
@@ -116,6 +134,8 @@ class EngineReplica:
 
     def submit(self, req: Request) -> None:
         req.replica = self.index
+        if self.timeout is not None:
+            heapq.heappush(self._deadlines, (self.timeout.deadline(req), len(self._deadlines), req))
         if self.async_scheduling and self.scheduler.has_work:
             self.inbox.append(req)       # a step is in flight: the next schedule is already made
             return
@@ -130,8 +150,36 @@ class EngineReplica:
             self.on_done(1, self.now)
         return False
 
+    def next_deadline(self) -> float:
+        """When the client gives up on the next of this replica's requests still in the engine (inf: none)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].is_finished:
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else float("inf")
+
+    def _abort_expired(self) -> None:
+        """Abort the requests whose client gave up, as an arrival at the deadline is taken: before the
+        first schedule at or after it (async scheduling: the deadline before the previous step started)."""
+        horizon = self._step_start if self.async_scheduling and self.scheduler.has_work else self.now
+        aborted = 0
+        while self.next_deadline() <= horizon:
+            _, _, req = heapq.heappop(self._deadlines)
+            if req in self.inbox:            # sent but not yet seen by a schedule
+                self.inbox.remove(req)
+                req.status = RequestStatus.ABORTED
+                req.finish_time = self.now
+                self.scheduler.aborted.append(req)
+            elif not self.scheduler.abort(req, self.now):
+                continue
+            req.reject_reason = f"client timeout: not finished {self.timeout.timeout_s:g} s after it was sent"
+            aborted += 1
+        if aborted and self.on_done is not None:
+            self.on_done(aborted, self.now)
+
     def _take_arrivals(self) -> None:
         """Hand the scheduler what has arrived for the step about to be scheduled."""
+        if self._deadlines:
+            self._abort_expired()
         inbox = self.inbox
         idle = not self.scheduler.has_work
         while inbox and (idle or inbox[0].arrival_time <= self._step_start):
@@ -240,8 +288,11 @@ class EngineReplica:
     # ----- decode fast-forward ----------------------------------------------------------------
     def fast_forward_view(self) -> fast_forward.ReplicaView:
         """What the decode fast-forward's plan needs of this replica (sim/fast_forward.py)."""
+        arrival = self.next_arrival()
+        if self._deadlines:                  # an abort ends a run as an arrival does
+            arrival = min(arrival, self.next_deadline())
         return fast_forward.ReplicaView(
-            now=self.now, next_arrival=self.next_arrival(), inbox_empty=not self.inbox,
+            now=self.now, next_arrival=arrival, inbox_empty=not self.inbox,
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
             last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,

@@ -249,8 +249,8 @@ class StepLog:
 REQUEST_COLUMNS = {
     "request_id": "trace request id",
     "replica": "replica that served it",
-    "status": "finished | rejected | unfinished",
-    "reject_reason": "why a request that can never fit was rejected",
+    "status": "finished | rejected | aborted (its client timed out: --request-timeout) | unfinished",
+    "reject_reason": "why a request that can never fit was rejected, or why it was aborted",
     "arrival_s": "arrival time",
     "first_scheduled_s": "first time it was scheduled",
     "first_token_s": "time its first output token was produced",
@@ -270,7 +270,8 @@ REQUEST_COLUMNS = {
 }
 
 
-_STATUS_NAMES = {RequestStatus.FINISHED: "finished", RequestStatus.REJECTED: "rejected"}   # else "unfinished"
+_STATUS_NAMES = {RequestStatus.FINISHED: "finished", RequestStatus.REJECTED: "rejected",
+                 RequestStatus.ABORTED: "aborted"}   # else "unfinished"
 
 
 def request_table(requests) -> pd.DataFrame:
@@ -392,6 +393,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame | dict, *, num_blocks_
         "num_finished": int(len(done)),
         "num_rejected": int((requests["status"] == "rejected").sum()),
         "num_unfinished": int((requests["status"] == "unfinished").sum()),
+        "num_aborted": int((requests["status"] == "aborted").sum()),
         "makespan_s": end - start,
         "throughput_req_s": len(done) / span,
         "throughput_output_tok_s": out_tokens / span,

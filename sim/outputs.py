@@ -22,6 +22,7 @@ from .kv.metrics import kv_summary
 from .metrics import summarize
 from .request_log import requests_arrow, token_stats
 from .safe_io import dumps_json
+from .saturation import saturation
 from .vllm_metrics import bench_metrics
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame | di
         totals = pd.DataFrame({k: [v] for k, v in steps_df.items()}) if isinstance(steps_df, dict) else steps_df
         summary.update(kv_summary(kvs, req_df, totals))
     summary.update(run_bench_metrics(cfg, req_df, tokens))
+    summary.update(saturation(req_df))
     summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
                     "max_model_len": plan.max_model_len, "model": plan.model.name, "gpu": plan.gpu.name,
                     "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace,

@@ -277,7 +277,7 @@ class RequestLog:
         self.watermark = 0                       # ranks below it are in `ready` or written
         self.ready: list = []
         self.ready_tokens = 0
-        self._seen: dict[int, list[int]] = {}    # replica scheduler -> how many finished/rejected taken
+        self._seen: dict[int, list[int]] = {}    # replica scheduler -> how many finished/rejected/aborted taken
         self._writer: pq.ParquetWriter | None = None
         self._schema: pa.Schema | None = None
         self.rows_written = 0
@@ -290,10 +290,11 @@ class RequestLog:
         """Take the requests the schedulers finished or rejected since the last call."""
         new = []
         for i, s in enumerate(schedulers):
-            seen = self._seen.setdefault(i, [0, 0])
+            seen = self._seen.setdefault(i, [0, 0, 0])
             new += s.finished[seen[0]:]
             new += s.rejected[seen[1]:]
-            seen[0], seen[1] = len(s.finished), len(s.rejected)
+            new += s.aborted[seen[2]:]
+            seen[0], seen[1], seen[2] = len(s.finished), len(s.rejected), len(s.aborted)
         if not new or not self.stream:
             return
         ranks = np.searchsorted(self.sorted_ids, [r.request_id for r in new])
@@ -363,6 +364,7 @@ class RequestLog:
         for replica in replicas:
             replica.scheduler.finished.clear()
             replica.scheduler.rejected.clear()
+            replica.scheduler.aborted.clear()
 
     def close(self) -> None:
         """Release the file (a run that failed before `finish`)."""

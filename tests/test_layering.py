@@ -62,6 +62,8 @@ RULES = (
     ("kvsim.sim.run_plan", "core"),
     ("kvsim.sim.outputs", "core"),
     ("kvsim.sim.metrics", "core"),
+    ("kvsim.sim.saturation", "core"),
+    ("kvsim.sim.step_noise", "core"),
     ("kvsim.sim.request_log", "core"),
     ("kvsim.sim.vllm_metrics", "core"),
     ("kvsim.sim.bench_compare", "core"),

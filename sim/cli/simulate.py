@@ -18,7 +18,7 @@ from kvsim.sim.config import ConfigError, KVConfig, load_config
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPrefill, EndS, ExpertParallel,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
-                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite,
+                      MetricPercentiles, MaxNumBatchedTokens, RequestTimeout, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite,
                       Policy, PrefixCaching,
                       Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
                       SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Tp, Trace, config_overrides, fail)
@@ -67,6 +67,7 @@ def simulate(
     request_rate: RequestRate = None,
     burstiness: Burstiness = None,
     max_concurrency: MaxConcurrency = None,
+    request_timeout: RequestTimeout = None,
     metric_percentiles: MetricPercentiles = None,
     trace_format: TraceFormat = None,
     trace_columns: TraceColumns = None,
@@ -97,7 +98,7 @@ def simulate(
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
         rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
-        max_concurrency=max_concurrency, metric_percentiles=metric_percentiles,
+        max_concurrency=max_concurrency, request_timeout=request_timeout, metric_percentiles=metric_percentiles,
         trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
@@ -194,7 +195,9 @@ def print_summary(s: dict) -> None:
             return
         table.add_row(name, fmt.format(value) if isinstance(value, float) else str(value))
 
-    add("requests (finished / rejected)", f"{s['num_finished']} / {s['num_rejected']}")
+    add("requests (finished / rejected / aborted)",
+        f"{s['num_finished']} / {s['num_rejected']} / {s.get('num_aborted', 0)}")
+    add("load", saturation_line(s))
     add("KV pool", f"{s['num_gpu_blocks']} blocks x {s['block_size']} tokens")
     add("makespan, first arrival to last token (s)", s["makespan_s"], "{:.1f}")
     add("queueing p50 / p99 (ms)", " / ".join(f"{1e3 * s[f'queueing_p{q}_s']:.1f}" for q in (50, 99)))
@@ -212,6 +215,17 @@ def print_summary(s: dict) -> None:
     console.print(table)
     if s.get("bench_comparison"):
         print_comparison(s["bench_comparison"])
+
+
+def saturation_line(s: dict) -> str | None:
+    """Over capacity or not, with the offered and the sustainable rate (sim/saturation.py)."""
+    if s.get("overloaded") is None:
+        return None
+    offered = f"{s['offered_rate_req_s']:.2f} req/s offered"
+    if not s["overloaded"]:
+        return f"within capacity ({offered})"
+    sustained = s.get("sustainable_rate_req_s")
+    return f"OVER CAPACITY: {offered}, ~{sustained:.2f} req/s sustainable" if sustained else f"OVER CAPACITY: {offered}"
 
 
 def print_comparison(agg: dict) -> None:

@@ -11,6 +11,7 @@ class RequestStatus(IntEnum):
     RUNNING = 1
     FINISHED = 2
     REJECTED = 3
+    ABORTED = 4          # the client gave up (a timeout): removed from the engine, its KV freed
 
 
 @dataclass(eq=False, slots=True)
@@ -66,4 +67,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED)
+        return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
