@@ -22,6 +22,7 @@ from .core.scheduler import Scheduler, SchedulerConfig
 from .engine import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
                      StepArrivals)
 from .metrics import StepLog
+from .step_noise import StepNoise, resolve_sigma
 
 if TYPE_CHECKING:
     from .run_plan import RunPlan
@@ -181,10 +182,12 @@ class EngineRun:
 
 def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
                  replica_parts: Callable[[int], tuple[KVManager, Executor]], *, entry=None,
-                 on_step: Callable[[int], None] | None = None) -> EngineRun:
+                 on_step: Callable[[int], None] | None = None, step_noise: bool = False) -> EngineRun:
     """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager
     and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.client.
-    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in."""
+    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in.
+    `step_noise`: the simulator's step-time variance (`step_variance`, sim/step_noise.py) applies (a
+    real backend's steps take the time they take)."""
     cfg = plan.cfg
     env = EngineClock()
     by_step = cfg.trace_options.arrival_unit == "step"
@@ -206,7 +209,8 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
         replicas.append(EngineReplica(
             env, i, Scheduler(plan.scheduler, kv), executor, step_log,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
-                           check_invariants=cfg.check_invariants),
+                           check_invariants=cfg.check_invariants,
+                           step_noise=replica_noise(plan, i) if step_noise else None),
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
                         step_arrivals=step_arrivals, on_step=on_step,
                         on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)),
@@ -218,6 +222,12 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
     arrivals = ArrivalProcess(env, requests, router, limit)
     feed.extend((arrivals, limit))
     return EngineRun(env, replicas, arrivals, limit, None)
+
+
+def replica_noise(plan: RunPlan, index: int) -> StepNoise | None:
+    """Replica `index`'s step-time factors, or None in the deterministic mode (`step_variance: 0`)."""
+    sigma = resolve_sigma(plan.cfg.step_variance, plan.gpu.name)
+    return StepNoise(sigma, plan.cfg.seed, index) if sigma > 0 else None
 
 
 def client_timeout(timeout_s: float | None, entry=None) -> ClientTimeout | None:

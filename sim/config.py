@@ -308,6 +308,22 @@ class SimConfig(_Strict):
     # the profile's client-side terms (API server, tokenization: what `vllm bench serve` measures beyond
     # the engine) in TTFT/TPOT/ITL/E2E; off: engine time only
     client_latency: bool = False
+    # step-time variance (sim/step_noise.py): 0 deterministic (the default), a lognormal sigma, or auto
+    step_variance: float | Literal["auto"] = 0.0
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if self.step_variance == 0:          # the default: left out, so configs and run ids stay as they were
+            data.pop("step_variance", None)
+        return data
+
+    @field_validator("step_variance")
+    @classmethod
+    def _sigma(cls, v):
+        if v != "auto" and not 0 <= v <= 2:
+            raise ValueError(f"expected auto or a lognormal sigma between 0 and 2 (0: deterministic), got {v!r}")
+        return v
 
     @field_validator("metric_percentiles", mode="before")
     @classmethod

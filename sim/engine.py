@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -62,6 +62,8 @@ class ReplicaOptions:
     fast_forward: bool = True         # advance pure-decode stretches in bulk when executor and KV manager allow
     check_invariants: bool = False
     max_run_steps: int = 4096         # longest decode run
+    # the simulator's step-time variance (sim/step_noise.StepNoise of this replica); None: deterministic
+    step_noise: object = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ class EngineReplica:
         self.arrivals = feed.arrivals if self.fast_forward and getattr(executor, "supports_admitting_runs", False) \
             and feed.timeout is None else None
         self.timeout = feed.timeout
+        self.noise = options.step_noise
         self._deadlines: list[tuple[float, int, Request]] = []     # (deadline, order, request): a heap
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
@@ -223,6 +226,8 @@ class EngineReplica:
             # the KV manager's policies act on the step that ran (vLLM: the scheduler's update, not
             # the model runner); the executor charges (simulator) or applies (backend) what they did
             result = self.executor.complete(result, self.kv.finish_step(out.scheduled))
+            if self.noise is not None:
+                result = replace(result, duration_s=result.duration_s * self.noise.factor(self.num_steps))
             shape = result.shape or batch_shape(out, self.kv)     # before finishes free blocks
             self._last_duration = result.duration_s
             if not self.env.advance_to(start + result.duration_s):
@@ -296,7 +301,7 @@ class EngineReplica:
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
             last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
-            closed_loop=self.on_done is not None)
+            closed_loop=self.on_done is not None, step_index=self.num_steps, noise=self.noise)
 
     def _decode_run(self):
         """Advance a stretch of pure-decode steps in bulk (see sim/fast_forward.py)."""
@@ -332,7 +337,8 @@ class EngineReplica:
         decodes = run.batch if prefill is None else run.batch - np.array(prefill.seqs, np.int64)
         rows.update({
             "replica": self.index, "step": range(self.num_steps, self.num_steps + k),
-            "time_s": run.starts, "duration_s": run.durations, "predicted_s": run.durations,
+            "time_s": run.starts, "duration_s": run.durations,
+            "predicted_s": run.durations if run.predicted is None else run.predicted,
             "batch_size": run.batch, "num_prefill_seqs": 0 if prefill is None else prefill.seqs,
             "num_decode_seqs": decodes, "prefill_tokens": 0 if prefill is None else prefill.tokens,
             "decode_tokens": decodes, "kv_tokens_read": run.kv_read,

@@ -41,6 +41,8 @@ class ReplicaView(NamedTuple):
     last_step_start: float      # when it started (async: the next schedule sees the arrivals until then)
     max_steps: int              # longest run
     closed_loop: bool           # a finish sends the client's next request (the run stops at a finish)
+    step_index: int = 0         # the replica's next step (the first of the run)
+    noise: object = None        # sim.step_noise.StepNoise: the step-time factors, or None
 
 
 # A block allocation is one int, step << ALLOC_SHIFT | request index: sorting ints is ~2x faster
@@ -75,6 +77,7 @@ class DecodeRun:
     prefill: PrefillColumns | None = None
     arrivals: list = field(default_factory=list)    # (step whose schedule sees it, request): the run takes them
     waiting: list | None = None           # requests in WAITING after each step
+    predicted: np.ndarray | None = None   # the cost model's prices when `durations` carry step noise
 
 
 class Admitted(NamedTuple):
@@ -171,7 +174,9 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     sums = np.array((ev.d_count[:k], ev.d_computed[:k], ev.d_blocks[:k]), np.int64)
     batch, c_sum, held = np.cumsum(sums, axis=1, out=sums)
     kv_read = c_sum + np.arange(1, k + 1) * batch        # tokens after step j: c + j + 1 per request
-    durations = executor.predict_decode_run(batch, kv_read, held)
+    durations = predicted = executor.predict_decode_run(batch, kv_read, held)
+    if view.noise is not None:          # the same factors stepping applies (sim/step_noise.py)
+        durations = durations * view.noise.factors(view.step_index, len(durations))
     starts, ends = _step_times(view.now, durations.tolist(), next_arrival, ev.finished, deferred)
     k = len(starts)
     if k < 1:
@@ -179,7 +184,8 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     allocs = ev.allocs[:bisect_left(ev.allocs, k << ALLOC_SHIFT)]     # sorted: those before step k
     return DecodeRun(list(running), computed, last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
                      batch[:k], kv_read[:k], held[:k], ev.finished[:k], ev.finished_computed[:k],
-                     ev.finished_blocks[:k], durations[:k], starts, ends)
+                     ev.finished_blocks[:k], durations[:k], starts, ends,
+                     predicted=None if view.noise is None else predicted[:k])
 
 
 def _step_times(now: float, durations: list, next_arrival: float, finished: list, deferred: bool) -> tuple[list, list]:

@@ -429,10 +429,14 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame | dict, *, num_blocks_
         s["fragmentation_p99"] = float(np.percentile(frag, 99))
         s["batch_size_mean"] = float(steps["batch_size"].mean())
         s["preemptions"] = int(steps["preemptions"].sum())
+        s["step_duration_mean_s"] = float(dur.mean())
+        for q, v in zip((50, 90, 99), np.percentile(dur, (50, 90, 99))):
+            s[f"step_duration_p{q}_s"] = float(v)
     s["preemption_rate"] = float(requests["preemptions"].sum() / max(len(requests), 1))
     s["prefix_hit_rate"] = prefix_hits / prefix_queries if prefix_queries else 0.0
     return s
 
 
 STEP_FIGURES = ("num_steps", "kv_util_mean", "kv_util_max", "fragmentation_mean", "fragmentation_p99",
-                "batch_size_mean", "preemptions")
+                "batch_size_mean", "preemptions", "step_duration_mean_s", "step_duration_p50_s", "step_duration_p90_s",
+                "step_duration_p99_s")

@@ -22,6 +22,7 @@ from .request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request_columns,
                           token_stats_from_file)
 from .results import ResultDir, check_out_dir, check_out_owner
 from .run_plan import RunPlan, build_run_plan
+from .step_noise import resolve_sigma
 
 
 @dataclass
@@ -88,7 +89,7 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
         kv, executor = replica_parts(plan, index)
         return opts.wrap_kv(kv, executor) if opts.wrap_kv is not None else (kv, executor)
 
-    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker)
+    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker, step_noise=True)
     replicas.extend(run.replicas)
 
     def frame(reqs: list) -> pd.DataFrame:
@@ -127,6 +128,7 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
         if steps_for_summary is None:
             steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens)
+    summary["step_variance_sigma"] = resolve_sigma(cfg.step_variance, plan.gpu.name)
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
