@@ -104,6 +104,9 @@ TimeUnit = Annotated[Optional[str], typer.Option(help="with --trace-format csv|j
 Tokenizer = Annotated[Optional[str], typer.Option(
     help="ShareGPT traces: tokenizer.json (or its model directory) counting tokens; default: the shipped "
          "SmolLM2 tokenizer (an approximation)")]
+StepVariance = Annotated[Optional[str], typer.Option(
+    help="step-time variance: 0 deterministic (default: today's results), auto (the GPU's fitted sigma), or a "
+         "lognormal sigma such as 0.05 (seeded by --seed)")]
 RequestTimeout = Annotated[Optional[float], typer.Option(
     help="seconds after its send at which the client gives up on a request (a benchmark client's total "
          "timeout): aborted in the engine, its KV freed, counted failed; default: none")]
@@ -130,7 +133,7 @@ CONFIG_KEYS = {
     "slo_ttft": "slo.ttft", "slo_tpot": "slo.tpot",
     "request_rate": "trace_options.request_rate", "burstiness": "trace_options.burstiness",
     "max_concurrency": "trace_options.max_concurrency", "metric_percentiles": "metric_percentiles",
-    "request_timeout": "trace_options.request_timeout",
+    "request_timeout": "trace_options.request_timeout", "step_variance": "step_variance",
     "trace_format": "trace_options.format", "trace_columns": "trace_options.columns",
     "time_unit": "trace_options.time_unit", "tokenizer": "trace_options.tokenizer",
 }

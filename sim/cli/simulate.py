@@ -18,7 +18,7 @@ from kvsim.sim.config import ConfigError, KVConfig, load_config
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPrefill, EndS, ExpertParallel,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
-                      MetricPercentiles, MaxNumBatchedTokens, RequestTimeout, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite,
+                      MetricPercentiles, MaxNumBatchedTokens, RequestTimeout, StepVariance, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite,
                       Policy, PrefixCaching,
                       Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
                       SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Tp, Trace, config_overrides, fail)
@@ -68,6 +68,7 @@ def simulate(
     burstiness: Burstiness = None,
     max_concurrency: MaxConcurrency = None,
     request_timeout: RequestTimeout = None,
+    step_variance: StepVariance = None,
     metric_percentiles: MetricPercentiles = None,
     trace_format: TraceFormat = None,
     trace_columns: TraceColumns = None,
@@ -98,7 +99,8 @@ def simulate(
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
         rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
-        max_concurrency=max_concurrency, request_timeout=request_timeout, metric_percentiles=metric_percentiles,
+        max_concurrency=max_concurrency, request_timeout=request_timeout, step_variance=parse_step_variance(step_variance),
+        metric_percentiles=metric_percentiles,
         trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
     try:
         cfg = load_config(config, overrides, set_)
@@ -116,6 +118,16 @@ def simulate(
     if not quiet:
         print_summary(result.summary)
     console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
+
+
+def parse_step_variance(text: str | None) -> float | str | None:
+    """--step-variance: auto, or a number (the config validates its range)."""
+    if text is None or text.strip().lower() == "auto":
+        return None if text is None else "auto"
+    try:
+        return float(text)
+    except ValueError:
+        fail(f"--step-variance {text!r}: expected auto or a number such as 0.05 (0: deterministic)")
 
 
 def refuse_ineffective(cfg) -> None:
