@@ -174,9 +174,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     sums = np.array((ev.d_count[:k], ev.d_computed[:k], ev.d_blocks[:k]), np.int64)
     batch, c_sum, held = np.cumsum(sums, axis=1, out=sums)
     kv_read = c_sum + np.arange(1, k + 1) * batch        # tokens after step j: c + j + 1 per request
-    durations = predicted = executor.predict_decode_run(batch, kv_read, held)
-    if view.noise is not None:          # the same factors stepping applies (sim/step_noise.py)
-        durations = durations * view.noise.factors(view.step_index, len(durations))
+    durations, predicted = _priced(view, executor.predict_decode_run(batch, kv_read, held))
     starts, ends = _step_times(view.now, durations.tolist(), next_arrival, ev.finished, deferred)
     k = len(starts)
     if k < 1:
@@ -185,7 +183,15 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     return DecodeRun(list(running), computed, last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
                      batch[:k], kv_read[:k], held[:k], ev.finished[:k], ev.finished_computed[:k],
                      ev.finished_blocks[:k], durations[:k], starts, ends,
-                     predicted=None if view.noise is None else predicted[:k])
+                     predicted=None if predicted is None else predicted[:k])
+
+
+def _priced(view: ReplicaView, prices: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(durations, the model's prices or None): the run's prices times the step-time factors stepping
+    applies to the same steps (sim/step_noise.py), or the prices themselves without step noise."""
+    if view.noise is None:
+        return prices, None
+    return prices * view.noise.factors(view.step_index, len(prices)), prices
 
 
 def _step_times(now: float, durations: list, next_arrival: float, finished: list, deferred: bool) -> tuple[list, list]:

@@ -149,7 +149,7 @@ def capacity(
     window: Window = None,
     repeats: Repeats = 3,
     band: Band = True,
-    step_variance: Annotated[Optional[str], typer.Option(
+    step_variance: Annotated[str | None, typer.Option(
         help="step-time variance of the search: auto (default: the GPU's fitted sigma; the answer with "
              "deterministic steps is searched too, and how much it moved is printed), a sigma, or 0 (off)")] = None,
     out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
