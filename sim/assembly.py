@@ -203,6 +203,7 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
     # one replica fed by the trace alone may admit its arrivals inside decode runs
     own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and limit_n is None and not by_step else None
     timeout = client_timeout(cfg.trace_options.request_timeout, entry)
+    noises = [replica_noise(plan, i) if step_noise else None for i in range(cfg.replicas)]
     replicas: list[EngineReplica] = []
     for i in range(cfg.replicas):
         kv, executor = replica_parts(i)
@@ -210,7 +211,7 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
             env, i, Scheduler(plan.scheduler, kv), executor, step_log,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
                            check_invariants=cfg.check_invariants,
-                           step_noise=replica_noise(plan, i) if step_noise else None),
+                           step_noise=noises[i]),
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
                         step_arrivals=step_arrivals, on_step=on_step,
                         on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)),

@@ -35,10 +35,11 @@ def managed_pool_blocks(kvs: list, num_blocks: int) -> int:
 
 
 def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame | dict, kvs: list,
-                client_latency: bool = False, tokens=None) -> dict:
+                client_latency: bool = False, tokens=None, step_variance_sigma: float = 0.0) -> dict:
     """summary.json of a run (simulated or replayed) from its plan and its request and step tables (a
     streamed run: its step figures, sim.request_log.step_figures_from_file, and token figures,
-    sim.request_log.TokenStats)."""
+    sim.request_log.TokenStats). `step_variance_sigma`: the simulation's step-time variance (0 for a
+    replay: its steps take the time they take)."""
     cfg, num_blocks, profile = plan.cfg, plan.num_blocks, plan.cost.profile
     if tokens is None and "token_times_s" in req_df:       # the token figures once for both summaries
         done = req_df[req_df["status"] == "finished"]
@@ -60,7 +61,7 @@ def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame | di
                     # the profile that priced the steps (the replay's predicted_s) and its measured error
                     "profile": profile.name if profile else None,
                     "profile_step_mape": profile_fit_error(profile) if profile else None,
-                    "client_latency": client_latency})
+                    "client_latency": client_latency, "step_variance_sigma": step_variance_sigma})
     return summary
 
 

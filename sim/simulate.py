@@ -127,8 +127,8 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
         steps_for_summary = step_log.kept()
         if steps_for_summary is None:
             steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
-    summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens)
-    summary["step_variance_sigma"] = resolve_sigma(cfg.step_variance, plan.gpu.name)
+    summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens,
+                          step_variance_sigma=resolve_sigma(cfg.step_variance, plan.gpu.name))
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
