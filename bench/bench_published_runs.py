@@ -4,7 +4,7 @@ each figure, kvsim's value and the relative error (docs/gpu-profiles.md; figures
     python bench/bench_published_runs.py [--run ID] [--step-variance auto|SIGMA]
 
 Each latency row also prints kvsim's mean, p50, p90 and p99 of that latency (the sources publish one
-statistic); `--step-variance` runs the simulations with step-time variance (sim/step_noise.py).
+statistic); `--step-variance` runs the simulations with step-time variance (sim/engine/step_noise.py).
 """
 from __future__ import annotations
 

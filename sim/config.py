@@ -15,12 +15,12 @@ from pydantic import (
 from kvsim.traces.loaders import FORMATS as TRACE_FORMATS
 from kvsim.traces.loaders import GENERIC_FORMATS
 
-from .catalog import get_gpu, get_model, normalize_dtype
+from .model.catalog import get_gpu, get_model, normalize_dtype
 from .kv.policy import PolicyError
 from .kv.policy import policy_names as registered_policy_names
 from .kv.slots import SLOT_STRATEGIES
-from .safe_io import MAX_SET_VALUE_CHARS, InputError, load_yaml_file, safe_yaml_load, short_repr
-from .yaml_errors import yaml_problem
+from .io.safe_io import MAX_SET_VALUE_CHARS, InputError, load_yaml_file, safe_yaml_load, short_repr
+from .io.yaml_errors import yaml_problem
 
 
 class ConfigError(ValueError):
@@ -308,7 +308,7 @@ class SimConfig(_Strict):
     # the profile's client-side terms (API server, tokenization: what `vllm bench serve` measures beyond
     # the engine) in TTFT/TPOT/ITL/E2E; off: engine time only
     client_latency: bool = False
-    # step-time variance (sim/step_noise.py): 0 deterministic (the default), a lognormal sigma, or auto
+    # step-time variance (sim/engine/step_noise.py): 0 deterministic (the default), a lognormal sigma, or auto
     step_variance: float | Literal["auto"] = 0.0
 
     @model_serializer(mode="wrap")

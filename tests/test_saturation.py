@@ -1,4 +1,4 @@
-"""Near saturation: the over-capacity detector (sim/saturation.py) and client timeouts (--request-timeout)."""
+"""Near saturation: the over-capacity detector (sim/results/saturation.py) and client timeouts (--request-timeout)."""
 import math
 
 import numpy as np
@@ -9,8 +9,8 @@ from kvsim.sim.config import ConfigError, SimConfig, load_config
 from kvsim.sim.core.kv_manager import KVCacheManager
 from kvsim.sim.core.request import Request, RequestStatus
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
-from kvsim.sim.saturation import saturation
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.results.saturation import saturation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces.synthetic import closed_batch
 
 

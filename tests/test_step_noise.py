@@ -1,13 +1,13 @@
-"""Step-time variance (sim/step_noise.py): seeded, mean-one, identical stepped or fast-forwarded."""
+"""Step-time variance (sim/engine/step_noise.py): seeded, mean-one, identical stepped or fast-forwarded."""
 import numpy as np
 import pandas as pd
 import pytest
 import yaml
 
 from kvsim.sim.config import ConfigError, SimConfig, load_config
-from kvsim.sim.outputs import portable_config
-from kvsim.sim.simulate import run_simulation
-from kvsim.sim.step_noise import BLOCK_STEPS, StepNoise, resolve_sigma
+from kvsim.sim.results.outputs import portable_config
+from kvsim.sim.simulator.simulate import run_simulation
+from kvsim.sim.engine.step_noise import BLOCK_STEPS, StepNoise, resolve_sigma
 from kvsim.traces.synthetic import synthesize
 
 

@@ -89,7 +89,7 @@ def compare_published(path: str | Path, only: str | None = None, step_variance: 
 
 def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float | str = 0.0) -> list[Comparison]:
     """kvsim's figure beside each measured one of `run` (under `profile`: the GPU's own by default;
-    `step_variance`: the simulation's, sim/step_noise.py)."""
+    `step_variance`: the simulation's, sim/engine/step_noise.py)."""
     if run.kind == "kernels":
         return _kernel_comparisons(run)
     (key, values), = run.points.items()
@@ -118,7 +118,7 @@ def _spread(figure: str, summaries: list[dict], scale: float) -> tuple | None:
 def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, profile: str,
                     step_variance: float | str = 0.0) -> dict:
     from kvsim.sim.config import SimConfig
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
 
     w, setup = run.workload, run.setup

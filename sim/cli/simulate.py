@@ -105,7 +105,7 @@ def simulate(
     try:
         cfg = load_config(config, overrides, set_)
         refuse_ineffective(cfg)
-        from kvsim.sim.simulate import run_simulation
+        from kvsim.sim.simulator.simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
         with interrupt_on_sigterm():
             result = run_simulation(cfg, out, progress=not quiet, keep_steps=False, overwrite=overwrite)
@@ -133,7 +133,7 @@ def parse_step_variance(text: str | None) -> float | str | None:
 def refuse_ineffective(cfg) -> None:
     """Options that would change nothing in this run, or that vLLM cannot run, are a mistake to say, not to
     ignore."""
-    from kvsim.sim.catalog import get_gpu, get_model, normalize_dtype
+    from kvsim.sim.model.catalog import get_gpu, get_model, normalize_dtype
 
     gpu = get_gpu(cfg.gpu)
     weights = normalize_dtype(cfg.weight_dtype) if cfg.weight_dtype else get_model(cfg.model).weight_dtype
@@ -194,7 +194,7 @@ def partial_exit(out: Path, reason: str) -> None:
 
 def print_summary(s: dict) -> None:
     """vllm bench serve's report (its names and units), then kvsim's own figures (KV memory, the engine)."""
-    from kvsim.sim.vllm_metrics import report_lines
+    from kvsim.sim.results.vllm_metrics import report_lines
 
     if "completed" in s:
         console.print("\n".join(report_lines(s)), markup=False, highlight=False)
@@ -230,7 +230,7 @@ def print_summary(s: dict) -> None:
 
 
 def saturation_line(s: dict) -> str | None:
-    """Over capacity or not, with the offered and the sustainable rate (sim/saturation.py)."""
+    """Over capacity or not, with the offered and the sustainable rate (sim/results/saturation.py)."""
     if s.get("overloaded") is None:
         return None
     offered = f"{s['offered_rate_req_s']:.2f} req/s offered"
@@ -241,7 +241,7 @@ def saturation_line(s: dict) -> str | None:
 
 
 def print_comparison(agg: dict) -> None:
-    from kvsim.sim.bench_compare import report_rows
+    from kvsim.sim.results.bench_compare import report_rows
 
     table = Table(title=f"predicted vs measured (vllm bench serve result, {agg['num_requests']} requests)")
     for name in ("figure", "measured", "kvsim", "error"):
