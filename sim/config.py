@@ -273,6 +273,16 @@ def config_section(data: dict, sections: list[str]):
     return data
 
 
+class KVOffloadConfig(_Strict):
+    """vLLM's OffloadingConnector: a CPU tier per replica (sim/cluster/connectors/offload.py,
+    docs/kv-tiers.md). Absent: no offload (vLLM without --kv-transfer-config)."""
+    cpu_gib: float = Field(gt=0, description="CPU memory per replica for KV blocks, GiB (vLLM's cpu_bytes_to_use)")
+    bandwidth_gb_s: float | None = Field(None, gt=0, description="host link GB/s per direction per replica; "
+                                         "default: the GPU's PCIe x the profile's pcie_eff x tp")
+    latency_s: float = Field(1e-5, ge=0, description="per-transfer latency on the host link, s")
+    eviction: Literal["lru"] = "lru"
+
+
 class SimConfig(_Strict):
     trace: str = "azure-conv-2023"
     trace_options: TraceOptions = TraceOptions()
@@ -286,6 +296,7 @@ class SimConfig(_Strict):
     weight_dtype: str | None = None      # decoder-layer weight dtype (fp16, bf16, fp8, int8, int4); None: the catalog's
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
+    kv_offload: KVOffloadConfig | None = None
     slo: SLO = SLO(ttft="2s", tpot="100ms")
     seed: int = Field(0, ge=0, lt=2**63)
     metric_percentiles: list[float] = Field(

@@ -17,6 +17,7 @@ from kvsim.traces.arrivals import vllm_bench_arrivals
 
 from ..config import ConfigError, SimConfig
 from ..core.request import Request
+from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager
 from ..core.scheduler import Scheduler, SchedulerConfig
 from .loop import (ArrivalProcess, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
@@ -182,10 +183,12 @@ class EngineRun:
 
 def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
                  replica_parts: Callable[[int], tuple[KVManager, Executor]], *, entry=None,
-                 on_step: Callable[[int], None] | None = None) -> EngineRun:
+                 on_step: Callable[[int], None] | None = None,
+                 connector: Callable[[int, EngineClock], KVConnector] | None = None) -> EngineRun:
     """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager
     and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.simulator.client.
-    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in."""
+    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in.
+    `connector(index, clock)`: each replica's KV connector (CPU offload: sim.cluster); None: none."""
     cfg = plan.cfg
     env = EngineClock()
     by_step = cfg.trace_options.arrival_unit == "step"
@@ -204,7 +207,7 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
     for i in range(cfg.replicas):
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
-            env, i, Scheduler(plan.scheduler, kv), executor, step_log,
+            env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None), executor, step_log,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
                            check_invariants=cfg.check_invariants),
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),

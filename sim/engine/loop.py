@@ -270,6 +270,9 @@ class EngineReplica:
         sched = self.scheduler
         live = set(sched.running) | set(sched.waiting) | set(sched.loading) | set(sched.sending)
         self.kv.check_invariants(live)
+        connector_check = getattr(self.connector, "check_invariants", None)
+        if connector_check is not None:
+            connector_check()
         for r in sched.loading:
             assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r not in sched.running, (
                 f"request {r.request_id} loads its KV while scheduled")

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from ..results.bench_compare import compare
+from ..cluster.connectors.offload import cpu_tier_spec, offload_connectors, offload_summary
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
 from .client import RequestEntry, client_view
@@ -88,7 +89,9 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
         kv, executor = replica_parts(plan, index)
         return opts.wrap_kv(kv, executor) if opts.wrap_kv is not None else (kv, executor)
 
-    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker)
+    offload = (offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), cfg.engine.block_size)
+               if cfg.kv_offload is not None else None)
+    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker, connector=offload)
     replicas.extend(run.replicas)
 
     def frame(reqs: list) -> pd.DataFrame:
@@ -127,6 +130,8 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
         if steps_for_summary is None:
             steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens)
+    if offload is not None:
+        summary["kv_offload"] = offload_summary(offload.made)
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
