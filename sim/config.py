@@ -273,6 +273,15 @@ def config_section(data: dict, sections: list[str]):
     return data
 
 
+class RouterOptions(_Strict):
+    """Settings of the KV-aware routers (sim/engine/routers). Absent: exact load signals, defaults."""
+    refresh_s: float = Field(0.0, ge=0, description="load signals refreshed every this many seconds (0: exact)")
+    weights: dict[str, float] | None = Field(None, description="weighted router: scorer -> weight "
+                                             "(queue, kv_usage, prefix, approx_prefix)")
+    prefix_block_tokens: int = Field(64, gt=0, description="prefix_affinity: tokens per hashed prompt block")
+    prefix_table_size: int = Field(100_000, gt=0, description="prefix_affinity: block chains remembered (LRU)")
+
+
 class KVOffloadConfig(_Strict):
     """vLLM's OffloadingConnector: a CPU tier per replica (sim/cluster/connectors/offload.py,
     docs/kv-tiers.md). Absent: no offload (vLLM without --kv-transfer-config)."""
@@ -290,7 +299,8 @@ class SimConfig(_Strict):
     gpu: str = "h100"
     tp: int = Field(1, gt=0)
     replicas: int = Field(1, gt=0)
-    router: Literal["round_robin", "least_outstanding"] = "round_robin"
+    router: str = Field("round_robin", description="a registered router (sim/engine/routers; docs/kv-tiers.md)")
+    router_options: RouterOptions | None = None
     profile: str = "auto"                # the GPU's shipped profile (sim/data/profiles; docs/gpu-profiles.md)
     kv_dtype: str | None = None
     weight_dtype: str | None = None      # decoder-layer weight dtype (fp16, bf16, fp8, int8, int4); None: the catalog's

@@ -216,7 +216,7 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
                         arrivals=own_arrivals)))
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
-    router = Router(replicas, cfg.router)
+    router = Router(replicas, cfg.router, cfg.router_options)
     limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
     arrivals = ArrivalProcess(env, requests, router, limit)
     feed.extend((arrivals, limit))

@@ -87,8 +87,9 @@ def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summar
     # NaN (e.g. a percentile of no finished request) becomes null with a reason: JSON has no NaN
     (out / "summary.json").write_text(dumps_json(summary, indent=2, default=float))
     data = cfg.model_dump(mode="json")
-    if data.get("kv_offload") is None:
-        data.pop("kv_offload", None)          # no offload: the section is absent, as before it existed
+    for section in ("kv_offload", "router_options"):
+        if data.get(section) is None:
+            data.pop(section, None)           # off: the section is absent, as before it existed
     (out / "config.yaml").write_text(yaml.safe_dump(portable_config(data), sort_keys=False))
 
 
