@@ -13,7 +13,7 @@ from kvsim.sim.cluster.tiers import BlockTier, TierSpec
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.core.request import Request, RequestStatus
 from kvsim.sim.engine.assembly import build_engine, load_workload
-from kvsim.sim.engine.run_plan import build_run_plan
+from kvsim.sim.engine.resolved_run import resolve_run
 from kvsim.sim.results.metrics import StepLog
 from kvsim.sim.simulator.executor import replica_parts
 
@@ -40,7 +40,7 @@ def offload_run(fast_forward: bool, cpu_gib: float | None = 4.0, replicas: int =
     if cpu_gib is not None:
         sets["kv_offload.cpu_gib"] = cpu_gib
     cfg = load_config(None, sets)
-    plan = build_run_plan(cfg, trace=load_workload(cfg))
+    plan = resolve_run(cfg, trace=load_workload(cfg))
     requests = document_requests()
     log = StepLog(None)
     factory = (offload_connectors(cpu_tier_spec(plan.cfg.kv_offload, plan), plan.cfg.engine.block_size)
@@ -146,7 +146,7 @@ def test_bad_offload_settings_are_refused_in_one_line():
         load_config(None, {"kv_offload.cpu_gib": 4, "kv_offload.eviction": "mru"})
     cfg = load_config(None, {**SMALL_POOL, "kv_offload.cpu_gib": 1e-6})
     with pytest.raises(ValueError, match=r"kv_offload\.cpu_gib: .* holds no KV block"):
-        cpu_tier_spec(cfg.kv_offload, build_run_plan(cfg))
+        cpu_tier_spec(cfg.kv_offload, resolve_run(cfg))
 
 
 def test_connector_alone_reports_stores_of_a_finished_request_when_they_end():

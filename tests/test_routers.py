@@ -12,7 +12,7 @@ from kvsim.sim.core.request import Request
 from kvsim.sim.engine.assembly import build_engine, load_workload
 from kvsim.sim.engine.routers import RouterBase, build_router, register_router, router_names
 from kvsim.sim.engine.routers.prefix_affinity import leading_block_hashes
-from kvsim.sim.engine.run_plan import build_run_plan
+from kvsim.sim.engine.resolved_run import resolve_run
 from kvsim.sim.results.metrics import StepLog
 from kvsim.sim.simulator.executor import replica_parts
 
@@ -32,9 +32,9 @@ def test_registry_names_and_one_line_errors():
     assert {"round_robin", "least_outstanding", "queue_depth", "kv_usage", "prefix_affinity", "precise_prefix",
             "weighted"} <= set(router_names())
     with pytest.raises(ConfigError, match=r"^router: unknown router 'nope'; known: .*round_robin"):
-        build_run_plan(load_config(None, {"router": "nope"}))
+        resolve_run(load_config(None, {"router": "nope"}))
     with pytest.raises(ConfigError, match=r"router_options\.weights: unknown scorer 'q'"):
-        build_run_plan(load_config(None, {"router": "weighted", "router_options.weights": {"q": 1}}))
+        resolve_run(load_config(None, {"router": "weighted", "router_options.weights": {"q": 1}}))
     with pytest.raises(ConfigError, match=r"router_options\.weights"):
         load_config(None, {"router": "weighted", "router_options.weights": {"queue": "much"}})
 
@@ -108,7 +108,7 @@ def routed_run(router, fast_forward=True, **options):
             "replicas": 3, "router": router, "fast_forward": fast_forward, "check_invariants": True}
     sets.update({f"router_options.{k}": v for k, v in options.items()})
     cfg = load_config(None, sets)
-    plan = build_run_plan(cfg, trace=load_workload(cfg))
+    plan = resolve_run(cfg, trace=load_workload(cfg))
     reqs = documents()
     run = build_engine(plan, reqs, StepLog(None), lambda i: replica_parts(plan, i))
     assert run.drive(catch=()) is None

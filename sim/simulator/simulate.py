@@ -22,7 +22,7 @@ from ..io.progress import ProgressTracker, TokenBar, ambient_callback
 from ..results.request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request_columns, step_figures_from_file,
                           token_stats_from_file)
 from ..io.result_dirs import ResultDir, check_out_dir, check_out_owner
-from ..engine.run_plan import RunPlan, build_run_plan
+from ..engine.resolved_run import ResolvedRun, resolve_run
 
 
 @dataclass
@@ -54,9 +54,9 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     if out_dir:
         check_out_dir(Path(out_dir))
         check_out_owner(Path(out_dir), overwrite=overwrite)
-        _check_not_reading_from(cfg, Path(out_dir))
+        _check_not_reading_from(cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
-    plan = build_run_plan(with_bench_load(cfg, trace), trace=trace, model=model)
+    plan = resolve_run(with_bench_load(cfg, trace), trace=trace, model=model)
     check_memory(plan.memory)
     staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
     try:
@@ -72,7 +72,7 @@ class RunOptions(NamedTuple):
     wrap_kv: object
 
 
-def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
+def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
     cfg = plan.cfg
     client = plan.cost.profile.client if cfg.client_latency else ClientLatency()
     # requests enter the engine through the client-side API server: at their trace time (open loop) or
@@ -89,8 +89,7 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
         kv, executor = replica_parts(plan, index)
         return opts.wrap_kv(kv, executor) if opts.wrap_kv is not None else (kv, executor)
 
-    offload = (offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), cfg.engine.block_size)
-               if cfg.kv_offload is not None else None)
+    offload = offload_of(plan)
     run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker, connector=offload)
     replicas.extend(run.replicas)
 
@@ -130,8 +129,7 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
         if steps_for_summary is None:
             steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens)
-    if offload is not None:
-        summary["kv_offload"] = offload_summary(offload.made)
+    summary.update(offload_figures(offload))
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
@@ -151,6 +149,19 @@ def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: 
     return SimulationResult(summary, req_df, steps_df, staging.shown if staging else None, plan.num_blocks, wall)
 
 
+def offload_of(plan: ResolvedRun):
+    """build_engine's connector factory for the run's `kv_offload` section (None: no offload)."""
+    cfg = plan.cfg
+    if cfg.kv_offload is None:
+        return None
+    return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), cfg.engine.block_size)
+
+
+def offload_figures(offload) -> dict:
+    """summary.json's `kv_offload` (nothing without offload)."""
+    return {} if offload is None else {"kv_offload": offload_summary(offload.made)}
+
+
 def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
     """A `vllm bench serve` result replayed as a trace runs under the load it was measured with: its
     --max-concurrency unless the config sets one (its send times are already on the trace)."""
@@ -161,9 +172,9 @@ def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
     return cfg
 
 
-def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
-    """The recorded policy reads a replay's decisions: publishing into that directory would replace them."""
-    source = cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None
+def _check_not_reading_from(source: str | None, out: Path) -> None:
+    """The recorded policy reads a replay's decisions (at `source`): publishing into that directory would
+    replace them."""
     if not source:
         return
     source = Path(source)

@@ -28,7 +28,7 @@ default offloaded block size); the tier's copies of blocks in flight are reserve
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ...core.connector import FinishedTransfers, KVTransferStep
 

@@ -7,7 +7,8 @@ metrics (queue depth, KV-cache usage) as scraped every so often. `LoadSignals` m
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 
 class RouterError(ValueError):

@@ -16,4 +16,4 @@ class PrecisePrefix(RouterBase):
     def route(self, req):
         loads = self.signals.loads()
         return self.pick_max([cached_fraction(r, req) - 1e-9 * load.outstanding
-                              for r, load in zip(self.replicas, loads)])
+                              for r, load in zip(self.replicas, loads, strict=True)])

@@ -60,6 +60,6 @@ class PrefixAffinity(RouterBase):
         hashes = leading_block_hashes(req, self.block_tokens)
         scores = prefix_scores(self.matched_blocks(hashes), len(hashes))
         loads = self.signals.loads()
-        replica = self.pick_max([s - 1e-9 * load.outstanding for s, load in zip(scores, loads)])
+        replica = self.pick_max([s - 1e-9 * load.outstanding for s, load in zip(scores, loads, strict=True)])
         self.remember(hashes, self.replicas.index(replica))
         return replica
