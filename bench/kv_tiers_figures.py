@@ -1,4 +1,4 @@
-"""The figures of docs/results.md#kv-offload-and-routers: CPU offload sizes, and the routers, on a
+"""The figures of docs/results.md (2026-12-07, issue 44: KV offload and routers): CPU offload sizes, and the routers, on a
 document-QA workload whose documents outnumber what the GPU's prefix cache holds.
 
 The workload (written as a Mooncake JSONL trace, seeded): 400 requests, Poisson at 2 req/s, each a
