@@ -5,6 +5,8 @@ exceed the tier's capacity; the decode fast-forward gives exactly what stepping 
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsim.sim.cluster.connectors.offload import (OffloadingConnector, cpu_tier_spec, offload_connectors,
                                                   offload_summary)
@@ -168,3 +170,39 @@ def test_connector_alone_reports_stores_of_a_finished_request_when_they_end():
     assert end == pytest.approx(0.01 + 4e6 / 1e9)
     assert conn.get_finished(end).sent == [req]
     assert conn.tier.lookup(conn.block_hashes(req, 4)) == 4     # visible to lookups once stored
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.lists(st.tuples(st.sampled_from(["store", "done", "load", "unload"]),
+                                            st.lists(st.integers(0, 12), min_size=1, max_size=5)), max_size=60))
+def test_tier_holds_its_invariants_under_random_operations(capacity, ops):
+    """Never over capacity; a block in flight or being read is never evicted; only stored blocks load."""
+    tier = BlockTier(TierSpec("cpu", capacity, 1.0, LinkSpec("pcie", 1.0)))
+    in_flight: list = []           # stores prepared, not completed
+    reading: list = []             # loads prepared, not completed
+    ever_stored: set = set()
+    for op, keys in ops:
+        if op == "store":
+            before = set(tier.blocks)
+            new = tier.prepare_store(keys)
+            if new is None:
+                assert set(tier.blocks) == before                     # a dropped store changes nothing
+            else:
+                assert not set(new) & before
+                gone = before - set(tier.blocks)
+                assert not gone & (set(in_flight) | set(reading))     # pinned blocks survive eviction
+                in_flight.extend(new)
+        elif op == "done" and in_flight:
+            key = in_flight.pop(0)
+            tier.complete_store([key])
+            ever_stored.add(key)
+        elif op == "load":
+            n = tier.lookup(keys)
+            hit = list(dict.fromkeys(keys[:n]))
+            assert set(hit) <= ever_stored
+            tier.prepare_load(hit)
+            reading.extend(hit)
+        elif op == "unload" and reading:
+            tier.complete_load([reading.pop(0)])
+        tier.check_invariants()
+        assert len(tier) <= capacity
