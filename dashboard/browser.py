@@ -93,7 +93,7 @@ class Browser:
             _wait_http(f"http://127.0.0.1:{port}/json/version", 30, self.proc)
             targets = json.loads(_wait_http(f"http://127.0.0.1:{port}/json/list", 10, self.proc))
             page = next(t for t in targets if t["type"] == "page")
-            self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=30, suppress_origin=True)
+            self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=90, suppress_origin=True)
             self.cdp("Emulation.setDeviceMetricsOverride", width=self.width, height=self.height,
                      deviceScaleFactor=1, mobile=False)
         except BaseException:
@@ -179,15 +179,35 @@ class Browser:
         if not clicked:
             raise RuntimeError(f"no enabled button {label!r} on the page")
 
-    def type_into(self, label: str, text: str, timeout: float = 30.0) -> None:
+    def focus(self, selector: str, timeout: float, what: str) -> None:
+        """Focus the element `selector` (JS) with a real mouse click at its centre: after another field
+        had the focus, a script's focus() does not always take in headless Chromium."""
+        opened = (f"(() => {{ const i = {selector}; if (!i) return false; let closed = false; "   # inside a collapsed expander
+                  "for (let a = i; a; a = a.parentElement) if (a.tagName === 'DETAILS' && !a.open) "
+                  "{ a.querySelector('summary').click(); closed = true; } return !closed; })()")
+        self.wait_for(opened, timeout, f"{what} in an open expander")
+        rect = self.wait_for(f"(() => {{ const i = {selector}; if (!i) return null; i.scrollIntoView({{block: 'center'}}); "
+                             "const r = i.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()",
+                             timeout, what)
+        for kind in ("mousePressed", "mouseReleased"):
+            self.cdp("Input.dispatchMouseEvent", type=kind, x=rect[0], y=rect[1], button="left", clickCount=1)
+        self.wait_for(f"(() => {{ const i = {selector}; if (document.activeElement !== i) i.focus(); "
+                      "return document.activeElement === i; })()", timeout, f"{what} focused")
+
+    def type_into(self, label: str, text: str, timeout: float = 90.0) -> None:
         """Replace the text of the input labelled `label` as a user would (focus, select all, type,
         Enter), again if a rerun of the page redrew the input meanwhile and dropped what was typed."""
         selector = "document.querySelector('input[aria-label=' + " + json.dumps(json.dumps(label)) + " + ']')"
         for _ in range(5):
             settle(self, timeout)
-            self.wait_for(f"(() => {{ const i = {selector}; if (i) {{ i.focus(); i.select(); }} return !!i; }})()",
-                          timeout, f"an input labelled {label!r}")
-            self.cdp("Input.insertText", text=text)
+            self.focus(selector, timeout, f"an input labelled {label!r}")
+            self.eval(f"{selector}.select()")
+            if text:
+                self.cdp("Input.insertText", text=text)
+            else:        # clearing a field: delete the selection
+                for kind in ("keyDown", "keyUp"):
+                    self.cdp("Input.dispatchKeyEvent", type=kind, key="Backspace", code="Backspace",
+                             windowsVirtualKeyCode=8)
             for kind in ("keyDown", "keyUp"):
                 self.cdp("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
             time.sleep(1.0)
@@ -409,3 +429,93 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# ---- widgets and layout checks used by the browser tests ------------------------------------------
+def _widget(testid: str, label: str) -> str:
+    """JS: the Streamlit widget container `testid` whose label reads `label`."""
+    return (f"[...document.querySelectorAll('[data-testid=\"{testid}\"]')].find(w => "
+            f"(w.querySelector('[data-testid=\"stWidgetLabel\"]')?.textContent || '').trim() === {json.dumps(label)})")
+
+
+def choose(browser: Browser, label: str, option: str, testid: str = "stSelectbox", timeout: float = 90.0) -> None:
+    """Pick `option` in the selectbox (or multiselect) labelled `label` as a user does: focus its
+    input, type the option's text and press Enter on the highlighted match."""
+    for _ in range(3):      # again if a rerun redrew the widget meanwhile
+        settle(browser, timeout)
+        browser.focus(f"({_widget(testid, label)})?.querySelector('input')", timeout, f"a {testid} {label!r}")
+        browser.cdp("Input.insertText", text=option)
+        time.sleep(0.5)
+        for kind in ("keyDown", "keyUp"):
+            browser.cdp("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
+        time.sleep(1.0)
+        settle(browser, timeout)
+        if testid != "stSelectbox" or shown_choice(browser, label) == option:
+            return
+    raise RuntimeError(f"choosing {option!r} in {label!r} did not stick")
+
+
+def shown_choice(browser: Browser, label: str) -> str:
+    """The text a selectbox labelled `label` shows (its value, or the placeholder when it has none)."""
+    return browser.wait_for(f"(() => {{ const w = {_widget('stSelectbox', label)}; return w ? "
+                            "(w.querySelector('input').value || w.querySelector('input').placeholder) : null; })()", 60,
+                            f"a selectbox labelled {label!r}")
+
+
+def go_to(browser: Browser, page: str, timeout: float = 60.0) -> None:
+    """Switch page with the sidebar's navigation link (the same session, as a user clicks it)."""
+    here = (f"[...document.querySelectorAll('[data-testid=\"stMain\"] h1')].some(h => h.innerText.trim() === "
+            f"{json.dumps(page)})")
+    for _ in range(3):      # a rerun of the page left (a run just ended) can swallow the click
+        settle(browser, timeout)
+        browser.wait_for(f"(() => {{ const a = [...document.querySelectorAll('[data-testid=\"stSidebarNav\"] a')]"
+                         f".find(a => a.innerText.trim() === {json.dumps(page)}); if (a) a.click(); return !!a; }})()",
+                         timeout, f"the {page!r} link")
+        try:
+            browser.wait_for(here, 20, f"the {page} page")
+            break
+        except TimeoutError:
+            continue
+    time.sleep(1.0)
+    settle(browser, timeout)
+
+
+# Words of the sidebar's widget labels that the browser breaks across lines ("max_num_se" / "qs").
+BROKEN_LABEL_WORDS = """(() => {
+  const broken = [];
+  for (const label of document.querySelectorAll('[data-testid="stSidebar"] [data-testid="stWidgetLabel"] p')) {
+    const node = label.firstChild;
+    if (!node || node.nodeType !== 3) continue;
+    const text = node.textContent;
+    for (const m of text.matchAll(/\\S+/g)) {
+      const r = document.createRange(); r.setStart(node, m.index); r.setEnd(node, m.index + m[0].length);
+      const tops = new Set([...r.getClientRects()].map(x => Math.round(x.top)));
+      if (tops.size > 1) broken.push(m[0]);
+    }
+  }
+  return broken;
+})()"""
+
+# Metric tiles whose value the page cuts ("100.…"): wider than their box.
+CUT_METRICS = """[...document.querySelectorAll('[data-testid="stMetricValue"]')]
+  .filter(v => { const d = v.querySelector('div') || v; return d.scrollWidth > d.clientWidth + 1; })
+  .map(v => v.innerText)"""
+
+
+def chart_spec(browser: Browser, title: str, timeout: float = 60.0) -> dict:
+    """The chart titled `title` (prefix) as plotly holds it in the page, once drawn: its traces' names,
+    colours, axes, marker symbols and hover templates, and its layout's axes, legends and shapes."""
+    return browser.wait_for(
+        "(() => { const p = [...document.querySelectorAll('.js-plotly-plot')].find(p => "
+        f"(p.layout.title.text || '').replace(/<[^>]+>/g, '').startsWith({json.dumps(title)})); if (!p) return null; "
+        "const L = p._fullLayout; const keys = Object.keys(L); return {"
+        "traces: p._fullData.map(t => ({name: t.name, type: t.type, color: t.line ? t.line.color : null, "
+        "yaxis: t.yaxis, legend: t.legend, hovertemplate: t.hovertemplate, visible: t.visible, "
+        "symbols: t.marker && Array.isArray(t.marker.symbol) ? Array.from(t.marker.symbol) : null, "
+        "y: Array.from(t.y || []).slice(0, 2000)})), "
+        "yaxes: Object.fromEntries(keys.filter(k => k.startsWith('yaxis')).map(k => [k, {range: L[k].range, "
+        "title: L[k].title && L[k].title.text}])), "
+        "legends: keys.filter(k => /^legend\\d*$/.test(k)).length, "
+        "annotations: (L.annotations || []).map(a => a.text), "
+        "shapes: (L.shapes || []).map(s => ({y0: s.y0, y1: s.y1, dash: s.line && s.line.dash})), "
+        "xhover: L.xaxis && L.xaxis.hoverformat}; })()", timeout, f"a chart titled {title!r}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -25,6 +26,18 @@ POOL_LEGEND = ("free", "cached prefix", "empty / evicted slots", "live tokens") 
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
               "#7f7f7f", "#bcbd22")
 DASHES = ("solid", "dot", "dash", "dashdot", "longdash")
+# A series' colour on every page: running and waiting, percentiles, prompt and generation tokens keep
+# theirs wherever they are drawn (single-run charts; charts of several runs colour by run).
+SERIES_COLORS = {"num_running": "#2ca02c", "num_waiting": "#ff7f0e", "P50": "#1f77b4", "P90": "#9467bd",
+                 "P99": "#d62728", "prompt_tok_s": "#9467bd", "generation_tok_s": "#1f77b4",
+                 "output_tok_s": "#1f77b4", "prefill_tokens_per_s": "#9467bd", "kv_usage": "#1f77b4",
+                 "blocks_used": "#1f77b4", "fragmentation": "#8c564b"}
+
+
+def series_color(column: str, i: int = 0) -> str:
+    """The colour of a series (by its column, or its percentile), else the i-th run colour."""
+    quantile = column.rsplit("_", 1)[-1].upper()
+    return SERIES_COLORS.get(column) or SERIES_COLORS.get(quantile) or RUN_COLORS[i % len(RUN_COLORS)]
 
 
 def run_colors(runs: list[RunRecord]) -> dict[str, str]:
@@ -35,6 +48,23 @@ def _fig(title: str, x: str, y: str, **kw) -> go.Figure:
     fig = go.Figure()
     fig.update_layout(title=dict(text=title, x=0, xanchor="left"), xaxis_title=x, yaxis_title=y,
                       **{**_LAYOUT, **kw})
+    return fig
+
+
+def binned(run: RunRecord, bins: int) -> pd.DataFrame:
+    """The run's step log on `bins` time bins (data.bin_steps), computed once per run and bin count."""
+    return run.memo(("bins", bins), lambda: bin_steps(run.steps, bins))
+
+
+def _flat_zero(fig: go.Figure) -> go.Figure:
+    """A chart whose series are all zero (nothing of the kind happened in the run) drawn on 0..1, said
+    so in its title, not on plotly's -1..1 (a negative rate or count means nothing)."""
+    ys = [np.asarray(t.y, dtype=float) for t in fig.data if t.y is not None]
+    if ys and all(np.nansum(np.abs(y)) == 0 for y in ys):
+        fig.update_yaxes(range=[0, 1])
+        fig.update_layout(title_text=f"{fig.layout.title.text} (none in this run)")
+    else:
+        fig.update_yaxes(rangemode="tozero")
     return fig
 
 
@@ -63,13 +93,14 @@ def throughput_over_time(runs: list[RunRecord], bins: int = 200) -> go.Figure:
     fig = _fig("Throughput over time", "time (s)", "tokens / s")
     colors = run_colors(runs)
     for run in runs:
-        out = output_token_rate(run.requests, bins)
+        out = run.memo(("output_rate", bins), lambda r=run: output_token_rate(r.requests, bins))
         fig.add_trace(go.Scatter(x=out["time_s"], y=out["output_tok_s"], mode="lines", name=f"{run.label}: output",
-                                 line=dict(color=colors[run.label])))
-        b = bin_steps(run.steps, bins)
+                                 line=dict(color=series_color("output_tok_s") if len(runs) == 1 else colors[run.label])))
+        b = binned(run, bins)
         if len(b) and len(runs) == 1:
             fig.add_trace(go.Scatter(x=b["time_s"], y=b["prefill_tokens_per_s"], mode="lines",
-                                     name=f"{run.label}: prefill", line=dict(dash="dot", color=RUN_COLORS[1])))
+                                     name=f"{run.label}: prefill",
+                                     line=dict(dash="dot", color=series_color("prefill_tokens_per_s"))))
     return _legend_below(fig)
 
 
@@ -78,14 +109,15 @@ def step_series(runs: list[RunRecord], columns: dict[str, str], title: str, y: s
     fig = _fig(title, "time (s)", y)
     colors = run_colors(runs)
     for run in runs:
-        b = bin_steps(run.steps, bins)
+        b = binned(run, bins)
         for i, (col, name) in enumerate(columns.items()):
             if col in b:
                 label = name if len(runs) == 1 else f"{run.label}: {name}"
-                line = dict(color=RUN_COLORS[i]) if len(runs) == 1 else dict(color=colors[run.label], dash=DASHES[i])
+                line = dict(color=series_color(col, i)) if len(runs) == 1 else dict(color=colors[run.label],
+                                                                                     dash=DASHES[i])
                 fig.add_trace(go.Scatter(x=b["time_s"], y=b[col], mode="lines", name=label, line_shape="hv",
                                          line=line))
-    return _legend_below(fig)
+    return _legend_below(_flat_zero(fig))
 
 
 def eviction_over_time(runs: list[RunRecord], bins: int = 200) -> go.Figure:
@@ -93,20 +125,23 @@ def eviction_over_time(runs: list[RunRecord], bins: int = 200) -> go.Figure:
     layer, KV head) entries and one-(layer, KV head) pages divided by layers x KV heads)."""
     per_head = any(r.per_head for r in runs)
     fig = _fig("Eviction / s" + (", summed over layers and KV heads" if per_head else ""), "time (s)",
-               "tokens or block-equivalents / s" if per_head else "per second")
+               "token-equivalents / s" if per_head else "tokens / s")
+    fig.update_layout(yaxis2=dict(title="block-equivalents / s" if per_head else "blocks / s", overlaying="y",
+                                  side="right", rangemode="tozero", showgrid=False), yaxis_rangemode="tozero")
     colors = run_colors(runs)
     for run in runs:
-        b = bin_steps(run.steps, bins)
+        b = binned(run, bins)
         if not len(b):
             continue
         e = eviction_rates(b, run.rows_per_block)
         prefix = "" if len(runs) == 1 else f"{run.label}: "
         unit = " (equivalents)" if run.per_head else ""
-        for i, (col, name) in enumerate((("tokens_per_s", "tokens evicted / s"), ("blocks_per_s", "blocks freed / s"))):
+        for i, (col, name, axis) in enumerate((("tokens_per_s", "tokens evicted / s", "y"),
+                                                ("blocks_per_s", "blocks freed / s", "y2"))):
             color = RUN_COLORS[i] if len(runs) == 1 else colors[run.label]
-            fig.add_trace(go.Scatter(x=e["time_s"], y=e[col], mode="lines", name=f"{prefix}{name}{unit}",
+            fig.add_trace(go.Scatter(x=e["time_s"], y=e[col], mode="lines", name=f"{prefix}{name}{unit}", yaxis=axis,
                                      line_shape="hv", line=dict(color=color, dash=DASHES[i] if len(runs) > 1 else "solid")))
-    return _legend_below(fig)
+    return _legend_below(_flat_zero(fig))
 
 
 def kv_utilization(runs: list[RunRecord], bins: int = 200) -> go.Figure:
@@ -115,22 +150,22 @@ def kv_utilization(runs: list[RunRecord], bins: int = 200) -> go.Figure:
     fig = _fig("KV utilization and internal fragmentation", "time (s)", "fraction")
     colors = run_colors(runs)
     for run in runs:
-        b = bin_steps(run.steps, bins)
+        b = binned(run, bins)
         if not len(b):
             continue
         prefix = "" if len(runs) == 1 else f"{run.label}: "
         one = len(runs) == 1
         fig.add_trace(go.Scatter(x=b["time_s"], y=b["blocks_used"] / max(run.pool_blocks, 1), mode="lines",
                                  name=f"{prefix}{'pages' if run.rows_per_block > 1 else 'blocks'} used / pool",
-                                 line=dict(color=RUN_COLORS[0] if one else colors[run.label])))
+                                 line=dict(color=series_color("kv_usage") if one else colors[run.label])))
         fig.add_trace(go.Scatter(x=b["time_s"], y=b["fragmentation"], mode="lines", name=f"{prefix}fragmentation",
-                                 line=dict(dash="dot", color=RUN_COLORS[1] if one else colors[run.label])))
+                                 line=dict(dash="dot", color=series_color("fragmentation") if one else colors[run.label])))
     fig.update_yaxes(range=[0, 1.02])
     return _legend_below(fig)
 
 
 def memory_map(run: RunRecord, bins: int = 200, rows: int = 120, zoom: bool = False) -> go.Figure:
-    b = bin_steps(run.steps, bins)
+    b = binned(run, bins)
     per_row = run.rows_per_block
     codes, edges = pool_map(b, run.num_blocks_total, run.block_size, rows, zoom, pages_per_block=per_row)
     n = len(POOL_STATES)
@@ -163,55 +198,125 @@ def metric_bars(table: pd.DataFrame, label: str, metrics: list[str], title: str,
     return _legend_below(fig)
 
 
-# ---- the time-series page: one figure of panels sharing the time axis (zoom one, all follow) -------
-def _panels(has_cost: bool) -> list[tuple[str, str, list[tuple[str, str]]]]:
-    """(title, y unit, [(column, series name)]) per panel."""
-    pct = lambda base, unit: [(f"{base}_p{q}", f"p{q}") for q in (50, 90, 99)]   # noqa: E731
+# ---- the time-series page: vLLM's Grafana panels on one shared time axis (zoom one, all follow) ----
+@dataclass(frozen=True)
+class Panel:
+    """One panel: its title (vLLM's Grafana panel name where vLLM has the panel, with the metric it
+    plots), the y unit, the series [(column, legend name)] and how they are drawn."""
+    title: str
+    unit: str
+    series: tuple[tuple[str, str], ...]
+    kind: str = "lines"          # lines | stack | heatmap (series: the heatmap's name only)
+    hover: str = ".3s"           # d3 format of the values in the hover label
+
+
+def _pct(column: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{column}_p{q}", f"P{q}") for q in (50, 90, 99))
+
+
+def latency_unit(ts: pd.DataFrame, column_ms: str) -> tuple[str, float]:
+    """('ms', 1) or ('s', 1e-3): seconds once the panel's p99 passes a second (no '60k ms' ticks)."""
+    top = np.nanmax(ts[f"{column_ms}_p99"].to_numpy(float)) if f"{column_ms}_p99" in ts else np.nan
+    return ("s", 1e-3) if np.isfinite(top) and top >= 1000 else ("ms", 1.0)
+
+
+def grafana_panels(ts: pd.DataFrame) -> list[Panel]:
+    """The Time series page's panels, in vLLM's Grafana dashboard's order where vLLM has them, then
+    kvsim's own (load, fragmentation, batch, the cost model's utilisation and time terms)."""
+    finishes = tuple((c, c.removeprefix("finish:")) for c in ts.columns if c.startswith("finish:"))
     panels = [
-        ("Load: arrivals and finishes", "requests / s", [("arrivals_per_s", "arrivals / s"),
-                                                          ("finished_per_s", "finished / s")]),
-        ("TTFT percentiles (by first-token time)", "ms", pct("ttft_ms", "ms")),
-        ("TPOT percentiles (by finish time)", "ms", pct("tpot_ms", "ms")),
-        ("E2E latency percentiles (by finish time)", "s", pct("e2e_s", "s")),
-        ("Queue time percentiles (by first schedule)", "s", pct("queue_s", "s")),
-        ("Scheduler state: running and waiting requests", "requests", [("num_running", "running"),
-                                                                       ("num_waiting", "waiting")]),
-        ("KV cache usage and internal fragmentation", "fraction", [("kv_usage", "KV usage"),
-                                                                   ("fragmentation", "fragmentation")]),
-        ("Prefix-cache hit rate (prompt tokens admitted)", "fraction", [("prefix_hit_rate", "hit rate")]),
-        ("Preemptions", "per second", [("preemptions_per_s", "preemptions / s")]),
-        ("Batch size (sequences per step)", "sequences", [("batch_size_per_step", "batch size")]),
-        ("Batched tokens per step", "tokens", [("batched_tokens", "tokens")]),
+        Panel("E2E Request Latency (vllm:e2e_request_latency_seconds)", "s", _pct("e2e_s")),
+        Panel("Token Throughput (vllm:prompt_tokens, generation_tokens)", "tokens / s",
+              (("prompt_tok_s", "Prompt Tokens/Sec"), ("generation_tok_s", "Generation Tokens/Sec"))),
+        Panel("Time Per Output Token Latency (vllm:time_per_output_token_seconds)", "ms", _pct("tpot_ms")),
+        Panel("Inter-Token Latency (vllm:inter_token_latency_seconds)", "ms", _pct("itl_ms")),
+        Panel("Scheduler State (vllm:num_requests_running, num_requests_waiting)", "requests",
+              (("num_running", "Num Running"), ("num_waiting", "Num Waiting")), hover=".1f"),
+        Panel("Time To First Token Latency (vllm:time_to_first_token_seconds)", "ms", _pct("ttft_ms")),
+        Panel("Cache Utilization (vllm:kv_cache_usage_perc)", "fraction",
+              (("kv_usage", "GPU Cache Usage"), ("fragmentation", "internal fragmentation")), hover=".1%"),
+        Panel("Prefix Cache Hit Rate (vllm:prefix_cache_hits / queries)", "fraction",
+              (("prefix_hit_rate", "hit rate"),), hover=".1%"),
+        Panel("Request Prompt Length (vllm:request_prompt_tokens)", "tokens", (("prompt_tokens", "requests"),),
+              kind="heatmap"),
+        Panel("Request Generation Length (vllm:request_generation_tokens)", "tokens",
+              (("output_tokens", "requests"),), kind="heatmap"),
+        Panel("Finish Reason (vllm:request_success)", "requests / s", finishes or (("finished_per_s", "finished"),)),
+        Panel("Queue Time (vllm:request_queue_time_seconds)", "s", _pct("queue_s")),
+        Panel("Requests Prefill and Decode Time (vllm:request_prefill_time_seconds, decode_time_seconds)", "s",
+              (("prefill_s_mean", "Prefill"), ("decode_s_mean", "Decode"))),
+        Panel("Preemptions (vllm:num_preemptions)", "per second", (("preemptions_per_s", "preemptions / s"),)),
+        Panel("Load: arrivals and finishes", "requests / s",
+              (("arrivals_per_s", "arrivals / s"), ("finished_per_s", "finished / s"))),
+        Panel("Batch size (sequences per step)", "sequences", (("batch_size_per_step", "batch size"),), hover=".1f"),
+        Panel("Batched tokens per step", "tokens", (("batched_tokens", "tokens per step"),), hover=".4s"),
     ]
-    if has_cost:
-        panels += [("Model FLOPs and memory-bandwidth utilisation (cost model)", "fraction of peak",
-                    [("mfu", "FLOPs utilisation (MFU)"), ("mbu", "bandwidth utilisation (MBU)")]),
-                   ("Step time by term (cost model)", "share of step time",
-                    [(f"share_{t}", name) for t, name in TIME_TERMS.items()])]
+    if "mfu" in ts:
+        panels += [Panel("Model FLOPs and memory-bandwidth utilisation (cost model)", "fraction of peak",
+                         (("mfu", "FLOPs utilisation (MFU)"), ("mbu", "bandwidth utilisation (MBU)")), hover=".1%"),
+                   Panel("Step time by term (cost model)", "share of step time",
+                         tuple((f"share_{t}", name) for t, name in TIME_TERMS.items()), kind="stack", hover=".1%")]
+    for i, p in enumerate(panels):      # latency panels in seconds once they pass a second
+        if p.unit == "ms":
+            unit, scale = latency_unit(ts, p.series[0][0].rsplit("_p", 1)[0])
+            if scale != 1.0:
+                panels[i] = Panel(p.title, unit, p.series, p.kind, p.hover)
     return panels
 
 
-def time_series_figure(ts: pd.DataFrame, title: str) -> go.Figure:
-    """The time-series panels of `data.time_series`, stacked on one shared time axis."""
-    panels = _panels("mfu" in ts)
-    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.35 / len(panels),
-                        subplot_titles=[f"{t} ({unit})" for t, unit, _ in panels])
-    for row, (panel, unit, series) in enumerate(panels, start=1):
-        stacked = panel.startswith("Step time by term")
-        for i, (col, name) in enumerate(series):
-            if col not in ts:
-                continue
-            fig.add_trace(go.Scatter(
-                x=ts["time_s"], y=ts[col], name=name, mode="lines", line_shape="hv", connectgaps=False,
-                legendgroup=f"panel{row}", legendgrouptitle_text=panel.split(" (")[0] if i == 0 else None,
-                stackgroup=f"s{row}" if stacked else None, line=dict(color=RUN_COLORS[i % len(RUN_COLORS)]),
-                hovertemplate=f"%{{y:.4g}} {unit}<extra>{name}</extra>"), row=row, col=1)
-        fig.update_yaxes(title_text=unit, row=row, col=1, rangemode="tozero")
-    fig.update_xaxes(title_text="simulated time (s)", row=len(panels), col=1)
-    fig.update_layout(title=dict(text=title, x=0, xanchor="left"), height=190 * len(panels) + 120,
-                      margin=dict(l=70, r=40, t=80, b=50), modebar=dict(orientation="v"), hovermode="x unified",
-                      legend=dict(groupclick="toggleitem", tracegroupgap=6))
+PANEL_COLUMNS = 2
+PANEL_HEIGHT_PX = 250
+
+
+def time_series_figure(ts: pd.DataFrame, title: str, heatmaps: dict | None = None) -> go.Figure:
+    """The panels of grafana_panels in a grid on one shared time axis, each with its legend at its top
+    right. `heatmaps`: column -> (counts [bucket x window], bucket labels) of the heatmap panels."""
+    panels = [p for p in grafana_panels(ts) if p.kind != "heatmap" or (heatmaps or {}).get(p.series[0][0])]
+    rows = math.ceil(len(panels) / PANEL_COLUMNS)
+    fig = make_subplots(rows=rows, cols=PANEL_COLUMNS, shared_xaxes="all", vertical_spacing=0.5 / rows,
+                        horizontal_spacing=0.07, subplot_titles=[p.title for p in panels])
+    height = PANEL_HEIGHT_PX * rows + 120
+    below = 22 / (height - 120)        # the legend's top: under the panel's tick labels (paper units)
+    layout = {}
+    for n, panel in enumerate(panels):
+        row, col = n // PANEL_COLUMNS + 1, n % PANEL_COLUMNS + 1
+        legend = "legend" if n == 0 else f"legend{n + 1}"
+        if panel.kind == "heatmap":
+            _heatmap_panel(fig, ts, panel, heatmaps[panel.series[0][0]], row, col)
+        else:
+            _line_panel(fig, ts, panel, legend, row, col)
+        fig.update_yaxes(title_text=panel.unit, row=row, col=col, rangemode="tozero", exponentformat="none",
+                         separatethousands=True, **({"range": [0, 1.05]} if panel.unit == "fraction" else {}))
+        axis = fig.get_subplot(row, col)
+        layout[legend] = dict(x=axis.xaxis.domain[0], y=axis.yaxis.domain[0] - below, xanchor="left", yanchor="top",
+                              orientation="h", font=dict(size=10), bgcolor="rgba(0,0,0,0)")
+    fig.update_xaxes(hoverformat=".1f", ticksuffix=" s", showticklabels=True)
+    fig.update_layout(title=dict(text=title, x=0, xanchor="left"), height=height,
+                      margin=dict(l=70, r=30, t=80, b=40), modebar=dict(orientation="v"), hovermode="x",
+                      **layout)
+    fig.update_annotations(font_size=12)
     return fig
+
+
+def _line_panel(fig: go.Figure, ts: pd.DataFrame, panel: Panel, legend: str, row: int, col: int) -> None:
+    scale = 1e-3 if panel.unit == "s" and panel.series[0][0].endswith(("ms_p50", "ms_p90", "ms_p99")) else 1.0
+    for i, (column, name) in enumerate(panel.series):
+        if column not in ts:
+            continue
+        fig.add_trace(go.Scatter(
+            x=ts["time_s"], y=ts[column] * scale, name=name, mode="lines", line_shape="hv", connectgaps=False,
+            legend=legend, stackgroup=f"s{row}-{col}" if panel.kind == "stack" else None,
+            line=dict(color=series_color(column, i)),
+            hovertemplate=f"t=%{{x:.1f}} s: %{{y:{panel.hover}}} {'' if panel.hover.endswith('%') else panel.unit}"
+                          f"<extra>{name}</extra>"), row=row, col=col)
+
+
+def _heatmap_panel(fig: go.Figure, ts: pd.DataFrame, panel: Panel, heatmap, row: int, col: int) -> None:
+    counts, labels = heatmap
+    fig.add_trace(go.Heatmap(x=ts["time_s"], y=labels, z=np.where(counts > 0, counts, np.nan), showscale=False,
+                             colorscale="YlOrRd", name=panel.series[0][1], showlegend=False,
+                             hovertemplate="t=%{x:.1f} s, length %{y}: %{z:,.0f} requests finished<extra></extra>"),
+                  row=row, col=col)
 
 
 COLUMN_TITLES = {   # table columns as axis titles
@@ -245,6 +350,34 @@ def xy_lines(df: pd.DataFrame, x: str, y: str, group: str | None, title: str, hi
         front = df[highlight].sort_values(x)
         fig.add_trace(go.Scatter(x=front[x], y=front[y], mode="lines+markers", name="Pareto front",
                                  line=dict(color="black", dash="dash"), marker=dict(size=11, symbol="circle-open")))
+    return _legend_below(fig)
+
+
+PASS_COLOR, FAIL_COLOR = "#2ca02c", "#d62728"
+
+
+def slo_vs_load(df: pd.DataFrame, x: str, y: str, ok: pd.Series, group: str | None, title: str,
+                limit: float | None = None, scale: float = 1.0, unit: str = "") -> go.Figure:
+    """`y` against the load, each simulated point marked as meeting the SLO (green circle) or not (red
+    cross), with the SLO's limit on `y` as a dashed line when the SLO has one."""
+    fig = _fig(title, column_title(x), f"{column_title(y).split(' (')[0]} ({unit})" if unit else column_title(y))
+    parts = df.groupby(group, sort=True) if group else [(None, df)]
+    for key, part in parts:
+        part = part.sort_values(x)
+        name = str(key[0] if isinstance(key, tuple) else key) if group else column_title(y).split(" (")[0]
+        good = ok.loc[part.index].to_numpy(bool)
+        fig.add_trace(go.Scatter(
+            x=part[x], y=part[y] * scale, mode="lines+markers", name=name, line=dict(color="#7f7f7f"),
+            marker=dict(size=10, symbol=np.where(good, "circle", "x"), color=np.where(good, PASS_COLOR, FAIL_COLOR)),
+            customdata=np.where(good, "meets the SLO", "fails the SLO"),
+            hovertemplate=f"%{{x:.4g}}: %{{y:.4g}} {unit} (%{{customdata}})<extra>{name}</extra>"))
+    for label, color, symbol in (("meets the SLO", PASS_COLOR, "circle"), ("fails the SLO", FAIL_COLOR, "x")):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label,
+                                 marker=dict(size=10, symbol=symbol, color=color)))
+    if limit is not None:
+        fig.add_hline(y=limit * scale, line=dict(color=FAIL_COLOR, dash="dash"),
+                      annotation_text=f"SLO {limit * scale:.4g} {unit}", annotation_position="top left")
+    fig.update_yaxes(rangemode="tozero")
     return _legend_below(fig)
 
 

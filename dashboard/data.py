@@ -38,6 +38,9 @@ def data_root() -> Path:
     return Path(os.environ.get(DATA_ROOT_ENV) or "runs").expanduser().resolve()
 
 
+MAX_NAME_BYTES = 255        # one file or folder name (NAME_MAX of Linux file systems)
+
+
 def resolve_user_path(text: str) -> Path:
     """A path typed into the page: relative paths are taken from the data root; anything resolving
     outside it (absolute paths elsewhere, `..`, symbolic links out) is refused."""
@@ -45,6 +48,9 @@ def resolve_user_path(text: str) -> Path:
     if "\x00" in text or len(text) > 1024:
         raise DataError("the path holds a NUL character or is longer than 1024 characters; expected a path under "
                         f"the data directory {root}")
+    if any(len(part.encode()) > MAX_NAME_BYTES for part in Path(text.strip()).parts):
+        raise DataError(f"a name in the path is longer than {MAX_NAME_BYTES} bytes (the file system's limit); "
+                        f"expected a path under the data directory {root}")
     path = (root / Path(text.strip()).expanduser()).resolve()
     if path != root and root not in path.parents:
         raise DataError(f"{text.strip()}: outside the dashboard's data directory {root}; the dashboard reads "
@@ -82,6 +88,14 @@ class RunRecord:
     steps: pd.DataFrame
     config: dict = field(default_factory=dict)
     path: Path | None = None           # its run directory (every dashboard run has one)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def memo(self, key, compute):
+        """compute() once per run and key: a run is read once (ui caches the record) and shown on many
+        page runs, and its derived tables (binned steps, token timestamps) cost more than drawing them."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     @property
     def num_blocks_total(self) -> int:
@@ -227,19 +241,43 @@ def new_run_dir(root: Path, label: str, taken: set[str]) -> tuple[Path, str]:
 
 
 def write_label(d: Path, label: str) -> None:
-    (d / LABEL_FILE).write_text(json.dumps({"label": label}) + "\n")
+    from kvsim.sim.io.safe_io import atomic_output
+
+    with atomic_output(d / LABEL_FILE) as tmp:
+        tmp.write_text(json.dumps({"label": label}) + "\n")
 
 
 def run_zip(d: Path) -> bytes:
-    """The run directory as a zip (its files under the directory's name)."""
+    """The run directory as a zip (its files under the directory's name): regular files only, never
+    a symbolic link (a link in a run directory to /etc/shadow must not ship that file) nor a pipe or
+    device, and only what lies inside the directory."""
     import io
     import zipfile
 
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
-        for f in sorted(p for p in d.rglob("*") if p.is_file()):
+        for f in _regular_files_inside(d):
             z.write(f, f"{d.name}/{f.relative_to(d)}")
     return out.getvalue()
+
+
+def _regular_files_inside(d: Path) -> list[Path]:
+    """The regular files under `d`, walking no symbolic link (to a file or a folder), each resolving
+    inside `d`."""
+    import stat
+
+    root, found = d.resolve(), []
+    for folder, dirs, files in os.walk(d, followlinks=False):
+        dirs[:] = [x for x in dirs if not os.path.islink(os.path.join(folder, x))]
+        for name in files:
+            path = Path(folder) / name
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if stat.S_ISREG(mode) and root in path.resolve().parents:
+                found.append(path)
+    return sorted(found)
 
 
 def cli_command(d: Path, root: Path, summary: dict | None = None) -> str:
@@ -735,6 +773,7 @@ def time_series(run: RunRecord, num_bins: int = 120, cost=None) -> pd.DataFrame:
     the steps started in a window over their duration); `share_<term>`: each term's share of it."""
     edges = time_edges(run, num_bins)
     out = request_series(run.requests, edges)
+    out = pd.concat([out, grafana_series(run, edges)], axis=1)
     if not len(run.steps):
         return out
     b = bin_steps(run.steps, num_bins, span=(float(edges[0]), float(edges[-1])))
@@ -759,3 +798,195 @@ def time_series(run: RunRecord, num_bins: int = 120, cost=None) -> pd.DataFrame:
         for term in TIME_TERMS:
             out[f"share_{term}"] = share(f"t_{term}")
     return out
+
+
+# ---- the panels of vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana) -------------
+# vLLM's histogram buckets for request lengths (vllm:request_prompt_tokens / request_generation_tokens:
+# 1-2-5 steps up to the model length), as the heatmaps bucket them
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000,
+                  200_000, 500_000, 1_000_000)
+
+
+def token_arrays(requests: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(time of every output token, gap since the request's previous token or NaN for its first),
+    all requests concatenated: what vLLM's generation-token counter and inter-token-latency
+    histogram observe."""
+    lists = [np.asarray(t, dtype=float) for t in requests["token_times_s"] if t is not None and len(t)]
+    if not lists:
+        return np.zeros(0), np.zeros(0)
+    times = np.concatenate(lists)
+    gaps = np.diff(times, prepend=np.nan)
+    starts = np.cumsum([0] + [len(t) for t in lists[:-1]])
+    gaps[starts] = np.nan
+    return times, gaps
+
+
+def _quantiles_by_window(w: np.ndarray, v: np.ndarray, n: int, scale: float) -> dict[str, np.ndarray]:
+    """p50/p90/p99 (linear interpolation, as numpy's default) of `v` per window index `w`; NaN where none.
+    One sort of all values instead of a groupby: the inter-token gaps of a large run are millions."""
+    out = {f"p{q}": np.full(n, np.nan) for q in WINDOW_PERCENTILES}
+    if not len(v):
+        return out
+    order = np.lexsort((v, w))
+    w, v = w[order], v[order] * scale
+    counts = np.bincount(w, minlength=n)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    has = counts > 0
+    for q in WINDOW_PERCENTILES:
+        pos = (counts[has] - 1) * (q / 100)
+        lo = np.floor(pos).astype(int)
+        hi = np.minimum(lo + 1, counts[has] - 1)
+        frac = pos - lo
+        base = first[has]
+        out[f"p{q}"][has] = v[base + lo] * (1 - frac) + v[base + hi] * frac
+    return out
+
+
+def finish_category(requests: pd.DataFrame) -> pd.Series:
+    """Why each request ended, in a few words: `finished` (it produced its output length: vLLM's
+    finish reason `length`, as a benchmark with ignore_eos and max_tokens reports it), `rejected:` and
+    why it can never fit (the scheduler's reject_reason, without its numbers), or `unfinished` (a
+    partial run)."""
+    status = requests["status"].astype(str)
+    reason = requests["reject_reason"].astype(str) if "reject_reason" in requests else pd.Series("", index=requests.index)
+    why = np.select([reason.str.contains("max_model_len"), reason.str.contains("KV pool"),
+                     reason.str.contains("max_num_batched_tokens")],
+                    ["rejected: prompt over max_model_len", "rejected: larger than the KV pool",
+                     "rejected: over max_num_batched_tokens"], default="rejected")
+    return pd.Series(np.where(status == "finished", "finished (length)",
+                              np.where(status == "rejected", why, status)), index=requests.index)
+
+
+def grafana_series(run: RunRecord, edges: np.ndarray) -> pd.DataFrame:
+    """Per window, the vLLM Grafana panels request_series does not cover: token throughput (prompt
+    tokens computed per second from the step log, generation tokens from the token timestamps),
+    inter-token latency percentiles (each gap observed when its token came), the mean prefill and
+    decode time of the requests finished in the window (vLLM's request_prefill_time / decode_time:
+    first schedule to first token, first token to finish), finishes per second by reason."""
+    n = len(edges) - 1
+    width = np.diff(edges)
+    out = pd.DataFrame(index=range(n))
+    times, gaps = run.memo("token_arrays", lambda: token_arrays(run.requests))
+    out["generation_tok_s"] = np.bincount(_window_of(times, edges), minlength=n)[:n] / width if len(times) else 0.0
+    if len(run.steps):
+        w = _window_of(run.steps["time_s"].to_numpy(float), edges)
+        out["prompt_tok_s"] = np.bincount(w, weights=run.steps["prefill_tokens"].to_numpy(float), minlength=n) / width
+    ok = ~np.isnan(gaps)
+    for name, values in _quantiles_by_window(_window_of(times[ok], edges), gaps[ok], n, 1e3).items():
+        out[f"itl_ms_{name}"] = values
+    done = run.requests[run.requests["status"] == "finished"]
+    w = _window_of(done["finish_s"].to_numpy(float), edges)
+    count = np.bincount(w, minlength=n).astype(float)
+    for name, start, end in (("prefill_s", "first_scheduled_s", "first_token_s"), ("decode_s", "first_token_s", "finish_s")):
+        spent = (done[end] - done[start]).to_numpy(float)
+        out[f"{name}_mean"] = np.where(count > 0, np.bincount(w, weights=np.nan_to_num(spent), minlength=n)
+                                       / np.where(count > 0, count, 1), np.nan)
+    ended = run.requests[run.requests["status"].isin(["finished", "rejected"])]
+    category = finish_category(ended)
+    at = ended["finish_s"].fillna(ended["arrival_s"]).to_numpy(float)    # a rejection happens on arrival
+    for name in sorted(category.unique()):
+        mask = (category == name).to_numpy()
+        out[f"finish:{name}"] = np.bincount(_window_of(at[mask], edges), minlength=n) / width
+    return out
+
+
+def length_heatmap(requests: pd.DataFrame, column: str, edges: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """(buckets x windows) counts of finished requests by `column` (prompt_tokens, output_tokens) in
+    vLLM's length buckets, each request counted in the window it finished (when vLLM observes it);
+    the buckets' labels ('<= 100'). Buckets that hold no request length between the shortest and the
+    longest are left out."""
+    done = requests[requests["status"] == "finished"]
+    values = done[column].to_numpy(float)
+    low, top = (float(values.min()), float(values.max())) if len(values) else (1.0, 1.0)
+    bounds = [b for b in LENGTH_BUCKETS if b < top] + [next((b for b in LENGTH_BUCKETS if b >= top), top)]
+    bounds = bounds[int(np.searchsorted(bounds, low, side="left")):]       # from the shortest request's bucket
+    b = np.searchsorted(np.asarray(bounds, dtype=float), values, side="left")
+    w = _window_of(done["finish_s"].to_numpy(float), edges)
+    n = len(edges) - 1
+    counts = np.zeros((len(bounds), n))
+    np.add.at(counts, (b, w), 1)
+    return counts, [f"<= {x:,}" for x in bounds]
+
+
+# ---- what decided a capacity search's answer ---------------------------------------------------
+def capacity_bracket(result) -> tuple[float | None, float | None]:
+    """(the highest load meeting the SLO, the lowest load above it that fails) of a rate search, or
+    (the fewest replicas meeting it, the most that fail) of a replica search: the answer's range."""
+    curve = result.curve
+    if curve is None or not len(curve):
+        return None, None
+    passing = curve.loc[curve["meets_slo"].astype(bool), "searched_value"]
+    failing = curve.loc[~curve["meets_slo"].astype(bool), "searched_value"]
+    if result.mode == "rate":
+        lo = float(passing.max()) if len(passing) else None
+        above = failing[failing > lo] if lo is not None else failing
+        return lo, float(above.min()) if len(above) else None
+    hi = float(passing.min()) if len(passing) else None
+    below = failing[failing < hi] if hi is not None else failing
+    return hi, float(below.max()) if len(below) else None
+
+
+def capacity_stop_reason(result, search) -> str:
+    """Why a capacity search (sim.capacity.find_capacity with `search`, a CapacitySearch) stopped where
+    it did: the bracket closed within its tolerance, the simulation limit, or a load limit."""
+    n = 0 if result.curve is None else len(result.curve)
+    answer, other = capacity_bracket(result)
+    if result.mode == "replicas":
+        if answer is None:
+            return f"no replica count up to {search.max_replicas} meets the SLO ({n} simulations)"
+        if other is None:
+            return f"{answer:g} replica(s) meet the SLO and no fewer were tried below ({n} simulations)"
+        return f"{answer:g} replicas meet the SLO and {other:g} fail: the answer is exact ({n} simulations)"
+    if answer is None:
+        limit = "the simulation limit" if n >= search.max_evals else f"the smallest rate scale tried ({search.min_scale:g})"
+        return f"no load meets the SLO down to {limit} ({n} simulations)"
+    if other is None:
+        why = f"the simulation limit ({search.max_evals})" if n >= search.max_evals else \
+            f"the largest rate scale allowed ({search.max_scale:g})"
+        return f"every load tried meets the SLO up to {why}: the answer is a lower bound ({n} simulations)"
+    if other - answer <= search.rel_tol * answer:
+        return (f"the bracket [{answer:g}, {other:g}] closed within the search's tolerance "
+                f"({search.rel_tol:.0%} of the answer) after {n} simulations")
+    if n >= search.max_evals:
+        return f"the simulation limit ({search.max_evals}) was reached with the bracket [{answer:g}, {other:g}] still open"
+    return f"the bracket [{answer:g}, {other:g}] cannot be split further at 6 significant digits ({n} simulations)"
+
+
+# ---- comparing runs ------------------------------------------------------------------------------
+def deltas_against(table: pd.DataFrame, baseline: str, label: str = "run") -> pd.DataFrame:
+    """Each run's figures relative to the `baseline` run's, in percent ((run - baseline) / |baseline|;
+    NaN where the baseline's figure is 0 or missing); the baseline's own row is left out."""
+    numeric = [c for c in table.columns if c != label and pd.api.types.is_numeric_dtype(table[c])]
+    base = table.loc[table[label] == baseline, numeric].iloc[0].astype(float)
+    others = table[table[label] != baseline]
+    rel = (others[numeric].astype(float) - base) / base.abs().where(base != 0)
+    return pd.concat([others[[label]], 100 * rel], axis=1).reset_index(drop=True)
+
+
+def flat_metric_notes(runs: list[RunRecord]) -> list[str]:
+    """Why a compared figure that is the same in every run is flat, where the runs themselves say so: a
+    trace without shared prefixes (no prefix hit anywhere), prefix caching off, no preemption (the pool
+    never ran out), nothing evicted (the budget never reached), no rejection."""
+    if len(runs) < 2:
+        return []
+    s = [r.summary for r in runs]
+    flat = lambda key: all((x.get(key) or 0) == 0 for x in s)   # noqa: E731
+    notes = []
+    if flat("prefix_hit_rate"):
+        caching = [bool(used_config(r).get("engine.enable_prefix_caching", True)) for r in runs]
+        cached = any(int(r.requests["cached_tokens"].sum()) > 0 for r in runs if "cached_tokens" in r.requests)
+        if not any(caching):
+            notes.append("Prefix hit rate is 0 in every run: prefix caching is off in all of them.")
+        elif not cached:
+            notes.append("Prefix hit rate is 0 in every run: no request's prompt shares a full block with an earlier "
+                         "one in this trace, so prefix caching has nothing to hit (a trace with shared system prompts "
+                         "or conversation turns would show a difference).")
+    if flat("preemptions"):
+        notes.append("Preemptions are 0 in every run: no run ran out of KV blocks, so the pool size and preemption "
+                     "settings change nothing here.")
+    if any(x.get("evicted_tokens") is not None for x in s) and flat("evicted_tokens"):
+        notes.append("Evicted tokens are 0 in every run: no request reached the policy's budget, so the runs differ "
+                     "only in the policy's bookkeeping (raise the load or lower kv.budget).")
+    if flat("num_rejected") is False and len({x.get("num_rejected") for x in s}) == 1:
+        notes.append(f"Every run rejected the same {s[0].get('num_rejected'):,} requests (they can never fit).")
+    return notes

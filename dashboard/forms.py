@@ -44,7 +44,7 @@ FIELD_LABELS = {
     "engine.max_num_seqs": "max_num_seqs", "engine.max_num_batched_tokens": "max_num_batched_tokens",
     "engine.enable_prefix_caching": "Prefix caching", "engine.preemption_mode": "Preemption",
     "slo.ttft": "TTFT SLO", "slo.tpot": "TPOT SLO", "tp": "Tensor parallel", "replicas": "Replicas",
-    "--slo": "SLO", "--max-evals": "Max simulations per GPU", "--store": "Store directory",
+    "--max-num-batched-tokens": "max_num_batched_tokens", "--max-num-seqs": "max_num_seqs", "--slo": "SLO", "--max-evals": "Max simulations per GPU", "--store": "Store directory",
 }
 
 
@@ -60,13 +60,16 @@ def gui_message(message: str) -> str:
 
 
 def number_field(container, label: str, key: str, value, *, low=None, high=None, integer: bool = True,
-                 problems: list | None = None, placeholder: str | None = None, help: str | None = None, **_):
+                 problems: list | None = None, placeholder: str | None = None, help: str | None = None,
+                 low_reason: str | None = None, **_):
     """A number typed as text and parsed by the page (scientific notation and decimals read as such,
     anything else refused with the reason under the field, added to `problems`); returns the number,
     or None when the field is empty and `placeholder` says what empty means."""
     text = container.text_input(label, value=format_number(value), key=key, placeholder=placeholder, help=help)
     number, problem = parse_number(text, integer=integer, optional=placeholder is not None)
     problem = problem or number_problem(number, low, high, optional=placeholder is not None)
+    if problem and low_reason and number is not None and low is not None and number < low:
+        problem = f"{problem} ({low_reason})"
     if problem:
         container.error(f"{label}: {problem}")
         if problems is not None:
@@ -219,9 +222,12 @@ def _field_widget(key: str, name: str, f, prefix: str):
         return st.selectbox(name, choices, index=choices.index(default), key=wkey, help=help_text,
                             format_func=lambda v: "(none)" if v is None else str(v))
     if inner is bool and optional:          # null = the engine's default for this GPU / policy
-        options = [None, True, False]
-        return st.selectbox(name, options, index=options.index(f.default), key=wkey, help=help_text,
-                            format_func=lambda v: {None: "default", True: "on", False: "off"}[v])
+        # named options, not None/True/False: a selectbox whose state is None shows no choice at all
+        # ("Choose an option") once the form is restored on another page
+        names = {"default": None, "on": True, "off": False}
+        default = next(k for k, v in names.items() if v is f.default)
+        choice = st.selectbox(name, list(names), index=list(names).index(default), key=wkey, help=help_text)
+        return names.get(choice)
     if inner is bool:
         return st.checkbox(name, value=bool(f.default), key=wkey, help=help_text)
     if inner in (int, float):
@@ -288,7 +294,10 @@ def _save_upload(upload) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path = root / upload_name(upload.name)
     if not path.exists():
-        path.write_bytes(data)
+        from kvsim.sim.io.safe_io import atomic_output
+
+        with atomic_output(path) as tmp:
+            tmp.write_bytes(data)
     return path
 
 
@@ -376,8 +385,15 @@ def config_form(prefix: str, max_requests: int = DEFAULT_MAX_REQUESTS) -> tuple[
         cfg = load_config(None, confine_overrides(overrides))
     except (ConfigError, DataError) as exc:
         return None, gui_message(str(exc))
-    problem = policy_problem(cfg) or pool_problem(cfg)
-    return (None, problem) if problem else (cfg, None)
+    problem = engine_problem(cfg) or policy_problem(cfg) or pool_problem(cfg) or length_problem(cfg)
+    if problem:
+        return None, problem
+    rejected, total, _ = rejected_by_length(cfg)
+    if rejected:
+        st.warning(f"max_model_len: {rejected:,} of the {total:,} requests have prompts that leave no room for output "
+                   f"within {cfg.engine.max_model_len:,} tokens; the engine will reject them (rejected requests are "
+                   "in no latency figure)")
+    return cfg, None
 
 
 # ---- the policy's own parameters (kv.params) ---------------------------------------------------
@@ -436,10 +452,10 @@ def _param_help(spec) -> str:
 def policy_problem(cfg: SimConfig) -> str | None:
     """The command line's check of the KV policy before a run: its parameters (the policy is built)
     and options it would ignore, with the CLI's message; text read from a parameter's file is not shown."""
-    from kvsim.sim.kv.build import build_policy, refuse_ignored_kv_options
+    from kvsim.sim.cli.simulate import refuse_ineffective_kv
 
     try:
-        refuse_ignored_kv_options(cfg.kv, build_policy(cfg.kv))
+        refuse_ineffective_kv(cfg.kv)           # the command line's check, with its messages
     except (ConfigError, ValueError) as exc:
         return redact_file_text(str(exc), policy_files(cfg))
     return None
@@ -514,15 +530,17 @@ def _engine_fields(prefix: str, overrides: dict, problems: list) -> None:
     overrides["engine.block_size"] = a.selectbox("Block size (tokens)", BLOCK_SIZES,
                                                  index=BLOCK_SIZES.index(e.block_size), key=f"{prefix}block_size")
     overrides["engine.num_gpu_blocks"] = number_field(
-        b, "KV pool (blocks)", f"{prefix}num_gpu_blocks", None, low=1, high=MAX_POOL_PAGES, problems=problems,
+        b, "KV pool (blocks)", f"{prefix}num_gpu_blocks", None, low=2, high=MAX_POOL_PAGES, problems=problems,
+        low_reason="one block is vLLM's reserved null block",
         placeholder="from GPU memory",
         help=f"empty: sized from GPU memory, weights and activations like vLLM. At most {MAX_POOL_PAGES:,} pool "
              "pages: blocks, or blocks x layers x KV heads with the per_head layout")
+    # full width: in half the sidebar these one-word labels break mid-word ("max_num_se qs")
     overrides["engine.max_num_seqs"] = number_field(
-        a, "max_num_seqs", f"{prefix}max_num_seqs", e.max_num_seqs, low=1, high=65_536, problems=problems,
+        st, "max_num_seqs", f"{prefix}max_num_seqs", e.max_num_seqs, low=1, high=65_536, problems=problems,
         placeholder="vLLM default", help="empty: vLLM's default for the GPU and entry point")
     overrides["engine.max_num_batched_tokens"] = number_field(
-        b, "max_num_batched_tokens", f"{prefix}max_batched", e.max_num_batched_tokens, low=1, high=1_048_576,
+        st, "max_num_batched_tokens", f"{prefix}max_batched", e.max_num_batched_tokens, low=1, high=1_048_576,
         problems=problems, placeholder="vLLM default", help="empty: vLLM's default for the GPU and entry point")
     overrides["engine.enable_prefix_caching"] = _field_widget(
         "engine.enable_prefix_caching", "Prefix caching", type(e).model_fields["enable_prefix_caching"], prefix)
@@ -537,9 +555,14 @@ def _engine_fields(prefix: str, overrides: dict, problems: list) -> None:
 def _other_fields(prefix: str, overrides: dict, problems: list) -> None:
     defaults = SimConfig()
     a, b = st.columns(2)
-    overrides["slo.ttft"] = a.text_input("TTFT SLO", value=defaults.slo.ttft or "", key=f"{prefix}slo_ttft") or None
-    overrides["slo.tpot"] = b.text_input("TPOT SLO", value=defaults.slo.tpot or "", key=f"{prefix}slo_tpot") or None
-    overrides["seed"] = number_field(a, "Seed", f"{prefix}seed", 0, low=0, problems=problems)
+    for col, name, key in ((a, "TTFT SLO", "ttft"), (b, "TPOT SLO", "tpot")):
+        text = col.text_input(name, value=getattr(defaults.slo, key) or "", key=f"{prefix}slo_{key}").strip()
+        problem = duration_problem(text)
+        if problem:
+            col.error(f"{name}: {problem}")
+            problems.append(name)
+        overrides[f"slo.{key}"] = text or None
+    overrides["seed"] = number_field(a, "Seed", f"{prefix}seed", 0, low=0, high=MAX_SEED, problems=problems)
     top = {n: f for n, f in SimConfig.model_fields.items() if n not in _HANDLED and not _is_model(f.annotation)}
     for name, f in top.items():
         try:
@@ -549,6 +572,25 @@ def _other_fields(prefix: str, overrides: dict, problems: list) -> None:
             continue
         if value is not None:
             overrides[name] = value
+
+
+MAX_SEED = 2**63 - 1           # the config's bound (a 64-bit signed integer)
+
+
+def duration_problem(text: str) -> str | None:
+    """Why an SLO duration the config would refuse is wrong, in words a user can act on (a negative
+    or zero limit is not 'a duration without a unit'); None when it parses or is empty."""
+    from kvsim.sim.config import parse_duration
+
+    if not text:
+        return None
+    try:
+        value = parse_duration(text, "SLO")
+    except (ConfigError, ValueError):
+        if text.lstrip().startswith("-"):
+            return f"{text} is negative; expected a positive duration such as 2s, 200ms or 500us"
+        return f"{text} is not a duration with a unit; expected e.g. 2s, 200ms or 500us (a bare number is ambiguous)"
+    return None if value > 0 else f"{text} is zero; expected a positive duration such as 2s or 200ms"
 
 
 def pool_rows(overrides: dict) -> int:
@@ -595,6 +637,59 @@ def _check_cross_fields(overrides: dict, problems: list) -> None:
                  f"{model.num_kv_heads} KV heads evenly across GPUs; use one of {', '.join(map(str, fits))}")
         problems.append("Tensor parallel")
         return
+
+
+def engine_problem(cfg: SimConfig) -> str | None:
+    """The engine limits as the simulator resolves them for this GPU (vLLM's defaults filled in), with
+    the simulator's message when they contradict each other (max_num_batched_tokens below max_num_seqs)."""
+    from kvsim.sim.model.defaults import resolve_engine
+
+    try:
+        resolve_engine(cfg)
+    except ConfigError as exc:
+        return gui_message(str(exc))
+    except (ValueError, KeyError):   # an unknown model or GPU: the config check names it
+        return None
+    return None
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _prompt_lengths(trace: str, mtime: float, max_requests: int | None) -> np.ndarray:
+    from kvsim.traces import load_trace
+
+    df = load_trace(trace).df
+    return df["prompt_tokens"].to_numpy()[:max_requests] if max_requests else df["prompt_tokens"].to_numpy()
+
+
+def length_problem(cfg: SimConfig) -> str | None:
+    """A max_model_len that leaves no room for any request's output: the scheduler would reject every
+    request of the workload (prompt + 1 token above max_model_len, as sim/core/scheduler.py decides).
+    Some rejected: allowed (a user may mean it), and said under the form (length_note)."""
+    rejected, total, shortest = rejected_by_length(cfg)
+    if total and rejected == total:
+        return (f"max_model_len: {cfg.engine.max_model_len:,} leaves no room for output in any of the {total:,} "
+                f"requests (the shortest prompt is {shortest:,} tokens): the engine would reject every one; "
+                f"raise it above {shortest:,} or leave it empty (the model's length)")
+    return None
+
+
+def rejected_by_length(cfg: SimConfig) -> tuple[int, int, int]:
+    """(requests whose prompt leaves no room for output within engine.max_model_len, requests, the
+    shortest prompt) of the workload's first max_requests; (0, 0, 0) without a max_model_len or when
+    the trace cannot be read here (the run reports it)."""
+    limit = cfg.engine.max_model_len
+    if limit is None:
+        return 0, 0, 0
+    from kvsim.traces.loaders import resolve_trace_path
+
+    try:
+        path, _ = resolve_trace_path(cfg.trace)
+        prompts = _prompt_lengths(cfg.trace, path.stat().st_mtime, cfg.trace_options.max_requests)
+    except Exception:  # noqa: BLE001 - any loader error is the run's to report, with its message
+        return 0, 0, 0
+    if not len(prompts):
+        return 0, 0, 0
+    return int((prompts + 1 > limit).sum()), len(prompts), int(prompts.min())
 
 
 def pool_problem(cfg: SimConfig) -> str | None:
@@ -660,11 +755,36 @@ def label_for(cfg: SimConfig) -> str:
     return f"{head}: {rest}"[:120] if rest else head
 
 
+def for_policy(data: dict, policy: str) -> dict:
+    """The config `data` (model_dump) with its KV options made to fit `policy` when a comparison
+    varies kv.policy: the base's budget and parameters belong to the base's policy, so a policy that
+    takes no budget (`none`, the baseline) runs without it, a parameter the policy does not declare is
+    dropped, and the baseline keeps no slot strategy or fast mode (nothing is evicted)."""
+    from kvsim.sim.config import KVConfig
+    from kvsim.sim.kv.policy import PolicyError, policy_parameter_specs
+
+    try:
+        accepted = {p.name for p in policy_parameter_specs(policy)} if policy != "none" else set()
+    except PolicyError:          # an unknown policy: the config check names it
+        return data
+    kv = dict(data.get("kv") or {})
+    if "budget" not in accepted:
+        kv["budget"] = None
+    kv["params"] = {k: v for k, v in (kv.get("params") or {}).items() if k in accepted}
+    if policy == "none":
+        for name in ("slot_strategy", "mode"):
+            kv[name] = KVConfig.model_fields[name].default
+    return {**data, "kv": kv}
+
+
 def with_value(cfg: SimConfig, key: str, value) -> SimConfig:
-    """A copy of `cfg` with one dotted key changed, validated; ConfigError names key=value."""
+    """A copy of `cfg` with one dotted key changed, validated; ConfigError names key=value. Varying
+    kv.policy fits the base's KV options to each policy (for_policy)."""
     from .guard import policy_file_keys
 
     data = cfg.model_dump(mode="json")
+    if key == "kv.policy":
+        data = for_policy(data, str(value))
     try:
         changed = load_config(None, {**data, key: confine_value(key, value,
                                                                always_path=key in policy_file_keys(cfg.kv.policy))})

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvsim.sim.config import ConfigError, SimConfig
 
-from .data import DataError, redact_content, redact_file_text, resolve_user_path
+from .data import MAX_NAME_BYTES, DataError, redact_content, redact_file_text, resolve_user_path
 
 PATH_KEYS = ("trace", "model", "gpu", "profile", "kv.importance", "kv.params.path")
 MAX_POOL_PAGES = 4_000_000          # the form's KV pool bound (pages of per-head layouts count each)
@@ -41,6 +41,9 @@ def confine_value(key: str, value: Any, *, always_path: bool = False) -> Any:
     """`value` of path field `key` as the server may read it: a name unchanged, a path resolved under
     the data root (DataError naming the field when it leads outside). `always_path`: the field takes
     no names (a policy's file parameter), so a plain word is a path too."""
+    if isinstance(value, (str, Path)) and any(len(part.encode()) > MAX_NAME_BYTES for part in Path(str(value)).parts):
+        raise DataError(f"{key}: a name in it is longer than {MAX_NAME_BYTES} bytes (the file system's limit); "
+                        "expected a shipped name or a path under the data directory")
     if not isinstance(value, (str, Path)) or (not always_path and _is_name(str(value))):
         return value
     text = str(value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ class Job:
     out_root: Path | None = None
     taken: set[str] = field(default_factory=set)
     config: SimConfig | None = None    # what a task simulates (its errors are shown as guard.shown_error does)
+    arrivals_end_s: float | None = None   # simulated time of the current run's last arrival
+    _samples: list = field(default_factory=list)   # (wall s, tokens done, simulated s) of the current run
     _thread: threading.Thread | None = None
 
     def start(self) -> Job:
@@ -69,6 +72,9 @@ class Job:
     def on_progress(self, progress: SimProgress) -> None:
         """run_simulation's per-step callback."""
         self.progress = progress
+        now = time.perf_counter()
+        if not self._samples or now - self._samples[-1][0] >= self.SAMPLE_EVERY_S:
+            self._samples.append((now, progress.tokens_done, progress.sim_time_s))
         self.check_cancel()
 
     def _work(self) -> None:
@@ -104,9 +110,11 @@ class Job:
             check_run(cfg)                  # also for a job built without the page's start_job
             self.progress = None
             if self.out_root is None:
+                self._start_run(cfg)
                 result = run_simulation(cfg, None, progress=self.on_progress)
                 self.records.append(record_from_result(result, cfg, label))
                 continue
+            self._start_run(cfg)
             out, label = new_run_dir(self.out_root, label, self.taken)
             self.taken.add(label)
             result = run_simulation(cfg, out, progress=self.on_progress)
@@ -137,12 +145,49 @@ class Job:
     ETA_AFTER_S = 3.0
     ETA_AFTER_FRACTION = 0.05
 
+    SAMPLE_EVERY_S = 0.25
+    RECENT_SHARE = 0.3                 # the rates are measured over the last 30% of the run's wall time
+
+    def _start_run(self, cfg: SimConfig) -> None:
+        """Forget the previous run's rates; note when the new run's last request arrives (simulated)."""
+        self._samples = []
+        self.arrivals_end_s = workload_end_s(cfg)
+
     @property
     def eta_s(self) -> float | None:
+        """Seconds left. The whole job's pace so far says little about a run whose steps get slower
+        (contexts grow, a queue builds up): the current run's time left is the larger of the tokens left
+        at the recent token rate and the simulated time left to its last arrival at the recent pace
+        of simulated time; other runs of the job at this run's average pace."""
         f = self.fraction
         if f < self.ETA_AFTER_FRACTION or self.elapsed_s < self.ETA_AFTER_S:
             return None
-        return self.elapsed_s * (1 - f) / f
+        p = self.progress
+        left = self._run_time_left(p) if self.task is None and p is not None and not p.finished else None
+        if left is None:
+            return self.elapsed_s * (1 - f) / f
+        runs_left = len(self.runs) - len(self.records) - 1
+        per_run = p.elapsed_s / max(p.fraction, 1e-9)
+        return left + max(runs_left, 0) * per_run
+
+    def _run_time_left(self, p: SimProgress) -> float | None:
+        samples = self._samples
+        if len(samples) < 2:
+            return None
+        now = samples[-1][0]
+        since = now - self.RECENT_SHARE * (now - samples[0][0])
+        start = next(s for s in samples if s[0] >= since)
+        if start is samples[-1]:
+            start = samples[-2]
+        wall = now - start[0]
+        tokens_rate = (samples[-1][1] - start[1]) / wall
+        sim_rate = (samples[-1][2] - start[2]) / wall
+        estimates = []
+        if tokens_rate > 0:
+            estimates.append(max(p.tokens_total - p.tokens_done, 0) / tokens_rate)
+        if sim_rate > 0 and self.arrivals_end_s is not None:
+            estimates.append(max(self.arrivals_end_s - p.sim_time_s, 0.0) / sim_rate)
+        return max(estimates) if estimates else None
 
     def status_text(self) -> str:
         if self.cancel_requested and not self.done:
@@ -165,6 +210,20 @@ class Job:
             self._thread.join(timeout)
 
 
+def workload_end_s(cfg: SimConfig) -> float | None:
+    """Simulated time of the last arrival of `cfg`'s workload (its trace with the trace options applied);
+    None when it cannot be read here (the run reports why)."""
+    from kvsim.sim.engine.assembly import load_workload
+
+    try:
+        with warnings.catch_warnings():     # the run itself says what the workload's notes say
+            warnings.simplefilter("ignore")
+            times = load_workload(cfg).df["arrival_time_s"]
+    except Exception:  # noqa: BLE001 - the simulation itself reports a trace it cannot load
+        return None
+    return float(times.max()) if len(times) else None
+
+
 def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int,
                          store: str | None) -> Callable[[Job], list]:
     """A Job task: sim.planning.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
@@ -184,3 +243,37 @@ def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: st
             job.run_done = (i + 1) * max_evals
         return answers
     return task
+
+
+PROBE_S = 2.0
+PROBE_LIMIT_S = 30.0     # a first step longer than this: the estimate is what the probe saw
+
+
+def estimate_run_s(cfg: SimConfig, probe_s: float = PROBE_S) -> float | None:
+    """Wall seconds `cfg` takes on this machine, measured: the simulation runs for `probe_s` after its
+    first engine step (trace loading and first-use compiles come before it and are counted as they
+    are), then its token rate is extrapolated to the workload's tokens. None when it ends first (a run
+    that short needs no estimate) or fails (the run reports why)."""
+    from kvsim.sim.simulator.simulate import run_simulation
+
+    started = time.perf_counter()
+    seen: dict = {}
+
+    def probe(p: SimProgress) -> None:
+        now = time.perf_counter()
+        seen.setdefault("first", (now, p.tokens_done))
+        seen["last"] = (now, p.tokens_done, p.tokens_total)
+        if now - seen["first"][0] >= probe_s or now - started >= PROBE_LIMIT_S:
+            raise Cancelled()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run_simulation(cfg, None, progress=probe)
+    except Cancelled:
+        (t0, k0), (t1, k1, total) = seen["first"], seen["last"]
+        if k1 <= k0:
+            return None
+        return (t0 - started) + (t1 - t0) + (total - k1) * (t1 - t0) / (k1 - k0)
+    except Exception:  # noqa: BLE001 - a failing configuration is reported when it runs
+        return None
+    return None

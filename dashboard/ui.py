@@ -127,6 +127,43 @@ def run_button(label: str, key: str, page: str, blocked: bool = False) -> bool:
     return clicked
 
 
+SLOW_RUN_S = 60.0
+ESTIMATES_KEY = "kvsim_estimates"     # config JSON -> measured wall seconds (this session)
+
+
+def fast_mode_hint(configs: list, key: str) -> None:
+    """Before Run, for eviction in token mode (every (token, layer, KV head) the policy scores is
+    simulated): a button that measures how long the run(s) will take here (each simulated for 2 s after
+    its first step, the token rate extrapolated), and, when that is minutes, the hint to use
+    kv.mode=fast (the same policy on sampled rows)."""
+    slow = [c for c in configs if c is not None and c.kv.policy != "none" and c.kv.mode == "token"]
+    if not slow:
+        return
+    from kvsim.sim.io.progress import format_duration
+
+    from .jobs import estimate_run_s
+    known = st.session_state.setdefault(ESTIMATES_KEY, {})
+    wanted = [c.model_dump_json() for c in slow]
+    if st.button("Estimate the run time", key=f"{key}_estimate", disabled=running_job() is not None,
+                 help="simulates each token-mode run for 2 s after its first step and extrapolates its token rate"):
+        with st.spinner("Measuring (2 s of each run after its first step)..."):
+            for config in wanted:
+                if config not in known:
+                    known[config] = estimate_run_s(type(slow[0]).model_validate_json(config))
+    if not all(c in known for c in wanted):
+        st.caption("Token mode simulates every (token, layer, KV head) the policy scores: a long workload takes "
+                   "minutes. Estimate the run time before running, or set kv.mode=fast (sampled rows).")
+        return
+    total = sum(known[c] or 0.0 for c in wanted)
+    what = "this run" if len(configs) == 1 else f"the {len(slow)} token-mode run(s)"
+    if total >= SLOW_RUN_S:
+        st.warning(f"Estimated time: about {format_duration(total)} for {what} on this machine (measured on 2 s "
+                   "of each). kv.mode=fast (under KV eviction policy) runs the same policy on sampled rows, "
+                   "usually in seconds (docs/kv-policies.md).")
+    else:
+        st.caption(f"Estimated time: about {format_duration(total)} for {what} on this machine.")
+
+
 def follow_job(page: str) -> Job | None:
     """Show progress of this page's job until it ends (page stays live); then the finished job, once.
 
@@ -185,12 +222,26 @@ def summary_table(runs: list[RunRecord]) -> pd.DataFrame:
     return pd.DataFrame([summary_row(r) for r in runs]).dropna(axis=1, how="all")
 
 
-def summary_column_config() -> dict:
+NAME_PX_PER_CHAR = 7.5       # the grid's 14 px sans-serif, generous
+NAME_PAD_PX = 24
+
+
+def name_width(labels) -> int:
+    """Pixels for a column of run names that shows the longest whole (a grid cuts a cell at its width)."""
+    return int(max((len(str(x)) for x in labels), default=10) * NAME_PX_PER_CHAR + NAME_PAD_PX)
+
+
+def run_column(labels) -> dict:
+    """The column config of a table's `run` column: pinned while the others scroll, wide enough for its names."""
+    return {"run": st.column_config.TextColumn("run", pinned=True, width=name_width(labels))}
+
+
+def summary_column_config(labels=()) -> dict:
     """Streamlit column formats of summary_table (the printf formats of SUMMARY_COLUMNS); the run
-    column stays in place while the others scroll."""
+    column stays in place while the others scroll, as wide as its longest name."""
     formats = {name: st.column_config.NumberColumn(name, format=fmt.replace("{:,", "{:").replace("{:", "%")
                                                    .replace("}", "")) for name, _, fmt in SUMMARY_COLUMNS.values()}
-    return {"run": st.column_config.TextColumn("run", pinned=True), **formats}
+    return {**run_column(labels or ["run"]), **formats}
 
 
 def show_summary_metrics(run: RunRecord) -> None:
@@ -201,7 +252,7 @@ def show_summary_metrics(run: RunRecord) -> None:
         ("TTFT p50", fmt_seconds(s["ttft_p50_s"])), ("TTFT p99", fmt_seconds(s["ttft_p99_s"])),
         ("TPOT p50", fmt_seconds(s["tpot_p50_s"])), ("TPOT p99", fmt_seconds(s["tpot_p99_s"])),
         ("SLO attainment", fmt_share(s.get("slo_attainment"))),
-        ("KV util mean / max", f"{fmt_share(s.get('kv_util_mean'))} / {fmt_share(s.get('kv_util_max'))}"),
+        ("KV util mean", fmt_share(s.get("kv_util_mean"))), ("KV util max", fmt_share(s.get("kv_util_max"))),
         ("Fragmentation mean", fmt_share(s.get("fragmentation_mean"))),
         ("Preemptions", f"{s.get('preemptions', 0):,}"),
     ]
@@ -329,7 +380,7 @@ def pick_run(prefix: str, label: str = "Results to show") -> RunRecord | None:
     runs = available_runs()
     options = list(runs) + [LOAD_CHOICE]
     key = f"{prefix}pick"
-    _select_newest(key, options[0])
+    _select_newest(key, users_latest(runs) or options[0])
     linked = run_from_link(runs)
     if linked is not None:
         runs = available_runs()
@@ -357,6 +408,16 @@ def pick_run(prefix: str, label: str = "Results to show") -> RunRecord | None:
         return None
     save_runs([record]) if record.path is None else None
     return record
+
+
+def users_latest(runs: dict) -> str | None:
+    """The newest run a user made on the dashboard (a run directory with the dashboard's label file,
+    or one held in this session), not a directory another command wrote under the data root since (a
+    cross-check's sim_recorded/, a sweep's runs): what a page opens on."""
+    for label, where in runs.items():
+        if isinstance(where, RunRecord) or (where / LABEL_FILE).exists():
+            return label
+    return None
 
 
 def run_from_link(runs: dict) -> str | None:

@@ -89,6 +89,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+def random_weight_params(config: ModelConfig) -> int:
+    """Parameters random_weights builds for `config` (what it allocates, times the dtype's size)."""
+    c = config
+    layer = (2 * c.hidden + 2 * c.heads * c.head_dim * c.hidden + 2 * c.kv_heads * c.head_dim * c.hidden
+             + 3 * c.intermediate * c.hidden)
+    return c.vocab * c.hidden * (1 if c.tied else 2) + c.hidden + c.layers * layer
+
+
 def random_weights(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Seeded random weights at any shape (for timing); std 0.02 like a fresh Llama init. The layers
     come last, so the first N layers of a model are those of its N-layer build (`--layers N` builds

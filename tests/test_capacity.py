@@ -422,3 +422,22 @@ def test_request_rate_loads_are_not_windowed():
     with pytest.raises(ConfigError, match="--window selects requests by arrival time"):
         choose_sample(load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.request_rate": 4.0}),
                       "10m@peak")
+
+
+def test_a_violation_of_many_seconds_reads_in_seconds():
+    """A progress line printed a TTFT p99 of 2,571 s as '2571157.9ms'."""
+    from kvsim.sim.planning.capacity import _fmt
+    [c] = parse_slo("ttft_p99<=2s")
+    assert _fmt(2571.1579, c) == "2,571.2s" and _fmt(0.1234, c) == "123.4ms"
+
+
+def test_one_duration_parser_for_slos_and_windows():
+    """`--window 10m` worked and an SLO of `1m` did not: SLOs and windows read durations with one parser."""
+    from kvsim.sim.config import ConfigError, parse_duration
+    from kvsim.traces.windows import parse_duration_s
+    for text, seconds in (("1m", 60.0), ("1.5min", 90.0), ("1h", 3600.0), ("250ms", 0.25), ("500us", 5e-4)):
+        assert parse_duration(text) == pytest.approx(seconds) == parse_duration_s(text)
+    assert load_config(None, {"slo.ttft": "1m"}).slo.ttft_s == 60.0
+    assert parse_duration_s("600") == 600.0                     # a window's bare number is seconds
+    with pytest.raises(ConfigError, match="not a duration with a unit"):
+        parse_duration("5")                                     # an SLO's is ambiguous

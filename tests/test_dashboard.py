@@ -129,7 +129,8 @@ def test_simulate_run_shows_the_engine_figures(simulated, expected):
     np.testing.assert_allclose(values(ttft["x"]), np.sort(done["ttft_s"].to_numpy()) * 1e3)
     np.testing.assert_allclose(values(ttft["y"])[-1], 1.0)
     titles = [c["layout"]["title"]["text"] for c in charts(simulated)]
-    assert titles == ["TTFT CDF", "TPOT CDF", "E2E CDF", "Throughput over time", "Queue length", "Batch size"]
+    assert titles == ["TTFT CDF", "TPOT CDF", "E2E CDF", "Throughput over time",
+                      "Scheduler State: running and waiting requests", "Batch size"]
     batch = chart(simulated, "Batch size")["data"][0]
     assert values(batch["y"]).max() <= expected.steps["batch_size"].max()
 
@@ -190,7 +191,7 @@ def test_uploaded_trace_runs(tmp_path):
 def test_invalid_option_is_named_as_the_page_names_it():
     at = app()
     at.text_input(key="cfg_slo_ttft").set_value("2").run()
-    [message] = errors(at)
+    [message] = [m for m in errors(at) if m != "Some fields are invalid; see the message under each."]
     assert message.startswith("TTFT SLO") and "not a duration with a unit" in message and "slo.ttft" not in message
     assert at.button(key="sim_run").disabled
 
@@ -262,7 +263,8 @@ def test_memory_page_charts_the_pool(simulated, expected):
     assert not errors(simulated)
     s = expected.summary
     assert metric(simulated, "KV pool (blocks x tokens)") == "300 x 16"
-    assert metric(simulated, "KV util mean / max") == f"{fmt_share(s['kv_util_mean'])} / {fmt_share(s['kv_util_max'])}"
+    assert metric(simulated, "KV util mean") == fmt_share(s["kv_util_mean"])
+    assert metric(simulated, "KV util max") == fmt_share(s["kv_util_max"])
     pool = chart(simulated, "Block pool over time")["data"][0]
     codes = values(pool["z"])
     assert codes.shape == (120, 200) and set(np.unique(codes)) <= {0, 1, 2, 3}
@@ -281,8 +283,8 @@ def test_memory_page_reads_a_cli_run_directory(tmp_path):
     assert "nowhere: not a directory" in message
     at.text_input(key="mem_run_dir").set_value(str(tmp_path / "run")).run()
     assert not errors(at)
-    assert metric(at, "Fragmentation mean / p99") == (
-        f"{fmt_share(result.summary['fragmentation_mean'])} / {fmt_share(result.summary['fragmentation_p99'])}")
+    assert metric(at, "Fragmentation mean") == fmt_share(result.summary["fragmentation_mean"])
+    assert metric(at, "Fragmentation p99") == fmt_share(result.summary["fragmentation_p99"])
 
 
 PER_HEAD = {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 40, "kv.policy": "h2o", "kv.budget": 128,
@@ -544,12 +546,12 @@ def test_configuration_survives_switching_between_pages_that_show_the_form():
     at = app()
     at.text_input(key="cfg_max_requests").set_value("77")
     at.selectbox(key="cfg_gpu").set_value("L4")
-    at.selectbox(key="cfg_engine.enable_prefix_caching").set_value(False).run()
+    at.selectbox(key="cfg_engine.enable_prefix_caching").set_value("off").run()
     for page in ("compare", "simulate", "capacity", "compare"):
         at.switch_page(f"pages/{page}.py").run()
         assert not errors(at), page
         assert at.text_input(key="cfg_max_requests").value == "77" and at.selectbox(key="cfg_gpu").value == "L4", page
-        assert at.selectbox(key="cfg_engine.enable_prefix_caching").value is False, page
+        assert at.selectbox(key="cfg_engine.enable_prefix_caching").value == "off", page
     at.text_input(key="cfg_max_requests").set_value("90").run()      # an edit on the new page sticks
     at.switch_page("pages/simulate.py").run()
     assert at.text_input(key="cfg_max_requests").value == "90"
@@ -752,3 +754,47 @@ def test_capacity_store_with_a_malformed_capacity_json_is_one_message(tmp_path):
     (tmp_path / "capacity.json").write_text('{"slo": 5}')
     with pytest.raises(DataError, match=r"capacity\.json: mode: expected 'rate' or 'replicas'"):
         read_sweep_store(tmp_path)
+
+
+def test_eta_follows_the_recent_pace_of_tokens_and_simulated_time():
+    """A run that slowed down (long contexts, a queue) is not promised its early pace: the time left
+    is the larger of the tokens left at the recent token rate and the simulated time left to the last
+    arrival at the recent pace of simulated time (issue 51: '2 min left' when 4 min 15 s remained)."""
+    import time as clock
+
+    from kvsim.dashboard.jobs import Job
+    from kvsim.sim.io.progress import SimProgress
+
+    job = Job([("slowing", SimConfig())])
+    now = clock.perf_counter()
+    job.started = now - 100
+    # 8 tokens/s for 50 s, then 2 tokens/s: 500 of 1,000 tokens done after 100 s; 3 simulated s per s
+    job._samples = [(now - 100 + t, 8 * t if t <= 50 else 400 + 2 * (t - 50), 3.0 * t) for t in range(0, 101, 5)]
+    p = SimProgress(tokens_total=1000, requests_total=10, tokens_done=500, sim_time_s=300.0)
+    p.started = now - 100
+    job.progress = p
+    assert job.elapsed_s * 0.5 / 0.5 == pytest.approx(100, rel=0.01)   # the whole run's pace: 100 s left
+    assert job.eta_s == pytest.approx(500 / 2, rel=0.01)                # the recent pace: 250 s left
+    job.arrivals_end_s = 1000.0          # 700 simulated s left at 3 per s: 233 s, fewer than the tokens' 250
+    assert job.eta_s == pytest.approx(250, rel=0.01)
+    job.arrivals_end_s = 3000.0          # arrivals until 3,000 s: 2,700 simulated s left, 900 s
+    assert job.eta_s == pytest.approx(2700 / 3, rel=0.01)
+
+
+def test_capacity_stop_reason_and_range_and_compare_deltas(tmp_path):
+    from kvsim.dashboard.data import capacity_bracket, capacity_stop_reason, deltas_against
+    from kvsim.sim.planning.capacity import CapacityResult, CapacitySearch
+
+    curve = pd.DataFrame({"searched_value": [1.0, 2.0, 4.0, 3.0], "meets_slo": [True, True, False, False]})
+    result = CapacityResult("rate", ["ttft_p99<=2s"], True, True, 2.0, 1.0, "r2", {}, curve)
+    assert capacity_bracket(result) == (2.0, 3.0)
+    assert "simulation limit (4) was reached with the bracket [2, 3] still open" in capacity_stop_reason(
+        result, CapacitySearch(max_evals=4))
+    assert "closed within the search's tolerance" in capacity_stop_reason(
+        result, CapacitySearch(max_evals=24, rel_tol=0.6))
+    open_top = CapacityResult("rate", [], True, False, 4.0, 1.0, "r", {}, curve.assign(meets_slo=True))
+    assert "lower bound" in capacity_stop_reason(open_top, CapacitySearch(max_evals=4))
+    table = pd.DataFrame({"run": ["a", "b"], "TTFT p99 ms": [100.0, 150.0], "preemptions": [0.0, 3.0]})
+    d = deltas_against(table, "a")
+    assert list(d["run"]) == ["b"] and d["TTFT p99 ms"].iloc[0] == pytest.approx(50.0)
+    assert np.isnan(d["preemptions"].iloc[0])                           # against 0: no percentage

@@ -248,12 +248,13 @@ def test_every_command_refuses_a_pool_beyond_host_memory_before_allocating(d, co
     vLLM is called (`--vllm-python /bin/false` is never run) or the model converted."""
     (d / "huge.yaml").write_text(HUGE_GPU)
     if command == "sweep":
-        (d / "spec.yaml").write_text(f"fixed: {{gpu: {d}/huge.yaml, engine.num_gpu_blocks: 1000000000}}\n"
+        # profile: default named, as it is the only one a GPU of one's own has (auto would say so in a warning)
+        (d / "spec.yaml").write_text(f"fixed: {{gpu: {d}/huge.yaml, profile: default, engine.num_gpu_blocks: 1000000000}}\n"
                                      "grid: {seed: [0, 1]}\n")
         args, fragments = ["sweep", "spec.yaml", "-o", "st", "-q"], ["spec.yaml: run 0", "host memory"]
     elif command == "capacity":
         args = ["capacity", "--slo", "ttft_p99<=2s", "--gpu", str(d / "huge.yaml"), "--num-gpu-blocks", "1000000000",
-                "--max-requests", "5", "-q", "-o", "st"]
+                "--max-requests", "5", "-q", "-o", "st", "--set", "profile=default"]
         fragments = ["host memory"]
     else:
         args = ["reference", "vllm", "--num-gpu-blocks", "1000000000", "--max-requests", "2", "--vllm-python",
@@ -289,6 +290,8 @@ PLUGIN_H2O = ("from kvsim.sim.kv.policy import EvictionPolicy, register_policy\n
 
 
 @pytest.mark.parametrize("source, fragments", [(PLUGIN_EXIT, ["evil_plugin", "called exit(0)"]),
+                                               ("import os\nos._exit(0)\n", ["evil_plugin", "called os._exit(0)"]),
+                                               ("raise KeyboardInterrupt\n", ["evil_plugin", "KeyboardInterrupt"]),
                                                (PLUGIN_H2O, ["evil_plugin", "register_policy('h2o')", "taken"])])
 def test_a_misbehaving_plugin_is_an_error_naming_it(d, source, fragments):
     (d / "evil_plugin.py").write_text(source)
@@ -658,3 +661,299 @@ def test_sigterm_to_replay_exits_130_with_a_marked_partial_result_or_none(tmp_pa
         assert "interrupted: partial result" in " ".join(stdout.split())
     else:
         assert err.strip() == "terminated (SIGTERM): no results written"
+
+
+# ---- issue 50: tracebacks, silently wrong input, data loss, memory, the dashboard's zip --------------
+def _bench(d: Path, name: str, **changes) -> str:
+    """A `vllm bench serve --save-result --save-detailed` JSON of three requests, with `changes`."""
+    data = {"backend": "vllm", "request_rate": "inf", "burstiness": 1.0, "max_concurrency": None, "duration": 2.0,
+            "input_lens": [10, 20, 30], "output_lens": [5, 5, 5], "ttfts": [0.1, 0.2, 0.3],
+            "itls": [[0.01] * 4] * 3, "latencies": [1.0, 1.0, 1.0], "start_times": [0.0, 0.1, 0.2],
+            "errors": ["", "", ""], **changes}
+    (d / name).write_text(json.dumps(data))          # NaN is written as NaN, as Python's json (and vLLM's) does
+    return str(d / name)
+
+
+def _epoch_ms_csv(d: Path) -> Path:
+    """100 requests 6.3 ms apart, stamped in epoch milliseconds (a gateway log): 0.63 s of arrivals."""
+    path = d / "epoch.csv"
+    path.write_text("ts,p,o\n" + "".join(f"{1_700_000_000_000 + 6.3 * i:.1f},100,10\n" for i in range(100)))
+    return path
+
+
+GENERIC = ["--trace-format", "csv", "--trace-columns", "arrival=ts,prompt_tokens=p,output_tokens=o"]
+PROFILE = (REPO / "sim" / "data" / "profiles" / "default.yaml").read_text()
+HF_MOE0 = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 1024,
+           "intermediate_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8,
+           "vocab_size": 32000, "max_position_embeddings": 4096, "num_local_experts": 0, "num_experts_per_tok": 5,
+           "torch_dtype": "bfloat16"}
+
+
+@pytest.fixture
+def h(d) -> Path:
+    """`d` with the hostile files of issue 50."""
+    _bench(d, "itls.json", itls=[1, 2, 3])
+    _bench(d, "conc.json", max_concurrency=-5)
+    _bench(d, "negttft.json", ttfts=[-2.0, 0.2, 0.3])
+    _bench(d, "nanttft.json", ttfts=[float("nan"), 0.2, 0.3])
+    (d / "deep.jsonl").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + ', "t": 0, "p": 5, "o": 2}\n')
+    _epoch_ms_csv(d)
+    for name, value in (("inf", ".inf"), ("huge", "1.0e300")):
+        (d / f"p{name}.yaml").write_text(PROFILE.replace("step_overhead_s: 8.0e-4", f"step_overhead_s: {value}"))
+    (d / "moe0").mkdir()
+    (d / "moe0" / "config.json").write_text(json.dumps(HF_MOE0))
+    (d / "wide").mkdir()
+    (d / "wide" / "config.json").write_text(json.dumps({**HF_MOE0, "architectures": ["LlamaForCausalLM"],
+                                                        "model_type": "llama", "num_local_experts": None,
+                                                        "hidden_size": 10**30}))
+    return d
+
+
+JSONL = ["--trace-format", "jsonl", "--trace-columns", "arrival=t,prompt_tokens=p,output_tokens=o"]
+CASES_50 = {
+    "bench itls not lists": (SIM[:2] + ["--trace", "{d}/itls.json", "-o", "{d}/r"], ["itls.json", "'itls'[0]"]),
+    "bench max_concurrency -5": (SIM[:2] + ["--trace", "{d}/conc.json", "-o", "{d}/r"],
+                                 ["conc.json", "'max_concurrency'", ">= 1"]),
+    "bench negative TTFT": (SIM[:2] + ["--trace", "{d}/negttft.json", "-o", "{d}/r"], ["'ttfts'[0]", ">= 0, got -2.0"]),
+    "bench NaN TTFT": (SIM[:2] + ["--trace", "{d}/nanttft.json", "-o", "{d}/r"], ["'ttfts'[0]", "got nan"]),
+    "generic JSONL 5000 deep (simulate)": (SIM[:2] + ["--trace", "{d}/deep.jsonl", *JSONL, "-o", "{d}/r"],
+                                           ["deep.jsonl:1", "nested more than 100"]),
+    "generic JSONL 5000 deep (trace stats)": (["trace", "stats", "{d}/deep.jsonl", *JSONL],
+                                              ["deep.jsonl:1", "nested more than 100"]),
+    "synth fixed:1e30": (["trace", "synth", "{d}/t.jsonl", "--prompt", "fixed:1e30"], ["fixed:1e30"]),
+    "synth lognormal:100,1e300": (["trace", "synth", "{d}/t.jsonl", "--prompt", "lognormal:100,1e300"],
+                                  ["lognormal:100,1e+300", "cv of at most 100"]),
+    "synth --seed -1": (["trace", "synth", "{d}/t.jsonl", "--seed", "-1"], ["--seed", "greater than or equal to 0"]),
+    "column mapped twice": (SIM[:2] + ["--trace", "{d}/epoch.csv", "--trace-format", "csv", "--trace-columns",
+                                       "arrival=ts,prompt_tokens=p,output_tokens=o,arrival=p", "-o", "{d}/r"],
+                            ["arrival is mapped twice (ts and p)"]),
+    "profile step_overhead_s inf": (SIM + ["--profile", "{d}/pinf.yaml", "-o", "{d}/r"],
+                                    ["pinf.yaml:", "step_overhead_s", "less than or equal to 10"]),
+    "profile step_overhead_s 1e300": (SIM + ["--profile", "{d}/phuge.yaml", "-o", "{d}/r"],
+                                      ["phuge.yaml:", "step_overhead_s"]),
+    "profile default*1e-320": (SIM + ["--profile", "default*1e-320", "-o", "{d}/r"], ["default*1e-320", "0.001..1000"]),
+    "profile default*2*3": (SIM + ["--profile", "default*2*3", "-o", "{d}/r"], ["default*2*3", "not several"]),
+    "HF config: 0 experts, top-k 5": (SIM + ["--model", "{d}/moe0/config.json", "-o", "{d}/r"],
+                                      ["num_local_experts' is 0", "num_experts_per_tok"]),
+    "HF config: hidden_size 1e30 (models)": (["models", "{d}/wide/config.json"], ["hidden_size", "1..1,048,576"]),
+    "synth 1e8 requests: memory estimate": (["trace", "synth", "{d}/t.jsonl", "-n", "100000000"],
+                                            ["--requests 100,000,000", "GiB of memory", "available"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES_50))
+def test_issue_50_hostile_input_is_one_line_exit_2(case, h):
+    args, fragments = CASES_50[case]
+    refused(kvsim([a.replace("{d}", str(h)) for a in args], h), *fragments)
+    assert not (h / "r").exists() and not (h / "t.jsonl").exists()
+
+
+def test_replay_on_an_unknown_device_is_one_line(d):
+    refused(kvsim(["replay", "--device", "tpu", "--max-requests", "2", "-q", "-o", str(d / "r")], d, cap_gb=8),
+            "--device", "'tpu'")
+
+
+def test_replay_random_weights_of_a_70b_are_refused_by_their_estimate_before_drawing(d):
+    ran = kvsim(["replay", "--weights", "random", "--model", "llama-3.1-70b", "--max-requests", "2", "-q",
+                 "-o", str(d / "r")], d, cap_gb=8, timeout=120)
+    refused(ran, "random weights", "GiB", "lower --layers")
+    assert not (d / "r").exists()
+
+
+def test_epoch_milliseconds_in_a_generic_csv_are_read_as_milliseconds(d):
+    ran = kvsim(["trace", "stats", str(_epoch_ms_csv(d)), *GENERIC, "--json"], d)
+    assert ran.code == 0, ran.err
+    assert abs(json.loads(ran.out)[0]["span_s"] - 0.6237) < 1e-3          # 99 gaps of 6.3 ms, not 624 s
+    bounded(ran)
+    ran = kvsim(["trace", "stats", str(d / "epoch.csv"), *GENERIC, "--time-unit", "ms", "--json"], d)
+    assert abs(json.loads(ran.out)[0]["span_s"] - 0.6237) < 1e-3
+    ran = kvsim(["trace", "stats", str(d / "epoch.csv"), *GENERIC], d)
+    assert "read as ms" in " ".join(ran.out.split())                      # says so
+
+
+def test_a_large_valid_save_detailed_bench_json_is_read(d):
+    """300,000 requests (9 MB of JSON on one line, output_lens far past the first 64 KiB): read whole."""
+    n = 300_000
+    data = {"backend": "vllm", "request_rate": "inf", "burstiness": 1.0, "max_concurrency": None, "duration": 100.0,
+            "input_lens": [10 + i % 500 for i in range(n)], "output_lens": [1 + i % 100 for i in range(n)],
+            "ttfts": [0.001 * (i % 997) for i in range(n)], "latencies": [1.0 + 0.001 * (i % 991) for i in range(n)],
+            "errors": [""] * n}
+    (d / "bench.json").write_text(json.dumps(data))
+    ran = kvsim(["trace", "stats", str(d / "bench.json"), "--json"], d)
+    assert ran.code == 0, ran.err
+    assert json.loads(ran.out)[0]["requests"] == n
+    bounded(ran)
+
+
+# -- memory: a file is refused by what reading it whole would need, before it is read
+def _sparse(path: Path, head: str, size: int) -> Path:
+    with open(path, "w") as f:
+        f.write(head)
+        f.truncate(size)                 # sparse: takes no disk, but a reader would parse every byte
+    return path
+
+
+@pytest.mark.parametrize("args", [
+    ["simulate", "-q", "--trace", "{d}/big.csv", *GENERIC, "-o", "{d}/r"],
+    ["trace", "stats", "{d}/big.csv", *GENERIC],
+    ["trace", "stats", "{d}/big.jsonl"],
+    ["simulate", "-q", "--trace", "{d}/big.csv", "-o", "{d}/r"],             # a native CSV
+])
+def test_a_trace_too_large_to_parse_is_refused_before_reading(d, args):
+    _sparse(d / "big.csv", "ts,p,o\n1,2,3\n", 4 * 2**30)
+    _sparse(d / "big.jsonl", '{"arrival_time_s": 0, "prompt_tokens": 5, "output_tokens": 2}\n', 2**30)
+    if "--trace-format" not in args and "big.csv" in " ".join(args):
+        _sparse(d / "big.csv", "arrival_time_s,prompt_tokens,output_tokens\n0,5,2\n", 4 * 2**30)
+    refused(kvsim([a.replace("{d}", str(d)) for a in args], d), "GiB of memory to read whole", "available")
+
+
+def test_a_tokenizer_too_large_is_refused_before_reading(d):
+    _sparse(d / "tokenizer.json", "{", 8 * 2**30)
+    (d / "chat.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "hello there"},
+                                                                {"from": "gpt", "value": "hi"}]}]))
+    refused(kvsim(["trace", "stats", str(d / "chat.json"), "--tokenizer", str(d / "tokenizer.json")], d),
+            "tokenizer.json", "at most 256 MiB")
+
+
+# -- data loss: no command replaces a file or folder of the user's without --overwrite
+@pytest.fixture
+def mine(d) -> Path:
+    """A user's folder of their own files, a kvsim trace and a named pipe."""
+    folder = d / "mine"
+    folder.mkdir()
+    for name in ("report.html", "requests.parquet", "steps.parquet", "notes.jsonl"):
+        (folder / name).write_text(f"the user's {name}\n")
+    os.mkfifo(folder / "fifo.jsonl")
+    assert kvsim(["trace", "synth", str(d / "t.jsonl"), "-n", "20"], d).code == 0
+    return folder
+
+
+def _untouched(folder: Path) -> None:
+    for name in ("report.html", "requests.parquet", "steps.parquet", "notes.jsonl"):
+        assert (folder / name).read_text() == f"the user's {name}\n"
+    assert sorted(p.name for p in folder.iterdir()) == ["fifo.jsonl", "notes.jsonl", "report.html",
+                                                        "requests.parquet", "steps.parquet"]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["report", "{d}", "-o", "{m}/report.html"], ["{m}/report.html", "kvsim did not write it", "--overwrite"]),
+    (["report", "{m}"], ["{m}/report.html", "kvsim did not write it"]),
+    (["trace", "convert", "{d}/t.jsonl", "{m}/requests.parquet"], ["{m}/requests.parquet", "kvsim did not write it"]),
+    (["trace", "convert", "{d}/t.jsonl", "{m}/notes.jsonl"], ["{m}/notes.jsonl", "kvsim did not write it"]),
+    (["trace", "synth", "{m}/steps.parquet"], ["{m}/steps.parquet", "kvsim did not write it"]),
+    (["trace", "convert", "{d}/t.jsonl", "{m}/fifo.jsonl"], ["{m}/fifo.jsonl", "named pipe"]),
+    (["trace", "synth", "{m}/fifo.jsonl"], ["{m}/fifo.jsonl", "named pipe"]),
+    (["crosscheck", "--trace", "{d}/t.jsonl", "--profile", "cpu-2core", "--num-gpu-blocks", "100", "-o", "{m}"],
+     ["--out {m}", "holds files kvsim did not write"]),
+])
+def test_no_command_replaces_a_users_file_without_overwrite(d, mine, args, fragments):
+    fill = {"{d}": str(d), "{m}": str(mine)}
+
+    def filled(text: str) -> str:
+        for key, value in fill.items():
+            text = text.replace(key, value)
+        return text
+    refused(kvsim([filled(a) for a in args], d, timeout=30), *map(filled, fragments))
+    _untouched(mine)
+
+
+def test_kvsims_own_outputs_are_replaced_and_overwrite_replaces_a_users_file(d, mine):
+    for _ in range(2):                          # a trace kvsim wrote is kvsim's to replace
+        assert kvsim(["trace", "synth", str(d / "t.jsonl"), "-n", "10"], d).code == 0
+        assert kvsim(["trace", "synth", str(d / "t.parquet"), "-n", "10"], d).code == 0
+    ran = kvsim(["trace", "convert", str(d / "t.jsonl"), str(mine / "notes.jsonl"), "--overwrite"], d)
+    assert ran.code == 0, ran.err
+    assert (mine / "notes.jsonl").read_text().startswith('{"kvsim_trace"')
+
+
+def test_ctrl_c_keeps_the_previous_complete_result_until_the_new_one_is_complete(d):
+    """A complete run in --out, then a second run into it interrupted (SIGINT, SIGTERM): --out keeps the
+    first run's files byte for byte; the partial result goes beside it (OUT.partial), and the message
+    says both; the next complete run removes OUT.partial."""
+    out = d / "run"
+    assert kvsim(SIM + ["-o", str(out)], d).code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "simulate", "-q", "--max-requests", "3000",
+                                 "--seed", "2", "-o", str(out)], cwd=d, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list(d.glob(".run.kvsim-tmp-*/steps.parquet")):
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+        assert f"partial results in {out}.partial" in err and f"{out} keeps the previous complete result" in err
+        assert json.loads((d / "run.partial" / "summary.json").read_text())["partial"] is True
+    assert kvsim(SIM + ["-o", str(out), "--seed", "3"], d).code == 0
+    assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == [
+        "bomb.yaml", "circular.yaml", "deep.yaml", "digits.yaml", "dup.yaml", "fifo.jsonl", "fifo.yaml", "run",
+        "zero.yaml"]
+
+
+def test_leftovers_of_a_killed_run_are_removed_even_when_its_pid_is_reused(d):
+    """kill -9 leaves `.NAME.kvsim-tmp-PID-*` staging directories and temporary files; their PID may belong
+    to another live process by the next run (PIDs are reused; a container has its own). The next run
+    writing NAME removes every one no live kvsim holds."""
+    live_pid = os.getpid()                           # a live process that is not a kvsim writer
+    staged = d / f".run.kvsim-tmp-{live_pid}-abc"
+    staged.mkdir()
+    (staged / "steps.parquet").write_text("half")
+    tmp_file = d / f".t.jsonl.kvsim-tmp-{live_pid}-0"
+    tmp_file.write_text("half a trace")
+    old = time.time() - 3600
+    for p in (staged, tmp_file):
+        os.utime(p, (old, old))
+    assert kvsim(SIM + ["-o", str(d / "run")], d).code == 0
+    assert kvsim(["trace", "synth", str(d / "t.jsonl"), "-n", "10"], d).code == 0
+    assert not staged.exists() and not tmp_file.exists()
+    assert not list(d.glob(".*kvsim-tmp*"))
+
+
+def test_a_live_writers_temporary_files_are_left_alone(tmp_path):
+    """What a live writer holds (its flock) is never removed, whatever its age."""
+    from kvsim.sim.io.safe_io import atomic_output, remove_dead_leftovers
+
+    with atomic_output(tmp_path / "t.jsonl") as tmp:
+        old = time.time() - 3600
+        os.utime(tmp, (old, old))
+        remove_dead_leftovers(tmp_path / "t.jsonl")
+        assert tmp.exists()
+        tmp.write_text("{}\n")
+    assert (tmp_path / "t.jsonl").read_text() == "{}\n" and [p.name for p in tmp_path.iterdir()] == ["t.jsonl"]
+
+
+# -- the dashboard (in process: its guard and its download)
+def test_the_run_zip_ships_only_regular_files_inside_the_run(tmp_path):
+    import io
+    import zipfile
+
+    from kvsim.dashboard.data import run_zip
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    (outside / "secret.txt").write_text("secret")
+    (run / "summary.json").write_text("{}")
+    (run / "sub").mkdir()
+    (run / "sub" / "steps.parquet").write_text("steps")
+    (run / "passwd").symlink_to("/etc/passwd")
+    (run / "secret").symlink_to(outside / "secret.txt")
+    (run / "outside").symlink_to(outside, target_is_directory=True)
+    (run / "inside-link").symlink_to(run / "summary.json")
+    os.mkfifo(run / "pipe")
+    names = zipfile.ZipFile(io.BytesIO(run_zip(run))).namelist()
+    assert sorted(names) == ["run/sub/steps.parquet", "run/summary.json"]
+
+
+@pytest.mark.parametrize("key", ["trace", "model", "gpu", "profile", "kv.importance"])
+@pytest.mark.parametrize("value", ["a" * 300, "a" * 300 + ".yaml", "dir/" + "a" * 300, "a" * 300 + "#Entry"])
+def test_a_name_over_255_bytes_in_a_dashboard_path_field_is_refused_by_the_guard(key, value, tmp_path, monkeypatch):
+    from kvsim.dashboard import data
+    from kvsim.dashboard.guard import confine_overrides
+
+    monkeypatch.setattr(data, "data_root", lambda: tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(data.DataError, match=f"^{key}: a name in it is longer than 255 bytes"):
+        confine_overrides({key: value})

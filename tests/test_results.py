@@ -60,14 +60,20 @@ def test_a_failing_run_leaves_a_readable_partial_result_marked_with_its_reason(t
     full = simulate(tmp_path / "full", seed=2).summary["num_steps"]
     simulate(out, seed=1)
     stop_after(monkeypatch, 5, RuntimeError("invariant broken"))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(RuntimeError, match="invariant broken"):
         simulate(out, seed=2)
-    s = summary(out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before    # the complete result is kept
+    aside = tmp_path / "run.partial"                                     # the failed run's beside it
+    s = summary(aside)
     assert s["partial"] is True and s["partial_reason"] == "failed: RuntimeError: invariant broken"
-    assert 5 <= len(pd.read_parquet(out / "steps.parquet")) == s["num_steps"] < full
-    assert len(pd.read_parquet(out / "requests.parquet")) == s["num_requests"] <= 30
-    assert "seed: 2" in (out / "config.yaml").read_text()          # every file from the failed run
+    assert 5 <= len(pd.read_parquet(aside / "steps.parquet")) == s["num_steps"] < full
+    assert len(pd.read_parquet(aside / "requests.parquet")) == s["num_requests"] <= 30
+    assert "seed: 2" in (aside / "config.yaml").read_text()          # every file from the failed run
     assert s["num_finished"] < 30
+    monkeypatch.undo()
+    simulate(out, seed=3)                                               # a complete run drops the partial one
+    assert not aside.exists() and summary(out)["partial"] is False
 
 
 def test_an_interrupted_cli_run_exits_130_with_its_partial_result(tmp_path, monkeypatch):

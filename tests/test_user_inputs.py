@@ -1,6 +1,7 @@
 """A vLLM user's own inputs, end to end with small files the tests make: ShareGPT JSON (real tokenizer),
 a `vllm bench serve --save-result --save-detailed` JSON (as trace and as measurement), a mapped gateway log."""
 import json
+import warnings
 import random
 
 import numpy as np
@@ -11,7 +12,7 @@ from typer.testing import CliRunner
 from kvsim.sim.cli import app
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.simulator.simulate import run_simulation
-from kvsim.traces import TraceError, detect_format, load_trace
+from kvsim.traces import TraceError, TraceWarning, detect_format, load_trace
 from kvsim.traces.tokenizer import count_tokens, load_tokenizer
 
 
@@ -47,7 +48,7 @@ def test_sharegpt_json_is_detected_counted_with_smollm2_and_ordered_as_vllm(tmp_
     expected = [(p, o) for p, o in zip(prompts, outputs, strict=True) if p >= 4 and o >= 4 and p <= 1024 and p + o <= 2048]
     assert list(zip(trace.df["prompt_tokens"], trace.df["output_tokens"], strict=True)) == expected
     assert len(expected) >= 8 and not trace.df["arrival_time_s"].any()
-    assert any("shipped SmolLM2 tokenizer (an approximation)" in n for n in trace.notices)
+    assert any("shipped SmolLM2 tokenizer (an approximation of the served model" in n for n in trace.notices)
     assert tok.encode("the cache", add_special_tokens=False).tokens == ["the", "Ġcache"]
 
 
@@ -163,6 +164,16 @@ def test_gateway_csv_with_epoch_milliseconds_and_parquet(tmp_path):
     csv.write_text("ts_ms,in,out\n1764064800000,10,5\n1764064800250,20,6\n1764064801000,30,7\n")
     t = load_trace(csv, format="csv", columns="arrival=ts_ms,prompt_tokens=in,output_tokens=out", time_unit="ms")
     np.testing.assert_allclose(t.df["arrival_time_s"], [0.0, 0.25, 1.0])
+    # the same file without --time-unit: epoch milliseconds read as seconds would be a 1000x load error
+    with pytest.warns(TraceWarning, match=r"ts_ms: epoch times such as 1764064800000 would be past the year 5000 "
+                                          r"in seconds: read as ms \(epoch ms; give --time-unit ms"):
+        t = load_trace(csv, format="csv", columns="arrival=ts_ms,prompt_tokens=in,output_tokens=out")
+    np.testing.assert_allclose(t.df["arrival_time_s"], [0.0, 0.25, 1.0])
+    csv.write_text("ts,in,out\n1764064800.0,10,5\n1764064800.25,20,6\n")      # epoch seconds: as they are
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TraceWarning)
+        t = load_trace(csv, format="csv", columns="arrival=ts,prompt_tokens=in,output_tokens=out")
+    np.testing.assert_allclose(t.df["arrival_time_s"], [0.0, 0.25])
     pd.DataFrame({"t": [5.0, 6.0], "p": [7, 8], "o": [1, 2]}).to_parquet(tmp_path / "log.parquet")
     t = load_trace(tmp_path / "log.parquet", format="parquet", columns="arrival=t,prompt_tokens=p,output_tokens=o")
     assert t.df["output_tokens"].tolist() == [1, 2]
@@ -270,3 +281,63 @@ def test_bench_result_without_send_times_draws_its_rate(tmp_path):
     t = load_trace(tmp_path / "b.json")
     drawn = vllm_bench_arrivals(12, 3.0, 1.0)
     np.testing.assert_allclose(t.df["arrival_time_s"], drawn - drawn[0])
+
+
+def test_older_bench_file_without_latencies_compares_and_counts_its_failures(tmp_path):
+    """An older vLLM saved no `latencies` and no `errors`: E2EL is TTFT + the ITLs' sum (the comparison is not
+    empty), and the failed requests (output length 0) are counted, not reported as 0."""
+    trace = load_trace("azure-conv-2023").head(12)
+    measured = run_simulation(load_config(None, BASE), trace=trace)
+    bench_file(tmp_path / "old.json", measured, request_rate=2.0)
+    data = json.loads((tmp_path / "old.json").read_text())
+    for key in ("latencies", "errors", "failed", "start_times", "queue_times"):
+        del data[key]
+    data["output_lens"][4] = data["output_lens"][7] = 0           # how an older file marks a failed request
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    res = run_simulation(load_config(None, {**BASE, "trace": str(tmp_path / "old.json")}))
+    agg = res.summary["bench_comparison"]
+    assert agg["num_requests"] == 10 and agg["failed"] == {"measured": 2, "predicted": 0, "error": None}
+    assert agg["mean_e2el_ms"]["measured"] > 0 and "TTFT + the sum of ITLs" in agg["note"]
+
+
+def test_bench_model_id_that_differs_from_the_run_is_a_warning(tmp_path):
+    trace = load_trace("azure-conv-2023").head(6)
+    measured = run_simulation(load_config(None, BASE), trace=trace)
+    bench_file(tmp_path / "b.json", measured)
+    with pytest.warns(UserWarning, match=r"measured Qwen/Qwen2.5-0.5B-Instruct \(its model_id\) but this run "
+                                         r"simulates llama-3.1-8b"):
+        run_simulation(load_config(None, {"model": "llama-3.1-8b", "gpu": "l4", "trace": str(tmp_path / "b.json")}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)                 # the same model under its catalog name: silent
+        run_simulation(load_config(None, {**BASE, "trace": str(tmp_path / "b.json")}))
+
+
+def test_string_request_ids_are_numbered_and_kept(tmp_path):
+    log = tmp_path / "ids.csv"
+    log.write_text("id,ts,in,out\nr0,0.0,100,5\nr1,0.25,200,6\nreq-x,1.0,300,7\n")
+    cols = "arrival=ts,prompt_tokens=in,output_tokens=out,request_id=id"
+    with pytest.warns(TraceWarning, match=r"id: request ids that are not integers \(such as 'r0'\) numbered 0..2"):
+        t = load_trace(log, format="csv", columns=cols)
+    assert t.df["request_id"].tolist() == [0, 1, 2] and t.request_labels == {0: "r0", 1: "r1", 2: "req-x"}
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(log), "--trace-format", "csv", "--trace-columns", cols,
+                                 "-q", "-o", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    req = pd.read_parquet(tmp_path / "run" / "requests.parquet")
+    assert dict(zip(req["request_id"], req["request_label"], strict=True)) == {0: "r0", 1: "r1", 2: "req-x"}
+    log.write_text("id,ts,in,out\nr0,0.0,100,5\nr0,0.25,200,6\n")
+    with pytest.raises(TraceError, match="request id 'r0' repeats an earlier row's"):
+        load_trace(log, format="csv", columns=cols)
+
+
+def test_a_hugging_face_tokenizer_id_reads_the_local_cache_or_fails_in_one_line(tmp_path, monkeypatch):
+    from kvsim.traces.tokenizer import DEFAULT_TOKENIZER
+    snapshot = tmp_path / "hub" / "models--acme--tiny-chat" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = ["Hello there, how are you?", "a b c"]
+    assert count_tokens(load_tokenizer("acme/tiny-chat"), texts) == count_tokens(load_tokenizer(), texts)
+    with pytest.raises(TraceError, match=r"tokenizer acme/absent: not in the Hugging Face cache \(.*hub\), and "
+                                         r"HF_HUB_OFFLINE forbids fetching it; download it first"):
+        load_tokenizer("acme/absent")

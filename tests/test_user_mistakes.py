@@ -64,8 +64,8 @@ CASES = {
                                         "error: {d}/early.jsonl:2: arrival_time_s: expected a time in seconds >= 0, "
                                         "got -1"),
     "SLO without unit in YAML": (SIM + ["-c", "{d}/slo.yaml", "--out", "{d}/o"],
-                                 "error: {d}/slo.yaml: slo.ttft: not a duration with a unit; expected e.g. 2s, 200ms or "
-                                 "500us (a bare number is ambiguous) (got 2)"),
+                                 "error: {d}/slo.yaml: slo.ttft: not a duration with a unit; expected e.g. 500us, 200ms, 2s, "
+                                 "10m (minutes), 1h (a bare number is ambiguous) (got 2)"),
     "unknown CSV header": (SIM + ["--trace", "{d}/secret.csv", "--out", "{d}/o"], None),
     "unknown JSON keys": (SIM + ["--trace", "{d}/secret.jsonl", "--out", "{d}/o"], None),
 }

@@ -33,29 +33,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvsim.sim.io.safe_io import InputError, check_input_file, safe_json_loads
+from kvsim.sim.io.safe_io import InputError, check_input_file, check_read_memory, safe_json_loads
 from kvsim.traces.arrivals import arrivals
 from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.trace import NATIVE_METADATA_KEY, Trace, _session_column
+from kvsim.traces.time_units import detect_epoch_unit
 from kvsim.traces.user_formats import (TIME_UNITS, check_csv_fields, malformed_csv, read_mapped_table,
                                        sharegpt_lengths, vllm_bench_columns)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 
-DATA_TRACES: dict[str, str] = {
-    "azure-conv-2023": "azure2023/AzureLLMInferenceTrace_conv.csv",
-    "azure-code-2023": "azure2023/AzureLLMInferenceTrace_code.csv",
-    "mooncake-conversation": "mooncake/conversation_trace.jsonl",
-    "mooncake-synthetic": "mooncake/synthetic_trace.jsonl",
-    "sharegpt-8k-filtered": "lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv",
-    "arxiv": "lengths/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
-}
-# Old short names: still accepted, with a notice naming the new one.
-TRACE_ALIASES: dict[str, tuple[str, str]] = {
-    "sharegpt": ("sharegpt-8k-filtered", "the trace 'sharegpt' is now 'sharegpt-8k-filtered': Sarathi-Serve's "
-                 "8K-filtered ShareGPT conversation lengths (prompt mean 2,340 tokens, output 439), not "
-                 "single-round chats; the old name keeps working"),
-}
+from kvsim.traces.formats import DATA_TRACES, TRACE_ALIASES  # noqa: E402,F401 - re-exported
 
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_TIME_S = 1e9            # ~31 years: later arrivals are mistakes (and lose sub-millisecond precision)
@@ -75,12 +63,7 @@ _KNOWN_FORMATS_HELP = (
     "CSV (num_prefill_tokens,num_decode_tokens), kvsim native JSONL/Parquet/CSV "
     "(arrival_time_s,prompt_tokens,output_tokens), ShareGPT JSON, a vllm bench serve result JSON; any other "
     "CSV/JSONL/Parquet log with --trace-format csv|jsonl|parquet and --trace-columns")
-FORMATS = ("azure", "mooncake", "vidur", "burstgpt", "lengths", "native-jsonl", "native-parquet", "native-csv",
-           "sharegpt", "vllm-bench", "csv", "jsonl", "parquet")
-# read only when named with format= (a column mapping says which column is what): never detected
-GENERIC_FORMATS = ("csv", "jsonl", "parquet")
-# formats without arrival times: every request at t=0 unless a rate is given
-LENGTH_ONLY_FORMATS = ("lengths", "sharegpt")
+from kvsim.traces.formats import FORMATS, GENERIC_FORMATS, LENGTH_ONLY_FORMATS  # noqa: E402,F401 - re-exported
 # the most data rows a loader reads (load_trace's max_rows); None: the whole file
 _ROW_LIMIT: ContextVar[int | None] = ContextVar("trace_row_limit", default=None)
 
@@ -137,6 +120,12 @@ def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: fl
     # the first N rows are the first N requests only where rows are requests in file order
     limited = (max_rows is not None and fmt not in LENGTH_ONLY_FORMATS + ("vllm-bench",) + GENERIC_FORMATS
                and not any(options.get(k) for k in ("model", "log_type")))
+    if not limited:             # the whole file is parsed: refuse one that cannot fit before reading it
+        kind = "parquet" if fmt in ("native-parquet", "parquet") else "json" if fmt in ("sharegpt", "vllm-bench") else "text"
+        try:
+            check_read_memory(path, kind)
+        except InputError as exc:
+            raise TraceError(path, None, str(exc).removeprefix(f"{path}: ")) from None
     token = _ROW_LIMIT.set(max_rows if limited else None)
     try:
         trace = _LOADERS[fmt](path, **options)
@@ -173,7 +162,8 @@ def detect_format(path: str | os.PathLike) -> str:
     line_no, line = first
     if line.startswith("[") and '"conversations"' in text:
         return "sharegpt"
-    if line.startswith("{") and '"input_lens"' in text and '"output_lens"' in text:
+    # a bench result is one JSON document: its per-request lists may push output_lens past the first 64 KiB
+    if line.startswith("{") and ('"input_lens"' in text or '"output_lens"' in text):
         return "vllm-bench"
     if line.startswith("{"):
         try:
@@ -605,6 +595,8 @@ def load_sharegpt(path: Path, *, seed: int = 0, tokenizer=None, shuffle: bool = 
     trace = _build(path, _Rows(path, None, len(prompt)), arrival=np.zeros(len(prompt)), prompt=prompt,
                    output=output)
     trace.notices.append(notice)
+    # the counts depend on the tokenizer: say which one counted them (the default is an approximation)
+    warnings.warn(f"{path}: {notice}", TraceWarning, stacklevel=3)
     return trace
 
 
@@ -624,27 +616,70 @@ def _generic(fmt: str):
             raise TraceError(path, None, f"time_unit {time_unit!r}; expected one of {', '.join(TIME_UNITS)}")
         df, lines, mapping = read_mapped_table(path, fmt, columns)
         rows = _Rows(path, lines, len(df))
-        extra = {}
-        for field in ("request_id", "priority"):
-            if field in mapping:
-                extra[field] = _integers(df[mapping[field]], rows, mapping[field], 0 if field == "request_id" else None)
+        extra, labels = {}, None
+        if "priority" in mapping:
+            extra["priority"] = _integers(df[mapping["priority"]], rows, mapping["priority"], None)
+        if "request_id" in mapping:
+            extra["request_id"], labels = _request_ids(df[mapping["request_id"]], rows, mapping["request_id"])
         if "session_id" in mapping:
             extra["session_id"] = list(df[mapping["session_id"]])
-        return _build(path, rows, arrival=_log_times(df[mapping["arrival"]], rows, mapping["arrival"], time_unit),
-                      prompt=_integers(df[mapping["prompt_tokens"]], rows, mapping["prompt_tokens"], 1),
-                      output=_integers(df[mapping["output_tokens"]], rows, mapping["output_tokens"], 0), **extra)
+        notices: list[str] = []
+        arrival = _log_times(df[mapping["arrival"]], rows, mapping["arrival"], time_unit, notices)
+        trace = _build(path, rows, arrival=arrival,
+                       prompt=_integers(df[mapping["prompt_tokens"]], rows, mapping["prompt_tokens"], 1),
+                       output=_integers(df[mapping["output_tokens"]], rows, mapping["output_tokens"], 0), **extra)
+        trace.notices.extend(notices)
+        if labels is not None:
+            trace.request_labels = labels
+            notice = (f"{mapping['request_id']}: request ids that are not integers (such as {labels[0]!r:.40}) "
+                      f"numbered 0..{len(labels) - 1} in file order; requests.parquet's request_label keeps them")
+            trace.notices.append(notice)
+            warnings.warn(f"{path}: {notice}", TraceWarning, stacklevel=3)
+        return trace
     return load
 
 
-def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str) -> np.ndarray:
-    """Epoch numbers (in `unit`) or ISO-8601 strings -> seconds from the first request."""
+def _request_ids(raw: pd.Series, rows: _Rows, name: str) -> tuple[np.ndarray, dict[int, str] | None]:
+    """Integer request ids as they are; any other ids (`r0`, UUIDs) numbered in file order, with the originals."""
+    if not np.isnan(_numbers(raw)).any():
+        return _integers(raw, rows, name, 0), None
+    text = raw.astype(str).where(raw.notna(), "")
+    empty = np.flatnonzero((text.str.strip() == "").to_numpy())
+    if len(empty):
+        raise rows.error(int(empty[0]), f"{name}: expected a request id, got an empty value")
+    repeated = np.flatnonzero(text.duplicated().to_numpy())
+    if len(repeated):
+        raise rows.error(int(repeated[0]), f"{name}: request id {text.iloc[int(repeated[0])]!r:.40} repeats an "
+                                           "earlier row's; expected one row per request")
+    return np.arange(len(text), dtype=np.int64), dict(enumerate(text.tolist()))
+
+
+def _epoch_unit(values: np.ndarray, unit: str, rows: _Rows, name: str, notices: list[str]) -> str:
+    """`unit`, or the finer unit that epoch times too large for it are in (1.7e12 'seconds' are epoch
+    milliseconds: read as seconds, a 1000x load error), with a notice and a warning."""
+    detected = detect_epoch_unit(values) if unit == "s" else None
+    if not detected:
+        return unit
+    first = float(np.min(values))
+    notice = (f"{name}: epoch times such as {first:.0f} would be past the year 5000 in seconds: read as {detected} "
+              f"(epoch {detected}; give --time-unit {detected} to say so)")
+    notices.append(notice)
+    warnings.warn(f"{rows.path}: {notice}", TraceWarning, stacklevel=4)
+    return detected
+
+
+def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str, notices: list[str]) -> np.ndarray:
+    """Epoch numbers (in `unit`) or ISO-8601 strings -> seconds from the first request. Epoch numbers
+    said to be seconds that can only be a finer unit are read in that unit, with a notice."""
     if pd.api.types.is_datetime64_any_dtype(raw):       # a Parquet timestamp column: times, not epoch numbers
         parsed = pd.to_datetime(raw, utc=True)
     else:
         numeric = ~np.isnan(_numbers(raw))
         if numeric.all():
             # epoch numbers are large by nature: the bound on arrival times applies once they are relative
-            values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)", maximum=np.inf) * TIME_UNITS[unit]
+            values = _floats(raw, rows, name, f"a time (epoch {unit} or ISO-8601)", maximum=np.inf)
+            unit = _epoch_unit(values, unit, rows, name, notices)
+            values = values * TIME_UNITS[unit]
             relative = values - values.min()
             return _floats(relative, rows, name, "a time span from the first request (s)")
         text = raw.astype(str).where(raw.notna(), "").str.strip()

@@ -27,14 +27,18 @@ from kvsim.traces.loaders import load_trace
 from kvsim.traces.trace import Trace
 
 
+MAX_LENGTH = 100_000_000      # tokens of one prompt or output: far beyond any model's context
+MAX_LOGNORMAL_CV = 100.0       # sigma^2 = ln(1 + cv^2) stays finite (a cv of 1e300 overflows it)
+
+
 # ---- length distributions ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Fixed:
     tokens: int
 
     def __post_init__(self):
-        if self.tokens < 1:
-            raise TraceError(None, None, f"fixed length must be >= 1, got {self.tokens}")
+        if not 1 <= self.tokens <= MAX_LENGTH:
+            raise TraceError(None, None, f"fixed length must be in 1..{MAX_LENGTH:,}, got {self.tokens}")
 
     def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
         return np.full(n, self.tokens, dtype=np.int64)
@@ -46,8 +50,8 @@ class Uniform:
     high: int
 
     def __post_init__(self):
-        if not 1 <= self.low <= self.high:
-            raise TraceError(None, None, f"uniform lengths need 1 <= low <= high, got {self.low},{self.high}")
+        if not 1 <= self.low <= self.high <= MAX_LENGTH:
+            raise TraceError(None, None, f"uniform lengths need 1 <= low <= high <= {MAX_LENGTH:,}, got {self.low},{self.high}")
 
     def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
         return rng.integers(self.low, self.high, size=n, endpoint=True, dtype=np.int64)
@@ -62,6 +66,9 @@ class LogNormal:
     def __post_init__(self):
         check_positive("lognormal mean", self.mean)
         check_positive("lognormal cv", self.cv)
+        if self.mean > MAX_LENGTH or self.cv > MAX_LOGNORMAL_CV:
+            raise TraceError(None, None, f"lognormal:{self.mean:g},{self.cv:g}: expected a mean of at most "
+                                         f"{MAX_LENGTH:,} tokens and a cv of at most {MAX_LOGNORMAL_CV:g}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise TraceError(None, None, f"lognormal max must be >= 1, got {self.max_tokens}")
 
@@ -92,9 +99,22 @@ def parse_length_spec(spec: str | int | LengthDist) -> LengthDist:
             return Uniform(int(values[0]), int(values[1]))
         if kind == "lognormal" and len(values) in (2, 3):
             return LogNormal(float(values[0]), float(values[1]), int(values[2]) if len(values) == 3 else None)
+    except TraceError:
+        raise
     except ValueError:
         pass
     raise TraceError(None, None, f"length spec {spec!r}: expected fixed:L, uniform:LO,HI or lognormal:MEAN,CV[,MAX]")
+
+
+# bytes per synthesized request at the peak of `synthesize` + `Trace.save`: the peak RSS of `kvsim trace
+# synth -n N` grew 212 B (.jsonl) and 156 B (.parquet) per request from N = 1e5 to 1e6 (/usr/bin/time -v,
+# 2-core x86 VM, 2026-12-07), rounded up
+SYNTH_BYTES_PER_REQUEST = 250
+
+
+def estimate_synth_bytes(n: int) -> int:
+    """Memory `synthesize(n)` and saving its trace need, in bytes (SYNTH_BYTES_PER_REQUEST each)."""
+    return int(n) * SYNTH_BYTES_PER_REQUEST
 
 
 # ---- workloads -------------------------------------------------------------------------------
@@ -141,3 +161,36 @@ def _resample(source: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray
     pool = load_trace(source).df
     rows = rng.integers(0, len(pool), size=n)
     return pool["prompt_tokens"].to_numpy()[rows], pool["output_tokens"].to_numpy()[rows]
+
+
+def vllm_random_dataset(n: int, *, input_len: int = 1024, output_len: int = 128, range_ratio: float = 0.0,
+                        prefix_len: int = 0, seed: int = 0) -> Trace:
+    """``vllm bench serve --dataset-name random``'s requests as lengths: ``n`` prompts of ``prefix_len``
+    shared tokens plus a length uniform on the integers [floor(input_len (1 - r)), ceil(input_len (1 + r))],
+    outputs uniform on [max(1, floor(output_len (1 - r))), ceil(output_len (1 + r))], all at t=0 (the
+    load options set arrivals). The draws are vLLM's (``numpy.random.default_rng(seed)``: the prefix
+    tokens first, then input lengths, then output lengths) for a tokenizer that adds no special token; a
+    tokenizer that adds k (Llama's BOS: 1) shifts vLLM's input interval to input_len - k before the server
+    adds them back. Requests share the prefix as one prefix block (prefix caching hits it)."""
+    n = check_count(n)
+    if not 0.0 <= range_ratio < 1.0:
+        raise TraceError(None, None, f"random dataset: range_ratio must be in [0, 1) as in vLLM, got {range_ratio:g}")
+    for label, value, low in (("input_len", input_len, 1), ("output_len", output_len, 1), ("prefix_len", prefix_len, 0)):
+        if int(value) != value or value < low:
+            raise TraceError(None, None, f"random dataset: {label} must be an integer >= {low}, got {value}")
+    rng = np.random.default_rng(seed)
+    if prefix_len:
+        rng.integers(0, 2, size=prefix_len)      # vLLM draws the prefix tokens first: keep the stream aligned
+    input_low, input_high = math.floor(input_len * (1 - range_ratio)), math.ceil(input_len * (1 + range_ratio))
+    output_low = max(math.floor(output_len * (1 - range_ratio)), 1)
+    output_high = max(math.ceil(output_len * (1 + range_ratio)), 1)
+    inputs = rng.integers(input_low, input_high + 1, size=n)
+    outputs = rng.integers(output_low, output_high + 1, size=n)
+    prompt = np.maximum(inputs + prefix_len, 1)
+    columns = {"prefix_hash_ids": [[0]] * n} if prefix_len else {}
+    trace = Trace.from_columns(arrival_time_s=np.zeros(n), prompt_tokens=prompt, output_tokens=outputs,
+                               name="random", source="vllm bench serve --dataset-name random",
+                               prefix_block_tokens=prefix_len or None, **columns)
+    trace.notices.append(f"random dataset (vllm bench serve): {n} requests, input {input_low}-{input_high} + prefix "
+                         f"{prefix_len}, output {output_low}-{output_high} tokens, seed {seed}")
+    return trace

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from kvsim.sim.io.safe_io import atomic_output
+from kvsim.sim.io.safe_io import atomic_output, file_starts_with
 from kvsim.traces.errors import TraceError
 
 REQUIRED_COLUMNS = ("request_id", "arrival_time_s", "prompt_tokens", "output_tokens")
@@ -51,6 +51,8 @@ class Trace:
     # "ttfts", "itls", "latencies" lists in the same order) and load options (traces/user_formats.py)
     measured: dict | None = None
     bench_load: dict | None = None
+    # request ids that were not integers in the source (`r0`, UUIDs): request_id -> the original id
+    request_labels: dict[int, str] | None = None
 
     def __post_init__(self) -> None:
         self.df = _canonical_frame(self.df, self.source or self.name)
@@ -281,6 +283,15 @@ def _is_missing(value) -> bool:
 
 
 # ---- writers (readers live in traces.loaders) -------------------------------------------------
+def written_by_kvsim(path: str | os.PathLike) -> bool:
+    """Whether `path` is a native trace kvsim wrote (its metadata line or Parquet key): a trace command
+    may replace it without --overwrite; anything else there is the user's."""
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+        return NATIVE_METADATA_KEY.encode() in (pq.read_schema(path).metadata or {})
+    return file_starts_with(path, b'{"' + NATIVE_METADATA_KEY.encode() + b'"', within=64)
+
 def _write_parquet(trace: Trace, path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -20,6 +20,7 @@ JSON, and generic CSV / JSONL / Parquet logs read through an explicit column map
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvsim.sim.io.safe_io import MAX_NESTING, InputError, safe_json_loads
 from kvsim.traces.arrivals import vllm_bench_arrivals
 from kvsim.traces.errors import TraceError
 
@@ -81,7 +83,8 @@ def sharegpt_lengths(path: Path, *, seed: int = 0, tokenizer=None, shuffle: bool
         raise TraceError(path, None, "no conversation pair passes the length filter (vLLM's: 4 <= tokens, "
                                      "prompt <= 1024, prompt + output <= 2048)")
     n = int(keep.sum())
-    which = "the shipped SmolLM2 tokenizer (an approximation)" if tokenizer is None else f"tokenizer {tokenizer}"
+    which = ("the shipped SmolLM2 tokenizer (an approximation of the served model's: give --tokenizer its "
+             "tokenizer.json or Hugging Face id)" if tokenizer is None else f"tokenizer {tokenizer}")
     order = f"shuffled with seed {seed}" if shuffle else "file order"
     notice = (f"ShareGPT: {n} of {len(pairs)} conversation pairs ({order}"
               f"{', vLLM length filter' if vllm_filter else ''}), counted with {which}")
@@ -112,6 +115,8 @@ def vllm_bench_columns(path: Path) -> dict:
     if not ok.any():
         raise TraceError(path, None, "every request of the benchmark failed; nothing to replay")
     idx = np.flatnonzero(ok)
+    _check_measured(path, data, idx)
+    _check_load(path, data)
     starts, queue = data.get("start_times"), data.get("queue_times")
     if starts is not None and data.get("max_concurrency") is None:
         arrival = np.array([starts[i] for i in idx], dtype=np.float64)
@@ -123,13 +128,45 @@ def vllm_bench_columns(path: Path) -> dict:
         arrival = (vllm_bench_arrivals(len(idx), rate, float(data.get("burstiness") or 1.0))
                    if rate and data.get("max_concurrency") is None else np.zeros(len(idx)))
     measured = {key: [data[key][i] for i in idx] for key in MEASURED if key in data}
-    measured.update(request_id=idx.tolist(), duration=data.get("duration"))
     dropped = n - len(idx)
+    failed = data.get("failed")
+    measured.update(request_id=idx.tolist(), duration=data.get("duration"),
+                    failed=failed if isinstance(failed, int) and not isinstance(failed, bool) else dropped,
+                    model_id=data.get("model_id") if isinstance(data.get("model_id"), str) else None)
     return {"prompt": [data["input_lens"][i] for i in idx], "output": [data["output_lens"][i] for i in idx],
             "arrival": arrival, "request_id": idx.astype(np.int64), "measured": measured,
             "bench_load": {k: data.get(k) for k in ("request_rate", "burstiness", "max_concurrency")},
             "notice": f"vllm bench serve result: {len(idx)} requests"
                       + (f" ({dropped} failed ones left out)" if dropped else "")}
+
+
+def _is_time(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _check_measured(path: Path, data: dict, idx: np.ndarray) -> None:
+    """The measured times of the requests kept: seconds >= 0 (a negative or NaN TTFT is a broken file, not a
+    measurement); `itls` a list of such times per request."""
+    for key in ("ttfts", "latencies"):
+        for i in idx if key in data else ():
+            if not _is_time(data[key][i]):
+                raise TraceError(path, None, f"'{key}'[{i}]: expected a measured time in seconds >= 0, got "
+                                             f"{data[key][i]!r:.40}")
+    for i in idx if "itls" in data else ():
+        itls = data["itls"][i]
+        if not isinstance(itls, list) or not all(_is_time(v) for v in itls):
+            raise TraceError(path, None, f"'itls'[{i}]: expected a list of inter-token times in seconds >= 0, got "
+                                         f"{itls!r:.40}")
+
+
+def _check_load(path: Path, data: dict) -> None:
+    concurrency = data.get("max_concurrency")
+    if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                    or concurrency < 1):
+        raise TraceError(path, None, f"'max_concurrency': expected null or an integer >= 1, got {concurrency!r:.40}")
+    duration = data.get("duration")
+    if duration is not None and not (_is_time(duration) and duration > 0):
+        raise TraceError(path, None, f"'duration': expected the benchmark's length in seconds > 0, got {duration!r:.40}")
 
 
 # ---- generic tables -----------------------------------------------------------------------------
@@ -145,6 +182,9 @@ def parse_columns(text: str | dict | None) -> dict[str, str]:
             key, sep, value = item.partition("=")
             if not sep or not key.strip() or not value.strip():
                 raise TraceError(None, None, f"columns: {item!r} is not FIELD=COLUMN (e.g. arrival=timestamp)")
+            if key.strip() in mapping:
+                raise TraceError(None, None, f"columns: {key.strip()} is mapped twice ({mapping[key.strip()]} and "
+                                             f"{value.strip()}); expected each field once")
             mapping[key.strip()] = value.strip()
     unknown = sorted(set(mapping) - set(GENERIC_FIELDS))
     if unknown:
@@ -198,7 +238,10 @@ def _read_table(path: Path, fmt: str) -> tuple[pd.DataFrame, np.ndarray | None]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = safe_json_loads(line, f"line {line_no}")
+            except InputError:
+                raise TraceError(path, line_no, f"JSON nested more than {MAX_NESTING} levels deep; expected one "
+                                                "JSON object per line") from None
             except json.JSONDecodeError as exc:
                 raise TraceError(path, line_no, f"invalid JSON ({exc.msg}); expected one object per line") from None
             if not isinstance(record, dict):

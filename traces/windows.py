@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvsim.traces.durations import duration_seconds
 from kvsim.traces.errors import TraceError
 from kvsim.traces.trace import Trace
 
-_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|min|m|h)?")
 _PEAK = re.compile(r"(.+)@peak(\d*)")
 _SPAN = re.compile(r"([^:]*):([^:]*)")
 WINDOW_HELP = ("DUR@peak (the busiest DUR of the trace), DUR@peakK (the K-th busiest, not overlapping the "
@@ -39,10 +38,9 @@ class Window:
 
 def parse_duration_s(text: str, what: str = "window") -> float:
     """'10m' -> 600.0; a bare number is seconds."""
-    m = _DURATION.fullmatch(text.strip())
-    if not m:
+    value = duration_seconds(text, unit_required=False)
+    if value is None:
         raise TraceError(None, None, f"{what}: {text!r} is not a duration (e.g. 600, 600s, 10m, 1h)")
-    value = float(m.group(1)) * _UNITS[m.group(2) or "s"]
     if not value > 0:
         raise TraceError(None, None, f"{what}: duration must be > 0, got {text!r}")
     return value

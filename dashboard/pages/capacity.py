@@ -4,14 +4,15 @@ import pandas as pd
 import streamlit as st
 
 from kvsim.dashboard import charts
-from kvsim.dashboard.data import (DataError, capacity_by_group, drain_share, meets_slo, pareto_front, read_sweep_store,
-                            resolve_user_path, varying_columns)
+from kvsim.dashboard.data import (DataError, capacity_bracket, capacity_by_group, capacity_stop_reason, drain_share,
+                                  meets_slo, pareto_front, read_sweep_store, resolve_user_path, varying_columns)
 from kvsim.dashboard.forms import BASE, config_form, gui_message
 from kvsim.dashboard.guard import check_run
 from kvsim.dashboard.jobs import capacity_search_task
 from kvsim.dashboard.ui import follow_job, keep_widget, run_button, running_job, start_job
-from kvsim.sim.planning.capacity import check_rate_search, choose_sample, parse_slo, sample_warnings
 from kvsim.sim.model.catalog import list_gpus, list_models
+from kvsim.sim.planning.capacity import (CapacitySearch, check_rate_search, choose_sample, parse_slo, result_warnings,
+                                         sample_warnings)
 from kvsim.sim.config import ConfigError, SimConfig
 from kvsim.sim.planning.plan import PlanResult, PlanSpace, plan_capacity
 from kvsim.sim.planning.sweep import config_columns
@@ -61,16 +62,22 @@ def plan_task(base: SimConfig, constraints, models, gpus, tps, max_replicas: int
     return task
 
 
+def replica_range(s) -> str:
+    """What a plan's replica search established: the most replicas seen failing, the fewest meeting."""
+    fails = f"fails at {s.lo_fail}" if s.lo_fail else "nothing fewer tried"
+    return f"{fails}, meets at {s.hi_ok}" if s.hi_ok is not None else f"fails at {s.lo_fail}, none met"
+
+
 def show_plan(result: PlanResult) -> pd.DataFrame:
     st.subheader("Cheapest configuration")
     for model, s in result.cheapest.items():
         row = s.answer_row
         st.success(f"{model}: {s.cand.gpu} TP{s.cand.tp} x {s.hi_ok} replicas = {s.hi_ok * s.cand.tp} GPUs, "
                    f"${s.hi_ok * s.cand.usd_per_replica_hour:.2f}/h, ${row.get(COST, float('nan')):.3f} per million "
-                   f"output tokens")
+                   f"output tokens; range: {replica_range(s)}")
     st.dataframe(pd.DataFrame([{
         "model": s.cand.model, "GPU": s.cand.gpu, "TP": s.cand.tp, "result": s.status, "note": s.note,
-        "replicas": s.hi_ok if s.status == "answer" else None,
+        "replicas": s.hi_ok if s.status == "answer" else None, "range": replica_range(s),
         "USD per hour": s.hi_ok * s.cand.usd_per_replica_hour if s.status == "answer" else None}
         for s in result.searches] + [{"model": c.model, "GPU": c.gpu, "TP": c.tp, "result": "cannot run", "note": why}
                                      for c, why in result.unfit]), hide_index=True, key="cap_plan_table")
@@ -105,6 +112,24 @@ def warn_if_drain_dominated(answers) -> None:
                        f"{int(row['num_requests']):,} requests arrived, so goodput there measures how fast this "
                        f"batch drains, not a rate the server sustains. Raise Max requests (first N) in the sidebar "
                        f"until the answer stops moving.")
+
+
+def show_how_it_stopped(answers, max_evals: int) -> None:
+    """Per GPU: the answer's range (the highest load meeting the SLO and the lowest failing above it),
+    why the search stopped there, and the command line's warnings about the result."""
+    for gpu, r in answers:
+        search = CapacitySearch(mode=r.mode, max_evals=max_evals)
+        answer, other = capacity_bracket(r)
+        if r.mode == "rate":
+            span = (f"between rate scale {answer:g} (meets the SLO) and {other:g} (fails)" if answer is not None
+                    and other is not None else f"at least rate scale {answer:g}" if answer is not None else "none")
+        else:
+            span = (f"{answer:g} replicas (meets the SLO; {other:g} fail)" if answer is not None and other is not None
+                    else f"{answer:g} replicas" if answer is not None else "none")
+        st.markdown(f"**{gpu}**: capacity range {span}. Stopped: {capacity_stop_reason(r, search)}.")
+        for line in result_warnings(r, max_evals):
+            if not line.startswith("drain-dominated"):      # said below, with what to do about it
+                st.warning(f"{gpu}: {line}")
 
 
 st.title("Capacity")
@@ -192,7 +217,7 @@ else:
         task = (plan_task(sampled, constraints, models, chosen, tps, int(max_evals), store) if mode == "plan" else
                 capacity_search_task(sampled, chosen, constraints, mode, int(max_evals), store))
         st.session_state["cap_pending"] = {"inputs": inputs, "slo": slo_text, "sample": sample.describe(),
-                                           "warnings": sample_warnings(sample)}
+                                           "warnings": sample_warnings(sample), "max_evals": int(max_evals)}
         start_job("Capacity", task=task, config=sampled)
     stale = st.empty()
     if running_job() is not None and running_job().page == "Capacity" and st.session_state.get("cap_answers"):
@@ -221,6 +246,7 @@ else:
     else:
         st.subheader("Capacity")
         st.dataframe(answer_table(answers), hide_index=True, key="cap_answers_table", column_config=ANSWER_FORMATS)
+        show_how_it_stopped(answers, meta.get("max_evals", 24))
         table = pd.concat([r.curve for _, r in answers if r.curve is not None], ignore_index=True)
         warn_if_drain_dominated(answers)
 
@@ -250,17 +276,27 @@ if source == "Load a sweep store":
         "SLO for the views below", value=st.session_state.get("cap_slo", DEFAULT_SLO), key="cap_slo_view")
 st.caption(f"Views judged against the SLO {view_slo}")
 try:
-    ok = meets_slo(table, parse_slo(view_slo))
+    constraints = parse_slo(view_slo)
+    ok = meets_slo(table, constraints)
 except (ConfigError, DataError) as exc:
     st.error(gui_message(str(exc)))
     st.stop()
 
+limits = {c.metric: c.limit for c in constraints if c.op in ("<=", "<")}
+latencies = list(dict.fromkeys(["ttft_p99_s", "tpot_p99_s"] + [m for m in limits if m.endswith("_s")]))
+charts_here = [("cap_curve", charts.slo_vs_load(table, load, benefit, ok, group, "Capacity curve"))]
+for metric in (m for m in latencies if m in table):
+    scale, unit = (1e3, "ms") if metric.startswith(("tpot", "itl")) else (1.0, "s")
+    title = f"{charts.column_title(metric).split(' (')[0]} vs load" + (" with the SLO" if metric in limits else "")
+    charts_here.append((f"cap_{metric}", charts.slo_vs_load(table, load, metric, ok, group, title, limits.get(metric),
+                                                           scale, unit)))
+cols = st.columns(2)
+for i, (key, fig) in enumerate(charts_here):
+    cols[i % 2].plotly_chart(fig, key=key, config=charts.PLOT_CONFIG)
+st.caption("Each simulated point is marked: green circles meet the SLO, red crosses fail it. A point above the "
+           "answer can show more goodput while failing the SLO (its latencies are over the limits): the answer is "
+           "the highest load that meets it.")
 left, right = st.columns(2)
-left.plotly_chart(charts.xy_lines(table, load, benefit, group, "Capacity curve"), key="cap_curve",
-                  config=charts.PLOT_CONFIG)
-latency = "ttft_p99_s" if "ttft_p99_s" in table else benefit
-right.plotly_chart(charts.xy_lines(table, load, latency, group, f"{charts.column_title(latency)} vs load"),
-                   key="cap_latency", config=charts.PLOT_CONFIG)
 answer_column = f"max {load} meeting the SLO"
 st.dataframe(capacity_by_group(table, load, ok, group), hide_index=True, key="cap_capacity", column_config={
     answer_column: st.column_config.NumberColumn(f"highest {charts.column_title(load)} meeting the SLO", format="%.3g")})

@@ -3,9 +3,10 @@ import pandas as pd
 import streamlit as st
 
 from kvsim.dashboard import charts
-from kvsim.dashboard.data import config_headline, partial_note, used_config
+from kvsim.dashboard.data import config_headline, deltas_against, flat_metric_notes, partial_note, used_config
 from kvsim.dashboard.forms import BASE, config_axes, config_form, gui_message, parse_axis_values, with_value
-from kvsim.dashboard.ui import (available_runs, follow_job, get_runs, run_button, start_job, summary_column_config,
+from kvsim.dashboard.ui import (available_runs, fast_mode_hint, follow_job, get_runs, run_button, run_column, start_job,
+                                summary_column_config,
                                 summary_table)
 from kvsim.sim.config import ConfigError
 
@@ -34,7 +35,10 @@ axis = st.selectbox("Vary (each run is the base configuration with this key chan
 choices = axes[axis]
 values, axis_error = [], None
 if choices is not None:
-    values = st.multiselect("Values", choices, default=choices[: min(4, len(choices))], key=f"cmp_values_{axis}")
+    default = choices[: min(4, len(choices))]
+    if axis == "kv.policy" and base is not None:       # the base policy against the baseline that keeps every token
+        default = list(dict.fromkeys(["none", base.kv.policy]))
+    values = st.multiselect("Values", choices, default=default, key=f"cmp_values_{axis}")
     if not values:
         axis_error = "pick at least one value to compare"
 else:
@@ -44,15 +48,22 @@ else:
         values = parse_axis_values(axis, text)
     except ConfigError as exc:
         axis_error = gui_message(str(exc))
-runs = []
+runs, refused = [], []
 if base is not None and not axis_error:
-    try:
-        runs = [(f"{axis}={v}", with_value(base, axis, v)) for v in values]
-    except ConfigError as exc:
-        axis_error = gui_message(str(exc))
-for message in (error, axis_error):
+    for v in values:            # each value on its own: a refused one does not hold back the others
+        try:
+            runs.append((f"{axis}={v}", with_value(base, axis, v)))
+        except ConfigError as exc:
+            refused.append(gui_message(str(exc)))
+for message in (error, axis_error, *refused):
     if message:
         st.error(message)
+if refused and runs:
+    st.caption(f"Run queues the {len(runs)} value(s) that pass; fix or drop the refused one(s) to run them too.")
+if axis == "kv.policy" and base is not None and (base.kv.budget is not None or base.kv.params):
+    st.caption("Each policy runs with the base's budget and the parameters it declares; a policy that takes no "
+               "budget (`none`, the baseline: every token kept) runs without it.")
+fast_mode_hint([c for _, c in runs], "cmp")
 if run_button(f"Run {len(runs)} simulation{'' if len(runs) == 1 else 's'}", "cmp_run", "Compare", blocked=not runs):
     start_job("Compare", runs)
 job = follow_job("Compare")
@@ -67,6 +78,7 @@ if not records:
     st.info("Choose an axis and values, run them, or select earlier runs to compare.")
     st.stop()
 colors = charts.run_colors(records)
+names = [r.label for r in records]
 for note in filter(None, map(partial_note, records)):
     st.warning(note)
 differs = config_table(records)
@@ -74,9 +86,20 @@ st.caption("Each run keeps its colour on every chart of this page. Common to the
            + config_headline(records[0], omit=tuple(differs.columns)))
 if len(differs.columns) > 1:
     st.dataframe(differs, hide_index=True, key="cmp_config",
-                 column_config={"run": st.column_config.TextColumn("run", pinned=True)})
+                 column_config=run_column(names))
 table = summary_table(records)
-st.dataframe(table, hide_index=True, key="cmp_table", column_config=summary_column_config())
+st.dataframe(table, hide_index=True, key="cmp_table", column_config=summary_column_config(names))
+if len(records) > 1:
+    baseline = st.selectbox("Baseline for the differences", names, key="cmp_baseline")
+    delta = deltas_against(table, baseline)
+    st.caption(f"Each run against the baseline **{baseline}**, in percent ((run - baseline) / baseline; empty where "
+               "the baseline's figure is 0). For latencies and fragmentation lower is better, for throughput, "
+               "goodput and SLO attainment higher.")
+    st.dataframe(delta, hide_index=True, key="cmp_deltas", column_config={
+        **run_column(names),
+        **{c: st.column_config.NumberColumn(c, format="%+.1f%%") for c in delta.columns if c != "run"}})
+for note in flat_metric_notes(records):
+    st.info(note)
 a, b = st.columns(2)
 a.plotly_chart(charts.metric_bars(table, "run", ["TTFT p50 ms", "TTFT p99 ms"], "TTFT by configuration", "ms",
                                   colors), key="cmp_ttft_bars", config=charts.PLOT_CONFIG)

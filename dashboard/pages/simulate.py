@@ -3,7 +3,7 @@ import streamlit as st
 
 from kvsim.dashboard import charts
 from kvsim.dashboard.forms import BASE, config_form, label_for
-from kvsim.dashboard.ui import (available_runs, follow_job, pick_run, run_button, show_run_config,
+from kvsim.dashboard.ui import (available_runs, fast_mode_hint, follow_job, pick_run, run_button, show_run_config,
                                 show_summary_metrics, start_job, summary_figures)
 
 st.title("Simulate")
@@ -14,6 +14,7 @@ if error:
     st.error(error)
 label = st.text_input("Run label", value="", placeholder="auto: what differs from the default configuration",
                       key="sim_label")
+fast_mode_hint([cfg], "sim")
 if run_button("Run simulation", "sim_run", "Simulate", blocked=cfg is None):
     start_job("Simulate", [(label.strip() or label_for(cfg), cfg)])
 follow_job("Simulate")
@@ -35,8 +36,9 @@ for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s"), strict=True):
     col.plotly_chart(charts.latency_cdfs([run], metric), key=f"sim_cdf_{metric}", config=charts.PLOT_CONFIG)
 st.plotly_chart(charts.throughput_over_time([run]), key="sim_throughput", config=charts.PLOT_CONFIG)
 a, b = st.columns(2)
-a.plotly_chart(charts.step_series([run], {"num_waiting": "waiting", "num_running": "running"},
-                                  "Queue length", "requests"), key="sim_queue", config=charts.PLOT_CONFIG)
+a.plotly_chart(charts.step_series([run], {"num_running": "Num Running", "num_waiting": "Num Waiting"},
+                                  "Scheduler State: running and waiting requests", "requests"), key="sim_queue",
+               config=charts.PLOT_CONFIG)
 b.plotly_chart(charts.step_series([run], {"batch_size": "batch size"}, "Batch size", "sequences per step"),
                key="sim_batch", config=charts.PLOT_CONFIG)
 st.caption("Latency, load, KV usage, prefix hits, preemptions and the cost model's utilisation per time window: "

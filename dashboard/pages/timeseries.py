@@ -3,7 +3,7 @@ the cost model's utilisation and time breakdown per step; all panels share one z
 import streamlit as st
 
 from kvsim.dashboard import charts
-from kvsim.dashboard.data import run_cost_model, time_series
+from kvsim.dashboard.data import length_heatmap, run_cost_model, time_edges, time_series
 from kvsim.dashboard.ui import follow_job, pick_run, show_run_config
 
 st.title("Time series")
@@ -13,8 +13,10 @@ if run is None:
     st.stop()
 show_run_config(run, "ts")
 windows = st.slider("Time windows", min_value=20, max_value=400, value=120, step=10, key="ts_bins")
-cost = run_cost_model(run)
-ts = time_series(run, windows, cost)
+cost = run.memo("cost_model", lambda: run_cost_model(run))
+ts = run.memo(("time_series", windows), lambda: time_series(run, windows, cost))
+heatmaps = run.memo(("length_heatmaps", windows), lambda: {
+    column: length_heatmap(run.requests, column, time_edges(run, windows)) for column in ("prompt_tokens", "output_tokens")})
 width = float(ts["time_s"].diff().iloc[1]) if len(ts) > 1 else 0.0
 st.caption(f"{windows} windows of {width:.3g} s of simulated time. Latency percentiles are taken over the "
            "requests observed in each window (TTFT when the first token came, TPOT and E2E when the request "
@@ -29,7 +31,9 @@ if cost is not None and run.summary.get("backend") == "real":
 if cost is None:
     st.info("The run's cost model cannot be rebuilt from its config.yaml: the utilisation and time-breakdown "
             "panels are left out.")
-st.plotly_chart(charts.time_series_figure(ts, f"{run.label} over time"), key="ts_figure",
+figure = run.memo(("time_series_figure", windows),       # 19 subplots: plotly takes longer to build than to send
+                  lambda: charts.time_series_figure(ts, f"{run.label} over time", heatmaps))
+st.plotly_chart(figure, key="ts_figure",
                 config=charts.PLOT_CONFIG)
 st.caption("Utilisation: the seconds the steps' model FLOPs (linear layers, LM head, attention) and HBM traffic "
            "(weights, activations, KV reads, slot copies) take at the GPU's peak rates, over the steps' time "

@@ -27,7 +27,30 @@ from kvsim.sim.model.cost_model import PROFILES_DIR, ClientLatency, HardwareProf
 HOLDOUT = "Llama-2-7b-hf"
 FITTED = ("A100-80GB", "H100-SXM", "A40")
 ATTENTION_FROM = "A100-80GB"
-DERIVED = {"A100-40GB": "A100-80GB", "H200": "H100-SXM", "L40": "A40", "L4": "A40", "T4": "A40"}
+DERIVED = {"A100-40GB": "A100-80GB", "H200": "H100-SXM", "L40": "A40", "L4": "A40", "T4": "A40",
+           # added 2026-12-07: no kernel timings of these here; each takes the nearest fitted class
+           "H20": "H100-SXM", "B200": "H100-SXM", "GB200": "H100-SXM", "MI300X": "H100-SXM", "MI325X": "H100-SXM",
+           "L40S": "A40", "A10G": "A40", "RTX-4090": "A40", "RTX-PRO-6000": "A40"}
+NEW_DERIVED = ("H20", "B200", "GB200", "MI300X", "MI325X", "L40S", "A10G", "RTX-4090", "RTX-PRO-6000")
+# what the transfer adds to the source's measured error, by how far the target is from the source
+TRANSFER = {
+    "A100-40GB": "same chip as the source (less memory): the source's error applies",
+    "H200": "same Hopper chip as the source (more, faster HBM): the source's error applies",
+    "H20": "a cut-down Hopper (fewer SMs, same kernels): the source's error plus an unmeasured transfer error",
+    "L40": "Ada GDDR6 PCIe card from an Ampere GDDR6 fit: unmeasured transfer error (published runs: "
+           "docs/gpu-profiles.md)",
+    "L4": "Ada GDDR6 PCIe card from an Ampere GDDR6 fit: error of the published L4 runs in docs/gpu-profiles.md",
+    "T4": "Turing from an Ampere fit: unmeasured transfer error",
+    "L40S": "Ada GDDR6 PCIe card from an Ampere GDDR6 fit: unmeasured transfer error, as the L40's",
+    "A10G": "the same Ampere GA102 class as the source: the source's error plus an unmeasured transfer error",
+    "RTX-4090": "a consumer Ada card from an Ampere fit: unmeasured transfer error",
+    "RTX-PRO-6000": "a Blackwell GDDR7 card from an Ampere fit (datasheet lists FP4 only): unmeasured, likely "
+                    "large transfer error",
+    "B200": "Blackwell from a Hopper fit: unmeasured transfer error (new tensor cores, kernels still maturing)",
+    "GB200": "Blackwell from a Hopper fit: unmeasured transfer error (new tensor cores, kernels still maturing)",
+    "MI300X": "AMD CDNA3 (ROCm kernels) from an NVIDIA Hopper fit: unmeasured, likely large transfer error",
+    "MI325X": "AMD CDNA3 (ROCm kernels) from an NVIDIA Hopper fit: unmeasured, likely large transfer error",
+}
 # Not in kernel timings; fitted by bench/fit_client_terms.py to published `vllm bench serve` runs
 # (tests/data/published_runs; docs/gpu-profiles.md): they describe the hosts those runs used.
 # - the engine's CPU time per step (scheduling, input preparation, sampling): h100-qwen3-0.6b, the only
@@ -60,6 +83,10 @@ def derived_profile(gpu: str, source: HardwareProfile) -> HardwareProfile:
             "transfer": "the source GPU's efficiencies (fractions of peak) and latencies, this GPU's catalog peaks",
             "fit_errors": source.meta.get("fit_errors", {}),
             "fit_errors_of": source.name}
+    if get_gpu(gpu).name in NEW_DERIVED:      # the older files stay as they were (their text is checked)
+        meta["error_band"] = (f"step times within the source's measured MAPE "
+                              f"({100 * source.meta['fit_errors']['step']['mape']:.1f}%) on the source; "
+                              f"{TRANSFER[get_gpu(gpu).name]}")
     return source.model_copy(update={
         "name": get_gpu(gpu).name.lower(),
         "description": f"{get_gpu(gpu).name}: derived from the {source.name} fit (efficiencies transferred)",

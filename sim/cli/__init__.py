@@ -12,6 +12,7 @@ from typer.core import TyperGroup
 from .calibration import calibrate, crosscheck
 from .dashboard import dashboard
 from .model import app as model_app
+from .options import needs_extras
 from .planning import capacity, plan, report, sweep
 from .reference import app as reference_app
 from .catalog import gpus, models
@@ -92,7 +93,7 @@ app.command()(models)
 app.command()(gpus)
 app.add_typer(model_app, name="model")
 for command in (replay, dashboard, sweep, capacity, plan, report, calibrate, crosscheck):
-    app.command()(command)
+    app.command()(needs_extras(command) if command in (replay, dashboard, calibrate, crosscheck) else command)
 app.add_typer(reference_app, name="reference")
 
 

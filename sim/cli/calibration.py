@@ -15,7 +15,7 @@ from rich.console import Console
 
 from kvsim.sim.io.safe_io import atomic_output
 
-from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, config_overrides, fail, output_path
+from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, Overwrite, RateScale, config_overrides, fail, output_path
 
 if TYPE_CHECKING:
     from kvsim.sim.calibration.profile_fit import FitOptions
@@ -175,6 +175,17 @@ def _calibrate_age_profile(base: str, out: Path, name, seed: int, command: str) 
     console.print(f"wrote {out}  (use: --set kv.importance={out} with kv.layout=shared, kv.mode=token)")
 
 
+def _claim_out(out: Path, overwrite: bool) -> None:
+    """--out before the replay: not a file or system directory, not a folder of the user's own files
+    (unless --overwrite); then marked kvsim's, as a results directory is (sim/results.py)."""
+    from kvsim.sim.io.result_dirs import OutputDirError, claim_out_dir
+
+    try:
+        claim_out_dir(out, overwrite=overwrite)
+    except OutputDirError as exc:
+        fail(str(exc))
+
+
 def crosscheck(
     trace: str = typer.Option(..., help="trace the simulator was NOT calibrated on (shipped name or file)"),
     profile: str = typer.Option(..., help="calibrated hardware profile (name or YAML)"),
@@ -205,6 +216,7 @@ def crosscheck(
     recorded: bool = typer.Option(True, "--recorded/--no-recorded",
                                   help="also simulate with the replay's measured step times and compare "
                                        "memory metrics step by step (needed with repeats)"),
+    overwrite: Overwrite = False,
 ) -> None:
     """Replay TRACE on the real backend, simulate it with PROFILE, and write report.md / report.html
     (per-step time MAPE, TTFT/TPOT/E2E percentile errors, throughput error, memory side by side)."""
@@ -214,6 +226,7 @@ def crosscheck(
     from kvsim.sim.crosscheck.report import write_report
     if real and repeats not in (1, len(real)):
         fail(f"--repeats {repeats} with {len(real)} --real directories: give one --real per repeat")
+    _claim_out(out, overwrite)
     repeats = len(real) or repeats
     if repeats > 1 and not recorded:
         fail("--repeats needs recorded mode (the measured request timings come from the recorded simulation "

@@ -21,10 +21,25 @@ def model_row(m) -> dict:
     return {"name": m.name, "hf_id": m.hf_id, "params_b": m.param_count / 1e9, "active_params_b": active / 1e9,
             "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
             "weight_dtype": m.weight_dtype, "expert_dtype": m.expert_dtype, "weight_gib": m.weight_bytes / GiB,
-            "kv_dtype": m.kv_dtype, "kv_bytes_per_token": m.kv_bytes_per_token(), "max_position": m.max_position,
+            "kv_dtype": m.kv_dtype, "kv_bytes_per_token": m.kv_bytes_per_token(),
+            "kv_bytes_per_token_full_attention": _full_attention_kv_bytes(m), "max_position": m.max_position,
             "max_model_len": m.max_model_len, "experts": m.num_experts, "experts_per_token": m.experts_per_token,
             "shared_experts": m.num_shared_experts, "attention": _attention(m),
             "sliding_window": m.sliding_window, "sliding_window_layers": m.num_sliding_layers}
+
+
+def _full_attention_kv_bytes(m) -> float:
+    """KV bytes per token of the layers that keep every token (what grows with the context): all layers but
+    the sliding-window ones, whose KV stops at the window (vLLM's hybrid allocator frees the rest)."""
+    return m.kv_bytes_per_token() * (m.num_layers - m.num_sliding_layers) / m.num_layers
+
+
+def _kv_per_token(row: dict) -> str:
+    text = f"{row['kv_bytes_per_token_full_attention'] / 1024:g} KiB {row['kv_dtype']}"
+    if row["sliding_window_layers"]:                  # the window layers' KV is bounded, not per token of context
+        window = (row["kv_bytes_per_token"] - row["kv_bytes_per_token_full_attention"]) / 1024
+        text += f" (+{window:g} KiB in the window)"
+    return text
 
 
 def _max_len(row: dict) -> str:
@@ -47,13 +62,20 @@ def models(
     as_json: AsJson = False,
 ) -> None:
     """List the model catalog (or the given models): parameters, weight bytes, KV bytes per token."""
-    try:
-        specs = [get_model(m) for m in model] if model else list_models()
-    except CatalogError as exc:
-        fail(str(exc))
+    specs, problems = [], []
+    for name in model or []:
+        try:
+            specs.append(get_model(name))
+        except CatalogError as exc:          # one bad file: its own line, the others still listed
+            problems.append(str(exc))
+    if not model:
+        specs = list_models()
+    if problems and not specs:
+        fail("; ".join(problems))
     rows = [model_row(m) for m in specs]
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
+        _report_problems(problems)
         return
     table = Table(title="models (kvsim simulate --model NAME; aliases and HF ids work too)")
     for col in ("name", "params (active)", "experts", "layers", "heads / KV", "head_dim", "attention", "weights",
@@ -66,8 +88,17 @@ def models(
         dtype = r["weight_dtype"] + (f"/{r['expert_dtype']}" if r["expert_dtype"] else "")
         table.add_row(r["name"], params, experts, str(r["layers"]), f"{r['heads']} / {r['kv_heads']}",
                       str(r["head_dim"]), r["attention"], f"{r['weight_gib']:.2f} GiB {dtype}",
-                      f"{r['kv_bytes_per_token'] / 1024:g} KiB {r['kv_dtype']}", _max_len(r))
+                      _kv_per_token(r), _max_len(r))
     console.print(table)
+    _report_problems(problems)
+
+
+def _report_problems(problems: list[str]) -> None:
+    """The models that could not be read: one `error:` line each, exit status 2 after the others' listing."""
+    for problem in problems:
+        typer.echo(f"{typer.style('error:', fg='red')} {problem}", err=True)
+    if problems:
+        raise typer.Exit(2)
 
 
 def gpus(as_json: AsJson = False) -> None:

@@ -21,7 +21,12 @@ def dashboard(
     open_browser: Annotated[bool, typer.Option("--open/--no-open", help="open a browser tab")] = False,
 ) -> None:
     """Start the kvsim dashboard (Streamlit) at http://ADDRESS:PORT; Ctrl-C stops it."""
+    import importlib.util
+
     from kvsim.dashboard.server import exposure_warning, is_local_address, streamlit_command
+
+    if importlib.util.find_spec("streamlit") is None:       # the server runs in a new process: check here
+        raise ModuleNotFoundError("No module named 'streamlit'", name="streamlit")
 
     root = data_root.expanduser().resolve()
     if root.exists() and not root.is_dir():

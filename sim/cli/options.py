@@ -2,6 +2,7 @@
 maps them to config keys, and the one way a command reports a user mistake."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -17,6 +18,28 @@ def fail(message: str, code: int = 2) -> NoReturn:
     typer.echo(f"{typer.style('error:', fg='red')} {message}", err=True)
     raise typer.Exit(code)
 
+# the optional packages a command may need -> the extra that installs them (pyproject.toml)
+EXTRAS = {"torch": "backend", "triton": "backend", "gguf": "backend", "streamlit": "dashboard",
+          "distributed": "distributed", "dask": "distributed"}
+
+
+def needs_extras(command):
+    """A command that names the extra to install when an optional package it imports is missing (the core
+    install, `pip install -e .`, has none of them), instead of a traceback."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except ModuleNotFoundError as exc:
+            root = (exc.name or "").split(".")[0]
+            if root not in EXTRAS:
+                raise
+            extra = EXTRAS[root]
+            fail(f"kvsim {command.__name__} needs {root}, which the core install leaves out: "
+                 f"pip install 'kvsim[{extra}]'")
+    return run
+
+
 # ---- what the run is: trace, model, hardware ---------------------------------------------------------
 Trace = Annotated[str | None, typer.Option(help="shipped trace name (azure-conv-2023, ...) or trace file")]
 Model = Annotated[str | None, typer.Option(help="catalog model (llama-3.1-8b, ...), model YAML file, or Hugging Face config.json (or its directory)")]
@@ -25,6 +48,8 @@ Tp = Annotated[int | None, typer.Option(help="tensor parallel degree")]
 Replicas = Annotated[int | None, typer.Option(help="engine replicas behind the router")]
 Profile = Annotated[str | None, typer.Option(help="hardware profile name or file; default auto: the GPU's own "
                                                     "(fitted or derived; docs/gpu-profiles.md)")]
+UsdPerHour = Annotated[str | None, typer.Option(
+    help="your price in $ per GPU-hour instead of the catalog's: PRICE, or GPU=PRICE,... (h100=2.5,h200=3.9)")]
 ConfigFile = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file; options override it")]
 
 
@@ -102,8 +127,8 @@ TraceColumns = Annotated[str | None, typer.Option(
 TimeUnit = Annotated[str | None, typer.Option(help="with --trace-format csv|jsonl|parquet: unit of epoch "
                                                       "times: s | ms | us | ns (ISO-8601 times need none)")]
 Tokenizer = Annotated[str | None, typer.Option(
-    help="ShareGPT traces: tokenizer.json (or its model directory) counting tokens; default: the shipped "
-         "SmolLM2 tokenizer (an approximation)")]
+    help="ShareGPT traces: tokenizer.json, its model directory or a Hugging Face model id (from the local cache, "
+         "else fetched) counting tokens; default: the shipped SmolLM2 tokenizer (an approximation)")]
 MetricPercentiles = Annotated[str | None, typer.Option(
     help="as vllm bench serve: comma-separated percentiles of TTFT, TPOT, ITL and E2EL to report (default 99)")]
 SloTtft = Annotated[str | None, typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
@@ -129,6 +154,9 @@ CONFIG_KEYS = {
     "max_concurrency": "trace_options.max_concurrency", "metric_percentiles": "metric_percentiles",
     "trace_format": "trace_options.format", "trace_columns": "trace_options.columns",
     "time_unit": "trace_options.time_unit", "tokenizer": "trace_options.tokenizer",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization", "usd_per_hour": "usd_per_hour",
+    "random_input_len": "trace_options.random.input_len", "random_output_len": "trace_options.random.output_len",
+    "random_range_ratio": "trace_options.random.range_ratio", "random_prefix_len": "trace_options.random.prefix_len",
 }
 
 def config_overrides(**options: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from kvsim.sim.config import ConfigError, load_config
 from kvsim.traces.errors import TraceError
 
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
-                      Sets, Tp, Trace, config_overrides, fail, output_path, table_console)
+                      Sets, Tp, Trace, UsdPerHour, config_overrides, fail, output_path, table_console)
 
 console = table_console()
 err_console = Console(stderr=True)
@@ -153,6 +153,7 @@ def capacity(
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
     overwrite: Overwrite = False,
+    usd_per_hour: UsdPerHour = None,
 ) -> None:
     """Find the highest arrival-rate scale (or the fewest replicas) meeting an SLO, by bracketing and
     bisection on simulated runs, on a representative sample of the trace (default: the whole trace if
@@ -165,7 +166,7 @@ def capacity(
     overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
                                  num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_requests=max_requests,
-                                 rate_scale=rate_scale)
+                                 rate_scale=rate_scale, usd_per_hour=usd_per_hour)
     if mode not in ("rate", "replicas"):
         fail(f"--mode: expected rate or replicas, got {mode!r}")
     if not 0 < tol < 1:
@@ -268,10 +269,13 @@ def _print_capacity(result, mode: str, spread=None) -> None:
 def report(
     store: Path = typer.Argument(..., help="sweep or capacity store directory"),
     out: Path | None = typer.Option(None, "--out", "-o", parser=output_path(), help="HTML file (default: STORE/report.html)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing HTML file that kvsim report did "
+                                                              "not write (one it wrote is replaced anyway)"),
 ) -> None:
     """Turn a sweep store into one HTML page of plotly charts: throughput/goodput vs load, latency
     percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 latency Pareto view."""
-    from kvsim.sim.planning.report import build_report
+    from kvsim.sim.planning.report import build_report, report_written_by_kvsim
+    from kvsim.sim.io.safe_io import InputError, check_output_file
 
     if not store.is_dir():
         fail(f"{store}: not a directory (give the --out of `kvsim sweep` or `kvsim capacity`)")
@@ -279,6 +283,11 @@ def report(
         fail(f"--out {out}: is a directory; expected the HTML file to write, e.g. {out / 'report.html'}")
     if out is not None:
         _check_parent(out, "--out")
+    try:
+        check_output_file(out or store / "report.html", what="HTML file", overwrite=overwrite,
+                          written_by_kvsim=report_written_by_kvsim)
+    except InputError as exc:
+        fail(str(exc))
     try:
         path = build_report(store, out)
     except ValueError as exc:
@@ -304,12 +313,12 @@ def store_errors(store: Path | None, scheduler: str | None):
 
     kept = f"; the store {store} keeps the finished runs (run again to resume)" if store else ""
     from kvsim.sim.io.result_dirs import StoreBusyError
-    from kvsim.sim.planning.sweep import SchedulerUnreachable
+    from kvsim.sim.planning.sweep import MissingExtra, SchedulerUnreachable
 
     try:
         with interrupt_on_sigterm():
             yield
-    except StoreBusyError as exc:
+    except (StoreBusyError, MissingExtra) as exc:
         fail(str(exc))
     except KeyboardInterrupt as exc:
         typer.echo(f"{str(exc) or 'interrupted (Ctrl-C)'}{kept}", err=True)
@@ -398,6 +407,7 @@ def plan(
     out: Path | None = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + plan-result.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
+    usd_per_hour: UsdPerHour = None,
 ) -> None:
     """The cheapest configuration meeting an SLO at a given load, for each model: every GPU x TP degree
     (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
@@ -419,7 +429,10 @@ def plan(
     try:
         model_list, gpu_list = _catalog_names(model_list, "--models", get_model), _catalog_names(gpu_list, "--gpus", get_gpu)
         cfg = load_config(config, config_overrides(trace=trace, rate_scale=rate_scale, model=model_list[0],
-                                                   gpu=gpu_list[0]), set_)
+                                                   gpu=gpu_list[0], usd_per_hour=usd_per_hour), set_)
+        if isinstance(cfg.usd_per_hour, float) and len(gpu_list) > 1:
+            raise ConfigError(f"--usd-per-hour {cfg.usd_per_hour:g}: one price for {len(gpu_list)} GPUs; give "
+                              "GPU=PRICE for each one to price (h100=2.5,h200=3.9)")
         if policy_list:
             for p in policy_list:
                 load_config(None, {"kv.policy": p})
@@ -458,6 +471,11 @@ def plan(
         raise typer.Exit(1)
 
 
+def _count(n: int, word: str) -> str:
+    """'1 replica', '3 replicas'."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _ms(v) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1e3:.0f}"
 
@@ -493,10 +511,11 @@ def _print_plan(result) -> None:
         values = [s.hi_ok] + [v for v in rng.values() if v is not None]
         lo, hi = min(values), max(values)
         cost = s.answer_row.get("usd_per_m_output_tok", math.nan)
+        span = _count(lo, "replica") if lo == hi else f"{lo}-{hi} replicas"
         console.print(f"[bold]{model}: cheapest {s.cand.gpu} TP{s.cand.tp}"
-                      f"{' ' + s.cand.policy if s.cand.policy else ''} x {s.hi_ok} replicas[/bold] = "
-                      f"{s.hi_ok * s.cand.tp} GPUs, ${s.hi_ok * price:.2f}/h, ${cost:.3f} per million output tokens; "
-                      f"range {lo}-{hi} replicas (${lo * price:.2f}-{hi * price:.2f}/h)", highlight=False, soft_wrap=True)
+                      f"{' ' + s.cand.policy if s.cand.policy else ''} x {_count(s.hi_ok, 'replica')}[/bold] = "
+                      f"{_count(s.hi_ok * s.cand.tp, 'GPU')}, ${s.hi_ok * price:.2f}/h, ${cost:.3f} per million output "
+                      f"tokens; range {span} (${lo * price:.2f}-{hi * price:.2f}/h)", highlight=False, soft_wrap=True)
         if rng:
             console.print("  range from " + "; ".join(f"{k}: {'-' if v is None else v}" for k, v in rng.items()),
                           highlight=False, soft_wrap=True)

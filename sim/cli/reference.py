@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kvsim.sim.config import ConfigError, load_config
 
-from .options import (MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, PrefixCaching, SchedulingPolicy, Sets,
+from .options import (MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Overwrite, PrefixCaching, SchedulingPolicy, Sets,
                       config_overrides, fail, output_path)
 
 app = typer.Typer(help="compare kvsim's schedule with a real vLLM engine's, step for step",
@@ -74,6 +74,7 @@ def vllm_reference(
     scheduling_policy: SchedulingPolicy = None,
     set_: Sets = [],
     timeout: float = typer.Option(1800.0, help="seconds vLLM may run"),
+    overwrite: Overwrite = False,
 ) -> None:
     """Run TRACE on a real vLLM engine (CPU, in-process, step by step), simulate it in kvsim with the
     same settings, and report where the schedules agree and the first step and column that differ.
@@ -107,6 +108,8 @@ def vllm_reference(
             cfg = cfg.model_copy(update={"trace_options": cfg.trace_options.model_copy(
                 update={"arrival_unit": "step"})})
         check_reference_memory(cfg, t)
+        from kvsim.sim.io.result_dirs import claim_out_dir
+        claim_out_dir(out, overwrite=overwrite)
         agreement = reference_run(cfg, t, out, python, _model_dir(model_dir, python), timeout)
     except (ConfigError, ReferenceError, ValueError) as exc:
         fail(str(exc))

@@ -15,13 +15,14 @@ from rich.table import Table
 
 from kvsim.sim.config import ConfigError, KVConfig, load_config
 
-from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPrefill, EndS, ExpertParallel,
+from .vllm_args import VllmOptions
+
+from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
-                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite,
-                      Policy, PrefixCaching,
-                      Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
-                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Tp, Trace, config_overrides, fail)
+                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, Model, NumGpuBlocks, Out, Overwrite,
+                      Policy, Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
+                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Trace, config_overrides, fail)
 
 console = Console()
 
@@ -33,7 +34,8 @@ def simulate(
     config: ConfigFile = None,
     out: Out = Path("runs/latest"),
     overwrite: Overwrite = False,
-    tp: Tp = None,
+    tp: Annotated[int | None, typer.Option("--tp", "-tp", "--tensor-parallel-size",
+                                              help="tensor parallel degree (vLLM's -tp)")] = None,
     replicas: Replicas = None,
     router: Annotated[str | None, typer.Option(
         help="round_robin | least_outstanding | queue_depth | kv_usage | prefix_affinity | precise_prefix | "
@@ -46,10 +48,16 @@ def simulate(
     num_gpu_blocks: NumGpuBlocks = None,
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
-    prefix_caching: PrefixCaching = None,
+    prefix_caching: Annotated[bool | None, typer.Option(
+        "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="automatic prefix caching (default: vLLM's)")] = None,
     max_model_len: MaxModelLen = None,
     long_prefill_token_threshold: LongPrefillTokenThreshold = None,
-    chunked_prefill: ChunkedPrefill = None,
+    chunked_prefill: Annotated[bool | None, typer.Option(
+        "--chunked-prefill/--no-chunked-prefill", "--enable-chunked-prefill/--no-enable-chunked-prefill",
+        help="chunked prefill (default: on, as vLLM V1)")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(
+        help="share of GPU memory vLLM takes (weights, activations, KV pool); default 0.9")] = None,
     expert_parallel: ExpertParallel = None,
     preemption_mode: Annotated[str | None, typer.Option(help="recompute | swap")] = None,
     scheduling_policy: SchedulingPolicy = None,
@@ -64,9 +72,33 @@ def simulate(
              "= kv.params.compression_rate")] = None,
     weight_dtype: Annotated[str | None, typer.Option(
         help="weight dtype of the decoder-layer linears (fp16, bf16, fp8, int8, int4); default: the catalog's")] = None,
-    kv_dtype: Annotated[str | None, typer.Option(help="KV cache dtype (e.g. fp8); default: the model's")] = None,
+    kv_dtype: Annotated[str | None, typer.Option(
+        "--kv-dtype", "--kv-cache-dtype", help="KV cache dtype (e.g. fp8; auto: the model's, the default)")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="as vllm serve --dtype: auto, half, float16, bfloat16, float32 (the unquantized weights' dtype)")] = None,
+    quantization: Annotated[str | None, typer.Option(
+        "--quantization", "-q", help="as vllm serve --quantization: fp8 (FP8 weights), awq, gptq, ... (4-bit)")] = None,
+    vllm: Annotated[str | None, typer.Option(
+        "--vllm", help="a pasted `vllm serve MODEL ...` command line, read with vLLM's flags (docs/simulate.md)")] = None,
+    bench: Annotated[str | None, typer.Option(
+        "--bench", help="a pasted `vllm bench serve ...` command line: its dataset, load and goodput")] = None,
     rate_scale: RateScale = None,
-    max_requests: MaxRequests = None,
+    max_requests: Annotated[int | None, typer.Option(
+        "--max-requests", "--num-prompts", help="first N requests of the trace (--trace random: how many; "
+                                                "default 1000, as vllm bench serve)")] = None,
+    dataset_name: Annotated[str | None, typer.Option(
+        help="as vllm bench serve: random (--trace random) or sharegpt (with --dataset-path)")] = None,
+    dataset_path: Annotated[str | None, typer.Option(help="as vllm bench serve: the dataset file (= --trace)")] = None,
+    random_input_len: Annotated[int | None, typer.Option(
+        help="--trace random: prompt tokens (default 1024), = trace_options.random.input_len")] = None,
+    random_output_len: Annotated[int | None, typer.Option(
+        help="--trace random: output tokens (default 128)")] = None,
+    random_range_ratio: Annotated[float | None, typer.Option(
+        help="--trace random: lengths uniform in L(1-r)..L(1+r), 0 <= r < 1 (default 0)")] = None,
+    random_prefix_len: Annotated[int | None, typer.Option(
+        help="--trace random: tokens every prompt shares before its own (default 0)")] = None,
+    goodput: Annotated[list[str] | None, typer.Option(
+        help="as vllm bench serve: ttft:MS or tpot:MS (repeat the option for both) = --slo-ttft/--slo-tpot")] = None,
     start_s: StartS = None,
     end_s: EndS = None,
     request_rate: RequestRate = None,
@@ -91,6 +123,7 @@ def simulate(
 ) -> None:
     """Simulate a trace on a model/GPU/engine config; writes requests.parquet, steps.parquet,
     summary.json and config.yaml into --out and prints a summary table."""
+    kv_dtype = None if kv_dtype is not None and kv_dtype.strip().lower() == "auto" else kv_dtype
     overrides = config_overrides(
         trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, router=router, profile=profile, seed=seed,
         weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
@@ -103,8 +136,13 @@ def simulate(
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
         rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
         max_concurrency=max_concurrency, metric_percentiles=metric_percentiles,
-        trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot)
+        trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
+        gpu_memory_utilization=gpu_memory_utilization, random_input_len=random_input_len,
+        random_output_len=random_output_len, random_range_ratio=random_range_ratio, random_prefix_len=random_prefix_len)
     try:
+        overrides = with_vllm_options(overrides, VllmOptions(
+            serve=vllm, bench=bench, dtype=dtype, quantization=quantization, dataset_name=dataset_name,
+            dataset_path=dataset_path, goodput=goodput))
         if kv_offload is not None:
             overrides["kv_offload.cpu_gib"] = parse_offload(kv_offload)
         cfg = load_config(config, overrides, set_)
@@ -143,6 +181,25 @@ def parse_offload(value: str) -> float:
     if not gib > 0:
         raise ConfigError(f"--kv-offload {value!r}: the size must be positive")
     return gib
+
+
+def with_vllm_options(overrides: dict, options: VllmOptions) -> dict:
+    """The kvsim options' overrides merged with what pasted vLLM lines and vLLM-only flags set. A key both set,
+    to different values, is refused (naming both); notes and warnings print one line each."""
+    from .vllm_args import translate_options
+
+    translation = translate_options(options)
+    merged = dict(overrides)
+    for key, value in translation.overrides.items():
+        given = merged.get(key)
+        if given is not None and given != value:
+            raise ConfigError(f"{key}: {given!r} from kvsim's option but {value!r} from the vLLM flags; give one")
+        merged[key] = value
+    for line in translation.notes:
+        typer.echo(f"note: {line}", err=True)
+    for line in translation.warnings:
+        typer.echo(f"warning: {line}", err=True)
+    return merged
 
 
 def refuse_ineffective(gpu_name: str, model: str, weight_dtype: str | None) -> None:
@@ -195,15 +252,26 @@ def interrupt_on_sigterm():
 
 
 def partial_exit(out: Path, reason: str) -> None:
-    try:
-        partial = json.loads((out / "summary.json").read_text()).get("partial")
-    except (OSError, ValueError, AttributeError):
-        partial = False
-    if partial:
+    """Exit 130 saying where the interrupted run's partial result went: into --out, or beside a complete
+    result it keeps (sim/results.py: OUT.partial)."""
+    from kvsim.sim.io.result_dirs import PARTIAL_SUFFIX
+
+    aside = Path(f"{out}{PARTIAL_SUFFIX}")
+    if _is_partial(out):
         typer.echo(f"{reason}: partial results in {out} (summary.json: partial: true)", err=True)
+    elif _is_partial(aside):
+        typer.echo(f"{reason}: partial results in {aside} (summary.json: partial: true); {out} keeps the previous "
+                   "complete result", err=True)
     else:
         typer.echo(f"{reason}: no results written", err=True)
     raise typer.Exit(130)
+
+
+def _is_partial(out: Path) -> bool:
+    try:
+        return json.loads((out / "summary.json").read_text()).get("partial") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def print_summary(s: dict) -> None:
@@ -223,6 +291,9 @@ def print_summary(s: dict) -> None:
 
     add("requests (finished / rejected)", f"{s['num_finished']} / {s['num_rejected']}")
     add("KV pool", f"{s['num_gpu_blocks']} blocks x {s['block_size']} tokens")
+    if s.get("kv_cache_tokens") is not None:         # the two lines vLLM logs at start-up
+        add("GPU KV cache size", f"{s['kv_cache_tokens']:,} tokens")
+        add(f"Maximum concurrency for {s['max_model_len']:,} tokens per request", f"{s['kv_max_concurrency']:.2f}x")
     add("makespan, first arrival to last token (s)", s["makespan_s"], "{:.1f}")
     add("queueing p50 / p99 (ms)", " / ".join(f"{1e3 * s[f'queueing_p{q}_s']:.1f}" for q in (50, 99)))
     add("SLO attainment", s.get("slo_attainment"))
@@ -250,3 +321,5 @@ def print_comparison(agg: dict) -> None:
     for row in report_rows(agg):
         table.add_row(*row)
     console.print(table)
+    if agg.get("note"):
+        console.print(f"note: {agg['note']}", highlight=False)

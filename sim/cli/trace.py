@@ -10,11 +10,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from typing import TYPE_CHECKING
+
+from kvsim.sim.io.safe_io import InputError, check_output_file
 from kvsim.traces.errors import TraceError, TraceWarning
-from kvsim.traces.loaders import DATA_TRACES, FORMATS, GENERIC_FORMATS, load_trace, resolve_trace_path
-from kvsim.traces.stats import trace_stats
-from kvsim.traces.synthetic import synthesize
-from kvsim.traces.trace import Trace
+from kvsim.traces.formats import DATA_TRACES, FORMATS, GENERIC_FORMATS
+
+if TYPE_CHECKING:
+    from kvsim.traces.trace import Trace
 
 from .options import TimeUnit, Tokenizer, TraceColumns, TraceFormat, output_path, table_console
 
@@ -22,6 +25,7 @@ app = typer.Typer(help="Inspect, synthesize and convert request traces. Shipped 
                        + ", ".join(DATA_TRACES), no_args_is_help=True)
 
 RATE_HELP = "Arrival rate (req/s) for length-only traces (ShareGPT, arXiv); without it they arrive at t=0."
+OVERWRITE_HELP = "replace an existing OUT that is not a trace kvsim wrote (one it wrote is replaced anyway)"
 CV_HELP = "Inter-arrival coefficient of variation with --rate: 1 = Poisson, >1 = bursty Gamma."
 
 
@@ -42,7 +46,7 @@ def _exits_cleanly(command):
             warnings.simplefilter("ignore", TraceWarning)  # notices are printed from trace.notices
             try:
                 return command(*args, **kwargs)
-            except (TraceError, _OptionError, OSError) as exc:
+            except (TraceError, _OptionError, InputError, OSError) as exc:
                 _console(stderr=True).print(f"[bold red]error:[/] {exc}", markup=True, soft_wrap=True)
                 raise typer.Exit(2) from None
 
@@ -105,11 +109,14 @@ STAT_ROWS = [
 def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped short names."),
           rate: float | None = typer.Option(None, help=RATE_HELP),
           cv: float | None = typer.Option(None, help=CV_HELP),
-          seed: int = typer.Option(0, help="Seed for synthesized arrivals."),
+          seed: int = typer.Option(0, min=0, help="Seed for synthesized arrivals."),
           as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON instead of a table."),
           trace_format: TraceFormat = None, trace_columns: TraceColumns = None, time_unit: TimeUnit = None,
           tokenizer: Tokenizer = None):
     """Count, time span, mean rate, inter-arrival CV, prompt/output length percentiles and prefix reuse."""
+    from kvsim.traces.loaders import load_trace
+    from kvsim.traces.stats import trace_stats
+
     reader = _reader_options(trace_format, trace_columns, time_unit, tokenizer)
     traces = [load_trace(f, rate=rate, cv=cv, seed=seed, **reader) if _is_length_only(f, trace_format)
               else load_trace(f, **reader) for f in files]
@@ -131,6 +138,28 @@ def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped sh
         _print_notices(t, console)
 
 
+def _check_trace_output(out: Path, overwrite: bool) -> None:
+    """OUT, before any work: a regular file or none (never a pipe or device), outside system directories,
+    and not a file of the user's unless --overwrite (sim/safe_io.check_output_file)."""
+    from kvsim.traces.trace import written_by_kvsim
+
+    check_output_file(out, option="OUT", what="trace file", overwrite=overwrite, written_by_kvsim=written_by_kvsim)
+
+
+def check_synth_memory(requests: int) -> None:
+    """Refuse a synthetic trace that would not fit in memory before drawing it (estimate_synth_bytes)."""
+    from kvsim.sim.io.safe_io import host_memory_room
+    from kvsim.traces.arrivals import check_count
+    from kvsim.traces.synthetic import estimate_synth_bytes
+
+    check_count(requests)             # beyond any trace's size: refused as such, before the memory estimate
+    need, (room, source) = estimate_synth_bytes(requests), host_memory_room()
+    if need > room:
+        raise _OptionError(f"--requests {requests:,}: a synthetic trace of that many requests needs about "
+                           f"{need / 2**30:.1f} GiB of memory to draw and write, but {room / 2**30:.1f} GiB is "
+                           f"available ({source}); expected at most about {room // (need // max(requests, 1)):,}")
+
+
 def _is_length_only(source: str, trace_format: str | None = None) -> bool:
     from kvsim.traces.loaders import LENGTH_ONLY_FORMATS, detect_format, resolve_trace_path
 
@@ -147,9 +176,14 @@ def synth(out: Path = typer.Argument(..., parser=output_path("OUT"), help="Outpu
           output: str = typer.Option("lognormal:256,1.0", help="Output length spec, as --prompt."),
           lengths: str | None = typer.Option(None, help="Resample (prompt, output) pairs from this trace "
                                                            "(short name or file) instead of --prompt/--output."),
-          seed: int = typer.Option(0, help="Random seed; same seed and options give the same trace."),
-          name: str | None = typer.Option(None, help="Trace name stored in the file.")):
+          seed: int = typer.Option(0, min=0, help="Random seed; same seed and options give the same trace."),
+          name: str | None = typer.Option(None, help="Trace name stored in the file."),
+          overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP)):
     """Write a seeded synthetic trace (Poisson/Gamma arrivals or a closed batch)."""
+    from kvsim.traces.synthetic import synthesize
+
+    _check_trace_output(out, overwrite)
+    check_synth_memory(requests)
     trace = synthesize(requests, rate=rate, cv=cv, prompt=prompt, output=output, lengths=lengths, seed=seed,
                        name=name or Path(out).stem)
     trace.save(out)
@@ -163,7 +197,7 @@ def convert(source: str = typer.Argument(..., help="Input trace file (any suppor
             out: Path = typer.Argument(..., parser=output_path("OUT"), help="Output file: .parquet or .jsonl (kvsim native format)."),
             rate: float | None = typer.Option(None, help=RATE_HELP),
             cv: float | None = typer.Option(None, help=CV_HELP),
-            seed: int = typer.Option(0, help="Seed for synthesized arrivals and --sample."),
+            seed: int = typer.Option(0, min=0, help="Seed for synthesized arrivals and --sample."),
             start: float | None = typer.Option(None, help="Keep requests arriving at or after this time (s); "
                                                              "times are shifted so it becomes 0."),
             end: float | None = typer.Option(None, help="Keep requests arriving before this time (s)."),
@@ -172,14 +206,18 @@ def convert(source: str = typer.Argument(..., help="Input trace file (any suppor
             sample: int | None = typer.Option(None, help="Keep N requests drawn at random (seeded)."),
             max_model_len: int | None = typer.Option(None, help="Clip prompt+output to this many tokens."),
             name: str | None = typer.Option(None, help="Trace name stored in the file."),
+            overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
             trace_format: TraceFormat = None, trace_columns: TraceColumns = None, time_unit: TimeUnit = None,
             tokenizer: Tokenizer = None):
     """Convert a trace to kvsim's native format, optionally windowing, rescaling, sampling and clipping.
 
     Transforms apply in this order: window, scale-rate, head, sample, clip."""
+    from kvsim.traces.loaders import load_trace, resolve_trace_path
+
     source_path = resolve_trace_path(source)[0]
     if Path(out).resolve() == source_path.resolve():
         raise TraceError(out, None, "is the source trace; write the converted trace to another file")
+    _check_trace_output(out, overwrite)
     trace = load_trace(source, rate=rate, cv=cv, seed=seed,
                        **_reader_options(trace_format, trace_columns, time_unit, tokenizer))
     if start is not None or end is not None:

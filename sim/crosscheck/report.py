@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvsim.sim.crosscheck.comparison import LATENCY_METRICS, CrosscheckResult, relative_error
+from kvsim.sim.io.safe_io import atomic_output
 
 
 def _pct(v: float) -> str:
@@ -202,15 +203,18 @@ def write_report(res: CrosscheckResult, out_dir: str | Path) -> tuple[Path, Path
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md, html = out / "report.md", out / "report.html"
-    md.write_text(markdown_report(res))
-    html.write_text(html_report(res))
-    (out / "crosscheck.json").write_text(json.dumps({
+    texts = {md: markdown_report(res), html: html_report(res), out / "crosscheck.json": json.dumps({
         "headline": res.headline(), "step_errors": res.step_errors, "recorded": res.recorded,
         "latency": res.latency.to_dict("records"), "throughput": res.throughput.to_dict("records"),
         "memory": res.memory.to_dict("records"), "context": res.context, "repeats": res.repeats,
         "total_time": res.total_time},
-        indent=2, default=str))
-    res.step_times.to_parquet(out / "step_times.parquet", index=False)
-    if res.repeat_steps is not None:
-        res.repeat_steps.to_parquet(out / "repeat_steps.parquet", index=False)
+        indent=2, default=str)}
+    for path, text in texts.items():
+        with atomic_output(path) as tmp:
+            tmp.write_text(text)
+    tables = {"step_times.parquet": res.step_times, "repeat_steps.parquet": res.repeat_steps}
+    for name, table in tables.items():
+        if table is not None:
+            with atomic_output(out / name) as tmp:
+                table.to_parquet(tmp, index=False)
     return md, html

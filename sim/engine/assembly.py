@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 from kvsim.traces import TraceWarning, load_trace
 from kvsim.traces.arrivals import vllm_bench_arrivals
+from kvsim.traces.synthetic import vllm_random_dataset
 
-from ..config import ConfigError, SimConfig
+from ..config import RANDOM_DEFAULT_NUM_PROMPTS, RANDOM_TRACE, ConfigError, RandomDataset, SimConfig
 from ..core.request import Request
 from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager
@@ -34,8 +35,11 @@ def load_workload(cfg: SimConfig):
     opts = cfg.trace_options
     # without a time window the first N requests are the file's first N (only those rows are read)
     first = opts.max_requests if opts.start_s is None and opts.end_s is None else None
-    trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate} if opts.rate else {}), seed=cfg.seed,
-                       **opts.file_options())
+    if cfg.trace == RANDOM_TRACE:
+        trace = random_dataset(cfg)
+    else:
+        trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate} if opts.rate else {}), seed=cfg.seed,
+                           **opts.file_options())
     if opts.start_s is not None or opts.end_s is not None:
         trace = _window(trace, opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
     if opts.max_requests is not None:
@@ -49,6 +53,18 @@ def load_workload(cfg: SimConfig):
     if opts.rate_scale != 1.0:
         trace = trace.scale_rate(opts.rate_scale)
     return trace
+
+
+def random_dataset(cfg: SimConfig):
+    """`trace: random`: vllm bench serve's random dataset, max_requests (--num-prompts) requests (default 1000)."""
+    opts = cfg.trace_options
+    if opts.format or opts.tokenizer or opts.rate:
+        raise ConfigError(f"trace: {RANDOM_TRACE} is vllm bench serve's random dataset (no file): trace_options.format, "
+                          "tokenizer and rate do not apply (use request_rate for its arrivals)")
+    spec = opts.random or RandomDataset()
+    n = opts.max_requests or RANDOM_DEFAULT_NUM_PROMPTS
+    return vllm_random_dataset(n, input_len=spec.input_len, output_len=spec.output_len,
+                               range_ratio=spec.range_ratio, prefix_len=spec.prefix_len, seed=cfg.seed)
 
 
 def _window(trace, start_s: float, end_s: float):

@@ -5,7 +5,9 @@ parent writable), removes the staging directories of runs that died (kill -9) an
 staging directory `.<name>.kvsim-tmp-<pid>-*` beside `out`. `publish()` moves the staged files into
 place: a reused `out` loses every kvsim result file of the previous run (whichever command wrote
 it), so the directory never mixes two runs; other files in it are left alone. A run that is
-interrupted or fails publishes what it has, marked `partial: true` in summary.json by the caller.
+interrupted or fails publishes what it has, marked `partial: true` in summary.json by the caller,
+into `out` unless `out` holds a complete result: then into `OUT.partial` beside it (Ctrl-C never
+costs a user a finished result).
 
 `--out` owns only what kvsim created: every results directory (and sweep/capacity store) gets a
 marker file `.kvsim-results`; a non-empty directory without it (the user's own folder, `.`) is
@@ -23,12 +25,12 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from .safe_io import SYSTEM_DIRS, SYSTEM_TREES
+from .safe_io import KVSIM_TMP, SYSTEM_DIRS, SYSTEM_TREES, hold_while_writing, remove_dead_leftovers
 
 # every file `kvsim simulate` or `kvsim replay` writes into --out
 RESULT_FILES = ("requests.parquet", "steps.parquet", "summary.json", "config.yaml", "tokens.parquet",
                 "decisions.parquet", "attention_stats.parquet")
-_STAGING = ".kvsim-tmp-"
+_STAGING = KVSIM_TMP
 OWNER_MARKER = ".kvsim-results"
 
 
@@ -83,6 +85,19 @@ def check_out_owner(out: Path, option: str = "--out", overwrite: bool = False,
 _OWN_NAMES = (OWNER_MARKER, ".kvsim-lock")       # kvsim's own bookkeeping files (the marker, a store's lock)
 
 
+def claim_out_dir(out: Path, option: str = "--out", overwrite: bool = False) -> None:
+    """An output directory a command writes several files into (crosscheck, reference), before its work:
+    not a file or a system directory, not a folder of the user's own files (unless `overwrite`); then
+    created and marked kvsim's. OutputDirError otherwise."""
+    check_out_dir(Path(out), option)
+    check_out_owner(Path(out), option, overwrite)
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        mark_owned(Path(out))
+    except OSError as exc:
+        raise OutputDirError(f"{option} {out}: cannot be written ({exc.strerror or exc})") from None
+
+
 def mark_owned(directory: Path) -> None:
     """Record that kvsim created `directory` (check_out_owner accepts it from now on)."""
     (Path(directory) / OWNER_MARKER).touch()
@@ -92,31 +107,44 @@ class ResultDir:
     """A staging directory beside `out`; `publish()` moves its files into `out`, `discard()` drops it."""
 
     def __init__(self, out: str | Path, option: str = "--out", overwrite: bool = False):
+        self._held = None
         check_out_dir(Path(out), option)
         check_out_owner(Path(out), option, overwrite)
         self.shown = Path(out)
         self.out = Path(os.path.abspath(out))          # "." has a name and a parent
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
-            remove_dead_staging(self.out)
+            remove_dead_leftovers(self.out)
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.out.name}{_STAGING}{os.getpid()}-",
                                               dir=self.out.parent))
+            self._held = hold_while_writing(self.path)   # a kill -9 drops it: the next run removes the directory
             self.path.chmod(0o777 & ~_umask())      # mkdtemp's 0700 would become the results' mode
             mark_owned(self.path)
         except OSError as exc:
             raise OutputDirError(f"{option} {self.shown}: cannot write beside it ({exc.strerror}); expected "
                                  "a directory whose parent is writable") from None
 
-    def publish(self) -> Path:
+    def publish(self, partial: bool = False) -> Path:
         """Move the staged files into `out` (replacing the previous run's kvsim files); runs publishing
-        into the same directory at once take turns (a lock on its parent directory)."""
+        into the same directory at once take turns (a lock on its parent directory). A `partial` result
+        (an interrupted run) never replaces a complete one: it goes to `OUT.partial` beside it instead
+        (None when that name is taken by files kvsim did not write); a complete one removes an earlier
+        `OUT.partial`."""
         with _flock(self.out.parent, fcntl.LOCK_EX):
+            aside = self.out.with_name(self.out.name + PARTIAL_SUFFIX)
+            if partial and holds_complete_result(self.out):
+                if aside.exists() and not (aside / OWNER_MARKER).exists():
+                    return None
+                self.out, self.shown = aside, Path(f"{self.shown}{PARTIAL_SUFFIX}")
+            elif not partial and (aside / OWNER_MARKER).is_file() and not aside.is_symlink():
+                shutil.rmtree(aside, ignore_errors=True)
             return self._publish()
 
     def _publish(self) -> Path:
         out = self.out
         if not out.exists():
             os.replace(self.path, out)
+            self._release()
             return self.shown
         others = [p for p in out.iterdir() if p.name not in RESULT_FILES and p.name != OWNER_MARKER]
         swappable = not out.is_symlink() and out != Path.cwd()
@@ -125,6 +153,7 @@ class ResultDir:
             os.replace(out, old / "previous")
             os.replace(self.path, out)
             shutil.rmtree(old, ignore_errors=True)
+            self._release()
             return self.shown
         for name in RESULT_FILES:           # other files stay: drop the previous run's, then move ours in
             (out / name).unlink(missing_ok=True)
@@ -132,18 +161,35 @@ class ResultDir:
         for f in staged:
             shutil.move(f, out / f.name)    # a rename, or a copy when a link leads to another file system
         self.path.rmdir()
+        self._release()
         return self.shown
 
     def discard(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        self._release()
+
+    def _release(self) -> None:
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
+
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def holds_complete_result(out: Path) -> bool:
+    """Whether `out` holds a finished run's results (summary.json that is not marked partial)."""
+    import json
+
+    try:
+        return json.loads((Path(out) / "summary.json").read_text()).get("partial") is False
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def remove_dead_staging(out: Path) -> None:
-    """Staging directories beside `out` whose process no longer runs (a kill -9 leaves them)."""
-    for p in out.parent.glob(f".{out.name}{_STAGING}*"):
-        pid = p.name[len(f".{out.name}{_STAGING}"):].split("-")[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+    """Staging directories beside `out` that no live kvsim holds (a kill -9 leaves them)."""
+    remove_dead_leftovers(Path(out))
 
 
 def _umask() -> int:

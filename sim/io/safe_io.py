@@ -13,6 +13,8 @@ never quote the file's content, so a page that reads a file cannot leak another 
 from __future__ import annotations
 
 import errno
+import fcntl
+import itertools
 import json
 import os
 import signal
@@ -21,7 +23,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import yaml
 
@@ -196,6 +198,75 @@ def _json_depth(value: Any) -> int:
     return depth - 1 if depth else 0
 
 
+# ---- host memory: what a reader or a run may still allocate ----------------------------------------
+# bytes of memory per byte of file a whole-file reader needs while parsing (Python objects per cell or
+# value: a 3-character number becomes a 28-byte int or 50-byte str and its pointer; pandas' copies)
+READ_EXPANSION = {"text": 12, "json": 12, "parquet": 6}
+
+
+def host_memory_room() -> tuple[int, str]:
+    """(bytes this process can still allocate, where the figure comes from): the smallest of the system's
+    available memory, the room left under a cgroup (container) limit and the room left under the
+    process's address-space limit (ulimit -v)."""
+    try:
+        import psutil
+        figures = [(int(psutil.virtual_memory().available), "available system memory")]
+    except ImportError:
+        figures = [(_meminfo_available(), "MemAvailable in /proc/meminfo")]
+    for room in (_cgroup_room(), _address_space_room()):
+        if room is not None:
+            figures.append(room)
+    return min(figures)
+
+
+def _meminfo_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**62                            # unknown: do not refuse
+
+
+def _cgroup_room() -> tuple[int, str] | None:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else (max(int(limit) - used, 0), "room under the cgroup memory limit")
+
+
+def _address_space_room() -> tuple[int, str] | None:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return max(soft - size, 0), "room under the address-space limit (ulimit -v)"
+
+
+def check_read_memory(path: str | os.PathLike, kind: str, *, what: str = "trace file", option: str = "") -> None:
+    """Refuse, before parsing, a file that a whole-file reader of `kind` (READ_EXPANSION) could not hold in
+    the memory left; its size is what it holds on disk (a sparse file counts at its full length)."""
+    size = os.stat(path).st_size
+    need = size * READ_EXPANSION[kind]
+    room, source = host_memory_room()
+    if need > room:
+        raise InputError(f"{option}{path}: a {what} of {size / 2**30:.2f} GiB needs about {need / 2**30:.1f} GiB "
+                         f"of memory to read whole, but {room / 2**30:.1f} GiB is available ({source}); expected a "
+                         "smaller file (split it, or cut it on a larger machine)")
+
+
 def short_repr(value: Any, limit: int = 120) -> str:
     """repr of a user value for an error message, cut to `limit` characters; a container of more than
     a few dozen items is described, not printed (a shared-alias structure would repr to gigabytes)."""
@@ -225,14 +296,86 @@ def _small(value: Any, budget: int) -> bool:
     return True
 
 
+KVSIM_TMP = ".kvsim-tmp-"        # `.NAME.kvsim-tmp-PID-...`: a file or directory being written beside NAME
+_LEFTOVER_AGE_S = 10.0          # an unlocked one younger than this may be a live writer's not yet locked
+
+
+def hold_while_writing(path: Path) -> int:
+    """An open descriptor holding a shared flock on `path` (a temporary file or staging directory) while
+    its writer lives: the kernel drops it when the process ends, however it ends (kill -9 too), so
+    `remove_dead_leftovers` can tell a dead writer's leftovers from a live one's (a PID cannot: the dead
+    writer's PID may belong to another process by then, or to one in another PID namespace)."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def remove_dead_leftovers(path: Path) -> None:
+    """Remove the `.NAME.kvsim-tmp-*` files and directories beside `path` that no live kvsim holds (a run
+    killed with kill -9, or a power cut, leaves them); a leftover is removed by the next run writing NAME."""
+    import time
+
+    now = time.time()
+    for p in path.parent.glob(f".{glob_escape(path.name)}{KVSIM_TMP}*"):
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue                        # a live writer holds it
+        finally:
+            os.close(fd)
+        try:
+            if now - os.lstat(p).st_mtime < _LEFTOVER_AGE_S and _pid_alive(_pid_of(p, path.name)):
+                continue                    # just made, perhaps not yet locked
+            if p.is_dir() and not p.is_symlink():
+                import shutil
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        except OSError:
+            continue
+
+
+def glob_escape(name: str) -> str:
+    import glob
+    return glob.escape(name)
+
+
+def _pid_of(leftover: Path, name: str) -> int:
+    head = leftover.name[len(f".{name}{KVSIM_TMP}"):].split("-")[0]
+    return int(head) if head.isdigit() else -1
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside `path` to write; renamed onto `path` when the block ends without error,
     removed otherwise, so a reader never sees a half-written file (a full disk leaves the previous file
-    or none). A full disk is re-raised as OSError whose message says so and names `path`."""
+    or none). A full disk is re-raised as OSError whose message says so and names `path`. The
+    temporary file is `.NAME.kvsim-tmp-PID-N`, locked while this process lives; a killed writer's is
+    removed by the next write of NAME."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove_dead_leftovers(path)
+    tmp = path.with_name(f".{path.name}{KVSIM_TMP}{os.getpid()}-{next(_counter)}")
+    held = None
     try:
+        with open(tmp, "wb"):
+            pass
+        held = hold_while_writing(tmp)
         yield tmp
         os.replace(tmp, path)
     except OSError as exc:
@@ -243,12 +386,21 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        if held is not None:
+            os.close(held)
 
 
-def check_output_file(path: str | os.PathLike, option: str = "--out", what: str = "file") -> Path:
+_counter = itertools.count()
+
+
+def check_output_file(path: str | os.PathLike, option: str = "--out", what: str = "file", *,
+                      overwrite: bool = True, written_by_kvsim: Callable[[Path], bool] | None = None) -> Path:
     """A file a command is about to write: not a directory, not an existing named pipe, device or socket
     (writing would hang or go nowhere), not in a system directory, and its folder writable (created if
-    missing). InputError naming `option` otherwise; checked before the work that makes the file."""
+    missing). With `overwrite=False`, an existing file is replaced only when `written_by_kvsim(path)` says
+    kvsim wrote it (an earlier run's output); a user's own file is refused. InputError naming `option`
+    otherwise; checked before the work that makes the file (then written with atomic_output)."""
     path = Path(path)
     try:
         st = os.stat(path)
@@ -260,6 +412,9 @@ def check_output_file(path: str | os.PathLike, option: str = "--out", what: str 
         raise InputError(f"{option} {path}: is a directory; expected the {what} to write, e.g. {path / 'out.yaml'}")
     if st is not None and not stat.S_ISREG(st.st_mode):
         raise InputError(f"{option} {path}: is {file_kind(st.st_mode)}; expected a regular {what} to write")
+    if st is not None and not overwrite and not (written_by_kvsim is not None and _safely(written_by_kvsim, path)):
+        raise InputError(f"{option} {path}: exists and kvsim did not write it; expected a new file name, or "
+                         "--overwrite to replace it")
     folder = Path(os.path.realpath(path.absolute().parent))
     if any(folder == Path(t) or Path(t) in folder.parents for t in SYSTEM_TREES):
         raise InputError(f"{option} {path}: is in a system directory ({folder}); expected a {what} of your own")
@@ -269,6 +424,20 @@ def check_output_file(path: str | os.PathLike, option: str = "--out", what: str 
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"{option} {path}: {existing} is not a writable directory; expected a {what} in one")
     return path
+
+
+def _safely(test: Callable[[Path], bool], path: Path) -> bool:
+    try:
+        return bool(test(path))
+    except Exception:  # noqa: BLE001 - a file that cannot be read as kvsim's output is not kvsim's
+        return False
+
+
+def file_starts_with(path: Path, marker: bytes, within: int = 4096) -> bool:
+    """Whether `marker` is in the first `within` bytes of `path` (how kvsim's text outputs say they are
+    kvsim's: a report's generator tag, a native trace's metadata line)."""
+    with open(path, "rb") as f:
+        return marker in f.read(within)
 
 
 def write_error(exc: OSError, path: str | os.PathLike, option: str = "--out") -> tuple[str, int]:

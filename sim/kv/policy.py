@@ -383,17 +383,33 @@ def _load_plugins() -> None:
     _plugins_loaded = True
 
 
+class _PluginExited(BaseException):
+    """os._exit called by a plug-in while it is imported (raised in its place, so kvsim reports it)."""
+
+
+def _refuse_exit(code=0):
+    raise _PluginExited(code)
+
+
 def _import_plugin(module: str, source: str) -> None:
+    real_exit, os._exit = os._exit, _refuse_exit     # os._exit would end kvsim at once, with its status
     try:
         import_module(module)
+    except (SystemExit, _PluginExited) as exc:    # exit() on import: an error naming the plug-in, not a silent exit 0
+        code = exc.code if isinstance(exc, SystemExit) else exc.args[0]
+        raise PolicyError(f"{source}: policy plug-in module {module!r} called "
+                          f"{'exit' if isinstance(exc, SystemExit) else 'os._exit'}({code!r}) while being imported") \
+            from None
+    except KeyboardInterrupt:
+        raise PolicyError(f"{source}: policy plug-in module {module!r} raised KeyboardInterrupt while being imported "
+                          "(or kvsim was interrupted while importing it)") from None
     except PolicyError as exc:
         raise PolicyError(f"{source}: policy plug-in module {module!r}: {exc}") from None
-    except SystemExit as exc:       # exit() on import: an error naming the plug-in, not a silent exit 0
-        raise PolicyError(f"{source}: policy plug-in module {module!r} called exit({exc.code!r}) while "
-                          "being imported") from None
     except Exception as exc:
         raise PolicyError(f"{source}: cannot import policy plug-in module {module!r} "
                           f"({type(exc).__name__}: {exc})") from None
+    finally:
+        os._exit = real_exit
 
 
 # ----- helpers policies share ---------------------------------------------------------------

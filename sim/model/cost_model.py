@@ -88,6 +88,7 @@ operations in the same order, so the two paths agree bit for bit.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -132,16 +133,21 @@ class ProfileError(ValueError):
     """Unknown or invalid hardware profile."""
 
 
+# a fixed time in a profile: far above any measured one (the largest shipped is 59 ms of a CPU step), and
+# finite (an infinite or 1e300 s overhead gives null or absurd latencies, not an error)
+MAX_OVERHEAD_S = 10.0
+# a profile name's `NAME*K` step-time factor: a band around the profile's error, not a new machine
+STEP_TIME_SCALE_RANGE = (1e-3, 1e3)
 _Efficiency = Field(gt=0, le=1)
-_Overhead = Field(ge=0)
-_Overhead0 = Field(default=0.0, ge=0)
+_Overhead = Field(ge=0, le=MAX_OVERHEAD_S)
+_Overhead0 = Field(default=0.0, ge=0, le=MAX_OVERHEAD_S)
 
 
 class AllReduceTerms(BaseModel):
     """One all-reduce at a TP degree: fixed latency plus bytes over the link at an efficiency."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    latency_s: float = Field(ge=0)
+    latency_s: float = _Overhead
     bw_eff: float = Field(gt=0, le=1)
 
 
@@ -186,9 +192,9 @@ class ClientLatency(BaseModel):
     before them, so ITL grows with the batch when the server is the bottleneck."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    request_s: float = Field(default=0.0, ge=0)
-    request_serial_s: float = Field(default=0.0, ge=0)
-    output_token_s: float = Field(default=0.0, ge=0)
+    request_s: float = _Overhead0
+    request_serial_s: float = _Overhead0
+    output_token_s: float = _Overhead0
 
     @property
     def enabled(self) -> bool:
@@ -214,8 +220,8 @@ class HardwareProfile(BaseModel):
     step_overhead_s: float = _Overhead
     per_seq_overhead_s: float = _Overhead
     per_block_entry_overhead_s: float = _Overhead
-    padded_attn_cost: float = Field(default=0.0, ge=0)     # 0: attention kernels do not pad (paged kernels)
-    padded_prefill_cost: float = Field(default=0.0, ge=0)  # 0: prefill attention does not pad
+    padded_attn_cost: float = Field(default=0.0, ge=0, allow_inf_nan=False)     # 0: attention kernels do not pad (paged kernels)
+    padded_prefill_cost: float = Field(default=0.0, ge=0, allow_inf_nan=False)  # 0: prefill attention does not pad
     # pure-decode steps of b sequences take decode_batch_factors[b] x the model's time (linear
     # interpolation between listed sizes, the nearest listed size beyond them; empty: 1 everywhere)
     decode_batch_factors: dict[int, float] = Field(default_factory=dict)
@@ -245,7 +251,7 @@ class HardwareProfile(BaseModel):
     @classmethod
     def _check_decode_batch_factors(cls, v: dict[int, float]) -> dict[int, float]:
         for b, f in v.items():
-            if b < 1 or not f > 0:
+            if b < 1 or not 0 < f < float("inf"):
                 raise ValueError(f"decode_batch_factors: batch sizes must be >= 1 and factors > 0, got {b}: {f}")
         return dict(sorted(v.items()))
 
@@ -269,7 +275,29 @@ def profile_for_gpu(gpu: GPUSpec | str) -> str:
     """The shipped profile of a catalog GPU (fitted to measured kernel times, or derived from a fitted
     one: docs/gpu-profiles.md); `default` (hand-set, H100-class) for a GPU without one."""
     name = get_gpu(gpu).name.lower()
-    return name if (PROFILES_DIR / f"{name}.yaml").is_file() else "default"
+    if (PROFILES_DIR / f"{name}.yaml").is_file():
+        return name
+    if name not in _WARNED_DEFAULT:          # once per GPU and process: a silent fallback moved results
+        _WARNED_DEFAULT.add(name)
+        warnings.warn(f"GPU {get_gpu(gpu).name} has no profile of its own: its step times use the hand-set "
+                      f"'default' profile (H100-class efficiencies on this GPU's peaks); give --profile the "
+                      f"shipped profile of the closest catalog GPU ({', '.join(list_profiles())}) or your "
+                      "own file (kvsim calibrate)", UserWarning, stacklevel=3)
+    return "default"
+
+
+_WARNED_DEFAULT: set[str] = set()
+
+
+def _catalog_gpu_profile(name: str) -> Path | None:
+    """The shipped profile of the catalog GPU `name` names (`h100` -> h100-sxm.yaml), or None."""
+    from .catalog import CatalogError
+
+    try:
+        path = PROFILES_DIR / f"{get_gpu(name.strip()).name.lower()}.yaml"
+    except CatalogError:
+        return None
+    return path if path.is_file() else None
 
 
 def load_profile(name_or_path: str | Path | HardwareProfile = "default", gpu: GPUSpec | str | None = None
@@ -281,9 +309,13 @@ def load_profile(name_or_path: str | Path | HardwareProfile = "default", gpu: GP
     text = str(name_or_path)
     scaled = _SCALED.fullmatch(text)
     if scaled:
-        base, factor = load_profile(scaled.group(1), gpu), float(scaled.group(2))
-        if not factor > 0:
-            raise ProfileError(f"profile {text!r}: the step-time factor after '*' must be > 0")
+        low, high = STEP_TIME_SCALE_RANGE
+        if "*" in scaled.group(1):
+            raise ProfileError(f"profile {text!r}: one step-time factor after '*' (NAME*K), not several")
+        factor = float(scaled.group(2))
+        if not low <= factor <= high:
+            raise ProfileError(f"profile {text!r}: the step-time factor after '*' must be in {low:g}..{high:g}")
+        base = load_profile(scaled.group(1), gpu)
         return base.model_copy(update={"step_time_scale": base.step_time_scale * factor})
     if text.strip().lower() == AUTO_PROFILE:
         if gpu is None:
@@ -293,6 +325,8 @@ def load_profile(name_or_path: str | Path | HardwareProfile = "default", gpu: GP
         path = Path(text)
     else:
         path = PROFILES_DIR / f"{text.strip().lower()}.yaml"
+        if not path.is_file():
+            path = _catalog_gpu_profile(text) or path      # a catalog GPU's name or alias: its profile (h100)
         if not path.is_file():
             raise ProfileError(f"unknown hardware profile {text!r}; shipped profiles: "
                                f"{', '.join(list_profiles())}, or pass a path to a YAML file")
@@ -305,8 +339,9 @@ def load_profile(name_or_path: str | Path | HardwareProfile = "default", gpu: GP
     try:
         return HardwareProfile.model_validate(data)
     except ValidationError as exc:
-        raise ProfileError(f"invalid hardware profile {path}:\n"
-                           + format_validation_error(exc, str(path), lines)) from exc
+        problems = format_validation_error(exc, str(path), lines)
+        raise ProfileError(f"invalid hardware profile {path}:" + ("\n" if "\n" in problems else " ")
+                           + problems) from exc
 
 
 def profile_fit_error(profile: HardwareProfile) -> float | None:

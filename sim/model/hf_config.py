@@ -98,11 +98,14 @@ class _Fields:
         return HFConfigError(f"{self.path}: {message}")
 
     def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
-        value = self.data.get(key, default)
+        value = self.data.get(key)
+        if value is None:             # absent or null: the transformers class's default (DeepSeek-V2-Lite's q_lora_rank)
+            value = default
         if value is None:
             raise self.error(f"missing '{key}' (an integer); is this a decoder-only transformer's config.json?")
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.error(f"field '{key}': expected an integer >= {minimum}, got {value!r}")
+        maximum = MAX_FIELD.get(key, MAX_INT)
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise self.error(f"field '{key}': expected an integer in {minimum}..{maximum:,}, got {value!r:.40}")
         return value
 
     def bool(self, key: str, default: bool) -> bool:
@@ -114,12 +117,20 @@ class _Fields:
         return value
 
 
+# the vocab_size default of the transformers text-config classes multimodal configs embed, where a text_config
+# leaves it out: Gemma3TextConfig 262,208, LlamaConfig and MistralConfig 32,000, Qwen2Config 151,936
+TEXT_CONFIG_VOCAB = {"gemma3_text": 262208, "gemma3": 262208, "llama": 32000, "mistral": 32000, "qwen2": 151936}
+
+
 def fields_from_hf_dict(data: dict, path: Path) -> dict:
     """ModelSpec fields from a parsed config.json (`path` names it in errors and gives the model's name)."""
     top = data
     if isinstance(data.get("text_config"), dict):        # multimodal wrapper: the language model's config
-        data = {**{k: v for k, v in data.items() if k in ("torch_dtype", "dtype", "quantization_config")},
+        data = {**{k: v for k, v in data.items() if k in ("torch_dtype", "dtype", "quantization_config", "vocab_size")},
                 **data["text_config"]}
+        if data.get("vocab_size") is None and str(data.get("model_type", "")).lower() in TEXT_CONFIG_VOCAB:
+            # a text_config written without the fields its transformers class defaults (Gemma 3's vocab_size)
+            data["vocab_size"] = TEXT_CONFIG_VOCAB[str(data["model_type"]).lower()]
     f = _Fields(data, path)
     model_type = str(data.get("model_type", "")).lower()
     _refuse_unsupported(f, model_type)
@@ -216,15 +227,29 @@ def _original_len(f: _Fields, key: str, rp: dict) -> int:
 
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+# far above every released model (hidden 16,384 and FFN 53,248 for Llama-3.1-405B; 256 experts of
+# DeepSeek-V3; 126 layers): a config beyond is a typo, not a model (1e30 would price a 1e52-parameter one)
+MAX_INT = 2**31 - 1
+_WIDTH, _COUNT = 1_048_576, 100_000
+MAX_FIELD = {"hidden_size": _WIDTH, "intermediate_size": _WIDTH, "moe_intermediate_size": _WIDTH,
+             "shared_expert_intermediate_size": _WIDTH, "head_dim": _WIDTH, "kv_lora_rank": _WIDTH,
+             "q_lora_rank": _WIDTH, "qk_rope_head_dim": _WIDTH, "qk_nope_head_dim": _WIDTH, "v_head_dim": _WIDTH,
+             "num_hidden_layers": _COUNT, "num_attention_heads": _COUNT, "num_key_value_heads": _COUNT,
+             "num_local_experts": _COUNT, "num_experts": _COUNT, "n_routed_experts": _COUNT,
+             "num_experts_per_tok": _COUNT, "experts_per_token": _COUNT, "vocab_size": 2**27}
 
 
 def _moe_fields(f: _Fields, top: dict, layers: int) -> dict:
     """Routed experts, top-k, expert width, shared experts and leading dense layers."""
+    top_key = "num_experts_per_tok" if "num_experts_per_tok" in f.data else "experts_per_token"
     key = next((k for k in _EXPERT_KEYS if f.data.get(k)), None)
     if key is None:
+        zero = next((k for k in _EXPERT_KEYS if f.data.get(k) == 0), None)
+        if zero and f.data.get(top_key):      # 0 experts is a dense model only when nothing routes to them
+            raise f.error(f"field '{zero}' is 0 but '{top_key}' routes each token to {f.data[top_key]!r:.20}; "
+                          "expected the number of experts (a mixture of experts) or a top-k of 0 (dense)")
         return {}
     experts = f.int(key)
-    top_key = "num_experts_per_tok" if "num_experts_per_tok" in f.data else "experts_per_token"
     if top_key not in f.data:
         raise f.error(f"'{key}' makes it a mixture-of-experts config but 'num_experts_per_tok' (the top-k) is "
                       "missing")

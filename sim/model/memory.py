@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
-from pathlib import Path
 
 from .catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_gpu, get_model
 from .cost_model import kv_heads_per_gpu
 from ..kv.base import sample_row_count
 from ..kv.policy import FastModeProfile
+from ..io.safe_io import host_memory_room
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -234,36 +234,9 @@ def _fast_slab_bytes(cfg, profile: FastModeProfile, rows: int, trace, max_seqs: 
 
 
 def available_memory_bytes() -> tuple[int, str]:
-    """(bytes this process can still allocate, where the figure comes from): the smaller of the
-    system's available memory and the room left under a cgroup (container) limit."""
-    try:
-        import psutil
-        figures = [(int(psutil.virtual_memory().available), "available system memory")]
-    except ImportError:
-        figures = [(_meminfo_available(), "MemAvailable in /proc/meminfo")]
-    cgroup = _cgroup_room()
-    if cgroup is not None:
-        figures.append((cgroup, "room under the cgroup memory limit"))
-    return min(figures)
-
-
-def _meminfo_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 2**62                            # unknown: do not refuse
-
-
-def _cgroup_room() -> int | None:
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-    except (OSError, ValueError):
-        return None
-    return None if limit == "max" else max(int(limit) - used, 0)
+    """(bytes this process can still allocate, where the figure comes from): see
+    safe_io.host_memory_room (system memory, a cgroup limit, an address-space limit)."""
+    return host_memory_room()
 
 
 def check_memory(estimate: RunMemoryEstimate, available: tuple[int, str] | None = None) -> None:
@@ -276,3 +249,20 @@ def check_memory(estimate: RunMemoryEstimate, available: tuple[int, str] | None 
     raise HostMemoryError(
         f"this run needs about {need / GiB:.1f} GiB of host memory: {estimate.describe()}; but "
         f"{free / GiB:.1f} GiB is available ({source}); lower {option} (largest part: {what})")
+
+
+def vllm_kv_cache_report(model: ModelSpec, num_blocks: int, block_size: int, max_model_len: int,
+                         max_num_batched_tokens: int) -> tuple[int, float]:
+    """(tokens, concurrency) as vLLM's engine logs them at start-up (`_report_kv_cache_config`, vLLM
+    0.10-0.11): "GPU KV cache size: N tokens" = num_blocks // KV cache groups x block_size, and "Maximum
+    concurrency for max_model_len tokens per request: Cx" = num_blocks / the blocks one request of
+    max_model_len takes in every group: cdiv(max_model_len, block_size) for a full-attention group, and for a
+    sliding-window group cdiv(min(window - 1 + max_num_batched_tokens, max_model_len), block_size) + 1."""
+    layers_per_group, full_groups, sliding_groups = model.kv_cache_groups()
+    groups = full_groups + sliding_groups
+    tokens = num_blocks // max(groups, 1) * block_size
+    per_request = full_groups * -(-max_model_len // block_size)
+    if sliding_groups:
+        window_tokens = min(model.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        per_request += sliding_groups * (-(-window_tokens // block_size) + 1)
+    return tokens, num_blocks / max(per_request, 1)

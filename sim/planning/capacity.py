@@ -164,7 +164,9 @@ def _is_missing(v) -> bool:
 def _fmt(value, c: Constraint) -> str:
     if _is_missing(value):
         return "n/a"
-    return f"{value * 1e3:.1f}ms" if c.metric.endswith("_s") else f"{value:.4g}"
+    if not c.metric.endswith("_s"):
+        return f"{value:.4g}"
+    return f"{value * 1e3:.1f}ms" if abs(value) < 10 else f"{value:,.1f}s"      # 2,571.2s, not 2571157.9ms
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,20 @@ import math
 import os
 import re
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Iterator
 
+from kvsim.traces.errors import TraceWarning
+
 from .capacity import Constraint, judge_row, slo_for_goodput
-from ..model.catalog import get_gpu
 from ..config import KVConfig, SimConfig
 from ..kv.policy import policy_parameters
-from .sweep import (PlannedRun, RunTask, SpecError, _dask, _FitChecker, _serial, finished_runs, make_row,
+from ..io.safe_io import atomic_output
+from .sweep import (DASK_EXTRA, MissingExtra, PlannedRun, RunTask, SpecError, _dask, _FitChecker, _local, _serial,
+                    finished_runs, make_row,
                     read_store, run_id_of, write_row)
 
 RunBatch = Callable[[list[RunTask]], Iterator[tuple[RunTask, dict]]]
@@ -45,7 +49,7 @@ class Candidate:
 
     @property
     def usd_per_replica_hour(self) -> float:
-        return get_gpu(self.gpu).usd_per_hour * self.tp
+        return self.cfg.gpu_usd_per_hour(self.gpu) * self.tp
 
 
 @dataclass
@@ -157,7 +161,16 @@ def executor(scheduler: str | None = None, jobs: int | None = None) -> Iterator[
         return
     import logging
 
-    from distributed import Client, LocalCluster
+    try:
+        from distributed import Client, LocalCluster
+    except ImportError:
+        if scheduler is not None:
+            raise MissingExtra(DASK_EXTRA) from None
+        workers = jobs or os.cpu_count() or 1
+        warnings.warn(f"Dask is not installed (the 'distributed' extra): the plan runs on a local process pool of "
+                      f"{workers} workers instead (same results)", TraceWarning, stacklevel=3)
+        yield (lambda tasks: _local(tasks, workers) if len(tasks) > 1 and workers > 1 else _serial(tasks)), workers
+        return
 
     cluster = None
     if scheduler is None:
@@ -336,6 +349,9 @@ def _write_plan_result(store: Path, result: PlanResult, run_ids: list[str]) -> N
         "cheapest": {m: s.cand.label for m, s in result.cheapest.items()},
         "ranges": result.ranges, "range_notes": result.range_notes,
     }
-    (store / "plan-result.json").write_text(json.dumps(data, indent=2, default=str))
-    (store / "plan.json").write_text(json.dumps({"name": "capacity plan", "axis_keys": ["model", "gpu", "tp", "replicas"],
-                                                 "run_ids": run_ids}, indent=1))
+    texts = {"plan-result.json": json.dumps(data, indent=2, default=str),
+             "plan.json": json.dumps({"name": "capacity plan", "axis_keys": ["model", "gpu", "tp", "replicas"],
+                                      "run_ids": run_ids}, indent=1)}
+    for name, text in texts.items():
+        with atomic_output(store / name) as tmp:
+            tmp.write_text(text)

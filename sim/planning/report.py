@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .capacity import parse_slo, read_capacity
-from ..io.safe_io import atomic_output
+from ..io.safe_io import atomic_output, file_starts_with
 from ..config import SimConfig
 from .sweep import config_columns, read_plan, read_store
 
@@ -156,6 +156,14 @@ def _derived_capacity_figure(series, x: str) -> go.Figure:
     return fig
 
 
+GENERATOR = '<meta name="generator" content="kvsim report">'
+
+
+def report_written_by_kvsim(path: str | Path) -> bool:
+    """Whether `path` is a page `kvsim report` wrote (its generator tag): replaced without --overwrite."""
+    return file_starts_with(Path(path), GENERATOR.encode(), within=512)
+
+
 def build_report(store: str | Path, out: str | Path | None = None) -> Path:
     store = Path(store)
     df = read_store(store)
@@ -230,7 +238,7 @@ def _page(store: Path, df: pd.DataFrame, ok: pd.DataFrame, axes: list[str], figu
               + (f"; {missing} planned runs not run yet" if missing else "")
               + (f"; {unreadable} unreadable run files left out (the next sweep runs them again)"
                  if unreadable else ""))
-    return f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>kvsim report: {html.escape(str(store))}</title>
+    return f"""<!DOCTYPE html><html><head><meta charset="utf-8">{GENERATOR}<title>kvsim report: {html.escape(str(store))}</title>
 <style>body{{font-family:sans-serif;margin:2em;}} table.runs{{border-collapse:collapse;font-size:12px}}
 table.runs td,table.runs th{{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right}}</style></head>
 <body><h1>kvsim sweep report</h1><p>{html.escape(str(store))}: {html.escape(status)}.

@@ -49,14 +49,14 @@ from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.loaders import resolve_trace_path
 
 from ..model.catalog import CatalogError, get_gpu, get_model
-from ..config import (FILE_KEYS, ConfigError, SimConfig, build_config, files_under, flatten, read_config_file,
+from ..config import (FILE_KEYS, RANDOM_TRACE, ConfigError, SimConfig, build_config, files_under, flatten, read_config_file,
                      read_yaml_file)
 from ..model.cost_model import load_profile
 from ..model.defaults import resolve_engine
 from ..model.memory import ModelDoesNotFitError, PoolSizing, available_memory_bytes, check_memory, num_gpu_blocks
 from ..kv.policy import policy_identity
 from ..io.result_dirs import holding_store_lock, mark_owned, pid_alive
-from ..io.safe_io import atomic_output
+from ..io.safe_io import KVSIM_TMP, atomic_output
 from ..simulator.simulate import run_simulation
 
 SPEC_KEYS = ("base", "fixed", "grid", "runs", "save_outputs", "name")
@@ -339,7 +339,8 @@ class _FitChecker:
     def _problem(cfg: SimConfig) -> str | None:
 
         try:
-            resolve_trace_path(cfg.trace)
+            if cfg.trace != RANDOM_TRACE:          # vllm bench serve's random dataset: no file
+                resolve_trace_path(cfg.trace)
         except TraceError as exc:
             return f"trace={cfg.trace!r}: {exc}"
         try:
@@ -394,7 +395,7 @@ def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
     so an SLO failure is never the cheapest."""
 
     gpus = cfg.tp * cfg.replicas
-    usd_per_hour = get_gpu(cfg.gpu).usd_per_hour * gpus
+    usd_per_hour = cfg.gpu_usd_per_hour() * gpus
     meets = meets_run_slo(cfg, summary)
     return {"num_gpus": gpus, "usd_per_hour": usd_per_hour, "meets_slo": meets,
             **slo_costs(usd_per_hour, summary.get("throughput_output_tok_s"), summary.get("goodput_req_s"), meets)}
@@ -449,9 +450,8 @@ def write_row(store: Path, row: dict) -> Path:
     runs = _runs_dir(store)
     runs.mkdir(parents=True, exist_ok=True)
     final = runs / f"{row['run_id']}.parquet"
-    tmp = runs / f".tmp-{row['run_id']}-{os.getpid()}.parquet"
-    pq.write_table(pa.Table.from_pylist([row]), tmp)
-    os.replace(tmp, final)
+    with atomic_output(final) as tmp:
+        pq.write_table(pa.Table.from_pylist([row]), tmp)
     return final
 
 
@@ -553,10 +553,9 @@ def read_plan(store: Path) -> list[str]:
 def _write_plan(store: Path, plan: SweepPlan, spec_text: str | None) -> None:
     store.mkdir(parents=True, exist_ok=True)
     mark_owned(store)
-    tmp = store / ".plan.json.tmp"
-    tmp.write_text(json.dumps({"name": plan.name, "axis_keys": plan.axis_keys,
-                               "run_ids": [r.run_id for r in plan.runs]}, indent=1))
-    os.replace(tmp, store / "plan.json")
+    with atomic_output(store / "plan.json") as tmp:
+        tmp.write_text(json.dumps({"name": plan.name, "axis_keys": plan.axis_keys,
+                                   "run_ids": [r.run_id for r in plan.runs]}, indent=1))
     if spec_text is not None:
         with atomic_output(store / "spec.yaml") as tmp:
             tmp.write_text(spec_text)
@@ -565,7 +564,9 @@ def _write_plan(store: Path, plan: SweepPlan, spec_text: str | None) -> None:
 def _remove_stale_tmp(store: Path) -> None:
     runs = _runs_dir(store)
     if runs.is_dir():
-        for p in runs.glob(".tmp-*.parquet"):
+        for p in runs.glob(".tmp-*.parquet"):       # written by kvsim before the guarded writer
+            p.unlink(missing_ok=True)
+        for p in runs.glob(f".*.parquet{KVSIM_TMP}*"):      # the store is locked: no live writer holds these
             p.unlink(missing_ok=True)
 
 
@@ -618,13 +619,30 @@ def _running(pid: int) -> bool:
         return pid_alive(pid)
 
 
+class MissingExtra(ImportError):
+    """An optional dependency a command needs is not installed; the message names the extra to install."""
+
+
+DASK_EXTRA = ("a Dask scheduler needs Dask's distributed package, which the core install leaves out: "
+              "pip install 'kvsim[distributed]'")
+
+
+def _distributed():
+    """The distributed package, or MissingExtra naming the extra that installs it."""
+    try:
+        import distributed
+    except ImportError:
+        raise MissingExtra(DASK_EXTRA) from None
+    return distributed
+
+
 class SchedulerUnreachable(ConnectionError):
     """No dask scheduler answered at the address given; the message names it."""
 
 
 def connect(address: str, timeout_s: float = 10.0):
     """A distributed.Client of the scheduler at `address`, or SchedulerUnreachable in one line."""
-    from distributed import Client
+    Client = _distributed().Client
 
     try:
         return Client(address, timeout=f"{timeout_s:g}s")
@@ -635,7 +653,8 @@ def connect(address: str, timeout_s: float = 10.0):
 
 
 def _dask(tasks: list[RunTask], scheduler: Any) -> Completed:
-    from distributed import Client, as_completed as dask_completed
+    distributed = _distributed()
+    Client, dask_completed = distributed.Client, distributed.as_completed
 
     client = scheduler if isinstance(scheduler, Client) else connect(scheduler)
     try:

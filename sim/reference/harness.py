@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from kvsim.traces import load_trace
 
 from ..config import SimConfig, load_config
 from ..model.defaults import resolve_engine
+from ..io.safe_io import KVSIM_TMP, atomic_output
 from ..simulator.simulate import run_simulation
 from .prompts import prompt_token_ids
 from .scenarios import Scenario
@@ -53,12 +55,12 @@ def write_scenario(scenario: Scenario, directory: Path) -> None:
         lines.append(json.dumps({"kvsim_trace": {"name": scenario.name,
                                                  "prefix_block_tokens": scenario.prefix_block_tokens}}))
     lines += [json.dumps(r) for r in scenario.trace_records()]
-    (directory / "trace.jsonl").write_text("\n".join(lines) + "\n")
+    write_text_file(directory / "trace.jsonl", "\n".join(lines) + "\n")
     config = {"trace": "trace.jsonl", "trace_options": {"arrival_unit": "step"},
               "model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
               "engine": scenario.engine_settings(), "fast_forward": True}
     header = f"# vLLM reference scenario {scenario.name}: {scenario.description}\n"
-    (directory / "scenario.yaml").write_text(header + yaml.safe_dump(config, sort_keys=False))
+    write_text_file(directory / "scenario.yaml", header + yaml.safe_dump(config, sort_keys=False))
 
 
 def load_scenario(directory: Path) -> tuple[SimConfig, object]:
@@ -256,7 +258,14 @@ def save_schedule(df: pd.DataFrame, path: Path) -> None:
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pandas(df, preserve_index=False)
-    pq.write_table(table, path)
+    with atomic_output(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def write_text_file(path: Path, text: str) -> None:
+    """`text` into `path` through the guarded writer (a temporary file renamed in place)."""
+    with atomic_output(path) as tmp:
+        tmp.write_text(text)
 
 
 def load_reference(directory: Path) -> tuple[pd.DataFrame, dict]:
@@ -287,7 +296,7 @@ def record_scenario(directory: Path, vllm_python: str, model_dir: Path, timeout_
     save_schedule(ref, directory / "vllm_steps.parquet")
     meta.update({"recorded_on": datetime.date.today().isoformat(), "machine": platform.machine(),
                  "steps": len(ref), "preemptions": int(ref["preemptions"].sum())})
-    (directory / "recorded.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    write_text_file(directory / "recorded.json", json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
 
 
@@ -313,16 +322,20 @@ def reference_run(cfg: SimConfig, trace, out: Path, vllm_python: str, model_dir:
                   timeout_s: float | None = None) -> Agreement:
     """Record vLLM's schedule of `trace`, simulate it in kvsim, write both and the agreement to `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    raw = record_vllm(driver_spec(cfg, trace, model_dir), vllm_python, out, timeout_s)
+    # vLLM's working files (its spec, log and step record) in a directory of kvsim's beside the results,
+    # kept when vLLM fails (the error names its log), removed once its record is read
+    work = Path(tempfile.mkdtemp(prefix=f".vllm{KVSIM_TMP}{os.getpid()}-", dir=out))
+    raw = record_vllm(driver_spec(cfg, trace, model_dir), vllm_python, work, timeout_s)
     ref, meta = read_vllm_steps(raw)
+    shutil.rmtree(work, ignore_errors=True)
     sim, info = kvsim_schedule(cfg, trace)
     agreement = compare_schedules(ref, sim, meta["rejected"], info["rejected"])
     save_schedule(ref, out / "vllm_steps.parquet")
     save_schedule(sim, out / "kvsim_steps.parquet")
     result = {**agreement.to_dict(), "vllm": {k: v for k, v in meta.items() if k != "rejected"},
               "rejected": {"vllm": meta["rejected"], "kvsim": info["rejected"]}}
-    (out / "agreement.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    write_text_file(out / "agreement.json", json.dumps(result, indent=2, default=str) + "\n")
+    write_text_file(out / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return agreement
 
 

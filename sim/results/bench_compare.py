@@ -16,6 +16,25 @@ STATS = ("mean", "median", "p99")
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
+def bench_model_mismatch(model: str, measured: dict) -> str | None:
+    """A warning when the bench result measured another model than the run simulates (its `model_id`), or
+    one kvsim cannot tell apart from it; None when they are the same catalog model (or the file names none)."""
+    from ..model.catalog import CatalogError, get_model
+
+    bench = measured.get("model_id")
+    if not bench:
+        return None
+    try:
+        same = get_model(bench).name == get_model(model).name
+    except CatalogError:
+        return (f"the benchmark measured {bench} (its model_id), which is not a catalog name; this run simulates "
+                f"{model}: give --model that model's config.json (or directory) to compare like with like")
+    if same:
+        return None
+    return (f"the benchmark measured {bench} (its model_id) but this run simulates {model}: the comparison is "
+            f"between different models; give --model {bench}")
+
+
 def measured_table(measured: dict, output_tokens: pd.Series) -> pd.DataFrame:
     """The file's per-request figures (seconds) indexed by request_id."""
     ids = measured["request_id"]
@@ -24,6 +43,9 @@ def measured_table(measured: dict, output_tokens: pd.Series) -> pd.DataFrame:
         df["ttft_s"] = np.asarray(measured["ttfts"], dtype=float)
     if "latencies" in measured:
         df["e2el_s"] = np.asarray(measured["latencies"], dtype=float)
+    elif "ttfts" in measured and "itls" in measured:
+        # an older vLLM saved no latencies: a streamed request's latency is its first token plus the gaps after
+        df["e2el_s"] = [ttft + float(np.sum(itls)) for ttft, itls in zip(measured["ttfts"], measured["itls"], strict=True)]
     if "itls" in measured:
         df["itl_mean_s"] = [float(np.mean(x)) if x else np.nan for x in measured["itls"]]
     n_out = output_tokens.reindex(df.index).to_numpy(dtype=float)
@@ -47,6 +69,10 @@ def compare(measured: dict, requests: pd.DataFrame, predicted_summary: dict) -> 
             per[f"measured_{col}"] = meas[col]
             per[f"predicted_{col}"] = pred[col].reindex(meas.index)
     agg: dict = {"num_requests": int(len(per))}
+    if "latencies" not in measured and "e2el_s" in meas:
+        agg["note"] = "E2EL measured as TTFT + the sum of ITLs (the file has no latencies: an older vLLM)"
+    agg["failed"] = {"measured": int(measured.get("failed") or 0), "predicted": int(predicted_summary.get("failed") or 0),
+                     "error": None}
     measured_stats = _measured_stats(measured, per)
     for key, m in measured_stats.items():
         p = predicted_summary.get(key)
@@ -86,7 +112,8 @@ def report_rows(agg: dict) -> list[tuple[str, str, str, str]]:
         if not isinstance(v, dict):
             continue
         err = "" if v["error"] is None else f"{100 * v['error']:+.1f}%"
-        fmt = "{:.2f}"
-        rows.append((key, fmt.format(v["measured"]), "" if v["predicted"] is None else fmt.format(v["predicted"]),
+        fmt = "{:d}" if isinstance(v["measured"], int) else "{:.2f}"
+        name = "failed requests (left out of the replay)" if key == "failed" else key
+        rows.append((name, fmt.format(v["measured"]), "" if v["predicted"] is None else fmt.format(v["predicted"]),
                      err))
     return rows

@@ -19,6 +19,7 @@ from ..config import FILE_KEYS, SimConfig, config_section, names_a_file, split_f
 from ..core.prefix_lookups import PrefixLookups
 from ..model.cost_model import profile_fit_error
 from ..kv.metrics import kv_summary
+from ..model.memory import vllm_kv_cache_report
 from .metrics import summarize
 from .request_log import requests_arrow, token_stats
 from ..io.safe_io import dumps_json
@@ -52,7 +53,10 @@ def run_summary(plan: ResolvedRun, req_df: pd.DataFrame, steps_df: pd.DataFrame 
         totals = pd.DataFrame({k: [v] for k, v in steps_df.items()}) if isinstance(steps_df, dict) else steps_df
         summary.update(kv_summary(kvs, req_df, totals))
     summary.update(run_bench_metrics(cfg, req_df, tokens))
+    kv_tokens, concurrency = vllm_kv_cache_report(plan.model, num_blocks, cfg.engine.block_size, plan.max_model_len,
+                                                  plan.scheduler.max_num_batched_tokens)
     summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
+                    "kv_cache_tokens": kv_tokens, "kv_max_concurrency": concurrency,
                     "max_model_len": plan.max_model_len, "model": plan.model.name, "gpu": plan.gpu.name,
                     "tp": cfg.tp, "replicas": cfg.replicas, "trace": cfg.trace,
                     # the profile that priced the steps (the replay's predicted_s) and its measured error

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import pandas as pd
 
-from ..results.bench_compare import compare
+from ..results.bench_compare import bench_model_mismatch, compare
 from ..cluster.connectors.offload import cpu_tier_spec, offload_connectors, offload_summary
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
@@ -72,6 +73,18 @@ class RunOptions(NamedTuple):
     wrap_kv: object
 
 
+def _request_frame(client, entry, run, labels: dict | None):
+    """The function turning finished requests into requests.parquet rows (the client's view of them)."""
+    def frame(reqs: list) -> pd.DataFrame:
+        df = client_view(request_table(reqs), client, entry.sent if entry else {})
+        if labels is not None:               # the source's own request ids (not integers), beside kvsim's
+            df["request_label"] = df["request_id"].map(labels).astype(object)
+        if run.limit is not None:
+            add_client_queue(df, run.limit.client_arrival)
+        return df
+    return frame
+
+
 def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
     cfg = plan.cfg
     client = plan.cost.profile.client if cfg.client_latency else ClientLatency()
@@ -93,11 +106,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker, connector=offload)
     replicas.extend(run.replicas)
 
-    def frame(reqs: list) -> pd.DataFrame:
-        df = client_view(request_table(reqs), client, entry.sent if entry else {})
-        if run.limit is not None:
-            add_client_queue(df, run.limit.client_arrival)
-        return df
+    frame = _request_frame(client, entry, run, getattr(trace, "request_labels", None))
     # rows go to requests.parquet as requests finish, unless the client view needs all token times at once
     # or the bench comparison the whole table
     streamable = not client.output_token_s > 0 and not getattr(trace, "measured", None)
@@ -143,10 +152,10 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
         write_outputs(out, cfg, None if tokens is not None else req_df, summary)
         if comparison is not None:
             comparison.to_parquet(out / "bench_comparison.parquet", index=False)
-        staging.publish()
+        published = staging.publish(partial=stop is not None)
     if stop:
         raise stop[1]
-    return SimulationResult(summary, req_df, steps_df, staging.shown if staging else None, plan.num_blocks, wall)
+    return SimulationResult(summary, req_df, steps_df, published if staging else None, plan.num_blocks, wall)
 
 
 def offload_of(plan: ResolvedRun):
@@ -165,6 +174,9 @@ def offload_figures(offload) -> dict:
 def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
     """A `vllm bench serve` result replayed as a trace runs under the load it was measured with: its
     --max-concurrency unless the config sets one (its send times are already on the trace)."""
+    problem = bench_model_mismatch(cfg.model, getattr(trace, "measured", None) or {})
+    if problem:
+        warnings.warn(problem, UserWarning, stacklevel=3)
     load = getattr(trace, "bench_load", None) or {}
     if load.get("max_concurrency") and cfg.trace_options.max_concurrency is None:
         opts = cfg.trace_options.model_copy(update={"max_concurrency": int(load["max_concurrency"])})
