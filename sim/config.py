@@ -315,6 +315,25 @@ def config_section(data: dict, sections: list[str]):
     return data
 
 
+class RouterOptions(_Strict):
+    """Settings of the KV-aware routers (sim/engine/routers). Absent: exact load signals, defaults."""
+    refresh_s: float = Field(0.0, ge=0, description="load signals refreshed every this many seconds (0: exact)")
+    weights: dict[str, float] | None = Field(None, description="weighted router: scorer -> weight "
+                                             "(queue, kv_usage, prefix, approx_prefix)")
+    prefix_block_tokens: int = Field(64, gt=0, description="prefix_affinity: tokens per hashed prompt block")
+    prefix_table_size: int = Field(100_000, gt=0, description="prefix_affinity: block chains remembered (LRU)")
+
+
+class KVOffloadConfig(_Strict):
+    """vLLM's OffloadingConnector: a CPU tier per replica (sim/cluster/connectors/offload.py,
+    docs/kv-tiers.md). Absent: no offload (vLLM without --kv-transfer-config)."""
+    cpu_gib: float = Field(gt=0, description="CPU memory per replica for KV blocks, GiB (vLLM's cpu_bytes_to_use)")
+    bandwidth_gb_s: float | None = Field(None, gt=0, description="host link GB/s per direction per replica; "
+                                         "default: the GPU's PCIe x the profile's pcie_eff x tp")
+    latency_s: float = Field(1e-5, ge=0, description="per-transfer latency on the host link, s")
+    eviction: Literal["lru"] = "lru"
+
+
 class SimConfig(_Strict):
     trace: str = "azure-conv-2023"
     trace_options: TraceOptions = TraceOptions()
@@ -322,12 +341,14 @@ class SimConfig(_Strict):
     gpu: str = "h100"
     tp: int = Field(1, gt=0)
     replicas: int = Field(1, gt=0)
-    router: Literal["round_robin", "least_outstanding"] = "round_robin"
+    router: str = Field("round_robin", description="a registered router (sim/engine/routers; docs/kv-tiers.md)")
+    router_options: RouterOptions | None = None
     profile: str = "auto"                # the GPU's shipped profile (sim/data/profiles; docs/gpu-profiles.md)
     kv_dtype: str | None = None
     weight_dtype: str | None = None      # decoder-layer weight dtype (fp16, bf16, fp8, int8, int4); None: the catalog's
     engine: EngineConfig = EngineConfig()
     kv: KVConfig = KVConfig()
+    kv_offload: KVOffloadConfig | None = None
     slo: SLO = SLO(ttft="2s", tpot="100ms")
     seed: int = Field(0, ge=0, lt=2**63)
     metric_percentiles: list[float] = Field(

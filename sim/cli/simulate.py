@@ -37,7 +37,12 @@ def simulate(
     tp: Annotated[int | None, typer.Option("--tp", "-tp", "--tensor-parallel-size",
                                               help="tensor parallel degree (vLLM's -tp)")] = None,
     replicas: Replicas = None,
-    router: Annotated[str | None, typer.Option(help="round_robin | least_outstanding")] = None,
+    router: Annotated[str | None, typer.Option(
+        help="round_robin | least_outstanding | queue_depth | kv_usage | prefix_affinity | precise_prefix | "
+             "weighted (llm-d's scorer sum), or a registered plug-in; options: --set router_options.KEY=V")] = None,
+    kv_offload: Annotated[str | None, typer.Option(
+        help="CPU KV offload per replica as vLLM's OffloadingConnector: cpu:SIZE (cpu:64GiB); "
+             "= kv_offload.cpu_gib (docs/kv-tiers.md)")] = None,
     profile: Profile = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
@@ -141,6 +146,8 @@ def simulate(
         overrides = with_vllm_options(overrides, VllmOptions(
             serve=vllm, bench=bench, dtype=dtype, quantization=quantization, dataset_name=dataset_name,
             dataset_path=dataset_path, goodput=goodput))
+        if kv_offload is not None:
+            overrides["kv_offload.cpu_gib"] = parse_offload(kv_offload)
         cfg = load_config(config, overrides, set_)
         refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)
         refuse_ineffective_kv(cfg.kv)
@@ -157,6 +164,26 @@ def simulate(
     if not quiet:
         print_summary(result.summary)
     console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
+
+
+_SIZE_UNITS = {"gib": 1.0, "gb": 1e9 / 2**30, "mib": 1 / 1024, "tib": 1024.0}
+
+
+def parse_offload(value: str) -> float:
+    """`--kv-offload cpu:64GiB` -> GiB of CPU memory per replica (GiB, GB, MiB, TiB)."""
+    tier, _, size = value.partition(":")
+    if tier != "cpu" or not size:
+        raise ConfigError(f"--kv-offload {value!r}: expected cpu:SIZE such as cpu:64GiB (the CPU tier; disk and "
+                          "remote tiers are not options yet)")
+    number = size.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = size[len(number):].lower() or "gib"
+    try:
+        gib = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(f"--kv-offload {value!r}: expected a size such as 64GiB, 500GB or 512MiB") from None
+    if not gib > 0:
+        raise ConfigError(f"--kv-offload {value!r}: the size must be positive")
+    return gib
 
 
 def with_vllm_options(overrides: dict, options: VllmOptions) -> dict:

@@ -136,6 +136,18 @@ class WaitingQueue:
                 return True
         return False
 
+    def promote(self, first) -> bool:
+        """FCFS: move the requests for which `first(req)` holds to the front, in their order; whether
+        the head changed (a priority heap keeps its order: False)."""
+        if self.policy != "fcfs":
+            return False
+        ahead = [r for r in self._fifo if first(r)]
+        if not ahead or ahead[0] is self._fifo[0]:
+            return False
+        rest = [r for r in self._fifo if not first(r)]
+        self._fifo = deque(ahead + rest)
+        return True
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVManager, connector: KVConnector | None = None):
@@ -381,6 +393,8 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             if admission is None:
+                if self._loaded_first():
+                    continue
                 break
             hits, n, computed, external, load_async = admission
             if swapped and self._swap_in_blocked(req, swapped + n):
@@ -416,6 +430,16 @@ class Scheduler:
         for req in reversed(skipped):
             self.waiting.add_front(req)
         return budget
+
+    def _loaded_first(self) -> bool:
+        """A waiting request whose KV the connector loaded holds its blocks: when the head cannot be
+        admitted (a request preempted after the load returned ahead of it), the loaded ones go first,
+        else the blocks they hold could keep the head out for ever. Whether the head changed."""
+        head = self.waiting.peek()
+        if head.num_computed_tokens and not head.swapped_tokens:
+            return False
+        return self.waiting.promote(lambda r: bool(r.num_computed_tokens) and not r.swapped_tokens
+                                    and r in self.kv.req_blocks)
 
     def update_from_connector(self, now: float) -> None:
         """The connector's asynchronous transfers done by `now` (vLLM: each step's KV connector

@@ -19,6 +19,7 @@ from kvsim.traces.synthetic import vllm_random_dataset
 
 from ..config import RANDOM_DEFAULT_NUM_PROMPTS, RANDOM_TRACE, ConfigError, RandomDataset, SimConfig
 from ..core.request import Request
+from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager
 from ..core.scheduler import Scheduler, SchedulerConfig
 from .loop import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
@@ -190,12 +191,14 @@ class EngineRun:
 
 def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                  replica_parts: Callable[[int], tuple[KVManager, Executor]], *, entry=None,
-                 on_step: Callable[[int], None] | None = None, step_noise: bool = False) -> EngineRun:
+                 on_step: Callable[[int], None] | None = None, step_noise: bool = False,
+                 connector: Callable[[int, EngineClock], KVConnector] | None = None) -> EngineRun:
     """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager
     and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.simulator.client.
     RequestEntry) delays requests sent by the concurrency limit until the API server lets them in.
     `step_noise`: the simulator's step-time variance (`step_variance`, sim/engine/step_noise.py) applies (a
-    real backend's steps take the time they take)."""
+    real backend's steps take the time they take). `connector(index, clock)`: each replica's KV connector
+    (CPU offload: sim.cluster); None: none."""
     cfg = plan.cfg
     env = EngineClock()
     by_step = cfg.trace_options.arrival_unit == "step"
@@ -216,7 +219,7 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     for i in range(cfg.replicas):
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
-            env, i, Scheduler(plan.scheduler, kv), executor, step_log,
+            env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None), executor, step_log,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
                            check_invariants=cfg.check_invariants,
                            step_noise=noises[i]),
@@ -226,7 +229,7 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                         arrivals=own_arrivals, timeout=timeout)))
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
-    router = Router(replicas, cfg.router)
+    router = Router(replicas, cfg.router, cfg.router_options)
     limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
     arrivals = ArrivalProcess(env, requests, router, limit)
     feed.extend((arrivals, limit))

@@ -19,6 +19,7 @@ import numpy as np
 import simpy
 
 from ..core.connector import step_seconds_with_transfer
+from .routers import build_router
 from ..core.protocols import Executor
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerOutput
@@ -329,6 +330,9 @@ class EngineReplica:
         sched = self.scheduler
         live = set(sched.running) | set(sched.waiting) | set(sched.loading) | set(sched.sending)
         self.kv.check_invariants(live)
+        connector_check = getattr(self.connector, "check_invariants", None)
+        if connector_check is not None:
+            connector_check()
         for r in sched.loading:
             assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r not in sched.running, (
                 f"request {r.request_id} loads its KV while scheduled")
@@ -454,22 +458,9 @@ class Incoming:
             self.arrivals.take(n)
 
 
-class Router:
-    """Sends each arriving request to a replica: round_robin or least_outstanding."""
-
-    def __init__(self, replicas: list[EngineReplica], policy: str = "round_robin"):
-        if policy not in ("round_robin", "least_outstanding"):
-            raise ValueError(f"router must be round_robin or least_outstanding, got {policy!r}")
-        self.replicas = replicas
-        self.policy = policy
-        self._next = 0
-
-    def route(self, req: Request) -> EngineReplica:
-        if self.policy == "round_robin":
-            replica = self.replicas[self._next % len(self.replicas)]
-            self._next += 1
-            return replica
-        return min(self.replicas, key=lambda rep: (rep.outstanding, rep.index))
+def Router(replicas: list[EngineReplica], policy: str = "round_robin", options=None):
+    """The router named `policy` over `replicas` (the registry of sim/engine/routers)."""
+    return build_router(policy, replicas, options)
 
 
 class StepArrivals:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from .assembly import scheduler_config
+from .routers import RouterError, build_router
 from ..model.catalog import GPUSpec, ModelSpec, get_gpu, get_model
 from ..config import ConfigError, SimConfig
 from ..core.scheduler import SchedulerConfig
@@ -70,6 +71,7 @@ def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -
     """The plan of a run of `cfg` over `trace` (sized into the memory estimate when given). `model`
     replaces `cfg.model`'s catalog entry (the real backend passes the spec of the model it runs)."""
     cfg = cfg.model_copy(update={"engine": resolve_engine(cfg)})     # with_engine_defaults
+    check_router(cfg)
     hardware = resolve_hardware(cfg, model)
     # a model with sliding-window layers runs the hybrid manager, which refuses policies when built
     kv_kind: KVKind = "hybrid" if hardware.model.num_sliding_layers else "plain" if cfg.kv.is_default else "evicting"
@@ -79,6 +81,14 @@ def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -
         cfg=cfg, hardware=hardware, scheduler=scheduler_config(cfg, hardware.cost, hardware.max_model_len),
         policy=policy, kv_kind=kv_kind, executor_kind="kv_policy" if kv_kind == "evicting" else "cost_model",
         memory=estimate_run_memory(cfg, hardware.model, hardware.cost, hardware.num_blocks, trace, profile))
+
+
+def check_router(cfg: SimConfig) -> None:
+    """`router` names a registered router, and its options suit it (one line when not)."""
+    try:
+        build_router(cfg.router, [], cfg.router_options)
+    except RouterError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def with_engine_defaults(cfg: SimConfig) -> SimConfig:

@@ -94,7 +94,11 @@ def write_outputs(out: Path, cfg: SimConfig, req_df: pd.DataFrame | None, summar
                              if isinstance(summary.get(key), float) and math.isinf(summary[key])}}
     # NaN (e.g. a percentile of no finished request) becomes null with a reason: JSON has no NaN
     (out / "summary.json").write_text(dumps_json(summary, indent=2, default=float))
-    (out / "config.yaml").write_text(yaml.safe_dump(portable_config(cfg.model_dump(mode="json")), sort_keys=False))
+    data = cfg.model_dump(mode="json")
+    for section in ("kv_offload", "router_options"):
+        if data.get(section) is None:
+            data.pop(section, None)           # off: the section is absent, as before it existed
+    (out / "config.yaml").write_text(yaml.safe_dump(portable_config(data), sort_keys=False))
 
 
 # a FILE_KEYS value is read relative to the working directory, so config.yaml keeps it absolute

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from ..results.bench_compare import bench_model_mismatch, compare
+from ..cluster.connectors.offload import cpu_tier_spec, offload_connectors, offload_summary
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
 from .client import RequestEntry, client_view
@@ -102,7 +103,9 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
         kv, executor = replica_parts(plan, index)
         return opts.wrap_kv(kv, executor) if opts.wrap_kv is not None else (kv, executor)
 
-    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker, step_noise=True)
+    offload = offload_of(plan)
+    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker, step_noise=True,
+                       connector=offload)
     replicas.extend(run.replicas)
 
     frame = _request_frame(client, entry, run, getattr(trace, "request_labels", None))
@@ -138,6 +141,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
             steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
     summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens,
                           step_variance_sigma=resolve_sigma(cfg.step_variance, plan.gpu.name))
+    summary.update(offload_figures(offload))
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
@@ -155,6 +159,19 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     if stop:
         raise stop[1]
     return SimulationResult(summary, req_df, steps_df, published if staging else None, plan.num_blocks, wall)
+
+
+def offload_of(plan: ResolvedRun):
+    """build_engine's connector factory for the run's `kv_offload` section (None: no offload)."""
+    cfg = plan.cfg
+    if cfg.kv_offload is None:
+        return None
+    return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), cfg.engine.block_size)
+
+
+def offload_figures(offload) -> dict:
+    """summary.json's `kv_offload` (nothing without offload)."""
+    return {} if offload is None else {"kv_offload": offload_summary(offload.made)}
 
 
 def with_bench_load(cfg: SimConfig, trace) -> SimConfig:

@@ -208,6 +208,9 @@ def waiting_head_blocked(sched: Scheduler, kv: DecodeRunKV, budget: int, free_bl
     req = sched.waiting.peek()
     bs = kv.block_size
     swapped = req.swapped_tokens
+    if sched.loading or (sched.connector is not None and any(
+            r.num_computed_tokens and not r.swapped_tokens for r in sched.waiting)):
+        return False            # a loaded request may go ahead of the head (`Scheduler._loaded_first`): step
     if swapped and -(-swapped // bs) > free_blocks:
         return True
     # a decode run has requests running and this one waiting: the chunk cap applies

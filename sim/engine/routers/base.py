@@ -1,0 +1,89 @@
+"""The router registry and what every router shares: the replicas and their load signals.
+
+A gateway does not see a replica's exact state: llm-d's inference scheduler reads each vLLM pod's
+metrics (queue depth, KV-cache usage) as scraped every so often. `LoadSignals` models that: with
+`refresh_s` > 0 the figures a router reads are those of the last refresh (at most `refresh_s` old);
+0 reads the replicas' state at each decision (today's least_outstanding).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+from collections.abc import Callable
+
+
+class RouterError(ValueError):
+    """An unknown router name or a bad router option."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_router(name: str) -> Callable[[type], type]:
+    def add(cls: type) -> type:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise RouterError(f"register_router({name!r}) in {cls.__module__}: the name is taken by "
+                              f"{_REGISTRY[name].__module__}")
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+    return add
+
+
+def router_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+class Load(NamedTuple):
+    """One replica's load as a router sees it."""
+    outstanding: int      # running + waiting (vLLM: num_requests_running + num_requests_waiting)
+    waiting: int          # vLLM: num_requests_waiting (llm-d's queue scorer)
+    kv_usage: float       # vLLM: kv_cache_usage_perc, 0..1
+
+
+def load_of(replica) -> Load:
+    pool = replica.kv.pool
+    return Load(replica.outstanding, len(replica.scheduler.waiting), pool.num_used_blocks / max(pool.num_blocks - 1, 1))
+
+
+class LoadSignals:
+    """The replicas' loads, refreshed every `refresh_s` seconds of engine time (0: always exact)."""
+
+    def __init__(self, replicas: list, refresh_s: float = 0.0):
+        self.replicas = replicas
+        self.refresh_s = refresh_s
+        self._at = -float("inf")
+        self._loads: list[Load] = []
+
+    def loads(self) -> list[Load]:
+        if self.refresh_s <= 0:
+            return [load_of(r) for r in self.replicas]
+        now = self.replicas[0].now
+        if now - self._at >= self.refresh_s:
+            self._loads = [load_of(r) for r in self.replicas]
+            self._at = now
+        return self._loads
+
+
+class RouterBase:
+    """A router over `replicas`; subclasses implement `route(req)` (the replica the request goes to)."""
+    name = "?"
+
+    def __init__(self, replicas: list, options=None):
+        self.replicas = replicas
+        self.options = options
+        self.signals = LoadSignals(replicas, getattr(options, "refresh_s", 0.0) or 0.0)
+
+    def route(self, req):
+        raise NotImplementedError
+
+    def pick_max(self, scores: list[float]):
+        """The replica of the highest score; ties go to the lowest index (deterministic)."""
+        best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+        return self.replicas[best]
+
+
+def build_router(name: str, replicas: list, options=None):
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise RouterError(f"router: unknown router {name!r}; known: {', '.join(router_names())}")
+    return cls(replicas, options)

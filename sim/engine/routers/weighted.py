@@ -1,0 +1,47 @@
+"""weighted: llm-d's inference scheduler profile: each replica's score is a weighted sum of scorers, each
+in [0, 1], and the highest wins (max-score picker; ties: lowest index). Scorers (llm-d's names in
+parentheses): queue (queue-scorer), kv_usage (kv-cache-utilization-scorer), prefix (precise
+prefix-cache-scorer), approx_prefix (approximate prefix affinity). Weights from
+`router_options.weights`, default llm-d's sample profile: queue 1, kv_usage 1, prefix 2."""
+from .base import RouterBase, RouterError, register_router
+from .kv_usage import kv_usage_scores
+from .precise_prefix import cached_fraction
+from .prefix_affinity import PrefixAffinity, leading_block_hashes, prefix_scores
+from .queue_depth import queue_scores
+
+SCORERS = ("queue", "kv_usage", "prefix", "approx_prefix")
+DEFAULT_WEIGHTS = {"queue": 1.0, "kv_usage": 1.0, "prefix": 2.0}
+
+
+@register_router("weighted")
+class Weighted(RouterBase):
+    def __init__(self, replicas, options=None):
+        super().__init__(replicas, options)
+        self.weights = dict(getattr(options, "weights", None) or DEFAULT_WEIGHTS)
+        bad = sorted(set(self.weights) - set(SCORERS))
+        if bad:
+            raise RouterError(f"router_options.weights: unknown scorer {bad[0]!r}; known: {', '.join(SCORERS)}")
+        self._approx = PrefixAffinity(replicas, options) if self.weights.get("approx_prefix") else None
+
+    def route(self, req):
+        loads = self.signals.loads()
+        w = self.weights
+        total = [0.0] * len(self.replicas)
+        parts = []
+        if w.get("queue"):
+            parts.append((w["queue"], queue_scores(loads)))
+        if w.get("kv_usage"):
+            parts.append((w["kv_usage"], kv_usage_scores(loads)))
+        if w.get("prefix"):
+            parts.append((w["prefix"], [cached_fraction(r, req) for r in self.replicas]))
+        hashes = None
+        if self._approx is not None:
+            hashes = leading_block_hashes(req, self._approx.block_tokens)
+            parts.append((w["approx_prefix"], prefix_scores(self._approx.matched_blocks(hashes), len(hashes))))
+        for weight, scores in parts:
+            for i, s in enumerate(scores):
+                total[i] += weight * s
+        replica = self.pick_max(total)
+        if hashes is not None:
+            self._approx.remember(hashes, self.replicas.index(replica))
+        return replica
