@@ -55,6 +55,8 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
         check_out_owner(Path(out_dir), overwrite=overwrite)
         _check_not_reading_from(cfg, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
+    if cfg.fleet is not None:
+        return _simulate_fleet(cfg, trace, out_dir, t0, overwrite)
     plan = build_run_plan(with_bench_load(cfg, trace), trace=trace, model=model)
     check_memory(plan.memory)
     staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
@@ -63,6 +65,18 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     finally:
         if staging:
             staging.discard()              # nothing left once published
+
+
+def _simulate_fleet(cfg: SimConfig, trace, out_dir, t0: float, overwrite: bool) -> SimulationResult:
+    """A disaggregated fleet's run (sim/simulator/fleet_run.py): resolved, checked, then staged as any run."""
+    from .fleet_run import check_pools_agree, fleet_plans, run_fleet
+    check_pools_agree(fleet_plans(cfg, trace))        # refused before anything is written
+    staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
+    try:
+        return run_fleet(cfg, trace, staging, t0)
+    finally:
+        if staging:
+            staging.discard()
 
 
 class RunOptions(NamedTuple):
