@@ -98,6 +98,16 @@ def handoff_of(cfg: SimConfig, plans: FleetPlans) -> Handoff:
                    abort_timeout_s=fleet.abort_timeout_s, local_prefill_tokens=fleet.local_prefill_tokens)
 
 
+def checked_plans(cfg: SimConfig, trace) -> FleetPlans:
+    """The pools' plans, refused (ConfigError) where a pool cannot run or the two disagree, and their
+    host memory checked: before anything is written."""
+    plans = fleet_plans(cfg, trace)
+    check_pools_agree(plans)
+    for plan in plans:
+        check_memory(plan.memory)
+    return plans
+
+
 def check_pools_agree(plans: FleetPlans) -> None:
     p, d = plans.prefill, plans.decode
     if p.cfg.engine.block_size != d.cfg.engine.block_size:
@@ -108,20 +118,16 @@ def check_pools_agree(plans: FleetPlans) -> None:
                           "expected one (a request the decode pool refuses was prefilled for nothing)")
 
 
-def run_fleet(cfg: SimConfig, trace, staging, t0: float):
-    """Simulate `cfg`'s disaggregated fleet over `trace`; write into `staging` (a ResultDir) if given."""
-    from .simulate import SimulationResult
-    plans = fleet_plans(cfg, trace)
-    check_pools_agree(plans)
-    for plan in plans:
-        check_memory(plan.memory)
+def run_fleet(cfg: SimConfig, plans: FleetPlans, trace, staging, t0: float) -> tuple:
+    """Simulate `cfg`'s disaggregated fleet over `trace`; write into `staging` (a ResultDir) if given. The
+    fields of sim.simulator.simulate.SimulationResult, in its order. `plans`: `checked_plans`."""
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None)
     requests = trace_to_requests(trace)
     env = EngineClock()
     specs = [PoolSpec(role, role, plan.cfg.replicas, plan.scheduler, plan.cfg.router)
-             for role, plan in zip(("prefill", "decode"), plans)]
-    by_role = dict(zip(("prefill", "decode"), plans))
+             for role, plan in zip(("prefill", "decode"), plans, strict=True)]
+    by_role = dict(zip(("prefill", "decode"), plans, strict=True))
     fleet, proxy = build_disaggregated(
         env, *specs, handoff_of(cfg, plans), step_log, lambda spec, i, index: replica_parts(by_role[spec.role], index),
         ReplicaOptions(fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants))
@@ -145,7 +151,7 @@ def run_fleet(cfg: SimConfig, trace, staging, t0: float):
         staging.publish()
     if stop:
         raise stop[1]
-    return SimulationResult(summary, req_df, steps_df, staging.shown if staging else None, plans.decode.num_blocks, wall)
+    return summary, req_df, steps_df, staging.shown if staging else None, plans.decode.num_blocks, wall
 
 
 def fleet_request_table(requests: list, proxy: DisaggregatedProxy) -> pd.DataFrame:
@@ -181,11 +187,11 @@ def fleet_summary(cfg: SimConfig, plans: FleetPlans, fleet: Fleet, proxy: Disagg
     summary = run_summary(plans.decode, req_df, decode_steps[list(SUMMARY_STEP_COLUMNS)],
                           [r.kv for r in fleet.pools[1].replicas])
     makespan = float(steps["time_s"].add(steps["duration_s"]).max()) if len(steps) else 0.0
-    summary["pools"] = {pool.name: pool_figures(pool, plan, steps, makespan) for pool, plan in zip(fleet.pools, plans)}
+    summary["pools"] = {pool.name: pool_figures(pool, plan, steps, makespan) for pool, plan in zip(fleet.pools, plans, strict=True)}
     summary["handoff"] = handoff_figures(cfg, proxy, req_df, makespan)
     summary.update(gpu=f"{plans.prefill.gpu.name}+{plans.decode.gpu.name}", tp=None,
                    replicas=sum(p.cfg.replicas for p in plans), fleet=" + ".join(
-                       f"{p.cfg.replicas}x {p.gpu.name} TP{p.cfg.tp} {role}" for role, p in zip(("prefill", "decode"), plans)))
+                       f"{p.cfg.replicas}x {p.gpu.name} TP{p.cfg.tp} {role}" for role, p in zip(("prefill", "decode"), plans, strict=True)))
     return summary
 
 

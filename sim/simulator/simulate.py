@@ -14,6 +14,7 @@ from ..config import ConfigError, SimConfig
 from .client import RequestEntry, client_view
 from ..model.cost_model import ClientLatency
 from .executor import replica_parts
+from .fleet_run import checked_plans, run_fleet
 from ..model.memory import check_memory
 from ..results.metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
 from ..results.outputs import managed_pool_blocks, run_summary, write_outputs
@@ -69,11 +70,10 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
 
 def _simulate_fleet(cfg: SimConfig, trace, out_dir, t0: float, overwrite: bool) -> SimulationResult:
     """A disaggregated fleet's run (sim/simulator/fleet_run.py): resolved, checked, then staged as any run."""
-    from .fleet_run import check_pools_agree, fleet_plans, run_fleet
-    check_pools_agree(fleet_plans(cfg, trace))        # refused before anything is written
+    plans = checked_plans(cfg, trace)                 # refused before anything is written
     staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
     try:
-        return run_fleet(cfg, trace, staging, t0)
+        return SimulationResult(*run_fleet(cfg, plans, trace, staging, t0))
     finally:
         if staging:
             staging.discard()
