@@ -21,7 +21,8 @@ from .options import (BlockSize, Budget, Burstiness, CheckInvariants, ChunkedPre
                       MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Out, Overwrite,
                       Policy, PrefixCaching,
                       Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
-                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Tp, Trace, config_overrides, fail)
+                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Tp, Trace, config_overrides, fail,
+                      table_console)
 
 console = Console()
 
@@ -265,7 +266,7 @@ def print_pools(pools: dict, handoff: dict) -> None:
         table.add_row(f"{name} ({p['role']})", f"{p['replicas']}x {p['gpu']} TP{p['tp']}", str(p["num_gpu_blocks"]),
                       f"{p['utilization']:.3f}", f"{p['mean_waiting']:.2f} / {p['max_waiting']}",
                       f"{p['mean_kv_use']:.3f} / {p['max_kv_use']:.3f}", str(p["prefill_tokens"]), str(p["decode_tokens"]))
-    console.print(table)
+    table_console().print(table)
 
     def ms(key):
         v = handoff.get(key)
