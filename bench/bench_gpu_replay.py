@@ -6,7 +6,7 @@ manager and policies, real executor), as the step log measures it:
 - per-step host overhead of each slot strategy (h2o, per_head layout: 30 layers x 3 KV heads = 90
   block tables per request): the executor's KV-plan application + metadata preparation + policy time
   per decode step, next to the forward time,
-- the same per decode step for leankv (mixed-precision K8V4/K4V2 pages, quantized writes, tier
+- the same per decode step for leankv (mixed-precision K8V4/K4V2 pages, quantized writes, precision group
   moves) and quest (selective decode attention, budget = the h2o budget, pages of 16), plus h2o
   free_block for reference.
 

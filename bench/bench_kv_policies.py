@@ -4,7 +4,7 @@ Workloads (closed batches, every request at t=0):
   A  256 prompts of 6,000 tokens, 500 output tokens, Llama-3.1-8B on 1x L4 (issue 17's targets: < 10 s)
   B  64 requests, 2,000-token prompts and 2,000-token outputs, Qwen2.5-32B on 2x L40 (tp 2)
 Policies: kvcompress (per_head, compression rate 64, compress after prefill and under memory pressure,
-compact), leankv (per_head, K8V4/K4V2 tiers), quest (shared, budget 512), snapkv (per_head, the
+compact), leankv (per_head, K8V4/K4V2 precision groups), quest (shared, budget 512), snapkv (per_head, the
 budget of rate 64: ceil(6000 / 64) - 8 window = 86 per KV head). Each runs in fast mode where the
 policy has a fast-mode model (all four; leankv's is the token-level manager on sampled rows with
 compiled decode steps, docs/kv-policies.md section 5), else in token mode, in a child process
@@ -46,7 +46,6 @@ ROWS = ("A:kvcompress", "A:quest", "A:snapkv", "B:leankv", "B:quest", "B:snapkv"
 
 def one(row: str) -> dict:
     from kvsim.sim.config import load_config
-    from kvsim.sim.kv.build import policy_params
     from kvsim.sim.kv.policy import get_policy
     from kvsim.sim.config import KVConfig
     from kvsim.sim.simulator.simulate import run_simulation
@@ -54,7 +53,7 @@ def one(row: str) -> dict:
 
     w, p = row.split(":")
     wl, kv = WORKLOADS[w], dict(POLICIES[p])
-    mode = "fast" if get_policy(kv["policy"], **policy_params(KVConfig(**kv))).fast_mode_profile() else "token"
+    mode = "fast" if get_policy(kv["policy"], **KVConfig(**kv).policy_params()).fast_mode_profile() else "token"
     kv["mode"] = mode
     cfg = load_config(None, {"model": wl["model"], "gpu": wl["gpu"], "tp": wl["tp"], "kv": kv,
                              "engine": {"max_num_seqs": 256}})

@@ -28,7 +28,7 @@ Throughput headlines (`--only others`, ~100 s CPU, LeanKV's fast mode most of it
 `none` on the same workload (closed batches; the workloads are this script's choices where the
 papers' exact grids are not restated): KV-Compress, total token throughput at compression rate 8
 and 64, 256 x 6,000-token prompts + 500 outputs, Llama-3.1-8B / L4 (bench_kv_policies.py's
-workload A; published: up to 5.18x); LeanKV (K8V4 / K4V2 tiers, per_head, slot_reuse), total
+workload A; published: up to 5.18x); LeanKV (K8V4 / K4V2 precision groups, per_head, slot_reuse), total
 throughput, 64 x 2,000 + 2,000, Qwen2.5-32B / 2x L40 (workload B; published 1.9-2.5x, up to 6.9x);
 SnapKV (budget 1,024 per head), decode speed (TPOT) of one request with a 16K-token prompt and 512
 outputs, Llama-2-7B shape (the paper's LWM-Text-Chat-1M) / A100-80GB (published 3.6x, against a

@@ -5,7 +5,7 @@ CPU time (user + sys) at each phase's end:
 
   imports     interpreter start and the CLI's imports (numpy, pandas, pyarrow, pydantic, typer, ...)
   cli         option parsing, the config and its checks, the simulator's own imports
-  setup       run_simulation up to the engine: trace, run plan, requests, engine
+  setup       run_simulation up to the engine: trace, resolved run, requests, engine
   engine      EngineRun.drive (the engine loop, the step log's Parquet writes)
   results     after the engine: request table, summaries, requests.parquet, summary.json, config.yaml
   exit        after the command: the interpreter's shutdown and the process's exit (from wait4)

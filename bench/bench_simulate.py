@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 KVSIM = [sys.executable, "-c", "import sys; from kvsim.sim.entry import main; sys.argv[0] = 'kvsim'; main()"]
 
@@ -32,7 +33,7 @@ def run(gpu: str, extra: list[str]) -> dict:
         wall = time.perf_counter() - t0
         if status:
             raise SystemExit(f"{' '.join(cmd)} failed with status {status}")
-        s = json.load(open(os.path.join(out, "run", "summary.json")))
+        s = json.loads(Path(out, "run", "summary.json").read_text())
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mib": usage.ru_maxrss / 1024,

@@ -2,14 +2,14 @@
 
 Runs a kvsim command in-process under `sys.setprofile` and records every call of a kvsim function
 that receives the run's configuration (a `SimConfig`, its `EngineConfig` / `KVConfig`, or the
-resolved `RunPlan`) as an argument:
+resolved `ResolvedRun`) as an argument:
 
 - stops: distinct functions reached by the configuration; modules: distinct modules among them;
 - re-entries: in the order the stops are first reached, how often the flow comes back to a module
   it had already left (A -> B -> A counts one) — a module consulted again for what it could have
   resolved once;
 - readers: distinct functions that read a field of the configuration objects themselves (SimConfig,
-  EngineConfig, KVConfig; reads of the resolved RunPlan are not counted): where settings are looked
+  EngineConfig, KVConfig; reads of the resolved ResolvedRun are not counted): where settings are looked
   up and interpreted;
 - then the ten largest files of sim/ and gpu/ (lines) and the ten longest functions (lines).
 
@@ -30,10 +30,10 @@ DEFAULT = ["simulate", "--trace", "azure-conv-2023", "--model", "llama-3.1-8b", 
 def config_types() -> tuple[type, ...]:
     from kvsim.sim.config import EngineConfig, KVConfig, SimConfig
     try:
-        from kvsim.sim.engine.run_plan import RunPlan
+        from kvsim.sim.engine.resolved_run import ResolvedRun
     except ImportError:            # a checkout from before the run plan (to measure the before)
         return SimConfig, EngineConfig, KVConfig
-    return SimConfig, EngineConfig, KVConfig, RunPlan
+    return SimConfig, EngineConfig, KVConfig, ResolvedRun
 
 
 def source_root() -> Path:
@@ -107,7 +107,7 @@ def trace_readers(argv: list[str]) -> list[tuple[str, str]]:
 
 def re_entries(modules: list[str]) -> int:
     left, count = set(), 0
-    for prev, cur in zip(modules, modules[1:]):
+    for prev, cur in zip(modules, modules[1:], strict=False):
         if cur != prev:
             if cur in left:
                 count += 1

@@ -181,7 +181,7 @@ def fragmentation_lines(prompts, outputs, budget: int, strategy: str, *, path: C
         lens = [s.append(strategy, path) for s in running]
         v2 = path.v2_relative_index and max(lens) > PARTITION and len(running) * num_heads <= V2_MAX_SEQ_HEADS
         active = total = 0
-        for s, n in zip(running, lens):
+        for s, n in zip(running, lens, strict=True):
             a, t = s.step(n, s.scores(n, v2), budget, strategy)
             active += a
             total += t

@@ -9,7 +9,7 @@ Definitions (all over kvsim's own frames: a frame counts when its module is `kvs
 click, pydantic and the standard library are not counted, in depth or in stops):
 
 - configuration object: an instance of a pydantic model defined in `kvsim.sim.config` (SimConfig
-  and its sections: EngineConfig, KVConfig, TraceOptions, SLO), of `RunPlan` (sim/engine/run_plan.py, the
+  and its sections: EngineConfig, KVConfig, TraceOptions, SLO), of `ResolvedRun` (sim/engine/resolved_run.py, the
   resolved plan, where it exists) or of `SchedulerConfig` (the scheduler's engine settings, derived
   from the config). Resolved copies (the config with engine defaults filled in) are instances of
   the same classes and count the same.
@@ -42,6 +42,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+import contextlib
 
 MAIN = ["simulate", "--trace", "azure-conv-2023", "--model", "llama-3.1-8b", "--gpu", "h100",
         "--max-requests", "200", "-q"]
@@ -50,17 +51,15 @@ GENERATOR = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENER
 
 
 def config_types() -> tuple[type, ...]:
-    """The configuration classes of the checkout being measured (RunPlan only where it exists)."""
+    """The configuration classes of the checkout being measured (ResolvedRun only where it exists)."""
     from pydantic import BaseModel
 
     config = importlib.import_module("kvsim.sim.config")
     types = [c for c in vars(config).values()
              if isinstance(c, type) and issubclass(c, BaseModel) and c.__module__ == config.__name__]
-    for module, name in (("kvsim.sim.engine.run_plan", "RunPlan"), ("kvsim.sim.core.scheduler", "SchedulerConfig")):
-        try:
+    for module, name in (("kvsim.sim.engine.resolved_run", "ResolvedRun"), ("kvsim.sim.core.scheduler", "SchedulerConfig")):
+        with contextlib.suppress(ImportError, AttributeError):
             types.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
     return tuple(types)
 
 

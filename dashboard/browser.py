@@ -46,9 +46,9 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen) -> bytes:
                 return r.read()
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before serving {url}")
+                raise RuntimeError(f"{proc.args[0]} exited with code {proc.returncode} before serving {url}") from None
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing answered at {url} within {timeout:.0f}s")
+                raise TimeoutError(f"nothing answered at {url} within {timeout:.0f}s") from None
             time.sleep(0.2)
 
 
@@ -82,7 +82,7 @@ class Browser:
         self.width, self.height = width, height
         self._ids = itertools.count(1)
 
-    def __enter__(self) -> "Browser":
+    def __enter__(self) -> Browser:
         self.profile = tempfile.mkdtemp(prefix="kvsim-chromium-")
         port = self.debug_port = free_port()
         self.proc = subprocess.Popen(

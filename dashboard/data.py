@@ -93,7 +93,7 @@ class RunRecord:
         num_gpu_blocks x layers x KV heads of them; the step log's used + free count says how many."""
         if len(self.steps) and {"blocks_used", "blocks_free"} <= set(self.steps.columns):
             per_replica = (self.steps["blocks_used"] + self.steps["blocks_free"]).groupby(
-                self.steps["replica"] if "replica" in self.steps else 0).max()
+                self.steps.get("replica", 0)).max()
             return int(per_replica.sum())
         return self.num_blocks_total
 
@@ -717,7 +717,7 @@ def run_cost_model(run: RunRecord):
     model it ran: its layers and tensor dtype), or None when it cannot be rebuilt."""
     from kvsim.sim.config import SimConfig
     from kvsim.sim.crosscheck.recorded import replay_model_spec
-    from kvsim.sim.engine.run_plan import resolve_hardware, with_engine_defaults
+    from kvsim.sim.engine.resolved_run import resolve_hardware, with_engine_defaults
 
     if not run.config:
         return None

@@ -12,7 +12,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import yaml
 
@@ -33,7 +34,7 @@ class Job:
     With `task`, runs task(job) instead and keeps its return value in `value`; the task reports
     progress through `run_done` / `run_total` / `unit` and calls `check_cancel()` between its steps."""
     runs: list[tuple[str, SimConfig]] = field(default_factory=list)
-    task: Callable[["Job"], Any] | None = None
+    task: Callable[[Job], Any] | None = None
     page: str = ""                     # the page that started it (shows its progress and result)
     unit: str = "points"
     value: Any = None
@@ -52,7 +53,7 @@ class Job:
     config: SimConfig | None = None    # what a task simulates (its errors are shown as guard.shown_error does)
     _thread: threading.Thread | None = None
 
-    def start(self) -> "Job":
+    def start(self) -> Job:
         self._thread = threading.Thread(target=self._work, name="kvsim-dashboard-job", daemon=True)
         self._thread.start()
         return self

@@ -213,7 +213,7 @@ def show_summary_metrics(run: RunRecord) -> None:
                   ("Pages freed by eviction" if run.per_head else "Blocks freed by eviction",
                    _num(s.get("blocks_freed_by_eviction"), "{:,.0f}"))]
     for row in (cells[i:i + 4] for i in range(0, len(cells), 4)):
-        for col, (label, value) in zip(st.columns(4), row):
+        for col, (label, value) in zip(st.columns(4), row, strict=True):
             col.metric(label, value)
 
 

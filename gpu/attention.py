@@ -5,13 +5,14 @@ then every new token's K/V is written to its slot (marking it live), decodes run
 kernel over live slots, and each prefill chunk runs SDPA over [live context, chunk (causal)].
 
 The cache decides how K/V are stored: full precision (`PagedKVCache`) or LeanKV's mixed-precision
-pages (`TieredKVCache`, dequantized on read). A `decode_select` hook (Quest / TokenSelect) narrows
+pages (`PrecisionGroupKVCache`, dequantized on read). A `decode_select` hook (Quest / TokenSelect) narrows
 each decode's read to the slots the selection policy picked, layer by layer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ class AttentionMetadata:
             raise ValueError(f"metadata is for the {self.layout} layout but the cache is {cache.layout}")
         B, T = self.num_seqs, int(self.query_start_loc[-1])
         starts = self.query_start_loc.tolist()
-        query_lens = [e - s for s, e in zip(starts, starts[1:])]
+        query_lens = [e - s for s, e in zip(starts, starts[1:], strict=False)]
         if starts[0] != 0 or min(query_lens, default=1) < 1:
             raise ValueError(f"query_start_loc must start at 0 and increase strictly, got {starts}")
         if self.seq_lens.shape != (B,):
@@ -143,7 +144,7 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if want_scores:
             index = _table_index(meta.layer_slots(layer)[s:e], tables[b], cache.block_slots)
             second = meta.scores.max if meta.score_max else meta.scores.sq
-            for dst, (ctx_part, chunk_part) in zip((meta.scores.sum, second), stats):
+            for dst, (ctx_part, chunk_part) in zip((meta.scores.sum, second), stats, strict=True):
                 dst[b, layer] = ctx_part.scatter(1, index, chunk_part)
     return out
 

@@ -10,8 +10,8 @@ a token attention may read; writes mark their slots live, `evict` / `free_blocks
 Keys are cached after RoPE, so tokens can be relocated (`copy_slots` / `move_slots`) freely.
 Which blocks and slots are used is decided by the engine core (sim/), never here.
 
-`TieredKVCache` is the same surface over LeanKV's mixed-precision pages (`gpu.quant`): quantized K
-and V at each page's precision tier, for both layouts.
+`PrecisionGroupKVCache` is the same surface over LeanKV's mixed-precision pages (`gpu.quant`): quantized K
+and V at each page's precision group, for both layouts.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 from kvsim.gpu.kernels.cache_ops import copy_slots, reshape_and_cache
 from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
 from kvsim.gpu.kernels.reference import gather_live, gather_table
-from kvsim.gpu.quant import TIERS, MixedPrecisionKVCache
+from kvsim.gpu.quant import PRECISION_FORMATS, MixedPrecisionKVCache
 
 LAYOUTS = ("shared", "per_head")
 
@@ -40,7 +40,7 @@ class CacheGeometry(NamedTuple):
     num_blocks: int
 
     @classmethod
-    def for_model(cls, config, layout: str, num_blocks: int) -> "CacheGeometry":
+    def for_model(cls, config, layout: str, num_blocks: int) -> CacheGeometry:
         return cls(layout, config.layers, config.kv_heads, config.head_dim, num_blocks)
 
     def check(self) -> None:
@@ -72,7 +72,7 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, config, layout: str, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu", backend: str | None = None) -> "PagedKVCache":
+                  device: str | torch.device = "cpu", backend: str | None = None) -> PagedKVCache:
         return cls(CacheGeometry.for_model(config, layout, num_blocks), block_size, dtype, device, backend)
 
     @staticmethod
@@ -99,7 +99,7 @@ class PagedKVCache:
         """[copies=1, k, block_slots] live masks of the blocks."""
         return self.live[torch.as_tensor(block_ids, dtype=torch.long, device=self.device)][None]
 
-    def set_page_tiers(self, block_ids, tiers) -> None:
+    def set_page_precisions(self, block_ids, precisions) -> None:
         """Full-precision pages only: nothing to record."""
 
     def decode_attention(self, layer: int, q: torch.Tensor, tables: torch.Tensor, scale: float,
@@ -138,8 +138,8 @@ class PagedKVCache:
         """Sparse copy: dst slots receive src's K/V (all layers and heads for shared) and liveness."""
         copy_slots(self.k, self.v, self.live, self._slots(src), self._slots(dst), move=False, backend=self.backend)
 
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, src_tiers=None, dst_tiers=None) -> None:
-        """Compaction move: dst receives src, src becomes empty (one precision: tiers are ignored)."""
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, src_precisions=None, dst_precisions=None) -> None:
+        """Compaction move: dst receives src, src becomes empty (one precision: precision groups are ignored)."""
         copy_slots(self.k, self.v, self.live, self._slots(src), self._slots(dst), move=True, backend=self.backend)
 
     def evict(self, slots: torch.Tensor) -> None:
@@ -160,32 +160,32 @@ class PagedKVCache:
         return slots
 
 
-class TieredKVCache:
+class PrecisionGroupKVCache:
     """LeanKV mixed-precision paged KV cache (`shared` or `per_head` layout).
 
-    A block is a fixed-byte page at one precision tier (the engine core's `page_tier`): `tiers[0]`
-    for its TIER_HIGH pages and `tiers[1]` for TIER_LOW; quantized K and V with per-token scale and
+    A block is a fixed-byte page at one precision group (the engine core's `page_precision`): `precision groups[0]`
+    for its PRECISION_HIGH pages and `precision groups[1]` for PRECISION_LOW; quantized K and V with per-token scale and
     zero point (`gpu.quant`), so a page holds `capacity[t]` tokens and slot id = block *
     `block_slots` + offset with `block_slots` the largest capacity, as in the engine core.
 
     per_head: one page per block (block ids name the (layer, KV head)). shared: a block holds its
-    tokens for every layer and KV head, stored as layers * kv_heads pages of the same tier (page of
+    tokens for every layer and KV head, stored as layers * kv_heads pages of the same precision group (page of
     (layer, head, block) = (layer * kv_heads + head) * num_blocks + block) that share the block's
     live mask. `live` is per page: [num_blocks * copies, block_slots].
     """
 
-    def __init__(self, geometry: CacheGeometry, page_bytes: int, tiers: tuple[str, str] = ("K8V4", "K4V2"),
+    def __init__(self, geometry: CacheGeometry, page_bytes: int, precisions: tuple[str, str] = ("K8V4", "K4V2"),
                  device: str | torch.device = "cpu", backend: str | None = None, block_size: int | None = None):
         """`block_size`: the full-precision tokens a page's bytes stand for (the engine core's block size)."""
         geometry.check()
         layout, num_layers, num_kv_heads, head_dim, num_blocks = geometry
-        if len(tiers) != 2:
-            raise ValueError(f"tiers must name the high and the low tier, got {tiers!r}")
+        if len(precisions) != 2:
+            raise ValueError(f"precision groups must name the high and the low precision group, got {precisions!r}")
         self.layout, self.backend = layout, backend
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.page_bytes, self.block_size = num_blocks, page_bytes, block_size
         self.copies = num_layers * num_kv_heads if layout == "shared" else 1
-        self.pages = MixedPrecisionKVCache(num_blocks * self.copies, page_bytes, head_dim, tiers, device)
+        self.pages = MixedPrecisionKVCache(num_blocks * self.copies, page_bytes, head_dim, precisions, device)
         self.device = self.pages.device
         self.capacity = tuple(self.pages.capacity)
         self.block_slots = self.pages.max_tokens
@@ -193,15 +193,15 @@ class TieredKVCache:
 
     @classmethod
     def for_model(cls, config, layout: str, num_blocks: int, block_size: int, full_bytes: int,
-                  tiers: tuple[str, str] = ("K8V4", "K4V2"), device="cpu", backend=None) -> "TieredKVCache":
+                  precisions: tuple[str, str] = ("K8V4", "K4V2"), device="cpu", backend=None) -> PrecisionGroupKVCache:
         """Pages of the bytes of one full-precision block of one (layer, KV head): block_size tokens x
         `full_bytes` (K + V bytes of one token of one head at the cache dtype)."""
-        return cls(CacheGeometry.for_model(config, layout, num_blocks), block_size * full_bytes, tiers, device,
+        return cls(CacheGeometry.for_model(config, layout, num_blocks), block_size * full_bytes, precisions, device,
                    backend, block_size=block_size)
 
     @staticmethod
-    def tier_capacity(tiers, page_bytes: int, head_dim: int) -> tuple[int, ...]:
-        return tuple(TIERS[t].tokens_per_page(page_bytes, head_dim) for t in tiers)
+    def precision_capacity(precisions, page_bytes: int, head_dim: int) -> tuple[int, ...]:
+        return tuple(PRECISION_FORMATS[t].tokens_per_page(page_bytes, head_dim) for t in precisions)
 
     @property
     def num_slots(self) -> int:
@@ -225,11 +225,11 @@ class TieredKVCache:
         return (torch.arange(self.copies, device=self.device)[:, None] * step + slots.long()[None, :]).reshape(-1)
 
     @staticmethod
-    def _cache_tier(tiers) -> torch.Tensor:
-        """Engine-core tiers (1 high, 2 low) -> indices into `tiers`."""
-        t = torch.as_tensor(np.asarray(tiers), dtype=torch.long)
+    def _cache_precision(precisions) -> torch.Tensor:
+        """Engine-core precision groups (1 high, 2 low) -> indices into `precision groups`."""
+        t = torch.as_tensor(np.asarray(precisions), dtype=torch.long)
         if ((t < 1) | (t > 2)).any():
-            raise ValueError(f"a mixed-precision cache stores tiers 1 (high) and 2 (low), got {sorted(set(t.tolist()))}")
+            raise ValueError(f"a mixed-precision cache stores precision groups 1 (high) and 2 (low), got {sorted(set(t.tolist()))}")
         return t - 1
 
     # ----- executor surface ------------------------------------------------------------------------
@@ -244,11 +244,11 @@ class TieredKVCache:
         """[copies, k, block_slots] live masks of the blocks' pages."""
         return self.live.view(self.copies, self.num_blocks, self.block_slots)[:, self._blocks(block_ids)]
 
-    def set_page_tiers(self, block_ids, tiers) -> None:
-        """Record the engine core's tier of each block (-1: not allocated)."""
-        t = torch.as_tensor(np.asarray(tiers), dtype=torch.long)
+    def set_page_precisions(self, block_ids, precisions) -> None:
+        """Record the engine core's precision group of each block (-1: not allocated)."""
+        t = torch.as_tensor(np.asarray(precisions), dtype=torch.long)
         t = torch.where(t > 0, t - 1, -1).to(torch.int8).to(self.device)
-        self.pages.page_tier.view(self.copies, self.num_blocks)[:, self._blocks(block_ids)] = t
+        self.pages.page_precision.view(self.copies, self.num_blocks)[:, self._blocks(block_ids)] = t
 
     def free_blocks(self, block_ids) -> None:
         self.set_live(block_ids, False)
@@ -257,28 +257,28 @@ class TieredKVCache:
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
         self.live.view(-1)[self._all_copies(slots)] = False
 
-    def move_slots(self, src, dst, src_tiers, dst_tiers) -> None:
-        """Moves in the engine core's slot ids; `src_tiers` / `dst_tiers` are its tiers (1, 2) of the
-        tokens before and after (a demotion re-quantizes at the low tier)."""
+    def move_slots(self, src, dst, src_precisions, dst_precisions) -> None:
+        """Moves in the engine core's slot ids; `src_precisions` / `dst_precisions` are its precision groups (1, 2) of the
+        tokens before and after (a demotion re-quantizes at the low precision group)."""
         src = torch.as_tensor(src, dtype=torch.long, device=self.device).reshape(-1)
         dst = torch.as_tensor(dst, dtype=torch.long, device=self.device).reshape(-1)
-        st, dt = self._cache_tier(src_tiers).to(self.device), self._cache_tier(dst_tiers).to(self.device)
+        st, dt = self._cache_precision(src_precisions).to(self.device), self._cache_precision(dst_precisions).to(self.device)
         self.pages.move(self._all_copies(src), self._all_copies(dst), st.repeat(self.copies), dt.repeat(self.copies))
 
     def live_tokens(self) -> int:
         return int(self.live.sum()) // self.copies
 
     def stored_bytes(self) -> tuple[int, int]:
-        """(bytes of the live tokens at their tier, bytes of the pages holding a tier), whole cache."""
-        tier = self.pages.page_tier.long()
-        per_token = torch.tensor([t.bytes_per_token(self.head_dim) for t in self.pages.tiers], device=self.device)
+        """(bytes of the live tokens at their precision group, bytes of the pages holding a precision group), whole cache."""
+        precision = self.pages.page_precision.long()
+        per_token = torch.tensor([t.bytes_per_token(self.head_dim) for t in self.pages.precisions], device=self.device)
         live = self.live.sum(1)
-        used = tier >= 0
-        return int((live[used] * per_token[tier[used]]).sum()), int(used.sum()) * self.page_bytes
+        used = precision >= 0
+        return int((live[used] * per_token[precision[used]]).sum()), int(used.sum()) * self.page_bytes
 
     # ----- model surface ---------------------------------------------------------------------------
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """key/value [T, kv_heads, D], quantized at each slot's page tier; slot_mapping [T] (shared) or
+        """key/value [T, kv_heads, D], quantized at each slot's page precision group; slot_mapping [T] (shared) or
         [T, kv_heads] (per_head, this layer), -1 = not cached."""
         T, H, D = key.shape
         slots = slot_mapping[:, None].expand(T, H) if slot_mapping.dim() == 1 else slot_mapping
@@ -307,7 +307,7 @@ class TieredKVCache:
                          want_scores: bool = False, group_max: bool = False,
                          slot_mask: torch.Tensor | None = None):
         """q [B, heads, D], tables [B, kv_heads, M] -> (out [B, heads, D], None or (sum, sum of squares
-        or max over the GQA group) [B, H, M * block_slots]), K/V dequantized per page tier."""
+        or max over the GQA group) [B, H, M * block_slots]), K/V dequantized per page precision group."""
         if slot_mask is not None:
             raise ValueError("selective attention over mixed-precision pages is not supported")
         B, nh, D = q.shape

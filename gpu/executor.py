@@ -1,10 +1,10 @@
-"""The real backend's executor: runs each engine step on tensors, with the engine core's KV plan.
+"""The real backend's executor: runs each engine step on tensors, with the engine core's KV step effects.
 
 The engine core (`sim.engine.loop.EngineReplica`) schedules a step, calls `execute(out)` (the `Executor`
 protocol of sim/core/protocols.py), runs the KV manager's policies (`kv.finish_step`), calls
-`complete(result, kv_plan)`, then updates the requests. Here a step is:
+`complete(result, kv_effects)`, then updates the requests. Here a step is:
 
-1. take the KV plan the manager built while the scheduler allocated (`KVStepPlan`: slot mapping of
+1. take the KV step effects the manager built while the scheduler allocated (`KVStepEffects`: slot mapping of
    the new tokens, and — when a slot strategy copies at allocation or memory pressure made the
    policy evict — evictions and copies that must happen BEFORE the new tokens are written), apply
    its evictions and copies to the cache;
@@ -23,10 +23,10 @@ from `kv.blocks_of(req)` and a token's slot is table[pos // bs] * bs + pos % bs.
 
 Slot ids: the manager numbers a slot block * stride + offset (stride = its largest page capacity);
 the cache numbers it block * block_slots + offset (block_size for full-precision pages, whose
-offsets stay below block_size; the stride itself for LeanKV's mixed-precision `TieredKVCache`).
+offsets stay below block_size; the stride itself for LeanKV's mixed-precision `PrecisionGroupKVCache`).
 
-Mixed precision (policy `leankv`): the cache's page tiers follow the manager's page tables after
-every plan; tier moves (demotions) are re-quantized, same-tier moves copied byte for byte. Policies
+Mixed precision (policy `leankv`): the cache's page precision groups follow the manager's page tables after
+every plan; precision group moves (demotions) are re-quantized, same-precision group moves copied byte for byte. Policies
 with `gqa_reduce="max"` get the kernels' max over each GQA group.
 
 Selection (policies with `select_layer`: quest, tokenselect): each layer's decode attention reads
@@ -37,19 +37,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import time
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from kvsim.gpu.attention import AttentionMetadata, quest_bound
-from kvsim.gpu.cache import TieredKVCache
+from kvsim.gpu.cache import PrecisionGroupKVCache
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvsim.sim.core.step import StepResult, batch_shape
 from kvsim.sim.kv.importance import NUM_SINK, ImportanceSource, keys_for_mass
 from kvsim.sim.kv.manager import EvictingKVManager
-from kvsim.sim.kv.slots import KVStepPlan
+from kvsim.sim.kv.slots import KVStepEffects
 from kvsim.sim.kv.policy import EvictionPolicy
 
 RECENT_WINDOW = 64          # attention statistics: share of the mass on the last 64 tokens
@@ -76,7 +77,7 @@ class _BegunStep(NamedTuple):
     """What `execute` leaves for `complete`: the step's requests, shape, pre-write plan and clock marks."""
     scheduled: list
     shape: object
-    pre: KVStepPlan | None
+    pre: KVStepEffects | None
     marks: tuple
 
 
@@ -125,7 +126,7 @@ class ReplayRecorder:
             "recent_share": np.asarray(recent, np.float64)})
 
     @staticmethod
-    def _table(parts: list[dict], columns) -> "pd.DataFrame":  # noqa: F821 - pandas imported on use
+    def _table(parts: list[dict], columns) -> pd.DataFrame:  # noqa: F821 - pandas imported on use
         import pandas as pd
         if not parts:
             return pd.DataFrame({c: pd.Series(dtype=object if c in ("action", "reason") else "int64")
@@ -143,7 +144,7 @@ class ReplayRecorder:
 class ExecutorOptions:
     """How a RealExecutor runs: `stats_window` queries observed for the attention statistics recorded
     at the end of each prefill (0: none); `check_cache` asserts every step that the cache's live mask
-    (and page tiers) equal the KV manager's; `clock` times steps by wall | cpu time."""
+    (and page precision groups) equal the KV manager's; `clock` times steps by wall | cpu time."""
     stats_window: int = 0
     check_cache: bool = False
     clock: str = "wall"
@@ -152,7 +153,8 @@ class ExecutorOptions:
 class RealExecutor:
     """Executes engine steps on a `LlamaModel` over a `PagedKVCache`, driven by the shared KV manager."""
 
-    supports_fast_forward = False
+    supports_decode_runs = False
+    supports_admitting_runs = False
 
     def __init__(self, model, cache, kv, cost=None, *, prompt_ids: Callable[[Request], list[int]],
                  recorder: ReplayRecorder | None = None, options: ExecutorOptions = ExecutorOptions()):
@@ -164,7 +166,7 @@ class RealExecutor:
         self.clock = step_clock(options.clock, cache.device)
         self.device = cache.device
         self.bs = cache.block_slots
-        self.tiered = isinstance(cache, TieredKVCache)
+        self.mixed_precision = isinstance(cache, PrecisionGroupKVCache)
         self.selector = None
         self.last_selection: dict[int, dict[int, np.ndarray]] = {}
         self.evicting = isinstance(kv, EvictingKVManager)
@@ -198,18 +200,18 @@ class RealExecutor:
         self._begun: _BegunStep | None = None
 
     def _check_supported(self, kv: EvictingKVManager, cache, cfg) -> None:
-        tiers = kv.new_token_tier != 0
-        if tiers != self.tiered:
-            raise ValueError(f"policy {kv.policy.name} " + ("assigns precision tiers: it needs a TieredKVCache"
-                                                             if tiers else "stores full precision: it needs a "
+        precisions = kv.new_token_precision != 0
+        if precisions != self.mixed_precision:
+            raise ValueError(f"policy {kv.policy.name} " + ("assigns precision groups: it needs a PrecisionGroupKVCache"
+                                                             if precisions else "stores full precision: it needs a "
                                                              "PagedKVCache"))
-        if self.tiered and tuple(kv.tier_capacity[1:]) != cache.capacity:
-            raise ValueError(f"KV manager pages hold {tuple(kv.tier_capacity[1:].tolist())} tokens (high, low tier) "
+        if self.mixed_precision and tuple(kv.precision_capacity[1:]) != cache.capacity:
+            raise ValueError(f"KV manager pages hold {tuple(kv.precision_capacity[1:].tolist())} tokens (high, low precision group) "
                              f"but the cache's pages hold {cache.capacity}")
-        if self.tiered and kv.stride != cache.block_slots:
+        if self.mixed_precision and kv.stride != cache.block_slots:
             raise ValueError(f"KV manager slot stride {kv.stride} differs from the cache's {cache.block_slots}")
         selective = type(kv.policy).read_tokens is not EvictionPolicy.read_tokens
-        if selective and (kv.policy.select_layer is None or self.tiered):
+        if selective and (kv.policy.select_layer is None or self.mixed_precision):
             raise ValueError(f"policy {kv.policy.name}: selection needs a select_layer(state, ctx, layer, bound) "
                              "method and a full-precision cache")
         if kv.policy.needs_scores and kv.policy.gqa_reduce not in ("sum", "mean", "max"):
@@ -236,9 +238,9 @@ class RealExecutor:
         sched = out.scheduled
         pre = None
         if self.evicting:
-            pre = self.kv.plan
+            pre = self.kv.effects
             self.kv.begin_step()
-            self._apply_plan(pre, sched, after_write=False, reason="pressure")
+            self._apply_effects(pre, sched, after_write=False, reason="pressure")
         t1 = self.clock()
         ids, positions, meta, tables = self._prepare(sched, pre)
         t2 = self.clock()
@@ -246,7 +248,7 @@ class RealExecutor:
         next_tokens = logits.argmax(-1).tolist()
         t3 = self.clock()
         self.last_logits, self.last_request_ids = logits, [s.request.request_id for s in sched]
-        for s, token in zip(sched, next_tokens):
+        for s, token in zip(sched, next_tokens, strict=True):
             req = s.request
             if req.num_computed_tokens + s.num_new_tokens >= req.num_tokens:
                 req.gpu_tokens.append(int(token))
@@ -255,15 +257,15 @@ class RealExecutor:
         self._begun = _BegunStep(sched, shape, pre, (t0, t1, t2, t3))
         return StepResult(duration_s=float("nan"), predicted_s=float("nan"), shape=shape)
 
-    def complete(self, result: StepResult, kv_plan: KVStepPlan | None) -> StepResult:
-        """Apply what the manager's policies did (`kv_plan`, from the engine's `finish_step` call) to the
+    def complete(self, result: StepResult, kv_effects: KVStepEffects | None) -> StepResult:
+        """Apply what the manager's policies did (`kv_effects`, from the engine's `finish_step` call) to the
         cache and time the whole step."""
         sched, shape, pre, (t0, t1, t2, t3) = self._begun
         self._begun = None
-        post = kv_plan if self.evicting else None
+        post = kv_effects if self.evicting else None
         t4 = self.clock()
         if post is not None:
-            self._apply_plan(post, sched, after_write=True, reason="policy")
+            self._apply_effects(post, sched, after_write=True, reason="policy")
         self._sync()
         t5 = self.clock()
         if self.check_cache:      # a check, not engine work: outside the step's time (and the replay's clock)
@@ -319,7 +321,7 @@ class RealExecutor:
         return toks
 
     # ----- step inputs ------------------------------------------------------------------------------
-    def _prepare(self, sched: list[ScheduledRequest], pre: KVStepPlan | None):
+    def _prepare(self, sched: list[ScheduledRequest], pre: KVStepEffects | None):
         """Flat input ids, positions and AttentionMetadata; also each request's packed table info."""
         ids, pos, slots, tables, seq_lens, starts = [], [], [], [], [], [0]
         fresh = []
@@ -337,7 +339,7 @@ class RealExecutor:
                 rk = self.kv.req_kv[req]
                 table, order, count = _pack(rk.table)
                 tables.append((table, order, count))
-                sm = self._slots_from_state(rk, c, n) if relocated else self._slots_from_plan(pre, req)
+                sm = self._slots_from_state(rk, c, n) if relocated else self._slots_from_effects(pre, req)
             else:
                 blocks = np.asarray(self.kv.blocks_of(req), dtype=np.int64)
                 tables.append((blocks[None, :], None, None))
@@ -376,7 +378,7 @@ class RealExecutor:
             block_tables=torch.from_numpy(bt).to(dev),
             score_window=self._score_window(sched), score_max=self.score_max)
         if self.selector is not None:
-            decodes = [(s.request, info) for s, info in zip(sched, tables) if s.num_new_tokens == 1]
+            decodes = [(s.request, info) for s, info in zip(sched, tables, strict=True) if s.num_new_tokens == 1]
             if decodes:
                 self.last_selection = {}
                 meta.decode_select = lambda layer, q, tbl, cache: self._select(layer, q, tbl, cache, decodes)
@@ -430,7 +432,7 @@ class RealExecutor:
         g = np.asarray(global_slots, dtype=np.int64)
         return g // self.stride * self.bs + g % self.stride
 
-    def _slots_from_plan(self, pre: KVStepPlan, req: Request) -> np.ndarray:
+    def _slots_from_effects(self, pre: KVStepEffects, req: Request) -> np.ndarray:
         return self._cache_slots(pre.slot_mapping[req.request_id])
 
     def _slots_from_state(self, rk, c: int, n: int) -> np.ndarray:
@@ -496,7 +498,7 @@ class RealExecutor:
                             np.where(pos >= n - RECENT_WINDOW, mass, 0).sum(axis=1))
 
     # ----- KV plans ---------------------------------------------------------------------------------
-    def _apply_plan(self, plan: KVStepPlan, sched, *, after_write: bool, reason: str) -> None:
+    def _apply_effects(self, plan: KVStepEffects, sched, *, after_write: bool, reason: str) -> None:
         """Evictions, then copies/moves in the order recorded, then the live bits of every block the
         plan touched are set from the manager's token state (the single source of truth, whatever
         the interleaving of allocations, evictions and moves inside the plan was)."""
@@ -514,9 +516,9 @@ class RealExecutor:
             # a request evicted twice in one plan keeps only its last entry: resync all its blocks
             by_id = {r.request_id: rk for r, rk in self.kv.req_kv.items()}
             touched += [by_id[rid].table[by_id[rid].table >= 0] for rid in plan.evicted if rid in by_id]
-        for src, dst, src_tier, dst_tier in zip(plan.copy_src, plan.copy_dst, plan.copy_tiers, plan.copy_dst_tiers):
+        for src, dst, src_precision, dst_precision in zip(plan.copy_src, plan.copy_dst, plan.copy_precisions, plan.copy_dst_precisions, strict=True):
             s, d = self._cache_slots(src), self._cache_slots(dst)
-            self.cache.move_slots(torch.from_numpy(s), torch.from_numpy(d), src_tier, dst_tier)
+            self.cache.move_slots(torch.from_numpy(s), torch.from_numpy(d), src_precision, dst_precision)
             moved = self.slot_pos[s]
             self.slot_pos[s] = -1
             self.slot_pos[d] = moved
@@ -524,7 +526,7 @@ class RealExecutor:
         written = {s.request: s.request.num_computed_tokens + (s.num_new_tokens if after_write else 0) for s in sched}
         self._sync_live(np.unique(np.concatenate(touched)), written)
 
-    def _record_decisions(self, plan: KVStepPlan, reason: str) -> None:
+    def _record_decisions(self, plan: KVStepEffects, reason: str) -> None:
         """Every eviction the manager applied, in order, with the positions the token state held then
         (exact even when pressure evicted a request twice in one step or compaction moved tokens between)."""
         ctx = self.kv.ctx
@@ -536,11 +538,11 @@ class RealExecutor:
             step = decode_steps if decode_steps > 0 else -1
             self.recorder.decision(rid, step, layer, head, positions, self.num_steps, reason, num_tokens)
 
-    def _truth(self, blocks: np.ndarray | None, written: dict, with_tiers: bool = False):
+    def _truth(self, blocks: np.ndarray | None, written: dict, with_precisions: bool = False):
         """(block ids, live [k, bs]) the manager's state says the cache should hold, for the owned blocks
         among `blocks` (all owned blocks when None). Tokens not yet written are not live. With
-        `with_tiers`, also each block's page tier."""
-        ids, lives, tiers = [], [], []
+        `with_precisions`, also each block's page precision group."""
+        ids, lives, precisions = [], [], []
         ar = np.arange(self.bs)
         for req, rk in self.kv.req_kv.items():
             table = rk.table
@@ -553,19 +555,19 @@ class RealExecutor:
             limit = written.get(req, req.num_computed_tokens)
             lives.append(st.live[r[:, None], cols] & (st.pos[r[:, None], cols] < limit))
             ids.append(table[r, e])
-            tiers.append(rk.page_tier[r, e])
+            precisions.append(rk.page_precision[r, e])
         if not ids:
             out = np.zeros(0, dtype=np.int64), np.zeros((0, self.bs), dtype=bool)
-            return out + (np.zeros(0, dtype=np.int8),) if with_tiers else out
+            return out + (np.zeros(0, dtype=np.int8),) if with_precisions else out
         out = np.concatenate(ids), np.concatenate(lives)
-        return out + (np.concatenate(tiers),) if with_tiers else out
+        return out + (np.concatenate(precisions),) if with_precisions else out
 
     def _sync_live(self, blocks: np.ndarray, written: dict) -> None:
-        ids, live, tiers = self._truth(blocks, written, with_tiers=True)
+        ids, live, precisions = self._truth(blocks, written, with_precisions=True)
         self.cache.set_live(torch.from_numpy(blocks), False)
-        if self.tiered:
-            self.cache.set_page_tiers(torch.from_numpy(blocks), np.full(blocks.size, -1, dtype=np.int8))
-            self.cache.set_page_tiers(torch.from_numpy(ids), tiers)
+        if self.mixed_precision:
+            self.cache.set_page_precisions(torch.from_numpy(blocks), np.full(blocks.size, -1, dtype=np.int8))
+            self.cache.set_page_precisions(torch.from_numpy(ids), precisions)
         if ids.size:
             self.cache.set_live(torch.from_numpy(ids), torch.from_numpy(live))
 
@@ -593,12 +595,12 @@ class RealExecutor:
             bad = np.flatnonzero((actual != live[None]).any(axis=(0, 2)))
             raise AssertionError(f"step {self.num_steps}: cache live mask differs from the KV manager's state "
                                  f"in blocks {ids[bad][:10].tolist()}")
-        if self.tiered:
-            _, _, tiers = self._truth(None, {}, with_tiers=True)
-            actual = self.cache.pages.page_tier.view(self.cache.copies, -1)[:, torch.from_numpy(ids)].cpu().numpy()
-            if not (actual == tiers[None] - 1).all():
-                bad = np.flatnonzero((actual != tiers[None] - 1).any(axis=0))
-                raise AssertionError(f"step {self.num_steps}: cache page tiers differ from the KV manager's in "
+        if self.mixed_precision:
+            _, _, precisions = self._truth(None, {}, with_precisions=True)
+            actual = self.cache.pages.page_precision.view(self.cache.copies, -1)[:, torch.from_numpy(ids)].cpu().numpy()
+            if not (actual == precisions[None] - 1).all():
+                bad = np.flatnonzero((actual != precisions[None] - 1).any(axis=0))
+                raise AssertionError(f"step {self.num_steps}: cache page precision groups differ from the KV manager's in "
                                      f"blocks {ids[bad][:10].tolist()}")
 
 

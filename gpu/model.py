@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
 
     @classmethod
-    def from_spec(cls, spec: Any) -> "ModelConfig":
+    def from_spec(cls, spec: Any) -> ModelConfig:
         """Build from a dict, a dataclass or any object with the same field names (extra fields ignored)."""
         if isinstance(spec, ModelConfig):
             return spec
@@ -151,11 +152,11 @@ class LlamaModel:
                 raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
 
     @classmethod
-    def random(cls, spec: Any, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "LlamaModel":
+    def random(cls, spec: Any, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LlamaModel:
         config = ModelConfig.from_spec(spec)
         return cls(config, random_weights(config, seed, dtype), device=device)
 
-    def truncated(self, num_layers: int) -> "LlamaModel":
+    def truncated(self, num_layers: int) -> LlamaModel:
         """The first `num_layers` layers with the same embedding and head (cheap variants for tests)."""
         config = dataclasses.replace(self.config, layers=num_layers)
         keep = {k: v for k, v in self.w.items()

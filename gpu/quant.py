@@ -1,12 +1,12 @@
-"""Mixed-precision KV pages (LeanKV tiers), per-head layout.
+"""Mixed-precision KV pages (LeanKV precision groups), per-head layout.
 
-A page is `page_bytes` bytes holding tokens of one (layer, KV head) at one precision tier. A tier
+A page is `page_bytes` bytes holding tokens of one (layer, KV head) at one precision group. A precision group
 stores K with `key_bits` and V with `value_bits` per element (asymmetric min/max quantization per
 token) plus fp16 scale and zero point for K and for V (8 bytes), so
 tokens per page = page_bytes // (head_dim * (key_bits + value_bits) / 8 + 8).
 Page byte layout for capacity C: [K codes C*kb | V codes C*vb | K scale | K zero | V scale | V zero]
 (codes packed little-end first within each byte; scales and zeros fp16, C each).
-Slot id = page_id * max_tokens_per_page + offset; which pages hold which tier and which slots a
+Slot id = page_id * max_tokens_per_page + offset; which pages hold which precision group and which slots a
 token goes to are decided by the engine core (its LeanKV policy), not here.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from kvsim.gpu.kernels import use_triton
 from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
-from kvsim.sim.kv.tiers import META_BYTES, TIERS, PrecisionTier  # noqa: F401  (re-exported)
+from kvsim.sim.kv.precision import META_BYTES, PRECISION_FORMATS, PrecisionFormat  # noqa: F401  (re-exported)
 
 
 def quantize(x: torch.Tensor, bits: int):
@@ -48,67 +48,67 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 class MixedPrecisionKVCache:
-    def __init__(self, num_pages: int, page_bytes: int, head_dim: int, tiers: tuple[str, ...] = ("K8V4", "K4V2"),
+    def __init__(self, num_pages: int, page_bytes: int, head_dim: int, precisions: tuple[str, ...] = ("K8V4", "K4V2"),
                  device: str | torch.device = "cpu"):
-        unknown = [t for t in tiers if t not in TIERS]
+        unknown = [t for t in precisions if t not in PRECISION_FORMATS]
         if unknown:
-            raise ValueError(f"unknown precision tier(s) {unknown}; known: {sorted(TIERS)}")
+            raise ValueError(f"unknown precision format(s) {unknown}; known: {sorted(PRECISION_FORMATS)}")
         if head_dim * 2 % 8:
             raise ValueError(f"head_dim must be a multiple of 4 to pack 2-bit codes, got {head_dim}")
-        self.tiers = [TIERS[t] for t in tiers]
+        self.precisions = [PRECISION_FORMATS[t] for t in precisions]
         self.num_pages, self.page_bytes, self.head_dim = num_pages, page_bytes, head_dim
-        self.capacity = [t.tokens_per_page(page_bytes, head_dim) for t in self.tiers]
+        self.capacity = [t.tokens_per_page(page_bytes, head_dim) for t in self.precisions]
         if min(self.capacity) < 1:
-            raise ValueError(f"page_bytes={page_bytes} holds no token of tier "
-                             f"{self.tiers[self.capacity.index(min(self.capacity))].name} at head_dim {head_dim}")
+            raise ValueError(f"page_bytes={page_bytes} holds no token of precision group "
+                             f"{self.precisions[self.capacity.index(min(self.capacity))].name} at head_dim {head_dim}")
         self.max_tokens = max(self.capacity)
         self.device = torch.device(device)
         self.pages = torch.zeros(num_pages, page_bytes, dtype=torch.uint8, device=self.device)
-        self.page_tier = torch.full((num_pages,), -1, dtype=torch.int8, device=self.device)
+        self.page_precision = torch.full((num_pages,), -1, dtype=torch.int8, device=self.device)
         self.live = torch.zeros(num_pages, self.max_tokens, dtype=torch.bool, device=self.device)
 
-    def tier_index(self, name: str) -> int:
-        return [t.name for t in self.tiers].index(name)
+    def precision_index(self, name: str) -> int:
+        return [t.name for t in self.precisions].index(name)
 
-    def assign(self, page_ids: torch.Tensor, tier: str) -> None:
-        """Give pages a tier (the engine core's page allocator decides which); clears their slots."""
+    def assign(self, page_ids: torch.Tensor, precision: str) -> None:
+        """Give pages a precision group (the engine core's page allocator decides which); clears their slots."""
         page_ids = torch.as_tensor(page_ids, dtype=torch.long, device=self.device)
-        self.page_tier[page_ids] = self.tier_index(tier)
+        self.page_precision[page_ids] = self.precision_index(precision)
         self.live[page_ids] = False
 
-    def _regions(self, tier_idx: int):
-        tier, cap, D = self.tiers[tier_idx], self.capacity[tier_idx], self.head_dim
-        kb, vb = D * tier.key_bits // 8, D * tier.value_bits // 8
+    def _regions(self, precision_idx: int):
+        precision, cap, D = self.precisions[precision_idx], self.capacity[precision_idx], self.head_dim
+        kb, vb = D * precision.key_bits // 8, D * precision.value_bits // 8
         k_end, v_end = cap * kb, cap * (kb + vb)
         meta = [v_end + i * 2 * cap for i in range(4)]   # k_scale, k_zero, v_scale, v_zero
-        return tier, cap, kb, vb, k_end, meta
+        return precision, cap, kb, vb, k_end, meta
 
-    def _split(self, slots: torch.Tensor, tiers: torch.Tensor | None = None):
-        """(pages, offsets, tier indices) of slots; `tiers` overrides the pages' tiers (a tier move
-        reads or writes at a tier the page table has not been told yet)."""
+    def _split(self, slots: torch.Tensor, precisions: torch.Tensor | None = None):
+        """(pages, offsets, precision group indices) of slots; `precision groups` overrides the pages' precision groups (a precision group move
+        reads or writes at a precision group the page table has not been told yet)."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
         pages, offsets = slots // self.max_tokens, slots % self.max_tokens
-        if tiers is None:
-            tiers = self.page_tier[pages].long()
+        if precisions is None:
+            precisions = self.page_precision[pages].long()
         else:
-            tiers = torch.as_tensor(tiers, dtype=torch.long, device=self.device).reshape(-1)
-        if (tiers < 0).any():
-            raise ValueError(f"slots {slots[tiers < 0].tolist()[:5]} are on pages with no tier assigned")
-        return pages, offsets, tiers
+            precisions = torch.as_tensor(precisions, dtype=torch.long, device=self.device).reshape(-1)
+        if (precisions < 0).any():
+            raise ValueError(f"slots {slots[precisions < 0].tolist()[:5]} are on pages with no precision group assigned")
+        return pages, offsets, precisions
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              tiers: torch.Tensor | None = None) -> None:
-        """Quantize key/value [N, head_dim] into their slots at their page's tier (or `tiers`, tier
+              precisions: torch.Tensor | None = None) -> None:
+        """Quantize key/value [N, head_dim] into their slots at their page's precision group (or `precision groups`, precision group
         indices per slot); marks slots live."""
-        pages, offsets, tiers = self._split(slots, tiers)
-        for t in tiers.unique().tolist():
-            sel = tiers == t
-            tier, cap, kb, vb, k_end, meta = self._regions(t)
+        pages, offsets, precisions = self._split(slots, precisions)
+        for t in precisions.unique().tolist():
+            sel = precisions == t
+            precision, cap, kb, vb, k_end, meta = self._regions(t)
             if (offsets[sel] >= cap).any():
-                raise ValueError(f"offset beyond the {cap} tokens a {tier.name} page holds")
+                raise ValueError(f"offset beyond the {cap} tokens a {precision.name} page holds")
             p, o = pages[sel], offsets[sel]
-            for x, bits, width, base, (s_at, z_at) in ((key[sel], tier.key_bits, kb, 0, meta[:2]),
-                                                      (value[sel], tier.value_bits, vb, k_end, meta[2:])):
+            for x, bits, width, base, (s_at, z_at) in ((key[sel], precision.key_bits, kb, 0, meta[:2]),
+                                                      (value[sel], precision.value_bits, vb, k_end, meta[2:])):
                 codes, scale, zero = quantize(x, bits)
                 cols = base + o[:, None] * width + torch.arange(width, device=self.device)
                 self.pages[p[:, None], cols] = pack(codes, bits)
@@ -117,41 +117,41 @@ class MixedPrecisionKVCache:
                     self.pages[p[:, None], cols] = values.view(torch.uint8).view(-1, 2)
         self.live.view(-1)[pages * self.max_tokens + offsets] = True
 
-    def read(self, slots: torch.Tensor, tiers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K, V [N, head_dim] fp32 of the given slots (at their page's tier, or `tiers`)."""
-        pages, offsets, tiers = self._split(slots, tiers)
+    def read(self, slots: torch.Tensor, precisions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K, V [N, head_dim] fp32 of the given slots (at their page's precision group, or `precision groups`)."""
+        pages, offsets, precisions = self._split(slots, precisions)
         keys = torch.zeros(len(pages), self.head_dim, device=self.device)
         values = torch.zeros_like(keys)
-        for t in tiers.unique().tolist():
-            sel = tiers == t
-            tier, cap, kb, vb, k_end, meta = self._regions(t)
+        for t in precisions.unique().tolist():
+            sel = precisions == t
+            precision, cap, kb, vb, k_end, meta = self._regions(t)
             p, o = pages[sel], offsets[sel]
-            for out, bits, width, base, (s_at, z_at) in ((keys, tier.key_bits, kb, 0, meta[:2]),
-                                                        (values, tier.value_bits, vb, k_end, meta[2:])):
+            for out, bits, width, base, (s_at, z_at) in ((keys, precision.key_bits, kb, 0, meta[:2]),
+                                                        (values, precision.value_bits, vb, k_end, meta[2:])):
                 packed = self.pages[p[:, None], base + o[:, None] * width + torch.arange(width, device=self.device)]
                 scale, zero = (self.pages[p[:, None], at + o[:, None] * 2 + torch.arange(2, device=self.device)]
                                .contiguous().view(torch.float16).view(-1) for at in (s_at, z_at))
                 out[sel] = dequantize(unpack(packed, bits), scale, zero)
         return keys, values
 
-    def _token_columns(self, tier_idx: int, offsets: torch.Tensor) -> torch.Tensor:
-        """[N, bytes per token] byte columns of the tokens at `offsets` of pages of one tier."""
-        tier, cap, kb, vb, k_end, meta = self._regions(tier_idx)
+    def _token_columns(self, precision_idx: int, offsets: torch.Tensor) -> torch.Tensor:
+        """[N, bytes per token] byte columns of the tokens at `offsets` of pages of one precision group."""
+        precision, cap, kb, vb, k_end, meta = self._regions(precision_idx)
         o = offsets[:, None]
         ar = lambda n: torch.arange(n, device=self.device)   # noqa: E731
         parts = [o * kb + ar(kb), k_end + o * vb + ar(vb)] + [at + o * 2 + ar(2) for at in meta]
         return torch.cat(parts, dim=1)
 
-    def move(self, src: torch.Tensor, dst: torch.Tensor, src_tiers: torch.Tensor, dst_tiers: torch.Tensor) -> None:
+    def move(self, src: torch.Tensor, dst: torch.Tensor, src_precisions: torch.Tensor, dst_precisions: torch.Tensor) -> None:
         """Move tokens between slots (all sources read before any destination is written); a token
-        keeping its tier is copied byte for byte, one changing tier (a LeanKV demotion) is dequantized
-        and re-quantized at the new tier. Destinations take the sources' liveness; sources go empty."""
+        keeping its precision group is copied byte for byte, one changing precision group (a LeanKV demotion) is dequantized
+        and re-quantized at the new precision group. Destinations take the sources' liveness; sources go empty."""
         src = torch.as_tensor(src, dtype=torch.long, device=self.device).reshape(-1)
         dst = torch.as_tensor(dst, dtype=torch.long, device=self.device).reshape(-1)
         if src.numel() == 0:
             return
-        src_t = torch.as_tensor(src_tiers, dtype=torch.long, device=self.device).reshape(-1)
-        dst_t = torch.as_tensor(dst_tiers, dtype=torch.long, device=self.device).reshape(-1)
+        src_t = torch.as_tensor(src_precisions, dtype=torch.long, device=self.device).reshape(-1)
+        dst_t = torch.as_tensor(dst_precisions, dtype=torch.long, device=self.device).reshape(-1)
         flat_live = self.live.view(-1)
         was_live = flat_live[src].clone()
         same = src_t == dst_t
@@ -179,7 +179,7 @@ class MixedPrecisionKVCache:
 
     def decode_attention(self, q: torch.Tensor, page_table: torch.Tensor, scale: float, backend: str | None = None):
         """Queries q [G, head_dim] of one (sequence, KV head) over the live tokens of its pages
-        (high and low tier mixed). Returns out [G, head_dim] and probabilities [G, live tokens].
+        (high and low precision group mixed). Returns out [G, head_dim] and probabilities [G, live tokens].
         `backend` as in `gpu.kernels`: the Triton kernel runs each query head as its own row so its
         per-slot score output is that head's probabilities."""
         if use_triton(q, backend):

@@ -22,7 +22,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -33,12 +34,12 @@ from kvsim.sim.config import ConfigError, SimConfig
 from kvsim.sim.core.request import Request
 from kvsim.sim.engine.loop import EngineReplica
 from kvsim.sim.kv.manager import EvictingKVManager
-from kvsim.sim.kv.state import TIER_FULL
+from kvsim.sim.kv.state import PRECISION_FULL
 from kvsim.sim.model.memory import HostMemoryError, RunMemoryEstimate, check_memory
 from kvsim.sim.results.metrics import StepLog, add_client_queue, request_table
 from kvsim.sim.results.outputs import run_summary, write_outputs
 from kvsim.sim.io.result_dirs import ResultDir
-from kvsim.sim.engine.run_plan import build_kv_manager, build_run_plan
+from kvsim.sim.engine.resolved_run import build_kv_manager, resolve_run
 
 DTYPES = ("float32", "float16", "bfloat16")
 WEIGHTS = ("smollm2", "random")
@@ -147,7 +148,7 @@ def check_dense(spec) -> None:
 
 
 def replay_config(cfg: SimConfig) -> SimConfig:
-    """`cfg` with the engine settings a replay runs with (the run plan resolves the other defaults):
+    """`cfg` with the engine settings a replay runs with (resolve_run resolves the other defaults):
     the real backend steps synchronously, and its per-request prompts share no prefixes, so prefix
     caching is off unless asked for."""
     eng = cfg.engine.model_copy(update={
@@ -229,16 +230,16 @@ def check_replay_memory(plan, model) -> None:
 
 def build_cache(cfg: SimConfig, model, kv):
     """The paged KV cache the manager's pages describe: full precision, or LeanKV's mixed-precision
-    pages when the policy writes tokens at a precision tier (pages of one full-precision block's bytes)."""
+    pages when the policy writes tokens at a precision group (pages of one full-precision block's bytes)."""
     import torch
-    from kvsim.gpu.cache import PagedKVCache, TieredKVCache
+    from kvsim.gpu.cache import PagedKVCache, PrecisionGroupKVCache
 
     c, bs = model.config, cfg.engine.block_size
-    if not (isinstance(kv, EvictingKVManager) and kv.new_token_tier != TIER_FULL):
+    if not (isinstance(kv, EvictingKVManager) and kv.new_token_precision != PRECISION_FULL):
         return PagedKVCache.for_model(c, cfg.kv.layout, kv.pool.num_blocks, bs, dtype=model.dtype, device=model.device)
     full_bytes = 2 * c.head_dim * torch.empty(0, dtype=model.dtype).element_size()
-    return TieredKVCache.for_model(c, cfg.kv.layout, kv.pool.num_blocks, bs, full_bytes,
-                                   tiers=(cfg.kv.high_tier, cfg.kv.low_tier), device=model.device)
+    return PrecisionGroupKVCache.for_model(c, cfg.kv.layout, kv.pool.num_blocks, bs, full_bytes,
+                                   precisions=(cfg.kv.high_tier, cfg.kv.low_tier), device=model.device)
 
 
 def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: ReplayOptions | None = None,
@@ -262,7 +263,7 @@ def run_replay(cfg: SimConfig, out_dir: str | Path | None = None, *, options: Re
     cfg.kv_dtype = None           # the cache holds the model's dtype
     if cfg.engine.num_gpu_blocks is None:
         cfg.engine.num_gpu_blocks = default_num_blocks(cfg, model, cfg.kv.layout, model.device, model.dtype)
-    plan = build_run_plan(cfg, trace=trace, model=spec)
+    plan = resolve_run(cfg, trace=trace, model=spec)
     check_replay_memory(plan, model)
     kv = build_kv_manager(plan)
     # A previous replay's KV cache sits in reference cycles (engine, simpy generators) until a full

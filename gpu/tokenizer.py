@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import unicodedata
-from typing import Iterable
+from collections.abc import Iterable
 
 CONTROL_TOKEN_TYPE = 3
 _CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d")
@@ -28,7 +28,7 @@ def bytes_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return dict(zip(printable, map(chr, chars)))
+    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -88,19 +88,19 @@ class Tokenizer:
         self.token_to_id = {t: i for i, t in enumerate(self.tokens)}
         self.merge_rank = {tuple(m.split(" ", 1)): rank for rank, m in enumerate(merges)}
         self.bos_id, self.eos_id = bos_id, eos_id
-        self.special = sorted((t for t, kind in zip(self.tokens, token_types) if kind == CONTROL_TOKEN_TYPE),
+        self.special = sorted((t for t, kind in zip(self.tokens, token_types, strict=True) if kind == CONTROL_TOKEN_TYPE),
                               key=len, reverse=True)
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
         self._bpe_cache: dict[str, list[int]] = {}
 
     @classmethod
-    def from_prepared(cls, data: dict) -> "Tokenizer":
+    def from_prepared(cls, data: dict) -> Tokenizer:
         t = data["tokenizer"]
         return cls(t["tokens"], t["merges"], t["token_types"], t["bos_id"], t["eos_id"])
 
     @classmethod
-    def smollm2(cls) -> "Tokenizer":
+    def smollm2(cls) -> Tokenizer:
         from kvsim.gpu.weights import load_prepared     # here: it loads torch; tokenizing needs none
         return cls.from_prepared(load_prepared())
 
@@ -114,7 +114,7 @@ class Tokenizer:
             return cached
         word = [self.byte_encoder[b] for b in piece.encode("utf-8")]
         while len(word) > 1:
-            ranks = [self.merge_rank.get(pair, 1 << 30) for pair in zip(word, word[1:])]
+            ranks = [self.merge_rank.get(pair, 1 << 30) for pair in zip(word, word[1:], strict=False)]
             best = min(range(len(ranks)), key=ranks.__getitem__)
             if ranks[best] == 1 << 30:
                 break

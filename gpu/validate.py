@@ -139,8 +139,8 @@ def check_kernels(plan: Plan) -> pd.DataFrame:
     page_tables = torch.arange(B * H * per_row, device=plan.device, dtype=torch.int32).view(B * H, per_row)
     pages.assign(page_tables[:, ::2].reshape(-1), "K8V4")
     pages.assign(page_tables[:, 1::2].reshape(-1), "K4V2")
-    for t, tier in enumerate(pages.tiers):
-        ids = (pages.page_tier == t).nonzero().view(-1)
+    for t, _precision in enumerate(pages.precisions):
+        ids = (pages.page_precision == t).nonzero().view(-1)
         cap = pages.capacity[t]
         slots = (ids[:, None] * pages.max_tokens + torch.arange(cap, device=plan.device)).view(-1)
         pages.write(slots, torch.randn(len(slots), D, device=plan.device), torch.randn(len(slots), D, device=plan.device))
@@ -157,11 +157,11 @@ def check_kernels(plan: Plan) -> pd.DataFrame:
     key, value = torch.randn(T, H, D, device=plan.device).to(dtype), torch.randn(T, H, D, device=plan.device).to(dtype)
     slots = torch.randperm(num_blocks * plan.block_size)[:T].to(plan.device)
     caches = [_cache(torch, plan, H, D, num_blocks, 5) for _ in range(2)]
-    for c, backend in zip(caches, ("torch", "triton")):
+    for c, backend in zip(caches, ("torch", "triton"), strict=True):
         reshape_and_cache(key, value, c.k[0], c.v[0], slots, c.live, backend=backend)
     record("reshape_and_cache", "shared", caches[1].k, caches[0].k, 0.0)
     src, dst = slots[:B], slots[B:]
-    for c, backend in zip(caches, ("torch", "triton")):
+    for c, backend in zip(caches, ("torch", "triton"), strict=True):
         copy_slots(c.k, c.v, c.live, src, dst, move=True, backend=backend)
     record("copy_slots", "move", caches[1].v, caches[0].v, 0.0)
     record("copy_slots", "move (live)", caches[1].live, caches[0].live, 0.0)
@@ -238,8 +238,10 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
             kc, vc = cache.layer_view(0)
             live = cache.live
             for label, splits in (("auto", None), ("unsplit", 1)):
-                def call(n=splits):
-                    return paged_decode_attention(q, PagedKV(kc, vc, live), tables, D ** -0.5, backend="triton", num_splits=n)
+                kv = PagedKV(kc, vc, live)
+
+                def call(n=splits, q=q, kv=kv, tables=tables):
+                    return paged_decode_attention(q, kv, tables, D ** -0.5, backend="triton", num_splits=n)
                 seconds, graph_seconds = _time_s(torch, call, plan), _graph_time_s(torch, call, plan)
                 chosen = splits or (plan_splits(batch * H, tables.shape[-1] * plan.block_size, tile_for(D),
                                                 sms).splits if sms else 1)
@@ -351,7 +353,7 @@ def compiled_resources(out: Path) -> str:
 
 
 # (label, kvsim replay options): the eviction and compression paths of the real backend, each replayed
-# with --check-invariants (the cache's live slots and tiers must equal the KV manager's every step)
+# with --check-invariants (the cache's live slots and precision groups must equal the KV manager's every step)
 POLICY_RUNS = (
     ("h2o free_block", ["--policy", "h2o", "--layout", "per_head", "--slot-strategy", "free_block"]),
     ("h2o slot_reuse", ["--policy", "h2o", "--layout", "per_head", "--slot-strategy", "slot_reuse"]),
@@ -402,16 +404,12 @@ def _policy_pool_blocks(plan: Plan) -> int | None:
 
 
 def _gpu_for_device(device: str) -> str | None:
-    """The catalog GPU of this CUDA device (longest names first: "L40" before "L4"; A100 by memory)."""
+    """The catalog GPU of this CUDA device (sim/model/catalog.py's map of CUDA device names)."""
     if device != "cuda":
         return None
     import torch
-    from kvsim.sim.model.catalog import get_gpu
-    name = torch.cuda.get_device_name().upper()
-    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    labels = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb" if gib > 48 else "a100-40gb"),
-              ("L40", "l40"), ("L4", "l4"), ("A40", "a40"), ("T4", "t4"))
-    key = next((k for label, k in labels if label in name), None)
+    from kvsim.sim.model.catalog import get_gpu, gpu_for_device_name
+    key = gpu_for_device_name(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / 2**30)
     return get_gpu(key).name if key else None
 
 

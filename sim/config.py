@@ -5,7 +5,8 @@ import copy
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
+from collections.abc import Callable
 
 import yaml
 from pydantic import (
@@ -140,7 +141,7 @@ class TraceOptions(_Strict):
                                                     "tokens; default: the shipped SmolLM2 tokenizer")
 
     @model_validator(mode="after")
-    def _load_options_agree(self) -> "TraceOptions":
+    def _load_options_agree(self) -> TraceOptions:
         if self.request_rate is not None and self.rate is not None:
             raise ValueError("request_rate and rate both set arrivals for a length-only trace; give one "
                              "(request_rate: vllm bench serve's arrivals, rate: Poisson from t=0)")
@@ -158,6 +159,15 @@ class TraceOptions(_Strict):
         if self.max_concurrency is not None and self.arrival_unit == "step":
             raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
         return self
+
+    def file_options(self) -> dict:
+        """load_trace's format and reader options (only those given)."""
+        out = {"format": self.format} if self.format else {}
+        if self.format in GENERIC_FORMATS:
+            out.update(columns=self.columns, time_unit=self.time_unit)
+        if self.tokenizer is not None:
+            out["tokenizer"] = self.tokenizer
+        return out
 
 
 class SLO(_Strict):
@@ -217,6 +227,13 @@ class KVConfig(_Strict):
     def is_default(self) -> bool:
         """The plain vLLM path (base KVCacheManager, decode fast-forward) applies."""
         return self.policy == "none" and self.layout == "shared"
+
+    def policy_params(self) -> dict:
+        """The policy's constructor parameters: `params`, with `budget` when given."""
+        params = dict(self.params)
+        if self.budget is not None:
+            params.setdefault("budget", self.budget)
+        return params
 
 
 # config keys whose value may name a user file (dotted: section.key): run ids hash their content

@@ -32,7 +32,7 @@ def traces(draw) -> Trace:
     if draw(st.booleans()) and draw(st.booleans()):       # some requests share prefixes
         shared = draw(st.lists(st.booleans(), min_size=n, max_size=n))
         columns["prefix_hash_ids"] = [list(range(-(-p // 32))) if s else [10_000 + i] for i, (p, s)
-                                      in enumerate(zip(prompts, shared))]
+                                      in enumerate(zip(prompts, shared, strict=True))]
         columns["prefix_block_tokens"] = 32
     return Trace.from_columns(**columns)
 

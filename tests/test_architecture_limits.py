@@ -51,9 +51,9 @@ def _assigned_kernels(tree) -> set[str]:
             arg = node.value.args[0]
             if isinstance(arg, ast.Name):
                 out.add(arg.id)
-        elif isinstance(node, ast.For) and isinstance(node.iter, (ast.Tuple, ast.List)):
-            if any(isinstance(n, ast.Assign) and compiles(n.value) for n in ast.walk(node)):
-                out |= {e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        elif isinstance(node, ast.For) and isinstance(node.iter, (ast.Tuple, ast.List)) and any(
+                isinstance(n, ast.Assign) and compiles(n.value) for n in ast.walk(node)):
+            out |= {e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
     return out
 
 

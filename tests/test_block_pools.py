@@ -143,7 +143,7 @@ class QueuePool:
             self.ref[b] += 1
 
     def cache_blocks(self, blocks, hashes):
-        for b, h in zip(blocks, hashes):
+        for b, h in zip(blocks, hashes, strict=True):
             if self.hash[b] is None and h not in self.cached:
                 self.hash[b], self.cached[h] = h, b
 

@@ -75,7 +75,7 @@ def test_fewest_replicas_matches_round_robin_arithmetic(uniform):
     result = find_capacity(cfg, parse_slo(f"ttft_p99<={s * 1.01 * 1e3:.9f}ms"), CapacitySearch(mode="replicas"))
     assert result.answer == 3
     assert result.answer_metrics["num_gpus"] == 3
-    meets = dict(zip(result.curve["searched_value"], result.curve["meets_slo"]))
+    meets = dict(zip(result.curve["searched_value"], result.curve["meets_slo"], strict=True))
     assert not meets[2] and meets[3]
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from kvsim.sim.model.catalog import CatalogError, get_gpu, get_model, list_gpus, list_models
+from kvsim.sim.model.catalog import CatalogError, get_gpu, get_model, gpu_for_device_name, list_gpus, list_models
 
 # Parameter totals as published on each model's Hugging Face page (safetensors metadata).
 PUBLISHED_PARAMS = {
@@ -204,3 +204,16 @@ def test_models_doc_lists_every_catalog_name_alias_and_length():
             if line.startswith("| ") and not line.startswith("| model ")]
     documented = {r[0]: (r[1], tuple(a for a in r[2].split(", ") if a), int(r[3].replace(",", ""))) for r in rows}
     assert documented == {m.name: (m.hf_id, m.aliases, m.max_position) for m in list_models()}
+
+
+@pytest.mark.parametrize("device_name, gib, gpu", [
+    ("NVIDIA H100 80GB HBM3", 79.1, "h100"), ("NVIDIA H200", 139.8, "h200"),
+    ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80gb"), ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40gb"),
+    ("NVIDIA L40S", 44.4, "l40"), ("NVIDIA L4", 22.0, "l4"), ("NVIDIA A40", 44.3, "a40"), ("Tesla T4", 14.6, "t4"),
+    ("NVIDIA GeForce RTX 4090", 23.6, None),
+])
+def test_cuda_device_names_map_to_catalog_gpus(device_name, gib, gpu):
+    # the one map replay's defaults and the GPU validation both use (torch.cuda.get_device_name strings)
+    assert gpu_for_device_name(device_name, gib) == gpu
+    if gpu is not None:
+        assert get_gpu(gpu).name.lower().startswith(gpu.split("-")[0])

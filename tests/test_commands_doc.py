@@ -22,7 +22,7 @@ def commands(group=None, path=()):
 
 def doc_sections() -> dict[str, str]:
     parts = re.split(r"(?m)^### `kvsim ([^`]+)`\n", DOC.read_text())
-    return dict(zip(parts[1::2], parts[2::2]))
+    return dict(zip(parts[1::2], parts[2::2], strict=False))
 
 
 def names(param) -> list[str]:

@@ -17,7 +17,7 @@ from kvsim.sim.core.request import Request, RequestStatus
 from kvsim.sim.engine.loop import EngineClock, ReplicaOptions
 from kvsim.sim.simulator.executor import replica_parts
 from kvsim.sim.results.metrics import StepLog
-from kvsim.sim.engine.run_plan import build_run_plan
+from kvsim.sim.engine.resolved_run import resolve_run
 
 # 2 replicas: Llama-3.1-8B on H100 with a small pool (its prefix cache forgets), prefix caching on
 STORE_RUN = {"engine.num_gpu_blocks": 400, "engine.enable_prefix_caching": True}
@@ -42,7 +42,7 @@ def shared_prefix_requests(n: int = 70, seed: int = 7) -> list[Request]:
 def plan_and_requests(overrides):
     cfg = load_config(None, overrides)
     trace = load_workload(cfg)
-    plan = build_run_plan(cfg, trace=trace)
+    plan = resolve_run(cfg, trace=trace)
     return plan, trace_to_requests(trace)
 
 

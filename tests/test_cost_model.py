@@ -233,7 +233,7 @@ def test_decode_batch_factors_scale_pure_decode_steps_by_batch_size():
     assert (table.predict_decode(seqs, kv_read, entries, padded) == steps).all()
     scalar = [table.predict(BatchShape(num_seqs=float(b), num_decode_tokens=float(b), kv_tokens_read=float(r),
                                        block_table_entries=float(e), kv_tokens_padded=float(p)))
-              for b, r, e, p in zip(seqs, kv_read, entries, padded)]
+              for b, r, e, p in zip(seqs, kv_read, entries, padded, strict=True)]
     assert scalar == steps.tolist()
     with pytest.raises(ValueError, match="decode_batch_factors"):
         base.model_validate({**base.model_dump(), "decode_batch_factors": {0: 1.0}})

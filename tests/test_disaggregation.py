@@ -15,7 +15,7 @@ from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.core.request import Request, RequestStatus
 from kvsim.sim.engine.assembly import EngineRun
 from kvsim.sim.engine.loop import EngineClock, ReplicaOptions
-from kvsim.sim.engine.run_plan import build_run_plan
+from kvsim.sim.engine.resolved_run import resolve_run
 from kvsim.sim.model.links import link_catalog
 from kvsim.sim.results.metrics import StepLog
 from kvsim.sim.simulator.executor import replica_parts
@@ -141,7 +141,7 @@ PLAN = None
 def small_plan():
     global PLAN
     if PLAN is None:
-        PLAN = build_run_plan(load_config(None, {"engine.num_gpu_blocks": 160, "engine.max_num_seqs": 8,
+        PLAN = resolve_run(load_config(None, {"engine.num_gpu_blocks": 160, "engine.max_num_seqs": 8,
                                                  "engine.max_num_batched_tokens": 512}))
     return PLAN
 

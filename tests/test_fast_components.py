@@ -61,9 +61,9 @@ def test_ledger_gives_pages_back_and_charges_moved_bytes_per_call():
     ledger.charge_moved(3)            # 4.5 -> 4
     ledger.charge_moved(3)
     assert ledger.pool.num_free_blocks == 100 - 20 + 6
-    plan = ledger.take_plan()
+    plan = ledger.take_effects()
     assert (plan.blocks_freed_by_eviction, plan.bytes_moved) == (3, 8)
-    assert ledger.plan is not plan and ledger.plan.bytes_moved == 0
+    assert ledger.effects is not plan and ledger.effects.bytes_moved == 0
 
 
 def test_cut_budgets_fire_every_n_decode_steps_after_the_cut():
@@ -100,7 +100,7 @@ def test_free_block_returns_an_emptied_page_but_keeps_an_open_tail():
     _row(slab, s, 0, [16, 0, 0], tail_w=5)                  # column 2: the open tail, all evicted
     slots.settle_generic(s, np.array([0]))
     assert slab.alive[s, 0, :3].tolist() == [True, False, True] and slab.pages[s, 0] == 2
-    assert ledger.plan.blocks_freed_by_eviction == 1 and ledger.pool.num_used_blocks == 2 * cfg.unit
+    assert ledger.effects.blocks_freed_by_eviction == 1 and ledger.pool.num_used_blocks == 2 * cfg.unit
 
 
 def test_compaction_moves_the_last_pages_survivors_into_holes_and_charges_their_bytes():
@@ -111,7 +111,7 @@ def test_compaction_moves_the_last_pages_survivors_into_holes_and_charges_their_
     slab.ntok[s] = 40
     slots.compact_rows(s, np.array([0]))
     assert slab.occ[s, 0, :3].tolist() == [16, 12, 0] and slab.alive[s, 0, :3].tolist() == [True, True, False]
-    assert slab.pages[s, 0] == 2 and ledger.plan.blocks_freed_by_eviction == 1 and ledger.plan.bytes_moved == 16
+    assert slab.pages[s, 0] == 2 and ledger.effects.blocks_freed_by_eviction == 1 and ledger.effects.bytes_moved == 16
 
 
 def _class_names(cls: ast.ClassDef) -> set[str]:

@@ -22,7 +22,7 @@ PREFIX_SPAN = 32          # tokens per prefix id in the synthetic traces
 
 def make_trace(gaps, prompts, outputs, priorities, families, prefix_ids: bool = True) -> Trace:
     # requests of one family share a prefix: the first ids of one id sequence per family
-    prefix = [list(range(1000 * f, 1000 * f + -(-p // PREFIX_SPAN))) for f, p in zip(families, prompts)]
+    prefix = [list(range(1000 * f, 1000 * f + -(-p // PREFIX_SPAN))) for f, p in zip(families, prompts, strict=True)]
     if not prefix_ids:      # like the Azure traces: only a request itself can hit its blocks
         return Trace.from_columns(arrival_time_s=np.cumsum(gaps), prompt_tokens=np.array(prompts),
                                   output_tokens=np.array(outputs), priority=np.array(priorities, dtype=np.int64))

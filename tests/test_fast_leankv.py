@@ -131,13 +131,13 @@ def test_sample_row_count_is_the_largest_divisor_not_above_the_wish():
 
 def test_the_memory_estimate_has_no_slab_for_sampled_rows():
     from kvsim.sim.config import load_config
-    from kvsim.sim.engine.run_plan import build_run_plan
+    from kvsim.sim.engine.resolved_run import resolve_run
     from kvsim.sim.simulator.simulate import load_workload
     parts = {}
     for policy in ("leankv", "h2o"):
         cfg = load_config(None, {"kv.policy": policy, "kv.layout": "per_head", "kv.mode": "fast",
                                  "trace_options.max_requests": 20})
-        estimate = build_run_plan(cfg, trace=load_workload(cfg)).memory
+        estimate = resolve_run(cfg, trace=load_workload(cfg)).memory
         parts[policy] = dict((p[0], p[3]) for p in estimate.parts)
     assert parts["leankv"]["fast-mode slabs"] == 0 < parts["h2o"]["fast-mode slabs"]
 

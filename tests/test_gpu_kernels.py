@@ -132,7 +132,7 @@ def test_reshape_and_cache_triton_matches_torch(layout):
     shape = (T,) if layout == "shared" else (T, H)
     slots = torch.randperm(160, generator=gen)[:T * (1 if layout == "shared" else H)].view(shape)
     slots.view(-1)[3] = -1                                          # a token that is not cached
-    for cache, backend in zip(caches, ("torch", "triton")):
+    for cache, backend in zip(caches, ("torch", "triton"), strict=True):
         kc, vc = (cache.k[1], cache.v[1]) if layout == "shared" else (cache.k, cache.v)
         reshape_and_cache(key, value, kc, vc, slots, cache.live, backend=backend)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

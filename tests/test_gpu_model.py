@@ -54,9 +54,9 @@ def run_greedy(model, layout, block_size, prompts, chunk, decode_steps):
     done = [0] * len(prompts)
     seqs = [list(p) for p in prompts]
     history = [[] for _ in prompts]
-    while any(d < len(s) for d, s in zip(done, seqs)) or any(len(s) < len(p) + decode_steps for s, p in zip(seqs, prompts)):
+    while any(d < len(s) for d, s in zip(done, seqs, strict=True)) or any(len(s) < len(p) + decode_steps for s, p in zip(seqs, prompts, strict=True)):
         batch = []
-        for i, (d, s) in enumerate(zip(done, seqs)):
+        for i, (d, s) in enumerate(zip(done, seqs, strict=True)):
             if d < len(s):
                 batch.append((i, s[d:d + chunk], d))
         ids, pos, meta = alloc.step(batch)
@@ -75,7 +75,7 @@ def assert_matches_dense(model, prompt, seq, history, atol):
     position and every generated token is the dense greedy choice."""
     dense = model.dense_forward(torch.tensor(seq))
     positions = range(len(prompt) - 1, len(prompt) - 1 + len(history))
-    for got, pos in zip(history, positions):
+    for got, pos in zip(history, positions, strict=True):
         torch.testing.assert_close(got, dense[pos], atol=atol, rtol=1e-4)
     assert seq[len(prompt):] == dense[len(prompt) - 1:-1].argmax(-1).tolist()
 
@@ -85,7 +85,7 @@ def assert_matches_dense(model, prompt, seq, history, atol):
 def test_paged_matches_dense_mixed_batches(small, layout, block_size):
     prompts = [prompt_token_ids(21, seed=1), prompt_token_ids(12, seed=2)]
     seqs, history = run_greedy(small, layout, block_size, prompts, chunk=8, decode_steps=3)
-    for prompt, seq, logits in zip(prompts, seqs, history):
+    for prompt, seq, logits in zip(prompts, seqs, history, strict=True):
         assert len(seq) == len(prompt) + 3
         assert_matches_dense(small, prompt, seq, logits, atol=2e-4)
 

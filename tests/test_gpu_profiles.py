@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 import yaml
+from pathlib import Path
 from typer.testing import CliRunner
 
 from kvsim.sim.calibration import regenerate_gpu_profiles as regen
@@ -47,7 +48,7 @@ def test_small_and_large_matmuls_scale_with_bandwidth_and_compute(fits):
         small, large = layers["num_tokens"] <= 8, layers["num_tokens"] >= 1024
         sums[gpu] = {"small": (layers["linear_s"][small].sum(), pred[small].sum()),
                      "large": (layers["linear_s"][large].sum(), pred[large].sum())}
-    ratio = {k: [a / h for a, h in zip(sums["A100-80GB"][k], sums["H100-SXM"][k])] for k in ("small", "large")}
+    ratio = {k: [a / h for a, h in zip(sums["A100-80GB"][k], sums["H100-SXM"][k], strict=True)] for k in ("small", "large")}
     for measured, predicted in ratio.values():
         assert predicted == pytest.approx(measured, rel=0.05)
     assert 1.4 < ratio["small"][0] < 1.9 and ratio["large"][0] > 3.0     # bandwidth 1.64x, bf16 peak 3.17x
@@ -131,5 +132,5 @@ def test_default_run_names_its_profile_and_error(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads((run / "summary.json").read_text())
     assert summary["profile"] == "h100-sxm"
-    shipped = yaml.safe_load(open(regen.profile_file("H100-SXM")))
+    shipped = yaml.safe_load(Path(regen.profile_file("H100-SXM")).read_text())
     assert summary["profile_step_mape"] == shipped["meta"]["fit_errors"]["step"]["mape"] <= 0.05

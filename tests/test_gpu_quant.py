@@ -2,18 +2,18 @@
 import pytest
 import torch
 
-from kvsim.gpu.quant import TIERS, MixedPrecisionKVCache, pack, unpack
+from kvsim.gpu.quant import PRECISION_FORMATS, MixedPrecisionKVCache, pack, unpack
 
 D = 64
 
 
 def test_tokens_per_page_follow_bytes_per_token_with_metadata():
-    assert TIERS["K8V4"].bytes_per_token(D) == 64 + 32 + 8
-    assert TIERS["K4V2"].bytes_per_token(D) == 32 + 16 + 8
+    assert PRECISION_FORMATS["K8V4"].bytes_per_token(D) == 64 + 32 + 8
+    assert PRECISION_FORMATS["K4V2"].bytes_per_token(D) == 32 + 16 + 8
     cache = MixedPrecisionKVCache(4, 4096, D)
     assert cache.capacity == [4096 // 104, 4096 // 56] == [39, 73]
-    with pytest.raises(ValueError, match="unknown precision tier"):
-        MixedPrecisionKVCache(4, 4096, D, tiers=("K3V1",))
+    with pytest.raises(ValueError, match="unknown precision format"):
+        MixedPrecisionKVCache(4, 4096, D, precisions=("K3V1",))
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -39,25 +39,25 @@ def test_pages_dequantize_within_half_a_quantization_step():
         assert (err <= 0.5 * steps * 1.01 + 2e-3).all()
         assert (err > 0).any()                        # really quantized, not stored at full precision
     assert int(cache.live.sum()) == 30
-    with pytest.raises(ValueError, match="no tier assigned"):
+    with pytest.raises(ValueError, match="no precision group assigned"):
         cache.write(torch.tensor([0]), key[:1], value[:1])
 
 
-def test_mixed_tier_attention_close_to_fp32_and_high_tier_closer():
+def test_mixed_precision_attention_close_to_fp32_and_high_precision_closer():
     gen = torch.Generator().manual_seed(1)
     key, value = torch.randn(100, D, generator=gen), torch.randn(100, D, generator=gen)
     q = torch.randn(3, D, generator=gen)
     exact = torch.softmax(q @ key.T / 8, -1) @ value
     errors = {}
-    for tier in ("K8V4", "K4V2"):
+    for precision in ("K8V4", "K4V2"):
         cache = MixedPrecisionKVCache(8, 4096, D)
-        pages = torch.arange(0, 100 // cache.capacity[cache.tier_index(tier)] + 1)
-        cache.assign(pages, tier)
-        cap = cache.capacity[cache.tier_index(tier)]
+        pages = torch.arange(0, 100 // cache.capacity[cache.precision_index(precision)] + 1)
+        cache.assign(pages, precision)
+        cap = cache.capacity[cache.precision_index(precision)]
         slots = torch.arange(100) // cap * cache.max_tokens + torch.arange(100) % cap
         cache.write(slots, key, value)
         out, probs = cache.decode_attention(q, torch.cat([pages, torch.tensor([-1])]), 1 / 8)
         assert probs.shape == (3, 100)
-        errors[tier] = float((out - exact).abs().max() / exact.abs().max())
+        errors[precision] = float((out - exact).abs().max() / exact.abs().max())
     assert errors["K8V4"] < 0.15 and errors["K4V2"] < 0.6
     assert errors["K8V4"] < errors["K4V2"]

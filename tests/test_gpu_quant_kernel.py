@@ -6,24 +6,24 @@ import torch
 from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
 from kvsim.gpu.quant import MixedPrecisionKVCache
 
-# Two page-table rows (sequence, KV head); LeanKV grows high-tier pages from the left of a row and
-# low-tier pages from the right, so -1 holes sit in the middle.
+# Two page-table rows (sequence, KV head); LeanKV grows high-precision group pages from the left of a row and
+# low-precision group pages from the right, so -1 holes sit in the middle.
 TABLES = [[0, 1, -1, 2], [3, 6, 5, 4]]
-PAGE_TIERS = {0: "K8V4", 1: "K8V4", 2: "K4V2", 3: "K8V4", 4: "K4V2", 5: "K4V2", 6: "K8V8"}
+PAGE_PRECISIONS = {0: "K8V4", 1: "K8V4", 2: "K4V2", 3: "K8V4", 4: "K4V2", 5: "K4V2", 6: "K8V8"}
 
 
 def filled_cache(head_dim, seed=0):
-    """Pages of PAGE_TIERS filled (the last page of each row only partly), ~20% of slots evicted.
+    """Pages of PAGE_PRECISIONS filled (the last page of each row only partly), ~20% of slots evicted.
     Returns the cache and, per row, the fp32 K, V of its surviving tokens in page-table order."""
     gen = torch.Generator().manual_seed(seed)
-    cache = MixedPrecisionKVCache(8, 32 * head_dim, head_dim, tiers=("K8V4", "K4V2", "K8V8"))
-    for page, tier in PAGE_TIERS.items():
-        cache.assign(torch.tensor([page]), tier)
+    cache = MixedPrecisionKVCache(8, 32 * head_dim, head_dim, precisions=("K8V4", "K4V2", "K8V8"))
+    for page, precision in PAGE_PRECISIONS.items():
+        cache.assign(torch.tensor([page]), precision)
     survivors = []
     for row in TABLES:
         keys, values = [], []
         for i, page in enumerate(p for p in row if p >= 0):
-            cap = cache.capacity[int(cache.page_tier[page])]
+            cap = cache.capacity[int(cache.page_precision[page])]
             n = cap if i == 0 else cap - 5
             slots = page * cache.max_tokens + torch.arange(n)
             k, v = torch.randn(n, head_dim, generator=gen) * 2, torch.randn(n, head_dim, generator=gen)
@@ -47,7 +47,7 @@ def queries(survivors, group, seed=1):
 
 
 @pytest.mark.parametrize("head_dim,group,num_splits", [(16, 3, None), (32, 2, None), (16, 3, 3)])
-def test_triton_matches_torch_twin_on_mixed_tier_pages_with_evictions(head_dim, group, num_splits):
+def test_triton_matches_torch_twin_on_mixed_precision_pages_with_evictions(head_dim, group, num_splits):
     """num_splits 3: each row's pages split over three programs (flash-decoding), merged by the
     reduction kernel; statistics from the merged log-sum-exp."""
     cache, survivors = filled_cache(head_dim)
@@ -86,9 +86,9 @@ def test_triton_output_within_quantization_error_of_fp32_attention():
     scale = head_dim ** -0.5
     out, _ = cache.paged_decode_attention(q, torch.tensor(TABLES), scale, backend="triton")
     for row, (keys, values) in enumerate(survivors):
-        tiers = [cache.tiers[t] for t in cache.page_tier[cache.page_slots(torch.tensor(TABLES[row])) // cache.max_tokens]]
-        half_k = half_steps(keys, torch.tensor([t.key_bits for t in tiers]))
-        half_v = half_steps(values, torch.tensor([t.value_bits for t in tiers]))
+        precisions = [cache.precisions[t] for t in cache.page_precision[cache.page_slots(torch.tensor(TABLES[row])) // cache.max_tokens]]
+        half_k = half_steps(keys, torch.tensor([t.key_bits for t in precisions]))
+        half_v = half_steps(values, torch.tensor([t.value_bits for t in precisions]))
         probs = torch.softmax(q[row] @ keys.T * scale, -1)                       # [G, S]
         exact = probs @ values                                                  # [G, D]
         # First-order error with rounding errors uniform in +-half a step: a score moves by
@@ -102,22 +102,22 @@ def test_triton_output_within_quantization_error_of_fp32_attention():
         assert z.square().mean().sqrt() > 0.3                 # and really quantized, not fp32
 
 
-def test_higher_tiers_land_closer_to_fp32():
+def test_higher_precisions_land_closer_to_fp32():
     head_dim = 32
     _, survivors = filled_cache(head_dim, seed=3)
     q = queries(survivors, 1, seed=4)
     scale = head_dim ** -0.5
     keys, values = survivors[0]
     errors = {}
-    for tier in ("K8V8", "K8V4", "K4V2"):
-        single = MixedPrecisionKVCache(8, 32 * head_dim, head_dim, tiers=(tier,))
+    for precision in ("K8V8", "K8V4", "K4V2"):
+        single = MixedPrecisionKVCache(8, 32 * head_dim, head_dim, precisions=(precision,))
         cap = single.capacity[0]
         pages = torch.arange((len(keys) + cap - 1) // cap)
-        single.assign(pages, tier)
+        single.assign(pages, precision)
         single.write(torch.arange(len(keys)) // cap * single.max_tokens + torch.arange(len(keys)) % cap, keys, values)
         got, _ = single.paged_decode_attention(q[:1], pages[None], scale, backend="triton")
         exact = torch.softmax(q[0] @ keys.T * scale, -1) @ values
-        errors[tier] = float((got[0] - exact).abs().max() / exact.abs().max())
+        errors[precision] = float((got[0] - exact).abs().max() / exact.abs().max())
     assert errors["K8V8"] < errors["K8V4"] < errors["K4V2"] < 0.5, errors
     assert errors["K8V8"] < 0.02 and errors["K8V4"] < 0.15, errors
 

@@ -36,7 +36,7 @@ def trace(prompts, outputs, arrivals=None):
 
 def assert_greedy(model, tokens: pd.DataFrame):
     """Every output token is the dense model's greedy choice given the tokens before it."""
-    for prompt, output in zip(tokens["prompt_token_ids"], tokens["output_token_ids"]):
+    for prompt, output in zip(tokens["prompt_token_ids"], tokens["output_token_ids"], strict=True):
         seq = list(prompt) + list(output)
         dense = model.dense_forward(torch.tensor(seq))
         assert list(output) == dense[len(prompt) - 1:-1].argmax(-1).tolist()
@@ -146,7 +146,7 @@ def live_positions(kv, req, layers: int, kv_heads: int) -> tuple[np.ndarray, dic
     keep = np.zeros((st.rows, st.num_tokens + 1), dtype=bool)
     r, s = np.nonzero(st.live)
     keep[r, st.pos[r, s]] = True
-    scores = {(int(a), int(st.pos[a, b])): float(st.score[a, b]) for a, b in zip(r, s)}
+    scores = {(int(a), int(st.pos[a, b])): float(st.score[a, b]) for a, b in zip(r, s, strict=True)}
     return np.broadcast_to(keep.reshape(-1, 1, keep.shape[1]) if st.rows == 1 else
                            keep.reshape(layers, kv_heads, -1), (layers, kv_heads, keep.shape[1])), scores
 
@@ -165,13 +165,13 @@ def test_eviction_with_every_slot_strategy_decodes_over_exactly_the_survivors(sm
     for strategy in SLOT_STRATEGIES:
         seen = {}
 
-        def hook(replica):
+        def hook(replica, seen=seen):
             kv, ex = replica.kv, replica.executor
             running = {r.request_id: r for r in replica.scheduler.running}
             if replica.num_steps == 1:          # after the prefill step: the survivors of the eviction
                 seen["before"] = {rid: live_positions(kv, r, c.layers, c.kv_heads) for rid, r in running.items()}
             if replica.num_steps == 2:          # after the first decode step
-                seen["logits"] = dict(zip(ex.last_request_ids, ex.last_logits))
+                seen["logits"] = dict(zip(ex.last_request_ids, ex.last_logits, strict=True))
                 seen["after"] = {rid: live_positions(kv, r, c.layers, c.kv_heads)[1] for rid, r in running.items()}
 
         cfg = config(**{"engine.num_gpu_blocks": 48, "kv.slot_strategy": strategy, **kv_opts})
@@ -181,7 +181,7 @@ def test_eviction_with_every_slot_strategy_decodes_over_exactly_the_survivors(sm
             assert res.steps["bytes_moved"].sum() > 0, strategy
         assert len(res.decisions) == res.steps["evicted_tokens"].sum()
         outputs[strategy] = res.tokens["output_token_ids"].tolist()
-        for rid, toks in zip(res.tokens["request_id"], res.tokens["prompt_token_ids"]):
+        for rid, toks in zip(res.tokens["request_id"], res.tokens["prompt_token_ids"], strict=True):
             keep, before = seen["before"][rid]
             keep = keep.copy()
             keep[..., len(toks)] = True                      # the decoded token attends to itself

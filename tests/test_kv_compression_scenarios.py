@@ -11,7 +11,7 @@ from kvsim.sim.engine.loop import EngineClock, EngineReplica, ReplicaOptions
 from kvsim.sim.simulator.executor import build_kv
 from kvsim.sim.results.metrics import StepLog
 from kvsim.sim.simulator.simulate import run_simulation
-from kvsim.sim.kv.state import TIER_LOW
+from kvsim.sim.kv.state import PRECISION_LOW
 from kvsim.traces.synthetic import closed_batch
 
 N, PROMPT, OUTPUT, BLOCKS = 32, 256, 32, 160       # 32 prompts of 256 tokens, 16 per block: 10 fit uncompressed
@@ -97,7 +97,7 @@ def run_leankv(layout: str):
     rep = EngineReplica(env, 0, sched, executor, StepLog(None), ReplicaOptions(check_invariants=True))
     for i in range(4):
         rep.submit(Request(i, 0.0, 256, 48))
-    tier_bytes = np.asarray(kv.ctx.tier_bytes)
+    precision_bytes = np.asarray(kv.ctx.precision_bytes)
     logical = kept = stored = 0.0
     while sched.has_work:
         env.step()
@@ -105,13 +105,13 @@ def run_leankv(layout: str):
             st = rk.state
             logical += st.num_tokens
             kept += st.live.sum() / st.rows
-            stored += tier_bytes[st.tier[st.live]].sum() / st.rows
-    return logical, kept, stored, tier_bytes
+            stored += precision_bytes[st.precision[st.live]].sum() / st.rows
+    return logical, kept, stored, precision_bytes
 
 
 @pytest.mark.parametrize("layout", ["shared", "per_head"])
-def test_leankv_tiers_store_less_than_fp16_and_more_than_pruning_alone(layout):
-    logical, kept, stored, tier_bytes = run_leankv(layout)
+def test_leankv_precisions_store_less_than_fp16_and_more_than_pruning_alone(layout):
+    logical, kept, stored, precision_bytes = run_leankv(layout)
     assert kept < 0.7 * logical                      # pruning happened
-    assert tier_bytes[TIER_LOW] * kept < stored < tier_bytes[1] * kept < kept
-    assert logical / stored > 2 * logical / kept     # quantized tiers: more than pruning alone at equal kept tokens
+    assert precision_bytes[PRECISION_LOW] * kept < stored < precision_bytes[1] * kept < kept
+    assert logical / stored > 2 * logical / kept     # quantized precision groups: more than pruning alone at equal kept tokens

@@ -134,7 +134,7 @@ def test_fast_mode_state_stays_consistent_under_chunked_prefill(strategy):
 
 
 def test_eviction_simulation_does_not_import_torch():
-    # the simulator's page accounting needs the LeanKV tier table, not the real backend's tensors
+    # the simulator's page accounting needs the LeanKV precision group table, not the real backend's tensors
     # (importing torch costs ~1.6 s per simulation on this machine)
     import subprocess
     import sys

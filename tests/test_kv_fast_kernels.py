@@ -110,7 +110,7 @@ def test_prompt_scoring_kernel_matches_its_numpy_twin(L, cand, keep):
     assert got[2].shape == (R, most) and np.array_equal(got[2], want[2])        # the kept positions
     assert ((got[2] >= 0).sum(axis=1) == np.minimum(keep, cand)).all()           # -1 past a row's keep
     assert got[3].shape == (R, most, 3) and got[4].shape == (R, 6)
-    for g, w_ in zip(got, want):
+    for g, w_ in zip(got, want, strict=True):
         assert np.array_equal(g, w_)
 
 

@@ -113,7 +113,7 @@ def test_step_plan_maps_new_tokens_and_lists_evictions():
     for _ in range(4):
         out = sched.schedule()
         ex.complete(ex.execute(out), kv.finish_step(out.scheduled))     # as the engine runs a step
-        plans.append(ex.last_plan)
+        plans.append(ex.last_effects)
         sched.update(out, 0.0)
     prefill, decode = plans[0], plans[1]
     assert prefill.slot_mapping[0].shape == (90, 100)            # 30 layers x 3 KV heads
@@ -140,7 +140,7 @@ def test_config_errors_name_the_option():
         build_kv(KVConfig(policy="streaming", budget=64), cost.model, cost, 100, 16, 0)   # was: 'kv.params'
     with pytest.raises(ValueError, match="kv.slot_strategy"):
         load_config(None, {"kv.slot_strategy": "defrag"})
-    with pytest.raises(ValueError, match="kv.high_tier: unknown precision tier"):
+    with pytest.raises(ValueError, match="kv.high_tier: unknown precision format"):
         build_kv(KVConfig(policy="h2o", high_tier="K9V9"), cost.model, cost, 100, 16, 0)
 
 

@@ -43,9 +43,9 @@ def _plans(monkeypatch, kv_cfg, **kw):
     plans = []
     orig = kv_executor.KVPolicyExecutor.complete
 
-    def complete(self, result, kv_plan):
-        r = orig(self, result, kv_plan)
-        plans.append((self.last_plan.op_bytes, self.last_plan.op_flops, r.duration_s))
+    def complete(self, result, kv_effects):
+        r = orig(self, result, kv_effects)
+        plans.append((self.last_effects.op_bytes, self.last_effects.op_flops, r.duration_s))
         return r
     monkeypatch.setattr(kv_executor.KVPolicyExecutor, "complete", complete)
     s = run(kv_cfg, **kw)[0]

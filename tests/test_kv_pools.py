@@ -101,5 +101,5 @@ def test_pool_counters_are_defined_by_the_pools_alone():
     """No KV manager repeats its pool's counters: the scheduler, the step log and the fast-forward
     read them on `kv.pool` (the KVPool protocol); only the four pool types define them."""
     found = counters_defined()
-    assert set(found) - {"KVPool", "FastForwardPool"} == POOL_TYPES, found
+    assert set(found) - {"KVPool", "DecodeRunPool"} == POOL_TYPES, found
     assert all(found[name] == COUNTERS for name in ("BlockPool", "ArrayBlockPool", "CountPool", "ScaledPoolView"))

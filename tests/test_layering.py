@@ -173,6 +173,14 @@ def test_simulator_and_backend_do_not_import_each_other(graph):
     assert not bad, "the two executors import each other:\n" + "\n".join(bad)
 
 
+def test_the_engine_core_reads_no_run_config(graph):
+    # sim/core (scheduler, pools, KV managers, connector) takes typed settings: the run config and the
+    # hardware model are resolved above it (sim/kv/build.py, the run plan)
+    bad = [f"{src} imports {dst}" for src, targets in sorted(graph.items()) if src.startswith("kvsim.sim.core")
+           for dst in sorted(targets) if dst == "kvsim.sim.config" or dst.startswith("kvsim.sim.model")]
+    assert not bad, "the engine core imports the run config or the hardware model:\n" + "\n".join(bad)
+
+
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
     index: dict[str, int] = {}

@@ -122,12 +122,12 @@ def test_a_fast_mode_budget_beyond_host_memory_is_refused(tmp_path):
 def test_run_memory_estimate_is_small_for_ordinary_runs_and_checked_against_what_is_given():
     from kvsim.sim.config import load_config
     from kvsim.sim.model.memory import HostMemoryError, check_memory
-    from kvsim.sim.engine.run_plan import build_run_plan, check_config_memory
+    from kvsim.sim.engine.resolved_run import resolve_run, check_config_memory
     from kvsim.sim.simulator.simulate import load_workload
 
     cfg = load_config(None, {"trace_options.max_requests": 200, "engine.enable_prefix_caching": True})
     trace = load_workload(cfg)
-    plan = build_run_plan(cfg, trace=trace)
+    plan = resolve_run(cfg, trace=trace)
     blocks = plan.num_blocks
     estimate = check_config_memory(cfg, trace)                   # the dashboard's entry point: passes
     assert estimate.total_bytes == plan.memory.total_bytes
@@ -137,7 +137,7 @@ def test_run_memory_estimate_is_small_for_ordinary_runs_and_checked_against_what
         check_memory(estimate, available=(estimate.total_bytes - 1, "test"))
     fast = load_config(None, {"kv.policy": "h2o", "kv.budget": 256, "kv.layout": "per_head", "kv.mode": "fast",
                               "trace_options.max_requests": 200})
-    slab = dict((p[0], p[3]) for p in build_run_plan(fast, trace=trace).memory.parts)
+    slab = dict((p[0], p[3]) for p in resolve_run(fast, trace=trace).memory.parts)
     bigger = load_config(None, {**fast.model_dump(), "kv": {**fast.kv.model_dump(), "budget": 2560}})
-    slab10 = dict((p[0], p[3]) for p in build_run_plan(bigger, trace=trace).memory.parts)
+    slab10 = dict((p[0], p[3]) for p in resolve_run(bigger, trace=trace).memory.parts)
     assert 0 < slab["fast-mode slabs"] < slab10["fast-mode slabs"] < 11 * slab["fast-mode slabs"]

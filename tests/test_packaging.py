@@ -27,7 +27,7 @@ def test_no_generic_top_level_import_names():
     import kvsim.sim.cli
     assert kvsim.sim.cli.__name__ == "kvsim.sim.cli"
     out = subprocess.run([sys.executable, "-c", "import kvsim.sim.cli, sys; "
-                          "print(sorted(m for m in sys.modules if m.split('.')[0] in %r))" % (TOP_LEVEL,)],
+                          f"print(sorted(m for m in sys.modules if m.split('.')[0] in {TOP_LEVEL!r}))"],
                          capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip() == "[]", out.stdout
 

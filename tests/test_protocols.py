@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from kvsim.sim.config import KVConfig, load_config
-from kvsim.sim.core.protocols import Executor, FastForwardExecutor, FastForwardKV, FastForwardPool, KVManager, KVPool
+from kvsim.sim.core.protocols import Executor, DecodeRunExecutor, DecodeRunKV, DecodeRunPool, KVManager, KVPool
 from kvsim.sim.simulator.executor import CostModelExecutor, KVPolicyExecutor, replica_parts
-from kvsim.sim.engine.run_plan import build_run_plan
+from kvsim.sim.engine.resolved_run import resolve_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def signature_problems(impl, proto) -> list[str]:
     problems = []
     if len(i_params) < len(p_params):
         return [f"takes {len(i_params)} parameters, the protocol passes {len(p_params)}"]
-    for p, q in zip(p_params, i_params):
+    for p, q in zip(p_params, i_params, strict=True):
         if q.kind not in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD):
             problems.append(f"parameter {q.name} is not positional")
         if p.default is not p.empty and (q.name != p.name or q.default is q.empty):
@@ -106,7 +106,7 @@ KV_CONFIGS = {
 def built(name: str):
     cfg = load_config(None, {"model": "smollm2-135m", "gpu": "l4", "engine.num_gpu_blocks": 64,
                              **KV_CONFIGS[name]})
-    return replica_parts(build_run_plan(cfg), 0)
+    return replica_parts(resolve_run(cfg), 0)
 
 
 @pytest.mark.parametrize("name", list(KV_CONFIGS))
@@ -115,11 +115,11 @@ def test_every_built_kv_manager_and_simulator_executor_satisfies_its_protocol(na
     assert isinstance(kv, KVManager) and isinstance(executor, Executor) and isinstance(kv.pool, KVPool)
     assert conformance_problems(kv, KVManager) == [] and conformance_problems(kv.pool, KVPool) == []
     assert conformance_problems(executor, Executor) == []
-    if kv.supports_fast_forward:
-        assert isinstance(kv, FastForwardKV) and conformance_problems(kv, FastForwardKV) == []
-        assert isinstance(kv.pool, FastForwardPool)
-    if executor.supports_fast_forward:
-        assert conformance_problems(executor, FastForwardExecutor) == []
+    if kv.supports_decode_runs:
+        assert isinstance(kv, DecodeRunKV) and conformance_problems(kv, DecodeRunKV) == []
+        assert isinstance(kv.pool, DecodeRunPool)
+    if executor.supports_decode_runs:
+        assert conformance_problems(executor, DecodeRunExecutor) == []
 
 
 def test_the_kv_managers_checked_are_all_there_are():
@@ -133,8 +133,8 @@ def test_the_kv_managers_checked_are_all_there_are():
 @pytest.mark.parametrize("cls", classes_defining("execute"), ids=lambda c: f"{c.__module__}.{c.__name__}")
 def test_every_executor_class_satisfies_the_executor_protocol(cls):
     assert conformance_problems(cls, Executor) == []
-    if getattr(cls, "supports_fast_forward", False) is True:      # set per instance elsewhere (False there)
-        assert conformance_problems(cls, FastForwardExecutor) == []
+    if getattr(cls, "supports_decode_runs", False) is True:      # set per instance elsewhere (False there)
+        assert conformance_problems(cls, DecodeRunExecutor) == []
 
 
 def test_the_simulator_executors_are_among_those_found():
@@ -146,7 +146,7 @@ def test_the_simulator_executors_are_among_those_found():
 def test_the_fast_forward_manager_pool_supports_planning():
     kv, executor = built("prefix caching")
     pool = kv.pool
-    assert isinstance(kv, FastForwardKV) and isinstance(executor, FastForwardExecutor)
+    assert isinstance(kv, DecodeRunKV) and isinstance(executor, DecodeRunExecutor)
     assert pool.next_free_blocks(2) == pool.free_block_ids()[:2] and len(pool.ref_cnt) == pool.num_blocks
     durations = executor.predict_decode_run(np.array([2.0]), np.array([100.0]), np.array([8.0]))
     assert durations.shape == (1,) and durations[0] > 0
@@ -154,7 +154,7 @@ def test_the_fast_forward_manager_pool_supports_planning():
 
 def test_the_checker_reports_missing_members_and_mismatched_signatures():
     class Partial:
-        supports_fast_forward = False
+        supports_decode_runs = False
 
     class WrongKeyword:
         block_size = 16

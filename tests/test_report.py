@@ -72,7 +72,7 @@ def test_group_means_average_over_seeds():
 def test_pareto_front_keeps_only_undominated_points():
     pts = pd.DataFrame({"cost": [1, 2, 3, 4, 2, 5], "lat": [10, 5, 6, 1, 7, 1]})
     front = pareto_front(pts, "cost", "lat")
-    assert list(zip(front["cost"], front["lat"])) == [(1, 10), (2, 5), (4, 1)]
+    assert list(zip(front["cost"], front["lat"], strict=True)) == [(1, 10), (2, 5), (4, 1)]
 
 
 def test_capacity_store_report_marks_the_answer(tmp_path):

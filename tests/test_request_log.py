@@ -47,7 +47,7 @@ def test_token_figures_computed_once_are_numpys_in_any_order():
     """The summary computes the token times' figures once (`token_stats`) for both of its summaries:
     the same bits as numpy on the pooled gaps, whichever statistic is asked first."""
     rng = np.random.default_rng(3)
-    lists = [np.cumsum(rng.random(int(k)) * 0.05) + s for k, s in zip(rng.integers(0, 40, 300), rng.random(300) * 9)]
+    lists = [np.cumsum(rng.random(int(k)) * 0.05) + s for k, s in zip(rng.integers(0, 40, 300), rng.random(300) * 9, strict=True)]
     gaps = inter_token_latencies(lists)
     stats = token_stats(lists, 0.0)
     qs = (50, 90, 99)

@@ -18,6 +18,7 @@ from kvsim.sim.model.catalog import get_gpu
 from kvsim.sim.config import files_under, load_config
 from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.sim.planning.sweep import SpecError, SweepRunOptions, load_spec, parse_spec, read_store, run_sweep
+import contextlib
 
 SMALL = {"trace_options.max_requests": 60, "engine.num_gpu_blocks": 1500}
 SPEC = {"fixed": SMALL,
@@ -332,10 +333,8 @@ def _descendants(pid: int) -> set[int]:
     parents = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            try:
+            with contextlib.suppress(OSError, ValueError, IndexError):
                 parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
     found, frontier = set(), {pid}
     while frontier:
         frontier = {p for p, parent in parents.items() if parent in frontier} - found

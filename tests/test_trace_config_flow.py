@@ -96,6 +96,7 @@ def test_a_simulation_is_followed_to_its_first_engine_step(tmp_path):
             "--max-requests", "20", "-q", "--out", str(tmp_path / "run")]
     tracer = flow.trace(argv)
     names = [s.function for s in tracer.stops]
-    assert "build_run_plan" in names and names[-1] == "Scheduler.__init__"
+    assert "resolve_run" in names and names[-1] == "Scheduler.__init__"
     assert names.count("resolve_engine") == 1            # engine defaults resolved once
+    assert len(tracer.stops) <= 20, [f"{s.module}:{s.function}" for s in tracer.stops]   # issue 43's bound
     assert all(s.depth >= 1 for s in tracer.stops) and tracer.depth >= 1

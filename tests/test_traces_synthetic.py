@@ -99,9 +99,9 @@ def test_synthesize_streams_are_independent():
 
 def test_synthesize_resamples_joint_lengths_from_a_trace():
     pool = load_trace("sharegpt-8k-filtered").df
-    pairs = set(zip(pool["prompt_tokens"], pool["output_tokens"]))
+    pairs = set(zip(pool["prompt_tokens"], pool["output_tokens"], strict=True))
     trace = synthesize(2000, rate=4.0, lengths="sharegpt-8k-filtered", seed=5)
-    assert all(pair in pairs for pair in zip(trace.df["prompt_tokens"], trace.df["output_tokens"]))
+    assert all(pair in pairs for pair in zip(trace.df["prompt_tokens"], trace.df["output_tokens"], strict=True))
     assert trace_stats(trace)["prompt_mean"] == pytest.approx(2340, rel=0.05)
 
 
@@ -172,7 +172,7 @@ def test_clip_fits_max_model_len_and_counts(mooncake):
 @given(lengths=st.lists(st.tuples(st.integers(1, 5000), st.integers(1, 5000)), min_size=1, max_size=30),
        max_model_len=st.integers(2, 6000))
 def test_clip_invariants(lengths, max_model_len):
-    prompt, output = map(np.array, zip(*lengths))
+    prompt, output = map(np.array, zip(*lengths, strict=True))
     trace = Trace.from_columns(arrival_time_s=np.zeros(len(prompt)), prompt_tokens=prompt, output_tokens=output)
     df = trace.clip(max_model_len).df
     fits = prompt + output <= max_model_len

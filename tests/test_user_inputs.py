@@ -18,7 +18,7 @@ from kvsim.traces.tokenizer import count_tokens, load_tokenizer
 def needs_tokenizers():
     return pytest.importorskip("tokenizers")      # a core dependency; skipped only where it is absent
 
-WORDS = "the cache holds keys and values of every token the model has seen so far".split()
+WORDS = ["the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "the", "model", "has", "seen", "so", "far"]
 
 
 def sharegpt(path, n=12, seed=3):
@@ -44,8 +44,8 @@ def test_sharegpt_json_is_detected_counted_with_smollm2_and_ordered_as_vllm(tmp_
     tok = load_tokenizer()
     prompts = count_tokens(tok, [e["conversations"][0]["value"] for e in kept])
     outputs = count_tokens(tok, [e["conversations"][1]["value"] for e in kept])
-    expected = [(p, o) for p, o in zip(prompts, outputs) if p >= 4 and o >= 4 and p <= 1024 and p + o <= 2048]
-    assert list(zip(trace.df["prompt_tokens"], trace.df["output_tokens"])) == expected
+    expected = [(p, o) for p, o in zip(prompts, outputs, strict=True) if p >= 4 and o >= 4 and p <= 1024 and p + o <= 2048]
+    assert list(zip(trace.df["prompt_tokens"], trace.df["output_tokens"], strict=True)) == expected
     assert len(expected) >= 8 and not trace.df["arrival_time_s"].any()
     assert any("shipped SmolLM2 tokenizer (an approximation)" in n for n in trace.notices)
     assert tok.encode("the cache", add_special_tokens=False).tokens == ["the", "Ġcache"]

@@ -31,7 +31,7 @@ def trace_stats(trace: Trace) -> dict:
     for label, column in (("prompt", "prompt_tokens"), ("output", "output_tokens")):
         values = df[column].to_numpy()
         stats[f"{label}_mean"] = float(values.mean()) if len(values) else None
-        for q, value in zip(PERCENTILES, np.percentile(values, PERCENTILES) if len(values) else [None] * 3):
+        for q, value in zip(PERCENTILES, np.percentile(values, PERCENTILES) if len(values) else [None] * 3, strict=True):
             stats[f"{label}_p{q}"] = None if value is None else float(value)
         stats[f"{label}_max"] = int(values.max()) if len(values) else None
     stats.update(_prefix_stats(trace))

@@ -71,7 +71,7 @@ def build_smollm2_tokenizer(gguf_path: str | os.PathLike, out: str | os.PathLike
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([t for t, kind in zip(tokens, types) if kind == 3])
+    tok.add_special_tokens([t for t, kind in zip(tokens, types, strict=True) if kind == 3])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out), pretty=False)

@@ -20,7 +20,7 @@ import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -63,7 +63,7 @@ class Trace:
 
     @classmethod
     def from_columns(cls, *, arrival_time_s, prompt_tokens, output_tokens, request_id=None,
-                     session_id=None, prefix_hash_ids=None, priority=None, **meta) -> "Trace":
+                     session_id=None, prefix_hash_ids=None, priority=None, **meta) -> Trace:
         n = len(prompt_tokens)
         df = pd.DataFrame({
             "request_id": np.arange(n, dtype=np.int64) if request_id is None else request_id,
@@ -95,11 +95,11 @@ class Trace:
     def has_prefix_ids(self) -> bool:
         return bool(self.df["prefix_hash_ids"].notna().any())
 
-    def _derive(self, df: pd.DataFrame, **changes) -> "Trace":
+    def _derive(self, df: pd.DataFrame, **changes) -> Trace:
         return replace(self, df=df.reset_index(drop=True), notices=list(self.notices), **changes)
 
     # ---- transforms (each returns a new Trace) ------------------------------------------------
-    def window(self, start_s: float, end_s: float, *, shift: bool = True) -> "Trace":
+    def window(self, start_s: float, end_s: float, *, shift: bool = True) -> Trace:
         """Requests arriving in [start_s, end_s); times shifted so start_s becomes 0 unless shift=False."""
         if not end_s > start_s:
             raise TraceError(None, None, f"window: end_s ({end_s}) must be greater than start_s ({start_s})")
@@ -109,7 +109,7 @@ class Trace:
             df["arrival_time_s"] = df["arrival_time_s"] - start_s
         return self._derive(df)
 
-    def scale_rate(self, factor: float) -> "Trace":
+    def scale_rate(self, factor: float) -> Trace:
         """Multiply the arrival rate by ``factor`` (2.0 = twice as many requests per second)."""
         if not (math.isfinite(factor) and factor > 0):
             raise TraceError(None, None, f"scale_rate: factor must be a finite number > 0, got {factor}")
@@ -117,7 +117,7 @@ class Trace:
         df["arrival_time_s"] = df["arrival_time_s"] / factor
         return self._derive(df)
 
-    def with_arrivals(self, times) -> "Trace":
+    def with_arrivals(self, times) -> Trace:
         """The same requests, in the same order, arriving at ``times`` (s; one per request, non-decreasing)."""
         times = np.asarray(times, dtype=np.float64)
         if times.shape != (len(self),):
@@ -126,20 +126,20 @@ class Trace:
         df["arrival_time_s"] = times
         return self._derive(df)
 
-    def head(self, n: int) -> "Trace":
+    def head(self, n: int) -> Trace:
         """The first ``n`` requests by arrival."""
         if n < 0:
             raise TraceError(None, None, f"head: n must be >= 0, got {n}")
         return self._derive(self.df.iloc[:n].copy())
 
-    def sample(self, n: int, seed: int = 0) -> "Trace":
+    def sample(self, n: int, seed: int = 0) -> Trace:
         """``n`` requests drawn uniformly without replacement, kept in arrival order."""
         if not 0 <= n <= len(self):
             raise TraceError(None, None, f"sample: n must be between 0 and {len(self)}, got {n}")
         rows = np.sort(np.random.default_rng(seed).choice(len(self), size=n, replace=False))
         return self._derive(self.df.iloc[rows].copy())
 
-    def clip(self, max_model_len: int) -> "Trace":
+    def clip(self, max_model_len: int) -> Trace:
         """Fit every request into ``max_model_len`` tokens (prompt + output), as a serving engine must.
 
         The output is shortened first; a prompt that alone reaches ``max_model_len`` is cut to
@@ -166,7 +166,7 @@ class Trace:
         return self._derive(df, num_clipped=self.num_clipped + int(changed.sum()))
 
     @staticmethod
-    def concat(traces: Sequence["Trace"], *, how: str = "sequential", name: str | None = None) -> "Trace":
+    def concat(traces: Sequence[Trace], *, how: str = "sequential", name: str | None = None) -> Trace:
         """Join traces into one, renumbering request ids 0..n-1.
 
         ``how="sequential"``: each trace starts where the previous one's last request arrived.
@@ -307,7 +307,7 @@ def _write_jsonl(trace: Trace, path: Path) -> None:
     session = df["session_id"].to_numpy(dtype=object, na_value=None) if df["session_id"].dtype == "Int64" \
         else list(df["session_id"])
     columns = zip(df["request_id"].tolist(), df["arrival_time_s"].tolist(), df["prompt_tokens"].tolist(),
-                  df["output_tokens"].tolist(), session, df["prefix_hash_ids"], df["priority"].tolist())
+                  df["output_tokens"].tolist(), session, df["prefix_hash_ids"], df["priority"].tolist(), strict=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps({NATIVE_METADATA_KEY: trace.metadata()}) + "\n")
         for rid, arrival, prompt, output, sid, prefix, priority in columns:

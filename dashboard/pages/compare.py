@@ -21,7 +21,7 @@ def config_table(records) -> pd.DataFrame:
     flat = [used_config(r) for r in records]
     keys = sorted({k for f in flat for k in f})
     varying = [k for k in keys if len({str(f.get(k)) for f in flat}) > 1]
-    return pd.DataFrame([{"run": r.label, **{k: str(f.get(k)) for k in varying}} for r, f in zip(records, flat)])
+    return pd.DataFrame([{"run": r.label, **{k: str(f.get(k)) for k in varying}} for r, f in zip(records, flat, strict=True)])
 
 
 st.title("Compare")
@@ -84,11 +84,11 @@ b.plotly_chart(charts.metric_bars(table, "run", ["TPOT p50 ms", "TPOT p99 ms"], 
                                   colors), key="cmp_tpot_bars", config=charts.PLOT_CONFIG)
 shown = [(col, title, unit) for col, title, unit in EVICTION_BARS if col in table]
 if "evicted tokens" in table:
-    for (col, title, unit), slot in zip(shown, st.columns(len(shown))):
+    for (col, title, unit), slot in zip(shown, st.columns(len(shown)), strict=True):
         slot.plotly_chart(charts.metric_bars(table, "run", [col], title, unit, colors), key=f"cmp_bar_{col}",
                           config=charts.PLOT_CONFIG)
 cols = st.columns(3)
-for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s")):
+for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s"), strict=True):
     col.plotly_chart(charts.latency_cdfs(records, metric), key=f"cmp_cdf_{metric}", config=charts.PLOT_CONFIG)
 a, b = st.columns(2)
 a.plotly_chart(charts.throughput_over_time(records), key="cmp_throughput", config=charts.PLOT_CONFIG)

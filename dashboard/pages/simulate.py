@@ -31,7 +31,7 @@ show_summary_metrics(run)
 with st.expander("All summary figures"):
     st.dataframe(summary_figures(run.summary), hide_index=True, key="sim_figures")
 cols = st.columns(3)
-for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s")):
+for col, metric in zip(cols, ("ttft_s", "tpot_s", "e2e_s"), strict=True):
     col.plotly_chart(charts.latency_cdfs([run], metric), key=f"sim_cdf_{metric}", config=charts.PLOT_CONFIG)
 st.plotly_chart(charts.throughput_over_time([run]), key="sim_throughput", config=charts.PLOT_CONFIG)
 a, b = st.columns(2)

@@ -2,7 +2,7 @@
 
 One program per page-table row (one sequence's KV head) and split serves the row's GQA group of
 query heads, online softmax, q K^T and P V as tensor-core `tl.dot`s over the group padded to 16 rows
-(split-KV as in `gpu.kernels.split_kv`; 16 slots per loop step, see `quant_tile`). Each slot's page carries its own tier, so the bit widths of
+(split-KV as in `gpu.kernels.split_kv`; 16 slots per loop step, see `quant_tile`). Each slot's page carries its own precision group, so the bit widths of
 K and V are per-row values of the tile, not compile-time constants: element d of a token sits in
 byte `d * bits // 8` of the token's code row at bit `d * bits % 8` (codes are packed little end first),
 which covers 2-, 4- and 8-bit codes with one load. Per-token fp16 scale and zero are read as byte
@@ -19,21 +19,21 @@ import triton.language as tl
 from kvsim.gpu.kernels import use_triton
 from kvsim.gpu.kernels.split_kv import NUM_STAGES, _lse, combine, group_pad, num_sms, plan_splits
 
-# Per-tier layout table the kernel reads, one row per tier: for K then for V the fields
+# Per-precision group layout table the kernel reads, one row per precision group: for K then for V the fields
 # [bits, bytes per token's code row, code region start, scale region start, zero region start]
-# (byte offsets within a page), then the tier's token capacity.
+# (byte offsets within a page), then the precision group's token capacity.
 KEY_FIELDS = tl.constexpr(0)
 VALUE_FIELDS = tl.constexpr(5)
 CAPACITY = tl.constexpr(10)
 LAYOUT_COLUMNS = tl.constexpr(11)
 
 
-def tier_layout(cache) -> torch.Tensor:
-    """[num_tiers, LAYOUT_COLUMNS] int32 layout table of `cache`'s tiers (see the column comment)."""
+def precision_layout(cache) -> torch.Tensor:
+    """[num_precisions, LAYOUT_COLUMNS] int32 layout table of `cache`'s precision groups (see the column comment)."""
     rows = []
-    for t in range(len(cache.tiers)):
-        tier, cap, kb, vb, k_end, (k_scale, k_zero, v_scale, v_zero) = cache._regions(t)
-        rows.append([tier.key_bits, kb, 0, k_scale, k_zero, tier.value_bits, vb, k_end, v_scale, v_zero, cap])
+    for t in range(len(cache.precisions)):
+        precision, cap, kb, vb, k_end, (k_scale, k_zero, v_scale, v_zero) = cache._regions(t)
+        rows.append([precision.key_bits, kb, 0, k_scale, k_zero, precision.value_bits, vb, k_end, v_scale, v_zero, cap])
     return torch.tensor(rows, dtype=torch.int32, device=cache.device)
 
 
@@ -45,11 +45,11 @@ def _load_fp16_pair(page_ptr, at, mask):
 
 
 @triton.jit
-def _dequant_tile(page_ptr, layout_ptr, tier, off, read, valid, FIELDS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _dequant_tile(page_ptr, layout_ptr, precision, off, read, valid, FIELDS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Dequantized K (FIELDS=KEY_FIELDS) or V rows [TILE, HEAD_DIM] fp32 of the tile's slots: every slot
     of the pages is read (`read`; evicted ones too, as a paged kernel does), 0 where not `valid` (live)."""
     d = tl.arange(0, HEAD_DIM)
-    fields = layout_ptr + tier * LAYOUT_COLUMNS + FIELDS
+    fields = layout_ptr + precision * LAYOUT_COLUMNS + FIELDS
     bits = tl.load(fields, mask=read, other=8)
     width = tl.load(fields + 1, mask=read, other=0)
     base = tl.load(fields + 2, mask=read, other=0)
@@ -63,34 +63,34 @@ def _dequant_tile(page_ptr, layout_ptr, tier, off, read, valid, FIELDS: tl.const
 
 
 @triton.jit
-def _slots_tile(pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, n_slots,
+def _slots_tile(pages_ptr, precision_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, n_slots,
                 stride_p, stride_lp, stride_ls, stride_tr, stride_tm, MAX_TOKENS: tl.constexpr, TILE: tl.constexpr):
-    """Slot positions start..start+TILE of row r: their page base pointers, tiers, offsets, validity."""
+    """Slot positions start..start+TILE of row r: their page base pointers, precision groups, offsets, validity."""
     n = start + tl.arange(0, TILE)
     in_range = n < n_slots
     page = tl.load(tbl_ptr + r * stride_tr + (n // MAX_TOKENS) * stride_tm, mask=in_range, other=-1).to(tl.int64)
     off = n % MAX_TOKENS
     valid = in_range & (page >= 0)
-    tier = tl.load(tier_ptr + page, mask=valid, other=-1).to(tl.int32)
-    valid = valid & (tier >= 0)
-    cap = tl.load(layout_ptr + tier * LAYOUT_COLUMNS + CAPACITY, mask=valid, other=0)
+    precision = tl.load(precision_ptr + page, mask=valid, other=-1).to(tl.int32)
+    valid = valid & (precision >= 0)
+    cap = tl.load(layout_ptr + precision * LAYOUT_COLUMNS + CAPACITY, mask=valid, other=0)
     read = valid & (off < cap)                   # every slot of a listed page is read ...
     valid = read & (tl.load(live_ptr + page * stride_lp + off * stride_ls, mask=read, other=0) != 0)
-    return n, pages_ptr + page * stride_p, tier, off, valid, read   # ... only live ones are attended
+    return n, pages_ptr + page * stride_p, precision, off, valid, read   # ... only live ones are attended
 
 
 @triton.jit
-def _mixed_kv_tile(pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, end,
+def _mixed_kv_tile(pages_ptr, precision_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, end,
                    stride_p, stride_lp, stride_ls, stride_tr, stride_tm,
                    MAX_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr, WANT_V: tl.constexpr):
     """Dequantized K (and V) [TILE, HEAD_DIM] fp32 of slots start..start+TILE (< end) of row r."""
-    n, page_ptr, tier, off, valid, read = _slots_tile(pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start,
+    n, page_ptr, precision, off, valid, read = _slots_tile(pages_ptr, precision_ptr, live_ptr, tbl_ptr, layout_ptr, r, start,
                                                       end, stride_p, stride_lp, stride_ls, stride_tr, stride_tm,
                                                       MAX_TOKENS, TILE)
-    k = _dequant_tile(page_ptr, layout_ptr, tier, off, read, valid, KEY_FIELDS, HEAD_DIM)
+    k = _dequant_tile(page_ptr, layout_ptr, precision, off, read, valid, KEY_FIELDS, HEAD_DIM)
     v = k
     if WANT_V:
-        v = _dequant_tile(page_ptr, layout_ptr, tier, off, read, valid, VALUE_FIELDS, HEAD_DIM)
+        v = _dequant_tile(page_ptr, layout_ptr, precision, off, read, valid, VALUE_FIELDS, HEAD_DIM)
     return k, v, n, valid
 
 
@@ -100,7 +100,7 @@ PER_STEP_MIXED_STATS = ["n_slots", "split_len", "stride_tr", "stride_er", "strid
 
 @triton.jit(do_not_specialize=PER_STEP_MIXED_DECODE)
 def _mixed_decode_kernel(
-    q_ptr, pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, out_ptr, lse_ptr, scale, n_slots, split_len,
+    q_ptr, pages_ptr, precision_ptr, live_ptr, tbl_ptr, layout_ptr, out_ptr, lse_ptr, scale, n_slots, split_len,
     stride_qr, stride_qg, stride_qd,
     stride_p,
     stride_lp, stride_ls,
@@ -127,7 +127,7 @@ def _mixed_decode_kernel(
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for start in range(begin, end, TILE):
-        k, v, n, valid = _mixed_kv_tile(pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, end,
+        k, v, n, valid = _mixed_kv_tile(pages_ptr, precision_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, end,
                                         stride_p, stride_lp, stride_ls, stride_tr, stride_tm,
                                         MAX_TOKENS, HEAD_DIM, TILE, True)
         if IEEE:
@@ -155,7 +155,7 @@ def _mixed_decode_kernel(
 
 @triton.jit(do_not_specialize=PER_STEP_MIXED_STATS)
 def _mixed_stats_kernel(
-    q_ptr, pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, lse_ptr, ssum_ptr, ssq_ptr, scale, n_slots,
+    q_ptr, pages_ptr, precision_ptr, live_ptr, tbl_ptr, layout_ptr, lse_ptr, ssum_ptr, ssq_ptr, scale, n_slots,
     split_len,
     stride_qr, stride_qg, stride_qd,
     stride_p,
@@ -181,7 +181,7 @@ def _mixed_stats_kernel(
     begin = sp * split_len
     end = tl.minimum(n_slots, begin + split_len)
     for start in range(begin, end, TILE):
-        k, _, n, valid = _mixed_kv_tile(pages_ptr, tier_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, end,
+        k, _, n, valid = _mixed_kv_tile(pages_ptr, precision_ptr, live_ptr, tbl_ptr, layout_ptr, r, start, end,
                                         stride_p, stride_lp, stride_ls, stride_tr, stride_tm,
                                         MAX_TOKENS, HEAD_DIM, TILE, False)
         if IEEE:
@@ -216,7 +216,7 @@ def mixed_decode_attention_triton(cache, q, page_tables, scale, want_scores=Fals
     GP, tile = group_pad(G), quant_tile(D)
     plan = plan_splits(R, n_slots, tile, num_sms(q.device), num_splits)
     live_u8 = cache.live.view(torch.uint8)
-    layout = tier_layout(cache)
+    layout = precision_layout(cache)
     out = torch.empty(R, G, D, dtype=q.dtype, device=q.device)
     if plan.splits == 1:
         dst, lse = out[:, None], torch.empty(R, 1, G, dtype=torch.float32, device=q.device)
@@ -226,7 +226,7 @@ def mixed_decode_attention_triton(cache, q, page_tables, scale, want_scores=Fals
     common = dict(MAX_TOKENS=cache.max_tokens, GROUP=G, GROUP_PAD=GP, HEAD_DIM=D, TILE=tile,
                   IEEE=q.dtype == torch.float32, num_warps=QUANT_WARPS, num_stages=NUM_STAGES)
     _mixed_decode_kernel[(R, plan.splits)](
-        q, cache.pages, cache.page_tier, live_u8, page_tables, layout, dst, lse, float(scale), n_slots, plan.split_len,
+        q, cache.pages, cache.page_precision, live_u8, page_tables, layout, dst, lse, float(scale), n_slots, plan.split_len,
         *q.stride(), cache.pages.stride(0), *live_u8.stride(), *page_tables.stride(), *dst.stride(), *lse.stride(),
         **common)
     lse = lse[:, 0] if plan.splits == 1 else combine(dst, lse, out)
@@ -235,7 +235,7 @@ def mixed_decode_attention_triton(cache, q, page_tables, scale, want_scores=Fals
     ssum = torch.zeros(R, n_slots, dtype=torch.float32, device=q.device)
     ssq = torch.zeros_like(ssum)
     _mixed_stats_kernel[(R, plan.splits)](
-        q, cache.pages, cache.page_tier, live_u8, page_tables, layout, lse, ssum, ssq, float(scale), n_slots,
+        q, cache.pages, cache.page_precision, live_u8, page_tables, layout, lse, ssum, ssq, float(scale), n_slots,
         plan.split_len, *q.stride(), cache.pages.stride(0), *live_u8.stride(), *page_tables.stride(), *lse.stride(),
         *ssum.stride(), GROUP_MAX=group_max, **common)
     return out, (ssum, ssq)
@@ -267,7 +267,7 @@ def mixed_decode_attention(cache, q: torch.Tensor, page_tables: torch.Tensor, sc
 
     q [R, G, head_dim]: the G query heads (one GQA group) of each page-table row; page_tables
     [R, max_pages] page ids of one (sequence, KV head) each, -1 anywhere for no page (LeanKV grows
-    high-tier pages from one end of a row and low-tier pages from the other). Returns (out [R, G,
+    high-precision group pages from one end of a row and low-precision group pages from the other). Returns (out [R, G,
     head_dim] in q's dtype, None or (sum, sum of squares) of the probabilities over the G heads,
     [R, max_pages * cache.max_tokens] fp32 in page-table slot order, 0 for dead slots). With
     `group_max` the second statistic is the max over the G heads instead (LeanKV's significance).

@@ -148,7 +148,7 @@ def _run_case(case: LaunchCase) -> None:
     elif case.op in ("quant_decode", "quant_stats"):
         from kvsim.gpu.quant import MixedPrecisionKVCache
         from kvsim.gpu.kernels.quant_attention import mixed_decode_attention
-        cache = MixedPrecisionKVCache(NB, bs * D * 2, D, tiers=("K8V4", "K4V2"))
+        cache = MixedPrecisionKVCache(NB, bs * D * 2, D, precisions=("K8V4", "K4V2"))
         tables = torch.zeros(B * H, M, dtype=torch.int32)
         mixed_decode_attention(cache, torch.zeros(B * H, G, D, dtype=dtype), tables, 0.1,
                                want_scores=case.op == "quant_stats", backend="triton", group_max=case.group_max,
@@ -181,10 +181,10 @@ def _signature(fn, args: tuple, kwargs: dict):
     """(signature, constexprs, attrs, options) as Triton's launcher specializes these arguments."""
     import torch
     names = fn.arg_names
-    values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    values = dict(zip(names, args, strict=True)) | {k: v for k, v in kwargs.items() if k in names}
     options = {k: v for k, v in kwargs.items() if k not in names}
     sig, const, attrs = {}, {}, {}
-    for i, (name, param) in enumerate(zip(names, fn.params)):
+    for i, (name, param) in enumerate(zip(names, fn.params, strict=True)):
         value = values[name]
         if param.is_constexpr:
             sig[name], const[name] = "constexpr", value

@@ -39,7 +39,7 @@ class AgeStats:
     log_sd: np.ndarray          # [bins]
     sink_share: float
 
-    def loss(self, other: "AgeStats") -> float:
+    def loss(self, other: AgeStats) -> float:
         return float(np.mean((self.median_log - other.median_log) ** 2) + np.nanmean((self.log_sd - other.log_sd) ** 2)
                      + 10 * (self.sink_share - other.sink_share) ** 2)
 
@@ -50,7 +50,7 @@ def age_stats(rows: list[tuple[int, np.ndarray]]) -> AgeStats:
     for q, a in rows:
         age = q - np.arange(q + 1)
         log_a = np.log(np.maximum(a, 1e-12))
-        in_bin = [(age >= lo) & (age < hi) & (np.arange(q + 1) >= NUM_SINK) for lo, hi in zip(AGE_BINS[:-1], AGE_BINS[1:])]
+        in_bin = [(age >= lo) & (age < hi) & (np.arange(q + 1) >= NUM_SINK) for lo, hi in zip(AGE_BINS[:-1], AGE_BINS[1:], strict=True)]
         med.append([np.median(log_a[m]) if m.any() else np.nan for m in in_bin])
         sd.append([np.std(log_a[m]) if m.sum() > 2 else np.nan for m in in_bin])
         sink.append(a[:NUM_SINK].sum())
@@ -94,7 +94,7 @@ class AgeProfileFit:
 
     def table(self) -> str:
         lines = [f"{'age bin':<12}{'real':>8}{'fitted':>8}{'base':>8}   log-sd {'real':>6}{'fitted':>8}{'base':>8}"]
-        for i, (lo, hi) in enumerate(zip(AGE_BINS[:-1], AGE_BINS[1:])):
+        for i, (lo, hi) in enumerate(zip(AGE_BINS[:-1], AGE_BINS[1:], strict=True)):
             lines.append(f"{f'{lo}-{hi}':<12}{self.measured.median_log[i]:>8.2f}{self.fitted.median_log[i]:>8.2f}"
                          f"{self.unfitted.median_log[i]:>8.2f}          {self.measured.log_sd[i]:>6.2f}"
                          f"{self.fitted.log_sd[i]:>8.2f}{self.unfitted.log_sd[i]:>8.2f}")
@@ -113,7 +113,7 @@ def fit_age_profile(real: list[tuple[int, np.ndarray]], base: str | Path = "smol
 
     def stats(x) -> AgeStats | None:
         s, l, log_tau, alpha, sigma = x
-        if not (0 < s and 0 <= l and s + l < 0.98 and 0 <= alpha <= 4 and 0.01 <= sigma <= 8 and -3 < log_tau < 8):
+        if not (s > 0 and l >= 0 and s + l < 0.98 and 0 <= alpha <= 4 and 0.01 <= sigma <= 8 and -3 < log_tau < 8):
             return None
         prof = AgeProfile(exponent=alpha, sigma=sigma, sink_share=s, local_share=l, tau=float(np.exp(log_tau)))
         return age_stats(model_rows(replace(base_spec, age_profile=prof), num_tokens, requests, seed))
@@ -145,9 +145,9 @@ def write_age_profile(fit: AgeProfileFit, base: str | Path, out: str | Path, *, 
             "# head-averaged attention (real weights, the real backend's model; sim/calibration/age_profile.py)",
             f"# regenerate: {command}",
             "# median log attention by age bin 0, 1, 2-3, 4-7, ..., 512-999, real / fitted: "
-            + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(m.median_log, f.median_log)),
+            + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(m.median_log, f.median_log, strict=True)),
             "# log-sd by age bin 4-7, ..., 512-999, real / fitted: "
-            + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(m.log_sd, f.log_sd) if np.isfinite(a)),
+            + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(m.log_sd, f.log_sd, strict=True) if np.isfinite(a)),
             f"# sink share real / fitted: {m.sink_share:.3f}/{f.sink_share:.3f}"]
     out = Path(out)
     out.write_text("\n".join(head) + "\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))

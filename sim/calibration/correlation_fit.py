@@ -28,7 +28,6 @@ from kvsim.sim.calibration.errors import CalibrationError
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.crosscheck.comparison import Run
 from kvsim.sim.crosscheck.recorded import trace_of_replay
-from kvsim.sim.kv.build import policy_params
 from kvsim.sim.kv.importance import MAX_CORRELATION_LENGTH
 from kvsim.sim.kv.policy import get_policy
 from kvsim.sim.simulator.simulate import run_simulation
@@ -47,8 +46,8 @@ class EvictionClustering:
     def mean_run(self) -> float:
         return self.prefill_evicted / max(self.prefill_runs, 1)
 
-    def __add__(self, other: "EvictionClustering") -> "EvictionClustering":
-        return EvictionClustering(*(a + b for a, b in zip(self.astuple(), other.astuple())))
+    def __add__(self, other: EvictionClustering) -> EvictionClustering:
+        return EvictionClustering(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
 
     def astuple(self) -> tuple[int, int, int, int]:
         return self.evicted_tokens, self.blocks_freed, self.prefill_evicted, self.prefill_runs
@@ -86,7 +85,7 @@ def _eviction_replay(replay_dir: str | Path):
         cfg = load_config(d / "config.yaml")
     except ConfigError as exc:
         raise CalibrationError(f"{d / 'config.yaml'}: {exc}") from None
-    policy = get_policy(cfg.kv.policy, **policy_params(cfg.kv))
+    policy = get_policy(cfg.kv.policy, **cfg.kv.policy_params())
     if not (policy.evicts and policy.needs_scores) or cfg.kv.mode != "token":
         raise CalibrationError(f"{d / 'config.yaml'}: kv.policy={cfg.kv.policy} (mode {cfg.kv.mode}); the content "
                                f"correlation fit needs a token-level replay of a score-driven eviction policy "

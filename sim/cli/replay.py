@@ -3,7 +3,7 @@ inside the command)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -18,27 +18,27 @@ console = Console()
 
 def replay(
     trace: Trace = None,
-    model: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(
         help="catalog model; smollm2-135m with --weights smollm2 (default)")] = None,
     weights: Annotated[str, typer.Option(
         help="smollm2 (the real GGUF) | random (seeded, any dense catalog shape)")] = "smollm2",
     device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
-    dtype: Annotated[Optional[str], typer.Option(
+    dtype: Annotated[str | None, typer.Option(
         help="float32 | float16 | bfloat16 (default: float32 on cpu, bfloat16 on cuda)")] = None,
-    layers: Annotated[Optional[int], typer.Option(help="run only the first N layers (quick runs)")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice)")] = None,
+    layers: Annotated[int | None, typer.Option(help="run only the first N layers (quick runs)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice)")] = None,
     clock: Annotated[str, typer.Option(
         help="step timer: wall | cpu (the thread's CPU time, so other processes' load does not count; device "
              "cpu with --threads 1)")] = "wall",
-    gpu: Annotated[Optional[str], typer.Option(
+    gpu: Annotated[str | None, typer.Option(
         help="hardware spec for predicted_s (default: cpu-2core on cpu, the matching catalog GPU on cuda)")] = None,
-    profile: Annotated[Optional[str], typer.Option(
+    profile: Annotated[str | None, typer.Option(
         help="cost-model profile for predicted_s (default: cpu-2core on cpu, default on cuda)")] = None,
     config: ConfigFile = None,
     out: Out = Path("runs/replay"),
     overwrite: Overwrite = False,
     block_size: BlockSize = None,
-    num_gpu_blocks: Annotated[Optional[int], typer.Option(
+    num_gpu_blocks: Annotated[int | None, typer.Option(
         help="KV pool size in blocks (required on cpu; small pools create memory pressure)")] = None,
     max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
@@ -59,7 +59,7 @@ def replay(
     tokenizer: Tokenizer = None,
     slo_ttft: SloTtft = None,
     slo_tpot: SloTpot = None,
-    seed: Annotated[Optional[int], typer.Option(help="seeds prompts (per request id) and random weights")] = None,
+    seed: Annotated[int | None, typer.Option(help="seeds prompts (per request id) and random weights")] = None,
     set_: Sets = [],
     attention_stats: Annotated[bool, typer.Option(
         "--attention-stats/--no-attention-stats",
@@ -92,7 +92,7 @@ def replay(
         from kvsim.gpu.replay import ReplayOptions, resolve_device, run_replay
         dev = resolve_device(device)
         apply_device_defaults(cfg, dev, weights)
-        if cfg.engine.max_model_len is not None:        # before the model loads (the run plan checks it too)
+        if cfg.engine.max_model_len is not None:        # before the model loads (the resolved run checks it too)
             from kvsim.sim.model.catalog import get_model
             from kvsim.sim.model.defaults import check_max_model_len
             check_max_model_len(cfg.engine.max_model_len, get_model(cfg.model))
@@ -126,9 +126,6 @@ def replay(
         raise typer.Exit(130)
 
 
-_CUDA_NAMES = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb"), ("L40", "l40"), ("L4", "l4"), ("T4", "t4"))
-
-
 def apply_device_defaults(cfg, device, weights: str) -> None:
     """Model, hardware spec and profile the user did not set follow the device and weights."""
     explicit = cfg.model_fields_set
@@ -141,5 +138,7 @@ def apply_device_defaults(cfg, device, weights: str) -> None:
             cfg.profile = "cpu-2core"
     elif "gpu" not in explicit:
         import torch
-        name = torch.cuda.get_device_name(device)
-        cfg.gpu = next((key for label, key in _CUDA_NAMES if label in name), "h100")
+
+        from kvsim.sim.model.catalog import gpu_for_device_name
+        memory_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        cfg.gpu = gpu_for_device_name(torch.cuda.get_device_name(device), memory_gib) or "h100"

@@ -7,7 +7,7 @@ import math
 import signal
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -36,7 +36,7 @@ def simulate(
     overwrite: Overwrite = False,
     tp: Tp = None,
     replicas: Replicas = None,
-    router: Annotated[Optional[str], typer.Option(help="round_robin | least_outstanding")] = None,
+    router: Annotated[str | None, typer.Option(help="round_robin | least_outstanding")] = None,
     profile: Profile = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
@@ -47,20 +47,20 @@ def simulate(
     long_prefill_token_threshold: LongPrefillTokenThreshold = None,
     chunked_prefill: ChunkedPrefill = None,
     expert_parallel: ExpertParallel = None,
-    preemption_mode: Annotated[Optional[str], typer.Option(help="recompute | swap")] = None,
+    preemption_mode: Annotated[str | None, typer.Option(help="recompute | swap")] = None,
     scheduling_policy: SchedulingPolicy = None,
     policy: Policy = None,
     budget: Budget = None,
     layout: Layout = None,
     slot_strategy: SlotStrategy = None,
-    kv_mode: Annotated[Optional[str], typer.Option(
+    kv_mode: Annotated[str | None, typer.Option(
         help="token (exact token-level state) | fast (block occupancy)")] = None,
-    compression_rate: Annotated[Optional[float], typer.Option(
+    compression_rate: Annotated[float | None, typer.Option(
         help="KV compression rate r >= 1 (kvcompress, snapkv, pyramidkv, ada_snapkv: keep tokens / r); "
              "= kv.params.compression_rate")] = None,
-    weight_dtype: Annotated[Optional[str], typer.Option(
+    weight_dtype: Annotated[str | None, typer.Option(
         help="weight dtype of the decoder-layer linears (fp16, bf16, fp8, int8, int4); default: the catalog's")] = None,
-    kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype (e.g. fp8); default: the model's")] = None,
+    kv_dtype: Annotated[str | None, typer.Option(help="KV cache dtype (e.g. fp8); default: the model's")] = None,
     rate_scale: RateScale = None,
     max_requests: MaxRequests = None,
     start_s: StartS = None,
@@ -77,21 +77,21 @@ def simulate(
     slo_tpot: SloTpot = None,
     seed: Seed = None,
     set_: Sets = [],
-    fast_forward: Annotated[Optional[bool], typer.Option(
+    fast_forward: Annotated[bool | None, typer.Option(
         "--fast-forward/--no-fast-forward", help="advance pure-decode runs in bulk (identical results)")] = None,
     check_invariants: CheckInvariants = None,
-    client_latency: Annotated[Optional[bool], typer.Option(
+    client_latency: Annotated[bool | None, typer.Option(
         "--client-latency/--engine-only", help="add the profile's client-side terms (API server, tokenization, "
         "detokenization) to TTFT/TPOT/ITL/E2E, as `vllm bench serve` measures; default: engine time only")] = None,
-    prefill_pool: Annotated[Optional[str], typer.Option(
+    prefill_pool: Annotated[str | None, typer.Option(
         help="disaggregated: the prefill pool as GPU[:tpN][:xN] (e.g. h100:tp1:x2: two H100 replicas of TP1); "
              "with --decode-pool (= fleet.prefill)")] = None,
-    decode_pool: Annotated[Optional[str], typer.Option(
+    decode_pool: Annotated[str | None, typer.Option(
         help="disaggregated: the decode pool as GPU[:tpN][:xN] (e.g. h200:tp2:x2) (= fleet.decode)")] = None,
-    link: Annotated[Optional[str], typer.Option(
+    link: Annotated[str | None, typer.Option(
         help="disaggregated: the prefill-to-decode link type (kvsim catalog links: ib-ndr, ib-hdr, roce-400g, "
              "roce-200g, roce-100g, nvlink4, nvlink5, pcie-gen5, pcie-gen4) (= fleet.link)")] = None,
-    local_prefill_tokens: Annotated[Optional[int], typer.Option(
+    local_prefill_tokens: Annotated[int | None, typer.Option(
         help="disaggregated: prefill on the decode pool when the uncached prompt is at most this many tokens "
              "(conditional disaggregation; = fleet.local_prefill_tokens)")] = None,
     quiet: Quiet = False,
@@ -114,7 +114,8 @@ def simulate(
     try:
         overrides.update(fleet_overrides(prefill_pool, decode_pool, link, local_prefill_tokens))
         cfg = load_config(config, overrides, set_)
-        refuse_ineffective(cfg)
+        refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)
+        refuse_ineffective_kv(cfg.kv)
         from kvsim.sim.simulator.simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
         with interrupt_on_sigterm():
@@ -158,18 +159,17 @@ def parse_pool(value: str, option: str) -> dict:
     return out
 
 
-def refuse_ineffective(cfg) -> None:
-    """Options that would change nothing in this run, or that vLLM cannot run, are a mistake to say, not to
-    ignore."""
+def refuse_ineffective(gpu_name: str, model: str, weight_dtype: str | None) -> None:
+    """Hardware options vLLM cannot run are a mistake to say, not to ignore (the KV options:
+    `refuse_ineffective_kv`)."""
     from kvsim.sim.model.catalog import get_gpu, get_model, normalize_dtype
 
-    gpu = get_gpu(cfg.gpu)
-    weights = normalize_dtype(cfg.weight_dtype) if cfg.weight_dtype else get_model(cfg.model).weight_dtype
+    gpu = get_gpu(gpu_name)
+    weights = normalize_dtype(weight_dtype) if weight_dtype else get_model(model).weight_dtype
     if weights == "fp8" and gpu.kind == "gpu" and not {"fp8", "bf16"} & set(gpu.tflops):
         raise ConfigError(f"--weight-dtype fp8: {gpu.name} predates Ampere; vLLM runs FP8 weights only on compute "
                           "capability 8.0+ (Marlin weight-only on Ampere, native FP8 on Ada/Hopper); expected "
                           "int8, int4 or fp16 weights on it")
-    refuse_ineffective_kv(cfg.kv)
 
 
 def refuse_ineffective_kv(kv) -> None:

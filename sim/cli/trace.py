@@ -5,7 +5,6 @@ import functools
 import json
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -104,8 +103,8 @@ STAT_ROWS = [
 @app.command()
 @_exits_cleanly
 def stats(files: list[str] = typer.Argument(..., help="Trace files or shipped short names."),
-          rate: Optional[float] = typer.Option(None, help=RATE_HELP),
-          cv: Optional[float] = typer.Option(None, help=CV_HELP),
+          rate: float | None = typer.Option(None, help=RATE_HELP),
+          cv: float | None = typer.Option(None, help=CV_HELP),
           seed: int = typer.Option(0, help="Seed for synthesized arrivals."),
           as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON instead of a table."),
           trace_format: TraceFormat = None, trace_columns: TraceColumns = None, time_unit: TimeUnit = None,
@@ -142,14 +141,14 @@ def _is_length_only(source: str, trace_format: str | None = None) -> bool:
 @_exits_cleanly
 def synth(out: Path = typer.Argument(..., parser=output_path("OUT"), help="Output file: .parquet or .jsonl (kvsim native format)."),
           requests: int = typer.Option(1000, "--requests", "-n", help="Number of requests."),
-          rate: Optional[float] = typer.Option(None, help="Arrival rate (req/s); omit for a closed batch at t=0."),
-          cv: Optional[float] = typer.Option(None, help=CV_HELP),
+          rate: float | None = typer.Option(None, help="Arrival rate (req/s); omit for a closed batch at t=0."),
+          cv: float | None = typer.Option(None, help=CV_HELP),
           prompt: str = typer.Option("lognormal:1024,1.0", help="Prompt length: fixed:L | uniform:LO,HI | lognormal:MEAN,CV[,MAX]."),
           output: str = typer.Option("lognormal:256,1.0", help="Output length spec, as --prompt."),
-          lengths: Optional[str] = typer.Option(None, help="Resample (prompt, output) pairs from this trace "
+          lengths: str | None = typer.Option(None, help="Resample (prompt, output) pairs from this trace "
                                                            "(short name or file) instead of --prompt/--output."),
           seed: int = typer.Option(0, help="Random seed; same seed and options give the same trace."),
-          name: Optional[str] = typer.Option(None, help="Trace name stored in the file.")):
+          name: str | None = typer.Option(None, help="Trace name stored in the file.")):
     """Write a seeded synthetic trace (Poisson/Gamma arrivals or a closed batch)."""
     trace = synthesize(requests, rate=rate, cv=cv, prompt=prompt, output=output, lengths=lengths, seed=seed,
                        name=name or Path(out).stem)
@@ -162,17 +161,17 @@ def synth(out: Path = typer.Argument(..., parser=output_path("OUT"), help="Outpu
 @_exits_cleanly
 def convert(source: str = typer.Argument(..., help="Input trace file (any supported format) or shipped short name."),
             out: Path = typer.Argument(..., parser=output_path("OUT"), help="Output file: .parquet or .jsonl (kvsim native format)."),
-            rate: Optional[float] = typer.Option(None, help=RATE_HELP),
-            cv: Optional[float] = typer.Option(None, help=CV_HELP),
+            rate: float | None = typer.Option(None, help=RATE_HELP),
+            cv: float | None = typer.Option(None, help=CV_HELP),
             seed: int = typer.Option(0, help="Seed for synthesized arrivals and --sample."),
-            start: Optional[float] = typer.Option(None, help="Keep requests arriving at or after this time (s); "
+            start: float | None = typer.Option(None, help="Keep requests arriving at or after this time (s); "
                                                              "times are shifted so it becomes 0."),
-            end: Optional[float] = typer.Option(None, help="Keep requests arriving before this time (s)."),
-            scale_rate: Optional[float] = typer.Option(None, help="Multiply the arrival rate (2 = twice as fast)."),
-            head: Optional[int] = typer.Option(None, help="Keep the first N requests."),
-            sample: Optional[int] = typer.Option(None, help="Keep N requests drawn at random (seeded)."),
-            max_model_len: Optional[int] = typer.Option(None, help="Clip prompt+output to this many tokens."),
-            name: Optional[str] = typer.Option(None, help="Trace name stored in the file."),
+            end: float | None = typer.Option(None, help="Keep requests arriving before this time (s)."),
+            scale_rate: float | None = typer.Option(None, help="Multiply the arrival rate (2 = twice as fast)."),
+            head: int | None = typer.Option(None, help="Keep the first N requests."),
+            sample: int | None = typer.Option(None, help="Keep N requests drawn at random (seeded)."),
+            max_model_len: int | None = typer.Option(None, help="Clip prompt+output to this many tokens."),
+            name: str | None = typer.Option(None, help="Trace name stored in the file."),
             trace_format: TraceFormat = None, trace_columns: TraceColumns = None, time_unit: TimeUnit = None,
             tokenizer: Tokenizer = None):
     """Convert a trace to kvsim's native format, optionally windowing, rescaling, sampling and clipping.

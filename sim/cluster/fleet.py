@@ -9,7 +9,8 @@ Replica indices run over the whole fleet, pool after pool (the step log's `repli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager

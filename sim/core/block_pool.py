@@ -226,7 +226,7 @@ class BlockPool:
         if not self.enable_caching:
             return
         block_hash, cached = self.block_hash, self.cached
-        for block, h in zip(blocks, hashes):
+        for block, h in zip(blocks, hashes, strict=True):
             if block_hash[block] is None and h not in cached:
                 block_hash[block] = h
                 cached[h] = block
@@ -245,7 +245,7 @@ class BlockPool:
                 block_hash[block] = key
             return
         own = (request_id,)
-        for block, key in zip(blocks, zip(repeat(request_id), range(first, first + len(blocks)))):
+        for block, key in zip(blocks, zip(repeat(request_id), range(first, first + len(blocks))), strict=True):
             if block_hash[block] is not None:
                 continue
             j = key[1]

@@ -45,7 +45,7 @@ class KVCacheManager:
 
     # The simulator may advance pure-decode runs in bulk when the manager's state is a pure
     # function of token counts (no per-step eviction).
-    supports_fast_forward = True
+    supports_decode_runs = True
     table_rows = 1                   # one block table per sequence
 
     def capacity_tokens(self) -> int:
@@ -188,14 +188,14 @@ class KVCacheManager:
             # otherwise a decode fill's hash is its request's own and new: the order of
             # allocations and fills changes nothing (see sim/engine/bulk/decode_runs.py)
             bs = self.block_size
-            for r, c in zip(reqs, contexts):
+            for r, c in zip(reqs, contexts, strict=True):
                 if not (c + 1) % bs:
                     self.cache_full_blocks(r, c + 1)
         return contexts
 
     def append_one_block_each(self, reqs: list[Request]) -> None:
         """Give each request one new block, in order (bulk decode growth without prefix caching)."""
-        for req, block in zip(reqs, self.pool.get_new_blocks(len(reqs))):
+        for req, block in zip(reqs, self.pool.get_new_blocks(len(reqs)), strict=True):
             self.req_blocks[req].append(block)
 
     def free(self, req: Request) -> int:

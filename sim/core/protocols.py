@@ -8,7 +8,7 @@ layout, prefix caching), `sim.kv.manager.EvictingKVManager` (token-level evictio
 model prices each step) and the real backend's (`gpu.executor.RealExecutor`: runs it on tensors).
 
 Capabilities are attributes, never probed with getattr: a manager without a batch decode path
-returns None from `allocate_decodes`; only a manager AND an executor whose `supports_fast_forward`
+returns None from `allocate_decodes`; only a manager AND an executor whose `supports_decode_runs`
 is True are driven through the fast-forward protocols below.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ class KVManager(Protocol):
     """What the scheduler and the engine ask of a KV manager."""
     block_size: int
     enable_caching: bool            # prefix caching
-    supports_fast_forward: bool     # state is a pure function of token counts (see FastForwardKV)
+    supports_decode_runs: bool     # state is a pure function of token counts (see DecodeRunKV)
     prefix_lookups: PrefixLookups   # prompt tokens looked up in the prefix cache, and hits
 
     @property
@@ -110,13 +110,13 @@ class KVManager(Protocol):
 
     def finish_step(self, scheduled: list) -> Any:
         """The per-step policy hook, called by the engine once a step ran (after its attention): what
-        the policies did (the eviction-aware managers' `KVStepPlan`), or None when there are none."""
+        the policies did (the eviction-aware managers' `KVStepEffects`), or None when there are none."""
 
     def check_invariants(self, live_requests: Iterable[Request]) -> None: ...
 
 
 @runtime_checkable
-class FastForwardPool(KVPool, Protocol):
+class DecodeRunPool(KVPool, Protocol):
     """A pool the decode fast-forward can plan over (`sim.core.block_pool.BlockPool`)."""
 
     @property
@@ -129,12 +129,12 @@ class FastForwardPool(KVPool, Protocol):
 
 
 @runtime_checkable
-class FastForwardKV(KVManager, Protocol):
-    """A KV manager whose `supports_fast_forward` is True: the decode fast-forward grows its
+class DecodeRunKV(KVManager, Protocol):
+    """A KV manager whose `supports_decode_runs` is True: the decode fast-forward grows its
     requests' block tables in bulk."""
 
     @property
-    def pool(self) -> FastForwardPool: ...
+    def pool(self) -> DecodeRunPool: ...
 
     def append_one_block_each(self, reqs: list[Request]) -> None: ...
 
@@ -142,18 +142,19 @@ class FastForwardKV(KVManager, Protocol):
 @runtime_checkable
 class Executor(Protocol):
     """Runs (or prices) one scheduled step."""
-    supports_fast_forward: bool     # True: a FastForwardExecutor (prices runs of decode steps)
+    supports_decode_runs: bool     # True: a DecodeRunExecutor (prices runs of decode steps)
+    supports_admitting_runs: bool   # True (with supports_decode_runs): it prices a run's mixed steps from counts
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run (or price) the step's model part; `complete` finishes it."""
 
-    def complete(self, result: StepResult, kv_plan: Any) -> StepResult:
+    def complete(self, result: StepResult, kv_effects: Any) -> StepResult:
         """Finish the step `execute` began, given what the KV manager's per-step policies did
         (`KVManager.finish_step`, which the engine calls in between): charge or apply it."""
 
 
 @runtime_checkable
-class FastForwardExecutor(Executor, Protocol):
+class DecodeRunExecutor(Executor, Protocol):
     """An executor that prices a run of pure-decode steps at once, bit-identical to `execute`."""
 
     def predict_decode_run(self, num_seqs: np.ndarray, kv_tokens_read: np.ndarray,

@@ -16,8 +16,6 @@ here; vLLM can hit when the window's blocks are cached), the per-step eviction p
 """
 from __future__ import annotations
 
-import warnings
-
 from .block_pool import BlockPool
 from .prefix_lookups import PrefixLookups
 from .request import Request
@@ -91,7 +89,7 @@ class HybridKVManager:
     """The KV manager of a model with sliding-window layers (see the module docstring). `num_blocks`
     is vLLM's num_gpu_blocks of group-sized blocks (one of them the reserved null block)."""
 
-    supports_fast_forward = False       # freed window blocks make the pool depend on more than token counts
+    supports_decode_runs = False       # freed window blocks make the pool depend on more than token counts
     table_rows = 1
     enable_caching = False
 
@@ -206,22 +204,3 @@ class HybridKVManager:
                 assert t.live[req] == t.groups * sum(e is not None for e in table)
                 assert len(table) * self.block_size >= req.num_computed_tokens
         assert set(self.req_blocks) <= set(live_requests), "blocks held by a request that is not live"
-
-
-def build_sliding_window_manager(cfg, model, num_blocks: int) -> HybridKVManager:
-    """The hybrid manager of a model with sliding-window layers (`num_blocks` of its group-sized
-    blocks); the combinations it does not model are refused in one line."""
-    from ..config import ConfigError
-    if not cfg.kv.is_default:
-        raise ConfigError(f"kv.policy/kv.layout: {model.name} has sliding-window layers; KV eviction and compression "
-                          "policies are not modelled with them (use kv.policy none, kv.layout shared)")
-    if cfg.engine.preemption_mode == "swap":
-        raise ConfigError(f"engine.preemption_mode: swap is not modelled for {model.name}'s sliding-window layers; "
-                          "use recompute")
-    if cfg.engine.enable_prefix_caching:
-        warnings.warn(f"{model.name} has sliding-window layers: prefix caching is not modelled for them (no "
-                      "prefix hits in this run)", UserWarning, stacklevel=2)
-    _, full_groups, sliding_groups = model.kv_cache_groups()
-    return HybridKVManager(num_blocks, cfg.engine.block_size, window=model.sliding_window, full_groups=full_groups,
-                           sliding_groups=sliding_groups,
-                           sliding_layer_fraction=model.num_sliding_layers / model.num_layers)

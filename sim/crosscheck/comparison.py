@@ -47,7 +47,7 @@ class Run:
     shapes: pd.DataFrame | None = None     # per step: BatchShape fields the step log lacks (recorded sim)
 
     @classmethod
-    def load(cls, directory: str | Path, name: str | None = None) -> "Run":
+    def load(cls, directory: str | Path, name: str | None = None) -> Run:
         d = Path(directory)
         files = {f: d / f for f in ("requests.parquet", "steps.parquet", "summary.json")}
         missing = [f for f, p in files.items() if not p.is_file()]
@@ -225,7 +225,7 @@ def first_divergence(real: pd.DataFrame, sim: pd.DataFrame, columns=MEMORY_COLUM
 
 
 def compare(real: Run, predicted: Run, cost: CostModel, recorded: Run | None = None,
-            context: dict | None = None, repeats: "Repeats | None" = None) -> CrosscheckResult:
+            context: dict | None = None, repeats: Repeats | None = None) -> CrosscheckResult:
     """Figures of `real` (one replay) against `predicted`; with `repeats` (N > 1 replays of the same
     workload, `recorded` fed their median step times), the measured side is `repeats.measured_run(recorded)`."""
     if len(real.steps) == 0:
@@ -293,13 +293,13 @@ class Repeats:
     durations: np.ndarray            # [N, steps]
 
     @classmethod
-    def of(cls, runs: list[Run], dirs: list[str | Path]) -> "Repeats":
+    def of(cls, runs: list[Run], dirs: list[str | Path]) -> Repeats:
         """Check that every replay scheduled the same batches with the same memory state as the first
         (MEMORY_COLUMNS, step by step) and collect their step durations."""
         if not runs:
             raise CrosscheckError("no replays given")
         first = runs[0].steps
-        for run, d in zip(runs[1:], dirs[1:]):
+        for run, d in zip(runs[1:], dirs[1:], strict=True):
             same = first_divergence(first, run.steps)
             if not same["identical"]:
                 f = same["first_divergence"]
@@ -340,7 +340,7 @@ class Repeats:
         kinds = step_kind(steps)
         pred = np.atleast_1d(cost.predict(shape_of_steps(steps)))
         singles = []
-        for run, d, dur in zip(self.runs, self.dirs, self.durations):
+        for run, d, dur in zip(self.runs, self.dirs, self.durations, strict=True):
             lat = latency_table(run.requests, predicted.requests).set_index(["metric", "percentile"])["rel_error"]
             thr = throughput_table(run.summary, predicted.summary).set_index("metric")["rel_error"]
             singles.append({"replay": d, "loadavg_1m": run.summary.get("load_avg_1m", math.nan),

@@ -16,7 +16,6 @@ import pandas as pd
 from kvsim.sim.model.catalog import get_model, normalize_dtype
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.crosscheck.comparison import SHAPE_COLUMNS, CrosscheckError, Run, first_divergence
-from kvsim.sim.kv.build import policy_params
 from kvsim.sim.kv.policies.recorded import recorded_trigger
 from kvsim.sim.kv.policy import get_policy
 from kvsim.sim.simulator.simulate import run_simulation
@@ -36,7 +35,8 @@ class MeasuredTimeExecutor:
     """Wraps a simulator executor: the step does everything the simulator does (policies, memory)
     but takes exactly the replay's measured duration of the same step."""
 
-    supports_fast_forward = False
+    supports_decode_runs = False
+    supports_admitting_runs = False
 
     def __init__(self, inner, durations: np.ndarray):
         self.inner = inner
@@ -47,8 +47,8 @@ class MeasuredTimeExecutor:
     def execute(self, out):
         return self.inner.execute(out)
 
-    def complete(self, result, kv_plan):
-        result = self.inner.complete(result, kv_plan)
+    def complete(self, result, kv_effects):
+        result = self.inner.complete(result, kv_effects)
         if self.step >= len(self.durations):
             raise CrosscheckError(f"recorded mode: the simulation needs more steps than the replay's "
                                   f"{len(self.durations)}; schedules diverged (see the memory comparison)")
@@ -66,7 +66,7 @@ def recorded_config(cfg, replay_dir: str | Path | None):
     `replay_dir` (same layout, slot strategy and trigger); score-free policies (none, streaming, quest)
     are deterministic and run as they are when no replay directory is given."""
     kv = cfg.kv
-    policy = get_policy(kv.policy, **policy_params(kv))
+    policy = get_policy(kv.policy, **kv.policy_params())
     if not policy.evicts or kv.policy == "recorded":
         return cfg
     if replay_dir is None:

@@ -1,16 +1,17 @@
 """Assemble a run's engine core: its workload and requests, the scheduler's settings, and the engine
-(replicas, router, arrivals, client-side concurrency limit) built from a run plan (sim/engine/run_plan.py).
+(replicas, router, arrivals, client-side concurrency limit) built from a resolved run (sim/engine/resolved_run.py).
 
 Shared by the two executors' drivers: the simulator (`sim.simulator.simulate`) and the real backend's replay
 (`gpu.replay`) both call `build_engine` and `EngineRun.drive`; each passes its own replica parts
-(a KV manager from `sim.engine.run_plan.build_kv_manager` and its executor).
+(a KV manager from `sim.engine.resolved_run.build_kv_manager` and its executor).
 """
 from __future__ import annotations
 
 import gc
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from kvsim.traces import TraceWarning, load_trace
 from kvsim.traces.arrivals import vllm_bench_arrivals
@@ -24,7 +25,7 @@ from .loop import (ArrivalProcess, ConcurrencyLimit, EngineClock, EngineReplica,
 from ..results.metrics import StepLog
 
 if TYPE_CHECKING:
-    from .run_plan import RunPlan
+    from .resolved_run import ResolvedRun
 
 
 def load_workload(cfg: SimConfig):
@@ -33,7 +34,7 @@ def load_workload(cfg: SimConfig):
     # without a time window the first N requests are the file's first N (only those rows are read)
     first = opts.max_requests if opts.start_s is None and opts.end_s is None else None
     trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate} if opts.rate else {}), seed=cfg.seed,
-                       **trace_file_options(opts))
+                       **opts.file_options())
     if opts.start_s is not None or opts.end_s is not None:
         trace = _window(trace, opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
     if opts.max_requests is not None:
@@ -59,16 +60,6 @@ def _window(trace, start_s: float, end_s: float):
         raise ConfigError(f"trace_options.start_s/end_s: no request of {trace.name or trace.source!r} arrives in "
                           f"[{start_s:g}, {end_s:g}) s; its arrivals span 0 to {last:g} s")
     return window
-
-
-def trace_file_options(opts) -> dict:
-    """load_trace's format and reader options from `trace_options` (only those given)."""
-    out = {"format": opts.format} if opts.format else {}
-    if opts.format in ("csv", "jsonl", "parquet"):
-        out.update(columns=opts.columns, time_unit=opts.time_unit)
-    if opts.tokenizer is not None:
-        out["tokenizer"] = opts.tokenizer
-    return out
 
 
 def with_request_rate(trace, request_rate: float, burstiness: float, seed: int):
@@ -100,7 +91,7 @@ def trace_to_requests(trace, entry=None) -> list[Request]:
                 prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
                 prefix_block_tokens=span)
         for rid, t, p, o, h, pr in zip(df["request_id"].tolist(), df["arrival_time_s"].tolist(),
-                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio)
+                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio, strict=True)
     ]
 
 
@@ -180,7 +171,7 @@ class EngineRun:
         return [r for r in requests if id(r) not in unsent]
 
 
-def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
+def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                  replica_parts: Callable[[int], tuple[KVManager, Executor]], *, entry=None,
                  on_step: Callable[[int], None] | None = None) -> EngineRun:
     """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager

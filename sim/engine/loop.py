@@ -13,7 +13,7 @@ import heapq
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import simpy
@@ -24,7 +24,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.step import BatchShape, StepResult, batch_shape
 from ..results.metrics import StepLog
-from .bulk import decode_runs as fast_forward
+from .bulk import decode_runs
 from .bulk.admitting_runs import plan_admitting
 
 
@@ -93,8 +93,8 @@ class EngineReplica:
         self.kv = scheduler.kv
         self.executor = executor
         self.step_log = step_log
-        # only then are they a FastForwardExecutor and a FastForwardKV (sim/core/protocols.py)
-        self.fast_forward = options.fast_forward and executor.supports_fast_forward and self.kv.supports_fast_forward
+        # only then are they a DecodeRunExecutor and a DecodeRunKV (sim/core/protocols.py)
+        self.bulk_decode = options.fast_forward and executor.supports_decode_runs and self.kv.supports_decode_runs
         self.check = options.check_invariants
         self.next_arrival = feed.next_arrival
         self.on_step = feed.on_step
@@ -107,7 +107,7 @@ class EngineReplica:
         # a KV connector's transfers complete between steps: decode runs stop at each (and at finishes,
         # which may start a save or send), and do not admit arrivals
         self.connector = scheduler.connector
-        self.arrivals = feed.arrivals if self.fast_forward and getattr(executor, "supports_admitting_runs", False) \
+        self.arrivals = feed.arrivals if self.bulk_decode and executor.supports_admitting_runs \
             and self.connector is None else None
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
@@ -173,7 +173,7 @@ class EngineReplica:
                 req.replica = self.index
                 self.scheduler.add_request(req)
 
-    def _reach_run_end(self, run: fast_forward.DecodeRun):
+    def _reach_run_end(self, run: decode_runs.DecodeRun):
         """Bring the clock to a decode run's end as stepping does: at once to the last step end before
         the next event, then one timeout per remaining step (a single timeout from further back can
         round one ulp away from the end: now + (end - now) is not always end)."""
@@ -225,7 +225,7 @@ class EngineReplica:
             if not self.scheduler.has_work:
                 self.scheduler.release_finishing()     # async: no next schedule to wait for
             self._log_step(start, out, result, len(finished), shape)
-            if self.fast_forward:
+            if self.bulk_decode:
                 yield from self._decode_run()
 
     # ----- logging ----------------------------------------------------------------------------
@@ -282,9 +282,9 @@ class EngineReplica:
             assert r in held or r not in self.kv.req_blocks
 
     # ----- decode fast-forward ----------------------------------------------------------------
-    def fast_forward_view(self) -> fast_forward.ReplicaView:
-        """What the decode fast-forward's plan needs of this replica (sim/engine/bulk/decode_runs.py)."""
-        return fast_forward.ReplicaView(
+    def decode_run_view(self) -> decode_runs.ReplicaView:
+        """What `find_decode_run` needs of this replica (sim/engine/bulk/decode_runs.py)."""
+        return decode_runs.ReplicaView(
             now=self.now, next_arrival=self.next_arrival(), inbox_empty=not self.inbox,
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
@@ -297,7 +297,7 @@ class EngineReplica:
         sched = self.scheduler
         if sched.sending:
             return          # when a connector's send ends is learnt between steps: step one by one
-        run = fast_forward.plan(self.fast_forward_view(), sched, self.kv, self.executor,
+        run = decode_runs.find_decode_run(self.decode_run_view(), sched, self.kv, self.executor,
                                 self._plan_admitting if self.arrivals is not None else None)
         if run is None:
             return
@@ -307,13 +307,13 @@ class EngineReplica:
             self._take_arrivals_of(run)
         else:
             waiting = [len(sched.waiting)] * k
-        rows = fast_forward.apply(sched, self.kv, run)
+        rows = decode_runs.apply_decode_run(sched, self.kv, run)
         if sched.loading:
             self._count_loading_slots(rows, k)
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         self.busy_until = run.ends[-1]
         yield from self._reach_run_end(run)
-        done = [r for r, e in zip(run.requests, run.last_step) if e == k]
+        done = [r for r, e in zip(run.requests, run.last_step, strict=True) if e == k]
         self.scheduler.finish(done, self.now)
         if done and self.on_done is not None:
             self.on_done(len(done), self.now)
@@ -360,10 +360,10 @@ class EngineReplica:
         rows["live_slots"] = live
         rows["fragmentation"] = 1.0 - np.divide(live, allocated, out=np.ones(k), where=allocated != 0)
 
-    def _plan_admitting(self, view, sched, kv, executor, start) -> fast_forward.DecodeRun | None:
+    def _plan_admitting(self, view, sched, kv, executor, start) -> decode_runs.DecodeRun | None:
         return plan_admitting(view, sched, kv, executor, Incoming(self.inbox, self.arrivals()), start)
 
-    def _take_arrivals_of(self, run: fast_forward.DecodeRun) -> None:
+    def _take_arrivals_of(self, run: decode_runs.DecodeRun) -> None:
         """The arrivals a run took leave the inbox and the arrival process for this replica."""
         for _, req in run.arrivals:
             req.replica = self.index

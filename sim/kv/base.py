@@ -8,6 +8,7 @@ from ..core.prefix_lookups import PrefixLookups
 
 if TYPE_CHECKING:
     from .importance import ImportanceModelSpec
+    from .policy import EvictionPolicy, PolicyContext
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class FastOptions:
     bytes_per_token_row: float = 0.0
     seed: int = 0
     sample_rows: int = 32
-    importance: "str | ImportanceModelSpec" = "smollm2-135m"
+    importance: str | ImportanceModelSpec = "smollm2-135m"
 
 
 def sample_row_count(rows: int, wanted: int) -> int:
@@ -35,9 +36,11 @@ class EvictingManagerBase:
     No prefix caching (evicted tokens break shared prefix blocks) and no bulk decode fast-forward
     (eviction changes memory every step). The pool counts blocks of one (layer, KV head) row in the
     per_head layout, so a request can hold at most `pool blocks / ctx.rows` blocks of tokens.
-    Subclasses set `pool`, `ctx` and `block_size`.
+    Subclasses set `pool`, `ctx`, `policy` and `block_size`.
     """
-    supports_fast_forward = False
+    supports_decode_runs = False
+    ctx: PolicyContext
+    policy: EvictionPolicy
     enable_caching = False
 
     @property

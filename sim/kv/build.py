@@ -1,39 +1,34 @@
 """Build a replica's KV manager from a run's config (shared by the simulator and the real backend)."""
 from __future__ import annotations
 
+import warnings
+
 from ..config import ConfigError, KVConfig, SimConfig
 from ..core.kv_manager import KVCacheManager
 from ..core.protocols import KVManager
-from ..core.sliding_window import build_sliding_window_manager
+from ..core.sliding_window import HybridKVManager
 from .base import EvictingManagerBase, FastOptions
 from .importance import ImportanceError, ImportanceModelSpec, SyntheticImportance
 from .manager import EvictingKVManager, EvictingOptions
 from .slots import COPY_STRATEGIES
 from .policy import EvictionPolicy, PolicyContext, PolicyError, get_policy
-from .state import TIER_FULL
-from .tiers import TIERS
+from .state import PRECISION_FULL
+from .precision import PRECISION_FORMATS
 
 
-def tier_layout(model, block_size: int, high: str, low: str) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
-    """(bytes per token of each tier / full-precision bytes, tokens per page of each tier) for pages of
+def precision_layout(model, block_size: int, high: str, low: str) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
+    """(bytes per token of each precision group / full-precision bytes, tokens per page of each precision group) for pages of
     the byte size of one full-precision block of one (layer, KV head) — LeanKV's fixed-size pages."""
     full_bytes = model.kv_bytes_per_token() / (model.num_layers * model.num_kv_heads)
     page_bytes = block_size * full_bytes
     ratios, caps = [1.0], [block_size]
     for name, what in ((high, "kv.high_tier"), (low, "kv.low_tier")):
-        if name not in TIERS:
-            raise ConfigError(f"{what}: unknown precision tier {name!r}; known: {sorted(TIERS)}")
-        b = TIERS[name].bytes_per_token(model.head_dim)
+        if name not in PRECISION_FORMATS:
+            raise ConfigError(f"{what}: unknown precision format {name!r}; known: {sorted(PRECISION_FORMATS)}")
+        b = PRECISION_FORMATS[name].bytes_per_token(model.head_dim)
         ratios.append(b / full_bytes)
         caps.append(int(page_bytes // b))
     return tuple(ratios), tuple(caps)
-
-
-def policy_params(kv) -> dict:
-    params = dict(kv.params)
-    if kv.budget is not None:
-        params.setdefault("budget", kv.budget)
-    return params
 
 
 def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int, policy=None) -> KVManager:
@@ -41,7 +36,7 @@ def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int, policy=None) 
     is vLLM's num_gpu_blocks (one of them the null block); `policy`: the built `kv.policy`, if it is."""
     eng = cfg.engine
     if model.num_sliding_layers:
-        return build_sliding_window_manager(cfg, model, num_blocks)
+        return sliding_window_manager(cfg, model, num_blocks)
     if cfg.kv.is_default:
         refuse_ignored_kv_options(cfg.kv, get_policy("none") if policy is None else policy)
         return KVCacheManager(num_blocks, eng.block_size, enable_caching=bool(eng.enable_prefix_caching))
@@ -52,6 +47,24 @@ def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int, policy=None) 
     return build_evicting_manager(cfg.kv, model, cost, num_blocks - 1, eng.block_size, cfg.seed, policy)
 
 
+def sliding_window_manager(cfg: SimConfig, model, num_blocks: int) -> HybridKVManager:
+    """The hybrid manager of a model with sliding-window layers (`num_blocks` of its group-sized
+    blocks); the combinations it does not model are refused in one line."""
+    if not cfg.kv.is_default:
+        raise ConfigError(f"kv.policy/kv.layout: {model.name} has sliding-window layers; KV eviction and compression "
+                          "policies are not modelled with them (use kv.policy none, kv.layout shared)")
+    if cfg.engine.preemption_mode == "swap":
+        raise ConfigError(f"engine.preemption_mode: swap is not modelled for {model.name}'s sliding-window layers; "
+                          "use recompute")
+    if cfg.engine.enable_prefix_caching:
+        warnings.warn(f"{model.name} has sliding-window layers: prefix caching is not modelled for them (no "
+                      "prefix hits in this run)", UserWarning, stacklevel=3)
+    _, full_groups, sliding_groups = model.kv_cache_groups()
+    return HybridKVManager(num_blocks, cfg.engine.block_size, window=model.sliding_window, full_groups=full_groups,
+                           sliding_groups=sliding_groups,
+                           sliding_layer_fraction=model.num_sliding_layers / model.num_layers)
+
+
 def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, seed: int,
                            policy=None) -> EvictingManagerBase:
     """The eviction-aware manager of a `KVConfig` (token-level, or fast mode). `num_blocks` is the
@@ -59,9 +72,9 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     GPU) one-head blocks."""
     kv_heads = cost.kv_heads_per_gpu
     rows = model.num_layers * kv_heads if kv.layout == "per_head" else 1
-    tier_bytes, tier_caps = tier_layout(model, block_size, kv.high_tier, kv.low_tier)
+    precision_bytes, precision_caps = precision_layout(model, block_size, kv.high_tier, kv.low_tier)
     ctx = PolicyContext(kv.layout, model.num_layers, kv_heads, max(1, model.num_heads * kv_heads // model.num_kv_heads),
-                        block_size, rows, tier_bytes=tier_bytes, head_dim=model.head_dim,
+                        block_size, rows, precision_bytes=precision_bytes, head_dim=model.head_dim,
                         bytes_per_token_row=cost.kv_bytes_per_token / rows)
     policy = policy if policy is not None else build_policy(kv)
     refuse_ignored_kv_options(kv, policy)
@@ -79,14 +92,14 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
                               "use kv.mode=token")
     token = EvictingOptions(slot_strategy=kv.slot_strategy, trigger=kv.trigger, trigger_interval=kv.trigger_interval,
                             trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
-                            tier_capacity=tier_caps, new_token_tier=policy.new_token_tier,
+                            precision_capacity=precision_caps, new_token_precision=policy.new_token_precision,
                             copy_threshold=kv.copy_threshold)
     fast = FastOptions(slot_strategy=kv.slot_strategy, bytes_per_token_row=bytes_per_row, seed=seed,
                        sample_rows=kv.fast_rows, importance=kv.importance)
     try:
         if kv.mode == "fast" and kv.layout == "shared" and policy.needs_scores:
             _check_fast_age_profile(kv.importance)
-        if kv.mode == "fast" and getattr(policy.fast_mode_profile(), "sampled_rows", False):
+        if kv.mode == "fast" and (profile := policy.fast_mode_profile()) is not None and profile.sampled_rows:
             from .fast.sampled.leankv import BatchedLeanKVManager, batched_leankv_supported
             from .fast.sampled.rows import SampledRowsKVManager
             cls = BatchedLeanKVManager if batched_leankv_supported(policy, kv.slot_strategy, kv.trigger) \
@@ -105,7 +118,7 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
 def build_policy(kv: KVConfig) -> EvictionPolicy:
     """The `kv.policy` of a `KVConfig` with its parameters (a bad one is a ConfigError)."""
     try:
-        return get_policy(kv.policy, **policy_params(kv))
+        return get_policy(kv.policy, **kv.policy_params())
     except PolicyError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -125,9 +138,9 @@ def refuse_ignored_kv_options(kv: KVConfig, policy: EvictionPolicy) -> None:
             raise ConfigError(f"kv.{name}={given(name)}: only kv.trigger={reader} reads it, and this run's trigger "
                               f"is {trigger}{whose}; set kv.trigger={reader} or drop kv.{name}")
     for name in ("high_tier", "low_tier"):
-        if given(name) is not None and policy.new_token_tier == TIER_FULL:
+        if given(name) is not None and policy.new_token_precision == PRECISION_FULL:
             raise ConfigError(f"kv.{name}={given(name)}: policy {kv.policy!r} keeps every token at full precision; "
-                              f"the precision tiers apply to a tiering policy (leankv); drop kv.{name}")
+                              f"the precision groups apply to a mixed-precision policy (leankv); drop kv.{name}")
     if given("fast_rows") is not None and kv.mode != "fast":
         raise ConfigError(f"kv.fast_rows={given('fast_rows')}: only kv.mode=fast samples rows, and this run is "
                           f"kv.mode={kv.mode} (every row simulated); drop kv.fast_rows or set kv.mode=fast")

@@ -159,7 +159,7 @@ class ImportanceModelSpec:
     age_profile: AgeProfile | None = None   # the shared layout's row, with an age exponent (module doc)
 
     @classmethod
-    def load(cls, name_or_path: str | Path = "smollm2-135m") -> "ImportanceModelSpec":
+    def load(cls, name_or_path: str | Path = "smollm2-135m") -> ImportanceModelSpec:
         path = Path(name_or_path)
         if not path.suffix:
             path = DATA_DIR / f"{name_or_path}.yaml"
@@ -187,7 +187,7 @@ class ImportanceModelSpec:
                                   f"numbers elsewhere, as in {DATA_DIR / 'smollm2-135m.yaml'}") from None
 
     @classmethod
-    def _from_mapping(cls, path: Path, data: dict) -> "ImportanceModelSpec":
+    def _from_mapping(cls, path: Path, data: dict) -> ImportanceModelSpec:
         mix = {k: float(v) for k, v in data["head_mix"].items()}
         bad = sorted(set(mix) - set(HEAD_TYPES))
         if bad:

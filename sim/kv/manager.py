@@ -3,11 +3,11 @@
 Stands in for `sim.core.kv_manager.KVCacheManager` (same scheduler-facing surface) when a KV
 policy, the per_head layout or a slot strategy other than the default is configured. The same
 manager drives the real backend: it tells the executor, per step, what to do on tensors
-(`KVStepPlan`) and accepts real attention scores (`supply_scores`).
+(`KVStepEffects`) and accepts real attention scores (`supply_scores`).
 
 Layouts: `shared` (one block table per request, a block holds `block_size` tokens of every layer
 and KV head; state has one row) and `per_head` (tables per (request, layer, KV head); a block
-holds tokens of one row; `num_blocks` counts per-head blocks). Pages, precision tiers, slot ids and
+holds tokens of one row; `num_blocks` counts per-head blocks). Pages, precision groups, slot ids and
 the slot strategies (what happens to the hole an evicted token leaves) are in sim/kv/slots.py.
 
 Triggers (when the policy's `compress` runs): `never`, `every_step`, `every_n` (every
@@ -28,9 +28,9 @@ from .base import EvictingManagerBase
 from .importance import ImportanceSource
 from .policy import Decision, EvictionPolicy, PolicyContext
 from .pool import ArrayBlockPool
-from .slots import (FREEING_STRATEGIES, REUSE_STRATEGIES, SLOT_STRATEGIES, KVStepPlan,
+from .slots import (FREEING_STRATEGIES, REUSE_STRATEGIES, SLOT_STRATEGIES, KVStepEffects,
                     RequestKV, SlotStrategies)
-from .state import TIER_FULL
+from .state import PRECISION_FULL
 
 TRIGGERS = ("policy", "never", "every_step", "every_n", "after_prefill", "after_prefill+pressure", "pressure",
             "threshold")
@@ -44,15 +44,15 @@ class EvictingOptions:
     trigger_interval: int = 1
     trigger_threshold: int = 0
     bytes_per_token_row: float = 0.0
-    tier_capacity: tuple[int, int, int] | None = None
-    new_token_tier: int = TIER_FULL
+    precision_capacity: tuple[int, int, int] | None = None
+    new_token_precision: int = PRECISION_FULL
     copy_threshold: int = 0              # copy strategies: holes a row may hold before its rewrite
 
 
 class ReqStats(NamedTuple):
     """One request's numbers after its last change (what the scheduler and the step log read)."""
     live: int           # live token-rows
-    alloc: int          # slots of its pages (tier capacities)
+    alloc: int          # slots of its pages (precision group capacities)
     kv_tokens: float    # fp16 token-equivalents attention reads per row
     pages: int          # block-table entries
     stored: float       # fp16 token-equivalents stored per row (token-steps of the stored-KV metric)
@@ -79,9 +79,9 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         self.trigger_interval = max(1, options.trigger_interval)
         self.trigger_threshold = options.trigger_threshold
         self.bytes_per_token_row = options.bytes_per_token_row
-        self.tier_capacity = np.asarray(options.tier_capacity or (block_size, block_size, block_size), dtype=np.int64)
-        self.stride = int(self.tier_capacity.max())
-        self.new_token_tier = options.new_token_tier
+        self.precision_capacity = np.asarray(options.precision_capacity or (block_size, block_size, block_size), dtype=np.int64)
+        self.stride = int(self.precision_capacity.max())
+        self.new_token_precision = options.new_token_precision
         # Quality proxy: query the importance model for the attention mass kept even when the
         # policy itself needs no scores (streaming); off for policies that never evict.
         self.track_mass = policy.evicts
@@ -89,7 +89,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         self.stored_token_steps = 0.0     # ... and of their stored fp16 token-equivalents per row
         self.pool = ArrayBlockPool(num_blocks, "ring" if slot_strategy == "parallel_compact" else "stack")
         self.req_kv: dict[Request, RequestKV] = {}
-        self.plan = KVStepPlan()
+        self.effects = KVStepEffects()
         self._external: dict[int, np.ndarray] = {}
         self._live_total = 0
         self._alloc_total = 0
@@ -102,7 +102,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
 
     def kv_tokens(self, req: Request) -> float:
         """fp16 token-equivalents attention reads per row: every written slot of the row's pages, live
-        or evicted (a paged kernel masks holes but still reads them), tiers weighted by their bytes;
+        or evicted (a paged kernel masks holes but still reads them), precision groups weighted by their bytes;
         selection policies count only what they read."""
         st = self._stats.get(req)
         return st.kv_tokens if st else 0
@@ -144,22 +144,22 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         self._unstat(req)
         if copy_dst.any():
             self._sparse_copy(rk, copy_dst)
-        self._add_pages(rk, need, self.new_token_tier)
+        self._add_pages(rk, need, self.new_token_precision)
         positions = np.arange(req.num_computed_tokens, req.num_computed_tokens + num_new_tokens)
         if positions[0] != rk.state.num_tokens:
             raise AssertionError(f"request {req.request_id}: writing position {positions[0]} but "
                                  f"{rk.state.num_tokens} tokens are cached")
-        slots = self._place(rk, np.full(self.rows, num_new_tokens), self.new_token_tier)
+        slots = self._place(rk, np.full(self.rows, num_new_tokens), self.new_token_precision)
         st = rk.state
         r = np.arange(self.rows)[:, None]
         st.clear_slots(np.broadcast_to(r, slots.shape), slots)
         st.live[r, slots] = True
         st.pos[r, slots] = positions[None, :]
-        st.tier[r, slots] = self.new_token_tier
+        st.precision[r, slots] = self.new_token_precision
         st.num_tokens += num_new_tokens
         rk.added_since_compress += num_new_tokens
         self.importance.on_write(req.request_id, st, np.arange(self.rows), slots, positions)
-        self.plan.slot_mapping[req.request_id] = np.take_along_axis(rk.table, slots // self.stride, 1) \
+        self.effects.slot_mapping[req.request_id] = np.take_along_axis(rk.table, slots // self.stride, 1) \
             * self.stride + slots % self.stride
         self._stat(req)
         return True
@@ -186,9 +186,9 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         self._external[req.request_id] = scores
 
     def begin_step(self) -> None:
-        self.plan = KVStepPlan()
+        self.effects = KVStepEffects()
 
-    def finish_step(self, scheduled) -> KVStepPlan:
+    def finish_step(self, scheduled) -> KVStepEffects:
         """Run policies for the step's scheduled requests (after attention), apply decisions."""
         for s in scheduled:
             req = s.request
@@ -209,8 +209,8 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
             if req in self._stats:
                 self.logical_token_steps += req.num_computed_tokens + s.num_new_tokens
                 self.stored_token_steps += self._stats[req].stored
-        plan = self.plan
-        self.plan = KVStepPlan()
+        plan = self.effects
+        self.effects = KVStepEffects()
         return plan
 
     def _scores(self, req: Request, rk: RequestKV, phase: str):
@@ -236,8 +236,8 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         """Add the policy's own work for a compression to the step (before its decision applies)."""
         cost = self.policy.op_cost(rk.state, self.ctx, reason)
         if cost is not None:
-            self.plan.op_bytes += cost[0]
-            self.plan.op_flops += cost[1]
+            self.effects.op_bytes += cost[0]
+            self.effects.op_flops += cost[1]
 
     def _after_decode(self, req: Request, rk: RequestKV) -> None:
         rk.decode_steps += 1
@@ -247,7 +247,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         if mass is not None:
             rk.mass_sum += mass
             rk.mass_steps += 1
-            self.plan.mass_retained[req.request_id] = mass
+            self.effects.mass_retained[req.request_id] = mass
         self.policy.observe(rk.state, self.ctx, scores, "decode")
         fire = (self.trigger == "every_step"
                 or (self.trigger == "every_n" and rk.decode_steps % self.trigger_interval == 0)
@@ -272,12 +272,12 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
                 r, s = np.nonzero(ev)
                 st.live[r, s] = False
                 rk.evicted_rows += n
-                self.plan.evicted_tokens += n
+                self.effects.evicted_tokens += n
                 tbl = rk.table[r, s // self.stride]
-                self.plan.evicted[req.request_id] = (r, tbl * self.stride + s % self.stride)
-                self.plan.decisions.append((req.request_id, r, st.pos[r, s], rk.decode_steps, st.num_tokens))
-        if decision.tier is not None:
-            self._retier(rk, decision.tier)
+                self.effects.evicted[req.request_id] = (r, tbl * self.stride + s % self.stride)
+                self.effects.decisions.append((req.request_id, r, st.pos[r, s], rk.decode_steps, st.num_tokens))
+        if decision.precision is not None:
+            self._move_precision(rk, decision.precision)
         if self.strategy in FREEING_STRATEGIES:
             freed += self._free_empty_pages(rk)
         if self.strategy in ("compact", "parallel_compact"):
@@ -291,7 +291,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         if "pressure" not in self.trigger or num_blocks <= 0:
             return 0
         freed = 0
-        cap = int(self.tier_capacity[self.new_token_tier])
+        cap = int(self.precision_capacity[self.new_token_precision])
         for req in reversed(running):
             rk = self.req_kv.get(req)
             if rk is None or not rk.prefilled:
@@ -318,15 +318,15 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         st = rk.state
         live = int(st.live.sum())
         pages = rk.table >= 0
-        alloc = int(self.tier_capacity[rk.page_tier[pages]].sum())
-        tb = np.asarray(self.ctx.tier_bytes, dtype=np.float64)
-        stored = float(tb[st.tier[st.live]].sum()) / self.rows
+        alloc = int(self.precision_capacity[rk.page_precision[pages]].sum())
+        tb = np.asarray(self.ctx.precision_bytes, dtype=np.float64)
+        stored = float(tb[st.precision[st.live]].sum()) / self.rows
         read = self.policy.read_tokens(st, self.ctx)
-        if read is None:
+        if read is None:  # noqa: SIM108  (the why of each branch)
             # A paged kernel scans every slot of each page in the block table up to the sequence's
             # last written slot; evicted slots are masked, not skipped: holes cost their bytes.
-            # Slots ever written (pos >= 0: live or evicted), weighted by their tier's bytes.
-            kv = float(tb[st.tier[st.pos >= 0]].sum()) / self.rows
+            # Slots ever written (pos >= 0: live or evicted), weighted by their precision group's bytes.
+            kv = float(tb[st.precision[st.pos >= 0]].sum()) / self.rows
         else:
             kv = float(np.sum(read)) / self.rows
         self._stats[req] = ReqStats(live, alloc, kv, int(pages.sum()), stored)
@@ -348,7 +348,7 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
                 assert np.unique(p).size == p.size, f"request {req.request_id}: a position is live twice"
                 t = rk.tail[r]
                 if self.strategy not in REUSE_STRATEGIES and t >= 0:      # an append tail's next slots are unwritten
-                    cap = int(self.tier_capacity[rk.page_tier[r, t]])
+                    cap = int(self.precision_capacity[rk.page_precision[r, t]])
                     ahead = st.pos[r, t * self.stride + rk.tail_off[r]:t * self.stride + cap]
                     assert (ahead < 0).all(), f"request {req.request_id}: the append tail runs into written slots"
             assert (st.pos[st.live] < st.num_tokens).all()

@@ -1,6 +1,6 @@
 """Eviction / compression / selection policies: the plug-in interface and registry.
 
-A policy decides *which tokens go* (or which precision tier they keep, or which ones a decode step
+A policy decides *which tokens go* (or which precision group they keep, or which ones a decode step
 reads). It never allocates memory or moves data: the KV manager (`sim.kv.manager`) owns blocks and
 slots and applies the policy's decisions through its slot strategy. The same policy objects run in
 the simulator (scores from `sim.kv.importance`) and in the real backend (scores from the attention
@@ -22,7 +22,7 @@ All arrays are `[rows, num_slots]`, vectorized over rows (never loop over heads 
 - `state.score` float32: attention each token received, summed over every query observed so far
   (the manager adds the prefill observation window and each decode step's scores before calling
   `compress`; override `observe` to change that, e.g. squared attention or a decayed sum).
-- `state.tier` int8: TIER_FULL=0 (cache dtype), TIER_HIGH=1, TIER_LOW=2 (LeanKV).
+- `state.precision group` int8: PRECISION_FULL=0 (cache dtype), PRECISION_HIGH=1, PRECISION_LOW=2 (LeanKV).
 - policy-specific per-slot arrays: `state.add_field(name, dtype, fill)` once (e.g. in `on_admit`),
   then `state.field(name)`; they move with their tokens. The request: `state.request_id` and
   `state.prompt_tokens` (set at admission); per-request values a policy keeps live in the policy,
@@ -61,9 +61,9 @@ Calls a policy receives (all optional to override; defaults do nothing / keep ev
 
 Decision
 --------
-`Decision(evict=bool [rows, S] | None, tier=int8 [rows, S] | None)`. `evict` marks live slots
-to drop (the manager ignores non-live ones). `tier` gives the new tier of each live slot (the
-manager moves tokens whose tier changes into pages of that tier; -1 or the current value = no
+`Decision(evict=bool [rows, S] | None, precision group=int8 [rows, S] | None)`. `evict` marks live slots
+to drop (the manager ignores non-live ones). `precision group` gives the new precision group of each live slot (the
+manager moves tokens whose precision group changes into pages of that precision group; -1 or the current value = no
 change). Masks are over the state's current slots (shape must match `state.live`).
 
 The default trigger of a policy is its `default_trigger` ("never", "every_step",
@@ -109,8 +109,9 @@ from typing import Any, NamedTuple
 from importlib.metadata import entry_points
 
 import numpy as np
+from pathlib import Path
 
-from .state import TIER_FULL, TIER_HIGH, TIER_LOW, TokenState  # noqa: F401 (re-exported)
+from .state import PRECISION_FULL, PRECISION_HIGH, PRECISION_LOW, TokenState  # noqa: F401 (re-exported)
 
 
 class PolicyError(ValueError):
@@ -154,7 +155,7 @@ class PolicyContext:
     rows: int                    # rows of TokenState: layers * kv_heads (per_head) or 1 (shared)
     row_layer: np.ndarray = field(default=None)   # int [rows]
     row_head: np.ndarray = field(default=None)    # int [rows]
-    tier_bytes: tuple[float, float, float] = (1.0, 0.5, 0.25)   # bytes/token of each tier / full
+    precision_bytes: tuple[float, float, float] = (1.0, 0.5, 0.25)   # bytes/token of each precision group / full
     head_dim: int = 64
     bytes_per_token_row: float = 0.0   # bytes of one full-precision token of one row (K and V)
 
@@ -189,7 +190,7 @@ class PolicyContext:
 @dataclass
 class Decision:
     evict: np.ndarray | None = None     # bool [rows, S]: live slots to evict
-    tier: np.ndarray | None = None      # int8 [rows, S]: new tier per live slot (-1 = unchanged)
+    precision: np.ndarray | None = None      # int8 [rows, S]: new precision group per live slot (-1 = unchanged)
 
 
 class EvictionPolicy:
@@ -200,7 +201,7 @@ class EvictionPolicy:
     obs_window = 8                # prefill observation queries wanted
     default_trigger = "every_step"
     per_head_only = False         # True: budgets differ per layer and head, so it needs kv.layout=per_head
-    new_token_tier = TIER_FULL    # precision tier the manager writes new tokens at (LeanKV: TIER_HIGH)
+    new_token_precision = PRECISION_FULL    # precision group the manager writes new tokens at (LeanKV: PRECISION_HIGH)
     # Optional hooks of selection policies (Quest), None when the policy does not select:
     # select_layer(state, ctx, layer, bound) -> the slots one layer's attention reads (the real backend);
     # mean_read(live, ctx) -> mean tokens read per row given live counts (fast mode).
@@ -283,7 +284,7 @@ def policy_identity(name: str) -> str:
 
     source = getattr(sys.modules.get(cls.__module__), "__file__", None)
     try:
-        digest = hashlib.sha256(open(source, "rb").read()).hexdigest()[:12] if source else "unknown"
+        digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()[:12] if source else "unknown"
     except OSError:
         digest = "unknown"
     return f"{_qualname(cls)}@{digest}"

@@ -1,11 +1,11 @@
 """Slot strategies of the eviction-aware manager: where new tokens go and what an evicted token's hole becomes.
 
 Holds a request's pages and token state (`RequestKV`), what one step asks of the KV tensors
-(`KVStepPlan`, which the real backend applies) and the page/slot operations (`SlotStrategies`,
+(`KVStepEffects`, which the real backend applies) and the page/slot operations (`SlotStrategies`,
 mixed into `sim.kv.manager.EvictingKVManager`).
 
-Pages of a row may hold different precision tiers (LeanKV): a page has fixed bytes, so tier t holds
-`tier_capacity[t]` tokens; slot id = block id * `stride` + offset with `stride` the largest capacity.
+Pages of a row may hold different precision groups (LeanKV): a page has fixed bytes, so precision group t holds
+`precision_capacity[t]` tokens; slot id = block id * `stride` + offset with `stride` the largest capacity.
 
 Slot strategies:
   noop          evicted slots stay allocated; new tokens append at the row's tail page.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .state import TIER_LOW, TokenState
+from .state import PRECISION_LOW, TokenState
 
 SLOT_STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
 COPY_STRATEGIES = {"sparse_copy", "holed_copy"}
@@ -41,17 +41,17 @@ FREEING_STRATEGIES = {"free_block", "slot_reuse", "compact", "parallel_compact"}
 
 
 @dataclass
-class KVStepPlan:
+class KVStepEffects:
     """What the executor must do on the KV tensors in one step (global slot = block * stride + offset).
 
     slot_mapping: request id -> int64 [rows, n] slots the step's new tokens are written to (rows =
         1 in the shared layout, layers * kv_heads in per_head, row = layer * kv_heads + head).
     evicted: request id -> (rows int64 [k], slots int64 [k]) slots whose live bit clears.
     copy_src / copy_dst: int64 [m] global slots (per-row flattened): copy K/V (and live) from src
-        to dst, then clear src — sparse copy, compaction and tier moves; done BEFORE new tokens are
+        to dst, then clear src — sparse copy, compaction and precision group moves; done BEFORE new tokens are
         written when `copies_before_write` (sparse copy happens at allocation), else after.
-    copy_tiers / copy_dst_tiers: int8 [m] tier of each copied token before / after the copy (they
-        differ for tier moves, which a mixed-precision cache re-quantizes).
+    copy_precisions / copy_dst_precisions: int8 [m] precision group of each copied token before / after the copy (they
+        differ for precision group moves, which a mixed-precision cache re-quantizes).
     freed_blocks / allocated_blocks: block ids returned to / taken from the pool this step.
     block_tables: request id -> list (per row) of int64 block-id arrays, valid after the step.
     """
@@ -59,8 +59,8 @@ class KVStepPlan:
     evicted: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     copy_src: list[np.ndarray] = field(default_factory=list)
     copy_dst: list[np.ndarray] = field(default_factory=list)
-    copy_tiers: list[np.ndarray] = field(default_factory=list)
-    copy_dst_tiers: list[np.ndarray] = field(default_factory=list)
+    copy_precisions: list[np.ndarray] = field(default_factory=list)
+    copy_dst_precisions: list[np.ndarray] = field(default_factory=list)
     freed_blocks: list[np.ndarray] = field(default_factory=list)
     allocated_blocks: list[np.ndarray] = field(default_factory=list)
     evicted_tokens: int = 0          # (token, row) entries evicted
@@ -81,7 +81,7 @@ class RequestKV:
     def __init__(self, rows: int, stride: int):
         self.state = TokenState(rows, 0)
         self.table = np.full((rows, 0), -1, dtype=np.int64)
-        self.page_tier = np.zeros((rows, 0), dtype=np.int8)
+        self.page_precision = np.zeros((rows, 0), dtype=np.int8)
         self.tail = np.full(rows, -1, dtype=np.int64)        # append page entry (append-only strategies)
         self.tail_off = np.zeros(rows, dtype=np.int64)
         self.stride = stride
@@ -104,8 +104,8 @@ class RequestKV:
         t = np.full((rows, entries), -1, dtype=np.int64)
         t[:, :self.num_entries] = self.table
         pt = np.zeros((rows, entries), dtype=np.int8)
-        pt[:, :self.num_entries] = self.page_tier
-        self.table, self.page_tier = t, pt
+        pt[:, :self.num_entries] = self.page_precision
+        self.table, self.page_precision = t, pt
         self.state.resize(entries * self.stride)
 
 
@@ -115,28 +115,28 @@ class SlotStrategies:
     """Page and slot operations of the slot strategies, on a request's `RequestKV`.
 
     Mixed into `sim.kv.manager.EvictingKVManager`, which sets `rows`, `stride`, `strategy`,
-    `tier_capacity`, `new_token_tier`, `pool` (an ArrayBlockPool), `plan` (this step's KVStepPlan),
+    `precision_capacity`, `new_token_precision`, `pool` (an ArrayBlockPool), `plan` (this step's KVStepEffects),
     `ctx` and `bytes_per_token_row`.
     """
     copy_threshold = 0          # copy strategies: holes a row may hold before it is rewritten (0: none)
 
     def _valid(self, rk: RequestKV) -> np.ndarray:
         """bool [rows, S]: slots inside an allocated page's capacity."""
-        cap = np.where(rk.table >= 0, self.tier_capacity[rk.page_tier], 0)
+        cap = np.where(rk.table >= 0, self.precision_capacity[rk.page_precision], 0)
         return (np.arange(self.stride)[None, None, :] < cap[:, :, None]).reshape(self.rows, -1)
 
-    def _free_slots(self, rk: RequestKV, tier: int, hole_first: bool | None = None) -> np.ndarray:
-        """bool [rows, S]: slots new tokens of `tier` may take without a new page: any empty slot of a
-        page of that tier when filling hole-first (default: the reuse strategies), else the append tail's."""
+    def _free_slots(self, rk: RequestKV, precision: int, hole_first: bool | None = None) -> np.ndarray:
+        """bool [rows, S]: slots new tokens of `precision group` may take without a new page: any empty slot of a
+        page of that precision group when filling hole-first (default: the reuse strategies), else the append tail's."""
         if rk.num_entries == 0:
             return np.zeros((self.rows, 0), dtype=bool)
         if self.strategy in REUSE_STRATEGIES if hole_first is None else hole_first:
-            tier_ok = np.repeat(rk.page_tier == tier, self.stride, axis=1)
-            return self._valid(rk) & ~rk.state.live & tier_ok
+            same_precision = np.repeat(rk.page_precision == precision, self.stride, axis=1)
+            return self._valid(rk) & ~rk.state.live & same_precision
         out = np.zeros((self.rows, rk.num_entries, self.stride), dtype=bool)
         has = rk.tail >= 0
         r = np.flatnonzero(has)
-        cap = self.tier_capacity[rk.page_tier[r, rk.tail[r]]]
+        cap = self.precision_capacity[rk.page_precision[r, rk.tail[r]]]
         off = np.arange(self.stride)[None, :]
         out[r, rk.tail[r], :] = (off >= rk.tail_off[r, None]) & (off < cap[:, None])
         return out.reshape(self.rows, -1)
@@ -156,17 +156,17 @@ class SlotStrategies:
 
     def _needs(self, rk: RequestKV, n: int):
         """(pages for new tokens per row, sparse-copy destination pages per row)."""
-        cap = int(self.tier_capacity[self.new_token_tier])
+        cap = int(self.precision_capacity[self.new_token_precision])
         if self.strategy in COPY_STRATEGIES and rk.num_entries:
             dirty = self._dirty_pages(rk)
             moved = (rk.state.live.reshape(self.rows, -1, self.stride) & dirty[:, :, None]).sum(axis=(1, 2))
             dst = -(-moved // cap)
-            avail = np.where(dirty.any(axis=1), dst * cap - moved, self._free_slots(rk, self.new_token_tier).sum(axis=1))
+            avail = np.where(dirty.any(axis=1), dst * cap - moved, self._free_slots(rk, self.new_token_precision).sum(axis=1))
             return -(-np.maximum(n - avail, 0) // cap), dst
-        avail = self._free_slots(rk, self.new_token_tier).sum(axis=1) if rk.num_entries else np.zeros(self.rows, int)
+        avail = self._free_slots(rk, self.new_token_precision).sum(axis=1) if rk.num_entries else np.zeros(self.rows, int)
         return -(-np.maximum(n - avail, 0) // cap), np.zeros(self.rows, dtype=np.int64)
 
-    def _add_pages(self, rk: RequestKV, need: np.ndarray, tier: int) -> np.ndarray:
+    def _add_pages(self, rk: RequestKV, need: np.ndarray, precision: int) -> np.ndarray:
         """Allocate need[r] pages for each row into free table entries; returns bool [rows, E] of new
         entries. Low-precision pages (LeanKV) take the highest free entries, all others the lowest: a
         request-head's high- and low-precision pages grow from opposite ends of its page table."""
@@ -176,26 +176,26 @@ class SlotStrategies:
         free_entries = (rk.table < 0).sum(axis=1)
         rk.grow(rk.num_entries + int(np.maximum(need - free_entries, 0).max()))
         empty = rk.table < 0
-        rank = np.cumsum(empty[:, ::-1], axis=1)[:, ::-1] if tier == TIER_LOW else np.cumsum(empty, axis=1)
+        rank = np.cumsum(empty[:, ::-1], axis=1)[:, ::-1] if precision == PRECISION_LOW else np.cumsum(empty, axis=1)
         chosen = empty & (rank <= need[:, None])
         ids = self.pool.get_new_blocks(total)
         rk.table[chosen] = ids
-        rk.page_tier[chosen] = tier
-        self.plan.allocated_blocks.append(ids)
+        rk.page_precision[chosen] = precision
+        self.effects.allocated_blocks.append(ids)
         return chosen
 
-    def _place(self, rk: RequestKV, n: np.ndarray, tier: int, hole_first: bool | None = None) -> np.ndarray:
+    def _place(self, rk: RequestKV, n: np.ndarray, precision: int, hole_first: bool | None = None) -> np.ndarray:
         """Pick n[r] free slots per row in fill order (tail page first, then by slot; hole-first: by slot,
         default for the reuse strategies); returns [rows, max n] (rows with fewer tokens repeat their
         last slot; callers pass equal n or mask)."""
         if hole_first is None:
             hole_first = self.strategy in REUSE_STRATEGIES
-        free = self._free_slots(rk, tier, hole_first)
+        free = self._free_slots(rk, precision, hole_first)
         if not hole_first:                # append-only: tail page, then the freshly added pages
-            # (a page no token was ever written to: a slot a tier move emptied in an older page has
+            # (a page no token was ever written to: a slot a precision group move emptied in an older page has
             # pos -1 too, but appending there would make the tail's next slots live ones)
             unwritten = ~(rk.state.pos >= 0).reshape(self.rows, -1, self.stride).any(axis=2)
-            fresh = np.repeat((rk.page_tier == tier) & (rk.table >= 0) & unwritten, self.stride, axis=1)
+            fresh = np.repeat((rk.page_precision == precision) & (rk.table >= 0) & unwritten, self.stride, axis=1)
             fresh &= self._valid(rk)
             key = np.where(free, 0, np.where(fresh, 1, 2)) * rk.state.num_slots + np.arange(rk.state.num_slots)
             usable = free | fresh
@@ -204,10 +204,7 @@ class SlotStrategies:
             usable = free
         key = np.where(usable, key, np.iinfo(np.int64).max)
         k = int(n.max())
-        if k == 1:
-            slots = key.argmin(axis=1)[:, None]
-        else:
-            slots = np.argsort(key, axis=1, kind="stable")[:, :k]
+        slots = key.argmin(axis=1)[:, None] if k == 1 else np.argsort(key, axis=1, kind="stable")[:, :k]
         if not hole_first:
             last = slots[:, -1]
             rk.tail = last // self.stride
@@ -219,11 +216,11 @@ class SlotStrategies:
         st = rk.state
         live3 = st.live.reshape(self.rows, -1, self.stride) & dirty[:, :, None]
         src_r, src_e, src_o = np.nonzero(live3)
-        new = self._add_pages(rk, dst_pages, self.new_token_tier)
+        new = self._add_pages(rk, dst_pages, self.new_token_precision)
         old_entries = np.zeros(rk.table.shape, dtype=bool)
         old_entries[:, :dirty.shape[1]] = dirty
         # destination slots: the first `moved` slots of each row's new pages, in order
-        cap = int(self.tier_capacity[self.new_token_tier])
+        cap = int(self.precision_capacity[self.new_token_precision])
         dst_mask = (np.repeat(new, self.stride, axis=1)
                     & (np.tile(np.arange(self.stride), rk.num_entries)[None, :] < cap))
         moved = live3.sum(axis=(1, 2))
@@ -245,19 +242,19 @@ class SlotStrategies:
             rk.tail_off[r] = ends[r] % self.stride + 1
         rk.tail[~has & dirty.any(axis=1)] = -1
 
-    def _record_moves(self, rk, src_r, src_s, dst_r, dst_s, dst_tier: int | None = None) -> None:
+    def _record_moves(self, rk, src_r, src_s, dst_r, dst_s, dst_precision: int | None = None) -> None:
         if src_r.size == 0:
             return
         assert (src_r == dst_r).all()
         tbl = rk.table
         g_src = tbl[src_r, src_s // self.stride] * self.stride + src_s % self.stride
         g_dst = tbl[dst_r, dst_s // self.stride] * self.stride + dst_s % self.stride
-        tiers = rk.state.tier[src_r, src_s]
-        self.plan.copy_src.append(g_src)
-        self.plan.copy_dst.append(g_dst)
-        self.plan.copy_tiers.append(tiers)
-        self.plan.copy_dst_tiers.append(tiers if dst_tier is None else np.full(tiers.size, dst_tier, np.int8))
-        self.plan.bytes_moved += int(round(float(np.asarray(self.ctx.tier_bytes)[tiers].sum())
+        precisions = rk.state.precision[src_r, src_s]
+        self.effects.copy_src.append(g_src)
+        self.effects.copy_dst.append(g_dst)
+        self.effects.copy_precisions.append(precisions)
+        self.effects.copy_dst_precisions.append(precisions if dst_precision is None else np.full(precisions.size, dst_precision, np.int8))
+        self.effects.bytes_moved += int(round(float(np.asarray(self.ctx.precision_bytes)[precisions].sum())
                                            * self.bytes_per_token_row))
 
     def _release_entries(self, rk: RequestKV, entries: np.ndarray, count_as_eviction: bool) -> int:
@@ -266,7 +263,7 @@ class SlotStrategies:
             return 0
         ids = rk.table[entries]
         self.pool.free_blocks(ids)
-        self.plan.freed_blocks.append(ids)
+        self.effects.freed_blocks.append(ids)
         r, e = np.nonzero(entries)
         slots = (e[:, None] * self.stride + np.arange(self.stride)[None, :])
         rk.state.clear_slots(np.broadcast_to(r[:, None], slots.shape), slots)
@@ -274,7 +271,7 @@ class SlotStrategies:
         tail_gone = (rk.tail >= 0) & entries[np.arange(self.rows), np.maximum(rk.tail, 0)]
         rk.tail[tail_gone] = -1
         if count_as_eviction:
-            self.plan.blocks_freed_by_eviction += ids.size
+            self.effects.blocks_freed_by_eviction += ids.size
         return int(ids.size)
 
     def _free_empty_pages(self, rk: RequestKV) -> int:
@@ -282,7 +279,7 @@ class SlotStrategies:
         empty = (rk.table >= 0) & ~live_pages
         if self.strategy not in REUSE_STRATEGIES:      # keep an append tail that still has unwritten slots
             r = np.flatnonzero(rk.tail >= 0)
-            cap = self.tier_capacity[rk.page_tier[r, rk.tail[r]]]
+            cap = self.precision_capacity[rk.page_precision[r, rk.tail[r]]]
             keep = rk.tail_off[r] < cap
             empty[r[keep], rk.tail[r[keep]]] = False
         return self._release_entries(rk, empty, count_as_eviction=True)
@@ -291,9 +288,9 @@ class SlotStrategies:
         """Move survivors from each row's last pages into holes of its first pages; free the emptied pages."""
         st = rk.state
         freed = 0
-        for tier in np.unique(rk.page_tier[rk.table >= 0]):
-            pages = (rk.table >= 0) & (rk.page_tier == tier)
-            cap = int(self.tier_capacity[tier])
+        for precision in np.unique(rk.page_precision[rk.table >= 0]):
+            pages = (rk.table >= 0) & (rk.page_precision == precision)
+            cap = int(self.precision_capacity[precision])
             page_slots = np.repeat(pages, self.stride, axis=1) & self._valid(rk)
             live = st.live & page_slots
             n_live = live.sum(axis=1)
@@ -316,29 +313,29 @@ class SlotStrategies:
             freed += self._release_entries(rk, pages & ~keep, count_as_eviction=True)
         return freed
 
-    def _retier(self, rk: RequestKV, new_tier: np.ndarray) -> None:
+    def _move_precision(self, rk: RequestKV, new_precision: np.ndarray) -> None:
         st = rk.state
-        change = st.live & (new_tier >= 0) & (new_tier != st.tier)
-        for tier in np.unique(new_tier[change]):
-            m = change & (new_tier == tier)
+        change = st.live & (new_precision >= 0) & (new_precision != st.precision)
+        for precision in np.unique(new_precision[change]):
+            m = change & (new_precision == precision)
             n = m.sum(axis=1)
             src_r, src_s = np.nonzero(m)
-            # hold the tokens' fields, empty their slots, then place them in pages of the new tier;
-            # tier pages are filled hole-first whatever the strategy of new tokens' pages (the append
+            # hold the tokens' fields, empty their slots, then place them in pages of the new precision group;
+            # precision group pages are filled hole-first whatever the strategy of new tokens' pages (the append
             # tail is left alone)
-            free_cnt = self._free_slots(rk, int(tier), hole_first=True).sum(axis=1)
-            cap = int(self.tier_capacity[tier])
+            free_cnt = self._free_slots(rk, int(precision), hole_first=True).sum(axis=1)
+            cap = int(self.precision_capacity[precision])
             need = -(-np.maximum(n - free_cnt, 0) // cap)
             if need.sum() > self.pool.num_free_blocks:
-                continue                                   # no room: tokens keep their tier
-            self._add_pages(rk, need, int(tier))
-            slots = self._place(rk, n, int(tier), hole_first=True)
+                continue                                   # no room: tokens keep their precision group
+            self._add_pages(rk, need, int(precision))
+            slots = self._place(rk, n, int(precision), hole_first=True)
             take = np.arange(slots.shape[1])[None, :] < n[:, None]
             dst_r = np.broadcast_to(np.arange(self.rows)[:, None], slots.shape)[take]
             dst_s = slots[take]
-            self._record_moves(rk, src_r, src_s, dst_r, dst_s, dst_tier=int(tier))
+            self._record_moves(rk, src_r, src_s, dst_r, dst_s, dst_precision=int(precision))
             # quantization (LeanKV): per element of K and V, a min/max pass for scale and zero, then
             # scale, round, clamp and pack: QUANT_FLOPS each (the bytes are the move's, charged above)
-            self.plan.op_flops += QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row * src_r.size
+            self.effects.op_flops += QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row * src_r.size
             st.move(src_r, src_s, dst_s)
-            st.tier[dst_r, dst_s] = tier
+            st.precision[dst_r, dst_s] = precision

@@ -7,16 +7,16 @@ evicted for every layer and head at once, as one vLLM block slot holds all of th
 Columns are *slots*, not positions: slot `s` of a row lives in page-table entry
 `s // slot_stride` at offset `s % slot_stride`. A token carries its position with it (`pos`), so
 slot managers may move tokens (compaction, sparse copy, slot reuse) and policies never care where a
-token sits. Per-slot arrays (`live`, `pos`, `score`, `tier` and every array a policy registers with
+token sits. Per-slot arrays (`live`, `pos`, `score`, `precision group` and every array a policy registers with
 `add_field`) are permuted together whenever tokens move.
 """
 from __future__ import annotations
 
 import numpy as np
 
-TIER_FULL = 0      # the cache dtype (fp16/bf16)
-TIER_HIGH = 1      # LeanKV high precision (e.g. K8V4)
-TIER_LOW = 2       # LeanKV low precision (e.g. K4V2)
+PRECISION_FULL = 0      # the cache dtype (fp16/bf16)
+PRECISION_HIGH = 1      # LeanKV high precision (e.g. K8V4)
+PRECISION_LOW = 2       # LeanKV low precision (e.g. K4V2)
 
 
 class TokenState:
@@ -29,7 +29,7 @@ class TokenState:
         self.live = np.zeros((rows, num_slots), dtype=bool)
         self.pos = np.full((rows, num_slots), -1, dtype=np.int64)
         self.score = np.zeros((rows, num_slots), dtype=np.float32)   # attention received, summed
-        self.tier = np.zeros((rows, num_slots), dtype=np.int8)
+        self.precision = np.zeros((rows, num_slots), dtype=np.int8)
         self._fields: dict[str, tuple[np.ndarray, object]] = {}
         # the request, as the eviction-aware manager tags it at admission (None in standalone use)
         self.request_id: int | None = None
@@ -57,7 +57,7 @@ class TokenState:
         yield "live", False
         yield "pos", -1
         yield "score", 0
-        yield "tier", 0
+        yield "precision", 0
 
     def resize(self, num_slots: int) -> None:
         """Grow (or shrink) the slot dimension; new slots are empty."""
@@ -73,7 +73,7 @@ class TokenState:
         """Move tokens at (rows, src) slots to (rows, dst) slots; the sources become empty."""
         if len(rows) == 0:
             return
-        arrays = [(self.live, False), (self.pos, -1), (self.score, 0), (self.tier, 0)]
+        arrays = [(self.live, False), (self.pos, -1), (self.score, 0), (self.precision, 0)]
         arrays += list(self._fields.values())
         for arr, fill in arrays:
             vals = arr[rows, src]
@@ -85,7 +85,7 @@ class TokenState:
         self.live[rows, slots] = False
         self.pos[rows, slots] = -1
         self.score[rows, slots] = 0
-        self.tier[rows, slots] = 0
+        self.precision[rows, slots] = 0
         for arr, fill in self._fields.values():
             arr[rows, slots] = fill
 
@@ -99,7 +99,7 @@ class TokenState:
         return self.num_tokens - 1 - self.pos
 
     @classmethod
-    def dense(cls, rows: int, num_tokens: int) -> "TokenState":
+    def dense(cls, rows: int, num_tokens: int) -> TokenState:
         """A state with tokens 0..num_tokens-1 in slots 0..num_tokens-1 of every row (tests, tools)."""
         st = cls(rows, num_tokens)
         st.live[:] = True

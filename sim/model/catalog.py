@@ -600,6 +600,21 @@ def get_gpu(name_or_path: str | Path | GPUSpec) -> GPUSpec:
     return _gpus().get(name_or_path)
 
 
+# CUDA device names (torch.cuda.get_device_name) -> catalog GPU. A label inside another comes after it
+# ("L40" before "L4"); None: an A100, told apart by its memory.
+_CUDA_LABELS = (("H200", "h200"), ("H100", "h100"), ("A100", None), ("L40", "l40"), ("L4", "l4"), ("A40", "a40"),
+                ("T4", "t4"))
+
+
+def gpu_for_device_name(device_name: str, memory_gib: float) -> str | None:
+    """The catalog GPU of a CUDA device from its name and memory (GiB), or None when the catalog has none."""
+    name = device_name.upper()
+    for label, key in _CUDA_LABELS:
+        if label in name:
+            return key or ("a100-80gb" if memory_gib > 48 else "a100-40gb")
+    return None
+
+
 def list_models() -> list[ModelSpec]:
     return list(_models().entries)
 

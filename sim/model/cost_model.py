@@ -34,7 +34,7 @@ with peak_w the matmul peak of the weight dtype on this GPU (fp8 weights use fp8
 the GPU has them, else run weight-only at 16-bit), peak_e that of the LM-head dtype, peak_a that
 of the activation dtype, kv_split = KV heads held per GPU / KV heads (1/tp, or 1/kv_heads when KV
 heads are replicated because kv_heads < tp). `kv_tokens_read` counts token-equivalents at the
-cost model's KV dtype (a mixed-precision tier counts as its bytes / full-precision bytes).
+cost model's KV dtype (a mixed-precision group counts as its bytes / full-precision bytes).
 
 `predict(shape)` combines them with the profile's factors (p.*):
 
@@ -687,7 +687,7 @@ class CostModel:
         token, bw_eff, entry, k = c["kv_token_s"], p.attn_bw_eff, p.per_block_entry_overhead_s, p.step_time_scale
         overlap = self.async_scheduling
         out = []
-        for n, r, e in zip(seqs, kv_read, entries):
+        for n, r, e in zip(seqs, kv_read, entries, strict=True):
             a, b = float(r) * pair / compute_eff, float(r) * token / bw_eff
             device = linear[n] + (a if a >= b else b) * k + allreduce[n]
             overhead = (base[n] + float(e) * entry) * k

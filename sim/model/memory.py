@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
+from pathlib import Path
 
 from .catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_gpu, get_model
 from .cost_model import kv_heads_per_gpu
@@ -187,7 +188,7 @@ class RunMemoryEstimate:
 
 def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None,
                         fast_profile: FastModeProfile | None = None) -> RunMemoryEstimate:
-    """Host memory a simulation of `cfg` (its engine defaults resolved: sim.engine.run_plan builds it)
+    """Host memory a simulation of `cfg` (its engine defaults resolved: sim.engine.resolved_run builds it)
     needs, before anything is allocated: the KV block pool of every replica, fast mode's
     per-request slabs at their peak (sized from the policy's `fast_profile`), and the requests of
     `trace`."""
@@ -248,7 +249,7 @@ def available_memory_bytes() -> tuple[int, str]:
 
 def _meminfo_available() -> int:
     try:
-        for line in open("/proc/meminfo"):
+        for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -258,8 +259,8 @@ def _meminfo_available() -> int:
 
 def _cgroup_room() -> int | None:
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        used = int(open("/sys/fs/cgroup/memory.current").read())
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
     except (OSError, ValueError):
         return None
     return None if limit == "max" else max(int(limit) - used, 0)

@@ -12,11 +12,12 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple
+from typing import Literal, NamedTuple
+from collections.abc import Callable
 
 import pandas as pd
 
-from ..engine.run_plan import check_config_memory
+from ..engine.resolved_run import check_config_memory
 from ..config import ConfigError, SimConfig, parse_duration
 from ..io.result_dirs import holding_store_lock, mark_owned
 from ..io.safe_io import atomic_output, dumps_json

@@ -18,7 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from .capacity import Constraint, judge_row, slo_for_goodput
 from ..model.catalog import get_gpu
@@ -186,7 +186,7 @@ class _Runner:
         ids = [run_id_of(c) for c in cfgs]
         rows: dict[str, dict] = {}
         tasks = []
-        for rid, cfg in zip(ids, cfgs):
+        for rid, cfg in zip(ids, cfgs, strict=True):
             if self.cached is not None and rid in self.done:
                 rows[rid] = {k: v for k, v in self.cached.loc[rid].to_dict().items()
                              if not (isinstance(v, float) and math.isnan(v)) and v is not None}
@@ -220,10 +220,7 @@ def _next_count(s: Search, best: float | None, max_replicas: int) -> int | None:
     if s.lo_fail >= max_replicas:
         s.status, s.note = "over max replicas", f"fails at {s.lo_fail}"
         return None
-    if not s.rows:
-        n = s.start
-    else:
-        n = max(2 * s.lo_fail, _saturation_guess(s.rows[s.lo_fail], s.lo_fail))
+    n = s.start if not s.rows else max(2 * s.lo_fail, _saturation_guess(s.rows[s.lo_fail], s.lo_fail))
     if s.prune and best is not None:       # never simulate a count that cannot be cheaper
         n = min(n, math.ceil(best / price * (1 - 1e-9)) - 1)
     return max(s.lo_fail + 1, min(n, max_replicas))
@@ -249,7 +246,7 @@ def search_rounds(searches: list[Search], runner: _Runner, max_replicas: int, wi
         if not proposals:
             return
         rows = runner([s.cand.cfg.model_copy(update={"replicas": n}) for s, n in _cheapest_first(proposals, width)])
-        for (s, n), row in zip(_cheapest_first(proposals, width), rows):
+        for (s, n), row in zip(_cheapest_first(proposals, width), rows, strict=True):
             row["replicas"] = n
             s.rows[n] = row
             if row["status"] != "ok":

@@ -52,11 +52,8 @@ def series_by_group(ok: pd.DataFrame, x: str, group_keys: list[str]) -> list[tup
     """Mean over replicate axes (seeds) of every numeric column, per group and x value."""
     numeric = [c for c in ok.columns if pd.api.types.is_numeric_dtype(ok[c]) and c not in group_keys and c != x]
     out = []
-    if group_keys:
-        groups = ok.groupby(group_keys, dropna=False, sort=False)
-    else:
-        groups = [((), ok)]
-    for key, part in groups:
+    groups = ok.groupby(group_keys, dropna=False, sort=False) if group_keys else [((), ok)]
+    for _key, part in groups:
         agg = part.groupby(x, sort=True)[numeric].mean().reset_index()
         label = _group_label(part.iloc[0], group_keys)
         out.append((label, agg))

@@ -39,7 +39,8 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -160,7 +161,7 @@ def load_spec(path: str | Path) -> SweepPlan:
     return parse_spec(raw, source=str(path), root=path.parent)
 
 
-def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> SweepPlan:
+def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> SweepPlan:  # noqa: C901  one check per spec key, each with its own error message
     """Validate a spec mapping and expand it to the ordered list of distinct runs.
 
     Everything is checked before anything runs: spec keys, every axis value on its own (so the
@@ -208,11 +209,11 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
     seen: set[str] = set()
     duplicates = 0
     fits = _FitChecker()
-    for run, run_cfg in zip(runs, runs_cfg):
-        for combo, combo_cfg in zip(itertools.product(*grid.values()), itertools.product(*grid_cfg.values())):
-            axes = {**run, **dict(zip(grid, combo))}
+    for run, run_cfg in zip(runs, runs_cfg, strict=True):
+        for combo, combo_cfg in zip(itertools.product(*grid.values()), itertools.product(*grid_cfg.values()), strict=True):
+            axes = {**run, **dict(zip(grid, combo, strict=True))}
             where = f"{source}: run {len(planned) + duplicates} ({_describe(axes)})"
-            cfg = _check(base, {**fixed, **run_cfg, **dict(zip(grid, combo_cfg))}, where)
+            cfg = _check(base, {**fixed, **run_cfg, **dict(zip(grid, combo_cfg, strict=True))}, where)
             fits.check(cfg, where)
             rid = run_id_of(cfg)
             if rid in seen:
@@ -227,7 +228,7 @@ def parse_spec(raw: Any, *, source: str = "spec", root: Path | None = None) -> S
 def _check_size(runs: list, grid: dict, source: str) -> None:
     """Count the runs before expanding the product: a spec of a few lines can name billions."""
     total = len(runs)
-    for key, values in grid.items():
+    for _key, values in grid.items():
         if isinstance(values, list):
             total *= max(len(values), 1)
     if total > MAX_SWEEP_RUNS:
@@ -304,7 +305,7 @@ class _FitChecker:
     @staticmethod
     def _pool(cfg: SimConfig):
         """(model, pool blocks) as the run resolves them, or the reason the pool does not fit the GPU."""
-        from ..engine.run_plan import resolve_hardware, with_engine_defaults
+        from ..engine.resolved_run import resolve_hardware, with_engine_defaults
 
         try:
             model, _, _, blocks, _ = resolve_hardware(with_engine_defaults(cfg))
@@ -326,10 +327,10 @@ class _FitChecker:
     def _memory_problem(self, cfg: SimConfig, model, blocks: int) -> str | None:
         if self._available is None:
             self._available = available_memory_bytes()
-        from ..engine.run_plan import build_run_plan
+        from ..engine.resolved_run import resolve_run
 
         try:
-            check_memory(build_run_plan(cfg).memory, self._available)
+            check_memory(resolve_run(cfg).memory, self._available)
         except ValueError as exc:
             return str(exc)
         return None

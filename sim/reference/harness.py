@@ -145,7 +145,7 @@ class _ScheduleTap:
     def __init__(self, executor):
         self.inner = executor
         self.steps: list[tuple[list, list]] = []
-        self.supports_fast_forward = False
+        self.supports_decode_runs = self.supports_admitting_runs = False
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -155,8 +155,8 @@ class _ScheduleTap:
                            [r.request_id for r in out.preempted]))
         return self.inner.execute(out)
 
-    def complete(self, result, kv_plan):
-        return self.inner.complete(result, kv_plan)
+    def complete(self, result, kv_effects):
+        return self.inner.complete(result, kv_effects)
 
 
 def kvsim_schedule(cfg: SimConfig, trace) -> tuple[pd.DataFrame, dict]:
@@ -174,7 +174,7 @@ def kvsim_schedule(cfg: SimConfig, trace) -> tuple[pd.DataFrame, dict]:
     steps = result.steps.sort_values("step").reset_index(drop=True)
     reqs = result.requests
     rejected = dict(zip(reqs.loc[reqs["status"] == "rejected", "request_id"].astype(int),
-                        reqs.loc[reqs["status"] == "rejected", "reject_reason"]))
+                        reqs.loc[reqs["status"] == "rejected", "reject_reason"], strict=True))
     return schedule_log(steps, taps[0].steps, set(reqs.loc[reqs["status"] == "finished", "request_id"])), \
         {"rejected": rejected, "steps": steps, "summary": result.summary, "kv": kvs[0]}
 
@@ -297,11 +297,11 @@ def check_reference_memory(cfg: SimConfig, trace) -> None:
     num_gpu_blocks_override) and weights, beside kvsim's own simulation of the trace (HostMemoryError)."""
     from kvsim.sim.model.catalog import get_model
     from kvsim.sim.model.memory import RunMemoryEstimate, check_memory
-    from kvsim.sim.engine.run_plan import build_run_plan
+    from kvsim.sim.engine.resolved_run import resolve_run
 
     model, eng = get_model(cfg.model), cfg.engine
     vllm_kv = eng.num_gpu_blocks * eng.block_size * int(model.kv_bytes_per_token("bf16"))
-    simulated = build_run_plan(cfg, trace=trace).memory
+    simulated = resolve_run(cfg, trace=trace).memory
     check_memory(RunMemoryEstimate((
         ("vLLM's CPU KV cache", f"{eng.num_gpu_blocks} blocks x {eng.block_size} tokens x "
          f"{model.kv_bytes_per_token('bf16') / 1024:g} KiB", "--num-gpu-blocks", vllm_kv),

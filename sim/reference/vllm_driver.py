@@ -82,7 +82,7 @@ def step_row(step: int, out, kinds: tuple[int, int], scheduler, finished: list[i
     tokens = {kvsim_id(k): v for k, v in out.num_scheduled_tokens.items()}
     new = [kvsim_id(r.req_id) for r in out.scheduled_new_reqs]
     cached = out.scheduled_cached_reqs
-    resumed = [kvsim_id(rid) for rid, res in zip(cached.req_ids, _resumed_flags(cached)) if res]
+    resumed = [kvsim_id(rid) for rid, res in zip(cached.req_ids, _resumed_flags(cached), strict=True) if res]
     preempted = sorted(kvsim_id(r) for r in (out.preempted_req_ids or ()))
     return {
         "step": step,
@@ -158,4 +158,5 @@ def _vllm_version() -> str:
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: vllm_driver.py SPEC.json OUT.jsonl")
-    run(json.load(open(sys.argv[1])), sys.argv[2])
+    with open(sys.argv[1]) as f:
+        run(json.load(f), sys.argv[2])

@@ -25,7 +25,7 @@ from ..io.safe_io import dumps_json
 from .vllm_metrics import bench_metrics
 
 if TYPE_CHECKING:
-    from ..engine.run_plan import RunPlan
+    from ..engine.resolved_run import ResolvedRun
 
 
 def managed_pool_blocks(kvs: list, num_blocks: int) -> int:
@@ -33,7 +33,7 @@ def managed_pool_blocks(kvs: list, num_blocks: int) -> int:
     return kvs[0].pool.num_blocks if kvs else num_blocks
 
 
-def run_summary(plan: RunPlan, req_df: pd.DataFrame, steps_df: pd.DataFrame | dict, kvs: list,
+def run_summary(plan: ResolvedRun, req_df: pd.DataFrame, steps_df: pd.DataFrame | dict, kvs: list,
                 client_latency: bool = False, tokens=None) -> dict:
     """summary.json of a run (simulated or replayed) from its plan and its request and step tables (a
     streamed run: its step figures, sim.results.request_log.step_figures_from_file, and token figures,

@@ -110,7 +110,7 @@ def report_lines(s: dict) -> list[str]:
 
     def row(label, key, fmt="{:<10.2f}"):
         if s.get(key) is not None:
-            lines.append("{:<40} ".format(label) + fmt.format(s[key]))
+            lines.append(f"{label:<40} " + fmt.format(s[key]))
 
     row("Successful requests:", "completed", "{:<10}")
     row("Failed requests:", "failed", "{:<10}")

@@ -19,7 +19,7 @@ from ..cluster.links import LinkSpec, get_link, handoff_link
 from ..config import ConfigError, EngineConfig, SimConfig
 from ..engine.assembly import EngineRun, trace_to_requests
 from ..engine.loop import EngineClock, ReplicaOptions
-from ..engine.run_plan import RunPlan, build_run_plan
+from ..engine.resolved_run import ResolvedRun, resolve_run
 from ..model.memory import check_memory
 from ..results.metrics import SUMMARY_STEP_COLUMNS, StepLog, request_table
 from ..results.outputs import run_summary, write_outputs
@@ -42,8 +42,8 @@ FLEET_REQUEST_COLUMNS = {
 
 
 class FleetPlans(NamedTuple):
-    prefill: RunPlan
-    decode: RunPlan
+    prefill: ResolvedRun
+    decode: ResolvedRun
 
 
 def pool_config(cfg: SimConfig, role: str) -> SimConfig:
@@ -63,7 +63,7 @@ def fleet_plans(cfg: SimConfig, trace) -> FleetPlans:
     plans = []
     for role in ("prefill", "decode"):
         try:
-            plan = build_run_plan(pool_config(cfg, role), trace=trace)
+            plan = resolve_run(pool_config(cfg, role), trace=trace)
         except (ConfigError, ValueError) as exc:
             raise ConfigError(f"fleet.{role}: {exc}") from None
         plans.append(plan)
@@ -195,7 +195,7 @@ def fleet_summary(cfg: SimConfig, plans: FleetPlans, fleet: Fleet, proxy: Disagg
     return summary
 
 
-def pool_figures(pool, plan: RunPlan, steps: pd.DataFrame, makespan: float) -> dict:
+def pool_figures(pool, plan: ResolvedRun, steps: pd.DataFrame, makespan: float) -> dict:
     mine = steps[steps["replica"].isin([r.index for r in pool.replicas])]
     n = len(pool.replicas)
     busy = float(mine["duration_s"].sum())

@@ -22,7 +22,7 @@ from ..io.progress import ProgressTracker, TokenBar, ambient_callback
 from ..results.request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request_columns, step_figures_from_file,
                           token_stats_from_file)
 from ..io.result_dirs import ResultDir, check_out_dir, check_out_owner
-from ..engine.run_plan import RunPlan, build_run_plan
+from ..engine.resolved_run import ResolvedRun, resolve_run
 
 
 @dataclass
@@ -54,11 +54,11 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     if out_dir:
         check_out_dir(Path(out_dir))
         check_out_owner(Path(out_dir), overwrite=overwrite)
-        _check_not_reading_from(cfg, Path(out_dir))
+        _check_not_reading_from(cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
     if cfg.fleet is not None:
         return _simulate_fleet(cfg, trace, out_dir, t0, overwrite)
-    plan = build_run_plan(with_bench_load(cfg, trace), trace=trace, model=model)
+    plan = resolve_run(with_bench_load(cfg, trace), trace=trace, model=model)
     check_memory(plan.memory)
     staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
     try:
@@ -85,7 +85,7 @@ class RunOptions(NamedTuple):
     wrap_kv: object
 
 
-def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
+def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
     cfg = plan.cfg
     client = plan.cost.profile.client if cfg.client_latency else ClientLatency()
     # requests enter the engine through the client-side API server: at their trace time (open loop) or
@@ -170,9 +170,9 @@ def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
     return cfg
 
 
-def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
-    """The recorded policy reads a replay's decisions: publishing into that directory would replace them."""
-    source = cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None
+def _check_not_reading_from(source: str | None, out: Path) -> None:
+    """The recorded policy reads a replay's decisions (at `source`): publishing into that directory would
+    replace them."""
     if not source:
         return
     source = Path(source)

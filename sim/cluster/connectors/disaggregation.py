@@ -16,7 +16,7 @@ computes the prompt itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from ...core.connector import NO_TRANSFERS, FinishedTransfers, KVTransferStep
 from ..links import Link

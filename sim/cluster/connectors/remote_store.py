@@ -12,7 +12,7 @@ optionally pipelined layer by layer with that step's compute.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ...core.connector import NO_TRANSFERS, FinishedTransfers, KVTransferStep
 

@@ -10,7 +10,7 @@ in bulk.
 Without it every arrival ends a run and takes steps of its own through the scheduler. Here a run
 spans thousands of steps. Everything stepping does still happens, in the same order: the arrivals
 join WAITING through `Scheduler.add_request` and the admissions go through the scheduler's own
-admission (`Scheduler.admit_planned`, which checks it admits what was planned) between the run's
+admission (`Scheduler.admit_waiting`, checked to admit what was planned) between the run's
 bulk allocations, so block identities, the prefix cache, request state and the step log come out
 bit-identical to stepping (tests/test_admitting_runs.py, and the decode fast-forward's property test).
 
@@ -85,14 +85,14 @@ class _Timeline:
         start = (self.count[-1], self.computed[-1], self.blocks[-1]) if p else (0, 0, 0)
         # the sums so far, carried on over the steps' differences (in Python: 2x numpy's time at any length)
         counts, computed, blocks = [list(accumulate(row[p:q], initial=total))[1:]
-                                    for row, total in zip((ev.d_count, ev.d_computed, ev.d_blocks), start)]
+                                    for row, total in zip((ev.d_count, ev.d_computed, ev.d_blocks), start, strict=True)]
         if 0 in counts:                     # every request has finished: the engine idles there
             q = p + counts.index(0)
             self.limit = q
             if q <= p:
                 return
             del counts[q - p:], computed[q - p:], blocks[q - p:]
-        kv_read = [c + j * n for j, c, n in zip(range(p + 1, q + 1), computed, counts)]
+        kv_read = [c + j * n for j, c, n in zip(range(p + 1, q + 1), computed, counts, strict=True)]
         durations = executor.predict_decode_steps(counts, kv_read, blocks)
         self.pace = durations[-1]
         self.durations += durations
@@ -106,7 +106,7 @@ class _Timeline:
         """Price the steps up to the one whose schedule first sees an arrival at `t` (async: one step
         later), that one included, or up to the limit."""
         while self.priced < self.limit and self.priced <= bisect_left(self.times, t) + deferred:
-            if t == float("inf"):
+            if t == float("inf"):  # noqa: SIM108  (a comment per branch)
                 ahead = 256
             else:                           # steps until `t`; none when the steps priced reach it
                 ahead = max((t - self.times[-1]) / self.pace, 0)
@@ -191,10 +191,10 @@ def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: 
                    start: tuple[list, list, list]) -> DecodeRun | None:
     """The next run of a replica whose running requests all decode, or finished in the step just
     taken (async), admitting the arrivals it can. `start`: the decoding requests, their computed
-    counts and last steps, as `fast_forward.plan` found them."""
+    counts and last steps, as `find_decode_run` found them."""
     planner = _Planner(view, sched, kv, executor, arrivals)
     run = _Admissions(*map(list, start))
-    for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step)):
+    for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step, strict=True)):
         add_request_events(planner.ev, r, span, (planner.horizon, kv.block_size), planner.blocks_return)
     k = planner.end(planner.plan(run), run)
     if not run.admissions:
@@ -298,7 +298,7 @@ class _Planner:
         chunks, admitted, partial = [], [], 0
         if self.prefilling is not None:
             adm, done = self.prefilling
-            n = sched._chunk(adm.request.prompt_tokens - done, budget, done, threshold)
+            n = sched.new_tokens(adm.request.prompt_tokens - done, budget, done, threshold)
             held = -(-(done + n) // bs)
             if n < 1 or free < held - -(-done // bs):
                 return False
@@ -311,9 +311,9 @@ class _Planner:
             prompt = req.prompt_tokens
             if free < -(-prompt // bs):
                 return False                # the head waits for blocks: the pool's judgement, not planned
-            if not cfg.enable_chunked_prefill and sched._capped(prompt, threshold) > budget:
+            if not cfg.enable_chunked_prefill and sched.capped(prompt, threshold) > budget:
                 break                       # it waits for a step with budget enough
-            n = sched._chunk(prompt, budget, 0, threshold)
+            n = sched.new_tokens(prompt, budget, 0, threshold)
             partial += n < prompt
             if partial > 1:
                 return False                # two prompts part-way at once (a chunk cap): not planned
@@ -326,7 +326,7 @@ class _Planner:
     def _commit(self, j: int, run: _Admissions, step: tuple, admitted: list) -> None:
         line, ev, bs = self.line, self.ev, self.kv.block_size
         counts, chunks = step
-        for n, done, held in chunks:
+        for _n, done, held in chunks:
             ev.new_blocks[j] += held - -(-done // bs)
         line.append_step(counts, chunks, self.executor)
         if self.prefilling is not None:
@@ -377,7 +377,7 @@ class _Planner:
         for j in self.admitted_by:
             if j < k:
                 admitted[j] += 1
-        waiting = list(accumulate(a - b for a, b in zip(arrived[:k], admitted[:k])))
+        waiting = list(accumulate(a - b for a, b in zip(arrived[:k], admitted[:k], strict=True)))
         return [(j, self.arrivals.upcoming(i)) for i, j in enumerate(self.seen[:taken])], waiting
 
 

@@ -2,9 +2,9 @@
 
 Between events nothing in a decode-only batch needs the scheduler's judgement: each running
 request computes one token per step, grows a block every `block_size` tokens, and leaves when its
-output is complete. `plan` finds how many steps can be taken that way (stopping at the step in
+output is complete. `find_decode_run` finds how many steps can be taken that way (stopping at the step in
 progress when the next request arrives, before an allocation that could fail, at a finish that
-would let a waiting request in, or at a horizon) and computes their shapes; `apply` then performs
+would let a waiting request in, or at a horizon) and computes their shapes; `apply_decode_run` then performs
 the run's allocations and finishes through the KV manager in the order stepping would, so block
 identities, request state and the step log come out bit-identical (tested).
 
@@ -23,16 +23,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...core.protocols import FastForwardExecutor, FastForwardKV
+from ...core.protocols import DecodeRunExecutor, DecodeRunKV
 from ...core.request import RequestStatus
-from ...core.scheduler import Scheduler
+from ...core.scheduler import CONNECTOR_PENDING, Scheduler
 
 F64 = np.float64
 
 
 class ReplicaView(NamedTuple):
     """What a decode run's plan needs of the replica besides its scheduler, KV manager and executor
-    (`EngineReplica.fast_forward_view`)."""
+    (`EngineReplica.decode_run_view`)."""
     now: float                  # the replica's clock: the end of the step just taken
     next_arrival: float         # when the next request reaches the engine (inf: none)
     inbox_empty: bool           # no arrival waits for the next schedule (async scheduling)
@@ -111,7 +111,7 @@ class RunEvents(NamedTuple):
     allocs: list          # step << ALLOC_SHIFT | request index of each allocation, sorted
 
 
-def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastForwardExecutor,
+def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, executor: DecodeRunExecutor,
          admitting=None) -> DecodeRun | None:
     """The next decode run of a replica (whose executor and KV manager support fast-forward), or None.
     `admitting(view, sched, kv, executor, (computed, last_step))`, if given, plans a run that admits
@@ -144,7 +144,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     if admission_blocked and b < cfg.max_num_seqs:
         # Only while the head of WAITING cannot get its blocks even before this run's allocations.
         first_step_blocks = sum(1 for x in computed if x % bs == 0)
-        if not sched.waiting_head_blocked(cfg.max_num_batched_tokens - b, kv.pool.num_free_blocks - first_step_blocks):
+        if not waiting_head_blocked(sched, kv, cfg.max_num_batched_tokens - b, kv.pool.num_free_blocks - first_step_blocks):
             return None
     # A finish may let the blocked head of WAITING in, or send a closed-loop client's next request
     # (view.closed_loop): the run ends there. Async scheduling releases a finish's blocks after the
@@ -176,9 +176,7 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     kv_read = c_sum + np.arange(1, k + 1) * batch        # tokens after step j: c + j + 1 per request
     durations = executor.predict_decode_run(batch, kv_read, held)
     starts, ends = _step_times(view.now, durations.tolist(), next_arrival, ev.finished, deferred)
-    if ends and view.next_transfer < ends[-1]:
-        m = bisect_left(starts, view.next_transfer)
-        starts, ends = starts[:m], ends[:m]
+    starts, ends = _before_transfer(starts, ends, view.next_transfer)
     k = len(starts)
     if k < 1:
         return None
@@ -186,6 +184,49 @@ def plan(view: ReplicaView, sched: Scheduler, kv: FastForwardKV, executor: FastF
     return DecodeRun(list(running), computed, last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
                      batch[:k], kv_read[:k], held[:k], ev.finished[:k], ev.finished_computed[:k],
                      ev.finished_blocks[:k], durations[:k], starts, ends)
+
+
+def waiting_head_blocked(sched: Scheduler, kv: DecodeRunKV, budget: int, free_blocks: int) -> bool:
+    """Whether the scheduler's admission would stop at the head of WAITING for lack of KV blocks (or,
+    without chunked prefill, of budget) with `budget` tokens left and `free_blocks` free (the
+    scheduler's own rule, `Scheduler.admission`). Changes nothing.
+
+    While free blocks only shrink (a decode run), a blocked head stays blocked.
+    """
+    req = sched.waiting.peek()
+    bs = kv.block_size
+    swapped = req.swapped_tokens
+    if swapped and -(-swapped // bs) > free_blocks:
+        return True
+    # a decode run has requests running and this one waiting: the chunk cap applies
+    admission = sched.admission(req, budget, sched.config.long_prefill_token_threshold, free_blocks)
+    if admission is None:
+        return True
+    if admission is CONNECTOR_PENDING:
+        return False            # skipped: the requests behind it may be admitted
+    hits, n, computed = admission[:3]
+    # a request whose KV a connector loaded holds its blocks already
+    held = len(kv.req_blocks.get(req, ())) if req.num_computed_tokens and not swapped else 0
+    need = -(-(computed + n) // bs) - len(hits) - held
+    return need > free_blocks - kv.num_revivable(hits)
+
+
+def admit_planned(sched: Scheduler, budget: int, planned: list) -> None:
+    """The scheduler's admission with `budget` tokens left, checked to admit exactly `planned`,
+    (request, tokens) in order: a decode run that admits arrivals (sim/engine/bulk/admitting_runs.py)
+    planned them."""
+    got = [(s.request, s.num_new_tokens) for s in sched.admit_waiting(budget)]
+    if got != planned:
+        raise AssertionError(f"a decode run planned to admit {[(r.request_id, n) for r, n in planned]}; the "
+                             f"scheduler admitted {[(r.request_id, n) for r, n in got]}")
+
+
+def _before_transfer(starts: list, ends: list, next_transfer: float) -> tuple[list, list]:
+    """The steps starting before a connector's next transfer ends: the step end after it polls it."""
+    if not ends or next_transfer >= ends[-1]:
+        return starts, ends
+    m = bisect_left(starts, next_transfer)
+    return starts[:m], ends[:m]
 
 
 def _step_times(now: float, durations: list, next_arrival: float, finished: list, deferred: bool) -> tuple[list, list]:
@@ -252,7 +293,7 @@ def add_request_events(ev: RunEvents, r: int, span: tuple[int, int, int], shape:
             ev.freed_blocks[j] += h
 
 
-def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> int:
+def _steps_keeping_head_hits(sched, kv: DecodeRunKV, allocs: list, k: int) -> int:
     """Of the first k steps, those before the first allocation that would evict a free cached block
     the blocked head of WAITING hits. Such an eviction can let the head in: it recomputes that block
     within its capped chunk instead, and the block no longer counts both as free and as a hit."""
@@ -261,7 +302,7 @@ def _steps_keeping_head_hits(sched, kv: FastForwardKV, allocs: list, k: int) -> 
         return k
     revivable = {b for b in kv.get_computed_blocks(head) if kv.pool.ref_cnt[b] == 0}
     if revivable:
-        for block, key in zip(kv.pool.next_free_blocks(len(allocs)), allocs):
+        for block, key in zip(kv.pool.next_free_blocks(len(allocs)), allocs, strict=True):
             if block in revivable:
                 return min(k, key >> ALLOC_SHIFT)
     return k
@@ -281,7 +322,7 @@ def _steps_that_fit(ev: RunEvents, k: int, free_blocks: int, deferred: bool = Fa
     return k
 
 
-def apply(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> dict:
+def apply_decode_run(sched: Scheduler, kv: DecodeRunKV, run: DecodeRun) -> dict:
     """Allocate, finish and advance requests as the run's steps would (all but the last step's
     finishes, which happen when the clock reaches its end); returns the run's pool columns."""
     k = run.num_steps
@@ -291,8 +332,8 @@ def apply(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> dict:
     else:
         used, cached = _bulk_allocate(sched, kv, run)
     ends = array("d", run.ends)             # token times go to float64 arrays: copied, not converted
-    first = run.token_start or repeat(0)
-    for req, c, e, t0 in zip(run.requests, run.computed, run.last_step, first):
+    first = run.token_start or [0] * len(run.requests)
+    for req, c, e, t0 in zip(run.requests, run.computed, run.last_step, first, strict=True):
         n = e if e < k else k
         req.num_computed_tokens = c + n
         req.num_output_tokens += n - t0
@@ -322,7 +363,7 @@ def _must_replay(kv, reqs: list) -> bool:
     return kv.enable_caching and any(r.num_preemptions for r in reqs)
 
 
-def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple[list, list]:
+def _bulk_allocate(sched: Scheduler, kv: DecodeRunKV, run: DecodeRun) -> tuple[list, list]:  # noqa: C901  one pass over the run's allocations and finishes in stepping's order; split, the order is harder to see
     """Blocks popped in bulk between the steps that release finished requests' blocks (the step
     they finish in; with async scheduling the next one, after its allocations). With prefix
     caching each decode fill's hash is its request's own and new (no request here resumed after a
@@ -349,7 +390,7 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
     for j in sorted({*releases, *admits, k - 1, *((0,) if finishing else ())}):
         unhashed, hashed, used0 = pool.num_unhashed_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks
         start, a = a, bisect_left(allocs, (j + 1) << ALLOC_SHIFT, a)      # the decode allocations of steps up to j
-        for key, block in zip(allocs[start:a], pool.get_new_blocks(a - start)):
+        for key, block in zip(allocs[start:a], pool.get_new_blocks(a - start), strict=True):
             req_blocks[reqs[key & ALLOC_MASK]].append(block)
         counted = j if j in admits else j + 1       # steps whose pool figures follow from the counts
         pops = list(accumulate(run.new_blocks[first:counted]))
@@ -372,13 +413,13 @@ def _bulk_allocate(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple
                 sched.release_finishing()
             used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
     if caching:
-        for req, c, e in zip(reqs, run.computed, run.last_step):
+        for req, c, e in zip(reqs, run.computed, run.last_step, strict=True):
             if e >= k:
                 kv.cache_full_blocks(req, c + k)
     return used, cached
 
 
-def _schedule_arrivals(sched: Scheduler, kv: FastForwardKV, planned: tuple, start: float) -> None:
+def _schedule_arrivals(sched: Scheduler, kv: DecodeRunKV, planned: tuple, start: float) -> None:
     """A step's schedule beyond its decodes, as planned (sim/engine/bulk/admitting_runs.py): the arrivals it sees
     join WAITING, the prompt part-way gets its next chunk (the slots the scheduler's running loop
     would allocate), then the scheduler's own admission takes what the plan says it takes."""
@@ -396,7 +437,7 @@ def _schedule_arrivals(sched: Scheduler, kv: FastForwardKV, planned: tuple, star
         else:
             req.num_computed_tokens += n
     if admitted:
-        sched.admit_planned(chunks[-len(admitted)][0].budget, admitted)
+        admit_planned(sched, chunks[-len(admitted)][0].budget, admitted)
         for req, n in admitted:
             req.first_scheduled_time = start
             req.num_computed_tokens += n
@@ -406,12 +447,12 @@ def _fills(run: DecodeRun, bs: int) -> list:
     """(step, request index) of each allocation and each step where a block becomes full (its last
     slot written: hashed then), in stepping order."""
     fills = {(key >> ALLOC_SHIFT, key & ALLOC_MASK) for key in run.allocs}
-    for r, (c, e) in enumerate(zip(run.computed, run.last_step)):
+    for r, (c, e) in enumerate(zip(run.computed, run.last_step, strict=True)):
         fills.update((j, r) for j in range(-(c + 1) % bs, min(e, run.num_steps), bs))
     return sorted(fills)
 
 
-def _replay_events(sched: Scheduler, kv: FastForwardKV, run: DecodeRun) -> tuple[list, list]:
+def _replay_events(sched: Scheduler, kv: DecodeRunKV, run: DecodeRun) -> tuple[list, list]:
     """Prefix caching: replay each allocation / block fill / finish through the manager in order."""
     pool, k = kv.pool, run.num_steps
     finishing = sorted((e - 1, r) for r, e in enumerate(run.last_step) if e < k)

@@ -52,7 +52,7 @@ tests/test_kv_fast_kernels.py.
 
 Prompt-cut policies (SnapKV with a rate, PyramidKV, Ada-KV, KV-Compress) give per-row cut budgets
 (`budgets`), KV-Compress also compresses under memory pressure (`reclaim`), the SnapKV family's
-decode-time compression re-runs the cut (`recut`); LeanKV (tiers of different page capacities)
+decode-time compression re-runs the cut (`recut`); LeanKV (precision groups of different page capacities)
 runs the token-level manager on a stratified sample of the rows (`sampled`, no slab); their models
 and agreement are in docs/kv-policies.md section 5.
 

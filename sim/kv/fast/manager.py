@@ -21,7 +21,7 @@ import numpy as np
 from ...core.request import Request
 from ..base import EvictingManagerBase, FastOptions
 from ..policy import EvictionPolicy, PolicyContext
-from ..slots import REUSE_STRATEGIES, KVStepPlan
+from ..slots import REUSE_STRATEGIES, KVStepEffects
 from .budgets import CutBudgets, budget_order_key
 from .reclaim import Reclaim
 from .recut import Recut
@@ -193,7 +193,7 @@ class FastKVManager(EvictingManagerBase):
         self.budgets.cut_len.pop(s, None)
         return n * self.unit
 
-    def finish_step(self, scheduled) -> KVStepPlan:
+    def finish_step(self, scheduled) -> KVStepEffects:
         slab, ledger = self.slab, self.ledger
         slot_get, pending_pop, prefilled = slab.slot_of.get, self._pending.pop, slab.prefilled_l
         dec, slots = [], []
@@ -209,16 +209,16 @@ class FastKVManager(EvictingManagerBase):
             if pending_pop(s, None) is not None:
                 dec.append((s, req))
             elif sch.is_prefill and not prefilled[s] and computed >= req.num_tokens:
-                before = ledger.plan.evicted_tokens
+                before = ledger.effects.evicted_tokens
                 self.step.finish_prefill(s)
-                note_evicted(req, ledger.plan.evicted_tokens - before, self.rows)
+                note_evicted(req, ledger.effects.evicted_tokens - before, self.rows)
                 slab.restat(np.array([s]))
         if dec:
             # in slab order the step walks its rows' memory ascending (a third faster on 1,000 requests)
             dec.sort(key=_first)
             evicted = self.step.step(np.fromiter(map(_first, dec), np.int64, len(dec)))
             if any(evicted):
-                for (_, req), k in zip(dec, evicted):
+                for (_, req), k in zip(dec, evicted, strict=True):
                     if k:
                         req.kv_evicted_tokens += k / self.rows
             if self.recut is not None:
@@ -226,7 +226,7 @@ class FastKVManager(EvictingManagerBase):
         live_l = slab.live_l
         self.logical_token_steps += logical
         self.stored_token_steps += sum([live_l[s] for s in slots]) / self.rows
-        plan = ledger.take_plan()
+        plan = ledger.take_effects()
         plan.evicted_tokens *= self.unit
         plan.blocks_freed_by_eviction *= self.unit
         plan.bytes_moved *= self.unit

@@ -13,7 +13,7 @@ old pages).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -79,10 +79,10 @@ class Reclaim:
             self.slab.occ[s, r] -= drawn.astype(np.int32)
         evicted = int(groups.sum()) * bs
         self.slab.live[s] -= (groups * bs).astype(np.int32)
-        self.ledger.plan.evicted_tokens += evicted
+        self.ledger.effects.evicted_tokens += evicted
         note_evicted(req, evicted, self.cfg.rows)
-        before = self.ledger.plan.blocks_freed_by_eviction
+        before = self.ledger.effects.blocks_freed_by_eviction
         self.slots.settle_generic(s, rows)
         self.slots.update_need(np.array([s]))
         self.slab.restat(np.array([s]))
-        return self.ledger.plan.blocks_freed_by_eviction - before
+        return self.ledger.effects.blocks_freed_by_eviction - before

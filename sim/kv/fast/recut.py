@@ -54,7 +54,7 @@ class Recut:
         if not total:
             return
         self.slab.live[s] -= evicted.astype(np.int32)
-        self.ledger.plan.evicted_tokens += total
+        self.ledger.effects.evicted_tokens += total
         note_evicted(req, total, self.cfg.rows)
         self.slab.restat(np.array([s]))
 
@@ -87,7 +87,7 @@ class Recut:
         self.slab.occ[s] -= gone.astype(np.int32)
         self.slab.live[s] -= evicted.astype(np.int32)
         total = int(evicted.sum())
-        self.ledger.plan.evicted_tokens += total
+        self.ledger.effects.evicted_tokens += total
         note_evicted(req, total, self.cfg.rows)
         self.slab.reset_candidates(s)
         self.slots.settle_generic(s, np.arange(self.cfg.rows))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from ...core.request import Request
-from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES, KVStepPlan
+from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES, KVStepEffects
 from .compiled.layout import (EMPTY_SCORES, HOLE, HOLED, LIST_LEN, LIVE, NCOL, NUM_CANDIDATES, PAGES, ROW_FIELDS, TAIL, TAIL_WRITTEN,
                      RowConsts, ScoreArrays, SlabArrays, StepFlags)
 from .settings import FastSettings
@@ -61,19 +62,19 @@ class Ledger:
 
     def __init__(self, pool: CountPool, bytes_per_token_row: float):
         self.pool, self.bytes_per_token_row = pool, bytes_per_token_row
-        self.plan = KVStepPlan()
+        self.effects = KVStepEffects()
 
     def free_evicted(self, n: int) -> None:
         """n pages emptied by evictions go back to the pool."""
         self.pool.give(n)
-        self.plan.blocks_freed_by_eviction += n
+        self.effects.blocks_freed_by_eviction += n
 
     def charge_moved(self, tokens) -> None:
         """Bytes of `tokens` token-rows rewritten (rounded per call)."""
-        self.plan.bytes_moved += int(round(tokens * self.bytes_per_token_row))
+        self.effects.bytes_moved += int(round(tokens * self.bytes_per_token_row))
 
-    def take_plan(self) -> KVStepPlan:
-        plan, self.plan = self.plan, KVStepPlan()
+    def take_effects(self) -> KVStepEffects:
+        plan, self.effects = self.effects, KVStepEffects()
         return plan
 
 
@@ -85,7 +86,7 @@ class FastSlab:
 
     _SCORED = ("terms", "eref", "ring_static", "ring_content", "norm", "hsum", "sigma", "cand", "thr")
 
-    def __init__(self, settings: FastSettings, heads: "Heads | None",
+    def __init__(self, settings: FastSettings, heads: Heads | None,
                  read_tokens: Callable[[np.ndarray], np.ndarray] | None):
         self.settings, self.heads, self.read_tokens = settings, heads, read_tokens
         self.rows = settings.rows

@@ -337,7 +337,7 @@ class SlotStrategy:
             return
         slots, slot_of_row = np.unique(s, return_inverse=True)
         per_slot = np.bincount(slot_of_row, weights=moved, minlength=slots.size).astype(np.int64)
-        self.ledger.plan.bytes_moved += sum(int(round(int(n) * self.ledger.bytes_per_token_row)) for n in per_slot)
+        self.ledger.effects.bytes_moved += sum(int(round(int(n) * self.ledger.bytes_per_token_row)) for n in per_slot)
 
     def after_fill(self, qP, st, at, col) -> None:
         """Reuse strategies: a filled page moves the first-hole pointer (in `st`) on."""

@@ -65,7 +65,7 @@ class FastStep:
         per_page = np.bincount(pos_page[protect:cand], minlength=cols)
         if not self.cfg.tracks_columns:
             self.slab.live[s] = L - cand + keep
-            self.ledger.plan.evicted_tokens += int((cand - keep).sum())
+            self.ledger.effects.evicted_tokens += int((cand - keep).sum())
             return
         if kept_pos is not None:
             listed = kept_pos >= 0
@@ -82,7 +82,7 @@ class FastStep:
         evict = per_page[None, :] - kept
         self.slab.occ[s, :, :cols] -= evict.astype(np.int32)
         self.slab.live[s] = L - cand + keep
-        self.ledger.plan.evicted_tokens += int(evict.sum())
+        self.ledger.effects.evicted_tokens += int(evict.sum())
 
     def step(self, S: np.ndarray) -> list[int]:
         """Write one token per row of every slot in S, move the window, evict, apply the slot strategy.
@@ -123,7 +123,7 @@ class FastStep:
         """The pool and the step plan after the kernel's step (it counts, the manager gives back)."""
         if opened:
             self.slab.ncol_hi += 1
-        self.ledger.plan.evicted_tokens += evicted
+        self.ledger.effects.evicted_tokens += evicted
         if freed:
             self.ledger.free_evicted(freed)
         if copied_rows:
@@ -231,7 +231,7 @@ class FastStep:
                 self.scorer.pick(q, over, ex, ec, hn)
             return None
         live -= over
-        self.ledger.plan.evicted_tokens += n_over
+        self.ledger.effects.evicted_tokens += n_over
         evicted = [cfg.rows] * nS if n_over == over.size else over.reshape(nS, cfg.rows).sum(axis=1).tolist()
         if cfg.tracks_columns:
             ev = self.scorer.pick(q, over, ex, ec, hn)

@@ -1,20 +1,20 @@
 """`leankv` (LeanKV, Zhang et al. 2024, "Unifying KV Cache Compression for Large Language Models
-with LeanKV"): three precision tiers per (request, KV head) instead of a fixed budget.
+with LeanKV"): three precision groups per (request, KV head) instead of a fixed budget.
 
 A token's significance is the mean attention it receives from the later queries observed so far
 (the prefill observation window, then each decode query), taking the max over the query heads of
 its GQA group. With thresholds alpha_h > alpha_l:
-- after prefill, token i (1-based position) outside the recent window goes to the high tier if its
-  significance > alpha_h / i, to the low tier if it is in (alpha_l / i, alpha_h / i], and is pruned
+- after prefill, token i (1-based position) outside the recent window goes to the high precision group if its
+  significance > alpha_h / i, to the low precision group if it is in (alpha_l / i, alpha_h / i], and is pruned
   otherwise; the newest `window` tokens keep the precision they were written at (high);
 - each decode step, the token(s) leaving the window are placed by the same test with N (the
-  sequence length) in place of i. For every token entering a tier, that tier's least significant
+  sequence length) in place of i. For every token entering a precision group, that precision group's least significant
   placed token is demoted (high -> low) or pruned (low -> gone) if its significance is at or below
-  the tier's threshold alpha / N; demoted tokens enter the low tier and can push it in turn.
+  the precision group's threshold alpha / N; demoted tokens enter the low precision group and can push it in turn.
 A head whose attention is concentrated keeps few tokens, a spread head many: no fixed budget.
 
-The tiers' storage formats (keys at higher precision than values, K8V4 high and K4V2 low by
-default) are the KV layout's (`kv.high_tier`, `kv.low_tier`); the policy only assigns tiers.
+The precision groups' storage formats (keys at higher precision than values, K8V4 high and K4V2 low by
+default) are the KV layout's (`kv.high_tier`, `kv.low_tier`); the policy only assigns precision groups.
 
 Parameters: `alpha_h` (default 1.0), `alpha_l` (default 0.1, < alpha_h), `window` (W, default 64),
 `obs_window` (prefill observation queries, default 8).
@@ -26,10 +26,10 @@ import math
 import numpy as np
 
 from ..policy import Decision, EvictionPolicy, FastModeProfile, check_positive_int, lowest_k_mask, register_policy
-from ..state import TIER_HIGH, TIER_LOW
+from ..state import PRECISION_HIGH, PRECISION_LOW
 
 OBSERVED = "leankv_queries"     # per slot: queries whose attention is in `score`
-PLACED = "leankv_placed"        # per slot: left the window and got a tier
+PLACED = "leankv_placed"        # per slot: left the window and got a precision group
 
 
 def _check_alpha(name: str, value) -> float:
@@ -42,7 +42,7 @@ def _check_alpha(name: str, value) -> float:
 class LeanKV(EvictionPolicy):
     gqa_reduce = "max"
     default_trigger = "every_step"
-    new_token_tier = TIER_HIGH          # the manager writes new (window) tokens at high precision
+    new_token_precision = PRECISION_HIGH          # the manager writes new (window) tokens at high precision
 
     def __init__(self, alpha_h: float = 1.0, alpha_l: float = 0.1, window: int = 64, obs_window: int = 8):
         self.alpha_h = _check_alpha("alpha_h", alpha_h)
@@ -53,7 +53,7 @@ class LeanKV(EvictionPolicy):
         self.obs_window = check_positive_int("obs_window", obs_window)
 
     def fast_mode_profile(self) -> FastModeProfile:
-        # tiers of different page capacities and a significance that is not monotone in time: fast
+        # precision groups of different page capacities and a significance that is not monotone in time: fast
         # mode runs the token-level manager on a sample of the rows (sim/kv/fast/sampled/rows.py)
         return FastModeProfile(sampled_rows=True)
 
@@ -81,30 +81,27 @@ class LeanKV(EvictionPolicy):
         sig = self.significance(state)
         n = state.num_tokens
         leaving = state.live & ~placed & (state.pos < n - self.window)
-        if reason == "prefill":
-            scale = (state.pos + 1).astype(np.float32)
-        else:
-            scale = np.float32(n)
+        scale = (state.pos + 1).astype(np.float32) if reason == "prefill" else np.float32(n)
         high = leaving & (sig * scale > self.alpha_h)
         low = leaving & ~high & (sig * scale > self.alpha_l)
         evict = leaving & ~high & ~low
-        tier = np.full(state.live.shape, -1, dtype=np.int8)
-        tier[high], tier[low] = TIER_HIGH, TIER_LOW
+        precision = np.full(state.live.shape, -1, dtype=np.int8)
+        precision[high], precision[low] = PRECISION_HIGH, PRECISION_LOW
         if reason != "prefill":
-            self._make_room(state, sig, placed, high, low, evict, tier, n)
+            self._make_room(state, sig, placed, high, low, evict, precision, n)
         placed |= leaving & ~evict
-        if not evict.any() and not (tier != state.tier)[state.live & (tier >= 0)].any():
+        if not evict.any() and not (precision != state.precision)[state.live & (precision >= 0)].any():
             return None
-        tier[evict] = -1
-        return Decision(evict=evict, tier=tier)
+        precision[evict] = -1
+        return Decision(evict=evict, precision=precision)
 
-    def _make_room(self, state, sig, placed, high, low, evict, tier, n) -> None:
-        """Tokens entering a tier push out that tier's least significant token if it is below the bar."""
+    def _make_room(self, state, sig, placed, high, low, evict, precision, n) -> None:
+        """Tokens entering a precision group push out that precision group's least significant token if it is below the bar."""
         resident = state.live & placed
-        in_high = resident & (state.tier == TIER_HIGH)
+        in_high = resident & (state.precision == PRECISION_HIGH)
         demote = lowest_k_mask(sig, high.sum(axis=1), in_high & (sig * n <= self.alpha_h))
-        tier[demote] = TIER_LOW
-        in_low = resident & (state.tier == TIER_LOW)
+        precision[demote] = PRECISION_LOW
+        in_low = resident & (state.precision == PRECISION_LOW)
         entering_low = low.sum(axis=1) + demote.sum(axis=1)
         prune = lowest_k_mask(sig, entering_low, (in_low | demote) & (sig * n <= self.alpha_l))
         evict |= prune

@@ -61,7 +61,7 @@ def load_recorded_decisions(path: str | Path):
     bad = sorted(set(df["action"]) - {"evict"})
     if bad:
         raise RecordedDecisionsError(f"{f}: action {bad[0]!r} cannot be replayed; expected 'evict' "
-                                     f"(precision tiers are not recorded by the real backend yet)")
+                                     f"(precision groups are not recorded by the real backend yet)")
     bad = sorted(set(df["reason"]) - set(REASONS))
     if bad:
         raise RecordedDecisionsError(f"{f}: reason {bad[0]!r}; expected one of {REASONS}")
@@ -145,7 +145,7 @@ class Recorded(EvictionPolicy):
         df = df.assign(row=rows).sort_values("event", kind="stable")
         events = df.drop_duplicates("event")[["event", "request_id", "reason", "num_tokens"]]
         ordinal = events.groupby(["request_id", "reason", "num_tokens"], sort=False).cumcount().to_numpy()
-        ordinal_of = dict(zip(events["event"].to_numpy(), ordinal))
+        ordinal_of = dict(zip(events["event"].to_numpy(), ordinal, strict=True))
         for event, part in df.groupby("event", sort=True):
             head = part.iloc[0]
             key = (int(head["request_id"]), head["reason"], int(head["num_tokens"]), int(ordinal_of[event]))

@@ -5,7 +5,7 @@ what it pays for is the per-request Python and numpy of every decode step (about
 request-step at 8 sampled rows and 2,000-token contexts). `BatchedLeanKVManager` runs the decode
 step of every prefilled request of an engine step in one compiled call (sim/kv/fast/sampled/leankv_kernel.py)
 on the same token-level arrays — write, decode attention, LeanKV's placement, demotion and pruning,
-tier moves, the slot strategy — with the rows' attention in parallel, and keeps the token-level
+precision group moves, the slot strategy — with the rows' attention in parallel, and keeps the token-level
 manager for everything else (prefill and the prompt cut, prompt allocation, freeing, invariants).
 Per decode step the scheduler's work per request is a count: pages are reserved by
 `allocate_decodes` / `allocate_slots` and the token is written in `finish_step`. Same results as the
@@ -60,10 +60,10 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         self._heads = K.Heads(model.s.astype(np.float32), model.l.astype(np.float32), self._local_decay(256),
                               np.asarray(model.tau, dtype=np.float64),
                               np.asarray(model.spec.sink_weights, dtype=np.float64))
-        self._cap = np.asarray(inner.tier_capacity, dtype=np.int64)
+        self._cap = np.asarray(inner.precision_capacity, dtype=np.int64)
         policy = self.policy
         self._params = K.StepParams(inner.rows, int(inner.stride), self._cap,
-                                    np.asarray(self.ctx.tier_bytes, dtype=np.float64), float(policy.alpha_h),
+                                    np.asarray(self.ctx.precision_bytes, dtype=np.float64), float(policy.alpha_h),
                                     float(policy.alpha_l), int(policy.window), int(policy.obs_window),
                                     self._strategy, self._hole_first)
         self._quant_flops = QUANT_FLOPS * 2 * self.ctx.head_dim * self.ctx.heads_per_row
@@ -136,7 +136,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         ids = pool.get_new_blocks(total) if total else self._none
         ends = np.cumsum(need).tolist()
         start = 0
-        for req, end in zip(reqs, ends):
+        for req, end in zip(reqs, ends, strict=True):
             pending[req] = ids[start:end]
             start = end
         return (self._stats.read[handles] / self.inner.rows).tolist()
@@ -193,7 +193,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         assert (arrays.pages.occ[pages] == live3.sum(axis=2)[pages]).all(), f"request {rid}: page live counts drifted"
         assert (arrays.pages.written[pages] == written3.sum(axis=2)[pages]).all(), f"request {rid}: written counts drifted"
         act = arrays.active
-        high_slot = np.repeat(d.rk.page_tier == K.HIGH, d.rk.stride, axis=1)
+        high_slot = np.repeat(d.rk.page_precision == K.HIGH, d.rk.stride, axis=1)
         for r in range(st.rows):
             n = int(act.count[r])
             slots = act.slot[r, :n]
@@ -202,7 +202,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             assert (listed == (st.live[r] & ~arrays.tokens.settled[r])).all(), f"request {rid}: active list drifted"
             assert (act.index[r, slots] == np.arange(n)).all() and (act.index[r] >= 0).sum() == n
             assert (act.pos[r, :n] == st.pos[r, slots]).all() and (act.imp_w[r, :n] == st.field("imp_w")[r, slots]).all()
-            assert (act.high[r, :n] == high_slot[r, slots]).all(), f"request {rid}: active list's page tiers drifted"
+            assert (act.high[r, :n] == high_slot[r, slots]).all(), f"request {rid}: active list's page precision groups drifted"
         q = st.num_tokens - 1
         age = np.where(st.live, q - st.pos, 0)
         local = np.where(st.live, np.exp(-age / self._heads.tau[:, None]), 0.0).sum(axis=1)
@@ -242,13 +242,13 @@ class BatchedLeanKVManager(SampledRowsKVManager):
             old = d.arrays.tokens.settled
             settled[:, :old.shape[1]] = old
             sums = d.arrays.sums
-        tokens = K.TokenArrays(st.live, st.pos, st.score, st.tier, st.field("imp_w"), st.field(OBSERVED),
+        tokens = K.TokenArrays(st.live, st.pos, st.score, st.precision, st.field("imp_w"), st.field(OBSERVED),
                                st.field(PLACED), settled)
-        pages = K.PageArrays(rk.table, rk.page_tier, np.zeros(rk.table.shape, dtype=np.int64),
+        pages = K.PageArrays(rk.table, rk.page_precision, np.zeros(rk.table.shape, dtype=np.int64),
                              np.zeros(rk.table.shape, dtype=np.int64), rk.tail, rk.tail_off)
         d.arrays = K.RequestArrays(tokens, pages, K.new_active(rows, slots), d.imp["wsum"], d.imp["w"], sums)
         for group in (tokens, pages):
-            for name, a in zip(group._fields, group):
+            for name, a in zip(group._fields, group, strict=True):
                 assert a.flags.c_contiguous, (name, a.flags)
         assert d.arrays.weights.shape == (rows, CHUNK) and d.arrays.wsum.dtype == np.float64
         meta = self._meta
@@ -305,7 +305,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         entries = int(meta.entries[h])
         if rk.num_entries > entries:
             assert (rk.table[:, entries:] < 0).all()
-            rk.table, rk.page_tier = rk.table[:, :entries].copy(), rk.page_tier[:, :entries].copy()
+            rk.table, rk.page_precision = rk.table[:, :entries].copy(), rk.page_precision[:, :entries].copy()
             st.resize(entries * rk.stride)
         self._live_dec -= int(stats.live[h])
         self._alloc_dec -= int(stats.alloc[h])
@@ -357,14 +357,14 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         if errors.any():
             bad = handles[errors != 0][0]
             raise AssertionError(f"compiled LeanKV step failed (handle {bad}, code {meta.error[bad]})")
-        for d, tokens in zip(batch, meta.tokens[handles].tolist()):
+        for d, tokens in zip(batch, meta.tokens[handles].tolist(), strict=True):
             d.rk.state.num_tokens = tokens
         self._account(handles)
 
     def _account(self, handles: np.ndarray) -> None:
         """The step's evictions, frees, moves and stored tokens into the plan and the manager's totals."""
         inner, stats = self.inner, self._stats
-        plan = inner.plan
+        plan = inner.effects
         plan.evicted_tokens += int(stats.evicted[handles].sum())
         plan.blocks_freed_by_eviction += int(stats.freed[handles].sum())
         bpr = inner.bytes_per_token_row

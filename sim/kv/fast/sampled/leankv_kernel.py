@@ -12,16 +12,16 @@ B. (per request, in parallel; row by row) the importance model's decode attentio
    renormalized over the live tokens), LeanKV's `observe` (score += attention) and `compress` (the
    token leaving the window placed high, low or pruned by significance x N against alpha_h /
    alpha_l; `_make_room` demotes / prunes the least significant placed tokens below the bar);
-C. (in order: the pool) `_apply`: evictions leave holes, tier moves go hole-first into low pages
-   (`_retier`), then the slot strategy (free empty pages; compact each tier);
+C. (in order: the pool) `_apply`: evictions leave holes, precision group moves go hole-first into low pages
+   (`_move_precision`), then the slot strategy (free empty pages; compact each precision group);
 D. (per request, in parallel) `_stat`.
 
 What the kernel keeps beside the token state: each page's live and written slot counts; per row
 three running sums over the live tokens (exp(-age / tau), content weights, live sinks as bits) from
 which the attention normalizer follows without a pass; per token a *settled* flag: a placed token
-whose significance cannot fall to its tier's bar before its request ends is not visited again
+whose significance cannot fall to its precision group's bar before its request ends is not visited again
 (`_settles`); and per row the *active* tokens (live, not settled) packed in an `ActiveTokens` list:
-slot, position, content weight, score and page tier side by side, so B reads a few dense arrays
+slot, position, content weight, score and page precision group side by side, so B reads a few dense arrays
 instead of the scattered slots of a row's pages (on the benchmark a third of the live tokens are
 active, spread over all pages: walking the slots was bound by cache misses). An active token's score
 lives in the list (the token state's copy is written when it settles or is evicted, and by
@@ -45,7 +45,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...importance import CHUNK, NUM_SINK
-from ...state import TIER_HIGH, TIER_LOW
+from ...state import PRECISION_HIGH, PRECISION_LOW
 
 try:
     from numba import get_num_threads, njit, prange, set_num_threads, typed
@@ -61,17 +61,17 @@ class TokenArrays(NamedTuple):
     live: np.ndarray         # bool
     pos: np.ndarray          # int64: position, -1 = never written
     score: np.ndarray        # float32: attention received (an active token's is in ActiveTokens)
-    tier: np.ndarray         # int8: precision the token is stored at
+    precision: np.ndarray         # int8: precision the token is stored at
     imp_w: np.ndarray        # float32: content weight
     seen: np.ndarray         # int32: queries seen (LeanKV's OBSERVED; restored when leaving, module doc)
-    placed: np.ndarray       # bool: left the window and got a tier (LeanKV's PLACED)
+    placed: np.ndarray       # bool: left the window and got a precision group (LeanKV's PLACED)
     settled: np.ndarray      # bool: not visited again (module doc)
 
 
 class PageArrays(NamedTuple):
     """A request's block table [rows, entries] and what the kernel counts per page, its append tail [rows]."""
     table: np.ndarray        # int64: block id, -1 = empty entry
-    tier: np.ndarray         # int8: the page's tier
+    precision: np.ndarray         # int8: the page's precision group
     occ: np.ndarray          # int64: live slots
     written: np.ndarray      # int64: written slots (live or holes)
     tail: np.ndarray         # int64 [rows]: entry of the append tail (-1: none)
@@ -111,9 +111,9 @@ class Heads(NamedTuple):
 class StepParams(NamedTuple):
     """Constants of a run's steps: the sampled rows, the pages, LeanKV's parameters, the slot strategy."""
     rows: int
-    stride: int              # slots per table entry (the largest tier capacity)
-    cap: np.ndarray          # int64 [tiers]: slots a page of each tier holds
-    tier_bytes: np.ndarray   # float64 [tiers]: bytes of a token per tier, in token-equivalents
+    stride: int              # slots per table entry (the largest precision group capacity)
+    cap: np.ndarray          # int64 [precision groups]: slots a page of each precision group holds
+    precision_bytes: np.ndarray   # float64 [precision groups]: bytes of a token per precision group, in token-equivalents
     alpha_h: float
     alpha_l: float
     window: int
@@ -230,7 +230,7 @@ def run_step(threads: int, *args) -> None:
         set_num_threads(before)
 
 
-HIGH, LOW = TIER_HIGH, TIER_LOW
+HIGH, LOW = PRECISION_HIGH, PRECISION_LOW
 NOOP, FREE_BLOCK, SLOT_REUSE, COMPACT = 0, 1, 2, 3
 STRATEGY_CODES = {"noop": NOOP, "free_block": FREE_BLOCK, "slot_reuse": SLOT_REUSE, "compact": COMPACT}
 SAFE = 1.0 + 1e-9              # sc N > alpha (1 + 1e-9) seen implies (sc / seen) N > alpha after rounding
@@ -302,7 +302,7 @@ def _clear(R, stride, r, s):
     T.live[r, s] = False
     T.pos[r, s] = -1
     T.score[r, s] = 0
-    T.tier[r, s] = 0
+    T.precision[r, s] = 0
     T.imp_w[r, s] = 0
     T.seen[r, s] = 0
     T.placed[r, s] = False
@@ -319,13 +319,13 @@ def _move(R, stride, r, src, dst):
     j = A.index[r, src]
     if j >= 0:
         A.slot[r, j] = dst
-        A.high[r, j] = P.tier[r, d] == HIGH
+        A.high[r, j] = P.precision[r, d] == HIGH
         A.index[r, dst] = j
         A.index[r, src] = -1
     T.live[r, dst] = T.live[r, src]
     T.pos[r, dst] = T.pos[r, src]
     T.score[r, dst] = T.score[r, src]
-    T.tier[r, dst] = T.tier[r, src]
+    T.precision[r, dst] = T.precision[r, src]
     T.imp_w[r, dst] = T.imp_w[r, src]
     T.seen[r, dst] = T.seen[r, src]
     T.placed[r, dst] = T.placed[r, src]
@@ -357,14 +357,14 @@ def _release_page(R, stride, r, e):
     cleared as `_clear` does, the request's arrays unpacked once (a `_clear` per slot would count
     references to each of them)."""
     T, P = R.tokens, R.pages
-    live, pos, score, tier, imp_w, seen, placed, settled = T
+    live, pos, score, precision, imp_w, seen, placed, settled = T
     for s in range(e * stride, (e + 1) * stride):
         if live[r, s]:                              # (a released page holds no live token)
             _deactivate(R.active, r, s)
         live[r, s] = False
         pos[r, s] = -1
         score[r, s] = 0
-        tier[r, s] = 0
+        precision[r, s] = 0
         imp_w[r, s] = 0
         seen[r, s] = 0
         placed[r, s] = False
@@ -376,8 +376,8 @@ def _release_page(R, stride, r, e):
         P.tail[r] = -1
 
 
-def _add_pages(P, meta, h, need, tier, pool, ids):
-    """RequestKV.grow + SlotStrategies._add_pages: need[r] pages of `tier` per row from the pool.
+def _add_pages(P, meta, h, need, precision, pool, ids):
+    """RequestKV.grow + SlotStrategies._add_pages: need[r] pages of `precision group` per row from the pool.
     False when the physical table is too small (nothing changed; the caller makes room first)."""
     total = need.sum()
     if total == 0:
@@ -385,7 +385,7 @@ def _add_pages(P, meta, h, need, tier, pool, ids):
     if not _grow(P, meta, h, need):
         return False
     _pop(pool, total, ids)
-    _assign_pages(P, meta.entries[h], need, tier, ids)
+    _assign_pages(P, meta.entries[h], need, precision, ids)
     return True
 
 
@@ -411,16 +411,16 @@ def _grow(P, meta, h, need):
     return True
 
 
-def _assign_pages(P, ent, need, tier, ids):
+def _assign_pages(P, ent, need, precision, ids):
     """Block ids ids[0:] to need[r] empty entries of each row (row by row; high pages take the lowest
     empty entries, low pages the highest — they grow from opposite ends; ids in entry order)."""
-    table, page_tier = P.table, P.tier
+    table, page_precision = P.table, P.precision
     k = 0
     for r in range(table.shape[0]):
         left = need[r]
         if left == 0:
             continue
-        if tier == LOW:
+        if precision == LOW:
             for e in range(ent - 1, -1, -1):
                 if left == 0:
                     break
@@ -430,7 +430,7 @@ def _assign_pages(P, ent, need, tier, ids):
             for e in range(ent):
                 if table[r, e] == -2:
                     table[r, e] = ids[k]
-                    page_tier[r, e] = tier
+                    page_precision[r, e] = precision
                     k += 1
         else:
             for e in range(ent):
@@ -438,18 +438,18 @@ def _assign_pages(P, ent, need, tier, ids):
                     break
                 if table[r, e] < 0:
                     table[r, e] = ids[k]
-                    page_tier[r, e] = tier
+                    page_precision[r, e] = precision
                     k += 1
                     left -= 1
 
 
-def _first_free(R, cap, stride, ent, r, tier, start):
-    """Lowest slot >= start of row r that is empty inside a page of `tier` (hole-first order), or -1."""
+def _first_free(R, cap, stride, ent, r, precision, start):
+    """Lowest slot >= start of row r that is empty inside a page of `precision group` (hole-first order), or -1."""
     P, live = R.pages, R.tokens.live
-    c = cap[tier]
+    c = cap[precision]
     e0 = start // stride
     for e in range(e0, ent):
-        if P.table[r, e] < 0 or P.tier[r, e] != tier or P.occ[r, e] >= c:
+        if P.table[r, e] < 0 or P.precision[r, e] != precision or P.occ[r, e] >= c:
             continue
         base = e * stride
         o0 = start - base if e == e0 else 0
@@ -461,7 +461,7 @@ def _first_free(R, cap, stride, ent, r, tier, start):
 
 def _tail_free(P, cap, r):
     t = P.tail[r]
-    return t >= 0 and P.tail_off[r] < cap[P.tier[r, t]]
+    return t >= 0 and P.tail_off[r] < cap[P.precision[r, t]]
 
 
 def _row_needs_page(P, cap, ent, r, hole_first):
@@ -469,8 +469,8 @@ def _row_needs_page(P, cap, ent, r, hole_first):
     if not hole_first:
         return not _tail_free(P, cap, r)
     c = cap[HIGH]
-    for e in range(ent):
-        if P.table[r, e] >= 0 and P.tier[r, e] == HIGH and P.occ[r, e] < c:
+    for e in range(ent):  # noqa: SIM110  (numba compiles no generator for all())
+        if P.table[r, e] >= 0 and P.precision[r, e] == HIGH and P.occ[r, e] < c:
             return False
     return True
 
@@ -502,7 +502,7 @@ def _release_empty(R, prm, ent, keep_open_tail, pool, ids):
         for e in range(ent):
             if P.table[r, e] < 0 or P.occ[r, e] > 0:
                 continue
-            if keep_open_tail and P.tail[r] == e and P.tail_off[r] < prm.cap[P.tier[r, e]]:
+            if keep_open_tail and P.tail[r] == e and P.tail_off[r] < prm.cap[P.precision[r, e]]:
                 continue
             ids[n] = P.table[r, e]
             n += 1
@@ -511,19 +511,19 @@ def _release_empty(R, prm, ent, keep_open_tail, pool, ids):
     return n
 
 
-def _compact_tier(R, prm, ent, t, ids):
-    """One tier of SlotStrategies._compact: the live tokens of a row's pages beyond the first
+def _compact_precision(R, prm, ent, t, ids):  # noqa: C901  a numba kernel, kept whole (see _decode_rows_loop)
+    """One precision group of SlotStrategies._compact: the live tokens of a row's pages beyond the first
     ceil(live / capacity) move into the holes of those first pages (slot order); the emptied pages'
     ids go to ids[:n]. Returns (n, bytes moved); (0, 0) when no row has a page to spare."""
-    P, live, tier = R.pages, R.tokens.live, R.tokens.tier
-    table, page_tier, stride = P.table, P.tier, prm.stride
+    P, live, precision = R.pages, R.tokens.live, R.tokens.precision
+    table, page_precision, stride = P.table, P.precision, prm.stride
     rows = table.shape[0]
     c = prm.cap[t]
     any_release = False
     for r in range(rows):
         n_live, n_pages = 0, 0
         for e in range(ent):
-            if table[r, e] >= 0 and page_tier[r, e] == t:
+            if table[r, e] >= 0 and page_precision[r, e] == t:
                 n_pages += 1
                 n_live += P.occ[r, e]
         if n_pages > (n_live + c - 1) // c:
@@ -535,17 +535,17 @@ def _compact_tier(R, prm, ent, t, ids):
     for r in range(rows):
         n_live = 0
         for e in range(ent):
-            if table[r, e] >= 0 and page_tier[r, e] == t:
+            if table[r, e] >= 0 and page_precision[r, e] == t:
                 n_live += P.occ[r, e]
         keep = (n_live + c - 1) // c
         kept, last_kept = 0, -1
         for e in range(ent):
-            if table[r, e] >= 0 and page_tier[r, e] == t and kept < keep:
+            if table[r, e] >= 0 and page_precision[r, e] == t and kept < keep:
                 kept += 1
                 last_kept = e
         dst = 0
         for e in range(last_kept + 1, ent):
-            if table[r, e] < 0 or page_tier[r, e] != t:
+            if table[r, e] < 0 or page_precision[r, e] != t:
                 continue
             for o in range(c):
                 s = e * stride + o
@@ -553,14 +553,14 @@ def _compact_tier(R, prm, ent, t, ids):
                     continue
                 while True:                     # the next empty slot of a kept page
                     de = dst // stride
-                    if table[r, de] >= 0 and page_tier[r, de] == t and dst % stride < c and not live[r, dst]:
+                    if table[r, de] >= 0 and page_precision[r, de] == t and dst % stride < c and not live[r, dst]:
                         break
                     dst += 1
-                moved_bytes += prm.tier_bytes[tier[r, s]]
+                moved_bytes += prm.precision_bytes[precision[r, s]]
                 _move(R, stride, r, s, dst)
                 dst += 1
         for e in range(last_kept + 1, ent):
-            if table[r, e] >= 0 and page_tier[r, e] == t:
+            if table[r, e] >= 0 and page_precision[r, e] == t:
                 ids[n_ids] = table[r, e]
                 n_ids += 1
                 _release_page(R, stride, r, e)
@@ -568,10 +568,10 @@ def _compact_tier(R, prm, ent, t, ids):
 
 
 def _compact(R, prm, ent, pool, ids, stats, h):
-    """SlotStrategies._compact, tier by tier; returns the pages freed."""
+    """SlotStrategies._compact, precision group by precision group; returns the pages freed."""
     freed = 0
     for t in range(3):
-        n, moved_bytes = _compact_tier(R, prm, ent, t, ids)
+        n, moved_bytes = _compact_precision(R, prm, ent, t, ids)
         if n:
             _push(pool, n, ids)
             freed += n
@@ -586,7 +586,7 @@ def _seen(p, q, prompt, observed):
 
 
 def _settles(sc, k, n, n_max, bar_alpha):
-    """Whether a placed token (score sc, k queries seen, n tokens cached) stays above its tier's bar
+    """Whether a placed token (score sc, k queries seen, n tokens cached) stays above its precision group's bar
     until the request ends (n_max tokens): its significance x N' >= sc N' / (k + N' - n), which only
     falls as N' grows (k <= n) — so at N' = n_max — and its score only grows."""
     return np.float64(sc) * n_max > bar_alpha * (k + n_max - n)
@@ -604,7 +604,7 @@ def page_counts(R, prm, tau, ent, q, prompt, n_max, fresh):
         sums[r, 0] = sums[r, 1] = sums[r, 2] = 0.0
         for s in range(live.shape[1]):
             if fresh:
-                bar = (prm.alpha_h if T.tier[r, s] == HIGH else prm.alpha_l) * SAFE
+                bar = (prm.alpha_h if T.precision[r, s] == HIGH else prm.alpha_l) * SAFE
                 p = pos[r, s]
                 T.settled[r, s] = live[r, s] and T.placed[r, s] and _settles(
                     T.score[r, s], _seen(p, q, prompt, observed), q + 1, n_max, bar)
@@ -626,7 +626,7 @@ def page_counts(R, prm, tau, ent, q, prompt, n_max, fresh):
                 if live[r, s]:
                     P.occ[r, e] += 1
                     if not T.settled[r, s]:
-                        _activate(A, r, s, pos[r, s], T.imp_w[r, s], T.score[r, s], P.tier[r, e] == HIGH)
+                        _activate(A, r, s, pos[r, s], T.imp_w[r, s], T.score[r, s], P.precision[r, e] == HIGH)
                 if pos[r, s] >= 0:
                     P.written[r, e] += 1
 
@@ -653,10 +653,10 @@ def _drop(j, last, slot_r, pos_r, imp_r, score_r, high_r, index_r):
         index_r[t] = j
 
 
-def _attend_rows(R, heads, prm, q, prompt, n_max, res, resi):
+def _attend_rows(R, heads, prm, q, prompt, n_max, res, resi):  # noqa: C901  a numba kernel, kept whole
     """Decode attention of the query at position q over each row's live tokens (SyntheticImportance:
     sink + local + content terms, renormalized over the live tokens), LeanKV's observe (score +=
-    attention) and compress for the row: the leaving token's tier, the demoted token, the pruned
+    attention) and compress for the row: the leaving token's precision group, the demoted token, the pruned
     ones. Writes resi[r, R_*] (the pruned slots from R_PRUNED, -1 after the last) and res[r] = the
     kept attention mass. The normalizer comes from the row's live sums; only the active list is
     visited: a token that settles leaves it (module doc). The request's arrays are unpacked once
@@ -718,7 +718,7 @@ def _attend_rows(R, heads, prm, q, prompt, n_max, res, resi):
             if p < placed_below:
                 high = high_r[j]
                 bar_alpha = bar_h if high else bar_l
-                if np.float64(sc) * nf > bar_alpha * k:     # clearly above its tier's bar: not a candidate
+                if np.float64(sc) * nf > bar_alpha * k:     # clearly above its precision group's bar: not a candidate
                     if _settles(sc, k, n, n_max, bar_alpha):    # ... nor until the request ends
                         s = slot_r[j]
                         settled[r, s] = True
@@ -780,7 +780,7 @@ def _place(P, live, cap, stride, ent, r, hole_first):
     if hole_first:
         c = cap[HIGH]
         for e in range(ent):
-            if P.table[r, e] < 0 or P.tier[r, e] != HIGH or P.occ[r, e] >= c:
+            if P.table[r, e] < 0 or P.precision[r, e] != HIGH or P.occ[r, e] >= c:
                 continue
             for o in range(c):
                 if not live[r, e * stride + o]:
@@ -791,7 +791,7 @@ def _place(P, live, cap, stride, ent, r, hole_first):
     else:
         s = -1
         for e in range(ent):
-            if P.table[r, e] >= 0 and P.tier[r, e] == HIGH and P.written[r, e] == 0:
+            if P.table[r, e] >= 0 and P.precision[r, e] == HIGH and P.written[r, e] == 0:
                 s = e * stride
                 break
     P.tail[r] = s // stride
@@ -805,7 +805,7 @@ def _write_tokens(R, prm, heads, meta, h, reserved):
     hole, cleared as TokenState.clear_slots does); it joins the row's active list. False on a
     mismatch (meta.error set)."""
     T, P, A = R.tokens, R.pages, R.active
-    live, pos, score, tier, imp_w, seen, placed, settled = T
+    live, pos, score, precision, imp_w, seen, placed, settled = T
     occ, written = P.occ, P.written
     cap, stride, rows = prm.cap, prm.stride, prm.rows
     need = np.zeros(rows, np.int64)
@@ -831,7 +831,7 @@ def _write_tokens(R, prm, heads, meta, h, reserved):
         settled[r, s] = False
         live[r, s] = True
         pos[r, s] = q
-        tier[r, s] = HIGH
+        precision[r, s] = HIGH
         imp_w[r, s] = weight
         occ[r, e] += 1
         written[r, e] += 1
@@ -906,10 +906,10 @@ def leankv_step(reqs, batch, heads, prm, pool, ids, meta, stats):
         _stats(reqs[h].pages, prm, meta.entries[h], stats, h)
 
 
-def _apply(R, prm, meta, stats, h, resi, pool, ids, q, tau):
+def _apply(R, prm, meta, stats, h, resi, pool, ids, q, tau):  # noqa: C901  a numba kernel, kept whole
     """EvictingKVManager._apply of LeanKV's decision (resi[r] = _attend_rows' result for row r):
     evictions, the move to low pages, the slot strategy. False when the table is too small."""
-    P, tier = R.pages, R.tokens.tier
+    P, precision = R.pages, R.tokens.precision
     stride = prm.stride
     rows = P.table.shape[0]
     ent = meta.entries[h]
@@ -940,10 +940,10 @@ def _apply(R, prm, meta, stats, h, resi, pool, ids, q, tau):
         for r in range(rows):
             free_cnt = 0
             for e in range(ent):
-                if P.table[r, e] >= 0 and P.tier[r, e] == LOW:
+                if P.table[r, e] >= 0 and P.precision[r, e] == LOW:
                     free_cnt += c - P.occ[r, e]
             need[r] = (max(to_low[r] - free_cnt, 0) + c - 1) // c
-        if need.sum() <= pool.count[0]:                 # else no room: the tokens keep their tier
+        if need.sum() <= pool.count[0]:                 # else no room: the tokens keep their precision group
             if not _add_pages(P, meta, h, need, LOW, pool, ids):
                 return False
             ent = meta.entries[h]
@@ -955,9 +955,9 @@ def _apply(R, prm, meta, stats, h, resi, pool, ids, q, tau):
                     if s < 0:
                         continue
                     dst = _first_free(R, prm.cap, stride, ent, r, LOW, dst)
-                    moved_bytes += prm.tier_bytes[tier[r, s]]
+                    moved_bytes += prm.precision_bytes[precision[r, s]]
                     _move(R, stride, r, s, dst)
-                    tier[r, dst] = LOW
+                    precision[r, dst] = LOW
                     dst += 1
             stats.moved_bytes[h] = moved_bytes
             stats.moved[h] = to_low.sum()
@@ -970,20 +970,20 @@ def _apply(R, prm, meta, stats, h, resi, pool, ids, q, tau):
 
 def _stats(P, prm, ent, stats, h):
     """EvictingKVManager._stat (live and allocated slots, reads and stored bytes in token-equivalents
-    summed over rows, pages: a page's written slots all hold its tier) and the next token's pages."""
-    cap, tier_bytes = prm.cap, prm.tier_bytes
+    summed over rows, pages: a page's written slots all hold its precision group) and the next token's pages."""
+    cap, precision_bytes = prm.cap, prm.precision_bytes
     n_live, alloc, pages = 0, 0, 0
     read, stored = 0.0, 0.0
     for r in range(P.table.shape[0]):
         for e in range(ent):
             if P.table[r, e] < 0:
                 continue
-            t = P.tier[r, e]
+            t = P.precision[r, e]
             pages += 1
             alloc += cap[t]
             n_live += P.occ[r, e]
-            read += P.written[r, e] * tier_bytes[t]
-            stored += P.occ[r, e] * tier_bytes[t]
+            read += P.written[r, e] * precision_bytes[t]
+            stored += P.occ[r, e] * precision_bytes[t]
     stats.live[h] = n_live
     stats.alloc[h] = alloc
     stats.read[h] = read
@@ -1008,7 +1008,7 @@ if njit is not None:
                   "_tail_free", "_row_needs_page", "_seen", "_settles", "_insert", "_drop", "_place"):
         globals()[_name] = njit(cache=True, nogil=True, error_model="numpy", inline="always")(globals()[_name])
     for _name in ("_release_page", "_add_pages", "_grow", "_assign_pages", "_release_empty", "_attend_rows", "_make_room",
-                  "_compact_tier", "_compact", "page_counts", "sync_scores", "_write_tokens", "_reset_step", "_apply",
+                  "_compact_precision", "_compact", "page_counts", "sync_scores", "_write_tokens", "_reset_step", "_apply",
                   "_stats", "next_token_pages", "request_list", "store"):
         globals()[_name] = njit(cache=True, nogil=True, error_model="numpy")(globals()[_name])
     leankv_step = njit(cache=True, nogil=True, error_model="numpy", parallel=True)(leankv_step)

@@ -1,8 +1,8 @@
 """Fast mode by row sampling alone: the token-level manager on a stratified sample of the rows.
 
-For policies whose state the count slab cannot express (LeanKV: three precision tiers with pages of
+For policies whose state the count slab cannot express (LeanKV: three precision groups with pages of
 different capacities, placement and demotion by a significance that is not monotone in time), fast
-mode runs the token-level manager (sim/kv/manager.py, every slot strategy, tier moves and page
+mode runs the token-level manager (sim/kv/manager.py, every slot strategy, precision group moves and page
 accounting exactly as in token mode) on `sample_rows` of the layer x KV-head rows only, each standing
 for `unit` = rows / sample_rows of them. The rows are a stratified sample of the importance model's
 heads for the run's seed (by head type, then local decay, as the count slab samples them); their
@@ -72,7 +72,7 @@ class SampledRowsKVManager(EvictingManagerBase):
     def __init__(self, num_blocks: int, block_size: int, ctx: PolicyContext, policy: EvictionPolicy,
                  options: FastOptions = FastOptions(sample_rows=8), token: EvictingOptions = EvictingOptions()):
         """`options`: the row sample (its seed, sample_rows and importance model); `token`: the
-        token-level manager's options (slot strategy, trigger, tiers) for the sampled rows."""
+        token-level manager's options (slot strategy, trigger, precision groups) for the sampled rows."""
         self.ctx, self.policy, self.block_size = ctx, policy, block_size
         self.rows = sample_row_count(ctx.rows, options.sample_rows)
         self.unit = ctx.rows // self.rows

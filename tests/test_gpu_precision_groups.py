@@ -1,16 +1,16 @@
-"""LeanKV mixed-precision tiers and Quest selection on real tensors: the caches and kernels (CPU,
+"""LeanKV mixed-precision groups and Quest selection on real tensors: the caches and kernels (CPU,
 Triton under TRITON_INTERPRET=1 on tiny shapes) and end-to-end replays of truncated SmolLM2."""
 import numpy as np
 import pytest
 import torch
 
 from kvsim.gpu.attention import quest_bound
-from kvsim.gpu.cache import CacheGeometry, PagedKVCache, TieredKVCache
+from kvsim.gpu.cache import CacheGeometry, PagedKVCache, PrecisionGroupKVCache
 from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
-from kvsim.gpu.quant import TIERS
+from kvsim.gpu.quant import PRECISION_FORMATS
 from kvsim.gpu.replay import run_replay
 from kvsim.sim.config import load_config
-from kvsim.sim.kv.state import TIER_HIGH, TIER_LOW
+from kvsim.sim.kv.state import PRECISION_HIGH, PRECISION_LOW
 from test_gpu_replay import masked_last_query
 from kvsim.traces.trace import Trace
 
@@ -28,14 +28,14 @@ def dense(q, keys, values, scale):
     return p @ values, p
 
 
-def tiered_cache(layout, seed=0):
-    """A TieredKVCache with two sequences whose rows hold a high page and a low page (in table order
-    low first for row 1) with ~25% evicted slots, then a tier move (demotion) of three high tokens into
+def mixed_precision_cache(layout, seed=0):
+    """A PrecisionGroupKVCache with two sequences whose rows hold a high page and a low page (in table order
+    low first for row 1) with ~25% evicted slots, then a precision group move (demotion) of three high tokens into
     the low page. Returns the cache, tables [B, H, M] for layer 1, and per (b, h) the fp32 K, V the
     surviving slots were written from, slot ids in table order."""
     gen = torch.Generator().manual_seed(seed)
     nb = 12
-    cache = TieredKVCache(CacheGeometry(layout, L, H, D, nb), page_bytes=8 * 2 * D * 4, block_size=8)
+    cache = PrecisionGroupKVCache(CacheGeometry(layout, L, H, D, nb), page_bytes=8 * 2 * D * 4, block_size=8)
     high, low = cache.capacity
     rng = np.random.default_rng(seed)
     tables = torch.full((2, H, 2), -1, dtype=torch.long)
@@ -45,7 +45,7 @@ def tiered_cache(layout, seed=0):
         for h in range(H if layout == "per_head" else 1):
             hp, lp = next_block, next_block + 1
             next_block += 2
-            cache.set_page_tiers(torch.tensor([hp, lp]), np.array([TIER_HIGH, TIER_LOW]))
+            cache.set_page_precisions(torch.tensor([hp, lp]), np.array([PRECISION_HIGH, PRECISION_LOW]))
             table = [hp, lp] if b == 0 else [lp, hp]
             if layout == "per_head":
                 tables[b, h] = torch.tensor(table)
@@ -62,44 +62,44 @@ def tiered_cache(layout, seed=0):
             # demote three live high tokens into free low slots
             live_high = [int(s) for s in slots[:n_high] if s not in set(evict.tolist())][:3]
             dst = [lp * cache.block_slots + n_low + i for i in range(3)]
-            cache.move_slots(torch.tensor(live_high), torch.tensor(dst), [TIER_HIGH] * 3, [TIER_LOW] * 3)
+            cache.move_slots(torch.tensor(live_high), torch.tensor(dst), [PRECISION_HIGH] * 3, [PRECISION_LOW] * 3)
             heads = range(H) if layout == "shared" else [h]
             for hh in heads:
                 written[(b, hh)] = {int(s): (k[i, hh], v[i, hh]) for i, s in enumerate(slots.tolist())}
-                for s, d in zip(live_high, dst):
+                for s, d in zip(live_high, dst, strict=True):
                     written[(b, hh)][d] = written[(b, hh)].pop(s)
     return cache, tables, written
 
 
 @pytest.mark.parametrize("layout", ["shared", "per_head"])
-def test_tiered_decode_attention_equals_dense_over_the_dequantized_kept_tokens(layout):
-    cache, tables, written = tiered_cache(layout)
+def test_mixed_precision_decode_attention_equals_dense_over_the_dequantized_kept_tokens(layout):
+    cache, tables, written = mixed_precision_cache(layout)
     q = torch.randn(2, H * G, D, generator=torch.Generator().manual_seed(5))
     scale = D ** -0.5
     out, (p_sum, p_max) = cache.decode_attention(1, q, tables, scale, want_scores=True, group_max=True)
     _, _, live = cache.gather(1, tables)
     slots_in_order = (tables[..., None] * cache.block_slots + torch.arange(cache.block_slots)).reshape(2, H, -1)
-    low_bytes, high_bytes = (TIERS[t].bytes_per_token(D) for t in ("K4V2", "K8V4"))
+    low_bytes, high_bytes = (PRECISION_FORMATS[t].bytes_per_token(D) for t in ("K4V2", "K8V4"))
     for b in range(2):
         for h in range(H):
             kept = slots_in_order[b, h][live[b, h]]
             assert kept.numel() > 10 and set(kept.tolist()) <= set(written[(b, h)])
             page_slots = kept + (0 if layout == "per_head" else (h + H) * cache.num_blocks * cache.block_slots)
-            kd, vd = cache.pages.read(page_slots)                      # dequantized, each at its page's tier
+            kd, vd = cache.pages.read(page_slots)                      # dequantized, each at its page's precision group
             qg = q[b, h * G:(h + 1) * G]
             want, p = dense(qg, kd, vd, scale)
             torch.testing.assert_close(out[b, h * G:(h + 1) * G], want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(p_sum[b, h][live[b, h]], p.sum(0), atol=1e-6, rtol=1e-5)
             torch.testing.assert_close(p_max[b, h][live[b, h]], p.amax(0), atol=1e-6, rtol=1e-5)
             # every kept token (demoted ones re-quantized K8 -> K4) within a quantization step of its
-            # page tier of what was written, and attention within quantization error of fp32's
+            # page precision group of what was written, and attention within quantization error of fp32's
             kf = torch.stack([written[(b, h)][s][0] for s in kept.tolist()])
             vf = torch.stack([written[(b, h)][s][1] for s in kept.tolist()])
-            tiers = [cache.pages.tiers[t] for t in cache.pages.page_tier[page_slots // cache.block_slots].tolist()]
-            for x, got, bits in ((kf, kd, [t.key_bits for t in tiers]), (vf, vd, [t.value_bits for t in tiers])):
+            precisions = [cache.pages.precisions[t] for t in cache.pages.page_precision[page_slots // cache.block_slots].tolist()]
+            for x, got, bits in ((kf, kd, [t.key_bits for t in precisions]), (vf, vd, [t.value_bits for t in precisions])):
                 step = (x.amax(1) - x.amin(1)) / (2 ** torch.tensor(bits) - 1)
                 assert ((got - x).abs().amax(1) <= step * 1.01).all()
-            assert {t.name for t in tiers} == {"K8V4", "K4V2"}
+            assert {t.name for t in precisions} == {"K8V4", "K4V2"}
             exact, _ = dense(qg, kf, vf, scale)
             err = float((out[b, h * G:(h + 1) * G] - exact).abs().max() / exact.abs().max())
             assert 1e-4 < err < 0.5, err          # K4V2 tokens: ~0.3 (tests/test_gpu_quant_kernel.py)
@@ -108,14 +108,14 @@ def test_tiered_decode_attention_equals_dense_over_the_dequantized_kept_tokens(l
     assert low_bytes * n_live < tok_bytes < high_bytes * n_live and tok_bytes <= page_bytes
 
 
-def test_tiered_triton_kernel_reports_the_group_max():
-    cache, tables, _ = tiered_cache("per_head", seed=2)
+def test_mixed_precision_triton_kernel_reports_the_group_max():
+    cache, tables, _ = mixed_precision_cache("per_head", seed=2)
     q = torch.randn(2, H * G, D, generator=torch.Generator().manual_seed(3))
     ref = cache.decode_attention(1, q, tables, 0.25, want_scores=True, group_max=True)
     cache.backend = "triton"
     tri = cache.decode_attention(1, q, tables, 0.25, want_scores=True, group_max=True)
     torch.testing.assert_close(tri[0], ref[0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(tri[1], ref[1]):
+    for a, b in zip(tri[1], ref[1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
@@ -177,17 +177,17 @@ LEANKV = {"kv.policy": "leankv", "kv.params": {"window": 16, "alpha_h": 2.0, "al
 
 
 @pytest.mark.parametrize("layout,strategy", [("shared", "free_block"), ("per_head", "compact")])
-def test_leankv_replays_with_real_tiers_and_the_cache_follows_the_manager(small, layout, strategy):
-    """Every step (check_invariants): the cache's live slots and page tiers equal the manager's. Both tiers
+def test_leankv_replays_with_real_precisions_and_the_cache_follows_the_manager(small, layout, strategy):
+    """Every step (check_invariants): the cache's live slots and page precision groups equal the manager's. Both precision groups
     hold tokens, demotions re-quantize into low pages, and the cache stores less than fp16 per token."""
     seen = {"low": 0, "high": 0}
 
     def hook(replica):
         cache = replica.executor.cache
-        tier = cache.pages.page_tier.long()
+        precision = cache.pages.page_precision.long()
         live = cache.live.sum(1)
-        seen["high"] = max(seen["high"], int(live[tier == 0].sum()))
-        seen["low"] = max(seen["low"], int(live[tier == 1].sum()))
+        seen["high"] = max(seen["high"], int(live[precision == 0].sum()))
+        seen["low"] = max(seen["low"], int(live[precision == 1].sum()))
         if replica.num_steps == 3:
             tok_bytes, page_bytes = cache.stored_bytes()
             n = int(live.sum())
@@ -204,7 +204,7 @@ def test_leankv_replays_with_real_tiers_and_the_cache_follows_the_manager(small,
     assert res.steps["bytes_moved"].sum() > 0 and res.steps["evicted_tokens"].sum() > 0
     assert len(res.decisions) == res.steps["evicted_tokens"].sum()
     fp16 = 2 * 64 * 2
-    low, high = (TIERS[t].bytes_per_token(64) for t in ("K4V2", "K8V4"))
+    low, high = (PRECISION_FORMATS[t].bytes_per_token(64) for t in ("K4V2", "K8V4"))
     assert low < seen["bytes_per_token"] < high < fp16        # kept tokens: between pruning-only and fp16
     assert seen["page_bytes_per_logical"] < fp16              # pages held per logical token
 
@@ -219,7 +219,7 @@ def test_quest_decodes_over_exactly_the_selected_tokens(small, layout, page_size
         ex = replica.executor
         if replica.num_steps < 2:
             return
-        for rid, logits in zip(ex.last_request_ids, ex.last_logits):
+        for rid, logits in zip(ex.last_request_ids, ex.last_logits, strict=True):
             req = next(r for r in list(replica.scheduler.running) + replica.scheduler.finished if r.request_id == rid)
             toks = req.gpu_tokens[:req.num_computed_tokens]
             sel = ex.last_selection[rid]

@@ -1,4 +1,4 @@
-"""LeanKV precision tiers: bits per K and V element and bytes per token (no torch, so the simulator's
+"""LeanKV precision groups: bits per K and V element and bytes per token (no torch, so the simulator's
 page accounting can import them cheaply; gpu.quant quantizes with them)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ META_BYTES = 8  # fp16 scale + zero for K and for V
 
 
 @dataclass(frozen=True)
-class PrecisionTier:
+class PrecisionFormat:
     name: str
     key_bits: int
     value_bits: int
@@ -16,7 +16,7 @@ class PrecisionTier:
     def __post_init__(self) -> None:
         for bits in (self.key_bits, self.value_bits):
             if bits not in (2, 4, 8):
-                raise ValueError(f"tier {self.name}: bits must be 2, 4 or 8, got {bits}")
+                raise ValueError(f"precision group {self.name}: bits must be 2, 4 or 8, got {bits}")
 
     def bytes_per_token(self, head_dim: int) -> int:
         return head_dim * (self.key_bits + self.value_bits) // 8 + META_BYTES
@@ -25,4 +25,4 @@ class PrecisionTier:
         return page_bytes // self.bytes_per_token(head_dim)
 
 
-TIERS = {"K8V4": PrecisionTier("K8V4", 8, 4), "K4V2": PrecisionTier("K4V2", 4, 2), "K8V8": PrecisionTier("K8V8", 8, 8)}
+PRECISION_FORMATS = {"K8V4": PrecisionFormat("K8V4", 8, 4), "K4V2": PrecisionFormat("K4V2", 4, 2), "K8V8": PrecisionFormat("K8V8", 8, 8)}

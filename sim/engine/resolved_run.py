@@ -1,9 +1,9 @@
-"""A run's plan: everything a simulation or a replay needs, resolved once from a validated SimConfig.
+"""A resolved run (`ResolvedRun`): everything a simulation or a replay needs, resolved once from a validated SimConfig.
 
-`build_run_plan` is the one place a run is resolved: the engine defaults (sim/model/defaults.py), the model
+`resolve_run` is the one place a run is resolved: the engine defaults (sim/model/defaults.py), the model
 and GPU specs, the cost model with its profile, the KV pool size, the scheduler's settings, the KV
 policy (built once), the host-memory estimate, and which KV manager and executor each replica runs.
-The plan is immutable; the simulator (`sim.simulator.simulate`) and the real backend (`gpu.replay`) build
+It is immutable; the simulator (`sim.simulator.simulate`) and the real backend (`gpu.replay`) build
 their replicas from it (`build_kv_manager` here, each executor's own factory) and assemble the same
 engine (`sim.engine.assembly.build_engine`).
 """
@@ -18,8 +18,8 @@ from ..config import ConfigError, SimConfig
 from ..core.scheduler import SchedulerConfig
 from ..model.cost_model import CostModel, load_profile
 from ..model.defaults import resolve_engine
-from ..kv.build import build_kv_manager as _build_manager, policy_params
-from ..kv.policy import EvictionPolicy, FastModeProfile, PolicyError, get_policy
+from ..kv.build import build_kv_manager as _build_manager, build_policy
+from ..kv.policy import EvictionPolicy, FastModeProfile
 from ..model.memory import PoolSizing, RunMemoryEstimate, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
 
 KVKind = Literal["plain", "evicting", "hybrid"]  # vLLM's KVCacheManager | eviction-aware | sliding-window layers
@@ -36,7 +36,7 @@ class Hardware(NamedTuple):
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class ResolvedRun:
     cfg: SimConfig             # engine defaults resolved: what config.yaml records
     hardware: Hardware
     scheduler: SchedulerConfig
@@ -66,16 +66,16 @@ class RunPlan:
         return self.hardware.max_model_len
 
 
-def build_run_plan(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -> RunPlan:
+def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -> ResolvedRun:
     """The plan of a run of `cfg` over `trace` (sized into the memory estimate when given). `model`
     replaces `cfg.model`'s catalog entry (the real backend passes the spec of the model it runs)."""
-    cfg = with_engine_defaults(cfg)
+    cfg = cfg.model_copy(update={"engine": resolve_engine(cfg)})     # with_engine_defaults
     hardware = resolve_hardware(cfg, model)
     # a model with sliding-window layers runs the hybrid manager, which refuses policies when built
     kv_kind: KVKind = "hybrid" if hardware.model.num_sliding_layers else "plain" if cfg.kv.is_default else "evicting"
-    policy = build_policy(cfg) if kv_kind == "evicting" else None
+    policy = build_policy(cfg.kv) if kv_kind == "evicting" else None
     profile = (policy.fast_mode_profile() or FastModeProfile()) if policy is not None and cfg.kv.mode == "fast" else None
-    return RunPlan(
+    return ResolvedRun(
         cfg=cfg, hardware=hardware, scheduler=scheduler_config(cfg, hardware.cost, hardware.max_model_len),
         policy=policy, kv_kind=kv_kind, executor_kind="kv_policy" if kv_kind == "evicting" else "cost_model",
         memory=estimate_run_memory(cfg, hardware.model, hardware.cost, hardware.num_blocks, trace, profile))
@@ -109,18 +109,11 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
     return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_model_len)
 
 
-def build_policy(cfg: SimConfig) -> EvictionPolicy:
-    try:
-        return get_policy(cfg.kv.policy, **policy_params(cfg.kv))
-    except PolicyError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def build_kv_manager(plan: RunPlan, replica: int = 0):
+def build_kv_manager(plan: ResolvedRun, replica: int = 0):
     """The KV manager of one replica: the plain vLLM manager, or the eviction-aware one of `kv:`.
-    Replica 0 runs the plan's policy; the others their own instance (a policy may keep per-run
+    Replica 0 runs the resolved run's policy; the others their own instance (a policy may keep per-run
     state, e.g. the recorded policy's counters)."""
-    policy = plan.policy if replica == 0 or plan.policy is None else build_policy(plan.cfg)
+    policy = plan.policy if replica == 0 or plan.policy is None else build_policy(plan.cfg.kv)
     return _build_manager(plan.cfg, plan.model, plan.cost, plan.num_blocks, policy=policy)
 
 
@@ -129,6 +122,6 @@ def check_config_memory(cfg: SimConfig, trace=None) -> RunMemoryEstimate:
     `kvsim simulate` applies, for other front ends (the dashboard). Raises HostMemoryError (a
     ValueError) when it does not fit; returns the estimate."""
     from ..model.memory import check_memory
-    estimate = build_run_plan(cfg, trace=trace).memory
+    estimate = resolve_run(cfg, trace=trace).memory
     check_memory(estimate)
     return estimate
