@@ -129,6 +129,13 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_pool():
     assert all_local.summary["pools"]["prefill"]["steps"] == 0 and all_local.summary["handoff"]["transfers"] == 0
 
 
+def test_fleet_fast_forward_gives_what_stepping_gives_with_local_prefills():
+    on = run_simulation(fleet_config({"replicas": 2}, {"replicas": 2}, local_prefill_tokens=1500))
+    off = run_simulation(fleet_config({"replicas": 2}, {"replicas": 2}, local_prefill_tokens=1500).model_copy(
+        update={"fast_forward": False}))
+    pd.testing.assert_frame_equal(on.requests, off.requests)
+
+
 def test_fleet_off_writes_no_fleet_key():
     assert "fleet" not in load_config(None, {}).model_dump()
 

@@ -184,13 +184,14 @@ class DisaggregatedProxy:
 
 
 class Handoff(NamedTuple):
-    """How a prefill pool hands KV to a decode pool: the link every hand-off crosses, the KV bytes a
-    token moves, and how long the prefill side keeps unpulled KV."""
+    """How a prefill pool hands KV to a decode pool: the link hand-offs cross (a Link: one shared by all;
+    a LinkSpec: a link of that kind for each decode replica), the KV bytes a token moves, how long the
+    prefill side keeps unpulled KV, and up to how many uncached prompt tokens a request is prefilled
+    on the decode pool instead (conditional disaggregation; 0: never)."""
     link: Link | LinkSpec
     kv_bytes_per_token: float
     abort_timeout_s: float = NIXL_ABORT_TIMEOUT_S
-    local_prefill_tokens: int = 0      # conditional disaggregation: prefill on the decode pool up to this
-
+    local_prefill_tokens: int = 0
 
 
 def build_disaggregated(env: EngineClock, prefill: PoolSpec, decode: PoolSpec, handoff: Handoff, step_log: StepLog,
