@@ -19,6 +19,7 @@ from kvsim.traces.formats import FORMATS as TRACE_FORMATS
 from kvsim.traces.formats import GENERIC_FORMATS
 
 from .model.catalog import get_gpu, get_model, normalize_dtype
+from .model.links import link_names
 from .kv.policy import PolicyError
 from .kv.policy import policy_names as registered_policy_names
 from .kv.slots import SLOT_STRATEGIES
@@ -334,6 +335,54 @@ class KVOffloadConfig(_Strict):
     eviction: Literal["lru"] = "lru"
 
 
+class PoolConfig(_Strict):
+    """One pool of a disaggregated fleet (`fleet.prefill`, `fleet.decode`); unset fields take the run's."""
+    gpu: str | None = Field(None, description="GPU catalog name; default: the run's gpu")
+    tp: int | None = Field(None, gt=0, description="tensor parallel size of each replica; default: the run's tp")
+    replicas: int = Field(1, gt=0)
+    profile: str | None = Field(None, description="step-time profile; default: the run's (auto: the GPU's)")
+    router: Literal["round_robin", "least_outstanding"] | None = None
+    engine: dict[str, Any] = Field(default_factory=dict,
+                                   description="engine settings of this pool over the run's engine section")
+
+    @field_validator("gpu")
+    @classmethod
+    def _catalog_gpu(cls, v: str | None) -> str | None:
+        if v is not None:
+            get_gpu(v)
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            EngineConfig.model_validate(v)
+        except ValidationError as exc:
+            raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+        return v
+
+
+class FleetConfig(_Strict):
+    """Prefill/decode disaggregation (docs/disaggregation.md): a prefill pool and a decode pool joined by a
+    link, behind vLLM's disaggregated-serving proxy. The model and KV dtype are the run's (the KV must match)."""
+    prefill: PoolConfig
+    decode: PoolConfig
+    link: str = Field("ib-ndr", description="link type from sim/data/links.yaml (one GPU's link)")
+    link_bandwidth_gb_s: float | None = Field(None, gt=0, description="replaces the link type's bandwidth (GB/s)")
+    link_latency_s: float | None = Field(None, ge=0, description="replaces the link type's latency (s)")
+    local_prefill_tokens: int = Field(0, ge=0, description="conditional disaggregation: prefill on the decode pool "
+                                                           "when the uncached prompt is at most this; 0: never")
+    abort_timeout_s: float = Field(480.0, gt=0, description="prefill side frees unpulled KV after this "
+                                                            "(VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+
+    @field_validator("link")
+    @classmethod
+    def _catalog_link(cls, v: str) -> str:
+        if v not in link_names():
+            raise ValueError(f"unknown link {v!r}; known: {', '.join(link_names())}")
+        return v
+
+
 class SimConfig(_Strict):
     trace: str = "azure-conv-2023"
     trace_options: TraceOptions = TraceOptions()
@@ -362,6 +411,7 @@ class SimConfig(_Strict):
     usd_per_hour: float | dict[str, float] | None = Field(None, description="your price per GPU-hour")
     # step-time variance (sim/engine/step_noise.py): 0 deterministic (the default), a lognormal sigma, or auto
     step_variance: float | Literal["auto"] = 0.0
+    fleet: FleetConfig | None = None     # prefill/decode disaggregation; None: one pool of `replicas`
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
@@ -370,6 +420,8 @@ class SimConfig(_Strict):
             data.pop("usd_per_hour", None)
         if self.step_variance == 0:          # the default: left out, so configs and run ids stay as they were
             data.pop("step_variance", None)
+        if self.fleet is None:          # aggregated: left out, so config.yaml stays as it was
+            data.pop("fleet", None)
         return data
 
     @field_validator("usd_per_hour", mode="before")

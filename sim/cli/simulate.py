@@ -22,7 +22,8 @@ from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, Expe
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
                       MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, RequestTimeout, StepVariance, Model, NumGpuBlocks, Out, Overwrite,
                       Policy, Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
-                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Trace, config_overrides, fail)
+                      SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Trace, config_overrides, fail,
+                      table_console)
 
 console = Console()
 
@@ -121,6 +122,17 @@ def simulate(
     client_latency: Annotated[bool | None, typer.Option(
         "--client-latency/--engine-only", help="add the profile's client-side terms (API server, tokenization, "
         "detokenization) to TTFT/TPOT/ITL/E2E, as `vllm bench serve` measures; default: engine time only")] = None,
+    prefill_pool: Annotated[str | None, typer.Option(
+        help="disaggregated: the prefill pool as GPU[:tpN][:xN] (e.g. h100:tp1:x2: two H100 replicas of TP1); "
+             "with --decode-pool (= fleet.prefill)")] = None,
+    decode_pool: Annotated[str | None, typer.Option(
+        help="disaggregated: the decode pool as GPU[:tpN][:xN] (e.g. h200:tp2:x2) (= fleet.decode)")] = None,
+    link: Annotated[str | None, typer.Option(
+        help="disaggregated: the prefill-to-decode link type (kvsim catalog links: ib-ndr, ib-hdr, roce-400g, "
+             "roce-200g, roce-100g, nvlink4, nvlink5, pcie-gen5, pcie-gen4) (= fleet.link)")] = None,
+    local_prefill_tokens: Annotated[int | None, typer.Option(
+        help="disaggregated: prefill on the decode pool when the uncached prompt is at most this many tokens "
+             "(conditional disaggregation; = fleet.local_prefill_tokens)")] = None,
     quiet: Quiet = False,
 ) -> None:
     """Simulate a trace on a model/GPU/engine config; writes requests.parquet, steps.parquet,
@@ -148,6 +160,7 @@ def simulate(
             dataset_path=dataset_path, goodput=goodput))
         if kv_offload is not None:
             overrides["kv_offload.cpu_gib"] = parse_offload(kv_offload)
+        overrides.update(fleet_overrides(prefill_pool, decode_pool, link, local_prefill_tokens))
         cfg = load_config(config, overrides, set_)
         refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)
         refuse_ineffective_kv(cfg.kv)
@@ -213,6 +226,34 @@ def parse_step_variance(text: str | None) -> float | str | None:
         return float(text)
     except ValueError:
         fail(f"--step-variance {text!r}: expected auto or a number such as 0.05 (0: deterministic)")
+
+
+def fleet_overrides(prefill_pool: str | None, decode_pool: str | None, link: str | None,
+                    local_prefill_tokens: int | None) -> dict:
+    """--prefill-pool/--decode-pool/--link/--local-prefill-tokens as dotted fleet.* overrides."""
+    out: dict = {}
+    for option, role, value in (("--prefill-pool", "prefill", prefill_pool), ("--decode-pool", "decode", decode_pool)):
+        if value is not None:
+            out.update({f"fleet.{role}.{key}": v for key, v in parse_pool(value, option).items()})
+    if link is not None:
+        out["fleet.link"] = link
+    if local_prefill_tokens is not None:
+        out["fleet.local_prefill_tokens"] = local_prefill_tokens
+    return out
+
+
+def parse_pool(value: str, option: str) -> dict:
+    """'h100:tp2:x3' -> {'gpu': 'h100', 'tp': 2, 'replicas': 3} (tp and x optional, any order after the GPU)."""
+    gpu, *rest = value.split(":")
+    out: dict = {"gpu": gpu}
+    for part in rest:
+        key, num = ("tp", part[2:]) if part.startswith("tp") else ("replicas", part[1:]) if part.startswith("x") else ("", "")
+        if not key or not num.isdigit() or int(num) < 1 or key in out:
+            raise ConfigError(f"{option} {value!r}: expected GPU[:tpN][:xN] with N a positive integer, e.g. h100:tp1:x2")
+        out[key] = int(num)
+    if not gpu:
+        raise ConfigError(f"{option} {value!r}: expected a GPU name first, e.g. h100:tp1:x2")
+    return out
 
 
 def refuse_ineffective(gpu_name: str, model: str, weight_dtype: str | None) -> None:
@@ -293,7 +334,8 @@ def print_summary(s: dict) -> None:
 
     if "completed" in s:
         console.print("\n".join(report_lines(s)), markup=False, highlight=False)
-    table = Table(title=f"{s.get('trace')} on {s.get('model')} / {s.get('tp')}x {s.get('gpu')}")
+    hardware = s.get("fleet") or f"{s.get('tp')}x {s.get('gpu')}"
+    table = Table(title=f"{s.get('trace')} on {s.get('model')} / {hardware}")
     table.add_column("kvsim")
     table.add_column("value", justify="right")
 
@@ -323,6 +365,8 @@ def print_summary(s: dict) -> None:
     add("engine steps", s.get("num_steps"))
     add("wall time (s)", s.get("wall_s"), "{:.2f}")
     console.print(table)
+    if s.get("pools"):
+        print_pools(s["pools"], s["handoff"])
     if s.get("bench_comparison"):
         print_comparison(s["bench_comparison"])
 
@@ -336,6 +380,28 @@ def saturation_line(s: dict) -> str | None:
         return f"within capacity ({offered})"
     sustained = s.get("sustainable_rate_req_s")
     return f"OVER CAPACITY: {offered}, ~{sustained:.2f} req/s sustainable" if sustained else f"OVER CAPACITY: {offered}"
+
+
+def print_pools(pools: dict, handoff: dict) -> None:
+    """A disaggregated run's pools and its hand-off (summary.json's `pools` and `handoff`)."""
+    table = Table("pool", "GPUs", "KV blocks", "utilization", "waiting mean / max", "KV use mean / max",
+                  "prefill tok", "decode tok", title="pools")
+    for name, p in pools.items():
+        table.add_row(f"{name} ({p['role']})", f"{p['replicas']}x {p['gpu']} TP{p['tp']}", str(p["num_gpu_blocks"]),
+                      f"{p['utilization']:.3f}", f"{p['mean_waiting']:.2f} / {p['max_waiting']}",
+                      f"{p['mean_kv_use']:.3f} / {p['max_kv_use']:.3f}", str(p["prefill_tokens"]), str(p["decode_tokens"]))
+    table_console().print(table)
+
+    def ms(key):
+        v = handoff.get(key)
+        return "-" if v is None else f"{1e3 * v:.2f}"
+    console.print(f"hand-off over {handoff['links']}x {handoff['link']} ({handoff['link_bandwidth_gb_s']:g} GB/s each): "
+                  f"{handoff['transfers']} transfers, {handoff['transfer_bytes'] / 1e9:.2f} GB, link utilization "
+                  f"{handoff['link_utilization']:.4f}, {handoff['local_prefills']} prefilled locally", highlight=False)
+    console.print("TTFT split, mean / p99 (ms): " + ", ".join(
+        f"{name} {ms('mean_' + key)} / {ms('p99_' + key)}" for name, key in (
+            ("prefill queue", "prefill_queue_s"), ("prefill", "prefill_s"), ("KV wait", "kv_wait_s"),
+            ("transfer", "transfer_s"), ("first decode", "first_decode_s"))), highlight=False)
 
 
 def print_comparison(agg: dict) -> None:

@@ -20,7 +20,7 @@ from ..engine.loop import ArrivalProcess, EngineClock, EngineReplica, ReplicaFee
 from ..results.metrics import StepLog
 from .connectors.disaggregation import (NIXL_ABORT_TIMEOUT_S, DecodeSideConnector, PrefillHandoff, PrefillLeg,
                                         PrefillSideConnector)
-from .links import Link
+from .links import Link, LinkSpec
 from .route import Hop, route_of
 
 ROLES = ("mixed", "prefill", "decode")
@@ -119,17 +119,36 @@ class DisaggregatedProxy:
     request's route records both visits and the transfer; its TTFT runs from its arrival to its first
     token on the decode side, as the client of the proxy sees it."""
 
-    def __init__(self, env: EngineClock, prefill: Pool, decode: Pool):
+    def __init__(self, env: EngineClock, prefill: Pool, decode: Pool, local_prefill_tokens: int = 0):
         self.env, self.prefill, self.decode = env, prefill, decode
+        self.local_prefill_tokens = local_prefill_tokens
+        self.legs: dict[int, Request] = {}        # request id -> its prefill leg
+        self.local: set[int] = set()              # ids of requests prefilled on the decode pool
+        self.links: dict[int, Link] = {}          # decode replica -> the link its pulls cross (-1: shared)
 
     def route(self, req: Request) -> DisaggregatedProxy:
         return self
 
     def submit(self, req: Request) -> None:
+        if self.local_prefill_tokens and self._prefill_locally(req):
+            return
         leg = Request(request_id=req.request_id, arrival_time=self.env.now, prompt_tokens=req.prompt_tokens,
                       max_output_tokens=1, priority=req.priority, prefix_hash_ids=req.prefix_hash_ids,
                       prefix_block_tokens=req.prefix_block_tokens, kv_transfer_params=PrefillLeg(req))
+        self.legs[req.request_id] = leg
         self.prefill.router.route(leg).submit(leg)
+
+    def _prefill_locally(self, req: Request) -> bool:
+        """Conditional disaggregation (Dynamo's and llm-d's decider): a request whose prompt, less what
+        the decode replica the router picks has cached, is at most `local_prefill_tokens` is prefilled
+        on that replica, with no prefill leg and no transfer."""
+        replica = self.decode.router.route(req)
+        cached = len(replica.kv.get_computed_blocks(req)) * replica.kv.block_size
+        if req.prompt_tokens - cached > self.local_prefill_tokens:
+            return False
+        self.local.add(req.request_id)
+        replica.submit(req)
+        return True
 
     def prefill_finished(self, legs: list[Request], now: float) -> None:
         for leg in legs:
@@ -159,15 +178,20 @@ class DisaggregatedProxy:
         """The earliest a hand-off can reach the decode pool: a prefill replica's step in flight ends,
         or (idle ones) a request arrives first. Decode runs stop there, as they stop at arrivals."""
         now = self.env.now
-        return min((r.busy_until for r in self.prefill.replicas if r.busy_until >= now), default=next_arrival)
+        handoff = min((r.busy_until for r in self.prefill.replicas if r.busy_until >= now), default=next_arrival)
+        # requests prefilled locally reach the decode pool at their arrival
+        return min(handoff, next_arrival) if self.local_prefill_tokens else handoff
 
 
 class Handoff(NamedTuple):
-    """How a prefill pool hands KV to a decode pool: the link every hand-off crosses, the KV bytes a
-    token moves, and how long the prefill side keeps unpulled KV."""
-    link: Link
+    """How a prefill pool hands KV to a decode pool: the link hand-offs cross (a Link: one shared by all;
+    a LinkSpec: a link of that kind for each decode replica), the KV bytes a token moves, how long the
+    prefill side keeps unpulled KV, and up to how many uncached prompt tokens a request is prefilled
+    on the decode pool instead (conditional disaggregation; 0: never)."""
+    link: Link | LinkSpec
     kv_bytes_per_token: float
     abort_timeout_s: float = NIXL_ABORT_TIMEOUT_S
+    local_prefill_tokens: int = 0
 
 
 def build_disaggregated(env: EngineClock, prefill: PoolSpec, decode: PoolSpec, handoff: Handoff, step_log: StepLog,
@@ -179,11 +203,14 @@ def build_disaggregated(env: EngineClock, prefill: PoolSpec, decode: PoolSpec, h
     clock = lambda: env.now        # noqa: E731 - the connectors read the engine's clock
     proxy: list = []
     fleet = Fleet(env, [])
+    links: dict[int, Link] = {}                # decode replica (fleet index) -> its link
 
     def connector(spec: PoolSpec, index: int) -> KVConnector:
         if spec.role == "prefill":
             return PrefillSideConnector(clock, abort_timeout_s=handoff.abort_timeout_s, name=f"{spec.name}/{index}")
-        return DecodeSideConnector(handoff.link, handoff.kv_bytes_per_token, clock, name=f"{spec.name}/{index}")
+        # a LinkSpec gives each decode replica a link of its own (its GPUs' NICs); a Link is shared by all
+        link = handoff.link if isinstance(handoff.link, Link) else links.setdefault(index, Link(handoff.link))
+        return DecodeSideConnector(link, handoff.kv_bytes_per_token, clock, name=f"{spec.name}/{index}")
 
     def wiring(spec: PoolSpec) -> PoolWiring:
         if spec.role == "prefill":
@@ -193,7 +220,8 @@ def build_disaggregated(env: EngineClock, prefill: PoolSpec, decode: PoolSpec, h
                           lambda: proxy[0].next_handoff(fleet.next_arrival()))
 
     fleet.pools = build_pools(env, [prefill, decode], step_log, parts, connector, wiring, options)
-    proxy.append(DisaggregatedProxy(env, *fleet.pools))
+    proxy.append(DisaggregatedProxy(env, *fleet.pools, local_prefill_tokens=handoff.local_prefill_tokens))
+    proxy[0].links = links if links else {-1: handoff.link}
     return fleet, proxy[0]
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import isfinite
 
+from ..model.links import link_catalog, link_names
+
 
 @dataclass(frozen=True)
 class LinkSpec:
@@ -26,6 +28,25 @@ class LinkSpec:
     def seconds(self, nbytes: float) -> float:
         """Time one transfer of `nbytes` takes on an idle link."""
         return self.latency_s + nbytes / (self.bandwidth_gb_s * 1e9)
+
+
+def get_link(name: str, *, bandwidth_gb_s: float | None = None, latency_s: float | None = None) -> LinkSpec:
+    """The catalog's link type `name` (one GPU's link), its bandwidth or latency replaced where given."""
+    entry = link_catalog().get(name)
+    if entry is None:
+        raise ValueError(f"unknown link {name!r}; known: {', '.join(link_names())}")
+    return LinkSpec(name, entry["bandwidth_gb_s"] if bandwidth_gb_s is None else bandwidth_gb_s,
+                    entry["latency_s"] if latency_s is None else latency_s)
+
+
+def handoff_link(spec: LinkSpec, tp_prefill: int, tp_decode: int) -> LinkSpec:
+    """The link between a prefill instance of TP `tp_prefill` and a decode instance of TP `tp_decode`:
+    each GPU has its own link (a NIC per GPU, as in a DGX H100; NVLink per GPU) and NIXL moves each
+    rank's KV shard over its own; when the TPs differ (re-sharding) the side with fewer GPUs serves or
+    receives several shards over its links, so min(tp_prefill, tp_decode) links work in parallel."""
+    lanes = min(tp_prefill, tp_decode)
+    name = spec.name if lanes == 1 else f"{spec.name}x{lanes}"
+    return LinkSpec(name, spec.bandwidth_gb_s * lanes, spec.latency_s)
 
 
 class Link:

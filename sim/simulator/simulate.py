@@ -16,6 +16,7 @@ from ..config import ConfigError, SimConfig
 from .client import RequestEntry, client_view
 from ..model.cost_model import ClientLatency
 from .executor import replica_parts
+from .fleet_run import checked_plans, run_fleet
 from ..model.memory import check_memory
 from ..results.metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
 from ..results.outputs import managed_pool_blocks, run_summary, write_outputs
@@ -58,6 +59,8 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
         check_out_owner(Path(out_dir), overwrite=overwrite)
         _check_not_reading_from(cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None, Path(out_dir))
     trace = load_workload(cfg) if trace is None else trace
+    if cfg.fleet is not None:
+        return _simulate_fleet(cfg, trace, out_dir, t0, overwrite)
     plan = resolve_run(with_bench_load(cfg, trace), trace=trace, model=model)
     check_memory(plan.memory)
     staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
@@ -66,6 +69,17 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
     finally:
         if staging:
             staging.discard()              # nothing left once published
+
+
+def _simulate_fleet(cfg: SimConfig, trace, out_dir, t0: float, overwrite: bool) -> SimulationResult:
+    """A disaggregated fleet's run (sim/simulator/fleet_run.py): resolved, checked, then staged as any run."""
+    plans = checked_plans(cfg, trace)                 # refused before anything is written
+    staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
+    try:
+        return SimulationResult(*run_fleet(cfg, plans, trace, staging, t0))
+    finally:
+        if staging:
+            staging.discard()
 
 
 class RunOptions(NamedTuple):
