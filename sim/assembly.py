@@ -127,6 +127,7 @@ class EngineRun:
     arrivals: ArrivalProcess | None
     limit: ConcurrencyLimit | None
     step_arrivals: StepArrivals | None
+    router: Router | None = None
 
     def drive(self, catch: tuple[type[BaseException], ...] = (KeyboardInterrupt, Exception),
               collect: Callable[[], None] = lambda: None):
@@ -181,11 +182,20 @@ class EngineRun:
 
 def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
                  replica_parts: Callable[[int], tuple[KVManager, Executor]], *, entry=None,
-                 on_step: Callable[[int], None] | None = None) -> EngineRun:
+                 on_step: Callable[[int], None] | None = None,
+                 live_arrival: Callable[[], float] | None = None) -> EngineRun:
     """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager
     and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.client.
-    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in."""
+    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in.
+
+    `live_arrival`: a live feed (`kvsim serve`) whose requests are not known in advance; it returns the
+    earliest time the next one can reach the engine (a lower bound keeps decode fast-forward exact: a
+    run only takes steps that start before it). The caller submits each request through the run's
+    router at its arrival time and watches the engine with `env.step()` (an event at every step end);
+    `requests` must be empty and the trace options by-step arrivals and max_concurrency unset."""
     cfg = plan.cfg
+    if live_arrival is not None:
+        return _live_engine(plan, requests, step_log, replica_parts, live_arrival)
     env = EngineClock()
     by_step = cfg.trace_options.arrival_unit == "step"
     if by_step and cfg.replicas != 1:
@@ -216,4 +226,22 @@ def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
     limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
     arrivals = ArrivalProcess(env, requests, router, limit)
     feed.extend((arrivals, limit))
-    return EngineRun(env, replicas, arrivals, limit, None)
+    return EngineRun(env, replicas, arrivals, limit, None, router)
+
+
+def _live_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
+                 replica_parts: Callable[[int], tuple[KVManager, Executor]],
+                 live_arrival: Callable[[], float]) -> EngineRun:
+    cfg = plan.cfg
+    if requests or cfg.trace_options.arrival_unit == "step" or cfg.trace_options.max_concurrency is not None:
+        raise ConfigError("a live engine takes its requests as they come: no trace requests, arrival_unit time "
+                          "and no max_concurrency")
+    env = EngineClock(event_per_step=True)
+    replicas = []
+    for i in range(cfg.replicas):
+        kv, executor = replica_parts(i)
+        replicas.append(EngineReplica(
+            env, i, Scheduler(plan.scheduler, kv), executor, step_log,
+            ReplicaOptions(fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants),
+            ReplicaFeed(next_arrival=live_arrival)))
+    return EngineRun(env, replicas, None, None, None, Router(replicas, cfg.router))

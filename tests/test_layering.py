@@ -42,6 +42,7 @@ RANK = {"data": 0, "core": 1, "simulator": 2, "backend": 2, "analysis": 3, "inte
 RULES = (
     ("kvsim.dashboard", "interface"),
     ("kvsim.sim.entry", "interface"),          # the console script around the CLI
+    ("kvsim.sim.serve", "interface"),          # kvsim serve: the HTTP server around the engine
     ("kvsim.sim.calibration", "analysis"),
     ("kvsim.sim.crosscheck", "analysis"),
     ("kvsim.sim.sweep", "analysis"),

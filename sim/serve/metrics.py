@@ -1,0 +1,178 @@
+"""vLLM's Prometheus metrics (names, types, labels and buckets of vllm/v1/metrics/loggers.py) of the
+simulated engine, with prometheus_client: vLLM's Grafana dashboard reads them unchanged.
+
+Labels: model_name (the served name) and engine (the replica). Times are in the simulated engine's
+seconds (what the modelled vLLM would report; at --time-scale k they pass k times faster than the wall
+clock). Engine-state figures (running, waiting, KV usage, preemptions, prefix-cache queries and hits)
+are read from the engine at each scrape; per-request figures are recorded as the engine produces
+tokens and finishes requests (`RequestMetrics`), and per-step figures from its step rows (`StepSink`)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvsim.sim.core.request import Request
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                         10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+FINISH_REASONS = ("stop", "length", "abort")
+LABELS = ["model_name", "engine"]
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """vLLM's build_1_2_5_buckets: 1, 2, 5, 10, 20, 50, ... up to max_value."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class EngineState:
+    """The engine-state metrics, read from the replicas at each scrape."""
+
+    def __init__(self, model_name: str, replicas: list):
+        self.model_name, self.replicas = model_name, replicas
+
+    def collect(self):
+        running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
+                                    labels=LABELS)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                                    labels=LABELS)
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  labels=LABELS)
+        preempt = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                      labels=LABELS)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.", labels=LABELS)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                   labels=LABELS)
+        for rep in self.replicas:
+            labels = [self.model_name, str(rep.index)]
+            sched, kv = rep.scheduler, rep.kv
+            running.add_metric(labels, len(sched.running) - len(sched.finishing))
+            waiting.add_metric(labels, len(sched.waiting))
+            usage.add_metric(labels, kv.pool.num_used_blocks / kv.pool.num_blocks)
+            preempt.add_metric(labels, sched.num_preemptions)
+            lookups = kv.prefix_lookups
+            queries.add_metric(labels, lookups.queries)
+            hits.add_metric(labels, lookups.hits)
+        return [running, waiting, usage, preempt, queries, hits]
+
+
+class RequestMetrics:
+    """The per-request and per-token metrics, recorded in the engine's (simulated) seconds."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int, replicas: int):
+        self.model_name = model_name
+        token_buckets = buckets_1_2_5(max_model_len)
+
+        def per_engine(metric):
+            return [metric.labels(model_name, str(i)) for i in range(replicas)]
+
+        def hist(name, doc, buckets):
+            return per_engine(Histogram(name, doc, LABELS, buckets=buckets, registry=registry))
+
+        self.prompt_tokens = per_engine(Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                                LABELS, registry=registry))
+        self.generation_tokens = per_engine(Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                                    LABELS, registry=registry))
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          LABELS + ["finished_reason"], registry=registry)
+        self.success = {reason: [success.labels(model_name, str(i), reason) for i in range(replicas)]
+                        for reason in FINISH_REASONS}
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        TOKEN_LATENCY_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds",
+                         "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          REQUEST_LATENCY_BUCKETS)
+        self.inference = hist("vllm:request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                            REQUEST_LATENCY_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                           REQUEST_LATENCY_BUCKETS)
+        self.prompt_hist = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.generation_hist = hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                    token_buckets)
+        self.max_tokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                               token_buckets)
+        self.max_generation = hist("vllm:request_max_num_generation_tokens",
+                                   "Histogram of maximum number of requested generation tokens.", token_buckets)
+        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20])
+        self.prefill_kv = hist("vllm:request_prefill_kv_computed_tokens",
+                               "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                               token_buckets)
+        self.iteration = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                              ITERATION_TOKEN_BUCKETS)
+
+    def tokens(self, req: Request, start: int, end: int) -> None:
+        """Output tokens start..end-1 of `req` were produced."""
+        i = req.replica
+        times = req.token_times
+        if start == 0:
+            self.prompt_tokens[i].inc(req.prompt_tokens)
+            self.ttft[i].observe(times[0] - req.arrival_time)
+        itl = self.itl[i]
+        for j in range(max(start, 1), end):
+            itl.observe(times[j] - times[j - 1])
+        self.generation_tokens[i].inc(end - start)
+
+    def finished(self, req: Request, finish_reason: str, max_tokens: int) -> None:
+        i, times = req.replica, req.token_times
+        n = len(times)
+        first, last, scheduled = times[0], times[-1], req.first_scheduled_time
+        self.success[finish_reason][i].inc()
+        self.e2e[i].observe(last - req.arrival_time)
+        self.queue[i].observe(scheduled - req.arrival_time)
+        self.prefill[i].observe(first - scheduled)
+        self.decode[i].observe(last - first)
+        self.inference[i].observe(last - scheduled)
+        self.tpot[i].observe((last - first) / (n - 1) if n > 1 else 0.0)
+        self.prompt_hist[i].observe(req.prompt_tokens)
+        self.generation_hist[i].observe(n)
+        self.max_tokens[i].observe(max_tokens)
+        self.max_generation[i].observe(max_tokens)
+        self.params_n[i].observe(1)
+        self.prefill_kv[i].observe(req.prompt_tokens - req.num_cached_tokens)
+
+
+class StepSink:
+    """Takes the engine's step rows in place of a StepLog (sim/metrics.py): each step's token count goes to
+    vllm:iteration_tokens_total and the row is dropped (a server runs for as long as it is up)."""
+
+    def __init__(self, metrics: RequestMetrics):
+        self.metrics = metrics
+        self.num_rows = 0
+
+    def append(self, row: dict) -> None:
+        self.metrics.iteration[row["replica"]].observe(row["prefill_tokens"] + row["decode_tokens"])
+        self.num_rows += 1
+
+    def append_columns(self, rows: dict, k: int) -> None:
+        hist = self.metrics.iteration[rows["replica"]]
+        prefill, decode = rows["prefill_tokens"], rows["decode_tokens"]
+        for j in range(k):
+            hist.observe((prefill if isinstance(prefill, int) else prefill[j]) + int(decode[j]))
+        self.num_rows += k
+
+
+def cache_config_info(registry: CollectorRegistry, plan) -> None:
+    """vllm:cache_config_info: the KV cache's settings as labels of a gauge set to 1 (vLLM's info metric)."""
+    eng = plan.cfg.engine
+    info = {"block_size": str(eng.block_size), "num_gpu_blocks": str(plan.num_blocks),
+            "enable_prefix_caching": str(bool(eng.enable_prefix_caching)), "engine": "0"}
+    Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+          registry=registry).labels(**info).set(1)
