@@ -25,6 +25,9 @@ from .protocol import (ApiError, ChatBody, CompletionBody, Generation, chat_mess
 from .tokens import PromptTokenizer, filler
 
 
+THREAD_TOKENIZE_BYTES = 16384
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     served_model_name: str
@@ -52,7 +55,8 @@ class Server:
                     if self.options.record_trace else None)
         self.engine = LiveEngine(self.plan, SimClock(self.options.time_scale), self.metrics,
                                  asyncio.get_running_loop(), recorder)
-        self.registry.register(EngineState(self.options.served_model_name, self.engine.replicas))
+        engine = self.engine
+        self.registry.register(EngineState(self.options.served_model_name, engine.replicas, lambda: engine.lag_s))
         return self.engine
 
     # ----- requests -----------------------------------------------------------------------------
@@ -64,7 +68,12 @@ class Server:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
-            gen = self._generation(await _json_body(request), chat)
+            raw = await request.body()
+            body = _json_body(raw)
+            # a long prompt takes milliseconds to tokenize: off the loop that paces the engine and the streams
+            # (a short one in the loop: a thread's hand-offs would cost more)
+            gen = (await asyncio.to_thread(self._generation, body, chat) if len(raw) > THREAD_TOKENIZE_BYTES
+                   else self._generation(body, chat))
             live = self.engine.submit(gen)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -113,8 +122,7 @@ class Server:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _json_body(request: Request):
-    raw = await request.body()
+def _json_body(raw: bytes):
     try:
         return json.loads(raw)
     except (ValueError, RecursionError):
@@ -129,10 +137,12 @@ class Answer:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{live.request.request_id}"
         self.created = int(time.time())
         self.model = server.options.served_model_name
-        gen = live.generation
         head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": self.created, "model": self.model}
         self._head = json.dumps(head)[:-1]      # the chunk's opening fields; choices follow
+        marker = "\x00"                          # where a token's text goes in a plain token chunk
+        self._plain = self._chunk(self._choice(marker, None)).split(json.dumps(marker))
+        self._plain = [self._plain[0] + '"', '"' + self._plain[1]]
 
     def _usage(self, produced: int) -> dict:
         p = len(self.live.generation.prompt_ids)
@@ -148,6 +158,20 @@ class Answer:
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
 
+    def _token_chunks(self, start: int, end: int) -> list[str]:
+        """One event per token; the common ones (not the last, no usage) from a template (a json.dumps
+        each is a tenth of the server's time under a thousand streams)."""
+        gen = self.live.generation
+        last = gen.output_tokens - 1
+        if gen.continuous_usage:
+            return [self._chunk(self._choice(filler(j, 1), gen.finish_reason if j == last else None),
+                                self._usage(j + 1)) for j in range(start, end)]
+        plain = self._plain
+        out = [plain[0] + filler(j, 1) + plain[1] for j in range(start, min(end, last))]
+        if end > last:
+            out.append(self._chunk(self._choice(filler(last, 1), gen.finish_reason)))
+        return out
+
     async def events(self):
         gen, live = self.live.generation, self.live
         total = gen.output_tokens
@@ -156,10 +180,7 @@ class Answer:
                 parts = []
                 if start == 0 and self.chat:
                     parts.append(self._chunk(self._choice("", None, role=True)))
-                for j in range(start, end):
-                    finish = gen.finish_reason if j == total - 1 else None
-                    usage = self._usage(j + 1) if gen.continuous_usage else None
-                    parts.append(self._chunk(self._choice(filler(j, 1), finish), usage))
+                parts += self._token_chunks(start, end)
                 yield "".join(parts)
         except EngineFailed as exc:
             yield f"data: {json.dumps(ApiError(500, f'the simulated engine failed: {exc}', 'InternalServerError').body())}\n\n"

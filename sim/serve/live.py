@@ -75,7 +75,8 @@ class TraceRecorder:
     as they arrive: `kvsim simulate --trace FILE` runs the same arrivals."""
 
     def __init__(self, path: Path, block_size: int):
-        self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - open for the server's lifetime
+        # line-buffered: each request is on disk once it arrived, whenever the server stops
+        self.file = open(path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115 - open for the server's lifetime
         meta = {"version": NATIVE_FORMAT_VERSION, "name": "kvsim serve", "prefix_block_tokens": block_size,
                 "num_clipped": 0, "num_output_clamped": 0, "num_reordered": 0, "notices": []}
         self.file.write(json.dumps({NATIVE_METADATA_KEY: meta}) + "\n")
@@ -114,10 +115,14 @@ class LiveEngine:
         self.arriving: deque[float] = deque()    # times of submitted requests not yet in the engine
         self.live: dict[int, LiveRequest] = {}
         self.num_submitted = 0
-        self.lag_s = 0.0                         # how far the engine is behind the clock (CPU-bound)
         self.failure: str | None = None
         self.on_finished: Callable[[Request], None] | None = None     # observers (tests, logs)
         self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def lag_s(self) -> float:
+        """How far the engine is behind the clock: the age of its oldest due event (0 when none is due)."""
+        return max(0.0, self.clock.now() - self.env.peek())
 
     def _next_arrival(self) -> float:
         """The earliest time a request not yet in the engine can arrive: a known one, or one that reaches
@@ -179,7 +184,6 @@ class LiveEngine:
         except Exception as exc:  # noqa: BLE001 - any engine error ends the service, reported to every client
             self._fail(f"{type(exc).__name__}: {exc}")
             return
-        self.lag_s = now - env.now if env.peek() <= now else 0.0
         self._hand_out(now)
         self._schedule_tick()
 

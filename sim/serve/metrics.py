@@ -38,8 +38,8 @@ def buckets_1_2_5(max_value: int) -> list[int]:
 class EngineState:
     """The engine-state metrics, read from the replicas at each scrape."""
 
-    def __init__(self, model_name: str, replicas: list):
-        self.model_name, self.replicas = model_name, replicas
+    def __init__(self, model_name: str, replicas: list, lag=lambda: 0.0):
+        self.model_name, self.replicas, self.lag = model_name, replicas, lag
 
     def collect(self):
         running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
@@ -64,7 +64,10 @@ class EngineState:
             lookups = kv.prefix_lookups
             queries.add_metric(labels, lookups.queries)
             hits.add_metric(labels, lookups.hits)
-        return [running, waiting, usage, preempt, queries, hits]
+        lag = GaugeMetricFamily("kvsim:engine_lag_seconds", "How far the simulated engine is behind the wall clock "
+                                "(simulated seconds; > 0 while the server's CPU cannot keep up with --time-scale).")
+        lag.add_metric([], self.lag())
+        return [running, waiting, usage, preempt, queries, hits, lag]
 
 
 class RequestMetrics:
