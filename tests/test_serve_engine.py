@@ -9,7 +9,6 @@ import random
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 
 from kvsim.sim.config import load_config
 from kvsim.sim.run_plan import build_run_plan
@@ -31,8 +30,7 @@ def _prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 async def _serve(plan, trace_path, requests, rate_per_s: float, time_scale: float):
-    engine = LiveEngine(plan, SimClock(time_scale), RequestMetrics(CollectorRegistry(), "m", plan.max_model_len,
-                                                                   plan.cfg.replicas),
+    engine = LiveEngine(plan, SimClock(time_scale), RequestMetrics("m", plan.max_model_len, plan.cfg.replicas),
                         asyncio.get_running_loop(), TraceRecorder(trace_path, plan.cfg.engine.block_size))
     served: dict[int, list[float]] = {}
     engine.on_finished = lambda req: served.__setitem__(req.request_id, list(req.token_times))

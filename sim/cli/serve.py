@@ -46,6 +46,9 @@ def serve(
     eos_tokens: Annotated[int, typer.Option(
         help="output tokens of a request without ignore_eos (the simulated model's end of sequence); "
              "max_tokens caps it")] = 128,
+    stream_interval: Annotated[int, typer.Option(
+        help="tokens gathered before a stream sends them (vLLM's --stream-interval; larger: less server CPU per "
+             "token, coarser times)")] = 1,
     record_trace: Annotated[Optional[Path], typer.Option(
         parser=output_path("--record-trace"),
         help="write the requests received as a kvsim JSONL trace (kvsim simulate --trace FILE replays them)")] = None,
@@ -62,6 +65,8 @@ def serve(
         fail(f"--time-scale {time_scale}: expected a number > 0 (simulated seconds per wall second)")
     if eos_tokens < 1:
         fail(f"--eos-tokens {eos_tokens}: expected at least 1")
+    if stream_interval < 1:
+        fail(f"--stream-interval {stream_interval}: expected at least 1 token")
     try:
         cfg = load_config(config, overrides, set_)
         check_serve_config(cfg)
@@ -69,7 +74,7 @@ def serve(
         from kvsim.sim.serve.app import ServeOptions, Server, build_app
         plan = build_run_plan(cfg)
         server = Server(plan, ServeOptions(served_model_name or cfg.model, time_scale, eos_tokens, tokenizer,
-                                           record_trace))
+                                           record_trace, stream_interval))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
     import uvicorn

@@ -25,7 +25,7 @@ from .protocol import (ApiError, ChatBody, CompletionBody, Generation, chat_mess
 from .tokens import PromptTokenizer, filler
 
 
-THREAD_TOKENIZE_BYTES = 16384
+THREAD_TOKENIZE_BYTES = 4096      # about 1,000 tokens of text
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class ServeOptions:
     eos_tokens: int = 128           # output tokens of a request without ignore_eos (protocol.py)
     tokenizer: str | None = None    # a tokenizer.json (or its directory); None: the shipped SmolLM2 one
     record_trace: Path | None = None
+    stream_interval: int = 1        # tokens per streamed batch (vLLM's --stream-interval)
 
 
 class Server:
@@ -44,7 +45,8 @@ class Server:
         self.plan, self.options = plan, options
         self.tokenizer = PromptTokenizer(options.tokenizer)
         self.registry = CollectorRegistry()
-        self.metrics = RequestMetrics(self.registry, options.served_model_name, plan.max_model_len, plan.cfg.replicas)
+        self.metrics = RequestMetrics(options.served_model_name, plan.max_model_len, plan.cfg.replicas)
+        self.registry.register(self.metrics)
         cache_config_info(self.registry, plan)
         self.engine: LiveEngine | None = None
         self.created = int(time.time())
@@ -54,7 +56,7 @@ class Server:
         recorder = (TraceRecorder(self.options.record_trace, self.plan.cfg.engine.block_size)
                     if self.options.record_trace else None)
         self.engine = LiveEngine(self.plan, SimClock(self.options.time_scale), self.metrics,
-                                 asyncio.get_running_loop(), recorder)
+                                 asyncio.get_running_loop(), recorder, self.options.stream_interval)
         engine = self.engine
         self.registry.register(EngineState(self.options.served_model_name, engine.replicas, lambda: engine.lag_s))
         return self.engine

@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from prometheus_client import CollectorRegistry
-
 from kvsim.sim.assembly import build_engine
 from kvsim.sim.core.request import Request, RequestStatus
 from kvsim.sim.executor import replica_parts
@@ -96,7 +94,7 @@ def warm_up(plan: RunPlan, metrics: RequestMetrics) -> None:
     """Run a throwaway engine of `plan` over a few requests before serving: the first steps of a process
     pay one-time costs (imports, caches, compiled kernels) that would otherwise delay the first clients
     by a few hundred milliseconds."""
-    probe = RequestMetrics(CollectorRegistry(), metrics.model_name, plan.max_model_len, plan.cfg.replicas)
+    probe = RequestMetrics(metrics.model_name, plan.max_model_len, plan.cfg.replicas)
     requests = [Request(request_id=i, arrival_time=0.001 * i, prompt_tokens=min(512, plan.max_model_len // 2),
                         max_output_tokens=8) for i in range(4)]
     build_engine(plan, requests, StepSink(probe), lambda i: replica_parts(plan, i)).drive(catch=())
@@ -104,8 +102,9 @@ def warm_up(plan: RunPlan, metrics: RequestMetrics) -> None:
 
 class LiveEngine:
     def __init__(self, plan: RunPlan, clock: SimClock, metrics: RequestMetrics, loop: asyncio.AbstractEventLoop,
-                 recorder: TraceRecorder | None = None):
+                 recorder: TraceRecorder | None = None, stream_interval: int = 1):
         self.clock, self.metrics, self.loop, self.recorder = clock, metrics, loop, recorder
+        self.stream_interval = stream_interval     # tokens a stream gathers before it is woken (vLLM's --stream-interval)
         self.block_size = plan.cfg.engine.block_size
         self.run = build_engine(plan, [], StepSink(metrics), lambda i: replica_parts(plan, i),
                                 live_arrival=self._next_arrival)
@@ -213,7 +212,8 @@ class LiveEngine:
         if n > live.produced:
             self.metrics.tokens(req, live.produced, n)
             live.produced = n
-            live.wake.set()
+            if n - live.sent >= self.stream_interval:
+                live.wake.set()
         if req.status == RequestStatus.FINISHED and n == len(times):
             self.metrics.finished(req, live.generation.finish_reason, live.generation.max_tokens)
             del self.live[req.request_id]

@@ -8,8 +8,12 @@ are read from the engine at each scrape; per-request figures are recorded as the
 tokens and finishes requests (`RequestMetrics`), and per-step figures from its step rows (`StepSink`)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from bisect import bisect_left
+from itertools import accumulate
+
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from kvsim.sim.core.request import Request
 
@@ -70,74 +74,84 @@ class EngineState:
         return [running, waiting, usage, preempt, queries, hits, lag]
 
 
+class Histogram:
+    """A Prometheus histogram's state (per-bucket counts and the sum): an observation is a bisect and two
+    additions, a tenth of prometheus_client's (the inter-token latency takes one per token streamed)."""
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds):
+        self.bounds = [float(b) for b in bounds]
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1       # le semantics: a value on a bound counts there
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        cumulative = list(accumulate(self.counts))
+        return [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)] + [("+Inf", cumulative[-1])]
+
+
+# (attribute, vLLM name, help, buckets: a list, or "tokens" for 1-2-5 buckets up to max_model_len)
+HISTOGRAMS = (
+    ("ttft", "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    ("itl", "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS),
+    ("tpot", "vllm:request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+     TOKEN_LATENCY_BUCKETS),
+    ("e2e", "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+     REQUEST_LATENCY_BUCKETS),
+    ("queue", "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("inference", "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("prefill", "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("decode", "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("prompt_hist", "vllm:request_prompt_tokens", "Number of prefill tokens processed.", "tokens"),
+    ("generation_hist", "vllm:request_generation_tokens", "Number of generation tokens processed.", "tokens"),
+    ("max_tokens", "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", "tokens"),
+    ("max_generation", "vllm:request_max_num_generation_tokens",
+     "Histogram of maximum number of requested generation tokens.", "tokens"),
+    ("params_n", "vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]),
+    ("prefill_kv", "vllm:request_prefill_kv_computed_tokens",
+     "Histogram of new KV tokens computed during prefill (excluding cached tokens).", "tokens"),
+    ("iteration", "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+     ITERATION_TOKEN_BUCKETS),
+)
+
+
 class RequestMetrics:
-    """The per-request and per-token metrics, recorded in the engine's (simulated) seconds."""
+    """The per-request and per-token metrics (one set per engine), recorded in the engine's (simulated)
+    seconds; a prometheus_client collector."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int, replicas: int):
-        self.model_name = model_name
-        token_buckets = buckets_1_2_5(max_model_len)
-
-        def per_engine(metric):
-            return [metric.labels(model_name, str(i)) for i in range(replicas)]
-
-        def hist(name, doc, buckets):
-            return per_engine(Histogram(name, doc, LABELS, buckets=buckets, registry=registry))
-
-        self.prompt_tokens = per_engine(Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                                                LABELS, registry=registry))
-        self.generation_tokens = per_engine(Counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                                                    LABELS, registry=registry))
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          LABELS + ["finished_reason"], registry=registry)
-        self.success = {reason: [success.labels(model_name, str(i), reason) for i in range(replicas)]
-                        for reason in FINISH_REASONS}
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                        TOKEN_LATENCY_BUCKETS)
-        self.tpot = hist("vllm:request_time_per_output_token_seconds",
-                         "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        REQUEST_LATENCY_BUCKETS)
-        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                          REQUEST_LATENCY_BUCKETS)
-        self.inference = hist("vllm:request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.prefill = hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-                            REQUEST_LATENCY_BUCKETS)
-        self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                           REQUEST_LATENCY_BUCKETS)
-        self.prompt_hist = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
-        self.generation_hist = hist("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                                    token_buckets)
-        self.max_tokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-                               token_buckets)
-        self.max_generation = hist("vllm:request_max_num_generation_tokens",
-                                   "Histogram of maximum number of requested generation tokens.", token_buckets)
-        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20])
-        self.prefill_kv = hist("vllm:request_prefill_kv_computed_tokens",
-                               "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-                               token_buckets)
-        self.iteration = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                              ITERATION_TOKEN_BUCKETS)
+    def __init__(self, model_name: str, max_model_len: int, replicas: int):
+        self.model_name, self.replicas = model_name, replicas
+        tokens = buckets_1_2_5(max_model_len)
+        for attr, _, _, bounds in HISTOGRAMS:
+            setattr(self, attr, [Histogram(tokens if bounds == "tokens" else bounds) for _ in range(replicas)])
+        self.prompt_tokens = [0] * replicas
+        self.generation_tokens = [0] * replicas
+        self.success = {reason: [0] * replicas for reason in FINISH_REASONS}
 
     def tokens(self, req: Request, start: int, end: int) -> None:
         """Output tokens start..end-1 of `req` were produced."""
         i = req.replica
         times = req.token_times
         if start == 0:
-            self.prompt_tokens[i].inc(req.prompt_tokens)
+            self.prompt_tokens[i] += req.prompt_tokens
             self.ttft[i].observe(times[0] - req.arrival_time)
         itl = self.itl[i]
         for j in range(max(start, 1), end):
             itl.observe(times[j] - times[j - 1])
-        self.generation_tokens[i].inc(end - start)
+        self.generation_tokens[i] += end - start
 
     def finished(self, req: Request, finish_reason: str, max_tokens: int) -> None:
         i, times = req.replica, req.token_times
         n = len(times)
         first, last, scheduled = times[0], times[-1], req.first_scheduled_time
-        self.success[finish_reason][i].inc()
+        self.success[finish_reason][i] += 1
         self.e2e[i].observe(last - req.arrival_time)
         self.queue[i].observe(scheduled - req.arrival_time)
         self.prefill[i].observe(first - scheduled)
@@ -150,6 +164,27 @@ class RequestMetrics:
         self.max_generation[i].observe(max_tokens)
         self.params_n[i].observe(1)
         self.prefill_kv[i].observe(req.prompt_tokens - req.num_cached_tokens)
+
+    def collect(self):
+        engines = [[self.model_name, str(i)] for i in range(self.replicas)]
+        for name, doc, values in (("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
+                                  ("vllm:generation_tokens", "Number of generation tokens processed.",
+                                   self.generation_tokens)):
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            for labels, value in zip(engines, values):
+                family.add_metric(labels, value)
+            yield family
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=LABELS + ["finished_reason"])
+        for reason, counts in self.success.items():
+            for labels, value in zip(engines, counts):
+                success.add_metric(labels + [reason], value)
+        yield success
+        for attr, name, doc, _ in HISTOGRAMS:
+            family = HistogramMetricFamily(name, doc, labels=LABELS)
+            for labels, hist in zip(engines, getattr(self, attr)):
+                family.add_metric(labels, hist.buckets(), hist.sum)
+            yield family
 
 
 class StepSink:
