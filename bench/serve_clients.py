@@ -28,8 +28,9 @@ import psutil
 
 from kvsim.sim.serve.client import stream_completion
 
-WORDS = ("cache block token prefill decode batch request engine memory latency throughput scheduler queue "
-         "router replica model weight layer head attention").split()
+WORDS = ("cache", "block", "token", "prefill", "decode", "batch", "request", "engine", "memory", "latency",
+         "throughput", "scheduler", "queue", "router", "replica", "model", "weight", "layer", "head",
+         "attention")
 
 
 def _free_port() -> int:
@@ -156,7 +157,7 @@ def report(args, results, lost, peak, wall, m, rss) -> None:
         print(f"server RSS MB: start {mb[0]:.0f}, max {mb.max():.0f}, end {mb[-1]:.0f}; second half "
               f"{mb[half].min():.0f}..{mb[half].max():.0f}, trend {slope:+.1f} MB/min")
         print("RSS samples (s: MB, open streams): " + ", ".join(
-            f"{ti:.0f}: {m_:.0f}, {x[2]}" for ti, m_, x in zip(t, mb, rss)))
+            f"{ti:.0f}: {m_:.0f}, {x[2]}" for ti, m_, x in zip(t, mb, rss, strict=True)))
     print(json.dumps({"completed": len(results), "lost": len(lost)}))
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -34,8 +33,9 @@ MODEL = "llama-3.1-8b"
 ENGINE = {"engine.num_gpu_blocks": 2000}          # 32,000 KV slots: a 40,000-token prompt never fits
 EOS_TOKENS = 16
 PROBE = {"model": MODEL, "prompt": "ping", "max_tokens": 1, "ignore_eos": True}
-VOCABULARY = ("cache block token prefill decode batch request engine memory latency throughput scheduler queue "
-              "router replica model weight layer head attention").split()
+VOCABULARY = ("cache", "block", "token", "prefill", "decode", "batch", "request", "engine", "memory", "latency",
+              "throughput", "scheduler", "queue", "router", "replica", "model", "weight", "layer", "head",
+              "attention")
 
 
 def _free_port() -> int:
@@ -234,7 +234,7 @@ def test_poisson_load_matches_simulate_and_metrics_match_its_totals(server):
 
     # the clients' latencies (wall x time scale) against the simulator's on the same arrivals
     sims = done.loc[_ids(results)]
-    overhead = max(r.ttft * SCALE - ttft for r, ttft in zip(probes, done.loc[_ids(probes), "ttft_s"]))
+    overhead = max(r.ttft * SCALE - ttft for r, ttft in zip(probes, done.loc[_ids(probes), "ttft_s"], strict=True))
     client = {"ttft": [r.ttft * SCALE for r in results], "e2e": [r.e2e * SCALE for r in results],
               "tpot": [r.tpot * SCALE for r in results]}
     reference = {"ttft": sims["ttft_s"], "e2e": sims["e2e_s"], "tpot": sims["tpot_s"]}
@@ -247,5 +247,5 @@ def test_poisson_load_matches_simulate_and_metrics_match_its_totals(server):
             assert abs(measured - expected) <= 0.05 * expected + slack, \
                 f"p{q} {key}: clients {measured:.4f} s, kvsim simulate {expected:.4f} s (overhead {overhead:.4f} s)"
     # and the clients saw the simulated times, late by no more than the overhead, never early
-    for r, (_, row) in zip(results, sims.iterrows()):
+    for r, (_, row) in zip(results, sims.iterrows(), strict=True):
         assert r.ttft * SCALE >= row["ttft_s"] - 0.05 * row["ttft_s"] - 1e-3

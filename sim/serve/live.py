@@ -20,9 +20,9 @@ import json
 import time
 from bisect import bisect_right
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from kvsim.sim.assembly import build_engine
 from kvsim.sim.core.request import Request, RequestStatus

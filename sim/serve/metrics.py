@@ -90,7 +90,7 @@ class Histogram:
 
     def buckets(self) -> list[tuple[str, int]]:
         cumulative = list(accumulate(self.counts))
-        return [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)] + [("+Inf", cumulative[-1])]
+        return [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative, strict=False)] + [("+Inf", cumulative[-1])]
 
 
 # (attribute, vLLM name, help, buckets: a list, or "tokens" for 1-2-5 buckets up to max_model_len)
@@ -171,18 +171,18 @@ class RequestMetrics:
                                   ("vllm:generation_tokens", "Number of generation tokens processed.",
                                    self.generation_tokens)):
             family = CounterMetricFamily(name, doc, labels=LABELS)
-            for labels, value in zip(engines, values):
+            for labels, value in zip(engines, values, strict=True):
                 family.add_metric(labels, value)
             yield family
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=LABELS + ["finished_reason"])
         for reason, counts in self.success.items():
-            for labels, value in zip(engines, counts):
+            for labels, value in zip(engines, counts, strict=True):
                 success.add_metric(labels + [reason], value)
         yield success
         for attr, name, doc, _ in HISTOGRAMS:
             family = HistogramMetricFamily(name, doc, labels=LABELS)
-            for labels, hist in zip(engines, getattr(self, attr)):
+            for labels, hist in zip(engines, getattr(self, attr), strict=True):
                 family.add_metric(labels, hist.buckets(), hist.sum)
             yield family
 

@@ -127,10 +127,7 @@ def generation(body: _Common, prompt_ids: list[int], max_model_len: int, eos_tok
                             f"context length is {max_model_len} tokens and your request has {n_prompt} input "
                             f"tokens ({asked} > {max_model_len} - {n_prompt}).", param="max_tokens")
     limit = asked if asked is not None else max_model_len - n_prompt
-    if body.ignore_eos:
-        out = limit
-    else:
-        out = min(limit, max(eos_tokens, body.min_tokens))
+    out = limit if body.ignore_eos else min(limit, max(eos_tokens, body.min_tokens))
     opts = body.stream_options
     if opts is not None and not body.stream:
         raise ApiError(400, "stream_options: only with stream: true", param="stream_options")

@@ -12,8 +12,8 @@ from kvsim.traces.tokenizer import load_tokenizer
 
 # single tokens of the SmolLM2 (GPT-2 byte-level) vocabulary, each a word after a space: n of them
 # re-tokenize to n tokens
-FILLER_WORDS = tuple(" " + w for w in (
-    "the of and to in is that for it as with on was be by this are at from or an").split())
+FILLER_WORDS = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " as", " with", " on", " was",
+                " be", " by", " this", " are", " at", " from", " or", " an")
 HASH_MASK = (1 << 63) - 1
 
 
