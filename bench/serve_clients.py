@@ -20,8 +20,10 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -120,7 +122,8 @@ def main() -> None:
     extra = [x for x in extra if x != "--"]
     port = _free_port()
     t0 = time.monotonic()
-    proc = start_server(port, args, ["--model", args.model, *extra])
+    trace = Path(tempfile.mkdtemp()) / "served.jsonl"
+    proc = start_server(port, args, ["--model", args.model, "--record-trace", str(trace), *extra])
     print(f"kvsim serve up in {time.monotonic() - t0:.1f} s (pid {proc.pid}); {args.clients} clients for "
           f"{args.duration:g} s at time scale {args.time_scale:g}", flush=True)
     args.server_pid = proc.pid
@@ -134,6 +137,24 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
     report(args, results, lost, peak, wall, m, rss)
+    if results and not extra:
+        lateness(results, trace, args)
+
+
+def lateness(results, trace: Path, args) -> None:
+    """The clients' TTFT against the simulated engine's on the arrivals the server recorded (`kvsim simulate`
+    on its trace): what the server and the machine added (connection, parsing, a lagging engine, delivery)."""
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulate import run_simulation
+
+    sim = run_simulation(load_config(None, {"model": args.model, "trace": str(trace)}))
+    ttft = sim.requests.set_index("request_id")["ttft_s"]
+    simulated = np.array([ttft[int(r.response_id.rsplit("-", 1)[1])] for r in results]) / args.time_scale
+    late = np.array([r.ttft for r in results]) - simulated
+    print("simulated TTFT ms p50/p90/p99 (wall): " + " / ".join(f"{np.percentile(simulated, q) * 1e3:.0f}"
+                                                                for q in (50, 90, 99))
+          + "; client lateness ms p50/p90/p99: " + " / ".join(f"{np.percentile(late, q) * 1e3:.0f}"
+                                                              for q in (50, 90, 99)))
 
 
 def report(args, results, lost, peak, wall, m, rss) -> None:

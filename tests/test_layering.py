@@ -18,7 +18,8 @@ kvsim.sim.kv.fast.*, kvsim.sim.cli.*, kvsim.sim.calibration.*, kvsim.sim.crossch
 - analysis: tools that run and compare executors — calibration, crosscheck, sweep, capacity, plan,
   report, the vLLM reference harness.
 - interfaces: every CLI (the kvsim.sim.cli package, or any module whose name ends in `cli`), the
-  console script that runs it (kvsim.sim.entry) and the dashboard.
+  console script that runs it (kvsim.sim.entry), the dashboard and `kvsim serve`'s HTTP server
+  (kvsim.sim.serve: it drives the simulator's engine on the wall clock).
 
 A package's __init__ belongs to the layer of its contents (a submodule's import runs it). Imports
 are read with ast, module level and inside functions alike (a lazy import still couples the two

@@ -58,20 +58,30 @@ class EngineState:
                                       "Prefix cache queries, in terms of number of queried tokens.", labels=LABELS)
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                                    labels=LABELS)
+        # the names vLLM 0.9-0.11 also served (deprecated, still read by dashboards and gateways)
+        old_usage = GaugeMetricFamily("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."
+                                      "DEPRECATED: Use vllm:kv_cache_usage_perc instead.", labels=LABELS)
+        old_queries = CounterMetricFamily("vllm:gpu_prefix_cache_queries", "GPU prefix cache queries, in terms of "
+                                          "number of queried tokens.", labels=LABELS)
+        old_hits = CounterMetricFamily("vllm:gpu_prefix_cache_hits", "GPU prefix cache hits, in terms of number of "
+                                       "cached tokens.", labels=LABELS)
         for rep in self.replicas:
             labels = [self.model_name, str(rep.index)]
             sched, kv = rep.scheduler, rep.kv
             running.add_metric(labels, len(sched.running) - len(sched.finishing))
             waiting.add_metric(labels, len(sched.waiting))
-            usage.add_metric(labels, kv.pool.num_used_blocks / kv.pool.num_blocks)
+            kv_usage = kv.pool.num_used_blocks / kv.pool.num_blocks
+            usage.add_metric(labels, kv_usage)
+            old_usage.add_metric(labels, kv_usage)
             preempt.add_metric(labels, sched.num_preemptions)
             lookups = kv.prefix_lookups
-            queries.add_metric(labels, lookups.queries)
-            hits.add_metric(labels, lookups.hits)
+            for family, value in ((queries, lookups.queries), (hits, lookups.hits), (old_queries, lookups.queries),
+                                  (old_hits, lookups.hits)):
+                family.add_metric(labels, value)
         lag = GaugeMetricFamily("kvsim:engine_lag_seconds", "How far the simulated engine is behind the wall clock "
                                 "(simulated seconds; > 0 while the server's CPU cannot keep up with --time-scale).")
         lag.add_metric([], self.lag())
-        return [running, waiting, usage, preempt, queries, hits, lag]
+        return [running, waiting, usage, preempt, queries, hits, old_usage, old_queries, old_hits, lag]
 
 
 class Histogram:
@@ -119,6 +129,12 @@ HISTOGRAMS = (
      "Histogram of new KV tokens computed during prefill (excluding cached tokens).", "tokens"),
     ("iteration", "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
      ITERATION_TOKEN_BUCKETS),
+)
+
+# vLLM 0.11 served the inter-token latency under its old name too (vLLM's Grafana dashboard reads it)
+DEPRECATED_HISTOGRAMS = (
+    ("itl", "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.DEPRECATED: Use "
+     "vllm:inter_token_latency_seconds instead.", TOKEN_LATENCY_BUCKETS),
 )
 
 
@@ -180,7 +196,7 @@ class RequestMetrics:
             for labels, value in zip(engines, counts, strict=True):
                 success.add_metric(labels + [reason], value)
         yield success
-        for attr, name, doc, _ in HISTOGRAMS:
+        for attr, name, doc, _ in HISTOGRAMS + DEPRECATED_HISTOGRAMS:
             family = HistogramMetricFamily(name, doc, labels=LABELS)
             for labels, hist in zip(engines, getattr(self, attr), strict=True):
                 family.add_metric(labels, hist.buckets(), hist.sum)
