@@ -47,7 +47,7 @@ async def _serve(plan, trace_path, requests, rate_per_s: float, time_scale: floa
         await asyncio.sleep(rng.exponential(1.0 / rate_per_s) / time_scale)
         live = engine.submit(Generation(ids, out, out, "length", True, False, False))
         tasks.append(asyncio.create_task(consume(live)))
-    await asyncio.gather(*tasks)
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)     # a stalled engine fails, not hangs
     engine.close()
     return served, streamed, engine
 

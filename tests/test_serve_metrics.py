@@ -46,3 +46,36 @@ def test_request_metrics_follow_vllm_definitions():
 def test_token_buckets_are_vllms_1_2_5():
     assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
     assert buckets_1_2_5(4096)[-1] == 2000
+
+
+def test_serve_refuses_options_that_change_nothing_or_are_wrong(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["serve", "--time-scale", "0"])
+    assert r.exit_code == 2 and "--time-scale 0.0: expected a number > 0" in r.output
+    r = runner.invoke(app, ["serve", "--stream-interval", "0"])
+    assert r.exit_code == 2 and "--stream-interval 0: expected at least 1 token" in r.output
+    config = tmp_path / "c.yaml"
+    config.write_text("trace_options:\n  request_rate: 4\n")
+    r = runner.invoke(app, ["serve", "--config", str(config)])
+    assert r.exit_code == 2 and "trace_options: kvsim serve takes its requests from HTTP clients" in r.output
+
+
+def test_serve_without_its_extra_says_what_to_install():
+    import subprocess
+    import sys
+
+    blocker = ("import sys, importlib.abc\n"
+               "class Block(importlib.abc.MetaPathFinder):\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] == 'prometheus_client':\n"
+               "            raise ImportError(f'{name} is not installed', name=name)\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "from kvsim.sim.cli import app\n"
+               "app(['serve'])\n")
+    out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "kvsim serve needs prometheus_client: pip install 'kvsim[serve]'" in out.stderr

@@ -68,16 +68,21 @@ def serve(
     if stream_interval < 1:
         fail(f"--stream-interval {stream_interval}: expected at least 1 token")
     try:
+        import uvicorn
+
+        from kvsim.sim.serve.app import ServeOptions, Server, build_app
+    except ImportError as exc:
+        fail(f"kvsim serve needs {exc.name or 'its HTTP packages'}: pip install 'kvsim[serve]' (starlette, uvicorn, "
+             "prometheus_client)")
+    try:
         cfg = load_config(config, overrides, set_)
         check_serve_config(cfg)
         from kvsim.sim.run_plan import build_run_plan
-        from kvsim.sim.serve.app import ServeOptions, Server, build_app
         plan = build_run_plan(cfg)
         server = Server(plan, ServeOptions(served_model_name or cfg.model, time_scale, eos_tokens, tokenizer,
                                            record_trace, stream_interval))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
-    import uvicorn
     typer.echo(f"kvsim serve: {cfg.model} on {cfg.tp}x {cfg.gpu} ({cfg.replicas} replica(s)), {plan.num_blocks} KV "
                f"blocks, max_model_len {plan.max_model_len}; http://{host}:{port}/v1 at {time_scale:g}x real time",
                err=True)
