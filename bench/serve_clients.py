@@ -130,9 +130,15 @@ def main() -> None:
     rss: list = []
     t0 = time.monotonic()
     try:
+        server_cpu0 = sum(psutil.Process(proc.pid).cpu_times()[:2])
+        client_cpu0 = sum(psutil.Process().cpu_times()[:2])
         results, lost, peak = asyncio.run(run_clients(port, args, rss))
         wall = time.monotonic() - t0
         m = _metrics(port)
+        server_cpu = sum(psutil.Process(proc.pid).cpu_times()[:2]) - server_cpu0
+        client_cpu = sum(psutil.Process().cpu_times()[:2]) - client_cpu0
+        print(f"CPU seconds (user + sys) during the load: server {server_cpu:.1f}, clients {client_cpu:.1f}; "
+              f"server {server_cpu / max(len(results) * args.max_tokens, 1) * 1e6:.0f} us per streamed token")
     finally:
         proc.terminate()
         proc.wait(timeout=60)
