@@ -166,9 +166,9 @@ def _load_bodies(n: int, seed: int) -> list[dict]:
 
 
 async def _poisson_load(port: int, bodies: list[dict], rate_per_s: float, seed: int):
-    """The bodies sent at Poisson times (streaming, one connection each), and beside them a probe every 20 ms:
-    a one-token stream whose lateness over the simulated TTFT (once `kvsim simulate` has it) is the HTTP
-    overhead of a token on this machine at this moment (connection, parsing, the server's timers, delivery)."""
+    """The bodies sent at Poisson times (streaming, one connection each), and beside them probes: one-token
+    streams, one 5 ms after another, whose lateness over their simulated TTFT (once `kvsim simulate` has it)
+    is the HTTP overhead of a token on this machine then (connection, parsing, the server's timers, delivery)."""
     rng = np.random.default_rng(seed)
     probes = []
     done = asyncio.Event()
@@ -176,7 +176,7 @@ async def _poisson_load(port: int, bodies: list[dict], rate_per_s: float, seed: 
     async def probe():
         while not done.is_set():
             probes.append(await stream_completion("127.0.0.1", port, PROBE))
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.005)
 
     prober = asyncio.create_task(probe())
     tasks = []
