@@ -49,7 +49,7 @@ def one(row: str) -> dict:
     from kvsim.sim.kv.build import policy_params
     from kvsim.sim.kv.policy import get_policy
     from kvsim.sim.config import KVConfig
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
 
     w, p = row.split(":")

@@ -64,7 +64,7 @@ def past_trained_positions():
     """TokenSelect's prompts (to 256K on Llama-3.1-8B, trained to 131,072) and SnapKV's 16K prompt on the
     Llama-2-7B shape (LWM-Text-Chat-1M's; Llama-2-7B is trained to 4,096) go past the stand-in model's
     max_position_embeddings: allowed as vLLM allows it, with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
-    from kvsim.sim.defaults import ALLOW_LONG_MAX_MODEL_LEN as key
+    from kvsim.sim.model.defaults import ALLOW_LONG_MAX_MODEL_LEN as key
     before = os.environ.get(key)
     os.environ[key] = "1"
     try:
@@ -98,7 +98,7 @@ SETUPS = {      # model, layout, H2O parameters, importance model, kv.mode
 
 def spvllm(budget: int, strategy: str, setup: str = "spvllm", n: int = 1000) -> dict:
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     model, layout, params, importance, mode = SETUPS[setup]
     kv = {"policy": "h2o", "budget": budget, "layout": layout, "slot_strategy": strategy, "mode": mode,
@@ -125,7 +125,7 @@ def spvllm_tail(budget: int, setup: str = "spvllm") -> dict:
     """Where the p99 of each strategy comes from: {strategy: (p99, mean, steps, steps of <= 3 sequences,
     live and allocated slots of the steps at or over the p99, evicted tokens, blocks freed)}."""
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     model, layout, params, importance, mode = SETUPS[setup]
     out = {}
@@ -217,7 +217,7 @@ def tokenselect_simulated(prompt: int, reuse_rate: float, output: int = 256) -> 
     import pandas as pd
 
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
 
     kvs = ({"policy": "none"}, {"policy": "tokenselect", "layout": "per_head", "mode": "fast", "params": {
@@ -247,7 +247,7 @@ def print_tokenselect_simulated(reuse_rate: float) -> None:
 
 def _summary(model: str, gpu: str, kv: dict, n: int, prompt: int, output: int, tp: int = 1, **engine) -> dict:
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
 
     cfg = load_config(None, {"model": model, "gpu": gpu, "tp": tp, "kv": kv, "engine": {"max_num_seqs": 256, **engine}})

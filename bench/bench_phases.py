@@ -56,7 +56,7 @@ def patch_simulate(m):
     m.run_simulation = timed(m.run_simulation, "run_start", "run_end")
 def patch_assembly(m):
     m.EngineRun.drive = timed(m.EngineRun.drive, "drive_start", "drive_end")
-PATCH = {"kvsim.sim.simulate": patch_simulate, "kvsim.sim.assembly": patch_assembly}
+PATCH = {"kvsim.sim.simulator.simulate": patch_simulate, "kvsim.sim.engine.assembly": patch_assembly}
 class Wrap:
     def find_spec(self, name, path=None, target=None):
         if name not in PATCH:

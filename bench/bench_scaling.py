@@ -5,7 +5,7 @@
 Each size runs in a child process (trace built, simulated, results written to a temporary folder);
 prints CPU seconds (user + sys), ms of CPU per request and the child's peak RSS, so linear CPU and
 memory per request can be read off. Past ~40 k requests the request table is streamed to its file
-(sim/request_log.py), so peak RSS grows only by the per-request state the engine keeps (its Request
+(sim/results/request_log.py), so peak RSS grows only by the per-request state the engine keeps (its Request
 objects). Usage: python bench/bench_scaling.py [N ...] (default the four sizes; the 1 M point takes
 several minutes of CPU).
 """
@@ -23,7 +23,7 @@ SIZES = [20_000, 80_000, 320_000, 1_000_000]
 CHILD = """
 import math, sys
 from kvsim.sim.config import load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces import Trace, load_trace
 n, out = int(sys.argv[1]), sys.argv[2]
 base = load_trace("azure-conv-2023")

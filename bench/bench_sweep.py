@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvsim.sim.sweep import SweepRunOptions, parse_spec, read_store, run_sweep
+from kvsim.sim.planning.sweep import SweepRunOptions, parse_spec, read_store, run_sweep
 
 
 def make_spec(max_requests: int, grid: str = "policies") -> dict:

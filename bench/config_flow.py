@@ -30,7 +30,7 @@ DEFAULT = ["simulate", "--trace", "azure-conv-2023", "--model", "llama-3.1-8b", 
 def config_types() -> tuple[type, ...]:
     from kvsim.sim.config import EngineConfig, KVConfig, SimConfig
     try:
-        from kvsim.sim.run_plan import RunPlan
+        from kvsim.sim.engine.run_plan import RunPlan
     except ImportError:            # a checkout from before the run plan (to measure the before)
         return SimConfig, EngineConfig, KVConfig
     return SimConfig, EngineConfig, KVConfig, RunPlan

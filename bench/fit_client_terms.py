@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsim.sim.calibration import published_runs as pr
-from kvsim.sim.cost_model import load_profile
+from kvsim.sim.model.cost_model import load_profile
 
 RUNS = Path(__file__).resolve().parents[1] / "tests" / "data" / "published_runs" / "runs.yaml"
 START = {"request_s": 0.01, "request_serial_s": 0.002, "output_token_s": 5e-5, "step_overhead_s": 8e-4}

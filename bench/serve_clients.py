@@ -151,7 +151,7 @@ def lateness(results, trace: Path, args) -> None:
     """The clients' TTFT against the simulated engine's on the arrivals the server recorded (`kvsim simulate`
     on its trace): what the server and the machine added (connection, parsing, a lagging engine, delivery)."""
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     sim = run_simulation(load_config(None, {"model": args.model, "trace": str(trace)}))
     ttft = sim.requests.set_index("request_id")["ttft_s"]

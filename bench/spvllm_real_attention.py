@@ -13,7 +13,7 @@ requests at t=0), so the replay and the simulation run the same steps; the scrip
 
 Fragmentation is computed from each run's step log as the simulator does (`step_p99`: per step
 1 - live / allocated slots, the steps.parquet `fragmentation` column, then the 99th percentile over
-steps, sim/metrics.py), so real and model runs are compared on one formula.
+steps, sim/results/metrics.py), so real and model runs are compared on one formula.
 
 Setups (`--setup`): `per-step` (the default): per_head layout, `evict_per_step: 1` (no prompt cut, one
 token out per step once a row holds the budget); `code`: SpvLLM's code (shared layout, the prompt cut
@@ -83,7 +83,7 @@ def num_blocks_for(trace, setup: str, block: int = 16) -> int:
 
 def step_p99(steps) -> float:
     """The simulator's p99 fragmentation of a step log: per step 1 - live / allocated slots
-    (steps.parquet's `fragmentation`), 99th percentile over the steps (sim/metrics.py)."""
+    (steps.parquet's `fragmentation`), 99th percentile over the steps (sim/results/metrics.py)."""
     live = steps["live_slots"].to_numpy(np.float64)
     alloc = steps["allocated_slots"].to_numpy(np.float64)
     frag = np.where(alloc > 0, 1 - live / np.maximum(alloc, 1), 0.0)
@@ -100,7 +100,7 @@ def real_run(trace, budget: int, strategy: str, setup: str, model):
 
 def sim_run(trace, budget: int, strategy: str, setup: str, importance: str, model_spec=None):
     """`kvsim simulate` of the same config, H2O scored by the importance model `importance`."""
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     cfg = config(budget, strategy, setup, importance, num_blocks_for(trace, setup))
     return run_simulation(cfg, trace=trace, model=model_spec)
@@ -120,7 +120,7 @@ def compare(trace, budget: int, setup: str, layers: int | None = None, log=print
     import torch
 
     from kvsim.gpu.replay import ReplayOptions, build_model, model_spec_for
-    from kvsim.sim.catalog import get_model
+    from kvsim.sim.model.catalog import get_model
 
     torch.set_num_threads(1)
     model = build_model(config(budget, "noop", setup, MODELS[0], 1), ReplayOptions(layers=layers))

@@ -9,7 +9,7 @@ Definitions (all over kvsim's own frames: a frame counts when its module is `kvs
 click, pydantic and the standard library are not counted, in depth or in stops):
 
 - configuration object: an instance of a pydantic model defined in `kvsim.sim.config` (SimConfig
-  and its sections: EngineConfig, KVConfig, TraceOptions, SLO), of `RunPlan` (sim/run_plan.py, the
+  and its sections: EngineConfig, KVConfig, TraceOptions, SLO), of `RunPlan` (sim/engine/run_plan.py, the
   resolved plan, where it exists) or of `SchedulerConfig` (the scheduler's engine settings, derived
   from the config). Resolved copies (the config with engine defaults filled in) are instances of
   the same classes and count the same.
@@ -56,7 +56,7 @@ def config_types() -> tuple[type, ...]:
     config = importlib.import_module("kvsim.sim.config")
     types = [c for c in vars(config).values()
              if isinstance(c, type) and issubclass(c, BaseModel) and c.__module__ == config.__name__]
-    for module, name in (("kvsim.sim.run_plan", "RunPlan"), ("kvsim.sim.core.scheduler", "SchedulerConfig")):
+    for module, name in (("kvsim.sim.engine.run_plan", "RunPlan"), ("kvsim.sim.core.scheduler", "SchedulerConfig")):
         try:
             types.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):

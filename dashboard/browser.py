@@ -366,7 +366,7 @@ def doubling_load_trace(path: Path) -> Path:
 def simulate_doubling_load(root: Path) -> str:
     """The doubling-load trace simulated under `root` (as `kvsim simulate --out root/doubling`)."""
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     trace = doubling_load_trace(root / "doubling.jsonl")
     run_simulation(load_config(None, {"trace": str(trace), "gpu": "l4", "engine.num_gpu_blocks": 700}),
@@ -379,7 +379,7 @@ def prepare_data_root(root: Path) -> tuple[str, str]:
     of the doubling-load trace and a small real cross-check (3 requests replayed on SmolLM2 on CPU)
     under `root`; the first and last's relative paths."""
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     simulate_doubling_load(root)
     run_simulation(load_config(None, {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 100,

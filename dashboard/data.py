@@ -14,7 +14,7 @@ import pandas as pd
 import yaml
 
 from kvsim.dashboard import DATA_ROOT_ENV
-from kvsim.sim.safe_io import InputError, load_yaml_file, read_input_text, restore_nan, safe_json_loads
+from kvsim.sim.io.safe_io import InputError, load_yaml_file, read_input_text, restore_nan, safe_json_loads
 
 LATENCY_METRICS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "e2e_s": "E2E"}
 
@@ -539,8 +539,8 @@ def read_crosscheck(path: str | Path) -> Crosscheck:
 def read_sweep_store(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict | None]:
     """(finished rows, failed rows, capacity result or None) of a sweep/capacity store directory
     (`kvsim sweep` / `kvsim capacity --store`), or of a single Parquet file of rows."""
-    from kvsim.sim.capacity import read_capacity
-    from kvsim.sim.sweep import StoreFileError, read_store
+    from kvsim.sim.planning.capacity import read_capacity
+    from kvsim.sim.planning.sweep import StoreFileError, read_store
 
     p = Path(path).expanduser()
     if p.is_file():
@@ -583,7 +583,7 @@ def pareto_front(df: pd.DataFrame, cost: str, benefit: str) -> pd.Series:
 
 
 def meets_slo(df: pd.DataFrame, constraints) -> pd.Series:
-    """Rows meeting every constraint (sim.capacity.Constraint: metric, op, limit)."""
+    """Rows meeting every constraint (sim.planning.capacity.Constraint: metric, op, limit)."""
     ok = pd.Series(True, index=df.index)
     for c in constraints:
         if c.metric not in df:
@@ -693,7 +693,7 @@ def step_shape(steps: pd.DataFrame):
 
 
 def step_costs(steps: pd.DataFrame, cost) -> pd.DataFrame:
-    """Per step, from the cost model (`sim.cost_model.CostModel`): `flops_s` and `bytes_s`, the seconds
+    """Per step, from the cost model (`sim.model.cost_model.CostModel`): `flops_s` and `bytes_s`, the seconds
     the step's model FLOPs (linear layers, LM head, attention) and its HBM traffic (weights,
     activations, KV reads, slot copies) take at the GPU's peak rates, and the seconds of each term of
     TIME_TERMS (`t_<term>`), which add up to the step's duration."""
@@ -717,7 +717,7 @@ def run_cost_model(run: RunRecord):
     model it ran: its layers and tensor dtype), or None when it cannot be rebuilt."""
     from kvsim.sim.config import SimConfig
     from kvsim.sim.crosscheck.recorded import replay_model_spec
-    from kvsim.sim.run_plan import resolve_hardware, with_engine_defaults
+    from kvsim.sim.engine.run_plan import resolve_hardware, with_engine_defaults
 
     if not run.config:
         return None

@@ -168,7 +168,7 @@ def config_axes(base: SimConfig | None = None) -> dict[str, list | None]:
                 axes[key] = None
 
     walk(SimConfig, "")
-    from kvsim.sim.catalog import list_gpus, list_models
+    from kvsim.sim.model.catalog import list_gpus, list_models
     axes["model"] = [m.name for m in list_models()]
     axes["gpu"] = [g.name for g in list_gpus()]
     for skip in ("seed", "check_invariants", "fast_forward", "slo.ttft", "slo.tpot"):
@@ -496,7 +496,7 @@ def _workload_fields(prefix: str, max_requests: int, overrides: dict, problems: 
 
 
 def _hardware_fields(prefix: str, overrides: dict, problems: list) -> None:
-    from kvsim.sim.catalog import list_gpus, list_models
+    from kvsim.sim.model.catalog import list_gpus, list_models
 
     defaults = SimConfig()
     models = [m.name for m in list_models()]
@@ -555,7 +555,7 @@ def pool_rows(overrides: dict) -> int:
     """Pool pages per block: layers x KV heads per GPU with the per_head layout, else 1."""
     if overrides.get("kv.layout") != "per_head":
         return 1
-    from kvsim.sim.catalog import get_model
+    from kvsim.sim.model.catalog import get_model
 
     try:
         model = get_model(overrides["model"])
@@ -577,8 +577,8 @@ def _check_pool_size(overrides: dict, problems: list) -> None:
 def _check_cross_fields(overrides: dict, problems: list) -> None:
     """Tensor parallelism against the model's heads, checked before Run (the KV pool against the GPU's
     memory: pool_problem, once the config is built)."""
-    from kvsim.sim.catalog import get_model
-    from kvsim.sim.cost_model import check_tp
+    from kvsim.sim.model.catalog import get_model
+    from kvsim.sim.model.cost_model import check_tp
 
     try:
         model = get_model(overrides["model"])
@@ -600,9 +600,9 @@ def _check_cross_fields(overrides: dict, problems: list) -> None:
 def pool_problem(cfg: SimConfig) -> str | None:
     """A typed KV pool larger than the GPU's memory holds after weights and activations (sized as
     the simulator sizes it, with the engine defaults resolved for this GPU), or None."""
-    from kvsim.sim.catalog import get_gpu, get_model
-    from kvsim.sim.defaults import resolve_engine
-    from kvsim.sim.memory import ModelDoesNotFitError, PoolSizing, num_gpu_blocks
+    from kvsim.sim.model.catalog import get_gpu, get_model
+    from kvsim.sim.model.defaults import resolve_engine
+    from kvsim.sim.model.memory import ModelDoesNotFitError, PoolSizing, num_gpu_blocks
 
     blocks = cfg.engine.num_gpu_blocks
     if blocks is None:
@@ -625,7 +625,7 @@ def pool_problem(cfg: SimConfig) -> str | None:
 
 
 def _tp_fits(model, tp: int) -> bool:
-    from kvsim.sim.cost_model import check_tp
+    from kvsim.sim.model.cost_model import check_tp
     try:
         check_tp(model, tp)
         return True
@@ -634,7 +634,7 @@ def _tp_fits(model, tp: int) -> bool:
 
 
 def _index_of(names: list[str], wanted: str) -> int:
-    from kvsim.sim.catalog import get_gpu, get_model
+    from kvsim.sim.model.catalog import get_gpu, get_model
 
     for getter in (get_model, get_gpu):
         try:

@@ -6,7 +6,7 @@
   (`..`, absolute paths, symbolic links out), before anything reads it. A name is a plain word
   (letters, digits, `.`, `_`, `-`, `+`) that is not also a file in the server's directory.
 - Every run a page queues passes the limits of the form (pool pages, replicas, tensor parallel,
-  batch sizes) and the command line's host-memory estimate (`sim.run_plan.check_config_memory`),
+  batch sizes) and the command line's host-memory estimate (`sim.engine.run_plan.check_config_memory`),
   whichever way it was built (the form, a Compare axis, a capacity search).
 - Uploaded file names are reduced to a safe base name.
 """
@@ -61,7 +61,7 @@ def _refuse_special_file(key: str, shown: str, path: Path) -> None:
     import os
     import stat
 
-    from kvsim.sim.safe_io import file_kind
+    from kvsim.sim.io.safe_io import file_kind
 
     try:
         mode = os.stat(path).st_mode
@@ -126,8 +126,8 @@ def check_run(cfg: SimConfig, label: str = "") -> None:
             raise ConfigError(f"{where}{key}: at most {high:,} on the dashboard, got {value:,}")
     blocks = cfg.engine.num_gpu_blocks
     if blocks is not None:
-        from kvsim.sim.catalog import get_model
-        from kvsim.sim.cost_model import kv_heads_per_gpu
+        from kvsim.sim.model.catalog import get_model
+        from kvsim.sim.model.cost_model import kv_heads_per_gpu
 
         rows = 1
         if cfg.kv.layout == "per_head":
@@ -136,7 +136,7 @@ def check_run(cfg: SimConfig, label: str = "") -> None:
         if blocks * rows > MAX_POOL_PAGES:
             raise ConfigError(f"{where}engine.num_gpu_blocks: at most {MAX_POOL_PAGES // rows:,} blocks on the "
                               f"dashboard ({MAX_POOL_PAGES:,} pool pages), got {blocks:,}")
-    from kvsim.sim.run_plan import check_config_memory
+    from kvsim.sim.engine.run_plan import check_config_memory
 
     try:
         check_config_memory(cfg)

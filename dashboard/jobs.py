@@ -1,7 +1,7 @@
 """Run simulations in a worker thread so the page keeps rendering progress (and can cancel).
 
 A Job simulates its runs one after the other with `run_simulation(progress=...)`: after every engine
-step the simulator reports a `sim.progress.SimProgress` (tokens computed of the workload's total,
+step the simulator reports a `sim.io.progress.SimProgress` (tokens computed of the workload's total,
 requests done, ETA) and the job raises `Cancelled` there once `cancel()` was called, so a cancel takes
 effect at the end of the current engine step.
 """
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import yaml
 
 from kvsim.sim.config import ConfigError, SimConfig
-from kvsim.sim.progress import Cancelled, SimProgress, format_duration, reporting_to
+from kvsim.sim.io.progress import Cancelled, SimProgress, format_duration, reporting_to
 
 from .data import RunRecord, new_run_dir, record_from_result, write_label
 
@@ -27,7 +27,7 @@ __all__ = ["Cancelled", "Job", "capacity_search_task"]
 @dataclass
 class Job:
     """Simulates each (label, config) in turn; `records` fills in as runs finish. With `out_root`,
-    each run is written to a run directory under it (the CLI's layout, sim/results.py) and its
+    each run is written to a run directory under it (the CLI's layout, sim/io/result_dirs.py) and its
     record points there; labels are made unique among `taken`.
 
     With `task`, runs task(job) instead and keeps its return value in `value`; the task reports
@@ -96,7 +96,7 @@ class Job:
         return message if cfg is None else shown_error(cfg, message)
 
     def _simulate_runs(self) -> None:
-        from kvsim.sim.simulate import run_simulation
+        from kvsim.sim.simulator.simulate import run_simulation
 
         from .guard import check_run
         for label, cfg in self.runs:
@@ -166,8 +166,8 @@ class Job:
 
 def capacity_search_task(base: SimConfig, gpus: list[str], constraints, mode: str, max_evals: int,
                          store: str | None) -> Callable[[Job], list]:
-    """A Job task: sim.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
-    from kvsim.sim.capacity import CapacitySearch, find_capacity
+    """A Job task: sim.planning.capacity.find_capacity for each GPU -> [(gpu, CapacityResult)]."""
+    from kvsim.sim.planning.capacity import CapacitySearch, find_capacity
 
     from .forms import with_value
 

@@ -1,6 +1,6 @@
 """The real backend's executor: runs each engine step on tensors, with the engine core's KV plan.
 
-The engine core (`sim.engine.EngineReplica`) schedules a step, calls `execute(out)` (the `Executor`
+The engine core (`sim.engine.loop.EngineReplica`) schedules a step, calls `execute(out)` (the `Executor`
 protocol of sim/core/protocols.py), runs the KV manager's policies (`kv.finish_step`), calls
 `complete(result, kv_plan)`, then updates the requests. Here a step is:
 

@@ -27,18 +27,18 @@ from typing import Callable, NamedTuple
 import numpy as np
 import pandas as pd
 
-from kvsim.sim.assembly import build_engine, load_workload, trace_to_requests
-from kvsim.sim.catalog import get_model, normalize_dtype
+from kvsim.sim.engine.assembly import build_engine, load_workload, trace_to_requests
+from kvsim.sim.model.catalog import get_model, normalize_dtype
 from kvsim.sim.config import ConfigError, SimConfig
 from kvsim.sim.core.request import Request
-from kvsim.sim.engine import EngineReplica
+from kvsim.sim.engine.loop import EngineReplica
 from kvsim.sim.kv.manager import EvictingKVManager
 from kvsim.sim.kv.state import TIER_FULL
-from kvsim.sim.memory import HostMemoryError, RunMemoryEstimate, check_memory
-from kvsim.sim.metrics import StepLog, add_client_queue, request_table
-from kvsim.sim.outputs import run_summary, write_outputs
-from kvsim.sim.results import ResultDir
-from kvsim.sim.run_plan import build_kv_manager, build_run_plan
+from kvsim.sim.model.memory import HostMemoryError, RunMemoryEstimate, check_memory
+from kvsim.sim.results.metrics import StepLog, add_client_queue, request_table
+from kvsim.sim.results.outputs import run_summary, write_outputs
+from kvsim.sim.io.result_dirs import ResultDir
+from kvsim.sim.engine.run_plan import build_kv_manager, build_run_plan
 
 DTYPES = ("float32", "float16", "bfloat16")
 WEIGHTS = ("smollm2", "random")
@@ -53,7 +53,7 @@ class ReplayOptions:
     attention_stats: bool = True         # record attention statistics at the end of every prefill
     stats_window: int = 32               # queries observed for them (the policy's obs_window if it needs scores)
     clock: str = "wall"                  # step timer: wall | cpu (the thread's CPU time; device cpu, 1 torch thread)
-    overwrite: bool = False              # write into a non-empty --out kvsim did not create (sim/results.py)
+    overwrite: bool = False              # write into a non-empty --out kvsim did not create (sim/io/result_dirs.py)
 
 
 @dataclass

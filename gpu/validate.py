@@ -217,7 +217,7 @@ def bench_decode(plan: Plan, gpu: str | None) -> pd.DataFrame:
     from kvsim.gpu.kernels.estimate import SMS, decode_traffic
     from kvsim.gpu.kernels.paged_attention import PagedKV, paged_decode_attention
     from kvsim.gpu.kernels.split_kv import plan_splits, tile_for
-    from kvsim.sim.catalog import get_gpu
+    from kvsim.sim.model.catalog import get_gpu
     H, G, D = plan.kernel_shape
     dtype = getattr(torch, plan.dtype)
     peak = get_gpu(gpu).mem_bw if gpu else None
@@ -406,7 +406,7 @@ def _gpu_for_device(device: str) -> str | None:
     if device != "cuda":
         return None
     import torch
-    from kvsim.sim.catalog import get_gpu
+    from kvsim.sim.model.catalog import get_gpu
     name = torch.cuda.get_device_name().upper()
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     labels = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb" if gib > 48 else "a100-40gb"),
@@ -419,7 +419,7 @@ def _base_profile(plan: Plan, gpu_name: str) -> str:
     """The shipped profile of this GPU if there is one (the fit starts from it), else `default`."""
     if plan.device == "cpu":
         return "cpu-2core"
-    from kvsim.sim.cost_model import list_profiles
+    from kvsim.sim.model.cost_model import list_profiles
     return gpu_name.lower() if gpu_name.lower() in list_profiles() else "default"
 
 
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     plan = TINY if args.tiny or not torch.cuda.is_available() else FULL
     if args.gpu is not None:      # before the first step: a misspelt GPU ended in a traceback after the kernels
-        from kvsim.sim.catalog import CatalogError, get_gpu
+        from kvsim.sim.model.catalog import CatalogError, get_gpu
         try:
             get_gpu(args.gpu)
         except CatalogError as exc:

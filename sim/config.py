@@ -15,12 +15,12 @@ from pydantic import (
 from kvsim.traces.loaders import FORMATS as TRACE_FORMATS
 from kvsim.traces.loaders import GENERIC_FORMATS
 
-from .catalog import get_gpu, get_model, normalize_dtype
+from .model.catalog import get_gpu, get_model, normalize_dtype
 from .kv.policy import PolicyError
 from .kv.policy import policy_names as registered_policy_names
 from .kv.slots import SLOT_STRATEGIES
-from .safe_io import MAX_SET_VALUE_CHARS, InputError, load_yaml_file, safe_yaml_load, short_repr
-from .yaml_errors import yaml_problem
+from .io.safe_io import MAX_SET_VALUE_CHARS, InputError, load_yaml_file, safe_yaml_load, short_repr
+from .io.yaml_errors import yaml_problem
 
 
 class ConfigError(ValueError):

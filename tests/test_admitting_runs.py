@@ -1,4 +1,4 @@
-"""Decode runs that admit arrivals (sim/admitting_runs.py) give bit-identical results to stepping.
+"""Decode runs that admit arrivals (sim/engine/bulk/admitting_runs.py) give bit-identical results to stepping.
 
 The general fast-forward property test (test_fast_forward_property.py) draws every feature mix, where
 runs that admit arrivals are rare (several replicas, bursts, shared prefixes). Here the draws stay
@@ -13,9 +13,9 @@ import numpy as np
 import pandas as pd
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvsim.sim import admitting_runs
+from kvsim.sim.engine.bulk import admitting_runs
 from kvsim.sim.config import load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces import Trace
 
 from test_fast_forward_property import assert_bit_identical
@@ -81,7 +81,7 @@ def _count_admissions(monkeypatch) -> list:
         run = plan(*args)
         admitted.append(len(run.admissions) if run is not None else 0)
         return run
-    monkeypatch.setattr("kvsim.sim.engine.plan_admitting", counting)
+    monkeypatch.setattr("kvsim.sim.engine.loop.plan_admitting", counting)
     return admitted
 
 

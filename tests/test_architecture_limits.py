@@ -149,9 +149,9 @@ def test_no_class_has_more_than_two_bases_besides_protocols():
 def test_the_checks_see_what_they_check():
     """The scan reaches the engine and the backend, and recognises kernels and CLI commands."""
     names = {f"{rel}:{name}" for rel, tree in _files() for name, _ in _functions(tree)}
-    assert "sim/engine.py:EngineReplica.run" in names and "gpu/replay.py:run_replay" in names
+    assert "sim/engine/loop.py:EngineReplica.run" in names and "gpu/replay.py:run_replay" in names
     assert "sim/kv/fast/manager.py:FastKVManager.__init__" in names
-    kernels = _assigned_kernels(ast.parse((ROOT / "sim/kv/fast/leankv_kernel.py").read_text()))
+    kernels = _assigned_kernels(ast.parse((ROOT / "sim/kv/fast/sampled/leankv_kernel.py").read_text()))
     assert {"leankv_step", "_attend_rows", "page_counts"} <= kernels
     assert {"sim/cli/simulate.py:simulate", "sim/cli/replay.py:replay"} <= cli_commands() <= names
     tree = ast.parse("@triton.jit\ndef k(a, b, c, d, e, f, g, h, i): pass\n"

@@ -13,7 +13,7 @@ from kvsim.sim.calibration.importance_fit import fit_importance, load_attention_
 from kvsim.sim.calibration.profile_fit import FitOptions, fit_profile, nnls
 from kvsim.sim.calibration.step_logs import load_step_logs
 from kvsim.sim.cli import app
-from kvsim.sim.cost_model import CostModel, load_profile
+from kvsim.sim.model.cost_model import CostModel, load_profile
 from kvsim.sim.crosscheck.comparison import shape_of_steps
 from kvsim.sim.kv.importance import ImportanceModelSpec, attention_stats
 from kvsim.sim.kv.policy import PolicyContext
@@ -273,7 +273,7 @@ def test_cli_refuses_a_simulated_log_or_one_measured_on_another_model(tmp_path):
     replay of SmolLM2 was fitted as the --model given (Llama-3.1-8B): two profiles that look fitted
     and are meaningless. Both are refused naming the log; a replay of the model given is fitted."""
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     run_simulation(load_config(None, {"model": "smollm2", "gpu": "cpu-2core", "profile": "cpu-2core",
                                       "trace_options.max_requests": 8, "engine.num_gpu_blocks": 400}), tmp_path / "sim")
     res = CliRunner().invoke(app, ["calibrate", str(tmp_path / "sim"), "--out", str(tmp_path / "p.yaml")])

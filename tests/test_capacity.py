@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo, read_capacity
+from kvsim.sim.planning.capacity import CapacitySearch, find_capacity, parse_slo, read_capacity
 from kvsim.sim.config import ConfigError, load_config
-from kvsim.sim.simulate import run_simulation
-from kvsim.sim.sweep import read_store
+from kvsim.sim.simulator.simulate import run_simulation
+from kvsim.sim.planning.sweep import read_store
 
 N, SPACING, PROMPT = 40, 1.0, 2048
 
@@ -86,7 +86,7 @@ def test_unreachable_slo_is_reported_infeasible(uniform):
     assert not result.feasible and result.answer is None
     assert result.curve["meets_slo"].sum() == 0
     # the output says why (it only said "no configuration searched meets the SLO")
-    from kvsim.sim.capacity import result_warnings
+    from kvsim.sim.planning.capacity import result_warnings
     [why] = result_warnings(result, max_evals=24)
     assert why.startswith("no rate scale down to 0.25 (") and f"(got {s * 1e3:.1f}ms)" in why
     assert "nearly unloaded, this configuration's latency is above the SLO" in why
@@ -124,7 +124,7 @@ def test_goodput_thresholds_do_not_depend_on_the_constraints_order():
     """Each TTFT/TPOT upper limit overwrote the per-request goodput threshold, so
     'ttft_p99<=2s,ttft_p50<=200ms' counted good requests against 200 ms and the reverse order against
     2 s: two answers (and two run ids) for one SLO. The loosest limit of each kind is the threshold."""
-    from kvsim.sim.capacity import slo_for_goodput
+    from kvsim.sim.planning.capacity import slo_for_goodput
     cfg = load_config(None, {})
     one = slo_for_goodput(cfg, parse_slo("ttft_p99<=2s,ttft_p50<=200ms,tpot_p99<=100ms"))
     two = slo_for_goodput(cfg, parse_slo("tpot_p99<=100ms,ttft_p50<=200ms,ttft_p99<=2s"))
@@ -193,7 +193,7 @@ def test_rejected_requests_are_said_not_hidden(tmp_path):
     """Requests that can never fit (over max_model_len) are rejected and fall out of every percentile:
     the search answered for the others without a word. Now a warning counts them at the answer, and
     when every request is rejected the infeasible answer says that instead of 'latency above the SLO'."""
-    from kvsim.sim.capacity import result_warnings
+    from kvsim.sim.planning.capacity import result_warnings
     path = tmp_path / "mixed.csv"
     path.write_text("arrival_time_s,prompt_tokens,output_tokens\n"
                     + "".join(f"{i},{100 if i % 2 else 3000},8\n" for i in range(20)))
@@ -254,7 +254,7 @@ def _named(trace, name: str):
 
 
 def test_representative_sample_is_the_full_trace_when_small_else_its_peak():
-    from kvsim.sim.capacity import choose_sample
+    from kvsim.sim.planning.capacity import choose_sample
     small, sample = choose_sample(load_config(None, {"trace": "azure-code-2023", "trace_options.max_requests": 100}),
                                   None)
     assert sample.window == "first 100 requests" and small.trace_options.max_requests == 100
@@ -262,7 +262,7 @@ def test_representative_sample_is_the_full_trace_when_small_else_its_peak():
     # 19,366 requests over 3,502 s: the busiest window holding ~2,500 at the mean rate (8 minutes)
     assert sample.window.startswith("8m@peak") and cfg.trace_options.end_s - cfg.trace_options.start_s == pytest.approx(480)
     assert sample.requests > 2500 * 1.2 and sample.rate_req_s > sample.trace_rate_req_s
-    from kvsim.sim.assembly import load_workload
+    from kvsim.sim.engine.assembly import load_workload
     assert len(load_workload(cfg)) == sample.requests
 
 
@@ -280,14 +280,14 @@ def test_the_load_sample_line_states_the_rate_scale_applied(uniform, tmp_path):
             assert res.exit_code == 0, res.output
             first = res.output.splitlines()[0]
             assert first.startswith(line.format(r=rate * scale)) and first.endswith(f"at rate scale {scale:g}"), first
-    from kvsim.sim.capacity import LoadSample, sample_warnings
+    from kvsim.sim.planning.capacity import LoadSample, sample_warnings
     (warning,) = sample_warnings(LoadSample("first 200 requests", None, None, 200, 3.2, 1.0, 19366, 5.5, 1.1,
                                             rate_scale=2))
     assert "6.40 req/s, 0.58x the trace's 11.00 req/s" in warning
 
 
 def test_sample_warnings_name_rate_and_burstiness():
-    from kvsim.sim.capacity import LoadSample, sample_warnings
+    from kvsim.sim.planning.capacity import LoadSample, sample_warnings
     calm = LoadSample("first 200 requests", None, None, 200, 3.2, 1.0, 19366, 5.5, 1.1)
     (rate,) = sample_warnings(calm)
     assert "3.20 req/s, 0.58x the trace's 5.50 req/s" in rate
@@ -297,7 +297,7 @@ def test_sample_warnings_name_rate_and_burstiness():
 
 
 def test_drain_dominated_and_search_limit_warnings(uniform):
-    from kvsim.sim.capacity import drain_share, result_warnings
+    from kvsim.sim.planning.capacity import drain_share, result_warnings
     overrides, s = uniform
     # every request arrives at once (huge rate scale): the whole run is the queue draining
     loose = parse_slo("ttft_p99<=1000s")
@@ -316,7 +316,7 @@ def test_drain_dominated_and_search_limit_warnings(uniform):
 # ---- error bars: the profile's measured error, other samples ------------------------------------
 
 def test_profile_fit_error_is_read_when_present():
-    from kvsim.sim.capacity import measured_profile_error, profile_configs
+    from kvsim.sim.planning.capacity import measured_profile_error, profile_configs
     err = measured_profile_error("cpu-smollm2")
     assert err is not None and err.mape == pytest.approx(0.04026) and err.bias == pytest.approx(-0.00875)
     assert measured_profile_error("default") is None        # hand-set: no measured error, no band
@@ -330,7 +330,7 @@ def test_profile_fit_error_is_read_when_present():
 
 
 def test_scaled_profile_multiplies_every_step_time():
-    from kvsim.sim.cost_model import CostModel, ProfileError, load_profile
+    from kvsim.sim.model.cost_model import CostModel, ProfileError, load_profile
     from kvsim.sim.core.step import BatchShape
     shape = BatchShape(num_seqs=np.array([1.0, 8, 64]), num_prefill_tokens=np.array([2048.0, 0, 100]),
                        num_decode_tokens=np.array([0.0, 8, 63]), kv_tokens_read=np.array([0.0, 8000, 64000]),
@@ -352,8 +352,8 @@ def test_scaled_profile_multiplies_every_step_time():
 def test_profile_band_follows_the_closed_form(uniform, tmp_path):
     """Step times x k make every TTFT of the uniform trace k s + i (k s - SPACING/x): the band's two
     searches land on the closed-form boundary for k = 1 -/+ mape."""
-    from kvsim.sim.capacity import LoadSample, RangeVariants, capacity_range
-    from kvsim.sim.cost_model import load_profile
+    from kvsim.sim.planning.capacity import LoadSample, RangeVariants, capacity_range
+    from kvsim.sim.model.cost_model import load_profile
     overrides, s = uniform
     mape = 0.1
     profile = load_profile("auto", gpu="h100").model_copy(update={"name": "fitted", "meta": {
@@ -375,7 +375,7 @@ def test_profile_band_follows_the_closed_form(uniform, tmp_path):
 
 
 def test_length_only_trace_ranges_over_arrival_seeds():
-    from kvsim.sim.capacity import choose_sample, variant_configs
+    from kvsim.sim.planning.capacity import choose_sample, variant_configs
     cfg = load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.rate": 2.0, "seed": 3})
     cfg, sample = choose_sample(cfg, "10m@peak")
     variants, notes = variant_configs(cfg, sample, 3)
@@ -389,7 +389,7 @@ def test_default_sample_range_holds_the_full_trace_answer():
     """docs/planning.md's example on the shipped Azure code trace: the answer on the default sample
     (its busiest 16 minutes) and its range over the next busiest window hold the answer on all 8,819
     requests. The full trace's bracket [answer, lowest failing scale] must overlap the range."""
-    from kvsim.sim.capacity import capacity_range, choose_sample
+    from kvsim.sim.planning.capacity import capacity_range, choose_sample
     slo = parse_slo("ttft_p99<=2s,tpot_p99<=100ms")
     cfg = load_config(None, {"trace": "azure-code-2023", "model": "llama-3.1-8b", "gpu": "h100"})
     sampled, sample = choose_sample(cfg, None)
@@ -406,14 +406,14 @@ def test_default_sample_range_holds_the_full_trace_answer():
 
 
 def len_of_trace(cfg) -> int:
-    from kvsim.sim.capacity import unwindowed_trace
+    from kvsim.sim.planning.capacity import unwindowed_trace
     return len(unwindowed_trace(cfg))
 
 
 def test_request_rate_loads_are_not_windowed():
     """vllm bench serve's --request-rate draws arrivals after the selection: the sample is the trace as
     configured, its range is over arrival seeds, and a window is refused."""
-    from kvsim.sim.capacity import choose_sample, variant_configs
+    from kvsim.sim.planning.capacity import choose_sample, variant_configs
     cfg = load_config(None, {"trace": "sharegpt-8k-filtered", "trace_options.request_rate": 4.0,
                              "trace_options.max_requests": 300})
     sampled, sample = choose_sample(cfg, None)

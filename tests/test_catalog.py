@@ -1,6 +1,6 @@
 import pytest
 
-from kvsim.sim.catalog import CatalogError, get_gpu, get_model, list_gpus, list_models
+from kvsim.sim.model.catalog import CatalogError, get_gpu, get_model, list_gpus, list_models
 
 # Parameter totals as published on each model's Hugging Face page (safetensors metadata).
 PUBLISHED_PARAMS = {
@@ -46,7 +46,7 @@ def test_llama3_8b_refuses_what_vllm_serving_it_refuses(tmp_path, monkeypatch):
     """A 9,000-token prompt fits Llama-3.1-8B's 131,072 positions, not Meta-Llama-3-8B's 8,192."""
     monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     from kvsim.sim.config import ConfigError, load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     trace = tmp_path / "t.csv"
     trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,100,10\n0.5,9000,10\n")
     runs = {m: run_simulation(load_config(None, {"model": m, "gpu": "a100-80gb", "trace": str(trace)})).summary

@@ -5,11 +5,11 @@ import warnings
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.catalog import get_model
+from kvsim.sim.model.catalog import get_model
 from kvsim.sim.cli import app
 from kvsim.sim.config import load_config
-from kvsim.sim.memory import PoolSizing, num_gpu_blocks
-from kvsim.sim.catalog import get_gpu
+from kvsim.sim.model.memory import PoolSizing, num_gpu_blocks
+from kvsim.sim.model.catalog import get_gpu
 from kvsim.traces.errors import TraceWarning
 from kvsim.traces.loaders import load_trace
 

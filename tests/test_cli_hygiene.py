@@ -7,7 +7,7 @@ import yaml
 from typer.testing import CliRunner
 
 from kvsim.sim.cli import app
-from kvsim.sim.sweep import SchedulerUnreachable, connect
+from kvsim.sim.planning.sweep import SchedulerUnreachable, connect
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "commands.md").read_text()
 
@@ -243,7 +243,7 @@ def test_a_runs_config_yaml_reruns_from_another_directory(tmp_path, monkeypatch)
         '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, '
         '"num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048}')
     import shutil
-    from kvsim.sim.cost_model import PROFILES_DIR
+    from kvsim.sim.model.cost_model import PROFILES_DIR
     shutil.copy(PROFILES_DIR / "l4.yaml", work / "mine.yaml")
     monkeypatch.chdir(work)
     r = run("simulate", "--trace", "t.csv", "--model", "hf/config.json", "--gpu", "l4", "-q", "-o", "run",

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from kvsim.sim.cli import app
 from kvsim.sim.config import ConfigError, load_config, policy_names, registry_choices, slot_strategy_names
 from kvsim.sim.kv.policy import Decision, EvictionPolicy, register_policy
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 
 SMALL = {"trace": "sharegpt-8k-filtered", "model": "smollm2-135m", "gpu": "l4", "trace_options.max_requests": 4}
 

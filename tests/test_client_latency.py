@@ -1,4 +1,4 @@
-"""A profile's client-side terms (sim/client.py): what `vllm bench serve` measures beyond the engine."""
+"""A profile's client-side terms (sim/simulator/client.py): what `vllm bench serve` measures beyond the engine."""
 import json
 
 import numpy as np
@@ -6,10 +6,10 @@ import pytest
 from typer.testing import CliRunner
 
 from kvsim.sim.cli import app
-from kvsim.sim.client import RequestEntry, _serial_server
+from kvsim.sim.simulator.client import RequestEntry, _serial_server
 from kvsim.sim.config import SimConfig
-from kvsim.sim.cost_model import ClientLatency, load_profile
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.model.cost_model import ClientLatency, load_profile
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces.synthetic import closed_batch
 
 

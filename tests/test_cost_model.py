@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from kvsim.sim.catalog import get_gpu, get_model
+from kvsim.sim.model.catalog import get_gpu, get_model
 from kvsim.sim.core.step import BatchShape
-from kvsim.sim.cost_model import (
+from kvsim.sim.model.cost_model import (
     FACTOR_OF_FEATURE, FEATURE_NAMES, CostModel, HardwareProfile, ProfileError, list_profiles, load_profile,
 )
 
@@ -338,5 +338,5 @@ def test_operator_form_fast_paths_equal_the_breakdown_bit_for_bit(model, gpu, tp
         if (counts == counts.astype(np.int64)).all():       # the fast-forward passes int64 counts
             ints = [x.astype(np.int64) for x in (counts, shapes.kv_tokens_read, shapes.block_table_entries)]
             assert (cm.predict_decode(*ints) == cm.predict_decode(*(x.astype(np.float64) for x in ints))).all()
-            # an admitting run prices its short stretches in Python (sim/admitting_runs.py): the same bits
+            # an admitting run prices its short stretches in Python (sim/engine/bulk/admitting_runs.py): the same bits
             assert cm.decode_prices(*(x.tolist() for x in ints)) == cm.predict_decode(*ints).tolist()

@@ -13,15 +13,15 @@ from typer.testing import CliRunner
 
 from kvsim.sim.calibration.profile_fit import fit_profile
 from kvsim.sim.calibration.step_logs import load_step_logs
-from kvsim.sim.catalog import get_model
+from kvsim.sim.model.catalog import get_model
 from kvsim.sim.cli import app
 from kvsim.sim.config import load_config
-from kvsim.sim.cost_model import CostModel, load_profile
+from kvsim.sim.model.cost_model import CostModel, load_profile
 from kvsim.sim.crosscheck.comparison import (CrosscheckError, Repeats, Run, compare, first_divergence,
                                             same_request_timings)
 from kvsim.sim.crosscheck.recorded import predicted_config, simulate_recorded
 from kvsim.sim.crosscheck.report import write_report
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces.synthetic import closed_batch, synthesize
 from kvsim.traces.trace import Trace
 
@@ -236,7 +236,7 @@ def test_crosscheck_repeats_options_are_checked(args, message, tmp_path):
 
 def test_a_replay_that_ran_no_step_is_refused_with_the_reason():
     # every request rejected (e.g. a pool too small for any prompt): a clear error, not a KeyError deep in the report
-    from kvsim.sim.metrics import STEP_COLUMNS
+    from kvsim.sim.results.metrics import STEP_COLUMNS
     empty = Run("real", pd.DataFrame({"request_id": [0], "status": ["rejected"]}),
                 pd.DataFrame({c: [] for c in STEP_COLUMNS}), {})
     with pytest.raises(CrosscheckError, match="ran no engine step.*reject_reason"):

@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 from kvsim.dashboard.data import DATA_ROOT_ENV, bin_steps, fidelity_table, pareto_front, pool_map
 from kvsim.dashboard.ui import fmt_share
 from kvsim.sim.config import SimConfig, load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 TIMEOUT = 60
@@ -475,7 +475,7 @@ def test_capacity_search_then_reload_its_store(tmp_path):
     assert list(answers["gpu"]) == ["H100-SXM"]
     assert {"Capacity curve", "Cost per million output tokens (USD)"} <= {
         c["layout"]["title"]["text"] for c in charts(at)}
-    from kvsim.sim.sweep import read_store
+    from kvsim.sim.planning.sweep import read_store
     store = read_store(tmp_path / "store")
     assert len(store) == 4 or answers["boundary found"][0]
     at.radio(key="cap_source").set_value("Load a sweep store").run()
@@ -514,7 +514,7 @@ def test_capacity_page_cheapest_configuration_with_one_slo_and_stale_marking():
 def test_capacity_search_cancels_within_a_second():
     import time
     from kvsim.dashboard.jobs import Job, capacity_search_task
-    from kvsim.sim.capacity import parse_slo
+    from kvsim.sim.planning.capacity import parse_slo
     base = load_config(None, {"trace_options.max_requests": 19_366})       # seconds per simulation
     job = Job(task=capacity_search_task(base, ["H100-SXM"], parse_slo("ttft_p99<=2s"), "rate", 8, None),
               page="Capacity").start()
@@ -745,7 +745,7 @@ def test_capacity_store_with_a_malformed_capacity_json_is_one_message(tmp_path):
     """The Capacity page's store reader: an edited capacity.json was a KeyError in the page; now a
     message naming the file and the field."""
     from kvsim.dashboard.data import DataError, read_sweep_store
-    from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo
+    from kvsim.sim.planning.capacity import CapacitySearch, find_capacity, parse_slo
     find_capacity(load_config(None, {**SMALL, "trace_options.max_requests": 20}), parse_slo("ttft_p99<=1s"),
                   CapacitySearch(max_evals=1), store=tmp_path)
     assert read_sweep_store(tmp_path)[2]["mode"] == "rate"

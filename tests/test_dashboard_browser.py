@@ -13,7 +13,7 @@ import pytest
 from kvsim.dashboard.browser import (Browser, cancel_in_browser, chromium_binary, reopen_run, serve_dashboard,
                                      simulate_doubling_load, tour)
 from kvsim.sim.config import load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 
 pytestmark = pytest.mark.skipif(chromium_binary() is None, reason="chromium is not installed")
 

@@ -96,7 +96,7 @@ def test_every_queued_run_passes_the_forms_limits(setup, over, fragment):
 
 
 def test_every_queued_run_passes_the_memory_estimate(setup, monkeypatch):
-    from kvsim.sim import memory
+    from kvsim.sim.model import memory
 
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: (2**20, "a tiny test budget"))
     with pytest.raises(ConfigError, match="host memory"):

@@ -16,7 +16,7 @@ from kvsim.dashboard.browser import HALF_S, simulate_doubling_load
 from kvsim.dashboard.data import DATA_ROOT_ENV, bin_steps, load_run_dir, time_series
 from kvsim.dashboard.forms import parse_number
 from kvsim.sim.config import load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 # per-head H2O with compaction: evicts (token, layer, KV head) entries, frees pages, moves bytes

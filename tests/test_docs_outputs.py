@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from kvsim.sim.config import load_config
-from kvsim.sim.metrics import REQUEST_COLUMNS, STEP_COLUMNS
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.results.metrics import REQUEST_COLUMNS, STEP_COLUMNS
+from kvsim.sim.simulator.simulate import run_simulation
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "outputs.md").read_text()
 

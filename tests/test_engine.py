@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from kvsim.sim.cli import app
 from kvsim.sim.config import ConfigError, load_config, parse_duration
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces import Trace
 from kvsim.traces.synthetic import closed_batch
 
@@ -64,7 +64,7 @@ def test_fast_forward_gives_identical_results_to_stepping(name):
 @pytest.mark.parametrize("name", ["two-replicas", "memory-pressure", "fast-eviction-two-replicas"])
 def test_clock_moved_without_events_gives_the_results_of_a_timeout_per_step(name, monkeypatch):
     # a replica moves simpy's clock itself when nothing else is due before its step ends
-    from kvsim.sim import engine
+    from kvsim.sim.engine import loop as engine
     over = SCENARIOS.get(name) or {"trace": "sharegpt-8k-filtered", "trace_options.max_requests": 60, "gpu": "l4",
                                    "replicas": 2, "router": "least_outstanding", "kv.policy": "h2o",
                                    "kv.budget": 128, "kv.layout": "per_head", "kv.mode": "fast"}
@@ -75,7 +75,7 @@ def test_clock_moved_without_events_gives_the_results_of_a_timeout_per_step(name
 
 
 def test_engine_clock_moves_only_when_nothing_is_due_before():
-    from kvsim.sim.engine import EngineClock
+    from kvsim.sim.engine.loop import EngineClock
     clock = EngineClock()
     clock.timeout(2.0)
     assert clock.advance_to(1.5) and clock.now == 1.5
@@ -88,7 +88,7 @@ def test_engine_clock_moves_only_when_nothing_is_due_before():
 @pytest.mark.parametrize("model,gpu,tp", [("llama-3.1-8b", "h100", 1), ("llama-3.1-70b", "a100-80gb", 4),
                                           ("qwen2.5-32b", "l4", 2), ("smollm2-135m", "cpu-2core", 1)])
 def test_decode_run_pricing_is_bit_identical_to_step_pricing(model, gpu, tp):
-    from kvsim.sim.cost_model import CostModel
+    from kvsim.sim.model.cost_model import CostModel
     from kvsim.sim.core.step import BatchShape
 
     cost = CostModel(model, gpu, tp=tp)

@@ -14,7 +14,7 @@ import pandas as pd
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvsim.sim.config import load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces import Trace
 
 PREFIX_SPAN = 32          # tokens per prefix id in the synthetic traces
@@ -143,7 +143,7 @@ def _stepped_times(now, durations, next_arrival, finished, deferred):
 def test_a_runs_step_times_are_the_stepped_clock(durations, now, arrival_after, data, deferred):
     """The run's step starts and ends are the clock's values, bit for bit, and it stops where stepping
     would hand the next arrival to the scheduler (an arrival exactly at a step's start included)."""
-    from kvsim.sim.fast_forward import _step_times
+    from kvsim.sim.engine.bulk.decode_runs import _step_times
 
     finished = data.draw(st.lists(st.booleans(), min_size=len(durations), max_size=len(durations)))
     ends = np.cumsum([now] + durations).tolist()

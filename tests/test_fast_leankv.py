@@ -1,5 +1,5 @@
-"""LeanKV in fast mode: the token-level manager on a stratified sample of the rows (sim/kv/fast/sampled.py),
-its decode steps compiled (sim/kv/fast/leankv.py), against token-level mode on the same workloads:
+"""LeanKV in fast mode: the token-level manager on a stratified sample of the rows (sim/kv/fast/sampled/rows.py),
+its decode steps compiled (sim/kv/fast/sampled/leankv.py), against token-level mode on the same workloads:
 fragmentation, KV utilization and throughput within 5%; the compiled steps against the token-level
 manager on the same rows: the same run."""
 import math
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from kvsim.sim.config import KVConfig
-from kvsim.sim.executor import build_kv
+from kvsim.sim.simulator.executor import build_kv
 from kvsim.sim.kv.base import sample_row_count
-from kvsim.sim.kv.fast import leankv_kernel
-from kvsim.sim.kv.fast.leankv import BatchedLeanKVManager
-from kvsim.sim.kv.fast.sampled import SampledRowsKVManager
+from kvsim.sim.kv.fast.sampled import leankv_kernel
+from kvsim.sim.kv.fast.sampled.leankv import BatchedLeanKVManager
+from kvsim.sim.kv.fast.sampled.rows import SampledRowsKVManager
 from test_kv_manager import MODEL, run
 
 METRICS = ("fragmentation_mean", "kv_util_mean", "throughput_output_tok_s")
@@ -106,7 +106,7 @@ def test_compiled_decode_steps_are_the_token_level_manager_on_the_same_rows(monk
     ({"slot_strategy": "sparse_copy"}, False), ({"slot_strategy": "parallel_compact"}, False),
     ({"slot_strategy": "free_block", "trigger": "every_n", "trigger_interval": 4}, False)])
 def test_leankv_decode_steps_are_compiled_where_the_kernel_covers_them(kv, compiled):
-    from kvsim.sim.cost_model import CostModel
+    from kvsim.sim.model.cost_model import CostModel
     cost = CostModel(MODEL, "l4")
     manager = build_kv(KVConfig(**LEANKV, **kv, mode="fast"), cost.model, cost, 100, 16, 0)[0]
     assert isinstance(manager, BatchedLeanKVManager) is compiled
@@ -114,7 +114,7 @@ def test_leankv_decode_steps_are_compiled_where_the_kernel_covers_them(kv, compi
 
 
 def test_sampled_rows_scale_pool_and_slots_to_all_rows():
-    from kvsim.sim.cost_model import CostModel
+    from kvsim.sim.model.cost_model import CostModel
     cost = CostModel(MODEL, "l4")
     kv = build_kv(KVConfig(**LEANKV, mode="fast", fast_rows=8), cost.model, cost, 100, 16, 0)[0]
     assert isinstance(kv, SampledRowsKVManager)
@@ -131,8 +131,8 @@ def test_sample_row_count_is_the_largest_divisor_not_above_the_wish():
 
 def test_the_memory_estimate_has_no_slab_for_sampled_rows():
     from kvsim.sim.config import load_config
-    from kvsim.sim.run_plan import build_run_plan
-    from kvsim.sim.simulate import load_workload
+    from kvsim.sim.engine.run_plan import build_run_plan
+    from kvsim.sim.simulator.simulate import load_workload
     parts = {}
     for policy in ("leankv", "h2o"):
         cfg = load_config(None, {"kv.policy": policy, "kv.layout": "per_head", "kv.mode": "fast",

@@ -11,10 +11,10 @@ from kvsim.sim.calibration.errors import CalibrationError
 from kvsim.sim.calibration.operator_fit import (
     SHIPPED_OPERATORS, fit_operator_profile, load_operator_tables, predict_layers,
 )
-from kvsim.sim.catalog import list_gpus
+from kvsim.sim.model.catalog import list_gpus
 from kvsim.sim.cli import app
 from kvsim.sim.core.step import BatchShape
-from kvsim.sim.cost_model import CostModel, load_profile, profile_fit_error
+from kvsim.sim.model.cost_model import CostModel, load_profile, profile_fit_error
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from kvsim.gpu.model import rope_cos_sin
 from kvsim.gpu.replay import replay_config, run_replay
-from kvsim.sim.catalog import get_model
+from kvsim.sim.model.catalog import get_model
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.kv.slots import SLOT_STRATEGIES
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces.trace import Trace
 
 BASE = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core", "engine.block_size": 4,

@@ -33,7 +33,7 @@ def test_gpu_validation_script_runs_end_to_end_on_cpu(tmp_path):
     assert policies.ok.all() and set(policies.policy) == {"h2o free_block", "h2o slot_reuse", "streaming",
                                                           "leankv", "quest"}
     assert (policies.finished == 2).all() and policies.set_index("policy").evicted_tokens["h2o free_block"] > 0
-    from kvsim.sim.cost_model import load_profile
+    from kvsim.sim.model.cost_model import load_profile
     assert load_profile(out / "profile.yaml").meta                  # the fitted profile loads
     for report in ("crosscheck", "crosscheck-2"):
         assert "MAPE" in (out / report / "report.md").read_text()

@@ -4,10 +4,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.catalog import CatalogError, get_model
+from kvsim.sim.model.catalog import CatalogError, get_model
 from kvsim.sim.cli import app
 from kvsim.sim.config import ConfigError, load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 
 # config.json as published in each Hugging Face repository (keys kvsim does not read included)
 QWEN25_05B_INSTRUCT = {

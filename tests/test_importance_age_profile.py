@@ -72,7 +72,7 @@ def test_per_head_rows_and_models_without_the_section_are_unchanged():
 
 def test_fast_mode_refuses_an_age_profile_in_the_shared_layout():
     from kvsim.sim.config import ConfigError, load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
     cfg = load_config(None, {"model": "opt-125m", "gpu": "t4", "kv": {
         "policy": "h2o", "budget": 64, "layout": "shared", "mode": "fast", "importance": AGED}})

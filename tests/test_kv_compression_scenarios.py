@@ -6,11 +6,11 @@ import pytest
 from kvsim.sim.config import KVConfig, load_config
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.engine import EngineClock, EngineReplica, ReplicaOptions
-from kvsim.sim.executor import build_kv
-from kvsim.sim.metrics import StepLog
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.model.cost_model import CostModel
+from kvsim.sim.engine.loop import EngineClock, EngineReplica, ReplicaOptions
+from kvsim.sim.simulator.executor import build_kv
+from kvsim.sim.results.metrics import StepLog
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.sim.kv.state import TIER_LOW
 from kvsim.traces.synthetic import closed_batch
 

@@ -138,7 +138,7 @@ def test_eviction_simulation_does_not_import_torch():
     # (importing torch costs ~1.6 s per simulation on this machine)
     import subprocess
     import sys
-    code = ("import sys\nfrom kvsim.sim.config import load_config\nfrom kvsim.sim.simulate import run_simulation\n"
+    code = ("import sys\nfrom kvsim.sim.config import load_config\nfrom kvsim.sim.simulator.simulate import run_simulation\n"
             "cfg = load_config(None, {'trace': 'sharegpt-8k-filtered', 'trace_options.max_requests': 5, 'model': 'smollm2-135m',"
             " 'gpu': 'l4', 'kv.policy': 'h2o', 'kv.budget': 64, 'kv.layout': 'per_head', 'kv.mode': 'fast'})\n"
             "run_simulation(cfg)\nprint('torch' in sys.modules)")
@@ -164,8 +164,8 @@ def test_scheduler_decode_batch_path_schedules_as_the_per_request_loop(monkeypat
 def test_fast_mode_refuses_a_trigger_it_would_ignore(trigger):
     # fast mode evicts on the policy's own trigger: another kv.trigger once changed nothing, silently
     from kvsim.sim.config import ConfigError, KVConfig
-    from kvsim.sim.cost_model import CostModel
-    from kvsim.sim.executor import build_kv
+    from kvsim.sim.model.cost_model import CostModel
+    from kvsim.sim.simulator.executor import build_kv
     cost = CostModel("smollm2-135m", "h100")
     with pytest.raises(ConfigError, match=f"kv.trigger={trigger}: fast mode runs policy 'h2o' on its own trigger"):
         build_kv(KVConfig(policy="h2o", budget=32, layout="per_head", mode="fast", trigger=trigger),

@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from kvsim.sim.kv.fast import kernels as fk, reference as ref
-from kvsim.sim.kv.fast.layout import NUM_CANDIDATES, DecodeRows, PromptRows, RowConsts, ScoreArrays, StepFlags
+from kvsim.sim.kv.fast.compiled import kernels as fk, reference as ref
+from kvsim.sim.kv.fast.compiled.layout import NUM_CANDIDATES, DecodeRows, PromptRows, RowConsts, ScoreArrays, StepFlags
 from test_kv_manager import H2O, run
 
 pytestmark = pytest.mark.skipif(fk.njit is None, reason="numba not installed: the twins are the only path")
@@ -141,13 +141,13 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, stra
 
 
 def test_kvsim_no_numba_selects_the_numpy_twins():
-    code = ("import kvsim.sim.kv.fast.kernels as fk\n"
+    code = ("import kvsim.sim.kv.fast.compiled.kernels as fk\n"
             "assert fk.decode_rows is None and fk.prompt_cut is fk.prompt_cut_np\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "KVSIM_NO_NUMBA": "1"})
 
 
 def test_without_numba_the_numpy_twins_run():
     code = ("import sys; sys.modules['numba'] = None\n"
-            "import kvsim.sim.kv.fast.kernels as fk\n"
+            "import kvsim.sim.kv.fast.compiled.kernels as fk\n"
             "assert fk.decode_rows is None and fk.prompt_cut is fk.prompt_cut_np\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -4,11 +4,11 @@ import pytest
 
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.engine import EngineClock, EngineReplica, ReplicaOptions
-from kvsim.sim.executor import build_kv
+from kvsim.sim.model.cost_model import CostModel
+from kvsim.sim.engine.loop import EngineClock, EngineReplica, ReplicaOptions
+from kvsim.sim.simulator.executor import build_kv
 from kvsim.sim.config import KVConfig, load_config
-from kvsim.sim.metrics import StepLog, request_table, summarize
+from kvsim.sim.results.metrics import StepLog, request_table, summarize
 from kvsim.sim.kv.metrics import kv_summary
 
 MODEL = "smollm2-135m"

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from kvsim.sim.core.step import BatchShape
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim import executor as kv_executor
+from kvsim.sim.model.cost_model import CostModel
+from kvsim.sim.simulator import executor as kv_executor
 from kvsim.sim.kv.policy import PolicyContext, get_policy
 from kvsim.sim.kv.state import TokenState
 from test_kv_manager import run

@@ -125,7 +125,7 @@ def test_batched_sparse_copy_rewrites_once_holes_pass_the_threshold():
 
 def test_copy_threshold_is_refused_where_it_does_not_apply():
     from kvsim.sim.config import ConfigError, load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
     for kv, msg in (({"slot_strategy": "slot_reuse"}, "copy_threshold applies to the copy strategies"),
                     ({"slot_strategy": "sparse_copy", "mode": "fast"}, "copy_threshold: fast mode.*kv.mode=token")):

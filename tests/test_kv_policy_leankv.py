@@ -125,10 +125,10 @@ def test_high_and_low_precision_pages_grow_from_opposite_ends_of_the_page_table(
     from kvsim.sim.config import KVConfig
     from kvsim.sim.core.request import Request
     from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
-    from kvsim.sim.cost_model import CostModel
-    from kvsim.sim.engine import EngineClock, EngineReplica, ReplicaOptions
-    from kvsim.sim.executor import build_kv
-    from kvsim.sim.metrics import StepLog
+    from kvsim.sim.model.cost_model import CostModel
+    from kvsim.sim.engine.loop import EngineClock, EngineReplica, ReplicaOptions
+    from kvsim.sim.simulator.executor import build_kv
+    from kvsim.sim.results.metrics import StepLog
     cost = CostModel("smollm2-135m", "l4")
     kv, executor = build_kv(KVConfig(policy="leankv", layout="per_head", slot_strategy=strategy),
                             cost.model, cost, 400, 16, 0)

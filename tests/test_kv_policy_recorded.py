@@ -11,7 +11,7 @@ from kvsim.sim.crosscheck.recorded import recorded_config, simulate_recorded
 from kvsim.sim.kv.policies.recorded import RecordedDecisionsError
 from kvsim.sim.kv.policy import PolicyContext, PolicyError, get_policy
 from kvsim.sim.kv.state import TokenState
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces.trace import Trace
 
 BASE = {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core", "engine.block_size": 4,

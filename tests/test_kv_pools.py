@@ -7,7 +7,7 @@ import pytest
 
 from kvsim.sim.core.block_pool import BlockPool
 from kvsim.sim.core.protocols import KVPool
-from kvsim.sim.kv.fast.sampled import ScaledPoolView
+from kvsim.sim.kv.fast.sampled.rows import ScaledPoolView
 from kvsim.sim.kv.fast.slab import CountPool
 from kvsim.sim.kv.pool import ArrayBlockPool
 

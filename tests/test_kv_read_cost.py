@@ -4,7 +4,7 @@ allocated; and the published sparse copy pre-allocates its destination pages."""
 import pytest
 
 from kvsim.sim.config import load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces.synthetic import closed_batch
 from test_kv_manager import run
 

@@ -1,9 +1,9 @@
-"""Threads of the parallel compiled LeanKV step (sim/kv/fast/threads.py): chosen from the work size and
+"""Threads of the parallel compiled LeanKV step (sim/kv/fast/compiled/threads.py): chosen from the work size and
 the cores other processes leave free, and no result depends on them."""
 import pytest
 
-from kvsim.sim.kv.fast import leankv_kernel
-from kvsim.sim.kv.fast.threads import CpuSample, ThreadBudget, free_cores, threads_for
+from kvsim.sim.kv.fast.sampled import leankv_kernel
+from kvsim.sim.kv.fast.compiled.threads import CpuSample, ThreadBudget, free_cores, threads_for
 from test_fast_leankv import LEANKV
 from test_kv_manager import run
 

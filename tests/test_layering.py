@@ -1,31 +1,35 @@
-"""The package layers import one way: data < core < executors (simulator | backend) < analysis < interfaces.
+"""The package layers import one way; each folder of sim/, gpu/, traces/ and dashboard/ belongs to one layer.
 
-Layers (rules by module-name prefix, so they also hold for packages that split a module, e.g.
-kvsim.sim.kv.fast.*, kvsim.sim.cli.*, kvsim.sim.calibration.*, kvsim.sim.crosscheck.*):
+Layers, lowest first (a module may import its own layer and the layers below it):
 
-- data: the inputs of a run and their schemas — kvsim.traces (its loaders, synthetic generators,
-  stats), kvsim.sim.catalog (model/GPU catalog) and kvsim.sim.yaml_errors. No engine logic.
-- core: the engine core both executors share — kvsim.sim.config (the run config schema; it validates
-  policy and slot-strategy names against the core's registries), kvsim.sim.core (request, block pool, KV manager,
-  scheduler, step shape, the KVManager/Executor protocols), kvsim.sim.kv (eviction-aware managers,
-  policies, importance, fast mode, LeanKV tiers, manager assembly), the engine loop kvsim.sim.engine
-  and its decode fast-forward (the real backend drives the same loop; fast-forward runs only for an
-  executor that declares it), the cost model (the simulator's step time and the backend's
-  predicted_s), run assembly and outputs (kvsim.sim.assembly, .outputs, .metrics, .client, .results,
-  .progress, .memory, .defaults).
-- executors, two of them that must not import each other: the simulator (kvsim.sim.simulate,
-  kvsim.sim.executor) and the real backend (kvsim.gpu, torch/Triton).
-- analysis: tools that run and compare executors — calibration, crosscheck, sweep, capacity, plan,
-  report, the vLLM reference harness.
+- data: the inputs of a run and the files it reads and writes — kvsim.traces (loaders, synthetic
+  generators, stats) and kvsim.sim.io (safe reads and writes, result directories, YAML errors,
+  progress). No engine logic.
+- core: the engine core both executors share — kvsim.sim.core (request, block pool, KV manager,
+  scheduler, step shape, the KVManager/Executor protocols, the KV connector interface), kvsim.sim.kv
+  (eviction-aware managers, policies, importance, fast mode, LeanKV precision groups), the model of
+  the hardware in kvsim.sim.model (catalog, cost model, memory sizing, engine defaults) and the run
+  config schema kvsim.sim.config (it validates policy and slot-strategy names against the core's
+  registries).
+- engine: the engine loop both executors drive and its bulk steps (kvsim.sim.engine: loop, run plan,
+  assembly, engine/bulk), and what a run measures and writes (kvsim.sim.results).
+- cluster: pools of replicas, the router, links and routes (kvsim.sim.cluster); it drives engines.
+- executors, two of them that must not import each other: the simulator (kvsim.sim.simulator) and
+  the real backend (kvsim.gpu, torch/Triton).
+- analysis: tools that run and compare executors — kvsim.sim.planning (sweeps, capacity, the fleet
+  planner, reports), kvsim.sim.calibration, kvsim.sim.crosscheck, the vLLM reference harness
+  kvsim.sim.reference.
 - interfaces: every CLI (the kvsim.sim.cli package, or any module whose name ends in `cli`), the
   console script that runs it (kvsim.sim.entry), the dashboard and `kvsim serve`'s HTTP server
   (kvsim.sim.serve: it drives the simulator's engine on the wall clock).
 
-A package's __init__ belongs to the layer of its contents (a submodule's import runs it). Imports
-are read with ast, module level and inside functions alike (a lazy import still couples the two
-modules); only `if TYPE_CHECKING:` blocks are left out (they never run). The test fails on an
-import of a higher layer, on simulator <-> backend imports, and on any import cycle between
-modules, and on a module no rule places (give it a layer here).
+Rules name folders (a folder's rule places every module under it, so a new module of a folder needs
+no rule) and the few modules at the top of sim/. A package's __init__ belongs to the layer of its
+contents (a submodule's import runs it). Imports are read with ast, module level and inside functions
+alike (a lazy import still couples the two modules); only `if TYPE_CHECKING:` blocks are left out
+(they never run). The test fails on an import of a higher layer, on simulator <-> backend imports, on
+any import cycle between modules, on a module no rule places (give its folder a layer here), and on
+a folder of sim/ with more than MAX_MODULES_PER_FOLDER modules at its top (split it by what it holds).
 """
 from __future__ import annotations
 
@@ -37,48 +41,36 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("sim", "gpu", "traces", "dashboard")
-RANK = {"data": 0, "core": 1, "simulator": 2, "backend": 2, "analysis": 3, "interface": 4}
+RANK = {"data": 0, "core": 1, "engine": 2, "cluster": 3, "simulator": 4, "backend": 4, "analysis": 5,
+        "interface": 6}
+MAX_MODULES_PER_FOLDER = 12
 
-# (module-name prefix, layer): the first rule whose prefix is the module or one of its packages wins
-RULES = (
-    ("kvsim.dashboard", "interface"),
-    ("kvsim.sim.entry", "interface"),          # the console script around the CLI
-    ("kvsim.sim.serve", "interface"),          # kvsim serve: the HTTP server around the engine
-    ("kvsim.sim.calibration", "analysis"),
-    ("kvsim.sim.crosscheck", "analysis"),
-    ("kvsim.sim.sweep", "analysis"),
-    ("kvsim.sim.capacity", "analysis"),
-    ("kvsim.sim.plan", "analysis"),
-    ("kvsim.sim.report", "analysis"),
-    ("kvsim.sim.reference", "analysis"),
-    ("kvsim.sim.simulate", "simulator"),
-    ("kvsim.sim.executor", "simulator"),
-    ("kvsim.gpu", "backend"),
-    ("kvsim.sim.core", "core"),
-    ("kvsim.sim.kv", "core"),
-    ("kvsim.sim.engine", "core"),
-    ("kvsim.sim.fast_forward", "core"),
-    ("kvsim.sim.admitting_runs", "core"),
-    ("kvsim.sim.cost_model", "core"),
-    ("kvsim.sim.assembly", "core"),
-    ("kvsim.sim.run_plan", "core"),
-    ("kvsim.sim.outputs", "core"),
-    ("kvsim.sim.metrics", "core"),
-    ("kvsim.sim.request_log", "core"),
-    ("kvsim.sim.vllm_metrics", "core"),
-    ("kvsim.sim.bench_compare", "core"),
-    ("kvsim.sim.client", "core"),
-    ("kvsim.sim.memory", "core"),
-    ("kvsim.sim.defaults", "core"),
-    ("kvsim.sim.progress", "core"),
-    ("kvsim.sim.results", "core"),
-    ("kvsim.sim.config", "core"),
-    ("kvsim.sim.catalog", "data"),
-    ("kvsim.sim.yaml_errors", "data"),
-    ("kvsim.sim.safe_io", "data"),
-    ("kvsim.traces", "data"),
-    ("kvsim.sim", "data"),           # the package's own (empty) __init__: below everything in it
-)
+# folder (package) -> layer: the rule of the deepest folder that holds a module places it
+FOLDER_RULES = {
+    "kvsim.traces": "data",
+    "kvsim.sim.io": "data",
+    "kvsim.sim.core": "core",
+    "kvsim.sim.kv": "core",
+    "kvsim.sim.model": "core",
+    "kvsim.sim.engine": "engine",
+    "kvsim.sim.results": "engine",
+    "kvsim.sim.cluster": "cluster",
+    "kvsim.sim.simulator": "simulator",
+    "kvsim.gpu": "backend",
+    "kvsim.sim.planning": "analysis",
+    "kvsim.sim.calibration": "analysis",
+    "kvsim.sim.crosscheck": "analysis",
+    "kvsim.sim.reference": "analysis",
+    "kvsim.sim.cli": "interface",
+    "kvsim.sim.serve": "interface",      # kvsim serve: the HTTP server around the simulator's engine
+    "kvsim.dashboard": "interface",
+}
+# the modules at the top of sim/ (exact names: a new top-level module gets no layer until it has a rule)
+MODULE_RULES = {
+    "kvsim.sim": "data",             # the package's own (empty) __init__: below everything in it
+    "kvsim.sim.config": "core",      # the run config schema
+    "kvsim.sim.entry": "interface",  # the console script around the CLI
+}
 
 
 def module_files() -> dict[str, Path]:
@@ -101,9 +93,13 @@ def is_interface(name: str) -> bool:
 def layer_of(name: str) -> str | None:
     if is_interface(name):
         return "interface"
-    for prefix, layer in RULES:
-        if name == prefix or name.startswith(prefix + "."):
-            return layer
+    if name in MODULE_RULES:
+        return MODULE_RULES[name]
+    folder = name
+    while folder:
+        if folder in FOLDER_RULES:
+            return FOLDER_RULES[folder]
+        folder = folder.rpartition(".")[0]
     return None
 
 
@@ -241,14 +237,31 @@ def test_imports_are_read_at_any_depth_except_type_checking_blocks(tmp_path):
 
 
 def test_layer_rules_place_split_packages_and_every_cli():
-    assert layer_of("kvsim.sim.kv.fast.kernels") == "core"
+    assert layer_of("kvsim.sim.kv.fast.compiled.kernels") == "core"
     assert layer_of("kvsim.sim.calibration.fit") == "analysis"
     assert layer_of("kvsim.sim.crosscheck.compare") == "analysis"
     assert layer_of("kvsim.sim.cli.simulate") == "interface"
     assert layer_of("kvsim.gpu.replay_cli") == "interface"
     assert layer_of("kvsim.traces.cli") == "interface"
     assert layer_of("kvsim.gpu.kernels.paged_attention") == "backend"
-    assert layer_of("kvsim.sim.simulate") == "simulator"
+    assert layer_of("kvsim.sim.simulator.simulate") == "simulator"
+    assert layer_of("kvsim.sim.engine.bulk.decode_runs") == "engine"
+    assert layer_of("kvsim.sim.core.connector") == "core"          # the KV connector interface
+    assert layer_of("kvsim.sim.cluster.router") == "cluster"       # any module of the cluster layer
+    assert layer_of("kvsim.sim.new_top_level_module") is None      # a top module of sim/ needs its own rule
+
+
+def test_cluster_sits_between_engine_and_executors():
+    assert RANK["core"] < RANK["engine"] < RANK["cluster"] < RANK["simulator"] == RANK["backend"]
+
+
+def test_no_folder_of_sim_holds_too_many_modules():
+    crowded = {}
+    for folder in [ROOT / "sim", *(p.parent for p in (ROOT / "sim").rglob("__init__.py"))]:
+        modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MAX_MODULES_PER_FOLDER:
+            crowded[str(folder.relative_to(ROOT))] = len(modules)
+    assert not crowded, f"folders with more than {MAX_MODULES_PER_FOLDER} modules at their top: {crowded}"
 
 
 def test_pyproject_lists_every_package():

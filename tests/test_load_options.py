@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvsim.sim.cli import app
 from kvsim.sim.config import ConfigError, load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces import Trace
 from kvsim.traces.arrivals import vllm_bench_arrivals
 

@@ -1,7 +1,7 @@
 import pytest
 
-from kvsim.sim.catalog import get_model
-from kvsim.sim.memory import GiB, ModelDoesNotFitError, PoolSizing, activation_peak_bytes, num_gpu_blocks
+from kvsim.sim.model.catalog import get_model
+from kvsim.sim.model.memory import GiB, ModelDoesNotFitError, PoolSizing, activation_peak_bytes, num_gpu_blocks
 
 
 def test_llama31_8b_on_h100_by_hand():
@@ -121,9 +121,9 @@ def test_a_fast_mode_budget_beyond_host_memory_is_refused(tmp_path):
 
 def test_run_memory_estimate_is_small_for_ordinary_runs_and_checked_against_what_is_given():
     from kvsim.sim.config import load_config
-    from kvsim.sim.memory import HostMemoryError, check_memory
-    from kvsim.sim.run_plan import build_run_plan, check_config_memory
-    from kvsim.sim.simulate import load_workload
+    from kvsim.sim.model.memory import HostMemoryError, check_memory
+    from kvsim.sim.engine.run_plan import build_run_plan, check_config_memory
+    from kvsim.sim.simulator.simulate import load_workload
 
     cfg = load_config(None, {"trace_options.max_requests": 200, "engine.enable_prefix_caching": True})
     trace = load_workload(cfg)

@@ -6,14 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from kvsim.sim.catalog import get_model
+from kvsim.sim.model.catalog import get_model
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.core.request import Request
 from kvsim.sim.core.sliding_window import HybridKVManager
 from kvsim.sim.core.step import BatchShape
-from kvsim.sim.cost_model import CostModel, expected_distinct_experts
-from kvsim.sim.memory import PoolSizing, num_gpu_blocks
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.model.cost_model import CostModel, expected_distinct_experts
+from kvsim.sim.model.memory import PoolSizing, num_gpu_blocks
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces import Trace
 
 # config.json of mistralai/Mixtral-8x7B-v0.1 and deepseek-ai/DeepSeek-V3 as published (keys kvsim does not read
@@ -85,7 +85,7 @@ def test_hf_config_parses_into_the_catalog_spec(tmp_path, config, name):
 
 
 def test_interleaved_moe_layers_are_refused_in_one_line(tmp_path):
-    from kvsim.sim.catalog import CatalogError
+    from kvsim.sim.model.catalog import CatalogError
     with pytest.raises(CatalogError, match="decoder_sparse_step") as err:
         from_hf(tmp_path, {**QWEN3_30B_A3B_CONFIG, "decoder_sparse_step": 2})
     assert "config.json" in str(err.value) and "\n" not in str(err.value)

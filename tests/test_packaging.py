@@ -43,7 +43,7 @@ def test_an_uninstalled_checkout_runs_as_python_m_sim_cli(tmp_path):
             "except ImportError:\n    pass\n"
             "import sim\n"
             "from kvsim.sim.config import load_config\n"
-            "from kvsim.sim.simulate import run_simulation\n"
+            "from kvsim.sim.simulator.simulate import run_simulation\n"
             "cfg = load_config(None, {'trace': 'azure-conv-2023', 'trace_options.max_requests': 5})\n"
             "print(run_simulation(cfg).summary['num_finished'], sys.modules['kvsim.sim.config'].__file__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

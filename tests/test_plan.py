@@ -8,11 +8,11 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo
-from kvsim.sim.catalog import get_gpu
+from kvsim.sim.planning.capacity import CapacitySearch, find_capacity, parse_slo
+from kvsim.sim.model.catalog import get_gpu
 from kvsim.sim.config import load_config
-from kvsim.sim.plan import PlanSpace, executor, plan_capacity
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.planning.plan import PlanSpace, executor, plan_capacity
+from kvsim.sim.simulator.simulate import run_simulation
 
 N, SPACING, PROMPT = 24, 1.0, 2048
 GPUS, TPS = ["h100", "a100-80gb", "t4"], [1, 2]
@@ -131,7 +131,7 @@ def test_cli_plan_names_a_model_that_cannot_run_and_plans_an_alias_once(uniform,
 
 
 def test_candidates_cross_models_gpus_tps_and_policies():
-    from kvsim.sim.plan import candidates
+    from kvsim.sim.planning.plan import candidates
     base = load_config(None, {"kv.budget": 256})
     cands, unfit = candidates(base, PlanSpace(["llama-3.1-8b"], ["h100", "l4"], [1, 3], ["none", "h2o"]))
     assert [(c.gpu, c.tp, c.policy, c.cfg.kv.policy) for c in cands] == [
@@ -143,7 +143,7 @@ def test_candidates_cross_models_gpus_tps_and_policies():
 
 def test_a_budget_crossed_with_policies_goes_to_those_that_take_one():
     """`plan --policies none,h2o --budget 256`: the baseline runs without the budget it would refuse."""
-    from kvsim.sim.plan import candidates
+    from kvsim.sim.planning.plan import candidates
     base = load_config(None, {"kv.budget": 256})
     cands, _ = candidates(base, PlanSpace(["llama-3.1-8b"], ["h100"], [1], ["none", "h2o", "streaming"]))
     assert {c.policy: c.cfg.kv.budget for c in cands} == {"none": None, "h2o": 256, "streaming": None}

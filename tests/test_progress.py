@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from kvsim.sim.config import load_config
-from kvsim.sim.progress import Cancelled, SimProgress, format_duration
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.io.progress import Cancelled, SimProgress, format_duration
+from kvsim.sim.simulator.simulate import run_simulation
 
 SMALL = {"trace_options.max_requests": 60, "engine.num_gpu_blocks": 400}
 
@@ -47,8 +47,8 @@ def test_fraction_and_eta():
 
 
 def test_enclosing_callback_reaches_simulations_run_by_other_layers():
-    from kvsim.sim.progress import reporting_to
-    from kvsim.sim.sweep import RunTask, execute_run
+    from kvsim.sim.io.progress import reporting_to
+    from kvsim.sim.planning.sweep import RunTask, execute_run
     cfg = load_config(None, SMALL)
     calls = []
     with reporting_to(lambda p: calls.append(p.steps)):

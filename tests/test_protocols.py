@@ -13,8 +13,8 @@ import pytest
 
 from kvsim.sim.config import KVConfig, load_config
 from kvsim.sim.core.protocols import Executor, FastForwardExecutor, FastForwardKV, FastForwardPool, KVManager, KVPool
-from kvsim.sim.executor import CostModelExecutor, KVPolicyExecutor, replica_parts
-from kvsim.sim.run_plan import build_run_plan
+from kvsim.sim.simulator.executor import CostModelExecutor, KVPolicyExecutor, replica_parts
+from kvsim.sim.engine.run_plan import build_run_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,7 +187,7 @@ def test_kv_config_defaults_build_the_plain_manager():
 ])
 def test_plain_manager_batch_decode_path_schedules_as_the_per_request_loop(monkeypatch, over, pressure):
     from kvsim.sim.core.kv_manager import KVCacheManager
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     cfg = load_config(None, {"trace_options.max_requests": 150, "fast_forward": False, **over})
     calls = []

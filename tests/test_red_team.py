@@ -266,10 +266,10 @@ def test_every_command_refuses_a_pool_beyond_host_memory_before_allocating(d, co
 def test_reference_counts_vllms_cpu_kv_cache_beside_the_simulation_in_host_memory(monkeypatch):
     """A pool that fits the CPU profile alone, but not beside vLLM's own CPU KV cache of the same blocks
     in the host memory left: refused naming vLLM's cache and --num-gpu-blocks."""
-    from kvsim.sim import memory
+    from kvsim.sim.model import memory
     from kvsim.sim.config import load_config
     from kvsim.sim.reference.harness import check_reference_memory
-    from kvsim.sim.simulate import load_workload
+    from kvsim.sim.simulator.simulate import load_workload
 
     cfg = load_config(None, {"model": "smollm2-135m", "gpu": "cpu-2core", "profile": "cpu-2core",
                              "engine.block_size": 32, "engine.num_gpu_blocks": 4000, "engine.max_model_len": 2048,
@@ -341,7 +341,7 @@ def test_a_signal_to_a_store_command_exits_130_keeping_the_finished_runs(d, comm
 
 @pytest.mark.parametrize("command", ["sweep", "capacity"])
 def test_a_second_store_command_on_a_busy_store_is_refused(d, command):
-    from kvsim.sim.results import store_lock
+    from kvsim.sim.io.result_dirs import store_lock
 
     store = d / "st"
     args = (["sweep", str(_sweep_spec(d, 2))] if command == "sweep" else
@@ -372,8 +372,8 @@ def test_a_full_disk_leaves_no_trace_file_that_loads(tmp_path, monkeypatch):
 
 
 def test_a_full_disk_leaves_no_empty_report(tmp_path, monkeypatch):
-    from kvsim.sim import report
-    from kvsim.sim.sweep import SweepRunOptions, parse_spec, run_sweep
+    from kvsim.sim.planning import report
+    from kvsim.sim.planning.sweep import SweepRunOptions, parse_spec, run_sweep
 
     plan = parse_spec({"fixed": {"trace_options.max_requests": 20}, "grid": {"seed": [0]}})
     run_sweep(plan, tmp_path, SweepRunOptions(jobs=1), progress=False)
@@ -386,7 +386,7 @@ def test_a_full_disk_leaves_no_empty_report(tmp_path, monkeypatch):
 def test_a_plugin_policy_changes_the_run_id(monkeypatch):
     from kvsim.sim.config import load_config
     from kvsim.sim.kv import policy
-    from kvsim.sim.sweep import run_id_of
+    from kvsim.sim.planning.sweep import run_id_of
 
     cfg = load_config(None, {"kv.policy": "h2o", "kv.budget": 64})
     builtin = run_id_of(cfg)
@@ -402,7 +402,7 @@ def test_a_plugin_policy_changes_the_run_id(monkeypatch):
 
 
 def test_json_safe_keeps_finite_values_and_explains_nulls():
-    from kvsim.sim.safe_io import dumps_json, restore_nan
+    from kvsim.sim.io.safe_io import dumps_json, restore_nan
 
     text = dumps_json({"a": 1.5, "b": float("nan"), "c": {"d": float("inf")}})
     data = json.loads(text)
@@ -457,7 +457,7 @@ def test_runs_publishing_into_one_out_at_once_take_turns(tmp_path, monkeypatch, 
     one run's files, whole."""
     import threading
 
-    from kvsim.sim import results
+    from kvsim.sim.io import result_dirs as results
 
     out, names = tmp_path / "run", ("summary.json", "config.yaml", "steps.parquet")
     if existing:
@@ -515,7 +515,7 @@ def test_calibrate_on_a_full_disk_keeps_the_previous_profile(tmp_path, monkeypat
     from typer.testing import CliRunner
 
     from kvsim.sim.cli import app
-    from kvsim.sim.cost_model import HardwareProfile
+    from kvsim.sim.model.cost_model import HardwareProfile
 
     log, out = _step_log(tmp_path), tmp_path / "fitted.yaml"
     out.write_text("the previous profile\n")
@@ -563,9 +563,9 @@ def test_ctrl_c_while_the_step_log_flushes_keeps_every_table_consistent(tmp_path
     summary, and reaches as far in simulated time as the requests do."""
     import pandas as pd
 
-    from kvsim.sim import metrics
+    from kvsim.sim.results import metrics
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
 
     monkeypatch.setattr(metrics.StepLog.__init__, "__defaults__", (256,))        # row groups of 256 steps
     write, calls = metrics.StepLog._write, []

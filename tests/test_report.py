@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim.capacity import CapacitySearch, find_capacity, parse_slo
+from kvsim.sim.planning.capacity import CapacitySearch, find_capacity, parse_slo
 from kvsim.sim.config import load_config
-from kvsim.sim.report import build_report, pareto_front, series_by_group
-from kvsim.sim.sweep import SweepRunOptions, parse_spec, run_sweep
+from kvsim.sim.planning.report import build_report, pareto_front, series_by_group
+from kvsim.sim.planning.sweep import SweepRunOptions, parse_spec, run_sweep
 
 SMALL = {"trace_options.max_requests": 40, "engine.num_gpu_blocks": 1500}
 
@@ -93,7 +93,7 @@ def test_cli_report_errors_name_the_directory(tmp_path):
     res = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert res.exit_code == 2 and "not a directory" in res.output
     # a simulate output is not a store: say so (it said 'no runs in this store ... run kvsim sweep first')
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     run_simulation(load_config(None, {**SMALL, "trace_options.max_requests": 10}), tmp_path / "sim")
     res = CliRunner().invoke(app, ["report", str(tmp_path / "sim")])
     assert res.exit_code == 2 and "one run's output (kvsim simulate / replay), not a store" in res.output

@@ -1,4 +1,4 @@
-"""Requests streamed to requests.parquet as they finish (sim/request_log.py): the same table and summary
+"""Requests streamed to requests.parquet as they finish (sim/results/request_log.py): the same table and summary
 as a run kept whole, exact quantiles of the compacted inter-token gaps, partial results on Ctrl-C."""
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvsim.sim import metrics, request_log, simulate
+from kvsim.sim.results import metrics, request_log
+from kvsim.sim.simulator import simulate
 from kvsim.sim.config import load_config
-from kvsim.sim.metrics import inter_token_latencies, summarize
-from kvsim.sim.request_log import ValueCounts, step_figures_from_file, token_stats
+from kvsim.sim.results.metrics import inter_token_latencies, summarize
+from kvsim.sim.results.request_log import ValueCounts, step_figures_from_file, token_stats
 
 
 @pytest.mark.parametrize("seed", range(6))

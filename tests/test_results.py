@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvsim.sim import engine
+from kvsim.sim.engine import loop as engine
 from kvsim.sim.cli import app
 from kvsim.sim.config import load_config
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 
 SMALL = {"trace_options.max_requests": 30}
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_a_write_error_keeps_the_previous_results_whole(tmp_path, monkeypatch):
     out = tmp_path / "run"
     simulate(out, seed=1)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import kvsim.sim.outputs as outputs_module
+    import kvsim.sim.results.outputs as outputs_module
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from kvsim.sim.config import load_config  # noqa: E402
 from kvsim.sim.serve.client import stream_completion  # noqa: E402
-from kvsim.sim.simulate import run_simulation  # noqa: E402
+from kvsim.sim.simulator.simulate import run_simulation  # noqa: E402
 from kvsim.traces.tokenizer import load_tokenizer  # noqa: E402
 
 SCALE = 10.0

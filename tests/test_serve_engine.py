@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from kvsim.sim.config import load_config
-from kvsim.sim.run_plan import build_run_plan
+from kvsim.sim.engine.run_plan import build_run_plan
 from kvsim.sim.serve.live import LiveEngine, SimClock, TraceRecorder
 from kvsim.sim.serve.metrics import RequestMetrics
 from kvsim.sim.serve.protocol import Generation
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 
 SYSTEM = list(range(1000, 1000 + 300))       # a shared system prompt: prefix-cache hits
 

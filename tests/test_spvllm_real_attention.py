@@ -38,7 +38,7 @@ def smollm2_one_layer(request):
 
 def test_real_attention_fragmentation_is_the_simulators_on_the_same_step_log(real, smollm2_one_layer):
     from kvsim.gpu.replay import model_spec_for
-    from kvsim.sim.catalog import get_model
+    from kvsim.sim.model.catalog import get_model
 
     trace = real.spvllm_trace(2, max_len=160)
     assert len(trace.df) == 2 and (trace.df["prompt_tokens"] + trace.df["output_tokens"] > 32).all()
@@ -77,7 +77,7 @@ def test_a_budget_above_most_requests_the_tail_decides_the_p99():
     them and decodes alone past it. Its steps are the p99: noop and free_block keep the scattered holes
     (1 - budget / length), slot_reuse refills one hole per step and stays at the budget."""
     from kvsim.sim.config import load_config
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.trace import Trace
 
     n = 40

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pyarrow.parquet as pq
 
-from kvsim.sim.metrics import STEP_COLUMNS, STEP_DEFAULTS, StepLog
+from kvsim.sim.results.metrics import STEP_COLUMNS, STEP_DEFAULTS, StepLog
 
 
 def row(i: int, **over) -> dict:

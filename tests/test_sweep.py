@@ -14,10 +14,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from kvsim.sim.catalog import get_gpu
+from kvsim.sim.model.catalog import get_gpu
 from kvsim.sim.config import files_under, load_config
-from kvsim.sim.simulate import run_simulation
-from kvsim.sim.sweep import SpecError, SweepRunOptions, load_spec, parse_spec, read_store, run_sweep
+from kvsim.sim.simulator.simulate import run_simulation
+from kvsim.sim.planning.sweep import SpecError, SweepRunOptions, load_spec, parse_spec, read_store, run_sweep
 
 SMALL = {"trace_options.max_requests": 60, "engine.num_gpu_blocks": 1500}
 SPEC = {"fixed": SMALL,
@@ -292,7 +292,7 @@ def test_dask_executor_needs_a_scheduler(tmp_path):
 
 def test_an_unreadable_run_file_is_run_again_and_reports_still_work(tmp_path, reference):
     from kvsim.sim.cli import app
-    from kvsim.sim.report import build_report
+    from kvsim.sim.planning.report import build_report
     spec = write_spec(tmp_path / "spec.yaml", SPEC)
     store = tmp_path / "store"
     run_sweep(load_spec(spec), store, SweepRunOptions(jobs=1), progress=False)
@@ -405,7 +405,7 @@ def test_a_trace_file_rewritten_in_place_is_run_again_not_reused(tmp_path):
 
 def test_a_profile_file_and_its_scaled_band_variant_are_hashed_by_content(tmp_path):
     """capacity's profile band runs 'FILE*K': its id must follow the file's content as FILE's does."""
-    from kvsim.sim.sweep import input_file_digests, run_id_of
+    from kvsim.sim.planning.sweep import input_file_digests, run_id_of
     profile = tmp_path / "p.yaml"
     profile.write_text((Path(__file__).resolve().parents[1] / "sim" / "data" / "profiles" / "cpu-2core.yaml").read_text())
     cfg = load_config(None, {"model": "smollm2", "gpu": "cpu-2core", "profile": f"{profile}*0.95"})

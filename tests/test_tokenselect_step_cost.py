@@ -1,13 +1,13 @@
 """TokenSelect's and Quest's selection work as the simulator's step cost charges it: decode reads
 (the Selection Cache's reuse rate, Quest's scoring interval) and prefill query-key pairs (chunk-level
-selection), against `none` on the same long prompt (sim/executor.py, sim/kv/policies/quest.py)."""
+selection), against `none` on the same long prompt (sim/simulator/executor.py, sim/kv/policies/quest.py)."""
 import numpy as np
 import pandas as pd
 import pytest
 
 from kvsim.sim.config import load_config
 from kvsim.sim.kv.policies.selection_work import prefill_speedup
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces.synthetic import closed_batch
 
 READ, CHUNK, REUSE = 2688, 8192, 0.21

@@ -9,7 +9,7 @@ import pytest
 
 from kvsim.sim.core.request import Request, RequestStatus
 from kvsim.sim.kv.policy import FastModeProfile, PolicyError, get_policy, policy_names
-from kvsim.sim.metrics import REQUEST_COLUMNS, request_table
+from kvsim.sim.results.metrics import REQUEST_COLUMNS, request_table
 
 
 def test_every_policy_profile_is_typed():

@@ -8,13 +8,13 @@ from typer.testing import CliRunner
 
 from kvsim.sim.cli import app
 from kvsim.sim.config import ConfigError, load_config
-from kvsim.sim.metrics import REQUEST_COLUMNS
-from kvsim.sim.simulate import run_simulation
-from kvsim.sim.vllm_metrics import bench_metrics, report_lines
+from kvsim.sim.results.metrics import REQUEST_COLUMNS
+from kvsim.sim.simulator.simulate import run_simulation
+from kvsim.sim.results.vllm_metrics import bench_metrics, report_lines
 
 
 def table(rows):
-    """A request table (sim.metrics.request_table's columns) from (sent, token times, prompt, status)."""
+    """A request table (sim.results.metrics.request_table's columns) from (sent, token times, prompt, status)."""
     out = []
     for i, (sent, times, prompt, status) in enumerate(rows):
         t = np.array(times, dtype=float)

@@ -4,12 +4,12 @@ arrivals by engine step."""
 import numpy as np
 import pytest
 
-from kvsim.sim.catalog import get_gpu
+from kvsim.sim.model.catalog import get_gpu
 from kvsim.sim.config import load_config
 from kvsim.sim.core.step import BatchShape
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.defaults import batch_defaults, resolve_engine
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.model.cost_model import CostModel
+from kvsim.sim.model.defaults import batch_defaults, resolve_engine
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces import Trace
 
 

@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from kvsim.sim.safe_io import atomic_output
+from kvsim.sim.io.safe_io import atomic_output
 from kvsim.traces.errors import TraceError
 
 REQUIRED_COLUMNS = ("request_id", "arrival_time_s", "prompt_tokens", "output_tokens")

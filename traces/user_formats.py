@@ -11,7 +11,7 @@ JSON, and generic CSV / JSONL / Parquet logs read through an explicit column map
 - ``vllm-bench``: a result JSON of `vllm bench serve --save-result --save-detailed`: per request
   ``input_lens`` and ``output_lens`` (the tokens it really produced), and ``start_times`` (the send
   times) when present. Failed requests (``errors``) are left out. The measured TTFT/ITL/E2EL stay
-  on the trace (``Trace.measured``) for the predicted-vs-measured report (sim/bench_compare.py).
+  on the trace (``Trace.measured``) for the predicted-vs-measured report (sim/results/bench_compare.py).
 - ``csv``, ``jsonl``, ``parquet``: any table with one row per request, given ``columns`` naming the
   source column of ``arrival`` (ISO-8601 times, or epoch numbers in ``time_unit``), ``prompt_tokens``
   and ``output_tokens`` (and optionally ``request_id``, ``session_id``, ``priority``). Never

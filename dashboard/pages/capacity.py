@@ -10,11 +10,11 @@ from kvsim.dashboard.forms import BASE, config_form, gui_message
 from kvsim.dashboard.guard import check_run
 from kvsim.dashboard.jobs import capacity_search_task
 from kvsim.dashboard.ui import follow_job, keep_widget, run_button, running_job, start_job
-from kvsim.sim.capacity import check_rate_search, choose_sample, parse_slo, sample_warnings
-from kvsim.sim.catalog import list_gpus, list_models
+from kvsim.sim.planning.capacity import check_rate_search, choose_sample, parse_slo, sample_warnings
+from kvsim.sim.model.catalog import list_gpus, list_models
 from kvsim.sim.config import ConfigError, SimConfig
-from kvsim.sim.plan import PlanResult, PlanSpace, plan_capacity
-from kvsim.sim.sweep import config_columns
+from kvsim.sim.planning.plan import PlanResult, PlanSpace, plan_capacity
+from kvsim.sim.planning.sweep import config_columns
 from kvsim.traces.errors import TraceError
 from kvsim.traces.windows import WINDOW_HELP
 
@@ -49,7 +49,7 @@ def sample_of(base: SimConfig, load: str, window: str | None):
 
 
 def plan_task(base: SimConfig, constraints, models, gpus, tps, max_replicas: int, store):
-    """A Job task: sim.plan.plan_capacity in this process, cheapest proposals first."""
+    """A Job task: sim.planning.plan.plan_capacity in this process, cheapest proposals first."""
     def task(job):
         job.unit, job.run_total = "simulations", len(models) * len(gpus) * len(tps) * 4   # a guess: pruning cuts it
 

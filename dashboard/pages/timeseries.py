@@ -33,5 +33,5 @@ st.plotly_chart(charts.time_series_figure(ts, f"{run.label} over time"), key="ts
                 config=charts.PLOT_CONFIG)
 st.caption("Utilisation: the seconds the steps' model FLOPs (linear layers, LM head, attention) and HBM traffic "
            "(weights, activations, KV reads, slot copies) take at the GPU's peak rates, over the steps' time "
-           "(busy time only). Time by term: the cost model's terms for each step (sim/cost_model.py); the "
+           "(busy time only). Time by term: the cost model's terms for each step (sim/model/cost_model.py); the "
            "policy-operation and swap work is not in the step log and shows as the remainder.")

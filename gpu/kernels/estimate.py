@@ -71,7 +71,7 @@ def decode_traffic(head_dim: int, kv_heads: int, group: int, dtype_bytes: int, b
 
 def estimate_decode(model: str, gpu: str, batch: int, context: int, block_size: int,
                     resources: Resources) -> Estimate:
-    from kvsim.sim.catalog import get_gpu, get_model
+    from kvsim.sim.model.catalog import get_gpu, get_model
     spec, hw = get_model(model), get_gpu(gpu)
     sms = SMS[hw.name]
     if resources.blocks_per_sm() < 1:
@@ -106,7 +106,7 @@ def decode_resources(models: list[str], archs: list[int], block_size: int) -> di
 
 def estimate_table(models: list[str], gpus: list[str], batches: list[int], contexts: list[int],
                    block_size: int = 16) -> list[Estimate]:
-    from kvsim.sim.catalog import get_gpu, get_model
+    from kvsim.sim.model.catalog import get_gpu, get_model
     models = [get_model(m).name.lower() for m in models]
     gpus = [get_gpu(g).name for g in gpus]
     unknown = [g for g in gpus if g not in SMS]

@@ -80,7 +80,7 @@ class Resources:
 
 def catalog_shapes() -> list[tuple[str, int, int, int, str]]:
     """(model, head_dim, kv_heads, group, kv dtype) of every GPU-sized catalog model."""
-    from kvsim.sim.catalog import list_models
+    from kvsim.sim.model.catalog import list_models
     out = []
     for m in list_models():
         dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(m.kv_dtype, "bfloat16")

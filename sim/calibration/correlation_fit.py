@@ -31,7 +31,7 @@ from kvsim.sim.crosscheck.recorded import trace_of_replay
 from kvsim.sim.kv.build import policy_params
 from kvsim.sim.kv.importance import MAX_CORRELATION_LENGTH
 from kvsim.sim.kv.policy import get_policy
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 
 CORRELATION_GRID = ((0.0, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9), (2.0, 4.0, 8.0, 16.0, 32.0, 64.0))
 

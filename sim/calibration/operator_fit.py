@@ -34,9 +34,9 @@ import numpy as np
 import pandas as pd
 
 from kvsim.sim.calibration.errors import CalibrationError
-from kvsim.sim.catalog import DATA_DIR, GPUSpec, ModelSpec, get_gpu
+from kvsim.sim.model.catalog import DATA_DIR, GPUSpec, ModelSpec, get_gpu
 from kvsim.sim.core.step import BatchShape
-from kvsim.sim.cost_model import AllReduceTerms, CostModel, GemmEfficiency, HardwareProfile, load_profile
+from kvsim.sim.model.cost_model import AllReduceTerms, CostModel, GemmEfficiency, HardwareProfile, load_profile
 
 SHIPPED_OPERATORS = DATA_DIR / "gpu-operators" / "vidur"
 LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
@@ -386,7 +386,7 @@ def kernel_step_times(root: str | Path, gpu: str, model: str, steps: list[str]) 
     Measured: the profiled model of the catalog model's shape, its layer rows (matmuls, elementwise,
     attention) summed over the layers; predicted: the cost model's device time under the GPU's shipped
     profile without the LM head (not in the rows)."""
-    from kvsim.sim.catalog import get_model
+    from kvsim.sim.model.catalog import get_model
     tables = load_operator_tables(root, gpu)
     spec = get_model(model)
     layers, att = tables.layers, tables.attention

@@ -1,6 +1,6 @@
 """Fit a hardware profile (cost-model efficiency factors and overheads) to measured step times.
 
-The cost model (`sim/cost_model.py`) predicts a step as a sum of terms, each linear in one
+The cost model (`sim/model/cost_model.py`) predicts a step as a sum of terms, each linear in one
 unknown (an inverse efficiency 1/eff or an overhead in seconds), except the two roofline max()es.
 With the active branch of each max fixed per step, time = A @ x is linear; we solve a weighted
 non-negative least-squares problem (rows weighted by 1/measured, so the relative error is what is
@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from kvsim.sim.calibration.errors import CalibrationError
-from kvsim.sim.cost_model import FACTOR_OF_FEATURE, FEATURE_NAMES, CostModel, HardwareProfile, load_profile
+from kvsim.sim.model.cost_model import FACTOR_OF_FEATURE, FEATURE_NAMES, CostModel, HardwareProfile, load_profile
 from kvsim.sim.crosscheck.comparison import fit_errors, shape_of_steps, step_kind
 
 FACTORS: tuple[str, ...] = tuple(dict.fromkeys(f for f, _ in FACTOR_OF_FEATURE.values()))

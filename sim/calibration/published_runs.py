@@ -102,7 +102,7 @@ def compare_run(run: PublishedRun, profile: str = "auto") -> list[Comparison]:
 
 def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, profile: str) -> dict:
     from kvsim.sim.config import SimConfig
-    from kvsim.sim.simulate import run_simulation
+    from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
 
     w, setup = run.workload, run.setup

@@ -21,8 +21,8 @@ from pathlib import Path
 import yaml
 
 from kvsim.sim.calibration.operator_fit import SHIPPED_OPERATORS, OperatorFit, fit_operator_profile, load_operator_tables
-from kvsim.sim.catalog import get_gpu
-from kvsim.sim.cost_model import PROFILES_DIR, ClientLatency, HardwareProfile
+from kvsim.sim.model.catalog import get_gpu
+from kvsim.sim.model.cost_model import PROFILES_DIR, ClientLatency, HardwareProfile
 
 HOLDOUT = "Llama-2-7b-hf"
 FITTED = ("A100-80GB", "H100-SXM", "A40")

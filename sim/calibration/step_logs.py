@@ -51,7 +51,7 @@ def check_measured_on(paths: list[str | Path], model: str, tp: int) -> None:
 
     import yaml
 
-    from kvsim.sim.catalog import get_model
+    from kvsim.sim.model.catalog import get_model
     spec = get_model(model)
     want = spec.name
     for entry in paths:
@@ -130,7 +130,7 @@ def check_step_columns(df: pd.DataFrame, where: str) -> None:
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
         raise CalibrationError(f"{where}: step log lacks column(s) {missing}; expected the kvsim step-log "
-                               f"schema (sim/metrics.py STEP_COLUMNS)")
+                               f"schema (sim/results/metrics.py STEP_COLUMNS)")
     if len(df) and not np.isfinite(df["duration_s"].to_numpy(dtype=float)).all():
         raise CalibrationError(f"{where}: column duration_s has NaN/inf values (a simulated log has no "
                                f"measured times; calibrate needs a replay step log)")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 
-from kvsim.sim.safe_io import atomic_output
+from kvsim.sim.io.safe_io import atomic_output
 
 from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, RateScale, config_overrides, fail, output_path
 
@@ -71,7 +71,7 @@ def calibrate(
     tokens and empties whole pages), so --decisions fits the model's content correlation to recorded
     evictions by simulating the replays over a (rho, ell) grid (sim/calibration/correlation_fit.py)."""
     from kvsim.sim.calibration.errors import CalibrationError
-    from kvsim.sim.safe_io import check_output_file, write_error
+    from kvsim.sim.io.safe_io import check_output_file, write_error
     command = "kvsim calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     try:
         check_output_file(out, what="YAML file")
@@ -239,8 +239,8 @@ def crosscheck(
         real_dir = real_dirs[0]
         reps = Repeats.of([Run.load(d, "real") for d in real_dirs], real_dirs)
         real_run = reps.runs[0]
-        from kvsim.sim.cost_model import CostModel, load_profile
-        from kvsim.sim.simulate import load_workload, run_simulation
+        from kvsim.sim.model.cost_model import CostModel, load_profile
+        from kvsim.sim.simulator.simulate import load_workload, run_simulation
         workload = load_workload(cfg)
         predicted_cfg = predicted_config(cfg, load_profile(profile, gpu=gpu))
         sim = run_simulation(predicted_cfg, out / "sim", trace=workload)
@@ -277,7 +277,7 @@ def check_same_engine(cfg, replay_dir: Path) -> None:
     """Refuse a reused replay whose engine settings (its config.yaml) differ from the simulations'."""
     import yaml
     from kvsim.sim.config import ConfigError
-    from kvsim.sim.run_plan import with_engine_defaults
+    from kvsim.sim.engine.run_plan import with_engine_defaults
     config_file = Path(replay_dir) / "config.yaml"
     if not config_file.is_file():
         raise ConfigError(f"--real {replay_dir}: no config.yaml (not a kvsim replay output directory)")
@@ -296,9 +296,9 @@ def check_same_workload(cfg, replay_dir: Path) -> None:
     import numpy as np
     import pandas as pd
     import yaml
-    from kvsim.sim.catalog import get_model
+    from kvsim.sim.model.catalog import get_model
     from kvsim.sim.config import ConfigError
-    from kvsim.sim.simulate import load_workload
+    from kvsim.sim.simulator.simulate import load_workload
     recorded = yaml.safe_load((Path(replay_dir) / "config.yaml").read_text()) or {}
     where = f"--real {replay_dir}: the replay ran"
     theirs = recorded.get("model")
@@ -329,7 +329,7 @@ def check_all_layers(cfg, replay_dir: Path) -> None:
     and simulates the whole model, so its step times would be compared with a fraction of the work."""
     import json
 
-    from kvsim.sim.catalog import get_model
+    from kvsim.sim.model.catalog import get_model
     from kvsim.sim.config import ConfigError
     summary = Path(replay_dir) / "summary.json"
     layers = json.loads(summary.read_text()).get("model_layers") if summary.is_file() else None
@@ -353,7 +353,7 @@ def run_replay(cfg, out_dir: Path, *, device: str, threads: int | None, clock: s
     import torch
     from kvsim.gpu.replay import ReplayOptions, build_model, run_replay as replay
     from kvsim.traces.trace import Trace
-    from kvsim.sim.simulate import load_workload
+    from kvsim.sim.simulator.simulate import load_workload
     if threads:
         torch.set_num_threads(threads)
     options = ReplayOptions(device=device, clock=clock)

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvsim.sim.catalog import CatalogError, get_model, list_gpus, list_models
+from kvsim.sim.model.catalog import CatalogError, get_model, list_gpus, list_models
 
 from .options import fail, table_console
 

@@ -45,7 +45,7 @@ def sweep(
 ) -> None:
     """Run every configuration of a sweep spec; one row per run (config + summary metrics + cost)
     in OUT/runs/*.parquet. Re-running skips finished runs; a failed run is recorded and skipped."""
-    from kvsim.sim.sweep import SpecError, StoreState, SweepRunOptions, load_spec, run_sweep, store_state
+    from kvsim.sim.planning.sweep import SpecError, StoreState, SweepRunOptions, load_spec, run_sweep, store_state
 
     if executor not in ("local", "dask"):
         fail(f"--executor: expected local or dask, got {executor!r}")
@@ -69,7 +69,7 @@ def sweep(
                           _run_status(r.run_id, state, retry_failed))
         console.print(table)
         return
-    from kvsim.sim.sweep import SchedulerUnreachable
+    from kvsim.sim.planning.sweep import SchedulerUnreachable
     try:
         with store_errors(out, scheduler if executor == "dask" else None):
             options = SweepRunOptions(executor, jobs, scheduler, max_runs, retry_failed, save_outputs)
@@ -159,7 +159,7 @@ def capacity(
     it has at most 4,000 requests, else its busiest window of about 2,500); prints the answer with its
     range (other busy windows or arrival seeds, the GPU profile's measured error), its cost, the curve
     measured and warnings where the answer is not to be trusted as is."""
-    from kvsim.sim.capacity import (CapacitySearch, RangeVariants, capacity_range, check_rate_search, choose_sample,
+    from kvsim.sim.planning.capacity import (CapacitySearch, RangeVariants, capacity_range, check_rate_search, choose_sample,
                                     find_capacity, parse_slo)
 
     overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
@@ -222,7 +222,7 @@ def _check_repeats(repeats: int) -> None:
 
 
 def _print_warnings(sample, result, max_evals: int | None) -> None:
-    from kvsim.sim.capacity import result_warnings, sample_warnings
+    from kvsim.sim.planning.capacity import result_warnings, sample_warnings
 
     for line in sample_warnings(sample) + (result_warnings(result, max_evals) if result is not None else []):
         err_console.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
@@ -271,7 +271,7 @@ def report(
 ) -> None:
     """Turn a sweep store into one HTML page of plotly charts: throughput/goodput vs load, latency
     percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 latency Pareto view."""
-    from kvsim.sim.report import build_report
+    from kvsim.sim.planning.report import build_report
 
     if not store.is_dir():
         fail(f"{store}: not a directory (give the --out of `kvsim sweep` or `kvsim capacity`)")
@@ -285,7 +285,7 @@ def report(
         fail(str(exc))
     except OSError as exc:
         fail(f"--out {out or store / 'report.html'}: cannot be written ({exc.strerror or exc})")
-    from kvsim.sim.sweep import store_state
+    from kvsim.sim.planning.sweep import store_state
     unreadable = store_state(store).unreadable
     if unreadable:
         err_console.print(f"note: {len(unreadable)} unreadable run file(s) left out ({unreadable[0]}"
@@ -303,8 +303,8 @@ def store_errors(store: Path | None, scheduler: str | None):
     from .simulate import interrupt_on_sigterm
 
     kept = f"; the store {store} keeps the finished runs (run again to resume)" if store else ""
-    from kvsim.sim.results import StoreBusyError
-    from kvsim.sim.sweep import SchedulerUnreachable
+    from kvsim.sim.io.result_dirs import StoreBusyError
+    from kvsim.sim.planning.sweep import SchedulerUnreachable
 
     try:
         with interrupt_on_sigterm():
@@ -328,7 +328,7 @@ def store_errors(store: Path | None, scheduler: str | None):
 def _check_store(store: Path, option: str, overwrite: bool = False) -> None:
     """A results store must be a directory (existing or to be created) that can be written, and kvsim's
     (a store written before stores were marked has plan.json or runs/)."""
-    from kvsim.sim.results import OutputDirError, check_out_dir, check_out_owner
+    from kvsim.sim.io.result_dirs import OutputDirError, check_out_dir, check_out_owner
 
     try:
         check_out_dir(store, option)
@@ -339,7 +339,7 @@ def _check_store(store: Path, option: str, overwrite: bool = False) -> None:
 
 def _check_parent(path: Path, option: str) -> None:
     """A file to write: its folder must be (or become) a writable directory."""
-    from kvsim.sim.results import OutputDirError, check_out_dir
+    from kvsim.sim.io.result_dirs import OutputDirError, check_out_dir
 
     try:
         check_out_dir(path.parent, option)
@@ -367,7 +367,7 @@ def _ints(text: str, option: str) -> list[int]:
 def _catalog_names(names: list[str], option: str, get) -> list[str]:
     """The names as given, each checked against its catalog; a second spelling of one entry
     (h100, H100-SXM) is dropped so it is not planned twice."""
-    from kvsim.sim.catalog import CatalogError
+    from kvsim.sim.model.catalog import CatalogError
     kept: dict[str, str] = {}
     for name in names:
         try:
@@ -403,9 +403,9 @@ def plan(
     (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
     that cannot be cheaper than an answer already found are dropped); prints each configuration's
     answer, the Pareto table (cost vs p99 TTFT/TPOT) and the cheapest with its range."""
-    from kvsim.sim.capacity import choose_sample, parse_slo, profile_configs, variant_configs
-    from kvsim.sim.catalog import CatalogError, get_gpu, get_model
-    from kvsim.sim.plan import PlanSpace, executor, plan_capacity
+    from kvsim.sim.planning.capacity import choose_sample, parse_slo, profile_configs, variant_configs
+    from kvsim.sim.model.catalog import CatalogError, get_gpu, get_model
+    from kvsim.sim.planning.plan import PlanSpace, executor, plan_capacity
 
     model_list, gpu_list, tp_list = _names(models, "--models"), _names(gpus, "--gpus"), _ints(tps, "--tps")
     policy_list = _names(policies, "--policies") if policies else None

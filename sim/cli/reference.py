@@ -80,7 +80,7 @@ def vllm_reference(
     Writes vllm_steps.parquet, kvsim_steps.parquet, agreement.json and config.yaml into --out."""
     from kvsim.sim.reference.harness import (ReferenceError, check_reference_memory, reference_run,
                                              steps_from_times)
-    from kvsim.sim.simulate import load_workload
+    from kvsim.sim.simulator.simulate import load_workload
 
     overrides = {
         **config_overrides(

@@ -86,15 +86,15 @@ def replay(
     try:
         cfg = load_config(config, overrides, set_)
         refuse_ineffective_kv(cfg.kv)
-        from kvsim.sim.results import check_out_dir, check_out_owner
+        from kvsim.sim.io.result_dirs import check_out_dir, check_out_owner
         check_out_dir(out)                  # before the model loads
         check_out_owner(out, overwrite=overwrite)
         from kvsim.gpu.replay import ReplayOptions, resolve_device, run_replay
         dev = resolve_device(device)
         apply_device_defaults(cfg, dev, weights)
         if cfg.engine.max_model_len is not None:        # before the model loads (the run plan checks it too)
-            from kvsim.sim.catalog import get_model
-            from kvsim.sim.defaults import check_max_model_len
+            from kvsim.sim.model.catalog import get_model
+            from kvsim.sim.model.defaults import check_max_model_len
             check_max_model_len(cfg.engine.max_model_len, get_model(cfg.model))
         if threads is not None:
             if threads < 1:

@@ -77,7 +77,7 @@ def serve(
     try:
         cfg = load_config(config, overrides, set_)
         check_serve_config(cfg)
-        from kvsim.sim.run_plan import build_run_plan
+        from kvsim.sim.engine.run_plan import build_run_plan
         plan = build_run_plan(cfg)
         server = Server(plan, ServeOptions(served_model_name or cfg.model, time_scale, eos_tokens, tokenizer,
                                            record_trace, stream_interval))

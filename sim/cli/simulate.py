@@ -102,7 +102,7 @@ def simulate(
     try:
         cfg = load_config(config, overrides, set_)
         refuse_ineffective(cfg)
-        from kvsim.sim.simulate import run_simulation
+        from kvsim.sim.simulator.simulate import run_simulation
         gc.disable()      # a short-lived process of many long-lived objects: the cyclic collector only costs
         with interrupt_on_sigterm():
             result = run_simulation(cfg, out, progress=not quiet, keep_steps=False, overwrite=overwrite)
@@ -120,7 +120,7 @@ def simulate(
 def refuse_ineffective(cfg) -> None:
     """Options that would change nothing in this run, or that vLLM cannot run, are a mistake to say, not to
     ignore."""
-    from kvsim.sim.catalog import get_gpu, get_model, normalize_dtype
+    from kvsim.sim.model.catalog import get_gpu, get_model, normalize_dtype
 
     gpu = get_gpu(cfg.gpu)
     weights = normalize_dtype(cfg.weight_dtype) if cfg.weight_dtype else get_model(cfg.model).weight_dtype
@@ -181,7 +181,7 @@ def partial_exit(out: Path, reason: str) -> None:
 
 def print_summary(s: dict) -> None:
     """vllm bench serve's report (its names and units), then kvsim's own figures (KV memory, the engine)."""
-    from kvsim.sim.vllm_metrics import report_lines
+    from kvsim.sim.results.vllm_metrics import report_lines
 
     if "completed" in s:
         console.print("\n".join(report_lines(s)), markup=False, highlight=False)
@@ -215,7 +215,7 @@ def print_summary(s: dict) -> None:
 
 
 def print_comparison(agg: dict) -> None:
-    from kvsim.sim.bench_compare import report_rows
+    from kvsim.sim.results.bench_compare import report_rows
 
     table = Table(title=f"predicted vs measured (vllm bench serve result, {agg['num_requests']} requests)")
     for name in ("figure", "measured", "kvsim", "error"):

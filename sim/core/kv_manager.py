@@ -185,7 +185,7 @@ class KVCacheManager:
             self.append_one_block_each(growing)
         if self.enable_caching:
             # otherwise a decode fill's hash is its request's own and new: the order of
-            # allocations and fills changes nothing (see sim/fast_forward.py)
+            # allocations and fills changes nothing (see sim/engine/bulk/decode_runs.py)
             bs = self.block_size
             for r, c in zip(reqs, contexts):
                 if not (c + 1) % bs:

@@ -1,10 +1,10 @@
 """The two interfaces of the engine core: what it asks of a KV manager and of an executor.
 
-The engine loop (`sim.engine`), the scheduler (`sim.core.scheduler`), the step shape
-(`sim.core.step`) and the decode fast-forward (`sim.fast_forward`) use a KV manager and an
+The engine loop (`sim.engine.loop`), the scheduler (`sim.core.scheduler`), the step shape
+(`sim.core.step`) and the decode fast-forward (`sim.engine.bulk.decode_runs`) use a KV manager and an
 executor only through these protocols. KV managers: `sim.core.kv_manager.KVCacheManager` (shared
 layout, prefix caching), `sim.kv.manager.EvictingKVManager` (token-level eviction/compression) and
-`sim.kv.fast.FastKVManager` (fast mode). Executors: the simulator's (`sim.executor`: the cost
+`sim.kv.fast.FastKVManager` (fast mode). Executors: the simulator's (`sim.simulator.executor`: the cost
 model prices each step) and the real backend's (`gpu.executor.RealExecutor`: runs it on tensors).
 
 Capabilities are attributes, never probed with getattr: a manager without a batch decode path
@@ -31,7 +31,7 @@ class KVPool(Protocol):
     counters are defined: the scheduler, the engine's step log and the fast-forward read them here.
     Implemented by `sim.core.block_pool.BlockPool` (block ids, prefix caching),
     `sim.kv.pool.ArrayBlockPool` (block ids as numpy arrays), `sim.kv.fast.slab.CountPool`
-    (counts only: fast mode) and `sim.kv.fast.sampled.ScaledPoolView` (a sampled pool scaled up);
+    (counts only: fast mode) and `sim.kv.fast.sampled.rows.ScaledPoolView` (a sampled pool scaled up);
     tests/test_kv_pools.py checks each against it."""
     num_blocks: int
     enable_caching: bool

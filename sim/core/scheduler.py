@@ -330,7 +330,7 @@ class Scheduler:
     def admit_planned(self, budget: int, planned: list) -> None:
         """Admit from WAITING as a step's schedule would with `budget` tokens left, checking that it
         admits exactly `planned`, (request, tokens) in order: a decode run that admits arrivals
-        (sim/admitting_runs.py) planned them (requests decode beside them: not alone)."""
+        (sim/engine/bulk/admitting_runs.py) planned them (requests decode beside them: not alone)."""
         self._threshold = self.config.long_prefill_token_threshold
         scheduled: dict = {}
         self._admit(budget, scheduled, SchedulerOutput())

@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 
 from kvsim.sim.core.step import BatchShape
-from kvsim.sim.cost_model import CostModel
-from kvsim.sim.safe_io import restore_nan
+from kvsim.sim.model.cost_model import CostModel
+from kvsim.sim.io.safe_io import restore_nan
 
 LATENCY_METRICS = ("ttft", "tpot", "e2e")
 PERCENTILES = (50, 90, 99)

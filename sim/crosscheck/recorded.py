@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvsim.sim.catalog import get_model, normalize_dtype
+from kvsim.sim.model.catalog import get_model, normalize_dtype
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.crosscheck.comparison import SHAPE_COLUMNS, CrosscheckError, Run, first_divergence
 from kvsim.sim.kv.build import policy_params
 from kvsim.sim.kv.policies.recorded import recorded_trigger
 from kvsim.sim.kv.policy import get_policy
-from kvsim.sim.simulate import run_simulation
+from kvsim.sim.simulator.simulate import run_simulation
 from kvsim.traces.trace import Trace
 
 

@@ -87,8 +87,8 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
         if kv.mode == "fast" and kv.layout == "shared" and policy.needs_scores:
             _check_fast_age_profile(kv.importance)
         if kv.mode == "fast" and getattr(policy.fast_mode_profile(), "sampled_rows", False):
-            from .fast.leankv import BatchedLeanKVManager, batched_leankv_supported
-            from .fast.sampled import SampledRowsKVManager
+            from .fast.sampled.leankv import BatchedLeanKVManager, batched_leankv_supported
+            from .fast.sampled.rows import SampledRowsKVManager
             cls = BatchedLeanKVManager if batched_leankv_supported(policy, kv.slot_strategy, kv.trigger) \
                 else SampledRowsKVManager
             return cls(pool_blocks, block_size, ctx, policy, fast, token)

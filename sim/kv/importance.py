@@ -90,7 +90,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..safe_io import InputError, load_yaml_file
+from ..io.safe_io import InputError, load_yaml_file
 from .policy import PolicyContext
 from .state import TokenState
 

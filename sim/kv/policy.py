@@ -139,7 +139,7 @@ class FastModeProfile:
     reclaim_target: Callable | None = None   # under memory pressure evict whole blocks down to target(tokens) per row
     recut: str | None = None           # decode re-runs the cut: "every_n" | "over_budget" (SnapKV decode compression)
     recut_interval: int = 1            # "every_n": decode steps between re-cuts
-    sampled_rows: bool = False         # the token-level manager on sampled rows instead (LeanKV, sim/kv/fast/sampled.py)
+    sampled_rows: bool = False         # the token-level manager on sampled rows instead (LeanKV, sim/kv/fast/sampled/rows.py)
 
 
 
@@ -273,7 +273,7 @@ def _qualname(cls) -> str:
 
 def policy_identity(name: str) -> str:
     """'' for a built-in policy; for a plug-in's, its class and a hash of its module's source, so run
-    ids (sim.sweep.run_id_of) change when a plug-in (or the one overriding a built-in) changes."""
+    ids (sim.planning.sweep.run_id_of) change when a plug-in (or the one overriding a built-in) changes."""
     _load_builtin()
     cls = _REGISTRY.get(name)
     if cls is None or cls.__module__.startswith(_BUILTIN_PREFIX):

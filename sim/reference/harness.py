@@ -21,8 +21,8 @@ import yaml
 from kvsim.traces import load_trace
 
 from ..config import SimConfig, load_config
-from ..defaults import resolve_engine
-from ..simulate import run_simulation
+from ..model.defaults import resolve_engine
+from ..simulator.simulate import run_simulation
 from .prompts import prompt_token_ids
 from .scenarios import Scenario
 
@@ -295,9 +295,9 @@ def check_reference_memory(cfg: SimConfig, trace) -> None:
     """Refuse, before vLLM starts or kvsim allocates anything, a reference run whose host memory does not
     fit: vLLM's CPU KV cache (engine.num_gpu_blocks blocks of the model's bf16 KV, sized exactly by
     num_gpu_blocks_override) and weights, beside kvsim's own simulation of the trace (HostMemoryError)."""
-    from kvsim.sim.catalog import get_model
-    from kvsim.sim.memory import RunMemoryEstimate, check_memory
-    from kvsim.sim.run_plan import build_run_plan
+    from kvsim.sim.model.catalog import get_model
+    from kvsim.sim.model.memory import RunMemoryEstimate, check_memory
+    from kvsim.sim.engine.run_plan import build_run_plan
 
     model, eng = get_model(cfg.model), cfg.engine
     vllm_kv = eng.num_gpu_blocks * eng.block_size * int(model.kv_bytes_per_token("bf16"))

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvsim.sim.run_plan import RunPlan
+from kvsim.sim.engine.run_plan import RunPlan
 
 from .live import EngineFailed, LiveEngine, LiveRequest, SimClock, TraceRecorder, warm_up
 from .metrics import EngineState, RequestMetrics, cache_config_info

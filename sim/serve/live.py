@@ -11,7 +11,7 @@ event: tokens reach the client when the simulated clock passes their times.
 Decode fast-forward stays on (when the run's config has it): the engine does not know the requests to
 come, but none can arrive before the simulated time of the tick in progress, so the replicas are told
 that time (or an earlier known arrival) as the next arrival. A decode run only takes steps that start
-before it, which stepping one by one would take identically (sim/fast_forward.py); the served token
+before it, which stepping one by one would take identically (sim/engine/bulk/decode_runs.py); the served token
 times equal `kvsim simulate`'s on the recorded arrivals (tests/test_serve.py)."""
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvsim.sim.assembly import build_engine
+from kvsim.sim.engine.assembly import build_engine
 from kvsim.sim.core.request import Request, RequestStatus
-from kvsim.sim.executor import replica_parts
-from kvsim.sim.run_plan import RunPlan
+from kvsim.sim.simulator.executor import replica_parts
+from kvsim.sim.engine.run_plan import RunPlan
 from kvsim.traces.trace import NATIVE_FORMAT_VERSION, NATIVE_METADATA_KEY
 
 from .metrics import RequestMetrics, StepSink

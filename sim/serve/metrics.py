@@ -204,7 +204,7 @@ class RequestMetrics:
 
 
 class StepSink:
-    """Takes the engine's step rows in place of a StepLog (sim/metrics.py): each step's token count goes to
+    """Takes the engine's step rows in place of a StepLog (sim/results/metrics.py): each step's token count goes to
     vllm:iteration_tokens_total and the row is dropped (a server runs for as long as it is up)."""
 
     def __init__(self, metrics: RequestMetrics):

@@ -9,10 +9,10 @@ import numpy as np
 
 from ..importance import NUM_SINK, SyntheticImportance
 from ..policy import PolicyContext
-from . import kernels
+from .compiled import kernels
 from .budgets import CutBudgets
-from .layout import DecodeRows, PromptRows
-from .reference import prompt_terms_np, scored_step_np
+from .compiled.layout import DecodeRows, PromptRows
+from .compiled.reference import prompt_terms_np, scored_step_np
 from .settings import FastSettings
 from .slab import FastSlab
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ...core.request import Request
 from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES, KVStepPlan
-from .layout import (EMPTY_SCORES, HOLE, HOLED, LIST_LEN, LIVE, NCOL, NUM_CANDIDATES, PAGES, ROW_FIELDS, TAIL, TAIL_WRITTEN,
+from .compiled.layout import (EMPTY_SCORES, HOLE, HOLED, LIST_LEN, LIVE, NCOL, NUM_CANDIDATES, PAGES, ROW_FIELDS, TAIL, TAIL_WRITTEN,
                      RowConsts, ScoreArrays, SlabArrays, StepFlags)
 from .settings import FastSettings
 

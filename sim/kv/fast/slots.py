@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..slots import COPY_STRATEGIES, FREEING_STRATEGIES, REUSE_STRATEGIES
-from .layout import HOLE, HOLED, LIVE, NCOL, PAGES, TAIL, TAIL_WRITTEN
-from .reference import advance_first_free_np, first_free_np
+from .compiled.layout import HOLE, HOLED, LIVE, NCOL, PAGES, TAIL, TAIL_WRITTEN
+from .compiled.reference import advance_first_free_np, first_free_np
 from .scoring import Scorer
 from .settings import FastSettings
 from .slab import COMPACT, FastSlab, Ledger

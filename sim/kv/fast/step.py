@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..slots import COPY_STRATEGIES, REUSE_STRATEGIES
-from . import kernels
-from .layout import HOLE, HOLED, LIVE, StepOutputs
+from .compiled import kernels
+from .compiled.layout import HOLE, HOLED, LIVE, StepOutputs
 from .budgets import CutBudgets
 from .scoring import Scorer
 from .settings import FastSettings

@@ -54,7 +54,7 @@ class LeanKV(EvictionPolicy):
 
     def fast_mode_profile(self) -> FastModeProfile:
         # tiers of different page capacities and a significance that is not monotone in time: fast
-        # mode runs the token-level manager on a sample of the rows (sim/kv/fast/sampled.py)
+        # mode runs the token-level manager on a sample of the rows (sim/kv/fast/sampled/rows.py)
         return FastModeProfile(sampled_rows=True)
 
     def on_admit(self, state, ctx):

@@ -1,0 +1,247 @@
+"""Assemble a run's engine core: its workload and requests, the scheduler's settings, and the engine
+(replicas, router, arrivals, client-side concurrency limit) built from a run plan (sim/engine/run_plan.py).
+
+Shared by the two executors' drivers: the simulator (`sim.simulator.simulate`) and the real backend's replay
+(`gpu.replay`) both call `build_engine` and `EngineRun.drive`; each passes its own replica parts
+(a KV manager from `sim.engine.run_plan.build_kv_manager` and its executor).
+"""
+from __future__ import annotations
+
+import gc
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from kvsim.traces import TraceWarning, load_trace
+from kvsim.traces.arrivals import vllm_bench_arrivals
+
+from ..config import ConfigError, SimConfig
+from ..core.request import Request
+from ..core.protocols import Executor, KVManager
+from ..core.scheduler import Scheduler, SchedulerConfig
+from .loop import (ArrivalProcess, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
+                     StepArrivals)
+from ..results.metrics import StepLog
+
+if TYPE_CHECKING:
+    from .run_plan import RunPlan
+
+
+def load_workload(cfg: SimConfig):
+    """The trace of `cfg` with its trace options (rate, window, rate scale, first N requests) applied."""
+    opts = cfg.trace_options
+    # without a time window the first N requests are the file's first N (only those rows are read)
+    first = opts.max_requests if opts.start_s is None and opts.end_s is None else None
+    trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate} if opts.rate else {}), seed=cfg.seed,
+                       **trace_file_options(opts))
+    if opts.start_s is not None or opts.end_s is not None:
+        trace = _window(trace, opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
+    if opts.max_requests is not None:
+        trace = trace.head(opts.max_requests)
+    if opts.request_rate is not None:
+        trace = with_request_rate(trace, opts.request_rate, opts.burstiness, cfg.seed)
+    elif opts.max_concurrency is None and opts.rate is None and opts.arrival_unit == "time" and len(trace) > 1 and not _has_arrival_times(trace):
+        warnings.warn(f"all {len(trace)} requests arrive at t=0 (the trace has no arrival times): one batch, as "
+                      "vllm bench serve's default --request-rate inf; --request-rate or --max-concurrency give "
+                      "another load", TraceWarning, stacklevel=2)
+    if opts.rate_scale != 1.0:
+        trace = trace.scale_rate(opts.rate_scale)
+    return trace
+
+
+def _window(trace, start_s: float, end_s: float):
+    """The requests arriving in [start_s, end_s); an empty window is refused (a run of nothing is no answer)."""
+    if len(trace) and end_s <= start_s:
+        raise ConfigError(f"trace_options.end_s ({end_s:g}) must be greater than trace_options.start_s ({start_s:g})")
+    last = float(trace.df["arrival_time_s"].max()) if len(trace) else 0.0
+    window = trace.window(start_s, end_s)
+    if not len(window):
+        raise ConfigError(f"trace_options.start_s/end_s: no request of {trace.name or trace.source!r} arrives in "
+                          f"[{start_s:g}, {end_s:g}) s; its arrivals span 0 to {last:g} s")
+    return window
+
+
+def trace_file_options(opts) -> dict:
+    """load_trace's format and reader options from `trace_options` (only those given)."""
+    out = {"format": opts.format} if opts.format else {}
+    if opts.format in ("csv", "jsonl", "parquet"):
+        out.update(columns=opts.columns, time_unit=opts.time_unit)
+    if opts.tokenizer is not None:
+        out["tokenizer"] = opts.tokenizer
+    return out
+
+
+def with_request_rate(trace, request_rate: float, burstiness: float, seed: int):
+    """`trace`'s requests sent as `vllm bench serve --request-rate --burstiness` sends them. Only for a
+    trace without arrival times of its own (every request at t=0: length-only files, ShareGPT)."""
+    if _has_arrival_times(trace):
+        raise ConfigError(f"trace_options.request_rate: the trace {trace.name or trace.source!r} has its own "
+                          "arrival times; request_rate applies to traces without them (length-only, ShareGPT); "
+                          "use rate_scale (--rate-scale) to speed this one up")
+    return trace.with_arrivals(vllm_bench_arrivals(len(trace), request_rate, burstiness, seed))
+
+
+def _has_arrival_times(trace) -> bool:
+    arrivals = trace.df["arrival_time_s"].to_numpy()
+    return len(arrivals) > 0 and arrivals.max() > arrivals.min()
+
+
+def trace_to_requests(trace, entry=None) -> list[Request]:
+    """The trace's requests; with `entry` (sim.simulator.client.RequestEntry) each enters the engine when the
+    client-side API server lets it, after its arrival (the client's send)."""
+    df = trace.df
+    ids = df["prefix_hash_ids"].tolist() if "prefix_hash_ids" in df else [None] * len(df)
+    prio = df["priority"].tolist() if "priority" in df else [0] * len(df)
+    span = trace.prefix_block_tokens
+    return [
+        Request(request_id=int(rid), arrival_time=float(t) if entry is None else entry.enter(int(rid), float(t)),
+                prompt_tokens=int(p), max_output_tokens=int(o),
+                priority=int(pr) if pr == pr and pr is not None else 0,
+                prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
+                prefix_block_tokens=span)
+        for rid, t, p, o, h, pr in zip(df["request_id"].tolist(), df["arrival_time_s"].tolist(),
+                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio)
+    ]
+
+
+def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfig:
+    eng = cfg.engine
+    return SchedulerConfig(
+        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens,
+        long_prefill_token_threshold=eng.long_prefill_token_threshold, max_model_len=max_model_len,
+        enable_chunked_prefill=eng.enable_chunked_prefill, policy=eng.scheduling_policy,
+        preemption_mode=eng.preemption_mode, async_scheduling=bool(eng.async_scheduling),
+        swap_space_tokens=int(eng.swap_space_gib * 2**30 // max(cost.kv_bytes_per_token, 1)))
+
+
+COLLECT_EVERY = 1024          # simpy events between two collections of finished requests,
+COLLECT_STEPS = 8192          # or engine steps (a decode run takes thousands of steps in one event)
+
+
+@dataclass
+class EngineRun:
+    """A run's engine: its replicas and what feeds them (trace-time arrivals through the router and
+    an optional client-side concurrency limit, or arrivals by engine step)."""
+    env: EngineClock
+    replicas: list[EngineReplica]
+    arrivals: ArrivalProcess | None
+    limit: ConcurrencyLimit | None
+    step_arrivals: StepArrivals | None
+    router: Router | None = None
+
+    def drive(self, catch: tuple[type[BaseException], ...] = (KeyboardInterrupt, Exception),
+              collect: Callable[[], None] = lambda: None):
+        """Run the engine to the end, calling `collect` every COLLECT_EVERY simpy events or COLLECT_STEPS
+        engine steps; None, or
+        (reason, exception) when it was interrupted or failed with one of `catch` (the driver writes
+        a partial result)."""
+        # The engine allocates many small, long-lived objects (token times, step rows) and no reference
+        # cycles of note: the cyclic collector would rescan them over and over (~20% of the run).
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._run(collect)
+        except catch as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                return (str(exc) or "interrupted (Ctrl-C)"), exc
+            return f"failed: {type(exc).__name__}: {exc}", exc
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        return None
+
+    def _run(self, collect: Callable[[], None]) -> None:
+        env, limit = self.env, self.limit
+        # as env.run(until=the arrival process) and then on while any work is left
+        submitted = self.arrivals.process if self.arrivals is not None else None
+        events = collected_at = 0
+        while (submitted is not None and not submitted.processed) or self._has_work():
+            env.step()
+            events += 1
+            steps = sum(r.num_steps for r in self.replicas)
+            if events % COLLECT_EVERY == 0 or steps - collected_at >= COLLECT_STEPS:
+                collect()
+                collected_at = steps
+        if limit is not None and limit.pending:
+            raise RuntimeError(f"{limit.pending} requests still wait for a concurrency slot with no request "
+                               "in flight")
+
+    def _has_work(self) -> bool:
+        step_arrivals, limit = self.step_arrivals, self.limit
+        return (any(r.scheduler.has_work for r in self.replicas) or bool(step_arrivals and step_arrivals.pending)
+                or (limit is not None and limit.in_transit))
+
+    def arrived(self, requests: list[Request]) -> list[Request]:
+        """Of `requests`, those that reached the engine (all of them once the run ended)."""
+        if self.arrivals is not None:
+            unsent = set(map(id, self.limit.queue)) if self.limit is not None else set()
+            return [r for r in requests[:self.arrivals.index] if id(r) not in unsent]
+        unsent = set(map(id, self.step_arrivals.pending))
+        return [r for r in requests if id(r) not in unsent]
+
+
+def build_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
+                 replica_parts: Callable[[int], tuple[KVManager, Executor]], *, entry=None,
+                 on_step: Callable[[int], None] | None = None,
+                 live_arrival: Callable[[], float] | None = None) -> EngineRun:
+    """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager
+    and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.simulator.client.
+    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in.
+
+    `live_arrival`: a live feed (`kvsim serve`) whose requests are not known in advance; it returns the
+    earliest time the next one can reach the engine (a lower bound keeps decode fast-forward exact: a
+    run only takes steps that start before it). The caller submits each request through the run's
+    router at its arrival time and watches the engine with `env.step()` (an event at every step end);
+    `requests` must be empty and the trace options by-step arrivals and max_concurrency unset."""
+    cfg = plan.cfg
+    if live_arrival is not None:
+        return _live_engine(plan, requests, step_log, replica_parts, live_arrival)
+    env = EngineClock()
+    by_step = cfg.trace_options.arrival_unit == "step"
+    if by_step and cfg.replicas != 1:
+        raise ConfigError(f"trace_options.arrival_unit: step feeds one engine step by step; replicas must be 1, "
+                          f"got {cfg.replicas}")
+    step_arrivals = StepArrivals(requests) if by_step else None
+    limit_n = cfg.trace_options.max_concurrency
+    feed: list = []            # the arrival process and the limit, made once the replicas exist
+    # a closed loop lets one replica's finish send a request to another: with several replicas each
+    # one must stop at every step end for it to land in time (no decode fast-forward across it)
+    cross_replica = limit_n is not None and cfg.replicas > 1
+    # one replica fed by the trace alone may admit its arrivals inside decode runs
+    own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and limit_n is None and not by_step else None
+    replicas: list[EngineReplica] = []
+    for i in range(cfg.replicas):
+        kv, executor = replica_parts(i)
+        replicas.append(EngineReplica(
+            env, i, Scheduler(plan.scheduler, kv), executor, step_log,
+            ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
+                           check_invariants=cfg.check_invariants),
+            ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
+                        step_arrivals=step_arrivals, on_step=on_step,
+                        on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)),
+                        arrivals=own_arrivals)))
+    if by_step:
+        return EngineRun(env, replicas, None, None, step_arrivals)
+    router = Router(replicas, cfg.router)
+    limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
+    arrivals = ArrivalProcess(env, requests, router, limit)
+    feed.extend((arrivals, limit))
+    return EngineRun(env, replicas, arrivals, limit, None, router)
+
+
+def _live_engine(plan: RunPlan, requests: list[Request], step_log: StepLog,
+                 replica_parts: Callable[[int], tuple[KVManager, Executor]],
+                 live_arrival: Callable[[], float]) -> EngineRun:
+    cfg = plan.cfg
+    if requests or cfg.trace_options.arrival_unit == "step" or cfg.trace_options.max_concurrency is not None:
+        raise ConfigError("a live engine takes its requests as they come: no trace requests, arrival_unit time "
+                          "and no max_concurrency")
+    env = EngineClock(event_per_step=True)
+    replicas = []
+    for i in range(cfg.replicas):
+        kv, executor = replica_parts(i)
+        replicas.append(EngineReplica(
+            env, i, Scheduler(plan.scheduler, kv), executor, step_log,
+            ReplicaOptions(fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants),
+            ReplicaFeed(next_arrival=live_arrival)))
+    return EngineRun(env, replicas, None, None, None, Router(replicas, cfg.router))

@@ -1,0 +1,1 @@
+"""Bulk steps: the engine's exact multi-step advance over stretches where the schedule is known."""

@@ -1,0 +1,470 @@
+"""simpy engine: trace arrivals, a router, and replicas that loop schedule -> execute -> update.
+
+Part of the engine core: both executors are driven by it. The executor (`Executor`,
+sim/core/protocols.py) decides how long a step takes: the simulator's executor asks the cost
+model, the real backend's executor runs it on tensors. Pure-decode stretches between events (an
+arrival, a request finishing, a block allocation that could fail) may be advanced in bulk
+("fast-forward", sim/engine/bulk/decode_runs.py) when the executor and the KV manager both support it,
+producing exactly the rows and request state that stepping one by one would.
+"""
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import simpy
+
+from .bulk import decode_runs as fast_forward
+from .bulk.admitting_runs import plan_admitting
+from ..core.protocols import Executor
+from ..core.request import Request
+from ..core.scheduler import Scheduler, SchedulerOutput
+from ..core.step import BatchShape, StepResult, batch_shape
+from ..results.metrics import StepLog
+
+
+class EngineClock(simpy.Environment):
+    """simpy's environment: the run's only clock. A replica ending a step moves it forward without
+    an event (`advance_to`) when nothing else is due before the step's end: what a timeout would do,
+    minus the event (most steps of a run end so). `event_per_step=True` makes every step end with an
+    event instead, for a caller that watches the engine step by step with `env.step()` (same results)."""
+
+    def __init__(self, initial_time: float = 0.0, event_per_step: bool = False):
+        super().__init__(initial_time)
+        self.event_per_step = event_per_step
+
+    def retarget(self, event: simpy.Event, t: float) -> None:
+        """Move a scheduled, unprocessed event to time `t` (the arrival process's wait, when a decode
+        run admitted the arrivals it waited for)."""
+        queue = self._queue
+        for i, (_, priority, eid, queued) in enumerate(queue):
+            if queued is event:
+                queue[i] = (t, priority, eid, event)
+                heapq.heapify(queue)
+                return
+        raise ValueError("retarget: the event is not scheduled")
+
+    def advance_to(self, t: float) -> bool:
+        """Move the clock to `t` if no event is due at or before it (then no process can tell the
+        difference from a timeout); False, leaving the clock alone, otherwise."""
+        if t < self.peek() and not self.event_per_step:
+            self._now = t
+            return True
+        return False
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    fast_forward: bool = True         # advance pure-decode stretches in bulk when executor and KV manager allow
+    check_invariants: bool = False
+    max_run_steps: int = 4096         # longest decode run
+
+
+@dataclass(frozen=True)
+class ReplicaFeed:
+    """How a replica meets the rest of the run: arrivals, progress and the closed-loop client."""
+    next_arrival: Callable[[], float] = lambda: float("inf")
+    step_arrivals: StepArrivals | None = None
+    on_step: Callable[[int], None] | None = None
+    # told how many requests left the engine (finished or rejected) and when: the closed-loop client
+    on_done: Callable[[int, float], None] | None = None
+    # the arrival process, when this replica alone takes the trace's arrivals: its decode runs may
+    # admit them (sim/engine/bulk/admitting_runs.py)
+    arrivals: Callable[[], ArrivalProcess] | None = None
+
+
+class EngineReplica:
+    def __init__(self, env: EngineClock, index: int, scheduler: Scheduler, executor: Executor,
+                 step_log: StepLog, options: ReplicaOptions = ReplicaOptions(), feed: ReplicaFeed = ReplicaFeed()):
+        self.env = env
+        self.index = index
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.executor = executor
+        self.step_log = step_log
+        # only then are they a FastForwardExecutor and a FastForwardKV (sim/core/protocols.py)
+        self.fast_forward = options.fast_forward and executor.supports_fast_forward and self.kv.supports_fast_forward
+        self.check = options.check_invariants
+        self.next_arrival = feed.next_arrival
+        self.on_step = feed.on_step
+        self.max_run_steps = options.max_run_steps
+        self.num_steps = 0
+        self.step_arrivals = feed.step_arrivals
+        self.on_done = feed.on_done
+        self.arrivals = feed.arrivals if self.fast_forward and getattr(executor, "supports_admitting_runs", False) \
+            else None
+        # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
+        self.async_scheduling = scheduler.config.async_scheduling
+        self.inbox: deque[Request] = deque()
+        self._step_start = 0.0
+        self.tokens_computed = 0    # prefill + decode tokens computed so far (the progress measure)
+        self._last_duration = 0.0
+        self._wake: simpy.Event | None = None
+        self.process = env.process(self.run())
+
+    @property
+    def now(self) -> float:
+        return self.env.now
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def submit(self, req: Request) -> None:
+        req.replica = self.index
+        if self.async_scheduling and self.scheduler.has_work:
+            self.inbox.append(req)       # a step is in flight: the next schedule is already made
+            return
+        if self._add(req) and self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _add(self, req: Request) -> bool:
+        """Hand `req` to the scheduler; False if it is rejected (it can never fit)."""
+        if self.scheduler.add_request(req):
+            return True
+        if self.on_done is not None:
+            self.on_done(1, self.now)
+        return False
+
+    def _take_arrivals(self) -> None:
+        """Hand the scheduler what has arrived for the step about to be scheduled."""
+        inbox = self.inbox
+        idle = not self.scheduler.has_work
+        while inbox and (idle or inbox[0].arrival_time <= self._step_start):
+            self._add(inbox.popleft())
+        if self.step_arrivals is not None:
+            for req in self.step_arrivals.due(self.num_steps, idle=not self.scheduler.has_work):
+                req.arrival_time = self.now
+                req.replica = self.index
+                self.scheduler.add_request(req)
+
+    def _reach_run_end(self, run: fast_forward.DecodeRun):
+        """Bring the clock to a decode run's end as stepping does: at once to the last step end before
+        the next event, then one timeout per remaining step (a single timeout from further back can
+        round one ulp away from the end: now + (end - now) is not always end)."""
+        ends = run.ends
+        due = bisect_left(ends, self.env.peek())          # steps ending at or after the next event
+        if due and not self.env.advance_to(ends[due - 1]):
+            due = 0                                       # an event per step (EngineClock.event_per_step)
+        for d in run.durations[due:].tolist():
+            yield self.env.timeout(d)
+
+    def run(self):
+        while True:
+            self._take_arrivals()
+            if not self.scheduler.has_work:
+                self.scheduler.release_finishing()
+                self._wake = self.env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                raise RuntimeError(
+                    f"replica {self.index}: nothing schedulable with {len(self.scheduler.waiting)} waiting "
+                    f"and {len(self.scheduler.running)} running; the KV manager cannot make progress")
+            start = self._step_start = self.now
+            for s in out.scheduled:
+                if s.request.first_scheduled_time is None:
+                    s.request.first_scheduled_time = start
+            result = self.executor.execute(out)
+            # the KV manager's policies act on the step that ran (vLLM: the scheduler's update, not
+            # the model runner); the executor charges (simulator) or applies (backend) what they did
+            result = self.executor.complete(result, self.kv.finish_step(out.scheduled))
+            shape = result.shape or batch_shape(out, self.kv)     # before finishes free blocks
+            self._last_duration = result.duration_s
+            if not self.env.advance_to(start + result.duration_s):
+                yield self.env.timeout(result.duration_s)     # from start: the end exactly
+            finished = self.scheduler.update(out, self.now)
+            if finished and self.on_done is not None:
+                self.on_done(len(finished), self.now)
+            if not self.scheduler.has_work:
+                self.scheduler.release_finishing()     # async: no next schedule to wait for
+            self._log_step(start, out, result, len(finished), shape)
+            if self.fast_forward:
+                yield from self._decode_run()
+
+    # ----- logging ----------------------------------------------------------------------------
+    def _pool_row(self) -> dict:
+        live, allocated = self.kv.slot_stats()
+        pool = self.kv.pool
+        return {
+            "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
+            "blocks_cached": pool.num_cached_free_blocks,
+            "live_slots": live, "allocated_slots": allocated,
+            "fragmentation": 1.0 - live / allocated if allocated else 0.0,
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+        }
+
+    def _log_step(self, start: float, out: SchedulerOutput, result: StepResult, finished: int,
+                  shape: BatchShape) -> None:
+        num_prefill = sum(1 for s in out.scheduled if s.is_prefill)
+        row = {
+            "replica": self.index, "step": self.num_steps, "time_s": start,
+            "duration_s": result.duration_s, "predicted_s": result.predicted_s,
+            "batch_size": len(out.scheduled), "num_prefill_seqs": num_prefill,
+            "num_decode_seqs": len(out.scheduled) - num_prefill,
+            "prefill_tokens": shape.num_prefill_tokens, "decode_tokens": shape.num_decode_tokens,
+            "kv_tokens_read": shape.kv_tokens_read,
+            "preemptions": len(out.preempted), "finished": finished,
+            "evicted_tokens": result.evicted_tokens,
+            "blocks_freed_by_eviction": result.blocks_freed_by_eviction,
+            "bytes_moved": result.bytes_moved,
+            "attn_pairs_prefill": shape.attn_pairs_prefill,
+            "block_table_entries": shape.block_table_entries,
+        }
+        row.update(self._pool_row())
+        self.step_log.append(row)
+        self.num_steps += 1
+        self.tokens_computed += int(shape.num_prefill_tokens) + int(shape.num_decode_tokens)
+        if self.check:
+            self.check_invariants()
+        if self.on_step:
+            self.on_step(1)
+
+    def check_invariants(self) -> None:
+        live = set(self.scheduler.running) | set(self.scheduler.waiting)
+        self.kv.check_invariants(live)
+        for r in self.scheduler.running:
+            assert 0 < r.num_computed_tokens <= r.num_tokens, f"request {r.request_id} token count broken"
+            assert r.num_output_tokens <= r.max_output_tokens
+        finishing = set(self.scheduler.finishing)
+        for r in self.scheduler.finished:
+            assert r.num_output_tokens == r.max_output_tokens, f"request {r.request_id} lost tokens"
+            assert r in finishing or r not in self.kv.req_blocks
+
+    # ----- decode fast-forward ----------------------------------------------------------------
+    def fast_forward_view(self) -> fast_forward.ReplicaView:
+        """What the decode fast-forward's plan needs of this replica (sim/engine/bulk/decode_runs.py)."""
+        return fast_forward.ReplicaView(
+            now=self.now, next_arrival=self.next_arrival(), inbox_empty=not self.inbox,
+            steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
+            else float("inf"),
+            last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
+            closed_loop=self.on_done is not None)
+
+    def _decode_run(self):
+        """Advance a stretch of pure-decode steps in bulk (see sim/engine/bulk/decode_runs.py)."""
+        sched = self.scheduler
+        run = fast_forward.plan(self.fast_forward_view(), sched, self.kv, self.executor,
+                                self._plan_admitting if self.arrivals is not None else None)
+        if run is None:
+            return
+        k = run.num_steps
+        if run.waiting is not None:
+            waiting = run.waiting
+            self._take_arrivals_of(run)
+        else:
+            waiting = [len(sched.waiting)] * k
+        rows = fast_forward.apply(sched, self.kv, run)
+        self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
+        yield from self._reach_run_end(run)
+        done = [r for r, e in zip(run.requests, run.last_step) if e == k]
+        self.scheduler.finish(done, self.now)
+        if done and self.on_done is not None:
+            self.on_done(len(done), self.now)
+        waiting[-1] = len(sched.waiting)       # arrivals during the last step
+        released = self.async_scheduling and not sched.has_work and sched.finishing
+        if released:
+            sched.release_finishing()
+        if not self.async_scheduling or released:
+            # the last step's finishes return their blocks now
+            last = self._pool_row()
+            for name in ("blocks_used", "blocks_free", "blocks_cached", "live_slots", "allocated_slots",
+                         "fragmentation", "num_running"):
+                rows[name][-1] = last[name]
+        prefill = run.prefill
+        decodes = run.batch if prefill is None else run.batch - np.array(prefill.seqs, np.int64)
+        rows.update({
+            "replica": self.index, "step": range(self.num_steps, self.num_steps + k),
+            "time_s": run.starts, "duration_s": run.durations, "predicted_s": run.durations,
+            "batch_size": run.batch, "num_prefill_seqs": 0 if prefill is None else prefill.seqs,
+            "num_decode_seqs": decodes, "prefill_tokens": 0 if prefill is None else prefill.tokens,
+            "decode_tokens": decodes, "kv_tokens_read": run.kv_read,
+            "attn_pairs_prefill": 0.0 if prefill is None else prefill.attn_pairs, "block_table_entries": run.entries,
+            "preemptions": 0, "num_waiting": waiting,
+        })
+        self.step_log.append_columns(rows, k)
+        self.num_steps += k
+        self.tokens_computed += int(run.batch.sum()) + (0 if prefill is None else sum(prefill.tokens) - len(run.admissions))
+        if self.check:
+            self.check_invariants()
+        if self.on_step:
+            self.on_step(k)
+
+
+    def _plan_admitting(self, view, sched, kv, executor, start) -> fast_forward.DecodeRun | None:
+        return plan_admitting(view, sched, kv, executor, Incoming(self.inbox, self.arrivals()), start)
+
+    def _take_arrivals_of(self, run: fast_forward.DecodeRun) -> None:
+        """The arrivals a run took leave the inbox and the arrival process for this replica."""
+        for _, req in run.arrivals:
+            req.replica = self.index
+        Incoming(self.inbox, self.arrivals()).take(len(run.arrivals))
+
+
+class Incoming:
+    """A replica's requests still to schedule, in arrival order: those waiting in its inbox for the
+    next schedule (async scheduling), then those still to arrive."""
+
+    def __init__(self, inbox: deque, arrivals: ArrivalProcess):
+        self.inbox, self.arrivals = inbox, arrivals
+
+    def upcoming(self, i: int) -> Request | None:
+        inbox = self.inbox
+        return inbox[i] if i < len(inbox) else self.arrivals.upcoming(i - len(inbox))
+
+    def take(self, n: int) -> None:
+        inbox = self.inbox
+        while n and inbox:
+            inbox.popleft()
+            n -= 1
+        if n:
+            self.arrivals.take(n)
+
+
+class Router:
+    """Sends each arriving request to a replica: round_robin or least_outstanding."""
+
+    def __init__(self, replicas: list[EngineReplica], policy: str = "round_robin"):
+        if policy not in ("round_robin", "least_outstanding"):
+            raise ValueError(f"router must be round_robin or least_outstanding, got {policy!r}")
+        self.replicas = replicas
+        self.policy = policy
+        self._next = 0
+
+    def route(self, req: Request) -> EngineReplica:
+        if self.policy == "round_robin":
+            replica = self.replicas[self._next % len(self.replicas)]
+            self._next += 1
+            return replica
+        return min(self.replicas, key=lambda rep: (rep.outstanding, rep.index))
+
+
+class StepArrivals:
+    """Arrivals by engine step (`trace_options.arrival_unit: step`): a request whose
+    `arrival_time` holds k joins before the engine's k-th step (counted from 0); when the engine
+    runs out of work first, the next arrivals join at once. Real-engine references are fed so."""
+
+    def __init__(self, requests: list[Request]):
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+
+    def due(self, step: int, idle: bool) -> list[Request]:
+        pending, out = self.pending, []
+        while pending and pending[0].arrival_time <= step:
+            out.append(pending.popleft())
+        if idle and not out and pending:
+            first = pending[0].arrival_time
+            while pending and pending[0].arrival_time == first:
+                out.append(pending.popleft())
+        return out
+
+    def steps_until_next(self, step: int) -> float:
+        return self.pending[0].arrival_time - step if self.pending else float("inf")
+
+
+class ConcurrencyLimit:
+    """`vllm bench serve --max-concurrency C` on the client side: a request that arrives (at its trace
+    time, or all at t=0 without a rate) while C requests are in flight waits in a FIFO queue, like the
+    benchmark's asyncio semaphore, and is sent the moment one of them finishes (or is rejected). A
+    request's `arrival_time` becomes the time it is sent, so TTFT and E2E latency are measured from there,
+    as vLLM measures them; `client_arrival` keeps when it reached the client (its queue time is the
+    difference: vLLM's client_queue_time). With an `entry` (sim.simulator.client.RequestEntry: the profile's
+    client-side API server) a sent request enters the engine when the server lets it; `next_entry`
+    tells the engines when."""
+
+    def __init__(self, limit: int, router: Router, env: simpy.Environment | None = None, entry=None):
+        self.limit = limit
+        self.router = router
+        self.env = env
+        self.entry = entry
+        self.in_flight = 0
+        self.queue: deque[Request] = deque()
+        self.in_transit: deque[Request] = deque()       # sent, entering the engine at their arrival_time
+        self.client_arrival: dict[int, float] = {}      # request_id -> time it reached the client
+        self._sending = False
+
+    def next_entry(self) -> float:
+        return self.in_transit[0].arrival_time if self.in_transit else float("inf")
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def arrive(self, req: Request, now: float) -> None:
+        self.client_arrival[req.request_id] = now
+        self.queue.append(req)
+        self._send(now)
+
+    def done(self, count: int, now: float) -> None:
+        """`count` requests left the engine at `now` (EngineReplica.on_done)."""
+        self.in_flight -= count
+        self._send(now)
+
+    def _send(self, now: float) -> None:
+        if self._sending:           # a rejection inside submit() calls done(): the outer loop goes on
+            return
+        self._sending = True
+        try:
+            while self.queue and self.in_flight < self.limit:
+                req = self.queue.popleft()
+                req.arrival_time = now if self.entry is None else self.entry.enter(req.request_id, now)
+                self.in_flight += 1
+                if req.arrival_time > now:
+                    self.in_transit.append(req)          # sends happen in time order: FIFO
+                    self.env.process(self._enter(req))
+                else:
+                    self.router.route(req).submit(req)
+        finally:
+            self._sending = False
+
+    def _enter(self, req: Request):
+        yield self.env.timeout(max(req.arrival_time - self.env.now, 0.0))
+        self.in_transit.remove(req)
+        self.router.route(req).submit(req)
+
+
+class ArrivalProcess:
+    """Feeds trace requests (sorted by arrival) to the router at their arrival times (through a
+    `ConcurrencyLimit` when one is given)."""
+
+    def __init__(self, env: simpy.Environment, requests: list[Request], router: Router,
+                 limit: ConcurrencyLimit | None = None):
+        self.env = env
+        self.requests = requests
+        self.router = router
+        self.limit = limit
+        self.index = 0
+        self.process = env.process(self.run())
+
+    def next_arrival(self) -> float:
+        nxt = self.requests[self.index].arrival_time if self.index < len(self.requests) else float("inf")
+        return min(nxt, self.limit.next_entry()) if self.limit is not None else nxt
+
+    def upcoming(self, i: int) -> Request | None:
+        """The i-th request still to arrive (0: the next), or None."""
+        j = self.index + i
+        return self.requests[j] if j < len(self.requests) else None
+
+    def take(self, n: int) -> None:
+        """A decode run admitted the next `n` requests (sim/engine/bulk/admitting_runs.py): wait for the one after."""
+        self.index += n
+        wake = self.requests[self.index].arrival_time if self.index < len(self.requests) else self.env.now
+        self.env.retarget(self.process.target, wake)
+
+    def run(self):
+        while self.index < len(self.requests):
+            req = self.requests[self.index]
+            if req.arrival_time > self.env.now:
+                yield self.env.timeout(req.arrival_time - self.env.now)
+                if self.index >= len(self.requests) or self.requests[self.index] is not req:
+                    continue            # a decode run admitted it meanwhile
+            self.index += 1
+            if self.limit is not None:
+                self.limit.arrive(req, self.env.now)
+            else:
+                self.router.route(req).submit(req)

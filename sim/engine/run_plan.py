@@ -1,0 +1,134 @@
+"""A run's plan: everything a simulation or a replay needs, resolved once from a validated SimConfig.
+
+`build_run_plan` is the one place a run is resolved: the engine defaults (sim/model/defaults.py), the model
+and GPU specs, the cost model with its profile, the KV pool size, the scheduler's settings, the KV
+policy (built once), the host-memory estimate, and which KV manager and executor each replica runs.
+The plan is immutable; the simulator (`sim.simulator.simulate`) and the real backend (`gpu.replay`) build
+their replicas from it (`build_kv_manager` here, each executor's own factory) and assemble the same
+engine (`sim.engine.assembly.build_engine`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from .assembly import scheduler_config
+from ..model.catalog import GPUSpec, ModelSpec, get_gpu, get_model
+from ..config import ConfigError, SimConfig
+from ..core.scheduler import SchedulerConfig
+from ..model.cost_model import CostModel, load_profile
+from ..model.defaults import resolve_engine
+from ..kv.build import build_kv_manager as _build_manager, policy_params
+from ..kv.policy import EvictionPolicy, FastModeProfile, PolicyError, get_policy
+from ..model.memory import PoolSizing, RunMemoryEstimate, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
+
+KVKind = Literal["plain", "evicting", "hybrid"]  # vLLM's KVCacheManager | eviction-aware | sliding-window layers
+ExecutorKind = Literal["cost_model", "kv_policy"]    # sim.simulator.executor's two; the real backend has its own
+
+
+class Hardware(NamedTuple):
+    """What a run's config resolves to on the hardware side."""
+    model: ModelSpec
+    gpu: GPUSpec
+    cost: CostModel
+    num_blocks: int            # vLLM's num_gpu_blocks (one of them the null block)
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cfg: SimConfig             # engine defaults resolved: what config.yaml records
+    hardware: Hardware
+    scheduler: SchedulerConfig
+    policy: EvictionPolicy | None    # the configured policy, built once; None unless kv_kind is evicting
+    kv_kind: KVKind
+    executor_kind: ExecutorKind
+    memory: RunMemoryEstimate  # host memory the run needs (checked by the driver: it knows what is available)
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.hardware.model
+
+    @property
+    def gpu(self) -> GPUSpec:
+        return self.hardware.gpu
+
+    @property
+    def cost(self) -> CostModel:
+        return self.hardware.cost
+
+    @property
+    def num_blocks(self) -> int:
+        return self.hardware.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.hardware.max_model_len
+
+
+def build_run_plan(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -> RunPlan:
+    """The plan of a run of `cfg` over `trace` (sized into the memory estimate when given). `model`
+    replaces `cfg.model`'s catalog entry (the real backend passes the spec of the model it runs)."""
+    cfg = with_engine_defaults(cfg)
+    hardware = resolve_hardware(cfg, model)
+    # a model with sliding-window layers runs the hybrid manager, which refuses policies when built
+    kv_kind: KVKind = "hybrid" if hardware.model.num_sliding_layers else "plain" if cfg.kv.is_default else "evicting"
+    policy = build_policy(cfg) if kv_kind == "evicting" else None
+    profile = (policy.fast_mode_profile() or FastModeProfile()) if policy is not None and cfg.kv.mode == "fast" else None
+    return RunPlan(
+        cfg=cfg, hardware=hardware, scheduler=scheduler_config(cfg, hardware.cost, hardware.max_model_len),
+        policy=policy, kv_kind=kv_kind, executor_kind="kv_policy" if kv_kind == "evicting" else "cost_model",
+        memory=estimate_run_memory(cfg, hardware.model, hardware.cost, hardware.num_blocks, trace, profile))
+
+
+def with_engine_defaults(cfg: SimConfig) -> SimConfig:
+    """`cfg` with its engine defaults resolved (sim/model/defaults.py): what a run writes to config.yaml."""
+    return cfg.model_copy(update={"engine": resolve_engine(cfg)})
+
+
+def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware:
+    """Model spec, GPU spec, cost model, KV pool size and max_model_len of `cfg`, whose engine
+    defaults are resolved (`with_engine_defaults`; a run's config.yaml has them)."""
+    model = get_model(cfg.model) if model is None else model
+    if cfg.kv_dtype or cfg.weight_dtype:
+        model = model.with_dtypes(kv_dtype=cfg.kv_dtype, weight_dtype=cfg.weight_dtype)
+    gpu = get_gpu(cfg.gpu)
+    eng = cfg.engine
+    try:
+        cost = CostModel(model, gpu, load_profile(cfg.profile, gpu=gpu), tp=cfg.tp,
+                         async_scheduling=bool(eng.async_scheduling), expert_parallel=eng.enable_expert_parallel)
+    except ValueError as exc:
+        if "--enable-expert-parallel" not in str(exc):
+            raise
+        raise ConfigError(str(exc).replace("--enable-expert-parallel", "engine.enable_expert_parallel")) from None
+    if eng.num_gpu_blocks is not None:
+        blocks = eng.num_gpu_blocks
+        check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)
+    else:
+        blocks = num_gpu_blocks(model, gpu, PoolSizing.of_engine(eng, tp=cfg.tp)).num_blocks
+    return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_model_len)
+
+
+def build_policy(cfg: SimConfig) -> EvictionPolicy:
+    try:
+        return get_policy(cfg.kv.policy, **policy_params(cfg.kv))
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def build_kv_manager(plan: RunPlan, replica: int = 0):
+    """The KV manager of one replica: the plain vLLM manager, or the eviction-aware one of `kv:`.
+    Replica 0 runs the plan's policy; the others their own instance (a policy may keep per-run
+    state, e.g. the recorded policy's counters)."""
+    policy = plan.policy if replica == 0 or plan.policy is None else build_policy(plan.cfg)
+    return _build_manager(plan.cfg, plan.model, plan.cost, plan.num_blocks, policy=policy)
+
+
+def check_config_memory(cfg: SimConfig, trace=None) -> RunMemoryEstimate:
+    """Estimate and check the host memory of a simulation of `cfg` before running it: the bound
+    `kvsim simulate` applies, for other front ends (the dashboard). Raises HostMemoryError (a
+    ValueError) when it does not fit; returns the estimate."""
+    from ..model.memory import check_memory
+    estimate = build_run_plan(cfg, trace=trace).memory
+    check_memory(estimate)
+    return estimate

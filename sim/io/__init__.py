@@ -1,0 +1,1 @@
+"""Files, directories and the terminal: safe reads and writes, result directories, YAML errors, progress."""

@@ -1,0 +1,1 @@
+"""Fleet planning: sweeps, capacity searches, the configuration planner and reports."""

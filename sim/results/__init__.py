@@ -1,0 +1,1 @@
+"""What a run measures and writes: step and request logs, vLLM-style metrics, output files."""

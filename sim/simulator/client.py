@@ -1,0 +1,75 @@
+"""What a `vllm bench serve` client sees beyond the engine (a profile's `client` terms; docs/gpu-profiles.md).
+
+A request enters the engine after the API server's serial work on it and a fixed latency
+(`RequestEntry`; the trace's arrival times are the client's sends); the API server then processes
+each step's output tokens serially, `output_token_s` each,
+so a token reaches the client when the server has processed it and everything before it:
+
+    done_k = max(done_{k-1}, t_k) + n_k * output_token_s
+
+over the distinct token times t_k of a replica (n_k tokens each), i.e. done_k = C_k + max_{j<=k}(t_j -
+C_{j-1}) with C the cumulative server work: one running maximum, vectorized.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from ..model.cost_model import ClientLatency
+from ..results.metrics import flat_token_times, set_latencies
+
+
+class RequestEntry:
+    """When a request the client sent enters the engine: the API server takes requests one at a time
+    (`request_serial_s` each, in send order), then `request_s` of fixed latency. Remembers each
+    request's send time for `client_view`."""
+
+    def __init__(self, client: ClientLatency):
+        self.serial_s, self.fixed_s = client.request_serial_s, client.request_s
+        self.server_free = -math.inf
+        self.sent: dict[int, float] = {}
+
+    def enter(self, request_id: int, send_time: float) -> float:
+        self.sent[request_id] = send_time
+        if self.serial_s == 0:
+            return send_time + self.fixed_s
+        self.server_free = max(self.server_free, send_time) + self.serial_s
+        return self.server_free + self.fixed_s
+
+
+def client_view(req_df: pd.DataFrame, client: ClientLatency, sent: dict[int, float]) -> pd.DataFrame:
+    """The request table as the client measures it: arrival at the client's send (`sent`: request id
+    -> send time), token times after the API server's serial work; queueing stays the engine's."""
+    if not client.enabled or req_df.empty:
+        return req_df
+    df = req_df.copy()
+    df["arrival_s"] = df["request_id"].map(sent).astype("float64").fillna(df["arrival_s"])
+    if client.output_token_s > 0:
+        df["token_times_s"] = _served_token_times(df, client.output_token_s)
+        first = np.array([t[0] if len(t) else math.nan for t in df["token_times_s"]])
+        last = np.array([t[-1] if len(t) else math.nan for t in df["token_times_s"]])
+        df["first_token_s"] = first
+        df["finish_s"] = np.where(df["status"] == "finished", last, math.nan)
+    set_latencies(df)
+    return df
+
+
+def _served_token_times(df: pd.DataFrame, per_token_s: float) -> list[np.ndarray]:
+    offsets, values = flat_token_times(df["token_times_s"])
+    replica = np.repeat(df["replica"].to_numpy(), np.diff(offsets))
+    served = np.empty_like(values)
+    for r in np.unique(replica):
+        idx = np.flatnonzero(replica == r)
+        served[idx] = _serial_server(values[idx], per_token_s)
+    return [served[offsets[i]:offsets[i + 1]] for i in range(len(df))]
+
+
+def _serial_server(times: np.ndarray, per_token_s: float) -> np.ndarray:
+    """Client times of tokens produced at `times` by one engine, through one serial server."""
+    t, inverse, counts = np.unique(times, return_inverse=True, return_counts=True)
+    work = np.cumsum(counts) * per_token_s                       # C_k
+    before = np.concatenate(([0.0], work[:-1]))                  # C_{k-1}
+    done = work + np.maximum.accumulate(t - before)
+    return done[inverse]

@@ -1,0 +1,129 @@
+"""The simulator's executors: a step takes as long as the cost model predicts.
+
+`CostModelExecutor` prices the plain vLLM path (and runs of decode steps, for the fast-forward);
+`KVPolicyExecutor` also charges the effects of the eviction-aware manager's policies (which the
+engine runs after the step's attention, `KVManager.finish_step`): the bytes copied/moved by the slot
+strategy, the per-head block-table entries, and the KV reads the policies leave (evicted tokens are not read, quantized tiers read
+fewer bytes — `kv_tokens_read` is in fp16 token-equivalents — and selection policies read only
+what they select). A selection policy's `prefill_pairs` hook also sets the step's prefill
+query-key pairs (TokenSelect's chunk-level prefill selection; Quest's prefill is full attention over
+the prompt positions).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.protocols import Executor, KVManager
+from ..core.scheduler import SchedulerOutput
+from ..core.step import BatchShape, StepResult, batch_shape
+from ..kv.base import EvictingManagerBase
+from ..kv.slots import KVStepPlan
+from ..kv.build import build_evicting_manager
+from ..engine.run_plan import RunPlan, build_kv_manager
+
+
+SCALAR_STEPS = 48       # decode steps priced one by one in Python up to this many (numpy's fixed cost is more)
+
+
+class CostModelExecutor:
+    supports_fast_forward = True
+    supports_admitting_runs = True
+
+    def __init__(self, cost_model, kv: KVManager):
+        self.cost = cost_model
+        self.kv = kv
+        # A profile that prices padded decode attention needs each step's widest block table, which
+        # the decode fast-forward does not compute: such runs step one at a time (same results).
+        self.supports_fast_forward = not cost_model.profile.padded_attn_cost
+        # a run's mixed steps are priced from their counts alone: no padded prefill term either
+        self.supports_admitting_runs = self.supports_fast_forward and not cost_model.profile.padded_prefill_cost
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
+        seconds = float(self.cost.predict(shape))
+        return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
+
+    def complete(self, result: StepResult, kv_plan: None) -> StepResult:
+        return result                       # the plain manager has no per-step policies
+
+    def predict_run(self, shape: BatchShape):
+        return self.cost.predict(shape)
+
+    def predict_step(self, shape: BatchShape) -> float:
+        """Seconds for one step of this shape, as `execute` prices it."""
+        return float(self.cost.predict(shape))
+
+    def predict_decode_run(self, num_seqs, kv_tokens_read, block_table_entries):
+        """Durations of a run of pure-decode steps (int64 or float64 count arrays), as `execute` would price them."""
+        return self.cost.predict_decode(num_seqs, kv_tokens_read, block_table_entries)
+
+    def predict_decode_steps(self, num_seqs: list[int], kv_tokens_read: list[int],
+                             block_table_entries: list[int]) -> list[float]:
+        """`predict_decode_run` of integer lists, as a list: in Python for a few steps where the cost
+        model can (bit-identical), else in numpy."""
+        if len(num_seqs) <= SCALAR_STEPS and (prices := self.cost.decode_prices(
+                num_seqs, kv_tokens_read, block_table_entries)) is not None:
+            return prices
+        return self.cost.predict_decode(np.array(num_seqs, np.int64), np.array(kv_tokens_read, np.int64),
+                                        np.array(block_table_entries, np.int64)).tolist()
+
+
+class KVPolicyExecutor:
+    supports_fast_forward = False       # eviction changes memory every step
+
+    def __init__(self, cost_model, kv: EvictingManagerBase):
+        self.cost = cost_model
+        self.kv = kv
+        self.last_plan = None
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """The step's shape (before the policies act); `complete` prices it with their effects."""
+        shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
+        pairs = _policy_prefill_pairs(self.kv, out)
+        if pairs is not None:
+            shape.attn_pairs_prefill = pairs
+        return StepResult(duration_s=float("nan"), predicted_s=float("nan"), shape=shape)
+
+    def complete(self, result: StepResult, kv_plan: KVStepPlan) -> StepResult:
+        shape = result.shape
+        shape.bytes_moved = kv_plan.bytes_moved
+        shape.op_bytes = kv_plan.op_bytes
+        shape.op_flops = kv_plan.op_flops
+        seconds = float(self.cost.predict(shape))
+        self.last_plan = kv_plan
+        return StepResult(duration_s=seconds, predicted_s=seconds, evicted_tokens=kv_plan.evicted_tokens,
+                          blocks_freed_by_eviction=kv_plan.blocks_freed_by_eviction,
+                          bytes_moved=kv_plan.bytes_moved, shape=shape)
+
+    def predict_run(self, shape: BatchShape):
+        return self.cost.predict(shape)
+
+
+def _policy_prefill_pairs(kv, out: SchedulerOutput) -> float | None:
+    """The step's prefill query-key pairs as the policy counts them (None: the engine's count)."""
+    policy, ctx = getattr(kv, "policy", None), getattr(kv, "ctx", None)
+    if policy is None or ctx is None or policy.prefill_pairs(0, 1, ctx) is None:
+        return None
+    return float(sum(policy.prefill_pairs(s.request.num_computed_tokens, s.num_new_tokens, ctx)
+                     for s in out.scheduled if s.is_prefill))
+
+
+EXECUTORS = {"cost_model": CostModelExecutor, "kv_policy": KVPolicyExecutor}
+
+
+def replica_executor(plan: RunPlan, kv: KVManager) -> Executor:
+    """The simulator's executor of a replica running `kv` (`sim.engine.run_plan.build_kv_manager`): the kind
+    the plan chose for its KV manager."""
+    return EXECUTORS[plan.executor_kind](plan.cost, kv)
+
+
+def replica_parts(plan: RunPlan, index: int) -> tuple[KVManager, Executor]:
+    """The KV manager and executor of replica `index` of a simulation."""
+    kv = build_kv_manager(plan, index)
+    return kv, replica_executor(plan, kv)
+
+
+def build_kv(kv, model, cost, num_blocks: int, block_size: int, seed: int) -> tuple[EvictingManagerBase, KVPolicyExecutor]:
+    """The eviction-aware manager of a `KVConfig` and its executor (see `build_evicting_manager`)."""
+    manager = build_evicting_manager(kv, model, cost, num_blocks, block_size, seed)
+    return manager, KVPolicyExecutor(cost, manager)

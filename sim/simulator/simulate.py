@@ -1,0 +1,169 @@
+"""The simulator's driver: build and run one simulation from a SimConfig; write requests/steps/summary/config."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import pandas as pd
+
+from ..results.bench_compare import compare
+from ..engine.assembly import build_engine, load_workload, trace_to_requests
+from ..config import ConfigError, SimConfig
+from .client import RequestEntry, client_view
+from ..model.cost_model import ClientLatency
+from .executor import replica_parts
+from ..model.memory import check_memory
+from ..results.metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
+from ..results.outputs import managed_pool_blocks, run_summary, write_outputs
+from ..io.progress import ProgressTracker, TokenBar, ambient_callback
+from ..results.request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request_columns, step_figures_from_file,
+                          token_stats_from_file)
+from ..io.result_dirs import ResultDir, check_out_dir, check_out_owner
+from ..engine.run_plan import RunPlan, build_run_plan
+
+
+@dataclass
+class SimulationResult:
+    summary: dict
+    requests: pd.DataFrame
+    steps: pd.DataFrame | None
+    out_dir: Path | None
+    num_gpu_blocks: int
+    wall_s: float
+
+
+def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progress=False,
+                   keep_steps: bool = True, trace=None, wrap_kv=None, model=None,
+                   overwrite: bool = False) -> SimulationResult:
+    """Simulate `cfg` (or the given in-memory `trace` in place of `cfg.trace`). `wrap_kv(kv, executor)`,
+    if given, returns the (kv, executor) pair each replica runs with (cross-check and calibration tools
+    observe or replace them). `progress`: True for a bar over the tokens computed with an ETA (on
+    stderr), or a callable given a `sim.io.progress.SimProgress` after every engine step, which may raise
+    (e.g. `sim.io.progress.Cancelled`) to stop the run; without it, the callback of an enclosing
+    `sim.io.progress.reporting_to` if any. `model` (a ModelSpec) replaces `cfg.model`'s catalog
+    entry (the cross-check simulates the model a replay actually ran). `overwrite`: write into an
+    existing non-empty `out_dir` kvsim did not create (sim/io/result_dirs.py).
+
+    Results are staged beside `out_dir` and moved into it at the end (sim/io/result_dirs.py). A run that is
+    interrupted (KeyboardInterrupt) or fails still writes what it has, with `partial: true` and
+    `partial_reason` in summary.json, then raises again."""
+    t0 = time.perf_counter()
+    if out_dir:
+        check_out_dir(Path(out_dir))
+        check_out_owner(Path(out_dir), overwrite=overwrite)
+        _check_not_reading_from(cfg, Path(out_dir))
+    trace = load_workload(cfg) if trace is None else trace
+    plan = build_run_plan(with_bench_load(cfg, trace), trace=trace, model=model)
+    check_memory(plan.memory)
+    staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
+    try:
+        return _simulate(plan, trace, staging, t0, RunOptions(progress, keep_steps, wrap_kv))
+    finally:
+        if staging:
+            staging.discard()              # nothing left once published
+
+
+class RunOptions(NamedTuple):
+    progress: object                   # see run_simulation
+    keep_steps: bool
+    wrap_kv: object
+
+
+def _simulate(plan: RunPlan, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
+    cfg = plan.cfg
+    client = plan.cost.profile.client if cfg.client_latency else ClientLatency()
+    # requests enter the engine through the client-side API server: at their trace time (open loop) or
+    # when the closed loop sends them
+    entry = RequestEntry(client) if client.enabled else None
+    requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency else entry)
+    out = staging.path if staging else None
+    step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS)
+    progress = opts.progress or ambient_callback()
+    replicas: list = []
+    tracker = ProgressTracker(requests, replicas, TokenBar() if progress is True else progress) if progress else None
+
+    def parts(index: int):
+        kv, executor = replica_parts(plan, index)
+        return opts.wrap_kv(kv, executor) if opts.wrap_kv is not None else (kv, executor)
+
+    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker)
+    replicas.extend(run.replicas)
+
+    def frame(reqs: list) -> pd.DataFrame:
+        df = client_view(request_table(reqs), client, entry.sent if entry else {})
+        if run.limit is not None:
+            add_client_queue(df, run.limit.client_arrival)
+        return df
+    # rows go to requests.parquet as requests finish, unless the client view needs all token times at once
+    # or the bench comparison the whole table
+    streamable = not client.output_token_s > 0 and not getattr(trace, "measured", None)
+    log = RequestLog(requests, out / "requests.parquet" if out else None, frame, stream=streamable)
+    schedulers = [r.scheduler for r in replicas]
+    stop = run.drive(collect=lambda: log.collect(schedulers))
+    if tracker:
+        tracker.finish()
+    step_log.close()
+    log.collect(schedulers)
+
+    if stop:                               # requests that never arrived are not part of the result
+        requests = run.arrived(requests)
+    req_df = log.finish(requests)
+    tokens = None
+    if req_df is None:                     # streamed: the summary reads the file
+        log.release(replicas)
+        req_df = read_request_columns(out / "requests.parquet")
+        done = req_df["arrival_s"][req_df["status"] == "finished"]
+        tokens = token_stats_from_file(out / "requests.parquet", float(done.min()) if len(done) else 0.0)
+    kvs = [r.kv for r in replicas]
+    steps_df = step_log.to_pandas() if opts.keep_steps or out is None else None
+    if steps_df is not None:
+        steps_for_summary = steps_df
+    elif step_log.num_rows > WHOLE_STEP_LOG_ROWS:
+        steps_for_summary = step_figures_from_file(out / "steps.parquet", managed_pool_blocks(kvs, plan.num_blocks))
+    else:                                  # the summary's columns as written (or read back)
+        steps_for_summary = step_log.kept()
+        if steps_for_summary is None:
+            steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
+    summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens)
+    summary["partial"] = stop is not None
+    if stop:
+        summary["partial_reason"] = stop[0]
+        summary["num_trace_requests"] = len(trace)
+    comparison = None
+    if getattr(trace, "measured", None) and not stop:
+        comparison, summary["bench_comparison"] = compare(trace.measured, req_df, summary)
+    wall = time.perf_counter() - t0
+    summary["wall_s"] = wall
+    if staging:
+        write_outputs(out, cfg, None if tokens is not None else req_df, summary)
+        if comparison is not None:
+            comparison.to_parquet(out / "bench_comparison.parquet", index=False)
+        staging.publish()
+    if stop:
+        raise stop[1]
+    return SimulationResult(summary, req_df, steps_df, staging.shown if staging else None, plan.num_blocks, wall)
+
+
+def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
+    """A `vllm bench serve` result replayed as a trace runs under the load it was measured with: its
+    --max-concurrency unless the config sets one (its send times are already on the trace)."""
+    load = getattr(trace, "bench_load", None) or {}
+    if load.get("max_concurrency") and cfg.trace_options.max_concurrency is None:
+        opts = cfg.trace_options.model_copy(update={"max_concurrency": int(load["max_concurrency"])})
+        return cfg.model_copy(update={"trace_options": opts})
+    return cfg
+
+
+def _check_not_reading_from(cfg: SimConfig, out: Path) -> None:
+    """The recorded policy reads a replay's decisions: publishing into that directory would replace them."""
+    source = cfg.kv.params.get("path") if cfg.kv.policy == "recorded" else None
+    if not source:
+        return
+    source = Path(source)
+    folder = source if source.is_dir() else source.parent
+    if out.exists() and folder.exists() and folder.resolve() == out.resolve():
+        raise ConfigError(f"--out {out}: holds the recorded decisions this run reads (kv.params.path); its "
+                          "results would replace them; expected another directory")
+
