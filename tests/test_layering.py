@@ -20,7 +20,8 @@ Layers, lowest first (a module may import its own layer and the layers below it)
   planner, reports), kvsim.sim.calibration, kvsim.sim.crosscheck, the vLLM reference harness
   kvsim.sim.reference.
 - interfaces: every CLI (the kvsim.sim.cli package, or any module whose name ends in `cli`), the
-  console script that runs it (kvsim.sim.entry) and the dashboard.
+  console script that runs it (kvsim.sim.entry), the dashboard and `kvsim serve`'s HTTP server
+  (kvsim.sim.serve: it drives the simulator's engine on the wall clock).
 
 Rules name folders (a folder's rule places every module under it, so a new module of a folder needs
 no rule) and the few modules at the top of sim/. A package's __init__ belongs to the layer of its
@@ -61,6 +62,7 @@ FOLDER_RULES = {
     "kvsim.sim.crosscheck": "analysis",
     "kvsim.sim.reference": "analysis",
     "kvsim.sim.cli": "interface",
+    "kvsim.sim.serve": "interface",      # kvsim serve: the HTTP server around the simulator's engine
     "kvsim.dashboard": "interface",
 }
 # the modules at the top of sim/ (exact names: a new top-level module gets no layer until it has a rule)

@@ -59,7 +59,7 @@ def test_every_module_says_what_it_is_for():
     assert missing == []
 
 
-OPTIONAL = ("torch", "triton", "streamlit", "dask", "distributed", "numba", "gguf")
+OPTIONAL = ("torch", "triton", "streamlit", "dask", "distributed", "numba", "gguf", "prometheus_client")
 
 
 def test_core_dependencies_leave_out_the_heavy_ones_and_use_ranges():
@@ -69,8 +69,8 @@ def test_core_dependencies_leave_out_the_heavy_ones_and_use_ranges():
     assert not [d for d in project["dependencies"] if "==" in d]          # ranges; constraints.txt pins CI
     extras = project["optional-dependencies"]
     everything = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower()
-                  for extra in ("backend", "dashboard", "distributed", "fast") for d in extras[extra]}
-    assert set(OPTIONAL) <= everything and extras["all"] == ["kvsim[backend,dashboard,distributed,fast]"]
+                  for extra in ("backend", "dashboard", "distributed", "fast", "serve") for d in extras[extra]}
+    assert set(OPTIONAL) <= everything and extras["all"] == ["kvsim[backend,dashboard,distributed,fast,serve]"]
     pins = {line.split("==")[0] for line in (ROOT / "constraints.txt").read_text().splitlines()
             if line and not line.startswith("#")}
     assert names | everything <= pins

@@ -17,6 +17,7 @@ from .planning import capacity, plan, report, sweep
 from .reference import app as reference_app
 from .catalog import gpus, models
 from .replay import replay
+from .serve import serve
 from .simulate import simulate
 from .trace import app as trace_app
 
@@ -92,7 +93,7 @@ app.command()(simulate)
 app.command()(models)
 app.command()(gpus)
 app.add_typer(model_app, name="model")
-for command in (replay, dashboard, sweep, capacity, plan, report, calibrate, crosscheck):
+for command in (replay, serve, dashboard, sweep, capacity, plan, report, calibrate, crosscheck):
     app.command()(needs_extras(command) if command in (replay, dashboard, calibrate, crosscheck) else command)
 app.add_typer(reference_app, name="reference")
 

@@ -195,7 +195,11 @@ class Scheduler:
 
     def never_fits(self, req: Request) -> bool:
         """Whether `add_request` would reject `req`. Changes nothing."""
-        return self._never_fits(req, self.capped_output(req)) is not None
+        return self.reject_reason(req) is not None
+
+    def reject_reason(self, req: Request) -> str | None:
+        """Why `add_request` would reject `req` (it can never fit), or None. Changes nothing."""
+        return self._never_fits(req, self.capped_output(req))
 
     def _never_fits(self, req: Request, max_output: int) -> str | None:
         if req.prompt_tokens + 1 > self.config.max_model_len:

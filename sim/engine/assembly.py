@@ -136,6 +136,7 @@ class EngineRun:
     arrivals: ArrivalProcess | None
     limit: ConcurrencyLimit | None
     step_arrivals: StepArrivals | None
+    router: Router | None = None
 
     def drive(self, catch: tuple[type[BaseException], ...] = (KeyboardInterrupt, Exception),
               collect: Callable[[], None] = lambda: None):
@@ -233,7 +234,7 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
     arrivals = ArrivalProcess(env, requests, router, limit)
     feed.extend((arrivals, limit))
-    return EngineRun(env, replicas, arrivals, limit, None)
+    return EngineRun(env, replicas, arrivals, limit, None, router)
 
 
 def replica_noise(plan: ResolvedRun, index: int) -> StepNoise | None:
@@ -251,3 +252,25 @@ def client_timeout(timeout_s: float | None, entry=None) -> ClientTimeout | None:
         return ClientTimeout(timeout_s, lambda req: req.arrival_time)
     sent = entry.sent
     return ClientTimeout(timeout_s, lambda req: sent.get(req.request_id, req.arrival_time))
+
+
+def build_live_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
+                      replica_parts: Callable[[int], tuple[KVManager, Executor]],
+                      live_arrival: Callable[[], float]) -> EngineRun:
+    """The engine of `plan` fed live (`kvsim serve`): requests not known in advance. `live_arrival` returns the
+    earliest time the next one can reach the engine (a lower bound keeps decode runs exact: a run only takes
+    steps that start before it). The caller submits each request through the run's router at its arrival
+    time and watches the engine with `env.step()` (an event at every step end)."""
+    cfg = plan.cfg
+    if requests or cfg.trace_options.arrival_unit == "step" or cfg.trace_options.max_concurrency is not None:
+        raise ConfigError("a live engine takes its requests as they come: no trace requests, arrival_unit time "
+                          "and no max_concurrency")
+    env = EngineClock(event_per_step=True)
+    replicas = []
+    for i in range(cfg.replicas):
+        kv, executor = replica_parts(i)
+        replicas.append(EngineReplica(
+            env, i, Scheduler(plan.scheduler, kv), executor, step_log,
+            ReplicaOptions(fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants),
+            ReplicaFeed(next_arrival=live_arrival)))
+    return EngineRun(env, replicas, None, None, None, Router(replicas, cfg.router, cfg.router_options))

@@ -1,0 +1,99 @@
+"""`kvsim serve`: an OpenAI-compatible endpoint in front of the simulated engine (docs/serve.md)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvsim.sim.config import ConfigError, TraceOptions, load_config
+
+from .options import (BlockSize, Budget, ChunkedPrefill, ConfigFile, Gpu, MaxModelLen, MaxNumBatchedTokens,
+                      MaxNumSeqs, Model, NumGpuBlocks, Policy, PrefixCaching, Profile, Replicas, Seed, Sets, Tp,
+                      config_overrides, fail, output_path)
+
+
+def serve(
+    model: Model = None,
+    gpu: Gpu = None,
+    config: ConfigFile = None,
+    tp: Tp = None,
+    replicas: Replicas = None,
+    router: Annotated[str | None, typer.Option(help="round_robin | least_outstanding")] = None,
+    profile: Profile = None,
+    block_size: BlockSize = None,
+    num_gpu_blocks: NumGpuBlocks = None,
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    prefix_caching: PrefixCaching = None,
+    max_model_len: MaxModelLen = None,
+    chunked_prefill: ChunkedPrefill = None,
+    policy: Policy = None,
+    budget: Budget = None,
+    seed: Seed = None,
+    set_: Sets = [],
+    fast_forward: Annotated[bool | None, typer.Option(
+        "--fast-forward/--no-fast-forward", help="advance pure-decode runs in bulk (identical token times)")] = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    time_scale: Annotated[float, typer.Option(
+        help="simulated seconds per wall second (10: a run 10x faster than real time)")] = 1.0,
+    served_model_name: Annotated[str | None, typer.Option(
+        help="the model name clients send and /v1/models lists (default: --model)")] = None,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="tokenizer.json (or its model directory) counting prompt tokens; default: the shipped SmolLM2 "
+             "tokenizer (an approximation)")] = None,
+    eos_tokens: Annotated[int, typer.Option(
+        help="output tokens of a request without ignore_eos (the simulated model's end of sequence); "
+             "max_tokens caps it")] = 128,
+    stream_interval: Annotated[int, typer.Option(
+        help="tokens gathered before a stream sends them (vLLM's --stream-interval; larger: less server CPU per "
+             "token, coarser times)")] = 1,
+    record_trace: Annotated[Path | None, typer.Option(
+        parser=output_path("--record-trace"),
+        help="write the requests received as a kvsim JSONL trace (kvsim simulate --trace FILE replays them)")] = None,
+) -> None:
+    """Serve the simulated engine behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions
+    with streaming, /v1/models, /health, /version) and vLLM's Prometheus /metrics; the engine's clock runs
+    with the wall clock (x --time-scale)."""
+    overrides = config_overrides(
+        model=model, gpu=gpu, tp=tp, replicas=replicas, router=router, profile=profile, seed=seed,
+        fast_forward=fast_forward, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching, max_model_len=max_model_len,
+        chunked_prefill=chunked_prefill, policy=policy, budget=budget)
+    if not time_scale > 0:
+        fail(f"--time-scale {time_scale}: expected a number > 0 (simulated seconds per wall second)")
+    if eos_tokens < 1:
+        fail(f"--eos-tokens {eos_tokens}: expected at least 1")
+    if stream_interval < 1:
+        fail(f"--stream-interval {stream_interval}: expected at least 1 token")
+    try:
+        import uvicorn
+
+        from kvsim.sim.serve.app import ServeOptions, Server, build_app
+    except ImportError as exc:
+        fail(f"kvsim serve needs {exc.name or 'its HTTP packages'}: pip install 'kvsim[serve]' (starlette, uvicorn, "
+             "prometheus_client)")
+    try:
+        cfg = load_config(config, overrides, set_)
+        check_serve_config(cfg)
+        from kvsim.sim.engine.run_plan import build_run_plan
+        plan = build_run_plan(cfg)
+        server = Server(plan, ServeOptions(served_model_name or cfg.model, time_scale, eos_tokens, tokenizer,
+                                           record_trace, stream_interval))
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+    typer.echo(f"kvsim serve: {cfg.model} on {cfg.tp}x {cfg.gpu} ({cfg.replicas} replica(s)), {plan.num_blocks} KV "
+               f"blocks, max_model_len {plan.max_model_len}; http://{host}:{port}/v1 at {time_scale:g}x real time",
+               err=True)
+    uvicorn.run(build_app(server), host=host, port=port, log_level="warning", access_log=False)
+
+
+def check_serve_config(cfg) -> None:
+    """A served engine takes its requests from clients: a config's trace options would change nothing."""
+    if cfg.trace_options != TraceOptions():
+        raise ConfigError("trace_options: kvsim serve takes its requests from HTTP clients; remove the trace "
+                          "options from the config (a load generator sets the arrivals)")
+    if cfg.client_latency:
+        raise ConfigError("client_latency: kvsim serve is a real HTTP server (its own latency is real); set "
+                          "client_latency: false")
