@@ -44,7 +44,7 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    context_before: int          # KV token-equivalents resident before this step's tokens
+    context_before: float        # KV token-equivalents resident before this step's tokens
     is_prefill: bool
     swap_in_tokens: int = 0
 
@@ -53,7 +53,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    swap_out_tokens: int = 0
+    swap_out_tokens: float = 0        # KV token-equivalents swapped out (kv_tokens of the victims)
     swap_in_tokens: int = 0
 
     @property
@@ -226,7 +226,7 @@ class Scheduler:
         contexts = self.kv.allocate_decodes(running)
         if contexts is None:
             return None
-        return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts, strict=True)}
+        return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts, strict=False)}
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> dict:
         scheduled: dict[Request, ScheduledRequest] = {}
