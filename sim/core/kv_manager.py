@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .block_pool import BlockPool
 from .prefix_lookups import PrefixLookups
-from .request import Request
+from .request import Request, RequestStatus
 
 
 class KVCacheManager:
@@ -145,7 +145,8 @@ class KVCacheManager:
             blocks.extend(computed_blocks)
         if need:
             blocks.extend(self.pool.get_new_blocks(need))
-        if self.enable_caching:
+        # blocks a KV connector is still loading are hashed once loaded (vLLM: delay_cache_blocks)
+        if self.enable_caching and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.cache_full_blocks(req, req.num_computed_tokens + num_new_tokens)
         return True
 

@@ -11,6 +11,7 @@ class RequestStatus(IntEnum):
     RUNNING = 1
     FINISHED = 2
     REJECTED = 3
+    WAITING_FOR_REMOTE_KVS = 4      # holds blocks while a KV connector loads its prefix (sim/core/connector.py)
 
 
 @dataclass(eq=False, slots=True)
@@ -50,6 +51,12 @@ class Request:
     gpu_tokens: list[int] | None = None     # real backend: prompt ids then sampled ids (gpu/executor.py)
     # a plug-in policy's own per-request state: set and read by that policy only (None until it does)
     policy_state: object | None = None
+    # KV connector (sim/core/connector.py): prompt tokens whose KV it supplied at admission, and what
+    # a connector or the cluster layer attaches to the request (e.g. where a prefill leg left its KV)
+    num_external_computed_tokens: int = 0
+    kv_transfer_params: object | None = None
+    # the cluster layer's record of where the request went (sim/cluster/route.py), or None
+    route: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .connector import KVConnector, KVTransferStep
 from .protocols import KVManager
 from .request import Request, RequestStatus
 
@@ -55,6 +56,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     swap_out_tokens: float = 0        # KV token-equivalents swapped out (kv_tokens of the victims)
     swap_in_tokens: int = 0
+    kv_transfer: KVTransferStep | None = None     # the connector's synchronous loads/saves this step
 
     @property
     def num_tokens(self) -> int:
@@ -66,9 +68,19 @@ class SchedulerOutput:
 
 
 class Admission(NamedTuple):
-    """An admissible request's prefix-cache hits and the tokens it gets this step."""
+    """An admissible request's prefix-cache hits and the tokens it gets this step; with a KV
+    connector, the tokens computed before the step (hits, swapped or loaded KV, external tokens),
+    the external ones among them and whether they load asynchronously (no tokens this step)."""
     hits: list
     num_new_tokens: int
+    computed: int = 0
+    external: int = 0
+    load_async: bool = False
+
+
+# `admission`'s answer when the KV connector cannot yet say what it holds of the request: the
+# request is skipped this schedule (vLLM), the ones behind it may be admitted
+CONNECTOR_PENDING = Admission([], 0, -1)
 
 
 class WaitingQueue:
@@ -110,9 +122,12 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager):
+    def __init__(self, config: SchedulerConfig, kv: KVManager, connector: KVConnector | None = None):
         self.config = config
         self.kv = kv
+        self.connector = connector
+        self.loading: list[Request] = []       # WAITING_FOR_REMOTE_KVS: the connector loads their KV
+        self.sending: list[Request] = []       # finished; blocks kept until the connector saved/sent them
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -173,8 +188,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return len(self.running) > len(self.finishing) or len(self.waiting) > 0
 
+    @property
+    def awaiting_transfers(self) -> bool:
+        """Requests wait for a connector's load, or hold blocks for its save/send."""
+        return bool(self.loading or self.sending)
+
     # ----- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule_step()
+        if self.connector is not None:
+            out.kv_transfer = self.connector.build_connector_meta(out)
+        return out
+
+    def _schedule_step(self) -> SchedulerOutput:
         out = SchedulerOutput()
         had_finishing = bool(self.finishing)
         budget = self.config.max_num_batched_tokens
@@ -194,12 +220,12 @@ class Scheduler:
         if out.is_empty and out.preempted:
             # vLLM runs an empty step after a request preempted itself first thing; the next
             # schedule may admit again. Both come out as one step here.
-            again = self.schedule()
+            again = self._schedule_step()
             again.preempted[:0] = out.preempted
             again.swap_out_tokens += out.swap_out_tokens
             return again
         if out.is_empty and had_finishing:
-            return self.schedule()          # async: an empty step; the freed blocks serve the next
+            return self._schedule_step()    # async: an empty step; the freed blocks serve the next
         return out
 
     def release_finishing(self) -> None:
@@ -208,7 +234,7 @@ class Scheduler:
             done, self.finishing = self.finishing, []
             for req in done:
                 self.running.remove(req)
-                self.kv.free(req)
+                self._free_finished(req)
 
     def _schedule_decodes(self, budget: int) -> dict | None:
         """The common step, when every running request decodes one token and the KV manager can
@@ -295,13 +321,15 @@ class Scheduler:
         out.preempted.append(victim)
 
     def _admit(self, budget: int, scheduled: dict, out: SchedulerOutput) -> int:
+        if self.connector is not None:
+            return self._admit_with_connector(budget, scheduled, out)
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             swapped = req.swapped_tokens
             admission = self.admission(req, budget)
             if admission is None:
                 break
-            hits, n = admission
+            hits, n = admission[:2]
             num_cached = len(hits) * self.kv.block_size
             if swapped and self._swap_in_blocked(req, swapped + n):
                 break                         # a failed swap-in must not touch the pool (see below)
@@ -322,6 +350,78 @@ class Scheduler:
             scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n), swap_in_tokens=swapped)
             budget -= n
         return budget
+
+    def _admit_with_connector(self, budget: int, scheduled: dict, out: SchedulerOutput) -> int:
+        """`_admit` with a KV connector: as vLLM's scheduler calls it (sim/core/connector.py). A request
+        whose external KV loads asynchronously gets its blocks, leaves WAITING for `loading` and takes
+        no budget; one the connector cannot place yet is skipped this schedule (back at the front after)."""
+        connector = self.connector
+        assert connector is not None
+        skipped: list[Request] = []
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            swapped = req.swapped_tokens
+            admission = self.admission(req, budget)
+            if admission is CONNECTOR_PENDING:
+                skipped.append(self.waiting.pop())
+                continue
+            if admission is None:
+                break
+            hits, n, computed, external, load_async = admission
+            if swapped and self._swap_in_blocked(req, swapped + n):
+                break
+            resumed = bool(req.num_computed_tokens) and not swapped      # its KV was loaded
+            if load_async:
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS      # its blocks are not hashed until loaded
+            context = self._allocate_admission(req, swapped, computed, n, hits)
+            if context is None:
+                req.status = RequestStatus.WAITING
+                if resumed:
+                    req.num_computed_tokens = computed         # it keeps its loaded KV
+                break
+            self.waiting.pop()
+            if not swapped and not resumed:
+                num_local = len(hits) * self.kv.block_size
+                self.kv.record_prefix_lookup(req.num_tokens, num_local, preempted=req.num_preemptions > 0)
+                req.num_external_computed_tokens = external
+                connector.update_state_after_alloc(req, external)
+            if load_async:
+                self.loading.append(req)
+                continue
+            if req.first_scheduled_time is None:
+                req.num_cached_tokens = computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if swapped:
+                self.swap_used_tokens -= swapped
+                req.swapped_tokens = 0
+                out.swap_in_tokens += swapped
+            scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n), swap_in_tokens=swapped)
+            budget -= n
+        for req in reversed(skipped):
+            self.waiting.add_front(req)
+        return budget
+
+    def update_from_connector(self, now: float) -> None:
+        """The connector's asynchronous transfers done by `now` (vLLM: each step's KV connector
+        output): loaded requests return to the front of WAITING with their KV computed (the last
+        prompt token recomputed, for its logits); sent ones free their blocks."""
+        assert self.connector is not None
+        received, sent = self.connector.get_finished(now)
+        for req in sent:
+            self.sending.remove(req)
+            if req not in self.finishing:       # else it leaves at the next schedule (async)
+                self.kv.free(req)
+        for req in reversed(received):
+            self.loading.remove(req)
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            req.status = RequestStatus.WAITING
+            self.kv.allocate_slots(req, 0)       # hashes its loaded full blocks (prefix caching)
+            self.waiting.add_front(req)
+
+    def next_transfer_completion(self) -> float:
+        """When the connector's next asynchronous transfer completes (inf: none, or no connector)."""
+        return self.connector.next_completion() if self.connector is not None else float("inf")
 
     def admit_waiting(self, budget: int) -> list[ScheduledRequest]:
         """Admit from WAITING as a step's schedule does with `budget` tokens left beside running
@@ -362,6 +462,8 @@ class Scheduler:
         given — or, without chunked prefill, its prompt does not fit the budget); else its prefix-cache
         hits and this step's tokens. Changes nothing."""
         swapped = req.swapped_tokens
+        if self.connector is not None and not swapped:
+            return self._admission_with_connector(req, budget, threshold, free_blocks)
         hits = [] if swapped else self.kv.get_computed_blocks(req)
         computed = swapped or len(hits) * self.kv.block_size
         if not swapped and not self.kv.fits_full_sequence(
@@ -370,7 +472,34 @@ class Scheduler:
         remaining = req.num_tokens - computed
         if not self.config.enable_chunked_prefill and self.capped(remaining, threshold) > budget:
             return None
-        return Admission(hits, self.new_tokens(remaining, budget, computed, threshold))
+        return Admission(hits, self.new_tokens(remaining, budget, computed, threshold), computed)
+
+    def _admission_with_connector(self, req: Request, budget: int, threshold: int | None,
+                                  free_blocks: int | None) -> Admission | None:
+        """`admission` with a KV connector (vLLM's order): local prefix hits first, then the tokens
+        the connector can supply beyond them. A request whose KV was loaded (WAITING_FOR_REMOTE_KVS
+        done) holds its blocks and computed tokens already: no lookup. An asynchronous load gets no
+        tokens this step. CONNECTOR_PENDING when the connector cannot tell yet."""
+        external, load_async = 0, False
+        if req.num_computed_tokens:
+            hits, computed = [], req.num_computed_tokens
+        else:
+            hits = self.kv.get_computed_blocks(req)
+            computed = len(hits) * self.kv.block_size
+            assert self.connector is not None
+            matched, load_async = self.connector.get_num_new_matched_tokens(req, computed)
+            if matched is None:
+                return CONNECTOR_PENDING
+            external = matched
+            computed += external
+        if not self.kv.fits_full_sequence(req, min(req.num_tokens, self.config.max_model_len), hits, free_blocks):
+            return None
+        if load_async:
+            return Admission(hits, 0, computed, external, True)
+        remaining = req.num_tokens - computed
+        if not self.config.enable_chunked_prefill and self.capped(remaining, threshold) > budget:
+            return None
+        return Admission(hits, self.new_tokens(remaining, budget, computed, threshold), computed, external)
 
     def _undo_admission(self, req: Request, swapped: int) -> None:
         if swapped:
@@ -399,7 +528,10 @@ class Scheduler:
         scheduling: after the next schedule, see `release_finishing`)."""
         for req in reqs:
             self.kv.forget(req)
-            req.prefix_hash_ids = None          # read only to hash its prompt blocks
+            if self.connector is None:          # read only to hash its prompt blocks (a connector's too)
+                req.prefix_hash_ids = None
+            elif self.connector.request_finished(req):
+                self.sending.append(req)        # its blocks stay until the connector saved/sent them
             req.status = RequestStatus.FINISHED
             req.finish_time = now
             self.finished.append(req)
@@ -407,7 +539,13 @@ class Scheduler:
                 self.finishing.append(req)
             else:
                 self.running.remove(req)
-                self.kv.free(req)
+                self._free_finished(req)
+
+    def _free_finished(self, req: Request) -> None:
+        """A finished request's blocks return to the pool, unless the connector still saves or sends
+        them (vLLM's `request_finished` -> delay_free_blocks): it frees them when done."""
+        if not self.sending or req not in self.sending:
+            self.kv.free(req)
 
 
 def _priority_key(req: Request) -> tuple:

@@ -158,7 +158,8 @@ class EngineRun:
 
     def _has_work(self) -> bool:
         step_arrivals, limit = self.step_arrivals, self.limit
-        return (any(r.scheduler.has_work for r in self.replicas) or bool(step_arrivals and step_arrivals.pending)
+        return (any(r.scheduler.has_work or r.scheduler.awaiting_transfers for r in self.replicas)
+                or bool(step_arrivals and step_arrivals.pending)
                 or (limit is not None and limit.in_transit))
 
     def arrived(self, requests: list[Request]) -> list[Request]:

@@ -20,8 +20,9 @@ import simpy
 
 from .bulk import decode_runs
 from .bulk.admitting_runs import plan_admitting
+from ..core.connector import step_seconds_with_transfer
 from ..core.protocols import Executor
-from ..core.request import Request
+from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.step import BatchShape, StepResult, batch_shape
 from ..results.metrics import StepLog
@@ -75,6 +76,12 @@ class ReplicaFeed:
     # the arrival process, when this replica alone takes the trace's arrivals: its decode runs may
     # admit them (sim/engine/bulk/admitting_runs.py)
     arrivals: Callable[[], ArrivalProcess] | None = None
+    # told which requests left this replica (finished or rejected) and when: the cluster layer
+    # (sim/cluster/) hands a prefill leg's request on from there
+    on_finished: Callable[[list[Request], float], None] | None = None
+    # the earliest another replica can hand this one a request it already owns (a prefill leg's
+    # decode side: it joins the next schedule, so decode runs stop at the step in progress then)
+    next_handoff: Callable[[], float] = lambda: float("inf")
 
 
 class EngineReplica:
@@ -95,13 +102,20 @@ class EngineReplica:
         self.num_steps = 0
         self.step_arrivals = feed.step_arrivals
         self.on_done = feed.on_done
-        self.arrivals = feed.arrivals if self.bulk_decode and executor.supports_admitting_runs else None
+        self.on_finished = feed.on_finished
+        self.next_handoff = feed.next_handoff
+        # a KV connector's transfers complete between steps: decode runs stop at each (and at finishes,
+        # which may start a save or send), and do not admit arrivals
+        self.connector = scheduler.connector
+        self.arrivals = feed.arrivals if self.bulk_decode and executor.supports_admitting_runs \
+            and self.connector is None else None
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()
         self._step_start = 0.0
         self.tokens_computed = 0    # prefill + decode tokens computed so far (the progress measure)
         self._last_duration = 0.0
+        self.busy_until = 0.0       # when the step (or decode run) in flight ends: nothing leaves before
         self._wake: simpy.Event | None = None
         self.process = env.process(self.run())
 
@@ -117,8 +131,24 @@ class EngineReplica:
         req.replica = self.index
         if self.async_scheduling and self.scheduler.has_work:
             self.inbox.append(req)       # a step is in flight: the next schedule is already made
+            self.wake()                  # (or it waits for a transfer: it may take this one now)
             return
         if self._add(req) and self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def _idle(self):
+        """Wait for an arrival, or for the connector's next transfer to end."""
+        self._wake = self.env.event()
+        transfer_done = self.scheduler.next_transfer_completion()
+        if transfer_done < float("inf"):
+            yield self._wake | self.env.timeout(max(transfer_done - self.now, 0.0))
+        else:
+            yield self._wake
+        self._wake = None
+
+    def wake(self) -> None:
+        """An idle replica re-checks its work now (a connector learnt when a transfer ends)."""
+        if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
     def _add(self, req: Request) -> bool:
@@ -127,6 +157,8 @@ class EngineReplica:
             return True
         if self.on_done is not None:
             self.on_done(1, self.now)
+        if self.on_finished is not None:
+            self.on_finished([req], self.now)
         return False
 
     def _take_arrivals(self) -> None:
@@ -154,14 +186,17 @@ class EngineReplica:
 
     def run(self):
         while True:
+            if self.connector is not None:
+                self.scheduler.update_from_connector(self.now)
             self._take_arrivals()
             if not self.scheduler.has_work:
                 self.scheduler.release_finishing()
-                self._wake = self.env.event()
-                yield self._wake
-                self._wake = None
+                yield from self._idle()
                 continue
             out = self.scheduler.schedule()
+            if out.is_empty and self.scheduler.awaiting_transfers:
+                yield from self._idle()         # the blocks it needs come back when a transfer ends
+                continue
             if out.is_empty:
                 raise RuntimeError(
                     f"replica {self.index}: nothing schedulable with {len(self.scheduler.waiting)} waiting "
@@ -174,13 +209,19 @@ class EngineReplica:
             # the KV manager's policies act on the step that ran (vLLM: the scheduler's update, not
             # the model runner); the executor charges (simulator) or applies (backend) what they did
             result = self.executor.complete(result, self.kv.finish_step(out.scheduled))
+            if out.kv_transfer is not None:
+                result.duration_s = step_seconds_with_transfer(result.duration_s, out.kv_transfer)
+                result.predicted_s = step_seconds_with_transfer(result.predicted_s, out.kv_transfer)
             shape = result.shape or batch_shape(out, self.kv)     # before finishes free blocks
             self._last_duration = result.duration_s
+            self.busy_until = start + result.duration_s
             if not self.env.advance_to(start + result.duration_s):
                 yield self.env.timeout(result.duration_s)     # from start: the end exactly
             finished = self.scheduler.update(out, self.now)
             if finished and self.on_done is not None:
                 self.on_done(len(finished), self.now)
+            if finished and self.on_finished is not None:
+                self.on_finished(finished, self.now)
             if not self.scheduler.has_work:
                 self.scheduler.release_finishing()     # async: no next schedule to wait for
             self._log_step(start, out, result, len(finished), shape)
@@ -226,15 +267,19 @@ class EngineReplica:
             self.on_step(1)
 
     def check_invariants(self) -> None:
-        live = set(self.scheduler.running) | set(self.scheduler.waiting)
+        sched = self.scheduler
+        live = set(sched.running) | set(sched.waiting) | set(sched.loading) | set(sched.sending)
         self.kv.check_invariants(live)
+        for r in sched.loading:
+            assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r not in sched.running, (
+                f"request {r.request_id} loads its KV while scheduled")
         for r in self.scheduler.running:
             assert 0 < r.num_computed_tokens <= r.num_tokens, f"request {r.request_id} token count broken"
             assert r.num_output_tokens <= r.max_output_tokens
-        finishing = set(self.scheduler.finishing)
+        held = set(self.scheduler.finishing) | set(sched.sending)
         for r in self.scheduler.finished:
             assert r.num_output_tokens == r.max_output_tokens, f"request {r.request_id} lost tokens"
-            assert r in finishing or r not in self.kv.req_blocks
+            assert r in held or r not in self.kv.req_blocks
 
     # ----- decode fast-forward ----------------------------------------------------------------
     def decode_run_view(self) -> decode_runs.ReplicaView:
@@ -244,11 +289,14 @@ class EngineReplica:
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
             last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
-            closed_loop=self.on_done is not None)
+            closed_loop=self.on_done is not None or self.connector is not None,
+            next_transfer=min(self.scheduler.next_transfer_completion(), self.next_handoff()))
 
     def _decode_run(self):
         """Advance a stretch of pure-decode steps in bulk (see sim/engine/bulk/decode_runs.py)."""
         sched = self.scheduler
+        if sched.sending:
+            return          # when a connector's send ends is learnt between steps: step one by one
         run = decode_runs.find_decode_run(self.decode_run_view(), sched, self.kv, self.executor,
                                 self._plan_admitting if self.arrivals is not None else None)
         if run is None:
@@ -260,12 +308,17 @@ class EngineReplica:
         else:
             waiting = [len(sched.waiting)] * k
         rows = decode_runs.apply_decode_run(sched, self.kv, run)
+        if sched.loading:
+            self._count_loading_slots(rows, k)
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
+        self.busy_until = run.ends[-1]
         yield from self._reach_run_end(run)
         done = [r for r, e in zip(run.requests, run.last_step, strict=False) if e == k]
         self.scheduler.finish(done, self.now)
         if done and self.on_done is not None:
             self.on_done(len(done), self.now)
+        if done and self.on_finished is not None:
+            self.on_finished(done, self.now)
         waiting[-1] = len(sched.waiting)       # arrivals during the last step
         released = self.async_scheduling and not sched.has_work and sched.finishing
         if released:
@@ -295,6 +348,17 @@ class EngineReplica:
         if self.on_step:
             self.on_step(k)
 
+
+    def _count_loading_slots(self, rows: dict, k: int) -> None:
+        """A decode run's slot columns count only its running requests; requests waiting for a
+        connector's load hold blocks whose free tail slots are not live either (constant in the run,
+        which stops when a load ends)."""
+        kv = self.kv
+        empty = sum(kv.block_table_entries(r) * kv.block_size - r.num_computed_tokens for r in self.scheduler.loading)
+        live = rows["live_slots"] - empty
+        allocated = rows["allocated_slots"]
+        rows["live_slots"] = live
+        rows["fragmentation"] = 1.0 - np.divide(live, allocated, out=np.ones(k), where=allocated != 0)
 
     def _plan_admitting(self, view, sched, kv, executor, start) -> decode_runs.DecodeRun | None:
         return plan_admitting(view, sched, kv, executor, Incoming(self.inbox, self.arrivals()), start)

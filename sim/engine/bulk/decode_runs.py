@@ -25,7 +25,7 @@ import numpy as np
 
 from ...core.protocols import DecodeRunExecutor, DecodeRunKV
 from ...core.request import RequestStatus
-from ...core.scheduler import Scheduler
+from ...core.scheduler import CONNECTOR_PENDING, Scheduler
 
 F64 = np.float64
 
@@ -41,6 +41,9 @@ class ReplicaView(NamedTuple):
     last_step_start: float      # when it started (async: the next schedule sees the arrivals until then)
     max_steps: int              # longest run
     closed_loop: bool           # a finish sends the client's next request (the run stops at a finish)
+    # when a KV connector's transfer next ends (inf: none): every step end polls for it, so the run
+    # stops at the step in progress then (no async-scheduling extra step, as for arrivals)
+    next_transfer: float = float("inf")
 
 
 # A block allocation is one int, step << ALLOC_SHIFT | request index: sorting ints is ~2x faster
@@ -108,7 +111,7 @@ class RunEvents(NamedTuple):
     allocs: list          # step << ALLOC_SHIFT | request index of each allocation, sorted
 
 
-def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, executor: DecodeRunExecutor,
+def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, executor: DecodeRunExecutor,  # noqa: C901
          admitting=None) -> DecodeRun | None:
     """The next decode run of a replica (whose executor and KV manager support fast-forward), or None.
     `admitting(view, sched, kv, executor, (computed, last_step))`, if given, plans a run that admits
@@ -123,7 +126,7 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     # an arrival waiting for the next schedule, or finishers releasing their slots at it (async):
     # only a run that admits arrivals goes on from there
     finishing = sched.finishing
-    if next_arrival <= view.now or not ((view.inbox_empty and not finishing) or admitting):
+    if min(next_arrival, view.next_transfer) <= view.now or not ((view.inbox_empty and not finishing) or admitting):
         return None
     step_gap = view.steps_to_step_arrival
     if step_gap < 1:
@@ -159,7 +162,7 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     k = min(last_step) if until_first else max(last_step)
     # Horizon: about twice the steps until the next arrival at the last step's pace (a shorter
     # run is still exact: stepping resumes where it stops).
-    gap = (next_arrival - view.now) / max(view.last_step_s, 1e-9)
+    gap = (min(next_arrival, view.next_transfer) - view.now) / max(view.last_step_s, 1e-9)
     k = min(k, view.max_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
     ev = _events(computed, last_step, k, bs, kv.enable_caching)
     k = _steps_that_fit(ev, k, kv.pool.num_free_blocks, deferred)
@@ -173,6 +176,9 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     kv_read = c_sum + np.arange(1, k + 1) * batch        # tokens after step j: c + j + 1 per request
     durations = executor.predict_decode_run(batch, kv_read, held)
     starts, ends = _step_times(view.now, durations.tolist(), next_arrival, ev.finished, deferred)
+    if ends and view.next_transfer < ends[-1]:
+        m = bisect_left(starts, view.next_transfer)
+        starts, ends = starts[:m], ends[:m]
     k = len(starts)
     if k < 1:
         return None
@@ -198,8 +204,11 @@ def waiting_head_blocked(sched: Scheduler, kv: DecodeRunKV, budget: int, free_bl
     admission = sched.admission(req, budget, sched.config.long_prefill_token_threshold, free_blocks)
     if admission is None:
         return True
-    hits, n = admission
-    need = -(-((swapped or len(hits) * bs) + n) // bs) - len(hits)
+    if admission is CONNECTOR_PENDING:
+        return False            # skipped: the requests behind it may be admitted
+    hits, n, computed = admission[:3]
+    held = len(kv.req_blocks.get(req, ())) if req.num_computed_tokens and not swapped else 0
+    need = -(-(computed + n) // bs) - len(hits) - held
     return need > free_blocks - kv.num_revivable(hits)
 
 
