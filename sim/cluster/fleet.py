@@ -17,6 +17,7 @@ from ..core.protocols import Executor, KVManager
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..engine.loop import ArrivalProcess, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router
+from ..engine.routers.base import RouterBase
 from ..results.metrics import StepLog
 from .connectors.disaggregation import (NIXL_ABORT_TIMEOUT_S, DecodeSideConnector, PrefillHandoff, PrefillLeg,
                                         PrefillSideConnector)
@@ -52,7 +53,7 @@ ConnectorFn = Callable[[PoolSpec, int], KVConnector | None]
 class Pool:
     spec: PoolSpec
     replicas: list[EngineReplica]
-    router: Router
+    router: RouterBase
     connectors: list = field(default_factory=list)
 
     @property
@@ -152,7 +153,9 @@ class DisaggregatedProxy:
 
     def prefill_finished(self, legs: list[Request], now: float) -> None:
         for leg in legs:
-            req = leg.kv_transfer_params.parent
+            params = leg.kv_transfer_params
+            assert isinstance(params, PrefillLeg)
+            req = params.parent
             route_of(req).hops.append(Hop(leg.replica, self.prefill.name, "prefill", leg.arrival_time, now))
             if leg.status == RequestStatus.REJECTED:
                 req.status, req.reject_reason, req.replica = RequestStatus.REJECTED, leg.reject_reason, leg.replica
@@ -220,7 +223,7 @@ def build_disaggregated(env: EngineClock, prefill: PoolSpec, decode: PoolSpec, h
                           lambda: proxy[0].next_handoff(fleet.next_arrival()))
 
     fleet.pools = build_pools(env, [prefill, decode], step_log, parts, connector, wiring, options)
-    proxy.append(DisaggregatedProxy(env, *fleet.pools, local_prefill_tokens=handoff.local_prefill_tokens))
+    proxy.append(DisaggregatedProxy(env, fleet.pools[0], fleet.pools[1], local_prefill_tokens=handoff.local_prefill_tokens))
     proxy[0].links = links if links else {-1: handoff.link}
     return fleet, proxy[0]
 

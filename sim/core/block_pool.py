@@ -45,7 +45,7 @@ class BlockPool:
         self._num_dead = 0
         # ref counts in a list (scalar access is far faster than numpy's); without caching no block
         # is shared and a block is owned exactly when it is not free (computed on demand)
-        self._ref_cnt = [0] * num_blocks if enable_caching else None
+        self._ref_cnt: list[int] = [0] * num_blocks if enable_caching else []
         self._shared_refs = 0                   # references beyond each owned block's first
 
     @property
@@ -96,7 +96,8 @@ class BlockPool:
         fifo, h = self._fifo, self._head
         if not self._num_dead:
             return fifo[h:h + n]
-        dead, out = dict(self._dead), []
+        dead = dict(self._dead)
+        out: list[int] = []
         for block in fifo[h:]:
             if len(out) == n:
                 break
@@ -226,7 +227,7 @@ class BlockPool:
         if not self.enable_caching:
             return
         block_hash, cached = self.block_hash, self.cached
-        for block, h in zip(blocks, hashes, strict=True):
+        for block, h in zip(blocks, hashes, strict=False):
             if block_hash[block] is None and h not in cached:
                 block_hash[block] = h
                 cached[h] = block
@@ -238,14 +239,13 @@ class BlockPool:
         never preempted, so its blocks are unhashed and its chain ends at `first` (they all get the
         key `(request id,)`: see the module's docstring)."""
         block_hash = self.block_hash
+        own = (request_id,)
         if fresh:
             chain.extend(blocks)
-            key = (request_id,)
             for block in blocks:
-                block_hash[block] = key
+                block_hash[block] = own
             return
-        own = (request_id,)
-        for block, key in zip(blocks, zip(repeat(request_id), range(first, first + len(blocks))), strict=True):
+        for block, key in zip(blocks, zip(repeat(request_id), range(first, first + len(blocks))), strict=False):
             if block_hash[block] is not None:
                 continue
             j = key[1]

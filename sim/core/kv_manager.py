@@ -188,14 +188,14 @@ class KVCacheManager:
             # otherwise a decode fill's hash is its request's own and new: the order of
             # allocations and fills changes nothing (see sim/engine/bulk/decode_runs.py)
             bs = self.block_size
-            for r, c in zip(reqs, contexts, strict=True):
+            for r, c in zip(reqs, contexts, strict=False):
                 if not (c + 1) % bs:
                     self.cache_full_blocks(r, c + 1)
         return contexts
 
     def append_one_block_each(self, reqs: list[Request]) -> None:
         """Give each request one new block, in order (bulk decode growth without prefix caching)."""
-        for req, block in zip(reqs, self.pool.get_new_blocks(len(reqs)), strict=True):
+        for req, block in zip(reqs, self.pool.get_new_blocks(len(reqs)), strict=False):
             self.req_blocks[req].append(block)
 
     def free(self, req: Request) -> int:
@@ -220,7 +220,7 @@ class KVCacheManager:
 
     def check_invariants(self, live_requests) -> None:
         self.pool.check_invariants()
-        counts = {}
+        counts: dict[int, int] = {}
         for req, blocks in self.req_blocks.items():
             assert len(blocks) * self.block_size >= req.num_computed_tokens, (
                 f"request {req.request_id} holds {len(blocks)} blocks for {req.num_computed_tokens} tokens")

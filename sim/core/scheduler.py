@@ -45,7 +45,7 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    context_before: int          # KV token-equivalents resident before this step's tokens
+    context_before: float        # KV token-equivalents resident before this step's tokens
     is_prefill: bool
     swap_in_tokens: int = 0
 
@@ -54,7 +54,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    swap_out_tokens: int = 0
+    swap_out_tokens: float = 0        # KV token-equivalents swapped out (kv_tokens of the victims)
     swap_in_tokens: int = 0
     kv_transfer: KVTransferStep | None = None     # the connector's synchronous loads/saves this step
 
@@ -285,7 +285,7 @@ class Scheduler:
         contexts = self.kv.allocate_decodes(running)
         if contexts is None:
             return None
-        return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts, strict=True)}
+        return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts, strict=False)}
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> dict:
         scheduled: dict[Request, ScheduledRequest] = {}
@@ -388,6 +388,8 @@ class Scheduler:
         """`_admit` with a KV connector: as vLLM's scheduler calls it (sim/core/connector.py). A request
         whose external KV loads asynchronously gets its blocks, leaves WAITING for `loading` and takes
         no budget; one the connector cannot place yet is skipped this schedule (back at the front after)."""
+        connector = self.connector
+        assert connector is not None
         skipped: list[Request] = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
@@ -417,7 +419,7 @@ class Scheduler:
                 num_local = len(hits) * self.kv.block_size
                 self.kv.record_prefix_lookup(req.num_tokens, num_local, preempted=req.num_preemptions > 0)
                 req.num_external_computed_tokens = external
-                self.connector.update_state_after_alloc(req, external)
+                connector.update_state_after_alloc(req, external)
             if load_async:
                 self.loading.append(req)
                 continue
@@ -449,6 +451,7 @@ class Scheduler:
         """The connector's asynchronous transfers done by `now` (vLLM: each step's KV connector
         output): loaded requests return to the front of WAITING with their KV computed (the last
         prompt token recomputed, for its logits); sent ones free their blocks."""
+        assert self.connector is not None
         received, sent = self.connector.get_finished(now)
         for req in sent:
             self.sending.remove(req)
@@ -528,6 +531,7 @@ class Scheduler:
         else:
             hits = self.kv.get_computed_blocks(req)
             computed = len(hits) * self.kv.block_size
+            assert self.connector is not None
             matched, load_async = self.connector.get_num_new_matched_tokens(req, computed)
             if matched is None:
                 return CONNECTOR_PENDING

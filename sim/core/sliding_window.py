@@ -55,11 +55,12 @@ class GroupTables:
         table = self.tables.get(req)
         if not table:
             return
-        freed = []
+        freed: list[int] = []
         for j in range(min(self.skipped_blocks(num_computed_tokens), len(table)) - 1, -1, -1):
-            if table[j] is None:                  # everything before it was freed already
+            entry = table[j]
+            if entry is None:                     # everything before it was freed already
                 break
-            freed.extend(table[j])
+            freed.extend(entry)
             table[j] = None
         if freed:
             self.pool.free_blocks(freed)

@@ -61,7 +61,7 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
     the policy-operation fields are the executor's to fill in (they come from the KV manager's plan)."""
     prefill_tokens = decode_tokens = 0
     attn_pairs = 0.0
-    kv_read = 0
+    kv_read: float = 0
     entries = 0
     widest = 0
     num_decode = 0

@@ -109,7 +109,7 @@ def trace_to_requests(trace, entry=None) -> list[Request]:
                 prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
                 prefix_block_tokens=span)
         for rid, t, p, o, h, pr in zip(df["request_id"].tolist(), df["arrival_time_s"].tolist(),
-                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio, strict=True)
+                                       df["prompt_tokens"].tolist(), df["output_tokens"].tolist(), ids, prio, strict=False)
     ]
 
 

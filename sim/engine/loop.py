@@ -380,7 +380,7 @@ class EngineReplica:
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         self.busy_until = run.ends[-1]
         yield from self._reach_run_end(run)
-        done = [r for r, e in zip(run.requests, run.last_step, strict=True) if e == k]
+        done = [r for r, e in zip(run.requests, run.last_step, strict=False) if e == k]
         self.scheduler.finish(done, self.now)
         if done and self.on_done is not None:
             self.on_done(len(done), self.now)

@@ -722,7 +722,7 @@ class CostModel:
         token, bw_eff, entry, k = c["kv_token_s"], p.attn_bw_eff, p.per_block_entry_overhead_s, p.step_time_scale
         overlap = self.async_scheduling
         out = []
-        for n, r, e in zip(seqs, kv_read, entries, strict=True):
+        for n, r, e in zip(seqs, kv_read, entries, strict=False):
             a, b = float(r) * pair / compute_eff, float(r) * token / bw_eff
             device = linear[n] + (a if a >= b else b) * k + allreduce[n]
             overhead = (base[n] + float(e) * entry) * k

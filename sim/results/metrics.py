@@ -282,7 +282,7 @@ def request_table(requests) -> pd.DataFrame:
         "arrival_s": [r.arrival_time for r in reqs],
         "first_scheduled_s": [math.nan if r.first_scheduled_time is None else r.first_scheduled_time for r in reqs],
         "first_token_s": [t[0] if t else math.nan for t in times],
-        "finish_s": [t[-1] if t and s == "finished" else math.nan for t, s in zip(times, status, strict=True)],
+        "finish_s": [t[-1] if t and s == "finished" else math.nan for t, s in zip(times, status, strict=False)],
         "prompt_tokens": [r.prompt_tokens for r in reqs], "output_tokens": [r.num_output_tokens for r in reqs],
         "cached_tokens": [r.num_cached_tokens for r in reqs], "preemptions": [r.num_preemptions for r in reqs],
         "evicted_tokens": [r.kv_evicted_tokens for r in reqs],
@@ -301,7 +301,7 @@ def token_time_arrays(token_times: list) -> list[np.ndarray]:
     (a numpy array made per request costs ~5x more)."""
     offsets, values = flat_token_times(token_times)
     bounds = offsets.tolist()
-    return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
 
 
 def set_latencies(df: pd.DataFrame) -> None:
@@ -403,7 +403,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame | dict, *, num_blocks_
     itl = inter_token_latencies(done["token_times_s"]) if tokens is None else tokens.itl
     itl_q = (np.percentile(itl, (50, 90, 99)) if tokens is None else itl.percentile((50, 90, 99))) \
         if itl.size else [math.nan] * 3
-    for q, v in zip((50, 90, 99), itl_q, strict=True):
+    for q, v in zip((50, 90, 99), itl_q, strict=False):
         s[f"itl_p{q}_s"] = float(v)
     if slo_ttft_s is not None or slo_tpot_s is not None:
         ok = np.ones(len(done), dtype=bool)

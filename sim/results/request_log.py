@@ -88,7 +88,7 @@ class ValueCounts:
         while lo < hi:
             mid = (lo + hi) // 2
             at_or_below = sum(int(cum[i - 1]) if (i := int(np.searchsorted(keys, mid, side="right"))) else 0
-                              for (keys, _), cum in zip(self.runs, cums, strict=True))
+                              for (keys, _), cum in zip(self.runs, cums, strict=False))
             if at_or_below > k:
                 hi = mid
             else:
@@ -299,7 +299,7 @@ class RequestLog:
         if not new or not self.stream:
             return
         ranks = np.searchsorted(self.sorted_ids, [r.request_id for r in new])
-        for rank, req in zip(ranks.tolist(), new, strict=True):
+        for rank, req in zip(ranks.tolist(), new, strict=False):
             self.done[rank] = True
             self.pending[rank] = req
         done, pending, ready = self.done, self.pending, self.ready

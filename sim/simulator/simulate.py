@@ -125,7 +125,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     frame = _request_frame(client, entry, run, getattr(trace, "request_labels", None))
     # rows go to requests.parquet as requests finish, unless the client view needs all token times at once
     # or the bench comparison the whole table
-    streamable = not client.output_token_s > 0 and not getattr(trace, "measured", None)
+    streamable = not client.output_token_s > 0 and not trace.measured
     log = RequestLog(requests, out / "requests.parquet" if out else None, frame, stream=streamable)
     schedulers = [r.scheduler for r in replicas]
     stop = run.drive(collect=lambda: log.collect(schedulers))
@@ -161,7 +161,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
         summary["partial_reason"] = stop[0]
         summary["num_trace_requests"] = len(trace)
     comparison = None
-    if getattr(trace, "measured", None) and not stop:
+    if trace.measured and not stop:
         comparison, summary["bench_comparison"] = compare(trace.measured, req_df, summary)
     wall = time.perf_counter() - t0
     summary["wall_s"] = wall
@@ -191,10 +191,10 @@ def offload_figures(offload) -> dict:
 def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
     """A `vllm bench serve` result replayed as a trace runs under the load it was measured with: its
     --max-concurrency unless the config sets one (its send times are already on the trace)."""
-    problem = bench_model_mismatch(cfg.model, getattr(trace, "measured", None) or {})
+    problem = bench_model_mismatch(cfg.model, trace.measured or {})
     if problem:
         warnings.warn(problem, UserWarning, stacklevel=3)
-    load = getattr(trace, "bench_load", None) or {}
+    load = trace.bench_load or {}
     if load.get("max_concurrency") and cfg.trace_options.max_concurrency is None:
         opts = cfg.trace_options.model_copy(update={"max_concurrency": int(load["max_concurrency"])})
         return cfg.model_copy(update={"trace_options": opts})

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from collections.abc import Callable
 
 from ...core.connector import NO_TRANSFERS, FinishedTransfers, KVTransferStep
+from ...core.request import Request
 from ..links import Link
 from ..route import Transfer, route_of
 from .in_flight import InFlight
@@ -29,7 +30,7 @@ NIXL_ABORT_TIMEOUT_S = 480.0
 @dataclass(eq=False)
 class PrefillLeg:
     """kv_transfer_params of a prefill leg (vLLM: do_remote_decode): the request it prefills for."""
-    parent: object
+    parent: Request
 
 
 @dataclass(eq=False)

@@ -87,14 +87,14 @@ class _Timeline:
         start = (self.count[-1], self.computed[-1], self.blocks[-1]) if p else (0, 0, 0)
         # the sums so far, carried on over the steps' differences (in Python: 2x numpy's time at any length)
         counts, computed, blocks = [list(accumulate(row[p:q], initial=total))[1:]
-                                    for row, total in zip((ev.d_count, ev.d_computed, ev.d_blocks), start, strict=True)]
+                                    for row, total in zip((ev.d_count, ev.d_computed, ev.d_blocks), start, strict=False)]
         if 0 in counts:                     # every request has finished: the engine idles there
             q = p + counts.index(0)
             self.limit = q
             if q <= p:
                 return
             del counts[q - p:], computed[q - p:], blocks[q - p:]
-        kv_read = [c + j * n for j, c, n in zip(range(p + 1, q + 1), computed, counts, strict=True)]
+        kv_read = [c + j * n for j, c, n in zip(range(p + 1, q + 1), computed, counts, strict=False)]
         durations = executor.predict_decode_steps(counts, kv_read, blocks)
         self.predicted += durations
         if self.noise is not None:
@@ -202,7 +202,7 @@ def plan_admitting(view: ReplicaView, sched: Scheduler, kv, executor, arrivals: 
     counts and last steps, as `find_decode_run` found them."""
     planner = _Planner(view, sched, kv, executor, arrivals)
     run = _Admissions(*map(list, start))
-    for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step, strict=True)):
+    for r, span in enumerate(zip(run.computed, [0] * len(run.requests), run.last_step, strict=False)):
         add_request_events(planner.ev, r, span, (planner.horizon, kv.block_size), planner.blocks_return)
     k = planner.end(planner.plan(run), run)
     if not run.admissions:
@@ -385,7 +385,7 @@ class _Planner:
         for j in self.admitted_by:
             if j < k:
                 admitted[j] += 1
-        waiting = list(accumulate(a - b for a, b in zip(arrived[:k], admitted[:k], strict=True)))
+        waiting = list(accumulate(a - b for a, b in zip(arrived[:k], admitted[:k], strict=False)))
         return [(j, self.arrivals.upcoming(i)) for i, j in enumerate(self.seen[:taken])], waiting
 
 

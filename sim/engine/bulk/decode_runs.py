@@ -114,7 +114,7 @@ class RunEvents(NamedTuple):
     allocs: list          # step << ALLOC_SHIFT | request index of each allocation, sorted
 
 
-def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, executor: DecodeRunExecutor,
+def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, executor: DecodeRunExecutor,  # noqa: C901
          admitting=None) -> DecodeRun | None:
     """The next decode run of a replica (whose executor and KV manager support fast-forward), or None.
     `admitting(view, sched, kv, executor, (computed, last_step))`, if given, plans a run that admits
@@ -317,7 +317,7 @@ def _steps_keeping_head_hits(sched, kv: DecodeRunKV, allocs: list, k: int) -> in
         return k
     revivable = {b for b in kv.get_computed_blocks(head) if kv.pool.ref_cnt[b] == 0}
     if revivable:
-        for block, key in zip(kv.pool.next_free_blocks(len(allocs)), allocs, strict=True):
+        for block, key in zip(kv.pool.next_free_blocks(len(allocs)), allocs, strict=False):
             if block in revivable:
                 return min(k, key >> ALLOC_SHIFT)
     return k
@@ -347,8 +347,8 @@ def apply_decode_run(sched: Scheduler, kv: DecodeRunKV, run: DecodeRun) -> dict:
     else:
         used, cached = _bulk_allocate(sched, kv, run)
     ends = array("d", run.ends)             # token times go to float64 arrays: copied, not converted
-    first = run.token_start or [0] * len(run.requests)
-    for req, c, e, t0 in zip(run.requests, run.computed, run.last_step, first, strict=True):
+    first = run.token_start or repeat(0)
+    for req, c, e, t0 in zip(run.requests, run.computed, run.last_step, first, strict=False):
         n = e if e < k else k
         req.num_computed_tokens = c + n
         req.num_output_tokens += n - t0
@@ -405,7 +405,7 @@ def _bulk_allocate(sched: Scheduler, kv: DecodeRunKV, run: DecodeRun) -> tuple[l
     for j in sorted({*releases, *admits, k - 1, *((0,) if finishing else ())}):
         unhashed, hashed, used0 = pool.num_unhashed_free_blocks, pool.num_cached_free_blocks, pool.num_used_blocks
         start, a = a, bisect_left(allocs, (j + 1) << ALLOC_SHIFT, a)      # the decode allocations of steps up to j
-        for key, block in zip(allocs[start:a], pool.get_new_blocks(a - start), strict=True):
+        for key, block in zip(allocs[start:a], pool.get_new_blocks(a - start), strict=False):
             req_blocks[reqs[key & ALLOC_MASK]].append(block)
         counted = j if j in admits else j + 1       # steps whose pool figures follow from the counts
         pops = list(accumulate(run.new_blocks[first:counted]))
@@ -428,7 +428,7 @@ def _bulk_allocate(sched: Scheduler, kv: DecodeRunKV, run: DecodeRun) -> tuple[l
                 sched.release_finishing()
             used[j], cached[j] = pool.num_used_blocks, pool.num_cached_free_blocks
     if caching:
-        for req, c, e in zip(reqs, run.computed, run.last_step, strict=True):
+        for req, c, e in zip(reqs, run.computed, run.last_step, strict=False):
             if e >= k:
                 kv.cache_full_blocks(req, c + k)
     return used, cached
@@ -462,7 +462,7 @@ def _fills(run: DecodeRun, bs: int) -> list:
     """(step, request index) of each allocation and each step where a block becomes full (its last
     slot written: hashed then), in stepping order."""
     fills = {(key >> ALLOC_SHIFT, key & ALLOC_MASK) for key in run.allocs}
-    for r, (c, e) in enumerate(zip(run.computed, run.last_step, strict=True)):
+    for r, (c, e) in enumerate(zip(run.computed, run.last_step, strict=False)):
         fills.update((j, r) for j in range(-(c + 1) % bs, min(e, run.num_steps), bs))
     return sorted(fills)
 

@@ -218,7 +218,7 @@ class FastKVManager(EvictingManagerBase):
             dec.sort(key=_first)
             evicted = self.step.step(np.fromiter(map(_first, dec), np.int64, len(dec)))
             if any(evicted):
-                for (_, req), k in zip(dec, evicted, strict=True):
+                for (_, req), k in zip(dec, evicted, strict=False):
                     if k:
                         req.kv_evicted_tokens += k / self.rows
             if self.recut is not None:

@@ -145,7 +145,7 @@ class Recorded(EvictionPolicy):
         df = df.assign(row=rows).sort_values("event", kind="stable")
         events = df.drop_duplicates("event")[["event", "request_id", "reason", "num_tokens"]]
         ordinal = events.groupby(["request_id", "reason", "num_tokens"], sort=False).cumcount().to_numpy()
-        ordinal_of = dict(zip(events["event"].to_numpy(), ordinal, strict=True))
+        ordinal_of = dict(zip(events["event"].to_numpy(), ordinal, strict=False))
         for event, part in df.groupby("event", sort=True):
             head = part.iloc[0]
             key = (int(head["request_id"]), head["reason"], int(head["num_tokens"]), int(ordinal_of[event]))

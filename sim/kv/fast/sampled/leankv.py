@@ -136,7 +136,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         ids = pool.get_new_blocks(total) if total else self._none
         ends = np.cumsum(need).tolist()
         start = 0
-        for req, end in zip(reqs, ends, strict=True):
+        for req, end in zip(reqs, ends, strict=False):
             pending[req] = ids[start:end]
             start = end
         return (self._stats.read[handles] / self.inner.rows).tolist()
@@ -248,7 +248,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
                              np.zeros(rk.table.shape, dtype=np.int64), rk.tail, rk.tail_off)
         d.arrays = K.RequestArrays(tokens, pages, K.new_active(rows, slots), d.imp["wsum"], d.imp["w"], sums)
         for group in (tokens, pages):
-            for name, a in zip(group._fields, group, strict=True):
+            for name, a in zip(group._fields, group, strict=False):
                 assert a.flags.c_contiguous, (name, a.flags)
         assert d.arrays.weights.shape == (rows, CHUNK) and d.arrays.wsum.dtype == np.float64
         meta = self._meta
@@ -357,7 +357,7 @@ class BatchedLeanKVManager(SampledRowsKVManager):
         if errors.any():
             bad = handles[errors != 0][0]
             raise AssertionError(f"compiled LeanKV step failed (handle {bad}, code {meta.error[bad]})")
-        for d, tokens in zip(batch, meta.tokens[handles].tolist(), strict=True):
+        for d, tokens in zip(batch, meta.tokens[handles].tolist(), strict=False):
             d.rk.state.num_tokens = tokens
         self._account(handles)
 
