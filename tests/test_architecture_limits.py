@@ -14,6 +14,7 @@ lists only shrink).
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +83,7 @@ def cli_commands() -> set[str]:
             callbacks.append(a.registered_callback.callback)
         apps.extend(g.typer_instance for g in a.registered_groups)
         for fn in filter(None, callbacks):
+            fn = inspect.unwrap(fn)          # a command wrapped by the CLI (needs_extras) is its own function
             rel = Path(fn.__code__.co_filename).resolve().relative_to(ROOT).as_posix()
             out.add(f"{rel}:{fn.__qualname__}")
     return out

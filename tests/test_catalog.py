@@ -125,8 +125,8 @@ def test_every_alias_resolves_to_its_own_entry():
 
 
 def test_unknown_names_list_the_known_ones():
-    with pytest.raises(CatalogError, match="known gpus: T4, L4, L40, .*H200, cpu-2core"):
-        get_gpu("b200")
+    with pytest.raises(CatalogError, match="known gpus: T4, L4, L40, .*H200, .*B200, .*cpu-2core"):
+        get_gpu("b300")
     with pytest.raises(CatalogError, match="unknown model 'gpt-5'.*Llama-3.1-8B"):
         get_model("gpt-5")
 
