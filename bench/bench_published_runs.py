@@ -1,7 +1,10 @@
 """Published vLLM runs on real GPUs (tests/data/published_runs/runs.yaml) simulated by kvsim: prints
 each figure, kvsim's value and the relative error (docs/gpu-profiles.md; figures in docs/results.md).
 
-    python bench/bench_published_runs.py [--run ID]
+    python bench/bench_published_runs.py [--run ID] [--step-variance auto|SIGMA]
+
+Each latency row also prints kvsim's mean, p50, p90 and p99 of that latency (the sources publish one
+statistic); `--step-variance` runs the simulations with step-time variance (sim/engine/step_noise.py).
 """
 from __future__ import annotations
 
@@ -17,9 +20,11 @@ RUNS = Path(__file__).resolve().parents[1] / "tests" / "data" / "published_runs"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", help="only this run id")
+    ap.add_argument("--step-variance", default="0", help="0 (deterministic), auto, or a lognormal sigma")
     args = ap.parse_args()
     t0 = time.process_time()
-    rows = compare_published(RUNS, only=args.run)
+    variance = args.step_variance if args.step_variance == "auto" else float(args.step_variance)
+    rows = compare_published(RUNS, only=args.run, step_variance=variance)
     print(comparison_table(rows))
     print(f"\n{len(rows)} figures; |error| median {sorted(abs(r.error) for r in rows)[len(rows) // 2]:.1%}, "
           f"max {max(abs(r.error) for r in rows):.1%}; {time.process_time() - t0:.1f} s CPU")

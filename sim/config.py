@@ -149,12 +149,18 @@ class TraceOptions(_Strict):
     tokenizer: str | None = Field(None, description="ShareGPT: tokenizer.json (or its model directory) counting "
                                                     "tokens; default: the shipped SmolLM2 tokenizer")
     random: RandomDataset | None = Field(None, description="trace: random: the random dataset's lengths")
+    request_timeout: float | None = Field(
+        None, gt=0, description="seconds from a request's send after which the client gives up on it (aiohttp's "
+                                "total timeout; vllm bench serve's is 6 h): it is aborted in the engine and "
+                                "counted failed; default: none")
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
         data = handler(self)
         if self.random is None:          # left out unless set, so configs written before it stay as they were
             data.pop("random", None)
+        if self.request_timeout is None:     # unset: left out, so configs and run ids stay as they were
+            data.pop("request_timeout", None)
         return data
 
     @model_validator(mode="after")
@@ -175,6 +181,8 @@ class TraceOptions(_Strict):
                              f"give format: csv|jsonl|parquet (got format {self.format!r})")
         if self.max_concurrency is not None and self.arrival_unit == "step":
             raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
+        if self.request_timeout is not None and self.arrival_unit == "step":
+            raise ValueError("request_timeout needs arrival_unit: time (a timeout counts seconds from a send)")
         return self
 
     def file_options(self) -> dict:
@@ -352,12 +360,16 @@ class SimConfig(_Strict):
     client_latency: bool = False
     # $ per GPU-hour instead of the catalog's: one price (the run's GPU) or {gpu: price} (plans over GPUs)
     usd_per_hour: float | dict[str, float] | None = Field(None, description="your price per GPU-hour")
+    # step-time variance (sim/engine/step_noise.py): 0 deterministic (the default), a lognormal sigma, or auto
+    step_variance: float | Literal["auto"] = 0.0
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
         data = handler(self)
         if self.usd_per_hour is None:          # left out unless set, so configs written before it stay as they were
             data.pop("usd_per_hour", None)
+        if self.step_variance == 0:          # the default: left out, so configs and run ids stay as they were
+            data.pop("step_variance", None)
         return data
 
     @field_validator("usd_per_hour", mode="before")
@@ -391,6 +403,13 @@ class SimConfig(_Strict):
             given = {get_gpu(name).name: value for name, value in price.items()}
             return float(given.get(spec.name, spec.usd_per_hour))
         return float(price) if price is not None else spec.usd_per_hour
+
+    @field_validator("step_variance")
+    @classmethod
+    def _sigma(cls, v):
+        if v != "auto" and not 0 <= v <= 2:
+            raise ValueError(f"expected auto or a lognormal sigma between 0 and 2 (0: deterministic), got {v!r}")
+        return v
 
     @field_validator("metric_percentiles", mode="before")
     @classmethod

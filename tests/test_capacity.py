@@ -345,7 +345,7 @@ def test_scaled_profile_multiplies_every_step_time():
     np.testing.assert_allclose(scaled.predict(shape), 0.9 * fitted.predict(shape), rtol=1e-12)
     np.testing.assert_allclose(scaled.predict_decode(*args), 0.9 * fitted.predict_decode(*args), rtol=1e-12)
     assert load_profile("default*1").step_time_scale == 1.0
-    with pytest.raises(ProfileError, match="must be > 0"):
+    with pytest.raises(ProfileError, match=r"must be in 0\.001\.\.1000"):
         load_profile("default*0")
 
 
@@ -441,3 +441,23 @@ def test_one_duration_parser_for_slos_and_windows():
     assert parse_duration_s("600") == 600.0                     # a window's bare number is seconds
     with pytest.raises(ConfigError, match="not a duration with a unit"):
         parse_duration("5")                                     # an SLO's is ambiguous
+
+def test_capacity_searches_with_step_variance_and_says_how_much_the_answer_moved(uniform, tmp_path):
+    from kvsim.sim.cli import app
+    overrides, s = uniform
+    args = ["capacity", "--trace", overrides["trace"], "--num-gpu-blocks", "4000", "--max-num-seqs", "1",
+            "--max-num-batched-tokens", str(PROMPT), "--slo", f"ttft_p99<={s * 1.5 * 1e3:.6f}ms",
+            "--tol", "0.05", "--repeats", "1", "--no-band", "--out", str(tmp_path / "auto"), "-q"]
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    v = read_capacity(tmp_path / "auto")["range"]["variance"]
+    assert v["setting"] == "auto" and v["sigma"] > 0 and v["deterministic_answer"] > 0
+    assert v["moved"] == pytest.approx((read_capacity(tmp_path / "auto")["answer"] - v["deterministic_answer"])
+                                       / v["deterministic_answer"])
+    assert "the answer moved by" in res.output and "with deterministic steps" in res.output
+    off = CliRunner().invoke(app, [*args[:-3], "--step-variance", "0", "--out", str(tmp_path / "off"), "-q"],
+                             env={"COLUMNS": "200"})
+    assert off.exit_code == 0, off.output
+    assert read_capacity(tmp_path / "off")["range"]["variance"] is None and "moved by" not in off.output
+    bad = CliRunner().invoke(app, [*args[:-3], "--step-variance", "-1", "--out", str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "step_variance" in bad.output

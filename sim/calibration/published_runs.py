@@ -31,6 +31,9 @@ METRICS = {     # measured figure -> (summary key, scale to the figure's unit)
     "output_tok_s": ("throughput_output_tok_s", 1.0), "request_throughput": ("throughput_req_s", 1.0),
     "batch_latency_ms": ("makespan_s", 1e3),
 }
+# a latency figure's distribution in kvsim's summary (seconds): mean, p50, p90, p99
+SPREAD = {name: tuple(f"{name}_{q}_s" for q in ("mean", "p50", "p90", "p99")) for name in ("ttft", "tpot", "e2e")}
+SPREAD["itl"] = ("mean_itl_ms", "itl_p50_s", "itl_p90_s", "itl_p99_s")      # vLLM's mean key is in ms
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Comparison:
     figure: str
     measured: float
     predicted: float
+    spread: tuple | None = None      # kvsim's mean, p50, p90, p99 of the figure's latency (its unit)
 
     @property
     def error(self) -> float:
@@ -75,16 +79,17 @@ def load_published_runs(path: str | Path) -> list[PublishedRun]:
     return runs
 
 
-def compare_published(path: str | Path, only: str | None = None) -> list[Comparison]:
+def compare_published(path: str | Path, only: str | None = None, step_variance: float | str = 0.0) -> list[Comparison]:
     out = []
     for run in load_published_runs(path):
         if only is None or run.id == only:
-            out.extend(compare_run(run))
+            out.extend(compare_run(run, step_variance=step_variance))
     return out
 
 
-def compare_run(run: PublishedRun, profile: str = "auto") -> list[Comparison]:
-    """kvsim's figure beside each measured one of `run` (under `profile`: the GPU's own by default)."""
+def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float | str = 0.0) -> list[Comparison]:
+    """kvsim's figure beside each measured one of `run` (under `profile`: the GPU's own by default;
+    `step_variance`: the simulation's, sim/engine/step_noise.py)."""
     if run.kind == "kernels":
         return _kernel_comparisons(run)
     (key, values), = run.points.items()
@@ -92,15 +97,26 @@ def compare_run(run: PublishedRun, profile: str = "auto") -> list[Comparison]:
     with tempfile.TemporaryDirectory(prefix="kvsim-published-") as tmp:
         for i, value in enumerate(values):
             seeds = int(run.workload.get("seeds", 1))
-            summaries = [_simulate_point(run, key, value, seed, Path(tmp), profile) for seed in range(seeds)]
+            summaries = [_simulate_point(run, key, value, seed, Path(tmp), profile, step_variance)
+                         for seed in range(seeds)]
             for figure, measured in run.measured.items():
                 summary_key, scale = METRICS[figure]
                 predicted = float(np.mean([s[summary_key] for s in summaries])) * scale
-                out.append(Comparison(run.id, f"{key}={value}", figure, float(measured[i]), predicted))
+                out.append(Comparison(run.id, f"{key}={value}", figure, float(measured[i]), predicted,
+                                      _spread(figure, summaries, scale)))
     return out
 
 
-def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, profile: str) -> dict:
+def _spread(figure: str, summaries: list[dict], scale: float) -> tuple | None:
+    """kvsim's mean, p50, p90 and p99 of a latency figure's metric, averaged over the seeds."""
+    keys = SPREAD.get(figure.split("_")[0])
+    if keys is None:
+        return None
+    return tuple(float(np.mean([s[k] for s in summaries])) * (1.0 if k.endswith("_ms") else scale) for k in keys)
+
+
+def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, profile: str,
+                    step_variance: float | str = 0.0) -> dict:
     from kvsim.sim.config import SimConfig
     from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
@@ -118,7 +134,8 @@ def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, pr
             ({"request_rate": rate} if math.isfinite(rate) else {})
     cfg = SimConfig.model_validate({
         "trace": str(trace_file), "model": setup["model"], "gpu": setup["gpu"], "seed": seed, "profile": profile,
-        "engine": engine, "trace_options": options, "client_latency": run.kind == "serve"})
+        "engine": engine, "trace_options": options, "client_latency": run.kind == "serve",
+        "step_variance": step_variance})
     return run_simulation(cfg, None).summary
 
 
@@ -130,8 +147,12 @@ def _kernel_comparisons(run: PublishedRun) -> list[Comparison]:
 
 
 def comparison_table(rows: list[Comparison]) -> str:
-    lines = [f"{'run':<28} {'point':<22} {'figure':<18} {'measured':>10} {'kvsim':>10} {'error':>8}"]
+    """One line per figure: measured, kvsim, error, then kvsim's mean / p50 / p90 / p99 of the figure's
+    latency (as BLIS reports them; the sources publish one statistic each)."""
+    lines = [f"{'run':<28} {'point':<22} {'figure':<18} {'measured':>10} {'kvsim':>10} {'error':>8} "
+             f"{'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}"]
     for c in rows:
+        spread = " ".join(f"{v:>9.2f}" for v in c.spread) if c.spread else ""
         lines.append(f"{c.run:<28} {c.point:<22} {c.figure:<18} {c.measured:>10.2f} {c.predicted:>10.2f} "
-                     f"{c.error:>+7.1%}")
+                     f"{c.error:>+7.1%} {spread}".rstrip())
     return "\n".join(lines)

@@ -129,6 +129,12 @@ TimeUnit = Annotated[str | None, typer.Option(help="with --trace-format csv|json
 Tokenizer = Annotated[str | None, typer.Option(
     help="ShareGPT traces: tokenizer.json, its model directory or a Hugging Face model id (from the local cache, "
          "else fetched) counting tokens; default: the shipped SmolLM2 tokenizer (an approximation)")]
+StepVariance = Annotated[str | None, typer.Option(
+    help="step-time variance: 0 deterministic (default: today's results), auto (the GPU's fitted sigma), or a "
+         "lognormal sigma such as 0.05 (seeded by --seed)")]
+RequestTimeout = Annotated[float | None, typer.Option(
+    help="seconds after its send at which the client gives up on a request (a benchmark client's total "
+         "timeout): aborted in the engine, its KV freed, counted failed; default: none")]
 MetricPercentiles = Annotated[str | None, typer.Option(
     help="as vllm bench serve: comma-separated percentiles of TTFT, TPOT, ITL and E2EL to report (default 99)")]
 SloTtft = Annotated[str | None, typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
@@ -152,6 +158,7 @@ CONFIG_KEYS = {
     "slo_ttft": "slo.ttft", "slo_tpot": "slo.tpot",
     "request_rate": "trace_options.request_rate", "burstiness": "trace_options.burstiness",
     "max_concurrency": "trace_options.max_concurrency", "metric_percentiles": "metric_percentiles",
+    "request_timeout": "trace_options.request_timeout", "step_variance": "step_variance",
     "trace_format": "trace_options.format", "trace_columns": "trace_options.columns",
     "time_unit": "trace_options.time_unit", "tokenizer": "trace_options.tokenizer",
     "gpu_memory_utilization": "engine.gpu_memory_utilization", "usd_per_hour": "usd_per_hour",

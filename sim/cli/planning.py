@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvsim.sim.config import ConfigError, load_config
+from kvsim.sim.config import ConfigError, build_config, load_config
 from kvsim.traces.errors import TraceError
 
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
@@ -149,6 +149,9 @@ def capacity(
     window: Window = None,
     repeats: Repeats = 3,
     band: Band = True,
+    step_variance: Annotated[str | None, typer.Option(
+        help="step-time variance of the search: auto (default: the GPU's fitted sigma; the answer with "
+             "deterministic steps is searched too, and how much it moved is printed), a sigma, or 0 (off)")] = None,
     out: Path | None = typer.Option(None, "--out", "--store", "-o", parser=output_path(),
                                        help="store for the runs + capacity.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
@@ -180,6 +183,7 @@ def capacity(
     _check_repeats(repeats)
     try:
         cfg = load_config(config, overrides, set_)
+        cfg = build_config(cfg.model_dump(), {"step_variance": _search_variance(step_variance, cfg.step_variance)})
         constraints = parse_slo(slo)
         cfg, sample = choose_sample(cfg, window)
         if mode == "rate":
@@ -217,6 +221,15 @@ def capacity(
         raise typer.Exit(1)
 
 
+def _search_variance(option: str | None, configured):
+    """capacity's step variance: the option, else the config's, else auto (a config's 0 counts as unset)."""
+    from kvsim.sim.cli.simulate import parse_step_variance
+
+    if option is not None:
+        return parse_step_variance(option)
+    return configured if configured != 0 else "auto"
+
+
 def _check_repeats(repeats: int) -> None:
     if repeats < 1:
         fail(f"--repeats: expected a count >= 1 (1: no resampled range), got {repeats}")
@@ -227,6 +240,19 @@ def _print_warnings(sample, result, max_evals: int | None) -> None:
 
     for line in sample_warnings(sample) + (result_warnings(result, max_evals) if result is not None else []):
         err_console.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
+
+
+def _print_variance(spread) -> None:
+    """How much the step-time variance moved the answer (the search ran with it)."""
+    v = spread.variance if spread is not None else None
+    if not v:
+        return
+    if v["deterministic_answer"] is None:
+        console.print(f"step-time variance (sigma {v['sigma']:.3g}): with deterministic steps no point met the SLO",
+                      highlight=False)
+        return
+    console.print(f"step-time variance (sigma {v['sigma']:.3g}, {v['setting']}): the answer moved by "
+                  f"{v['moved']:+.1%} from {v['deterministic_answer']:.4g} with deterministic steps", highlight=False)
 
 
 def _print_capacity(result, mode: str, spread=None) -> None:
@@ -252,6 +278,7 @@ def _print_capacity(result, mode: str, spread=None) -> None:
     if not result.feasible:
         console.print("[red]no configuration searched meets the SLO[/red]")
         return
+    _print_variance(spread)
     value = spread.text("{:.4g}") if spread is not None and mode == "rate" else spread.text() if spread else f"{result.answer:g}"
     what = f"max rate scale {value}" if mode == "rate" else f"fewest replicas {value}"
     bound = "" if result.bounded else " (lower bound: the search limit was reached before the SLO failed)"

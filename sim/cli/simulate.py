@@ -20,7 +20,7 @@ from .vllm_args import VllmOptions
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
-                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, Model, NumGpuBlocks, Out, Overwrite,
+                      MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, RequestTimeout, StepVariance, Model, NumGpuBlocks, Out, Overwrite,
                       Policy, Profile, Quiet, RateScale, Replicas, RequestRate, SchedulingPolicy, Seed, Sets, SloTpot, SloTtft,
                       SlotStrategy, TimeUnit, Tokenizer, TraceColumns, TraceFormat, Trace, config_overrides, fail)
 
@@ -104,6 +104,8 @@ def simulate(
     request_rate: RequestRate = None,
     burstiness: Burstiness = None,
     max_concurrency: MaxConcurrency = None,
+    request_timeout: RequestTimeout = None,
+    step_variance: StepVariance = None,
     metric_percentiles: MetricPercentiles = None,
     trace_format: TraceFormat = None,
     trace_columns: TraceColumns = None,
@@ -135,7 +137,8 @@ def simulate(
         preemption_mode=preemption_mode, scheduling_policy=scheduling_policy, policy=policy, budget=budget,
         layout=layout, slot_strategy=slot_strategy, kv_mode=kv_mode, compression_rate=compression_rate,
         rate_scale=rate_scale, max_requests=max_requests, request_rate=request_rate, burstiness=burstiness,
-        max_concurrency=max_concurrency, metric_percentiles=metric_percentiles,
+        max_concurrency=max_concurrency, request_timeout=request_timeout,
+        step_variance=parse_step_variance(step_variance), metric_percentiles=metric_percentiles,
         trace_format=trace_format, trace_columns=trace_columns, time_unit=time_unit, tokenizer=tokenizer, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
         gpu_memory_utilization=gpu_memory_utilization, random_input_len=random_input_len,
         random_output_len=random_output_len, random_range_ratio=random_range_ratio, random_prefix_len=random_prefix_len)
@@ -200,6 +203,16 @@ def with_vllm_options(overrides: dict, options: VllmOptions) -> dict:
     for line in translation.warnings:
         typer.echo(f"warning: {line}", err=True)
     return merged
+
+
+def parse_step_variance(text: str | None) -> float | str | None:
+    """--step-variance: auto, or a number (the config validates its range)."""
+    if text is None or text.strip().lower() == "auto":
+        return None if text is None else "auto"
+    try:
+        return float(text)
+    except ValueError:
+        fail(f"--step-variance {text!r}: expected auto or a number such as 0.05 (0: deterministic)")
 
 
 def refuse_ineffective(gpu_name: str, model: str, weight_dtype: str | None) -> None:
@@ -289,7 +302,9 @@ def print_summary(s: dict) -> None:
             return
         table.add_row(name, fmt.format(value) if isinstance(value, float) else str(value))
 
-    add("requests (finished / rejected)", f"{s['num_finished']} / {s['num_rejected']}")
+    add("requests (finished / rejected / aborted)",
+        f"{s['num_finished']} / {s['num_rejected']} / {s.get('num_aborted', 0)}")
+    add("load", saturation_line(s))
     add("KV pool", f"{s['num_gpu_blocks']} blocks x {s['block_size']} tokens")
     if s.get("kv_cache_tokens") is not None:         # the two lines vLLM logs at start-up
         add("GPU KV cache size", f"{s['kv_cache_tokens']:,} tokens")
@@ -310,6 +325,17 @@ def print_summary(s: dict) -> None:
     console.print(table)
     if s.get("bench_comparison"):
         print_comparison(s["bench_comparison"])
+
+
+def saturation_line(s: dict) -> str | None:
+    """Over capacity or not, with the offered and the sustainable rate (sim/results/saturation.py)."""
+    if s.get("overloaded") is None:
+        return None
+    offered = f"{s['offered_rate_req_s']:.2f} req/s offered"
+    if not s["overloaded"]:
+        return f"within capacity ({offered})"
+    sustained = s.get("sustainable_rate_req_s")
+    return f"OVER CAPACITY: {offered}, ~{sustained:.2f} req/s sustainable" if sustained else f"OVER CAPACITY: {offered}"
 
 
 def print_comparison(agg: dict) -> None:

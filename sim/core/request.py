@@ -12,6 +12,7 @@ class RequestStatus(IntEnum):
     FINISHED = 2
     REJECTED = 3
     WAITING_FOR_REMOTE_KVS = 4      # holds blocks while a KV connector loads its prefix (sim/core/connector.py)
+    ABORTED = 5          # the client gave up (a timeout): removed from the engine, its KV freed
 
 
 @dataclass(eq=False, slots=True)
@@ -73,4 +74,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED)
+        return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)

@@ -132,6 +132,22 @@ class WaitingQueue:
         self._fifo = deque(ahead + rest)
         return True
 
+    def remove(self, req: Request) -> bool:
+        """Take `req` out of the queue wherever it is (an abort); False if it is not queued."""
+        if self.policy == "fcfs":
+            try:
+                self._fifo.remove(req)
+            except ValueError:
+                return False
+            return True
+        for i, entry in enumerate(self._heap):
+            if entry[3] is req:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                return True
+        return False
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVManager, connector: KVConnector | None = None):
@@ -144,6 +160,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.rejected: list[Request] = []
+        self.aborted: list[Request] = []       # aborted by their client (`abort`)
         self.swap_used_tokens = 0
         self.num_preemptions = 0
         self.num_submitted = 0
@@ -566,6 +583,28 @@ class Scheduler:
         them (vLLM's `request_finished` -> delay_free_blocks): it frees them when done."""
         if not self.sending or req not in self.sending:
             self.kv.free(req)
+
+    def abort(self, req: Request, now: float) -> bool:
+        """Abort `req` between steps, as vLLM's engine aborts a request whose client went away (a client
+        timeout): out of WAITING or RUNNING, its blocks freed as a finish frees them (full prompt blocks
+        stay in the prefix cache), its swap space returned, the tokens it produced kept. False (nothing
+        done) for a request that already finished or is not in this scheduler."""
+        if req.status == RequestStatus.WAITING:
+            if not self.waiting.remove(req):
+                return False
+            self.swap_used_tokens -= req.swapped_tokens
+            req.swapped_tokens = 0
+        elif req.status == RequestStatus.RUNNING and req in self.running:
+            self.running.remove(req)
+        else:
+            return False
+        self.kv.forget(req)
+        self.kv.free(req)
+        req.prefix_hash_ids = None
+        req.status = RequestStatus.ABORTED
+        req.finish_time = now
+        self.aborted.append(req)
+        return True
 
 
 def _priority_key(req: Request) -> tuple:

@@ -22,9 +22,10 @@ from ..core.request import Request
 from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager
 from ..core.scheduler import Scheduler, SchedulerConfig
-from .loop import (ArrivalProcess, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
+from .loop import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
                      StepArrivals)
 from ..results.metrics import StepLog
+from .step_noise import StepNoise, resolve_sigma
 
 if TYPE_CHECKING:
     from .resolved_run import ResolvedRun
@@ -190,12 +191,14 @@ class EngineRun:
 
 def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                  replica_parts: Callable[[int], tuple[KVManager, Executor]], *, entry=None,
-                 on_step: Callable[[int], None] | None = None,
+                 on_step: Callable[[int], None] | None = None, step_noise: bool = False,
                  connector: Callable[[int, EngineClock], KVConnector] | None = None) -> EngineRun:
     """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager
     and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.simulator.client.
     RequestEntry) delays requests sent by the concurrency limit until the API server lets them in.
-    `connector(index, clock)`: each replica's KV connector (CPU offload: sim.cluster); None: none."""
+    `step_noise`: the simulator's step-time variance (`step_variance`, sim/engine/step_noise.py) applies (a
+    real backend's steps take the time they take). `connector(index, clock)`: each replica's KV connector
+    (CPU offload: sim.cluster); None: none."""
     cfg = plan.cfg
     env = EngineClock()
     by_step = cfg.trace_options.arrival_unit == "step"
@@ -210,17 +213,20 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     cross_replica = limit_n is not None and cfg.replicas > 1
     # one replica fed by the trace alone may admit its arrivals inside decode runs
     own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and limit_n is None and not by_step else None
+    timeout = client_timeout(cfg.trace_options.request_timeout, entry)
+    noises = [replica_noise(plan, i) if step_noise else None for i in range(cfg.replicas)]
     replicas: list[EngineReplica] = []
     for i in range(cfg.replicas):
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
             env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None), executor, step_log,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
-                           check_invariants=cfg.check_invariants),
+                           check_invariants=cfg.check_invariants,
+                           step_noise=noises[i]),
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
                         step_arrivals=step_arrivals, on_step=on_step,
                         on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)),
-                        arrivals=own_arrivals)))
+                        arrivals=own_arrivals, timeout=timeout)))
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
     router = Router(replicas, cfg.router, cfg.router_options)
@@ -228,3 +234,20 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     arrivals = ArrivalProcess(env, requests, router, limit)
     feed.extend((arrivals, limit))
     return EngineRun(env, replicas, arrivals, limit, None)
+
+
+def replica_noise(plan: ResolvedRun, index: int) -> StepNoise | None:
+    """Replica `index`'s step-time factors, or None in the deterministic mode (`step_variance: 0`)."""
+    sigma = resolve_sigma(plan.cfg.step_variance, plan.gpu.name)
+    return StepNoise(sigma, plan.cfg.seed, index) if sigma > 0 else None
+
+
+def client_timeout(timeout_s: float | None, entry=None) -> ClientTimeout | None:
+    """The client's timeout (`trace_options.request_timeout`), counted from each request's send: its
+    trace time, or when the closed loop or the API server's entry (sim.client.RequestEntry) sent it."""
+    if timeout_s is None:
+        return None
+    if entry is None:
+        return ClientTimeout(timeout_s, lambda req: req.arrival_time)
+    sent = entry.sent
+    return ClientTimeout(timeout_s, lambda req: sent.get(req.request_id, req.arrival_time))

@@ -64,6 +64,8 @@ class ReplicaOptions:
     fast_forward: bool = True         # advance pure-decode stretches in bulk when executor and KV manager allow
     check_invariants: bool = False
     max_run_steps: int = 4096         # longest decode run
+    # the simulator's step-time variance (sim/step_noise.StepNoise of this replica); None: deterministic
+    step_noise: object = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,22 @@ class ReplicaFeed:
     # the earliest another replica can hand this one a request it already owns (a prefill leg's
     # decode side: it joins the next schedule, so decode runs stop at the step in progress then)
     next_handoff: Callable[[], float] = lambda: float("inf")
+    # the client's timeout (`--request-timeout`): requests it gives up on are aborted in the engine
+    timeout: ClientTimeout | None = None
+
+
+@dataclass(frozen=True)
+class ClientTimeout:
+    """A benchmark client's total timeout per request (`--request-timeout`; aiohttp's `total`, the OpenAI
+    client's `timeout`): a request not finished `timeout_s` after the client sent it fails, its connection
+    closes and the API server aborts it in the engine. The engine sees the abort as it sees an arrival at
+    the deadline: at the first schedule at or after it (with async scheduling, one schedule later), so a
+    decode fast-forward stops there exactly as at an arrival. `sent(request)`: when the client sent it."""
+    timeout_s: float
+    sent: Callable[[Request], float]
+
+    def deadline(self, req: Request) -> float:
+        return self.sent(req) + self.timeout_s
 
 
 class EngineReplica:
@@ -109,7 +127,10 @@ class EngineReplica:
         # which may start a save or send), and do not admit arrivals
         self.connector = scheduler.connector
         self.arrivals = feed.arrivals if self.bulk_decode and executor.supports_admitting_runs \
-            and self.connector is None else None
+            and self.connector is None and feed.timeout is None else None
+        self.timeout = feed.timeout
+        self.noise = options.step_noise
+        self._deadlines: list[tuple[float, int, Request]] = []     # (deadline, order, request): a heap
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()
@@ -130,6 +151,8 @@ class EngineReplica:
 
     def submit(self, req: Request) -> None:
         req.replica = self.index
+        if self.timeout is not None:
+            heapq.heappush(self._deadlines, (self.timeout.deadline(req), len(self._deadlines), req))
         if self.async_scheduling and self.scheduler.has_work:
             self.inbox.append(req)       # a step is in flight: the next schedule is already made
             self.wake()                  # (or it waits for a transfer: it may take this one now)
@@ -162,8 +185,42 @@ class EngineReplica:
             self.on_finished([req], self.now)
         return False
 
+    def next_deadline(self) -> float:
+        """When the client gives up on the next of this replica's requests still in the engine (inf: none)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].is_finished:
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else float("inf")
+
+    def _abort_expired(self) -> None:
+        """Abort the requests whose client gave up, as an arrival at the deadline is taken: before the
+        first schedule at or after it (async scheduling: the deadline before the previous step started)."""
+        horizon = self._step_start if self.async_scheduling and self.scheduler.has_work else self.now
+        aborted, loading = 0, []
+        while self.next_deadline() <= horizon:
+            entry = heapq.heappop(self._deadlines)
+            req = entry[2]
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                loading.append(entry)        # its connector load is in flight: aborted once it has landed
+                continue
+            if req in self.inbox:            # sent but not yet seen by a schedule
+                self.inbox.remove(req)
+                req.status = RequestStatus.ABORTED
+                req.finish_time = self.now
+                self.scheduler.aborted.append(req)
+            elif not self.scheduler.abort(req, self.now):
+                continue
+            req.reject_reason = f"client timeout: not finished {self.timeout.timeout_s:g} s after it was sent"
+            aborted += 1
+        for entry in loading:
+            heapq.heappush(self._deadlines, entry)
+        if aborted and self.on_done is not None:
+            self.on_done(aborted, self.now)
+
     def _take_arrivals(self) -> None:
         """Hand the scheduler what has arrived for the step about to be scheduled."""
+        if self._deadlines:
+            self._abort_expired()
         inbox = self.inbox
         idle = not self.scheduler.has_work
         while inbox and (idle or inbox[0].arrival_time <= self._step_start):
@@ -210,6 +267,8 @@ class EngineReplica:
             # the KV manager's policies act on the step that ran (vLLM: the scheduler's update, not
             # the model runner); the executor charges (simulator) or applies (backend) what they did
             result = self.executor.complete(result, self.kv.finish_step(out.scheduled))
+            if self.noise is not None:        # the step-time variance (sim/engine/step_noise.py) on its compute
+                result.duration_s = result.duration_s * self.noise.factor(self.num_steps)
             if out.kv_transfer is not None:
                 result.duration_s = step_seconds_with_transfer(result.duration_s, out.kv_transfer)
                 result.predicted_s = step_seconds_with_transfer(result.predicted_s, out.kv_transfer)
@@ -288,13 +347,17 @@ class EngineReplica:
     # ----- decode fast-forward ----------------------------------------------------------------
     def decode_run_view(self) -> decode_runs.ReplicaView:
         """What `find_decode_run` needs of this replica (sim/engine/bulk/decode_runs.py)."""
+        arrival = self.next_arrival()
+        if self._deadlines:                  # an abort ends a run as an arrival does
+            arrival = min(arrival, self.next_deadline())
         return decode_runs.ReplicaView(
-            now=self.now, next_arrival=self.next_arrival(), inbox_empty=not self.inbox,
+            now=self.now, next_arrival=arrival, inbox_empty=not self.inbox,
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
             last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
             closed_loop=self.on_done is not None or self.connector is not None,
-            next_transfer=min(self.scheduler.next_transfer_completion(), self.next_handoff()))
+            next_transfer=min(self.scheduler.next_transfer_completion(), self.next_handoff()),
+            step_index=self.num_steps, noise=self.noise)
 
     def _decode_run(self):
         """Advance a stretch of pure-decode steps in bulk (see sim/engine/bulk/decode_runs.py)."""
@@ -337,7 +400,8 @@ class EngineReplica:
         decodes = run.batch if prefill is None else run.batch - np.array(prefill.seqs, np.int64)
         rows.update({
             "replica": self.index, "step": range(self.num_steps, self.num_steps + k),
-            "time_s": run.starts, "duration_s": run.durations, "predicted_s": run.durations,
+            "time_s": run.starts, "duration_s": run.durations,
+            "predicted_s": run.durations if run.predicted is None else run.predicted,
             "batch_size": run.batch, "num_prefill_seqs": 0 if prefill is None else prefill.seqs,
             "num_decode_seqs": decodes, "prefill_tokens": 0 if prefill is None else prefill.tokens,
             "decode_tokens": decodes, "kv_tokens_read": run.kv_read,

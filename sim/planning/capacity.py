@@ -17,10 +17,12 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from ..model.catalog import get_gpu
 from ..engine.resolved_run import check_config_memory
 from ..config import ConfigError, SimConfig, parse_duration
 from ..io.result_dirs import holding_store_lock, mark_owned
 from ..io.safe_io import atomic_output, dumps_json
+from ..engine.step_noise import resolve_sigma
 from .sweep import (PlannedRun, RunTask, StoreFileError, execute_run, finished_runs, make_row, read_store, read_store_object, run_id_of, slo_costs,
                     write_row)
 
@@ -554,6 +556,9 @@ class CapacityRange:
     samples: dict[str, float | None]          # other load samples (windows, seeds) -> answer
     profile_band: dict[str, float | None]     # 'steps x0.96' -> answer; empty without a fit error
     notes: list[str] = field(default_factory=list)
+    # the answer with deterministic steps, when the search ran with step-time variance (sim/engine/step_noise.py):
+    # {sigma, deterministic_answer, moved: (answer - deterministic) / deterministic}
+    variance: dict | None = None
 
     def text(self, fmt: str = "{:g}") -> str:
         return f"{fmt.format(self.answer)} (range {fmt.format(self.low)}-{fmt.format(self.high)})"
@@ -632,11 +637,21 @@ def capacity_range(cfg: SimConfig, constraints: list[Constraint], result: Capaci
 
     got_samples = {k: research(k, c) for k, c in samples.items()}
     got_band = {k: research(k, c) for k, c in profiles.items()}
+    variance = None
+    sigma = resolve_sigma(cfg.step_variance, get_gpu(cfg.gpu).name)
+    if sigma > 0:
+        plain = research("deterministic steps", SimConfig.model_validate(
+            cfg.model_copy(update={"step_variance": 0.0}).model_dump()))
+        variance = {"sigma": sigma, "setting": cfg.step_variance, "deterministic_answer": plain,
+                    "moved": (result.answer - plain) / plain if plain else None}
+    else:
+        notes.append("deterministic steps (step_variance 0): the answer's move under step-time variance was "
+                     "not measured (--step-variance auto measures it)")
     values = [result.answer] + [v for v in (*got_samples.values(), *got_band.values()) if v is not None]
     infeasible = [k for k, v in (*got_samples.items(), *got_band.items()) if v is None]
     if infeasible:
         notes.append(f"no point met the SLO for: {', '.join(infeasible)}")
-    spread = CapacityRange(result.answer, min(values), max(values), got_samples, got_band, notes)
+    spread = CapacityRange(result.answer, min(values), max(values), got_samples, got_band, notes, variance)
     if store is not None:
         _write_range(Path(store), spread, sample)
     return spread

@@ -32,8 +32,12 @@ def config_axes(df: pd.DataFrame, metric_columns: set[str]) -> list[str]:
     return axes
 
 
+# config keys a default config leaves out of its dump (so run ids stay as they were): still config
+OPTIONAL_CONFIG_KEYS = {"step_variance", "trace_options.request_timeout"}
+
+
 def _metric_columns(df: pd.DataFrame) -> set[str]:
-    cfg_cols = set(config_columns(SimConfig().model_dump(mode="json")))
+    cfg_cols = set(config_columns(SimConfig().model_dump(mode="json"))) | OPTIONAL_CONFIG_KEYS
     return {c for c in df.columns if c not in cfg_cols and c not in _NOT_AXES}
 
 
@@ -191,7 +195,9 @@ def build_report(store: str | Path, out: str | Path | None = None) -> Path:
         series = series_by_group(ok, x, group_keys)
         figures.append(("Throughput and goodput vs load", _line_figure(series, x, [
             ("output tokens/s", [("throughput_output_tok_s", "")]),
-            ("requests/s", [("throughput_req_s", "throughput"), ("goodput_req_s", "goodput")])],
+            ("requests/s", [("throughput_req_s", "throughput"), ("goodput_req_s", "goodput"),
+                            ("offered_rate_req_s", "offered"),
+                            ("sustainable_rate_req_s", "sustainable (over capacity)")])],
             "Throughput and goodput vs load")))
         figures.append(("Latency percentiles", _line_figure(series, x, [
             ("TTFT (ms)", [("ttft_p50_s", "p50"), ("ttft_p90_s", "p90"), ("ttft_p99_s", "p99")]),

@@ -246,8 +246,8 @@ class StepLog:
 REQUEST_COLUMNS = {
     "request_id": "trace request id",
     "replica": "replica that served it",
-    "status": "finished | rejected | unfinished",
-    "reject_reason": "why a request that can never fit was rejected",
+    "status": "finished | rejected | aborted (its client timed out: --request-timeout) | unfinished",
+    "reject_reason": "why a request that can never fit was rejected, or why it was aborted",
     "arrival_s": "arrival time",
     "first_scheduled_s": "first time it was scheduled",
     "first_token_s": "time its first output token was produced",
@@ -267,7 +267,8 @@ REQUEST_COLUMNS = {
 }
 
 
-_STATUS_NAMES = {RequestStatus.FINISHED: "finished", RequestStatus.REJECTED: "rejected"}   # else "unfinished"
+_STATUS_NAMES = {RequestStatus.FINISHED: "finished", RequestStatus.REJECTED: "rejected",
+                 RequestStatus.ABORTED: "aborted"}   # else "unfinished"
 
 
 def request_table(requests) -> pd.DataFrame:
@@ -389,6 +390,7 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame | dict, *, num_blocks_
         "num_finished": int(len(done)),
         "num_rejected": int((requests["status"] == "rejected").sum()),
         "num_unfinished": int((requests["status"] == "unfinished").sum()),
+        "num_aborted": int((requests["status"] == "aborted").sum()),
         "makespan_s": end - start,
         "throughput_req_s": len(done) / span,
         "throughput_output_tok_s": out_tokens / span,
@@ -424,10 +426,14 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame | dict, *, num_blocks_
         s["fragmentation_p99"] = float(np.percentile(frag, 99))
         s["batch_size_mean"] = float(steps["batch_size"].mean())
         s["preemptions"] = int(steps["preemptions"].sum())
+        s["step_duration_mean_s"] = float(dur.mean())
+        for q, v in zip((50, 90, 99), np.percentile(dur, (50, 90, 99)), strict=True):
+            s[f"step_duration_p{q}_s"] = float(v)
     s["preemption_rate"] = float(requests["preemptions"].sum() / max(len(requests), 1))
     s["prefix_hit_rate"] = prefix_hits / prefix_queries if prefix_queries else 0.0
     return s
 
 
 STEP_FIGURES = ("num_steps", "kv_util_mean", "kv_util_max", "fragmentation_mean", "fragmentation_p99",
-                "batch_size_mean", "preemptions")
+                "batch_size_mean", "preemptions", "step_duration_mean_s", "step_duration_p50_s", "step_duration_p90_s",
+                "step_duration_p99_s")

@@ -23,6 +23,7 @@ from ..model.memory import vllm_kv_cache_report
 from .metrics import summarize
 from .request_log import requests_arrow, token_stats
 from ..io.safe_io import dumps_json
+from .saturation import saturation
 from .vllm_metrics import bench_metrics
 
 if TYPE_CHECKING:
@@ -35,10 +36,11 @@ def managed_pool_blocks(kvs: list, num_blocks: int) -> int:
 
 
 def run_summary(plan: ResolvedRun, req_df: pd.DataFrame, steps_df: pd.DataFrame | dict, kvs: list,
-                client_latency: bool = False, tokens=None) -> dict:
+                client_latency: bool = False, tokens=None, step_variance_sigma: float = 0.0) -> dict:
     """summary.json of a run (simulated or replayed) from its plan and its request and step tables (a
     streamed run: its step figures, sim.results.request_log.step_figures_from_file, and token figures,
-    sim.results.request_log.TokenStats)."""
+    sim.results.request_log.TokenStats). `step_variance_sigma`: the simulation's step-time variance (0 for a
+    replay: its steps take the time they take)."""
     cfg, num_blocks, profile = plan.cfg, plan.num_blocks, plan.cost.profile
     if tokens is None and "token_times_s" in req_df:       # the token figures once for both summaries
         done = req_df[req_df["status"] == "finished"]
@@ -55,6 +57,8 @@ def run_summary(plan: ResolvedRun, req_df: pd.DataFrame, steps_df: pd.DataFrame 
     summary.update(run_bench_metrics(cfg, req_df, tokens))
     kv_tokens, concurrency = vllm_kv_cache_report(plan.model, num_blocks, cfg.engine.block_size, plan.max_model_len,
                                                   plan.scheduler.max_num_batched_tokens)
+
+    summary.update(saturation(req_df))
     summary.update({"num_gpu_blocks": num_blocks, "block_size": cfg.engine.block_size,
                     "kv_cache_tokens": kv_tokens, "kv_max_concurrency": concurrency,
                     "max_model_len": plan.max_model_len, "model": plan.model.name, "gpu": plan.gpu.name,
@@ -62,7 +66,7 @@ def run_summary(plan: ResolvedRun, req_df: pd.DataFrame, steps_df: pd.DataFrame 
                     # the profile that priced the steps (the replay's predicted_s) and its measured error
                     "profile": profile.name if profile else None,
                     "profile_step_mape": profile_fit_error(profile) if profile else None,
-                    "client_latency": client_latency})
+                    "client_latency": client_latency, "step_variance_sigma": step_variance_sigma})
     return summary
 
 

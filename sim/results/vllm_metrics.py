@@ -7,7 +7,8 @@ tokens of a request, all requests pooled; mean, median, population std (numpy's 
 chosen percentiles (numpy's linear interpolation), in milliseconds. Throughputs divide by the
 benchmark's duration: from its start (t=0 of the trace's clock: the first arrival of a trace with
 arrival times, or the start of `--request-rate` draws) to the last completion. Failed requests are the
-ones the engine rejected (they can never fit).
+ones the engine rejected (they can never fit) and those the client gave up on (`--request-timeout`:
+aborted), as the benchmark counts a request whose response did not complete.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def bench_metrics(requests: pd.DataFrame, *, start_s: float, percentiles=DEFAULT
     out: dict = {
         "duration": end - start_s,
         "completed": int(len(done)),
-        "failed": int((requests["status"] == "rejected").sum()),
+        "failed": int(requests["status"].isin(("rejected", "aborted")).sum()),
         "total_input_tokens": n_in,
         "total_output_tokens": n_out,
         "request_throughput": len(done) / duration,

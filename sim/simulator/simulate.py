@@ -24,6 +24,7 @@ from ..results.request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request
                           token_stats_from_file)
 from ..io.result_dirs import ResultDir, check_out_dir, check_out_owner
 from ..engine.resolved_run import ResolvedRun, resolve_run
+from ..engine.step_noise import resolve_sigma
 
 
 @dataclass
@@ -103,7 +104,8 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
         return opts.wrap_kv(kv, executor) if opts.wrap_kv is not None else (kv, executor)
 
     offload = offload_of(plan)
-    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker, connector=offload)
+    run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker, step_noise=True,
+                       connector=offload)
     replicas.extend(run.replicas)
 
     frame = _request_frame(client, entry, run, getattr(trace, "request_labels", None))
@@ -137,7 +139,8 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
         steps_for_summary = step_log.kept()
         if steps_for_summary is None:
             steps_for_summary = pd.read_parquet(out / "steps.parquet", columns=list(SUMMARY_STEP_COLUMNS))
-    summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens)
+    summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens,
+                          step_variance_sigma=resolve_sigma(cfg.step_variance, plan.gpu.name))
     summary.update(offload_figures(offload))
     summary["partial"] = stop is not None
     if stop:

@@ -55,6 +55,8 @@ class _Timeline:
         self.leaving = leaving              # (async) finishers of that step, leaving at step 0's schedule
         self.times = [view.now]             # start of step j; then the end of the last priced step
         self.durations: list[float] = []
+        self.predicted: list[float] = []    # the prices before the step noise (sim/engine/step_noise.py)
+        self.noise, self.first = view.noise, view.step_index
         self.count: list[int] = []          # decoding sequences in step j
         self.computed: list[int] = []       # their start counts, summed (context before step j: + j each)
         self.blocks: list[int] = []         # blocks they hold after step j's allocations
@@ -94,6 +96,9 @@ class _Timeline:
             del counts[q - p:], computed[q - p:], blocks[q - p:]
         kv_read = [c + j * n for j, c, n in zip(range(p + 1, q + 1), computed, counts, strict=True)]
         durations = executor.predict_decode_steps(counts, kv_read, blocks)
+        self.predicted += durations
+        if self.noise is not None:
+            durations = [d * f for d, f in zip(durations, self.noise.factors(self.first + p, len(durations)).tolist(), strict=True)]
         self.pace = durations[-1]
         self.durations += durations
         self.times += accumulate(durations, initial=self.times[-1])
@@ -113,7 +118,7 @@ class _Timeline:
             self.price(int(min(ahead, 4096)) + 2 + deferred, executor)
 
     def truncate(self, steps: int) -> None:
-        for column in (self.durations, self.count, self.computed, self.blocks):
+        for column in (self.durations, self.predicted, self.count, self.computed, self.blocks):
             del column[steps:]
         del self.times[steps + 1:]
         self.limit = self.horizon           # an empty batch found past `steps` is priced again
@@ -142,6 +147,9 @@ class _Timeline:
                            num_decode_tokens=count, attn_pairs_prefill=pairs, kv_tokens_read=kv_read,
                            block_table_entries=blocks)
         d = float(executor.predict_step(shape))
+        self.predicted.append(d)
+        if self.noise is not None:
+            d = d * self.noise.factor(self.first + j)
         self.durations.append(d)
         self.times.append(self.times[-1] + d)
         self.count.append(count)
@@ -423,4 +431,5 @@ def _run(line: _Timeline, k: int, run: _Admissions, ev: RunEvents, taken: tuple)
                      batch, kv_read, blocks, ev.finished[:k], ev.finished_computed[:k], ev.finished_blocks[:k],
                      np.array(line.durations[:k]), line.times[:k], line.times[1:k + 1],
                      token_start=run.first_token, admissions=run.admissions,
-                     prefill=PrefillColumns(seqs, tokens, pairs), arrivals=taken[0], waiting=taken[1])
+                     prefill=PrefillColumns(seqs, tokens, pairs), arrivals=taken[0], waiting=taken[1],
+                     predicted=None if line.noise is None else np.array(line.predicted[:k]))

@@ -44,6 +44,8 @@ class ReplicaView(NamedTuple):
     # when a KV connector's transfer next ends (inf: none): every step end polls for it, so the run
     # stops at the step in progress then (no async-scheduling extra step, as for arrivals)
     next_transfer: float = float("inf")
+    step_index: int = 0         # the replica's next step (the first of the run)
+    noise: object = None        # sim.engine.step_noise.StepNoise: the step-time factors, or None
 
 
 # A block allocation is one int, step << ALLOC_SHIFT | request index: sorting ints is ~2x faster
@@ -78,6 +80,7 @@ class DecodeRun:
     prefill: PrefillColumns | None = None
     arrivals: list = field(default_factory=list)    # (step whose schedule sees it, request): the run takes them
     waiting: list | None = None           # requests in WAITING after each step
+    predicted: np.ndarray | None = None   # the cost model's prices when `durations` carry step noise
 
 
 class Admitted(NamedTuple):
@@ -174,7 +177,7 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     sums = np.array((ev.d_count[:k], ev.d_computed[:k], ev.d_blocks[:k]), np.int64)
     batch, c_sum, held = np.cumsum(sums, axis=1, out=sums)
     kv_read = c_sum + np.arange(1, k + 1) * batch        # tokens after step j: c + j + 1 per request
-    durations = executor.predict_decode_run(batch, kv_read, held)
+    durations, predicted = _priced(view, executor.predict_decode_run(batch, kv_read, held))
     starts, ends = _step_times(view.now, durations.tolist(), next_arrival, ev.finished, deferred)
     starts, ends = _before_transfer(starts, ends, view.next_transfer)
     k = len(starts)
@@ -183,7 +186,16 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     allocs = ev.allocs[:bisect_left(ev.allocs, k << ALLOC_SHIFT)]     # sorted: those before step k
     return DecodeRun(list(running), computed, last_step, k, allocs, ev.new_blocks[:k], ev.freed_blocks[:k],
                      batch[:k], kv_read[:k], held[:k], ev.finished[:k], ev.finished_computed[:k],
-                     ev.finished_blocks[:k], durations[:k], starts, ends)
+                     ev.finished_blocks[:k], durations[:k], starts, ends,
+                     predicted=None if predicted is None else predicted[:k])
+
+
+def _priced(view: ReplicaView, prices: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(durations, the model's prices or None): the run's prices times the step-time factors stepping
+    applies to the same steps (sim/engine/step_noise.py), or the prices themselves without step noise."""
+    if view.noise is None:
+        return prices, None
+    return prices * view.noise.factors(view.step_index, len(prices)), prices
 
 
 def waiting_head_blocked(sched: Scheduler, kv: DecodeRunKV, budget: int, free_blocks: int) -> bool:
