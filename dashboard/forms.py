@@ -148,7 +148,14 @@ def field_choices(annotation, key: str | None = None) -> list | None:
 def extra_sections() -> dict[str, type[BaseModel]]:
     """SimConfig sub-models the dashboard has no hand-made widgets for (e.g. `kv`)."""
     return {name: _unwrap(f.annotation)[0] for name, f in SimConfig.model_fields.items()
-            if name not in _HANDLED and _is_model(f.annotation)}
+            if name not in _HANDLED and _is_model(f.annotation) and not _off_unless_given(f)}
+
+
+def _off_unless_given(field) -> bool:
+    """An optional section that is off unless given and has required fields (`kv_offload`, `fleet`): a
+    form of blank fields would turn it on half-filled, so the dashboard leaves it to config files."""
+    model = _unwrap(field.annotation)[0]
+    return field.default is None and any(f.is_required() for f in model.model_fields.values())
 
 
 def config_axes(base: SimConfig | None = None) -> dict[str, list | None]:
