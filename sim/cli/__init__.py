@@ -17,7 +17,7 @@ from .planning import capacity, plan, report, sweep
 from .reference import app as reference_app
 from .catalog import gpus, models
 from .replay import replay
-from .serve import serve
+from kvsim.sim.serve.cli import serve
 from .simulate import simulate
 from .trace import app as trace_app
 

@@ -8,7 +8,7 @@ import typer
 
 from kvsim.sim.config import ConfigError, TraceOptions, load_config
 
-from .options import (BlockSize, Budget, ChunkedPrefill, ConfigFile, Gpu, MaxModelLen, MaxNumBatchedTokens,
+from kvsim.sim.cli.options import (BlockSize, Budget, ChunkedPrefill, ConfigFile, Gpu, MaxModelLen, MaxNumBatchedTokens,
                       MaxNumSeqs, Model, NumGpuBlocks, Policy, PrefixCaching, Profile, Replicas, Seed, Sets, Tp,
                       config_overrides, fail, output_path)
 
