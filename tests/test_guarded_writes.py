@@ -106,6 +106,7 @@ RUNS: dict[str, list[str] | str] = {
     "model prepare": "converts the 270 MB GGUF (minutes); its one file is written with atomic_output "
                      "(gpu/weights.py)",
     "dashboard": "a server: its writes (uploads, labels) use atomic_output; tests/test_dashboard_guard.py drives it",
+    "serve": "a server: it writes nothing but --record-trace's trace (tests/test_serve.py drives it)",
 }
 
 
