@@ -374,15 +374,20 @@ class Scheduler:
                 self.kv.record_prefix_lookup(req.num_tokens, num_cached, preempted=req.num_preemptions > 0)
             if req.first_scheduled_time is None:
                 req.num_cached_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if swapped:
-                self.swap_used_tokens -= swapped
-                req.swapped_tokens = 0
-                out.swap_in_tokens += swapped
-            scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n), swap_in_tokens=swapped)
+            self._start_running(req, n, context, scheduled, out)
             budget -= n
         return budget
+
+    def _start_running(self, req: Request, n: int, context: float, scheduled: dict, out: SchedulerOutput) -> None:
+        """An admitted request joins RUNNING with `n` tokens this step (its swapped KV back from CPU)."""
+        swapped = req.swapped_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if swapped:
+            self.swap_used_tokens -= swapped
+            req.swapped_tokens = 0
+            out.swap_in_tokens += swapped
+        scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n), swap_in_tokens=swapped)
 
     def _admit_with_connector(self, budget: int, scheduled: dict, out: SchedulerOutput) -> int:
         """`_admit` with a KV connector: as vLLM's scheduler calls it (sim/core/connector.py). A request
@@ -425,13 +430,7 @@ class Scheduler:
                 continue
             if req.first_scheduled_time is None:
                 req.num_cached_tokens = computed
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if swapped:
-                self.swap_used_tokens -= swapped
-                req.swapped_tokens = 0
-                out.swap_in_tokens += swapped
-            scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n), swap_in_tokens=swapped)
+            self._start_running(req, n, context, scheduled, out)
             budget -= n
         for req in reversed(skipped):
             self.waiting.add_front(req)

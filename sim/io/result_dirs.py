@@ -198,17 +198,6 @@ def _umask() -> int:
     return mask
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextmanager
 def _flock(path: Path, how: int):
     """An flock on `path` (a directory or file, opened read-only) for the duration of the block."""

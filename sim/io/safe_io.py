@@ -328,7 +328,7 @@ def remove_dead_leftovers(path: Path) -> None:
         finally:
             os.close(fd)
         try:
-            if now - os.lstat(p).st_mtime < _LEFTOVER_AGE_S and _pid_alive(_pid_of(p, path.name)):
+            if now - os.lstat(p).st_mtime < _LEFTOVER_AGE_S and (pid := _pid_of(p, path.name)) > 0 and pid_alive(pid):
                 continue                    # just made, perhaps not yet locked
             if p.is_dir() and not p.is_symlink():
                 import shutil
@@ -349,9 +349,8 @@ def _pid_of(leftover: Path, name: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

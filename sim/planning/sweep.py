@@ -55,7 +55,8 @@ from ..model.cost_model import load_profile
 from ..model.defaults import resolve_engine
 from ..model.memory import ModelDoesNotFitError, PoolSizing, available_memory_bytes, check_memory, num_gpu_blocks
 from ..kv.policy import policy_identity
-from ..io.result_dirs import holding_store_lock, mark_owned, pid_alive
+from ..io.result_dirs import holding_store_lock, mark_owned
+from ..io.safe_io import pid_alive
 from ..io.safe_io import KVSIM_TMP, atomic_output
 from ..simulator.simulate import run_simulation
 
