@@ -215,7 +215,8 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     # one replica fed by the trace alone may admit its arrivals inside decode runs
     own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and limit_n is None and not by_step else None
     timeout = client_timeout(cfg.trace_options.request_timeout, entry)
-    noises = [replica_noise(plan, i) if step_noise else None for i in range(cfg.replicas)]
+    sigma = resolve_sigma(cfg.step_variance, plan.gpu.name) if step_noise else 0.0
+    noises = [replica_noise(sigma, cfg.seed, i) for i in range(cfg.replicas)]
     replicas: list[EngineReplica] = []
     for i in range(cfg.replicas):
         kv, executor = replica_parts(i)
@@ -237,10 +238,10 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     return EngineRun(env, replicas, arrivals, limit, None, router)
 
 
-def replica_noise(plan: ResolvedRun, index: int) -> StepNoise | None:
-    """Replica `index`'s step-time factors, or None in the deterministic mode (`step_variance: 0`)."""
-    sigma = resolve_sigma(plan.cfg.step_variance, plan.gpu.name)
-    return StepNoise(sigma, plan.cfg.seed, index) if sigma > 0 else None
+def replica_noise(sigma: float, seed: int, index: int) -> StepNoise | None:
+    """Replica `index`'s step-time factors of lognormal `sigma` (the run's `step_variance` resolved once),
+    or None in the deterministic mode (sigma 0)."""
+    return StepNoise(sigma, seed, index) if sigma > 0 else None
 
 
 def client_timeout(timeout_s: float | None, entry=None) -> ClientTimeout | None:

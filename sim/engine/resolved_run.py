@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 from .assembly import scheduler_config
 from .routers import RouterError, build_router
 from ..model.catalog import GPUSpec, ModelSpec, get_gpu, get_model
-from ..config import ConfigError, SimConfig
+from ..config import ConfigError, RouterOptions, SimConfig
 from ..core.scheduler import SchedulerConfig
 from ..model.cost_model import CostModel, load_profile
 from ..model.defaults import resolve_engine
@@ -71,7 +71,7 @@ def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -
     """The plan of a run of `cfg` over `trace` (sized into the memory estimate when given). `model`
     replaces `cfg.model`'s catalog entry (the real backend passes the spec of the model it runs)."""
     cfg = cfg.model_copy(update={"engine": resolve_engine(cfg)})     # with_engine_defaults
-    check_router(cfg)
+    check_router(cfg.router, cfg.router_options)
     hardware = resolve_hardware(cfg, model)
     # a model with sliding-window layers runs the hybrid manager, which refuses policies when built
     kv_kind: KVKind = "hybrid" if hardware.model.num_sliding_layers else "plain" if cfg.kv.is_default else "evicting"
@@ -83,10 +83,10 @@ def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -
         memory=estimate_run_memory(cfg, hardware.model, hardware.cost, hardware.num_blocks, trace, profile))
 
 
-def check_router(cfg: SimConfig) -> None:
-    """`router` names a registered router, and its options suit it (one line when not)."""
+def check_router(router: str, options: RouterOptions | None) -> None:
+    """`router` names a registered router, and its `router_options` suit it (one line when not)."""
     try:
-        build_router(cfg.router, [], cfg.router_options)
+        build_router(router, [], options)
     except RouterError as exc:
         raise ConfigError(str(exc)) from None
 

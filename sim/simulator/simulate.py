@@ -117,7 +117,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
         kv, executor = replica_parts(plan, index)
         return opts.wrap_kv(kv, executor) if opts.wrap_kv is not None else (kv, executor)
 
-    offload = offload_of(plan)
+    offload = None if cfg.kv_offload is None else offload_of(plan)
     run = build_engine(plan, requests, step_log, parts, entry=entry, on_step=tracker, step_noise=True,
                        connector=offload)
     replicas.extend(run.replicas)
@@ -176,10 +176,8 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
 
 
 def offload_of(plan: ResolvedRun):
-    """build_engine's connector factory for the run's `kv_offload` section (None: no offload)."""
+    """build_engine's connector factory for the run's `kv_offload` section (given)."""
     cfg = plan.cfg
-    if cfg.kv_offload is None:
-        return None
     return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), cfg.engine.block_size)
 
 
