@@ -293,8 +293,8 @@ def test_profile_missing_field_and_unknown_name(tmp_path):
     path.write_text(profile_text().replace("mfu_prefill: 0.55\n", ""))
     with pytest.raises(ProfileError, match="field 'mfu_prefill': Field required"):
         load_profile(path)
-    with pytest.raises(ProfileError, match="unknown hardware profile 'b200'.*default"):
-        load_profile("b200")
+    with pytest.raises(ProfileError, match="unknown hardware profile 'b300'.*default"):
+        load_profile("b300")
 
 
 def test_profile_round_trip(tmp_path):
