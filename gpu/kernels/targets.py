@@ -181,7 +181,7 @@ def _signature(fn, args: tuple, kwargs: dict):
     """(signature, constexprs, attrs, options) as Triton's launcher specializes these arguments."""
     import torch
     names = fn.arg_names
-    values = dict(zip(names, args, strict=True)) | {k: v for k, v in kwargs.items() if k in names}
+    values = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}      # args bind the leading names; the rest come by keyword
     options = {k: v for k, v in kwargs.items() if k not in names}
     sig, const, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(names, fn.params, strict=True)):
