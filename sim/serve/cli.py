@@ -77,8 +77,8 @@ def serve(
     try:
         cfg = load_config(config, overrides, set_)
         check_serve_config(cfg)
-        from kvsim.sim.engine.run_plan import build_run_plan
-        plan = build_run_plan(cfg)
+        from kvsim.sim.engine.resolved_run import resolve_run
+        plan = resolve_run(cfg)
         server = Server(plan, ServeOptions(served_model_name or cfg.model, time_scale, eos_tokens, tokenizer,
                                            record_trace, stream_interval))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
