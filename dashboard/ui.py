@@ -264,7 +264,7 @@ def show_summary_metrics(run: RunRecord) -> None:
                   ("Pages freed by eviction" if run.per_head else "Blocks freed by eviction",
                    _num(s.get("blocks_freed_by_eviction"), "{:,.0f}"))]
     for row in (cells[i:i + 4] for i in range(0, len(cells), 4)):
-        for col, (label, value) in zip(st.columns(4), row, strict=True):
+        for col, (label, value) in zip(st.columns(4), row, strict=False):   # the last row may fill fewer than 4 columns
             col.metric(label, value)
 
 
