@@ -152,10 +152,10 @@ def extra_sections() -> dict[str, type[BaseModel]]:
 
 
 def _off_unless_given(field) -> bool:
-    """An optional section that is off unless given and has required fields (`kv_offload`, `fleet`): a
-    form of blank fields would turn it on half-filled, so the dashboard leaves it to config files."""
-    model = _unwrap(field.annotation)[0]
-    return field.default is None and any(f.is_required() for f in model.model_fields.values())
+    """An optional section that is off unless given (`kv_offload`, `fleet`, `router_options`): a form of
+    its fields would turn it on (half-filled where it has required fields, or changing the run's label
+    where it has none), so the dashboard leaves it to config files."""
+    return field.default is None
 
 
 def config_axes(base: SimConfig | None = None) -> dict[str, list | None]:

@@ -262,7 +262,7 @@ def test_memory_page_charts_the_pool(simulated, expected):
     simulated.switch_page("pages/memory.py").run()
     assert not errors(simulated)
     s = expected.summary
-    assert metric(simulated, "KV pool (blocks x tokens)") == "300 x 16"
+    assert metric(simulated, "KV pool (blocks of 16 tokens)") == "300"
     assert metric(simulated, "KV util mean") == fmt_share(s["kv_util_mean"])
     assert metric(simulated, "KV util max") == fmt_share(s["kv_util_max"])
     pool = chart(simulated, "Block pool over time")["data"][0]

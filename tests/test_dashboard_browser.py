@@ -62,7 +62,7 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
     # Memory: the per-head run against its (layer, KV head) pages, the map as fragmented as the run
     s = per_head.summary
     blocks = s["num_gpu_blocks"]                              # one of them is vLLM's null block
-    assert f"Per-head layout: the pool is {(blocks - 1) * 256:,} pages" in memory and f"{blocks:,} x 16" in memory
+    assert f"Per-head layout: the pool is {(blocks - 1) * 256:,} pages" in memory and f"KV pool (blocks of 16 tokens)\n\n{blocks:,}" in memory
     assert f"{s['fragmentation_mean']:.1%}" in memory and s["fragmentation_mean"] > 0.5
     assert 0.5 < max(used) <= s["kv_util_max"] + 1e-9 <= 1
     live = sum(row.count(3) for row in pool)
@@ -102,7 +102,7 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
     # Memory: one figure a tile (nothing cut); blocks freed on their own axis, not flat on the tokens' one
     assert seen["cut"] == []
     axes = seen["eviction_axes"]
-    assert [t["yaxis"] for t in axes["traces"]] == ["y", "y2"] and "blocks" in axes["yaxes"]["yaxis2"]["title"]
+    assert [t["yaxis"] for t in axes["traces"]] == ["y", "y2"] and "block-equivalents / s" == axes["yaxes"]["yaxis2"]["title"]
     assert set(seconds) == set(PAGES) and all(0 < t < 60 for t in seconds.values())
     # Cancel stopped the run (no result of it kept). The simulation stops within a step (< 1 s: the job
     # tests); on screen it takes a rerun of the page, 0.3-1.3 s here, more when the machine is busy
@@ -130,6 +130,8 @@ def test_forms_colours_and_vllm_panels_in_chromium(tmp_path):
     with serve_dashboard(data_root=root) as url, Browser(1400, 1400) as browser:
         browser.navigate(url)
         browser.wait_for(_enabled_button("Run simulation"), 90, "the Run simulation button")
+        # the page reruns once it has opened the last run; its form is drawn again after that
+        browser.wait_for("document.querySelector('input[aria-label=\"KV pool (blocks)\"]') !== null", 90, "the form")
         assert browser.eval(BROKEN_LABEL_WORDS) == []                 # no "max_num_se qs"
         # values the form took and Run refused: now refused under the field, Run disabled
         for label, bad, said in (

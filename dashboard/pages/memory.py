@@ -16,7 +16,7 @@ if not len(run.steps):
 bins = st.slider("Time bins", min_value=20, max_value=600, value=200, step=20, key="mem_bins")
 s, per_row = run.summary, run.rows_per_block
 a, b, c, d, e, f = st.columns(6)       # one figure a tile: "92.3% / 100.0%" does not fit a quarter of the page
-a.metric("KV pool (blocks x tokens)", f"{run.num_blocks_total:,} x {run.block_size}",
+a.metric(f"KV pool (blocks of {run.block_size} tokens)", f"{run.num_blocks_total:,}",
          help=None if per_row == 1 else f"per (layer, KV head) row; {run.pool_blocks:,} pages in all")
 b.metric("KV util mean", fmt_share(s.get("kv_util_mean")))
 c.metric("KV util max", fmt_share(s.get("kv_util_max")))
