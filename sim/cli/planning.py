@@ -435,11 +435,24 @@ def plan(
                                        help="store for the runs + plan-result.json (resumable; kvsim report reads it)"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress lines")] = False,
     usd_per_hour: UsdPerHour = None,
+    disaggregated: bool = typer.Option(False, "--disaggregated", help="also search prefill/decode fleets (pool "
+                                       "GPU, TP, replicas) and print both forms side by side"),
+    prefill_gpus: str | None = typer.Option(None, "--prefill-gpus", help="prefill pool GPUs (default: --gpus)"),
+    decode_gpus: str | None = typer.Option(None, "--decode-gpus", help="decode pool GPUs (default: --gpus)"),
+    prefill_tps: str | None = typer.Option(None, "--prefill-tps", help="prefill pool TP degrees (default: --tps)"),
+    decode_tps: str | None = typer.Option(None, "--decode-tps", help="decode pool TP degrees (default: --tps)"),
+    link: str = typer.Option("ib-ndr", "--link", help="link between the pools (sim/data/links.yaml)"),
+    max_pool_replicas: int = typer.Option(16, "--max-pool-replicas", help="give a disaggregated fleet up above "
+                                          "this many replicas in a pool"),
+    local_prefill_tokens: int = typer.Option(0, "--local-prefill-tokens", help="conditional disaggregation "
+                                             "threshold of every fleet searched (0: always disaggregate)"),
 ) -> None:
     """The cheapest configuration meeting an SLO at a given load, for each model: every GPU x TP degree
     (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
     that cannot be cheaper than an answer already found are dropped); prints each configuration's
-    answer, the Pareto table (cost vs p99 TTFT/TPOT) and the cheapest with its range."""
+    answer, the Pareto table (cost vs p99 TTFT/TPOT) and the cheapest with its range. With
+    --disaggregated, also the cheapest prefill/decode fleet (docs/disaggregation.md), both forms side by
+    side and the Pareto front of output tokens/s per GPU vs per user."""
     from kvsim.sim.planning.capacity import choose_sample, parse_slo, profile_configs, variant_configs
     from kvsim.sim.model.catalog import CatalogError, get_gpu, get_model
     from kvsim.sim.planning.plan import PlanSpace, executor, plan_capacity
@@ -453,16 +466,22 @@ def plan(
         fail(f"--max-replicas: expected a positive number, got {max_replicas}")
     if out is not None:
         _check_store(out, "--out")
+    _check_disaggregated_options(disaggregated, {"--prefill-gpus": prefill_gpus, "--decode-gpus": decode_gpus,
+                                                 "--prefill-tps": prefill_tps, "--decode-tps": decode_tps},
+                                 link, max_pool_replicas, local_prefill_tokens)
     try:
         model_list, gpu_list = _catalog_names(model_list, "--models", get_model), _catalog_names(gpu_list, "--gpus", get_gpu)
+        pools = {role: _pool_types(gtext, ttext, gpu_list, tp_list, role)
+                 for role, gtext, ttext in (("prefill", prefill_gpus, prefill_tps), ("decode", decode_gpus, decode_tps))
+                 } if disaggregated else {}
+        priced = list(dict.fromkeys(gpu_list + [g for r in pools.values() for g, _ in r]))
         cfg = load_config(config, config_overrides(trace=trace, rate_scale=rate_scale, model=model_list[0],
                                                    gpu=gpu_list[0], usd_per_hour=usd_per_hour), set_)
-        if isinstance(cfg.usd_per_hour, float) and len(gpu_list) > 1:
-            raise ConfigError(f"--usd-per-hour {cfg.usd_per_hour:g}: one price for {len(gpu_list)} GPUs; give "
+        if isinstance(cfg.usd_per_hour, float) and len(priced) > 1:
+            raise ConfigError(f"--usd-per-hour {cfg.usd_per_hour:g}: one price for {len(priced)} GPUs; give "
                               "GPU=PRICE for each one to price (h100=2.5,h200=3.9)")
-        if policy_list:
-            for p in policy_list:
-                load_config(None, {"kv.policy": p})
+        for p in policy_list or []:
+            load_config(None, {"kv.policy": p})
         constraints = parse_slo(slo)
         cfg, sample = choose_sample(cfg, window)
     except (ConfigError, CatalogError, TraceError) as exc:
@@ -487,15 +506,61 @@ def plan(
             space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas)
             result = plan_capacity(cfg, constraints, space, run_batch=run_batch, width=width, store=out,
                                    variants=variants, progress=show)
+            dis = None
+            if disaggregated:
+                from kvsim.sim.planning.disaggregated import DisaggSpace, plan_disaggregated
+                from kvsim.sim.planning.plan import _Runner
+
+                dspace = DisaggSpace(model_list, pools["prefill"], pools["decode"], link, max_pool_replicas,
+                                     local_prefill_tokens)
+                dis = plan_disaggregated(cfg, constraints, dspace, _Runner(constraints, run_batch, out), width=width,
+                                         variants=variants, progress=None if quiet else _show_fleet)
     except typer.Exit:              # store_errors' own one-line exit (typer.Exit is a RuntimeError)
         raise
     except ConfigError as exc:
         fail(str(exc))
     result.range_notes = notes
     _print_plan(result)
+    if dis is not None:
+        _print_disaggregated(result, dis)
     _print_warnings(sample, None, None)
-    if not result.cheapest:
+    if not result.cheapest and not (dis is not None and dis.cheapest):
         raise typer.Exit(1)
+
+
+def _check_disaggregated_options(disaggregated: bool, pool_options: dict, link: str, max_pool_replicas: int,
+                                 local_prefill_tokens: int) -> None:
+    """`kvsim plan`'s disaggregated options: refused in one line where they cannot apply or are wrong."""
+    from kvsim.sim.model.links import link_names
+
+    if not disaggregated:
+        given = [k for k, v in pool_options.items() if v is not None] + (["--link"] if link != "ib-ndr" else []) + \
+            (["--max-pool-replicas"] if max_pool_replicas != 16 else []) + \
+            (["--local-prefill-tokens"] if local_prefill_tokens else [])
+        if given:
+            fail(f"{given[0]}: applies to disaggregated fleets; add --disaggregated")
+    if max_pool_replicas < 1:
+        fail(f"--max-pool-replicas: expected a positive number, got {max_pool_replicas}")
+    if local_prefill_tokens < 0:
+        fail(f"--local-prefill-tokens: expected 0 or a positive number of tokens, got {local_prefill_tokens}")
+    if link not in link_names():
+        fail(f"--link: unknown link {link!r}; known: {', '.join(link_names())}")
+
+
+def _pool_types(gpus: str | None, tps: str | None, gpu_list: list[str], tp_list: list[int], role: str) -> list:
+    """(GPU, TP) of a pool's types: --{role}-gpus x --{role}-tps, each defaulting to --gpus / --tps."""
+    from kvsim.sim.model.catalog import get_gpu
+
+    g = _catalog_names(_names(gpus, f"--{role}-gpus"), f"--{role}-gpus", get_gpu) if gpus else gpu_list
+    t = _ints(tps, f"--{role}-tps") if tps else tp_list
+    return [(gpu, tp) for gpu in g for tp in t]
+
+
+def _show_fleet(p) -> None:
+    row = p.row or {}
+    mark = ("[green]meets[/green]" if p.meets else f"[red]fails[/red] {row.get('violations', '')}"
+            if row.get("status") == "ok" else f"[red]failed[/red] {row.get('error')}")
+    console.print(f"  {p.model} {p.label}: {mark}", soft_wrap=True)
 
 
 def _count(n: int, word: str) -> str:
@@ -556,3 +621,118 @@ def _print_plan(result) -> None:
         elif model not in result.cheapest:
             console.print(f"[red]{model}: no configuration searched meets the SLO[/red]", soft_wrap=True)
     console.print(f"{result.simulations} simulations, {result.wall_s:.1f} s", highlight=False)
+
+
+def _print_disaggregated(agg, dis) -> None:
+    """The disaggregated search (bounds, points), both forms side by side, and the Pareto front."""
+    _print_bounds(dis)
+    _print_fleet_points(dis)
+    _print_side_by_side(agg, dis)
+    _print_front(agg, dis)
+    for model in dis.bounds:
+        a, p = agg.cheapest.get(model), dis.cheapest.get(model)
+        if a is not None and p is not None:
+            a_usd = a.hi_ok * a.cand.usd_per_replica_hour
+            better = "disaggregated" if p.usd_per_hour < a_usd else "aggregated" if a_usd < p.usd_per_hour else "neither"
+            console.print(f"[bold]{model}: cheaper form {better}[/bold]: aggregated ${a_usd:.2f}/h "
+                          f"({a.hi_ok * a.cand.tp} GPUs), disaggregated ${p.usd_per_hour:.2f}/h ({p.gpus} GPUs)",
+                          highlight=False, soft_wrap=True)
+        elif p is None:
+            console.print(f"[red]{model}: no disaggregated fleet searched meets the SLO[/red]", soft_wrap=True)
+    console.print(f"disaggregated: {dis.simulations} simulations, {dis.wall_s:.1f} s", highlight=False)
+
+
+def _print_bounds(dis) -> None:
+    bt = Table("model", "pool", "GPU", "TP", "$/h per replica", "best rate per replica", "fewest replicas",
+               title="disaggregated: per-pool capacity bounds (the load over each pool type's best rate)")
+    for model, bounds in dis.bounds.items():
+        for b in bounds:
+            bt.add_row(model, b.role, b.pool.gpu, str(b.pool.tp), f"{b.pool.usd_per_replica_hour:.2f}", b.why,
+                       "cannot" if b.min_replicas is None else str(b.min_replicas))
+    for model, role, pool, why in dis.unfit:
+        bt.add_row(model, role, pool.gpu, str(pool.tp), "-", f"cannot run: {why}", "-")
+    console.print(bt)
+
+
+def _print_fleet_points(dis) -> None:
+    pt = Table("model", "fleet", "GPUs", "$/h", "result", "TTFT p99 ms", "TPOT p99 ms", "prefill queue p99 ms",
+               "transfer p99 ms", title="disaggregated fleets simulated (cheapest first)")
+    for p in dis.points:
+        row = p.row or {}
+        h = row.get("handoff") if isinstance(row.get("handoff"), dict) else {}
+        res = ("meets" if p.meets else "fails " + str(row.get("violations", ""))) if row.get("status") == "ok" \
+            else f"failed: {row.get('error')}"
+        pt.add_row(p.model, p.label, str(p.gpus), f"{p.usd_per_hour:.2f}", res, _ms(row.get("ttft_p99_s")),
+                   _ms(row.get("tpot_p99_s")), _ms(h.get("p99_prefill_queue_s")), _ms(h.get("p99_transfer_s")))
+    console.print(pt)
+    for model in dis.bounds:
+        console.print(f"{model}: {dis.grid.get(model, 0):,} disaggregated fleets within the replica limit; "
+                      f"{dis.below_bound.get(model, 0):,} below a pool's capacity bound, "
+                      f"{sum(1 for p in dis.points if p.model == model)} simulated, {dis.implied_fail.get(model, 0):,} "
+                      "cheaper ones implied to fail by a simulated failure, the rest dearer than the answer",
+                      highlight=False, soft_wrap=True)
+
+
+def _per_gpu_per_user(row: dict) -> tuple[float, float]:
+    """(output tok/s per GPU, tok/s per user = 1 / mean TPOT) of a run's row."""
+    gpus, tok, tpot = row.get("num_gpus") or 0, row.get("throughput_output_tok_s") or 0.0, row.get("tpot_mean_s")
+    per_user = 1.0 / tpot if tpot and not math.isnan(tpot) and tpot > 0 else math.nan
+    return (tok / gpus if gpus else math.nan), per_user
+
+
+def _print_side_by_side(agg, dis) -> None:
+    side = Table("model", "form", "configuration", "GPUs", "$/h", "$/M out tok", "TTFT p99 ms", "TPOT p99 ms",
+                 "tok/s/GPU", "tok/s/user", "range", title="aggregated vs disaggregated: the cheapest of each")
+    for model in dict.fromkeys(list(agg.cheapest) + list(dis.cheapest) + list(dis.bounds)):
+        s = agg.cheapest.get(model)
+        if s is not None:
+            row = s.answer_row
+            g, u = _per_gpu_per_user(row)
+            values = [s.hi_ok] + [v for v in agg.ranges.get(model, {}).values() if v is not None]
+            side.add_row(model, "aggregated", f"{s.hi_ok}x {s.cand.gpu} TP{s.cand.tp}", str(s.hi_ok * s.cand.tp),
+                         f"{s.hi_ok * s.cand.usd_per_replica_hour:.2f}", f"{row.get('usd_per_m_output_tok', math.nan):.3f}",
+                         _ms(row.get("ttft_p99_s")), _ms(row.get("tpot_p99_s")), f"{g:,.0f}", f"{u:.1f}",
+                         f"{min(values)}-{max(values)} replicas")
+        else:
+            side.add_row(model, "aggregated", "none meets the SLO", *["-"] * 8)
+        p = dis.cheapest.get(model)
+        if p is not None:
+            g, u = _per_gpu_per_user(p.row)
+            held = ", ".join(f"{k}: {'meets' if v else 'fails' if v is not None else 'failed'}"
+                             for k, v in dis.ranges.get(model, {}).items())
+            side.add_row(model, "disaggregated", p.label, str(p.gpus), f"{p.usd_per_hour:.2f}",
+                         f"{p.row.get('usd_per_m_output_tok', math.nan):.3f}", _ms(p.row.get("ttft_p99_s")),
+                         _ms(p.row.get("tpot_p99_s")), f"{g:,.0f}", f"{u:.1f}", held or "-")
+        else:
+            side.add_row(model, "disaggregated", "none searched meets the SLO", *["-"] * 8)
+    console.print(side)
+
+
+def front_points(agg, dis) -> dict[str, list[dict]]:
+    """Every simulated point meeting the SLO, of both forms, per model, with its tok/s per GPU and per user."""
+    out: dict[str, list[dict]] = {}
+    for s in agg.searches:
+        for n, row in s.rows.items():
+            if row.get("status") == "ok" and row.get("meets_slo"):
+                g, u = _per_gpu_per_user(row)
+                out.setdefault(s.cand.model, []).append(
+                    {"form": "aggregated", "label": f"{n}x {s.cand.gpu} TP{s.cand.tp}", "gpus": n * s.cand.tp,
+                     "usd": n * s.cand.usd_per_replica_hour, "per_gpu": g, "per_user": u})
+    for p in dis.points:
+        if p.meets:
+            g, u = _per_gpu_per_user(p.row)
+            out.setdefault(p.model, []).append({"form": "disaggregated", "label": p.label, "gpus": p.gpus,
+                                                "usd": p.usd_per_hour, "per_gpu": g, "per_user": u})
+    return out
+
+
+def _print_front(agg, dis) -> None:
+    from kvsim.sim.planning.disaggregated import pareto_front
+
+    ft = Table("model", "form", "configuration", "GPUs", "$/h", "output tok/s per GPU", "tok/s per user",
+               title="Pareto front: tok/s per GPU vs tok/s per user (1 / mean TPOT), points meeting the SLO")
+    for model, pts in front_points(agg, dis).items():
+        for f in pareto_front([q for q in pts if not math.isnan(q["per_gpu"]) and not math.isnan(q["per_user"])]):
+            ft.add_row(model, f["form"], f["label"], str(f["gpus"]), f"{f['usd']:.2f}", f"{f['per_gpu']:,.0f}",
+                       f"{f['per_user']:.1f}")
+    console.print(ft)

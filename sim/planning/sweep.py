@@ -395,8 +395,13 @@ def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
     tokens and per thousand good requests at the throughput achieved; NaN for a run that does not,
     so an SLO failure is never the cheapest."""
 
-    gpus = cfg.tp * cfg.replicas
-    usd_per_hour = cfg.gpu_usd_per_hour() * gpus
+    if cfg.fleet is None:
+        gpus = cfg.tp * cfg.replicas
+        usd_per_hour = cfg.gpu_usd_per_hour() * gpus
+    else:                               # a disaggregated fleet: both pools' GPUs at their own price
+        pools = [(p.gpu or cfg.gpu, (p.tp or cfg.tp) * p.replicas) for p in (cfg.fleet.prefill, cfg.fleet.decode)]
+        gpus = sum(n for _, n in pools)
+        usd_per_hour = sum(cfg.gpu_usd_per_hour(g) * n for g, n in pools)
     meets = meets_run_slo(cfg, summary)
     return {"num_gpus": gpus, "usd_per_hour": usd_per_hour, "meets_slo": meets,
             **slo_costs(usd_per_hour, summary.get("throughput_output_tok_s"), summary.get("goodput_req_s"), meets)}

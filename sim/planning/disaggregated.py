@@ -1,0 +1,400 @@
+"""`kvsim plan --disaggregated`: the cheapest prefill/decode fleet meeting an SLO.
+
+A disaggregated fleet is a prefill pool and a decode pool (docs/disaggregation.md), each its own GPU,
+TP degree and replica count. The space is every (prefill GPU x TP) x (decode GPU x TP) pair that fits
+the model, crossed with the two replica counts. It is searched without simulating most of it:
+
+1. **Per-pool capacity bounds, before anything runs.** From the load sample (its prompt tokens per
+   second, less what an ideal prefix cache could serve, and its output tokens per second) and each
+   pool type's cost model: the prefill pool's best rate is the highest prompt tokens per second one
+   replica computes in full `max_num_batched_tokens` steps (attention left out: an upper bound); the
+   decode pool's best rate is the most output tokens per second one replica produces at a batch that
+   fits its KV pool at the sample's mean context (prompt + half the output), at most `max_num_seqs`,
+   whose step time stays within the SLO's TPOT limit. A pool with fewer replicas than the load over
+   that rate is never simulated (it cannot keep up on average). A decode pool type whose one-sequence
+   step is above the TPOT limit cannot meet it at all.
+2. **Cheapest first.** The remaining points are taken in order of $/hour (then GPUs), `width` at a time
+   (the executor's workers); the first point that meets the SLO is the answer, and the search stops
+   when no unsimulated point is cheaper.
+3. **What a failure implies.** A failed (prefill x n_p, decode x n_d) implies every point of the same
+   pool types with at most n_p and at most n_d replicas fails (more replicas never hurt the load: an
+   assumption). When the prefill pool's own queue is above the TTFT limit (the p99 or mean of the
+   TTFT split's `prefill_queue_s`, whichever the SLO names), every fleet with that prefill pool and at
+   most n_p replicas fails whatever its decode pool: a request's TTFT includes its prefill queue, and
+   that queue does not depend on the decode pool (but for KV held until pulled).
+4. **Reuse.** Every run goes through the plan's store (sweep rows, the same run ids), so a plan run
+   again, or a point shared with another plan, is not simulated twice.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .capacity import Constraint, slo_for_goodput
+from ..config import SimConfig
+from .sweep import SpecError, _FitChecker
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PoolType:
+    """One pool's hardware: GPU, TP degree and the price of one replica."""
+    gpu: str
+    tp: int
+    usd_per_replica_hour: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.gpu} TP{self.tp}"
+
+
+@dataclass(frozen=True)
+class OfferedLoad:
+    """What the load sample asks of the pools, per second of its arrivals."""
+    requests: int
+    duration_s: float
+    prompt_tok_s: float            # prompt tokens an ideal prefix cache could not serve
+    output_tok_s: float
+    mean_context: float            # prompt + half the output: a decoding request's mean KV
+
+
+@dataclass(frozen=True)
+class PoolBound:
+    """A pool type's best rate per replica and the fewest replicas the load needs at that rate."""
+    role: str
+    pool: PoolType
+    tok_s_per_replica: float       # prompt tok/s (prefill) or output tok/s (decode); 0: cannot meet the SLO
+    min_replicas: int | None       # None: no count can (see why)
+    why: str
+
+
+@dataclass
+class FleetPoint:
+    model: str
+    prefill: PoolType
+    n_prefill: int
+    decode: PoolType
+    n_decode: int
+    row: dict | None = None
+    implied: str = ""              # why it fails without a run
+
+    @property
+    def usd_per_hour(self) -> float:
+        return self.n_prefill * self.prefill.usd_per_replica_hour + self.n_decode * self.decode.usd_per_replica_hour
+
+    @property
+    def gpus(self) -> int:
+        return self.n_prefill * self.prefill.tp + self.n_decode * self.decode.tp
+
+    @property
+    def key(self) -> tuple:
+        return (self.model, self.prefill, self.n_prefill, self.decode, self.n_decode)
+
+    @property
+    def label(self) -> str:
+        return f"{self.n_prefill}x {self.prefill.label} prefill + {self.n_decode}x {self.decode.label} decode"
+
+    @property
+    def meets(self) -> bool:
+        return bool(self.row and self.row.get("status") == "ok" and self.row.get("meets_slo"))
+
+
+@dataclass(frozen=True)
+class DisaggSpace:
+    """The fleets `kvsim plan --disaggregated` searches: pool types per role and the replica limit."""
+    models: list[str]
+    prefill: list[tuple[str, int]]          # (GPU, TP) of the prefill pool
+    decode: list[tuple[str, int]]           # (GPU, TP) of the decode pool
+    link: str = "ib-ndr"
+    max_pool_replicas: int = 16             # no pool is simulated with more replicas than this
+    local_prefill_tokens: int = 0           # conditional disaggregation threshold of every fleet
+
+
+@dataclass
+class DisaggPlanResult:
+    slo: list[str]
+    load: dict[str, OfferedLoad]                     # model -> its offered load (the same sample)
+    bounds: dict[str, list[PoolBound]]               # model -> every pool type's bound
+    unfit: list[tuple[str, str, PoolType, str]]      # (model, role, pool type, why it cannot run)
+    points: list[FleetPoint]                         # every simulated point, in order of simulation
+    cheapest: dict[str, FleetPoint]
+    grid: dict[str, int] = field(default_factory=dict)            # model -> points within the replica limit
+    below_bound: dict[str, int] = field(default_factory=dict)     # model -> points the bounds rule out
+    implied_fail: dict[str, int] = field(default_factory=dict)    # model -> points a failure rules out
+    ranges: dict[str, dict[str, bool | None]] = field(default_factory=dict)   # model -> variant -> meets
+    simulations: int = 0
+    wall_s: float = 0.0
+
+
+def fleet_config(base: SimConfig, model: str, p: PoolType, n_p: int, d: PoolType, n_d: int,
+                 space: DisaggSpace) -> SimConfig:
+    data = base.model_dump()
+    data.update(model=model, gpu=d.gpu, tp=d.tp, replicas=1,
+                fleet={"prefill": {"gpu": p.gpu, "tp": p.tp, "replicas": n_p},
+                       "decode": {"gpu": d.gpu, "tp": d.tp, "replicas": n_d},
+                       "link": space.link, "local_prefill_tokens": space.local_prefill_tokens})
+    return SimConfig.model_validate(data)
+
+
+def offered_load(cfg: SimConfig) -> OfferedLoad:
+    """The sample's prompt and output tokens per second; a prompt's leading blocks whose prefix hash an
+    earlier request of the sample carried count as cached (an ideal cache: the bound stays optimistic)."""
+    from ..engine.assembly import load_workload
+
+    trace = load_workload(cfg)
+    df = trace.df
+    n = len(df)
+    duration = float(df["arrival_time_s"].max() - df["arrival_time_s"].min()) if n > 1 else 0.0
+    prompts = df["prompt_tokens"].to_numpy(dtype=float)
+    outputs = df["output_tokens"].to_numpy(dtype=float)
+    cached = np.zeros(n)
+    block = trace.prefix_block_tokens or 0
+    if block and "prefix_hash_ids" in df:
+        seen: set = set()
+        for i, ids in enumerate(df["prefix_hash_ids"]):
+            if ids is None or (isinstance(ids, float) and math.isnan(ids)):
+                continue
+            hits = 0
+            for h in ids:
+                if h not in seen:
+                    break
+                hits += 1
+            seen.update(ids)
+            cached[i] = min(hits * block, prompts[i] - 1)
+    span = duration if duration > 0 else 1.0          # all at once: the load per second of one second
+    return OfferedLoad(n, duration, float((prompts - cached).sum()) / span, float(outputs.sum()) / span,
+                       float((prompts + outputs / 2).mean()) if n else 0.0)
+
+
+def _limit(constraints: list[Constraint], kind: str) -> tuple[float | None, str | None]:
+    """The tightest upper limit on `kind` (ttft, tpot) and its statistic (p99, mean, ...)."""
+    best: tuple[float | None, str | None] = (None, None)
+    for c in constraints:
+        parts = c.metric.split("_")
+        if parts[0] == kind and c.op in ("<=", "<") and (best[0] is None or c.limit < best[0]):
+            best = (c.limit, parts[1] if len(parts) > 2 else None)
+    return best
+
+
+def pool_bound(role: str, pool: PoolType, plan, load: OfferedLoad, tpot_limit: float | None) -> PoolBound:
+    """The best per-replica rate of `pool` (a resolved run of one replica of it) for `role`."""
+    from ..core.step import BatchShape
+
+    cost, sched = plan.cost, plan.scheduler
+    if role == "prefill":
+        top = sched.max_num_batched_tokens
+        sizes = sorted({min(top, 2 ** k) for k in range(6, 20)} | {top})
+        rate = max(t / float(cost.predict(BatchShape(num_seqs=1, num_prefill_tokens=t))) for t in sizes)
+        need = load.prompt_tok_s
+        why = f"{rate:,.0f} prompt tok/s per replica at {top}-token steps (attention left out)"
+    else:
+        block = plan.cfg.engine.block_size
+        kv_seqs = int((plan.num_blocks - 1) * block // max(load.mean_context, 1.0))
+        top = max(1, min(sched.max_num_seqs, kv_seqs))
+        b = np.arange(1, top + 1, dtype=float)
+        ctx = max(load.mean_context, 1.0)
+        t = np.asarray(cost.predict_decode(b, b * ctx, b * math.ceil(ctx / block)), dtype=float)
+        ok = t <= tpot_limit if tpot_limit is not None else np.ones_like(t, dtype=bool)
+        if not ok.any():
+            return PoolBound(role, pool, 0.0, None, f"one sequence's decode step takes {t[0] * 1e3:.1f} ms, above "
+                                                      f"the TPOT limit {tpot_limit * 1e3:g} ms")
+        rates = np.where(ok, b / t, 0.0)
+        i = int(rates.argmax())
+        rate = float(rates[i])
+        need = load.output_tok_s
+        why = (f"{rate:,.0f} output tok/s per replica at batch {i + 1} (step {t[i] * 1e3:.1f} ms; KV holds "
+               f"{kv_seqs} seqs of {ctx:,.0f} tokens, max_num_seqs {sched.max_num_seqs})")
+    return PoolBound(role, pool, rate, max(1, math.ceil(need / rate * (1 - 1e-9))) if need > 0 else 1, why)
+
+
+def pool_types(base: SimConfig, model: str, pairs: list[tuple[str, int]], role: str, fits: _FitChecker,
+               unfit: list) -> list[tuple[PoolType, SimConfig]]:
+    """The pool types of `role` that can run `model` (one replica's config each), the others into `unfit`."""
+    out = []
+    for gpu, tp in pairs:
+        cfg = SimConfig.model_validate({**base.model_dump(), "model": model, "gpu": gpu, "tp": tp, "replicas": 1,
+                                        "fleet": None})
+        pool = PoolType(gpu, tp, cfg.gpu_usd_per_hour(gpu) * tp)
+        try:
+            fits.check(cfg, "")
+        except SpecError as exc:
+            from .plan import _short_reason
+            unfit.append((model, role, pool, _short_reason(str(exc).removeprefix(": "))))
+            continue
+        out.append((pool, cfg))
+    return out
+
+
+class _Grid:
+    """One model's search: the points above the bounds, cheapest first, and what failures imply."""
+
+    def __init__(self, model: str, prefill: list[PoolBound], decode: list[PoolBound], max_n: int):
+        self.model = model
+        self.points: list[tuple[float, int, str, tuple]] = []
+        self.total = self.below = 0
+        for pb in prefill:
+            for db in decode:
+                self.total += max_n * max_n
+                if pb.min_replicas is None or db.min_replicas is None:
+                    self.below += max_n * max_n
+                    continue
+                lo_p, lo_d = min(pb.min_replicas, max_n + 1), min(db.min_replicas, max_n + 1)
+                self.below += max_n * max_n - (max_n - lo_p + 1) * (max_n - lo_d + 1)
+                for n_p in range(lo_p, max_n + 1):
+                    for n_d in range(lo_d, max_n + 1):
+                        point = FleetPoint(model, pb.pool, n_p, db.pool, n_d)
+                        self.points.append((point.usd_per_hour, point.gpus, point.label, point.key))
+        self.points.sort()
+        self.failed: dict[tuple, list[tuple[int, int]]] = {}      # (prefill, decode) -> failed counts
+        self.prefill_failed: dict[PoolType, int] = {}            # prefill type -> its queue fails up to n
+        self.done: dict[tuple, FleetPoint] = {}
+        self.best: FleetPoint | None = None
+        self.implied = 0
+
+    def failure_implied(self, key: tuple) -> str:
+        _, p, n_p, d, n_d = key
+        if n_p <= self.prefill_failed.get(p, 0):
+            return f"the prefill queue of {self.prefill_failed[p]}x {p.label} is above the TTFT limit"
+        for fp, fd in self.failed.get((p, d), ()):
+            if n_p <= fp and n_d <= fd:
+                return f"{fp}x {p.label} + {fd}x {d.label} fails"
+        return ""
+
+    def next(self, count: int) -> list[tuple]:
+        """Up to `count` points to simulate: the cheapest not yet simulated, not implied to fail, and
+        cheaper than the best answer found."""
+        picked = []
+        for usd, gpus, _, key in self.points:
+            if self.best is not None and (usd, gpus) >= (self.best.usd_per_hour, self.best.gpus):
+                break
+            if key in self.done:
+                continue
+            if self.failure_implied(key):
+                continue
+            picked.append(key)
+            if len(picked) >= count:
+                break
+        return picked
+
+    def record(self, point: FleetPoint, prefill_queue_fails: bool) -> None:
+        self.done[point.key] = point
+        if point.meets:
+            if self.best is None or (point.usd_per_hour, point.gpus) < (self.best.usd_per_hour, self.best.gpus):
+                self.best = point
+            return
+        self.failed.setdefault((point.prefill, point.decode), []).append((point.n_prefill, point.n_decode))
+        if prefill_queue_fails:
+            self.prefill_failed[point.prefill] = max(point.n_prefill, self.prefill_failed.get(point.prefill, 0))
+
+    def count_implied(self) -> int:
+        cheaper = [k for usd, gpus, _, k in self.points
+                   if self.best is None or (usd, gpus) < (self.best.usd_per_hour, self.best.gpus)]
+        return sum(1 for k in cheaper if k not in self.done and self.failure_implied(k))
+
+
+def _handoff(row: dict) -> dict:
+    value = row.get("handoff")
+    if isinstance(value, str):
+        return json.loads(value)
+    return value if isinstance(value, dict) else {}
+
+
+def prefill_queue_fails(row: dict, ttft: tuple[float | None, str | None]) -> bool:
+    """The run's prefill queue alone (the TTFT split's `prefill_queue_s`) is above the TTFT limit."""
+    limit, stat = ttft
+    if limit is None or row.get("status") != "ok" or stat not in ("p99", "mean"):
+        return False
+    value = _handoff(row).get(f"{stat}_prefill_queue_s")
+    return value is not None and not math.isnan(value) and value > limit
+
+
+def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: DisaggSpace, runner, *,
+                       width: int = 1, variants: Callable[[SimConfig], dict[str, SimConfig]] | None = None,
+                       progress: Callable[[FleetPoint], None] | None = None) -> DisaggPlanResult:
+    """The cheapest disaggregated fleet per model meeting `constraints` at `base`'s load (see the module
+    docstring). `runner` is plan.py's `_Runner` (store, executor, SLO judging): shared with the
+    aggregated search of the same plan. `variants(cfg)`: other versions of the answer's config (other
+    windows, the profile band), each simulated once: whether the answer still meets the SLO there."""
+    from ..engine.resolved_run import resolve_run
+
+    t0 = time.perf_counter()
+    base = slo_for_goodput(base, constraints)
+    tpot, ttft = _limit(constraints, "tpot"), _limit(constraints, "ttft")
+    fits = _FitChecker()
+    unfit: list = []
+    result = DisaggPlanResult([c.text for c in constraints], {}, {}, unfit, [], {})
+    grids: list[_Grid] = []
+    configs: dict[tuple, SimConfig] = {}
+    load = offered_load(base)
+    for model in space.models:
+        bounds: dict[str, list[PoolBound]] = {}
+        for role, pairs in (("prefill", space.prefill), ("decode", space.decode)):
+            bounds[role] = [pool_bound(role, pool, resolve_run(cfg), load, tpot[0])
+                            for pool, cfg in pool_types(base, model, pairs, role, fits, unfit)]
+        result.load[model] = load
+        result.bounds[model] = bounds["prefill"] + bounds["decode"]
+        grid = _Grid(model, bounds["prefill"], bounds["decode"], space.max_pool_replicas)
+        result.grid[model], result.below_bound[model] = grid.total, grid.below
+        grids.append(grid)
+    sims_before = runner.simulations
+    _search(grids, configs, runner, width, lambda key: fleet_config(base, *key, space),
+            lambda row: prefill_queue_fails(row, ttft) and not space.local_prefill_tokens, result.points, progress)
+    for grid in grids:
+        result.implied_fail[grid.model] = grid.count_implied()
+        if grid.best is not None:
+            result.cheapest[grid.model] = grid.best
+    if variants:
+        for model, best in result.cheapest.items():
+            cfg = configs[best.key]
+            found = variants(cfg)
+            rows = runner(list(found.values())) if found else []
+            result.ranges[model] = {label: (bool(r.get("meets_slo")) if r.get("status") == "ok" else None)
+                                    for label, r in zip(found, rows, strict=True)}
+    result.simulations = runner.simulations - sims_before
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _search(grids: list[_Grid], configs: dict[tuple, SimConfig], runner, width: int,
+            make: Callable[[tuple], SimConfig], queue_fails: Callable[[dict], bool], points: list[FleetPoint],
+            progress: Callable[[FleetPoint], None] | None) -> None:
+    """Rounds of `width` simulations, shared among the models, until no grid has a point to run."""
+    while True:
+        batch: list[tuple[_Grid, tuple]] = []
+        share = max(1, width // max(1, len(grids)))
+        for grid in grids:
+            batch += [(grid, key) for key in grid.next(share)]
+        for grid in grids:              # fill the round from the models that have more to run
+            if len(batch) < width:
+                taken = {k for _, k in batch}
+                batch += [(grid, k) for k in grid.next(width) if k not in taken][:width - len(batch)]
+        if not batch:
+            return
+        for _, key in batch:
+            if key not in configs:
+                configs[key] = make(key)
+        for (grid, key), row in zip(batch, runner([configs[k] for _, k in batch]), strict=True):
+            point = FleetPoint(*key, row)
+            grid.record(point, queue_fails(row))
+            points.append(point)
+            if progress:
+                progress(point)
+
+
+def pareto_front(points: list[dict]) -> list[dict]:
+    """AIConfigurator's view: among points meeting the SLO, those no other point beats on both output
+    tokens/s per GPU and tokens/s per user (1 / mean TPOT). Each point a dict with `per_gpu` and
+    `per_user`; highest throughput per GPU first."""
+    keep = []
+    for a in points:
+        beaten = any(b["per_gpu"] >= a["per_gpu"] and b["per_user"] >= a["per_user"]
+                     and (b["per_gpu"] > a["per_gpu"] or b["per_user"] > a["per_user"]) for b in points)
+        if not beaten:
+            keep.append(a)
+    return sorted(keep, key=lambda p: (-p["per_gpu"], -p["per_user"]))
