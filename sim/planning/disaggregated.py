@@ -4,14 +4,15 @@ A disaggregated fleet is a prefill pool and a decode pool (docs/disaggregation.m
 TP degree and replica count. The space is every (prefill GPU x TP) x (decode GPU x TP) pair that fits
 the model, crossed with the two replica counts. It is searched without simulating most of it:
 
-1. **Per-pool capacity bounds, before anything runs.** From the load sample (its prompt tokens per
-   second, less what an ideal prefix cache could serve, and its output tokens per second) and each
-   pool type's cost model: the prefill pool's best rate is the highest prompt tokens per second one
+1. **Per-pool capacity bounds, before anything runs.** From the load sample and the SLO's deadlines
+   (with a p99 TTFT limit, 99% of the prompt tokens, less what an ideal prefix cache could serve, are
+   prefilled by the last arrival + the limit; with p99 TTFT and TPOT limits, 99% of the output tokens
+   are decoded by the latest arrival + TTFT limit + output x TPOT limit) and each pool type's cost model: the prefill pool's best rate is the highest prompt tokens per second one
    replica computes in full `max_num_batched_tokens` steps (attention left out: an upper bound); the
    decode pool's best rate is the most output tokens per second one replica produces at a batch that
    fits its KV pool at the sample's mean context (prompt + half the output), at most `max_num_seqs`,
    whose step time stays within the SLO's TPOT limit. A pool with fewer replicas than the load over
-   that rate is never simulated (it cannot keep up on average). A decode pool type whose one-sequence
+   that rate is never simulated (it cannot finish the tokens in time). A decode pool type whose one-sequence
    step is above the TPOT limit cannot meet it at all.
 2. **Cheapest first.** The remaining points are taken in order of $/hour (then GPUs), `width` at a time
    (the executor's workers); the first point that meets the SLO is the answer, and the search stops
@@ -56,12 +57,15 @@ class PoolType:
 
 @dataclass(frozen=True)
 class OfferedLoad:
-    """What the load sample asks of the pools, per second of its arrivals."""
+    """What the load sample asks of the pools: the tokens each pool must have computed per second of the
+    time it has for them (zero where the SLO sets no deadline)."""
     requests: int
-    duration_s: float
-    prompt_tok_s: float            # prompt tokens an ideal prefix cache could not serve
+    duration_s: float              # first to last arrival
+    prompt_tok_s: float            # prompt tokens an ideal prefix cache could not serve, per second
     output_tok_s: float
     mean_context: float            # prompt + half the output: a decoding request's mean KV
+    prefill_span_s: float = math.inf    # the prefill pool's time: arrivals + the TTFT limit
+    decode_span_s: float = math.inf     # the decode pool's: each request's arrival + TTFT + output x TPOT limit
 
 
 @dataclass(frozen=True)
@@ -142,15 +146,25 @@ def fleet_config(base: SimConfig, model: str, p: PoolType, n_p: int, d: PoolType
     return SimConfig.model_validate(data)
 
 
-def offered_load(cfg: SimConfig) -> OfferedLoad:
-    """The sample's prompt and output tokens per second; a prompt's leading blocks whose prefix hash an
-    earlier request of the sample carried count as cached (an ideal cache: the bound stays optimistic)."""
+def _share(stat: str | None) -> float:
+    """The share of requests a limit at this statistic holds for: p99 -> 0.99; 0 for a mean (no deadline)."""
+    return float(stat[1:]) / 100 if stat and stat[0] == "p" and stat[1:].replace(".", "", 1).isdigit() else 0.0
+
+
+def offered_load(cfg: SimConfig, ttft: tuple[float | None, str | None] = (None, None),
+                 tpot: tuple[float | None, str | None] = (None, None)) -> OfferedLoad:
+    """The tokens per second each pool must sustain for the SLO (`ttft`, `tpot`: its limits, `_limit`).
+    A percentile limit sets deadlines: that share of the prompt tokens (less the leading blocks whose
+    prefix hash an earlier request of the sample carried: an ideal cache) is prefilled by the last arrival
+    plus the TTFT limit, and that share of the output tokens is decoded by the latest arrival + TTFT limit
+    + output tokens x TPOT limit. No limit (or a mean), no deadline: a rate of zero (one replica)."""
     from ..engine.assembly import load_workload
 
     trace = load_workload(cfg)
     df = trace.df
     n = len(df)
-    duration = float(df["arrival_time_s"].max() - df["arrival_time_s"].min()) if n > 1 else 0.0
+    arrivals = df["arrival_time_s"].to_numpy(dtype=float)
+    duration = float(arrivals.max() - arrivals.min()) if n > 1 else 0.0
     prompts = df["prompt_tokens"].to_numpy(dtype=float)
     outputs = df["output_tokens"].to_numpy(dtype=float)
     cached = np.zeros(n)
@@ -167,9 +181,13 @@ def offered_load(cfg: SimConfig) -> OfferedLoad:
                 hits += 1
             seen.update(ids)
             cached[i] = min(hits * block, prompts[i] - 1)
-    span = duration if duration > 0 else 1.0          # all at once: the load per second of one second
-    return OfferedLoad(n, duration, float((prompts - cached).sum()) / span, float(outputs.sum()) / span,
-                       float((prompts + outputs / 2).mean()) if n else 0.0)
+    q_p = _share(ttft[1]) if ttft[0] is not None else 0.0
+    q_d = min(q_p, _share(tpot[1])) if tpot[0] is not None else 0.0
+    p_span = duration + ttft[0] if q_p else math.inf
+    d_span = float((arrivals + ttft[0] + outputs * tpot[0]).max() - arrivals.min()) if q_d and n else math.inf
+    return OfferedLoad(n, duration, q_p * float((prompts - cached).sum()) / p_span,
+                       q_d * float(outputs.sum()) / d_span,
+                       float((prompts + outputs / 2).mean()) if n else 0.0, p_span, d_span)
 
 
 def _limit(constraints: list[Constraint], kind: str) -> tuple[float | None, str | None]:
@@ -331,7 +349,7 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
     result = DisaggPlanResult([c.text for c in constraints], {}, {}, unfit, [], {})
     grids: list[_Grid] = []
     configs: dict[tuple, SimConfig] = {}
-    load = offered_load(base)
+    load = offered_load(base, ttft, tpot)
     for model in space.models:
         bounds: dict[str, list[PoolBound]] = {}
         for role, pairs in (("prefill", space.prefill), ("decode", space.decode)):
