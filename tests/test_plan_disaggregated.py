@@ -162,6 +162,9 @@ def test_cli_plan_disaggregated_prints_both_forms(trace, tmp_path):
                          (["--max-pool-replicas", "0"], "--max-pool-replicas: expected a positive number")):
         out = CliRunner().invoke(app, [*args, *bad])
         assert out.exit_code == 2 and message in out.output, out.output
+    # what a fleet does not model is refused in one line before anything runs
+    out = CliRunner().invoke(app, [*args, "--set", "kv.policy=h2o", "--set", "kv.budget=256"])
+    assert out.exit_code == 2 and "fleet: KV policy 'h2o'" in out.output, out.output
     no_flag = [a for a in args if a != "--disaggregated"]
     out = CliRunner().invoke(app, [*no_flag, "--prefill-gpus", "h200"])
     assert out.exit_code == 2 and "--prefill-gpus: applies to disaggregated fleets" in out.output, out.output

@@ -501,20 +501,13 @@ def plan(
                     if row["status"] == "ok" else f"[red]failed[/red] {row.get('error')}")
             console.print(f"  {s.cand.label} x{n}: {mark}", soft_wrap=True)
 
+    dspace = _disaggregated_space(cfg, model_list, pools, link, max_pool_replicas, local_prefill_tokens)
     try:
         with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
             space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas)
             result = plan_capacity(cfg, constraints, space, run_batch=run_batch, width=width, store=out,
                                    variants=variants, progress=show)
-            dis = None
-            if disaggregated:
-                from kvsim.sim.planning.disaggregated import DisaggSpace, plan_disaggregated
-                from kvsim.sim.planning.plan import _Runner
-
-                dspace = DisaggSpace(model_list, pools["prefill"], pools["decode"], link, max_pool_replicas,
-                                     local_prefill_tokens)
-                dis = plan_disaggregated(cfg, constraints, dspace, _Runner(constraints, run_batch, out), width=width,
-                                         variants=variants, progress=None if quiet else _show_fleet)
+            dis = _plan_disaggregated(cfg, constraints, dspace, run_batch, width, out, variants, quiet)
     except typer.Exit:              # store_errors' own one-line exit (typer.Exit is a RuntimeError)
         raise
     except ConfigError as exc:
@@ -545,6 +538,33 @@ def _check_disaggregated_options(disaggregated: bool, pool_options: dict, link: 
         fail(f"--local-prefill-tokens: expected 0 or a positive number of tokens, got {local_prefill_tokens}")
     if link not in link_names():
         fail(f"--link: unknown link {link!r}; known: {', '.join(link_names())}")
+
+
+def _disaggregated_space(cfg, models: list[str], pools: dict, link: str, max_pool_replicas: int,
+                         local_prefill_tokens: int):
+    """The DisaggSpace of `kvsim plan --disaggregated` (None without it); what a fleet does not model is
+    refused here, in one line, before the aggregated search runs."""
+    if not pools:
+        return None
+    from kvsim.sim.planning.disaggregated import DisaggSpace, refuse_unmodelled
+
+    space = DisaggSpace(models, pools["prefill"], pools["decode"], link, max_pool_replicas, local_prefill_tokens)
+    try:
+        refuse_unmodelled(cfg, space)
+    except ConfigError as exc:
+        fail(f"--disaggregated: {exc}")
+    return space
+
+
+def _plan_disaggregated(cfg, constraints, space, run_batch, width: int, out, variants, quiet: bool):
+    """The disaggregated search on the plan's executor and store (None without --disaggregated)."""
+    if space is None:
+        return None
+    from kvsim.sim.planning.disaggregated import plan_disaggregated
+    from kvsim.sim.planning.plan import _Runner
+
+    return plan_disaggregated(cfg, constraints, space, _Runner(constraints, run_batch, out), width=width,
+                              variants=variants, progress=None if quiet else _show_fleet)
 
 
 def _pool_types(gpus: str | None, tps: str | None, gpu_list: list[str], tp_list: list[int], role: str) -> list:

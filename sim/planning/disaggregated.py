@@ -306,6 +306,8 @@ class _Grid:
             if self.best is None or (point.usd_per_hour, point.gpus) < (self.best.usd_per_hour, self.best.gpus):
                 self.best = point
             return
+        if not point.row or point.row.get("status") != "ok":
+            return                      # a run that raised implies nothing about the others
         self.failed.setdefault((point.prefill, point.decode), []).append((point.n_prefill, point.n_decode))
         if prefill_queue_fails:
             self.prefill_failed[point.prefill] = max(point.n_prefill, self.prefill_failed.get(point.prefill, 0))
@@ -343,6 +345,7 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
 
     t0 = time.perf_counter()
     base = slo_for_goodput(base, constraints)
+    refuse_unmodelled(base, space)
     tpot, ttft = _limit(constraints, "tpot"), _limit(constraints, "ttft")
     fits = _FitChecker()
     unfit: list = []
@@ -403,6 +406,16 @@ def _search(grids: list[_Grid], configs: dict[tuple, SimConfig], runner, width: 
             points.append(point)
             if progress:
                 progress(point)
+
+
+def refuse_unmodelled(base: SimConfig, space: DisaggSpace) -> None:
+    """What a fleet does not model (a KV policy, a closed loop, client latency; docs/disaggregation.md):
+    a ConfigError naming it, before anything runs."""
+    from ..simulator.fleet_run import refuse_unsupported
+
+    if space.prefill and space.decode and space.models:
+        pool = PoolType(space.prefill[0][0], space.prefill[0][1], 0.0)
+        refuse_unsupported(fleet_config(base, space.models[0], pool, 1, pool, 1, space))
 
 
 def pareto_front(points: list[dict]) -> list[dict]:
