@@ -119,6 +119,12 @@ def test_search_finds_the_cheapest_an_exhaustive_search_finds(trace, tmp_path):
     assert result.below_bound["llama-3.1-8b"] > 0
     assert not meets[(PoolType("h100", 1, cfg.gpu_usd_per_hour("h100")), 1, 1)][0]
     assert result.simulations < len(meets)
+    # the gpus objective: the fewest GPUs of the grid (then the cheapest), found the same way
+    by_gpus = plan_disaggregated(cfg, slo, DisaggSpace(["llama-3.1-8b"], space.prefill, space.decode,
+                                                       max_pool_replicas=3, objective="gpus"),
+                                 _Runner(slo, _serial, tmp_path), width=1)
+    fewest = min((gpus, usd) for ok, usd, gpus in meets.values() if ok)
+    assert by_gpus.cheapest["llama-3.1-8b"].rank("gpus") == fewest
     # the store: a second plan reuses every point
     again = plan_disaggregated(cfg, slo, space, _Runner(slo, _serial, tmp_path), width=2)
     assert again.simulations == 0 and again.cheapest["llama-3.1-8b"].label == best.label
@@ -142,6 +148,25 @@ def test_a_prefill_queue_above_the_ttft_limit_rules_out_every_decode_pool(trace)
     assert not prefill_queue_fails(row, (0.5, "p90.5"))      # no such figure in the split: no rule
 
 
+def test_plan_objective_gpus_picks_the_fewest_gpus(tmp_path):
+    """A 2,048-token prompt every 0.3 s: one L4 queues them (TTFT p99 1.8 s), two L4s or one H100 meet
+    800 ms. In dollars two L4s are cheaper than one H100; in GPUs one H100 is fewer."""
+    from kvsim.sim.planning.plan import PlanSpace, candidates, plan_capacity
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_time_s,prompt_tokens,output_tokens\n" + "".join(f"{i * 0.3:.2f},2048,8\n" for i in range(12)))
+    cfg = base(str(path))
+    slo = parse_slo("ttft_p99<=800ms")
+    answers = {}
+    for objective in ("usd", "gpus"):
+        result = plan_capacity(cfg, slo, PlanSpace(["llama-3.1-8b"], ["l4", "h100"], [1], max_replicas=4,
+                                                   objective=objective))
+        best = result.cheapest["llama-3.1-8b"]
+        answers[objective] = (best.cand.gpu, best.hi_ok)
+    assert answers == {"usd": ("l4", 2), "gpus": ("h100", 1)}
+    (cand,), _ = candidates(cfg, PlanSpace(["llama-3.1-8b"], ["h200"], [2], objective="gpus"))
+    assert 2 < cand.cost_per_replica < 2 + 1e-5 and cand.unit(4) == "4.00 GPUs"
+
+
 def test_pareto_front_keeps_the_points_no_other_beats_on_both():
     pts = [{"per_gpu": 100, "per_user": 10}, {"per_gpu": 80, "per_user": 20}, {"per_gpu": 70, "per_user": 15},
            {"per_gpu": 100, "per_user": 5}]
@@ -159,6 +184,7 @@ def test_cli_plan_disaggregated_prints_both_forms(trace, tmp_path):
     for part in ("per-pool capacity bounds", "aggregated vs disaggregated", "Pareto front", "cheaper form"):
         assert part in text, part
     for bad, message in ((["--link", "ib-xdr"], "--link: unknown link 'ib-xdr'"),
+                         (["--objective", "watts"], "--objective: expected usd or gpus, got 'watts'"),
                          (["--max-pool-replicas", "0"], "--max-pool-replicas: expected a positive number")):
         out = CliRunner().invoke(app, [*args, *bad])
         assert out.exit_code == 2 and message in out.output, out.output

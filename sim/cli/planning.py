@@ -446,6 +446,8 @@ def plan(
                                           "this many replicas in a pool"),
     local_prefill_tokens: int = typer.Option(0, "--local-prefill-tokens", help="conditional disaggregation "
                                              "threshold of every fleet searched (0: always disaggregate)"),
+    objective: str = typer.Option("usd", "--objective", help="what the plan minimises: usd (dollars an hour) or "
+                                  "gpus (the fewest GPUs, then dollars)"),
 ) -> None:
     """The cheapest configuration meeting an SLO at a given load, for each model: every GPU x TP degree
     (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
@@ -466,6 +468,8 @@ def plan(
         fail(f"--max-replicas: expected a positive number, got {max_replicas}")
     if out is not None:
         _check_store(out, "--out")
+    if objective not in ("usd", "gpus"):
+        fail(f"--objective: expected usd or gpus, got {objective!r}")
     _check_disaggregated_options(disaggregated, {"--prefill-gpus": prefill_gpus, "--decode-gpus": decode_gpus,
                                                  "--prefill-tps": prefill_tps, "--decode-tps": decode_tps},
                                  link, max_pool_replicas, local_prefill_tokens)
@@ -501,10 +505,10 @@ def plan(
                     if row["status"] == "ok" else f"[red]failed[/red] {row.get('error')}")
             console.print(f"  {s.cand.label} x{n}: {mark}", soft_wrap=True)
 
-    dspace = _disaggregated_space(cfg, model_list, pools, link, max_pool_replicas, local_prefill_tokens)
+    dspace = _disaggregated_space(cfg, model_list, pools, link, max_pool_replicas, local_prefill_tokens, objective)
     try:
         with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
-            space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas)
+            space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas, objective)
             result = plan_capacity(cfg, constraints, space, run_batch=run_batch, width=width, store=out,
                                    variants=variants, progress=show)
             dis = _plan_disaggregated(cfg, constraints, dspace, run_batch, width, out, variants, quiet)
@@ -541,14 +545,15 @@ def _check_disaggregated_options(disaggregated: bool, pool_options: dict, link: 
 
 
 def _disaggregated_space(cfg, models: list[str], pools: dict, link: str, max_pool_replicas: int,
-                         local_prefill_tokens: int):
+                         local_prefill_tokens: int, objective: str):
     """The DisaggSpace of `kvsim plan --disaggregated` (None without it); what a fleet does not model is
     refused here, in one line, before the aggregated search runs."""
     if not pools:
         return None
     from kvsim.sim.planning.disaggregated import DisaggSpace, refuse_unmodelled
 
-    space = DisaggSpace(models, pools["prefill"], pools["decode"], link, max_pool_replicas, local_prefill_tokens)
+    space = DisaggSpace(models, pools["prefill"], pools["decode"], link, max_pool_replicas, local_prefill_tokens,
+                        objective)
     try:
         refuse_unmodelled(cfg, space)
     except ConfigError as exc:
@@ -653,8 +658,11 @@ def _print_disaggregated(agg, dis) -> None:
         a, p = agg.cheapest.get(model), dis.cheapest.get(model)
         if a is not None and p is not None:
             a_usd = a.hi_ok * a.cand.usd_per_replica_hour
-            better = "disaggregated" if p.usd_per_hour < a_usd else "aggregated" if a_usd < p.usd_per_hour else "neither"
-            console.print(f"[bold]{model}: cheaper form {better}[/bold]: aggregated ${a_usd:.2f}/h "
+            a_rank = (a.hi_ok * a.cand.tp, a_usd) if a.cand.objective == "gpus" else (a_usd, a.hi_ok * a.cand.tp)
+            p_rank = p.rank(a.cand.objective)
+            better = "disaggregated" if p_rank < a_rank else "aggregated" if a_rank < p_rank else "neither"
+            word = "form with fewer GPUs" if a.cand.objective == "gpus" else "cheaper form"
+            console.print(f"[bold]{model}: {word} {better}[/bold]: aggregated ${a_usd:.2f}/h "
                           f"({a.hi_ok * a.cand.tp} GPUs), disaggregated ${p.usd_per_hour:.2f}/h ({p.gpus} GPUs)",
                           highlight=False, soft_wrap=True)
         elif p is None:

@@ -14,7 +14,8 @@ the model, crossed with the two replica counts. It is searched without simulatin
    whose step time stays within the SLO's TPOT limit. A pool with fewer replicas than the load over
    that rate is never simulated (it cannot finish the tokens in time). A decode pool type whose one-sequence
    step is above the TPOT limit cannot meet it at all.
-2. **Cheapest first.** The remaining points are taken in order of $/hour (then GPUs), `width` at a time
+2. **Cheapest first.** The remaining points are taken in order of $/hour (then GPUs; GPUs then $/hour
+   with the `gpus` objective), `width` at a time
    (the executor's workers); the first point that meets the SLO is the answer, and the search stops
    when no unsimulated point is cheaper.
 3. **What a failure implies.** A failed (prefill x n_p, decode x n_d) implies every point of the same
@@ -104,6 +105,10 @@ class FleetPoint:
     def label(self) -> str:
         return f"{self.n_prefill}x {self.prefill.label} prefill + {self.n_decode}x {self.decode.label} decode"
 
+    def rank(self, objective: str = "usd") -> tuple:
+        """The search's order: ($/hour, GPUs), or (GPUs, $/hour) for the gpus objective."""
+        return (self.gpus, self.usd_per_hour) if objective == "gpus" else (self.usd_per_hour, self.gpus)
+
     @property
     def meets(self) -> bool:
         return bool(self.row and self.row.get("status") == "ok" and self.row.get("meets_slo"))
@@ -118,6 +123,7 @@ class DisaggSpace:
     link: str = "ib-ndr"
     max_pool_replicas: int = 16             # no pool is simulated with more replicas than this
     local_prefill_tokens: int = 0           # conditional disaggregation threshold of every fleet
+    objective: str = "usd"                  # usd: the fewest dollars an hour; gpus: the fewest GPUs
 
 
 @dataclass
@@ -252,9 +258,10 @@ def pool_types(base: SimConfig, model: str, pairs: list[tuple[str, int]], role: 
 class _Grid:
     """One model's search: the points above the bounds, cheapest first, and what failures imply."""
 
-    def __init__(self, model: str, prefill: list[PoolBound], decode: list[PoolBound], max_n: int):
-        self.model = model
-        self.points: list[tuple[float, int, str, tuple]] = []
+    def __init__(self, model: str, prefill: list[PoolBound], decode: list[PoolBound], max_n: int,
+                 objective: str = "usd"):
+        self.model, self.objective = model, objective
+        self.points: list[tuple[tuple, str, tuple]] = []
         self.total = self.below = 0
         for pb in prefill:
             for db in decode:
@@ -267,7 +274,7 @@ class _Grid:
                 for n_p in range(lo_p, max_n + 1):
                     for n_d in range(lo_d, max_n + 1):
                         point = FleetPoint(model, pb.pool, n_p, db.pool, n_d)
-                        self.points.append((point.usd_per_hour, point.gpus, point.label, point.key))
+                        self.points.append((point.rank(objective), point.label, point.key))
         self.points.sort()
         self.failed: dict[tuple, list[tuple[int, int]]] = {}      # (prefill, decode) -> failed counts
         self.prefill_failed: dict[PoolType, int] = {}            # prefill type -> its queue fails up to n
@@ -288,8 +295,8 @@ class _Grid:
         """Up to `count` points to simulate: the cheapest not yet simulated, not implied to fail, and
         cheaper than the best answer found."""
         picked = []
-        for usd, gpus, _, key in self.points:
-            if self.best is not None and (usd, gpus) >= (self.best.usd_per_hour, self.best.gpus):
+        for rank, _, key in self.points:
+            if self.best is not None and rank >= self.best.rank(self.objective):
                 break
             if key in self.done:
                 continue
@@ -303,7 +310,7 @@ class _Grid:
     def record(self, point: FleetPoint, prefill_queue_fails: bool) -> None:
         self.done[point.key] = point
         if point.meets:
-            if self.best is None or (point.usd_per_hour, point.gpus) < (self.best.usd_per_hour, self.best.gpus):
+            if self.best is None or point.rank(self.objective) < self.best.rank(self.objective):
                 self.best = point
             return
         if not point.row or point.row.get("status") != "ok":
@@ -313,8 +320,7 @@ class _Grid:
             self.prefill_failed[point.prefill] = max(point.n_prefill, self.prefill_failed.get(point.prefill, 0))
 
     def count_implied(self) -> int:
-        cheaper = [k for usd, gpus, _, k in self.points
-                   if self.best is None or (usd, gpus) < (self.best.usd_per_hour, self.best.gpus)]
+        cheaper = [k for rank, _, k in self.points if self.best is None or rank < self.best.rank(self.objective)]
         return sum(1 for k in cheaper if k not in self.done and self.failure_implied(k))
 
 
@@ -360,7 +366,7 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
                             for pool, cfg in pool_types(base, model, pairs, role, fits, unfit)]
         result.load[model] = load
         result.bounds[model] = bounds["prefill"] + bounds["decode"]
-        grid = _Grid(model, bounds["prefill"], bounds["decode"], space.max_pool_replicas)
+        grid = _Grid(model, bounds["prefill"], bounds["decode"], space.max_pool_replicas, space.objective)
         result.grid[model], result.below_bound[model] = grid.total, grid.below
         grids.append(grid)
     sims_before = runner.simulations

@@ -41,6 +41,7 @@ class Candidate:
     tp: int
     policy: str | None
     cfg: SimConfig                 # replicas set per run
+    objective: str = "usd"         # what the search minimises: usd ($/hour) or gpus (then $/hour)
 
     @property
     def label(self) -> str:
@@ -50,6 +51,16 @@ class Candidate:
     @property
     def usd_per_replica_hour(self) -> float:
         return self.cfg.gpu_usd_per_hour(self.gpu) * self.tp
+
+    @property
+    def cost_per_replica(self) -> float:
+        """One replica's cost in the objective's unit: $/hour, or GPUs (a $/hour tie-break below one GPU)."""
+        if self.objective == "gpus":
+            return self.tp * (1 + 1e-6 * self.usd_per_replica_hour / (1 + self.usd_per_replica_hour))
+        return self.usd_per_replica_hour
+
+    def unit(self, cost: float) -> str:
+        return f"{cost:.2f} GPUs" if self.objective == "gpus" else f"${cost:.2f}/h"
 
 
 @dataclass
@@ -113,6 +124,7 @@ class PlanSpace:
     tps: list[int]                      # tensor-parallel degrees
     policies: list[str] | None = None   # kv.policy names (None: the base config's policy only)
     max_replicas: int = 64              # no configuration is simulated with more replicas than this
+    objective: str = "usd"              # usd: the fewest dollars an hour; gpus: the fewest GPUs
 
 
 def candidates(base: SimConfig, space: PlanSpace) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
@@ -132,7 +144,7 @@ def candidates(base: SimConfig, space: PlanSpace) -> tuple[list[Candidate], list
                         if "budget" not in policy_parameters(policy):     # the base's budget is for those that take one
                             data["kv"]["budget"] = KVConfig.model_fields["budget"].default
                     cfg = SimConfig.model_validate(data)
-                    cand = Candidate(model, gpu, tp, policy, cfg)
+                    cand = Candidate(model, gpu, tp, policy, cfg, space.objective)
                     try:
                         fits.check(cfg, "")
                     except SpecError as exc:
@@ -218,12 +230,12 @@ class _Runner:
 
 def _next_count(s: Search, best: float | None, max_replicas: int) -> int | None:
     """The replica count to simulate next, or None when the search is over (status set)."""
-    price = s.cand.usd_per_replica_hour
+    price = s.cand.cost_per_replica
     if s.hi_ok is not None and s.hi_ok - s.lo_fail <= 1:
         s.status = "answer"
         return None
     if s.prune and best is not None and price * (s.lo_fail + 1) >= best * (1 - 1e-9):
-        s.status, s.note = "dominated", f">= ${best:.2f}/h"
+        s.status, s.note = "dominated", f">= {s.cand.unit(best)}"
         return None
     near = s.start - 1 if s.hi_ok == s.start else s.start + 1 if s.lo_fail == s.start else None
     if s.start > 1 and near is not None and near not in s.rows and near >= 1:
@@ -276,7 +288,7 @@ def _cheapest_first(proposals: list[tuple[Search, int]], width: int | None) -> l
     if width is None or len(proposals) <= width:
         return proposals
     by_model: dict[str, list] = {}
-    for s, n in sorted(proposals, key=lambda p: p[0].cand.usd_per_replica_hour * p[1]):
+    for s, n in sorted(proposals, key=lambda p: p[0].cand.cost_per_replica * p[1]):
         by_model.setdefault(s.cand.model, []).append((s, n))
     queues = list(by_model.values())
     picked = []
@@ -291,7 +303,7 @@ def _best_costs(searches: list[Search]) -> dict[str, float]:
     best: dict[str, float] = {}
     for s in searches:
         if s.hi_ok is not None and s.prune:
-            cost = s.cand.usd_per_replica_hour * s.hi_ok
+            cost = s.cand.cost_per_replica * s.hi_ok
             best[s.cand.model] = min(cost, best.get(s.cand.model, math.inf))
     return best
 
@@ -316,15 +328,15 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
     for s in searches:
         if s.status == "answer":
             cur = cheapest.get(s.cand.model)
-            key = (s.cand.usd_per_replica_hour * s.hi_ok, s.answer_row.get("ttft_p99_s", math.inf))
-            if cur is None or key < (cur.cand.usd_per_replica_hour * cur.hi_ok, cur.answer_row.get("ttft_p99_s", math.inf)):
+            key = (s.cand.cost_per_replica * s.hi_ok, s.answer_row.get("ttft_p99_s", math.inf))
+            if cur is None or key < (cur.cand.cost_per_replica * cur.hi_ok, cur.answer_row.get("ttft_p99_s", math.inf)):
                 cheapest[s.cand.model] = s
     result = PlanResult([c.text for c in constraints], searches, unfit, cheapest)
     if variants:
         extra: list[tuple[str, str, Search]] = []
         for model, s in cheapest.items():
             for label, cfg in variants(s.cand.cfg).items():
-                cand = Candidate(s.cand.model, s.cand.gpu, s.cand.tp, s.cand.policy, cfg)
+                cand = Candidate(s.cand.model, s.cand.gpu, s.cand.tp, s.cand.policy, cfg, s.cand.objective)
                 extra.append((model, label, Search(cand, start=s.hi_ok, prune=False)))
         search_rounds([e[2] for e in extra], runner, max_replicas, None, progress)
         for model, label, s in extra:
