@@ -164,7 +164,11 @@ def test_plan_objective_gpus_picks_the_fewest_gpus(tmp_path):
         answers[objective] = (best.cand.gpu, best.hi_ok)
     assert answers == {"usd": ("l4", 2), "gpus": ("h100", 1)}
     (cand,), _ = candidates(cfg, PlanSpace(["llama-3.1-8b"], ["h200"], [2], objective="gpus"))
-    assert 2 < cand.cost_per_replica < 2 + 1e-5 and cand.unit(4) == "4.00 GPUs"
+    assert 2 < cand.cost_per_replica < 2 + 1e-4 and cand.unit(4) == "4.00 GPUs"
+    # equal GPU counts: the price decides (3x H100 TP4 before 6x H200 TP2, both 12 GPUs)
+    (h100,), _ = candidates(cfg, PlanSpace(["llama-3.1-8b"], ["h100"], [4], objective="gpus"))
+    assert h100.usd_per_replica_hour * 3 < cand.usd_per_replica_hour * 6
+    assert 3 * h100.cost_per_replica < 6 * cand.cost_per_replica < 12 + 1e-3
 
 
 def test_pareto_front_keeps_the_points_no_other_beats_on_both():

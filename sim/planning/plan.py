@@ -54,9 +54,10 @@ class Candidate:
 
     @property
     def cost_per_replica(self) -> float:
-        """One replica's cost in the objective's unit: $/hour, or GPUs (a $/hour tie-break below one GPU)."""
+        """One replica's cost in the objective's unit: $/hour, or GPUs plus 1e-6 x $/hour (the price breaks ties
+        between equal GPU counts and never outweighs one GPU below $1,000,000/h)."""
         if self.objective == "gpus":
-            return self.tp * (1 + 1e-6 * self.usd_per_replica_hour / (1 + self.usd_per_replica_hour))
+            return self.tp + 1e-6 * self.usd_per_replica_hour
         return self.usd_per_replica_hour
 
     def unit(self, cost: float) -> str:
