@@ -130,6 +130,35 @@ def test_search_finds_the_cheapest_an_exhaustive_search_finds(trace, tmp_path):
     assert again.simulations == 0 and again.cheapest["llama-3.1-8b"].label == best.label
 
 
+def test_decider_thresholds_are_an_axis_of_the_search(trace, tmp_path):
+    """--local-prefill-tokens 0,4096: every 2,048-token prompt of the burst is prefilled on the decode pool at
+    4,096 (no prefill tokens are due on the prefill pool: its bound is one replica); the search's cheapest
+    over both thresholds is the exhaustive one."""
+    slo = parse_slo(SLO)
+    cfg = base(trace)
+    ttft, tpot = (0.5, "p99"), (0.05, "p99")
+    assert offered_load(cfg, ttft, tpot, 4096).prompt_tok_s == 0 < offered_load(cfg, ttft, tpot, 0).prompt_tok_s
+    space = DisaggSpace(["llama-3.1-8b"], [("h100", 1)], [("h100", 1)], max_pool_replicas=2,
+                        local_prefill_tokens=(0, 4096))
+    result = plan_disaggregated(cfg, slo, space, _Runner(slo, _serial, tmp_path), width=2)
+    h100 = PoolType("h100", 1, cfg.gpu_usd_per_hour("h100"))
+    runner = _Runner(slo, _serial, tmp_path)
+    meets = {}
+    for local in (0, 4096):
+        for n_p in (1, 2):
+            for n_d in (1, 2):
+                row = runner([fleet_config(runner_base(cfg, slo), "llama-3.1-8b", h100, n_p, h100, n_d, space,
+                                           local)])[0]
+                point = FleetPoint("llama-3.1-8b", h100, n_p, h100, n_d, local)
+                meets[point.key] = (bool(row["meets_slo"]), point.rank())
+                if local:
+                    assert row["handoff"]["local_prefills"] == N
+    best = result.cheapest["llama-3.1-8b"]
+    assert best.rank() == min(rank for ok, rank in meets.values() if ok)
+    assert meets[best.key][0]
+    assert 4096 in {p.local for p in result.points} and "local prefill <= 4,096" in best.label
+
+
 def runner_base(cfg, slo):
     from kvsim.sim.planning.capacity import slo_for_goodput
     return slo_for_goodput(cfg, slo)
@@ -189,6 +218,7 @@ def test_cli_plan_disaggregated_prints_both_forms(trace, tmp_path):
         assert part in text, part
     for bad, message in ((["--link", "ib-xdr"], "--link: unknown link 'ib-xdr'"),
                          (["--objective", "watts"], "--objective: expected usd or gpus, got 'watts'"),
+                         (["--local-prefill-tokens", "0,-5"], "--local-prefill-tokens: expected comma-separated"),
                          (["--max-pool-replicas", "0"], "--max-pool-replicas: expected a positive number")):
         out = CliRunner().invoke(app, [*args, *bad])
         assert out.exit_code == 2 and message in out.output, out.output

@@ -444,8 +444,8 @@ def plan(
     link: str = typer.Option("ib-ndr", "--link", help="link between the pools (sim/data/links.yaml)"),
     max_pool_replicas: int = typer.Option(16, "--max-pool-replicas", help="give a disaggregated fleet up above "
                                           "this many replicas in a pool"),
-    local_prefill_tokens: int = typer.Option(0, "--local-prefill-tokens", help="conditional disaggregation "
-                                             "threshold of every fleet searched (0: always disaggregate)"),
+    local_prefill_tokens: str = typer.Option("0", "--local-prefill-tokens", help="conditional disaggregation "
+                                             "thresholds to search, comma-separated (0: always disaggregate)"),
     objective: str = typer.Option("usd", "--objective", help="what the plan minimises: usd (dollars an hour) or "
                                   "gpus (the fewest GPUs, then dollars)"),
 ) -> None:
@@ -505,7 +505,8 @@ def plan(
                     if row["status"] == "ok" else f"[red]failed[/red] {row.get('error')}")
             console.print(f"  {s.cand.label} x{n}: {mark}", soft_wrap=True)
 
-    dspace = _disaggregated_space(cfg, model_list, pools, link, max_pool_replicas, local_prefill_tokens, objective)
+    dspace = _disaggregated_space(cfg, model_list, pools, link, max_pool_replicas,
+                                  _thresholds(local_prefill_tokens), objective)
     try:
         with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
             space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas, objective)
@@ -526,26 +527,36 @@ def plan(
 
 
 def _check_disaggregated_options(disaggregated: bool, pool_options: dict, link: str, max_pool_replicas: int,
-                                 local_prefill_tokens: int) -> None:
+                                 local_prefill_tokens: str) -> None:
     """`kvsim plan`'s disaggregated options: refused in one line where they cannot apply or are wrong."""
     from kvsim.sim.model.links import link_names
 
     if not disaggregated:
         given = [k for k, v in pool_options.items() if v is not None] + (["--link"] if link != "ib-ndr" else []) + \
             (["--max-pool-replicas"] if max_pool_replicas != 16 else []) + \
-            (["--local-prefill-tokens"] if local_prefill_tokens else [])
+            (["--local-prefill-tokens"] if local_prefill_tokens != "0" else [])
         if given:
             fail(f"{given[0]}: applies to disaggregated fleets; add --disaggregated")
     if max_pool_replicas < 1:
         fail(f"--max-pool-replicas: expected a positive number, got {max_pool_replicas}")
-    if local_prefill_tokens < 0:
-        fail(f"--local-prefill-tokens: expected 0 or a positive number of tokens, got {local_prefill_tokens}")
+    _thresholds(local_prefill_tokens)
     if link not in link_names():
         fail(f"--link: unknown link {link!r}; known: {', '.join(link_names())}")
 
 
+def _thresholds(text: str) -> tuple[int, ...]:
+    """--local-prefill-tokens: comma-separated token counts, 0 or more each."""
+    try:
+        values = tuple(int(v) for v in _names(text, "--local-prefill-tokens"))
+    except ValueError:
+        values = (-1,)
+    if not values or any(v < 0 for v in values):
+        fail(f"--local-prefill-tokens: expected comma-separated token counts of 0 or more (e.g. 0,1024), got {text!r}")
+    return values
+
+
 def _disaggregated_space(cfg, models: list[str], pools: dict, link: str, max_pool_replicas: int,
-                         local_prefill_tokens: int, objective: str):
+                         local_prefill_tokens: tuple[int, ...], objective: str):
     """The DisaggSpace of `kvsim plan --disaggregated` (None without it); what a fleet does not model is
     refused here, in one line, before the aggregated search runs."""
     if not pools:

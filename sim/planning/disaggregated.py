@@ -24,7 +24,10 @@ the model, crossed with the two replica counts. It is searched without simulatin
    TTFT split's `prefill_queue_s`, whichever the SLO names), every fleet with that prefill pool and at
    most n_p replicas fails whatever its decode pool: a request's TTFT includes its prefill queue, and
    that queue does not depend on the decode pool (but for KV held until pulled).
-4. **Reuse.** Every run goes through the plan's store (sweep rows, the same run ids), so a plan run
+4. **Decider settings.** Each conditional-disaggregation threshold given (`local_prefill_tokens`: prompts
+   whose uncached part is at most it are prefilled on the decode pool) is one more axis of the grid; its
+   prefill bound counts only the prompts above it, and the prefill-queue rule holds for threshold 0 only.
+5. **Reuse.** Every run goes through the plan's store (sweep rows, the same run ids), so a plan run
    again, or a point shared with another plan, is not simulated twice.
 """
 from __future__ import annotations
@@ -86,6 +89,7 @@ class FleetPoint:
     n_prefill: int
     decode: PoolType
     n_decode: int
+    local: int = 0                 # conditional disaggregation threshold (0: every request disaggregated)
     row: dict | None = None
     implied: str = ""              # why it fails without a run
 
@@ -99,11 +103,12 @@ class FleetPoint:
 
     @property
     def key(self) -> tuple:
-        return (self.model, self.prefill, self.n_prefill, self.decode, self.n_decode)
+        return (self.model, self.prefill, self.n_prefill, self.decode, self.n_decode, self.local)
 
     @property
     def label(self) -> str:
-        return f"{self.n_prefill}x {self.prefill.label} prefill + {self.n_decode}x {self.decode.label} decode"
+        local = f", local prefill <= {self.local:,}" if self.local else ""
+        return f"{self.n_prefill}x {self.prefill.label} prefill + {self.n_decode}x {self.decode.label} decode{local}"
 
     def rank(self, objective: str = "usd") -> tuple:
         """The search's order: ($/hour, GPUs), or (GPUs, $/hour) for the gpus objective."""
@@ -122,7 +127,7 @@ class DisaggSpace:
     decode: list[tuple[str, int]]           # (GPU, TP) of the decode pool
     link: str = "ib-ndr"
     max_pool_replicas: int = 16             # no pool is simulated with more replicas than this
-    local_prefill_tokens: int = 0           # conditional disaggregation threshold of every fleet
+    local_prefill_tokens: tuple[int, ...] = (0,)   # conditional disaggregation thresholds, each searched
     objective: str = "usd"                  # usd: the fewest dollars an hour; gpus: the fewest GPUs
 
 
@@ -143,12 +148,12 @@ class DisaggPlanResult:
 
 
 def fleet_config(base: SimConfig, model: str, p: PoolType, n_p: int, d: PoolType, n_d: int,
-                 space: DisaggSpace) -> SimConfig:
+                 space: DisaggSpace, local: int = 0) -> SimConfig:
     data = base.model_dump()
     data.update(model=model, gpu=d.gpu, tp=d.tp, replicas=1,
                 fleet={"prefill": {"gpu": p.gpu, "tp": p.tp, "replicas": n_p},
                        "decode": {"gpu": d.gpu, "tp": d.tp, "replicas": n_d},
-                       "link": space.link, "local_prefill_tokens": space.local_prefill_tokens})
+                       "link": space.link, "local_prefill_tokens": local})
     return SimConfig.model_validate(data)
 
 
@@ -158,12 +163,14 @@ def _share(stat: str | None) -> float:
 
 
 def offered_load(cfg: SimConfig, ttft: tuple[float | None, str | None] = (None, None),
-                 tpot: tuple[float | None, str | None] = (None, None)) -> OfferedLoad:
+                 tpot: tuple[float | None, str | None] = (None, None), local: int = 0) -> OfferedLoad:
     """The tokens per second each pool must sustain for the SLO (`ttft`, `tpot`: its limits, `_limit`).
     A percentile limit sets deadlines: that share of the prompt tokens (less the leading blocks whose
     prefix hash an earlier request of the sample carried: an ideal cache) is prefilled by the last arrival
     plus the TTFT limit, and that share of the output tokens is decoded by the latest arrival + TTFT limit
-    + output tokens x TPOT limit. No limit (or a mean), no deadline: a rate of zero (one replica)."""
+    + output tokens x TPOT limit. No limit (or a mean), no deadline: a rate of zero (one replica). With a
+    conditional-disaggregation threshold `local`, only prompts whose uncached part is above it count for
+    the prefill pool (the ideal cache keeps the most prompts local: the bound stays optimistic)."""
     from ..engine.assembly import load_workload
 
     trace = load_workload(cfg)
@@ -191,7 +198,8 @@ def offered_load(cfg: SimConfig, ttft: tuple[float | None, str | None] = (None, 
     q_d = min(q_p, _share(tpot[1])) if tpot[0] is not None else 0.0
     p_span = duration + ttft[0] if q_p else math.inf
     d_span = float((arrivals + ttft[0] + outputs * tpot[0]).max() - arrivals.min()) if q_d and n else math.inf
-    return OfferedLoad(n, duration, q_p * float((prompts - cached).sum()) / p_span,
+    uncached = prompts - cached
+    return OfferedLoad(n, duration, q_p * float(uncached[uncached > local].sum()) / p_span,
                        q_d * float(outputs.sum()) / d_span,
                        float((prompts + outputs / 2).mean()) if n else 0.0, p_span, d_span)
 
@@ -258,35 +266,37 @@ def pool_types(base: SimConfig, model: str, pairs: list[tuple[str, int]], role: 
 class _Grid:
     """One model's search: the points above the bounds, cheapest first, and what failures imply."""
 
-    def __init__(self, model: str, prefill: list[PoolBound], decode: list[PoolBound], max_n: int,
+    def __init__(self, model: str, prefill: dict[int, list[PoolBound]], decode: list[PoolBound], max_n: int,
                  objective: str = "usd"):
+        """`prefill`: each threshold's prefill bounds (threshold -> one bound per prefill pool type)."""
         self.model, self.objective = model, objective
         self.points: list[tuple[tuple, str, tuple]] = []
         self.total = self.below = 0
-        for pb in prefill:
-            for db in decode:
-                self.total += max_n * max_n
-                if pb.min_replicas is None or db.min_replicas is None:
-                    self.below += max_n * max_n
-                    continue
-                lo_p, lo_d = min(pb.min_replicas, max_n + 1), min(db.min_replicas, max_n + 1)
-                self.below += max_n * max_n - (max_n - lo_p + 1) * (max_n - lo_d + 1)
-                for n_p in range(lo_p, max_n + 1):
-                    for n_d in range(lo_d, max_n + 1):
-                        point = FleetPoint(model, pb.pool, n_p, db.pool, n_d)
-                        self.points.append((point.rank(objective), point.label, point.key))
+        for local, bounds in prefill.items():
+            for pb in bounds:
+                for db in decode:
+                    self.total += max_n * max_n
+                    if pb.min_replicas is None or db.min_replicas is None:
+                        self.below += max_n * max_n
+                        continue
+                    lo_p, lo_d = min(pb.min_replicas, max_n + 1), min(db.min_replicas, max_n + 1)
+                    self.below += max_n * max_n - (max_n - lo_p + 1) * (max_n - lo_d + 1)
+                    for n_p in range(lo_p, max_n + 1):
+                        for n_d in range(lo_d, max_n + 1):
+                            point = FleetPoint(model, pb.pool, n_p, db.pool, n_d, local)
+                            self.points.append((point.rank(objective), point.label, point.key))
         self.points.sort()
-        self.failed: dict[tuple, list[tuple[int, int]]] = {}      # (prefill, decode) -> failed counts
+        self.failed: dict[tuple, list[tuple[int, int]]] = {}      # (prefill, decode, threshold) -> failed counts
         self.prefill_failed: dict[PoolType, int] = {}            # prefill type -> its queue fails up to n
         self.done: dict[tuple, FleetPoint] = {}
         self.best: FleetPoint | None = None
         self.implied = 0
 
     def failure_implied(self, key: tuple) -> str:
-        _, p, n_p, d, n_d = key
-        if n_p <= self.prefill_failed.get(p, 0):
+        _, p, n_p, d, n_d, local = key
+        if not local and n_p <= self.prefill_failed.get(p, 0):
             return f"the prefill queue of {self.prefill_failed[p]}x {p.label} is above the TTFT limit"
-        for fp, fd in self.failed.get((p, d), ()):
+        for fp, fd in self.failed.get((p, d, local), ()):
             if n_p <= fp and n_d <= fd:
                 return f"{fp}x {p.label} + {fd}x {d.label} fails"
         return ""
@@ -315,8 +325,8 @@ class _Grid:
             return
         if not point.row or point.row.get("status") != "ok":
             return                      # a run that raised implies nothing about the others
-        self.failed.setdefault((point.prefill, point.decode), []).append((point.n_prefill, point.n_decode))
-        if prefill_queue_fails:
+        self.failed.setdefault((point.prefill, point.decode, point.local), []).append((point.n_prefill, point.n_decode))
+        if prefill_queue_fails and not point.local:     # with local prefills, not every request queues there
             self.prefill_failed[point.prefill] = max(point.n_prefill, self.prefill_failed.get(point.prefill, 0))
 
     def count_implied(self) -> int:
@@ -358,20 +368,23 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
     result = DisaggPlanResult([c.text for c in constraints], {}, {}, unfit, [], {})
     grids: list[_Grid] = []
     configs: dict[tuple, SimConfig] = {}
-    load = offered_load(base, ttft, tpot)
+    thresholds = sorted(set(space.local_prefill_tokens)) or [0]
+    loads = {t: offered_load(base, ttft, tpot, t) for t in thresholds}
+    load = loads[thresholds[0]]
     for model in space.models:
-        bounds: dict[str, list[PoolBound]] = {}
-        for role, pairs in (("prefill", space.prefill), ("decode", space.decode)):
-            bounds[role] = [pool_bound(role, pool, resolve_run(cfg), load, tpot[0])
-                            for pool, cfg in pool_types(base, model, pairs, role, fits, unfit)]
+        plans = {role: [(pool, resolve_run(cfg)) for pool, cfg in pool_types(base, model, pairs, role, fits, unfit)]
+                 for role, pairs in (("prefill", space.prefill), ("decode", space.decode))}
+        prefill = {t: [pool_bound("prefill", pool, plan, loads[t], tpot[0]) for pool, plan in plans["prefill"]]
+                   for t in thresholds}
+        decode = [pool_bound("decode", pool, plan, load, tpot[0]) for pool, plan in plans["decode"]]
         result.load[model] = load
-        result.bounds[model] = bounds["prefill"] + bounds["decode"]
-        grid = _Grid(model, bounds["prefill"], bounds["decode"], space.max_pool_replicas, space.objective)
+        result.bounds[model] = prefill[thresholds[0]] + decode
+        grid = _Grid(model, prefill, decode, space.max_pool_replicas, space.objective)
         result.grid[model], result.below_bound[model] = grid.total, grid.below
         grids.append(grid)
     sims_before = runner.simulations
-    _search(grids, configs, runner, width, lambda key: fleet_config(base, *key, space),
-            lambda row: prefill_queue_fails(row, ttft) and not space.local_prefill_tokens, result.points, progress)
+    _search(grids, configs, runner, width, lambda key: fleet_config(base, *key[:5], space, key[5]),
+            lambda row: prefill_queue_fails(row, ttft), result.points, progress)
     for grid in grids:
         result.implied_fail[grid.model] = grid.count_implied()
         if grid.best is not None:
@@ -421,7 +434,8 @@ def refuse_unmodelled(base: SimConfig, space: DisaggSpace) -> None:
 
     if space.prefill and space.decode and space.models:
         pool = PoolType(space.prefill[0][0], space.prefill[0][1], 0.0)
-        refuse_unsupported(fleet_config(base, space.models[0], pool, 1, pool, 1, space))
+        refuse_unsupported(fleet_config(base, space.models[0], pool, 1, pool, 1, space, max(space.local_prefill_tokens,
+                                                                                              default=0)))
 
 
 def pareto_front(points: list[dict]) -> list[dict]:
