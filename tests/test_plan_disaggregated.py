@@ -128,6 +128,10 @@ def test_search_finds_the_cheapest_an_exhaustive_search_finds(trace, tmp_path):
     # the store: a second plan reuses every point
     again = plan_disaggregated(cfg, slo, space, _Runner(slo, _serial, tmp_path), width=2)
     assert again.simulations == 0 and again.cheapest["llama-3.1-8b"].label == best.label
+    import json
+    saved = json.loads((tmp_path / "plan-disaggregated.json").read_text())
+    assert saved["cheapest"]["llama-3.1-8b"]["fleet"] == best.label and saved["cheapest"]["llama-3.1-8b"]["meets_slo"]
+    assert len(saved["points"]) == len(again.points)
 
 
 def test_decider_thresholds_are_an_axis_of_the_search(trace, tmp_path):

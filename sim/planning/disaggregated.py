@@ -398,7 +398,39 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
                                     for label, r in zip(found, rows, strict=True)}
     result.simulations = runner.simulations - sims_before
     result.wall_s = time.perf_counter() - t0
+    if runner.store:
+        write_result(runner.store, result)
     return result
+
+
+def _point_json(p: FleetPoint) -> dict:
+    row = p.row or {}
+    return {"model": p.model, "fleet": p.label, "prefill": {"gpu": p.prefill.gpu, "tp": p.prefill.tp,
+                                                            "replicas": p.n_prefill},
+            "decode": {"gpu": p.decode.gpu, "tp": p.decode.tp, "replicas": p.n_decode},
+            "local_prefill_tokens": p.local, "gpus": p.gpus, "usd_per_hour": p.usd_per_hour,
+            "run_id": row.get("run_id"), "status": row.get("status"), "meets_slo": p.meets,
+            "ttft_p99_s": row.get("ttft_p99_s"), "tpot_p99_s": row.get("tpot_p99_s")}
+
+
+def write_result(store, result: DisaggPlanResult) -> None:
+    """STORE/plan-disaggregated.json: the bounds, every fleet simulated, the cheapest per model and the range."""
+    from pathlib import Path
+
+    from ..io.safe_io import atomic_output
+
+    data = {"slo": result.slo, "simulations": result.simulations, "wall_s": result.wall_s,
+            "bounds": {m: [{"role": b.role, "gpu": b.pool.gpu, "tp": b.pool.tp, "tok_s_per_replica": b.tok_s_per_replica,
+                            "min_replicas": b.min_replicas, "why": b.why} for b in bounds]
+                       for m, bounds in result.bounds.items()},
+            "unfit": [{"model": m, "role": r, "gpu": p.gpu, "tp": p.tp, "why": why} for m, r, p, why in result.unfit],
+            "grid": result.grid, "below_bound": result.below_bound, "implied_fail": result.implied_fail,
+            "points": [_point_json(p) for p in result.points],
+            "cheapest": {m: _point_json(p) for m, p in result.cheapest.items()}, "ranges": result.ranges}
+    path = Path(store)
+    path.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path / "plan-disaggregated.json") as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=str))
 
 
 def _search(grids: list[_Grid], configs: dict[tuple, SimConfig], runner, width: int,
