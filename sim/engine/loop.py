@@ -355,7 +355,7 @@ class EngineReplica:
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
             last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
-            closed_loop=self.on_done is not None or self.connector is not None,
+            closed_loop=self.on_done is not None or self.connector is not None or self.on_finished is not None,
             next_transfer=min(self.scheduler.next_transfer_completion(), self.next_handoff()),
             step_index=self.num_steps, noise=self.noise)
 
