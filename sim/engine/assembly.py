@@ -217,7 +217,7 @@ class EngineRun:
         while (submitted is not None and not submitted.processed) or self._has_work():
             env.step()
             events += 1
-            steps = sum(r.num_steps for r in self.replicas)
+            steps = env.steps                       # sum(r.num_steps for r in self.replicas)
             if events % COLLECT_EVERY == 0 or steps - collected_at >= COLLECT_STEPS:
                 collect()
                 collected_at = steps
