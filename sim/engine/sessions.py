@@ -88,7 +88,12 @@ class SessionLoop:
         self.session_of: dict[int, int] = {}     # request id -> its session (0.. in order of first arrival)
         self.turn_of: dict[int, int] = {}        # request id -> its turn in the session (0: the first)
         for req in requests:
-            prev = last.get(req.session)       # type: ignore[arg-type]
+            if req.session is None:             # not given its session (apply_sessions): a session of its own
+                first.append(req)
+                self.session_of[req.request_id] = -1
+                self.turn_of[req.request_id] = 0
+                continue
+            prev = last.get(req.session)
             self.session_of[req.request_id] = req.session          # type: ignore[assignment]
             self.turn_of[req.request_id] = 0 if prev is None else self.turn_of[prev.request_id] + 1
             if prev is None:
@@ -96,7 +101,7 @@ class SessionLoop:
             else:
                 think = opts.think_time_s if opts.think_time_s is not None else req.arrival_time - prev.arrival_time
                 self.following[id(prev)] = (req, max(think, 0.0))
-            last[req.session] = req           # type: ignore[index]
+            last[req.session] = req
         if entry is not None:               # the client-side API server lets each first turn in after its send
             for req in first:
                 req.arrival_time = entry.enter(req.request_id, req.arrival_time)
