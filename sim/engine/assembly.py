@@ -44,6 +44,10 @@ def load_workload(cfg: SimConfig):
         trace = random_dataset(cfg)
     elif cfg.trace == SESSIONS_TRACE:
         trace = synthetic_sessions_of(cfg)
+        if opts.sessions is None:
+            warnings.warn(f"trace: {SESSIONS_TRACE} without sessions (--sessions): its turns arrive at their trace "
+                          "times as independent requests, sharing no blocks; --sessions runs each session as a "
+                          "closed loop", TraceWarning, stacklevel=2)
     elif opts.sessions is not None and _is_sharegpt(cfg):     # whole conversations, a turn per answer
         trace = sharegpt_sessions(resolve_trace_path(cfg.trace)[0], tokenizer=opts.tokenizer, seed=cfg.seed)
     else:
