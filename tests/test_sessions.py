@@ -180,3 +180,19 @@ def test_a_request_rate_starts_sessions_not_turns():
     for sid, s in moved.df.groupby("session_id"):
         orig = t.df[t.df["session_id"] == sid]["arrival_time_s"].to_numpy()
         np.testing.assert_allclose(s["arrival_time_s"].to_numpy(), orig - orig[0] + 10.0 * sid)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_sessions_under_pressure_step_as_they_fast_forward(seed):
+    """Random shapes, a small pool (evictions, preemptions) and the CPU tier: fast-forward == stepping, with
+    the engine's and the tier's invariants checked at every step."""
+    rng = np.random.default_rng(seed)
+    sets = {"seed": seed, "replicas": int(rng.integers(1, 3)), "router": str(rng.choice(["session_affinity", "round_robin"])),
+            "engine.num_gpu_blocks": int(rng.integers(250, 500)), "check_invariants": True,
+            "trace_options.synthetic_sessions": {"sessions": 8, "turns": "uniform:1,5", "think_time_s": float(rng.uniform(0, 3)),
+                                                 "first_tokens": "lognormal:800,1.0,3000", "session_rate": 3.0}}
+    if rng.random() < 0.7:
+        sets["kv_offload"] = {"cpu_gib": float(rng.uniform(0.2, 2))}
+    fast, slow = run(**sets), run(fast_forward=False, **sets)
+    pd.testing.assert_frame_equal(fast.requests, slow.requests)
+    assert (fast.requests["status"] == "finished").all()
