@@ -122,6 +122,34 @@ RANDOM_TRACE = "random"
 RANDOM_DEFAULT_NUM_PROMPTS = 1000      # vllm bench serve's --num-prompts default
 
 
+class SessionOptions(_Strict):
+    """Multi-turn sessions run as a closed loop per session (sim/engine/sessions.py, docs/kv-tiers.md#sessions):
+    a session's later turns are released when the previous answer finished plus a think time."""
+    think_time_s: float | None = Field(None, ge=0, description="seconds between an answer and the next turn; "
+                                       "default: the trace's gap between the two turns")
+    history: Literal["in_prompt", "append"] = Field(
+        "in_prompt", description="in_prompt: a turn's prompt_tokens hold the conversation so far; append: they "
+                                 "are the new message only (the conversation so far is added)")
+
+
+class SyntheticSessions(_Strict):
+    """`trace: synthetic-sessions`: seeded multi-turn sessions (traces/sessions.py); length specs as
+    traces/synthetic.py's (fixed:L, uniform:LO,HI, lognormal:MEAN,CV[,MAX])."""
+    sessions: int = Field(64, gt=0, description="number of sessions")
+    turns: str = Field("uniform:2,8", description="turns per session (a length spec)")
+    first_tokens: str = Field("lognormal:1000,1.0,8000", description="tokens of a session's first message")
+    user_tokens: str = Field("lognormal:200,1.0,2000", description="tokens of every later user message")
+    output_tokens: str = Field("lognormal:250,0.8,1000", description="tokens of each answer")
+    think_time_s: float = Field(10.0, ge=0, description="mean think time between an answer and the next turn "
+                                                         "(exponential), s")
+    session_rate: float | None = Field(1.0, gt=0, description="sessions started per second (Poisson); "
+                                                              "null: all at t=0")
+
+
+# `trace: synthetic-sessions` is a generated multi-turn workload (trace_options.synthetic_sessions), not a file
+SESSIONS_TRACE = "synthetic-sessions"
+
+
 class TraceOptions(_Strict):
     rate_scale: float = Field(1.0, gt=0, description="arrival-rate multiplier (2 = twice as fast)")
     max_requests: int | None = Field(None, gt=0)
@@ -154,6 +182,10 @@ class TraceOptions(_Strict):
         None, gt=0, description="seconds from a request's send after which the client gives up on it (aiohttp's "
                                 "total timeout; vllm bench serve's is 6 h): it is aborted in the engine and "
                                 "counted failed; default: none")
+    sessions: SessionOptions | None = Field(
+        None, description="multi-turn sessions as a closed loop per session (the trace's session_id); default: none")
+    synthetic_sessions: SyntheticSessions | None = Field(
+        None, description="trace: synthetic-sessions: the generated sessions' shape")
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
@@ -162,6 +194,9 @@ class TraceOptions(_Strict):
             data.pop("random", None)
         if self.request_timeout is None:     # unset: left out, so configs and run ids stay as they were
             data.pop("request_timeout", None)
+        for key in ("sessions", "synthetic_sessions"):      # unset: left out (configs and run ids as they were)
+            if getattr(self, key) is None:
+                data.pop(key, None)
         return data
 
     @model_validator(mode="after")
@@ -182,6 +217,8 @@ class TraceOptions(_Strict):
                              f"give format: csv|jsonl|parquet (got format {self.format!r})")
         if self.max_concurrency is not None and self.arrival_unit == "step":
             raise ValueError("max_concurrency needs arrival_unit: time (arrivals by engine step are fixed)")
+        if self.sessions is not None and self.arrival_unit == "step":
+            raise ValueError("sessions need arrival_unit: time (a turn is released after an answer and a think time)")
         if self.request_timeout is not None and self.arrival_unit == "step":
             raise ValueError("request_timeout needs arrival_unit: time (a timeout counts seconds from a send)")
         return self
@@ -488,6 +525,12 @@ class SimConfig(_Strict):
         if self.trace_options.random is not None and self.trace != RANDOM_TRACE:
             raise ValueError(f"trace_options.random (--random-input-len, ...) sets the lengths of trace: {RANDOM_TRACE} "
                              f"(vllm bench serve's random dataset); the trace is {self.trace!r}")
+        if self.trace_options.sessions is not None and self.fleet is not None:
+            raise ValueError("trace_options.sessions: multi-turn sessions run on one pool of replicas (replicas, "
+                             "router); a disaggregated fleet does not take them yet")
+        if self.trace_options.synthetic_sessions is not None and self.trace != SESSIONS_TRACE:
+            raise ValueError(f"trace_options.synthetic_sessions sets the shape of trace: {SESSIONS_TRACE}; the trace "
+                             f"is {self.trace!r}")
         return self
 
     @field_validator("model")

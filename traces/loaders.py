@@ -625,6 +625,8 @@ def _generic(fmt: str):
             extra["session_id"] = list(df[mapping["session_id"]])
         notices: list[str] = []
         arrival = _log_times(df[mapping["arrival"]], rows, mapping["arrival"], time_unit, notices)
+        if "turn" in mapping:
+            _check_turns(df, rows, mapping, arrival)
         trace = _build(path, rows, arrival=arrival,
                        prompt=_integers(df[mapping["prompt_tokens"]], rows, mapping["prompt_tokens"], 1),
                        output=_integers(df[mapping["output_tokens"]], rows, mapping["output_tokens"], 0), **extra)
@@ -637,6 +639,28 @@ def _generic(fmt: str):
             warnings.warn(f"{path}: {notice}", TraceWarning, stacklevel=3)
         return trace
     return load
+
+
+def _check_turns(df: pd.DataFrame, rows: _Rows, mapping: dict, arrival: np.ndarray) -> None:
+    """A session trace's `turn` column: integers, each session's turns in arrival order (turn numbers
+    rising with time); refused at the first row that breaks it, naming its line and the field."""
+    field = mapping["turn"]
+    if "session_id" not in mapping:
+        raise TraceError(rows.path, None, f"columns: turn={field} needs session_id=COLUMN (a turn counts within a session)")
+    turns = _integers(df[field], rows, field, 0)
+    order = np.argsort(arrival, kind="stable")
+    last: dict = {}
+    sessions = df[mapping["session_id"]].tolist()
+    for row in order.tolist():
+        sid = sessions[row]
+        if sid is None or sid != sid:
+            continue
+        prev = last.get(sid)
+        if prev is not None and turns[row] <= turns[prev]:
+            raise rows.error(row, f"{field}: session {sid!r} turn {int(turns[row])} arrives after its turn "
+                                  f"{int(turns[prev])} ({rows.line_of(prev)}); expected each session's turns in "
+                                  "arrival order (rising turn numbers)")
+        last[sid] = row
 
 
 def _request_ids(raw: pd.Series, rows: _Rows, name: str) -> tuple[np.ndarray, dict[int, str] | None]:

@@ -14,7 +14,8 @@ JSON, and generic CSV / JSONL / Parquet logs read through an explicit column map
   on the trace (``Trace.measured``) for the predicted-vs-measured report (sim/results/bench_compare.py).
 - ``csv``, ``jsonl``, ``parquet``: any table with one row per request, given ``columns`` naming the
   source column of ``arrival`` (ISO-8601 times, or epoch numbers in ``time_unit``), ``prompt_tokens``
-  and ``output_tokens`` (and optionally ``request_id``, ``session_id``, ``priority``). Never
+  and ``output_tokens`` (and optionally ``request_id``, ``session_id``, ``turn`` (checked: each session's
+  turns in arrival order), ``priority``). Never
   detected from content: a gateway log is read only when asked to, so it cannot be misread.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvsim.traces.arrivals import vllm_bench_arrivals
 from kvsim.traces.errors import TraceError
 
 VLLM_MIN_LEN, VLLM_MAX_PROMPT, VLLM_MAX_TOTAL = 4, 1024, 2048
-GENERIC_FIELDS = ("arrival", "prompt_tokens", "output_tokens", "request_id", "session_id", "priority")
+GENERIC_FIELDS = ("arrival", "prompt_tokens", "output_tokens", "request_id", "session_id", "turn", "priority")
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 
-from kvsim.sim.config import policy_names, slot_strategy_names
+from kvsim.sim.config import ConfigError, policy_names, slot_strategy_names
 from kvsim.sim.kv.policy import PolicyError
 
 
@@ -139,6 +139,57 @@ MetricPercentiles = Annotated[str | None, typer.Option(
     help="as vllm bench serve: comma-separated percentiles of TTFT, TPOT, ITL and E2EL to report (default 99)")]
 SloTtft = Annotated[str | None, typer.Option(help="TTFT SLO for goodput, with unit (2s, 500ms)")]
 SloTpot = Annotated[str | None, typer.Option(help="TPOT SLO for goodput, with unit (100ms)")]
+
+RouterName = Annotated[str | None, typer.Option(
+    help="round_robin | least_outstanding | queue_depth | kv_usage | prefix_affinity | precise_prefix | "
+         "session_affinity | weighted (llm-d's scorer sum), or a registered plug-in; options: --set "
+         "router_options.KEY=V (docs/kv-tiers.md)")]
+KvOffload = Annotated[str | None, typer.Option(
+    help="CPU KV offload per replica as vLLM's OffloadingConnector: cpu:SIZE (cpu:64GiB; cpu:0 = none); "
+         "= kv_offload.cpu_gib (docs/kv-tiers.md)")]
+Sessions = Annotated[bool, typer.Option(
+    "--sessions", help="multi-turn sessions: the trace's session_id turns run as a closed loop per session, a turn "
+                       "sent when the previous answer finished plus a think time (= trace_options.sessions; "
+                       "docs/kv-tiers.md#sessions)")]
+ThinkTime = Annotated[float | None, typer.Option(
+    help="sessions: seconds between an answer and the next turn (default: the trace's gap between the turns); "
+         "implies --sessions (= trace_options.sessions.think_time_s)")]
+
+
+_SIZE_UNITS = {"gib": 1.0, "gb": 1e9 / 2**30, "mib": 1 / 1024, "tib": 1024.0}
+
+
+def parse_offload(value: str) -> float:
+    """`--kv-offload cpu:64GiB` -> GiB of CPU memory per replica (GiB, GB, MiB, TiB)."""
+    tier, _, size = value.partition(":")
+    if tier != "cpu" or not size:
+        raise ConfigError(f"--kv-offload {value!r}: expected cpu:SIZE such as cpu:64GiB (the CPU tier; disk and "
+                          "remote tiers are not options yet)")
+    number = size.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = size[len(number):].lower() or "gib"
+    try:
+        gib = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(f"--kv-offload {value!r}: expected a size such as 64GiB, 500GB or 512MiB") from None
+    if not gib >= 0:
+        raise ConfigError(f"--kv-offload {value!r}: the size must be 0 (no offload) or positive")
+    return gib
+
+
+def tier_overrides(kv_offload: str | None, sessions: bool = False, think_time: float | None = None) -> dict[str, Any]:
+    """--kv-offload, --sessions and --think-time as config overrides (`cpu:0`: no offload, as leaving it out)."""
+    out: dict[str, Any] = {}
+    gib = parse_offload(kv_offload) if kv_offload is not None else 0.0
+    if gib > 0:
+        out["kv_offload.cpu_gib"] = gib
+    if think_time is not None:
+        if not think_time >= 0:
+            raise ConfigError(f"--think-time {think_time:g}: expected seconds >= 0")
+        out["trace_options.sessions.think_time_s"] = think_time
+    elif sessions:
+        out["trace_options.sessions"] = {}
+    return out
+
 
 # command-line option (parameter name) -> the config key it sets
 CONFIG_KEYS = {

@@ -14,6 +14,7 @@ from rich.table import Table
 from kvsim.sim.config import ConfigError, build_config, load_config
 from kvsim.traces.errors import TraceError
 
+from .options import KvOffload, RouterName, Sessions, ThinkTime, tier_overrides
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
                       Sets, Tp, Trace, UsdPerHour, config_overrides, fail, output_path, table_console)
 
@@ -134,6 +135,10 @@ def capacity(
     gpu: Gpu = None,
     tp: Tp = None,
     replicas: Annotated[int | None, typer.Option(help="replicas (mode=rate); ignored in mode=replicas")] = None,
+    router: RouterName = None,
+    kv_offload: KvOffload = None,
+    sessions: Sessions = False,
+    think_time: ThinkTime = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
     max_num_seqs: MaxNumSeqs = None,
@@ -169,7 +174,7 @@ def capacity(
     overrides = config_overrides(trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, block_size=block_size,
                                  num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_requests=max_requests,
-                                 rate_scale=rate_scale, usd_per_hour=usd_per_hour)
+                                 rate_scale=rate_scale, usd_per_hour=usd_per_hour, router=router)
     if mode not in ("rate", "replicas"):
         fail(f"--mode: expected rate or replicas, got {mode!r}")
     if not 0 < tol < 1:
@@ -182,7 +187,7 @@ def capacity(
         _check_store(out, "--out", overwrite)
     _check_repeats(repeats)
     try:
-        cfg = load_config(config, overrides, set_)
+        cfg = load_config(config, {**overrides, **tier_overrides(kv_offload, sessions, think_time)}, set_)
         cfg = build_config(cfg.model_dump(), {"step_variance": _search_variance(step_variance, cfg.step_variance)})
         constraints = parse_slo(slo)
         cfg, sample = choose_sample(cfg, window)
@@ -423,6 +428,10 @@ def plan(
     trace: Trace = None,
     config: ConfigFile = None,
     rate_scale: Annotated[float | None, typer.Option(help="the load: arrival-rate multiplier of the trace")] = None,
+    router: RouterName = None,
+    kv_offload: KvOffload = None,
+    sessions: Sessions = False,
+    think_time: ThinkTime = None,
     window: Window = None,
     set_: Sets = [],
     max_replicas: int = typer.Option(64, help="give a configuration up above this many replicas"),
@@ -479,8 +488,9 @@ def plan(
                  for role, gtext, ttext in (("prefill", prefill_gpus, prefill_tps), ("decode", decode_gpus, decode_tps))
                  } if disaggregated else {}
         priced = list(dict.fromkeys(gpu_list + [g for r in pools.values() for g, _ in r]))
-        cfg = load_config(config, config_overrides(trace=trace, rate_scale=rate_scale, model=model_list[0],
-                                                   gpu=gpu_list[0], usd_per_hour=usd_per_hour), set_)
+        cfg = load_config(config, {**config_overrides(trace=trace, rate_scale=rate_scale, model=model_list[0],
+                                                      gpu=gpu_list[0], usd_per_hour=usd_per_hour, router=router),
+                                   **tier_overrides(kv_offload, sessions, think_time)}, set_)
         if isinstance(cfg.usd_per_hour, float) and len(priced) > 1:
             raise ConfigError(f"--usd-per-hour {cfg.usd_per_hour:g}: one price for {len(priced)} GPUs; give "
                               "GPU=PRICE for each one to price (h100=2.5,h200=3.9)")

@@ -17,6 +17,7 @@ from kvsim.sim.config import ConfigError, KVConfig, load_config
 
 from .vllm_args import VllmOptions
 
+from .options import (KvOffload, RouterName, Sessions, ThinkTime, tier_overrides)
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
@@ -38,12 +39,10 @@ def simulate(
     tp: Annotated[int | None, typer.Option("--tp", "-tp", "--tensor-parallel-size",
                                               help="tensor parallel degree (vLLM's -tp)")] = None,
     replicas: Replicas = None,
-    router: Annotated[str | None, typer.Option(
-        help="round_robin | least_outstanding | queue_depth | kv_usage | prefix_affinity | precise_prefix | "
-             "weighted (llm-d's scorer sum), or a registered plug-in; options: --set router_options.KEY=V")] = None,
-    kv_offload: Annotated[str | None, typer.Option(
-        help="CPU KV offload per replica as vLLM's OffloadingConnector: cpu:SIZE (cpu:64GiB); "
-             "= kv_offload.cpu_gib (docs/kv-tiers.md)")] = None,
+    router: RouterName = None,
+    kv_offload: KvOffload = None,
+    sessions: Sessions = False,
+    think_time: ThinkTime = None,
     profile: Profile = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
@@ -158,8 +157,7 @@ def simulate(
         overrides = with_vllm_options(overrides, VllmOptions(
             serve=vllm, bench=bench, dtype=dtype, quantization=quantization, dataset_name=dataset_name,
             dataset_path=dataset_path, goodput=goodput))
-        if kv_offload is not None:
-            overrides["kv_offload.cpu_gib"] = parse_offload(kv_offload)
+        overrides.update(tier_overrides(kv_offload, sessions, think_time))
         overrides.update(fleet_overrides(prefill_pool, decode_pool, link, local_prefill_tokens))
         cfg = load_config(config, overrides, set_)
         refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)
@@ -179,24 +177,6 @@ def simulate(
     console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
 
 
-_SIZE_UNITS = {"gib": 1.0, "gb": 1e9 / 2**30, "mib": 1 / 1024, "tib": 1024.0}
-
-
-def parse_offload(value: str) -> float:
-    """`--kv-offload cpu:64GiB` -> GiB of CPU memory per replica (GiB, GB, MiB, TiB)."""
-    tier, _, size = value.partition(":")
-    if tier != "cpu" or not size:
-        raise ConfigError(f"--kv-offload {value!r}: expected cpu:SIZE such as cpu:64GiB (the CPU tier; disk and "
-                          "remote tiers are not options yet)")
-    number = size.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    unit = size[len(number):].lower() or "gib"
-    try:
-        gib = float(number) * _SIZE_UNITS[unit]
-    except (ValueError, KeyError):
-        raise ConfigError(f"--kv-offload {value!r}: expected a size such as 64GiB, 500GB or 512MiB") from None
-    if not gib > 0:
-        raise ConfigError(f"--kv-offload {value!r}: the size must be positive")
-    return gib
 
 
 def with_vllm_options(overrides: dict, options: VllmOptions) -> dict:

@@ -111,7 +111,9 @@ class KVCacheManager:
     def _block_key(self, req: Request, j: int) -> tuple:
         start, end = j * self.block_size, (j + 1) * self.block_size
         ids, span = req.prefix_hash_ids, req.prefix_block_tokens
-        if ids is not None and span and end <= req.prompt_tokens and (end - 1) // span < len(ids):
+        # a session's ids cover its answer too (sim/engine/sessions.py): every token it will hold is known
+        known = req.prompt_tokens + req.max_output_tokens if req.ids_cover_output else req.prompt_tokens
+        if ids is not None and span and end <= known and (end - 1) // span < len(ids):
             return (tuple(ids[start // span:(end - 1) // span + 1]), start % span)
         # No shared-prefix information: only the request itself can hit it (after a preemption).
         return ("req", req.request_id, j)

@@ -26,6 +26,10 @@ class Request:
     # Prefix ids, one per `prefix_block_tokens` prompt tokens (Mooncake hash_ids), or None.
     prefix_hash_ids: tuple[int, ...] | None = None
     prefix_block_tokens: int | None = None
+    # multi-turn sessions (sim/engine/sessions.py): the session, and whether the prefix ids go on past
+    # the prompt over the answer (the conversation's next turn repeats it: its blocks are shared too)
+    session: int | None = None
+    ids_cover_output: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

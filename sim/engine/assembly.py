@@ -15,9 +15,12 @@ from collections.abc import Callable
 
 from kvsim.traces import TraceWarning, load_trace
 from kvsim.traces.arrivals import vllm_bench_arrivals
+from kvsim.traces.loaders import detect_format, resolve_trace_path
+from kvsim.traces.sessions import num_sessions, sharegpt_sessions, synthetic_sessions, with_session_starts
 from kvsim.traces.synthetic import vllm_random_dataset
 
-from ..config import RANDOM_DEFAULT_NUM_PROMPTS, RANDOM_TRACE, ConfigError, RandomDataset, SimConfig
+from ..config import (RANDOM_DEFAULT_NUM_PROMPTS, RANDOM_TRACE, SESSIONS_TRACE, ConfigError, RandomDataset, SimConfig,
+                      SyntheticSessions)
 from ..core.request import Request
 from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager
@@ -25,6 +28,7 @@ from ..core.scheduler import Scheduler, SchedulerConfig
 from .loop import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
                      StepArrivals)
 from ..results.metrics import StepLog
+from .sessions import SessionLoop, apply_sessions
 from .step_noise import StepNoise, resolve_sigma
 
 if TYPE_CHECKING:
@@ -38,6 +42,14 @@ def load_workload(cfg: SimConfig):
     first = opts.max_requests if opts.start_s is None and opts.end_s is None else None
     if cfg.trace == RANDOM_TRACE:
         trace = random_dataset(cfg)
+    elif cfg.trace == SESSIONS_TRACE:
+        trace = synthetic_sessions_of(cfg)
+        if opts.sessions is None:
+            warnings.warn(f"trace: {SESSIONS_TRACE} without sessions (--sessions): its turns arrive at their trace "
+                          "times as independent requests, sharing no blocks; --sessions runs each session as a "
+                          "closed loop", TraceWarning, stacklevel=2)
+    elif opts.sessions is not None and _is_sharegpt(cfg):     # whole conversations, a turn per answer
+        trace = sharegpt_sessions(resolve_trace_path(cfg.trace)[0], tokenizer=opts.tokenizer, seed=cfg.seed)
     else:
         trace = load_trace(cfg.trace, max_rows=first, **({"rate": opts.rate} if opts.rate else {}), seed=cfg.seed,
                            **opts.file_options())
@@ -45,9 +57,12 @@ def load_workload(cfg: SimConfig):
         trace = _window(trace, opts.start_s or 0.0, opts.end_s if opts.end_s is not None else float("inf"))
     if opts.max_requests is not None:
         trace = trace.head(opts.max_requests)
-    if opts.request_rate is not None:
+    if opts.request_rate is not None and opts.sessions is not None:
+        trace = with_session_rate(trace, opts.request_rate, opts.burstiness, cfg.seed)
+    elif opts.request_rate is not None:
         trace = with_request_rate(trace, opts.request_rate, opts.burstiness, cfg.seed)
-    elif opts.max_concurrency is None and opts.rate is None and opts.arrival_unit == "time" and len(trace) > 1 and not _has_arrival_times(trace):
+    elif opts.max_concurrency is None and opts.sessions is None and opts.rate is None and opts.arrival_unit == "time" \
+            and len(trace) > 1 and not _has_arrival_times(trace):
         warnings.warn(f"all {len(trace)} requests arrive at t=0 (the trace has no arrival times): one batch, as "
                       "vllm bench serve's default --request-rate inf; --request-rate or --max-concurrency give "
                       "another load", TraceWarning, stacklevel=2)
@@ -66,6 +81,36 @@ def random_dataset(cfg: SimConfig):
     n = opts.max_requests or RANDOM_DEFAULT_NUM_PROMPTS
     return vllm_random_dataset(n, input_len=spec.input_len, output_len=spec.output_len,
                                range_ratio=spec.range_ratio, prefix_len=spec.prefix_len, seed=cfg.seed)
+
+
+def synthetic_sessions_of(cfg: SimConfig):
+    """`trace: synthetic-sessions`: seeded multi-turn sessions (traces/sessions.py) of
+    `trace_options.synthetic_sessions` (its defaults when absent), the run's seed."""
+    opts = cfg.trace_options
+    if opts.format or opts.tokenizer or opts.rate:
+        raise ConfigError(f"trace: {SESSIONS_TRACE} is generated (no file): trace_options.format, tokenizer and rate "
+                          "do not apply (trace_options.synthetic_sessions.session_rate sets when sessions start)")
+    spec = opts.synthetic_sessions or SyntheticSessions()
+    return synthetic_sessions(spec.sessions, turns=spec.turns, first_tokens=spec.first_tokens,
+                              user_tokens=spec.user_tokens, output_tokens=spec.output_tokens,
+                              think_time_s=spec.think_time_s, session_rate=spec.session_rate, seed=cfg.seed)
+
+
+def _is_sharegpt(cfg: SimConfig) -> bool:
+    if cfg.trace_options.format is not None:
+        return cfg.trace_options.format == "sharegpt"
+    return detect_format(resolve_trace_path(cfg.trace)[0]) == "sharegpt"
+
+
+def with_session_rate(trace, request_rate: float, burstiness: float, seed: int):
+    """Sessions started as `vllm bench serve --request-rate --burstiness` sends requests (each session's
+    turns keep their gaps): for session traces whose sessions all start at t=0 (ShareGPT conversations)."""
+    first = trace.df.drop_duplicates("session_id")["arrival_time_s"].to_numpy()
+    if len(first) > 1 and first.max() > first.min():
+        raise ConfigError(f"trace_options.request_rate: the sessions of {trace.name or trace.source!r} have their own "
+                          "start times; request_rate applies to sessions that all start at t=0 (ShareGPT)")
+    n = num_sessions(trace)
+    return with_session_starts(trace, vllm_bench_arrivals(n, request_rate, burstiness, seed))
 
 
 def _window(trace, start_s: float, end_s: float):
@@ -95,9 +140,17 @@ def _has_arrival_times(trace) -> bool:
     return len(arrivals) > 0 and arrivals.max() > arrivals.min()
 
 
-def trace_to_requests(trace, entry=None) -> list[Request]:
+def trace_to_requests(trace, entry=None, sessions=None) -> list[Request]:
     """The trace's requests; with `entry` (sim.simulator.client.RequestEntry) each enters the engine when the
-    client-side API server lets it, after its arrival (the client's send)."""
+    client-side API server lets it, after its arrival (the client's send). `sessions` (trace_options.sessions):
+    each request gets its session and its conversation's prefix ids (sim/engine/sessions.py)."""
+    requests = _requests(trace, entry)
+    if sessions is not None:
+        apply_sessions(trace, requests, sessions)
+    return requests
+
+
+def _requests(trace, entry) -> list[Request]:
     df = trace.df
     ids = df["prefix_hash_ids"].tolist() if "prefix_hash_ids" in df else [None] * len(df)
     prio = df["priority"].tolist() if "priority" in df else [0] * len(df)
@@ -137,6 +190,7 @@ class EngineRun:
     limit: ConcurrencyLimit | None
     step_arrivals: StepArrivals | None
     router: Router | None = None
+    sessions: SessionLoop | None = None
 
     def drive(self, catch: tuple[type[BaseException], ...] = (KeyboardInterrupt, Exception),
               collect: Callable[[], None] = lambda: None):
@@ -167,7 +221,7 @@ class EngineRun:
         while (submitted is not None and not submitted.processed) or self._has_work():
             env.step()
             events += 1
-            steps = sum(r.num_steps for r in self.replicas)
+            steps = env.steps                       # sum(r.num_steps for r in self.replicas)
             if events % COLLECT_EVERY == 0 or steps - collected_at >= COLLECT_STEPS:
                 collect()
                 collected_at = steps
@@ -179,12 +233,16 @@ class EngineRun:
         step_arrivals, limit = self.step_arrivals, self.limit
         return (any(r.scheduler.has_work or r.scheduler.awaiting_transfers for r in self.replicas)
                 or bool(step_arrivals and step_arrivals.pending)
-                or (limit is not None and limit.in_transit))
+                or (limit is not None and limit.in_transit)
+                or (self.sessions is not None and self.sessions.in_transit))
 
     def arrived(self, requests: list[Request]) -> list[Request]:
         """Of `requests`, those that reached the engine (all of them once the run ended)."""
         if self.arrivals is not None:
             unsent = set(map(id, self.limit.queue)) if self.limit is not None else set()
+            if self.sessions is not None:           # first turns as they arrived, later turns as released
+                sent = set(map(id, self.arrivals.requests[:self.arrivals.index] + self.sessions.released))
+                return [r for r in requests if id(r) in sent and id(r) not in unsent]
             return [r for r in requests[:self.arrivals.index] if id(r) not in unsent]
         unsent = set(map(id, self.step_arrivals.pending))
         return [r for r in requests if id(r) not in unsent]
@@ -209,11 +267,17 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     step_arrivals = StepArrivals(requests) if by_step else None
     limit_n = cfg.trace_options.max_concurrency
     feed: list = []            # the arrival process and the limit, made once the replicas exist
+    sessions = None
+    if cfg.trace_options.sessions is not None:        # a closed loop per session (sim/engine/sessions.py)
+        sessions = SessionLoop(env, requests, cfg.trace_options.sessions, entry if limit_n is None else None)
+    closed = limit_n is not None or sessions is not None
     # a closed loop lets one replica's finish send a request to another: with several replicas each
     # one must stop at every step end for it to land in time (no decode fast-forward across it)
-    cross_replica = limit_n is not None and cfg.replicas > 1
+    cross_replica = closed and cfg.replicas > 1
     # one replica fed by the trace alone may admit its arrivals inside decode runs
-    own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and limit_n is None and not by_step else None
+    own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and not closed and not by_step else None
+    next_arrival = ((lambda: min(feed[0].next_arrival(), sessions.next_release())) if sessions is not None
+                    else (lambda: feed[0].next_arrival()))
     timeout = client_timeout(cfg.trace_options.request_timeout, entry)
     sigma = resolve_sigma(cfg.step_variance, plan.gpu.name) if step_noise else 0.0
     noises = [replica_noise(sigma, cfg.seed, i) for i in range(cfg.replicas)]
@@ -225,17 +289,20 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
                            check_invariants=cfg.check_invariants,
                            step_noise=noises[i]),
-            ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
+            ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else next_arrival,
                         step_arrivals=step_arrivals, on_step=on_step,
                         on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)),
-                        arrivals=own_arrivals, timeout=timeout)))
+                        arrivals=own_arrivals, timeout=timeout,
+                        on_finished=None if sessions is None else sessions.finished)))
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
     router = Router(replicas, cfg.router, cfg.router_options)
     limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
-    arrivals = ArrivalProcess(env, requests, router, limit)
+    if sessions is not None:        # later turns go out as their predecessors finish: through the limit if any
+        sessions.send = limit.arrive if limit is not None else (lambda req, now: router.route(req).submit(req))
+    arrivals = ArrivalProcess(env, requests if sessions is None else sessions.first_turns, router, limit)
     feed.extend((arrivals, limit))
-    return EngineRun(env, replicas, arrivals, limit, None, router)
+    return EngineRun(env, replicas, arrivals, limit, None, router, sessions)
 
 
 def replica_noise(sigma: float, seed: int, index: int) -> StepNoise | None:

@@ -38,6 +38,7 @@ class EngineClock(simpy.Environment):
     def __init__(self, initial_time: float = 0.0, event_per_step: bool = False):
         super().__init__(initial_time)
         self.event_per_step = event_per_step
+        self.steps = 0          # engine steps of all replicas so far (EngineReplica.num_steps summed)
 
     def retarget(self, event: simpy.Event, t: float) -> None:
         """Move a scheduled, unprocessed event to time `t` (the arrival process's wait, when a decode
@@ -49,6 +50,16 @@ class EngineClock(simpy.Environment):
                 heapq.heapify(queue)
                 return
         raise ValueError("retarget: the event is not scheduled")
+
+    def timeout_at(self, t: float) -> simpy.Event:
+        """An event at time `t` exactly (a timeout's `now + delay` can round one ulp away from it)."""
+        if t < self._now:
+            raise ValueError(f"timeout_at({t}) is before now ({self._now})")
+        event = simpy.Event(self)
+        event._ok = True
+        event._value = None
+        heapq.heappush(self._queue, (t, 1, next(self._eid), event))      # simpy's NORMAL priority
+        return event
 
     def advance_to(self, t: float) -> bool:
         """Move the clock to `t` if no event is due at or before it (then no process can tell the
@@ -239,6 +250,12 @@ class EngineReplica:
         due = bisect_left(ends, self.env.peek())          # steps ending at or after the next event
         if due and not self.env.advance_to(ends[due - 1]):
             due = 0                                       # an event per step (EngineClock.event_per_step)
+        if due < len(ends) and not self.env.event_per_step:
+            # nothing another process does before the run's end reaches this replica (the run stops before
+            # anything that could: an arrival, a transfer, a hand-off), so one event at the end exactly
+            # stands for the run's remaining steps (several replicas: another one's step ends are due)
+            yield self.env.timeout_at(ends[-1])
+            return
         for d in run.durations[due:].tolist():
             yield self.env.timeout(d)
 
@@ -320,6 +337,7 @@ class EngineReplica:
         row.update(self._pool_row())
         self.step_log.append(row)
         self.num_steps += 1
+        self.env.steps += 1
         self.tokens_computed += int(shape.num_prefill_tokens) + int(shape.num_decode_tokens)
         if self.check:
             self.check_invariants()
@@ -355,7 +373,7 @@ class EngineReplica:
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
             last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
-            closed_loop=self.on_done is not None or self.connector is not None,
+            closed_loop=self.on_done is not None or self.connector is not None or self.on_finished is not None,
             next_transfer=min(self.scheduler.next_transfer_completion(), self.next_handoff()),
             step_index=self.num_steps, noise=self.noise)
 
@@ -410,6 +428,7 @@ class EngineReplica:
         })
         self.step_log.append_columns(rows, k)
         self.num_steps += k
+        self.env.steps += k
         self.tokens_computed += int(run.batch.sum()) + (0 if prefill is None else sum(prefill.tokens) - len(run.admissions))
         if self.check:
             self.check_invariants()

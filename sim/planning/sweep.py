@@ -49,7 +49,7 @@ from kvsim.traces.errors import TraceError, TraceWarning
 from kvsim.traces.loaders import resolve_trace_path
 
 from ..model.catalog import CatalogError, get_gpu, get_model
-from ..config import (FILE_KEYS, RANDOM_TRACE, ConfigError, SimConfig, build_config, files_under, flatten, read_config_file,
+from ..config import (FILE_KEYS, RANDOM_TRACE, SESSIONS_TRACE, ConfigError, SimConfig, build_config, files_under, flatten, read_config_file,
                      read_yaml_file)
 from ..model.cost_model import load_profile
 from ..model.defaults import resolve_engine
@@ -340,7 +340,7 @@ class _FitChecker:
     def _problem(cfg: SimConfig) -> str | None:
 
         try:
-            if cfg.trace != RANDOM_TRACE:          # vllm bench serve's random dataset: no file
+            if cfg.trace not in (RANDOM_TRACE, SESSIONS_TRACE):     # generated workloads: no file
                 resolve_trace_path(cfg.trace)
         except TraceError as exc:
             return f"trace={cfg.trace!r}: {exc}"

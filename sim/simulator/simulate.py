@@ -96,6 +96,9 @@ def _request_frame(client, entry, run, labels: dict | None):
             df["request_label"] = df["request_id"].map(labels).astype(object)
         if run.limit is not None:
             add_client_queue(df, run.limit.client_arrival)
+        if run.sessions is not None:         # multi-turn sessions: each turn's session and its place in it
+            df["session"] = df["request_id"].map(run.sessions.session_of).astype("int64")
+            df["turn"] = df["request_id"].map(run.sessions.turn_of).astype("int64")
         return df
     return frame
 
@@ -106,7 +109,9 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     # requests enter the engine through the client-side API server: at their trace time (open loop) or
     # when the closed loop sends them
     entry = RequestEntry(client) if client.enabled else None
-    requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency else entry)
+    sessions = cfg.trace_options.sessions
+    # the closed loops (a concurrency limit, sessions) send their requests through the API server themselves
+    requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency or sessions else entry, sessions)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS)
     progress = opts.progress or ambient_callback()

@@ -1,15 +1,17 @@
 """weighted: llm-d's inference scheduler profile: each replica's score is a weighted sum of scorers, each
 in [0, 1], and the highest wins (max-score picker; ties: lowest index). Scorers (llm-d's names in
 parentheses): queue (queue-scorer), kv_usage (kv-cache-utilization-scorer), prefix (precise
-prefix-cache-scorer), approx_prefix (approximate prefix affinity). Weights from
+prefix-cache-scorer), approx_prefix (approximate prefix affinity), session (session-affinity-scorer: 1
+for the replica of the session's previous turn). Weights from
 `router_options.weights`, default llm-d's sample profile: queue 1, kv_usage 1, prefix 2."""
 from .base import RouterBase, RouterError, register_router
 from .kv_usage import kv_usage_scores
 from .precise_prefix import cached_fraction
 from .prefix_affinity import PrefixAffinity, leading_block_hashes, prefix_scores
 from .queue_depth import queue_scores
+from .session_affinity import SessionAffinity
 
-SCORERS = ("queue", "kv_usage", "prefix", "approx_prefix")
+SCORERS = ("queue", "kv_usage", "prefix", "approx_prefix", "session")
 DEFAULT_WEIGHTS = {"queue": 1.0, "kv_usage": 1.0, "prefix": 2.0}
 
 
@@ -22,6 +24,7 @@ class Weighted(RouterBase):
         if bad:
             raise RouterError(f"router_options.weights: unknown scorer {bad[0]!r}; known: {', '.join(SCORERS)}")
         self._approx = PrefixAffinity(replicas, options) if self.weights.get("approx_prefix") else None
+        self._session = SessionAffinity(replicas, options) if self.weights.get("session") else None
 
     def route(self, req):
         loads = self.signals.loads()
@@ -38,10 +41,15 @@ class Weighted(RouterBase):
         if self._approx is not None:
             hashes = leading_block_hashes(req, self._approx.block_tokens)
             parts.append((w["approx_prefix"], prefix_scores(self._approx.matched_blocks(hashes), len(hashes))))
+        if self._session is not None:
+            last = self._session.last_replica(req)
+            parts.append((w["session"], [1.0 if i == last else 0.0 for i in range(len(self.replicas))]))
         for weight, scores in parts:
             for i, s in enumerate(scores):
                 total[i] += weight * s
         replica = self.pick_max(total)
         if hashes is not None:
             self._approx.remember(hashes, self.replicas.index(replica))
+        if self._session is not None:
+            self._session.remember(req, self.replicas.index(replica))
         return replica
