@@ -159,7 +159,7 @@ def command_typer(name: str) -> typer.Typer:
     target = getattr(module, entry.attr)
     if entry.group:
         return target
-    sub = typer.Typer()
+    sub = typer.Typer(add_completion=False)
     sub.command(name=name)(needs_extras(target) if entry.extras else target)
     return sub
 
