@@ -20,7 +20,7 @@
           priority: 1                                   # with engine.scheduling_policy=priority
           slo: {ttft: 30s}
 
-Each class is drawn from its own child stream of the seed (traces/synthetic.py's length distributions,
+Each class is drawn from its own child stream of the seed (traces/lengths.py's length distributions,
 traces/arrivals.py's processes), so adding a class or changing one never changes the others' requests.
 The classes are merged by arrival time into one trace; `Trace.workload_classes` keeps which request is
 which class and each class's SLOs, and a run reports every class's latencies and SLO attainment
@@ -50,7 +50,7 @@ from kvsim.traces.arrivals import gamma_arrivals, poisson_arrivals
 from kvsim.traces.durations import EXAMPLES as DURATION_EXAMPLES
 from kvsim.traces.durations import duration_seconds
 from kvsim.traces.errors import TraceError
-from kvsim.traces.synthetic import MAX_LENGTH, parse_length_spec
+from kvsim.traces.lengths import MAX_LENGTH, parse_length_spec
 from kvsim.traces.trace import Trace
 
 MAX_WORKLOAD_REQUESTS = 10_000_000
@@ -176,12 +176,20 @@ def is_workload_spec(path: Path) -> bool:
 
 def read_workload_spec(path: Path) -> WorkloadSpec:
     """The spec in `path`; a mistake is one TraceError naming the file, line and field."""
-    from kvsim.sim.model.catalog import CatalogError, yaml_load_with_lines
+    import yaml
+
+    from kvsim.sim.io.safe_io import InputError, read_input_text, safe_yaml_load
+    from kvsim.sim.io.yaml_errors import yaml_problem
 
     try:
-        data, lines = yaml_load_with_lines(Path(path))
-    except CatalogError as exc:
+        text = read_input_text(Path(path), what="workload spec YAML")
+        data = safe_yaml_load(text, str(path))
+    except InputError as exc:
         raise TraceError(path, None, str(exc).removeprefix(f"{path}: ")) from None
+    except OSError as exc:
+        raise TraceError(path, None, f"cannot be read ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        raise TraceError(path, None, f"invalid YAML: {yaml_problem(exc)}") from None
     if not isinstance(data, dict) or not isinstance(data.get("workload"), dict):
         raise TraceError(path, None, "expected a mapping under the top key 'workload:' (classes, duration_s, ...)")
     try:
@@ -189,10 +197,33 @@ def read_workload_spec(path: Path) -> WorkloadSpec:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ("workload", *err["loc"])
+        lines = _key_lines(text)
         line = next((lines[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in lines), None)
         msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
         raise TraceError(path, line, f"{'.'.join(map(str, loc))}: {msg}; see docs/traces.md#workload-specs") \
             from None
+
+
+def _key_lines(text: str) -> dict[tuple, int]:
+    """Key path (keys and list indices) -> its 1-based line in the YAML text (for error messages only)."""
+    import yaml
+
+    lines: dict[tuple, int] = {}
+
+    def walk(node, prefix: tuple) -> None:
+        lines.setdefault(prefix, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                lines[prefix + (key.value,)] = key.start_mark.line + 1
+                walk(value, prefix + (key.value,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, prefix + (i,))
+
+    root = yaml.compose(text)
+    if root is not None:
+        walk(root, ())
+    return lines
 
 
 def build_workload(spec: WorkloadSpec, seed: int = 0, name: str = "workload") -> Trace:
