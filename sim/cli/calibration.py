@@ -8,7 +8,7 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NamedTuple
 
 import typer
 from rich.console import Console
@@ -93,8 +93,8 @@ def calibrate(
         if bench:
             if step_logs or attention is not None or operators is not None:
                 fail("--bench fits to vllm bench serve results: give no step logs, --attention or --operators with it")
-            _calibrate_bench(bench, out, model, gpu, tp, base_profile or "auto", name, vllm, client, sets or [],
-                             command)
+            _calibrate_bench(_BenchArgs(bench, out, model, gpu, tp, base_profile or "auto", name, vllm, client,
+                                        sets or [], command))
             return
         if vllm is not None:
             fail("--vllm gives the measured server's flags to --bench: give the result files with --bench")
@@ -126,9 +126,24 @@ def calibrate(
         fail(*write_error(exc, out))
 
 
-def _calibrate_bench(files: list[Path], out: Path, model, gpu, tp: int, base_profile: str, name, vllm, client: bool,
-                     sets: list[str], command: str) -> None:
+class _BenchArgs(NamedTuple):
+    """What `kvsim calibrate --bench` was given."""
+    files: list[Path]
+    out: Path
+    model: str | None
+    gpu: str | None
+    tp: int
+    base_profile: str
+    name: str | None
+    vllm: str | None
+    client: bool
+    sets: list[str]
+    command: str
+
+
+def _calibrate_bench(args: _BenchArgs) -> None:
     """kvsim calibrate --bench: sim/calibration/bench_fit.py."""
+    files, out, model, gpu, tp, base_profile, name, vllm, client, sets, command = args
     import warnings
 
     from rich.table import Table
