@@ -79,7 +79,8 @@ def test_held_out_error_is_measured_on_the_file_left_out(tmp_path):
 
 def test_calibrate_bench_writes_a_profile_that_reproduces_the_files(tmp_path):
     files = measured(tmp_path, 0.8, 0.030)
-    args = ["calibrate", *(a for f in files for a in ("--bench", str(f))), "--gpu", "l4", "-o", str(tmp_path / "p.yaml")]
+    args = ["calibrate", *(a for f in files for a in ("--bench", str(f))), "--gpu", "l4", "-o", str(tmp_path / "p.yaml"),
+            "--vllm", "vllm serve Qwen/Qwen2.5-0.5B-Instruct --max-num-seqs 256"]
     r = CliRunner().invoke(app, args, prog_name="kvsim", env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert "fit error: mean |error|" in r.output and "held-out error (leave-one-out" in r.output
@@ -87,6 +88,7 @@ def test_calibrate_bench_writes_a_profile_that_reproduces_the_files(tmp_path):
     assert written["step_time_scale"] == pytest.approx(0.8, rel=2e-3)
     assert written["meta"]["fitted_on"]["model"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert set(written["meta"]["held_out_errors"]) == {f.name for f in files}
+    assert written["meta"]["fitted_on"]["config"] == {"engine.max_num_seqs": 256}      # the pasted server line
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = load_config(None, {**BASE, "trace": str(files[0]), "profile": str(tmp_path / "p.yaml"),

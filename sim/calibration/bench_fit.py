@@ -51,6 +51,7 @@ class BenchFit:
     held_out: dict[str, dict[str, float]] = field(default_factory=dict)
     held_out_factors: dict[str, tuple[float, float]] = field(default_factory=dict)
     figures: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)   # (measured, predicted)
+    overrides: dict = field(default_factory=dict)       # the config the files were simulated with
 
     @property
     def fit_error(self) -> float:
@@ -81,8 +82,12 @@ class _Files:
                                        "expected its per-request input_lens, output_lens, ttfts, itls")
             self.traces[str(p)] = trace
         self.overrides, self.client = overrides, client
-        self.tmp = Path(tempfile.mkdtemp(prefix="kvsim-bench-fit-"))
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvsim-bench-fit-")     # the candidate profiles' files
+        self.tmp = Path(self._tmp.name)
         self.runs = 0
+
+    def close(self) -> None:
+        self._tmp.cleanup()
 
     def simulate(self, path: str, profile: HardwareProfile) -> dict:
         """The bench_comparison of one file under `profile`: figure -> {measured, predicted, error}."""
@@ -137,11 +142,19 @@ def fit_bench(paths: list[Path], overrides: dict, base: HardwareProfile, *, name
     if not paths:
         raise CalibrationError("--bench: give one or more vllm bench serve result files")
     files = _Files(paths, overrides, client)
+    try:
+        return _fit(files, overrides, base, name=name, client=client, held_out=held_out)
+    finally:
+        files.close()
+
+
+def _fit(files: _Files, overrides: dict, base: HardwareProfile, *, name: str, client: bool, held_out: bool) -> BenchFit:
     start_r = base.client.request_s if client else 0.0
     scale, request_s, aggs, rounds, converged = _solve(files, files.paths, base, base.step_time_scale, start_r,
                                                        client)
     profile = with_factors(base, scale, request_s).model_copy(update={"name": name})
     fit = BenchFit(profile, scale, request_s, rounds, converged, {p: _errors(a) for p, a in aggs.items()},
+                   overrides={k: v for k, v in overrides.items() if v is not None},
                    figures={p: {k: (a[k]["measured"], a[k]["predicted"]) for k in REPORTED
                                 if isinstance(a.get(k), dict) and a[k]["predicted"] is not None}
                             for p, a in aggs.items()})
@@ -160,7 +173,8 @@ def bench_meta(fit: BenchFit, *, model: str, gpu: str, tp: int, base: str, comma
         return {Path(p).name: {k: round(v, 5) for k, v in per.items()} for p, per in errors.items()}
 
     meta = {"fitted_on": {"model": model, "gpu": gpu, "tp": tp, "base_profile": base,
-                          "vllm_bench_results": list(fit.errors)},
+                          "vllm_bench_results": list(fit.errors),
+                          "config": {k: v for k, v in fit.overrides.items() if k not in ("model", "gpu", "tp")}},
             "fitted": {"step_time_scale": round(fit.step_time_scale, 6),
                        "client_request_s": round(fit.client_request_s, 6)},
             "rounds": fit.rounds, "converged": fit.converged,
