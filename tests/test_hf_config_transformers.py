@@ -43,3 +43,12 @@ def test_the_model_sizes_are_never_defaulted_and_rope_errors_name_the_files_key(
     bad = {**QWEN25_05B_INSTRUCT, "rope_scaling": {"type": "linear", "factor": "4"}}
     with pytest.raises(CatalogError, match="field 'rope_scaling.factor': expected a number > 0"):
         spec(tmp_path, bad, "r")
+
+
+def test_a_minimal_config_reads_with_transformers_unset_defaults_left_to_the_reader(tmp_path):
+    """LlamaConfig leaves dtype unset (None): the reader's own default (bf16) applies, not a refused None."""
+    minimal = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048}
+    m = spec(tmp_path, minimal, "m")
+    assert m.weight_dtype == "bf16" and m.head_dim == 64 and m.num_kv_heads == 2
+

@@ -146,6 +146,7 @@ def transformers_defaults(model_type: str, data: dict) -> dict:
             defaults = AutoConfig.for_model(model_type, **values).to_dict()
     except Exception:
         return {}
+    defaults = {k: v for k, v in defaults.items() if v is not None}    # None: unset in the class too
     for key in NEVER_DEFAULTED:
         defaults.pop(key, None)
     for key, renamed in RENAMED_KEYS:          # the file's own spelling is read (its errors name it)
