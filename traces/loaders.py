@@ -111,7 +111,7 @@ def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: fl
                                      "with its own arrival times (use Trace.scale_rate to change its rate)")
     if fmt == "lengths":
         options.update(rate=rate, cv=cv, seed=seed)
-    elif fmt in ("sharegpt", "workload"):
+    elif fmt in ("sharegpt", "workload", "inference-perf"):
         options.update(seed=seed)
     if options.get("tokenizer") is not None and fmt != "sharegpt":
         raise TraceError(path, None, f"a tokenizer applies to ShareGPT JSON (text), this is a {fmt} trace of "
@@ -147,9 +147,12 @@ def detect_format(path: str | os.PathLike) -> str:
     is `workload:`: a workload spec, traces/workload.py)."""
     path = Path(path)
     if path.suffix.lower() in (".yaml", ".yml"):
-        from kvsim.traces.workload import is_workload_spec      # pydantic: only for YAML files
+        from kvsim.traces.inference_perf import is_inference_perf_config     # pydantic: only for YAML files
+        from kvsim.traces.workload import is_workload_spec
         if is_workload_spec(path):
             return "workload"
+        if is_inference_perf_config(path):
+            return "inference-perf"
     return _detect_data_format(path)
 
 
@@ -710,9 +713,17 @@ def load_workload(path: Path, *, seed: int = 0) -> Trace:
     return load_workload_spec(path, seed=seed)
 
 
+def load_inference_perf(path: Path, *, seed: int = 0) -> Trace:
+    """An inference-perf config's load and synthetic data built into a trace (traces/inference_perf.py)."""
+    from kvsim.traces.inference_perf import load_inference_perf as load
+
+    return load(path, seed=seed)
+
+
 _LOADERS = {
     "sharegpt": load_sharegpt,
     "workload": load_workload,
+    "inference-perf": load_inference_perf,
     "vllm-bench": load_vllm_bench,
     **{fmt: _generic(fmt) for fmt in GENERIC_FORMATS},
     "azure": load_azure,

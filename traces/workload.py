@@ -174,22 +174,27 @@ def is_workload_spec(path: Path) -> bool:
     return False
 
 
-def read_workload_spec(path: Path) -> WorkloadSpec:
-    """The spec in `path`; a mistake is one TraceError naming the file, line and field."""
+def read_yaml(path: Path, what: str) -> tuple[object, str]:
+    """(parsed YAML, its text) of a spec file; a file that cannot be read or parsed is one TraceError."""
     import yaml
 
     from kvsim.sim.io.safe_io import InputError, read_input_text, safe_yaml_load
     from kvsim.sim.io.yaml_errors import yaml_problem
 
     try:
-        text = read_input_text(Path(path), what="workload spec YAML")
-        data = safe_yaml_load(text, str(path))
+        text = read_input_text(Path(path), what=what)
+        return safe_yaml_load(text, str(path)), text
     except InputError as exc:
         raise TraceError(path, None, str(exc).removeprefix(f"{path}: ")) from None
     except OSError as exc:
         raise TraceError(path, None, f"cannot be read ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
         raise TraceError(path, None, f"invalid YAML: {yaml_problem(exc)}") from None
+
+
+def read_workload_spec(path: Path) -> WorkloadSpec:
+    """The spec in `path`; a mistake is one TraceError naming the file, line and field."""
+    data, text = read_yaml(path, "workload spec YAML")
     if not isinstance(data, dict) or not isinstance(data.get("workload"), dict):
         raise TraceError(path, None, "expected a mapping under the top key 'workload:' (classes, duration_s, ...)")
     try:

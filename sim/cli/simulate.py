@@ -32,7 +32,7 @@ def simulate(
     trace: Trace = None,
     workload: Annotated[str | None, typer.Option(
         help="a workload spec YAML (clients and load: arrival process, lengths, shared prefixes, client classes "
-             "with their SLOs; docs/traces.md#workload-specs) instead of --trace")] = None,
+             "with their SLOs; docs/traces.md#workload-specs) or an inference-perf config, instead of --trace")] = None,
     model: Model = None,
     gpu: Gpu = None,
     config: ConfigFile = None,
