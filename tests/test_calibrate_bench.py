@@ -109,3 +109,18 @@ def test_calibrate_bench_mistakes_are_one_line(tmp_path, args, message):
     args = [x.replace("{a}", str(a)) for x in args]
     r = CliRunner().invoke(app, ["calibrate", *args, "-o", str(tmp_path / "p.yaml")], prog_name="kvsim")
     assert r.exit_code == 2 and r.stderr.startswith(message), r.output
+
+
+def test_engine_only_fits_the_step_time_scale_alone(tmp_path):
+    """--no-client: the files are simulated without the client's terms and only K moves (R stays 0)."""
+    paths = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        true = with_factors(load_profile("auto", "l4"), 1.4, 0.0).to_yaml(tmp_path / "engine-only.yaml")
+        trace, options, concurrency = WORKLOADS["sharegpt-c8.json"]
+        run = run_simulation(load_config(None, {**BASE, **options, "profile": str(true)}),
+                             trace=load_trace(trace).head(60), keep_steps=False)
+        paths.append(bench_file(tmp_path / "engine.json", run.requests, concurrency))
+        fit = fit_bench(paths, BASE, load_profile("auto", "l4"), name="engine", client=False)
+    assert fit.step_time_scale == pytest.approx(1.4, rel=2e-3) and fit.client_request_s == 0.0
+    assert fit.held_out == {} and fit.fit_error < 0.005          # one file: no held-out error
