@@ -16,7 +16,7 @@ from rich.console import Console
 from kvsim.sim.io.safe_io import atomic_output
 
 from .options import (BlockSize, MaxNumBatchedTokens, MaxNumSeqs, Overwrite, RateScale, Sets, config_overrides, fail,
-                      output_path)
+                      output_path, table_console)
 
 if TYPE_CHECKING:
     from kvsim.sim.calibration.profile_fit import FitOptions
@@ -144,6 +144,7 @@ class _BenchArgs(NamedTuple):
 def _calibrate_bench(args: _BenchArgs) -> None:
     """kvsim calibrate --bench: sim/calibration/bench_fit.py."""
     files, out, model, gpu, tp, base_profile, name, vllm, client, sets, command = args
+    console = table_console()          # piped or captured: 160 columns, the table's figures not cut
     import warnings
 
     from rich.table import Table
