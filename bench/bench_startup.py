@@ -1,6 +1,8 @@
 """Start-up time of the `kvsim` command line: CPU seconds (user + system, so a loaded machine's waiting is
-not counted) of `kvsim --help`, `kvsim models llama-3.1-8b` and `kvsim simulate --help`, each run several
+not counted) of `kvsim --help`, `kvsim models llama-3.1-8b`, `kvsim simulate --help` and a small simulate
+(20 requests of azure-conv-2023, Llama-3.1-8B on H100, -q, into a temporary directory), each run several
 times in a fresh process; prints the median and the minimum per command (target: `kvsim --help` <= 0.3 s).
+The script runs whichever kvsim its python imports: run it with another checkout's python to compare.
 
     python bench/bench_startup.py [--runs 7]
 
@@ -13,11 +15,17 @@ import argparse
 import os
 import resource
 import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 
+SMALL_OUT = os.path.join(tempfile.gettempdir(), f"kvsim-bench-startup-{os.getpid()}")
 COMMANDS = {"kvsim --help": ["--help"], "kvsim models llama-3.1-8b": ["models", "llama-3.1-8b"],
-            "kvsim simulate --help": ["simulate", "--help"]}
+            "kvsim simulate --help": ["simulate", "--help"],
+            "kvsim simulate (20 requests)": ["simulate", "--trace", "azure-conv-2023", "--max-requests", "20",
+                                             "--model", "llama-3.1-8b", "--gpu", "h100", "-q", "--out", SMALL_OUT,
+                                             "--overwrite"]}
 ENTRY = "import sys; from kvsim.sim.entry import main; sys.argv = ['kvsim', *sys.argv[1:]]; main()"
 
 
@@ -53,6 +61,7 @@ def main() -> None:
         cpu_seconds(argv)                                   # a warm-up run (page cache, .pyc files)
         times = [cpu_seconds(argv) for _ in range(args.runs)]
         print(f"  {label:28s} median {statistics.median(times):.3f} s   min {min(times):.3f} s")
+    shutil.rmtree(SMALL_OUT, ignore_errors=True)
     print("slowest imports of `kvsim --help` (cumulative s, one run):")
     for seconds, name in slowest_imports(["--help"]):
         print(f"  {seconds:6.3f}  {name}")

@@ -73,9 +73,9 @@ def _decorator_names(node) -> set[str]:
 
 def cli_commands() -> set[str]:
     """path:function of every command the `kvsim` CLI registers (its typer apps, read at runtime)."""
-    from kvsim.sim.cli import app
+    from kvsim.sim.cli import full_app
 
-    out, apps = set(), [app]
+    out, apps = set(), [full_app()]
     while apps:
         a = apps.pop()
         callbacks = [c.callback for c in a.registered_commands]

@@ -73,3 +73,14 @@ def test_simulate_runs_and_replay_names_its_extra(core_install, tmp_path):
     assert replay.returncode == 2
     assert replay.stderr.strip().splitlines()[-1] == \
         "error: kvsim replay needs torch, which the core install leaves out: pip install 'kvsim[backend]'"
+
+
+def test_calibrate_bench_runs_in_the_core_install(core_install, tmp_path):
+    """kvsim calibrate --bench (a fit to vllm bench serve results) needs no extra, nor transformers."""
+    from test_calibrate_bench import measured
+
+    files = measured(tmp_path, 1.2, 0.03)
+    result = core_install("calibrate", *(a for f in files for a in ("--bench", str(f))), "--gpu", "l4", "-o", "p.yaml",
+                          blocked=EXTRA_PACKAGES + ",transformers")
+    assert result.returncode == 0, result.stderr
+    assert "held-out error (leave-one-out" in result.stdout and (tmp_path / "p.yaml").is_file()

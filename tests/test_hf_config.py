@@ -8,6 +8,15 @@ from kvsim.sim.model.catalog import CatalogError, get_model
 from kvsim.sim.cli import app
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.simulator.simulate import run_simulation
+from kvsim.sim.model import hf_config
+
+
+@pytest.fixture(autouse=True)
+def core_install(monkeypatch):
+    """The reader of the core install (no transformers: its own defaults). Where transformers is installed the
+    keys a file leaves out come from its config class instead: tests/test_hf_config_transformers.py."""
+    monkeypatch.setattr(hf_config, "transformers_defaults", lambda model_type, data: {})
+    hf_config._cached.cache_clear()
 
 # config.json as published in each Hugging Face repository (keys kvsim does not read included)
 QWEN25_05B_INSTRUCT = {

@@ -2,7 +2,7 @@
 line's help import them)."""
 
 FORMATS = ("azure", "mooncake", "vidur", "burstgpt", "lengths", "native-jsonl", "native-parquet", "native-csv",
-           "sharegpt", "vllm-bench", "csv", "jsonl", "parquet")
+           "sharegpt", "vllm-bench", "workload", "inference-perf", "csv", "jsonl", "parquet")
 # read only when named with format= (a column mapping says which column is what): never detected
 GENERIC_FORMATS = ("csv", "jsonl", "parquet")
 # formats without arrival times: every request at t=0 unless a rate is given

@@ -111,7 +111,7 @@ def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: fl
                                      "with its own arrival times (use Trace.scale_rate to change its rate)")
     if fmt == "lengths":
         options.update(rate=rate, cv=cv, seed=seed)
-    elif fmt == "sharegpt":
+    elif fmt in ("sharegpt", "workload", "inference-perf"):
         options.update(seed=seed)
     if options.get("tokenizer") is not None and fmt != "sharegpt":
         raise TraceError(path, None, f"a tokenizer applies to ShareGPT JSON (text), this is a {fmt} trace of "
@@ -143,8 +143,20 @@ def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: fl
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """The format name of a trace file, decided from its first bytes / header line."""
+    """The format name of a trace file, decided from its first bytes / header line (a YAML file whose top key
+    is `workload:`: a workload spec, traces/workload.py)."""
     path = Path(path)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        from kvsim.traces.inference_perf import is_inference_perf_config     # pydantic: only for YAML files
+        from kvsim.traces.workload import is_workload_spec
+        if is_workload_spec(path):
+            return "workload"
+        if is_inference_perf_config(path):
+            return "inference-perf"
+    return _detect_data_format(path)
+
+
+def _detect_data_format(path: Path) -> str:
     with open(path, "rb") as f:
         head = f.read(65536)
     if head.startswith(b"PAR1"):
@@ -718,8 +730,24 @@ def _log_times(raw: pd.Series, rows: _Rows, name: str, unit: str, notices: list[
     return (parsed - parsed.min()).dt.total_seconds().to_numpy(dtype=np.float64)
 
 
+def load_workload(path: Path, *, seed: int = 0) -> Trace:
+    """A workload spec YAML (traces/workload.py) built into its trace."""
+    from kvsim.traces.workload import load_workload_spec
+
+    return load_workload_spec(path, seed=seed)
+
+
+def load_inference_perf(path: Path, *, seed: int = 0) -> Trace:
+    """An inference-perf config's load and synthetic data built into a trace (traces/inference_perf.py)."""
+    from kvsim.traces.inference_perf import load_inference_perf as load
+
+    return load(path, seed=seed)
+
+
 _LOADERS = {
     "sharegpt": load_sharegpt,
+    "workload": load_workload,
+    "inference-perf": load_inference_perf,
     "vllm-bench": load_vllm_bench,
     **{fmt: _generic(fmt) for fmt in GENERIC_FORMATS},
     "azure": load_azure,

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -53,6 +54,8 @@ class Trace:
     bench_load: dict | None = None
     # request ids that were not integers in the source (`r0`, UUIDs): request_id -> the original id
     request_labels: dict[int, str] | None = None
+    # a workload spec's trace (traces/workload.py): each request's client class and the classes' SLOs
+    workload_classes: Any = None
 
     def __post_init__(self) -> None:
         self.df = _canonical_frame(self.df, self.source or self.name)

@@ -8,14 +8,15 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NamedTuple
 
 import typer
 from rich.console import Console
 
 from kvsim.sim.io.safe_io import atomic_output
 
-from .options import BlockSize, MaxNumBatchedTokens, MaxNumSeqs, Overwrite, RateScale, config_overrides, fail, output_path
+from .options import (BlockSize, MaxNumBatchedTokens, MaxNumSeqs, Overwrite, RateScale, Sets, config_overrides, fail,
+                      output_path, table_console)
 
 if TYPE_CHECKING:
     from kvsim.sim.calibration.profile_fit import FitOptions
@@ -29,11 +30,24 @@ def calibrate(
                                                     "median time"),
     out: Path = typer.Option(..., "--out", "-o", parser=output_path(), help="output file: hardware profile YAML (or importance YAML "
                                                        "with --attention)"),
-    model: str = typer.Option("smollm2-135m", help="catalog model the step logs were measured on"),
-    gpu: str = typer.Option("cpu-2core", help="catalog GPU/CPU entry whose peaks the factors refer to"),
+    model: str | None = typer.Option(None, help="catalog model (or config.json) the measurements ran "
+                                                "(default: smollm2-135m; with --bench the files' model_id)"),
+    gpu: str | None = typer.Option(None, help="catalog GPU/CPU entry whose peaks the factors refer to (default: "
+                                              "cpu-2core; --bench needs it: a result file does not name its GPU)"),
     tp: int = typer.Option(1, help="tensor parallel degree of the measured runs"),
-    base_profile: str = typer.Option("cpu-2core", help="starting profile; factors the logs cannot identify "
-                                                       "keep its values"),
+    base_profile: str | None = typer.Option(None, help="starting profile; factors the logs cannot identify keep "
+                                                       "its values (default: cpu-2core; with --bench auto, the "
+                                                       "GPU's own)"),
+    bench: list[Path] = typer.Option([], "--bench", help="fit the step-time scale (and the client's per-request "
+                                     "latency) of --base-profile to your own `vllm bench serve --save-result "
+                                     "--save-detailed` result files instead, each simulated as it was sent; prints "
+                                     "the fit error and, with several files, the held-out (leave-one-out) error"),
+    vllm: str | None = typer.Option(None, "--vllm", help="with --bench: the pasted `vllm serve MODEL ...` line of the "
+                                    "measured server (its engine flags)"),
+    client: bool = typer.Option(True, "--client/--no-client", help="with --bench: simulate the client's time as "
+                                "vllm bench serve measures it and fit its per-request latency (--no-client: engine "
+                                "time only, the step-time scale alone)"),
+    sets: Sets = None,
     name: str | None = typer.Option(None, help="profile name (default: the output file's stem)"),
     trim: float = typer.Option(0.01, min=0.0, max=0.5, help="share of steps with the largest residual left out "
                                                               "of the refit (timing outliers)"),
@@ -72,9 +86,20 @@ def calibrate(
     evictions by simulating the replays over a (rho, ell) grid (sim/calibration/correlation_fit.py)."""
     from kvsim.sim.calibration.errors import CalibrationError
     from kvsim.sim.io.safe_io import check_output_file, write_error
+    from kvsim.traces.errors import TraceError
     command = "kvsim calibrate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     try:
         check_output_file(out, what="YAML file")
+        if bench:
+            if step_logs or attention is not None or operators is not None:
+                fail("--bench fits to vllm bench serve results: give no step logs, --attention or --operators with it")
+            _calibrate_bench(_BenchArgs(bench, out, model, gpu, tp, base_profile or "auto", name, vllm, client,
+                                        sets or [], command))
+            return
+        if vllm is not None:
+            fail("--vllm gives the measured server's flags to --bench: give the result files with --bench")
+        model, gpu = model or "smollm2-135m", gpu or "cpu-2core"
+        base_profile = base_profile or "cpu-2core"
         if age_profile is not None:
             _calibrate_age_profile(age_profile, out, name, seed, command)
             return
@@ -95,8 +120,113 @@ def calibrate(
         _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, options, command)
     except (CalibrationError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
+    except TraceError as exc:
+        fail(str(exc))
     except OSError as exc:          # writing --out (a full disk): written to a temporary file, so nothing is left
         fail(*write_error(exc, out))
+
+
+class _BenchArgs(NamedTuple):
+    """What `kvsim calibrate --bench` was given."""
+    files: list[Path]
+    out: Path
+    model: str | None
+    gpu: str | None
+    tp: int
+    base_profile: str
+    name: str | None
+    vllm: str | None
+    client: bool
+    sets: list[str]
+    command: str
+
+
+def _calibrate_bench(args: _BenchArgs) -> None:
+    """kvsim calibrate --bench: sim/calibration/bench_fit.py."""
+    files, out, model, gpu, tp, base_profile, name, vllm, client, sets, command = args
+    console = table_console()          # piped or captured: 160 columns, the table's figures not cut
+    import warnings
+
+    from rich.table import Table
+
+    from kvsim.sim.calibration.bench_fit import bench_meta, fit_bench
+    from kvsim.sim.config import load_config, parse_set_option
+    from kvsim.sim.model.cost_model import load_profile
+
+    from .simulate import with_vllm_options
+    from .vllm_args import VllmOptions
+
+    if gpu is None:
+        fail("--bench: give --gpu, the GPU the benchmark ran on (a result file does not name it)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        named = _bench_model(files)         # every file read (and checked) once before any simulation
+    if model and named:
+        from kvsim.sim.results.bench_compare import bench_model_mismatch
+
+        problem = bench_model_mismatch(model, {"model_id": named})
+        if problem:
+            typer.echo(f"warning: {problem}", err=True)
+    model = model or named
+    overrides = with_vllm_options({"model": model, "gpu": gpu, "tp": tp, **dict(map(parse_set_option, sets))},
+                                  VllmOptions(serve=vllm))
+    load_config(None, overrides)            # a wrong model, GPU or engine key: one line now, not after a simulation
+    model, gpu, tp = overrides["model"], overrides["gpu"], overrides.get("tp") or tp
+    base = load_profile(base_profile, gpu)
+    console.print(f"fitting {base.name}'s step-time scale{' and client latency' if client else ''} to "
+                  f"{len(files)} vllm bench serve result(s): {model} on {gpu} (TP {tp}) ...")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # each simulation's trace notices: said once by the loader below
+        fit = fit_bench(files, overrides, base, name=name or out.stem, client=client)
+    described = fit.profile.model_copy(update={
+        "description": f"{base.name} with step times x{fit.step_time_scale:.4f}"
+                       + (f" and client request latency {fit.client_request_s * 1e3:.1f} ms" if client else "")
+                       + f": fitted by kvsim calibrate --bench to {len(files)} vllm bench serve result(s) of {model}",
+        "meta": bench_meta(fit, model=model, gpu=gpu, tp=tp, base=base.name, command=command)})
+    with atomic_output(out) as tmp:
+        described.to_yaml(tmp)
+    table = Table(title="measured vs fitted (relative error)" + (" | held out (fitted to the other files)"
+                                                                  if fit.held_out else ""))
+    for col in ("file", "figure", "measured", "fitted", "error") + (("held-out error",) if fit.held_out else ()):
+        table.add_column(col, justify="left" if col in ("file", "figure") else "right")
+    for path, figures in fit.figures.items():
+        for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms", "median_e2el_ms",
+                    "output_throughput"):
+            if key in figures:
+                held = fit.held_out.get(path, {}).get(key)
+                table.add_row(Path(path).name, key, f"{figures[key][0]:.2f}", f"{figures[key][1]:.2f}",
+                              f"{fit.errors[path][key]:+.1%}", *(() if not fit.held_out else
+                                                                   ("" if held is None else f"{held:+.1%}",)))
+    console.print(table)
+    console.print(f"fitted: step_time_scale {fit.step_time_scale:.4f}"
+                  + (f", client request_s {fit.client_request_s * 1e3:.2f} ms" if client else "")
+                  + f" ({fit.rounds} rounds{'' if fit.converged else ', NOT converged'})")
+    console.print(f"fit error: mean |error| {fit.fit_error:.2%} over {sum(map(len, fit.errors.values()))} figures "
+                  f"(mean/median/p99 TTFT, TPOT, ITL, E2EL, output throughput)")
+    if fit.held_out:
+        console.print(f"held-out error (leave-one-out: each file predicted by a fit to the others): mean |error| "
+                      f"{fit.held_out_error:.2%}")
+    else:
+        console.print("held-out error: give two or more result files (one file: the fit error is in-sample only)")
+    console.print(f"wrote {out}  (use: kvsim simulate --gpu {gpu} --profile {out}"
+                  f"{' --client-latency' if client else ''})")
+
+
+def _bench_model(files: list[Path]) -> str:
+    """The model the result files measured (their model_id), which must be one. Each file is read here, so a
+    missing or broken one is reported before anything is simulated."""
+    from kvsim.traces import load_trace
+
+    ids = set()
+    for f in files:
+        if not Path(f).is_file():
+            fail(f"--bench {f}: no such file; expected a vllm bench serve result JSON (--save-result --save-detailed)")
+        ids.add((load_trace(Path(f)).measured or {}).get("model_id"))
+    ids.discard(None)
+    if len(ids) != 1:
+        fail("--bench: give --model" + (f" (the files measured different models: {', '.join(sorted(ids))})"
+                                         if ids else " (the files name no model_id)"))
+    return ids.pop()
 
 
 def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, options: FitOptions, command: str) -> None:

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from kvsim.sim.model.catalog import CatalogError, get_model, list_gpus, list_models
 
-from .options import fail, table_console
+from . import fail, table_console
 
 console = table_console()
 GiB = 2**30

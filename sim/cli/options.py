@@ -2,42 +2,14 @@
 maps them to config keys, and the one way a command reports a user mistake."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
+from . import EXTRAS, fail, needs_extras, table_console  # noqa: F401 (their home is the light package root)
 from kvsim.sim.config import ConfigError, policy_names, slot_strategy_names
 from kvsim.sim.kv.policy import PolicyError
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    """A user mistake: one `error: ...` line on stderr and exit status 2 (no traceback)."""
-    typer.echo(f"{typer.style('error:', fg='red')} {message}", err=True)
-    raise typer.Exit(code)
-
-# the optional packages a command may need -> the extra that installs them (pyproject.toml)
-EXTRAS = {"torch": "backend", "triton": "backend", "gguf": "backend", "streamlit": "dashboard",
-          "distributed": "distributed", "dask": "distributed"}
-
-
-def needs_extras(command):
-    """A command that names the extra to install when an optional package it imports is missing (the core
-    install, `pip install -e .`, has none of them), instead of a traceback."""
-    @functools.wraps(command)
-    def run(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except ModuleNotFoundError as exc:
-            root = (exc.name or "").split(".")[0]
-            if root not in EXTRAS:
-                raise
-            extra = EXTRAS[root]
-            fail(f"kvsim {command.__name__} needs {root}, which the core install leaves out: "
-                 f"pip install 'kvsim[{extra}]'")
-    return run
 
 
 # ---- what the run is: trace, model, hardware ---------------------------------------------------------
@@ -220,9 +192,3 @@ CONFIG_KEYS = {
 def config_overrides(**options: Any) -> dict[str, Any]:
     """Command options by parameter name -> dotted config overrides (None = not given, left out later)."""
     return {CONFIG_KEYS[name]: value for name, value in options.items()}
-
-
-def table_console(stderr: bool = False, highlight: bool = True) -> Console:
-    """The console for a command's tables: the terminal's width, or 160 columns when the output is
-    piped or captured (rich's 80 cut names and figures to '...': 'llama-3.1-8b' read 'llama-3.…')."""
-    return Console(stderr=stderr, width=None if Console().is_terminal else 160, highlight=highlight)

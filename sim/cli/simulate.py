@@ -31,6 +31,9 @@ console = Console()
 
 def simulate(
     trace: Trace = None,
+    workload: Annotated[str | None, typer.Option(
+        help="a workload spec YAML (clients and load: arrival process, lengths, shared prefixes, client classes "
+             "with their SLOs; docs/traces.md#workload-specs) or an inference-perf config, instead of --trace")] = None,
     model: Model = None,
     gpu: Gpu = None,
     config: ConfigFile = None,
@@ -137,6 +140,10 @@ def simulate(
     """Simulate a trace on a model/GPU/engine config; writes requests.parquet, steps.parquet,
     summary.json and config.yaml into --out and prints a summary table."""
     kv_dtype = None if kv_dtype is not None and kv_dtype.strip().lower() == "auto" else kv_dtype
+    if workload is not None:
+        if trace is not None:
+            fail(f"--workload {workload} and --trace {trace}: give one (a workload spec is the run's trace)")
+        trace = workload
     overrides = config_overrides(
         trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, router=router, profile=profile, seed=seed,
         weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
@@ -349,6 +356,22 @@ def print_summary(s: dict) -> None:
         print_pools(s["pools"], s["handoff"])
     if s.get("bench_comparison"):
         print_comparison(s["bench_comparison"])
+    if s.get("workload_classes"):
+        print_classes(s["workload_classes"])
+
+
+def print_classes(classes: dict) -> None:
+    """A workload spec's client classes: each one's latencies and SLO attainment."""
+    table = Table(title="client classes (workload spec)")
+    for col in ("class", "requests", "finished", "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "SLO", "within SLO"):
+        table.add_column(col, justify="left" if col in ("class", "SLO") else "right")
+    for name, c in classes.items():
+        slo = " ".join(f"{k} {1e3 * c[f'slo_{k}_s']:g}ms" for k in ("ttft", "tpot") if c.get(f"slo_{k}_s") is not None)
+        table.add_row(name, str(c["requests"]), str(c["finished"]),
+                      f"{1e3 * c['ttft_p50_s']:.1f} / {1e3 * c['ttft_p99_s']:.1f}",
+                      f"{1e3 * c['tpot_p50_s']:.1f} / {1e3 * c['tpot_p99_s']:.1f}", slo,
+                      "" if "slo_attainment" not in c else f"{c['slo_attainment']:.1%}")
+    console.print(table)
 
 
 def saturation_line(s: dict) -> str | None:

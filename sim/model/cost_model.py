@@ -256,8 +256,14 @@ class HardwareProfile(BaseModel):
         return dict(sorted(v.items()))
 
     def to_yaml(self, path: str | Path) -> Path:
+        """The profile as YAML; a step_time_scale other than 1 (kvsim calibrate --bench fits one) is written
+        with it, so the file loads as the same profile (a run-time NAME*K stays out of files: it is never set
+        on a profile that is written)."""
         path = Path(path)
-        path.write_text(yaml.safe_dump(self.model_dump(), sort_keys=False))
+        data = self.model_dump()
+        if self.step_time_scale != 1.0:
+            data["step_time_scale"] = self.step_time_scale
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 
 

@@ -122,6 +122,46 @@ class _Fields:
 TEXT_CONFIG_VOCAB = {"gemma3_text": 262208, "gemma3": 262208, "llama": 32000, "mistral": 32000, "qwen2": 151936}
 
 
+def transformers_defaults(model_type: str, data: dict) -> dict:
+    """Where `transformers` is installed (beside vLLM it is), the keys of `data`'s config class as vLLM reads
+    the file (AutoConfig: the class built from the file's values, so a default derived from them, such as
+    head_dim = hidden_size / heads, is computed from them); the reader takes the ones the file leaves out.
+    {} without transformers (the core install: this module's own defaults apply), for a model_type it does not
+    know, or a file its class refuses (this reader then reports the field itself)."""
+    if not model_type:
+        return {}
+    try:
+        from transformers import AutoConfig
+    except Exception:               # not installed, or broken beside another torch: the own reader alone
+        return {}
+    import warnings
+
+    import copy
+
+    # a copy: the config classes rewrite nested values in place (rope_scaling's factor "4" -> 4.0)
+    values = copy.deepcopy({k: v for k, v in data.items() if k not in ("model_type", "architectures", "auto_map")})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            defaults = AutoConfig.for_model(model_type, **values).to_dict()
+    except Exception:
+        return {}
+    defaults = {k: v for k, v in defaults.items() if v is not None}    # None: unset in the class too
+    for key in NEVER_DEFAULTED:
+        defaults.pop(key, None)
+    for key, renamed in RENAMED_KEYS:          # the file's own spelling is read (its errors name it)
+        if key in data:
+            defaults.pop(renamed, None)
+    return defaults
+
+
+# the sizes that make a model: a config.json without them is not a model's, and is refused rather than sized
+# by a config class's example defaults (LlamaConfig's 4096 x 32 layers)
+NEVER_DEFAULTED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+# (key a file may give, the name transformers v5 gives it too)
+RENAMED_KEYS = (("rope_scaling", "rope_parameters"), ("torch_dtype", "dtype"), ("dtype", "torch_dtype"))
+
+
 def fields_from_hf_dict(data: dict, path: Path) -> dict:
     """ModelSpec fields from a parsed config.json (`path` names it in errors and gives the model's name)."""
     top = data
@@ -131,8 +171,9 @@ def fields_from_hf_dict(data: dict, path: Path) -> dict:
         if data.get("vocab_size") is None and str(data.get("model_type", "")).lower() in TEXT_CONFIG_VOCAB:
             # a text_config written without the fields its transformers class defaults (Gemma 3's vocab_size)
             data["vocab_size"] = TEXT_CONFIG_VOCAB[str(data["model_type"]).lower()]
-    f = _Fields(data, path)
     model_type = str(data.get("model_type", "")).lower()
+    data = {**transformers_defaults(model_type, data), **data}
+    f = _Fields(data, path)
     _refuse_unsupported(f, model_type)
     tie_default, bias_default, qk_norm = DENSE_TYPES.get(model_type, (False, False, False))
     hidden, heads = f.int("hidden_size"), f.int("num_attention_heads")

@@ -437,3 +437,28 @@ def summarize(requests: pd.DataFrame, steps: pd.DataFrame | dict, *, num_blocks_
 STEP_FIGURES = ("num_steps", "kv_util_mean", "kv_util_max", "fragmentation_mean", "fragmentation_p99",
                 "batch_size_mean", "preemptions", "step_duration_mean_s", "step_duration_p50_s", "step_duration_p90_s",
                 "step_duration_p99_s")
+
+
+def class_figures(classes, requests: pd.DataFrame) -> dict:
+    """summary.json's `workload_classes` of a workload spec's run (traces/workload.py): per client class,
+    its requests, finished ones, TTFT / TPOT p50 and p99 (s) and, where the class has SLOs, the share of its
+    requests that finished within them (the goodput rule of `summarize`, per class)."""
+    of_request = requests["request_id"].map(classes.of_request)
+    out = {}
+    for name, (slo_ttft, slo_tpot) in classes.slos.items():
+        rows = requests[(of_request == name).to_numpy()]
+        done = rows[rows["status"] == "finished"]
+        figures = {"requests": int(len(rows)), "finished": int(len(done))}
+        for metric in ("ttft_s", "tpot_s"):
+            for q in (50, 99):
+                figures[f"{metric[:-2]}_p{q}_s"] = _pct(done[metric], q)
+        if slo_ttft is not None or slo_tpot is not None:
+            ok = np.ones(len(done), dtype=bool)
+            if slo_ttft is not None:
+                ok &= done["ttft_s"].to_numpy() <= slo_ttft
+            if slo_tpot is not None:
+                ok &= np.nan_to_num(done["tpot_s"].to_numpy(), nan=0.0) <= slo_tpot
+            figures.update(slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
+                           slo_attainment=float(ok.sum() / max(len(rows), 1)))
+        out[name] = figures
+    return out

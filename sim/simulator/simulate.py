@@ -18,7 +18,7 @@ from ..model.cost_model import ClientLatency
 from .executor import replica_parts
 from .fleet_run import checked_plans, run_fleet
 from ..model.memory import check_memory
-from ..results.metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, request_table
+from ..results.metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, class_figures, request_table
 from ..results.outputs import managed_pool_blocks, run_summary, write_outputs
 from ..io.progress import ProgressTracker, TokenBar, ambient_callback
 from ..results.request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request_columns, step_figures_from_file,
@@ -161,6 +161,8 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens,
                           step_variance_sigma=resolve_sigma(cfg.step_variance, plan.gpu.name))
     summary.update(offload_figures(offload))
+    if getattr(trace, "workload_classes", None) is not None:       # a workload spec's client classes
+        summary["workload_classes"] = class_figures(trace.workload_classes, req_df)
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
