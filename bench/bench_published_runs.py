@@ -4,7 +4,8 @@ each figure, kvsim's value and the relative error (docs/gpu-profiles.md; figures
     python bench/bench_published_runs.py [--run ID] [--step-variance auto|SIGMA]
 
 Each latency row also prints kvsim's mean, p50, p90 and p99 of that latency (the sources publish one
-statistic); `--step-variance` runs the simulations with step-time variance (sim/engine/step_noise.py).
+statistic); then the published medians and tails (p95 or p99, as each source gives them)
+beside kvsim's, measured / kvsim / error per statistic. `--step-variance` runs the simulations with step-time variance (sim/engine/step_noise.py).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from kvsim.sim.calibration.published_runs import compare_published, comparison_table
+from kvsim.sim.calibration.published_runs import compare_published, comparison_table, tails_table
 
 RUNS = Path(__file__).resolve().parents[1] / "tests" / "data" / "published_runs" / "runs.yaml"
 
@@ -26,6 +27,8 @@ def main() -> None:
     variance = args.step_variance if args.step_variance == "auto" else float(args.step_variance)
     rows = compare_published(RUNS, only=args.run, step_variance=variance)
     print(comparison_table(rows))
+    print("\npublished percentiles (measured, kvsim, error):")
+    print(tails_table(rows))
     print(f"\n{len(rows)} figures; |error| median {sorted(abs(r.error) for r in rows)[len(rows) // 2]:.1%}, "
           f"max {max(abs(r.error) for r in rows):.1%}; {time.process_time() - t0:.1f} s CPU")
 
