@@ -82,17 +82,20 @@ def load_published_runs(path: str | Path) -> list[PublishedRun]:
     return runs
 
 
-def compare_published(path: str | Path, only: str | None = None, step_variance: float | str = 0.0) -> list[Comparison]:
+def compare_published(path: str | Path, only: str | None = None, step_variance: float | str = 0.0,
+                      frontend: str | None = None) -> list[Comparison]:
     out = []
     for run in load_published_runs(path):
         if only is None or run.id == only:
-            out.extend(compare_run(run, step_variance=step_variance))
+            out.extend(compare_run(run, step_variance=step_variance, frontend=frontend))
     return out
 
 
-def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float | str = 0.0) -> list[Comparison]:
+def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float | str = 0.0,
+                frontend: str | None = None) -> list[Comparison]:
     """kvsim's figure beside each measured one of `run` (under `profile`: the GPU's own by default;
-    `step_variance`: the simulation's, sim/engine/step_noise.py)."""
+    `step_variance`: the simulation's, sim/engine/step_noise.py; `frontend`: a serve run's frontend,
+    sim/data/frontends.yaml, by default the profile's client terms)."""
     if run.kind == "kernels":
         return _kernel_comparisons(run)
     (key, values), = run.points.items()
@@ -100,7 +103,7 @@ def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float |
     with tempfile.TemporaryDirectory(prefix="kvsim-published-") as tmp:
         for i, value in enumerate(values):
             seeds = int(run.workload.get("seeds", 1))
-            summaries = [_simulate_point(run, key, value, seed, Path(tmp), profile, step_variance)
+            summaries = [_simulate_point(run, key, value, seed, Path(tmp), profile, (step_variance, frontend))
                          for seed in range(seeds)]
             for figure, measured in run.measured.items():
                 summary_key, scale = METRICS[figure]
@@ -119,7 +122,9 @@ def _spread(figure: str, summaries: list[dict], scale: float) -> tuple | None:
 
 
 def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, profile: str,
-                    step_variance: float | str = 0.0) -> dict:
+                    variance_frontend: tuple = (0.0, None)) -> dict:
+    """One point's summary; `variance_frontend`: (step_variance, frontend name or None: the profile's
+    client terms on a serve run)."""
     from kvsim.sim.config import SimConfig
     from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
@@ -135,9 +140,11 @@ def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, pr
         rate = float(value)
         options = {"max_concurrency": int(value)} if key == "max_concurrency" else \
             ({"request_rate": rate} if math.isfinite(rate) else {})
+    step_variance, frontend = variance_frontend
+    front = {"client_latency": True} if frontend is None else {"frontend": frontend}
     cfg = SimConfig.model_validate({
         "trace": str(trace_file), "model": setup["model"], "gpu": setup["gpu"], "seed": seed, "profile": profile,
-        "engine": engine, "trace_options": options, "client_latency": run.kind == "serve",
+        "engine": engine, "trace_options": options, **(front if run.kind == "serve" else {}),
         "step_variance": step_variance, "metric_percentiles": [95.0, 99.0]})
     return run_simulation(cfg, None).summary
 

@@ -96,14 +96,14 @@ def _has_arrival_times(trace) -> bool:
 
 
 def trace_to_requests(trace, entry=None) -> list[Request]:
-    """The trace's requests; with `entry` (sim.simulator.client.RequestEntry) each enters the engine when the
+    """The trace's requests; with `entry` (sim.simulator.client.Frontend) each enters the engine when the
     client-side API server lets it, after its arrival (the client's send)."""
     df = trace.df
     ids = df["prefix_hash_ids"].tolist() if "prefix_hash_ids" in df else [None] * len(df)
     prio = df["priority"].tolist() if "priority" in df else [0] * len(df)
     span = trace.prefix_block_tokens
     return [
-        Request(request_id=int(rid), arrival_time=float(t) if entry is None else entry.enter(int(rid), float(t)),
+        Request(request_id=int(rid), arrival_time=float(t) if entry is None else entry.enter(int(rid), float(t), int(p)),
                 prompt_tokens=int(p), max_output_tokens=int(o),
                 priority=int(pr) if pr == pr and pr is not None else 0,
                 prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
@@ -196,7 +196,7 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                  connector: Callable[[int, EngineClock], KVConnector] | None = None) -> EngineRun:
     """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager
     and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.simulator.client.
-    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in.
+    Frontend) delays requests sent by the concurrency limit until the API server lets them in.
     `step_noise`: the simulator's step-time variance (`step_variance`, sim/engine/step_noise.py) applies (a
     real backend's steps take the time they take). `connector(index, clock)`: each replica's KV connector
     (CPU offload: sim.cluster); None: none."""
@@ -246,7 +246,7 @@ def replica_noise(sigma: float, seed: int, index: int) -> StepNoise | None:
 
 def client_timeout(timeout_s: float | None, entry=None) -> ClientTimeout | None:
     """The client's timeout (`trace_options.request_timeout`), counted from each request's send: its
-    trace time, or when the closed loop or the API server's entry (sim.client.RequestEntry) sent it."""
+    trace time, or when the closed loop or the API server's entry (sim.simulator.client.Frontend) sent it."""
     if timeout_s is None:
         return None
     if entry is None:

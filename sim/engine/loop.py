@@ -491,7 +491,7 @@ class ConcurrencyLimit:
     benchmark's asyncio semaphore, and is sent the moment one of them finishes (or is rejected). A
     request's `arrival_time` becomes the time it is sent, so TTFT and E2E latency are measured from there,
     as vLLM measures them; `client_arrival` keeps when it reached the client (its queue time is the
-    difference: vLLM's client_queue_time). With an `entry` (sim.simulator.client.RequestEntry: the profile's
+    difference: vLLM's client_queue_time). With an `entry` (sim.simulator.client.Frontend: the
     client-side API server) a sent request enters the engine when the server lets it; `next_entry`
     tells the engines when."""
 
@@ -530,7 +530,7 @@ class ConcurrencyLimit:
         try:
             while self.queue and self.in_flight < self.limit:
                 req = self.queue.popleft()
-                req.arrival_time = now if self.entry is None else self.entry.enter(req.request_id, now)
+                req.arrival_time = now if self.entry is None else self.entry.enter(req.request_id, now, req.prompt_tokens)
                 self.in_flight += 1
                 if req.arrival_time > now:
                     self.in_transit.append(req)          # sends happen in time order: FIFO

@@ -1,7 +1,11 @@
-"""What a `vllm bench serve` client sees beyond the engine (a profile's `client` terms; docs/gpu-profiles.md).
+"""The frontend: what a `vllm bench serve` client sees beyond the engine (`--frontend NAME`: a named set
+of terms in sim/data/frontends.yaml, or `profile` / `--client-latency`: the GPU profile's `client`
+terms; docs/gpu-profiles.md).
 
-A request enters the engine after the API server's serial work on it and a fixed latency
-(`RequestEntry`; the trace's arrival times are the client's sends); the API server then processes
+A request enters the engine after the API server's serial work on it (parsing, then tokenizing its
+prompt: `request_serial_s + prompt_tokens * prompt_token_s`, one request at a time in send order) and
+a fixed latency (`Frontend`; the trace's arrival times, or the closed loop's sends, are the client's
+sends); the API server then processes
 each step's output tokens serially, `output_token_s` each,
 so a token reaches the client when the server has processed it and everything before it:
 
@@ -21,22 +25,24 @@ from ..model.cost_model import ClientLatency
 from ..results.metrics import flat_token_times, set_latencies
 
 
-class RequestEntry:
-    """When a request the client sent enters the engine: the API server takes requests one at a time
-    (`request_serial_s` each, in send order), then `request_s` of fixed latency. Remembers each
-    request's send time for `client_view`."""
+class Frontend:
+    """The API server between the client's sends and the engine: when a request the client sent enters
+    the engine. The server takes requests one at a time in send order (`ClientLatency.serial_s`: parsing
+    and tokenizing its prompt), then `request_s` of fixed latency. Remembers each request's send time
+    for `client_view` and the client's timeout."""
 
     def __init__(self, client: ClientLatency):
-        self.serial_s, self.fixed_s = client.request_serial_s, client.request_s
+        self.client = client
+        self.serial = client.request_serial_s > 0 or client.prompt_token_s > 0
         self.server_free = -math.inf
         self.sent: dict[int, float] = {}
 
-    def enter(self, request_id: int, send_time: float) -> float:
+    def enter(self, request_id: int, send_time: float, prompt_tokens: int = 0) -> float:
         self.sent[request_id] = send_time
-        if self.serial_s == 0:
-            return send_time + self.fixed_s
-        self.server_free = max(self.server_free, send_time) + self.serial_s
-        return self.server_free + self.fixed_s
+        if not self.serial:
+            return send_time + self.client.request_s
+        self.server_free = max(self.server_free, send_time) + self.client.serial_s(prompt_tokens)
+        return self.server_free + self.client.request_s
 
 
 def client_view(req_df: pd.DataFrame, client: ClientLatency, sent: dict[int, float]) -> pd.DataFrame:

@@ -13,8 +13,8 @@ from ..results.bench_compare import bench_model_mismatch, compare
 from ..cluster.connectors.offload import cpu_tier_spec, offload_connectors, offload_summary
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
-from .client import RequestEntry, client_view
-from ..model.cost_model import ClientLatency
+from .client import Frontend, client_view
+from ..model.cost_model import frontend_terms
 from .executor import replica_parts
 from .fleet_run import checked_plans, run_fleet
 from ..model.memory import check_memory
@@ -102,10 +102,10 @@ def _request_frame(client, entry, run, labels: dict | None):
 
 def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
     cfg = plan.cfg
-    client = plan.cost.profile.client if cfg.client_latency else ClientLatency()
-    # requests enter the engine through the client-side API server: at their trace time (open loop) or
-    # when the closed loop sends them
-    entry = RequestEntry(client) if client.enabled else None
+    client = frontend_terms(cfg.frontend_name, plan.cost.profile)
+    # requests enter the engine through the frontend (the API server): after their trace time (open
+    # loop) or when the closed loop sends them
+    entry = Frontend(client) if client.enabled else None
     requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency else entry)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS)
@@ -156,6 +156,8 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens,
                           step_variance_sigma=resolve_sigma(cfg.step_variance, plan.gpu.name))
     summary.update(offload_figures(offload))
+    if cfg.frontend is not None:           # named: said (unset, summary.json stays as it was)
+        summary["frontend"] = cfg.frontend
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
