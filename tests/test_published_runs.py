@@ -16,8 +16,8 @@ GAPS = {
     ("h100-qwen3-0.6b", "request_throughput"): 0.25,   # a 500-request burst at the API server (gap 2)
     ("h100-qwen3-0.6b", "ttft_mean_ms"): 0.35,
     ("h100-qwen3-0.6b", "tpot_mean_ms"): 0.35,
-    ("h200-llama-3.1-8b-latency", "batch_latency_ms"): 0.25,   # vllm bench latency's engine loop (gap 3)
-    # the published tails (docs/gpu-profiles.md, "Tails"): the sources' spread that kvsim's deterministic
+    ("h200-llama-3.1-8b-latency", "batch_latency_ms"): 0.25,   # vllm bench latency's engine loop (gap 4)
+    # the published tails (docs/gpu-profiles.md, gap 3 "Tails"): the sources' spread that kvsim's deterministic
     # client does not make (c=1's p95 of 115 ms is the first requests' warm-up), and the 500-request burst
     ("l4-qwen2.5-0.5b", "ttft_p95_ms"): 0.75,
     ("l4-qwen2.5-0.5b", "e2e_p50_ms"): 0.15,           # follows the TTFT gap at concurrency 16/32
