@@ -8,7 +8,8 @@ docs/gpu-profiles.md says which figures each was fitted to).
         --hold prompt_token_s=1.9e-6,output_token_s=2e-5        # sim/data/frontends.yaml's vllm-api
 
 The loss leaves out the published tails (p95/p99 figures): they are checked, not fitted.
-`--hold NAME=VALUE,...` fixes terms taken from measurements (not fitted) while the others are fitted.
+`--hold NAME=VALUE,...` fixes terms taken from measurements (not fitted) while the others are fitted
+(`shared_loop=true`: the API server's one queue for entries and outputs).
 
 Coordinate descent over a multiplicative grid, minimizing the mean squared log error of the run's
 figures; prints the fitted values and the run's table under them.
@@ -55,7 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     run = next(r for r in pr.load_published_runs(RUNS) if r.id == args.run)
     base = load_profile("auto", gpu=run.setup["gpu"])
-    held = {k: float(v) for k, _, v in (item.partition("=") for item in args.hold.split(",") if item)}
+    held = {k: v.lower() == "true" if v.lower() in ("true", "false") else float(v)
+            for k, _, v in (item.partition("=") for item in args.hold.split(",") if item)}
     base = with_values(base, held)
     names = args.fit.split(",")
     values = {n: START[n] for n in names}

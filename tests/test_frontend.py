@@ -23,12 +23,24 @@ def test_prompt_tokenization_queues_in_the_api_server():
     assert entry.enter(4, 1.0, 0) == pytest.approx(1.011)                        # an idle server: no queue
 
 
+def test_a_shared_loop_makes_a_new_request_wait_behind_the_streaming():
+    terms = dict(request_s=0.010, request_serial_s=0.001, output_token_s=0.001)
+    shared = Frontend(ClientLatency(**terms, shared_loop=True))
+    shared.outputs(0, 0.0, 10)                       # a step's 10 tokens: streamed by t = 10 ms
+    assert shared.delivered == {(0, 0.0): pytest.approx(0.010)}
+    assert shared.enter(1, 0.005, 0) == pytest.approx(0.010 + 0.001 + 0.010)     # waits for them
+    shared.outputs(1, 0.0115, 2)                     # and the next step's tokens wait for its entry
+    assert shared.delivered[(1, 0.0115)] == pytest.approx(0.011 + 0.002 + 0.0005)
+    apart = Frontend(ClientLatency(**terms))
+    assert apart.enter(1, 0.005, 0) == pytest.approx(0.005 + 0.001 + 0.010)      # two queues: no wait
+
+
 def test_named_frontends_have_a_host_and_a_source_per_term():
     presets = frontend_presets()
     assert {"vllm-api", "vllm-api-4vcpu"} <= set(presets)
     for preset in presets.values():
         assert preset.host and preset.terms.enabled
-        given = {k for k, v in preset.terms.model_dump().items() if v}
+        given = {k for k, v in preset.terms.model_dump().items() if v and k != "shared_loop"}
         assert given <= set(preset.sources), f"terms without a source: {given - set(preset.sources)}"
     profile = load_profile("auto", gpu="h100")
     assert frontend_terms("profile", profile) == profile.client
@@ -37,7 +49,7 @@ def test_named_frontends_have_a_host_and_a_source_per_term():
 
 def test_a_profile_without_prompt_token_s_is_written_as_before(tmp_path):
     text = load_profile("auto", gpu="l4").to_yaml(tmp_path / "p.yaml").read_text()
-    assert "prompt_token_s" not in text
+    assert "prompt_token_s" not in text and "shared_loop" not in text
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -83,6 +95,26 @@ def test_frontend_and_step_variance_knock_a_closed_loop_out_of_lockstep(batch):
     np.testing.assert_array_equal(again["first_token_s"].to_numpy(), spread["first_token_s"].to_numpy())
     other = later_waves(closed_loop(batch, "vllm-api", "auto", seed=1))
     assert not np.array_equal(other["first_token_s"].to_numpy(), spread["first_token_s"].to_numpy())
+
+
+def test_shared_loop_runs_enter_in_the_simulation_and_repeat(batch, tmp_path):
+    """Open loop at 40 req/s through a shared-loop frontend: requests enter the engine in the simulation
+    (a limit of no limit), the decode fast-forward is off (every step end is told to the loop), the
+    run repeats exactly, and TTFT is longer than with two separate queues (entries wait behind streams)."""
+    def run(shared: bool, **opts):
+        profile = load_profile("auto", gpu="l4").model_copy(update={"client": ClientLatency(
+            request_s=0.005, request_serial_s=0.001, output_token_s=0.0005, shared_loop=shared)})
+        profile.to_yaml(tmp_path / f"p{shared}.yaml")
+        cfg = SimConfig.model_validate({"trace": str(batch), "model": "qwen2.5-0.5b", "gpu": "l4",
+                                        "profile": str(tmp_path / f"p{shared}.yaml"), "client_latency": True,
+                                        "trace_options": {"request_rate": 40.0}, **opts})
+        return run_simulation(cfg, None)
+    shared, again = run(True), run(True, fast_forward=False)
+    cols = ["request_id", "arrival_s", "first_token_s", "finish_s"]
+    assert shared.requests[cols].equals(again.requests[cols])
+    apart = run(False)
+    assert shared.summary["ttft_mean_s"] > apart.summary["ttft_mean_s"]
+    assert len(shared.steps) == len(again.steps)
 
 
 @pytest.mark.parametrize("flag, frontend", [([], None), (["--frontend", "none"], "none"),

@@ -8,6 +8,7 @@ Shared by the two executors' drivers: the simulator (`sim.simulator.simulate`) a
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -208,12 +209,17 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                           f"got {cfg.replicas}")
     step_arrivals = StepArrivals(requests) if by_step else None
     limit_n = cfg.trace_options.max_concurrency
+    # a frontend whose API server takes entries and streams outputs on one loop (Frontend.shared): every
+    # request enters through it in the simulation (the open loop too: a limit of no limit), each step's
+    # tokens are told to it at the step's end, and no decode run skips a step end it must hear of
+    shared = entry is not None and entry.shared
+    sends = limit_n if limit_n is not None else (math.inf if shared else None)
     feed: list = []            # the arrival process and the limit, made once the replicas exist
     # a closed loop lets one replica's finish send a request to another: with several replicas each
     # one must stop at every step end for it to land in time (no decode fast-forward across it)
-    cross_replica = limit_n is not None and cfg.replicas > 1
+    cross_replica = sends is not None and cfg.replicas > 1
     # one replica fed by the trace alone may admit its arrivals inside decode runs
-    own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and limit_n is None and not by_step else None
+    own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and sends is None and not by_step else None
     timeout = client_timeout(cfg.trace_options.request_timeout, entry)
     sigma = resolve_sigma(cfg.step_variance, plan.gpu.name) if step_noise else 0.0
     noises = [replica_noise(sigma, cfg.seed, i) for i in range(cfg.replicas)]
@@ -222,17 +228,17 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
             env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None), executor, step_log,
-            ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
+            ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica and not shared,
                            check_invariants=cfg.check_invariants,
                            step_noise=noises[i]),
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else (lambda: feed[0].next_arrival()),
                         step_arrivals=step_arrivals, on_step=on_step,
-                        on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)),
-                        arrivals=own_arrivals, timeout=timeout)))
+                        on_done=None if sends is None else (lambda n, t: feed[1].done(n, t)),
+                        arrivals=own_arrivals, timeout=timeout, on_tokens=entry.outputs if shared else None)))
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
     router = Router(replicas, cfg.router, cfg.router_options)
-    limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
+    limit = ConcurrencyLimit(sends, router, env, entry) if sends is not None else None
     arrivals = ArrivalProcess(env, requests, router, limit)
     feed.extend((arrivals, limit))
     return EngineRun(env, replicas, arrivals, limit, None, router)

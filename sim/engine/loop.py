@@ -87,6 +87,9 @@ class ReplicaFeed:
     next_handoff: Callable[[], float] = lambda: float("inf")
     # the client's timeout (`--request-timeout`): requests it gives up on are aborted in the engine
     timeout: ClientTimeout | None = None
+    # told (replica, time, tokens) at every step end that produced output tokens: a frontend whose API
+    # server streams them on the loop that also takes new requests (sim.simulator.client.Frontend.outputs)
+    on_tokens: Callable[[int, float, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class EngineReplica:
         self.num_steps = 0
         self.step_arrivals = feed.step_arrivals
         self.on_done = feed.on_done
+        self.on_tokens = feed.on_tokens
         self.on_finished = feed.on_finished
         self.next_handoff = feed.next_handoff
         # a KV connector's transfers complete between steps: decode runs stop at each (and at finishes,
@@ -278,15 +282,25 @@ class EngineReplica:
             if not self.env.advance_to(start + result.duration_s):
                 yield self.env.timeout(result.duration_s)     # from start: the end exactly
             finished = self.scheduler.update(out, self.now)
-            if finished and self.on_done is not None:
-                self.on_done(len(finished), self.now)
-            if finished and self.on_finished is not None:
-                self.on_finished(finished, self.now)
+            self._tell_step_end(out, finished)
             if not self.scheduler.has_work:
                 self.scheduler.release_finishing()     # async: no next schedule to wait for
             self._log_step(start, out, result, len(finished), shape)
             if self.bulk_decode:
                 yield from self._decode_run()
+
+    def _tell_step_end(self, out: SchedulerOutput, finished: list[Request]) -> None:
+        """Tell the run a step ended: its output tokens (requests whose last token time is now) to
+        `on_tokens`, its finished requests to `on_done` and `on_finished`."""
+        now = self.now
+        if self.on_tokens is not None:
+            tokens = sum(1 for s in out.scheduled if s.request.token_times and s.request.token_times[-1] == now)
+            if tokens:
+                self.on_tokens(self.index, now, tokens)
+        if finished and self.on_done is not None:
+            self.on_done(len(finished), now)
+        if finished and self.on_finished is not None:
+            self.on_finished(finished, now)
 
     # ----- logging ----------------------------------------------------------------------------
     def _pool_row(self) -> dict:
@@ -495,7 +509,7 @@ class ConcurrencyLimit:
     client-side API server) a sent request enters the engine when the server lets it; `next_entry`
     tells the engines when."""
 
-    def __init__(self, limit: int, router: Router, env: simpy.Environment | None = None, entry=None):
+    def __init__(self, limit: float, router: Router, env: simpy.Environment | None = None, entry=None):
         self.limit = limit
         self.router = router
         self.env = env

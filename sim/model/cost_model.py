@@ -196,19 +196,25 @@ class ClientLatency(BaseModel):
     request_serial_s: a long prompt delays every request behind it).
     output_token_s: per output token, the API server's serial work after the engine (detokenization,
     streaming): a step's tokens reach the client once the server has processed them and every token
-    before them, so ITL grows with the batch when the server is the bottleneck."""
+    before them, so ITL grows with the batch when the server is the bottleneck.
+    shared_loop: entry and output work share one serial queue, in time order (vLLM's API server runs
+    both on one asyncio loop): a new request also waits behind the streaming of the requests in
+    flight. Off: two queues (entry in the simulation, output applied to the token times afterwards)."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_s: float = _Overhead0
     request_serial_s: float = _Overhead0
     prompt_token_s: float = _Overhead0
     output_token_s: float = _Overhead0
+    shared_loop: bool = False
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
         data = handler(self)
         if self.prompt_token_s == 0:        # left out, so the profiles written before it stay as they were
             data.pop("prompt_token_s", None)
+        if not self.shared_loop:
+            data.pop("shared_loop", None)
         return data
 
     @property

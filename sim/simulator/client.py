@@ -33,33 +33,56 @@ class Frontend:
 
     def __init__(self, client: ClientLatency):
         self.client = client
-        self.serial = client.request_serial_s > 0 or client.prompt_token_s > 0
+        self.shared = client.shared_loop
+        self.serial = client.request_serial_s > 0 or client.prompt_token_s > 0 or self.shared
         self.server_free = -math.inf
         self.sent: dict[int, float] = {}
+        # shared loop: (replica, engine time of a step's tokens) -> when the server has streamed them
+        self.delivered: dict[tuple[int, float], float] = {}
 
     def enter(self, request_id: int, send_time: float, prompt_tokens: int = 0) -> float:
+        """When the request sent at `send_time` enters the engine. With a shared loop it is called at
+        `send_time` in the simulation (the queue takes entries and outputs in time order)."""
         self.sent[request_id] = send_time
         if not self.serial:
             return send_time + self.client.request_s
         self.server_free = max(self.server_free, send_time) + self.client.serial_s(prompt_tokens)
         return self.server_free + self.client.request_s
 
+    def outputs(self, replica: int, time_s: float, tokens: int) -> None:
+        """Shared loop: replica `replica`'s step ending at `time_s` produced `tokens` output tokens; the
+        server streams them after the work queued before them (EngineReplica calls it at the step's end)."""
+        self.server_free = max(self.server_free, time_s) + tokens * self.client.output_token_s
+        self.delivered[(replica, time_s)] = self.server_free
 
-def client_view(req_df: pd.DataFrame, client: ClientLatency, sent: dict[int, float]) -> pd.DataFrame:
+
+def client_view(req_df: pd.DataFrame, client: ClientLatency, sent: dict[int, float],
+                delivered: dict[tuple[int, float], float] | None = None) -> pd.DataFrame:
     """The request table as the client measures it: arrival at the client's send (`sent`: request id
-    -> send time), token times after the API server's serial work; queueing stays the engine's."""
+    -> send time), token times after the API server's serial work (with a shared loop, `delivered`:
+    `Frontend.delivered`); queueing stays the engine's."""
     if not client.enabled or req_df.empty:
         return req_df
     df = req_df.copy()
     df["arrival_s"] = df["request_id"].map(sent).astype("float64").fillna(df["arrival_s"])
     if client.output_token_s > 0:
-        df["token_times_s"] = _served_token_times(df, client.output_token_s)
+        df["token_times_s"] = (_served_token_times(df, client.output_token_s) if delivered is None
+                               else _delivered_token_times(df, delivered))
         first = np.array([t[0] if len(t) else math.nan for t in df["token_times_s"]])
         last = np.array([t[-1] if len(t) else math.nan for t in df["token_times_s"]])
         df["first_token_s"] = first
         df["finish_s"] = np.where(df["status"] == "finished", last, math.nan)
     set_latencies(df)
     return df
+
+
+def _delivered_token_times(df: pd.DataFrame, delivered: dict[tuple[int, float], float]) -> list[np.ndarray]:
+    """Token times as the shared loop streamed them (a time the loop was not told of stays as it is)."""
+    out = []
+    for replica, times in zip(df["replica"].tolist(), df["token_times_s"], strict=True):
+        out.append(np.array([delivered.get((replica, t), t) for t in np.asarray(times, dtype=np.float64).tolist()],
+                            dtype=np.float64))
+    return out
 
 
 def _served_token_times(df: pd.DataFrame, per_token_s: float) -> list[np.ndarray]:

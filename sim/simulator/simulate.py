@@ -91,7 +91,8 @@ class RunOptions(NamedTuple):
 def _request_frame(client, entry, run, labels: dict | None):
     """The function turning finished requests into requests.parquet rows (the client's view of them)."""
     def frame(reqs: list) -> pd.DataFrame:
-        df = client_view(request_table(reqs), client, entry.sent if entry else {})
+        df = client_view(request_table(reqs), client, entry.sent if entry else {},
+                         entry.delivered if entry is not None and entry.shared else None)
         if labels is not None:               # the source's own request ids (not integers), beside kvsim's
             df["request_label"] = df["request_id"].map(labels).astype(object)
         if run.limit is not None:
@@ -106,7 +107,9 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     # requests enter the engine through the frontend (the API server): after their trace time (open
     # loop) or when the closed loop sends them
     entry = Frontend(client) if client.enabled else None
-    requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency else entry)
+    # (with a shared loop they enter it in the simulation, as the closed loop's do)
+    online = cfg.trace_options.max_concurrency or (entry is not None and entry.shared)
+    requests = trace_to_requests(trace, None if online else entry)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS)
     progress = opts.progress or ambient_callback()
