@@ -471,6 +471,9 @@ class SimConfig(_Strict):
         if info.data.get("client_latency") and v not in (None, "profile"):
             raise ValueError(f"{v} contradicts client_latency: true (= frontend: profile); drop client_latency "
                              "(--client-latency)")
+        options = info.data.get("trace_options")
+        if v not in (None, "none") and options is not None and options.arrival_unit == "step":
+            raise ValueError(f"{v} needs trace_options.arrival_unit: time (a frontend counts seconds from a send)")
         return v
 
     @property

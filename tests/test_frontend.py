@@ -55,6 +55,7 @@ def test_a_profile_without_prompt_token_s_is_written_as_before(tmp_path):
 @pytest.mark.parametrize("bad, words", [
     ({"frontend": "nginx"}, ["frontend", "nginx", "vllm-api"]),
     ({"frontend": "vllm-api", "client_latency": True}, ["client_latency", "frontend", "vllm-api contradicts"]),
+    ({"frontend": "vllm-api", "trace_options": {"arrival_unit": "step"}}, ["frontend", "arrival_unit: time"]),
 ])
 def test_bad_frontend_config_names_the_field(bad, words):
     with pytest.raises(ValueError) as exc:
