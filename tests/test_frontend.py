@@ -118,6 +118,29 @@ def test_shared_loop_runs_enter_in_the_simulation_and_repeat(batch, tmp_path):
     assert len(shared.steps) == len(again.steps)
 
 
+def test_a_closed_loop_sends_once_the_client_has_the_last_token(tmp_path):
+    """--max-concurrency 1 through a shared loop: the next request is sent when the client has received
+    the previous one's last token (after the server streamed it), as vllm bench serve's semaphore frees."""
+    path = tmp_path / "b.jsonl"
+    closed_batch(4, 100, 20).save(path)
+
+    def sends_and_finishes(shared: bool):
+        profile = load_profile("auto", gpu="l4").model_copy(update={"client": ClientLatency(
+            request_s=0.002, output_token_s=0.004, shared_loop=shared)})
+        profile.to_yaml(tmp_path / "p.yaml")
+        cfg = SimConfig.model_validate({"trace": str(path), "model": "qwen2.5-0.5b", "gpu": "l4",
+                                        "client_latency": True, "profile": str(tmp_path / "p.yaml"),
+                                        "trace_options": {"max_concurrency": 1}})
+        df = run_simulation(cfg, None).requests.sort_values("arrival_s")
+        return df["arrival_s"].to_numpy(), df["finish_s"].to_numpy()
+
+    sends, finishes = sends_and_finishes(True)
+    np.testing.assert_allclose(sends[1:], finishes[:-1], rtol=0, atol=1e-9)
+    # two queues: the loop sends at the engine's finish, before the client has the last token
+    sends, finishes = sends_and_finishes(False)
+    assert (sends[1:] < finishes[:-1] - 1e-4).all()
+
+
 @pytest.mark.parametrize("flag, frontend", [([], None), (["--frontend", "none"], "none"),
                                             (["--frontend", "vllm-api"], "vllm-api")])
 def test_frontend_is_opt_in(tmp_path, flag, frontend):

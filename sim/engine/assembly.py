@@ -180,7 +180,7 @@ class EngineRun:
         step_arrivals, limit = self.step_arrivals, self.limit
         return (any(r.scheduler.has_work or r.scheduler.awaiting_transfers for r in self.replicas)
                 or bool(step_arrivals and step_arrivals.pending)
-                or (limit is not None and limit.in_transit))
+                or (limit is not None and (bool(limit.in_transit) or limit.releasing > 0)))
 
     def arrived(self, requests: list[Request]) -> list[Request]:
         """Of `requests`, those that reached the engine (all of them once the run ended)."""

@@ -517,6 +517,7 @@ class ConcurrencyLimit:
         self.in_flight = 0
         self.queue: deque[Request] = deque()
         self.in_transit: deque[Request] = deque()       # sent, entering the engine at their arrival_time
+        self.releasing = 0          # finishes whose slots free once the client has their last tokens
         self.client_arrival: dict[int, float] = {}      # request_id -> time it reached the client
         self._sending = False
 
@@ -533,9 +534,22 @@ class ConcurrencyLimit:
         self._send(now)
 
     def done(self, count: int, now: float) -> None:
-        """`count` requests left the engine at `now` (EngineReplica.on_done)."""
+        """`count` requests left the engine at `now` (EngineReplica.on_done). Their slots free when the
+        client has their last tokens: at `now`, or once a shared-loop frontend has streamed them
+        (`entry.received_by`)."""
+        received = self.entry.received_by(now) if self.entry is not None else now
+        if received > now:
+            self.releasing += 1
+            self.env.process(self._done_later(count, received))
+            return
         self.in_flight -= count
         self._send(now)
+
+    def _done_later(self, count: int, at: float):
+        yield self.env.timeout(at - self.env.now)
+        self.releasing -= 1
+        self.in_flight -= count
+        self._send(self.env.now)
 
     def _send(self, now: float) -> None:
         if self._sending:           # a rejection inside submit() calls done(): the outer loop goes on

@@ -39,6 +39,7 @@ class Frontend:
         self.sent: dict[int, float] = {}
         # shared loop: (replica, engine time of a step's tokens) -> when the server has streamed them
         self.delivered: dict[tuple[int, float], float] = {}
+        self.last_streamed = (-math.inf, -math.inf)      # (engine time, streamed by) of the latest step told
 
     def enter(self, request_id: int, send_time: float, prompt_tokens: int = 0) -> float:
         """When the request sent at `send_time` enters the engine. With a shared loop it is called at
@@ -54,6 +55,13 @@ class Frontend:
         server streams them after the work queued before them (EngineReplica calls it at the step's end)."""
         self.server_free = max(self.server_free, time_s) + tokens * self.client.output_token_s
         self.delivered[(replica, time_s)] = self.server_free
+        self.last_streamed = (time_s, self.server_free)
+
+    def received_by(self, now: float) -> float:
+        """When the client has the tokens the engine produced at `now` (shared loop: once the server has
+        streamed the step that ended at `now`; otherwise, or for a request that produced nothing then, `now`)."""
+        at, streamed = self.last_streamed
+        return streamed if self.shared and at == now else now
 
 
 def client_view(req_df: pd.DataFrame, client: ClientLatency, sent: dict[int, float],
