@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import yaml
 from pydantic import (
-    BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator,
+    BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_serializer, model_validator,
 )
 
 from kvsim.traces.durations import EXAMPLES as DURATION_EXAMPLES
@@ -444,6 +444,10 @@ class SimConfig(_Strict):
     # the profile's client-side terms (API server, tokenization: what `vllm bench serve` measures beyond
     # the engine) in TTFT/TPOT/ITL/E2E; off: engine time only
     client_latency: bool = False
+    # the frontend between the client and the engine (sim/simulator/client.py; docs/gpu-profiles.md#the-frontend):
+    # none (engine time only), profile (the profile's client terms: client_latency: true) or a named set of
+    # sim/data/frontends.yaml (vllm-api, ...); unset: as client_latency says
+    frontend: str | None = None
     # $ per GPU-hour instead of the catalog's: one price (the run's GPU) or {gpu: price} (plans over GPUs)
     usd_per_hour: float | dict[str, float] | None = Field(None, description="your price per GPU-hour")
     # step-time variance (sim/engine/step_noise.py): 0 deterministic (the default), a lognormal sigma, or auto
@@ -457,6 +461,8 @@ class SimConfig(_Strict):
             data.pop("usd_per_hour", None)
         if self.step_variance == 0:          # the default: left out, so configs and run ids stay as they were
             data.pop("step_variance", None)
+        if self.frontend is None:            # unset: left out, so configs and run ids stay as they were
+            data.pop("frontend", None)
         if self.fleet is None:          # aggregated: left out, so config.yaml stays as it was
             data.pop("fleet", None)
         return data
@@ -492,6 +498,27 @@ class SimConfig(_Strict):
             given = {get_gpu(name).name: value for name, value in price.items()}
             return float(given.get(spec.name, spec.usd_per_hour))
         return float(price) if price is not None else spec.usd_per_hour
+
+    @field_validator("frontend")
+    @classmethod
+    def _frontend(cls, v: str | None, info: ValidationInfo) -> str | None:
+        from .model.cost_model import frontend_names
+        if v is not None and v not in frontend_names():
+            raise ValueError(f"unknown frontend {v!r}; expected one of {', '.join(frontend_names())}")
+        if info.data.get("client_latency") and v not in (None, "profile"):
+            raise ValueError(f"{v} contradicts client_latency: true (= frontend: profile); drop client_latency "
+                             "(--client-latency)")
+        options = info.data.get("trace_options")
+        if v not in (None, "none") and options is not None and options.arrival_unit == "step":
+            raise ValueError(f"{v} needs trace_options.arrival_unit: time (a frontend counts seconds from a send)")
+        return v
+
+    @property
+    def frontend_name(self) -> str:
+        """The run's frontend: `frontend`, else `profile` with client_latency, else `none` (engine only)."""
+        if self.frontend is not None:
+            return self.frontend
+        return "profile" if self.client_latency else "none"
 
     @field_validator("step_variance")
     @classmethod

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvsim.sim.cli import app
-from kvsim.sim.simulator.client import RequestEntry, _serial_server
+from kvsim.sim.simulator.client import Frontend, _serial_server
 from kvsim.sim.config import SimConfig
 from kvsim.sim.model.cost_model import ClientLatency, load_profile
 from kvsim.sim.simulator.simulate import run_simulation
@@ -20,7 +20,7 @@ def test_serial_server_delivers_each_step_after_the_work_before_it():
 
 
 def test_a_burst_of_requests_queues_at_the_api_server():
-    entry = RequestEntry(ClientLatency(request_s=0.010, request_serial_s=0.001))
+    entry = Frontend(ClientLatency(request_s=0.010, request_serial_s=0.001))
     assert [entry.enter(i, 0.0) for i in range(3)] == pytest.approx([0.011, 0.012, 0.013])
     assert entry.enter(3, 1.0) == pytest.approx(1.011)          # an idle server: no queue
     assert entry.sent == {0: 0.0, 1: 0.0, 2: 0.0, 3: 1.0}

@@ -102,7 +102,7 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
     # Memory: one figure a tile (nothing cut); blocks freed on their own axis, not flat on the tokens' one
     assert seen["cut"] == []
     axes = seen["eviction_axes"]
-    assert [t["yaxis"] for t in axes["traces"]] == ["y", "y2"] and "block-equivalents / s" == axes["yaxes"]["yaxis2"]["title"]
+    assert [t["yaxis"] for t in axes["traces"]] == ["y", "y2"] and axes["yaxes"]["yaxis2"]["title"] == "block-equivalents / s"
     assert set(seconds) == set(PAGES) and all(0 < t < 60 for t in seconds.values())
     # Cancel stopped the run (no result of it kept). The simulation stops within a step (< 1 s: the job
     # tests); on screen it takes a rerun of the page, 0.3-1.3 s here, more when the machine is busy

@@ -30,6 +30,9 @@ METRICS = {     # measured figure -> (summary key, scale to the figure's unit)
     "tpot_mean_ms": ("tpot_mean_s", 1e3), "tpot_p50_ms": ("tpot_p50_s", 1e3),
     "output_tok_s": ("throughput_output_tok_s", 1.0), "request_throughput": ("throughput_req_s", 1.0),
     "batch_latency_ms": ("makespan_s", 1e3),
+    # the tails (vllm bench serve's median / p95 / p99 keys; p95 from the summary's vLLM-named keys)
+    "ttft_p99_ms": ("ttft_p99_s", 1e3), "tpot_p99_ms": ("tpot_p99_s", 1e3), "e2e_p50_ms": ("e2e_p50_s", 1e3),
+    "e2e_p99_ms": ("e2e_p99_s", 1e3), "ttft_p95_ms": ("p95_ttft_ms", 1.0), "e2e_p95_ms": ("p95_e2el_ms", 1.0),
 }
 # a latency figure's distribution in kvsim's summary (seconds): mean, p50, p90, p99
 SPREAD = {name: tuple(f"{name}_{q}_s" for q in ("mean", "p50", "p90", "p99")) for name in ("ttft", "tpot", "e2e")}
@@ -79,17 +82,20 @@ def load_published_runs(path: str | Path) -> list[PublishedRun]:
     return runs
 
 
-def compare_published(path: str | Path, only: str | None = None, step_variance: float | str = 0.0) -> list[Comparison]:
+def compare_published(path: str | Path, only: str | None = None, step_variance: float | str = 0.0,
+                      frontend: str | None = None) -> list[Comparison]:
     out = []
     for run in load_published_runs(path):
         if only is None or run.id == only:
-            out.extend(compare_run(run, step_variance=step_variance))
+            out.extend(compare_run(run, step_variance=step_variance, frontend=frontend))
     return out
 
 
-def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float | str = 0.0) -> list[Comparison]:
+def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float | str = 0.0,
+                frontend: str | None = None) -> list[Comparison]:
     """kvsim's figure beside each measured one of `run` (under `profile`: the GPU's own by default;
-    `step_variance`: the simulation's, sim/engine/step_noise.py)."""
+    `step_variance`: the simulation's, sim/engine/step_noise.py; `frontend`: a serve run's frontend,
+    sim/data/frontends.yaml, by default the profile's client terms)."""
     if run.kind == "kernels":
         return _kernel_comparisons(run)
     (key, values), = run.points.items()
@@ -97,7 +103,7 @@ def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float |
     with tempfile.TemporaryDirectory(prefix="kvsim-published-") as tmp:
         for i, value in enumerate(values):
             seeds = int(run.workload.get("seeds", 1))
-            summaries = [_simulate_point(run, key, value, seed, Path(tmp), profile, step_variance)
+            summaries = [_simulate_point(run, key, value, seed, Path(tmp), profile, (step_variance, frontend))
                          for seed in range(seeds)]
             for figure, measured in run.measured.items():
                 summary_key, scale = METRICS[figure]
@@ -116,7 +122,9 @@ def _spread(figure: str, summaries: list[dict], scale: float) -> tuple | None:
 
 
 def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, profile: str,
-                    step_variance: float | str = 0.0) -> dict:
+                    variance_frontend: tuple = (0.0, None)) -> dict:
+    """One point's summary; `variance_frontend`: (step_variance, frontend name or None: the profile's
+    client terms on a serve run)."""
     from kvsim.sim.config import SimConfig
     from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
@@ -132,10 +140,12 @@ def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, pr
         rate = float(value)
         options = {"max_concurrency": int(value)} if key == "max_concurrency" else \
             ({"request_rate": rate} if math.isfinite(rate) else {})
+    step_variance, frontend = variance_frontend
+    front = {"client_latency": True} if frontend is None else {"frontend": frontend}
     cfg = SimConfig.model_validate({
         "trace": str(trace_file), "model": setup["model"], "gpu": setup["gpu"], "seed": seed, "profile": profile,
-        "engine": engine, "trace_options": options, "client_latency": run.kind == "serve",
-        "step_variance": step_variance})
+        "engine": engine, "trace_options": options, **(front if run.kind == "serve" else {}),
+        "step_variance": step_variance, "metric_percentiles": [95.0, 99.0]})
     return run_simulation(cfg, None).summary
 
 
@@ -155,4 +165,27 @@ def comparison_table(rows: list[Comparison]) -> str:
         spread = " ".join(f"{v:>9.2f}" for v in c.spread) if c.spread else ""
         lines.append(f"{c.run:<28} {c.point:<22} {c.figure:<18} {c.measured:>10.2f} {c.predicted:>10.2f} "
                      f"{c.error:>+7.1%} {spread}".rstrip())
+    return "\n".join(lines)
+
+
+def tails_table(rows: list[Comparison]) -> str:
+    """The published percentiles beside kvsim's, one line per run, point and latency (TTFT, TPOT, ITL,
+    E2E) that has a measured median or tail: mean, p50 and the tail (p95 or p99, as published), each
+    measured / kvsim / error; '-' where the source did not publish that statistic."""
+    groups: dict[tuple[str, str, str], dict[str, Comparison]] = {}
+    for c in rows:
+        name, _, stat = c.figure.partition("_")
+        if name in SPREAD:
+            groups.setdefault((c.run, c.point, name), {})[stat.removesuffix("_ms")] = c
+    lines = [f"{'run':<22} {'point':<20} {'lat':<4} {'mean':>20} {'p50':>20} {'tail':>4} {'p95 | p99':>20}"]
+
+    def cell(c: Comparison | None) -> str:
+        return f"{'-':>20}" if c is None else f"{c.measured:>7.1f} {c.predicted:>7.1f} {c.error:>+5.0%}"
+
+    for (run, point, name), stats in groups.items():
+        tail = next((q for q in ("p99", "p95") if q in stats), None)
+        if "p50" not in stats and tail is None:
+            continue
+        lines.append(f"{run:<22} {point:<20} {name:<4} {cell(stats.get('mean'))} {cell(stats.get('p50'))} "
+                     f"{tail or '-':>4} {cell(stats.get(tail) if tail else None)}")
     return "\n".join(lines)

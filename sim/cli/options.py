@@ -104,6 +104,10 @@ Tokenizer = Annotated[str | None, typer.Option(
 StepVariance = Annotated[str | None, typer.Option(
     help="step-time variance: 0 deterministic (default: today's results), auto (the GPU's fitted sigma), or a "
          "lognormal sigma such as 0.05 (seeded by --seed)")]
+Frontend = Annotated[str | None, typer.Option(
+    help="the frontend (API server) between the client and the engine: none (engine time only), profile "
+         "(= --client-latency: the GPU profile's fitted client terms) or a named set of sim/data/frontends.yaml "
+         "(vllm-api: a datacenter host's vLLM API server, vllm-api-4vcpu: a 4-vCPU cloud VM's); default: none")]
 RequestTimeout = Annotated[float | None, typer.Option(
     help="seconds after its send at which the client gives up on a request (a benchmark client's total "
          "timeout): aborted in the engine, its KV freed, counted failed; default: none")]
@@ -168,6 +172,7 @@ CONFIG_KEYS = {
     "trace": "trace", "model": "model", "gpu": "gpu", "tp": "tp", "replicas": "replicas", "router": "router",
     "profile": "profile", "seed": "seed", "weight_dtype": "weight_dtype", "kv_dtype": "kv_dtype",
     "fast_forward": "fast_forward", "check_invariants": "check_invariants", "client_latency": "client_latency",
+    "frontend": "frontend",
     "block_size": "engine.block_size", "num_gpu_blocks": "engine.num_gpu_blocks",
     "max_num_seqs": "engine.max_num_seqs", "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "max_model_len": "engine.max_model_len", "long_prefill_token_threshold": "engine.long_prefill_token_threshold",

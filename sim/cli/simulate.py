@@ -18,7 +18,7 @@ from kvsim.sim.config import ConfigError, KVConfig, load_config
 from .vllm_args import VllmOptions
 
 from .options import (KvOffload, RouterName, Sessions, ThinkTime, tier_overrides)
-from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel,
+from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel, Frontend,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
                       MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, RequestTimeout, StepVariance, Model, NumGpuBlocks, Out, Overwrite,
@@ -123,7 +123,9 @@ def simulate(
     check_invariants: CheckInvariants = None,
     client_latency: Annotated[bool | None, typer.Option(
         "--client-latency/--engine-only", help="add the profile's client-side terms (API server, tokenization, "
-        "detokenization) to TTFT/TPOT/ITL/E2E, as `vllm bench serve` measures; default: engine time only")] = None,
+        "detokenization) to TTFT/TPOT/ITL/E2E, as `vllm bench serve` measures (= --frontend profile); default: "
+        "engine time only")] = None,
+    frontend: Frontend = None,
     prefill_pool: Annotated[str | None, typer.Option(
         help="disaggregated: the prefill pool as GPU[:tpN][:xN] (e.g. h100:tp1:x2: two H100 replicas of TP1); "
              "with --decode-pool (= fleet.prefill)")] = None,
@@ -147,7 +149,7 @@ def simulate(
     overrides = config_overrides(
         trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, router=router, profile=profile, seed=seed,
         weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
-        client_latency=client_latency,
+        client_latency=client_latency, frontend=frontend,
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
         max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,

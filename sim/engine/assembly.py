@@ -8,6 +8,7 @@ Shared by the two executors' drivers: the simulator (`sim.simulator.simulate`) a
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -141,7 +142,7 @@ def _has_arrival_times(trace) -> bool:
 
 
 def trace_to_requests(trace, entry=None, sessions=None) -> list[Request]:
-    """The trace's requests; with `entry` (sim.simulator.client.RequestEntry) each enters the engine when the
+    """The trace's requests; with `entry` (sim.simulator.client.Frontend) each enters the engine when the
     client-side API server lets it, after its arrival (the client's send). `sessions` (trace_options.sessions):
     each request gets its session and its conversation's prefix ids (sim/engine/sessions.py)."""
     requests = _requests(trace, entry)
@@ -156,7 +157,7 @@ def _requests(trace, entry) -> list[Request]:
     prio = df["priority"].tolist() if "priority" in df else [0] * len(df)
     span = trace.prefix_block_tokens
     return [
-        Request(request_id=int(rid), arrival_time=float(t) if entry is None else entry.enter(int(rid), float(t)),
+        Request(request_id=int(rid), arrival_time=float(t) if entry is None else entry.enter(int(rid), float(t), int(p)),
                 prompt_tokens=int(p), max_output_tokens=int(o),
                 priority=int(pr) if pr == pr and pr is not None else 0,
                 prefix_hash_ids=tuple(int(x) for x in h) if h is not None and len(h) else None,
@@ -233,7 +234,7 @@ class EngineRun:
         step_arrivals, limit = self.step_arrivals, self.limit
         return (any(r.scheduler.has_work or r.scheduler.awaiting_transfers for r in self.replicas)
                 or bool(step_arrivals and step_arrivals.pending)
-                or (limit is not None and limit.in_transit)
+                or (limit is not None and (bool(limit.in_transit) or limit.releasing > 0))
                 or (self.sessions is not None and self.sessions.in_transit))
 
     def arrived(self, requests: list[Request]) -> list[Request]:
@@ -254,7 +255,7 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                  connector: Callable[[int, EngineClock], KVConnector] | None = None) -> EngineRun:
     """The engine of `plan` over `requests`: `plan.cfg.replicas` replicas, each running the KV manager
     and executor `replica_parts(index)` returns, logging steps into `step_log`. `entry` (sim.simulator.client.
-    RequestEntry) delays requests sent by the concurrency limit until the API server lets them in.
+    Frontend) delays requests sent by the concurrency limit until the API server lets them in.
     `step_noise`: the simulator's step-time variance (`step_variance`, sim/engine/step_noise.py) applies (a
     real backend's steps take the time they take). `connector(index, clock)`: each replica's KV connector
     (CPU offload: sim.cluster); None: none."""
@@ -266,11 +267,16 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                           f"got {cfg.replicas}")
     step_arrivals = StepArrivals(requests) if by_step else None
     limit_n = cfg.trace_options.max_concurrency
+    # a frontend whose API server takes entries and streams outputs on one loop (Frontend.shared): every
+    # request enters through it in the simulation (the open loop too: a limit of no limit), each step's
+    # tokens are told to it at the step's end, and no decode run skips a step end it must hear of
+    shared = entry is not None and entry.shared
+    sends = limit_n if limit_n is not None else (math.inf if shared else None)
     feed: list = []            # the arrival process and the limit, made once the replicas exist
     sessions = None
     if cfg.trace_options.sessions is not None:        # a closed loop per session (sim/engine/sessions.py)
-        sessions = SessionLoop(env, requests, cfg.trace_options.sessions, entry if limit_n is None else None)
-    closed = limit_n is not None or sessions is not None
+        sessions = SessionLoop(env, requests, cfg.trace_options.sessions, entry if sends is None else None)
+    closed = sends is not None or sessions is not None
     # a closed loop lets one replica's finish send a request to another: with several replicas each
     # one must stop at every step end for it to land in time (no decode fast-forward across it)
     cross_replica = closed and cfg.replicas > 1
@@ -286,18 +292,18 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
             env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None), executor, step_log,
-            ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica,
+            ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica and not shared,
                            check_invariants=cfg.check_invariants,
                            step_noise=noises[i]),
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else next_arrival,
                         step_arrivals=step_arrivals, on_step=on_step,
-                        on_done=None if limit_n is None else (lambda n, t: feed[1].done(n, t)),
-                        arrivals=own_arrivals, timeout=timeout,
+                        on_done=None if sends is None else (lambda n, t: feed[1].done(n, t)),
+                        arrivals=own_arrivals, timeout=timeout, on_tokens=entry.outputs if shared else None,
                         on_finished=None if sessions is None else sessions.finished)))
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
     router = Router(replicas, cfg.router, cfg.router_options)
-    limit = ConcurrencyLimit(limit_n, router, env, entry) if limit_n is not None else None
+    limit = ConcurrencyLimit(sends, router, env, entry) if sends is not None else None
     if sessions is not None:        # later turns go out as their predecessors finish: through the limit if any
         sessions.send = limit.arrive if limit is not None else (lambda req, now: router.route(req).submit(req))
     arrivals = ArrivalProcess(env, requests if sessions is None else sessions.first_turns, router, limit)
@@ -313,7 +319,7 @@ def replica_noise(sigma: float, seed: int, index: int) -> StepNoise | None:
 
 def client_timeout(timeout_s: float | None, entry=None) -> ClientTimeout | None:
     """The client's timeout (`trace_options.request_timeout`), counted from each request's send: its
-    trace time, or when the closed loop or the API server's entry (sim.client.RequestEntry) sent it."""
+    trace time, or when the closed loop or the API server's entry (sim.simulator.client.Frontend) sent it."""
     if timeout_s is None:
         return None
     if entry is None:

@@ -98,6 +98,9 @@ class ReplicaFeed:
     next_handoff: Callable[[], float] = lambda: float("inf")
     # the client's timeout (`--request-timeout`): requests it gives up on are aborted in the engine
     timeout: ClientTimeout | None = None
+    # told (replica, time, tokens) at every step end that produced output tokens: a frontend whose API
+    # server streams them on the loop that also takes new requests (sim.simulator.client.Frontend.outputs)
+    on_tokens: Callable[[int, float, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class EngineReplica:
         self.num_steps = 0
         self.step_arrivals = feed.step_arrivals
         self.on_done = feed.on_done
+        self.on_tokens = feed.on_tokens
         self.on_finished = feed.on_finished
         self.next_handoff = feed.next_handoff
         # a KV connector's transfers complete between steps: decode runs stop at each (and at finishes,
@@ -295,15 +299,25 @@ class EngineReplica:
             if not self.env.advance_to(start + result.duration_s):
                 yield self.env.timeout(result.duration_s)     # from start: the end exactly
             finished = self.scheduler.update(out, self.now)
-            if finished and self.on_done is not None:
-                self.on_done(len(finished), self.now)
-            if finished and self.on_finished is not None:
-                self.on_finished(finished, self.now)
+            self._tell_step_end(out, finished)
             if not self.scheduler.has_work:
                 self.scheduler.release_finishing()     # async: no next schedule to wait for
             self._log_step(start, out, result, len(finished), shape)
             if self.bulk_decode:
                 yield from self._decode_run()
+
+    def _tell_step_end(self, out: SchedulerOutput, finished: list[Request]) -> None:
+        """Tell the run a step ended: its output tokens (requests whose last token time is now) to
+        `on_tokens`, its finished requests to `on_done` and `on_finished`."""
+        now = self.now
+        if self.on_tokens is not None:
+            tokens = sum(1 for s in out.scheduled if s.request.token_times and s.request.token_times[-1] == now)
+            if tokens:
+                self.on_tokens(self.index, now, tokens)
+        if finished and self.on_done is not None:
+            self.on_done(len(finished), now)
+        if finished and self.on_finished is not None:
+            self.on_finished(finished, now)
 
     # ----- logging ----------------------------------------------------------------------------
     def _pool_row(self) -> dict:
@@ -510,11 +524,11 @@ class ConcurrencyLimit:
     benchmark's asyncio semaphore, and is sent the moment one of them finishes (or is rejected). A
     request's `arrival_time` becomes the time it is sent, so TTFT and E2E latency are measured from there,
     as vLLM measures them; `client_arrival` keeps when it reached the client (its queue time is the
-    difference: vLLM's client_queue_time). With an `entry` (sim.simulator.client.RequestEntry: the profile's
+    difference: vLLM's client_queue_time). With an `entry` (sim.simulator.client.Frontend: the
     client-side API server) a sent request enters the engine when the server lets it; `next_entry`
     tells the engines when."""
 
-    def __init__(self, limit: int, router: Router, env: simpy.Environment | None = None, entry=None):
+    def __init__(self, limit: float, router: Router, env: simpy.Environment | None = None, entry=None):
         self.limit = limit
         self.router = router
         self.env = env
@@ -522,6 +536,7 @@ class ConcurrencyLimit:
         self.in_flight = 0
         self.queue: deque[Request] = deque()
         self.in_transit: deque[Request] = deque()       # sent, entering the engine at their arrival_time
+        self.releasing = 0          # finishes whose slots free once the client has their last tokens
         self.client_arrival: dict[int, float] = {}      # request_id -> time it reached the client
         self._sending = False
 
@@ -538,9 +553,22 @@ class ConcurrencyLimit:
         self._send(now)
 
     def done(self, count: int, now: float) -> None:
-        """`count` requests left the engine at `now` (EngineReplica.on_done)."""
+        """`count` requests left the engine at `now` (EngineReplica.on_done). Their slots free when the
+        client has their last tokens: at `now`, or once a shared-loop frontend has streamed them
+        (`entry.received_by`)."""
+        received = self.entry.received_by(now) if self.entry is not None else now
+        if received > now:
+            self.releasing += 1
+            self.env.process(self._done_later(count, received))
+            return
         self.in_flight -= count
         self._send(now)
+
+    def _done_later(self, count: int, at: float):
+        yield self.env.timeout(at - self.env.now)
+        self.releasing -= 1
+        self.in_flight -= count
+        self._send(self.env.now)
 
     def _send(self, now: float) -> None:
         if self._sending:           # a rejection inside submit() calls done(): the outer loop goes on
@@ -549,7 +577,7 @@ class ConcurrencyLimit:
         try:
             while self.queue and self.in_flight < self.limit:
                 req = self.queue.popleft()
-                req.arrival_time = now if self.entry is None else self.entry.enter(req.request_id, now)
+                req.arrival_time = now if self.entry is None else self.entry.enter(req.request_id, now, req.prompt_tokens)
                 self.in_flight += 1
                 if req.arrival_time > now:
                     self.in_transit.append(req)          # sends happen in time order: FIFO

@@ -94,7 +94,8 @@ from typing import Any
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
+                      model_validator)
 
 from kvsim.sim.model.catalog import (
     DATA_DIR, DTYPE_BYTES, CatalogError, GPUSpec, ModelSpec, format_validation_error, get_gpu, get_model,
@@ -181,24 +182,84 @@ class GemmEfficiency(BaseModel):
 
 
 class ClientLatency(BaseModel):
-    """Time a `vllm bench serve` client sees beyond the engine's steps (sim/simulator/client.py applies it).
+    """The frontend: time a `vllm bench serve` client sees beyond the engine's steps: vLLM's API server
+    (HTTP, request parsing, tokenization, detokenization, streaming) and the client itself. Applied by
+    sim/simulator/client.py's `Frontend` (entry) and `client_view` (output); a profile's `client` section
+    (`--client-latency`) or a named set of `frontends.yaml` (`--frontend NAME`) gives the values.
 
     request_s: per request, a fixed latency from the client's send to the request entering the
     engine (HTTP, client and network: requests overlap in it); TTFT and E2E include it, TPOT/ITL not.
     request_serial_s: per request, the API server's serial work before the engine sees it
-    (parsing, tokenization): one request at a time, so a burst of sends queues there.
+    (parsing, validation, building the engine request): one request at a time, so a burst of sends
+    queues there.
+    prompt_token_s: per prompt token, the API server's serial tokenization (in the same queue as
+    request_serial_s: a long prompt delays every request behind it).
     output_token_s: per output token, the API server's serial work after the engine (detokenization,
     streaming): a step's tokens reach the client once the server has processed them and every token
-    before them, so ITL grows with the batch when the server is the bottleneck."""
+    before them, so ITL grows with the batch when the server is the bottleneck.
+    shared_loop: entry and output work share one serial queue, in time order (vLLM's API server runs
+    both on one asyncio loop): a new request also waits behind the streaming of the requests in
+    flight. Off: two queues (entry in the simulation, output applied to the token times afterwards)."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_s: float = _Overhead0
     request_serial_s: float = _Overhead0
+    prompt_token_s: float = _Overhead0
     output_token_s: float = _Overhead0
+    shared_loop: bool = False
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if self.prompt_token_s == 0:        # left out, so the profiles written before it stay as they were
+            data.pop("prompt_token_s", None)
+        if not self.shared_loop:
+            data.pop("shared_loop", None)
+        return data
 
     @property
     def enabled(self) -> bool:
-        return self.request_s > 0 or self.request_serial_s > 0 or self.output_token_s > 0
+        return self.request_s > 0 or self.request_serial_s > 0 or self.prompt_token_s > 0 or self.output_token_s > 0
+
+    def serial_s(self, prompt_tokens: int) -> float:
+        """The API server's serial work on one request of `prompt_tokens` before it enters the engine."""
+        return self.request_serial_s + prompt_tokens * self.prompt_token_s
+
+
+FRONTENDS_FILE = DATA_DIR / "frontends.yaml"
+# --frontend's names besides frontends.yaml's: engine time only, and the GPU profile's fitted `client` terms
+ENGINE_ONLY, PROFILE_FRONTEND = "none", "profile"
+
+
+class FrontendPreset(BaseModel):
+    """A named frontend of frontends.yaml: its terms, the host class they describe and their sources."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str
+    terms: ClientLatency
+    sources: dict[str, str] = Field(default_factory=dict)     # term -> where its value comes from
+
+
+def frontend_presets() -> dict[str, FrontendPreset]:
+    """frontends.yaml's named frontends (sim/data/frontends.yaml; docs/gpu-profiles.md)."""
+    data = yaml.safe_load(FRONTENDS_FILE.read_text()) or {}
+    return {name: FrontendPreset.model_validate(entry) for name, entry in data.get("frontends", {}).items()}
+
+
+def frontend_names() -> list[str]:
+    return [ENGINE_ONLY, PROFILE_FRONTEND, *frontend_presets()]
+
+
+def frontend_terms(name: str, profile: HardwareProfile) -> ClientLatency:
+    """The terms of frontend `name`: none (engine time only), profile (`profile.client`) or a preset."""
+    if name == ENGINE_ONLY:
+        return ClientLatency()
+    if name == PROFILE_FRONTEND:
+        return profile.client
+    presets = frontend_presets()
+    if name not in presets:
+        raise ValueError(f"unknown frontend {name!r}; known: {', '.join(frontend_names())}")
+    return presets[name].terms
 
 
 class HardwareProfile(BaseModel):

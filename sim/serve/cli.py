@@ -94,6 +94,6 @@ def check_serve_config(cfg) -> None:
     if cfg.trace_options != TraceOptions():
         raise ConfigError("trace_options: kvsim serve takes its requests from HTTP clients; remove the trace "
                           "options from the config (a load generator sets the arrivals)")
-    if cfg.client_latency:
-        raise ConfigError("client_latency: kvsim serve is a real HTTP server (its own latency is real); set "
-                          "client_latency: false")
+    if cfg.frontend_name != "none":
+        raise ConfigError("client_latency / frontend: kvsim serve is a real HTTP server (its own latency is real); "
+                          "set client_latency: false and drop frontend")

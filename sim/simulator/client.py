@@ -1,7 +1,11 @@
-"""What a `vllm bench serve` client sees beyond the engine (a profile's `client` terms; docs/gpu-profiles.md).
+"""The frontend: what a `vllm bench serve` client sees beyond the engine (`--frontend NAME`: a named set
+of terms in sim/data/frontends.yaml, or `profile` / `--client-latency`: the GPU profile's `client`
+terms; docs/gpu-profiles.md).
 
-A request enters the engine after the API server's serial work on it and a fixed latency
-(`RequestEntry`; the trace's arrival times are the client's sends); the API server then processes
+A request enters the engine after the API server's serial work on it (parsing, then tokenizing its
+prompt: `request_serial_s + prompt_tokens * prompt_token_s`, one request at a time in send order) and
+a fixed latency (`Frontend`; the trace's arrival times, or the closed loop's sends, are the client's
+sends); the API server then processes
 each step's output tokens serially, `output_token_s` each,
 so a token reaches the client when the server has processed it and everything before it:
 
@@ -21,39 +25,72 @@ from ..model.cost_model import ClientLatency
 from ..results.metrics import flat_token_times, set_latencies
 
 
-class RequestEntry:
-    """When a request the client sent enters the engine: the API server takes requests one at a time
-    (`request_serial_s` each, in send order), then `request_s` of fixed latency. Remembers each
-    request's send time for `client_view`."""
+class Frontend:
+    """The API server between the client's sends and the engine: when a request the client sent enters
+    the engine. The server takes requests one at a time in send order (`ClientLatency.serial_s`: parsing
+    and tokenizing its prompt), then `request_s` of fixed latency. Remembers each request's send time
+    for `client_view` and the client's timeout."""
 
     def __init__(self, client: ClientLatency):
-        self.serial_s, self.fixed_s = client.request_serial_s, client.request_s
+        self.client = client
+        self.shared = client.shared_loop
+        self.serial = client.request_serial_s > 0 or client.prompt_token_s > 0 or self.shared
         self.server_free = -math.inf
         self.sent: dict[int, float] = {}
+        # shared loop: (replica, engine time of a step's tokens) -> when the server has streamed them
+        self.delivered: dict[tuple[int, float], float] = {}
+        self.last_streamed = (-math.inf, -math.inf)      # (engine time, streamed by) of the latest step told
 
-    def enter(self, request_id: int, send_time: float) -> float:
+    def enter(self, request_id: int, send_time: float, prompt_tokens: int = 0) -> float:
+        """When the request sent at `send_time` enters the engine. With a shared loop it is called at
+        `send_time` in the simulation (the queue takes entries and outputs in time order)."""
         self.sent[request_id] = send_time
-        if self.serial_s == 0:
-            return send_time + self.fixed_s
-        self.server_free = max(self.server_free, send_time) + self.serial_s
-        return self.server_free + self.fixed_s
+        if not self.serial:
+            return send_time + self.client.request_s
+        self.server_free = max(self.server_free, send_time) + self.client.serial_s(prompt_tokens)
+        return self.server_free + self.client.request_s
+
+    def outputs(self, replica: int, time_s: float, tokens: int) -> None:
+        """Shared loop: replica `replica`'s step ending at `time_s` produced `tokens` output tokens; the
+        server streams them after the work queued before them (EngineReplica calls it at the step's end)."""
+        self.server_free = max(self.server_free, time_s) + tokens * self.client.output_token_s
+        self.delivered[(replica, time_s)] = self.server_free
+        self.last_streamed = (time_s, self.server_free)
+
+    def received_by(self, now: float) -> float:
+        """When the client has the tokens the engine produced at `now` (shared loop: once the server has
+        streamed the step that ended at `now`; otherwise, or for a request that produced nothing then, `now`)."""
+        at, streamed = self.last_streamed
+        return streamed if self.shared and at == now else now
 
 
-def client_view(req_df: pd.DataFrame, client: ClientLatency, sent: dict[int, float]) -> pd.DataFrame:
+def client_view(req_df: pd.DataFrame, client: ClientLatency, sent: dict[int, float],
+                delivered: dict[tuple[int, float], float] | None = None) -> pd.DataFrame:
     """The request table as the client measures it: arrival at the client's send (`sent`: request id
-    -> send time), token times after the API server's serial work; queueing stays the engine's."""
+    -> send time), token times after the API server's serial work (with a shared loop, `delivered`:
+    `Frontend.delivered`); queueing stays the engine's."""
     if not client.enabled or req_df.empty:
         return req_df
     df = req_df.copy()
     df["arrival_s"] = df["request_id"].map(sent).astype("float64").fillna(df["arrival_s"])
     if client.output_token_s > 0:
-        df["token_times_s"] = _served_token_times(df, client.output_token_s)
+        df["token_times_s"] = (_served_token_times(df, client.output_token_s) if delivered is None
+                               else _delivered_token_times(df, delivered))
         first = np.array([t[0] if len(t) else math.nan for t in df["token_times_s"]])
         last = np.array([t[-1] if len(t) else math.nan for t in df["token_times_s"]])
         df["first_token_s"] = first
         df["finish_s"] = np.where(df["status"] == "finished", last, math.nan)
     set_latencies(df)
     return df
+
+
+def _delivered_token_times(df: pd.DataFrame, delivered: dict[tuple[int, float], float]) -> list[np.ndarray]:
+    """Token times as the shared loop streamed them (a time the loop was not told of stays as it is)."""
+    out = []
+    for replica, times in zip(df["replica"].tolist(), df["token_times_s"], strict=True):
+        out.append(np.array([delivered.get((replica, t), t) for t in np.asarray(times, dtype=np.float64).tolist()],
+                            dtype=np.float64))
+    return out
 
 
 def _served_token_times(df: pd.DataFrame, per_token_s: float) -> list[np.ndarray]:

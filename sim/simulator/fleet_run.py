@@ -82,8 +82,8 @@ def refuse_unsupported(cfg: SimConfig) -> None:
     if not cfg.kv.is_default:
         raise ConfigError(f"fleet: KV policy {cfg.kv.policy!r}: a disaggregated fleet runs vLLM's plain KV manager "
                           "(the hand-off of an evicted or compressed KV is not modelled); drop kv.policy")
-    if cfg.client_latency:
-        raise ConfigError("fleet: client_latency: the proxy's client-side terms are not modelled; drop it")
+    if cfg.frontend_name != "none":
+        raise ConfigError("fleet: client_latency / frontend: the proxy's client-side terms are not modelled; drop it")
 
 
 def handoff_of(cfg: SimConfig, plans: FleetPlans) -> Handoff:

@@ -13,8 +13,8 @@ from ..results.bench_compare import bench_model_mismatch, compare
 from ..cluster.connectors.offload import cpu_tier_spec, offload_connectors, offload_summary
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
-from .client import RequestEntry, client_view
-from ..model.cost_model import ClientLatency
+from .client import Frontend, client_view
+from ..model.cost_model import frontend_terms
 from .executor import replica_parts
 from .fleet_run import checked_plans, run_fleet
 from ..model.memory import check_memory
@@ -91,7 +91,8 @@ class RunOptions(NamedTuple):
 def _request_frame(client, entry, run, labels: dict | None):
     """The function turning finished requests into requests.parquet rows (the client's view of them)."""
     def frame(reqs: list) -> pd.DataFrame:
-        df = client_view(request_table(reqs), client, entry.sent if entry else {})
+        df = client_view(request_table(reqs), client, entry.sent if entry else {},
+                         entry.delivered if entry is not None and entry.shared else None)
         if labels is not None:               # the source's own request ids (not integers), beside kvsim's
             df["request_label"] = df["request_id"].map(labels).astype(object)
         if run.limit is not None:
@@ -105,13 +106,15 @@ def _request_frame(client, entry, run, labels: dict | None):
 
 def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
     cfg = plan.cfg
-    client = plan.cost.profile.client if cfg.client_latency else ClientLatency()
-    # requests enter the engine through the client-side API server: at their trace time (open loop) or
-    # when the closed loop sends them
-    entry = RequestEntry(client) if client.enabled else None
+    client = frontend_terms(cfg.frontend_name, plan.cost.profile)
+    # requests enter the engine through the frontend (the API server): after their trace time (open
+    # loop) or when the closed loop sends them
+    entry = Frontend(client) if client.enabled else None
     sessions = cfg.trace_options.sessions
-    # the closed loops (a concurrency limit, sessions) send their requests through the API server themselves
-    requests = trace_to_requests(trace, None if cfg.trace_options.max_concurrency or sessions else entry, sessions)
+    # the closed loops (a concurrency limit, sessions, a shared loop) send their requests through the
+    # API server themselves, in the simulation
+    online = cfg.trace_options.max_concurrency or sessions or (entry is not None and entry.shared)
+    requests = trace_to_requests(trace, None if online else entry, sessions)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS)
     progress = opts.progress or ambient_callback()
@@ -163,6 +166,8 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     summary.update(offload_figures(offload))
     if getattr(trace, "workload_classes", None) is not None:       # a workload spec's client classes
         summary["workload_classes"] = class_figures(trace.workload_classes, req_df)
+    if cfg.frontend is not None:           # named: said (unset, summary.json stays as it was)
+        summary["frontend"] = cfg.frontend
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]
