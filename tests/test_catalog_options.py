@@ -43,7 +43,7 @@ def test_compression_rate_option_is_the_policy_parameter(tmp_path):
     runner = CliRunner()
     args = ["simulate", "--trace", "sharegpt-8k-filtered", "--model", "smollm2-135m", "--gpu", "l4",
             "--max-requests", "4", "--policy", "kvcompress", "--layout", "per_head", "--slot-strategy", "compact",
-            "-q"]
+            "--kv-mode", "fast", "-q"]
     r = runner.invoke(app, args + ["--compression-rate", "8", "--out", str(tmp_path / "r8")])
     assert r.exit_code == 0, r.output
     assert load_config(tmp_path / "r8" / "config.yaml").kv.params["compression_rate"] == 8

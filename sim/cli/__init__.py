@@ -124,7 +124,8 @@ COMMANDS: dict[str, Lazy] = {
                  "every GPU x TP degree (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask "
                  "cluster (configurations that cannot be cheaper than an answer already found are dropped); prints "
                  "each configuration's answer, the Pareto table (cost vs p99 TTFT/TPOT) and the cheapest with its "
-                 "range."),
+                 "range. With option --disaggregated, also the cheapest prefill/decode fleet (docs/disaggregation.md), "
+                 "both forms side by side and the Pareto front of output tokens/s per GPU vs per user."),
     "report": Lazy("planning", "report", "Turn a sweep store into one HTML page of plotly charts: throughput/goodput "
                    "vs load, latency percentiles, KV utilization and fragmentation, capacity curve, cost vs p99 "
                    "latency Pareto view."),

@@ -462,8 +462,8 @@ def plan(
     (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
     that cannot be cheaper than an answer already found are dropped); prints each configuration's
     answer, the Pareto table (cost vs p99 TTFT/TPOT) and the cheapest with its range. With
-    --disaggregated, also the cheapest prefill/decode fleet (docs/disaggregation.md), both forms side by
-    side and the Pareto front of output tokens/s per GPU vs per user."""
+    option --disaggregated, also the cheapest prefill/decode fleet (docs/disaggregation.md), both forms side
+    by side and the Pareto front of output tokens/s per GPU vs per user."""
     from kvsim.sim.planning.capacity import choose_sample, parse_slo, profile_configs, variant_configs
     from kvsim.sim.model.catalog import CatalogError, get_gpu, get_model
     from kvsim.sim.planning.plan import PlanSpace, executor, plan_capacity
