@@ -20,6 +20,7 @@ the blocks a call hashes (no tuple per block to build, then free on eviction).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import repeat
 
 import numpy as np
@@ -47,6 +48,9 @@ class BlockPool:
         # is shared and a block is owned exactly when it is not free (computed on demand)
         self._ref_cnt: list[int] = [0] * num_blocks if enable_caching else []
         self._shared_refs = 0                   # references beyond each owned block's first
+        # told the shared hashes that leave the prefix-cache index when their blocks are evicted (KV events,
+        # kvsim serve --kv-events-endpoint); None: nothing is told (and nothing is collected)
+        self.on_evict: Callable[[list], None] | None = None
 
     @property
     def ref_cnt(self) -> list[int]:
@@ -149,10 +153,20 @@ class BlockPool:
         self._head = h
         block_hash, cached = self.block_hash, self.cached
         if cached:
-            for block in blocks:
-                key = block_hash[block]
-                if cached.get(key) == block:        # a shared hash (private ones are not indexed)
-                    del cached[key]
+            if self.on_evict is None:
+                for block in blocks:
+                    key = block_hash[block]
+                    if cached.get(key) == block:        # a shared hash (private ones are not indexed)
+                        del cached[key]
+            else:
+                removed = []
+                for block in blocks:
+                    key = block_hash[block]
+                    if cached.get(key) == block:
+                        del cached[key]
+                        removed.append(key)
+                if removed:
+                    self.on_evict(removed)
         ref = self._ref_cnt
         for block in blocks:
             block_hash[block] = None

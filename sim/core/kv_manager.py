@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .block_pool import BlockPool
 from .prefix_lookups import PrefixLookups
+from .protocols import KVEventSink
 from .request import Request, RequestStatus
 
 
@@ -25,6 +26,14 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.req_blocks: dict[Request, list[int]] = {}
         self.prefix_lookups = PrefixLookups()
+        # told which blocks enter the prefix-cache index and which leave it (vLLM's KV events: kvsim serve
+        # --kv-events-endpoint); None, the default, costs one test per hashing call (`attach_events`)
+        self.events: KVEventSink | None = None
+
+    def attach_events(self, sink: KVEventSink | None) -> None:
+        """Tell `sink` every block newly stored in the prefix cache and every cached block evicted."""
+        self.events = sink
+        self.pool.on_evict = sink.removed if sink is not None else None
 
     # ----- read-only views (the pool's counters are read on `pool`) ----------------------------
     def blocks_of(self, req: Request) -> list[int]:
@@ -165,8 +174,30 @@ class KVCacheManager:
                 chain = req.private_blocks = []
             self.pool.cache_private(blocks[first:full], req.request_id, first, chain, not req.num_preemptions)
         else:
-            self.pool.cache_blocks(blocks[first:full], [self._block_hash(req, j) for j in range(first, full)])
+            hashes = [self._block_hash(req, j) for j in range(first, full)]
+            if self.events is None:
+                self.pool.cache_blocks(blocks[first:full], hashes)
+            else:
+                self._cache_and_tell(req, blocks[first:full], first, hashes, self.events)
         req.num_cached_blocks = full
+
+    def _cache_and_tell(self, req: Request, blocks: list[int], first: int, hashes: list, sink: KVEventSink) -> None:
+        """`pool.cache_blocks`, telling `sink` each run of blocks that entered the index (a block whose hash an
+        identical cached block already holds stays out of it, as in vLLM, and is not told)."""
+        cached, chain = self.pool.cached, req.block_hashes or []     # (the chain `_block_hash` filled)
+        new = [h not in cached for h in hashes]
+        self.pool.cache_blocks(blocks, hashes)
+        j, n = 0, len(hashes)
+        while j < n:
+            if not new[j]:
+                j += 1
+                continue
+            k = j
+            while k < n and new[k]:
+                k += 1
+            parent = hashes[j - 1] if j else (chain[first - 1] if first else None)
+            sink.stored(req, first + j, hashes[j:k], parent)
+            j = k
 
     def allocate_decodes(self, reqs: list[Request]) -> list[int] | None:
         """One decode token's slots for every request in `reqs` (each holding its computed tokens) at

@@ -25,6 +25,20 @@ if TYPE_CHECKING:
     from .step import StepResult
 
 
+class KVEventSink(Protocol):
+    """Told by the shared-layout KV manager (`KVCacheManager.attach_events`) what vLLM's KV-event publisher
+    tells its subscribers (vllm/distributed/kv_events.py): blocks entering the prefix-cache index, in runs of
+    one request's consecutive blocks, and cached blocks evicted. kvsim serve publishes them over ZMQ
+    (sim/serve/kv_events.py)."""
+
+    def stored(self, req: Request, first_block: int, block_hashes: list, parent_hash: Any) -> None:
+        """Blocks first_block.. of `req` entered the index with `block_hashes`; `parent_hash`: the hash of
+        block first_block - 1 (None for the first block)."""
+
+    def removed(self, block_hashes: list) -> None:
+        """Cached blocks holding `block_hashes` were evicted (their hashes left the index)."""
+
+
 @runtime_checkable
 class KVPool(Protocol):
     """The one pool abstraction every KV manager holds (`KVManager.pool`), and the only place its

@@ -146,6 +146,7 @@ class EngineReplica:
         self.timeout = feed.timeout
         self.noise = options.step_noise
         self._deadlines: list[tuple[float, int, Request]] = []     # (deadline, order, request): a heap
+        self._abort_reasons: dict[int, str] = {}     # request id -> why the API server aborts it (abort_request)
         # async scheduling: requests that arrived while a step ran reach the scheduler one schedule later
         self.async_scheduling = scheduler.config.async_scheduling
         self.inbox: deque[Request] = deque()
@@ -225,12 +226,20 @@ class EngineReplica:
                 self.scheduler.aborted.append(req)
             elif not self.scheduler.abort(req, self.now):
                 continue
-            req.reject_reason = f"client timeout: not finished {self.timeout.timeout_s:g} s after it was sent"
+            why = self._abort_reasons.pop(req.request_id, None) if self._abort_reasons else None
+            req.reject_reason = why or f"client timeout: not finished {self.timeout.timeout_s:g} s after it was sent"
             aborted += 1
         for entry in loading:
             heapq.heappush(self._deadlines, entry)
         if aborted and self.on_done is not None:
             self.on_done(aborted, self.now)
+
+    def abort_request(self, req: Request, reason: str) -> None:
+        """The API server aborts `req` now (its client closed the connection, kvsim serve): taken as a client
+        timeout's deadline is, at the first schedule at or after now (`_abort_expired`: out of the inbox, the
+        waiting queue or the batch, its blocks freed); nothing if it has finished by then."""
+        self._abort_reasons[req.request_id] = reason
+        heapq.heappush(self._deadlines, (self.now, len(self._deadlines), req))
 
     def _take_arrivals(self) -> None:
         """Hand the scheduler what has arrived for the step about to be scheduled."""

@@ -18,11 +18,14 @@ from starlette.routing import Route
 
 from kvsim.sim.engine.resolved_run import ResolvedRun
 
-from .live import EngineFailed, LiveEngine, LiveRequest, SimClock, TraceRecorder, warm_up
+from kvsim.sim.simulator.executor import replica_parts
+
+from .live import EngineFailed, LiveEngine, LiveRequest, SimClock, TraceRecorder, check_kv_events_manager, warm_up
 from .metrics import EngineState, RequestMetrics, cache_config_info
 from .protocol import (ApiError, ChatBody, CompletionBody, Generation, chat_messages, check_model, completion_prompt,
                        generation, parse)
-from .tokens import PromptTokenizer, filler
+from .kv_events import KVEventPublisher, KVEventsConfig
+from .tokens import FILLER_WORDS, PromptTokenizer, filler
 
 
 THREAD_TOKENIZE_BYTES = 4096      # about 1,000 tokens of text
@@ -36,6 +39,7 @@ class ServeOptions:
     tokenizer: str | None = None    # a tokenizer.json (or its directory); None: the shipped SmolLM2 one
     record_trace: Path | None = None
     stream_interval: int = 1        # tokens per streamed batch (vLLM's --stream-interval)
+    kv_events: KVEventsConfig | None = None     # vLLM's ZMQ KV-event publisher (kv_events.py); None: off
 
 
 class Server:
@@ -50,6 +54,11 @@ class Server:
         cache_config_info(self.registry, plan)
         self.engine: LiveEngine | None = None
         self.created = int(time.time())
+        self.kv_publisher: KVEventPublisher | None = None
+        if options.kv_events is not None:      # checked and bound now: a bad option fails before serving
+            check_kv_events_manager(replica_parts(plan, 0)[0])
+            self.kv_publisher = KVEventPublisher(options.kv_events, plan.cfg.engine.block_size, plan.cfg.replicas,
+                                                 lambda req, start, end: self.engine.token_ids(req, start, end))
 
     def start(self) -> LiveEngine:
         warm_up(self.plan, self.metrics)
@@ -58,6 +67,8 @@ class Server:
         self.engine = LiveEngine(self.plan, SimClock(self.options.time_scale), self.metrics,
                                  asyncio.get_running_loop(), recorder, self.options.stream_interval)
         engine = self.engine
+        if self.kv_publisher is not None:
+            engine.publish_kv_events(self.kv_publisher, [self.tokenizer.encode(w)[0] for w in FILLER_WORDS])
         self.registry.register(EngineState(self.options.served_model_name, engine.replicas, lambda: engine.lag_s))
         return self.engine
 
@@ -187,6 +198,9 @@ class Answer:
         except EngineFailed as exc:
             yield f"data: {json.dumps(ApiError(500, f'the simulated engine failed: {exc}', 'InternalServerError').body())}\n\n"
             return
+        finally:
+            # the client went away mid-stream (the server cancels or closes this generator): vLLM aborts the request
+            self.server.engine.abort(live)
         if gen.include_usage:
             yield f'data: {self._head}, "choices": [], "usage": {json.dumps(self._usage(total))}}}\n\n'
         yield "data: [DONE]\n\n"

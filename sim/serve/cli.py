@@ -52,6 +52,12 @@ def serve(
     record_trace: Annotated[Path | None, typer.Option(
         parser=output_path("--record-trace"),
         help="write the requests received as a kvsim JSONL trace (kvsim simulate --trace FILE replays them)")] = None,
+    kv_events_endpoint: Annotated[str | None, typer.Option(
+        help="publish the prefix cache's KV events (block stored/removed) as vLLM does, on a ZMQ PUB socket bound "
+             "here, e.g. tcp://*:5557 (needs the serve extra: pyzmq, msgspec)")] = None,
+    kv_events_config: Annotated[str | None, typer.Option(
+        help="vLLM's KV-events JSON: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+             "\"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}' (--kv-events-endpoint overrides its endpoint)")] = None,
 ) -> None:
     """Serve the simulated engine behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions
     with streaming, /v1/models, /health, /version) and vLLM's Prometheus /metrics; the engine's clock runs
@@ -75,12 +81,21 @@ def serve(
         fail(f"kvsim serve needs {exc.name or 'its HTTP packages'}: pip install 'kvsim[serve]' (starlette, uvicorn, "
              "prometheus_client)")
     try:
+        from kvsim.sim.serve.kv_events import check_installed, parse_kv_events_config
+        kv_events = parse_kv_events_config(kv_events_config, kv_events_endpoint)
+        if kv_events is not None:
+            check_installed()
+    except ValueError as exc:
+        fail(str(exc))
+    except ImportError as exc:
+        fail(f"--kv-events-endpoint: {exc}")
+    try:
         cfg = load_config(config, overrides, set_)
         check_serve_config(cfg)
         from kvsim.sim.engine.resolved_run import resolve_run
         plan = resolve_run(cfg)
         server = Server(plan, ServeOptions(served_model_name or cfg.model, time_scale, eos_tokens, tokenizer,
-                                           record_trace, stream_interval))
+                                           record_trace, stream_interval, kv_events))
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
     typer.echo(f"kvsim serve: {cfg.model} on {cfg.tp}x {cfg.gpu} ({cfg.replicas} replica(s)), {plan.num_blocks} KV "

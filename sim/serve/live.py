@@ -20,16 +20,18 @@ import json
 import time
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsim.sim.engine.assembly import build_engine, build_live_engine
+from kvsim.sim.core.kv_manager import KVCacheManager
 from kvsim.sim.core.request import Request, RequestStatus
 from kvsim.sim.simulator.executor import replica_parts
 from kvsim.sim.engine.resolved_run import ResolvedRun
 from kvsim.traces.trace import NATIVE_FORMAT_VERSION, NATIVE_METADATA_KEY
 
+from .kv_events import KVEventPublisher
 from .metrics import RequestMetrics, StepSink
 from .protocol import ApiError, Generation
 from .tokens import prefix_block_ids
@@ -62,6 +64,7 @@ class LiveRequest:
     produced: int = 0          # tokens the engine produced by the last tick (counted in the metrics)
     sent: int = 0              # tokens handed to the client
     done: bool = False
+    aborting: bool = False     # its client went away: an abort is on its way to the engine
 
 
 class EngineFailed(RuntimeError):
@@ -100,6 +103,17 @@ def warm_up(plan: ResolvedRun, metrics: RequestMetrics) -> None:
     build_engine(plan, requests, StepSink(probe), lambda i: replica_parts(plan, i)).drive(catch=())
 
 
+def check_kv_events_manager(kv) -> None:
+    """A ValueError unless `kv` is the shared-layout KV manager with prefix caching: the one whose blocks vLLM's
+    KV events describe (a KV policy's manager evicts tokens, not cached blocks)."""
+    if not isinstance(kv, KVCacheManager):
+        raise ValueError(f"--kv-events-endpoint: KV events come from vLLM's prefix cache (the shared KV layout); "
+                         f"this engine's KV manager is {type(kv).__name__} (drop the KV policy)")
+    if not kv.enable_caching:
+        raise ValueError("--kv-events-endpoint: KV events are the prefix cache's; enable prefix caching "
+                         "(--prefix-caching)")
+
+
 class LiveEngine:
     def __init__(self, plan: ResolvedRun, clock: SimClock, metrics: RequestMetrics, loop: asyncio.AbstractEventLoop,
                  recorder: TraceRecorder | None = None, stream_interval: int = 1):
@@ -117,6 +131,30 @@ class LiveEngine:
         self.failure: str | None = None
         self.on_finished: Callable[[Request], None] | None = None     # observers (tests, logs)
         self._timer: asyncio.TimerHandle | None = None
+        self.kv_events: KVEventPublisher | None = None
+        self.filler_ids: Sequence[int] = ()      # token ids of the filler words (KV events' output tokens)
+
+    def publish_kv_events(self, publisher: KVEventPublisher, filler_ids: Sequence[int]) -> None:
+        """Hand each replica's KV manager a sink of its prefix cache's events; `publisher` sends them after
+        every tick. A ValueError when the engine's KV manager is not the shared-layout one with prefix caching
+        (a KV policy's manager has no vLLM block events)."""
+        for rep in self.replicas:
+            check_kv_events_manager(rep.kv)
+        for rep, sink in zip(self.replicas, publisher.sinks, strict=True):
+            rep.kv.attach_events(sink)
+        self.kv_events, self.filler_ids = publisher, filler_ids
+
+    def token_ids(self, req: Request, start: int, end: int) -> list[int]:
+        """The token ids at positions start..end-1 of `req`: its prompt's, then the filler words' of its output."""
+        live = self.live.get(req.request_id)
+        if live is None:
+            return []
+        prompt = live.generation.prompt_ids
+        out = list(prompt[start:end])
+        fill, n = self.filler_ids, len(self.filler_ids)
+        if n:
+            out += [fill[(j - len(prompt)) % n] for j in range(max(start, len(prompt)), end)]
+        return out
 
     @property
     def lag_s(self) -> float:
@@ -156,6 +194,24 @@ class LiveEngine:
         self.arriving.popleft()
         self.run.router.route(req).submit(req)
 
+    def abort(self, live: LiveRequest) -> None:
+        """The client closed its connection before its request finished: abort it in the engine at the current
+        simulated time, as vLLM's API server aborts a request whose client went away. The replica takes the
+        abort as it takes a client timeout's (EngineReplica.abort_request): at its next schedule the request
+        leaves the queue or the batch and its blocks are freed; the metrics count it as `abort`."""
+        if live.done or live.aborting or self.failure:
+            return
+        live.aborting = True
+        env, req = self.env, live.request
+        t = max(self.clock.now(), env.now)
+        self.arriving.append(t)          # an abort bounds decode runs as an arrival does
+        env.timeout(t - env.now).callbacks.append(lambda _event: self._abort(req))
+        self._schedule_tick()
+
+    def _abort(self, req: Request) -> None:
+        self.arriving.popleft()
+        self.replicas[req.replica].abort_request(req, "client disconnected")
+
     # ----- the clock --------------------------------------------------------------------------
     def _schedule_tick(self) -> None:
         nxt = self.env.peek()
@@ -183,6 +239,8 @@ class LiveEngine:
         except Exception as exc:  # noqa: BLE001 - any engine error ends the service, reported to every client
             self._fail(f"{type(exc).__name__}: {exc}")
             return
+        if self.kv_events is not None:
+            self.kv_events.publish()
         self._hand_out(now)
         self._schedule_tick()
 
@@ -202,6 +260,10 @@ class LiveEngine:
                 for req in sched.finished:
                     self._progress(req, now)
                 sched.finished.clear()       # the server keeps no finished request
+            if sched.aborted:
+                for req in sched.aborted:
+                    self._aborted(req, now)
+                sched.aborted.clear()
 
     def _progress(self, req: Request, now: float) -> None:
         live = self.live.get(req.request_id)
@@ -222,6 +284,20 @@ class LiveEngine:
             if self.on_finished is not None:
                 self.on_finished(req)
 
+    def _aborted(self, req: Request, now: float) -> None:
+        live = self.live.pop(req.request_id, None)
+        if live is None:
+            return
+        n = bisect_right(req.token_times, now, live.produced)
+        if n > live.produced:
+            self.metrics.tokens(req, live.produced, n)
+            live.produced = n
+        self.metrics.aborted(req)
+        live.done = True
+        live.wake.set()
+        if self.on_finished is not None:
+            self.on_finished(req)
+
     async def tokens(self, live: LiveRequest):
         """Yield (start, end): output tokens start..end-1 of `live` are due, as the clock passes them."""
         while True:
@@ -239,5 +315,8 @@ class LiveEngine:
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self.kv_events is not None:
+            self.kv_events.publish()
+            self.kv_events.close()
         if self.recorder is not None:
             self.recorder.close()

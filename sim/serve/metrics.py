@@ -181,6 +181,11 @@ class RequestMetrics:
         self.params_n[i].observe(1)
         self.prefill_kv[i].observe(req.prompt_tokens - req.num_cached_tokens)
 
+    def aborted(self, req: Request) -> None:
+        """`req` was aborted (its client went away): vLLM counts it under finished_reason="abort" and records no
+        latency of it (its tokens so far are in the token counters and the TTFT/inter-token histograms)."""
+        self.success["abort"][req.replica] += 1
+
     def collect(self):
         engines = [[self.model_name, str(i)] for i in range(self.replicas)]
         for name, doc, values in (("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
