@@ -59,7 +59,7 @@ def test_every_module_says_what_it_is_for():
     assert missing == []
 
 
-OPTIONAL = ("torch", "triton", "streamlit", "dask", "distributed", "numba", "gguf", "prometheus_client")
+OPTIONAL = ("torch", "triton", "streamlit", "dask", "distributed", "numba", "gguf", "prometheus_client", "msgspec")
 
 
 def test_core_dependencies_leave_out_the_heavy_ones_and_use_ranges():

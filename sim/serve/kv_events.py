@@ -68,16 +68,19 @@ def parse_kv_events_config(text: str | None, endpoint: str | None) -> KVEventsCo
 def check_installed() -> None:
     """An ImportError naming the extra when pyzmq or msgspec is missing."""
     try:
-        import msgspec  # noqa: F401
+        import msgspec  # noqa: F401, I001 - both modules, whichever is missing
         import zmq  # noqa: F401
     except ImportError as exc:
         raise ImportError(f"KV events need {exc.name}: {EXTRA}", name=exc.name) from None
 
 
-def event_types():
-    """vLLM's event structs (same fields, order and encoding options), made on first use: msgspec is optional."""
+try:
     import msgspec
+except ImportError:          # the serve extra is not installed: KV events are refused (check_installed)
+    msgspec = None
 
+if msgspec is not None:
+    # vLLM's event structs: the same fields, order and encoding options (arrays; events tagged by class name)
     class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         ts: float
         events: list
@@ -104,8 +107,6 @@ def event_types():
     class KVEventBatch(EventBatch):
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
-    return KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
-
 
 class ReplicaEvents:
     """One replica's KVEventSink (sim/core/protocols.py): the events of its KV manager, gathered until the
@@ -118,10 +119,10 @@ class ReplicaEvents:
     def stored(self, req: Request, first_block: int, block_hashes: list, parent_hash) -> None:
         bs = self.publisher.block_size
         tokens = self.publisher.token_ids(req, first_block * bs, (first_block + len(block_hashes)) * bs)
-        self.events.append(self.publisher.BlockStored(list(block_hashes), parent_hash, tokens, bs, None, MEDIUM))
+        self.events.append(BlockStored(list(block_hashes), parent_hash, tokens, bs, None, MEDIUM))
 
     def removed(self, block_hashes: list) -> None:
-        self.events.append(self.publisher.BlockRemoved(list(block_hashes), MEDIUM))
+        self.events.append(BlockRemoved(list(block_hashes), MEDIUM))
 
 
 class KVEventPublisher:
@@ -131,9 +132,7 @@ class KVEventPublisher:
     def __init__(self, config: KVEventsConfig, block_size: int, num_replicas: int,
                  token_ids: Callable[[Request, int, int], Sequence[int]]):
         check_installed()
-        import msgspec
         import zmq
-        self.KVEventBatch, self.BlockStored, self.BlockRemoved, _ = event_types()
         self.config, self.block_size, self.token_ids = config, block_size, token_ids
         self.topic = config.topic.encode()
         self.encoder = msgspec.msgpack.Encoder()
@@ -156,7 +155,7 @@ class KVEventPublisher:
         for rank, sink in enumerate(self.sinks):
             if not sink.events:
                 continue
-            payload = self.encoder.encode(self.KVEventBatch(time.time(), sink.events, rank))
+            payload = self.encoder.encode(KVEventBatch(time.time(), sink.events, rank))
             self.num_events += len(sink.events)
             sink.events = []
             # no room left for a slow subscriber: the batch is dropped, as vLLM's publisher drops it
