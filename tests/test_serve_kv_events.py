@@ -186,7 +186,7 @@ def test_kv_events_rebuild_the_engines_prefix_cache(tmp_path):
     assert set(a.block_hashes) <= set(removed)
 
 
-def test_client_that_hangs_up_mid_stream_aborts_its_request():
+def test_clients_that_hang_up_abort_their_requests():
     async def run():
         server, uv, task, port = await _start({"engine.num_gpu_blocks": 2000}, time_scale=10.0)
         done = []
@@ -210,22 +210,42 @@ def test_client_that_hangs_up_mid_stream_aborts_its_request():
                     break
                 await asyncio.sleep(0.01)
             rep = engine.replicas[0]
+            first = (dict(engine.live), dict(rep.kv.req_blocks), list(rep.scheduler.running),
+                     rep.kv.pool.num_used_blocks, {k: list(v) for k, v in server.metrics.success.items()})
+            # a non-streaming request whose client hangs up while it waits for the whole answer
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            data = json.dumps({"model": MODEL, "prompt": list(range(2000, 2300)), "max_tokens": 3000,
+                               "ignore_eos": True}).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+            await writer.drain()
+            await asyncio.sleep(0.3)
+            writer.close()
+            for _ in range(500):
+                if len(done) == 2 and not engine.live:
+                    break
+                await asyncio.sleep(0.01)
             status, metrics = await _post_get(port, "/metrics")
-            state = (dict(engine.live), dict(rep.kv.req_blocks), list(rep.scheduler.running),
-                     rep.kv.pool.num_used_blocks, dict(server.metrics.success))
+            state = (first, (dict(engine.live), dict(rep.kv.req_blocks), rep.kv.pool.num_used_blocks,
+                             dict(server.metrics.success)))
         finally:
             await _stop(uv, task)
         return done, state, metrics
 
-    done, (live, req_blocks, running, used, success), metrics = asyncio.run(run())
-    assert len(done) == 1 and not live
+    done, ((live, req_blocks, running, used, success), after), metrics = asyncio.run(run())
+    assert not live
     req = done[0]
     assert req.status == RequestStatus.ABORTED and req.reject_reason == "client disconnected"
     # 3,000 tokens take ~20 simulated s (2 s wall): it left the engine long before
     assert 3 <= req.num_output_tokens < 3000
     assert not req_blocks and not running and used == 0, "its KV blocks were freed"
     assert success["abort"] == [1] and success["length"] == [0] and success["stop"] == [0]
-    assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="llama-3.1-8b"} 1.0' in metrics
+    # the non-streaming one: aborted too, a few hundred ms (a few simulated s) in
+    live, req_blocks, used, success = after
+    assert len(done) == 2 and not live and not req_blocks and used == 0
+    assert done[1].status == RequestStatus.ABORTED and 0 < done[1].num_output_tokens < 3000
+    assert success["abort"] == [2] and success["length"] == [0]
+    assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="llama-3.1-8b"} 2.0' in metrics
 
 
 async def _post_get(port: int, path: str) -> tuple[int, str]:

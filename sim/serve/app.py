@@ -93,13 +93,28 @@ class Server:
         answer = Answer(self, live, chat)
         if gen.stream:
             return StreamingResponse(answer.events(), media_type="text/event-stream")
+        # a client that hangs up before the whole answer aborts its request (vLLM's with_cancellation)
+        wait = asyncio.ensure_future(self._whole(live))
+        hang_up = asyncio.ensure_future(_disconnected(request))
         try:
-            async for _ in self.engine.tokens(live):
-                pass
+            await asyncio.wait((wait, hang_up), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hang_up.cancel()
+            if not wait.done():
+                wait.cancel()
+                self.engine.abort(live)
+        if wait.cancelled():
+            return Response(status_code=499)          # nobody reads it
+        try:
+            wait.result()
         except EngineFailed as exc:
             return JSONResponse(ApiError(500, f"the simulated engine failed: {exc}", "InternalServerError").body(),
                                 status_code=500)
         return JSONResponse(answer.whole())
+
+    async def _whole(self, live: LiveRequest) -> None:
+        async for _ in self.engine.tokens(live):
+            pass
 
     def _generation(self, body, chat: bool) -> Generation:
         opts, max_len = self.options, self.plan.max_model_len
@@ -133,6 +148,12 @@ class Server:
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed its connection (the server's next message is http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _json_body(raw: bytes):
