@@ -118,12 +118,18 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--sample", type=float, default=5.0, help="seconds between RSS samples")
+    ap.add_argument("--kv-events", action="store_true",
+                    help="serve with --kv-events-endpoint and count the KV events a ZMQ subscriber receives")
     args, extra = ap.parse_known_args()
     extra = [x for x in extra if x != "--"]
     port = _free_port()
     t0 = time.monotonic()
     trace = Path(tempfile.mkdtemp()) / "served.jsonl"
-    proc = start_server(port, args, ["--model", args.model, "--record-trace", str(trace), *extra])
+    events = KVEventCounter(_free_port()) if args.kv_events else None
+    kv_opts = ["--kv-events-endpoint", events.endpoint] if events else []
+    proc = start_server(port, args, ["--model", args.model, "--record-trace", str(trace), *kv_opts, *extra])
+    if events:
+        events.start()
     print(f"kvsim serve up in {time.monotonic() - t0:.1f} s (pid {proc.pid}); {args.clients} clients for "
           f"{args.duration:g} s at time scale {args.time_scale:g}", flush=True)
     args.server_pid = proc.pid
@@ -143,8 +149,57 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
     report(args, results, lost, peak, wall, m, rss)
+    if events:
+        events.stop()
+        print(events.summary())
     if results and not extra:
         lateness(results, trace, args)
+
+
+class KVEventCounter:
+    """A ZMQ subscriber (a thread) to the server's KV events: batches, events by kind, sequence gaps."""
+
+    def __init__(self, port: int):
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.batches = self.stored = self.removed = self.gaps = 0
+        self.last_seq = -1
+        self._stop = False
+
+    def start(self) -> None:
+        import threading
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.connect(self.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        while not self._stop:
+            if not sub.poll(200):
+                continue
+            _topic, seq, payload = sub.recv_multipart()
+            n = int.from_bytes(seq, "big")
+            self.gaps += n != self.last_seq + 1 and self.last_seq >= 0
+            self.last_seq = n
+            self.batches += 1
+            for event in msgspec.msgpack.decode(payload)[1]:      # [ts, events, rank]; events [tag, ...]
+                if event[0] == "BlockStored":
+                    self.stored += len(event[1])
+                else:
+                    self.removed += len(event[1])
+        sub.close(linger=0)
+        ctx.term()
+
+    def stop(self) -> None:
+        self._stop = True
+        self.thread.join(timeout=5)
+
+    def summary(self) -> str:
+        return (f"KV events: {self.batches} batches (last sequence {self.last_seq}, {self.gaps} gaps), "
+                f"{self.stored} blocks stored, {self.removed} removed")
 
 
 def lateness(results, trace: Path, args) -> None:
