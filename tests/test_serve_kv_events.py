@@ -273,3 +273,13 @@ def test_kv_events_without_the_extra_name_it(monkeypatch):
     result = CliRunner().invoke(cli_app, ["serve", "--model", MODEL, "--kv-events-endpoint", "tcp://*:5557"])
     assert result.exit_code == 2 and "kvsim[serve]" in result.output and "zmq" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"engine.enable_prefix_caching": False}, "enable prefix caching"),
+    ({"kv.policy": "h2o", "kv.budget": 256}, "expected KVCacheManager"),
+])
+def test_kv_events_need_the_prefix_cache_manager(sets, message):
+    plan = resolve_run(load_config(None, {"model": MODEL, **sets}))
+    with pytest.raises(ValueError, match=message):
+        Server(plan, ServeOptions(MODEL, kv_events=KVEventsConfig(endpoint=f"tcp://127.0.0.1:{_free_port()}")))

@@ -108,7 +108,8 @@ def check_kv_events_manager(kv) -> None:
     KV events describe (a KV policy's manager evicts tokens, not cached blocks)."""
     if not isinstance(kv, KVCacheManager):
         raise ValueError(f"--kv-events-endpoint: KV events come from vLLM's prefix cache (the shared KV layout); "
-                         f"this engine's KV manager is {type(kv).__name__} (drop the KV policy)")
+                         f"this engine's KV manager is {type(kv).__name__}; expected KVCacheManager (a model without "
+                         f"sliding-window layers, no KV policy)")
     if not kv.enable_caching:
         raise ValueError("--kv-events-endpoint: KV events are the prefix cache's; enable prefix caching "
                          "(--prefix-caching)")
