@@ -122,12 +122,13 @@ def test_kv_events_rebuild_the_engines_prefix_cache(tmp_path):
 
     async def run():
         # 40 blocks (39 usable): a filler's 28 blocks evict what earlier requests left cached
-        server, uv, task, port = await _start({"engine.num_gpu_blocks": 40, "engine.enable_prefix_caching": True},
-                                              KVEventsConfig(endpoint=f"tcp://127.0.0.1:{endpoint_port}", topic="kv"))
+        # subscribed before the server binds (ZMQ connects when it can): the handshake overlaps its start-up
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.connect(f"tcp://127.0.0.1:{endpoint_port}")
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        server, uv, task, port = await _start({"engine.num_gpu_blocks": 40, "engine.enable_prefix_caching": True},
+                                              KVEventsConfig(endpoint=f"tcp://127.0.0.1:{endpoint_port}", topic="kv"))
         await asyncio.sleep(0.5)                       # ZMQ's slow joiner: the subscription reaches the publisher
         try:
             for prompt in (first, second, *fillers):
