@@ -180,3 +180,70 @@ def test_two_part_free_queue_hands_out_blocks_in_vllms_single_queue_order(ops):
         assert pool.num_cached_free_blocks == sum(1 for b in ref.queue if ref.hash[b] is not None)
         assert pool.next_free_blocks(3) == list(ref.queue)[:3]
         pool.check_invariants()
+
+
+class RecordingSink:
+    """A KVEventSink (sim/core/protocols.py) keeping what it is told, in order."""
+
+    def __init__(self):
+        self.events = []
+
+    def stored(self, req, first_block, block_hashes, parent_hash):
+        self.events.append(("stored", req.request_id, first_block, list(block_hashes), parent_hash))
+
+    def removed(self, block_hashes):
+        self.events.append(("removed", list(block_hashes)))
+
+
+def _run_shared_prefixes(sink):
+    """Requests sharing prefixes through the real scheduler and engine loop on a tiny pool (evictions)."""
+    from kvsim.sim.core.kv_manager import KVCacheManager
+    from kvsim.sim.core.request import Request
+    from kvsim.sim.core.scheduler import Scheduler, SchedulerConfig
+    from kvsim.sim.engine.loop import EngineClock, EngineReplica
+    from kvsim.sim.model.cost_model import CostModel
+    from kvsim.sim.results.metrics import StepLog
+    from kvsim.sim.simulator.executor import EXECUTORS
+
+    kv = KVCacheManager(30, 16, enable_caching=True)
+    if sink is not None:
+        kv.attach_events(sink)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=4096), kv)
+    env = EngineClock(event_per_step=True)
+    rep = EngineReplica(env, 0, sched, EXECUTORS["cost_model"](CostModel("smollm2-135m", "l4"), kv), StepLog(None))
+    reqs = []
+    for i in range(12):
+        ids = (1, 2, 3, 100 + i // 3, 200 + i)       # 64-token prompt blocks: a shared head, groups of three
+        reqs.append(Request(i, 0.05 * i, 5 * 64, 20, prefix_hash_ids=ids, prefix_block_tokens=64))
+    for r in reqs:
+        env.timeout(r.arrival_time).callbacks.append(lambda _e, r=r: rep.submit(r))
+    env.run()
+    return kv, reqs
+
+
+def test_kv_event_sink_replays_into_the_prefix_cache_index():
+    sink = RecordingSink()
+    kv, reqs = _run_shared_prefixes(sink)
+    index, chains, owner, chained_to_another = {}, {}, {}, 0
+    for ev in sink.events:
+        if ev[0] == "stored":
+            _, rid, first, hashes, parent = ev
+            own = chains.setdefault(rid, {})
+            assert (parent is None) == (first == 0)
+            if first - 1 in own:
+                assert parent == own[first - 1]
+            chained_to_another += parent is not None and owner.get(parent, rid) != rid
+            for k, h in enumerate(hashes):
+                own[first + k], owner[h] = h, rid
+                assert h not in index, "stored twice without a removal"
+                index[h] = rid
+        else:
+            for h in ev[1]:
+                assert index.pop(h, None) is not None, "removed a hash never stored"
+    assert set(index) == set(kv.pool.cached)
+    assert any(ev[0] == "removed" for ev in sink.events), "the tiny pool evicts cached blocks"
+    assert kv.prefix_lookups.hits > 0
+    assert chained_to_another, "a request that hit another's prefix stores its own blocks chained to that prefix"
+    # the hooks change nothing: the same run without a sink gives the same token times
+    _, plain = _run_shared_prefixes(None)
+    assert [r.token_times for r in reqs] == [r.token_times for r in plain]
