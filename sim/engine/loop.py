@@ -205,7 +205,9 @@ class EngineReplica:
         """When the client gives up on the next of this replica's requests still in the engine (inf: none)."""
         deadlines = self._deadlines
         while deadlines and deadlines[0][2].is_finished:
-            heapq.heappop(deadlines)
+            req = heapq.heappop(deadlines)[2]
+            if self._abort_reasons:          # an API server's abort that came too late: nothing to keep
+                self._abort_reasons.pop(req.request_id, None)
         return deadlines[0][0] if deadlines else float("inf")
 
     def _abort_expired(self) -> None:

@@ -88,7 +88,7 @@ def serve(
     except ValueError as exc:
         fail(str(exc))
     except ImportError as exc:
-        fail(f"--kv-events-endpoint: {exc}")
+        fail(f"{'--kv-events-config' if kv_events_config else '--kv-events-endpoint'}: {exc}")
     try:
         cfg = load_config(config, overrides, set_)
         check_serve_config(cfg)
