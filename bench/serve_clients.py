@@ -160,7 +160,8 @@ class KVEventCounter:
     """A ZMQ subscriber (a thread) to the server's KV events: batches, events by kind, sequence gaps."""
 
     def __init__(self, port: int):
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.endpoint = f"tcp://*:{port}"              # the server binds it; this subscriber connects
+        self.address = f"tcp://127.0.0.1:{port}"
         self.batches = self.stored = self.removed = self.gaps = 0
         self.last_seq = -1
         self._stop = False
@@ -175,7 +176,7 @@ class KVEventCounter:
         import zmq
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
-        sub.connect(self.endpoint)
+        sub.connect(self.address)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         while not self._stop:
             if not sub.poll(200):

@@ -112,7 +112,8 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def test_kv_events_rebuild_the_engines_prefix_cache(tmp_path):
+@pytest.mark.parametrize("publisher_binds", [True, False])
+def test_kv_events_rebuild_the_engines_prefix_cache(publisher_binds):
     endpoint_port = _free_port()
     rng = random.Random(11)
     shared = _prompt(rng, 10 * BLOCK)                  # ten full blocks of a shared system prompt
@@ -122,13 +123,26 @@ def test_kv_events_rebuild_the_engines_prefix_cache(tmp_path):
 
     async def run():
         # 40 blocks (39 usable): a filler's 28 blocks evict what earlier requests left cached
-        # subscribed before the server binds (ZMQ connects when it can): the handshake overlaps its start-up
+        # subscribed before the server starts (ZMQ connects when it can): the handshake overlaps its start-up. A
+        # wildcard endpoint: the server binds, the subscriber connects; a host's: the server connects to it (vLLM's rule)
         ctx = zmq.Context()
-        sub = ctx.socket(zmq.SUB)
-        sub.connect(f"tcp://127.0.0.1:{endpoint_port}")
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        if publisher_binds:
+            sub = ctx.socket(zmq.SUB)
+            sub.connect(f"tcp://127.0.0.1:{endpoint_port}")
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+            endpoint = f"tcp://*:{endpoint_port}"
+        else:
+            # a bound subscriber (llm-d's indexer binds): an XSUB that subscribes once the server has connected
+            # (this machine's libzmq 4.3.5 does not pass a bound SUB's subscription to a PUB that connects later)
+            sub = ctx.socket(zmq.XSUB)
+            sub.bind(f"tcp://127.0.0.1:{endpoint_port}")
+            endpoint = f"tcp://127.0.0.1:{endpoint_port}"
         server, uv, task, port = await _start({"engine.num_gpu_blocks": 40, "engine.enable_prefix_caching": True},
-                                              KVEventsConfig(endpoint=f"tcp://127.0.0.1:{endpoint_port}", topic="kv"))
+                                              KVEventsConfig(endpoint=endpoint, topic="kv"))
+        assert server.kv_publisher.binds == publisher_binds
+        if not publisher_binds:
+            await asyncio.sleep(0.3)
+            sub.send(b"\x01kv")
         await asyncio.sleep(0.5)                       # ZMQ's slow joiner: the subscription reaches the publisher
         try:
             for prompt in (first, second, *fillers):

@@ -2,7 +2,8 @@
 vLLM publishes them (vllm/distributed/kv_events.py), for consumers such as llm-d's precise prefix-cache
 scorer.
 
-Wire format (vLLM's ZMQ publisher): a PUB socket bound to the endpoint; each message is a multipart
+Wire format (vLLM's ZMQ publisher): a PUB socket bound to the endpoint (a wildcard, ipc or inproc one;
+connected to any other, as vLLM does); each message is a multipart
 [topic, sequence number (8 bytes, big-endian, from 0), payload], the payload a msgpack-encoded
 `KVEventBatch(ts, events, data_parallel_rank)`: msgspec structs encoded as arrays, each event tagged with
 its class name: `BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)`,
@@ -139,13 +140,19 @@ class KVEventPublisher:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.SNDHWM, config.hwm)
-        self.socket.setsockopt(zmq.LINGER, 0)
+        # vLLM's rule: bind a wildcard, ipc or inproc endpoint (subscribers connect to the server), connect to any
+        # other (a subscriber that binds, such as llm-d's KV-cache indexer at tcp://*:5557)
+        ep = config.endpoint
+        self.binds = "*" in ep or "::" in ep or ep.startswith(("ipc://", "inproc://"))
         try:
-            self.socket.bind(config.endpoint)
+            if self.binds:
+                self.socket.bind(ep)
+            else:
+                self.socket.connect(ep)
         except zmq.ZMQError as exc:
             self.close()
-            raise ValueError(f"--kv-events-endpoint {config.endpoint}: cannot bind ({exc}); expected a free ZMQ "
-                             "endpoint such as tcp://*:5557") from None
+            raise ValueError(f"--kv-events-endpoint {ep}: cannot {'bind' if self.binds else 'connect'} ({exc}); "
+                             "expected a ZMQ endpoint such as tcp://*:5557 (bound) or tcp://HOST:PORT") from None
         self._noblock, self._again = zmq.NOBLOCK, zmq.Again
         self.sinks = [ReplicaEvents(self) for _ in range(num_replicas)]
         self.seq = 0
@@ -164,5 +171,5 @@ class KVEventPublisher:
             self.seq += 1
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        self.socket.close(linger=500)     # at most 0.5 s to send the last batches to a connected subscriber
         self.context.term()
