@@ -53,8 +53,9 @@ def serve(
         parser=output_path("--record-trace"),
         help="write the requests received as a kvsim JSONL trace (kvsim simulate --trace FILE replays them)")] = None,
     kv_events_endpoint: Annotated[str | None, typer.Option(
-        help="publish the prefix cache's KV events (block stored/removed) as vLLM does, on a ZMQ PUB socket bound "
-             "here, e.g. tcp://*:5557 (needs the serve extra: pyzmq, msgspec)")] = None,
+        help="publish the prefix cache's KV events (block stored/removed) as vLLM does, on a ZMQ PUB socket: bound "
+             "to tcp://*:PORT (or ipc://, inproc://), connected to tcp://HOST:PORT (needs the serve extra: pyzmq, "
+             "msgspec)")] = None,
     kv_events_config: Annotated[str | None, typer.Option(
         help="vLLM's KV-events JSON: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
              "\"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}' (--kv-events-endpoint overrides its endpoint)")] = None,
