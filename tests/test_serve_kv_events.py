@@ -69,6 +69,45 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# vLLM main's newer form (maps, a "type" tag field), as vllm/distributed/kv_events.py declares it there
+class MapBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MapStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class MapRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class MapCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapKVEventBatch(MapBatch):
+    events: list[MapStored | MapRemoved | MapCleared]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,8 +151,8 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-@pytest.mark.parametrize("publisher_binds", [True, False])
-def test_kv_events_rebuild_the_engines_prefix_cache(publisher_binds):
+@pytest.mark.parametrize("publisher_binds, encoding", [(True, "array"), (False, "array"), (True, "map")])
+def test_kv_events_rebuild_the_engines_prefix_cache(publisher_binds, encoding):
     endpoint_port = _free_port()
     rng = random.Random(11)
     shared = _prompt(rng, 10 * BLOCK)                  # ten full blocks of a shared system prompt
@@ -138,7 +177,7 @@ def test_kv_events_rebuild_the_engines_prefix_cache(publisher_binds):
             sub.bind(f"tcp://127.0.0.1:{endpoint_port}")
             endpoint = f"tcp://127.0.0.1:{endpoint_port}"
         server, uv, task, port = await _start({"engine.num_gpu_blocks": 40, "engine.enable_prefix_caching": True},
-                                              KVEventsConfig(endpoint=endpoint, topic="kv"))
+                                              KVEventsConfig(endpoint=endpoint, topic="kv", encoding=encoding))
         assert server.kv_publisher.binds == publisher_binds
         if not publisher_binds:
             await asyncio.sleep(0.3)
@@ -164,7 +203,11 @@ def test_kv_events_rebuild_the_engines_prefix_cache(publisher_binds):
 
     frames, index, hits = asyncio.run(run())
     assert frames, "no KV event received"
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    decoder = msgspec.msgpack.Decoder(KVEventBatch if encoding == "array" else MapKVEventBatch)
+    stored_type = BlockStored if encoding == "array" else MapStored
+    removed_type = BlockRemoved if encoding == "array" else MapRemoved
+    raw = msgspec.msgpack.decode(frames[0][2])
+    assert isinstance(raw, list if encoding == "array" else dict)
     seqs = [int.from_bytes(f[1], "big") for f in frames]
     assert all(f[0] == b"kv" and len(f) == 3 and len(f[1]) == 8 for f in frames)
     assert seqs == list(range(len(frames))), "sequence numbers count batches from 0, without gaps"
@@ -173,7 +216,7 @@ def test_kv_events_rebuild_the_engines_prefix_cache(publisher_binds):
         batch = decoder.decode(f[2])
         assert batch.data_parallel_rank == 0 and batch.ts > 0
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
+            if isinstance(ev, stored_type):
                 assert ev.block_size == BLOCK and ev.medium == "GPU" and ev.lora_id is None
                 assert len(ev.token_ids) == BLOCK * len(ev.block_hashes)
                 stored_runs.append(ev)
@@ -181,7 +224,7 @@ def test_kv_events_rebuild_the_engines_prefix_cache(publisher_binds):
                     assert h not in live, "a hash stored twice without a removal"
                     live[h] = True
             else:
-                assert isinstance(ev, BlockRemoved)
+                assert isinstance(ev, removed_type)
                 removed += ev.block_hashes
                 for h in ev.block_hashes:
                     assert live.pop(h, None), "a hash removed that was not stored"
@@ -277,6 +320,7 @@ async def _post_get(port: int, path: str) -> tuple[int, str]:
     (["--kv-events-config", "{not json"], "--kv-events-config: not JSON"),
     (["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "nats"}'], "publisher 'nats'"),
     (["--kv-events-config", '{"enable_kv_cache_events": true, "endpont": "x"}'], "unknown field 'endpont'"),
+    (["--kv-events-endpoint", "tcp://*:5557", "--kv-events-encoding", "json"], "--kv-events-encoding json"),
 ])
 def test_bad_kv_events_options_fail_in_one_line(args, message):
     result = CliRunner().invoke(cli_app, ["serve", "--model", MODEL, *args])

@@ -56,6 +56,9 @@ def serve(
         help="publish the prefix cache's KV events (block stored/removed) as vLLM does, on a ZMQ PUB socket: bound "
              "to tcp://*:PORT (or ipc://, inproc://), connected to tcp://HOST:PORT (needs the serve extra: pyzmq, "
              "msgspec)")] = None,
+    kv_events_encoding: Annotated[str, typer.Option(
+        help="array: the array-like msgpack structs of vLLM's example subscriber; map: vLLM main's newer form "
+             "(maps, a \"type\" tag field, lora_name)")] = "array",
     kv_events_config: Annotated[str | None, typer.Option(
         help="vLLM's KV-events JSON: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
              "\"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}' (--kv-events-endpoint overrides its endpoint)")] = None,
@@ -83,7 +86,7 @@ def serve(
              "prometheus_client)")
     try:
         from kvsim.sim.serve.kv_events import check_installed, parse_kv_events_config
-        kv_events = parse_kv_events_config(kv_events_config, kv_events_endpoint)
+        kv_events = parse_kv_events_config(kv_events_config, kv_events_endpoint, kv_events_encoding)
         if kv_events is not None:
             check_installed()
     except ValueError as exc:

@@ -36,11 +36,22 @@ class KVEventsConfig:
     endpoint: str = "tcp://*:5557"
     topic: str = ""
     hwm: int = 100_000             # messages the socket queues for a slow subscriber before it drops (ZMQ's SNDHWM)
+    encoding: str = "array"        # "array": vLLM's array-like structs; "map": vLLM main's newer map form
 
 
-def parse_kv_events_config(text: str | None, endpoint: str | None) -> KVEventsConfig | None:
-    """The publisher's settings from --kv-events-config (vLLM's JSON) and --kv-events-endpoint; None: off.
-    A ValueError names the bad field."""
+ENCODINGS = ("array", "map")
+
+
+def parse_kv_events_config(text: str | None, endpoint: str | None, encoding: str = "array") -> KVEventsConfig | None:
+    """The publisher's settings from --kv-events-config (vLLM's JSON), --kv-events-endpoint and
+    --kv-events-encoding; None: off. A ValueError names the bad field."""
+    if encoding not in ENCODINGS:
+        raise ValueError(f"--kv-events-encoding {encoding}: expected one of {', '.join(ENCODINGS)}")
+    config = _parse(text, endpoint)
+    return None if config is None else KVEventsConfig(config.endpoint, config.topic, config.hwm, encoding)
+
+
+def _parse(text: str | None, endpoint: str | None) -> KVEventsConfig | None:
     if text is None:
         return KVEventsConfig(endpoint=endpoint) if endpoint else None
     try:
@@ -108,6 +119,29 @@ if msgspec is not None:
     class KVEventBatch(EventBatch):
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
+    # vLLM main's newer form (--kv-events-encoding map): maps, the tag in a "type" field, more fields (omitted
+    # when at their defaults)
+    class MapEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+        ts: float
+        events: list
+        data_parallel_rank: int | None = None
+
+    class MapBlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):
+        block_hashes: list[int]
+        parent_block_hash: int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list | None = None
+        group_idx: int | None = None
+
+    class MapBlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemoved"):
+        block_hashes: list[int]
+        medium: str | None
+        group_idx: int | None = None
+
 
 class ReplicaEvents:
     """One replica's KVEventSink (sim/core/protocols.py): the events of its KV manager, gathered until the
@@ -116,14 +150,18 @@ class ReplicaEvents:
     def __init__(self, publisher: KVEventPublisher):
         self.publisher = publisher
         self.events: list = []
+        self.maps = publisher.config.encoding == "map"
 
     def stored(self, req: Request, first_block: int, block_hashes: list, parent_hash) -> None:
         bs = self.publisher.block_size
         tokens = self.publisher.token_ids(req, first_block * bs, (first_block + len(block_hashes)) * bs)
-        self.events.append(BlockStored(list(block_hashes), parent_hash, tokens, bs, None, MEDIUM))
+        if self.maps:
+            self.events.append(MapBlockStored(list(block_hashes), parent_hash, tokens, bs, None, MEDIUM, None))
+        else:
+            self.events.append(BlockStored(list(block_hashes), parent_hash, tokens, bs, None, MEDIUM))
 
     def removed(self, block_hashes: list) -> None:
-        self.events.append(BlockRemoved(list(block_hashes), MEDIUM))
+        self.events.append((MapBlockRemoved if self.maps else BlockRemoved)(list(block_hashes), MEDIUM))
 
 
 class KVEventPublisher:
@@ -154,6 +192,7 @@ class KVEventPublisher:
             raise ValueError(f"--kv-events-endpoint {ep}: cannot {'bind' if self.binds else 'connect'} ({exc}); "
                              "expected a ZMQ endpoint such as tcp://*:5557 (bound) or tcp://HOST:PORT") from None
         self._noblock, self._again = zmq.NOBLOCK, zmq.Again
+        self.batch = MapEventBatch if config.encoding == "map" else KVEventBatch
         self.sinks = [ReplicaEvents(self) for _ in range(num_replicas)]
         self.seq = 0
         self.num_events = 0
@@ -162,7 +201,7 @@ class KVEventPublisher:
         for rank, sink in enumerate(self.sinks):
             if not sink.events:
                 continue
-            payload = self.encoder.encode(KVEventBatch(time.time(), sink.events, rank))
+            payload = self.encoder.encode(self.batch(time.time(), sink.events, rank))
             self.num_events += len(sink.events)
             sink.events = []
             # no room left for a slow subscriber: the batch is dropped, as vLLM's publisher drops it
