@@ -2,6 +2,7 @@
 import streamlit as st
 
 from kvsim.dashboard import charts
+from kvsim.dashboard.fleet import fleet_view
 from kvsim.dashboard.forms import BASE, config_form, label_for
 from kvsim.dashboard.ui import (available_runs, fast_mode_hint, follow_job, pick_run, run_button, show_run_config,
                                 show_summary_metrics, start_job, summary_figures)
@@ -29,6 +30,15 @@ if run is None:
 st.subheader(f"Summary: {run.label}")
 show_run_config(run, "sim")
 show_summary_metrics(run)
+fleet = fleet_view(run)
+if fleet is not None:
+    st.subheader("Fleet")
+    for title, table, key in (("Replicas", fleet.replicas, "sim_fleet_replicas"), ("Pools", fleet.pools, "sim_fleet_pools"),
+                              ("Prefill/decode hand-off: TTFT legs and the link", fleet.handoff, "sim_fleet_handoff"),
+                              ("CPU offload tier (vLLM's OffloadingConnector)", fleet.offload, "sim_fleet_offload")):
+        if table is not None:
+            st.caption(title)
+            st.dataframe(table, hide_index=True, key=key)
 with st.expander("All summary figures"):
     st.dataframe(summary_figures(run.summary), hide_index=True, key="sim_figures")
 cols = st.columns(3)

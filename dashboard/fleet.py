@@ -1,0 +1,101 @@
+"""A fleet's figures as tables: per replica (from the run's request and step logs), per pool and the
+prefill/decode hand-off (summary.json's `pools`, `handoff`), and the CPU offload tier (`kv_offload`).
+A single-replica run without these sections has no fleet view."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pandas as pd
+
+from kvsim.dashboard.data import RunRecord
+
+
+class FleetView(NamedTuple):
+    replicas: pd.DataFrame | None
+    pools: pd.DataFrame | None
+    handoff: pd.DataFrame | None
+    offload: pd.DataFrame | None
+
+
+POOL_COLUMNS = {"role": "pool", "gpu": "GPU", "tp": "TP", "replicas": "replicas", "utilization": "busy share",
+                "mean_waiting": "waiting mean", "max_waiting": "waiting max", "mean_kv_use": "KV use mean",
+                "max_kv_use": "KV use max", "prefill_tokens": "prefill tokens", "decode_tokens": "decode tokens"}
+# the TTFT of a disaggregated request in its legs (docs/disaggregation.md#outputs), then the link's load
+HANDOFF_LEGS = (("prefill queue", "prefill_queue_s"), ("prefill", "prefill_s"), ("KV wait", "kv_wait_s"),
+                ("transfer", "transfer_s"), ("first decode", "first_decode_s"))
+OFFLOAD_FIGURES = (("external prefix cache hit rate", "external_prefix_cache_hit_rate"),
+                   ("external prefix cache queries (tokens)", "external_prefix_cache_queries"),
+                   ("external prefix cache hits (tokens)", "external_prefix_cache_hits"),
+                   ("blocks stored", "blocks_stored"), ("blocks loaded", "blocks_loaded"),
+                   ("blocks evicted", "blocks_evicted"), ("blocks dropped (tier full)", "stores_dropped_blocks"),
+                   ("GB to the tier", "bytes_to_tier"), ("GB from the tier", "bytes_from_tier"),
+                   ("loads", "num_loads"), ("load wait mean (s)", "mean_load_wait_s"),
+                   ("capacity per replica (blocks)", "capacity_blocks_per_replica"), ("host link GB/s", "link_gb_s"))
+
+
+def fleet_view(run: RunRecord) -> FleetView | None:
+    """The run's fleet tables, or None for one replica with no pools and no offload tier."""
+    s = run.summary
+    several = int(s.get("replicas", 1) or 1) > 1 or "pools" in s
+    if not several and "kv_offload" not in s:
+        return None
+    return FleetView(replica_table(run, s.get("pools")) if several else None, pool_table(s.get("pools")),
+                     handoff_table(s.get("handoff")), offload_table(s.get("kv_offload")))
+
+
+def replica_table(run: RunRecord, pools: dict | None = None) -> pd.DataFrame:
+    """Per replica: the requests that finished on it (a disaggregated request on its decode replica),
+    the share of their prompt tokens its prefix cache served, mean running and waiting requests and KV
+    blocks used over its steps (each step weighted by its duration). With pools, each replica's pool
+    (replicas are numbered pool by pool, in the order of summary.json's `pools`)."""
+    reqs, steps = run.requests, run.steps
+    routed = reqs.groupby("replica").agg(requests=("request_id", "size"), prompt_tokens=("prompt_tokens", "sum"),
+                                         cached_tokens=("cached_tokens", "sum"))
+    routed["prefix hit rate"] = routed["cached_tokens"] / routed["prompt_tokens"].where(routed["prompt_tokens"] > 0)
+    weighted = steps.assign(**{c: steps[c] * steps["duration_s"] for c in ("num_running", "num_waiting",
+                                                                           "blocks_used")})
+    per_step = weighted.groupby("replica").agg(steps=("step", "size"), busy_s=("duration_s", "sum"),
+                                               running=("num_running", "sum"), waiting=("num_waiting", "sum"),
+                                               blocks=("blocks_used", "sum"))
+    busy = per_step["busy_s"].where(per_step["busy_s"] > 0)
+    table = pd.DataFrame({"steps": per_step["steps"], "busy s": per_step["busy_s"],
+                          "running mean": per_step["running"] / busy, "waiting mean": per_step["waiting"] / busy,
+                          "KV blocks used mean": per_step["blocks"] / busy})
+    table = routed[["requests", "prefix hit rate"]].join(table, how="outer")
+    table["requests"] = table["requests"].fillna(0).astype(int)
+    table.index.name = "replica"
+    table = table.reset_index()
+    if pools:
+        roles = [p["role"] for p in pools.values() for _ in range(int(p["replicas"]))]
+        if len(roles) == len(table):
+            table.insert(1, "pool", roles)
+    return table
+
+
+def pool_table(pools: dict | None) -> pd.DataFrame | None:
+    if not pools:
+        return None
+    return pd.DataFrame([{label: p.get(key) for key, label in POOL_COLUMNS.items()} for p in pools.values()])
+
+
+def handoff_table(handoff: dict | None) -> pd.DataFrame | None:
+    """The TTFT legs of the disaggregated requests (mean and p99), then the transfers over the link."""
+    if not handoff:
+        return None
+    rows = [{"figure": f"{name} (s)", "mean": handoff.get(f"mean_{key}"), "p99": handoff.get(f"p99_{key}")}
+            for name, key in HANDOFF_LEGS]
+    rows += [{"figure": "transfers", "mean": handoff.get("transfers"), "p99": None},
+             {"figure": "GB moved", "mean": handoff.get("transfer_bytes", 0) / 1e9, "p99": None},
+             {"figure": f"link busy share ({handoff.get('links')} x {handoff.get('link')})",
+              "mean": handoff.get("link_utilization"), "p99": None},
+             {"figure": "prefilled on the decode pool (conditional)", "mean": handoff.get("local_prefills"),
+              "p99": None}]
+    return pd.DataFrame(rows)
+
+
+def offload_table(offload: dict | None) -> pd.DataFrame | None:
+    if not offload:
+        return None
+    scale = {"bytes_to_tier": 1e-9, "bytes_from_tier": 1e-9}
+    return pd.DataFrame([{"figure": name, "CPU tier": offload[key] * scale.get(key, 1)}
+                         for name, key in OFFLOAD_FIGURES if key in offload])

@@ -1,0 +1,77 @@
+"""The Simulate page's fleet view (issue 51: views of a fleet): per replica, per pool, the prefill/decode
+hand-off and the CPU offload tier, each figure the run's own (summary.json, requests and steps)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from kvsim.dashboard.data import DATA_ROOT_ENV
+from kvsim.sim.config import load_config
+from kvsim.sim.simulator.simulate import run_simulation
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+PD = {"trace": "azure-code-2023", "trace_options.max_requests": 40, "fleet.prefill.replicas": 2,
+      "fleet.decode.replicas": 1}
+OFFLOAD = {"trace": "azure-conv-2023", "trace_options.max_requests": 60, "replicas": 2,
+           "router": "precise_prefix", "kv_offload.cpu_gib": 1, "engine.num_gpu_blocks": 200}
+
+
+def simulate_page(root: Path, run: str) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["run"] = run
+    at.switch_page("pages/simulate.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+COLUMNS = {"sim_fleet_replicas": {"replica", "KV blocks used mean"}, "sim_fleet_pools": {"pool", "GPU"},
+           "sim_fleet_handoff": {"figure", "p99"}, "sim_fleet_offload": {"figure", "CPU tier"}}
+
+
+def table(at: AppTest, key: str):
+    """The fleet table `key` names (AppTest does not keep a dataframe's key: found by its columns)."""
+    found = [d.value for d in at.dataframe if COLUMNS[key] <= set(d.value.columns)]
+    return found[0] if found else None
+
+
+def test_a_disaggregated_run_shows_its_pools_replicas_and_handoff(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
+    result = run_simulation(load_config(None, PD), tmp_path / "pd")
+    s = result.summary
+    at = simulate_page(tmp_path, "pd")
+    pools = table(at, "sim_fleet_pools")
+    assert list(pools["pool"]) == ["prefill", "decode"] and list(pools["replicas"]) == [2, 1]
+    assert list(pools["busy share"]) == pytest.approx([s["pools"]["prefill"]["utilization"],
+                                                        s["pools"]["decode"]["utilization"]])
+    replicas = table(at, "sim_fleet_replicas")
+    assert list(replicas["pool"]) == ["prefill", "prefill", "decode"]
+    # every request finishes on the one decode replica; the prefill replicas only prefill
+    assert list(replicas["requests"]) == [0, 0, s["num_finished"]]
+    handoff = table(at, "sim_fleet_handoff").set_index("figure")
+    assert handoff.loc["transfers", "mean"] == s["handoff"]["transfers"] > 0
+    assert handoff.loc["transfer (s)", "p99"] == pytest.approx(s["handoff"]["p99_transfer_s"])
+    assert table(at, "sim_fleet_offload") is None
+
+
+def test_an_offload_run_shows_its_tier_and_per_replica_load(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
+    result = run_simulation(load_config(None, OFFLOAD), tmp_path / "off")
+    s, reqs = result.summary, result.requests
+    at = simulate_page(tmp_path, "off")
+    tier = table(at, "sim_fleet_offload").set_index("figure")["CPU tier"]
+    assert tier["blocks stored"] == s["kv_offload"]["blocks_stored"] > 0
+    assert tier["GB to the tier"] == pytest.approx(s["kv_offload"]["bytes_to_tier"] / 1e9)
+    replicas = table(at, "sim_fleet_replicas").set_index("replica")
+    assert replicas["requests"].sum() == len(reqs)
+    for r, group in reqs.groupby("replica"):
+        assert replicas.loc[r, "prefix hit rate"] == pytest.approx(group.cached_tokens.sum() / group.prompt_tokens.sum())
+    assert table(at, "sim_fleet_pools") is None and table(at, "sim_fleet_handoff") is None
+
+
+def test_one_replica_without_tiers_has_no_fleet_view(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
+    run_simulation(load_config(None, {"trace_options.max_requests": 10}), tmp_path / "one")
+    at = simulate_page(tmp_path, "one")
+    assert "Fleet" not in [h.value for h in at.subheader]
