@@ -365,7 +365,10 @@ class RouterOptions(_Strict):
 class KVOffloadConfig(_Strict):
     """vLLM's OffloadingConnector: a CPU tier per replica (sim/cluster/connectors/offload.py,
     docs/kv-tiers.md). Absent: no offload (vLLM without --kv-transfer-config)."""
-    cpu_gib: float = Field(gt=0, description="CPU memory per replica for KV blocks, GiB (vLLM's cpu_bytes_to_use)")
+    # at most 1 PiB a replica: a host holds tens of TiB at most; a larger figure is a typo, and its CPU memory
+    # would be what plan and capacity price the answer's GPUs with
+    cpu_gib: float = Field(gt=0, le=2**20, description="CPU memory per replica for KV blocks, GiB (vLLM's "
+                           "cpu_bytes_to_use), at most 1 PiB")
     bandwidth_gb_s: float | None = Field(None, gt=0, description="host link GB/s per direction per replica; "
                                          "default: the GPU's PCIe x the profile's pcie_eff x tp")
     latency_s: float = Field(1e-5, ge=0, description="per-transfer latency on the host link, s")

@@ -149,6 +149,8 @@ def parse_offload(value: str) -> float:
         raise ConfigError(f"--kv-offload {value!r}: expected a size such as 64GiB, 500GB or 512MiB") from None
     if not gib >= 0:
         raise ConfigError(f"--kv-offload {value!r}: the size must be 0 (no offload) or positive")
+    if gib > 2**20:
+        raise ConfigError(f"--kv-offload {value!r}: expected at most 1 PiB (1,048,576 GiB) a replica, got {gib:.3g} GiB")
     return gib
 
 
