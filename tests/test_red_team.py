@@ -1139,3 +1139,25 @@ def test_hostile_input_to_the_landed_features_is_one_line_exit_2(case, landed):
         assert fragment in lines[0], lines[0]
     assert "Traceback" not in result.stderr + result.stdout
     assert not any((landed / name).exists() for name in ("r", "cal.yaml", "pl"))
+
+
+SERVE = ["serve", "--model", "llama-3.1-8b", "--port", "0"]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    # new (issue 50): emptied the user's file when the server started
+    (SERVE + ["--record-trace", "{d}/notes.jsonl"], ["--record-trace", "notes.jsonl", "kvsim did not write it",
+                                                     "--overwrite"]),
+    # new: "Application startup failed" after a traceback, exit 3
+    (SERVE + ["--record-trace", "{d}"], ["--record-trace", "is a directory"]),
+    # new: a server that blocked on the pipe's reader before listening
+    (SERVE + ["--record-trace", "{d}/fifo.jsonl"], ["--record-trace", "named pipe"]),
+    # new: OverflowError traceback from bind()
+    (["serve", "--model", "llama-3.1-8b", "--port", "70000"], ["--port 70000", "0..65535"]),
+    # new: a server at "infx real time"
+    (SERVE + ["--time-scale", "inf"], ["--time-scale inf", "finite number > 0"]),
+])
+def test_serve_refuses_a_bad_option_before_it_listens(d, args, fragments):
+    (d / "notes.jsonl").write_text("my notes\n")
+    refused(kvsim([a.replace("{d}", str(d)) for a in args], d, timeout=20), *fragments)
+    assert (d / "notes.jsonl").read_text() == "my notes\n"
