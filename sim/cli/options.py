@@ -161,8 +161,8 @@ def tier_overrides(kv_offload: str | None, sessions: bool = False, think_time: f
     if gib > 0:
         out["kv_offload.cpu_gib"] = gib
     if think_time is not None:
-        if not think_time >= 0:
-            raise ConfigError(f"--think-time {think_time:g}: expected seconds >= 0")
+        if not 0 <= think_time <= 1e9:
+            raise ConfigError(f"--think-time {think_time:g}: expected seconds in 0..1e9")
         out["trace_options.sessions.think_time_s"] = think_time
     elif sessions:
         out["trace_options.sessions"] = {}
