@@ -1033,6 +1033,8 @@ CASES_LANDED = {
     "--prefill-pool unknown GPU": (SIM5 + ["--prefill-pool", "tpu", "--decode-pool", "h100"],
                                    ["fleet.prefill.gpu", "unknown gpu 'tpu'"]),
     "--prefill-pool alone": (SIM5 + ["--prefill-pool", "h100"], ["fleet.decode", "Field required"]),
+    "fleet with --kv-offload (new)": (SIM5 + PD + ["--kv-offload", "cpu:4GiB"], ["fleet: kv_offload",
+                                                                             "no CPU KV tier yet"]),
     # routers
     "--router unknown": (SIM5 + ["--replicas", "2", "--router", "nope"], ["router", "unknown router 'nope'"]),
     "router weight as text": (SIM5 + ["--replicas", "2", "--router", "weighted", "--set",
@@ -1167,8 +1169,13 @@ SERVE = ["serve", "--model", "llama-3.1-8b", "--port", "0"]
     (["serve", "--model", "llama-3.1-8b", "--port", "70000"], ["--port 70000", "0..65535"]),
     # new: a server at "infx real time"
     (SERVE + ["--time-scale", "inf"], ["--time-scale inf", "finite number > 0"]),
+    # new: served as one pool, the fleet ignored
+    (SERVE + ["-c", "{d}/fleet.yaml"], ["fleet: kvsim serve runs one pool", "not served yet"]),
+    # new: served without the CPU tier
+    (SERVE + ["--set", "kv_offload.cpu_gib=4"], ["kv_offload: kvsim serve's engine has no CPU KV tier"]),
 ])
 def test_serve_refuses_a_bad_option_before_it_listens(d, args, fragments):
     (d / "notes.jsonl").write_text("my notes\n")
+    (d / "fleet.yaml").write_text(_pool_fleet())
     refused(kvsim([a.replace("{d}", str(d)) for a in args], d, timeout=20), *fragments)
     assert (d / "notes.jsonl").read_text() == "my notes\n"

@@ -108,6 +108,12 @@ def check_serve_config(cfg) -> None:
     if cfg.trace_options != TraceOptions():
         raise ConfigError("trace_options: kvsim serve takes its requests from HTTP clients; remove the trace "
                           "options from the config (a load generator sets the arrivals)")
+    if cfg.fleet is not None:
+        raise ConfigError("fleet: kvsim serve runs one pool of replicas (--replicas); a disaggregated fleet is not "
+                          "served yet: drop fleet (kvsim simulate runs it)")
+    if cfg.kv_offload is not None:
+        raise ConfigError("kv_offload: kvsim serve's engine has no CPU KV tier yet; drop kv_offload (kvsim simulate "
+                          "runs it)")
     if cfg.frontend_name != "none":
         raise ConfigError("client_latency / frontend: kvsim serve is a real HTTP server (its own latency is real); "
                           "set client_latency: false and drop frontend")
