@@ -94,6 +94,9 @@ MALFORMED = {
     "prompt over the model length": (C, {"model": MODEL, "prompt": "cache " * 5000, "max_tokens": 2}, 400, None,
                                      "maximum context length is 4096 tokens. However, your request has 5001"),
     "unknown model": (C, {"model": "gpt-9", "prompt": "hi", "max_tokens": 2}, 404, "model", "`gpt-9` does not exist"),
+    # new (issue 50): was run as max_tokens tokens, min_tokens ignored (vLLM refuses it)
+    "min_tokens over max_tokens": (C, {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 10}, 400,
+                                   "min_tokens", "min_tokens must be less than or equal to max_tokens=4, got 10"),
     # new (issue 50): were accepted and run as a prompt of those ids
     "token id past the vocabulary": (C, {"model": MODEL, "prompt": [1, 10**30], "max_tokens": 2}, 400, "prompt",
                                      "token id 1000000000000000000000000000000 is out of vocabulary"),

@@ -136,6 +136,9 @@ def generation(body: _Common, prompt_ids: list[int], max_model_len: int, eos_tok
         raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum "
                             f"context length is {max_model_len} tokens and your request has {n_prompt} input "
                             f"tokens ({asked} > {max_model_len} - {n_prompt}).", param="max_tokens")
+    if asked is not None and body.min_tokens > asked:       # vLLM's SamplingParams check
+        raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={asked}, got {body.min_tokens}.",
+                       param="min_tokens")
     limit = asked if asked is not None else max_model_len - n_prompt
     out = limit if body.ignore_eos else min(limit, max(eos_tokens, body.min_tokens))
     opts = body.stream_options
