@@ -125,8 +125,10 @@ RANDOM_DEFAULT_NUM_PROMPTS = 1000      # vllm bench serve's --num-prompts defaul
 class SessionOptions(_Strict):
     """Multi-turn sessions run as a closed loop per session (sim/engine/sessions.py, docs/kv-tiers.md#sessions):
     a session's later turns are released when the previous answer finished plus a think time."""
-    think_time_s: float | None = Field(None, ge=0, description="seconds between an answer and the next turn; "
-                                       "default: the trace's gap between the two turns")
+    # at most 1e9 s (~31 years, a trace's own limit on times, traces/loaders.py's MAX_TIME_S): beyond, a run's
+    # makespan and throughputs are nonsense (1e300 s, 2e-300 req/s)
+    think_time_s: float | None = Field(None, ge=0, le=1e9, description="seconds between an answer and the next "
+                                       "turn; default: the trace's gap between the two turns")
     history: Literal["in_prompt", "append"] = Field(
         "in_prompt", description="in_prompt: a turn's prompt_tokens hold the conversation so far; append: they "
                                  "are the new message only (the conversation so far is added)")
@@ -140,8 +142,8 @@ class SyntheticSessions(_Strict):
     first_tokens: str = Field("lognormal:1000,1.0,8000", description="tokens of a session's first message")
     user_tokens: str = Field("lognormal:200,1.0,2000", description="tokens of every later user message")
     output_tokens: str = Field("lognormal:250,0.8,1000", description="tokens of each answer")
-    think_time_s: float = Field(10.0, ge=0, description="mean think time between an answer and the next turn "
-                                                         "(exponential), s")
+    think_time_s: float = Field(10.0, ge=0, le=1e9, description="mean think time between an answer and the next "
+                                                                 "turn (exponential), s")
     session_rate: float | None = Field(1.0, gt=0, description="sessions started per second (Poisson); "
                                                               "null: all at t=0")
 
@@ -365,7 +367,10 @@ class RouterOptions(_Strict):
 class KVOffloadConfig(_Strict):
     """vLLM's OffloadingConnector: a CPU tier per replica (sim/cluster/connectors/offload.py,
     docs/kv-tiers.md). Absent: no offload (vLLM without --kv-transfer-config)."""
-    cpu_gib: float = Field(gt=0, description="CPU memory per replica for KV blocks, GiB (vLLM's cpu_bytes_to_use)")
+    # at most 1 PiB a replica: a host holds tens of TiB at most; a larger figure is a typo, and its CPU memory
+    # would be what plan and capacity price the answer's GPUs with
+    cpu_gib: float = Field(gt=0, le=2**20, description="CPU memory per replica for KV blocks, GiB (vLLM's "
+                           "cpu_bytes_to_use), at most 1 PiB")
     bandwidth_gb_s: float | None = Field(None, gt=0, description="host link GB/s per direction per replica; "
                                          "default: the GPU's PCIe x the profile's pcie_eff x tp")
     latency_s: float = Field(1e-5, ge=0, description="per-transfer latency on the host link, s")

@@ -957,3 +957,225 @@ def test_a_name_over_255_bytes_in_a_dashboard_path_field_is_refused_by_the_guard
     monkeypatch.chdir(tmp_path)
     with pytest.raises(data.DataError, match=f"^{key}: a name in it is longer than 255 bytes"):
         confine_overrides({key: value})
+
+
+# ---- issue 50, the features landed since: fleets, routers, KV offload, sessions, workload specs, ---------
+# calibrate --bench, plan --disaggregated, --frontend. Each runs in-process (typer's CliRunner: the same
+# command code and error handling as the console script, without a process start) and must end as the
+# corpus above: one `error:` line holding every fragment, exit 2, nothing written.
+def _pool_fleet(extra: str = "", prefill: str = "{gpu: h100}") -> str:
+    return f"fleet:\n  prefill: {prefill}\n  decode: {{gpu: h100}}\n{extra}"
+
+
+def _workload(arrival: str = "{process: poisson, rate: 1}", extra: str = "      requests: 5\n", top: str = "") -> str:
+    return (f"workload:\n{top}  classes:\n    - name: a\n      arrival: {arrival}\n{extra}"
+            "      prompt_tokens: fixed:10\n      output_tokens: fixed:5\n")
+
+
+LANDED_FILES = {
+    "fleet_list.yaml": "fleet: [1, 2]\n",
+    "fleet_text.yaml": _pool_fleet(prefill="{gpu: h100, replicas: two}"),
+    "fleet_negbw.yaml": _pool_fleet("  link_bandwidth_gb_s: -5\n"),
+    "fleet_nanbw.yaml": _pool_fleet("  link_bandwidth_gb_s: .nan\n"),
+    "fleet_inflat.yaml": _pool_fleet("  link_latency_s: .inf\n"),
+    "fleet_zero.yaml": _pool_fleet(prefill="{gpu: h100, replicas: 0}"),
+    "fleet_neglocal.yaml": _pool_fleet("  local_prefill_tokens: -3\n"),
+    "fleet_link.yaml": _pool_fleet("  link: carrier-pigeon\n"),
+    "turns_ooo.csv": "t,p,o,s,n\n0,100,10,a,1\n1,200,10,a,0\n2,50,5,b,0\n",
+    "turns_dup.csv": "t,p,o,s,n\n0,100,10,a,0\n1,200,10,a,0\n",
+    "turns_neg.csv": "t,p,o,s,n\n0,100,10,a,0\n1,200,10,a,-1\n",
+    "turns_short.csv": "t,p,o,s,n\n0,100,10,a,0\n1,50,10,a,1\n",
+    "w_broken.yaml": "workload: [\n",
+    "w_empty.yaml": "",
+    "w_nokey.yaml": "classes:\n  - name: a\n",
+    "w_list.yaml": "- 1\n- 2\n",
+    "w_second.yaml": "seed: 1\n" + _workload(),
+    "w_negrate.yaml": _workload("{process: poisson, rate: -3}"),
+    "w_textrate.yaml": _workload("{process: poisson, rate: fast}"),
+    "w_noclasses.yaml": "workload:\n  classes: []\n",
+    "w_requests.yaml": _workload(extra="      requests: 100000000000\n"),
+    "w_duration.yaml": _workload("{process: poisson, rate: 1000}", extra="", top="  duration_s: 1.0e12\n"),
+    "w_slo.yaml": _workload(extra="      requests: 5\n      slo: {ttft: -5ms}\n"),
+    "b_empty.json": "",
+    "b_trunc.json": '{"ttfts": [0.1',
+    "b_obj.json": "{}",
+    "b_partial.json": '{"ttfts": [0.1], "input_lens": [10], "output_lens": [5]}',
+    "azure.csv": "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,10\n",
+}
+SESSION_COLUMNS = ["--trace-format", "csv", "--trace-columns",
+                   "arrival=t,prompt_tokens=p,output_tokens=o,session_id=s,turn=n", "--sessions"]
+SIM5 = ["simulate", "-q", "--max-requests", "5", "-o", "r"]
+PD = ["--prefill-pool", "h100", "--decode-pool", "h100"]
+CAL = ["calibrate", "--gpu", "h100", "--out", "cal.yaml"]
+PLAN_PD = ["plan", "--trace", "azure-conv-2023", "--slo", "ttft_p99<=2s", "--models", "llama-3.1-8b", "--gpus", "h100",
+           "--out", "pl", "--disaggregated"]
+BENCH = "expected a vllm bench serve result JSON"
+# (arguments, fragments the one error line must hold); "new" marks cases kvsim got wrong before issue 50's fix
+CASES_LANDED = {
+    # fleets / disaggregation
+    "fleet: a list": (SIM5 + ["-c", "fleet_list.yaml"], ["fleet_list.yaml", "fleet:", "valid dictionary"]),
+    "fleet replicas as text": (SIM5 + ["-c", "fleet_text.yaml"], ["fleet.prefill.replicas", "valid integer", "'two'"]),
+    "fleet negative link bandwidth": (SIM5 + ["-c", "fleet_negbw.yaml"], ["fleet.link_bandwidth_gb_s",
+                                                                         "greater than 0", "-5"]),
+    "fleet NaN link bandwidth": (SIM5 + ["-c", "fleet_nanbw.yaml"], ["fleet.link_bandwidth_gb_s", "finite"]),
+    "fleet infinite link latency": (SIM5 + ["-c", "fleet_inflat.yaml"], ["fleet.link_latency_s", "finite"]),
+    "fleet 0 replicas": (SIM5 + ["-c", "fleet_zero.yaml"], ["fleet.prefill.replicas", "greater than 0"]),
+    "fleet negative local_prefill_tokens": (SIM5 + ["-c", "fleet_neglocal.yaml"], ["fleet.local_prefill_tokens"]),
+    "fleet unknown link (file)": (SIM5 + ["-c", "fleet_link.yaml"], ["fleet.link", "unknown link 'carrier-pigeon'",
+                                                                     "ib-ndr"]),
+    "--link unknown": (SIM5 + PD + ["--link", "nope"], ["fleet.link", "unknown link 'nope'"]),
+    "--set negative link bandwidth": (SIM5 + PD + ["--set", "fleet.link_bandwidth_gb_s=-1"],
+                                      ["fleet.link_bandwidth_gb_s", "greater than 0"]),
+    "--set link bandwidth as text": (SIM5 + PD + ["--set", "fleet.link_bandwidth_gb_s=fast"],
+                                     ["fleet.link_bandwidth_gb_s", "valid number", "'fast'"]),
+    "--prefill-pool bad TP": (SIM5 + ["--prefill-pool", "h100:tpx", "--decode-pool", "h100"],
+                              ["--prefill-pool 'h100:tpx'", "GPU[:tpN][:xN]"]),
+    "--prefill-pool unknown GPU": (SIM5 + ["--prefill-pool", "tpu", "--decode-pool", "h100"],
+                                   ["fleet.prefill.gpu", "unknown gpu 'tpu'"]),
+    "--prefill-pool alone": (SIM5 + ["--prefill-pool", "h100"], ["fleet.decode", "Field required"]),
+    "fleet with --kv-offload (new)": (SIM5 + PD + ["--kv-offload", "cpu:4GiB"], ["fleet: kv_offload",
+                                                                             "no CPU KV tier yet"]),
+    # routers
+    "--router unknown": (SIM5 + ["--replicas", "2", "--router", "nope"], ["router", "unknown router 'nope'"]),
+    "router weight as text": (SIM5 + ["--replicas", "2", "--router", "weighted", "--set",
+                                      "router_options.weights.kv_usage=heavy"],
+                              ["router_options.weights.kv_usage", "valid number", "'heavy'"]),
+    "router unknown scorer": (SIM5 + ["--replicas", "2", "--router", "weighted", "--set", "router_options.weights.x=1"],
+                              ["router_options.weights", "unknown scorer 'x'"]),
+    "router negative refresh": (SIM5 + ["--replicas", "2", "--router", "kv_usage", "--set",
+                                        "router_options.refresh_s=-1"], ["router_options.refresh_s",
+                                                                         "greater than or equal to 0"]),
+    "router unknown option": (SIM5 + ["--replicas", "2", "--set", "router_options.foo=1"],
+                              ["router_options.foo", "Extra inputs"]),
+    "router negative weight (new)": (SIM5 + ["--replicas", "2", "--router", "weighted", "--set",
+                                             "router_options.weights.kv_usage=-1"],
+                                     ["router_options.weights.kv_usage", "expected a weight >= 0"]),
+    "router weights all 0 (new)": (SIM5 + ["--replicas", "2", "--router", "weighted", "--set",
+                                           "router_options.weights={queue: 0, kv_usage: 0}"],
+                                   ["router_options.weights", "no scorer has a weight > 0"]),
+    "router weights {} (new)": (SIM5 + ["--replicas", "2", "--router", "weighted", "--set",
+                                        "router_options.weights={}"], ["router_options.weights", "no scorer"]),
+    # KV offload
+    "--kv-offload negative": (SIM5 + ["--kv-offload", "cpu:-5GiB"], ["--kv-offload 'cpu:-5GiB'", "0 (no offload) or"]),
+    "--kv-offload garbage": (SIM5 + ["--kv-offload", "cpu:lots"], ["--kv-offload 'cpu:lots'", "64GiB"]),
+    "--kv-offload NaN": (SIM5 + ["--kv-offload", "cpu:nanGiB"], ["--kv-offload 'cpu:nanGiB'"]),
+    "--kv-offload unknown tier": (SIM5 + ["--kv-offload", "gpu:5GiB"], ["--kv-offload 'gpu:5GiB'", "cpu:SIZE"]),
+    "--kv-offload 1e30 GiB (new)": (SIM5 + ["--kv-offload", "cpu:1e30GiB"], ["--kv-offload 'cpu:1e30GiB'",
+                                                                            "at most 1 PiB"]),
+    "kv_offload.cpu_gib 1e30 (new)": (SIM5 + ["--set", "kv_offload.cpu_gib=1e30"], ["kv_offload.cpu_gib",
+                                                                                   "less than or equal to 1048576"]),
+    "offload tier with 0 bandwidth": (SIM5 + ["--kv-offload", "cpu:4GiB", "--set", "kv_offload.bandwidth_gb_s=0"],
+                                      ["kv_offload.bandwidth_gb_s", "greater than 0"]),
+    "offload bandwidth as text": (SIM5 + ["--kv-offload", "cpu:4GiB", "--set", "kv_offload.bandwidth_gb_s=fast"],
+                                  ["kv_offload.bandwidth_gb_s", "valid number"]),
+    # sessions
+    "session turns out of order": (SIM5 + ["--trace", "turns_ooo.csv", *SESSION_COLUMNS],
+                                   ["turns_ooo.csv:3", "session 'a' turn 0 arrives after its turn 1"]),
+    "session turn repeated": (SIM5 + ["--trace", "turns_dup.csv", *SESSION_COLUMNS], ["turns_dup.csv:3", "turn 0"]),
+    "session turn negative": (SIM5 + ["--trace", "turns_neg.csv", *SESSION_COLUMNS],
+                              ["turns_neg.csv:3", "integer >= 0", "'-1'"]),
+    "session turn shorter than its history": (SIM5 + ["--trace", "turns_short.csv", *SESSION_COLUMNS],
+                                              ["trace_options.sessions", "shorter than the conversation"]),
+    "--think-time negative": (SIM5 + ["--sessions", "--think-time", "-1"], ["--think-time -1", "0..1e9"]),
+    "--think-time NaN": (SIM5 + ["--sessions", "--think-time", "nan"], ["--think-time nan"]),
+    "--think-time inf": (SIM5 + ["--sessions", "--think-time", "inf"], ["--think-time inf", "0..1e9"]),
+    "--think-time 1e300 (new)": (SIM5 + ["--sessions", "--think-time", "1e300"], ["--think-time 1e+300", "0..1e9"]),
+    "think_time_s 1e300 (new)": (SIM5 + ["--sessions", "--set", "trace_options.sessions.think_time_s=1e300"],
+                                 ["trace_options.sessions.think_time_s", "less than or equal to 1000000000"]),
+    "sessions history unknown": (SIM5 + ["--sessions", "--set", "trace_options.sessions.history=bogus"],
+                                 ["trace_options.sessions.history", "'in_prompt' or 'append'"]),
+    # workload specs
+    "--workload missing": (SIM5 + ["--workload", "nope.yaml"], ["nope.yaml", "no such file"]),
+    "--workload broken YAML": (SIM5 + ["--workload", "w_broken.yaml"], ["w_broken.yaml", "invalid YAML",
+                                                                            "line 2"]),
+    "--workload empty (new)": (SIM5 + ["--workload", "w_empty.yaml"], ["w_empty.yaml", "expected a workload spec",
+                                                                     "got an empty file"]),
+    "--workload without workload: (new)": (SIM5 + ["--workload", "w_nokey.yaml"],
+                                           ["w_nokey.yaml", "expected a workload spec", "'classes'"]),
+    "--workload a YAML list (new)": (SIM5 + ["--workload", "w_list.yaml"], ["w_list.yaml", "a YAML list"]),
+    "--workload key not first (new)": (SIM5 + ["--workload", "w_second.yaml"], ["w_second.yaml",
+                                                                              "must be the file's first key"]),
+    "workload negative rate": (SIM5 + ["--workload", "w_negrate.yaml"], ["w_negrate.yaml:4",
+                                                                       "workload.classes.0.arrival.rate"]),
+    "workload rate as text": (SIM5 + ["--workload", "w_textrate.yaml"], ["w_textrate.yaml:4", "valid number"]),
+    "workload no classes": (SIM5 + ["--workload", "w_noclasses.yaml"], ["w_noclasses.yaml:2", "at least 1"]),
+    "workload 1e11 requests": (SIM5 + ["--workload", "w_requests.yaml"], ["w_requests.yaml:5", "10000000"]),
+    "workload 1e12 s duration (new: file named)": (SIM5 + ["--workload", "w_duration.yaml"],
+                                                   ["w_duration.yaml:", "workload class a", "at most 10,000,000"]),
+    "workload negative SLO": (SIM5 + ["--workload", "w_slo.yaml"], ["w_slo.yaml:6", "'-5ms'"]),
+    "--workload and --trace": (SIM5 + ["--workload", "w_slo.yaml", "--trace", "azure-conv-2023"], ["give one"]),
+    # calibrate --bench
+    "--bench empty file (new)": (CAL + ["--bench", "b_empty.json"], ["--bench b_empty.json:1", "empty file", BENCH]),
+    "--bench truncated JSON (new)": (CAL + ["--bench", "b_trunc.json"], ["--bench b_trunc.json:1", "invalid JSON",
+                                                                        BENCH]),
+    "--bench {} (new)": (CAL + ["--bench", "b_obj.json"], ["--bench b_obj.json:1", BENCH]),
+    "--bench a folder (new)": (CAL + ["--bench", "."], ["--bench .", "is a directory", BENCH]),
+    "--bench a named pipe (new)": (CAL + ["--bench", "fifo.jsonl"], ["--bench fifo.jsonl", "not a regular file"]),
+    "--bench an Azure trace (new)": (CAL + ["--bench", "azure.csv", "--model", "llama-3.1-8b"],
+                                     ["--bench azure.csv", "'azure' format", BENCH]),
+    "--bench missing": (CAL + ["--bench", "nope.json"], ["--bench nope.json", "no such file"]),
+    "--bench without model_id, --model given (new)": (CAL + ["--bench", "b_partial.json", "--model", "llama-3.1-8b"],
+                                                      ["b_partial.json", "nothing to fit the step times to"]),
+    # plan --disaggregated
+    "plan --link unknown": (PLAN_PD + ["--link", "nope"], ["--link", "unknown link 'nope'"]),
+    "plan --prefill-gpus unknown": (PLAN_PD + ["--prefill-gpus", "tpu"], ["--prefill-gpus", "unknown gpu 'tpu'"]),
+    "plan --prefill-tps 0": (PLAN_PD + ["--prefill-tps", "0"], ["--prefill-tps", "positive integers", "'0'"]),
+    "plan --decode-tps text": (PLAN_PD + ["--decode-tps", "x"], ["--decode-tps", "'x'"]),
+    "plan --max-pool-replicas -1": (PLAN_PD + ["--max-pool-replicas", "-1"], ["--max-pool-replicas", "positive"]),
+    "plan pool option without --disaggregated": (PLAN_PD[:-1] + ["--prefill-gpus", "h100"],
+                                                 ["--prefill-gpus", "add --disaggregated"]),
+    # the frontend
+    "--frontend unknown": (SIM5 + ["--frontend", "nope"], ["frontend", "unknown frontend 'nope'", "vllm-api"]),
+}
+
+
+@pytest.fixture
+def landed(d, monkeypatch) -> Path:
+    for name, text in LANDED_FILES.items():
+        (d / name).write_text(text)
+    monkeypatch.chdir(d)
+    return d
+
+
+@pytest.mark.parametrize("case", list(CASES_LANDED))
+def test_hostile_input_to_the_landed_features_is_one_line_exit_2(case, landed):
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli import app
+
+    args, fragments = CASES_LANDED[case]
+    result = CliRunner().invoke(app, args)
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("fitting ")]
+    assert result.exit_code == 2, (result.exit_code, result.stderr, result.exception)
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not any((landed / name).exists() for name in ("r", "cal.yaml", "pl"))
+
+
+SERVE = ["serve", "--model", "llama-3.1-8b", "--port", "0"]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    # new (issue 50): emptied the user's file when the server started
+    (SERVE + ["--record-trace", "{d}/notes.jsonl"], ["--record-trace", "notes.jsonl", "kvsim did not write it",
+                                                     "--overwrite"]),
+    # new: "Application startup failed" after a traceback, exit 3
+    (SERVE + ["--record-trace", "{d}"], ["--record-trace", "is a directory"]),
+    # new: a server that blocked on the pipe's reader before listening
+    (SERVE + ["--record-trace", "{d}/fifo.jsonl"], ["--record-trace", "named pipe"]),
+    # new: OverflowError traceback from bind()
+    (["serve", "--model", "llama-3.1-8b", "--port", "70000"], ["--port 70000", "0..65535"]),
+    # new: a server at "infx real time"
+    (SERVE + ["--time-scale", "inf"], ["--time-scale inf", "finite number > 0"]),
+    # new: served as one pool, the fleet ignored
+    (SERVE + ["-c", "{d}/fleet.yaml"], ["fleet: kvsim serve runs one pool", "not served yet"]),
+    # new: served without the CPU tier
+    (SERVE + ["--set", "kv_offload.cpu_gib=4"], ["kv_offload: kvsim serve's engine has no CPU KV tier"]),
+])
+def test_serve_refuses_a_bad_option_before_it_listens(d, args, fragments):
+    (d / "notes.jsonl").write_text("my notes\n")
+    (d / "fleet.yaml").write_text(_pool_fleet())
+    refused(kvsim([a.replace("{d}", str(d)) for a in args], d, timeout=20), *fragments)
+    assert (d / "notes.jsonl").read_text() == "my notes\n"

@@ -55,7 +55,7 @@ def test_serve_refuses_options_that_change_nothing_or_are_wrong(tmp_path):
 
     runner = CliRunner()
     r = runner.invoke(app, ["serve", "--time-scale", "0"])
-    assert r.exit_code == 2 and "--time-scale 0.0: expected a number > 0" in r.output
+    assert r.exit_code == 2 and "--time-scale 0.0: expected a finite number > 0" in r.output
     r = runner.invoke(app, ["serve", "--stream-interval", "0"])
     assert r.exit_code == 2 and "--stream-interval 0: expected at least 1 token" in r.output
     config = tmp_path / "c.yaml"

@@ -153,7 +153,24 @@ def detect_format(path: str | os.PathLike) -> str:
             return "workload"
         if is_inference_perf_config(path):
             return "inference-perf"
+        if path.is_file():
+            _refuse_other_yaml(path)
     return _detect_data_format(path)
+
+
+def _refuse_other_yaml(path: Path) -> None:
+    """A YAML file that is neither a workload spec nor an inference-perf config: its YAML error (naming the
+    line), or one line saying what a YAML trace must hold (no trace format is YAML)."""
+    from kvsim.traces.workload import read_yaml
+    data, _ = read_yaml(path, "workload spec YAML")
+    if isinstance(data, dict) and "workload" in data:
+        got = "'workload:' after other keys (it must be the file's first key)"
+    elif isinstance(data, dict):
+        got = f"top-level keys {', '.join(repr(str(k)) for k in list(data)[:5])}"
+    else:
+        got = "an empty file" if data is None else f"a YAML {type(data).__name__}, not a mapping"
+    raise TraceError(path, None, f"expected a workload spec (top-level key 'workload:', docs/traces.md#workload-specs) "
+                                 f"or an inference-perf config (top-level 'load:' and 'data:'), got {got}")
 
 
 def _detect_data_format(path: Path) -> str:

@@ -314,5 +314,11 @@ def _arrivals(c: ClientClass, spec: WorkloadSpec, seed: np.random.SeedSequence) 
 
 def load_workload_spec(path: Path, *, seed: int = 0) -> Trace:
     """The trace a workload spec file describes (traces.loaders' `workload` format)."""
-    trace = build_workload(read_workload_spec(path), seed=seed, name=Path(path).stem)
+    spec = read_workload_spec(path)
+    try:
+        trace = build_workload(spec, seed=seed, name=Path(path).stem)
+    except TraceError as exc:            # a whole-spec problem found while building: name the file
+        if exc.path is not None:
+            raise
+        raise TraceError(path, None, exc.reason) from None
     return trace

@@ -160,7 +160,7 @@ def _calibrate_bench(args: _BenchArgs) -> None:
         fail("--bench: give --gpu, the GPU the benchmark ran on (a result file does not name it)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        named = _bench_model(files)         # every file read (and checked) once before any simulation
+        named = _bench_model(files, model)  # every file read (and checked) once before any simulation
     if model and named:
         from kvsim.sim.results.bench_compare import bench_model_mismatch
 
@@ -212,21 +212,36 @@ def _calibrate_bench(args: _BenchArgs) -> None:
                   f"{' --client-latency' if client else ''})")
 
 
-def _bench_model(files: list[Path]) -> str:
-    """The model the result files measured (their model_id), which must be one. Each file is read here, so a
-    missing or broken one is reported before anything is simulated."""
+BENCH_FILE = "expected a vllm bench serve result JSON (--save-result --save-detailed)"
+
+
+def _bench_model(files: list[Path], model: str | None = None) -> str | None:
+    """The model the result files measured (their model_id), which must be one unless --model names it.
+    Each file is read here, so a missing, broken or other kind of file is reported (naming --bench and what
+    it expects) before anything is simulated."""
     from kvsim.traces import load_trace
+    from kvsim.traces.errors import TraceError
+    from kvsim.traces.loaders import detect_format
 
     ids = set()
-    for f in files:
-        if not Path(f).is_file():
-            fail(f"--bench {f}: no such file; expected a vllm bench serve result JSON (--save-result --save-detailed)")
-        ids.add((load_trace(Path(f)).measured or {}).get("model_id"))
+    for f in map(Path, files):
+        if not f.exists():
+            fail(f"--bench {f}: no such file; {BENCH_FILE}")
+        if not f.is_file():
+            fail(f"--bench {f}: {'is a directory' if f.is_dir() else 'not a regular file'}; {BENCH_FILE}")
+        try:
+            fmt = detect_format(f)
+        except TraceError as exc:         # its own list of every trace format: --bench reads one
+            where = f"{exc.path}:{exc.line}" if exc.line is not None else str(exc.path)
+            fail(f"--bench {where}: {exc.reason.split('; expected one of')[0]}; {BENCH_FILE}")
+        if fmt != "vllm-bench":
+            fail(f"--bench {f}: a trace in the {fmt!r} format, not a benchmark result; {BENCH_FILE}")
+        ids.add((load_trace(f).measured or {}).get("model_id"))
     ids.discard(None)
-    if len(ids) != 1:
+    if len(ids) != 1 and not model:
         fail("--bench: give --model" + (f" (the files measured different models: {', '.join(sorted(ids))})"
                                          if ids else " (the files name no model_id)"))
-    return ids.pop()
+    return ids.pop() if len(ids) == 1 else None
 
 
 def _calibrate_profile(step_logs, out, model, gpu, tp, base_profile, options: FitOptions, command: str) -> None:

@@ -149,6 +149,8 @@ def parse_offload(value: str) -> float:
         raise ConfigError(f"--kv-offload {value!r}: expected a size such as 64GiB, 500GB or 512MiB") from None
     if not gib >= 0:
         raise ConfigError(f"--kv-offload {value!r}: the size must be 0 (no offload) or positive")
+    if gib > 2**20:
+        raise ConfigError(f"--kv-offload {value!r}: expected at most 1 PiB (1,048,576 GiB) a replica, got {gib:.3g} GiB")
     return gib
 
 
@@ -159,8 +161,8 @@ def tier_overrides(kv_offload: str | None, sessions: bool = False, think_time: f
     if gib > 0:
         out["kv_offload.cpu_gib"] = gib
     if think_time is not None:
-        if not think_time >= 0:
-            raise ConfigError(f"--think-time {think_time:g}: expected seconds >= 0")
+        if not 0 <= think_time <= 1e9:
+            raise ConfigError(f"--think-time {think_time:g}: expected seconds in 0..1e9")
         out["trace_options.sessions.think_time_s"] = think_time
     elif sessions:
         out["trace_options.sessions"] = {}

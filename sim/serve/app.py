@@ -29,6 +29,11 @@ from .tokens import FILLER_WORDS, PromptTokenizer, filler
 
 
 THREAD_TOKENIZE_BYTES = 4096      # about 1,000 tokens of text
+# the largest request body read: BODY_BYTES_PER_TOKEN bytes a token of the model's context (a token id in a JSON
+# list is at most 8 bytes, a token of text rarely over 10) plus 1 MiB of other fields; a larger body is
+# answered 413 as its bytes arrive, before it is held in memory or tokenized
+BODY_BYTES_PER_TOKEN = 64
+BODY_BASE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Server:
             check_kv_events_manager(replica_parts(plan, 0)[0])
             self.kv_publisher = KVEventPublisher(options.kv_events, plan.cfg.engine.block_size, plan.cfg.replicas,
                                                  lambda req, start, end: self.engine.token_ids(req, start, end))
+        self.body_limit = BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * plan.max_model_len
 
     def start(self) -> LiveEngine:
         warm_up(self.plan, self.metrics)
@@ -81,7 +87,7 @@ class Server:
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
-            raw = await request.body()
+            raw = await _read_body(request, self.body_limit)
             body = _json_body(raw)
             # a long prompt takes milliseconds to tokenize: off the loop that paces the engine and the streams
             # (a short one in the loop: a thread's hand-offs would cost more)
@@ -125,7 +131,8 @@ class Server:
             return generation(req, ids, max_len, opts.eos_tokens, req.max_completion_tokens or req.max_tokens)
         req = parse(CompletionBody, body)
         check_model(req.model, opts.served_model_name)
-        return generation(req, completion_prompt(req, self.tokenizer.encode), max_len, opts.eos_tokens)
+        return generation(req, completion_prompt(req, self.tokenizer.encode, self.plan.model.vocab_size), max_len,
+                          opts.eos_tokens)
 
     # ----- the rest of the API ----------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -154,6 +161,27 @@ async def _disconnected(request: Request) -> None:
     """Return once the client has closed its connection (the server's next message is http.disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 once it passes `limit` bytes (its Content-Length, or as it
+    streams in without one): a client cannot make the server hold an unbounded body."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is over {limit:,} bytes (got {size:,} so far); expected at most "
+                         f"{BODY_BYTES_PER_TOKEN} bytes a token of the model's context plus 1 MiB",
+                    "RequestEntityTooLarge")
 
 
 def _json_body(raw: bytes):

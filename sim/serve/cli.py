@@ -1,6 +1,7 @@
 """`kvsim serve`: an OpenAI-compatible endpoint in front of the simulated engine (docs/serve.md)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -62,6 +63,9 @@ def serve(
     kv_events_config: Annotated[str | None, typer.Option(
         help="vLLM's KV-events JSON: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
              "\"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}' (--kv-events-endpoint overrides its endpoint)")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="replace an existing --record-trace file that is not a trace kvsim wrote (one it wrote "
+                            "is replaced anyway)")] = False,
 ) -> None:
     """Serve the simulated engine behind an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions
     with streaming, /v1/models, /health, /version) and vLLM's Prometheus /metrics; the engine's clock runs
@@ -71,8 +75,18 @@ def serve(
         fast_forward=fast_forward, block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching, max_model_len=max_model_len,
         chunked_prefill=chunked_prefill, policy=policy, budget=budget)
-    if not time_scale > 0:
-        fail(f"--time-scale {time_scale}: expected a number > 0 (simulated seconds per wall second)")
+    if not 0 < time_scale < math.inf:
+        fail(f"--time-scale {time_scale}: expected a finite number > 0 (simulated seconds per wall second)")
+    if not 0 <= port <= 65535:
+        fail(f"--port {port}: expected a TCP port 0..65535")
+    if record_trace is not None:
+        from kvsim.sim.io.safe_io import InputError, check_output_file
+        from kvsim.traces.trace import written_by_kvsim
+        try:       # before the server starts: a folder, a pipe or a user's own file (it would be emptied)
+            check_output_file(record_trace, option="--record-trace", what="trace file", overwrite=overwrite,
+                              written_by_kvsim=written_by_kvsim)
+        except InputError as exc:
+            fail(str(exc))
     if eos_tokens < 1:
         fail(f"--eos-tokens {eos_tokens}: expected at least 1")
     if stream_interval < 1:
@@ -113,6 +127,12 @@ def check_serve_config(cfg) -> None:
     if cfg.trace_options != TraceOptions():
         raise ConfigError("trace_options: kvsim serve takes its requests from HTTP clients; remove the trace "
                           "options from the config (a load generator sets the arrivals)")
+    if cfg.fleet is not None:
+        raise ConfigError("fleet: kvsim serve runs one pool of replicas (--replicas); a disaggregated fleet is not "
+                          "served yet: drop fleet (kvsim simulate runs it)")
+    if cfg.kv_offload is not None:
+        raise ConfigError("kv_offload: kvsim serve's engine has no CPU KV tier yet; drop kv_offload (kvsim simulate "
+                          "runs it)")
     if cfg.frontend_name != "none":
         raise ConfigError("client_latency / frontend: kvsim serve is a real HTTP server (its own latency is real); "
                           "set client_latency: false and drop frontend")

@@ -90,16 +90,26 @@ def check_model(requested: str | None, served: str) -> None:
         raise ApiError(404, f"The model `{requested}` does not exist.", "NotFoundError", "model")
 
 
-def completion_prompt(body: CompletionBody, encode) -> list[int]:
+def completion_prompt(body: CompletionBody, encode, vocab_size: int) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, str):
         return encode(prompt)
     if prompt and all(isinstance(x, int) for x in prompt):
-        return list(prompt)
+        return _token_ids(prompt, vocab_size)
     if len(prompt) == 1:
-        return encode(prompt[0]) if isinstance(prompt[0], str) else list(prompt[0])
+        return encode(prompt[0]) if isinstance(prompt[0], str) else _token_ids(prompt[0], vocab_size)
     raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts; kvsim serve takes one prompt a request "
                         "(send them as separate requests)", param="prompt")
+
+
+def _token_ids(ids, vocab_size: int) -> list[int]:
+    """A prompt given as token ids, each an id of the model's vocabulary (vLLM: "Token id ... is out of
+    vocabulary")."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt: token id {bad} is out of vocabulary; expected ids 0..{vocab_size - 1}",
+                       param="prompt")
+    return list(ids)
 
 
 def chat_messages(body: ChatBody) -> list[tuple[str, str]]:
@@ -126,6 +136,9 @@ def generation(body: _Common, prompt_ids: list[int], max_model_len: int, eos_tok
         raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum "
                             f"context length is {max_model_len} tokens and your request has {n_prompt} input "
                             f"tokens ({asked} > {max_model_len} - {n_prompt}).", param="max_tokens")
+    if asked is not None and body.min_tokens > asked:       # vLLM's SamplingParams check
+        raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={asked}, got {body.min_tokens}.",
+                       param="min_tokens")
     limit = asked if asked is not None else max_model_len - n_prompt
     out = limit if body.ignore_eos else min(limit, max(eos_tokens, body.min_tokens))
     opts = body.stream_options

@@ -84,6 +84,9 @@ def refuse_unsupported(cfg: SimConfig) -> None:
                           "(the hand-off of an evicted or compressed KV is not modelled); drop kv.policy")
     if cfg.frontend_name != "none":
         raise ConfigError("fleet: client_latency / frontend: the proxy's client-side terms are not modelled; drop it")
+    if cfg.kv_offload is not None:
+        raise ConfigError("fleet: kv_offload: a disaggregated fleet's replicas have no CPU KV tier yet (their KV "
+                          "connectors are the prefill-to-decode hand-off); drop kv_offload / --kv-offload")
 
 
 def handoff_of(cfg: SimConfig, plans: FleetPlans) -> Handoff:

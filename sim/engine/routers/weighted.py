@@ -19,10 +19,17 @@ DEFAULT_WEIGHTS = {"queue": 1.0, "kv_usage": 1.0, "prefix": 2.0}
 class Weighted(RouterBase):
     def __init__(self, replicas, options=None):
         super().__init__(replicas, options)
-        self.weights = dict(getattr(options, "weights", None) or DEFAULT_WEIGHTS)
+        given = getattr(options, "weights", None)
+        self.weights = dict(DEFAULT_WEIGHTS if given is None else given)       # {} is refused below, not defaulted
         bad = sorted(set(self.weights) - set(SCORERS))
         if bad:
             raise RouterError(f"router_options.weights: unknown scorer {bad[0]!r}; known: {', '.join(SCORERS)}")
+        negative = next((k for k, v in self.weights.items() if not v >= 0), None)
+        if negative is not None:       # a negative weight would send requests to the worst replica by that scorer
+            raise RouterError(f"router_options.weights.{negative}: {self.weights[negative]:g}; expected a weight >= 0")
+        if not any(self.weights.values()):     # every score 0: every request to replica 0 (the max-score tie)
+            raise RouterError("router_options.weights: no scorer has a weight > 0; expected at least one "
+                              f"(scorers: {', '.join(SCORERS)})")
         self._approx = PrefixAffinity(replicas, options) if self.weights.get("approx_prefix") else None
         self._session = SessionAffinity(replicas, options) if self.weights.get("session") else None
 
