@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,17 +27,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from kvsim.sim.serve.client import stream_completion
+from kvsim.sim.serve.client import ServerDidNotStart, free_port, launch_server, stream_completion
 
 WORDS = ("cache", "block", "token", "prefill", "decode", "batch", "request", "engine", "memory", "latency",
          "throughput", "scheduler", "queue", "router", "replica", "model", "weight", "layer", "head",
          "attention")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metrics(port: int) -> dict:
@@ -53,20 +46,10 @@ def _metrics(port: int) -> dict:
 
 
 def start_server(port: int, args, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvsim.sim.cli", "serve", "--port", str(port), "--time-scale", str(args.time_scale),
-           *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                sys.exit(f"kvsim serve exited: {proc.stderr.read()}")
-            time.sleep(0.5)
-    proc.kill()
-    sys.exit("kvsim serve did not start in 180 s")
+    try:
+        return launch_server(port, ["--time-scale", str(args.time_scale), *extra], timeout=180)
+    except ServerDidNotStart as exc:
+        sys.exit(str(exc))
 
 
 async def run_clients(port: int, args, rss: list) -> tuple[list, int, float]:
@@ -122,10 +105,10 @@ def main() -> None:
                     help="serve with --kv-events-endpoint and count the KV events a ZMQ subscriber receives")
     args, extra = ap.parse_known_args()
     extra = [x for x in extra if x != "--"]
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     trace = Path(tempfile.mkdtemp()) / "served.jsonl"
-    events = KVEventCounter(_free_port()) if args.kv_events else None
+    events = KVEventCounter(free_port()) if args.kv_events else None
     kv_opts = ["--kv-events-endpoint", events.endpoint] if events else []
     proc = start_server(port, args, ["--model", args.model, "--record-trace", str(trace), *kv_opts, *extra])
     if events:

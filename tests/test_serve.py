@@ -10,10 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -24,7 +20,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvsim.sim.config import load_config  # noqa: E402
-from kvsim.sim.serve.client import stream_completion  # noqa: E402
+from kvsim.sim.serve.client import ServerDidNotStart, free_port, launch_server, stream_completion  # noqa: E402
 from kvsim.sim.simulator.simulate import run_simulation  # noqa: E402
 from kvsim.traces.tokenizer import load_tokenizer  # noqa: E402
 
@@ -38,12 +34,6 @@ VOCABULARY = ("cache", "block", "token", "prefill", "decode", "batch", "request"
               "attention")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(port: int, path: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
@@ -55,22 +45,13 @@ def _get(port: int, path: str) -> tuple[int, bytes]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvsim.sim.cli", "serve", "--model", MODEL, "--port", str(port),
-           "--time-scale", str(SCALE), "--eos-tokens", str(EOS_TOKENS), "--record-trace", str(folder / "served.jsonl"),
-           *[f"--set={k}={v}" for k, v in ENGINE.items()]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if _get(port, "/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"kvsim serve did not start: {proc.stdout.read()}")
-        time.sleep(0.2)
+    port = free_port()
+    args = ["--model", MODEL, "--time-scale", str(SCALE), "--eos-tokens", str(EOS_TOKENS),
+            "--record-trace", str(folder / "served.jsonl"), *[f"--set={k}={v}" for k, v in ENGINE.items()]]
+    try:
+        proc = launch_server(port, args)
+    except ServerDidNotStart as exc:
+        pytest.fail(str(exc))
     info = {"port": port, "trace": folder / "served.jsonl", "proc": proc}
     yield info
     if proc.poll() is None:

@@ -8,8 +8,6 @@ import asyncio
 import json
 import re
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,15 +17,11 @@ import pytest
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
+from kvsim.sim.serve.client import ServerDidNotStart, free_port, launch_server  # noqa: E402
+
 MODEL = "llama-3.1-8b"
 MAX_MODEL_LEN = 4096
 BODY_LIMIT = (1 << 20) + 64 * MAX_MODEL_LEN         # sim/serve/app.py: 1 MiB + 64 bytes a token of the context
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(port: int, path: str, data: bytes | None = None, headers: dict | None = None) -> tuple[int, bytes]:
@@ -47,21 +41,12 @@ def _rss_mb(pid: int, key: str = "VmRSS") -> float:
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kvsim.sim.cli", "serve", "--model", MODEL, "--port", str(port), "--time-scale", "10",
-           "--eos-tokens", "16", "--max-model-len", str(MAX_MODEL_LEN), "--set=engine.num_gpu_blocks=4000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if _request(port, "/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"kvsim serve did not start: {proc.stdout.read()}")
-        time.sleep(0.2)
+    port = free_port()
+    try:
+        proc = launch_server(port, ["--model", MODEL, "--time-scale", "10", "--eos-tokens", "16",
+                                    "--max-model-len", str(MAX_MODEL_LEN), "--set=engine.num_gpu_blocks=4000"])
+    except ServerDidNotStart as exc:
+        pytest.fail(str(exc))
     yield {"port": port, "proc": proc}
     proc.kill()
     proc.wait()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import sys
 
 import pytest
@@ -31,6 +30,7 @@ from kvsim.sim.core.request import RequestStatus  # noqa: E402
 from kvsim.sim.engine.resolved_run import resolve_run  # noqa: E402
 from kvsim.sim.serve.app import ServeOptions, Server, build_app  # noqa: E402
 from kvsim.sim.serve.kv_events import KVEventsConfig  # noqa: E402
+from kvsim.sim.serve.client import free_port  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 BLOCK = 16
@@ -108,16 +108,10 @@ class MapKVEventBatch(MapBatch):
     events: list[MapStored | MapRemoved | MapCleared]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _start(sets: dict, kv_events: KVEventsConfig | None = None, time_scale: float = 20.0):
     plan = resolve_run(load_config(None, {"model": MODEL, **sets}))
     server = Server(plan, ServeOptions(MODEL, time_scale, eos_tokens=4, kv_events=kv_events))
-    port = _free_port()
+    port = free_port()
     uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning",
                                        access_log=False, lifespan="on"))
     task = asyncio.create_task(uv.serve())
@@ -153,7 +147,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 @pytest.mark.parametrize("publisher_binds, encoding", [(True, "array"), (False, "array"), (True, "map")])
 def test_kv_events_rebuild_the_engines_prefix_cache(publisher_binds, encoding):
-    endpoint_port = _free_port()
+    endpoint_port = free_port()
     rng = random.Random(11)
     shared = _prompt(rng, 10 * BLOCK)                  # ten full blocks of a shared system prompt
     first = shared + _prompt(rng, 3 * BLOCK + 5)
@@ -341,4 +335,4 @@ def test_kv_events_without_the_extra_name_it(monkeypatch):
 def test_kv_events_need_the_prefix_cache_manager(sets, message):
     plan = resolve_run(load_config(None, {"model": MODEL, **sets}))
     with pytest.raises(ValueError, match=message):
-        Server(plan, ServeOptions(MODEL, kv_events=KVEventsConfig(endpoint=f"tcp://127.0.0.1:{_free_port()}")))
+        Server(plan, ServeOptions(MODEL, kv_events=KVEventsConfig(endpoint=f"tcp://127.0.0.1:{free_port()}")))

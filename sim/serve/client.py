@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 
@@ -90,3 +95,37 @@ def _take(chunk: dict, now: float, result: StreamResult) -> None:
             result.text += text
         if choice.get("finish_reason"):
             result.finish_reason = choice["finish_reason"]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerDidNotStart(RuntimeError):
+    """`kvsim serve` exited, or did not answer /health in time; the message holds its output."""
+
+
+def launch_server(port: int, args: list[str], timeout: float = 120.0) -> subprocess.Popen:
+    """`kvsim serve --port PORT ARGS` in a child process, returned once its /health answers 200. Its
+    output goes to a temporary file (a pipe nobody reads would stall a server that logs), read back
+    into ServerDidNotStart when it exits or does not answer within `timeout` seconds."""
+    with tempfile.TemporaryFile("w+") as log:          # the child keeps its own descriptor of it
+        proc = subprocess.Popen([sys.executable, "-m", "kvsim.sim.cli", "serve", "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return proc
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                log.seek(0)
+                raise ServerDidNotStart(f"kvsim serve did not start: {log.read()}")
+            time.sleep(0.2)
