@@ -3,9 +3,10 @@ end through the real engine: a prefix loaded from a shared remote store after a 
 request handed from a prefill replica to a decode replica. Each runs with the decode fast-forward on
 and must give exactly what stepping one step at a time gives, with the engine's invariants checked
 at every step."""
-import numpy as np
 import pandas as pd
 import pytest
+
+from shared_documents import document_requests  # tests/shared_documents.py
 
 from kvsim.sim.engine.assembly import EngineRun, load_workload, trace_to_requests
 from kvsim.sim.cluster.connectors.remote_store import KVStore, RemoteStoreConnector
@@ -27,16 +28,7 @@ PD_RUN = {"trace_options.max_requests": 60, "engine.num_gpu_blocks": 3000}
 def shared_prefix_requests(n: int = 70, seed: int = 7) -> list[Request]:
     """Requests on a few shared documents (2-4 chunks of 256 tokens each, ids as Mooncake's hash_ids)
     plus a question of their own, 10 a second, with short answers."""
-    rng = np.random.default_rng(seed)
-    docs = [tuple(range(100 * d, 100 * d + int(rng.integers(2, 5)))) for d in range(6)]
-    reqs, t = [], 0.0
-    for i in range(n):
-        doc = docs[int(rng.integers(len(docs)))]
-        t += float(rng.exponential(0.1))
-        reqs.append(Request(request_id=i, arrival_time=t, prompt_tokens=256 * len(doc) + int(rng.integers(20, 200)),
-                            max_output_tokens=int(rng.integers(8, 48)), prefix_hash_ids=doc + (10_000 + i,),
-                            prefix_block_tokens=256))
-    return reqs
+    return document_requests(n, seed, documents=6, chunks=(2, 5), mean_gap_s=0.1, max_output=48)
 
 
 def plan_and_requests(overrides):

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared_documents import document_requests  # tests/shared_documents.py
+
 from kvsim.sim.cluster.connectors.offload import (OffloadingConnector, cpu_tier_spec, offload_connectors,
                                                   offload_summary)
 from kvsim.sim.cluster.links import Link, LinkSpec
@@ -23,18 +25,9 @@ from kvsim.sim.simulator.executor import replica_parts
 SMALL_POOL = {"engine.num_gpu_blocks": 300, "engine.enable_prefix_caching": True, "trace_options.max_requests": 1}
 
 
-def document_requests(n: int = 60, seed: int = 3) -> list[Request]:
+def offload_documents(n: int = 60, seed: int = 3) -> list[Request]:
     """Requests over 8 documents of 1-3 thousand tokens (ids per 256 tokens) plus a question of their own."""
-    rng = np.random.default_rng(seed)
-    docs = [tuple(range(100 * d, 100 * d + int(rng.integers(4, 12)))) for d in range(8)]
-    reqs, t = [], 0.0
-    for i in range(n):
-        doc = docs[int(rng.integers(len(docs)))]
-        t += float(rng.exponential(0.15))
-        reqs.append(Request(request_id=i, arrival_time=t, prompt_tokens=256 * len(doc) + int(rng.integers(20, 200)),
-                            max_output_tokens=int(rng.integers(8, 64)), prefix_hash_ids=doc + (10_000 + i,),
-                            prefix_block_tokens=256))
-    return reqs
+    return document_requests(n, seed, documents=8, chunks=(4, 12), mean_gap_s=0.15, max_output=64)
 
 
 def offload_run(fast_forward: bool, cpu_gib: float | None = 4.0, replicas: int = 1, **overrides):
@@ -43,7 +36,7 @@ def offload_run(fast_forward: bool, cpu_gib: float | None = 4.0, replicas: int =
         sets["kv_offload.cpu_gib"] = cpu_gib
     cfg = load_config(None, sets)
     plan = resolve_run(cfg, trace=load_workload(cfg))
-    requests = document_requests()
+    requests = offload_documents()
     log = StepLog(None)
     factory = (offload_connectors(cpu_tier_spec(plan.cfg.kv_offload, plan), plan.cfg.engine.block_size)
                if cpu_gib is not None else None)

@@ -3,9 +3,10 @@ whose state the test sets, stale signals lag the state, and the KV-aware ones, r
 engine, route shared documents to where their prefix is cached (fast-forward == stepping)."""
 from types import SimpleNamespace
 
-import numpy as np
 import pandas as pd
 import pytest
+
+from shared_documents import document_requests  # tests/shared_documents.py
 
 from kvsim.sim.config import ConfigError, load_config
 from kvsim.sim.core.request import Request
@@ -91,16 +92,7 @@ def test_prefix_affinity_sends_a_document_back_where_it_went():
 
 # ----- through the engine ---------------------------------------------------------------------------
 def documents(n=80, seed=5):
-    rng = np.random.default_rng(seed)
-    docs = [tuple(range(100 * d, 100 * d + int(rng.integers(4, 10)))) for d in range(6)]
-    reqs, t = [], 0.0
-    for i in range(n):
-        doc = docs[int(rng.integers(len(docs)))]
-        t += float(rng.exponential(0.05))
-        reqs.append(Request(request_id=i, arrival_time=t, prompt_tokens=256 * len(doc) + int(rng.integers(20, 200)),
-                            max_output_tokens=int(rng.integers(8, 40)), prefix_hash_ids=doc + (10_000 + i,),
-                            prefix_block_tokens=256))
-    return reqs
+    return document_requests(n, seed, documents=6, chunks=(4, 10), mean_gap_s=0.05, max_output=40)
 
 
 def routed_run(router, fast_forward=True, **options):
