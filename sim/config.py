@@ -375,6 +375,29 @@ class KVOffloadConfig(_Strict):
                                          "default: the GPU's PCIe x the profile's pcie_eff x tp")
     latency_s: float = Field(1e-5, ge=0, description="per-transfer latency on the host link, s")
     eviction: Literal["lru"] = "lru"
+    chunk_tokens: int | None = Field(None, gt=0, le=2**20, description="tokens per offloaded block, a multiple of "
+                                     "engine.block_size (LMCache's chunk_size: 256); default: the GPU block")
+    # LMCache's local disk backend, one per replica (docs/kv-tiers.md#disk-and-remote-tiers); the bandwidths
+    # default to one PCIe 4.0 NVMe drive's sequential figures (Samsung 990 PRO datasheet: 7,450 / 6,900 MB/s)
+    disk_gib: float | None = Field(None, gt=0, le=2**20, description="local disk per replica for KV, GiB "
+                                   "(LMCache's max_local_disk_size); absent: no disk tier")
+    disk_read_gb_s: float = Field(7.45, gt=0, description="disk read bandwidth per replica, GB/s")
+    disk_write_gb_s: float = Field(6.9, gt=0, description="disk write bandwidth per replica, GB/s")
+    disk_latency_s: float = Field(1e-4, ge=0, description="per-transfer disk latency, s")
+    # LMCache's remote backend (a store the fleet shares: Redis, Mooncake, ...), over each GPU's NIC
+    remote_gib: float | None = Field(None, gt=0, le=2**30, description="the remote store's capacity for KV, GiB, "
+                                     "shared by all replicas; absent: no remote tier")
+    remote_link: str = Field("roce-100g", description="the NIC a replica reaches the store over (sim/data/links.yaml)")
+    remote_bandwidth_gb_s: float | None = Field(None, gt=0, description="GB/s per direction per GPU; default: the link's")
+    remote_latency_s: float | None = Field(None, ge=0, description="per-transfer latency, s; default: the link's")
+
+    @field_validator("remote_link")
+    @classmethod
+    def _known_link(cls, v: str) -> str:
+        from .model.links import link_names
+        if v not in link_names():
+            raise ValueError(f"unknown link {v!r}; known: {', '.join(link_names())}")
+        return v
 
 
 class PoolConfig(_Strict):
@@ -560,6 +583,10 @@ class SimConfig(_Strict):
         if self.trace_options.sessions is not None and self.fleet is not None:
             raise ValueError("trace_options.sessions: multi-turn sessions run on one pool of replicas (replicas, "
                              "router); a disaggregated fleet does not take them yet")
+        chunk = self.kv_offload.chunk_tokens if self.kv_offload is not None else None
+        if chunk is not None and chunk % self.engine.block_size:
+            raise ValueError(f"kv_offload.chunk_tokens: {chunk} is not a multiple of engine.block_size "
+                             f"({self.engine.block_size}); expected a whole number of GPU blocks per offloaded block")
         if self.trace_options.synthetic_sessions is not None and self.trace != SESSIONS_TRACE:
             raise ValueError(f"trace_options.synthetic_sessions sets the shape of trace: {SESSIONS_TRACE}; the trace "
                              f"is {self.trace!r}")

@@ -10,7 +10,8 @@ from typing import NamedTuple
 import pandas as pd
 
 from ..results.bench_compare import bench_model_mismatch, compare
-from ..cluster.connectors.offload import cpu_tier_spec, offload_connectors, offload_summary
+from ..cluster.connectors.offload import (cpu_tier_spec, lower_tier_specs, offload_connectors, offload_summary,
+                                         offload_unit)
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
 from .client import Frontend, client_view
@@ -190,7 +191,8 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
 def offload_of(plan: ResolvedRun):
     """build_engine's connector factory for the run's `kv_offload` section (given)."""
     cfg = plan.cfg
-    return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), cfg.engine.block_size)
+    return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), offload_unit(cfg.kv_offload, plan),
+                              lower_tier_specs(cfg.kv_offload, plan))
 
 
 def offload_figures(offload) -> dict:
