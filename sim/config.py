@@ -700,12 +700,12 @@ def read_config_file(path: str | Path, option: str = "--config ") -> dict:
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 sets: list[str] | tuple[str, ...] = ()) -> SimConfig:
     """Read an optional YAML file, apply dotted overrides (`{"engine.block_size": 32}`; None = not
-    given), then the command line's `--set KEY=VALUE` items, and validate."""
-    overrides = dict(overrides or {})
+    given), then the command line's `--set KEY=VALUE` items (`KEY=null`: the key set to null, as in a
+    YAML file), and validate."""
+    overrides = {key: value for key, value in (overrides or {}).items() if value is not None}
     for item in sets:
         key, value = parse_set_option(item)
         overrides[key] = value
-    overrides = {key: value for key, value in overrides.items() if value is not None}
     data = {} if path is None else read_config_file(path)
     return build_config(data, overrides, source="config" if path is None else str(path))
 
