@@ -17,12 +17,15 @@ slot reuse, paged_attention_v2's partition-relative score indices), each fact on
 spvllm-tail` shows where each strategy's p99 at budget 1,024 comes from (the run's tail; ~160 s CPU,
 ~5 s with `--setup spvllm-unfitted`).
 
-TokenSelect (selective attention at long contexts), the paper's Llama config (n_init 128 + top_k
-2,048 + n_local 512 = 2,688 tokens read, chunk_size 8,192): one selective layer's attention, full
-over selective, in decode (without the Selection Cache and with the reuse rate measured on
-SmolLM2-135M's queries, `--reuse-rate`, default 0.21 at threshold 0.9) and in chunked prefill with
-chunk-level selection (sim/kv/policies/selection_work.py), 8K-1M tokens (published: up to 23.84x
-attention, 2.28x end to end).
+TokenSelect (selective attention at long contexts), as the paper's code runs it (n_init 128 + top_k
+2,048 + n_local 512 = 2,688 tokens read, selection chunks of 512 queries in engine chunks of 8,192;
+sim/kv/policies/selection_work.py): attention time, full over selective with the selection's kernels
+(the K read of every key, the soft vote and top-k) as the simulator's step cost prices them, for
+Llama-3.1-8B on an A100-80GB (the paper's GPU) and an H100, 8K-1M tokens: one decode step (without
+the Selection Cache and with the reuse rate measured on SmolLM2-135M's queries, `--reuse-rate`,
+default 0.21 at threshold 0.9), a whole prefill, and one selection chunk at that context (where the
+speedup saturates); then the simulator on one request (H100): decode read, prefill steps' time and
+end to end (published: up to 23.84x attention, 2.28x end to end).
 
 Throughput headlines (`--only others`, ~100 s CPU, LeanKV's fast mode most of it), each against
 `none` on the same workload (closed batches; the workloads are this script's choices where the
@@ -40,7 +43,7 @@ share of H2O's evicted slots lying in wholly evicted pages (what free_block give
 attention against the importance model, per sequence on the head-averaged score (SpvLLM) and per head.
 
     python bench/bench_papers.py                # SpvLLM, TokenSelect, the others (~110 s CPU)
-    python bench/bench_papers.py --only tokenselect
+    python bench/bench_papers.py --only tokenselect     # ~2 s CPU
     python bench/bench_papers.py --only spvllm-code    # SpvLLM's own code path (~5 min CPU)
     python bench/bench_papers.py --only attention   # ~2 min CPU
 """
@@ -239,12 +242,28 @@ def tokenselect_attention(gpu: str, n: int, reuse_rate: float) -> dict[str, floa
     return out
 
 
+def tokenselect_bound(gpu: str) -> float:
+    """Where the attention speedup saturates (a selection chunk as the context grows), from the GPU's specs
+    and profile: c + 1 query-key pairs of compute per key for full attention (the step cost also counts
+    the chunk's read of each key as a pair) against the selection's read of the key's K (attn_bw_eff)
+    and its score bytes per layer (sim/kv/policies/selection_work.py, at copy_bw_eff)."""
+    from kvsim.sim.kv.policies.selection_work import PREFILL_CHUNK_SIZE, score_bytes_per_key
+    from kvsim.sim.model.cost_model import CostModel
+
+    cost = CostModel("llama-3.1-8b", gpu)
+    m, g, p = cost.model, cost.gpu, cost.profile
+    full = (PREFILL_CHUNK_SIZE + 1) * m.attention_flops_per_pair() / (g.peak_flops(m.activation_dtype) * p.attn_compute_eff)
+    k_read = cost.kv_bytes_per_token / 2 / (g.mem_bw * p.attn_bw_eff)
+    scores = m.num_layers * float(score_bytes_per_key(m.num_heads, 1 << 20)) / (g.mem_bw * p.copy_bw_eff)
+    return full / (k_read + scores)
+
+
 def print_tokenselect(reuse_rate: float) -> None:
     print(f"\nTokenSelect: attention speedup (full over selective, the selection's kernels included), Llama-3.1-8B, "
           f"{TOKENSELECT_READ:,} tokens read, selection chunk 512 in engine chunks of {TOKENSELECT_ENGINE_CHUNK:,}; "
           f"published: up to {TOKENSELECT_PUBLISHED}x (A100-80GB)")
     for gpu in ("a100-80gb", "h100"):
-        print(f"{gpu}:")
+        print(f"{gpu} (prefill saturates at {tokenselect_bound(gpu):.1f}x):")
         print(f"{'context':>9}{'decode':>9}{f'decode r={reuse_rate:g}':>15}{'prefill':>10}{'one chunk':>11}")
         for n in TOKENSELECT_CONTEXTS:
             t = tokenselect_attention(gpu, n, 0.0)
@@ -289,7 +308,7 @@ def print_tokenselect_simulated(reuse_rate: float) -> None:
     print(f"\nTokenSelect in the simulator (Llama-3.1-8B / H100, one request, prompt + 256 outputs, "
           f"reuse rate {reuse_rate:g}); published: up to {TOKENSELECT_PUBLISHED}x attention, 2.28x end to end")
     print(f"{'prompt':>9}{'decode read':>13}{'prefill (TTFT)':>16}{'end to end':>12}")
-    for n in (1 << 15, 1 << 17, 1 << 18, 1 << 20):
+    for n in (1 << 15, 1 << 16, 1 << 17, 1 << 18):      # 512K and more do not fit one H100's KV pool
         d, p, e = tokenselect_simulated(n, reuse_rate)
         print(f"{n // 1024:>8}K{d:>12.2f}x{p:>15.2f}x{e:>11.2f}x", flush=True)
 
