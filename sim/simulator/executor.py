@@ -6,8 +6,9 @@ engine runs after the step's attention, `KVManager.finish_step`): the bytes copi
 strategy, the per-head block-table entries, and the KV reads the policies leave (evicted tokens are not read, quantized precision groups read
 fewer bytes — `kv_tokens_read` is in fp16 token-equivalents — and selection policies read only
 what they select). A selection policy's `prefill_pairs` hook also sets the step's prefill
-query-key pairs (TokenSelect's chunk-level prefill selection; Quest's prefill is full attention over
-the prompt positions).
+query-key pairs (Quest's prefill is full attention over the prompt positions); one with a
+`prefill_cost` (TokenSelect) prices its selection kernels itself: each prefill chunk's pairs and
+reads, and the op bytes of every selection's soft vote and top-k (`_selection_step`).
 """
 from __future__ import annotations
 
@@ -76,19 +77,24 @@ class KVPolicyExecutor:
         self.cost = cost_model
         self.kv = kv
         self.last_effects = None
+        # a policy that prices its own selection kernels (TokenSelect): prefill_cost / decode_op_bytes
+        self._selection = kv.policy.prefill_cost(0, 1, kv.ctx) is not None
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """The step's shape (before the policies act); `complete` prices it with their effects."""
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
-        pairs = _policy_prefill_pairs(self.kv, out)
-        if pairs is not None:
-            shape.attn_pairs_prefill = pairs
+        if self._selection:
+            _selection_step(self.kv, out, shape)
+        else:
+            pairs = _policy_prefill_pairs(self.kv, out)
+            if pairs is not None:
+                shape.attn_pairs_prefill = pairs
         return StepResult(duration_s=float("nan"), predicted_s=float("nan"), shape=shape)
 
     def complete(self, result: StepResult, kv_effects: KVStepEffects) -> StepResult:
         shape = result.shape
         shape.bytes_moved = kv_effects.bytes_moved
-        shape.op_bytes = kv_effects.op_bytes
+        shape.op_bytes = shape.op_bytes + kv_effects.op_bytes if self._selection else kv_effects.op_bytes
         shape.op_flops = kv_effects.op_flops
         seconds = float(self.cost.predict(shape))
         self.last_effects = kv_effects
@@ -98,6 +104,29 @@ class KVPolicyExecutor:
 
     def predict_run(self, shape: BatchShape):
         return self.cost.predict(shape)
+
+
+def _selection_step(kv: EvictingManagerBase, out: SchedulerOutput, shape: BatchShape) -> None:
+    """A selection policy's own pricing of the step (TokenSelect, sim/kv/policies/selection_work.py):
+    each prefill chunk's pairs and reads from `prefill_cost` (the selected tokens and the scoring's read
+    of all K, in place of the engine's count), decodes read what `kv_tokens` says (the policy's
+    `read_tokens`), and the soft vote and top-k of every selection as op bytes."""
+    policy, ctx = kv.policy, kv.ctx
+    pairs = 0.0
+    kv_read = 0.0
+    op_bytes = 0.0
+    for s in out.scheduled:
+        if s.is_prefill:
+            c = policy.prefill_cost(s.request.num_computed_tokens, s.num_new_tokens, ctx)
+            pairs += c.pairs
+            kv_read += c.kv_read
+            op_bytes += c.op_bytes
+        else:
+            kv_read += s.context_before + s.num_new_tokens
+            op_bytes += policy.decode_op_bytes(s.request.num_computed_tokens + s.num_new_tokens, ctx)
+    shape.attn_pairs_prefill = pairs
+    shape.kv_tokens_read = kv_read
+    shape.op_bytes = op_bytes
 
 
 def _policy_prefill_pairs(kv: EvictingManagerBase, out: SchedulerOutput) -> float | None:
