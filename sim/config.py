@@ -375,8 +375,12 @@ class KVOffloadConfig(_Strict):
                                          "default: the GPU's PCIe x the profile's pcie_eff x tp")
     latency_s: float = Field(1e-5, ge=0, description="per-transfer latency on the host link, s")
     eviction: Literal["lru"] = "lru"
+    connector: Literal["offloading", "lmcache"] = Field(
+        "offloading", description="offloading: vLLM's OffloadingConnector (loads and stores beside the steps); "
+        "lmcache: LMCache's connector (a hit loaded and new chunks saved inside the step, 256-token chunks)")
     chunk_tokens: int | None = Field(None, gt=0, le=2**20, description="tokens per offloaded block, a multiple of "
-                                     "engine.block_size (LMCache's chunk_size: 256); default: the GPU block")
+                                     "engine.block_size; default: 256 with connector lmcache (LMCache's "
+                                     "chunk_size), else the GPU block")
     # LMCache's local disk backend, one per replica (docs/kv-tiers.md#disk-and-remote-tiers); the bandwidths
     # default to one PCIe 4.0 NVMe drive's sequential figures (Samsung 990 PRO datasheet: 7,450 / 6,900 MB/s)
     disk_gib: float | None = Field(None, gt=0, le=2**20, description="local disk per replica for KV, GiB "

@@ -1,6 +1,7 @@
 """LMCache's tiers behind the CPU (sim/cluster/connectors/offload.py's LowerTier): a local disk per replica
 and a remote store the fleet shares, written through from the CPU and read back in LMCache's prefix
 order, run end to end through the real engine with the invariants checked at every step."""
+import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import given, settings
@@ -9,8 +10,7 @@ from hypothesis import strategies as st
 from shared_documents import document_requests  # tests/shared_documents.py
 
 from kvsim.sim.cli.options import parse_offload, tier_overrides
-from kvsim.sim.cluster.connectors.offload import (cpu_tier_spec, lower_tier_specs, offload_connectors,
-                                                  offload_summary, offload_unit)
+from kvsim.sim.cluster.connectors.offload import offload_summary
 from kvsim.sim.cluster.links import LinkSpec
 from kvsim.sim.cluster.tiers import BlockTier, TierSpec
 from kvsim.sim.config import ConfigError, load_config
@@ -19,6 +19,7 @@ from kvsim.sim.engine.assembly import build_engine, load_workload
 from kvsim.sim.engine.resolved_run import resolve_run
 from kvsim.sim.results.metrics import StepLog
 from kvsim.sim.simulator.executor import replica_parts
+from kvsim.sim.simulator.simulate import offload_of
 
 # a GPU pool of 300 blocks and a CPU tier of 0.25 GiB (8 chunks of 256 tokens): both forget the
 # documents between their reuses; the disk and the remote store do not
@@ -31,9 +32,7 @@ def tiered_run(fast_forward: bool = True, replicas: int = 1, **tiers):
                              **{f"kv_offload.{k}": v for k, v in tiers.items()}})
     plan = resolve_run(cfg, trace=load_workload(cfg))
     requests = document_requests(60, 3, documents=8, chunks=(4, 12), mean_gap_s=0.15, max_output=64)
-    offload = cfg.kv_offload
-    factory = offload_connectors(cpu_tier_spec(offload, plan), offload_unit(offload, plan),
-                                 lower_tier_specs(offload, plan))
+    factory = offload_of(plan)           # the simulator's own connector factory for the run's kv_offload
     run = build_engine(plan, requests, StepLog(None), lambda i: replica_parts(plan, i), connector=factory)
     assert run.drive(catch=()) is None
     assert all(r.status == RequestStatus.FINISHED for r in requests)
@@ -140,3 +139,21 @@ def test_a_written_through_tier_holds_its_invariants_under_random_operations(cap
             tier.complete_load([reading.pop(0)])
         tier.check_invariants()
         assert len(tier) <= capacity
+
+
+def test_lmcache_loads_and_saves_inside_the_step_and_fast_forward_matches_stepping():
+    """connector lmcache: a CPU hit is scheduled at once and the step that computes the rest of its prompt
+    waits for the load (no WAITING_FOR_REMOTE_KVS); the chunks a step fills are saved before the next step."""
+    in_step, (conn,) = tiered_run(connector="lmcache")
+    stepped, _ = tiered_run(fast_forward=False, connector="lmcache")
+    pd.testing.assert_frame_equal(frame(in_step), frame(stepped))
+    assert conn.in_step and conn.block_size == 256
+    loaded = [r for r in in_step if r.num_external_computed_tokens]
+    assert loaded
+    for r in loaded:
+        load = [t for t in r.route.transfers if t.kind == "load"][-1]
+        assert r.token_times[0] >= load.end_s                  # its first token after the load it waited for
+    beside, _ = tiered_run()
+    first = lambda reqs: np.mean([r.token_times[0] - r.arrival_time for r in reqs])   # noqa: E731
+    assert first(in_step) != first(beside)
+    assert not any(conn._storing.values()) and not conn._pending and not conn._loads

@@ -56,6 +56,9 @@ class Trace:
     request_labels: dict[int, str] | None = None
     # a workload spec's trace (traces/workload.py): each request's client class and the classes' SLOs
     workload_classes: Any = None
+    # sessions whose conversations all begin with the same tokens (vLLM's multi-turn common prefix): the
+    # prefix cache shares those across sessions (sim/engine/sessions.py)
+    shared_prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.df = _canonical_frame(self.df, self.source or self.name)

@@ -192,7 +192,7 @@ def offload_of(plan: ResolvedRun):
     """build_engine's connector factory for the run's `kv_offload` section (given)."""
     cfg = plan.cfg
     return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), offload_unit(cfg.kv_offload, plan),
-                              lower_tier_specs(cfg.kv_offload, plan))
+                              lower_tier_specs(cfg.kv_offload, plan), in_step=cfg.kv_offload.connector == "lmcache")
 
 
 def offload_figures(offload) -> dict:

@@ -31,6 +31,13 @@ store crosses that tier's read link, then the host-to-device link; one read from
 written back to the CPU (`batched_get`'s write-back). The unit stored is `kv_offload.chunk_tokens`
 tokens (LMCache: 256; vLLM's OffloadingConnector: the GPU block).
 
+LMCache's own connector (`kv_offload.connector: lmcache`, LMCacheConnectorV1 without layer-wise mode) moves
+KV inside the step instead of beside it: a prefix hit is loaded before the forward that computes the rest of
+the prompt (`get_num_new_matched_tokens` returns (tokens, False): the request is scheduled at once and the
+step waits for the load: `start_load_kv`), and the chunks a step fills are saved at its end before the next
+one starts (`wait_for_save`); both add their link time to the step (`KVTransferStep`), so they slow every
+request in the batch, not only the one loading.
+
 Simplifications (what differs from vLLM, and why it matters little here): only prompt blocks are stored
 (a trace names content by prompt ids only, so generated blocks can never be hit by another request; their
 copies would add device-to-host traffic, small for short answers); a block is the GPU block (vLLM's
@@ -76,9 +83,12 @@ class OffloadingConnector:
     `lower`: the disk and remote tiers behind the CPU, in LMCache's order."""
 
     def __init__(self, tier: BlockTier, to_tier: Link, from_tier: Link, block_size: int,
-                 clock: Callable[[], float], name: str = "replica", lower: tuple[LowerTier, ...] = ()):
+                 clock: Callable[[], float], name: str = "replica", lower: tuple[LowerTier, ...] = (),
+                 in_step: bool = False):
         self.tier, self.to_tier, self.from_tier = tier, to_tier, from_tier
         self.lower = lower
+        self.in_step = in_step             # LMCache: loads and saves inside the step (see the module doc)
+        self._step_load_s = 0.0
         self.block_size = block_size
         self.clock = clock
         self.name = name
@@ -122,7 +132,7 @@ class OffloadingConnector:
             if hits == len(keys):
                 break
             hits += path.tier.lookup(keys[hits:], now)
-        return hits * bs, hits > 0
+        return hits * bs, hits > 0 and not self.in_step
 
     def update_state_after_alloc(self, req, num_external_tokens: int) -> None:
         # called once per admitted request (not per schedule that tried it): the lookup counted here
@@ -146,11 +156,15 @@ class OffloadingConnector:
             route_of(req).transfers.append(Transfer("load", self.tier.spec.name, self.name, len(keys) * bs, nbytes,
                                                     start, cpu_end))
             end = max(end, cpu_end)
-        self._loading[req] = keys
         self._next_stored[req] = first + num_external_tokens // bs     # loaded blocks are not stored again
-        self._loads.add(end, req)
         self.load_s += end - now
         self.num_loads += 1
+        if self.in_step:                   # read before this step's forward, which waits for it
+            self._step_load_s = max(self._step_load_s, end - now)
+            self._loads_done(req, keys)
+            return
+        self._loading[req] = keys
+        self._loads.add(end, req)
 
     def build_connector_meta(self, out) -> KVTransferStep | None:
         for req in out.preempted:
@@ -164,7 +178,30 @@ class OffloadingConnector:
                 self._next_stored[req] = full
                 self._pending.append((req, self.block_hashes(req, full)[first:]))
                 self._storing[req] = self._storing.get(req, 0) + 1
+        if self.in_step:
+            return self._step_transfers()
         return None                                     # nothing the step itself waits for
+
+    def _step_transfers(self) -> KVTransferStep | None:
+        """LMCache's in-step transfers: this step's loads (the longest: they share the host link, whose
+        queue the reservations already hold), then the saves of the chunks it fills at its end."""
+        now, save_s = self.clock(), 0.0
+        pending, self._pending = self._pending, []
+        for req, keys in pending:
+            new = self.tier.prepare_store(keys)
+            self._storing.pop(req, None)
+            if not new:
+                continue
+            nbytes = len(new) * self.tier.spec.bytes_per_block
+            start, end = self.to_tier.reserve(now, nbytes)
+            route_of(req).transfers.append(Transfer("store", self.name, self.tier.spec.name,
+                                                    len(new) * self.block_size, nbytes, start, end))
+            save_s = max(save_s, end - now)
+            self.tier.complete_store(new)
+            if self.lower:
+                self._write_through(new, end)
+        load_s, self._step_load_s = self._step_load_s, 0.0
+        return KVTransferStep(load_s=load_s, save_s=save_s) if load_s or save_s else None
 
     def request_finished(self, req) -> bool:
         self._keys.pop(req, None)
@@ -185,12 +222,15 @@ class OffloadingConnector:
             self._store_done(req, sent)
         received = self._loads.done(now)
         for req in received:
-            self.tier.complete_load(self._loading.pop(req))
-            for path, keys in self._loading_lower.pop(req, ()):
-                path.tier.complete_load(keys)
-                if path.write_back:
-                    self._write_back(keys)
+            self._loads_done(req, self._loading.pop(req))
         return FinishedTransfers(received, sent)
+
+    def _loads_done(self, req, cpu_keys: list) -> None:
+        self.tier.complete_load(cpu_keys)
+        for path, keys in self._loading_lower.pop(req, ()):
+            path.tier.complete_load(keys)
+            if path.write_back:
+                self._write_back(keys)
 
     # ----- the tiers behind the CPU (LMCache's disk and remote backends) --------------------------
     def _load_lower(self, req, keys: list, now: float) -> float:
@@ -268,9 +308,15 @@ class OffloadingConnector:
             path.tier.check_invariants()
 
 
+LMCACHE_CHUNK_TOKENS = 256      # LMCache's default chunk_size
+
+
 def offload_unit(offload, plan) -> int:
-    """Tokens per offloaded block: `kv_offload.chunk_tokens` (LMCache's chunk), else the GPU block."""
-    return offload.chunk_tokens or plan.cfg.engine.block_size
+    """Tokens per offloaded block: `kv_offload.chunk_tokens`, else LMCache's chunk (its connector) or the
+    GPU block (vLLM's OffloadingConnector)."""
+    if offload.chunk_tokens:
+        return offload.chunk_tokens
+    return LMCACHE_CHUNK_TOKENS if offload.connector == "lmcache" else plan.cfg.engine.block_size
 
 
 def cpu_tier_spec(offload, plan) -> TierSpec:
@@ -310,10 +356,12 @@ def _capacity_blocks(gib: float, bytes_per_block: float, field: str) -> int:
     return capacity
 
 
-def offload_connectors(spec: TierSpec, block_size: int, lower: tuple[TierSpec, ...] = ()) -> Callable:
+def offload_connectors(spec: TierSpec, block_size: int, lower: tuple[TierSpec, ...] = (),
+                       in_step: bool = False) -> Callable:
     """build_engine's `connector(index, clock)`: each replica its own CPU tier and PCIe link pair, its own
-    disk, and the remote store every replica shares (each over its own links); the connectors made are
-    kept in the returned callable's `.made` list (for the run's summary)."""
+    disk, and the remote store every replica shares (each over its own links); `in_step`: LMCache's
+    connector (loads and saves inside the step). The connectors made are kept in the returned callable's
+    `.made` list (for the run's summary)."""
     made: list[OffloadingConnector] = []
     shared = {s.name: BlockTier(s) for s in lower if s.name == "remote"}
 
@@ -321,7 +369,7 @@ def offload_connectors(spec: TierSpec, block_size: int, lower: tuple[TierSpec, .
         paths = tuple(LowerTier(shared[s.name] if s.name in shared else BlockTier(s), Link(s.link),
                                 Link(s.read_link or s.link), write_back=s.name in shared) for s in lower)
         conn = OffloadingConnector(BlockTier(spec), Link(spec.link), Link(spec.link), block_size,
-                                   lambda: clock.now, name=f"replica{index}", lower=paths)
+                                   lambda: clock.now, name=f"replica{index}", lower=paths, in_step=in_step)
         made.append(conn)
         return conn
     make.made = made        # type: ignore[attr-defined]  # the run's summary reads the connectors it made
