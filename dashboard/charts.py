@@ -417,3 +417,16 @@ def predicted_vs_measured(steps: pd.DataFrame, kind: pd.Series | None = None, ma
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log")
     return _legend_below(fig)
+
+
+def tier_occupancy_figure(tiers: pd.DataFrame, title: str) -> go.Figure:
+    """The KV offload tiers' blocks held over time (tiers.parquet), each over its capacity."""
+    fig = _fig(title, "time (s)", "share of the tier's capacity")
+    for i, (name, rows) in enumerate(tiers.groupby("tier", sort=False)):
+        capacity = rows["capacity_blocks"].to_numpy(float)
+        fig.add_trace(go.Scatter(x=rows["time_s"], y=rows["blocks_held"] / capacity, mode="lines", line_shape="hv",
+                                 name=f"{name} ({int(capacity[-1]):,} blocks)", line=dict(color=RUN_COLORS[i % len(RUN_COLORS)]),
+                                 customdata=rows["blocks_held"],
+                                 hovertemplate="t=%{x:.0f} s: %{y:.1%} (%{customdata:,} blocks)<extra></extra>"))
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    return _legend_below(fig)

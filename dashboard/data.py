@@ -88,6 +88,7 @@ class RunRecord:
     steps: pd.DataFrame
     config: dict = field(default_factory=dict)
     path: Path | None = None           # its run directory (every dashboard run has one)
+    tiers: pd.DataFrame | None = None  # tiers.parquet: the KV offload tiers' occupancy over time (with kv_offload)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def memo(self, key, compute):
@@ -171,8 +172,9 @@ def load_run_dir(path: str | Path, label: str | None = None) -> RunRecord:
     if not isinstance(summary, dict) or not isinstance(config, dict):
         raise DataError(f"{d}: summary.json and config.yaml must each hold a mapping")
     check_summary(summary, d / "summary.json")
+    tiers = read_parquet(d / "tiers.parquet", TIER_COLUMNS) if (d / "tiers.parquet").exists() else None
     return RunRecord(label or run_label(d), summary, read_parquet(d / "requests.parquet"),
-                     read_parquet(d / "steps.parquet"), config, d)
+                     read_parquet(d / "steps.parquet"), config, d, tiers)
 
 
 # summary.json figures the pages read: the counts must be there, every one a number (or null: not measured)
@@ -200,6 +202,7 @@ def check_summary(summary: dict, where: Path) -> None:
 RUNS_DIR = "dashboard-runs"       # where the dashboard's own runs go, under the data root
 LABEL_FILE = "dashboard.json"     # the label a dashboard run was given (CLI runs: their path)
 RUN_FILES = ("summary.json", "requests.parquet", "steps.parquet")
+TIER_COLUMNS = ("time_s", "tier", "blocks_held", "capacity_blocks")
 
 
 def is_run_dir(path: Path) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from plotly_json import figure, trace_in, values  # tests/plotly_json.py
 from streamlit.testing.v1 import AppTest
@@ -124,3 +125,14 @@ def test_one_replica_has_no_per_replica_panels(tmp_path, monkeypatch):
     run_simulation(load_config(None, {"trace_options.max_requests": 10}), tmp_path / "one")
     at = time_series_page("one")
     assert "Per replica" not in [h.value for h in at.subheader]
+
+
+def test_time_series_draws_the_offload_tiers_occupancy(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
+    run_simulation(load_config(None, {**OFFLOAD, "kv_offload.disk_gib": 2}), tmp_path / "tiers")
+    tiers = pd.read_parquet(tmp_path / "tiers" / "tiers.parquet")
+    fig = figure(time_series_page("tiers"), "tiers: KV offload tiers over time")
+    lines = {t["name"].split(" ")[0]: values(t["y"]) for t in fig["data"]}
+    assert set(lines) == {"cpu", "disk"}
+    for name, rows in tiers.groupby("tier"):
+        assert lines[name] == pytest.approx((rows["blocks_held"] / rows["capacity_blocks"]).to_numpy())

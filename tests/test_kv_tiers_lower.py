@@ -157,3 +157,22 @@ def test_lmcache_loads_and_saves_inside_the_step_and_fast_forward_matches_steppi
     first = lambda reqs: np.mean([r.token_times[0] - r.arrival_time for r in reqs])   # noqa: E731
     assert first(in_step) != first(beside)
     assert not any(conn._storing.values()) and not conn._pending and not conn._loads
+
+
+def test_tiers_parquet_gives_each_tiers_occupancy_over_time(tmp_path):
+    from kvsim.sim.simulator.simulate import run_simulation
+    cfg = load_config(None, {**SMALL, "trace": "mooncake-conversation", "trace_options.max_requests": 120,
+                             "replicas": 2, "kv_offload.disk_gib": 1, "kv_offload.remote_gib": 4})
+    s = run_simulation(cfg, tmp_path / "run").summary["kv_offload"]
+    tiers = pd.read_parquet(tmp_path / "run" / "tiers.parquet")
+    assert list(tiers["tier"].unique()) == ["cpu", "disk", "remote"]
+    for _, rows in tiers.groupby("tier"):
+        held = rows["blocks_held"].to_numpy()
+        assert (np.diff(rows["time_s"].to_numpy()) == 1.0).all()      # one row a second
+        assert (held <= rows["capacity_blocks"].to_numpy()).all() and held.max() > 0
+        assert (np.diff(held) >= 0).all()           # a tier only evicts to make room: what it holds never shrinks
+    last = tiers.groupby("tier")["blocks_held"].last()
+    lower = s["lower_tiers"]
+    assert last["disk"] == lower["disk"]["blocks_held"] and last["remote"] == lower["remote"]["blocks_held"]
+    assert tiers[tiers["tier"] == "disk"]["capacity_blocks"].iloc[0] == lower["disk"]["capacity_blocks"]
+    assert tiers[tiers["tier"] == "remote"]["capacity_blocks"].iloc[0] == lower["remote"]["capacity_blocks"]

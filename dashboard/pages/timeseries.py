@@ -52,3 +52,10 @@ if is_fleet_run(run):
                "disaggregated request counts on its decode replica). Running, waiting and KV cache usage are "
                "duration-weighted means over each replica's steps (they add up to the fleet's panels); the "
                "prefix hit rate is over the prompt tokens each replica admitted in the window.")
+if run.tiers is not None and len(run.tiers):
+    st.subheader("KV offload tiers")
+    st.plotly_chart(charts.tier_occupancy_figure(run.tiers, f"{run.label}: KV offload tiers over time"),
+                    key="ts_tiers", config=charts.PLOT_CONFIG)
+    st.caption("Blocks each tier holds (of `kv_offload.chunk_tokens` tokens), over its capacity: the CPU and the disk "
+               "summed over the replicas, the remote store once (every replica shares it); one sample a second of "
+               "simulated time (tiers.parquet). A tier that stays full evicts least recently used blocks.")

@@ -183,7 +183,8 @@ def simulate(
         fail(f"--out {out}: cannot write the results: {exc.strerror or exc}", code=1)
     if not quiet:
         print_summary(result.summary)
-    console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
+    tiers = ", tiers.parquet" if cfg.kv_offload is not None else ""
+    console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml{tiers}")
 
 
 

@@ -48,6 +48,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
+import pandas as pd
+
 from ...core.connector import FinishedTransfers, KVTransferStep
 
 from ..links import Link
@@ -88,6 +91,8 @@ class OffloadingConnector:
         self.tier, self.to_tier, self.from_tier = tier, to_tier, from_tier
         self.lower = lower
         self.in_step = in_step             # LMCache: loads and saves inside the step (see the module doc)
+        self.occupancy: list[tuple] = []   # (time, blocks held per tier: CPU, then the lower tiers), sampled
+        self._next_sample_s = 0.0
         self._step_load_s = 0.0
         self.block_size = block_size
         self.clock = clock
@@ -212,6 +217,8 @@ class OffloadingConnector:
         return False
 
     def get_finished(self, now: float) -> FinishedTransfers:
+        if now >= self._next_sample_s:
+            self._sample(now)
         sent: list = []
         if self._pending:
             self._start_stores(now, sent)
@@ -224,6 +231,12 @@ class OffloadingConnector:
         for req in received:
             self._loads_done(req, self._loading.pop(req))
         return FinishedTransfers(received, sent)
+
+    def _sample(self, now: float) -> None:
+        """The tiers' blocks held now, at most once per OCCUPANCY_SAMPLE_S of simulated time (the engine
+        polls at every step end; an idle replica's tiers do not change until it polls again)."""
+        self.occupancy.append((now, len(self.tier), *(len(path.tier) for path in self.lower)))
+        self._next_sample_s = (now // OCCUPANCY_SAMPLE_S + 1) * OCCUPANCY_SAMPLE_S
 
     def _loads_done(self, req, cpu_keys: list) -> None:
         self.tier.complete_load(cpu_keys)
@@ -309,6 +322,7 @@ class OffloadingConnector:
 
 
 LMCACHE_CHUNK_TOKENS = 256      # LMCache's default chunk_size
+OCCUPANCY_SAMPLE_S = 1.0        # tiers.parquet: one sample of each replica's tiers per simulated second at most
 
 
 def offload_unit(offload, plan) -> int:
@@ -422,3 +436,28 @@ def lower_tier_summary(connectors: list[OffloadingConnector]) -> dict:
             **({"blocks_written_back_to_cpu": sum(c.blocks_written_back for c in connectors)} if path.write_back else {}),
         }
     return out
+
+
+def tier_occupancy(connectors: list[OffloadingConnector]) -> pd.DataFrame:
+    """tiers.parquet: per second of simulated time and tier, the blocks held (each replica's last sample
+    in the second, carried forward while it did not poll; CPU and disk summed over the replicas, the
+    shared remote store counted once) and the tier's capacity, in blocks of `chunk_tokens`."""
+    first = connectors[0]
+    names = [first.tier.spec.name, *(p.tier.spec.name for p in first.lower)]
+    shared = [i > 0 and first.lower[i - 1].write_back for i in range(len(names))]
+    end = max((c.occupancy[-1][0] for c in connectors if c.occupancy), default=0.0)
+    seconds = np.arange(int(end // OCCUPANCY_SAMPLE_S) + 1) * OCCUPANCY_SAMPLE_S
+    held = np.zeros((len(seconds), len(names)))
+    for c in connectors:
+        if not c.occupancy:
+            continue
+        samples = np.asarray(c.occupancy, dtype=np.float64)
+        last = np.searchsorted(samples[:, 0], seconds + OCCUPANCY_SAMPLE_S, side="left") - 1
+        values = np.where(last[:, None] >= 0, samples[np.maximum(last, 0), 1:], 0.0)
+        for j in range(len(names)):
+            held[:, j] = np.maximum(held[:, j], values[:, j]) if shared[j] else held[:, j] + values[:, j]
+    capacity = [sum(c.tier.capacity for c in connectors)] + [
+        p.tier.capacity * (1 if shared[i + 1] else len(connectors)) for i, p in enumerate(first.lower)]
+    return pd.DataFrame({"time_s": np.repeat(seconds, len(names)), "tier": names * len(seconds),
+                         "blocks_held": held.reshape(-1).astype(np.int64),
+                         "capacity_blocks": np.tile(capacity, len(seconds)).astype(np.int64)})
