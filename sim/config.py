@@ -587,6 +587,10 @@ class SimConfig(_Strict):
         if self.trace_options.sessions is not None and self.fleet is not None:
             raise ValueError("trace_options.sessions: multi-turn sessions run on one pool of replicas (replicas, "
                              "router); a disaggregated fleet does not take them yet")
+        if self.kv_offload is not None and self.engine.preemption_mode == "swap":
+            raise ValueError("engine.preemption_mode with kv_offload: vLLM v1 has no swap (vLLM v0's CPU swap space); a "
+                             "preempted request's stored blocks come back from the CPU tier instead "
+                             "(docs/kv-tiers.md#preemption-and-the-cpu-tier); expected recompute, got swap")
         chunk = self.kv_offload.chunk_tokens if self.kv_offload is not None else None
         if chunk is not None and chunk % self.engine.block_size:
             raise ValueError(f"kv_offload.chunk_tokens: {chunk} is not a multiple of engine.block_size "

@@ -176,3 +176,28 @@ def test_tiers_parquet_gives_each_tiers_occupancy_over_time(tmp_path):
     assert last["disk"] == lower["disk"]["blocks_held"] and last["remote"] == lower["remote"]["blocks_held"]
     assert tiers[tiers["tier"] == "disk"]["capacity_blocks"].iloc[0] == lower["disk"]["capacity_blocks"]
     assert tiers[tiers["tier"] == "remote"]["capacity_blocks"].iloc[0] == lower["remote"]["capacity_blocks"]
+
+
+def test_a_preempted_request_gets_its_stored_blocks_back_from_the_cpu_tier():
+    """vLLM v1 has no swap: a preempted request is recomputed, except the blocks the CPU tier stored, which
+    its re-admission loads (the tier is where swapped KV goes in v1); swap mode with a tier is refused."""
+    from kvsim.sim.engine.assembly import build_engine as build
+
+    def run(cpu_gib):
+        sets = {"engine.num_gpu_blocks": 400, "engine.enable_prefix_caching": True, "trace_options.max_requests": 1,
+                "check_invariants": True, **({"kv_offload.cpu_gib": cpu_gib} if cpu_gib else {})}
+        cfg = load_config(None, sets)
+        plan = resolve_run(cfg, trace=load_workload(cfg))
+        reqs = document_requests(40, 5, documents=8, chunks=(4, 10), mean_gap_s=0.05, max_output=800)
+        log = StepLog(None)
+        assert build(plan, reqs, log, lambda i: replica_parts(plan, i),
+                     connector=offload_of(plan) if cpu_gib else None).drive(catch=()) is None
+        return reqs, log.to_pandas()
+
+    tiered, steps = run(4)
+    plain, plain_steps = run(None)
+    preempted = [r for r in tiered if r.num_preemptions]
+    assert preempted and sum(r.num_external_computed_tokens for r in preempted) > 0
+    assert steps["prefill_tokens"].sum() < plain_steps["prefill_tokens"].sum()
+    with pytest.raises(ConfigError, match="vLLM v1 has no swap.*expected recompute, got swap"):
+        load_config(None, {"kv_offload.cpu_gib": 4, "engine.preemption_mode": "swap"})
