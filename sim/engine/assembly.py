@@ -170,7 +170,8 @@ def _requests(trace, entry) -> list[Request]:
 def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfig:
     eng = cfg.engine
     return SchedulerConfig(
-        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens,
+        # pipeline parallelism: a step is a round of pp in-flight batches, each with its own token budget
+        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens * cfg.pp,
         long_prefill_token_threshold=eng.long_prefill_token_threshold, max_model_len=max_model_len,
         enable_chunked_prefill=eng.enable_chunked_prefill, policy=eng.scheduling_policy,
         preemption_mode=eng.preemption_mode, async_scheduling=bool(eng.async_scheduling),
