@@ -580,8 +580,9 @@ class SimConfig(_Strict):
         if (self.pp > 1 or self.dp > 1) and self.fleet is not None:
             raise ValueError("pp and dp shape one pool of replicas; a disaggregated fleet (fleet:) does not take them yet")
         if self.dp > 1 and not get_model(self.model).is_moe:
-            raise ValueError(f"dp {self.dp}: data-parallel attention needs a mixture-of-experts model ({self.model} is "
-                             f"dense: its DP ranks are independent replicas, replicas: {self.dp})")
+            raise ValueError(f"dp (data-parallel attention) needs a mixture-of-experts model, got dp {self.dp} with "
+                             f"the dense {self.model}, whose DP ranks are independent replicas: give replicas {self.dp} "
+                             "(--replicas) and router least_outstanding")
         if self.trace_options.synthetic_sessions is not None and self.trace != SESSIONS_TRACE:
             raise ValueError(f"trace_options.synthetic_sessions sets the shape of trace: {SESSIONS_TRACE}; the trace "
                              f"is {self.trace!r}")

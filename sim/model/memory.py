@@ -233,13 +233,14 @@ def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None
     pool_blocks = num_blocks * rows
     kind = "array" if not kv.is_default else "prefix_caching" if eng.enable_prefix_caching else "plain"
     per_block = POOL_BYTES_PER_BLOCK[kind] + (INVARIANT_CHECK_BYTES_PER_BLOCK if cfg.check_invariants else 0)
-    parts = [("KV block pool", f"{cfg.replicas} replica(s) x {pool_blocks} blocks x {per_block} B",
-              "--num-gpu-blocks", cfg.replicas * pool_blocks * per_block)]
+    engines = cfg.engine_ranks
+    parts = [("KV block pool", f"{engines} replica(s) x {pool_blocks} blocks x {per_block} B",
+              "--num-gpu-blocks", engines * pool_blocks * per_block)]
     if kv.mode == "fast" and fast_profile is not None:
         slab, budget, window = _fast_slab_bytes(cfg, fast_profile, rows, trace, eng.max_num_seqs)
         option = "--budget" if kv.budget is not None else f"kv.params of {kv.policy} (its window)"
         parts.append(("fast-mode slabs", f"{budget} budget and {window} window tokens a row, "
-                      f"{cfg.replicas} replica(s)", option, cfg.replicas * slab))
+                      f"{engines} replica(s)", option, engines * slab))
     if trace is not None:
         outputs = int(trace.df["output_tokens"].sum())
         parts.append(("requests", f"{len(trace)} requests, {outputs} output tokens", "--max-requests",

@@ -56,9 +56,9 @@ def pp_layer_split(num_layers: int, pp: int) -> list[int]:
     """Decoder layers of each of `pp` stages as vLLM splits them (vllm.distributed.utils.get_pp_indices):
     num_layers // pp each, the remainder one more to each stage counted back from the second-to-last."""
     if pp < 1:
-        raise ParallelismError(f"pipeline_parallel_size must be >= 1, got {pp}")
+        raise ParallelismError(f"pp (--pipeline-parallel-size) must be >= 1, got {pp}")
     if pp > num_layers:
-        raise ParallelismError(f"pipeline_parallel_size {pp} exceeds the model's {num_layers} decoder layers "
+        raise ParallelismError(f"pp (--pipeline-parallel-size) {pp} exceeds the model's {num_layers} decoder layers "
                                "(every stage needs at least one)")
     parts = [num_layers // pp] * pp
     for i in range(2, num_layers % pp + 2):
@@ -204,7 +204,7 @@ class DPAttentionPricing:
         tp = cost.tp
         self.gpus = dp * tp
         if m.num_experts < self.gpus:
-            raise ParallelismError(f"data-parallel attention with expert parallelism: {m.num_experts} experts of "
+            raise ParallelismError(f"dp (--data-parallel-size) {dp}: {m.num_experts} experts of "
                                    f"{m.name} over dp {dp} x tp {tp} = {self.gpus} GPUs leaves GPUs without an "
                                    "expert; expected experts >= dp x tp")
         p, g = cost.profile, cost.gpu
