@@ -185,11 +185,12 @@ class DPAttentionPricing:
     (module docstring). `cost` is a rank's cost model (TP GPUs, the whole model on its own batch); the
     MoE part of the step is re-priced for the group:
 
-        rank time  = cost(own batch) - moe(own tokens at TP) + moe(all ranks' tokens over D x TP GPUs)
+        rank time  = max(cost(own batch) - moe(own tokens at TP), 0)
+                     + moe(all ranks' tokens over D x TP GPUs)
                      + all-to-all(the largest rank's tokens)
         step       = max over ranks (idle ranks: moe and all-to-all only, their dummy batch)
 
-    moe(T over G GPUs) = layers_moe x max(T x top_k x expert FLOPs / G / peak / eff,
+    moe(T over G GPUs) = layers_moe x max(T x top_k x expert FLOPs / G / peak / eff(T),
                                           distinct experts of T x expert bytes / G / bandwidth / eff)
     all-to-all(T) = MoE layers x 2 x top_k x hidden x act bytes x T / TP x (G - 1) / G / link
                     + 2 x MoE layers x link latency.
@@ -233,7 +234,7 @@ class DPAttentionPricing:
             return 0.0
         m = self.cost.model
         pairs = tokens * m.experts_per_token
-        compute = pairs * self._expert_flop_s / gpus / self._eff(pairs / m.num_experts)
+        compute = pairs * self._expert_flop_s / gpus / self._eff(tokens)     # the cost model's efficiency by tokens
         memory = float(expected_distinct_experts(m.num_experts, m.experts_per_token, tokens)) * self._expert_byte_s \
             / gpus / self._bw_eff
         return max(compute, memory)
@@ -252,6 +253,6 @@ class DPAttentionPricing:
         tp = self.cost.tp
         slowest = 0.0
         for t_r, n in zip(own, tokens, strict=True):
-            rank = (0.0 if t_r is None else t_r - self.moe_seconds(n, tp)) + moe_group + a2a
+            rank = (0.0 if t_r is None else max(t_r - self.moe_seconds(n, tp), 0.0)) + moe_group + a2a
             slowest = max(slowest, rank)
         return slowest
