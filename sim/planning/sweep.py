@@ -396,7 +396,7 @@ def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
     so an SLO failure is never the cheapest."""
 
     if cfg.fleet is None:
-        gpus = cfg.tp * cfg.replicas
+        gpus = cfg.gpus_per_replica * cfg.replicas
         usd_per_hour = cfg.gpu_usd_per_hour() * gpus
     else:                               # a disaggregated fleet: both pools' GPUs at their own price
         pools = [(p.gpu or cfg.gpu, (p.tp or cfg.tp) * p.replicas) for p in (cfg.fleet.prefill, cfg.fleet.decode)]
