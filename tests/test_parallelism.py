@@ -178,3 +178,23 @@ def test_dp_balance_routes_as_vllm():
     busy = [rank(0, running=2, waiting=2, used=95), rank(1, running=3, waiting=1, used=20)]
     assert build_router("dp_balance", busy).route(None).index == 1
     assert build_router("dp_balance", [rank(0, running=1), rank(1, running=4)]).route(None).index == 0
+
+
+@pytest.mark.parametrize("pasted, native", [
+    ("vllm serve meta-llama/Llama-3.1-70B-Instruct -tp 2 --pipeline-parallel-size 2",
+     ["--model", "meta-llama/Llama-3.1-70B-Instruct", "--tp", "2", "-pp", "2"]),
+    ("vllm serve Qwen/Qwen3-30B-A3B --data-parallel-size 2 --enable-expert-parallel",
+     ["--model", "Qwen/Qwen3-30B-A3B", "--dp", "2", "--router", "dp_balance", "--enable-expert-parallel"]),
+])
+def test_pasted_pp_and_dp_flags_give_the_config_of_kvsim_options(tmp_path, pasted, native):
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli import app
+    runner = CliRunner()
+    common = ["simulate", "--gpu", "h100", "-q", "--trace", "random", "--max-requests", "16", "--random-input-len", "256",
+              "--random-output-len", "16", "--request-rate", "8"]
+    a = runner.invoke(app, [*common, "--out", str(tmp_path / "a"), "--vllm", pasted])
+    b = runner.invoke(app, [*common, "--out", str(tmp_path / "b"), *native])
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    assert (tmp_path / "a" / "config.yaml").read_bytes() == (tmp_path / "b" / "config.yaml").read_bytes()
+    assert (tmp_path / "a" / "requests.parquet").read_bytes() == (tmp_path / "b" / "requests.parquet").read_bytes()
