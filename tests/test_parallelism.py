@@ -86,7 +86,7 @@ def _small(**over) -> SimConfig:
     return load_config(None, base)
 
 
-def test_a_pp_replica_runs_identically_with_and_without_the_fast_forward():
+def test_a_pp_replica_runs_with_its_pool_and_is_never_faster_for_a_lone_request():
     on = run_simulation(_small(pp=2), keep_steps=True)
     off = run_simulation(_small(pp=2, fast_forward=False), keep_steps=True)
     cols = ["request_id", "ttft_s", "e2e_s", "finish_s"]
@@ -97,6 +97,36 @@ def test_a_pp_replica_runs_identically_with_and_without_the_fast_forward():
     assert on.num_gpu_blocks > 2 * plain.num_gpu_blocks
     first = on.requests["arrival_s"].idxmin()
     assert on.requests["ttft_s"][first] > plain.requests["ttft_s"][first]
+
+
+def _first_step_batches(prompt: int, n: int) -> tuple[list[int], float, PipelineCostModel]:
+    from kvsim.sim.core.request import Request
+    from kvsim.sim.core.scheduler import Scheduler
+    from kvsim.sim.simulator.executor import PipelineExecutor, replica_parts
+    plan = resolve_run(_small(pp=2))
+    kv, executor = replica_parts(plan, 0)
+    assert isinstance(executor, PipelineExecutor)
+    sched = Scheduler(plan.scheduler, kv)
+    for i in range(n):
+        assert sched.add_request(Request(request_id=i, arrival_time=0.0, prompt_tokens=prompt, max_output_tokens=4))
+    out = sched.schedule()
+    seconds = executor.execute(out).duration_s
+    return sorted(executor.batch_of.values()), seconds, plan.cost
+
+
+def test_in_flight_batches_fill_as_vllm_schedules_them():
+    # a burst that fits one batch's max_num_batched_tokens rides one batch (vLLM leaves the other empty)
+    batches, seconds, cost = _first_step_batches(100, 8)
+    assert batches == [0] * 8
+    one = cost.round_seconds([BatchShape(num_seqs=8, num_prefill_tokens=800, attn_pairs_prefill=8 * 100 * 101 / 2,
+                                         kv_tokens_read=800, block_table_entries=8 * 7)])
+    assert seconds == pytest.approx(one, rel=1e-12)
+    assert seconds > cost.predict(BatchShape(num_seqs=8, num_prefill_tokens=800, attn_pairs_prefill=8 * 100 * 101 / 2,
+                                             kv_tokens_read=800, block_table_entries=8 * 7))   # the even split
+    # prompts beyond one batch's budget go to the next batch (each in-flight batch has its own budget)
+    budget = cost.batch_tokens
+    batches, _, _ = _first_step_batches(budget // 2, 4)
+    assert batches == [0, 0, 1, 1]
 
 
 def test_pp_refusals_are_one_line():

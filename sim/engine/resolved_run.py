@@ -25,7 +25,7 @@ from ..kv.policy import EvictionPolicy, FastModeProfile
 from ..model.memory import PoolSizing, RunMemoryEstimate, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
 
 KVKind = Literal["plain", "evicting", "hybrid"]  # vLLM's KVCacheManager | eviction-aware | sliding-window layers
-ExecutorKind = Literal["cost_model", "kv_policy"]    # sim.simulator.executor's two; the real backend has its own
+ExecutorKind = Literal["cost_model", "kv_policy", "pipeline"]    # sim.simulator.executor's; the backend has its own
 
 
 class Hardware(NamedTuple):
@@ -80,8 +80,16 @@ def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -
     profile = (policy.fast_mode_profile() or FastModeProfile()) if policy is not None and cfg.kv.mode == "fast" else None
     return ResolvedRun(
         cfg=cfg, hardware=hardware, scheduler=scheduler_config(cfg, hardware.cost, hardware.max_model_len),
-        policy=policy, kv_kind=kv_kind, executor_kind="kv_policy" if kv_kind == "evicting" else "cost_model",
+        policy=policy, kv_kind=kv_kind, executor_kind=executor_kind(cfg, kv_kind),
         memory=estimate_run_memory(cfg, hardware.model, hardware.cost, hardware.num_blocks, trace, profile))
+
+
+def executor_kind(cfg: SimConfig, kv_kind: KVKind) -> ExecutorKind:
+    """The simulator's executor of a run: the KV-policy one with an eviction-aware manager, the pipeline one for
+    pipeline stages (in-flight batches: sim/simulator/executor.py PipelineExecutor), else the plain one."""
+    if kv_kind == "evicting":
+        return "kv_policy"
+    return "pipeline" if cfg.pp > 1 else "cost_model"
 
 
 def check_router(router: str, options: RouterOptions | None) -> None:
@@ -136,7 +144,8 @@ def _cost_model(cfg: SimConfig, model: ModelSpec, gpu: GPUSpec) -> CostModel:
         if cfg.kv.layout == "per_head":
             raise ParallelismError("kv.layout per_head with pp > 1 is not modelled (a per-head block is one layer's)")
         return PipelineCostModel(model, gpu, profile, tp=cfg.tp, async_scheduling=bool(eng.async_scheduling),
-                                 expert_parallel=eng.enable_expert_parallel, pp=cfg.pp)
+                                 expert_parallel=eng.enable_expert_parallel, pp=cfg.pp,
+                                 batch_tokens=eng.max_num_batched_tokens)
     if cfg.dp > 1:
         cost = CostModel(model, gpu, profile, tp=cfg.tp, async_scheduling=bool(eng.async_scheduling))
         DPAttentionPricing(cost, cfg.dp)        # refuses impossible layouts (fewer experts than GPUs)

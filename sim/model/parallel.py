@@ -120,9 +120,10 @@ class PipelineCostModel(CostModel):
     """A replica of TP x PP GPUs: the step (a pipeline round) priced from the whole model's step time on one
     micro-batch (module docstring). `pp` 1 is never built (the plain CostModel prices it)."""
 
-    def __init__(self, *args, pp: int, **kwargs):
+    def __init__(self, *args, pp: int, batch_tokens: int = 8192, **kwargs):
         super().__init__(*args, **kwargs)
         self.pp = pp
+        self.batch_tokens = batch_tokens        # max_num_batched_tokens of one in-flight batch
         self.stage_layers = pp_layer_split(self.model.num_layers, pp)
         self.bottleneck_share = max(self.stage_layers) / self.model.num_layers
         m = self.model
@@ -153,6 +154,20 @@ class PipelineCostModel(CostModel):
         tokens = shape.num_prefill_tokens + shape.num_decode_tokens
         out = self._round(micro, m, tokens)
         return float(out) if np.ndim(out) == 0 else out
+
+    def round_seconds(self, batches: list) -> float:
+        """The round of in-flight batches of the given shapes (BatchShapes; empty ones skipped) cycling through
+        the stages: max(the longest batch's path, the busiest stage's work on all of them). With m equal
+        batches it is `predict` of their sum."""
+        path = busy = 0.0
+        for shape in batches:
+            if not shape.num_seqs:
+                continue
+            t = CostModel.predict(self, shape)
+            send = self.send_seconds(float(shape.num_prefill_tokens) + float(shape.num_decode_tokens))
+            path = max(path, t + (self.pp - 1) * send)
+            busy += self.bottleneck_share * t + send
+        return max(path, busy)
 
     def breakdown(self, shape):
         parts = dict(super().breakdown(shape))
