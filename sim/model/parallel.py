@@ -4,27 +4,26 @@
 into P stages of TP GPUs each (`pp_layer_split`: vLLM's `get_pp_indices`, the remainder going to the stages
 before the last, which also holds the LM head); each stage holds its layers' weights and KV cache, so a
 GPU's KV pool holds only its stage's layers and the replica's pool grows with P (vLLM takes the
-smallest stage's block count: `stage_sizes`). vLLM's engine keeps P batches in flight (its batch
+smallest stage's block count: sim/model/memory.py `_parallel_stage`). vLLM's engine keeps P batches in flight (its batch
 queue, `max_concurrent_batches`), a request in at most one of them.
 
-kvsim prices the **steady-state pipeline** (`PipelineCostModel`): one engine step stands for a round in which
-every scheduled request advances once. Its requests ride in m = min(P, sequences) micro-batches of equal
-size (the in-flight batches), each holding 1/m of the step's tokens, sequences, KV reads and copies; the
-round takes
+kvsim steps a PP replica in **rounds** of its in-flight batches: one engine step stands for a round in which
+every scheduled request advances once; the simulator's `PipelineExecutor` splits the step's requests into the
+batches as vLLM forms them (a request keeps its batch; admissions fill the batches in formation order up to
+max_num_batched_tokens each), and `PipelineCostModel.round_seconds` prices the round
 
-    round = max(path, m * bottleneck)
-    path       = T(b) + (P - 1) * send(b)          one micro-batch through every stage and every boundary
-    bottleneck = w_max * T(b) + send(b)            the busiest stage's share of a micro-batch
+    round   = max(max over batches of path(b), sum over batches of busy(b))
+    path(b) = T(b) + (P - 1) * send(b)          batch b through every stage and every boundary
+    busy(b) = w_max * T(b) + send(b)            the busiest stage's share of batch b
 
-with T(b) the cost model's step time of the whole model on one micro-batch b (its layers' compute on
-every stage in turn), w_max the largest stage's share of the layers, and send(b) the activation hand-off
-between two stages: tokens(b) x hidden x activation bytes / TP per GPU over the stage link (each TP rank
-sends its slice, vLLM's `send_tensor_dict` with the TP all-gather), plus the link's latency. The link is the
-GPU's own interconnect while the replica's TP x PP GPUs fit one node (`GPUS_PER_NODE`), else the
-network (`ib-ndr` in the link catalog). The scheduler's token budget is P x max_num_batched_tokens per
-round (each in-flight batch has its own budget). What this leaves out (measured in
-bench/bench_parallelism.py against an exact pipeline timing): a burst of requests that all fit one batch
-rides one micro-batch in vLLM (the others stay empty), where the steady state splits it m ways.
+with T(b) the cost model's step time of the whole model on batch b (its layers' compute on every stage in
+turn), w_max the largest stage's share of the layers, and send(b) the activation hand-off between two stages:
+tokens(b) x hidden x activation bytes / TP per GPU over the stage link (each TP rank sends its slice, vLLM's
+`send_tensor_dict` with the TP all-gather), plus the link's latency. The link is the GPU's own interconnect
+while the replica's TP x PP GPUs fit one node (`GPUS_PER_NODE`), else the network (`ib-ndr` in the link
+catalog). The scheduler's token budget is P x max_num_batched_tokens per round. `predict(shape)` (a step known
+by its counts only) splits it into m = min(P, sequences) equal batches. Errors against an exact timing of
+vLLM's batch queue: bench/bench_parallelism.py, docs/parallelism.md.
 
 **Data-parallel attention with expert parallelism** (`--data-parallel-size D` of a MoE model, config `dp`):
 D attention ranks, each its own scheduler and KV cache, run the MoE layers together over all D x TP GPUs
@@ -117,8 +116,8 @@ def _scaled(shape, m):
 
 
 class PipelineCostModel(CostModel):
-    """A replica of TP x PP GPUs: the step (a pipeline round) priced from the whole model's step time on one
-    micro-batch (module docstring). `pp` 1 is never built (the plain CostModel prices it)."""
+    """A replica of TP x PP GPUs: a step is a round of its in-flight batches, priced from the whole model's step
+    time on each batch (module docstring). `pp` 1 is never built (the plain CostModel prices it)."""
 
     def __init__(self, *args, pp: int, batch_tokens: int = 8192, **kwargs):
         super().__init__(*args, **kwargs)
