@@ -579,6 +579,9 @@ class SimConfig(_Strict):
                              "router); a disaggregated fleet does not take them yet")
         if (self.pp > 1 or self.dp > 1) and self.fleet is not None:
             raise ValueError("pp and dp shape one pool of replicas; a disaggregated fleet (fleet:) does not take them yet")
+        if self.dp > 1 and self.kv_offload is not None:
+            raise ValueError(f"kv_offload with dp {self.dp}: a CPU KV tier on data-parallel attention ranks is not "
+                             "modelled (the ranks step in lockstep without the connector's transfers); drop one")
         if self.dp > 1 and not get_model(self.model).is_moe:
             raise ValueError(f"dp (data-parallel attention) needs a mixture-of-experts model, got dp {self.dp} with "
                              f"the dense {self.model}, whose DP ranks are independent replicas: give replicas {self.dp} "

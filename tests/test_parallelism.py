@@ -144,11 +144,18 @@ def test_configs_without_parallelism_keep_their_keys():
     assert SimConfig(pp=2).model_dump()["pp"] == 2
 
 
+def test_a_stage_that_does_not_fit_names_the_layout():
+    with pytest.raises(ValueError, match=r"does not fit on L4 \(tp=1, pp=2\).*raise tp, pp"):
+        num_gpu_blocks("llama-3.1-70b", "l4", PoolSizing(pp=2))
+
+
 def test_dp_refusals_are_one_line():
     with pytest.raises(ConfigError, match=r"dp \(data-parallel attention\) needs a mixture-of-experts model, got dp 2"):
         load_config(None, {"dp": 2})
     with pytest.raises(ConfigError, match=r"^dp \(--data-parallel-size\) 64: 128 experts of Qwen3-30B-A3B over dp 64 x tp 4"):
         resolve_run(load_config(None, {"dp": 64, "tp": 4, "model": "qwen3-30b-a3b"}))
+    with pytest.raises(ConfigError, match="kv_offload with dp 2"):
+        load_config(None, {"dp": 2, "model": "qwen3-30b-a3b", "kv_offload.cpu_gib": 8})
 
 
 def test_dp_pricing_is_the_slowest_rank_with_the_moe_of_every_rank():
