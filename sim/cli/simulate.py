@@ -327,6 +327,8 @@ def print_summary(s: dict) -> None:
     if "completed" in s:
         console.print("\n".join(report_lines(s)), markup=False, highlight=False)
     hardware = s.get("fleet") or f"{s.get('tp')}x {s.get('gpu')}"
+    if s.get("gpus_per_replica"):        # pipeline stages or data-parallel attention ranks (docs/parallelism.md)
+        hardware += f" x pp {s['pp']} x dp {s['dp']} = {s['gpus_per_replica']} GPUs per replica"
     table = Table(title=f"{s.get('trace')} on {s.get('model')} / {hardware}")
     table.add_column("kvsim")
     table.add_column("value", justify="right")
