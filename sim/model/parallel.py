@@ -206,8 +206,9 @@ class DPAttentionPricing:
 
     moe(T over G GPUs) = layers_moe x max(T x top_k x expert FLOPs / G / peak / eff(T),
                                           distinct experts of T x expert bytes / G / bandwidth / eff)
-    all-to-all(T) = MoE layers x 2 x top_k x hidden x act bytes x T / TP x (G - 1) / G / link
-                    + 2 x MoE layers x link latency.
+    all-to-all(T) = MoE layers x 2 x top_k x hidden x act bytes x T / TP
+                    x max((node - 1) / G / GPU link, (G - node) / G / network link)
+                    + 2 x MoE layers x link latency        (node = min(G, GPUS_PER_NODE))
     With `free_all_to_all` the all-to-all costs nothing (the check that D ranks then match D engines)."""
 
     def __init__(self, cost: CostModel, dp: int, *, free_all_to_all: bool = False):
@@ -232,8 +233,14 @@ class DPAttentionPricing:
         act = DTYPE_BYTES[m.activation_dtype]
         self.link = group_link(g, self.gpus)
         self.free_all_to_all = free_all_to_all
-        self._a2a_token_s = (m.num_moe_layers * 2 * m.experts_per_token * m.hidden_size * act / tp
-                             * (self.gpus - 1) / self.gpus / self.link.bytes_per_s)
+        # bytes one GPU sends per token of its rank: every MoE layer, dispatch + combine of top_k hidden rows;
+        # (G - 1) / G of them leave the GPU: within the node over its interconnect, beyond it over the network
+        # (the two at once: the slower share sets the time)
+        per_token = m.num_moe_layers * 2 * m.experts_per_token * m.hidden_size * act / tp
+        node = min(self.gpus, GPUS_PER_NODE)
+        within = per_token * (node - 1) / self.gpus / g.link_bw
+        across = per_token * (self.gpus - node) / self.gpus / self.link.bytes_per_s if self.gpus > node else 0.0
+        self._a2a_token_s = max(within, across)
         self._a2a_latency_s = 2 * m.num_moe_layers * self.link.latency_s
 
     def _eff(self, rows: float) -> float:
