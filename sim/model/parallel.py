@@ -10,7 +10,7 @@ queue, `max_concurrent_batches`), a request in at most one of them.
 kvsim steps a PP replica in **rounds** of its in-flight batches: one engine step stands for a round in which
 every scheduled request advances once; the simulator's `PipelineExecutor` splits the step's requests into the
 batches as vLLM forms them (a request keeps its batch; admissions fill the batches in formation order up to
-max_num_batched_tokens each), and `PipelineCostModel.round_seconds` prices the round
+max_num_batched_tokens each; a decode fast-forward prices each batch apart: `round_decode_run`), and `PipelineCostModel.round_seconds` prices the round
 
     round   = max(max over batches of path(b), sum over batches of busy(b))
     path(b) = T(b) + (P - 1) * send(b)          batch b through every stage and every boundary
@@ -168,10 +168,20 @@ class PipelineCostModel(CostModel):
             busy += self.bottleneck_share * t + send
         return max(path, busy)
 
-    def breakdown(self, shape):
-        parts = dict(super().breakdown(shape))
-        parts["total"] = self.predict(shape)
-        return parts
+    def round_decode_run(self, batches: list) -> np.ndarray:
+        """`round_seconds` of each step of a run of pure-decode steps, its batches given as (sequences, KV tokens
+        read, block-table entries) int arrays per batch in the executor's order, bit for bit (the same float
+        operations in the same order; an empty batch adds exact zeros)."""
+        path = busy = None
+        for seqs, kv_read, entries in batches:
+            t = CostModel.predict_decode(self, seqs, kv_read, entries)
+            send = self.send_seconds(seqs.astype(np.float64))
+            ran = seqs > 0
+            p = np.where(ran, t + (self.pp - 1) * send, 0.0)
+            b = np.where(ran, self.bottleneck_share * t + send, 0.0)
+            path = p if path is None else np.maximum(path, p)
+            busy = b if busy is None else busy + b
+        return np.maximum(path, busy)
 
     def predict_decode(self, num_seqs, kv_tokens_read, block_table_entries, kv_tokens_padded=None):
         seqs = np.asarray(num_seqs, dtype=np.float64)

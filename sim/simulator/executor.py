@@ -123,17 +123,29 @@ class PipelineExecutor(CostModelExecutor):
     """A replica of pipeline stages (sim/model/parallel.py): each step is a round of its in-flight batches. A
     request keeps the batch it was first scheduled into (vLLM: its tokens come back with that batch, which is
     scheduled again with them); the requests a step admits fill the batches in formation order from one that
-    advances every step (the next batch formed after they arrived), each up to max_num_batched_tokens, so a
-    burst that fits one batch rides one batch as in vLLM. The round is priced from the batches' own shapes
-    (`PipelineCostModel.round_seconds`). No decode fast-forward: a run's batches are not counts alone."""
-    supports_decode_runs = False
+    advances at every step that admits (the next batch formed after they arrived), each up to
+    max_num_batched_tokens, so a burst that fits one batch rides one batch as in vLLM and lone arrivals take
+    the batches in turn. The round is priced from the batches' own shapes
+    (`PipelineCostModel.round_seconds`). A decode fast-forward prices each batch of the run apart
+    (`decode_run_groups`, `predict_decode_groups`: bit for bit what stepping prices); no run admits arrivals
+    (where they join depends on the batch formed next)."""
     supports_admitting_runs = False
 
     def __init__(self, cost_model, kv: KVManager):
         super().__init__(cost_model, kv)
-        self.supports_decode_runs = self.supports_admitting_runs = False
+        self.supports_admitting_runs = False
         self.batch_of: dict = {}         # request -> its in-flight batch (0..pp-1)
         self.next_batch = 0
+
+    def decode_run_groups(self, running: list) -> list[list[int]]:
+        """The indices of `running` in each in-flight batch, batch 0 first (a request never scheduled: batch 0)."""
+        groups: list[list[int]] = [[] for _ in range(self.cost.pp)]
+        for i, r in enumerate(running):
+            groups[self.batch_of.get(r, 0)].append(i)
+        return groups
+
+    def predict_decode_groups(self, batches: list) -> np.ndarray:
+        return self.cost.round_decode_run(batches)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         cost, kv = self.cost, self.kv
@@ -151,7 +163,8 @@ class PipelineExecutor(CostModelExecutor):
                 parts[b].append(s)
                 tokens[b] += s.num_new_tokens
         first = self.next_batch
-        self.next_batch = (first + 1) % pp
+        if admitted:                 # each admitting step starts from the next batch (decode runs admit none)
+            self.next_batch = (first + 1) % pp
         for s in admitted:
             n = s.num_new_tokens
             b = next((c % pp for c in range(first, first + pp) if tokens[c % pp] + n <= room),
