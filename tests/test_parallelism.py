@@ -239,3 +239,16 @@ def test_pasted_pp_and_dp_flags_give_the_config_of_kvsim_options(tmp_path, paste
     assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
     assert (tmp_path / "a" / "config.yaml").read_bytes() == (tmp_path / "b" / "config.yaml").read_bytes()
     assert (tmp_path / "a" / "requests.parquet").read_bytes() == (tmp_path / "b" / "requests.parquet").read_bytes()
+
+
+def test_dp_ranks_step_in_lockstep_and_share_the_load():
+    res = run_simulation(_small(dp=2, model="qwen3-30b-a3b", router="dp_balance"), keep_steps=True)
+    steps = res.steps
+    assert set(steps["replica"]) == {0, 1}
+    # every step of the group starts at one time and takes one duration on every rank that ran in it
+    by_start = steps.groupby("time_s")["duration_s"].nunique()
+    assert (by_start == 1).all()
+    both = steps.groupby("time_s")["replica"].nunique()
+    assert (both == 2).any()
+    counts = res.requests.groupby("replica").size()
+    assert abs(int(counts[0]) - int(counts[1])) <= 0.2 * len(res.requests)
