@@ -458,6 +458,11 @@ class SimConfig(_Strict):
     model: str = "llama-3.1-8b"
     gpu: str = "h100"
     tp: int = Field(1, gt=0)
+    # pipeline stages of a replica (vLLM's --pipeline-parallel-size): GPUs per replica = tp x pp x dp
+    pp: int = Field(1, gt=0)
+    # data-parallel attention ranks of a MoE replica (vLLM's --data-parallel-size with a MoE model): each rank its
+    # own scheduler and KV cache, the MoE layers over all dp x tp GPUs, every step synchronised (docs/parallelism.md)
+    dp: int = Field(1, gt=0)
     replicas: int = Field(1, gt=0)
     router: str = Field("round_robin", description="a registered router (sim/engine/routers; docs/kv-tiers.md)")
     router_options: RouterOptions | None = None
@@ -497,7 +502,19 @@ class SimConfig(_Strict):
             data.pop("frontend", None)
         if self.fleet is None:          # aggregated: left out, so config.yaml stays as it was
             data.pop("fleet", None)
+        for key in ("pp", "dp"):        # 1: left out, so configs and run ids stay as they were
+            if getattr(self, key) == 1:
+                data.pop(key, None)
         return data
+
+    @property
+    def engine_ranks(self) -> int:
+        """Engines the run steps: one per replica, dp per replica with data-parallel attention."""
+        return self.replicas * self.dp
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.pp * self.dp
 
     @field_validator("usd_per_hour", mode="before")
     @classmethod
@@ -587,6 +604,23 @@ class SimConfig(_Strict):
         if self.trace_options.sessions is not None and self.fleet is not None:
             raise ValueError("trace_options.sessions: multi-turn sessions run on one pool of replicas (replicas, "
                              "router); a disaggregated fleet does not take them yet")
+        if (self.pp > 1 or self.dp > 1) and self.fleet is not None:
+            raise ValueError("pp and dp shape one pool of replicas; a disaggregated fleet (fleet:) does not take them yet")
+        if self.dp > 1 and self.kv_offload is not None:
+            raise ValueError(f"kv_offload with dp {self.dp}: a CPU KV tier on data-parallel attention ranks is not "
+                             "modelled (the ranks step in lockstep without the connector's transfers); drop one")
+        if self.dp > 1 and not get_model(self.model).is_moe:
+            raise ValueError(f"dp (data-parallel attention) needs a mixture-of-experts model, got dp {self.dp} with "
+                             f"the dense {self.model}, whose DP ranks are independent replicas: give replicas {self.dp} "
+                             "(--replicas) and router least_outstanding")
+        self._check_offload()
+        if self.trace_options.synthetic_sessions is not None and self.trace != SESSIONS_TRACE:
+            raise ValueError(f"trace_options.synthetic_sessions sets the shape of trace: {SESSIONS_TRACE}; the trace "
+                             f"is {self.trace!r}")
+        return self
+
+    def _check_offload(self) -> None:
+        """kv_offload against the engine: no v0 swap beside it, offloaded blocks of whole GPU blocks."""
         if self.kv_offload is not None and self.engine.preemption_mode == "swap":
             raise ValueError("engine.preemption_mode with kv_offload: vLLM v1 has no swap (vLLM v0's CPU swap space); a "
                              "preempted request's stored blocks come back from the CPU tier instead "
@@ -595,10 +629,6 @@ class SimConfig(_Strict):
         if chunk is not None and chunk % self.engine.block_size:
             raise ValueError(f"kv_offload.chunk_tokens: {chunk} is not a multiple of engine.block_size "
                              f"({self.engine.block_size}); expected a whole number of GPU blocks per offloaded block")
-        if self.trace_options.synthetic_sessions is not None and self.trace != SESSIONS_TRACE:
-            raise ValueError(f"trace_options.synthetic_sessions sets the shape of trace: {SESSIONS_TRACE}; the trace "
-                             f"is {self.trace!r}")
-        return self
 
     @field_validator("model")
     @classmethod

@@ -54,6 +54,13 @@ PrefixCaching = Annotated[bool | None, typer.Option("--prefix-caching/--no-prefi
 ExpertParallel = Annotated[bool | None, typer.Option(
     "--enable-expert-parallel", help="MoE models: experts split over the TP group's GPUs, all-to-all for the MoE "
                                      "layers (vLLM's --enable-expert-parallel)")]
+PipelineParallel = Annotated[int | None, typer.Option(
+    "--pp", "-pp", "--pipeline-parallel-size", help="pipeline stages per replica (vLLM's -pp): layers, weights and "
+    "KV split by stage, pp batches in flight (docs/parallelism.md)")]
+DataParallel = Annotated[int | None, typer.Option(
+    "--dp", "-dp", "--data-parallel-size", help="MoE models: data-parallel attention ranks per replica (vLLM's -dp "
+    "with a MoE model), each its own scheduler and KV cache, the MoE layers over all dp x tp GPUs in lockstep "
+    "(docs/parallelism.md); dense models' DP ranks are replicas: --replicas")]
 MaxModelLen = Annotated[int | None, typer.Option(help="longest prompt + output (default: the model's "
                                                          "max_position_embeddings, as vLLM; above it refused unless "
                                                          "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")]
@@ -188,7 +195,8 @@ def tier_overrides(kv_offload: str | None, sessions: bool = False, think_time: f
 
 # command-line option (parameter name) -> the config key it sets
 CONFIG_KEYS = {
-    "trace": "trace", "model": "model", "gpu": "gpu", "tp": "tp", "replicas": "replicas", "router": "router",
+    "trace": "trace", "model": "model", "gpu": "gpu", "tp": "tp", "pp": "pp", "dp": "dp", "replicas": "replicas",
+    "router": "router",
     "profile": "profile", "seed": "seed", "weight_dtype": "weight_dtype", "kv_dtype": "kv_dtype",
     "fast_forward": "fast_forward", "check_invariants": "check_invariants", "client_latency": "client_latency",
     "frontend": "frontend",

@@ -17,7 +17,7 @@ from kvsim.sim.config import ConfigError, KVConfig, load_config
 
 from .vllm_args import VllmOptions
 
-from .options import (KvOffload, RouterName, Sessions, ThinkTime, tier_overrides)
+from .options import (DataParallel, KvOffload, PipelineParallel, RouterName, Sessions, ThinkTime, tier_overrides)
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel, Frontend,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
@@ -41,6 +41,8 @@ def simulate(
     overwrite: Overwrite = False,
     tp: Annotated[int | None, typer.Option("--tp", "-tp", "--tensor-parallel-size",
                                               help="tensor parallel degree (vLLM's -tp)")] = None,
+    pp: PipelineParallel = None,
+    dp: DataParallel = None,
     replicas: Replicas = None,
     router: RouterName = None,
     kv_offload: KvOffload = None,
@@ -147,7 +149,8 @@ def simulate(
             fail(f"--workload {workload} and --trace {trace}: give one (a workload spec is the run's trace)")
         trace = workload
     overrides = config_overrides(
-        trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, router=router, profile=profile, seed=seed,
+        trace=trace, model=model, gpu=gpu, tp=tp, pp=pp, dp=dp, replicas=replicas, router=router, profile=profile,
+        seed=seed,
         weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
         client_latency=client_latency, frontend=frontend,
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
@@ -325,6 +328,8 @@ def print_summary(s: dict) -> None:
     if "completed" in s:
         console.print("\n".join(report_lines(s)), markup=False, highlight=False)
     hardware = s.get("fleet") or f"{s.get('tp')}x {s.get('gpu')}"
+    if s.get("gpus_per_replica"):        # pipeline stages or data-parallel attention ranks (docs/parallelism.md)
+        hardware += f" x pp {s['pp']} x dp {s['dp']} = {s['gpus_per_replica']} GPUs per replica"
     table = Table(title=f"{s.get('trace')} on {s.get('model')} / {hardware}")
     table.add_column("kvsim")
     table.add_column("value", justify="right")

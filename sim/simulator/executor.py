@@ -12,6 +12,8 @@ reads, and the op bytes of every selection's soft vote and top-k (`_selection_st
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..core.protocols import Executor, KVManager
@@ -138,7 +140,79 @@ def _policy_prefill_pairs(kv: EvictingManagerBase, out: SchedulerOutput) -> floa
                      for s in out.scheduled if s.is_prefill))
 
 
-EXECUTORS = {"cost_model": CostModelExecutor, "kv_policy": KVPolicyExecutor}
+@dataclass
+class _Batch:
+    """The part of a step's schedule that rides one in-flight batch (what `batch_shape` reads of it)."""
+    scheduled: list
+    swap_out_tokens: int = 0
+    swap_in_tokens: int = 0
+
+
+class PipelineExecutor(CostModelExecutor):
+    """A replica of pipeline stages (sim/model/parallel.py): each step is a round of its in-flight batches. A
+    request keeps the batch it was first scheduled into (vLLM: its tokens come back with that batch, which is
+    scheduled again with them); the requests a step admits fill the batches in formation order from one that
+    advances at every step that admits (the next batch formed after they arrived), each up to
+    max_num_batched_tokens, so a burst that fits one batch rides one batch as in vLLM and lone arrivals take
+    the batches in turn. The round is priced from the batches' own shapes
+    (`PipelineCostModel.round_seconds`). A decode fast-forward prices each batch of the run apart
+    (`decode_run_groups`, `predict_decode_groups`: bit for bit what stepping prices); no run admits arrivals
+    (where they join depends on the batch formed next)."""
+    supports_admitting_runs = False
+
+    def __init__(self, cost_model, kv: KVManager):
+        super().__init__(cost_model, kv)
+        self.supports_admitting_runs = False
+        self.batch_of: dict = {}         # request -> its in-flight batch (0..pp-1)
+        self.next_batch = 0
+
+    def decode_run_groups(self, running: list) -> list[list[int]]:
+        """The indices of `running` in each in-flight batch, batch 0 first (a request never scheduled: batch 0)."""
+        groups: list[list[int]] = [[] for _ in range(self.cost.pp)]
+        for i, r in enumerate(running):
+            groups[self.batch_of.get(r, 0)].append(i)
+        return groups
+
+    def predict_decode_groups(self, batches: list) -> np.ndarray:
+        return self.cost.round_decode_run(batches)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        cost, kv = self.cost, self.kv
+        shape = batch_shape(out, kv, cost.kv_bytes_per_token)
+        pp, room = cost.pp, cost.batch_tokens
+        parts: list[list] = [[] for _ in range(pp)]
+        tokens = [0] * pp
+        admitted = []
+        batch_of = self.batch_of
+        for s in out.scheduled:
+            b = batch_of.get(s.request)
+            if b is None:
+                admitted.append(s)
+            else:
+                parts[b].append(s)
+                tokens[b] += s.num_new_tokens
+        first = self.next_batch
+        if admitted:                 # each admitting step starts from the next batch (decode runs admit none)
+            self.next_batch = (first + 1) % pp
+        for s in admitted:
+            n = s.num_new_tokens
+            b = next((c % pp for c in range(first, first + pp) if tokens[c % pp] + n <= room),
+                     min(range(pp), key=tokens.__getitem__))
+            batch_of[s.request] = b
+            parts[b].append(s)
+            tokens[b] += n
+        if len(batch_of) > 4 * len(out.scheduled) + 4096:       # forget finished requests now and then
+            self.batch_of = {r: b for r, b in batch_of.items() if not r.is_finished}
+        shapes = [batch_shape(_Batch(p), kv, cost.kv_bytes_per_token) for p in parts]
+        shapes[0].swap_bytes = shape.swap_bytes
+        seconds = float(cost.round_seconds(shapes))
+        return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
+
+    def predict_step(self, shape: BatchShape) -> float:
+        return float(self.cost.predict(shape))
+
+
+EXECUTORS = {"cost_model": CostModelExecutor, "kv_policy": KVPolicyExecutor, "pipeline": PipelineExecutor}
 
 
 def replica_parts(plan: ResolvedRun, index: int) -> tuple[KVManager, Executor]:
