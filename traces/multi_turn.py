@@ -24,8 +24,7 @@ import numpy as np
 
 from kvsim.traces.errors import TraceError
 from kvsim.traces.formats import MULTI_TURN_FILETYPE as FILETYPE
-from kvsim.traces.sessions import _session_trace
-from kvsim.traces.trace import Trace
+from kvsim.traces.trace import Trace, session_trace
 
 DEFAULT_MEDIAN_RATIO = 0.85          # vLLM's LognormalDistribution when only `average` is given
 
@@ -49,7 +48,7 @@ def load_multi_turn_config(path: str | Path, *, seed: int = 0) -> Trace:
         answers = np.maximum(draw("prompt_output", "num_tokens", k), 1)
         asked[0] += common + int(prefixes[c])
         sessions.append([(int(a), int(b)) for a, b in zip(asked, answers, strict=True)])
-    trace = _session_trace(sessions, np.zeros(n), [np.zeros(len(s)) for s in sessions], path.stem, str(path))
+    trace = session_trace(sessions, np.zeros(n), [np.zeros(len(s)) for s in sessions], path.stem, str(path))
     trace.shared_prefix_tokens = common
     trace.notices.append(f"vLLM multi-turn config: {n} conversations, {len(trace)} user turns, a common prefix of "
                          f"{common} tokens, all conversations ready at t=0 (seed {seed}; the clients are "

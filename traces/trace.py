@@ -337,3 +337,22 @@ def _write_jsonl(trace: Trace, path: Path) -> None:
             if priority:
                 record["priority"] = priority
             f.write(json.dumps(record) + "\n")
+
+
+def session_trace(sessions: list[list[tuple[int, int]]], starts: np.ndarray, thinks: list[np.ndarray],
+                   name: str, source: str) -> Trace:
+    """The trace of `sessions` (each a list of (new message tokens, answer tokens) per turn)."""
+    rows = []
+    for s, turns in enumerate(sessions):
+        held, t = 0, float(starts[s])
+        for k, (message, answer) in enumerate(turns):
+            if k:
+                t += float(thinks[s][k - 1])
+            rows.append((t, s, held + message, answer))
+            held += message + answer
+    rows.sort(key=lambda r: r[0])           # stable: a session's turns keep their order
+    arr = np.array([r[0] for r in rows], dtype=np.float64)
+    return Trace.from_columns(
+        arrival_time_s=arr, prompt_tokens=np.array([r[2] for r in rows], dtype=np.int64),
+        output_tokens=np.array([r[3] for r in rows], dtype=np.int64),
+        session_id=np.array([r[1] for r in rows], dtype=np.int64), name=name, source=source)
