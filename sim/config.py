@@ -443,6 +443,16 @@ class FleetConfig(_Strict):
                                                            "when the uncached prompt is at most this; 0: never")
     abort_timeout_s: float = Field(480.0, gt=0, description="prefill side frees unpulled KV after this "
                                                             "(VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+    layerwise_overlap: bool = Field(False, description="layer-wise push of the hand-off (LMCache / Mooncake style): "
+                                                       "layer l's KV moves while layer l+1 is prefilled; false: the "
+                                                       "pull starts after the prefill leg (vLLM's NIXL connector)")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        data = handler(self)
+        if not self.layerwise_overlap:      # off (the default): left out, so configs and run ids stay as they were
+            data.pop("layerwise_overlap", None)
+        return data
 
     @field_validator("link")
     @classmethod

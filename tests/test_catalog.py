@@ -17,6 +17,7 @@ PUBLISHED_PARAMS = {
     "Llama-3.2-3B": 3_212_749_824,
     "OPT-125M": 125_239_296,
     "OPT-1.3B": 1_315_758_080,
+    "Llama-2-70B": 68_976_648_192,       # meta-llama/Llama-2-70b-hf
 }
 
 

@@ -136,6 +136,31 @@ def test_fleet_fast_forward_gives_what_stepping_gives_with_local_prefills():
     pd.testing.assert_frame_equal(on.requests, off.requests)
 
 
+def test_layerwise_overlap_hides_the_pull_behind_the_prefill_but_never_below_one_layer():
+    """fleet.layerwise_overlap: the exposed transfer is latency + max(0, T - prefill) + T / layers (T the
+    whole transfer on the link), never more than the plain pull's latency + T and never less than one
+    layer's; off, the pull is the plain one and nothing about it is written."""
+    kw = {"link": "roce-100g", "link_bandwidth_gb_s": 2.0}     # a slow link: transfers as long as prefills
+    off = run_simulation(fleet_config({"replicas": 1}, {"replicas": 1}, **kw))
+    on = run_simulation(fleet_config({"replicas": 1}, {"replicas": 1}, layerwise_overlap=True, **kw))
+    a, b = off.requests.set_index("request_id"), on.requests.set_index("request_id").loc[off.requests["request_id"]]
+    latency = get_link("roce-100g").latency_s
+    whole = a["transfer_bytes"] / 2e9
+    np.testing.assert_allclose(a["transfer_s"], latency + whole, rtol=1e-9)        # off: the plain pull
+    layers = 32                                                                    # Llama-3.1-8B
+    t = b["transfer_bytes"] / 2e9
+    expected = latency + np.minimum(t, np.maximum(0.0, t - b["prefill_s"]) + t / layers)
+    np.testing.assert_allclose(b["transfer_s"], expected, rtol=1e-9)
+    assert (b["transfer_s"] >= latency + t / layers - 1e-12).all()                # at least one layer's transfer
+    assert (b["transfer_s"] <= latency + t + 1e-12).all()
+    assert (b["transfer_s"] < a["transfer_s"] - 1e-6).mean() > 0.5                # most pulls shrink
+    assert b["ttft_s"].mean() < a["ttft_s"].mean()
+    np.testing.assert_allclose(b[SPLIT].sum(axis=1), b["ttft_s"], rtol=0, atol=1e-9)
+    assert on.summary["handoff"]["layerwise_overlap"] is True and "layerwise_overlap" not in off.summary["handoff"]
+    assert "layerwise_overlap" not in fleet_config(**kw).model_dump()["fleet"]
+    assert fleet_config(layerwise_overlap=True).model_dump()["fleet"]["layerwise_overlap"] is True
+
+
 def test_fleet_off_writes_no_fleet_key():
     assert "fleet" not in load_config(None, {}).model_dump()
 
@@ -160,8 +185,8 @@ requests_strategy = st.lists(st.tuples(st.floats(0, 0.5), st.integers(1, 1500), 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests_strategy, prefill=st.integers(1, 2), decode=st.integers(1, 2),
        bandwidth=st.sampled_from([0.05, 1.0, 50.0]), local=st.sampled_from([0, 200]),
-       fast_forward=st.booleans())
-def test_handoff_invariants_hold_on_random_fleets(reqs, prefill, decode, bandwidth, local, fast_forward):
+       fast_forward=st.booleans(), layers=st.sampled_from([0, 4]))
+def test_handoff_invariants_hold_on_random_fleets(reqs, prefill, decode, bandwidth, local, fast_forward, layers):
     plan = small_plan()
     t, requests = 0.0, []
     for i, (gap, prompt, out) in enumerate(reqs):
@@ -170,7 +195,8 @@ def test_handoff_invariants_hold_on_random_fleets(reqs, prefill, decode, bandwid
     env, log = EngineClock(), StepLog(None)
     fleet, proxy = build_disaggregated(
         env, PoolSpec("p", "prefill", prefill, plan.scheduler), PoolSpec("d", "decode", decode, plan.scheduler),
-        Handoff(LinkSpec("l", bandwidth, 1e-4), plan.cost.kv_bytes_per_token, local_prefill_tokens=local), log,
+        Handoff(LinkSpec("l", bandwidth, 1e-4), plan.cost.kv_bytes_per_token, local_prefill_tokens=local,
+                layerwise_layers=layers), log,
         lambda spec, i, index: replica_parts(plan, index),
         ReplicaOptions(fast_forward=fast_forward, check_invariants=True))     # the engine's checks, every step
     feed(fleet, requests, proxy)

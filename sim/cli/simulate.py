@@ -139,6 +139,11 @@ def simulate(
     local_prefill_tokens: Annotated[int | None, typer.Option(
         help="disaggregated: prefill on the decode pool when the uncached prompt is at most this many tokens "
              "(conditional disaggregation; = fleet.local_prefill_tokens)")] = None,
+    layerwise_overlap: Annotated[bool | None, typer.Option(
+        "--layerwise-overlap/--no-layerwise-overlap",
+        help="disaggregated: push the hand-off layer by layer while the prefill runs (LMCache / Mooncake style; "
+             "default off: the pull starts after the prefill leg, as vLLM's NIXL connector) "
+             "(= fleet.layerwise_overlap)")] = None,
     quiet: Quiet = False,
 ) -> None:
     """Simulate a trace on a model/GPU/engine config; writes requests.parquet, steps.parquet,
@@ -170,7 +175,7 @@ def simulate(
             serve=vllm, bench=bench, dtype=dtype, quantization=quantization, dataset_name=dataset_name,
             dataset_path=dataset_path, goodput=goodput))
         overrides.update(tier_overrides(kv_offload, sessions, think_time))
-        overrides.update(fleet_overrides(prefill_pool, decode_pool, link, local_prefill_tokens))
+        overrides.update(fleet_overrides(prefill_pool, decode_pool, link, local_prefill_tokens, layerwise_overlap))
         cfg = load_config(config, overrides, set_)
         refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)
         refuse_ineffective_kv(cfg.kv)
@@ -222,8 +227,8 @@ def parse_step_variance(text: str | None) -> float | str | None:
 
 
 def fleet_overrides(prefill_pool: str | None, decode_pool: str | None, link: str | None,
-                    local_prefill_tokens: int | None) -> dict:
-    """--prefill-pool/--decode-pool/--link/--local-prefill-tokens as dotted fleet.* overrides."""
+                    local_prefill_tokens: int | None, layerwise_overlap: bool | None = None) -> dict:
+    """--prefill-pool/--decode-pool/--link/--local-prefill-tokens/--layerwise-overlap as dotted fleet.* overrides."""
     out: dict = {}
     for option, role, value in (("--prefill-pool", "prefill", prefill_pool), ("--decode-pool", "decode", decode_pool)):
         if value is not None:
@@ -232,6 +237,8 @@ def fleet_overrides(prefill_pool: str | None, decode_pool: str | None, link: str
         out["fleet.link"] = link
     if local_prefill_tokens is not None:
         out["fleet.local_prefill_tokens"] = local_prefill_tokens
+    if layerwise_overlap is not None:
+        out["fleet.layerwise_overlap"] = layerwise_overlap
     return out
 
 

@@ -189,12 +189,14 @@ class DisaggregatedProxy:
 class Handoff(NamedTuple):
     """How a prefill pool hands KV to a decode pool: the link hand-offs cross (a Link: one shared by all;
     a LinkSpec: a link of that kind for each decode replica), the KV bytes a token moves, how long the
-    prefill side keeps unpulled KV, and up to how many uncached prompt tokens a request is prefilled
-    on the decode pool instead (conditional disaggregation; 0: never)."""
+    prefill side keeps unpulled KV, up to how many uncached prompt tokens a request is prefilled
+    on the decode pool instead (conditional disaggregation; 0: never), and over how many layers the
+    hand-off is pushed while the prefill runs (layer-wise overlap; 0: pulled after the prefill)."""
     link: Link | LinkSpec
     kv_bytes_per_token: float
     abort_timeout_s: float = NIXL_ABORT_TIMEOUT_S
     local_prefill_tokens: int = 0
+    layerwise_layers: int = 0
 
 
 def build_disaggregated(env: EngineClock, prefill: PoolSpec, decode: PoolSpec, handoff: Handoff, step_log: StepLog,
@@ -213,7 +215,8 @@ def build_disaggregated(env: EngineClock, prefill: PoolSpec, decode: PoolSpec, h
             return PrefillSideConnector(clock, abort_timeout_s=handoff.abort_timeout_s, name=f"{spec.name}/{index}")
         # a LinkSpec gives each decode replica a link of its own (its GPUs' NICs); a Link is shared by all
         link = handoff.link if isinstance(handoff.link, Link) else links.setdefault(index, Link(handoff.link))
-        return DecodeSideConnector(link, handoff.kv_bytes_per_token, clock, name=f"{spec.name}/{index}")
+        return DecodeSideConnector(link, handoff.kv_bytes_per_token, clock, name=f"{spec.name}/{index}",
+                                   layers=handoff.layerwise_layers)
 
     def wiring(spec: PoolSpec) -> PoolWiring:
         if spec.role == "prefill":

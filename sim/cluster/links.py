@@ -49,6 +49,16 @@ def handoff_link(spec: LinkSpec, tp_prefill: int, tp_decode: int) -> LinkSpec:
     return LinkSpec(name, spec.bandwidth_gb_s * lanes, spec.latency_s)
 
 
+def layerwise_seconds(spec: LinkSpec, nbytes: float, layers: int, overlap_s: float) -> float:
+    """The exposed time of a layer-wise pushed transfer of `nbytes` over `layers` layers, `overlap_s` of
+    which ran beside the compute that produced the KV (LMCache's and Mooncake's layer-wise push: layer l's
+    KV moves while layer l+1 is prefilled): latency + max(0, T - overlap_s) + T / layers, T = bytes /
+    bandwidth; at least one layer's transfer (the last layer's KV exists only when the prefill ends), at
+    most the whole transfer (no overlap: the plain pull)."""
+    t = nbytes / (spec.bandwidth_gb_s * 1e9)
+    return spec.latency_s + min(t, max(0.0, t - overlap_s) + t / layers)
+
+
 class Link:
     """One link in use: transfers are served in order; counts bytes and busy time."""
 
@@ -59,10 +69,11 @@ class Link:
         self.busy_s = 0.0
         self.num_transfers = 0
 
-    def reserve(self, now: float, nbytes: float) -> tuple[float, float]:
-        """(start, end) of a transfer of `nbytes` asked for at `now`: it starts once the link is free."""
+    def reserve(self, now: float, nbytes: float, seconds: float | None = None) -> tuple[float, float]:
+        """(start, end) of a transfer of `nbytes` asked for at `now`: it starts once the link is free and
+        takes `seconds` (default: the link's time for the bytes, `LinkSpec.seconds`)."""
         start = max(now, self.free_at)
-        duration = self.spec.seconds(nbytes)
+        duration = self.spec.seconds(nbytes) if seconds is None else seconds
         self.free_at = end = start + duration
         self.bytes_moved += nbytes
         self.busy_s += duration

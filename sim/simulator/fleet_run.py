@@ -98,7 +98,8 @@ def handoff_of(cfg: SimConfig, plans: FleetPlans) -> Handoff:
     link: LinkSpec = handoff_link(one, plans.prefill.cfg.tp, plans.decode.cfg.tp)
     decode_cost = plans.decode.cost
     return Handoff(link, decode_cost.kv_bytes_per_token_per_gpu * plans.decode.cfg.tp,
-                   abort_timeout_s=fleet.abort_timeout_s, local_prefill_tokens=fleet.local_prefill_tokens)
+                   abort_timeout_s=fleet.abort_timeout_s, local_prefill_tokens=fleet.local_prefill_tokens,
+                   layerwise_layers=plans.decode.model.num_layers if fleet.layerwise_overlap else 0)
 
 
 def checked_plans(cfg: SimConfig, trace) -> FleetPlans:
@@ -226,6 +227,8 @@ def handoff_figures(cfg: SimConfig, proxy: DisaggregatedProxy, req_df: pd.DataFr
            "link_utilization": (sum(link.busy_s for link in links) / (len(links) * makespan)
                                 if links and makespan > 0 else 0.0),
            "local_prefills": int((~req_df["disaggregated"]).sum()) if len(req_df) else 0}
+    if cfg.fleet.layerwise_overlap:          # only when on: summaries of plain pulls stay as they were
+        out["layerwise_overlap"] = True
     for col in ("prefill_queue_s", "prefill_s", "kv_wait_s", "transfer_s", "first_decode_s"):
         vals = np.array([getattr(r, col) for r in moved], dtype=float)
         vals = vals[np.isfinite(vals)]

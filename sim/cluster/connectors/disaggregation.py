@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from ...core.connector import NO_TRANSFERS, FinishedTransfers, KVTransferStep
 from ...core.request import Request
-from ..links import Link
+from ..links import Link, layerwise_seconds
 from ..route import Transfer, route_of
 from .in_flight import InFlight
 
@@ -40,6 +40,7 @@ class PrefillHandoff:
     source: PrefillSideConnector
     leg: object
     ready_s: float
+    prefill_s: float = 0.0          # the leg's first scheduled step to its end: the prefill compute
     pulled: bool = False
     expired: bool = False
 
@@ -70,7 +71,8 @@ class PrefillSideConnector:
             return False
         now = self.clock()
         self._release_at[req] = now + self.abort_timeout_s
-        self.handoffs[req] = PrefillHandoff(self, req, now)
+        first = req.first_scheduled_time
+        self.handoffs[req] = PrefillHandoff(self, req, now, now - first if first is not None else 0.0)
         return True
 
     def release(self, leg, at: float) -> None:
@@ -93,11 +95,20 @@ class PrefillSideConnector:
 
 
 class DecodeSideConnector:
-    """The decode instance's connector: pulls a handed-off prompt's KV over `link`."""
+    """The decode instance's connector: pulls a handed-off prompt's KV over `link`.
 
-    def __init__(self, link: Link, kv_bytes_per_token: float, clock: Callable[[], float], *, name: str = "decode"):
+    With `layers` > 0 the hand-off is pushed layer by layer while the prefill runs (LMCache's and
+    Mooncake's layer-wise transfer; vLLM's NIXL connector pulls after the prefill instead): the link is
+    busy for `layerwise_seconds` of the pull (what the prefill's compute did not hide), from when the
+    decode side has its blocks. The layers pushed during the prefill are taken to wait on the decode
+    host (a staging buffer) if the decode side admits the request later; their link time during the
+    prefill is not queued on the link (concurrent pushes to one decode replica do not contend)."""
+
+    def __init__(self, link: Link, kv_bytes_per_token: float, clock: Callable[[], float], *, name: str = "decode",
+                 layers: int = 0):
         self.link, self.clock, self.name = link, clock, name
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.layers = layers
         self._loads = InFlight()
 
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -117,7 +128,8 @@ class DecodeSideConnector:
             handoff.source.release(handoff.leg, now)
             return
         nbytes = num_external_tokens * self.kv_bytes_per_token
-        start, end = self.link.reserve(now, nbytes)
+        seconds = layerwise_seconds(self.link.spec, nbytes, self.layers, handoff.prefill_s) if self.layers else None
+        start, end = self.link.reserve(now, nbytes, seconds)
         route_of(req).transfers.append(Transfer("prefill_to_decode", handoff.source.name, self.name,
                                                 num_external_tokens, nbytes, start, end))
         self._loads.add(end, req)
