@@ -17,7 +17,8 @@ from kvsim.sim.config import ConfigError, KVConfig, load_config
 
 from .vllm_args import VllmOptions
 
-from .options import (KvOffload, RouterName, Sessions, ThinkTime, tier_overrides)
+from .options import (KvOffload, RouterName, Sessions, SpeculativeConfigOpt, ThinkTime, parse_speculative_config,
+                      tier_overrides)
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel, Frontend,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
@@ -46,6 +47,7 @@ def simulate(
     kv_offload: KvOffload = None,
     sessions: Sessions = False,
     think_time: ThinkTime = None,
+    speculative_config: SpeculativeConfigOpt = None,
     profile: Profile = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
@@ -167,6 +169,7 @@ def simulate(
             serve=vllm, bench=bench, dtype=dtype, quantization=quantization, dataset_name=dataset_name,
             dataset_path=dataset_path, goodput=goodput))
         overrides.update(tier_overrides(kv_offload, sessions, think_time))
+        overrides.update(parse_speculative_config(speculative_config))
         overrides.update(fleet_overrides(prefill_pool, decode_pool, link, local_prefill_tokens))
         cfg = load_config(config, overrides, set_)
         refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)

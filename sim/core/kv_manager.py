@@ -161,6 +161,26 @@ class KVCacheManager:
             self.cache_full_blocks(req, req.num_computed_tokens + num_new_tokens)
         return True
 
+    def allocate_spec_slots(self, req: Request, num_new_tokens: int, num_lookahead_tokens: int) -> bool:
+        """vLLM's `allocate_slots(req, num_new_tokens, num_lookahead_tokens=...)` for a running request
+        with draft tokens: blocks for its computed tokens, this step's `num_new_tokens` (the sampled
+        token and the drafts) and `num_lookahead_tokens` more (an EAGLE drafter's slots), of which only
+        the blocks full of known tokens are hashed (drafts are not known tokens until accepted). Blocks
+        held beyond that (after rejections) are kept and reused. False, changing nothing, when the pool
+        cannot supply them."""
+        blocks = self.req_blocks.setdefault(req, [])
+        total = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        need = max(0, -(-total // self.block_size) - len(blocks))
+        if need > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[req]
+            return False
+        if need:
+            blocks.extend(self.pool.get_new_blocks(need))
+        if self.enable_caching:
+            self.cache_full_blocks(req, min(req.num_computed_tokens + num_new_tokens, req.num_tokens))
+        return True
+
     def cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Hash the blocks of `req` that `num_tokens` tokens fill and that are not hashed yet."""
         blocks = self.req_blocks[req]

@@ -75,6 +75,12 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
         else:
             decode_tokens += n
             num_decode += 1
+            if n > 1:
+                # speculative decoding's verification: n queries (the sampled token and the drafts) over
+                # the context, causally; the attention reads the context once (kv_read below) and its
+                # compute grows by the query-key pairs beyond one query's (counted with the prefill pairs)
+                c = s.context_before
+                attn_pairs += n * (c + (n + 1) / 2) - (c + n)
         kv_read += s.context_before + n
         e = kv.block_table_entries(s.request)
         entries += e

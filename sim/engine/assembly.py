@@ -26,6 +26,7 @@ from ..core.request import Request
 from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager
 from ..core.scheduler import Scheduler, SchedulerConfig
+from ..core.spec_decode import SpecDecoder
 from .loop import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
                      StepArrivals)
 from ..results.metrics import StepLog
@@ -291,7 +292,9 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     for i in range(cfg.replicas):
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
-            env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None), executor, step_log,
+            env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None,
+                              SpecDecoder(plan.spec.settings, cfg.seed, i) if plan.spec is not None else None),
+            executor, step_log,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica and not shared,
                            check_invariants=cfg.check_invariants,
                            step_noise=noises[i]),
