@@ -616,6 +616,8 @@ class Scheduler:
             for _ in range(tokens):
                 times.append(now)
             if req.num_output_tokens >= req.max_output_tokens:
+                # the stop check cut accepted tokens: those past the last output are not the request's
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
                 done.append(req)
             else:
                 drafting.append(req)
