@@ -207,3 +207,12 @@ def test_simulate_with_eagle3_lowers_tpot_at_low_load():
     assert (on.requests["output_tokens"] == off.requests["output_tokens"]).all()
     assert np.array_equal(on.requests.sort_values("request_id")["output_tokens"].to_numpy(),
                           off.requests.sort_values("request_id")["output_tokens"].to_numpy())
+
+
+def test_a_pasted_vllm_serve_line_sets_the_speculative_config():
+    from kvsim.sim.cli.vllm_args import parse_serve
+    line = ("vllm serve meta-llama/Llama-3.1-8B-Instruct --speculative-config "
+            "'{\"method\": \"eagle3\", \"model\": \"yuhuili/EAGLE3-LLaMA3.1-Instruct-8B\", \"num_speculative_tokens\": 3}'")
+    t = parse_serve(line)
+    assert t.overrides["speculative_config"]["num_speculative_tokens"] == 3 and not t.warnings
+    assert parse_serve("vllm serve m --speculative-config.method ngram").warnings      # dotted keys: not assembled
