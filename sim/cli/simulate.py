@@ -354,6 +354,14 @@ def print_summary(s: dict) -> None:
     add("tokens evicted (token x head)", s.get("evicted_tokens"), "{:.0f}")
     add("MB copied/moved", s["bytes_moved"] / 1e6 if s.get("bytes_moved") is not None else None, "{:.1f}")
     add("prefix hit rate", s.get("prefix_hit_rate"))
+    spec = s.get("spec_decode")
+    if spec:
+        rates = spec.get("acceptance_rate_per_pos") or []
+        add(f"spec decode: {spec['method']} k={spec['num_speculative_tokens']} mean acceptance length",
+            spec.get("mean_acceptance_length"), "{:.2f}")
+        add("spec decode: acceptance rate per position", " ".join(f"{r:.3f}" for r in rates) or None)
+        add("spec decode: drafting / verifying share of busy time",
+            f"{spec['draft_share'] or 0:.1%} / {spec['verify_share'] or 0:.1%}")
     add("engine steps", s.get("num_steps"))
     add("wall time (s)", s.get("wall_s"), "{:.2f}")
     console.print(table)

@@ -216,6 +216,11 @@ def spec_decode_summary(spec, decoders: list, steps) -> dict:
            "acceptance_rate": accepted / tokens if tokens else None,
            "acceptance_rate_per_pos": [a / drafts for a in counters["num_accepted_tokens_per_pos"]] if drafts else None,
            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
+           # the same counters under vLLM's Prometheus names (counters; per position: one series per position label)
+           "vllm_metrics": {"vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_draft_tokens": tokens,
+                            "vllm:spec_decode_num_accepted_tokens": accepted,
+                            "vllm:spec_decode_num_accepted_tokens_per_pos": {
+                                str(i): a for i, a in enumerate(counters["num_accepted_tokens_per_pos"])}},
            "draft_s": draft_s, "verify_s": verify_s,
            "draft_share": draft_s / busy if busy else None, "verify_share": verify_s / busy if busy else None}
     return out
