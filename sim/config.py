@@ -423,8 +423,7 @@ class SpeculativeConfig(_Strict):
         method, model = data.get("method"), data.get("model")
         if method is None:
             if model is None:
-                raise ValueError("give method (ngram, eagle, eagle3, mtp, draft_model) or model (vLLM: "
-                                 "'num_speculative_tokens was provided but without speculative model')")
+                return data          # refused when the run is resolved (a sweep's grid may set the method later)
             name = str(model).lower()
             data["method"] = method = ("ngram" if name in ("ngram", "[ngram]") else "eagle3" if "eagle3" in name
                                        else "eagle" if "eagle" in name else "draft_model")

@@ -137,7 +137,6 @@ def _spec(**kw):
 @pytest.mark.parametrize("kw, fragment", [
     ({"method": "eagle3", "num_speculative_tokens": 0}, "greater than 0"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "unknown method 'medusa'"),
-    ({"num_speculative_tokens": 2}, "without speculative model"),
     ({"model": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6, "prompt_lookup_max": 3},
      "prompt_lookup_min=6"),
     ({"method": "eagle3", "num_speculative_tokens": 2, "synthetic_acceptance_rates": [0.5, 0.7]}, "non-increasing"),
@@ -153,6 +152,7 @@ def test_bad_configs_are_refused_by_the_schema(kw, fragment):
     ({"method": "draft_model", "model": "qwen2.5-0.5b", "num_speculative_tokens": 3}, "vocabulary"),
     ({"method": "mtp", "num_speculative_tokens": 1}, "multi-token-prediction"),
     ({"method": "eagle3"}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 2}, "without speculative model"),
     ({"method": "eagle3", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "expected 1 or"),
 ])
 def test_bad_configs_are_refused_when_resolved(kw, fragment):
@@ -216,3 +216,23 @@ def test_a_pasted_vllm_serve_line_sets_the_speculative_config():
     t = parse_serve(line)
     assert t.overrides["speculative_config"]["num_speculative_tokens"] == 3 and not t.warnings
     assert parse_serve("vllm serve m --speculative-config.method ngram").warnings      # dotted keys: not assembled
+
+
+def test_a_sweep_over_methods_and_k_runs_each_point(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvsim.sim.cli import app
+    (tmp_path / "spec.yaml").write_text(
+        "fixed:\n  trace: random\n  trace_options: {max_requests: 16, max_concurrency: 4, "
+        "random: {input_len: 64, output_len: 64}}\n"
+        "runs:\n  - {speculative_config: {method: eagle3}}\n  - {speculative_config: {model: ngram}}\n"
+        "grid:\n  speculative_config.num_speculative_tokens: [2, 4]\n")
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["sweep", "spec.yaml", "--out", "st", "--jobs", "1"])
+    assert result.exit_code == 0, result.output
+    import pandas as pd
+    rows = pd.concat([pd.read_parquet(p) for p in (tmp_path / "st" / "runs").glob("*.parquet")])
+    assert (rows["status"] == "ok").all() and len(rows) == 4
+    assert sorted(rows["speculative_config.num_speculative_tokens"].tolist()) == [2, 2, 4, 4]
+    assert all(d["mean_acceptance_length"] > 1 for d in rows["spec_decode"])

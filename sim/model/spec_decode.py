@@ -117,7 +117,10 @@ def resolve_spec(spec: SpeculativeConfig, target: ModelSpec, gpu: GPUSpec, tp: i
     refuses or kvsim cannot price (a draft model of another vocabulary or larger than the GPU, MTP on a
     model without MTP modules, a drafter TP other than 1 or the target's)."""
     data = spec_data()
-    method = spec.method or "draft_model"
+    if spec.method is None:
+        raise SpecConfigError("speculative_config: give method (ngram, eagle, eagle3, mtp, draft_model) or model "
+                              "(vLLM: 'num_speculative_tokens was provided but without speculative model')")
+    method = spec.method
     k = spec.num_speculative_tokens
     if method == "mtp":
         modules = data["mtp_models"].get(target.name)
