@@ -14,7 +14,8 @@ from rich.table import Table
 from kvsim.sim.config import ConfigError, build_config, load_config
 from kvsim.traces.errors import TraceError
 
-from .options import KvOffload, RouterName, Sessions, ThinkTime, tier_overrides
+from .options import (KvOffload, RouterName, Sessions, SpeculativeConfigOpt, ThinkTime, parse_speculative_config,
+                      tier_overrides)
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
                       Sets, Tp, Trace, UsdPerHour, config_overrides, fail, output_path, table_console)
 
@@ -139,6 +140,7 @@ def capacity(
     kv_offload: KvOffload = None,
     sessions: Sessions = False,
     think_time: ThinkTime = None,
+    speculative_config: SpeculativeConfigOpt = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
     max_num_seqs: MaxNumSeqs = None,
@@ -187,7 +189,8 @@ def capacity(
         _check_store(out, "--out", overwrite)
     _check_repeats(repeats)
     try:
-        cfg = load_config(config, {**overrides, **tier_overrides(kv_offload, sessions, think_time)}, set_)
+        cfg = load_config(config, {**overrides, **tier_overrides(kv_offload, sessions, think_time),
+                                   **parse_speculative_config(speculative_config)}, set_)
         cfg = build_config(cfg.model_dump(), {"step_variance": _search_variance(step_variance, cfg.step_variance)})
         constraints = parse_slo(slo)
         cfg, sample = choose_sample(cfg, window)
@@ -432,6 +435,7 @@ def plan(
     kv_offload: KvOffload = None,
     sessions: Sessions = False,
     think_time: ThinkTime = None,
+    speculative_config: SpeculativeConfigOpt = None,
     window: Window = None,
     set_: Sets = [],
     max_replicas: int = typer.Option(64, help="give a configuration up above this many replicas"),
@@ -490,7 +494,8 @@ def plan(
         priced = list(dict.fromkeys(gpu_list + [g for r in pools.values() for g, _ in r]))
         cfg = load_config(config, {**config_overrides(trace=trace, rate_scale=rate_scale, model=model_list[0],
                                                       gpu=gpu_list[0], usd_per_hour=usd_per_hour, router=router),
-                                   **tier_overrides(kv_offload, sessions, think_time)}, set_)
+                                   **tier_overrides(kv_offload, sessions, think_time),
+                                   **parse_speculative_config(speculative_config)}, set_)
         if isinstance(cfg.usd_per_hour, float) and len(priced) > 1:
             raise ConfigError(f"--usd-per-hour {cfg.usd_per_hour:g}: one price for {len(priced)} GPUs; give "
                               "GPU=PRICE for each one to price (h100=2.5,h200=3.9)")
