@@ -236,3 +236,27 @@ def test_a_sweep_over_methods_and_k_runs_each_point(tmp_path, monkeypatch):
     assert (rows["status"] == "ok").all() and len(rows) == 4
     assert sorted(rows["speculative_config.num_speculative_tokens"].tolist()) == [2, 2, 4, 4]
     assert all(d["mean_acceptance_length"] > 1 for d in rows["spec_decode"])
+
+
+@pytest.mark.parametrize("spec, engine", [
+    ({"method": "eagle3", "num_speculative_tokens": 4}, {"async_scheduling": True}),
+    ({"model": "ngram", "num_speculative_tokens": 3}, {"async_scheduling": False, "max_num_batched_tokens": 64,
+                                                        "max_num_seqs": 16, "long_prefill_token_threshold": 32}),
+    ({"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 2},
+     {"async_scheduling": True, "enable_prefix_caching": True}),
+])
+def test_the_engine_keeps_its_invariants_under_preemption_chunking_and_async(spec, engine):
+    """Through the whole engine (the loop, async finishes, chunked prefill, a pool short enough to preempt),
+    with the engine's invariant checks after every step: every request finishes with its output length."""
+    from kvsim.sim.simulator.simulate import run_simulation
+    cfg = SimConfig(trace="random", seed=3, check_invariants=True,
+                    trace_options={"max_requests": 48, "request_rate": 40.0,
+                                   "random": {"input_len": 300, "output_len": 120, "range_ratio": 0.5}},
+                    engine={"num_gpu_blocks": 160, **engine}, speculative_config=spec)
+    result = run_simulation(cfg, None, progress=False, keep_steps=True)
+    req = result.requests
+    assert (req["status"] == "finished").all()
+    assert result.summary["preemptions"] > 0
+    assert result.summary["spec_decode"]["num_drafts"] > 0
+    steps = result.steps
+    assert (steps["num_accepted_tokens"] <= steps["num_draft_tokens"]).all()
