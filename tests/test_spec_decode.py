@@ -260,3 +260,21 @@ def test_the_engine_keeps_its_invariants_under_preemption_chunking_and_async(spe
     assert result.summary["spec_decode"]["num_drafts"] > 0
     steps = result.steps
     assert (steps["num_accepted_tokens"] <= steps["num_draft_tokens"]).all()
+
+
+def test_an_eagle_drafter_drops_the_last_block_of_a_prefix_hit():
+    """vLLM (KVCacheManager(use_eagle=True)): the drafter needs the last hit block's hidden states, so that
+    block is recomputed."""
+    def hits(use_eagle: bool) -> int:
+        kv = KVCacheManager(64, 16, enable_caching=True)
+        kv.use_eagle = use_eagle
+        first = Request(0, 0.0, 100, 10, prefix_hash_ids=(1, 2, 3, 4), prefix_block_tokens=25)
+        assert kv.allocate_slots(first, 100)
+        kv.free(first)
+        second = Request(1, 0.0, 100, 10, prefix_hash_ids=(1, 2, 3, 4), prefix_block_tokens=25)
+        return len(kv.get_computed_blocks(second))
+    assert hits(False) == 6 and hits(True) == 5
+    plan = _spec(method="eagle3", num_speculative_tokens=2)
+    from kvsim.sim.simulator.executor import replica_parts
+    assert replica_parts(plan, 0)[0].use_eagle
+    assert not replica_parts(_spec(model="ngram", num_speculative_tokens=2), 0)[0].use_eagle

@@ -29,6 +29,9 @@ class KVCacheManager:
         # told which blocks enter the prefix-cache index and which leave it (vLLM's KV events: kvsim serve
         # --kv-events-endpoint); None, the default, costs one test per hashing call (`attach_events`)
         self.events: KVEventSink | None = None
+        # speculative decoding with an EAGLE-style drafter (eagle, eagle3, mtp): vLLM drops the last block of a
+        # prefix-cache hit, whose hidden states the drafter needs recomputed (KVCacheManager(use_eagle=True))
+        self.use_eagle = False
 
     def attach_events(self, sink: KVEventSink | None) -> None:
         """Tell `sink` every block newly stored in the prefix cache and every cached block evicted."""
@@ -66,9 +69,16 @@ class KVCacheManager:
 
     # ----- prefix caching --------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> list[int]:
-        """Cached blocks covering the longest hit prefix; the last prompt token is always recomputed."""
+        """Cached blocks covering the longest hit prefix; the last prompt token is always recomputed (with
+        `use_eagle`, the hit's last block too)."""
         if not self.enable_caching:
             return []
+        if self.use_eagle:
+            hits = self._computed_blocks(req)
+            return hits[:-1]
+        return self._computed_blocks(req)
+
+    def _computed_blocks(self, req: Request) -> list[int]:
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         hits = []
         if req.prefix_hash_ids is None:

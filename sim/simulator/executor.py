@@ -146,6 +146,7 @@ def replica_parts(plan: ResolvedRun, index: int) -> tuple[KVManager, Executor]:
     """The KV manager and executor of replica `index` of a simulation."""
     kv = build_kv_manager(plan, index)
     if plan.spec is not None:              # speculative decoding: the plain manager (sim/config.py refuses policies)
+        kv.use_eagle = plan.spec.method in ("eagle", "eagle3", "mtp")      # vLLM's SpeculativeConfig.use_eagle()
         return kv, SpecDecodeExecutor(plan.cost, kv, plan.spec.draft)
     # the simulator's executor of the kind the resolved run chose for its KV manager
     return kv, EXECUTORS[plan.executor_kind](plan.cost, kv)
