@@ -244,12 +244,16 @@ def test_a_sweep_over_methods_and_k_runs_each_point(tmp_path, monkeypatch):
                                                         "max_num_seqs": 16, "long_prefill_token_threshold": 32}),
     ({"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 2},
      {"async_scheduling": True, "enable_prefix_caching": True}),
+    ({"method": "eagle3", "num_speculative_tokens": 3, "model_name": "gpt-oss-20b"}, {"async_scheduling": True}),
 ])
+@pytest.mark.filterwarnings("ignore:.*sliding-window layers")
 def test_the_engine_keeps_its_invariants_under_preemption_chunking_and_async(spec, engine):
     """Through the whole engine (the loop, async finishes, chunked prefill, a pool short enough to preempt),
     with the engine's invariant checks after every step: every request finishes with its output length."""
     from kvsim.sim.simulator.simulate import run_simulation
-    cfg = SimConfig(trace="random", seed=3, check_invariants=True,
+    spec = dict(spec)
+    model = spec.pop("model_name", "llama-3.1-8b")        # gpt-oss: vLLM's hybrid allocator (sliding-window layers)
+    cfg = SimConfig(trace="random", seed=3, check_invariants=True, model=model,
                     trace_options={"max_requests": 48, "request_rate": 40.0,
                                    "random": {"input_len": 300, "output_len": 120, "range_ratio": 0.5}},
                     engine={"num_gpu_blocks": 160, **engine}, speculative_config=spec)

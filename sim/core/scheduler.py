@@ -25,6 +25,7 @@ from typing import NamedTuple, cast
 
 from .connector import KVConnector, KVTransferStep
 from .kv_manager import KVCacheManager
+from .sliding_window import HybridKVManager
 from .protocols import KVManager
 from .request import Request, RequestStatus
 from .spec_decode import SpecDecoder
@@ -336,7 +337,8 @@ class Scheduler:
         `allocate_slots(req, n, num_lookahead_tokens)` (only verified tokens' blocks are hashed)."""
         if self.spec is None:
             return self.kv.allocate_slots(req, n)
-        kv = cast(KVCacheManager, self.kv)       # the plain manager: the only one spec decoding runs with
+        # the plain manager or the sliding-window one: those speculative decoding runs with (sim/config.py)
+        kv = cast(KVCacheManager | HybridKVManager, self.kv)
         return kv.allocate_spec_slots(req, n, self.spec.lookahead)
 
     def new_tokens(self, remaining: int, budget: int, computed: int, threshold: int | None = None) -> int:

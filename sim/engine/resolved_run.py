@@ -119,9 +119,6 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
         raise ConfigError(str(exc).replace("--enable-expert-parallel", "engine.enable_expert_parallel")) from None
     spec = None
     if cfg.speculative_config is not None:
-        if model.num_sliding_layers:
-            raise ConfigError(f"speculative_config: {model.name} has sliding-window layers (vLLM's hybrid KV "
-                              "allocator); kvsim runs speculative decoding with the plain KV manager only yet")
         try:
             spec = resolve_spec(cfg.speculative_config, model, gpu, cfg.tp, cost)
         except SpecConfigError as exc:

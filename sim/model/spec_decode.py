@@ -165,7 +165,8 @@ def resolve_spec(spec: SpeculativeConfig, target: ModelSpec, gpu: GPUSpec, tp: i
     else:                                   # eagle, eagle3, mtp: one decoder layer of the target's shape
         vocab = int(data["eagle3_draft_vocab"]) if method == "eagle3" else target.vocab_size
         head = target.model_copy(update={"name": f"{target.name}-{method}-head", "num_layers": 1,
-                                         "vocab_size": vocab})
+                                         "vocab_size": vocab, "sliding_window": None,
+                                         "sliding_window_layers": None})
         fc_inputs = {"eagle3": 3, "eagle": 2, "mtp": 2}[method]       # the fused hidden states' projection
         extra = fc_inputs * target.hidden_size * target.hidden_size
         if method == "eagle3":
