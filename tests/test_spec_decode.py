@@ -282,3 +282,23 @@ def test_an_eagle_drafter_drops_the_last_block_of_a_prefix_hit():
     from kvsim.sim.simulator.executor import replica_parts
     assert replica_parts(plan, 0)[0].use_eagle
     assert not replica_parts(_spec(model="ngram", num_speculative_tokens=2), 0)[0].use_eagle
+
+
+def test_a_verification_computes_logits_for_every_verified_position():
+    from kvsim.sim.core.scheduler import ScheduledRequest, SchedulerOutput
+    from kvsim.sim.core.step import BatchShape, batch_shape
+    kv = KVCacheManager(64, 16)
+    reqs = [Request(i, 0.0, 100, 50) for i in range(2)]
+    for r in reqs:
+        r.num_output_tokens, r.num_computed_tokens = 1, 100
+        kv.allocate_slots(r, 4)
+    out = SchedulerOutput([ScheduledRequest(reqs[0], 4, 100, False, num_spec_tokens=3),
+                           ScheduledRequest(reqs[1], 1, 100, False)])
+    shape = batch_shape(out, kv)
+    assert shape.num_logit_rows == 2 + 3 and shape.num_decode_tokens == 5
+    assert batch_shape(SchedulerOutput([ScheduledRequest(reqs[1], 1, 100, False)]), kv).num_logit_rows is None
+    cost = _spec(method="eagle3", num_speculative_tokens=3).cost
+    plain = BatchShape(num_seqs=256, num_decode_tokens=1024, kv_tokens_read=256 * 1004)
+    rows = BatchShape(num_seqs=256, num_decode_tokens=1024, kv_tokens_read=256 * 1004, num_logit_rows=1024)
+    assert cost.predict(rows) > cost.predict(plain)
+    assert cost.breakdown(rows)["total"] == pytest.approx(cost.predict(rows))

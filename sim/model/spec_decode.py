@@ -17,7 +17,7 @@ Costs reuse the cost model (sim/model/cost_model.py), never a copy of it:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +75,8 @@ class DraftCost:
             return 0.0
         if self.cost is None:
             return self.host_per_step_s + m * self.host_per_request_s
-        total = float(self.cost.predict(shape))          # first pass: the step's tokens
+        # first pass: the step's tokens, logits for one position per sequence (each request's last accepted)
+        total = float(self.cost.predict(replace(shape, num_logit_rows=None)))
         kv = sum(contexts)
         for j in range(1, self.k):
             total += float(self.cost.predict(BatchShape(num_seqs=m, num_decode_tokens=m, kv_tokens_read=kv + m * j)))
