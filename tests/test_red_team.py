@@ -1150,6 +1150,11 @@ CASES_LANDED = {
         ["speculative_config.method", "multi-token-prediction"]),
     "--speculative-config k 1e9": (SIM5 + ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 1e9}'],
                                    ["speculative_config.num_speculative_tokens"]),
+    "plan --speculative-variant k 0": (PLAN_PD[:-1] + ["--speculative-variant", '{"method": "eagle3", '
+                                                       '"num_speculative_tokens": 0}'],
+                                       ["speculative_config.num_speculative_tokens", "greater than 0"]),
+    "plan --speculative-variant not JSON": (PLAN_PD[:-1] + ["--speculative-variant", "eagle3"],
+                                            ["--speculative-config: invalid JSON"]),
 }
 
 

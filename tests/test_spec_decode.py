@@ -302,3 +302,16 @@ def test_a_verification_computes_logits_for_every_verified_position():
     rows = BatchShape(num_seqs=256, num_decode_tokens=1024, kv_tokens_read=256 * 1004, num_logit_rows=1024)
     assert cost.predict(rows) > cost.predict(plain)
     assert cost.breakdown(rows)["total"] == pytest.approx(cost.predict(rows))
+
+
+def test_plan_searches_speculative_variants_as_configurations_of_their_own():
+    from kvsim.sim.planning.plan import PlanSpace, candidates, spec_label
+    base = SimConfig(trace="random")
+    space = PlanSpace(["llama-3.1-8b"], ["h100"], [1], speculative=[
+        None, {"method": "eagle3", "num_speculative_tokens": 3}, {"model": "ngram", "num_speculative_tokens": 2}])
+    keep, unfit = candidates(base, space)
+    assert [c.spec for c in keep] == ["no-spec", "eagle3 k=3", "ngram k=2"] and not unfit
+    assert keep[0].cfg.speculative_config is None and keep[1].cfg.speculative_config.num_speculative_tokens == 3
+    assert keep[1].label == "llama-3.1-8b h100 TP1 eagle3 k=3"
+    assert [c.spec for c in candidates(base, PlanSpace(["llama-3.1-8b"], ["h100"], [1]))[0]] == [None]
+    assert spec_label(None) == "no-spec"
