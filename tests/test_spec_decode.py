@@ -315,3 +315,34 @@ def test_plan_searches_speculative_variants_as_configurations_of_their_own():
     assert keep[1].label == "llama-3.1-8b h100 TP1 eagle3 k=3"
     assert [c.spec for c in candidates(base, PlanSpace(["llama-3.1-8b"], ["h100"], [1]))[0]] == [None]
     assert spec_label(None) == "no-spec"
+
+
+def test_the_token_budget_trims_the_drafts_and_a_preemption_clears_them():
+    """vLLM: num_new_tokens = min(1 + drafts, budget left); the scheduled drafts are those that fit; a preempted
+    request loses its drafts."""
+    kv = KVCacheManager(200, 16)
+    spec = SpecDecoder(SpecDecodeSettings(4, 4, (1.0, 1.0, 1.0, 1.0)), seed=0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=7, max_model_len=10_000), kv, spec=spec)
+    a, b = Request(0, 0.0, 3, 50), Request(1, 0.0, 3, 50)
+    for r in (a, b):
+        sched.add_request(r)
+    out = sched.schedule()                                  # both prompts (3 + 3 tokens)
+    sched.update(out, 1.0)
+    assert a.spec_tokens == b.spec_tokens == 4             # drafts proposed after the prompts sampled
+    out = sched.schedule()
+    got = {s.request.request_id: (s.num_new_tokens, s.num_spec_tokens, s.is_prefill) for s in out.scheduled}
+    assert got == {0: (5, 4, False), 1: (2, 1, False)}     # 7 tokens: 1 + 4 drafts, then 1 + 1
+    assert a.spec_tokens == b.spec_tokens == 0             # moved into the step
+    # lookahead: a holds blocks for 3 computed + 5 new + 4 lookahead = 12 tokens
+    assert len(kv.blocks_of(a)) == 1 and len(kv.blocks_of(b)) == 1
+    sched.update(out, 2.0)
+    assert a.num_output_tokens == 1 + 1 + 4 and b.num_output_tokens == 1 + 1 + 1   # all drafts accepted
+    assert a.num_computed_tokens == a.num_tokens - 1 and b.num_computed_tokens == b.num_tokens - 1
+    sched._preempt(b, out)
+    assert b.spec_tokens == 0 and b.num_computed_tokens == 0 and not kv.blocks_of(b)
+
+
+def test_serve_refuses_a_speculative_config():
+    from kvsim.sim.serve.cli import check_serve_config
+    with pytest.raises(ConfigError, match="speculative_config: kvsim serve does not run"):
+        check_serve_config(SimConfig(speculative_config={"method": "eagle3", "num_speculative_tokens": 2}))
