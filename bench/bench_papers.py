@@ -17,12 +17,15 @@ slot reuse, paged_attention_v2's partition-relative score indices), each fact on
 spvllm-tail` shows where each strategy's p99 at budget 1,024 comes from (the run's tail; ~160 s CPU,
 ~5 s with `--setup spvllm-unfitted`).
 
-TokenSelect (selective attention at long contexts), the paper's Llama config (n_init 128 + top_k
-2,048 + n_local 512 = 2,688 tokens read, chunk_size 8,192): one selective layer's attention, full
-over selective, in decode (without the Selection Cache and with the reuse rate measured on
-SmolLM2-135M's queries, `--reuse-rate`, default 0.21 at threshold 0.9) and in chunked prefill with
-chunk-level selection (sim/kv/policies/selection_work.py), 8K-1M tokens (published: up to 23.84x
-attention, 2.28x end to end).
+TokenSelect (selective attention at long contexts), as the paper's code runs it (n_init 128 + top_k
+2,048 + n_local 512 = 2,688 tokens read, selection chunks of 512 queries in engine chunks of 8,192;
+sim/kv/policies/selection_work.py): attention time, full over selective with the selection's kernels
+(the K read of every key, the soft vote and top-k) as the simulator's step cost prices them, for
+Llama-3.1-8B on an A100-80GB (the paper's GPU) and an H100, 8K-1M tokens: one decode step (without
+the Selection Cache and with the reuse rate measured on SmolLM2-135M's queries, `--reuse-rate`,
+default 0.21 at threshold 0.9), a whole prefill, and one selection chunk at that context (where the
+speedup saturates); then the simulator on one request (H100): decode read, prefill steps' time and
+end to end (published: up to 23.84x attention, 2.28x end to end).
 
 Throughput headlines (`--only others`, ~100 s CPU, LeanKV's fast mode most of it), each against
 `none` on the same workload (closed batches; the workloads are this script's choices where the
@@ -40,7 +43,7 @@ share of H2O's evicted slots lying in wholly evicted pages (what free_block give
 attention against the importance model, per sequence on the head-averaged score (SpvLLM) and per head.
 
     python bench/bench_papers.py                # SpvLLM, TokenSelect, the others (~110 s CPU)
-    python bench/bench_papers.py --only tokenselect
+    python bench/bench_papers.py --only tokenselect     # ~2 s CPU
     python bench/bench_papers.py --only spvllm-code    # SpvLLM's own code path (~5 min CPU)
     python bench/bench_papers.py --only attention   # ~2 min CPU
 """
@@ -56,7 +59,8 @@ import numpy as np
 SPV_PUBLISHED = {256: (0.79, 0.44)}            # slot_reuse / free_block, slot_reuse / noop (p99 fragmentation)
 TOKENSELECT_PUBLISHED = 23.84                  # attention speedup, the paper's best at long context
 TOKENSELECT_READ = 128 + 2048 + 512            # n_init + top_k + n_local
-TOKENSELECT_CHUNK = 8192
+TOKENSELECT_ENGINE_CHUNK = 8192                 # the config's chunk_size: SGLang's chunked_prefill_size
+TOKENSELECT_CONTEXTS = tuple(1 << k for k in range(13, 21))     # 8K .. 1M
 
 
 @contextmanager
@@ -191,27 +195,88 @@ def print_spvllm_code() -> None:
               f"{p99['slot_reuse'] / p99['free_block']:>8.2f}{p99['slot_reuse'] / p99['noop']:>9.2f}", flush=True)
 
 
-def print_tokenselect(reuse_rate: float) -> None:
-    from kvsim.sim.kv.policies.selection_work import decode_speedup, prefill_speedup
+def tokenselect_policy(reuse_rate: float, cost):
+    """TokenSelect as the paper's code runs it (2,688 read, selection chunks of 512, no dense layers) and
+    its context for `cost`'s model (per_head rows)."""
     from kvsim.sim.kv.policy import PolicyContext, get_policy
 
-    ctx = PolicyContext("per_head", 1, 1, 1, 16, 1)
-    plain = get_policy("tokenselect", budget=TOKENSELECT_READ, dense_layers=0)
-    cached = get_policy("tokenselect", budget=TOKENSELECT_READ, dense_layers=0, reuse_rate=reuse_rate)
-    print(f"\nTokenSelect: attention speedup of a selective layer ({TOKENSELECT_READ:,} tokens read, prefill "
-          f"chunk {TOKENSELECT_CHUNK:,}), published up to {TOKENSELECT_PUBLISHED}x")
-    print(f"{'context':>9}{'decode':>9}{f'decode r={reuse_rate:g}':>15}{'bound 2/(1-r)':>15}"
-          f"{'chunked prefill':>17}{'bound 2c':>10}")
-    for n in (1 << 13, 1 << 15, 1 << 17, 1 << 18, 1 << 19, 1 << 20):
-        print(f"{n // 1024:>8}K{decode_speedup(plain, [n], ctx)[0]:>9.2f}{decode_speedup(cached, [n], ctx)[0]:>15.2f}"
-              f"{2 / (1 - reuse_rate):>15.2f}{prefill_speedup(n, TOKENSELECT_CHUNK, TOKENSELECT_READ):>17.2f}"
-              f"{2 * TOKENSELECT_CHUNK:>10,}")
+    m = cost.model
+    rows = m.num_layers * cost.kv_heads_per_gpu
+    ctx = PolicyContext("per_head", m.num_layers, cost.kv_heads_per_gpu, m.num_heads * cost.kv_heads_per_gpu // m.num_kv_heads,
+                        16, rows, head_dim=m.head_dim, bytes_per_token_row=cost.kv_bytes_per_token / rows,
+                        kv_split=cost.kv_split)
+    return get_policy("tokenselect", budget=TOKENSELECT_READ, dense_layers=0, reuse_rate=reuse_rate), ctx
+
+
+def tokenselect_attention(gpu: str, n: int, reuse_rate: float) -> dict[str, float]:
+    """Seconds of one request's attention, Llama-3.1-8B on `gpu`, as the simulator's step cost prices it
+    (attention term, plus the `policy_ops` term of TokenSelect's soft vote and top-k): a decode step at
+    context n and the prefill of n tokens in engine chunks of 8,192, full and with TokenSelect; and one
+    selection chunk (512 queries) at context n, full and selective."""
+    from kvsim.sim.core.step import BatchShape
+    from kvsim.sim.kv.policies.selection_work import causal_pairs
+    from kvsim.sim.model.cost_model import CostModel
+
+    cost = CostModel("llama-3.1-8b", gpu)
+    policy, ctx = tokenselect_policy(reuse_rate, cost)
+
+    def seconds(**shape) -> float:
+        b = cost.breakdown(BatchShape(**shape))
+        return float(b["attention"] + b["copy"])
+
+    out = {"decode_full": seconds(num_seqs=1, num_decode_tokens=1, kv_tokens_read=n),
+           "decode_sel": seconds(num_seqs=1, num_decode_tokens=1, kv_tokens_read=float(policy.mean_read([n], ctx)[0]),
+                                 op_bytes=policy.decode_op_bytes(n, ctx))}
+    full = sel = 0.0
+    for start in range(0, n, TOKENSELECT_ENGINE_CHUNK):
+        k = min(TOKENSELECT_ENGINE_CHUNK, n - start)
+        full += seconds(num_prefill_tokens=k, attn_pairs_prefill=k * (start + (k + 1) / 2), kv_tokens_read=start + k)
+        c = policy.prefill_cost(start, k, ctx)
+        sel += seconds(num_prefill_tokens=k, attn_pairs_prefill=c.pairs, kv_tokens_read=c.kv_read, op_bytes=c.op_bytes)
+    out["prefill_full"], out["prefill_sel"] = full, sel
+    q = policy.prefill_chunk
+    c = policy.prefill_cost(n - q, q, ctx)
+    out["chunk_full"] = seconds(num_prefill_tokens=q, attn_pairs_prefill=float(causal_pairs(q, n)), kv_tokens_read=n)
+    out["chunk_sel"] = seconds(num_prefill_tokens=q, attn_pairs_prefill=c.pairs, kv_tokens_read=c.kv_read,
+                               op_bytes=c.op_bytes)
+    return out
+
+
+def tokenselect_bound(gpu: str) -> float:
+    """Where the attention speedup saturates (a selection chunk as the context grows), from the GPU's specs
+    and profile: c + 1 query-key pairs of compute per key for full attention (the step cost also counts
+    the chunk's read of each key as a pair) against the selection's read of the key's K (attn_bw_eff)
+    and its score bytes per layer (sim/kv/policies/selection_work.py, at copy_bw_eff)."""
+    from kvsim.sim.kv.policies.selection_work import PREFILL_CHUNK_SIZE, score_bytes_per_key
+    from kvsim.sim.model.cost_model import CostModel
+
+    cost = CostModel("llama-3.1-8b", gpu)
+    m, g, p = cost.model, cost.gpu, cost.profile
+    full = (PREFILL_CHUNK_SIZE + 1) * m.attention_flops_per_pair() / (g.peak_flops(m.activation_dtype) * p.attn_compute_eff)
+    k_read = cost.kv_bytes_per_token / 2 / (g.mem_bw * p.attn_bw_eff)
+    scores = m.num_layers * float(score_bytes_per_key(m.num_heads, 1 << 20)) / (g.mem_bw * p.copy_bw_eff)
+    return full / (k_read + scores)
+
+
+def print_tokenselect(reuse_rate: float) -> None:
+    print(f"\nTokenSelect: attention speedup (full over selective, the selection's kernels included), Llama-3.1-8B, "
+          f"{TOKENSELECT_READ:,} tokens read, selection chunk 512 in engine chunks of {TOKENSELECT_ENGINE_CHUNK:,}; "
+          f"published: up to {TOKENSELECT_PUBLISHED}x (A100-80GB)")
+    for gpu in ("a100-80gb", "h100"):
+        print(f"{gpu} (prefill saturates at {tokenselect_bound(gpu):.1f}x):")
+        print(f"{'context':>9}{'decode':>9}{f'decode r={reuse_rate:g}':>15}{'prefill':>10}{'one chunk':>11}")
+        for n in TOKENSELECT_CONTEXTS:
+            t = tokenselect_attention(gpu, n, 0.0)
+            r = tokenselect_attention(gpu, n, reuse_rate)
+            print(f"{n // 1024:>8}K{t['decode_full'] / t['decode_sel']:>9.2f}{r['decode_full'] / r['decode_sel']:>15.2f}"
+                  f"{t['prefill_full'] / t['prefill_sel']:>10.2f}{t['chunk_full'] / t['chunk_sel']:>11.2f}", flush=True)
 
 
 def tokenselect_simulated(prompt: int, reuse_rate: float, output: int = 256) -> tuple[float, float, float]:
-    """The simulator's step cost, TokenSelect (the paper's read, chunk 8,192, no dense layers) against
-    `none` on one request of `prompt` + `output` tokens, Llama-3.1-8B / H100, 8,192-token prefill
-    chunks: (decode attention read, prefill query-key pairs, end-to-end time) of none over tokenselect."""
+    """The simulator, TokenSelect (the paper's read, its code's selection chunk of 512, no dense layers)
+    against `none` on one request of `prompt` + `output` tokens, Llama-3.1-8B / H100, 8,192-token
+    prefill chunks: (decode attention read, prefill steps' time (TTFT), end-to-end time) of none over
+    tokenselect."""
     import tempfile
 
     import pandas as pd
@@ -221,28 +286,31 @@ def tokenselect_simulated(prompt: int, reuse_rate: float, output: int = 256) -> 
     from kvsim.traces.synthetic import closed_batch
 
     kvs = ({"policy": "none"}, {"policy": "tokenselect", "layout": "per_head", "mode": "fast", "params": {
-        "budget": TOKENSELECT_READ, "dense_layers": 0, "reuse_rate": reuse_rate, "prefill_chunk": TOKENSELECT_CHUNK}})
+        "budget": TOKENSELECT_READ, "dense_layers": 0, "reuse_rate": reuse_rate}})
     steps = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, kv in enumerate(kvs):
             cfg = load_config(None, {"model": "llama-3.1-8b", "gpu": "h100", "kv": kv, "engine": {
-                "max_num_batched_tokens": TOKENSELECT_CHUNK, "max_model_len": prompt + output}})
+                "max_num_batched_tokens": TOKENSELECT_ENGINE_CHUNK, "max_model_len": prompt + output}})
             with past_trained_positions():
                 run_simulation(cfg, f"{tmp}/{i}", trace=closed_batch(1, prompt, output))
             steps.append(pd.read_parquet(f"{tmp}/{i}/steps.parquet"))
     full, sel = steps
-    return (full["kv_tokens_read"].iloc[-1] / sel["kv_tokens_read"].iloc[-1],
-            full["attn_pairs_prefill"].sum() / sel["attn_pairs_prefill"].sum(),
+
+    def ttft(s):
+        return s.loc[s["prefill_tokens"] > 0, "duration_s"].sum()
+
+    return (full["kv_tokens_read"].iloc[-1] / sel["kv_tokens_read"].iloc[-1], ttft(full) / ttft(sel),
             full["duration_s"].sum() / sel["duration_s"].sum())
 
 
 def print_tokenselect_simulated(reuse_rate: float) -> None:
-    print(f"\nTokenSelect in the simulator's step cost (Llama-3.1-8B / H100, one request, prompt + 256 outputs, "
+    print(f"\nTokenSelect in the simulator (Llama-3.1-8B / H100, one request, prompt + 256 outputs, "
           f"reuse rate {reuse_rate:g}); published: up to {TOKENSELECT_PUBLISHED}x attention, 2.28x end to end")
-    print(f"{'prompt':>9}{'decode attention':>18}{'prefill attention':>19}{'end to end':>12}")
-    for n in (1 << 15, 1 << 17, 1 << 18):
+    print(f"{'prompt':>9}{'decode read':>13}{'prefill (TTFT)':>16}{'end to end':>12}")
+    for n in (1 << 15, 1 << 16, 1 << 17, 1 << 18):      # 512K and more do not fit one H100's KV pool
         d, p, e = tokenselect_simulated(n, reuse_rate)
-        print(f"{n // 1024:>8}K{d:>17.2f}x{p:>18.2f}x{e:>11.2f}x", flush=True)
+        print(f"{n // 1024:>8}K{d:>12.2f}x{p:>15.2f}x{e:>11.2f}x", flush=True)
 
 
 def _summary(model: str, gpu: str, kv: dict, n: int, prompt: int, output: int, tp: int = 1, **engine) -> dict:

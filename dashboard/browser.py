@@ -369,7 +369,7 @@ HALF_S = 60.0
 
 def doubling_load_trace(path: Path) -> Path:
     """A trace whose load doubles halfway: 2 requests/s for 60 s, then 4 requests/s for 60 s (evenly
-    spaced), 200-400 prompt and 100-200 output tokens. An L4 with 700 KV blocks serving Llama-3.1-8B
+    spaced), 200-400 prompt and 100-200 output tokens. An L4 with 800 KV blocks serving Llama-3.1-8B
     keeps up with the first half, not with the second."""
     import numpy as np
 
@@ -389,7 +389,7 @@ def simulate_doubling_load(root: Path) -> str:
     from kvsim.sim.simulator.simulate import run_simulation
 
     trace = doubling_load_trace(root / "doubling.jsonl")
-    run_simulation(load_config(None, {"trace": str(trace), "gpu": "l4", "engine.num_gpu_blocks": 700}),
+    run_simulation(load_config(None, {"trace": str(trace), "gpu": "l4", "engine.num_gpu_blocks": 800}),
                    root / "doubling")
     return "doubling"
 

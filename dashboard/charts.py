@@ -269,9 +269,28 @@ PANEL_HEIGHT_PX = 250
 
 
 def time_series_figure(ts: pd.DataFrame, title: str, heatmaps: dict | None = None) -> go.Figure:
-    """The panels of grafana_panels in a grid on one shared time axis, each with its legend at its top
-    right. `heatmaps`: column -> (counts [bucket x window], bucket labels) of the heatmap panels."""
+    """The panels of grafana_panels in a grid on one shared time axis, each with its legend under it.
+    `heatmaps`: column -> (counts [bucket x window], bucket labels) of the heatmap panels."""
     panels = [p for p in grafana_panels(ts) if p.kind != "heatmap" or (heatmaps or {}).get(p.series[0][0])]
+    return panel_grid(ts, panels, title, heatmaps)
+
+
+def replica_panels(labels: dict[int, str]) -> list[Panel]:
+    """The Time series page's per-replica panels (dashboard/fleet.py's replica_series columns): one line
+    per replica, in the same colour on every panel."""
+    def each(prefix: str) -> tuple[tuple[str, str], ...]:
+        return tuple((f"{prefix}:{r}", name) for r, name in labels.items())
+    return [Panel("Router decisions: requests routed to each replica", "requests / s", each("routed_per_s")),
+            Panel("Num Running per replica (vllm:num_requests_running)", "requests", each("num_running"), hover=".1f"),
+            Panel("Num Waiting per replica (vllm:num_requests_waiting)", "requests", each("num_waiting"), hover=".1f"),
+            Panel("GPU Cache Usage per replica (vllm:kv_cache_usage_perc)", "fraction", each("kv_usage"),
+                  hover=".1%"),
+            Panel("Prefix Cache Hit Rate per replica (vllm:prefix_cache_hits / queries)", "fraction",
+                  each("prefix_hit_rate"), hover=".1%")]
+
+
+def panel_grid(ts: pd.DataFrame, panels: list[Panel], title: str, heatmaps: dict | None = None) -> go.Figure:
+    """`panels` over the columns of `ts` in a grid on one shared time axis."""
     rows = math.ceil(len(panels) / PANEL_COLUMNS)
     fig = make_subplots(rows=rows, cols=PANEL_COLUMNS, shared_xaxes="all", vertical_spacing=0.5 / rows,
                         horizontal_spacing=0.07, subplot_titles=[p.title for p in panels])
@@ -397,4 +416,17 @@ def predicted_vs_measured(steps: pd.DataFrame, kind: pd.Series | None = None, ma
         fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="y = x", line=dict(color="black", dash="dash")))
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log")
+    return _legend_below(fig)
+
+
+def tier_occupancy_figure(tiers: pd.DataFrame, title: str) -> go.Figure:
+    """The KV offload tiers' blocks held over time (tiers.parquet), each over its capacity."""
+    fig = _fig(title, "time (s)", "share of the tier's capacity")
+    for i, (name, rows) in enumerate(tiers.groupby("tier", sort=False)):
+        capacity = rows["capacity_blocks"].to_numpy(float)
+        fig.add_trace(go.Scatter(x=rows["time_s"], y=rows["blocks_held"] / capacity, mode="lines", line_shape="hv",
+                                 name=f"{name} ({int(capacity[-1]):,} blocks)", line=dict(color=RUN_COLORS[i % len(RUN_COLORS)]),
+                                 customdata=rows["blocks_held"],
+                                 hovertemplate="t=%{x:.0f} s: %{y:.1%} (%{customdata:,} blocks)<extra></extra>"))
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
     return _legend_below(fig)

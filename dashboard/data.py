@@ -88,6 +88,7 @@ class RunRecord:
     steps: pd.DataFrame
     config: dict = field(default_factory=dict)
     path: Path | None = None           # its run directory (every dashboard run has one)
+    tiers: pd.DataFrame | None = None  # tiers.parquet: the KV offload tiers' occupancy over time (with kv_offload)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def memo(self, key, compute):
@@ -171,8 +172,9 @@ def load_run_dir(path: str | Path, label: str | None = None) -> RunRecord:
     if not isinstance(summary, dict) or not isinstance(config, dict):
         raise DataError(f"{d}: summary.json and config.yaml must each hold a mapping")
     check_summary(summary, d / "summary.json")
+    tiers = read_parquet(d / "tiers.parquet", TIER_COLUMNS) if (d / "tiers.parquet").exists() else None
     return RunRecord(label or run_label(d), summary, read_parquet(d / "requests.parquet"),
-                     read_parquet(d / "steps.parquet"), config, d)
+                     read_parquet(d / "steps.parquet"), config, d, tiers)
 
 
 # summary.json figures the pages read: the counts must be there, every one a number (or null: not measured)
@@ -200,6 +202,7 @@ def check_summary(summary: dict, where: Path) -> None:
 RUNS_DIR = "dashboard-runs"       # where the dashboard's own runs go, under the data root
 LABEL_FILE = "dashboard.json"     # the label a dashboard run was given (CLI runs: their path)
 RUN_FILES = ("summary.json", "requests.parquet", "steps.parquet")
+TIER_COLUMNS = ("time_s", "tier", "blocks_held", "capacity_blocks")
 
 
 def is_run_dir(path: Path) -> bool:
@@ -670,7 +673,7 @@ def time_edges(run: RunRecord, num_bins: int) -> np.ndarray:
     return np.linspace(t0, t1, num_bins + 1)
 
 
-def _window_of(times: np.ndarray, edges: np.ndarray) -> np.ndarray:
+def window_of(times: np.ndarray, edges: np.ndarray) -> np.ndarray:
     return np.clip(np.searchsorted(edges, times, side="right") - 1, 0, len(edges) - 2)
 
 
@@ -685,7 +688,7 @@ def window_percentiles(times: pd.Series, values: pd.Series, edges: np.ndarray, s
             out[f"p{q}"] = np.nan
         out["count"] = 0
         return out
-    w = _window_of(times[ok].to_numpy(float), edges)
+    w = window_of(times[ok].to_numpy(float), edges)
     grouped = pd.Series(values[ok].to_numpy(float) * scale).groupby(w)
     for q in WINDOW_PERCENTILES:
         out[f"p{q}"] = grouped.quantile(q / 100).reindex(range(n))
@@ -701,9 +704,9 @@ def request_series(requests: pd.DataFrame, edges: np.ndarray) -> pd.DataFrame:
     width = np.diff(edges)
     out = pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:])})
     n = len(width)
-    arrivals = np.bincount(_window_of(r["arrival_s"].to_numpy(float), edges), minlength=n) if len(r) else np.zeros(n)
+    arrivals = np.bincount(window_of(r["arrival_s"].to_numpy(float), edges), minlength=n) if len(r) else np.zeros(n)
     done = r[r["status"] == "finished"]
-    finishes = np.bincount(_window_of(done["finish_s"].to_numpy(float), edges), minlength=n) if len(done) else np.zeros(n)
+    finishes = np.bincount(window_of(done["finish_s"].to_numpy(float), edges), minlength=n) if len(done) else np.zeros(n)
     out["arrivals_per_s"], out["finished_per_s"] = arrivals / width, finishes / width
     for name, at, column, scale in (("ttft_ms", "first_token_s", "ttft_s", 1e3), ("tpot_ms", "finish_s", "tpot_s", 1e3),
                                     ("e2e_s", "finish_s", "e2e_s", 1.0), ("queue_s", "first_scheduled_s", "queueing_s", 1.0)):
@@ -711,7 +714,7 @@ def request_series(requests: pd.DataFrame, edges: np.ndarray) -> pd.DataFrame:
         for q in WINDOW_PERCENTILES:
             out[f"{name}_p{q}"] = p[f"p{q}"].to_numpy()
     admitted = r[r["first_scheduled_s"].notna()]
-    w = _window_of(admitted["first_scheduled_s"].to_numpy(float), edges)
+    w = window_of(admitted["first_scheduled_s"].to_numpy(float), edges)
     prompt = np.bincount(w, weights=admitted["prompt_tokens"].to_numpy(float), minlength=n)
     cached = np.bincount(w, weights=admitted["cached_tokens"].to_numpy(float), minlength=n)
     out["prefix_hit_rate"] = np.where(prompt > 0, cached / np.where(prompt > 0, prompt, 1), np.nan)
@@ -782,7 +785,7 @@ def time_series(run: RunRecord, num_bins: int = 120, cost=None) -> pd.DataFrame:
         if c in b:
             out[c] = b[c].to_numpy()
     out["kv_usage"] = b["blocks_used"].to_numpy() / max(run.pool_blocks, 1)
-    w = _window_of(run.steps["time_s"].to_numpy(float), edges)
+    w = window_of(run.steps["time_s"].to_numpy(float), edges)
     steps_in = np.maximum(out["steps"].to_numpy(float), 1)
     tokens = (run.steps["prefill_tokens"] + run.steps["decode_tokens"]).to_numpy(float)
     out["batched_tokens"] = np.where(out["steps"] > 0, np.bincount(w, weights=tokens, minlength=num_bins) / steps_in,
@@ -867,15 +870,15 @@ def grafana_series(run: RunRecord, edges: np.ndarray) -> pd.DataFrame:
     width = np.diff(edges)
     out = pd.DataFrame(index=range(n))
     times, gaps = run.memo("token_arrays", lambda: token_arrays(run.requests))
-    out["generation_tok_s"] = np.bincount(_window_of(times, edges), minlength=n)[:n] / width if len(times) else 0.0
+    out["generation_tok_s"] = np.bincount(window_of(times, edges), minlength=n)[:n] / width if len(times) else 0.0
     if len(run.steps):
-        w = _window_of(run.steps["time_s"].to_numpy(float), edges)
+        w = window_of(run.steps["time_s"].to_numpy(float), edges)
         out["prompt_tok_s"] = np.bincount(w, weights=run.steps["prefill_tokens"].to_numpy(float), minlength=n) / width
     ok = ~np.isnan(gaps)
-    for name, values in _quantiles_by_window(_window_of(times[ok], edges), gaps[ok], n, 1e3).items():
+    for name, values in _quantiles_by_window(window_of(times[ok], edges), gaps[ok], n, 1e3).items():
         out[f"itl_ms_{name}"] = values
     done = run.requests[run.requests["status"] == "finished"]
-    w = _window_of(done["finish_s"].to_numpy(float), edges)
+    w = window_of(done["finish_s"].to_numpy(float), edges)
     count = np.bincount(w, minlength=n).astype(float)
     for name, start, end in (("prefill_s", "first_scheduled_s", "first_token_s"), ("decode_s", "first_token_s", "finish_s")):
         spent = (done[end] - done[start]).to_numpy(float)
@@ -886,7 +889,7 @@ def grafana_series(run: RunRecord, edges: np.ndarray) -> pd.DataFrame:
     at = ended["finish_s"].fillna(ended["arrival_s"]).to_numpy(float)    # a rejection happens on arrival
     for name in sorted(category.unique()):
         mask = (category == name).to_numpy()
-        out[f"finish:{name}"] = np.bincount(_window_of(at[mask], edges), minlength=n) / width
+        out[f"finish:{name}"] = np.bincount(window_of(at[mask], edges), minlength=n) / width
     return out
 
 
@@ -901,7 +904,7 @@ def length_heatmap(requests: pd.DataFrame, column: str, edges: np.ndarray) -> tu
     bounds = [b for b in LENGTH_BUCKETS if b < top] + [next((b for b in LENGTH_BUCKETS if b >= top), top)]
     bounds = bounds[int(np.searchsorted(bounds, low, side="left")):]       # from the shortest request's bucket
     b = np.searchsorted(np.asarray(bounds, dtype=float), values, side="left")
-    w = _window_of(done["finish_s"].to_numpy(float), edges)
+    w = window_of(done["finish_s"].to_numpy(float), edges)
     n = len(edges) - 1
     counts = np.zeros((len(bounds), n))
     np.add.at(counts, (b, w), 1)

@@ -1,13 +1,16 @@
 """A fleet's figures as tables: per replica (from the run's request and step logs), per pool and the
 prefill/decode hand-off (summary.json's `pools`, `handoff`), and the CPU offload tier (`kv_offload`).
-A single-replica run without these sections has no fleet view."""
+A single-replica run without these sections has no fleet view. Over time (the Time series page), per
+replica: the requests the router sent it, its running and waiting requests, KV cache use and prefix
+hit rate (replica_series)."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import pandas as pd
 
-from kvsim.dashboard.data import RunRecord
+from kvsim.dashboard.data import RunRecord, bin_steps, window_of
 
 
 class FleetView(NamedTuple):
@@ -65,11 +68,61 @@ def replica_table(run: RunRecord, pools: dict | None = None) -> pd.DataFrame:
     table["requests"] = table["requests"].fillna(0).astype(int)
     table.index.name = "replica"
     table = table.reset_index()
-    if pools:
-        roles = [p["role"] for p in pools.values() for _ in range(int(p["replicas"]))]
-        if len(roles) == len(table):
-            table.insert(1, "pool", roles)
+    roles = pool_roles(pools)
+    if roles and len(roles) == len(table):
+        table.insert(1, "pool", roles)
     return table
+
+
+def pool_roles(pools: dict | None) -> list[str]:
+    """Each replica's pool (prefill / decode): replicas are numbered pool by pool, in the order of
+    summary.json's `pools`; [] without pools."""
+    return [p["role"] for p in (pools or {}).values() for _ in range(int(p["replicas"]))]
+
+
+# the per-replica series of the Time series page: (column prefix, what it is); a column is `PREFIX:REPLICA`
+REPLICA_SERIES = (("routed_per_s", "requests routed / s"), ("num_running", "running"), ("num_waiting", "waiting"),
+                  ("kv_usage", "KV cache usage"), ("prefix_hit_rate", "prefix hit rate"))
+
+
+def is_fleet_run(run: RunRecord) -> bool:
+    return int(run.summary.get("replicas", 1) or 1) > 1 or "pools" in run.summary
+
+
+def replica_labels(run: RunRecord) -> dict[int, str]:
+    """replica number -> its legend name ("replica 2", "replica 0 (prefill)" in a disaggregated fleet)."""
+    ids = sorted(set(run.steps["replica"].astype(int)) | set(run.requests["replica"].dropna().astype(int))) \
+        if "replica" in run.steps else []
+    roles = pool_roles(run.summary.get("pools"))
+    return {r: f"replica {r}" + (f" ({roles[r]})" if 0 <= r < len(roles) else "") for r in ids if r >= 0}
+
+
+def replica_series(run: RunRecord, edges: np.ndarray) -> pd.DataFrame:
+    """Per window (`edges`, as the Time series page's) and replica: the requests the router sent it per
+    second (by arrival; a disaggregated request counts on its decode replica), its running and waiting
+    requests and KV blocks used (duration-weighted means, as bin_steps gives the fleet's: the replicas'
+    columns add up to the fleet's), KV cache usage over its own pool and the prefix-cache hit rate of
+    the prompt tokens it admitted in the window. Columns `PREFIX:REPLICA` (REPLICA_SERIES)."""
+    n = len(edges) - 1
+    width = np.diff(edges)
+    reqs, steps = run.requests, run.steps
+    columns: dict[str, np.ndarray] = {"time_s": 0.5 * (edges[:-1] + edges[1:])}
+    for r in replica_labels(run):
+        mine = reqs[reqs["replica"] == r]
+        columns[f"routed_per_s:{r}"] = np.bincount(window_of(mine["arrival_s"].to_numpy(float), edges),
+                                                   minlength=n)[:n] / width
+        own = steps[steps["replica"] == r]
+        b = bin_steps(own, n, span=(float(edges[0]), float(edges[-1])))
+        pool = float((own["blocks_used"] + own["blocks_free"]).max()) if len(own) else 0.0
+        for c in ("num_running", "num_waiting", "blocks_used"):
+            columns[f"{c}:{r}"] = b[c].to_numpy(float) if c in b else np.zeros(n)
+        columns[f"kv_usage:{r}"] = columns[f"blocks_used:{r}"] / pool if pool > 0 else np.zeros(n)
+        admitted = mine[mine["first_scheduled_s"].notna()]
+        w = window_of(admitted["first_scheduled_s"].to_numpy(float), edges)
+        prompt = np.bincount(w, weights=admitted["prompt_tokens"].to_numpy(float), minlength=n)[:n]
+        cached = np.bincount(w, weights=admitted["cached_tokens"].to_numpy(float), minlength=n)[:n]
+        columns[f"prefix_hit_rate:{r}"] = np.where(prompt > 0, cached / np.where(prompt > 0, prompt, 1), np.nan)
+    return pd.DataFrame(columns)
 
 
 def pool_table(pools: dict | None) -> pd.DataFrame | None:

@@ -450,6 +450,33 @@ class KVOffloadConfig(_Strict):
                                          "default: the GPU's PCIe x the profile's pcie_eff x tp")
     latency_s: float = Field(1e-5, ge=0, description="per-transfer latency on the host link, s")
     eviction: Literal["lru"] = "lru"
+    connector: Literal["offloading", "lmcache"] = Field(
+        "offloading", description="offloading: vLLM's OffloadingConnector (loads and stores beside the steps); "
+        "lmcache: LMCache's connector (a hit loaded and new chunks saved inside the step, 256-token chunks)")
+    chunk_tokens: int | None = Field(None, gt=0, le=2**20, description="tokens per offloaded block, a multiple of "
+                                     "engine.block_size; default: 256 with connector lmcache (LMCache's "
+                                     "chunk_size), else the GPU block")
+    # LMCache's local disk backend, one per replica (docs/kv-tiers.md#disk-and-remote-tiers); the bandwidths
+    # default to one PCIe 4.0 NVMe drive's sequential figures (Samsung 990 PRO datasheet: 7,450 / 6,900 MB/s)
+    disk_gib: float | None = Field(None, gt=0, le=2**20, description="local disk per replica for KV, GiB "
+                                   "(LMCache's max_local_disk_size); absent: no disk tier")
+    disk_read_gb_s: float = Field(7.45, gt=0, description="disk read bandwidth per replica, GB/s")
+    disk_write_gb_s: float = Field(6.9, gt=0, description="disk write bandwidth per replica, GB/s")
+    disk_latency_s: float = Field(1e-4, ge=0, description="per-transfer disk latency, s")
+    # LMCache's remote backend (a store the fleet shares: Redis, Mooncake, ...), over each GPU's NIC
+    remote_gib: float | None = Field(None, gt=0, le=2**30, description="the remote store's capacity for KV, GiB, "
+                                     "shared by all replicas; absent: no remote tier")
+    remote_link: str = Field("roce-100g", description="the NIC a replica reaches the store over (sim/data/links.yaml)")
+    remote_bandwidth_gb_s: float | None = Field(None, gt=0, description="GB/s per direction per GPU; default: the link's")
+    remote_latency_s: float | None = Field(None, ge=0, description="per-transfer latency, s; default: the link's")
+
+    @field_validator("remote_link")
+    @classmethod
+    def _known_link(cls, v: str) -> str:
+        from .model.links import link_names
+        if v not in link_names():
+            raise ValueError(f"unknown link {v!r}; known: {', '.join(link_names())}")
+        return v
 
 
 class PoolConfig(_Strict):
@@ -506,6 +533,11 @@ class SimConfig(_Strict):
     model: str = "llama-3.1-8b"
     gpu: str = "h100"
     tp: int = Field(1, gt=0)
+    # pipeline stages of a replica (vLLM's --pipeline-parallel-size): GPUs per replica = tp x pp x dp
+    pp: int = Field(1, gt=0)
+    # data-parallel attention ranks of a MoE replica (vLLM's --data-parallel-size with a MoE model): each rank its
+    # own scheduler and KV cache, the MoE layers over all dp x tp GPUs, every step synchronised (docs/parallelism.md)
+    dp: int = Field(1, gt=0)
     replicas: int = Field(1, gt=0)
     router: str = Field("round_robin", description="a registered router (sim/engine/routers; docs/kv-tiers.md)")
     router_options: RouterOptions | None = None
@@ -549,7 +581,19 @@ class SimConfig(_Strict):
             data.pop("fleet", None)
         if self.speculative_config is None:      # off: left out, so configs and run ids stay as they were
             data.pop("speculative_config", None)
+        for key in ("pp", "dp"):        # 1: left out, so configs and run ids stay as they were
+            if getattr(self, key) == 1:
+                data.pop(key, None)
         return data
+
+    @property
+    def engine_ranks(self) -> int:
+        """Engines the run steps: one per replica, dp per replica with data-parallel attention."""
+        return self.replicas * self.dp
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.pp * self.dp
 
     @field_validator("usd_per_hour", mode="before")
     @classmethod
@@ -648,10 +692,33 @@ class SimConfig(_Strict):
                                  f"not with the KV policy {self.kv.policy!r} (kv:) yet")
             if self.kv_offload is not None:
                 raise ValueError("speculative_config: not with kv_offload (a CPU KV tier) yet")
+            if self.pp > 1 or self.dp > 1:
+                raise ValueError("speculative_config: not with pp or dp (pipeline stages, data-parallel attention) yet")
+        if (self.pp > 1 or self.dp > 1) and self.fleet is not None:
+            raise ValueError("pp and dp shape one pool of replicas; a disaggregated fleet (fleet:) does not take them yet")
+        if self.dp > 1 and self.kv_offload is not None:
+            raise ValueError(f"kv_offload with dp {self.dp}: a CPU KV tier on data-parallel attention ranks is not "
+                             "modelled (the ranks step in lockstep without the connector's transfers); drop one")
+        if self.dp > 1 and not get_model(self.model).is_moe:
+            raise ValueError(f"dp (data-parallel attention) needs a mixture-of-experts model, got dp {self.dp} with "
+                             f"the dense {self.model}, whose DP ranks are independent replicas: give replicas {self.dp} "
+                             "(--replicas) and router least_outstanding")
+        self._check_offload()
         if self.trace_options.synthetic_sessions is not None and self.trace != SESSIONS_TRACE:
             raise ValueError(f"trace_options.synthetic_sessions sets the shape of trace: {SESSIONS_TRACE}; the trace "
                              f"is {self.trace!r}")
         return self
+
+    def _check_offload(self) -> None:
+        """kv_offload against the engine: no v0 swap beside it, offloaded blocks of whole GPU blocks."""
+        if self.kv_offload is not None and self.engine.preemption_mode == "swap":
+            raise ValueError("engine.preemption_mode with kv_offload: vLLM v1 has no swap (vLLM v0's CPU swap space); a "
+                             "preempted request's stored blocks come back from the CPU tier instead "
+                             "(docs/kv-tiers.md#preemption-and-the-cpu-tier); expected recompute, got swap")
+        chunk = self.kv_offload.chunk_tokens if self.kv_offload is not None else None
+        if chunk is not None and chunk % self.engine.block_size:
+            raise ValueError(f"kv_offload.chunk_tokens: {chunk} is not a multiple of engine.block_size "
+                             f"({self.engine.block_size}); expected a whole number of GPU blocks per offloaded block")
 
     @field_validator("model")
     @classmethod
@@ -761,12 +828,12 @@ def read_config_file(path: str | Path, option: str = "--config ") -> dict:
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 sets: list[str] | tuple[str, ...] = ()) -> SimConfig:
     """Read an optional YAML file, apply dotted overrides (`{"engine.block_size": 32}`; None = not
-    given), then the command line's `--set KEY=VALUE` items, and validate."""
-    overrides = dict(overrides or {})
+    given), then the command line's `--set KEY=VALUE` items (`KEY=null`: the key set to null, as in a
+    YAML file), and validate."""
+    overrides = {key: value for key, value in (overrides or {}).items() if value is not None}
     for item in sets:
         key, value = parse_set_option(item)
         overrides[key] = value
-    overrides = {key: value for key, value in overrides.items() if value is not None}
     data = {} if path is None else read_config_file(path)
     return build_config(data, overrides, source="config" if path is None else str(path))
 

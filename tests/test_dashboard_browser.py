@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(chromium_binary() is None, reason="chromium is n
 
 PER_HEAD = {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 100, "kv.policy": "h2o",
             "kv.budget": 128, "kv.layout": "per_head", "kv.slot_strategy": "slot_reuse", "kv.mode": "fast"}
+FLEET = {"trace": "azure-conv-2023", "trace_options.max_requests": 60, "replicas": 3, "router": "prefix_affinity"}
 PAGES = ("simulate", "memory", "timeseries", "compare", "capacity", "fidelity")
 
 
@@ -182,6 +183,20 @@ def test_forms_colours_and_vllm_panels_in_chromium(tmp_path):
         open_and_wait(browser, f"{url}timeseries?run={series}", "over time", 1, 90)
         settle(browser)
         fig = chart_spec(browser, "doubling over time")
+        # a fleet: each replica over time and the router's decisions, one colour per replica on every panel
+        run_simulation(load_config(None, FLEET), root / "fleet")
+        open_and_wait(browser, f"{url}timeseries?run=fleet", "Per replica", 2, 90)
+        settle(browser)
+        fleet = chart_spec(browser, "fleet per replica")
+    assert fleet["annotations"] == [
+        "Router decisions: requests routed to each replica", "Num Running per replica (vllm:num_requests_running)",
+        "Num Waiting per replica (vllm:num_requests_waiting)", "GPU Cache Usage per replica (vllm:kv_cache_usage_perc)",
+        "Prefix Cache Hit Rate per replica (vllm:prefix_cache_hits / queries)"]
+    per_replica = {}
+    for t in fleet["traces"]:
+        per_replica.setdefault(t["name"], set()).add(t["color"])
+    assert sorted(per_replica) == ["replica 0", "replica 1", "replica 2"]
+    assert all(len(c) == 1 for c in per_replica.values()) and len(set.union(*per_replica.values())) == 3
     for panel in ("E2E Request Latency", "Token Throughput", "Time Per Output Token Latency", "Inter-Token Latency",
                   "Scheduler State", "Time To First Token Latency", "Cache Utilization", "Prefix Cache Hit Rate",
                   "Request Prompt Length", "Request Generation Length", "Finish Reason", "Queue Time",

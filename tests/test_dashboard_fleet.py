@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
+from plotly_json import figure, trace_in, values  # tests/plotly_json.py
 from streamlit.testing.v1 import AppTest
 
 from kvsim.dashboard.data import DATA_ROOT_ENV
@@ -75,3 +78,61 @@ def test_one_replica_without_tiers_has_no_fleet_view(tmp_path, monkeypatch):
     run_simulation(load_config(None, {"trace_options.max_requests": 10}), tmp_path / "one")
     at = simulate_page(tmp_path, "one")
     assert "Fleet" not in [h.value for h in at.subheader]
+
+
+def time_series_page(run: str) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["run"] = run
+    at.switch_page("pages/timeseries.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_time_series_draws_each_replica_and_the_routers_decisions(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
+    reqs = run_simulation(load_config(None, OFFLOAD), tmp_path / "off").requests
+    at = time_series_page("off")
+    fleet, per_replica = figure(at, "off over time"), figure(at, "off per replica")
+    width = np.diff(values(fleet["data"][0]["x"]))[0]
+    routed = [trace_in(per_replica, "Router decisions", f"replica {r}") for r in (0, 1)]
+    # the router's decisions: each replica's routed requests are the requests that ran on it, and the
+    # replicas' lines add up to the fleet's arrivals
+    for r, line in enumerate(routed):
+        assert np.nansum(line) * width == pytest.approx((reqs["replica"] == r).sum())
+    assert routed[0] + routed[1] == pytest.approx(trace_in(fleet, "Load: arrivals", "arrivals / s"))
+    running = [trace_in(per_replica, "Num Running per replica", f"replica {r}") for r in (0, 1)]
+    assert running[0] + running[1] == pytest.approx(trace_in(fleet, "Scheduler State", "Num Running"))
+    assert max(np.nanmax(running[0]), np.nanmax(running[1])) > 0
+    usage = trace_in(per_replica, "GPU Cache Usage per replica", "replica 1")
+    assert 0 < np.nanmax(usage) <= 1
+
+
+def test_a_disaggregated_fleet_names_each_replicas_pool_over_time(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
+    reqs = run_simulation(load_config(None, PD), tmp_path / "pd").requests
+    per_replica = figure(time_series_page("pd"), "pd per replica")
+    names = {t["name"] for t in per_replica["data"]}
+    assert names == {"replica 0 (prefill)", "replica 1 (prefill)", "replica 2 (decode)"}
+    # every request is routed to (and finishes on) the decode replica
+    x = values(per_replica["data"][0]["x"])
+    routed = trace_in(per_replica, "Router decisions", "replica 2 (decode)")
+    assert np.nansum(routed) * (x[1] - x[0]) == pytest.approx(len(reqs))
+    assert np.nansum(trace_in(per_replica, "Router decisions", "replica 0 (prefill)")) == 0
+
+
+def test_one_replica_has_no_per_replica_panels(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
+    run_simulation(load_config(None, {"trace_options.max_requests": 10}), tmp_path / "one")
+    at = time_series_page("one")
+    assert "Per replica" not in [h.value for h in at.subheader]
+
+
+def test_time_series_draws_the_offload_tiers_occupancy(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
+    run_simulation(load_config(None, {**OFFLOAD, "kv_offload.disk_gib": 2}), tmp_path / "tiers")
+    tiers = pd.read_parquet(tmp_path / "tiers" / "tiers.parquet")
+    fig = figure(time_series_page("tiers"), "tiers: KV offload tiers over time")
+    lines = {t["name"].split(" ")[0]: values(t["y"]) for t in fig["data"]}
+    assert set(lines) == {"cpu", "disk"}
+    for name, rows in tiers.groupby("tier"):
+        assert lines[name] == pytest.approx((rows["blocks_held"] / rows["capacity_blocks"]).to_numpy())

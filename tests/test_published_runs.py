@@ -11,8 +11,7 @@ from kvsim.sim.calibration.published_runs import compare_published, load_publish
 RUNS = Path(__file__).parent / "data" / "published_runs" / "runs.yaml"
 # (run, figure) -> largest |relative error| allowed; keys absent: the bound by figure kind
 GAPS = {
-    ("l4-qwen2.5-0.5b", "ttft_p50_ms"): 0.35,          # client-side TTFT curve (docs: "Remaining gaps" 1)
-    ("l4-qwen2.5-0.5b", "output_tok_s"): 0.12,         # follows from the TTFT gap at concurrency 32
+    ("l4-qwen2.5-0.5b", "ttft_p50_ms"): 0.35,          # client-side TTFT at c=1/2 (docs: "Remaining gaps" 1)
     ("h100-qwen3-0.6b", "request_throughput"): 0.25,   # a 500-request burst at the API server (gap 2)
     ("h100-qwen3-0.6b", "ttft_mean_ms"): 0.35,
     ("h100-qwen3-0.6b", "tpot_mean_ms"): 0.35,

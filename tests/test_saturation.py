@@ -153,3 +153,17 @@ def test_a_closed_loop_client_sends_the_next_request_when_one_times_out(trace):
 def test_a_request_timeout_needs_time_arrivals():
     with pytest.raises(ConfigError, match="request_timeout needs arrival_unit: time"):
         load_config(None, {"trace_options.request_timeout": 5.0, "trace_options.arrival_unit": "step"})
+
+
+def test_a_session_cut_short_by_a_rejected_turn_is_judged_on_the_turns_it_sent(tmp_path):
+    """A turn that can never fit is rejected, and its session's later turns are never sent (no arrival
+    time): the detector judges the requests that were sent instead of failing the run's summary."""
+    sets = {"trace": "synthetic-sessions", "trace_options.sessions": {}, "engine.num_gpu_blocks": 400,
+            "trace_options.synthetic_sessions.sessions": 30, "trace_options.synthetic_sessions.turns": "fixed:4",
+            "trace_options.synthetic_sessions.first_tokens": "uniform:1000,7000",
+            "trace_options.synthetic_sessions.user_tokens": "fixed:100",
+            "trace_options.synthetic_sessions.output_tokens": "fixed:50",
+            "trace_options.synthetic_sessions.think_time_s": 0.0}
+    s = run_simulation(load_config(None, sets), tmp_path / "run").summary
+    assert s["num_rejected"] > 0 and s["num_unfinished"] > 0           # turns after a rejected one: never sent
+    assert s["overloaded"] is not None and s["offered_rate_req_s"] > 0

@@ -196,3 +196,14 @@ def test_random_sessions_under_pressure_step_as_they_fast_forward(seed):
     fast, slow = run(**sets), run(fast_forward=False, **sets)
     pd.testing.assert_frame_equal(fast.requests, slow.requests)
     assert (fast.requests["status"] == "finished").all()
+
+
+def test_set_key_null_starts_every_session_at_once():
+    """`--set trace_options.synthetic_sessions.session_rate=null` is null (docs: all sessions at t=0), as in a
+    YAML file, not dropped as an unset option would be (it used to fall back to 1 session a second)."""
+    cfg = load_config(None, {**SMALL, "trace_options.synthetic_sessions": {"sessions": 12}},
+                      ["trace_options.synthetic_sessions.session_rate=null"])
+    assert cfg.trace_options.synthetic_sessions.session_rate is None
+    from kvsim.sim.engine.assembly import load_workload
+    first_turns = load_workload(cfg).df.groupby("session_id")["arrival_time_s"].min()
+    assert (first_turns == 0).all()

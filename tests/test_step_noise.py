@@ -74,10 +74,14 @@ def test_variance_spreads_steps_around_the_models_price_and_keeps_means(open_tra
     assert np.log(ratio).std() == pytest.approx(0.15, rel=0.1)
     assert (plain.steps["duration_s"] == plain.steps["predicted_s"]).all()
     assert noisy.summary["step_variance_sigma"] == 0.15 and plain.summary["step_variance_sigma"] == 0
-    # the mean is kept (mean-one factors), the tail widens
+    # the mean is kept (mean-one factors), the tail widens: on decode-only steps (over all steps the p99 is a
+    # prefill step's, and the prefill/decode mix, not the noise, sets p99 / p50)
     assert noisy.summary["e2e_mean_s"] == pytest.approx(plain.summary["e2e_mean_s"], rel=0.05)
-    assert noisy.summary["step_duration_p99_s"] / noisy.summary["step_duration_p50_s"] > \
-        plain.summary["step_duration_p99_s"] / plain.summary["step_duration_p50_s"]
+
+    def decode_tail(steps):
+        d = steps.loc[steps["prefill_tokens"] == 0, "duration_s"]
+        return d.quantile(0.99) / d.quantile(0.5)
+    assert decode_tail(noisy.steps) > 1.2 * decode_tail(plain.steps)
 
 
 def test_config_yaml_of_a_noisy_run_says_so(open_trace, tmp_path):

@@ -70,7 +70,7 @@ def test_flag_spellings_vllm_accepts():
 
 @pytest.mark.parametrize("line, message", [
     ("vllm serve m --max-num-seq 8", "--max-num-seq: not a flag kvsim knows"),
-    ("vllm serve m -pp 2", "pipeline parallelism is not modelled"),
+    ("vllm serve m -pp 0", "expected an integer >= 1"),
     ("vllm serve m --quantization hqq", "--quantization hqq: kvsim reads"),
     ("vllm serve m --max-num-seqs", "--max-num-seqs: expected a value"),
     ("vllm serve m --max-num-seqs eight", "--max-num-seqs 'eight': expected an integer"),
@@ -88,9 +88,12 @@ def test_serve_specials():
     assert "kv_dtype" not in parse_serve("vllm serve m --kv-cache-dtype auto").overrides
     dp = parse_serve("vllm serve llama-3.1-8b -dp 4")
     assert dp.overrides["replicas"] == 4 and dp.overrides["router"] == "least_outstanding"
-    with pytest.raises(VllmArgsError, match="mixture-of-experts"):
-        from kvsim.sim.cli.vllm_args import VllmOptions, translate_options
-        translate_options(VllmOptions(serve="vllm serve mixtral-8x7b --data-parallel-size 2"))
+    # pipeline parallelism and a MoE model's data parallelism are modelled (docs/parallelism.md), not refused
+    assert parse_serve("vllm serve m -pp 2").overrides["pp"] == 2
+    from kvsim.sim.cli.vllm_args import VllmOptions, translate_options
+    moe = translate_options(VllmOptions(serve="vllm serve mixtral-8x7b --data-parallel-size 2"))
+    assert moe.overrides["dp"] == 2 and moe.overrides["router"] == "dp_balance" and "replicas" not in moe.overrides
+    assert any("data-parallel attention" in n for n in moe.notes)
 
 
 def test_bench_lines():

@@ -2,7 +2,7 @@
 line's help import them)."""
 
 FORMATS = ("azure", "mooncake", "vidur", "burstgpt", "lengths", "native-jsonl", "native-parquet", "native-csv",
-           "sharegpt", "vllm-bench", "workload", "inference-perf", "csv", "jsonl", "parquet")
+           "sharegpt", "vllm-bench", "workload", "inference-perf", "vllm-multi-turn", "csv", "jsonl", "parquet")
 # read only when named with format= (a column mapping says which column is what): never detected
 GENERIC_FORMATS = ("csv", "jsonl", "parquet")
 # formats without arrival times: every request at t=0 unless a rate is given
@@ -23,3 +23,11 @@ TRACE_ALIASES: dict[str, tuple[str, str]] = {
                  "single-round chats; the old name keeps working"),
 }
 
+
+
+# vLLM's multi-turn benchmark config (benchmarks/multi_turn's generate_multi_turn.json): traces/multi_turn.py
+MULTI_TURN_FILETYPE = "generate_conversations"
+
+
+def is_multi_turn_config(text: str) -> bool:
+    return f'"{MULTI_TURN_FILETYPE}"' in text and '"filetype"' in text

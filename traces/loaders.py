@@ -36,6 +36,7 @@ import pandas as pd
 from kvsim.sim.io.safe_io import InputError, check_input_file, check_read_memory, safe_json_loads
 from kvsim.traces.arrivals import arrivals
 from kvsim.traces.errors import TraceError, TraceWarning
+from kvsim.traces.formats import is_multi_turn_config
 from kvsim.traces.trace import NATIVE_METADATA_KEY, Trace, _session_column
 from kvsim.traces.time_units import detect_epoch_unit
 from kvsim.traces.user_formats import (TIME_UNITS, check_csv_fields, malformed_csv, read_mapped_table,
@@ -61,7 +62,8 @@ _KNOWN_FORMATS_HELP = (
     "(timestamp,input_length,output_length,hash_ids), Vidur CSV (arrived_at,num_prefill_tokens,"
     "num_decode_tokens), BurstGPT CSV (Timestamp,...,Request tokens,Response tokens,...), length-only "
     "CSV (num_prefill_tokens,num_decode_tokens), kvsim native JSONL/Parquet/CSV "
-    "(arrival_time_s,prompt_tokens,output_tokens), ShareGPT JSON, a vllm bench serve result JSON; any other "
+    "(arrival_time_s,prompt_tokens,output_tokens), ShareGPT JSON, a vllm bench serve result JSON, vLLM's "
+    "multi-turn benchmark config JSON (\"filetype\": \"generate_conversations\"); any other "
     "CSV/JSONL/Parquet log with --trace-format csv|jsonl|parquet and --trace-columns")
 from kvsim.traces.formats import FORMATS, GENERIC_FORMATS, LENGTH_ONLY_FORMATS  # noqa: E402,F401 - re-exported
 # the most data rows a loader reads (load_trace's max_rows); None: the whole file
@@ -111,7 +113,7 @@ def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: fl
                                      "with its own arrival times (use Trace.scale_rate to change its rate)")
     if fmt == "lengths":
         options.update(rate=rate, cv=cv, seed=seed)
-    elif fmt in ("sharegpt", "workload", "inference-perf"):
+    elif fmt in ("sharegpt", "workload", "inference-perf", "vllm-multi-turn"):
         options.update(seed=seed)
     if options.get("tokenizer") is not None and fmt != "sharegpt":
         raise TraceError(path, None, f"a tokenizer applies to ShareGPT JSON (text), this is a {fmt} trace of "
@@ -173,6 +175,16 @@ def _refuse_other_yaml(path: Path) -> None:
                                  f"or an inference-perf config (top-level 'load:' and 'data:'), got {got}")
 
 
+def _json_document_format(text: str) -> str | None:
+    """A file that is one JSON document (not JSON lines): vLLM's multi-turn benchmark config or a bench
+    result (its per-request lists may push output_lens past the first 64 KiB read)."""
+    if is_multi_turn_config(text):
+        return "vllm-multi-turn"
+    if '"input_lens"' in text or '"output_lens"' in text:
+        return "vllm-bench"
+    return None
+
+
 def _detect_data_format(path: Path) -> str:
     with open(path, "rb") as f:
         head = f.read(65536)
@@ -191,9 +203,9 @@ def _detect_data_format(path: Path) -> str:
     line_no, line = first
     if line.startswith("[") and '"conversations"' in text:
         return "sharegpt"
-    # a bench result is one JSON document: its per-request lists may push output_lens past the first 64 KiB
-    if line.startswith("{") and ('"input_lens"' in text or '"output_lens"' in text):
-        return "vllm-bench"
+    document = _json_document_format(text) if line.startswith("{") else None
+    if document:
+        return document
     if line.startswith("{"):
         try:
             record = safe_json_loads(line, f"line {line_no}")
@@ -761,8 +773,16 @@ def load_inference_perf(path: Path, *, seed: int = 0) -> Trace:
     return load(path, seed=seed)
 
 
+def load_vllm_multi_turn(path: Path, *, seed: int = 0) -> Trace:
+    """vLLM's multi-turn benchmark config as the sessions it generates (traces/multi_turn.py)."""
+    from kvsim.traces.multi_turn import load_multi_turn_config
+
+    return load_multi_turn_config(path, seed=seed)
+
+
 _LOADERS = {
     "sharegpt": load_sharegpt,
+    "vllm-multi-turn": load_vllm_multi_turn,
     "workload": load_workload,
     "inference-perf": load_inference_perf,
     "vllm-bench": load_vllm_bench,

@@ -22,26 +22,7 @@ import pandas as pd
 
 from kvsim.traces.errors import TraceError
 from kvsim.traces.synthetic import parse_length_spec
-from kvsim.traces.trace import Trace
-
-
-def _session_trace(sessions: list[list[tuple[int, int]]], starts: np.ndarray, thinks: list[np.ndarray],
-                   name: str, source: str) -> Trace:
-    """The trace of `sessions` (each a list of (new message tokens, answer tokens) per turn)."""
-    rows = []
-    for s, turns in enumerate(sessions):
-        held, t = 0, float(starts[s])
-        for k, (message, answer) in enumerate(turns):
-            if k:
-                t += float(thinks[s][k - 1])
-            rows.append((t, s, held + message, answer))
-            held += message + answer
-    rows.sort(key=lambda r: r[0])           # stable: a session's turns keep their order
-    arr = np.array([r[0] for r in rows], dtype=np.float64)
-    return Trace.from_columns(
-        arrival_time_s=arr, prompt_tokens=np.array([r[2] for r in rows], dtype=np.int64),
-        output_tokens=np.array([r[3] for r in rows], dtype=np.int64),
-        session_id=np.array([r[1] for r in rows], dtype=np.int64), name=name, source=source)
+from kvsim.traces.trace import Trace, session_trace
 
 
 def synthetic_sessions(num_sessions: int, *, turns="uniform:2,8", first_tokens="lognormal:1000,1.0,8000",
@@ -73,7 +54,7 @@ def synthetic_sessions(num_sessions: int, *, turns="uniform:2,8", first_tokens="
         sessions.append(list(zip(msgs, (int(x) for x in answers[at:at + n]), strict=False)))
         thinks.append(think[at:at + n])
         at += n
-    trace = _session_trace(sessions, starts, thinks, f"synthetic-sessions-seed{seed}", "synthetic")
+    trace = session_trace(sessions, starts, thinks, f"synthetic-sessions-seed{seed}", "synthetic")
     trace.notices.append(f"synthetic sessions: {num_sessions} sessions, {total} turns (turns {turns}, first message "
                          f"{first_tokens}, later messages {user_tokens}, answers {output_tokens}), think time "
                          f"exponential mean {think_time_s:g} s, sessions "
@@ -124,7 +105,7 @@ def sharegpt_sessions(path: str | Path, *, tokenizer=None, seed: int = 0, shuffl
     counts = iter(max(c, 1) for c in count_tokens(tok, flat))
     sessions = [[(next(counts), next(counts)) for _ in conv] for conv in convs]
     thinks = [np.full(len(c), float(think_time_s)) for c in sessions]
-    trace = _session_trace(sessions, np.zeros(len(sessions)), thinks, path.stem, str(path))
+    trace = session_trace(sessions, np.zeros(len(sessions)), thinks, path.stem, str(path))
     trace.notices.append(f"ShareGPT sessions: {len(sessions)} conversations, {len(trace)} turns, counted with "
                          + ("the shipped SmolLM2 tokenizer" if tokenizer is None else f"tokenizer {tokenizer}"))
     return trace

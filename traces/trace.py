@@ -56,6 +56,9 @@ class Trace:
     request_labels: dict[int, str] | None = None
     # a workload spec's trace (traces/workload.py): each request's client class and the classes' SLOs
     workload_classes: Any = None
+    # sessions whose conversations all begin with the same tokens (vLLM's multi-turn common prefix): the
+    # prefix cache shares those across sessions (sim/engine/sessions.py)
+    shared_prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.df = _canonical_frame(self.df, self.source or self.name)
@@ -334,3 +337,22 @@ def _write_jsonl(trace: Trace, path: Path) -> None:
             if priority:
                 record["priority"] = priority
             f.write(json.dumps(record) + "\n")
+
+
+def session_trace(sessions: list[list[tuple[int, int]]], starts: np.ndarray, thinks: list[np.ndarray],
+                   name: str, source: str) -> Trace:
+    """The trace of `sessions` (each a list of (new message tokens, answer tokens) per turn)."""
+    rows = []
+    for s, turns in enumerate(sessions):
+        held, t = 0, float(starts[s])
+        for k, (message, answer) in enumerate(turns):
+            if k:
+                t += float(thinks[s][k - 1])
+            rows.append((t, s, held + message, answer))
+            held += message + answer
+    rows.sort(key=lambda r: r[0])           # stable: a session's turns keep their order
+    arr = np.array([r[0] for r in rows], dtype=np.float64)
+    return Trace.from_columns(
+        arrival_time_s=arr, prompt_tokens=np.array([r[2] for r in rows], dtype=np.int64),
+        output_tokens=np.array([r[3] for r in rows], dtype=np.int64),
+        session_id=np.array([r[1] for r in rows], dtype=np.int64), name=name, source=source)

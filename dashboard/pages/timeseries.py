@@ -4,6 +4,7 @@ import streamlit as st
 
 from kvsim.dashboard import charts
 from kvsim.dashboard.data import length_heatmap, run_cost_model, time_edges, time_series
+from kvsim.dashboard.fleet import is_fleet_run, replica_labels, replica_series
 from kvsim.dashboard.ui import follow_job, pick_run, show_run_config
 
 st.title("Time series")
@@ -39,3 +40,22 @@ st.caption("Utilisation: the seconds the steps' model FLOPs (linear layers, LM h
            "(weights, activations, KV reads, slot copies) take at the GPU's peak rates, over the steps' time "
            "(busy time only). Time by term: the cost model's terms for each step (sim/model/cost_model.py); the "
            "policy-operation and swap work is not in the step log and shows as the remainder.")
+if is_fleet_run(run):
+    st.subheader("Per replica")
+    labels = run.memo("replica_labels", lambda: replica_labels(run))
+    per_replica = run.memo(("replica_series", windows), lambda: replica_series(run, time_edges(run, windows)))
+    st.plotly_chart(run.memo(("replica_figure", windows), lambda: charts.panel_grid(
+        per_replica, charts.replica_panels(labels), f"{run.label} per replica")), key="ts_replicas",
+        config=charts.PLOT_CONFIG)
+    st.caption("The panels above sum the replicas; here each replica has its line (the same colour on every "
+               "panel). Router decisions: the requests sent to each replica per second, by arrival (a "
+               "disaggregated request counts on its decode replica). Running, waiting and KV cache usage are "
+               "duration-weighted means over each replica's steps (they add up to the fleet's panels); the "
+               "prefix hit rate is over the prompt tokens each replica admitted in the window.")
+if run.tiers is not None and len(run.tiers):
+    st.subheader("KV offload tiers")
+    st.plotly_chart(charts.tier_occupancy_figure(run.tiers, f"{run.label}: KV offload tiers over time"),
+                    key="ts_tiers", config=charts.PLOT_CONFIG)
+    st.caption("Blocks each tier holds (of `kv_offload.chunk_tokens` tokens), over its capacity: the CPU and the disk "
+               "summed over the replicas, the remote store once (every replica shares it); one sample a second of "
+               "simulated time (tiers.parquet). A tier that stays full evicts least recently used blocks.")

@@ -54,6 +54,13 @@ PrefixCaching = Annotated[bool | None, typer.Option("--prefix-caching/--no-prefi
 ExpertParallel = Annotated[bool | None, typer.Option(
     "--enable-expert-parallel", help="MoE models: experts split over the TP group's GPUs, all-to-all for the MoE "
                                      "layers (vLLM's --enable-expert-parallel)")]
+PipelineParallel = Annotated[int | None, typer.Option(
+    "--pp", "-pp", "--pipeline-parallel-size", help="pipeline stages per replica (vLLM's -pp): layers, weights and "
+    "KV split by stage, pp batches in flight (docs/parallelism.md)")]
+DataParallel = Annotated[int | None, typer.Option(
+    "--dp", "-dp", "--data-parallel-size", help="MoE models: data-parallel attention ranks per replica (vLLM's -dp "
+    "with a MoE model), each its own scheduler and KV cache, the MoE layers over all dp x tp GPUs in lockstep "
+    "(docs/parallelism.md); dense models' DP ranks are replicas: --replicas")]
 MaxModelLen = Annotated[int | None, typer.Option(help="longest prompt + output (default: the model's "
                                                          "max_position_embeddings, as vLLM; above it refused unless "
                                                          "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1)")]
@@ -121,8 +128,9 @@ RouterName = Annotated[str | None, typer.Option(
          "session_affinity | weighted (llm-d's scorer sum), or a registered plug-in; options: --set "
          "router_options.KEY=V (docs/kv-tiers.md)")]
 KvOffload = Annotated[str | None, typer.Option(
-    help="CPU KV offload per replica as vLLM's OffloadingConnector: cpu:SIZE (cpu:64GiB; cpu:0 = none); "
-         "= kv_offload.cpu_gib (docs/kv-tiers.md)")]
+    help="KV offload tiers: cpu:SIZE per replica as vLLM's OffloadingConnector (cpu:64GiB; cpu:0 = none), then "
+         "LMCache's disk:SIZE per replica and remote:SIZE shared, e.g. cpu:64GiB,disk:1TiB,remote:10TiB "
+         "(= kv_offload.cpu_gib / disk_gib / remote_gib; docs/kv-tiers.md)")]
 Sessions = Annotated[bool, typer.Option(
     "--sessions", help="multi-turn sessions: the trace's session_id turns run as a closed loop per session, a turn "
                        "sent when the previous answer finished plus a think time (= trace_options.sessions; "
@@ -157,12 +165,28 @@ def parse_speculative_config(value: str | None) -> dict[str, Any]:
 _SIZE_UNITS = {"gib": 1.0, "gb": 1e9 / 2**30, "mib": 1 / 1024, "tib": 1024.0}
 
 
-def parse_offload(value: str) -> float:
-    """`--kv-offload cpu:64GiB` -> GiB of CPU memory per replica (GiB, GB, MiB, TiB)."""
-    tier, _, size = value.partition(":")
-    if tier != "cpu" or not size:
-        raise ConfigError(f"--kv-offload {value!r}: expected cpu:SIZE such as cpu:64GiB (the CPU tier; disk and "
-                          "remote tiers are not options yet)")
+OFFLOAD_TIERS = {"cpu": "kv_offload.cpu_gib", "disk": "kv_offload.disk_gib", "remote": "kv_offload.remote_gib"}
+
+
+def parse_offload(value: str) -> dict[str, float]:
+    """`--kv-offload cpu:64GiB[,disk:1TiB][,remote:10TiB]` -> GiB per tier (GiB, GB, MiB, TiB): the CPU per
+    replica, a disk per replica, a remote store for the fleet (`cpu:0`: no offload)."""
+    sizes: dict[str, float] = {}
+    for item in value.split(","):
+        tier, _, size = item.strip().partition(":")
+        if tier not in OFFLOAD_TIERS or not size or tier in sizes:
+            raise ConfigError(f"--kv-offload {value!r}: expected cpu:SIZE, optionally followed by ,disk:SIZE and "
+                              ",remote:SIZE, e.g. cpu:64GiB,disk:1TiB (each tier once)")
+        sizes[tier] = _gib(value, size)
+    if "cpu" not in sizes:
+        raise ConfigError(f"--kv-offload {value!r}: the disk and remote tiers sit behind a CPU tier (LMCache's local "
+                          "CPU backend): give cpu:SIZE first")
+    if not sizes["cpu"] and len(sizes) > 1:
+        raise ConfigError(f"--kv-offload {value!r}: cpu:0 means no offload; a disk or remote tier needs a CPU tier")
+    return sizes
+
+
+def _gib(value: str, size: str) -> float:
     number = size.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = size[len(number):].lower() or "gib"
     try:
@@ -172,16 +196,16 @@ def parse_offload(value: str) -> float:
     if not gib >= 0:
         raise ConfigError(f"--kv-offload {value!r}: the size must be 0 (no offload) or positive")
     if gib > 2**20:
-        raise ConfigError(f"--kv-offload {value!r}: expected at most 1 PiB (1,048,576 GiB) a replica, got {gib:.3g} GiB")
+        raise ConfigError(f"--kv-offload {value!r}: expected at most 1 PiB (1,048,576 GiB) a tier, got {gib:.3g} GiB")
     return gib
 
 
 def tier_overrides(kv_offload: str | None, sessions: bool = False, think_time: float | None = None) -> dict[str, Any]:
     """--kv-offload, --sessions and --think-time as config overrides (`cpu:0`: no offload, as leaving it out)."""
     out: dict[str, Any] = {}
-    gib = parse_offload(kv_offload) if kv_offload is not None else 0.0
-    if gib > 0:
-        out["kv_offload.cpu_gib"] = gib
+    sizes = parse_offload(kv_offload) if kv_offload is not None else {}
+    if sizes.get("cpu"):
+        out.update({OFFLOAD_TIERS[tier]: gib for tier, gib in sizes.items() if gib})
     if think_time is not None:
         if not 0 <= think_time <= 1e9:
             raise ConfigError(f"--think-time {think_time:g}: expected seconds in 0..1e9")
@@ -193,7 +217,8 @@ def tier_overrides(kv_offload: str | None, sessions: bool = False, think_time: f
 
 # command-line option (parameter name) -> the config key it sets
 CONFIG_KEYS = {
-    "trace": "trace", "model": "model", "gpu": "gpu", "tp": "tp", "replicas": "replicas", "router": "router",
+    "trace": "trace", "model": "model", "gpu": "gpu", "tp": "tp", "pp": "pp", "dp": "dp", "replicas": "replicas",
+    "router": "router",
     "profile": "profile", "seed": "seed", "weight_dtype": "weight_dtype", "kv_dtype": "kv_dtype",
     "fast_forward": "fast_forward", "check_invariants": "check_invariants", "client_latency": "client_latency",
     "frontend": "frontend",

@@ -17,8 +17,8 @@ from kvsim.sim.config import ConfigError, KVConfig, load_config
 
 from .vllm_args import VllmOptions
 
-from .options import (KvOffload, RouterName, Sessions, SpeculativeConfigOpt, ThinkTime, parse_speculative_config,
-                      tier_overrides)
+from .options import (DataParallel, KvOffload, PipelineParallel, RouterName, Sessions, SpeculativeConfigOpt, ThinkTime,
+                      parse_speculative_config, tier_overrides)
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel, Frontend,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
@@ -42,6 +42,8 @@ def simulate(
     overwrite: Overwrite = False,
     tp: Annotated[int | None, typer.Option("--tp", "-tp", "--tensor-parallel-size",
                                               help="tensor parallel degree (vLLM's -tp)")] = None,
+    pp: PipelineParallel = None,
+    dp: DataParallel = None,
     replicas: Replicas = None,
     router: RouterName = None,
     kv_offload: KvOffload = None,
@@ -149,7 +151,8 @@ def simulate(
             fail(f"--workload {workload} and --trace {trace}: give one (a workload spec is the run's trace)")
         trace = workload
     overrides = config_overrides(
-        trace=trace, model=model, gpu=gpu, tp=tp, replicas=replicas, router=router, profile=profile, seed=seed,
+        trace=trace, model=model, gpu=gpu, tp=tp, pp=pp, dp=dp, replicas=replicas, router=router, profile=profile,
+        seed=seed,
         weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
         client_latency=client_latency, frontend=frontend,
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
@@ -186,7 +189,8 @@ def simulate(
         fail(f"--out {out}: cannot write the results: {exc.strerror or exc}", code=1)
     if not quiet:
         print_summary(result.summary)
-    console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml")
+    tiers = ", tiers.parquet" if cfg.kv_offload is not None else ""
+    console.print(f"wrote {out}/requests.parquet, steps.parquet, summary.json, config.yaml{tiers}")
 
 
 
@@ -327,6 +331,8 @@ def print_summary(s: dict) -> None:
     if "completed" in s:
         console.print("\n".join(report_lines(s)), markup=False, highlight=False)
     hardware = s.get("fleet") or f"{s.get('tp')}x {s.get('gpu')}"
+    if s.get("gpus_per_replica"):        # pipeline stages or data-parallel attention ranks (docs/parallelism.md)
+        hardware += f" x pp {s['pp']} x dp {s['dp']} = {s['gpus_per_replica']} GPUs per replica"
     table = Table(title=f"{s.get('trace')} on {s.get('model')} / {hardware}")
     table.add_column("kvsim")
     table.add_column("value", justify="right")

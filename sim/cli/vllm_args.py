@@ -389,25 +389,29 @@ def _parallelism(values: dict[str, Any], what: str, result: Translation) -> None
         if size == 1:
             continue
         if label == "pipeline":
-            raise VllmArgsError(f"{what} {names[0]} {size}: pipeline parallelism is not modelled yet; kvsim "
-                                "simulates tensor parallelism (-tp) and replicas (--replicas)")
+            result.overrides["pp"] = size
+            continue
         result.overrides["replicas"] = result.data_parallel = size
         result.overrides["router"] = "least_outstanding"
         result.notes.append(f"{what} {names[0]} {size}: {size} engine replicas behind a least-loaded router "
                             "(vLLM's DP load balancer picks the engine with the fewest waiting and running requests)")
 
 
-def _dense_data_parallel(result: Translation) -> None:
-    """Data parallelism of a MoE model is DP attention with experts shared over the ranks (they step in
-    lockstep): not independent replicas, and not modelled."""
+def _moe_data_parallel(result: Translation) -> None:
+    """Data parallelism of a MoE model is DP attention with the MoE layers over every rank's GPUs (they step in
+    lockstep: config `dp`, sim/model/parallel.py), not independent replicas; vLLM's DP load balancer routes."""
     from kvsim.sim.model.catalog import get_model
 
     model = result.overrides.get("model")
-    if model is not None and get_model(model).is_moe:
-        raise VllmArgsError(f"--vllm: vllm serve --data-parallel-size {result.data_parallel}: {model} is a "
-                            "mixture-of-experts model, whose DP ranks run attention apart but the MoE layers "
-                            "together (DP attention + EP), which kvsim does not model yet; dense models' DP ranks "
-                            "are replicas (--replicas)")
+    if model is None or not get_model(model).is_moe:
+        return
+    size = result.data_parallel
+    del result.overrides["replicas"]
+    result.overrides.update(dp=size, router="dp_balance")
+    result.notes[:] = [n for n in result.notes if "engine replicas behind a least-loaded router" not in n]
+    result.notes.append(f"--vllm: vllm serve --data-parallel-size {size}: {model} is a mixture-of-experts model: {size} "
+                        "data-parallel attention ranks (each its own scheduler and KV cache) running the MoE layers "
+                        "together in lockstep, behind vLLM's DP load balancer (dp_balance)")
 
 
 # ---- vllm bench serve -------------------------------------------------------------------------------------
@@ -528,7 +532,7 @@ def translate_options(options: VllmOptions) -> Translation:
     ways to different values is refused)."""
     result = translate(options.serve, options.bench)
     if result.data_parallel > 1:
-        _dense_data_parallel(result)
+        _moe_data_parallel(result)
     single = Translation()
     values = {name: value for name, value in (("--dtype", options.dtype), ("--quantization", options.quantization))
               if value is not None}

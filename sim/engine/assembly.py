@@ -27,8 +27,9 @@ from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..core.spec_decode import SpecDecoder
-from .loop import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, EngineClock, EngineReplica, ReplicaFeed, ReplicaOptions, Router,
-                     StepArrivals)
+from .loop import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, DPGroup, EngineClock, EngineReplica, ReplicaFeed,
+                   ReplicaOptions, Router, StepArrivals)
+from ..model.parallel import DPAttentionPricing
 from ..results.metrics import StepLog
 from .sessions import SessionLoop, apply_sessions
 from .step_noise import StepNoise, resolve_sigma
@@ -171,7 +172,8 @@ def _requests(trace, entry) -> list[Request]:
 def scheduler_config(cfg: SimConfig, cost, max_model_len: int) -> SchedulerConfig:
     eng = cfg.engine
     return SchedulerConfig(
-        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens,
+        # pipeline parallelism: a step is a round of pp in-flight batches, each with its own token budget
+        max_num_seqs=eng.max_num_seqs, max_num_batched_tokens=eng.max_num_batched_tokens * cfg.pp,
         long_prefill_token_threshold=eng.long_prefill_token_threshold, max_model_len=max_model_len,
         enable_chunked_prefill=eng.enable_chunked_prefill, policy=eng.scheduling_policy,
         preemption_mode=eng.preemption_mode, async_scheduling=bool(eng.async_scheduling),
@@ -263,9 +265,10 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     cfg = plan.cfg
     env = EngineClock()
     by_step = cfg.trace_options.arrival_unit == "step"
-    if by_step and cfg.replicas != 1:
-        raise ConfigError(f"trace_options.arrival_unit: step feeds one engine step by step; replicas must be 1, "
-                          f"got {cfg.replicas}")
+    ranks = cfg.engine_ranks             # replicas, x dp data-parallel attention ranks each
+    if by_step and ranks != 1:
+        raise ConfigError(f"trace_options.arrival_unit: step feeds one engine step by step; replicas (and dp) must "
+                          f"be 1, got {ranks}")
     step_arrivals = StepArrivals(requests) if by_step else None
     limit_n = cfg.trace_options.max_concurrency
     # a frontend whose API server takes entries and streams outputs on one loop (Frontend.shared): every
@@ -280,29 +283,31 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     closed = sends is not None or sessions is not None
     # a closed loop lets one replica's finish send a request to another: with several replicas each
     # one must stop at every step end for it to land in time (no decode fast-forward across it)
-    cross_replica = closed and cfg.replicas > 1
+    cross_replica = closed and ranks > 1
     # one replica fed by the trace alone may admit its arrivals inside decode runs
-    own_arrivals = (lambda: feed[0]) if cfg.replicas == 1 and not closed and not by_step else None
+    own_arrivals = (lambda: feed[0]) if ranks == 1 and not closed and not by_step else None
     next_arrival = ((lambda: min(feed[0].next_arrival(), sessions.next_release())) if sessions is not None
                     else (lambda: feed[0].next_arrival()))
     timeout = client_timeout(cfg.trace_options.request_timeout, entry)
     sigma = resolve_sigma(cfg.step_variance, plan.gpu.name) if step_noise else 0.0
-    noises = [replica_noise(sigma, cfg.seed, i) for i in range(cfg.replicas)]
+    noises = [replica_noise(sigma, cfg.seed, i) for i in range(ranks)]
+    grouped = cfg.dp > 1
     replicas: list[EngineReplica] = []
-    for i in range(cfg.replicas):
+    for i in range(ranks):
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
             env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None,
                               SpecDecoder(plan.spec.settings, cfg.seed, i) if plan.spec is not None else None),
             executor, step_log,
-            ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica and not shared,
+            ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica and not shared and not grouped,
                            check_invariants=cfg.check_invariants,
-                           step_noise=noises[i]),
+                           step_noise=noises[i], grouped=grouped),
             ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else next_arrival,
                         step_arrivals=step_arrivals, on_step=on_step,
                         on_done=None if sends is None else (lambda n, t: feed[1].done(n, t)),
                         arrivals=own_arrivals, timeout=timeout, on_tokens=entry.outputs if shared else None,
                         on_finished=None if sessions is None else sessions.finished)))
+    group_ranks(env, plan, replicas)
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
     router = Router(replicas, cfg.router, cfg.router_options)
@@ -312,6 +317,16 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     arrivals = ArrivalProcess(env, requests if sessions is None else sessions.first_turns, router, limit)
     feed.extend((arrivals, limit))
     return EngineRun(env, replicas, arrivals, limit, None, router, sessions)
+
+
+def group_ranks(env: EngineClock, plan: ResolvedRun, replicas: list[EngineReplica]) -> list[DPGroup]:
+    """With data-parallel attention (dp > 1), each replica's dp consecutive engine ranks step together
+    (sim/engine/loop.py DPGroup) at the synchronised step time of sim/model/parallel.py."""
+    dp = plan.cfg.dp
+    if dp == 1:
+        return []
+    pricing = DPAttentionPricing(plan.cost, dp)
+    return [DPGroup(env, replicas[i:i + dp], pricing) for i in range(0, len(replicas), dp)]
 
 
 def replica_noise(sigma: float, seed: int, index: int) -> StepNoise | None:
@@ -344,10 +359,12 @@ def build_live_engine(plan: ResolvedRun, requests: list[Request], step_log: Step
                           "and no max_concurrency")
     env = EngineClock(event_per_step=True)
     replicas = []
-    for i in range(cfg.replicas):
+    for i in range(cfg.engine_ranks):
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
             env, i, Scheduler(plan.scheduler, kv), executor, step_log,
-            ReplicaOptions(fast_forward=cfg.fast_forward, check_invariants=cfg.check_invariants),
+            ReplicaOptions(fast_forward=cfg.fast_forward and cfg.dp == 1, check_invariants=cfg.check_invariants,
+                           grouped=cfg.dp > 1),
             ReplicaFeed(next_arrival=live_arrival)))
+    group_ranks(env, plan, replicas)
     return EngineRun(env, replicas, None, None, None, Router(replicas, cfg.router, cfg.router_options))

@@ -77,6 +77,8 @@ class ReplicaOptions:
     max_run_steps: int = 4096         # longest decode run
     # the simulator's step-time variance (sim/step_noise.StepNoise of this replica); None: deterministic
     step_noise: object = None
+    # a data-parallel attention rank: a DPGroup steps it with the other ranks (no process of its own)
+    grouped: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,8 @@ class EngineReplica:
         self._last_duration = 0.0
         self.busy_until = 0.0       # when the step (or decode run) in flight ends: nothing leaves before
         self._wake: simpy.Event | None = None
-        self.process = env.process(self.run())
+        self.group: DPGroup | None = None       # set by the DPGroup that steps a grouped replica
+        self.process = None if options.grouped else env.process(self.run())
 
     @property
     def now(self) -> float:
@@ -173,8 +176,8 @@ class EngineReplica:
             self.inbox.append(req)       # a step is in flight: the next schedule is already made
             self.wake()                  # (or it waits for a transfer: it may take this one now)
             return
-        if self._add(req) and self._wake is not None and not self._wake.triggered:
-            self._wake.succeed()
+        if self._add(req):
+            self.wake()
 
     def _idle(self):
         """Wait for an arrival, or for the connector's next transfer to end."""
@@ -188,7 +191,9 @@ class EngineReplica:
 
     def wake(self) -> None:
         """An idle replica re-checks its work now (a connector learnt when a transfer ends)."""
-        if self._wake is not None and not self._wake.triggered:
+        if self.group is not None:
+            self.group.wake()
+        elif self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
     def _add(self, req: Request) -> bool:
@@ -485,6 +490,76 @@ class EngineReplica:
         for _, req in run.arrivals:
             req.replica = self.index
         Incoming(self.inbox, self.arrivals()).take(len(run.arrivals))
+
+
+class DPGroup:
+    """Data-parallel attention ranks of a MoE replica stepping in lockstep (vLLM's DP engines with expert
+    parallelism; sim/model/parallel.py): every step, each rank with work schedules its own batch, the step of
+    all ranks takes the synchronised time `pricing.step_seconds` gives (the slowest rank's; an idle rank runs a
+    dummy batch), and every rank updates at its end. A rank whose requests arrive while the others step joins
+    at the next step. No decode fast-forward (each step depends on every rank)."""
+
+    def __init__(self, env: EngineClock, ranks: list[EngineReplica], pricing):
+        self.env, self.ranks, self.pricing = env, ranks, pricing
+        self._wake: simpy.Event | None = None
+        for rank in ranks:
+            rank.group = self
+        self.num_steps = 0
+        self.process = env.process(self.run())
+
+    def wake(self) -> None:
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
+
+    def run(self):
+        env, ranks = self.env, self.ranks
+        while True:
+            for rank in ranks:
+                rank._take_arrivals()
+            active = [rank for rank in ranks if rank.scheduler.has_work]
+            if not active:
+                for rank in ranks:
+                    rank.scheduler.release_finishing()
+                self._wake = env.event()
+                yield self._wake
+                self._wake = None
+                continue
+            start = env.now
+            steps = []
+            for rank in active:
+                out = rank.scheduler.schedule()
+                if out.is_empty:
+                    raise RuntimeError(f"replica {rank.index}: nothing schedulable with {len(rank.scheduler.waiting)} "
+                                       f"waiting and {len(rank.scheduler.running)} running; the KV manager cannot "
+                                       "make progress")
+                for s in out.scheduled:
+                    if s.request.first_scheduled_time is None:
+                        s.request.first_scheduled_time = start
+                result = rank.executor.execute(out)
+                result = rank.executor.complete(result, rank.kv.finish_step(out.scheduled))
+                if rank.noise is not None:
+                    result.duration_s = result.duration_s * rank.noise.factor(rank.num_steps)
+                shape = result.shape or batch_shape(out, rank.kv)
+                steps.append((rank, out, result, shape))
+            own = {id(rank): (result.duration_s, float(shape.num_prefill_tokens) + float(shape.num_decode_tokens))
+                   for rank, _, result, shape in steps}
+            times = [own[id(r)][0] if id(r) in own else None for r in ranks]
+            tokens = [own[id(r)][1] if id(r) in own else 0.0 for r in ranks]
+            duration = self.pricing.step_seconds(times, tokens)
+            for rank in ranks:
+                rank._step_start = start
+                rank._last_duration = duration
+                rank.busy_until = start + duration
+            if not env.advance_to(start + duration):
+                yield env.timeout(duration)
+            self.num_steps += 1
+            for rank, out, result, shape in steps:
+                result.duration_s = result.predicted_s = duration
+                finished = rank.scheduler.update(out, env.now)
+                rank._tell_step_end(out, finished)
+                if not rank.scheduler.has_work:
+                    rank.scheduler.release_finishing()
+                rank._log_step(start, out, result, len(finished), shape)
 
 
 class Incoming:

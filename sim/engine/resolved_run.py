@@ -18,6 +18,7 @@ from ..model.catalog import GPUSpec, ModelSpec, get_gpu, get_model
 from ..config import ConfigError, RouterOptions, SimConfig
 from ..core.scheduler import SchedulerConfig
 from ..model.cost_model import CostModel, load_profile
+from ..model.parallel import DPAttentionPricing, ParallelismError, PipelineCostModel
 from ..model.defaults import resolve_engine
 from ..kv.build import build_kv_manager as _build_manager, build_policy
 from ..kv.policy import EvictionPolicy, FastModeProfile
@@ -25,7 +26,7 @@ from ..model.spec_decode import ResolvedSpec, SpecConfigError, resolve_spec
 from ..model.memory import PoolSizing, RunMemoryEstimate, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
 
 KVKind = Literal["plain", "evicting", "hybrid"]  # vLLM's KVCacheManager | eviction-aware | sliding-window layers
-ExecutorKind = Literal["cost_model", "kv_policy"]    # sim.simulator.executor's two; the real backend has its own
+ExecutorKind = Literal["cost_model", "kv_policy", "pipeline"]    # sim.simulator.executor's; the backend has its own
 
 
 class Hardware(NamedTuple):
@@ -85,8 +86,16 @@ def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -
     profile = (policy.fast_mode_profile() or FastModeProfile()) if policy is not None and cfg.kv.mode == "fast" else None
     return ResolvedRun(
         cfg=cfg, hardware=hardware, scheduler=scheduler_config(cfg, hardware.cost, hardware.max_model_len),
-        policy=policy, kv_kind=kv_kind, executor_kind="kv_policy" if kv_kind == "evicting" else "cost_model",
+        policy=policy, kv_kind=kv_kind, executor_kind=executor_kind(cfg, kv_kind),
         memory=estimate_run_memory(cfg, hardware.model, hardware.cost, hardware.num_blocks, trace, profile))
+
+
+def executor_kind(cfg: SimConfig, kv_kind: KVKind) -> ExecutorKind:
+    """The simulator's executor of a run: the KV-policy one with an eviction-aware manager, the pipeline one for
+    pipeline stages (in-flight batches: sim/simulator/executor.py PipelineExecutor), else the plain one."""
+    if kv_kind == "evicting":
+        return "kv_policy"
+    return "pipeline" if cfg.pp > 1 else "cost_model"
 
 
 def check_router(router: str, options: RouterOptions | None) -> None:
@@ -111,8 +120,9 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
     gpu = get_gpu(cfg.gpu)
     eng = cfg.engine
     try:
-        cost = CostModel(model, gpu, load_profile(cfg.profile, gpu=gpu), tp=cfg.tp,
-                         async_scheduling=bool(eng.async_scheduling), expert_parallel=eng.enable_expert_parallel)
+        cost = _cost_model(cfg, model, gpu)
+    except ParallelismError as exc:
+        raise ConfigError(str(exc)) from None
     except ValueError as exc:
         if "--enable-expert-parallel" not in str(exc):
             raise
@@ -127,12 +137,37 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
         blocks = eng.num_gpu_blocks
         check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)
     else:
-        sizing = PoolSizing.of_engine(eng, tp=cfg.tp)
+        sizing = PoolSizing.of_engine(eng, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
         if spec is not None:
             sizing = replace(sizing, drafter_weight_bytes=spec.weight_bytes,
                              drafter_kv_bytes_per_token=spec.kv_bytes_per_token)
-        blocks = num_gpu_blocks(model, gpu, sizing).num_blocks
+        try:
+            blocks = num_gpu_blocks(model, gpu, sizing).num_blocks
+        except ParallelismError as exc:
+            raise ConfigError(str(exc)) from None
     return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_model_len, spec)
+
+
+def _cost_model(cfg: SimConfig, model: ModelSpec, gpu: GPUSpec) -> CostModel:
+    """The cost model of one engine: a TP replica, a TP x PP pipeline (sim/model/parallel.py), or one
+    data-parallel attention rank (its own batch at TP; the engine prices the synchronised MoE part)."""
+    eng = cfg.engine
+    profile = load_profile(cfg.profile, gpu=gpu)
+    if cfg.pp > 1:
+        if cfg.dp > 1:
+            raise ParallelismError("pp > 1 with dp > 1 (pipeline stages of data-parallel attention ranks) is not "
+                                   "modelled; give one of them")
+        if cfg.kv.layout == "per_head":
+            raise ParallelismError("kv.layout per_head with pp > 1 is not modelled (a per-head block is one layer's)")
+        return PipelineCostModel(model, gpu, profile, tp=cfg.tp, async_scheduling=bool(eng.async_scheduling),
+                                 expert_parallel=eng.enable_expert_parallel, pp=cfg.pp,
+                                 batch_tokens=eng.max_num_batched_tokens)
+    if cfg.dp > 1:
+        cost = CostModel(model, gpu, profile, tp=cfg.tp, async_scheduling=bool(eng.async_scheduling))
+        DPAttentionPricing(cost, cfg.dp)        # refuses impossible layouts (fewer experts than GPUs)
+        return cost
+    return CostModel(model, gpu, profile, tp=cfg.tp, async_scheduling=bool(eng.async_scheduling),
+                     expert_parallel=eng.enable_expert_parallel)
 
 
 def build_kv_manager(plan: ResolvedRun, replica: int = 0):

@@ -28,6 +28,7 @@ from ..config import ConfigError, SessionOptions
 from ..core.request import Request, RequestStatus
 
 SESSION_ID_TOKENS = 16        # tokens per prefix id of a session's conversation (the default KV block)
+SHARED_PREFIX_BASE = 1 << 62  # ids of the prefix all sessions share (a trace's shared_prefix_tokens)
 
 
 def session_keys(trace) -> list:
@@ -49,6 +50,7 @@ def apply_sessions(trace, requests: list[Request], opts: SessionOptions) -> None
     shorter than the conversation before it (the previous prompt and answer)."""
     index: dict = {}
     held: dict[int, int] = {}          # session -> tokens of its conversation so far
+    shared = trace.shared_prefix_tokens // SESSION_ID_TOKENS     # whole blocks every conversation begins with
     base = 0
     bases: dict[int, int] = {}
     for key, req in zip(session_keys(trace), requests, strict=True):
@@ -68,7 +70,9 @@ def apply_sessions(trace, requests: list[Request], opts: SessionOptions) -> None
             bases[s] = base
             base += 1 << 40              # ids of different sessions never meet
         req.session = s
-        req.prefix_hash_ids = range(bases[s], bases[s] + -(-total // SESSION_ID_TOKENS))  # type: ignore[assignment]
+        ids = range(bases[s], bases[s] + -(-total // SESSION_ID_TOKENS))
+        req.prefix_hash_ids = [*range(SHARED_PREFIX_BASE, SHARED_PREFIX_BASE + min(shared, len(ids))),  # type: ignore[assignment]
+                               *ids[shared:]] if shared else ids
         req.prefix_block_tokens = SESSION_ID_TOKENS
         req.ids_cover_output = True
 

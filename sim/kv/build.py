@@ -75,7 +75,7 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
     precision_bytes, precision_caps = precision_layout(model, block_size, kv.high_tier, kv.low_tier)
     ctx = PolicyContext(kv.layout, model.num_layers, kv_heads, max(1, model.num_heads * kv_heads // model.num_kv_heads),
                         block_size, rows, precision_bytes=precision_bytes, head_dim=model.head_dim,
-                        bytes_per_token_row=cost.kv_bytes_per_token / rows)
+                        bytes_per_token_row=cost.kv_bytes_per_token / rows, kv_split=cost.kv_split)
     policy = policy if policy is not None else build_policy(kv)
     refuse_ignored_kv_options(kv, policy)
     if policy.per_head_only and kv.layout != "per_head":

@@ -58,6 +58,10 @@ Calls a policy receives (all optional to override; defaults do nothing / keep ev
   (token-pair equivalents, mean over rows) of a prefill chunk of `num_new` tokens at positions
   start.. (the step cost's `attn_pairs_prefill`); None = the engine's count, `num_new x (KV read
   before + (num_new + 1) / 2)`.
+- `prefill_cost(start, num_new, ctx) -> SelectionStepCost | None` and `decode_op_bytes(context, ctx)`:
+  a selection policy that prices its selection kernels itself (TokenSelect,
+  sim/kv/policies/selection_work.py): a prefill chunk's pairs, KV reads and op bytes, and a decoding
+  request's op bytes; None = `prefill_pairs` and the engine's reads.
 
 Decision
 --------
@@ -158,6 +162,7 @@ class PolicyContext:
     precision_bytes: tuple[float, float, float] = (1.0, 0.5, 0.25)   # bytes/token of each precision group / full
     head_dim: int = 64
     bytes_per_token_row: float = 0.0   # bytes of one full-precision token of one row (K and V)
+    kv_split: float = 1.0        # KV heads held per GPU / the model's KV heads (the cost model's share of op_bytes)
 
     def __post_init__(self):
         if self.row_layer is None:
@@ -185,6 +190,17 @@ class PolicyContext:
         if self.layout == "shared":
             x = x.mean(axis=-2, keepdims=True)
         return x.astype(np.float32, copy=False)
+
+
+@dataclass(frozen=True)
+class SelectionStepCost:
+    """What a selection policy's prefill chunk asks of the step (`prefill_cost`), mean over rows: the
+    step cost's `attn_pairs_prefill`, its `kv_tokens_read` (fp16 token-equivalents of all layers) and
+    `op_bytes` (the policy's own kernels, bytes of all KV heads: the cost model prices the GPU's
+    `kv_split` share)."""
+    pairs: float
+    kv_read: float
+    op_bytes: float
 
 
 @dataclass
@@ -234,6 +250,17 @@ class EvictionPolicy:
 
     def prefill_pairs(self, start: int, num_new: int, ctx: PolicyContext) -> float | None:
         return None
+
+    def prefill_cost(self, start: int, num_new: int, ctx: PolicyContext) -> SelectionStepCost | None:
+        """A selection policy that prices its own prefill (TokenSelect): the pairs, reads and op bytes of
+        a prefill chunk of `num_new` tokens at positions start..; None = `prefill_pairs` and the engine's
+        reads. A policy that returns one is also asked `decode_op_bytes` for every decoding request."""
+        return None
+
+    def decode_op_bytes(self, context: int, ctx: PolicyContext) -> float:
+        """Bytes of the policy's own kernels for one decoding request with `context` cached tokens
+        (all KV heads; asked only of policies whose `prefill_cost` is not None)."""
+        return 0.0
 
     def op_cost(self, state: TokenState, ctx: PolicyContext, reason: str) -> tuple[float, float] | None:
         """(bytes read + written, FLOPs) of the policy's own work when it compresses for `reason`

@@ -99,13 +99,16 @@ class PoolSizing:
     # token on each GPU, held in the target's blocks (vLLM allocates the drafter's layers with the target's)
     drafter_weight_bytes: int = 0
     drafter_kv_bytes_per_token: float = 0.0
+    pp: int = 1                             # pipeline stages: each GPU holds one stage's layers (weights, KV)
+    dp: int = 1                             # data-parallel attention ranks sharing the routed experts (MoE)
 
     @classmethod
-    def of_engine(cls, eng: EngineConfig, *, tp: int, kv_dtype: str | None = None) -> PoolSizing:
+    def of_engine(cls, eng: EngineConfig, *, tp: int, kv_dtype: str | None = None, pp: int = 1,
+                  dp: int = 1) -> PoolSizing:
         """The sizing of a run's resolved engine settings (`resolve_engine`: no field left None)."""
         return cls(tp=tp, block_size=eng.block_size, gpu_memory_utilization=eng.gpu_memory_utilization,
                    max_num_batched_tokens=eng.max_num_batched_tokens, max_num_seqs=eng.max_num_seqs,
-                   kv_dtype=kv_dtype)
+                   kv_dtype=kv_dtype, pp=pp, dp=dp)
 
 
 def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, sizing: PoolSizing = PoolSizing()) -> KVPoolSize:
@@ -130,17 +133,19 @@ def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, sizing: PoolSizin
                    if sizing.activation_reserve_bytes is None else int(sizing.activation_reserve_bytes))
     available = usable - weights - activations - non_torch_overhead_bytes
     kv_per_token = block_bytes_per_token(model, tp, sizing.kv_dtype)
-    if sizing.drafter_kv_bytes_per_token:
+    if sizing.pp > 1 or sizing.dp > 1:       # the stage (or expert share) that leaves the fewest blocks
+        weights, available, kv_per_token = _parallel_stage(model, sizing, usable - activations - non_torch_overhead_bytes)
+    if sizing.drafter_kv_bytes_per_token:   # speculative decoding's drafter (refused with pp / dp: sim/config.py)
         kv_per_token += sizing.drafter_kv_bytes_per_token
     bytes_per_block = int(block_size * kv_per_token)
     if available < bytes_per_block:
         need = weights + activations + non_torch_overhead_bytes + bytes_per_block
         raise ModelDoesNotFitError(
-            f"{model.name} does not fit on {gpu.name} (tp={tp}): weights {weights / GiB:.2f} GiB + activations "
+            f"{model.name} does not fit on {gpu.name} ({_layout(sizing)}): weights {weights / GiB:.2f} GiB + activations "
             f"{activations / GiB:.2f} GiB + overhead {non_torch_overhead_bytes / GiB:.2f} GiB + one KV block "
             f"need {need / GiB:.2f} GiB but {gpu.memory_gib:g} GiB x {gpu_memory_utilization:g} = "
             f"{usable / GiB:.2f} GiB is usable: {(need - usable) / GiB:.2f} GiB missing "
-            f"(raise tp, gpu_memory_utilization, use a larger GPU or lower-precision weights)")
+            f"(raise tp{', pp' if sizing.pp > 1 else ''}, gpu_memory_utilization, use a larger GPU or lower-precision weights)")
     num_blocks = available // bytes_per_block
     per_head_factor = model.num_layers * heads
     return KVPoolSize(
@@ -150,6 +155,37 @@ def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, sizing: PoolSizin
         weight_bytes=weights, activation_bytes=activations, non_torch_bytes=non_torch_overhead_bytes,
         usable_bytes=usable,
     )
+
+
+def _layout(sizing: PoolSizing) -> str:
+    return f"tp={sizing.tp}" + (f", pp={sizing.pp}" if sizing.pp > 1 else "") + (f", dp={sizing.dp}" if sizing.dp > 1 else "")
+
+
+def _parallel_stage(model: ModelSpec, sizing: PoolSizing, room: int) -> tuple[int, int, float]:
+    """(weights, KV bytes available, KV bytes per token) of the GPU of a TP x PP (x DP ranks sharing the routed
+    experts) layout whose pool is the smallest: vLLM sizes every worker's pool and takes the fewest blocks
+    (sim/model/parallel.py). `room`: usable memory less activations and overhead."""
+    from .parallel import ParallelismError, pp_layer_split, stage_weight_bytes
+
+    if model.num_sliding_layers and sizing.pp > 1:
+        raise ParallelismError(f"pipeline parallelism of {model.name}: models with sliding-window layers "
+                               "(vLLM's hybrid KV groups) are not modelled with pp > 1")
+    tp, pp = sizing.tp, sizing.pp
+    layers = pp_layer_split(model.num_layers, pp)
+    experts = model.routed_expert_params * DTYPE_BYTES[model.expert_dtype or model.weight_dtype] if model.is_moe else 0
+    per_token = block_bytes_per_token(model, tp, sizing.kv_dtype) / model.num_layers
+    best = None
+    for s, n in enumerate(layers):
+        stage = stage_weight_bytes(model, n, s == 0, s == pp - 1)
+        # routed experts: this stage's share, split over the DP ranks' GPUs too
+        stage_experts = experts * n / model.num_layers
+        weights = int((stage - stage_experts) // tp + stage_experts // (tp * sizing.dp))
+        kv = per_token * n
+        blocks = (room - weights) // max(int(sizing.block_size * kv), 1)
+        if best is None or blocks < best[0]:
+            best = (blocks, weights, room - weights, kv)
+    assert best is not None
+    return best[1], best[2], best[3]
 
 
 # ---- host memory of a simulation run ---------------------------------------------------------------
@@ -205,13 +241,14 @@ def estimate_run_memory(cfg, model: ModelSpec, cost, num_blocks: int, trace=None
     pool_blocks = num_blocks * rows
     kind = "array" if not kv.is_default else "prefix_caching" if eng.enable_prefix_caching else "plain"
     per_block = POOL_BYTES_PER_BLOCK[kind] + (INVARIANT_CHECK_BYTES_PER_BLOCK if cfg.check_invariants else 0)
-    parts = [("KV block pool", f"{cfg.replicas} replica(s) x {pool_blocks} blocks x {per_block} B",
-              "--num-gpu-blocks", cfg.replicas * pool_blocks * per_block)]
+    engines = cfg.engine_ranks
+    parts = [("KV block pool", f"{engines} replica(s) x {pool_blocks} blocks x {per_block} B",
+              "--num-gpu-blocks", engines * pool_blocks * per_block)]
     if kv.mode == "fast" and fast_profile is not None:
         slab, budget, window = _fast_slab_bytes(cfg, fast_profile, rows, trace, eng.max_num_seqs)
         option = "--budget" if kv.budget is not None else f"kv.params of {kv.policy} (its window)"
         parts.append(("fast-mode slabs", f"{budget} budget and {window} window tokens a row, "
-                      f"{cfg.replicas} replica(s)", option, cfg.replicas * slab))
+                      f"{engines} replica(s)", option, engines * slab))
     if trace is not None:
         outputs = int(trace.df["output_tokens"].sum())
         parts.append(("requests", f"{len(trace)} requests, {outputs} output tokens", "--max-requests",

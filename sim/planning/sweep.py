@@ -280,7 +280,7 @@ class _FitChecker:
     def check(self, cfg: SimConfig, where: str) -> None:
         eng = cfg.engine
         key = (cfg.model, cfg.gpu, cfg.tp, cfg.kv_dtype, cfg.weight_dtype, cfg.profile, cfg.trace, eng.block_size,
-               eng.gpu_memory_utilization, eng.max_num_batched_tokens, eng.max_num_seqs)
+               eng.gpu_memory_utilization, eng.max_num_batched_tokens, eng.max_num_seqs, cfg.pp, cfg.dp)
         if key not in self._seen:
             self._seen[key] = self._problem(cfg)
         if self._seen[key]:
@@ -361,7 +361,7 @@ class _FitChecker:
             return f"profile={cfg.profile!r}: {exc}"
         eng = resolve_engine(cfg)
         try:
-            num_gpu_blocks(model, gpu, PoolSizing.of_engine(eng, tp=cfg.tp, kv_dtype=cfg.kv_dtype))
+            num_gpu_blocks(model, gpu, PoolSizing.of_engine(eng, tp=cfg.tp, kv_dtype=cfg.kv_dtype, pp=cfg.pp, dp=cfg.dp))
         except ModelDoesNotFitError as exc:
             return f"model={cfg.model!r} gpu={cfg.gpu!r} tp={cfg.tp}: {exc}"
         except (CatalogError, ValueError) as exc:
@@ -397,7 +397,7 @@ def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
     so an SLO failure is never the cheapest."""
 
     if cfg.fleet is None:
-        gpus = cfg.tp * cfg.replicas
+        gpus = cfg.gpus_per_replica * cfg.replicas
         usd_per_hour = cfg.gpu_usd_per_hour() * gpus
     else:                               # a disaggregated fleet: both pools' GPUs at their own price
         pools = [(p.gpu or cfg.gpu, (p.tp or cfg.tp) * p.replicas) for p in (cfg.fleet.prefill, cfg.fleet.decode)]

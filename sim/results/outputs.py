@@ -67,6 +67,8 @@ def run_summary(plan: ResolvedRun, req_df: pd.DataFrame, steps_df: pd.DataFrame 
                     "profile": profile.name if profile else None,
                     "profile_step_mape": profile_fit_error(profile) if profile else None,
                     "client_latency": client_latency, "step_variance_sigma": step_variance_sigma})
+    if cfg.pp > 1 or cfg.dp > 1:          # parallelism beyond TP (docs/parallelism.md): keys only when used
+        summary.update({"pp": cfg.pp, "dp": cfg.dp, "gpus_per_replica": cfg.gpus_per_replica})
     return summary
 
 

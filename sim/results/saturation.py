@@ -64,16 +64,22 @@ def saturation(requests: pd.DataFrame) -> dict:
     return out
 
 
+def _sent(requests: pd.DataFrame) -> pd.DataFrame:
+    """The requests that queued: not rejected (a rejected request never queues), and sent (a session's
+    turns after a rejected turn are never sent: they have no arrival time)."""
+    column = "client_arrival_s" if "client_arrival_s" in requests else "arrival_s"
+    return requests[(requests["status"] != "rejected") & requests[column].notna()]
+
+
 def _arrival_times(requests: pd.DataFrame) -> np.ndarray:
     """When requests reached the client (a closed loop's queue at the client counts) or were sent."""
     column = "client_arrival_s" if "client_arrival_s" in requests else "arrival_s"
-    live = requests["status"] != "rejected"         # a rejected request never queues
-    return requests.loc[live, column].to_numpy(np.float64)
+    return _sent(requests)[column].to_numpy(np.float64)
 
 
 def _scheduled_times(requests: pd.DataFrame, arrivals: np.ndarray) -> np.ndarray:
-    """When each (not rejected) request was first scheduled; inf for one never scheduled."""
-    live = requests[requests["status"] != "rejected"]
+    """When each request that queued was first scheduled; inf for one never scheduled."""
+    live = _sent(requests)
     sent = live["arrival_s"].to_numpy(np.float64)
     queued = live["queueing_s"].to_numpy(np.float64) if "queueing_s" in live else np.full(len(live), math.nan)
     out = sent + queued

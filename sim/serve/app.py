@@ -54,7 +54,7 @@ class Server:
         self.plan, self.options = plan, options
         self.tokenizer = PromptTokenizer(options.tokenizer)
         self.registry = CollectorRegistry()
-        self.metrics = RequestMetrics(options.served_model_name, plan.max_model_len, plan.cfg.replicas)
+        self.metrics = RequestMetrics(options.served_model_name, plan.max_model_len, plan.cfg.engine_ranks)
         self.registry.register(self.metrics)
         cache_config_info(self.registry, plan)
         self.engine: LiveEngine | None = None
@@ -62,7 +62,7 @@ class Server:
         self.kv_publisher: KVEventPublisher | None = None
         if options.kv_events is not None:      # checked and bound now: a bad option fails before serving
             check_kv_events_manager(replica_parts(plan, 0)[0])
-            self.kv_publisher = KVEventPublisher(options.kv_events, plan.cfg.engine.block_size, plan.cfg.replicas,
+            self.kv_publisher = KVEventPublisher(options.kv_events, plan.cfg.engine.block_size, plan.cfg.engine_ranks,
                                                  lambda req, start, end: self.engine.token_ids(req, start, end))
         self.body_limit = BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * plan.max_model_len
 

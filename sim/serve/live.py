@@ -97,7 +97,7 @@ def warm_up(plan: ResolvedRun, metrics: RequestMetrics) -> None:
     """Run a throwaway engine of `plan` over a few requests before serving: the first steps of a process
     pay one-time costs (imports, caches, compiled kernels) that would otherwise delay the first clients
     by a few hundred milliseconds."""
-    probe = RequestMetrics(metrics.model_name, plan.max_model_len, plan.cfg.replicas)
+    probe = RequestMetrics(metrics.model_name, plan.max_model_len, plan.cfg.engine_ranks)
     requests = [Request(request_id=i, arrival_time=0.001 * i, prompt_tokens=min(512, plan.max_model_len // 2),
                         max_output_tokens=8) for i in range(4)]
     build_engine(plan, requests, StepSink(probe), lambda i: replica_parts(plan, i)).drive(catch=())

@@ -6,10 +6,13 @@ engine runs after the step's attention, `KVManager.finish_step`): the bytes copi
 strategy, the per-head block-table entries, and the KV reads the policies leave (evicted tokens are not read, quantized precision groups read
 fewer bytes — `kv_tokens_read` is in fp16 token-equivalents — and selection policies read only
 what they select). A selection policy's `prefill_pairs` hook also sets the step's prefill
-query-key pairs (TokenSelect's chunk-level prefill selection; Quest's prefill is full attention over
-the prompt positions).
+query-key pairs (Quest's prefill is full attention over the prompt positions); one with a
+`prefill_cost` (TokenSelect) prices its selection kernels itself: each prefill chunk's pairs and
+reads, and the op bytes of every selection's soft vote and top-k (`_selection_step`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -106,19 +109,24 @@ class KVPolicyExecutor:
         self.cost = cost_model
         self.kv = kv
         self.last_effects = None
+        # a policy that prices its own selection kernels (TokenSelect): prefill_cost / decode_op_bytes
+        self._selection = kv.policy.prefill_cost(0, 1, kv.ctx) is not None
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """The step's shape (before the policies act); `complete` prices it with their effects."""
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
-        pairs = _policy_prefill_pairs(self.kv, out)
-        if pairs is not None:
-            shape.attn_pairs_prefill = pairs
+        if self._selection:
+            _selection_step(self.kv, out, shape)
+        else:
+            pairs = _policy_prefill_pairs(self.kv, out)
+            if pairs is not None:
+                shape.attn_pairs_prefill = pairs
         return StepResult(duration_s=float("nan"), predicted_s=float("nan"), shape=shape)
 
     def complete(self, result: StepResult, kv_effects: KVStepEffects) -> StepResult:
         shape = result.shape
         shape.bytes_moved = kv_effects.bytes_moved
-        shape.op_bytes = kv_effects.op_bytes
+        shape.op_bytes = shape.op_bytes + kv_effects.op_bytes if self._selection else kv_effects.op_bytes
         shape.op_flops = kv_effects.op_flops
         seconds = float(self.cost.predict(shape))
         self.last_effects = kv_effects
@@ -130,6 +138,29 @@ class KVPolicyExecutor:
         return self.cost.predict(shape)
 
 
+def _selection_step(kv: EvictingManagerBase, out: SchedulerOutput, shape: BatchShape) -> None:
+    """A selection policy's own pricing of the step (TokenSelect, sim/kv/policies/selection_work.py):
+    each prefill chunk's pairs and reads from `prefill_cost` (the selected tokens and the scoring's read
+    of all K, in place of the engine's count), decodes read what `kv_tokens` says (the policy's
+    `read_tokens`), and the soft vote and top-k of every selection as op bytes."""
+    policy, ctx = kv.policy, kv.ctx
+    pairs = 0.0
+    kv_read = 0.0
+    op_bytes = 0.0
+    for s in out.scheduled:
+        if s.is_prefill:
+            c = policy.prefill_cost(s.request.num_computed_tokens, s.num_new_tokens, ctx)
+            pairs += c.pairs
+            kv_read += c.kv_read
+            op_bytes += c.op_bytes
+        else:
+            kv_read += s.context_before + s.num_new_tokens
+            op_bytes += policy.decode_op_bytes(s.request.num_computed_tokens + s.num_new_tokens, ctx)
+    shape.attn_pairs_prefill = pairs
+    shape.kv_tokens_read = kv_read
+    shape.op_bytes = op_bytes
+
+
 def _policy_prefill_pairs(kv: EvictingManagerBase, out: SchedulerOutput) -> float | None:
     """The step's prefill query-key pairs as the policy counts them (None: the engine's count)."""
     policy, ctx = kv.policy, kv.ctx
@@ -139,7 +170,79 @@ def _policy_prefill_pairs(kv: EvictingManagerBase, out: SchedulerOutput) -> floa
                      for s in out.scheduled if s.is_prefill))
 
 
-EXECUTORS = {"cost_model": CostModelExecutor, "kv_policy": KVPolicyExecutor}
+@dataclass
+class _Batch:
+    """The part of a step's schedule that rides one in-flight batch (what `batch_shape` reads of it)."""
+    scheduled: list
+    swap_out_tokens: int = 0
+    swap_in_tokens: int = 0
+
+
+class PipelineExecutor(CostModelExecutor):
+    """A replica of pipeline stages (sim/model/parallel.py): each step is a round of its in-flight batches. A
+    request keeps the batch it was first scheduled into (vLLM: its tokens come back with that batch, which is
+    scheduled again with them); the requests a step admits fill the batches in formation order from one that
+    advances at every step that admits (the next batch formed after they arrived), each up to
+    max_num_batched_tokens, so a burst that fits one batch rides one batch as in vLLM and lone arrivals take
+    the batches in turn. The round is priced from the batches' own shapes
+    (`PipelineCostModel.round_seconds`). A decode fast-forward prices each batch of the run apart
+    (`decode_run_groups`, `predict_decode_groups`: bit for bit what stepping prices); no run admits arrivals
+    (where they join depends on the batch formed next)."""
+    supports_admitting_runs = False
+
+    def __init__(self, cost_model, kv: KVManager):
+        super().__init__(cost_model, kv)
+        self.supports_admitting_runs = False
+        self.batch_of: dict = {}         # request -> its in-flight batch (0..pp-1)
+        self.next_batch = 0
+
+    def decode_run_groups(self, running: list) -> list[list[int]]:
+        """The indices of `running` in each in-flight batch, batch 0 first (a request never scheduled: batch 0)."""
+        groups: list[list[int]] = [[] for _ in range(self.cost.pp)]
+        for i, r in enumerate(running):
+            groups[self.batch_of.get(r, 0)].append(i)
+        return groups
+
+    def predict_decode_groups(self, batches: list) -> np.ndarray:
+        return self.cost.round_decode_run(batches)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        cost, kv = self.cost, self.kv
+        shape = batch_shape(out, kv, cost.kv_bytes_per_token)
+        pp, room = cost.pp, cost.batch_tokens
+        parts: list[list] = [[] for _ in range(pp)]
+        tokens = [0] * pp
+        admitted = []
+        batch_of = self.batch_of
+        for s in out.scheduled:
+            b = batch_of.get(s.request)
+            if b is None:
+                admitted.append(s)
+            else:
+                parts[b].append(s)
+                tokens[b] += s.num_new_tokens
+        first = self.next_batch
+        if admitted:                 # each admitting step starts from the next batch (decode runs admit none)
+            self.next_batch = (first + 1) % pp
+        for s in admitted:
+            n = s.num_new_tokens
+            b = next((c % pp for c in range(first, first + pp) if tokens[c % pp] + n <= room),
+                     min(range(pp), key=tokens.__getitem__))
+            batch_of[s.request] = b
+            parts[b].append(s)
+            tokens[b] += n
+        if len(batch_of) > 4 * len(out.scheduled) + 4096:       # forget finished requests now and then
+            self.batch_of = {r: b for r, b in batch_of.items() if not r.is_finished}
+        shapes = [batch_shape(_Batch(p), kv, cost.kv_bytes_per_token) for p in parts]
+        shapes[0].swap_bytes = shape.swap_bytes
+        seconds = float(cost.round_seconds(shapes))
+        return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
+
+    def predict_step(self, shape: BatchShape) -> float:
+        return float(self.cost.predict(shape))
+
+
+EXECUTORS = {"cost_model": CostModelExecutor, "kv_policy": KVPolicyExecutor, "pipeline": PipelineExecutor}
 
 
 def replica_parts(plan: ResolvedRun, index: int) -> tuple[KVManager, Executor]:

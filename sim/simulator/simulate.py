@@ -10,7 +10,8 @@ from typing import NamedTuple
 import pandas as pd
 
 from ..results.bench_compare import bench_model_mismatch, compare
-from ..cluster.connectors.offload import cpu_tier_spec, offload_connectors, offload_summary
+from ..cluster.connectors.offload import (cpu_tier_spec, lower_tier_specs, offload_connectors, offload_summary,
+                                         offload_unit, tier_occupancy)
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
 from .client import Frontend, client_view
@@ -181,6 +182,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     summary["wall_s"] = wall
     if staging:
         write_outputs(out, cfg, None if tokens is not None else req_df, summary)
+        write_tier_occupancy(out, offload)
         if comparison is not None:
             comparison.to_parquet(out / "bench_comparison.parquet", index=False)
         published = staging.publish(partial=stop is not None)
@@ -229,7 +231,14 @@ def spec_decode_summary(spec, decoders: list, steps) -> dict:
 def offload_of(plan: ResolvedRun):
     """build_engine's connector factory for the run's `kv_offload` section (given)."""
     cfg = plan.cfg
-    return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), cfg.engine.block_size)
+    return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), offload_unit(cfg.kv_offload, plan),
+                              lower_tier_specs(cfg.kv_offload, plan), in_step=cfg.kv_offload.connector == "lmcache")
+
+
+def write_tier_occupancy(out: Path, offload) -> None:
+    """tiers.parquet, the KV offload tiers' occupancy over time (docs/outputs.md#tiersparquet), with offload."""
+    if offload is not None:
+        tier_occupancy(offload.made).to_parquet(out / "tiers.parquet", index=False)
 
 
 def offload_figures(offload) -> dict:

@@ -21,6 +21,23 @@ Read from vLLM (vllm/distributed/kv_transfer/kv_connector/v1/offloading_connecto
   WAITING_FOR_REMOTE_KVS holding its blocks while they cross the host-to-device link, then computes
   the rest of its prompt (the last prompt token always recomputed, for its logits).
 
+Below the CPU, LMCache's backends (lmcache/v1/storage_backend/storage_manager.py: `batched_put`,
+`get_block_mapping`, `batched_get`): a local disk per replica and a remote store shared by the fleet
+(`LowerTier`). A block stored in CPU is written through to each of them when its copy to the CPU ends
+(`batched_put` puts to every backend), over the tier's own link; it is readable there once that write
+ends. A lookup is LMCache's prefix match across backends: the CPU's leading hits, then the next
+backend's leading hits among the remaining blocks, and so on. A block loaded from disk or the remote
+store crosses that tier's read link, then the host-to-device link; one read from the remote store is
+written back to the CPU (`batched_get`'s write-back). The unit stored is `kv_offload.chunk_tokens`
+tokens (LMCache: 256; vLLM's OffloadingConnector: the GPU block).
+
+LMCache's own connector (`kv_offload.connector: lmcache`, LMCacheConnectorV1 without layer-wise mode) moves
+KV inside the step instead of beside it: a prefix hit is loaded before the forward that computes the rest of
+the prompt (`get_num_new_matched_tokens` returns (tokens, False): the request is scheduled at once and the
+step waits for the load: `start_load_kv`), and the chunks a step fills are saved at its end before the next
+one starts (`wait_for_save`); both add their link time to the step (`KVTransferStep`), so they slow every
+request in the batch, not only the one loading.
+
 Simplifications (what differs from vLLM, and why it matters little here): only prompt blocks are stored
 (a trace names content by prompt ids only, so generated blocks can never be hit by another request; their
 copies would add device-to-host traffic, small for short answers); a block is the GPU block (vLLM's
@@ -29,12 +46,16 @@ default offloaded block size); the tier's copies of blocks in flight are reserve
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
 
 from ...core.connector import FinishedTransfers, KVTransferStep
 
 from ..links import Link
 from ..route import Transfer, route_of
-from ..links import LinkSpec
+from ..links import LinkSpec, get_link
 from ..tiers import BlockTier, TierSpec
 from .in_flight import InFlight
 
@@ -49,13 +70,30 @@ def block_key(req, j: int, block_size: int) -> tuple:
     return ("req", req.request_id, j)
 
 
+class LowerTier(NamedTuple):
+    """A tier behind the CPU as one replica reaches it: the tier (a disk of its own, or the store every
+    replica shares), the links it is written and read over, and whether a block read from it is written
+    back to the CPU (LMCache does so for remote reads)."""
+    tier: BlockTier
+    write: Link
+    read: Link
+    write_back: bool = False
+
+
 class OffloadingConnector:
     """One replica's CPU offloading (sim/core/connector.py's protocol): its tier, and the PCIe link of
-    its GPU in each direction (`to_tier`: device to host, stores; `from_tier`: host to device, loads)."""
+    its GPU in each direction (`to_tier`: device to host, stores; `from_tier`: host to device, loads);
+    `lower`: the disk and remote tiers behind the CPU, in LMCache's order."""
 
     def __init__(self, tier: BlockTier, to_tier: Link, from_tier: Link, block_size: int,
-                 clock: Callable[[], float], name: str = "replica"):
+                 clock: Callable[[], float], name: str = "replica", lower: tuple[LowerTier, ...] = (),
+                 in_step: bool = False):
         self.tier, self.to_tier, self.from_tier = tier, to_tier, from_tier
+        self.lower = lower
+        self.in_step = in_step             # LMCache: loads and saves inside the step (see the module doc)
+        self.occupancy: list[tuple] = []   # (time, blocks held per tier: CPU, then the lower tiers), sampled
+        self._next_sample_s = 0.0
+        self._step_load_s = 0.0
         self.block_size = block_size
         self.clock = clock
         self.name = name
@@ -67,6 +105,8 @@ class OffloadingConnector:
         self._stores = InFlight()
         self._loads = InFlight()
         self._loading: dict = {}           # request -> the keys it loads
+        self._loading_lower: dict = {}     # request -> [(LowerTier, keys)] it reads from disk or remote
+        self.blocks_written_back = 0       # remote reads kept in this replica's CPU
         self.num_queried_tokens = 0        # vLLM: external prefix cache queries / hits (tokens)
         self.num_hit_tokens = 0
         self.load_s = 0.0                  # seconds requests waited for their loads (summed)
@@ -90,8 +130,14 @@ class OffloadingConnector:
         limit = (req.num_tokens - 1) // bs            # the last token is recomputed: never a full hit
         if limit <= first:
             return 0, False
-        hits = self.tier.lookup(self.block_hashes(req, limit)[first:])
-        return hits * bs, hits > 0
+        keys = self.block_hashes(req, limit)[first:]
+        now = self.clock() if self.lower else float("-inf")
+        hits = self.tier.lookup(keys, now)
+        for path in self.lower:            # LMCache's prefix match: each backend gets the rest
+            if hits == len(keys):
+                break
+            hits += path.tier.lookup(keys[hits:], now)
+        return hits * bs, hits > 0 and not self.in_step
 
     def update_state_after_alloc(self, req, num_external_tokens: int) -> None:
         # called once per admitted request (not per schedule that tried it): the lookup counted here
@@ -102,17 +148,28 @@ class OffloadingConnector:
         bs = self.block_size
         first = (req.num_computed_tokens - num_external_tokens) // bs      # after the GPU prefix hits
         keys = self.block_hashes(req, first + num_external_tokens // bs)[first:]
-        self.tier.prepare_load(keys)
         now = self.clock()
-        nbytes = len(keys) * self.tier.spec.bytes_per_block
-        start, end = self.from_tier.reserve(now, nbytes)
-        route_of(req).transfers.append(Transfer("load", self.tier.spec.name, self.name, len(keys) * bs, nbytes,
-                                                start, end))
-        self._loading[req] = keys
-        self._next_stored[req] = first + len(keys)     # loaded blocks are not stored again
-        self._loads.add(end, req)
+        if self.lower:
+            in_cpu = self.tier.lookup(keys, now)
+            keys, end = keys[:in_cpu], self._load_lower(req, keys[in_cpu:], now)
+        else:
+            end = now
+        if keys:
+            self.tier.prepare_load(keys)
+            nbytes = len(keys) * self.tier.spec.bytes_per_block
+            start, cpu_end = self.from_tier.reserve(now, nbytes)
+            route_of(req).transfers.append(Transfer("load", self.tier.spec.name, self.name, len(keys) * bs, nbytes,
+                                                    start, cpu_end))
+            end = max(end, cpu_end)
+        self._next_stored[req] = first + num_external_tokens // bs     # loaded blocks are not stored again
         self.load_s += end - now
         self.num_loads += 1
+        if self.in_step:                   # read before this step's forward, which waits for it
+            self._step_load_s = max(self._step_load_s, end - now)
+            self._loads_done(req, keys)
+            return
+        self._loading[req] = keys
+        self._loads.add(end, req)
 
     def build_connector_meta(self, out) -> KVTransferStep | None:
         for req in out.preempted:
@@ -126,7 +183,30 @@ class OffloadingConnector:
                 self._next_stored[req] = full
                 self._pending.append((req, self.block_hashes(req, full)[first:]))
                 self._storing[req] = self._storing.get(req, 0) + 1
+        if self.in_step:
+            return self._step_transfers()
         return None                                     # nothing the step itself waits for
+
+    def _step_transfers(self) -> KVTransferStep | None:
+        """LMCache's in-step transfers: this step's loads (the longest: they share the host link, whose
+        queue the reservations already hold), then the saves of the chunks it fills at its end."""
+        now, save_s = self.clock(), 0.0
+        pending, self._pending = self._pending, []
+        for req, keys in pending:
+            new = self.tier.prepare_store(keys)
+            self._storing.pop(req, None)
+            if not new:
+                continue
+            nbytes = len(new) * self.tier.spec.bytes_per_block
+            start, end = self.to_tier.reserve(now, nbytes)
+            route_of(req).transfers.append(Transfer("store", self.name, self.tier.spec.name,
+                                                    len(new) * self.block_size, nbytes, start, end))
+            save_s = max(save_s, end - now)
+            self.tier.complete_store(new)
+            if self.lower:
+                self._write_through(new, end)
+        load_s, self._step_load_s = self._step_load_s, 0.0
+        return KVTransferStep(load_s=load_s, save_s=save_s) if load_s or save_s else None
 
     def request_finished(self, req) -> bool:
         self._keys.pop(req, None)
@@ -137,16 +217,72 @@ class OffloadingConnector:
         return False
 
     def get_finished(self, now: float) -> FinishedTransfers:
+        if now >= self._next_sample_s:
+            self._sample(now)
         sent: list = []
         if self._pending:
             self._start_stores(now, sent)
-        for req, keys in self._stores.done(now):
+        for req, keys, end in self._stores.done(now):
             self.tier.complete_store(keys)
+            if self.lower:
+                self._write_through(keys, end)
             self._store_done(req, sent)
         received = self._loads.done(now)
         for req in received:
-            self.tier.complete_load(self._loading.pop(req))
+            self._loads_done(req, self._loading.pop(req))
         return FinishedTransfers(received, sent)
+
+    def _sample(self, now: float) -> None:
+        """The tiers' blocks held now, at most once per OCCUPANCY_SAMPLE_S of simulated time (the engine
+        polls at every step end; an idle replica's tiers do not change until it polls again)."""
+        self.occupancy.append((now, len(self.tier), *(len(path.tier) for path in self.lower)))
+        self._next_sample_s = (now // OCCUPANCY_SAMPLE_S + 1) * OCCUPANCY_SAMPLE_S
+
+    def _loads_done(self, req, cpu_keys: list) -> None:
+        self.tier.complete_load(cpu_keys)
+        for path, keys in self._loading_lower.pop(req, ()):
+            path.tier.complete_load(keys)
+            if path.write_back:
+                self._write_back(keys)
+
+    # ----- the tiers behind the CPU (LMCache's disk and remote backends) --------------------------
+    def _load_lower(self, req, keys: list, now: float) -> float:
+        """Pin and read `keys` (those the CPU lacks) from the lower tiers in LMCache's prefix order: each
+        segment crosses its tier's read link, then the host-to-device link. When the last one ends."""
+        end, bs = now, self.block_size
+        for path in self.lower:
+            if not keys:
+                break
+            n = path.tier.lookup(keys, now)
+            segment, keys = keys[:n], keys[n:]
+            if not segment:
+                continue
+            path.tier.prepare_load(segment, now)
+            nbytes = len(segment) * path.tier.spec.bytes_per_block
+            start, read_end = path.read.reserve(now, nbytes)
+            _, seg_end = self.from_tier.reserve(read_end, nbytes)
+            route_of(req).transfers.append(Transfer("load", path.tier.spec.name, self.name, len(segment) * bs,
+                                                    nbytes, start, seg_end))
+            self._loading_lower.setdefault(req, []).append((path, segment))
+            end = max(end, seg_end)
+        assert not keys, f"{self.name}: {len(keys)} blocks offered that no tier holds"
+        return end
+
+    def _write_through(self, keys: list, stored_s: float) -> None:
+        """LMCache's batched_put: blocks now in CPU are written to every lower tier, each over its own
+        link from when the copy to the CPU ended."""
+        for path in self.lower:
+            new = path.tier.place(keys)
+            if new:
+                _, end = path.write.reserve(stored_s, len(new) * path.tier.spec.bytes_per_block)
+                path.tier.ready_at(new, end)
+
+    def _write_back(self, keys: list) -> None:
+        """A remote read lands in CPU memory and stays there (LMCache's write-back to the local CPU)."""
+        new = self.tier.prepare_store(keys)
+        if new:
+            self.tier.complete_store(new)
+            self.blocks_written_back += len(new)
 
     def _start_stores(self, now: float, sent: list) -> None:
         pending, self._pending = self._pending, []
@@ -159,7 +295,7 @@ class OffloadingConnector:
             start, end = self.to_tier.reserve(now, nbytes)
             route_of(req).transfers.append(Transfer("store", self.name, self.tier.spec.name,
                                                     len(new) * self.block_size, nbytes, start, end))
-            self._stores.add(end, (req, new))
+            self._stores.add(end, (req, new, end))
 
     def _store_done(self, req, sent: list) -> None:
         left = self._storing[req] - 1
@@ -181,30 +317,73 @@ class OffloadingConnector:
         loading = sum(len(k) for k in self._loading.values())
         pinned = sum(b.ref_cnt for b in self.tier.blocks.values() if b.ready)
         assert pinned == loading, f"{self.name}: {pinned} tier pins for {loading} blocks being loaded"
+        for path in self.lower:
+            path.tier.check_invariants()
+
+
+LMCACHE_CHUNK_TOKENS = 256      # LMCache's default chunk_size
+OCCUPANCY_SAMPLE_S = 1.0        # tiers.parquet: one sample of each replica's tiers per simulated second at most
+
+
+def offload_unit(offload, plan) -> int:
+    """Tokens per offloaded block: `kv_offload.chunk_tokens`, else LMCache's chunk (its connector) or the
+    GPU block (vLLM's OffloadingConnector)."""
+    if offload.chunk_tokens:
+        return offload.chunk_tokens
+    return LMCACHE_CHUNK_TOKENS if offload.connector == "lmcache" else plan.cfg.engine.block_size
 
 
 def cpu_tier_spec(offload, plan) -> TierSpec:
     """The CPU tier of one replica of `plan` from the config's `kv_offload` section (resolved once): its
-    capacity in GPU-sized blocks at the run's KV dtype, and its PCIe link (the GPU's per-direction
+    capacity in offloaded blocks at the run's KV dtype, and its PCIe link (the GPU's per-direction
     bandwidth x the profile's pcie_eff, one link per TP rank, unless `bandwidth_gb_s` is given)."""
-    block_size = plan.cfg.engine.block_size
-    bytes_per_block = plan.cost.kv_bytes_per_token * block_size
+    bytes_per_block = plan.cost.kv_bytes_per_token * offload_unit(offload, plan)
     bandwidth = offload.bandwidth_gb_s or plan.gpu.pcie_gbps * plan.cost.profile.pcie_eff * plan.cfg.tp
-    capacity = int(offload.cpu_gib * 2**30 // bytes_per_block)
-    if capacity < 1:
-        raise ValueError(f"kv_offload.cpu_gib: {offload.cpu_gib:g} GiB holds no KV block of "
-                         f"{bytes_per_block / 2**20:g} MiB; expected at least that much")
+    capacity = _capacity_blocks(offload.cpu_gib, bytes_per_block, "cpu_gib")
     return TierSpec("cpu", capacity, bytes_per_block, LinkSpec("pcie", bandwidth, offload.latency_s), offload.eviction)
 
 
-def offload_connectors(spec: TierSpec, block_size: int) -> Callable:
-    """build_engine's `connector(index, clock)`: each replica its own CPU tier and PCIe link pair;
-    the connectors made are kept in the returned callable's `.made` list (for the run's summary)."""
+def lower_tier_specs(offload, plan) -> tuple[TierSpec, ...]:
+    """The tiers behind each replica's CPU that the config names, in LMCache's order: a local disk per
+    replica (its write and read bandwidths), then a remote store the replicas share (`remote_gib` in
+    all), reached over each GPU's NIC (one per TP rank, as a DGX has)."""
+    bytes_per_block = plan.cost.kv_bytes_per_token * offload_unit(offload, plan)
+    specs = []
+    if offload.disk_gib:
+        specs.append(TierSpec("disk", _capacity_blocks(offload.disk_gib, bytes_per_block, "disk_gib"), bytes_per_block,
+                              LinkSpec("disk-write", offload.disk_write_gb_s, offload.disk_latency_s), offload.eviction,
+                              read_link=LinkSpec("disk-read", offload.disk_read_gb_s, offload.disk_latency_s)))
+    if offload.remote_gib:
+        nic = get_link(offload.remote_link, bandwidth_gb_s=offload.remote_bandwidth_gb_s,
+                       latency_s=offload.remote_latency_s)
+        link = LinkSpec(nic.name, nic.bandwidth_gb_s * plan.cfg.tp, nic.latency_s)
+        specs.append(TierSpec("remote", _capacity_blocks(offload.remote_gib, bytes_per_block, "remote_gib"),
+                              bytes_per_block, link, offload.eviction))
+    return tuple(specs)
+
+
+def _capacity_blocks(gib: float, bytes_per_block: float, field: str) -> int:
+    capacity = int(gib * 2**30 // bytes_per_block)
+    if capacity < 1:
+        raise ValueError(f"kv_offload.{field}: {gib:g} GiB holds no KV block of {bytes_per_block / 2**20:g} MiB; "
+                         "expected at least that much")
+    return capacity
+
+
+def offload_connectors(spec: TierSpec, block_size: int, lower: tuple[TierSpec, ...] = (),
+                       in_step: bool = False) -> Callable:
+    """build_engine's `connector(index, clock)`: each replica its own CPU tier and PCIe link pair, its own
+    disk, and the remote store every replica shares (each over its own links); `in_step`: LMCache's
+    connector (loads and saves inside the step). The connectors made are kept in the returned callable's
+    `.made` list (for the run's summary)."""
     made: list[OffloadingConnector] = []
+    shared = {s.name: BlockTier(s) for s in lower if s.name == "remote"}
 
     def make(index: int, clock) -> OffloadingConnector:
+        paths = tuple(LowerTier(shared[s.name] if s.name in shared else BlockTier(s), Link(s.link),
+                                Link(s.read_link or s.link), write_back=s.name in shared) for s in lower)
         conn = OffloadingConnector(BlockTier(spec), Link(spec.link), Link(spec.link), block_size,
-                                   lambda: clock.now, name=f"replica{index}")
+                                   lambda: clock.now, name=f"replica{index}", lower=paths, in_step=in_step)
         made.append(conn)
         return conn
     make.made = made        # type: ignore[attr-defined]  # the run's summary reads the connectors it made
@@ -231,4 +410,54 @@ def offload_summary(connectors: list[OffloadingConnector]) -> dict:
         "bytes_from_tier": sum(c.from_tier.bytes_moved for c in connectors),
         "num_loads": loads,
         "mean_load_wait_s": sum(c.load_s for c in connectors) / loads if loads else 0.0,
+        **({"lower_tiers": lower_tier_summary(connectors)} if connectors[0].lower else {}),
     }
+
+
+def lower_tier_summary(connectors: list[OffloadingConnector]) -> dict:
+    """Per tier behind the CPU (disk: summed over the replicas' own; remote: the one shared store), in
+    blocks of `chunk_tokens`: capacity, stored (written through), loaded (read on a prefix hit), evicted,
+    dropped, held at the end, and bytes written and read over the replicas' links."""
+    out = {}
+    for i, path in enumerate(connectors[0].lower):
+        name = path.tier.spec.name
+        paths = [c.lower[i] for c in connectors]
+        tiers = list({id(p.tier): p.tier for p in paths}.values())
+        out[name] = {
+            "capacity_blocks": sum(t.capacity for t in tiers), "shared": len(tiers) == 1 and len(paths) > 1,
+            "blocks_stored": sum(t.stats.blocks_stored for t in tiers),
+            "blocks_loaded": sum(t.stats.blocks_loaded for t in tiers),
+            "blocks_evicted": sum(t.stats.blocks_evicted for t in tiers),
+            "stores_dropped_blocks": sum(t.stats.stores_dropped for t in tiers),
+            "blocks_held": sum(len(t) for t in tiers),
+            "bytes_written": sum(p.write.bytes_moved for p in paths),
+            "bytes_read": sum(p.read.bytes_moved for p in paths),
+            "write_gb_s": path.write.spec.bandwidth_gb_s, "read_gb_s": path.read.spec.bandwidth_gb_s,
+            **({"blocks_written_back_to_cpu": sum(c.blocks_written_back for c in connectors)} if path.write_back else {}),
+        }
+    return out
+
+
+def tier_occupancy(connectors: list[OffloadingConnector]) -> pd.DataFrame:
+    """tiers.parquet: per second of simulated time and tier, the blocks held (each replica's last sample
+    in the second, carried forward while it did not poll; CPU and disk summed over the replicas, the
+    shared remote store counted once) and the tier's capacity, in blocks of `chunk_tokens`."""
+    first = connectors[0]
+    names = [first.tier.spec.name, *(p.tier.spec.name for p in first.lower)]
+    shared = [i > 0 and first.lower[i - 1].write_back for i in range(len(names))]
+    end = max((c.occupancy[-1][0] for c in connectors if c.occupancy), default=0.0)
+    seconds = np.arange(int(end // OCCUPANCY_SAMPLE_S) + 1) * OCCUPANCY_SAMPLE_S
+    held = np.zeros((len(seconds), len(names)))
+    for c in connectors:
+        if not c.occupancy:
+            continue
+        samples = np.asarray(c.occupancy, dtype=np.float64)
+        last = np.searchsorted(samples[:, 0], seconds + OCCUPANCY_SAMPLE_S, side="left") - 1
+        values = np.where(last[:, None] >= 0, samples[np.maximum(last, 0), 1:], 0.0)
+        for j in range(len(names)):
+            held[:, j] = np.maximum(held[:, j], values[:, j]) if shared[j] else held[:, j] + values[:, j]
+    capacity = [sum(c.tier.capacity for c in connectors)] + [
+        p.tier.capacity * (1 if shared[i + 1] else len(connectors)) for i, p in enumerate(first.lower)]
+    return pd.DataFrame({"time_s": np.repeat(seconds, len(names)), "tier": names * len(seconds),
+                         "blocks_held": held.reshape(-1).astype(np.int64),
+                         "capacity_blocks": np.tile(capacity, len(seconds)).astype(np.int64)})

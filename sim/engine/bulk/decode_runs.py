@@ -177,7 +177,10 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     sums = np.array((ev.d_count[:k], ev.d_computed[:k], ev.d_blocks[:k]), np.int64)
     batch, c_sum, held = np.cumsum(sums, axis=1, out=sums)
     kv_read = c_sum + np.arange(1, k + 1) * batch        # tokens after step j: c + j + 1 per request
-    durations, predicted = _priced(view, executor.predict_decode_run(batch, kv_read, held))
+    grouped = getattr(executor, "decode_run_groups", None)     # in-flight batches of a pipeline (sim/model/parallel.py)
+    prices = (executor.predict_decode_run(batch, kv_read, held) if grouped is None
+              else _grouped_prices(executor, grouped(running), (computed, last_step), (k, bs), kv.enable_caching))
+    durations, predicted = _priced(view, prices)
     starts, ends = _step_times(view.now, durations.tolist(), next_arrival, ev.finished, deferred)
     starts, ends = _before_transfer(starts, ends, view.next_transfer)
     k = len(starts)
@@ -188,6 +191,23 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
                      batch[:k], kv_read[:k], held[:k], ev.finished[:k], ev.finished_computed[:k],
                      ev.finished_blocks[:k], durations[:k], starts, ends,
                      predicted=None if predicted is None else predicted[:k])
+
+
+def _grouped_prices(executor, groups: list[list[int]], spans: tuple[list, list], shape: tuple[int, int],
+                    caching: bool) -> np.ndarray:
+    """A run's step prices when the executor prices each of its batches apart (`groups`: the indices of
+    the run's requests in each batch, in the executor's order): every batch's per-step counts as the
+    run's own are made (`_events` of its requests alone), priced together by `predict_decode_groups`."""
+    computed, last_step = spans
+    k, bs = shape
+    steps = np.arange(1, k + 1)
+    parts = []
+    for members in groups:
+        ev = _events([computed[i] for i in members], [last_step[i] for i in members], k, bs, caching)
+        sums = np.array((ev.d_count[:k], ev.d_computed[:k], ev.d_blocks[:k]), np.int64)
+        batch, c_sum, held = np.cumsum(sums, axis=1, out=sums)
+        parts.append((batch, c_sum + steps * batch, held))
+    return executor.predict_decode_groups(parts)
 
 
 def _priced(view: ReplicaView, prices: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

@@ -17,8 +17,8 @@ every k decode steps, the selection reused in between); tokenselect's Selection 
 selection is reused, default 0.9, documentation of what `reuse_rate` was measured at) and
 `reuse_rate` (share of decode steps that reuse the cached selection, default 0: no cache; measured on
 SmolLM2-135M by `kvsim.gpu.attention_profile.selection_reuse`, docs/kv-policies.md section 4);
-tokenselect's `prefill_chunk` (c, default 8,192 as in the paper's Llama config): the chunk size of its
-chunk-level prefill selection (`prefill_pairs`; sim/kv/policies/selection_work.py).
+tokenselect's `prefill_chunk` (c, default 512: the selection chunk of the paper's code, see
+sim/kv/policies/selection_work.py): prefill selects once per chunk of c queries (`prefill_cost`).
 
 What a selective layer reads per decode, in full-token equivalents (one token = its K and V): the
 selected pages, plus the selection's own input. Quest reads each page's channel-wise key min and max
@@ -26,12 +26,14 @@ selected pages, plus the selection's own input. Quest reads each page's channel-
 step in k; TokenSelect scores every key: n / 2, on the (1 - reuse_rate) share of steps whose query
 is not similar enough to the cached one. (Only where selection is active: n > the pages read.) The
 amortized figure is charged every step (expected cost; the simulator has no queries to compare).
+TokenSelect's soft vote and top-k over the n scores (`decode_op_bytes`) and its prefill selection
+(`prefill_cost`) are priced in sim/kv/policies/selection_work.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..policy import EvictionPolicy, FastModeProfile, check_positive_int, register_policy
+from ..policy import EvictionPolicy, FastModeProfile, SelectionStepCost, check_positive_int, register_policy
 from . import selection_work
 
 
@@ -135,25 +137,42 @@ class Quest(EvictionPolicy):
 @register_policy("tokenselect")
 class TokenSelect(Quest):
     def __init__(self, budget: int = 512, dense_layers: int = 2, cache_threshold: float = 0.9,
-                 reuse_rate: float = 0.0, prefill_chunk: int = 8192):
+                 reuse_rate: float = 0.0, prefill_chunk: int = selection_work.PREFILL_CHUNK_SIZE):
         super().__init__(budget, page_size=1, dense_layers=dense_layers)
         self.cache_threshold = _fraction("cache_threshold", cache_threshold, upper_open=False)
         self.reuse_rate = _fraction("reuse_rate", reuse_rate, upper_open=True)
         self._meta_share = 1.0 - self.reuse_rate
         self.prefill_chunk = check_positive_int("prefill_chunk", prefill_chunk)
 
-    def prefill_pairs(self, start: int, num_new: int, ctx) -> float:
-        """Query-key pairs of a prefill chunk of `num_new` tokens at positions start.., mean over rows:
-        full attention in the dense layers, chunk-level selection in the others
-        (selection_work.range_pairs; the whole prompt of a selective layer: prompt_pairs)."""
+    def prefill_cost(self, start: int, num_new: int, ctx) -> SelectionStepCost:
+        """A prefill chunk of `num_new` tokens at positions start..: full attention in the dense layers;
+        in the others selection chunks of `prefill_chunk` queries, each scoring every key (its K read
+        joins the attention reads, its soft vote and top-k are op bytes) and attending to the `budget`
+        selected tokens (selection_work.prefill_selection). Mean over rows, as the step cost charges."""
         dense = self._dense_share(ctx)
+        w = selection_work.prefill_selection(start, start + num_new, self.prefill_chunk, self.budget,
+                                             ctx.num_query_heads)
         full = num_new * (start + (num_new + 1) / 2)
-        selective = selection_work.range_pairs(start, start + num_new, self.prefill_chunk, self.budget)
-        return dense * full + (1.0 - dense) * selective
+        selective_layers = (1.0 - dense) * ctx.num_layers
+        return SelectionStepCost(pairs=dense * full + (1.0 - dense) * w.pairs,
+                                 kv_read=dense * (start + num_new) + (1.0 - dense) * w.kv_read,
+                                 op_bytes=selective_layers * w.score_bytes / ctx.kv_split)
+
+    def decode_op_bytes(self, context: int, ctx) -> float:
+        """The soft vote and top-k of a decode step's selection over `context` keys in every selective
+        layer, on the (1 - reuse_rate) share of steps that select (the scoring's K read is in
+        `read_tokens`)."""
+        selective_layers = (1.0 - self._dense_share(ctx)) * ctx.num_layers
+        per_layer = float(selection_work.decode_score_bytes(context, ctx.num_query_heads, self.budget))
+        return self._meta_share * selective_layers * per_layer / ctx.kv_split
+
+    def prefill_pairs(self, start: int, num_new: int, ctx) -> float:
+        """The query-key pairs of `prefill_cost`."""
+        return self.prefill_cost(start, num_new, ctx).pairs
 
     def prompt_pairs(self, prompt: int) -> float:
-        """Token-pair equivalents of a selective layer's chunk-level prefill selection of `prompt` tokens
-        (policies/selection_work.py); full attention's: `selection_work.prefill_pairs(prompt, chunk, None)`."""
+        """Query-key pairs of a selective layer's chunk-level prefill selection of `prompt` tokens
+        (selection_work.prefill_pairs); full attention's: `selection_work.prefill_pairs(prompt, chunk, None)`."""
         return selection_work.prefill_pairs(prompt, self.prefill_chunk, self.budget)
 
 

@@ -1,50 +1,123 @@
-"""Attention work of one selective layer (quest / tokenselect) against full attention, in decode and in
-chunked prefill, in token-pair equivalents: a query attending to a key costs 1 (its K and V), a key
-only scored costs 1/2 (its K).
+"""TokenSelect's work (Wu et al. 2024, arXiv 2411.02886), priced from what its released code runs
+(github.com/pzs19/TokenSelect, `patcher/token_retrieval.py`): one selection per layer scores every
+cached key and attention then reads only the selected tokens.
 
-Decode, context n: full attention n; selective `read + (1 - r) * meta(n)` (the policy's `mean_read`:
-the pages read plus the selection's scoring on the share of steps that do not reuse the cached
-selection). Speedup n / (read + (1 - r) n / 2) grows with n towards 2 / (1 - r) for tokenselect.
+One selection over a context of n keys, in one layer (`TokenRetriever.get_topk_tokens`):
 
-Chunked prefill (TokenSelect's chunk-level selection, the paper's `chunk_size`, 8,192 in its Llama
-config): each chunk of c queries selects once with the chunk's mean query (one query vector scores
-every earlier key: n / 2) and its c queries attend to the `budget` selected tokens only, so a chunk
-costs `c * min(n, budget) + n / 2` (no selection while n <= budget: then it is full attention)
-against full attention's causal `c * n - c (c - 1) / 2`. Over a prompt of N tokens the full cost
-grows as N^2 / 2 and the selective one as N * budget + N^2 / (4 c): the speedup grows with N
-towards 2c (bounded per chunk by `2 c`).
+- **Scoring (the Paged Dot Product Kernel, `paged_matmul_kernel`).** Each query head's query against
+  every cached key, gathered through the int32 token-index table: it reads all K once (the programs
+  of a GQA group read the same K tile back to back, so the group's re-reads hit L2) and the index
+  table, i.e. n / 2 KV token-equivalents (K, not V) plus `INDEX_BYTES` a key. It is a memory-bound
+  paged read like decode attention's, so its K read joins the step's attention reads
+  (`kv_tokens_read`, priced at the profile's `attn_bw_eff`, its FLOPs at `attn_compute_eff`).
+- **Soft vote and top-k.** The kernel writes bf16 scores [query heads, n]; `torch.softmax(dim=-1)`
+  reads each row three times (max, sum of exp, normalize; one time when the row fits the 48 KiB of
+  shared memory a block gets by default) and writes it; `.sum(dim=0)` reads them and writes n;
+  `torch.topk` reads the n sums `TOPK_READS` times (two 8-bit radix-select passes over 16-bit keys
+  and the gather). That is `score_bytes_per_key` a key, the policy's own work (`op_bytes`, priced
+  by the cost model's `policy_ops` term, a memory-bound kernel at `copy_bw_eff`); the sort of the
+  2,048 chosen indices is negligible.
+- **The selected tokens.** Attention over the `budget` selected tokens (n_init + top_k + n_local =
+  2,688 in the paper's Llama config), gathered by index (page size 1): their K and V.
+
+Decode: one selection per layer and step, skipped on the Selection Cache's `reuse_rate` share of
+steps (a query similar enough to the cached one reuses the cached selection).
+
+Prefill (`patched_radix_attention_extend_forward_flashinfer`): the engine's prefill chunk (SGLang's
+`chunked_prefill_size`, the config's `chunk_size: 8192`) is split into selection chunks of
+`PREFILL_CHUNK_SIZE` = 512 queries (hard-coded in `patch()`); each selects once with the mean of
+its queries and its queries attend causally to the selected tokens, the chunk's own tokens being the
+last n_local of them (FlashInfer's causal mask aligns the queries with the end of the key list).
+While the context is at most `budget` (`n_init + top_k + n_local >= current tokens`) the chunk
+attends to everything and selects nothing.
+
+So against full attention a selection chunk of c queries at context n costs c * budget pairs
+(compute) plus a read of all K and the score passes (memory), where full attention costs c * n
+pairs. The pairs shrink by n / budget, but the selection's read grows with n like full attention's
+pairs do: the speedup saturates at the ratio of c query-key pairs of compute to one memory-bound
+K read plus the score passes, per key (`bench/bench_papers.py --only tokenselect`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+PREFILL_CHUNK_SIZE = 512        # token_retrieval.py patch(): queries per prefill selection
+SCORE_BYTES = 2                 # the scores tensor is torch.bfloat16 (get_topk_tokens)
+INDEX_BYTES = 4                 # int32 token_indices, read by paged_matmul_kernel for every scored key
+SOFTMAX_SMEM_BYTES = 48 * 1024  # CUDA's default shared memory per block: PyTorch's softmax caches a row
+#                                 that fits (one read), else reads it three times (cunn_SoftMaxForward)
+TOPK_READS = 3                  # torch.topk of 16-bit values: two 8-bit radix-select passes + the gather
+#                                 (read off PyTorch's radix select, not profiled: 6 of Llama's 396 bytes a key)
 
-def decode_speedup(policy, context: np.ndarray, ctx) -> np.ndarray:
-    """Full over selective decode attention of one selective layer at each context length."""
-    n = np.asarray(context, dtype=np.int64)
-    return n / policy.mean_read(n, ctx)
+
+def softmax_reads(keys):
+    """Global-memory reads of each score row by PyTorch's softmax over `keys` bf16 scores."""
+    return np.where(np.asarray(keys, dtype=np.float64) * SCORE_BYTES <= SOFTMAX_SMEM_BYTES, 1.0, 3.0)
+
+
+def score_bytes_per_key(query_heads: int, keys):
+    """Bytes one selection's soft vote and top-k move per scored key in one layer with `query_heads`
+    query heads, over `keys` keys: write the scores, softmax (reads + write), sum over heads (read,
+    write one), top-k reads, and the index table the scoring kernel reads."""
+    per_head = SCORE_BYTES * (1 + softmax_reads(keys) + 1 + 1)
+    return query_heads * per_head + SCORE_BYTES * (1 + TOPK_READS) + INDEX_BYTES
+
+
+def score_bytes(query_heads: int, keys):
+    """Bytes of one selection's soft vote and top-k over `keys` keys in one layer (`keys` x
+    score_bytes_per_key)."""
+    k = np.asarray(keys, dtype=np.float64)
+    return k * score_bytes_per_key(query_heads, k)
+
+
+def causal_pairs(queries: np.ndarray | float, keys: np.ndarray | float) -> np.ndarray | float:
+    """Query-key pairs of `queries` queries attending causally to `keys` keys whose last `queries`
+    are the queries' own tokens (query i sees keys up to keys - queries + i; with fewer keys than
+    queries, the first queries see none)."""
+    q, k = np.asarray(queries, dtype=np.float64), np.asarray(keys, dtype=np.float64)
+    return np.where(k >= q, q * k - q * (q - 1) / 2, k * (k + 1) / 2)
+
+
+@dataclass(frozen=True)
+class PrefillSelection:
+    """One selective layer's work for prompt positions start..end-1 (an engine prefill chunk)."""
+    pairs: float          # query-key pairs attended (the selected tokens; all tokens where nothing is selected)
+    kv_read: float        # KV token-equivalents read: selected tokens (K and V), all K once per selection (1/2 a
+    #                       key), or the whole context where nothing is selected
+    scored_keys: float    # keys scored, summed over the selections
+    score_bytes: float    # bytes of the selections' soft vote and top-k (score_bytes_per_key), one layer
+    selections: int       # selection chunks that selected
+
+
+def prefill_selection(start: int, end: int, chunk: int, budget: int | None, query_heads: int = 1) -> PrefillSelection:
+    """The prompt positions start..end-1 in selection chunks of `chunk` queries counted from `start`
+    (the code splits each engine chunk), each selecting among every key up to its end when there are
+    more than `budget` (None: full attention, never selects)."""
+    if end <= start:
+        return PrefillSelection(0.0, 0.0, 0.0, 0.0, 0)
+    ends = np.minimum(np.arange(start + chunk, end + chunk, chunk, dtype=np.float64), end)
+    sizes = np.diff(np.concatenate([[float(start)], ends]))
+    full = causal_pairs(sizes, ends)
+    if budget is None:
+        return PrefillSelection(float(full.sum()), float(ends.sum()), 0.0, 0.0, 0)
+    sel = ends > budget
+    pairs = np.where(sel, causal_pairs(sizes, float(budget)), full)
+    read = np.where(sel, budget + ends / 2, ends)
+    scored = ends[sel]
+    return PrefillSelection(float(pairs.sum()), float(read.sum()), float(scored.sum()),
+                            float(score_bytes(query_heads, scored).sum()), int(sel.sum()))
 
 
 def prefill_pairs(prompt: int, chunk: int, budget: int | None) -> float:
-    """Token-pair equivalents of one layer's chunked prefill of `prompt` tokens: full attention when
-    `budget` is None, else chunk-level selection (see the module doc)."""
-    return range_pairs(0, prompt, chunk, budget)
+    """Query-key pairs of one layer's prefill of `prompt` tokens in selection chunks of `chunk`:
+    full causal attention when `budget` is None, else chunk-level selection."""
+    return prefill_selection(0, prompt, chunk, budget).pairs
 
 
-def range_pairs(start: int, end: int, chunk: int, budget: int | None) -> float:
-    """`prefill_pairs` of the prompt positions start..end-1 only (an engine's prefill chunk), in
-    selection chunks of `chunk` queries counted from `start`."""
-    if end <= start:
-        return 0.0
-    ends = np.minimum(np.arange(start + chunk, end + chunk, chunk, dtype=np.float64), end)
-    sizes = np.diff(np.concatenate([[float(start)], ends]))
-    full = sizes * ends - sizes * (sizes - 1) / 2
-    if budget is None:
-        return float(full.sum())
-    selective = np.where(ends > budget, sizes * budget + ends / 2, full)
-    return float(selective.sum())
-
-
-def prefill_speedup(prompt: int, chunk: int, budget: int) -> float:
-    """Full over chunk-selective prefill attention of one selective layer."""
-    return prefill_pairs(prompt, chunk, None) / prefill_pairs(prompt, chunk, budget)
+def decode_score_bytes(context, query_heads: int, budget: int):
+    """Bytes one decode selection's soft vote and top-k move in one layer at `context` keys (0 where
+    nothing is selected: context <= budget)."""
+    n = np.asarray(context, dtype=np.float64)
+    return np.where(n > budget, score_bytes(query_heads, n), 0.0)
