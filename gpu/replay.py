@@ -186,6 +186,8 @@ def check_replayable(cfg: SimConfig) -> None:
         problems.append(f"replicas={cfg.replicas}: the real backend runs one engine replica")
     if cfg.tp != 1:
         problems.append(f"tp={cfg.tp}: the real backend runs on one device")
+    if cfg.speculative_config is not None:
+        problems.append("speculative_config: the real backend has no drafter; speculative decoding is simulated only")
     if eng.preemption_mode != "recompute":
         problems.append("engine.preemption_mode=swap: swapping KV to host memory is not implemented; use recompute")
     if eng.enable_prefix_caching:

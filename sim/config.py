@@ -364,6 +364,81 @@ class RouterOptions(_Strict):
     prefix_table_size: int = Field(100_000, gt=0, description="prefix_affinity: block chains remembered (LRU)")
 
 
+SPEC_METHODS = ("ngram", "eagle", "eagle3", "mtp", "draft_model")
+# vLLM's other names for a method: the "[ngram]" model string and the per-architecture MTP names
+SPEC_METHOD_ALIASES = {"[ngram]": "ngram", "deepseek_mtp": "mtp", "mimo_mtp": "mtp", "qwen3_next_mtp": "mtp",
+                       "glm4_moe_mtp": "mtp", "ernie_mtp": "mtp", "longcat_flash_mtp": "mtp"}
+
+
+class SpeculativeConfig(_Strict):
+    """vLLM's `--speculative-config` JSON (its keys and meanings; docs/speculative-decoding.md). kvsim
+    resolves it once per run (sim/model/spec_decode.py): method, drafter cost, acceptance, KV memory."""
+    method: str | None = Field(None, description="ngram | eagle | eagle3 | mtp | draft_model (vLLM's names; "
+                               "default: from `model` as vLLM infers it)")
+    model: str | None = Field(None, description="the drafter: a catalog model (draft_model), an EAGLE head's "
+                              "name (recorded), or ngram")
+    num_speculative_tokens: int | None = Field(None, gt=0, le=64, description="k: draft tokens per step")
+    draft_tensor_parallel_size: int | None = Field(None, gt=0, description="the drafter's TP (1 or the target's)")
+    prompt_lookup_min: int | None = Field(None, description="ngram: shortest n-gram matched (vLLM default 5)")
+    prompt_lookup_max: int | None = Field(None, description="ngram: longest n-gram matched (vLLM default 5)")
+    synthetic_acceptance_rates: list[float] | None = Field(
+        None, min_length=1, description="per-position acceptance rates (vLLM's metric: accepted at position i / "
+                                        "drafts), non-increasing in [0, 1]; default: sim/data/spec_decode.yaml")
+    # vLLM keys that change nothing kvsim prices (accepted so a vLLM config reads unchanged)
+    quantization: str | None = None
+    max_model_len: int | None = None
+    revision: str | None = None
+    code_revision: str | None = None
+    disable_padded_drafter_batch: bool | None = None
+    enforce_eager: bool | None = None
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        v = SPEC_METHOD_ALIASES.get(v, v)
+        if v not in SPEC_METHODS:
+            raise ValueError(f"unknown method {v!r}; expected one of {', '.join(SPEC_METHODS)}")
+        return v
+
+    @field_validator("synthetic_acceptance_rates")
+    @classmethod
+    def _rates(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None:
+            if not all(0.0 <= r <= 1.0 for r in v):
+                raise ValueError(f"expected rates in [0, 1], got {v}")
+            if any(b > a for a, b in zip(v, v[1:], strict=False)):
+                raise ValueError(f"expected non-increasing rates (position i+1 is accepted only after i), got {v}")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_method(cls, data: Any) -> Any:
+        """vLLM's rules: ngram from `model: ngram`; else eagle3 / eagle from the head's name; else
+        draft_model; n-gram lookups default to 5 and 5, one given sets the other."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        method, model = data.get("method"), data.get("model")
+        if method is None:
+            if model is None:
+                return data          # refused when the run is resolved (a sweep's grid may set the method later)
+            name = str(model).lower()
+            data["method"] = method = ("ngram" if name in ("ngram", "[ngram]") else "eagle3" if "eagle3" in name
+                                       else "eagle" if "eagle" in name else "draft_model")
+        method = SPEC_METHOD_ALIASES.get(method, method) if isinstance(method, str) else method
+        if method == "ngram":
+            lo, hi = data.get("prompt_lookup_min"), data.get("prompt_lookup_max")
+            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+            if isinstance(lo, int) and isinstance(hi, int) and (lo < 1 or hi < 1 or lo > hi):
+                raise ValueError(f"prompt_lookup_min={lo} must be >= 1 and <= prompt_lookup_max={hi}")
+            data["prompt_lookup_min"], data["prompt_lookup_max"] = lo, hi
+        if method == "draft_model" and model is None:
+            raise ValueError("method draft_model needs model: the draft model (a catalog name or a config.json)")
+        return data
+
+
 class KVOffloadConfig(_Strict):
     """vLLM's OffloadingConnector: a CPU tier per replica (sim/cluster/connectors/offload.py,
     docs/kv-tiers.md). Absent: no offload (vLLM without --kv-transfer-config)."""
@@ -500,6 +575,8 @@ class SimConfig(_Strict):
     # step-time variance (sim/engine/step_noise.py): 0 deterministic (the default), a lognormal sigma, or auto
     step_variance: float | Literal["auto"] = 0.0
     fleet: FleetConfig | None = None     # prefill/decode disaggregation; None: one pool of `replicas`
+    # speculative decoding (vLLM's --speculative-config; docs/speculative-decoding.md); None: off
+    speculative_config: SpeculativeConfig | None = None
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
@@ -512,6 +589,8 @@ class SimConfig(_Strict):
             data.pop("frontend", None)
         if self.fleet is None:          # aggregated: left out, so config.yaml stays as it was
             data.pop("fleet", None)
+        if self.speculative_config is None:      # off: left out, so configs and run ids stay as they were
+            data.pop("speculative_config", None)
         for key in ("pp", "dp"):        # 1: left out, so configs and run ids stay as they were
             if getattr(self, key) == 1:
                 data.pop(key, None)
@@ -614,6 +693,17 @@ class SimConfig(_Strict):
         if self.trace_options.sessions is not None and self.fleet is not None:
             raise ValueError("trace_options.sessions: multi-turn sessions run on one pool of replicas (replicas, "
                              "router); a disaggregated fleet does not take them yet")
+        if self.speculative_config is not None:
+            if self.fleet is not None:
+                raise ValueError("speculative_config: speculative decoding runs on one pool of replicas; a "
+                                 "disaggregated fleet does not take it yet")
+            if not self.kv.is_default:
+                raise ValueError(f"speculative_config: speculative decoding runs with vLLM's KV cache manager; "
+                                 f"not with the KV policy {self.kv.policy!r} (kv:) yet")
+            if self.kv_offload is not None:
+                raise ValueError("speculative_config: not with kv_offload (a CPU KV tier) yet")
+            if self.pp > 1 or self.dp > 1:
+                raise ValueError("speculative_config: not with pp or dp (pipeline stages, data-parallel attention) yet")
         if (self.pp > 1 or self.dp > 1) and self.fleet is not None:
             raise ValueError("pp and dp shape one pool of replicas; a disaggregated fleet (fleet:) does not take them yet")
         if self.dp > 1 and self.kv_offload is not None:

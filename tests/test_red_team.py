@@ -1136,6 +1136,35 @@ CASES_LANDED = {
                                                  ["--prefill-gpus", "add --disaggregated"]),
     # the frontend
     "--frontend unknown": (SIM5 + ["--frontend", "nope"], ["frontend", "unknown frontend 'nope'", "vllm-api"]),
+    # speculative decoding (issue 48)
+    "--speculative-config k 0": (SIM5 + ["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 0}'],
+                                 ["speculative_config.num_speculative_tokens", "greater than 0"]),
+    "--speculative-config k -3": (SIM5 + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -3}'],
+                                  ["speculative_config.num_speculative_tokens", "greater than 0"]),
+    "--speculative-config unknown method": (SIM5 + ["--speculative-config", '{"method": "medusa", '
+                                                    '"num_speculative_tokens": 2}'],
+                                            ["speculative_config.method", "unknown method 'medusa'", "eagle3"]),
+    "--speculative-config draft model larger than the GPU": (
+        SIM5 + ["--speculative-config", '{"model": "llama-3.1-70b", "num_speculative_tokens": 3}'],
+        ["speculative_config.model", "Llama-3.1-70B needs 131.4 GiB", "H100-SXM has"]),
+    "--speculative-config unknown draft model": (
+        SIM5 + ["--speculative-config", '{"method": "draft_model", "model": "nope-1b", "num_speculative_tokens": 3}'],
+        ["nope-1b"]),
+    "--speculative-config not JSON": (SIM5 + ["--speculative-config", "{method: eagle3"],
+                                      ["--speculative-config: invalid JSON", "expected an object"]),
+    "--speculative-config a list": (SIM5 + ["--speculative-config", "[3]"], ["--speculative-config", "JSON object"]),
+    "--speculative-config unknown key": (SIM5 + ["--speculative-config", '{"method": "ngram", "k": 3}'],
+                                         ["speculative_config.k", "Extra inputs"]),
+    "--speculative-config mtp without MTP modules": (
+        SIM5 + ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+        ["speculative_config.method", "multi-token-prediction"]),
+    "--speculative-config k 1e9": (SIM5 + ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 1e9}'],
+                                   ["speculative_config.num_speculative_tokens"]),
+    "plan --speculative-variant k 0": (PLAN_PD[:-1] + ["--speculative-variant", '{"method": "eagle3", '
+                                                       '"num_speculative_tokens": 0}'],
+                                       ["speculative_config.num_speculative_tokens", "greater than 0"]),
+    "plan --speculative-variant not JSON": (PLAN_PD[:-1] + ["--speculative-variant", "eagle3"],
+                                            ["--speculative-config: invalid JSON"]),
 }
 
 

@@ -140,6 +140,28 @@ ThinkTime = Annotated[float | None, typer.Option(
          "implies --sessions (= trace_options.sessions.think_time_s)")]
 
 
+SpeculativeConfigOpt = Annotated[str | None, typer.Option(
+    "--speculative-config", help="speculative decoding as vLLM's --speculative-config JSON, e.g. "
+    "'{\"method\": \"eagle3\", \"num_speculative_tokens\": 3}' (methods: ngram, eagle, eagle3, mtp, draft_model; "
+    "docs/speculative-decoding.md); = speculative_config")]
+
+
+def parse_speculative_config(value: str | None) -> dict[str, Any]:
+    """`--speculative-config JSON` as a config override (a JSON object, as vLLM reads the flag)."""
+    if value is None:
+        return {}
+    import json
+    try:
+        data = json.loads(value)
+    except ValueError as exc:
+        raise ConfigError(f"--speculative-config: invalid JSON ({exc.msg} at character {exc.pos}); expected an object "
+                          "such as {\"method\": \"eagle3\", \"num_speculative_tokens\": 3}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--speculative-config: expected a JSON object such as {{\"method\": \"ngram\", "
+                          f"\"num_speculative_tokens\": 3}}, got {type(data).__name__}")
+    return {"speculative_config": data}
+
+
 _SIZE_UNITS = {"gib": 1.0, "gb": 1e9 / 2**30, "mib": 1 / 1024, "tib": 1024.0}
 
 

@@ -14,7 +14,8 @@ from rich.table import Table
 from kvsim.sim.config import ConfigError, build_config, load_config
 from kvsim.traces.errors import TraceError
 
-from .options import KvOffload, RouterName, Sessions, ThinkTime, tier_overrides
+from .options import (KvOffload, RouterName, Sessions, SpeculativeConfigOpt, ThinkTime, parse_speculative_config,
+                      tier_overrides)
 from .options import (BlockSize, ConfigFile, Gpu, MaxNumBatchedTokens, MaxNumSeqs, MaxRequests, Model, NumGpuBlocks, Overwrite,
                       Sets, Tp, Trace, UsdPerHour, config_overrides, fail, output_path, table_console)
 
@@ -139,6 +140,7 @@ def capacity(
     kv_offload: KvOffload = None,
     sessions: Sessions = False,
     think_time: ThinkTime = None,
+    speculative_config: SpeculativeConfigOpt = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
     max_num_seqs: MaxNumSeqs = None,
@@ -187,7 +189,8 @@ def capacity(
         _check_store(out, "--out", overwrite)
     _check_repeats(repeats)
     try:
-        cfg = load_config(config, {**overrides, **tier_overrides(kv_offload, sessions, think_time)}, set_)
+        cfg = load_config(config, {**overrides, **tier_overrides(kv_offload, sessions, think_time),
+                                   **parse_speculative_config(speculative_config)}, set_)
         cfg = build_config(cfg.model_dump(), {"step_variance": _search_variance(step_variance, cfg.step_variance)})
         constraints = parse_slo(slo)
         cfg, sample = choose_sample(cfg, window)
@@ -432,6 +435,11 @@ def plan(
     kv_offload: KvOffload = None,
     sessions: Sessions = False,
     think_time: ThinkTime = None,
+    speculative_config: SpeculativeConfigOpt = None,
+    speculative_variants: Annotated[list[str] | None, typer.Option(
+        "--speculative-variant", help="repeatable: a speculative-decoding variant to plan as a configuration of its "
+        "own, vLLM's --speculative-config JSON or `none` (without), e.g. --speculative-variant none "
+        "--speculative-variant '{\"method\": \"eagle3\", \"num_speculative_tokens\": 3}'")] = None,
     window: Window = None,
     set_: Sets = [],
     max_replicas: int = typer.Option(64, help="give a configuration up above this many replicas"),
@@ -490,12 +498,14 @@ def plan(
         priced = list(dict.fromkeys(gpu_list + [g for r in pools.values() for g, _ in r]))
         cfg = load_config(config, {**config_overrides(trace=trace, rate_scale=rate_scale, model=model_list[0],
                                                       gpu=gpu_list[0], usd_per_hour=usd_per_hour, router=router),
-                                   **tier_overrides(kv_offload, sessions, think_time)}, set_)
+                                   **tier_overrides(kv_offload, sessions, think_time),
+                                   **parse_speculative_config(speculative_config)}, set_)
         if isinstance(cfg.usd_per_hour, float) and len(priced) > 1:
             raise ConfigError(f"--usd-per-hour {cfg.usd_per_hour:g}: one price for {len(priced)} GPUs; give "
                               "GPU=PRICE for each one to price (h100=2.5,h200=3.9)")
         for p in policy_list or []:
             load_config(None, {"kv.policy": p})
+        spec_list = _speculative_variants(speculative_variants)
         constraints = parse_slo(slo)
         cfg, sample = choose_sample(cfg, window)
     except (ConfigError, CatalogError, TraceError) as exc:
@@ -519,7 +529,7 @@ def plan(
                                   _thresholds(local_prefill_tokens), objective)
     try:
         with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
-            space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas, objective)
+            space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas, objective, spec_list)
             result = plan_capacity(cfg, constraints, space, run_batch=run_batch, width=width, store=out,
                                    variants=variants, progress=show)
             dis = _plan_disaggregated(cfg, constraints, dspace, run_batch, width, out, variants, quiet)
@@ -534,6 +544,21 @@ def plan(
     _print_warnings(sample, None, None)
     if not result.cheapest and not (dis is not None and dis.cheapest):
         raise typer.Exit(1)
+
+
+def _speculative_variants(values: list[str] | None) -> list[dict | None] | None:
+    """`--speculative-variant` values: `none` or vLLM's JSON, each checked as speculative_config (one line)."""
+    if not values:
+        return None
+    out: list[dict | None] = []
+    for value in values:
+        if value.strip().lower() == "none":
+            out.append(None)
+            continue
+        data = parse_speculative_config(value.replace("--speculative-config", ""))["speculative_config"]
+        load_config(None, {"speculative_config": data})          # the schema's one-line refusals
+        out.append(data)
+    return out
 
 
 def _check_disaggregated_options(disaggregated: bool, pool_options: dict, link: str, max_pool_replicas: int,
@@ -625,14 +650,16 @@ def _print_plan(result) -> None:
         row = s.answer_row or {}
         n = s.hi_ok if s.status == "answer" else None
         cost = row.get("usd_per_m_output_tok")
-        table.add_row(s.cand.model, s.cand.gpu + (f" {s.cand.policy}" if s.cand.policy else ""), str(s.cand.tp),
+        table.add_row(s.cand.model, s.cand.gpu + (f" {s.cand.policy}" if s.cand.policy else "")
+                      + (f" {s.cand.spec}" if s.cand.spec else ""), str(s.cand.tp),
                       s.status + (f" ({s.note})" if s.note else ""), "-" if n is None else str(n),
                       "-" if n is None else str(n * s.cand.tp),
                       "-" if n is None else f"{n * s.cand.usd_per_replica_hour:.2f}",
                       "-" if cost is None or math.isnan(cost) else f"{cost:.3f}",
                       _ms(row.get("ttft_p99_s")), _ms(row.get("tpot_p99_s")))
     for c, why in result.unfit:
-        table.add_row(c.model, c.gpu + (f" {c.policy}" if c.policy else ""), str(c.tp), f"cannot run: {why}",
+        table.add_row(c.model, c.gpu + (f" {c.policy}" if c.policy else "") + (f" {c.spec}" if c.spec else ""),
+                      str(c.tp), f"cannot run: {why}",
                       *["-"] * 6)
     console.print(table)
     front = result.pareto()

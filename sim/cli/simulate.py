@@ -17,7 +17,8 @@ from kvsim.sim.config import ConfigError, KVConfig, load_config
 
 from .vllm_args import VllmOptions
 
-from .options import (DataParallel, KvOffload, PipelineParallel, RouterName, Sessions, ThinkTime, tier_overrides)
+from .options import (DataParallel, KvOffload, PipelineParallel, RouterName, Sessions, SpeculativeConfigOpt, ThinkTime,
+                      parse_speculative_config, tier_overrides)
 from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel, Frontend,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
@@ -48,6 +49,7 @@ def simulate(
     kv_offload: KvOffload = None,
     sessions: Sessions = False,
     think_time: ThinkTime = None,
+    speculative_config: SpeculativeConfigOpt = None,
     profile: Profile = None,
     block_size: BlockSize = None,
     num_gpu_blocks: NumGpuBlocks = None,
@@ -175,6 +177,7 @@ def simulate(
             serve=vllm, bench=bench, dtype=dtype, quantization=quantization, dataset_name=dataset_name,
             dataset_path=dataset_path, goodput=goodput))
         overrides.update(tier_overrides(kv_offload, sessions, think_time))
+        overrides.update(parse_speculative_config(speculative_config))
         overrides.update(fleet_overrides(prefill_pool, decode_pool, link, local_prefill_tokens, layerwise_overlap))
         cfg = load_config(config, overrides, set_)
         refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)
@@ -364,6 +367,14 @@ def print_summary(s: dict) -> None:
     add("tokens evicted (token x head)", s.get("evicted_tokens"), "{:.0f}")
     add("MB copied/moved", s["bytes_moved"] / 1e6 if s.get("bytes_moved") is not None else None, "{:.1f}")
     add("prefix hit rate", s.get("prefix_hit_rate"))
+    spec = s.get("spec_decode")
+    if spec:
+        rates = spec.get("acceptance_rate_per_pos") or []
+        add(f"spec decode: {spec['method']} k={spec['num_speculative_tokens']} mean acceptance length",
+            spec.get("mean_acceptance_length"), "{:.2f}")
+        add("spec decode: acceptance rate per position", " ".join(f"{r:.3f}" for r in rates) or None)
+        add("spec decode: drafting / verifying share of busy time",
+            f"{spec['draft_share'] or 0:.1%} / {spec['verify_share'] or 0:.1%}")
     add("engine steps", s.get("num_steps"))
     add("wall time (s)", s.get("wall_s"), "{:.2f}")
     console.print(table)

@@ -339,8 +339,24 @@ def _serve_specials(values: dict[str, Any], what: str, result: Translation) -> N
             result.notes.append(f"{what} {name} {values[name]}: not modelled (torch.compile and CUDA-graph "
                                 "settings; kvsim's profiles were fitted with vLLM's defaults)")
     if "--speculative-config" in values:
-        result.warnings.append(f"{what} --speculative-config: speculative decoding is not modelled yet; the run "
-                               "prices plain decoding (one token per request per step), so TPOT/ITL are upper bounds")
+        _speculative(values["--speculative-config"], what, result)
+
+
+def _speculative(value: Any, what: str, result: Translation) -> None:
+    """`--speculative-config '{...}'` -> speculative_config (docs/speculative-decoding.md); the dotted form
+    (`--speculative-config.method ngram`) names one key per flag, which kvsim does not assemble."""
+    import json
+    raw = value[-1] if isinstance(value, list) else value
+    try:
+        data = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        result.overrides["speculative_config"] = data
+        return
+    result.warnings.append(f"{what} --speculative-config: kvsim reads the JSON form ('{{\"method\": \"ngram\", "
+                           "\"num_speculative_tokens\": 3}'), not dotted keys; the run prices plain decoding (one token "
+                           "per request per step), so TPOT/ITL are upper bounds")
 
 
 def _quantization(method: str, what: str, result: Translation) -> None:

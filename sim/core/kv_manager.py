@@ -29,6 +29,9 @@ class KVCacheManager:
         # told which blocks enter the prefix-cache index and which leave it (vLLM's KV events: kvsim serve
         # --kv-events-endpoint); None, the default, costs one test per hashing call (`attach_events`)
         self.events: KVEventSink | None = None
+        # speculative decoding with an EAGLE-style drafter (eagle, eagle3, mtp): vLLM drops the last block of a
+        # prefix-cache hit, whose hidden states the drafter needs recomputed (KVCacheManager(use_eagle=True))
+        self.use_eagle = False
 
     def attach_events(self, sink: KVEventSink | None) -> None:
         """Tell `sink` every block newly stored in the prefix cache and every cached block evicted."""
@@ -66,9 +69,16 @@ class KVCacheManager:
 
     # ----- prefix caching --------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> list[int]:
-        """Cached blocks covering the longest hit prefix; the last prompt token is always recomputed."""
+        """Cached blocks covering the longest hit prefix; the last prompt token is always recomputed (with
+        `use_eagle`, the hit's last block too)."""
         if not self.enable_caching:
             return []
+        if self.use_eagle:
+            hits = self._computed_blocks(req)
+            return hits[:-1]
+        return self._computed_blocks(req)
+
+    def _computed_blocks(self, req: Request) -> list[int]:
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
         hits = []
         if req.prefix_hash_ids is None:
@@ -159,6 +169,26 @@ class KVCacheManager:
         # blocks a KV connector is still loading are hashed once loaded (vLLM: delay_cache_blocks)
         if self.enable_caching and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.cache_full_blocks(req, req.num_computed_tokens + num_new_tokens)
+        return True
+
+    def allocate_spec_slots(self, req: Request, num_new_tokens: int, num_lookahead_tokens: int) -> bool:
+        """vLLM's `allocate_slots(req, num_new_tokens, num_lookahead_tokens=...)` for a running request
+        with draft tokens: blocks for its computed tokens, this step's `num_new_tokens` (the sampled
+        token and the drafts) and `num_lookahead_tokens` more (an EAGLE drafter's slots), of which only
+        the blocks full of known tokens are hashed (drafts are not known tokens until accepted). Blocks
+        held beyond that (after rejections) are kept and reused. False, changing nothing, when the pool
+        cannot supply them."""
+        blocks = self.req_blocks.setdefault(req, [])
+        total = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        need = max(0, -(-total // self.block_size) - len(blocks))
+        if need > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[req]
+            return False
+        if need:
+            blocks.extend(self.pool.get_new_blocks(need))
+        if self.enable_caching:
+            self.cache_full_blocks(req, min(req.num_computed_tokens + num_new_tokens, req.num_tokens))
         return True
 
     def cache_full_blocks(self, req: Request, num_tokens: int) -> None:

@@ -62,6 +62,10 @@ class Request:
     kv_transfer_params: object | None = None
     # the cluster layer's record of where the request went (sim/cluster/route.py), or None
     route: object | None = None
+    # speculative decoding (sim/core/spec_decode.py): draft tokens proposed for the next step (vLLM's
+    # len(spec_token_ids)), and the drafts rejected in the last verification (their slots rewritten next)
+    spec_tokens: int = 0
+    spec_rejected: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -21,11 +21,14 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from .connector import KVConnector, KVTransferStep
+from .kv_manager import KVCacheManager
+from .sliding_window import HybridKVManager
 from .protocols import KVManager
 from .request import Request, RequestStatus
+from .spec_decode import SpecDecoder
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ScheduledRequest:
     context_before: float        # KV token-equivalents resident before this step's tokens
     is_prefill: bool
     swap_in_tokens: int = 0
+    num_spec_tokens: int = 0     # draft tokens verified in this step (speculative decoding)
 
 
 @dataclass
@@ -150,10 +154,12 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager, connector: KVConnector | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVManager, connector: KVConnector | None = None,
+                 spec: SpecDecoder | None = None):
         self.config = config
         self.kv = kv
         self.connector = connector
+        self.spec = spec                       # speculative decoding (sim/core/spec_decode.py), or None
         self.loading: list[Request] = []       # WAITING_FOR_REMOTE_KVS: the connector loads their KV
         self.sending: list[Request] = []       # finished; blocks kept until the connector saved/sent them
         self.waiting = WaitingQueue(config.policy)
@@ -240,7 +246,7 @@ class Scheduler:
         # the cap exists so a long prefill does not starve others: alone, a request gets the budget
         alone = len(self.running) - len(self.finishing) + len(self.waiting) <= 1
         self._threshold = 0 if alone else self.config.long_prefill_token_threshold
-        scheduled = self._schedule_decodes(budget)
+        scheduled = self._schedule_decodes(budget) if self.spec is None else None
         if scheduled is not None:
             budget -= len(scheduled)
         else:
@@ -295,12 +301,13 @@ class Scheduler:
             if req.status == RequestStatus.FINISHED:     # async: done in the step in flight
                 i += 1
                 continue
-            n = self.new_tokens(req.num_tokens - req.num_computed_tokens, budget, req.num_computed_tokens)
+            n = self.new_tokens(req.num_tokens + req.spec_tokens - req.num_computed_tokens, budget,
+                                req.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
             context = self.kv.kv_tokens(req)
-            while not self.kv.allocate_slots(req, n):
+            while not self._allocate_running(req, n):
                 if self.kv.reclaim(self.kv.blocks_needed(req, n), self.running):
                     continue
                 victim, index = self._pick_victim()
@@ -312,12 +319,27 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n))
+                drafts = n + req.num_computed_tokens - req.num_tokens if req.spec_tokens else 0
+                if drafts > 0:       # vLLM: the drafts trimmed to those scheduled
+                    scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n - drafts),
+                                                      num_spec_tokens=drafts)
+                else:
+                    scheduled[req] = ScheduledRequest(req, n, context, _is_prefill(req, n))
+                req.spec_tokens = 0   # new drafts are proposed after this step (vLLM)
                 budget -= n
                 i += 1
                 continue
             break           # vLLM (0.32, recorded): a request that preempted itself ends the loop
         return scheduled
+
+    def _allocate_running(self, req: Request, n: int) -> bool:
+        """Slots for a running request's `n` tokens; with speculative decoding, vLLM's
+        `allocate_slots(req, n, num_lookahead_tokens)` (only verified tokens' blocks are hashed)."""
+        if self.spec is None:
+            return self.kv.allocate_slots(req, n)
+        # the plain manager or the sliding-window one: those speculative decoding runs with (sim/config.py)
+        kv = cast(KVCacheManager | HybridKVManager, self.kv)
+        return kv.allocate_spec_slots(req, n, self.spec.lookahead)
 
     def new_tokens(self, remaining: int, budget: int, computed: int, threshold: int | None = None) -> int:
         """New tokens a request gets: min(remaining, budget left, long_prefill_token_threshold)."""
@@ -341,6 +363,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
+        victim.spec_tokens = 0               # vLLM clears a preempted request's drafts
         self.num_preemptions += 1
         swap = (self.config.preemption_mode == "swap"
                 and self.swap_used_tokens + freed_tokens <= self.config.swap_space_tokens)
@@ -555,6 +578,8 @@ class Scheduler:
     # ----- after the step ran -----------------------------------------------------------------
     def update(self, out: SchedulerOutput, now: float) -> list[Request]:
         """Advance computed counts, sample tokens, finish requests; returns those that finished."""
+        if self.spec is not None:
+            return self._update_spec(out, now, self.spec)
         done = []
         for s in out.scheduled:
             req = s.request
@@ -564,6 +589,42 @@ class Scheduler:
                 req.token_times.append(now)
                 if req.num_output_tokens >= req.max_output_tokens:
                     done.append(req)
+        self.finish(done, now)
+        return done
+
+    def _update_spec(self, out: SchedulerOutput, now: float, spec: SpecDecoder) -> list[Request]:
+        """`update` with speculative decoding (vLLM's `update_from_output`): a verified request gains 1 +
+        accepted tokens, at most up to its output length (the stop check truncates), and its computed
+        count goes back by the rejected drafts; every request that sampled and goes on gets new drafts."""
+        accepted = iter(spec.accept([s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens]))
+        done, drafting = [], []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if req.num_computed_tokens < req.num_tokens:
+                continue                       # a prompt chunk: nothing sampled
+            tokens = 1
+            if s.num_spec_tokens:
+                a = next(accepted)
+                rejected = s.num_spec_tokens - a
+                req.num_computed_tokens -= rejected
+                req.spec_rejected = rejected
+                tokens += a
+            else:
+                req.spec_rejected = 0
+            tokens = min(tokens, req.max_output_tokens - req.num_output_tokens)
+            req.num_output_tokens += tokens
+            times = req.token_times
+            for _ in range(tokens):
+                times.append(now)
+            if req.num_output_tokens >= req.max_output_tokens:
+                # the stop check cut accepted tokens: those past the last output are not the request's
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+                done.append(req)
+            else:
+                drafting.append(req)
+        for req, d in zip(drafting, spec.proposals(len(drafting)), strict=True):
+            req.spec_tokens = d
         self.finish(done, now)
         return done
 

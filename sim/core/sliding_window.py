@@ -178,6 +178,11 @@ class HybridKVManager:
             t.allocate(req, total)
         return True
 
+    def allocate_spec_slots(self, req: Request, num_new_tokens: int, num_lookahead_tokens: int) -> bool:
+        """Speculative decoding's allocation (vLLM's `allocate_slots(..., num_lookahead_tokens)`): the scheduled
+        tokens and the lookahead slots; nothing is hashed here (no prefix caching for these layers)."""
+        return self.allocate_slots(req, num_new_tokens + num_lookahead_tokens)
+
     def allocate_decodes(self, reqs) -> None:
         return None
 

@@ -39,6 +39,9 @@ class BatchShape:
     # step (dead slots masked) plus itself: sum of chunk * (widest table slots + chunk). The CPU
     # attention computes these; None = not computed: priced as attn_pairs_prefill.
     attn_pairs_prefill_padded: ArrayLike | None = None
+    # Rows the LM head computes logits for: one per sequence, plus one per draft token a speculative
+    # decoding step verifies (vLLM computes the logits of every verified position). None = num_seqs.
+    num_logit_rows: ArrayLike | None = None
 
     @property
     def num_tokens(self) -> ArrayLike:
@@ -66,6 +69,7 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
     widest = 0
     num_decode = 0
     chunk_sq = 0
+    drafts = 0
     for s in out.scheduled:
         n = s.num_new_tokens
         if s.is_prefill:
@@ -75,6 +79,13 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
         else:
             decode_tokens += n
             num_decode += 1
+            if n > 1:
+                # speculative decoding's verification: n queries (the sampled token and the drafts) over
+                # the context, causally; the attention reads the context once (kv_read below) and its
+                # compute grows by the query-key pairs beyond one query's (counted with the prefill pairs)
+                c = s.context_before
+                attn_pairs += n * (c + (n + 1) / 2) - (c + n)
+                drafts += s.num_spec_tokens
         kv_read += s.context_before + n
         e = kv.block_table_entries(s.request)
         entries += e
@@ -92,5 +103,6 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
         block_table_entries=entries,
         kv_tokens_padded=num_decode * widest_slots,
         attn_pairs_prefill_padded=prefill_tokens * widest_slots + chunk_sq,
+        num_logit_rows=len(out.scheduled) + drafts if drafts else None,
     )
 

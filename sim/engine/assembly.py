@@ -26,6 +26,7 @@ from ..core.request import Request
 from ..core.connector import KVConnector
 from ..core.protocols import Executor, KVManager
 from ..core.scheduler import Scheduler, SchedulerConfig
+from ..core.spec_decode import SpecDecoder
 from .loop import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, DPGroup, EngineClock, EngineReplica, ReplicaFeed,
                    ReplicaOptions, Router, StepArrivals)
 from ..model.parallel import DPAttentionPricing
@@ -295,7 +296,9 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     for i in range(ranks):
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
-            env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None), executor, step_log,
+            env, i, Scheduler(plan.scheduler, kv, connector(i, env) if connector else None,
+                              SpecDecoder(plan.spec.settings, cfg.seed, i) if plan.spec is not None else None),
+            executor, step_log,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica and not shared and not grouped,
                            check_invariants=cfg.check_invariants,
                            step_noise=noises[i], grouped=grouped),

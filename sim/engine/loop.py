@@ -365,6 +365,11 @@ class EngineReplica:
             "block_table_entries": shape.block_table_entries,
         }
         row.update(self._pool_row())
+        spec = self.scheduler.spec
+        if spec is not None:          # speculative decoding's columns (SPEC_STEP_COLUMNS)
+            row.update(num_drafts=spec.step_drafts, num_draft_tokens=spec.step_draft_tokens,
+                       num_accepted_tokens=spec.step_accepted, draft_s=getattr(self.executor, "last_draft_s", 0.0),
+                       verify_s=getattr(self.executor, "last_verify_s", 0.0))
         self.step_log.append(row)
         self.num_steps += 1
         self.env.steps += 1

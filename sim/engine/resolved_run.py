@@ -9,7 +9,7 @@ engine (`sim.engine.assembly.build_engine`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 from .assembly import scheduler_config
@@ -22,6 +22,7 @@ from ..model.parallel import DPAttentionPricing, ParallelismError, PipelineCostM
 from ..model.defaults import resolve_engine
 from ..kv.build import build_kv_manager as _build_manager, build_policy
 from ..kv.policy import EvictionPolicy, FastModeProfile
+from ..model.spec_decode import ResolvedSpec, SpecConfigError, resolve_spec
 from ..model.memory import PoolSizing, RunMemoryEstimate, check_pool_fits_gpu, estimate_run_memory, num_gpu_blocks
 
 KVKind = Literal["plain", "evicting", "hybrid"]  # vLLM's KVCacheManager | eviction-aware | sliding-window layers
@@ -35,6 +36,7 @@ class Hardware(NamedTuple):
     cost: CostModel
     num_blocks: int            # vLLM's num_gpu_blocks (one of them the null block)
     max_model_len: int
+    spec: ResolvedSpec | None = None    # speculative decoding (sim/model/spec_decode.py); None: off
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class ResolvedRun:
     @property
     def max_model_len(self) -> int:
         return self.hardware.max_model_len
+
+    @property
+    def spec(self) -> ResolvedSpec | None:
+        return self.hardware.spec
 
 
 def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -> ResolvedRun:
@@ -121,15 +127,25 @@ def resolve_hardware(cfg: SimConfig, model: ModelSpec | None = None) -> Hardware
         if "--enable-expert-parallel" not in str(exc):
             raise
         raise ConfigError(str(exc).replace("--enable-expert-parallel", "engine.enable_expert_parallel")) from None
+    spec = None
+    if cfg.speculative_config is not None:
+        try:
+            spec = resolve_spec(cfg.speculative_config, model, gpu, cfg.tp, cost)
+        except SpecConfigError as exc:
+            raise ConfigError(str(exc)) from None
     if eng.num_gpu_blocks is not None:
         blocks = eng.num_gpu_blocks
         check_pool_fits_gpu(model, gpu, tp=cfg.tp, num_blocks=blocks, block_size=eng.block_size)
     else:
+        sizing = PoolSizing.of_engine(eng, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+        if spec is not None:
+            sizing = replace(sizing, drafter_weight_bytes=spec.weight_bytes,
+                             drafter_kv_bytes_per_token=spec.kv_bytes_per_token)
         try:
-            blocks = num_gpu_blocks(model, gpu, PoolSizing.of_engine(eng, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)).num_blocks
+            blocks = num_gpu_blocks(model, gpu, sizing).num_blocks
         except ParallelismError as exc:
             raise ConfigError(str(exc)) from None
-    return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_model_len)
+    return Hardware(model, gpu, cost, blocks, eng.max_model_len or model.max_model_len, spec)
 
 
 def _cost_model(cfg: SimConfig, model: ModelSpec, gpu: GPUSpec) -> CostModel:

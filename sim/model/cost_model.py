@@ -608,6 +608,7 @@ class CostModel:
         (without `padded`: all but the two padded-attention ones)."""
         c = self._c
         num_seqs = _f64(shape.num_seqs)
+        rows = num_seqs if shape.num_logit_rows is None else _f64(shape.num_logit_rows)    # LM-head rows
         prefill = _f64(shape.num_prefill_tokens)
         decode = _f64(shape.num_decode_tokens)
         tokens = prefill + decode
@@ -616,8 +617,8 @@ class CostModel:
         zero = tokens * 0.0
         f = {
             "linear_compute_prefill": prefill * c["prefill_flops_s"],
-            "linear_compute_decode": decode * c["decode_flops_s"] + num_seqs * c["lm_head_s"],
-            "linear_memory": ran * c["weights_s"] + tokens * c["act_token_s"] + num_seqs * c["logits_seq_s"],
+            "linear_compute_decode": decode * c["decode_flops_s"] + rows * c["lm_head_s"],
+            "linear_memory": ran * c["weights_s"] + tokens * c["act_token_s"] + rows * c["logits_seq_s"],
             "attn_compute": (_f64(shape.attn_pairs_prefill) * c["attn_pair_s"] + kv_read * c["attn_read_s"]
                              if self._mla else (_f64(shape.attn_pairs_prefill) + kv_read) * c["attn_pair_s"]),
             "attn_memory": kv_read * c["kv_token_s"],
@@ -692,11 +693,12 @@ class CostModel:
         c, p = self._c, self.profile
         f = self.features(shape, padded=False)
         seqs = _f64(shape.num_seqs)
+        rows = seqs if shape.num_logit_rows is None else _f64(shape.num_logit_rows)
         tokens = _f64(shape.num_prefill_tokens) + _f64(shape.num_decode_tokens)
         ran = (tokens > 0).astype(np.float64) if isinstance(tokens, np.ndarray) else float(tokens > 0)
         compute = (tokens * c["prefill_flops_s"] / self.gemm_efficiency(tokens)
-                   + seqs * c["lm_head_s"] / self.gemm_efficiency(seqs))
-        memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
+                   + rows * c["lm_head_s"] / self.gemm_efficiency(rows))
+        memory = (ran * c["weights_s"] + rows * c["logits_seq_s"]) / p.mem_bw_eff
         if self._moe is not None:
             memory = memory + self.expert_read_time(tokens) / p.mem_bw_eff
         linear = (_max(compute, memory) + ran * (self._gemm_launches * p.gemm_latency_s
@@ -714,6 +716,7 @@ class CostModel:
         operations in the same order without the per-part dicts (the engine prices every step)."""
         c, p = self._c, self.profile
         seqs = float(shape.num_seqs)
+        rows = seqs if shape.num_logit_rows is None else float(shape.num_logit_rows)
         tokens = float(shape.num_prefill_tokens) + float(shape.num_decode_tokens)
         kv_read = float(shape.kv_tokens_read)
         ran = float(tokens > 0)
@@ -725,8 +728,8 @@ class CostModel:
         b = float(shape.op_bytes) * c["op_byte_s"]
         policy_ops = (a if a >= b else b) + zero
         eff = self.gemm_efficiency
-        compute = tokens * c["prefill_flops_s"] / eff(tokens) + seqs * c["lm_head_s"] / eff(seqs)
-        memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
+        compute = tokens * c["prefill_flops_s"] / eff(tokens) + rows * c["lm_head_s"] / eff(rows)
+        memory = (ran * c["weights_s"] + rows * c["logits_seq_s"]) / p.mem_bw_eff
         if self._moe is not None:
             memory = memory + self.expert_read_time(tokens) / p.mem_bw_eff
         linear = ((compute if compute >= memory else memory)

@@ -95,6 +95,10 @@ class PoolSizing:
     non_torch_overhead_bytes: int = NON_TORCH_OVERHEAD_BYTES   # CUDA context, workspaces, graph pool
     kv_dtype: str | None = None             # KV cache dtype (None: the model's)
     layout: Literal["shared", "per_head"] = "shared"   # per_head: blocks of one layer and one KV head
+    # speculative decoding's drafter (sim/model/spec_decode.py): its weights on each GPU, and its KV per
+    # token on each GPU, held in the target's blocks (vLLM allocates the drafter's layers with the target's)
+    drafter_weight_bytes: int = 0
+    drafter_kv_bytes_per_token: float = 0.0
     pp: int = 1                             # pipeline stages: each GPU holds one stage's layers (weights, KV)
     dp: int = 1                             # data-parallel attention ranks sharing the routed experts (MoE)
 
@@ -122,6 +126,8 @@ def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, sizing: PoolSizin
     heads = kv_heads_per_gpu(model, tp)
     usable = int(gpu.memory_bytes * gpu_memory_utilization)
     weights = model.weight_bytes // tp
+    if sizing.drafter_weight_bytes:
+        weights += sizing.drafter_weight_bytes
     activations = (activation_peak_bytes(model, tp=tp, max_num_batched_tokens=sizing.max_num_batched_tokens,
                                          max_num_seqs=sizing.max_num_seqs)
                    if sizing.activation_reserve_bytes is None else int(sizing.activation_reserve_bytes))
@@ -129,6 +135,8 @@ def num_gpu_blocks(model: ModelSpec | str, gpu: GPUSpec | str, sizing: PoolSizin
     kv_per_token = block_bytes_per_token(model, tp, sizing.kv_dtype)
     if sizing.pp > 1 or sizing.dp > 1:       # the stage (or expert share) that leaves the fewest blocks
         weights, available, kv_per_token = _parallel_stage(model, sizing, usable - activations - non_torch_overhead_bytes)
+    if sizing.drafter_kv_bytes_per_token:   # speculative decoding's drafter (refused with pp / dp: sim/config.py)
+        kv_per_token += sizing.drafter_kv_bytes_per_token
     bytes_per_block = int(block_size * kv_per_token)
     if available < bytes_per_block:
         need = weights + activations + non_torch_overhead_bytes + bytes_per_block

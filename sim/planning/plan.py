@@ -42,11 +42,13 @@ class Candidate:
     policy: str | None
     cfg: SimConfig                 # replicas set per run
     objective: str = "usd"         # what the search minimises: usd ($/hour) or gpus (then $/hour)
+    spec: str | None = None        # the speculative-decoding variant's label (PlanSpace.speculative), or None
 
     @property
     def label(self) -> str:
         pol = f" {self.policy}" if self.policy else ""
-        return f"{self.model} {self.gpu} TP{self.tp}{pol}"
+        spec = f" {self.spec}" if self.spec else ""
+        return f"{self.model} {self.gpu} TP{self.tp}{pol}{spec}"
 
     @property
     def usd_per_replica_hour(self) -> float:
@@ -126,6 +128,19 @@ class PlanSpace:
     policies: list[str] | None = None   # kv.policy names (None: the base config's policy only)
     max_replicas: int = 64              # no configuration is simulated with more replicas than this
     objective: str = "usd"              # usd: the fewest dollars an hour; gpus: the fewest GPUs
+    # speculative-decoding variants (`speculative_config` mappings; None: without): each one a configuration
+    # of its own (None: the base config's setting only)
+    speculative: list[dict | None] | None = None
+
+
+def spec_label(spec: dict | None) -> str:
+    """A speculative variant's label: `no-spec`, or its method and k (`eagle3 k=3`)."""
+    if spec is None:
+        return "no-spec"
+    from ..config import SpeculativeConfig
+    sc = SpeculativeConfig.model_validate(spec)
+    k = f" k={sc.num_speculative_tokens}" if sc.num_speculative_tokens else ""
+    return f"{sc.method or sc.model}{k}"
 
 
 def candidates(base: SimConfig, space: PlanSpace) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
@@ -137,21 +152,26 @@ def candidates(base: SimConfig, space: PlanSpace) -> tuple[list[Candidate], list
         for gpu in space.gpus:
             for tp in space.tps:
                 for policy in space.policies or [None]:
-                    update = {"model": model, "gpu": gpu, "tp": tp, "replicas": 1}
-                    data = base.model_dump()
-                    data.update(update)
-                    if policy:
-                        data["kv"] = {**data["kv"], "policy": policy}
-                        if "budget" not in policy_parameters(policy):     # the base's budget is for those that take one
-                            data["kv"]["budget"] = KVConfig.model_fields["budget"].default
-                    cfg = SimConfig.model_validate(data)
-                    cand = Candidate(model, gpu, tp, policy, cfg, space.objective)
-                    try:
-                        fits.check(cfg, "")
-                    except SpecError as exc:
-                        unfit.append((cand, _short_reason(str(exc).removeprefix(": "))))
-                        continue
-                    keep.append(cand)
+                    # `...`: the base config's own speculative setting (no variants asked for)
+                    for spec in space.speculative if space.speculative is not None else [...]:
+                        update = {"model": model, "gpu": gpu, "tp": tp, "replicas": 1}
+                        data = base.model_dump()
+                        data.update(update)
+                        if policy:
+                            data["kv"] = {**data["kv"], "policy": policy}
+                            if "budget" not in policy_parameters(policy):     # the base's budget is for those that take one
+                                data["kv"]["budget"] = KVConfig.model_fields["budget"].default
+                        if spec is not ...:
+                            data["speculative_config"] = spec
+                        cfg = SimConfig.model_validate(data)
+                        cand = Candidate(model, gpu, tp, policy, cfg, space.objective,
+                                         None if spec is ... else spec_label(spec))
+                        try:
+                            fits.check(cfg, "")
+                        except SpecError as exc:
+                            unfit.append((cand, _short_reason(str(exc).removeprefix(": "))))
+                            continue
+                        keep.append(cand)
     return keep, unfit
 
 
@@ -337,7 +357,7 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
         extra: list[tuple[str, str, Search]] = []
         for model, s in cheapest.items():
             for label, cfg in variants(s.cand.cfg).items():
-                cand = Candidate(s.cand.model, s.cand.gpu, s.cand.tp, s.cand.policy, cfg, s.cand.objective)
+                cand = Candidate(s.cand.model, s.cand.gpu, s.cand.tp, s.cand.policy, cfg, s.cand.objective, s.cand.spec)
                 extra.append((model, label, Search(cand, start=s.hi_ok, prune=False)))
         search_rounds([e[2] for e in extra], runner, max_replicas, None, progress)
         for model, label, s in extra:
@@ -355,7 +375,7 @@ def _write_plan_result(store: Path, result: PlanResult, run_ids: list[str]) -> N
         "slo": result.slo, "simulations": result.simulations, "wall_s": result.wall_s,
         "unfit": [{"config": c.label, "why": why} for c, why in result.unfit],
         "searches": [{"config": s.cand.label, "model": s.cand.model, "gpu": s.cand.gpu, "tp": s.cand.tp,
-                      "policy": s.cand.policy, "status": s.status, "note": s.note,
+                      "policy": s.cand.policy, "speculative": s.cand.spec, "status": s.status, "note": s.note,
                       "fewest_replicas": s.hi_ok if s.status == "answer" else None,
                       "usd_per_hour": s.cand.usd_per_replica_hour * s.hi_ok if s.status == "answer" else None}
                      for s in result.searches],

@@ -309,7 +309,8 @@ class _FitChecker:
         from ..engine.resolved_run import resolve_hardware, with_engine_defaults
 
         try:
-            model, _, _, blocks, _ = resolve_hardware(with_engine_defaults(cfg))
+            hw = resolve_hardware(with_engine_defaults(cfg))
+            model, blocks = hw.model, hw.num_blocks
         except (CatalogError, ValueError) as exc:
             return str(exc)
         return model, blocks

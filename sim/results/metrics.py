@@ -52,6 +52,16 @@ STEP_SCHEMA = pa.schema([(name, t) for name, (t, _) in STEP_COLUMNS.items()])
 _ARRAY_DTYPE = {"d": np.dtype(np.float64).char, "q": np.dtype(np.int64).char}    # typed buffer -> numpy type
 STEP_DEFAULTS = {"predicted_s": math.nan, "evicted_tokens": 0, "blocks_freed_by_eviction": 0,
                  "bytes_moved": 0, "attn_pairs_prefill": 0.0, "block_table_entries": 0}
+# speculative decoding's columns (sim/core/spec_decode.py): in the step log only when it is on
+SPEC_STEP_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
+    "num_drafts": (pa.int32(), "requests whose drafts were verified in this step (vllm:spec_decode_num_drafts)"),
+    "num_draft_tokens": (pa.int64(), "draft tokens verified in this step (vllm:spec_decode_num_draft_tokens)"),
+    "num_accepted_tokens": (pa.int64(), "draft tokens accepted in this step (vllm:spec_decode_num_accepted_tokens)"),
+    "draft_s": (pa.float64(), "seconds of the step spent drafting (the drafter's passes, or the n-gram lookup)"),
+    "verify_s": (pa.float64(), "seconds of the step's target forward when it verified drafts (0 otherwise)"),
+}
+STEP_DEFAULTS.update({"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "draft_s": 0.0,
+                      "verify_s": 0.0})
 
 
 class StepLog:
@@ -63,8 +73,11 @@ class StepLog:
     """
 
     def __init__(self, path: str | Path | None, flush_rows: int = 65536, *, keep: tuple[str, ...] = (),
-                 keep_rows: int = 0):
+                 keep_rows: int = 0, extra_columns: dict[str, tuple[pa.DataType, str]] | None = None):
         self.path = Path(path) if path else None
+        # the schema: STEP_COLUMNS, and `extra_columns` after them (speculative decoding's, when it is on)
+        self._columns = STEP_COLUMNS if not extra_columns else {**STEP_COLUMNS, **extra_columns}
+        self._schema = STEP_SCHEMA if not extra_columns else pa.schema([(n, t) for n, (t, _) in self._columns.items()])
         self.flush_rows = flush_rows
         # copies of the `keep` columns as written, while the log has at most `keep_rows` rows (`kept`)
         self._kept: dict[str, list[np.ndarray]] | None = {name: [] for name in keep} if keep else None
@@ -83,8 +96,8 @@ class StepLog:
         # Python objects. A value a buffer refuses (a float in an integer column) turns the log into
         # plain lists, converted by numpy as before (`_to_lists`).
         self._rows: dict[str, array | list] = (
-            {name: array("d" if pa.types.is_floating(typ) else "q") for name, (typ, _) in STEP_COLUMNS.items()}
-            if self._typed else {name: [] for name in STEP_COLUMNS})
+            {name: array("d" if pa.types.is_floating(typ) else "q") for name, (typ, _) in self._columns.items()}
+            if self._typed else {name: [] for name in self._columns})
         self._bind()
 
     def _bind(self) -> None:
@@ -175,7 +188,7 @@ class StepLog:
         columns = {name: (np.frombuffer(rows[name], dtype=_ARRAY_DTYPE[rows[name].typecode], count=n)
                           .astype(typ.to_pandas_dtype(), copy=False) if self._typed
                           else np.asarray(rows[name][:n], dtype=typ.to_pandas_dtype()))
-                   for name, (typ, _) in STEP_COLUMNS.items()}
+                   for name, (typ, _) in self._columns.items()}
         self._reset_rows()
         if self._carry is not None:
             columns = {name: np.concatenate((self._carry[name], v)) for name, v in columns.items()}
@@ -192,7 +205,7 @@ class StepLog:
         replica, step = columns["replica"], columns["step"]
         in_order = (replica == replica[0]).all() and (np.diff(step) > 0).all()    # one replica: as appended
         order = slice(None) if in_order else np.lexsort((step, replica))
-        arrays = [pa.array(columns[name][order], type=typ) for name, (typ, _) in STEP_COLUMNS.items()]
+        arrays = [pa.array(columns[name][order], type=typ) for name, (typ, _) in self._columns.items()]
         self._written += len(step)
         if self._kept is not None:
             if self._written > self._keep_rows:
@@ -200,14 +213,14 @@ class StepLog:
             else:
                 for name, chunks in self._kept.items():
                     chunks.append(columns[name][order])
-        table = pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
+        table = pa.Table.from_arrays(arrays, schema=self._schema)
         if self.path is None:
             self._tables.append(table)
             return
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # no dictionary pages: the columns are numeric and mostly distinct; 3x faster to write
-            self._writer = pq.ParquetWriter(self.path, STEP_SCHEMA, use_dictionary=False)
+            self._writer = pq.ParquetWriter(self.path, self._schema, use_dictionary=False)
         self._writer.write_table(table)
 
     def kept(self) -> pd.DataFrame | None:
@@ -219,7 +232,7 @@ class StepLog:
         if self._kept is None:
             return None
         return pd.DataFrame({name: np.concatenate(chunks) if chunks else
-                             np.empty(0, STEP_COLUMNS[name][0].to_pandas_dtype()) for name, chunks in self._kept.items()})
+                             np.empty(0, self._columns[name][0].to_pandas_dtype()) for name, chunks in self._kept.items()})
 
     def _drop_torn_row(self) -> int:
         """An interrupt (Ctrl-C) inside `append` leaves some columns one row longer: drop that row.
@@ -232,14 +245,14 @@ class StepLog:
             self._writer.close()
             self._writer = None
         elif self.path is not None and not self.path.exists():
-            pq.write_table(STEP_SCHEMA.empty_table(), self.path)
+            pq.write_table(self._schema.empty_table(), self.path)
 
     def to_pandas(self, columns: list[str] | None = None) -> pd.DataFrame:
         self.flush()
         if self.path is not None:
             self.close()
             return pq.read_table(self.path, columns=columns).to_pandas()
-        table = STEP_SCHEMA.empty_table() if not self._tables else pa.concat_tables(self._tables)
+        table = self._schema.empty_table() if not self._tables else pa.concat_tables(self._tables)
         return (table.select(columns) if columns else table).to_pandas()
 
 

@@ -133,6 +133,9 @@ def check_serve_config(cfg) -> None:
     if cfg.kv_offload is not None:
         raise ConfigError("kv_offload: kvsim serve's engine has no CPU KV tier yet; drop kv_offload (kvsim simulate "
                           "runs it)")
+    if cfg.speculative_config is not None:
+        raise ConfigError("speculative_config: kvsim serve does not run speculative decoding yet; drop it (kvsim "
+                          "simulate runs it)")
     if cfg.frontend_name != "none":
         raise ConfigError("client_latency / frontend: kvsim serve is a real HTTP server (its own latency is real); "
                           "set client_latency: false and drop frontend")

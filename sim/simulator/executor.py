@@ -23,6 +23,7 @@ from ..kv.base import EvictingManagerBase
 from ..kv.slots import KVStepEffects
 from ..kv.build import build_evicting_manager
 from ..engine.resolved_run import ResolvedRun, build_kv_manager
+from ..model.spec_decode import DraftCost
 
 
 SCALAR_STEPS = 48       # decode steps priced one by one in Python up to this many (numpy's fixed cost is more)
@@ -49,6 +50,7 @@ class CostModelExecutor:
     def complete(self, result: StepResult, kv_effects: None) -> StepResult:
         return result                       # the plain manager has no per-step policies
 
+
     def predict_run(self, shape: BatchShape):
         return self.cost.predict(shape)
 
@@ -69,6 +71,34 @@ class CostModelExecutor:
             return prices
         return self.cost.predict_decode(np.array(num_seqs, np.int64), np.array(kv_tokens_read, np.int64),
                                         np.array(block_table_entries, np.int64)).tolist()
+
+
+class SpecDecodeExecutor(CostModelExecutor):
+    """`CostModelExecutor` with speculative decoding: the target's step (verifications included, priced
+    by `batch_shape`) plus the drafter's time (`DraftCost`: after sampling, for every request that
+    sampled a token this step, as vLLM drafts for the whole batch). Steps one by one (no decode runs: the fast-forward is off
+    with speculative decoding; docs/speculative-decoding.md)."""
+    supports_decode_runs = False
+    supports_admitting_runs = False
+
+    def __init__(self, cost_model, kv: KVManager, draft: DraftCost):
+        super().__init__(cost_model, kv)
+        self.supports_decode_runs = self.supports_admitting_runs = False
+        self.draft = draft
+        self.last_draft_s = 0.0
+        self.last_verify_s = 0.0
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
+        target = float(self.cost.predict(shape))
+        # requests that sample this step: their computed tokens reach their known tokens
+        contexts = [s.context_before + s.num_new_tokens for s in out.scheduled
+                    if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens]
+        drafting = float(self.draft.seconds(shape, contexts))
+        self.last_draft_s = drafting
+        self.last_verify_s = target if any(s.num_spec_tokens for s in out.scheduled) else 0.0
+        seconds = target + drafting
+        return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
 
 
 class KVPolicyExecutor:
@@ -218,6 +248,9 @@ EXECUTORS = {"cost_model": CostModelExecutor, "kv_policy": KVPolicyExecutor, "pi
 def replica_parts(plan: ResolvedRun, index: int) -> tuple[KVManager, Executor]:
     """The KV manager and executor of replica `index` of a simulation."""
     kv = build_kv_manager(plan, index)
+    if plan.spec is not None:              # speculative decoding: the plain manager (sim/config.py refuses policies)
+        kv.use_eagle = plan.spec.method in ("eagle", "eagle3", "mtp")      # vLLM's SpeculativeConfig.use_eagle()
+        return kv, SpecDecodeExecutor(plan.cost, kv, plan.spec.draft)
     # the simulator's executor of the kind the resolved run chose for its KV manager
     return kv, EXECUTORS[plan.executor_kind](plan.cost, kv)
 

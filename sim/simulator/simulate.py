@@ -19,7 +19,7 @@ from ..model.cost_model import frontend_terms
 from .executor import replica_parts
 from .fleet_run import checked_plans, run_fleet
 from ..model.memory import check_memory
-from ..results.metrics import SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, class_figures, request_table
+from ..results.metrics import SPEC_STEP_COLUMNS, SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, class_figures, request_table
 from ..results.outputs import managed_pool_blocks, run_summary, write_outputs
 from ..io.progress import ProgressTracker, TokenBar, ambient_callback
 from ..results.request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request_columns, step_figures_from_file,
@@ -117,7 +117,8 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     online = cfg.trace_options.max_concurrency or sessions or (entry is not None and entry.shared)
     requests = trace_to_requests(trace, None if online else entry, sessions)
     out = staging.path if staging else None
-    step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS)
+    step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS,
+                       extra_columns=SPEC_STEP_COLUMNS if plan.spec is not None else None)
     progress = opts.progress or ambient_callback()
     replicas: list = []
     tracker = ProgressTracker(requests, replicas, TokenBar() if progress is True else progress) if progress else None
@@ -165,6 +166,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens,
                           step_variance_sigma=resolve_sigma(cfg.step_variance, plan.gpu.name))
     summary.update(offload_figures(offload))
+    summary.update(spec_decode_figures(plan, replicas, step_log if out is None else out / "steps.parquet"))
     if getattr(trace, "workload_classes", None) is not None:       # a workload spec's client classes
         summary["workload_classes"] = class_figures(trace.workload_classes, req_df)
     if cfg.frontend is not None:           # named: said (unset, summary.json stays as it was)
@@ -187,6 +189,43 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     if stop:
         raise stop[1]
     return SimulationResult(summary, req_df, steps_df, published if staging else None, plan.num_blocks, wall)
+
+
+def spec_decode_figures(plan: ResolvedRun, replicas: list, steps) -> dict:
+    """summary.json's `spec_decode` (nothing with speculative decoding off: summary.json stays as it was)."""
+    if plan.spec is None:
+        return {}
+    return {"spec_decode": spec_decode_summary(plan.spec, [r.scheduler.spec for r in replicas], steps)}
+
+
+def spec_decode_summary(spec, decoders: list, steps) -> dict:
+    """The resolved config, vLLM's counters summed over replicas (and the rates they give), and the
+    time the steps spent drafting and verifying (`steps`: the StepLog, or steps.parquet)."""
+    counters = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                "num_accepted_tokens_per_pos": [0] * spec.settings.num_speculative_tokens}
+    for d in decoders:
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            counters[key] += getattr(d, key)
+        counters["num_accepted_tokens_per_pos"] = [a + b for a, b in zip(counters["num_accepted_tokens_per_pos"],
+                                                                         d.accepted_per_pos, strict=True)]
+    drafts, tokens = counters["num_drafts"], counters["num_draft_tokens"]
+    accepted = counters["num_accepted_tokens"]
+    cols = ["duration_s", "draft_s", "verify_s"]
+    frame = steps.to_pandas(columns=cols) if isinstance(steps, StepLog) else pd.read_parquet(steps, columns=cols)
+    busy = float(frame["duration_s"].sum())
+    draft_s, verify_s = float(frame["draft_s"].sum()), float(frame["verify_s"].sum())
+    out = {**spec.describe(), **counters,
+           "acceptance_rate": accepted / tokens if tokens else None,
+           "acceptance_rate_per_pos": [a / drafts for a in counters["num_accepted_tokens_per_pos"]] if drafts else None,
+           "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
+           # the same counters under vLLM's Prometheus names (counters; per position: one series per position label)
+           "vllm_metrics": {"vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_draft_tokens": tokens,
+                            "vllm:spec_decode_num_accepted_tokens": accepted,
+                            "vllm:spec_decode_num_accepted_tokens_per_pos": {
+                                str(i): a for i, a in enumerate(counters["num_accepted_tokens_per_pos"])}},
+           "draft_s": draft_s, "verify_s": verify_s,
+           "draft_share": draft_s / busy if busy else None, "verify_share": verify_s / busy if busy else None}
+    return out
 
 
 def offload_of(plan: ResolvedRun):

@@ -1,0 +1,185 @@
+"""A run's speculative config resolved once (`resolve_spec`): the scheduler's settings, the drafter's
+cost per step and the HBM its weights and KV take from the target's KV pool.
+
+Costs reuse the cost model (sim/model/cost_model.py), never a copy of it:
+
+- the target's verification step is priced by the target's `CostModel` on the step's `BatchShape`
+  (sim/core/step.py counts 1 + drafts query tokens per verified sequence: linear compute and the
+  attention's query-key pairs grow, weight and KV reads do not);
+- EAGLE / EAGLE-3 / MTP: a head of one decoder layer of the target's shape (EAGLE-3: its LM head over
+  the drafter's reduced vocabulary) priced by a `CostModel` of that one-layer spec; draft model: the
+  draft model's own `CostModel` at its TP. As vLLM's EAGLE-style proposers run them: a first pass over
+  every token the step computed (the drafter keeps its own KV for them), then k - 1 passes of one token
+  for each request that drafts. Only the device time counts (the engine step's CPU overhead is the
+  target's, once): the drafter's cost models run under the target's profile with the per-step, per-
+  sequence and block-table overheads set to zero;
+- n-gram: a host-side lookup, a fixed time per step and per drafting request (sim/data/spec_decode.yaml).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from ..core.spec_decode import SpecDecodeSettings
+from ..core.step import BatchShape
+from .catalog import DTYPE_BYTES, GPUSpec, ModelSpec, get_model
+from .cost_model import CostModel, HardwareProfile, kv_heads_per_gpu
+
+if TYPE_CHECKING:
+    from ..config import SpeculativeConfig
+
+DATA = Path(__file__).parent.parent / "data" / "spec_decode.yaml"
+GiB = 2**30
+
+
+class SpecConfigError(ValueError):
+    """A speculative config kvsim cannot run (one line naming the key)."""
+
+
+def spec_data() -> dict[str, Any]:
+    with open(DATA) as f:
+        return yaml.safe_load(f)
+
+
+def conditional_from_rates(rates: list[float], k: int, decay: float) -> tuple[float, ...]:
+    """Per-position acceptance rates (P(drafts 0..i accepted)) -> k conditional probabilities; past the
+    given positions the last conditional probability times `decay` per position."""
+    cond, prev = [], 1.0
+    for r in rates[:k]:
+        cond.append(r / prev if prev > 0 else 0.0)
+        prev = r
+    last = cond[-1] if cond else 0.0
+    while len(cond) < k:
+        last = min(1.0, last * decay)
+        cond.append(last)
+    return tuple(cond)
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """Seconds the drafter adds to a step (see the module docstring)."""
+    method: str
+    k: int
+    cost: CostModel | None              # the head's / draft model's cost model (None: n-gram)
+    host_per_step_s: float = 0.0
+    host_per_request_s: float = 0.0
+
+    def seconds(self, shape: BatchShape, contexts: list[float]) -> float:
+        """The drafter's time in a step of `shape` whose requests in `contexts` (their KV tokens after
+        the step) draft k tokens each."""
+        m = len(contexts)
+        if not m:
+            return 0.0
+        if self.cost is None:
+            return self.host_per_step_s + m * self.host_per_request_s
+        # first pass: the step's tokens, logits for one position per sequence (each request's last accepted)
+        total = float(self.cost.predict(replace(shape, num_logit_rows=None)))
+        kv = sum(contexts)
+        for j in range(1, self.k):
+            total += float(self.cost.predict(BatchShape(num_seqs=m, num_decode_tokens=m, kv_tokens_read=kv + m * j)))
+        return total
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A speculative config resolved for one model, GPU and TP."""
+    method: str
+    model: str | None                   # the draft model / head named in the config
+    settings: SpecDecodeSettings
+    draft: DraftCost
+    weight_bytes: int                   # the drafter's weights on each GPU
+    kv_bytes_per_token: float           # the drafter's KV per token on each GPU (in the target's blocks)
+    source: str                         # where the acceptance came from
+
+    def describe(self) -> dict:
+        s = self.settings
+        return {"method": self.method, "model": self.model, "num_speculative_tokens": s.num_speculative_tokens,
+                "num_lookahead_tokens": s.num_lookahead_tokens,
+                "conditional_acceptance": [round(c, 6) for c in s.conditional],
+                "expected_acceptance_rate_per_pos": [round(c, 6) for c in s.per_position],
+                "expected_mean_acceptance_length": round(s.mean_acceptance_length, 6),
+                "propose_rate": s.propose_rate, "acceptance_source": self.source,
+                "drafter_weight_gib_per_gpu": round(self.weight_bytes / GiB, 4),
+                "drafter_kv_bytes_per_token_per_gpu": self.kv_bytes_per_token}
+
+
+def _drafter_profile(profile: HardwareProfile) -> HardwareProfile:
+    """The target's profile without the engine step's CPU overheads (charged once, by the target)."""
+    return profile.model_copy(update={"step_overhead_s": 0.0, "per_seq_overhead_s": 0.0,
+                                      "per_block_entry_overhead_s": 0.0})
+
+
+def resolve_spec(spec: SpeculativeConfig, target: ModelSpec, gpu: GPUSpec, tp: int,
+                 target_cost: CostModel) -> ResolvedSpec:
+    """Resolve `spec` for `target` on `gpu` x `tp`: refuses, in one line naming the key, what vLLM
+    refuses or kvsim cannot price (a draft model of another vocabulary or larger than the GPU, MTP on a
+    model without MTP modules, a drafter TP other than 1 or the target's)."""
+    data = spec_data()
+    if spec.method is None:
+        raise SpecConfigError("speculative_config: give method (ngram, eagle, eagle3, mtp, draft_model) or model "
+                              "(vLLM: 'num_speculative_tokens was provided but without speculative model')")
+    method = spec.method
+    k = spec.num_speculative_tokens
+    if method == "mtp":
+        modules = data["mtp_models"].get(target.name)
+        if modules is None:
+            raise SpecConfigError(f"speculative_config.method: mtp needs a model with multi-token-prediction modules "
+                                  f"({', '.join(data['mtp_models'])}); {target.name} has none")
+        k = k if k is not None else modules          # vLLM: n_predict from the model's config
+    if k is None:
+        raise SpecConfigError("speculative_config.num_speculative_tokens: expected an integer > 0 (vLLM needs it "
+                              "unless the drafter's config gives n_predict)")
+    draft_tp = spec.draft_tensor_parallel_size or tp
+    if draft_tp not in (1, tp):
+        raise SpecConfigError(f"speculative_config.draft_tensor_parallel_size: expected 1 or the target's TP "
+                              f"({tp}), got {draft_tp}")
+    entry = data["methods"][method]
+    rates = spec.synthetic_acceptance_rates
+    source = "speculative_config.synthetic_acceptance_rates" if rates is not None else entry["source"]
+    cond = conditional_from_rates(list(rates if rates is not None else entry["per_position"]), k,
+                                  1.0 if rates is not None else float(entry["decay"]))
+    propose = 1.0 if rates is not None else float(entry.get("propose_rate", 1.0))
+    profile = _drafter_profile(target_cost.profile)
+    w_bytes = DTYPE_BYTES[target.weight_dtype]
+    lookahead = 0
+    if method == "ngram":
+        host = data["ngram_host_s"]
+        draft = DraftCost(method, k, None, float(host["per_step"]), float(host["per_request"]))
+        weights, kv_per_token = 0, 0.0
+    elif method == "draft_model":
+        draft_model = get_model(spec.model)
+        if draft_model.vocab_size != target.vocab_size:
+            raise SpecConfigError(f"speculative_config.model: {draft_model.name} has a vocabulary of "
+                                  f"{draft_model.vocab_size} tokens, {target.name} {target.vocab_size}; vLLM needs the same")
+        weights = draft_model.weight_bytes // draft_tp
+        if weights >= gpu.memory_bytes:
+            raise SpecConfigError(f"speculative_config.model: {draft_model.name} needs {weights / GiB:.1f} GiB of weights "
+                                  f"per GPU (draft TP {draft_tp}) but {gpu.name} has {gpu.memory_gib:g} GiB; expected a "
+                                  "smaller draft model or a larger draft_tensor_parallel_size")
+        kv_per_token = (draft_model.kv_bytes_per_token() * kv_heads_per_gpu(draft_model, draft_tp)
+                        / draft_model.num_kv_heads)
+        draft = DraftCost(method, k, CostModel(draft_model, gpu, profile, tp=draft_tp))
+        lookahead = k
+    else:                                   # eagle, eagle3, mtp: one decoder layer of the target's shape
+        vocab = int(data["eagle3_draft_vocab"]) if method == "eagle3" else target.vocab_size
+        head = target.model_copy(update={"name": f"{target.name}-{method}-head", "num_layers": 1,
+                                         "vocab_size": vocab, "sliding_window": None,
+                                         "sliding_window_layers": None})
+        fc_inputs = {"eagle3": 3, "eagle": 2, "mtp": 2}[method]       # the fused hidden states' projection
+        extra = fc_inputs * target.hidden_size * target.hidden_size
+        if method == "eagle3":
+            extra += vocab * target.hidden_size              # its own LM head over the draft vocabulary
+        weights = int((target.linear_params_per_layer + extra) * w_bytes) // draft_tp
+        if weights >= gpu.memory_bytes:
+            raise SpecConfigError(f"speculative_config: the {method} head needs {weights / GiB:.1f} GiB per GPU but "
+                                  f"{gpu.name} has {gpu.memory_gib:g} GiB")
+        kv_per_token = target.kv_bytes_per_token() / target.num_layers * kv_heads_per_gpu(target, draft_tp) \
+            / target.num_kv_heads
+        draft = DraftCost(method, k, CostModel(head, gpu, profile, tp=draft_tp))
+        lookahead = k                       # vLLM: num_lookahead_tokens = k for EAGLE-style drafters
+    settings = SpecDecodeSettings(num_speculative_tokens=k, num_lookahead_tokens=lookahead, conditional=cond,
+                                  propose_rate=propose)
+    return ResolvedSpec(method, spec.model, settings, draft, int(weights), float(kv_per_token), source)
