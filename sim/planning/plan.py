@@ -17,7 +17,7 @@ import re
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Iterator
 
@@ -72,9 +72,12 @@ class Search:
     prune: bool = True              # may be dropped as dominated
     lo_fail: int = 0
     hi_ok: int | None = None
-    status: str = "searching"       # answer | dominated | over max replicas | failed
+    status: str = "searching"       # answer | dominated | over max replicas | failed | cannot meet (bound)
     note: str = ""
     rows: dict[int, dict] = field(default_factory=dict)
+    bound: int = 1                  # the capacity bound: fewer replicas cannot meet the SLO (bounds.py)
+    bound_why: str = ""             # what sets it
+    guess: int | None = None        # the low-fidelity pass's fewest replicas (None: not run)
 
     @property
     def answer_row(self) -> dict | None:
@@ -91,6 +94,7 @@ class PlanResult:
     range_notes: list[str] = field(default_factory=list)
     simulations: int = 0
     wall_s: float = 0.0
+    counts: SpaceCounts | None = None
 
     def points(self):
         """Every simulated point (one row per run) with its candidate and replica count."""
@@ -126,6 +130,25 @@ class PlanSpace:
     policies: list[str] | None = None   # kv.policy names (None: the base config's policy only)
     max_replicas: int = 64              # no configuration is simulated with more replicas than this
     objective: str = "usd"              # usd: the fewest dollars an hour; gpus: the fewest GPUs
+    exhaustive: bool = False            # simulate every configuration x replica count (no bound, no pruning)
+    bounds: bool = True                 # rule out replica counts below each configuration's capacity bound
+    low_fi: float = 0.0                 # > 0: first search each configuration on the busiest window of this
+                                        # share of the sample (its answer orders the full search and starts it)
+
+
+@dataclass
+class SpaceCounts:
+    """How much of the space a plan simulated: every (configuration, replica count) within the limit."""
+    configurations: int = 0             # models x GPUs x TPs (x policies) x 1..max_replicas
+    cannot_run: int = 0                 # of configurations whose weights do not fit
+    below_bound: int = 0                # counts below a configuration's capacity bound (incl. no count can meet)
+    low_fi_runs: int = 0                # low-fidelity simulations (the short window)
+    full_runs: int = 0                  # simulations of the sample that decided (the store's reuse not counted)
+    reused: int = 0                     # points found in the store (identical configurations simulated before)
+
+    @property
+    def simulated(self) -> int:
+        return self.full_runs + self.reused
 
 
 def candidates(base: SimConfig, space: PlanSpace) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
@@ -206,6 +229,7 @@ class _Runner:
         self.done = finished_runs(store, include_failed=False) if store else set()
         self.cached = read_store(store, order=False).set_index("run_id", drop=False) if self.done else None
         self.simulations = 0
+        self.reused = 0                 # rows taken from the store (identical configurations run before)
         self.run_ids: list[str] = []
 
     def __call__(self, cfgs: list[SimConfig]) -> list[dict]:
@@ -214,6 +238,7 @@ class _Runner:
         tasks = []
         for rid, cfg in zip(ids, cfgs, strict=True):
             if self.cached is not None and rid in self.done:
+                self.reused += 1
                 rows[rid] = {k: v for k, v in self.cached.loc[rid].to_dict().items()
                              if not (isinstance(v, float) and math.isnan(v)) and v is not None}
             elif rid not in {t.run_id for t in tasks}:
@@ -239,7 +264,8 @@ def _next_count(s: Search, best: float | None, max_replicas: int) -> int | None:
         s.status, s.note = "dominated", f">= {s.cand.unit(best)}"
         return None
     near = s.start - 1 if s.hi_ok == s.start else s.start + 1 if s.lo_fail == s.start else None
-    if s.start > 1 and near is not None and near not in s.rows and near >= 1:
+    if s.start > 1 and near is not None and near not in s.rows and s.lo_fail < near <= max_replicas \
+            and (s.hi_ok is None or near < s.hi_ok):
         return near                 # from a guess (a range search): its neighbour settles most cases
     if s.hi_ok is not None:
         return (s.lo_fail + s.hi_ok) // 2
@@ -324,7 +350,22 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
     cands, unfit = candidates(base, space)
     runner = _Runner(constraints, run_batch, store)
     searches = [Search(c) for c in cands]
-    search_rounds(searches, runner, max_replicas, width, progress)
+    counts = SpaceCounts(configurations=(len(cands) + len(unfit)) * max_replicas, cannot_run=len(unfit) * max_replicas)
+    if space.exhaustive:
+        _exhaustive(searches, runner, max_replicas, width, progress)
+    else:
+        if space.bounds:
+            counts.below_bound = apply_bounds(base, searches, constraints, max_replicas)
+        if space.low_fi > 0:
+            before = runner.simulations
+            low_fi_guesses(base, searches, runner, max_replicas, width, space.low_fi)
+            counts.low_fi_runs = runner.simulations - before
+        reused = runner.reused
+        before = runner.simulations
+        search_rounds(searches, runner, max_replicas, width, progress)
+        counts.full_runs, counts.reused = runner.simulations - before, runner.reused - reused
+    if space.exhaustive:
+        counts.full_runs, counts.reused = runner.simulations, runner.reused
     cheapest: dict[str, Search] = {}
     for s in searches:
         if s.status == "answer":
@@ -332,7 +373,7 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
             key = (s.cand.cost_per_replica * s.hi_ok, s.answer_row.get("ttft_p99_s", math.inf))
             if cur is None or key < (cur.cand.cost_per_replica * cur.hi_ok, cur.answer_row.get("ttft_p99_s", math.inf)):
                 cheapest[s.cand.model] = s
-    result = PlanResult([c.text for c in constraints], searches, unfit, cheapest)
+    result = PlanResult([c.text for c in constraints], searches, unfit, cheapest, counts=counts)
     if variants:
         extra: list[tuple[str, str, Search]] = []
         for model, s in cheapest.items():
@@ -349,6 +390,97 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
     return result
 
 
+def apply_bounds(base: SimConfig, searches: list[Search], constraints: list[Constraint], max_replicas: int) -> int:
+    """Each search's capacity bound (bounds.py): its counts below the bound are failures without a run,
+    a configuration no count can serve is settled as `cannot meet (bound)`. Returns the counts ruled out."""
+    from .bounds import demand_of, replica_bound
+    from ..engine.resolved_run import resolve_run
+
+    demand = demand_of(base)
+    ruled_out = 0
+    for s in searches:
+        b = replica_bound(resolve_run(s.cand.cfg), demand, constraints)
+        if b.min_replicas is None:
+            s.status, s.note = "cannot meet (bound)", b.why
+            ruled_out += max_replicas
+        elif b.min_replicas > max_replicas:
+            s.status, s.note = "over max replicas", f"bound {b.min_replicas}: {b.why}"
+            ruled_out += max_replicas
+        else:
+            s.bound, s.lo_fail, s.bound_why = b.min_replicas, b.min_replicas - 1, b.why
+            ruled_out += b.min_replicas - 1
+    return ruled_out
+
+
+def low_fi_window(cfg: SimConfig, share: float) -> SimConfig | None:
+    """`cfg` on the busiest window of `share` x its sample's duration (trace seconds, inside the sample);
+    None when the sample is too short to cut (under 2 requests, or the first N requests)."""
+    from kvsim.traces.windows import busiest_windows
+    from ..engine.assembly import load_workload
+
+    opts = cfg.trace_options
+    if opts.max_requests is not None or opts.request_rate is not None or not 0 < share < 1:
+        return None
+    trace = load_workload(cfg.model_copy(update={"trace_options": opts.model_copy(update={"rate_scale": 1.0})}))
+    arrivals = trace.df["arrival_time_s"].to_numpy(dtype=float) + (opts.start_s or 0.0)
+    if len(arrivals) < 2 or not arrivals[-1] > arrivals[0]:
+        return None
+    lo = opts.start_s if opts.start_s is not None else float(arrivals[0])
+    hi = opts.end_s if opts.end_s is not None else float(arrivals[-1])
+    found = busiest_windows(arrivals, share * (hi - lo), 1)
+    if not found or found[0][1] < 2:
+        return None
+    start = found[0][0]
+    return cfg.model_copy(update={"trace_options": opts.model_copy(
+        update={"start_s": start, "end_s": min(start + share * (hi - lo), hi)})})
+
+
+def low_fi_guesses(base: SimConfig, searches: list[Search], runner: _Runner, max_replicas: int, width: int | None,
+                   share: float) -> None:
+    """The low-fidelity pass: each open search's fewest replicas on the busiest `share` of the sample,
+    from its bound up; the answer starts the full search there (its neighbour settles most) and ranks
+    the cheapest first. Only an order: the full simulation decides."""
+    window = low_fi_window(base, share)
+    if window is None:
+        return
+    low = []
+    for s in searches:
+        if s.status != "searching":
+            continue
+        cfg = s.cand.cfg.model_copy(update={"trace_options": window.trace_options})
+        cand = Candidate(s.cand.model, s.cand.gpu, s.cand.tp, s.cand.policy, cfg, s.cand.objective)
+        low.append((s, Search(cand, prune=False, lo_fail=s.lo_fail, bound=s.bound)))
+    search_rounds([w for _, w in low], runner, max_replicas, width)
+    for s, w in low:
+        s.guess = w.hi_ok if w.status == "answer" else None
+        s.start = s.guess if s.guess is not None else max_replicas
+
+
+def _exhaustive(searches: list[Search], runner: _Runner, max_replicas: int, width: int | None,
+                progress: Callable[[Search, int, dict], None] | None) -> None:
+    """Every configuration at every count 1..max_replicas, in batches of `width` x 8; each search's answer
+    is its fewest replicas meeting the SLO (no assumption that more replicas never hurt)."""
+    todo = [(s, n) for s in searches for n in range(1, max_replicas + 1)]
+    size = max(1, (width or 1) * 8)
+    for i in range(0, len(todo), size):
+        part = todo[i:i + size]
+        for (s, n), row in zip(part, runner([s.cand.cfg.model_copy(update={"replicas": n}) for s, n in part]),
+                               strict=True):
+            row["replicas"] = n
+            s.rows[n] = row
+            if progress:
+                progress(s, n, row)
+    for s in searches:
+        ok = [n for n, row in s.rows.items() if row["status"] == "ok" and row["meets_slo"]]
+        failed = [row for row in s.rows.values() if row["status"] != "ok"]
+        if ok:
+            s.status, s.hi_ok, s.lo_fail = "answer", min(ok), min(ok) - 1
+        elif failed:
+            s.status, s.note = "failed", str(failed[0].get("error"))
+        else:
+            s.status, s.note, s.lo_fail = "over max replicas", f"fails at 1-{max_replicas}", max_replicas
+
+
 def _write_plan_result(store: Path, result: PlanResult, run_ids: list[str]) -> None:
     store.mkdir(parents=True, exist_ok=True)
     data = {
@@ -357,10 +489,12 @@ def _write_plan_result(store: Path, result: PlanResult, run_ids: list[str]) -> N
         "searches": [{"config": s.cand.label, "model": s.cand.model, "gpu": s.cand.gpu, "tp": s.cand.tp,
                       "policy": s.cand.policy, "status": s.status, "note": s.note,
                       "fewest_replicas": s.hi_ok if s.status == "answer" else None,
+                      "bound": s.bound, "bound_why": s.bound_why, "low_fi_guess": s.guess,
                       "usd_per_hour": s.cand.usd_per_replica_hour * s.hi_ok if s.status == "answer" else None}
                      for s in result.searches],
         "cheapest": {m: s.cand.label for m, s in result.cheapest.items()},
         "ranges": result.ranges, "range_notes": result.range_notes,
+        "counts": None if result.counts is None else {**asdict(result.counts), "simulated": result.counts.simulated},
     }
     texts = {"plan-result.json": json.dumps(data, indent=2, default=str),
              "plan.json": json.dumps({"name": "capacity plan", "axis_keys": ["model", "gpu", "tp", "replicas"],
