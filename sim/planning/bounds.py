@@ -143,68 +143,111 @@ def _smallest_sum(values: np.ndarray, k: int) -> float:
     return float(np.partition(values, k - 1)[:k].sum()) if k < len(values) else float(values.sum())
 
 
-def replica_bound(plan, demand: Demand, constraints: list[Constraint]) -> ReplicaBound:
-    """The bound of one replica's resolved run `plan` (sim.engine.resolved_run) on `demand`."""
+@dataclass(frozen=True)
+class _Rates:
+    """One replica's ceilings (the cost model's best rates) and which requests may not finish on it."""
+    r_p: float                      # best prompt tokens/s
+    r_d: float                      # best output tokens/s
+    t_one: float                    # the fastest decode step (one sequence, the shortest context)
+    kv_tokens: int                  # the KV pool, tokens
+    finished: int                   # requests surely counted in the percentiles (the rest might be rejected)
+    finished_multi: int             # of those, with 2+ output tokens (TPOT's)
+    outputs: np.ndarray             # output tokens as run (capped at max_model_len)
+
+
+def _rates(plan, demand: Demand) -> _Rates:
     from ..core.step import BatchShape
 
-    if demand.why_not:
-        return ReplicaBound(1, f"no bound: {demand.why_not}")
-    n = demand.requests
-    ttfts, tpots = _percentile_limits(constraints, "ttft"), _percentile_limits(constraints, "tpot")
-    if n == 0 or not ttfts:
-        return ReplicaBound(1, "no bound: the SLO sets no TTFT percentile")
     cost, sched = plan.cost, plan.scheduler
     block = plan.cfg.engine.block_size
     top = int(sched.max_num_batched_tokens)
     steps = np.array([float(cost.predict(BatchShape(num_seqs=1, num_prefill_tokens=t))) for t in range(1, top + 1)])
     r_p = float((np.arange(1, top + 1) / steps).max())
-    # requests that might be rejected (or capped) are not counted as finished
-    kv_lo, kv_hi = (plan.num_blocks - 1) * block, plan.num_blocks * block
+    ctx = float(demand.prompts.min()) + 1
+    b = np.arange(1, int(max(1, min(sched.max_num_seqs, plan.num_blocks))) + 1, dtype=float)
+    t_dec = np.asarray(cost.predict_decode(b, b * ctx, b * math.ceil(ctx / block)), dtype=float)
     peak = demand.prompts + demand.outputs - 1
-    maybe_rejected = (demand.prompts + 1 > sched.max_model_len) | (peak > kv_lo)
+    maybe_rejected = (demand.prompts + 1 > sched.max_model_len) | (peak > (plan.num_blocks - 1) * block)
     if not sched.enable_chunked_prefill:
         maybe_rejected |= peak > top
-    finished = n - int(maybe_rejected.sum())
     outputs = np.minimum(demand.outputs, np.maximum(sched.max_model_len - demand.prompts, 1.0))
+    return _Rates(r_p, float((b / t_dec).max()), float(t_dec[0]), plan.num_blocks * block,
+                  demand.requests - int(maybe_rejected.sum()), int(((outputs >= 2) & ~maybe_rejected).sum()), outputs)
+
+
+def _prefill_need(rates: _Rates, demand: Demand, ttfts: list[tuple[float, float]], local: int = 0,
+                  ) -> tuple[int | None, str]:
+    """Replicas the prompts due by the TTFT deadlines need; `local`: prompts whose uncached part is at most
+    this are prefilled elsewhere (a disaggregated fleet's decode pool), so only the others count."""
     a0, a1 = float(demand.arrivals.min()), float(demand.arrivals.max())
+    remote = demand.uncached[demand.uncached > local]
+    n_local = demand.requests - len(remote)
     need, why = 1, "1 replica"
     for q, limit in ttfts:
-        k = at_least(q, finished)
-        if k and np.partition(demand.uncached / r_p, k - 1)[k - 1] > limit:
-            return ReplicaBound(None, f"ttft_p{q:g}<={limit:g}s: {k} prompts need more than {limit:g} s each at "
-                                      f"{r_p:,.0f} prompt tok/s", r_p)
-        work = _smallest_sum(demand.uncached, k)
-        span = a1 + limit - a0
-        n_p = max(1, math.ceil(work / (r_p * span) * (1 - 1e-9))) if k else 1
-        if n_p > need:
-            need, why = n_p, (f"prefill: {work:,.0f} prompt tokens of {k} requests by the last arrival + {limit:g} s "
-                              f"at {r_p:,.0f} tok/s per replica")
-    ctx = float(demand.prompts.min()) + 1
-    top_b = int(max(1, min(sched.max_num_seqs, plan.num_blocks)))
-    b = np.arange(1, top_b + 1, dtype=float)
-    t_dec = np.asarray(cost.predict_decode(b, b * ctx, b * math.ceil(ctx / block)), dtype=float)
-    r_d = float((b / t_dec).max())
+        k = at_least(q, rates.finished) - n_local          # requests meeting the limit that prefill here
+        if k <= 0:
+            continue
+        if np.partition(remote / rates.r_p, k - 1)[k - 1] > limit:
+            return None, (f"ttft_p{q:g}<={limit:g}s: {k} prompts need more than {limit:g} s each at "
+                          f"{rates.r_p:,.0f} prompt tok/s")
+        work = _smallest_sum(remote, k)
+        n = max(1, math.ceil(work / (rates.r_p * (a1 + limit - a0)) * (1 - 1e-9)))
+        if n > need:
+            need, why = n, (f"prefill: {work:,.0f} prompt tokens of {k} requests by the last arrival + {limit:g} s "
+                            f"at {rates.r_p:,.0f} tok/s per replica")
+    return need, why
+
+
+def _decode_need(rates: _Rates, demand: Demand, ttfts: list[tuple[float, float]],
+                 tpots: list[tuple[float, float]]) -> tuple[int | None, str]:
+    """Replicas the output tokens (and the KV they hold) due by the TTFT + TPOT deadlines need."""
+    n, outputs = demand.requests, rates.outputs
     multi = outputs >= 2
-    finished_multi = int((multi & ~maybe_rejected).sum())
+    a0 = float(demand.arrivals.min())
+    need, why = 1, "1 replica"
     for q_d, tpot in tpots:
-        k_d = at_least(q_d, finished_multi)
-        if k_d and t_dec[0] > tpot:
-            return ReplicaBound(None, f"tpot_p{q_d:g}<={tpot * 1e3:g}ms: one sequence's decode step takes "
-                                      f"{t_dec[0] * 1e3:.2f} ms", r_p, r_d)
+        k_d = at_least(q_d, rates.finished_multi)
+        if k_d and rates.t_one > tpot:
+            return None, f"tpot_p{q_d:g}<={tpot * 1e3:g}ms: one sequence's decode step takes {rates.t_one * 1e3:.2f} ms"
         for q, limit in ttfts:
-            fail_ttft = n - at_least(q, n)          # at most this many miss the TTFT limit (n: every request)
-            both = k_d - fail_ttft                   # so at least this many of 2+ tokens meet both
+            both = k_d - (n - at_least(q, n))       # at most n - at_least(q, n) miss the TTFT limit
             if both <= 0:
                 continue
             span = float((demand.arrivals + limit + (outputs - 1) * tpot)[multi].max()) - a0
             tokens = _smallest_sum(outputs[multi] - 1, both)
-            n_d = max(1, math.ceil(tokens / (r_d * span) * (1 - 1e-9)))
+            n_d = max(1, math.ceil(tokens / (rates.r_d * span) * (1 - 1e-9)))
             if n_d > need:
                 need, why = n_d, (f"decode: {tokens:,.0f} output tokens of {both} requests by their deadlines "
-                                  f"at {r_d:,.0f} tok/s per replica")
-            held = _smallest_sum((demand.uncached * (outputs - 1) * t_dec[0])[multi], both)
-            n_kv = max(1, math.ceil(held / (kv_hi * span) * (1 - 1e-9)))
+                                  f"at {rates.r_d:,.0f} tok/s per replica")
+            # while decoding its j-th token a request holds its uncached prompt + j tokens, for a step each
+            steps = outputs - 1
+            held_each = rates.t_one * (demand.uncached * steps + steps * (steps + 1) / 2)
+            held = _smallest_sum(held_each[multi], both)
+            n_kv = max(1, math.ceil(held / (rates.kv_tokens * span) * (1 - 1e-9)))
             if n_kv > need:
-                need, why = n_kv, (f"KV: {held:,.0f} token-seconds of {both} requests in {kv_hi:,} tokens per "
-                                   f"replica")
-    return ReplicaBound(need, why, r_p, r_d)
+                need, why = n_kv, (f"KV: {held:,.0f} token-seconds of {both} requests in {rates.kv_tokens:,} tokens "
+                                   f"per replica")
+    return need, why
+
+
+def replica_bound(plan, demand: Demand, constraints: list[Constraint], role: str = "both",
+                  local: int = 0) -> ReplicaBound:
+    """The bound of one replica's resolved run `plan` (sim.engine.resolved_run) on `demand`: an aggregated
+    replica (`role` both), or a disaggregated fleet's prefill or decode pool (`local`: the fleet's
+    conditional-disaggregation threshold)."""
+    if demand.why_not:
+        return ReplicaBound(1, f"no bound: {demand.why_not}")
+    ttfts, tpots = _percentile_limits(constraints, "ttft"), _percentile_limits(constraints, "tpot")
+    if demand.requests == 0 or not ttfts:
+        return ReplicaBound(1, "no bound: the SLO sets no TTFT percentile")
+    rates = _rates(plan, demand)
+    found = []
+    if role in ("both", "prefill"):
+        found.append(_prefill_need(rates, demand, ttfts, local if role == "prefill" else 0))
+    if role in ("both", "decode"):
+        found.append(_decode_need(rates, demand, ttfts, tpots))
+    for need, why in found:
+        if need is None:
+            return ReplicaBound(None, why, rates.r_p, rates.r_d)
+    need, why = max(found, key=lambda f: f[0] or 0)
+    return ReplicaBound(need, why, rates.r_p, rates.r_d)
