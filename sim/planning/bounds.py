@@ -121,7 +121,7 @@ def at_least(q: float, n: int) -> int:
     value at rank floor(q/100 x (n - 1)) is at most the percentile (rounded down: never more)."""
     if n <= 0:
         return 0
-    return int(math.floor((n - 1) * q / 100.0 - 1e-9)) + 1
+    return int(np.floor(np.float64(q) / 100 * (n - 1))) + 1       # numpy's virtual index, as it computes it
 
 
 def _percentile_limits(constraints: list[Constraint], kind: str) -> list[tuple[float, float]]:
