@@ -4,16 +4,16 @@ A disaggregated fleet is a prefill pool and a decode pool (docs/disaggregation.m
 TP degree and replica count. The space is every (prefill GPU x TP) x (decode GPU x TP) pair that fits
 the model, crossed with the two replica counts. It is searched without simulating most of it:
 
-1. **Per-pool capacity bounds, before anything runs.** From the load sample and the SLO's deadlines
-   (with a p99 TTFT limit, 99% of the prompt tokens, less what an ideal prefix cache could serve, are
-   prefilled by the last arrival + the limit; with p99 TTFT and TPOT limits, 99% of the output tokens
-   are decoded by the latest arrival + TTFT limit + output x TPOT limit) and each pool type's cost model: the prefill pool's best rate is the highest prompt tokens per second one
-   replica computes in full `max_num_batched_tokens` steps (attention left out: an upper bound); the
-   decode pool's best rate is the most output tokens per second one replica produces at a batch that
-   fits its KV pool at the sample's mean context (prompt + half the output), at most `max_num_seqs`,
-   whose step time stays within the SLO's TPOT limit. A pool with fewer replicas than the load over
-   that rate is never simulated (it cannot finish the tokens in time). A decode pool type whose one-sequence
-   step is above the TPOT limit cannot meet it at all.
+1. **Per-pool capacity bounds, before anything runs.** Each pool type's fewest replicas from
+   bounds.py (provably optimistic: at most what a simulation needs): the prefill pool must compute the
+   prompts of the requests that meet the TTFT percentile (the smallest such prompts, less an ideal
+   prefix cache's hits) by the last arrival + the limit, at the best prompt tokens/s any step of its
+   cost model reaches (attention left out); the decode pool must decode the outputs of the requests that
+   meet both limits by their deadlines at its best output tokens/s (the shortest context, up to
+   `max_num_seqs`), and hold their KV for at least one fastest step per token. A pool with fewer
+   replicas is never simulated; a decode pool type whose one-sequence step is above the TPOT limit
+   cannot meet it at all. The table also shows each pool type's best rate at the sample's mean context
+   (`pool_bound`), for reading, not for pruning.
 2. **Cheapest first.** The remaining points are taken in order of $/hour (then GPUs; GPUs then $/hour
    with the `gpus` objective), `width` at a time
    (the executor's workers); the first point that meets the SLO is the answer, and the search stops

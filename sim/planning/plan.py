@@ -5,8 +5,14 @@ SLO at the given load; the searches advance in rounds, every round's simulations
 to one executor (a local Dask cluster by default, the same task `kvsim sweep` runs). Between rounds
 a configuration is dropped once it cannot be cheaper than a passing point already found for its
 model (its GPU price x TP x the fewest replicas it may still need), so the expensive corners of the
-space are never simulated. Every run goes through a sweep store (same run ids as `kvsim sweep` and
-`kvsim capacity`), so a plan is resumable and `kvsim report` draws it.
+space are never simulated. Before anything runs, each configuration's capacity bound (bounds.py: the
+fewest replicas whose roofline ceilings could finish the work the SLO's deadlines make due) rules out
+the counts below it, and a configuration whose bound already costs as much as an answer is dropped
+unsimulated. An optional low-fidelity pass (`PlanSpace.low_fi`: the busiest share of the sample) starts
+and orders the full searches; the full simulations decide. `PlanSpace.exhaustive` simulates every
+configuration at every count instead (the reference the pruned search is tested against). Every run
+goes through a sweep store (same run ids as `kvsim sweep` and `kvsim capacity`), so a plan is
+resumable and `kvsim report` draws it.
 """
 from __future__ import annotations
 
