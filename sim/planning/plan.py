@@ -399,13 +399,16 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
 def apply_bounds(base: SimConfig, searches: list[Search], constraints: list[Constraint], max_replicas: int) -> int:
     """Each search's capacity bound (bounds.py): its counts below the bound are failures without a run,
     a configuration no count can serve is settled as `cannot meet (bound)`. Returns the counts ruled out."""
-    from .bounds import demand_of, replica_bound
+    from .bounds import ReplicaBound, demand_of, replica_bound
     from ..engine.resolved_run import resolve_run
 
     demand = demand_of(base)
     ruled_out = 0
     for s in searches:
-        b = replica_bound(resolve_run(s.cand.cfg), demand, constraints)
+        try:
+            b = replica_bound(resolve_run(s.cand.cfg), demand, constraints)
+        except (ValueError, KeyError) as exc:        # the run itself will say what is wrong; nothing pruned
+            b = ReplicaBound(1, f"no bound: {type(exc).__name__}: {exc}")
         if b.min_replicas is None:
             s.status, s.note = "cannot meet (bound)", b.why
             ruled_out += max_replicas
