@@ -159,6 +159,10 @@ def test_cli_plan_exhaustive_and_low_fi(exhaustive):
                          (["--low-fi", "0.2", "--exhaustive"], "--low-fi: the exhaustive search simulates")):
         out = CliRunner().invoke(app, [*args, *bad], env={"COLUMNS": "250"})
         assert out.exit_code == 2 and message in out.output, out.output
+    first_n = ["plan", "--slo", SLO, "--models", MODEL, "--gpus", "h100", "--tps", "1", "--trace", "azure-conv-2023",
+               "--set", "trace_options.max_requests=40", "--low-fi", "0.2", "-j", "1", "-q"]
+    out = CliRunner().invoke(app, first_n, env={"COLUMNS": "250"})
+    assert out.exit_code == 2 and "--low-fi 0.2: the sample has no busiest window to cut" in out.output, out.output
 
 
 def test_a_reused_parsed_trace_gives_the_same_run(tmp_path):

@@ -459,9 +459,9 @@ def plan(
                                   "gpus (the fewest GPUs, then dollars)"),
     exhaustive: bool = typer.Option(False, "--exhaustive", help="simulate every configuration at every replica "
                                     "count (and every disaggregated fleet): no capacity bound, no pruning"),
-    low_fi: float = typer.Option(0.0, "--low-fi", help="first search each configuration on the busiest window "
-                                 "of this share of the sample (e.g. 0.125) to order and start the full search; "
-                                 "0: off"),
+    low_fi: float = typer.Option(0.0, "--low-fi", help="first run each configuration at its capacity bound on "
+                                 "the busiest window of this share of the sample (e.g. 0.125) to order and start "
+                                 "the full search; 0: off"),
 ) -> None:
     """The cheapest configuration meeting an SLO at a given load, for each model: every GPU x TP degree
     (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
@@ -506,6 +506,7 @@ def plan(
         cfg, sample = choose_sample(cfg, window)
     except (ConfigError, CatalogError, TraceError) as exc:
         fail(str(exc).replace("\n", " "))
+    _check_low_fi_window(cfg, low_fi)
     console.print(sample.describe(), highlight=False, soft_wrap=True)
     notes: list[str] = []
 
@@ -548,6 +549,15 @@ def _check_search_options(exhaustive: bool, low_fi: float) -> None:
         fail(f"--low-fi: expected a share of the sample from 0 (off) to below 1, e.g. 0.125, got {low_fi:g}")
     if exhaustive and low_fi:
         fail("--low-fi: the exhaustive search simulates everything in full; drop --low-fi or --exhaustive")
+
+
+def _check_low_fi_window(cfg, low_fi: float) -> None:
+    """--low-fi needs a sample with arrival times to cut a window from (not the first N requests)."""
+    from kvsim.sim.planning.plan import low_fi_window
+
+    if low_fi and low_fi_window(cfg, low_fi) is None:
+        fail(f"--low-fi {low_fi:g}: the sample has no busiest window to cut (the first N requests, synthesized "
+             "arrivals, or fewer than 2 requests in the window); use --window (e.g. 8m@peak) or drop --low-fi")
 
 
 def _check_disaggregated_options(disaggregated: bool, pool_options: dict, link: str, max_pool_replicas: int,

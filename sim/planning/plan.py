@@ -138,8 +138,8 @@ class PlanSpace:
     objective: str = "usd"              # usd: the fewest dollars an hour; gpus: the fewest GPUs
     exhaustive: bool = False            # simulate every configuration x replica count (no bound, no pruning)
     bounds: bool = True                 # rule out replica counts below each configuration's capacity bound
-    low_fi: float = 0.0                 # > 0: first search each configuration on the busiest window of this
-                                        # share of the sample (its answer orders the full search and starts it)
+    low_fi: float = 0.0                 # > 0: first run each configuration at its bound on the busiest window
+                                        # of this share of the sample (orders the full search and starts it)
 
 
 @dataclass
@@ -446,23 +446,22 @@ def low_fi_window(cfg: SimConfig, share: float) -> SimConfig | None:
 
 def low_fi_guesses(base: SimConfig, searches: list[Search], runner: _Runner, max_replicas: int, width: int | None,
                    share: float) -> None:
-    """The low-fidelity pass: each open search's fewest replicas on the busiest `share` of the sample,
-    from its bound up; the answer starts the full search there (its neighbour settles most) and ranks
-    the cheapest first. Only an order: the full simulation decides."""
+    """The low-fidelity pass: one run of each open search at its bound on the busiest `share` of the
+    sample. Where it meets, the full search starts at the bound; where it is overloaded, at the count its
+    throughput implies (as the full search's second step would, x1.1); either way the full search checks
+    the neighbouring count, and the guesses order the searches cheapest first. Only an order and a start:
+    the full simulations decide."""
     window = low_fi_window(base, share)
     if window is None:
         return
-    low = []
-    for s in searches:
-        if s.status != "searching":
+    open_ = [s for s in searches if s.status == "searching"]
+    cfgs = [s.cand.cfg.model_copy(update={"trace_options": window.trace_options, "replicas": s.bound})
+            for s in open_]
+    for s, row in zip(open_, runner(cfgs) if cfgs else [], strict=True):
+        if row["status"] != "ok":
             continue
-        cfg = s.cand.cfg.model_copy(update={"trace_options": window.trace_options})
-        cand = Candidate(s.cand.model, s.cand.gpu, s.cand.tp, s.cand.policy, cfg, s.cand.objective)
-        low.append((s, Search(cand, prune=False, lo_fail=s.lo_fail, bound=s.bound)))
-    search_rounds([w for _, w in low], runner, max_replicas, width)
-    for s, w in low:
-        s.guess = w.hi_ok if w.status == "answer" else None
-        s.start = s.guess if s.guess is not None else max_replicas
+        guess = s.bound if row["meets_slo"] else max(s.bound + 1, _saturation_guess(row, s.bound))
+        s.guess = s.start = min(guess, max_replicas)
 
 
 def _exhaustive(searches: list[Search], runner: _Runner, max_replicas: int, width: int | None,
