@@ -180,8 +180,10 @@ def _prefill_need(rates: _Rates, demand: Demand, ttfts: list[tuple[float, float]
     """Replicas the prompts due by the TTFT deadlines need; `local`: prompts whose uncached part is at most
     this are prefilled elsewhere (a disaggregated fleet's decode pool), so only the others count."""
     a0, a1 = float(demand.arrivals.min()), float(demand.arrivals.max())
-    remote = demand.uncached[demand.uncached > local]
-    n_local = demand.requests - len(remote)
+    # at most the requests whose ideal uncached prompt is <= local stay local (a real cache hits less); one
+    # that does not computes more than `local` tokens here, so its work is at least local + 1
+    n_local = int((demand.uncached <= local).sum())
+    remote = np.where(demand.uncached > local, demand.uncached, local + 1.0)
     need, why = 1, "1 replica"
     for q, limit in ttfts:
         k = at_least(q, rates.finished) - n_local          # requests meeting the limit that prefill here
