@@ -130,6 +130,13 @@ def test_bounds_do_not_apply_where_their_assumptions_fail():
     noisy = base().model_copy(update={"step_variance": 0.1})
     b = replica_bound(resolve_run(noisy), demand_of(noisy), slo)
     assert b.min_replicas == 1 and "variance" in b.why
+    # each configuration is bounded on its own config: a KV policy (--policies) gets no bound, the full cache does
+    from kvsim.sim.planning.plan import Search, apply_bounds, candidates
+    cands, _ = candidates(base(), PlanSpace([MODEL], ["a100-80gb"], [1], policies=["none", "h2o"], max_replicas=8))
+    searches = [Search(c) for c in cands]
+    apply_bounds(searches, slo, 8)
+    by_policy = {s.cand.policy: s for s in searches}
+    assert by_policy["none"].bound > 1 and by_policy["h2o"].bound == 1 and "KV policy h2o" in by_policy["h2o"].bound_why
 
 
 def test_low_fi_window_is_the_busiest_share_inside_the_sample():

@@ -361,7 +361,7 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
         _exhaustive(searches, runner, max_replicas, width, progress)
     else:
         if space.bounds:
-            counts.below_bound = apply_bounds(base, searches, constraints, max_replicas)
+            counts.below_bound = apply_bounds(searches, constraints, max_replicas)
         if space.low_fi > 0:
             before = runner.simulations
             low_fi_guesses(base, searches, runner, max_replicas, width, space.low_fi)
@@ -386,6 +386,10 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
             for label, cfg in variants(s.cand.cfg).items():
                 cand = Candidate(s.cand.model, s.cand.gpu, s.cand.tp, s.cand.policy, cfg, s.cand.objective)
                 extra.append((model, label, Search(cand, start=s.hi_ok, prune=False)))
+        if space.bounds and not space.exhaustive:       # a variant's own bound (its window, its step times)
+            apply_bounds([e[2] for e in extra], constraints, max_replicas)
+            for _, _, s in extra:
+                s.start = max(s.start, s.bound)
         search_rounds([e[2] for e in extra], runner, max_replicas, None, progress)
         for model, label, s in extra:
             result.ranges.setdefault(model, {})[label] = s.hi_ok if s.status == "answer" else None
@@ -396,17 +400,23 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
     return result
 
 
-def apply_bounds(base: SimConfig, searches: list[Search], constraints: list[Constraint], max_replicas: int) -> int:
-    """Each search's capacity bound (bounds.py): its counts below the bound are failures without a run,
-    a configuration no count can serve is settled as `cannot meet (bound)`. Returns the counts ruled out."""
+def apply_bounds(searches: list[Search], constraints: list[Constraint], max_replicas: int) -> int:
+    """Each search's capacity bound (bounds.py, on its own config's sample and KV policy): its counts below
+    the bound are failures without a run, a configuration no count can serve is settled as `cannot meet
+    (bound)`. Returns the counts ruled out."""
     from .bounds import ReplicaBound, demand_of, replica_bound
     from ..engine.resolved_run import resolve_run
 
-    demand = demand_of(base)
+    demands: dict[str, object] = {}
     ruled_out = 0
     for s in searches:
+        cfg = s.cand.cfg            # its own sample and KV policy (--policies, a range's other windows)
+        key = json.dumps([cfg.trace, cfg.seed, cfg.step_variance, cfg.engine.enable_prefix_caching,
+                          cfg.trace_options.model_dump(mode="json"), cfg.kv.model_dump(mode="json")], default=str)
+        if key not in demands:
+            demands[key] = demand_of(cfg)
         try:
-            b = replica_bound(resolve_run(s.cand.cfg), demand, constraints)
+            b = replica_bound(resolve_run(cfg), demands[key], constraints)
         except (ValueError, KeyError) as exc:        # the run itself will say what is wrong; nothing pruned
             b = ReplicaBound(1, f"no bound: {type(exc).__name__}: {exc}")
         if b.min_replicas is None:
