@@ -92,9 +92,58 @@ def resolve_trace_path(source: str | os.PathLike) -> tuple[Path, str]:
     return path, path.stem
 
 
+# Parsed traces kept for the runs of one process that load the same file again (a sweep's or a plan's
+# worker: every run of a plan reads the same trace). Only inside `reusing_parsed_traces()`; keyed by the
+# file's path, size and modification time and every load option, so a rewritten file is parsed again.
+_PARSED: dict[tuple, Trace] = {}
+_PARSED_MAX = 2
+_REUSE_PARSED: ContextVar[bool] = ContextVar("reuse_parsed_traces", default=False)
+
+
+class reusing_parsed_traces:
+    """Within it, `load_trace` hands out a copy of a trace already parsed in this process (same file,
+    unchanged, same options): the same requests without parsing the file again."""
+
+    def __enter__(self):
+        self._token = _REUSE_PARSED.set(True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _REUSE_PARSED.reset(self._token)
+
+
+def _copy_trace(trace: Trace) -> Trace:
+    import copy
+
+    out = copy.copy(trace)
+    out.df = trace.df.copy()
+    out.notices = list(trace.notices)
+    return out
+
+
 def load_trace(source: str | os.PathLike, *, format: str | None = None, rate: float | None = None,
                cv: float | None = None, seed: int = 0, name: str | None = None, max_rows: int | None = None,
                **options) -> Trace:
+    """`_load_trace` (below), or inside `reusing_parsed_traces()` a copy of the same load done before."""
+    if not _REUSE_PARSED.get():
+        return _load_trace(source, format=format, rate=rate, cv=cv, seed=seed, name=name, max_rows=max_rows,
+                           **options)
+    path, _ = resolve_trace_path(source)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, format, rate, cv, seed, name, max_rows,
+           tuple(sorted((k, repr(v)) for k, v in options.items())))
+    if key not in _PARSED:
+        trace = _load_trace(source, format=format, rate=rate, cv=cv, seed=seed, name=name, max_rows=max_rows,
+                            **options)
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[key] = trace
+    return _copy_trace(_PARSED[key])
+
+
+def _load_trace(source: str | os.PathLike, *, format: str | None = None, rate: float | None = None,
+                cv: float | None = None, seed: int = 0, name: str | None = None, max_rows: int | None = None,
+                **options) -> Trace:
     """Load a trace from a shipped short name or a file of any supported format.
 
     ``rate`` (req/s), ``cv`` (inter-arrival coefficient of variation; 1 = Poisson, >1 = bursty

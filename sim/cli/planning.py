@@ -465,6 +465,11 @@ def plan(
                                              "thresholds to search, comma-separated (0: always disaggregate)"),
     objective: str = typer.Option("usd", "--objective", help="what the plan minimises: usd (dollars an hour) or "
                                   "gpus (the fewest GPUs, then dollars)"),
+    exhaustive: bool = typer.Option(False, "--exhaustive", help="simulate every configuration at every replica "
+                                    "count (and every disaggregated fleet): no capacity bound, no pruning"),
+    low_fi: float = typer.Option(0.0, "--low-fi", help="first run each configuration at its capacity bound on "
+                                 "the busiest window of this share of the sample (e.g. 0.125) to order and start "
+                                 "the full search; 0: off"),
 ) -> None:
     """The cheapest configuration meeting an SLO at a given load, for each model: every GPU x TP degree
     (x KV policy) that fits, its fewest replicas, searched in rounds on a Dask cluster (configurations
@@ -487,6 +492,7 @@ def plan(
         _check_store(out, "--out")
     if objective not in ("usd", "gpus"):
         fail(f"--objective: expected usd or gpus, got {objective!r}")
+    _check_search_options(exhaustive, low_fi)
     _check_disaggregated_options(disaggregated, {"--prefill-gpus": prefill_gpus, "--decode-gpus": decode_gpus,
                                                  "--prefill-tps": prefill_tps, "--decode-tps": decode_tps},
                                  link, max_pool_replicas, local_prefill_tokens)
@@ -510,6 +516,7 @@ def plan(
         cfg, sample = choose_sample(cfg, window)
     except (ConfigError, CatalogError, TraceError) as exc:
         fail(str(exc).replace("\n", " "))
+    _check_low_fi_window(cfg, low_fi)
     console.print(sample.describe(), highlight=False, soft_wrap=True)
     notes: list[str] = []
 
@@ -526,10 +533,11 @@ def plan(
             console.print(f"  {s.cand.label} x{n}: {mark}", soft_wrap=True)
 
     dspace = _disaggregated_space(cfg, model_list, pools, link, max_pool_replicas,
-                                  _thresholds(local_prefill_tokens), objective)
+                                  _thresholds(local_prefill_tokens), objective, exhaustive)
     try:
         with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
-            space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas, objective, spec_list)
+            space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas, objective, spec_list,
+                              exhaustive=exhaustive, low_fi=low_fi)
             result = plan_capacity(cfg, constraints, space, run_batch=run_batch, width=width, store=out,
                                    variants=variants, progress=show)
             dis = _plan_disaggregated(cfg, constraints, dspace, run_batch, width, out, variants, quiet)
@@ -559,6 +567,22 @@ def _speculative_variants(values: list[str] | None) -> list[dict | None] | None:
         load_config(None, {"speculative_config": data})          # the schema's one-line refusals
         out.append(data)
     return out
+
+
+def _check_search_options(exhaustive: bool, low_fi: float) -> None:
+    if not 0 <= low_fi < 1:
+        fail(f"--low-fi: expected a share of the sample from 0 (off) to below 1, e.g. 0.125, got {low_fi:g}")
+    if exhaustive and low_fi:
+        fail("--low-fi: the exhaustive search simulates everything in full; drop --low-fi or --exhaustive")
+
+
+def _check_low_fi_window(cfg, low_fi: float) -> None:
+    """--low-fi needs a sample with arrival times to cut a window from (not the first N requests)."""
+    from kvsim.sim.planning.plan import low_fi_window
+
+    if low_fi and low_fi_window(cfg, low_fi) is None:
+        fail(f"--low-fi {low_fi:g}: the sample has no busiest window to cut (the first N requests, synthesized "
+             "arrivals, or fewer than 2 requests in the window); use --window (e.g. 8m@peak) or drop --low-fi")
 
 
 def _check_disaggregated_options(disaggregated: bool, pool_options: dict, link: str, max_pool_replicas: int,
@@ -591,7 +615,7 @@ def _thresholds(text: str) -> tuple[int, ...]:
 
 
 def _disaggregated_space(cfg, models: list[str], pools: dict, link: str, max_pool_replicas: int,
-                         local_prefill_tokens: tuple[int, ...], objective: str):
+                         local_prefill_tokens: tuple[int, ...], objective: str, exhaustive: bool = False):
     """The DisaggSpace of `kvsim plan --disaggregated` (None without it); what a fleet does not model is
     refused here, in one line, before the aggregated search runs."""
     if not pools:
@@ -599,7 +623,7 @@ def _disaggregated_space(cfg, models: list[str], pools: dict, link: str, max_poo
     from kvsim.sim.planning.disaggregated import DisaggSpace, refuse_unmodelled
 
     space = DisaggSpace(models, pools["prefill"], pools["decode"], link, max_pool_replicas, local_prefill_tokens,
-                        objective)
+                        objective, exhaustive)
     try:
         refuse_unmodelled(cfg, space)
     except ConfigError as exc:
@@ -694,6 +718,15 @@ def _print_plan(result) -> None:
         elif model not in result.cheapest:
             console.print(f"[red]{model}: no configuration searched meets the SLO[/red]", soft_wrap=True)
     console.print(f"{result.simulations} simulations, {result.wall_s:.1f} s", highlight=False)
+    if result.counts is not None:
+        console.print(space_line(result.counts), highlight=False, soft_wrap=True)
+
+
+def space_line(c) -> str:
+    """'space: 512 configurations (...): 64 cannot run, 300 below a capacity bound, ...' (SpaceCounts)."""
+    return (f"space: {c.configurations:,} configurations (model x GPU x TP x replica count): {c.cannot_run:,} cannot "
+            f"run, {c.below_bound:,} below a capacity bound, {c.low_fi_runs} low-fidelity runs, {c.full_runs} full "
+            f"simulations ({c.reused} more reused from the store), the rest dominated or past an answer")
 
 
 def _print_disaggregated(agg, dis) -> None:

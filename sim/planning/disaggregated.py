@@ -4,16 +4,16 @@ A disaggregated fleet is a prefill pool and a decode pool (docs/disaggregation.m
 TP degree and replica count. The space is every (prefill GPU x TP) x (decode GPU x TP) pair that fits
 the model, crossed with the two replica counts. It is searched without simulating most of it:
 
-1. **Per-pool capacity bounds, before anything runs.** From the load sample and the SLO's deadlines
-   (with a p99 TTFT limit, 99% of the prompt tokens, less what an ideal prefix cache could serve, are
-   prefilled by the last arrival + the limit; with p99 TTFT and TPOT limits, 99% of the output tokens
-   are decoded by the latest arrival + TTFT limit + output x TPOT limit) and each pool type's cost model: the prefill pool's best rate is the highest prompt tokens per second one
-   replica computes in full `max_num_batched_tokens` steps (attention left out: an upper bound); the
-   decode pool's best rate is the most output tokens per second one replica produces at a batch that
-   fits its KV pool at the sample's mean context (prompt + half the output), at most `max_num_seqs`,
-   whose step time stays within the SLO's TPOT limit. A pool with fewer replicas than the load over
-   that rate is never simulated (it cannot finish the tokens in time). A decode pool type whose one-sequence
-   step is above the TPOT limit cannot meet it at all.
+1. **Per-pool capacity bounds, before anything runs.** Each pool type's fewest replicas from
+   bounds.py (provably optimistic: at most what a simulation needs): the prefill pool must compute the
+   prompts of the requests that meet the TTFT percentile (the smallest such prompts, less an ideal
+   prefix cache's hits) by the last arrival + the limit, at the best prompt tokens/s any step of its
+   cost model reaches (attention left out); the decode pool must decode the outputs of the requests that
+   meet both limits by their deadlines at its best output tokens/s (the shortest context, up to
+   `max_num_seqs`), and hold their KV for at least one fastest step per token. A pool with fewer
+   replicas is never simulated; a decode pool type whose one-sequence step is above the TPOT limit
+   cannot meet it at all. The table also shows each pool type's best rate at the sample's mean context
+   (`pool_bound`), for reading, not for pruning.
 2. **Cheapest first.** The remaining points are taken in order of $/hour (then GPUs; GPUs then $/hour
    with the `gpus` objective), `width` at a time
    (the executor's workers); the first point that meets the SLO is the answer, and the search stops
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .bounds import demand_of, replica_bound
 from .capacity import Constraint, slo_for_goodput
 from ..config import SimConfig
 from .sweep import SpecError, _FitChecker
@@ -129,6 +130,7 @@ class DisaggSpace:
     max_pool_replicas: int = 16             # no pool is simulated with more replicas than this
     local_prefill_tokens: tuple[int, ...] = (0,)   # conditional disaggregation thresholds, each searched
     objective: str = "usd"                  # usd: the fewest dollars an hour; gpus: the fewest GPUs
+    exhaustive: bool = False                # simulate every fleet of the grid (no bound, no implied failure)
 
 
 @dataclass
@@ -267,9 +269,14 @@ class _Grid:
     """One model's search: the points above the bounds, cheapest first, and what failures imply."""
 
     def __init__(self, model: str, prefill: dict[int, list[PoolBound]], decode: list[PoolBound], max_n: int,
-                 objective: str = "usd"):
-        """`prefill`: each threshold's prefill bounds (threshold -> one bound per prefill pool type)."""
-        self.model, self.objective = model, objective
+                 objective: str = "usd", exhaustive: bool = False):
+        """`prefill`: each threshold's prefill bounds (threshold -> one bound per prefill pool type);
+        `exhaustive`: every point of the grid, bounds and failures ignored, until all are simulated."""
+        self.model, self.objective, self.exhaustive = model, objective, exhaustive
+        if exhaustive:
+            prefill = {t: [PoolBound(b.role, b.pool, b.tok_s_per_replica, 1, b.why) for b in bounds]
+                       for t, bounds in prefill.items()}
+            decode = [PoolBound(b.role, b.pool, b.tok_s_per_replica, 1, b.why) for b in decode]
         self.points: list[tuple[tuple, str, tuple]] = []
         self.total = self.below = 0
         for local, bounds in prefill.items():
@@ -293,6 +300,8 @@ class _Grid:
         self.implied = 0
 
     def failure_implied(self, key: tuple) -> str:
+        if self.exhaustive:
+            return ""
         _, p, n_p, d, n_d, local = key
         if not local and n_p <= self.prefill_failed.get(p, 0):
             return f"the prefill queue of {self.prefill_failed[p]}x {p.label} is above the TTFT limit"
@@ -306,7 +315,7 @@ class _Grid:
         cheaper than the best answer found."""
         picked = []
         for rank, _, key in self.points:
-            if self.best is not None and rank >= self.best.rank(self.objective):
+            if self.best is not None and rank >= self.best.rank(self.objective) and not self.exhaustive:
                 break
             if key in self.done:
                 continue
@@ -371,15 +380,22 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
     thresholds = sorted(set(space.local_prefill_tokens)) or [0]
     loads = {t: offered_load(base, ttft, tpot, t) for t in thresholds}
     load = loads[thresholds[0]]
+    demand = demand_of(base)
+
+    def bound(role: str, pool: PoolType, plan, local: int = 0) -> PoolBound:
+        """The pool type's best rate (as shown) and its provably optimistic replica bound (bounds.py)."""
+        best = pool_bound(role, pool, plan, loads[local] if role == "prefill" else load, tpot[0])
+        proof = replica_bound(plan, demand, constraints, role, local)
+        return PoolBound(role, pool, best.tok_s_per_replica, proof.min_replicas, f"{best.why}; bound: {proof.why}")
+
     for model in space.models:
         plans = {role: [(pool, resolve_run(cfg)) for pool, cfg in pool_types(base, model, pairs, role, fits, unfit)]
                  for role, pairs in (("prefill", space.prefill), ("decode", space.decode))}
-        prefill = {t: [pool_bound("prefill", pool, plan, loads[t], tpot[0]) for pool, plan in plans["prefill"]]
-                   for t in thresholds}
-        decode = [pool_bound("decode", pool, plan, load, tpot[0]) for pool, plan in plans["decode"]]
+        prefill = {t: [bound("prefill", pool, plan, t) for pool, plan in plans["prefill"]] for t in thresholds}
+        decode = [bound("decode", pool, plan) for pool, plan in plans["decode"]]
         result.load[model] = load
         result.bounds[model] = prefill[thresholds[0]] + decode
-        grid = _Grid(model, prefill, decode, space.max_pool_replicas, space.objective)
+        grid = _Grid(model, prefill, decode, space.max_pool_replicas, space.objective, space.exhaustive)
         result.grid[model], result.below_bound[model] = grid.total, grid.below
         grids.append(grid)
     sims_before = runner.simulations

@@ -5,8 +5,14 @@ SLO at the given load; the searches advance in rounds, every round's simulations
 to one executor (a local Dask cluster by default, the same task `kvsim sweep` runs). Between rounds
 a configuration is dropped once it cannot be cheaper than a passing point already found for its
 model (its GPU price x TP x the fewest replicas it may still need), so the expensive corners of the
-space are never simulated. Every run goes through a sweep store (same run ids as `kvsim sweep` and
-`kvsim capacity`), so a plan is resumable and `kvsim report` draws it.
+space are never simulated. Before anything runs, each configuration's capacity bound (bounds.py: the
+fewest replicas whose roofline ceilings could finish the work the SLO's deadlines make due) rules out
+the counts below it, and a configuration whose bound already costs as much as an answer is dropped
+unsimulated. An optional low-fidelity pass (`PlanSpace.low_fi`: the busiest share of the sample) starts
+and orders the full searches; the full simulations decide. `PlanSpace.exhaustive` simulates every
+configuration at every count instead (the reference the pruned search is tested against). Every run
+goes through a sweep store (same run ids as `kvsim sweep` and `kvsim capacity`), so a plan is
+resumable and `kvsim report` draws it.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import re
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections.abc import Callable, Iterator
 
@@ -74,9 +80,12 @@ class Search:
     prune: bool = True              # may be dropped as dominated
     lo_fail: int = 0
     hi_ok: int | None = None
-    status: str = "searching"       # answer | dominated | over max replicas | failed
+    status: str = "searching"       # answer | dominated | over max replicas | failed | cannot meet (bound)
     note: str = ""
     rows: dict[int, dict] = field(default_factory=dict)
+    bound: int = 1                  # the capacity bound: fewer replicas cannot meet the SLO (bounds.py)
+    bound_why: str = ""             # what sets it
+    guess: int | None = None        # the low-fidelity pass's fewest replicas (None: not run)
 
     @property
     def answer_row(self) -> dict | None:
@@ -93,6 +102,7 @@ class PlanResult:
     range_notes: list[str] = field(default_factory=list)
     simulations: int = 0
     wall_s: float = 0.0
+    counts: SpaceCounts | None = None
 
     def points(self):
         """Every simulated point (one row per run) with its candidate and replica count."""
@@ -131,6 +141,10 @@ class PlanSpace:
     # speculative-decoding variants (`speculative_config` mappings; None: without): each one a configuration
     # of its own (None: the base config's setting only)
     speculative: list[dict | None] | None = None
+    exhaustive: bool = False            # simulate every configuration x replica count (no bound, no pruning)
+    bounds: bool = True                 # rule out replica counts below each configuration's capacity bound
+    low_fi: float = 0.0                 # > 0: first run each configuration at its bound on the busiest window
+                                        # of this share of the sample (orders the full search and starts it)
 
 
 def spec_label(spec: dict | None) -> str:
@@ -141,6 +155,21 @@ def spec_label(spec: dict | None) -> str:
     sc = SpeculativeConfig.model_validate(spec)
     k = f" k={sc.num_speculative_tokens}" if sc.num_speculative_tokens else ""
     return f"{sc.method or sc.model}{k}"
+
+
+@dataclass
+class SpaceCounts:
+    """How much of the space a plan simulated: every (configuration, replica count) within the limit."""
+    configurations: int = 0             # models x GPUs x TPs (x policies) x 1..max_replicas
+    cannot_run: int = 0                 # of configurations whose weights do not fit
+    below_bound: int = 0                # counts below a configuration's capacity bound (incl. no count can meet)
+    low_fi_runs: int = 0                # low-fidelity simulations (the short window)
+    full_runs: int = 0                  # simulations of the sample that decided (the store's reuse not counted)
+    reused: int = 0                     # points found in the store (identical configurations simulated before)
+
+    @property
+    def simulated(self) -> int:
+        return self.full_runs + self.reused
 
 
 def candidates(base: SimConfig, space: PlanSpace) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
@@ -226,6 +255,7 @@ class _Runner:
         self.done = finished_runs(store, include_failed=False) if store else set()
         self.cached = read_store(store, order=False).set_index("run_id", drop=False) if self.done else None
         self.simulations = 0
+        self.reused = 0                 # rows taken from the store (identical configurations run before)
         self.run_ids: list[str] = []
 
     def __call__(self, cfgs: list[SimConfig]) -> list[dict]:
@@ -234,6 +264,7 @@ class _Runner:
         tasks = []
         for rid, cfg in zip(ids, cfgs, strict=True):
             if self.cached is not None and rid in self.done:
+                self.reused += 1
                 rows[rid] = {k: v for k, v in self.cached.loc[rid].to_dict().items()
                              if not (isinstance(v, float) and math.isnan(v)) and v is not None}
             elif rid not in {t.run_id for t in tasks}:
@@ -259,7 +290,8 @@ def _next_count(s: Search, best: float | None, max_replicas: int) -> int | None:
         s.status, s.note = "dominated", f">= {s.cand.unit(best)}"
         return None
     near = s.start - 1 if s.hi_ok == s.start else s.start + 1 if s.lo_fail == s.start else None
-    if s.start > 1 and near is not None and near not in s.rows and near >= 1:
+    if s.start > 1 and near is not None and near not in s.rows and s.lo_fail < near <= max_replicas \
+            and (s.hi_ok is None or near < s.hi_ok):
         return near                 # from a guess (a range search): its neighbour settles most cases
     if s.hi_ok is not None:
         return (s.lo_fail + s.hi_ok) // 2
@@ -344,7 +376,22 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
     cands, unfit = candidates(base, space)
     runner = _Runner(constraints, run_batch, store)
     searches = [Search(c) for c in cands]
-    search_rounds(searches, runner, max_replicas, width, progress)
+    counts = SpaceCounts(configurations=(len(cands) + len(unfit)) * max_replicas, cannot_run=len(unfit) * max_replicas)
+    if space.exhaustive:
+        _exhaustive(searches, runner, max_replicas, width, progress)
+    else:
+        if space.bounds:
+            counts.below_bound = apply_bounds(searches, constraints, max_replicas)
+        if space.low_fi > 0:
+            before = runner.simulations
+            low_fi_guesses(base, searches, runner, max_replicas, width, space.low_fi)
+            counts.low_fi_runs = runner.simulations - before
+        reused = runner.reused
+        before = runner.simulations
+        search_rounds(searches, runner, max_replicas, width, progress)
+        counts.full_runs, counts.reused = runner.simulations - before, runner.reused - reused
+    if space.exhaustive:
+        counts.full_runs, counts.reused = runner.simulations, runner.reused
     cheapest: dict[str, Search] = {}
     for s in searches:
         if s.status == "answer":
@@ -352,13 +399,17 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
             key = (s.cand.cost_per_replica * s.hi_ok, s.answer_row.get("ttft_p99_s", math.inf))
             if cur is None or key < (cur.cand.cost_per_replica * cur.hi_ok, cur.answer_row.get("ttft_p99_s", math.inf)):
                 cheapest[s.cand.model] = s
-    result = PlanResult([c.text for c in constraints], searches, unfit, cheapest)
+    result = PlanResult([c.text for c in constraints], searches, unfit, cheapest, counts=counts)
     if variants:
         extra: list[tuple[str, str, Search]] = []
         for model, s in cheapest.items():
             for label, cfg in variants(s.cand.cfg).items():
                 cand = Candidate(s.cand.model, s.cand.gpu, s.cand.tp, s.cand.policy, cfg, s.cand.objective, s.cand.spec)
                 extra.append((model, label, Search(cand, start=s.hi_ok, prune=False)))
+        if space.bounds and not space.exhaustive:       # a variant's own bound (its window, its step times)
+            apply_bounds([e[2] for e in extra], constraints, max_replicas)
+            for _, _, s in extra:
+                s.start = max(s.start, s.bound)
         search_rounds([e[2] for e in extra], runner, max_replicas, None, progress)
         for model, label, s in extra:
             result.ranges.setdefault(model, {})[label] = s.hi_ok if s.status == "answer" else None
@@ -369,6 +420,105 @@ def plan_capacity(base: SimConfig, constraints: list[Constraint], space: PlanSpa
     return result
 
 
+def apply_bounds(searches: list[Search], constraints: list[Constraint], max_replicas: int) -> int:
+    """Each search's capacity bound (bounds.py, on its own config's sample and KV policy): its counts below
+    the bound are failures without a run, a configuration no count can serve is settled as `cannot meet
+    (bound)`. Returns the counts ruled out."""
+    from .bounds import ReplicaBound, demand_of, replica_bound
+    from ..engine.resolved_run import resolve_run
+
+    demands: dict[str, object] = {}
+    ruled_out = 0
+    for s in searches:
+        cfg = s.cand.cfg            # its own sample and KV policy (--policies, a range's other windows)
+        key = json.dumps([cfg.trace, cfg.seed, cfg.step_variance, cfg.engine.enable_prefix_caching,
+                          cfg.trace_options.model_dump(mode="json"), cfg.kv.model_dump(mode="json")], default=str)
+        if key not in demands:
+            demands[key] = demand_of(cfg)
+        try:
+            b = replica_bound(resolve_run(cfg), demands[key], constraints)
+        except (ValueError, KeyError) as exc:        # the run itself will say what is wrong; nothing pruned
+            b = ReplicaBound(1, f"no bound: {type(exc).__name__}: {exc}")
+        if b.min_replicas is None:
+            s.status, s.note = "cannot meet (bound)", b.why
+            ruled_out += max_replicas
+        elif b.min_replicas > max_replicas:
+            s.status, s.note = "over max replicas", f"bound {b.min_replicas}: {b.why}"
+            ruled_out += max_replicas
+        else:
+            s.bound, s.lo_fail, s.bound_why = b.min_replicas, b.min_replicas - 1, b.why
+            ruled_out += b.min_replicas - 1
+    return ruled_out
+
+
+def low_fi_window(cfg: SimConfig, share: float) -> SimConfig | None:
+    """`cfg` on the busiest window of `share` x its sample's duration (trace seconds, inside the sample);
+    None when the sample is too short to cut (under 2 requests, or the first N requests)."""
+    from kvsim.traces.windows import busiest_windows
+    from ..engine.assembly import load_workload
+
+    opts = cfg.trace_options
+    if opts.max_requests is not None or opts.request_rate is not None or not 0 < share < 1:
+        return None
+    trace = load_workload(cfg.model_copy(update={"trace_options": opts.model_copy(update={"rate_scale": 1.0})}))
+    arrivals = trace.df["arrival_time_s"].to_numpy(dtype=float) + (opts.start_s or 0.0)
+    if len(arrivals) < 2 or not arrivals[-1] > arrivals[0]:
+        return None
+    lo = opts.start_s if opts.start_s is not None else float(arrivals[0])
+    hi = opts.end_s if opts.end_s is not None else float(arrivals[-1])
+    found = busiest_windows(arrivals, share * (hi - lo), 1)
+    if not found or found[0][1] < 2:
+        return None
+    start = found[0][0]
+    return cfg.model_copy(update={"trace_options": opts.model_copy(
+        update={"start_s": start, "end_s": min(start + share * (hi - lo), hi)})})
+
+
+def low_fi_guesses(base: SimConfig, searches: list[Search], runner: _Runner, max_replicas: int, width: int | None,
+                   share: float) -> None:
+    """The low-fidelity pass: one run of each open search at its bound on the busiest `share` of the
+    sample. Where it meets, the full search starts at the bound; where it is overloaded, at the count its
+    throughput implies (as the full search's second step would, x1.1); either way the full search checks
+    the neighbouring count, and the guesses order the searches cheapest first. Only an order and a start:
+    the full simulations decide."""
+    window = low_fi_window(base, share)
+    if window is None:
+        return
+    open_ = [s for s in searches if s.status == "searching"]
+    cfgs = [s.cand.cfg.model_copy(update={"trace_options": window.trace_options, "replicas": s.bound})
+            for s in open_]
+    for s, row in zip(open_, runner(cfgs) if cfgs else [], strict=True):
+        if row["status"] != "ok":
+            continue
+        guess = s.bound if row["meets_slo"] else max(s.bound + 1, _saturation_guess(row, s.bound))
+        s.guess = s.start = min(guess, max_replicas)
+
+
+def _exhaustive(searches: list[Search], runner: _Runner, max_replicas: int, width: int | None,
+                progress: Callable[[Search, int, dict], None] | None) -> None:
+    """Every configuration at every count 1..max_replicas, in batches of `width` x 8; each search's answer
+    is its fewest replicas meeting the SLO (no assumption that more replicas never hurt)."""
+    todo = [(s, n) for s in searches for n in range(1, max_replicas + 1)]
+    size = max(1, (width or 1) * 8)
+    for i in range(0, len(todo), size):
+        part = todo[i:i + size]
+        for (s, n), row in zip(part, runner([s.cand.cfg.model_copy(update={"replicas": n}) for s, n in part]),
+                               strict=True):
+            row["replicas"] = n
+            s.rows[n] = row
+            if progress:
+                progress(s, n, row)
+    for s in searches:
+        ok = [n for n, row in s.rows.items() if row["status"] == "ok" and row["meets_slo"]]
+        failed = [row for row in s.rows.values() if row["status"] != "ok"]
+        if ok:
+            s.status, s.hi_ok, s.lo_fail = "answer", min(ok), min(ok) - 1
+        elif failed:
+            s.status, s.note = "failed", str(failed[0].get("error"))
+        else:
+            s.status, s.note, s.lo_fail = "over max replicas", f"fails at 1-{max_replicas}", max_replicas
+
+
 def _write_plan_result(store: Path, result: PlanResult, run_ids: list[str]) -> None:
     store.mkdir(parents=True, exist_ok=True)
     data = {
@@ -377,10 +527,12 @@ def _write_plan_result(store: Path, result: PlanResult, run_ids: list[str]) -> N
         "searches": [{"config": s.cand.label, "model": s.cand.model, "gpu": s.cand.gpu, "tp": s.cand.tp,
                       "policy": s.cand.policy, "speculative": s.cand.spec, "status": s.status, "note": s.note,
                       "fewest_replicas": s.hi_ok if s.status == "answer" else None,
+                      "bound": s.bound, "bound_why": s.bound_why, "low_fi_guess": s.guess,
                       "usd_per_hour": s.cand.usd_per_replica_hour * s.hi_ok if s.status == "answer" else None}
                      for s in result.searches],
         "cheapest": {m: s.cand.label for m, s in result.cheapest.items()},
         "ranges": result.ranges, "range_notes": result.range_notes,
+        "counts": None if result.counts is None else {**asdict(result.counts), "simulated": result.counts.simulated},
     }
     texts = {"plan-result.json": json.dumps(data, indent=2, default=str),
              "plan.json": json.dumps({"name": "capacity plan", "axis_keys": ["model", "gpu", "tp", "replicas"],

@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvsim.traces.errors import TraceError, TraceWarning
-from kvsim.traces.loaders import resolve_trace_path
+from kvsim.traces.loaders import resolve_trace_path, reusing_parsed_traces
 
 from ..model.catalog import CatalogError, get_gpu, get_model
 from ..config import (FILE_KEYS, RANDOM_TRACE, SESSIONS_TRACE, ConfigError, SimConfig, build_config, files_under, flatten, read_config_file,
@@ -421,7 +421,7 @@ def execute_run(task: RunTask) -> dict:
 
     try:
         cfg = SimConfig.model_validate(task.config)
-        with warnings.catch_warnings():             # the trace's notices, once per run: not news
+        with warnings.catch_warnings(), reusing_parsed_traces():     # the trace's notices, once per run: not news
             warnings.simplefilter("ignore", TraceWarning)
             result = run_simulation(cfg, task.out_dir, progress=False)
         row = {"status": "ok", "error": None}
