@@ -147,6 +147,26 @@ def spvllm_tail(budget: int, setup: str = "spvllm") -> dict:
     return out
 
 
+def spvllm_p99_requests(budget: int = 256, strategy: str = "free_block", setup: str = "spvllm-unfitted") -> list[int]:
+    """Ids of the requests running in the steps at or over the run's p99 fragmentation (the sequences whose
+    tables make `strategy`'s p99 in SpvLLM's setting)."""
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulator.simulate import run_simulation
+
+    model, layout, params, importance, mode = SETUPS[setup]
+    kv = {"policy": "h2o", "budget": budget, "layout": layout, "slot_strategy": strategy, "mode": mode,
+          "params": params, "importance": importance}
+    cfg = load_config(None, {"model": model, "gpu": "t4", "kv": kv, "engine": {"max_num_seqs": 256}})
+    r = run_simulation(cfg, trace=spvllm_trace())
+    steps, req = r.steps, r.requests
+    frag = steps["fragmentation"].to_numpy()
+    ids: set[int] = set()
+    for end, dur in steps.loc[frag >= np.percentile(frag, 99), ["time_s", "duration_s"]].itertuples(index=False):
+        running = (req["first_scheduled_s"] <= end - dur + 1e-12) & (req["finish_s"] >= end - 1e-12)
+        ids |= set(req.loc[running, "request_id"].tolist())
+    return sorted(ids)
+
+
 def print_spvllm_tail(budget: int = 1024, setup: str = "spvllm") -> None:
     """Why the strategies do not converge at 1,024: the trace's long requests and the run's tail."""
     df = spvllm_trace().df
