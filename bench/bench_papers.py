@@ -15,7 +15,10 @@ gives the earlier per_head, no-cut (`evict_per_step: 1`) reading of the setting.
 replays the workload through SpvLLM's own code path (bench/spvllm_code.py: its kernel's seq_len under
 slot reuse, paged_attention_v2's partition-relative score indices), each fact on and off. `--only
 spvllm-tail` shows where each strategy's p99 at budget 1,024 comes from (the run's tail; ~160 s CPU,
-~5 s with `--setup spvllm-unfitted`).
+~5 s with `--setup spvllm-unfitted`). `--only spvllm-copy` puts sparse copy's volume as SpvLLM's code
+copies it (bench/spvllm_code.py `copy_lines`: every kept token after each eviction) beside kvsim's (fast
+mode) at `kv.copy_threshold` 0 / 16 / 64 / 256, with the copy time kvsim's cost model charges on the T4
+(published: 0.18 s of "copy overhead" in 2,007 calls, host time around the asynchronous launch; ~55 s CPU).
 
 TokenSelect (selective attention at long contexts), the paper's Llama config (n_init 128 + top_k
 2,048 + n_local 512 = 2,688 tokens read, chunk_size 8,192): one selective layer's attention, full
@@ -42,6 +45,7 @@ attention against the importance model, per sequence on the head-averaged score 
     python bench/bench_papers.py                # SpvLLM, TokenSelect, the others (~110 s CPU)
     python bench/bench_papers.py --only tokenselect
     python bench/bench_papers.py --only spvllm-code    # SpvLLM's own code path (~5 min CPU)
+    python bench/bench_papers.py --only spvllm-copy    # sparse copy's volume (~1 min CPU)
     python bench/bench_papers.py --only attention   # ~2 min CPU
 """
 from __future__ import annotations
