@@ -15,7 +15,10 @@ gives the earlier per_head, no-cut (`evict_per_step: 1`) reading of the setting.
 replays the workload through SpvLLM's own code path (bench/spvllm_code.py: its kernel's seq_len under
 slot reuse, paged_attention_v2's partition-relative score indices), each fact on and off. `--only
 spvllm-tail` shows where each strategy's p99 at budget 1,024 comes from (the run's tail; ~160 s CPU,
-~5 s with `--setup spvllm-unfitted`).
+~5 s with `--setup spvllm-unfitted`). `--only spvllm-copy` puts sparse copy's volume as SpvLLM's code
+copies it (bench/spvllm_code.py `copy_lines`: every kept token after each eviction) beside kvsim's (fast
+mode) at `kv.copy_threshold` 0 / 16 / 64 / 256, with the copy time kvsim's cost model charges on the T4
+(published: 0.18 s of "copy overhead" in 2,007 calls, host time around the asynchronous launch; ~55 s CPU).
 
 TokenSelect (selective attention at long contexts), as the paper's code runs it (n_init 128 + top_k
 2,048 + n_local 512 = 2,688 tokens read, selection chunks of 512 queries in engine chunks of 8,192;
@@ -45,6 +48,7 @@ attention against the importance model, per sequence on the head-averaged score 
     python bench/bench_papers.py                # SpvLLM, TokenSelect, the others (~110 s CPU)
     python bench/bench_papers.py --only tokenselect     # ~2 s CPU
     python bench/bench_papers.py --only spvllm-code    # SpvLLM's own code path (~5 min CPU)
+    python bench/bench_papers.py --only spvllm-copy    # sparse copy's volume (~1 min CPU)
     python bench/bench_papers.py --only attention   # ~2 min CPU
 """
 from __future__ import annotations
@@ -57,6 +61,7 @@ from contextlib import contextmanager
 import numpy as np
 
 SPV_PUBLISHED = {256: (0.79, 0.44)}            # slot_reuse / free_block, slot_reuse / noop (p99 fragmentation)
+SPV_COPY_PUBLISHED = (0.18, 2007)              # sparse copy: copy overhead (s, summed), calls (cs243/analyze.py)
 TOKENSELECT_PUBLISHED = 23.84                  # attention speedup, the paper's best at long context
 TOKENSELECT_READ = 128 + 2048 + 512            # n_init + top_k + n_local
 TOKENSELECT_ENGINE_CHUNK = 8192                 # the config's chunk_size: SGLang's chunked_prefill_size
@@ -150,6 +155,26 @@ def spvllm_tail(budget: int, setup: str = "spvllm") -> dict:
     return out
 
 
+def spvllm_p99_requests(budget: int = 256, strategy: str = "free_block", setup: str = "spvllm-unfitted") -> list[int]:
+    """Ids of the requests running in the steps at or over the run's p99 fragmentation (the sequences whose
+    tables make `strategy`'s p99 in SpvLLM's setting)."""
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulator.simulate import run_simulation
+
+    model, layout, params, importance, mode = SETUPS[setup]
+    kv = {"policy": "h2o", "budget": budget, "layout": layout, "slot_strategy": strategy, "mode": mode,
+          "params": params, "importance": importance}
+    cfg = load_config(None, {"model": model, "gpu": "t4", "kv": kv, "engine": {"max_num_seqs": 256}})
+    r = run_simulation(cfg, trace=spvllm_trace())
+    steps, req = r.steps, r.requests
+    frag = steps["fragmentation"].to_numpy()
+    ids: set[int] = set()
+    for end, dur in steps.loc[frag >= np.percentile(frag, 99), ["time_s", "duration_s"]].itertuples(index=False):
+        running = (req["first_scheduled_s"] <= end - dur + 1e-12) & (req["finish_s"] >= end - 1e-12)
+        ids |= set(req.loc[running, "request_id"].tolist())
+    return sorted(ids)
+
+
 def print_spvllm_tail(budget: int = 1024, setup: str = "spvllm") -> None:
     """Why the strategies do not converge at 1,024: the trace's long requests and the run's tail."""
     df = spvllm_trace().df
@@ -171,14 +196,7 @@ def print_spvllm_tail(budget: int = 1024, setup: str = "spvllm") -> None:
 def print_spvllm_code() -> None:
     """The same workload through SpvLLM's own code path (bench/spvllm_code.py): its kernel's seq_len under
     slot reuse and paged_attention_v2's partition-relative score indices, each on and off at 256."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("spvllm_code", Path(__file__).with_name("spvllm_code.py"))
-    code = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = code
-    spec.loader.exec_module(code)
+    code = _spvllm_code()
     df = spvllm_trace().df
     prompts, outputs = df["prompt_tokens"].to_numpy(), df["output_tokens"].to_numpy()
     print("\nSpvLLM as its code computes it (cs243 lines: decode steps, first 200 dropped; importance "
@@ -193,6 +211,61 @@ def print_spvllm_code() -> None:
         print(f"{budget:>7}{'code' if path.seq_len_prefix else 'table':>9}{'on' if path.v2_relative_index else 'off':>8}"
               f"{p99['noop']:>8.3f}{p99['free_block']:>12.3f}{p99['slot_reuse']:>12.3f}"
               f"{p99['slot_reuse'] / p99['free_block']:>8.2f}{p99['slot_reuse'] / p99['noop']:>9.2f}", flush=True)
+
+
+def _spvllm_code():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("spvllm_code", Path(__file__).with_name("spvllm_code.py"))
+    code = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = code
+    spec.loader.exec_module(code)
+    return code
+
+
+def spvllm_copy(budget: int = 256, thresholds=(0, 16, 64, 256), setup: str = "spvllm-unfitted") -> dict:
+    """Sparse copy's volume in SpvLLM's setting: SpvLLM's code replayed (slots its migrate kernel copies,
+    launches) against kvsim (fast mode; bytes moved, steps with a copy, the copy time its cost model
+    charges on the T4) at each kv.copy_threshold."""
+    from kvsim.sim.config import load_config
+    from kvsim.sim.model.cost_model import CostModel
+    from kvsim.sim.simulator.simulate import run_simulation
+
+    model, layout, params, importance, mode = SETUPS[setup]
+    df = spvllm_trace().df
+    copied = _spvllm_code().copy_lines(df["prompt_tokens"].to_numpy(), df["output_tokens"].to_numpy(), budget,
+                                       importance=importance)
+    cost = CostModel(model, "t4")
+    out = {"code": {"tokens": int(copied.sum()), "launches": int((copied > 0).sum()), "steps": len(copied),
+                    "bytes_per_token": cost.kv_bytes_per_token}}
+    for h in thresholds:
+        kv = {"policy": "h2o", "budget": budget, "layout": layout, "slot_strategy": "sparse_copy", "mode": mode,
+              "params": params, "importance": importance, "copy_threshold": h}
+        cfg = load_config(None, {"model": model, "gpu": "t4", "kv": kv, "engine": {"max_num_seqs": 256}})
+        r = run_simulation(cfg, trace=spvllm_trace())
+        moved = r.steps["bytes_moved"].to_numpy(np.float64)
+        copy_s = float(moved.sum() * cost._c["copy_byte_s"] / cost.profile.copy_bw_eff)
+        out[h] = {"bytes": float(moved.sum()), "launches": int((moved > 0).sum()), "steps": len(moved),
+                  "copy_s": copy_s, "duration_s": float(r.steps["duration_s"].sum()),
+                  "p99": r.summary["fragmentation_p99"]}
+    return out
+
+
+def print_spvllm_copy(budget: int = 256) -> None:
+    res = spvllm_copy(budget)
+    code = res.pop("code")
+    bpt = code["bytes_per_token"]
+    print(f"\nSpvLLM sparse copy, budget {budget}, OPT-125m / T4 ({bpt:,.0f} B a token): SpvLLM's code replayed "
+          f"copies {code['tokens']:,} tokens = {code['tokens'] * bpt / 1e12:.2f} TB in {code['launches']:,} launches "
+          f"({code['steps']:,} decode steps); published {SPV_COPY_PUBLISHED[0]} s in {SPV_COPY_PUBLISHED[1]:,} "
+          f"calls (host time around the launch, cs243/analyze.py)")
+    print(f"{'copy_threshold':>15}{'TB copied':>11}{'tokens':>15}{'copy steps':>12}{'copy s (model)':>16}"
+          f"{'run s':>8}{'p99 frag':>10}")
+    for h, r in res.items():
+        print(f"{h:>15}{r['bytes'] / 1e12:>11.3f}{r['bytes'] / bpt:>15,.0f}{r['launches']:>12,}{r['copy_s']:>16.2f}"
+              f"{r['duration_s']:>8.1f}{r['p99']:>10.3f}", flush=True)
 
 
 def tokenselect_policy(reuse_rate: float, cost):
@@ -363,8 +436,8 @@ def print_attention_check(tokens: int = 1000, prompt: int = 700) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("spvllm", "spvllm-code", "spvllm-tail", "tokenselect", "others",
-                                                "attention"))
+    ap.add_argument("--only", choices=("spvllm", "spvllm-code", "spvllm-tail", "spvllm-copy", "tokenselect",
+                                       "others", "attention"))
     ap.add_argument("--setup", choices=tuple(SETUPS), default="spvllm", help="SpvLLM: how H2O is run")
     ap.add_argument("--reuse-rate", type=float, default=0.21, help="TokenSelect Selection Cache reuse rate")
     args = ap.parse_args()
@@ -375,6 +448,8 @@ def main() -> None:
         print_spvllm_tail(setup=args.setup)
     if args.only in (None, "spvllm-code"):
         print_spvllm_code()
+    if args.only in (None, "spvllm-copy"):
+        print_spvllm_copy()
     if args.only in (None, "tokenselect"):
         print_tokenselect(args.reuse_rate)
         print_tokenselect_simulated(args.reuse_rate)

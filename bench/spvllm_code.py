@@ -23,6 +23,15 @@ shared layout, so only the code path differs from `kvsim simulate`):
   free_block gives their blocks back (`v2_relative_index`). Which partition's write lands last is a
   race; the replay takes their mean.
 
+The sparse-copy strategy (`sparse_copy` here, the code's `sparse-copy`) is replayed for its copy
+volume: its H2O `step` deletes the evicted slots' scores and asks for `ceil((num_slots - evicted + 1) /
+16)` fresh blocks, and at the sequence's next schedule (`append_migrate_slots`, worker.py,
+`migrate_blocks_kernel`) every slot of `range(num_slots)` not evicted, i.e. every kept token, is copied
+densely into them (one kernel launch per step for all sequences, grid layers x sequences x slots, K and
+V of every head); the old blocks are then freed. A sequence that finishes right after an eviction is
+freed, not copied. `copy_lines` gives the slots copied per step; bytes = slots x 2 x layers x hidden
+x 2 (fp16).
+
 The rest follows the code: vLLM v0's schedule (prefills first, 2,048 batched tokens, at most
 `max_num_seqs` sequences; OPT-125m on a T4 holds ~370K tokens, more than this workload's peak, so
 nothing is preempted), H2O `step` per decoding sequence after the step's forward (scores summed over
@@ -66,6 +75,7 @@ class _Sequence:
         self.cum: np.ndarray | None = None
         self.evicted = 0                             # Sequence._num_evicted_tokens
         self.steps = 0
+        self.pending_copy = 0                        # sparse_copy: slots the next schedule migrates
         self._write(np.arange(prompt), np.arange(prompt))
 
     def _write(self, slots: np.ndarray, positions: np.ndarray) -> None:
@@ -76,9 +86,11 @@ class _Sequence:
     def get_len(self) -> int:
         return self.prompt + self.steps - self.evicted
 
-    def append(self, strategy: str, path: CodePath) -> int:
-        """BlockSpaceManagerV1.append_slots + the slot mapping; returns the kernel's seq_len."""
+    def append(self, strategy: str, path: CodePath) -> tuple[int, int]:
+        """BlockSpaceManagerV1.append_slots (+ append_migrate_slots) and the slot mapping; returns the
+        kernel's seq_len and the slots migrated before this step (sparse_copy)."""
         self.steps += 1
+        copied, self.pending_copy = self.pending_copy, 0
         seq_len = self.get_len()
         if len(self.mask) < -(-seq_len // BLOCK) * BLOCK:
             self.state.resize(len(self.mask) + BLOCK)
@@ -93,7 +105,7 @@ class _Sequence:
         self._write(np.array([write]), np.array([self.prompt + self.steps - 1]))
         if strategy == "slot_reuse" and not path.seq_len_prefix:
             seq_len = int(np.flatnonzero(self.state.pos[0] >= 0)[-1]) + 1
-        return seq_len
+        return seq_len, copied
 
     def scores(self, seq_len: int, v2: bool) -> np.ndarray:
         """The recorded score row over slots 0..seq_len-1, averaged over layers and heads."""
@@ -135,6 +147,8 @@ class _Sequence:
         evict[top] = False
         evict[active[-k_last:]] = False
         slots = np.flatnonzero(evict)
+        if strategy == "sparse_copy":
+            return self._sparse_copy(seq_len, slots, len(active))
         self.mask[slots] = False
         if strategy == "noop":
             return len(active), len(self.mask)
@@ -151,6 +165,22 @@ class _Sequence:
         return len(active), len(self.mask)
 
 
+    def _sparse_copy(self, seq_len: int, slots: np.ndarray, active: int) -> tuple[int, int]:
+        """The sparse-copy branch: no slot is deactivated; the kept slots of range(seq_len) move densely
+        into ceil((kept + 1) / 16) fresh blocks at the next schedule (done here: the replay's state is
+        the same, and the step's line still counts the old table)."""
+        total = len(self.mask)
+        self.cum = np.delete(self.cum, slots)
+        kept = np.setdiff1d(np.arange(seq_len), slots)
+        self.pending_copy = len(kept)
+        self.evicted += len(slots)
+        self.state.move(np.zeros(len(kept), int), kept, np.arange(len(kept)))
+        n = -(-(len(kept) + 1) // BLOCK) * BLOCK
+        self.state.resize(n)
+        self.mask = np.ones(n, bool)
+        return active, total
+
+
 def _resized(a: np.ndarray, n: int) -> np.ndarray:
     out = np.zeros(n)
     m = min(n, len(a))
@@ -163,11 +193,25 @@ def fragmentation_lines(prompts, outputs, budget: int, strategy: str, *, path: C
                         max_batched_tokens: int = 2048, num_heads: int = OPT_125M_HEADS, seed: int = 0
                         ) -> np.ndarray:
     """Per decode step (active, total) slot sums, as SpvLLM prints its #CS243F# lines."""
+    return _replay(prompts, outputs, budget, strategy, path, importance, max_num_seqs, max_batched_tokens,
+                   num_heads, seed)[:, :2]
+
+
+def copy_lines(prompts, outputs, budget: int, *, importance: str = "smollm2-135m-aged", max_num_seqs: int = 256,
+               max_batched_tokens: int = 2048, seed: int = 0) -> np.ndarray:
+    """sparse_copy: slots migrated per decode step (one kernel launch on each step with any)."""
+    return _replay(prompts, outputs, budget, "sparse_copy", CodePath(), importance, max_num_seqs, max_batched_tokens,
+                   OPT_125M_HEADS, seed)[:, 2]
+
+
+def _replay(prompts, outputs, budget, strategy, path, importance, max_num_seqs, max_batched_tokens, num_heads,
+            seed) -> np.ndarray:
+    """Per decode step (active, total, slots migrated before the step)."""
     from kvsim.sim.kv.importance import SyntheticImportance
     from kvsim.sim.kv.policy import PolicyContext
 
-    if strategy not in ("noop", "free_block", "slot_reuse"):
-        raise ValueError(f"strategy {strategy!r}: expected noop, free_block or slot_reuse")
+    if strategy not in ("noop", "free_block", "slot_reuse", "sparse_copy"):
+        raise ValueError(f"strategy {strategy!r}: expected noop, free_block, slot_reuse or sparse_copy")
     model = SyntheticImportance(PolicyContext("shared", 12, 12, 12, BLOCK, 1), importance, seed)
     waiting, running, lines = list(range(len(prompts))), [], []
     while waiting or running:
@@ -178,18 +222,19 @@ def fragmentation_lines(prompts, outputs, budget: int, strategy: str, *, path: C
                 tokens += int(prompts[r])
                 running.append(_Sequence(r, int(prompts[r]), int(outputs[r]), model))
             continue
-        lens = [s.append(strategy, path) for s in running]
+        appended = [s.append(strategy, path) for s in running]
+        lens = [n for n, _ in appended]
         v2 = path.v2_relative_index and max(lens) > PARTITION and len(running) * num_heads <= V2_MAX_SEQ_HEADS
         active = total = 0
         for s, n in zip(running, lens, strict=True):
             a, t = s.step(n, s.scores(n, v2), budget, strategy)
             active += a
             total += t
-        lines.append((active, total))
+        lines.append((active, total, sum(c for _, c in appended)))
         for s in [s for s in running if s.steps >= s.output - 1]:
             running.remove(s)
             model.release(s.req_id)
-    return np.array(lines, dtype=np.int64).reshape(-1, 2)
+    return np.array(lines, dtype=np.int64).reshape(-1, 3)
 
 
 def fragmentation_p99(lines: np.ndarray, warmup: int = WARMUP_LINES) -> float:

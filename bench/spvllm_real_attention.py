@@ -15,12 +15,17 @@ Fragmentation is computed from each run's step log as the simulator does (`step_
 1 - live / allocated slots, the steps.parquet `fragmentation` column, then the 99th percentile over
 steps, sim/results/metrics.py), so real and model runs are compared on one formula.
 
+free_block's page release is checked against the real backend's own decisions (`pages_wholly_evicted`:
+from the evicted positions alone, the pages all of whose 16 positions were evicted, free_block never
+moving a token; issue 53 item 4): the blocks the replay gave back must be exactly those.
+
 Setups (`--setup`): `per-step` (the default): per_head layout, `evict_per_step: 1` (no prompt cut, one
 token out per step once a row holds the budget); `code`: SpvLLM's code (shared layout, the prompt cut
 at the first decode query, `obs_window: 1`).
 
     python bench/spvllm_real_attention.py                       # 32 requests, budget 256 (~40 min CPU)
     python bench/spvllm_real_attention.py --requests 8 --setup code
+    python bench/spvllm_real_attention.py --setup code --strategies noop,free_block
 """
 from __future__ import annotations
 
@@ -48,12 +53,14 @@ def _bench_papers():
     return mod
 
 
-def spvllm_trace(n: int, seed: int = 0, max_len: int | None = None):
+def spvllm_trace(n: int, seed: int = 0, max_len: int | None = None, ids: list[int] | None = None):
     """The first `n` requests of bench_papers.py's SpvLLM trace (all at t=0); with `max_len`, only
-    requests whose prompt + output fits it (quick runs)."""
+    requests whose prompt + output fits it (quick runs); with `ids`, those requests (of the 1,000)."""
     from kvsim.traces.trace import Trace
 
     df = _bench_papers().spvllm_trace(1000, seed).df
+    if ids is not None:
+        df = df.iloc[ids]
     if max_len is not None:
         df = df[df["prompt_tokens"] + df["output_tokens"] <= max_len]
     df = df.iloc[:n]
@@ -106,6 +113,19 @@ def sim_run(trace, budget: int, strategy: str, setup: str, importance: str, mode
     return run_simulation(cfg, trace=trace, model=model_spec)
 
 
+def pages_wholly_evicted(decisions, block: int = 16) -> int:
+    """Pages whose `block` positions were all evicted, per request and row (layer, head; -1 in the shared
+    layout), from a replay's decisions.parquet: what free_block must give back (append-only, page k of a
+    row holds positions k * block .. (k + 1) * block - 1)."""
+    ev = decisions[decisions["action"] == "evict"]
+    n = 0
+    for _, g in ev.groupby(["request_id", "layer", "head"]):
+        pos = np.unique(g["position"].to_numpy())
+        counts = np.bincount(pos // block)
+        n += int((counts == block).sum())
+    return n
+
+
 def _figures(name: str, steps) -> dict:
     alloc = steps["allocated_slots"].to_numpy(np.float64)
     frag = np.where(alloc > 0, 1 - steps["live_slots"].to_numpy(np.float64) / np.maximum(alloc, 1), 0.0)
@@ -114,7 +134,8 @@ def _figures(name: str, steps) -> dict:
             f"freed_{name}": int(steps["blocks_freed_by_eviction"].sum())}
 
 
-def compare(trace, budget: int, setup: str, layers: int | None = None, log=print) -> dict:
+def compare(trace, budget: int, setup: str, layers: int | None = None, log=print,
+            strategies: tuple[str, ...] = STRATEGIES) -> dict:
     """{strategy: {"real": p99, model name: p99, ..., "evicted": (real, ...)}}, replays and simulations
     of `trace`; checks that each simulation ran the replay's steps (same batch sizes)."""
     import torch
@@ -126,10 +147,13 @@ def compare(trace, budget: int, setup: str, layers: int | None = None, log=print
     model = build_model(config(budget, "noop", setup, MODELS[0], 1), ReplayOptions(layers=layers))
     spec = model_spec_for(model.config, get_model("smollm2-135m"), model.dtype)
     out = {}
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         t0 = time.process_time()
-        real = real_run(trace, budget, strategy, setup, model).steps
+        replay = real_run(trace, budget, strategy, setup, model)
+        real = replay.steps
         row = _figures("real", real)
+        if strategy == "free_block":
+            row["wholly_evicted_real"] = pages_wholly_evicted(replay.decisions)
         for name in MODELS:
             sim = sim_run(trace, budget, strategy, setup, name, spec).steps
             if not np.array_equal(sim["batch_size"].to_numpy(), real["batch_size"].to_numpy()):
@@ -141,6 +165,7 @@ def compare(trace, budget: int, setup: str, layers: int | None = None, log=print
 
 
 def print_table(res: dict, trace, budget: int, setup: str) -> None:
+    """The table of `compare` (any of the three strategies; the ratios where both are there)."""
     df = trace.df
     total = (df["prompt_tokens"] + df["output_tokens"]).to_numpy()
     print(f"SpvLLM scaled down: {len(df)} requests at t=0 (mean {df['prompt_tokens'].mean():.0f} in / "
@@ -148,14 +173,22 @@ def print_table(res: dict, trace, budget: int, setup: str) -> None:
           f"budget), H2O budget {budget}, setup {setup}, SmolLM2-135M")
     cols = ("real",) + MODELS
     print(f"{'p99 fragmentation':<22}" + "".join(f"{c:>20}" for c in cols))
-    for st in STRATEGIES:
+    for st in res:
         print(f"{st:<22}" + "".join(f"{res[st][c]:>20.3f}" for c in cols))
-    for label, den in (("slot_reuse / free_block", "free_block"), ("slot_reuse / noop", "noop")):
-        print(f"{label:<22}" + "".join(f"{res['slot_reuse'][c] / res[den][c]:>20.2f}" for c in cols))
-    for st in STRATEGIES:
+    for num, den in (("slot_reuse", "free_block"), ("slot_reuse", "noop"), ("free_block", "noop")):
+        if num in res and den in res:
+            print(f"{num + ' / ' + den:<22}" + "".join(f"{res[num][c] / res[den][c]:>20.2f}" for c in cols))
+    for st in res:
         print(f"{'mean, ' + st:<22}" + "".join(f"{res[st]['mean_' + c]:>20.3f}" for c in cols))
-    print(f"{'evicted (token, row)':<22}" + "".join(f"{res['noop']['evicted_' + c]:>20,}" for c in cols))
-    print(f"{'free_block: freed':<22}" + "".join(f"{res['free_block']['freed_' + c]:>20,}" for c in cols))
+    first = next(iter(res.values()))
+    print(f"{'evicted (token, row)':<22}" + "".join(f"{first['evicted_' + c]:>20,}" for c in cols))
+    if "free_block" in res:
+        fb = res["free_block"]
+        print(f"{'free_block: freed':<22}" + "".join(f"{fb['freed_' + c]:>20,}" for c in cols))
+        print(f"{'pages-freed share':<22}" + "".join(f"{16 * fb['freed_' + c] / max(fb['evicted_' + c], 1):>20.3f}"
+                                                     for c in cols))
+        print(f"free_block, real: {fb['wholly_evicted_real']:,} pages wholly evicted (from the replay's decisions), "
+              f"{fb['freed_real']:,} given back")
     if budget == 256:
         print(f"published (OPT-125m, 1,000 requests): slot_reuse / free_block {PUBLISHED[0]}, "
               f"slot_reuse / noop {PUBLISHED[1]}")
@@ -168,10 +201,18 @@ def main(argv=None) -> None:
     ap.add_argument("--setup", choices=sorted(SETUPS), default="per-step")
     ap.add_argument("--max-len", type=int, default=None, help="keep only requests with prompt + output <= this")
     ap.add_argument("--layers", type=int, default=None, help="run only the first N layers (quick runs)")
+    ap.add_argument("--p99-requests", action="store_true",
+                    help="replay the requests that make free_block's p99 in the 1,000-request fast-mode run "
+                         "(bench_papers.spvllm_p99_requests), all at t=0")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, of " + ", ".join(STRATEGIES))
     args = ap.parse_args(argv)
-    trace = spvllm_trace(args.requests, max_len=args.max_len)
+    strategies = tuple(args.strategies.split(","))
+    if bad := [st for st in strategies if st not in STRATEGIES]:
+        ap.error(f"--strategies: {bad[0]!r} is not one of {', '.join(STRATEGIES)}")
+    ids = _bench_papers().spvllm_p99_requests(args.budget) if args.p99_requests else None
+    trace = spvllm_trace(args.requests, max_len=args.max_len, ids=ids)
     t0 = time.process_time()
-    res = compare(trace, args.budget, args.setup, args.layers, log=print)
+    res = compare(trace, args.budget, args.setup, args.layers, log=print, strategies=strategies)
     print_table(res, trace, args.budget, args.setup)
     print(f"({time.process_time() - t0:.0f} s CPU, 1 torch thread)")
 

@@ -268,7 +268,7 @@ class KVConfig(_Strict):
                      "pressure", "threshold"] = "policy"
     trigger_interval: int = Field(1, gt=0, description="every_n: decode steps between compressions")
     trigger_threshold: int = Field(0, ge=0, description="threshold: tokens added between compressions")
-    copy_threshold: int = Field(0, ge=0, description="sparse_copy / holed_copy (token mode): rewrite a row only once "
+    copy_threshold: int = Field(0, ge=0, description="sparse_copy / holed_copy: rewrite a row only once "
                                                      "it holds more than this many holes (0: after every eviction)")
     importance: str = Field("smollm2-135m", description="synthetic importance model (sim/data/importance) or YAML")
     mode: Literal["token", "fast"] = Field("token", description="token-level state or block-occupancy fast mode")

@@ -127,7 +127,8 @@ STREAMING = {"policy": "streaming", "params": {"sink": 4, "window": 40}, "layout
 
 @pytest.mark.parametrize("policy,strategy", [(H2O, s) for s in ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy",
                                                                  "compact")] + [(STREAMING, "free_block"),
-                                                                                (STREAMING, "slot_reuse")])
+                                                                                (STREAMING, "slot_reuse")]
+                         + [({**H2O, "copy_threshold": 8}, s) for s in ("sparse_copy", "holed_copy")])
 def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, strategy):
     cfg = {**policy, "slot_strategy": strategy, "mode": "fast"}
     kw = dict(n=3, prompt=120, output=80, num_blocks=4000)
@@ -136,7 +137,7 @@ def test_fast_mode_runs_identically_on_the_numpy_twins(monkeypatch, policy, stra
     monkeypatch.setattr(fk, "prompt_cut", ref.prompt_cut_np)
     twins = run(cfg, **kw)[1]
     for col in ("blocks_used", "live_slots", "allocated_slots", "evicted_tokens", "blocks_freed_by_eviction",
-                "block_table_entries", "duration_s"):
+                "block_table_entries", "bytes_moved", "duration_s"):
         assert np.array_equal(compiled[col].to_numpy(), twins[col].to_numpy()), col
 
 

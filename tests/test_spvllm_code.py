@@ -29,7 +29,7 @@ def _model():
 
 def test_v2_kernel_scores_land_on_partition_relative_slots(spv):
     seq = spv._Sequence(0, 699, 10, _model())
-    n = seq.append("noop", spv.CodePath())
+    n, _ = seq.append("noop", spv.CodePath())
     assert n == 700
     v1, v2 = seq.scores(n, v2=False), seq.scores(n, v2=True)
     assert v1[512:].sum() > 0.05 and v2[512:].sum() == 0          # no score past the first partition
@@ -46,7 +46,7 @@ def test_slot_reuse_counts_active_slots_only_in_the_kernels_prefix(spv):
         seq = spv._Sequence(0, 400, 50, _model())
         out = []
         for _ in range(3):
-            n = seq.append("slot_reuse", path)
+            n, _ = seq.append("slot_reuse", path)
             out.append((n,) + seq.step(n, seq.scores(n, False), 256, "slot_reuse"))
         return out
 
@@ -106,3 +106,31 @@ def test_published_workload_slot_reuse_over_noop_in_the_band(spv):
                    for st in ("noop", "slot_reuse"))
     assert noop == pytest.approx(0.866, abs=0.005)
     assert 0.3 <= reuse / noop <= 0.6
+
+
+def test_sparse_copy_replay_copies_every_kept_token_after_each_eviction_as_kvsim_does(spv):
+    # SpvLLM's sparse-copy (h2o.py: slots_to_migrate = every slot of range(num_slots) not evicted, copied
+    # densely at the sequence's next schedule; a sequence that finishes after its last eviction is freed,
+    # not copied). Budget 64, one token out a step: request 0 (prompt 300) is cut at its first decode step
+    # and copies 64 tokens on each of its 98 later steps; request 1 (prompt 40) passes the budget at its
+    # 25th decode step and copies 64 on each step from the 26th to the 299th; request 2 18 times
+    from kvsim.sim.config import load_config
+    from kvsim.sim.model.cost_model import CostModel
+    from kvsim.sim.simulator.simulate import run_simulation
+    from kvsim.traces.trace import Trace
+
+    prompts, outputs, budget = [300, 40, 90], [100, 300, 20], 64
+    copied = spv.copy_lines(prompts, outputs, budget, importance="smollm2-135m")
+    assert copied.sum() == (98 + 274 + 18) * budget
+    assert set(copied[copied > 0] % budget) == {0}                       # whole kept sets, never blocks
+    # kvsim (SpvLLM's setting: shared layout, the prompt cut by one query) moves the same tokens, plus one
+    # kept set per cut prompt: it cuts right after prefill, the code after the first decode step
+    trace = Trace.from_columns(arrival_time_s=np.zeros(3), prompt_tokens=np.array(prompts),
+                               output_tokens=np.array(outputs), name="spv-copy", source="synthetic")
+    bytes_per_token = CostModel("opt-125m", "t4").kv_bytes_per_token
+    for mode in ("token", "fast"):
+        kv = {"policy": "h2o", "budget": budget, "layout": "shared", "slot_strategy": "sparse_copy", "mode": mode,
+              "params": {"obs_window": 1}}
+        r = run_simulation(load_config(None, {"model": "opt-125m", "gpu": "t4", "kv": kv}), trace=trace)
+        cut = sum(p > budget for p in prompts)
+        assert r.summary["bytes_moved"] == (copied.sum() + cut * budget) * bytes_per_token, mode

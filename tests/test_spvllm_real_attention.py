@@ -98,3 +98,14 @@ def test_a_budget_above_most_requests_the_tail_decides_the_p99():
     assert p99["noop"] == pytest.approx(1 - 128 / 16 / -(-459 // 16), abs=0.02)
     assert p99["free_block"] > 0.5                         # scattered evictions free few whole pages
     assert p99["slot_reuse"] < 0.15                         # one in, one out: the table stays at the budget
+
+
+def test_pages_wholly_evicted_counts_pages_whose_positions_are_all_evicted(real):
+    import pandas as pd
+    # request 0, shared layout: positions 0-15 all evicted (page 0), 16-30 not all (page 1); request 1, one
+    # per_head row: 32-47 (page 2), and a duplicate decision does not count twice; "high" moves are not evictions
+    rows = [(0, -1, -1, p, "evict") for p in range(31)] + [(1, 2, 0, p, "evict") for p in range(32, 48)]
+    rows += [(1, 2, 0, 40, "evict"), (1, 2, 1, 5, "high")]
+    df = pd.DataFrame(rows, columns=["request_id", "layer", "head", "position", "action"])
+    assert real.pages_wholly_evicted(df) == 2
+    assert real.pages_wholly_evicted(df, block=8) == 3 + 2

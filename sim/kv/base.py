@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 class FastOptions:
     """kv.mode=fast's options (resolved once from `kv:` by sim/kv/build.py): the slot strategy, the
     bytes of one token of one row, and the row sample (`sample_rows` = kv.fast_rows, drawn for
-    `seed` from the importance model's heads)."""
+    `seed` from the importance model's heads; `copy_threshold` = kv.copy_threshold)."""
     slot_strategy: str = "free_block"
     bytes_per_token_row: float = 0.0
+    copy_threshold: int = 0              # copy strategies: holes a row may hold before its rewrite (0: none)
     seed: int = 0
     sample_rows: int = 32
     importance: str | ImportanceModelSpec = "smollm2-135m"

@@ -83,18 +83,15 @@ def build_evicting_manager(kv, model, cost, num_blocks: int, block_size: int, se
                           f"kv.layout=per_head, got {kv.layout!r}")
     pool_blocks = num_blocks * rows
     bytes_per_row = cost.kv_bytes_per_token / rows
-    if kv.copy_threshold:
-        if kv.slot_strategy not in COPY_STRATEGIES:
-            raise ConfigError(f"kv.copy_threshold applies to the copy strategies ({', '.join(sorted(COPY_STRATEGIES))}); "
-                              f"kv.slot_strategy is {kv.slot_strategy!r}")
-        if kv.mode != "token":
-            raise ConfigError("kv.copy_threshold: fast mode rewrites every holed row (the published sparse copy); "
-                              "use kv.mode=token")
+    if kv.copy_threshold and kv.slot_strategy not in COPY_STRATEGIES:
+        raise ConfigError(f"kv.copy_threshold applies to the copy strategies ({', '.join(sorted(COPY_STRATEGIES))}); "
+                          f"kv.slot_strategy is {kv.slot_strategy!r}")
     token = EvictingOptions(slot_strategy=kv.slot_strategy, trigger=kv.trigger, trigger_interval=kv.trigger_interval,
                             trigger_threshold=kv.trigger_threshold, bytes_per_token_row=bytes_per_row,
                             precision_capacity=precision_caps, new_token_precision=policy.new_token_precision,
                             copy_threshold=kv.copy_threshold)
     fast = FastOptions(slot_strategy=kv.slot_strategy, bytes_per_token_row=bytes_per_row, seed=seed,
+                       copy_threshold=kv.copy_threshold,
                        sample_rows=kv.fast_rows, importance=kv.importance)
     try:
         if kv.mode == "fast" and kv.layout == "shared" and policy.needs_scores:

@@ -150,6 +150,7 @@ class SlotStrategies:
         rows_holed = hole_slots.sum(axis=(1, 2)) > self.copy_threshold if self.copy_threshold else holes.any(axis=1)
         if self.strategy == "sparse_copy":
             return (rk.table >= 0) & rows_holed[:, None]
+        holes &= rows_holed[:, None]             # batched: rows under the threshold append as noop
         r = np.flatnonzero(rows_holed & (rk.tail >= 0))
         holes[r, rk.tail[r]] = True
         return holes

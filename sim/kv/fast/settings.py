@@ -36,6 +36,7 @@ class FastSettings:
     scored: bool                 # decode evictions by H2O's closed-form score
     cut_scored: bool             # ... and the prompt cut's
     bytes_per_token_row: float
+    copy_threshold: int = 0      # copy strategies: a row is rewritten once it holds more holes than this
 
     @property
     def append(self) -> bool:
@@ -85,7 +86,7 @@ def resolve_settings(block_size: int, ctx: PolicyContext, policy: EvictionPolicy
         prompt_cut=bool(profile.prompt_cut), prompt_only=bool(profile.prompt_only), recut=profile.recut,
         recut_interval=int(profile.recut_interval), scored=young and budget is not None,
         cut_scored=young and (cut_budget is not None or profile.cut_budgets is not None or not profile.prompt_cut),
-        bytes_per_token_row=options.bytes_per_token_row)
+        bytes_per_token_row=options.bytes_per_token_row, copy_threshold=int(options.copy_threshold))
 
 
 def _check_per_step(policy: EvictionPolicy, profile: FastModeProfile) -> None:

@@ -150,7 +150,7 @@ class FastSlab:
         self.flags = StepFlags(cfg.block_size, cfg.window, -1 if cfg.budget is None else int(cfg.budget),
                                cfg.tracks_columns, cfg.append, strategy in REUSE_STRATEGIES,
                                strategy in FREEING_STRATEGIES, strategy in COPY_STRATEGIES, strategy in COMPACT,
-                               cfg.evict_leaving, cfg.scored, self.heavy.shape[2])
+                               cfg.evict_leaving, cfg.scored, self.heavy.shape[2], cfg.copy_threshold)
         self.score_arrays = EMPTY_SCORES
         if self.scores:
             h = self.heads

@@ -20,13 +20,24 @@ class SlotStrategy:
     def __init__(self, settings: FastSettings, slab: FastSlab, ledger: Ledger, scorer: Scorer):
         self.cfg, self.slab, self.ledger, self.scorer = settings, slab, ledger, scorer
 
+    def due(self, S) -> np.ndarray:
+        """bool [len(S), rows]: holed rows whose rewrite is due: any hole (copy_threshold 0), else more
+        holes (written slots - live tokens; append strategies fill every page but the tail) than the threshold."""
+        due = self.slab.holed[S] != -1
+        h = self.cfg.copy_threshold
+        if h:
+            written = self.slab.pages[S].astype(np.int64) * self.cfg.block_size - (self.cfg.block_size - self.slab.tail_w[S])
+            due &= written - self.slab.live[S] > h
+        return due
+
     def typical_copy(self, S) -> np.ndarray:
         """holed_copy rows whose holes are all in one page other than the tail (the steady state; the
-        kernel rewrites them). sparse_copy rewrites whole rows: none is typical."""
+        kernel rewrites them) and whose rewrite is due. sparse_copy rewrites whole rows: none is typical."""
         h = self.slab.holed[S]
         if self.cfg.strategy == "sparse_copy":
             return np.zeros(h.shape, dtype=bool)
-        return (h >= 0) & (h != self.slab.tail[S]) & (self.cfg.window >= self.cfg.block_size)
+        typical = (h >= 0) & (h != self.slab.tail[S]) & (self.cfg.window >= self.cfg.block_size)
+        return typical & self.due(S) if self.cfg.copy_threshold else typical
 
     def need_rows(self, S: np.ndarray) -> np.ndarray:
         """int [len(S), rows]: pages the next one-token write of each row takes (sparse copy included)."""
@@ -42,7 +53,7 @@ class SlotStrategy:
         moved = self.slab.occ_f[qP + np.maximum(holed, 0)] + self.slab.occ_f[qP + self.slab.tail[S]]
         dst = -(-moved // bs)
         need = np.where(typical, dst + (dst * bs - moved < 1), need)
-        slot_index, rows = np.nonzero((holed != -1) & ~typical)
+        slot_index, rows = np.nonzero(self.due(S) & ~typical)   # rows not due append as noop
         if rows.size:                            # several holed pages: all such rows at once
             slots = S[slot_index]
             width = self.slab.used_width(slots, rows)
@@ -283,7 +294,7 @@ class SlotStrategy:
 
     def densify_generic(self, S, typical) -> None:
         """sparse_copy's rows with several holed pages (or holed at the tail) go through _densify."""
-        generic = (self.slab.holed[S] != -1) & ~typical
+        generic = self.due(S) & ~typical
         slot_index, rows = np.nonzero(generic)
         if rows.size:                            # all of them at once (one slot per row)
             self.densify(S[slot_index], rows)

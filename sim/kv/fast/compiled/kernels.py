@@ -257,6 +257,7 @@ def _rewrite_holed_page(slab: SlabArrays, q, pos, holed, tail, block_size, windo
 def _decode_rows_loop(S, R, slab: SlabArrays, flags: StepFlags, u, z, sc: ScoreArrays, out: StepOutputs):  # noqa: C901  a numba kernel: one compiled loop per row, kept whole (calls inside it cost)
     bs, W, budget = flags.block_size, flags.window, flags.budget
     append, reuse, sparse, list_cap = flags.append, flags.reuse, flags.sparse, flags.list_cap
+    thr = flags.copy_threshold        # batched copy: a holed row waits until it holds more holes than this
     rs, occ, win, alive, ring, heavy = slab.row_state, slab.occ, slab.win, slab.alive, slab.ring, slab.heavy
     m_new, n_evicted, n_freed, n_copied, copied, n_compacted, n_left = 0, 0, 0, 0, 0, 0, 0
     buf, top = np.empty(max(list_cap, 1)), np.empty(K, np.int64)
@@ -268,7 +269,8 @@ def _decode_rows_loop(S, R, slab: SlabArrays, flags: StepFlags, u, z, sc: ScoreA
             q, i = s * R + r, si * R + r
             tail, tw, ncol, pages, live, hole, holed, hn = (rs[q, 0], rs[q, 1], rs[q, 2], rs[q, 3], rs[q, 4],
                                                              rs[q, 5], rs[q, 6], rs[q, 7])
-            if sparse and holed >= 0 and holed != tail and bs <= W:
+            # holes = written slots - live (append strategies: every page but the tail is full)
+            if sparse and holed >= 0 and holed != tail and bs <= W and (thr == 0 or pages * bs - (bs - tw) - live > thr):
                 old_tail = tail
                 tail, tw, page_change, tail_freed, moved = _rewrite_holed_page(slab, q, pos, holed, tail, bs, W)
                 if tail_freed and ncol == old_tail + 1:
@@ -379,6 +381,8 @@ def _decode_rows_loop(S, R, slab: SlabArrays, flags: StepFlags, u, z, sc: ScoreA
                 tail, tw, ncol, pages, live, hole, holed, hn)
             if not append:
                 need_s += pages * bs <= live
+            elif sparse and holed != -1 and thr > 0 and pages * bs - (bs - tw) - live <= thr:
+                need_s += tw >= bs or ncol == 0              # not due for its rewrite: appends as noop
             elif sparse and holed >= 0 and holed != tail and bs <= W:  # the next step rewrites two pages
                 moved_next = occ[q, holed] + occ[q, tail]
                 dst = -(-moved_next // bs)

@@ -41,6 +41,7 @@ class StepFlags(NamedTuple):
     evict_leaving: bool      # "oldest": the token leaving the window is evicted
     scored: bool             # "young" (H2O): evict the lowest closed-form accumulated attention
     list_cap: int            # entries of each row's heavy list
+    copy_threshold: int = 0  # copy strategies: holes a row holds before its rewrite (0: rewrite any holed row)
 
 
 class ScoreArrays(NamedTuple):
