@@ -10,6 +10,7 @@ producing exactly the rows and request state that stepping one by one would.
 from __future__ import annotations
 
 import heapq
+from array import array
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
@@ -505,6 +506,40 @@ class Incoming:
 def Router(replicas: list[EngineReplica], policy: str = "round_robin", options=None):
     """The router named `policy` over `replicas` (the registry of sim/engine/routers)."""
     return build_router(policy, replicas, options)
+
+
+class RoutedAhead:
+    """A router that reads no replica state (`RouterBase.reads_replicas` False: round-robin) asked before the
+    run, in arrival order, where each request goes: the decisions it takes at the arrivals. The arrival process
+    is unchanged (same requests, same times, same events); `route` hands each request to the replica decided
+    for it, and `next_arrival(i)` is replica i's own next arrival, so its decode runs stop at its arrivals
+    only, not at every arrival of the fleet. On an open loop nothing else reaches a replica from outside
+    (the router reads none of them), so each replica runs exactly as it did; only its runs are longer."""
+
+    def __init__(self, requests: list[Request], router, replicas: list[EngineReplica]):
+        self.requests = requests
+        self.replicas = replicas
+        self.targets = array("l", (router.route(req).index for req in requests))
+        own: list[list[float]] = [[] for _ in replicas]
+        for req, i in zip(requests, self.targets, strict=True):
+            own[i].append(req.arrival_time)
+        self._own = [array("d", times) for times in own]
+        self._sent = [0] * len(replicas)        # requests routed to each replica so far
+        self._n = 0                             # requests routed so far
+
+    def route(self, req: Request) -> EngineReplica:
+        n = self._n
+        if self.requests[n] is not req:
+            raise RuntimeError(f"routed ahead: request {req.request_id} arrived out of the trace's order")
+        i = self.targets[n]
+        self._n = n + 1
+        self._sent[i] += 1
+        return self.replicas[i]
+
+    def next_arrival(self, index: int) -> float:
+        """When the next request routed to replica `index` arrives (inf: none is left)."""
+        times, k = self._own[index], self._sent[index]
+        return times[k] if k < len(times) else float("inf")
 
 
 class StepArrivals:
