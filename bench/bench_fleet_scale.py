@@ -12,7 +12,8 @@ writes them (to a temporary folder, removed).
 Each size runs in a child process; prints CPU seconds (user + sys of the child: other jobs on a shared
 machine do not count), requests per CPU second, ms of CPU per request and the child's peak RSS. Linear
 scaling: CPU per request at the largest size within 15% of the smallest's; only then is 1 M requests
-extrapolated from the largest size (printed as such).
+extrapolated from the largest size (printed as such: CPU at its CPU per request, memory growing per request as
+between the two largest sizes).
 
 Usage: python bench/bench_fleet_scale.py [N ...] [--router NAME] [--cpu-gib G] [--replicas R]
 (default sizes 62,500 125,000 250,000 500,000).
@@ -83,8 +84,9 @@ def main() -> None:
     linear = len(rows) >= 2 and abs(last / first - 1) <= LINEAR_TOLERANCE
     verdict = {"fleet": f"{args.replicas} replicas, {args.router}, CPU tier {args.cpu_gib:g} GiB",
                "cpu_per_request_largest_vs_smallest": round(last / first, 3), "linear": linear}
-    if linear:        # 1 M requests at the largest size's CPU per request and its memory growth per request
-        rss_per_req = (rows[-1]["peak_rss_mib"] - rows[0]["peak_rss_mib"]) / (sizes[-1] - sizes[0]) if len(rows) > 1 else 0
+    if linear:        # 1 M requests at the largest size's CPU per request, memory growing as between the two largest
+        # (the first sizes include the CPU tiers filling up: 64 x 32,768 blocks at the defaults)
+        rss_per_req = (rows[-1]["peak_rss_mib"] - rows[-2]["peak_rss_mib"]) / (sizes[-1] - sizes[-2])
         verdict["extrapolated_1M_cpu_s"] = round(last * 1e3)
         verdict["extrapolated_1M_peak_rss_mib"] = round(rows[-1]["peak_rss_mib"] + rss_per_req * (1_000_000 - sizes[-1]))
     print(json.dumps(verdict))
