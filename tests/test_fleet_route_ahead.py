@@ -127,3 +127,27 @@ def test_routed_ahead_refuses_requests_out_of_order():
     assert ahead.route(reqs[0]).index == 0 and ahead.next_arrival(1) == reqs[1].arrival_time
     with pytest.raises(RuntimeError, match=f"request {reqs[2].request_id} arrived out of the trace's order"):
         ahead.route(reqs[2])
+
+
+def test_cpu_tier_runs_go_on_past_finishes_that_keep_no_blocks(monkeypatch):
+    """The CPU tier tells ahead which finishes keep their blocks (a store still copying them:
+    FinishAwareConnector); a decode run goes on past the others, with the results of stepping."""
+    from kvsim.sim.cluster.connectors.offload import OffloadingConnector
+    from kvsim.sim.core.connector import FinishAwareConnector
+    assert issubclass(OffloadingConnector, FinishAwareConnector)
+    past = []
+    real = decode_runs.find_decode_run
+
+    def recording(*args, **kw):
+        run = real(*args, **kw)
+        if run is not None and any(run.finished[:-1]):
+            past.append(run.num_steps)
+        return run
+
+    monkeypatch.setattr(decode_runs, "find_decode_run", recording)
+    sets = {"replicas": 2, "kv_offload.cpu_gib": 1, "trace_options.rate_scale": 2.0, "trace_options.max_requests": 60,
+            "check_invariants": False}
+    fast = fleet_run(sets, True, monkeypatch)
+    assert past, "no decode run went past a finish"
+    stepped = fleet_run(sets, True, monkeypatch, fast_forward=False)
+    pd.testing.assert_frame_equal(fast[0], stepped[0])

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
-from ..core.connector import step_seconds_with_transfer
+from ..core.connector import FinishAwareConnector, step_seconds_with_transfer
 from .routers import build_router
 from ..core.protocols import Executor
 from ..core.request import Request, RequestStatus
@@ -142,6 +142,8 @@ class EngineReplica:
         # a KV connector's transfers complete between steps: decode runs stop at each (and at finishes,
         # which may start a save or send), and do not admit arrivals
         self.connector = scheduler.connector
+        # a connector that tells ahead which finishes keep their blocks: runs go on past the others
+        self._finish_aware = self.connector if isinstance(self.connector, FinishAwareConnector) else None
         self.arrivals = feed.arrivals if self.bulk_decode and executor.supports_admitting_runs \
             and self.connector is None and feed.timeout is None else None
         self.timeout = feed.timeout
@@ -399,9 +401,18 @@ class EngineReplica:
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
             last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
-            closed_loop=self.on_done is not None or self.connector is not None or self.on_finished is not None,
+            closed_loop=self.on_done is not None or self.on_finished is not None or self._finish_stops_runs(),
             next_transfer=min(self.scheduler.next_transfer_completion(), self.next_handoff()),
             step_index=self.num_steps, noise=self.noise)
+
+    def _finish_stops_runs(self) -> bool:
+        """A decode run stops at its first finish when a finish may start a connector's save or send: any
+        finish for a connector that cannot tell ahead, else the finish of a running request whose blocks
+        the connector would keep (FinishAwareConnector)."""
+        if self.connector is None:
+            return False
+        aware = self._finish_aware
+        return aware is None or any(aware.keeps_blocks_at_finish(r) for r in self.scheduler.running)
 
     def _decode_run(self):
         """Advance a stretch of pure-decode steps in bulk (see sim/engine/bulk/decode_runs.py)."""
