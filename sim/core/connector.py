@@ -80,6 +80,18 @@ class KVConnector(Protocol):
         """When the next asynchronous transfer of this replica completes (inf: none in flight)."""
 
 
+@runtime_checkable
+class FinishAwareConnector(Protocol):
+    """A connector that can tell, without acting, whether a request's finish would keep its blocks: a decode
+    run (sim/engine/bulk/decode_runs.py) then goes on past the finishes that keep none (a plain finish, as
+    without a connector) and stops only at the first finish of a request that keeps them. A connector
+    without it stops every run at its first finish (any finish may start a save or a send)."""
+
+    def keeps_blocks_at_finish(self, req: Request) -> bool:
+        """What `request_finished(req)` would return now (it changes nothing). A decode run polls no
+        transfer, so the answer must hold until the next transfer ends (`next_completion`)."""
+
+
 def step_seconds_with_transfer(compute_s: float, transfer: KVTransferStep | None) -> float:
     """A step's duration with its synchronous transfers. Without overlap they add to the compute;
     pipelined over L layers (layer i's KV moves while layer i-1 computes), the longer of the two

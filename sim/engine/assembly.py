@@ -28,7 +28,8 @@ from ..core.protocols import Executor, KVManager
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..core.spec_decode import SpecDecoder
 from .loop import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, DPGroup, EngineClock, EngineReplica, ReplicaFeed,
-                   ReplicaOptions, Router, StepArrivals)
+                   ReplicaOptions, RoutedAhead, Router, StepArrivals)
+from .routers import routes_ahead
 from ..model.parallel import DPAttentionPricing
 from ..results.metrics import StepLog
 from .sessions import SessionLoop, apply_sessions
@@ -288,6 +289,11 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     own_arrivals = (lambda: feed[0]) if ranks == 1 and not closed and not by_step else None
     next_arrival = ((lambda: min(feed[0].next_arrival(), sessions.next_release())) if sessions is not None
                     else (lambda: feed[0].next_arrival()))
+    # a fleet on an open loop whose router reads no replica state (round-robin) is routed ahead: each
+    # replica's next arrival is its own (sim.engine.loop.RoutedAhead), not the fleet's next one
+    # (not data-parallel ranks: they step in lockstep, each step waiting for the group's)
+    ahead: list = ([] if cfg.replicas > 1 and cfg.dp == 1 and not closed and not by_step and routes_ahead(cfg.router)
+                   else None)
     timeout = client_timeout(cfg.trace_options.request_timeout, entry)
     sigma = resolve_sigma(cfg.step_variance, plan.gpu.name) if step_noise else 0.0
     noises = [replica_noise(sigma, cfg.seed, i) for i in range(ranks)]
@@ -302,7 +308,8 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
             ReplicaOptions(fast_forward=cfg.fast_forward and not cross_replica and not shared and not grouped,
                            check_invariants=cfg.check_invariants,
                            step_noise=noises[i], grouped=grouped),
-            ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else next_arrival,
+            ReplicaFeed(next_arrival=(lambda: float("inf")) if by_step else
+                        (lambda i=i: ahead[0].next_arrival(i)) if ahead is not None else next_arrival,
                         step_arrivals=step_arrivals, on_step=on_step,
                         on_done=None if sends is None else (lambda n, t: feed[1].done(n, t)),
                         arrivals=own_arrivals, timeout=timeout, on_tokens=entry.outputs if shared else None,
@@ -314,7 +321,10 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     limit = ConcurrencyLimit(sends, router, env, entry) if sends is not None else None
     if sessions is not None:        # later turns go out as their predecessors finish: through the limit if any
         sessions.send = limit.arrive if limit is not None else (lambda req, now: router.route(req).submit(req))
-    arrivals = ArrivalProcess(env, requests if sessions is None else sessions.first_turns, router, limit)
+    if ahead is not None:
+        ahead.append(RoutedAhead(requests, router, replicas))
+    arrivals = ArrivalProcess(env, requests if sessions is None else sessions.first_turns,
+                              router if ahead is None else ahead[0], limit)
     feed.extend((arrivals, limit))
     return EngineRun(env, replicas, arrivals, limit, None, router, sessions)
 

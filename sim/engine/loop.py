@@ -10,6 +10,7 @@ producing exactly the rows and request state that stepping one by one would.
 from __future__ import annotations
 
 import heapq
+from array import array
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import simpy
 
-from ..core.connector import step_seconds_with_transfer
+from ..core.connector import FinishAwareConnector, step_seconds_with_transfer
 from .routers import build_router
 from ..core.protocols import Executor
 from ..core.request import Request, RequestStatus
@@ -143,6 +144,8 @@ class EngineReplica:
         # a KV connector's transfers complete between steps: decode runs stop at each (and at finishes,
         # which may start a save or send), and do not admit arrivals
         self.connector = scheduler.connector
+        # a connector that tells ahead which finishes keep their blocks: runs go on past the others
+        self._finish_aware = self.connector if isinstance(self.connector, FinishAwareConnector) else None
         self.arrivals = feed.arrivals if self.bulk_decode and executor.supports_admitting_runs \
             and self.connector is None and feed.timeout is None else None
         self.timeout = feed.timeout
@@ -408,9 +411,18 @@ class EngineReplica:
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
             last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
-            closed_loop=self.on_done is not None or self.connector is not None or self.on_finished is not None,
+            closed_loop=self.on_done is not None or self.on_finished is not None or self._finish_stops_runs(),
             next_transfer=min(self.scheduler.next_transfer_completion(), self.next_handoff()),
             step_index=self.num_steps, noise=self.noise)
+
+    def _finish_stops_runs(self) -> bool:
+        """A decode run stops at its first finish when a finish may start a connector's save or send: any
+        finish for a connector that cannot tell ahead, else the finish of a running request whose blocks
+        the connector would keep (FinishAwareConnector)."""
+        if self.connector is None:
+            return False
+        aware = self._finish_aware
+        return aware is None or any(aware.keeps_blocks_at_finish(r) for r in self.scheduler.running)
 
     def _decode_run(self):
         """Advance a stretch of pure-decode steps in bulk (see sim/engine/bulk/decode_runs.py)."""
@@ -585,6 +597,40 @@ class Incoming:
 def Router(replicas: list[EngineReplica], policy: str = "round_robin", options=None):
     """The router named `policy` over `replicas` (the registry of sim/engine/routers)."""
     return build_router(policy, replicas, options)
+
+
+class RoutedAhead:
+    """A router that reads no replica state (`RouterBase.reads_replicas` False: round-robin) asked before the
+    run, in arrival order, where each request goes: the decisions it takes at the arrivals. The arrival process
+    is unchanged (same requests, same times, same events); `route` hands each request to the replica decided
+    for it, and `next_arrival(i)` is replica i's own next arrival, so its decode runs stop at its arrivals
+    only, not at every arrival of the fleet. On an open loop nothing else reaches a replica from outside
+    (the router reads none of them), so each replica runs exactly as it did; only its runs are longer."""
+
+    def __init__(self, requests: list[Request], router, replicas: list[EngineReplica]):
+        self.requests = requests
+        self.replicas = replicas
+        self.targets = array("l", (router.route(req).index for req in requests))
+        own: list[list[float]] = [[] for _ in replicas]
+        for req, i in zip(requests, self.targets, strict=True):
+            own[i].append(req.arrival_time)
+        self._own = [array("d", times) for times in own]
+        self._sent = [0] * len(replicas)        # requests routed to each replica so far
+        self._n = 0                             # requests routed so far
+
+    def route(self, req: Request) -> EngineReplica:
+        n = self._n
+        if self.requests[n] is not req:
+            raise RuntimeError(f"routed ahead: request {req.request_id} arrived out of the trace's order")
+        i = self.targets[n]
+        self._n = n + 1
+        self._sent[i] += 1
+        return self.replicas[i]
+
+    def next_arrival(self, index: int) -> float:
+        """When the next request routed to replica `index` arrives (inf: none is left)."""
+        times, k = self._own[index], self._sent[index]
+        return times[k] if k < len(times) else float("inf")
 
 
 class StepArrivals:

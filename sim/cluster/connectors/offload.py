@@ -216,6 +216,12 @@ class OffloadingConnector:
             return True
         return False
 
+    def keeps_blocks_at_finish(self, req) -> bool:
+        """request_finished's answer now (sim.core.connector.FinishAwareConnector): True while a store of the
+        request's blocks is queued or copying; it changes only when the connector is polled (a store
+        starts or ends: `get_finished`), never inside a decode run."""
+        return bool(self._storing.get(req))
+
     def get_finished(self, now: float) -> FinishedTransfers:
         if now >= self._next_sample_s:
             self._sample(now)

@@ -7,8 +7,8 @@ Built in: round_robin, least_outstanding (today's two), queue_depth, kv_usage, p
 prefix caches), session_affinity (a session's turns to one replica), and weighted (llm-d's inference scheduler: a weighted sum of scorers, highest wins), dp_balance (vLLM's
 data-parallel load balancer).
 """
-from .base import RouterBase, RouterError, build_router, register_router, router_names
+from .base import RouterBase, RouterError, build_router, register_router, router_names, routes_ahead
 from . import (dp_balance, kv_usage, least_outstanding, prefix_affinity, precise_prefix, queue_depth, round_robin,  # noqa: F401
                session_affinity, weighted)  # (registration)
 
-__all__ = ["RouterBase", "RouterError", "build_router", "register_router", "router_names"]
+__all__ = ["RouterBase", "RouterError", "build_router", "register_router", "router_names", "routes_ahead"]

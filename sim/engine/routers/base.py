@@ -65,8 +65,15 @@ class LoadSignals:
 
 
 class RouterBase:
-    """A router over `replicas`; subclasses implement `route(req)` (the replica the request goes to)."""
+    """A router over `replicas`; subclasses implement `route(req)` (the replica the request goes to).
+
+    `reads_replicas`: whether `route` reads the replicas' state (load, KV, prefix caches). A router that
+    reads none (round-robin: its own counter only) declares False; on an open-loop run (trace arrivals
+    alone: no concurrency limit, no sessions) the engine then routes every request ahead of the run, in
+    arrival order, and each replica takes its own arrivals as one replica does: its decode runs stop at
+    (or admit) its own arrivals only, not at every arrival of the fleet. Same decisions, same results."""
     name = "?"
+    reads_replicas = True
 
     def __init__(self, replicas: list, options=None):
         self.replicas = replicas
@@ -80,6 +87,13 @@ class RouterBase:
         """The replica of the highest score; ties go to the lowest index (deterministic)."""
         best = max(range(len(scores)), key=lambda i: (scores[i], -i))
         return self.replicas[best]
+
+
+def routes_ahead(name: str) -> bool:
+    """Whether the router `name` reads no replica state (`RouterBase.reads_replicas` False): its decisions
+    can be taken before the run. An unknown name: False (build_router refuses it)."""
+    cls = _REGISTRY.get(name)
+    return cls is not None and getattr(cls, "reads_replicas", True) is False
 
 
 def build_router(name: str, replicas: list, options=None):

@@ -4,6 +4,7 @@ from .base import RouterBase, register_router
 
 @register_router("round_robin")
 class RoundRobin(RouterBase):
+    reads_replicas = False          # its own counter only: routed ahead on open-loop runs
     def __init__(self, replicas, options=None):
         super().__init__(replicas, options)
         self._next = 0
