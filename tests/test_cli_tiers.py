@@ -22,7 +22,7 @@ def test_tier_overrides():
     assert tier_overrides("cpu:512MiB")["kv_offload.cpu_gib"] == 0.5
     assert tier_overrides(None, sessions=True) == {"trace_options.sessions": {}}
     assert tier_overrides(None, think_time=4.0) == {"trace_options.sessions.think_time_s": 4.0}
-    for bad, why in (("cpu:-5GiB", r"the size must be 0 \(no offload\) or positive"), ("disk:5GiB", "expected cpu:SIZE"),
+    for bad, why in (("cpu:-5GiB", r"the size must be 0 \(no offload\) or positive"), ("disk:5GiB", r"the disk and remote tiers sit behind a CPU tier \(LMCache's local CPU backend\): give cpu:SIZE first"),
                      ("cpu:lots", "expected a size")):
         with pytest.raises(ConfigError, match=f"^--kv-offload '{bad}': {why}"):
             tier_overrides(bad)

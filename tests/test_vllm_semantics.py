@@ -105,5 +105,5 @@ def test_arrivals_by_engine_step():
     cfg = load_config(None, {"gpu": "h100", "trace_options.arrival_unit": "step"})
     r = run_simulation(cfg, trace=trace)
     assert first_steps(r) == [0, 0, 3, 8]          # requests 0-1 finish in step 7: the engine idles
-    with pytest.raises(Exception, match="replicas must be 1"):
+    with pytest.raises(Exception, match=r"replicas \(and dp\) must be 1"):
         run_simulation(load_config(None, {"trace_options.arrival_unit": "step", "replicas": 2}), trace=trace)

@@ -314,7 +314,8 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                         on_done=None if sends is None else (lambda n, t: feed[1].done(n, t)),
                         arrivals=own_arrivals, timeout=timeout, on_tokens=entry.outputs if shared else None,
                         on_finished=None if sessions is None else sessions.finished)))
-    group_ranks(env, plan, replicas)
+    if grouped:
+        group_ranks(env, plan, replicas)
     if by_step:
         return EngineRun(env, replicas, None, None, step_arrivals)
     router = Router(replicas, cfg.router, cfg.router_options)
@@ -333,8 +334,6 @@ def group_ranks(env: EngineClock, plan: ResolvedRun, replicas: list[EngineReplic
     """With data-parallel attention (dp > 1), each replica's dp consecutive engine ranks step together
     (sim/engine/loop.py DPGroup) at the synchronised step time of sim/model/parallel.py."""
     dp = plan.cfg.dp
-    if dp == 1:
-        return []
     pricing = DPAttentionPricing(plan.cost, dp)
     return [DPGroup(env, replicas[i:i + dp], pricing) for i in range(0, len(replicas), dp)]
 

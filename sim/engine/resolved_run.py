@@ -86,16 +86,16 @@ def resolve_run(cfg: SimConfig, *, trace=None, model: ModelSpec | None = None) -
     profile = (policy.fast_mode_profile() or FastModeProfile()) if policy is not None and cfg.kv.mode == "fast" else None
     return ResolvedRun(
         cfg=cfg, hardware=hardware, scheduler=scheduler_config(cfg, hardware.cost, hardware.max_model_len),
-        policy=policy, kv_kind=kv_kind, executor_kind=executor_kind(cfg, kv_kind),
+        policy=policy, kv_kind=kv_kind, executor_kind=executor_kind(kv_kind, cfg.pp),
         memory=estimate_run_memory(cfg, hardware.model, hardware.cost, hardware.num_blocks, trace, profile))
 
 
-def executor_kind(cfg: SimConfig, kv_kind: KVKind) -> ExecutorKind:
+def executor_kind(kv_kind: KVKind, pp: int) -> ExecutorKind:
     """The simulator's executor of a run: the KV-policy one with an eviction-aware manager, the pipeline one for
-    pipeline stages (in-flight batches: sim/simulator/executor.py PipelineExecutor), else the plain one."""
+    `pp` > 1 pipeline stages (in-flight batches: sim/simulator/executor.py PipelineExecutor), else the plain one."""
     if kv_kind == "evicting":
         return "kv_policy"
-    return "pipeline" if cfg.pp > 1 else "cost_model"
+    return "pipeline" if pp > 1 else "cost_model"
 
 
 def check_router(router: str, options: RouterOptions | None) -> None:
