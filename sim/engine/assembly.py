@@ -334,6 +334,8 @@ def group_ranks(env: EngineClock, plan: ResolvedRun, replicas: list[EngineReplic
     """With data-parallel attention (dp > 1), each replica's dp consecutive engine ranks step together
     (sim/engine/loop.py DPGroup) at the synchronised step time of sim/model/parallel.py."""
     dp = plan.cfg.dp
+    if dp == 1:
+        return []
     pricing = DPAttentionPricing(plan.cost, dp)
     return [DPGroup(env, replicas[i:i + dp], pricing) for i in range(0, len(replicas), dp)]
 
