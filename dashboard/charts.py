@@ -289,6 +289,14 @@ def replica_panels(labels: dict[int, str]) -> list[Panel]:
                   each("prefix_hit_rate"), hover=".1%")]
 
 
+def handoff_panels() -> list[Panel]:
+    """The Time series page's prefill-to-decode hand-off panels (dashboard/fleet.py's handoff_series)."""
+    return [Panel("KV hand-off: pulls started per second", "pulls / s", (("transfers_per_s", "pulls / s"),)),
+            Panel("KV hand-off: GB pulled per second (the link's load)", "GB / s", (("gb_per_s", "GB / s"),)),
+            Panel("KV hand-off: TTFT legs of the pulls started (mean)", "ms",
+                  (("kv_wait_ms", "KV wait"), ("transfer_ms", "transfer")), hover=".1f")]
+
+
 def panel_grid(ts: pd.DataFrame, panels: list[Panel], title: str, heatmaps: dict | None = None) -> go.Figure:
     """`panels` over the columns of `ts` in a grid on one shared time axis."""
     rows = math.ceil(len(panels) / PANEL_COLUMNS)

@@ -152,3 +152,28 @@ def offload_table(offload: dict | None) -> pd.DataFrame | None:
     scale = {"bytes_to_tier": 1e-9, "bytes_from_tier": 1e-9}
     return pd.DataFrame([{"figure": name, "CPU tier": offload[key] * scale.get(key, 1)}
                          for name, key in OFFLOAD_FIGURES if key in offload])
+
+
+# the hand-off's panels of the Time series page: (column, what it is)
+HANDOFF_SERIES = (("transfers_per_s", "pulls started / s"), ("gb_per_s", "GB pulled / s"),
+                  ("kv_wait_ms", "KV wait (mean)"), ("transfer_ms", "transfer (mean)"))
+
+
+def handoff_series(run: RunRecord, edges: np.ndarray) -> pd.DataFrame | None:
+    """Per window, the prefill-to-decode hand-offs of a disaggregated run whose KV pull started in it (the
+    prefill leg's end plus the KV wait): pulls and GB a second, and their mean KV wait and transfer time;
+    None for a run without hand-offs."""
+    reqs = run.requests
+    if "transfer_bytes" not in reqs:
+        return None
+    moved = reqs[reqs["transfer_s"].notna()]
+    start = (moved["arrival_s"] + moved["prefill_queue_s"] + moved["prefill_s"] + moved["kv_wait_s"]).to_numpy(float)
+    n, width = len(edges) - 1, np.diff(edges)
+    w = window_of(start, edges)
+    count = np.bincount(w, minlength=n)[:n].astype(float)
+    mean = lambda col: np.where(count > 0, np.bincount(w, weights=moved[col].to_numpy(float), minlength=n)[:n]  # noqa: E731
+                                / np.where(count > 0, count, 1) * 1e3, np.nan)
+    return pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:]), "transfers_per_s": count / width,
+                         "gb_per_s": np.bincount(w, weights=moved["transfer_bytes"].to_numpy(float),
+                                                 minlength=n)[:n] / width / 1e9,
+                         "kv_wait_ms": mean("kv_wait_s"), "transfer_ms": mean("transfer_s")})

@@ -136,3 +136,23 @@ def test_time_series_draws_the_offload_tiers_occupancy(tmp_path, monkeypatch):
     assert set(lines) == {"cpu", "disk"}
     for name, rows in tiers.groupby("tier"):
         assert lines[name] == pytest.approx((rows["blocks_held"] / rows["capacity_blocks"]).to_numpy())
+
+
+def test_time_series_draws_the_handoff_over_time(tmp_path, monkeypatch):
+    monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
+    reqs = run_simulation(load_config(None, PD), tmp_path / "pd").requests
+    fig = figure(time_series_page("pd"), "pd KV hand-off over time")
+    x = values(fig["data"][0]["x"])
+    pulls = trace_in(fig, "KV hand-off: pulls started", "pulls / s")
+    moved = reqs[reqs["transfer_s"].notna()]
+    assert np.nansum(pulls) * (x[1] - x[0]) == pytest.approx(len(moved)) and len(moved) > 0
+    gb = trace_in(fig, "KV hand-off: GB pulled", "GB / s")
+    assert np.nansum(gb) * (x[1] - x[0]) == pytest.approx(moved["transfer_bytes"].sum() / 1e9)
+    transfer = trace_in(fig, "KV hand-off: TTFT legs", "transfer")
+    assert np.nanmax(transfer) <= moved["transfer_s"].max() * 1e3 + 1e-9
+    assert "Prefill/decode hand-off" not in [h.value for h in time_series_page_one(tmp_path).subheader]
+
+
+def time_series_page_one(tmp_path) -> AppTest:
+    run_simulation(load_config(None, {"trace_options.max_requests": 10}), tmp_path / "one")
+    return time_series_page("one")

@@ -4,7 +4,7 @@ import streamlit as st
 
 from kvsim.dashboard import charts
 from kvsim.dashboard.data import length_heatmap, run_cost_model, time_edges, time_series
-from kvsim.dashboard.fleet import is_fleet_run, replica_labels, replica_series
+from kvsim.dashboard.fleet import handoff_series, is_fleet_run, replica_labels, replica_series
 from kvsim.dashboard.ui import follow_job, pick_run, show_run_config
 
 st.title("Time series")
@@ -59,3 +59,12 @@ if run.tiers is not None and len(run.tiers):
     st.caption("Blocks each tier holds (of `kv_offload.chunk_tokens` tokens), over its capacity: the CPU and the disk "
                "summed over the replicas, the remote store once (every replica shares it); one sample a second of "
                "simulated time (tiers.parquet). A tier that stays full evicts least recently used blocks.")
+handoff = run.memo(("handoff_series", windows), lambda: handoff_series(run, time_edges(run, windows)))
+if handoff is not None:
+    st.subheader("Prefill/decode hand-off")
+    st.plotly_chart(run.memo(("handoff_figure", windows), lambda: charts.panel_grid(
+        handoff, charts.handoff_panels(), f"{run.label} KV hand-off over time")), key="ts_handoff",
+        config=charts.PLOT_CONFIG)
+    st.caption("The KV pulls of the disaggregated requests, by when each pull started (its prefill leg's end plus "
+               "its wait for admission and the link): pulls and GB a second, and the mean wait and transfer of "
+               "those pulls (requests.parquet's kv_wait_s, transfer_s).")
