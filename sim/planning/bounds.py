@@ -93,6 +93,28 @@ def _not_bounded(cfg: SimConfig) -> str:
     return ""
 
 
+def ideal_cache_hits(trace, prompts: np.ndarray) -> np.ndarray:
+    """Tokens of each prompt an ideal prefix cache holds: the leading blocks whose prefix hash an earlier
+    request of the trace carried (never the whole prompt: its last token is computed)."""
+    df = trace.df
+    cached = np.zeros(len(df))
+    block = trace.prefix_block_tokens or 0
+    if not block or "prefix_hash_ids" not in df:
+        return cached
+    seen: set = set()
+    for i, ids in enumerate(df["prefix_hash_ids"]):
+        if ids is None or (isinstance(ids, float) and math.isnan(ids)):
+            continue
+        hits = 0
+        for h in ids:
+            if h not in seen:
+                break
+            hits += 1
+        seen.update(ids)
+        cached[i] = min(hits * block, prompts[i] - 1)
+    return cached
+
+
 def demand_of(cfg: SimConfig) -> Demand:
     """The sample `cfg` simulates, with the ideal prefix cache's hits taken off each prompt."""
     from ..engine.assembly import load_workload
@@ -104,20 +126,7 @@ def demand_of(cfg: SimConfig) -> Demand:
     trace = load_workload(cfg)
     df = trace.df
     prompts = df["prompt_tokens"].to_numpy(dtype=float)
-    cached = np.zeros(len(df))
-    block = trace.prefix_block_tokens or 0
-    if block and cfg.engine.enable_prefix_caching and "prefix_hash_ids" in df:
-        seen: set = set()
-        for i, ids in enumerate(df["prefix_hash_ids"]):
-            if ids is None or (isinstance(ids, float) and math.isnan(ids)):
-                continue
-            hits = 0
-            for h in ids:
-                if h not in seen:
-                    break
-                hits += 1
-            seen.update(ids)
-            cached[i] = min(hits * block, prompts[i] - 1)
+    cached = ideal_cache_hits(trace, prompts) if cfg.engine.enable_prefix_caching else np.zeros(len(df))
     return Demand(df["arrival_time_s"].to_numpy(dtype=float), prompts, df["output_tokens"].to_numpy(dtype=float),
                   np.maximum(prompts - cached, 1.0))
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .bounds import demand_of, replica_bound
+from .bounds import demand_of, ideal_cache_hits, replica_bound
 from .capacity import Constraint, slo_for_goodput
 from ..config import SimConfig
 from .sweep import SpecError, _FitChecker
@@ -182,20 +182,7 @@ def offered_load(cfg: SimConfig, ttft: tuple[float | None, str | None] = (None, 
     duration = float(arrivals.max() - arrivals.min()) if n > 1 else 0.0
     prompts = df["prompt_tokens"].to_numpy(dtype=float)
     outputs = df["output_tokens"].to_numpy(dtype=float)
-    cached = np.zeros(n)
-    block = trace.prefix_block_tokens or 0
-    if block and "prefix_hash_ids" in df:
-        seen: set = set()
-        for i, ids in enumerate(df["prefix_hash_ids"]):
-            if ids is None or (isinstance(ids, float) and math.isnan(ids)):
-                continue
-            hits = 0
-            for h in ids:
-                if h not in seen:
-                    break
-                hits += 1
-            seen.update(ids)
-            cached[i] = min(hits * block, prompts[i] - 1)
+    cached = ideal_cache_hits(trace, prompts)
     q_p = _share(ttft[1]) if ttft[0] is not None else 0.0
     q_d = min(q_p, _share(tpot[1])) if tpot[0] is not None else 0.0
     p_span = duration + ttft[0] if q_p else math.inf
