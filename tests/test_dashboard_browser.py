@@ -44,6 +44,8 @@ def test_all_pages_in_chromium(tmp_path, small_crosscheck):
     seen = {}
     with serve_dashboard(data_root=root) as url, Browser(1400, 1400) as browser:
         def inspect(page: str) -> None:
+            if page == "simulate":       # the page may rerun once more after its run ends (loading the saved run)
+                browser.wait_for(_shows("Summary:", 6), 60, "the run's summary")
             seen[page] = browser.text()
             if page == "simulate":
                 seen["reopened"] = reopen_run(browser)
