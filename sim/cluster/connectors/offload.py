@@ -197,10 +197,7 @@ class OffloadingConnector:
             self._storing.pop(req, None)
             if not new:
                 continue
-            nbytes = len(new) * self.tier.spec.bytes_per_block
-            start, end = self.to_tier.reserve(now, nbytes)
-            route_of(req).transfers.append(Transfer("store", self.name, self.tier.spec.name,
-                                                    len(new) * self.block_size, nbytes, start, end))
+            end = self._copy_to_tier(req, new, now)
             save_s = max(save_s, end - now)
             self.tier.complete_store(new)
             if self.lower:
@@ -297,11 +294,16 @@ class OffloadingConnector:
             if not new:
                 self._store_done(req, sent)
                 continue
-            nbytes = len(new) * self.tier.spec.bytes_per_block
-            start, end = self.to_tier.reserve(now, nbytes)
-            route_of(req).transfers.append(Transfer("store", self.name, self.tier.spec.name,
-                                                    len(new) * self.block_size, nbytes, start, end))
+            end = self._copy_to_tier(req, new, now)
             self._stores.add(end, (req, new, end))
+
+    def _copy_to_tier(self, req, keys: list, now: float) -> float:
+        """`keys`' device-to-host copy on the replica's link from `now`, on the request's route; when it ends."""
+        nbytes = len(keys) * self.tier.spec.bytes_per_block
+        start, end = self.to_tier.reserve(now, nbytes)
+        route_of(req).transfers.append(Transfer("store", self.name, self.tier.spec.name, len(keys) * self.block_size,
+                                                nbytes, start, end))
+        return end
 
     def _store_done(self, req, sent: list) -> None:
         left = self._storing[req] - 1
@@ -420,6 +422,13 @@ def offload_summary(connectors: list[OffloadingConnector]) -> dict:
     }
 
 
+def distinct_tiers(connectors: list[OffloadingConnector], level: int) -> list[BlockTier]:
+    """The tiers at `level` (0: the CPU, then the lower tiers in order) over the replicas, each once: one per
+    replica, or the one store they share."""
+    at = [c.tier if level == 0 else c.lower[level - 1].tier for c in connectors]
+    return list({id(t): t for t in at}.values())
+
+
 def lower_tier_summary(connectors: list[OffloadingConnector]) -> dict:
     """Per tier behind the CPU (disk: summed over the replicas' own; remote: the one shared store), in
     blocks of `chunk_tokens`: capacity, stored (written through), loaded (read on a prefix hit), evicted,
@@ -428,7 +437,7 @@ def lower_tier_summary(connectors: list[OffloadingConnector]) -> dict:
     for i, path in enumerate(connectors[0].lower):
         name = path.tier.spec.name
         paths = [c.lower[i] for c in connectors]
-        tiers = list({id(p.tier): p.tier for p in paths}.values())
+        tiers = distinct_tiers(connectors, i + 1)
         out[name] = {
             "capacity_blocks": sum(t.capacity for t in tiers), "shared": len(tiers) == 1 and len(paths) > 1,
             "blocks_stored": sum(t.stats.blocks_stored for t in tiers),
@@ -450,7 +459,8 @@ def tier_occupancy(connectors: list[OffloadingConnector]) -> pd.DataFrame:
     shared remote store counted once) and the tier's capacity, in blocks of `chunk_tokens`."""
     first = connectors[0]
     names = [first.tier.spec.name, *(p.tier.spec.name for p in first.lower)]
-    shared = [i > 0 and first.lower[i - 1].write_back for i in range(len(names))]
+    levels = [distinct_tiers(connectors, j) for j in range(len(names))]
+    shared = [len(tiers) == 1 for tiers in levels]     # one store for every replica: its occupancy once
     end = max((c.occupancy[-1][0] for c in connectors if c.occupancy), default=0.0)
     seconds = np.arange(int(end // OCCUPANCY_SAMPLE_S) + 1) * OCCUPANCY_SAMPLE_S
     held = np.zeros((len(seconds), len(names)))
@@ -462,8 +472,7 @@ def tier_occupancy(connectors: list[OffloadingConnector]) -> pd.DataFrame:
         values = np.where(last[:, None] >= 0, samples[np.maximum(last, 0), 1:], 0.0)
         for j in range(len(names)):
             held[:, j] = np.maximum(held[:, j], values[:, j]) if shared[j] else held[:, j] + values[:, j]
-    capacity = [sum(c.tier.capacity for c in connectors)] + [
-        p.tier.capacity * (1 if shared[i + 1] else len(connectors)) for i, p in enumerate(first.lower)]
+    capacity = [sum(t.capacity for t in tiers) for tiers in levels]
     return pd.DataFrame({"time_s": np.repeat(seconds, len(names)), "tier": names * len(seconds),
                          "blocks_held": held.reshape(-1).astype(np.int64),
                          "capacity_blocks": np.tile(capacity, len(seconds)).astype(np.int64)})
