@@ -1,9 +1,11 @@
 """Requests on shared documents, for the tests of prefix reuse across a fleet (the connector, the CPU
 tier, the routers): each request is one of a few documents (chunks of 256 tokens, ids as Mooncake's
-hash_ids) plus a question of its own (20-199 tokens), arriving as a Poisson process."""
+hash_ids) plus a question of its own (20-199 tokens), arriving as a Poisson process; and what those tests
+compare between two runs of them (`request_frame`)."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from kvsim.sim.core.request import Request
 
@@ -22,3 +24,12 @@ def document_requests(n: int, seed: int, *, documents: int, chunks: tuple[int, i
                             max_output_tokens=int(rng.integers(8, max_output)), prefix_hash_ids=doc + (10_000 + i,),
                             prefix_block_tokens=256))
     return reqs
+
+
+def request_frame(requests: list[Request]) -> pd.DataFrame:
+    """What two runs of the same requests must agree on (stepped against fast-forwarded, ...): each request's
+    status, replica, first token and finish times, its external and cached tokens and its KV transfers."""
+    return pd.DataFrame([{"id": r.request_id, "status": int(r.status), "replica": r.replica,
+                          "first": r.token_times[0] if r.token_times else None, "finish": r.finish_time,
+                          "external": r.num_external_computed_tokens, "cached": r.num_cached_tokens,
+                          "transfers": r.route.transfers if r.route else None} for r in requests])

@@ -6,7 +6,7 @@ at every step."""
 import pandas as pd
 import pytest
 
-from shared_documents import document_requests  # tests/shared_documents.py
+from shared_documents import document_requests, request_frame  # tests/shared_documents.py
 
 from kvsim.sim.engine.assembly import EngineRun, load_workload, trace_to_requests
 from kvsim.sim.cluster.connectors.remote_store import KVStore, RemoteStoreConnector
@@ -77,13 +77,6 @@ def pd_run(fast_forward: bool, prefill: int = 1, decode: int = 1, bandwidth_gb_s
     run = EngineRun(env, fleet.replicas, fleet.arrivals, None, None)
     assert run.drive(catch=()) is None
     return requests, log.to_pandas(), fleet, link
-
-
-def request_frame(requests):
-    return pd.DataFrame([{"id": r.request_id, "status": int(r.status), "replica": r.replica,
-                          "first": r.token_times[0] if r.token_times else None, "finish": r.finish_time,
-                          "external": r.num_external_computed_tokens, "cached": r.num_cached_tokens,
-                          "transfers": r.route.transfers if r.route else None} for r in requests])
 
 
 def same_steps(a: pd.DataFrame, b: pd.DataFrame):

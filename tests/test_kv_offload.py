@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared_documents import document_requests  # tests/shared_documents.py
+from shared_documents import document_requests, request_frame  # tests/shared_documents.py
 
 from kvsim.sim.cluster.connectors.offload import (OffloadingConnector, cpu_tier_spec, offload_connectors,
                                                   offload_summary)
@@ -43,13 +43,6 @@ def offload_run(fast_forward: bool, cpu_gib: float | None = 4.0, replicas: int =
     run = build_engine(plan, requests, log, lambda i: replica_parts(plan, i), connector=factory)
     assert run.drive(catch=()) is None
     return requests, log.to_pandas(), run, (factory.made if factory else [])
-
-
-def request_frame(requests):
-    return pd.DataFrame([{"id": r.request_id, "replica": r.replica, "first": r.token_times[0],
-                          "finish": r.finish_time, "external": r.num_external_computed_tokens,
-                          "cached": r.num_cached_tokens,
-                          "transfers": r.route.transfers if r.route else None} for r in requests])
 
 
 def test_cpu_hits_load_after_their_transfer_and_fast_forward_matches_stepping():

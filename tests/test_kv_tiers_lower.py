@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared_documents import document_requests  # tests/shared_documents.py
+from shared_documents import document_requests, request_frame  # tests/shared_documents.py
 
 from kvsim.sim.cli.options import parse_offload, tier_overrides
 from kvsim.sim.cluster.connectors.offload import offload_summary
@@ -43,17 +43,11 @@ def loads(requests, tier: str) -> list:
     return [t for r in requests if r.route for t in r.route.transfers if t.kind == "load" and t.source == tier]
 
 
-def frame(requests) -> pd.DataFrame:
-    return pd.DataFrame([{"id": r.request_id, "replica": r.replica, "first": r.token_times[0],
-                          "finish": r.finish_time, "external": r.num_external_computed_tokens,
-                          "transfers": r.route.transfers if r.route else None} for r in requests])
-
-
 def test_a_disk_serves_the_prefixes_the_cpu_forgot_and_fast_forward_matches_stepping():
     cpu_only, _ = tiered_run()
     with_disk, (conn,) = tiered_run(disk_gib=64)
     stepped, _ = tiered_run(fast_forward=False, disk_gib=64)
-    pd.testing.assert_frame_equal(frame(with_disk), frame(stepped))
+    pd.testing.assert_frame_equal(request_frame(with_disk), request_frame(stepped))
     disk = loads(with_disk, "disk")
     assert len(disk) >= 5 and not loads(cpu_only, "disk")
     external = lambda reqs: sum(r.num_external_computed_tokens for r in reqs)   # noqa: E731
@@ -146,7 +140,7 @@ def test_lmcache_loads_and_saves_inside_the_step_and_fast_forward_matches_steppi
     waits for the load (no WAITING_FOR_REMOTE_KVS); the chunks a step fills are saved before the next step."""
     in_step, (conn,) = tiered_run(connector="lmcache")
     stepped, _ = tiered_run(fast_forward=False, connector="lmcache")
-    pd.testing.assert_frame_equal(frame(in_step), frame(stepped))
+    pd.testing.assert_frame_equal(request_frame(in_step), request_frame(stepped))
     assert conn.in_step and conn.block_size == 256
     loaded = [r for r in in_step if r.num_external_computed_tokens]
     assert loaded
