@@ -1,12 +1,25 @@
-"""Reading the dashboard's plotly charts as the browser receives them (their JSON spec), for the
-AppTest-based dashboard tests."""
+"""For the AppTest-based dashboard tests: opening a page on a run as a new browser session does, and
+reading its plotly charts as the browser receives them (their JSON spec)."""
 from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
 import numpy as np
 from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+
+
+def open_page(page: str, run: str) -> AppTest:
+    """A new browser session opening `page?run=RUN`."""
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.query_params["run"] = run
+    at.switch_page(f"pages/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    return at
 
 
 def figure(at: AppTest, title: str) -> dict:

@@ -2,31 +2,21 @@
 hand-off and the CPU offload tier, each figure the run's own (summary.json, requests and steps)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from plotly_json import figure, trace_in, values  # tests/plotly_json.py
+from plotly_json import figure, open_page, trace_in, values  # tests/plotly_json.py
 from streamlit.testing.v1 import AppTest
 
 from kvsim.dashboard.data import DATA_ROOT_ENV
 from kvsim.sim.config import load_config
 from kvsim.sim.simulator.simulate import run_simulation
 
-APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PD = {"trace": "azure-code-2023", "trace_options.max_requests": 40, "fleet.prefill.replicas": 2,
       "fleet.decode.replicas": 1}
 OFFLOAD = {"trace": "azure-conv-2023", "trace_options.max_requests": 60, "replicas": 2,
            "router": "precise_prefix", "kv_offload.cpu_gib": 1, "engine.num_gpu_blocks": 200}
-
-
-def simulate_page(root: Path, run: str) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.query_params["run"] = run
-    at.switch_page("pages/simulate.py").run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
 
 
 COLUMNS = {"sim_fleet_replicas": {"replica", "KV blocks used mean"}, "sim_fleet_pools": {"pool", "GPU"},
@@ -43,7 +33,7 @@ def test_a_disaggregated_run_shows_its_pools_replicas_and_handoff(tmp_path, monk
     monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
     result = run_simulation(load_config(None, PD), tmp_path / "pd")
     s = result.summary
-    at = simulate_page(tmp_path, "pd")
+    at = open_page("simulate", "pd")
     pools = table(at, "sim_fleet_pools")
     assert list(pools["pool"]) == ["prefill", "decode"] and list(pools["replicas"]) == [2, 1]
     assert list(pools["busy share"]) == pytest.approx([s["pools"]["prefill"]["utilization"],
@@ -62,7 +52,7 @@ def test_an_offload_run_shows_its_tier_and_per_replica_load(tmp_path, monkeypatc
     monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
     result = run_simulation(load_config(None, OFFLOAD), tmp_path / "off")
     s, reqs = result.summary, result.requests
-    at = simulate_page(tmp_path, "off")
+    at = open_page("simulate", "off")
     tier = table(at, "sim_fleet_offload").set_index("figure")["CPU tier"]
     assert tier["blocks stored"] == s["kv_offload"]["blocks_stored"] > 0
     assert tier["GB to the tier"] == pytest.approx(s["kv_offload"]["bytes_to_tier"] / 1e9)
@@ -76,22 +66,14 @@ def test_an_offload_run_shows_its_tier_and_per_replica_load(tmp_path, monkeypatc
 def test_one_replica_without_tiers_has_no_fleet_view(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
     run_simulation(load_config(None, {"trace_options.max_requests": 10}), tmp_path / "one")
-    at = simulate_page(tmp_path, "one")
+    at = open_page("simulate", "one")
     assert "Fleet" not in [h.value for h in at.subheader]
-
-
-def time_series_page(run: str) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.query_params["run"] = run
-    at.switch_page("pages/timeseries.py").run()
-    assert not at.exception, [e.value for e in at.exception]
-    return at
 
 
 def test_time_series_draws_each_replica_and_the_routers_decisions(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
     reqs = run_simulation(load_config(None, OFFLOAD), tmp_path / "off").requests
-    at = time_series_page("off")
+    at = open_page("timeseries", "off")
     fleet, per_replica = figure(at, "off over time"), figure(at, "off per replica")
     width = np.diff(values(fleet["data"][0]["x"]))[0]
     routed = [trace_in(per_replica, "Router decisions", f"replica {r}") for r in (0, 1)]
@@ -110,7 +92,7 @@ def test_time_series_draws_each_replica_and_the_routers_decisions(tmp_path, monk
 def test_a_disaggregated_fleet_names_each_replicas_pool_over_time(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
     reqs = run_simulation(load_config(None, PD), tmp_path / "pd").requests
-    per_replica = figure(time_series_page("pd"), "pd per replica")
+    per_replica = figure(open_page("timeseries", "pd"), "pd per replica")
     names = {t["name"] for t in per_replica["data"]}
     assert names == {"replica 0 (prefill)", "replica 1 (prefill)", "replica 2 (decode)"}
     # every request is routed to (and finishes on) the decode replica
@@ -123,15 +105,16 @@ def test_a_disaggregated_fleet_names_each_replicas_pool_over_time(tmp_path, monk
 def test_one_replica_has_no_per_replica_panels(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
     run_simulation(load_config(None, {"trace_options.max_requests": 10}), tmp_path / "one")
-    at = time_series_page("one")
+    at = open_page("timeseries", "one")
     assert "Per replica" not in [h.value for h in at.subheader]
+    assert "Prefill/decode hand-off" not in [h.value for h in at.subheader]
 
 
 def test_time_series_draws_the_offload_tiers_occupancy(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
     run_simulation(load_config(None, {**OFFLOAD, "kv_offload.disk_gib": 2}), tmp_path / "tiers")
     tiers = pd.read_parquet(tmp_path / "tiers" / "tiers.parquet")
-    fig = figure(time_series_page("tiers"), "tiers: KV offload tiers over time")
+    fig = figure(open_page("timeseries", "tiers"), "tiers: KV offload tiers over time")
     lines = {t["name"].split(" ")[0]: values(t["y"]) for t in fig["data"]}
     assert set(lines) == {"cpu", "disk"}
     for name, rows in tiers.groupby("tier"):
@@ -141,7 +124,7 @@ def test_time_series_draws_the_offload_tiers_occupancy(tmp_path, monkeypatch):
 def test_time_series_draws_the_handoff_over_time(tmp_path, monkeypatch):
     monkeypatch.setenv(DATA_ROOT_ENV, str(tmp_path))
     reqs = run_simulation(load_config(None, PD), tmp_path / "pd").requests
-    fig = figure(time_series_page("pd"), "pd KV hand-off over time")
+    fig = figure(open_page("timeseries", "pd"), "pd KV hand-off over time")
     x = values(fig["data"][0]["x"])
     pulls = trace_in(fig, "KV hand-off: pulls started", "pulls / s")
     moved = reqs[reqs["transfer_s"].notna()]
@@ -150,9 +133,3 @@ def test_time_series_draws_the_handoff_over_time(tmp_path, monkeypatch):
     assert np.nansum(gb) * (x[1] - x[0]) == pytest.approx(moved["transfer_bytes"].sum() / 1e9)
     transfer = trace_in(fig, "KV hand-off: TTFT legs", "transfer")
     assert np.nanmax(transfer) <= moved["transfer_s"].max() * 1e3 + 1e-9
-    assert "Prefill/decode hand-off" not in [h.value for h in time_series_page_one(tmp_path).subheader]
-
-
-def time_series_page_one(tmp_path) -> AppTest:
-    run_simulation(load_config(None, {"trace_options.max_requests": 10}), tmp_path / "one")
-    return time_series_page("one")

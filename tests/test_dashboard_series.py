@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from streamlit.testing.v1 import AppTest
 
-from plotly_json import figure, series, trace_in  # tests/plotly_json.py
+from plotly_json import APP, figure, open_page, series, trace_in  # tests/plotly_json.py
 
 from kvsim.dashboard.browser import HALF_S, simulate_doubling_load
 from kvsim.dashboard.data import DATA_ROOT_ENV, bin_steps, load_run_dir, time_series
@@ -20,7 +19,6 @@ from kvsim.dashboard.forms import parse_number
 from kvsim.sim.config import load_config
 from kvsim.sim.simulator.simulate import run_simulation
 
-APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 # per-head H2O with compaction: evicts (token, layer, KV head) entries, frees pages, moves bytes
 PER_HEAD = {"trace": "sharegpt-8k-filtered", "gpu": "l4", "trace_options.max_requests": 24, "kv.policy": "h2o",
             "kv.budget": 128, "kv.layout": "per_head", "kv.slot_strategy": "compact", "kv.mode": "fast",
@@ -40,16 +38,6 @@ def root(tmp_path_factory):
 def data_root(root, monkeypatch):
     monkeypatch.setenv(DATA_ROOT_ENV, str(root))
     return root
-
-
-def open_page(page: str, run: str) -> AppTest:
-    """A new browser session opening `page?run=RUN`."""
-    at = AppTest.from_file(APP, default_timeout=60)
-    at.query_params["run"] = run
-    at.switch_page(f"pages/{page}.py").run()
-    assert not at.exception, [e.value for e in at.exception]
-    assert not at.error, [e.value for e in at.error]
-    return at
 
 
 def integral(x: np.ndarray, y: np.ndarray) -> float:
