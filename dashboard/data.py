@@ -383,7 +383,7 @@ def output_token_rate(requests: pd.DataFrame, num_bins: int = 200) -> pd.DataFra
     times = np.concatenate([np.asarray(t, dtype=float) for t in lists])
     lo, hi = float(times.min()), float(times.max())
     edges = np.linspace(lo, hi if hi > lo else lo + 1.0, num_bins + 1)
-    counts, _ = np.histogram(times, bins=edges)
+    counts = np.bincount(window_of(times, edges), minlength=num_bins)    # np.histogram's bins; it sorts 4 M times
     return pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:]), "output_tok_s": counts / np.diff(edges)})
 
 
