@@ -119,11 +119,12 @@ def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float |
 
 
 def _spread(figure: str, summaries: list[dict], scale: float) -> tuple | None:
-    """kvsim's mean, p50, p90 and p99 of a latency figure's metric, averaged over the seeds."""
+    """kvsim's mean, p50, p90 and p99 of a latency figure's metric, averaged over the seeds, in ms (a
+    figure read from a vLLM-named key in ms, ttft_p95_ms, has scale 1 while the spread's keys are in s)."""
     keys = SPREAD.get(figure.split("_")[0])
-    if keys is None:
+    if keys is None or figure.endswith("_std_ms"):
         return None
-    return tuple(float(np.mean([s[k] for s in summaries])) * (1.0 if k.endswith("_ms") else scale) for k in keys)
+    return tuple(float(np.mean([s[k] for s in summaries])) * (1.0 if k.endswith("_ms") else 1e3) for k in keys)
 
 
 def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, profile: str,
