@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from pathlib import Path
@@ -668,6 +669,25 @@ class SimConfig(_Strict):
     def _sigma(cls, v):
         if v != "auto" and not 0 <= v <= 2:
             raise ValueError(f"expected auto or a lognormal sigma between 0 and 2 (0: deterministic), got {v!r}")
+        return v
+
+    @field_validator("step_variance", "frontend_jitter", mode="before")
+    @classmethod
+    def _sigma_spelling(cls, v, info: ValidationInfo):
+        """A sigma setting: auto or a finite number (a string from --set or YAML), one line when not."""
+        zero = "deterministic" if info.field_name == "step_variance" else "every request alike"
+        bad = ValueError(f"expected auto or a lognormal sigma between 0 and 2 (0: {zero}), got {v!r}")
+        if isinstance(v, bool):
+            raise bad
+        if isinstance(v, str) and v.strip().lower() != "auto":
+            try:
+                v = float(v)
+            except ValueError:
+                raise bad from None
+        elif isinstance(v, str):
+            return "auto"
+        if isinstance(v, (int, float)) and not math.isfinite(v):
+            raise bad
         return v
 
     @field_validator("frontend_jitter")

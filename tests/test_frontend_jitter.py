@@ -121,13 +121,17 @@ def test_jitter_is_opt_in_and_off_keeps_the_run(tmp_path):
     (["--frontend-jitter", "lots"], ["--frontend-jitter", "'lots'", "auto"]),
     (["--frontend-jitter", "3"], ["frontend_jitter", "between 0 and 2"]),
     (["--frontend-jitter", "0.3"], ["frontend_jitter", "needs a frontend", "--frontend"]),
+    (["--client-latency", "--set", "frontend_jitter=lots"], ["frontend_jitter", "expected auto", "'lots'"]),
+    (["--client-latency", "--set", "frontend_jitter=true"], ["frontend_jitter", "expected auto", "True"]),
+    (["--client-latency", "--set", "frontend_jitter=nan"], ["frontend_jitter", "expected auto"]),
+    (["--set", "step_variance=lots"], ["step_variance", "expected auto", "deterministic"]),
 ])
 def test_bad_jitter_is_one_line_naming_the_option(tmp_path, flags, words):
     res = CliRunner().invoke(app, ["simulate", "--trace", "azure-conv-2023", "--max-requests", "5", *flags,
                                    "-q", "--out", str(tmp_path / "run")])
     assert res.exit_code != 0
     assert all(w in res.output for w in words), res.output
-    assert "Traceback" not in res.output
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1, res.output
 
 
 def test_the_shipped_sigma_reproduces_the_spread_it_was_fitted_to():
