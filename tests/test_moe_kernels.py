@@ -175,3 +175,21 @@ def test_fp8_block_size_from_a_config_json(tmp_path):
     path.write_text(json.dumps(config))
     with pytest.raises(CatalogError, match=r"quantization_config.weight_block_size': expected two positive integers"):
         get_model(path)
+
+
+def test_weight_only_formats_stream_their_own_bytes_at_few_rows():
+    # gpt-oss's MXFP4 experts run at the bf16 peak (weight-only) and stream 4.25-bit weights: the table's
+    # few-row efficiency (16-bit streaming) is scaled by the byte ratio, never above the table's best
+    g = _kernels("gpt-oss-20b", terms=UNIT)
+    assert g.format == "mxfp4" and g.stream_ratio == pytest.approx(4.25 / 16)
+    plain = _kernels("gpt-oss-20b", terms=UNIT)
+    plain_eff = CostModel("gpt-oss-20b", "h100").profile.gemm_efficiency.at_size(g.expert_mib)[1]
+    assert g._eff.max() == pytest.approx(plain_eff.max()) and np.all(g._eff >= plain_eff)
+    tokens = 256.0
+    rows = g._p * tokens * g._k
+    compute = float(plain._rows_over_eff(rows).sum()) * g._row_s
+    memory = float((1.0 - g._q ** tokens).sum()) * g._byte_s
+    # 32 rows per expert: still weight streaming, as at 16 bits (memory here at 100% of peak bandwidth, the
+    # table at ~90%); unscaled, the compute side would be 3.8x the memory side
+    assert compute <= 1.2 * memory
+    assert _kernels("qwen3-30b-a3b").stream_ratio == 1.0 and _kernels("mixtral-8x7b", tp=2).stream_ratio == 1.0

@@ -30,7 +30,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvsim.sim.model.catalog import DATA_DIR, GPUSpec, ModelSpec
+from kvsim.sim.model.catalog import DATA_DIR, DTYPE_BYTES, GPUSpec, ModelSpec
 
 MOE_KERNELS_FILE = DATA_DIR / "moe_kernels.yaml"
 
@@ -133,7 +133,14 @@ class GroupedGemm:
         self._byte_s = layers * model.expert_bytes * part / gpu.mem_bw / self.terms.bw_eff
         self._row_s = (layers * 2 * model.expert_params * part / gpu.peak_flops(dtype) / self.terms.compute_scale)
         self._fixed_s = layers * self.terms.fixed_s
-        self._log_t, self._eff = gemm_table.at_size(self.expert_mib)
+        self._log_t, eff = gemm_table.at_size(self.expert_mib)
+        # The table was measured on 16-bit weights: at few rows its efficiency is the weights' streaming time.
+        # A format that streams fewer bytes per weight than its matmul peak gains (weight-only 4-bit, or fp8
+        # where the GPU has no fp8 tensor cores) reaches that efficiency sooner: scale by the ratio, up to
+        # the table's best (an assumption, docs/models.md; bf16 and fp8 on fp8 tensor cores: ratio 1).
+        self.stream_ratio = min(1.0, DTYPE_BYTES[dtype] / 2.0 * gpu.peak_flops(dtype) / gpu.peak_flops("bf16")
+                                if "bf16" in gpu.tflops else 1.0)
+        self._eff = eff if self.stream_ratio == 1.0 else np.minimum(eff / self.stream_ratio, eff.max())
         self._memo: dict[float, float] = {}
 
     def _rows_over_eff(self, rows: np.ndarray) -> np.ndarray:
