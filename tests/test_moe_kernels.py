@@ -193,3 +193,13 @@ def test_weight_only_formats_stream_their_own_bytes_at_few_rows():
     # table at ~90%); unscaled, the compute side would be 3.8x the memory side
     assert compute <= 1.2 * memory
     assert _kernels("qwen3-30b-a3b").stream_ratio == 1.0 and _kernels("mixtral-8x7b", tp=2).stream_ratio == 1.0
+
+
+def test_a_bad_kernel_file_stops_with_its_line_and_field(tmp_path):
+    from kvsim.sim.model.grouped_gemm import load_section
+    path = tmp_path / "moe.yaml"
+    path.write_text("formats:\n  bf16:\n    fixed_s: 1.0e-05\n    bw_eff: 2.0\n    compute_scale: 1.0\n")
+    with pytest.raises(CatalogError, match=r"^\S*moe\.yaml:4: field 'bw_eff': Input should be less than or equal to 1$"):
+        load_section(path, "formats", MoEKernelTerms, keyed=True)
+    with pytest.raises(CatalogError, match=r"moe\.yaml: expected a mapping with a 'runs' list$"):
+        load_section(path, "runs", MoEKernelTerms, keyed=False)

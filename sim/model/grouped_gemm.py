@@ -24,13 +24,14 @@ are E (1 - (1 - k/E)^T), the uniform-routing count the cost model used before.
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvsim.sim.model.catalog import DATA_DIR, DTYPE_BYTES, GPUSpec, ModelSpec
+from kvsim.sim.model.catalog import (DATA_DIR, DTYPE_BYTES, CatalogError, GPUSpec, ModelSpec,
+                                     format_validation_error, yaml_load_with_lines)
 
 MOE_KERNELS_FILE = DATA_DIR / "moe_kernels.yaml"
 
@@ -60,11 +61,26 @@ class MoEKernelTerms(BaseModel):
     fit_mape: float | None = None                          # mean |relative error| over the runs fitted to
 
 
+def load_section(path: Path, section: str, model: type[BaseModel], *, keyed: bool) -> Any:
+    """`section` of a MoE kernel file validated as `model` (a mapping by name, or a list); a bad entry stops
+    with `file:line: field 'x': message`."""
+    data, lines = yaml_load_with_lines(path)
+    if not isinstance(data, dict) or not isinstance(data.get(section), dict if keyed else list):
+        raise CatalogError(f"{path}: expected a mapping with a '{section}' {'mapping' if keyed else 'list'}")
+    items = data[section].items() if keyed else enumerate(data[section])
+    out = {}
+    for key, entry in items:
+        try:
+            out[key] = model.model_validate(entry)
+        except ValidationError as exc:
+            raise CatalogError(format_validation_error(exc, str(path), lines, prefix=(section, key))) from None
+    return out if keyed else tuple(out.values())
+
+
 @lru_cache(maxsize=1)
 def shipped_terms() -> dict[str, MoEKernelTerms]:
     """The fitted terms of every format (sim/data/moe_kernels.yaml `formats`)."""
-    data: dict[str, Any] = yaml.safe_load(MOE_KERNELS_FILE.read_text()) or {}
-    return {name: MoEKernelTerms.model_validate(t) for name, t in (data.get("formats") or {}).items()}
+    return load_section(MOE_KERNELS_FILE, "formats", MoEKernelTerms, keyed=True)
 
 
 def format_terms(dtype: str, block_size: int = 0) -> tuple[str, MoEKernelTerms]:

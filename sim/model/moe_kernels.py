@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvsim.sim.model.catalog import get_gpu, get_model
 from kvsim.sim.model.cost_model import load_profile, profile_for_gpu
 from kvsim.sim.model.grouped_gemm import (FORMATS, MOE_KERNELS_FILE, GroupedGemm, MoEKernelTerms, kernel_format,
-                                          shipped_terms)
+                                          load_section, shipped_terms)
 
 
 class KernelRun(BaseModel):
@@ -34,8 +34,7 @@ class KernelRun(BaseModel):
 
 @lru_cache(maxsize=1)
 def kernel_runs() -> tuple[KernelRun, ...]:
-    data: dict[str, Any] = yaml.safe_load(MOE_KERNELS_FILE.read_text()) or {}
-    return tuple(KernelRun.model_validate(r) for r in data.get("runs", []))
+    return load_section(MOE_KERNELS_FILE, "runs", KernelRun, keyed=False)
 
 # ---- the fit ---------------------------------------------------------------------------------------
 
