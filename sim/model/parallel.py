@@ -280,8 +280,8 @@ class DPAttentionPricing:
         m = self.cost.model
         pairs = tokens * m.experts_per_token
         compute = pairs * self._expert_flop_s / gpus / self._eff(tokens)     # the cost model's efficiency by tokens
-        memory = float(expected_distinct_experts(m.num_experts, m.experts_per_token, tokens)) * self._expert_byte_s \
-            / gpus / self._bw_eff
+        distinct = float(expected_distinct_experts(m.num_experts, m.experts_per_token, tokens, m.expert_skew))
+        memory = distinct * self._expert_byte_s / gpus / self._bw_eff
         return max(compute, memory)
 
     def all_to_all_seconds(self, tokens: float) -> float:
