@@ -203,3 +203,20 @@ def test_a_bad_kernel_file_stops_with_its_line_and_field(tmp_path):
         load_section(path, "formats", MoEKernelTerms, keyed=True)
     with pytest.raises(CatalogError, match=r"moe\.yaml: expected a mapping with a 'runs' list$"):
         load_section(path, "runs", MoEKernelTerms, keyed=False)
+
+
+def test_scalar_and_array_pricing_agree_bit_for_bit_on_mixed_steps(tmp_path):
+    spec = get_model("qwen3-30b-a3b").model_dump()
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump({**spec, "name": "skewed-qwen", "expert_skew": 0.7}))
+    cost = CostModel(str(path), "h100", tp=4, async_scheduling=True, expert_parallel=True)
+    rng = np.random.default_rng(0)
+    seqs = rng.integers(1, 300, 60)
+    prefill = rng.integers(0, 3000, 60) * (rng.random(60) < 0.4)
+    decode, kv = seqs - (prefill > 0), seqs * rng.integers(100, 3000, 60)
+    arrays = cost.breakdown(BatchShape(num_seqs=seqs, num_decode_tokens=decode, num_prefill_tokens=prefill,
+                                       kv_tokens_read=kv, attn_pairs_prefill=prefill * prefill // 2))["total"]
+    for i in range(60):
+        one = BatchShape(num_seqs=int(seqs[i]), num_decode_tokens=int(decode[i]), num_prefill_tokens=int(prefill[i]),
+                         kv_tokens_read=int(kv[i]), attn_pairs_prefill=int(prefill[i] * prefill[i] // 2))
+        assert cost.predict(one) == arrays[i]
