@@ -15,7 +15,7 @@ over the experts i on the GPU, M MoE layers, with rows_i = T * k * p_i and disti
 GEMM efficiency table read at the expert's rows and its weight size on the GPU, peak the expert format's
 matmul peak. Tensor parallelism gives each GPU a 1/tp slice of every expert; expert parallelism whole
 experts, dealt by popularity rank round-robin (the GPU priced holds ranks 0, tp, 2 tp, ...: the
-most-loaded one).
+most-loaded one; the placement a load balancer such as vLLM's EPLB aims at, so a lower bound on imbalance).
 
 `fixed_s`, `bw_eff` and `compute_scale` are per weight format (bf16, fp8, fp8-block, mxfp4) and fitted to published
 kernel times of these fused calls (sim/data/moe_kernels.yaml; the fit: sim/model/moe_kernels.py). At skew 0 the distinct experts
