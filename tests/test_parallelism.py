@@ -199,8 +199,12 @@ def test_dp_ranks_match_independent_engines_when_the_all_to_all_is_free(monkeypa
     prefill_sync, decode_sync = throughput(_burst(4000, 2, dp=4)), throughput(_burst(400, 48, dp=4))
     monkeypatch.setattr(DPAttentionPricing, "all_to_all_seconds", lambda self, tokens: 0.0)
     prefill_free, decode_free = throughput(_burst(4000, 2, dp=4)), throughput(_burst(400, 48, dp=4))
-    # all-to-all free, compute-bound: the shared MoE layers do the 4 engines' expert work, no more, no less
-    assert prefill_free == pytest.approx(prefill_ind, rel=0.03)
+    # all-to-all free, compute-bound: the shared MoE layers do the 4 engines' expert work in grouped GEMMs of
+    # 4x the rows per expert (sim/model/moe_kernels.py), which run at a higher efficiency: faster, not slower
+    assert prefill_ind < prefill_free < 1.3 * prefill_ind
+    # with the experts in the linear roofline (efficiency by the step's tokens) no more, no less
+    monkeypatch.setitem(CostModel.__init__.__kwdefaults__, "moe_kernels", False)
+    assert throughput(_burst(4000, 2, dp=4)) == pytest.approx(throughput(_burst(4000, 2, replicas=4)), rel=0.03)
     # decode reads the experts its tokens touch: split over 4 GPUs instead of read by each engine (faster)
     assert decode_free > decode_ind
     # the all-to-all costs every step: slower than with it free

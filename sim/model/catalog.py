@@ -101,6 +101,12 @@ class ModelSpec(_Spec):
     num_shared_experts: int = Field(0, ge=0)      # always-active experts of moe_intermediate_size (DeepSeek)
     first_dense_layers: int = Field(0, ge=0)      # leading layers with a dense MLP of intermediate_size
     expert_dtype: Dtype | None = None             # routed experts' storage dtype (default weight_dtype)
+    # router skew: expert i (by popularity rank) gets a share of the routed tokens proportional to i^-skew
+    # (0: uniform routing; sim/model/moe_kernels.py, docs/models.md)
+    expert_skew: float = Field(0.0, ge=0, le=4, allow_inf_nan=False)
+    # fp8 weights quantized in square blocks of this many weights a side (DeepSeek-V3, Qwen3-*-FP8: 128;
+    # 0: per-tensor or per-channel scales). Only the MoE kernels' format reads it (moe_kernels.py).
+    weight_block_size: int = Field(0, ge=0)
     # ---- multi-head latent attention (kv_lora_rank 0: standard attention; DeepSeek-V2/V3) ----
     kv_lora_rank: int = Field(0, ge=0)            # the compressed KV's width (cached with the RoPE key)
     q_lora_rank: int = Field(0, ge=0)             # 0: q projected directly from the hidden state

@@ -104,6 +104,7 @@ from kvsim.sim.model.catalog import (
     normalize_dtype, yaml_load_with_lines,
 )
 from kvsim.sim.core.step import BatchShape
+from kvsim.sim.model.grouped_gemm import GroupedGemm, distinct_experts
 
 PROFILES_DIR = DATA_DIR / "profiles"
 
@@ -449,10 +450,13 @@ def check_tp(model: ModelSpec, tp: int) -> None:
         raise ValueError(f"{model.name}: tp={tp} and num_kv_heads={model.num_kv_heads} must divide one another")
 
 
-def expected_distinct_experts(num_experts: int, top_k: int, tokens):
+def expected_distinct_experts(num_experts: int, top_k: int, tokens, skew: float = 0.0):
     """Experts a MoE layer reads in a step of `tokens` tokens when each token picks `top_k` of
     `num_experts` uniformly (the uniform-routing assumption; docs/models.md):
-    E * (1 - (1 - k/E)^T). 0 tokens read none; many tokens read all E."""
+    E * (1 - (1 - k/E)^T). 0 tokens read none; many tokens read all E. A router `skew` > 0 reads fewer
+    (sim.model.grouped_gemm.distinct_experts)."""
+    if skew:
+        return distinct_experts(num_experts, top_k, tokens, skew)
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** _f64(tokens))
 
 
@@ -475,7 +479,7 @@ class CostModel:
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, profile: HardwareProfile | str = AUTO_PROFILE,
                  tp: int = 1, *, kv_dtype: str | None = None, weight_dtype: str | None = None,
-                 async_scheduling: bool = False, expert_parallel: bool = False):
+                 async_scheduling: bool = False, expert_parallel: bool = False, moe_kernels: bool = True):
         model = get_model(model)
         if weight_dtype or kv_dtype:
             model = model.with_dtypes(weight_dtype=weight_dtype, kv_dtype=kv_dtype)
@@ -485,6 +489,9 @@ class CostModel:
         # async scheduling: the CPU's per-step work (the overhead terms) overlaps the device's
         self.async_scheduling = async_scheduling
         self.profile = load_profile(profile, gpu=self.gpu)
+        # the routed experts' fused kernels priced by their own model (sim/model/grouped_gemm.py): MoE models
+        # under an operator-form profile; off, or a dense model: the experts are part of the linear roofline
+        self.moe_kernels = bool(moe_kernels and model.is_moe and self.profile.gemm_efficiency is not None)
         self.kv_heads_per_gpu = kv_heads_per_gpu(model, tp)
         self.kv_split = self.kv_heads_per_gpu / model.num_kv_heads
         self.kv_bytes_per_token = model.kv_bytes_per_token()
@@ -546,20 +553,26 @@ class CostModel:
         one GPU (0 for a dense model)."""
         if self._moe is None:
             return 0.0
-        return expected_distinct_experts(*self._moe, tokens) * self._c["expert_s"]
+        return expected_distinct_experts(*self._moe, tokens, skew=self.model.expert_skew) * self._c["expert_s"]
 
     def _set_operator_terms(self) -> None:
         """The operator form's constants: efficiency table in log tokens, per-step latency counts, and
         the all-reduce terms at this TP degree."""
         p, m, tp = self.profile, self.model, self.tp
         self._gemm_table = None
+        self._grouped = None
+        self._op_flops_s = self._c["prefill_flops_s"]      # the linear FLOPs the dense GEMM table prices
         if p.gemm_efficiency is not None:
             self._gemm_table = p.gemm_efficiency.at_size(self.layer_weight_mib)
+            if self.moe_kernels:
+                self._grouped = GroupedGemm(m, self.gpu, p.gemm_efficiency, tp, expert_parallel=self.expert_parallel)
+                self._op_flops_s = float(self._routed_free_flops_per_token() / tp / self.gpu.peak_flops(m.weight_dtype))
         self._eff_memo: dict[float, float] = {}     # gemm_efficiency of scalar token counts (steps repeat them)
         self._decode_terms = None                   # see _decode_seq_terms
         self._decode_lists = None                   # see _decode_seq_lists
-        # 4 matmul kernels per layer (fused QKV, O, fused gate/up or fc1, down or fc2) and the LM head
-        self._gemm_launches = float(4 * m.num_layers + 1)
+        # 4 matmul kernels per layer (fused QKV, O, fused gate/up or fc1, down or fc2) and the LM head; a MoE
+        # layer's two expert GEMMs are inside its fused-experts call when that is priced on its own
+        self._gemm_launches = float(4 * m.num_layers + 1 - (2 * m.num_moe_layers if self._grouped is not None else 0))
         self._layers = float(m.num_layers)
         ar_lat, ar_eff = p.allreduce_latency_s, p.allreduce_bw_eff
         if p.allreduce_by_tp and tp > 1:
@@ -574,6 +587,18 @@ class CostModel:
                                            + 3 * m.active_mlp_width / tp)
         self._elementwise_token_s = float(elem / self.gpu.mem_bw)
 
+    def _routed_free_flops_per_token(self) -> float:
+        """linear_flops_per_token without the routed experts (attention, dense MLPs, shared experts)."""
+        m = self.model
+        return float(m.linear_flops_per_token - 2 * m.num_moe_layers * m.experts_per_token * m.expert_params)
+
+    def moe_kernel_time(self, tokens):
+        """Seconds of the routed experts' fused kernels in a step of `tokens` tokens on one GPU (0 when they
+        are not priced on their own: a dense model, moe_kernels off, or a plain-roofline profile)."""
+        if self._grouped is None:
+            return 0.0 if not isinstance(tokens, np.ndarray) else np.zeros(np.shape(tokens))
+        return self._grouped.seconds(tokens)
+
     @property
     def matmul_time_per_token(self) -> float:
         """Seconds at peak of the decoder-layer matmuls for one token on one GPU (LM head excluded)."""
@@ -586,8 +611,11 @@ class CostModel:
 
     @property
     def layer_weight_mib(self) -> float:
-        """One layer's matmul weights on one GPU, MiB (what sets how well a matmul fills the GPU)."""
+        """One layer's matmul weights on one GPU, MiB (what sets how well a matmul fills the GPU); without
+        the routed experts when their kernels are priced on their own."""
         m = self.model
+        if self.moe_kernels:
+            return self._routed_free_flops_per_token() / 2 / m.num_layers * DTYPE_BYTES[m.weight_dtype] / self.tp / 2**20
         return m.active_linear_params_per_layer * DTYPE_BYTES[m.weight_dtype] / self.tp / 2**20
 
     def gemm_efficiency(self, tokens):
@@ -698,10 +726,13 @@ class CostModel:
         rows = seqs if shape.num_logit_rows is None else _f64(shape.num_logit_rows)
         tokens = _f64(shape.num_prefill_tokens) + _f64(shape.num_decode_tokens)
         ran = (tokens > 0).astype(np.float64) if isinstance(tokens, np.ndarray) else float(tokens > 0)
-        compute = (tokens * c["prefill_flops_s"] / self.gemm_efficiency(tokens)
+        compute = (tokens * self._op_flops_s / self.gemm_efficiency(tokens)
                    + rows * c["lm_head_s"] / self.gemm_efficiency(rows))
         memory = (ran * c["weights_s"] + rows * c["logits_seq_s"]) / p.mem_bw_eff
-        if self._moe is not None:
+        if self._grouped is not None:
+            compute = _max(compute, memory) + self._grouped.seconds(tokens)
+            memory = compute
+        elif self._moe is not None:
             memory = memory + self.expert_read_time(tokens) / p.mem_bw_eff
         linear = (_max(compute, memory) + ran * (self._gemm_launches * p.gemm_latency_s
                                                  + self._layers * p.layer_latency_s)
@@ -730,9 +761,12 @@ class CostModel:
         b = float(shape.op_bytes) * c["op_byte_s"]
         policy_ops = (a if a >= b else b) + zero
         eff = self.gemm_efficiency
-        compute = tokens * c["prefill_flops_s"] / eff(tokens) + rows * c["lm_head_s"] / eff(rows)
+        compute = tokens * self._op_flops_s / eff(tokens) + rows * c["lm_head_s"] / eff(rows)
         memory = (ran * c["weights_s"] + rows * c["logits_seq_s"]) / p.mem_bw_eff
-        if self._moe is not None:
+        if self._grouped is not None:
+            compute = (compute if compute >= memory else memory) + self._grouped.seconds(tokens)
+            memory = compute
+        elif self._moe is not None:
             memory = memory + self.expert_read_time(tokens) / p.mem_bw_eff
         linear = ((compute if compute >= memory else memory)
                   + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)
@@ -833,9 +867,12 @@ class CostModel:
         1 where a step ran (seqs > 0), as an array or the scalar 1.0 when all did."""
         c, p = self._c, self.profile
         e = self.gemm_efficiency(seqs)
-        compute = seqs * c["prefill_flops_s"] / e + seqs * c["lm_head_s"] / e
+        compute = seqs * self._op_flops_s / e + seqs * c["lm_head_s"] / e
         memory = (ran * c["weights_s"] + seqs * c["logits_seq_s"]) / p.mem_bw_eff
-        if self._moe is not None:
+        if self._grouped is not None:
+            compute = np.maximum(compute, memory) + self._grouped.seconds(seqs)
+            memory = compute
+        elif self._moe is not None:
             memory = memory + self.expert_read_time(seqs) / p.mem_bw_eff
         linear = (np.maximum(compute, memory)
                   + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)

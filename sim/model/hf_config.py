@@ -197,7 +197,21 @@ def fields_from_hf_dict(data: dict, path: Path) -> dict:
     fields.update(_sliding_fields(f, model_type, layers))
     if _quant_method(top, f) == "mxfp4":      # gpt-oss: MXFP4 experts, everything else at the checkpoint dtype
         fields.update(weight_dtype=activation, embedding_dtype=None, expert_dtype="mxfp4")
+    block = _fp8_block_size(f, top) if weight == "fp8" else 0
+    if block:
+        fields.update(weight_block_size=block)
     return fields
+
+
+def _fp8_block_size(f: _Fields, top: dict) -> int:
+    """fp8 `quantization_config.weight_block_size` [n, n] (DeepSeek-V3, Qwen3-*-FP8): n; 0 without one."""
+    quant = top.get("quantization_config") or f.data.get("quantization_config")
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    if block is None:
+        return 0
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise f.error(f"field 'quantization_config.weight_block_size': expected two positive integers, got {block!r}")
+    return int(block[0])
 
 
 # ---- the model's length, as vLLM derives max_model_len ----------------------------------------------

@@ -36,11 +36,13 @@ ranks run dummy batches).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from .catalog import DTYPE_BYTES, GPUSpec, ModelSpec
 from .cost_model import CostModel, expected_distinct_experts
+from .grouped_gemm import GroupedGemm
 from .links import link_catalog
 
 GPUS_PER_NODE = 8              # GPUs one node joins by NVLink (DGX/HGX H100, H200, B200)
@@ -252,6 +254,9 @@ class DPAttentionPricing:
         across = per_token * (self.gpus - node) / self.gpus / self.link.bytes_per_s if self.gpus > node else 0.0
         self._a2a_token_s = max(within, across)
         self._a2a_latency_s = 2 * m.num_moe_layers * self.link.latency_s
+        self._kernels: dict[int, Any] = {}
+        if cost.moe_kernels:       # the rank's own MoE share is what its cost model priced
+            self._kernels[tp] = cost._grouped
 
     def _eff(self, rows: float) -> float:
         if self._mfu is not None:
@@ -260,14 +265,23 @@ class DPAttentionPricing:
 
     def moe_seconds(self, tokens: float, gpus: int) -> float:
         """The routed experts' time of a step of `tokens` tokens on one of `gpus` GPUs holding experts / gpus
-        each: roofline of their FLOPs and the distinct experts read."""
+        each: the cost model's fused-expert kernels where it prices them (sim/model/grouped_gemm.py; at the
+        rank's own TP degree exactly what its step holds), else the roofline of their FLOPs and the distinct
+        experts read."""
         if tokens <= 0:
             return 0.0
+        if self.cost.moe_kernels:
+            kernels = self._kernels.get(gpus)
+            if kernels is None:
+                kernels = self._kernels[gpus] = GroupedGemm(self.cost.model, self.cost.gpu,
+                                                            self.cost.profile.gemm_efficiency, gpus,
+                                                            expert_parallel=True)
+            return float(kernels.seconds(float(tokens)))
         m = self.cost.model
         pairs = tokens * m.experts_per_token
         compute = pairs * self._expert_flop_s / gpus / self._eff(tokens)     # the cost model's efficiency by tokens
-        memory = float(expected_distinct_experts(m.num_experts, m.experts_per_token, tokens)) * self._expert_byte_s \
-            / gpus / self._bw_eff
+        distinct = float(expected_distinct_experts(m.num_experts, m.experts_per_token, tokens, m.expert_skew))
+        memory = distinct * self._expert_byte_s / gpus / self._bw_eff
         return max(compute, memory)
 
     def all_to_all_seconds(self, tokens: float) -> float:
