@@ -525,10 +525,11 @@ class FleetConfig(_Strict):
     links, behind vLLM's disaggregated-serving proxy. The model and KV dtype are the run's (the KV must match)."""
     prefill: PoolsOfRole
     decode: PoolsOfRole
-    pool_choice: Literal["least_work", "round_robin"] = Field(
+    pool_choice: str = Field(
         "least_work", description="with several pools of a role: how the proxy picks one (least_work: the least "
                                   "outstanding work over the pool's speed, then the pool's router; round_robin: "
-                                  "over every instance of the role, as vLLM's toy proxy)")
+                                  "over every instance of the role, as vLLM's toy proxy); a registered choice "
+                                  "(sim/cluster/pool_choice.py), checked when the fleet is built")
     pair_links: dict[str, str] = Field(default_factory=dict, description="link type per pool pair, "
                                        "'PREFILL_POOL>DECODE_POOL: link' (default: link)")
     link: str = Field("ib-ndr", description="link type from sim/data/links.yaml (one GPU's link)")

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..cluster.fleet import DisaggregatedProxy, Fleet, Handoff, PoolSpec, build_disaggregated, feed
-from ..cluster.pool_choice import make_pool_choice
+from ..cluster.pool_choice import make_pool_choice, pool_choice_names
 from ..cluster.links import LinkSpec, get_link, handoff_link
 from ..config import ConfigError, EngineConfig, PoolConfig, SimConfig
 from ..engine.assembly import EngineRun, trace_to_requests
@@ -82,6 +82,9 @@ def fleet_plans(cfg: SimConfig, trace) -> FleetPlans:
     """Each pool's run plan, resolved once; a pool that cannot run (its TP does not fit the model or the
     GPU's memory) is refused naming it."""
     refuse_unsupported(cfg)
+    if cfg.fleet.pool_choice not in pool_choice_names():
+        raise ConfigError(f"fleet.pool_choice: unknown pool choice {cfg.fleet.pool_choice!r}; known: "
+                          f"{', '.join(pool_choice_names())}")
     plans = []
     for role, name, pool in cfg.fleet.all_pools():
         given = getattr(cfg.fleet, role)
