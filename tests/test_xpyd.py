@@ -4,10 +4,13 @@ round_robin over instances as vLLM's toy proxy), pulls priced per pool pair (lin
 both TPs, bytes from each decode pool's KV layout), outputs per pool, and a randomized property test of the
 hand-off's invariants over random multi-pool fleets."""
 import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvsim.dashboard.data import RunRecord
+from kvsim.dashboard.fleet import fleet_view, replica_labels
 from kvsim.sim.cli.simulate import fleet_overrides
 from kvsim.sim.cluster.fleet import Handoff, PoolSpec, build_disaggregated, feed
 from kvsim.sim.cluster.links import LinkSpec, get_link
@@ -107,6 +110,13 @@ def test_xpyd_fleet_prices_each_pull_by_its_pool_pair_and_reports_each_pool(tmp_
     assert sum(p["transfers"] for p in s["handoff"]["pairs"].values()) == s["handoff"]["transfers"] == 60
     assert s["handoff"]["link_bandwidth_gb_s"] is None        # one figure per pair instead
     assert s["fleet"].startswith("2x H100-SXM TP1 prefill-0 + 1x A100-80GB TP2 prefill-1 + 1x H200 TP2 decode-0")
+    # the dashboard's fleet view names each pool and each replica's pool
+    run = RunRecord("xpyd", s, pd.read_parquet(tmp_path / "out" / "requests.parquet"),
+                    pd.read_parquet(tmp_path / "out" / "steps.parquet"))
+    view = fleet_view(run)
+    assert list(view.pools["pool"]) == list(s["pools"]) and list(view.pools["GPU"])[1] == "A100-80GB"
+    assert list(view.replicas["pool"]) == ["prefill-0", "prefill-0", "prefill-1", "decode-0", "decode-1"]
+    assert replica_labels(run)[4] == "replica 4 (decode-1)"
     # config.yaml reruns the same fleet, bit for bit (same inputs and seed: the same results)
     again = run_simulation(load_config(tmp_path / "out" / "config.yaml"), tmp_path / "again")
     assert again.requests.drop(columns="token_times_s").equals(result.requests.drop(columns="token_times_s"))
