@@ -20,7 +20,7 @@ class FleetView(NamedTuple):
     offload: pd.DataFrame | None
 
 
-POOL_COLUMNS = {"role": "pool", "gpu": "GPU", "tp": "TP", "replicas": "replicas", "utilization": "busy share",
+POOL_COLUMNS = {"gpu": "GPU", "tp": "TP", "replicas": "replicas", "utilization": "busy share",
                 "mean_waiting": "waiting mean", "max_waiting": "waiting max", "mean_kv_use": "KV use mean",
                 "max_kv_use": "KV use max", "prefill_tokens": "prefill tokens", "decode_tokens": "decode tokens"}
 # the TTFT of a disaggregated request in its legs (docs/disaggregation.md#outputs), then the link's load
@@ -75,9 +75,9 @@ def replica_table(run: RunRecord, pools: dict | None = None) -> pd.DataFrame:
 
 
 def pool_roles(pools: dict | None) -> list[str]:
-    """Each replica's pool (prefill / decode): replicas are numbered pool by pool, in the order of
-    summary.json's `pools`; [] without pools."""
-    return [p["role"] for p in (pools or {}).values() for _ in range(int(p["replicas"]))]
+    """Each replica's pool name (prefill / decode; prefill-0, decode-1, ... with several pools of a role):
+    replicas are numbered pool by pool, in the order of summary.json's `pools`; [] without pools."""
+    return [name for name, p in (pools or {}).items() for _ in range(int(p["replicas"]))]
 
 
 # the per-replica series of the Time series page: (column prefix, what it is); a column is `PREFIX:REPLICA`
@@ -128,7 +128,9 @@ def replica_series(run: RunRecord, edges: np.ndarray) -> pd.DataFrame:
 def pool_table(pools: dict | None) -> pd.DataFrame | None:
     if not pools:
         return None
-    return pd.DataFrame([{label: p.get(key) for key, label in POOL_COLUMNS.items()} for p in pools.values()])
+    # the pool's name (its role when a role has one pool; prefill-0, prefill-1, ... with several)
+    return pd.DataFrame([{"pool": name, **{label: p.get(key) for key, label in POOL_COLUMNS.items()}}
+                         for name, p in pools.items()])
 
 
 def handoff_table(handoff: dict | None) -> pd.DataFrame | None:

@@ -6,12 +6,13 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from collections.abc import Callable
 
 import yaml
 from pydantic import (
-    BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_serializer, model_validator,
+    BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator, model_serializer,
+    model_validator,
 )
 
 from kvsim.traces.durations import EXAMPLES as DURATION_EXAMPLES
@@ -507,11 +508,31 @@ class PoolConfig(_Strict):
         return v
 
 
+# a role's pools: one mapping (one pool, named after its role) or a list of them (named ROLE-0, ROLE-1, ...);
+# the tags are left out of error locations (validation_message), so errors read fleet.prefill.gpu / fleet.prefill.1.gpu
+POOL_TAGS = ("<one pool>", "<pools>")
+PoolsOfRole = Annotated[Annotated[PoolConfig, Tag(POOL_TAGS[0])]
+                        | Annotated[list[PoolConfig], Field(min_length=1), Tag(POOL_TAGS[1])],
+                        Discriminator(lambda v: POOL_TAGS[1] if isinstance(v, list) else POOL_TAGS[0])]
+
+
+def pool_names(role: str, pools: PoolConfig | list[PoolConfig]) -> list[str]:
+    """The names of a role's pools: the role for one pool (a mapping), ROLE-0, ROLE-1, ... for a list."""
+    return [role] if isinstance(pools, PoolConfig) else [f"{role}-{i}" for i in range(len(pools))]
+
+
 class FleetConfig(_Strict):
-    """Prefill/decode disaggregation (docs/disaggregation.md): a prefill pool and a decode pool joined by a
-    link, behind vLLM's disaggregated-serving proxy. The model and KV dtype are the run's (the KV must match)."""
-    prefill: PoolConfig
-    decode: PoolConfig
+    """Prefill/decode disaggregation (docs/disaggregation.md): prefill pools and decode pools joined by
+    links, behind vLLM's disaggregated-serving proxy. The model and KV dtype are the run's (the KV must match)."""
+    prefill: PoolsOfRole
+    decode: PoolsOfRole
+    pool_choice: str = Field(
+        "least_work", description="with several pools of a role: how the proxy picks one (least_work: the least "
+                                  "outstanding work over the pool's speed, then the pool's router; round_robin: "
+                                  "over every instance of the role, as vLLM's toy proxy); a registered choice "
+                                  "(sim/cluster/pool_choice.py), checked when the fleet is built")
+    pair_links: dict[str, str] = Field(default_factory=dict, description="link type per pool pair, "
+                                       "'PREFILL_POOL>DECODE_POOL: link' (default: link)")
     link: str = Field("ib-ndr", description="link type from sim/data/links.yaml (one GPU's link)")
     link_bandwidth_gb_s: float | None = Field(None, gt=0, description="replaces the link type's bandwidth (GB/s)")
     link_latency_s: float | None = Field(None, ge=0, description="replaces the link type's latency (s)")
@@ -528,7 +549,32 @@ class FleetConfig(_Strict):
         data = handler(self)
         if not self.layerwise_overlap:      # off (the default): left out, so configs and run ids stay as they were
             data.pop("layerwise_overlap", None)
+        if self.pool_choice == "least_work":       # the default: left out, as above
+            data.pop("pool_choice", None)
+        if not self.pair_links:
+            data.pop("pair_links", None)
         return data
+
+    def pools(self, role: str) -> list[tuple[str, PoolConfig]]:
+        """(name, pool) of each pool of `role` (prefill or decode), in order."""
+        given = getattr(self, role)
+        return list(zip(pool_names(role, given), [given] if isinstance(given, PoolConfig) else given, strict=True))
+
+    def all_pools(self) -> list[tuple[str, str, PoolConfig]]:
+        """(role, name, pool) of every pool: the prefill pools, then the decode pools."""
+        return [(role, name, pool) for role in ("prefill", "decode") for name, pool in self.pools(role)]
+
+    @model_validator(mode="after")
+    def _known_pairs(self) -> FleetConfig:
+        prefill, decode = [n for n, _ in self.pools("prefill")], [n for n, _ in self.pools("decode")]
+        for key, link in self.pair_links.items():
+            p, sep, d = key.partition(">")
+            if not sep or p not in prefill or d not in decode:
+                raise ValueError(f"pair_links: expected keys 'PREFILL_POOL>DECODE_POOL' of pools {', '.join(prefill)} "
+                                 f"and {', '.join(decode)} (e.g. {prefill[0]}>{decode[0]}), got {key!r}")
+            if link not in link_names():
+                raise ValueError(f"pair_links.{key}: expected a link of {', '.join(link_names())}, got {link!r}")
+        return self
 
     @field_validator("link")
     @classmethod
@@ -794,7 +840,7 @@ def validation_message(exc: ValidationError, source: str | None = None) -> str:
     all on one line separated by '; '."""
     problems = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        loc = ".".join(str(p) for p in err["loc"] if p not in POOL_TAGS) or "(root)"
         msg = err["msg"].removeprefix("Value error, ")
         got = "" if ", got " in msg else f" (got {short_repr(err.get('input'))})"     # the check said it
         problems.append(f"{loc}: {msg}{got}")

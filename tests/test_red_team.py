@@ -1033,6 +1033,15 @@ CASES_LANDED = {
     "--prefill-pool unknown GPU": (SIM5 + ["--prefill-pool", "tpu", "--decode-pool", "h100"],
                                    ["fleet.prefill.gpu", "unknown gpu 'tpu'"]),
     "--prefill-pool alone": (SIM5 + ["--prefill-pool", "h100"], ["fleet.decode", "Field required"]),
+    "--prefill-pool twice, one unknown GPU (xPyD)": (SIM5 + ["--prefill-pool", "h100", "--prefill-pool", "tpu"] + PD[2:],
+                                                    ["fleet.prefill.1.gpu", "unknown gpu 'tpu'"]),
+    "--pool-choice unknown (xPyD)": (SIM5 + ["--prefill-pool", "h100", "--prefill-pool", "h200"] + PD[2:]
+                                     + ["--pool-choice", "nope"], ["fleet.pool_choice", "unknown pool choice 'nope'",
+                                                                   "least_work"]),
+    "pair_links naming no pair (xPyD)": (SIM5 + PD + ["--set", "fleet.pair_links={prefill-0>decode: nvlink4}"],
+                                         ["fleet", "pair_links", "PREFILL_POOL>DECODE_POOL", "prefill>decode"]),
+    "--decode-pool twice, TP not dividing (xPyD)": (SIM5 + PD[:2] + ["--decode-pool", "h100", "--decode-pool", "h100:tp3"],
+                                                    ["fleet.decode.1", "tp=3 must divide"]),
     "fleet with --kv-offload (new)": (SIM5 + PD + ["--kv-offload", "cpu:4GiB"], ["fleet: kv_offload",
                                                                              "no CPU KV tier yet"]),
     # routers

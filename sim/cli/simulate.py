@@ -131,11 +131,15 @@ def simulate(
         "engine time only")] = None,
     frontend: Frontend = None,
     frontend_jitter: FrontendJitter = None,
-    prefill_pool: Annotated[str | None, typer.Option(
+    prefill_pool: Annotated[list[str] | None, typer.Option(
         help="disaggregated: the prefill pool as GPU[:tpN][:xN] (e.g. h100:tp1:x2: two H100 replicas of TP1); "
-             "with --decode-pool (= fleet.prefill)")] = None,
-    decode_pool: Annotated[str | None, typer.Option(
-        help="disaggregated: the decode pool as GPU[:tpN][:xN] (e.g. h200:tp2:x2) (= fleet.decode)")] = None,
+             "with --decode-pool (= fleet.prefill); repeat it for several prefill pools (prefill-0, prefill-1, ...)")] = None,
+    decode_pool: Annotated[list[str] | None, typer.Option(
+        help="disaggregated: the decode pool as GPU[:tpN][:xN] (e.g. h200:tp2:x2) (= fleet.decode); repeat it for "
+             "several decode pools (decode-0, decode-1, ...)")] = None,
+    pool_choice: Annotated[str | None, typer.Option(
+        help="disaggregated, several pools of a role: least_work (the least outstanding work over the pool's "
+             "speed; default) or round_robin (every instance in turn, as vLLM's toy proxy) (= fleet.pool_choice)")] = None,
     link: Annotated[str | None, typer.Option(
         help="disaggregated: the prefill-to-decode link type (kvsim catalog links: ib-ndr, ib-hdr, roce-400g, "
              "roce-200g, roce-100g, nvlink4, nvlink5, pcie-gen5, pcie-gen4) (= fleet.link)")] = None,
@@ -181,6 +185,8 @@ def simulate(
         overrides.update(tier_overrides(kv_offload, sessions, think_time))
         overrides.update(parse_speculative_config(speculative_config))
         overrides.update(fleet_overrides(prefill_pool, decode_pool, link, local_prefill_tokens, layerwise_overlap))
+        if pool_choice is not None:
+            overrides["fleet.pool_choice"] = pool_choice
         cfg = load_config(config, overrides, set_)
         refuse_ineffective(cfg.gpu, cfg.model, cfg.weight_dtype)
         refuse_ineffective_kv(cfg.kv)
@@ -237,13 +243,17 @@ def parse_sigma(text: str | None, option: str, zero: str) -> float | str | None:
         fail(f"{option} {text!r}: expected auto or a number such as 0.05 (0: {zero})")
 
 
-def fleet_overrides(prefill_pool: str | None, decode_pool: str | None, link: str | None,
+def fleet_overrides(prefill_pool: str | list[str] | None, decode_pool: str | list[str] | None, link: str | None,
                     local_prefill_tokens: int | None, layerwise_overlap: bool | None = None) -> dict:
-    """--prefill-pool/--decode-pool/--link/--local-prefill-tokens/--layerwise-overlap as dotted fleet.* overrides."""
+    """--prefill-pool/--decode-pool/--link/--local-prefill-tokens/--layerwise-overlap as dotted fleet.* overrides;
+    a pool option given more than once is a list of pools of that role."""
     out: dict = {}
     for option, role, value in (("--prefill-pool", "prefill", prefill_pool), ("--decode-pool", "decode", decode_pool)):
-        if value is not None:
-            out.update({f"fleet.{role}.{key}": v for key, v in parse_pool(value, option).items()})
+        values = [value] if isinstance(value, str) else list(value or [])
+        if len(values) == 1:
+            out.update({f"fleet.{role}.{key}": v for key, v in parse_pool(values[0], option).items()})
+        elif values:
+            out[f"fleet.{role}"] = [parse_pool(v, option) for v in values]
     if link is not None:
         out["fleet.link"] = link
     if local_prefill_tokens is not None:
@@ -432,9 +442,15 @@ def print_pools(pools: dict, handoff: dict) -> None:
     def ms(key):
         v = handoff.get(key)
         return "-" if v is None else f"{1e3 * v:.2f}"
-    console.print(f"hand-off over {handoff['links']}x {handoff['link']} ({handoff['link_bandwidth_gb_s']:g} GB/s each): "
+    each = "per pool pair below" if handoff.get("link_bandwidth_gb_s") is None else \
+        f"{handoff['link_bandwidth_gb_s']:g} GB/s each"
+    console.print(f"hand-off over {handoff['links']}x {handoff['link']} ({each}): "
                   f"{handoff['transfers']} transfers, {handoff['transfer_bytes'] / 1e9:.2f} GB, link utilization "
                   f"{handoff['link_utilization']:.4f}, {handoff['local_prefills']} prefilled locally", highlight=False)
+    for pair, f in (handoff.get("pairs") or {}).items():
+        mean = "-" if f["mean_transfer_s"] is None else f"{1e3 * f['mean_transfer_s']:.2f} ms"
+        console.print(f"  {pair}: {f['link']} {f['link_bandwidth_gb_s']:g} GB/s, {f['transfers']} transfers, "
+                      f"{f['transfer_bytes'] / 1e9:.2f} GB, mean pull {mean}", highlight=False)
     console.print("TTFT split, mean / p99 (ms): " + ", ".join(
         f"{name} {ms('mean_' + key)} / {ms('p99_' + key)}" for name, key in (
             ("prefill queue", "prefill_queue_s"), ("prefill", "prefill_s"), ("KV wait", "kv_wait_s"),

@@ -400,7 +400,7 @@ def cost_metrics(cfg: SimConfig, summary: dict) -> dict:
         gpus = cfg.gpus_per_replica * cfg.replicas
         usd_per_hour = cfg.gpu_usd_per_hour() * gpus
     else:                               # a disaggregated fleet: both pools' GPUs at their own price
-        pools = [(p.gpu or cfg.gpu, (p.tp or cfg.tp) * p.replicas) for p in (cfg.fleet.prefill, cfg.fleet.decode)]
+        pools = [(p.gpu or cfg.gpu, (p.tp or cfg.tp) * p.replicas) for _, _, p in cfg.fleet.all_pools()]
         gpus = sum(n for _, n in pools)
         usd_per_hour = sum(cfg.gpu_usd_per_hour(g) * n for g, n in pools)
     meets = meets_run_slo(cfg, summary)

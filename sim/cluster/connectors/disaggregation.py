@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from ...core.connector import NO_TRANSFERS, FinishedTransfers, KVTransferStep
 from ...core.request import Request
-from ..links import Link, layerwise_seconds
+from ..links import Link, LinkSpec, layerwise_seconds
 from ..route import Transfer, route_of
 from .in_flight import InFlight
 
@@ -49,10 +49,11 @@ class PrefillSideConnector:
     """The prefill instance's connector: holds each finished leg's blocks until its KV is pulled."""
 
     def __init__(self, clock: Callable[[], float], *, abort_timeout_s: float = NIXL_ABORT_TIMEOUT_S,
-                 name: str = "prefill"):
+                 name: str = "prefill", pool: str = "prefill"):
         self.clock = clock
         self.abort_timeout_s = abort_timeout_s
         self.name = name
+        self.pool = pool                               # its pool's name (the hand-off's pair: pool -> decode pool)
         self.wake: Callable[[], None] = lambda: None    # the replica's: a release time became known
         self._release_at: dict = {}                    # leg -> when its blocks are freed
         self.handoffs: dict = {}                       # leg -> its PrefillHandoff
@@ -102,13 +103,18 @@ class DecodeSideConnector:
     busy for `layerwise_seconds` of the pull (what the prefill's compute did not hide), from when the
     decode side has its blocks. The layers pushed during the prefill are taken to wait on the decode
     host (a staging buffer) if the decode side admits the request later; their link time during the
-    prefill is not queued on the link (concurrent pushes to one decode replica do not contend)."""
+    prefill is not queued on the link (concurrent pushes to one decode replica do not contend).
+
+    `pair` (several pools of a role): the prefill pool's name -> the link queue the pull waits on and the link
+    type that prices it (that pair's bandwidth: its link type, lanes from both sides' TP); None: `link` for
+    every pull."""
 
     def __init__(self, link: Link, kv_bytes_per_token: float, clock: Callable[[], float], *, name: str = "decode",
-                 layers: int = 0):
+                 layers: int = 0, pair: Callable[[str], tuple[Link, LinkSpec]] | None = None):
         self.link, self.clock, self.name = link, clock, name
         self.kv_bytes_per_token = kv_bytes_per_token
         self.layers = layers
+        self.pair = pair
         self._loads = InFlight()
 
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -128,8 +134,9 @@ class DecodeSideConnector:
             handoff.source.release(handoff.leg, now)
             return
         nbytes = num_external_tokens * self.kv_bytes_per_token
-        seconds = layerwise_seconds(self.link.spec, nbytes, self.layers, handoff.prefill_s) if self.layers else None
-        start, end = self.link.reserve(now, nbytes, seconds)
+        link, spec = self.pair(handoff.source.pool) if self.pair is not None else (self.link, self.link.spec)
+        seconds = layerwise_seconds(spec, nbytes, self.layers, handoff.prefill_s) if self.layers else spec.seconds(nbytes)
+        start, end = link.reserve(now, nbytes, seconds)
         route_of(req).transfers.append(Transfer("prefill_to_decode", handoff.source.name, self.name,
                                                 num_external_tokens, nbytes, start, end))
         self._loads.add(end, req)
