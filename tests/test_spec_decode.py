@@ -190,6 +190,60 @@ def test_verification_prices_more_compute_but_not_more_weight_reads():
     assert 0 < draft < 0.3 * decode
 
 
+def test_the_drafting_loop_sampler_and_projections_are_priced_from_shapes():
+    """vLLM's spec-decode work beyond the forwards (sim/data/spec_decode.yaml vllm_loop): each drafting pass
+    pays its small kernels at the profile's kernel time, a logits row per sequence and the head's extra
+    projections; the rejection sampler reads a target logits row per draft; an n-gram drafter pays only
+    the sampler."""
+    from dataclasses import replace
+
+    from kvsim.sim.core.step import BatchShape
+    from kvsim.sim.model.spec_decode import LoopCosts
+    shape = BatchShape(num_seqs=2, num_decode_tokens=8, kv_tokens_read=2008)
+    contexts = [1004.0, 1004.0]
+    for method, extra_kernels in (("eagle", 0), ("eagle3", 4)):
+        plan = _spec(method=method, num_speculative_tokens=3)
+        draft, profile, model = plan.spec.draft, plan.cost.profile, plan.model
+        loop = draft.loop
+        assert loop.kernel_s == profile.gemm_latency_s > 0
+        assert (loop.pass_kernels, loop.first_pass_kernels) == (16 + extra_kernels, 9 + extra_kernels)
+        h = model.hidden_size
+        if method == "eagle":       # [embedding, hidden] -> h in every forward
+            assert (loop.pass_params, loop.first_pass_params) == (2 * h * h, 0)
+        else:                       # 3 auxiliary states -> h once; QKV over 2h inputs in every forward
+            assert (loop.pass_params, loop.first_pass_params) == (h * (model.q_size + 2 * model.kv_size), 3 * h * h)
+        forwards = replace(draft, loop=LoopCosts()).seconds(shape, contexts)
+        bw = plan.gpu.mem_bw * profile.mem_bw_eff
+        read = 2.0 / bw                         # bf16 weights: batch 2 reads them, it does not compute-bind
+        expected = (loop.first_pass_kernels * loop.kernel_s + 2 * loop.row_s
+                    + (loop.pass_params + loop.first_pass_params) * read
+                    + 2 * (loop.pass_kernels * loop.kernel_s + 2 * loop.row_s + loop.pass_params * read))
+        assert draft.seconds(shape, contexts) - forwards == pytest.approx(expected, rel=1e-9)
+        assert expected > 0.15 * forwards       # not a rounding error at batch 2
+    ngram = _spec(model="ngram", num_speculative_tokens=3).spec.draft
+    assert ngram.loop.pass_kernels == 0 and ngram.seconds(shape, contexts) == pytest.approx(5e-5 + 2 * 2e-6)
+    sampler = ngram.loop
+    assert sampler.sampler_seconds(0) == 0.0
+    row = 4.0 * 128256 / bw                     # Llama-3.1's fp32 logits row, read by the argmax
+    assert sampler.sampler_seconds(6) == pytest.approx(3 * profile.gemm_latency_s + 6 * row)
+    assert sampler.sampler_seconds(600) - sampler.sampler_seconds(6) == pytest.approx(594 * row)
+
+
+def test_a_drafter_of_another_target_takes_its_own_published_acceptance():
+    oss = resolve_run(SimConfig(model="gpt-oss-120b", gpu="h200",
+                                speculative_config={"method": "eagle3", "num_speculative_tokens": 7}))
+    d = oss.spec.describe()
+    assert d["expected_mean_acceptance_length"] == pytest.approx(2.76, abs=0.005)     # the card's figure
+    assert "nebius/EAGLE3-gpt-oss-120b" in d["acceptance_source"]
+    assert d["conditional_acceptance"] == pytest.approx([0.649] * 7, abs=0.005)     # rates rounded to 3 places
+    llama = _spec(method="eagle3", num_speculative_tokens=7).spec.describe()
+    assert llama["expected_mean_acceptance_length"] == pytest.approx(3.54, abs=0.005)
+    assert "issue 20780" in llama["acceptance_source"]
+    mine = resolve_run(SimConfig(model="gpt-oss-120b", gpu="h200", speculative_config={
+        "method": "eagle3", "num_speculative_tokens": 2, "synthetic_acceptance_rates": [0.9, 0.8]}))
+    assert mine.spec.describe()["expected_acceptance_rate_per_pos"] == pytest.approx([0.9, 0.8])
+
+
 def test_simulate_with_eagle3_lowers_tpot_at_low_load():
     from kvsim.sim.simulator.simulate import run_simulation
     base = {"trace": "random", "trace_options": {"max_requests": 40, "request_rate": 2.0,

@@ -197,6 +197,8 @@ def resolve_spec(spec: SpeculativeConfig, target: ModelSpec, gpu: GPUSpec, tp: i
         raise SpecConfigError(f"speculative_config.draft_tensor_parallel_size: expected 1 or the target's TP "
                               f"({tp}), got {draft_tp}")
     entry = data["methods"][method]
+    # a published acceptance for this method's drafter of this very target replaces the method's default
+    entry = {**entry, **entry.get("models", {}).get(target.name, {})}
     rates = spec.synthetic_acceptance_rates
     source = "speculative_config.synthetic_acceptance_rates" if rates is not None else entry["source"]
     cond = conditional_from_rates(list(rates if rates is not None else entry["per_position"]), k,
