@@ -244,6 +244,66 @@ def test_a_drafter_of_another_target_takes_its_own_published_acceptance():
     assert mine.spec.describe()["expected_acceptance_rate_per_pos"] == pytest.approx([0.9, 0.8])
 
 
+def test_a_request_with_its_own_acceptance_draws_from_it_and_the_others_keep_their_bits():
+    settings_ = SpecDecodeSettings(num_speculative_tokens=3, num_lookahead_tokens=3, conditional=(0.8, 0.6, 0.5))
+    plain, mixed = SpecDecoder(settings_, seed=4), SpecDecoder(settings_, seed=4)
+    drafts = [3, 3, 3, 2] * 50
+    own = [None, (1.0, 1.0, 1.0), (0.0, 0.0, 0.0), None] * 50
+    a, b = plain.accept(drafts), mixed.accept(drafts, own)
+    assert [x for x, c in zip(a, own, strict=True) if c is None] == [x for x, c in zip(b, own, strict=True) if c is None]
+    assert all(x == 3 for x, c in zip(b, own, strict=True) if c == (1.0, 1.0, 1.0))
+    assert all(x == 0 for x, c in zip(b, own, strict=True) if c == (0.0, 0.0, 0.0))
+    assert any(x not in (0, 3) for x in a)                  # the run's own rates draw in between
+    assert mixed.accept(drafts, [None] * len(drafts)) == plain.accept(drafts)
+
+
+def test_workload_classes_with_measured_acceptance_drive_their_requests(tmp_path):
+    """A workload spec's class gives its measured per-position acceptance (spec_acceptance_rates): its
+    requests accept as measured, the other classes keep the method's default."""
+    import warnings
+
+    import yaml
+
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulator.simulate import run_simulation
+    from kvsim.traces import load_trace
+    classes = [{"name": name, "requests": 12, "arrival": {"process": "constant", "rate": 2},
+                "prompt_tokens": "fixed:200", "output_tokens": "fixed:60", **extra}
+               for name, extra in (("code", {"spec_acceptance_rates": [1.0]}), ("chat", {}),
+                                   ("noise", {"spec_acceptance_rates": [0.0]}))]
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"workload": {"seed": 3, "classes": classes}}, sort_keys=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = run_simulation(load_config(None, {"trace": str(path), "model": "llama-3.1-8b", "gpu": "h100",
+                                                "speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}}),
+                             None, progress=False)
+    s = res.summary["spec_decode"]
+    assert s["workload_class_acceptance_rate_per_pos"] == {"code": [1.0], "noise": [0.0]}
+    of = load_trace(path).workload_classes.of_request
+    req = res.requests.assign(cls=res.requests["request_id"].map(of))
+    tpot = req.groupby("cls")["tpot_s"].mean()
+    assert tpot["code"] < tpot["chat"] < tpot["noise"]      # 4 tokens a step, ~2.8, 1
+    assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"]
+    # a verification accepts all 3 drafts in the code class, none in the noise class: 4 tokens a step against 1
+    assert tpot["noise"] / tpot["code"] > 3.0
+
+
+def test_a_workload_class_refuses_rising_acceptance_rates(tmp_path):
+    import yaml
+
+    from kvsim.traces import load_trace
+    from kvsim.traces.errors import TraceError
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"workload": {"classes": [{
+        "name": "c", "requests": 2, "arrival": {"process": "constant", "rate": 1}, "prompt_tokens": "fixed:10",
+        "output_tokens": "fixed:5", "spec_acceptance_rates": [0.5, 0.7]}]}}, sort_keys=False))
+    with pytest.raises(TraceError) as e:
+        load_trace(path)
+    msg = str(e.value)
+    assert "\n" not in msg and "spec_acceptance_rates" in msg and "non-increasing" in msg and "w.yaml" in msg
+
+
 def test_simulate_with_eagle3_lowers_tpot_at_low_load():
     from kvsim.sim.simulator.simulate import run_simulation
     base = {"trace": "random", "trace_options": {"max_requests": 40, "request_rate": 2.0,

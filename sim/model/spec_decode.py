@@ -154,6 +154,11 @@ class ResolvedSpec:
     kv_bytes_per_token: float           # the drafter's KV per token on each GPU (in the target's blocks)
     source: str                         # where the acceptance came from
 
+    def conditional_for(self, rates: tuple[float, ...] | list[float]) -> tuple[float, ...]:
+        """k conditional probabilities from measured per-position rates (a workload class's): as
+        `synthetic_acceptance_rates`, the last conditional probability holds past the given positions."""
+        return conditional_from_rates(list(rates), self.settings.num_speculative_tokens, 1.0)
+
     def describe(self) -> dict:
         s = self.settings
         return {"method": self.method, "model": self.model, "num_speculative_tokens": s.num_speculative_tokens,
