@@ -18,15 +18,18 @@ from kvsim.sim.engine.resolved_run import resolve_run
 from kvsim.sim.model.spec_decode import conditional_from_rates
 
 
-def _run_core(prompts, outputs, k, cond, lookahead, num_blocks, block_size, budget, caching, propose, seed):
+def _run_core(prompts, outputs, k, cond, lookahead, num_blocks, block_size, budget, caching, propose, seed,
+              own=None):
     """Drive the scheduler and the plain KV manager step by step; check the invariants after each step.
-    Returns the requests, the decoder and the steps taken."""
+    `own`: per request, its own conditional acceptance (a workload class's) or None. Returns the requests,
+    the decoder and the steps taken."""
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     spec = SpecDecoder(SpecDecodeSettings(k, lookahead, tuple(cond), propose), seed=seed)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=10_000), kv,
                       spec=spec)
     reqs = [Request(i, 0.0, p, o) for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]
-    for r in reqs:
+    for r, mine in zip(reqs, own or [None] * len(reqs), strict=False):
+        r.spec_conditional = None if mine is None else tuple(mine[:k])
         sched.add_request(r)
     high_water: dict[Request, int] = {}      # the most tokens each request's blocks were reserved for
     now, steps = 0.0, 0
@@ -76,9 +79,10 @@ def _run_core(prompts, outputs, k, cond, lookahead, num_blocks, block_size, budg
     caching=st.booleans(),
     propose=st.sampled_from([1.0, 0.5]),
     seed=st.integers(0, 2**32),
+    own=st.lists(st.none() | st.lists(st.floats(0.0, 1.0), min_size=5, max_size=5), min_size=8, max_size=8),
 )
-def test_random_workloads_keep_the_pool_exact_and_finish_every_output(lengths, k, cond, eagle, spare,
-                                                                      block_size, budget, caching, propose, seed):
+def test_random_workloads_keep_the_pool_exact_and_finish_every_output(lengths, k, cond, eagle, spare, block_size,
+                                                                      budget, caching, propose, seed, own):
     prompts = [p for p, _ in lengths]
     outputs = [o for _, o in lengths]
     lookahead = k if eagle else 0
@@ -87,7 +91,7 @@ def test_random_workloads_keep_the_pool_exact_and_finish_every_output(lengths, k
     peak = max(p + o + k + lookahead for p, o in lengths)
     num_blocks = math.ceil(peak / block_size) + 1 + spare
     reqs, spec, kv, _ = _run_core(prompts, outputs, k, cond[:k], lookahead, num_blocks, block_size, budget,
-                                  caching, propose, seed)
+                                  caching, propose, seed, own)      # some requests with their own acceptance
     for r in reqs:
         assert r.num_output_tokens == r.max_output_tokens, r.request_id
         assert len(r.token_times) == r.max_output_tokens
