@@ -18,15 +18,18 @@ from kvsim.sim.engine.resolved_run import resolve_run
 from kvsim.sim.model.spec_decode import conditional_from_rates
 
 
-def _run_core(prompts, outputs, k, cond, lookahead, num_blocks, block_size, budget, caching, propose, seed):
+def _run_core(prompts, outputs, k, cond, lookahead, num_blocks, block_size, budget, caching, propose, seed,
+              own=None):
     """Drive the scheduler and the plain KV manager step by step; check the invariants after each step.
-    Returns the requests, the decoder and the steps taken."""
+    `own`: per request, its own conditional acceptance (a workload class's) or None. Returns the requests,
+    the decoder and the steps taken."""
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     spec = SpecDecoder(SpecDecodeSettings(k, lookahead, tuple(cond), propose), seed=seed)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=10_000), kv,
                       spec=spec)
     reqs = [Request(i, 0.0, p, o) for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]
-    for r in reqs:
+    for r, mine in zip(reqs, own or [None] * len(reqs), strict=False):
+        r.spec_conditional = None if mine is None else tuple(mine[:k])
         sched.add_request(r)
     high_water: dict[Request, int] = {}      # the most tokens each request's blocks were reserved for
     now, steps = 0.0, 0
@@ -76,9 +79,10 @@ def _run_core(prompts, outputs, k, cond, lookahead, num_blocks, block_size, budg
     caching=st.booleans(),
     propose=st.sampled_from([1.0, 0.5]),
     seed=st.integers(0, 2**32),
+    own=st.lists(st.none() | st.lists(st.floats(0.0, 1.0), min_size=5, max_size=5), min_size=8, max_size=8),
 )
-def test_random_workloads_keep_the_pool_exact_and_finish_every_output(lengths, k, cond, eagle, spare,
-                                                                      block_size, budget, caching, propose, seed):
+def test_random_workloads_keep_the_pool_exact_and_finish_every_output(lengths, k, cond, eagle, spare, block_size,
+                                                                      budget, caching, propose, seed, own):
     prompts = [p for p, _ in lengths]
     outputs = [o for _, o in lengths]
     lookahead = k if eagle else 0
@@ -87,7 +91,7 @@ def test_random_workloads_keep_the_pool_exact_and_finish_every_output(lengths, k
     peak = max(p + o + k + lookahead for p, o in lengths)
     num_blocks = math.ceil(peak / block_size) + 1 + spare
     reqs, spec, kv, _ = _run_core(prompts, outputs, k, cond[:k], lookahead, num_blocks, block_size, budget,
-                                  caching, propose, seed)
+                                  caching, propose, seed, own)      # some requests with their own acceptance
     for r in reqs:
         assert r.num_output_tokens == r.max_output_tokens, r.request_id
         assert len(r.token_times) == r.max_output_tokens
@@ -188,6 +192,120 @@ def test_verification_prices_more_compute_but_not_more_weight_reads():
     assert big_verify / big_decode > verify / decode          # compute grows with the batch
     draft = plan.spec.draft.seconds(BatchShape(num_seqs=1, num_decode_tokens=4, kv_tokens_read=1004), [1004.0])
     assert 0 < draft < 0.3 * decode
+
+
+def test_the_drafting_loop_sampler_and_projections_are_priced_from_shapes():
+    """vLLM's spec-decode work beyond the forwards (sim/data/spec_decode.yaml vllm_loop): each drafting pass
+    pays its small kernels at the profile's kernel time, a logits row per sequence and the head's extra
+    projections; the rejection sampler reads a target logits row per draft; an n-gram drafter pays only
+    the sampler."""
+    from dataclasses import replace
+
+    from kvsim.sim.core.step import BatchShape
+    from kvsim.sim.model.spec_decode import LoopCosts
+    shape = BatchShape(num_seqs=2, num_decode_tokens=8, kv_tokens_read=2008)
+    contexts = [1004.0, 1004.0]
+    for method, extra_kernels in (("eagle", 0), ("eagle3", 4)):
+        plan = _spec(method=method, num_speculative_tokens=3)
+        draft, profile, model = plan.spec.draft, plan.cost.profile, plan.model
+        loop = draft.loop
+        assert loop.kernel_s == profile.gemm_latency_s > 0
+        assert (loop.pass_kernels, loop.first_pass_kernels) == (16 + extra_kernels, 9 + extra_kernels)
+        h = model.hidden_size
+        if method == "eagle":       # [embedding, hidden] -> h in every forward
+            assert (loop.pass_params, loop.first_pass_params) == (2 * h * h, 0)
+        else:                       # 3 auxiliary states -> h once; QKV over 2h inputs in every forward
+            assert (loop.pass_params, loop.first_pass_params) == (h * (model.q_size + 2 * model.kv_size), 3 * h * h)
+        forwards = replace(draft, loop=LoopCosts()).seconds(shape, contexts)
+        bw = plan.gpu.mem_bw * profile.mem_bw_eff
+        read = 2.0 / bw                         # bf16 weights: batch 2 reads them, it does not compute-bind
+        expected = (loop.first_pass_kernels * loop.kernel_s + 2 * loop.row_s
+                    + (loop.pass_params + loop.first_pass_params) * read
+                    + 2 * (loop.pass_kernels * loop.kernel_s + 2 * loop.row_s + loop.pass_params * read))
+        assert draft.seconds(shape, contexts) - forwards == pytest.approx(expected, rel=1e-9)
+        assert expected > 0.15 * forwards       # not a rounding error at batch 2
+    ngram = _spec(model="ngram", num_speculative_tokens=3).spec.draft
+    assert ngram.loop.pass_kernels == 0 and ngram.seconds(shape, contexts) == pytest.approx(5e-5 + 2 * 2e-6)
+    sampler = ngram.loop
+    assert sampler.sampler_seconds(0) == 0.0
+    row = 4.0 * 128256 / bw                     # Llama-3.1's fp32 logits row, read by the argmax
+    assert sampler.sampler_seconds(6) == pytest.approx(3 * profile.gemm_latency_s + 6 * row)
+    assert sampler.sampler_seconds(600) - sampler.sampler_seconds(6) == pytest.approx(594 * row)
+
+
+def test_a_drafter_of_another_target_takes_its_own_published_acceptance():
+    oss = resolve_run(SimConfig(model="gpt-oss-120b", gpu="h200",
+                                speculative_config={"method": "eagle3", "num_speculative_tokens": 7}))
+    d = oss.spec.describe()
+    assert d["expected_mean_acceptance_length"] == pytest.approx(2.76, abs=0.005)     # the card's figure
+    assert "nebius/EAGLE3-gpt-oss-120b" in d["acceptance_source"]
+    assert d["conditional_acceptance"] == pytest.approx([0.649] * 7, abs=0.005)     # rates rounded to 3 places
+    llama = _spec(method="eagle3", num_speculative_tokens=7).spec.describe()
+    assert llama["expected_mean_acceptance_length"] == pytest.approx(3.54, abs=0.005)
+    assert "issue 20780" in llama["acceptance_source"]
+    mine = resolve_run(SimConfig(model="gpt-oss-120b", gpu="h200", speculative_config={
+        "method": "eagle3", "num_speculative_tokens": 2, "synthetic_acceptance_rates": [0.9, 0.8]}))
+    assert mine.spec.describe()["expected_acceptance_rate_per_pos"] == pytest.approx([0.9, 0.8])
+
+
+def test_a_request_with_its_own_acceptance_draws_from_it_and_the_others_keep_their_bits():
+    settings_ = SpecDecodeSettings(num_speculative_tokens=3, num_lookahead_tokens=3, conditional=(0.8, 0.6, 0.5))
+    plain, mixed = SpecDecoder(settings_, seed=4), SpecDecoder(settings_, seed=4)
+    drafts = [3, 3, 3, 2] * 50
+    own = [None, (1.0, 1.0, 1.0), (0.0, 0.0, 0.0), None] * 50
+    a, b = plain.accept(drafts), mixed.accept(drafts, own)
+    assert [x for x, c in zip(a, own, strict=True) if c is None] == [x for x, c in zip(b, own, strict=True) if c is None]
+    assert all(x == 3 for x, c in zip(b, own, strict=True) if c == (1.0, 1.0, 1.0))
+    assert all(x == 0 for x, c in zip(b, own, strict=True) if c == (0.0, 0.0, 0.0))
+    assert any(x not in (0, 3) for x in a)                  # the run's own rates draw in between
+    assert mixed.accept(drafts, [None] * len(drafts)) == plain.accept(drafts)
+
+
+def test_workload_classes_with_measured_acceptance_drive_their_requests(tmp_path):
+    """A workload spec's class gives its measured per-position acceptance (spec_acceptance_rates): its
+    requests accept as measured, the other classes keep the method's default."""
+    import warnings
+
+    import yaml
+
+    from kvsim.sim.config import load_config
+    from kvsim.sim.simulator.simulate import run_simulation
+    from kvsim.traces import load_trace
+    classes = [{"name": name, "requests": 12, "arrival": {"process": "constant", "rate": 2},
+                "prompt_tokens": "fixed:200", "output_tokens": "fixed:60", **extra}
+               for name, extra in (("code", {"spec_acceptance_rates": [1.0]}), ("chat", {}),
+                                   ("noise", {"spec_acceptance_rates": [0.0]}))]
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"workload": {"seed": 3, "classes": classes}}, sort_keys=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = run_simulation(load_config(None, {"trace": str(path), "model": "llama-3.1-8b", "gpu": "h100",
+                                                "speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}}),
+                             None, progress=False)
+    s = res.summary["spec_decode"]
+    assert s["workload_class_acceptance_rate_per_pos"] == {"code": [1.0], "noise": [0.0]}
+    of = load_trace(path).workload_classes.of_request
+    req = res.requests.assign(cls=res.requests["request_id"].map(of))
+    tpot = req.groupby("cls")["tpot_s"].mean()
+    assert tpot["code"] < tpot["chat"] < tpot["noise"]      # 4 tokens a step, ~2.8, 1
+    assert 0 < s["num_accepted_tokens"] < s["num_draft_tokens"]
+    # a verification accepts all 3 drafts in the code class, none in the noise class: 4 tokens a step against 1
+    assert tpot["noise"] / tpot["code"] > 3.0
+
+
+def test_a_workload_class_refuses_rising_acceptance_rates(tmp_path):
+    import yaml
+
+    from kvsim.traces import load_trace
+    from kvsim.traces.errors import TraceError
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"workload": {"classes": [{
+        "name": "c", "requests": 2, "arrival": {"process": "constant", "rate": 1}, "prompt_tokens": "fixed:10",
+        "output_tokens": "fixed:5", "spec_acceptance_rates": [0.5, 0.7]}]}}, sort_keys=False))
+    with pytest.raises(TraceError) as e:
+        load_trace(path)
+    msg = str(e.value)
+    assert "\n" not in msg and "spec_acceptance_rates" in msg and "non-increasing" in msg and "w.yaml" in msg
 
 
 def test_simulate_with_eagle3_lowers_tpot_at_low_load():

@@ -39,7 +39,7 @@ context reused) are added by a separate change; the key is refused with a one-li
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -117,6 +117,10 @@ class ClientClass(_Strict):
     slo: Slo = Field(default_factory=Slo)
     priority: int = 0
     sessions: dict | None = None
+    # speculative decoding: this class's measured per-position acceptance rates (vLLM's `Per-position
+    # acceptance rate`, non-increasing in [0, 1]); a run with speculative_config draws its requests'
+    # acceptance from them instead of the method's default (docs/speculative-decoding.md)
+    spec_acceptance_rates: list[float] | None = None
 
     @field_validator("prompt_tokens", "output_tokens")
     @classmethod
@@ -125,6 +129,16 @@ class ClientClass(_Strict):
             parse_length_spec(value)
         except TraceError as exc:
             raise ValueError(exc.message if hasattr(exc, "message") else str(exc)) from None
+        return value
+
+    @field_validator("spec_acceptance_rates")
+    @classmethod
+    def _rates(cls, value):
+        if value is None:
+            return None
+        if not value or not all(0.0 <= r <= 1.0 for r in value) or any(b > a for a, b in zip(value, value[1:], strict=False)):
+            raise ValueError(f"expected a non-empty list of non-increasing rates in [0, 1] (vLLM's per-position "
+                             f"acceptance rates), got {value}")
         return value
 
     @field_validator("sessions")
@@ -157,6 +171,8 @@ class WorkloadClasses:
     """What a built workload keeps beside its trace: each request's class and the classes' SLOs."""
     of_request: dict[int, str]                          # request_id -> class name
     slos: dict[str, tuple[float | None, float | None]]  # class -> (TTFT s, TPOT s)
+    # class -> its measured per-position acceptance rates (classes that give spec_acceptance_rates)
+    acceptance: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def is_workload_spec(path: Path) -> bool:
@@ -250,7 +266,9 @@ def build_workload(spec: WorkloadSpec, seed: int = 0, name: str = "workload") ->
                                prefix_block_tokens=spec.block_tokens if has_prefix else None,
                                name=name, source="workload")
     trace.workload_classes = WorkloadClasses({int(rid): class_of[i] for rid, i in enumerate(order)},
-                                             {c.name: (c.slo.ttft, c.slo.tpot) for c in spec.classes})
+                                             {c.name: (c.slo.ttft, c.slo.tpot) for c in spec.classes},
+                                             {c.name: tuple(c.spec_acceptance_rates) for c in spec.classes
+                                              if c.spec_acceptance_rates is not None})
     counts = {c.name: class_of.count(c.name) for c in spec.classes}
     trace.notices.append("workload spec: " + ", ".join(
         f"{c.name} {counts[c.name]} requests ({c.arrival.process}, {c.arrival.mean_rate:g} req/s)" for c in spec.classes))

@@ -66,6 +66,9 @@ class Request:
     # len(spec_token_ids)), and the drafts rejected in the last verification (their slots rewritten next)
     spec_tokens: int = 0
     spec_rejected: int = 0
+    # this request's own conditional acceptance per draft position (its workload class's measured rates),
+    # or None: the run's (SpecDecoder.accept)
+    spec_conditional: tuple[float, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

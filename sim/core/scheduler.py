@@ -596,7 +596,9 @@ class Scheduler:
         """`update` with speculative decoding (vLLM's `update_from_output`): a verified request gains 1 +
         accepted tokens, at most up to its output length (the stop check truncates), and its computed
         count goes back by the rejected drafts; every request that sampled and goes on gets new drafts."""
-        accepted = iter(spec.accept([s.num_spec_tokens for s in out.scheduled if s.num_spec_tokens]))
+        verified = [s for s in out.scheduled if s.num_spec_tokens]
+        accepted = iter(spec.accept([s.num_spec_tokens for s in verified],
+                                    [s.request.spec_conditional for s in verified]))
         done, drafting = [], []
         for s in out.scheduled:
             req = s.request

@@ -85,17 +85,22 @@ class SpecDecoder:
         hits = self.rng.random(n) < self._propose_rate
         return [self.k if h else 0 for h in hits.tolist()]
 
-    def accept(self, drafts: list[int]) -> list[int]:
+    def accept(self, drafts: list[int], conditionals: list[tuple[float, ...] | None] | None = None) -> list[int]:
         """Accepted drafts of each verified request (`drafts`: its scheduled draft tokens, > 0): the
         leading run of positions whose draw falls under the position's conditional probability. Counts
-        them into the counters (vLLM counts a draft per verified request)."""
+        them into the counters (vLLM counts a draft per verified request). `conditionals`: per request,
+        its own k conditional probabilities (`Request.spec_conditional`, e.g. its workload class's
+        measured acceptance) or None for the run's; the draws are the same either way."""
         n = len(drafts)
         self.step_drafts = n
         self.step_draft_tokens = self.step_accepted = 0
         if not n:
             return []
         k = self.k
-        draws = self.rng.random((n, k)) < self._cond          # one row per request, k positions
+        cond = self._cond
+        if conditionals is not None and any(c is not None for c in conditionals):
+            cond = np.array([self.settings.conditional if c is None else c for c in conditionals], dtype=np.float64)
+        draws = self.rng.random((n, k)) < cond                # one row per request, k positions
         rejected = ~draws
         first_reject = np.where(rejected.any(axis=1), rejected.argmax(axis=1), k).tolist()
         accepted = [a if a < d else d for a, d in zip(first_reject, drafts, strict=True)]

@@ -14,6 +14,20 @@ Costs reuse the cost model (sim/model/cost_model.py), never a copy of it:
   target's, once): the drafter's cost models run under the target's profile with the per-step, per-
   sequence and block-table overheads set to zero;
 - n-gram: a host-side lookup, a fixed time per step and per drafting request (sim/data/spec_decode.yaml).
+
+What vLLM's spec-decode path does beyond those forwards (`LoopCosts`, counts and sources in
+sim/data/spec_decode.yaml `vllm_loop`), priced from shapes with the target's profile:
+
+- the rejection sampler (vllm/v1/sample/rejection_sampler.py): greedy verification takes the argmax of
+  the target's logits at every draft position (a read of vocab x 4 bytes per position) and runs a few
+  small kernels (output buffer fill, argmax, `rejection_greedy_sample_kernel`);
+- the drafting loop (vllm/v1/spec_decode/eagle.py `propose`): between the k - 1 one-token passes the
+  inputs, positions, sequence lengths and slot mapping are updated by small eager kernels and each pass
+  ends with an argmax (EAGLE-3: plus the draft-to-target vocabulary mapping); each small kernel costs the
+  profile's fixed kernel time (`gemm_latency_s`, a lower bound for a launch-bound kernel);
+- weights the one-layer head's cost model leaves out: EAGLE's and MTP's fusion projection (2h x h, every
+  pass), EAGLE-3's projection of the three auxiliary hidden states (3h x h, first pass) and its wider QKV
+  projection (input [embedding, hidden], 2h wide: h x (q + 2 kv) more, every pass).
 """
 from __future__ import annotations
 
@@ -59,6 +73,37 @@ def conditional_from_rates(rates: list[float], k: int, decay: float) -> tuple[fl
 
 
 @dataclass(frozen=True)
+class LoopCosts:
+    """vLLM's spec-decode work beyond the drafter's forwards (see the module docstring): seconds per small
+    kernel, kernel counts, extra weight reads and the rejection sampler's logits read."""
+    kernel_s: float = 0.0               # one small eager kernel (the profile's fixed kernel time)
+    pass_kernels: int = 0               # small kernels around each one-token drafting pass
+    first_pass_kernels: int = 0         # small kernels around the first pass (inputs shifted, argmax)
+    row_s: float = 0.0                  # seconds per drafting sequence and pass: its logits' argmax read
+                                        # (EAGLE-3: also the scatter into a -inf target-vocabulary row)
+    pass_params: float = 0.0            # weights each drafting forward reads beyond the head's cost model
+    first_pass_params: float = 0.0      # weights only the first forward reads (EAGLE-3's 3h x h projection)
+    param_byte_s: float = 0.0           # seconds per weight read (weight bytes / (bandwidth x efficiency))
+    param_flop_s: float = 0.0           # seconds per weight x token (2 flops at the peak)
+    sampler_kernels: int = 0            # the rejection sampler's small kernels per verification step
+    sampler_row_s: float = 0.0          # seconds to read one draft position's target logits (argmax)
+
+    def linear_s(self, params: float, tokens: float, efficiency: float) -> float:
+        """Extra weights `params` applied to `tokens` tokens: read once, or computed, whichever binds."""
+        if params <= 0.0:
+            return 0.0
+        read = params * self.param_byte_s
+        compute = params * tokens * self.param_flop_s / efficiency
+        return read if read >= compute else compute
+
+    def sampler_seconds(self, draft_tokens: int) -> float:
+        """The rejection sampler's device time in a step verifying `draft_tokens` drafts (0: none)."""
+        if draft_tokens <= 0:
+            return 0.0
+        return self.sampler_kernels * self.kernel_s + draft_tokens * self.sampler_row_s
+
+
+@dataclass(frozen=True)
 class DraftCost:
     """Seconds the drafter adds to a step (see the module docstring)."""
     method: str
@@ -66,6 +111,7 @@ class DraftCost:
     cost: CostModel | None              # the head's / draft model's cost model (None: n-gram)
     host_per_step_s: float = 0.0
     host_per_request_s: float = 0.0
+    loop: LoopCosts = LoopCosts()
 
     def seconds(self, shape: BatchShape, contexts: list[float]) -> float:
         """The drafter's time in a step of `shape` whose requests in `contexts` (their KV tokens after
@@ -77,10 +123,24 @@ class DraftCost:
             return self.host_per_step_s + m * self.host_per_request_s
         # first pass: the step's tokens, logits for one position per sequence (each request's last accepted)
         total = float(self.cost.predict(replace(shape, num_logit_rows=None)))
+        loop = self.loop
+        tokens = float(shape.num_prefill_tokens) + float(shape.num_decode_tokens)
+        eff = self._efficiency
+        total += (loop.first_pass_kernels * loop.kernel_s + m * loop.row_s
+                  + loop.linear_s(loop.pass_params + loop.first_pass_params, tokens, eff(tokens)))
         kv = sum(contexts)
+        per_pass = loop.pass_kernels * loop.kernel_s + m * loop.row_s + loop.linear_s(loop.pass_params, m, eff(m))
         for j in range(1, self.k):
             total += float(self.cost.predict(BatchShape(num_seqs=m, num_decode_tokens=m, kv_tokens_read=kv + m * j)))
+            total += per_pass
         return total
+
+    def _efficiency(self, tokens: float) -> float:
+        """The drafter's matmul efficiency at `tokens` rows (the profile's table, else mfu_decode)."""
+        assert self.cost is not None
+        if self.cost.profile.operator_form:
+            return float(self.cost.gemm_efficiency(tokens))
+        return float(self.cost.profile.mfu_decode)
 
 
 @dataclass(frozen=True)
@@ -93,6 +153,11 @@ class ResolvedSpec:
     weight_bytes: int                   # the drafter's weights on each GPU
     kv_bytes_per_token: float           # the drafter's KV per token on each GPU (in the target's blocks)
     source: str                         # where the acceptance came from
+
+    def conditional_for(self, rates: tuple[float, ...] | list[float]) -> tuple[float, ...]:
+        """k conditional probabilities from measured per-position rates (a workload class's): as
+        `synthetic_acceptance_rates`, the last conditional probability holds past the given positions."""
+        return conditional_from_rates(list(rates), self.settings.num_speculative_tokens, 1.0)
 
     def describe(self) -> dict:
         s = self.settings
@@ -137,6 +202,8 @@ def resolve_spec(spec: SpeculativeConfig, target: ModelSpec, gpu: GPUSpec, tp: i
         raise SpecConfigError(f"speculative_config.draft_tensor_parallel_size: expected 1 or the target's TP "
                               f"({tp}), got {draft_tp}")
     entry = data["methods"][method]
+    # a published acceptance for this method's drafter of this very target replaces the method's default
+    entry = {**entry, **entry.get("models", {}).get(target.name, {})}
     rates = spec.synthetic_acceptance_rates
     source = "speculative_config.synthetic_acceptance_rates" if rates is not None else entry["source"]
     cond = conditional_from_rates(list(rates if rates is not None else entry["per_position"]), k,
@@ -145,9 +212,14 @@ def resolve_spec(spec: SpeculativeConfig, target: ModelSpec, gpu: GPUSpec, tp: i
     profile = _drafter_profile(target_cost.profile)
     w_bytes = DTYPE_BYTES[target.weight_dtype]
     lookahead = 0
+    counts = data["vllm_loop"]
+    bw = gpu.mem_bw * target_cost.profile.mem_bw_eff
+    base_loop = LoopCosts(kernel_s=float(target_cost.profile.gemm_latency_s),
+                          sampler_kernels=int(counts["sampler_kernels"]),
+                          sampler_row_s=4.0 * target.vocab_size / bw)     # fp32 logits, every rank (gathered)
     if method == "ngram":
         host = data["ngram_host_s"]
-        draft = DraftCost(method, k, None, float(host["per_step"]), float(host["per_request"]))
+        draft = DraftCost(method, k, None, float(host["per_step"]), float(host["per_request"]), loop=base_loop)
         weights, kv_per_token = 0, 0.0
     elif method == "draft_model":
         draft_model = get_model(spec.model)
@@ -161,24 +233,44 @@ def resolve_spec(spec: SpeculativeConfig, target: ModelSpec, gpu: GPUSpec, tp: i
                                   "smaller draft model or a larger draft_tensor_parallel_size")
         kv_per_token = (draft_model.kv_bytes_per_token() * kv_heads_per_gpu(draft_model, draft_tp)
                         / draft_model.num_kv_heads)
-        draft = DraftCost(method, k, CostModel(draft_model, gpu, profile, tp=draft_tp))
+        draft = DraftCost(method, k, CostModel(draft_model, gpu, profile, tp=draft_tp),
+                          loop=replace(base_loop, pass_kernels=int(counts["pass_kernels"]),
+                                       first_pass_kernels=int(counts["first_pass_kernels"]),
+                                       row_s=4.0 * draft_model.vocab_size / bw))
         lookahead = k
     else:                                   # eagle, eagle3, mtp: one decoder layer of the target's shape
         vocab = int(data["eagle3_draft_vocab"]) if method == "eagle3" else target.vocab_size
         head = target.model_copy(update={"name": f"{target.name}-{method}-head", "num_layers": 1,
                                          "vocab_size": vocab, "sliding_window": None,
                                          "sliding_window_layers": None})
+        h = target.hidden_size
         fc_inputs = {"eagle3": 3, "eagle": 2, "mtp": 2}[method]       # the fused hidden states' projection
-        extra = fc_inputs * target.hidden_size * target.hidden_size
+        fc = fc_inputs * h * h
+        # EAGLE-3's layer takes [embedding, hidden] (2h) into its QKV projection: h x (q + 2 kv) more
+        wide_qkv = h * (target.q_size + 2 * target.kv_size) if method == "eagle3" else 0
+        extra = fc + wide_qkv
         if method == "eagle3":
-            extra += vocab * target.hidden_size              # its own LM head over the draft vocabulary
+            extra += vocab * h                               # its own LM head over the draft vocabulary
         weights = int((target.linear_params_per_layer + extra) * w_bytes) // draft_tp
         if weights >= gpu.memory_bytes:
             raise SpecConfigError(f"speculative_config: the {method} head needs {weights / GiB:.1f} GiB per GPU but "
                                   f"{gpu.name} has {gpu.memory_gib:g} GiB")
         kv_per_token = target.kv_bytes_per_token() / target.num_layers * kv_heads_per_gpu(target, draft_tp) \
             / target.num_kv_heads
-        draft = DraftCost(method, k, CostModel(head, gpu, profile, tp=draft_tp))
+        # EAGLE and MTP fuse [embedding, hidden] through their projection in every forward; EAGLE-3
+        # projects the target's three auxiliary hidden states once (first pass) and widens its QKV
+        vocab_map = int(counts["eagle3_vocab_map_kernels"]) if method == "eagle3" else 0
+        # per sequence and pass: the argmax reads a row of fp32 logits; EAGLE-3's compute_logits first fills a
+        # -inf row of the target's vocabulary and scatters its draft-vocabulary logits into it
+        row_bytes = (4.0 * (2 * target.vocab_size + 2 * vocab) if method == "eagle3" else 4.0 * vocab)
+        loop = replace(base_loop, pass_kernels=int(counts["pass_kernels"]) + vocab_map,
+                       first_pass_kernels=int(counts["first_pass_kernels"]) + vocab_map,
+                       row_s=row_bytes / bw,
+                       pass_params=float(wide_qkv if method == "eagle3" else fc),
+                       first_pass_params=float(fc if method == "eagle3" else 0),
+                       param_byte_s=w_bytes / bw / draft_tp,
+                       param_flop_s=2.0 / gpu.peak_flops(target.weight_dtype) / draft_tp)
+        draft = DraftCost(method, k, CostModel(head, gpu, profile, tp=draft_tp), loop=loop)
         lookahead = k                       # vLLM: num_lookahead_tokens = k for EAGLE-style drafters
     settings = SpecDecodeSettings(num_speculative_tokens=k, num_lookahead_tokens=lookahead, conditional=cond,
                                   propose_rate=propose)

@@ -96,7 +96,11 @@ class SpecDecodeExecutor(CostModelExecutor):
                     if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens]
         drafting = float(self.draft.seconds(shape, contexts))
         self.last_draft_s = drafting
-        self.last_verify_s = target if any(s.num_spec_tokens for s in out.scheduled) else 0.0
+        # the rejection sampler verifies the step's drafts on the target's side (DraftCost.loop)
+        draft_tokens = sum(s.num_spec_tokens for s in out.scheduled)
+        if draft_tokens:
+            target += self.draft.loop.sampler_seconds(draft_tokens)
+        self.last_verify_s = target if draft_tokens else 0.0
         seconds = target + drafting
         return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
 

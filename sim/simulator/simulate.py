@@ -137,6 +137,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     # API server themselves, in the simulation
     online = cfg.trace_options.max_concurrency or sessions or (entry is not None and entry.shared)
     requests = _entered_requests(trace, None if online else entry, sessions)
+    class_acceptance = _class_acceptance(plan, trace, requests)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS,
                        extra_columns=SPEC_STEP_COLUMNS if plan.spec is not None else None)
@@ -187,7 +188,8 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     summary = run_summary(plan, req_df, steps_for_summary, kvs, client.enabled, tokens=tokens,
                           step_variance_sigma=resolve_sigma(cfg.step_variance, plan.gpu.name))
     summary.update(offload_figures(offload))
-    summary.update(spec_decode_figures(plan, replicas, step_log if out is None else out / "steps.parquet"))
+    summary.update(spec_decode_figures(plan, replicas, step_log if out is None else out / "steps.parquet",
+                                       class_acceptance))
     if getattr(trace, "workload_classes", None) is not None:       # a workload spec's client classes
         summary["workload_classes"] = class_figures(trace.workload_classes, req_df)
     summary.update(_frontend_figures(cfg))
@@ -211,11 +213,31 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     return SimulationResult(summary, req_df, steps_df, published if staging else None, plan.num_blocks, wall)
 
 
-def spec_decode_figures(plan: ResolvedRun, replicas: list, steps) -> dict:
-    """summary.json's `spec_decode` (nothing with speculative decoding off: summary.json stays as it was)."""
+def _class_acceptance(plan: ResolvedRun, trace, requests: list) -> dict[str, list[float]] | None:
+    """Workload classes with measured acceptance (traces/workload.py `spec_acceptance_rates`): their
+    requests draw from it (`Request.spec_conditional`, SpecDecoder.accept). Returns class -> rates, or None."""
+    classes = getattr(trace, "workload_classes", None)
+    acceptance = getattr(classes, "acceptance", None)
+    if plan.spec is None or not acceptance:
+        return None
+    conditional = {name: plan.spec.conditional_for(rates) for name, rates in acceptance.items()}
+    for req in requests:
+        name = classes.of_request.get(req.request_id)
+        if name in conditional:
+            req.spec_conditional = conditional[name]
+    return {name: list(rates) for name, rates in acceptance.items()}
+
+
+def spec_decode_figures(plan: ResolvedRun, replicas: list, steps,
+                        class_acceptance: dict[str, list[float]] | None = None) -> dict:
+    """summary.json's `spec_decode` (nothing with speculative decoding off: summary.json stays as it was);
+    with workload classes of measured acceptance, their rates (`workload_class_acceptance_rate_per_pos`)."""
     if plan.spec is None:
         return {}
-    return {"spec_decode": spec_decode_summary(plan.spec, [r.scheduler.spec for r in replicas], steps)}
+    figures = spec_decode_summary(plan.spec, [r.scheduler.spec for r in replicas], steps)
+    if class_acceptance:
+        figures["workload_class_acceptance_rate_per_pos"] = class_acceptance
+    return {"spec_decode": figures}
 
 
 def spec_decode_summary(spec, decoders: list, steps) -> dict:
