@@ -51,7 +51,7 @@ def test_every_command_reports_an_unknown_option_in_one_line_and_keeps_its_help(
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["simulate", "--polcy", "h2o"], "error: No such option: --polcy (Possible options: --policy, --profile); see "
+    (["simulate", "--polcy", "h2o"], "error: No such option: --polcy (Possible options: --policy, --pool-choice, --profile); see "
                                      "'kvsim simulate --help'"),
     (["simulate", "--num-gpu-block", "9"], "error: No such option: --num-gpu-block (Possible options: "
                                            "--num-gpu-blocks); see 'kvsim simulate --help'"),

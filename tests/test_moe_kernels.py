@@ -46,7 +46,7 @@ def test_efficiency_falls_with_fewer_rows_per_expert():
 
 
 def test_skew_zero_reproduces_the_uniform_routing_costs():
-    cost = CostModel("mixtral-8x7b", "h100", tp=2, moe_kernels=False)
+    cost = CostModel("mixtral-8x7b", "h100", tp=2).with_experts_on_the_roofline()
     m = cost.model
     for tokens in (1, 3, 17, 256):
         uniform = 8 * (1.0 - (1.0 - 2 / 8) ** float(tokens))
@@ -132,7 +132,7 @@ def test_the_cost_model_prices_mixtral_at_the_published_kernel_time():
     cost = CostModel("mixtral-8x7b", "h100", tp=2)
     per_layer = cost.moe_kernel_time(128) / cost.model.num_moe_layers
     assert per_layer * 1e6 == pytest.approx(491.4, rel=0.03)
-    off = CostModel("mixtral-8x7b", "h100", tp=2, moe_kernels=False)
+    off = CostModel("mixtral-8x7b", "h100", tp=2).with_experts_on_the_roofline()
     assert off.moe_kernel_time(128) == 0.0
     shape = BatchShape(num_seqs=128, num_decode_tokens=128, kv_tokens_read=128 * 1750)
     assert cost.predict(shape) != off.predict(shape)
@@ -140,7 +140,7 @@ def test_the_cost_model_prices_mixtral_at_the_published_kernel_time():
 
 def test_dense_models_are_untouched():
     on = CostModel("llama-3.1-8b", "h100", async_scheduling=True)
-    off = CostModel("llama-3.1-8b", "h100", async_scheduling=True, moe_kernels=False)
+    off = CostModel("llama-3.1-8b", "h100", async_scheduling=True).with_experts_on_the_roofline()
     assert not on.moe_kernels
     shapes = BatchShape(num_seqs=np.array([1, 8, 64]), num_decode_tokens=np.array([1, 8, 64]),
                         num_prefill_tokens=np.array([0, 512, 0]), kv_tokens_read=np.array([100, 8000, 64000]))

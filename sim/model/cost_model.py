@@ -89,6 +89,7 @@ operations in the same order, so the two paths agree bit for bit.
 """
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from pathlib import Path
@@ -479,7 +480,7 @@ class CostModel:
 
     def __init__(self, model: ModelSpec | str, gpu: GPUSpec | str, profile: HardwareProfile | str = AUTO_PROFILE,
                  tp: int = 1, *, kv_dtype: str | None = None, weight_dtype: str | None = None,
-                 async_scheduling: bool = False, expert_parallel: bool = False, moe_kernels: bool = True):
+                 async_scheduling: bool = False, expert_parallel: bool = False):
         model = get_model(model)
         if weight_dtype or kv_dtype:
             model = model.with_dtypes(weight_dtype=weight_dtype, kv_dtype=kv_dtype)
@@ -491,7 +492,7 @@ class CostModel:
         self.profile = load_profile(profile, gpu=self.gpu)
         # the routed experts' fused kernels priced by their own model (sim/model/grouped_gemm.py): MoE models
         # under an operator-form profile; off, or a dense model: the experts are part of the linear roofline
-        self.moe_kernels = bool(moe_kernels and model.is_moe and self.profile.gemm_efficiency is not None)
+        self.moe_kernels = bool(model.is_moe and self.profile.gemm_efficiency is not None)
         self.kv_heads_per_gpu = kv_heads_per_gpu(model, tp)
         self.kv_split = self.kv_heads_per_gpu / model.num_kv_heads
         self.kv_bytes_per_token = model.kv_bytes_per_token()
@@ -503,6 +504,14 @@ class CostModel:
         table = sorted(self.profile.decode_batch_factors.items())     # model_copy(update=) skips the validator
         self._batch_table = (np.array([b for b, _ in table], dtype=np.float64),
                              np.array([f for _, f in table], dtype=np.float64)) if table else None
+
+    def with_experts_on_the_roofline(self) -> CostModel:
+        """A copy that prices the routed experts on the linear roofline instead of their fused kernels
+        (the pricing before the expert-kernel model; a dense model prices the same)."""
+        other = copy.copy(self)
+        other.moe_kernels = False
+        other._set_operator_terms()
+        return other
 
     def _set_coefficients(self) -> None:
         m, g, tp = self.model, self.gpu, self.tp

@@ -5,7 +5,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import pandas as pd
 
@@ -27,6 +27,9 @@ from ..results.request_log import (WHOLE_STEP_LOG_ROWS, RequestLog, read_request
 from ..io.result_dirs import ResultDir, check_out_dir, check_out_owner
 from ..engine.resolved_run import ResolvedRun, resolve_run
 from ..engine.step_noise import resolve_sigma
+
+if TYPE_CHECKING:
+    from ..model.spec_decode import ResolvedSpec
 
 
 @dataclass
@@ -137,7 +140,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     # API server themselves, in the simulation
     online = cfg.trace_options.max_concurrency or sessions or (entry is not None and entry.shared)
     requests = _entered_requests(trace, None if online else entry, sessions)
-    class_acceptance = _class_acceptance(plan, trace, requests)
+    class_acceptance = _class_acceptance(plan.spec, trace, requests)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS,
                        extra_columns=SPEC_STEP_COLUMNS if plan.spec is not None else None)
@@ -213,14 +216,14 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     return SimulationResult(summary, req_df, steps_df, published if staging else None, plan.num_blocks, wall)
 
 
-def _class_acceptance(plan: ResolvedRun, trace, requests: list) -> dict[str, list[float]] | None:
+def _class_acceptance(spec: ResolvedSpec | None, trace, requests: list) -> dict[str, list[float]] | None:
     """Workload classes with measured acceptance (traces/workload.py `spec_acceptance_rates`): their
     requests draw from it (`Request.spec_conditional`, SpecDecoder.accept). Returns class -> rates, or None."""
     classes = getattr(trace, "workload_classes", None)
     acceptance = getattr(classes, "acceptance", None)
-    if plan.spec is None or not acceptance:
+    if spec is None or not acceptance:
         return None
-    conditional = {name: plan.spec.conditional_for(rates) for name, rates in acceptance.items()}
+    conditional = {name: spec.conditional_for(rates) for name, rates in acceptance.items()}
     for req in requests:
         name = classes.of_request.get(req.request_id)
         if name in conditional:
