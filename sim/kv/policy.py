@@ -115,6 +115,7 @@ from importlib.metadata import entry_points
 import numpy as np
 from pathlib import Path
 
+from .names import PLUGIN_ENV, PLUGIN_GROUP
 from .state import PRECISION_FULL, PRECISION_HIGH, PRECISION_LOW, TokenState  # noqa: F401 (re-exported)
 
 
@@ -386,8 +387,6 @@ def get_policy(name: str, **params) -> EvictionPolicy:
 
 
 _BUILTIN_PREFIX = __name__.rpartition(".")[0] + ".policies"     # kvsim.sim.kv.policies
-PLUGIN_GROUP = "kvsim.policies"      # entry-point group of installed policy plug-ins
-PLUGIN_ENV = "KVSIM_PLUGINS"         # comma-separated modules to import (registering policies)
 _plugins_loaded = False
 
 
