@@ -6,7 +6,7 @@ several times in a fresh process; prints the median and the minimum per command 
 The script runs whichever kvsim its python imports; `--baseline PYTHON` runs another checkout's python (its
 virtualenv's, where that checkout is installed) in the same rounds, interleaved, for a before/after.
 
-    python bench/bench_startup.py [--runs 7] [--baseline /path/to/other/venv/bin/python]
+    python bench/bench_startup.py [--runs 7] [--baseline /path/to/other/venv/bin/python] [--only TEXT]
 
 The processes run without PYTHONDONTWRITEBYTECODE (the warm-up run writes the .pyc files, as an installed
 package has them; with the variable set every kvsim module is compiled again in every process, ~0.1-0.2 s).
@@ -66,11 +66,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--baseline", metavar="PYTHON", help="another checkout's python, run in the same rounds")
+    ap.add_argument("--only", metavar="TEXT", help="only the commands whose label contains TEXT")
     args = ap.parse_args()
     pythons = {"": sys.executable} if not args.baseline else {"this ": sys.executable, "baseline ": args.baseline}
     print(f"CPU seconds per process over {args.runs} runs (python {sys.version.split()[0]}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f})")
     for label, argv in COMMANDS.items():
+        if args.only and args.only not in label:
+            continue
         times: dict[str, list[float]] = {name: [] for name in pythons}
         for python in pythons.values():
             cpu_seconds(argv, python)                       # a warm-up run (page cache, .pyc files)

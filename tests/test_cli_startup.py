@@ -88,3 +88,44 @@ def test_root_help_lists_every_command_and_a_command_runs():
 def test_help_paragraphs_are_unwrapped_but_lists_keep_their_lines():
     text = "Fit the factors\nto step times.\n\nUse:\n- one\n- two\n  indented\n1. first"
     assert unwrapped(text) == "Fit the factors to step times.\n\nUse:\n- one\n- two\n  indented\n1. first"
+
+
+FEATURE_MODULES = ("psutil", "kvsim.sim.simulator.fleet_run", "kvsim.sim.cluster.fleet",
+                   "kvsim.sim.cluster.connectors.offload", "rich.markdown")
+
+
+def test_a_single_engine_run_starts_without_the_fleet_offload_modules_and_psutil(tmp_path):
+    run = imported_after("simulate", "--trace", "azure-conv-2023", "--max-requests", "5", "--model", "llama-3.1-8b",
+                         "--gpu", "h100", "-q", "-o", str(tmp_path / "r"), modules=FEATURE_MODULES + ("pandas",))
+    assert run == {"pandas"}                       # the run ran (its results are written with pandas)
+    assert (tmp_path / "r" / "requests.parquet").exists()
+
+
+def test_host_memory_reads_memavailable_on_linux_and_psutil_elsewhere(monkeypatch):
+    from kvsim.sim.io import safe_io
+
+    if sys.platform.startswith("linux"):
+        assert safe_io._meminfo_available() > 0
+    monkeypatch.setattr(safe_io, "_meminfo_available", lambda: 12345)
+    monkeypatch.setattr(safe_io, "_cgroup_room", lambda: None)
+    monkeypatch.setattr(safe_io, "_address_space_room", lambda: None)
+    assert safe_io.host_memory_room() == (12345, "available system memory")
+    psutil = pytest.importorskip("psutil")
+    monkeypatch.setattr(safe_io, "_meminfo_available", lambda: None)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 678})())
+    assert safe_io.host_memory_room() == (678, "available system memory")
+
+
+def test_the_plugin_entry_points_are_read_once_a_process(monkeypatch):
+    import importlib.metadata
+
+    from kvsim.sim.kv import names
+
+    calls = []
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: calls.append(kw) or [])
+    names.plugin_entry_points.cache_clear()
+    try:
+        assert names.plugin_entry_points() == () and names.plugin_entry_points() == ()
+        assert calls == [{"group": names.PLUGIN_GROUP}]
+    finally:
+        names.plugin_entry_points.cache_clear()

@@ -9,8 +9,10 @@ importing them: where there may be any (`may_have_plugins`), the CLI's help asks
 (kvsim.sim.cli.options)."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from typing import Any
 
 BUILTIN_POLICIES = ("ada_snapkv", "h2o", "kvcompress", "leankv", "none", "pyramidkv", "quest", "recorded", "snapkv",
                     "streaming", "tokenselect")
@@ -24,9 +26,15 @@ def may_have_plugins() -> bool:
     """Whether a policy outside the built-in ones may be registered: $KVSIM_PLUGINS names a module, an
     installed package declares a `kvsim.policies` entry point, or this process already imported the
     registry (where code may have called @register_policy itself)."""
-    if _REGISTRY_MODULE in sys.modules or os.environ.get(PLUGIN_ENV, "").strip(" ,"):
-        return True
+    return _REGISTRY_MODULE in sys.modules or bool(os.environ.get(PLUGIN_ENV, "").strip(" ,")) \
+        or bool(plugin_entry_points())
+
+
+@functools.cache
+def plugin_entry_points() -> tuple[Any, ...]:
+    """The installed `kvsim.policies` entry points, read once a process (each read scans every installed
+    distribution's metadata, ~5-10 ms; the help and the registry both ask)."""
     from importlib.metadata import entry_points
 
-    return bool(entry_points(group=PLUGIN_GROUP))
+    return tuple(entry_points(group=PLUGIN_GROUP))
 
