@@ -283,7 +283,8 @@ def tokenselect_policy(reuse_rate: float, cost):
 
 def tokenselect_attention(gpu: str, n: int, reuse_rate: float) -> dict[str, float]:
     """Seconds of one request's attention, Llama-3.1-8B on `gpu`, as the simulator's step cost prices it
-    (attention term, plus the `policy_ops` term of TokenSelect's soft vote and top-k): a decode step at
+    (attention term, plus the `policy_ops` term of TokenSelect's soft vote and top-k and its small kernels'
+    fixed time, `op_kernels`): a decode step at
     context n and the prefill of n tokens in engine chunks of 8,192, full and with TokenSelect; and one
     selection chunk (512 queries) at context n, full and selective."""
     from kvsim.sim.core.step import BatchShape
@@ -299,19 +300,20 @@ def tokenselect_attention(gpu: str, n: int, reuse_rate: float) -> dict[str, floa
 
     out = {"decode_full": seconds(num_seqs=1, num_decode_tokens=1, kv_tokens_read=n),
            "decode_sel": seconds(num_seqs=1, num_decode_tokens=1, kv_tokens_read=float(policy.mean_read([n], ctx)[0]),
-                                 op_bytes=policy.decode_op_bytes(n, ctx))}
+                                 op_bytes=policy.decode_op_bytes(n, ctx), op_kernels=policy.decode_op_kernels(n, ctx))}
     full = sel = 0.0
     for start in range(0, n, TOKENSELECT_ENGINE_CHUNK):
         k = min(TOKENSELECT_ENGINE_CHUNK, n - start)
         full += seconds(num_prefill_tokens=k, attn_pairs_prefill=k * (start + (k + 1) / 2), kv_tokens_read=start + k)
         c = policy.prefill_cost(start, k, ctx)
-        sel += seconds(num_prefill_tokens=k, attn_pairs_prefill=c.pairs, kv_tokens_read=c.kv_read, op_bytes=c.op_bytes)
+        sel += seconds(num_prefill_tokens=k, attn_pairs_prefill=c.pairs, kv_tokens_read=c.kv_read, op_bytes=c.op_bytes,
+                       op_kernels=c.kernels)
     out["prefill_full"], out["prefill_sel"] = full, sel
     q = policy.prefill_chunk
     c = policy.prefill_cost(n - q, q, ctx)
     out["chunk_full"] = seconds(num_prefill_tokens=q, attn_pairs_prefill=float(causal_pairs(q, n)), kv_tokens_read=n)
     out["chunk_sel"] = seconds(num_prefill_tokens=q, attn_pairs_prefill=c.pairs, kv_tokens_read=c.kv_read,
-                               op_bytes=c.op_bytes)
+                               op_bytes=c.op_bytes, op_kernels=c.kernels)
     return out
 
 

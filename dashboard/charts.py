@@ -298,52 +298,55 @@ def handoff_panels() -> list[Panel]:
 
 
 def panel_grid(ts: pd.DataFrame, panels: list[Panel], title: str, heatmaps: dict | None = None) -> go.Figure:
-    """`panels` over the columns of `ts` in a grid on one shared time axis."""
+    """`panels` over the columns of `ts` in a grid on one shared time axis. The traces and the axes'
+    settings go into the figure in one call each: plotly validates every per-panel update separately,
+    which took longer than the data (19 panels)."""
     rows = math.ceil(len(panels) / PANEL_COLUMNS)
     fig = make_subplots(rows=rows, cols=PANEL_COLUMNS, shared_xaxes="all", vertical_spacing=0.5 / rows,
                         horizontal_spacing=0.07, subplot_titles=[p.title for p in panels])
     height = PANEL_HEIGHT_PX * rows + 120
     below = 22 / (height - 120)        # the legend's top: under the panel's tick labels (paper units)
-    layout = {}
+    layout: dict = {}
+    traces: list = []
     for n, panel in enumerate(panels):
         row, col = n // PANEL_COLUMNS + 1, n % PANEL_COLUMNS + 1
-        legend = "legend" if n == 0 else f"legend{n + 1}"
-        if panel.kind == "heatmap":
-            _heatmap_panel(fig, ts, panel, heatmaps[panel.series[0][0]], row, col)
-        else:
-            _line_panel(fig, ts, panel, legend, row, col)
-        fig.update_yaxes(title_text=panel.unit, row=row, col=col, rangemode="tozero", exponentformat="none",
-                         separatethousands=True, **({"range": [0, 1.05]} if panel.unit == "fraction" else {}))
         axis = fig.get_subplot(row, col)
+        legend = "legend" if n == 0 else f"legend{n + 1}"
+        where = dict(xaxis=axis.xaxis.plotly_name.replace("axis", ""), yaxis=axis.yaxis.plotly_name.replace("axis", ""))
+        if panel.kind == "heatmap":
+            traces.append(_heatmap_trace(ts, panel, heatmaps[panel.series[0][0]], where))
+        else:
+            traces.extend(_line_traces(ts, panel, legend, row, col, where))
+        layout[axis.yaxis.plotly_name] = dict(
+            title_text=panel.unit, rangemode="tozero", exponentformat="none", separatethousands=True,
+            **({"range": [0, 1.05]} if panel.unit == "fraction" else {}))
         layout[legend] = dict(x=axis.xaxis.domain[0], y=axis.yaxis.domain[0] - below, xanchor="left", yanchor="top",
                               orientation="h", font=dict(size=10), bgcolor="rgba(0,0,0,0)")
+    fig.add_traces(traces)
+    fig.update_layout(**layout)
     fig.update_xaxes(hoverformat=".1f", ticksuffix=" s", showticklabels=True)
     fig.update_layout(title=dict(text=title, x=0, xanchor="left"), height=height,
-                      margin=dict(l=70, r=30, t=80, b=40), modebar=dict(orientation="v"), hovermode="x",
-                      **layout)
+                      margin=dict(l=70, r=30, t=80, b=40), modebar=dict(orientation="v"), hovermode="x")
     fig.update_annotations(font_size=12)
     return fig
 
 
-def _line_panel(fig: go.Figure, ts: pd.DataFrame, panel: Panel, legend: str, row: int, col: int) -> None:
+def _line_traces(ts: pd.DataFrame, panel: Panel, legend: str, row: int, col: int, where: dict) -> list[go.Scatter]:
     scale = 1e-3 if panel.unit == "s" and panel.series[0][0].endswith(("ms_p50", "ms_p90", "ms_p99")) else 1.0
-    for i, (column, name) in enumerate(panel.series):
-        if column not in ts:
-            continue
-        fig.add_trace(go.Scatter(
-            x=ts["time_s"], y=ts[column] * scale, name=name, mode="lines", line_shape="hv", connectgaps=False,
-            legend=legend, stackgroup=f"s{row}-{col}" if panel.kind == "stack" else None,
-            line=dict(color=series_color(column, i)),
-            hovertemplate=f"t=%{{x:.1f}} s: %{{y:{panel.hover}}} {'' if panel.hover.endswith('%') else panel.unit}"
-                          f"<extra>{name}</extra>"), row=row, col=col)
+    return [go.Scatter(
+        x=ts["time_s"], y=ts[column] * scale, name=name, mode="lines", line_shape="hv", connectgaps=False,
+        legend=legend, stackgroup=f"s{row}-{col}" if panel.kind == "stack" else None,
+        line=dict(color=series_color(column, i)),
+        hovertemplate=f"t=%{{x:.1f}} s: %{{y:{panel.hover}}} {'' if panel.hover.endswith('%') else panel.unit}"
+                      f"<extra>{name}</extra>", **where)
+        for i, (column, name) in enumerate(panel.series) if column in ts]
 
 
-def _heatmap_panel(fig: go.Figure, ts: pd.DataFrame, panel: Panel, heatmap, row: int, col: int) -> None:
+def _heatmap_trace(ts: pd.DataFrame, panel: Panel, heatmap, where: dict) -> go.Heatmap:
     counts, labels = heatmap
-    fig.add_trace(go.Heatmap(x=ts["time_s"], y=labels, z=np.where(counts > 0, counts, np.nan), showscale=False,
-                             colorscale="YlOrRd", name=panel.series[0][1], showlegend=False,
-                             hovertemplate="t=%{x:.1f} s, length %{y}: %{z:,.0f} requests finished<extra></extra>"),
-                  row=row, col=col)
+    return go.Heatmap(x=ts["time_s"], y=labels, z=np.where(counts > 0, counts, np.nan), showscale=False,
+                      colorscale="YlOrRd", name=panel.series[0][1], showlegend=False,
+                      hovertemplate="t=%{x:.1f} s, length %{y}: %{z:,.0f} requests finished<extra></extra>", **where)
 
 
 COLUMN_TITLES = {   # table columns as axis titles

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from pathlib import Path
@@ -574,6 +575,9 @@ class SimConfig(_Strict):
     usd_per_hour: float | dict[str, float] | None = Field(None, description="your price per GPU-hour")
     # step-time variance (sim/engine/step_noise.py): 0 deterministic (the default), a lognormal sigma, or auto
     step_variance: float | Literal["auto"] = 0.0
+    # per-request variation of the frontend's fixed latency (sim/simulator/client.py RequestJitter): 0 none
+    # (the default), a lognormal sigma, or auto (sim/data/frontends.yaml's fitted one); needs a frontend
+    frontend_jitter: float | Literal["auto"] = 0.0
     fleet: FleetConfig | None = None     # prefill/decode disaggregation; None: one pool of `replicas`
     # speculative decoding (vLLM's --speculative-config; docs/speculative-decoding.md); None: off
     speculative_config: SpeculativeConfig | None = None
@@ -587,6 +591,8 @@ class SimConfig(_Strict):
             data.pop("step_variance", None)
         if self.frontend is None:            # unset: left out, so configs and run ids stay as they were
             data.pop("frontend", None)
+        if self.frontend_jitter == 0:        # the default: left out, so configs and run ids stay as they were
+            data.pop("frontend_jitter", None)
         if self.fleet is None:          # aggregated: left out, so config.yaml stays as it was
             data.pop("fleet", None)
         if self.speculative_config is None:      # off: left out, so configs and run ids stay as they were
@@ -664,6 +670,39 @@ class SimConfig(_Strict):
         if v != "auto" and not 0 <= v <= 2:
             raise ValueError(f"expected auto or a lognormal sigma between 0 and 2 (0: deterministic), got {v!r}")
         return v
+
+    @field_validator("step_variance", "frontend_jitter", mode="before")
+    @classmethod
+    def _sigma_spelling(cls, v, info: ValidationInfo):
+        """A sigma setting: auto or a finite number (a string from --set or YAML), one line when not."""
+        zero = "deterministic" if info.field_name == "step_variance" else "every request alike"
+        bad = ValueError(f"expected auto or a lognormal sigma between 0 and 2 (0: {zero}), got {v!r}")
+        if isinstance(v, bool):
+            raise bad
+        if isinstance(v, str) and v.strip().lower() != "auto":
+            try:
+                v = float(v)
+            except ValueError:
+                raise bad from None
+        elif isinstance(v, str):
+            return "auto"
+        if isinstance(v, (int, float)) and not math.isfinite(v):
+            raise bad
+        return v
+
+    @field_validator("frontend_jitter")
+    @classmethod
+    def _jitter(cls, v):
+        if v != "auto" and not 0 <= v <= 2:
+            raise ValueError(f"expected auto or a lognormal sigma between 0 and 2 (0: every request alike), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _jitter_needs_frontend(self):
+        if self.frontend_jitter != 0 and self.frontend_name == "none":
+            raise ValueError(f"frontend_jitter {self.frontend_jitter!r} varies the frontend's per-request latency: it "
+                             "needs a frontend (--frontend NAME, --frontend profile or --client-latency)")
+        return self
 
     @field_validator("metric_percentiles", mode="before")
     @classmethod

@@ -210,3 +210,21 @@ def test_eta_waits_until_it_means_something():
     finally:
         job.cancel()
         job.wait(10)
+
+
+def test_inter_token_percentiles_per_window_are_numpy_percentiles_of_that_window():
+    """The ITL panels' p50/p90/p99 per window (a partition per window, not a sort of millions of gaps)
+    equal numpy's linear percentiles of the window's gaps; a window without tokens has none."""
+    from kvsim.dashboard.data import _quantiles_by_window
+    rng = np.random.default_rng(7)
+    window = rng.integers(0, 12, 5_000)
+    window[window == 5] = 6
+    gap = rng.lognormal(-4, 1, 5_000)
+    got = _quantiles_by_window(window, gap, 12, 1e3)
+    for w in range(12):
+        mine = gap[window == w] * 1e3
+        for q in (50, 90, 99):
+            if len(mine):
+                assert got[f"p{q}"][w] == pytest.approx(np.percentile(mine, q), rel=1e-12)
+            else:
+                assert np.isnan(got[f"p{q}"][w])

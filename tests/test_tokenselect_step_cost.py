@@ -156,17 +156,24 @@ def test_the_simulator_charges_the_selection_in_every_step(tmp_path):
         assert row["kv_tokens_read"] == int(c.kv_read)       # the step log rounds reads to whole tokens
         shape = dict(num_seqs=1, num_prefill_tokens=ENGINE_CHUNK, attn_pairs_prefill=c.pairs, kv_tokens_read=c.kv_read,
                      block_table_entries=int(row["block_table_entries"]))
-        with_ops = float(cost.predict(BatchShape(**shape, op_bytes=c.op_bytes)))
+        with_ops = float(cost.predict(BatchShape(**shape, op_bytes=c.op_bytes, op_kernels=c.kernels)))
         assert row["duration_s"] == pytest.approx(with_ops, rel=1e-9)
         if start >= 1 << 16:                 # the score passes are a visible share of a long-context step
-            assert with_ops > 1.01 * float(cost.predict(BatchShape(**shape)))
+            assert with_ops > 1.01 * float(cost.predict(BatchShape(**shape, op_kernels=c.kernels)))
+        selections = sum(1 for end in range(start + 512, start + ENGINE_CHUNK + 1, 512) if end > READ)
+        # every selection chunk's small kernels (selection_work: routing, scoring, the chunk's own) in each layer
+        assert c.kernels == ctx.num_layers * selections * 33
+        assert with_ops - float(cost.predict(BatchShape(**shape, op_bytes=c.op_bytes))) == pytest.approx(
+            c.kernels * cost.profile.gemm_latency_s, rel=1e-9)
     last = log.iloc[-1]                      # a decode step: its selection's score bytes are charged too
     ctx_n = n + 3
     shape = dict(num_seqs=1, num_decode_tokens=1, kv_tokens_read=float(last["kv_tokens_read"]),
                  block_table_entries=int(last["block_table_entries"]))
-    with_ops = float(cost.predict(BatchShape(**shape, op_bytes=policy.decode_op_bytes(ctx_n, ctx))))
+    kernels = policy.decode_op_kernels(ctx_n, ctx)
+    assert kernels == pytest.approx(ctx.num_layers * (18 + (1 - REUSE) * 9))     # routing + the scoring share
+    with_ops = float(cost.predict(BatchShape(**shape, op_bytes=policy.decode_op_bytes(ctx_n, ctx), op_kernels=kernels)))
     assert last["duration_s"] == pytest.approx(with_ops, rel=1e-4)    # the log's read is rounded
-    assert with_ops > 1.01 * float(cost.predict(BatchShape(**shape)))
+    assert with_ops > 1.01 * float(cost.predict(BatchShape(**shape, op_kernels=kernels)))
 
 
 @pytest.mark.parametrize("reuse", [0.0, REUSE])

@@ -33,6 +33,8 @@ METRICS = {     # measured figure -> (summary key, scale to the figure's unit)
     # the tails (vllm bench serve's median / p95 / p99 keys; p95 from the summary's vLLM-named keys)
     "ttft_p99_ms": ("ttft_p99_s", 1e3), "tpot_p99_ms": ("tpot_p99_s", 1e3), "e2e_p50_ms": ("e2e_p50_s", 1e3),
     "e2e_p99_ms": ("e2e_p99_s", 1e3), "ttft_p95_ms": ("p95_ttft_ms", 1.0), "e2e_p95_ms": ("p95_e2el_ms", 1.0),
+    # the spread over requests (vllm bench serve's std_ttft_ms): what bench/fit_frontend_jitter.py fits
+    "ttft_std_ms": ("std_ttft_ms", 1.0),
 }
 # a latency figure's distribution in kvsim's summary (seconds): mean, p50, p90, p99
 SPREAD = {name: tuple(f"{name}_{q}_s" for q in ("mean", "p50", "p90", "p99")) for name in ("ttft", "tpot", "e2e")}
@@ -83,19 +85,21 @@ def load_published_runs(path: str | Path) -> list[PublishedRun]:
 
 
 def compare_published(path: str | Path, only: str | None = None, step_variance: float | str = 0.0,
-                      frontend: str | None = None) -> list[Comparison]:
+                      frontend: str | None = None, frontend_jitter: float | str = 0.0) -> list[Comparison]:
     out = []
     for run in load_published_runs(path):
         if only is None or run.id == only:
-            out.extend(compare_run(run, step_variance=step_variance, frontend=frontend))
+            out.extend(compare_run(run, step_variance=step_variance, frontend=frontend,
+                                   frontend_jitter=frontend_jitter))
     return out
 
 
 def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float | str = 0.0,
-                frontend: str | None = None) -> list[Comparison]:
+                frontend: str | None = None, frontend_jitter: float | str = 0.0) -> list[Comparison]:
     """kvsim's figure beside each measured one of `run` (under `profile`: the GPU's own by default;
     `step_variance`: the simulation's, sim/engine/step_noise.py; `frontend`: a serve run's frontend,
-    sim/data/frontends.yaml, by default the profile's client terms)."""
+    sim/data/frontends.yaml, by default the profile's client terms; `frontend_jitter`: its per-request
+    variation, sim/simulator/client.py, on serve runs)."""
     if run.kind == "kernels":
         return _kernel_comparisons(run)
     (key, values), = run.points.items()
@@ -103,7 +107,8 @@ def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float |
     with tempfile.TemporaryDirectory(prefix="kvsim-published-") as tmp:
         for i, value in enumerate(values):
             seeds = int(run.workload.get("seeds", 1))
-            summaries = [_simulate_point(run, key, value, seed, Path(tmp), profile, (step_variance, frontend))
+            summaries = [_simulate_point(run, key, value, seed, Path(tmp), profile,
+                                         (step_variance, frontend, frontend_jitter))
                          for seed in range(seeds)]
             for figure, measured in run.measured.items():
                 summary_key, scale = METRICS[figure]
@@ -114,17 +119,18 @@ def compare_run(run: PublishedRun, profile: str = "auto", step_variance: float |
 
 
 def _spread(figure: str, summaries: list[dict], scale: float) -> tuple | None:
-    """kvsim's mean, p50, p90 and p99 of a latency figure's metric, averaged over the seeds."""
+    """kvsim's mean, p50, p90 and p99 of a latency figure's metric, averaged over the seeds, in ms (a
+    figure read from a vLLM-named key in ms, ttft_p95_ms, has scale 1 while the spread's keys are in s)."""
     keys = SPREAD.get(figure.split("_")[0])
-    if keys is None:
+    if keys is None or figure.endswith("_std_ms"):
         return None
-    return tuple(float(np.mean([s[k] for s in summaries])) * (1.0 if k.endswith("_ms") else scale) for k in keys)
+    return tuple(float(np.mean([s[k] for s in summaries])) * (1.0 if k.endswith("_ms") else 1e3) for k in keys)
 
 
 def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, profile: str,
-                    variance_frontend: tuple = (0.0, None)) -> dict:
+                    variance_frontend: tuple = (0.0, None, 0.0)) -> dict:
     """One point's summary; `variance_frontend`: (step_variance, frontend name or None: the profile's
-    client terms on a serve run)."""
+    client terms on a serve run, frontend_jitter)."""
     from kvsim.sim.config import SimConfig
     from kvsim.sim.simulator.simulate import run_simulation
     from kvsim.traces.synthetic import closed_batch
@@ -140,8 +146,10 @@ def _simulate_point(run: PublishedRun, key: str, value, seed: int, tmp: Path, pr
         rate = float(value)
         options = {"max_concurrency": int(value)} if key == "max_concurrency" else \
             ({"request_rate": rate} if math.isfinite(rate) else {})
-    step_variance, frontend = variance_frontend
+    step_variance, frontend, jitter = variance_frontend
     front = {"client_latency": True} if frontend is None else {"frontend": frontend}
+    if jitter != 0:
+        front["frontend_jitter"] = jitter
     cfg = SimConfig.model_validate({
         "trace": str(trace_file), "model": setup["model"], "gpu": setup["gpu"], "seed": seed, "profile": profile,
         "engine": engine, "trace_options": options, **(front if run.kind == "serve" else {}),

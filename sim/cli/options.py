@@ -120,6 +120,10 @@ Tokenizer = Annotated[str | None, typer.Option(
 StepVariance = Annotated[str | None, typer.Option(
     help="step-time variance: 0 deterministic (default: today's results), auto (the GPU's fitted sigma), or a "
          "lognormal sigma such as 0.05 (seeded by --seed)")]
+FrontendJitter = Annotated[str | None, typer.Option(
+    help="per-request variation of the frontend's fixed latency: 0 none (default: today's results), auto (the "
+         "sigma fitted to a published run, sim/data/frontends.yaml) or a lognormal sigma such as 0.3 (seeded by "
+         "--seed; needs a frontend: --frontend or --client-latency)")]
 Frontend = Annotated[str | None, typer.Option(
     help="the frontend (API server) between the client and the engine: none (engine time only), profile "
          "(= --client-latency: the GPU profile's fitted client terms) or a named set of sim/data/frontends.yaml "
@@ -249,6 +253,7 @@ CONFIG_KEYS = {
     "request_rate": "trace_options.request_rate", "burstiness": "trace_options.burstiness",
     "max_concurrency": "trace_options.max_concurrency", "metric_percentiles": "metric_percentiles",
     "request_timeout": "trace_options.request_timeout", "step_variance": "step_variance",
+    "frontend_jitter": "frontend_jitter",
     "trace_format": "trace_options.format", "trace_columns": "trace_options.columns",
     "time_unit": "trace_options.time_unit", "tokenizer": "trace_options.tokenizer",
     "gpu_memory_utilization": "engine.gpu_memory_utilization", "usd_per_hour": "usd_per_hour",

@@ -17,7 +17,7 @@ from .vllm_args import VllmOptions
 
 from .options import (DataParallel, KvOffload, PipelineParallel, RouterName, Sessions, SpeculativeConfigOpt, ThinkTime,
                       parse_speculative_config, tier_overrides)
-from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel, Frontend,
+from .options import (BlockSize, Budget, Burstiness, CheckInvariants, EndS, ExpertParallel, Frontend, FrontendJitter,
                       LongPrefillTokenThreshold,
                       MaxModelLen, StartS, ConfigFile, Gpu, Layout, MaxConcurrency,
                       MetricPercentiles, MaxNumBatchedTokens, MaxNumSeqs, RequestTimeout, StepVariance, Model, NumGpuBlocks, Out, Overwrite,
@@ -128,6 +128,7 @@ def simulate(
         "detokenization) to TTFT/TPOT/ITL/E2E, as `vllm bench serve` measures (= --frontend profile); default: "
         "engine time only")] = None,
     frontend: Frontend = None,
+    frontend_jitter: FrontendJitter = None,
     prefill_pool: Annotated[str | None, typer.Option(
         help="disaggregated: the prefill pool as GPU[:tpN][:xN] (e.g. h100:tp1:x2: two H100 replicas of TP1); "
              "with --decode-pool (= fleet.prefill)")] = None,
@@ -162,6 +163,7 @@ def simulate(
         seed=seed,
         weight_dtype=weight_dtype, kv_dtype=kv_dtype, fast_forward=fast_forward, check_invariants=check_invariants,
         client_latency=client_latency, frontend=frontend,
+        frontend_jitter=parse_sigma(frontend_jitter, "--frontend-jitter", "every request alike"),
         block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
         max_model_len=max_model_len, long_prefill_token_threshold=long_prefill_token_threshold,
@@ -224,12 +226,18 @@ def with_vllm_options(overrides: dict, options: VllmOptions) -> dict:
 
 def parse_step_variance(text: str | None) -> float | str | None:
     """--step-variance: auto, or a number (the config validates its range)."""
+    return parse_sigma(text, "--step-variance", "deterministic")
+
+
+def parse_sigma(text: str | None, option: str, zero: str) -> float | str | None:
+    """A lognormal sigma option (--step-variance, --frontend-jitter): auto, or a number (the config
+    validates its range); `zero`: what 0 means, for the error."""
     if text is None or text.strip().lower() == "auto":
         return None if text is None else "auto"
     try:
         return float(text)
     except ValueError:
-        fail(f"--step-variance {text!r}: expected auto or a number such as 0.05 (0: deterministic)")
+        fail(f"{option} {text!r}: expected auto or a number such as 0.05 (0: {zero})")
 
 
 def fleet_overrides(prefill_pool: str | None, decode_pool: str | None, link: str | None,

@@ -30,6 +30,8 @@ class BatchShape:
     block_table_entries: ArrayLike = 0   # block-table entries touched (grows x layers x heads in per_head)
     op_bytes: ArrayLike = 0              # bytes read + written by KV-policy operations (metric, sort, table
     op_flops: ArrayLike = 0              # rewrite, quantization; sim.kv) and their FLOPs, all KV heads
+    op_kernels: ArrayLike = 0            # small kernels a KV policy launches on each GPU (TokenSelect's selection),
+    #                                      each at the profile's gemm_latency_s
     # KV token-equivalents a padded decode attention scans: every decoding sequence padded to the widest
     # block table of the step (whole blocks, holes included). Paged GPU kernels do not pad (their
     # profiles give it no cost); a dense gather over [seqs, widest table] (the real backend's CPU

@@ -678,7 +678,9 @@ class ConcurrencyLimit:
         self._sending = False
 
     def next_entry(self) -> float:
-        return self.in_transit[0].arrival_time if self.in_transit else float("inf")
+        # sends are in time order, but with a per-request frontend latency (frontend_jitter) a later send
+        # can enter first: the earliest entry, not the first sent
+        return min(r.arrival_time for r in self.in_transit) if self.in_transit else float("inf")
 
     @property
     def pending(self) -> int:
@@ -717,7 +719,7 @@ class ConcurrencyLimit:
                 req.arrival_time = now if self.entry is None else self.entry.enter(req.request_id, now, req.prompt_tokens)
                 self.in_flight += 1
                 if req.arrival_time > now:
-                    self.in_transit.append(req)          # sends happen in time order: FIFO
+                    self.in_transit.append(req)          # in send order (entries may overtake: next_entry)
                     self.env.process(self._enter(req))
                 else:
                     self.router.route(req).submit(req)

@@ -109,6 +109,9 @@ class SessionLoop:
         if entry is not None:               # the client-side API server lets each first turn in after its send
             for req in first:
                 req.arrival_time = entry.enter(req.request_id, req.arrival_time)
+            # a per-request frontend latency (frontend_jitter) can reorder entries: the arrival process
+            # takes them in time order (stable: unchanged without it)
+            first.sort(key=lambda r: r.arrival_time)
         self.first_turns = first
         self.num_requests = len(requests)
 

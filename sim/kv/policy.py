@@ -201,6 +201,7 @@ class SelectionStepCost:
     pairs: float
     kv_read: float
     op_bytes: float
+    kernels: float = 0.0         # small kernels the policy launches on each GPU (all layers), at gemm_latency_s each
 
 
 @dataclass
@@ -260,6 +261,11 @@ class EvictionPolicy:
     def decode_op_bytes(self, context: int, ctx: PolicyContext) -> float:
         """Bytes of the policy's own kernels for one decoding request with `context` cached tokens
         (all KV heads; asked only of policies whose `prefill_cost` is not None)."""
+        return 0.0
+
+    def decode_op_kernels(self, context: int, ctx: PolicyContext) -> float:
+        """Small kernels the policy launches on each GPU for one decoding request with `context` cached
+        tokens, all layers (asked only of policies whose `prefill_cost` is not None)."""
         return 0.0
 
     def op_cost(self, state: TokenState, ctx: PolicyContext, reason: str) -> tuple[float, float] | None:

@@ -23,6 +23,8 @@ efficiency factor:
   copy                    2 * bytes_moved * kv_split / mem_bw          (read + write)
   policy_ops              max(op_flops / peak_a, op_bytes / mem_bw) * kv_split   (a KV policy's own work:
                           metric aggregation, sort, block-table rewrite, quantization; docs/kv-policies.md)
+  policy_kernels          op_kernels (small kernels a KV policy launches on each GPU: TokenSelect's
+                          selection), each at p.gemm_latency_s, added to the copy part
   swap                    swap_bytes * kv_split / pcie_bw
   allreduce_bw            2 * layers * 2 * (tp - 1) / tp * num_tokens * hidden * act_bytes / link_bw
   allreduce_count         [tp > 1] * [num_tokens > 0] * 2 * layers   (two all-reduces per layer)
@@ -655,7 +657,7 @@ class CostModel:
         attention = _max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
         if self._pads:
             attention = attention + f["attn_padded"] * p.padded_attn_cost + f["attn_prefill_padded"] * p.padded_prefill_cost
-        copy = (f["copy"] + f["policy_ops"]) / p.copy_bw_eff
+        copy = (f["copy"] + f["policy_ops"]) / p.copy_bw_eff + _f64(shape.op_kernels) * p.gemm_latency_s
         swap = f["swap"] / p.pcie_eff
         allreduce = f["allreduce_bw"] / p.allreduce_bw_eff + f["allreduce_count"] * p.allreduce_latency_s
         scales = [p.step_time_scale]
@@ -705,7 +707,7 @@ class CostModel:
                                                  + self._layers * p.layer_latency_s)
                   + tokens * self._elementwise_token_s / p.elementwise_bw_eff)
         attention = _max(f["attn_compute"] / p.attn_compute_eff, f["attn_memory"] / p.attn_bw_eff)
-        copy = (f["copy"] + f["policy_ops"]) / p.copy_bw_eff
+        copy = (f["copy"] + f["policy_ops"]) / p.copy_bw_eff + _f64(shape.op_kernels) * p.gemm_latency_s
         swap = f["swap"] / p.pcie_eff
         allreduce = (f["allreduce_bw"] / self._allreduce_bw_eff
                      + f["allreduce_count"] * self._allreduce_latency_s)
@@ -737,7 +739,8 @@ class CostModel:
                   + tokens * self._elementwise_token_s / p.elementwise_bw_eff)
         a, b = attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff
         attention = a if a >= b else b
-        copy = (float(shape.bytes_moved) * c["copy_byte_s"] + policy_ops) / p.copy_bw_eff
+        copy = ((float(shape.bytes_moved) * c["copy_byte_s"] + policy_ops) / p.copy_bw_eff
+                + float(shape.op_kernels) * p.gemm_latency_s)
         swap = float(shape.swap_bytes) * c["swap_byte_s"] / p.pcie_eff
         allreduce = (tokens * c["allreduce_token_s"] / self._allreduce_bw_eff
                      + ran * c["allreduce_count"] * self._allreduce_latency_s)

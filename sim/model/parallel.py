@@ -111,7 +111,7 @@ def _scaled(shape, m):
                    num_decode_tokens=shape.num_decode_tokens / m, kv_tokens_read=shape.kv_tokens_read / m,
                    attn_pairs_prefill=shape.attn_pairs_prefill / m, block_table_entries=shape.block_table_entries / m,
                    bytes_moved=shape.bytes_moved / m, swap_bytes=shape.swap_bytes / m, op_flops=shape.op_flops / m,
-                   op_bytes=shape.op_bytes / m, kv_tokens_padded=part(shape.kv_tokens_padded),
+                   op_bytes=shape.op_bytes / m, op_kernels=shape.op_kernels / m, kv_tokens_padded=part(shape.kv_tokens_padded),
                    attn_pairs_prefill_padded=part(shape.attn_pairs_prefill_padded))
 
 

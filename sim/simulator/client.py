@@ -13,6 +13,14 @@ so a token reaches the client when the server has processed it and everything be
 
 over the distinct token times t_k of a replica (n_k tokens each), i.e. done_k = C_k + max_{j<=k}(t_j -
 C_{j-1}) with C the cumulative server work: one running maximum, vectorized.
+
+Per-request variation (`frontend_jitter`, `RequestJitter`): real requests do not all take the same time
+through the client and the API server (HTTP handling, the asyncio loops of the client and the server,
+the IPC to the engine core), and that spread is what knocks a fixed-length closed loop out of lockstep.
+With a sigma > 0 request i's fixed latency is `request_s * exp(sigma z_i - sigma^2 / 2)`, a mean-one
+lognormal (the mean kept, the median below it), z_i from a counter-based stream keyed by (seed,
+request id) alone, so a run is reproducible and does not depend on the order requests are sent in.
+Off (0, the default): no factor at all, today's results byte for byte.
 """
 from __future__ import annotations
 
@@ -20,19 +28,54 @@ import math
 
 import numpy as np
 import pandas as pd
+import yaml
 
-from ..model.cost_model import ClientLatency
+from ..engine.step_noise import StepNoise
+from ..model.cost_model import FRONTENDS_FILE, ClientLatency
 from ..results.metrics import flat_token_times, set_latencies
+
+# the key of the frontend's stream of draws beside the replicas' step-noise streams (0, 1, ...)
+JITTER_STREAM = 2**32 + 54
+
+
+class RequestJitter:
+    """The factors of the requests' fixed frontend latency (see the module docstring): request i's is
+    the i-th draw of a mean-one lognormal stream keyed by (seed, JITTER_STREAM)."""
+
+    def __init__(self, sigma: float, seed: int):
+        self.sigma = float(sigma)
+        self._draws = StepNoise(sigma, seed, JITTER_STREAM)
+
+    def factor(self, request_id: int) -> float:
+        return self._draws.factor(int(request_id))
+
+
+def fitted_jitter() -> dict:
+    """sim/data/frontends.yaml's `request_jitter` entry: {sigma, fitted_to, source}."""
+    return yaml.safe_load(FRONTENDS_FILE.read_text())["request_jitter"]
+
+
+def resolve_jitter(setting: float | str) -> float:
+    """The sigma of `frontend_jitter`: the configured number, or (auto) frontends.yaml's fitted one."""
+    return float(fitted_jitter()["sigma"]) if setting == "auto" else float(setting)
+
+
+def request_jitter(setting: float | str, seed: int) -> RequestJitter | None:
+    """The run's per-request variation of the frontend's fixed latency (None when off)."""
+    sigma = resolve_jitter(setting)
+    return RequestJitter(sigma, seed) if sigma > 0 else None
 
 
 class Frontend:
     """The API server between the client's sends and the engine: when a request the client sent enters
     the engine. The server takes requests one at a time in send order (`ClientLatency.serial_s`: parsing
     and tokenizing its prompt), then `request_s` of fixed latency. Remembers each request's send time
-    for `client_view` and the client's timeout."""
+    for `client_view` and the client's timeout. `jitter`: the per-request variation of `request_s`
+    (None: every request takes `request_s`)."""
 
-    def __init__(self, client: ClientLatency):
+    def __init__(self, client: ClientLatency, jitter: RequestJitter | None = None):
         self.client = client
+        self.jitter = jitter
         self.shared = client.shared_loop
         self.serial = client.request_serial_s > 0 or client.prompt_token_s > 0 or self.shared
         self.server_free = -math.inf
@@ -45,10 +88,11 @@ class Frontend:
         """When the request sent at `send_time` enters the engine. With a shared loop it is called at
         `send_time` in the simulation (the queue takes entries and outputs in time order)."""
         self.sent[request_id] = send_time
+        fixed = self.client.request_s if self.jitter is None else self.client.request_s * self.jitter.factor(request_id)
         if not self.serial:
-            return send_time + self.client.request_s
+            return send_time + fixed
         self.server_free = max(self.server_free, send_time) + self.client.serial_s(prompt_tokens)
-        return self.server_free + self.client.request_s
+        return self.server_free + fixed
 
     def outputs(self, replica: int, time_s: float, tokens: int) -> None:
         """Shared loop: replica `replica`'s step ending at `time_s` produced `tokens` output tokens; the

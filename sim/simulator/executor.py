@@ -147,18 +147,23 @@ def _selection_step(kv: EvictingManagerBase, out: SchedulerOutput, shape: BatchS
     pairs = 0.0
     kv_read = 0.0
     op_bytes = 0.0
+    kernels = 0.0
     for s in out.scheduled:
         if s.is_prefill:
             c = policy.prefill_cost(s.request.num_computed_tokens, s.num_new_tokens, ctx)
             pairs += c.pairs
             kv_read += c.kv_read
             op_bytes += c.op_bytes
+            kernels += c.kernels
         else:
+            context = s.request.num_computed_tokens + s.num_new_tokens
             kv_read += s.context_before + s.num_new_tokens
-            op_bytes += policy.decode_op_bytes(s.request.num_computed_tokens + s.num_new_tokens, ctx)
+            op_bytes += policy.decode_op_bytes(context, ctx)
+            kernels += policy.decode_op_kernels(context, ctx)
     shape.attn_pairs_prefill = pairs
     shape.kv_tokens_read = kv_read
     shape.op_bytes = op_bytes
+    shape.op_kernels = kernels
 
 
 def _policy_prefill_pairs(kv: EvictingManagerBase, out: SchedulerOutput) -> float | None:

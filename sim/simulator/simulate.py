@@ -12,7 +12,7 @@ import pandas as pd
 from ..results.bench_compare import bench_model_mismatch, compare
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
-from .client import Frontend, client_view
+from .client import Frontend, client_view, request_jitter, resolve_jitter
 from ..model.cost_model import frontend_terms
 from .executor import replica_parts
 from ..model.memory import check_memory
@@ -105,17 +105,38 @@ def _request_frame(client, entry, run, labels: dict | None):
     return frame
 
 
+def _frontend_figures(cfg) -> dict:
+    """The summary's frontend keys: its name when named, the jitter's sigma when on (unset: none, so
+    summary.json stays as it was)."""
+    out: dict = {}
+    if cfg.frontend is not None:
+        out["frontend"] = cfg.frontend
+    if cfg.frontend_jitter != 0:
+        out["frontend_jitter_sigma"] = resolve_jitter(cfg.frontend_jitter)
+    return out
+
+
+def _entered_requests(trace, entry: Frontend | None, sessions) -> list:
+    """The trace's requests, entering the engine through `entry` when the simulation does not send them
+    itself. A per-request frontend latency (`frontend_jitter`) can let a later send enter first: the
+    arrival process then takes them in entry order (a stable sort: the order is unchanged without it)."""
+    requests = trace_to_requests(trace, entry, sessions)
+    if entry is not None and entry.jitter is not None:
+        requests.sort(key=lambda r: r.arrival_time)
+    return requests
+
+
 def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, opts: RunOptions) -> SimulationResult:
     cfg = plan.cfg
     client = frontend_terms(cfg.frontend_name, plan.cost.profile)
     # requests enter the engine through the frontend (the API server): after their trace time (open
     # loop) or when the closed loop sends them
-    entry = Frontend(client) if client.enabled else None
+    entry = Frontend(client, request_jitter(cfg.frontend_jitter, cfg.seed)) if client.enabled else None
     sessions = cfg.trace_options.sessions
     # the closed loops (a concurrency limit, sessions, a shared loop) send their requests through the
     # API server themselves, in the simulation
     online = cfg.trace_options.max_concurrency or sessions or (entry is not None and entry.shared)
-    requests = trace_to_requests(trace, None if online else entry, sessions)
+    requests = _entered_requests(trace, None if online else entry, sessions)
     out = staging.path if staging else None
     step_log = StepLog(out / "steps.parquet" if out else None, keep=SUMMARY_STEP_COLUMNS, keep_rows=WHOLE_STEP_LOG_ROWS,
                        extra_columns=SPEC_STEP_COLUMNS if plan.spec is not None else None)
@@ -169,8 +190,7 @@ def _simulate(plan: ResolvedRun, trace, staging: ResultDir | None, t0: float, op
     summary.update(spec_decode_figures(plan, replicas, step_log if out is None else out / "steps.parquet"))
     if getattr(trace, "workload_classes", None) is not None:       # a workload spec's client classes
         summary["workload_classes"] = class_figures(trace.workload_classes, req_df)
-    if cfg.frontend is not None:           # named: said (unset, summary.json stays as it was)
-        summary["frontend"] = cfg.frontend
+    summary.update(_frontend_figures(cfg))
     summary["partial"] = stop is not None
     if stop:
         summary["partial_reason"] = stop[0]

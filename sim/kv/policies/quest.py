@@ -156,7 +156,8 @@ class TokenSelect(Quest):
         selective_layers = (1.0 - dense) * ctx.num_layers
         return SelectionStepCost(pairs=dense * full + (1.0 - dense) * w.pairs,
                                  kv_read=dense * (start + num_new) + (1.0 - dense) * w.kv_read,
-                                 op_bytes=selective_layers * w.score_bytes / ctx.kv_split)
+                                 op_bytes=selective_layers * w.score_bytes / ctx.kv_split,
+                                 kernels=selective_layers * w.kernels)
 
     def decode_op_bytes(self, context: int, ctx) -> float:
         """The soft vote and top-k of a decode step's selection over `context` keys in every selective
@@ -165,6 +166,12 @@ class TokenSelect(Quest):
         selective_layers = (1.0 - self._dense_share(ctx)) * ctx.num_layers
         per_layer = float(selection_work.decode_score_bytes(context, ctx.num_query_heads, self.budget))
         return self._meta_share * selective_layers * per_layer / ctx.kv_split
+
+    def decode_op_kernels(self, context: int, ctx) -> float:
+        """The small kernels of a decode step's selection over `context` keys in every selective layer
+        (selection_work.decode_selection_kernels; the scoring ones on the steps that select)."""
+        selective_layers = (1.0 - self._dense_share(ctx)) * ctx.num_layers
+        return selective_layers * float(selection_work.decode_selection_kernels(context, self.budget, self._meta_share))
 
     def prefill_pairs(self, start: int, num_new: int, ctx) -> float:
         """The query-key pairs of `prefill_cost`."""

@@ -44,6 +44,23 @@ from dataclasses import dataclass
 import numpy as np
 
 PREFILL_CHUNK_SIZE = 512        # token_retrieval.py patch(): queries per prefill selection
+# Kernels one selection launches in one layer (`retrieval_indices` with the released settings:
+# QUERY_ROTATE on, QUERY_CACHE off, no max-pool, no TP), each a small kernel whose fixed time the cost
+# model prices at the profile's `gemm_latency_s` (docs/kv-policies.md section 4):
+ROUTING_KERNELS = (1        # torch.arange: the query's position ids
+                   + 11     # RotaryEmbedding: position_ids.max(), cos and sin gathers, x.float(), x * cos,
+                   #          rotate_half's negation and cat, .float(), * sin, the sum, .to(dtype)
+                   + 1      # torch.mean over the queries: the fingerprint
+                   + 3      # retrieved_tokens: two torch.arange and the torch.cat
+                   + 1      # final_indices: the token-index gather
+                   + 1)     # the decode wrapper's index buffer copy_ (layer 0 re-plans instead)
+SCORING_KERNELS = (1        # paged_matmul_kernel (Triton)
+                   + 2      # torch.softmax, .sum(dim=0)
+                   + 3      # torch.topk: two radix-select passes and the gather (TOPK_READS)
+                   + 2      # torch.sort of the top-k indices and its index fill
+                   + 1)     # + n_init
+PREFILL_CHUNK_KERNELS = 6   # per selection chunk besides the selection: indptr clone and two indptr writes,
+#                             FlashInfer begin_forward's index copy, the chunk's attention launch, the output copy
 SCORE_BYTES = 2                 # the scores tensor is torch.bfloat16 (get_topk_tokens)
 INDEX_BYTES = 4                 # int32 token_indices, read by paged_matmul_kernel for every scored key
 SOFTMAX_SMEM_BYTES = 48 * 1024  # CUDA's default shared memory per block: PyTorch's softmax caches a row
@@ -90,6 +107,11 @@ class PrefillSelection:
     score_bytes: float    # bytes of the selections' soft vote and top-k (score_bytes_per_key), one layer
     selections: int       # selection chunks that selected
 
+    @property
+    def kernels(self) -> float:
+        """Small kernels these selections launch in one layer (ROUTING + SCORING + PREFILL_CHUNK each)."""
+        return float(self.selections * (ROUTING_KERNELS + SCORING_KERNELS + PREFILL_CHUNK_KERNELS))
+
 
 def prefill_selection(start: int, end: int, chunk: int, budget: int | None, query_heads: int = 1) -> PrefillSelection:
     """The prompt positions start..end-1 in selection chunks of `chunk` queries counted from `start`
@@ -121,3 +143,11 @@ def decode_score_bytes(context, query_heads: int, budget: int):
     nothing is selected: context <= budget)."""
     n = np.asarray(context, dtype=np.float64)
     return np.where(n > budget, score_bytes(query_heads, n), 0.0)
+
+
+def decode_selection_kernels(context, budget: int, scoring_share: float = 1.0):
+    """Small kernels one decode selection launches in one layer at `context` keys: the routing kernels,
+    and the scoring ones on the `scoring_share` of steps that score (the rest reuse a cached selection);
+    none where nothing is selected (`retrieval_indices` returns before any launch when context <= budget)."""
+    n = np.asarray(context, dtype=np.float64)
+    return np.where(n > budget, ROUTING_KERNELS + scoring_share * SCORING_KERNELS, 0.0)
