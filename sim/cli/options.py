@@ -8,8 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from . import EXTRAS, fail, needs_extras, table_console  # noqa: F401 (their home is the light package root)
-from kvsim.sim.config import ConfigError, policy_names, slot_strategy_names
-from kvsim.sim.kv.policy import PolicyError
+from kvsim.sim.kv.names import BUILTIN_POLICIES, SLOT_STRATEGIES, may_have_plugins
 
 
 # ---- what the run is: trace, model, hardware ---------------------------------------------------------
@@ -74,19 +73,29 @@ SchedulingPolicy = Annotated[str | None, typer.Option(help="fcfs | priority")]
 CheckInvariants = Annotated[bool | None, typer.Option("--check-invariants", help="check KV invariants every step")]
 
 # ---- KV eviction / compression (names from the registries, plug-ins included) --------------------------
+def policy_names_for_help() -> list[str]:
+    """The policy names an option's help lists: the built-in ones (kvsim.sim.kv.names, no import), or the real
+    registry's, plug-ins included, where plug-ins may exist (a broken plug-in raises its PolicyError)."""
+    if not may_have_plugins():
+        return sorted(BUILTIN_POLICIES)
+    from kvsim.sim.kv.policy import policy_names    # numpy and every policy module: only with plug-ins about
+
+    return policy_names()
+
+
 def _policy_help() -> str:
     # a broken plug-in must not stop commands that never look a policy up (kvsim trace, --help):
     # the help says what is wrong, and the config check of a run fails with the same message
     try:
-        return "KV eviction/compression policy: " + ", ".join(policy_names())
-    except PolicyError as exc:
+        return "KV eviction/compression policy: " + ", ".join(policy_names_for_help())
+    except ValueError as exc:          # kvsim.sim.kv.policy.PolicyError (not imported unless plug-ins may exist)
         return f"KV eviction/compression policy ({exc})"
 
 
 Policy = Annotated[str | None, typer.Option(help=_policy_help())]
 Budget = Annotated[int | None, typer.Option(help="tokens kept per KV head (budgeted policies)")]
 Layout = Annotated[str | None, typer.Option(help="KV layout: shared | per_head")]
-SlotStrategy = Annotated[str | None, typer.Option(help=" | ".join(slot_strategy_names()))]
+SlotStrategy = Annotated[str | None, typer.Option(help=" | ".join(SLOT_STRATEGIES))]
 
 # ---- the workload ------------------------------------------------------------------------------------
 RateScale = Annotated[float | None, typer.Option(help="arrival-rate multiplier")]
@@ -152,6 +161,7 @@ SpeculativeConfigOpt = Annotated[str | None, typer.Option(
 
 def parse_speculative_config(value: str | None) -> dict[str, Any]:
     """`--speculative-config JSON` as a config override (a JSON object, as vLLM reads the flag)."""
+    from kvsim.sim.config import ConfigError   # the config schema: not at start-up (kvsim simulate --help)
     if value is None:
         return {}
     import json
@@ -175,6 +185,7 @@ OFFLOAD_TIERS = {"cpu": "kv_offload.cpu_gib", "disk": "kv_offload.disk_gib", "re
 def parse_offload(value: str) -> dict[str, float]:
     """`--kv-offload cpu:64GiB[,disk:1TiB][,remote:10TiB]` -> GiB per tier (GiB, GB, MiB, TiB): the CPU per
     replica, a disk per replica, a remote store for the fleet (`cpu:0`: no offload)."""
+    from kvsim.sim.config import ConfigError   # the config schema: not at start-up (kvsim simulate --help)
     sizes: dict[str, float] = {}
     for item in value.split(","):
         tier, _, size = item.strip().partition(":")
@@ -191,6 +202,7 @@ def parse_offload(value: str) -> dict[str, float]:
 
 
 def _gib(value: str, size: str) -> float:
+    from kvsim.sim.config import ConfigError   # the config schema: not at start-up (kvsim simulate --help)
     number = size.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
     unit = size[len(number):].lower() or "gib"
     try:
@@ -206,6 +218,7 @@ def _gib(value: str, size: str) -> float:
 
 def tier_overrides(kv_offload: str | None, sessions: bool = False, think_time: float | None = None) -> dict[str, Any]:
     """--kv-offload, --sessions and --think-time as config overrides (`cpu:0`: no offload, as leaving it out)."""
+    from kvsim.sim.config import ConfigError   # the config schema: not at start-up (kvsim simulate --help)
     out: dict[str, Any] = {}
     sizes = parse_offload(kv_offload) if kv_offload is not None else {}
     if sizes.get("cpu"):

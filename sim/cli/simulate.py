@@ -13,8 +13,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvsim.sim.config import ConfigError, KVConfig, load_config
-
 from .vllm_args import VllmOptions
 
 from .options import (DataParallel, KvOffload, PipelineParallel, RouterName, Sessions, SpeculativeConfigOpt, ThinkTime,
@@ -155,6 +153,10 @@ def simulate(
 ) -> None:
     """Simulate a trace on a model/GPU/engine config; writes requests.parquet, steps.parquet,
     summary.json and config.yaml into --out and prints a summary table."""
+    # the config schema (pydantic, the catalogs, the policy registry) is imported when the command runs,
+    # not with this module: `kvsim simulate --help` starts without it (bench/bench_startup.py)
+    from kvsim.sim.config import ConfigError, load_config
+
     kv_dtype = None if kv_dtype is not None and kv_dtype.strip().lower() == "auto" else kv_dtype
     if workload is not None:
         if trace is not None:
@@ -212,6 +214,7 @@ def with_vllm_options(overrides: dict, options: VllmOptions) -> dict:
     """The kvsim options' overrides merged with what pasted vLLM lines and vLLM-only flags set. A key both set,
     to different values, is refused (naming both); notes and warnings print one line each."""
     from .vllm_args import translate_options
+    from kvsim.sim.config import ConfigError
 
     translation = translate_options(options)
     merged = dict(overrides)
@@ -265,6 +268,7 @@ def fleet_overrides(prefill_pool: str | list[str] | None, decode_pool: str | lis
 
 def parse_pool(value: str, option: str) -> dict:
     """'h100:tp2:x3' -> {'gpu': 'h100', 'tp': 2, 'replicas': 3} (tp and x optional, any order after the GPU)."""
+    from kvsim.sim.config import ConfigError
     gpu, *rest = value.split(":")
     out: dict = {"gpu": gpu}
     for part in rest:
@@ -281,6 +285,7 @@ def refuse_ineffective(gpu_name: str, model: str, weight_dtype: str | None) -> N
     """Hardware options vLLM cannot run are a mistake to say, not to ignore (the KV options:
     `refuse_ineffective_kv`)."""
     from kvsim.sim.model.catalog import get_gpu, get_model, normalize_dtype
+    from kvsim.sim.config import ConfigError
 
     gpu = get_gpu(gpu_name)
     weights = normalize_dtype(weight_dtype) if weight_dtype else get_model(model).weight_dtype
@@ -292,6 +297,7 @@ def refuse_ineffective(gpu_name: str, model: str, weight_dtype: str | None) -> N
 
 def refuse_ineffective_kv(kv) -> None:
     """KV options that the run's policy would silently ignore (simulate and replay, before the run)."""
+    from kvsim.sim.config import ConfigError, KVConfig
     from kvsim.sim.kv.build import build_policy, refuse_ignored_kv_options
 
     if kv.policy == "none":

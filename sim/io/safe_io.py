@@ -208,26 +208,31 @@ def host_memory_room() -> tuple[int, str]:
     """(bytes this process can still allocate, where the figure comes from): the smallest of the system's
     available memory, the room left under a cgroup (container) limit and the room left under the
     process's address-space limit (ulimit -v)."""
-    try:
-        import psutil
-        figures = [(int(psutil.virtual_memory().available), "available system memory")]
-    except ImportError:
-        figures = [(_meminfo_available(), "MemAvailable in /proc/meminfo")]
+    available = _meminfo_available()
+    if available is not None:       # Linux: the kernel's MemAvailable, the figure psutil reports there
+        figures = [(available, "available system memory")]      # (without psutil's import, ~10 ms a run)
+    else:
+        try:
+            import psutil
+            figures = [(int(psutil.virtual_memory().available), "available system memory")]
+        except ImportError:
+            figures = [(2**62, "unknown system memory")]          # unknown: do not refuse
     for room in (_cgroup_room(), _address_space_room()):
         if room is not None:
             figures.append(room)
     return min(figures)
 
 
-def _meminfo_available() -> int:
+def _meminfo_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where there is none (not Linux, a kernel before 3.14)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
-    return 2**62                            # unknown: do not refuse
+    return None
 
 
 def _cgroup_room() -> tuple[int, str] | None:

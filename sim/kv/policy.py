@@ -110,11 +110,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any, NamedTuple
-from importlib.metadata import entry_points
 
 import numpy as np
 from pathlib import Path
 
+from .names import PLUGIN_ENV, PLUGIN_GROUP, plugin_entry_points
 from .state import PRECISION_FULL, PRECISION_HIGH, PRECISION_LOW, TokenState  # noqa: F401 (re-exported)
 
 
@@ -392,8 +392,6 @@ def get_policy(name: str, **params) -> EvictionPolicy:
 
 
 _BUILTIN_PREFIX = __name__.rpartition(".")[0] + ".policies"     # kvsim.sim.kv.policies
-PLUGIN_GROUP = "kvsim.policies"      # entry-point group of installed policy plug-ins
-PLUGIN_ENV = "KVSIM_PLUGINS"         # comma-separated modules to import (registering policies)
 _plugins_loaded = False
 
 
@@ -409,7 +407,7 @@ def _load_plugins() -> None:
     global _plugins_loaded
     if _plugins_loaded:
         return
-    for entry in entry_points(group=PLUGIN_GROUP):
+    for entry in plugin_entry_points():
         _import_plugin(entry.value.partition(":")[0], f"entry point {entry.name!r} of group {PLUGIN_GROUP}")
     for module in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
         _import_plugin(module, f"${PLUGIN_ENV}")

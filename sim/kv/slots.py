@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .names import SLOT_STRATEGIES  # noqa: F401 (the one list, light for the CLI's help)
 from .state import PRECISION_LOW, TokenState
 
-SLOT_STRATEGIES = ("noop", "free_block", "slot_reuse", "sparse_copy", "holed_copy", "compact", "parallel_compact")
 COPY_STRATEGIES = {"sparse_copy", "holed_copy"}
 QUANT_FLOPS = 6            # FLOPs per quantized element (min/max, scale, round, clamp, pack)
 REUSE_STRATEGIES = {"slot_reuse", "compact", "parallel_compact"}

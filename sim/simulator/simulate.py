@@ -10,14 +10,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import pandas as pd
 
 from ..results.bench_compare import bench_model_mismatch, compare
-from ..cluster.connectors.offload import (cpu_tier_spec, lower_tier_specs, offload_connectors, offload_summary,
-                                         offload_unit, tier_occupancy)
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
 from .client import Frontend, client_view, request_jitter, resolve_jitter
 from ..model.cost_model import frontend_terms
 from .executor import replica_parts
-from .fleet_run import checked_plans, run_fleet
 from ..model.memory import check_memory
 from ..results.metrics import SPEC_STEP_COLUMNS, SUMMARY_STEP_COLUMNS, StepLog, add_client_queue, class_figures, request_table
 from ..results.outputs import managed_pool_blocks, run_summary, write_outputs
@@ -77,6 +74,9 @@ def run_simulation(cfg: SimConfig, out_dir: str | Path | None = None, *, progres
 
 def _simulate_fleet(cfg: SimConfig, trace, out_dir, t0: float, overwrite: bool) -> SimulationResult:
     """A disaggregated fleet's run (sim/simulator/fleet_run.py): resolved, checked, then staged as any run."""
+    # imported here: a single engine's run starts without the fleet modules (bench/bench_startup.py)
+    from .fleet_run import checked_plans, run_fleet
+
     plans = checked_plans(cfg, trace)                 # refused before anything is written
     staging = ResultDir(out_dir, overwrite=overwrite) if out_dir else None
     try:
@@ -275,6 +275,9 @@ def spec_decode_summary(spec, decoders: list, steps) -> dict:
 
 def offload_of(plan: ResolvedRun):
     """build_engine's connector factory for the run's `kv_offload` section (given)."""
+    # imported here (and below): a run without offload starts without the offload tiers' module
+    from ..cluster.connectors.offload import cpu_tier_spec, lower_tier_specs, offload_connectors, offload_unit
+
     cfg = plan.cfg
     return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), offload_unit(cfg.kv_offload, plan),
                               lower_tier_specs(cfg.kv_offload, plan), in_step=cfg.kv_offload.connector == "lmcache")
@@ -283,12 +286,18 @@ def offload_of(plan: ResolvedRun):
 def write_tier_occupancy(out: Path, offload) -> None:
     """tiers.parquet, the KV offload tiers' occupancy over time (docs/outputs.md#tiersparquet), with offload."""
     if offload is not None:
+        from ..cluster.connectors.offload import tier_occupancy
+
         tier_occupancy(offload.made).to_parquet(out / "tiers.parquet", index=False)
 
 
 def offload_figures(offload) -> dict:
     """summary.json's `kv_offload` (nothing without offload)."""
-    return {} if offload is None else {"kv_offload": offload_summary(offload.made)}
+    if offload is None:
+        return {}
+    from ..cluster.connectors.offload import offload_summary
+
+    return {"kv_offload": offload_summary(offload.made)}
 
 
 def with_bench_load(cfg: SimConfig, trace) -> SimConfig:
