@@ -52,6 +52,7 @@ import numpy as np
 import pandas as pd
 
 from ...core.connector import FinishedTransfers, KVTransferStep
+from ...kv.build import stored_token_bytes_ratio
 
 from ..links import Link
 from ..route import Transfer, route_of
@@ -341,11 +342,20 @@ def offload_unit(offload, plan) -> int:
     return LMCACHE_CHUNK_TOKENS if offload.connector == "lmcache" else plan.cfg.engine.block_size
 
 
+def offload_block_bytes(offload, plan) -> float:
+    """Bytes of one offloaded block as it is copied off the GPU: its tokens x the KV bytes per token at the
+    run's KV dtype (the cost model's) x the share the KV policy writes them at (a mixed-precision policy's
+    quantized tokens: sim.kv.build.stored_token_bytes_ratio; 1 for the plain cache). Both the tiers'
+    capacities and the bytes their links move follow it."""
+    ratio = stored_token_bytes_ratio(plan.cfg.kv, plan.cost.model, plan.policy)
+    return plan.cost.kv_bytes_per_token * offload_unit(offload, plan) * ratio
+
+
 def cpu_tier_spec(offload, plan) -> TierSpec:
     """The CPU tier of one replica of `plan` from the config's `kv_offload` section (resolved once): its
     capacity in offloaded blocks at the run's KV dtype, and its PCIe link (the GPU's per-direction
     bandwidth x the profile's pcie_eff, one link per TP rank, unless `bandwidth_gb_s` is given)."""
-    bytes_per_block = plan.cost.kv_bytes_per_token * offload_unit(offload, plan)
+    bytes_per_block = offload_block_bytes(offload, plan)
     bandwidth = offload.bandwidth_gb_s or plan.gpu.pcie_gbps * plan.cost.profile.pcie_eff * plan.cfg.tp
     capacity = _capacity_blocks(offload.cpu_gib, bytes_per_block, "cpu_gib")
     return TierSpec("cpu", capacity, bytes_per_block, LinkSpec("pcie", bandwidth, offload.latency_s), offload.eviction)
@@ -355,7 +365,7 @@ def lower_tier_specs(offload, plan) -> tuple[TierSpec, ...]:
     """The tiers behind each replica's CPU that the config names, in LMCache's order: a local disk per
     replica (its write and read bandwidths), then a remote store the replicas share (`remote_gib` in
     all), reached over each GPU's NIC (one per TP rank, as a DGX has)."""
-    bytes_per_block = plan.cost.kv_bytes_per_token * offload_unit(offload, plan)
+    bytes_per_block = offload_block_bytes(offload, plan)
     specs = []
     if offload.disk_gib:
         specs.append(TierSpec("disk", _capacity_blocks(offload.disk_gib, bytes_per_block, "disk_gib"), bytes_per_block,
