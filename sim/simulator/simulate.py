@@ -10,7 +10,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from ..results.bench_compare import bench_model_mismatch, compare
-from ..cluster.connectors.offload import (cpu_tier_spec, lower_tier_specs, offload_connectors, offload_summary,
+from ..cluster.connectors.offload import (LMCacheCPUWork, cpu_tier_spec, lower_tier_specs, offload_connectors, offload_summary,
                                          offload_unit, tier_occupancy)
 from ..engine.assembly import build_engine, load_workload, trace_to_requests
 from ..config import ConfigError, SimConfig
@@ -230,9 +230,11 @@ def spec_decode_summary(spec, decoders: list, steps) -> dict:
 
 def offload_of(plan: ResolvedRun):
     """build_engine's connector factory for the run's `kv_offload` section (given)."""
-    cfg = plan.cfg
-    return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), offload_unit(cfg.kv_offload, plan),
-                              lower_tier_specs(cfg.kv_offload, plan), in_step=cfg.kv_offload.connector == "lmcache")
+    off = plan.cfg.kv_offload
+    lmcache = off.connector == "lmcache"
+    work = LMCacheCPUWork(off.lmcache_hash_s_per_token, off.lmcache_put_s_per_chunk) if lmcache else None
+    return offload_connectors(cpu_tier_spec(off, plan), offload_unit(off, plan), lower_tier_specs(off, plan),
+                              in_step=lmcache, cpu_work=work)
 
 
 def write_tier_occupancy(out: Path, offload) -> None:
