@@ -19,8 +19,7 @@ NOW = [0.0]
 def lmcache_connector(work):
     NOW[0] = 0.0
     spec = TierSpec("cpu", 100, 1e6, LinkSpec("pcie", 1.0, 0.0))
-    return OffloadingConnector(BlockTier(spec), Link(spec.link), Link(spec.link), 256, lambda: NOW[0], in_step=True,
-                               cpu_work=work)
+    return OffloadingConnector(BlockTier(spec), Link(spec.link), Link(spec.link), 256, lambda: NOW[0], lmcache=work)
 
 
 def step(req, computed: int, new: int):
@@ -51,15 +50,13 @@ def test_a_miss_costs_the_lookups_hashing_then_each_saves_hashing_from_the_first
 
 
 def test_without_cpu_work_the_step_waits_for_the_copies_only():
-    steps = []
-    for work in (None, LMCacheCPUWork(0.0, 0.0)):
-        conn = lmcache_connector(work)
-        req = Request(request_id=1, arrival_time=0.0, prompt_tokens=1100, max_output_tokens=4)
-        conn.update_state_after_alloc(req, 0)
-        steps.append((conn.build_connector_meta(step(req, 0, 600)), conn.build_connector_meta(step(req, 600, 500))))
-        assert conn.cpu_s == 0.0
-    assert steps[0] == steps[1]
-    assert steps[0][0].save_s == pytest.approx(2e-3) and steps[0][0].load_s == 0.0
+    conn = lmcache_connector(LMCacheCPUWork(0.0, 0.0))
+    req = Request(request_id=1, arrival_time=0.0, prompt_tokens=1100, max_output_tokens=4)
+    conn.update_state_after_alloc(req, 0)
+    first, second = conn.build_connector_meta(step(req, 0, 600)), conn.build_connector_meta(step(req, 600, 500))
+    assert first.load_s == second.load_s == 0.0
+    assert first.save_s == pytest.approx(2e-3) and second.save_s == pytest.approx(2e-3)   # the copies only
+    assert conn.cpu_s == 0.0
 
 
 def test_a_simulated_miss_workload_spends_the_cpu_work_and_it_slows_the_run(tmp_path):

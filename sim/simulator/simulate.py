@@ -234,7 +234,7 @@ def offload_of(plan: ResolvedRun):
     lmcache = off.connector == "lmcache"
     work = LMCacheCPUWork(off.lmcache_hash_s_per_token, off.lmcache_put_s_per_chunk) if lmcache else None
     return offload_connectors(cpu_tier_spec(off, plan), offload_unit(off, plan), lower_tier_specs(off, plan),
-                              in_step=lmcache, cpu_work=work)
+                              lmcache=work)
 
 
 def write_tier_occupancy(out: Path, offload) -> None:

@@ -72,7 +72,8 @@ def block_key(req, j: int, block_size: int) -> tuple:
 
 
 class LMCacheCPUWork(NamedTuple):
-    """LMCache's CPU work inside the step (connector lmcache): hashing tokens (its ChunkedTokenDatabase chains a
+    """LMCache's connector (`kv_offload.connector: lmcache`: loads and saves inside the step) and its CPU work there,
+    per token and chunk (0: none): hashing tokens (its ChunkedTokenDatabase chains a
     hash over each 256-token chunk from the first token, at every lookup and every save) and allocating and
     putting each saved chunk into its CPU backend. Sources and figures: docs/kv-tiers.md#lmcaches-cpu-work."""
     hash_s_per_token: float
@@ -96,11 +97,11 @@ class OffloadingConnector:
 
     def __init__(self, tier: BlockTier, to_tier: Link, from_tier: Link, block_size: int,
                  clock: Callable[[], float], name: str = "replica", lower: tuple[LowerTier, ...] = (),
-                 in_step: bool = False, cpu_work: LMCacheCPUWork | None = None):
+                 lmcache: LMCacheCPUWork | None = None):
         self.tier, self.to_tier, self.from_tier = tier, to_tier, from_tier
         self.lower = lower
-        self.in_step = in_step             # LMCache: loads and saves inside the step (see the module doc)
-        self.cpu_work = cpu_work           # LMCache's hashing and puts, in the step (in_step only)
+        self.in_step = lmcache is not None  # LMCache's connector: loads and saves inside the step (see the module doc)
+        self.cpu_work = lmcache            # ... and its hashing and puts, in the step
         self._step_lookup_cpu_s = 0.0      # this step's lookups' hashing (before its forward)
         self.cpu_s = 0.0                   # LMCache's CPU work over the run (summed)
         self.occupancy: list[tuple] = []   # (time, blocks held per tier: CPU, then the lower tiers), sampled
@@ -412,10 +413,10 @@ def _capacity_blocks(gib: float, bytes_per_block: float, field: str) -> int:
 
 
 def offload_connectors(spec: TierSpec, block_size: int, lower: tuple[TierSpec, ...] = (),
-                       in_step: bool = False, cpu_work: LMCacheCPUWork | None = None) -> Callable:
+                       lmcache: LMCacheCPUWork | None = None) -> Callable:
     """build_engine's `connector(index, clock)`: each replica its own CPU tier and PCIe link pair, its own
-    disk, and the remote store every replica shares (each over its own links); `in_step`: LMCache's
-    connector (loads and saves inside the step). The connectors made are kept in the returned callable's
+    disk, and the remote store every replica shares (each over its own links); `lmcache`: LMCache's
+    connector (loads and saves inside the step) with its CPU work. The connectors made are kept in the returned callable's
     `.made` list (for the run's summary)."""
     made: list[OffloadingConnector] = []
     shared = {s.name: BlockTier(s) for s in lower if s.name == "remote"}
@@ -424,8 +425,7 @@ def offload_connectors(spec: TierSpec, block_size: int, lower: tuple[TierSpec, .
         paths = tuple(LowerTier(shared[s.name] if s.name in shared else BlockTier(s), Link(s.link),
                                 Link(s.read_link or s.link), write_back=s.name in shared) for s in lower)
         conn = OffloadingConnector(BlockTier(spec), Link(spec.link), Link(spec.link), block_size,
-                                   lambda: clock.now, name=f"replica{index}", lower=paths, in_step=in_step,
-                                   cpu_work=cpu_work)
+                                   lambda: clock.now, name=f"replica{index}", lower=paths, lmcache=lmcache)
         made.append(conn)
         return conn
     make.made = made        # type: ignore[attr-defined]  # the run's summary reads the connectors it made
