@@ -33,7 +33,8 @@ OFFLOAD_FIGURES = (("external prefix cache hit rate", "external_prefix_cache_hit
                    ("blocks evicted", "blocks_evicted"), ("blocks dropped (tier full)", "stores_dropped_blocks"),
                    ("GB to the tier", "bytes_to_tier"), ("GB from the tier", "bytes_from_tier"),
                    ("loads", "num_loads"), ("load wait mean (s)", "mean_load_wait_s"),
-                   ("capacity per replica (blocks)", "capacity_blocks_per_replica"), ("host link GB/s", "link_gb_s"))
+                   ("capacity per replica (blocks)", "capacity_blocks_per_replica"), ("host link GB/s", "link_gb_s"),
+                   ("MiB per offloaded block", "bytes_per_block"), ("LMCache CPU work (s)", "lmcache_cpu_s"))
 
 
 def fleet_view(run: RunRecord) -> FleetView | None:
@@ -151,7 +152,7 @@ def handoff_table(handoff: dict | None) -> pd.DataFrame | None:
 def offload_table(offload: dict | None) -> pd.DataFrame | None:
     if not offload:
         return None
-    scale = {"bytes_to_tier": 1e-9, "bytes_from_tier": 1e-9}
+    scale = {"bytes_to_tier": 1e-9, "bytes_from_tier": 1e-9, "bytes_per_block": 2**-20}
     return pd.DataFrame([{"figure": name, "CPU tier": offload[key] * scale.get(key, 1)}
                          for name, key in OFFLOAD_FIGURES if key in offload])
 

@@ -455,6 +455,13 @@ class KVOffloadConfig(_Strict):
     connector: Literal["offloading", "lmcache"] = Field(
         "offloading", description="offloading: vLLM's OffloadingConnector (loads and stores beside the steps); "
         "lmcache: LMCache's connector (a hit loaded and new chunks saved inside the step, 256-token chunks)")
+    # LMCache's CPU work in the step (connector lmcache; docs/kv-tiers.md#lmcaches-cpu-work): its token database
+    # hashes a request's 256-token chunks from the first token at every lookup and every save (the chained prefix
+    # hash), and each saved chunk is allocated in and put to the CPU backend
+    lmcache_hash_s_per_token: float = Field(3.2e-8, ge=0, le=1.0, description="connector lmcache: CPU seconds to "
+                                            "hash one token (LMCache's chunk hash; measured: bench/lmcache_cpu_cost.py)")
+    lmcache_put_s_per_chunk: float = Field(1.8e-5, ge=0, le=1.0, description="connector lmcache: CPU seconds to "
+                                           "allocate and put one saved chunk (LMCache's logged put_time)")
     chunk_tokens: int | None = Field(None, gt=0, le=2**20, description="tokens per offloaded block, a multiple of "
                                      "engine.block_size; default: 256 with connector lmcache (LMCache's "
                                      "chunk_size), else the GPU block")
@@ -810,6 +817,13 @@ class SimConfig(_Strict):
             raise ValueError("engine.preemption_mode with kv_offload: vLLM v1 has no swap (vLLM v0's CPU swap space); a "
                              "preempted request's stored blocks come back from the CPU tier instead "
                              "(docs/kv-tiers.md#preemption-and-the-cpu-tier); expected recompute, got swap")
+        off = self.kv_offload
+        if off is not None and off.connector != "lmcache":
+            fields = KVOffloadConfig.model_fields
+            for name in ("lmcache_hash_s_per_token", "lmcache_put_s_per_chunk"):
+                if getattr(off, name) != fields[name].default:
+                    raise ValueError(f"kv_offload.{name}: only kv_offload.connector lmcache reads it (LMCache's CPU "
+                                     f"work), and the connector is {off.connector!r}; set connector lmcache or drop it")
         chunk = self.kv_offload.chunk_tokens if self.kv_offload is not None else None
         if chunk is not None and chunk % self.engine.block_size:
             raise ValueError(f"kv_offload.chunk_tokens: {chunk} is not a multiple of engine.block_size "

@@ -31,6 +31,19 @@ def precision_layout(model, block_size: int, high: str, low: str) -> tuple[tuple
     return tuple(ratios), tuple(caps)
 
 
+def stored_token_bytes_ratio(kv: KVConfig, model, policy: EvictionPolicy | None) -> float:
+    """Bytes of a KV token as the run's KV manager writes it into its pages, over the cache dtype's bytes
+    (`model`: the cost model's, with the run's KV dtype): 1 for the plain cache and for policies that write
+    tokens at full precision (eviction policies drop tokens later, a written block is whole); a
+    mixed-precision policy (LeanKV) writes new tokens at its high precision group (`kv.high_tier`, e.g.
+    K8V4: 8-bit keys, 4-bit values and their scales). What a block copied off the GPU (the CPU tier's
+    stores and loads) weighs: docs/kv-tiers.md#compressed-and-quantized-blocks."""
+    if policy is None or policy.new_token_precision == PRECISION_FULL:
+        return 1.0
+    ratios, _ = precision_layout(model, 1, kv.high_tier, kv.low_tier)
+    return ratios[policy.new_token_precision]
+
+
 def build_kv_manager(cfg: SimConfig, model, cost, num_blocks: int, policy=None) -> KVManager:
     """The KV manager of one replica: the plain vLLM manager unless `kv:` asks for more. `num_blocks`
     is vLLM's num_gpu_blocks (one of them the null block); `policy`: the built `kv.policy`, if it is."""

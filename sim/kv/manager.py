@@ -133,10 +133,16 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         return int(self._needs(rk, num_new_tokens)[0].sum() + self._needs(rk, num_new_tokens)[1].sum())
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks=None) -> bool:
-        if num_new_tokens <= 0:
+        """Slots for `num_new_tokens` from the request's computed tokens. A request this manager holds
+        nothing for whose leading tokens are computed already had them supplied by a KV connector (loaded
+        from a CPU tier: no prefix cache here): they are written with the new ones, as the load fills
+        the pages (`_external_prefix`)."""
+        loaded = self._external_prefix(req)
+        if num_new_tokens + loaded <= 0:
             return True
         rk = self._rk(req)
-        need, copy_dst = self._needs(rk, num_new_tokens)
+        num_write = num_new_tokens + loaded
+        need, copy_dst = self._needs(rk, num_write)
         if need.sum() + copy_dst.sum() > self.pool.num_free_blocks:
             if rk.num_entries == 0 and rk.state.num_tokens == 0:
                 del self.req_kv[req]
@@ -145,10 +151,11 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
         if copy_dst.any():
             self._sparse_copy(rk, copy_dst)
         self._add_pages(rk, need, self.new_token_precision)
-        positions = np.arange(req.num_computed_tokens, req.num_computed_tokens + num_new_tokens)
+        positions = np.arange(req.num_computed_tokens - loaded, req.num_computed_tokens + num_new_tokens)
         if positions[0] != rk.state.num_tokens:
             raise AssertionError(f"request {req.request_id}: writing position {positions[0]} but "
                                  f"{rk.state.num_tokens} tokens are cached")
+        num_new_tokens = num_write
         slots = self._place(rk, np.full(self.rows, num_new_tokens), self.new_token_precision)
         st = rk.state
         r = np.arange(self.rows)[:, None]
@@ -163,6 +170,14 @@ class EvictingKVManager(SlotStrategies, EvictingManagerBase):
             * self.stride + slots % self.stride
         self._stat(req)
         return True
+
+    def _external_prefix(self, req: Request) -> int:
+        """Computed tokens of `req` that this manager never wrote: a connector's load (0 otherwise). A
+        request the manager holds tokens for must continue where they end (checked at the write)."""
+        rk = self.req_kv.get(req)
+        if req.num_computed_tokens and (rk is None or rk.state.num_tokens == 0):
+            return req.num_computed_tokens      # no prefix cache, no swap here (swap-in allocates from 0)
+        return 0
 
     def free(self, req: Request) -> int:
         rk = self.req_kv.pop(req, None)

@@ -276,11 +276,14 @@ def spec_decode_summary(spec, decoders: list, steps) -> dict:
 def offload_of(plan: ResolvedRun):
     """build_engine's connector factory for the run's `kv_offload` section (given)."""
     # imported here (and below): a run without offload starts without the offload tiers' module
-    from ..cluster.connectors.offload import cpu_tier_spec, lower_tier_specs, offload_connectors, offload_unit
+    from ..cluster.connectors.offload import (LMCacheCPUWork, cpu_tier_spec, lower_tier_specs, offload_connectors,
+                                              offload_unit)
 
-    cfg = plan.cfg
-    return offload_connectors(cpu_tier_spec(cfg.kv_offload, plan), offload_unit(cfg.kv_offload, plan),
-                              lower_tier_specs(cfg.kv_offload, plan), in_step=cfg.kv_offload.connector == "lmcache")
+    off = plan.cfg.kv_offload
+    lmcache = off.connector == "lmcache"
+    work = LMCacheCPUWork(off.lmcache_hash_s_per_token, off.lmcache_put_s_per_chunk) if lmcache else None
+    return offload_connectors(cpu_tier_spec(off, plan), offload_unit(off, plan), lower_tier_specs(off, plan),
+                              lmcache=work)
 
 
 def write_tier_occupancy(out: Path, offload) -> None:

@@ -52,6 +52,7 @@ import numpy as np
 import pandas as pd
 
 from ...core.connector import FinishedTransfers, KVTransferStep
+from ...kv.build import stored_token_bytes_ratio
 
 from ..links import Link
 from ..route import Transfer, route_of
@@ -68,6 +69,15 @@ def block_key(req, j: int, block_size: int) -> tuple:
     if ids is not None and span and end <= req.prompt_tokens and (end - 1) // span < len(ids):
         return (tuple(ids[start // span:(end - 1) // span + 1]), start % span)
     return ("req", req.request_id, j)
+
+
+class LMCacheCPUWork(NamedTuple):
+    """LMCache's connector (`kv_offload.connector: lmcache`: loads and saves inside the step) and its CPU work there,
+    per token and chunk (0: none): hashing tokens (its ChunkedTokenDatabase chains a
+    hash over each 256-token chunk from the first token, at every lookup and every save) and allocating and
+    putting each saved chunk into its CPU backend. Sources and figures: docs/kv-tiers.md#lmcaches-cpu-work."""
+    hash_s_per_token: float
+    put_s_per_chunk: float
 
 
 class LowerTier(NamedTuple):
@@ -87,10 +97,13 @@ class OffloadingConnector:
 
     def __init__(self, tier: BlockTier, to_tier: Link, from_tier: Link, block_size: int,
                  clock: Callable[[], float], name: str = "replica", lower: tuple[LowerTier, ...] = (),
-                 in_step: bool = False):
+                 lmcache: LMCacheCPUWork | None = None):
         self.tier, self.to_tier, self.from_tier = tier, to_tier, from_tier
         self.lower = lower
-        self.in_step = in_step             # LMCache: loads and saves inside the step (see the module doc)
+        self.in_step = lmcache is not None  # LMCache's connector: loads and saves inside the step (see the module doc)
+        self.cpu_work = lmcache            # ... and its hashing and puts, in the step
+        self._step_lookup_cpu_s = 0.0      # this step's lookups' hashing (before its forward)
+        self.cpu_s = 0.0                   # LMCache's CPU work over the run (summed)
         self.occupancy: list[tuple] = []   # (time, blocks held per tier: CPU, then the lower tiers), sampled
         self._next_sample_s = 0.0
         self._step_load_s = 0.0
@@ -143,6 +156,10 @@ class OffloadingConnector:
         # called once per admitted request (not per schedule that tried it): the lookup counted here
         self.num_queried_tokens += req.num_tokens - (req.num_computed_tokens - num_external_tokens)
         self.num_hit_tokens += num_external_tokens
+        if self.cpu_work is not None:      # LMCache's lookup hashes the whole prompt's chunks, hit or miss
+            cpu = self.cpu_work.hash_s_per_token * req.num_tokens
+            self._step_lookup_cpu_s += cpu
+            self.cpu_s += cpu
         if not num_external_tokens:
             return
         bs = self.block_size
@@ -190,11 +207,15 @@ class OffloadingConnector:
     def _step_transfers(self) -> KVTransferStep | None:
         """LMCache's in-step transfers: this step's loads (the longest: they share the host link, whose
         queue the reservations already hold), then the saves of the chunks it fills at its end."""
-        now, save_s = self.clock(), 0.0
+        now, save_s, cpu_s = self.clock(), 0.0, 0.0
         pending, self._pending = self._pending, []
+        work = self.cpu_work
         for req, keys in pending:
             new = self.tier.prepare_store(keys)
             self._storing.pop(req, None)
+            if work is not None:           # the save hashes the request's chunks up to what it saves, from token 0
+                cpu_s += work.hash_s_per_token * self._next_stored.get(req, len(keys)) * self.block_size \
+                    + work.put_s_per_chunk * len(new or ())
             if not new:
                 continue
             end = self._copy_to_tier(req, new, now)
@@ -203,6 +224,10 @@ class OffloadingConnector:
             if self.lower:
                 self._write_through(new, end)
         load_s, self._step_load_s = self._step_load_s, 0.0
+        if work is not None:               # CPU work on the worker's thread, beside no transfer: it adds
+            lookup_s, self._step_lookup_cpu_s = self._step_lookup_cpu_s, 0.0
+            load_s, save_s = load_s + lookup_s, save_s + cpu_s
+            self.cpu_s += cpu_s
         return KVTransferStep(load_s=load_s, save_s=save_s) if load_s or save_s else None
 
     def request_finished(self, req) -> bool:
@@ -341,11 +366,20 @@ def offload_unit(offload, plan) -> int:
     return LMCACHE_CHUNK_TOKENS if offload.connector == "lmcache" else plan.cfg.engine.block_size
 
 
+def offload_block_bytes(offload, plan) -> float:
+    """Bytes of one offloaded block as it is copied off the GPU: its tokens x the KV bytes per token at the
+    run's KV dtype (the cost model's) x the share the KV policy writes them at (a mixed-precision policy's
+    quantized tokens: sim.kv.build.stored_token_bytes_ratio; 1 for the plain cache). Both the tiers'
+    capacities and the bytes their links move follow it."""
+    ratio = stored_token_bytes_ratio(plan.cfg.kv, plan.cost.model, plan.policy)
+    return plan.cost.kv_bytes_per_token * offload_unit(offload, plan) * ratio
+
+
 def cpu_tier_spec(offload, plan) -> TierSpec:
     """The CPU tier of one replica of `plan` from the config's `kv_offload` section (resolved once): its
     capacity in offloaded blocks at the run's KV dtype, and its PCIe link (the GPU's per-direction
     bandwidth x the profile's pcie_eff, one link per TP rank, unless `bandwidth_gb_s` is given)."""
-    bytes_per_block = plan.cost.kv_bytes_per_token * offload_unit(offload, plan)
+    bytes_per_block = offload_block_bytes(offload, plan)
     bandwidth = offload.bandwidth_gb_s or plan.gpu.pcie_gbps * plan.cost.profile.pcie_eff * plan.cfg.tp
     capacity = _capacity_blocks(offload.cpu_gib, bytes_per_block, "cpu_gib")
     return TierSpec("cpu", capacity, bytes_per_block, LinkSpec("pcie", bandwidth, offload.latency_s), offload.eviction)
@@ -355,7 +389,7 @@ def lower_tier_specs(offload, plan) -> tuple[TierSpec, ...]:
     """The tiers behind each replica's CPU that the config names, in LMCache's order: a local disk per
     replica (its write and read bandwidths), then a remote store the replicas share (`remote_gib` in
     all), reached over each GPU's NIC (one per TP rank, as a DGX has)."""
-    bytes_per_block = plan.cost.kv_bytes_per_token * offload_unit(offload, plan)
+    bytes_per_block = offload_block_bytes(offload, plan)
     specs = []
     if offload.disk_gib:
         specs.append(TierSpec("disk", _capacity_blocks(offload.disk_gib, bytes_per_block, "disk_gib"), bytes_per_block,
@@ -379,10 +413,10 @@ def _capacity_blocks(gib: float, bytes_per_block: float, field: str) -> int:
 
 
 def offload_connectors(spec: TierSpec, block_size: int, lower: tuple[TierSpec, ...] = (),
-                       in_step: bool = False) -> Callable:
+                       lmcache: LMCacheCPUWork | None = None) -> Callable:
     """build_engine's `connector(index, clock)`: each replica its own CPU tier and PCIe link pair, its own
-    disk, and the remote store every replica shares (each over its own links); `in_step`: LMCache's
-    connector (loads and saves inside the step). The connectors made are kept in the returned callable's
+    disk, and the remote store every replica shares (each over its own links); `lmcache`: LMCache's
+    connector (loads and saves inside the step) with its CPU work. The connectors made are kept in the returned callable's
     `.made` list (for the run's summary)."""
     made: list[OffloadingConnector] = []
     shared = {s.name: BlockTier(s) for s in lower if s.name == "remote"}
@@ -391,7 +425,7 @@ def offload_connectors(spec: TierSpec, block_size: int, lower: tuple[TierSpec, .
         paths = tuple(LowerTier(shared[s.name] if s.name in shared else BlockTier(s), Link(s.link),
                                 Link(s.read_link or s.link), write_back=s.name in shared) for s in lower)
         conn = OffloadingConnector(BlockTier(spec), Link(spec.link), Link(spec.link), block_size,
-                                   lambda: clock.now, name=f"replica{index}", lower=paths, in_step=in_step)
+                                   lambda: clock.now, name=f"replica{index}", lower=paths, lmcache=lmcache)
         made.append(conn)
         return conn
     make.made = made        # type: ignore[attr-defined]  # the run's summary reads the connectors it made
@@ -418,6 +452,7 @@ def offload_summary(connectors: list[OffloadingConnector]) -> dict:
         "bytes_from_tier": sum(c.from_tier.bytes_moved for c in connectors),
         "num_loads": loads,
         "mean_load_wait_s": sum(c.load_s for c in connectors) / loads if loads else 0.0,
+        **({"lmcache_cpu_s": sum(c.cpu_s for c in connectors)} if connectors[0].cpu_work is not None else {}),
         **({"lower_tiers": lower_tier_summary(connectors)} if connectors[0].lower else {}),
     }
 

@@ -105,10 +105,12 @@ class FastKVManager(EvictingManagerBase):
         return slab.need_l[s] + self.rows * -(-(n - 1) // bs)
 
     def allocate_slots(self, req: Request, n: int, computed_blocks=None) -> bool:
-        if n <= 0:
-            return True
         slab = self.slab
         s = slab.slot_of.get(req)
+        if s is None and req.num_computed_tokens:
+            n += req.num_computed_tokens     # loaded by a KV connector (no prefix cache here): written with the new ones
+        if n <= 0:
+            return True
         if n == 1 and s is not None and slab.prefilled_l[s] and s not in self._pending:
             # the per-request hot path: pure Python; pages are placed by finish_step's batched write
             need = slab.need_l[s]
