@@ -2,13 +2,19 @@
 asyncio loop (issue 54; docs/gpu-profiles.md "The frontend", `handler_yields`):
 
 - an output-handler task (vLLM V1 `AsyncLLM.output_handler`) gets one step's outputs, detokenizes one
-  new token per request (incremental: the text of the last tokens, as `tokenizers` decodes them; the
-  shipped SmolLM2 tokenizer) and puts each request's output into its queue;
+  new token per request (incremental, as vLLM's `FastIncrementalDetokenizer` does: one
+  `tokenizers.decoders.DecodeStream.step` per request, primed with the prompt; the shipped SmolLM2
+  tokenizer) and puts each request's output into its queue;
 - each request's stream task (`generate()` and the OpenAI serving generator) wakes on its queue, builds
-  an OpenAI `chat.completion.chunk`, `json.dumps` it into an SSE line and writes it to a transport (a
-  socket pair whose other end is drained by a thread).
+  an OpenAI `chat.completion.chunk` and serializes it into an SSE line (`--chunk pydantic`, the default:
+  pydantic models of the chunk's shape and `model_dump_json(exclude_unset=True)`, as vLLM's serving
+  generator does; `--chunk json`: a dict and `json.dumps`), then writes it to a transport (a socket pair
+  whose other end is drained by a thread).
 
-    python bench/measure_stream_cost.py [--streams 1,4,16,64] [--steps 2000]
+Not included (so this is a lower bound of the real server's cost): the RequestOutput objects, the
+engine-core IPC (msgpack decode), Starlette/uvicorn's ASGI send and HTTP chunk framing.
+
+    python bench/measure_stream_cost.py [--streams 1,4,16,64] [--steps 2000] [--chunk pydantic|json]
 
 Prints the loop's CPU time per step and per stream (user + sys of this process: the drain thread's
 reads included, the socket's kernel work too) for each number of streams; the per-stream slope of a
@@ -25,8 +31,43 @@ import threading
 import time
 
 import numpy as np
+from pydantic import BaseModel
+from tokenizers.decoders import DecodeStream
 
 from kvsim.traces.tokenizer import load_tokenizer
+
+
+class Delta(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class Choice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: dict | None = None
+    finish_reason: str | None = None
+
+
+class Chunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[Choice]
+
+
+def _sse_pydantic(i: int, text: str) -> str:
+    chunk = Chunk(id=f"chatcmpl-{i}", created=1733616000, model="qwen2.5-0.5b",
+                  choices=[Choice(index=0, delta=Delta(content=text), logprobs=None, finish_reason=None)])
+    return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+
+def _sse_json(i: int, text: str) -> str:
+    chunk = {"id": f"chatcmpl-{i}", "object": "chat.completion.chunk", "created": 1733616000,
+             "model": "qwen2.5-0.5b", "choices": [{"index": 0, "delta": {"content": text},
+                                                    "logprobs": None, "finish_reason": None}]}
+    return f"data: {json.dumps(chunk)}\n\n"
 
 
 def _drain(sock: socket.socket) -> None:
@@ -37,7 +78,7 @@ def _drain(sock: socket.socket) -> None:
         pass
 
 
-async def _run(streams: int, steps: int, tok, ids: list[int]) -> float:
+async def _run(streams: int, steps: int, tok, ids: list[int], sse) -> float:
     a, b = socket.socketpair()
     threading.Thread(target=_drain, args=(b,), daemon=True).start()
     _, writer = await asyncio.open_connection(sock=a)
@@ -49,22 +90,21 @@ async def _run(streams: int, steps: int, tok, ids: list[int]) -> float:
         q = queues[i]
         for _step in range(steps):
             text = await q.get()
-            chunk = {"id": f"chatcmpl-{i}", "object": "chat.completion.chunk", "created": 1733616000,
-                     "model": "qwen2.5-0.5b", "choices": [{"index": 0, "delta": {"content": text},
-                                                            "logprobs": None, "finish_reason": None}]}
-            writer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            writer.write(sse(i, text).encode())
             left[0] -= 1
             if not left[0]:
                 done.set()
 
+    n = len(ids)
+    decoders = [DecodeStream(skip_special_tokens=True) for _ in range(streams)]
+    for i, d in enumerate(decoders):          # primed with a few prompt tokens, as vLLM's detokenizer is
+        for t in ids[i % 50:i % 50 + 4]:
+            d.step(tok, t)
+
     async def output_handler() -> None:
-        n = len(ids)
         for step in range(steps):
             for i in range(streams):
-                k = (step * 7 + i * 13) % (n - 4)
-                # incremental detokenization: the new text of token k given the few before it
-                prev = tok.decode(ids[k:k + 3])
-                text = tok.decode(ids[k:k + 4])[len(prev):]
+                text = decoders[i].step(tok, ids[(step + i * 13 + 4) % n]) or ""
                 queues[i].put_nowait(text)
             await asyncio.sleep(0)           # the engine's next step: outputs come from a socket
 
@@ -83,6 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", default="1,4,16,64")
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--chunk", choices=["pydantic", "json"], default="pydantic")
     args = ap.parse_args()
     tok = load_tokenizer()
     text = ("The quick brown fox jumps over the lazy dog while the scheduler batches decode steps; "
@@ -90,11 +131,12 @@ def main() -> None:
     ids = tok.encode(text, add_special_tokens=False).ids
     counts = [int(s) for s in args.streams.split(",")]
     wall0 = time.perf_counter()
-    per_step = [asyncio.run(_run(c, args.steps, tok, ids)) for c in counts]
+    sse = _sse_pydantic if args.chunk == "pydantic" else _sse_json
+    per_step = [asyncio.run(_run(c, args.steps, tok, ids, sse)) for c in counts]
     for c, s in zip(counts, per_step, strict=True):
         print(f"streams {c:4d}: {s * 1e3:8.3f} ms CPU per step, {s / c * 1e6:7.1f} us per stream")
     slope, intercept = np.polyfit(np.array(counts, float), np.array(per_step), 1)
-    print(f"per-stream cost (slope): {slope * 1e6:.1f} us; per-step intercept {intercept * 1e6:.1f} us; "
+    print(f"chunk {args.chunk}: per-stream cost (slope): {slope * 1e6:.1f} us; per-step intercept {intercept * 1e6:.1f} us; "
           f"load average {os.getloadavg()[0]:.1f}; {time.perf_counter() - wall0:.1f} s wall")
 
 
