@@ -14,6 +14,10 @@ so a token reaches the client when the server has processed it and everything be
 over the distinct token times t_k of a replica (n_k tokens each), i.e. done_k = C_k + max_{j<=k}(t_j -
 C_{j-1}) with C the cumulative server work: one running maximum, vectorized.
 
+A new request's handler yielding to the shared loop (`handler_yields` K > 1, `stream_s`; issue 54): each
+of its K - 1 later resumptions queues behind one engine step's streaming, `stream_s` x the streams in
+flight after the latest step (`Frontend.yield_waits`; docs/gpu-profiles.md). K = 1 (the default): none.
+
 Per-request variation (`frontend_jitter`, `RequestJitter`): real requests do not all take the same time
 through the client and the API server (HTTP handling, the asyncio loops of the client and the server,
 the IPC to the engine core), and that spread is what knocks a fixed-length closed loop out of lockstep.
