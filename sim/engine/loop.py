@@ -101,9 +101,10 @@ class ReplicaFeed:
     next_handoff: Callable[[], float] = lambda: float("inf")
     # the client's timeout (`--request-timeout`): requests it gives up on are aborted in the engine
     timeout: ClientTimeout | None = None
-    # told (replica, time, tokens) at every step end that produced output tokens: a frontend whose API
-    # server streams them on the loop that also takes new requests (sim.simulator.client.Frontend.outputs)
-    on_tokens: Callable[[int, float, int], None] | None = None
+    # told (replica, time, tokens, streams) at every step end that produced output tokens (streams: those
+    # requests still streaming after it): a frontend whose API server streams them on the loop that also
+    # takes new requests (sim.simulator.client.Frontend.outputs)
+    on_tokens: Callable[[int, float, int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,7 @@ class EngineReplica:
         if self.on_tokens is not None:
             tokens = sum(1 for s in out.scheduled if s.request.token_times and s.request.token_times[-1] == now)
             if tokens:
-                self.on_tokens(self.index, now, tokens)
+                self.on_tokens(self.index, now, tokens, max(tokens - len(finished), 0))
         if finished and self.on_done is not None:
             self.on_done(len(finished), now)
         if finished and self.on_finished is not None:

@@ -203,7 +203,12 @@ class ClientLatency(BaseModel):
     before them, so ITL grows with the batch when the server is the bottleneck.
     shared_loop: entry and output work share one serial queue, in time order (vLLM's API server runs
     both on one asyncio loop): a new request also waits behind the streaming of the requests in
-    flight. Off: two queues (entry in the simulation, output applied to the token times afterwards)."""
+    flight. Off: two queues (entry in the simulation, output applied to the token times afterwards).
+    handler_yields (shared loop only): how many times a new request's handler gives the loop back
+    before the request reaches the engine (1: once, today's single serial piece); each later resumption
+    queues behind one engine step's streaming work, `stream_s` x the output tokens of the latest step
+    told (the streams in flight). stream_s: the loop's work per stream and step (wake, chunk, write),
+    measured by bench/measure_stream_cost.py."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_s: float = _Overhead0
@@ -211,6 +216,15 @@ class ClientLatency(BaseModel):
     prompt_token_s: float = _Overhead0
     output_token_s: float = _Overhead0
     shared_loop: bool = False
+    handler_yields: int = Field(default=1, ge=1, le=64)
+    stream_s: float = _Overhead0
+
+    @model_validator(mode="after")
+    def _yields_need_the_loop(self) -> ClientLatency:
+        if (self.handler_yields > 1 or self.stream_s > 0) and not self.shared_loop:
+            raise ValueError("handler_yields and stream_s need shared_loop: true (the handler waits on the loop "
+                             "that streams the outputs)")
+        return self
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
@@ -219,6 +233,9 @@ class ClientLatency(BaseModel):
             data.pop("prompt_token_s", None)
         if not self.shared_loop:
             data.pop("shared_loop", None)
+        if self.handler_yields == 1 and self.stream_s == 0:     # left out unless set (profiles stay as they were)
+            data.pop("handler_yields", None)
+            data.pop("stream_s", None)
         return data
 
     @property

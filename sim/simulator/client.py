@@ -14,6 +14,10 @@ so a token reaches the client when the server has processed it and everything be
 over the distinct token times t_k of a replica (n_k tokens each), i.e. done_k = C_k + max_{j<=k}(t_j -
 C_{j-1}) with C the cumulative server work: one running maximum, vectorized.
 
+A new request's handler yielding to the shared loop (`handler_yields` K > 1, `stream_s`; issue 54): each
+of its K - 1 later resumptions queues behind one engine step's streaming, `stream_s` x the streams in
+flight after the latest step (`Frontend.yield_waits`; docs/gpu-profiles.md). K = 1 (the default): none.
+
 Per-request variation (`frontend_jitter`, `RequestJitter`): real requests do not all take the same time
 through the client and the API server (HTTP handling, the asyncio loops of the client and the server,
 the IPC to the engine core), and that spread is what knocks a fixed-length closed loop out of lockstep.
@@ -83,6 +87,8 @@ class Frontend:
         # shared loop: (replica, engine time of a step's tokens) -> when the server has streamed them
         self.delivered: dict[tuple[int, float], float] = {}
         self.last_streamed = (-math.inf, -math.inf)      # (engine time, streamed by) of the latest step told
+        # handler_yields > 1: each replica's latest step's streaming work (output tokens x stream_s)
+        self.step_work: dict[int, float] = {}
 
     def enter(self, request_id: int, send_time: float, prompt_tokens: int = 0) -> float:
         """When the request sent at `send_time` enters the engine. With a shared loop it is called at
@@ -92,14 +98,28 @@ class Frontend:
         if not self.serial:
             return send_time + fixed
         self.server_free = max(self.server_free, send_time) + self.client.serial_s(prompt_tokens)
-        return self.server_free + fixed
+        return self.server_free + self.yield_waits() + fixed
 
-    def outputs(self, replica: int, time_s: float, tokens: int) -> None:
+    def yield_waits(self) -> float:
+        """Shared loop with `handler_yields` K > 1: the handler's K - 1 later resumptions each queue behind
+        one engine step's streaming (asyncio's ready queue is FIFO and the output handler wakes every
+        stream of a step at once): (K - 1) x stream_s x the streams in flight after the latest step told,
+        summed over replicas (one API server). 0 with K = 1, before any step produced tokens, or with
+        nothing streaming."""
+        if self.client.handler_yields <= 1 or not self.step_work:
+            return 0.0
+        return (self.client.handler_yields - 1) * sum(self.step_work.values())
+
+    def outputs(self, replica: int, time_s: float, tokens: int, streams: int | None = None) -> None:
         """Shared loop: replica `replica`'s step ending at `time_s` produced `tokens` output tokens; the
-        server streams them after the work queued before them (EngineReplica calls it at the step's end)."""
+        server streams them after the work queued before them (EngineReplica calls it at the step's end).
+        `streams`: the replica's requests still streaming after the step (None: `tokens`), whose next
+        step's streaming a new request's handler waits behind (`handler_yields`)."""
         self.server_free = max(self.server_free, time_s) + tokens * self.client.output_token_s
         self.delivered[(replica, time_s)] = self.server_free
         self.last_streamed = (time_s, self.server_free)
+        if self.client.handler_yields > 1:
+            self.step_work[replica] = (tokens if streams is None else streams) * self.client.stream_s
 
     def received_by(self, now: float) -> float:
         """When the client has the tokens the engine produced at `now` (shared loop: once the server has
