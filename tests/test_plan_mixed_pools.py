@@ -154,3 +154,24 @@ def test_cli_mixed_pools_names_the_cheapest_fleets_pools(trace, tmp_path):
     assert out.exit_code == 2 and "--mixed-pools: applies to disaggregated fleets" in out.output, out.output
     out = CliRunner().invoke(app, [*args, *pd, "--mixed-pools", "0"])
     assert out.exit_code == 2 and "--mixed-pools: expected the most pool types a role may mix" in out.output
+
+
+def test_the_lazy_grid_yields_every_fleet_cheapest_first_one_type_before_a_tied_mix():
+    """MixedGrid's heap gives every prefill x decode option pair exactly once, in order of ($/h, GPUs, pools):
+    the sorted brute-force cross product; at the same price and GPUs, one type a role comes before a mix."""
+    from kvsim.sim.planning.mixed import MixedGrid, role_options
+    a, b, c = PoolType("h100", 1, 1.0), PoolType("a100-80gb", 1, 1.0), PoolType("h200", 2, 3.0)
+    prefill = role_options([a, b, c], [1, 2, None], lambda combo: None, 3, 2, "usd", False)
+    decode = role_options([a, c], [1, 1], lambda combo: None, 2, 2, "usd", False)
+    assert prefill[0] == 3 * 3 + 3 * 9 and all(o.pools != ((b, 1),) for o in prefill[1])     # b's bound is 2
+    grid = MixedGrid(MODEL, {0: prefill}, decode)
+    got = grid.next(10 ** 6)
+    pts = [FleetPoint(MODEL, p.pools[0][0], p.pools[0][1], d.pools[0][0], d.pools[0][1], 0, None, "", p.pools[1:],
+                      d.pools[1:]) for p in prefill[1] for d in decode[1]]
+    assert len(got) == len(set(got)) == len(pts)
+    order = [grid._order(FleetPoint(*k[:6], None, "", *k[6:])) for k in got]
+    assert order == sorted(grid._order(p) for p in pts)
+    # 2x h100 prefill + 1x h100 decode and 1x h100 + 1x a100 prefill + 1x h100 decode: both $3/h and 3 GPUs
+    two = FleetPoint(MODEL, a, 2, a, 1).key
+    mix = FleetPoint(MODEL, a, 1, a, 1, 0, None, "", ((b, 1),)).key
+    assert got.index(two) < got.index(mix)

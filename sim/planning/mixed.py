@@ -11,8 +11,9 @@ T(T-1)/2 x 256 options a role, and prefill options x decode options fleets), so 
    sum(n_i x a replica of type i's rate) over the span), and a limit is out of reach only when it is for the
    fastest type of the mix. Options below are never simulated.
 2. **Cheapest first, lazily.** Each role's options sorted by ($/hour, GPUs) (or GPUs, $/hour); fleets (prefill
-   option x decode option, for each decider threshold) come out of a heap in order of their sum, so only the
-   fleets cheaper than the answer are ever built.
+   option x decode option, for each decider threshold) come out of a heap in order of their sum, then of their
+   number of pools (at the same price and GPUs, one pool type a role goes first: a mix is the answer only where
+   it is cheaper), so only the fleets cheaper than the answer are ever built.
 3. **What a failure implies.** A failed fleet implies every fleet of the *same pool types in each role* with at
    most as many replicas in every pool fails (more replicas never hurt: the same assumption as the one-type
    search; adding a pool of another type is not assumed harmless: the proxy may send it work it serves
@@ -59,7 +60,7 @@ def role_options(types: list[PoolType], single_min: list[int | None], mixed_boun
             for counts in itertools.product(range(1, max_n + 1), repeat=size):
                 if bound is None or bound.admits(counts):
                     keep.append(RoleOption(tuple((types[i], n) for i, n in zip(combo, counts, strict=True))))
-    keep.sort(key=lambda o: (o.rank(objective), [(t.gpu, t.tp, n) for t, n in o.pools]))
+    keep.sort(key=lambda o: (o.rank(objective), len(o.pools), [(t.gpu, t.tp, n) for t, n in o.pools]))
     return total, keep
 
 
@@ -97,7 +98,11 @@ class MixedGrid:
 
     def _sum(self, a: RoleOption, b: RoleOption) -> tuple:
         ra, rb = a.rank(self.objective), b.rank(self.objective)
-        return (ra[0] + rb[0], ra[1] + rb[1])
+        return (ra[0] + rb[0], ra[1] + rb[1], len(a.pools) + len(b.pools))
+
+    def _order(self, point: FleetPoint) -> tuple:
+        """The search's order: the rank, then the fewest pools (a mix only where it is cheaper)."""
+        return point.rank(self.objective) + (len(point.prefill_pools) + len(point.decode_pools),)
 
     def _pull(self) -> tuple[tuple, tuple] | None:
         if not self._heap:
@@ -110,7 +115,7 @@ class MixedGrid:
             heapq.heappush(self._heap, (self._sum(opts[i], self._decode[j + 1]), t, i, j + 1))
         p, d = opts[i].pools, self._decode[j].pools
         point = FleetPoint(self.model, p[0][0], p[0][1], d[0][0], d[0][1], local, None, "", p[1:], d[1:])
-        item = (point.rank(self.objective), point.key)
+        item = (self._order(point), point.key)
         self.generated.append(item)
         return item
 
@@ -144,7 +149,7 @@ class MixedGrid:
                 self.pending.append(item)
                 rank, key = item
             i += 1
-            if self.best is not None and rank >= self.best.rank(self.objective) and not self.exhaustive:
+            if self.best is not None and rank >= self._order(self.best) and not self.exhaustive:
                 break
             if key in self.done or self.failure_implied(key):
                 continue
@@ -154,7 +159,7 @@ class MixedGrid:
     def record(self, point: FleetPoint, prefill_queue_fails: bool) -> None:
         self.done[point.key] = point
         if point.meets:
-            if self.best is None or point.rank(self.objective) < self.best.rank(self.objective):
+            if self.best is None or self._order(point) < self._order(self.best):
                 self.best = point
             return
         if not point.row or point.row.get("status") != "ok":
@@ -168,5 +173,5 @@ class MixedGrid:
         """Fleets cheaper than the answer (every fleet when there is none: the heap is then empty) that a
         failure ruled out."""
         return sum(1 for rank, k in self.generated
-                   if (self.best is None or rank < self.best.rank(self.objective))
+                   if (self.best is None or rank < self._order(self.best))
                    and k not in self.done and self.failure_implied(k))
