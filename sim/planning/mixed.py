@@ -27,7 +27,7 @@ import itertools
 from dataclasses import dataclass
 
 from .bounds import MixedBound
-from .disaggregated import FleetPoint, Pools, PoolType, _pools_usd, point_of
+from .fleets import FleetPoint, Pools, PoolType, _pools_usd, point_of
 
 
 @dataclass(frozen=True)
