@@ -1,7 +1,10 @@
 """Benchmark: `kvsim plan` at scale (issue 49's planning target): >= 500 candidate fleet configurations
 in <= 5 minutes of wall time on a 2-core machine, and the pruned search against the exhaustive one.
 
-    python bench/bench_planning.py [--skip-small] [--skip-large] [--low-fi 0.125] [--jobs 2]
+    python bench/bench_planning.py [--skip-small] [--skip-large] [--low-fi 0.125] [--jobs 2] [--mixed-pools 1]
+
+`--mixed-pools N` (default 1) lets each disaggregated role mix up to N pool types in both spaces (`kvsim plan
+--mixed-pools`; the small space's disaggregated part is then 64 fleets).
 
 1. **Small space (48 configurations, exhaustive vs pruned).** Llama-3.1-8B on H100 / A100-80GB at TP 1
    and 2 with 1-8 replicas (32 aggregated), and 1-2 replicas of H100 / A100 TP 1 prefill and decode pools
@@ -38,7 +41,7 @@ def cpu_s(children: bool = False) -> float:
     return r.ru_utime + r.ru_stime
 
 
-def small(low_fi: float) -> None:
+def small(low_fi: float, mixed_pools: int = 1) -> None:
     from kvsim.sim.config import load_config
     from kvsim.sim.planning.capacity import parse_slo
     from kvsim.sim.planning.disaggregated import DisaggSpace, plan_disaggregated
@@ -51,7 +54,8 @@ def small(low_fi: float) -> None:
     slo = parse_slo(SMALL_SLO)
     pools = [("h100", 1), ("a100-80gb", 1)]
     print(f"small space: llama-3.1-8b, 12 s of azure-conv-2023 at 8x ({SMALL_SLO}); "
-          "32 aggregated + 16 disaggregated configurations")
+          f"32 aggregated + {16 if mixed_pools == 1 else 64} disaggregated configurations"
+          f"{'' if mixed_pools == 1 else f' (pool types mixed up to {mixed_pools} a role)'}")
     answers = {}
     for label, kw in (("exhaustive", {"exhaustive": True}), ("pruned", {}), (f"pruned, low-fi {low_fi:g}",
                                                                             {"low_fi": low_fi})):
@@ -60,7 +64,8 @@ def small(low_fi: float) -> None:
             agg = plan_capacity(base, slo, PlanSpace(["llama-3.1-8b"], ["h100", "a100-80gb"], [1, 2], max_replicas=8,
                                                      **kw), store=store, width=2)
             dis = plan_disaggregated(base, slo, DisaggSpace(["llama-3.1-8b"], pools, pools, max_pool_replicas=2,
-                                                            exhaustive=kw.get("exhaustive", False)),
+                                                            exhaustive=kw.get("exhaustive", False),
+                                                            mixed_pools=mixed_pools),
                                      _Runner(slo, _serial, Path(store)), width=2)
             wall, cpu = time.perf_counter() - t0, cpu_s() - c0
         a = agg.cheapest["llama-3.1-8b"]
@@ -78,7 +83,7 @@ def small(low_fi: float) -> None:
         sys.exit(1)
 
 
-def large(jobs: int, low_fi: float) -> None:
+def large(jobs: int, low_fi: float, mixed_pools: int = 1) -> None:
     models, gpus = "llama-3.1-8b,llama-3.1-70b", "h100,h200,a100-80gb,l4"
     print(f"large space: {models} on {gpus} x TP 1,2,4,8 x 1-16 replicas, + h100/h200 prefill x decode pools "
           f"x TP 1,2,4,8 x 1-8 replicas each; azure-conv-2023 at 2x ({LARGE_SLO}); -j {jobs}")
@@ -88,7 +93,7 @@ def large(jobs: int, low_fi: float) -> None:
                    "--trace", "azure-conv-2023", "--rate-scale", "2", "--slo", LARGE_SLO, "--models", models, "--gpus", gpus, "--tps", "1,2,4,8",
                    "--max-replicas", "16", "--disaggregated", "--prefill-gpus", "h100,h200",
                    "--decode-gpus", "h100,h200", "--max-pool-replicas", "8", "-j", str(jobs), "-q",
-                   "--out", store, *extra]
+                   "--out", store, *extra, *(["--mixed-pools", str(mixed_pools)] if mixed_pools > 1 else [])]
             t0, c0 = time.perf_counter(), cpu_s(children=True)
             res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
             wall, cpu = time.perf_counter() - t0, cpu_s(children=True) - c0
@@ -122,11 +127,12 @@ def main() -> None:
     ap.add_argument("--skip-large", action="store_true")
     ap.add_argument("--low-fi", type=float, default=0.125, help="the low-fidelity window's share of the sample")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--mixed-pools", type=int, default=1, help="pool types a disaggregated role may mix")
     args = ap.parse_args()
     if not args.skip_small:
-        small(args.low_fi)
+        small(args.low_fi, args.mixed_pools)
     if not args.skip_large:
-        large(args.jobs, args.low_fi)
+        large(args.jobs, args.low_fi, args.mixed_pools)
 
 
 if __name__ == "__main__":

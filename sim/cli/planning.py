@@ -463,6 +463,9 @@ def plan(
                                           "this many replicas in a pool"),
     local_prefill_tokens: str = typer.Option("0", "--local-prefill-tokens", help="conditional disaggregation "
                                              "thresholds to search, comma-separated (0: always disaggregate)"),
+    mixed_pools: int = typer.Option(1, "--mixed-pools", help="disaggregated fleets whose prefill (and decode) role "
+                                    "mixes up to this many pool types (GPU x TP), each with its own replicas; 1: one "
+                                    "pool type a role"),
     objective: str = typer.Option("usd", "--objective", help="what the plan minimises: usd (dollars an hour) or "
                                   "gpus (the fewest GPUs, then dollars)"),
     exhaustive: bool = typer.Option(False, "--exhaustive", help="simulate every configuration at every replica "
@@ -495,7 +498,7 @@ def plan(
     _check_search_options(exhaustive, low_fi)
     _check_disaggregated_options(disaggregated, {"--prefill-gpus": prefill_gpus, "--decode-gpus": decode_gpus,
                                                  "--prefill-tps": prefill_tps, "--decode-tps": decode_tps},
-                                 link, max_pool_replicas, local_prefill_tokens)
+                                 link, max_pool_replicas, local_prefill_tokens, mixed_pools)
     try:
         model_list, gpu_list = _catalog_names(model_list, "--models", get_model), _catalog_names(gpu_list, "--gpus", get_gpu)
         pools = {role: _pool_types(gtext, ttext, gpu_list, tp_list, role)
@@ -533,7 +536,7 @@ def plan(
             console.print(f"  {s.cand.label} x{n}: {mark}", soft_wrap=True)
 
     dspace = _disaggregated_space(cfg, model_list, pools, link, max_pool_replicas,
-                                  _thresholds(local_prefill_tokens), objective, exhaustive)
+                                  _thresholds(local_prefill_tokens), objective, exhaustive, mixed_pools)
     try:
         with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
             space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas, objective, spec_list,
@@ -586,18 +589,21 @@ def _check_low_fi_window(cfg, low_fi: float) -> None:
 
 
 def _check_disaggregated_options(disaggregated: bool, pool_options: dict, link: str, max_pool_replicas: int,
-                                 local_prefill_tokens: str) -> None:
+                                 local_prefill_tokens: str, mixed_pools: int = 1) -> None:
     """`kvsim plan`'s disaggregated options: refused in one line where they cannot apply or are wrong."""
     from kvsim.sim.model.links import link_names
 
     if not disaggregated:
         given = [k for k, v in pool_options.items() if v is not None] + (["--link"] if link != "ib-ndr" else []) + \
             (["--max-pool-replicas"] if max_pool_replicas != 16 else []) + \
-            (["--local-prefill-tokens"] if local_prefill_tokens != "0" else [])
+            (["--local-prefill-tokens"] if local_prefill_tokens != "0" else []) + \
+            (["--mixed-pools"] if mixed_pools != 1 else [])
         if given:
             fail(f"{given[0]}: applies to disaggregated fleets; add --disaggregated")
     if max_pool_replicas < 1:
         fail(f"--max-pool-replicas: expected a positive number, got {max_pool_replicas}")
+    if mixed_pools < 1:
+        fail(f"--mixed-pools: expected the most pool types a role may mix, 1 or more (1: one type), got {mixed_pools}")
     _thresholds(local_prefill_tokens)
     if link not in link_names():
         fail(f"--link: unknown link {link!r}; known: {', '.join(link_names())}")
@@ -615,7 +621,8 @@ def _thresholds(text: str) -> tuple[int, ...]:
 
 
 def _disaggregated_space(cfg, models: list[str], pools: dict, link: str, max_pool_replicas: int,
-                         local_prefill_tokens: tuple[int, ...], objective: str, exhaustive: bool = False):
+                         local_prefill_tokens: tuple[int, ...], objective: str, exhaustive: bool = False,
+                         mixed_pools: int = 1):
     """The DisaggSpace of `kvsim plan --disaggregated` (None without it); what a fleet does not model is
     refused here, in one line, before the aggregated search runs."""
     if not pools:
@@ -623,7 +630,7 @@ def _disaggregated_space(cfg, models: list[str], pools: dict, link: str, max_poo
     from kvsim.sim.planning.disaggregated import DisaggSpace, refuse_unmodelled
 
     space = DisaggSpace(models, pools["prefill"], pools["decode"], link, max_pool_replicas, local_prefill_tokens,
-                        objective, exhaustive)
+                        objective, exhaustive, mixed_pools)
     try:
         refuse_unmodelled(cfg, space)
     except ConfigError as exc:
@@ -748,6 +755,9 @@ def _print_disaggregated(agg, dis) -> None:
                           highlight=False, soft_wrap=True)
         elif p is None:
             console.print(f"[red]{model}: no disaggregated fleet searched meets the SLO[/red]", soft_wrap=True)
+        if p is not None and dis.mixed_pools > 1:
+            console.print(f"{model}: the cheapest disaggregated fleet's pools (as kvsim simulate names them): "
+                          f"{p.pool_names()}", highlight=False, soft_wrap=True)
     console.print(f"disaggregated: {dis.simulations} simulations, {dis.wall_s:.1f} s", highlight=False)
 
 

@@ -168,6 +168,7 @@ class _Rates:
     finished: int                   # requests surely counted in the percentiles (the rest might be rejected)
     finished_multi: int             # of those, with 2+ output tokens (TPOT's)
     outputs: np.ndarray             # output tokens as run (capped at max_model_len)
+    rejected: np.ndarray | None = None  # the requests that might be rejected (longer than the model or KV)
 
 
 def _rates(plan, demand: Demand) -> _Rates:
@@ -187,7 +188,8 @@ def _rates(plan, demand: Demand) -> _Rates:
         maybe_rejected |= peak > top
     outputs = np.minimum(demand.outputs, np.maximum(sched.max_model_len - demand.prompts, 1.0))
     return _Rates(r_p, float((b / t_dec).max()), float(t_dec[0]), plan.num_blocks * block,
-                  demand.requests - int(maybe_rejected.sum()), int(((outputs >= 2) & ~maybe_rejected).sum()), outputs)
+                  demand.requests - int(maybe_rejected.sum()), int(((outputs >= 2) & ~maybe_rejected).sum()), outputs,
+                  maybe_rejected)
 
 
 def _prefill_need(rates: _Rates, demand: Demand, ttfts: list[tuple[float, float]], local: int = 0,
@@ -268,3 +270,94 @@ def replica_bound(plan, demand: Demand, constraints: list[Constraint], role: str
             return ReplicaBound(None, why, rates.r_p, rates.r_d)
     need, why = max(found, key=lambda f: f[0] or 0)
     return ReplicaBound(need, why, rates.r_p, rates.r_d)
+
+
+@dataclass(frozen=True)
+class MixedBound:
+    """The bound of a role made of several pool types (a mixed role of a disaggregated fleet): which replica
+    counts per type could meet the SLO. `needs`: each (tokens or token-seconds due, that per replica of
+    each type over its span, why); counts n pass a need when sum(n_i x per_replica_i) reaches it (a role's
+    capacity is the sum of its pools'). `impossible`: why no counts can ('' when some may)."""
+    types: int
+    needs: tuple[tuple[float, tuple[float, ...], str], ...] = ()
+    impossible: str = ""
+    why_not: str = ""               # non-empty: no bound applies (every count passes)
+
+    def admits(self, counts: tuple[int, ...]) -> bool:
+        if self.why_not:
+            return True
+        if self.impossible:
+            return False
+        return all(sum(n * c for n, c in zip(counts, caps, strict=True)) >= need * (1 - 1e-9)
+                   for need, caps, _ in self.needs)
+
+    def min_single(self, i: int) -> int | None:
+        """The fewest replicas of type i alone (the others at 0); None: none can."""
+        if self.why_not:
+            return 1
+        if self.impossible:
+            return None
+        need = 1
+        for amount, caps, _ in self.needs:
+            if amount > 0:
+                if caps[i] <= 0:
+                    return None
+                need = max(need, math.ceil(amount / caps[i] * (1 - 1e-9)))
+        return need
+
+
+def mixed_role_bound(plans: list, demand: Demand, constraints: list[Constraint], role: str,
+                     local: int = 0) -> MixedBound:
+    """The bound of a disaggregated fleet's `role` (prefill or decode) made of pools of several types, one
+    resolved run per type in `plans`: the arguments of `replica_bound`, with the fleet's rate the sum of its
+    replicas' rates. A request is surely finished when no type might reject it; a limit is out of reach when
+    it is for the fastest type (the best prompt rate, the shortest one-sequence decode step), since the
+    proxy may send the requests that need it there; the KV held is priced at the fastest type's step."""
+    if demand.why_not:
+        return MixedBound(len(plans), why_not=demand.why_not)
+    ttfts, tpots = _percentile_limits(constraints, "ttft"), _percentile_limits(constraints, "tpot")
+    if demand.requests == 0 or not ttfts:
+        return MixedBound(len(plans), why_not="the SLO sets no TTFT percentile")
+    rates = [_rates(plan, demand) for plan in plans]
+    rejected = np.zeros(demand.requests, dtype=bool)
+    for r in rates:
+        rejected |= r.rejected if r.rejected is not None else False
+    finished = demand.requests - int(rejected.sum())
+    outputs = rates[0].outputs
+    a0, a1 = float(demand.arrivals.min()), float(demand.arrivals.max())
+    needs: list[tuple[float, tuple[float, ...], str]] = []
+    if role == "prefill":
+        r_best = max(r.r_p for r in rates)
+        n_local = int((demand.uncached <= local).sum())
+        remote = np.where(demand.uncached > local, demand.uncached, local + 1.0)
+        for q, limit in ttfts:
+            k = at_least(q, finished) - n_local
+            if k <= 0:
+                continue
+            if np.partition(remote / r_best, k - 1)[k - 1] > limit:
+                return MixedBound(len(plans), impossible=f"ttft_p{q:g}<={limit:g}s: {k} prompts need more than "
+                                                         f"{limit:g} s each at the fastest pool's {r_best:,.0f} tok/s")
+            span = a1 + limit - a0
+            needs.append((_smallest_sum(remote, k), tuple(r.r_p * span for r in rates),
+                          f"prefill: prompt tokens of {k} requests by the last arrival + {limit:g} s"))
+        return MixedBound(len(plans), tuple(needs))
+    n, multi = demand.requests, outputs >= 2
+    t_one = min(r.t_one for r in rates)
+    finished_multi = int((multi & ~rejected).sum())
+    for q_d, tpot in tpots:
+        k_d = at_least(q_d, finished_multi)
+        if k_d and t_one > tpot:
+            return MixedBound(len(plans), impossible=f"tpot_p{q_d:g}<={tpot * 1e3:g}ms: the fastest pool's one-"
+                                                     f"sequence decode step takes {t_one * 1e3:.2f} ms")
+        for q, limit in ttfts:
+            both = k_d - (n - at_least(q, n))
+            if both <= 0:
+                continue
+            span = float((demand.arrivals + limit + (outputs - 1) * tpot)[multi].max()) - a0
+            needs.append((_smallest_sum(outputs[multi] - 1, both), tuple(r.r_d * span for r in rates),
+                          f"decode: output tokens of {both} requests by their deadlines"))
+            steps = outputs - 1
+            held_each = t_one * (demand.uncached * steps + steps * (steps + 1) / 2)
+            needs.append((_smallest_sum(held_each[multi], both), tuple(float(r.kv_tokens) * span for r in rates),
+                          f"KV: token-seconds of {both} requests"))
+    return MixedBound(len(plans), tuple(needs))

@@ -40,24 +40,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .bounds import demand_of, ideal_cache_hits, replica_bound
+from .bounds import demand_of, ideal_cache_hits, mixed_role_bound, replica_bound
+from .fleets import FleetPoint, Pools, PoolType, point_of
+from .mixed import MixedGrid, role_options
 from .capacity import Constraint, slo_for_goodput
 from ..config import SimConfig
 from .sweep import SpecError, _FitChecker
 
 ROLES = ("prefill", "decode")
-
-
-@dataclass(frozen=True)
-class PoolType:
-    """One pool's hardware: GPU, TP degree and the price of one replica."""
-    gpu: str
-    tp: int
-    usd_per_replica_hour: float
-
-    @property
-    def label(self) -> str:
-        return f"{self.gpu} TP{self.tp}"
 
 
 @dataclass(frozen=True)
@@ -83,43 +73,6 @@ class PoolBound:
     why: str
 
 
-@dataclass
-class FleetPoint:
-    model: str
-    prefill: PoolType
-    n_prefill: int
-    decode: PoolType
-    n_decode: int
-    local: int = 0                 # conditional disaggregation threshold (0: every request disaggregated)
-    row: dict | None = None
-    implied: str = ""              # why it fails without a run
-
-    @property
-    def usd_per_hour(self) -> float:
-        return self.n_prefill * self.prefill.usd_per_replica_hour + self.n_decode * self.decode.usd_per_replica_hour
-
-    @property
-    def gpus(self) -> int:
-        return self.n_prefill * self.prefill.tp + self.n_decode * self.decode.tp
-
-    @property
-    def key(self) -> tuple:
-        return (self.model, self.prefill, self.n_prefill, self.decode, self.n_decode, self.local)
-
-    @property
-    def label(self) -> str:
-        local = f", local prefill <= {self.local:,}" if self.local else ""
-        return f"{self.n_prefill}x {self.prefill.label} prefill + {self.n_decode}x {self.decode.label} decode{local}"
-
-    def rank(self, objective: str = "usd") -> tuple:
-        """The search's order: ($/hour, GPUs), or (GPUs, $/hour) for the gpus objective."""
-        return (self.gpus, self.usd_per_hour) if objective == "gpus" else (self.usd_per_hour, self.gpus)
-
-    @property
-    def meets(self) -> bool:
-        return bool(self.row and self.row.get("status") == "ok" and self.row.get("meets_slo"))
-
-
 @dataclass(frozen=True)
 class DisaggSpace:
     """The fleets `kvsim plan --disaggregated` searches: pool types per role and the replica limit."""
@@ -131,6 +84,7 @@ class DisaggSpace:
     local_prefill_tokens: tuple[int, ...] = (0,)   # conditional disaggregation thresholds, each searched
     objective: str = "usd"                  # usd: the fewest dollars an hour; gpus: the fewest GPUs
     exhaustive: bool = False                # simulate every fleet of the grid (no bound, no implied failure)
+    mixed_pools: int = 1                    # at most this many pool types a role (1: one pool a role, as before)
 
 
 @dataclass
@@ -147,14 +101,19 @@ class DisaggPlanResult:
     ranges: dict[str, dict[str, bool | None]] = field(default_factory=dict)   # model -> variant -> meets
     simulations: int = 0
     wall_s: float = 0.0
+    mixed_pools: int = 1                             # the space's cap on pool types a role
 
 
 def fleet_config(base: SimConfig, model: str, p: PoolType, n_p: int, d: PoolType, n_d: int,
-                 space: DisaggSpace, local: int = 0) -> SimConfig:
+                 space: DisaggSpace, local: int = 0, more_prefill: Pools = (), more_decode: Pools = ()) -> SimConfig:
+    """One fleet's config: a role with one pool is a mapping (as before), with several a list of them."""
+    def pools(first: PoolType, n: int, more: Pools):
+        spec = [{"gpu": t.gpu, "tp": t.tp, "replicas": k} for t, k in ((first, n),) + more]
+        return spec if more else spec[0]
+
     data = base.model_dump()
     data.update(model=model, gpu=d.gpu, tp=d.tp, replicas=1,
-                fleet={"prefill": {"gpu": p.gpu, "tp": p.tp, "replicas": n_p},
-                       "decode": {"gpu": d.gpu, "tp": d.tp, "replicas": n_d},
+                fleet={"prefill": pools(p, n_p, more_prefill), "decode": pools(d, n_d, more_decode),
                        "link": space.link, "local_prefill_tokens": local})
     return SimConfig.model_validate(data)
 
@@ -330,6 +289,20 @@ class _Grid:
         return sum(1 for k in cheaper if k not in self.done and self.failure_implied(k))
 
 
+def _mixed_grid(model: str, plans: dict, prefill: dict[int, list[PoolBound]], decode: list[PoolBound],
+                space: DisaggSpace, base: SimConfig, constraints: list[Constraint], demand) -> MixedGrid:
+    """The search of `--mixed-pools`: each role's options (up to `space.mixed_pools` types, one-type options
+    at their own bound, mixes at the summed one), crossed lazily (sim/planning/mixed.py)."""
+    def options(role: str, bounds: list[PoolBound], local: int = 0):
+        runs = [plan for _, plan in plans[role]]
+        return role_options([b.pool for b in bounds], [b.min_replicas for b in bounds],
+                            lambda combo: mixed_role_bound([runs[i] for i in combo], demand, constraints, role, local),
+                            space.max_pool_replicas, space.mixed_pools, space.objective, space.exhaustive)
+
+    return MixedGrid(model, {t: options("prefill", b, t) for t, b in prefill.items()}, options("decode", decode),
+                     space.objective, space.exhaustive)
+
+
 def _handoff(row: dict) -> dict:
     value = row.get("handoff")
     if isinstance(value, str):
@@ -361,8 +334,8 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
     tpot, ttft = _limit(constraints, "tpot"), _limit(constraints, "ttft")
     fits = _FitChecker()
     unfit: list = []
-    result = DisaggPlanResult([c.text for c in constraints], {}, {}, unfit, [], {})
-    grids: list[_Grid] = []
+    result = DisaggPlanResult([c.text for c in constraints], {}, {}, unfit, [], {}, mixed_pools=space.mixed_pools)
+    grids: list = []
     configs: dict[tuple, SimConfig] = {}
     thresholds = sorted(set(space.local_prefill_tokens)) or [0]
     loads = {t: offered_load(base, ttft, tpot, t) for t in thresholds}
@@ -382,11 +355,15 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
         decode = [bound("decode", pool, plan) for pool, plan in plans["decode"]]
         result.load[model] = load
         result.bounds[model] = prefill[thresholds[0]] + decode
-        grid = _Grid(model, prefill, decode, space.max_pool_replicas, space.objective, space.exhaustive)
+        grid: _Grid | MixedGrid
+        if space.mixed_pools > 1:
+            grid = _mixed_grid(model, plans, prefill, decode, space, base, constraints, demand)
+        else:
+            grid = _Grid(model, prefill, decode, space.max_pool_replicas, space.objective, space.exhaustive)
         result.grid[model], result.below_bound[model] = grid.total, grid.below
         grids.append(grid)
     sims_before = runner.simulations
-    _search(grids, configs, runner, width, lambda key: fleet_config(base, *key[:5], space, key[5]),
+    _search(grids, configs, runner, width, lambda key: fleet_config(base, *key[:5], space, *key[5:]),
             lambda row: prefill_queue_fails(row, ttft), result.points, progress)
     for grid in grids:
         result.implied_fail[grid.model] = grid.count_implied()
@@ -407,10 +384,15 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
 
 
 def _point_json(p: FleetPoint) -> dict:
+    """One fleet as plan-disaggregated.json lists it; a role of several pools (--mixed-pools) is a list of
+    them, as in the fleet's config."""
     row = p.row or {}
-    return {"model": p.model, "fleet": p.label, "prefill": {"gpu": p.prefill.gpu, "tp": p.prefill.tp,
-                                                            "replicas": p.n_prefill},
-            "decode": {"gpu": p.decode.gpu, "tp": p.decode.tp, "replicas": p.n_decode},
+
+    def pools(role: Pools):
+        spec = [{"gpu": t.gpu, "tp": t.tp, "replicas": n} for t, n in role]
+        return spec if len(spec) > 1 else spec[0]
+
+    return {"model": p.model, "fleet": p.label, "prefill": pools(p.prefill_pools), "decode": pools(p.decode_pools),
             "local_prefill_tokens": p.local, "gpus": p.gpus, "usd_per_hour": p.usd_per_hour,
             "run_id": row.get("run_id"), "status": row.get("status"), "meets_slo": p.meets,
             "ttft_p99_s": row.get("ttft_p99_s"), "tpot_p99_s": row.get("tpot_p99_s")}
@@ -427,6 +409,7 @@ def write_result(store, result: DisaggPlanResult) -> None:
                             "min_replicas": b.min_replicas, "why": b.why} for b in bounds]
                        for m, bounds in result.bounds.items()},
             "unfit": [{"model": m, "role": r, "gpu": p.gpu, "tp": p.tp, "why": why} for m, r, p, why in result.unfit],
+            **({"mixed_pools": result.mixed_pools} if result.mixed_pools > 1 else {}),
             "grid": result.grid, "below_bound": result.below_bound, "implied_fail": result.implied_fail,
             "points": [_point_json(p) for p in result.points],
             "cheapest": {m: _point_json(p) for m, p in result.cheapest.items()}, "ranges": result.ranges}
@@ -455,7 +438,7 @@ def _search(grids: list[_Grid], configs: dict[tuple, SimConfig], runner, width: 
             if key not in configs:
                 configs[key] = make(key)
         for (grid, key), row in zip(batch, runner([configs[k] for _, k in batch]), strict=True):
-            point = FleetPoint(*key, row)
+            point = point_of(key, row)
             grid.record(point, queue_fails(row))
             points.append(point)
             if progress:
