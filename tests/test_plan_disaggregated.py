@@ -79,7 +79,7 @@ def test_decode_bound_respects_the_tpot_limit_and_the_kv_pool(trace):
 
 
 def test_a_fleet_is_priced_per_pool(trace):
-    cfg = fleet_config(base(trace), "llama-3.1-8b", PoolType("h100", 1, 0), 3, PoolType("h200", 2, 0), 2,
+    cfg = fleet_config(base(trace), "llama-3.1-8b", ((PoolType("h100", 1, 0), 3),), ((PoolType("h200", 2, 0), 2),),
                        DisaggSpace(["llama-3.1-8b"], [], []))
     costs = cost_metrics(cfg, {})
     assert costs["num_gpus"] == 3 + 4
@@ -101,7 +101,7 @@ def test_search_finds_the_cheapest_an_exhaustive_search_finds(trace, tmp_path):
             for n_d in range(1, 4):
                 d = PoolType("h100", 1, cfg.gpu_usd_per_hour("h100"))
                 point = FleetPoint("llama-3.1-8b", p, n_p, d, n_d)
-                fc = fleet_config(runner_base(cfg, slo), "llama-3.1-8b", p, n_p, d, n_d, space)
+                fc = fleet_config(runner_base(cfg, slo), "llama-3.1-8b", ((p, n_p),), ((d, n_d),), space)
                 row = runner([fc])[0]
                 meets[(p, n_p, n_d)] = (bool(row["meets_slo"]), point.usd_per_hour, point.gpus)
                 rows[(p, n_p, n_d)] = row
@@ -151,7 +151,7 @@ def test_decider_thresholds_are_an_axis_of_the_search(trace, tmp_path):
     for local in (0, 4096):
         for n_p in (1, 2):
             for n_d in (1, 2):
-                row = runner([fleet_config(runner_base(cfg, slo), "llama-3.1-8b", h100, n_p, h100, n_d, space,
+                row = runner([fleet_config(runner_base(cfg, slo), "llama-3.1-8b", ((h100, n_p),), ((h100, n_d),), space,
                                            local)])[0]
                 point = FleetPoint("llama-3.1-8b", h100, n_p, h100, n_d, local)
                 meets[point.key] = (bool(row["meets_slo"]), point.rank())
@@ -174,7 +174,7 @@ def test_a_prefill_queue_above_the_ttft_limit_rules_out_every_decode_pool(trace)
     slo = parse_slo(SLO)
     cfg = base(trace)
     h100 = PoolType("h100", 1, cfg.gpu_usd_per_hour("h100"))
-    row = execute_run(RunTask("x", fleet_config(runner_base(cfg, slo), "llama-3.1-8b", h100, 1, h100, 1,
+    row = execute_run(RunTask("x", fleet_config(runner_base(cfg, slo), "llama-3.1-8b", ((h100, 1),), ((h100, 1),),
                                                 DisaggSpace(["llama-3.1-8b"], [], [])).model_dump(mode="json")))
     assert row["handoff"]["p99_prefill_queue_s"] > 0.5
     assert prefill_queue_fails(row, (0.5, "p99")) and not prefill_queue_fails(row, (60.0, "p99"))

@@ -87,7 +87,7 @@ def test_mixed_search_answers_what_brute_force_answers(trace, tmp_path):
                 pools = tuple(zip(combo, counts, strict=True))
                 for n_d in (1, 2):
                     point = FleetPoint(MODEL, pools[0][0], pools[0][1], d, n_d, 0, None, "", pools[1:])
-                    fc = fleet_config(gbase, MODEL, pools[0][0], pools[0][1], d, n_d, space, 0, pools[1:])
+                    fc = fleet_config(gbase, MODEL, tuple(pools), ((d, n_d),), space)
                     point.row = runner([fc])[0]
                     assert point.row["status"] == "ok", point.row.get("error")
                     rows[point.key] = point

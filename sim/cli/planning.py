@@ -535,8 +535,9 @@ def plan(
                     if row["status"] == "ok" else f"[red]failed[/red] {row.get('error')}")
             console.print(f"  {s.cand.label} x{n}: {mark}", soft_wrap=True)
 
-    dspace = _disaggregated_space(cfg, model_list, pools, link, max_pool_replicas,
-                                  _thresholds(local_prefill_tokens), objective, exhaustive, mixed_pools)
+    dspace = _disaggregated_space(cfg, pools, models=model_list, link=link, max_pool_replicas=max_pool_replicas,
+                                  local_prefill_tokens=_thresholds(local_prefill_tokens), objective=objective,
+                                  exhaustive=exhaustive, mixed_pools=mixed_pools)
     try:
         with store_errors(out, scheduler), executor(scheduler, jobs) as (run_batch, width):
             space = PlanSpace(model_list, gpu_list, tp_list, policy_list, max_replicas, objective, spec_list,
@@ -620,17 +621,14 @@ def _thresholds(text: str) -> tuple[int, ...]:
     return values
 
 
-def _disaggregated_space(cfg, models: list[str], pools: dict, link: str, max_pool_replicas: int,
-                         local_prefill_tokens: tuple[int, ...], objective: str, exhaustive: bool = False,
-                         mixed_pools: int = 1):
-    """The DisaggSpace of `kvsim plan --disaggregated` (None without it); what a fleet does not model is
-    refused here, in one line, before the aggregated search runs."""
+def _disaggregated_space(cfg, pools: dict, **search):
+    """The DisaggSpace of `kvsim plan --disaggregated` (None without it: no `pools`), `search` its other
+    fields; what a fleet does not model is refused here, in one line, before the aggregated search runs."""
     if not pools:
         return None
     from kvsim.sim.planning.disaggregated import DisaggSpace, refuse_unmodelled
 
-    space = DisaggSpace(models, pools["prefill"], pools["decode"], link, max_pool_replicas, local_prefill_tokens,
-                        objective, exhaustive, mixed_pools)
+    space = DisaggSpace(prefill=pools["prefill"], decode=pools["decode"], **search)
     try:
         refuse_unmodelled(cfg, space)
     except ConfigError as exc:

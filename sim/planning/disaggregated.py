@@ -104,18 +104,26 @@ class DisaggPlanResult:
     mixed_pools: int = 1                             # the space's cap on pool types a role
 
 
-def fleet_config(base: SimConfig, model: str, p: PoolType, n_p: int, d: PoolType, n_d: int,
-                 space: DisaggSpace, local: int = 0, more_prefill: Pools = (), more_decode: Pools = ()) -> SimConfig:
-    """One fleet's config: a role with one pool is a mapping (as before), with several a list of them."""
-    def pools(first: PoolType, n: int, more: Pools):
-        spec = [{"gpu": t.gpu, "tp": t.tp, "replicas": k} for t, k in ((first, n),) + more]
-        return spec if more else spec[0]
+def fleet_config(base: SimConfig, model: str, prefill: Pools, decode: Pools, space: DisaggSpace,
+                 local: int = 0) -> SimConfig:
+    """One fleet's config from its roles' pools ((type, replicas) each): a role with one pool is a mapping
+    (as before), with several a list of them."""
+    def pools(role: Pools):
+        spec = [{"gpu": t.gpu, "tp": t.tp, "replicas": k} for t, k in role]
+        return spec if len(spec) > 1 else spec[0]
 
+    d = decode[0][0]
     data = base.model_dump()
     data.update(model=model, gpu=d.gpu, tp=d.tp, replicas=1,
-                fleet={"prefill": pools(p, n_p, more_prefill), "decode": pools(d, n_d, more_decode),
-                       "link": space.link, "local_prefill_tokens": local})
+                fleet={"prefill": pools(prefill), "decode": pools(decode), "link": space.link,
+                       "local_prefill_tokens": local})
     return SimConfig.model_validate(data)
+
+
+def _key_config(base: SimConfig, space: DisaggSpace, key: tuple) -> SimConfig:
+    """fleet_config of a FleetPoint's key (model, prefill, n, decode, n, local[, more prefill, more decode])."""
+    point = FleetPoint(*key[:6], more_prefill=key[6] if len(key) > 6 else (), more_decode=key[7] if len(key) > 7 else ())
+    return fleet_config(base, point.model, point.prefill_pools, point.decode_pools, space, point.local)
 
 
 def _share(stat: str | None) -> float:
@@ -363,7 +371,7 @@ def plan_disaggregated(base: SimConfig, constraints: list[Constraint], space: Di
         result.grid[model], result.below_bound[model] = grid.total, grid.below
         grids.append(grid)
     sims_before = runner.simulations
-    _search(grids, configs, runner, width, lambda key: fleet_config(base, *key[:5], space, *key[5:]),
+    _search(grids, configs, runner, width, lambda key: _key_config(base, space, key),
             lambda row: prefill_queue_fails(row, ttft), result.points, progress)
     for grid in grids:
         result.implied_fail[grid.model] = grid.count_implied()
@@ -452,8 +460,8 @@ def refuse_unmodelled(base: SimConfig, space: DisaggSpace) -> None:
 
     if space.prefill and space.decode and space.models:
         pool = PoolType(space.prefill[0][0], space.prefill[0][1], 0.0)
-        refuse_unsupported(fleet_config(base, space.models[0], pool, 1, pool, 1, space, max(space.local_prefill_tokens,
-                                                                                              default=0)))
+        refuse_unsupported(fleet_config(base, space.models[0], ((pool, 1),), ((pool, 1),), space,
+                                        max(space.local_prefill_tokens, default=0)))
 
 
 def pareto_front(points: list[dict]) -> list[dict]:
