@@ -114,7 +114,10 @@ class TokenTimes:
 
     def gaps(self) -> np.ndarray:
         """Each token's gap since its request's previous token; NaN for a request's first token."""
-        gaps = np.diff(self.values, prepend=np.nan)
+        gaps = np.empty_like(self.values)
+        if len(gaps):
+            gaps[0] = np.nan
+            np.subtract(self.values[1:], self.values[:-1], out=gaps[1:])
         starts = self.offsets[:-1][np.diff(self.offsets) > 0]
         gaps[starts] = np.nan
         return gaps
@@ -444,7 +447,7 @@ def _read_table(p: Path, required: tuple[str, ...] = ()):
 
 def _to_pandas(table, p: Path) -> pd.DataFrame:
     try:
-        return table.to_pandas(use_threads=False)
+        return table.to_pandas(use_threads=False, split_blocks=True)     # no copy into 2-D blocks
     except Exception as exc:  # a type pandas cannot hold
         raise DataError(f"{p}: not a readable Parquet file ({type(exc).__name__})") from None
 
@@ -754,7 +757,9 @@ def time_edges(run: RunRecord, num_bins: int) -> np.ndarray:
 
 
 def window_of(times: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    return np.clip(np.searchsorted(edges, times, side="right") - 1, 0, len(edges) - 2)
+    w = np.searchsorted(edges, times, side="right")
+    w -= 1                                  # in place: millions of token times
+    return np.clip(w, 0, len(edges) - 2, out=w)
 
 
 def window_percentiles(times: pd.Series, values: pd.Series, edges: np.ndarray, scale: float = 1.0) -> pd.DataFrame:
@@ -892,14 +897,15 @@ LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_00
 
 def _quantiles_by_window(w: np.ndarray, v: np.ndarray, n: int, scale: float) -> dict[str, np.ndarray]:
     """p50/p90/p99 (linear interpolation, as numpy's default) of `v` per window index `w`; NaN where none.
+    A value whose window is `n` is left out (how a caller drops values without copying the arrays).
     The inter-token gaps of a large run are millions: one stable (radix) sort by window, then per window
     only the two order statistics each percentile needs (np.partition), not a full sort."""
     out = {f"p{q}": np.full(n, np.nan) for q in WINDOW_PERCENTILES}
     if not len(v):
         return out
-    order = np.argsort(w.astype(np.int32 if n > 32_767 else np.int16), kind="stable")
+    order = np.argsort(w.astype(np.int32 if n >= 32_767 else np.int16), kind="stable")
     v = v[order]
-    counts = np.bincount(w, minlength=n)
+    counts = np.bincount(w, minlength=n)[:n]
     ends = np.cumsum(counts)
     for window in np.flatnonzero(counts):
         part = v[ends[window] - counts[window]:ends[window]]
@@ -945,8 +951,8 @@ def grafana_series(run: RunRecord, edges: np.ndarray) -> pd.DataFrame:
     if len(run.steps):
         w = window_of(run.steps["time_s"].to_numpy(float), edges)
         out["prompt_tok_s"] = np.bincount(w, weights=run.steps["prefill_tokens"].to_numpy(float), minlength=n) / width
-    ok = ~np.isnan(gaps)
-    for name, values in _quantiles_by_window(token_window[ok], gaps[ok], n, 1e3).items():
+    token_window[np.isnan(gaps)] = n     # a request's first token has no gap: left out of the percentiles
+    for name, values in _quantiles_by_window(token_window, gaps, n, 1e3).items():
         out[f"itl_ms_{name}"] = values
     done = run.requests[run.requests["status"] == "finished"]
     w = window_of(done["finish_s"].to_numpy(float), edges)
