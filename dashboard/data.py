@@ -106,6 +106,10 @@ class TokenTimes:
 
         if isinstance(array, pa.ChunkedArray):
             array = array.combine_chunks() if array.num_chunks else pa.array([], array.type)
+        if array.null_count == 0:         # as written: the list offsets and a view of the values, no copy
+            bounds = array.offsets.to_numpy()          # respects a slice; `values` is the whole child
+            values = array.values.to_numpy(zero_copy_only=False)[int(bounds[0]):int(bounds[-1])]
+            return cls((bounds - bounds[0]).astype(np.int64), values.astype(np.float64, copy=False))
         lengths = pc.list_value_length(array).fill_null(0).to_numpy(zero_copy_only=False)
         offsets = np.zeros(len(array) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -491,12 +495,14 @@ def bin_steps(steps: pd.DataFrame, num_bins: int = 200, span: tuple[float, float
     weight = np.maximum(steps["duration_s"].to_numpy(dtype=float), 1e-12)
     out = pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:]), "bin_s": width})
     state_cols = [c for c in _ADDITIVE if c in steps]
+    state = {c: steps[c].to_numpy(float) for c in state_cols}
     total = np.zeros((num_bins, len(state_cols)))
-    for _, part in steps.groupby("replica" if "replica" in steps else np.zeros(len(steps)), sort=True):
-        pos = steps.index.get_indexer(part.index)
+    groups = steps.groupby("replica" if "replica" in steps else np.zeros(len(steps)), sort=True).indices
+    for key in sorted(groups):      # each replica's rows by position (no index lookups), in replica order
+        pos = groups[key]
         w = weight[pos]
         wsum = np.bincount(idx[pos], weights=w, minlength=num_bins)
-        means = np.column_stack([np.bincount(idx[pos], weights=part[c].to_numpy(float) * w, minlength=num_bins)
+        means = np.column_stack([np.bincount(idx[pos], weights=state[c][pos] * w, minlength=num_bins)
                                  for c in state_cols]) / np.where(wsum > 0, wsum, 1)[:, None]
         means = pd.DataFrame(np.where(wsum[:, None] > 0, means, np.nan)).ffill().fillna(0.0).to_numpy()
         total += means
