@@ -155,3 +155,22 @@ def test_time_series_table_and_figure_equal_the_previous_implementations(run_dir
     two = [charts.Panel("a", "fraction", (("kv_usage", "use"),)), charts.Panel("b", "s", (("e2e_s_p50", "P50"),)),
            charts.Panel("c", "ms", (("itl_ms_p99", "P99"),))]
     assert as_sent(charts.panel_grid(ts, two, "t")) == as_sent(previous_panel_grid(ts, two, "t"))
+
+
+def test_binned_steps_of_several_replicas_sum_each_replicas_own():
+    """bin_steps takes each replica's rows by position: on a shuffled two-replica log with a non-default
+    index, a state column binned over the fleet equals the sum of each replica's own binning."""
+    rng = np.random.default_rng(3)
+    n = 600
+    steps = pd.DataFrame({"replica": rng.integers(0, 2, n), "time_s": np.sort(rng.uniform(0, 50, n)),
+                          "duration_s": rng.uniform(0.01, 0.2, n), "num_running": rng.integers(0, 30, n),
+                          "blocks_used": rng.integers(0, 900, n), "prefill_tokens": rng.integers(0, 512, n)},
+                         index=rng.permutation(np.arange(10, 10 + n)))
+    from kvsim.dashboard.data import bin_steps
+    span = (0.0, float((steps["time_s"] + steps["duration_s"]).max()))
+    fleet = bin_steps(steps, 40, span)
+    each = [bin_steps(steps[steps["replica"] == r], 40, span) for r in (0, 1)]
+    for column in ("num_running", "blocks_used"):
+        assert np.allclose(fleet[column], each[0][column] + each[1][column], rtol=1e-12)
+    assert fleet["prefill_tokens"].sum() == steps["prefill_tokens"].sum()
+    assert not np.allclose(each[0]["num_running"], each[1]["num_running"])
