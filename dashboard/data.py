@@ -450,11 +450,8 @@ def _read_table(p: Path, required: tuple[str, ...] = ()):
 
 
 def _to_pandas(table, p: Path) -> pd.DataFrame:
-    """The table as pandas, one block a column (no copy into 2-D blocks), each column's Arrow memory
-    released as it is converted (`table` is not usable afterwards): the 420,731 x 26 step log of the main
-    command's run then needs little fresh memory, whose page faults cost more than the conversion."""
     try:
-        return table.to_pandas(use_threads=False, split_blocks=True, self_destruct=True)
+        return table.to_pandas(use_threads=False, split_blocks=True)     # no copy into 2-D blocks
     except Exception as exc:  # a type pandas cannot hold
         raise DataError(f"{p}: not a readable Parquet file ({type(exc).__name__})") from None
 
