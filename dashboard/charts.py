@@ -93,7 +93,7 @@ def throughput_over_time(runs: list[RunRecord], bins: int = 200) -> go.Figure:
     fig = _fig("Throughput over time", "time (s)", "tokens / s")
     colors = run_colors(runs)
     for run in runs:
-        out = run.memo(("output_rate", bins), lambda r=run: output_token_rate(r.requests, bins))
+        out = run.memo(("output_rate", bins), lambda r=run: output_token_rate(r.tokens().values, bins))
         fig.add_trace(go.Scatter(x=out["time_s"], y=out["output_tok_s"], mode="lines", name=f"{run.label}: output",
                                  line=dict(color=series_color("output_tok_s") if len(runs) == 1 else colors[run.label])))
         b = binned(run, bins)
@@ -298,37 +298,40 @@ def handoff_panels() -> list[Panel]:
 
 
 def panel_grid(ts: pd.DataFrame, panels: list[Panel], title: str, heatmaps: dict | None = None) -> go.Figure:
-    """`panels` over the columns of `ts` in a grid on one shared time axis. The traces and the axes'
-    settings go into the figure in one call each: plotly validates every per-panel update separately,
-    which took longer than the data (19 panels)."""
+    """`panels` over the columns of `ts` in a grid on one shared time axis. The grid's layout comes from
+    plotly's make_subplots; the panels' axes, legends and titles are then set in its layout as plain
+    dicts and the figure is assembled without plotly's per-property validation (the traces themselves
+    are validated as they are made): validating every layout update took longer than the data (19
+    panels). tests/test_dashboard_series.py checks the figure's JSON equals the validated build's."""
     rows = math.ceil(len(panels) / PANEL_COLUMNS)
-    fig = make_subplots(rows=rows, cols=PANEL_COLUMNS, shared_xaxes="all", vertical_spacing=0.5 / rows,
-                        horizontal_spacing=0.07, subplot_titles=[p.title for p in panels])
+    grid = make_subplots(rows=rows, cols=PANEL_COLUMNS, shared_xaxes="all", vertical_spacing=0.5 / rows,
+                         horizontal_spacing=0.07, subplot_titles=[p.title for p in panels])
+    layout = grid.layout.to_plotly_json()
     height = PANEL_HEIGHT_PX * rows + 120
     below = 22 / (height - 120)        # the legend's top: under the panel's tick labels (paper units)
-    layout: dict = {}
     traces: list = []
     for n, panel in enumerate(panels):
         row, col = n // PANEL_COLUMNS + 1, n % PANEL_COLUMNS + 1
-        axis = fig.get_subplot(row, col)
-        legend = "legend" if n == 0 else f"legend{n + 1}"
-        where = dict(xaxis=axis.xaxis.plotly_name.replace("axis", ""), yaxis=axis.yaxis.plotly_name.replace("axis", ""))
+        suffix = "" if n == 0 else str(n + 1)         # make_subplots numbers the cells' axes row by row
+        xaxis, yaxis = layout[f"xaxis{suffix}"], layout[f"yaxis{suffix}"]
+        legend = f"legend{suffix}"
+        where = dict(xaxis=f"x{suffix}", yaxis=f"y{suffix}")
         if panel.kind == "heatmap":
             traces.append(_heatmap_trace(ts, panel, heatmaps[panel.series[0][0]], where))
         else:
             traces.extend(_line_traces(ts, panel, legend, row, col, where))
-        layout[axis.yaxis.plotly_name] = dict(
-            title_text=panel.unit, rangemode="tozero", exponentformat="none", separatethousands=True,
-            **({"range": [0, 1.05]} if panel.unit == "fraction" else {}))
-        layout[legend] = dict(x=axis.xaxis.domain[0], y=axis.yaxis.domain[0] - below, xanchor="left", yanchor="top",
+        yaxis.update(title=dict(text=panel.unit), rangemode="tozero", exponentformat="none", separatethousands=True,
+                     **({"range": [0, 1.05]} if panel.unit == "fraction" else {}))
+        layout[legend] = dict(x=xaxis["domain"][0], y=yaxis["domain"][0] - below, xanchor="left", yanchor="top",
                               orientation="h", font=dict(size=10), bgcolor="rgba(0,0,0,0)")
-    fig.add_traces(traces)
-    fig.update_layout(**layout)
-    fig.update_xaxes(hoverformat=".1f", ticksuffix=" s", showticklabels=True)
-    fig.update_layout(title=dict(text=title, x=0, xanchor="left"), height=height,
-                      margin=dict(l=70, r=30, t=80, b=40), modebar=dict(orientation="v"), hovermode="x")
-    fig.update_annotations(font_size=12)
-    return fig
+    for key, axis in layout.items():
+        if key.startswith("xaxis"):
+            axis.update(hoverformat=".1f", ticksuffix=" s", showticklabels=True)
+    layout.update(title=dict(text=title, x=0, xanchor="left"), height=height, margin=dict(l=70, r=30, t=80, b=40),
+                  modebar=dict(orientation="v"), hovermode="x")
+    for note in layout.get("annotations", []):
+        note.setdefault("font", {})["size"] = 12
+    return go.Figure(data=traces, layout=layout, _validate=False)
 
 
 def _line_traces(ts: pd.DataFrame, panel: Panel, legend: str, row: int, col: int, where: dict) -> list[go.Scatter]:

@@ -79,6 +79,54 @@ def redact_file_text(message: str, paths: list[str]) -> str:
     return message[:cut] + redact_content(message[cut:])
 
 
+@dataclass(frozen=True)
+class TokenTimes:
+    """Every request's output token times in one float64 buffer: request i's (row i of the run's
+    requests) are values[offsets[i]:offsets[i + 1]]. Kept flat as requests.parquet stores them (an
+    Arrow list column's values and offsets): a pandas column of one array per request costs more to
+    build, and to concatenate again, than anything the pages compute from the 10^6-10^7 times."""
+    offsets: np.ndarray     # int64 [requests + 1], offsets[0] == 0
+    values: np.ndarray      # float64 [tokens]
+
+    @classmethod
+    def from_column(cls, column) -> TokenTimes:
+        """From a column of per-request sequences (None or empty: no token); no column: no tokens."""
+        if column is None:
+            return cls(np.zeros(1, dtype=np.int64), np.zeros(0))
+        from kvsim.sim.results.metrics import flat_token_times
+
+        offsets, values = flat_token_times([() if t is None else t for t in column])
+        return cls(offsets, values)
+
+    @classmethod
+    def from_arrow(cls, array) -> TokenTimes:
+        """From an Arrow list<double> column (chunked or not; null lists hold no token)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if isinstance(array, pa.ChunkedArray):
+            array = array.combine_chunks() if array.num_chunks else pa.array([], array.type)
+        if array.null_count == 0:         # as written: the list offsets and a view of the values, no copy
+            bounds = array.offsets.to_numpy()          # respects a slice; `values` is the whole child
+            values = array.values.to_numpy(zero_copy_only=False)[int(bounds[0]):int(bounds[-1])]
+            return cls((bounds - bounds[0]).astype(np.int64), values.astype(np.float64, copy=False))
+        lengths = pc.list_value_length(array).fill_null(0).to_numpy(zero_copy_only=False)
+        offsets = np.zeros(len(array) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = array.flatten().to_numpy(zero_copy_only=False).astype(np.float64, copy=False)   # null lists: none
+        return cls(offsets, values)
+
+    def gaps(self) -> np.ndarray:
+        """Each token's gap since its request's previous token; NaN for a request's first token."""
+        gaps = np.empty_like(self.values)
+        if len(gaps):
+            gaps[0] = np.nan
+            np.subtract(self.values[1:], self.values[:-1], out=gaps[1:])
+        starts = self.offsets[:-1][np.diff(self.offsets) > 0]
+        gaps[starts] = np.nan
+        return gaps
+
+
 @dataclass
 class RunRecord:
     """One simulation's results as the pages use them (from run_simulation or a --out directory)."""
@@ -89,7 +137,16 @@ class RunRecord:
     config: dict = field(default_factory=dict)
     path: Path | None = None           # its run directory (every dashboard run has one)
     tiers: pd.DataFrame | None = None  # tiers.parquet: the KV offload tiers' occupancy over time (with kv_offload)
+    # every output token's time, flat (TokenTimes); read from requests.parquet's list column, whose
+    # per-request arrays `requests` then leaves out. None: taken from requests["token_times_s"] when asked
+    token_times: TokenTimes | None = field(default=None, repr=False, compare=False)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def tokens(self) -> TokenTimes:
+        """Every output token's time, all requests in one buffer (TokenTimes), in the rows' order."""
+        if self.token_times is None:
+            self.token_times = TokenTimes.from_column(self.requests.get("token_times_s"))
+        return self.token_times
 
     def memo(self, key, compute):
         """compute() once per run and key: a run is read once (ui caches the record) and shown on many
@@ -173,8 +230,9 @@ def load_run_dir(path: str | Path, label: str | None = None) -> RunRecord:
         raise DataError(f"{d}: summary.json and config.yaml must each hold a mapping")
     check_summary(summary, d / "summary.json")
     tiers = read_parquet(d / "tiers.parquet", TIER_COLUMNS) if (d / "tiers.parquet").exists() else None
-    return RunRecord(label or run_label(d), summary, read_parquet(d / "requests.parquet"),
-                     read_parquet(d / "steps.parquet"), config, d, tiers)
+    requests, tokens = read_requests(d / "requests.parquet")
+    return RunRecord(label or run_label(d), summary, requests, read_parquet(d / "steps.parquet"), config, d, tiers,
+                     tokens)
 
 
 # summary.json figures the pages read: the counts must be there, every one a number (or null: not measured)
@@ -355,16 +413,47 @@ def config_headline(run: RunRecord, omit: tuple[str, ...] = ()) -> str:
 def read_parquet(path: str | Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
     """Read a Parquet file or directory of Parquet files; check the columns a page needs."""
     p = Path(path).expanduser()
+    return _to_pandas(_read_table(p, required), p)
+
+
+def read_requests(path: str | Path) -> tuple[pd.DataFrame, TokenTimes | None]:
+    """requests.parquet as (the table without its `token_times_s` list column, that column's token
+    times flat), or (the table, None) for a file without the column."""
+    p = Path(path).expanduser()
+    table = _read_table(p)
+    if "token_times_s" not in table.column_names:
+        return _to_pandas(table, p), None
+    import pyarrow as pa
+
+    column = table.column("token_times_s")
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)) \
+            or not pa.types.is_floating(column.type.value_type):
+        raise DataError(f"{p}: column token_times_s is {column.type}; expected a list of numbers per request")
+    return _to_pandas(table.drop_columns(["token_times_s"]), p), TokenTimes.from_arrow(column)
+
+
+def _read_table(p: Path, required: tuple[str, ...] = ()):
+    """The Arrow table of a Parquet file or directory, read in this thread (pyarrow's reader threads add
+    CPU time, not speed, on tables the size of a run's), with the `required` columns."""
+    import pyarrow.parquet as pq
+
     if not p.exists():
         raise DataError(f"{p}: no such file or directory")
     try:
-        df = pd.read_parquet(p)
+        table = pq.read_table(p, use_threads=False)
     except Exception as exc:  # pyarrow raises several types for a non-Parquet file
         raise DataError(f"{p}: not a readable Parquet file ({type(exc).__name__})") from None
-    lacking = [c for c in required if c not in df.columns]
+    lacking = [c for c in required if c not in table.column_names]
     if lacking:
         raise DataError(f"{p}: missing column(s) {', '.join(lacking)}")
-    return df
+    return table
+
+
+def _to_pandas(table, p: Path) -> pd.DataFrame:
+    try:
+        return table.to_pandas(use_threads=False, split_blocks=True)     # no copy into 2-D blocks
+    except Exception as exc:  # a type pandas cannot hold
+        raise DataError(f"{p}: not a readable Parquet file ({type(exc).__name__})") from None
 
 
 # ---- request metrics ---------------------------------------------------------------------------
@@ -375,15 +464,13 @@ def latency_cdf(requests: pd.DataFrame, column: str) -> pd.DataFrame:
     return pd.DataFrame({"value_ms": values, "fraction": np.arange(1, values.size + 1) / max(values.size, 1)})
 
 
-def output_token_rate(requests: pd.DataFrame, num_bins: int = 200) -> pd.DataFrame:
-    """Output tokens per second over time, from every request's token timestamps."""
-    lists = [t for t in requests["token_times_s"] if t is not None and len(t)]
-    if not lists:
+def output_token_rate(times: np.ndarray, num_bins: int = 200) -> pd.DataFrame:
+    """Output tokens per second over time, from every output token's time (TokenTimes.values)."""
+    if not len(times):
         return pd.DataFrame({"time_s": [], "output_tok_s": []})
-    times = np.concatenate([np.asarray(t, dtype=float) for t in lists])
     lo, hi = float(times.min()), float(times.max())
     edges = np.linspace(lo, hi if hi > lo else lo + 1.0, num_bins + 1)
-    counts = np.bincount(window_of(times, edges), minlength=num_bins)    # np.histogram's bins; it sorts 4 M times
+    counts = np.bincount(windows_small(times, edges), minlength=num_bins)    # np.histogram's bins; it sorts 4 M times
     return pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:]), "output_tok_s": counts / np.diff(edges)})
 
 
@@ -408,12 +495,14 @@ def bin_steps(steps: pd.DataFrame, num_bins: int = 200, span: tuple[float, float
     weight = np.maximum(steps["duration_s"].to_numpy(dtype=float), 1e-12)
     out = pd.DataFrame({"time_s": 0.5 * (edges[:-1] + edges[1:]), "bin_s": width})
     state_cols = [c for c in _ADDITIVE if c in steps]
+    state = {c: steps[c].to_numpy(float) for c in state_cols}
     total = np.zeros((num_bins, len(state_cols)))
-    for _, part in steps.groupby("replica" if "replica" in steps else np.zeros(len(steps)), sort=True):
-        pos = steps.index.get_indexer(part.index)
+    groups = steps.groupby("replica" if "replica" in steps else np.zeros(len(steps)), sort=True).indices
+    for key in sorted(groups):      # each replica's rows by position (no index lookups), in replica order
+        pos = groups[key]
         w = weight[pos]
         wsum = np.bincount(idx[pos], weights=w, minlength=num_bins)
-        means = np.column_stack([np.bincount(idx[pos], weights=part[c].to_numpy(float) * w, minlength=num_bins)
+        means = np.column_stack([np.bincount(idx[pos], weights=state[c][pos] * w, minlength=num_bins)
                                  for c in state_cols]) / np.where(wsum > 0, wsum, 1)[:, None]
         means = pd.DataFrame(np.where(wsum[:, None] > 0, means, np.nan)).ffill().fillna(0.0).to_numpy()
         total += means
@@ -674,7 +763,23 @@ def time_edges(run: RunRecord, num_bins: int) -> np.ndarray:
 
 
 def window_of(times: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    return np.clip(np.searchsorted(edges, times, side="right") - 1, 0, len(edges) - 2)
+    w = np.searchsorted(edges, times, side="right")
+    w -= 1                                  # in place: millions of token times
+    return np.clip(w, 0, len(edges) - 2, out=w)
+
+
+_CHUNK = 1 << 18
+
+
+def windows_small(times: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """window_of of millions of times (a run's output tokens) in the smallest integer type that also
+    holds one more window than there are: 2 bytes a time for up to 32,766 windows, not 8, computed a
+    chunk at a time (a fresh 8-byte array of 4 M windows costs more in page faults than the search)."""
+    n = len(edges) - 1
+    out = np.empty(len(times), dtype=np.int16 if n < 32_767 else np.int32)
+    for at in range(0, len(times), _CHUNK):
+        out[at:at + _CHUNK] = window_of(times[at:at + _CHUNK], edges)
+    return out
 
 
 def window_percentiles(times: pd.Series, values: pd.Series, edges: np.ndarray, scale: float = 1.0) -> pd.DataFrame:
@@ -810,30 +915,17 @@ LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_00
                   200_000, 500_000, 1_000_000)
 
 
-def token_arrays(requests: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """(time of every output token, gap since the request's previous token or NaN for its first),
-    all requests concatenated: what vLLM's generation-token counter and inter-token-latency
-    histogram observe."""
-    lists = [np.asarray(t, dtype=float) for t in requests["token_times_s"] if t is not None and len(t)]
-    if not lists:
-        return np.zeros(0), np.zeros(0)
-    times = np.concatenate(lists)
-    gaps = np.diff(times, prepend=np.nan)
-    starts = np.cumsum([0] + [len(t) for t in lists[:-1]])
-    gaps[starts] = np.nan
-    return times, gaps
-
-
 def _quantiles_by_window(w: np.ndarray, v: np.ndarray, n: int, scale: float) -> dict[str, np.ndarray]:
     """p50/p90/p99 (linear interpolation, as numpy's default) of `v` per window index `w`; NaN where none.
+    A value whose window is `n` is left out (how a caller drops values without copying the arrays).
     The inter-token gaps of a large run are millions: one stable (radix) sort by window, then per window
     only the two order statistics each percentile needs (np.partition), not a full sort."""
     out = {f"p{q}": np.full(n, np.nan) for q in WINDOW_PERCENTILES}
     if not len(v):
         return out
-    order = np.argsort(w.astype(np.int32 if n > 32_767 else np.int16), kind="stable")
+    order = np.argsort(w.astype(np.int32 if n >= 32_767 else np.int16, copy=False), kind="stable")
     v = v[order]
-    counts = np.bincount(w, minlength=n)
+    counts = np.bincount(w, minlength=n)[:n]
     ends = np.cumsum(counts)
     for window in np.flatnonzero(counts):
         part = v[ends[window] - counts[window]:ends[window]]
@@ -872,14 +964,15 @@ def grafana_series(run: RunRecord, edges: np.ndarray) -> pd.DataFrame:
     n = len(edges) - 1
     width = np.diff(edges)
     out = pd.DataFrame(index=range(n))
-    times, gaps = run.memo("token_arrays", lambda: token_arrays(run.requests))
-    token_window = window_of(times, edges)
+    tokens = run.tokens()
+    times, gaps = tokens.values, run.memo("token_gaps", tokens.gaps)
+    token_window = windows_small(times, edges)
     out["generation_tok_s"] = np.bincount(token_window, minlength=n)[:n] / width if len(times) else 0.0
     if len(run.steps):
         w = window_of(run.steps["time_s"].to_numpy(float), edges)
         out["prompt_tok_s"] = np.bincount(w, weights=run.steps["prefill_tokens"].to_numpy(float), minlength=n) / width
-    ok = ~np.isnan(gaps)
-    for name, values in _quantiles_by_window(token_window[ok], gaps[ok], n, 1e3).items():
+    token_window[np.isnan(gaps)] = n     # a request's first token has no gap: left out of the percentiles
+    for name, values in _quantiles_by_window(token_window, gaps, n, 1e3).items():
         out[f"itl_ms_{name}"] = values
     done = run.requests[run.requests["status"] == "finished"]
     w = window_of(done["finish_s"].to_numpy(float), edges)
