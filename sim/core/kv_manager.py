@@ -241,9 +241,13 @@ class KVCacheManager:
         contexts = [r.num_computed_tokens for r in reqs]
         if self.enable_caching and any(r.num_preemptions for r in reqs):
             # a resumed request may find its own older copy of a block cached (its hash stays
-            # with that copy): hash in stepping order, each request's allocation then its fill
-            for r in reqs:
-                self.allocate_slots(r, 1)
+            # with that copy): hash in stepping order, each request's allocation then its fill;
+            # `allocate_slots(r, 1)` of a request that neither grows nor fills a block changes
+            # nothing (its first test), so only the others are called
+            for r, c in zip(reqs, contexts, strict=False):
+                held = len(req_blocks[r])
+                if held * bs <= c or r.num_cached_blocks < min((c + 1) // bs, held):
+                    self.allocate_slots(r, 1)
             return contexts
         if growing:
             self.append_one_block_each(growing)
