@@ -44,7 +44,7 @@ class SchedulerConfig:
     async_scheduling: bool = False             # finishes release their slot one schedule later
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -628,11 +628,11 @@ class Scheduler:
         done = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            if req.num_computed_tokens >= req.num_tokens:
-                req.num_output_tokens += 1
+            computed = req.num_computed_tokens = req.num_computed_tokens + s.num_new_tokens
+            if computed >= req.prompt_tokens + req.num_output_tokens:      # req.num_tokens: a token sampled
+                n_out = req.num_output_tokens = req.num_output_tokens + 1
                 req.token_times.append(now)
-                if req.num_output_tokens >= req.max_output_tokens:
+                if n_out >= req.max_output_tokens:
                     done.append(req)
         self.finish(done, now)
         return done

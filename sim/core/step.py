@@ -70,6 +70,7 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
     num_decode = 0
     chunk_sq = 0
     drafts = 0
+    entries_of = kv.block_table_entries
     for s in out.scheduled:
         n = s.num_new_tokens
         if s.is_prefill:
@@ -87,7 +88,7 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
                 attn_pairs += n * (c + (n + 1) / 2) - (c + n)
                 drafts += s.num_spec_tokens
         kv_read += s.context_before + n
-        e = kv.block_table_entries(s.request)
+        e = entries_of(s.request)
         entries += e
         if e > widest:
             widest = e

@@ -131,6 +131,8 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     finishing = sched.finishing
     if min(next_arrival, view.next_transfer) <= view.now or not ((view.inbox_empty and not finishing) or admitting):
         return None
+    if admission_blocked and (finishing or not view.inbox_empty):
+        return None         # no run that admits arrivals while WAITING holds requests (below): none at all
     step_gap = view.steps_to_step_arrival
     if step_gap < 1:
         return None
