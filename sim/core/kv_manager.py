@@ -6,6 +6,7 @@ layouts and eviction-aware managers can stand in for it.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from operator import attrgetter
 
 from .block_pool import BlockPool
@@ -52,6 +53,10 @@ class KVCacheManager:
 
     def block_table_entries(self, req: Request) -> int:
         return len(self.req_blocks.get(req, ()))
+
+    def block_table_entries_of(self, reqs: list[Request]) -> list[int]:
+        """`block_table_entries` of each request (a step's batch at once)."""
+        return list(map(len, map(self.req_blocks.get, reqs, repeat(()))))
 
     def slot_stats(self) -> tuple[int, int]:
         """(live slots, slots in allocated blocks); shared prefix blocks count once."""

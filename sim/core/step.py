@@ -7,6 +7,7 @@ bit-identical results either way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from .scheduler import SchedulerOutput
 
 ArrayLike = float | int | np.ndarray
+_REQUEST = attrgetter("request")
 
 
 @dataclass
@@ -65,12 +67,9 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
     prefill_tokens = decode_tokens = 0
     attn_pairs = 0.0
     kv_read: float = 0
-    entries = 0
-    widest = 0
     num_decode = 0
     chunk_sq = 0
     drafts = 0
-    entries_of = kv.block_table_entries
     for s in out.scheduled:
         n = s.num_new_tokens
         if s.is_prefill:
@@ -88,10 +87,11 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
                 attn_pairs += n * (c + (n + 1) / 2) - (c + n)
                 drafts += s.num_spec_tokens
         kv_read += s.context_before + n
-        e = entries_of(s.request)
-        entries += e
-        if e > widest:
-            widest = e
+    reqs = list(map(_REQUEST, out.scheduled))
+    of = getattr(kv, "block_table_entries_of", None)       # the plain manager's, for a whole batch at once
+    sizes = of(reqs) if of is not None else list(map(kv.block_table_entries, reqs))
+    entries = sum(sizes)
+    widest = max(sizes, default=0)
     swap_tokens = out.swap_out_tokens + out.swap_in_tokens
     widest_slots = widest * kv.block_size / kv.table_rows
     return BatchShape(
