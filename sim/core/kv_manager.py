@@ -250,8 +250,9 @@ class KVCacheManager:
                    if n * bs <= c]
         if len(growing) > self.pool.num_free_blocks:
             return None
-        if self.enable_caching and any(self._may_meet_own_copy(r, c) for r, c in zip(reqs, contexts, strict=True)
-                                       if r.num_preemptions and not (c + 1) % bs):
+        fills = [(r, c) for r, c in zip(reqs, contexts, strict=True) if not (c + 1) % bs] \
+            if self.enable_caching else []
+        if any(r.num_preemptions and self._may_meet_own_copy(r, c) for r, c in fills):
             # a resumed request may find its own older copy of a block cached (its hash stays
             # with that copy): hash in stepping order, each request's allocation then its fill;
             # `allocate_slots(r, 1)` of a request that neither grows nor fills a block changes
@@ -263,13 +264,10 @@ class KVCacheManager:
             return contexts
         if growing:
             self.append_one_block_each(growing)
-        if self.enable_caching:
-            # otherwise a decode fill's hash is its request's own and new: the order of
-            # allocations and fills changes nothing (see sim/engine/bulk/decode_runs.py)
-            bs = self.block_size
-            for r, c in zip(reqs, contexts, strict=False):
-                if not (c + 1) % bs:
-                    self.cache_full_blocks(r, c + 1)
+        # otherwise a decode fill's hash is its request's own and new: the order of
+        # allocations and fills changes nothing (see sim/engine/bulk/decode_runs.py)
+        for r, c in fills:
+            self.cache_full_blocks(r, c + 1)
         return contexts
 
     def _may_meet_own_copy(self, req: Request, context: int) -> bool:

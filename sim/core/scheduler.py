@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
@@ -301,7 +302,7 @@ class Scheduler:
         contexts = self.kv.allocate_decodes(running)
         if contexts is None:
             return None
-        return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts, strict=False)}
+        return dict(zip(running, map(ScheduledRequest, running, repeat(1), contexts, repeat(False)), strict=True))
 
     def _schedule_running(self, budget: int, out: SchedulerOutput, bulk: bool = False) -> dict:
         """The running requests' tokens, request by request, preempting from the tail when one cannot get
@@ -373,8 +374,7 @@ class Scheduler:
         if reqs:
             contexts = kv.allocate_decodes(reqs)
             assert contexts is not None
-            for req, context in zip(reqs, contexts, strict=True):
-                scheduled[req] = ScheduledRequest(req, 1, context, False)
+            scheduled.update(zip(reqs, map(ScheduledRequest, reqs, repeat(1), contexts, repeat(False)), strict=True))
         return i, budget
 
     def _allocate_running(self, req: Request, n: int) -> bool:
