@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .kv_manager import KVCacheManager
+
 if TYPE_CHECKING:
     from .protocols import KVManager
     from .scheduler import SchedulerOutput
@@ -88,8 +90,8 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
                 drafts += s.num_spec_tokens
         kv_read += s.context_before + n
     reqs = list(map(_REQUEST, out.scheduled))
-    of = getattr(kv, "block_table_entries_of", None)       # the plain manager's, for a whole batch at once
-    sizes = of(reqs) if of is not None else list(map(kv.block_table_entries, reqs))
+    # the plain manager's for the whole batch at once (no call per request), as its block_table_entries
+    sizes = kv.block_table_entries_of(reqs) if type(kv) is KVCacheManager else list(map(kv.block_table_entries, reqs))
     entries = sum(sizes)
     widest = max(sizes, default=0)
     swap_tokens = out.swap_out_tokens + out.swap_in_tokens

@@ -149,6 +149,8 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     if admission_blocked and b < cfg.max_num_seqs:
         # Only while the head of WAITING cannot get its blocks even before this run's allocations.
         first_step_blocks = sum(1 for x in computed if x % bs == 0)
+        if first_step_blocks > kv.pool.num_free_blocks:
+            return None         # the run's first step cannot get its blocks (`_steps_that_fit` would say 0)
         if not waiting_head_blocked(sched, kv, cfg.max_num_batched_tokens - b, kv.pool.num_free_blocks - first_step_blocks):
             return None
     # A finish may let the blocked head of WAITING in, or send a closed-loop client's next request
