@@ -361,6 +361,7 @@ class Scheduler:
         finished = RequestStatus.FINISHED
         reqs = []
         n = len(running)
+        start = i, budget
         while i < n and budget > 0:
             req = running[i]
             if req.status != finished:
@@ -373,7 +374,8 @@ class Scheduler:
             i += 1
         if reqs:
             contexts = kv.allocate_decodes(reqs)
-            assert contexts is not None
+            if contexts is None:         # the manager declined (nothing allocated): the loop goes request by request
+                return start
             scheduled.update(zip(reqs, map(ScheduledRequest, reqs, repeat(1), contexts, repeat(False)), strict=True))
         return i, budget
 
