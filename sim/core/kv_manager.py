@@ -6,10 +6,15 @@ layouts and eviction-aware managers can stand in for it.
 """
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter
+
 from .block_pool import BlockPool
 from .prefix_lookups import PrefixLookups
 from .protocols import KVEventSink
 from .request import Request, RequestStatus
+
+_COMPUTED = attrgetter("num_computed_tokens")
 
 
 class KVCacheManager:
@@ -49,10 +54,15 @@ class KVCacheManager:
     def block_table_entries(self, req: Request) -> int:
         return len(self.req_blocks.get(req, ()))
 
+    def block_table_entries_of(self, reqs: list[Request]) -> list[int]:
+        """`block_table_entries` of each request (a step's batch at once)."""
+        return list(map(len, map(self.req_blocks.get, reqs, repeat(()))))
+
     def slot_stats(self) -> tuple[int, int]:
         """(live slots, slots in allocated blocks); shared prefix blocks count once."""
-        allocated = self.pool.num_used_blocks * self.block_size
-        empty = sum(len(b) * self.block_size - r.num_computed_tokens for r, b in self.req_blocks.items())
+        bs, req_blocks = self.block_size, self.req_blocks
+        allocated = self.pool.num_used_blocks * bs
+        empty = sum(map(len, req_blocks.values())) * bs - sum(map(_COMPUTED, req_blocks))
         return allocated - empty, allocated
 
     # The simulator may advance pure-decode runs in bulk when the manager's state is a pure
@@ -235,26 +245,41 @@ class KVCacheManager:
         leave it (the same blocks, in the same order), or None with nothing allocated when the free
         pool is short (the scheduler then preempts request by request)."""
         bs, req_blocks = self.block_size, self.req_blocks
-        growing = [r for r in reqs if len(req_blocks[r]) * bs <= r.num_computed_tokens]
+        contexts = list(map(_COMPUTED, reqs))
+        growing = [r for r, c, n in zip(reqs, contexts, map(len, map(req_blocks.__getitem__, reqs)), strict=True)
+                   if n * bs <= c]
         if len(growing) > self.pool.num_free_blocks:
             return None
-        contexts = [r.num_computed_tokens for r in reqs]
-        if self.enable_caching and any(r.num_preemptions for r in reqs):
+        fills = [(r, c) for r, c in zip(reqs, contexts, strict=True) if not (c + 1) % bs] \
+            if self.enable_caching else []
+        if any(r.num_preemptions and self._may_meet_own_copy(r, c) for r, c in fills):
             # a resumed request may find its own older copy of a block cached (its hash stays
-            # with that copy): hash in stepping order, each request's allocation then its fill
-            for r in reqs:
-                self.allocate_slots(r, 1)
+            # with that copy): hash in stepping order, each request's allocation then its fill;
+            # `allocate_slots(r, 1)` of a request that neither grows nor fills a block changes
+            # nothing (its first test), so only the others are called
+            for r, c in zip(reqs, contexts, strict=False):
+                held = len(req_blocks[r])
+                if held * bs <= c or r.num_cached_blocks < min((c + 1) // bs, held):
+                    self.allocate_slots(r, 1)
             return contexts
         if growing:
             self.append_one_block_each(growing)
-        if self.enable_caching:
-            # otherwise a decode fill's hash is its request's own and new: the order of
-            # allocations and fills changes nothing (see sim/engine/bulk/decode_runs.py)
-            bs = self.block_size
-            for r, c in zip(reqs, contexts, strict=False):
-                if not (c + 1) % bs:
-                    self.cache_full_blocks(r, c + 1)
+        # otherwise a decode fill's hash is its request's own and new: the order of
+        # allocations and fills changes nothing (see sim/engine/bulk/decode_runs.py)
+        for r, c in fills:
+            self.cache_full_blocks(r, c + 1)
         return contexts
+
+    def _may_meet_own_copy(self, req: Request, context: int) -> bool:
+        """Whether the block a resumed request fills with its decode token at `context` may meet an older
+        copy of itself (the fill's outcome then depends on evictions earlier in the step): with shared
+        hashes, always; with private ones, when its chain holds a block at that index (one it held
+        before a preemption), or its earlier full blocks are not all hashed."""
+        if req.prefix_hash_ids is not None:
+            return True
+        j = (context + 1) // self.block_size - 1
+        chain = req.private_blocks
+        return req.num_cached_blocks != j or (chain is not None and j < len(chain))
 
     def append_one_block_each(self, reqs: list[Request]) -> None:
         """Give each request one new block, in order (bulk decode growth without prefix caching)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
@@ -44,7 +45,7 @@ class SchedulerConfig:
     async_scheduling: bool = False             # finishes release their slot one schedule later
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
@@ -246,11 +247,12 @@ class Scheduler:
         # the cap exists so a long prefill does not starve others: alone, a request gets the budget
         alone = len(self.running) - len(self.finishing) + len(self.waiting) <= 1
         self._threshold = 0 if alone else self.config.long_prefill_token_threshold
-        scheduled = self._schedule_decodes(budget) if self.spec is None else None
+        decodes = self.spec is None and self._all_decode()
+        scheduled = self._schedule_decodes(budget) if decodes else None
         if scheduled is not None:
             budget -= len(scheduled)
         else:
-            scheduled = self._schedule_running(budget, out)
+            scheduled = self._schedule_running(budget, out, decodes and type(self.kv) is KVCacheManager)
             budget -= sum(s.num_new_tokens for s in scheduled.values())
         if not out.preempted:
             budget = self._admit(budget, scheduled, out)
@@ -275,28 +277,44 @@ class Scheduler:
                 self.running.remove(req)
                 self._free_finished(req)
 
-    def _schedule_decodes(self, budget: int) -> dict | None:
-        """The common step, when every running request decodes one token and the KV manager can
-        reserve all their slots at once (`allocate_decodes`): the same result as the loop in
-        `_schedule_running`, without its per-request calls. None when that does not hold (nothing
-        was allocated then)."""
-        running = self.running
-        if not running or len(running) > budget or self.finishing:
-            return None
+    def _all_decode(self) -> bool:
+        """Whether every running request (those done in the step in flight aside) decodes one token:
+        it computed all its known tokens but the last sampled one, below max_model_len."""
         max_len = self.config.max_model_len
-        for req in running:
+        finished = RequestStatus.FINISHED
+        for req in self.running:
             computed = req.num_computed_tokens
-            if req.num_tokens - computed != 1 or not req.num_output_tokens or computed >= max_len:
-                return None
+            if (req.prompt_tokens + req.num_output_tokens - computed != 1 or not req.num_output_tokens
+                    or computed >= max_len) and req.status != finished:
+                return False
+        return True
+
+    def _schedule_decodes(self, budget: int) -> dict | None:
+        """The common step, when every running request decodes one token (`_all_decode`) and the KV
+        manager can reserve all their slots at once (`allocate_decodes`): the same result as the
+        loop in `_schedule_running`, without its per-request calls. None when that does not hold
+        (nothing was allocated then)."""
+        running = self.running
+        if self.finishing:       # async: requests done in the step in flight are skipped, as the loop skips them
+            running = [r for r in running if r.status != RequestStatus.FINISHED]
+        if not running or len(running) > budget:
+            return None
         contexts = self.kv.allocate_decodes(running)
         if contexts is None:
             return None
-        return {req: ScheduledRequest(req, 1, ctx, False) for req, ctx in zip(running, contexts, strict=False)}
+        return dict(zip(running, map(ScheduledRequest, running, repeat(1), contexts, repeat(False)), strict=True))
 
-    def _schedule_running(self, budget: int, out: SchedulerOutput) -> dict:
+    def _schedule_running(self, budget: int, out: SchedulerOutput, bulk: bool = False) -> dict:
+        """The running requests' tokens, request by request, preempting from the tail when one cannot get
+        its blocks. `bulk` (every running request decodes, the plain KV manager): the requests that get
+        their slot without a preemption are allocated together (`_bulk_decodes`), the same result."""
         scheduled: dict[Request, ScheduledRequest] = {}
         i = 0
         while i < len(self.running) and budget > 0:
+            if bulk:
+                i, budget = self._bulk_decodes(i, budget, scheduled)
+                if i >= len(self.running) or budget <= 0:
+                    break
             req = self.running[i]
             if req.status == RequestStatus.FINISHED:     # async: done in the step in flight
                 i += 1
@@ -331,6 +349,35 @@ class Scheduler:
                 continue
             break           # vLLM (0.32, recorded): a request that preempted itself ends the loop
         return scheduled
+
+    def _bulk_decodes(self, i: int, budget: int, scheduled: dict) -> tuple[int, int]:
+        """From running request `i` on (all decoding, the plain KV manager), the requests whose decode slot
+        the free pool supplies in order, allocated at once (`allocate_decodes`: the pool as one
+        `allocate_slots(req, 1)` after another leaves it) and scheduled, as the loop of
+        `_schedule_running` would; the index of the first request left for that loop and the budget left."""
+        kv = cast(KVCacheManager, self.kv)
+        running, req_blocks, bs = self.running, kv.req_blocks, kv.block_size
+        free = kv.pool.num_free_blocks
+        finished = RequestStatus.FINISHED
+        reqs = []
+        n = len(running)
+        start = i, budget
+        while i < n and budget > 0:
+            req = running[i]
+            if req.status != finished:
+                if len(req_blocks[req]) * bs <= req.num_computed_tokens:     # a new block
+                    if not free:
+                        break
+                    free -= 1
+                reqs.append(req)
+                budget -= 1
+            i += 1
+        if reqs:
+            contexts = kv.allocate_decodes(reqs)
+            if contexts is None:         # the manager declined (nothing allocated): the loop goes request by request
+                return start
+            scheduled.update(zip(reqs, map(ScheduledRequest, reqs, repeat(1), contexts, repeat(False)), strict=True))
+        return i, budget
 
     def _allocate_running(self, req: Request, n: int) -> bool:
         """Slots for a running request's `n` tokens; with speculative decoding, vLLM's
@@ -583,11 +630,11 @@ class Scheduler:
         done = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            if req.num_computed_tokens >= req.num_tokens:
-                req.num_output_tokens += 1
+            computed = req.num_computed_tokens = req.num_computed_tokens + s.num_new_tokens
+            if computed >= req.prompt_tokens + req.num_output_tokens:      # req.num_tokens: a token sampled
+                n_out = req.num_output_tokens = req.num_output_tokens + 1
                 req.token_times.append(now)
-                if req.num_output_tokens >= req.max_output_tokens:
+                if n_out >= req.max_output_tokens:
                     done.append(req)
         self.finish(done, now)
         return done

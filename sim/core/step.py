@@ -7,15 +7,19 @@ bit-identical results either way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .kv_manager import KVCacheManager
 
 if TYPE_CHECKING:
     from .protocols import KVManager
     from .scheduler import SchedulerOutput
 
 ArrayLike = float | int | np.ndarray
+_REQUEST = attrgetter("request")
 
 
 @dataclass
@@ -67,8 +71,6 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
     prefill_tokens = decode_tokens = 0
     attn_pairs = 0.0
     kv_read: float = 0
-    entries = 0
-    widest = 0
     num_decode = 0
     chunk_sq = 0
     drafts = 0
@@ -89,10 +91,11 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
                 attn_pairs += n * (c + (n + 1) / 2) - (c + n)
                 drafts += s.num_spec_tokens
         kv_read += s.context_before + n
-        e = kv.block_table_entries(s.request)
-        entries += e
-        if e > widest:
-            widest = e
+    reqs = list(map(_REQUEST, out.scheduled))
+    # the plain manager's for the whole batch at once (no call per request), as its block_table_entries
+    sizes = kv.block_table_entries_of(reqs) if type(kv) is KVCacheManager else list(map(kv.block_table_entries, reqs))
+    entries = sum(sizes)
+    widest = max(sizes, default=0)
     swap_tokens = out.swap_out_tokens + out.swap_in_tokens
     widest_slots = widest * kv.block_size / kv.table_rows
     return BatchShape(

@@ -15,6 +15,7 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from collections.abc import Callable
+from operator import attrgetter
 
 import numpy as np
 import simpy
@@ -28,6 +29,8 @@ from ..core.step import BatchShape, StepResult, batch_shape
 from ..results.metrics import StepLog
 from .bulk import decode_runs
 from .bulk.admitting_runs import plan_admitting
+
+_IS_PREFILL = attrgetter("is_prefill")
 
 
 class EngineClock(simpy.Environment):
@@ -353,7 +356,7 @@ class EngineReplica:
 
     def _log_step(self, start: float, out: SchedulerOutput, result: StepResult, finished: int,
                   shape: BatchShape) -> None:
-        num_prefill = sum(1 for s in out.scheduled if s.is_prefill)
+        num_prefill = sum(map(_IS_PREFILL, out.scheduled))
         row = {
             "replica": self.index, "step": self.num_steps, "time_s": start,
             "duration_s": result.duration_s, "predicted_s": result.predicted_s,

@@ -131,6 +131,8 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     finishing = sched.finishing
     if min(next_arrival, view.next_transfer) <= view.now or not ((view.inbox_empty and not finishing) or admitting):
         return None
+    if admission_blocked and (finishing or not view.inbox_empty):
+        return None         # no run that admits arrivals while WAITING holds requests (below): none at all
     step_gap = view.steps_to_step_arrival
     if step_gap < 1:
         return None
@@ -147,6 +149,8 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     if admission_blocked and b < cfg.max_num_seqs:
         # Only while the head of WAITING cannot get its blocks even before this run's allocations.
         first_step_blocks = sum(1 for x in computed if x % bs == 0)
+        if first_step_blocks > kv.pool.num_free_blocks:
+            return None         # the run's first step cannot get its blocks (`_steps_that_fit` would say 0)
         if not waiting_head_blocked(sched, kv, cfg.max_num_batched_tokens - b, kv.pool.num_free_blocks - first_step_blocks):
             return None
     # A finish may let the blocked head of WAITING in, or send a closed-loop client's next request
@@ -284,8 +288,24 @@ def _events(computed: list, last_step: list, k: int, bs: int, caching: bool) -> 
     """Per-request block allocations and finishes over steps 0..k-1, as difference arrays (with
     prefix caching a finish's blocks are not counted back: shared ones may not return)."""
     ev = empty_events(k)
-    for r, span in enumerate(zip(computed, repeat(0), last_step)):
-        add_request_events(ev, r, span, (k, bs), not caching)
+    # requests with neither a block allocation nor their finish in the k steps only join the batch at
+    # step 0 and leave it after step k - 1: summed here rather than one call each
+    quiet = quiet_computed = quiet_blocks = 0
+    count_freed, shape = not caching, (k, bs)
+    for r, (c, last) in enumerate(zip(computed, last_step, strict=True)):
+        if last > k and -c % bs >= k >= 1:
+            quiet += 1
+            quiet_computed += c
+            quiet_blocks += -(-c // bs)
+        else:
+            add_request_events(ev, r, (c, 0, last), shape, count_freed)
+    if quiet:
+        ev.d_count[0] += quiet
+        ev.d_computed[0] += quiet_computed
+        ev.d_blocks[0] += quiet_blocks
+        ev.d_count[k] -= quiet
+        ev.d_computed[k] -= quiet_computed
+        ev.d_blocks[k] -= quiet_blocks
     ev.allocs.sort()
     return ev
 
