@@ -76,10 +76,12 @@ class CostModelExecutor:
 class SpecDecodeExecutor(CostModelExecutor):
     """`CostModelExecutor` with speculative decoding: the target's step (verifications included, priced
     by `batch_shape`) plus the drafter's time (`DraftCost`: after sampling, for every request that
-    sampled a token this step, as vLLM drafts for the whole batch). Steps one by one (no decode runs: the fast-forward is off
-    with speculative decoding; docs/speculative-decoding.md)."""
+    sampled a token this step, as vLLM drafts for the whole batch). The plain decode runs are off (each
+    step's tokens are random draws); runs of verification steps are fast-forwarded by
+    sim/engine/bulk/spec_runs.py, priced here step by step (`price_spec_shape`)."""
     supports_decode_runs = False
     supports_admitting_runs = False
+    supports_spec_runs = True
 
     def __init__(self, cost_model, kv: KVManager, draft: DraftCost):
         super().__init__(cost_model, kv)
@@ -90,19 +92,22 @@ class SpecDecodeExecutor(CostModelExecutor):
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
-        target = float(self.cost.predict(shape))
         # requests that sample this step: their computed tokens reach their known tokens
         contexts = [s.context_before + s.num_new_tokens for s in out.scheduled
                     if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens]
-        drafting = float(self.draft.seconds(shape, contexts))
-        self.last_draft_s = drafting
-        # the rejection sampler verifies the step's drafts on the target's side (DraftCost.loop)
         draft_tokens = sum(s.num_spec_tokens for s in out.scheduled)
+        seconds, self.last_draft_s, self.last_verify_s = self.price_spec_shape(shape, contexts, draft_tokens)
+        return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
+
+    def price_spec_shape(self, shape: BatchShape, contexts: list, draft_tokens: int) -> tuple[float, float, float]:
+        """(seconds, drafting seconds, verifying seconds) of a step of `shape` whose sampling requests'
+        contexts after the step are `contexts`, verifying `draft_tokens` drafts."""
+        target = float(self.cost.predict(shape))
+        drafting = float(self.draft.seconds(shape, contexts))
+        # the rejection sampler verifies the step's drafts on the target's side (DraftCost.loop)
         if draft_tokens:
             target += self.draft.loop.sampler_seconds(draft_tokens)
-        self.last_verify_s = target if draft_tokens else 0.0
-        seconds = target + drafting
-        return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
+        return target + drafting, drafting, target if draft_tokens else 0.0
 
 
 class KVPolicyExecutor:
