@@ -109,6 +109,19 @@ class SpecDecodeExecutor(CostModelExecutor):
             target += self.draft.loop.sampler_seconds(draft_tokens)
         return target + drafting, drafting, target if draft_tokens else 0.0
 
+    def price_spec_run(self, shape: BatchShape, drafting_seqs: np.ndarray, contexts: np.ndarray,
+                       draft_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`price_spec_shape` for each step of a run of verification steps (arrays over its steps: the
+        shape's fields, the requests that draft, the sum of their contexts, the drafts verified), element
+        by element in the same order: bit-identical to pricing each step (tests/test_spec_fast_forward.py)."""
+        target = self.cost.predict(shape)
+        drafting = self.draft.seconds_run(shape, drafting_seqs, contexts)
+        loop = self.draft.loop
+        verifying = draft_tokens > 0
+        target = np.where(verifying, target + (loop.sampler_kernels * loop.kernel_s + draft_tokens * loop.sampler_row_s),
+                          target)
+        return target + drafting, drafting, np.where(verifying, target, 0.0)
+
 
 class KVPolicyExecutor:
     supports_decode_runs = False       # eviction changes memory every step

@@ -83,6 +83,10 @@ def find_spec_run(view: ReplicaView, sched: Scheduler, kv, executor) -> SpecRun 
     gap = (min(view.next_arrival, view.next_transfer) - view.now) / max(view.last_step_s, 1e-9)
     horizon = min(view.max_steps, int(min(gap, 1e9)) * 2 + 16, int(min(view.steps_to_step_arrival, 1e9)),
                   remaining - 1)       # each step gives every request a token: one finishes by then
+    # draws past the first finish are discarded: plan about as far as it is likely (a shorter run is still
+    # exact, stepping goes on where it stops)
+    expected = 1.0 + (spec.settings.mean_acceptance_length - 1.0) * spec.settings.propose_rate
+    horizon = min(horizon, int(remaining / expected * 1.5) + 8)
     if horizon < 1:
         return None
     drafts, accepted, draws = _draw(spec, running, horizon)
@@ -125,22 +129,16 @@ def find_spec_run(view: ReplicaView, sched: Scheduler, kv, executor) -> SpecRun 
     verify = nm > 1
     pairs = np.where(verify, nm * (c + (nm + 1) / 2) - (c + nm), 0.0)
     attn_pairs = np.cumsum(pairs, axis=1)[:, -1] if b else np.zeros(m)
-    shape_cols = (nm.sum(axis=1), (c + nm).sum(axis=1), held[:m].sum(axis=1), held[:m].max(axis=1),
-                  drafts[:m].sum(axis=1))
-    prices, draft_s, verify_s = [], [], []
-    table_rows = kv.table_rows
-    for j, (dec, kv_read, entries, widest, d) in enumerate(zip(*(col.tolist() for col in shape_cols), strict=True)):
-        shape = BatchShape(num_seqs=b, num_prefill_tokens=0, num_decode_tokens=dec,
-                           attn_pairs_prefill=float(attn_pairs[j]) if d else 0.0, kv_tokens_read=kv_read,
-                           swap_bytes=0 * executor.cost.kv_bytes_per_token, block_table_entries=entries,
-                           kv_tokens_padded=b * (widest * bs / table_rows), attn_pairs_prefill_padded=0 * (
-                               widest * bs / table_rows) + 0, num_logit_rows=b + d if d else None)
-        contexts = (c[j] + nm[j]).tolist()
-        seconds, drafting, verifying = executor.price_spec_shape(shape, contexts, d)
-        prices.append(seconds)
-        draft_s.append(drafting)
-        verify_s.append(verifying)
-    predicted = np.array(prices, np.float64)
+    decode_tokens, kv_read, entries = nm.sum(axis=1), (c + nm).sum(axis=1), held[:m].sum(axis=1)
+    widest, num_drafts = held[:m].max(axis=1), drafts[:m].sum(axis=1)
+    batch = np.full(m, b, np.int64)
+    shape = BatchShape(num_seqs=batch, num_prefill_tokens=0, num_decode_tokens=decode_tokens,
+                       attn_pairs_prefill=attn_pairs, kv_tokens_read=kv_read,
+                       swap_bytes=0 * executor.cost.kv_bytes_per_token, block_table_entries=entries,
+                       kv_tokens_padded=b * (widest * bs / kv.table_rows), attn_pairs_prefill_padded=0.0,
+                       num_logit_rows=np.where(num_drafts > 0, b + num_drafts, b))
+    # every request samples each step: the drafter drafts for all of them, over contexts c + n
+    predicted, draft_s, verify_s = executor.price_spec_run(shape, batch, kv_read, num_drafts)
     durations = predicted if view.noise is None else predicted * view.noise.factors(view.step_index, m)
     starts, ends = _step_times(view.now, durations.tolist(), view.next_arrival, [0] * m, cfg.async_scheduling)
     starts, ends = _before_transfer(starts, ends, view.next_transfer)
@@ -148,9 +146,8 @@ def find_spec_run(view: ReplicaView, sched: Scheduler, kv, executor) -> SpecRun 
     if m < 1:
         return None
     return SpecRun(list(running), m, computed[:m + 1], outputs[:m + 1], drafts[:m + 1], accepted[:m], held[:m],
-                   [e for e in events if e[0] < m], draws[m], np.full(m, b, np.int64), shape_cols[0][:m],
-                   shape_cols[1][:m], shape_cols[2][:m], attn_pairs[:m], durations[:m], predicted[:m],
-                   draft_s[:m], verify_s[:m], starts, ends)
+                   [e for e in events if e[0] < m], draws[m], batch[:m], decode_tokens[:m], kv_read[:m], entries[:m],
+                   attn_pairs[:m], durations[:m], predicted[:m], draft_s[:m], verify_s[:m], starts, ends)
 
 
 def _draw(spec, running: list, horizon: int) -> tuple[np.ndarray, np.ndarray, list]:
