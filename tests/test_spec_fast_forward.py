@@ -113,3 +113,33 @@ def test_workload_classes_with_their_own_acceptance_fast_forward_to_the_same_bit
     assert_identical_with_prices(fast, slow)
     assert bulk > 0.5 * len(slow.steps)
     assert fast.summary["spec_decode"]["workload_class_acceptance_rate_per_pos"]
+
+
+def test_a_long_run_priced_as_arrays_equals_each_step_priced_as_stepping_prices_it():
+    """`SpecDecodeExecutor.price_spec_run` prices runs longer than SCALAR_STEPS as arrays: the same bits as
+    the stepping code on each step's shape (target, drafter passes, rejection sampler), for every drafter."""
+    from kvsim.sim.core.step import BatchShape
+    from kvsim.sim.engine.resolved_run import resolve_run
+    from kvsim.sim.simulator.executor import SCALAR_STEPS, SpecDecodeExecutor, _scalar_prices
+    rng = np.random.default_rng(11)
+    m = SCALAR_STEPS + 40
+    for spec, gpu, tp in (({"method": "eagle3", "num_speculative_tokens": 3}, "h100", 1),
+                          ({"method": "eagle", "num_speculative_tokens": 5}, "l4", 2),
+                          ({"method": "ngram", "num_speculative_tokens": 2}, "h100", 1),
+                          ({"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 4}, "h100", 2)):
+        plan = resolve_run(load_config(None, {"model": "llama-3.1-8b", "gpu": gpu, "tp": tp, "speculative_config": spec}))
+        executor = SpecDecodeExecutor(plan.cost, None, plan.spec.draft)
+        b = rng.integers(1, 96, m)
+        drafts = rng.integers(0, spec["num_speculative_tokens"] + 1, m) * b * (rng.random(m) < 0.9)
+        entries = b * rng.integers(1, 300, m)
+        shape = BatchShape(num_seqs=b, num_prefill_tokens=0, num_decode_tokens=b + drafts,
+                           attn_pairs_prefill=np.where(drafts > 0, rng.random(m) * 1e6, 0.0),
+                           kv_tokens_read=rng.integers(1, 16 * 300, m) * b, swap_bytes=0.0,
+                           block_table_entries=entries, kv_tokens_padded=b * (rng.integers(1, 300, m) * 16 / 1),
+                           attn_pairs_prefill_padded=0.0, num_logit_rows=np.where(drafts > 0, b + drafts, b))
+        contexts = shape.kv_tokens_read
+        arrays = executor.price_spec_run(shape, b, contexts, drafts)
+        steps = _scalar_prices(executor, shape, b, contexts, drafts)
+        for a, s in zip(arrays, steps, strict=True):
+            assert np.array_equal(a, s), spec
+        assert (arrays[2][drafts == 0] == 0.0).all() and (arrays[2][drafts > 0] > 0).all()

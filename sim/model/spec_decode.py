@@ -126,7 +126,10 @@ class DraftCost:
     def seconds(self, shape: BatchShape, contexts: list[float]) -> float:
         """The drafter's time in a step of `shape` whose requests in `contexts` (their KV tokens after
         the step) draft k tokens each."""
-        m = len(contexts)
+        return self.seconds_of(shape, len(contexts), sum(contexts))
+
+    def seconds_of(self, shape: BatchShape, m: int, kv: float) -> float:
+        """`seconds` given the number of drafting requests `m` and the sum of their contexts `kv`."""
         if not m:
             return 0.0
         if self.cost is None:
@@ -138,7 +141,6 @@ class DraftCost:
         eff = self._efficiency
         total += (loop.first_pass_kernels * loop.kernel_s + m * loop.row_s
                   + loop.linear_s(loop.pass_params + loop.first_pass_params, tokens, eff(tokens)))
-        kv = sum(contexts)
         per_pass = loop.pass_kernels * loop.kernel_s + m * loop.row_s + loop.linear_s(loop.pass_params, m, eff(m))
         for j in range(1, self.k):
             total += float(self.cost.predict(BatchShape(num_seqs=m, num_decode_tokens=m, kv_tokens_read=kv + m * j)))

@@ -96,14 +96,16 @@ class SpecDecodeExecutor(CostModelExecutor):
         contexts = [s.context_before + s.num_new_tokens for s in out.scheduled
                     if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens]
         draft_tokens = sum(s.num_spec_tokens for s in out.scheduled)
-        seconds, self.last_draft_s, self.last_verify_s = self.price_spec_shape(shape, contexts, draft_tokens)
+        seconds, self.last_draft_s, self.last_verify_s = self.price_spec_shape(
+            shape, len(contexts), sum(contexts), draft_tokens)
         return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
 
-    def price_spec_shape(self, shape: BatchShape, contexts: list, draft_tokens: int) -> tuple[float, float, float]:
-        """(seconds, drafting seconds, verifying seconds) of a step of `shape` whose sampling requests'
-        contexts after the step are `contexts`, verifying `draft_tokens` drafts."""
+    def price_spec_shape(self, shape: BatchShape, drafting_seqs: int, contexts: int,
+                         draft_tokens: int) -> tuple[float, float, float]:
+        """(seconds, drafting seconds, verifying seconds) of a step of `shape` whose `drafting_seqs` sampling
+        requests' contexts after the step sum to `contexts`, verifying `draft_tokens` drafts."""
         target = float(self.cost.predict(shape))
-        drafting = float(self.draft.seconds(shape, contexts))
+        drafting = float(self.draft.seconds_of(shape, drafting_seqs, contexts))
         # the rejection sampler verifies the step's drafts on the target's side (DraftCost.loop)
         if draft_tokens:
             target += self.draft.loop.sampler_seconds(draft_tokens)
@@ -114,6 +116,9 @@ class SpecDecodeExecutor(CostModelExecutor):
         """`price_spec_shape` for each step of a run of verification steps (arrays over its steps: the
         shape's fields, the requests that draft, the sum of their contexts, the drafts verified), element
         by element in the same order: bit-identical to pricing each step (tests/test_spec_fast_forward.py)."""
+        if len(draft_tokens) <= SCALAR_STEPS:
+            # a short run: each step priced as stepping prices it (numpy's fixed cost per call is more)
+            return _scalar_prices(self, shape, drafting_seqs, contexts, draft_tokens)
         target = self.cost.predict(shape)
         drafting = self.draft.seconds_run(shape, drafting_seqs, contexts)
         loop = self.draft.loop
@@ -121,6 +126,22 @@ class SpecDecodeExecutor(CostModelExecutor):
         target = np.where(verifying, target + (loop.sampler_kernels * loop.kernel_s + draft_tokens * loop.sampler_row_s),
                           target)
         return target + drafting, drafting, np.where(verifying, target, 0.0)
+
+
+def _scalar_prices(executor: SpecDecodeExecutor, shape: BatchShape, drafting_seqs: np.ndarray, contexts: np.ndarray,
+                   draft_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`price_spec_run` one step at a time: each step's shape as `batch_shape` makes it (plain numbers)."""
+    cols = [shape.num_seqs, shape.num_decode_tokens, shape.attn_pairs_prefill, shape.kv_tokens_read,
+            shape.block_table_entries, shape.kv_tokens_padded, drafting_seqs, contexts, draft_tokens]
+    out = []
+    for b, dec, pairs, kv_read, entries, padded, m, ctx, d in zip(*(np.asarray(c).tolist() for c in cols), strict=True):
+        step = BatchShape(num_seqs=b, num_prefill_tokens=0, num_decode_tokens=dec, attn_pairs_prefill=pairs,
+                          kv_tokens_read=kv_read, swap_bytes=shape.swap_bytes, block_table_entries=entries,
+                          kv_tokens_padded=padded, attn_pairs_prefill_padded=shape.attn_pairs_prefill_padded,
+                          num_logit_rows=b + d if d else None)
+        out.append(executor.price_spec_shape(step, m, ctx, d))
+    seconds, drafting, verifying = zip(*out, strict=True)
+    return np.array(seconds), np.array(drafting), np.array(verifying)
 
 
 class KVPolicyExecutor:

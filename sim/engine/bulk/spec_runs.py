@@ -19,8 +19,9 @@ used; the KV manager's own `allocate_spec_slots` is called at each step and requ
 anything (a new block, or a block filled with known tokens: hashed with prefix caching), in stepping's
 order, so block identities and the cache come out the same; the requests' tokens, token times, drafts and
 vLLM's counters advance as `Scheduler._update_spec` advances them. Each step is priced by the executor's
-own pricing of a step of that shape (`SpecDecodeExecutor.price_spec_shape`, one shape per step, built as
-`batch_shape` builds it). Bit-identical to stepping (tests/test_spec_fast_forward.py).
+pricing of the steps' shapes, built as `batch_shape` builds them (`SpecDecodeExecutor.price_spec_run`: a
+short run step by step with the stepping code, a long one as arrays, element by element in the same order).
+Bit-identical to stepping (tests/test_spec_fast_forward.py).
 """
 from __future__ import annotations
 
@@ -210,6 +211,8 @@ def apply_spec_run(sched: Scheduler, kv, run: SpecRun) -> dict:
 
     def record(upto: int) -> None:
         nonlocal done
+        if upto == done:
+            return
         figures = (pool.num_used_blocks, pool.num_free_blocks, pool.num_cached_free_blocks)
         for i in range(done, upto):
             used[i], free[i], cached[i] = figures
