@@ -31,6 +31,7 @@ sim/data/spec_decode.yaml `vllm_loop`), priced from shapes with the target's pro
 """
 from __future__ import annotations
 
+from copy import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,14 @@ class LoopCosts:
         return self.sampler_kernels * self.kernel_s + draft_tokens * self.sampler_row_s
 
 
+def _without_logit_rows(shape: BatchShape) -> BatchShape:
+    """`shape` with logits for one row per sequence (the drafter's first pass): a copy, as `replace` makes
+    it, without `replace`'s cost per call (BatchShape has no __post_init__)."""
+    out = copy(shape)
+    out.num_logit_rows = None
+    return out
+
+
 def _linear_run(loop: LoopCosts, params: float, tokens: np.ndarray, efficiency) -> np.ndarray | float:
     """`LoopCosts.linear_s` element by element over a run's steps."""
     if params <= 0.0:
@@ -135,7 +144,7 @@ class DraftCost:
         if self.cost is None:
             return self.host_per_step_s + m * self.host_per_request_s
         # first pass: the step's tokens, logits for one position per sequence (each request's last accepted)
-        total = float(self.cost.predict(replace(shape, num_logit_rows=None)))
+        total = float(self.cost.predict(_without_logit_rows(shape)))
         loop = self.loop
         tokens = float(shape.num_prefill_tokens) + float(shape.num_decode_tokens)
         eff = self._efficiency
