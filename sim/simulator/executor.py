@@ -78,7 +78,7 @@ class SpecDecodeExecutor(CostModelExecutor):
     by `batch_shape`) plus the drafter's time (`DraftCost`: after sampling, for every request that
     sampled a token this step, as vLLM drafts for the whole batch). The plain decode runs are off (each
     step's tokens are random draws); runs of verification steps are fast-forwarded by
-    sim/engine/bulk/spec_runs.py, priced here step by step (`price_spec_shape`)."""
+    sim/engine/bulk/spec_runs.py, priced here (`price_spec_run`: step by step as `execute`, or as arrays)."""
     supports_decode_runs = False
     supports_admitting_runs = False
     supports_spec_runs = True
