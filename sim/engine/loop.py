@@ -27,7 +27,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..core.step import BatchShape, StepResult, batch_shape
 from ..results.metrics import StepLog
-from .bulk import decode_runs
+from .bulk import decode_runs, spec_runs
 from .bulk.admitting_runs import plan_admitting
 
 _IS_PREFILL = attrgetter("is_prefill")
@@ -135,6 +135,10 @@ class EngineReplica:
         self.step_log = step_log
         # only then are they a DecodeRunExecutor and a DecodeRunKV (sim/core/protocols.py)
         self.bulk_decode = options.fast_forward and executor.supports_decode_runs and self.kv.supports_decode_runs
+        # speculative decoding: runs of verification steps in bulk (sim/engine/bulk/spec_runs.py)
+        self.spec_runs = (options.fast_forward and getattr(executor, "supports_spec_runs", False)
+                          and scheduler.spec is not None and self.kv.supports_decode_runs
+                          and feed.on_tokens is None and feed.step_arrivals is None)
         self.check = options.check_invariants
         self.next_arrival = feed.next_arrival
         self.on_step = feed.on_step
@@ -328,6 +332,8 @@ class EngineReplica:
             self._log_step(start, out, result, len(finished), shape)
             if self.bulk_decode:
                 yield from self._decode_run()
+            elif self.spec_runs:
+                yield from self._spec_run()
 
     def _tell_step_end(self, out: SchedulerOutput, finished: list[Request]) -> None:
         """Tell the run a step ended: its output tokens (requests whose last token time is now) to
@@ -486,6 +492,35 @@ class EngineReplica:
         if self.on_step:
             self.on_step(k)
 
+
+    def _spec_run(self):
+        """Advance a stretch of verification steps in bulk (see sim/engine/bulk/spec_runs.py)."""
+        sched = self.scheduler
+        run = spec_runs.find_spec_run(self.decode_run_view(), sched, self.kv, self.executor)
+        if run is None:
+            return
+        k = run.num_steps
+        rows = spec_runs.apply_spec_run(sched, self.kv, run)
+        self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
+        self.busy_until = run.ends[-1]
+        yield from self._reach_run_end(run)
+        waiting = [0] * k
+        waiting[-1] = len(sched.waiting)       # arrivals during the last step
+        rows.update({
+            "replica": self.index, "step": range(self.num_steps, self.num_steps + k),
+            "time_s": run.starts, "duration_s": run.durations, "predicted_s": run.predicted,
+            "batch_size": run.batch, "num_prefill_seqs": 0, "num_decode_seqs": run.batch, "prefill_tokens": 0,
+            "decode_tokens": run.decode_tokens, "kv_tokens_read": run.kv_read, "attn_pairs_prefill": run.attn_pairs,
+            "block_table_entries": run.entries, "preemptions": 0, "finished": 0, "num_waiting": waiting,
+        })
+        self.step_log.append_columns(rows, k)
+        self.num_steps += k
+        self.env.steps += k
+        self.tokens_computed += int(run.decode_tokens.sum())
+        if self.check:
+            self.check_invariants()
+        if self.on_step:
+            self.on_step(k)
 
     def _count_loading_slots(self, rows: dict, k: int) -> None:
         """A decode run's slot columns count only its running requests; requests waiting for a

@@ -31,10 +31,12 @@ sim/data/spec_decode.yaml `vllm_loop`), priced from shapes with the target's pro
 """
 from __future__ import annotations
 
+from copy import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import yaml
 
 from ..core.spec_decode import SpecDecodeSettings
@@ -103,6 +105,23 @@ class LoopCosts:
         return self.sampler_kernels * self.kernel_s + draft_tokens * self.sampler_row_s
 
 
+def _without_logit_rows(shape: BatchShape) -> BatchShape:
+    """`shape` with logits for one row per sequence (the drafter's first pass): a copy, as `replace` makes
+    it, without `replace`'s cost per call (BatchShape has no __post_init__)."""
+    out = copy(shape)
+    out.num_logit_rows = None
+    return out
+
+
+def _linear_run(loop: LoopCosts, params: float, tokens: np.ndarray, efficiency) -> np.ndarray | float:
+    """`LoopCosts.linear_s` element by element over a run's steps."""
+    if params <= 0.0:
+        return 0.0
+    read = params * loop.param_byte_s
+    compute = params * tokens * loop.param_flop_s / efficiency
+    return np.where(read >= compute, read, compute)
+
+
 @dataclass(frozen=True)
 class DraftCost:
     """Seconds the drafter adds to a step (see the module docstring)."""
@@ -116,24 +135,51 @@ class DraftCost:
     def seconds(self, shape: BatchShape, contexts: list[float]) -> float:
         """The drafter's time in a step of `shape` whose requests in `contexts` (their KV tokens after
         the step) draft k tokens each."""
-        m = len(contexts)
+        return self.seconds_of(shape, len(contexts), sum(contexts))
+
+    def seconds_of(self, shape: BatchShape, m: int, kv: float) -> float:
+        """`seconds` given the number of drafting requests `m` and the sum of their contexts `kv`."""
         if not m:
             return 0.0
         if self.cost is None:
             return self.host_per_step_s + m * self.host_per_request_s
         # first pass: the step's tokens, logits for one position per sequence (each request's last accepted)
-        total = float(self.cost.predict(replace(shape, num_logit_rows=None)))
+        total = float(self.cost.predict(_without_logit_rows(shape)))
         loop = self.loop
         tokens = float(shape.num_prefill_tokens) + float(shape.num_decode_tokens)
         eff = self._efficiency
         total += (loop.first_pass_kernels * loop.kernel_s + m * loop.row_s
                   + loop.linear_s(loop.pass_params + loop.first_pass_params, tokens, eff(tokens)))
-        kv = sum(contexts)
         per_pass = loop.pass_kernels * loop.kernel_s + m * loop.row_s + loop.linear_s(loop.pass_params, m, eff(m))
         for j in range(1, self.k):
             total += float(self.cost.predict(BatchShape(num_seqs=m, num_decode_tokens=m, kv_tokens_read=kv + m * j)))
             total += per_pass
         return total
+
+    def seconds_run(self, shape: BatchShape, m: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        """`seconds` for each step of a run (float64 or int64 arrays; sim/engine/bulk/spec_runs.py): `shape`'s
+        fields are arrays over the steps, `m` the requests that draft in each step (all > 0) and `kv` the
+        sum of their contexts. The same operations in the same order, element by element: bit-identical
+        to `seconds` step by step (tested)."""
+        if self.cost is None:
+            return self.host_per_step_s + m * self.host_per_request_s
+        total = self.cost.predict(replace(shape, num_logit_rows=None))
+        loop = self.loop
+        tokens = np.asarray(shape.num_prefill_tokens, np.float64) + np.asarray(shape.num_decode_tokens, np.float64)
+        eff = self._efficiency_run
+        total = total + (loop.first_pass_kernels * loop.kernel_s + m * loop.row_s
+                         + _linear_run(loop, loop.pass_params + loop.first_pass_params, tokens, eff(tokens)))
+        per_pass = loop.pass_kernels * loop.kernel_s + m * loop.row_s + _linear_run(loop, loop.pass_params, m, eff(m))
+        for j in range(1, self.k):
+            total = total + self.cost.predict(BatchShape(num_seqs=m, num_decode_tokens=m, kv_tokens_read=kv + m * j))
+            total = total + per_pass
+        return total
+
+    def _efficiency_run(self, tokens: np.ndarray) -> np.ndarray | float:
+        assert self.cost is not None
+        if self.cost.profile.operator_form:
+            return self.cost.gemm_efficiency(tokens)
+        return float(self.cost.profile.mfu_decode)
 
     def _efficiency(self, tokens: float) -> float:
         """The drafter's matmul efficiency at `tokens` rows (the profile's table, else mfu_decode)."""

@@ -76,10 +76,12 @@ class CostModelExecutor:
 class SpecDecodeExecutor(CostModelExecutor):
     """`CostModelExecutor` with speculative decoding: the target's step (verifications included, priced
     by `batch_shape`) plus the drafter's time (`DraftCost`: after sampling, for every request that
-    sampled a token this step, as vLLM drafts for the whole batch). Steps one by one (no decode runs: the fast-forward is off
-    with speculative decoding; docs/speculative-decoding.md)."""
+    sampled a token this step, as vLLM drafts for the whole batch). The plain decode runs are off (each
+    step's tokens are random draws); runs of verification steps are fast-forwarded by
+    sim/engine/bulk/spec_runs.py, priced here (`price_spec_run`: step by step as `execute`, or as arrays)."""
     supports_decode_runs = False
     supports_admitting_runs = False
+    supports_spec_runs = True
 
     def __init__(self, cost_model, kv: KVManager, draft: DraftCost):
         super().__init__(cost_model, kv)
@@ -90,19 +92,56 @@ class SpecDecodeExecutor(CostModelExecutor):
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         shape = batch_shape(out, self.kv, self.cost.kv_bytes_per_token)
-        target = float(self.cost.predict(shape))
         # requests that sample this step: their computed tokens reach their known tokens
         contexts = [s.context_before + s.num_new_tokens for s in out.scheduled
                     if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens]
-        drafting = float(self.draft.seconds(shape, contexts))
-        self.last_draft_s = drafting
-        # the rejection sampler verifies the step's drafts on the target's side (DraftCost.loop)
         draft_tokens = sum(s.num_spec_tokens for s in out.scheduled)
+        seconds, self.last_draft_s, self.last_verify_s = self.price_spec_shape(
+            shape, len(contexts), sum(contexts), draft_tokens)
+        return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
+
+    def price_spec_shape(self, shape: BatchShape, drafting_seqs: int, contexts: int,
+                         draft_tokens: int) -> tuple[float, float, float]:
+        """(seconds, drafting seconds, verifying seconds) of a step of `shape` whose `drafting_seqs` sampling
+        requests' contexts after the step sum to `contexts`, verifying `draft_tokens` drafts."""
+        target = float(self.cost.predict(shape))
+        drafting = float(self.draft.seconds_of(shape, drafting_seqs, contexts))
+        # the rejection sampler verifies the step's drafts on the target's side (DraftCost.loop)
         if draft_tokens:
             target += self.draft.loop.sampler_seconds(draft_tokens)
-        self.last_verify_s = target if draft_tokens else 0.0
-        seconds = target + drafting
-        return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
+        return target + drafting, drafting, target if draft_tokens else 0.0
+
+    def price_spec_run(self, shape: BatchShape, drafting_seqs: np.ndarray, contexts: np.ndarray,
+                       draft_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`price_spec_shape` for each step of a run of verification steps (arrays over its steps: the
+        shape's fields, the requests that draft, the sum of their contexts, the drafts verified), element
+        by element in the same order: bit-identical to pricing each step (tests/test_spec_fast_forward.py)."""
+        if len(draft_tokens) <= SCALAR_STEPS:
+            # a short run: each step priced as stepping prices it (numpy's fixed cost per call is more)
+            return _scalar_prices(self, shape, drafting_seqs, contexts, draft_tokens)
+        target = self.cost.predict(shape)
+        drafting = self.draft.seconds_run(shape, drafting_seqs, contexts)
+        loop = self.draft.loop
+        verifying = draft_tokens > 0
+        target = np.where(verifying, target + (loop.sampler_kernels * loop.kernel_s + draft_tokens * loop.sampler_row_s),
+                          target)
+        return target + drafting, drafting, np.where(verifying, target, 0.0)
+
+
+def _scalar_prices(executor: SpecDecodeExecutor, shape: BatchShape, drafting_seqs: np.ndarray, contexts: np.ndarray,
+                   draft_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`price_spec_run` one step at a time: each step's shape as `batch_shape` makes it (plain numbers)."""
+    cols = [shape.num_seqs, shape.num_decode_tokens, shape.attn_pairs_prefill, shape.kv_tokens_read,
+            shape.block_table_entries, shape.kv_tokens_padded, drafting_seqs, contexts, draft_tokens]
+    out = []
+    for b, dec, pairs, kv_read, entries, padded, m, ctx, d in zip(*(np.asarray(c).tolist() for c in cols), strict=True):
+        step = BatchShape(num_seqs=b, num_prefill_tokens=0, num_decode_tokens=dec, attn_pairs_prefill=pairs,
+                          kv_tokens_read=kv_read, swap_bytes=shape.swap_bytes, block_table_entries=entries,
+                          kv_tokens_padded=padded, attn_pairs_prefill_padded=shape.attn_pairs_prefill_padded,
+                          num_logit_rows=b + d if d else None)
+        out.append(executor.price_spec_shape(step, m, ctx, d))
+    seconds, drafting, verifying = zip(*out, strict=True)
+    return np.array(seconds), np.array(drafting), np.array(verifying)
 
 
 class KVPolicyExecutor:
