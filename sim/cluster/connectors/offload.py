@@ -236,10 +236,14 @@ class OffloadingConnector:
         return FinishedTransfers(received, sent)
 
     def _sample(self, now: float) -> None:
-        """The tiers' blocks held now, at most once per OCCUPANCY_SAMPLE_S of simulated time (the engine
-        polls at every step end; an idle replica's tiers do not change until it polls again)."""
-        self.occupancy.append((now, len(self.tier), *(len(path.tier) for path in self.lower)))
-        self._next_sample_s = (now // OCCUPANCY_SAMPLE_S + 1) * OCCUPANCY_SAMPLE_S
+        """The tiers' blocks held at each whole OCCUPANCY_SAMPLE_S since the last poll, taken before this
+        poll changes them: a replica's tiers change only when it polls (a step end or a transfer's end,
+        then its schedule), so they held this much at every such instant, however seldom the replica polled
+        (a decode run polls once, at its end). The shared remote store: as this replica reads it now."""
+        held = (len(self.tier), *(len(path.tier) for path in self.lower))
+        first, last = round(self._next_sample_s / OCCUPANCY_SAMPLE_S), int(now // OCCUPANCY_SAMPLE_S)
+        self.occupancy.extend((i * OCCUPANCY_SAMPLE_S, *held) for i in range(first, last + 1))
+        self._next_sample_s = (last + 1) * OCCUPANCY_SAMPLE_S
 
     def _loads_done(self, req, cpu_keys: list) -> None:
         self.tier.complete_load(cpu_keys)
@@ -454,9 +458,9 @@ def lower_tier_summary(connectors: list[OffloadingConnector]) -> dict:
 
 
 def tier_occupancy(connectors: list[OffloadingConnector]) -> pd.DataFrame:
-    """tiers.parquet: per second of simulated time and tier, the blocks held (each replica's last sample
-    in the second, carried forward while it did not poll; CPU and disk summed over the replicas, the
-    shared remote store counted once) and the tier's capacity, in blocks of `chunk_tokens`."""
+    """tiers.parquet: per second of simulated time and tier, the blocks held at the second's start (each
+    replica's sample of that instant, `OffloadingConnector._sample`; CPU and disk summed over the replicas,
+    the shared remote store counted once) and the tier's capacity, in blocks of `chunk_tokens`."""
     first = connectors[0]
     names = [first.tier.spec.name, *(p.tier.spec.name for p in first.lower)]
     levels = [distinct_tiers(connectors, j) for j in range(len(names))]
