@@ -327,7 +327,7 @@ class OffloadingConnector:
     def check_invariants(self) -> None:
         self.tier.check_invariants()
         loading = sum(len(k) for k in self._loading.values())
-        pinned = sum(b.ref_cnt for b in self.tier.blocks.values() if b.ready)
+        pinned = sum(state >> 1 for state in self.tier.blocks.values() if state & 1)     # (tiers.READY)
         assert pinned == loading, f"{self.name}: {pinned} tier pins for {loading} blocks being loaded"
         for path in self.lower:
             path.tier.check_invariants()
