@@ -374,6 +374,8 @@ def _steps_keeping_head_hits(sched, kv: DecodeRunKV, allocs: list, k: int) -> in
 def _steps_that_fit(ev: RunEvents, k: int, free_blocks: int, deferred: bool = False) -> int:
     """Steps before the first whose allocations the free pool could not supply (`deferred`: a
     finish's blocks return after the next step's allocations)."""
+    if sum(ev.new_blocks) <= free_blocks:       # every allocation fits, whatever returns (the common case)
+        return k
     allocated = released = 0
     freed = ev.freed_blocks
     for j, n_new in enumerate(ev.new_blocks):
