@@ -30,6 +30,11 @@ FLEETS = {
     "prefix-affinity-stale-cpu-tier": {"replicas": 4, "router": "prefix_affinity", "router_options.refresh_s": 0.5,
                                        "kv_offload.cpu_gib": 1, "engine.num_gpu_blocks": 1200,
                                        "trace_options.rate_scale": 4.0},
+    # LMCache's tiers: a disk per replica and the remote store they share (tiers.parquet: its own record)
+    "session-affinity-disk-remote": {"trace": "mooncake-conversation", "replicas": 3, "router": "session_affinity",
+                                     "kv_offload.cpu_gib": 0.5, "kv_offload.disk_gib": 4, "kv_offload.remote_gib": 16,
+                                     "kv_offload.chunk_tokens": 256, "engine.num_gpu_blocks": 2500,
+                                     "trace_options.rate_scale": 3.0},
     "kv-usage-stale": {"replicas": 4, "router": "kv_usage", "router_options.refresh_s": 0.2,
                        "engine.num_gpu_blocks": 3000, "trace_options.rate_scale": 4.0},
     # sync scheduling under memory pressure (preemptions), llm-d's weighted profile (reads every replica)

@@ -75,6 +75,18 @@ class BlockTier:
         self.blocks: OrderedDict = OrderedDict()
         self._ready_at: dict = {}
         self.stats = TierStats()
+        self.occupancy: list[tuple[float, int]] = []     # (whole second, blocks held then): record_occupancy
+        self._next_record = 0
+
+    def record_occupancy(self, now: float, every: float) -> None:
+        """Record the blocks held at each multiple of `every` seconds up to `now` not recorded yet; called
+        before the tier changes at `now` (a store shared by replicas: whichever changes it), so each
+        record is what it held at that instant."""
+        first, last = self._next_record, int(now // every)
+        if last >= first:
+            held = len(self.blocks)
+            self.occupancy.extend((i * every, held) for i in range(first, last + 1))
+            self._next_record = last + 1
 
     def __len__(self) -> int:
         return len(self.blocks)
