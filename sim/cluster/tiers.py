@@ -49,16 +49,10 @@ class TierSpec:
                              f"got {self.eviction!r}")
 
 
-class _Block:
-    __slots__ = ("ready", "ref_cnt", "ready_at")
-
-    def __init__(self, ref_cnt: int = 1):
-        self.ready = False
-        self.ref_cnt = ref_cnt    # a block being stored cannot be evicted (vLLM: ref_cnt 1 until stored)
-        self.ready_at = float("inf")   # a written-through block: readable from this time on
-
-    def readable(self, now: float) -> bool:
-        return self.ready or self.ready_at <= now
+# A block's state is one small int, not an object (a fleet's CPU tiers hold millions of blocks: ~70 bytes
+# a block less): its pins (ref_cnt) shifted left by one, or'ed with READY once its store has completed.
+READY = 1
+PIN = 2
 
 
 @dataclass
@@ -71,23 +65,46 @@ class TierStats:
 
 
 class BlockTier:
-    """The blocks one tier holds, in LRU order (oldest first)."""
+    """The blocks one tier holds, in LRU order (oldest first): `blocks` maps a block's key to its state
+    (PIN x ref_cnt | READY), `_ready_at` a written-through block's key to when it can be read (a block
+    not in it: never before its store completes)."""
 
     def __init__(self, spec: TierSpec):
         self.spec = spec
         self.capacity = spec.capacity_blocks
         self.blocks: OrderedDict = OrderedDict()
+        self._ready_at: dict = {}
         self.stats = TierStats()
+        self.occupancy: list[tuple[float, int]] = []     # (whole second, blocks held then): record_occupancy
+        self._next_record = 0
+
+    def record_occupancy(self, now: float, every: float) -> None:
+        """Record the blocks held at each multiple of `every` seconds up to `now` not recorded yet; called
+        before the tier changes at `now` (a store shared by replicas: whichever changes it), so each
+        record is what it held at that instant."""
+        first, last = self._next_record, int(now // every)
+        if last >= first:
+            held = len(self.blocks)
+            self.occupancy.extend((i * every, held) for i in range(first, last + 1))
+            self._next_record = last + 1
 
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def readable(self, key, now: float = float("-inf")) -> bool:
+        """Whether the held block `key` can be read at `now` (stored, or written through by then)."""
+        return bool(self.blocks[key] & READY) or self._ready_at.get(key, float("inf")) <= now
+
+    def ref_cnt(self, key) -> int:
+        return self.blocks[key] >> 1
+
     def lookup(self, keys: list, now: float = float("-inf")) -> int:
         """Leading `keys` held and ready (a written-through block: written by `now`)."""
         n = 0
+        blocks, ready_at = self.blocks, self._ready_at
         for key in keys:
-            block = self.blocks.get(key)
-            if block is None or not (block.ready or block.ready_at <= now):
+            state = blocks.get(key)
+            if state is None or not (state & READY or (ready_at and ready_at.get(key, float("inf")) <= now)):
                 break
             n += 1
         return n
@@ -95,14 +112,14 @@ class BlockTier:
     def prepare_load(self, keys: list, now: float = float("-inf")) -> None:
         blocks = self.blocks
         for key in keys:
-            block = blocks[key]
-            assert block.readable(now), f"tier {self.spec.name}: loading block {key!r} that is not stored yet"
-            block.ref_cnt += 1
+            assert self.readable(key, now), f"tier {self.spec.name}: loading block {key!r} that is not stored yet"
+            blocks[key] += PIN
             blocks.move_to_end(key)
 
     def complete_load(self, keys: list) -> None:
+        blocks = self.blocks
         for key in keys:
-            self.blocks[key].ref_cnt -= 1
+            blocks[key] -= PIN
         self.stats.blocks_loaded += len(keys)
 
     def place(self, keys: list) -> list | None:
@@ -115,9 +132,9 @@ class BlockTier:
         return new
 
     def ready_at(self, keys: list, at_s: float) -> None:
-        blocks = self.blocks
+        ready_at = self._ready_at
         for key in keys:
-            blocks[key].ready_at = at_s
+            ready_at[key] = at_s
 
     def prepare_store(self, keys: list, pinned: bool = True) -> list | None:
         """The keys of `keys` this tier will store (those it lacks), room made for them; None when it
@@ -127,34 +144,36 @@ class BlockTier:
         excess = len(blocks) + len(new) - self.capacity
         if excess > 0:
             victims = []
-            for key, block in blocks.items():
-                if block.ref_cnt == 0:
+            for key, state in blocks.items():
+                if state < PIN:            # no pin: no load reads it, no store is writing it
                     victims.append(key)
                     if len(victims) == excess:
                         break
             if len(victims) < excess:
                 self.stats.stores_dropped += len(new)
                 return None
+            ready_at = self._ready_at
             for key in victims:
                 del blocks[key]
+                if ready_at:
+                    ready_at.pop(key, None)
             self.stats.blocks_evicted += len(victims)
-        ref_cnt = 1 if pinned else 0
+        state = PIN if pinned else 0       # a block being stored cannot be evicted (vLLM: ref_cnt 1 until stored)
         for key in new:
-            blocks[key] = _Block(ref_cnt)
+            blocks[key] = state
         return new
 
     def complete_store(self, keys: list) -> None:
         blocks = self.blocks
         for key in keys:
-            block = blocks[key]
-            block.ready = True
-            block.ref_cnt -= 1
+            blocks[key] = (blocks[key] - PIN) | READY
         self.stats.blocks_stored += len(keys)
 
     def check_invariants(self) -> None:
         assert len(self.blocks) <= self.capacity, (
             f"tier {self.spec.name}: {len(self.blocks)} blocks over its capacity of {self.capacity}")
-        for key, block in self.blocks.items():
-            assert block.ref_cnt >= 0, f"tier {self.spec.name}: block {key!r} released more than pinned"
-            assert block.ready or block.ref_cnt >= 1 or block.ready_at < float("inf"), (
+        for key, state in self.blocks.items():
+            assert state >= 0, f"tier {self.spec.name}: block {key!r} released more than pinned"
+            assert state & READY or state >= PIN or key in self._ready_at, (
                 f"tier {self.spec.name}: block {key!r} lost its store")
+        assert self._ready_at.keys() <= self.blocks.keys(), f"tier {self.spec.name}: a read time for a block it lacks"

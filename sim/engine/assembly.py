@@ -28,7 +28,7 @@ from ..core.protocols import Executor, KVManager
 from ..core.scheduler import Scheduler, SchedulerConfig
 from ..core.spec_decode import SpecDecoder
 from .loop import (ArrivalProcess, ClientTimeout, ConcurrencyLimit, DPGroup, EngineClock, EngineReplica, ReplicaFeed,
-                   ReplicaOptions, RoutedAhead, Router, StepArrivals)
+                   LazyRouting, ReplicaOptions, RoutedAhead, Router, StepArrivals)
 from .routers import routes_ahead
 from ..model.parallel import DPAttentionPricing
 from ..results.metrics import StepLog
@@ -294,11 +294,15 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     # (not data-parallel ranks: they step in lockstep, each step waiting for the group's)
     ahead: list = ([] if cfg.replicas > 1 and cfg.dp == 1 and not closed and not by_step and routes_ahead(cfg.router)
                    else None)
+    # one whose router reads replica state reads it lazily (sim.engine.loop.LazyRouting): each replica's decode
+    # runs go on past the fleet's arrivals until the router reads it or sends it a request
+    replicas: list[EngineReplica] = []
+    lazy = (LazyRouting(None, replicas, requests) if ahead is None and reads_lazily(cfg) and not closed and not by_step
+            else None)
     timeout = client_timeout(cfg.trace_options.request_timeout, entry)
     sigma = resolve_sigma(cfg.step_variance, plan.gpu.name) if step_noise else 0.0
     noises = [replica_noise(sigma, cfg.seed, i) for i in range(ranks)]
     grouped = cfg.dp > 1
-    replicas: list[EngineReplica] = []
     for i in range(ranks):
         kv, executor = replica_parts(i)
         replicas.append(EngineReplica(
@@ -313,7 +317,7 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
                         step_arrivals=step_arrivals, on_step=on_step,
                         on_done=None if sends is None else (lambda n, t: feed[1].done(n, t)),
                         arrivals=own_arrivals, timeout=timeout, on_tokens=entry.outputs if shared else None,
-                        on_finished=None if sessions is None else sessions.finished)))
+                        on_finished=None if sessions is None else sessions.finished, lazy=lazy)))
     if grouped:
         group_ranks(env, plan, replicas)
     if by_step:
@@ -324,10 +328,21 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
         sessions.send = limit.arrive if limit is not None else (lambda req, now: router.route(req).submit(req))
     if ahead is not None:
         ahead.append(RoutedAhead(requests, router, replicas))
+    if lazy is not None:
+        lazy.router = router
     arrivals = ArrivalProcess(env, requests if sessions is None else sessions.first_turns,
-                              router if ahead is None else ahead[0], limit)
+                              router if ahead is None and lazy is None else ahead[0] if ahead is not None else lazy,
+                              limit)
+    if lazy is not None:
+        lazy.attach(arrivals)
     feed.extend((arrivals, limit))
     return EngineRun(env, replicas, arrivals, limit, None, router, sessions)
+
+
+def reads_lazily(cfg: SimConfig) -> bool:
+    """Whether a fleet of `cfg` reads its replicas' state lazily (sim.engine.loop.LazyRouting): several
+    replicas, no data-parallel ranks, decode fast-forward on (the lazy part is a planned decode run)."""
+    return cfg.replicas > 1 and cfg.dp == 1 and cfg.fast_forward
 
 
 def group_ranks(env: EngineClock, plan: ResolvedRun, replicas: list[EngineReplica]) -> list[DPGroup]:

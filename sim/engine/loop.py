@@ -44,13 +44,14 @@ class EngineClock(simpy.Environment):
         self.event_per_step = event_per_step
         self.steps = 0          # engine steps of all replicas so far (EngineReplica.num_steps summed)
 
-    def retarget(self, event: simpy.Event, t: float) -> None:
+    def retarget(self, event: simpy.Event, t: float, fresh: bool = False) -> None:
         """Move a scheduled, unprocessed event to time `t` (the arrival process's wait, when a decode
-        run admitted the arrivals it waited for)."""
+        run admitted the arrivals it waited for). `fresh`: it is ordered as an event made now (after
+        those already due at `t`), as a run planned now would schedule its end."""
         queue = self._queue
         for i, (_, priority, eid, queued) in enumerate(queue):
             if queued is event:
-                queue[i] = (t, priority, eid, event)
+                queue[i] = (t, priority, next(self._eid) if fresh else eid, event)
                 heapq.heapify(queue)
                 return
         raise ValueError("retarget: the event is not scheduled")
@@ -108,6 +109,9 @@ class ReplicaFeed:
     # requests still streaming after it): a frontend whose API server streams them on the loop that also
     # takes new requests (sim.simulator.client.Frontend.outputs)
     on_tokens: Callable[[int, float, int, int], None] | None = None
+    # a fleet whose router reads replica state lazily (sim.engine.loop.LazyRouting): decode runs are planned
+    # up to the router's next read of every replica and applied when a read or a request reaches the replica
+    lazy: LazyRouting | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,13 @@ class EngineReplica:
         self.busy_until = 0.0       # when the step (or decode run) in flight ends: nothing leaves before
         self._wake: simpy.Event | None = None
         self.group: DPGroup | None = None       # set by the DPGroup that steps a grouped replica
+        # a lazy fleet (feed.lazy): the decode run planned and not yet applied, its rows once applied, the
+        # event at its end
+        self.lazy = feed.lazy if self.bulk_decode and self.arrivals is None and feed.timeout is None else None
+        self._planned: decode_runs.DecodeRun | None = None
+        self._planned_rows: dict | None = None
+        self._planned_end: simpy.Event | None = None
+        self._planned_waiting: list[int] = []
         self.process = None if options.grouped else env.process(self.run())
 
     @property
@@ -180,6 +191,8 @@ class EngineReplica:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def submit(self, req: Request) -> None:
+        if self._planned is not None:
+            self.sync()
         req.replica = self.index
         if self.timeout is not None:
             heapq.heappush(self._deadlines, (self.timeout.deadline(req), len(self._deadlines), req))
@@ -416,11 +429,18 @@ class EngineReplica:
         arrival = self.next_arrival()
         if self._deadlines:                  # an abort ends a run as an arrival does
             arrival = min(arrival, self.next_deadline())
+        max_steps = self.max_run_steps
+        if self.lazy is not None and arrival > self.now:
+            # a lazy fleet: the run goes on to the router's next read of every replica (an arrival or a
+            # request sent here cuts it), planned over about the steps until this replica's share of arrivals
+            fleet_gap = (arrival - self.now) / max(self._last_duration, 1e-9)
+            arrival = self.lazy.next_read()
+            max_steps = min(max_steps, int(min(fleet_gap, 1e9)) * 2 * len(self.lazy.replicas) + 16)
         return decode_runs.ReplicaView(
             now=self.now, next_arrival=arrival, inbox_empty=not self.inbox,
             steps_to_step_arrival=self.step_arrivals.steps_until_next(self.num_steps) if self.step_arrivals
             else float("inf"),
-            last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=self.max_run_steps,
+            last_step_s=self._last_duration, last_step_start=self._step_start, max_steps=max_steps,
             closed_loop=self.on_done is not None or self.on_finished is not None or self._finish_stops_runs(),
             next_transfer=min(self.scheduler.next_transfer_completion(), self.next_handoff()),
             step_index=self.num_steps, noise=self.noise)
@@ -443,18 +463,103 @@ class EngineReplica:
                                 self._plan_admitting if self.arrivals is not None else None)
         if run is None:
             return
+        if self.lazy is not None and run.waiting is None:
+            yield from self._lazy_run(run)
+            return
         k = run.num_steps
         if run.waiting is not None:
             waiting = run.waiting
             self._take_arrivals_of(run)
         else:
             waiting = [len(sched.waiting)] * k
-        rows = decode_runs.apply_decode_run(sched, self.kv, run)
-        if sched.loading:
-            self._count_loading_slots(rows, k)
+        rows = self._apply_run(run)
+        yield from self._reach_run_end(run)
+        self._end_run(run, rows, waiting)
+
+    def _apply_run(self, run: decode_runs.DecodeRun) -> dict:
+        """The run's allocations, finishes (all but its last step's) and token counts, done now; its pool
+        columns (and, a lazy run, its steps' waiting counts: those of now)."""
+        if self.lazy is not None:
+            self._planned_waiting = [len(self.scheduler.waiting)] * run.num_steps
+        rows = decode_runs.apply_decode_run(self.scheduler, self.kv, run)
+        if self.scheduler.loading:
+            self._count_loading_slots(rows, run.num_steps)
         self._step_start = run.starts[-1]       # its schedule is the next one's arrival horizon
         self.busy_until = run.ends[-1]
-        yield from self._reach_run_end(run)
+        return rows
+
+    def _lazy_run(self, run: decode_runs.DecodeRun):
+        """A decode run of a lazy fleet's replica (sim.engine.loop.LazyRouting): planned now, applied when
+        the router reads this replica or sends it a request (`sync`: cut at the step in progress then,
+        the run the replica would have planned with that arrival as its next one), else at its end.
+        Nothing else reads or changes the replica meanwhile, so the results are those of applying it
+        now and cutting it at every arrival."""
+        self._planned, self._planned_rows = run, None
+        self.busy_until = run.ends[-1]
+        if not self.env.advance_to(run.ends[-1]):       # something is due before its end: it may read us
+            self._planned_end = self.env.timeout_at(run.ends[-1])
+            yield self._planned_end
+        run, rows = self._planned, self._planned_rows
+        self._planned = self._planned_rows = self._planned_end = None
+        if run.num_steps == 0:          # cut before its first step: stepping goes on from here
+            return
+        if rows is None:
+            rows = self._apply_run(run)
+        self._end_run(run, rows, self._planned_waiting)
+
+    def sync(self) -> None:
+        """Bring a planned decode run to now (a lazy fleet's replica): cut it after the step in progress
+        (with async scheduling, one step more unless that step finishes requests: the rule of
+        `decode_runs._step_times` for an arrival now) and apply it, as the run planned with an arrival now
+        would have been; its end event moves to the cut run's end."""
+        run = self._planned
+        if run is None or self._planned_rows is not None:
+            return
+        m = decode_runs.steps_before(run, self.now, self.async_scheduling)
+        if m < run.num_steps:
+            run = self._planned = decode_runs.truncate_run(run, m)
+            self.busy_until = run.ends[-1] if m else self._step_start + self._last_duration
+            self.env.retarget(self._planned_end, run.ends[-1] if m else self.now, fresh=True)
+        if m:
+            self._planned_rows = self._apply_run(run)
+
+    def outstanding_now(self) -> int:
+        """Running + waiting requests as stepping would count them now (a router's read), without applying
+        a lazy replica's planned run where that can be counted from its plan: the requests that left it
+        in the steps it has taken by now."""
+        run = self._planned
+        if run is None or self._planned_rows is not None:
+            return self.outstanding
+        sched = self.scheduler
+        m = decode_runs.steps_before(run, self.now, self.async_scheduling)
+        if not m:
+            return self.outstanding
+        if decode_runs.replays_fills(self.kv, run):
+            self.sync()
+            return self.outstanding
+        return self.outstanding - len(sched.finishing) - sum(1 for e in run.last_step if e < m)
+
+    def computed_blocks_now(self, req: Request) -> list[int]:
+        """The replica's prefix-cache hits for `req` now (a router's read), without applying a lazy
+        replica's planned run where the plan cannot change them: no hit, or no hit among the blocks its
+        allocations up to now may take off the free queue (a decode run hashes only blocks of its own
+        requests' outputs, which no other prompt hits)."""
+        hits = self.kv.get_computed_blocks(req)
+        run = self._planned
+        if not hits or run is None or self._planned_rows is not None:
+            return hits
+        m = decode_runs.steps_before(run, self.now, self.async_scheduling)
+        popped = sum(run.new_blocks[:m])
+        if popped and (popped > self.kv.pool.num_free_blocks
+                       or not set(hits).isdisjoint(self.kv.pool.next_free_blocks(popped))):
+            self.sync()
+            return self.kv.get_computed_blocks(req)
+        return hits
+
+    def _end_run(self, run: decode_runs.DecodeRun, rows: dict, waiting: list) -> None:
+        """A decode run reached its end: its last step's finishes, then its rows to the step log."""
+        sched = self.scheduler
+        k = run.num_steps
         done = [r for r, e in zip(run.requests, run.last_step, strict=False) if e == k]
         self.scheduler.finish(done, self.now)
         if done and self.on_done is not None:
@@ -670,6 +775,49 @@ class RoutedAhead:
         """When the next request routed to replica `index` arrives (inf: none is left)."""
         times, k = self._own[index], self._sent[index]
         return times[k] if k < len(times) else float("inf")
+
+
+class LazyRouting:
+    """A fleet's router that reads replica state (`RouterBase.reads_replicas`), on an open loop, with lazy
+    replica state: each replica's decode runs are planned past the fleet's arrivals and applied only when
+    the router reads that replica or sends it a request (`EngineReplica.sync`: the run cut where the
+    arrival would have cut it). Before each decision the router says whether it reads every replica's
+    exact state now (`RouterBase.reads_state_now`: then every replica is brought to now first, as the
+    engine did at every arrival); a router whose signals are refreshed at an interval reads them only at
+    refresh instants, and reads of the outstanding requests and prefix-cache hits are answered from a
+    replica's plan where it can (`EngineReplica.outstanding_now`, `computed_blocks_now`). Same decisions,
+    same results; replicas' runs stop at the router's reads and their own arrivals only."""
+
+    def __init__(self, router, replicas: list[EngineReplica], requests: list[Request]):
+        self.router = router
+        self.replicas = replicas
+        self._times = array("d", (r.arrival_time for r in requests))
+        self._arrivals: ArrivalProcess | None = None
+
+    def attach(self, arrivals: ArrivalProcess) -> None:
+        self._arrivals = arrivals
+
+    def route(self, req: Request) -> EngineReplica:
+        if self.router.reads_state_now():
+            for replica in self.replicas:
+                replica.sync()
+        return self.router.route(req)
+
+    def next_read(self) -> float:
+        """When the router next brings every replica to its exact state: the first arrival still to come
+        at or after the earliest time it may (inf: none)."""
+        arrivals = self._arrivals
+        i = arrivals.index if arrivals is not None else 0
+        times = self._times
+        if i >= len(times):
+            return float("inf")
+        earliest = self.router.next_state_read()
+        if earliest <= times[i]:
+            return times[i]
+        if earliest == float("inf"):
+            return earliest
+        j = bisect_left(times, earliest, i)
+        return times[j] if j < len(times) else float("inf")
 
 
 class StepArrivals:

@@ -338,6 +338,7 @@ class RequestLog:
             self.ready_tokens -= tokens
         for r in reqs:
             del r.token_times[:]               # written: the Request keeps an empty array
+            r.route = None                     # and no route (the cluster layer's record: not in the row)
 
     def _arrow(self, df: pd.DataFrame) -> pa.Table:
         table = requests_arrow(df)

@@ -131,6 +131,14 @@ class OffloadingConnector:
         keys = self._keys.get(req)
         if keys is None:
             keys = self._keys[req] = []
+        if len(keys) >= n:
+            return keys[:n]
+        if req.prefix_hash_ids is None:        # every block the request's own (block_key's last case), inlined
+            h, rid = keys[-1] if keys else None, req.request_id
+            for j in range(len(keys), n):
+                h = hash((h, ("req", rid, j)))
+                keys.append(h)
+            return keys[:n]
         bs = self.block_size
         while len(keys) < n:
             keys.append(hash((keys[-1] if keys else None, block_key(req, len(keys), bs))))
@@ -261,10 +269,14 @@ class OffloadingConnector:
         return FinishedTransfers(received, sent)
 
     def _sample(self, now: float) -> None:
-        """The tiers' blocks held now, at most once per OCCUPANCY_SAMPLE_S of simulated time (the engine
-        polls at every step end; an idle replica's tiers do not change until it polls again)."""
-        self.occupancy.append((now, len(self.tier), *(len(path.tier) for path in self.lower)))
-        self._next_sample_s = (now // OCCUPANCY_SAMPLE_S + 1) * OCCUPANCY_SAMPLE_S
+        """The tiers' blocks held at each whole OCCUPANCY_SAMPLE_S since the last poll, taken before this
+        poll changes them: a replica's tiers change only when it polls (a step end or a transfer's end,
+        then its schedule), so they held this much at every such instant, however seldom the replica polled
+        (a decode run polls once, at its end). The shared remote store records its own (`BlockTier.record_occupancy`)."""
+        held = (len(self.tier), *(len(path.tier) for path in self.lower))
+        first, last = round(self._next_sample_s / OCCUPANCY_SAMPLE_S), int(now // OCCUPANCY_SAMPLE_S)
+        self.occupancy.extend((i * OCCUPANCY_SAMPLE_S, *held) for i in range(first, last + 1))
+        self._next_sample_s = (last + 1) * OCCUPANCY_SAMPLE_S
 
     def _loads_done(self, req, cpu_keys: list) -> None:
         self.tier.complete_load(cpu_keys)
@@ -300,6 +312,8 @@ class OffloadingConnector:
         """LMCache's batched_put: blocks now in CPU are written to every lower tier, each over its own
         link from when the copy to the CPU ended."""
         for path in self.lower:
+            if path.write_back:            # a store the replicas share: its occupancy is its own record
+                path.tier.record_occupancy(self.clock(), OCCUPANCY_SAMPLE_S)
             new = path.tier.place(keys)
             if new:
                 _, end = path.write.reserve(stored_s, len(new) * path.tier.spec.bytes_per_block)
@@ -348,14 +362,14 @@ class OffloadingConnector:
     def check_invariants(self) -> None:
         self.tier.check_invariants()
         loading = sum(len(k) for k in self._loading.values())
-        pinned = sum(b.ref_cnt for b in self.tier.blocks.values() if b.ready)
+        pinned = sum(state >> 1 for state in self.tier.blocks.values() if state & 1)     # (tiers.READY)
         assert pinned == loading, f"{self.name}: {pinned} tier pins for {loading} blocks being loaded"
         for path in self.lower:
             path.tier.check_invariants()
 
 
 LMCACHE_CHUNK_TOKENS = 256      # LMCache's default chunk_size
-OCCUPANCY_SAMPLE_S = 1.0        # tiers.parquet: one sample of each replica's tiers per simulated second at most
+OCCUPANCY_SAMPLE_S = 1.0        # tiers.parquet: the tiers at every whole simulated second
 
 
 def offload_unit(offload, plan) -> int:
@@ -489,9 +503,11 @@ def lower_tier_summary(connectors: list[OffloadingConnector]) -> dict:
 
 
 def tier_occupancy(connectors: list[OffloadingConnector]) -> pd.DataFrame:
-    """tiers.parquet: per second of simulated time and tier, the blocks held (each replica's last sample
-    in the second, carried forward while it did not poll; CPU and disk summed over the replicas, the
-    shared remote store counted once) and the tier's capacity, in blocks of `chunk_tokens`."""
+    """tiers.parquet: per second of simulated time and tier, the blocks held at the second's end (the last
+    second's: at the end of the run), from each replica's record of its tiers at every whole second
+    (`OffloadingConnector._sample`; CPU and disk summed over the replicas) and the shared remote store's own
+    record (`BlockTier.record_occupancy`, counted once), and the tier's capacity, in blocks of
+    `chunk_tokens`."""
     first = connectors[0]
     names = [first.tier.spec.name, *(p.tier.spec.name for p in first.lower)]
     levels = [distinct_tiers(connectors, j) for j in range(len(names))]
@@ -502,12 +518,24 @@ def tier_occupancy(connectors: list[OffloadingConnector]) -> pd.DataFrame:
     for c in connectors:
         if not c.occupancy:
             continue
-        samples = np.asarray(c.occupancy, dtype=np.float64)
-        last = np.searchsorted(samples[:, 0], seconds + OCCUPANCY_SAMPLE_S, side="left") - 1
-        values = np.where(last[:, None] >= 0, samples[np.maximum(last, 0), 1:], 0.0)
+        now = (len(c.tier), *(len(path.tier) for path in c.lower))
+        values = _at_second_ends(c.occupancy, now, seconds)
         for j in range(len(names)):
             held[:, j] = np.maximum(held[:, j], values[:, j]) if shared[j] else held[:, j] + values[:, j]
+    for j, tiers in enumerate(levels):
+        if shared[j] and tiers[0].occupancy:      # a store the replicas share: what it held, from its own record
+            held[:, j] = _at_second_ends(tiers[0].occupancy, (len(tiers[0]),), seconds)[:, 0]
     capacity = [sum(t.capacity for t in tiers) for tiers in levels]
     return pd.DataFrame({"time_s": np.repeat(seconds, len(names)), "tier": names * len(seconds),
                          "blocks_held": held.reshape(-1).astype(np.int64),
                          "capacity_blocks": np.tile(capacity, len(seconds)).astype(np.int64)})
+
+
+def _at_second_ends(records: list, now: tuple, seconds: np.ndarray) -> np.ndarray:
+    """Blocks held at the end of each of `seconds` from `records` ((whole second, blocks...) up to the
+    last change) and `now` (held since the last change: after the last recorded second)."""
+    samples = np.asarray(records, dtype=np.float64)
+    final = np.array([[samples[-1, 0] + OCCUPANCY_SAMPLE_S / 2, *now]])
+    samples = np.concatenate((samples, final))
+    last = np.searchsorted(samples[:, 0], seconds + OCCUPANCY_SAMPLE_S, side="right") - 1
+    return np.where(last[:, None] >= 0, samples[np.maximum(last, 0), 1:], 0.0)

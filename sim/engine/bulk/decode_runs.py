@@ -268,6 +268,34 @@ def _before_transfer(starts: list, ends: list, next_transfer: float) -> tuple[li
     return starts[:m], ends[:m]
 
 
+def steps_before(run: DecodeRun, t: float, deferred: bool) -> int:
+    """How many of `run`'s steps a run planned with an arrival at `t` takes (`_step_times`' rule): those
+    starting before `t`, and with async scheduling (`deferred`) one more unless the last of them finishes
+    requests. A run is the same over those steps whatever its next arrival (its events, prices and
+    times do not depend on it), so cutting a longer run there gives that run."""
+    k = run.num_steps
+    m = bisect_left(run.starts, t)
+    if deferred and 0 < m < k and not run.finished[m - 1]:
+        m += 1
+    return m
+
+
+def truncate_run(run: DecodeRun, m: int) -> DecodeRun:
+    """`run`'s first `m` steps (a plain decode run: no admissions), as `find_decode_run` plans a run
+    that stops there."""
+    assert not run.admissions and run.waiting is None, "only a run that admits no arrivals is cut"
+    return DecodeRun(run.requests, run.computed, run.last_step, m,
+                     run.allocs[:bisect_left(run.allocs, m << ALLOC_SHIFT)], run.new_blocks[:m], run.freed_blocks[:m],
+                     run.batch[:m], run.kv_read[:m], run.entries[:m], run.finished[:m], run.finished_computed[:m],
+                     run.finished_blocks[:m], run.durations[:m], run.starts[:m], run.ends[:m],
+                     predicted=None if run.predicted is None else run.predicted[:m])
+
+
+def replays_fills(kv, run: DecodeRun) -> bool:
+    """Whether applying `run` replays its fills one by one (`_must_replay`)."""
+    return _must_replay(kv, run.requests)
+
+
 def _step_times(now: float, durations: list, next_arrival: float, finished: list, deferred: bool) -> tuple[list, list]:
     """(starts, ends) of the steps the run takes. The clock advances step by step exactly as stepping
     adds durations (non-negative, so the starts are sorted); steps that start before the next arrival
@@ -366,6 +394,8 @@ def _steps_keeping_head_hits(sched, kv: DecodeRunKV, allocs: list, k: int) -> in
 def _steps_that_fit(ev: RunEvents, k: int, free_blocks: int, deferred: bool = False) -> int:
     """Steps before the first whose allocations the free pool could not supply (`deferred`: a
     finish's blocks return after the next step's allocations)."""
+    if sum(ev.new_blocks) <= free_blocks:       # every allocation fits, whatever returns (the common case)
+        return k
     allocated = released = 0
     freed = ev.freed_blocks
     for j, n_new in enumerate(ev.new_blocks):

@@ -63,6 +63,33 @@ class LoadSignals:
             self._at = now
         return self._loads
 
+    def outstanding(self) -> list[int]:
+        """Each replica's running + waiting requests as the router sees them: exact (0: a lazy replica
+        counts them from its planned run, `EngineReplica.outstanding_now`), or the last refresh's."""
+        if self.refresh_s <= 0:
+            return [outstanding_now(r) for r in self.replicas]
+        return [load.outstanding for load in self.loads()]
+
+    def due(self) -> bool:
+        """Whether `loads` reads the replicas now (always, or a refresh is due)."""
+        return self.refresh_s <= 0 or self.replicas[0].now - self._at >= self.refresh_s
+
+    def next_due(self) -> float:
+        """The earliest time `loads` may read the replicas again (0: at once)."""
+        return 0.0 if self.refresh_s <= 0 else self._at + self.refresh_s
+
+
+def outstanding_now(replica) -> int:
+    """A replica's running + waiting requests now (a lazy fleet's replica counts them from its plan)."""
+    counted = getattr(replica, "outstanding_now", None)
+    return counted() if counted is not None else replica.outstanding
+
+
+def computed_blocks_now(replica, req) -> list:
+    """A replica's prefix-cache hits for `req` now (a lazy fleet's replica reads them past its plan)."""
+    read = getattr(replica, "computed_blocks_now", None)
+    return read(req) if read is not None else replica.kv.get_computed_blocks(req)
+
 
 class RouterBase:
     """A router over `replicas`; subclasses implement `route(req)` (the replica the request goes to).
@@ -74,6 +101,9 @@ class RouterBase:
     (or admit) its own arrivals only, not at every arrival of the fleet. Same decisions, same results."""
     name = "?"
     reads_replicas = True
+    # what `route` reads of the replicas (`reads_state_now`): "state" (anything: the default), "loads" (its
+    # LoadSignals only), "outstanding" (LoadSignals.outstanding and computed_blocks_now only)
+    reads = "state"
 
     def __init__(self, replicas: list, options=None):
         self.replicas = replicas
@@ -82,6 +112,27 @@ class RouterBase:
 
     def route(self, req):
         raise NotImplementedError
+
+    def reads_state_now(self) -> bool:
+        """Whether `route` reads the replicas' exact state (beyond `LoadSignals.outstanding` and
+        `computed_blocks_now`) at this decision: a lazy fleet (sim.engine.loop.LazyRouting) brings every
+        replica to now first. Per `reads`: "state" always; "loads" (its load signals only) when they refresh
+        (`LoadSignals.due`); "outstanding" (the outstanding counts of its signals and prefix-cache hits only)
+        never with exact signals (refresh_s 0: read from the replicas' plans), else when they refresh."""
+        if self.reads == "state":
+            return True
+        signals = self.signals
+        if self.reads == "outstanding" and signals.refresh_s <= 0:
+            return False
+        return signals.due()
+
+    def next_state_read(self) -> float:
+        """The earliest time `reads_state_now` may be True again (0: at the next decision; inf: never)."""
+        if self.reads == "state":
+            return 0.0
+        if self.reads == "outstanding" and self.signals.refresh_s <= 0:
+            return float("inf")
+        return self.signals.next_due()
 
     def pick_max(self, scores: list[float]):
         """The replica of the highest score; ties go to the lowest index (deterministic)."""

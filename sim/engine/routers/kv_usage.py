@@ -8,5 +8,7 @@ def kv_usage_scores(loads) -> list[float]:
 
 @register_router("kv_usage")
 class KVUsage(RouterBase):
+    reads = "loads"
+
     def route(self, req):
         return self.pick_max(kv_usage_scores(self.signals.loads()))

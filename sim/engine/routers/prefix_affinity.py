@@ -31,6 +31,8 @@ def prefix_scores(matched: list[int], num_blocks: int) -> list[float]:
 
 @register_router("prefix_affinity")
 class PrefixAffinity(RouterBase):
+    reads = "outstanding"
+
     def __init__(self, replicas, options=None):
         super().__init__(replicas, options)
         self.block_tokens = getattr(options, "prefix_block_tokens", 64) or 64
@@ -59,7 +61,7 @@ class PrefixAffinity(RouterBase):
     def route(self, req):
         hashes = leading_block_hashes(req, self.block_tokens)
         scores = prefix_scores(self.matched_blocks(hashes), len(hashes))
-        loads = self.signals.loads()
-        replica = self.pick_max([s - 1e-9 * load.outstanding for s, load in zip(scores, loads, strict=True)])
+        outstanding = self.signals.outstanding()
+        replica = self.pick_max([s - 1e-9 * n for s, n in zip(scores, outstanding, strict=True)])
         self.remember(hashes, self.replicas.index(replica))
         return replica

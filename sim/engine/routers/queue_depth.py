@@ -12,5 +12,7 @@ def queue_scores(loads) -> list[float]:
 
 @register_router("queue_depth")
 class QueueDepth(RouterBase):
+    reads = "loads"
+
     def route(self, req):
         return self.pick_max(queue_scores(self.signals.loads()))

@@ -9,6 +9,8 @@ from .base import RouterBase, register_router
 
 @register_router("session_affinity")
 class SessionAffinity(RouterBase):
+    reads = "outstanding"
+
     def __init__(self, replicas, options=None):
         super().__init__(replicas, options)
         self._where: dict[int, int] = {}        # session -> index of the replica of its last turn
@@ -24,6 +26,6 @@ class SessionAffinity(RouterBase):
     def route(self, req):
         index = self.last_replica(req)
         if index is None:
-            index = self.replicas.index(self.pick_max([-load.outstanding for load in self.signals.loads()]))
+            index = self.replicas.index(self.pick_max([-n for n in self.signals.outstanding()]))
         self.remember(req, index)
         return self.replicas[index]

@@ -30,12 +30,20 @@ class Weighted(RouterBase):
         if not any(self.weights.values()):     # every score 0: every request to replica 0 (the max-score tie)
             raise RouterError("router_options.weights: no scorer has a weight > 0; expected at least one "
                               f"(scorers: {', '.join(SCORERS)})")
+        self._reads_loads = bool(self.weights.get("queue") or self.weights.get("kv_usage"))
         self._approx = PrefixAffinity(replicas, options) if self.weights.get("approx_prefix") else None
         self._session = SessionAffinity(replicas, options) if self.weights.get("session") else None
 
+    def reads_state_now(self) -> bool:
+        # its load signals only, with a queue or KV-usage scorer (the prefix scorer: computed_blocks_now)
+        return self._reads_loads and self.signals.due()
+
+    def next_state_read(self) -> float:
+        return self.signals.next_due() if self._reads_loads else float("inf")
+
     def route(self, req):
-        loads = self.signals.loads()
         w = self.weights
+        loads = self.signals.loads() if w.get("queue") or w.get("kv_usage") else []
         total = [0.0] * len(self.replicas)
         parts = []
         if w.get("queue"):
