@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvsim.sim.cli import app
-from kvsim.sim.results.pandas_schema import (PandasColumn, PandasSchemaError, numpy_column, pandas_metadata,
-                                             pandas_version, with_pandas_metadata)
+from kvsim.sim.results.pandas_schema import (PandasColumn, PandasSchemaError, arrow_table, numpy_column,
+                                             pandas_metadata, pandas_version, with_pandas_metadata)
 
 
 def pandas_own(df: pd.DataFrame) -> bytes:
@@ -71,3 +71,21 @@ def test_requests_parquet_rebuilt_without_pandas_is_byte_identical(tmp_path):
     rebuilt = with_pandas_metadata(table, dtypes, types, described=written.column_names[:-1])
     pq.write_table(rebuilt, tmp_path / "rebuilt.parquet", use_dictionary=False)
     assert (tmp_path / "rebuilt.parquet").read_bytes() == (out / "requests.parquet").read_bytes()
+
+
+def test_arrow_table_equals_from_pandas():
+    df = pd.DataFrame({"request_id": np.arange(4, dtype=np.int64), "replica": np.zeros(4, dtype=np.int32),
+                       "status": ["finished", "rejected", None, "finished"], "reject_reason": [None] * 4,
+                       "ttft_s": [0.1, np.nan, 0.3, 0.4], "flag": [True, False, True, True]})
+    expected = pa.Table.from_pandas(df, preserve_index=False)
+    table = arrow_table({n: df[n].to_numpy() for n in df.columns}, {n: str(df[n].dtype) for n in df.columns})
+    assert table.equals(expected, check_metadata=True)
+    assert table.column("ttft_s").null_count == 1 and table.column("status").null_count == 1
+
+
+def test_arrow_table_leaves_other_columns_to_pandas():
+    labels = pd.Series(["a", "b"]).astype(object)             # the source's request labels: an object column
+    with pytest.raises(PandasSchemaError, match="column request_label: dtype object"):
+        arrow_table({"request_label": labels.to_numpy()}, {"request_label": str(labels.dtype)})
+    with pytest.raises(PandasSchemaError, match="dtype Int64"):
+        arrow_table({"session": pd.array([1, None], dtype="Int64")}, {"session": "Int64"})

@@ -116,3 +116,30 @@ def numpy_column(arrow_type: pa.DataType, *, all_null: bool = False) -> tuple[pa
     if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
         return string_column()
     raise PandasSchemaError(f"column type {arrow_type}: expected a numeric or string column")
+
+
+def arrow_table(columns: dict[str, object], dtypes: dict[str, str]) -> pa.Table:
+    """The Arrow table `pa.Table.from_pandas(df, preserve_index=False)` makes of a frame with these columns
+    (name -> a numpy array, or a sequence of str/None for a string column) and pandas dtypes (name -> dtype
+    name): numpy numeric columns (NaN becomes null, as from_pandas does), the installed pandas' string columns
+    ('str': large_string, NaN/None null) and object columns of None only (Arrow's null type), with the
+    `pandas` schema metadata. Any other kind of column raises PandasSchemaError (the caller converts with
+    pandas)."""
+    string_type, string_dtype = string_column()
+    arrays, described = [], []
+    for name, values in columns.items():
+        dtype = dtypes[name]
+        if dtype in _NUMPY_NAMES.values():
+            array = pa.array(values, from_pandas=True)
+            if _NUMPY_NAMES.get(array.type) != dtype:
+                raise PandasSchemaError(f"column {name}: dtype {dtype} became {array.type}")
+        elif dtype == string_dtype == "str":
+            array = pa.array(values, type=string_type, from_pandas=True)
+        elif dtype == "object" and all(v is None for v in values):
+            array = pa.nulls(len(values))
+        else:
+            raise PandasSchemaError(f"column {name}: dtype {dtype} is converted by pandas")
+        arrays.append(array)
+        described.append(PandasColumn(name, array.type, dtype))
+    return pa.Table.from_arrays(arrays, names=list(columns)).replace_schema_metadata(
+        {b"pandas": pandas_metadata(described)})

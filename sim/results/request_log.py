@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from .metrics import SUMMARY_STEP_COLUMNS, flat_token_times, list_gaps
 from ..io.safe_io import deferred_interrupts
+from .pandas_schema import PandasSchemaError, arrow_table
 
 
 
@@ -379,7 +380,11 @@ def requests_arrow(req_df: pd.DataFrame) -> pa.Table:
     """The request table as Arrow; token times become a list<double> column built from one
     concatenated buffer (pandas' object-column conversion of 10^4-10^5 arrays is several x slower)."""
     offsets, values = flat_token_times(req_df["token_times_s"])
-    table = pa.Table.from_pandas(req_df.drop(columns="token_times_s"), preserve_index=False)
+    names = [c for c in req_df.columns if c != "token_times_s"]
+    try:                                 # the table pandas would make, built from the columns (pandas_schema.py)
+        table = arrow_table({n: req_df[n].to_numpy() for n in names}, {n: str(req_df[n].dtype) for n in names})
+    except PandasSchemaError:            # a column kind it does not build (e.g. the source's request labels)
+        table = pa.Table.from_pandas(req_df.drop(columns="token_times_s"), preserve_index=False)
     i = table.schema.get_field_index("reject_reason")
     if i >= 0 and pa.types.is_null(table.schema.field(i).type):
         # no rejection in the run: still a string column, so every run's file has one schema
