@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 from importlib.metadata import PackageNotFoundError, version
 
 import pyarrow as pa
@@ -118,7 +119,7 @@ def numpy_column(arrow_type: pa.DataType, *, all_null: bool = False) -> tuple[pa
     raise PandasSchemaError(f"column type {arrow_type}: expected a numeric or string column")
 
 
-def arrow_table(columns: dict[str, object], dtypes: dict[str, str]) -> pa.Table:
+def arrow_table(columns: dict[str, Any], dtypes: dict[str, str]) -> pa.Table:
     """The Arrow table `pa.Table.from_pandas(df, preserve_index=False)` makes of a frame with these columns
     (name -> a numpy array, or a sequence of str/None for a string column) and pandas dtypes (name -> dtype
     name): numpy numeric columns (NaN becomes null, as from_pandas does), the installed pandas' string columns
