@@ -89,3 +89,12 @@ def test_arrow_table_leaves_other_columns_to_pandas():
         arrow_table({"request_label": labels.to_numpy()}, {"request_label": str(labels.dtype)})
     with pytest.raises(PandasSchemaError, match="dtype Int64"):
         arrow_table({"session": pd.array([1, None], dtype="Int64")}, {"session": "Int64"})
+
+
+def test_version_without_pandas_imported():
+    import subprocess
+    import sys
+    code = ("import sys\nfrom kvsim.sim.results.pandas_schema import pandas_version\nv = pandas_version()\n"
+            "print(v, 'pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [pd.__version__, "False"]
