@@ -849,6 +849,36 @@ class CostModel:
             return device if device >= overhead else overhead
         return device + overhead
 
+    def flat_passes(self, total: float, m: int, kv: int, passes: int, extra: float) -> float:
+        """`total` plus, for j = 1..passes, `flat_step_total(m, m, m, 0.0, kv + m * j, 0)` and then `extra`,
+        added in that order, bit for bit (pairs 0.0 and entries 0 enter as x + 0.0 == x): a drafter's
+        one-token passes over m sequences whose contexts sum to kv + m * j (sim/model/spec_decode.py)."""
+        key = (m, m)
+        parts = self._flat_memo.get(key)
+        if parts is None:
+            parts = self._flat_memo[key] = self._flat_parts(float(m), float(m))
+        linear, allreduce = parts
+        c, p = self._c, self.profile
+        pair = c["attn_read_s"] if self._mla else c["attn_pair_s"]
+        compute_eff, token, bw_eff = p.attn_compute_eff, c["kv_token_s"], p.attn_bw_eff
+        overhead = p.step_overhead_s + float(m) * p.per_seq_overhead_s
+        k = p.step_time_scale
+        if k != 1.0:
+            overhead = overhead * k
+        overlap = self.async_scheduling
+        for j in range(1, passes + 1):
+            kv_read = float(kv + m * j)
+            a, b = kv_read * pair / compute_eff, kv_read * token / bw_eff
+            attention = a if a >= b else b
+            if k != 1.0:
+                attention = attention * k
+            device = linear + attention + allreduce
+            if overlap:
+                total = total + (device if device >= overhead else overhead) + extra
+            else:
+                total = total + (device + overhead) + extra
+        return total
+
     def _flat_parts(self, tokens: float, rows: float) -> tuple[float, float]:
         """(linear, all-reduce) of `_operator_step_total` for a step of `tokens` tokens and `rows` LM-head
         rows, scaled by step_time_scale as there."""

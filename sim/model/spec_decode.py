@@ -166,8 +166,7 @@ class DraftCost:
                 loop = self.loop
                 per_pass = memo[m] = (loop.pass_kernels * loop.kernel_s + m * loop.row_s
                                       + loop.linear_s(loop.pass_params, m, self._efficiency(m)))
-            for j in range(1, self.k):
-                total = total + flat(m, m, m, 0.0, kv + m * j, 0) + per_pass
+            total = self.cost.flat_passes(total, m, kv, self.k - 1, per_pass)
         return total
 
     def seconds(self, shape: BatchShape, contexts: list[float]) -> float:
