@@ -28,6 +28,7 @@ from ..model.spec_decode import DraftCost
 
 
 SCALAR_STEPS = 48       # decode steps priced one by one in Python up to this many (numpy's fixed cost is more)
+FLAT_STEPS = 96         # verification steps priced from their numbers up to this many (SpecDecodeExecutor.price_spec_run)
 
 
 class CostModelExecutor:
@@ -139,8 +140,9 @@ class SpecDecodeExecutor(CostModelExecutor):
         """`price_spec_shape` for each step of a run of verification steps (arrays over its steps: the
         shape's fields, the requests that draft, the sum of their contexts, the drafts verified), element
         by element in the same order: bit-identical to pricing each step (tests/test_spec_fast_forward.py)."""
-        if self.flat and not np.any(shape.num_prefill_tokens) and not np.any(shape.swap_bytes):
-            # each step from its numbers (a step costs a few microseconds: less than numpy's arrays at any length)
+        if (self.flat and len(draft_tokens) <= FLAT_STEPS and not np.any(shape.num_prefill_tokens)
+                and not np.any(shape.swap_bytes)):
+            # each step from its numbers: ~3 us a step, less than numpy's arrays below ~100 steps
             return _flat_prices(self, shape, drafting_seqs, contexts, draft_tokens)
         if len(draft_tokens) <= SCALAR_STEPS:
             # a short run: each step priced as stepping prices it (numpy's fixed cost per call is more)
