@@ -20,8 +20,8 @@ anything (a new block, or a block filled with known tokens: hashed with prefix c
 order, so block identities and the cache come out the same; the requests' tokens, token times, drafts and
 vLLM's counters advance as `Scheduler._update_spec` advances them. Each step is priced by the executor's
 pricing of the steps' shapes, built as `batch_shape` builds them (`SpecDecodeExecutor.price_spec_run`: a
-short run step by step with the stepping code, a long one as arrays, element by element in the same order).
-Bit-identical to stepping (tests/test_spec_fast_forward.py).
+short run step by step from the steps' numbers, a long one as arrays, element by element in the same
+order), only as many steps as reach the next arrival. Bit-identical to stepping (tests/test_spec_fast_forward.py).
 """
 from __future__ import annotations
 
