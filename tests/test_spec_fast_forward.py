@@ -116,30 +116,79 @@ def test_workload_classes_with_their_own_acceptance_fast_forward_to_the_same_bit
 
 
 def test_a_long_run_priced_as_arrays_equals_each_step_priced_as_stepping_prices_it():
-    """`SpecDecodeExecutor.price_spec_run` prices runs longer than SCALAR_STEPS as arrays: the same bits as
-    the stepping code on each step's shape (target, drafter passes, rejection sampler), for every drafter."""
+    """`SpecDecodeExecutor.price_spec_run` prices runs longer than FLAT_STEPS as arrays (shorter ones from the
+    steps' numbers): the same bits as the stepping code on each step's shape (target, drafter passes,
+    rejection sampler), for every drafter."""
     from kvsim.sim.core.step import BatchShape
     from kvsim.sim.engine.resolved_run import resolve_run
-    from kvsim.sim.simulator.executor import SCALAR_STEPS, SpecDecodeExecutor, _scalar_prices
+    from kvsim.sim.simulator.executor import FLAT_STEPS, SpecDecodeExecutor, _scalar_prices
     rng = np.random.default_rng(11)
-    m = SCALAR_STEPS + 40
     for spec, gpu, tp in (({"method": "eagle3", "num_speculative_tokens": 3}, "h100", 1),
                           ({"method": "eagle", "num_speculative_tokens": 5}, "l4", 2),
                           ({"method": "ngram", "num_speculative_tokens": 2}, "h100", 1),
                           ({"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 4}, "h100", 2)):
         plan = resolve_run(load_config(None, {"model": "llama-3.1-8b", "gpu": gpu, "tp": tp, "speculative_config": spec}))
         executor = SpecDecodeExecutor(plan.cost, None, plan.spec.draft)
-        b = rng.integers(1, 96, m)
-        drafts = rng.integers(0, spec["num_speculative_tokens"] + 1, m) * b * (rng.random(m) < 0.9)
-        entries = b * rng.integers(1, 300, m)
-        shape = BatchShape(num_seqs=b, num_prefill_tokens=0, num_decode_tokens=b + drafts,
-                           attn_pairs_prefill=np.where(drafts > 0, rng.random(m) * 1e6, 0.0),
-                           kv_tokens_read=rng.integers(1, 16 * 300, m) * b, swap_bytes=0.0,
-                           block_table_entries=entries, kv_tokens_padded=b * (rng.integers(1, 300, m) * 16 / 1),
-                           attn_pairs_prefill_padded=0.0, num_logit_rows=np.where(drafts > 0, b + drafts, b))
-        contexts = shape.kv_tokens_read
-        arrays = executor.price_spec_run(shape, b, contexts, drafts)
-        steps = _scalar_prices(executor, shape, b, contexts, drafts)
-        for a, s in zip(arrays, steps, strict=True):
-            assert np.array_equal(a, s), spec
-        assert (arrays[2][drafts == 0] == 0.0).all() and (arrays[2][drafts > 0] > 0).all()
+        for m in (20, FLAT_STEPS + 40):      # a short run priced from the steps' numbers, a long one as arrays
+            b = rng.integers(1, 96, m)
+            drafts = rng.integers(0, spec["num_speculative_tokens"] + 1, m) * b * (rng.random(m) < 0.9)
+            entries = b * rng.integers(1, 300, m)
+            shape = BatchShape(num_seqs=b, num_prefill_tokens=0, num_decode_tokens=b + drafts,
+                               attn_pairs_prefill=np.where(drafts > 0, rng.random(m) * 1e6, 0.0),
+                               kv_tokens_read=rng.integers(1, 16 * 300, m) * b, swap_bytes=0.0,
+                               block_table_entries=entries, kv_tokens_padded=b * (rng.integers(1, 300, m) * 16 / 1),
+                               attn_pairs_prefill_padded=0.0, num_logit_rows=np.where(drafts > 0, b + drafts, b))
+            contexts = shape.kv_tokens_read
+            arrays = executor.price_spec_run(shape, b, contexts, drafts)
+            steps = _scalar_prices(executor, shape, b, contexts, drafts)
+            for a, s in zip(arrays, steps, strict=True):
+                assert np.array_equal(a, s), spec
+            assert (arrays[2][drafts == 0] == 0.0).all() and (arrays[2][drafts > 0] > 0).all()
+
+
+def test_pricing_verification_steps_from_their_numbers_equals_the_shapes_pricing_bit_for_bit():
+    """`SpecDecodeExecutor.price_spec_flat` (the target's `CostModel.flat_step_total` and the drafter's
+    `DraftCost.seconds_flat`, tables of the terms that depend on the counts alone) gives the same bits as
+    `price_spec_shape` (a BatchShape through `predict` for the target and each drafter pass) on random
+    steps: verification, mixed (prefill tokens) and plain decode steps; every drafter; dense, MoE (the
+    experts' kernels) and MLA targets; TP 1, 2 and 8, async scheduling and a step-time factor."""
+    from kvsim.sim.core.step import BatchShape
+    from kvsim.sim.engine.resolved_run import resolve_run
+    from kvsim.sim.simulator.executor import SpecDecodeExecutor
+    rng = np.random.default_rng(5)
+    cases = [("llama-3.1-8b", "h100", 1, {"method": "eagle3", "num_speculative_tokens": 3}, {}),
+             ("llama-3.1-8b", "l4", 2, {"method": "eagle", "num_speculative_tokens": 5},
+              {"engine.async_scheduling": True}),
+             ("llama-3.1-8b", "h100", 1, {"method": "ngram", "num_speculative_tokens": 2}, {}),
+             ("llama-3.1-8b", "h100", 2, {"method": "draft_model", "model": "llama-3.2-1b",
+                                          "num_speculative_tokens": 4}, {"profile": "h100-sxm*1.07"}),
+             ("qwen3-30b-a3b", "h100", 2, {"method": "eagle3", "num_speculative_tokens": 2}, {}),
+             ("deepseek-v3", "h200", 8, {"method": "mtp", "num_speculative_tokens": 1}, {}),
+             ("deepseek-v3", "h200", 8, {"method": "eagle", "num_speculative_tokens": 3},
+              {"engine.async_scheduling": True, "profile": "h200*0.93"})]
+    flat_steps = 0
+    for model, gpu, tp, spec, extra in cases:
+        plan = resolve_run(load_config(None, {"model": model, "gpu": gpu, "tp": tp, "speculative_config": spec,
+                                              **extra}))
+        executor = SpecDecodeExecutor(plan.cost, None, plan.spec.draft)
+        assert executor.flat, model
+        k = spec["num_speculative_tokens"]
+        for _ in range(200):
+            b = int(rng.integers(1, 200))
+            drafts = int(rng.integers(0, k + 1)) * b if rng.random() < 0.8 else 0
+            prefill = int(rng.integers(1, 4000)) if rng.random() < 0.3 else 0
+            pairs = float(rng.random() * 1e7) if drafts or prefill else 0.0
+            kv_read, entries = int(rng.integers(1, 5000)) * b, b * int(rng.integers(1, 300))
+            m = int(rng.integers(0, b + 1))
+            ctx = int(rng.integers(0, 5000)) * m
+            shape = BatchShape(num_seqs=b, num_prefill_tokens=prefill, num_decode_tokens=b + drafts,
+                               attn_pairs_prefill=pairs, kv_tokens_read=kv_read, block_table_entries=entries,
+                               kv_tokens_padded=float(kv_read), num_logit_rows=b + drafts if drafts else None)
+            want = executor.price_spec_shape(shape, m, ctx, drafts)
+            got = executor.price_spec_flat(b, b + drafts, prefill + b + drafts, pairs, kv_read, entries, m, ctx,
+                                           drafts)
+            assert got == want, (model, spec, b, drafts, prefill, m)
+            assert executor.cost.flat_step_total(b, b + drafts, prefill + b + drafts, pairs, kv_read, entries) \
+                == executor.cost.predict(shape)
+            flat_steps += 1
+    assert flat_steps == 200 * len(cases)

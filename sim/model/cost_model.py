@@ -594,6 +594,7 @@ class CostModel:
                 self._grouped = GroupedGemm(m, self.gpu, p.gemm_efficiency, tp, expert_parallel=self.expert_parallel)
                 self._op_flops_s = float(self._routed_free_flops_per_token() / tp / self.gpu.peak_flops(m.weight_dtype))
         self._eff_memo: dict[float, float] = {}     # gemm_efficiency of scalar token counts (steps repeat them)
+        self._flat_memo: dict[tuple, tuple[float, float]] = {}     # see flat_step_total
         self._decode_terms = None                   # see _decode_seq_terms
         self._decode_lists = None                   # see _decode_seq_lists
         # 4 matmul kernels per layer (fused QKV, O, fused gate/up or fc1, down or fc2) and the LM head; a MoE
@@ -814,6 +815,92 @@ class CostModel:
         if self.async_scheduling:
             return device if device >= overhead else overhead
         return device + overhead
+
+    def flat_step_total(self, seqs: int, rows: int, tokens: int, pairs: float, kv_read: float, entries: int) -> float:
+        """`predict` of one step with no copies, swaps or KV-policy work (a decode, verification or mixed step:
+        `seqs` sequences, `tokens` query tokens in all, `rows` LM-head rows, `pairs` prefill query-key pairs),
+        bit for bit as `_operator_step_total` (the same IEEE operations on the same values; the zero copy,
+        swap and policy terms are added as x + 0.0 == x, these parts being non-negative), without a
+        BatchShape: the parts that depend on (tokens, rows) alone, linear and all-reduce, come from a memo
+        (a speculative-decoding step prices the target and each of the drafter's passes: sim/model/
+        spec_decode.py). Operator-form profiles only (None otherwise: use `predict`)."""
+        if self._gemm_table is None:
+            return None  # type: ignore[return-value]
+        key = (tokens, rows)
+        parts = self._flat_memo.get(key)
+        if parts is None:
+            if len(self._flat_memo) > 65536:
+                self._flat_memo.clear()
+            parts = self._flat_memo[key] = self._flat_parts(float(tokens), float(rows))
+        linear, allreduce = parts
+        c, p = self._c, self.profile
+        kv_read = float(kv_read)
+        attn_compute = (pairs * c["attn_pair_s"] + kv_read * c["attn_read_s"] if self._mla
+                        else (pairs + kv_read) * c["attn_pair_s"])
+        a, b = attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff
+        attention = a if a >= b else b
+        overhead = (p.step_overhead_s + float(seqs) * p.per_seq_overhead_s
+                    + float(entries) * p.per_block_entry_overhead_s)
+        k = p.step_time_scale
+        if k != 1.0:
+            attention, overhead = attention * k, overhead * k
+        device = linear + attention + allreduce
+        if self.async_scheduling:
+            return device if device >= overhead else overhead
+        return device + overhead
+
+    def flat_passes(self, total: float, m: int, kv: int, passes: int, extra: float) -> float:
+        """`total` plus, for j = 1..passes, `flat_step_total(m, m, m, 0.0, kv + m * j, 0)` and then `extra`,
+        added in that order, bit for bit (pairs 0.0 and entries 0 enter as x + 0.0 == x): a drafter's
+        one-token passes over m sequences whose contexts sum to kv + m * j (sim/model/spec_decode.py)."""
+        key = (m, m)
+        parts = self._flat_memo.get(key)
+        if parts is None:
+            parts = self._flat_memo[key] = self._flat_parts(float(m), float(m))
+        linear, allreduce = parts
+        c, p = self._c, self.profile
+        pair = c["attn_read_s"] if self._mla else c["attn_pair_s"]
+        compute_eff, token, bw_eff = p.attn_compute_eff, c["kv_token_s"], p.attn_bw_eff
+        overhead = p.step_overhead_s + float(m) * p.per_seq_overhead_s
+        k = p.step_time_scale
+        if k != 1.0:
+            overhead = overhead * k
+        overlap = self.async_scheduling
+        for j in range(1, passes + 1):
+            kv_read = float(kv + m * j)
+            a, b = kv_read * pair / compute_eff, kv_read * token / bw_eff
+            attention = a if a >= b else b
+            if k != 1.0:
+                attention = attention * k
+            device = linear + attention + allreduce
+            if overlap:
+                total = total + (device if device >= overhead else overhead) + extra
+            else:
+                total = total + (device + overhead) + extra
+        return total
+
+    def _flat_parts(self, tokens: float, rows: float) -> tuple[float, float]:
+        """(linear, all-reduce) of `_operator_step_total` for a step of `tokens` tokens and `rows` LM-head
+        rows, scaled by step_time_scale as there."""
+        c, p = self._c, self.profile
+        ran = float(tokens > 0)
+        eff = self.gemm_efficiency
+        compute = tokens * self._op_flops_s / eff(tokens) + rows * c["lm_head_s"] / eff(rows)
+        memory = (ran * c["weights_s"] + rows * c["logits_seq_s"]) / p.mem_bw_eff
+        if self._grouped is not None:
+            compute = (compute if compute >= memory else memory) + self._grouped.seconds(tokens)
+            memory = compute
+        elif self._moe is not None:
+            memory = memory + self.expert_read_time(tokens) / p.mem_bw_eff
+        linear = ((compute if compute >= memory else memory)
+                  + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)
+                  + tokens * self._elementwise_token_s / p.elementwise_bw_eff)
+        allreduce = (tokens * c["allreduce_token_s"] / self._allreduce_bw_eff
+                     + ran * c["allreduce_count"] * self._allreduce_latency_s)
+        k = p.step_time_scale
+        if k != 1.0:
+            linear, allreduce = linear * k, allreduce * k
+        return float(linear), float(allreduce)
 
     def _operator_decode_total(self, seqs: np.ndarray, kv_read: np.ndarray, entries: np.ndarray) -> np.ndarray:
         """`_operator_breakdown(...)["total"]` of a run of pure-decode steps (tokens = seqs, no prefill,

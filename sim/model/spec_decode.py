@@ -32,7 +32,7 @@ sim/data/spec_decode.yaml `vllm_loop`), priced from shapes with the target's pro
 from __future__ import annotations
 
 from copy import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,6 +131,43 @@ class DraftCost:
     host_per_step_s: float = 0.0
     host_per_request_s: float = 0.0
     loop: LoopCosts = LoopCosts()
+    # m -> the loop's seconds per one-token pass; (m, tokens) -> the first pass's (see seconds_flat)
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def flat(self) -> bool:
+        """Whether `seconds_flat` prices this drafter (n-gram, or a cost model with the operator form)."""
+        return self.cost is None or self.cost.profile.operator_form
+
+    def seconds_flat(self, seqs: int, tokens: int, pairs: float, kv_read: float, entries: int, m: int,
+                     kv: int) -> float:
+        """`seconds_of` of a step without copies, swaps or KV-policy work given as numbers (the step's
+        sequences, query tokens, prefill pairs, KV tokens read and block-table entries), bit for bit: each
+        forward priced by `CostModel.flat_step_total` (the first pass over the step's tokens with one logit
+        row per sequence, then k - 1 one-token passes), the loop's terms that depend on m (and the step's
+        tokens) alone memoised, added in `seconds_of`'s order. Needs `flat`."""
+        if not m:
+            return 0.0
+        if self.cost is None:
+            return self.host_per_step_s + m * self.host_per_request_s
+        flat = self.cost.flat_step_total
+        memo = self._memo
+        first = memo.get((m, tokens))
+        if first is None:
+            loop = self.loop
+            t = float(tokens)
+            first = memo[(m, tokens)] = (loop.first_pass_kernels * loop.kernel_s + m * loop.row_s
+                                         + loop.linear_s(loop.pass_params + loop.first_pass_params, t,
+                                                         self._efficiency(t)))
+        total = flat(seqs, seqs, tokens, pairs, kv_read, entries) + first
+        if self.k > 1:
+            per_pass = memo.get(m)
+            if per_pass is None:
+                loop = self.loop
+                per_pass = memo[m] = (loop.pass_kernels * loop.kernel_s + m * loop.row_s
+                                      + loop.linear_s(loop.pass_params, m, self._efficiency(m)))
+            total = self.cost.flat_passes(total, m, kv, self.k - 1, per_pass)
+        return total
 
     def seconds(self, shape: BatchShape, contexts: list[float]) -> float:
         """The drafter's time in a step of `shape` whose requests in `contexts` (their KV tokens after

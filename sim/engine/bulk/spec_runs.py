@@ -20,8 +20,8 @@ anything (a new block, or a block filled with known tokens: hashed with prefix c
 order, so block identities and the cache come out the same; the requests' tokens, token times, drafts and
 vLLM's counters advance as `Scheduler._update_spec` advances them. Each step is priced by the executor's
 pricing of the steps' shapes, built as `batch_shape` builds them (`SpecDecodeExecutor.price_spec_run`: a
-short run step by step with the stepping code, a long one as arrays, element by element in the same order).
-Bit-identical to stepping (tests/test_spec_fast_forward.py).
+short run step by step from the steps' numbers, a long one as arrays, element by element in the same
+order), only as many steps as reach the next arrival. Bit-identical to stepping (tests/test_spec_fast_forward.py).
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ class SpecRun:
     attn_pairs: np.ndarray
     durations: np.ndarray
     predicted: np.ndarray
-    draft_s: list
-    verify_s: list
+    draft_s: np.ndarray
+    verify_s: np.ndarray
     starts: list
     ends: list
 
@@ -133,15 +133,32 @@ def find_spec_run(view: ReplicaView, sched: Scheduler, kv, executor) -> SpecRun 
     decode_tokens, kv_read, entries = nm.sum(axis=1), (c + nm).sum(axis=1), held[:m].sum(axis=1)
     widest, num_drafts = held[:m].max(axis=1), drafts[:m].sum(axis=1)
     batch = np.full(m, b, np.int64)
-    shape = BatchShape(num_seqs=batch, num_prefill_tokens=0, num_decode_tokens=decode_tokens,
-                       attn_pairs_prefill=attn_pairs, kv_tokens_read=kv_read,
-                       swap_bytes=0 * executor.cost.kv_bytes_per_token, block_table_entries=entries,
-                       kv_tokens_padded=b * (widest * bs / kv.table_rows), attn_pairs_prefill_padded=0.0,
-                       num_logit_rows=np.where(num_drafts > 0, b + num_drafts, b))
-    # every request samples each step: the drafter drafts for all of them, over contexts c + n
-    predicted, draft_s, verify_s = executor.price_spec_run(shape, batch, kv_read, num_drafts)
-    durations = predicted if view.noise is None else predicted * view.noise.factors(view.step_index, m)
-    starts, ends = _step_times(view.now, durations.tolist(), view.next_arrival, [0] * m, cfg.async_scheduling)
+    padded, rows = b * (widest * bs / kv.table_rows), np.where(num_drafts > 0, b + num_drafts, b)
+    swap = 0 * executor.cost.kv_bytes_per_token
+
+    def price(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Steps lo..hi - 1 priced, each as `batch_shape` would shape it."""
+        shape = BatchShape(num_seqs=batch[lo:hi], num_prefill_tokens=0, num_decode_tokens=decode_tokens[lo:hi],
+                           attn_pairs_prefill=attn_pairs[lo:hi], kv_tokens_read=kv_read[lo:hi], swap_bytes=swap,
+                           block_table_entries=entries[lo:hi], kv_tokens_padded=padded[lo:hi],
+                           attn_pairs_prefill_padded=0.0, num_logit_rows=rows[lo:hi])
+        # every request samples each step: the drafter drafts for all of them, over contexts c + n
+        return executor.price_spec_run(shape, batch[lo:hi], kv_read[lo:hi], num_drafts[lo:hi])
+
+    # The steps past the next arrival are not taken: price about as many as reach it (paced by the last
+    # step), then the rest only if the run gets that far. The steps taken are those starting before the
+    # arrival (`_step_times`), which depend on the durations before them alone: the same either way.
+    k = m if gap >= m else min(m, int(gap * 1.25) + 4)
+    predicted, draft_s, verify_s = price(0, k)
+    while True:
+        durations = predicted if view.noise is None else predicted * view.noise.factors(view.step_index, k)
+        starts, ends = _step_times(view.now, durations.tolist(), view.next_arrival, [0] * k, cfg.async_scheduling)
+        if len(starts) < k or k == m:
+            break
+        rest = price(k, m)
+        predicted, draft_s, verify_s = (np.concatenate((a, r)) for a, r in zip((predicted, draft_s, verify_s),
+                                                                               rest, strict=True))
+        k = m
     starts, ends = _before_transfer(starts, ends, view.next_transfer)
     m = len(starts)
     if m < 1:
