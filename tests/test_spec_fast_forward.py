@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvsim.sim.config import load_config
 from kvsim.sim.engine.bulk import spec_runs
+from kvsim.sim.model.cost_model import StepCounts
 from kvsim.sim.simulator.simulate import run_simulation
 from test_fast_forward_property import assert_bit_identical, make_trace, traces
 
@@ -185,8 +186,8 @@ def test_pricing_verification_steps_from_their_numbers_equals_the_shapes_pricing
                                attn_pairs_prefill=pairs, kv_tokens_read=kv_read, block_table_entries=entries,
                                kv_tokens_padded=float(kv_read), num_logit_rows=b + drafts if drafts else None)
             want = executor.price_spec_shape(shape, m, ctx, drafts)
-            got = executor.price_spec_flat(b, b + drafts, prefill + b + drafts, pairs, kv_read, entries, m, ctx,
-                                           drafts)
+            got = executor.price_spec_flat(StepCounts(b, b + drafts, prefill + b + drafts, pairs, kv_read, entries),
+                                           m, ctx, drafts)
             assert got == want, (model, spec, b, drafts, prefill, m)
             assert executor.cost.flat_step_total(b, b + drafts, prefill + b + drafts, pairs, kv_read, entries) \
                 == executor.cost.predict(shape)

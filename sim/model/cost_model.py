@@ -93,7 +93,7 @@ import copy
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import yaml
@@ -490,6 +490,16 @@ def _max(a, b):
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.maximum(a, b)
     return a if a >= b else b
+
+
+class StepCounts(NamedTuple):
+    """A step's numbers `CostModel.flat_step_total` prices (a step without copies, swaps or KV-policy work)."""
+    seqs: Any
+    rows: Any            # LM-head rows
+    tokens: Any          # query tokens
+    pairs: Any           # prefill query-key pairs
+    kv_read: Any         # KV tokens read
+    entries: Any         # block-table entries
 
 
 class CostModel:

@@ -24,6 +24,7 @@ from ..kv.base import EvictingManagerBase
 from ..kv.slots import KVStepEffects
 from ..kv.build import build_evicting_manager
 from ..engine.resolved_run import ResolvedRun, build_kv_manager
+from ..model.cost_model import StepCounts
 from ..model.spec_decode import DraftCost
 
 
@@ -102,22 +103,24 @@ class SpecDecodeExecutor(CostModelExecutor):
         draft_tokens = sum(s.num_spec_tokens for s in out.scheduled)
         if self.flat and not (shape.swap_bytes or shape.bytes_moved or shape.op_bytes or shape.op_flops
                               or shape.op_kernels):
-            seconds, self.last_draft_s, self.last_verify_s = self.price_spec_flat(
+            seconds, self.last_draft_s, self.last_verify_s = self.price_spec_flat(StepCounts(
                 shape.num_seqs, shape.num_seqs if shape.num_logit_rows is None else shape.num_logit_rows,
                 shape.num_prefill_tokens + shape.num_decode_tokens, shape.attn_pairs_prefill, shape.kv_tokens_read,
-                shape.block_table_entries, len(contexts), sum(contexts), draft_tokens)
+                shape.block_table_entries), len(contexts), sum(contexts), draft_tokens)
         else:
             seconds, self.last_draft_s, self.last_verify_s = self.price_spec_shape(
                 shape, len(contexts), sum(contexts), draft_tokens)
         return StepResult(duration_s=seconds, predicted_s=seconds, shape=shape)
 
-    def price_spec_flat(self, seqs: Any, rows: Any, tokens: Any, pairs: Any, kv_read: Any, entries: Any,
-                        drafting_seqs: int, contexts: Any, draft_tokens: int) -> tuple[float, float, float]:
-        """`price_spec_shape` of a step without copies, swaps or KV-policy work, from its numbers (sequences,
-        LM-head rows, query tokens, prefill query-key pairs, KV tokens read, block-table entries): bit for bit (`CostModel.flat_step_total`, `DraftCost.seconds_flat`;
-        tests/test_spec_fast_forward.py). Needs `flat`."""
-        target = self.cost.flat_step_total(seqs, rows, tokens, pairs, kv_read, entries)
-        drafting = self.draft.seconds_flat(seqs, tokens, pairs, kv_read, entries, drafting_seqs, contexts)
+    def price_spec_flat(self, step: StepCounts, drafting_seqs: int, contexts: Any,
+                        draft_tokens: int) -> tuple[float, float, float]:
+        """`price_spec_shape` of a step without copies, swaps or KV-policy work, from its numbers (`step`:
+        sequences, LM-head rows, query tokens, prefill query-key pairs, KV tokens read, block-table entries):
+        bit for bit (`CostModel.flat_step_total`, `DraftCost.seconds_flat`; tests/test_spec_fast_forward.py).
+        Needs `flat`."""
+        target = self.cost.flat_step_total(*step)
+        drafting = self.draft.seconds_flat(step.seqs, step.tokens, step.pairs, step.kv_read, step.entries,
+                                           drafting_seqs, contexts)
         if draft_tokens:
             loop = self.draft.loop
             target += loop.sampler_kernels * loop.kernel_s + draft_tokens * loop.sampler_row_s
@@ -163,7 +166,7 @@ def _flat_prices(executor: SpecDecodeExecutor, shape: BatchShape, drafting_seqs:
     price = executor.price_spec_flat
     cols = [shape.num_seqs, shape.num_logit_rows, shape.num_decode_tokens, shape.attn_pairs_prefill,
             shape.kv_tokens_read, shape.block_table_entries, drafting_seqs, contexts, draft_tokens]
-    out = [price(*step) for step in zip(*(np.asarray(c).tolist() for c in cols), strict=True)]
+    out = [price(StepCounts(*step[:6]), *step[6:]) for step in zip(*(np.asarray(c).tolist() for c in cols), strict=True)]
     seconds, drafting, verifying = zip(*out, strict=True)
     return np.array(seconds), np.array(drafting), np.array(verifying)
 
