@@ -10,6 +10,7 @@ the policy drawn. Both runs check the KV invariants after every step.
 import os
 
 import numpy as np
+import pytest
 import pandas as pd
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -151,3 +152,48 @@ def test_a_runs_step_times_are_the_stepped_clock(durations, now, arrival_after, 
     next_arrival = data.draw(st.sampled_from(ends)) if data.draw(st.booleans()) else now + arrival_after
     assert _step_times(now, durations, next_arrival, finished, deferred) == \
         _stepped_times(now, durations, next_arrival, finished, deferred)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_blocked_heads_first_step_check_only_skips_runs_that_would_be_empty(monkeypatch, async_scheduling):
+    # `find_decode_run` gives up before planning (no `_events`) when the first step's allocations take a free
+    # block the blocked head of WAITING would revive: the full plan would cut the run to 0 steps there. Each
+    # time that check fires, the planner is asked again with the check answering "no eviction" and must
+    # still give no run.
+    from kvsim.sim.engine.bulk import decode_runs as D
+
+    n = 60
+    rng = np.random.default_rng(7)
+    trace = make_trace(rng.exponential(0.01, n).tolist(), rng.integers(30, 90, n).tolist(),
+                       rng.integers(20, 80, n).tolist(), [0] * n, rng.integers(0, 4, n).tolist())
+    config = {"model": "llama-3.1-8b", "gpu": "l4", "engine.block_size": 4, "engine.num_gpu_blocks": 160,
+              "engine.max_num_batched_tokens": 256, "engine.max_num_seqs": 64,
+              "engine.long_prefill_token_threshold": 16, "engine.enable_prefix_caching": True,
+              "engine.async_scheduling": async_scheduling, "check_invariants": True}
+    first_step, find = D._first_step_evicts_head_hit, D.find_decode_run
+    state = {"fired": 0, "bypass": False}
+
+    def first_step_check(sched, kv, n):
+        if state["bypass"]:
+            return False
+        got = first_step(sched, kv, n)
+        state["fired"] += got
+        return got
+
+    def checked_find(*args, **kwargs):
+        before = state["fired"]
+        run = find(*args, **kwargs)
+        if state["fired"] > before:
+            assert run is None
+            state["bypass"] = True
+            try:
+                assert find(*args, **kwargs) is None
+            finally:
+                state["bypass"] = False
+        return run
+
+    monkeypatch.setattr(D, "_first_step_evicts_head_hit", first_step_check)
+    monkeypatch.setattr(D, "find_decode_run", checked_find)
+    fast = simulate(config, trace, fast_forward=True)
+    assert state["fired"] > 0, "the first-step check never fired"
+    assert_bit_identical(fast, simulate(config, trace, fast_forward=False))

@@ -59,3 +59,62 @@ def test_bulk_prefix_then_preemption_under_a_full_pool(monkeypatch, async_schedu
     assert any(stops), "no step ran out of blocks part way through the batch"
     assert bulk.summary["preemptions"] > 0
     assert_bit_identical(bulk, simulate(config, trace, monkeypatch, False))
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_decode_step_fast_paths_equal_the_general_ones(monkeypatch, async_scheduling):
+    # a step that `_schedule_decodes` made alone (`out.decode_contexts` set): `batch_shape` and `update`
+    # take their short paths; here every such step is also priced and updated by the general paths on a
+    # copy of its requests, and both must agree field by field
+    import copy
+    import dataclasses
+
+    from kvsim.sim.core import step as step_mod
+
+    n = 30
+    rng = np.random.default_rng(5)
+    trace = Trace.from_columns(arrival_time_s=np.sort(rng.uniform(0, 0.3, n)),
+                               prompt_tokens=rng.integers(20, 120, n), output_tokens=rng.integers(5, 60, n))
+    config = {"model": "llama-3.1-8b", "gpu": "l4", "engine.block_size": 16, "engine.num_gpu_blocks": 200,
+              "engine.max_num_seqs": 64, "engine.enable_prefix_caching": True,
+              "engine.async_scheduling": async_scheduling, "kv.policy": "none", "check_invariants": True}
+    seen = {"shape": 0, "update": 0}
+    shape_of, update = step_mod.batch_shape, Scheduler.update
+
+    def checked_shape(out, kv, kv_bytes_per_token=0.0):
+        got = shape_of(out, kv, kv_bytes_per_token)
+        if out.decode_contexts is not None:
+            seen["shape"] += 1
+            general = shape_of(dataclasses.replace(out, decode_contexts=None), kv, kv_bytes_per_token)
+            assert got == general
+            assert [type(getattr(got, f.name)) for f in dataclasses.fields(got)] == \
+                   [type(getattr(general, f.name)) for f in dataclasses.fields(general)]
+        return got
+
+    def checked_update(self, out, now):
+        if out.decode_contexts is None:
+            return update(self, out, now)
+        seen["update"] += 1
+        reqs = [s.request for s in out.scheduled]
+        state = [(r.num_computed_tokens, r.num_output_tokens, list(r.token_times)) for r in reqs]
+        # the general loop's answer for each request, on copies (no finish: only the counts and times)
+        expect = []
+        for s, r in zip(out.scheduled, reqs, strict=True):
+            c = copy.copy(r)
+            c.token_times = list(r.token_times)
+            computed = c.num_computed_tokens + s.num_new_tokens
+            sampled = computed >= c.prompt_tokens + c.num_output_tokens
+            expect.append((computed, c.num_output_tokens + sampled,
+                           c.token_times + [now] * sampled, c.num_output_tokens + sampled >= c.max_output_tokens))
+        done = update(self, out, now)
+        assert [(r.num_computed_tokens, r.num_output_tokens, list(r.token_times), r in done) for r in reqs] == expect
+        assert all(s[0] + 1 == r.num_computed_tokens for s, r in zip(state, reqs, strict=True))
+        return done
+
+    monkeypatch.setattr(step_mod, "batch_shape", checked_shape)
+    monkeypatch.setattr("kvsim.sim.engine.loop.batch_shape", checked_shape)
+    monkeypatch.setattr("kvsim.sim.simulator.executor.batch_shape", checked_shape)
+    monkeypatch.setattr(Scheduler, "update", checked_update)
+    fast = simulate(config, trace, monkeypatch, True)
+    assert seen["shape"] > 20 and seen["update"] > 20
+    assert_bit_identical(fast, simulate(config, trace, monkeypatch, False))

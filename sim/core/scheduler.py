@@ -22,6 +22,7 @@ import heapq
 from collections import deque
 from itertools import repeat
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple, cast
 
 from .connector import KVConnector, KVTransferStep
@@ -30,6 +31,9 @@ from .sliding_window import HybridKVManager
 from .protocols import KVManager
 from .request import Request, RequestStatus
 from .spec_decode import SpecDecoder
+
+
+_REQUEST = attrgetter("request")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,10 @@ class SchedulerOutput:
     swap_out_tokens: float = 0        # KV token-equivalents swapped out (kv_tokens of the victims)
     swap_in_tokens: int = 0
     kv_transfer: KVTransferStep | None = None     # the connector's synchronous loads/saves this step
+    # set when the step is `scheduled`'s requests each decoding one token and nothing else (the common
+    # step, `Scheduler._schedule_decodes`): their contexts, in order, so `update` and `batch_shape` skip
+    # the per-request tests (the same results); None: not known, the general paths run
+    decode_contexts: list | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +181,7 @@ class Scheduler:
         self.num_submitted = 0
         self.finishing: list[Request] = []     # async scheduling: finished, slot released next schedule
         self._threshold = config.long_prefill_token_threshold
+        self._decode_contexts: list | None = None   # `_schedule_decodes`'s contexts (its step's)
 
     # ----- admission control -----------------------------------------------------------------
     def add_request(self, req: Request) -> bool:
@@ -249,14 +258,18 @@ class Scheduler:
         self._threshold = 0 if alone else self.config.long_prefill_token_threshold
         decodes = self.spec is None and self._all_decode()
         scheduled = self._schedule_decodes(budget) if decodes else None
+        contexts = self._decode_contexts
         if scheduled is not None:
             budget -= len(scheduled)
         else:
+            contexts = None
             scheduled = self._schedule_running(budget, out, decodes and type(self.kv) is KVCacheManager)
             budget -= sum(s.num_new_tokens for s in scheduled.values())
         if not out.preempted:
             budget = self._admit(budget, scheduled, out)
         out.scheduled = list(scheduled.values())
+        if contexts is not None and len(out.scheduled) == len(contexts):    # nothing admitted
+            out.decode_contexts = contexts
         self.release_finishing()
         if out.is_empty and out.preempted:
             # vLLM runs an empty step after a request preempted itself first thing; the next
@@ -302,6 +315,7 @@ class Scheduler:
         contexts = self.kv.allocate_decodes(running)
         if contexts is None:
             return None
+        self._decode_contexts = contexts
         return dict(zip(running, map(ScheduledRequest, running, repeat(1), contexts, repeat(False)), strict=True))
 
     def _schedule_running(self, budget: int, out: SchedulerOutput, bulk: bool = False) -> dict:
@@ -628,6 +642,17 @@ class Scheduler:
         if self.spec is not None:
             return self._update_spec(out, now, self.spec)
         done = []
+        if out.decode_contexts is not None:
+            # every request decodes one token (`_all_decode`: its computed tokens reach its known ones),
+            # so each samples one, as the loop below finds
+            for req in map(_REQUEST, out.scheduled):
+                req.num_computed_tokens += 1
+                n_out = req.num_output_tokens = req.num_output_tokens + 1
+                req.token_times.append(now)
+                if n_out >= req.max_output_tokens:
+                    done.append(req)
+            self.finish(done, now)
+            return done
         for s in out.scheduled:
             req = s.request
             computed = req.num_computed_tokens = req.num_computed_tokens + s.num_new_tokens

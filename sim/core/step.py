@@ -68,6 +68,8 @@ class StepResult:
 def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float = 0.0) -> BatchShape:
     """The cost-relevant shape of one scheduled step (shared by every executor); `bytes_moved` and
     the policy-operation fields are the executor's to fill in (they come from the KV manager's plan)."""
+    if out.decode_contexts is not None and type(kv) is KVCacheManager:
+        return _decodes_shape(out, kv, out.decode_contexts, kv_bytes_per_token)
     prefill_tokens = decode_tokens = 0
     attn_pairs = 0.0
     kv_read: float = 0
@@ -111,3 +113,24 @@ def batch_shape(out: SchedulerOutput, kv: KVManager, kv_bytes_per_token: float =
         num_logit_rows=len(out.scheduled) + drafts if drafts else None,
     )
 
+
+
+def _decodes_shape(out: SchedulerOutput, kv: KVCacheManager, contexts: list, kv_bytes_per_token: float) -> BatchShape:
+    """`batch_shape` of a step whose requests each decode one token (`out.decode_contexts`: the plain
+    manager's contexts, whole token counts, so their sum is the loop's exactly), without the loop."""
+    n = len(contexts)
+    sizes = kv.block_table_entries_of(list(map(_REQUEST, out.scheduled)))
+    widest_slots = max(sizes, default=0) * kv.block_size / kv.table_rows
+    swap_tokens = out.swap_out_tokens + out.swap_in_tokens
+    return BatchShape(
+        num_seqs=n,
+        num_prefill_tokens=0,
+        num_decode_tokens=n,
+        attn_pairs_prefill=0.0,
+        kv_tokens_read=sum(contexts) + n,
+        swap_bytes=swap_tokens * kv_bytes_per_token,
+        block_table_entries=sum(sizes),
+        kv_tokens_padded=n * widest_slots,
+        attn_pairs_prefill_padded=0 * widest_slots + 0,
+        num_logit_rows=None,
+    )

@@ -375,7 +375,7 @@ class EngineReplica:
 
     def _log_step(self, start: float, out: SchedulerOutput, result: StepResult, finished: int,
                   shape: BatchShape) -> None:
-        num_prefill = sum(map(_IS_PREFILL, out.scheduled))
+        num_prefill = sum(map(_IS_PREFILL, out.scheduled)) if out.decode_contexts is None else 0
         row = {
             "replica": self.index, "step": self.num_steps, "time_s": start,
             "duration_s": result.duration_s, "predicted_s": result.predicted_s,

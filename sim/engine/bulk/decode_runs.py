@@ -171,6 +171,9 @@ def find_decode_run(view: ReplicaView, sched: Scheduler, kv: DecodeRunKV, execut
     # run is still exact: stepping resumes where it stops).
     gap = (min(next_arrival, view.next_transfer) - view.now) / max(view.last_step_s, 1e-9)
     k = min(k, view.max_steps, int(min(gap, 1e9)) * 2 + 16, int(min(step_gap, 1e9)))
+    if admission_blocked and kv.enable_caching and _first_step_evicts_head_hit(
+            sched, kv, sum(1 for x in computed if x % bs == 0)):
+        return None     # `_steps_keeping_head_hits` below would cut the run to 0 steps: no need to plan it
     ev = _events(computed, last_step, k, bs, kv.enable_caching)
     k = _steps_that_fit(ev, k, kv.pool.num_free_blocks, deferred)
     if admission_blocked and kv.enable_caching:
@@ -389,6 +392,13 @@ def _steps_keeping_head_hits(sched, kv: DecodeRunKV, allocs: list, k: int) -> in
             if block in revivable:
                 return min(k, key >> ALLOC_SHIFT)
     return k
+
+
+def _first_step_evicts_head_hit(sched, kv: DecodeRunKV, first_step_blocks: int) -> bool:
+    """Whether a run's first step, allocating `first_step_blocks` blocks (the first ones of the free queue),
+    evicts a free cached block the blocked head of WAITING hits: `_steps_keeping_head_hits` of any plan
+    of the run is 0 then (its step-0 allocations are those blocks)."""
+    return _steps_keeping_head_hits(sched, kv, [0] * first_step_blocks, 1) < 1
 
 
 def _steps_that_fit(ev: RunEvents, k: int, free_blocks: int, deferred: bool = False) -> int:
