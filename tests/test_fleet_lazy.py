@@ -59,7 +59,7 @@ def fleet_run(sets: dict, lazy: bool, monkeypatch, max_requests: int = 100):
     offload = offload_of(plan) if cfg.kv_offload is not None else None
     with monkeypatch.context() as m:
         if not lazy:                # the engine as it was: every replica's run cut at every arrival
-            m.setattr(assembly, "reads_lazily", lambda cfg: False)
+            m.setattr(assembly, "reads_lazily", lambda *fleet: False)
         run = build_engine(plan, reqs, log, lambda i: replica_parts(plan, i), connector=offload)
         assert isinstance(run.arrivals.router, LazyRouting) is lazy
         assert run.drive(catch=()) is None

@@ -297,7 +297,7 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     # one whose router reads replica state reads it lazily (sim.engine.loop.LazyRouting): each replica's decode
     # runs go on past the fleet's arrivals until the router reads it or sends it a request
     replicas: list[EngineReplica] = []
-    lazy = (LazyRouting(None, replicas, requests) if ahead is None and reads_lazily(cfg) and not closed and not by_step
+    lazy = (LazyRouting(None, replicas, requests) if ahead is None and reads_lazily(cfg.replicas, cfg.dp, cfg.fast_forward) and not closed and not by_step
             else None)
     timeout = client_timeout(cfg.trace_options.request_timeout, entry)
     sigma = resolve_sigma(cfg.step_variance, plan.gpu.name) if step_noise else 0.0
@@ -339,10 +339,10 @@ def build_engine(plan: ResolvedRun, requests: list[Request], step_log: StepLog,
     return EngineRun(env, replicas, arrivals, limit, None, router, sessions)
 
 
-def reads_lazily(cfg: SimConfig) -> bool:
-    """Whether a fleet of `cfg` reads its replicas' state lazily (sim.engine.loop.LazyRouting): several
-    replicas, no data-parallel ranks, decode fast-forward on (the lazy part is a planned decode run)."""
-    return cfg.replicas > 1 and cfg.dp == 1 and cfg.fast_forward
+def reads_lazily(replicas: int, dp: int, fast_forward: bool) -> bool:
+    """Whether a fleet reads its replicas' state lazily (sim.engine.loop.LazyRouting): several replicas, no
+    data-parallel ranks, decode fast-forward on (the lazy part is a planned decode run)."""
+    return replicas > 1 and dp == 1 and fast_forward
 
 
 def group_ranks(env: EngineClock, plan: ResolvedRun, replicas: list[EngineReplica]) -> list[DPGroup]:
