@@ -789,7 +789,6 @@ class CostModel:
         rows = seqs if shape.num_logit_rows is None else float(shape.num_logit_rows)
         tokens = float(shape.num_prefill_tokens) + float(shape.num_decode_tokens)
         kv_read = float(shape.kv_tokens_read)
-        ran = float(tokens > 0)
         zero = tokens * 0.0
         pairs = float(shape.attn_pairs_prefill)
         attn_compute = (pairs * c["attn_pair_s"] + kv_read * c["attn_read_s"] if self._mla
@@ -797,30 +796,17 @@ class CostModel:
         a = float(shape.op_flops) * c["op_flop_s"]
         b = float(shape.op_bytes) * c["op_byte_s"]
         policy_ops = (a if a >= b else b) + zero
-        eff = self.gemm_efficiency
-        compute = tokens * self._op_flops_s / eff(tokens) + rows * c["lm_head_s"] / eff(rows)
-        memory = (ran * c["weights_s"] + rows * c["logits_seq_s"]) / p.mem_bw_eff
-        if self._grouped is not None:
-            compute = (compute if compute >= memory else memory) + self._grouped.seconds(tokens)
-            memory = compute
-        elif self._moe is not None:
-            memory = memory + self.expert_read_time(tokens) / p.mem_bw_eff
-        linear = ((compute if compute >= memory else memory)
-                  + ran * (self._gemm_launches * p.gemm_latency_s + self._layers * p.layer_latency_s)
-                  + tokens * self._elementwise_token_s / p.elementwise_bw_eff)
+        linear, allreduce = self._flat_parts(tokens, rows)      # scaled by step_time_scale
         a, b = attn_compute / p.attn_compute_eff, kv_read * c["kv_token_s"] / p.attn_bw_eff
         attention = a if a >= b else b
         copy = ((float(shape.bytes_moved) * c["copy_byte_s"] + policy_ops) / p.copy_bw_eff
                 + float(shape.op_kernels) * p.gemm_latency_s)
         swap = float(shape.swap_bytes) * c["swap_byte_s"] / p.pcie_eff
-        allreduce = (tokens * c["allreduce_token_s"] / self._allreduce_bw_eff
-                     + ran * c["allreduce_count"] * self._allreduce_latency_s)
         overhead = ((zero + 1.0) * p.step_overhead_s + (seqs + zero) * p.per_seq_overhead_s
                     + (float(shape.block_table_entries) + zero) * p.per_block_entry_overhead_s)
         k = p.step_time_scale
         if k != 1.0:
-            linear, attention, copy, swap, allreduce, overhead = (
-                linear * k, attention * k, copy * k, swap * k, allreduce * k, overhead * k)
+            attention, copy, swap, overhead = attention * k, copy * k, swap * k, overhead * k
         device = linear + attention + copy + swap + allreduce
         if self.async_scheduling:
             return device if device >= overhead else overhead
