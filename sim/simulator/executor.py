@@ -267,6 +267,7 @@ class _Batch:
     scheduled: list
     swap_out_tokens: int = 0
     swap_in_tokens: int = 0
+    decode_contexts: list | None = None     # None: batch_shape's general path (a batch is part of a step)
 
 
 class PipelineExecutor(CostModelExecutor):
