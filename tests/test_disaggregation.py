@@ -182,6 +182,37 @@ requests_strategy = st.lists(st.tuples(st.floats(0, 0.5), st.integers(1, 1500), 
                              min_size=1, max_size=14)
 
 
+def drive_and_check_handoffs(env, fleet, requests: list, proxy) -> list:
+    """Run a disaggregated fleet to the end and check the hand-off invariants: every finished request decoded
+    on a decode replica after its KV was pulled exactly once (none for a local prefill), and KV freed on both
+    sides exactly once (nothing held, every block back in the free queue, no prefill leg still waiting for a
+    pull). Returns (request, transfer) of every pulled request, for further checks."""
+    feed(fleet, requests, proxy)
+    assert EngineRun(env, fleet.replicas, fleet.arrivals, None, None).drive(catch=()) is None
+    decode_ids = {r.index for p in fleet.pools if p.spec.role == "decode" for r in p.replicas}
+    pulled = []
+    for r in requests:
+        assert r.status in (RequestStatus.FINISHED, RequestStatus.REJECTED)
+        if r.status != RequestStatus.FINISHED:
+            continue
+        assert r.replica in decode_ids
+        transfers = r.route.transfers if r.route else []
+        if r.request_id in proxy.local:
+            assert not transfers
+        else:
+            (xfer,) = transfers                                  # pulled exactly once
+            assert r.token_times[0] > xfer.end_s                 # no decode before its KV arrived
+            assert xfer.start_s >= r.route.hops[0].leave_s
+            pulled.append((r, xfer))
+    for replica in fleet.replicas:
+        assert not replica.kv.req_blocks and not replica.scheduler.sending and not replica.scheduler.loading
+        assert replica.kv.pool.num_free_blocks == replica.kv.pool.num_blocks
+    for pool in fleet.pools:
+        for conn in pool.connectors if pool.spec.role == "prefill" else ():
+            assert not conn.handoffs and conn.next_completion() == float("inf")
+    return pulled
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests_strategy, prefill=st.integers(1, 2), decode=st.integers(1, 2),
        bandwidth=st.sampled_from([0.05, 1.0, 50.0]), local=st.sampled_from([0, 200]),
@@ -199,25 +230,4 @@ def test_handoff_invariants_hold_on_random_fleets(reqs, prefill, decode, bandwid
                 layerwise_layers=layers), log,
         lambda spec, i, index: replica_parts(plan, index),
         ReplicaOptions(fast_forward=fast_forward, check_invariants=True))     # the engine's checks, every step
-    feed(fleet, requests, proxy)
-    assert EngineRun(env, fleet.replicas, fleet.arrivals, None, None).drive(catch=()) is None
-    decode_ids = {r.index for r in fleet.pools[1].replicas}
-    for r in requests:
-        assert r.status in (RequestStatus.FINISHED, RequestStatus.REJECTED)
-        if r.status != RequestStatus.FINISHED:
-            continue
-        assert r.replica in decode_ids
-        transfers = r.route.transfers if r.route else []
-        if r.request_id in proxy.local:
-            assert not transfers
-        else:
-            (xfer,) = transfers                                  # pulled exactly once
-            assert r.token_times[0] > xfer.end_s                 # no decode before its KV arrived
-            assert xfer.start_s >= r.route.hops[0].leave_s
-    # KV freed on both sides exactly once: nothing held, every block back in the free queue, no
-    # prefill leg still waiting for a pull
-    for replica in fleet.replicas:
-        assert not replica.kv.req_blocks and not replica.scheduler.sending and not replica.scheduler.loading
-        assert replica.kv.pool.num_free_blocks == replica.kv.pool.num_blocks
-    for conn in fleet.pools[0].connectors:
-        assert not conn.handoffs and conn.next_completion() == float("inf")
+    drive_and_check_handoffs(env, fleet, requests, proxy)

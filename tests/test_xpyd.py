@@ -12,17 +12,16 @@ from hypothesis import strategies as st
 from kvsim.dashboard.data import RunRecord
 from kvsim.dashboard.fleet import fleet_view, replica_labels
 from kvsim.sim.cli.simulate import fleet_overrides
-from kvsim.sim.cluster.fleet import Handoff, PoolSpec, build_disaggregated, feed
+from kvsim.sim.cluster.fleet import Handoff, PoolSpec, build_disaggregated
 from kvsim.sim.cluster.links import LinkSpec, get_link
 from kvsim.sim.cluster.pool_choice import make_pool_choice, pool_choice_names
 from kvsim.sim.config import ConfigError, load_config
-from kvsim.sim.core.request import Request, RequestStatus
-from kvsim.sim.engine.assembly import EngineRun
+from kvsim.sim.core.request import Request
 from kvsim.sim.engine.loop import EngineClock, ReplicaOptions
-from kvsim.sim.engine.resolved_run import resolve_run
 from kvsim.sim.results.metrics import StepLog
 from kvsim.sim.simulator.executor import replica_parts
 from kvsim.sim.simulator.simulate import run_simulation
+from test_disaggregation import drive_and_check_handoffs, small_plan  # tests/test_disaggregation.py
 
 SPLIT = ["prefill_queue_s", "prefill_s", "kv_wait_s", "transfer_s", "first_decode_s"]
 # two prefill pools of different GPUs and TP, two decode pools; one pair over a slower link
@@ -135,15 +134,8 @@ def test_round_robin_cycles_over_every_instance_and_least_work_avoids_the_queue(
 
 # --- randomized: the hand-off's invariants over random multi-pool fleets --------------------------------
 
-PLAN = None
 
 
-def small_plan():
-    global PLAN
-    if PLAN is None:
-        PLAN = resolve_run(load_config(None, {"engine.num_gpu_blocks": 160, "engine.max_num_seqs": 8,
-                                                 "engine.max_num_batched_tokens": 512}))
-    return PLAN
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -171,30 +163,8 @@ def test_handoff_invariants_hold_on_random_multi_pool_fleets(reqs, prefill, deco
         log, lambda spec, i, index: replica_parts(plan, index),
         ReplicaOptions(fast_forward=fast_forward, check_invariants=True),     # the engine's checks, every step
         make_pool_choice(choice, {s.name: 1.0 + i for i, s in enumerate(p_specs + d_specs)}))
-    feed(fleet, requests, proxy)
-    assert EngineRun(env, fleet.replicas, fleet.arrivals, None, None).drive(catch=()) is None
-    decode_ids = {r.index for p in fleet.pools if p.spec.role == "decode" for r in p.replicas}
-    for r in requests:
-        assert r.status in (RequestStatus.FINISHED, RequestStatus.REJECTED)
-        if r.status != RequestStatus.FINISHED:
-            continue
-        assert r.replica in decode_ids
-        transfers = r.route.transfers if r.route else []
-        if r.request_id in proxy.local:
-            assert not transfers
-        else:
-            (xfer,) = transfers                                  # pulled exactly once
-            assert r.token_times[0] > xfer.end_s                 # no decode before its KV arrived
-            assert xfer.start_s >= r.route.hops[0].leave_s
-            # priced at its pair's bandwidth (a link queue may delay its start, not stretch it)
-            spec = pairs[(r.route.hops[0].pool, r.route.hops[-1].pool)]
-            if not layers:
-                assert xfer.end_s - xfer.start_s == pytest.approx(spec.seconds(xfer.nbytes), rel=1e-9)
-    # KV freed on both sides exactly once: nothing held, every block back in the free queue, no prefill
-    # leg still waiting for a pull
-    for replica in fleet.replicas:
-        assert not replica.kv.req_blocks and not replica.scheduler.sending and not replica.scheduler.loading
-        assert replica.kv.pool.num_free_blocks == replica.kv.pool.num_blocks
-    for pool in fleet.pools:
-        for conn in pool.connectors if pool.spec.role == "prefill" else ():
-            assert not conn.handoffs and conn.next_completion() == float("inf")
+    for r, xfer in drive_and_check_handoffs(env, fleet, requests, proxy):
+        # priced at its pair's bandwidth (a link queue may delay its start, not stretch it)
+        spec = pairs[(r.route.hops[0].pool, r.route.hops[-1].pool)]
+        if not layers:
+            assert xfer.end_s - xfer.start_s == pytest.approx(spec.seconds(xfer.nbytes), rel=1e-9)
